@@ -1,0 +1,767 @@
+"""Float64 NumPy references: the truth every kernel of nki-flash is tested against.
+
+Every function upcasts its floating-point inputs (float16, ml_dtypes.bfloat16, float32, float64;
+NumPy arrays or torch tensors) to float64 and computes exactly what docs/semantics.md specifies,
+in the plainest form (materialized score and probability matrices). Nothing here is tiled or
+approximated, except :func:`attention_baseline_lowp` and
+:func:`attention_backward_baseline_lowp`, which deliberately reproduce a *plain low-precision*
+implementation for the tolerance rule of the tests.
+
+Notation (all functions):
+
+- q ``(B, Hq, Nq, D)``, k and v ``(B, Hkv, Nk, D)``, ``G = Hq // Hkv`` query heads per kv head;
+  query head ``h`` reads kv head ``h // G``.
+- ``S = scale * q @ k^T`` ``(B, Hq, Nq, Nk)``; ``M`` the visibility mask (True = visible) from
+  :func:`attention_mask`; ``P = softmax(S where M else -inf)`` row-wise;
+  ``o = P @ v``; ``lse = log(sum_j exp(S_ij) over visible j)`` (natural log).
+- A row with no visible key has ``P = 0``, ``o = 0`` and ``lse = -inf`` (never NaN, no warning).
+
+Also here: the LSE merge of split results, GELU(x @ w + b), softmax, the error/tolerance helpers
+of the tests and the HBM IO-count formulas used by tests and the CLI.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import numpy as np
+
+from host.validation import (
+    CAUSAL_BOTTOM_RIGHT,
+    CAUSAL_TOP_LEFT,
+    FLOAT_DTYPES,
+    GELU_EXACT,
+    GELU_TANH,
+    LSE_DTYPE,
+    REFERENCE_DTYPES,
+    WINDOW_UNBOUNDED,
+    check_array,
+    check_attention_backward_inputs,
+    check_attention_inputs,
+    check_decode_inputs,
+    check_int,
+    check_lengths,
+    check_linear_gelu_inputs,
+    check_merge_inputs,
+    check_scale,
+    check_softmax_input,
+    check_tree_mask,
+    normalize_causal,
+    normalize_dtype,
+    normalize_gelu_approximate,
+    normalize_window,
+)
+
+# --------------------------------------------------------------------------------------------
+# Constants
+# --------------------------------------------------------------------------------------------
+
+#: Factor of the tolerance rule: a kernel may err at most this many times the plain
+#: low-precision implementation (FlashAttention's test rule; docs/semantics.md).
+TOLERANCE_FACTOR = 2.0
+#: Absolute floor of the tolerance when the matmul operand precision is float32.
+ATOL_FLOOR_FP32 = 1e-5
+#: Absolute floor of the tolerance when the matmul operand precision is bf16 or fp16.
+ATOL_FLOOR_LOWP = 1e-3
+
+#: Bytes of one LSE element in HBM (LSE is always float32).
+LSE_ITEMSIZE = LSE_DTYPE.itemsize
+
+#: Coefficient of the cubic term in the tanh approximation of GELU.
+GELU_TANH_CUBIC = 0.044715
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_SQRT_2 = math.sqrt(2.0)
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Conversion helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _f64(x) -> np.ndarray:
+    """Upcast a NumPy array or torch tensor of any float dtype to a float64 NumPy array (exact)."""
+    if type(x).__module__.split(".")[0] == "torch":
+        return x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def _expand_kv(x: np.ndarray, group: int) -> np.ndarray:
+    """(B, Hkv, N, D) -> (B, Hkv * group, N, D) with query head h reading kv head h // group."""
+    return np.repeat(x, group, axis=1)
+
+
+def _sum_groups(x: np.ndarray, Hkv: int) -> np.ndarray:
+    """(B, Hq, N, D) -> (B, Hkv, N, D): sum the gradients of the query heads of each kv group."""
+    B, Hq, N, D = x.shape
+    return x.reshape(B, Hkv, Hq // Hkv, N, D).sum(axis=2)
+
+
+# --------------------------------------------------------------------------------------------
+# Masks
+# --------------------------------------------------------------------------------------------
+
+
+def _infer_batch(*lens) -> int:
+    """Batch size implied by the first 1-D lengths argument given (1 if none is)."""
+    for x in lens:
+        if x is not None and np.ndim(x) == 1:
+            return len(x)
+    return 1
+
+
+def attention_mask(nq, nk, *, batch=None, causal=None, window=None, q_lens=None,
+                   kv_lens=None) -> np.ndarray:
+    """Visibility mask of prefill attention (True = key j is visible to query i).
+
+    Parameters
+    ----------
+    nq, nk : int
+        Padded query and key lengths Nq, Nk (>= 1).
+    batch : int, optional
+        Batch size B. Default: the length of ``q_lens``/``kv_lens`` when given, else 1.
+    causal : None, False, True, "top_left" or "bottom_right"
+        ``True`` means ``"bottom_right"``.
+    window : None or (left, right)
+        Sliding window; -1 = unbounded on that side.
+    q_lens, kv_lens : (B,) ints, optional
+        Valid query / key lengths per sequence, in ``[0, Nq]`` / ``[0, Nk]``.
+
+    Returns
+    -------
+    numpy.ndarray of bool, shape (B, Nq, Nk)
+
+    Notes
+    -----
+    With ``nq_b = q_lens[b]`` (or Nq), ``nk_b = kv_lens[b]`` (or Nk) and the alignment offset
+    ``off = 0`` for top_left, ``nk_b - nq_b`` otherwise (bottom_right, and a window without a
+    causal mask), key j is visible to query i iff all of:
+
+    - ``i < nq_b`` and ``j < nk_b``;
+    - causal: ``j <= i + off``;
+    - window ``(left, right)``: ``j >= i + off - left`` unless left = -1, and
+      ``j <= i + off + right`` unless right = -1 (with a causal mask the causal bound also
+      applies, so the effective right bound is ``min(right, 0)``).
+    """
+    nq = check_int("nq", nq, minimum=1)
+    nk = check_int("nk", nk, minimum=1)
+    causal = normalize_causal(causal)
+    window = normalize_window(window)
+    if batch is None:
+        batch = _infer_batch(q_lens, kv_lens)
+    batch = check_int("batch", batch, minimum=1)
+    q_valid = check_lengths("q_lens", q_lens, batch, nq, upper_name="Nq")
+    k_valid = check_lengths("kv_lens", kv_lens, batch, nk, upper_name="Nk")
+    q_valid = np.full(batch, nq, np.int64) if q_valid is None else q_valid
+    k_valid = np.full(batch, nk, np.int64) if k_valid is None else k_valid
+
+    i = np.arange(nq).reshape(1, nq, 1)
+    j = np.arange(nk).reshape(1, 1, nk)
+    nq_b = q_valid.reshape(batch, 1, 1)
+    nk_b = k_valid.reshape(batch, 1, 1)
+    off = np.zeros_like(nq_b) if causal == CAUSAL_TOP_LEFT else nk_b - nq_b
+    diag = i + off  # the key aligned with query i
+
+    visible = (i < nq_b) & (j < nk_b)
+    if causal is not None:
+        visible = visible & (j <= diag)
+    if window is not None:
+        left, right = window
+        if left != WINDOW_UNBOUNDED:
+            visible = visible & (j >= diag - left)
+        if right != WINDOW_UNBOUNDED:
+            visible = visible & (j <= diag + right)
+    return np.broadcast_to(visible, (batch, nq, nk)).copy()
+
+
+def decode_mask(T, cache_len, S_max, tree_mask=None) -> np.ndarray:
+    """Visibility mask of one sequence in decode (True = new token t sees cache position j).
+
+    Parameters
+    ----------
+    T : int
+        Number of new tokens (>= 1).
+    cache_len : int
+        Valid cache length, ``T <= cache_len <= S_max``; the new tokens sit at positions
+        ``cache_len - T .. cache_len - 1``.
+    S_max : int
+        Cache capacity.
+    tree_mask : bool array (T, T), optional
+        ``tree_mask[t, u]``: new token t sees new token u (speculative decoding). Its diagonal
+        must be True. Default: causal among the new tokens (``u <= t``).
+
+    Returns
+    -------
+    numpy.ndarray of bool, shape (T, S_max)
+        Row t is True at every committed position ``j < cache_len - T`` and at new position
+        ``cache_len - T + u`` when ``u <= t`` (or ``tree_mask[t, u]``); False from ``cache_len`` on.
+    """
+    T = check_int("T", T, minimum=1)
+    S_max = check_int("S_max", S_max, minimum=1)
+    cache_len = check_int("cache_len", cache_len, minimum=T, maximum=S_max)
+    among_new = check_tree_mask(tree_mask, T)
+    if among_new is None:
+        among_new = np.tril(np.ones((T, T), dtype=bool))
+    committed = cache_len - T
+    mask = np.zeros((T, S_max), dtype=bool)
+    mask[:, :committed] = True
+    mask[:, committed:cache_len] = among_new
+    return mask
+
+
+# --------------------------------------------------------------------------------------------
+# Attention core
+# --------------------------------------------------------------------------------------------
+
+
+def _masked_softmax(s: np.ndarray, mask: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Row softmax of ``s`` over visible entries, in ``s``'s float dtype.
+
+    Returns ``(p, lse)``; rows with no visible entry get ``p = 0`` and ``lse = -inf``, without
+    NaN or floating-point warnings (masked entries never reach ``exp``).
+    """
+    neg_inf = s.dtype.type(-np.inf)
+    s_vis = np.where(mask, s, neg_inf)
+    m = s_vis.max(axis=-1, keepdims=True)
+    # A row "has a key" when some entry is visible and its max is not -inf; a NaN or +inf
+    # max keeps the row live so that non-finite inputs propagate as NaN instead of vanishing.
+    has_key = np.any(mask, axis=-1, keepdims=True) & ~np.isneginf(m)
+    m_safe = np.where(has_key, m, 0)
+    e = np.exp(np.where(mask, s_vis - m_safe, neg_inf))
+    l = e.sum(axis=-1, keepdims=True)
+    l_safe = np.where(has_key, l, 1)
+    p = e / l_safe
+    lse = np.where(has_key, m_safe + np.log(l_safe), neg_inf)[..., 0]
+    return p, lse
+
+
+def _prefill_masks(dims, causal, window, q_lens, kv_lens) -> np.ndarray:
+    """(B, 1, Nq, Nk) visibility mask for a validated attention call."""
+    mask = attention_mask(dims.Nq, dims.Nk, batch=dims.B, causal=causal, window=window,
+                          q_lens=q_lens, kv_lens=kv_lens)
+    return mask[:, None]
+
+
+def _scores(q: np.ndarray, k_exp: np.ndarray, scale: float) -> np.ndarray:
+    return scale * np.einsum("bhid,bhjd->bhij", q, k_exp)
+
+
+def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=None,
+                      kv_lens=None) -> Tuple[np.ndarray, np.ndarray]:
+    """Exact attention forward in float64.
+
+    Parameters
+    ----------
+    q : array (B, Hq, Nq, D)
+    k, v : arrays (B, Hkv, Nk, D), ``Hq % Hkv == 0``
+        Any float dtype (mixed dtypes allowed); upcast to float64.
+    scale : float, optional
+        Default ``1 / sqrt(D)``.
+    causal, window, q_lens, kv_lens :
+        As in :func:`attention_mask`.
+
+    Returns
+    -------
+    o : float64 (B, Hq, Nq, D)
+        ``o_i = sum_j P_ij v_j`` with ``P = softmax_j(scale * q_i . k_j)`` over visible j;
+        0 for rows without a visible key.
+    lse : float64 (B, Hq, Nq)
+        ``log sum_j exp(scale * q_i . k_j)`` over visible j; -inf for rows without one.
+    """
+    dims = check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES, same_dtype=False,
+                                  max_head_dim=None)
+    scale = check_scale(scale, dims.D)
+    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens)
+    q64, k64, v64 = _f64(q), _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
+    p, lse = _masked_softmax(_scores(q64, k64, scale), mask)
+    return p @ v64, lse
+
+
+def _backward_from_p(p, do, q64, k64, v64, delta, scale, Hkv):
+    """Gradients of sum(o * do) given the probabilities P and ``delta_i = rowsum(dP_i * P_i)``.
+
+    ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``, ``dQ = scale dS K``,
+    ``dK = scale dS^T Q``; dK and dV are summed over the query heads of each kv group.
+    """
+    dv = np.swapaxes(p, -1, -2) @ do
+    dp = do @ np.swapaxes(v64, -1, -2)
+    ds = p * (dp - delta[..., None])
+    dq = scale * (ds @ k64)
+    dk = scale * (np.swapaxes(ds, -1, -2) @ q64)
+    return dq, _sum_groups(dk, Hkv), _sum_groups(dv, Hkv)
+
+
+def attention_backward(do, q, k, v, *, scale=None, causal=None, window=None, q_lens=None,
+                       kv_lens=None) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Exact gradients of ``sum(o * do)`` with respect to q, k, v, in float64.
+
+    P is recomputed exactly from q and k (no saved statistics are used).
+
+    Parameters
+    ----------
+    do : array (B, Hq, Nq, D)
+        Gradient of the output.
+    q, k, v, scale, causal, window, q_lens, kv_lens :
+        As in :func:`attention_forward`.
+
+    Returns
+    -------
+    dq : float64 (B, Hq, Nq, D)
+    dk, dv : float64 (B, Hkv, Nk, D)
+        Summed over the ``Hq // Hkv`` query heads of each kv group.
+
+    Notes
+    -----
+    ``dP = do v^T``, ``delta_i = sum_j P_ij dP_ij`` (= ``rowsum(do_i * o_i)``),
+    ``dS = P * (dP - delta)``, ``dq = scale dS k``, ``dk = scale dS^T q``, ``dv = P^T do``.
+    Masked entries have ``P = 0``, so rows without a visible key (and rows past ``q_lens``)
+    contribute nothing and get ``dq = 0``.
+    """
+    dims = check_attention_backward_inputs(do, q, k, v, dtypes=REFERENCE_DTYPES,
+                                           same_dtype=False, max_head_dim=None)
+    scale = check_scale(scale, dims.D)
+    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens)
+    q64, do64 = _f64(q), _f64(do)
+    k64, v64 = _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
+    p, _ = _masked_softmax(_scores(q64, k64, scale), mask)
+    delta = np.sum(p * (do64 @ np.swapaxes(v64, -1, -2)), axis=-1)
+    return _backward_from_p(p, do64, q64, k64, v64, delta, scale, dims.Hkv)
+
+
+def attention_backward_from_lse(do, q, k, v, o, lse, *, scale=None, causal=None, window=None,
+                                q_lens=None, kv_lens=None
+                                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Attention gradients the way the flash backward computes them, from a given o and lse.
+
+    Parameters
+    ----------
+    do, q, k, v : arrays
+        As in :func:`attention_backward`.
+    o : array (B, Hq, Nq, D)
+        Forward output (e.g. a kernel's).
+    lse : array (B, Hq, Nq)
+        Forward log-sum-exp (natural log; e.g. a kernel's float32 LSE).
+    scale, causal, window, q_lens, kv_lens :
+        As in :func:`attention_forward`.
+
+    Returns
+    -------
+    dq, dk, dv : float64
+        As in :func:`attention_backward`.
+
+    Notes
+    -----
+    ``delta_i = rowsum(do_i * o_i)`` and ``P_ij = exp(scale q_i . k_j - lse_i)`` for visible j,
+    0 otherwise; rows with ``lse = -inf`` have ``P = 0`` and contribute nothing. With the
+    exact o and lse this equals :func:`attention_backward`; with a kernel's o and lse it
+    isolates the kernel's backward from the error of its forward statistics.
+    """
+    dims = check_attention_backward_inputs(do, q, k, v, o, lse, dtypes=REFERENCE_DTYPES,
+                                           lse_dtypes=REFERENCE_DTYPES, same_dtype=False,
+                                           max_head_dim=None)
+    scale = check_scale(scale, dims.D)
+    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens)
+    q64, do64, o64, lse64 = _f64(q), _f64(do), _f64(o), _f64(lse)
+    k64, v64 = _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
+    row_ok = np.isfinite(lse64)[..., None]
+    live = mask & row_ok
+    lse_safe = np.where(row_ok, lse64[..., None], 0.0)
+    p = np.exp(np.where(live, _scores(q64, k64, scale) - lse_safe, -np.inf))
+    delta = np.sum(do64 * o64, axis=-1)
+    return _backward_from_p(p, do64, q64, k64, v64, delta, scale, dims.Hkv)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode and merge
+# --------------------------------------------------------------------------------------------
+
+
+def decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None
+           ) -> Tuple[np.ndarray, np.ndarray]:
+    """Exact decode attention (T new tokens per sequence against a KV cache), in float64.
+
+    Parameters
+    ----------
+    q : array (B, Hq, T, D)
+        Queries of the T new tokens.
+    k_cache, v_cache : arrays (B, Hkv, S_max, D)
+        Caches that already hold the new tokens at ``cache_lens[b] - T .. cache_lens[b] - 1``.
+    cache_lens : (B,) ints
+        ``T <= cache_lens[b] <= S_max``.
+    scale : float, optional
+        Default ``1 / sqrt(D)``.
+    tree_mask : bool array (T, T), optional
+        Visibility among the new tokens (diagonal True), shared by the batch; default causal.
+
+    Returns
+    -------
+    o : float64 (B, Hq, T, D)
+    lse : float64 (B, Hq, T)
+        Attention over the positions of :func:`decode_mask`. Without a tree mask this equals
+        ``attention_forward(q, k[:, :, :L], v[:, :, :L], causal="bottom_right")`` with
+        ``L = cache_lens[b]`` for each sequence.
+    """
+    inputs = check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask,
+                                 dtypes=REFERENCE_DTYPES, same_dtype=False, max_head_dim=None,
+                                 max_new_tokens=None)
+    scale = check_scale(scale, inputs.D)
+    mask = np.stack([decode_mask(inputs.T, int(n), inputs.S_max, inputs.tree_mask)
+                     for n in inputs.cache_lens])[:, None]
+    q64 = _f64(q)
+    k64 = _expand_kv(_f64(k_cache), inputs.group)
+    v64 = _expand_kv(_f64(v_cache), inputs.group)
+    p, lse = _masked_softmax(_scores(q64, k64, scale), mask)
+    return p @ v64, lse
+
+
+def merge_partials(o_parts, lse_parts) -> Tuple[np.ndarray, np.ndarray]:
+    """Merge attention results computed over disjoint key splits (flash decoding, ring attention).
+
+    Parameters
+    ----------
+    o_parts : array (S, ..., D)
+        Normalized partial outputs of S splits (each ``P_s @ V_s`` with its own softmax).
+    lse_parts : array (S, ...)
+        Their log-sum-exps. ``-inf`` marks a split with no visible key; such a split contributes
+        nothing (its o is ignored, even if NaN). NaN and +inf are rejected.
+
+    Returns
+    -------
+    o : float64 (..., D)
+        ``sum_s exp(lse_s - lse) o_s``; 0 where every split is empty.
+    lse : float64 (...)
+        ``log sum_s exp(lse_s)``; -inf where every split is empty.
+
+    Notes
+    -----
+    The merge is exact and associative: merging the splits of any partition of the keys, in
+    any grouping, gives the unsplit result.
+    """
+    check_merge_inputs(o_parts, lse_parts)
+    o64, lse64 = _f64(o_parts), _f64(lse_parts)
+    m = lse64.max(axis=0)
+    has_key = np.isfinite(m)
+    m_safe = np.where(has_key, m, 0.0)
+    live = np.isfinite(lse64)
+    w = np.exp(np.where(live, lse64 - m_safe, -np.inf))
+    l = w.sum(axis=0)
+    l_safe = np.where(has_key, l, 1.0)
+    weighted = (w[..., None] * np.where(live[..., None], o64, 0.0)).sum(axis=0)
+    o = weighted / l_safe[..., None]
+    lse = np.where(has_key, m_safe + np.log(l_safe), -np.inf)
+    return o, lse
+
+
+# --------------------------------------------------------------------------------------------
+# Fused element-wise references
+# --------------------------------------------------------------------------------------------
+
+
+def softmax(x, axis=-1) -> np.ndarray:
+    """Softmax along ``axis`` in float64 (numerically stable, max-subtracted).
+
+    Parameters
+    ----------
+    x : array of any float dtype and any rank >= 1
+        Entries may be -inf (masked); a slice that is entirely -inf yields zeros. +inf and NaN
+        entries give NaN in their slice.
+    axis : int
+
+    Returns
+    -------
+    float64 array, same shape as x
+        ``exp(x_i - m) / sum_j exp(x_j - m)`` with ``m = max_j x_j``.
+    """
+    check_array("x", x, dtypes=REFERENCE_DTYPES)
+    x64 = _f64(x)
+    if x64.ndim == 0:
+        raise ValueError("x: expected an array with at least 1 dim, got a 0-D array")
+    x64 = np.moveaxis(x64, axis, -1)
+    finite_or_nan = ~np.isneginf(x64)
+    with np.errstate(invalid="ignore"):
+        p, _ = _masked_softmax(x64, finite_or_nan)
+    return np.moveaxis(p, -1, axis)
+
+
+def online_softmax(x) -> np.ndarray:
+    """Reference of the online (one-pass) softmax kernel: the exact row softmax of a 2-D array.
+
+    Parameters
+    ----------
+    x : array (M, N), any float dtype
+
+    Returns
+    -------
+    float64 (M, N)
+        ``softmax(x, axis=-1)``. The kernel's streaming recurrence
+        (``m' = max(m, x_j)``, ``l' = l exp(m - m') + exp(x_j - m')``) is exact in real
+        arithmetic, so its reference is the exact softmax.
+    """
+    check_softmax_input(x, dtypes=REFERENCE_DTYPES)
+    return softmax(x, axis=-1)
+
+
+def gelu(x, approximate: str = GELU_EXACT) -> np.ndarray:
+    """GELU in float64, as ``torch.nn.functional.gelu``.
+
+    ``approximate="none"``: ``0.5 x (1 + erf(x / sqrt(2)))``;
+    ``approximate="tanh"``: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
+    """
+    approximate = normalize_gelu_approximate(approximate)
+    x64 = _f64(x)
+    if approximate == GELU_TANH:
+        inner = _SQRT_2_OVER_PI * (x64 + GELU_TANH_CUBIC * x64 ** 3)
+        return 0.5 * x64 * (1.0 + np.tanh(inner))
+    return 0.5 * x64 * (1.0 + _erf(x64 / _SQRT_2).astype(np.float64))
+
+
+def linear_gelu(x, w, b, *, approximate: str = GELU_EXACT) -> np.ndarray:
+    """``GELU(x @ w + b)`` in float64.
+
+    Parameters
+    ----------
+    x : array (M, K)
+    w : array (K, N)
+    b : array (N,)
+    approximate : {"none", "tanh"}
+        As in ``torch.nn.functional.gelu``.
+
+    Returns
+    -------
+    float64 (M, N)
+    """
+    shape = check_linear_gelu_inputs(x, w, b, approximate, dtypes=REFERENCE_DTYPES,
+                                     same_dtype=False)
+    return gelu(_f64(x) @ _f64(w) + _f64(b), shape.approximate)
+
+
+# --------------------------------------------------------------------------------------------
+# Plain low-precision baselines (for the tolerance rule)
+# --------------------------------------------------------------------------------------------
+
+
+def _round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Round float32 values to ``dtype`` (nearest even) and return them as float32 again."""
+    return x.astype(dtype).astype(np.float32)
+
+
+def _lowp_setup(q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_lens, do=None):
+    if do is None:
+        dims = check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES, same_dtype=False,
+                                      max_head_dim=None)
+    else:
+        dims = check_attention_backward_inputs(do, q, k, v, dtypes=REFERENCE_DTYPES,
+                                               same_dtype=False, max_head_dim=None)
+    dtype = normalize_dtype("dtype", dtype, FLOAT_DTYPES)
+    out_dtype = dtype if out_dtype is None else normalize_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
+    scale = check_scale(scale, dims.D)
+    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens)
+
+    def rounded(x):
+        # ml_dtypes rounds float64 to bfloat16 through float32 (a double rounding that differs
+        # from a direct rounding only on exact ties of the float32 value, immaterial here).
+        return _f64(x).astype(dtype).astype(np.float32)
+
+    q32 = rounded(q)
+    k32 = _expand_kv(rounded(k), dims.group)
+    v32 = _expand_kv(rounded(v), dims.group)
+    do32 = None if do is None else rounded(do)
+    return dims, dtype, out_dtype, scale, mask, q32, k32, v32, do32
+
+
+def _lowp_probs(q32, k32, scale, mask, dtype):
+    """S rounded to dtype before and after scaling; P = softmax in float32, rounded to dtype."""
+    s = _round_to(np.matmul(q32, np.swapaxes(k32, -1, -2)), dtype)
+    s = _round_to(np.float32(scale) * s, dtype)
+    p, lse = _masked_softmax(s, mask)
+    return _round_to(p, dtype), lse
+
+
+def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causal=None,
+                            window=None, q_lens=None, kv_lens=None, return_lse=False):
+    """Plain (unfused) attention in low precision: the baseline of the tolerance rule.
+
+    Mimics PyTorch's eager math in ``dtype``:
+
+    1. q, k, v rounded to ``dtype``;
+    2. ``S = q @ k^T`` accumulated in float32, rounded to ``dtype``; ``S = scale * S`` rounded
+       to ``dtype``; masked entries set to -inf;
+    3. ``P = softmax(S)`` computed in float32 and rounded to ``dtype`` (LSE kept in float32);
+    4. ``o = P @ v`` accumulated in float32 and rounded to ``out_dtype``.
+
+    Parameters
+    ----------
+    q, k, v, scale, causal, window, q_lens, kv_lens :
+        As in :func:`attention_forward`.
+    dtype : float32, bfloat16 or float16 (NumPy/ml_dtypes/torch dtype or name)
+        Matmul operand precision of the kernel under test.
+    out_dtype : optional
+        Output precision (default ``dtype``); e.g. bfloat16 operands with float32 output for a
+        float32 kernel with ``mixed_precision=True``.
+    return_lse : bool
+        Also return the float32 LSE of the rounded scores.
+
+    Returns
+    -------
+    o : float64 (B, Hq, Nq, D)
+        The rounded output values, as float64.
+    lse : float64 (B, Hq, Nq), only with ``return_lse``
+    """
+    dims, dtype, out_dtype, scale, mask, q32, k32, v32, _ = _lowp_setup(
+        q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_lens)
+    p, lse = _lowp_probs(q32, k32, scale, mask, dtype)
+    o = np.matmul(p, v32).astype(out_dtype).astype(np.float64)
+    if return_lse:
+        return o, lse.astype(np.float64)
+    return o
+
+
+def attention_backward_baseline_lowp(do, q, k, v, *, dtype, out_dtype=None, scale=None,
+                                     causal=None, window=None, q_lens=None, kv_lens=None
+                                     ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Plain attention backward in low precision (PyTorch eager autograd in ``dtype``).
+
+    Steps (matmuls accumulate in float32; "rounded" = rounded to ``dtype``):
+
+    1. do, q, k, v rounded; S and P as in :func:`attention_baseline_lowp` (rounded);
+    2. ``dv = P^T @ do`` (summed over each kv group in float32), rounded to ``out_dtype``;
+    3. ``dP = do @ v^T`` rounded;
+    4. ``dS = P * (dP - rowsum(P * dP))`` computed in float32, rounded (gradient of the scaled
+       scores); ``dS = scale * dS`` rounded (gradient of ``q @ k^T``);
+    5. ``dq = dS @ k``, ``dk = dS^T @ q`` (group-summed), rounded to ``out_dtype``.
+
+    Returns
+    -------
+    dq : float64 (B, Hq, Nq, D)
+    dk, dv : float64 (B, Hkv, Nk, D)
+    """
+    dims, dtype, out_dtype, scale, mask, q32, k32, v32, do32 = _lowp_setup(
+        q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_lens, do=do)
+    p, _ = _lowp_probs(q32, k32, scale, mask, dtype)
+    dv = _sum_groups(np.matmul(np.swapaxes(p, -1, -2), do32), dims.Hkv)
+    dp = _round_to(np.matmul(do32, np.swapaxes(v32, -1, -2)), dtype)
+    delta = np.sum(p * dp, axis=-1, keepdims=True)
+    ds = _round_to(p * (dp - delta), dtype)
+    ds = _round_to(np.float32(scale) * ds, dtype)
+    dq = np.matmul(ds, k32)
+    dk = _sum_groups(np.matmul(np.swapaxes(ds, -1, -2), q32), dims.Hkv)
+
+    def out(x):
+        return x.astype(out_dtype).astype(np.float64)
+
+    return out(dq), out(dk), out(dv)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors and tolerances
+# --------------------------------------------------------------------------------------------
+
+
+def max_abs_err(a, ref) -> float:
+    """Largest absolute difference between ``a`` and ``ref`` (same shape, no broadcasting).
+
+    Infinities of the same sign in the same place count as equal (e.g. LSE = -inf of fully
+    masked rows); an infinity against anything else, and a NaN on either side, count as an
+    infinite error. Empty arrays give 0.0.
+    """
+    a64, r64 = _f64(a), _f64(ref)
+    if a64.shape != r64.shape:
+        raise ValueError(f"a: expected the same shape as ref {r64.shape}, got {a64.shape}")
+    if a64.size == 0:
+        return 0.0
+    same_inf = np.isinf(a64) & (a64 == r64)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(a64 - r64)
+    diff = np.where(same_inf, 0.0, diff)
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    return float(diff.max())
+
+
+def atol_floor(dtype) -> float:
+    """Absolute floor of the tolerance for a matmul operand precision: 1e-5 fp32, else 1e-3."""
+    dtype = normalize_dtype("dtype", dtype, FLOAT_DTYPES)
+    return ATOL_FLOOR_FP32 if dtype == np.dtype(np.float32) else ATOL_FLOOR_LOWP
+
+
+def tolerance(ref, baseline, *, floor: float) -> float:
+    """Tolerance of the FlashAttention test rule: ``2 * max|baseline - ref| + floor``.
+
+    Parameters
+    ----------
+    ref : array
+        The float64 reference.
+    baseline : array
+        The plain low-precision implementation's result (e.g. :func:`attention_baseline_lowp`).
+    floor : float
+        Absolute floor (:func:`atol_floor`).
+    """
+    return TOLERANCE_FACTOR * max_abs_err(baseline, ref) + float(floor)
+
+
+# --------------------------------------------------------------------------------------------
+# HBM IO counts
+# --------------------------------------------------------------------------------------------
+
+
+def io_lower_bound_bytes(B, Hq, Hkv, Nq, Nk, D, itemsize, lse=True) -> int:
+    """HBM bytes a fused attention forward cannot avoid: every input read once, output written once.
+
+    Derivation: q ``B*Hq*Nq*D`` elements read, k and v ``B*Hkv*Nk*D`` each read, o ``B*Hq*Nq*D``
+    written, all of ``itemsize`` bytes; the float32 LSE (``B*Hq*Nq`` x 4 bytes) written when
+    ``lse``. GQA shares each kv head among its query heads, so k/v count once per kv head.
+
+    Returns
+    -------
+    int
+        ``itemsize * (2 B Hq Nq D + 2 B Hkv Nk D) + [lse] 4 B Hq Nq``.
+    """
+    B, Hq, Hkv, Nq, Nk, D, itemsize = (check_int(n, x, minimum=1) for n, x in zip(
+        ("B", "Hq", "Hkv", "Nq", "Nk", "D", "itemsize"), (B, Hq, Hkv, Nq, Nk, D, itemsize)))
+    q_and_o = 2 * B * Hq * Nq * D
+    k_and_v = 2 * B * Hkv * Nk * D
+    total = itemsize * (q_and_o + k_and_v)
+    if lse:
+        total += LSE_ITEMSIZE * B * Hq * Nq
+    return total
+
+
+def unfused_attention_bytes(N, d, itemsize=2, *, nk=None, score_itemsize=None) -> int:
+    """HBM bytes of standard (unfused) attention for one head (the FlashAttention paper's count).
+
+    Standard attention (Algorithm 0) runs three kernels, with ``Nq = N`` queries and ``Nk``
+    keys (default ``Nk = N``):
+
+    1. ``S = Q K^T``: read Q (``Nq d``) and K (``Nk d``), write S (``Nq Nk``);
+    2. ``P = softmax(S)``: read S, write P (``2 Nq Nk``);
+    3. ``O = P V``: read P (``Nq Nk``) and V (``Nk d``), write O (``Nq d``).
+
+    Total: ``itemsize (2 Nq d + 2 Nk d) + score_itemsize 4 Nq Nk`` bytes, where
+    ``score_itemsize`` (the element size of S and P, default ``itemsize``) — with 2-byte
+    elements and ``Nq = Nk = N`` this is the seed's ``8 N d + 8 N^2``.
+
+    Parameters
+    ----------
+    N : int
+        Query length Nq.
+    d : int
+        Head dimension.
+    itemsize : int
+        Bytes per element of Q, K, V, O.
+    nk : int, optional
+        Key length Nk (default N).
+    score_itemsize : int, optional
+        Bytes per element of S and P (default ``itemsize``).
+
+    Returns
+    -------
+    int
+    """
+    nq = check_int("N", N, minimum=1)
+    d = check_int("d", d, minimum=1)
+    itemsize = check_int("itemsize", itemsize, minimum=1)
+    nk = nq if nk is None else check_int("nk", nk, minimum=1)
+    score_itemsize = itemsize if score_itemsize is None else check_int(
+        "score_itemsize", score_itemsize, minimum=1)
+    qkvo_elements = 2 * nq * d + 2 * nk * d  # Q, O and K, V each once
+    score_passes = 4  # write S, read S, write P, read P
+    return itemsize * qkvo_elements + score_itemsize * score_passes * nq * nk

@@ -1,0 +1,721 @@
+"""Input validation shared by every host entry point (NumPy API, PyTorch wrappers, references).
+
+Every check raises :class:`TypeError` (wrong kind of object or dtype) or :class:`ValueError`
+(wrong rank, shape or value) with a message that names the argument, shows what was given and
+says what is allowed, e.g.::
+
+    ValueError: k: expected shape (B, Hkv, Nk, D) with B=2 and D=64 matching q, got (2, 4, 100, 32)
+
+Nothing here casts, truncates or pads: a validator either accepts its argument as it is or
+raises. The normalizers (:func:`normalize_causal`, :func:`normalize_window`,
+:func:`check_lengths`, :func:`check_scale`, ...) return the canonical form of an option that
+was accepted.
+
+Arrays may be NumPy arrays (``ml_dtypes.bfloat16`` included) or ``torch.Tensor`` objects; torch
+is never imported here, tensors are recognized by their type's module. Array *values* are not
+inspected (that would cost a pass over the data) except for small integer and boolean control
+inputs (lengths, tree masks) and scalars.
+
+Limits of the kernels live here, as named constants, until the kernel package grows a home for
+them: :data:`MAX_HEAD_DIM` and :data:`MAX_DECODE_TOKENS`.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import ml_dtypes
+import numpy as np
+
+# --------------------------------------------------------------------------------------------
+# Limits and vocabularies
+# --------------------------------------------------------------------------------------------
+
+#: Largest head dimension D the attention kernels accept (one PSUM bank row of fp32 per
+#: partition holds D <= 512 values; 256 is the supported limit, as in FlashAttention).
+MAX_HEAD_DIM = 256
+
+#: Largest number T of new tokens per sequence in one decode call (one partition tile of the
+#: query; the SBUF/PSUM partition dimension is 128).
+MAX_DECODE_TOKENS = 128
+
+#: Dtypes the kernels take for floating-point inputs (all inputs of one call share one dtype).
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+
+#: Dtypes the float64 references accept (everything is upcast to float64 inside).
+REFERENCE_DTYPES = FLOAT_DTYPES + (np.dtype(np.float64),)
+
+#: Dtype of the log-sum-exp statistics returned by the forward kernel and taken by the backward.
+LSE_DTYPE = np.dtype(np.float32)
+
+#: Causal alignments (see docs/semantics.md).
+CAUSAL_TOP_LEFT = "top_left"
+CAUSAL_BOTTOM_RIGHT = "bottom_right"
+CAUSAL_MODES = (CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT)
+#: What ``causal=True`` means in the NumPy API (FlashAttention's convention).
+CAUSAL_TRUE = CAUSAL_BOTTOM_RIGHT
+
+#: Window bound meaning "unbounded on that side".
+WINDOW_UNBOUNDED = -1
+
+#: ``approximate`` values of GELU (``torch.nn.functional.gelu``).
+GELU_EXACT = "none"
+GELU_TANH = "tanh"
+GELU_APPROXIMATIONS = (GELU_EXACT, GELU_TANH)
+
+_REPR_LIMIT = 60
+_INT_DTYPE_NAMES = frozenset(
+    ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Result records
+# --------------------------------------------------------------------------------------------
+
+
+class AttentionShape(NamedTuple):
+    """Sizes of a validated attention call: q ``(B, Hq, Nq, D)``, k/v ``(B, Hkv, Nk, D)``."""
+
+    B: int
+    Hq: int
+    Hkv: int
+    Nq: int
+    Nk: int
+    D: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head, ``Hq // Hkv`` (query head h reads kv head ``h // group``)."""
+        return self.Hq // self.Hkv
+
+
+class DecodeInputs(NamedTuple):
+    """A validated decode call: sizes plus the canonical ``cache_lens`` and ``tree_mask``.
+
+    ``cache_lens`` is a fresh int64 array ``(B,)``; ``tree_mask`` is a fresh bool array ``(T, T)``
+    or None.
+    """
+
+    B: int
+    Hq: int
+    Hkv: int
+    T: int
+    S_max: int
+    D: int
+    cache_lens: np.ndarray
+    tree_mask: Optional[np.ndarray]
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head, ``Hq // Hkv``."""
+        return self.Hq // self.Hkv
+
+
+class LinearGeluShape(NamedTuple):
+    """Sizes of a validated ``GELU(x @ w + b)``: x ``(M, K)``, w ``(K, N)``, b ``(N,)``."""
+
+    M: int
+    K: int
+    N: int
+    approximate: str
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _is_torch_tensor(x) -> bool:
+    return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "shape") and hasattr(
+        x, "dtype"
+    )
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, np.ndarray) or _is_torch_tensor(x)
+
+
+def _shape(x) -> Tuple[int, ...]:
+    return tuple(int(s) for s in x.shape)
+
+
+def dtype_name(dtype_or_array) -> str:
+    """Name of a NumPy/ml_dtypes/torch dtype, or of an array's dtype: ``"bfloat16"``, ...
+
+    torch dtypes print as ``torch.bfloat16``; the ``torch.`` prefix is dropped so NumPy and torch
+    arrays are described, and compared, by the same names.
+    """
+    dt = getattr(dtype_or_array, "dtype", dtype_or_array)
+    if isinstance(dt, np.dtype):
+        return dt.name
+    text = str(dt)
+    return text[len("torch."):] if text.startswith("torch.") else text
+
+
+def _names(dtypes: Sequence) -> str:
+    return ", ".join(dtype_name(d) for d in dtypes)
+
+
+def _describe(value) -> str:
+    """Short description of a non-array value for error messages: ``'abc' (str)``."""
+    text = repr(value)
+    if len(text) > _REPR_LIMIT:
+        text = text[: _REPR_LIMIT - 3] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def check_int(name: str, value, *, minimum: Optional[int] = None,
+              maximum: Optional[int] = None) -> int:
+    """Check that ``value`` is an integer (not a bool, not a float) in ``[minimum, maximum]``.
+
+    Parameters
+    ----------
+    name : str
+        Argument name used in error messages.
+    value : int or numpy integer
+    minimum, maximum : int, optional
+        Inclusive bounds; None means unbounded.
+
+    Returns
+    -------
+    int
+        ``value`` as a Python int.
+    """
+    if not _is_int(value):
+        raise TypeError(f"{name}: expected an int, got {_describe(value)}")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        lo = "-inf" if minimum is None else str(minimum)
+        hi = "inf" if maximum is None else str(maximum)
+        raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value}")
+    return value
+
+
+def normalize_dtype(name: str, dtype, allowed: Sequence = FLOAT_DTYPES) -> np.dtype:
+    """Turn a dtype given as a NumPy dtype, type, name or torch dtype into a ``numpy.dtype``.
+
+    Parameters
+    ----------
+    name : str
+        Argument name used in error messages.
+    dtype : numpy dtype, type, str or torch.dtype
+        E.g. ``np.float32``, ``ml_dtypes.bfloat16``, ``"bfloat16"``, ``torch.float16``.
+    allowed : sequence of numpy dtypes
+        The accepted dtypes.
+
+    Returns
+    -------
+    numpy.dtype
+    """
+    allowed = tuple(np.dtype(a) for a in allowed)
+    by_name = {a.name: a for a in allowed}
+    key = None
+    if isinstance(dtype, str):
+        key = dtype
+    elif isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
+        key = np.dtype(dtype).name
+    elif type(dtype).__module__.split(".")[0] == "torch":
+        key = dtype_name(dtype)
+    if key not in by_name:
+        raise TypeError(f"{name}: expected one of {_names(allowed)}, got {_describe(dtype)}")
+    return by_name[key]
+
+
+# --------------------------------------------------------------------------------------------
+# Arrays
+# --------------------------------------------------------------------------------------------
+
+
+def check_array(name: str, x, *, ndim: Optional[int] = None, dtypes: Optional[Sequence] = FLOAT_DTYPES,
+                layout: Optional[str] = None):
+    """Check that ``x`` is a NumPy array or torch tensor of rank ``ndim`` with an allowed dtype.
+
+    Parameters
+    ----------
+    name : str
+        Argument name used in error messages.
+    x : numpy.ndarray or torch.Tensor
+    ndim : int, optional
+        Required rank; None accepts any rank.
+    dtypes : sequence of numpy dtypes, optional
+        Allowed dtypes (compared by name, so torch dtypes match their NumPy namesakes); None
+        accepts any dtype. Default :data:`FLOAT_DTYPES` (float32, bfloat16, float16).
+    layout : str, optional
+        Human-readable expected shape used in the rank error, e.g. ``"(B, Hq, Nq, D)"``.
+
+    Returns
+    -------
+    x, unchanged.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not an array (lists are not converted), or its dtype is not allowed.
+    ValueError
+        ``x`` has the wrong rank.
+    """
+    if not _is_array(x):
+        raise TypeError(f"{name}: expected a numpy.ndarray or torch.Tensor, got {_describe(x)}")
+    shape = _shape(x)
+    if ndim is not None and len(shape) != ndim:
+        expected = f"a {ndim}-D array" + (f" of shape {layout}" if layout else "")
+        raise ValueError(f"{name}: expected {expected}, got a {len(shape)}-D array of shape {shape}")
+    if dtypes is not None:
+        allowed = {dtype_name(d) for d in dtypes}
+        if dtype_name(x) not in allowed:
+            raise TypeError(
+                f"{name}: dtype {dtype_name(x)} is not supported; allowed: {_names(dtypes)}"
+            )
+    return x
+
+
+def _check_same_dtype(name: str, x, ref_name: str, ref) -> None:
+    if dtype_name(x) != dtype_name(ref):
+        raise TypeError(
+            f"{name}: dtype {dtype_name(x)} does not match {ref_name}'s dtype {dtype_name(ref)}; "
+            f"all inputs must share one dtype (cast explicitly before calling)"
+        )
+
+
+def _check_head_dim(name: str, shape, D: int, max_head_dim: Optional[int]) -> None:
+    hi = "inf" if max_head_dim is None else str(max_head_dim)
+    if D < 1 or (max_head_dim is not None and D > max_head_dim):
+        raise ValueError(f"{name}: head dim D must be in [1, {hi}], got D={D} (shape {shape})")
+
+
+def _check_dims_positive(name: str, shape, labels: Sequence[str]) -> None:
+    for size, label in zip(shape, labels):
+        if size < 1:
+            raise ValueError(f"{name}: {label} must be >= 1, got {size} (shape {shape})")
+
+
+def check_attention_inputs(q, k, v, *, dtypes: Optional[Sequence] = FLOAT_DTYPES,
+                           same_dtype: bool = True,
+                           max_head_dim: Optional[int] = MAX_HEAD_DIM) -> AttentionShape:
+    """Validate q, k, v of a prefill attention call.
+
+    Parameters
+    ----------
+    q : array (B, Hq, Nq, D)
+    k, v : arrays (B, Hkv, Nk, D)
+        Same shape; ``Hq % Hkv == 0``; ``B, Hq, Hkv, Nq, Nk >= 1``; ``1 <= D <= max_head_dim``.
+    dtypes : sequence of numpy dtypes, optional
+        Allowed dtypes, default float32/bfloat16/float16.
+    same_dtype : bool
+        Require q, k, v to share one dtype (the kernels' rule: a mixed call is an error, not a
+        silent cast). The references relax this.
+    max_head_dim : int or None
+        Upper bound of D, default :data:`MAX_HEAD_DIM`; None for no bound.
+
+    Returns
+    -------
+    AttentionShape
+    """
+    check_array("q", q, ndim=4, dtypes=dtypes, layout="(B, Hq, Nq, D)")
+    check_array("k", k, ndim=4, dtypes=dtypes, layout="(B, Hkv, Nk, D)")
+    check_array("v", v, ndim=4, dtypes=dtypes, layout="(B, Hkv, Nk, D)")
+    qs, ks, vs = _shape(q), _shape(k), _shape(v)
+    B, Hq, Nq, D = qs
+    _check_dims_positive("q", qs, ("batch size B", "query heads Hq", "query length Nq"))
+    _check_head_dim("q", qs, D, max_head_dim)
+    if ks[0] != B or ks[3] != D:
+        raise ValueError(
+            f"k: expected shape (B, Hkv, Nk, D) with B={B} and D={D} matching q, got {ks}"
+        )
+    _check_dims_positive("k", ks, ("batch size B", "kv heads Hkv", "key length Nk"))
+    if vs != ks:
+        raise ValueError(f"v: expected the same shape as k {ks} (B, Hkv, Nk, D), got {vs}")
+    Hkv, Nk = ks[1], ks[2]
+    if Hq % Hkv:
+        raise ValueError(
+            f"k: Hkv={Hkv} kv heads must divide q's Hq={Hq} query heads (GQA: query head h reads "
+            f"kv head h // (Hq // Hkv)); got q {qs} and k {ks}"
+        )
+    if same_dtype:
+        _check_same_dtype("k", k, "q", q)
+        _check_same_dtype("v", v, "q", q)
+    return AttentionShape(B, Hq, Hkv, Nq, Nk, D)
+
+
+def check_attention_backward_inputs(do, q, k, v, o=None, lse=None, *,
+                                    dtypes: Optional[Sequence] = FLOAT_DTYPES,
+                                    lse_dtypes: Optional[Sequence] = (LSE_DTYPE,),
+                                    same_dtype: bool = True,
+                                    max_head_dim: Optional[int] = MAX_HEAD_DIM) -> AttentionShape:
+    """Validate the inputs of an attention backward call.
+
+    Parameters
+    ----------
+    do : array (B, Hq, Nq, D)
+        Gradient of the output; same shape (and, with ``same_dtype``, dtype) as q.
+    q, k, v : arrays
+        As in :func:`check_attention_inputs`.
+    o : array (B, Hq, Nq, D), optional
+        Forward output; same shape (and dtype) as q.
+    lse : array (B, Hq, Nq), optional
+        Forward log-sum-exp; dtype in ``lse_dtypes`` (default float32 only).
+
+    Returns
+    -------
+    AttentionShape
+    """
+    dims = check_attention_inputs(q, k, v, dtypes=dtypes, same_dtype=same_dtype,
+                                  max_head_dim=max_head_dim)
+    qs = _shape(q)
+    for name, x in (("do", do), ("o", o)):
+        if x is None and name == "o":
+            continue
+        check_array(name, x, ndim=4, dtypes=dtypes, layout="(B, Hq, Nq, D)")
+        if _shape(x) != qs:
+            raise ValueError(f"{name}: expected the same shape as q {qs}, got {_shape(x)}")
+        if same_dtype:
+            _check_same_dtype(name, x, "q", q)
+    if lse is not None:
+        check_array("lse", lse, ndim=3, dtypes=lse_dtypes, layout="(B, Hq, Nq)")
+        if _shape(lse) != qs[:3]:
+            raise ValueError(f"lse: expected shape (B, Hq, Nq) = {qs[:3]} matching q, got {_shape(lse)}")
+    return dims
+
+
+# --------------------------------------------------------------------------------------------
+# Options
+# --------------------------------------------------------------------------------------------
+
+
+def normalize_causal(causal) -> Optional[str]:
+    """Canonical causal mode: None, ``"top_left"`` or ``"bottom_right"``.
+
+    ``None``/``False`` -> None (no causal mask); ``True`` -> :data:`CAUSAL_TRUE`
+    (``"bottom_right"``, FlashAttention's convention); the two strings are returned as they are.
+    Anything else (other strings, ints such as 1) is rejected.
+    """
+    if causal is None or causal is False or causal is np.False_:
+        return None
+    if causal is True or causal is np.True_:
+        return CAUSAL_TRUE
+    if isinstance(causal, str) and causal in CAUSAL_MODES:
+        return causal
+    allowed = "None, False, True (= 'bottom_right'), 'top_left' or 'bottom_right'"
+    if isinstance(causal, str):
+        raise ValueError(f"causal: expected {allowed}, got {causal!r}")
+    raise TypeError(f"causal: expected {allowed}, got {_describe(causal)}")
+
+
+def normalize_window(window) -> Optional[Tuple[int, int]]:
+    """Canonical sliding window: None or ``(left, right)`` Python ints, each ``>= -1``.
+
+    ``-1`` (:data:`WINDOW_UNBOUNDED`) means unbounded on that side; ``(-1, -1)`` is no window
+    and normalizes to None. A tuple or list of exactly two ints is accepted (numpy integers too;
+    bools and floats are rejected).
+    """
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)):
+        raise TypeError(
+            f"window: expected None or a (left, right) pair of ints (-1 = unbounded), "
+            f"got {_describe(window)}"
+        )
+    if len(window) != 2:
+        raise ValueError(
+            f"window: expected a (left, right) pair of ints (-1 = unbounded), got "
+            f"{len(window)} values {tuple(window)!r}"
+        )
+    out = []
+    for side, value in zip(("left", "right"), window):
+        if not _is_int(value):
+            raise TypeError(f"window: {side} must be an int >= -1, got {_describe(value)}")
+        if value < WINDOW_UNBOUNDED:
+            raise ValueError(
+                f"window: {side} must be >= -1 (-1 = unbounded), got {int(value)}"
+            )
+        out.append(int(value))
+    if out == [WINDOW_UNBOUNDED, WINDOW_UNBOUNDED]:
+        return None
+    return (out[0], out[1])
+
+
+def check_lengths(name: str, lens, batch: int, upper: int, *,
+                  upper_name: Optional[str] = None) -> Optional[np.ndarray]:
+    """Validate per-sequence lengths (``q_lens``, ``kv_lens``, ``cache_lens``).
+
+    Parameters
+    ----------
+    name : str
+        Argument name used in error messages.
+    lens : None, 1-D integer numpy array, integer torch tensor, or list/tuple of ints
+        One length per sequence. Floats and bools are rejected (no silent cast).
+    batch : int
+        Required length B.
+    upper : int
+        Largest allowed value (values must lie in ``[0, upper]``).
+    upper_name : str, optional
+        Name of ``upper`` in messages, e.g. ``"Nk"``.
+
+    Returns
+    -------
+    numpy.ndarray of int64, shape (B,), or None
+        A fresh copy; None when ``lens`` is None.
+    """
+    if lens is None:
+        return None
+    if isinstance(lens, (list, tuple)):
+        for idx, value in enumerate(lens):
+            if not _is_int(value):
+                raise TypeError(
+                    f"{name}: expected integers, got {_describe(value)} at index {idx}"
+                )
+        arr = np.array([int(x) for x in lens], dtype=object).reshape(len(lens))
+    elif _is_array(lens):
+        dname = dtype_name(lens)
+        if dname not in _INT_DTYPE_NAMES:
+            raise TypeError(f"{name}: expected an integer array, got dtype {dname}")
+        if _is_torch_tensor(lens):
+            lens = lens.detach().cpu().numpy()
+        arr = lens
+    else:
+        raise TypeError(
+            f"{name}: expected None, a 1-D integer array or a list of ints, got {_describe(lens)}"
+        )
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D array of length B={batch}, got shape {arr.shape}")
+    if arr.shape[0] != batch:
+        raise ValueError(
+            f"{name}: expected length B={batch} (one per sequence), got length {arr.shape[0]}"
+        )
+    bad = np.flatnonzero((arr < 0) | (arr > upper))
+    if bad.size:
+        idx = int(bad[0])
+        bound = f"{upper_name}={upper}" if upper_name else str(upper)
+        raise ValueError(f"{name}: values must be in [0, {bound}], got {int(arr[idx])} at index {idx}")
+    return np.array(arr, dtype=np.int64, copy=True)
+
+
+def check_scale(scale, D: int) -> float:
+    """Softmax scale: ``1 / sqrt(D)`` when None, otherwise a finite real number (any sign).
+
+    Parameters
+    ----------
+    scale : None, int or float (Python or NumPy)
+        Bools, strings, complex numbers and arrays are rejected.
+    D : int
+        Head dimension, for the default.
+
+    Returns
+    -------
+    float
+    """
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"scale: expected None or a finite real number, got {_describe(scale)}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale: expected a finite real number, got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Decode, fused ops, merge
+# --------------------------------------------------------------------------------------------
+
+
+def check_tree_mask(tree_mask, T: int) -> Optional[np.ndarray]:
+    """Validate a speculative-decoding tree mask: bool ``(T, T)`` with an all-True diagonal.
+
+    ``tree_mask[t, u]`` says whether new token t sees new token u. Entries above the diagonal
+    are taken as given (no triangularity is imposed). Returns a fresh NumPy bool copy, or None.
+    """
+    if tree_mask is None:
+        return None
+    check_array("tree_mask", tree_mask, ndim=2, dtypes=None, layout="(T, T)")
+    if dtype_name(tree_mask) != "bool":
+        raise TypeError(
+            f"tree_mask: expected dtype bool, got {dtype_name(tree_mask)} "
+            f"(no implicit cast; pass mask.astype(bool) or mask != 0)"
+        )
+    if _shape(tree_mask) != (T, T):
+        raise ValueError(
+            f"tree_mask: expected shape (T, T) = ({T}, {T}) matching q's T, got {_shape(tree_mask)}"
+        )
+    if _is_torch_tensor(tree_mask):
+        tree_mask = tree_mask.detach().cpu().numpy()
+    mask = np.array(tree_mask, dtype=bool, copy=True)
+    missing = np.flatnonzero(~np.diagonal(mask))
+    if missing.size:
+        t = int(missing[0])
+        raise ValueError(
+            f"tree_mask: the diagonal must be all True (every new token sees itself), "
+            f"got False at [{t}, {t}]"
+        )
+    return mask
+
+
+def check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask=None, *,
+                        dtypes: Optional[Sequence] = FLOAT_DTYPES, same_dtype: bool = True,
+                        max_head_dim: Optional[int] = MAX_HEAD_DIM,
+                        max_new_tokens: Optional[int] = MAX_DECODE_TOKENS) -> DecodeInputs:
+    """Validate a decode call.
+
+    Parameters
+    ----------
+    q : array (B, Hq, T, D)
+        The T new tokens' queries, ``1 <= T <= max_new_tokens`` (default 128).
+    k_cache, v_cache : arrays (B, Hkv, S_max, D)
+        Same shape; ``Hq % Hkv == 0``; the cache already holds the new tokens.
+    cache_lens : (B,) ints
+        Valid cache length per sequence, ``T <= cache_lens[b] <= S_max``. Required.
+    tree_mask : bool array (T, T), optional
+        See :func:`check_tree_mask`.
+
+    Returns
+    -------
+    DecodeInputs
+    """
+    check_array("q", q, ndim=4, dtypes=dtypes, layout="(B, Hq, T, D)")
+    check_array("k_cache", k_cache, ndim=4, dtypes=dtypes, layout="(B, Hkv, S_max, D)")
+    check_array("v_cache", v_cache, ndim=4, dtypes=dtypes, layout="(B, Hkv, S_max, D)")
+    qs, ks, vs = _shape(q), _shape(k_cache), _shape(v_cache)
+    B, Hq, T, D = qs
+    _check_dims_positive("q", qs, ("batch size B", "query heads Hq"))
+    hi = "inf" if max_new_tokens is None else str(max_new_tokens)
+    if T < 1 or (max_new_tokens is not None and T > max_new_tokens):
+        raise ValueError(
+            f"q: T (new tokens per sequence) must be in [1, {hi}], got T={T} (shape {qs})"
+        )
+    _check_head_dim("q", qs, D, max_head_dim)
+    if ks[0] != B or ks[3] != D:
+        raise ValueError(
+            f"k_cache: expected shape (B, Hkv, S_max, D) with B={B} and D={D} matching q, got {ks}"
+        )
+    _check_dims_positive("k_cache", ks, ("batch size B", "kv heads Hkv", "cache size S_max"))
+    if vs != ks:
+        raise ValueError(f"v_cache: expected the same shape as k_cache {ks}, got {vs}")
+    Hkv, S_max = ks[1], ks[2]
+    if Hq % Hkv:
+        raise ValueError(
+            f"k_cache: Hkv={Hkv} kv heads must divide q's Hq={Hq} query heads (GQA: query head h "
+            f"reads kv head h // (Hq // Hkv)); got q {qs} and k_cache {ks}"
+        )
+    if same_dtype:
+        _check_same_dtype("k_cache", k_cache, "q", q)
+        _check_same_dtype("v_cache", v_cache, "q", q)
+    if cache_lens is None:
+        raise TypeError(f"cache_lens: required, a (B,) = ({B},) integer array with T <= value <= S_max")
+    lens = check_lengths("cache_lens", cache_lens, B, S_max, upper_name="S_max")
+    short = np.flatnonzero(lens < T)
+    if short.size:
+        idx = int(short[0])
+        raise ValueError(
+            f"cache_lens: each value must be in [T={T}, S_max={S_max}] (the cache already holds "
+            f"the T new tokens), got {int(lens[idx])} at index {idx}"
+        )
+    mask = check_tree_mask(tree_mask, T)
+    return DecodeInputs(B, Hq, Hkv, T, S_max, D, lens, mask)
+
+
+def normalize_gelu_approximate(approximate) -> str:
+    """``approximate`` of GELU: ``"none"`` (erf) or ``"tanh"``, as in torch.nn.functional.gelu."""
+    if not isinstance(approximate, str):
+        raise TypeError(f"approximate: expected 'none' or 'tanh', got {_describe(approximate)}")
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
+    return approximate
+
+
+def check_linear_gelu_inputs(x, w, b, approximate: str = GELU_EXACT, *,
+                             dtypes: Optional[Sequence] = FLOAT_DTYPES,
+                             same_dtype: bool = True) -> LinearGeluShape:
+    """Validate ``GELU(x @ w + b)``.
+
+    Parameters
+    ----------
+    x : array (M, K)
+    w : array (K, N)
+    b : array (N,)
+        Required (pass zeros for no bias).
+    approximate : {"none", "tanh"}
+
+    Returns
+    -------
+    LinearGeluShape
+    """
+    check_array("x", x, ndim=2, dtypes=dtypes, layout="(M, K)")
+    check_array("w", w, ndim=2, dtypes=dtypes, layout="(K, N)")
+    check_array("b", b, ndim=1, dtypes=dtypes, layout="(N,)")
+    xs, ws, bs = _shape(x), _shape(w), _shape(b)
+    _check_dims_positive("x", xs, ("rows M", "features K"))
+    M, K = xs
+    if ws[0] != K:
+        raise ValueError(f"w: expected shape (K, N) with K={K} matching x's last dim, got {ws}")
+    _check_dims_positive("w", ws, ("K", "output features N"))
+    N = ws[1]
+    if bs != (N,):
+        raise ValueError(f"b: expected shape (N,) = ({N},) matching w's last dim, got {bs}")
+    if same_dtype:
+        _check_same_dtype("w", w, "x", x)
+        _check_same_dtype("b", b, "x", x)
+    return LinearGeluShape(M, K, N, normalize_gelu_approximate(approximate))
+
+
+def check_softmax_input(x, *, dtypes: Optional[Sequence] = FLOAT_DTYPES) -> Tuple[int, int]:
+    """Validate the input of the row softmax: a 2-D array ``(M, N)`` with ``M, N >= 1``.
+
+    Returns
+    -------
+    (M, N)
+    """
+    check_array("x", x, ndim=2, dtypes=dtypes, layout="(M, N)")
+    xs = _shape(x)
+    _check_dims_positive("x", xs, ("rows M", "row length N"))
+    return xs
+
+
+def check_merge_inputs(o_parts, lse_parts, *, dtypes: Optional[Sequence] = REFERENCE_DTYPES,
+                       check_values: bool = True) -> Tuple[int, ...]:
+    """Validate partial attention results to be merged by log-sum-exp.
+
+    Parameters
+    ----------
+    o_parts : array (S, ..., D)
+        Normalized partial outputs of S splits.
+    lse_parts : array (S, ...)
+        Their log-sum-exps; shape ``o_parts.shape[:-1]``.
+    check_values : bool
+        Reject NaN and +inf in ``lse_parts`` (-inf marks an empty split and is allowed).
+
+    Returns
+    -------
+    tuple
+        ``o_parts.shape``.
+    """
+    check_array("o_parts", o_parts, dtypes=dtypes)
+    check_array("lse_parts", lse_parts, dtypes=dtypes)
+    os_, ls = _shape(o_parts), _shape(lse_parts)
+    if len(os_) < 2:
+        raise ValueError(
+            f"o_parts: expected an array of shape (S, ..., D) with at least 2 dims, got shape {os_}"
+        )
+    if os_[0] < 1:
+        raise ValueError(f"o_parts: the number of splits S must be >= 1, got shape {os_}")
+    if ls != os_[:-1]:
+        raise ValueError(
+            f"lse_parts: expected shape {os_[:-1]} (o_parts' shape without its last dim), got {ls}"
+        )
+    if check_values:
+        lse = lse_parts.detach().cpu().double().numpy() if _is_torch_tensor(lse_parts) else \
+            np.asarray(lse_parts, dtype=np.float64)
+        bad = np.argwhere(np.isnan(lse) | (lse == np.inf))
+        if bad.size:
+            where = tuple(int(i) for i in bad[0])
+            raise ValueError(
+                f"lse_parts: values must be finite or -inf (an empty split), got {lse[where]} at {where}"
+            )
+    return os_
