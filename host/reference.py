@@ -22,12 +22,11 @@ of the tests and the HBM IO-count formulas used by tests and the CLI.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Tuple
 
 import numpy as np
 
 from host.validation import (
-    CAUSAL_BOTTOM_RIGHT,
     CAUSAL_TOP_LEFT,
     FLOAT_DTYPES,
     GELU_EXACT,
@@ -553,7 +552,9 @@ def _lowp_setup(q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_len
         dims = check_attention_backward_inputs(do, q, k, v, dtypes=REFERENCE_DTYPES,
                                                same_dtype=False, max_head_dim=None)
     dtype = normalize_dtype("dtype", dtype, FLOAT_DTYPES)
-    out_dtype = dtype if out_dtype is None else normalize_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
+    if out_dtype is not None:
+        out_dtype = normalize_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
+    out_dtype = dtype if out_dtype is None else out_dtype
     scale = check_scale(scale, dims.D)
     mask = _prefill_masks(dims, causal, window, q_lens, kv_lens)
 

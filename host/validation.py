@@ -234,8 +234,8 @@ def normalize_dtype(name: str, dtype, allowed: Sequence = FLOAT_DTYPES) -> np.dt
 # --------------------------------------------------------------------------------------------
 
 
-def check_array(name: str, x, *, ndim: Optional[int] = None, dtypes: Optional[Sequence] = FLOAT_DTYPES,
-                layout: Optional[str] = None):
+def check_array(name: str, x, *, ndim: Optional[int] = None,
+                dtypes: Optional[Sequence] = FLOAT_DTYPES, layout: Optional[str] = None):
     """Check that ``x`` is a NumPy array or torch tensor of rank ``ndim`` with an allowed dtype.
 
     Parameters
@@ -267,7 +267,9 @@ def check_array(name: str, x, *, ndim: Optional[int] = None, dtypes: Optional[Se
     shape = _shape(x)
     if ndim is not None and len(shape) != ndim:
         expected = f"a {ndim}-D array" + (f" of shape {layout}" if layout else "")
-        raise ValueError(f"{name}: expected {expected}, got a {len(shape)}-D array of shape {shape}")
+        raise ValueError(
+            f"{name}: expected {expected}, got a {len(shape)}-D array of shape {shape}"
+        )
     if dtypes is not None:
         allowed = {dtype_name(d) for d in dtypes}
         if dtype_name(x) not in allowed:
@@ -381,7 +383,9 @@ def check_attention_backward_inputs(do, q, k, v, o=None, lse=None, *,
     if lse is not None:
         check_array("lse", lse, ndim=3, dtypes=lse_dtypes, layout="(B, Hq, Nq)")
         if _shape(lse) != qs[:3]:
-            raise ValueError(f"lse: expected shape (B, Hq, Nq) = {qs[:3]} matching q, got {_shape(lse)}")
+            raise ValueError(
+                f"lse: expected shape (B, Hq, Nq) = {qs[:3]} matching q, got {_shape(lse)}"
+            )
     return dims
 
 
@@ -494,7 +498,9 @@ def check_lengths(name: str, lens, batch: int, upper: int, *,
     if bad.size:
         idx = int(bad[0])
         bound = f"{upper_name}={upper}" if upper_name else str(upper)
-        raise ValueError(f"{name}: values must be in [0, {bound}], got {int(arr[idx])} at index {idx}")
+        raise ValueError(
+            f"{name}: values must be in [0, {bound}], got {int(arr[idx])} at index {idx}"
+        )
     return np.array(arr, dtype=np.int64, copy=True)
 
 
@@ -514,7 +520,8 @@ def check_scale(scale, D: int) -> float:
     """
     if scale is None:
         return 1.0 / math.sqrt(D)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
+    is_real = isinstance(scale, (numbers.Real, np.floating, np.integer))
+    if isinstance(scale, (bool, np.bool_)) or not is_real:
         raise TypeError(f"scale: expected None or a finite real number, got {_describe(scale)}")
     value = float(scale)
     if not math.isfinite(value):
@@ -608,7 +615,9 @@ def check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask=None, *,
         _check_same_dtype("k_cache", k_cache, "q", q)
         _check_same_dtype("v_cache", v_cache, "q", q)
     if cache_lens is None:
-        raise TypeError(f"cache_lens: required, a (B,) = ({B},) integer array with T <= value <= S_max")
+        raise TypeError(
+            f"cache_lens: required, a (B,) = ({B},) integer array with T <= value <= S_max"
+        )
     lens = check_lengths("cache_lens", cache_lens, B, S_max, upper_name="S_max")
     short = np.flatnonzero(lens < T)
     if short.size:
@@ -716,6 +725,7 @@ def check_merge_inputs(o_parts, lse_parts, *, dtypes: Optional[Sequence] = REFER
         if bad.size:
             where = tuple(int(i) for i in bad[0])
             raise ValueError(
-                f"lse_parts: values must be finite or -inf (an empty split), got {lse[where]} at {where}"
+                f"lse_parts: values must be finite or -inf (an empty split), "
+                f"got {lse[where]} at {where}"
             )
     return os_
