@@ -1,0 +1,679 @@
+"""PyTorch entry points: a differentiable flash attention and an SDPA-compatible wrapper.
+
+Two functions, both autograd-aware:
+
+:func:`flash_attention`
+    The NumPy API's :func:`host.flash_attention` for torch tensors, as a
+    :class:`torch.autograd.Function`: the forward runs the flash forward kernel and saves
+    ``q, k, v, o, lse``; the backward runs the flash backward kernel
+    (:func:`host.flash_attention_backward`). Same options and semantics as the NumPy API
+    (docs/semantics.md); in particular ``causal=True`` means ``"bottom_right"``.
+:func:`scaled_dot_product_attention`
+    A drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` with PyTorch's
+    semantics (``is_causal`` is top-left aligned, ``enable_gqa``, keyword ``scale``, any number
+    of batch dims). Masks the kernels can apply themselves are converted (key padding ->
+    ``kv_lens``, lower-triangular -> causal, ...); anything else raises.
+
+Where the work runs
+-------------------
+* **CPU tensors** go through the NumPy API, i.e. the active backend of :mod:`host._launch`: the
+  bundled CPU simulator, or a Trainium device via ``nki.baremetal`` when neuronx-cc is installed.
+  Tensors are handed over without any cast: float32/float16 through ``Tensor.numpy()``, bfloat16
+  through ``view(torch.int16)`` and ``ml_dtypes.bfloat16`` (NumPy has no bfloat16).
+  Non-contiguous tensors are copied to contiguous ones first.
+* **XLA tensors** (``tensor.device.type == "xla"``, torch-neuronx) call the ``@nki.jit`` kernels
+  directly on the device tensors (torch-neuronx >= 2.20.1 convention: the kernel is launched
+  with its SPMD grid, allocates its outputs in HBM and returns them; it becomes one custom call
+  in the XLA graph). **This path is untested: it needs a Trainium host.** See
+  :class:`_XlaKernels`.
+* Any other device raises.
+
+Dtypes
+------
+float32, bfloat16 and float16 run as they are (q, k, v share one dtype). Gradients come back
+in the input dtype; the LSE is float32.
+
+float64 is accepted **only with** ``mixed_precision=False``: the kernels have no float64 path,
+so float64 inputs are explicitly converted to float32, computed with float32 matmuls (relative
+error ~1e-6), and the outputs (o, lse and the gradients) are converted back to float64. This is
+what makes :func:`torch.autograd.gradcheck` usable (with tolerances for float32 arithmetic).
+With the default ``mixed_precision=True`` a float64 input raises, since it would compute in
+bfloat16 behind a float64 signature.
+
+torch is imported by this module only; ``import host`` does not import it.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple, Optional, Tuple
+
+import ml_dtypes
+import numpy as np
+
+try:
+    import torch
+except ImportError as _exc:  # pragma: no cover - exercised only without torch
+    raise ImportError(
+        "host.torch_ops needs PyTorch; install it with pip install 'nki-flash[torch]'"
+    ) from _exc
+
+import host
+from host import validation as _v
+
+__all__ = ["flash_attention", "scaled_dot_product_attention"]
+
+# --------------------------------------------------------------------------------------------
+# Dtypes and conversion
+# --------------------------------------------------------------------------------------------
+
+#: torch dtype -> NumPy dtype of the arrays the NumPy API takes (same bits, no conversion).
+_NUMPY_DTYPE = {
+    torch.float32: np.dtype(np.float32),
+    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+    torch.float16: np.dtype(np.float16),
+}
+#: The dtype the kernels compute a float64 call in (with ``mixed_precision=False`` only).
+_FLOAT64_COMPUTE = torch.float32
+_ALLOWED_DTYPES = "float32, bfloat16, float16 (float64 only with mixed_precision=False)"
+
+_DEVICE_CPU = "cpu"
+_DEVICE_XLA = "xla"
+
+
+def _to_numpy(t: "torch.Tensor") -> np.ndarray:
+    """CPU tensor -> NumPy array with the same dtype and values (no cast; copies only if strided)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype in _NUMPY_DTYPE:
+        return t.numpy()
+    raise TypeError(f"internal: no NumPy dtype for {t.dtype}")
+
+
+def _to_torch(a, name: str, dtype: "torch.dtype") -> "torch.Tensor":
+    """NumPy result of the host API -> CPU tensor of ``dtype``; any other dtype is an error.
+
+    The host API promises its output dtypes (o in q's dtype, lse float32); a different dtype
+    would mean a silent conversion somewhere, so it is reported instead of being cast.
+    """
+    a = np.asarray(a)
+    expected = _NUMPY_DTYPE[dtype]
+    if a.dtype != expected:
+        raise RuntimeError(
+            f"internal: {name} came back from the NumPy API as {a.dtype}, expected {expected.name}"
+        )
+    if not (a.flags.c_contiguous and a.flags.writeable):
+        a = np.array(a, copy=True, order="C")
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _lens_to_host(name: str, lens):
+    """kv_lens / q_lens: torch int tensors become NumPy arrays; anything else is passed on.
+
+    Values and dtypes are checked by :func:`host.validation.check_lengths` (float tensors are
+    rejected there, not truncated).
+    """
+    if isinstance(lens, torch.Tensor):
+        if lens.dtype.is_floating_point or lens.dtype.is_complex or lens.dtype == torch.bool:
+            raise TypeError(f"{name}: expected an integer tensor, got dtype {_v.dtype_name(lens)}")
+        return lens.detach().cpu().numpy()
+    return lens
+
+
+# --------------------------------------------------------------------------------------------
+# Options
+# --------------------------------------------------------------------------------------------
+
+
+class _Options(NamedTuple):
+    """Validated options of one attention call (canonical forms of :mod:`host.validation`)."""
+
+    scale: float
+    causal: Optional[str]
+    window: Optional[Tuple[int, int]]
+    kv_lens: Optional[np.ndarray]
+    q_lens: Optional[np.ndarray]
+    mixed_precision: bool
+
+    def kwargs(self) -> dict:
+        """Keyword arguments of :func:`host.flash_attention` / ``flash_attention_backward``."""
+        return dict(scale=self.scale, causal=self.causal, window=self.window,
+                    kv_lens=self.kv_lens, q_lens=self.q_lens,
+                    mixed_precision=self.mixed_precision)
+
+
+def _check_tensor(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {_v._describe(x)}")
+
+
+def _device_kind(q, k, v) -> str:
+    """'cpu' or 'xla' (all three on one device), else a ValueError naming the argument."""
+    for name, x in (("k", k), ("v", v)):
+        if x.device != q.device:
+            raise ValueError(
+                f"{name}: expected the same device as q ({q.device}), got {x.device}"
+            )
+    kind = q.device.type
+    if kind not in (_DEVICE_CPU, _DEVICE_XLA):
+        raise ValueError(
+            f"q: device {q.device} is not supported; allowed: cpu (the active nki-flash backend: "
+            f"CPU simulator or a Neuron device through the NumPy launcher) and xla (torch-neuronx)"
+        )
+    return kind
+
+
+def _compute_dtype(q, mixed_precision: bool) -> "torch.dtype":
+    """The dtype the kernels run in for q's dtype; raises for unsupported dtypes."""
+    if q.dtype in _NUMPY_DTYPE:
+        return q.dtype
+    if q.dtype == torch.float64:
+        if mixed_precision:
+            raise TypeError(
+                "q: dtype float64 needs mixed_precision=False: the kernels have no float64 path, "
+                "and with mixed_precision=False float64 inputs are computed with float32 matmuls "
+                "and returned as float64 (relative error ~1e-6); with mixed_precision=True they "
+                "would run in bfloat16. Pass mixed_precision=False, or cast to "
+                "float32/bfloat16/float16 yourself"
+            )
+        return _FLOAT64_COMPUTE
+    raise TypeError(f"q: dtype {_v.dtype_name(q)} is not supported; allowed: {_ALLOWED_DTYPES}")
+
+
+def _validate(q, k, v, *, scale, causal, window, kv_lens, q_lens, mixed_precision) -> Tuple[
+        _v.AttentionShape, _Options]:
+    """Validate a call with the NumPy API's validators (so messages match it)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    if not isinstance(mixed_precision, (bool, np.bool_)):
+        raise TypeError(
+            f"mixed_precision: expected True or False, got {_v._describe(mixed_precision)}"
+        )
+    dtypes = _v.FLOAT_DTYPES + ((np.dtype(np.float64),) if not mixed_precision else ())
+    if q.dtype == torch.float64:
+        _compute_dtype(q, bool(mixed_precision))  # the explicit float64 message
+    dims = _v.check_attention_inputs(q, k, v, dtypes=dtypes)
+    kv = _v.check_lengths("kv_lens", _lens_to_host("kv_lens", kv_lens), dims.B, dims.Nk,
+                          upper_name="Nk")
+    ql = _v.check_lengths("q_lens", _lens_to_host("q_lens", q_lens), dims.B, dims.Nq,
+                          upper_name="Nq")
+    opts = _Options(
+        scale=_v.check_scale(scale, dims.D),
+        causal=_v.normalize_causal(causal),
+        window=_v.normalize_window(window),
+        kv_lens=kv,
+        q_lens=ql,
+        mixed_precision=bool(mixed_precision),
+    )
+    return dims, opts
+
+
+# --------------------------------------------------------------------------------------------
+# Executors: where the kernels run
+# --------------------------------------------------------------------------------------------
+
+
+class _HostKernels:
+    """CPU tensors through the NumPy API (:func:`host.flash_attention` and its backward).
+
+    ``host.flash_attention`` is looked up at call time, so the active backend (and a test's
+    monkeypatch) is honoured.
+    """
+
+    def forward(self, q, k, v, opts: _Options):
+        o, lse = host.flash_attention(_to_numpy(q), _to_numpy(k), _to_numpy(v), return_lse=True,
+                                      **opts.kwargs())
+        return _to_torch(o, "o", q.dtype), _to_torch(lse, "lse", torch.float32)
+
+    def backward(self, do, q, k, v, o, lse, opts: _Options):
+        dq, dk, dv = host.flash_attention_backward(
+            _to_numpy(do), _to_numpy(q), _to_numpy(k), _to_numpy(v), _to_numpy(o),
+            _to_numpy(lse), **opts.kwargs())
+        return (_to_torch(dq, "dq", q.dtype), _to_torch(dk, "dk", k.dtype),
+                _to_torch(dv, "dv", v.dtype))
+
+
+class _XlaKernels:
+    """XLA tensors (torch-neuronx): the ``@nki.jit`` kernels called directly on device tensors.
+
+    **Untested without Trainium hardware.** Written to the torch-neuronx convention of Neuron
+    SDK >= 2.20.1 (docs/../reference/ecosystem.md §1): ``kernel[grid](*xla_tensors, **options)``
+    traces the kernel into one ``AwsNeuronCustomNativeKernel`` custom call of the XLA graph; the
+    kernel allocates o and lse in HBM (``nl.shared_hbm``) and returns them. The kernels take the
+    standard ``(B, H, N, D)`` layout, so no host-side permutes are needed; the launch plan (grid,
+    tile sizes, keyword options) comes from the same planning function the NumPy launcher uses
+    (:func:`host.api.plan_attention_forward` / ``plan_attention_backward``), so both paths launch
+    identical kernels. ``kv_lens``/``q_lens`` are passed as (B,) int32 device tensors.
+    """
+
+    @staticmethod
+    def _plans():
+        try:
+            from host import api
+            plan_fwd = api.plan_attention_forward
+            plan_bwd = api.plan_attention_backward
+        except (ImportError, AttributeError) as exc:
+            raise NotImplementedError(
+                "XLA tensors: host.api does not expose plan_attention_forward/"
+                "plan_attention_backward (kernel, grid, options) yet, which the XLA path launches "
+                "on device tensors; move the tensors to the CPU to use the NumPy launcher"
+            ) from exc
+        return plan_fwd, plan_bwd
+
+    @staticmethod
+    def _lens_on(device, lens):
+        return None if lens is None else torch.as_tensor(lens, dtype=torch.int32, device=device)
+
+    def _call(self, plan, arrays, opts: _Options, **extra):
+        kernel, grid, kernel_kwargs = plan(*arrays, **opts.kwargs(), **extra)
+        device = arrays[0].device
+        if opts.kv_lens is not None:
+            kernel_kwargs["kv_lens"] = self._lens_on(device, opts.kv_lens)
+        if opts.q_lens is not None:
+            kernel_kwargs["q_lens"] = self._lens_on(device, opts.q_lens)
+        return kernel[tuple(grid)](*arrays, **kernel_kwargs)
+
+    def forward(self, q, k, v, opts: _Options):
+        plan_fwd, _ = self._plans()
+        o, lse = self._call(plan_fwd, (q.contiguous(), k.contiguous(), v.contiguous()), opts,
+                            return_lse=True)
+        return o, lse
+
+    def backward(self, do, q, k, v, o, lse, opts: _Options):
+        _, plan_bwd = self._plans()
+        dq, dk, dv = self._call(plan_bwd, (do.contiguous(), q, k, v, o, lse), opts)
+        return dq, dk, dv
+
+
+_EXECUTORS = {_DEVICE_CPU: _HostKernels(), _DEVICE_XLA: _XlaKernels()}
+
+
+# --------------------------------------------------------------------------------------------
+# The autograd function
+# --------------------------------------------------------------------------------------------
+
+
+def _lse_gradient_terms(ex, g, q, k, v, o, lse, opts: _Options):
+    """Extra (dq, dk) from an upstream gradient ``g`` (B, Hq, Nq) of the returned LSE, fp32.
+
+    ``lse_i = log sum_j exp(S_ij)`` gives ``d lse_i / d S_ij = P_ij``, hence
+    ``dq_i += scale * g_i * (P @ k)_i`` and ``dk_j += scale * (P^T (g * q))_j`` (dv is
+    unaffected). ``P @ k`` is attention with k as the values (one forward call); ``P^T x`` is the
+    dv of a backward call with ``do = x`` (dv does not depend on o or on v). GQA sums over each
+    group, as dk must.
+    """
+    g32 = g.to(torch.float32)
+    pk, _ = ex.forward(q, k, k, opts)
+    dq_extra = opts.scale * g32[..., None] * pk.to(torch.float32)
+    do_x = (g32[..., None] * q.to(torch.float32)).to(q.dtype)
+    _, _, pt_x = ex.backward(do_x, q, k, v, o, lse, opts)
+    dk_extra = opts.scale * pt_x.to(torch.float32)
+    return dq_extra, dk_extra
+
+
+class _FlashAttentionFunction(torch.autograd.Function):
+    """forward(q, k, v, executor, options, return_lse) -> o or (o, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, executor, opts, return_lse):
+        in_dtype = q.dtype
+        cdt = _compute_dtype(q, opts.mixed_precision)
+        qc, kc, vc = (x.detach().to(cdt) for x in (q, k, v))  # a no-op unless float64
+        o, lse = executor.forward(qc, kc, vc, opts)
+        ctx.save_for_backward(qc, kc, vc, o, lse)
+        ctx.executor, ctx.opts, ctx.in_dtype = executor, opts, in_dtype
+        ctx.set_materialize_grads(False)
+        out_dtype = in_dtype
+        lse_dtype = torch.float64 if in_dtype == torch.float64 else torch.float32
+        o_out = o.to(out_dtype)
+        if not return_lse:
+            return o_out
+        return o_out, lse.to(lse_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse=None):
+        if grad_o is None and grad_lse is None:
+            return None, None, None, None, None, None
+        q, k, v, o, lse = ctx.saved_tensors
+        ex, opts = ctx.executor, ctx.opts
+        do = torch.zeros_like(o) if grad_o is None else grad_o.to(o.dtype)
+        dq, dk, dv = ex.backward(do, q, k, v, o, lse, opts)
+        if grad_lse is not None and bool(torch.any(grad_lse != 0)):
+            dq_extra, dk_extra = _lse_gradient_terms(ex, grad_lse, q, k, v, o, lse, opts)
+            dq = (dq.to(torch.float32) + dq_extra).to(q.dtype)
+            dk = (dk.to(torch.float32) + dk_extra).to(k.dtype)
+        out = ctx.in_dtype
+        return dq.to(out), dk.to(out), dv.to(out), None, None, None
+
+
+def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
+                    q_lens=None, mixed_precision=True, return_lse=False):
+    """Differentiable flash attention on torch tensors (the NumPy API's semantics).
+
+    Parameters
+    ----------
+    q : torch.Tensor (B, Hq, Nq, D)
+    k, v : torch.Tensor (B, Hkv, Nk, D)
+        ``Hq % Hkv == 0`` (query head h reads kv head ``h // (Hq // Hkv)``); one dtype for all
+        three: float32, bfloat16, float16, or float64 with ``mixed_precision=False`` (computed in
+        float32, see the module docstring); ``D <= 256``. CPU tensors run on the active
+        nki-flash backend; XLA tensors call the kernels on the Neuron device (untested without
+        hardware). Any strides.
+    scale : float, optional
+        Softmax scale, default ``1 / sqrt(D)``.
+    causal : None, False, True, "top_left" or "bottom_right"
+        ``True`` means ``"bottom_right"`` (FlashAttention's convention; docs/semantics.md).
+    window : (left, right), optional
+        Sliding window; -1 = unbounded on that side.
+    kv_lens, q_lens : (B,) ints, optional
+        Valid key / query lengths per sequence: an integer torch tensor, NumPy array or list.
+        Query rows past ``q_lens[b]`` output zeros (and LSE = -inf); their gradients are 0.
+    mixed_precision : bool
+        For float32 inputs: bfloat16 matmul operands (default) or float32 (False).
+    return_lse : bool
+        Also return the log-sum-exp. It is differentiable: a gradient flowing into it adds
+        ``scale * g * (P @ k)`` to dq and ``scale * P^T (g * q)`` to dk (two more kernel calls,
+        made only when that gradient is nonzero).
+
+    Returns
+    -------
+    o : torch.Tensor (B, Hq, Nq, D)
+        In q's dtype, on q's device.
+    lse : torch.Tensor (B, Hq, Nq), only with ``return_lse``
+        Natural log; float32 (float64 for float64 inputs); -inf for rows without a visible key.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad inputs or options; the message names the argument, what was given and what is
+        allowed.
+    """
+    dims, opts = _validate(q, k, v, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
+                           q_lens=q_lens, mixed_precision=mixed_precision)
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse: expected True or False, got {_v._describe(return_lse)}")
+    executor = _EXECUTORS[_device_kind(q, k, v)]
+    return _FlashAttentionFunction.apply(q, k, v, executor, opts, bool(return_lse))
+
+
+# --------------------------------------------------------------------------------------------
+# SDPA-compatible entry point
+# --------------------------------------------------------------------------------------------
+
+_SUPPORTED_MASKS = (
+    "supported attn_mask forms (bool, True = attend; or a float mask holding only 0.0 and "
+    "-inf), identical across heads and broadcastable to (..., H, L, S): all True; a per-batch "
+    "key-padding prefix (key j visible iff j < kv_len[b]) -> kv_lens; a lower-triangular causal "
+    "mask, top-left (j <= i) or bottom-right (j <= i + S - L) aligned -> causal; a causal mask "
+    "with a sliding-window band (j >= i + off - left) -> window; trailing all-False query rows "
+    "(i >= q_len[b]) -> q_lens; and combinations of these as in docs/semantics.md. For anything "
+    "else (additive biases, per-head or arbitrary masks) use PyTorch's own SDPA"
+)
+
+
+class _MaskForm(NamedTuple):
+    causal: Optional[str]
+    window: Optional[Tuple[int, int]]
+    kv_lens: Optional[np.ndarray]
+    q_lens: Optional[np.ndarray]
+
+
+def _last_true_plus_one(any_: np.ndarray) -> np.ndarray:
+    """(B, N) bool -> (B,) int64: index of the last True + 1 (0 when a row has none)."""
+    n = any_.shape[1]
+    rev_first = np.argmax(any_[:, ::-1], axis=1)
+    return np.where(any_.any(axis=1), n - rev_first, 0).astype(np.int64)
+
+
+def _window_left(m: np.ndarray, causal: str, kv: np.ndarray, ql: np.ndarray) -> Optional[int]:
+    """Left window bound that would explain the first visible key of each row, or None."""
+    B, L, S = m.shape
+    i = np.arange(L)[None, :]
+    off = np.zeros((B, 1), np.int64) if causal == _v.CAUSAL_TOP_LEFT else (kv - ql)[:, None]
+    has = m.any(axis=2)
+    if not has.any():
+        return None
+    first = np.argmax(m, axis=2)
+    left = int(np.max(np.where(has, i + off - first, -1)))
+    return left if left >= 0 else None
+
+
+def _recognize_mask(m: np.ndarray) -> Optional[_MaskForm]:
+    """The kernel options whose visibility mask equals ``m`` (B, L, S) exactly, or None.
+
+    Candidates are read off the mask (last visible row and column per batch, the causal
+    alignments, a left window bound) and tried simplest first; each is checked by rebuilding
+    its mask with :func:`host.reference.attention_mask` (the semantics' own definition) and
+    comparing every element, so an accepted mask computes exactly what it says.
+    """
+    from host import reference
+
+    B, L, S = m.shape
+    ql_c = _last_true_plus_one(m.any(axis=2))
+    kv_c = _last_true_plus_one(m.any(axis=1))
+    lens_choices = [(None, None)]
+    if not np.all(kv_c == S):
+        lens_choices.append((None, kv_c))
+    if not np.all(ql_c == L):
+        lens_choices += [(ql_c, None), (ql_c, kv_c)] if len(lens_choices) == 2 else [(ql_c, None)]
+    for causal in (None, _v.CAUSAL_TOP_LEFT, _v.CAUSAL_BOTTOM_RIGHT):
+        for ql, kv in lens_choices:
+            windows = [None]
+            if causal is not None:
+                left = _window_left(m, causal, np.full(B, S, np.int64) if kv is None else kv,
+                                    np.full(B, L, np.int64) if ql is None else ql)
+                if left is not None:
+                    windows.append((left, _v.WINDOW_UNBOUNDED))
+            for window in windows:
+                want = reference.attention_mask(L, S, batch=B, causal=causal, window=window,
+                                                q_lens=ql, kv_lens=kv)
+                if np.array_equal(want, m):
+                    return _MaskForm(causal, window, kv, ql)
+    return None
+
+
+def _mask_to_options(attn_mask, query, batch_shape, H: int, L: int, S: int) -> _MaskForm:
+    """Convert an SDPA ``attn_mask`` to kernel options, or raise naming ``attn_mask``.
+
+    The mask is reduced before it is inspected: to one head (it must not vary over heads), to
+    one batch entry when it is broadcast over the batch, and to one row per sequence when it is
+    broadcast over the queries (then only a key-padding prefix can describe it).
+    """
+    _check_tensor("attn_mask", attn_mask)
+    full = tuple(batch_shape) + (H, L, S)
+    if attn_mask.dtype == torch.bool:
+        keep = attn_mask
+    elif attn_mask.dtype == query.dtype:
+        if attn_mask.requires_grad:
+            raise ValueError(
+                "attn_mask: a float mask that requires grad is not supported (the kernels take "
+                "masks as structure, not as a differentiable bias); got requires_grad=True"
+            )
+        finite = torch.isfinite(attn_mask)
+        ok = (finite & (attn_mask == 0)) | (~finite & (attn_mask < 0))
+        if not bool(ok.all()):
+            bad = attn_mask[~ok].flatten()[0].item()
+            raise ValueError(
+                f"attn_mask: a float mask must hold only 0.0 (attend) and -inf (masked) to run in "
+                f"the kernels; got the value {bad!r} (additive biases such as ALiBi, or "
+                f"torch.finfo(dtype).min in place of -inf, are not supported; convert the "
+                f"latter with mask == 0). {_SUPPORTED_MASKS}"
+            )
+        keep = attn_mask == 0
+    else:
+        raise TypeError(
+            f"attn_mask: dtype {_v.dtype_name(attn_mask)} is not supported; allowed: bool or "
+            f"query's dtype {_v.dtype_name(query)}"
+        )
+    try:
+        ok_shape = torch.broadcast_shapes(tuple(keep.shape), full) == torch.Size(full)
+    except RuntimeError:
+        ok_shape = False
+    if not ok_shape:
+        raise ValueError(
+            f"attn_mask: shape {tuple(keep.shape)} is not broadcastable to the attention shape "
+            f"(..., H, L, S) = {full}"
+        )
+    keep = keep.detach().to(_DEVICE_CPU)
+    keep = keep.reshape((1,) * (len(full) - keep.dim()) + tuple(keep.shape))
+    if keep.shape[-3] != 1:
+        if not bool((keep == keep.narrow(-3, 0, 1)).all()):
+            raise ValueError(
+                f"attn_mask: the mask differs between heads (shape {tuple(attn_mask.shape)}); "
+                f"the kernels apply one mask to all heads. {_SUPPORTED_MASKS}"
+            )
+        keep = keep.narrow(-3, 0, 1)
+    B = int(np.prod(batch_shape)) if batch_shape else 1
+    per_batch = all(d == 1 for d in keep.shape[:-3])
+    Bm = 1 if per_batch else B
+    Lm = int(keep.shape[-2])
+    m = torch.broadcast_to(keep, (tuple(keep.shape[:-3]) if per_batch else tuple(batch_shape))
+                           + (1, Lm, S)).reshape(Bm, Lm, S).numpy().astype(bool, copy=True)
+    form = _recognize_mask(m)
+    if form is not None and Lm != L:
+        # Broadcast over queries: one row per sequence, only a key-padding prefix describes it.
+        form = None if form.causal is not None or form.q_lens is not None else form
+    if form is None:
+        raise ValueError(
+            f"attn_mask: this {_v.dtype_name(attn_mask)} mask of shape {tuple(attn_mask.shape)} "
+            f"is not one the kernels can apply. {_SUPPORTED_MASKS}"
+        )
+    if Bm != B:
+        form = _MaskForm(form.causal, form.window,
+                         None if form.kv_lens is None else np.repeat(form.kv_lens, B),
+                         None if form.q_lens is None else np.repeat(form.q_lens, B))
+    return form
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {_v._describe(value)}")
+    return bool(value)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 mixed_precision=True):
+    """:func:`torch.nn.functional.scaled_dot_product_attention` on the nki-flash kernels.
+
+    Same signature and semantics as PyTorch's, differentiable, with these limits (each raises
+    a ValueError/TypeError naming the argument rather than being ignored):
+
+    * ``dropout_p`` must be 0.0 (the kernels have no dropout);
+    * ``attn_mask`` must be one the kernels apply themselves: bool (True = attend) or a float
+      mask of only 0.0 / -inf, identical across heads, that is all True, a per-batch
+      key-padding prefix (-> ``kv_lens``), a top-left or bottom-right lower-triangular causal
+      mask (-> ``causal``), a causal sliding-window band (-> ``window``), trailing all-False
+      query rows (-> ``q_lens``), or a combination of these. The mask is inspected on the host
+      (one pass over its values) and must be exactly one of these forms;
+    * ``is_causal`` with ``attn_mask`` is an error (as in PyTorch);
+    * different kv head counts need ``enable_gqa=True`` (PyTorch's rule);
+    * value's head dim must equal query's (E == Ev); key and value share one shape.
+
+    Parameters
+    ----------
+    query : torch.Tensor (..., Hq, L, E)
+    key, value : torch.Tensor (..., Hkv, S, E)
+        Same leading (batch) dims as query, no broadcasting between them. Inputs with 2 dims
+        ``(L, E)`` are one head of one sequence. Dtypes as in :func:`flash_attention`.
+    attn_mask : torch.Tensor, optional
+        See above.
+    dropout_p : float
+        Must be 0.0.
+    is_causal : bool
+        Top-left aligned causal mask (query i sees keys j <= i), PyTorch's meaning. (The
+        NumPy API's ``causal=True`` is bottom-right; this wrapper passes ``"top_left"``.)
+    scale : float, optional
+        Default ``1 / sqrt(E)``.
+    enable_gqa : bool
+        Allow ``Hq != Hkv`` with ``Hq % Hkv == 0`` (query head h reads kv head
+        ``h // (Hq // Hkv)``, i.e. PyTorch's repeat_interleave).
+    mixed_precision : bool, keyword-only (nki-flash extension)
+        For float32 inputs, bfloat16 matmul operands (default, the kernels' default) or float32.
+        PyTorch's CPU SDPA computes float32 in float32: pass False for that precision.
+
+    Returns
+    -------
+    torch.Tensor (..., Hq, L, E)
+        In query's dtype. Rows whose mask has no visible key are 0 (as in PyTorch 2.5+).
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, x)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p: expected a float, got {_v._describe(dropout_p)}")
+    if dropout_p != 0.0:
+        raise ValueError(
+            f"dropout_p: the nki-flash kernels have no attention dropout; got {dropout_p}, "
+            f"allowed: 0.0 (pass dropout_p=0.0 when not training, or use PyTorch's SDPA)"
+        )
+    is_causal = _check_bool("is_causal", is_causal)
+    enable_gqa = _check_bool("enable_gqa", enable_gqa)
+    if is_causal and attn_mask is not None:
+        raise ValueError(
+            "is_causal: is_causal=True cannot be combined with attn_mask (PyTorch's rule); got "
+            f"an attn_mask of shape {tuple(attn_mask.shape)}. Fold the causal mask into "
+            "attn_mask or pass only is_causal=True"
+        )
+
+    if query.dim() < 2:
+        raise ValueError(
+            f"query: expected shape (..., Hq, L, E) with at least 2 dims, got {tuple(query.shape)}"
+        )
+    for name, x in (("key", key), ("value", value)):
+        if x.dim() != query.dim():
+            raise ValueError(
+                f"{name}: expected {query.dim()} dims like query {tuple(query.shape)} "
+                f"(..., Hkv, S, E), got {tuple(x.shape)}"
+            )
+    if query.dim() == 2:
+        batch_shape, heads = (), (1, 1)
+    else:
+        batch_shape = tuple(query.shape[:-3])
+        heads = (int(query.shape[-3]), int(key.shape[-3]))
+    if tuple(key.shape[:-3]) != batch_shape:
+        raise ValueError(
+            f"key: batch dims {tuple(key.shape[:-3])} must equal query's {batch_shape} "
+            f"(no broadcasting); got key {tuple(key.shape)}, query {tuple(query.shape)}"
+        )
+    if tuple(value.shape[:-1]) != tuple(key.shape[:-1]):
+        raise ValueError(
+            f"value: expected shape (..., Hkv, S, Ev) = {tuple(key.shape[:-1])} + (Ev,) matching "
+            f"key {tuple(key.shape)}, got {tuple(value.shape)}"
+        )
+    L, E = int(query.shape[-2]), int(query.shape[-1])
+    S, Ek, Ev = int(key.shape[-2]), int(key.shape[-1]), int(value.shape[-1])
+    if Ek != E:
+        raise ValueError(f"key: head dim E={Ek} must equal query's E={E}; got {tuple(key.shape)}")
+    if Ev != E:
+        raise ValueError(
+            f"value: head dim Ev={Ev} different from query's E={E} is not supported by the "
+            f"kernels; got value {tuple(value.shape)}"
+        )
+    Hq, Hkv = heads
+    if Hq != Hkv and not enable_gqa:
+        raise ValueError(
+            f"enable_gqa: query has Hq={Hq} heads and key/value Hkv={Hkv}; grouped-query "
+            f"attention needs enable_gqa=True (PyTorch's rule), got enable_gqa=False"
+        )
+    if Hq % Hkv:
+        raise ValueError(
+            f"key: Hkv={Hkv} kv heads must divide query's Hq={Hq} heads for enable_gqa; got key "
+            f"{tuple(key.shape)}, query {tuple(query.shape)}"
+        )
+
+    causal = _v.CAUSAL_TOP_LEFT if is_causal else None
+    window = kv_lens = q_lens = None
+    if attn_mask is not None:
+        form = _mask_to_options(attn_mask, query, batch_shape, Hq, L, S)
+        causal, window, kv_lens, q_lens = form
+    B = int(np.prod(batch_shape)) if batch_shape else 1
+    q4 = query.reshape(B, Hq, L, E)
+    k4 = key.reshape(B, Hkv, S, E)
+    v4 = value.reshape(B, Hkv, S, E)
+    o = flash_attention(q4, k4, v4, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
+                        q_lens=q_lens, mixed_precision=mixed_precision)
+    return o.reshape(tuple(query.shape))

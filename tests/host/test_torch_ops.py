@@ -1,0 +1,492 @@
+"""Tests of host/torch_ops.py: the differentiable flash attention and the SDPA-compatible entry.
+
+Two kinds of tests:
+
+* **Plumbing** (``fake_kernels`` fixture): ``host.flash_attention`` and
+  ``host.flash_attention_backward`` are replaced by the float64 references of host/reference.py
+  rounded to the kernels' output dtypes. These check the torch side alone (dtype round trips,
+  strides, autograd wiring, option passing, SDPA mask conversion and argument checks) and run in
+  milliseconds.
+* **End to end** (``real``): the kernels on the active backend (the CPU simulator in CI), checked
+  against the float64 reference with the tolerance rule of docs/semantics.md, against PyTorch's
+  own ``scaled_dot_product_attention`` through ``torch.autograd``, with
+  ``torch.autograd.gradcheck``, and by training a tiny transformer block.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import host  # noqa: E402
+from host import reference  # noqa: E402
+from host import torch_ops  # noqa: E402
+from host.torch_ops import flash_attention, scaled_dot_product_attention  # noqa: E402
+
+HAVE_KERNELS = hasattr(host, "flash_attention") and hasattr(host, "flash_attention_backward")
+real = pytest.mark.skipif(not HAVE_KERNELS, reason="host.flash_attention not available yet")
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _np(t):
+    """float64 NumPy copy of a tensor (exact for every float dtype)."""
+    return t.detach().to(torch.float64).numpy()
+
+
+def _rand(*shape, dtype=torch.float32, seed=0, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    return x.requires_grad_(requires_grad)
+
+
+def _qkv(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float32, seed=0):
+    return (_rand(B, Hq, Nq, D, dtype=dtype, seed=seed),
+            _rand(B, Hkv, Nk, D, dtype=dtype, seed=seed + 1),
+            _rand(B, Hkv, Nk, D, dtype=dtype, seed=seed + 2))
+
+
+def _grads(out, do, *inputs):
+    return torch.autograd.grad(out, inputs, do)
+
+
+class FakeKernels:
+    """host.flash_attention(_backward) replaced by the float64 references, recording each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, q, k, v, *, scale=None, causal=None, window=None, kv_lens=None,
+                q_lens=None, mixed_precision=True, return_lse=False):
+        self.calls.append(("fwd", dict(q=q, k=k, v=v, scale=scale, causal=causal, window=window,
+                                       kv_lens=kv_lens, q_lens=q_lens,
+                                       mixed_precision=mixed_precision)))
+        o, lse = reference.attention_forward(q, k, v, scale=scale, causal=causal, window=window,
+                                             kv_lens=kv_lens, q_lens=q_lens)
+        o, lse = o.astype(q.dtype), lse.astype(np.float32)
+        return (o, lse) if return_lse else o
+
+    def backward(self, do, q, k, v, o, lse, *, scale=None, causal=None, window=None,
+                 kv_lens=None, q_lens=None, mixed_precision=True):
+        self.calls.append(("bwd", dict(do=do, o=o, lse=lse, scale=scale, causal=causal,
+                                       window=window, kv_lens=kv_lens, q_lens=q_lens)))
+        dq, dk, dv = reference.attention_backward_from_lse(
+            do, q, k, v, o, lse, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
+            q_lens=q_lens)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    fake = FakeKernels()
+    monkeypatch.setattr(host, "flash_attention", fake.forward, raising=False)
+    monkeypatch.setattr(host, "flash_attention_backward", fake.backward, raising=False)
+    return fake
+
+
+def _ref_grads(q, k, v, do, **opts):
+    o, lse = reference.attention_forward(q, k, v, **opts)
+    return (o, lse) + tuple(reference.attention_backward(do, q, k, v, **opts))
+
+
+# --------------------------------------------------------------------------------------------
+# Plumbing: conversions and autograd wiring (reference-backed fake kernels)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_plumbing_dtypes_round_trip_bit_exact(fake_kernels, dtype):
+    q, k, v = _qkv(2, 4, 2, 5, 7, 8, dtype=dtype)
+    do = _rand(2, 4, 5, 8, dtype=dtype, seed=9, requires_grad=False)
+    o, lse = flash_attention(q, k, v, causal="top_left", return_lse=True)
+    dq, dk, dv = _grads(o, do, q, k, v)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert (dq.dtype, dk.dtype, dv.dtype) == (dtype, dtype, dtype)
+    # The arrays handed to the NumPy API carry the tensors' exact bits and dtype.
+    fwd = fake_kernels.calls[0][1]
+    assert fwd["q"].dtype.name == str(dtype).replace("torch.", "")
+    np.testing.assert_array_equal(fwd["q"].astype(np.float64), _np(q))
+    # ... and the results come back unchanged (same rounding as the fake applied).
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal="top_left")
+    np.testing.assert_array_equal(_np(o), o_ref.astype(fwd["q"].dtype).astype(np.float64))
+    np.testing.assert_array_equal(lse.detach().numpy(), lse_ref.astype(np.float32))
+    bwd = fake_kernels.calls[1][1]
+    np.testing.assert_array_equal(bwd["do"].astype(np.float64), _np(do))
+    np.testing.assert_array_equal(bwd["o"].astype(np.float64), _np(o))
+
+
+def test_plumbing_gradients_match_pytorch_autograd(fake_kernels):
+    q, k, v = _qkv(2, 3, 3, 6, 9, 16, dtype=torch.float64)
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    do = _rand(2, 3, 6, 16, seed=5, requires_grad=False)
+    o = flash_attention(qf, kf, vf, mixed_precision=False)
+    got = _grads(o, do, qf, kf, vf)
+    o_t = F.scaled_dot_product_attention(q, k, v)
+    want = _grads(o_t, do.double(), q, k, v)
+    torch.testing.assert_close(o.double(), o_t, atol=1e-6, rtol=0)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=0)
+
+
+def test_plumbing_non_contiguous_inputs(fake_kernels):
+    # (B, N, H, D) storage seen as (B, H, N, D), the usual layout after a projection.
+    base = _rand(2, 7, 4, 8, seed=3, requires_grad=False)
+    q = base.transpose(1, 2).requires_grad_()
+    k = _rand(2, 9, 2, 8, seed=4).transpose(1, 2)
+    v = _rand(2, 2, 8, 9, seed=5).transpose(-1, -2)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    do = _rand(2, 4, 7, 8, seed=6, requires_grad=False).transpose(0, 0)
+    o = flash_attention(q, k, v)
+    dq, dk, dv = _grads(o, do, q, k, v)
+    ref = _ref_grads(q, k, v, do)
+    np.testing.assert_allclose(_np(o), ref[0], atol=1e-6)
+    for g, r in zip((dq, dk, dv), ref[2:]):
+        np.testing.assert_allclose(_np(g), r, atol=1e-5)
+
+
+def test_plumbing_options_reach_the_kernels(fake_kernels):
+    q, k, v = _qkv(2, 2, 1, 6, 8, 4)
+    kv_lens = torch.tensor([8, 5], dtype=torch.int32)
+    o = flash_attention(q, k, v, scale=0.3, causal=True, window=(3, -1), kv_lens=kv_lens,
+                        q_lens=np.array([6, 4]), mixed_precision=False)
+    o.sum().backward()
+    for kind, call in fake_kernels.calls:
+        assert call["scale"] == 0.3 and call["causal"] == "bottom_right"
+        assert call["window"] == (3, -1)
+        np.testing.assert_array_equal(call["kv_lens"], [8, 5])
+        np.testing.assert_array_equal(call["q_lens"], [6, 4])
+    assert fake_kernels.calls[0][1]["mixed_precision"] is False
+    # Query rows past q_lens are zero and get zero gradients.
+    assert torch.all(o[1, :, 4:] == 0) and torch.all(q.grad[1, :, 4:] == 0)
+
+
+@pytest.mark.parametrize("lens", [[3, 6], (3, 6), np.array([3, 6]), torch.tensor([3, 6])])
+def test_plumbing_lengths_forms(fake_kernels, lens):
+    q, k, v = _qkv(2, 1, 1, 4, 6, 4)
+    flash_attention(q, k, v, kv_lens=lens)
+    np.testing.assert_array_equal(fake_kernels.calls[0][1]["kv_lens"], [3, 6])
+
+
+def test_plumbing_lse_gradient(fake_kernels):
+    """A gradient flowing into the returned LSE matches torch.logsumexp's."""
+    q, k, v = _qkv(1, 4, 2, 5, 7, 8, dtype=torch.float64)
+    w = _rand(1, 4, 5, seed=8, dtype=torch.float64, requires_grad=False)
+    do = _rand(1, 4, 5, 8, seed=9, dtype=torch.float64, requires_grad=False)
+    o, lse = flash_attention(q, k, v, causal="bottom_right", return_lse=True,
+                             mixed_precision=False)
+    got = torch.autograd.grad((o * do).sum() + (lse * w).sum(), (q, k, v))
+    kx, vx = (x.repeat_interleave(2, dim=1) for x in (k, v))
+    s = (q @ kx.transpose(-1, -2)) / np.sqrt(8)
+    mask = torch.ones(5, 7, dtype=torch.bool).tril(diagonal=2)
+    s = s.masked_fill(~mask, float("-inf"))
+    lse_t = torch.logsumexp(s, dim=-1)
+    o_t = torch.softmax(s, dim=-1) @ vx
+    want = torch.autograd.grad((o_t * do).sum() + (lse_t * w).sum(), (q, k, v))
+    torch.testing.assert_close(lse, lse_t, atol=1e-6, rtol=0)
+    for g, t in zip(got, want):
+        torch.testing.assert_close(g, t, atol=1e-5, rtol=0)
+
+
+def test_plumbing_float64_gradcheck(fake_kernels):
+    q, k, v = _qkv(1, 2, 1, 3, 4, 4, dtype=torch.float64)
+
+    def fn(q, k, v):
+        o, lse = flash_attention(q, k, v, causal="top_left", return_lse=True,
+                                 mixed_precision=False)
+        return o, lse
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-3, atol=1e-3, rtol=1e-3)
+
+
+def test_plumbing_no_grad_and_inference(fake_kernels):
+    q, k, v = _qkv(1, 1, 1, 3, 3, 4)
+    with torch.no_grad():
+        o = flash_attention(q, k, v)
+    assert not o.requires_grad
+    with torch.inference_mode():
+        o2 = flash_attention(q.detach(), k.detach(), v.detach())
+    torch.testing.assert_close(o, o2)
+
+
+# --------------------------------------------------------------------------------------------
+# flash_attention: errors
+# --------------------------------------------------------------------------------------------
+
+
+def test_error_float64_needs_full_precision(fake_kernels):
+    q, k, v = _qkv(1, 1, 1, 3, 3, 4, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"q: dtype float64 needs mixed_precision=False"):
+        flash_attention(q, k, v)
+
+
+def test_error_unsupported_dtype_and_mixed_dtypes(fake_kernels):
+    q, k, v = _qkv(1, 1, 1, 3, 3, 4)
+    with pytest.raises(TypeError, match=r"q: dtype int32 is not supported"):
+        flash_attention(q.detach().to(torch.int32), k, v)
+    with pytest.raises(TypeError, match=r"k: dtype bfloat16 does not match q's dtype float32"):
+        flash_attention(q, k.to(torch.bfloat16), v)
+
+
+def test_error_not_a_tensor_and_shapes(fake_kernels):
+    q, k, v = _qkv(1, 4, 3, 3, 3, 4)
+    with pytest.raises(TypeError, match=r"q: expected a torch.Tensor, got"):
+        flash_attention(_np(q), k, v)
+    with pytest.raises(ValueError, match=r"k: Hkv=3 kv heads must divide q's Hq=4"):
+        flash_attention(q, k, v)
+    with pytest.raises(ValueError, match=r"q: expected a 4-D array"):
+        flash_attention(q[0], k, v)
+
+
+def test_error_device(fake_kernels):
+    q, k, v = _qkv(1, 1, 1, 3, 3, 4)
+    with pytest.raises(ValueError, match=r"q: device meta is not supported; allowed: cpu"):
+        flash_attention(q.to("meta"), k.to("meta"), v.to("meta"))
+    with pytest.raises(ValueError, match=r"v: expected the same device as q \(cpu\), got meta"):
+        flash_attention(q, k, v.to("meta"))
+
+
+def test_error_options(fake_kernels):
+    q, k, v = _qkv(2, 1, 1, 3, 3, 4)
+    with pytest.raises(ValueError, match=r"causal: expected None, False, True"):
+        flash_attention(q, k, v, causal="top")
+    with pytest.raises(TypeError, match=r"kv_lens: expected an integer tensor, got dtype float32"):
+        flash_attention(q, k, v, kv_lens=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"kv_lens: values must be in \[0, Nk=3\], got 4"):
+        flash_attention(q, k, v, kv_lens=torch.tensor([1, 4]))
+    with pytest.raises(TypeError, match=r"mixed_precision: expected True or False"):
+        flash_attention(q, k, v, mixed_precision=1)
+    with pytest.raises(TypeError, match=r"return_lse: expected True or False"):
+        flash_attention(q, k, v, return_lse="yes")
+
+
+# --------------------------------------------------------------------------------------------
+# SDPA wrapper: semantics against PyTorch's SDPA (fake kernels: exact references)
+# --------------------------------------------------------------------------------------------
+
+
+def _sdpa_both(q, k, v, **kw):
+    """Our SDPA and PyTorch's on the same float64 inputs: outputs and gradients."""
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ours = scaled_dot_product_attention(qf, kf, vf, mixed_precision=False, **kw)
+    theirs = F.scaled_dot_product_attention(q64, k64, v64, **kw)
+    do = _rand(*theirs.shape, dtype=torch.float64, seed=42, requires_grad=False)
+    g_ours = _grads(ours, do.float(), qf, kf, vf)
+    g_theirs = _grads(theirs, do, q64, k64, v64)
+    return (ours,) + g_ours, (theirs,) + g_theirs
+
+
+def _assert_close_all(got, want, atol):
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("shape_q,shape_kv", [
+    ((5, 4), (7, 4)),                       # (L, E): one head, one sequence
+    ((3, 5, 4), (3, 7, 4)),                 # (H, L, E)
+    ((2, 3, 5, 4), (2, 3, 7, 4)),           # (B, H, L, E)
+    ((2, 2, 3, 5, 4), (2, 2, 3, 7, 4)),     # two batch dims
+])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_batch_dims_and_causal(fake_kernels, shape_q, shape_kv, is_causal):
+    q, k, v = _rand(*shape_q, seed=1), _rand(*shape_kv, seed=2), _rand(*shape_kv, seed=3)
+    got, want = _sdpa_both(q, k, v, is_causal=is_causal, scale=0.7)
+    _assert_close_all(got, want, 1e-5)
+    assert fake_kernels.calls[0][1]["causal"] == ("top_left" if is_causal else None)
+
+
+@pytest.mark.parametrize("L,S", [(5, 9), (9, 5)])
+def test_sdpa_is_causal_is_top_left(fake_kernels, L, S):
+    q, k, v = _rand(1, 2, L, 8, seed=1), _rand(1, 2, S, 8, seed=2), _rand(1, 2, S, 8, seed=3)
+    got, want = _sdpa_both(q, k, v, is_causal=True)
+    _assert_close_all(got, want, 1e-5)
+
+
+def test_sdpa_gqa(fake_kernels):
+    q, k, v = _qkv(2, 8, 2, 6, 6, 8)
+    got, want = _sdpa_both(q, k, v, enable_gqa=True, is_causal=True)
+    _assert_close_all(got, want, 1e-5)
+
+
+def _key_padding(kv_lens, S):
+    return torch.arange(S)[None, :] < torch.tensor(kv_lens)[:, None]
+
+
+@pytest.mark.parametrize("form", ["b11s", "bs_broadcast_3d", "full"])
+def test_sdpa_key_padding_mask_becomes_kv_lens(fake_kernels, form):
+    B, H, L, S = 3, 2, 4, 6
+    keep = _key_padding([6, 3, 1], S)
+    mask = {"b11s": keep[:, None, None, :],
+            "bs_broadcast_3d": keep[:, None, None, :].expand(B, 1, L, S),
+            "full": keep[:, None, None, :].expand(B, H, L, S).clone()}[form]
+    q, k, v = _qkv(B, H, H, L, S, 8)
+    got, want = _sdpa_both(q, k, v, attn_mask=mask)
+    _assert_close_all(got, want, 1e-5)
+    call = fake_kernels.calls[0][1]
+    np.testing.assert_array_equal(call["kv_lens"], [6, 3, 1])
+    assert call["causal"] is None and call["q_lens"] is None and call["window"] is None
+
+
+@pytest.mark.parametrize("L,S,align", [(6, 6, "top_left"), (4, 7, "top_left"),
+                                       (4, 7, "bottom_right"), (7, 4, "bottom_right")])
+def test_sdpa_triangular_mask_becomes_causal(fake_kernels, L, S, align):
+    diag = 0 if align == "top_left" else S - L
+    mask = torch.ones(L, S, dtype=torch.bool).tril(diagonal=diag)
+    q, k, v = _qkv(2, 2, 2, L, S, 8)
+    got, want = _sdpa_both(q, k, v, attn_mask=mask)
+    _assert_close_all(got, want, 1e-5)
+    call = fake_kernels.calls[0][1]
+    assert call["causal"] == align or (L == S and call["causal"] in ("top_left", "bottom_right"))
+    assert call["kv_lens"] is None
+
+
+def test_sdpa_float_mask_of_zero_and_neg_inf(fake_kernels):
+    L = S = 5
+    keep = torch.ones(L, S, dtype=torch.bool).tril()
+    mask = torch.zeros(L, S).masked_fill(~keep, float("-inf"))
+    q, k, v = _qkv(1, 2, 2, L, S, 8)
+    qf, kf, vf = (x.detach() for x in (q, k, v))
+    ours = scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, mixed_precision=False)
+    theirs = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    assert fake_kernels.calls[0][1]["causal"] in ("top_left", "bottom_right")
+
+
+def test_sdpa_causal_padding_and_window_combinations(fake_kernels):
+    """Causal LM with right padding and a sliding window: one mask, three kernel options."""
+    B, L = 3, 8
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    causal = j <= i
+    band = j >= i - 2
+    pad = _key_padding([8, 5, 2], L)[:, None, None, :]
+    q, k, v = _qkv(B, 2, 2, L, L, 8)
+    for mask, want_window in ((causal & pad, None), (causal & band & pad, (2, -1))):
+        fake_kernels.calls.clear()
+        got, want = _sdpa_both(q, k, v, attn_mask=mask)
+        _assert_close_all(got, want, 1e-5)
+        call = fake_kernels.calls[0][1]
+        assert call["causal"] == "top_left" and call["window"] == want_window
+        np.testing.assert_array_equal(call["kv_lens"], [8, 5, 2])
+
+
+def test_sdpa_query_padding_rows(fake_kernels):
+    """Trailing all-False query rows become q_lens; PyTorch gives 0 for such rows, as we do."""
+    B, L, S = 2, 5, 6
+    qmask = torch.arange(L)[None, :, None] < torch.tensor([5, 3])[:, None, None]
+    kmask = _key_padding([6, 4], S)[:, None, :]
+    mask = (qmask & kmask)[:, None]
+    q, k, v = _qkv(B, 2, 2, L, S, 8)
+    got, want = _sdpa_both(q, k, v, attn_mask=mask)
+    _assert_close_all(got, want, 1e-5)
+    call = fake_kernels.calls[0][1]
+    np.testing.assert_array_equal(call["q_lens"], [5, 3])
+    np.testing.assert_array_equal(call["kv_lens"], [6, 4])
+
+
+def test_sdpa_all_true_mask_is_no_mask(fake_kernels):
+    q, k, v = _qkv(1, 1, 1, 3, 4, 4)
+    scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 4, dtype=torch.bool))
+    call = fake_kernels.calls[0][1]
+    assert call["causal"] is None and call["kv_lens"] is None and call["q_lens"] is None
+
+
+# --------------------------------------------------------------------------------------------
+# SDPA wrapper: error paths (each names the argument, what was given and what is allowed)
+# --------------------------------------------------------------------------------------------
+
+
+def test_sdpa_error_dropout(fake_kernels):
+    q, k, v = _qkv(1, 1, 1, 3, 3, 4)
+    with pytest.raises(ValueError, match=r"dropout_p: .*no attention dropout; got 0.1, allowed: 0.0"):
+        scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    assert not fake_kernels.calls
+
+
+def test_sdpa_error_is_causal_with_mask(fake_kernels):
+    q, k, v = _qkv(1, 1, 1, 3, 3, 4)
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"is_causal: is_causal=True cannot be combined with "
+                                         r"attn_mask .*shape \(3, 3\)"):
+        scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+
+
+def test_sdpa_error_gqa_needs_enable_gqa(fake_kernels):
+    q, k, v = _qkv(1, 4, 2, 3, 3, 4)
+    with pytest.raises(ValueError, match=r"enable_gqa: query has Hq=4 heads and key/value Hkv=2; "
+                                         r".*got enable_gqa=False"):
+        scaled_dot_product_attention(q, k, v)
+    q, k, v = _qkv(1, 4, 3, 3, 3, 4)
+    with pytest.raises(ValueError, match=r"key: Hkv=3 kv heads must divide query's Hq=4"):
+        scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+@pytest.mark.parametrize("mask,pattern", [
+    (torch.rand(3, 3) < 0.5, r"attn_mask: this bool mask of shape \(3, 3\) is not one the "
+                             r"kernels can apply\. supported attn_mask forms"),
+    (torch.ones(3, 3, dtype=torch.bool).triu(), r"attn_mask: this bool mask"),
+    (torch.zeros(3, 3).fill_(-1e9), r"attn_mask: a float mask must hold only 0.0 .* and -inf "
+                                    r".*got the value -1000000000.0"),
+    (torch.randn(3, 3), r"attn_mask: a float mask must hold only 0.0"),
+    (torch.ones(3, 3, dtype=torch.int64), r"attn_mask: dtype int64 is not supported; allowed: "
+                                          r"bool or query's dtype float32"),
+    (torch.ones(3, 3, dtype=torch.float16), r"attn_mask: dtype float16 is not supported"),
+    (torch.ones(2, 3, dtype=torch.bool), r"attn_mask: shape \(2, 3\) is not broadcastable to "
+                                         r"the attention shape \(\.\.\., H, L, S\) = \(1, 2, 3, 3\)"),
+    (torch.stack([torch.ones(3, 3, dtype=torch.bool),
+                  torch.ones(3, 3, dtype=torch.bool).tril()])[None],
+     r"attn_mask: the mask differs between heads \(shape \(1, 2, 3, 3\)\)"),
+    ("not a tensor", r"attn_mask: expected a torch.Tensor, got 'not a tensor' \(str\)"),
+])
+def test_sdpa_error_masks(fake_kernels, mask, pattern):
+    q, k, v = _qkv(1, 2, 2, 3, 3, 4)
+    err = TypeError if isinstance(mask, str) or mask.dtype in (torch.int64, torch.float16) \
+        else ValueError
+    with pytest.raises(err, match=pattern):
+        scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert not fake_kernels.calls
+
+
+def test_sdpa_error_mask_requiring_grad(fake_kernels):
+    q, k, v = _qkv(1, 1, 1, 3, 3, 4)
+    mask = torch.zeros(3, 3, requires_grad=True)
+    with pytest.raises(ValueError, match=r"attn_mask: a float mask that requires grad"):
+        scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_sdpa_error_shapes(fake_kernels):
+    q, k, v = _qkv(2, 2, 2, 3, 4, 8)
+    with pytest.raises(ValueError, match=r"value: head dim Ev=4 different from query's E=8"):
+        scaled_dot_product_attention(q, k, v[..., :4])
+    with pytest.raises(ValueError, match=r"key: batch dims \(1,\) must equal query's \(2,\)"):
+        scaled_dot_product_attention(q, k[:1], v[:1])
+    with pytest.raises(ValueError, match=r"key: expected 4 dims like query"):
+        scaled_dot_product_attention(q, k[0], v[0])
+    with pytest.raises(ValueError, match=r"value: expected shape \(\.\.\., Hkv, S, Ev\)"):
+        scaled_dot_product_attention(q, k, v[:, :, :3])
+    with pytest.raises(ValueError, match=r"query: expected shape \(\.\.\., Hq, L, E\) with at "
+                                         r"least 2 dims, got \(8,\)"):
+        scaled_dot_product_attention(q[0, 0, 0], k, v)
+    with pytest.raises(TypeError, match=r"is_causal: expected True or False, got 1 \(int\)"):
+        scaled_dot_product_attention(q, k, v, is_causal=1)
+
+
+def test_sdpa_mask_shared_by_the_batch_gives_per_sequence_lengths(fake_kernels):
+    """A (L, S) mask broadcast over B: the options found once are repeated for every sequence."""
+    B, L, S = 3, 4, 6
+    mask = _key_padding([4], S).expand(L, S)
+    q, k, v = _qkv(B, 2, 2, L, S, 8)
+    got, want = _sdpa_both(q, k, v, attn_mask=mask)
+    _assert_close_all(got, want, 1e-5)
+    np.testing.assert_array_equal(fake_kernels.calls[0][1]["kv_lens"], [4, 4, 4])
+
+
+def test_sdpa_row_broadcast_mask_that_is_not_a_prefix(fake_kernels):
+    q, k, v = _qkv(1, 1, 1, 3, 4, 4)
+    mask = torch.tensor([False, False, True, True])[None, None, None, :]
+    with pytest.raises(ValueError, match=r"attn_mask: this bool mask of shape \(1, 1, 1, 4\)"):
+        scaled_dot_product_attention(q, k, v, attn_mask=mask)
