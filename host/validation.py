@@ -158,12 +158,18 @@ def _names(dtypes: Sequence) -> str:
     return ", ".join(dtype_name(d) for d in dtypes)
 
 
-def _describe(value) -> str:
-    """Short description of a non-array value for error messages: ``'abc' (str)``."""
+def describe(value) -> str:
+    """Short description of a non-array value for error messages: ``'abc' (str)``.
+
+    The repr is cut to 60 characters so that a huge object never floods a message.
+    """
     text = repr(value)
     if len(text) > _REPR_LIMIT:
         text = text[: _REPR_LIMIT - 3] + "..."
     return f"{text} ({type(value).__name__})"
+
+
+_describe = describe  # historical private name, kept for callers that imported it
 
 
 def _is_int(value) -> bool:

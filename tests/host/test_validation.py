@@ -538,3 +538,11 @@ def test_reference_entry_points_validate():
     # references accept float64 and mixed dtypes, and D beyond the kernel limit
     R.attention_forward(q.astype(np.float64), k, v.astype(BF16))
     R.attention_forward(*qkv(D=300))
+
+
+def test_describe_truncates_long_values():
+    text = V.describe(list(range(1000)))
+    assert text.endswith("... (list)") and len(text) < 80
+    with pytest.raises(TypeError, match=r"^q: expected a numpy.ndarray or torch.Tensor, got "
+                                        r"\[0, 1, 2, .*\.\.\. \(list\)$"):
+        V.check_array("q", list(range(1000)))
