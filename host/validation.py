@@ -32,8 +32,7 @@ import numpy as np
 # Limits and vocabularies
 # --------------------------------------------------------------------------------------------
 
-#: Largest head dimension D the attention kernels accept (one PSUM bank row of fp32 per
-#: partition holds D <= 512 values; 256 is the supported limit, as in FlashAttention).
+#: Largest head dimension D the attention kernels accept (FlashAttention's limit too).
 MAX_HEAD_DIM = 256
 
 #: Largest number T of new tokens per sequence in one decode call (one partition tile of the
