@@ -25,6 +25,8 @@ from host import reference  # noqa: E402
 from host import torch_ops  # noqa: E402
 from host.torch_ops import flash_attention, scaled_dot_product_attention  # noqa: E402
 
+from _torch_helpers import FakeKernels  # noqa: E402
+
 HAVE_KERNELS = hasattr(host, "flash_attention") and hasattr(host, "flash_attention_backward")
 real = pytest.mark.skipif(not HAVE_KERNELS, reason="host.flash_attention not available yet")
 
@@ -53,32 +55,6 @@ def _qkv(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float32, seed=0):
 
 def _grads(out, do, *inputs):
     return torch.autograd.grad(out, inputs, do)
-
-
-class FakeKernels:
-    """host.flash_attention(_backward) replaced by the float64 references, recording each call."""
-
-    def __init__(self):
-        self.calls = []
-
-    def forward(self, q, k, v, *, scale=None, causal=None, window=None, kv_lens=None,
-                q_lens=None, mixed_precision=True, return_lse=False):
-        self.calls.append(("fwd", dict(q=q, k=k, v=v, scale=scale, causal=causal, window=window,
-                                       kv_lens=kv_lens, q_lens=q_lens,
-                                       mixed_precision=mixed_precision)))
-        o, lse = reference.attention_forward(q, k, v, scale=scale, causal=causal, window=window,
-                                             kv_lens=kv_lens, q_lens=q_lens)
-        o, lse = o.astype(q.dtype), lse.astype(np.float32)
-        return (o, lse) if return_lse else o
-
-    def backward(self, do, q, k, v, o, lse, *, scale=None, causal=None, window=None,
-                 kv_lens=None, q_lens=None, mixed_precision=True):
-        self.calls.append(("bwd", dict(do=do, o=o, lse=lse, scale=scale, causal=causal,
-                                       window=window, kv_lens=kv_lens, q_lens=q_lens)))
-        dq, dk, dv = reference.attention_backward_from_lse(
-            do, q, k, v, o, lse, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
-            q_lens=q_lens)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @pytest.fixture
