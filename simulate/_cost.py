@@ -1,0 +1,161 @@
+"""Cost formulas (hardware-and-limits.md §1-§3, "Estimated instruction cost" notes of the ISA
+docs) and the per-launch recorder.
+
+Cycle formulas (N = free elements per partition of the instruction's data operand):
+
+=========================  ===========================================================
+TensorE nc_matmul          max(min(64, M_stationary), N_moving), x4 if an operand is fp32
+TensorE transpose          max(P, min(64, F))
+ScalarE activation         max(64, N); +64 with a reduction (activation_reduce)
+VectorE 1-input            max(64, N)
+VectorE tensor_tensor      max(64, 2N); N if an operand is in PSUM or both are bf16 in SBUF
+VectorE tensor_reduce      max(64, N); N/2 for bf16 in and out with add/max
+VectorE reciprocal         max(64, 8N)
+VectorE 2-pass ops         scalar_tensor_tensor, tensor_tensor_scan: max(64, 2N)
+trn2 VectorE perf mode     tensor_copy / tensor_scalar on 16-bit float data: N/4 SBUF->SBUF,
+                           N/2 with one side in PSUM
+GpSimd                     max(64, N); iota / affine_select: N + 150
+DMA                        bytes / DMA bandwidth + 81.25 ns per DMA instruction
+=========================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from . import _hw
+
+MIN_II = _hw.MIN_II_CYCLES
+
+
+def ii(c):
+    """Apply the MIN_II floor."""
+    return c if c > MIN_II else MIN_II
+
+
+def matmul_cycles(m_stationary, n_moving, any_fp32):
+    c = max(min(_hw.MM_MIN_STATIONARY_CYCLES, m_stationary), n_moving)
+    return c * _hw.MM_FP32_FACTOR if any_fp32 else c
+
+
+def pe_transpose_cycles(p, f):
+    return max(p, min(_hw.MM_MIN_STATIONARY_CYCLES, f))
+
+
+def act_cycles(n, reduce=False):
+    return ii(n) + (_hw.ACT_REDUCE_EXTRA_CYCLES if reduce else 0)
+
+
+def tensor_tensor_cycles(n, a_psum, b_psum, both_bf16_sbuf):
+    if a_psum or b_psum or both_bf16_sbuf:
+        return ii(n)
+    return ii(2 * n)
+
+
+def tensor_scalar_cycles(tgt, n, in_psum, out_psum, in16, out16):
+    """tensor_scalar / tensor_copy; trn2 perf mode for 16-bit float data."""
+    c = n
+    if tgt.vector_perf_mode and in16 and out16:
+        if not in_psum and not out_psum:
+            c = n / 4.0
+        else:
+            c = n / 2.0
+    return ii(c)
+
+
+def tensor_reduce_cycles(n, bf16_in_out_addmax):
+    return ii(n / 2.0 if bf16_in_out_addmax else n)
+
+
+def gpsimd_cycles(n, start=False):
+    return ii(n + (_hw.GPSIMD_START_CYCLES if start else 0))
+
+
+class LaunchRecord:
+    """Everything measured for one kernel launch (all grid instances together)."""
+
+    def __init__(self, name, target, grid):
+        self.name = name
+        self.target = target.name
+        self._tgt = target
+        self.grid = tuple(grid)
+        self.instructions = Counter()       # engine -> count
+        self.engine_cycles = Counter()      # compute engine -> cycles
+        self.dma_seconds = 0.0
+        self.dma_transfers = 0
+        self.dma_bytes_per_partition = []   # contiguous bytes per partition, one per transfer
+        self.hbm_bytes_read = 0
+        self.hbm_bytes_written = 0
+        self.per_tensor = {}                # name -> {"read": bytes, "written": bytes}
+        self.peak_sbuf_bytes_per_partition = 0
+        self.peak_psum_bytes_per_partition = 0
+        self.peak_psum_banks = 0
+
+    # -- recording -----------------------------------------------------------------------------
+    def add(self, engine, cycles):
+        self.instructions[engine] += 1
+        self.engine_cycles[engine] += cycles
+
+    def dma(self, nbytes, contiguous_bytes, rate=1.0, read=None, written=None, extra=0):
+        """One DMA instruction moving ``nbytes``; ``read``/``written`` name the HBM tensors
+        whose bytes are counted (None for SBUF-side)."""
+        self.dma_transfers += 1
+        self.instructions["dma"] += 1
+        self.dma_bytes_per_partition.append(int(contiguous_bytes))
+        bw = self._tgt.dma_bytes_per_s * rate
+        self.dma_seconds += nbytes / bw + _hw.DMA_FIXED_NS_PER_INSTRUCTION * 1e-9
+        if read is not None:
+            self.hbm_bytes_read += nbytes
+            self.per_tensor.setdefault(read, {"read": 0, "written": 0})["read"] += nbytes
+        if written is not None:
+            wb = nbytes + extra
+            self.hbm_bytes_written += wb
+            self.per_tensor.setdefault(written, {"read": 0, "written": 0})["written"] += wb
+
+    # -- derived ---------------------------------------------------------------------------------
+    @property
+    def engine_seconds(self):
+        out = {e: self.engine_cycles.get(e, 0) / self._tgt.clock_hz[e] for e in _hw.ENGINES}
+        out["dma"] = self.dma_seconds
+        return out
+
+    @property
+    def modeled_seconds(self):
+        s = self.engine_seconds.values()
+        return (max(s), sum(s))
+
+    def summary(self):
+        return {
+            "name": self.name, "target": self.target, "grid": self.grid,
+            "hbm_bytes_read": self.hbm_bytes_read, "hbm_bytes_written": self.hbm_bytes_written,
+            "dma_transfers": self.dma_transfers, "instructions": dict(self.instructions),
+            "engine_cycles": dict(self.engine_cycles), "engine_seconds": self.engine_seconds,
+            "modeled_seconds": self.modeled_seconds,
+            "peak_sbuf_bytes_per_partition": self.peak_sbuf_bytes_per_partition,
+            "peak_psum_bytes_per_partition": self.peak_psum_bytes_per_partition,
+        }
+
+
+def contiguous_run_bytes(view, itemsize):
+    """Bytes of the innermost contiguous run of one partition's data in a strided numpy view
+    (dimension 0 is the partition dimension and is excluded)."""
+    run = itemsize
+    el = view.itemsize
+    shape, strides = view.shape, view.strides
+    for d in range(len(shape) - 1, 0, -1):
+        n = shape[d]
+        if n == 1:
+            continue
+        if strides[d] == (run // itemsize) * el:
+            run *= n
+        else:
+            break
+    return run
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+__all__ = ["LaunchRecord", "matmul_cycles", "act_cycles", "ii", "math"]

@@ -1,0 +1,135 @@
+"""The single table of hardware and cost-model constants, per target generation.
+
+Every number the simulator uses for limits, capacities or costs lives here, with the tag of the
+document it comes from (tags as in ``reference/hardware-and-limits.md`` [HL] and
+``reference/nki-api-spec.md`` [SPEC]; "(derived)" = worked out from tagged numbers; "(choice)" =
+a modelling decision of this simulator, documented in ``docs/simulator.md``).
+
+Targets: ``trn1`` (= ``inf2`` = ``gen2``, NeuronCore-v2) and ``trn2`` (= ``gen3``, NeuronCore-v3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+# --------------------------------------------------------------------------------------------
+# Limits shared by both generations
+# --------------------------------------------------------------------------------------------
+NUM_PARTITIONS = 128            # SBUF/PSUM partitions; nl.tile_size.pmax   [SPEC §1, D26 TC#1]
+PSUM_FMAX = 512                 # fp32 elements per PSUM bank partition      [SPEC §1, D26 TC#2]
+GEMM_STATIONARY_FMAX = 128      # nc_matmul stationary free size             [SPEC §1, D26 TC#3]
+GEMM_MOVING_FMAX = 512          # nc_matmul moving free size                 [SPEC §1, D26 TC#3]
+BN_STATS_FMAX = 512             # bn_stats free size                         [SPEC §1, D26 nisa.bn_stats]
+PSUM_BANK_BYTES = 2048          # bytes per partition of one PSUM bank       [SPEC §1, D26 arch; LIB]
+PSUM_NUM_BANKS = 8              # PSUM banks per partition                   [SPEC §1, D26 arch; LIB]
+PE_TRANSPOSE_MAX = 128          # TensorE transpose tile edge                [SPEC §1, D26 nc_transpose]
+VECTOR_TRANSPOSE_MAX = 32       # VectorE transpose tile edge                [SPEC §1, D26 nc_transpose]
+PE_TILE_GRANULE = 32            # nc_matmul tile_position/tile_size multiple [SPEC §9.1]
+MAX8_MIN_ELEMS = 8              # max8 / nc_find_index8 / nc_match_replace8 [SPEC §9.24]
+MAX8_MAX_ELEMS = 16384          #   elements per partition range             [SPEC §9.24]
+LOCAL_GATHER_GROUP = 16         # GpSimd partitions per core                 [SPEC §9.23, HL §2]
+LOCAL_GATHER_MAX_INDICES = 4096 # indices per GpSimd core                    [SPEC §9.23]
+STREAM_SHUFFLE_QUADRANT = 32    # nc_stream_shuffle partitions per quadrant  [SPEC §9.25]
+FP32_MIN = -3.4028234663852886e38  # nl.fp32.min, bit pattern 0xff7fffff    [SPEC §1]
+# Start-partition rule for compute-engine accesses [SPEC §1, D26 arch "accessing SBUF/PSUM"]:
+# (max partitions spanned, allowed start partitions)
+START_PARTITION_RULES = ((32, (0, 32, 64, 96)), (64, (0, 64)), (128, (0,)))
+
+# Cost-model constants shared by both generations [HL §1-§3, ISA "Estimated instruction cost"]
+MIN_II_CYCLES = 64              # minimum initiation interval, Vector/Scalar/GpSimd instructions
+MM_MIN_STATIONARY_CYCLES = 64   # nc_matmul: max(min(64, M_stationary), N_moving)
+MM_FP32_FACTOR = 4              # fp32 matmul operands run 4 passes           [HL §1]
+ACT_REDUCE_EXTRA_CYCLES = 64    # activation_reduce / activation with reduce  [HL §2]
+RECIPROCAL_FACTOR = 8           # VectorE reciprocal 8N                       [HL §2]
+GPSIMD_START_CYCLES = 150       # iota / affine_select start cost             [HL §2]
+DYNAMIC_COPY_MIN_II = 600       # tensor_copy_dynamic_src/dst MIN_II          [HL §2]
+DMA_QUEUES_PER_NC = 16          # DMA engines per NeuronCore                  [HL §3]
+DMA_FIXED_LATENCY_NS = 1300.0   # descriptor + semaphore latency per transfer [HL §3 DMA]
+# (choice) the fixed latency is paid per DMA *instruction* but 16 queues work in parallel, so a
+# stream of independent DMAs pays ~1300/16 = 81.25 ns each on the DMA "engine" time line.
+DMA_FIXED_NS_PER_INSTRUCTION = DMA_FIXED_LATENCY_NS / DMA_QUEUES_PER_NC
+
+
+@dataclass(frozen=True)
+class Target:
+    """Per-generation constants. All clocks in Hz, bandwidths in bytes/second."""
+
+    name: str                     # canonical name: "trn1" or "trn2"
+    nc_version: int               # nisa.nc_version value: 2 (gen2) or 3 (gen3)
+    sbuf_bytes_per_partition: int # SBUF capacity per partition
+    sbuf_reserved_bytes: int      # compiler-reserved SBUF per partition
+    clock_hz: Dict[str, float]    # engine -> clock
+    dma_bytes_per_s: float        # DMA throughput per NeuronCore (the DMA guide's table)
+    hbm_share_bytes_per_s: float  # alternative: chip HBM bandwidth / NCs (not used in the model)
+    load_transpose_rate: float    # fraction of DMA throughput reached by load_transpose2d
+    dma_transpose_hbm_rate: float # fraction for dma_transpose HBM -> SBUF
+    dma_transpose_sbuf_rate: float  # fraction for dma_transpose SBUF -> SBUF
+    vector_perf_mode: bool        # trn2 VectorE 2x/4x perf modes for 16-bit data
+    multi_core_spmd: bool         # nl.nc(n) grid dimensions allowed
+    gen3_features: bool           # range_select, hwdge, double_row_gen3, bf16 PSUM transposes
+    notes: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total_available_sbuf_size(self) -> int:
+        return self.sbuf_bytes_per_partition - self.sbuf_reserved_bytes
+
+
+TRN1 = Target(
+    name="trn1",
+    nc_version=2,
+    sbuf_bytes_per_partition=196608,   # 192 KiB [SPEC §1, D26 arch; I1060 "196608"]
+    sbuf_reserved_bytes=16384,         # 16 KiB  [SPEC §1, D26 compiler/sbuf.py]
+    clock_hz={                         # [SPEC §1, HL §1-§2 ARCH1]
+        "tensor": 2.8e9, "vector": 1.12e9, "scalar": 1.4e9, "gpsimd": 1.4e9,
+    },
+    dma_bytes_per_s=272e9,             # 17 B/ns per NC, DMA guide table [HL §3]
+    hbm_share_bytes_per_s=410e9,       # 820 GB/s / 2 NCs (derived) [HL §3]
+    # (choice) NC-v2 load_transpose2d moves one 2-4 byte element per descriptor element, i.e. it
+    # is in the "< 256 B per partition, badly overhead bound" regime of the DMA guide; we model it
+    # at 1/8 of the DMA throughput ("much lower DMA bandwidth", HL §1; factor UNCONFIRMED).
+    load_transpose_rate=1.0 / 8.0,
+    dma_transpose_hbm_rate=1.0 / 8.0,  # (choice) no DMA-transpose hardware on v2: same as above
+    dma_transpose_sbuf_rate=1.0 / 8.0,
+    vector_perf_mode=False,
+    multi_core_spmd=False,
+    gen3_features=False,
+    notes={"dma": "272 GB/s = DMA table; 410 GB/s = HBM share (not used)"},
+)
+
+TRN2 = Target(
+    name="trn2",
+    nc_version=3,
+    sbuf_bytes_per_partition=229376,   # 224 KiB [SPEC §1, DHEAD trainium2_arch]
+    sbuf_reserved_bytes=16384,         # UNCONFIRMED for v3; same 16 KiB as v2 (choice)
+    clock_hz={                         # [SPEC §1, HL §1-§2 ARCH2]
+        "tensor": 2.4e9, "vector": 0.96e9, "scalar": 1.2e9, "gpsimd": 1.2e9,
+    },
+    dma_bytes_per_s=368e9,             # 23 B/ns per NC, DMA guide table [HL §3]
+    hbm_share_bytes_per_s=362.5e9,     # 2.9 TB/s / 8 NCs (derived) [HL §3]
+    # v3 has DMA-transpose hardware: HBM->SBUF up to 90 %, SBUF->SBUF up to 50 % [HL §1 ARCH2]
+    load_transpose_rate=0.9,
+    dma_transpose_hbm_rate=0.9,
+    dma_transpose_sbuf_rate=0.5,
+    vector_perf_mode=True,
+    multi_core_spmd=True,
+    gen3_features=True,
+    notes={"dma": "368 GB/s = DMA table; 362.5 GB/s = HBM share (not used)"},
+)
+
+TARGETS = {"trn1": TRN1, "inf2": TRN1, "gen2": TRN1, "trn2": TRN2, "gen3": TRN2}
+DEFAULT_TARGET = "trn2"               # (choice, per issue #2)
+TARGET_ENV_VAR = "NEURON_PLATFORM_TARGET_OVERRIDE"
+
+ENGINES = ("tensor", "vector", "scalar", "gpsimd")  # compute engines; DMA is tracked as "dma"
+
+
+def get_target(name) -> Target:
+    """Resolve a target name (trn1/inf2/gen2/trn2/gen3, case-insensitive) to its table row."""
+    if isinstance(name, Target):
+        return name
+    key = str(name).strip().lower()
+    if key not in TARGETS:
+        raise ValueError(
+            f"Unknown platform target {name!r}; expected one of {sorted(TARGETS)}")
+    return TARGETS[key]

@@ -1,0 +1,172 @@
+"""``simulate.measure()``: exact IO counts and modeled engine time for the kernels launched
+inside it (our addition; ``nki.profile`` keeps its original meaning).
+
+Usage::
+
+    with simulate.measure(target="trn2") as m:
+        kernel(a, b)
+    m.hbm_bytes_read, m.engine_cycles["tensor"], m.modeled_seconds, print(m.report())
+
+``target`` (trn1/trn2, optional) overrides the kernels' ``platform_target`` for everything
+(capacity checks, nc_version, costs). All numbers are exact and deterministic.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from . import _hw, _runtime
+
+
+class Measurement:
+    """Aggregate over every kernel launched while the context is active.
+
+    Attributes (all aggregated over ``kernels``, the per-launch ``LaunchRecord`` list):
+    ``hbm_bytes_read``, ``hbm_bytes_written`` (exact bytes moved between HBM and on-chip
+    memory, masked-out elements excluded), ``per_tensor`` (name -> {"read", "written"}),
+    ``dma_transfers`` (DMA instructions), ``dma_bytes_per_partition`` (per transfer: contiguous
+    HBM-side bytes per partition), ``instructions`` (engine -> count; engines ``tensor``,
+    ``vector``, ``scalar``, ``gpsimd``, ``dma``), ``engine_cycles`` (compute engine -> cycles),
+    ``engine_seconds`` (engine incl. ``dma`` -> modeled seconds),
+    ``peak_sbuf_bytes_per_partition``, ``peak_psum_bytes_per_partition``, ``peak_psum_banks``,
+    ``modeled_seconds`` = (lower, upper): per kernel lower = max over engines (perfect overlap),
+    upper = sum over engines (fully serial); summed over kernels.
+    """
+
+    def __init__(self, target=None):
+        self.target = None if target is None else _hw.get_target(target).name
+        self.kernels = []
+
+    def __enter__(self):
+        _runtime._measures.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            _runtime._measures.remove(self)
+        except ValueError:
+            pass
+        return False
+
+    def _add(self, rec):
+        self.kernels.append(rec)
+
+    # -- aggregates -------------------------------------------------------------------------------
+    @property
+    def hbm_bytes_read(self):
+        return sum(k.hbm_bytes_read for k in self.kernels)
+
+    @property
+    def hbm_bytes_written(self):
+        return sum(k.hbm_bytes_written for k in self.kernels)
+
+    @property
+    def per_tensor(self):
+        out = {}
+        for k in self.kernels:
+            for name, d in k.per_tensor.items():
+                o = out.setdefault(name, {"read": 0, "written": 0})
+                o["read"] += d["read"]
+                o["written"] += d["written"]
+        return out
+
+    @property
+    def dma_transfers(self):
+        return sum(k.dma_transfers for k in self.kernels)
+
+    @property
+    def dma_bytes_per_partition(self):
+        out = []
+        for k in self.kernels:
+            out.extend(k.dma_bytes_per_partition)
+        return out
+
+    @property
+    def dma_bytes_histogram(self):
+        return Counter(self.dma_bytes_per_partition)
+
+    @property
+    def instructions(self):
+        c = Counter()
+        for k in self.kernels:
+            c.update(k.instructions)
+        return dict(c)
+
+    @property
+    def engine_cycles(self):
+        c = Counter()
+        for k in self.kernels:
+            c.update(k.engine_cycles)
+        return dict(c)
+
+    @property
+    def engine_seconds(self):
+        out = {e: 0.0 for e in _hw.ENGINES + ("dma",)}
+        for k in self.kernels:
+            for e, s in k.engine_seconds.items():
+                out[e] += s
+        return out
+
+    @property
+    def peak_sbuf_bytes_per_partition(self):
+        return max((k.peak_sbuf_bytes_per_partition for k in self.kernels), default=0)
+
+    @property
+    def peak_psum_bytes_per_partition(self):
+        return max((k.peak_psum_bytes_per_partition for k in self.kernels), default=0)
+
+    @property
+    def peak_psum_banks(self):
+        return max((k.peak_psum_banks for k in self.kernels), default=0)
+
+    @property
+    def modeled_seconds(self):
+        lo = sum(k.modeled_seconds[0] for k in self.kernels)
+        hi = sum(k.modeled_seconds[1] for k in self.kernels)
+        return (lo, hi)
+
+    # -- report -------------------------------------------------------------------------------------
+    def report(self, file=None):
+        """Readable table of the measurement; returned as a string (and printed to ``file``
+        when given)."""
+        lines = []
+        lines.append("simulate.measure report (modeled; NOT hardware timings)")
+        for i, k in enumerate(self.kernels):
+            lo, hi = k.modeled_seconds
+            lines.append(f"  [{i}] {k.name} grid={list(k.grid)} target={k.target}: "
+                         f"HBM read {k.hbm_bytes_read} B, written {k.hbm_bytes_written} B, "
+                         f"{k.dma_transfers} DMAs, modeled {lo * 1e6:.2f}..{hi * 1e6:.2f} us")
+        lines.append(f"{'engine':<8} {'instr':>9} {'cycles':>14} {'seconds':>12}")
+        ins = self.instructions
+        cyc = self.engine_cycles
+        sec = self.engine_seconds
+        for e in _hw.ENGINES + ("dma",):
+            c = cyc.get(e, "")
+            c = f"{c:.0f}" if c != "" else "-"
+            lines.append(f"{e:<8} {ins.get(e, 0):>9} {c:>14} {sec[e]:>12.3e}")
+        lo, hi = self.modeled_seconds
+        lines.append(f"HBM bytes read {self.hbm_bytes_read}, written {self.hbm_bytes_written}; "
+                     f"DMA transfers {self.dma_transfers}")
+        lines.append(f"peak SBUF {self.peak_sbuf_bytes_per_partition} B/partition, peak PSUM "
+                     f"{self.peak_psum_bytes_per_partition} B/partition "
+                     f"({self.peak_psum_banks} banks)")
+        lines.append(f"modeled time: {lo * 1e6:.3f} us (perfect overlap) .. {hi * 1e6:.3f} us "
+                     "(serial)")
+        pt = self.per_tensor
+        if pt:
+            lines.append("per tensor (bytes): " + ", ".join(
+                f"{n}: r={d['read']} w={d['written']}" for n, d in sorted(pt.items())))
+        s = "\n".join(lines)
+        if file is not None:
+            print(s, file=file)
+        return s
+
+    def __repr__(self):
+        lo, hi = self.modeled_seconds
+        return (f"<Measurement kernels={len(self.kernels)} read={self.hbm_bytes_read} "
+                f"written={self.hbm_bytes_written} modeled={lo:.3e}..{hi:.3e}s>")
+
+
+def measure(target=None):
+    """Context manager recording every kernel launched inside it (see module doc)."""
+    return Measurement(target)

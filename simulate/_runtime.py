@@ -1,0 +1,500 @@
+"""Kernel contexts, launching, SPMD grids and on-chip memory accounting.
+
+A kernel runs eagerly as ordinary Python inside a *kernel context* (one per grid instance),
+kept on a thread-local stack. Every nl/nisa API call goes through :func:`enter`, which
+
+* raises err_nki_api_outside_of_nki_kernel when no kernel is running,
+* bumps the context's instruction sequence number, and
+* *commits* the previous API call's result tile if it is still alive: results are first
+  "pending" so that ``dst[...] = nl.exp(x)`` / ``psum += nisa.nc_matmul(...)`` write straight
+  into ``dst`` (as the compiler does) without the temporary ever counting against SBUF/PSUM.
+
+Memory accounting: a committed SBUF tensor adds its bytes per partition to the instance's live
+total, a PSUM tensor its banks (blocks x ceil(bytes per block / 2 KiB)); ``Storage.__del__``
+(CPython refcounting ~ compiler liveness) releases them. Overflows raise RuntimeError.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import sys
+import threading
+import warnings
+
+import numpy as np
+
+from . import _hw, _dtypes
+from ._cost import LaunchRecord, ceil_div
+from ._errors import nki_error, hw_error, fmt_shape
+
+_tls = threading.local()
+
+
+def _stack():
+    try:
+        return _tls.stack
+    except AttributeError:
+        _tls.stack = []
+        return _tls.stack
+
+
+def in_kernel():
+    return bool(_stack())
+
+
+def current():
+    st = _stack()
+    if not st:
+        raise nki_error("err_nki_api_outside_of_nki_kernel", "runtime",
+                        "calling NKI API outside of NKI kernels is not supported.")
+    return st[-1]
+
+
+def enter():
+    """Entry of every NKI API call: returns the current context (see module doc)."""
+    try:
+        ctx = _tls.stack[-1]
+    except (AttributeError, IndexError):
+        current()
+        raise
+    ctx.seq += 1
+    p = ctx.pending
+    if p is not None:
+        ctx.pending = None
+        commit(ctx, p._st)
+    return ctx
+
+
+def enter_keep(value):
+    """Like :func:`enter` but leaves ``value`` pending when it is the pending result (it is
+    about to be written straight into a destination)."""
+    try:
+        ctx = _tls.stack[-1]
+    except (AttributeError, IndexError):
+        current()
+        raise
+    ctx.seq += 1
+    p = ctx.pending
+    if p is not None and p is not value:
+        ctx.pending = None
+        commit(ctx, p._st)
+    return ctx
+
+
+# ---------------------------------------------------------------------------------------------
+# memory accounting
+# ---------------------------------------------------------------------------------------------
+def commit(ctx, st):
+    """Account a live on-chip storage; raises RuntimeError on SBUF/PSUM overflow."""
+    if st.acct or st.ctx is not ctx:
+        return
+    buf = st.buffer
+    if buf == "sbuf":
+        live = ctx.sbuf_live + st.bpp
+        cap = ctx.tgt.sbuf_bytes_per_partition
+        if live > cap:
+            raise hw_error(
+                "runtime",
+                f"SBUF capacity exceeded: allocating tensor '{st.name}' "
+                f"({fmt_shape(st.arr.shape)} {st.di.name}, {st.bpp} bytes per partition) "
+                f"needs {live} bytes per partition of live SBUF, but {ctx.tgt.name} has "
+                f"{cap} bytes per partition (live SBUF tensors are counted until they are "
+                f"garbage collected; free tiles you no longer need or use smaller tiles).")
+        ctx.sbuf_live = live
+        if live > ctx.peak_sbuf:
+            ctx.peak_sbuf = live
+        st.acct = True
+    elif buf == "psum":
+        banks = ctx.psum_banks + st.banks
+        if banks > _hw.PSUM_NUM_BANKS:
+            raise hw_error(
+                "runtime",
+                f"stack overflow: required psum banks {banks} exceeds available psum banks "
+                f"{_hw.PSUM_NUM_BANKS} (allocating PSUM tensor '{st.name}' "
+                f"{fmt_shape(st.arr.shape)} {st.di.name} which needs {st.banks} bank(s) of "
+                f"{_hw.PSUM_BANK_BYTES} bytes per partition).")
+        ctx.psum_banks = banks
+        ctx.psum_live += st.bpp
+        if ctx.psum_live > ctx.peak_psum:
+            ctx.peak_psum = ctx.psum_live
+        if banks > ctx.peak_banks:
+            ctx.peak_banks = banks
+        st.acct = True
+
+
+def release(st):
+    ctx = st.ctx
+    if st.buffer == "sbuf":
+        ctx.sbuf_live -= st.bpp
+    else:
+        ctx.psum_banks -= st.banks
+        ctx.psum_live -= st.bpp
+
+
+# ---------------------------------------------------------------------------------------------
+# contexts
+# ---------------------------------------------------------------------------------------------
+class Launch:
+    """State shared by all grid instances of one kernel launch."""
+
+    def __init__(self, func, tgt, grid_sizes, rec, opts):
+        self.func = func
+        self.code = getattr(func, "__code__", None)
+        self.tgt = tgt
+        self.grid = grid_sizes
+        self.rec = rec
+        self.opts = opts
+        self.shared = []          # shared_hbm storages in creation order
+        self.params = {}          # name -> Storage
+        self.immutable_writes = []  # names of immutable params written
+        self.instance = 0
+
+
+class Ctx:
+    """One grid instance's kernel context."""
+
+    def __init__(self, launch, pid):
+        self.launch = launch
+        self.tgt = launch.tgt
+        self.rec = launch.rec
+        self.pid = pid
+        self.grid = launch.grid
+        self.seq = 0
+        self.pending = None
+        self.loop_depth = 0
+        self.loops = []
+        self.sbuf_live = 0
+        self.psum_banks = 0
+        self.psum_live = 0
+        self.peak_sbuf = 0
+        self.peak_psum = 0
+        self.peak_banks = 0
+        self.shared_idx = 0
+        self.hbm_idx = 0
+        self.created_shared = False
+        self.rng = np.random.default_rng(0)
+        self.loop_reduce = {}
+        # ScalarE / VectorE per-partition accumulation registers (activation reduce_cmd,
+        # range_select / select_reduce). One value per partition.
+        self.act_acc = np.zeros(_hw.NUM_PARTITIONS, np.float32)
+        self.vec_acc = np.full(_hw.NUM_PARTITIONS, -np.inf, np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# grids
+# ---------------------------------------------------------------------------------------------
+class NC:
+    """``nl.nc(n)``: a grid dimension distributed over ``n`` physical NeuronCores (trn2)."""
+
+    def __init__(self, n):
+        self.n = int(n)
+
+    def __mul__(self, k):
+        return SpmdDim(self, k)
+
+    __rmul__ = __mul__
+
+    @property
+    def size(self):
+        return self.n
+
+    @property
+    def cores(self):
+        return self.n
+
+    def __int__(self):
+        return self.n
+
+    def __index__(self):
+        return self.n
+
+    def __repr__(self):
+        return f"nc({self.n})"
+
+
+class SpmdDim:
+    """``nl.spmd_dim(a, b)``: one grid dimension of size a*b (either factor may be nl.nc)."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    @property
+    def size(self):
+        return _dim_size(self.a) * _dim_size(self.b)
+
+    @property
+    def cores(self):
+        return max(_dim_cores(self.a), 1) * max(_dim_cores(self.b), 1)
+
+    def __int__(self):
+        return self.size
+
+    def __index__(self):
+        return self.size
+
+    def __repr__(self):
+        return f"spmd_dim({self.a!r}, {self.b!r})"
+
+
+def _dim_size(d):
+    if isinstance(d, (NC, SpmdDim)):
+        return d.size
+    return int(d)
+
+
+def _dim_cores(d):
+    if isinstance(d, (NC, SpmdDim)):
+        return d.cores
+    return 1
+
+
+def resolve_grid(grid, tgt):
+    if not isinstance(grid, tuple):
+        grid = (grid,)
+    sizes = []
+    for d in grid:
+        if isinstance(d, (NC, SpmdDim)):
+            if d.cores > 1 and not tgt.multi_core_spmd:
+                raise nki_error("err_multi_cores_spmd_not_supported", "runtime",
+                                f"SPMD grid with multi neuron cores is not supported on "
+                                f"{tgt.name}")
+        elif not isinstance(d, (int, np.integer)) or isinstance(d, bool):
+            raise TypeError(f"SPMD grid dimensions must be ints, nl.nc(n) or nl.spmd_dim(...), "
+                            f"got {d!r}")
+        s = _dim_size(d)
+        if s < 1:
+            raise ValueError(f"SPMD grid dimensions must be >= 1, got {s}")
+        sizes.append(s)
+    return tuple(sizes)
+
+
+# ---------------------------------------------------------------------------------------------
+# launching
+# ---------------------------------------------------------------------------------------------
+_measures = []        # active simulate.measure() objects, innermost last
+_cpu_note_shown = [False]
+
+
+def resolve_target(opts):
+    for m in reversed(_measures):
+        if m.target is not None:
+            return _hw.get_target(m.target)
+    pt = opts.get("platform_target")
+    if pt:
+        return _hw.get_target(pt)
+    env = os.environ.get(_hw.TARGET_ENV_VAR)
+    if env:
+        return _hw.get_target(env)
+    return _hw.get_target(_hw.DEFAULT_TARGET)
+
+
+def _is_mutable_annotation(ann):
+    if ann is inspect.Parameter.empty:
+        return False
+    if isinstance(ann, str):
+        return "mutable_tensor" in ann
+    return bool(getattr(ann, "_nki_mutable", False))
+
+
+_sig_cache = {}
+
+
+def _signature(func):
+    try:
+        return _sig_cache[func]
+    except KeyError:
+        pass
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        sig = None
+    _sig_cache[func] = sig
+    return sig
+
+
+def _kernel_name(func):
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def launch(func, grid, args, kwargs, opts):
+    """Run ``func`` as a kernel on every grid point; return host results (see __init__)."""
+    from ._tensor import Storage, Tensor, host_array
+
+    if in_kernel():
+        if grid:
+            raise nki_error("err_nested_kernel_with_spmd_grid", "syntax",
+                            f"Calling kernel with spmd grid ({_kernel_name(func)}"
+                            f"{list(grid)}) inside another kernel is not supported")
+        return func(*args, **kwargs)
+
+    tgt = resolve_target(opts)
+    sizes = resolve_grid(grid, tgt) if grid else ()
+    rec = LaunchRecord(_kernel_name(func), tgt, sizes)
+    L = Launch(func, tgt, sizes, rec, opts)
+
+    # ---- bind arguments: numpy arrays become HBM tensors ----
+    sig = _signature(func)
+    host_of = {}                 # Storage -> (caller array)
+    conv_args, conv_kwargs = [], {}
+    names = []
+    if sig is not None:
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"kernel '{_kernel_name(func)}': {e}") from None
+        params = sig.parameters
+        for pname, val in bound.arguments.items():
+            p = params[pname]
+            mutable = _is_mutable_annotation(p.annotation)
+            if p.kind is inspect.Parameter.VAR_POSITIONAL:
+                val = tuple(_conv_arg(L, f"{pname}{i}", v, mutable, host_of, Storage, Tensor)
+                            for i, v in enumerate(val))
+            elif p.kind is inspect.Parameter.VAR_KEYWORD:
+                val = {k: _conv_arg(L, k, v, mutable, host_of, Storage, Tensor)
+                       for k, v in val.items()}
+            else:
+                val = _conv_arg(L, pname, val, mutable, host_of, Storage, Tensor)
+            bound.arguments[pname] = val
+            names.append(pname)
+        conv_args, conv_kwargs = list(bound.args), dict(bound.kwargs)
+    else:
+        conv_args = [_conv_arg(L, f"arg{i}", v, False, host_of, Storage, Tensor)
+                     for i, v in enumerate(args)]
+        conv_kwargs = {k: _conv_arg(L, k, v, False, host_of, Storage, Tensor)
+                       for k, v in kwargs.items()}
+
+    # ---- run every instance (row-major) ----
+    ret = None
+    old = np.seterr(all="ignore")
+    stack = _stack()
+    peak_s = peak_p = peak_b = 0
+    try:
+        points = itertools.product(*(range(s) for s in sizes)) if sizes else [()]
+        for pid in points:
+            ctx = Ctx(L, pid)
+            stack.append(ctx)
+            try:
+                ret = func(*conv_args, **conv_kwargs)
+            finally:
+                stack.pop()
+                ctx.pending = None
+            peak_s = max(peak_s, ctx.peak_sbuf)
+            peak_p = max(peak_p, ctx.peak_psum)
+            peak_b = max(peak_b, ctx.peak_banks)
+            L.instance += 1
+    finally:
+        np.seterr(**old)
+    rec.peak_sbuf_bytes_per_partition = peak_s
+    rec.peak_psum_bytes_per_partition = peak_p
+    rec.peak_psum_banks = peak_b
+    for m in _measures:
+        m._add(rec)
+
+    # ---- outputs ----
+    return _outputs(L, ret, host_of, Tensor, host_array)
+
+
+def _conv_arg(L, name, val, mutable, host_of, Storage, Tensor):
+    if isinstance(val, np.ndarray):
+        di = _dtypes.host_info(val.dtype)
+        arr = di.round(np.asarray(val, dtype=di.backing if di.is_float else None)) \
+            if di.is_float else np.array(val, dtype=di.backing)
+        if arr is val or np.shares_memory(arr, val):
+            arr = arr.copy()
+        st = Storage.new_param(arr, di, name, mutable)
+        L.params[name] = st
+        host_of[st] = val
+        return Tensor(st)
+    return val
+
+
+def _outputs(L, ret, host_of, Tensor, host_array):
+    params = list(L.params.values())
+
+    def conv(x):
+        if isinstance(x, Tensor):
+            st = x._st
+            if st.buffer not in ("hbm", "shared_hbm"):
+                raise TypeError("kernel outputs must be HBM tensors (nl.shared_hbm / nl.hbm); "
+                                f"'{st.name}' lives in {st.buffer}")
+            if not st.written:
+                raise nki_error("err_tensor_output_not_written_to", "value",
+                                f"Output tensor '{st.name}' {fmt_shape(st.arr.shape)} is never "
+                                "written to in the kernel.")
+            return host_array(x)
+        if isinstance(x, tuple):
+            return tuple(conv(v) for v in x)
+        if isinstance(x, list):
+            return [conv(v) for v in x]
+        if isinstance(x, dict):
+            return {k: conv(v) for k, v in x.items()}
+        return x
+
+    if ret is not None:
+        # convention A: returned tensors are the outputs
+        if L.immutable_writes:
+            raise nki_error("err_cannot_update_immutable_parameter", "type",
+                            f"Cannot update immutable parameter `{L.immutable_writes[0]}`")
+        returned = set()
+        _collect(ret, returned, Tensor)
+        for st in params:
+            if st.mutable and st.written and st not in returned:
+                raise nki_error("err_mutable_parameter_not_returned", "syntax",
+                                f"Mutable kernel parameter `{st.name}` not returned by `return` "
+                                "statement")
+        return conv(ret)
+
+    # convention B (2.20): outputs were passed in and written in place
+    wrote = [st for st in params if st.written]
+    if not wrote:
+        raise nki_error("err_tensor_output_not_written_to", "value",
+                        f"Kernel '{L.rec.name}' has no output: it returns nothing and writes "
+                        "none of its arguments.")
+    for st in wrote:
+        dst = host_of[st]
+        src = host_array(Tensor(st))
+        if dst.flags.writeable:
+            if dst.shape != src.shape:
+                src = src.reshape(dst.shape)
+            np.copyto(dst, src.astype(dst.dtype), casting="unsafe")
+    return None
+
+
+def _collect(x, out, Tensor):
+    if isinstance(x, Tensor):
+        out.add(x._st)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            _collect(v, out, Tensor)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _collect(v, out, Tensor)
+
+
+def kernel_frame_ok(ctx, depth):
+    """True when the frame ``depth`` levels up is the kernel function's own frame."""
+    code = ctx.launch.code
+    if code is None:
+        return True
+    f = sys._getframe(depth + 1)
+    return f.f_code is code
+
+
+def cpu_note(what):
+    if not _cpu_note_shown[0]:
+        _cpu_note_shown[0] = True
+        warnings.warn(f"nki.{what}: no Neuron device here; the kernel ran on the nki-flash CPU "
+                      "simulator (simulate/). Outputs are simulated; timings are modeled.",
+                      RuntimeWarning, stacklevel=3)
+
+
+def psum_banks_for(shape, pdim, itemsize):
+    nblocks = 1
+    for s in shape[:pdim]:
+        nblocks *= int(s)
+    fb = itemsize
+    for s in shape[pdim + 1:]:
+        fb *= int(s)
+    return nblocks, fb, nblocks * max(1, ceil_div(fb, _hw.PSUM_BANK_BYTES))
