@@ -160,6 +160,7 @@ class _RingAttentionFunction(torch.autograd.Function):
         return o.to(in_dtype)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_o):
         q, k, v, o, lse = ctx.saved_tensors
         ring, ex, opts = ctx.ring, ctx.executor, ctx.opts

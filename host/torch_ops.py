@@ -335,6 +335,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
         return o_out, lse.to(lse_dtype)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_o, grad_lse=None):
         if grad_o is None and grad_lse is None:
             return None, None, None, None, None, None

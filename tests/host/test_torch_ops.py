@@ -189,6 +189,15 @@ def test_plumbing_no_grad_and_inference(fake_kernels):
     torch.testing.assert_close(o, o2)
 
 
+def test_plumbing_double_backward_is_refused(fake_kernels):
+    """The backward runs kernels outside autograd, so a second derivative must raise, not be 0."""
+    q, k, v = _qkv(1, 1, 1, 3, 3, 4)
+    o = flash_attention(q, k, v)
+    (dq,) = torch.autograd.grad((o ** 2).sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+
+
 # --------------------------------------------------------------------------------------------
 # flash_attention: errors
 # --------------------------------------------------------------------------------------------
@@ -402,7 +411,8 @@ def test_sdpa_error_gqa_needs_enable_gqa(fake_kernels):
 
 
 @pytest.mark.parametrize("mask,pattern", [
-    (torch.rand(3, 3) < 0.5, r"attn_mask: this bool mask of shape \(3, 3\) is not one the "
+    (torch.tensor([[True, False, True], [True, True, False], [False, True, True]]),
+     r"attn_mask: this bool mask of shape \(3, 3\) is not one the "
                              r"kernels can apply\. supported attn_mask forms"),
     (torch.ones(3, 3, dtype=torch.bool).triu(), r"attn_mask: this bool mask"),
     (torch.zeros(3, 3).fill_(-1e9), r"attn_mask: a float mask must hold only 0.0 .* and -inf "
@@ -466,3 +476,185 @@ def test_sdpa_row_broadcast_mask_that_is_not_a_prefix(fake_kernels):
     mask = torch.tensor([False, False, True, True])[None, None, None, :]
     with pytest.raises(ValueError, match=r"attn_mask: this bool mask of shape \(1, 1, 1, 4\)"):
         scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: the kernels on the active backend (the CPU simulator in CI)
+# --------------------------------------------------------------------------------------------
+
+#: (id, B, Hq, Hkv, Nq, Nk, D, options): odd lengths, Nq != Nk both ways, GQA and MQA, both
+#: causal alignments, a sliding window, a padded batch (one sequence empty of keys).
+GRAD_CASES = [
+    ("odd_lengths", 1, 2, 2, 17, 33, 16, {}),
+    ("gqa_bottom_right", 2, 4, 2, 20, 37, 16, dict(causal="bottom_right")),
+    ("mqa_top_left_long_q", 1, 4, 1, 37, 20, 16, dict(causal="top_left")),
+    ("window", 1, 2, 2, 40, 40, 16, dict(causal=True, window=(7, -1))),
+    ("padded", 3, 2, 1, 24, 30, 16, dict(causal=True, kv_lens=[30, 11, 0], q_lens=[24, 9, 5])),
+]
+#: (torch dtype, mixed_precision, matmul operand dtype of the baseline).
+PRECISIONS = [
+    (torch.float32, True, "bfloat16"),
+    (torch.bfloat16, True, "bfloat16"),
+    (torch.float32, False, "float32"),
+]
+
+
+def _precision_id(p):
+    return f"{str(p[0]).replace('torch.', '')}{'' if p[1] else '_fullprec'}"
+
+
+@real
+@pytest.mark.parametrize("precision", PRECISIONS, ids=_precision_id)
+@pytest.mark.parametrize("case", GRAD_CASES, ids=[c[0] for c in GRAD_CASES])
+def test_gradients_within_tolerance_rule(case, precision):
+    """o, lse, dq, dk, dv against the float64 reference, tolerance rule of docs/semantics.md.
+
+    Each error must be <= 2 x the error of the plain low-precision implementation in the same
+    matmul precision (host.reference.*_baseline_lowp) + 1e-3 (bf16) / 1e-5 (fp32).
+    """
+    _, B, Hq, Hkv, Nq, Nk, D, opts = case
+    dtype, mixed, mm = precision
+    q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, D, dtype=dtype, seed=11)
+    do = _rand(B, Hq, Nq, D, dtype=dtype, seed=12, requires_grad=False)
+    o, lse = flash_attention(q, k, v, mixed_precision=mixed, return_lse=True, **opts)
+    got = (o,) + _grads(o, do, q, k, v)
+    ref = _ref_grads(q, k, v, do, **opts)
+    ref = (ref[0],) + ref[2:]
+    out = str(dtype).replace("torch.", "")
+    base = (reference.attention_baseline_lowp(q, k, v, dtype=mm, out_dtype=out, **opts),) + tuple(
+        reference.attention_backward_baseline_lowp(do, q, k, v, dtype=mm, out_dtype=out, **opts))
+    floor = reference.atol_floor(mm)
+    for name, g, r, b in zip(("o", "dq", "dk", "dv"), got, ref, base):
+        err = reference.max_abs_err(g, r)
+        tol = reference.tolerance(r, b, floor=floor)
+        assert err <= tol, f"{name}: max abs error {err:.3g} > tolerance {tol:.3g}"
+    lse_ref = reference.attention_forward(q, k, v, **opts)[1]
+    assert reference.max_abs_err(lse, lse_ref) <= (2e-2 if mm == "bfloat16" else 1e-4)
+
+
+def _torch_sdpa_grads(q, k, v, do, dtype, **kw):
+    qq, kk, vv = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    o = F.scaled_dot_product_attention(qq, kk, vv, **kw)
+    return (o,) + _grads(o, do.to(dtype), qq, kk, vv)
+
+
+@real
+@pytest.mark.parametrize("dtype,mixed", [(torch.float32, False), (torch.float32, True),
+                                         (torch.bfloat16, True)],
+                         ids=["float32_fullprec", "float32", "bfloat16"])
+@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(enable_gqa=True),
+                                dict(attn_mask="padding")], ids=["causal", "gqa", "padding_mask"])
+def test_sdpa_against_pytorch_sdpa_autograd(kw, dtype, mixed):
+    """Our SDPA vs torch.nn.functional.scaled_dot_product_attention through torch.autograd.
+
+    Same inputs; PyTorch's float64 result is the truth; ours must err at most 2 x PyTorch's own
+    error in the matmul precision we run (its float32 result for fp32 operands, its bfloat16
+    result for bf16 operands) + the floor (1e-5 fp32, 1e-3 bf16).
+    """
+    B, Hq, L, S, E = 2, 4, 19, 23, 16
+    Hkv = 2 if kw.get("enable_gqa") else Hq
+    kw = dict(kw)
+    if kw.get("attn_mask") == "padding":
+        kw["attn_mask"] = _key_padding([23, 7], S)[:, None, None, :]
+    q, k, v = (x.detach() for x in _qkv(B, Hq, Hkv, L, S, E, dtype=torch.float64, seed=21))
+    do = _rand(B, Hq, L, E, dtype=torch.float64, seed=22, requires_grad=False)
+    truth = _torch_sdpa_grads(q, k, v, do, torch.float64, **kw)
+    mm = torch.float32 if (dtype == torch.float32 and not mixed) else torch.bfloat16
+    base = _torch_sdpa_grads(q, k, v, do, mm, **kw)
+    qq, kk, vv = (x.to(dtype).requires_grad_() for x in (q, k, v))
+    o = scaled_dot_product_attention(qq, kk, vv, mixed_precision=mixed, **kw)
+    ours = (o,) + _grads(o, do.to(dtype), qq, kk, vv)
+    floor = 1e-5 if mm == torch.float32 else 1e-3
+    for name, g, t, b in zip(("o", "dq", "dk", "dv"), ours, truth, base):
+        err = reference.max_abs_err(g, t)
+        tol = 2 * reference.max_abs_err(b, t) + floor
+        assert err <= tol, f"{name}: max abs error {err:.3g} > 2 x PyTorch's {tol:.3g}"
+
+
+@real
+@pytest.mark.parametrize("opts", [dict(causal="top_left"),
+                                  dict(causal="bottom_right", kv_lens=[5, 3], q_lens=[3, 2])],
+                         ids=["top_left", "bottom_right_padded"])
+def test_gradcheck_tiny(opts):
+    """torch.autograd.gradcheck on the kernels (float64 in, float32 matmuls inside).
+
+    Finite differences of a float32 computation: eps=1e-3 keeps the rounding noise
+    (~1e-7 / eps) and the truncation error (~eps^2) both near 1e-4, hence atol=rtol=2e-3.
+    """
+    B = 2 if "kv_lens" in opts else 1
+    q, k, v = _qkv(B, 2, 1, 3, 5, 4, dtype=torch.float64, seed=31)
+
+    def fn(q, k, v):
+        o, lse = flash_attention(q, k, v, mixed_precision=False, return_lse=True, **opts)
+        # Rows past q_lens have lse = -inf, where finite differences are undefined.
+        return o, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-3, atol=2e-3, rtol=2e-3)
+
+
+class TinyBlock(torch.nn.Module):
+    """Embedding, one pre-norm causal self-attention layer, an MLP, and a language-model head."""
+
+    def __init__(self, attention, vocab=32, n_ctx=24, d_model=32, n_heads=2):
+        super().__init__()
+        self.attention, self.n_heads = attention, n_heads
+        self.tok = torch.nn.Embedding(vocab, d_model)
+        self.pos = torch.nn.Embedding(n_ctx, d_model)
+        self.ln1 = torch.nn.LayerNorm(d_model)
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model)
+        self.proj = torch.nn.Linear(d_model, d_model)
+        self.ln2 = torch.nn.LayerNorm(d_model)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d_model, 4 * d_model), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * d_model, d_model))
+        self.head = torch.nn.Linear(d_model, vocab)
+
+    def forward(self, tokens):
+        B, N = tokens.shape
+        x = self.tok(tokens) + self.pos(torch.arange(N))
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        # (B, N, H*Dh) -> (B, H, N, Dh): non-contiguous views, as in real models.
+        q, k, v = (t.view(B, N, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        a = self.attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, N, -1))
+        x = x + self.mlp(self.ln2(x))
+        return self.head(x)
+
+
+def _train(attention, steps=20, seed=0, B=4, N=24, vocab=32):
+    torch.manual_seed(seed)
+    model = TinyBlock(attention, vocab=vocab, n_ctx=N)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed + 1)
+    losses = []
+    for _ in range(steps):
+        # Learnable: each sequence counts up by a random stride mod vocab.
+        start = torch.randint(0, vocab, (B, 1), generator=g)
+        stride = torch.randint(1, 4, (B, 1), generator=g)
+        tokens = (start + stride * torch.arange(N + 1)) % vocab
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return np.array(losses)
+
+
+@real
+@pytest.mark.parametrize("mixed,tol", [(False, 1e-4), (True, 2e-2)],
+                         ids=["fp32_matmuls", "bf16_matmuls"])
+def test_tiny_transformer_training_matches_pytorch_sdpa(mixed, tol):
+    """20 Adam steps of a tiny causal LM (N=24, d_model=32, 2 heads of D=16) with our SDPA and
+    with PyTorch's: identical init and data; the loss curves must agree to ``tol`` at every
+    step (fp32 matmuls: float32 rounding only; bf16 matmuls: bf16 rounding of the attention
+    operands, drifting through 20 optimizer steps), and training must make progress."""
+
+    def ours(q, k, v, is_causal):
+        return scaled_dot_product_attention(q, k, v, is_causal=is_causal, mixed_precision=mixed)
+
+    ref = _train(F.scaled_dot_product_attention)
+    got = _train(ours)
+    diff = np.abs(got - ref)
+    assert diff.max() <= tol, f"loss curves differ by up to {diff.max():.3g} (tol {tol}):\n" \
+                              f"ours  {np.round(got, 5)}\ntorch {np.round(ref, 5)}"
+    assert ref[-1] < 0.8 * ref[0]
