@@ -25,7 +25,7 @@ import warnings
 
 import numpy as np
 
-from . import _hw, _dtypes
+from . import _blas, _hw, _dtypes
 from ._cost import LaunchRecord, ceil_div
 from ._errors import nki_error, hw_error, fmt_shape
 
@@ -368,6 +368,8 @@ def launch(func, grid, args, kwargs, opts):
     # ---- run every instance (row-major) ----
     ret = None
     old = np.seterr(all="ignore")
+    blas = _blas.single_threaded()
+    blas.__enter__()
     stack = _stack()
     peak_s = peak_p = peak_b = 0
     try:
@@ -386,6 +388,7 @@ def launch(func, grid, args, kwargs, opts):
             L.instance += 1
     finally:
         np.seterr(**old)
+        blas.__exit__(None, None, None)
     rec.peak_sbuf_bytes_per_partition = peak_s
     rec.peak_psum_bytes_per_partition = peak_p
     rec.peak_psum_banks = peak_b
@@ -399,10 +402,12 @@ def launch(func, grid, args, kwargs, opts):
 def _conv_arg(L, name, val, mutable, host_of, Storage, Tensor):
     if isinstance(val, np.ndarray):
         di = _dtypes.host_info(val.dtype)
-        arr = di.round(np.asarray(val, dtype=di.backing if di.is_float else None)) \
-            if di.is_float else np.array(val, dtype=di.backing)
-        if arr is val or np.shares_memory(arr, val):
-            arr = arr.copy()
+        if not di.is_float:
+            arr = np.array(val, dtype=di.backing)
+        elif val.dtype == di.out_np:
+            arr = np.array(val, dtype=np.float32)        # exact widening, no rounding needed
+        else:
+            arr = di.round(np.array(val, dtype=np.float32))   # e.g. float64 -> float32 (RNE)
         st = Storage.new_param(arr, di, name, mutable)
         L.params[name] = st
         host_of[st] = val

@@ -279,8 +279,6 @@ class Tensor:
         if type(value) is Tensor and value._inpl == ctx.seq and value._st is self._st:
             value._inpl = -1      # the tail of ``t[idx] += x`` (already written in place)
             return
-        if isinstance(self._st.arr, np.ndarray) and isinstance(key, Predicate):
-            raise TypeError("boolean-mask assignment is not supported; use mask=")
         ctx = enter_keep(value)
         assign(ctx, self._index(key), value)
 
@@ -599,9 +597,6 @@ def _index_basic(t, key):
             idx.append(i)
             if d == pax:
                 p0 += i * pst
-    if pax is not None and pax < nd and new_pax is None and not (pax < len(key) and
-                                                                 type(key[pax]) is not slice):
-        new_pax = None
     if oob is None:
         r = Tensor.__new__(Tensor)
         r._st = t._st
@@ -1036,8 +1031,6 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
     straight into ``dst`` (no extra copy, no temporary tile); otherwise a copy (or, for
     accumulation, an add) instruction is charged."""
     st = dst._st
-    if dst._mask is not None or isinstance(dst, IndexExpr):
-        pass
     if st.buffer in _HBM_KINDS:
         raise nki_error("err_unsupported_memory", "type",
                         f"Expected operand 'dst' of '{api}' to be in address space 'psum|sbuf', "

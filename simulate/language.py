@@ -495,8 +495,6 @@ def store(dst, value, *, mask=None, **kwargs):
         vdi = vst.di
         vmask = value._mask
         vshape = value.shape
-        if value is ctx.pending:
-            ctx.pending = None
     else:
         check_partitions(dshape, "store", "dst")
         vals = np.asarray(value)
