@@ -240,53 +240,71 @@ class _HostKernels:
 class _XlaKernels:
     """XLA tensors (torch-neuronx): the ``@nki.jit`` kernels called directly on device tensors.
 
-    **Untested without Trainium hardware.** Written to the torch-neuronx convention of Neuron
-    SDK >= 2.20.1 (docs/../reference/ecosystem.md §1): ``kernel[grid](*xla_tensors, **options)``
-    traces the kernel into one ``AwsNeuronCustomNativeKernel`` custom call of the XLA graph; the
-    kernel allocates o and lse in HBM (``nl.shared_hbm``) and returns them. The kernels take the
-    standard ``(B, H, N, D)`` layout, so no host-side permutes are needed; the launch plan (grid,
-    tile sizes, keyword options) comes from the same planning function the NumPy launcher uses
-    (:func:`host.api.plan_attention_forward` / ``plan_attention_backward``), so both paths launch
-    identical kernels. ``kv_lens``/``q_lens`` are passed as (B,) int32 device tensors.
+    **Untested: it needs a Trainium host with torch-neuronx and neuronx-cc 2.20 - 2.24.**
+    Written to the torch-neuronx convention of Neuron SDK >= 2.20.1 (reference/ecosystem.md
+    §1): ``kernel[grid](*xla_tensors, **compile_time_options)`` traces the kernel into one
+    ``AwsNeuronCustomNativeKernel`` custom call of the XLA graph; the kernel allocates its outputs
+    in HBM (``nl.shared_hbm``) and returns them. The kernels take the standard ``(B, H, N, D)``
+    layout, so no permutes are needed on the host.
+
+    * forward: ``nki_kernels.attention.forward.flash_attention_fwd[B, Hkv](q, k, v, kv_lens,
+      q_lens, scale=, causal=, window=, mm_dtype=, tiles=)``, lengths as (B,) int32 device
+      tensors, tiles from ``nki_kernels.tiles.choose_forward_tiles`` for the platform target
+      (``torch_neuronx.utils.get_platform_target()``, trn1 tiling when unknown: it fits trn2).
+    * backward: ``nki_kernels.attention.backward.flash_attn_bwd[B, Hkv](q, k, v, o, do, lse,
+      scale=, causal=, window=, mixed_precision=)``; its lengths are compile-time ints, so a
+      padded batch launches one grid ``[1, Hkv]`` per sequence and concatenates the results in
+      the graph.
     """
 
     @staticmethod
-    def _plans():
+    def _target() -> Optional[str]:
         try:
-            from host import api
-            plan_fwd = api.plan_attention_forward
-            plan_bwd = api.plan_attention_backward
-        except (ImportError, AttributeError) as exc:
-            raise NotImplementedError(
-                "XLA tensors: host.api does not expose plan_attention_forward/"
-                "plan_attention_backward (kernel, grid, options) yet, which the XLA path launches "
-                "on device tensors; move the tensors to the CPU to use the NumPy launcher"
-            ) from exc
-        return plan_fwd, plan_bwd
+            from torch_neuronx.utils import get_platform_target
+            name = str(get_platform_target()).lower()
+        except Exception:  # noqa: BLE001 - unknown platform: the tiling that fits both
+            return None
+        return "trn2" if ("trn2" in name or "gen3" in name) else "trn1"
 
     @staticmethod
-    def _lens_on(device, lens):
+    def _lens(device, lens):
         return None if lens is None else torch.as_tensor(lens, dtype=torch.int32, device=device)
 
-    def _call(self, plan, arrays, opts: _Options, **extra):
-        kernel, grid, kernel_kwargs = plan(*arrays, **opts.kwargs(), **extra)
-        device = arrays[0].device
-        if opts.kv_lens is not None:
-            kernel_kwargs["kv_lens"] = self._lens_on(device, opts.kv_lens)
-        if opts.q_lens is not None:
-            kernel_kwargs["q_lens"] = self._lens_on(device, opts.q_lens)
-        return kernel[tuple(grid)](*arrays, **kernel_kwargs)
-
     def forward(self, q, k, v, opts: _Options):
-        plan_fwd, _ = self._plans()
-        o, lse = self._call(plan_fwd, (q.contiguous(), k.contiguous(), v.contiguous()), opts,
-                            return_lse=True)
+        from nki_kernels import tiles as T
+        from nki_kernels.attention.forward import flash_attention_fwd
+
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        in_name = _v.dtype_name(q)
+        mm = T.fwd_mm_dtype_name(in_name, opts.mixed_precision)
+        has_mask = any(x is not None for x in (opts.causal, opts.window, opts.kv_lens,
+                                                 opts.q_lens))
+        ftiles = T.choose_forward_tiles(Nq, Nk, D, Hq // Hkv, T.fwd_itemsize(in_name),
+                                        T.fwd_itemsize(mm), target=self._target(),
+                                        kv_lens=opts.kv_lens is not None, masks=has_mask)
+        o, lse = flash_attention_fwd[(B, Hkv)](
+            q.contiguous(), k.contiguous(), v.contiguous(), self._lens(q.device, opts.kv_lens),
+            self._lens(q.device, opts.q_lens), scale=opts.scale, causal=opts.causal,
+            window=opts.window, mm_dtype=mm, tiles=ftiles)
         return o, lse
 
     def backward(self, do, q, k, v, o, lse, opts: _Options):
-        _, plan_bwd = self._plans()
-        dq, dk, dv = self._call(plan_bwd, (do.contiguous(), q, k, v, o, lse), opts)
-        return dq, dk, dv
+        from nki_kernels.attention.backward import flash_attn_bwd
+
+        B, Hkv = q.shape[0], k.shape[1]
+        kw = dict(scale=opts.scale, causal=opts.causal, window=opts.window,
+                  mixed_precision=opts.mixed_precision)
+        args = (q, k, v, o, do.contiguous(), lse)
+        if opts.kv_lens is None and opts.q_lens is None:
+            return flash_attn_bwd[(B, Hkv)](*args, **kw)
+        parts = []
+        for b in range(B):
+            q_len = None if opts.q_lens is None else int(opts.q_lens[b])
+            kv_len = None if opts.kv_lens is None else int(opts.kv_lens[b])
+            parts.append(flash_attn_bwd[(1, Hkv)](*(x[b:b + 1] for x in args), q_len=q_len,
+                                                 kv_len=kv_len, **kw))
+        return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
 
 
 _EXECUTORS = {_DEVICE_CPU: _HostKernels(), _DEVICE_XLA: _XlaKernels()}
