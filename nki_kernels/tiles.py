@@ -67,8 +67,9 @@ def linear_gelu_blocks(M: int, K: int, N: int, mm_itemsize: int, *,
     The kernel keeps ``block_m`` rows of x transposed in SBUF (``ceil(K/128) * block_m`` operand
     elements per partition) and streams W in column blocks of ``block_n`` (``ceil(K/128) *
     block_n`` per partition, double-buffered). W is read ``ceil(M / block_m)`` times, so
-    ``block_m`` is made as large as the budget allows (up to M rounded to 128); ``block_n``
-    shrinks from 512 to 128 first when K is long.
+    ``block_n`` (512, 256 or 128: TensorE time per output column is the same for any moving
+    size >= 64) is the widest that reaches the fewest passes, and ``block_m`` is as large as
+    the budget then allows (up to M rounded up to 128).
 
     Returns
     -------
@@ -77,20 +78,27 @@ def linear_gelu_blocks(M: int, K: int, N: int, mm_itemsize: int, *,
     """
     kt = ceil_div(K, PMAX)
     m_needed = ceil_div(M, PMAX) * PMAX
+    n_cap = ceil_div(N, PMAX) * PMAX
+    best = None
     for block_n in (LINEAR_N_TILE, 256, LINEAR_MIN_N_BLOCK):
-        w_bytes = 2 * kt * block_n * mm_itemsize
-        room = budget - w_bytes
-        if room <= 0:
+        block_n = min(block_n, n_cap)
+        room = budget - 2 * kt * block_n * mm_itemsize
+        rows = (room // (kt * mm_itemsize)) // PMAX * PMAX if room > 0 else 0
+        if rows < PMAX:
             continue
-        rows = (room // (kt * mm_itemsize)) // PMAX * PMAX
-        if rows >= PMAX:
-            return min(rows, m_needed, max_m_block), min(block_n, ceil_div(N, PMAX) * PMAX)
-    return None
+        block_m = min(rows, m_needed, max_m_block)
+        passes = ceil_div(M, block_m)
+        if best is None or passes < best[0]:   # fewest passes over W, then the widest block_n
+            best = (passes, block_m, block_n)
+    return None if best is None else best[1:]
 
 
 # -- row softmax -------------------------------------------------------------------------------
 #: Columns per streamed chunk of a long softmax row (bf16: 4 KiB per partition per DMA).
 SOFTMAX_CHUNK = 2048
+#: Largest chunk a caller may force: its fp32 working set (input, exponentials, output, 12 bytes
+#: per column) stays within SOFTMAX_RESIDENT_BYTES.
+SOFTMAX_MAX_CHUNK = 8192
 #: Per-partition bytes of the working set (input, fp32 exponentials, output) under which a whole
 #: row tile stays on chip and is read from HBM once.
 SOFTMAX_RESIDENT_BYTES = 96 * 1024

@@ -1,0 +1,322 @@
+"""The public NumPy API: validate -> pick tiles -> launch the grid -> return outputs.
+
+Every entry point validates its inputs with :mod:`host.validation` (errors name the argument, what
+was given and what is allowed), chooses block sizes with :mod:`nki_kernels.tiles`, and launches
+kernels through :func:`host._launch.launch` (the CPU simulator or a Trainium device).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from host import validation as _v
+from host._launch import launch
+from nki_kernels import tiles
+
+# ============================================================================================
+# Fused kernels and the unfused attention baseline (issue #6)
+# ============================================================================================
+
+#: ``algorithm`` values of :func:`online_softmax`.
+SOFTMAX_ALGORITHMS = ("online", "two_pass")
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {_v.describe(value)}")
+    return bool(value)
+
+
+def _numpy(name: str, x) -> np.ndarray:
+    """The NumPy array behind a validated input (torch CPU tensors are converted, not copied)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "detach") and getattr(getattr(x, "device", None), "type", "cpu") == "cpu":
+        return x.detach().numpy()
+    raise TypeError(f"{name}: expected a numpy.ndarray (or a CPU torch.Tensor), got "
+                    f"{_v.describe(x)}")
+
+
+def _mm_dtype(dtype: np.dtype, mixed_precision: bool) -> np.dtype:
+    """Matmul operand dtype: the input dtype, except bf16 for fp32 with ``mixed_precision``."""
+    if dtype == np.float32 and mixed_precision:
+        return np.dtype(_v.FLOAT_DTYPES[1])  # bfloat16
+    return dtype
+
+
+def _check_budget(sbuf_budget):
+    if sbuf_budget is None:
+        return tiles.FUSED_SBUF_BUDGET
+    return _v.check_int("sbuf_budget", sbuf_budget, minimum=1,
+                        maximum=min(tiles.SBUF_USABLE_BYTES.values()))
+
+
+def plan_linear_gelu(M: int, K: int, N: int, mm_itemsize: int, sbuf_budget=None):
+    """Blocking of :func:`linear_gelu`: ``(block_m, block_n)``, or ``(0, 0)`` for the streaming
+    variant (K too long for a resident x^T block within ``sbuf_budget`` bytes per partition)."""
+    blocks = tiles.linear_gelu_blocks(M, K, N, mm_itemsize, budget=_check_budget(sbuf_budget))
+    return blocks if blocks is not None else (0, 0)
+
+
+def linear_gelu(x, w, b, *, approximate: str = _v.GELU_EXACT, fused: bool = True,
+                mixed_precision: bool = True, sbuf_budget=None) -> np.ndarray:
+    """``GELU(x @ w + b)`` on the active backend.
+
+    Parameters
+    ----------
+    x : array (M, K)
+    w : array (K, N)
+    b : array (N,)
+        x, w, b share one dtype: float32, bfloat16 or float16; any sizes >= 1.
+    approximate : {"none", "tanh"}
+        Exact (erf) GELU or the tanh approximation, as ``torch.nn.functional.gelu``.
+    fused : bool
+        True: one kernel (matmul, bias and GELU with the intermediates on chip). False: the
+        unfused pipeline of three kernels (matmul, bias add, GELU), each a round trip through
+        HBM -- the baseline of the fusion study.
+    mixed_precision : bool
+        For float32 inputs, run the matmul operands in bf16 (default) or in fp32 (False, 4x
+        slower on TensorE). bf16/fp16 inputs always run in their own dtype.
+    sbuf_budget : int, optional
+        SBUF bytes per partition for the resident blocks (default
+        ``tiles.FUSED_SBUF_BUDGET``). A smaller budget means smaller x blocks and more passes
+        over W; one too small for a 128-row block selects the streaming variant.
+
+    Returns
+    -------
+    numpy.ndarray (M, N) in x's dtype
+    """
+    from nki_kernels.fused import linear_gelu as k
+
+    shape = _v.check_linear_gelu_inputs(x, w, b, approximate)
+    fused = _check_bool("fused", fused)
+    mixed_precision = _check_bool("mixed_precision", mixed_precision)
+    x, w, b = _numpy("x", x), _numpy("w", w), _numpy("b", b)
+    mm = _mm_dtype(x.dtype, mixed_precision)
+    block_m, block_n = plan_linear_gelu(shape.M, shape.K, shape.N, mm.itemsize, sbuf_budget)
+    opts = dict(mm_dtype=mm.name, block_m=block_m, block_n=block_n)
+    if fused:
+        return launch(k.linear_gelu_fused, (1,), x, w, b, approximate=shape.approximate, **opts)
+    z = launch(k.matmul_kernel, (1,), x, w, **opts)
+    z = launch(k.bias_add_kernel, (1,), z, b)
+    return launch(k.gelu_kernel, (1,), z, approximate=shape.approximate)
+
+
+def _check_softmax_options(algorithm, chunk_size):
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm: expected one of {', '.join(map(repr, SOFTMAX_ALGORITHMS))}, "
+                        f"got {_v.describe(algorithm)}")
+    if algorithm not in SOFTMAX_ALGORITHMS:
+        raise ValueError(f"algorithm: expected one of {', '.join(map(repr, SOFTMAX_ALGORITHMS))}, "
+                         f"got {algorithm!r}")
+    if chunk_size is not None:
+        chunk_size = _v.check_int("chunk_size", chunk_size, minimum=1,
+                                  maximum=tiles.SOFTMAX_MAX_CHUNK)
+    return algorithm, chunk_size
+
+
+def online_softmax(x, *, algorithm: str = "online", chunk_size=None) -> np.ndarray:
+    """Row softmax of a 2-D array (over the last axis) on the active backend.
+
+    Rows are processed 128 at a time; a row longer than fits on chip is streamed in chunks.
+
+    Parameters
+    ----------
+    x : array (M, N), float32, bfloat16 or float16, any sizes >= 1
+    algorithm : {"online", "two_pass"}
+        How a streamed row gets its max and sum: in one walk with the online rescaling
+        (``"online"``: reads x twice in total, writes once) or the safe softmax's two walks
+        (``"two_pass"``: max, then sum; reads x three times). A row that fits on chip is read
+        once either way.
+    chunk_size : int, optional
+        Columns per chunk, in ``[1, tiles.SOFTMAX_MAX_CHUNK]``; rows of at most ``chunk_size``
+        columns are kept on chip. Default: whole rows on chip when they fit
+        ``tiles.SOFTMAX_RESIDENT_BYTES``, else chunks of ``tiles.SOFTMAX_CHUNK``.
+
+    Returns
+    -------
+    numpy.ndarray (M, N) in x's dtype. A row that is entirely -inf gives zeros.
+    """
+    from nki_kernels.fused.softmax import softmax_kernel
+
+    M, N = _v.check_softmax_input(x)
+    algorithm, chunk_size = _check_softmax_options(algorithm, chunk_size)
+    x = _numpy("x", x)
+    chunk, resident = tiles.softmax_plan(N, x.dtype.itemsize, x.dtype.itemsize, chunk_size)
+    return launch(softmax_kernel, (1,), x, algorithm=algorithm, chunk=chunk, resident=resident,
+                  zero_masked_rows=False)
+
+
+def _attention_arrays(q, k, v):
+    """Accept single-head ``(N, D)`` inputs by viewing them as ``(1, 1, N, D)``."""
+    ranks = tuple(getattr(a, "ndim", None) for a in (q, k, v))
+    if ranks == (2, 2, 2):
+        return tuple(_numpy(n, a)[None, None] for n, a in zip("qkv", (q, k, v))), True
+    for name, a in zip("qkv", (q, k, v)):
+        _v.check_array(name, a)
+        if a.ndim not in (2, 4):
+            raise ValueError(f"{name}: expected a 2-D (N, D) or 4-D (B, H, N, D) array, got a "
+                             f"{a.ndim}-D array of shape {tuple(a.shape)}")
+    return (q, k, v), False
+
+
+def attention_unfused(q, k, v, *, scale=None, causal=False,
+                      mixed_precision: bool = True) -> np.ndarray:
+    """Standard attention (Algorithm 0 of the FlashAttention paper): S and P go through HBM.
+
+    Three kernels: ``S = scale q k^T`` (masked), ``P = softmax(S)``, ``o = P v``. The baseline
+    the flash kernel is compared with; same semantics as ``flash_attention``
+    (docs/semantics.md) for ``scale``, ``causal`` and GQA.
+
+    Parameters
+    ----------
+    q : array (B, Hq, Nq, D) or (Nq, D)
+    k, v : arrays (B, Hkv, Nk, D) or (Nk, D); ``Hq % Hkv == 0``; D <= 256
+        One dtype for all three: float32, bfloat16 or float16.
+    scale : float, optional
+        Default ``1 / sqrt(D)``.
+    causal : None, False, True, "top_left" or "bottom_right"
+        ``True`` means ``"bottom_right"``. A query row with no visible key outputs zeros.
+    mixed_precision : bool
+        float32 inputs: bf16 matmul operands (default) or fp32.
+
+    Returns
+    -------
+    numpy.ndarray, q's shape and dtype
+    """
+    from nki_kernels.attention import unfused as ua
+    from nki_kernels.fused.softmax import softmax_kernel
+
+    (q4, k4, v4), single = _attention_arrays(q, k, v)
+    dims = _v.check_attention_inputs(q4, k4, v4)
+    causal = _v.normalize_causal(causal)
+    scale = _v.check_scale(scale, dims.D)
+    mixed_precision = _check_bool("mixed_precision", mixed_precision)
+    q4, k4, v4 = (_numpy(n, a) for n, a in zip("qkv", (q4, k4, v4)))
+    B, Hq, Hkv, Nq, Nk, D = dims
+    dtype = q4.dtype
+    mm = _mm_dtype(dtype, mixed_precision)
+    offset = None if causal is None else (0 if causal == _v.CAUSAL_TOP_LEFT else Nk - Nq)
+    kv_block, v_resident = tiles.unfused_attention_blocks(Nk, D, mm.itemsize)
+    grid = (B, Hkv, Hq // Hkv)
+
+    s = launch(ua.attention_scores_kernel, grid, q4, k4, scale=float(scale),
+               causal_offset=offset, mm_dtype=mm.name, s_dtype=dtype.name, kv_block=kv_block)
+    chunk, resident = tiles.softmax_plan(Nk, dtype.itemsize, dtype.itemsize)
+    p = launch(softmax_kernel, (1,), s.reshape(B * Hq * Nq, Nk), algorithm="online",
+               chunk=chunk, resident=resident, zero_masked_rows=True)
+    o = launch(ua.attention_pv_kernel, grid, p.reshape(B, Hq, Nq, Nk), v4, mm_dtype=mm.name,
+               o_dtype=dtype.name, v_resident=v_resident)
+    return o[0, 0] if single else o
+
+
+# ============================================================================================
+# Flash attention forward (issue #3)
+# ============================================================================================
+
+
+#: ``nki_kernels.tiles`` under a name the ``tiles=`` keyword of this section does not shadow.
+_tiles = tiles
+
+
+def _check_forward_tiles(value):
+    if value is None or isinstance(value, _tiles.ForwardTiles):
+        return value
+    raise TypeError(f"tiles: expected None or a nki_kernels.tiles.ForwardTiles, got "
+                    f"{_v.describe(value)}")
+
+
+def _lengths_int32(lens):
+    """Validated (B,) lengths as the kernel's int32 HBM input (values already in [0, N])."""
+    return None if lens is None else np.ascontiguousarray(lens, dtype=np.int32)
+
+
+def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
+                           q_lens=None, mixed_precision: bool = True, return_lse: bool = False,
+                           tiles=None, sbuf_budget=None):
+    """Validate a forward call and choose its launch: ``(kernel, grid, kernel_kwargs)``.
+
+    The kernel is :func:`nki_kernels.attention.forward.flash_attention_fwd`, the grid
+    ``(B, Hkv)``; ``kernel_kwargs`` holds the compile-time options (``scale``, ``causal``,
+    ``window``, ``mm_dtype``, ``tiles``) but not the tensors: call it as
+    ``kernel[grid](q, k, v, kv_lens=..., q_lens=..., **kernel_kwargs)`` with ``(B,)`` int32
+    lengths (or None). Shared by :func:`flash_attention` and the torch-neuronx path of
+    :mod:`host.torch_ops`, so both launch identical kernels. Arguments as in
+    :func:`flash_attention`; ``return_lse`` is accepted and ignored (the kernel always writes
+    the LSE).
+    """
+    from nki_kernels.attention.forward import flash_attention_fwd
+
+    dims = _v.check_attention_inputs(q, k, v)
+    scale = _v.check_scale(scale, dims.D)
+    causal = _v.normalize_causal(causal)
+    window = _v.normalize_window(window)
+    kv_lens = _v.check_lengths("kv_lens", kv_lens, dims.B, dims.Nk, upper_name="Nk")
+    q_lens = _v.check_lengths("q_lens", q_lens, dims.B, dims.Nq, upper_name="Nq")
+    mixed_precision = _check_bool("mixed_precision", mixed_precision)
+    _check_bool("return_lse", return_lse)
+    chosen = _check_forward_tiles(tiles)
+    if sbuf_budget is not None:
+        sbuf_budget = _v.check_int("sbuf_budget", sbuf_budget, minimum=1,
+                                   maximum=max(_tiles.SBUF_USABLE_BYTES.values()))
+    in_dtype = _v.dtype_name(q)
+    mm = _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision)
+    if chosen is None:
+        chosen = _tiles.choose_forward_tiles(
+            dims.Nq, dims.Nk, dims.D, dims.group, _tiles.fwd_itemsize(in_dtype),
+            _tiles.fwd_itemsize(mm), sbuf_bytes=sbuf_budget, kv_lens=kv_lens is not None,
+            masks=(causal is not None or window is not None or kv_lens is not None
+                   or q_lens is not None))
+    kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen)
+    return flash_attention_fwd, (dims.B, dims.Hkv), kwargs
+
+
+def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
+                    q_lens=None, mixed_precision: bool = True, return_lse: bool = False,
+                    tiles=None, sbuf_budget=None):
+    """Flash attention forward on the active backend (docs/semantics.md for the exact meaning).
+
+    Parameters
+    ----------
+    q : array (B, Hq, Nq, D)
+    k, v : arrays (B, Hkv, Nk, D)
+        NumPy arrays (or CPU torch tensors) of one dtype: float32, bfloat16 (ml_dtypes) or
+        float16. ``Hq % Hkv == 0`` (GQA/MQA: query head h reads kv head ``h // (Hq // Hkv)``);
+        any ``Nq, Nk >= 1``; ``1 <= D <= 256``.
+    scale : float, optional
+        Softmax scale, default ``1 / sqrt(D)``; any finite value.
+    causal : None, False, True, "top_left" or "bottom_right"
+        ``True`` means ``"bottom_right"`` (query i sees keys ``j <= i + Nk - Nq``, with valid
+        lengths when given); ``"top_left"`` is PyTorch's ``is_causal`` (``j <= i``).
+    window : None or (left, right)
+        Sliding window: key j visible when ``i + off - left <= j <= i + off + right`` (``off``
+        the causal alignment offset, bottom_right without causal); -1 = unbounded side.
+    kv_lens, q_lens : (B,) ints, optional
+        Valid key / query lengths per sequence of a padded batch (values in [0, Nk] / [0, Nq]).
+        Keys past ``kv_lens[b]`` are never seen; rows past ``q_lens[b]`` output 0, LSE -inf.
+    mixed_precision : bool
+        float32 inputs only: matmul operands in bf16 (default) or float32 (4x slower TensorE).
+        bf16/fp16 inputs always use their own dtype. Accumulation and softmax are fp32.
+    return_lse : bool
+        Also return the log-sum-exp.
+    tiles : nki_kernels.tiles.ForwardTiles, optional
+        Force a tiling (e.g. ``ForwardTiles(kv_resident=False, q_group=2)`` for the streaming
+        regime). Default: chosen by ``tiles.choose_forward_tiles`` from the SBUF budget.
+    sbuf_budget : int, optional
+        SBUF bytes per partition the default tiling may plan into (default: trn1's usable SBUF).
+
+    Returns
+    -------
+    o : numpy.ndarray (B, Hq, Nq, D), q's dtype
+    lse : numpy.ndarray (B, Hq, Nq) float32, only with ``return_lse``
+        Natural log; -inf for rows without a visible key (their o is 0).
+    """
+    kernel, grid, kwargs = plan_attention_forward(
+        q, k, v, scale=scale, causal=causal, window=window, kv_lens=kv_lens, q_lens=q_lens,
+        mixed_precision=mixed_precision, return_lse=return_lse, tiles=tiles,
+        sbuf_budget=sbuf_budget)
+    B, Nk, Nq = grid[0], k.shape[2], q.shape[2]
+    kv32 = _lengths_int32(_v.check_lengths("kv_lens", kv_lens, B, Nk, upper_name="Nk"))
+    q32 = _lengths_int32(_v.check_lengths("q_lens", q_lens, B, Nq, upper_name="Nq"))
+    q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
+    o, lse = launch(kernel, grid, q, k, v, kv_lens=kv32, q_lens=q32, **kwargs)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,87 @@
+"""On-chip building blocks shared by the fused kernels and the unfused attention baseline.
+
+Two helpers, both called from inside an ``@nki.jit`` kernel:
+
+- :func:`for_tiles` walks ``[0, total)`` in tiles of a fixed size: an ``nl.affine_range`` over the
+  full tiles, then one statically sized tail. Every tile size a body sees is a Python int, so
+  partial tiles are plain static slices (no masks, and no uninitialized rows reach TensorE).
+- :func:`load_rows_transposed` loads up to 128 rows of a row-major HBM matrix and writes their
+  transpose into an SBUF buffer with the columns on partitions -- the layout a matmul contraction
+  needs. The transpose runs on TensorE (``nc_transpose`` into PSUM, then a VectorE copy out), which
+  is fast on both generations; ``load_transpose2d`` would be a DMA transpose, which
+  hardware-and-limits.md §1 calls "much lower DMA bandwidth" on trn1.
+"""
+from nki_kernels import tiles
+from nki_kernels.nki import nisa, nl
+
+PMAX = tiles.PMAX
+
+
+def for_tiles(total, size, body, loop=None):
+    """Call ``body(i, n)`` for the tiles ``i * size ... i * size + n`` covering ``[0, total)``.
+
+    Parameters
+    ----------
+    total, size : int
+        Static extent and tile size.
+    body : callable(i, n)
+        ``i`` is the tile index: a loop index for the full tiles (a Python int when there is
+        only one, and for the tail); the tile starts at ``i * size``. ``n`` is always a Python
+        int: ``size``, or ``total % size`` for the tail.
+    loop : callable, optional
+        Loop constructor for the full tiles, default ``nl.affine_range`` (independent
+        iterations); ``nl.sequential_range`` for a loop-carried recurrence.
+    """
+    loop = nl.affine_range if loop is None else loop
+    n_full, tail = divmod(total, size)
+    if n_full == 1:
+        body(0, size)
+    elif n_full > 1:
+        for i in loop(n_full):
+            body(i, size)
+    if tail:
+        body(n_full, tail)
+
+
+def load_rows_transposed(src, lead, r0, rows, cols, dst, col_stride, col_offset,
+                         load_dtype=None, load_cols=None, c0=0):
+    """Transpose ``src[*lead, r0:r0+rows, c0:c0+cols]`` into ``dst`` with columns on partitions.
+
+    Column tile ``j`` (columns ``c0 + 128 j ...``, ``csz <= 128`` of them) lands in
+    ``dst[0:csz, j * col_stride + col_offset : ... + rows]``: for a matmul operand that is the
+    128-deep contraction tile ``j`` of ``rows`` consecutive stationary or moving columns.
+
+    Parameters
+    ----------
+    src : HBM tensor, row-major, ``len(lead) + 2`` dims
+    lead : tuple
+        Leading indices selecting a 2-D matrix of ``src`` (``()`` for a 2-D src).
+    r0 : index expression or int
+    rows : int <= 128
+    cols : int
+    dst : SBUF tensor ``(128, >= ceil(cols/128) * col_stride)`` in the matmul operand dtype
+    col_stride, col_offset : int or index expression
+    load_dtype : dtype, optional
+        Cast applied by the DMA (e.g. fp32 -> bf16 operands).
+    load_cols : int, optional
+        Columns per DMA, a multiple of 128; default all ``cols`` in one transfer.
+    c0 : int or index expression
+        First column.
+    """
+    load_cols = cols if load_cols is None else load_cols
+    per_load = load_cols // PMAX
+
+    def chunk(ci, cw):
+        x_rows = nl.load(src[(*lead, nl.ds(r0, rows), nl.ds(c0 + ci * load_cols, cw))],
+                         dtype=load_dtype)
+
+        def piece(ji, jw):
+            tp = nl.ndarray((PMAX, PMAX), dtype=nl.float32, buffer=nl.psum)
+            tp[0:jw, 0:rows] = nisa.nc_transpose(x_rows[0:rows, nl.ds(ji * PMAX, jw)])
+            col = (ci * per_load + ji) * col_stride + col_offset
+            dst[0:jw, nl.ds(col, rows)] = nisa.tensor_copy(
+                tp[0:jw, 0:rows], dtype=dst.dtype, engine=nisa.vector_engine)
+
+        for_tiles(cw, PMAX, piece)
+
+    for_tiles(cols, load_cols, chunk)
