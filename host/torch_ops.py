@@ -247,10 +247,10 @@ class _XlaKernels:
     in HBM (``nl.shared_hbm``) and returns them. The kernels take the standard ``(B, H, N, D)``
     layout, so no permutes are needed on the host.
 
-    * forward: ``nki_kernels.attention.forward.flash_attention_fwd[B, Hkv](q, k, v, kv_lens,
-      q_lens, scale=, causal=, window=, mm_dtype=, tiles=)``, lengths as (B,) int32 device
-      tensors, tiles from ``nki_kernels.tiles.choose_forward_tiles`` for the platform target
-      (``torch_neuronx.utils.get_platform_target()``, trn1 tiling when unknown: it fits trn2).
+    * forward: the launch the NumPy API makes, from :func:`host.api.plan_attention_forward`
+      (``flash_attention_fwd`` on the grid ``(B, Hkv)`` with its compile-time options and
+      tiles), called on the device tensors with ``kv_lens``/``q_lens`` as (B,) int32 device
+      tensors (the planner's default SBUF budget is trn1's, a tiling that also fits trn2).
     * backward: ``nki_kernels.attention.backward.flash_attn_bwd[B, Hkv](q, k, v, o, do, lse,
       scale=, causal=, window=, mixed_precision=)``; its lengths are compile-time ints, so a
       padded batch launches one grid ``[1, Hkv]`` per sequence and concatenates the results in
@@ -258,35 +258,17 @@ class _XlaKernels:
     """
 
     @staticmethod
-    def _target() -> Optional[str]:
-        try:
-            from torch_neuronx.utils import get_platform_target
-            name = str(get_platform_target()).lower()
-        except Exception:  # noqa: BLE001 - unknown platform: the tiling that fits both
-            return None
-        return "trn2" if ("trn2" in name or "gen3" in name) else "trn1"
-
-    @staticmethod
     def _lens(device, lens):
         return None if lens is None else torch.as_tensor(lens, dtype=torch.int32, device=device)
 
     def forward(self, q, k, v, opts: _Options):
-        from nki_kernels import tiles as T
-        from nki_kernels.attention.forward import flash_attention_fwd
+        from host import api
 
-        B, Hq, Nq, D = q.shape
-        Hkv, Nk = k.shape[1], k.shape[2]
-        in_name = _v.dtype_name(q)
-        mm = T.fwd_mm_dtype_name(in_name, opts.mixed_precision)
-        has_mask = any(x is not None for x in (opts.causal, opts.window, opts.kv_lens,
-                                                 opts.q_lens))
-        ftiles = T.choose_forward_tiles(Nq, Nk, D, Hq // Hkv, T.fwd_itemsize(in_name),
-                                        T.fwd_itemsize(mm), target=self._target(),
-                                        kv_lens=opts.kv_lens is not None, masks=has_mask)
-        o, lse = flash_attention_fwd[(B, Hkv)](
-            q.contiguous(), k.contiguous(), v.contiguous(), self._lens(q.device, opts.kv_lens),
-            self._lens(q.device, opts.q_lens), scale=opts.scale, causal=opts.causal,
-            window=opts.window, mm_dtype=mm, tiles=ftiles)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        kernel, grid, kernel_kwargs = api.plan_attention_forward(
+            q, k, v, **opts.kwargs())
+        o, lse = kernel[grid](q, k, v, kv_lens=self._lens(q.device, opts.kv_lens),
+                              q_lens=self._lens(q.device, opts.q_lens), **kernel_kwargs)
         return o, lse
 
     def backward(self, do, q, k, v, o, lse, opts: _Options):
