@@ -132,6 +132,11 @@ class IndexExpr:
         terms = tuple((IndexVar(v.start, v.n, axis, ndim), c) for v, c in self.terms)
         return IndexExpr(terms, self.const)
 
+    def __setitem__(self, key, value):
+        raise nki_error("err_cannot_assign_to_index", "type",
+                        "'index' tensor does not support item assignment; materialise it with "
+                        "nisa.iota first")
+
     # -- affine arithmetic --------------------------------------------------------------------
     def _combine(self, other, sign):
         if isinstance(other, IndexExpr):

@@ -860,9 +860,8 @@ def _resolve(t, mask, skip_oob):
             k = np.asarray(key[d])
             b = np.broadcast_to((k < 0) | (k >= n), t.shape) & m
             if b.any():
-                vals = np.broadcast_to(k, t.shape)[b]
-                raise _oob_msg(t._st.name, d, int(vals.min()) if vals.min() < 0 else lo,
-                               int(vals.max()), n)
+                vals = np.broadcast_to(k, t.shape)[m]        # index range of unmasked elements
+                raise _oob_msg(t._st.name, d, int(vals.min()), int(vals.max()), n)
             key[d] = np.clip(k, 0, n - 1)
         key = tuple(key)
         valid = m if valid is None else (valid & m)
@@ -1051,8 +1050,9 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
             vals = value._v
             vmask = value._mask
         else:
+            # a copy of a named tile copies every element (masked-out ones are garbage)
             vals, _ = tile_operand(value, api, "src")
-            vmask = value._mask
+            vmask = None
         vdi = vst.di
         vshape = value.shape
     elif isinstance(value, (int, float, np.number, bool, np.bool_)):

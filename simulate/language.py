@@ -295,7 +295,6 @@ def _create(ctx, shape, dtype, buffer, name, fill, api, depth):
     if fill is not None:
         arr = di.round(arr)
     st = new_onchip(ctx, arr, di, kind, pdim, name or None, api)
-    _runtime.commit(ctx, st)
     if fill is not None:
         st.written = True
         n = 1
@@ -303,7 +302,11 @@ def _create(ctx, shape, dtype, buffer, name, fill, api, depth):
             if i != pdim:
                 n *= s
         ctx.rec.add("vector", _cost.ii(n))          # memset
-    return Tensor(st)
+    # Accounted at the next API call (like instruction results), i.e. after ``t = nl.zeros()``
+    # has rebound ``t`` and released the previous iteration's tile -- compiler liveness.
+    t = Tensor(st)
+    ctx.pending = t
+    return t
 
 
 def ndarray(shape, dtype, *, buffer=None, name="", **kwargs):
@@ -493,19 +496,17 @@ def store(dst, value, *, mask=None, **kwargs):
                             f"limitation of {_hw.NUM_PARTITIONS}.")
         vals = value._read()
         vdi = vst.di
-        vmask = value._mask
         vshape = value.shape
     else:
         check_partitions(dshape, "store", "dst")
         vals = np.asarray(value)
         vdi = _dtypes.weak_scalar_info(value)
-        vmask = None
         vshape = ()
+    # Only the store's own mask limits what is written: masked-out elements of a masked
+    # compute/load result are garbage (NaN) in the tile and a store without a mask writes them.
     m = eval_mask(mask, dshape)
     if vshape != dshape:
         vals = fit_value(vals, vshape, dshape, st.name, "value")
-        vmask = fit_mask(vmask, vshape, dshape)
-    m = _tensor.combine_masks(m, vmask)
     ddi = st.di
     if ddi is not vdi and not (ddi is F32 and vdi.is_float):
         vals = ddi.round(np.asarray(vals))

@@ -1,0 +1,190 @@
+"""simulate.measure(): exact IO counts, instruction costs, peaks, modeled time."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import simulate as nki
+import simulate.language as nl
+import simulate.isa as nisa
+from simulate import _hw
+
+
+@nki.jit
+def tiled_add(a, b):
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    for i in nl.affine_range(a.shape[0] // 128):
+        for j in nl.affine_range(a.shape[1] // 512):
+            x = nl.load(a[i * 128:(i + 1) * 128, j * 512:(j + 1) * 512])
+            y = nl.load(b[i * 128:(i + 1) * 128, j * 512:(j + 1) * 512])
+            nl.store(out[i * 128:(i + 1) * 128, j * 512:(j + 1) * 512], x + y)
+    return out
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2"])
+def test_tiled_add_exact_io_and_costs(target):
+    a = np.ones((512, 2048), np.float32)
+    with nki.measure(target=target) as m:
+        tiled_add(a, a)
+    tgt = _hw.get_target(target)
+    assert m.hbm_bytes_read == 8388608 and m.hbm_bytes_written == 4194304
+    assert m.per_tensor == {"a": {"read": 4194304, "written": 0},
+                            "b": {"read": 4194304, "written": 0},
+                            "shared_hbm_0": {"read": 0, "written": 4194304}}
+    assert m.dma_transfers == 48 and m.instructions == {"dma": 48, "vector": 16}
+    assert m.dma_bytes_per_partition == [2048] * 48            # 512 fp32 contiguous per row
+    # tensor_tensor fp32 SBUF+SBUF: 2N cycles, N = 512
+    assert m.engine_cycles == {"vector": 16 * 1024}
+    dma_s = 12582912 / tgt.dma_bytes_per_s + 48 * 81.25e-9
+    assert m.engine_seconds["dma"] == pytest.approx(dma_s, rel=1e-12)
+    assert m.engine_seconds["vector"] == pytest.approx(16 * 1024 / tgt.clock_hz["vector"])
+    lo, hi = m.modeled_seconds
+    assert lo == pytest.approx(max(m.engine_seconds.values()))
+    assert hi == pytest.approx(sum(m.engine_seconds.values()))
+    assert m.peak_sbuf_bytes_per_partition == 3 * 2048       # x, y and x + y
+    assert m.peak_psum_bytes_per_partition == 0
+    assert "modeled time" in m.report() and "NOT hardware" in m.report()
+
+
+def test_measurement_is_deterministic():
+    a = np.ones((256, 1024), np.float32)
+    res = []
+    for _ in range(2):
+        with nki.measure() as m:
+            tiled_add(a, a)
+        res.append((m.hbm_bytes_read, m.engine_cycles, m.modeled_seconds, m.dma_bytes_per_partition))
+    assert res[0] == res[1]
+
+
+@nki.jit
+def matmul(lhsT, rhs):
+    K, M = lhsT.shape
+    _, N = rhs.shape
+    out = nl.ndarray((M, N), dtype=nl.float32, buffer=nl.shared_hbm)
+    for m in nl.affine_range(M // 128):
+        for n in nl.affine_range(N // 512):
+            ps = nl.zeros((128, 512), nl.float32, buffer=nl.psum)
+            for k in nl.affine_range(K // 128):
+                ps += nisa.nc_matmul(nl.load(lhsT[k * 128:(k + 1) * 128, m * 128:(m + 1) * 128]),
+                                     nl.load(rhs[k * 128:(k + 1) * 128, n * 512:(n + 1) * 512]))
+            nl.store(out[m * 128:(m + 1) * 128, n * 512:(n + 1) * 512], nl.copy(ps))
+    return out
+
+
+@pytest.mark.parametrize("dt,factor", [(ml_dtypes.bfloat16, 1), (np.float32, 4)])
+def test_matmul_pe_cycles(dt, factor):
+    a = np.ones((512, 256), dt)
+    b = np.ones((512, 1024), dt)
+    with nki.measure(target="trn2") as m:
+        matmul(a, b)
+    n_mm = 4 * 2 * 2
+    assert m.instructions["tensor"] == n_mm
+    assert m.engine_cycles["tensor"] == n_mm * 512 * factor
+    isz = np.dtype(dt).itemsize
+    assert m.hbm_bytes_read == (2 * 512 * 256 + 2 * 512 * 1024) * isz
+    assert m.per_tensor["lhsT"]["read"] == 2 * 512 * 256 * isz      # re-read per n tile
+    assert m.per_tensor["rhs"]["read"] == 2 * 512 * 1024 * isz      # re-read per m tile
+    assert m.hbm_bytes_written == 256 * 1024 * 4
+    assert m.peak_psum_bytes_per_partition == 2048
+    # zeros (memset) + copy per output tile on VectorE: max(64, 512) and fp32 PSUM->SBUF copy
+    assert m.instructions["vector"] == 2 * 4
+
+
+def test_small_free_size_hits_min_ii_and_activation_cost():
+    @nki.jit
+    def k(a):
+        t = nl.load(a)
+        e1 = nl.exp(t)                                    # ScalarE max(64, N)
+        e2 = nisa.activation(nl.exp, t[:, 0:8])
+        r = nisa.reciprocal(t)                            # VectorE 8N
+        out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, e1)
+        return out
+    with nki.measure(target="trn1") as m:
+        k(np.ones((128, 512), np.float32))
+    assert m.engine_cycles["scalar"] == 512 + 64
+    assert m.engine_cycles["vector"] == 8 * 512
+    assert m.engine_seconds["scalar"] == pytest.approx(576 / 1.4e9)
+
+
+def test_trn2_vector_perf_mode_for_bf16_copies():
+    @nki.jit
+    def k(a):
+        t = nl.load(a)
+        c = nisa.tensor_copy(t)                           # bf16 SBUF->SBUF
+        out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, c)
+        return out
+    a = np.ones((128, 2048), ml_dtypes.bfloat16)
+    with nki.measure(target="trn2") as m2:
+        k(a)
+    with nki.measure(target="trn1") as m1:
+        k(a)
+    assert m2.engine_cycles["vector"] == 512 and m1.engine_cycles["vector"] == 2048
+
+
+def test_masked_elements_not_counted():
+    @nki.jit
+    def k(a):
+        o = nl.ndarray((100, 64), nl.float32, buffer=nl.shared_hbm)
+        ip = nl.arange(128)[:, None]
+        jf = nl.arange(64)[None, :]
+        t = nl.load(a[ip, jf], mask=(ip < 100))
+        nl.store(o[ip, jf], t, mask=(ip < 100) & (jf < 32))
+        return o
+    with nki.measure() as m:
+        k(np.ones((100, 64), np.float32))
+    assert m.hbm_bytes_read == 100 * 64 * 4
+    assert m.hbm_bytes_written == 100 * 32 * 4
+
+
+def test_transposing_dma_is_slower_on_trn1_and_strided():
+    @nki.jit
+    def k(a):
+        t = nl.load_transpose2d(a)
+        out = nl.ndarray((128, 512), a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, t)
+        return out
+    a = np.ones((512, 128), ml_dtypes.bfloat16)
+    with nki.measure(target="trn1") as m1:
+        k(a)
+    with nki.measure(target="trn2") as m2:
+        k(a)
+    assert m1.dma_bytes_per_partition[0] == 2                # element-granular descriptors
+    nbytes = 512 * 128 * 2
+    t1 = nbytes / (272e9 * _hw.TRN1.load_transpose_rate) + nbytes / 272e9 + 2 * 81.25e-9
+    assert m1.engine_seconds["dma"] == pytest.approx(t1)
+    assert m2.engine_seconds["dma"] < m1.engine_seconds["dma"]
+
+
+def test_grid_launch_records_all_instances_and_kernels_list():
+    @nki.jit
+    def k(a):
+        out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        i = nl.program_id(0)
+        nl.store(out[i * 64:(i + 1) * 64, :], nl.load(a[i * 64:(i + 1) * 64, :]))
+        return out
+    a = np.ones((256, 32), np.float32)
+    with nki.measure() as m:
+        k[4](a)
+        k[2](a[:128])
+    assert len(m.kernels) == 2 and m.kernels[0].grid == (4,)
+    assert m.kernels[0].hbm_bytes_read == 256 * 32 * 4
+    assert m.hbm_bytes_read == (256 + 128) * 32 * 4
+    lo = sum(r.modeled_seconds[0] for r in m.kernels)
+    assert m.modeled_seconds[0] == pytest.approx(lo)
+
+
+def test_peak_sbuf_tracks_liveness():
+    @nki.jit
+    def k(a):
+        keep = []
+        for i in nl.affine_range(4):
+            keep.append(nl.load(a))                   # all four stay alive
+        out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, keep[0])
+        for i in nl.affine_range(4):
+            t = nl.load(a)                            # rebinding frees the previous tile
+        return out
+    with nki.measure() as m:
+        k(np.ones((128, 1000), np.float32))
+    assert m.peak_sbuf_bytes_per_partition == 4 * 4000 + 4000
