@@ -409,10 +409,11 @@ def eval_mask(mask, shape):
     if isinstance(mask, Predicate):
         mask.check()
         m = mask.evaluate()
-        if m.ndim > len(shape):
-            # drop leading unit axes (e.g. a 2-D grid mask on a rank-1 vector result)
-            while m.ndim > len(shape) and m.shape[0] == 1:
-                m = m[0]
+        # a 2-D grid mask on a rank-1 partition-vector result: drop unit axes (trailing first)
+        while m.ndim > len(shape) and m.shape[-1] == 1:
+            m = m[..., 0]
+        while m.ndim > len(shape) and m.shape[0] == 1:
+            m = m[0]
         try:
             m = np.broadcast_to(m, shape)
         except ValueError:
