@@ -617,6 +617,50 @@ def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causa
     return o
 
 
+def decode_baseline_lowp(q, k_cache, v_cache, *, cache_lens, dtype, out_dtype=None, scale=None,
+                         tree_mask=None, return_lse=False):
+    """Plain decode attention in low precision: the baseline of the tolerance rule for decode.
+
+    The same four steps as :func:`attention_baseline_lowp` (q, k, v rounded to ``dtype``; S
+    rounded before and after scaling; P computed in float32 and rounded; ``P @ v`` rounded to
+    ``out_dtype``), over the positions of :func:`decode_mask` (the committed prefix plus the
+    new tokens allowed by causality or ``tree_mask``).
+
+    Parameters
+    ----------
+    q, k_cache, v_cache, cache_lens, scale, tree_mask :
+        As in :func:`decode`.
+    dtype, out_dtype, return_lse :
+        As in :func:`attention_baseline_lowp`.
+
+    Returns
+    -------
+    o : float64 (B, Hq, T, D)
+    lse : float64 (B, Hq, T), only with ``return_lse``
+    """
+    inputs = check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask,
+                                 dtypes=REFERENCE_DTYPES, same_dtype=False, max_head_dim=None,
+                                 max_new_tokens=None)
+    dtype = normalize_dtype("dtype", dtype, FLOAT_DTYPES)
+    out_dtype = dtype if out_dtype is None else normalize_dtype("out_dtype", out_dtype,
+                                                                FLOAT_DTYPES)
+    scale = check_scale(scale, inputs.D)
+    mask = np.stack([decode_mask(inputs.T, int(n), inputs.S_max, inputs.tree_mask)
+                     for n in inputs.cache_lens])[:, None]
+
+    def rounded(x):
+        return _f64(x).astype(dtype).astype(np.float32)
+
+    q32 = rounded(q)
+    k32 = _expand_kv(rounded(k_cache), inputs.group)
+    v32 = _expand_kv(rounded(v_cache), inputs.group)
+    p, lse = _lowp_probs(q32, k32, scale, mask, dtype)
+    o = np.matmul(p, v32).astype(out_dtype).astype(np.float64)
+    if return_lse:
+        return o, lse.astype(np.float64)
+    return o
+
+
 def attention_backward_baseline_lowp(do, q, k, v, *, dtype, out_dtype=None, scale=None,
                                      causal=None, window=None, q_lens=None, kv_lens=None
                                      ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -225,3 +225,158 @@ def bwd_rows_per_pass(D: int, op_itemsize: int, target: str, *, dq_on_chip: bool
     reading every input once; longer ones take ``ceil(G * Nq / rows)`` passes over K/V."""
     room = SBUF_USABLE_BYTES[target] - bwd_working_bytes(D, op_itemsize, in_itemsize)
     return PMAX * max(1, room // bwd_slot_bytes(D, op_itemsize, dq_on_chip))
+
+
+# ============================================================================================
+# Decode: split-KV flash decoding (issue #5): nki_kernels/attention/decode.py
+# ============================================================================================
+#
+# Vocabulary (decode.py explains the design): a *key row* is ``n`` consecutive cache positions
+# of one kv head -- one partition's contiguous ``n * D`` slice of a K or V DMA; a *split* is
+# ``split_rows`` key rows of the committed prefix handled by one program of the split kernel;
+# the query rows of one kv head (``G * T`` of them, GQA-packed) are processed in *row tiles*,
+# and ``pack`` copies of a row tile share the 128 partitions of the score tile, each copy
+# scoring a different subset of the split's keys.
+
+from typing import NamedTuple as _NamedTuple  # noqa: E402 (this section is self-contained)
+
+#: Largest key row n. n positions of D=128 bf16 are ``256 n`` bytes per partition per DMA; 32
+#: gives 8 KiB, above the 4 KiB at which DMA reaches full rate (hardware-and-limits.md §3). n is
+#: the largest power of two <= this that divides the cache capacity S_max.
+DECODE_KEY_ROW_MAX = 32
+#: Score columns per partition of one split: two PSUM banks of fp32. All scores of a split stay
+#: in PSUM until its max is known, so a split's softmax needs no online rescaling.
+DECODE_SCORE_COLS = 2 * PSUM_FMAX
+#: SBUF bytes per partition for the resident K^T and V of one split (both in the matmul dtype).
+DECODE_KV_BUDGET = 64 * 1024
+#: Additive bias of an invalid key's score (and of a new token a tree/causal mask hides), in
+#: already-scaled score units: exp(s - max) of such a key is exactly 0 in fp32. Finite, so a
+#: split with no valid key computes finite numbers (it is marked dead by DECODE_DEAD_MAX), and
+#: representable in bf16 (the dtype of the mask matmul).
+DECODE_MASK_BIAS = -1.0e30
+#: A (scaled) split max below this means the split saw no valid key: its partial LSE is -inf.
+DECODE_DEAD_MAX = -1.0e29
+#: Automatic split sizing rounds the key rows needed up to ``m * 2**e`` with ``m`` in
+#: ``{B, ..., 2B - 1}`` for this B: at most 1/B of padding, and the kernel (whose split count and
+#: size are compile-time) is recompiled only when the longest sequence crosses a bucket --
+#: B times per doubling of the length, not every token.
+DECODE_BUCKETS_PER_OCTAVE = 4
+#: Query rows per program of the merge kernel (one partition tile).
+DECODE_MERGE_ROWS = PMAX
+#: Lower clamp of the merge's max LSE: a finite shift (nl.fp32.min) even for a row whose every
+#: partial is empty, so exp(-inf - shift) = 0 instead of NaN.
+DECODE_MERGE_M_FLOOR = -3.4028234663852886e38
+#: Lower clamp of the merge's weight sum before 1/sum (0 * 1/floor stays 0).
+DECODE_MERGE_L_FLOOR = 1.0e-30
+
+
+class DecodeTiles(_NamedTuple):
+    """Compile-time tiling of one decode call (``decode_tiles``)."""
+
+    key_row: int          #: n, consecutive positions per partition per K/V DMA (divides S_max)
+    row_tile: int         #: query rows (g, t) per row tile, <= 128
+    pack: int             #: copies of a row tile packed on the partitions of the score tile
+    split_rows: int       #: key rows per split of the committed prefix
+    num_splits: int       #: splits of the committed prefix (0: no key row is ever full)
+    max_split_rows: int   #: the SBUF/PSUM limit split_rows was chosen under
+
+    @property
+    def split_keys(self) -> int:
+        """Cache positions per split."""
+        return self.key_row * self.split_rows
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (int(x).bit_length() - 1)
+
+
+def decode_key_row(S_max: int) -> int:
+    """Key row n: the largest power of two <= DECODE_KEY_ROW_MAX dividing S_max."""
+    n = 1
+    while n * 2 <= DECODE_KEY_ROW_MAX and S_max % (n * 2) == 0:
+        n *= 2
+    return n
+
+
+def decode_row_packing(rows: int, key_row: int) -> Tuple[int, int]:
+    """``(row_tile, pack)`` for ``rows = G * T`` query rows per kv head.
+
+    Rows beyond 128 go in 128-row tiles (pack 1). A smaller row tile is replicated ``pack``
+    times down the partitions -- the largest power of two with ``pack * rows <= 128`` that divides
+    the key row n -- so the exp, max and sum passes over the scores use ``pack`` times more
+    engine lanes (the PR133 failure mode of decode is a Vector-bound kernel, not HBM).
+    """
+    if rows >= PMAX:
+        return PMAX, 1
+    pack = min(_pow2_floor(PMAX // rows), key_row)
+    return rows, pack
+
+
+def decode_max_split_rows(rows: int, D: int, mm_itemsize: int, key_row: int) -> int:
+    """Largest split (in key rows) whose scores fit DECODE_SCORE_COLS and whose K^T + V fit
+    DECODE_KV_BUDGET; a multiple of 128 or a power of two below 128."""
+    _, pack = decode_row_packing(rows, key_row)
+    sub_rows = key_row // pack               # key-row positions scored by each packed copy
+    by_psum = DECODE_SCORE_COLS // sub_rows
+    per_key_row = 2 * key_row * ceil_div(D, PMAX) * PMAX * mm_itemsize // PMAX
+    by_sbuf = DECODE_KV_BUDGET // max(1, per_key_row)
+    return _round_split_rows_down(max(1, min(by_psum, by_sbuf)))
+
+
+def _round_split_rows_down(rows: int) -> int:
+    return rows // PMAX * PMAX if rows >= PMAX else _pow2_floor(rows)
+
+
+def _round_split_rows_up(rows: int) -> int:
+    if rows > PMAX // 2:
+        return ceil_div(rows, PMAX) * PMAX
+    return 1 << max(0, (int(rows) - 1).bit_length())
+
+
+def decode_bucket(rows: int) -> int:
+    """Round ``rows`` up to ``m * 2**e``, ``m`` in ``[DECODE_BUCKETS_PER_OCTAVE, 2x)``."""
+    b = DECODE_BUCKETS_PER_OCTAVE
+    if rows <= b:
+        return max(0, int(rows))
+    step = 1 << max(0, (int(rows) - 1).bit_length() - b.bit_length())
+    return ceil_div(rows, step) * step
+
+
+def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: int,
+                 num_splits=None) -> DecodeTiles:
+    """Tiling of a decode call.
+
+    Parameters
+    ----------
+    rows : int
+        Query rows per kv head, ``G * T``.
+    D, S_max : int
+        Head dim and cache capacity.
+    mm_itemsize : int
+        Bytes of the matmul operand dtype.
+    rows_needed : int
+        Full key rows of the longest committed prefix, ``max_b (cache_lens[b] - T) // n``
+        (runtime lengths, not the capacity: FlashAttention issue #1000).
+    num_splits : int, optional
+        Force this many splits (>= 1); ``split_rows`` is then the smallest legal size covering
+        ``rows_needed``. Raises ValueError when that exceeds the per-split limit.
+    """
+    n = decode_key_row(S_max)
+    row_tile, pack = decode_row_packing(rows, n)
+    rs_max = decode_max_split_rows(rows, D, mm_itemsize, n)
+    if num_splits is None:
+        if rows_needed <= 0:
+            return DecodeTiles(n, row_tile, pack, 1, 0, rs_max)
+        cover = decode_bucket(rows_needed)
+        ns = ceil_div(cover, rs_max)
+        rs = min(rs_max, _round_split_rows_up(ceil_div(cover, ns)))
+        return DecodeTiles(n, row_tile, pack, rs, ns, rs_max)
+    ns = int(num_splits)
+    rs = _round_split_rows_up(max(1, ceil_div(rows_needed, ns)))
+    if rs > rs_max:
+        need = ceil_div(rows_needed, rs_max)
+        raise ValueError(
+            f"num_splits: {ns} split(s) cannot hold the committed prefix of the longest sequence "
+            f"({rows_needed * n} positions in key rows of {n}); each split holds at most "
+            f"{rs_max * n} positions here, so num_splits must be >= {need} (or None)")
+    return DecodeTiles(n, row_tile, pack, rs, ns, rs_max)
