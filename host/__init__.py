@@ -2,3 +2,6 @@
 
 # Fused kernels and the unfused attention baseline (issue #6).
 from host.api import attention_unfused, linear_gelu, online_softmax  # noqa: E402,F401
+
+# Split-KV flash decoding over a KV cache (issue #5).
+from host.api import flash_decode, flash_decode_hbm_bytes, plan_flash_decode  # noqa: E402,F401

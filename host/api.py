@@ -320,3 +320,145 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
     o, lse = launch(kernel, grid, q, k, v, kv_lens=kv32, q_lens=q32, **kwargs)
     return (o, lse) if return_lse else o
+
+
+# ============================================================================================
+# Decode: split-KV flash decoding over a KV cache (issue #5)
+# ============================================================================================
+
+#: Largest ``B * Hkv * S_max`` the decode kernels address: their int32 row indices push skipped
+#: rows out of bounds by adding a power of two above the cache size (and must stay < 2^31).
+DECODE_MAX_CACHE_POSITIONS = 1 << 29
+
+
+def _check_decode_call(q, k_cache, v_cache, cache_lens, scale, tree_mask, num_splits,
+                       mixed_precision):
+    inputs = _v.check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask)
+    scale = _v.check_scale(scale, inputs.D)
+    if num_splits is not None:
+        num_splits = _v.check_int("num_splits", num_splits, minimum=1)
+    mixed_precision = _check_bool("mixed_precision", mixed_precision)
+    positions = inputs.B * inputs.Hkv * inputs.S_max
+    if positions > DECODE_MAX_CACHE_POSITIONS:
+        raise ValueError(
+            f"k_cache: B * Hkv * S_max = {positions} cache positions exceed the "
+            f"{DECODE_MAX_CACHE_POSITIONS} the decode kernels index with int32 (shape "
+            f"{tuple(k_cache.shape)}); split the batch")
+    return inputs, scale, num_splits, mixed_precision
+
+
+def _decode_tiles(inputs, mm: np.dtype, num_splits):
+    n = tiles.decode_key_row(inputs.S_max)
+    rows_needed = int(np.max((inputs.cache_lens - inputs.T) // n))
+    return tiles.decode_tiles(inputs.group * inputs.T, inputs.D, inputs.S_max, mm.itemsize,
+                              rows_needed, num_splits)
+
+
+def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, tree_mask=None, num_splits=None,
+                      mixed_precision: bool = True) -> "tiles.DecodeTiles":
+    """Validate a decode call and return its tiling (``nki_kernels.tiles.DecodeTiles``).
+
+    ``num_splits`` of the result is the grid size of the split kernel (0: the committed prefix
+    has no full key row anywhere and only the tail and merge kernels run), chosen from the
+    *real* lengths ``cache_lens`` -- in buckets, so the compiled kernels change only when the
+    longest sequence crosses one -- unless ``num_splits`` is given. Arguments as in
+    :func:`flash_decode`.
+    """
+    inputs, _, num_splits, mixed_precision = _check_decode_call(
+        q, k_cache, v_cache, cache_lens, None, tree_mask, num_splits, mixed_precision)
+    return _decode_tiles(inputs, _mm_dtype(np.dtype(q.dtype), mixed_precision), num_splits)
+
+
+def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens,
+                           itemsize: int, num_splits: int, tree_mask: bool = False):
+    """Exact HBM bytes ``(read, written)`` of :func:`flash_decode` (the three kernels).
+
+    With ``N = B Hq T`` query rows, ``P = num_splits + 1`` partials per row (the splits and the
+    tail), ``s`` the input itemsize (q, caches and o share it)::
+
+        read    = 2 s Hkv D sum_b cache_lens[b]     K and V: each valid byte once
+                + s N D P                            q, once per split program and the tail
+                + 4 B Hkv P                          one int32 length per program
+                + T^2 B Hkv                          uint8 tree mask per tail program (if any)
+                + 4 N (D + 1) P                      partials read back by the merge
+        written = 4 N (D + 1) P + s N D + 4 N        partials, o, lse
+
+    Nothing at or past ``cache_lens[b]`` is read.
+    """
+    N = B * Hq * T
+    parts = int(num_splits) + 1
+    kv = 2 * itemsize * Hkv * D * int(np.sum(np.asarray(cache_lens, dtype=np.int64)))
+    partials = 4 * N * (D + 1) * parts
+    read = kv + itemsize * N * D * parts + 4 * B * Hkv * parts + partials
+    if tree_mask:
+        read += T * T * B * Hkv
+    return read, partials + itemsize * N * D + 4 * N
+
+
+def flash_decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None,
+                 num_splits=None, mixed_precision: bool = True, return_lse: bool = False):
+    """Attention of T new tokens per sequence over a KV cache (split-KV flash decoding).
+
+    Parameters
+    ----------
+    q : array (B, Hq, T, D)
+        Queries of the new tokens, ``1 <= T <= 128``, ``D <= 256``.
+    k_cache, v_cache : arrays (B, Hkv, S_max, D)
+        The caches, q's dtype (float32, bfloat16 or float16); ``Hq % Hkv == 0`` (query head h
+        reads kv head ``h // (Hq // Hkv)``). They already hold the new tokens' keys and values
+        at positions ``cache_lens[b] - T .. cache_lens[b] - 1``.
+    cache_lens : (B,) ints, required
+        Valid length per sequence, ``T <= cache_lens[b] <= S_max``. Only these positions are
+        read; the kernels take them as device data, so they may change every step without a
+        recompile.
+    scale : float, optional
+        Softmax scale, default ``1 / sqrt(D)``.
+    tree_mask : bool array (T, T), optional
+        Speculative decoding: new token t sees new token u iff ``tree_mask[t, u]`` (the diagonal
+        must be True). Default: causal among the new tokens (``u <= t``). Every new token sees
+        the whole committed prefix.
+    num_splits : int, optional
+        Number of splits of the committed prefix (each one program writing a partial o and LSE;
+        the last partial key row and the new tokens always form one more). Default: chosen from
+        the real lengths by :func:`plan_flash_decode`. A count too small for the per-split
+        SBUF/PSUM limit raises ValueError; more splits than needed just yield empty partials.
+    mixed_precision : bool
+        float32 inputs only: matmul operands in bf16 (default) or float32.
+    return_lse : bool
+        Also return the log-sum-exp.
+
+    Returns
+    -------
+    o : numpy.ndarray (B, Hq, T, D), q's dtype
+    lse : numpy.ndarray (B, Hq, T) float32 (natural log), only with ``return_lse``
+
+    Without a tree mask this equals ``flash_attention(q, k[:, :, :L], v[:, :, :L],
+    causal="bottom_right")`` for each sequence with ``L = cache_lens[b]``. HBM traffic:
+    :func:`flash_decode_hbm_bytes`.
+    """
+    from nki_kernels.attention import decode as k
+
+    inputs, scale, num_splits, mixed_precision = _check_decode_call(
+        q, k_cache, v_cache, cache_lens, scale, tree_mask, num_splits, mixed_precision)
+    return_lse = _check_bool("return_lse", return_lse)
+    q, k_cache, v_cache = _numpy("q", q), _numpy("k_cache", k_cache), _numpy("v_cache", v_cache)
+    mm = _mm_dtype(q.dtype, mixed_precision)
+    plan = _decode_tiles(inputs, mm, num_splits)
+    lens = np.ascontiguousarray(inputs.cache_lens, dtype=np.int32)
+    tree = None if inputs.tree_mask is None else inputs.tree_mask.astype(np.uint8)
+    B, Hq, Hkv, T, D = inputs.B, inputs.Hq, inputs.Hkv, inputs.T, inputs.D
+    common = dict(scale=float(scale), mm_dtype=mm.name, key_row=plan.key_row)
+    o_part = lse_part = None
+    if plan.num_splits:
+        o_part, lse_part = launch(
+            k.flash_decode_split_kernel, (B, Hkv, plan.num_splits), q, k_cache, v_cache, lens,
+            split_rows=plan.split_rows, num_splits=plan.num_splits, row_tile=plan.row_tile,
+            pack=plan.pack, **common)
+    o_tail, lse_tail = launch(k.flash_decode_tail_kernel, (B, Hkv), q, k_cache, v_cache, lens,
+                              tree, row_tile=plan.row_tile, **common)
+    N = B * Hq * T
+    o, lse = launch(k.flash_decode_merge_kernel,
+                    (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),), o_part, lse_part, o_tail,
+                    lse_tail, out_dtype=q.dtype.name, rows_per_program=tiles.DECODE_MERGE_ROWS)
+    o = o.reshape(B, Hq, T, D)
+    return (o, lse.reshape(B, Hq, T)) if return_lse else o

@@ -1,0 +1,739 @@
+"""Split-KV flash decoding over a KV cache (FlashDecoding), GQA-packed, with tree masks.
+
+Three kernels, launched in order by ``host.flash_decode``::
+
+    flash_decode_split_kernel   grid (B, Hkv, num_splits)   committed prefix, one split each
+    flash_decode_tail_kernel    grid (B, Hkv)               last < n committed positions + T new
+    flash_decode_merge_kernel   grid (ceil(B Hq T / 128),)  LSE merge of all partials, in fp32
+
+Semantics (docs/semantics.md, "Decode"): q ``(B, Hq, T, D)``, caches ``(B, Hkv, S_max, D)``,
+``cache_lens (B,)`` int32 with ``T <= L_b = cache_lens[b] <= S_max``. The new tokens' keys and
+values already sit at positions ``L_b - T .. L_b - 1``; new token t sees every committed
+position ``j < L_b - T`` and new token u when ``u <= t`` (default) or ``tree_mask[t, u]``.
+Query head ``h`` reads kv head ``h // G``, ``G = Hq // Hkv``. Output o ``(B, Hq, T, D)`` and the
+natural-log LSE ``(B, Hq, T)`` fp32.
+
+Phase 1 (seed 003): every key set X of a split yields, per query row i, the normalized partial
+output and log-sum-exp
+
+    m_i = max_{j in X} s_ij,  l_i = sum_{j in X} exp(s_ij - m_i),
+    o_i^X = sum_j exp(s_ij - m_i) v_j / l_i,   lse_i^X = m_i + log l_i      (s = scale q k^T)
+
+(a split with no valid key has lse = -inf and o = 0). Phase 2 merges any set of partials:
+
+    M_i = max_X lse_i^X,  w_X = exp(lse_i^X - M_i),
+    o_i = sum_X w_X o_i^X / sum_X w_X,   lse_i = M_i + log sum_X w_X
+
+which is associative, so the result does not depend on how the keys were split.
+
+Runtime lengths. ``cache_lens`` is device data (it changes every step); only the grid size and
+the split size are compile-time, chosen by the host from the lengths it sees, in buckets
+(``tiles.decode_tiles``). A *key row* is ``n`` consecutive positions (``n`` = the largest power
+of two <= 32 dividing S_max): one partition's contiguous ``n * D`` slice of a K/V DMA (8 KiB at
+n=32, D=128, bf16). With ``Lp = L_b - T`` committed positions:
+
+* split ``s`` covers key rows ``s * split_rows ...``; the rows entirely below Lp
+  (``row < floor(Lp / n)``) are gathered by an *indirect* DMA whose int32 row-index tile is
+  built on chip (``nisa.iota`` + the loaded length): rows past it get an index beyond the
+  tensor and ``oob_mode.skip`` leaves them unread;
+* the tail program gathers the ``Lp mod n`` committed positions of the last, partial key row
+  and the T new tokens one position per partition (same mechanism),
+
+so every valid K/V byte is read exactly once and nothing at or past ``L_b``. Skipped rows are
+zeroed first (memset): a NaN left in SBUF would otherwise survive ``0 * NaN`` in the PV matmul
+(and smear through a TensorE transpose on trn1). Invalid keys are masked by adding
+``DECODE_MASK_BIAS`` to their scores *in PSUM*, by one extra matmul (ones x bias row), since
+validity is runtime data and ``mask=`` only takes compile-time affine predicates.
+
+Layouts (split kernel). Scores contract over D, so K is transposed on TensorE into
+``kT[d, (dt, j, row)]`` (``j`` = position within the key row). The ``R = G T`` query rows of a
+kv head (GQA packing: rows ``(g, t)`` share the partition dimension, so each K/V tile is loaded
+once for all of them) are replicated ``pack`` times down the partitions of the score tile: copy
+``c`` scores only the positions ``j = c (mod pack)``. It does so with a zero-padded stationary
+``Qbd_c^T`` ``(D, pack * R)`` (Q^T in columns ``c R .. c R + R``), all copies accumulating into
+one PSUM bank. TensorE work is the same (it is set by the keys), but the max / exp / sum passes
+run on ``pack * R`` lanes instead of R: with T=1 and G=4, 128 lanes instead of 4 (the failure
+mode of PR133 in hardware-and-limits.md is a Vector-bound decode kernel). The copies share one
+shift per query row (``M_r = max_c m_(c, r)``, a cross-partition max via two tiny transposes), so
+the PV products of all copies accumulate into one ``O^T (D, R)`` PSUM group:
+``O^T += V_j^T P^T``, with V used as stored ``(positions on partitions, D)`` as the stationary
+operand (64 TensorE cycles per 128 positions). A split's scores (<= 2 PSUM banks) are all in
+PSUM before its softmax, so no online rescaling is needed; a long cache uses more splits.
+
+Per position (D=128, bf16): TensorE 1 cycle (K transpose) + 1 (Q K^T) + 0.5 (P V);
+ScalarE 1/128 row (K^T PSUM->SBUF); VectorE ~1 (K memset); GpSimd ~1 (V memset) -- all below the
+DMA time of the 512 bytes per position (hardware-and-limits.md §5, decode rows).
+
+HBM traffic (exact; ``s_kv``, ``s_q``, ``s_o`` itemsizes; ``N = B Hq T``; ``NS`` splits)::
+
+    K, V      2 * s_kv * Hkv * D * sum_b L_b          each valid byte once
+    q         s_q * N * D * (NS + 1)                  once per split program and the tail
+    lengths   4 * B * Hkv * (NS + 1)                  one int32 per program
+    tree      T * T * B * Hkv                         (uint8, only with a tree mask)
+    partials  written 4 N (D + 1) (NS + 1), read back 4 N (D + 1) (NS + 1) by the merge
+    o, lse    written s_o N D + 4 N
+"""
+import numpy as np
+
+from nki_kernels import tiles
+from nki_kernels.nki import nisa, nki, nl
+
+PMAX = tiles.PMAX
+_DTYPES = {"float32": nl.float32, "bfloat16": nl.bfloat16, "float16": nl.float16}
+#: dtype of the mask matmul operands (0/1 and DECODE_MASK_BIAS are exact enough in bf16 and
+#: -1e30 is representable there, unlike fp16).
+_MASK_DTYPE = nl.bfloat16
+NEG = tiles.DECODE_MASK_BIAS
+
+
+# ============================================================================================
+# Static geometry
+# ============================================================================================
+class _SplitGeometry:
+    """Compile-time sizes of the split kernel (plain Python ints).
+
+    ``n`` key row; ``rs`` key rows per split; ``kv_rows`` partitions per K/V tile
+    (``min(rs, 128)``); ``n_kv`` K/V tiles per split; ``n_dt`` head-dim tiles of <= 128;
+    ``pack`` packed copies of a row tile; ``n_sub = n // pack`` positions per key row scored by
+    one copy; ``width = n_sub * rs`` score columns per partition (column ``w = jj * rs + row``
+    holds position ``j = jj * pack + c`` of key row ``row`` for copy ``c``).
+    """
+
+    def __init__(self, D, n, rs, pack):
+        self.D, self.n, self.rs, self.pack = D, n, rs, pack
+        self.kv_rows = min(rs, PMAX)
+        self.n_kv = tiles.ceil_div(rs, PMAX)
+        self.n_dt = tiles.ceil_div(D, PMAX)
+        self.n_sub = n // pack
+        self.width = self.n_sub * rs
+        self.n_banks = tiles.ceil_div(self.width, tiles.PSUM_FMAX)
+        # score pieces: (bank, column in bank, jj, first row, length), never crossing a bank
+        # or a jj boundary
+        self.pieces = []
+        for jj in range(self.n_sub):
+            r = 0
+            while r < rs:
+                w = jj * rs + r
+                bank, col = divmod(w, tiles.PSUM_FMAX)
+                ln = min(rs - r, tiles.PSUM_FMAX - col)
+                self.pieces.append((bank, col, jj, r, ln))
+                r += ln
+        self.bank_cols = [min(tiles.PSUM_FMAX, self.width - bk * tiles.PSUM_FMAX)
+                          for bk in range(self.n_banks)]
+        # P^T blocks of kv_rows columns: block x is rows (x mod n_kv) * 128 .. of sub-key jj
+        self.n_blocks = self.width // self.kv_rows
+
+    def d_tiles(self):
+        """(dt, first column, size) of the head-dim tiles."""
+        return [(dt, dt * PMAX, min(PMAX, self.D - dt * PMAX)) for dt in range(self.n_dt)]
+
+
+def _row_tiles(rows, row_tile):
+    """(index, first row, size) of the query row tiles."""
+    return [(i, i * row_tile, min(row_tile, rows - i * row_tile))
+            for i in range(tiles.ceil_div(rows, row_tile))]
+
+
+# ============================================================================================
+# Runtime lengths on chip
+# ============================================================================================
+def _length_column(cache_lens, b, parts):
+    """``cache_lens[b]`` as an fp32 column ``(parts, 1)`` in SBUF (the same on every partition).
+
+    One 4-byte DMA, then a K=1 matmul ``ones(1, parts)^T @ L`` broadcasts it down the
+    partitions (exact: integers < 2^24 in fp32).
+    """
+    len_i = nl.load(cache_lens[nl.ds(b, 1)])                          # (1, 1) int32
+    len_f = nisa.tensor_copy(len_i, dtype=nl.float32, engine=nisa.vector_engine)
+    ones = nl.ones((1, parts), dtype=nl.float32, buffer=nl.sbuf)
+    col_ps = nl.ndarray((parts, 1), dtype=nl.float32, buffer=nl.psum)
+    col_ps[...] = nisa.nc_matmul(ones, len_f)
+    return nisa.tensor_copy(col_ps, dtype=nl.float32, engine=nisa.vector_engine)
+
+
+def _committed_split(len_col, T, n):
+    """``(Lp, rem)`` columns: committed positions ``Lp = L - T`` and ``Lp mod n``."""
+    lp = nisa.tensor_scalar(len_col, op0=np.subtract, operand0=float(T), dtype=nl.float32)
+    rem = nl.mod(lp, float(n), dtype=nl.float32)
+    return lp, rem
+
+
+def _oob_offset(n_rows_total):
+    """Added to a row index to push it out of bounds: a power of two (exact in fp32) >=
+    ``n_rows_total + 128`` (indices may start up to 127 below 0 in the tail)."""
+    return 1 << int(n_rows_total + PMAX).bit_length()
+
+
+# ============================================================================================
+# Split kernel: loading K^T and V of one split
+# ============================================================================================
+def _split_row_indices(full_rows, g, s, base_row, oob):
+    """int32 ``(kv_rows, n_kv)``: the absolute key row gathered into partition p of K/V tile k,
+    or an out-of-bounds row when that key row is not entirely committed.
+
+    ``full_rows`` is ``floor(Lp / n)`` (fp32 column); local key row ``s rs + 128 k + p`` is valid
+    iff it is below it.
+    """
+    i_p = nl.arange(g.kv_rows)[:, None]
+    i_k = nl.arange(g.n_kv)[None, :]
+    local = nisa.iota(s * g.rs + i_k * PMAX + i_p, dtype=nl.float32)
+    beyond = nisa.tensor_scalar(local, op0=nl.greater_equal, operand0=full_rows[0:g.kv_rows],
+                                op1=np.multiply, operand1=float(oob), dtype=nl.int32)
+    rows = nisa.iota(base_row + i_k * PMAX + i_p, dtype=nl.int32)
+    return nisa.tensor_tensor(rows, beyond, op=np.add, dtype=nl.int32)
+
+
+def _load_split_kv(k_rows, v_rows, idx, g, mm):
+    """Gather the split's K and V (skipping rows past the committed prefix).
+
+    Returns ``kT (128, n_dt * n * rs)`` -- head-dim tile ``dt``, position ``j`` of key row
+    ``row`` at column ``(dt * n + j) * rs + row`` -- and ``v_all (kv_rows, n_kv * n * D)`` --
+    partition p of tile k holds key row ``128 k + p``, position j at columns
+    ``(k * n + j) * D``.
+    """
+    n, D, rs, kv_rows = g.n, g.D, g.rs, g.kv_rows
+    kT = nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf)
+    v_all = nl.ndarray((kv_rows, g.n_kv * n * D), dtype=mm, buffer=nl.sbuf)
+    i_p = nl.arange(kv_rows)[:, None]
+    i_f = nl.arange(n * D)[None, :]
+    per_bank = max(1, min(n, tiles.PSUM_FMAX // kv_rows))   # transposes per PSUM staging bank
+
+    for k in nl.affine_range(g.n_kv):
+        # V: zero, then gather the committed key rows (the rest stays 0, never NaN)
+        v_all[0:kv_rows, nl.ds(k * n * D, n * D)] = nisa.memset(
+            (kv_rows, n * D), 0, dtype=mm, engine=nisa.gpsimd_engine)
+        nisa.dma_copy(dst=v_all[0:kv_rows, nl.ds(k * n * D, n * D)],
+                      src=v_rows[idx[i_p, k], i_f], oob_mode=nisa.oob_mode.skip)
+        # K: same gather into a staging tile, then TensorE transposes into kT
+        k_nat = nisa.memset((kv_rows, n * D), 0, dtype=mm, engine=nisa.vector_engine)
+        nisa.dma_copy(dst=k_nat, src=k_rows[idx[i_p, k], i_f], oob_mode=nisa.oob_mode.skip)
+        for dt, d0, dsz in g.d_tiles():
+            for j0 in range(0, n, per_bank):
+                cnt = min(per_bank, n - j0)
+                kt_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
+                for jb in range(cnt):
+                    kt_ps[0:dsz, jb * kv_rows:(jb + 1) * kv_rows] = nisa.nc_transpose(
+                        k_nat[0:kv_rows, (j0 + jb) * D + d0:(j0 + jb) * D + d0 + dsz])
+                i_d = nl.arange(dsz)[:, None, None]
+                i_j = nl.arange(cnt)[None, :, None]
+                i_r = nl.arange(kv_rows)[None, None, :]
+                col0 = (dt * n + j0) * rs
+                kT[i_d, col0 + i_j * rs + k * PMAX + i_r] = nisa.tensor_copy(
+                    kt_ps[i_d, i_j * kv_rows + i_r], dtype=mm, engine=nisa.scalar_engine)
+    return kT, v_all
+
+
+def _split_mask_row(full_rows, g, s):
+    """``(1, rs)`` bias of the split's key rows: 0 when committed, DECODE_MASK_BIAS past it."""
+    local = nisa.iota(s * g.rs + nl.arange(g.rs)[None, :], dtype=nl.float32)
+    return nisa.tensor_scalar(local, op0=nl.greater_equal, operand0=full_rows[0:1],
+                              op1=np.multiply, operand1=NEG, dtype=_MASK_DTYPE)
+
+
+# ============================================================================================
+# Split kernel: one row tile
+# ============================================================================================
+def _scaled_query_t(q_rows, row0, rows, D, n_dt, scale, mm):
+    """``scale * q`` rows ``row0 .. row0 + rows`` transposed: ``(128, n_dt * rows)`` in mm.
+
+    The scale is folded into Q before the matmul (one rounding of ``scale * q`` to the operand
+    dtype), so scores, masks, max and LSE are all in scaled units: that keeps the additive mask
+    valid for any scale, including 0 and negative ones.
+    """
+    q_nat = nl.load(q_rows[nl.ds(row0, rows), 0:D])
+    qT = nl.ndarray((PMAX, n_dt * rows), dtype=mm, buffer=nl.sbuf)
+    for dt in range(n_dt):
+        d0 = dt * PMAX
+        dsz = min(PMAX, D - d0)
+        t_ps = nl.ndarray((PMAX, PMAX), dtype=nl.float32, buffer=nl.psum)
+        t_ps[0:dsz, 0:rows] = nisa.nc_transpose(q_nat[0:rows, d0:d0 + dsz])
+        qT[0:dsz, dt * rows:(dt + 1) * rows] = nisa.activation(
+            op=nl.copy, data=t_ps[0:dsz, 0:rows], scale=float(scale), dtype=mm)
+    return qT
+
+
+def _packed_queries(qT, rows, g, mm):
+    """Block-diagonal stationaries ``Qbd (128, n_dt * pack * P)``, ``P = pack * rows``: the
+    ``(dt, c)`` block (columns ``(dt * pack + c) * P ...``) is zero except Q^T in its columns
+    ``c * rows .. c * rows + rows``. With pack 1 this is Q^T itself."""
+    if g.pack == 1:
+        return qT
+    P = g.pack * rows
+    qbd = nisa.memset((PMAX, g.n_dt * g.pack * P), 0, dtype=mm, engine=nisa.gpsimd_engine)
+    for dt, d0, dsz in g.d_tiles():
+        for c in nl.affine_range(g.pack):
+            qbd[0:dsz, nl.ds((dt * g.pack + c) * P + c * rows, rows)] = nisa.tensor_copy(
+                qT[0:dsz, dt * rows:(dt + 1) * rows], engine=nisa.gpsimd_engine)
+    return qbd
+
+
+def _split_scores(qbd, kT, mask_row, g, P):
+    """Scores of the split in PSUM: ``n_banks`` tiles ``(P, 512)`` fp32.
+
+    Partition ``c * rows + r`` column ``w = jj * rs + row`` is ``scale q_r . k`` for position
+    ``j = jj * pack + c`` of key row ``row``, plus DECODE_MASK_BIAS when that row is not
+    committed (``ones(1, P)^T @ mask_row``, accumulated into the same PSUM group).
+    """
+    n, rs = g.n, g.rs
+    banks = [nl.zeros((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
+             for _ in range(g.n_banks)]
+    ones = nl.ones((1, P), dtype=_MASK_DTYPE, buffer=nl.sbuf)
+    for bank, col, jj, r0, ln in g.pieces:
+        acc = banks[bank]
+        for c in nl.affine_range(g.pack):
+            for dt, d0, dsz in g.d_tiles():
+                acc[0:P, col:col + ln] += nisa.nc_matmul(
+                    qbd[0:dsz, nl.ds((dt * g.pack + c) * P, P)],
+                    kT[0:dsz, nl.ds((dt * n + jj * g.pack + c) * rs + r0, ln)])
+        acc[0:P, col:col + ln] += nisa.nc_matmul(ones, mask_row[0:1, r0:r0 + ln])
+    return banks
+
+
+def _group_matrices(rows, P):
+    """fp32 ``E (rows, P)`` and ``E^T (P, rows)`` with ``E[r, p] = 1`` iff ``p = c rows + r``:
+    ``E^T`` sums the packed copies of each query row, ``E`` copies a row value to every copy."""
+    i_r = nl.arange(rows)[:, None]
+    i_p = nl.arange(P)[None, :]
+    # p - r + P >= 0; divisible by rows exactly when p is a copy of row r
+    diff = nisa.iota(i_p - i_r + P, dtype=nl.float32)
+    e = nisa.tensor_scalar(nl.mod(diff, float(rows), dtype=nl.float32), op0=nl.equal,
+                           operand0=0.0, dtype=nl.float32)
+    i_pt = nl.arange(P)[:, None]
+    i_rt = nl.arange(rows)[None, :]
+    diff_t = nisa.iota(i_pt - i_rt + P, dtype=nl.float32)
+    e_t = nisa.tensor_scalar(nl.mod(diff_t, float(rows), dtype=nl.float32), op0=nl.equal,
+                             operand0=0.0, dtype=nl.float32)
+    return e, e_t
+
+
+def _row_max(banks, g, rows, P, e):
+    """Max of every query row over the split (all copies): ``(M_r (rows, 1), -M (P, 1))``.
+
+    Per partition first (VectorE over the PSUM banks), then across the ``pack`` copies of each
+    row: transpose the column to a row, reduce ``(1, rows, pack)`` on its last axis, transpose
+    back, and ``E^T``-broadcast it to every copy with a K=rows matmul.
+    """
+    m_cols = nl.ndarray((P, g.n_banks), dtype=nl.float32, buffer=nl.sbuf)
+    for bank in range(g.n_banks):
+        m_cols[0:P, bank:bank + 1] = nisa.tensor_reduce(
+            np.max, banks[bank][0:P, 0:g.bank_cols[bank]], axis=(1,), keepdims=True)
+    if g.n_banks > 1:
+        m_p = nisa.tensor_reduce(np.max, m_cols, axis=(1,), keepdims=True)
+    else:
+        m_p = m_cols
+    if g.pack == 1:
+        neg = nisa.tensor_scalar(m_p, op0=np.multiply, operand0=-1.0, dtype=nl.float32)
+        return m_p, neg
+    mt_ps = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.psum)
+    mt_ps[0:1, 0:P] = nisa.nc_transpose(m_p[0:P, 0:1])
+    i_0 = nl.arange(1)[:, None, None]
+    i_r = nl.arange(rows)[None, :, None]
+    i_c = nl.arange(g.pack)[None, None, :]
+    m_row = nisa.tensor_reduce(np.max, mt_ps[i_0, i_c * rows + i_r], axis=(2,),
+                               dtype=nl.float32)                               # (1, rows)
+    mc_ps = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.psum)
+    mc_ps[0:rows, 0:1] = nisa.nc_transpose(m_row[0:1, 0:rows])
+    m_col = nisa.tensor_copy(mc_ps, dtype=nl.float32, engine=nisa.vector_engine)
+    bc_ps = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
+    bc_ps[0:P, 0:1] = nisa.nc_matmul(e, m_col)
+    neg = nisa.tensor_scalar(bc_ps, op0=np.multiply, operand0=-1.0, dtype=nl.float32)
+    return m_col, neg
+
+
+def _exp_scores(banks, neg_m, g, P, mm):
+    """``P = exp(s - M)`` into SBUF ``(P, width)`` in mm, and the per-partition sums ``(P, 1)``
+    (of the fp32 exponentials, ScalarE's reduction)."""
+    p_sb = nl.ndarray((P, g.width), dtype=mm, buffer=nl.sbuf)
+    l_cols = nl.ndarray((P, g.n_banks), dtype=nl.float32, buffer=nl.sbuf)
+    for bank in range(g.n_banks):
+        w = g.bank_cols[bank]
+        p_sb[0:P, bank * tiles.PSUM_FMAX:bank * tiles.PSUM_FMAX + w] = nisa.activation_reduce(
+            op=np.exp, data=banks[bank][0:P, 0:w], reduce_op=np.add,
+            reduce_res=l_cols[0:P, bank:bank + 1], bias=neg_m, scale=1.0, dtype=mm)
+    if g.n_banks > 1:
+        return p_sb, nisa.tensor_reduce(np.add, l_cols, axis=(1,), keepdims=True)
+    return p_sb, l_cols
+
+
+def _transpose_probs(p_sb, g, P, mm):
+    """``pT (kv_rows, n_blocks * P)``: block x (score columns ``x kv_rows ...``) transposed,
+    positions on partitions, ready as the moving operand of P V."""
+    kr = g.kv_rows
+    pT = nl.ndarray((kr, g.n_blocks * P), dtype=mm, buffer=nl.sbuf)
+    per_bank = max(1, tiles.PSUM_FMAX // P)
+    for x0 in range(0, g.n_blocks, per_bank):
+        cnt = min(per_bank, g.n_blocks - x0)
+        t_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
+        for xb in range(cnt):
+            x = x0 + xb
+            t_ps[0:kr, xb * P:(xb + 1) * P] = nisa.nc_transpose(p_sb[0:P, x * kr:(x + 1) * kr])
+        pT[0:kr, x0 * P:(x0 + cnt) * P] = nisa.tensor_copy(
+            t_ps[0:kr, 0:cnt * P], dtype=mm, engine=nisa.vector_engine)
+    return pT
+
+
+def _split_pv(v_all, pT, g, rows, P):
+    """``O^T (D, rows)`` per head-dim tile: ``sum_x sum_c V(x, c)^T P^T(x, c)`` in one PSUM
+    group each (all copies share the row max, so their products add)."""
+    kr, n, D = g.kv_rows, g.n, g.D
+    acc = [nl.zeros((PMAX, rows), dtype=nl.float32, buffer=nl.psum) for _ in range(g.n_dt)]
+    for x in range(g.n_blocks):
+        jj, rem = divmod(x * kr, g.rs)
+        k = rem // PMAX
+        for c in nl.affine_range(g.pack):
+            j = jj * g.pack + c
+            for dt, d0, dsz in g.d_tiles():
+                acc[dt][0:dsz, 0:rows] += nisa.nc_matmul(
+                    v_all[0:kr, nl.ds((k * n + j) * D + d0, dsz)],
+                    pT[0:kr, nl.ds(x * P + c * rows, rows)])
+    return acc
+
+
+def _normalize_rows(acc, l_col, rows, g):
+    """``O (rows, D)`` fp32 = transpose of ``O^T`` divided by the row sums."""
+    inv_l = nisa.reciprocal(l_col)
+    o_sb = nl.ndarray((rows, g.D), dtype=nl.float32, buffer=nl.sbuf)
+    for dt, d0, dsz in g.d_tiles():
+        oT = nisa.tensor_copy(acc[dt][0:dsz, 0:rows], dtype=nl.float32,
+                              engine=nisa.vector_engine)
+        t_ps = nl.ndarray((PMAX, PMAX), dtype=nl.float32, buffer=nl.psum)
+        t_ps[0:rows, 0:dsz] = nisa.nc_transpose(oT[0:dsz, 0:rows])
+        o_sb[0:rows, d0:d0 + dsz] = nisa.tensor_scalar(
+            t_ps[0:rows, 0:dsz], op0=np.multiply, operand0=inv_l, dtype=nl.float32)
+    return o_sb
+
+
+def _lse_column(m_col, l_col):
+    """``m + log l``, or -inf when the max says no key was valid (a dead split)."""
+    log_l = nisa.activation(op=nl.log, data=l_col, dtype=nl.float32)
+    lse = nisa.tensor_tensor(m_col, log_l, op=np.add, dtype=nl.float32)
+    live = nisa.tensor_scalar(m_col, op0=nl.greater, operand0=tiles.DECODE_DEAD_MAX,
+                              dtype=nl.uint8)
+    return nl.where(live, lse, -np.inf, dtype=nl.float32)
+
+
+def _split_row_tile(q_rows, kT, v_all, mask_row, o_part, lse_part, g, bh, s, R, rt0, rows,
+                    scale, mm):
+    """Partial (o, lse) of query rows ``rt0 .. rt0 + rows`` of kv head ``bh`` over split s."""
+    P = g.pack * rows
+    qT = _scaled_query_t(q_rows, bh * R + rt0, rows, g.D, g.n_dt, scale, mm)
+    qbd = _packed_queries(qT, rows, g, mm)
+    banks = _split_scores(qbd, kT, mask_row, g, P)
+    if g.pack > 1:
+        e, e_t = _group_matrices(rows, P)
+    else:
+        e = e_t = None
+    m_col, neg_m = _row_max(banks, g, rows, P, e)
+    p_sb, l_p = _exp_scores(banks, neg_m, g, P, mm)
+    del banks
+    if g.pack > 1:
+        l_ps = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.psum)
+        l_ps[0:rows, 0:1] = nisa.nc_matmul(e_t, l_p)
+        l_col = nisa.tensor_copy(l_ps, dtype=nl.float32, engine=nisa.vector_engine)
+    else:
+        l_col = l_p
+    pT = _transpose_probs(p_sb, g, P, mm)
+    acc = _split_pv(v_all, pT, g, rows, P)
+    o_sb = _normalize_rows(acc, l_col, rows, g)
+    row0 = bh * R + rt0
+    nl.store(o_part[nl.ds(row0, rows), s, 0:g.D], value=o_sb)
+    nl.store(lse_part[nl.ds(row0, rows), nl.ds(s, 1)], value=_lse_column(m_col, l_col))
+
+
+@nki.jit
+def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, scale=1.0, mm_dtype="bfloat16",
+                              key_row=1, split_rows=1, num_splits=1, row_tile=1, pack=1):
+    """Phase 1 over the committed prefix: one split of one (sequence, kv head) per program.
+
+    Parameters
+    ----------
+    q : (B, Hq, T, D) float32 / bfloat16 / float16, D <= 256
+    k_cache, v_cache : (B, Hkv, S_max, D), same dtype; S_max a multiple of ``key_row``
+    cache_lens : (B,) int32, ``T <= cache_lens[b] <= S_max``
+    scale : float
+        Softmax scale (any finite value).
+    mm_dtype : "bfloat16" | "float16" | "float32"
+        Matmul operand dtype: q's, or bfloat16 for float32 q with mixed precision.
+    key_row, split_rows, num_splits, row_tile, pack : int
+        ``tiles.decode_tiles``: n, key rows per split, grid size on axis 2, query rows per row
+        tile, packed copies.
+
+    Grid ``(B, Hkv, num_splits)``; program ``(b, h, s)`` covers key rows
+    ``s * split_rows .. (s + 1) * split_rows`` (positions ``n`` times that) of kv head h,
+    reading only the rows entirely below ``cache_lens[b] - T``.
+
+    Returns
+    -------
+    o_part : (B * Hq * T, num_splits, D) float32
+        Normalized partial outputs; row ``(b * Hq + h) * T + t``; 0 for a dead split.
+    lse_part : (B * Hq * T, num_splits) float32
+        Partial LSE (scaled scores, natural log); -inf for a split with no valid position.
+    """
+    B, Hq, T, D = q.shape
+    Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    R = G * T
+    n = key_row
+    mm = _DTYPES[mm_dtype]
+    g = _SplitGeometry(D, n, split_rows, pack)
+    o_part = nl.ndarray((B * Hq * T, num_splits, D), dtype=nl.float32, buffer=nl.shared_hbm)
+    lse_part = nl.ndarray((B * Hq * T, num_splits), dtype=nl.float32, buffer=nl.shared_hbm)
+
+    b = nl.program_id(0)
+    h = nl.program_id(1)
+    s = nl.program_id(2)
+    bh = b * Hkv + h
+    rows_bh = S_max // n
+    k_rows = k_cache.reshape((B * Hkv * rows_bh, n * D))
+    v_rows = v_cache.reshape((B * Hkv * rows_bh, n * D))
+    q_rows = q.reshape((B * Hkv * R, D))
+
+    len_col = _length_column(cache_lens, b, PMAX)
+    lp, rem = _committed_split(len_col, T, n)
+    # key rows entirely committed: floor(Lp / n) = (Lp - Lp mod n) / n (exact, n a power of 2)
+    full_rows = nisa.tensor_tensor(lp, rem, op=np.subtract, dtype=nl.float32)
+    full_rows = nisa.tensor_scalar(full_rows, op0=np.multiply, operand0=1.0 / n,
+                                   dtype=nl.float32)
+    idx = _split_row_indices(full_rows, g, s, bh * rows_bh + s * split_rows,
+                             _oob_offset(B * Hkv * rows_bh))
+    kT, v_all = _load_split_kv(k_rows, v_rows, idx, g, mm)
+    mask_row = _split_mask_row(full_rows, g, s)
+    for _, rt0, rows in _row_tiles(R, row_tile):
+        _split_row_tile(q_rows, kT, v_all, mask_row, o_part, lse_part, g, bh, s, R, rt0, rows,
+                        scale, mm)
+    return o_part, lse_part
+
+
+# ============================================================================================
+# Tail kernel: the partial key row and the T new tokens
+# ============================================================================================
+def _new_token_bias(tree_mask, T):
+    """``(T, T)`` bias among the new tokens (bf16): 0 where token t sees token u, else
+    DECODE_MASK_BIAS. Causal (``u <= t``) from an affine iota when ``tree_mask`` is None."""
+    if tree_mask is None:
+        i_t = nl.arange(T)[:, None]
+        i_u = nl.arange(T)[None, :]
+        ahead = nisa.iota(i_u - i_t, dtype=nl.float32)
+        return nisa.tensor_scalar(ahead, op0=nl.greater, operand0=0.0, op1=np.multiply,
+                                  operand1=NEG, dtype=_MASK_DTYPE)
+    seen = nl.load(tree_mask[0:T, 0:T], dtype=nl.float32)
+    # (seen - 1) * (-NEG): 0 where seen, NEG where hidden
+    return nisa.tensor_scalar(seen, op0=np.subtract, operand0=1.0, op1=np.multiply,
+                              operand1=-NEG, dtype=_MASK_DTYPE)
+
+
+def _token_selector(T, rt0, rows):
+    """``Sel (T, rows)`` bf16: ``Sel[t, p] = 1`` iff query row ``rt0 + p`` is new token t
+    (rows are ``(g, t)`` pairs, row = g T + t): ``Sel^T @ bias`` gives each row its token's mask
+    row."""
+    i_t = nl.arange(T)[:, None]
+    i_p = nl.arange(rows)[None, :]
+    diff = nisa.iota(rt0 + i_p - i_t + T, dtype=nl.float32)
+    return nisa.tensor_scalar(nl.mod(diff, float(T), dtype=nl.float32), op0=nl.equal,
+                              operand0=0.0, dtype=_MASK_DTYPE)
+
+
+@nki.jit
+def flash_decode_tail_kernel(q, k_cache, v_cache, cache_lens, tree_mask=None, scale=1.0,
+                             mm_dtype="bfloat16", key_row=1, row_tile=128):
+    """Phase 1 over the last positions of the cache: one (sequence, kv head) per program.
+
+    Keys: the ``Lp mod n`` committed positions of the last, partial key row (``Lp = L - T``;
+    gathered in ``n - 1`` slots, those before the row start skipped and masked) and the T new
+    tokens (positions ``Lp .. L - 1``), masked causally or by ``tree_mask``.
+
+    Parameters
+    ----------
+    q, k_cache, v_cache, cache_lens, scale, mm_dtype : as flash_decode_split_kernel
+    tree_mask : (T, T) uint8 0/1 or None
+        ``tree_mask[t, u] = 1``: new token t sees new token u. None: causal.
+    key_row : int
+        n of the split kernel (its partial row is this kernel's).
+    row_tile : int
+        Query rows per row tile (<= 128).
+
+    Returns
+    -------
+    o_tail : (B * Hq * T, 1, D) float32, lse_tail : (B * Hq * T, 1) float32
+    """
+    B, Hq, T, D = q.shape
+    Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    R = G * T
+    n = key_row
+    ns = n - 1                      # slots of the partial key row
+    C = ns + T                      # score columns: [partial row | new tokens]
+    mm = _DTYPES[mm_dtype]
+    n_dt = tiles.ceil_div(D, PMAX)
+    o_tail = nl.ndarray((B * Hq * T, 1, D), dtype=nl.float32, buffer=nl.shared_hbm)
+    lse_tail = nl.ndarray((B * Hq * T, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+
+    b = nl.program_id(0)
+    h = nl.program_id(1)
+    bh = b * Hkv + h
+    k_pos = k_cache.reshape((B * Hkv * S_max, D))
+    v_pos = v_cache.reshape((B * Hkv * S_max, D))
+    q_rows = q.reshape((B * Hkv * R, D))
+    oob = _oob_offset(B * Hkv * S_max)
+
+    len_col = _length_column(cache_lens, b, PMAX)
+    lp, rem = _committed_split(len_col, T, n)
+    lp_i = nisa.tensor_copy(lp, dtype=nl.int32, engine=nisa.vector_engine)
+    i_f = nl.arange(D)[None, :]
+
+    # ---- keys and values: new tokens at Lp + u (all valid) ----
+    i_u = nl.arange(T)[:, None]
+    new_idx = nisa.tensor_tensor(nisa.iota(bh * S_max + i_u, dtype=nl.int32), lp_i[0:T],
+                                 op=np.add, dtype=nl.int32)
+    k_new = nl.ndarray((T, D), dtype=mm, buffer=nl.sbuf)
+    v_new = nl.ndarray((T, D), dtype=mm, buffer=nl.sbuf)
+    nisa.dma_copy(dst=k_new, src=k_pos[new_idx[i_u, 0], i_f], oob_mode=nisa.oob_mode.skip)
+    nisa.dma_copy(dst=v_new, src=v_pos[new_idx[i_u, 0], i_f], oob_mode=nisa.oob_mode.skip)
+    if ns > 0:
+        # slot q holds position Lp - (n - 1) + q, committed and in the partial row iff
+        # q >= (n - 1) - (Lp mod n); earlier slots are skipped (and masked below)
+        i_q = nl.arange(ns)[:, None]
+        first = nisa.tensor_scalar(rem, op0=np.subtract, operand0=float(ns), reverse0=True,
+                                   dtype=nl.float32)                 # (n - 1) - rem
+        slot = nisa.iota(i_q, dtype=nl.float32)
+        before = nisa.tensor_scalar(slot, op0=nl.less, operand0=first[0:ns], op1=np.multiply,
+                                    operand1=float(oob), dtype=nl.int32)
+        pos = nisa.tensor_tensor(nisa.iota(bh * S_max - ns + i_q, dtype=nl.int32), lp_i[0:ns],
+                                 op=np.add, dtype=nl.int32)
+        part_idx = nisa.tensor_tensor(pos, before, op=np.add, dtype=nl.int32)
+        k_part = nisa.memset((ns, D), 0, dtype=mm, engine=nisa.vector_engine)
+        v_part = nisa.memset((ns, D), 0, dtype=mm, engine=nisa.gpsimd_engine)
+        nisa.dma_copy(dst=k_part, src=k_pos[part_idx[i_q, 0], i_f],
+                      oob_mode=nisa.oob_mode.skip)
+        nisa.dma_copy(dst=v_part, src=v_pos[part_idx[i_q, 0], i_f],
+                      oob_mode=nisa.oob_mode.skip)
+        # bias of the slots: DECODE_MASK_BIAS before the partial row starts
+        slot_row = nisa.iota(nl.arange(ns)[None, :], dtype=nl.float32)
+        part_bias = nisa.tensor_scalar(slot_row, op0=nl.less, operand0=first[0:1],
+                                       op1=np.multiply, operand1=NEG, dtype=_MASK_DTYPE)
+
+    # ---- K^T of all C keys ----
+    kT = nl.ndarray((PMAX, n_dt * C), dtype=mm, buffer=nl.sbuf)
+    for dt in range(n_dt):
+        d0 = dt * PMAX
+        dsz = min(PMAX, D - d0)
+        t_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
+        if ns > 0:
+            t_ps[0:dsz, 0:ns] = nisa.nc_transpose(k_part[0:ns, d0:d0 + dsz])
+        t_ps[0:dsz, ns:C] = nisa.nc_transpose(k_new[0:T, d0:d0 + dsz])
+        kT[0:dsz, dt * C:(dt + 1) * C] = nisa.tensor_copy(t_ps[0:dsz, 0:C], dtype=mm,
+                                                          engine=nisa.scalar_engine)
+    new_bias = _new_token_bias(tree_mask, T)
+
+    for _, rt0, rows in _row_tiles(R, row_tile):
+        qT = _scaled_query_t(q_rows, bh * R + rt0, rows, D, n_dt, scale, mm)
+        s_ps = nl.zeros((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
+        for dt in range(n_dt):
+            dsz = min(PMAX, D - dt * PMAX)
+            s_ps[0:rows, 0:C] += nisa.nc_matmul(qT[0:dsz, dt * rows:(dt + 1) * rows],
+                                                kT[0:dsz, dt * C:(dt + 1) * C])
+        if ns > 0:
+            ones = nl.ones((1, rows), dtype=_MASK_DTYPE, buffer=nl.sbuf)
+            s_ps[0:rows, 0:ns] += nisa.nc_matmul(ones, part_bias)
+        s_ps[0:rows, ns:C] += nisa.nc_matmul(_token_selector(T, rt0, rows), new_bias)
+
+        m = nisa.tensor_reduce(np.max, s_ps[0:rows, 0:C], axis=(1,), keepdims=True)
+        neg_m = nisa.tensor_scalar(m, op0=np.multiply, operand0=-1.0, dtype=nl.float32)
+        l_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+        p_sb = nisa.activation_reduce(op=np.exp, data=s_ps[0:rows, 0:C], reduce_op=np.add,
+                                      reduce_res=l_col, bias=neg_m, scale=1.0, dtype=mm)
+        pt_ps = nl.ndarray((PMAX, 2 * PMAX), dtype=nl.float32, buffer=nl.psum)
+        if ns > 0:
+            pt_ps[0:ns, 0:rows] = nisa.nc_transpose(p_sb[0:rows, 0:ns])
+        pt_ps[0:T, PMAX:PMAX + rows] = nisa.nc_transpose(p_sb[0:rows, ns:C])
+        o_ps = nl.zeros((rows, D), dtype=nl.float32, buffer=nl.psum)
+        if ns > 0:
+            pt_part = nisa.tensor_copy(pt_ps[0:ns, 0:rows], dtype=mm, engine=nisa.vector_engine)
+            o_ps[0:rows, 0:D] += nisa.nc_matmul(pt_part, v_part)
+        pt_new = nisa.tensor_copy(pt_ps[0:T, PMAX:PMAX + rows], dtype=mm,
+                                  engine=nisa.vector_engine)
+        o_ps[0:rows, 0:D] += nisa.nc_matmul(pt_new, v_new)
+
+        inv_l = nisa.reciprocal(l_col)
+        o_sb = nisa.tensor_scalar(o_ps[0:rows, 0:D], op0=np.multiply, operand0=inv_l,
+                                  dtype=nl.float32)
+        row0 = bh * R + rt0
+        nl.store(o_tail[nl.ds(row0, rows), 0, 0:D], value=o_sb)
+        log_l = nisa.activation(op=nl.log, data=l_col, dtype=nl.float32)
+        nl.store(lse_tail[nl.ds(row0, rows), 0:1],
+                 value=nisa.tensor_tensor(m, log_l, op=np.add, dtype=nl.float32))
+    return o_tail, lse_tail
+
+
+# ============================================================================================
+# Merge kernel
+# ============================================================================================
+@nki.jit
+def flash_decode_merge_kernel(o_part, lse_part, o_tail, lse_tail, out_dtype="bfloat16",
+                              rows_per_program=PMAX):
+    """Phase 2: merge the partials of every query row by LSE, in fp32 (seed 003).
+
+    Parameters
+    ----------
+    o_part : (N, NS, D) float32 or None;  lse_part : (N, NS) float32 or None
+        Split partials (None when the committed prefix had no full key row anywhere).
+    o_tail : (N, 1, D) float32;  lse_tail : (N, 1) float32
+    out_dtype : dtype name of o (q's dtype).
+
+    Grid ``(ceil(N / rows_per_program),)``; program i merges rows ``i * 128 ...``.
+    A split with lse = -inf weighs exp(-inf) = 0; a row whose every split is empty (impossible
+    in decode: each new token sees itself) gets o = 0 and lse = -inf.
+
+    Returns
+    -------
+    o : (N, D) out_dtype;  lse : (N,) float32
+    """
+    N, _, D = o_tail.shape
+    ns = 0 if o_part is None else o_part.shape[1]
+    S = ns + 1
+    o = nl.ndarray((N, D), dtype=_DTYPES[out_dtype], buffer=nl.shared_hbm)
+    lse = nl.ndarray((N, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    i = nl.program_id(0)
+    n_full, last = divmod(N, rows_per_program)
+
+    def merge_rows(r0, rows):
+        lse_all = nl.ndarray((rows, S), dtype=nl.float32, buffer=nl.sbuf)
+        o_all = nl.ndarray((rows, S, D), dtype=nl.float32, buffer=nl.sbuf)
+        if ns:
+            lse_all[0:rows, 0:ns] = nl.load(lse_part[nl.ds(r0, rows), 0:ns])
+            o_all[0:rows, 0:ns, 0:D] = nl.load(o_part[nl.ds(r0, rows), 0:ns, 0:D])
+        lse_all[0:rows, ns:S] = nl.load(lse_tail[nl.ds(r0, rows), 0:1])
+        o_all[0:rows, ns:S, 0:D] = nl.load(o_tail[nl.ds(r0, rows), 0:1, 0:D])
+        m = nisa.tensor_reduce(np.max, lse_all, axis=(1,), keepdims=True)
+        # a finite shift even when every split is empty: exp(-inf - shift) = 0
+        m = nisa.tensor_scalar(m, op0=np.maximum, operand0=tiles.DECODE_MERGE_M_FLOOR,
+                               dtype=nl.float32)
+        neg_m = nisa.tensor_scalar(m, op0=np.multiply, operand0=-1.0, dtype=nl.float32)
+        den = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+        w = nisa.activation_reduce(op=np.exp, data=lse_all, reduce_op=np.add, reduce_res=den,
+                                   bias=neg_m, scale=1.0, dtype=nl.float32)
+        acc = nisa.tensor_scalar(o_all[0:rows, 0, 0:D], op0=np.multiply,
+                                 operand0=w[0:rows, 0:1], dtype=nl.float32)
+        for x in range(1, S):
+            acc = nisa.scalar_tensor_tensor(data=o_all[0:rows, x, 0:D],
+                                            op0=np.multiply, operand0=w[0:rows, x:x + 1],
+                                            op1=np.add, operand1=acc, dtype=nl.float32)
+        den_safe = nisa.tensor_scalar(den, op0=np.maximum, operand0=tiles.DECODE_MERGE_L_FLOOR,
+                                      dtype=nl.float32)
+        inv = nisa.reciprocal(den_safe)
+        nl.store(o[nl.ds(r0, rows), 0:D],
+                 value=nisa.tensor_scalar(acc, op0=np.multiply, operand0=inv,
+                                          dtype=_DTYPES[out_dtype]))
+        log_den = nisa.activation(op=nl.log, data=den_safe, dtype=nl.float32)
+        total = nisa.tensor_tensor(m, log_den, op=np.add, dtype=nl.float32)
+        live = nisa.tensor_scalar(den, op0=nl.greater, operand0=0.0, dtype=nl.uint8)
+        nl.store(lse[nl.ds(r0, rows), 0:1], value=nl.where(live, total, -np.inf,
+                                                           dtype=nl.float32))
+
+    if last == 0:
+        merge_rows(i * rows_per_program, rows_per_program)
+    elif i == n_full:
+        merge_rows(n_full * rows_per_program, last)
+    else:
+        merge_rows(i * rows_per_program, rows_per_program)
+    return o, lse

@@ -1,0 +1,196 @@
+"""host.flash_decode: the public decode API (validation, split planning, results, IO) on the
+active backend. Kernel-level numerics are in tests/kernels/test_decode.py; the tolerance rule
+here is the same (o error <= 2 * baseline error + floor, docs/semantics.md).
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import host
+from host import api, reference
+from nki_kernels import tiles
+from nki_kernels.nki import BACKEND
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+
+
+def inputs(B=2, Hq=8, Hkv=2, T=3, S_max=128, D=32, dtype=BF16, seed=0):
+    """Random q and caches (planning tests only need shapes: see ``shapes``)."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, Hq, T, D)).astype(np.float32).astype(dtype)
+    k = rng.standard_normal((B, Hkv, S_max, D)).astype(np.float32).astype(dtype)
+    v = rng.standard_normal((B, Hkv, S_max, D)).astype(np.float32).astype(dtype)
+    return q, k, v
+
+
+def shapes(B, Hq, Hkv, T, S_max, D, dtype=BF16):
+    """Zero q and caches: enough for plan_flash_decode and validation (cheap at 32K)."""
+    return (np.zeros((B, Hq, T, D), dtype), np.zeros((B, Hkv, S_max, D), dtype),
+            np.zeros((B, Hkv, S_max, D), dtype))
+
+
+def assert_within_rule(q, k, v, lens, o, *, tree=None, mm=BF16):
+    ref = reference.decode(q, k, v, cache_lens=lens, tree_mask=tree)[0]
+    base = reference.decode_baseline_lowp(q, k, v, cache_lens=lens, dtype=mm, out_dtype=q.dtype,
+                                          tree_mask=tree)
+    tol = reference.tolerance(ref, base, floor=reference.atol_floor(mm))
+    assert reference.max_abs_err(o, ref) <= tol
+
+
+# --------------------------------------------------------------------------------------------
+# results
+# --------------------------------------------------------------------------------------------
+def test_flash_decode_matches_reference_and_returns_lse():
+    q, k, v = inputs()
+    lens = np.array([3, 101])
+    o, lse = host.flash_decode(q, k, v, cache_lens=lens, return_lse=True)
+    assert o.shape == q.shape and o.dtype == BF16
+    assert lse.shape == (2, 8, 3) and lse.dtype == F32
+    assert_within_rule(q, k, v, lens, o)
+    ref_lse = reference.decode(q, k, v, cache_lens=lens)[1]
+    assert reference.max_abs_err(lse, ref_lse) < 1e-2
+    assert isinstance(host.flash_decode(q, k, v, cache_lens=lens), np.ndarray)
+
+
+def test_flash_decode_accepts_lists_and_tree_masks():
+    q, k, v = inputs(T=4, S_max=64)
+    tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 1, 1]], dtype=bool)
+    o = host.flash_decode(q, k, v, cache_lens=[4, 64], tree_mask=tree)
+    assert_within_rule(q, k, v, [4, 64], o, tree=tree)
+
+
+def test_flash_decode_full_precision():
+    q, k, v = inputs(dtype=F32, D=48)
+    o = host.flash_decode(q, k, v, cache_lens=[50, 128], mixed_precision=False, scale=0.2)
+    ref = reference.decode(q, k, v, cache_lens=[50, 128], scale=0.2)[0]
+    assert reference.max_abs_err(o, ref) < 1e-5
+
+
+def test_equals_flash_attention_bottom_right_when_cache_is_the_sequence():
+    """Semantics: without a tree mask, decode == flash_attention(causal="bottom_right") over
+    the first cache_len positions (here the whole cache)."""
+    flash_attention = getattr(api, "flash_attention", None)
+    try:
+        import nki_kernels.attention.forward  # noqa: F401
+    except ImportError:
+        flash_attention = None
+    if flash_attention is None:
+        pytest.skip("host.api.flash_attention and its kernel (issue #3) are not available yet")
+    q, k, v = inputs(B=1, Hq=8, Hkv=2, T=5, S_max=77, D=64, dtype=F32)
+    o_dec, lse_dec = host.flash_decode(q, k, v, cache_lens=[77], mixed_precision=False,
+                                       return_lse=True)
+    o_fa, lse_fa = flash_attention(q, k, v, causal="bottom_right", mixed_precision=False,
+                                   return_lse=True)
+    assert reference.max_abs_err(o_dec, o_fa) < 1e-5
+    assert reference.max_abs_err(lse_dec, lse_fa) < 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# split planning
+# --------------------------------------------------------------------------------------------
+def test_split_count_comes_from_the_real_lengths_not_the_capacity():
+    q, k, v = shapes(B=1, Hq=32, Hkv=8, T=1, S_max=32768, D=128)
+    short = host.plan_flash_decode(q, k, v, cache_lens=[100])
+    full = host.plan_flash_decode(q, k, v, cache_lens=[32768])
+    assert short.num_splits == 1 and short.split_keys <= 1024
+    assert full.num_splits == 2 and full.split_keys * full.num_splits >= 32767
+    assert host.plan_flash_decode(q, k, v, cache_lens=[1]).num_splits == 0
+
+
+def test_plan_is_stable_within_a_length_bucket():
+    """Consecutive decode steps reuse the compiled kernels until the longest sequence crosses
+    a bucket (DECODE_BUCKETS_PER_OCTAVE per doubling)."""
+    q, k, v = shapes(B=1, Hq=4, Hkv=1, T=1, S_max=65536, D=64)
+    plans = {host.plan_flash_decode(q, k, v, cache_lens=[n]) for n in range(20000, 24577, 64)}
+    assert len(plans) <= 2
+    distinct = {host.plan_flash_decode(q, k, v, cache_lens=[n])
+                for n in range(2048, 65537, 512)}
+    assert len(distinct) <= 5 * tiles.DECODE_BUCKETS_PER_OCTAVE
+
+
+def test_num_splits_is_honoured_including_more_than_needed():
+    q, k, v = inputs(S_max=256)
+    for ns in (1, 3, 50):
+        assert host.plan_flash_decode(q, k, v, cache_lens=[3, 256], num_splits=ns).num_splits \
+            == ns
+    o = host.flash_decode(q, k, v, cache_lens=[3, 256], num_splits=50)
+    assert_within_rule(q, k, v, [3, 256], o)
+
+
+# --------------------------------------------------------------------------------------------
+# IO
+# --------------------------------------------------------------------------------------------
+@pytest.mark.skipif(BACKEND != "simulate", reason="simulate.measure needs the bundled simulator")
+def test_hbm_bytes_formula_is_exact():
+    import simulate
+
+    q, k, v = inputs(B=3, Hq=8, Hkv=2, T=2, S_max=512, D=64)
+    lens = [2, 300, 512]
+    p = host.plan_flash_decode(q, k, v, cache_lens=lens)
+    with simulate.measure(target="trn1") as m:
+        host.flash_decode(q, k, v, cache_lens=lens)
+    read, written = host.flash_decode_hbm_bytes(3, 8, 2, 64, 2, lens, 2, p.num_splits)
+    assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
+    assert m.per_tensor["k_cache"]["read"] == 2 * 64 * 2 * sum(lens)
+
+
+# --------------------------------------------------------------------------------------------
+# validation: every error path names the argument
+# --------------------------------------------------------------------------------------------
+def _bad_calls():
+    q, k, v = inputs(T=3, S_max=64)
+    lens = [10, 64]
+    big = np.broadcast_to(np.zeros((), BF16), (1, 1, api.DECODE_MAX_CACHE_POSITIONS + 1, 32))
+    return [
+        # (kwargs overrides, exception, message fragment)
+        (dict(q=q[0]), ValueError, "q: expected a 4-D array"),
+        (dict(q=q.astype(np.float64)), TypeError, "q"),
+        (dict(k_cache=k[:, :, :, :16]), ValueError, "k_cache: expected shape (B, Hkv, S_max, D)"),
+        (dict(v_cache=v[:, :, :32]), ValueError, "v_cache: expected the same shape as k_cache"),
+        (dict(k_cache=k.astype(np.float16)), TypeError, "k_cache"),
+        (dict(q=np.concatenate([q, q[:, :1]], axis=1)), ValueError, "must divide q's Hq=9"),
+        (dict(q=np.zeros((2, 8, 129, 32), BF16)), ValueError, "T (new tokens per sequence)"),
+        (dict(q=np.zeros((2, 8, 3, 257), BF16), k_cache=np.zeros((2, 2, 64, 257), BF16),
+              v_cache=np.zeros((2, 2, 64, 257), BF16)), ValueError, "q"),
+        (dict(cache_lens=None), TypeError, "cache_lens: required"),
+        (dict(cache_lens=[10]), ValueError, "cache_lens: expected length B=2"),
+        (dict(cache_lens=np.array([10.0, 20.0])), TypeError, "cache_lens: expected an integer"),
+        (dict(cache_lens=[2, 64]), ValueError, "cache_lens: each value must be in [T=3, "
+                                               "S_max=64]"),
+        (dict(cache_lens=[10, 65]), ValueError, "cache_lens: values must be in [0, S_max=64]"),
+        (dict(tree_mask=np.ones((3, 3), np.int8)), TypeError, "tree_mask: expected dtype bool"),
+        (dict(tree_mask=np.ones((2, 2), bool)), ValueError, "tree_mask: expected shape (T, T)"),
+        (dict(tree_mask=~np.eye(3, dtype=bool)), ValueError, "tree_mask: the diagonal"),
+        (dict(scale="x"), TypeError, "scale"),
+        (dict(scale=float("nan")), ValueError, "scale"),
+        (dict(num_splits=0), ValueError, "num_splits: expected an int in [1, inf]"),
+        (dict(num_splits=2.0), TypeError, "num_splits: expected an int"),
+        (dict(mixed_precision=1), TypeError, "mixed_precision: expected True or False"),
+        (dict(return_lse="yes"), TypeError, "return_lse: expected True or False"),
+        (dict(q=np.zeros((1, 1, 1, 32), BF16), k_cache=big, v_cache=big, cache_lens=[1]),
+         ValueError, "k_cache: B * Hkv * S_max"),
+    ], (q, k, v, lens)
+
+
+@pytest.mark.parametrize("index", range(len(_bad_calls()[0])))
+def test_validation_errors(index):
+    cases, (q, k, v, lens) = _bad_calls()
+    overrides, exc, fragment = cases[index]
+    kw = dict(q=q, k_cache=k, v_cache=v, cache_lens=lens)
+    kw.update(overrides)
+    args = (kw.pop("q"), kw.pop("k_cache"), kw.pop("v_cache"))
+    with pytest.raises(exc) as info:
+        host.flash_decode(*args, **kw)
+    assert fragment in str(info.value)
+
+
+def test_num_splits_too_small_names_the_minimum():
+    q, k, v = shapes(B=1, Hq=32, Hkv=8, T=1, S_max=32768, D=128)
+    with pytest.raises(ValueError, match=r"num_splits: 1 split\(s\) cannot hold .* num_splits "
+                                         r"must be >= 2"):
+        host.flash_decode(q, k, v, cache_lens=[32768], num_splits=1)
+    with pytest.raises(ValueError, match="num_splits"):
+        host.plan_flash_decode(q, k, v, cache_lens=[32768], num_splits=1)

@@ -1,0 +1,330 @@
+"""Split-KV flash decoding kernels (nki_kernels/attention/decode.py) through the active backend's
+``nki.simulate_kernel``, against the float64 references of host/reference.py.
+
+Tolerance (docs/semantics.md, FlashAttention's rule): the max abs error of o against
+``reference.decode`` is at most ``2 * err(decode_baseline_lowp) + floor`` (floor 1e-5 for fp32
+matmul operands, 1e-3 for bf16/fp16); the LSE error at most
+``2 * err(baseline LSE) + floor``.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from host import reference
+from nki_kernels import tiles
+from nki_kernels.attention import decode as dk
+from nki_kernels.nki import BACKEND, nki
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+
+#: Seed 003's speculative tree: token i's parent (A..I = 0..8) and the mask printed there.
+SEED_TREE_PARENTS = (-1, 0, 1, 1, 2, 2, 3, 3, 4)
+SEED_TREE_MASK = np.array([
+    [1, 0, 0, 0, 0, 0, 0, 0, 0],
+    [1, 1, 0, 0, 0, 0, 0, 0, 0],
+    [1, 1, 1, 0, 0, 0, 0, 0, 0],
+    [1, 1, 0, 1, 0, 0, 0, 0, 0],
+    [1, 1, 1, 0, 1, 0, 0, 0, 0],
+    [1, 1, 1, 0, 0, 1, 0, 0, 0],
+    [1, 1, 0, 1, 0, 0, 1, 0, 0],
+    [1, 1, 0, 1, 0, 0, 0, 1, 0],
+    [1, 1, 1, 0, 1, 0, 0, 0, 1],
+], dtype=bool)
+
+needs_measure = pytest.mark.skipif(BACKEND != "simulate",
+                                   reason="simulate.measure needs the bundled simulator")
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+def mm_dtype(dtype, mixed_precision=True):
+    dtype = np.dtype(dtype)
+    return BF16 if (dtype == F32 and mixed_precision) else dtype
+
+
+def make_inputs(rng, B, Hq, Hkv, T, S_max, D, dtype, lens):
+    """q, caches and int32 lengths."""
+    q = rng.standard_normal((B, Hq, T, D)).astype(np.float32).astype(dtype)
+    k = rng.standard_normal((B, Hkv, S_max, D)).astype(np.float32).astype(dtype)
+    v = rng.standard_normal((B, Hkv, S_max, D)).astype(np.float32).astype(dtype)
+    return q, k, v, np.asarray(lens, dtype=np.int32)
+
+
+def poisoned(cache, lens):
+    """A copy of ``cache`` with NaN at every position at or past the length: a kernel that
+    read one would return NaN (the references get the clean cache: 0 * NaN is NaN there)."""
+    out = cache.copy()
+    for b, n in enumerate(lens):
+        out[b, :, n:] = np.nan
+    return out
+
+
+def plan(q, k, lens, mm, num_splits=None):
+    B, Hq, T, D = q.shape
+    Hkv, S_max = k.shape[1], k.shape[2]
+    n = tiles.decode_key_row(S_max)
+    need = int(np.max((lens.astype(np.int64) - T) // n))
+    return tiles.decode_tiles(Hq // Hkv * T, D, S_max, mm.itemsize, need, num_splits)
+
+
+def run_splits(q, k, v, lens, t, scale, mm):
+    B, Hkv = q.shape[0], k.shape[1]
+    return nki.simulate_kernel(
+        dk.flash_decode_split_kernel[B, Hkv, t.num_splits], q, k, v, lens, scale=scale,
+        mm_dtype=mm.name, key_row=t.key_row, split_rows=t.split_rows, num_splits=t.num_splits,
+        row_tile=t.row_tile, pack=t.pack)
+
+
+def run_tail(q, k, v, lens, t, scale, mm, tree=None):
+    B, Hkv = q.shape[0], k.shape[1]
+    tm = None if tree is None else np.asarray(tree, dtype=np.uint8)
+    return nki.simulate_kernel(dk.flash_decode_tail_kernel[B, Hkv], q, k, v, lens, tm,
+                               scale=scale, mm_dtype=mm.name, key_row=t.key_row,
+                               row_tile=t.row_tile)
+
+
+def run_merge(o_part, lse_part, o_tail, lse_tail, out_dtype):
+    N = o_tail.shape[0]
+    return nki.simulate_kernel(
+        dk.flash_decode_merge_kernel[tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS)], o_part,
+        lse_part, o_tail, lse_tail, out_dtype=np.dtype(out_dtype).name,
+        rows_per_program=tiles.DECODE_MERGE_ROWS)
+
+
+def decode(q, k, v, lens, *, scale=None, tree=None, num_splits=None, mixed_precision=True):
+    """The three kernels as host.flash_decode launches them; returns (o, lse, tiles)."""
+    B, Hq, T, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    mm = mm_dtype(q.dtype, mixed_precision)
+    t = plan(q, k, lens, mm, num_splits)
+    o_part = lse_part = None
+    if t.num_splits:
+        o_part, lse_part = run_splits(q, k, v, lens, t, scale, mm)
+    o_tail, lse_tail = run_tail(q, k, v, lens, t, scale, mm, tree)
+    o, lse = run_merge(o_part, lse_part, o_tail, lse_tail, q.dtype)
+    return o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T), t
+
+
+def check_against_reference(q, k, v, lens, o, lse, *, scale=None, tree=None,
+                            mixed_precision=True):
+    mm = mm_dtype(q.dtype, mixed_precision)
+    ref_o, ref_lse = reference.decode(q, k, v, cache_lens=lens, scale=scale, tree_mask=tree)
+    base_o, base_lse = reference.decode_baseline_lowp(
+        q, k, v, cache_lens=lens, dtype=mm, out_dtype=q.dtype, scale=scale, tree_mask=tree,
+        return_lse=True)
+    floor = reference.atol_floor(mm)
+    err_o = reference.max_abs_err(o, ref_o)
+    tol_o = reference.tolerance(ref_o, base_o, floor=floor)
+    err_lse = reference.max_abs_err(lse, ref_lse)
+    tol_lse = reference.tolerance(ref_lse, base_lse, floor=floor)
+    assert o.dtype == q.dtype and lse.dtype == F32
+    assert np.all(np.isfinite(ref_o)) and np.all(np.isfinite(base_o))
+    assert err_o <= tol_o, f"o error {err_o:.3g} > tolerance {tol_o:.3g}"
+    assert err_lse <= tol_lse, f"lse error {err_lse:.3g} > tolerance {tol_lse:.3g}"
+    return err_o, err_lse
+
+
+def tree_from_parents(parents):
+    """Ancestor-or-self mask of a token tree given each token's parent (-1 = root)."""
+    T = len(parents)
+    mask = np.zeros((T, T), dtype=bool)
+    for t in range(T):
+        u = t
+        while u >= 0:
+            mask[t, u] = True
+            u = parents[u]
+    return mask
+
+
+# --------------------------------------------------------------------------------------------
+# correctness against the reference
+# --------------------------------------------------------------------------------------------
+CASES = [
+    # B, Hq, Hkv, T, S_max, D, cache_lens, dtype, num_splits
+    (1, 4, 1, 1, 64, 32, [40], BF16, None),                 # GQA 4:1, T=1
+    (2, 8, 2, 3, 256, 64, [3, 256], BF16, None),            # GQA 8:2; len = T and = S_max
+    (2, 8, 2, 3, 257, 80, [100, 257], F16, None),           # odd S_max -> key row 1
+    (1, 4, 4, 5, 1000, 128, [999], F32, None),              # MHA, fp32 -> bf16 operands
+    (1, 2, 1, 1, 4096, 256, [4000], BF16, None),            # D=256 (two head-dim tiles)
+    (1, 8, 1, 17, 512, 64, [300], BF16, None),              # MQA, T=17
+    (3, 6, 3, 2, 96, 16, [2, 50, 96], BF16, 3),             # ragged batch, forced splits
+    (1, 4, 2, 4, 2048, 64, [2048], BF16, 7),                # more splits than needed
+    (1, 1, 1, 1, 64, 16, [1], BF16, 4),                     # cache_len 1: splits all empty
+    (1, 3, 1, 1, 1, 8, [1], BF16, None),                    # S_max = 1
+    (2, 4, 1, 128, 1024, 128, [128, 1000], BF16, None),     # T=128: 4 row tiles per kv head
+    (1, 16, 1, 9, 160, 64, [150], BF16, None),              # G*T = 144 > 128 rows
+    (2, 32, 8, 1, 3072, 128, [1, 3072], BF16, None),        # Llama-like heads, ragged
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,T,S_max,D,lens,dtype,num_splits", CASES)
+def test_decode_matches_reference(B, Hq, Hkv, T, S_max, D, lens, dtype, num_splits):
+    rng = np.random.default_rng(B * 1000 + Hq * 100 + T * 10 + D)
+    q, k, v, lens = make_inputs(rng, B, Hq, Hkv, T, S_max, D, dtype, lens)
+    o, lse, _ = decode(q, poisoned(k, lens), poisoned(v, lens), lens, num_splits=num_splits)
+    check_against_reference(q, k, v, lens, o, lse)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_decode_full_precision_and_dtypes(dtype):
+    """fp32 with mixed_precision=False is exact to ~1e-6; every dtype obeys the rule."""
+    rng = np.random.default_rng(7)
+    q, k, v, lens = make_inputs(rng, 2, 8, 2, 4, 384, 64, dtype, [200, 384])
+    mixed = dtype != F32
+    o, lse, _ = decode(q, k, v, lens, mixed_precision=mixed)
+    err_o, err_lse = check_against_reference(q, k, v, lens, o, lse, mixed_precision=mixed)
+    if dtype == F32:
+        assert err_o < 1e-5 and err_lse < 1e-5
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3, 2.0])
+def test_decode_any_scale(scale):
+    """The scale is folded into q, so masks stay valid for zero and negative scales."""
+    rng = np.random.default_rng(3)
+    q, k, v, lens = make_inputs(rng, 1, 4, 2, 3, 128, 32, F32, [77])
+    o, lse, _ = decode(q, k, v, lens, scale=scale, mixed_precision=False)
+    check_against_reference(q, k, v, lens, o, lse, scale=scale, mixed_precision=False)
+
+
+def test_every_split_count_gives_the_same_answer():
+    """Merge associativity: any split of the keys (1 split ... more splits than key rows) merges
+    to the same result, within fp32 rounding (fp32 operands)."""
+    rng = np.random.default_rng(11)
+    q, k, v, lens = make_inputs(rng, 2, 4, 2, 2, 512, 32, F32, [500, 130])
+    results = []
+    for ns in (None, 1, 2, 3, 5, 16, 20):
+        o, lse, t = decode(q, k, v, lens, num_splits=ns, mixed_precision=False)
+        if ns is not None:
+            assert t.num_splits == ns
+        results.append((o, lse))
+    ref_o, ref_lse = reference.decode(q, k, v, cache_lens=lens)
+    for o, lse in results:
+        assert reference.max_abs_err(o, results[0][0]) < 2e-6
+        assert reference.max_abs_err(lse, results[0][1]) < 2e-6
+        assert reference.max_abs_err(o, ref_o) < 2e-6
+
+
+def test_split_partials_are_attention_over_their_keys():
+    """Each split's partial (o, lse) is attention over exactly its key rows; an empty split
+    writes o = 0 and lse = -inf."""
+    rng = np.random.default_rng(5)
+    B, Hq, Hkv, T, S_max, D = 2, 4, 2, 2, 256, 32
+    q, k, v, lens = make_inputs(rng, B, Hq, Hkv, T, S_max, D, F32, [200, 41])
+    scale = 1.0 / math.sqrt(D)
+    t = plan(q, k, lens, F32, num_splits=4)
+    o_part, lse_part = run_splits(q, k, v, lens, t, scale, F32)
+    o_part = o_part.reshape(B, Hq, T, t.num_splits, D)
+    lse_part = lse_part.reshape(B, Hq, T, t.num_splits)
+    G = Hq // Hkv
+    kx, vx = np.repeat(k, G, axis=1).astype(np.float64), np.repeat(v, G, axis=1).astype(
+        np.float64)
+    for b in range(B):
+        full = (int(lens[b]) - T) // t.key_row * t.key_row    # positions in full key rows
+        for s in range(t.num_splits):
+            lo = s * t.split_keys
+            hi = min(full, lo + t.split_keys)
+            if hi <= lo:
+                assert np.all(lse_part[b, :, :, s] == -np.inf)
+                assert np.all(o_part[b, :, :, s] == 0)
+                continue
+            sc = scale * np.einsum("htd,hjd->htj", q[b].astype(np.float64), kx[b, :, lo:hi])
+            m = sc.max(-1, keepdims=True)
+            e = np.exp(sc - m)
+            ref_o = np.einsum("htj,hjd->htd", e, vx[b, :, lo:hi]) / e.sum(-1, keepdims=True)
+            ref_lse = (m + np.log(e.sum(-1, keepdims=True)))[..., 0]
+            assert reference.max_abs_err(o_part[b, :, :, s], ref_o) < 1e-5
+            assert reference.max_abs_err(lse_part[b, :, :, s], ref_lse) < 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# masks among the new tokens
+# --------------------------------------------------------------------------------------------
+def test_seed_tree_reproduces_its_mask():
+    assert np.array_equal(tree_from_parents(SEED_TREE_PARENTS), SEED_TREE_MASK)
+
+
+@pytest.mark.parametrize("lens,S_max", [([9, 300], 300), ([9], 9), ([200], 257)])
+def test_seed_tree_decode(lens, S_max):
+    """Seed 003's 9-token tree: the kernel applies exactly that mask (and it differs from the
+    causal result, so the mask is really used)."""
+    rng = np.random.default_rng(9)
+    q, k, v, lens = make_inputs(rng, len(lens), 8, 2, 9, S_max, 64, BF16, lens)
+    o, lse, _ = decode(q, k, v, lens, tree=SEED_TREE_MASK)
+    check_against_reference(q, k, v, lens, o, lse, tree=SEED_TREE_MASK)
+    o_causal, _, _ = decode(q, k, v, lens)
+    assert reference.max_abs_err(o, o_causal) > 1e-2
+
+
+def test_random_tree_with_many_tokens():
+    rng = np.random.default_rng(21)
+    T = 40
+    parents = [-1] + [int(rng.integers(0, t)) for t in range(1, T)]
+    tree = tree_from_parents(parents)
+    q, k, v, lens = make_inputs(rng, 2, 8, 2, T, 200, 32, BF16, [T, 180])
+    o, lse, _ = decode(q, k, v, lens, tree=tree)
+    check_against_reference(q, k, v, lens, o, lse, tree=tree)
+
+
+# --------------------------------------------------------------------------------------------
+# the merge kernel alone
+# --------------------------------------------------------------------------------------------
+def test_merge_kernel_matches_reference_merge():
+    """Random partials, some splits empty (lse = -inf), one row with every split empty."""
+    rng = np.random.default_rng(13)
+    N, S, D = 200, 5, 48
+    o_parts = rng.standard_normal((N, S, D)).astype(np.float32)
+    lse_parts = (rng.standard_normal((N, S)) * 5).astype(np.float32)
+    lse_parts[rng.random((N, S)) < 0.3] = -np.inf
+    lse_parts[7] = -np.inf
+    o_parts[lse_parts == -np.inf] = 0.0
+    o, lse = run_merge(o_parts[:, :S - 1], lse_parts[:, :S - 1], o_parts[:, S - 1:],
+                       lse_parts[:, S - 1:], F32)
+    ref_o, ref_lse = reference.merge_partials(np.moveaxis(o_parts, 1, 0), lse_parts.T)
+    assert reference.max_abs_err(o, ref_o) < 1e-5
+    assert reference.max_abs_err(lse[:, 0], ref_lse) < 1e-5
+    assert np.all(o[7] == 0) and lse[7, 0] == -np.inf
+
+
+def test_merge_kernel_tail_only():
+    rng = np.random.default_rng(17)
+    o_tail = rng.standard_normal((3, 1, 8)).astype(np.float32)
+    lse_tail = rng.standard_normal((3, 1)).astype(np.float32)
+    o, lse = run_merge(None, None, o_tail, lse_tail, BF16)
+    assert o.dtype == BF16
+    assert reference.max_abs_err(o, o_tail[:, 0]) < 1e-2
+    assert reference.max_abs_err(lse, lse_tail) < 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# IO: every valid KV byte exactly once, nothing past cache_lens
+# --------------------------------------------------------------------------------------------
+@needs_measure
+@pytest.mark.parametrize("lens,S_max,T,tree", [
+    ([1, 777, 1024], 1024, 1, False),     # n = 32: full rows, a partial row, an empty prefix
+    ([5, 1000], 1000, 5, False),          # n = 8
+    ([300], 301, 9, True),                # n = 1, tree mask
+])
+def test_io_exact(lens, S_max, T, tree):
+    import simulate
+    from host.api import flash_decode_hbm_bytes
+
+    rng = np.random.default_rng(23)
+    B, Hq, Hkv, D = len(lens), 8, 2, 64
+    q, k, v, lens = make_inputs(rng, B, Hq, Hkv, T, S_max, D, BF16, lens)
+    tree_mask = SEED_TREE_MASK if tree else None
+    with simulate.measure(target="trn2") as m:
+        o, lse, t = decode(q, poisoned(k, lens), poisoned(v, lens), lens, tree=tree_mask)
+    kv_bytes = Hkv * D * BF16.itemsize * int(lens.sum())
+    per = m.per_tensor
+    assert per["k_cache"]["read"] == kv_bytes and per["v_cache"]["read"] == kv_bytes
+    read, written = flash_decode_hbm_bytes(B, Hq, T, D, Hkv, lens, BF16.itemsize,
+                                           t.num_splits, tree_mask=tree)
+    assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
+    assert np.all(np.isfinite(o.astype(np.float32)))
