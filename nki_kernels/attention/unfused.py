@@ -32,7 +32,8 @@ and ``Nq = Nk = N``. A K^T block smaller than Nk makes kernel 1 read Q once per 
 not fit makes kernel 3 read V once per 128-query tile.
 """
 from nki_kernels import tiles
-from nki_kernels.fused._onchip import PMAX, for_tiles, load_rows_transposed
+from nki_kernels.fused._onchip import (PMAX, for_tiles, load_rows_transposed,
+                                        matmul_accumulate)
 from nki_kernels.nki import nisa, nki, nl
 
 _DTYPES = {"float32": nl.float32, "bfloat16": nl.bfloat16, "float16": nl.float16}
@@ -105,14 +106,13 @@ def attention_scores_kernel(q, k, scale=1.0, causal_offset=None, mm_dtype="bfloa
             load_rows_transposed(q, (b, h), q0, qsz, D, q_t, PMAX, 0, load_dtype=cast)
 
             def key_tile_scores(ki, ksz):
-                acc = nl.zeros((PMAX, key_tile), dtype=nl.float32, buffer=nl.psum)
+                acc = nl.ndarray((PMAX, key_tile), dtype=nl.float32, buffer=nl.psum)
 
-                def contract(dt, dsz):
-                    acc[0:qsz, 0:ksz] += nisa.nc_matmul(
-                        q_t[0:dsz, nl.ds(dt * PMAX, qsz)],
-                        k_t[0:dsz, nl.ds(dt * kbs + ki * key_tile, ksz)])
+                def operands(dt, dsz):
+                    return (q_t[0:dsz, nl.ds(dt * PMAX, qsz)],
+                            k_t[0:dsz, nl.ds(dt * kbs + ki * key_tile, ksz)])
 
-                for_tiles(D, PMAX, contract)
+                matmul_accumulate(acc, (slice(0, qsz), slice(0, ksz)), D, PMAX, operands)
                 _score_tile(s, acc[0:qsz, 0:ksz], b, h, q0, qsz, kb0 + ki * key_tile, ksz,
                             scale, causal_offset)
 
@@ -169,18 +169,30 @@ def attention_pv_kernel(p, v, mm_dtype="bfloat16", o_dtype="bfloat16", v_residen
         def p_chunk(ci, cw):
             p_rows = nl.load(p[b, h, nl.ds(q0, qsz), nl.ds(ci * chunk, cw)], dtype=cast_p)
 
-            def piece(ji, jsz):
-                kt = ci * per_chunk + ji
+            def piece(kt, j0, jsz, on_scalar):
+                """Keys kt*128.. of the chunk (offset j0): transpose P, then P^T V into acc."""
                 tp = nl.ndarray((PMAX, PMAX), dtype=nl.float32, buffer=nl.psum)
-                tp[0:jsz, 0:qsz] = nisa.nc_transpose(p_rows[0:qsz, nl.ds(ji * PMAX, jsz)])
-                p_t = nisa.tensor_copy(tp[0:jsz, 0:qsz], dtype=mm, engine=nisa.vector_engine)
+                tp[0:jsz, 0:qsz] = nisa.nc_transpose(p_rows[0:qsz, nl.ds(j0, jsz)])
+                if on_scalar:
+                    p_t = nisa.activation(op=nl.copy, data=tp[0:jsz, 0:qsz], dtype=mm)
+                else:
+                    p_t = nisa.tensor_copy(tp[0:jsz, 0:qsz], dtype=mm,
+                                           engine=nisa.vector_engine)
                 if v_resident:
                     v_t = v_sb[0:jsz, nl.ds(kt * D, D)]
                 else:
                     v_t = nl.load(v[b, hk, nl.ds(kt * PMAX, jsz), 0:D], dtype=cast_v)
                 acc[0:qsz, 0:D] += nisa.nc_matmul(p_t, v_t)
 
-            for_tiles(cw, PMAX, piece)
+            def pair(pi, pw):
+                # the PSUM -> SBUF copies of P^T alternate between VectorE and ScalarE (idle
+                # otherwise in this kernel), halving the evacuation time
+                kt = ci * per_chunk + 2 * pi
+                piece(kt, pi * 2 * PMAX, min(PMAX, pw), False)
+                if pw > PMAX:
+                    piece(kt + 1, pi * 2 * PMAX + PMAX, pw - PMAX, True)
+
+            for_tiles(cw, 2 * PMAX, pair)
 
         for_tiles(Nk, chunk, p_chunk)
         o_t = nisa.tensor_copy(acc[0:qsz, 0:D], dtype=o.dtype, engine=nisa.vector_engine)

@@ -1,10 +1,12 @@
 """On-chip building blocks shared by the fused kernels and the unfused attention baseline.
 
-Two helpers, both called from inside an ``@nki.jit`` kernel:
+Helpers called from inside an ``@nki.jit`` kernel:
 
 - :func:`for_tiles` walks ``[0, total)`` in tiles of a fixed size: an ``nl.affine_range`` over the
   full tiles, then one statically sized tail. Every tile size a body sees is a Python int, so
   partial tiles are plain static slices (no masks, and no uninitialized rows reach TensorE).
+- :func:`matmul_accumulate` sums matmuls over contraction tiles into one PSUM tile; the first
+  matmul writes the tile, so no zero-fill instruction is spent on it.
 - :func:`load_rows_transposed` loads up to 128 rows of a row-major HBM matrix and writes their
   transpose into an SBUF buffer with the columns on partitions -- the layout a matmul contraction
   needs. The transpose runs on TensorE (``nc_transpose`` into PSUM, then a VectorE copy out), which
@@ -41,6 +43,30 @@ def for_tiles(total, size, body, loop=None):
             body(i, size)
     if tail:
         body(n_full, tail)
+
+
+def matmul_accumulate(acc, idx, total, size, operands):
+    """``acc[idx] = sum_i stationary_i^T @ moving_i`` over contraction tiles covering
+    ``[0, total)`` in tiles of ``size``.
+
+    ``operands(i, n)`` returns the ``(stationary, moving)`` pair of tile ``i`` (``n`` rows on
+    partitions). Tile 0's matmul overwrites the PSUM region and the rest accumulate onto it (the
+    hardware's accumulation-group semantics), instead of zero-filling the tile with an extra
+    VectorE instruction first.
+    """
+    n_full, tail = divmod(total, size)
+    if n_full:
+        acc[idx] = nisa.nc_matmul(*operands(0, size))
+        if n_full == 2:
+            acc[idx] += nisa.nc_matmul(*operands(1, size))
+        elif n_full > 2:
+            for i in nl.affine_range(1, n_full):
+                acc[idx] += nisa.nc_matmul(*operands(i, size))
+    if tail:
+        if n_full:
+            acc[idx] += nisa.nc_matmul(*operands(n_full, tail))
+        else:
+            acc[idx] = nisa.nc_matmul(*operands(n_full, tail))
 
 
 def load_rows_transposed(src, lead, r0, rows, cols, dst, col_stride, col_offset,

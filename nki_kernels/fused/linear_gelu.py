@@ -43,7 +43,7 @@ tiles are loaded per output tile, so x is read ``ceil(N / 512)`` times and W ``c
 times.
 """
 from nki_kernels import tiles
-from nki_kernels.fused._onchip import PMAX, for_tiles, load_rows_transposed
+from nki_kernels.fused._onchip import PMAX, for_tiles, load_rows_transposed, matmul_accumulate
 from nki_kernels.nki import nisa, nki, nl
 
 #: ``approximate`` argument (torch.nn.functional.gelu) -> ScalarE activation function.
@@ -98,14 +98,13 @@ def _matmul_blocks(y, x, w, b, act, mm_dtype, block_m, block_n):
                 b_row = nl.load(b_row_view[0:1, nl.ds(n0, bn)], dtype=cast)
 
             def out_tile(ms, msz):
-                acc = nl.zeros((PMAX, bn), dtype=nl.float32, buffer=nl.psum)
+                acc = nl.ndarray((PMAX, bn), dtype=nl.float32, buffer=nl.psum)
 
-                def accumulate(kt, ksz):
-                    acc[0:msz, 0:bn] += nisa.nc_matmul(
-                        x_t[0:ksz, nl.ds(kt * bm + ms * PMAX, msz)],
-                        w_blk[0:ksz, nl.ds(kt * bn, bn)])
+                def operands(kt, ksz):
+                    return (x_t[0:ksz, nl.ds(kt * bm + ms * PMAX, msz)],
+                            w_blk[0:ksz, nl.ds(kt * bn, bn)])
 
-                for_tiles(K, PMAX, accumulate)
+                matmul_accumulate(acc, (slice(0, msz), slice(0, bn)), K, PMAX, operands)
                 if b is not None:
                     # the bias as a rank-1 update: every row of the tile gets b[cols]
                     acc[0:msz, 0:bn] += nisa.nc_matmul(ones[0:1, 0:msz], b_row[0:1, 0:bn])

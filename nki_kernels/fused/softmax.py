@@ -42,9 +42,15 @@ def _vec():
 
 
 def _row_max(t, rsz, cw):
-    """``max_j t[p, j]`` as an fp32 (rsz, 1) vector (VectorE)."""
-    return nisa.tensor_reduce(np.max, t[0:rsz, 0:cw], axis=(1,), dtype=nl.float32,
-                              keepdims=True)
+    """``max_j t[p, j]`` as an (rsz, 1) vector in t's dtype (VectorE; a max is exact in any
+    dtype, and 16-bit in and out runs at 2 elements per cycle)."""
+    return nisa.tensor_reduce(np.max, t[0:rsz, 0:cw], axis=(1,), dtype=t.dtype, keepdims=True)
+
+
+def _e_dtype(out_dtype):
+    """dtype of ``exp(x - m)`` before the ``1/l`` scale: the output dtype when it is 16-bit, so
+    the VectorE scale runs in trn2's 16-bit mode; fp32 otherwise."""
+    return nl.float32 if out_dtype == nl.float32 else out_dtype
 
 
 def _neg_clamped(m, rsz):
@@ -53,10 +59,11 @@ def _neg_clamped(m, rsz):
                               op1=np.multiply, operand1=-1.0, dtype=nl.float32)
 
 
-def _exp_sum(t, neg_m, s, rsz, cw):
-    """``e = exp(t + neg_m)`` in fp32 (returned) and ``s = sum_j e`` into the vector s (ScalarE)."""
+def _exp_sum(t, neg_m, s, rsz, cw, e_dtype=nl.float32):
+    """``e = exp(t + neg_m)`` (returned in ``e_dtype``) and ``s = sum_j e`` into the vector s,
+    summed in fp32 before e is rounded (ScalarE)."""
     return nisa.activation_reduce(op=nl.exp, data=t[0:rsz, 0:cw], bias=neg_m[0:rsz, 0:1],
-                                  reduce_op=np.add, reduce_res=s[0:rsz, 0:1], dtype=nl.float32)
+                                  reduce_op=np.add, reduce_res=s[0:rsz, 0:1], dtype=e_dtype)
 
 
 def _inv_sum(l, m, rsz, zero_masked_rows):
@@ -77,7 +84,7 @@ def _rows_resident(x, y, r0, rsz, C, zero_masked_rows):
     m = _row_max(t, rsz, C)
     neg_m = _neg_clamped(m, rsz)
     l = _vec()
-    e = _exp_sum(t, neg_m, l, rsz, C)
+    e = _exp_sum(t, neg_m, l, rsz, C, _e_dtype(y.dtype))
     inv = _inv_sum(l, m, rsz, zero_masked_rows)
     out = nisa.tensor_scalar(e, np.multiply, inv, dtype=y.dtype)
     nl.store(y[nl.ds(r0, rsz), 0:C], value=out)
@@ -138,7 +145,8 @@ def _rows_streamed(x, y, r0, rsz, C, chunk, algorithm, zero_masked_rows):
     def write(ci, cw):
         c0 = ci * chunk
         t = nl.load(x[nl.ds(r0, rsz), nl.ds(c0, cw)])
-        e = nisa.activation(op=nl.exp, data=t[0:rsz, 0:cw], bias=neg_m, dtype=nl.float32)
+        e = nisa.activation(op=nl.exp, data=t[0:rsz, 0:cw], bias=neg_m,
+                            dtype=_e_dtype(y.dtype))
         out = nisa.tensor_scalar(e, np.multiply, inv, dtype=y.dtype)
         nl.store(y[nl.ds(r0, rsz), nl.ds(c0, cw)], value=out)
 

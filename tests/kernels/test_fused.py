@@ -127,7 +127,8 @@ def test_softmax_infinities_and_tiny_shapes(resident):
     ref = reference.online_softmax(x)
     assert np.isfinite(y).all()
     assert np.all(y[1] == 0) and np.all(y[0, ::3] == 0)
-    _check(y, ref, softmax_baseline(x, dtype=np.float32), np.float32)
+    rows = [0, 2]   # the plain baseline gives NaN for the all -inf row (checked above instead)
+    _check(y[rows], ref[rows], softmax_baseline(x[rows], dtype=np.float32), np.float32)
     for shape in [(1, 1), (5, 1)]:
         one = np.ones(shape, np.float32)
         assert np.allclose(_softmax(one, "two_pass", 1, resident), 1.0)
