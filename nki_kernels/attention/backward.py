@@ -1,0 +1,559 @@
+"""Flash attention backward: dQ, dK, dV recomputed from O and LSE, in one pass over K/V.
+
+Math (docs/semantics.md; FlashAttention, appendix B.4, Algorithm 4; seed 001 for the masking).
+For one query head with rows i and keys j, ``S = scale * Q K^T`` and the forward kept only
+``O = softmax(S) V`` and ``LSE_i = log sum_j exp(S_ij)``. Then
+
+    D_i   = rowsum(dO_i * O_i)                       (pre-pass, O(N d); = rowsum(P_i * dP_i))
+    P_ij  = exp(scale * q_i . k_j - LSE_i)           (recomputed per tile; 0 for masked keys)
+    dV_j += sum_i P_ij dO_i                          dV = P^T dO
+    dP_ij = dO_i . v_j                               dP = dO V^T
+    dS_ij = P_ij (dP_ij - D_i)                       the softmax backward
+    dQ_i += scale * sum_j dS_ij k_j                  dQ = scale dS K
+    dK_j += scale * sum_i dS_ij q_i                  dK = scale dS^T Q
+
+GQA: query head ``h`` reads kv head ``h // G``; dK and dV of a kv head are summed over its G
+query heads (they simply accumulate into the same dK_j, dV_j).
+
+Design: one kernel, one pass, no atomics
+----------------------------------------
+GPUs either run one kernel whose dQ is accumulated with atomics in HBM (10 N^2 d FLOPs) or two
+kernels, one for dK/dV and one for dQ, that recompute P and dP twice (14 N^2 d FLOPs by the
+matmul count: S, dP, dV, dK in the first and S, dP, dQ in the second). A NeuronCore has 24-28 MiB
+of SBUF, enough to keep a whole head's query-side state on chip: Q, Q^T, dO, dO^T, D, LSE and
+the fp32 dQ accumulator. So the kernel streams K/V once, in tiles of ``Bk`` keys (the outer
+loop), and for each K/V tile visits every query tile of every head of the group (the inner loop):
+
+* dK_j and dV_j accumulate in PSUM across the whole inner loop (free on TensorE) and are
+  written once;
+* dQ_i for all query tiles stays in SBUF (fp32) and gains ``dS_ij K_j`` per visit (one small
+  VectorE add of [128, d] per 128 x Bk scores);
+* Q, dO, O, LSE, K, V are each read from HBM once, dQ, dK, dV written once: the minimum
+  traffic, ``itemsize * (4 Nq d + 2 Nk d) + 4 Nq`` in and ``itemsize * (Nq d + 2 Nk d)`` out
+  per (query head, kv head) pair.
+
+That is 5 matmuls per score (10 N^2 d FLOPs) plus one TensorE transpose of dS (dQ contracts over
+keys, so it needs dS^T with keys on partitions; every other product contracts over the
+partition dim of a tile we already have). Measured alternatives are in ``benchmarks/backward.py``
+and the README: dQ accumulated in HBM per visit (the atomics analogue, ``dq_accumulate="hbm"``)
+and the query-side state streamed per K tile.
+
+When the query-side state of all G heads does not fit SBUF (long sequences, wide GQA groups),
+the query tiles are split into *passes* that each fit; every pass streams K/V again and adds
+its dK/dV partial sums into an fp32 scratch in HBM (read-add-write, deterministic). One pass is
+used whenever ``G * Nq`` rows fit (see :func:`nki_kernels.tiles.bwd_rows_per_pass`).
+
+Layouts (all on chip, from the standard ``(B, H, N, D)`` layout in HBM):
+
+* "natural" tiles ``[128 rows (partitions), D]``: Q, dO (moving operands of dK, dV), K (moving
+  operand of dQ), O (for D);
+* "transposed" tiles ``[D (partitions), rows]``: Q^T, dO^T, K^T, V^T (operands of S and dP,
+  which contract over D), made on chip with TensorE transposes;
+* S, P, dP, dS are ``[128 query rows, Bk keys]``: the per-row LSE and D are per-partition
+  scalars (ScalarE bias, VectorE scalar operand).
+
+Masks. Keys past ``kv_len`` and queries past ``q_len`` are never loaded or computed (partial
+tiles are simply narrower), so no padded key ever reaches the exponential (seed 001's NaN
+hazard). Causal and window masks are applied to the scaled scores *before* the exp: visible
+entries keep ``scale * S``, masked ones become ``fp32.min``, whose exp is 0. Tiles entirely
+outside the band are skipped, tiles entirely inside it run unmasked. Rows whose LSE is ``-inf``
+(no visible key) get an exp bias of ``-1e30`` instead of ``+inf``, so their P is exactly 0 and
+they contribute nothing.
+
+Precision: matmul operands in the input dtype for bf16/fp16, bf16 for fp32 inputs with
+``mixed_precision`` (fp32 otherwise); PSUM, D, LSE, the dQ accumulator and the dS arithmetic
+are fp32; P and dS are rounded to the operand dtype before their matmuls; outputs are written
+in the input dtype.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from nki_kernels.nki import nisa, nki, nl
+from nki_kernels.tiles import (
+    BWD_DQ_ACCUMULATE_MODES,
+    BWD_EXP_BIAS_NO_KEY,
+    BWD_LSE_NO_KEY,
+    BWD_MASK_FILL,
+    PMAX,
+    bwd_key_tile,
+    bwd_rows_per_pass,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Compile-time plan (pure Python on ints: which tiles exist, which are skipped or masked)
+# ---------------------------------------------------------------------------------------------
+
+
+class QTile(NamedTuple):
+    """A tile of ``rows`` valid query rows starting at row ``r0`` of query head ``h``; ``slot``
+    is its place in the resident query-side state of its pass."""
+
+    h: int
+    r0: int
+    rows: int
+    slot: int
+
+
+class KTile(NamedTuple):
+    """Keys ``[c0, c0 + cols)`` (valid keys only), split in blocks of at most 128 keys:
+    ``blocks[b] = (offset within the tile, keys)``."""
+
+    c0: int
+    cols: int
+    blocks: Tuple[Tuple[int, int], ...]
+
+
+class Visit(NamedTuple):
+    """One (query tile, key tile) pair to compute: keys ``[c0 + a, c0 + a + w)`` (whole blocks
+    ``b_lo .. b_hi - 1`` of the key tile), and which mask predicates it needs."""
+
+    qt: QTile
+    a: int
+    w: int
+    b_lo: int
+    b_hi: int
+    mask_hi: bool
+    mask_lo: bool
+
+
+class Band(NamedTuple):
+    """Key j is visible to row i iff ``lo(i) <= j <= hi(i)`` with ``lo(i) = i + off - left``
+    and ``hi(i) = i + off + right`` (None = unbounded), and ``j < nk``, ``i < nq``."""
+
+    off: int
+    left: Optional[int]
+    right: Optional[int]
+
+    def lo(self, i):
+        return None if self.left is None else i + self.off - self.left
+
+    def hi(self, i):
+        return None if self.right is None else i + self.off + self.right
+
+
+def make_band(nq: int, nk: int, causal: Optional[str], window) -> Band:
+    """The visibility band of docs/semantics.md for valid lengths nq, nk.
+
+    ``off`` is 0 for top_left and ``nk - nq`` for bottom_right (also for a window without a
+    causal mask); a causal mask caps the right side at ``i + off``."""
+    off = 0 if causal == "top_left" else nk - nq
+    left = right = None
+    if window is not None:
+        wl, wr = window
+        left = None if wl < 0 else int(wl)
+        right = None if wr < 0 else int(wr)
+    if causal is not None:
+        right = 0 if right is None else min(right, 0)
+    return Band(off, left, right)
+
+
+def plan_q_tiles(G: int, nq: int, rows_per_pass: int):
+    """Query tiles of the G heads of a group, grouped into passes of at most ``rows_per_pass``
+    rows each (a multiple of 128). Returns a tuple of passes, each a tuple of QTile."""
+    tiles_per_pass = max(1, rows_per_pass // PMAX)
+    passes, cur = [], []
+    for h in range(G):
+        for r0 in range(0, nq, PMAX):
+            if len(cur) == tiles_per_pass:
+                passes.append(tuple(cur))
+                cur = []
+            cur.append(QTile(h, r0, min(PMAX, nq - r0), len(cur)))
+    if cur:
+        passes.append(tuple(cur))
+    return tuple(passes)
+
+
+def plan_k_tiles(nk: int, key_tile: int):
+    """Key tiles over the valid keys ``[0, nk)``."""
+    tiles = []
+    for c0 in range(0, nk, key_tile):
+        cols = min(key_tile, nk - c0)
+        blocks = tuple((b, min(PMAX, cols - b)) for b in range(0, cols, PMAX))
+        tiles.append(KTile(c0, cols, blocks))
+    return tuple(tiles)
+
+
+def plan_visit(band: Band, nk: int, qt: QTile, kt: KTile) -> Optional[Visit]:
+    """Classify a (query tile, key tile) pair: None when no row sees any of its keys, else the
+    whole blocks that hold visible keys and whether the band edges cut through them."""
+    r_first, r_last = qt.r0, qt.r0 + qt.rows - 1
+    lo = 0 if band.left is None else max(0, band.lo(r_first))
+    hi = nk - 1 if band.right is None else min(nk - 1, band.hi(r_last))
+    lo, hi = max(lo, kt.c0), min(hi, kt.c0 + kt.cols - 1)
+    if lo > hi:
+        return None
+    b_lo = (lo - kt.c0) // PMAX
+    b_hi = (hi - kt.c0) // PMAX + 1
+    a = kt.blocks[b_lo][0]
+    w = kt.blocks[b_hi - 1][0] + kt.blocks[b_hi - 1][1] - a
+    first_col, last_col = kt.c0 + a, kt.c0 + a + w - 1
+    mask_hi = band.right is not None and band.hi(r_first) < last_col
+    mask_lo = band.left is not None and band.lo(r_last) > first_col
+    return Visit(qt, a, w, b_lo, b_hi, mask_hi, mask_lo)
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 1: query-side state of a pass (Q, Q^T, dO, dO^T, D = rowsum(dO * O), exp bias)
+# ---------------------------------------------------------------------------------------------
+
+
+def _accumulate(psum, first, product):
+    """``psum = product`` for the first partial product of a PSUM accumulation group, then
+    ``psum += product`` (a matmul's first write into a bank overwrites it)."""
+    if first:
+        psum[...] = product
+    else:
+        psum[...] += product
+
+
+def _transpose_into(dst, src, tp_dtype):
+    """``dst[D, rows] = src[rows, D]^T`` through a TensorE transpose and a PSUM -> SBUF copy on
+    ScalarE (VectorE carries the dS arithmetic)."""
+    rows, cols = src.shape
+    t_psum = nl.ndarray((cols, rows), dtype=tp_dtype, buffer=nl.psum)
+    t_psum[...] = nisa.nc_transpose(src)
+    dst[...] = nisa.activation(nl.copy, t_psum, dtype=dst.dtype)
+
+
+def load_query_side(q, do, o, lse, b, h0, qtiles, d_chunks, q_nat, q_T, do_nat, do_T, delta,
+                    exp_bias, op_dtype, tp_dtype):
+    """Load every query tile of a pass and derive what the inner loop needs.
+
+    Per tile (rows r0 .. r0 + rows - 1 of query head h0 + h):
+
+    * ``q_nat``, ``do_nat`` ``[rows, D]`` in the operand dtype, and their transposes
+      ``q_T``, ``do_T`` ``[D chunk, rows]``;
+    * ``delta = rowsum(dO * O)`` in fp32 (from the loaded values, before any rounding);
+    * ``exp_bias = -LSE``, or ``BWD_EXP_BIAS_NO_KEY`` where LSE = -inf (a row with no visible
+      key), computed as ``m * BIAS_NO_KEY - max(LSE, LSE_NO_KEY)`` with ``m = [LSE < LSE_NO_KEY]``
+      so every intermediate is finite.
+    """
+    for qt in qtiles:
+        hh, r0, rows, s = h0 + qt.h, qt.r0, qt.rows, qt.slot
+        rsl = nl.ds(r0, rows)
+        do_in = nl.load(do[b, hh, rsl, :])
+        o_in = nl.load(o[b, hh, rsl, :])
+        prod = nisa.tensor_tensor(do_in, o_in, np.multiply, dtype=nl.float32)
+        delta[0:rows, s:s + 1] = nisa.tensor_reduce(np.add, prod, axis=(1,), dtype=nl.float32,
+                                                    keepdims=True)
+        if do_in.dtype == op_dtype:
+            do_nat[0:rows, s, :] = do_in
+        else:
+            do_nat[0:rows, s, :] = nisa.tensor_copy(do_in, dtype=op_dtype)
+        q_nat[0:rows, s, :] = nl.load(q[b, hh, rsl, :], dtype=op_dtype)
+
+        lse_t = nl.load(lse[b, hh, rsl])
+        lse_floor = nisa.tensor_scalar(lse_t, np.maximum, BWD_LSE_NO_KEY, dtype=nl.float32)
+        no_key = nisa.tensor_scalar(lse_t, np.less, BWD_LSE_NO_KEY, dtype=nl.float32)
+        exp_bias[0:rows, s:s + 1] = nisa.scalar_tensor_tensor(
+            data=no_key, op0=np.multiply, operand0=BWD_EXP_BIAS_NO_KEY,
+            op1=np.subtract, operand1=lse_floor, dtype=nl.float32)
+
+        for c, (d0, dsz) in enumerate(d_chunks):
+            cols = nl.ds(s * PMAX, rows)
+            _transpose_into(q_T[0:dsz, c, cols], q_nat[0:rows, s, d0:d0 + dsz], tp_dtype)
+            _transpose_into(do_T[0:dsz, c, cols], do_nat[0:rows, s, d0:d0 + dsz], tp_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 2: one K/V tile (K natural for dQ, K^T and V^T for S and dP)
+# ---------------------------------------------------------------------------------------------
+
+
+def load_kv_tile(k, v, b, g, kt, d_chunks, k_nat, k_T, v_T, op_dtype, tp_dtype):
+    """Keys ``kt.c0 ..`` of kv head g: ``k_nat[keys, blk, D]``, ``k_T[D chunk, c, keys]``,
+    ``v_T[D chunk, c, keys]`` (V itself is only needed transposed)."""
+    for bi, (off, n) in enumerate(kt.blocks):
+        ksl = nl.ds(kt.c0 + off, n)
+        k_nat[0:n, bi, :] = nl.load(k[b, g, ksl, :], dtype=op_dtype)
+        v_in = nl.load(v[b, g, ksl, :], dtype=op_dtype)
+        for c, (d0, dsz) in enumerate(d_chunks):
+            _transpose_into(k_T[0:dsz, c, nl.ds(off, n)], k_nat[0:n, bi, d0:d0 + dsz], tp_dtype)
+            _transpose_into(v_T[0:dsz, c, nl.ds(off, n)], v_in[0:n, d0:d0 + dsz], tp_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 3: the per-visit math (recompute P, softmax backward, accumulate dV, dK, dQ)
+# ---------------------------------------------------------------------------------------------
+
+
+def recompute_p(vis, kt, band, scale, d_chunks, q_T, k_T, exp_bias, op_dtype):
+    """``P = exp(scale * Q K^T - LSE)`` for the visit's rows and keys, ``[rows, w]`` in the
+    operand dtype. Masked keys get ``fp32.min`` before the exp (P = 0 exactly)."""
+    qt = vis.qt
+    rows, s, w = qt.rows, qt.slot, vis.w
+    s_psum = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.psum)
+    for c, (d0, dsz) in enumerate(d_chunks):
+        _accumulate(s_psum, c == 0, nisa.nc_matmul(q_T[0:dsz, c, nl.ds(s * PMAX, rows)],
+                                                   k_T[0:dsz, c, nl.ds(vis.a, w)]))
+    bias = exp_bias[0:rows, s:s + 1]
+    if not (vis.mask_hi or vis.mask_lo):
+        return nisa.activation(np.exp, s_psum, bias=bias, scale=scale, dtype=op_dtype)
+
+    # Row i = qt.r0 + iq, key j = kt.c0 + vis.a + ik; keep lo(i) <= j <= hi(i).
+    scores = nisa.activation(nl.copy, s_psum, scale=scale, dtype=nl.float32)
+    iq, ik = nl.mgrid[0:rows, 0:w]
+    row = qt.r0 + iq
+    key = kt.c0 + vis.a + ik
+    if vis.mask_hi:
+        scores = nisa.affine_select(row + (band.off + band.right) >= key, scores,
+                                    BWD_MASK_FILL, dtype=nl.float32)
+    if vis.mask_lo:
+        scores = nisa.affine_select(key >= row + (band.off - band.left), scores,
+                                    BWD_MASK_FILL, dtype=nl.float32)
+    return nisa.activation(np.exp, scores, bias=bias, scale=1.0, dtype=op_dtype)
+
+
+def softmax_backward(vis, d_chunks, do_T, v_T, delta, p, op_dtype):
+    """``dS = P * (dP - D)`` with ``dP = dO V^T``, ``[rows, w]`` in the operand dtype.
+
+    ``dP - D`` is formed by ScalarE while it evacuates PSUM (identity with a per-row bias), so
+    VectorE does a single bf16 multiply per score."""
+    qt = vis.qt
+    rows, s, w = qt.rows, qt.slot, vis.w
+    dp_psum = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.psum)
+    for c, (d0, dsz) in enumerate(d_chunks):
+        _accumulate(dp_psum, c == 0, nisa.nc_matmul(do_T[0:dsz, c, nl.ds(s * PMAX, rows)],
+                                                    v_T[0:dsz, c, nl.ds(vis.a, w)]))
+    neg_delta = nisa.tensor_scalar(delta[0:rows, s:s + 1], np.multiply, -1.0,
+                                   dtype=nl.float32)
+    dp_minus_d = nisa.activation(nl.copy, dp_psum, bias=neg_delta, scale=1.0, dtype=op_dtype)
+    return nisa.tensor_tensor(dp_minus_d, p, np.multiply, dtype=op_dtype)
+
+
+def accumulate_dv_dk(vis, kt, p, ds, q_nat, do_nat, dv_psum, dk_psum, D):
+    """``dV_j += P^T dO_i`` and ``dK_j += dS^T Q_i`` (scale applied at write-out), per 128-key
+    block of the visit: stationary ``P[:, block]`` / ``dS[:, block]`` ``[rows, keys]``, moving
+    ``dO_i`` / ``Q_i`` ``[rows, D]``, result ``[keys, D]`` accumulating in PSUM."""
+    rows, s = vis.qt.rows, vis.qt.slot
+    for bi in range(vis.b_lo, vis.b_hi):
+        off, n = kt.blocks[bi]
+        cols = nl.ds(off - vis.a, n)
+        acc = nl.ds(bi * D, D)
+        dv_psum[0:n, acc] += nisa.nc_matmul(p[0:rows, cols], do_nat[0:rows, s, :])
+        dk_psum[0:n, acc] += nisa.nc_matmul(ds[0:rows, cols], q_nat[0:rows, s, :])
+
+
+def accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype):
+    """``dQ_i += dS K_j`` (scale applied at write-out): each 128-key block of dS is transposed
+    on TensorE to ``[keys, rows]`` (dQ contracts over keys) and multiplies ``K[keys, D]``."""
+    rows = vis.qt.rows
+    for bi in range(vis.b_lo, vis.b_hi):
+        off, n = kt.blocks[bi]
+        ds_T = nl.ndarray((n, rows), dtype=op_dtype, buffer=nl.sbuf)
+        _transpose_into(ds_T, ds[0:rows, nl.ds(off - vis.a, n)], tp_dtype)
+        _accumulate(dq_psum, bi == vis.b_lo, nisa.nc_matmul(ds_T, k_nat[0:n, bi, :]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 4: write-out
+# ---------------------------------------------------------------------------------------------
+
+
+def write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, scale, out_dtype, scratch, first, last):
+    """Store ``dK_j = scale * dK_psum`` and ``dV_j = dV_psum`` for the valid keys of tile kt.
+
+    With several passes the partial sums go through fp32 ``scratch = (dk_acc, dv_acc)`` in HBM:
+    the first pass writes them, later passes add theirs, the last one writes the outputs."""
+    for bi, (off, n) in enumerate(kt.blocks):
+        ksl = nl.ds(kt.c0 + off, n)
+        acc = nl.ds(bi * D, D)
+        for out, psum, factor, part in ((dk, dk_psum, scale, 0), (dv, dv_psum, 1.0, 1)):
+            if first and last:
+                tile = nisa.activation(nl.copy, psum[0:n, acc], scale=factor, dtype=out_dtype)
+                nl.store(out[b, g, ksl, :], value=tile)
+                continue
+            total = nisa.activation(nl.copy, psum[0:n, acc], scale=factor, dtype=nl.float32)
+            if not first:
+                prev = nl.load(scratch[part][ksl, :])
+                total = nisa.tensor_tensor(total, prev, np.add, dtype=nl.float32)
+            if last:
+                nl.store(out[b, g, ksl, :], value=nisa.tensor_copy(total, dtype=out_dtype))
+            else:
+                nl.store(scratch[part][ksl, :], value=total)
+
+
+def write_dq(dq, b, h0, qtiles, dq_acc, scale, out_dtype):
+    """Store ``dQ_i = scale * dq_acc_i`` for every query tile of a pass."""
+    for qt in qtiles:
+        tile = nisa.activation(nl.copy, dq_acc[0:qt.rows, qt.slot, :], scale=scale,
+                               dtype=out_dtype)
+        nl.store(dq[b, h0 + qt.h, nl.ds(qt.r0, qt.rows), :], value=tile)
+
+
+def zero_dq_scratch(dq_scratch, qtiles, D):
+    """``dq_acc_i = 0`` in the fp32 HBM scratch of the ``dq_accumulate="hbm"`` variant."""
+    for qt in qtiles:
+        nl.store(dq_scratch[qt.h, nl.ds(qt.r0, qt.rows), :],
+                 value=nl.zeros((qt.rows, D), dtype=nl.float32))
+
+
+def accumulate_dq_in_hbm(dq_scratch, qt, dq_psum):
+    """``dq_acc_i += dS K_j`` read-add-written in HBM (what a GPU does with atomics)."""
+    rsl = nl.ds(qt.r0, qt.rows)
+    prev = nl.load(dq_scratch[qt.h, rsl, :])
+    nl.store(dq_scratch[qt.h, rsl, :],
+             value=nisa.tensor_tensor(prev, dq_psum, np.add, dtype=nl.float32))
+
+
+def write_dq_from_scratch(dq, b, h0, qtiles, dq_scratch, scale, out_dtype):
+    """Store ``dQ_i = scale * dq_acc_i`` from the HBM scratch."""
+    for qt in qtiles:
+        rsl = nl.ds(qt.r0, qt.rows)
+        acc = nl.load(dq_scratch[qt.h, rsl, :])
+        tile = nisa.activation(nl.copy, acc, scale=scale, dtype=out_dtype)
+        nl.store(dq[b, h0 + qt.h, rsl, :], value=tile)
+
+
+def write_zero_rows(out, b, head, r0, r1, D, out_dtype):
+    """Rows ``[r0, r1)`` of ``out[b, head]`` are zero (padding past q_len / kv_len)."""
+    for z0 in range(r0, r1, PMAX):
+        n = min(PMAX, r1 - z0)
+        nl.store(out[b, head, nl.ds(z0, n), :], value=nl.zeros((n, D), dtype=out_dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel
+# ---------------------------------------------------------------------------------------------
+
+
+@nki.jit
+def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_len=None,
+                   kv_len=None, mixed_precision=True, rows_per_pass=None, key_tile=None,
+                   dq_accumulate="sbuf"):
+    """Flash attention backward for the SPMD grid ``[B, Hkv]`` (one kv head per program).
+
+    Parameters
+    ----------
+    q, o, do : HBM (B, Hq, Nq, D), one float dtype (fp32, bf16 or fp16)
+    k, v : HBM (B, Hkv, Nk, D), same dtype; ``Hq % Hkv == 0``, ``1 <= D <= 256``
+    lse : HBM (B, Hq, Nq) float32, natural log, ``-inf`` for rows without a visible key
+    scale : float (compile-time)
+    causal : None, "top_left" or "bottom_right" (compile-time)
+    window : None or (left, right) ints, -1 = unbounded (compile-time)
+    q_len, kv_len : int or None
+        Valid lengths of every sequence of this launch (None = Nq / Nk). The host launches one
+        grid per sequence when ``q_lens`` / ``kv_lens`` are given, so lengths are compile-time
+        and partial tiles are trimmed, not masked.
+    mixed_precision : bool
+        fp32 inputs: bf16 matmul operands (True) or fp32 (False).
+    rows_per_pass : int, optional
+        Query rows (all heads of the group) resident per pass; None = as many as fit SBUF.
+    key_tile : int, optional
+        Keys per K/V tile (a multiple of 128, at most 512 and one PSUM bank of dK per row);
+        None = the largest that fits.
+    dq_accumulate : "sbuf" (default) or "hbm"
+        Where dQ accumulates across K/V tiles: on chip, or (the atomics analogue, for
+        measurement) read-add-written to an fp32 HBM scratch after every visit.
+
+    Returns
+    -------
+    dq (B, Hq, Nq, D), dk, dv (B, Hkv, Nk, D), in the input dtype.
+    """
+    if dq_accumulate not in BWD_DQ_ACCUMULATE_MODES:
+        raise ValueError(f"dq_accumulate: expected one of {BWD_DQ_ACCUMULATE_MODES}, got "
+                         f"{dq_accumulate!r}")
+    B, Hq, Nq, D = q.shape
+    _, Hkv, Nk, _ = k.shape
+    G = Hq // Hkv
+    in_dtype = q.dtype
+    if in_dtype == nl.float32 and not mixed_precision:
+        op_dtype = nl.float32
+    elif in_dtype == nl.float32:
+        op_dtype = nl.bfloat16
+    else:
+        op_dtype = in_dtype
+    gen3 = nisa.get_nc_version() >= nisa.nc_version.gen3
+    tp_dtype = op_dtype if (gen3 and op_dtype != nl.float32) else nl.float32
+    target = "trn2" if gen3 else "trn1"
+    op_itemsize = 4 if op_dtype == nl.float32 else 2
+
+    nq = Nq if q_len is None else q_len
+    nk = Nk if kv_len is None else kv_len
+    band = make_band(nq, nk, causal, window)
+    d_chunks = tuple((d0, min(PMAX, D - d0)) for d0 in range(0, D, PMAX))
+    n_dc = len(d_chunks)
+    d_part = min(D, PMAX)
+    if key_tile is None:
+        key_tile = bwd_key_tile(D)
+    n_kblk = key_tile // PMAX
+    if rows_per_pass is None:
+        rows_per_pass = bwd_rows_per_pass(D, op_itemsize, target,
+                                          dq_on_chip=(dq_accumulate == "sbuf"))
+    passes = plan_q_tiles(G, nq, rows_per_pass)
+    ktiles = plan_k_tiles(nk, key_tile)
+
+    dq = nl.ndarray((B, Hq, Nq, D), dtype=in_dtype, buffer=nl.shared_hbm)
+    dk = nl.ndarray((B, Hkv, Nk, D), dtype=in_dtype, buffer=nl.shared_hbm)
+    dv = nl.ndarray((B, Hkv, Nk, D), dtype=in_dtype, buffer=nl.shared_hbm)
+    scratch = None
+    if len(passes) > 1:
+        scratch = (nl.ndarray((Nk, D), dtype=nl.float32, buffer=nl.hbm),
+                   nl.ndarray((Nk, D), dtype=nl.float32, buffer=nl.hbm))
+    dq_scratch = None
+    if dq_accumulate == "hbm":
+        dq_scratch = nl.ndarray((Hq // Hkv, Nq, D), dtype=nl.float32, buffer=nl.hbm)
+
+    b = nl.program_id(0)
+    g = nl.program_id(1)
+    h0 = g * G
+
+    for p_idx, qtiles in enumerate(passes):
+        n_slots = len(qtiles)
+        q_nat = nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf)
+        do_nat = nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf)
+        q_T = nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
+        do_T = nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
+        delta = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
+        exp_bias = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
+        load_query_side(q, do, o, lse, b, h0, qtiles, d_chunks, q_nat, q_T, do_nat, do_T,
+                        delta, exp_bias, op_dtype, tp_dtype)
+        if dq_accumulate == "sbuf":
+            dq_acc = nl.zeros((PMAX, n_slots, D), dtype=nl.float32, buffer=nl.sbuf)
+        else:
+            zero_dq_scratch(dq_scratch, qtiles, D)
+
+        for kt in ktiles:
+            k_nat = nl.ndarray((PMAX, n_kblk, D), dtype=op_dtype, buffer=nl.sbuf)
+            k_T = nl.ndarray((d_part, n_dc, key_tile), dtype=op_dtype, buffer=nl.sbuf)
+            v_T = nl.ndarray((d_part, n_dc, key_tile), dtype=op_dtype, buffer=nl.sbuf)
+            load_kv_tile(k, v, b, g, kt, d_chunks, k_nat, k_T, v_T, op_dtype, tp_dtype)
+            dk_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
+            dv_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
+
+            for qt in qtiles:
+                vis = plan_visit(band, nk, qt, kt)
+                if vis is None:
+                    continue
+                p = recompute_p(vis, kt, band, scale, d_chunks, q_T, k_T, exp_bias, op_dtype)
+                ds = softmax_backward(vis, d_chunks, do_T, v_T, delta, p, op_dtype)
+                accumulate_dv_dk(vis, kt, p, ds, q_nat, do_nat, dv_psum, dk_psum, D)
+                dq_psum = nl.ndarray((qt.rows, D), dtype=nl.float32, buffer=nl.psum)
+                accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype)
+                if dq_accumulate == "sbuf":
+                    dq_acc[0:qt.rows, qt.slot, :] = nisa.tensor_tensor(
+                        dq_acc[0:qt.rows, qt.slot, :], dq_psum, np.add, dtype=nl.float32)
+                else:
+                    accumulate_dq_in_hbm(dq_scratch, qt, dq_psum)
+
+            write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, scale, in_dtype, scratch,
+                        first=(p_idx == 0), last=(p_idx == len(passes) - 1))
+
+        if dq_accumulate == "sbuf":
+            write_dq(dq, b, h0, qtiles, dq_acc, scale, in_dtype)
+        else:
+            write_dq_from_scratch(dq, b, h0, qtiles, dq_scratch, scale, in_dtype)
+
+    # Padding rows: queries past q_len and keys past kv_len have zero gradients (all keys when
+    # no query row is valid: then no pass ran).
+    for h in range(G):
+        write_zero_rows(dq, b, h0 + h, nq, Nq, D, in_dtype)
+    k_zero_from = nk if passes else 0
+    write_zero_rows(dk, b, g, k_zero_from, Nk, D, in_dtype)
+    write_zero_rows(dv, b, g, k_zero_from, Nk, D, in_dtype)
+    return dq, dk, dv

@@ -1,0 +1,300 @@
+"""The flash attention backward kernel against the float64 reference gradients.
+
+Tolerance rule (docs/semantics.md, FlashAttention's): for each of dq, dk, dv the kernel's max
+abs error against ``host.reference.attention_backward`` (float64, exact P) must be at most
+``2 * err_baseline + atol_floor``, where ``err_baseline`` is the error of
+``attention_backward_baseline_lowp`` (plain autograd-style backward with operands, S, P, dP and
+dS rounded to the kernel's matmul operand dtype) and ``atol_floor`` is 1e-3 for bf16/fp16
+operands, 1e-5 for fp32. The kernel gets o and lse from the float64 reference forward, o rounded
+to the input dtype and lse to float32 (what the forward kernel returns).
+
+The kernel is launched directly (grid ``[B, Hkv]``); per-sequence lengths are compile-time
+arguments of one launch per sequence, as host.flash_attention_backward does.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from host import reference as ref
+from host._launch import launch
+from nki_kernels.attention.backward import flash_attn_bwd
+from nki_kernels.nki import BACKEND
+from nki_kernels.tiles import PMAX
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+
+needs_measure = pytest.mark.skipif(BACKEND != "simulate",
+                                   reason="simulate.measure needs the bundled simulator")
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+
+def make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype=BF16, seed=0, *, scale=None, causal=None,
+                window=None, q_lens=None, kv_lens=None, k_gain=1.0):
+    """Random q, k, v, do (standard normal, cast to dtype) and the reference forward's o, lse."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, Hq, Nq, D)).astype(dtype)
+    k = (k_gain * rng.standard_normal((B, Hkv, Nk, D))).astype(dtype)
+    v = rng.standard_normal((B, Hkv, Nk, D)).astype(dtype)
+    do = rng.standard_normal((B, Hq, Nq, D)).astype(dtype)
+    o, lse = ref.attention_forward(q, k, v, scale=scale, causal=causal, window=window,
+                                   q_lens=q_lens, kv_lens=kv_lens)
+    return q, k, v, do, o.astype(dtype), lse.astype(np.float32)
+
+
+def run_kernel(q, k, v, do, o, lse, *, scale=None, causal=None, window=None, q_lens=None,
+               kv_lens=None, **kernel_opts):
+    """Launch the kernel: one grid [B, Hkv], or one grid [1, Hkv] per sequence with lengths."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    scale = 1.0 / np.sqrt(D) if scale is None else scale
+    opts = dict(scale=float(scale), causal=causal, window=window, **kernel_opts)
+    if q_lens is None and kv_lens is None:
+        return launch(flash_attn_bwd, (B, Hkv), q, k, v, o, do, lse, **opts)
+    outs = []
+    for b in range(B):
+        sl = slice(b, b + 1)
+        ql = Nq if q_lens is None else int(q_lens[b])
+        kl = Nk if kv_lens is None else int(kv_lens[b])
+        outs.append(launch(flash_attn_bwd, (1, Hkv), q[sl], k[sl], v[sl], o[sl], do[sl],
+                           lse[sl], q_len=ql, kv_len=kl, **opts))
+    return tuple(np.concatenate([x[i] for x in outs], axis=0) for i in range(3))
+
+
+def op_dtype_of(dtype, mixed_precision=True):
+    dtype = np.dtype(dtype)
+    if dtype == F32:
+        return BF16 if mixed_precision else F32
+    return dtype
+
+
+def check_grads(got, q, k, v, do, *, mixed_precision=True, scale=None, causal=None,
+                window=None, q_lens=None, kv_lens=None):
+    """Assert the tolerance rule for (dq, dk, dv); returns the errors and tolerances."""
+    mask_opts = dict(scale=scale, causal=causal, window=window, q_lens=q_lens, kv_lens=kv_lens)
+    exact = ref.attention_backward(do, q, k, v, **mask_opts)
+    op = op_dtype_of(q.dtype, mixed_precision)
+    base = ref.attention_backward_baseline_lowp(do, q, k, v, dtype=op, out_dtype=q.dtype,
+                                                **mask_opts)
+    floor = ref.atol_floor(op)
+    report = {}
+    for name, g, e, bl in zip(("dq", "dk", "dv"), got, exact, base):
+        assert g.shape == e.shape, (name, g.shape, e.shape)
+        assert g.dtype == q.dtype, (name, g.dtype)
+        assert np.all(np.isfinite(g.astype(np.float64))), f"{name} has NaN/inf"
+        err = ref.max_abs_err(g, e)
+        tol = ref.tolerance(e, bl, floor=floor)
+        report[name] = (err, tol)
+        assert err <= tol, f"{name}: max abs err {err:.3g} > tolerance {tol:.3g}"
+    return report
+
+
+def run_and_check(B, Hq, Hkv, Nq, Nk, D, dtype=BF16, seed=0, *, scale=None, causal=None,
+                  window=None, q_lens=None, kv_lens=None, mixed_precision=True,
+                  **kernel_opts):
+    mask_opts = dict(scale=scale, causal=causal, window=window, q_lens=q_lens, kv_lens=kv_lens)
+    q, k, v, do, o, lse = make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, seed, **mask_opts)
+    got = run_kernel(q, k, v, do, o, lse, mixed_precision=mixed_precision, **mask_opts,
+                     **kernel_opts)
+    return check_grads(got, q, k, v, do, mixed_precision=mixed_precision, **mask_opts), got
+
+
+# --------------------------------------------------------------------------------------------
+# shapes and dtypes
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("Nq,Nk,D", [
+    (1, 1, 16),
+    (17, 17, 64),
+    (127, 129, 80),
+    (129, 127, 128),
+    (130, 600, 64),     # two key tiles, a partial 128-key block
+    (200, 72, 256),     # D > 128: two contraction chunks, 256-key tiles
+])
+def test_shapes_bf16(Nq, Nk, D):
+    run_and_check(1, 2, 1, Nq, Nk, D, BF16, seed=Nq + Nk + D)
+
+
+def test_batch_and_fp16():
+    run_and_check(2, 2, 2, 96, 160, 64, F16, seed=3)
+
+
+@pytest.mark.parametrize("mixed_precision", [True, False])
+def test_fp32_inputs(mixed_precision):
+    run_and_check(1, 2, 1, 70, 140, 32, F32, seed=4, mixed_precision=mixed_precision)
+
+
+def test_custom_scale_negative_and_zero():
+    run_and_check(1, 1, 1, 40, 50, 32, BF16, seed=5, scale=-0.3, causal="top_left")
+    run_and_check(1, 1, 1, 40, 50, 32, BF16, seed=6, scale=0.0, causal="bottom_right")
+
+
+# --------------------------------------------------------------------------------------------
+# masks
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("Nq,Nk", [(200, 200), (150, 400), (300, 170)])
+def test_causal(causal, Nq, Nk):
+    run_and_check(1, 1, 1, Nq, Nk, 64, BF16, seed=Nq * 7 + Nk, causal=causal)
+
+
+@pytest.mark.parametrize("causal,window", [
+    ("bottom_right", (40, 0)),
+    (None, (30, 20)),
+    (None, (-1, 7)),
+    (None, (50, -1)),
+    ("top_left", (0, -1)),
+])
+def test_window(causal, window):
+    run_and_check(1, 2, 1, 180, 260, 32, BF16, seed=11, causal=causal, window=window)
+
+
+def test_masked_keys_never_reach_the_exp():
+    """Huge scores on masked (future) keys: computed before masking they would overflow the exp
+    (inf * 0 = NaN); the kernel masks the scores first."""
+    rng = np.random.default_rng(12)
+    B, H, N, D = 1, 1, 160, 32
+    q = rng.standard_normal((B, H, N, D)).astype(BF16)
+    k = rng.standard_normal((B, H, N, D)).astype(np.float32)
+    k[:, :, N // 2:] = 300.0 * np.asarray(q[:, :, :1], np.float32)  # aligned with row 0
+    k = k.astype(BF16)
+    v = rng.standard_normal((B, H, N, D)).astype(BF16)
+    do = rng.standard_normal((B, H, N, D)).astype(BF16)
+    o, lse = ref.attention_forward(q, k, v, causal="top_left")
+    got = run_kernel(q, k, v, do, o.astype(BF16), lse.astype(np.float32), causal="top_left")
+    check_grads(got, q, k, v, do, causal="top_left")
+
+
+# --------------------------------------------------------------------------------------------
+# GQA / MQA
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("Hq,Hkv,causal", [(8, 2, None), (4, 1, "bottom_right")])
+def test_gqa_mqa(Hq, Hkv, causal):
+    run_and_check(1, Hq, Hkv, 65, 140, 32, BF16, seed=Hq, causal=causal)
+
+
+# --------------------------------------------------------------------------------------------
+# padded batches and fully masked rows
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [None, "bottom_right", "top_left"])
+def test_lengths(causal):
+    q_lens, kv_lens = np.array([130, 0, 57]), np.array([90, 140, 0])
+    _, got = run_and_check(3, 2, 1, 140, 150, 32, BF16, seed=21, causal=causal,
+                           q_lens=q_lens, kv_lens=kv_lens)
+    dq, dk, dv = (np.asarray(x, np.float64) for x in got)
+    assert not dq[0, :, 130:].any() and not dq[1].any() and not dq[2].any()
+    assert not dk[0, :, 90:].any() and not dv[0, :, 90:].any()
+    assert not dk[2].any() and not dv[2].any()
+
+
+def test_padding_is_never_read():
+    """NaN in padded rows of q/do/o/lse and padded keys of k/v: the kernel never loads them."""
+    q_lens, kv_lens = np.array([70]), np.array([100])
+    q, k, v, do, o, lse = make_inputs(1, 2, 1, 128, 256, 32, BF16, 22, causal="bottom_right",
+                                      q_lens=q_lens, kv_lens=kv_lens)
+    for x in (q, do, o):
+        x[:, :, 70:] = np.nan
+    lse[:, :, 70:] = np.nan
+    k[:, :, 100:] = np.nan
+    v[:, :, 100:] = np.nan
+    got = run_kernel(q, k, v, do, o, lse, causal="bottom_right", q_lens=q_lens, kv_lens=kv_lens)
+    clean = [np.nan_to_num(np.asarray(x, np.float32)).astype(BF16) for x in (q, k, v, do)]
+    check_grads(got, *clean, causal="bottom_right", q_lens=q_lens, kv_lens=kv_lens)
+
+
+def test_rows_without_keys_have_zero_gradient():
+    """bottom_right with Nq > Nk: the first Nq - Nk rows see no key (LSE = -inf)."""
+    _, got = run_and_check(1, 1, 1, 300, 100, 32, BF16, seed=23, causal="bottom_right")
+    dq = np.asarray(got[0], np.float64)
+    assert not dq[:, :, :200].any()
+
+
+# --------------------------------------------------------------------------------------------
+# multi-pass and the dQ-in-HBM variant
+# --------------------------------------------------------------------------------------------
+
+
+def test_several_passes_match_one():
+    """Forcing one 128-row query tile per pass (dK/dV partial sums through HBM) gives the
+    same gradients as a single pass, up to fp32 summation order."""
+    q, k, v, do, o, lse = make_inputs(1, 4, 2, 200, 300, 32, BF16, 31, causal="bottom_right")
+    one = run_kernel(q, k, v, do, o, lse, causal="bottom_right")
+    many = run_kernel(q, k, v, do, o, lse, causal="bottom_right", rows_per_pass=PMAX)
+    check_grads(many, q, k, v, do, causal="bottom_right")
+    for a, b in zip(one, many):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   atol=1e-2, rtol=1e-2)
+
+
+def test_dq_accumulated_in_hbm():
+    run_and_check(1, 2, 1, 150, 700, 32, BF16, seed=32, causal="top_left",
+                  dq_accumulate="hbm")
+
+
+def test_small_key_tile():
+    run_and_check(1, 1, 1, 100, 300, 64, BF16, seed=33, window=(50, 10), key_tile=128)
+
+
+# --------------------------------------------------------------------------------------------
+# HBM traffic (exact, from the simulator's byte counts)
+# --------------------------------------------------------------------------------------------
+
+
+def backward_io_bytes(B, Hq, Hkv, Nq, Nk, D, itemsize, *, nq=None, nk=None, passes=1):
+    """Exact HBM bytes of the kernel: (read, written).
+
+    Reads: q, do, o of the valid rows, lse (fp32) of the valid rows, and k, v of the valid keys
+    once per pass; with P > 1 passes the fp32 dK/dV partial sums are written by passes 1..P-1
+    and read back by passes 2..P. Writes: dq, dk, dv in full (padding rows as zeros).
+    """
+    nq = Nq if nq is None else nq
+    nk = Nk if nk is None else nk
+    read = itemsize * (3 * B * Hq * nq * D + passes * 2 * B * Hkv * nk * D) + 4 * B * Hq * nq
+    written = itemsize * (B * Hq * Nq * D + 2 * B * Hkv * Nk * D)
+    scratch = (passes - 1) * 2 * B * Hkv * nk * D * 4
+    return read + scratch, written + scratch
+
+
+@needs_measure
+@pytest.mark.parametrize("causal,rows_per_pass", [(None, None), ("top_left", None),
+                                                  ("bottom_right", 256)])
+def test_io_bytes(causal, rows_per_pass):
+    import simulate
+    B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 300, 200, 64
+    q, k, v, do, o, lse = make_inputs(B, Hq, Hkv, Nq, Nk, D, BF16, 41, causal=causal)
+    with simulate.measure(target="trn2") as m:
+        run_kernel(q, k, v, do, o, lse, causal=causal, rows_per_pass=rows_per_pass)
+    G = Hq // Hkv
+    passes = 1 if rows_per_pass is None else -(-G * -(-Nq // PMAX) * PMAX // rows_per_pass)
+    read, written = backward_io_bytes(B, Hq, Hkv, Nq, Nk, D, 2, passes=passes)
+    assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
+
+
+@needs_measure
+def test_io_bytes_with_lengths():
+    import simulate
+    q_lens, kv_lens = np.array([100, 7]), np.array([150, 33])
+    B, Hq, Hkv, Nq, Nk, D = 2, 2, 1, 130, 160, 32
+    q, k, v, do, o, lse = make_inputs(B, Hq, Hkv, Nq, Nk, D, BF16, 42, q_lens=q_lens,
+                                      kv_lens=kv_lens)
+    with simulate.measure(target="trn1") as m:
+        run_kernel(q, k, v, do, o, lse, q_lens=q_lens, kv_lens=kv_lens)
+    read = written = 0
+    for b in range(B):
+        r, w = backward_io_bytes(1, Hq, Hkv, Nq, Nk, D, 2, nq=int(q_lens[b]), nk=int(kv_lens[b]))
+        read, written = read + r, written + w
+    assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
