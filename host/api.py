@@ -358,8 +358,9 @@ def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, tree_mask=None, num_sp
                       mixed_precision: bool = True) -> "tiles.DecodeTiles":
     """Validate a decode call and return its tiling (``nki_kernels.tiles.DecodeTiles``).
 
-    ``num_splits`` of the result is the grid size of the split kernel (0: the committed prefix
-    has no full key row anywhere and only the tail and merge kernels run), chosen from the
+    ``num_splits`` of the result is the number of splits of the committed prefix -- the split
+    kernel's grid is ``(B, Hkv, num_splits + 1)``, the last program on that axis handling the
+    tail (0: no full key row anywhere, only the tail program runs) -- chosen from the
     *real* lengths ``cache_lens`` -- in buckets, so the compiled kernels change only when the
     longest sequence crosses one -- unless ``num_splits`` is given. Arguments as in
     :func:`flash_decode`.
@@ -371,7 +372,7 @@ def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, tree_mask=None, num_sp
 
 def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens,
                            itemsize: int, num_splits: int, tree_mask: bool = False):
-    """Exact HBM bytes ``(read, written)`` of :func:`flash_decode` (the three kernels).
+    """Exact HBM bytes ``(read, written)`` of :func:`flash_decode` (both kernels).
 
     With ``N = B Hq T`` query rows, ``P = num_splits + 1`` partials per row (the splits and the
     tail), ``s`` the input itemsize (q, caches and o share it)::
@@ -447,18 +448,14 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None,
     lens = np.ascontiguousarray(inputs.cache_lens, dtype=np.int32)
     tree = None if inputs.tree_mask is None else inputs.tree_mask.astype(np.uint8)
     B, Hq, Hkv, T, D = inputs.B, inputs.Hq, inputs.Hkv, inputs.T, inputs.D
-    common = dict(scale=float(scale), mm_dtype=mm.name, key_row=plan.key_row)
-    o_part = lse_part = None
-    if plan.num_splits:
-        o_part, lse_part = launch(
-            k.flash_decode_split_kernel, (B, Hkv, plan.num_splits), q, k_cache, v_cache, lens,
-            split_rows=plan.split_rows, num_splits=plan.num_splits, row_tile=plan.row_tile,
-            pack=plan.pack, **common)
-    o_tail, lse_tail = launch(k.flash_decode_tail_kernel, (B, Hkv), q, k_cache, v_cache, lens,
-                              tree, row_tile=plan.row_tile, **common)
+    o_part, lse_part = launch(
+        k.flash_decode_split_kernel, (B, Hkv, plan.num_splits + 1), q, k_cache, v_cache, lens,
+        tree, scale=float(scale), mm_dtype=mm.name, key_row=plan.key_row,
+        split_rows=plan.split_rows, num_splits=plan.num_splits, row_tile=plan.row_tile,
+        pack=plan.pack)
     N = B * Hq * T
-    o, lse = launch(k.flash_decode_merge_kernel,
-                    (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),), o_part, lse_part, o_tail,
-                    lse_tail, out_dtype=q.dtype.name, rows_per_program=tiles.DECODE_MERGE_ROWS)
+    o, lse = launch(k.flash_decode_merge_kernel, (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),
+                    o_part, lse_part, out_dtype=q.dtype.name,
+                    rows_per_program=tiles.DECODE_MERGE_ROWS)
     o = o.reshape(B, Hq, T, D)
     return (o, lse.reshape(B, Hq, T)) if return_lse else o

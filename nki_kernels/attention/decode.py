@@ -1,10 +1,13 @@
 """Split-KV flash decoding over a KV cache (FlashDecoding), GQA-packed, with tree masks.
 
-Three kernels, launched in order by ``host.flash_decode``::
+Two kernels, launched in order by ``host.flash_decode``::
 
-    flash_decode_split_kernel   grid (B, Hkv, num_splits)   committed prefix, one split each
-    flash_decode_tail_kernel    grid (B, Hkv)               last < n committed positions + T new
-    flash_decode_merge_kernel   grid (ceil(B Hq T / 128),)  LSE merge of all partials, in fp32
+    flash_decode_split_kernel   grid (B, Hkv, num_splits + 1)   phase 1: a partial (o, lse) per
+                                                                program -- num_splits splits of
+                                                                the committed prefix, then the
+                                                                tail (last < n committed
+                                                                positions + the T new tokens)
+    flash_decode_merge_kernel   grid (ceil(B Hq T / 128),)      phase 2: LSE merge, in fp32
 
 Semantics (docs/semantics.md, "Decode"): q ``(B, Hq, T, D)``, caches ``(B, Hkv, S_max, D)``,
 ``cache_lens (B,)`` int32 with ``T <= L_b = cache_lens[b] <= S_max``. The new tokens' keys and
@@ -36,8 +39,10 @@ n=32, D=128, bf16). With ``Lp = L_b - T`` committed positions:
   (``row < floor(Lp / n)``) are gathered by an *indirect* DMA whose int32 row-index tile is
   built on chip (``nisa.iota`` + the loaded length): rows past it get an index beyond the
   tensor and ``oob_mode.skip`` leaves them unread;
-* the tail program gathers the ``Lp mod n`` committed positions of the last, partial key row
-  and the T new tokens one position per partition (same mechanism),
+* the tail program (the last on the split axis) gathers the ``Lp mod n`` committed positions
+  of the last, partial key row and the T new tokens, one position per partition (same
+  mechanism); the new tokens' mask (causal or ``tree_mask``) is a static (T, T) bias, the same
+  layout every step,
 
 so every valid K/V byte is read exactly once and nothing at or past ``L_b``. Skipped rows are
 zeroed first (memset): a NaN left in SBUF would otherwise survive ``0 * NaN`` in the PV matmul
@@ -68,8 +73,8 @@ HBM traffic (exact; ``s_kv``, ``s_q``, ``s_o`` itemsizes; ``N = B Hq T``; ``NS``
 
     K, V      2 * s_kv * Hkv * D * sum_b L_b          each valid byte once
     q         s_q * N * D * (NS + 1)                  once per split program and the tail
-    lengths   4 * B * Hkv * (NS + 1)                  one int32 per program
-    tree      T * T * B * Hkv                         (uint8, only with a tree mask)
+    lengths   4 * B * Hkv * (NS + 1)                  one int32 per phase-1 program
+    tree      T * T * B * Hkv                         (uint8, tail programs, with a tree mask)
     partials  written 4 N (D + 1) (NS + 1), read back 4 N (D + 1) (NS + 1) by the merge
     o, lse    written s_o N D + 4 N
 """
@@ -208,10 +213,11 @@ def _load_split_kv(k_rows, v_rows, idx, g, mm):
         k_nat = nisa.memset((kv_rows, n * D), 0, dtype=mm, engine=nisa.vector_engine)
         nisa.dma_copy(dst=k_nat, src=k_rows[idx[i_p, k], i_f], oob_mode=nisa.oob_mode.skip)
         for dt, d0, dsz in g.d_tiles():
-            for j0 in range(0, n, per_bank):
+            for jg in nl.static_range(tiles.ceil_div(n, per_bank)):
+                j0 = jg * per_bank
                 cnt = min(per_bank, n - j0)
                 kt_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
-                for jb in range(cnt):
+                for jb in nl.static_range(cnt):
                     kt_ps[0:dsz, jb * kv_rows:(jb + 1) * kv_rows] = nisa.nc_transpose(
                         k_nat[0:kv_rows, (j0 + jb) * D + d0:(j0 + jb) * D + d0 + dsz])
                 i_d = nl.arange(dsz)[:, None, None]
@@ -242,7 +248,7 @@ def _scaled_query_t(q_rows, row0, rows, D, n_dt, scale, mm):
     """
     q_nat = nl.load(q_rows[nl.ds(row0, rows), 0:D])
     qT = nl.ndarray((PMAX, n_dt * rows), dtype=mm, buffer=nl.sbuf)
-    for dt in range(n_dt):
+    for dt in nl.static_range(n_dt):
         d0 = dt * PMAX
         dsz = min(PMAX, D - d0)
         t_ps = nl.ndarray((PMAX, PMAX), dtype=nl.float32, buffer=nl.psum)
@@ -314,7 +320,7 @@ def _row_max(banks, g, rows, P, e):
     back, and ``E^T``-broadcast it to every copy with a K=rows matmul.
     """
     m_cols = nl.ndarray((P, g.n_banks), dtype=nl.float32, buffer=nl.sbuf)
-    for bank in range(g.n_banks):
+    for bank in nl.static_range(g.n_banks):
         m_cols[0:P, bank:bank + 1] = nisa.tensor_reduce(
             np.max, banks[bank][0:P, 0:g.bank_cols[bank]], axis=(1,), keepdims=True)
     if g.n_banks > 1:
@@ -345,7 +351,7 @@ def _exp_scores(banks, neg_m, g, P, mm):
     (of the fp32 exponentials, ScalarE's reduction)."""
     p_sb = nl.ndarray((P, g.width), dtype=mm, buffer=nl.sbuf)
     l_cols = nl.ndarray((P, g.n_banks), dtype=nl.float32, buffer=nl.sbuf)
-    for bank in range(g.n_banks):
+    for bank in nl.static_range(g.n_banks):
         w = g.bank_cols[bank]
         p_sb[0:P, bank * tiles.PSUM_FMAX:bank * tiles.PSUM_FMAX + w] = nisa.activation_reduce(
             op=np.exp, data=banks[bank][0:P, 0:w], reduce_op=np.add,
@@ -361,10 +367,11 @@ def _transpose_probs(p_sb, g, P, mm):
     kr = g.kv_rows
     pT = nl.ndarray((kr, g.n_blocks * P), dtype=mm, buffer=nl.sbuf)
     per_bank = max(1, tiles.PSUM_FMAX // P)
-    for x0 in range(0, g.n_blocks, per_bank):
+    for xg in nl.static_range(tiles.ceil_div(g.n_blocks, per_bank)):
+        x0 = xg * per_bank
         cnt = min(per_bank, g.n_blocks - x0)
         t_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
-        for xb in range(cnt):
+        for xb in nl.static_range(cnt):
             x = x0 + xb
             t_ps[0:kr, xb * P:(xb + 1) * P] = nisa.nc_transpose(p_sb[0:P, x * kr:(x + 1) * kr])
         pT[0:kr, x0 * P:(x0 + cnt) * P] = nisa.tensor_copy(
@@ -377,7 +384,7 @@ def _split_pv(v_all, pT, g, rows, P):
     group each (all copies share the row max, so their products add)."""
     kr, n, D = g.kv_rows, g.n, g.D
     acc = [nl.zeros((PMAX, rows), dtype=nl.float32, buffer=nl.psum) for _ in range(g.n_dt)]
-    for x in range(g.n_blocks):
+    for x in nl.static_range(g.n_blocks):
         jj, rem = divmod(x * kr, g.rs)
         k = rem // PMAX
         for c in nl.affine_range(g.pack):
@@ -440,72 +447,8 @@ def _split_row_tile(q_rows, kT, v_all, mask_row, o_part, lse_part, g, bh, s, R, 
     nl.store(lse_part[nl.ds(row0, rows), nl.ds(s, 1)], value=_lse_column(m_col, l_col))
 
 
-@nki.jit
-def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, scale=1.0, mm_dtype="bfloat16",
-                              key_row=1, split_rows=1, num_splits=1, row_tile=1, pack=1):
-    """Phase 1 over the committed prefix: one split of one (sequence, kv head) per program.
-
-    Parameters
-    ----------
-    q : (B, Hq, T, D) float32 / bfloat16 / float16, D <= 256
-    k_cache, v_cache : (B, Hkv, S_max, D), same dtype; S_max a multiple of ``key_row``
-    cache_lens : (B,) int32, ``T <= cache_lens[b] <= S_max``
-    scale : float
-        Softmax scale (any finite value).
-    mm_dtype : "bfloat16" | "float16" | "float32"
-        Matmul operand dtype: q's, or bfloat16 for float32 q with mixed precision.
-    key_row, split_rows, num_splits, row_tile, pack : int
-        ``tiles.decode_tiles``: n, key rows per split, grid size on axis 2, query rows per row
-        tile, packed copies.
-
-    Grid ``(B, Hkv, num_splits)``; program ``(b, h, s)`` covers key rows
-    ``s * split_rows .. (s + 1) * split_rows`` (positions ``n`` times that) of kv head h,
-    reading only the rows entirely below ``cache_lens[b] - T``.
-
-    Returns
-    -------
-    o_part : (B * Hq * T, num_splits, D) float32
-        Normalized partial outputs; row ``(b * Hq + h) * T + t``; 0 for a dead split.
-    lse_part : (B * Hq * T, num_splits) float32
-        Partial LSE (scaled scores, natural log); -inf for a split with no valid position.
-    """
-    B, Hq, T, D = q.shape
-    Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
-    R = G * T
-    n = key_row
-    mm = _DTYPES[mm_dtype]
-    g = _SplitGeometry(D, n, split_rows, pack)
-    o_part = nl.ndarray((B * Hq * T, num_splits, D), dtype=nl.float32, buffer=nl.shared_hbm)
-    lse_part = nl.ndarray((B * Hq * T, num_splits), dtype=nl.float32, buffer=nl.shared_hbm)
-
-    b = nl.program_id(0)
-    h = nl.program_id(1)
-    s = nl.program_id(2)
-    bh = b * Hkv + h
-    rows_bh = S_max // n
-    k_rows = k_cache.reshape((B * Hkv * rows_bh, n * D))
-    v_rows = v_cache.reshape((B * Hkv * rows_bh, n * D))
-    q_rows = q.reshape((B * Hkv * R, D))
-
-    len_col = _length_column(cache_lens, b, PMAX)
-    lp, rem = _committed_split(len_col, T, n)
-    # key rows entirely committed: floor(Lp / n) = (Lp - Lp mod n) / n (exact, n a power of 2)
-    full_rows = nisa.tensor_tensor(lp, rem, op=np.subtract, dtype=nl.float32)
-    full_rows = nisa.tensor_scalar(full_rows, op0=np.multiply, operand0=1.0 / n,
-                                   dtype=nl.float32)
-    idx = _split_row_indices(full_rows, g, s, bh * rows_bh + s * split_rows,
-                             _oob_offset(B * Hkv * rows_bh))
-    kT, v_all = _load_split_kv(k_rows, v_rows, idx, g, mm)
-    mask_row = _split_mask_row(full_rows, g, s)
-    for _, rt0, rows in _row_tiles(R, row_tile):
-        _split_row_tile(q_rows, kT, v_all, mask_row, o_part, lse_part, g, bh, s, R, rt0, rows,
-                        scale, mm)
-    return o_part, lse_part
-
-
 # ============================================================================================
-# Tail kernel: the partial key row and the T new tokens
+# The tail: the partial key row and the T new tokens
 # ============================================================================================
 def _new_token_bias(tree_mask, T):
     """``(T, T)`` bias among the new tokens (bf16): 0 where token t sees token u, else
@@ -533,55 +476,27 @@ def _token_selector(T, rt0, rows):
                               operand0=0.0, dtype=_MASK_DTYPE)
 
 
-@nki.jit
-def flash_decode_tail_kernel(q, k_cache, v_cache, cache_lens, tree_mask=None, scale=1.0,
-                             mm_dtype="bfloat16", key_row=1, row_tile=128):
-    """Phase 1 over the last positions of the cache: one (sequence, kv head) per program.
+def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part, bh, slot,
+                  T, R, D, n, row_tile, scale, mm):
+    """Partial (o, lse) over the last positions of one (sequence, kv head), into ``slot``.
 
-    Keys: the ``Lp mod n`` committed positions of the last, partial key row (``Lp = L - T``;
-    gathered in ``n - 1`` slots, those before the row start skipped and masked) and the T new
-    tokens (positions ``Lp .. L - 1``), masked causally or by ``tree_mask``.
-
-    Parameters
-    ----------
-    q, k_cache, v_cache, cache_lens, scale, mm_dtype : as flash_decode_split_kernel
-    tree_mask : (T, T) uint8 0/1 or None
-        ``tree_mask[t, u] = 1``: new token t sees new token u. None: causal.
-    key_row : int
-        n of the split kernel (its partial row is this kernel's).
-    row_tile : int
-        Query rows per row tile (<= 128).
-
-    Returns
-    -------
-    o_tail : (B * Hq * T, 1, D) float32, lse_tail : (B * Hq * T, 1) float32
+    Keys: the ``Lp mod n`` committed positions of the last, partial key row (gathered into
+    ``n - 1`` slots, position ``Lp - (n - 1) + q`` in slot q; slots before the row start are
+    skipped and masked) and the T new tokens (positions ``Lp .. L - 1``), masked causally or by
+    ``tree_mask``. One position per partition, so the read is exact at any length. Every row
+    sees at least its own token, so this partial is never empty.
     """
-    B, Hq, T, D = q.shape
-    Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
-    R = G * T
-    n = key_row
+    B, Hkv, S_max = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     ns = n - 1                      # slots of the partial key row
     C = ns + T                      # score columns: [partial row | new tokens]
-    mm = _DTYPES[mm_dtype]
     n_dt = tiles.ceil_div(D, PMAX)
-    o_tail = nl.ndarray((B * Hq * T, 1, D), dtype=nl.float32, buffer=nl.shared_hbm)
-    lse_tail = nl.ndarray((B * Hq * T, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-
-    b = nl.program_id(0)
-    h = nl.program_id(1)
-    bh = b * Hkv + h
     k_pos = k_cache.reshape((B * Hkv * S_max, D))
     v_pos = v_cache.reshape((B * Hkv * S_max, D))
-    q_rows = q.reshape((B * Hkv * R, D))
     oob = _oob_offset(B * Hkv * S_max)
-
-    len_col = _length_column(cache_lens, b, PMAX)
-    lp, rem = _committed_split(len_col, T, n)
     lp_i = nisa.tensor_copy(lp, dtype=nl.int32, engine=nisa.vector_engine)
     i_f = nl.arange(D)[None, :]
 
-    # ---- keys and values: new tokens at Lp + u (all valid) ----
+    # ---- new tokens at Lp + u (all valid) ----
     i_u = nl.arange(T)[:, None]
     new_idx = nisa.tensor_tensor(nisa.iota(bh * S_max + i_u, dtype=nl.int32), lp_i[0:T],
                                  op=np.add, dtype=nl.int32)
@@ -590,31 +505,29 @@ def flash_decode_tail_kernel(q, k_cache, v_cache, cache_lens, tree_mask=None, sc
     nisa.dma_copy(dst=k_new, src=k_pos[new_idx[i_u, 0], i_f], oob_mode=nisa.oob_mode.skip)
     nisa.dma_copy(dst=v_new, src=v_pos[new_idx[i_u, 0], i_f], oob_mode=nisa.oob_mode.skip)
     if ns > 0:
-        # slot q holds position Lp - (n - 1) + q, committed and in the partial row iff
-        # q >= (n - 1) - (Lp mod n); earlier slots are skipped (and masked below)
+        # slot q is committed and in the partial row iff q >= (n - 1) - (Lp mod n)
         i_q = nl.arange(ns)[:, None]
         first = nisa.tensor_scalar(rem, op0=np.subtract, operand0=float(ns), reverse0=True,
                                    dtype=nl.float32)                 # (n - 1) - rem
-        slot = nisa.iota(i_q, dtype=nl.float32)
-        before = nisa.tensor_scalar(slot, op0=nl.less, operand0=first[0:ns], op1=np.multiply,
-                                    operand1=float(oob), dtype=nl.int32)
+        slot_col = nisa.iota(i_q, dtype=nl.float32)
+        before = nisa.tensor_scalar(slot_col, op0=nl.less, operand0=first[0:ns],
+                                    op1=np.multiply, operand1=float(oob), dtype=nl.int32)
         pos = nisa.tensor_tensor(nisa.iota(bh * S_max - ns + i_q, dtype=nl.int32), lp_i[0:ns],
                                  op=np.add, dtype=nl.int32)
         part_idx = nisa.tensor_tensor(pos, before, op=np.add, dtype=nl.int32)
-        k_part = nisa.memset((ns, D), 0, dtype=mm, engine=nisa.vector_engine)
+        k_part = nisa.memset((ns, D), 0, dtype=mm, engine=nisa.gpsimd_engine)
         v_part = nisa.memset((ns, D), 0, dtype=mm, engine=nisa.gpsimd_engine)
         nisa.dma_copy(dst=k_part, src=k_pos[part_idx[i_q, 0], i_f],
                       oob_mode=nisa.oob_mode.skip)
         nisa.dma_copy(dst=v_part, src=v_pos[part_idx[i_q, 0], i_f],
                       oob_mode=nisa.oob_mode.skip)
-        # bias of the slots: DECODE_MASK_BIAS before the partial row starts
         slot_row = nisa.iota(nl.arange(ns)[None, :], dtype=nl.float32)
         part_bias = nisa.tensor_scalar(slot_row, op0=nl.less, operand0=first[0:1],
                                        op1=np.multiply, operand1=NEG, dtype=_MASK_DTYPE)
 
     # ---- K^T of all C keys ----
     kT = nl.ndarray((PMAX, n_dt * C), dtype=mm, buffer=nl.sbuf)
-    for dt in range(n_dt):
+    for dt in nl.static_range(n_dt):
         d0 = dt * PMAX
         dsz = min(PMAX, D - d0)
         t_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
@@ -628,7 +541,7 @@ def flash_decode_tail_kernel(q, k_cache, v_cache, cache_lens, tree_mask=None, sc
     for _, rt0, rows in _row_tiles(R, row_tile):
         qT = _scaled_query_t(q_rows, bh * R + rt0, rows, D, n_dt, scale, mm)
         s_ps = nl.zeros((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
-        for dt in range(n_dt):
+        for dt in nl.static_range(n_dt):
             dsz = min(PMAX, D - dt * PMAX)
             s_ps[0:rows, 0:C] += nisa.nc_matmul(qT[0:dsz, dt * rows:(dt + 1) * rows],
                                                 kT[0:dsz, dt * C:(dt + 1) * C])
@@ -638,7 +551,7 @@ def flash_decode_tail_kernel(q, k_cache, v_cache, cache_lens, tree_mask=None, sc
         s_ps[0:rows, ns:C] += nisa.nc_matmul(_token_selector(T, rt0, rows), new_bias)
 
         m = nisa.tensor_reduce(np.max, s_ps[0:rows, 0:C], axis=(1,), keepdims=True)
-        neg_m = nisa.tensor_scalar(m, op0=np.multiply, operand0=-1.0, dtype=nl.float32)
+        neg_m = nisa.activation(op=nl.copy, data=m, scale=-1.0, dtype=nl.float32)
         l_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
         p_sb = nisa.activation_reduce(op=np.exp, data=s_ps[0:rows, 0:C], reduce_op=np.add,
                                       reduce_res=l_col, bias=neg_m, scale=1.0, dtype=mm)
@@ -648,82 +561,148 @@ def flash_decode_tail_kernel(q, k_cache, v_cache, cache_lens, tree_mask=None, sc
         pt_ps[0:T, PMAX:PMAX + rows] = nisa.nc_transpose(p_sb[0:rows, ns:C])
         o_ps = nl.zeros((rows, D), dtype=nl.float32, buffer=nl.psum)
         if ns > 0:
-            pt_part = nisa.tensor_copy(pt_ps[0:ns, 0:rows], dtype=mm, engine=nisa.vector_engine)
+            pt_part = nisa.activation(op=nl.copy, data=pt_ps[0:ns, 0:rows], dtype=mm)
             o_ps[0:rows, 0:D] += nisa.nc_matmul(pt_part, v_part)
-        pt_new = nisa.tensor_copy(pt_ps[0:T, PMAX:PMAX + rows], dtype=mm,
-                                  engine=nisa.vector_engine)
+        pt_new = nisa.activation(op=nl.copy, data=pt_ps[0:T, PMAX:PMAX + rows], dtype=mm)
         o_ps[0:rows, 0:D] += nisa.nc_matmul(pt_new, v_new)
 
         inv_l = nisa.reciprocal(l_col)
-        o_sb = nisa.tensor_scalar(o_ps[0:rows, 0:D], op0=np.multiply, operand0=inv_l,
-                                  dtype=nl.float32)
+        o_sb = nisa.activation(op=nl.copy, data=o_ps[0:rows, 0:D], scale=inv_l,
+                               dtype=nl.float32)
         row0 = bh * R + rt0
-        nl.store(o_tail[nl.ds(row0, rows), 0, 0:D], value=o_sb)
+        nl.store(o_part[nl.ds(row0, rows), slot, 0:D], value=o_sb)
         log_l = nisa.activation(op=nl.log, data=l_col, dtype=nl.float32)
-        nl.store(lse_tail[nl.ds(row0, rows), 0:1],
+        nl.store(lse_part[nl.ds(row0, rows), nl.ds(slot, 1)],
                  value=nisa.tensor_tensor(m, log_l, op=np.add, dtype=nl.float32))
-    return o_tail, lse_tail
+
+
+# ============================================================================================
+# Phase 1 kernel
+# ============================================================================================
+@nki.jit
+def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, tree_mask=None, scale=1.0,
+                              mm_dtype="bfloat16", key_row=1, split_rows=1, num_splits=1,
+                              row_tile=1, pack=1):
+    """Phase 1: the partial (o, lse) of one key split of one (sequence, kv head) per program.
+
+    Parameters
+    ----------
+    q : (B, Hq, T, D) float32 / bfloat16 / float16, D <= 256, T <= 128
+    k_cache, v_cache : (B, Hkv, S_max, D), q's dtype; S_max a multiple of ``key_row``
+    cache_lens : (B,) int32, ``T <= cache_lens[b] <= S_max`` (device data)
+    tree_mask : (T, T) uint8 0/1, or None
+        ``tree_mask[t, u] = 1``: new token t sees new token u. None: causal (``u <= t``).
+    scale : float
+        Softmax scale (any finite value).
+    mm_dtype : "bfloat16" | "float16" | "float32"
+        Matmul operand dtype: q's, or bfloat16 for float32 q with mixed precision.
+    key_row, split_rows, num_splits, row_tile, pack : int
+        ``tiles.decode_tiles``: n, key rows per split, splits of the committed prefix, query
+        rows per row tile, packed copies of a row tile.
+
+    Grid ``(B, Hkv, num_splits + 1)``. Program ``(b, h, s)`` with ``s < num_splits`` covers key
+    rows ``s * split_rows .. (s + 1) * split_rows`` of kv head h (positions ``n`` times that),
+    reading only the rows entirely below ``Lp = cache_lens[b] - T``; program
+    ``(b, h, num_splits)`` covers the rest: the ``Lp mod n`` positions of the last partial key
+    row and the T new tokens.
+
+    Returns
+    -------
+    o_part : (B * Hq * T, num_splits + 1, D) float32
+        Normalized partial outputs; row ``(b * Hq + h) * T + t``; 0 for an empty split.
+    lse_part : (B * Hq * T, num_splits + 1) float32
+        Partial LSE (natural log of scaled scores); -inf for a split with no valid position.
+    """
+    B, Hq, T, D = q.shape
+    Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
+    R = (Hq // Hkv) * T
+    n = key_row
+    mm = _DTYPES[mm_dtype]
+    o_part = nl.ndarray((B * Hq * T, num_splits + 1, D), dtype=nl.float32,
+                        buffer=nl.shared_hbm)
+    lse_part = nl.ndarray((B * Hq * T, num_splits + 1), dtype=nl.float32, buffer=nl.shared_hbm)
+
+    b = nl.program_id(0)
+    h = nl.program_id(1)
+    s = nl.program_id(2)
+    bh = b * Hkv + h
+    q_rows = q.reshape((B * Hkv * R, D))
+    len_col = _length_column(cache_lens, b, PMAX)
+    lp, rem = _committed_split(len_col, T, n)
+
+    if s == num_splits:
+        _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part, bh,
+                      num_splits, T, R, D, n, row_tile, scale, mm)
+    else:
+        g = _SplitGeometry(D, n, split_rows, pack)
+        rows_bh = S_max // n
+        k_rows = k_cache.reshape((B * Hkv * rows_bh, n * D))
+        v_rows = v_cache.reshape((B * Hkv * rows_bh, n * D))
+        # key rows entirely committed: floor(Lp / n) = (Lp - Lp mod n) / n (exact, n = 2^k)
+        full_rows = nisa.tensor_tensor(lp, rem, op=np.subtract, dtype=nl.float32)
+        full_rows = nisa.tensor_scalar(full_rows, op0=np.multiply, operand0=1.0 / n,
+                                       dtype=nl.float32)
+        idx = _split_row_indices(full_rows, g, s, bh * rows_bh + s * split_rows,
+                                 _oob_offset(B * Hkv * rows_bh))
+        kT, v_all = _load_split_kv(k_rows, v_rows, idx, g, mm)
+        mask_row = _split_mask_row(full_rows, g, s)
+        for _, rt0, rows in _row_tiles(R, row_tile):
+            _split_row_tile(q_rows, kT, v_all, mask_row, o_part, lse_part, g, bh, s, R, rt0,
+                            rows, scale, mm)
+    return o_part, lse_part
 
 
 # ============================================================================================
 # Merge kernel
 # ============================================================================================
 @nki.jit
-def flash_decode_merge_kernel(o_part, lse_part, o_tail, lse_tail, out_dtype="bfloat16",
-                              rows_per_program=PMAX):
+def flash_decode_merge_kernel(o_part, lse_part, out_dtype="bfloat16", rows_per_program=PMAX):
     """Phase 2: merge the partials of every query row by LSE, in fp32 (seed 003).
 
     Parameters
     ----------
-    o_part : (N, NS, D) float32 or None;  lse_part : (N, NS) float32 or None
-        Split partials (None when the committed prefix had no full key row anywhere).
-    o_tail : (N, 1, D) float32;  lse_tail : (N, 1) float32
+    o_part : (N, S, D) float32;  lse_part : (N, S) float32
+        S partials per row (flash_decode_split_kernel's outputs).
     out_dtype : dtype name of o (q's dtype).
+    rows_per_program : int <= 128
 
-    Grid ``(ceil(N / rows_per_program),)``; program i merges rows ``i * 128 ...``.
-    A split with lse = -inf weighs exp(-inf) = 0; a row whose every split is empty (impossible
-    in decode: each new token sees itself) gets o = 0 and lse = -inf.
+    Grid ``(ceil(N / rows_per_program),)``; program i merges rows ``i * rows_per_program ...``.
+    A partial with lse = -inf weighs exp(-inf) = 0; a row whose every partial is empty
+    (impossible in decode: each new token sees itself) gets o = 0 and lse = -inf.
 
     Returns
     -------
-    o : (N, D) out_dtype;  lse : (N,) float32
+    o : (N, D) out_dtype;  lse : (N, 1) float32
     """
-    N, _, D = o_tail.shape
-    ns = 0 if o_part is None else o_part.shape[1]
-    S = ns + 1
+    N, S, D = o_part.shape
     o = nl.ndarray((N, D), dtype=_DTYPES[out_dtype], buffer=nl.shared_hbm)
     lse = nl.ndarray((N, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     i = nl.program_id(0)
     n_full, last = divmod(N, rows_per_program)
 
     def merge_rows(r0, rows):
-        lse_all = nl.ndarray((rows, S), dtype=nl.float32, buffer=nl.sbuf)
-        o_all = nl.ndarray((rows, S, D), dtype=nl.float32, buffer=nl.sbuf)
-        if ns:
-            lse_all[0:rows, 0:ns] = nl.load(lse_part[nl.ds(r0, rows), 0:ns])
-            o_all[0:rows, 0:ns, 0:D] = nl.load(o_part[nl.ds(r0, rows), 0:ns, 0:D])
-        lse_all[0:rows, ns:S] = nl.load(lse_tail[nl.ds(r0, rows), 0:1])
-        o_all[0:rows, ns:S, 0:D] = nl.load(o_tail[nl.ds(r0, rows), 0:1, 0:D])
+        lse_all = nl.load(lse_part[nl.ds(r0, rows), 0:S])
+        o_all = nl.load(o_part[nl.ds(r0, rows), 0:S, 0:D])
         m = nisa.tensor_reduce(np.max, lse_all, axis=(1,), keepdims=True)
-        # a finite shift even when every split is empty: exp(-inf - shift) = 0
+        # a finite shift even when every partial is empty: exp(-inf - shift) = 0
         m = nisa.tensor_scalar(m, op0=np.maximum, operand0=tiles.DECODE_MERGE_M_FLOOR,
                                dtype=nl.float32)
-        neg_m = nisa.tensor_scalar(m, op0=np.multiply, operand0=-1.0, dtype=nl.float32)
+        neg_m = nisa.activation(op=nl.copy, data=m, scale=-1.0, dtype=nl.float32)
         den = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
         w = nisa.activation_reduce(op=np.exp, data=lse_all, reduce_op=np.add, reduce_res=den,
                                    bias=neg_m, scale=1.0, dtype=nl.float32)
-        acc = nisa.tensor_scalar(o_all[0:rows, 0, 0:D], op0=np.multiply,
-                                 operand0=w[0:rows, 0:1], dtype=nl.float32)
-        for x in range(1, S):
-            acc = nisa.scalar_tensor_tensor(data=o_all[0:rows, x, 0:D],
-                                            op0=np.multiply, operand0=w[0:rows, x:x + 1],
-                                            op1=np.add, operand1=acc, dtype=nl.float32)
+        acc = nisa.activation(op=nl.copy, data=o_all[0:rows, 0, 0:D], scale=w[0:rows, 0:1],
+                              dtype=nl.float32)
+        for x in nl.static_range(1, S):
+            acc = nisa.scalar_tensor_tensor(data=o_all[0:rows, x, 0:D], op0=np.multiply,
+                                            operand0=w[0:rows, x:x + 1], op1=np.add,
+                                            operand1=acc, dtype=nl.float32)
         den_safe = nisa.tensor_scalar(den, op0=np.maximum, operand0=tiles.DECODE_MERGE_L_FLOOR,
                                       dtype=nl.float32)
         inv = nisa.reciprocal(den_safe)
         nl.store(o[nl.ds(r0, rows), 0:D],
-                 value=nisa.tensor_scalar(acc, op0=np.multiply, operand0=inv,
-                                          dtype=_DTYPES[out_dtype]))
+                 value=nisa.activation(op=nl.copy, data=acc, scale=inv,
+                                       dtype=_DTYPES[out_dtype]))
         log_den = nisa.activation(op=nl.log, data=den_safe, dtype=nl.float32)
         total = nisa.tensor_tensor(m, log_den, op=np.add, dtype=nl.float32)
         live = nisa.tensor_scalar(den, op0=nl.greater, operand0=0.0, dtype=nl.uint8)

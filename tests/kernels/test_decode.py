@@ -74,41 +74,31 @@ def plan(q, k, lens, mm, num_splits=None):
     return tiles.decode_tiles(Hq // Hkv * T, D, S_max, mm.itemsize, need, num_splits)
 
 
-def run_splits(q, k, v, lens, t, scale, mm):
-    B, Hkv = q.shape[0], k.shape[1]
-    return nki.simulate_kernel(
-        dk.flash_decode_split_kernel[B, Hkv, t.num_splits], q, k, v, lens, scale=scale,
-        mm_dtype=mm.name, key_row=t.key_row, split_rows=t.split_rows, num_splits=t.num_splits,
-        row_tile=t.row_tile, pack=t.pack)
-
-
-def run_tail(q, k, v, lens, t, scale, mm, tree=None):
+def run_phase1(q, k, v, lens, t, scale, mm, tree=None):
+    """The split kernel on its grid (B, Hkv, num_splits + 1): every partial (o, lse)."""
     B, Hkv = q.shape[0], k.shape[1]
     tm = None if tree is None else np.asarray(tree, dtype=np.uint8)
-    return nki.simulate_kernel(dk.flash_decode_tail_kernel[B, Hkv], q, k, v, lens, tm,
-                               scale=scale, mm_dtype=mm.name, key_row=t.key_row,
-                               row_tile=t.row_tile)
+    return nki.simulate_kernel(
+        dk.flash_decode_split_kernel[B, Hkv, t.num_splits + 1], q, k, v, lens, tm,
+        scale=scale, mm_dtype=mm.name, key_row=t.key_row, split_rows=t.split_rows,
+        num_splits=t.num_splits, row_tile=t.row_tile, pack=t.pack)
 
 
-def run_merge(o_part, lse_part, o_tail, lse_tail, out_dtype):
-    N = o_tail.shape[0]
+def run_merge(o_part, lse_part, out_dtype):
+    N = o_part.shape[0]
     return nki.simulate_kernel(
         dk.flash_decode_merge_kernel[tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS)], o_part,
-        lse_part, o_tail, lse_tail, out_dtype=np.dtype(out_dtype).name,
-        rows_per_program=tiles.DECODE_MERGE_ROWS)
+        lse_part, out_dtype=np.dtype(out_dtype).name, rows_per_program=tiles.DECODE_MERGE_ROWS)
 
 
 def decode(q, k, v, lens, *, scale=None, tree=None, num_splits=None, mixed_precision=True):
-    """The three kernels as host.flash_decode launches them; returns (o, lse, tiles)."""
+    """The two kernels as host.flash_decode launches them; returns (o, lse, tiles)."""
     B, Hq, T, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     mm = mm_dtype(q.dtype, mixed_precision)
     t = plan(q, k, lens, mm, num_splits)
-    o_part = lse_part = None
-    if t.num_splits:
-        o_part, lse_part = run_splits(q, k, v, lens, t, scale, mm)
-    o_tail, lse_tail = run_tail(q, k, v, lens, t, scale, mm, tree)
-    o, lse = run_merge(o_part, lse_part, o_tail, lse_tail, q.dtype)
+    o_part, lse_part = run_phase1(q, k, v, lens, t, scale, mm, tree)
+    o, lse = run_merge(o_part, lse_part, q.dtype)
     return o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T), t
 
 
@@ -212,16 +202,17 @@ def test_every_split_count_gives_the_same_answer():
 
 
 def test_split_partials_are_attention_over_their_keys():
-    """Each split's partial (o, lse) is attention over exactly its key rows; an empty split
-    writes o = 0 and lse = -inf."""
+    """Each split's partial (o, lse) is attention over exactly its key rows (an empty split
+    writes o = 0 and lse = -inf); the tail partial covers the rest of the committed prefix and
+    the new tokens under the causal mask."""
     rng = np.random.default_rng(5)
     B, Hq, Hkv, T, S_max, D = 2, 4, 2, 2, 256, 32
     q, k, v, lens = make_inputs(rng, B, Hq, Hkv, T, S_max, D, F32, [200, 41])
     scale = 1.0 / math.sqrt(D)
     t = plan(q, k, lens, F32, num_splits=4)
-    o_part, lse_part = run_splits(q, k, v, lens, t, scale, F32)
-    o_part = o_part.reshape(B, Hq, T, t.num_splits, D)
-    lse_part = lse_part.reshape(B, Hq, T, t.num_splits)
+    o_part, lse_part = run_phase1(q, k, v, lens, t, scale, F32)
+    o_part = o_part.reshape(B, Hq, T, t.num_splits + 1, D)
+    lse_part = lse_part.reshape(B, Hq, T, t.num_splits + 1)
     G = Hq // Hkv
     kx, vx = np.repeat(k, G, axis=1).astype(np.float64), np.repeat(v, G, axis=1).astype(
         np.float64)
@@ -241,6 +232,17 @@ def test_split_partials_are_attention_over_their_keys():
             ref_lse = (m + np.log(e.sum(-1, keepdims=True)))[..., 0]
             assert reference.max_abs_err(o_part[b, :, :, s], ref_o) < 1e-5
             assert reference.max_abs_err(lse_part[b, :, :, s], ref_lse) < 1e-5
+        L = int(lens[b])
+        sc = scale * np.einsum("htd,hjd->htj", q[b].astype(np.float64), kx[b, :, full:L])
+        visible = np.ones((T, L - full), dtype=bool)
+        visible[:, L - full - T:] = np.tril(np.ones((T, T), dtype=bool))
+        sc = np.where(visible, sc, -np.inf)
+        m = sc.max(-1, keepdims=True)
+        e = np.exp(sc - m)
+        ref_o = np.einsum("htj,hjd->htd", e, vx[b, :, full:L]) / e.sum(-1, keepdims=True)
+        ref_lse = (m + np.log(e.sum(-1, keepdims=True)))[..., 0]
+        assert reference.max_abs_err(o_part[b, :, :, -1], ref_o) < 1e-5
+        assert reference.max_abs_err(lse_part[b, :, :, -1], ref_lse) < 1e-5
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,19 +286,18 @@ def test_merge_kernel_matches_reference_merge():
     lse_parts[rng.random((N, S)) < 0.3] = -np.inf
     lse_parts[7] = -np.inf
     o_parts[lse_parts == -np.inf] = 0.0
-    o, lse = run_merge(o_parts[:, :S - 1], lse_parts[:, :S - 1], o_parts[:, S - 1:],
-                       lse_parts[:, S - 1:], F32)
+    o, lse = run_merge(o_parts, lse_parts, F32)
     ref_o, ref_lse = reference.merge_partials(np.moveaxis(o_parts, 1, 0), lse_parts.T)
     assert reference.max_abs_err(o, ref_o) < 1e-5
     assert reference.max_abs_err(lse[:, 0], ref_lse) < 1e-5
     assert np.all(o[7] == 0) and lse[7, 0] == -np.inf
 
 
-def test_merge_kernel_tail_only():
+def test_merge_kernel_single_partial():
     rng = np.random.default_rng(17)
     o_tail = rng.standard_normal((3, 1, 8)).astype(np.float32)
     lse_tail = rng.standard_normal((3, 1)).astype(np.float32)
-    o, lse = run_merge(None, None, o_tail, lse_tail, BF16)
+    o, lse = run_merge(o_tail, lse_tail, BF16)
     assert o.dtype == BF16
     assert reference.max_abs_err(o, o_tail[:, 0]) < 1e-2
     assert reference.max_abs_err(lse, lse_tail) < 1e-6
