@@ -18,6 +18,7 @@ import operator
 import numpy as np
 
 from ._errors import nki_error
+from ._runtime import current as _in_kernel_check
 
 _ids = itertools.count()
 
@@ -260,6 +261,7 @@ def _nonaffine(a, b, op):
                      affine=False)
 
 
+_PRED_CACHE = {}
 _CMP = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
         "eq": operator.eq, "ne": operator.ne}
 
@@ -318,16 +320,31 @@ class Predicate:
                         f"indices, got a {type(side).__name__}.")
 
     def evaluate(self):
-        """Bool array (broadcast shape of the variables involved)."""
+        """Bool array (broadcast shape of the variables involved); read-only (cached)."""
         if self.op == "and":
             out = None
             for p in self.parts:
                 v = p.evaluate()
                 out = v if out is None else (out & v)
             return out
-        a = self.a.values() if isinstance(self.a, IndexExpr) else self.a
-        b = self.b.values() if isinstance(self.b, IndexExpr) else self.b
-        return np.asarray(_CMP[self.op](a, b))
+        a, b = self.a, self.b
+        if isinstance(a, IndexExpr) and a.affine and (not isinstance(b, IndexExpr) or b.affine):
+            # compare ``a - b`` with 0: one affine expression, cached by structure + offset
+            # (loops rebuild the same predicate with a different constant every iteration)
+            d = a - b if isinstance(b, IndexExpr) else a - int(b) if _is_int(b) else None
+            if d is not None:
+                key = (self.op, d.const, tuple((v.uid, c) for v, c in d.terms))
+                r = _PRED_CACHE.get(key)
+                if r is None:
+                    if len(_PRED_CACHE) > 512:
+                        _PRED_CACHE.clear()
+                    r = np.asarray(_CMP[self.op](d.values(), 0))
+                    r.flags.writeable = False
+                    _PRED_CACHE[key] = r
+                return r
+        av = a.values() if isinstance(a, IndexExpr) else a
+        bv = b.values() if isinstance(b, IndexExpr) else b
+        return np.asarray(_CMP[self.op](av, bv))
 
     def __repr__(self):
         return f"Predicate({self.op})"
@@ -339,6 +356,7 @@ def _parts(p):
 
 def arange(*args):
     """``nl.arange(stop)`` / ``nl.arange(start, stop)``: a 1-D index variable (no step)."""
+    _in_kernel_check()
     if len(args) == 1:
         start, stop = 0, args[0]
     elif len(args) == 2:
@@ -372,6 +390,7 @@ class MGridResult(tuple):
 
 class _MGrid:
     def __getitem__(self, key):
+        _in_kernel_check()
         if not isinstance(key, tuple):
             key = (key,)
         ndim = len(key)
@@ -390,6 +409,7 @@ mgrid = _MGrid()
 
 def ds(start, size):
     """``nl.ds(start, size)``: the slice ``start:start+size`` (start may be a loop int)."""
+    _in_kernel_check()
     if isinstance(start, IndexExpr):
         raise nki_error("err_unsupported_mixing_basic_advanced_tensor_indexing", "syntax",
                         "nl.ds start must be an integer or loop index, not an nl.arange.")

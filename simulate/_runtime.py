@@ -141,7 +141,14 @@ class Launch:
 
     def __init__(self, func, tgt, grid_sizes, rec, opts):
         self.func = func
-        self.code = getattr(func, "__code__", None)
+        codes = set()
+        f = func
+        while f is not None and len(codes) < 16:      # follow functools.wraps chains
+            c = getattr(f, "__code__", None)
+            if c is not None:
+                codes.add(c)
+            f = getattr(f, "__wrapped__", None)
+        self.codes = codes
         self.tgt = tgt
         self.grid = grid_sizes
         self.rec = rec
@@ -480,11 +487,11 @@ def _collect(x, out, Tensor):
 
 def kernel_frame_ok(ctx, depth):
     """True when the frame ``depth`` levels up is the kernel function's own frame."""
-    code = ctx.launch.code
-    if code is None:
+    codes = ctx.launch.codes
+    if not codes:
         return True
     f = sys._getframe(depth + 1)
-    return f.f_code is code
+    return f.f_code in codes
 
 
 def cpu_note(what):

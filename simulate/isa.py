@@ -80,12 +80,8 @@ fp32 = _FP32()
 
 
 def get_nc_version():
-    """``nc_version.gen2`` on trn1/inf2, ``nc_version.gen3`` on trn2."""
-    if _runtime.in_kernel():
-        tgt = current().tgt
-    else:
-        tgt = _runtime.resolve_target({})
-    return nc_version(tgt.nc_version)
+    """``nc_version.gen2`` on trn1/inf2, ``nc_version.gen3`` on trn2 (inside a kernel)."""
+    return nc_version(current().tgt.nc_version)
 
 
 def _engine_name(e, default):
@@ -398,9 +394,14 @@ def _activation(api, op, data, bias, scale, reduce_op, reduce_res, cmd, mask, dt
     x = _f32(a)
     if not (isinstance(sc, np.float32) and sc == 1.0):
         x = x * sc
-    if bi is not None:
+        if bi is not None:
+            x += bi                      # in place: x is already a fresh array
+    elif bi is not None:
         x = x + bi
-    res = np.asarray(fn(x), dtype=np.float32)
+    if fn is np.exp or fn is np.tanh:
+        res = fn(x, out=x) if x is not a else fn(x)
+    else:
+        res = np.asarray(fn(x), dtype=np.float32)
     if res is a:
         res = res.copy()
     m = eval_mask(mask, data.shape)
@@ -835,9 +836,12 @@ def affine_select(pred, on_true_tile, on_false_value, *, mask=None, dtype=None, 
                         "nl.mgrid indices")
     fdi = _dtypes.weak_scalar_info(on_false_value)
     odi = _ops.out_info(dtype, _dtypes.promote(di, fdi))
-    res = np.where(p, _f32(a), np.float32(on_false_value)).astype(np.float32)
-    res = np.broadcast_to(res, on_true_tile.shape).copy() if res.shape != on_true_tile.shape \
-        else res
+    res = np.array(_f32(a), dtype=np.float32, copy=True)
+    if p is not True:
+        if p is False:
+            res[...] = np.float32(on_false_value)
+        else:
+            np.copyto(res, np.float32(on_false_value), where=~p)
     ctx.rec.add("gpsimd", _cost.gpsimd_cycles(_free(on_true_tile.shape), start=True))
     return make_result(ctx, res, odi, eval_mask(mask, on_true_tile.shape), api=api)
 

@@ -369,3 +369,10 @@ def test_shared_hbm_shared_across_instances():
     o1, o2 = k[4](np.ones((1, 1), np.float32))
     np.testing.assert_array_equal(o1[:, 0], [0, 1, 2, 3])
     np.testing.assert_array_equal(o2[:, 0], [0, 10, 20, 30])
+
+
+def test_index_constructors_need_a_kernel():
+    for f in (lambda: nl.arange(4), lambda: nl.mgrid[0:4, 0:4], lambda: nl.ds(0, 4),
+              lambda: nisa.get_nc_version()):
+        with pytest.raises(RuntimeError, match="outside of NKI kernels"):
+            f()
