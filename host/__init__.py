@@ -5,3 +5,6 @@ from host.api import attention_unfused, linear_gelu, online_softmax  # noqa: E40
 
 # Split-KV flash decoding over a KV cache (issue #5).
 from host.api import flash_decode, flash_decode_hbm_bytes, plan_flash_decode  # noqa: E402,F401
+
+# Flash attention forward (issue #3).
+from host.api import flash_attention, plan_attention_forward  # noqa: E402,F401

@@ -10,6 +10,9 @@ reference/hardware-and-limits.md §3.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple
+
 # ============================================================================================
 # Shared hardware limits (both generations; nl.tile_size)
 # ============================================================================================
@@ -184,6 +187,15 @@ BWD_EXP_BIAS_NO_KEY = -2.0e30
 #: Where dQ accumulates across key tiles: on chip (the design) or in an fp32 HBM scratch (the
 #: atomics analogue, kept for measurement).
 BWD_DQ_ACCUMULATE_MODES = ("sbuf", "hbm")
+#: How dS is transposed for dQ = dS K (keys onto partitions), per target: "pe" = TensorE
+#: transposes of 128 x 128 blocks plus PSUM -> SBUF copies (one more PE pass per score); "dma" =
+#: one SBUF -> SBUF ``nisa.dma_transpose`` of all blocks of a visit on the otherwise idle DMA
+#: queues (trn2: 50 % of DMA throughput, ~0.8 us per 128 x 512 scores, under TensorE's 1.07 us;
+#: trn1 has no DMA-transpose hardware). Chosen by benchmarks/backward.py.
+BWD_DS_TRANSPOSE = {"trn1": "pe", "trn2": "dma"}
+#: With PE transposes: dS^T blocks per visit whose PSUM -> SBUF copy runs on ScalarE (the others
+#: on VectorE), balancing ScalarE (exp and dP - D) against VectorE (dS multiply, dQ add).
+BWD_ACT_EVAC_BLOCKS = {"trn1": 1, "trn2": 0}
 #: Per-partition bytes kept free for everything that is not resident query-side state (K/V
 #: tiles, P, dS and temporaries, double-buffered) on top of the computed working set.
 BWD_SBUF_SLACK = 4 * 1024
@@ -225,6 +237,271 @@ def bwd_rows_per_pass(D: int, op_itemsize: int, target: str, *, dq_on_chip: bool
     reading every input once; longer ones take ``ceil(G * Nq / rows)`` passes over K/V."""
     room = SBUF_USABLE_BYTES[target] - bwd_working_bytes(D, op_itemsize, in_itemsize)
     return PMAX * max(1, room // bwd_slot_bytes(D, op_itemsize, dq_on_chip))
+
+
+# ============================================================================================
+# Flash attention forward (issue #3): nki_kernels/attention/forward.py
+# ============================================================================================
+#
+# Per (batch, kv head) the kernel keeps, per partition: K^T (head dim on partitions, one
+# [<=128, Nk] tile per 128-wide head-dim pass) and V (Nk/128 blocks of [128 keys, D]) when they
+# fit ("resident": every K/V byte read once for all query heads of the group), else a 2048-key
+# chunk of them that streams past a group of resident query tiles. Per query tile of 128 rows:
+# Q^T ([D pass, 128], scaled), the fp32 running output o_acc [128, D] and m_i, l_i.
+
+#: Query rows per tile: one query per partition; Q^T [D, 128] is the stationary operand of S.
+FWD_Q_TILE = PMAX
+#: Keys per score tile: 128 x 512 scores of S = Q K^T are one matmul into one PSUM bank.
+FWD_K_TILE = PSUM_FMAX
+#: Keys per PV contraction: P^T chunk [128 keys, 128 queries] (stationary) x V [128 keys, D].
+FWD_V_CHUNK = PMAX
+#: Keys per online-softmax update (4 PSUM banks of scores). Each update costs ~8 instructions
+#: on (P, 1) statistics of >= 64 cycles (MIN_II) and one rescale of o_acc; 2048 keys amortise
+#: them to < 10 % of the per-score work (AWS flash_fwd's "large tile" is also 2048).
+FWD_SOFTMAX_BLOCK = 4 * FWD_K_TILE
+#: 128-key chunks of P^T per PSUM tile (one bank) and per PSUM -> SBUF copy: 4 copies of 512
+#: columns per softmax block, fine enough to balance them between ScalarE and VectorE.
+FWD_PT_CHUNKS = 4
+#: Keys per K/V DMA: 16 blocks of 128 keys (4 KiB per partition for bf16 D = 128, the DMA
+#: guide's full-rate size).
+FWD_KV_LOAD_BLOCK = 2048
+#: Keys per streamed K/V chunk when K/V does not stay resident.
+FWD_KV_CHUNK = FWD_SOFTMAX_BLOCK
+#: Largest head dim: S contracts it in passes of 128 (two passes max); PV writes D <= 512 fp32.
+FWD_MAX_HEAD_DIM = 2 * PMAX
+#: Keys per instruction when building a [1, n] key-mask row (iota + compare).
+FWD_ROW_FMAX = 8192
+
+# -- numeric sentinels (exact powers of two) ----------------------------------------------------
+#: Added to masked scores (softmax units, after the scale) by a matmul ``MASK_NEG x indicator``
+#: accumulated into the score PSUM tile. Finite in bf16 and fp32: a -inf could meet another -inf
+#: in ``exp(s - m)`` and give NaN (seed 001).
+FWD_MASK_NEG = -(2.0 ** 100)
+#: Floor of the running max m_i. Real scores lie above it (|scale q.k| < 7.9e28); masked ones lie
+#: below MASK_NEG / 2, so ``exp(masked - m_i) = exp(<= -2^99) = 0`` exactly and a row whose keys
+#: are all masked ends with l_i = 0 and o_acc = 0 (never NaN).
+FWD_M_FLOOR = -(2.0 ** 96)
+#: Floor of l_i before log and reciprocal: hardware log is valid on [2^-64, 2^64] (nki-api-spec
+#: §8.3). Visible rows have l_i >= 1 (their max term is exp(0)); fully masked rows (l_i = 0) get
+#: LSE = -inf and O = 0 from an explicit select, never from log(0).
+FWD_L_FLOOR = 2.0 ** -60
+
+#: Softmax scales folded into the exp activation (``exp(scale s - scale m)``, S unscaled in PSUM):
+#: in this range the masks' margin survives the scaling (``scale * 2^99 >= 2^75``) and nothing
+#: overflows fp32 (``scale * 2^102 < 2^127``). Other scales (tiny, huge, zero or negative) are
+#: multiplied into Q^T instead (one more bf16 rounding of the scores' operand).
+FWD_FOLD_SCALE_RANGE = (2.0 ** -24, 2.0 ** 24)
+
+# -- engine balance -----------------------------------------------------------------------------
+#: Fraction of the P^T PSUM -> SBUF copies issued on ScalarE (the rest on VectorE), per target.
+#: VectorE already reads every score once (row max); ScalarE computes every exp. trn2 VectorE
+#: copies 16-bit PSUM data at 2 elements/cycle (perf mode). Tuned by benchmarks/forward.py.
+FWD_ACT_EVAC_SHARE = {"trn1": 0.7, "trn2": 0.55}
+#: Target assumed when the host does not know it: trn1 has the smaller SBUF, so a tiling that
+#: fits it fits trn2 too.
+FWD_DEFAULT_TARGET = "trn1"
+
+
+@dataclass(frozen=True)
+class ForwardTiles:
+    """Compile-time tiling of the flash attention forward kernel (hashable kernel argument).
+
+    Attributes
+    ----------
+    q_tile, k_tile, v_chunk, softmax_block, kv_load_block : int
+        See :data:`FWD_Q_TILE` and the other ``FWD_*`` constants of the same names.
+    kv_resident : bool
+        True: K^T and V of one (batch, kv head) are loaded once and stay in SBUF for every query
+        tile of its heads. False: K/V stream in ``kv_chunk``-key chunks, once per group of
+        ``q_group`` query tiles.
+    kv_chunk : int
+        Keys per streamed chunk (a multiple of ``softmax_block``); unused when resident.
+    q_group : int
+        Query tiles (over the query heads of one kv head) whose Q^T, o_acc, m_i, l_i stay in SBUF
+        during one K/V pass. 1 when K/V is resident (nothing to amortise).
+    act_evac_share : float or None
+        Fraction of the P^T PSUM evacuations issued on ScalarE (the rest on VectorE); None: the
+        kernel takes :data:`FWD_ACT_EVAC_SHARE` of the generation it is compiled for.
+    target : str
+        "trn1" or "trn2": the generation whose SBUF the K/V residency was sized for.
+    """
+
+    q_tile: int = FWD_Q_TILE
+    k_tile: int = FWD_K_TILE
+    v_chunk: int = FWD_V_CHUNK
+    softmax_block: int = FWD_SOFTMAX_BLOCK
+    kv_load_block: int = FWD_KV_LOAD_BLOCK
+    kv_resident: bool = True
+    kv_chunk: int = FWD_KV_CHUNK
+    q_group: int = 1
+    act_evac_share: Optional[float] = None
+    target: str = FWD_DEFAULT_TARGET
+
+    def __post_init__(self):
+        if not 1 <= self.q_tile <= PMAX:
+            raise ValueError(f"q_tile: expected 1..{PMAX}, got {self.q_tile}")
+        if self.v_chunk != PMAX:
+            raise ValueError(f"v_chunk: expected {PMAX}, got {self.v_chunk}")
+        if self.k_tile % self.v_chunk or not 0 < self.k_tile <= PSUM_FMAX:
+            raise ValueError(f"k_tile: expected a multiple of {self.v_chunk} up to {PSUM_FMAX}, "
+                             f"got {self.k_tile}")
+        if self.softmax_block % self.k_tile or not 1 <= self.softmax_block // self.k_tile <= 4:
+            raise ValueError(f"softmax_block: expected 1 to 4 times k_tile={self.k_tile}, got "
+                             f"{self.softmax_block}")
+        if self.kv_chunk % self.softmax_block:
+            raise ValueError(f"kv_chunk: expected a multiple of softmax_block="
+                             f"{self.softmax_block}, got {self.kv_chunk}")
+        if self.kv_load_block % self.v_chunk or self.kv_load_block < self.v_chunk:
+            raise ValueError(f"kv_load_block: expected a multiple of {self.v_chunk}, got "
+                             f"{self.kv_load_block}")
+        if self.q_group < 1:
+            raise ValueError(f"q_group: expected >= 1, got {self.q_group}")
+        if self.act_evac_share is not None and not 0.0 <= self.act_evac_share <= 1.0:
+            raise ValueError(f"act_evac_share: expected None or a fraction in [0, 1], got "
+                             f"{self.act_evac_share}")
+        if self.target not in SBUF_USABLE_BYTES:
+            raise ValueError(f"target: expected one of {sorted(SBUF_USABLE_BYTES)}, got "
+                             f"{self.target!r}")
+
+
+def fwd_d_passes(D: int) -> int:
+    """Contraction passes of S = Q K^T over the head dim (128 partitions each): 1 or 2."""
+    return ceil_div(D, PMAX)
+
+
+def fwd_kv_bytes(Nk: int, D: int, mm_itemsize: int, kv_lens: bool = False) -> int:
+    """SBUF bytes per partition of ``Nk`` keys of K^T and V at matmul precision.
+
+    K^T is ``fwd_d_passes(D)`` tiles ``[<=128, Nk]``; V is ``ceil(Nk/128)`` blocks ``[128, D]``
+    side by side in the free dim. With ``kv_lens`` a ``[1, Nk]`` bf16 key-mask row joins them (a
+    one-partition tile still takes its free bytes on every partition's budget).
+    """
+    kt = fwd_d_passes(D) * Nk * mm_itemsize
+    vv = ceil_div(Nk, PMAX) * D * mm_itemsize
+    return kt + vv + (2 * Nk if kv_lens else 0)
+
+
+def fwd_working_bytes(D: int, in_itemsize: int, mm_itemsize: int, tiles: ForwardTiles,
+                      masks: bool = True) -> int:
+    """SBUF bytes per partition of the forward's transient buffers, counted generously.
+
+    K/V DMA staging in the input dtype; the query load and its transpose; P and P^T of one
+    softmax block (twice, so one block can be copied while the next is produced); the (P, 1)
+    statistics; the normalised output; the cache of static mask indicators (bf16 [128, 512]
+    each, at most ~12 distinct) and one runtime mask pattern.
+    """
+    staging = 2 * (tiles.kv_load_block // PMAX) * D * max(in_itemsize, mm_itemsize)
+    q_load = D * in_itemsize + fwd_d_passes(D) * PMAX * mm_itemsize
+    p_blocks = 2 * 2 * tiles.softmax_block * mm_itemsize
+    stats = 16 * 4 * 4
+    out = 2 * D * 4
+    mask_cache = (12 * tiles.k_tile * 2 + 2 * tiles.k_tile * 4 + PMAX * 2) if masks else 0
+    return staging + q_load + p_blocks + stats + out + mask_cache
+
+
+def fwd_q_state_bytes(D: int, mm_itemsize: int) -> int:
+    """SBUF bytes per partition of one query tile's state: Q^T, o_acc (fp32), m_i and l_i."""
+    return fwd_d_passes(D) * PMAX * mm_itemsize + 4 * D + 2 * 4
+
+
+def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
+                         mm_itemsize: int, *, target: Optional[str] = None,
+                         sbuf_bytes: Optional[int] = None, kv_lens: bool = False,
+                         masks: bool = True) -> "ForwardTiles":
+    """Pick the forward tiling from the SBUF budget.
+
+    Parameters
+    ----------
+    Nq, Nk, D : int
+        Query length, key length, head dim.
+    group : int
+        Query heads per kv head (G).
+    in_itemsize, mm_itemsize : int
+        Bytes per element of the inputs and of the matmul operands.
+    target : "trn1" or "trn2", optional
+        Default :data:`FWD_DEFAULT_TARGET` (trn1: its tiling also fits trn2).
+    sbuf_bytes : int, optional
+        Override of the usable SBUF bytes per partition (tests force the streaming regime with it).
+    kv_lens, masks : bool
+        A key-length mask row is resident; some mask is active (mask indicator cache).
+
+    Returns
+    -------
+    ForwardTiles
+        Resident K/V when ``fwd_kv_bytes(Nk) + working + one query tile's state`` fits;
+        otherwise 2048-key chunks and the largest ``q_group`` that fits next to one chunk (each
+        extra group costs one more pass over K/V, :func:`forward_hbm_bytes`).
+    """
+    target = FWD_DEFAULT_TARGET if target is None else str(target)
+    if target not in SBUF_USABLE_BYTES:
+        raise ValueError(f"target: expected one of {sorted(SBUF_USABLE_BYTES)}, got {target!r}")
+    budget = SBUF_USABLE_BYTES[target] if sbuf_bytes is None else int(sbuf_bytes)
+    base = ForwardTiles(target=target)
+    work = fwd_working_bytes(D, in_itemsize, mm_itemsize, base, masks=masks)
+    state = fwd_q_state_bytes(D, mm_itemsize)
+    if fwd_kv_bytes(Nk, D, mm_itemsize, kv_lens) + work + state <= budget:
+        return base
+    # two chunks: the next one loads while the current one is in use
+    room = budget - work - 2 * fwd_kv_bytes(base.kv_chunk, D, mm_itemsize, kv_lens)
+    n_tiles = group * ceil_div(Nq, FWD_Q_TILE)
+    q_group = max(1, min(n_tiles, room // state)) if room > 0 else 1
+    return replace(base, kv_resident=False, q_group=int(q_group))
+
+
+def forward_kv_passes(Nq: int, group: int, tiles: "ForwardTiles") -> int:
+    """Passes over K/V per (batch, kv head): 1 resident, else ``ceil(G ceil(Nq/128) / q_group)``."""
+    if tiles.kv_resident:
+        return 1
+    return ceil_div(group * ceil_div(Nq, tiles.q_tile), tiles.q_group)
+
+
+def forward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize: int,
+                      tiles: "ForwardTiles", *, kv_lens: bool = False,
+                      q_lens: bool = False) -> Tuple[int, int]:
+    """HBM bytes ``(read, written)`` of the forward kernel without causal/window masks.
+
+    Derivation. One grid instance per (batch b, kv head g) serves the ``G = Hq / Hkv`` query heads
+    of g. Each query tile is loaded once (``G Nq D`` elements per instance) and its output written
+    once (``G Nq D`` elements and ``G Nq`` fp32 LSE values). K and V (``Nk D`` elements each) are
+    read once per *pass*:
+
+    - resident: one pass, K^T and V stay on chip for every query tile. The total is then the IO
+      lower bound ``itemsize * 2 (Hq Nq + Hkv Nk) D + 4 Hq Nq`` per batch.
+    - streaming: the ``T = G ceil(Nq / 128)`` query tiles of an instance go in groups of
+      ``q_group`` whose Q^T, o_acc, m_i, l_i stay on chip while all of K/V streams past in
+      2048-key chunks, so K/V is read ``P = ceil(T / q_group)`` times. ``q_group`` is what the SBUF
+      budget M (bytes per partition) leaves after one K/V chunk and the working buffers, divided by
+      the per-tile state (``~256 + 4 D`` bytes): ``q_group * 128 = Theta(M / d)`` query rows per
+      pass, so the K/V traffic ``P * 2 Nk d = Theta(Nq d / M) * Nk d = Theta(N^2 d^2 / M)`` -
+      Theorem 2 of the FlashAttention paper (seed 004), in FlashAttention-2's loop order (queries
+      outer, keys inner), which never writes partial outputs back to HBM.
+
+    Length arrays add one int32 (4 bytes) per instance each. Causal/window masks only lower the
+    counts (skipped query tiles and chunks): ``nki_kernels.attention.forward.plan_hbm_bytes``
+    counts those from the kernel's own schedule.
+
+    Returns
+    -------
+    (read, written) : tuple of int
+    """
+    group = Hq // Hkv
+    passes = forward_kv_passes(Nq, group, tiles)
+    per_instance = itemsize * (group * Nq * D + passes * 2 * Nk * D)
+    per_instance += 4 * (int(bool(kv_lens)) + int(bool(q_lens)))
+    return B * Hkv * per_instance, B * Hq * Nq * (D * itemsize + 4)
+
+
+def fwd_mm_dtype_name(in_dtype_name: str, mixed_precision: bool) -> str:
+    """Matmul operand precision (docs/semantics.md "Precision"): bf16/fp16 inputs keep theirs;
+    fp32 inputs run in bf16 with ``mixed_precision`` and in fp32 without."""
+    if in_dtype_name == "float32":
+        return "bfloat16" if mixed_precision else "float32"
+    return in_dtype_name
+
+
+def fwd_itemsize(dtype_name: str) -> int:
+    """Bytes per element of ``float32``, ``bfloat16`` or ``float16``."""
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype_name]
 
 
 # ============================================================================================

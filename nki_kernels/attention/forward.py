@@ -1,0 +1,637 @@
+"""Flash attention forward on a NeuronCore: O = softmax(scale Q K^T + mask) V and its LSE.
+
+Algorithm 1 of the FlashAttention paper (seed 004), in FlashAttention-2's loop order, fitted to
+TensorE/ScalarE/VectorE and the SBUF/PSUM budget. For one query tile Q_i (128 rows, one per
+partition) and the key blocks K_j, V_j it may see::
+
+    m_i = M_FLOOR, l_i = 0, o_acc = 0                                   (fp32, on chip)
+    for each key block j (2048 keys = 4 PSUM banks):
+        S_ij   = (scale Q_i) K_j^T  (+ MASK_NEG * mask_ij)               TensorE -> PSUM fp32
+        m_new  = max(m_i, rowmax(S_ij))                                  VectorE
+        P_ij   = exp(S_ij - m_new),  rowsum(P_ij)                        ScalarE, one activation
+        alpha  = exp(m_i - m_new)                                        ScalarE
+        l_i    = alpha l_i + rowsum(P_ij)                                VectorE
+        o_acc  = alpha o_acc + P_ij V_j                                  TensorE (+ P^T on TensorE)
+        m_i    = m_new
+    O_i   = o_acc / l_i          (0 where l_i = 0: no visible key)
+    LSE_i = m_i + log(l_i)       (-inf where l_i = 0, by an explicit select)
+
+Layouts (HBM, as the host API takes them): q ``(B, Hq, Nq, D)``, k and v ``(B, Hkv, Nk, D)``,
+o ``(B, Hq, Nq, D)`` in q's dtype, lse ``(B, Hq, Nq)`` float32; optional ``kv_lens``/``q_lens``
+``(B,)`` int32. Transposes happen on chip (TensorE ``nc_transpose``): Q^T and K^T put the head dim
+on the partitions (the contraction of S), P^T puts keys on the partitions (the contraction of PV).
+
+SPMD grid ``(B, Hkv)``: one instance per (batch, kv head) serves the G = Hq/Hkv query heads of its
+group, so each K/V tile is loaded once for all of them (seed 003, "Option A").
+
+Tile sizes (``nki_kernels/tiles.py``, ``FWD_*``) and why:
+
+- **128 query rows** per tile: the partition count; Q^T [D, 128] is the matmul's stationary
+  operand (at most 128 columns).
+- **512 keys per score tile**: the widest moving operand and exactly one 2 KiB PSUM bank of fp32
+  scores, so one matmul (per 128-wide head-dim pass) makes 128 x 512 scores.
+- **2048 keys per softmax block** (4 banks): each online-softmax update costs ~8 small (P, 1)
+  instructions of >= 64 cycles and one rescale of o_acc; over 2048 keys they are < 10 % of the
+  per-score work. PSUM: 4 banks of S + 2 of P^T (double-buffered) + 1 of PV = 7 of 8.
+- **128-key PV chunks**: P^T [128 keys, 128 queries] (PE transpose of 128 x 128, then a PSUM ->
+  SBUF copy, split between ScalarE and VectorE) is the stationary operand and V [128 keys, D] the
+  moving one; the PV sum accumulates over the block's chunks in one PSUM bank.
+- **K/V residency**: K^T ``[D, Nk]`` and V (``Nk/128`` blocks ``[128, D]``) at matmul precision stay
+  in SBUF for all query tiles of the group when they fit (bf16 D = 128: 4 Nk bytes per partition,
+  i.e. Nk up to ~32K), so every HBM byte is read once. Otherwise K/V streams in 2048-key chunks
+  past a group of query tiles kept on chip (see ``tiles.forward_hbm_bytes`` for the resulting
+  Theta(N^2 d^2 / M) traffic).
+- **Head dim up to 256**: S contracts D in passes of 128 rows accumulating in the same PSUM bank;
+  PV writes D <= 512 fp32 per partition (one bank).
+
+Engine work per 128 x 2048 block (trn2, D = 128): TensorE 6144 cycles (S 2048, P transposes 2048,
+PV 2048); VectorE ~2300 (row max over fp32 PSUM = one read per score, statistics, o_acc add);
+ScalarE ~2600 (exp with row sum, alpha, o_acc scale); the 2048-column P^T evacuation is split
+between ScalarE and VectorE (``tiles.FWD_ACT_EVAC_SHARE``).
+
+Softmax scale: folded into Q^T when it is copied out of PSUM after the transpose (free), so S is
+already in softmax units and the exp is one ``activation(exp, S, bias=-m_new)``. Folding it into
+the exp instead (``exp(scale s - scale m)``) would require the max of ``scale * s``, i.e. a min for
+negative scales, and masks whose sign depends on the scale; the API accepts any finite scale.
+
+Masks: see ``masks.py``. Partial last tiles (any Nq, Nk >= 1) are not padded: their tiles simply
+have fewer rows/keys, so out-of-range keys never enter a max, an exp or a sum (the hazard of seed
+001 cannot arise). Everything else (causal, window, lengths) is a finite ``MASK_NEG`` added to the
+scores by TensorE before the row max, with the running max floored at ``M_FLOOR``, so a fully
+masked row gives l_i = 0, O = 0 and LSE = -inf, never NaN.
+
+Precision (docs/semantics.md): matmul operands in bf16/fp16 (fp32 inputs: bf16 with
+``mixed_precision``, else fp32); PSUM, statistics, o_acc and LSE in fp32; O in q's dtype.
+
+The trace is fully unrolled at compile time (``nl.static_range`` and Python lists of the
+schedule): every tile's shape and mask class is a compile-time constant.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np  # compile-time constants only (reduction ops)
+
+from nki_kernels import tiles as T
+from nki_kernels.attention import masks as M
+from nki_kernels.nki import nisa, nki, nl
+
+# ============================================================================================
+# Schedule (plain Python, compile time)
+# ============================================================================================
+
+
+@dataclass(frozen=True)
+class ScoreTile:
+    """Keys ``[j0, j0 + width)`` of one score tile (<= 512 keys, one PSUM bank) and its mask
+    class (``masks.FULL``, ``BOUNDARY`` or ``RUNTIME``)."""
+
+    j0: int
+    width: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class KeyBlock:
+    """One online-softmax update: up to 4 consecutive score tiles, all inside one K/V chunk."""
+
+    tiles: Tuple[ScoreTile, ...]
+    chunk: int
+
+    @property
+    def j0(self) -> int:
+        return self.tiles[0].j0
+
+    @property
+    def width(self) -> int:
+        return sum(t.width for t in self.tiles)
+
+
+@dataclass(frozen=True)
+class QueryTile:
+    """Rows ``[i0, i0 + rows)`` of query head ``head`` (0..G-1 within the kv group), the slot of
+    its state in the group's SBUF arrays, and its key blocks in order."""
+
+    head: int
+    i0: int
+    rows: int
+    slot: int
+    blocks: Tuple[KeyBlock, ...]
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """The compile-time schedule of one grid instance (identical for every instance).
+
+    ``groups``: tuples of query tiles processed together (their Q^T, o_acc, m_i, l_i live in SBUF
+    during one pass over K/V); ``chunks``: ``(c0, c1)`` key ranges of K/V loaded at once (one
+    chunk ``(0, Nk)`` when resident, loaded before the first group).
+    """
+
+    groups: Tuple[Tuple[QueryTile, ...], ...]
+    chunks: Tuple[Tuple[int, int], ...]
+    resident: bool
+
+
+def _key_blocks(spec: M.MaskSpec, i0: int, rows: int, tiles: T.ForwardTiles,
+                chunks) -> Tuple[KeyBlock, ...]:
+    """Key blocks of one query tile: its key range split at softmax-block and chunk boundaries,
+    each block split into <= 512-key score tiles, fully masked tiles dropped."""
+    k_lo, k_hi = spec.key_range(i0, rows)
+    blocks = []
+    for ci, (c0, c1) in enumerate(chunks):
+        lo, hi = max(k_lo, c0), min(k_hi, c1)
+        b0 = (lo // tiles.softmax_block) * tiles.softmax_block
+        while b0 < hi:
+            bs, be = max(lo, b0), min(hi, b0 + tiles.softmax_block)
+            score_tiles = []
+            for j0 in range(bs, be, tiles.k_tile):
+                width = min(tiles.k_tile, be - j0)
+                kind = spec.classify(i0, rows, j0, width)
+                if kind is not None:
+                    score_tiles.append(ScoreTile(j0, width, kind))
+            if score_tiles:
+                blocks.append(KeyBlock(tuple(score_tiles), ci))
+            b0 += tiles.softmax_block
+    return tuple(blocks)
+
+
+def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
+                 tiles: T.ForwardTiles) -> ForwardPlan:
+    """Schedule of one (batch, kv head) instance: query tiles (all heads of the group) in groups
+    of ``tiles.q_group``, K/V chunks, and each tile's key blocks."""
+    if tiles.kv_resident:
+        chunks = ((0, Nk),)
+        per_group = 1
+    else:
+        chunks = tuple((c0, min(Nk, c0 + tiles.kv_chunk)) for c0 in range(0, Nk, tiles.kv_chunk))
+        per_group = tiles.q_group
+    flat = [(h, i0, min(tiles.q_tile, Nq - i0))
+            for h in range(group) for i0 in range(0, Nq, tiles.q_tile)]
+    groups = []
+    for g0 in range(0, len(flat), per_group):
+        members = flat[g0:g0 + per_group]
+        groups.append(tuple(
+            QueryTile(h, i0, rows, slot, _key_blocks(spec, i0, rows, tiles, chunks))
+            for slot, (h, i0, rows) in enumerate(members)))
+    return ForwardPlan(tuple(groups), chunks, tiles.kv_resident)
+
+
+def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize: int,
+                   tiles: T.ForwardTiles, *, causal=None, window=None, q_lens: bool = False,
+                   kv_lens: bool = False) -> Tuple[int, int]:
+    """HBM bytes (read, written) the kernel moves, counted from its own schedule.
+
+    Reads: each query tile with at least one key block loads its rows once; each K/V chunk is
+    loaded once per group that needs it (resident: once if any tile needs it); one int32 per
+    given length array. Writes: every row's output and LSE (rows without keys get zeros and
+    -inf). Equals :func:`tiles.forward_hbm_bytes` when there is no causal/window mask.
+    """
+    spec = M.MaskSpec(Nq, Nk, causal, window, bool(q_lens), bool(kv_lens))
+    plan = plan_forward(Nq, Nk, Hq // Hkv, spec, tiles)
+    read = 4 * (int(bool(q_lens)) + int(bool(kv_lens)))
+    kv_bytes = [2 * (c1 - c0) * D * itemsize for c0, c1 in plan.chunks]
+    if plan.resident:
+        if any(qt.blocks for grp in plan.groups for qt in grp):
+            read += kv_bytes[0]
+    for grp in plan.groups:
+        read += sum(qt.rows * D * itemsize for qt in grp if qt.blocks)
+        if not plan.resident:
+            needed = {blk.chunk for qt in grp for blk in qt.blocks}
+            read += sum(kv_bytes[c] for c in needed)
+    return B * Hkv * read, B * Hq * Nq * (D * itemsize + 4)
+
+
+# ============================================================================================
+# Kernel state (plain Python holders of tiles and compile-time facts)
+# ============================================================================================
+
+_DTYPES = {"float32": nl.float32, "bfloat16": nl.bfloat16, "float16": nl.float16}
+
+
+class _Instance:
+    """Compile-time facts and shared constant tiles of one grid instance."""
+
+    def __init__(self, q, k, v, o, lse, mm_dtype, scale, tiles, spec):
+        self.q, self.k, self.v, self.o, self.lse = q, k, v, o, lse
+        self.B, self.Hq, self.Nq, self.D = q.shape
+        self.Hkv, self.Nk = k.shape[1], k.shape[2]
+        self.G = self.Hq // self.Hkv
+        self.b = nl.program_id(0)
+        self.g = nl.program_id(1)
+        self.mm = _DTYPES[mm_dtype]
+        self.mm_bf16 = mm_dtype == "bfloat16"
+        self.scale = float(scale)
+        lo, hi = T.FWD_FOLD_SCALE_RANGE
+        # softmax units: the exp scales raw scores (fold), or Q^T is pre-scaled (q_scale)
+        self.fold_scale = lo <= self.scale <= hi
+        self.act_scale = self.scale if self.fold_scale else 1.0
+        self.q_scale = 1.0 if self.fold_scale else self.scale
+        self.tiles = tiles
+        self.spec = spec
+        self.gen3 = nisa.get_nc_version() >= nisa.nc_version.gen3
+        # head-dim passes of the S contraction: (first row, rows)
+        self.d_passes = tuple((d0, min(T.PMAX, self.D - d0)) for d0 in range(0, self.D, T.PMAX))
+        share = tiles.act_evac_share
+        if share is None:
+            share = T.FWD_ACT_EVAC_SHARE["trn2" if self.gen3 else "trn1"]
+        self.evac = _EvacBalancer(share)
+        self.neg_eye = None
+        self.neg_row = None
+        self.static_masks = None
+        self.lens = None
+
+    def transpose_psum_dtype(self, src_dtype):
+        """PSUM dtype of a TensorE transpose: trn2's transpose mode writes bf16 as bf16
+        (and its PSUM -> SBUF copy then runs in VectorE's 2x mode); otherwise fp32."""
+        if self.gen3 and src_dtype == nl.bfloat16:
+            return nl.bfloat16
+        return nl.float32
+
+    def psum_cols(self, src_dtype) -> int:
+        """Transposed 128-column blocks per PSUM bank for that dtype (4 fp32, 8 bf16)."""
+        item = 2 if self.transpose_psum_dtype(src_dtype) == nl.bfloat16 else 4
+        return T.PSUM_FMAX * 4 // item // T.PMAX
+
+
+class _EvacBalancer:
+    """Splits PSUM -> SBUF copies between ScalarE and VectorE in a fixed proportion (by copied
+    elements), deterministically, so neither engine becomes the bottleneck."""
+
+    def __init__(self, act_share: float):
+        self.act_share = act_share
+        self.act = 0
+        self.total = 0
+
+    def engine(self, n: int):
+        self.total += n
+        if self.act + n <= self.act_share * self.total + n / 2:
+            self.act += n
+            return nisa.scalar_engine
+        return nisa.vector_engine
+
+
+class _KV:
+    """K^T (one tile per head-dim pass, ``[rows, n]``), V (``[128, n/128 blocks, D]``) and the
+    key-length mask row of keys ``[base, base + n)``, all in SBUF."""
+
+    def __init__(self, base, kT, v, key_row):
+        self.base, self.kT, self.v, self.key_row = base, kT, v, key_row
+
+
+class _GroupState:
+    """SBUF/PSUM state of a group of query tiles (one slot per tile).
+
+    - ``qT``: Q^T per head-dim pass, ``[d, slots, 128]`` at matmul dtype.
+    - ``o``: ``[o_acc | l_i]`` in fp32, D + 1 columns (the ones column of V makes PV produce the
+      row sums). With a single slot it lives in one PSUM bank: TensorE accumulates each block's
+      PV on top of it after ScalarE rescaled it in place, so VectorE never touches it. With
+      several slots it lives in SBUF.
+    - ``stats``: per slot two alternating rows ``[-m_i | -rowmax of each score tile]`` (raw score
+      units): one min-reduction over a row gives ``-m_new``, which goes to the other row's first
+      column, so ``-m_i`` survives until alpha is computed.
+    """
+
+    def __init__(self, f: _Instance, n: int):
+        P, width = T.PMAX, f.tiles.softmax_block // f.tiles.k_tile
+        self.qT = [nl.ndarray((rows, n, P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
+        self.o_in_psum = n == 1
+        if self.o_in_psum:
+            self.o = nl.ndarray((P, f.D + 1), dtype=nl.float32, buffer=nl.psum)
+        else:
+            self.o = nl.ndarray((P, n, f.D + 1), dtype=nl.float32, buffer=nl.sbuf)
+        self.stats = nl.ndarray((P, n, 2, 1 + width), dtype=nl.float32, buffer=nl.sbuf)
+        self.stats[:, :, 0, 0:1] = nisa.memset((P, n, 1), -T.FWD_M_FLOOR, dtype=nl.float32,
+                                               engine=nisa.gpsimd_engine)
+        self.parity = [0] * n          # which stats row holds -m_i
+        self.started = [False] * n     # a key block has been folded in
+
+    def o_acc(self, qt: "QueryTile"):
+        """``[o_acc | l_i]`` of one query tile, ``[rows, D + 1]`` fp32."""
+        if self.o_in_psum:
+            return self.o[0:qt.rows, :]
+        return self.o[0:qt.rows, qt.slot, :]
+
+    def neg_m(self, qt: "QueryTile", which: int):
+        """``-m_i`` (raw score units) in stats row ``which`` of the tile's slot, ``[rows, 1]``."""
+        return self.stats[0:qt.rows, qt.slot, which, 0:1]
+
+
+# ============================================================================================
+# Phases
+# ============================================================================================
+
+
+def load_lengths(f: _Instance, kv_lens, q_lens):
+    """Per-sequence lengths of instance b as fp32: ``kv_len`` on partition 0 ([1, 1], for the
+    key-mask row) and ``[128, 2]`` = (kv_len, q_len) on every partition (for per-row thresholds).
+    A missing length is its padded size (Nk or Nq). The partition broadcast is a K=1 matmul of a
+    ones row (exact for integers in fp32)."""
+    raw = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
+    for col, arr, full in ((0, kv_lens, f.Nk), (1, q_lens, f.Nq)):
+        if arr is None:
+            raw[0:1, col:col + 1] = nisa.memset((1, 1), float(full), dtype=nl.float32)
+        else:
+            raw[0:1, col:col + 1] = nisa.tensor_copy(nl.load(arr[nl.ds(f.b, 1)]),
+                                                     dtype=nl.float32)
+    ones = nisa.memset((1, T.PMAX), 1.0, dtype=nl.float32)
+    bcast = nl.ndarray((T.PMAX, 2), dtype=nl.float32, buffer=nl.psum)
+    bcast[...] = nisa.nc_matmul(ones, raw)
+    lens_p = nisa.tensor_copy(bcast, dtype=nl.float32)
+    return raw, lens_p
+
+
+def diag_thresholds(f: _Instance, lens_p):
+    """Runtime diagonal bounds on ``j - i`` per partition: ``hi + off_b`` and ``lo + off_b`` with
+    ``off_b = nk_b - nq_b`` (bottom_right alignment with lengths). fp32 [128, 1] or None."""
+    spec = f.spec
+    off = nisa.tensor_tensor(lens_p[:, 0:1], lens_p[:, 1:2], nl.subtract)
+    hi = None if spec.hi is None else nisa.tensor_scalar(off, nl.add, float(spec.hi))
+    lo = None if spec.lo is None else nisa.tensor_scalar(off, nl.add, float(spec.lo))
+    return hi, lo
+
+
+def load_kv(f: _Instance, c0: int, c1: int) -> _KV:
+    """Load keys ``[c0, c1)`` of K and V once: K^T via TensorE transposes of 128-key blocks
+    (PSUM -> SBUF copy casts to the matmul dtype), V as 128-key blocks ``[128, D + 1]`` whose last
+    column is 1.0 (cast on GpSimd when the input dtype differs). DMAs move up to
+    ``kv_load_block`` keys each."""
+    P, D, n = T.PMAX, f.D, c1 - c0
+    nblk = T.ceil_div(n, P)
+    kT = [nl.ndarray((rows, n), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
+    # V with a ones column: PV then also yields the row sums l_i = sum_j P_ij on TensorE
+    v = nl.ndarray((P, nblk, D + 1), dtype=f.mm, buffer=nl.sbuf)
+    v[:, :, D:D + 1] = nisa.memset((P, nblk, 1), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
+    in_dt = f.k.dtype
+    per_bank = f.psum_cols(in_dt)
+    ip = nl.arange(P)[:, None, None]
+    idd = nl.arange(D)[None, None, :]
+    for l0 in nl.static_range(c0, c1, f.tiles.kv_load_block):
+        ln = min(f.tiles.kv_load_block, c1 - l0)
+        full, tail = ln // P, ln % P
+        pieces = []   # (first key, keys, tile, block index in tile)
+        if full:
+            it = nl.arange(full)[None, :, None]
+            kx = nl.load(f.k[f.b, f.g, l0 + ip + P * it, idd])
+            b0 = (l0 - c0) // P
+            if f.v.dtype == f.mm:
+                v[:, b0:b0 + full, 0:D] = nl.load(f.v[f.b, f.g, l0 + ip + P * it, idd])
+            else:
+                vx = nl.load(f.v[f.b, f.g, l0 + ip + P * it, idd])
+                v[:, b0:b0 + full, 0:D] = nisa.tensor_copy(vx, dtype=f.mm,
+                                                           engine=nisa.gpsimd_engine)
+            pieces += [(l0 + P * t, P, kx, t) for t in range(full)]
+        if tail:
+            t0 = l0 + full * P
+            kt_ = nl.load(f.k[f.b, f.g, t0:t0 + tail, :])
+            vt_ = nl.load(f.v[f.b, f.g, t0:t0 + tail, :])
+            bt = (t0 - c0) // P
+            v[0:tail, bt, 0:D] = nisa.tensor_copy(vt_, dtype=f.mm, engine=nisa.gpsimd_engine)
+            pieces.append((t0, tail, kt_, None))
+        for pi, (d0, rows) in enumerate(f.d_passes):
+            for s0 in nl.static_range(0, len(pieces), per_bank):
+                group = pieces[s0:s0 + per_bank]
+                tp = nl.ndarray((rows, per_bank * P), dtype=f.transpose_psum_dtype(in_dt),
+                                buffer=nl.psum)
+                for s, (j, kw, src, t) in enumerate(group):
+                    blk = src[0:kw, t, d0:d0 + rows] if t is not None else src[0:kw, d0:d0 + rows]
+                    tp[:, s * P:s * P + kw] = nisa.nc_transpose(blk)
+                width = (group[-1][0] + group[-1][1]) - group[0][0]
+                col = group[0][0] - c0
+                kT[pi][:, col:col + width] = nisa.tensor_copy(
+                    tp[:, 0:width], dtype=f.mm, engine=f.evac.engine(width))
+    key_row = None
+    if f.spec.kv_lens:
+        key_row = M.key_length_row(f.lens[0][0:1, 0:1], c0, n)
+    return _KV(c0, kT, v, key_row)
+
+
+def load_q_tile(f: _Instance, st: _GroupState, qt: QueryTile):
+    """Q_i^T for one query tile: load [rows, D], transpose each 128-wide head-dim slice on
+    TensorE, copy it out of PSUM at matmul dtype (ScalarE), times the softmax scale when the
+    scale is not folded into the exp."""
+    r, h = qt.rows, f.g * f.G + qt.head
+    x = nl.load(f.q[f.b, h, qt.i0:qt.i0 + r, :])
+    for pi, (d0, rows) in enumerate(f.d_passes):
+        tp = nl.ndarray((rows, r), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
+        tp[...] = nisa.nc_transpose(x[0:r, d0:d0 + rows])
+        st.qT[pi][:, qt.slot, 0:r] = nisa.activation(nl.copy, tp, scale=f.q_scale, dtype=f.mm)
+
+
+def scores(f: _Instance, st: _GroupState, qt: QueryTile, tile: ScoreTile, kv: _KV):
+    """S_ij = (scale Q_i) K_j^T for one score tile, in one PSUM bank, plus its masks.
+
+    One matmul per head-dim pass (stationary Q^T [d, rows], moving K^T [d, width]) accumulating
+    in PSUM; then ``MASK_NEG * indicator`` for boundary tiles (a matmul with ``MASK_NEG * I``) and
+    ``MASK_NEG * [j >= kv_len]`` (a rank-1 matmul) when key lengths are given.
+    """
+    r, w, jr = qt.rows, tile.width, tile.j0 - kv.base
+    s = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.psum)
+    for pi, (d0, rows) in enumerate(f.d_passes):
+        prod = nisa.nc_matmul(st.qT[pi][:, qt.slot, 0:r], kv.kT[pi][:, jr:jr + w])
+        if pi == 0:
+            s[...] = prod
+        else:
+            s[...] += prod
+    if tile.kind == M.BOUNDARY:
+        ind = f.static_masks.get(qt.i0, tile.j0)
+        s[...] += nisa.nc_matmul(f.neg_eye[0:r, 0:r], ind[0:r, 0:w])
+    elif tile.kind == M.RUNTIME:
+        pattern = M.diag_pattern(qt.i0, r, tile.j0, w)
+        hi, lo = f.diag
+        ind = M.diag_indicator(pattern, None if hi is None else hi[0:r, :],
+                               None if lo is None else lo[0:r, :])
+        s[...] += nisa.nc_matmul(f.neg_eye[0:r, 0:r], ind)
+    if kv.key_row is not None:
+        s[...] += nisa.nc_matmul(f.neg_row[0:1, 0:r], kv.key_row[0:1, jr:jr + w])
+    return s
+
+
+def online_softmax(f: _Instance, st: _GroupState, qt: QueryTile, blk: KeyBlock, s_tiles):
+    """The statistics update of one key block; returns (P_ij, alpha or None for the first).
+
+    With ``c`` the softmax scale folded into the exp (1 when Q^T carries it):
+    ``m_new = max(m_i, rowmax S_ij)`` (raw units, kept negated, floored at ``M_FLOOR`` by the
+    initial ``-m_i``); ``P_ij = exp(c S_ij - c m_new)``: one ScalarE activation per score tile,
+    the bias carrying the max; ``alpha = exp(c m_i - c m_new)``. The row sums l_i come with the
+    PV matmul (ones column of V).
+    """
+    r, nb = qt.rows, len(s_tiles)
+    old = st.parity[qt.slot]
+    row = st.stats[0:r, qt.slot, old, :]
+    neg_m_old, neg_m_new = st.neg_m(qt, old), st.neg_m(qt, 1 - old)
+    c = f.act_scale
+
+    for t in nl.static_range(nb):
+        row[:, 1 + t:2 + t] = nisa.tensor_reduce(np.max, s_tiles[t], axis=(1,), negate=True,
+                                                 keepdims=True)
+    neg_m_new[...] = nisa.tensor_reduce(np.min, row[:, 0:1 + nb], axis=(1,), keepdims=True)
+    bias = neg_m_new if c == 1.0 else nisa.activation(nl.copy, neg_m_new, scale=c)
+
+    alpha = None
+    if st.started[qt.slot]:
+        alpha = nisa.activation(nl.exp, neg_m_old, bias=bias, scale=-c)
+
+    p = nl.ndarray((r, blk.width), dtype=f.mm, buffer=nl.sbuf)
+    col = 0
+    for t in nl.static_range(nb):
+        w = blk.tiles[t].width
+        p[:, col:col + w] = nisa.activation(nl.exp, s_tiles[t], bias=bias, scale=c, dtype=f.mm)
+        col += w
+    st.parity[qt.slot] = 1 - old
+    return p, alpha
+
+
+def pv_accumulate(f: _Instance, p, qt: QueryTile, blk: KeyBlock, kv: _KV, dst, overwrite: bool):
+    """``dst (+)= [P_ij V_j | rowsum P_ij]`` in PSUM: P^T by TensorE transposes of 128-key chunks
+    (4 per PSUM tile), each tile copied to SBUF by ScalarE or VectorE (balanced), then one matmul
+    per chunk (stationary P^T [keys, rows], moving ``[V | 1]`` [keys, D + 1])."""
+    r, P = qt.rows, T.PMAX
+    chunks = [(c0, min(P, blk.width - c0)) for c0 in range(0, blk.width, P)]
+    per_tile = T.FWD_PT_CHUNKS
+    pt_dtype = f.transpose_psum_dtype(f.mm)
+    first = overwrite
+    for g0 in nl.static_range(0, len(chunks), per_tile):
+        group = chunks[g0:g0 + per_tile]
+        pt = nl.ndarray((P, per_tile * r), dtype=pt_dtype, buffer=nl.psum)
+        for s, (c0, kw) in enumerate(group):
+            pt[0:kw, s * r:(s + 1) * r] = nisa.nc_transpose(p[:, c0:c0 + kw])
+        n = len(group) * r
+        pts = nisa.tensor_copy(pt[:, 0:n], dtype=f.mm, engine=f.evac.engine(n))
+        for s, (c0, kw) in enumerate(group):
+            vb = (blk.j0 + c0 - kv.base) // P
+            prod = nisa.nc_matmul(pts[0:kw, s * r:(s + 1) * r], kv.v[0:kw, vb, :])
+            if first:
+                dst[...] = prod
+                first = False
+            else:
+                dst[...] += prod
+
+
+def attend_block(f: _Instance, st: _GroupState, qt: QueryTile, blk: KeyBlock, kv: _KV):
+    """Fold one key block into the query tile's state (the body of Algorithm 1's inner loop):
+    ``[o_acc | l_i] = alpha [o_acc | l_i] + [P_ij V_j | rowsum P_ij]``."""
+    s_tiles = [scores(f, st, qt, tile, kv) for tile in blk.tiles]
+    p, alpha = online_softmax(f, st, qt, blk, s_tiles)
+    o_acc = st.o_acc(qt)
+    if st.o_in_psum:
+        # ScalarE rescales the PSUM accumulator in place; TensorE accumulates on top of it
+        if alpha is not None:
+            o_acc[...] = nisa.activation(nl.copy, o_acc, scale=alpha, dtype=nl.float32)
+        pv_accumulate(f, p, qt, blk, kv, o_acc, overwrite=alpha is None)
+    else:
+        pv = nl.ndarray((qt.rows, f.D + 1), dtype=nl.float32, buffer=nl.psum)
+        pv_accumulate(f, p, qt, blk, kv, pv, overwrite=True)
+        if alpha is None:
+            o_acc[...] = nisa.activation(nl.copy, pv, dtype=nl.float32)
+        else:
+            scaled = nisa.activation(nl.copy, o_acc, scale=alpha, dtype=nl.float32)
+            o_acc[...] = nisa.tensor_tensor(scaled, pv, nl.add)
+    st.started[qt.slot] = True
+
+
+def write_back(f: _Instance, st: _GroupState, qt: QueryTile):
+    """``O_i = o_acc / l_i`` and ``LSE_i = c m_i + log l_i`` (softmax units), stored to HBM.
+
+    A row with l_i = 0 (every key masked) has o_acc = 0 exactly, so ``o_acc / max(l_i, L_FLOOR)``
+    is 0; its LSE is -inf by an explicit select (``log`` only ever sees ``l_i >= L_FLOOR``).
+    Rows at or after ``q_len`` are selected the same way and their output multiplied by 0.
+    """
+    r, h = qt.rows, f.g * f.G + qt.head
+    rows_o = f.o[f.b, h, qt.i0:qt.i0 + r, :]
+    rows_lse = f.lse_col[f.b, h, qt.i0:qt.i0 + r, :]
+    if not st.started[qt.slot]:
+        nl.store(rows_o, nisa.memset((r, f.D), 0.0, dtype=f.o.dtype))
+        nl.store(rows_lse, nisa.memset((r, 1), -np.inf, dtype=nl.float32))
+        return
+    o_acc = st.o_acc(qt)
+    l_i = o_acc[:, f.D:f.D + 1]
+    neg_m = st.neg_m(qt, st.parity[qt.slot])
+
+    l_safe = nisa.tensor_scalar(l_i, nl.maximum, T.FWD_L_FLOOR, dtype=nl.float32)
+    inv_l = nisa.reciprocal(l_safe)
+    if f.spec.q_lens:
+        in_range = M.row_valid(f.lens[1][:, 1:2], qt.i0, r)
+        o_out = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l, op1=nl.multiply,
+                                   operand1=in_range, dtype=f.o.dtype)
+        keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, op1=nl.multiply, operand1=in_range,
+                                  dtype=nl.uint8)
+    else:
+        o_out = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l, dtype=f.o.dtype)
+        keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, dtype=nl.uint8)
+    nl.store(rows_o, o_out)
+
+    log_l = nisa.activation(nl.log, l_safe, dtype=nl.float32)
+    lse_val = nisa.activation(nl.copy, neg_m, scale=-f.act_scale, bias=log_l, dtype=nl.float32)
+    lse_out = nisa.memset((r, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
+    nisa.tensor_copy_predicated(src=lse_val, dst=lse_out, predicate=keep)
+    nl.store(rows_lse, lse_out)
+
+
+def attend_group(f: _Instance, plan: ForwardPlan, group, kv: Optional[_KV]):
+    """One group of query tiles: load their Q^T, stream K/V chunks past them (or use the
+    resident K/V), fold in every key block, write O and LSE. The group's SBUF state is local to
+    this call, so it is freed before the next group allocates its own."""
+    st = _GroupState(f, len(group))
+    for qt in group:
+        if qt.blocks:
+            load_q_tile(f, st, qt)
+    for ci, (c0, c1) in enumerate(plan.chunks):
+        work = [(qt, blk) for qt in group for blk in qt.blocks if blk.chunk == ci]
+        if not work:
+            continue
+        chunk_kv = kv if plan.resident else load_kv(f, c0, c1)
+        for qt, blk in work:
+            attend_block(f, st, qt, blk, chunk_kv)
+        chunk_kv = None
+    for qt in group:
+        write_back(f, st, qt)
+
+
+# ============================================================================================
+# The kernel
+# ============================================================================================
+
+
+@nki.jit
+def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal=None,
+                        window=None, mm_dtype="bfloat16", tiles=None):
+    """Flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B, Hkv, Nk, D)``.
+
+    Launch on the grid ``(B, Hkv)``. Tensor arguments live in HBM: q, k, v in fp32/bf16/fp16
+    (one dtype), optional ``kv_lens``/``q_lens`` ``(B,)`` int32. Compile-time arguments:
+    ``scale`` (float, any finite value), ``causal`` (None, "top_left", "bottom_right"),
+    ``window`` (None or (left, right), -1 = unbounded), ``mm_dtype`` ("bfloat16", "float16",
+    "float32": matmul operand precision), ``tiles`` (:class:`tiles.ForwardTiles`).
+
+    Returns ``(o, lse)``: o ``(B, Hq, Nq, D)`` in q's dtype, lse ``(B, Hq, Nq)`` float32 (natural
+    log; -inf for rows without a visible key). Limits: ``1 <= D <= 256``; any Nq, Nk >= 1.
+    """
+    tiles = T.ForwardTiles() if tiles is None else tiles
+    B, Hq, Nq, D = q.shape
+    Nk = k.shape[2]
+    spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None)
+    plan = plan_forward(Nq, Nk, Hq // k.shape[1], spec, tiles)
+
+    o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
+    lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
+
+    f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec)
+    f.lse_col = lse.reshape((B, Hq, Nq, 1))
+    if spec.has_diag or spec.kv_lens:
+        f.neg_eye = M.neg_identity(T.PMAX)
+    if spec.kv_lens:
+        f.neg_row = M.neg_row(T.PMAX)
+    if spec.has_diag and not spec.runtime_diag:
+        f.static_masks = M.StaticDiagMasks(spec, tiles.q_tile, tiles.k_tile)
+    if spec.kv_lens or spec.q_lens:
+        f.lens = load_lengths(f, kv_lens, q_lens)
+        if spec.runtime_diag:
+            f.diag = diag_thresholds(f, f.lens[1])
+
+    needs_kv = any(qt.blocks for grp in plan.groups for qt in grp)
+    kv = load_kv(f, 0, Nk) if plan.resident and needs_kv else None
+    for group in plan.groups:
+        attend_group(f, plan, group, kv)
+    return o, lse

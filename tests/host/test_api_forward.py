@@ -1,0 +1,204 @@
+"""host.flash_attention: outputs, tile choice, launch plan, and every validation error.
+
+Numerics use the tolerance rule of docs/semantics.md (see tests/kernels/test_forward.py for the
+kernel-level cases); here the API's own behaviour is tested: dtypes, shapes, return_lse,
+mixed_precision, the (kernel, grid, options) plan shared with torch_ops, tile overrides, and the
+error messages (argument name, what was given, what is allowed).
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import host
+from host import api
+from host import reference as R
+from nki_kernels import tiles as T
+from nki_kernels.attention.forward import flash_attention_fwd
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _qkv(B=1, Hq=2, Hkv=1, Nq=40, Nk=70, D=16, dtype=BF16, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((B, Hq, Nq, D)).astype(dtype),
+            rng.standard_normal((B, Hkv, Nk, D)).astype(dtype),
+            rng.standard_normal((B, Hkv, Nk, D)).astype(dtype))
+
+
+def _within_rule(q, k, v, o, lse, mm, **mask):
+    ref_o, ref_lse = R.attention_forward(q, k, v, **mask)
+    base_o, base_lse = R.attention_baseline_lowp(q, k, v, dtype=mm, out_dtype=q.dtype,
+                                                 return_lse=True, **mask)
+    floor = R.atol_floor(mm)
+    assert R.max_abs_err(o, ref_o) <= R.tolerance(ref_o, base_o, floor=floor)
+    assert R.max_abs_err(lse, ref_lse) <= R.tolerance(ref_lse, base_lse, floor=floor)
+
+
+def test_exported():
+    assert host.flash_attention is api.flash_attention
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16), np.dtype(np.float32)])
+def test_outputs_dtype_shape(dtype):
+    q, k, v = _qkv(dtype=dtype)
+    o = host.flash_attention(q, k, v)
+    assert isinstance(o, np.ndarray) and o.shape == q.shape and o.dtype == dtype
+    o2, lse = host.flash_attention(q, k, v, return_lse=True)
+    assert lse.shape == q.shape[:3] and lse.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(o, np.float64), np.asarray(o2, np.float64))
+
+
+@pytest.mark.parametrize("mixed,mm", [(True, BF16), (False, np.dtype(np.float32))])
+def test_mixed_precision_fp32(mixed, mm):
+    q, k, v = _qkv(dtype=np.float32, seed=1)
+    o, lse = host.flash_attention(q, k, v, causal=True, mixed_precision=mixed, return_lse=True)
+    _within_rule(q, k, v, o, lse, mm, causal=True)
+
+
+def test_causal_true_is_bottom_right():
+    q, k, v = _qkv(Nq=30, Nk=90, seed=2)
+    a = host.flash_attention(q, k, v, causal=True)
+    b = host.flash_attention(q, k, v, causal="bottom_right")
+    c = host.flash_attention(q, k, v, causal="top_left")
+    np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64))
+    assert not np.array_equal(np.asarray(a, np.float64), np.asarray(c, np.float64))
+
+
+def test_all_options_together():
+    q, k, v = _qkv(B=3, Hq=4, Hkv=2, Nq=150, Nk=260, D=48, seed=3)
+    mask = dict(causal=True, window=(40, -1), kv_lens=np.array([260, 0, 100]),
+                q_lens=[150, 20, 0])
+    o, lse = host.flash_attention(q, k, v, scale=0.2, return_lse=True, **mask)
+    _within_rule(q, k, v, o, lse, BF16, scale=0.2, **mask)
+    assert np.all(np.isneginf(lse[1])) and np.all(np.isneginf(lse[2]))
+    assert np.all(np.asarray(o[2], np.float64) == 0.0)
+
+
+def test_torch_cpu_tensors():
+    torch = pytest.importorskip("torch")
+    q, k, v = _qkv(dtype=np.float32, seed=4)
+    o = host.flash_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v))
+    ref = host.flash_attention(q, k, v)
+    np.testing.assert_array_equal(o, ref)
+
+
+def test_plan_attention_forward():
+    q, k, v = _qkv(B=2, Hq=8, Hkv=2, Nq=300, Nk=500, D=64, dtype=np.float32)
+    kernel, grid, kw = api.plan_attention_forward(q, k, v, causal=True, window=(10, 5),
+                                                  mixed_precision=False)
+    assert kernel is flash_attention_fwd and grid == (2, 2)
+    assert kw["causal"] == "bottom_right" and kw["window"] == (10, 5)
+    assert kw["mm_dtype"] == "float32" and kw["scale"] == pytest.approx(1 / 8)
+    assert isinstance(kw["tiles"], T.ForwardTiles) and kw["tiles"].kv_resident
+    _, _, kw = api.plan_attention_forward(q, k, v, sbuf_budget=20_000)
+    assert not kw["tiles"].kv_resident
+    forced = T.ForwardTiles(kv_resident=False, q_group=2)
+    _, _, kw = api.plan_attention_forward(q, k, v, tiles=forced)
+    assert kw["tiles"] is forced
+
+
+def test_tiles_override_gives_same_result():
+    q, k, v = _qkv(Nq=300, Nk=2300, D=32, seed=5)
+    a = host.flash_attention(q, k, v, causal="top_left")
+    b = host.flash_attention(q, k, v, causal="top_left",
+                             tiles=T.ForwardTiles(kv_resident=False, q_group=2))
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: every error path, with its message
+# --------------------------------------------------------------------------------------------
+
+def _bad_inputs(case):
+    q, k, v = _qkv(B=2, Hq=4, Hkv=2, Nq=10, Nk=12, D=8)
+    if case == "q_rank":
+        return (q[0], k, v), {}
+    if case == "q_list":
+        return (q.tolist(), k, v), {}
+    if case == "q_int":
+        return (q.astype(np.int32), k, v), {}
+    if case == "k_dtype":
+        return (q, k.astype(np.float16), v), {}
+    if case == "v_shape":
+        return (q, k, v[:, :, :5]), {}
+    if case == "k_batch":
+        return (q, k[:1], v[:1]), {}
+    if case == "head_dim":
+        q2, k2, v2 = _qkv(Nq=4, Nk=4, D=300)
+        return (q2, k2, v2), {}
+    if case == "groups":
+        q2, k2, v2 = _qkv(Hq=4, Hkv=3, Nq=4, Nk=4, D=8)
+        return (q2, k2, v2), {}
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case,exc,message", [
+    ("q_rank", ValueError, "q: expected a 4-D array of shape (B, Hq, Nq, D), got a 3-D array"),
+    ("q_list", TypeError, "q: expected a numpy.ndarray or torch.Tensor, got"),
+    ("q_int", TypeError, "q: dtype int32 is not supported; allowed: float32, bfloat16, float16"),
+    ("k_dtype", TypeError, "k: dtype float16 does not match q's dtype bfloat16"),
+    ("v_shape", ValueError, "v: expected the same shape as k (2, 2, 12, 8)"),
+    ("k_batch", ValueError, "k: expected shape (B, Hkv, Nk, D) with B=2 and D=8 matching q"),
+    ("head_dim", ValueError, "q: head dim D must be in [1, 256], got D=300"),
+    ("groups", ValueError, "k: Hkv=3 kv heads must divide q's Hq=4 query heads"),
+])
+def test_input_errors(case, exc, message):
+    args, kw = _bad_inputs(case)
+    with pytest.raises(exc) as info:
+        host.flash_attention(*args, **kw)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs,exc,message", [
+    ({"scale": float("nan")}, ValueError, "scale: expected a finite real number, got nan"),
+    ({"scale": "0.5"}, TypeError, "scale: expected None or a finite real number, got '0.5'"),
+    ({"causal": "diagonal"}, ValueError, "causal: expected None, False, True (= 'bottom_right'), "
+                                         "'top_left' or 'bottom_right', got 'diagonal'"),
+    ({"causal": 1}, TypeError, "causal: expected None, False, True"),
+    ({"window": 5}, TypeError, "window: expected None or a (left, right) pair of ints"),
+    ({"window": (1, 2, 3)}, ValueError, "window: expected a (left, right) pair of ints "
+                                        "(-1 = unbounded), got 3 values"),
+    ({"window": (-2, 3)}, ValueError, "window: left must be >= -1 (-1 = unbounded), got -2"),
+    ({"window": (1.5, 3)}, TypeError, "window: left must be an int >= -1, got 1.5 (float)"),
+    ({"kv_lens": [1, 2, 3]}, ValueError, "kv_lens: expected length B=2 (one per sequence), got "
+                                         "length 3"),
+    ({"kv_lens": [5, 13]}, ValueError, "kv_lens: values must be in [0, Nk=12], got 13 at index 1"),
+    ({"kv_lens": np.array([1.0, 2.0])}, TypeError, "kv_lens: expected an integer array, got "
+                                                   "dtype float64"),
+    ({"kv_lens": [[1, 2]]}, TypeError, "kv_lens: expected integers, got [1, 2] (list) at index 0"),
+    ({"q_lens": [-1, 3]}, ValueError, "q_lens: values must be in [0, Nq=10], got -1 at index 0"),
+    ({"q_lens": 3}, TypeError, "q_lens: expected None, a 1-D integer array or a list of ints"),
+    ({"mixed_precision": "yes"}, TypeError, "mixed_precision: expected True or False, got 'yes'"),
+    ({"return_lse": 1}, TypeError, "return_lse: expected True or False, got 1 (int)"),
+    ({"tiles": {"q_tile": 64}}, TypeError, "tiles: expected None or a "
+                                          "nki_kernels.tiles.ForwardTiles, got"),
+    ({"sbuf_budget": 0}, ValueError, "sbuf_budget: expected an int in [1, "),
+    ({"sbuf_budget": 1.5e5}, TypeError, "sbuf_budget: expected an int, got 150000.0 (float)"),
+])
+def test_option_errors(kwargs, exc, message):
+    q, k, v = _qkv(B=2, Hq=4, Hkv=2, Nq=10, Nk=12, D=8)
+    with pytest.raises(exc) as info:
+        host.flash_attention(q, k, v, **kwargs)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"q_tile": 0}, "q_tile: expected 1..128, got 0"),
+    ({"v_chunk": 64}, "v_chunk: expected 128, got 64"),
+    ({"k_tile": 200}, "k_tile: expected a multiple of 128 up to 512, got 200"),
+    ({"softmax_block": 2560}, "softmax_block: expected 1 to 4 times k_tile=512, got 2560"),
+    ({"kv_chunk": 1000}, "kv_chunk: expected a multiple of softmax_block=2048, got 1000"),
+    ({"kv_load_block": 100}, "kv_load_block: expected a multiple of 128, got 100"),
+    ({"q_group": 0}, "q_group: expected >= 1, got 0"),
+    ({"act_evac_share": 1.5}, "act_evac_share: expected None or a fraction in [0, 1], got 1.5"),
+    ({"target": "trn3"}, "target: expected one of ['trn1', 'trn2'], got 'trn3'"),
+])
+def test_forward_tiles_errors(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        T.ForwardTiles(**kwargs)
+    assert message in str(info.value)
+
+
+def test_choose_tiles_target_error():
+    with pytest.raises(ValueError, match="target: expected one of"):
+        T.choose_forward_tiles(10, 10, 8, 1, 2, 2, target="gen4")

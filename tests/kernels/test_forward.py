@@ -1,0 +1,321 @@
+"""The flash attention forward kernel (nki_kernels/attention/forward.py) against the references.
+
+Every case runs through the active backend's ``nki.simulate_kernel`` and is checked with the
+tolerance rule of docs/semantics.md: the max abs error of o and of lse against the float64
+reference (host.reference.attention_forward) must be at most ``2 * err_baseline + floor``, where
+``err_baseline`` is the error of the plain low-precision implementation in the kernel's matmul
+operand precision (host.reference.attention_baseline_lowp) and the floor is 1e-5 for fp32
+operands, 1e-3 otherwise. No output may be NaN; rows without a visible key must be exactly
+o = 0, lse = -inf.
+
+IO and quality claims use ``simulate.measure`` (simulate backend only).
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from host import reference as R
+from nki_kernels import tiles as T
+from nki_kernels.attention import forward as F
+from nki_kernels.attention.masks import MaskSpec
+from nki_kernels.nki import BACKEND, nki
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+
+needs_measure = pytest.mark.skipif(BACKEND != "simulate",
+                                   reason="simulate.measure exists only in the bundled simulator")
+
+
+def _inputs(rng, B, Hq, Hkv, Nq, Nk, D, dtype, scale=1.0):
+    dt = DTYPES[dtype]
+    q = (scale * rng.standard_normal((B, Hq, Nq, D))).astype(dt)
+    k = rng.standard_normal((B, Hkv, Nk, D)).astype(dt)
+    v = rng.standard_normal((B, Hkv, Nk, D)).astype(dt)
+    return q, k, v
+
+
+def _mm_dtype(dtype, mixed_precision):
+    return DTYPES[T.fwd_mm_dtype_name(dtype, mixed_precision)]
+
+
+def run_kernel(q, k, v, *, scale=None, causal=None, window=None, kv_lens=None, q_lens=None,
+               mixed_precision=True, tiles=None):
+    """Launch flash_attention_fwd on the grid (B, Hkv) through nki.simulate_kernel."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    scale = 1.0 / np.sqrt(D) if scale is None else scale
+    mm = T.fwd_mm_dtype_name(q.dtype.name, mixed_precision)
+    if tiles is None:
+        tiles = T.choose_forward_tiles(Nq, Nk, D, Hq // Hkv, q.dtype.itemsize,
+                                       T.fwd_itemsize(mm), kv_lens=kv_lens is not None)
+    kv32 = None if kv_lens is None else np.asarray(kv_lens, dtype=np.int32)
+    q32 = None if q_lens is None else np.asarray(q_lens, dtype=np.int32)
+    o, lse = nki.simulate_kernel(F.flash_attention_fwd[B, Hkv], q, k, v, kv32, q32,
+                                 scale=float(scale), causal=causal, window=window, mm_dtype=mm,
+                                 tiles=tiles)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == np.float32
+    return o, lse
+
+
+def check(q, k, v, o, lse, *, mixed_precision=True, **mask):
+    """Tolerance rule for o and lse; no NaN; masked rows exactly (0, -inf). Returns errors."""
+    mm = _mm_dtype(q.dtype.name, mixed_precision)
+    ref_o, ref_lse = R.attention_forward(q, k, v, **mask)
+    base_o, base_lse = R.attention_baseline_lowp(q, k, v, dtype=mm, out_dtype=q.dtype,
+                                                 return_lse=True, **mask)
+    floor = R.atol_floor(mm)
+    o64 = np.asarray(o, dtype=np.float64)
+    assert not np.isnan(o64).any() and not np.isnan(lse).any()
+    err_o, tol_o = R.max_abs_err(o, ref_o), R.tolerance(ref_o, base_o, floor=floor)
+    err_l, tol_l = R.max_abs_err(lse, ref_lse), R.tolerance(ref_lse, base_lse, floor=floor)
+    assert err_o <= tol_o, f"o: max abs error {err_o:.3e} > tolerance {tol_o:.3e}"
+    assert err_l <= tol_l, f"lse: max abs error {err_l:.3e} > tolerance {tol_l:.3e}"
+    empty = np.isneginf(ref_lse)
+    assert np.all(np.isneginf(lse[empty])), "rows without a visible key must have lse = -inf"
+    assert np.all(o64[empty] == 0.0), "rows without a visible key must output 0"
+    return err_o, err_l
+
+
+def run_and_check(rng, B, Hq, Hkv, Nq, Nk, D, dtype="bfloat16", *, mixed_precision=True,
+                  tiles=None, **mask):
+    q, k, v = _inputs(rng, B, Hq, Hkv, Nq, Nk, D, dtype)
+    o, lse = run_kernel(q, k, v, mixed_precision=mixed_precision, tiles=tiles, **mask)
+    return check(q, k, v, o, lse, mixed_precision=mixed_precision, **mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes: awkward lengths, Nq != Nk, head dims, GQA/MQA, batch
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("N", [1, 17, 127, 128, 129, 1000])
+def test_lengths(N):
+    run_and_check(np.random.default_rng(N), 1, 2, 1, N, N, 64)
+
+
+@pytest.mark.parametrize("Nq,Nk", [(1, 700), (700, 1), (129, 2100), (2100, 129), (300, 4100)])
+def test_unequal_lengths(Nq, Nk):
+    run_and_check(np.random.default_rng(Nq + 3 * Nk), 1, 1, 1, Nq, Nk, 64)
+
+
+@pytest.mark.parametrize("D", [1, 16, 64, 80, 128, 200, 256])
+def test_head_dims(D):
+    run_and_check(np.random.default_rng(D), 1, 1, 1, 150, 600, D)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv", [(2, 8, 2), (2, 4, 1), (3, 2, 2)])
+def test_gqa_mqa_batch(B, Hq, Hkv):
+    run_and_check(np.random.default_rng(B * Hq + Hkv), B, Hq, Hkv, 130, 300, 64, causal=True)
+
+
+@pytest.mark.parametrize("dtype,mixed", [("float32", True), ("float32", False),
+                                         ("float16", True), ("bfloat16", True)])
+def test_dtypes(dtype, mixed):
+    run_and_check(np.random.default_rng(5), 1, 2, 1, 200, 520, 80, dtype, mixed_precision=mixed,
+                  causal="top_left")
+
+
+# --------------------------------------------------------------------------------------------
+# Masks
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("Nq,Nk", [(300, 300), (200, 1100), (1100, 200)])
+def test_causal(causal, Nq, Nk):
+    run_and_check(np.random.default_rng(Nq * Nk), 1, 2, 1, Nq, Nk, 64, causal=causal)
+
+
+@pytest.mark.parametrize("causal,window", [
+    (None, (100, 30)), (None, (64, -1)), (None, (-1, 5)), (None, (0, 0)),
+    ("bottom_right", (130, -1)), ("top_left", (700, 3)), ("bottom_right", (0, -1)),
+])
+def test_windows(causal, window):
+    run_and_check(np.random.default_rng(7), 1, 1, 1, 400, 1300, 64, causal=causal, window=window)
+
+
+LENGTH_CASES = [
+    # kv_lens, q_lens, causal, window
+    ([0, 600, 257], None, None, None),
+    (None, [0, 300, 129], None, None),
+    ([5, 600, 200], [0, 300, 123], "bottom_right", None),
+    ([600, 1, 333], [300, 300, 17], "top_left", None),
+    ([300, 600, 40], [299, 7, 300], None, (20, 10)),
+    ([600, 450, 3], [100, 300, 1], "bottom_right", (50, -1)),
+]
+
+
+@pytest.mark.parametrize("kv_lens,q_lens,causal,window", LENGTH_CASES)
+def test_lengths_masks(kv_lens, q_lens, causal, window):
+    run_and_check(np.random.default_rng(11), 3, 2, 1, 300, 600, 64, causal=causal,
+                  window=window, kv_lens=kv_lens, q_lens=q_lens)
+
+
+def test_fully_masked_rows_give_zero_and_neg_inf():
+    """bottom_right with Nq > Nk: the first Nq - Nk rows see no key; kv_len 0 hides all."""
+    rng = np.random.default_rng(13)
+    q, k, v = _inputs(rng, 2, 1, 1, 300, 100, 32, "bfloat16")
+    o, lse = run_kernel(q, k, v, causal=True, kv_lens=[100, 0])
+    check(q, k, v, o, lse, causal=True, kv_lens=[100, 0])
+    assert np.all(np.isneginf(lse[0, 0, :200])) and np.all(np.isfinite(lse[0, 0, 200:]))
+    assert np.all(np.isneginf(lse[1])) and np.all(np.asarray(o[1], np.float64) == 0.0)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 1e-9, 3e7])
+def test_unusual_scales(scale):
+    """Scales outside the folded range go into Q^T; negative and zero scales are valid."""
+    run_and_check(np.random.default_rng(17), 1, 1, 1, 140, 600, 32, scale=scale, causal=True)
+
+
+def test_seed_worked_example():
+    """Seed 003's numerical example: n=6, d=2, Bq=2 (query tiles of 2 rows), causal."""
+    Q = np.array([[1.0, 0.5], [0.8, -0.1], [0.2, 0.9], [-0.3, 0.4], [0.7, 0.6], [0.1, -0.5]])
+    K = np.array([[0.3, 0.7], [0.6, 0.2], [-0.1, 0.8], [0.4, -0.3], [0.9, 0.1], [0.2, 0.5]])
+    V = np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
+    q, k, v = (x.astype(np.float32)[None, None] for x in (Q, K, V))
+    tiles = T.ForwardTiles(q_tile=2)
+    o, lse = run_kernel(q, k, v, causal=True, mixed_precision=False, tiles=tiles)
+    # the seed's hand computation for query tile 0 (rows 0 and 1)
+    np.testing.assert_allclose(o[0, 0, 0], [1.0, 0.0], atol=1e-6)
+    np.testing.assert_allclose(o[0, 0, 1], [0.8146 / 1.8146, 1.0 / 1.8146], atol=1e-4)
+    np.testing.assert_allclose(lse[0, 0, 1], 0.325 + np.log(1.8146), atol=2e-3)
+    check(q, k, v, o, lse, mixed_precision=False, causal=True)
+    # Bq = 2 gives three query tiles; key tile 1 (keys 3-5) is skipped for query tile 0
+    plan = F.plan_forward(6, 6, 1, MaskSpec(6, 6, "bottom_right"), tiles)
+    first = plan.groups[0][0]
+    assert (first.i0, first.rows) == (0, 2) and len(plan.groups) == 3
+    assert [t.j0 + t.width for b in first.blocks for t in b.tiles] == [2]
+
+
+def test_bf16_large_scores_stay_finite():
+    """Scores of magnitude ~1e4 (bf16 inputs): finite outputs within the tolerance rule."""
+    rng = np.random.default_rng(19)
+    q, k, v = _inputs(rng, 1, 1, 1, 200, 700, 64, "bfloat16", scale=3000.0)
+    s = np.abs(q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2)) / 8
+    assert s.max() > 1e4
+    o, lse = run_kernel(q, k, v, causal=True)
+    assert np.all(np.isfinite(np.asarray(o, np.float64))) and np.all(np.isfinite(lse))
+    check(q, k, v, o, lse, causal=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming regime (K/V not resident) and the schedule
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("q_group,mask", [
+    (1, {}), (3, {}), (2, {"causal": True}), (5, {"window": (300, 40), "kv_lens": [4000, 1500]}),
+])
+def test_streaming_matches_reference(q_group, mask):
+    tiles = T.ForwardTiles(kv_resident=False, q_group=q_group)
+    run_and_check(np.random.default_rng(q_group), 2, 2, 1, 600, 4100, 64, tiles=tiles, **mask)
+
+
+def test_plan_skips_causal_tiles():
+    """Causal: each query tile's keys end at its last row's diagonal (whole tiles skipped)."""
+    tiles = T.ForwardTiles()
+    plan = F.plan_forward(1000, 1000, 1, MaskSpec(1000, 1000, "top_left"), tiles)
+    for qt in (q for g in plan.groups for q in g):
+        last = max(t.j0 + t.width for b in qt.blocks for t in b.tiles)
+        assert last == qt.i0 + qt.rows
+        assert all(b.width <= tiles.softmax_block for b in qt.blocks)
+    computed = sum(t.width * qt.rows for g in plan.groups for qt in g
+                   for b in qt.blocks for t in b.tiles)
+    assert computed < 0.57 * 1000 * 1000
+
+
+def test_choose_tiles_streams_when_kv_does_not_fit():
+    assert T.choose_forward_tiles(4096, 4096, 128, 1, 2, 2).kv_resident
+    big = T.choose_forward_tiles(4096, 65536, 128, 8, 2, 2)
+    assert not big.kv_resident and big.q_group >= 64
+    small = T.choose_forward_tiles(4096, 4096, 128, 1, 2, 2, sbuf_bytes=60_000)
+    assert not small.kv_resident and small.q_group >= 1
+
+
+# --------------------------------------------------------------------------------------------
+# IO (simulate.measure)
+# --------------------------------------------------------------------------------------------
+
+def _measured(q, k, v, **kw):
+    import simulate
+
+    with simulate.measure(target="trn2") as m:
+        run_kernel(q, k, v, **kw)
+    return m
+
+
+@needs_measure
+@pytest.mark.parametrize("N", [1000, 4096, pytest.param(8192, marks=pytest.mark.slow)])
+def test_hbm_bytes_at_lower_bound(N):
+    """One head, D = 128, bf16: K/V stay resident; HBM traffic is the IO lower bound."""
+    q, k, v = _inputs(np.random.default_rng(N), 1, 1, 1, N, N, 128, "bfloat16")
+    m = _measured(q, k, v)
+    bound = R.io_lower_bound_bytes(1, 1, 1, N, N, 128, 2)
+    total = m.hbm_bytes_read + m.hbm_bytes_written
+    assert total <= 1.05 * bound
+    assert total == bound
+    tiles = T.choose_forward_tiles(N, N, 128, 1, 2, 2, kv_lens=False, masks=False)
+    assert m.peak_sbuf_bytes_per_partition <= T.SBUF_USABLE_BYTES["trn1"]
+    assert m.peak_sbuf_bytes_per_partition <= (T.fwd_kv_bytes(N, 128, 2)
+                                               + T.fwd_working_bytes(128, 2, 2, tiles, False)
+                                               + T.fwd_q_state_bytes(128, 2))
+
+
+@needs_measure
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,q_group", [
+    (1, 1, 1, 1024, 1024, 2), (1, 1, 1, 1000, 3000, 3), (2, 4, 2, 300, 2500, 2),
+])
+def test_streaming_hbm_bytes_match_formula(B, Hq, Hkv, Nq, Nk, q_group):
+    """Streaming regime (forced): K/V is read once per group of q_group query tiles, exactly
+    ``tiles.forward_hbm_bytes`` (the Theta(N^2 d^2 / M) regime)."""
+    D = 128
+    q, k, v = _inputs(np.random.default_rng(Nq), B, Hq, Hkv, Nq, Nk, D, "bfloat16")
+    tiles = T.ForwardTiles(kv_resident=False, q_group=q_group)
+    m = _measured(q, k, v, tiles=tiles)
+    read, written = T.forward_hbm_bytes(B, Hq, Hkv, Nq, Nk, D, 2, tiles)
+    assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
+    assert (read, written) == F.plan_hbm_bytes(B, Hq, Hkv, Nq, Nk, D, 2, tiles)
+    passes = T.forward_kv_passes(Nq, Hq // Hkv, tiles)
+    assert passes == -(-(Hq // Hkv) * -(-Nq // 128) // q_group) and passes > 1
+    assert m.per_tensor["k"]["read"] == B * Hkv * passes * Nk * D * 2
+
+
+@needs_measure
+def test_streaming_budget_forces_streaming():
+    """A small SBUF budget makes choose_forward_tiles stream K/V; the query tiles that fit the
+    rest of the budget share each pass, and the bytes follow the formula."""
+    Nq, Nk, D, budget = 2048, 8192, 64, 40_000
+    tiles = T.choose_forward_tiles(Nq, Nk, D, 1, 2, 2, sbuf_bytes=budget, masks=False)
+    assert not tiles.kv_resident and 1 < tiles.q_group < Nq // 128
+    q, k, v = _inputs(np.random.default_rng(2), 1, 1, 1, Nq, Nk, D, "bfloat16")
+    m = _measured(q, k, v, tiles=tiles)
+    read, written = T.forward_hbm_bytes(1, 1, 1, Nq, Nk, D, 2, tiles)
+    assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
+    assert T.forward_kv_passes(Nq, 1, tiles) > 1
+    assert m.peak_sbuf_bytes_per_partition <= budget
+
+
+@needs_measure
+@pytest.mark.parametrize("mask", [{"causal": "top_left"}, {"causal": True, "window": (200, -1)},
+                                  {"kv_lens": [700], "q_lens": [90]}])
+def test_masked_hbm_bytes_match_plan(mask):
+    """With masks the kernel moves exactly what its schedule says (skipped tiles/chunks)."""
+    q, k, v = _inputs(np.random.default_rng(3), 1, 2, 1, 900, 3000, 64, "bfloat16")
+    tiles = T.ForwardTiles(kv_resident=False, q_group=2)
+    m = _measured(q, k, v, tiles=tiles, **mask)
+    flags = {"q_lens": "q_lens" in mask, "kv_lens": "kv_lens" in mask}
+    assert (m.hbm_bytes_read, m.hbm_bytes_written) == F.plan_hbm_bytes(
+        1, 2, 1, 900, 3000, 64, 2, tiles, causal=mask.get("causal"), window=mask.get("window"),
+        **flags)
+
+
+@needs_measure
+def test_modeled_time_goal_trn2():
+    """N = 4096, D = 128, bf16, non-causal on trn2: modeled TensorE utilization >= 50 % (the
+    perfect-overlap time at most 218 us); TensorE itself is not the bottleneck by much."""
+    N, D = 4096, 128
+    q, k, v = _inputs(np.random.default_rng(0), 1, 1, 1, N, N, D, "bfloat16")
+    m = _measured(q, k, v)
+    lower, upper = m.modeled_seconds
+    util = 4 * N * N * D / (lower * 78.6e12)
+    assert lower <= 218e-6 and util >= 0.5
+    assert m.engine_seconds["tensor"] >= 0.85 * lower
