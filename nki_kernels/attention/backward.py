@@ -73,7 +73,9 @@ import numpy as np
 
 from nki_kernels.nki import nisa, nki, nl
 from nki_kernels.tiles import (
+    BWD_ACT_EVAC_BLOCKS,
     BWD_DQ_ACCUMULATE_MODES,
+    BWD_DS_TRANSPOSE,
     BWD_EXP_BIAS_NO_KEY,
     BWD_LSE_NO_KEY,
     BWD_MASK_FILL,
@@ -211,24 +213,37 @@ def _accumulate(psum, first, product):
         psum[...] += product
 
 
-def _transpose_into(dst, src, tp_dtype):
+def _transpose_into(dst, src, tp_dtype, engine="scalar"):
     """``dst[D, rows] = src[rows, D]^T`` through a TensorE transpose and a PSUM -> SBUF copy on
-    ScalarE (VectorE carries the dS arithmetic)."""
+    ScalarE (default) or VectorE."""
     rows, cols = src.shape
     t_psum = nl.ndarray((cols, rows), dtype=tp_dtype, buffer=nl.psum)
     t_psum[...] = nisa.nc_transpose(src)
-    dst[...] = nisa.activation(nl.copy, t_psum, dtype=dst.dtype)
+    if engine == "scalar":
+        dst[...] = nisa.activation(nl.copy, t_psum, dtype=dst.dtype)
+    else:
+        dst[...] = nisa.tensor_copy(t_psum, dtype=dst.dtype)
 
 
-def load_query_side(q, do, o, lse, b, h0, qtiles, d_chunks, q_nat, q_T, do_nat, do_T, delta,
-                    exp_bias, op_dtype, tp_dtype):
+def _blocks_view(t, rows, nblocks):
+    """A ``[rows, nblocks * 128]`` tile seen as ``[rows, nblocks, 128]`` (a free-dim access
+    pattern, no copy)."""
+    ip = nl.arange(rows)[:, None, None]
+    ib = nl.arange(nblocks)[None, :, None]
+    ik = nl.arange(PMAX)[None, None, :]
+    return t[ip, ib * PMAX + ik]
+
+
+def load_query_side(q, do, o, lse, b, h0, qtiles, d_chunks, q_nat, q_T, do_nat, do_T,
+                    neg_delta, exp_bias, op_dtype, tp_dtype):
     """Load every query tile of a pass and derive what the inner loop needs.
 
     Per tile (rows r0 .. r0 + rows - 1 of query head h0 + h):
 
     * ``q_nat``, ``do_nat`` ``[rows, D]`` in the operand dtype, and their transposes
       ``q_T``, ``do_T`` ``[D chunk, rows]``;
-    * ``delta = rowsum(dO * O)`` in fp32 (from the loaded values, before any rounding);
+    * ``neg_delta = -D = -rowsum(dO * O)`` in fp32 (from the loaded values, before any
+      rounding; negated because it is used as the ScalarE bias of ``dP - D``);
     * ``exp_bias = -LSE``, or ``BWD_EXP_BIAS_NO_KEY`` where LSE = -inf (a row with no visible
       key), computed as ``m * BIAS_NO_KEY - max(LSE, LSE_NO_KEY)`` with ``m = [LSE < LSE_NO_KEY]``
       so every intermediate is finite.
@@ -239,8 +254,8 @@ def load_query_side(q, do, o, lse, b, h0, qtiles, d_chunks, q_nat, q_T, do_nat, 
         do_in = nl.load(do[b, hh, rsl, :])
         o_in = nl.load(o[b, hh, rsl, :])
         prod = nisa.tensor_tensor(do_in, o_in, np.multiply, dtype=nl.float32)
-        delta[0:rows, s:s + 1] = nisa.tensor_reduce(np.add, prod, axis=(1,), dtype=nl.float32,
-                                                    keepdims=True)
+        neg_delta[0:rows, s:s + 1] = nisa.tensor_reduce(np.add, prod, axis=(1,), negate=True,
+                                                        dtype=nl.float32, keepdims=True)
         if do_in.dtype == op_dtype:
             do_nat[0:rows, s, :] = do_in
         else:
@@ -309,7 +324,7 @@ def recompute_p(vis, kt, band, scale, d_chunks, q_T, k_T, exp_bias, op_dtype):
     return nisa.activation(np.exp, scores, bias=bias, scale=1.0, dtype=op_dtype)
 
 
-def softmax_backward(vis, d_chunks, do_T, v_T, delta, p, op_dtype):
+def softmax_backward(vis, d_chunks, do_T, v_T, neg_delta, p, op_dtype):
     """``dS = P * (dP - D)`` with ``dP = dO V^T``, ``[rows, w]`` in the operand dtype.
 
     ``dP - D`` is formed by ScalarE while it evacuates PSUM (identity with a per-row bias), so
@@ -320,9 +335,8 @@ def softmax_backward(vis, d_chunks, do_T, v_T, delta, p, op_dtype):
     for c, (d0, dsz) in enumerate(d_chunks):
         _accumulate(dp_psum, c == 0, nisa.nc_matmul(do_T[0:dsz, c, nl.ds(s * PMAX, rows)],
                                                     v_T[0:dsz, c, nl.ds(vis.a, w)]))
-    neg_delta = nisa.tensor_scalar(delta[0:rows, s:s + 1], np.multiply, -1.0,
-                                   dtype=nl.float32)
-    dp_minus_d = nisa.activation(nl.copy, dp_psum, bias=neg_delta, scale=1.0, dtype=op_dtype)
+    dp_minus_d = nisa.activation(nl.copy, dp_psum, bias=neg_delta[0:rows, s:s + 1], scale=1.0,
+                                 dtype=op_dtype)
     return nisa.tensor_tensor(dp_minus_d, p, np.multiply, dtype=op_dtype)
 
 
@@ -339,15 +353,32 @@ def accumulate_dv_dk(vis, kt, p, ds, q_nat, do_nat, dv_psum, dk_psum, D):
         dk_psum[0:n, acc] += nisa.nc_matmul(ds[0:rows, cols], q_nat[0:rows, s, :])
 
 
-def accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype):
-    """``dQ_i += dS K_j`` (scale applied at write-out): each 128-key block of dS is transposed
-    on TensorE to ``[keys, rows]`` (dQ contracts over keys) and multiplies ``K[keys, D]``."""
+def accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype, ds_transpose,
+                  act_evac_blocks):
+    """``dQ_i += dS K_j`` (scale applied at write-out). dQ contracts over keys, so dS goes
+    through a transpose to ``[keys, rows]`` per 128-key block, the stationary operand against
+    ``K[keys, D]``:
+
+    * ``ds_transpose="dma"`` (whole 128-key blocks only): one DMA transpose of the visit's
+      ``[rows, blocks, 128]`` dS into ``[128, blocks, rows]``, no TensorE or PSUM time;
+    * ``"pe"``: a TensorE transpose per block into PSUM, copied to SBUF by ScalarE for the first
+      ``act_evac_blocks`` blocks and by VectorE for the rest.
+    """
     rows = vis.qt.rows
-    for bi in range(vis.b_lo, vis.b_hi):
+    blocks = range(vis.b_lo, vis.b_hi)
+    if ds_transpose == "dma" and all(kt.blocks[bi][1] == PMAX for bi in blocks):
+        nb = vis.b_hi - vis.b_lo
+        ds_T = nl.ndarray((PMAX, nb, rows), dtype=op_dtype, buffer=nl.sbuf)
+        ds_T[...] = nisa.dma_transpose(_blocks_view(ds, rows, nb))
+        for j, bi in enumerate(blocks):
+            _accumulate(dq_psum, j == 0, nisa.nc_matmul(ds_T[:, j, :], k_nat[:, bi, :]))
+        return
+    for j, bi in enumerate(blocks):
         off, n = kt.blocks[bi]
         ds_T = nl.ndarray((n, rows), dtype=op_dtype, buffer=nl.sbuf)
-        _transpose_into(ds_T, ds[0:rows, nl.ds(off - vis.a, n)], tp_dtype)
-        _accumulate(dq_psum, bi == vis.b_lo, nisa.nc_matmul(ds_T, k_nat[0:n, bi, :]))
+        engine = "scalar" if j < act_evac_blocks else "vector"
+        _transpose_into(ds_T, ds[0:rows, nl.ds(off - vis.a, n)], tp_dtype, engine)
+        _accumulate(dq_psum, j == 0, nisa.nc_matmul(ds_T, k_nat[0:n, bi, :]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,7 +456,7 @@ def write_zero_rows(out, b, head, r0, r1, D, out_dtype):
 @nki.jit
 def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_len=None,
                    kv_len=None, mixed_precision=True, rows_per_pass=None, key_tile=None,
-                   dq_accumulate="sbuf"):
+                   dq_accumulate="sbuf", ds_transpose=None, act_evac_blocks=None):
     """Flash attention backward for the SPMD grid ``[B, Hkv]`` (one kv head per program).
 
     Parameters
@@ -450,6 +481,12 @@ def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_l
     dq_accumulate : "sbuf" (default) or "hbm"
         Where dQ accumulates across K/V tiles: on chip, or (the atomics analogue, for
         measurement) read-add-written to an fp32 HBM scratch after every visit.
+    ds_transpose : "pe", "dma" or None
+        How dS is transposed for dQ (see :func:`accumulate_dq`); None = ``BWD_DS_TRANSPOSE``
+        of the target generation.
+    act_evac_blocks : int, optional
+        With PE transposes, dS^T blocks per visit copied out of PSUM by ScalarE; None =
+        ``BWD_ACT_EVAC_BLOCKS`` of the target.
 
     Returns
     -------
@@ -472,6 +509,11 @@ def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_l
     tp_dtype = op_dtype if (gen3 and op_dtype != nl.float32) else nl.float32
     target = "trn2" if gen3 else "trn1"
     op_itemsize = 4 if op_dtype == nl.float32 else 2
+
+    if ds_transpose is None:
+        ds_transpose = BWD_DS_TRANSPOSE[target]
+    if act_evac_blocks is None:
+        act_evac_blocks = BWD_ACT_EVAC_BLOCKS[target]
 
     nq = Nq if q_len is None else q_len
     nk = Nk if kv_len is None else kv_len
@@ -509,10 +551,10 @@ def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_l
         do_nat = nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf)
         q_T = nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
         do_T = nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
-        delta = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
+        neg_delta = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
         exp_bias = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
         load_query_side(q, do, o, lse, b, h0, qtiles, d_chunks, q_nat, q_T, do_nat, do_T,
-                        delta, exp_bias, op_dtype, tp_dtype)
+                        neg_delta, exp_bias, op_dtype, tp_dtype)
         if dq_accumulate == "sbuf":
             dq_acc = nl.zeros((PMAX, n_slots, D), dtype=nl.float32, buffer=nl.sbuf)
         else:
@@ -531,10 +573,11 @@ def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_l
                 if vis is None:
                     continue
                 p = recompute_p(vis, kt, band, scale, d_chunks, q_T, k_T, exp_bias, op_dtype)
-                ds = softmax_backward(vis, d_chunks, do_T, v_T, delta, p, op_dtype)
+                ds = softmax_backward(vis, d_chunks, do_T, v_T, neg_delta, p, op_dtype)
                 accumulate_dv_dk(vis, kt, p, ds, q_nat, do_nat, dv_psum, dk_psum, D)
                 dq_psum = nl.ndarray((qt.rows, D), dtype=nl.float32, buffer=nl.psum)
-                accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype)
+                accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype, ds_transpose,
+                              act_evac_blocks)
                 if dq_accumulate == "sbuf":
                     dq_acc[0:qt.rows, qt.slot, :] = nisa.tensor_tensor(
                         dq_acc[0:qt.rows, qt.slot, :], dq_psum, np.add, dtype=nl.float32)

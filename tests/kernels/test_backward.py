@@ -245,6 +245,22 @@ def test_dq_accumulated_in_hbm():
                   dq_accumulate="hbm")
 
 
+@pytest.mark.parametrize("ds_transpose,act_evac_blocks", [("pe", 0), ("pe", 2), ("dma", 0)])
+def test_ds_transpose_paths(ds_transpose, act_evac_blocks):
+    """dS^T on TensorE (PSUM copies on ScalarE and/or VectorE) or by DMA transpose; the DMA
+    path falls back to TensorE for visits with a partial 128-key block (Nk = 300)."""
+    run_and_check(1, 2, 1, 150, 300, 64, BF16, seed=34, causal="bottom_right",
+                  ds_transpose=ds_transpose, act_evac_blocks=act_evac_blocks)
+
+
+@needs_measure
+def test_runs_on_trn1():
+    """trn1 defaults (PE transposes, fp32 PSUM transposes) under the trn1 capacity checks."""
+    import simulate
+    with simulate.measure(target="trn1"):
+        run_and_check(1, 2, 1, 200, 260, 128, BF16, seed=35, causal="top_left")
+
+
 def test_small_key_tile():
     run_and_check(1, 1, 1, 100, 300, 64, BF16, seed=33, window=(50, 10), key_tile=128)
 
