@@ -1101,8 +1101,8 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
         if ddi is not vdi and not (ddi is F32 and vdi.is_float):
             vals = ddi.round(vals)
         dst._write(vals, m)
-        if not direct:
-            _charge_copy(ctx, value, dst, n)
+        if not direct or (tag == "nl_matmul" and st.buffer != PSUM):
+            _charge_copy(ctx, value, dst, n)     # (nl.matmul into SBUF: PSUM evacuation)
     else:
         fn = _ACC_FN[accumulate]
         cur = dst._read()
@@ -1112,8 +1112,8 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
             a = cur.astype(np.float32, copy=False) if ddi.is_float else cur.astype(np.float64)
             res = fn(a, vals)
             dst._write(ddi.round(res), m)
-        if not (direct and tag in ("matmul", "pe_transpose") and accumulate == "add"
-                and st.buffer == PSUM):
+        if not (direct and tag in ("matmul", "pe_transpose", "nl_matmul")
+                and accumulate == "add" and st.buffer == PSUM):
             from . import _cost
             a_psum = st.buffer == PSUM
             b_psum = type(value) is Tensor and value._st.buffer == PSUM and not direct

@@ -723,8 +723,9 @@ def tensor_copy_dynamic_dst(*, dst, src, mask=None, dtype=None, engine=None, **k
                         "but got a tile in 'hbm' instead.")
     vals = fit_value(a, src.shape, dst.shape, dst._st.name, "src")
     ddi = dst._st.di
-    dst._write(ddi.round(np.asarray(vals)) if ddi is not di else vals,
-               eval_mask(mask, dst.shape) or None)
+    m = eval_mask(mask, dst.shape)
+    if m is not False:
+        dst._write(ddi.round(np.asarray(vals)) if ddi is not di else vals, m)
     dst._st.written = True
     ctx.rec.add("vector", max(_hw.DYNAMIC_COPY_MIN_II, _free(src.shape)))
     return None
@@ -1150,7 +1151,9 @@ def nc_stream_shuffle(src, dst, shuffle_mask, *, dtype=None, mask=None, **kwargs
             sp = 0
         if sp < Ps:
             cur[p] = Sd[sp]
-    dst._write(cur.reshape(dst.shape), eval_mask(mask, dst.shape) or None)
+    m = eval_mask(mask, dst.shape)
+    if m is not False:
+        dst._write(cur.reshape(dst.shape), m)
     dst._st.written = True
     ctx.rec.add("vector", _cost.ii(_free(src.shape)))
     return None

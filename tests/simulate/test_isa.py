@@ -512,3 +512,20 @@ def test_get_nc_version_per_target():
     assert seen["v"] == nisa.nc_version.gen2
     nki.jit(kern, platform_target="trn2")(a)
     assert seen["v"] == nisa.nc_version.gen3 and seen["v"] >= nisa.nc_version.gen3
+
+
+def test_inplace_instructions_honour_array_masks(rng):
+    x = rng.standard_normal((64, 4)).astype(np.float32)
+
+    @nki.jit
+    def k(xh):
+        t = nl.load(xh)
+        dst = nl.zeros((64, 4), nl.float32)
+        ip = nl.arange(64)[:, None]
+        nisa.nc_stream_shuffle(src=t, dst=dst, shuffle_mask=list(range(32)), mask=(ip < 40))
+        o = nl.ndarray((64, 4), nl.float32, buffer=nl.shared_hbm)
+        nl.store(o, dst)
+        return o
+    got = k(x)
+    np.testing.assert_array_equal(got[:40], x[:40])
+    np.testing.assert_array_equal(got[40:], 0)

@@ -188,3 +188,21 @@ def test_peak_sbuf_tracks_liveness():
     with nki.measure() as m:
         k(np.ones((128, 1000), np.float32))
     assert m.peak_sbuf_bytes_per_partition == 4 * 4000 + 4000
+
+
+def test_psum_accumulation_of_nl_matmul_is_free_and_sbuf_copy_charged():
+    @nki.jit
+    def k(a):
+        t = nl.load(a)
+        ps = nl.zeros((128, 128), nl.float32, buffer=nl.psum)
+        ps += nl.matmul(t, t, transpose_x=True)
+        sb = nl.ndarray((128, 128), nl.float32)
+        sb[...] = nl.matmul(t, t, transpose_x=True)
+        out = nl.ndarray((128, 128), nl.float32, buffer=nl.shared_hbm)
+        nl.store(out, sb)
+        return out
+    with nki.measure(target="trn2") as m:
+        k(np.ones((128, 128), ml_dtypes.bfloat16))
+    assert m.instructions["tensor"] == 2
+    # memset of the PSUM tile + one PSUM->SBUF evacuation; no VectorE add for the +=
+    assert m.instructions["vector"] == 2
