@@ -425,12 +425,32 @@ def _out_shape(shape):
 
 
 def _contig(t, di):
-    """Per-partition contiguous bytes of the HBM side of a DMA."""
+    """Per-partition contiguous bytes of the HBM side of a DMA (the innermost run of
+    consecutive addresses within one partition's data)."""
     v = t._v
     per_part = _free(_out_shape(t.shape)) * di.itemsize
-    if v is None or v.ndim < 2:
-        return di.itemsize if (v is None or v.ndim == 1) else per_part
-    return _builtins.min(per_part, _cost.contiguous_run_bytes(v, di.itemsize))
+    if v is not None:
+        if v.ndim < 2:
+            return di.itemsize
+        return _builtins.min(per_part, _cost.contiguous_run_bytes(v, di.itemsize))
+    # advanced view: flat offsets of partition 0's elements (index tiles only move whole rows)
+    base = t._base
+    shape = t.shape
+    if len(shape) < 2:
+        return di.itemsize
+    el = base.itemsize
+    off = np.zeros(shape[1:], np.int64)
+    for d, k in enumerate(t._key):
+        if isinstance(k, (Tensor, _tensor.DynExpr)):
+            continue
+        a = np.broadcast_to(np.asarray(k), shape)[0]
+        off = off + a * (base.strides[d] // el)
+    off = off.reshape(-1)
+    if off.size < 2:
+        return di.itemsize
+    steps = np.diff(off) == 1
+    run = off.size if steps.all() else int(np.argmin(steps)) + 1
+    return _builtins.min(per_part, run * di.itemsize)
 
 
 def load(src, *, mask=None, dtype=None, **kwargs):

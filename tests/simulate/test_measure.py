@@ -206,3 +206,20 @@ def test_psum_accumulation_of_nl_matmul_is_free_and_sbuf_copy_charged():
     assert m.instructions["tensor"] == 2
     # memset of the PSUM tile + one PSUM->SBUF evacuation; no VectorE add for the +=
     assert m.instructions["vector"] == 2
+
+
+def test_dma_contiguity_of_masked_and_strided_accesses():
+    @nki.jit
+    def k(a):
+        ip = nl.arange(128)[:, None]
+        jf = nl.arange(256)[None, :]
+        t = nl.load(a[128 + ip, jf], mask=(128 + ip < 200))     # OOB -> advanced view
+        u = nl.load(a[ip, 2 * jf])                               # strided columns
+        w = nl.load(a[0:128, 0:256])
+        out = nl.ndarray((128, 256), nl.float32, buffer=nl.shared_hbm)
+        nl.store(out, nl.add(nl.add(t, u), w))
+        return out
+    with nki.measure() as m:
+        k(np.ones((200, 512), np.float32))
+    assert m.dma_bytes_per_partition == [1024, 4, 1024, 1024]
+    assert m.hbm_bytes_read == (72 + 128 + 128) * 256 * 4
