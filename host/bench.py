@@ -499,7 +499,7 @@ def make_plots(rows: List[dict], out: str, meta: dict) -> List[str]:
     xs_u, ys_u = _series(rows, "gelu", "unfused")
     if xs_f or xs_u:
         ns = sorted(set(xs_f) | set(xs_u))
-        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        fig, (ax, axt) = plt.subplots(1, 2, figsize=(10.4, 4.4))
         ax.plot(xs_u, [y / 2**20 for y in ys_u], "o", color="C3", label="unfused: 3 kernels")
         ax.plot(ns, [6 * n / 2**20 for n in ns], "--", color="C3", label="6n")
         ax.plot(xs_f, [y / 2**20 for y in ys_f], "s", color="C0", label="fused: 1 kernel")
@@ -508,10 +508,25 @@ def make_plots(rows: List[dict], out: str, meta: dict) -> List[str]:
         ax.set_yscale("log")
         ax.set_xlabel("n = bytes of y (M = N = 2K)")
         ax.set_ylabel("HBM traffic (MiB)")
-        ax.set_title(f"GELU(xW + b): fused vs unfused ({meta['dtype']}, simulated "
-                     f"{meta['target']})", fontsize=9)
+        ax.set_title("HBM traffic", fontsize=9)
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
+        for variant, color, mark, label in (("unfused", "C3", "o", "unfused"),
+                                            ("fused", "C0", "s", "fused")):
+            xs, lo = _series(rows, "gelu", variant, "modeled_us_overlap")
+            _, hi = _series(rows, "gelu", variant, "modeled_us_serial")
+            axt.plot(xs, lo, mark + "-", color=color, label=f"{label} (engines overlapped)")
+            axt.fill_between(xs, lo, hi, color=color, alpha=0.15,
+                             label=f"{label}: overlapped .. serial")
+        axt.set_xscale("log", base=2)
+        axt.set_yscale("log")
+        axt.set_xlabel("n = bytes of y (M = N = 2K)")
+        axt.set_ylabel("modeled time (µs)")
+        axt.set_title("modeled time", fontsize=9)
+        axt.legend(fontsize=8)
+        axt.grid(True, which="both", alpha=0.3)
+        fig.suptitle(f"GELU(xW + b): fused vs unfused ({meta['dtype']}, simulated "
+                     f"{meta['target']})", fontsize=10)
         save(fig, "gelu_fusion.png")
     return written
 
