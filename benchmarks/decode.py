@@ -1,0 +1,133 @@
+"""Decode benchmark (issue #5): modeled time of ``host.flash_decode`` against the HBM bound.
+
+Default case (hardware-and-limits.md, "Physical-limit targets", decode rows): B=1, Hq=32,
+Hkv=8, one new token (T=1), a full 32768-position cache, D=128, bf16. Every valid K/V byte must
+be read once, so the floor is the KV bytes over the DMA/HBM rate: 16 MiB per kv head, 128 MiB for
+the 8 heads -- about 46 us per kv head and 370 us in all on trn2 (goal: within 1.5x).
+
+Numbers come from ``simulate.measure`` (exact HBM bytes; modeled time = per kernel the max over
+engines, i.e. perfect overlap, summed over the two kernels; NOT hardware timings). Two bounds
+are printed: the simulator's DMA rate (its cost model: 272 GB/s trn1, 368 GB/s trn2 per
+NeuronCore) and the even HBM share of a chip (410 / 362.5 GB/s per NeuronCore).
+
+    python benchmarks/decode.py                       # the default case, trn1 and trn2
+    python benchmarks/decode.py --lens 1000 32768     # ragged batch (B = number of lengths)
+    python benchmarks/decode.py --tokens 9 --hq 32 --hkv 8 --seq 8192 --json out.json
+
+Runs on the bundled simulator only (``NKI_FLASH_BACKEND=simulate`` is set if unset).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+os.environ.setdefault("NKI_FLASH_BACKEND", "simulate")
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+#: Per-NeuronCore HBM bandwidth, bytes/s: (DMA rate of the simulator's cost model, even share
+#: of the chip's HBM) -- hardware-and-limits.md §3.
+BANDWIDTH = {"trn1": (272e9, 410e9), "trn2": (368e9, 362.5e9)}
+#: Goal of issue #5: modeled time within this factor of the HBM bound.
+GOAL = 1.5
+DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+
+
+def run_case(args, target):
+    import host
+    import simulate
+    from host import reference
+
+    lens = np.asarray(args.lens if args.lens else [args.seq] * args.batch, dtype=np.int64)
+    B = len(lens)
+    s_max = args.s_max or int(lens.max())
+    dtype = np.dtype(DTYPES[args.dtype])
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, args.hq, args.tokens, args.dim)).astype(np.float32).astype(dtype)
+    k = rng.standard_normal((B, args.hkv, s_max, args.dim)).astype(np.float32).astype(dtype)
+    v = rng.standard_normal((B, args.hkv, s_max, args.dim)).astype(np.float32).astype(dtype)
+    plan = host.plan_flash_decode(q, k, v, cache_lens=lens, num_splits=args.num_splits)
+    t0 = time.perf_counter()
+    with simulate.measure(target=target) as m:
+        o = host.flash_decode(q, k, v, cache_lens=lens, num_splits=args.num_splits)
+    wall = time.perf_counter() - t0
+    kv_bytes = 2 * args.hkv * args.dim * dtype.itemsize * int(lens.sum())
+    read, written = host.flash_decode_hbm_bytes(B, args.hq, args.tokens, args.dim, args.hkv,
+                                                lens, dtype.itemsize, plan.num_splits)
+    dma_rate, hbm_share = BANDWIDTH[target]
+    lower, upper = m.modeled_seconds
+    out = {
+        "target": target, "B": B, "Hq": args.hq, "Hkv": args.hkv, "T": args.tokens,
+        "D": args.dim, "S_max": s_max, "cache_lens": lens.tolist(), "dtype": args.dtype,
+        "plan": plan._asdict(),
+        "hbm_bytes_read": m.hbm_bytes_read, "hbm_bytes_written": m.hbm_bytes_written,
+        "formula_read": read, "formula_written": written, "kv_bytes": kv_bytes,
+        "kv_bytes_read": m.per_tensor["k_cache"]["read"] + m.per_tensor["v_cache"]["read"],
+        "modeled_us": [lower * 1e6, upper * 1e6],
+        "kernels": [{"name": r.name, "grid": list(r.grid),
+                     "engine_us": {e: s * 1e6 for e, s in r.engine_seconds.items()}}
+                    for r in m.kernels],
+        "bound_dma_us": kv_bytes / dma_rate * 1e6,
+        "bound_hbm_share_us": kv_bytes / hbm_share * 1e6,
+        "sim_wall_s": wall,
+    }
+    if args.check:
+        ref = reference.decode(q, k, v, cache_lens=lens)[0]
+        out["max_abs_err"] = reference.max_abs_err(o, ref)
+    return out
+
+
+def report(r):
+    lo, hi = r["modeled_us"]
+    print(f"\n{r['target']}: B={r['B']} Hq={r['Hq']} Hkv={r['Hkv']} T={r['T']} D={r['D']} "
+          f"S_max={r['S_max']} {r['dtype']}  plan {r['plan']}")
+    for k in r["kernels"]:
+        eng = "  ".join(f"{e} {s:7.1f}" for e, s in k["engine_us"].items())
+        print(f"  {k['name']:<28} grid {k['grid']}: {eng}  (us)")
+    exact = (r["hbm_bytes_read"], r["hbm_bytes_written"]) == (r["formula_read"],
+                                                               r["formula_written"])
+    print(f"  HBM read {r['hbm_bytes_read']} B (K+V {r['kv_bytes_read']} = valid KV "
+          f"{r['kv_bytes']}), written {r['hbm_bytes_written']} B; formula "
+          f"{'exact' if exact else 'MISMATCH'}")
+    for name, key in (("DMA rate", "bound_dma_us"), ("HBM share", "bound_hbm_share_us")):
+        ratio = lo / r[key]
+        verdict = "within" if ratio <= GOAL else "OUTSIDE"
+        print(f"  modeled {lo:8.1f} us (serial {hi:8.1f}) vs {name} bound {r[key]:8.1f} us: "
+              f"{ratio:.2f}x ({verdict} the {GOAL}x goal)")
+    if "max_abs_err" in r:
+        print(f"  max abs error vs float64 reference: {r['max_abs_err']:.3g}")
+    print(f"  (simulation wall time {r['sim_wall_s']:.1f} s)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--hq", type=int, default=32)
+    p.add_argument("--hkv", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=1, help="new tokens T per sequence")
+    p.add_argument("--seq", type=int, default=32768, help="cache_len of every sequence")
+    p.add_argument("--lens", type=int, nargs="+", help="per-sequence cache_lens (sets B)")
+    p.add_argument("--s-max", type=int, default=None, help="cache capacity (default max len)")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--num-splits", type=int, default=None)
+    p.add_argument("--targets", nargs="+", choices=sorted(BANDWIDTH), default=["trn1", "trn2"])
+    p.add_argument("--check", action="store_true", help="also compare with the reference")
+    p.add_argument("--json", default=None, help="write the results to this file")
+    args = p.parse_args(argv)
+    results = [run_case(args, t) for t in args.targets]
+    for r in results:
+        report(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
