@@ -29,7 +29,7 @@ from ._tensor import Tensor as tensor
 
 __all__ = ["jit", "trace", "simulate_kernel", "baremetal", "benchmark", "profile", "measure",
            "register_as_neuronxcc", "unregister_neuronxcc", "language", "isa", "typing",
-           "compiler", "tensor", "NKIError", "NKISyntaxError"]
+           "compiler", "tensor", "NKIError", "NKISyntaxError", "Measurement"]
 
 _MODES = ("auto", "jax", "torchxla", "baremetal", "benchmark", "simulation", "trace")
 

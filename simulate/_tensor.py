@@ -21,9 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import _dtypes, _runtime, _hw
-from ._dtypes import F32, DInfo
+from ._dtypes import F32
 from ._errors import nki_error, hw_error, fmt_shape
-from ._index import IndexExpr, MGridResult, Predicate, eval_mask, _is_int
+from ._index import IndexExpr, MGridResult, Predicate, _is_int
 from ._runtime import enter, enter_keep
 
 SBUF, PSUM, HBM, SHARED_HBM = "sbuf", "psum", "hbm", "shared_hbm"
@@ -661,7 +661,6 @@ def _entry_shape(k):
 def _index_advanced(t, key):
     v = t._v
     shape = v.shape
-    nd = len(shape)
     name = t._st.name
     dyn = []
     shapes = []

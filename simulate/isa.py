@@ -14,13 +14,13 @@ import enum
 
 import numpy as np
 
-from . import _cost, _dtypes, _hw, _ops, _runtime, _tensor
-from ._dtypes import F32, BOOL
+from . import _cost, _dtypes, _hw, _ops, _tensor
+from ._dtypes import F32
 from ._errors import nki_error, hw_error, fmt_shape
 from ._index import IndexExpr, Predicate, eval_mask
 from ._runtime import enter, current
-from ._tensor import (Tensor, tile_operand, make_result, assign, check_partitions,
-                      SBUF, PSUM, HBM, SHARED_HBM, fit_value, host_array)
+from ._tensor import (Tensor, tile_operand, make_result, check_partitions, SBUF, PSUM,
+                      HBM, SHARED_HBM, fit_value)
 from ._ops import free_size as _free, to_f32 as _f32
 
 _HBMS = (HBM, SHARED_HBM)

@@ -17,17 +17,16 @@ import numpy as np
 import ml_dtypes as _mld
 
 from . import _cost, _dtypes, _hw, _ops, _runtime, _tensor
-from ._dtypes import (float32, float16, bfloat16, float8_e4m3, float8_e5m2, tfloat32, int8,
+from ._dtypes import (float32, float16, bfloat16, float8_e4m3, float8_e5m2, tfloat32, int8,  # noqa: F401,E501 (public nl dtypes)
                       int16, int32, uint8, uint16, uint32, bool_, float32r, F32)
 from ._errors import nki_error, fmt_shape
-from ._index import arange, mgrid, ds, eval_mask, IndexExpr, Predicate
+from ._index import arange, mgrid, ds, eval_mask  # noqa: F401 (public nl names)
 from ._runtime import enter, current, NC as _NC, SpmdDim as _SpmdDim
-from ._tensor import (Tensor, Storage, tile_operand, make_result, new_onchip, assign,
-                      check_partitions, SBUF as _SBUF, PSUM as _PSUM, HBM as _HBM,
-                      SHARED_HBM as _SHARED, fit_value, fit_mask, host_array)
+from ._tensor import (Tensor, Storage, tile_operand, make_result, new_onchip, check_partitions,
+                      SBUF as _SBUF, PSUM as _PSUM, HBM as _HBM, SHARED_HBM as _SHARED,
+                      fit_value, host_array)
 from ._ops import free_size as _free
 
-__all__ = []  # populated implicitly; star-imports are not part of the NKI API
 
 
 # =============================================================================================
@@ -994,14 +993,8 @@ def static_cast(input_data, dtype):
 
 def device_print(prefix, x, *, mask=None, **kwargs):
     """Print ``prefix`` and the tile's values (simulation only)."""
-    ctx = enter()
-    if isinstance(x, Tensor):
-        if x._st.buffer in (_HBM, _SHARED):
-            val = host_array(x)
-        else:
-            val = host_array(x)
-    else:
-        val = x
+    enter()
+    val = host_array(x) if isinstance(x, Tensor) else x
     print(prefix, val)
     return None
 

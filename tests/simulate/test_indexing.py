@@ -6,7 +6,6 @@ import pytest
 import simulate as nki
 import simulate.language as nl
 import simulate.isa as nisa
-from simulate._tensor import Tensor
 
 
 def _copy_kernel(index_fn, out_shape, mask_fn=None, dtype=np.float32):

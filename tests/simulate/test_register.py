@@ -1,6 +1,5 @@
 """register_as_neuronxcc(): third-party legacy kernels run unchanged (realistic doc kernels)."""
 import importlib
-import os
 import sys
 
 import ml_dtypes

@@ -1,5 +1,4 @@
 """Entry points, kernel I/O conventions, SPMD grids, targets (spec §2, §12)."""
-import os
 import warnings
 
 import ml_dtypes
