@@ -8,3 +8,10 @@ from host.api import flash_decode, flash_decode_hbm_bytes, plan_flash_decode  # 
 
 # Flash attention forward (issue #3).
 from host.api import flash_attention, plan_attention_forward  # noqa: E402,F401
+
+# Flash attention backward (issue #4).
+from host.api import (  # noqa: E402,F401
+    flash_attention_backward,
+    flash_attention_backward_hbm_bytes,
+    plan_attention_backward,
+)

@@ -459,3 +459,126 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None,
                     rows_per_program=tiles.DECODE_MERGE_ROWS)
     o = o.reshape(B, Hq, T, D)
     return (o, lse.reshape(B, Hq, T)) if return_lse else o
+
+
+# ============================================================================================
+# Flash attention backward (issue #4)
+# ============================================================================================
+
+
+def _lengths_tuple(lens):
+    """Validated (B,) lengths as the backward kernel's compile-time tuple of ints (or None)."""
+    return None if lens is None else tuple(int(n) for n in lens)
+
+
+def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, window=None,
+                            kv_lens=None, q_lens=None, mixed_precision: bool = True):
+    """Validate a backward call and choose its launch: ``(kernel, grid, kernel_kwargs)``.
+
+    The kernel is :func:`nki_kernels.attention.backward.flash_attn_bwd`, called as
+    ``kernel[grid](q, k, v, o, do, lse, **kernel_kwargs)``. ``kernel_kwargs`` holds every
+    option, all compile-time: ``scale``, ``causal``, ``window``, ``mixed_precision`` and the
+    lengths as tuples of ints (``q_lens``/``kv_lens``, None when not given). Without lengths the
+    grid is ``(B, Hkv)``; with lengths it is ``(1, Hkv)`` and each program walks the sequences,
+    so every tile is trimmed to the valid rows and keys at compile time (a new set of lengths is
+    a new compilation on a device). Arguments as in :func:`flash_attention_backward`.
+    """
+    from nki_kernels.attention.backward import flash_attn_bwd
+
+    dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
+    scale = _v.check_scale(scale, dims.D)
+    causal = _v.normalize_causal(causal)
+    window = _v.normalize_window(window)
+    kv_lens = _v.check_lengths("kv_lens", kv_lens, dims.B, dims.Nk, upper_name="Nk")
+    q_lens = _v.check_lengths("q_lens", q_lens, dims.B, dims.Nq, upper_name="Nq")
+    mixed_precision = _check_bool("mixed_precision", mixed_precision)
+    lengths = kv_lens is not None or q_lens is not None
+    grid = (1 if lengths else dims.B, dims.Hkv)
+    kwargs = dict(scale=float(scale), causal=causal, window=window,
+                  q_lens=_lengths_tuple(q_lens), kv_lens=_lengths_tuple(kv_lens),
+                  mixed_precision=mixed_precision)
+    return flash_attn_bwd, grid, kwargs
+
+
+def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, window=None,
+                             kv_lens=None, q_lens=None, mixed_precision: bool = True):
+    """Gradients of flash attention on the active backend: ``(dq, dk, dv)``.
+
+    The backward of :func:`flash_attention` from its saved output and log-sum-exp: with
+    ``P = exp(scale q k^T - lse)`` recomputed tile by tile, ``D = rowsum(do * o)``,
+    ``dv = P^T do``, ``dS = P * (do v^T - D)``, ``dq = scale dS k``, ``dk = scale dS^T q``
+    (docs/semantics.md). One kernel, one pass over K/V when the query-side state of a kv
+    group fits SBUF; dK/dV accumulate on chip and dQ stays in SBUF, so every input is read
+    once and every gradient written once.
+
+    Parameters
+    ----------
+    do : array (B, Hq, Nq, D)
+        Gradient of the loss with respect to o.
+    q : array (B, Hq, Nq, D)
+    k, v : arrays (B, Hkv, Nk, D)
+    o : array (B, Hq, Nq, D)
+        The forward output. do, q, k, v, o are NumPy arrays (or CPU torch tensors) of one
+        dtype: float32, bfloat16 (ml_dtypes) or float16. ``Hq % Hkv == 0``; any
+        ``Nq, Nk >= 1``; ``1 <= D <= 256``.
+    lse : array (B, Hq, Nq) float32
+        The forward's log-sum-exp (natural log; ``flash_attention(..., return_lse=True)``);
+        -inf for rows without a visible key, which then get zero gradients.
+    scale, causal, window, kv_lens, q_lens :
+        Exactly as passed to the forward (:func:`flash_attention`): ``causal=True`` means
+        ``"bottom_right"``; ``window=(left, right)`` with -1 = unbounded; per-sequence valid
+        lengths of a padded batch. Padding rows and keys are never read; their gradients are 0.
+    mixed_precision : bool
+        float32 inputs only: matmul operands in bf16 (default) or float32 (4x slower TensorE).
+        bf16/fp16 inputs always use their own dtype. Accumulation, D and the dS arithmetic are
+        fp32.
+
+    Returns
+    -------
+    dq : numpy.ndarray (B, Hq, Nq, D)
+    dk, dv : numpy.ndarray (B, Hkv, Nk, D)
+        In the inputs' dtype. For GQA/MQA dk and dv are summed over the query heads of each
+        kv group.
+    """
+    kernel, grid, kwargs = plan_attention_backward(
+        do, q, k, v, o, lse, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
+        q_lens=q_lens, mixed_precision=mixed_precision)
+    do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
+                                                 ("o", o)))
+    lse = _numpy("lse", lse)
+    return launch(kernel, grid, q, k, v, o, do, lse, **kwargs)
+
+
+def flash_attention_backward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int,
+                                       itemsize: int, *, q_lens=None, kv_lens=None,
+                                       mixed_precision: bool = True, target: str = "trn2"):
+    """Exact HBM bytes ``(read, written)`` of :func:`flash_attention_backward`.
+
+    Per sequence b with valid lengths ``nq_b``, ``nk_b`` and ``P_b`` passes over K/V (1 when
+    the ``G * nq_b`` query rows of a kv group fit SBUF, ``tiles.bwd_rows_per_pass``; 0 when
+    ``nq_b = 0``):
+
+    * read: do, q, o of the valid rows (``3 Hq nq_b D`` elements), the float32 lse of the valid
+      rows (``4 Hq nq_b`` bytes), k and v of the valid keys once per pass
+      (``2 P_b Hkv nk_b D``);
+    * written: dq, dk, dv in full, padding included (``Hq Nq D + 2 Hkv Nk D`` elements);
+    * with ``P_b > 1``, the fp32 dK/dV partial sums (``2 Hkv nk_b D`` floats) are written by
+      passes 1..P-1 and read back by passes 2..P.
+
+    ``itemsize`` is the inputs' element size; the pass count uses the matmul operand size
+    (bf16 for float32 with ``mixed_precision``) and ``target``'s SBUF.
+    """
+    G = Hq // Hkv
+    op_itemsize = 2 if (itemsize == 2 or mixed_precision) else 4
+    rows = tiles.bwd_rows_per_pass(D, op_itemsize, target)
+    tiles_per_pass = max(1, rows // tiles.PMAX)
+    q_valid = [Nq] * B if q_lens is None else [int(n) for n in q_lens]
+    k_valid = [Nk] * B if kv_lens is None else [int(n) for n in kv_lens]
+    read = written = 0
+    for nq, nk in zip(q_valid, k_valid):
+        passes = tiles.ceil_div(G * tiles.ceil_div(nq, tiles.PMAX), tiles_per_pass)
+        read += itemsize * (3 * Hq * nq * D + passes * 2 * Hkv * nk * D) + 4 * Hq * nq
+        written += itemsize * (Hq * Nq * D + 2 * Hkv * Nk * D)
+        scratch = max(0, passes - 1) * 2 * Hkv * nk * D * 4
+        read, written = read + scratch, written + scratch
+    return read, written

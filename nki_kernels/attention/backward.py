@@ -453,11 +453,101 @@ def write_zero_rows(out, b, head, r0, r1, D, out_dtype):
 # ---------------------------------------------------------------------------------------------
 
 
+class _Config(NamedTuple):
+    """Compile-time choices shared by every sequence of a launch."""
+
+    scale: float
+    causal: Optional[str]
+    window: Optional[Tuple[int, int]]
+    G: int
+    D: int
+    d_chunks: Tuple[Tuple[int, int], ...]
+    key_tile: int
+    rows_per_pass: int
+    op_dtype: object
+    tp_dtype: object
+    out_dtype: object
+    dq_accumulate: str
+    ds_transpose: str
+    act_evac_blocks: int
+
+
+def backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, scratch,
+                          dq_scratch):
+    """All gradients of kv head g of sequence b (valid lengths nq, nk): passes over the query
+    tiles of the group, each streaming K/V once (see the module docstring)."""
+    G, D, d_chunks = cfg.G, cfg.D, cfg.d_chunks
+    op_dtype, tp_dtype = cfg.op_dtype, cfg.tp_dtype
+    n_dc, d_part = len(d_chunks), min(D, PMAX)
+    n_kblk = cfg.key_tile // PMAX
+    Nq, Nk = q.shape[2], k.shape[2]
+    band = make_band(nq, nk, cfg.causal, cfg.window)
+    passes = plan_q_tiles(G, nq, cfg.rows_per_pass)
+    ktiles = plan_k_tiles(nk, cfg.key_tile)
+    h0 = g * G
+
+    for p_idx, qtiles in enumerate(passes):
+        n_slots = len(qtiles)
+        q_nat = nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf)
+        do_nat = nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf)
+        q_T = nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
+        do_T = nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
+        neg_delta = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
+        exp_bias = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
+        load_query_side(q, do, o, lse, b, h0, qtiles, d_chunks, q_nat, q_T, do_nat, do_T,
+                        neg_delta, exp_bias, op_dtype, tp_dtype)
+        if cfg.dq_accumulate == "sbuf":
+            dq_acc = nl.zeros((PMAX, n_slots, D), dtype=nl.float32, buffer=nl.sbuf)
+        else:
+            zero_dq_scratch(dq_scratch, qtiles, D)
+
+        for kt in ktiles:
+            k_nat = nl.ndarray((PMAX, n_kblk, D), dtype=op_dtype, buffer=nl.sbuf)
+            k_T = nl.ndarray((d_part, n_dc, cfg.key_tile), dtype=op_dtype, buffer=nl.sbuf)
+            v_T = nl.ndarray((d_part, n_dc, cfg.key_tile), dtype=op_dtype, buffer=nl.sbuf)
+            load_kv_tile(k, v, b, g, kt, d_chunks, k_nat, k_T, v_T, op_dtype, tp_dtype)
+            dk_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
+            dv_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
+
+            for qt in qtiles:
+                vis = plan_visit(band, nk, qt, kt)
+                if vis is None:
+                    continue
+                p = recompute_p(vis, kt, band, cfg.scale, d_chunks, q_T, k_T, exp_bias,
+                                op_dtype)
+                ds = softmax_backward(vis, d_chunks, do_T, v_T, neg_delta, p, op_dtype)
+                accumulate_dv_dk(vis, kt, p, ds, q_nat, do_nat, dv_psum, dk_psum, D)
+                dq_psum = nl.ndarray((qt.rows, D), dtype=nl.float32, buffer=nl.psum)
+                accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype,
+                              cfg.ds_transpose, cfg.act_evac_blocks)
+                if cfg.dq_accumulate == "sbuf":
+                    dq_acc[0:qt.rows, qt.slot, :] = nisa.tensor_tensor(
+                        dq_acc[0:qt.rows, qt.slot, :], dq_psum, np.add, dtype=nl.float32)
+                else:
+                    accumulate_dq_in_hbm(dq_scratch, qt, dq_psum)
+
+            write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, cfg.scale, cfg.out_dtype,
+                        scratch, first=(p_idx == 0), last=(p_idx == len(passes) - 1))
+
+        if cfg.dq_accumulate == "sbuf":
+            write_dq(dq, b, h0, qtiles, dq_acc, cfg.scale, cfg.out_dtype)
+        else:
+            write_dq_from_scratch(dq, b, h0, qtiles, dq_scratch, cfg.scale, cfg.out_dtype)
+
+    # Padding rows: queries past q_len and keys past kv_len have zero gradients (all keys when
+    # no query row is valid: then no pass ran).
+    for h in range(G):
+        write_zero_rows(dq, b, h0 + h, nq, Nq, D, cfg.out_dtype)
+    k_zero_from = nk if passes else 0
+    write_zero_rows(dk, b, g, k_zero_from, Nk, D, cfg.out_dtype)
+    write_zero_rows(dv, b, g, k_zero_from, Nk, D, cfg.out_dtype)
+
+
 @nki.jit
-def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_len=None,
-                   kv_len=None, mixed_precision=True, rows_per_pass=None, key_tile=None,
+def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_lens=None,
+                   kv_lens=None, mixed_precision=True, rows_per_pass=None, key_tile=None,
                    dq_accumulate="sbuf", ds_transpose=None, act_evac_blocks=None):
-    """Flash attention backward for the SPMD grid ``[B, Hkv]`` (one kv head per program).
+    """Flash attention backward; one program per kv head (and per sequence without lengths).
 
     Parameters
     ----------
@@ -467,10 +557,12 @@ def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_l
     scale : float (compile-time)
     causal : None, "top_left" or "bottom_right" (compile-time)
     window : None or (left, right) ints, -1 = unbounded (compile-time)
-    q_len, kv_len : int or None
-        Valid lengths of every sequence of this launch (None = Nq / Nk). The host launches one
-        grid per sequence when ``q_lens`` / ``kv_lens`` are given, so lengths are compile-time
-        and partial tiles are trimmed, not masked.
+    q_lens, kv_lens : tuple of B ints, or None (compile-time)
+        Valid lengths per sequence (None = all Nq / Nk). Without them the grid is
+        ``[B, Hkv]`` (sequence ``program_id(0)``); with them it is ``[1, Hkv]`` and each
+        program walks the B sequences in turn, so every tile shape is a compile-time constant:
+        padding rows and keys are never loaded, computed or masked (their gradients are
+        written as zeros).
     mixed_precision : bool
         fp32 inputs: bf16 matmul operands (True) or fp32 (False).
     rows_per_pass : int, optional
@@ -497,7 +589,6 @@ def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_l
                          f"{dq_accumulate!r}")
     B, Hq, Nq, D = q.shape
     _, Hkv, Nk, _ = k.shape
-    G = Hq // Hkv
     in_dtype = q.dtype
     if in_dtype == nl.float32 and not mixed_precision:
         op_dtype = nl.float32
@@ -506,97 +597,43 @@ def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_l
     else:
         op_dtype = in_dtype
     gen3 = nisa.get_nc_version() >= nisa.nc_version.gen3
-    tp_dtype = op_dtype if (gen3 and op_dtype != nl.float32) else nl.float32
     target = "trn2" if gen3 else "trn1"
     op_itemsize = 4 if op_dtype == nl.float32 else 2
-
-    if ds_transpose is None:
-        ds_transpose = BWD_DS_TRANSPOSE[target]
-    if act_evac_blocks is None:
-        act_evac_blocks = BWD_ACT_EVAC_BLOCKS[target]
-
-    nq = Nq if q_len is None else q_len
-    nk = Nk if kv_len is None else kv_len
-    band = make_band(nq, nk, causal, window)
-    d_chunks = tuple((d0, min(PMAX, D - d0)) for d0 in range(0, D, PMAX))
-    n_dc = len(d_chunks)
-    d_part = min(D, PMAX)
-    if key_tile is None:
-        key_tile = bwd_key_tile(D)
-    n_kblk = key_tile // PMAX
     if rows_per_pass is None:
         rows_per_pass = bwd_rows_per_pass(D, op_itemsize, target,
                                           dq_on_chip=(dq_accumulate == "sbuf"))
-    passes = plan_q_tiles(G, nq, rows_per_pass)
-    ktiles = plan_k_tiles(nk, key_tile)
+    cfg = _Config(
+        scale=scale, causal=causal, window=window, G=Hq // Hkv, D=D,
+        d_chunks=tuple((d0, min(PMAX, D - d0)) for d0 in range(0, D, PMAX)),
+        key_tile=bwd_key_tile(D) if key_tile is None else key_tile,
+        rows_per_pass=rows_per_pass, op_dtype=op_dtype,
+        tp_dtype=op_dtype if (gen3 and op_dtype != nl.float32) else nl.float32,
+        out_dtype=in_dtype, dq_accumulate=dq_accumulate,
+        ds_transpose=BWD_DS_TRANSPOSE[target] if ds_transpose is None else ds_transpose,
+        act_evac_blocks=(BWD_ACT_EVAC_BLOCKS[target] if act_evac_blocks is None
+                         else act_evac_blocks))
+
+    if q_lens is None and kv_lens is None:
+        sequences = ((nl.program_id(0), Nq, Nk),)
+    else:
+        sequences = tuple((bi, Nq if q_lens is None else int(q_lens[bi]),
+                           Nk if kv_lens is None else int(kv_lens[bi])) for bi in range(B))
+    multi_pass = any(len(plan_q_tiles(cfg.G, nq, rows_per_pass)) > 1
+                     for _, nq, _ in sequences)
 
     dq = nl.ndarray((B, Hq, Nq, D), dtype=in_dtype, buffer=nl.shared_hbm)
     dk = nl.ndarray((B, Hkv, Nk, D), dtype=in_dtype, buffer=nl.shared_hbm)
     dv = nl.ndarray((B, Hkv, Nk, D), dtype=in_dtype, buffer=nl.shared_hbm)
     scratch = None
-    if len(passes) > 1:
+    if multi_pass:
         scratch = (nl.ndarray((Nk, D), dtype=nl.float32, buffer=nl.hbm),
                    nl.ndarray((Nk, D), dtype=nl.float32, buffer=nl.hbm))
     dq_scratch = None
     if dq_accumulate == "hbm":
-        dq_scratch = nl.ndarray((Hq // Hkv, Nq, D), dtype=nl.float32, buffer=nl.hbm)
+        dq_scratch = nl.ndarray((cfg.G, Nq, D), dtype=nl.float32, buffer=nl.hbm)
 
-    b = nl.program_id(0)
     g = nl.program_id(1)
-    h0 = g * G
-
-    for p_idx, qtiles in enumerate(passes):
-        n_slots = len(qtiles)
-        q_nat = nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf)
-        do_nat = nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf)
-        q_T = nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
-        do_T = nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
-        neg_delta = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
-        exp_bias = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
-        load_query_side(q, do, o, lse, b, h0, qtiles, d_chunks, q_nat, q_T, do_nat, do_T,
-                        neg_delta, exp_bias, op_dtype, tp_dtype)
-        if dq_accumulate == "sbuf":
-            dq_acc = nl.zeros((PMAX, n_slots, D), dtype=nl.float32, buffer=nl.sbuf)
-        else:
-            zero_dq_scratch(dq_scratch, qtiles, D)
-
-        for kt in ktiles:
-            k_nat = nl.ndarray((PMAX, n_kblk, D), dtype=op_dtype, buffer=nl.sbuf)
-            k_T = nl.ndarray((d_part, n_dc, key_tile), dtype=op_dtype, buffer=nl.sbuf)
-            v_T = nl.ndarray((d_part, n_dc, key_tile), dtype=op_dtype, buffer=nl.sbuf)
-            load_kv_tile(k, v, b, g, kt, d_chunks, k_nat, k_T, v_T, op_dtype, tp_dtype)
-            dk_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
-            dv_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
-
-            for qt in qtiles:
-                vis = plan_visit(band, nk, qt, kt)
-                if vis is None:
-                    continue
-                p = recompute_p(vis, kt, band, scale, d_chunks, q_T, k_T, exp_bias, op_dtype)
-                ds = softmax_backward(vis, d_chunks, do_T, v_T, neg_delta, p, op_dtype)
-                accumulate_dv_dk(vis, kt, p, ds, q_nat, do_nat, dv_psum, dk_psum, D)
-                dq_psum = nl.ndarray((qt.rows, D), dtype=nl.float32, buffer=nl.psum)
-                accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype, ds_transpose,
-                              act_evac_blocks)
-                if dq_accumulate == "sbuf":
-                    dq_acc[0:qt.rows, qt.slot, :] = nisa.tensor_tensor(
-                        dq_acc[0:qt.rows, qt.slot, :], dq_psum, np.add, dtype=nl.float32)
-                else:
-                    accumulate_dq_in_hbm(dq_scratch, qt, dq_psum)
-
-            write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, scale, in_dtype, scratch,
-                        first=(p_idx == 0), last=(p_idx == len(passes) - 1))
-
-        if dq_accumulate == "sbuf":
-            write_dq(dq, b, h0, qtiles, dq_acc, scale, in_dtype)
-        else:
-            write_dq_from_scratch(dq, b, h0, qtiles, dq_scratch, scale, in_dtype)
-
-    # Padding rows: queries past q_len and keys past kv_len have zero gradients (all keys when
-    # no query row is valid: then no pass ran).
-    for h in range(G):
-        write_zero_rows(dq, b, h0 + h, nq, Nq, D, in_dtype)
-    k_zero_from = nk if passes else 0
-    write_zero_rows(dk, b, g, k_zero_from, Nk, D, in_dtype)
-    write_zero_rows(dv, b, g, k_zero_from, Nk, D, in_dtype)
+    for b, nq, nk in sequences:
+        backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, scratch,
+                              dq_scratch)
     return dq, dk, dv

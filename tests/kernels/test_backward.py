@@ -51,21 +51,16 @@ def make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype=BF16, seed=0, *, scale=None, causal
 
 def run_kernel(q, k, v, do, o, lse, *, scale=None, causal=None, window=None, q_lens=None,
                kv_lens=None, **kernel_opts):
-    """Launch the kernel: one grid [B, Hkv], or one grid [1, Hkv] per sequence with lengths."""
+    """Launch the kernel: grid [B, Hkv], or [1, Hkv] with compile-time length tuples."""
     B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv = k.shape[1]
     scale = 1.0 / np.sqrt(D) if scale is None else scale
     opts = dict(scale=float(scale), causal=causal, window=window, **kernel_opts)
     if q_lens is None and kv_lens is None:
         return launch(flash_attn_bwd, (B, Hkv), q, k, v, o, do, lse, **opts)
-    outs = []
-    for b in range(B):
-        sl = slice(b, b + 1)
-        ql = Nq if q_lens is None else int(q_lens[b])
-        kl = Nk if kv_lens is None else int(kv_lens[b])
-        outs.append(launch(flash_attn_bwd, (1, Hkv), q[sl], k[sl], v[sl], o[sl], do[sl],
-                           lse[sl], q_len=ql, kv_len=kl, **opts))
-    return tuple(np.concatenate([x[i] for x in outs], axis=0) for i in range(3))
+    as_tuple = (lambda x: None if x is None else tuple(int(n) for n in x))
+    return launch(flash_attn_bwd, (1, Hkv), q, k, v, o, do, lse, q_lens=as_tuple(q_lens),
+                  kv_lens=as_tuple(kv_lens), **opts)
 
 
 def op_dtype_of(dtype, mixed_precision=True):
