@@ -470,6 +470,7 @@ class _Config(NamedTuple):
     dq_accumulate: str
     ds_transpose: str
     act_evac_blocks: int
+    grads: Tuple[str, ...]
 
 
 def backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, scratch,
@@ -516,7 +517,10 @@ def backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, sc
                 p = recompute_p(vis, kt, band, cfg.scale, d_chunks, q_T, k_T, exp_bias,
                                 op_dtype)
                 ds = softmax_backward(vis, d_chunks, do_T, v_T, neg_delta, p, op_dtype)
-                accumulate_dv_dk(vis, kt, p, ds, q_nat, do_nat, dv_psum, dk_psum, D)
+                if "dk" in cfg.grads:
+                    accumulate_dv_dk(vis, kt, p, ds, q_nat, do_nat, dv_psum, dk_psum, D)
+                if "dq" not in cfg.grads:
+                    continue
                 dq_psum = nl.ndarray((qt.rows, D), dtype=nl.float32, buffer=nl.psum)
                 accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype,
                               cfg.ds_transpose, cfg.act_evac_blocks)
@@ -526,27 +530,33 @@ def backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, sc
                 else:
                     accumulate_dq_in_hbm(dq_scratch, qt, dq_psum)
 
-            write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, cfg.scale, cfg.out_dtype,
-                        scratch, first=(p_idx == 0), last=(p_idx == len(passes) - 1))
+            if "dk" in cfg.grads:
+                write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, cfg.scale, cfg.out_dtype,
+                            scratch, first=(p_idx == 0), last=(p_idx == len(passes) - 1))
 
-        if cfg.dq_accumulate == "sbuf":
+        if "dq" not in cfg.grads:
+            pass
+        elif cfg.dq_accumulate == "sbuf":
             write_dq(dq, b, h0, qtiles, dq_acc, cfg.scale, cfg.out_dtype)
         else:
             write_dq_from_scratch(dq, b, h0, qtiles, dq_scratch, cfg.scale, cfg.out_dtype)
 
     # Padding rows: queries past q_len and keys past kv_len have zero gradients (all keys when
     # no query row is valid: then no pass ran).
-    for h in range(G):
-        write_zero_rows(dq, b, h0 + h, nq, Nq, D, cfg.out_dtype)
-    k_zero_from = nk if passes else 0
-    write_zero_rows(dk, b, g, k_zero_from, Nk, D, cfg.out_dtype)
-    write_zero_rows(dv, b, g, k_zero_from, Nk, D, cfg.out_dtype)
+    if "dq" in cfg.grads:
+        for h in range(G):
+            write_zero_rows(dq, b, h0 + h, nq, Nq, D, cfg.out_dtype)
+    if "dk" in cfg.grads:
+        k_zero_from = nk if passes else 0
+        write_zero_rows(dk, b, g, k_zero_from, Nk, D, cfg.out_dtype)
+        write_zero_rows(dv, b, g, k_zero_from, Nk, D, cfg.out_dtype)
 
 
 @nki.jit
 def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_lens=None,
                    kv_lens=None, mixed_precision=True, rows_per_pass=None, key_tile=None,
-                   dq_accumulate="sbuf", ds_transpose=None, act_evac_blocks=None):
+                   dq_accumulate="sbuf", ds_transpose=None, act_evac_blocks=None,
+                   grads=("dq", "dk", "dv")):
     """Flash attention backward; one program per kv head (and per sequence without lengths).
 
     Parameters
@@ -579,11 +589,20 @@ def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_l
     act_evac_blocks : int, optional
         With PE transposes, dS^T blocks per visit copied out of PSUM by ScalarE; None =
         ``BWD_ACT_EVAC_BLOCKS`` of the target.
+    grads : ("dq", "dk", "dv") (default), ("dk", "dv") or ("dq",)
+        Which gradients to compute. The subsets exist to measure the two-kernel design of
+        GPU backwards (one kernel for dK/dV, one for dQ, each recomputing P and dP) against the
+        single pass; see benchmarks/backward.py.
 
     Returns
     -------
-    dq (B, Hq, Nq, D), dk, dv (B, Hkv, Nk, D), in the input dtype.
+    The requested gradients in the order dq (B, Hq, Nq, D), dk, dv (B, Hkv, Nk, D), in the
+    input dtype.
     """
+    grads = tuple(grads)
+    if grads not in (("dq", "dk", "dv"), ("dk", "dv"), ("dq",)):
+        raise ValueError(f"grads: expected ('dq', 'dk', 'dv'), ('dk', 'dv') or ('dq',), got "
+                         f"{grads!r}")
     if dq_accumulate not in BWD_DQ_ACCUMULATE_MODES:
         raise ValueError(f"dq_accumulate: expected one of {BWD_DQ_ACCUMULATE_MODES}, got "
                          f"{dq_accumulate!r}")
@@ -611,19 +630,22 @@ def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_l
         out_dtype=in_dtype, dq_accumulate=dq_accumulate,
         ds_transpose=BWD_DS_TRANSPOSE[target] if ds_transpose is None else ds_transpose,
         act_evac_blocks=(BWD_ACT_EVAC_BLOCKS[target] if act_evac_blocks is None
-                         else act_evac_blocks))
+                         else act_evac_blocks), grads=grads)
 
     if q_lens is None and kv_lens is None:
         sequences = ((nl.program_id(0), Nq, Nk),)
     else:
         sequences = tuple((bi, Nq if q_lens is None else int(q_lens[bi]),
                            Nk if kv_lens is None else int(kv_lens[bi])) for bi in range(B))
-    multi_pass = any(len(plan_q_tiles(cfg.G, nq, rows_per_pass)) > 1
-                     for _, nq, _ in sequences)
+    multi_pass = "dk" in grads and any(len(plan_q_tiles(cfg.G, nq, rows_per_pass)) > 1
+                                       for _, nq, _ in sequences)
 
-    dq = nl.ndarray((B, Hq, Nq, D), dtype=in_dtype, buffer=nl.shared_hbm)
-    dk = nl.ndarray((B, Hkv, Nk, D), dtype=in_dtype, buffer=nl.shared_hbm)
-    dv = nl.ndarray((B, Hkv, Nk, D), dtype=in_dtype, buffer=nl.shared_hbm)
+    dq = dk = dv = None
+    if "dq" in grads:
+        dq = nl.ndarray((B, Hq, Nq, D), dtype=in_dtype, buffer=nl.shared_hbm)
+    if "dk" in grads:
+        dk = nl.ndarray((B, Hkv, Nk, D), dtype=in_dtype, buffer=nl.shared_hbm)
+        dv = nl.ndarray((B, Hkv, Nk, D), dtype=in_dtype, buffer=nl.shared_hbm)
     scratch = None
     if multi_pass:
         scratch = (nl.ndarray((Nk, D), dtype=nl.float32, buffer=nl.hbm),
@@ -636,4 +658,8 @@ def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_l
     for b, nq, nk in sequences:
         backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, scratch,
                               dq_scratch)
+    if grads == ("dk", "dv"):
+        return dk, dv
+    if grads == ("dq",):
+        return dq
     return dq, dk, dv
