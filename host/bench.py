@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(default {','.join(map(str, DEFAULT_SOFTMAX_COLS))})")
     p.add_argument("--large", action="store_true",
                    help=f"add N in {LARGE_SEQS}, K in {LARGE_GELU_K} and rows of "
-                   f"{LARGE_SOFTMAX_COLS} columns (about a minute more, ~6 GB of RAM)")
+                   f"{LARGE_SOFTMAX_COLS} columns (about two minutes more, ~6 GB of RAM)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--seed", type=int, default=0, help="random seed of the inputs (0)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
@@ -242,9 +242,10 @@ def _flash_forward():
     return fa
 
 
-def flash_block_tiles(N: int, d: int, q_group: int):
+def flash_block_tiles(N: int, d: int, q_group: int, in_itemsize: int = 2):
     """The forward's tiling with ``q_group`` query tiles on chip per pass over K/V (0 = K/V
-    resident), its query rows per pass and the SBUF bytes per partition it plans for."""
+    resident), its query rows per pass and the SBUF bytes per partition it plans for (matmul
+    operands in 2-byte precision: bf16/fp16 inputs, or fp32 with mixed precision)."""
     from nki_kernels import tiles as T
 
     base = T.ForwardTiles()
@@ -256,7 +257,7 @@ def flash_block_tiles(N: int, d: int, q_group: int):
         t = T.ForwardTiles(kv_resident=False, q_group=q_group)
         rows = min(N, q_group * t.q_tile)
         sbuf = T.fwd_kv_bytes(t.kv_chunk, d, 2) + q_group * T.fwd_q_state_bytes(d, 2)
-    sbuf += T.fwd_working_bytes(d, 2, 2, t, masks=False)
+    sbuf += T.fwd_working_bytes(d, in_itemsize, 2, t, masks=False)
     return t, rows, sbuf
 
 
@@ -270,11 +271,16 @@ def flash_block_formula(N: int, d: int, itemsize: int, rows: int) -> int:
 
 def plan(args) -> List[dict]:
     """The sweep points: one dict per measured run (study, variant, sizes, callable maker)."""
-    seqs = list(args.seqs or DEFAULT_SEQS) + (list(LARGE_SEQS) if args.large else [])
-    gelu_k = list(args.gelu_k or DEFAULT_GELU_K) + (list(LARGE_GELU_K) if args.large else [])
-    cols = list(args.softmax_cols or DEFAULT_SOFTMAX_COLS) + (
-        list(LARGE_SOFTMAX_COLS) if args.large else [])
-    groups = list(args.block_groups or DEFAULT_BLOCK_GROUPS)
+    def sizes(given, default, large):
+        return sorted(set(given or default) | (set(large) if args.large else set()))
+
+    seqs = sizes(args.seqs, DEFAULT_SEQS, LARGE_SEQS)
+    gelu_k = sizes(args.gelu_k, DEFAULT_GELU_K, LARGE_GELU_K)
+    cols = sizes(args.softmax_cols, DEFAULT_SOFTMAX_COLS, LARGE_SOFTMAX_COLS)
+    # a group of query tiles covering all of N is the resident case (0): keep one of them
+    tiles_n = -(-args.block_seq // 128)
+    groups = sorted({g if g < tiles_n else 0 for g in (args.block_groups or DEFAULT_BLOCK_GROUPS)},
+                    key=lambda g: g or tiles_n)
     points = []
     if "attention" in args.studies:
         for n in seqs:
@@ -324,7 +330,7 @@ def run_point(pt: dict, args, rng) -> dict:
                            formula="s(4Nd)+4N (Q,K,V,O once + LSE)")
         else:
             fa = _flash_forward()
-            t, rows, sbuf = flash_block_tiles(N, D, pt["q_group"])
+            t, rows, sbuf = flash_block_tiles(N, D, pt["q_group"], s)
             row.update(x_name="rows_per_pass", x=rows, M=sbuf,
                        formula_bytes=flash_block_formula(N, D, s, rows),
                        formula="s(2Nd+2N^2d^2/M)+4N, M=rows*d")

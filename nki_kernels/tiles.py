@@ -102,8 +102,8 @@ SOFTMAX_CHUNK = 2048
 #: Largest chunk a caller may force: its fp32 working set (input, exponentials, output, 12 bytes
 #: per column) stays within SOFTMAX_RESIDENT_BYTES.
 SOFTMAX_MAX_CHUNK = 8192
-#: Per-partition bytes of the working set (input, fp32 exponentials, output) under which a whole
-#: row tile stays on chip and is read from HBM once.
+#: Per-partition bytes of the working set (input, exponentials, output) under which a whole row
+#: tile stays on chip and is read from HBM once (bf16: rows up to 16384 columns).
 SOFTMAX_RESIDENT_BYTES = 96 * 1024
 #: Lower clamp of the running row max: keeps exp(x - m) finite (no -inf - -inf) for rows that
 #: are entirely -inf. Any finite fp32 below every real score works; this is nl.fp32.min.
@@ -130,7 +130,8 @@ def softmax_plan(C: int, in_itemsize: int, out_itemsize: int, chunk=None):
     (chunk, resident)
     """
     if chunk is None:
-        per_col = in_itemsize + 4 + out_itemsize
+        # input, exp(x - m) (fp32 for fp32 output, else the output dtype), output
+        per_col = in_itemsize + (4 if out_itemsize == 4 else out_itemsize) + out_itemsize
         if C * per_col <= SOFTMAX_RESIDENT_BYTES:
             return C, True
         return SOFTMAX_CHUNK, False

@@ -7,7 +7,7 @@ Tolerance rule (docs/semantics.md, adapted to these kernels; see _fused_baseline
 import numpy as np
 import pytest
 
-from _fused_baselines import (BF16, DTYPES, linear_gelu_baseline, linear_inputs, mm_dtype,
+from _fused_baselines import (DTYPES, linear_gelu_baseline, linear_inputs, mm_dtype,
                               randn, softmax_baseline, tolerance)
 from host import reference
 from host._launch import launch
