@@ -162,6 +162,22 @@ def test_decode_matches_reference(B, Hq, Hkv, T, S_max, D, lens, dtype, num_spli
     check_against_reference(q, k, v, lens, o, lse)
 
 
+@needs_measure
+@pytest.mark.parametrize("target", ["trn1", "trn2"])
+def test_decode_multi_tile_splits_on_both_generations(target):
+    """Splits of several K/V tiles (trn2 zeroes them by copying a zero tile, trn1 by memsets):
+    full tiles, a boundary tile and a tile past the second sequence's end, on each
+    generation's code path."""
+    import simulate
+
+    rng = np.random.default_rng(29)
+    q, k, v, lens = make_inputs(rng, 2, 8, 2, 2, 8192, 64, BF16, [8192, 3000])
+    with simulate.measure(target=target):
+        o, lse, t = decode(q, poisoned(k, lens), poisoned(v, lens), lens, num_splits=1)
+    assert t.split_rows >= 2 * tiles.PMAX
+    check_against_reference(q, k, v, lens, o, lse)
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
 def test_decode_full_precision_and_dtypes(dtype):
     """fp32 with mixed_precision=False is exact to ~1e-6; every dtype obeys the rule."""
