@@ -32,31 +32,57 @@ loop), and for each K/V tile visits every query tile of every head of the group 
   traffic, ``itemsize * (4 Nq d + 2 Nk d) + 4 Nq`` in and ``itemsize * (Nq d + 2 Nk d)`` out
   per (query head, kv head) pair.
 
-That is 5 matmuls per score (10 N^2 d FLOPs) plus one TensorE transpose of dS (dQ contracts over
-keys, so it needs dS^T with keys on partitions; every other product contracts over the
-partition dim of a tile we already have). Measured alternatives are in ``benchmarks/backward.py``
-and the README: dQ accumulated in HBM per visit (the atomics analogue, ``dq_accumulate="hbm"``)
-and the query-side state streamed per K tile.
+That is 5 matmuls per score, 10 N^2 d FLOPs. dQ contracts over keys, so it needs dS^T (keys on
+the partitions); every other product contracts over the partition dim of a tile we already
+have. On trn2 the transpose is one SBUF -> SBUF DMA transpose per visit (the DMA queues are
+otherwise idle), so TensorE does exactly the 5 matmul passes; on trn1 (no DMA-transpose
+hardware) it is a 6th TensorE pass (128 x 128 transposes), the PSUM copies split between
+ScalarE and VectorE. ``dP - D`` is formed by ScalarE while it copies dP out of PSUM, so VectorE
+does one bf16 multiply per score for dS.
 
-When the query-side state of all G heads does not fit SBUF (long sequences, wide GQA groups),
-the query tiles are split into *passes* that each fit; every pass streams K/V again and adds
-its dK/dV partial sums into an fp32 scratch in HBM (read-add-write, deterministic). One pass is
-used whenever ``G * Nq`` rows fit (see :func:`nki_kernels.tiles.bwd_rows_per_pass`).
+Measured (``python benchmarks/backward.py``; one head, N = 4096, D = 128, bf16; modeled µs =
+max over engines; the limits of hardware-and-limits.md §5 in brackets, strict / engine-aware):
+
+=====================  ===============================  ===============================
+variant                trn2 non-causal (273 / 382)      trn2 causal (137 / 191)
+=====================  ===============================  ===============================
+this design            280  (TensorE; 8.40 MB = min)    152  (DMA; TensorE 148)
+dQ in HBM ("atomics")  399  (DMA; 46.2 MB)              243
+two kernels (14N^2d)   477  (ScalarE; 13.7 MB)          283
+dS^T on TensorE        335  (TensorE)                   176
+=====================  ===============================  ===============================
+
+trn1: 287 µs non-causal (strict 234, engine-aware 328), 151 µs causal (117 / 164), TensorE-bound
+with the 6th pass. The single pass wins on every engine: the two-kernel split recomputes S, P
+and dP (2 more matmuls, a second exp and dP - D per score), and dQ in HBM moves 5.5x the bytes.
+
+Limits. One pass holds ``tiles.bwd_slot_bytes`` per 128 query rows (bf16, D = 128: 1544 bytes
+per partition) next to a fixed working set, so it covers ``G * Nq`` up to
+``tiles.bwd_rows_per_pass`` query rows per kv head: 16128 on trn2 and 13440 on trn1 for D = 128
+(24448 / 20352 for D = 64, 8064 / 6656 for D = 256; fp32 operands roughly halve them).
+Beyond that (long sequences, wide GQA groups) the query tiles are split into *passes* that
+each fit; every pass streams K/V again and adds its dK/dV partial sums into an fp32 scratch in
+HBM (read-add-write, deterministic, no atomics). Each extra pass costs one more read of K/V and
+``16 Nk d`` bytes of fp32 partial sums; forcing 1024-row passes at N = 4096 costs 36 % on trn2.
 
 Layouts (all on chip, from the standard ``(B, H, N, D)`` layout in HBM):
 
 * "natural" tiles ``[128 rows (partitions), D]``: Q, dO (moving operands of dK, dV), K (moving
   operand of dQ), O (for D);
 * "transposed" tiles ``[D (partitions), rows]``: Q^T, dO^T, K^T, V^T (operands of S and dP,
-  which contract over D), made on chip with TensorE transposes;
+  which contract over D), made on chip with TensorE transposes (once per input tile);
 * S, P, dP, dS are ``[128 query rows, Bk keys]``: the per-row LSE and D are per-partition
   scalars (ScalarE bias, VectorE scalar operand).
 
-Masks. Keys past ``kv_len`` and queries past ``q_len`` are never loaded or computed (partial
-tiles are simply narrower), so no padded key ever reaches the exponential (seed 001's NaN
-hazard). Causal and window masks are applied to the scaled scores *before* the exp: visible
-entries keep ``scale * S``, masked ones become ``fp32.min``, whose exp is 0. Tiles entirely
-outside the band are skipped, tiles entirely inside it run unmasked. Rows whose LSE is ``-inf``
+Masks. The lengths (``q_lens``, ``kv_lens``) are compile-time tuples: keys past ``kv_len`` and
+queries past ``q_len`` are never loaded or computed (partial tiles are simply narrower), so no
+padded key ever reaches the exponential (seed 001's NaN hazard) and padding costs nothing; the
+price is one compilation per set of lengths on a device (the forward takes them at run time).
+Causal and window masks follow the forward's :class:`masks.MaskSpec` (band, key range, tile
+classes): tiles entirely outside the band are skipped, tiles entirely inside it run unmasked,
+and on the boundary tiles the scaled scores are masked *before* the exp by GpSimd
+``affine_select`` (masked entries become ``fp32.min``, whose exp is 0) -- not by the forward's
+TensorE mask-add, because TensorE is the backward's busiest engine. Rows whose LSE is ``-inf``
 (no visible key) get an exp bias of ``-1e30`` instead of ``+inf``, so their P is exactly 0 and
 they contribute nothing.
 
@@ -71,6 +97,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from nki_kernels.attention import masks as M
 from nki_kernels.nki import nisa, nki, nl
 from nki_kernels.tiles import (
     BWD_ACT_EVAC_BLOCKS,
@@ -110,7 +137,8 @@ class KTile(NamedTuple):
 
 class Visit(NamedTuple):
     """One (query tile, key tile) pair to compute: keys ``[c0 + a, c0 + a + w)`` (whole blocks
-    ``b_lo .. b_hi - 1`` of the key tile), and which mask predicates it needs."""
+    ``b_lo .. b_hi - 1`` of the key tile), and which edges of the visibility band cut through
+    it (``mask_hi``: ``j <= i + off + hi``; ``mask_lo``: ``j >= i + off + lo``)."""
 
     qt: QTile
     a: int
@@ -121,35 +149,12 @@ class Visit(NamedTuple):
     mask_lo: bool
 
 
-class Band(NamedTuple):
-    """Key j is visible to row i iff ``lo(i) <= j <= hi(i)`` with ``lo(i) = i + off - left``
-    and ``hi(i) = i + off + right`` (None = unbounded), and ``j < nk``, ``i < nq``."""
-
-    off: int
-    left: Optional[int]
-    right: Optional[int]
-
-    def lo(self, i):
-        return None if self.left is None else i + self.off - self.left
-
-    def hi(self, i):
-        return None if self.right is None else i + self.off + self.right
-
-
-def make_band(nq: int, nk: int, causal: Optional[str], window) -> Band:
-    """The visibility band of docs/semantics.md for valid lengths nq, nk.
-
-    ``off`` is 0 for top_left and ``nk - nq`` for bottom_right (also for a window without a
-    causal mask); a causal mask caps the right side at ``i + off``."""
-    off = 0 if causal == "top_left" else nk - nq
-    left = right = None
-    if window is not None:
-        wl, wr = window
-        left = None if wl < 0 else int(wl)
-        right = None if wr < 0 else int(wr)
-    if causal is not None:
-        right = 0 if right is None else min(right, 0)
-    return Band(off, left, right)
+def mask_spec(nq: int, nk: int, causal: Optional[str], window) -> M.MaskSpec:
+    """The visibility band of docs/semantics.md for one sequence, as the forward's
+    :class:`masks.MaskSpec` (its ``static_offset`` is the alignment offset of the valid lengths:
+    0 for top_left, ``nk - nq`` otherwise). The lengths are compile-time here, so they enter as
+    the sequence's own ``nq, nk`` and never as runtime masks."""
+    return M.MaskSpec(nq, nk, causal, window)
 
 
 def plan_q_tiles(G: int, nq: int, rows_per_pass: int):
@@ -178,25 +183,27 @@ def plan_k_tiles(nk: int, key_tile: int):
     return tuple(tiles)
 
 
-def plan_visit(band: Band, nk: int, qt: QTile, kt: KTile) -> Optional[Visit]:
-    """Classify a (query tile, key tile) pair: None when no row sees any of its keys, else the
-    whole blocks that hold visible keys and whether the band edges cut through them."""
-    r_first, r_last = qt.r0, qt.r0 + qt.rows - 1
-    lo = 0 if band.left is None else max(0, band.lo(r_first))
-    hi = nk - 1 if band.right is None else min(nk - 1, band.hi(r_last))
-    lo, hi = max(lo, kt.c0), min(hi, kt.c0 + kt.cols - 1)
-    if lo > hi:
+def plan_visit(spec: M.MaskSpec, qt: QTile, kt: KTile) -> Optional[Visit]:
+    """Classify a (query tile, key tile) pair with the forward's mask plan: None when no row
+    sees any of its keys, else the whole 128-key blocks holding visible keys
+    (``spec.key_range``) and whether the band's edges cut through them (``spec.classify``)."""
+    k_lo, k_hi = spec.key_range(qt.r0, qt.rows)
+    lo, hi = max(k_lo, kt.c0), min(k_hi, kt.c0 + kt.cols)
+    if lo >= hi:
         return None
     b_lo = (lo - kt.c0) // PMAX
-    b_hi = (hi - kt.c0) // PMAX + 1
+    b_hi = (hi - 1 - kt.c0) // PMAX + 1
     a = kt.blocks[b_lo][0]
     w = kt.blocks[b_hi - 1][0] + kt.blocks[b_hi - 1][1] - a
+    kind = spec.classify(qt.r0, qt.rows, kt.c0 + a, w)
+    if kind is None:
+        return None
+    off = spec.static_offset
     first_col, last_col = kt.c0 + a, kt.c0 + a + w - 1
-    mask_hi = band.right is not None and band.hi(r_first) < last_col
-    mask_lo = band.left is not None and band.lo(r_last) > first_col
+    mask_hi = kind != M.FULL and spec.hi is not None and last_col - qt.r0 - off > spec.hi
+    mask_lo = (kind != M.FULL and spec.lo is not None
+               and first_col - (qt.r0 + qt.rows - 1) - off < spec.lo)
     return Visit(qt, a, w, b_lo, b_hi, mask_hi, mask_lo)
-
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +304,7 @@ def load_kv_tile(k, v, b, g, kt, d_chunks, k_nat, k_T, v_T, op_dtype, tp_dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-def recompute_p(vis, kt, band, scale, d_chunks, q_T, k_T, exp_bias, op_dtype):
+def recompute_p(vis, kt, spec, scale, d_chunks, q_T, k_T, exp_bias, op_dtype):
     """``P = exp(scale * Q K^T - LSE)`` for the visit's rows and keys, ``[rows, w]`` in the
     operand dtype. Masked keys get ``fp32.min`` before the exp (P = 0 exactly)."""
     qt = vis.qt
@@ -310,17 +317,20 @@ def recompute_p(vis, kt, band, scale, d_chunks, q_T, k_T, exp_bias, op_dtype):
     if not (vis.mask_hi or vis.mask_lo):
         return nisa.activation(np.exp, s_psum, bias=bias, scale=scale, dtype=op_dtype)
 
-    # Row i = qt.r0 + iq, key j = kt.c0 + vis.a + ik; keep lo(i) <= j <= hi(i).
+    # Row i = qt.r0 + iq, key j = kt.c0 + vis.a + ik; keep i + off + lo <= j <= i + off + hi.
+    # GpSimd selects on the diagonal tiles only: TensorE, where the forward adds its masks, is
+    # the backward's busiest engine.
     scores = nisa.activation(nl.copy, s_psum, scale=scale, dtype=nl.float32)
     iq, ik = nl.mgrid[0:rows, 0:w]
     row = qt.r0 + iq
     key = kt.c0 + vis.a + ik
+    off = spec.static_offset
     if vis.mask_hi:
-        scores = nisa.affine_select(row + (band.off + band.right) >= key, scores,
-                                    BWD_MASK_FILL, dtype=nl.float32)
+        scores = nisa.affine_select(row + (off + spec.hi) >= key, scores, BWD_MASK_FILL,
+                                    dtype=nl.float32)
     if vis.mask_lo:
-        scores = nisa.affine_select(key >= row + (band.off - band.left), scores,
-                                    BWD_MASK_FILL, dtype=nl.float32)
+        scores = nisa.affine_select(key >= row + (off + spec.lo), scores, BWD_MASK_FILL,
+                                    dtype=nl.float32)
     return nisa.activation(np.exp, scores, bias=bias, scale=1.0, dtype=op_dtype)
 
 
@@ -482,7 +492,7 @@ def backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, sc
     n_dc, d_part = len(d_chunks), min(D, PMAX)
     n_kblk = cfg.key_tile // PMAX
     Nq, Nk = q.shape[2], k.shape[2]
-    band = make_band(nq, nk, cfg.causal, cfg.window)
+    spec = mask_spec(nq, nk, cfg.causal, cfg.window)
     passes = plan_q_tiles(G, nq, cfg.rows_per_pass)
     ktiles = plan_k_tiles(nk, cfg.key_tile)
     h0 = g * G
@@ -511,10 +521,10 @@ def backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, sc
             dv_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
 
             for qt in qtiles:
-                vis = plan_visit(band, nk, qt, kt)
+                vis = plan_visit(spec, qt, kt)
                 if vis is None:
                     continue
-                p = recompute_p(vis, kt, band, cfg.scale, d_chunks, q_T, k_T, exp_bias,
+                p = recompute_p(vis, kt, spec, cfg.scale, d_chunks, q_T, k_T, exp_bias,
                                 op_dtype)
                 ds = softmax_backward(vis, d_chunks, do_T, v_T, neg_delta, p, op_dtype)
                 if "dk" in cfg.grads:
