@@ -251,10 +251,9 @@ class _XlaKernels:
       (``flash_attention_fwd`` on the grid ``(B, Hkv)`` with its compile-time options and
       tiles), called on the device tensors with ``kv_lens``/``q_lens`` as (B,) int32 device
       tensors (the planner's default SBUF budget is trn1's, a tiling that also fits trn2).
-    * backward: ``nki_kernels.attention.backward.flash_attn_bwd[B, Hkv](q, k, v, o, do, lse,
-      scale=, causal=, window=, mixed_precision=)``; its lengths are compile-time ints, so a
-      padded batch launches one grid ``[1, Hkv]`` per sequence and concatenates the results in
-      the graph.
+    * backward: likewise from :func:`host.api.plan_attention_backward` (``flash_attn_bwd`` on
+      ``(B, Hkv)``, or ``(1, Hkv)`` walking the batch when lengths are given; the lengths are
+      compile-time tuples there, so each new set of lengths is a new compilation on device).
     """
 
     @staticmethod
@@ -272,21 +271,13 @@ class _XlaKernels:
         return o, lse
 
     def backward(self, do, q, k, v, o, lse, opts: _Options):
-        from nki_kernels.attention.backward import flash_attn_bwd
+        from host import api
 
-        B, Hkv = q.shape[0], k.shape[1]
-        kw = dict(scale=opts.scale, causal=opts.causal, window=opts.window,
-                  mixed_precision=opts.mixed_precision)
-        args = (q, k, v, o, do.contiguous(), lse)
-        if opts.kv_lens is None and opts.q_lens is None:
-            return flash_attn_bwd[(B, Hkv)](*args, **kw)
-        parts = []
-        for b in range(B):
-            q_len = None if opts.q_lens is None else int(opts.q_lens[b])
-            kv_len = None if opts.kv_lens is None else int(opts.kv_lens[b])
-            parts.append(flash_attn_bwd[(1, Hkv)](*(x[b:b + 1] for x in args), q_len=q_len,
-                                                 kv_len=kv_len, **kw))
-        return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
+        do = do.contiguous()
+        kernel, grid, kernel_kwargs = api.plan_attention_backward(do, q, k, v, o, lse,
+                                                                  **opts.kwargs())
+        dq, dk, dv = kernel[grid](q, k, v, o, do, lse, **kernel_kwargs)
+        return dq, dk, dv
 
 
 _EXECUTORS = {_DEVICE_CPU: _HostKernels(), _DEVICE_XLA: _XlaKernels()}

@@ -683,8 +683,8 @@ class _SimulatedXlaLaunch:
 
     torch-neuronx would trace the call into the XLA graph; here the same call runs the kernel
     on the simulator (``nki.simulate_kernel``) on the tensors' NumPy views and returns tensors,
-    so the XLA executor's launch code (grid, argument order, compile-time options, tiles, the
-    per-sequence backward launches) is exercised for real. The tracing itself is not.
+    so the XLA executor's launch code (grid, argument order, compile-time options, tiles) is
+    exercised for real. The tracing itself is not.
     """
 
     def __init__(self, kernel):
@@ -736,7 +736,7 @@ def test_xla_executor_launches_the_kernels(monkeypatch, dtype, mixed, mm):
                                     **opts)
     o = torch_ops._FlashAttentionFunction.apply(q, k, v, torch_ops._XlaKernels(), o_opts, False)
     got = (o,) + _grads(o, do, q, k, v)
-    assert fwd.grids == [(B, Hkv)] and bwd.grids == [(1, Hkv)] * B
+    assert fwd.grids == [(B, Hkv)] and bwd.grids == [(1, Hkv)]
     ref = _ref_grads(q, k, v, do, **opts)
     ref = (ref[0],) + ref[2:]
     out = str(dtype).replace("torch.", "")
