@@ -138,9 +138,10 @@ def test_custom_scale_negative_and_zero():
 
 
 @pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
-@pytest.mark.parametrize("Nq,Nk", [(200, 200), (150, 400), (300, 170)])
-def test_causal(causal, Nq, Nk):
-    run_and_check(1, 1, 1, Nq, Nk, 64, BF16, seed=Nq * 7 + Nk, causal=causal)
+@pytest.mark.parametrize("Nq,Nk,D", [(200, 200, 64), (150, 400, 64), (300, 170, 64),
+                                     (128, 128, 128), (1000, 1000, 64), (300, 300, 256)])
+def test_causal(causal, Nq, Nk, D):
+    run_and_check(1, 1, 1, Nq, Nk, D, BF16, seed=Nq * 7 + Nk, causal=causal)
 
 
 @pytest.mark.parametrize("causal,window", [
