@@ -96,24 +96,44 @@ def test_ring_plumbing_matches_reference(tmp_path, monkeypatch, world=3):
             np.testing.assert_allclose(got[key], s, atol=atol, rtol=0, err_msg=key)
 
 
+def _baseline(case):
+    """The plain low-precision implementation of the tolerance rule (docs/semantics.md)."""
+    q, k, v, do = ring_case_inputs(case)
+    dtype = getattr(torch, case["dtype"])
+    q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
+    causal = "bottom_right" if case["causal"] else None
+    mm = "float32" if (case["dtype"] == "float32" and not case["mixed_precision"]) else "bfloat16"
+    kw = dict(dtype=mm, out_dtype=case["dtype"], causal=causal)
+    return mm, [reference.attention_baseline_lowp(q, k, v, **kw)] + list(
+        reference.attention_backward_baseline_lowp(do, q, k, v, **kw))
+
+
 @pytest.mark.skipif(not HAVE_KERNELS, reason="host.flash_attention not available yet")
 def test_ring_kernels_match_single_process(tmp_path):
-    """The kernels on the active backend in both ranks vs the same kernels unsharded.
+    """The kernels on the active backend in both ranks vs unsharded attention.
 
-    float32 with float32 matmuls: the ring differs from the single call only by the order of
-    the (exact) LSE merges, so outputs and gradients agree to float32 rounding (atol 1e-5), and
-    both meet the float64 reference within the tolerance rule's floor plus float32 error.
+    Every case meets the tolerance rule against the float64 reference (error <= 2 x the plain
+    same-precision implementation's + 1e-5 fp32 / 1e-3 bf16). With float32 matmuls the ring
+    also equals the single call of the same kernels to float32 rounding (atol 1e-5): the LSE
+    merge is exact. (bf16 adds one rounding of each partial o and dk/dv per ring step, so it
+    is compared with the reference only.)
     """
     cases = [_case("full", causal=False, Hq=4, Hkv=2, N=34, seed=3),
-             _case("causal", causal=True, N=34, seed=4)]
+             _case("causal", causal=True, N=34, seed=4),
+             _case("causal_bf16", causal=True, dtype="bfloat16", mixed_precision=True, N=34,
+                   seed=5)]
     results = _run_ring(cases, tmp_path, fake=False)
     for case in cases:
         got = results[case["name"]]
-        single = _single_process(case)
         want = _reference(case)
-        for key, s, w in zip(("o", "dq", "dk", "dv"), single, want):
-            np.testing.assert_allclose(got[key], s, atol=1e-5, rtol=0, err_msg=key)
-            np.testing.assert_allclose(got[key], w, atol=1e-4, rtol=0, err_msg=key)
+        mm, base = _baseline(case)
+        for key, w, b in zip(("o", "dq", "dk", "dv"), want, base):
+            err = reference.max_abs_err(got[key], w)
+            tol = reference.tolerance(w, b, floor=reference.atol_floor(mm))
+            assert err <= tol, f"{case['name']} {key}: error {err:.3g} > tolerance {tol:.3g}"
+        if case["dtype"] == "float32":
+            for key, s in zip(("o", "dq", "dk", "dv"), _single_process(case)):
+                np.testing.assert_allclose(got[key], s, atol=1e-5, rtol=0, err_msg=key)
 
 
 def test_ring_errors_without_process_group():
