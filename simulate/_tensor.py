@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _dtypes, _runtime, _hw
+from . import _deps, _dtypes, _runtime, _hw
 from ._dtypes import F32
 from ._errors import nki_error, hw_error, fmt_shape
 from ._index import IndexExpr, MGridResult, Predicate, _is_int
@@ -40,7 +40,7 @@ def space(buf):
 # =============================================================================================
 class Storage:
     __slots__ = ("arr", "di", "buffer", "_name", "pdim", "ctx", "param", "mutable", "written",
-                 "bpp", "banks", "acct", "__weakref__")
+                 "bpp", "banks", "acct", "aloops", "deps", "__weakref__")
 
     def __init__(self, arr, di, buffer, ctx, pdim=0, name=None):
         self.arr = arr
@@ -55,6 +55,9 @@ class Storage:
         self.acct = False
         self.bpp = 0
         self.banks = 0
+        # loops active at allocation (uids) and per-loop written-element records (_deps)
+        self.aloops = _deps.alloc_loops(ctx) if ctx is not None else ()
+        self.deps = None
 
     @staticmethod
     def new_param(arr, di, name, mutable):
@@ -1099,6 +1102,8 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
     if accumulate is None:
         if ddi is not vdi and not (ddi is F32 and vdi.is_float):
             vals = ddi.round(vals)
+        if ctx.loops:
+            _deps.note_write(ctx, dst, m)
         dst._write(vals, m)
         if not direct or (tag == "nl_matmul" and st.buffer != PSUM):
             _charge_copy(ctx, value, dst, n)     # (nl.matmul into SBUF: PSUM evacuation)

@@ -14,7 +14,7 @@ import enum
 
 import numpy as np
 
-from . import _cost, _dtypes, _hw, _ops, _tensor
+from . import _cost, _deps, _dtypes, _hw, _ops, _tensor
 from ._dtypes import F32
 from ._errors import nki_error, hw_error, fmt_shape
 from ._index import IndexExpr, Predicate, eval_mask
@@ -178,6 +178,8 @@ def _write_reg(ctx, reduce_res, reg, P, api):
                         f"'reduce_res' of '{api}' must be a [{P}, 1] tile, got "
                         f"{fmt_shape(reduce_res.shape)}")
     di = reduce_res._st.di
+    if ctx.loops:
+        _deps.note_write(ctx, reduce_res, None)
     reduce_res._write(di.round(reg[:P].copy()).reshape(reduce_res.shape))
     reduce_res._st.written = True
 
@@ -725,6 +727,8 @@ def tensor_copy_dynamic_dst(*, dst, src, mask=None, dtype=None, engine=None, **k
     ddi = dst._st.di
     m = eval_mask(mask, dst.shape)
     if m is not False:
+        if ctx.loops:
+            _deps.note_write(ctx, dst, m)
         dst._write(ddi.round(np.asarray(vals)) if ddi is not di else vals, m)
     dst._st.written = True
     ctx.rec.add("vector", max(_hw.DYNAMIC_COPY_MIN_II, _free(src.shape)))
@@ -759,6 +763,8 @@ def tensor_copy_predicated(*, src, dst, predicate, reverse_pred=False, mask=None
         p = p & m
     ddi = dst._st.di
     vals = ddi.round(np.asarray(sa)) if sdi is not ddi else sa
+    if ctx.loops:
+        _deps.note_write(ctx, dst, p)
     dst._write(np.broadcast_to(vals, dst.shape), p)
     dst._st.written = True
     ctx.rec.add("vector", _cost.ii(_free(dst.shape)))
@@ -926,6 +932,8 @@ def select_reduce(*, dst, predicate, on_true, on_false, reduce_res=None,
     m = eval_mask(mask, dst.shape)
     ddi = dst._st.di
     if m is not False:
+        if ctx.loops:
+            _deps.note_write(ctx, dst, m)
         dst._write(ddi.round(res), m)
         dst._st.written = True
     if reduce_res is not None or int(reduce_cmd) != 0:
@@ -1115,6 +1123,8 @@ def nc_match_replace8(*, data, vals, imm, dst_idx=None, mask=None, dtype=None, *
         if not isinstance(dst_idx, Tensor):
             raise TypeError("'dst_idx' must be a tile")
         ddi = dst_idx._st.di
+        if ctx.loops:
+            _deps.note_write(ctx, dst_idx, None)
         dst_idx._write(ddi.round(idx).reshape(dst_idx.shape))
         dst_idx._st.written = True
     ctx.rec.add("vector", _cost.ii(A.shape[1]))
@@ -1153,6 +1163,8 @@ def nc_stream_shuffle(src, dst, shuffle_mask, *, dtype=None, mask=None, **kwargs
             cur[p] = Sd[sp]
     m = eval_mask(mask, dst.shape)
     if m is not False:
+        if ctx.loops:
+            _deps.note_write(ctx, dst, m)
         dst._write(cur.reshape(dst.shape), m)
     dst._st.written = True
     ctx.rec.add("vector", _cost.ii(_free(src.shape)))
@@ -1280,6 +1292,8 @@ def dma_copy(*, dst, src, mask=None, dst_rmw_op=None, oob_mode=oob_mode.error,
         vals = ddi.round(np.asarray(res))
     elif ddi is not sdi and not (ddi is F32 and sdi.is_float):
         vals = ddi.round(np.asarray(vals))
+    if ctx.loops and dst_rmw_op is None:
+        _deps.note_write(ctx, dst, wmask)
     dst._write(vals, wmask, skip_oob=skip)
     dstt.written = True
     cnt = dst._count(wmask if wmask is not None else None)

@@ -16,7 +16,7 @@ from types import SimpleNamespace as _NS
 import numpy as np
 import ml_dtypes as _mld
 
-from . import _cost, _dtypes, _hw, _ops, _runtime, _tensor
+from . import _cost, _deps, _dtypes, _hw, _ops, _runtime, _tensor
 from ._dtypes import (float32, float16, bfloat16, float8_e4m3, float8_e5m2, tfloat32, int8,  # noqa: F401,E501 (public nl dtypes)
                       int16, int32, uint8, uint16, uint32, bool_, float32r, F32)
 from ._errors import nki_error, fmt_shape
@@ -170,16 +170,24 @@ def spmd_dim(a, b):
 # =============================================================================================
 # loops (spec §6)
 # =============================================================================================
-def _loop(ctx, r):
-    state = [r.start, True]
+def _loop(ctx, r, affine, depth=2):
+    f = _sys._getframe(depth)
+    state = _deps.LoopState(r.start, affine, f.f_code.co_filename, f.f_lineno)
+    return _loop_gen(ctx, r, state)
+
+
+def _loop_gen(ctx, r, state):
     ctx.loop_depth += 1
     ctx.loops.append(state)
     try:
         first = True
+        n = 0
         for i in r:
-            state[0] = i
-            state[1] = first
+            state.value = i
+            state.first = first
+            state.iter_no = n
             first = False
+            n += 1
             yield i
     finally:
         ctx.loop_depth -= 1
@@ -192,17 +200,17 @@ def _loop(ctx, r):
 def affine_range(*args, **kwargs):
     """``range`` without loop-carried dependencies; yields Python ints. Extra kwargs
     (``precise_schedule`` ...) are accepted and ignored."""
-    return _loop(current(), range(*(int(a) for a in args)))
+    return _loop(current(), range(*(int(a) for a in args)), True)
 
 
 def sequential_range(*args, **kwargs):
     """``range`` with loop-carried dependencies allowed; yields Python ints."""
-    return _loop(current(), range(*(int(a) for a in args)))
+    return _loop(current(), range(*(int(a) for a in args)), False)
 
 
 def static_range(*args, **kwargs):
     """Fully unrolled ``range``; yields Python ints."""
-    return _loop(current(), range(*(int(a) for a in args)))
+    return _loop(current(), range(*(int(a) for a in args)), False)
 
 
 def loop_reduce(x, op, loop_indices, *, dtype=None, mask=None, **kwargs):
@@ -218,8 +226,8 @@ def loop_reduce(x, op, loop_indices, *, dtype=None, mask=None, **kwargs):
     idx = loop_indices if isinstance(loop_indices, (list, tuple)) else [loop_indices]
     restart = True
     for k in idx:
-        st = next((s for s in reversed(ctx.loops) if s[0] == k), None)
-        if st is not None and not st[1]:
+        st = next((s for s in reversed(ctx.loops) if s.value == k), None)
+        if st is not None and not st.first:
             restart = False
     acc = ctx.loop_reduce.get(key)
     m = eval_mask(mask, x.shape)
@@ -531,6 +539,8 @@ def store(dst, value, *, mask=None, **kwargs):
         vals = ddi.round(np.asarray(vals))
     cnt = 0
     if m is not False:
+        if ctx.loops:
+            _deps.note_write(ctx, dst, m)
         dst._write(vals, m)
         cnt = dst._count(m)
     st.written = True
