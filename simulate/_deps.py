@@ -3,9 +3,11 @@
 neuronx-cc rejects a write inside ``nl.affine_range`` whose destination index does not depend
 on the loop variable ("Unexpected output dependencies, missing indices in the dst access: i"),
 because affine iterations may run in any order or in parallel. Loop indices are plain ints
-here, so the simulator checks the *consequence* instead: a plain (non-accumulating) write to an
-element of a tensor allocated *outside* an affine loop, which an earlier iteration of that same
-loop already wrote, raises the error. ``+=``-style accumulation (``t += x``, ``t[...] += x``,
+here, so the simulator checks the observable consequence: the *identical* access (same region of
+the same tensor, same mask) written by a plain (non-accumulating) write in two different
+iterations of an affine loop that was entered after the tensor was allocated. Accesses that
+depend on the loop index differ between iterations and pass, even if they overlap (as with the
+compiler's static rule). ``+=``-style accumulation (``t += x``, ``t[...] += x``,
 ``dma_copy(dst_rmw_op=np.add)``, ``atomic_rmw``, ``loop_reduce``) is exempt, as documented.
 Not detected (lenient): conflicts hidden by per-iteration masks, and SPMD-instance conflicts.
 """
@@ -17,7 +19,6 @@ import linecache
 import re
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from ._errors import nki_error
 
@@ -51,75 +52,52 @@ def alloc_loops(ctx):
     return tuple(L.uid for L in ctx.loops)
 
 
-def _region(arr, t, key_valid):
-    """The part of ``arr`` (same shape as t's storage array) that view ``t`` addresses."""
+def _signature(t, mask):
+    """Identity of an access: region (offset/shape/strides, or index arrays) plus its mask."""
     v = t._v
-    base = t._st.arr
+    st = t._st
     if v is not None:
-        el = base.itemsize
-        off = (v.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // el
-        strides = tuple((s // el) * arr.itemsize for s in v.strides)
-        return as_strided(arr.reshape(-1)[off:], shape=v.shape, strides=strides), None
-    return None, key_valid
+        sig = (v.__array_interface__["data"][0] - st.arr.__array_interface__["data"][0],
+               v.shape, v.strides)
+    else:
+        from ._tensor import _resolve
+        key, valid = _resolve(t, mask if isinstance(mask, np.ndarray) else None, True)
+        sig = tuple((np.shape(k), hash(np.ascontiguousarray(k).tobytes())) for k in key)
+        if valid is not None:
+            sig += (hash(np.packbits(valid).tobytes()),)
+    if isinstance(mask, np.ndarray):
+        sig += (mask.shape, hash(np.packbits(mask).tobytes()))
+    return sig
 
 
 def note_write(ctx, t, mask):
-    """Record a plain write through view ``t`` (under ``mask``); raise on a cross-iteration
-    conflict in an enclosing affine loop entered after ``t``'s storage was allocated."""
+    """Record a plain write through view ``t`` (under ``mask``); raise when the identical
+    access was written by a different iteration of an enclosing affine loop entered after
+    ``t``'s storage was allocated (i.e. the access does not depend on that loop's index)."""
     loops = ctx.loops
     if not loops or mask is False:
         return
     st = t._st
     aloops = st.aloops
-    deps = None
+    sig = None
     for L in loops:
         if not L.affine or L.uid in aloops or L.iter_no < 0:
             continue
-        if deps is None:
-            deps = st.deps
-            if deps is None:
-                deps = st.deps = {}
-        rec = deps.get(L.uid)
-        shape = st.arr.shape
-        if rec is None:
-            rec = deps[L.uid] = [L.iter_no, None, np.zeros(shape, bool)]
-        elif rec[0] != L.iter_no:
-            prev = rec[2] if rec[1] is None else (rec[1] | rec[2])
-            rec[0], rec[1], rec[2] = L.iter_no, prev, np.zeros(shape, bool)
-        _check_and_mark(ctx, t, mask, rec, L)
+        if sig is None:
+            sig = _signature(t, mask)
+            if st.deps is None:
+                st.deps = {}
+        d = st.deps.get(L.uid)
+        if d is None:
+            d = st.deps[L.uid] = {}
+        it = d.get(sig)
+        if it is not None and it != L.iter_no:
+            _raise(t, L, it)
+        d[sig] = L.iter_no
 
 
-def _check_and_mark(ctx, t, mask, rec, L):
-    prev, cur = rec[1], rec[2]
-    if t._v is not None:
-        cv, _ = _region(cur, t, None)
-        if prev is not None:
-            pv, _ = _region(prev, t, None)
-            hit = pv if mask is None else (pv & mask)
-            if hit.any():
-                _raise(t, L, np.argwhere(hit)[0])
-        if mask is None:
-            cv[...] = True
-        else:
-            np.logical_or(cv, mask, out=cv)
-        return
-    from ._tensor import _resolve
-    key, valid = _resolve(t, mask, True)
-    bk = np.broadcast_arrays(*[np.asarray(k) for k in key])
-    sel = valid if valid is not None else (mask if isinstance(mask, np.ndarray) else None)
-    if sel is not None:
-        bk = [k[sel] for k in bk]
-    idx = tuple(bk)
-    if prev is not None:
-        hit = prev[idx]
-        if np.any(hit):
-            _raise(t, L, None)
-    cur[idx] = True
-
-
-def _raise(t, L, pos):
-    where = f" (element {tuple(int(p) for p in pos)} of the destination view)" \
-        if pos is not None else ""
+def _raise(t, L, first_iter):
+    where = f" (iterations {first_iter} and {L.iter_no})"
     raise nki_error(
         "err_unexpected_output_dependencies", "syntax",
         f"Unexpected output dependencies, missing indices in the dst access: {L.var_name()} -- "

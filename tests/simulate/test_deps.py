@@ -107,3 +107,11 @@ def test_dma_rmw_accumulation_exempt_and_masked_disjoint_writes_ok():
         for i in nl.affine_range(2):
             half[ip, jf] = nl.load(a[i], mask=(jf >= 32 * i) & (jf < 32 * i + 32))
     _run(body)
+
+
+def test_overlapping_but_index_dependent_windows_pass():
+    def body(a):
+        buf = nl.zeros((128, 96), nl.float32)
+        for i in nl.affine_range(2):
+            buf[:, nl.ds(32 * i, 64)] = nl.load(a[i])       # depends on i (overlap is allowed)
+    _run(body)
