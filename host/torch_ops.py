@@ -334,7 +334,9 @@ class _FlashAttentionFunction(torch.autograd.Function):
         ex, opts = ctx.executor, ctx.opts
         do = torch.zeros_like(o) if grad_o is None else grad_o.to(o.dtype)
         dq, dk, dv = ex.backward(do, q, k, v, o, lse, opts)
-        if grad_lse is not None and bool(torch.any(grad_lse != 0)):
+        # grad_lse is None unless the returned lse was used (set_materialize_grads(False));
+        # no value test, which would force a graph execution on XLA.
+        if grad_lse is not None:
             dq_extra, dk_extra = _lse_gradient_terms(ex, grad_lse, q, k, v, o, lse, opts)
             dq = (dq.to(torch.float32) + dq_extra).to(q.dtype)
             dk = (dk.to(torch.float32) + dk_extra).to(k.dtype)
@@ -369,7 +371,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
     return_lse : bool
         Also return the log-sum-exp. It is differentiable: a gradient flowing into it adds
         ``scale * g * (P @ k)`` to dq and ``scale * P^T (g * q)`` to dk (two more kernel calls,
-        made only when that gradient is nonzero).
+        made only when the lse is used by the loss).
 
     Returns
     -------

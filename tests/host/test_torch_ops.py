@@ -169,6 +169,17 @@ def test_plumbing_lse_gradient(fake_kernels):
         torch.testing.assert_close(g, t, atol=1e-5, rtol=0)
 
 
+def test_plumbing_unused_lse_costs_no_extra_kernel_calls(fake_kernels):
+    q, k, v = _qkv(1, 2, 1, 4, 5, 8)
+    o, lse = flash_attention(q, k, v, return_lse=True)
+    o.sum().backward()
+    assert [kind for kind, _ in fake_kernels.calls] == ["fwd", "bwd"]
+    fake_kernels.calls.clear()
+    o, lse = flash_attention(q, k, v, return_lse=True)
+    (o.sum() + lse.sum()).backward()
+    assert [kind for kind, _ in fake_kernels.calls] == ["fwd", "bwd", "fwd", "bwd"]
+
+
 def test_plumbing_float64_gradcheck(fake_kernels):
     q, k, v = _qkv(1, 2, 1, 3, 4, 4, dtype=torch.float64)
 
