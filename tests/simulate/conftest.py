@@ -1,6 +1,13 @@
 """Shared helpers for the simulator tests."""
+import importlib.util
+import os
+import sys
+
 import numpy as np
 import pytest
+
+if importlib.util.find_spec("simulate") is None:     # bare `pytest` from a source checkout
+    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 import simulate as nki
 import simulate.language as nl
