@@ -399,7 +399,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
 # --------------------------------------------------------------------------------------------
 
 _SUPPORTED_MASKS = (
-    "supported attn_mask forms (bool, True = attend; or a float mask holding only 0.0 and "
+    "Supported attn_mask forms (bool, True = attend; or a float mask holding only 0.0 and "
     "-inf), identical across heads and broadcastable to (..., H, L, S): all True; a per-batch "
     "key-padding prefix (key j visible iff j < kv_len[b]) -> kv_lens; a lower-triangular causal "
     "mask, top-left (j <= i) or bottom-right (j <= i + S - L) aligned -> causal; a causal mask "

@@ -425,7 +425,7 @@ def test_sdpa_error_gqa_needs_enable_gqa(fake_kernels):
 @pytest.mark.parametrize("mask,pattern", [
     (torch.tensor([[True, False, True], [True, True, False], [False, True, True]]),
      r"attn_mask: this bool mask of shape \(3, 3\) is not one the "
-                             r"kernels can apply\. supported attn_mask forms"),
+                             r"kernels can apply\. Supported attn_mask forms"),
     (torch.ones(3, 3, dtype=torch.bool).triu(), r"attn_mask: this bool mask"),
     (torch.zeros(3, 3).fill_(-1e9), r"attn_mask: a float mask must hold only 0.0 .* and -inf "
                                     r".*got the value -1000000000.0"),
