@@ -393,6 +393,10 @@ def _activation(api, op, data, bias, scale, reduce_op, reduce_res, cmd, mask, dt
     nd = max(data.ndim, 1)
     sc = _act_scale(scale, P, api, nd)
     bi = _act_bias(bias, P, api, nd)
+    if bi is not None and fn is _ops.UNARY["reciprocal"][0] and not ctx.tgt.gen3_features:
+        raise nki_error("err_instruction_unsupported_op", "syntax",
+                        f"reciprocal with a bias is not supported in '{api}' on "
+                        f"{ctx.tgt.name} (NeuronCore-v2)")
     x = _f32(a)
     if not (isinstance(sc, np.float32) and sc == 1.0):
         x = x * sc

@@ -154,6 +154,9 @@ def test_activation_parameter_errors(rng):
                                                                         dtype=nl.int32)), x)
     with pytest.raises(SyntaxError, match="not supported in 'activation'"):
         apply_tile_fn(lambda t: nisa.activation(nl.maximum, t), x)
+    with pytest.raises(SyntaxError, match="reciprocal with a bias"):
+        apply_tile_fn(lambda t: nisa.activation(nl.reciprocal, t, bias=nl.copy(t[:, 0:1])), x,
+                      target="trn1")
     with pytest.raises(SyntaxError, match="NeuronCore-v2 only supports add"):
         apply_tile_fn(lambda t: nisa.activation_reduce(nl.exp, t, reduce_op=np.max,
                                                        reduce_res=nl.ndarray((8, 1), nl.float32)),
