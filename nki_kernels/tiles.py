@@ -294,10 +294,45 @@ FWD_L_FLOOR = 2.0 ** -60
 FWD_FOLD_SCALE_RANGE = (2.0 ** -24, 2.0 ** 24)
 
 # -- engine balance -----------------------------------------------------------------------------
-#: Fraction of the P^T PSUM -> SBUF copies issued on ScalarE (the rest on VectorE), per target.
-#: VectorE already reads every score once (row max); ScalarE computes every exp. trn2 VectorE
-#: copies 16-bit PSUM data at 2 elements/cycle (perf mode). Tuned by benchmarks/forward.py.
-FWD_ACT_EVAC_SHARE = {"trn1": 0.7, "trn2": 0.55}
+#: Engine clocks (Hz) of ScalarE and VectorE, and VectorE's cycles per element of a 16-bit
+#: PSUM -> SBUF copy (trn2 perf mode: 2 elements/cycle), used to balance the P^T copies
+#: (hardware-and-limits.md §1-§2; the ISA docs' "estimated instruction cost").
+FWD_ACT_HZ = {"trn1": 1.4e9, "trn2": 1.2e9}
+FWD_DVE_HZ = {"trn1": 1.12e9, "trn2": 0.96e9}
+FWD_DVE_COPY16_CYCLES = {"trn1": 1.0, "trn2": 0.5}
+#: Minimum cycles of one ScalarE/VectorE instruction (MIN_II).
+FWD_MIN_II = 64
+
+
+def fwd_act_evac_share(target: str, *, score_cols: int, blocks: int, rescales: int,
+                       q_tiles: int, evac_cols: int, D: int, folded_scale: bool) -> float:
+    """Fraction of the P^T PSUM -> SBUF copies to issue on ScalarE so that ScalarE and VectorE
+    finish together, from the kernel's own (compile-time) schedule.
+
+    Per score column (of a 128-row tile) VectorE reads S once for the row max and ScalarE
+    computes one exp; per key block VectorE does one min-reduction and ScalarE the folded bias,
+    alpha and the rescale of ``[o_acc | l]`` (D + 1 columns); per query tile ScalarE copies Q^T
+    out of PSUM and computes log l and the LSE, VectorE does the write-back (5 small
+    instructions and the D-column normalisation). A copied column costs ScalarE 1 cycle and
+    VectorE 1 (trn1) or 1/2 (trn2, 16-bit perf mode).
+
+    Parameters are totals over the schedule of one kernel instance: ``score_cols`` columns of
+    score tiles, ``blocks`` key blocks (``rescales`` of them not a tile's first), ``q_tiles``
+    query tiles, ``evac_cols`` P^T columns copied.
+    """
+    if evac_cols <= 0:
+        return 0.5
+    ii = FWD_MIN_II
+    dve = score_cols + blocks * ii + q_tiles * (5 * ii + D)
+    act = (score_cols + blocks * (ii if folded_scale else 0) + rescales * (ii + D + 1)
+           + q_tiles * (PMAX + 2 * ii))
+    f_act, f_dve, r_dve = FWD_ACT_HZ[target], FWD_DVE_HZ[target], FWD_DVE_COPY16_CYCLES[target]
+    # (dve + (1 - a) E r_dve) / f_dve == (act + a E) / f_act
+    share = ((dve + evac_cols * r_dve) * f_act - act * f_dve) / (
+        evac_cols * (f_dve + r_dve * f_act))
+    return min(1.0, max(0.0, share))
+
+
 #: Target assumed when the host does not know it: trn1 has the smaller SBUF, so a tiling that
 #: fits it fits trn2 too.
 FWD_DEFAULT_TARGET = "trn1"
@@ -322,7 +357,12 @@ class ForwardTiles:
         during one K/V pass. 1 when K/V is resident (nothing to amortise).
     act_evac_share : float or None
         Fraction of the P^T PSUM evacuations issued on ScalarE (the rest on VectorE); None: the
-        kernel takes :data:`FWD_ACT_EVAC_SHARE` of the generation it is compiled for.
+        kernel balances the two engines from its schedule (:func:`fwd_act_evac_share`).
+    p_dma_transpose_share : float
+        trn2 only (ignored on trn1): fraction of the P^T chunk groups transposed SBUF -> SBUF by
+        the DMA engines (``nisa.dma_transpose``, up to 50 % of DMA bandwidth on trn2) instead of
+        TensorE + a PSUM copy. Off by default: AWS's flash_fwd kept its DMA-transpose path
+        disabled pending stabilisation, so the hardware path is unproven.
     target : str
         "trn1" or "trn2": the generation whose SBUF the K/V residency was sized for.
     """
@@ -336,6 +376,7 @@ class ForwardTiles:
     kv_chunk: int = FWD_KV_CHUNK
     q_group: int = 1
     act_evac_share: Optional[float] = None
+    p_dma_transpose_share: float = 0.0
     target: str = FWD_DEFAULT_TARGET
 
     def __post_init__(self):
@@ -360,6 +401,9 @@ class ForwardTiles:
         if self.act_evac_share is not None and not 0.0 <= self.act_evac_share <= 1.0:
             raise ValueError(f"act_evac_share: expected None or a fraction in [0, 1], got "
                              f"{self.act_evac_share}")
+        if not 0.0 <= self.p_dma_transpose_share <= 1.0:
+            raise ValueError(f"p_dma_transpose_share: expected a fraction in [0, 1], got "
+                             f"{self.p_dma_transpose_share}")
         if self.target not in SBUF_USABLE_BYTES:
             raise ValueError(f"target: expected one of {sorted(SBUF_USABLE_BYTES)}, got "
                              f"{self.target!r}")

@@ -1,20 +1,27 @@
 """Flash attention forward on a NeuronCore: O = softmax(scale Q K^T + mask) V and its LSE.
 
-Algorithm 1 of the FlashAttention paper (seed 004), in FlashAttention-2's loop order, fitted to
-TensorE/ScalarE/VectorE and the SBUF/PSUM budget. For one query tile Q_i (128 rows, one per
-partition) and the key blocks K_j, V_j it may see::
+Algorithm 1 of the FlashAttention paper (seed 004), in FlashAttention-2's loop order (queries
+outer, keys inner), fitted to TensorE/ScalarE/VectorE and the SBUF/PSUM budget. With ``c`` the
+softmax scale, for one query tile Q_i (128 rows, one per partition) and the key blocks K_j, V_j
+it may see::
 
-    m_i = M_FLOOR, l_i = 0, o_acc = 0                                   (fp32, on chip)
-    for each key block j (2048 keys = 4 PSUM banks):
-        S_ij   = (scale Q_i) K_j^T  (+ MASK_NEG * mask_ij)               TensorE -> PSUM fp32
-        m_new  = max(m_i, rowmax(S_ij))                                  VectorE
-        P_ij   = exp(S_ij - m_new),  rowsum(P_ij)                        ScalarE, one activation
-        alpha  = exp(m_i - m_new)                                        ScalarE
-        l_i    = alpha l_i + rowsum(P_ij)                                VectorE
-        o_acc  = alpha o_acc + P_ij V_j                                  TensorE (+ P^T on TensorE)
-        m_i    = m_new
-    O_i   = o_acc / l_i          (0 where l_i = 0: no visible key)
-    LSE_i = m_i + log(l_i)       (-inf where l_i = 0, by an explicit select)
+    m_i = M_FLOOR;  [o_acc | l_i] = 0                                    fp32, on chip
+    for each key block j (2048 keys = 4 PSUM banks of scores):
+        S_ij  = Q_i K_j^T  (+ MASK_NEG * mask_ij)          TensorE -> PSUM fp32 (one bank per 512)
+        m_new = max(m_i, rowmax S_ij)                      VectorE: one read of S per score
+        P_ij  = exp(c S_ij - c m_new)                      ScalarE: one activation per bank,
+                                                           scale and max folded in (bias)
+        alpha = exp(c m_i - c m_new)                       ScalarE, on a (P, 1) column
+        [o_acc | l_i] = alpha [o_acc | l_i]                ScalarE, in place in PSUM
+                      + P_ij [V_j | 1]                     TensorE: P^T by PE transposes, copied
+        m_i   = m_new                                      to SBUF by ScalarE/VectorE, then PV
+    O_i   = o_acc / l_i        (0 where l_i = 0: no visible key)
+    LSE_i = c m_i + log l_i    (-inf where l_i = 0, by an explicit select)
+
+The row sums l_i come out of the PV matmul for free: V carries an extra column of ones, so
+``P [V | 1] = [P V | rowsum P]`` (one more moving column, 129 instead of 128 TensorE cycles per
+chunk) and the rescale of o_acc rescales l_i with it. l_i is therefore the sum of the matmul-
+precision P that multiplies V (O is normalised by exactly the weights it used).
 
 Layouts (HBM, as the host API takes them): q ``(B, Hq, Nq, D)``, k and v ``(B, Hkv, Nk, D)``,
 o ``(B, Hq, Nq, D)`` in q's dtype, lse ``(B, Hq, Nq)`` float32; optional ``kv_lens``/``q_lens``
@@ -30,38 +37,46 @@ Tile sizes (``nki_kernels/tiles.py``, ``FWD_*``) and why:
   operand (at most 128 columns).
 - **512 keys per score tile**: the widest moving operand and exactly one 2 KiB PSUM bank of fp32
   scores, so one matmul (per 128-wide head-dim pass) makes 128 x 512 scores.
-- **2048 keys per softmax block** (4 banks): each online-softmax update costs ~8 small (P, 1)
-  instructions of >= 64 cycles and one rescale of o_acc; over 2048 keys they are < 10 % of the
-  per-score work. PSUM: 4 banks of S + 2 of P^T (double-buffered) + 1 of PV = 7 of 8.
-- **128-key PV chunks**: P^T [128 keys, 128 queries] (PE transpose of 128 x 128, then a PSUM ->
-  SBUF copy, split between ScalarE and VectorE) is the stationary operand and V [128 keys, D] the
-  moving one; the PV sum accumulates over the block's chunks in one PSUM bank.
-- **K/V residency**: K^T ``[D, Nk]`` and V (``Nk/128`` blocks ``[128, D]``) at matmul precision stay
-  in SBUF for all query tiles of the group when they fit (bf16 D = 128: 4 Nk bytes per partition,
-  i.e. Nk up to ~32K), so every HBM byte is read once. Otherwise K/V streams in 2048-key chunks
-  past a group of query tiles kept on chip (see ``tiles.forward_hbm_bytes`` for the resulting
-  Theta(N^2 d^2 / M) traffic).
+- **2048 keys per softmax block** (4 banks): each online-softmax update costs a few (P, 1)
+  instructions of >= 64 cycles (min-reduction, bias, alpha) and one rescale of [o_acc | l]; over
+  2048 keys they are ~5 % of the per-score work. PSUM: 4 banks of S + 2 of P^T (double-buffered)
+  + 1 for [o_acc | l] = 7 of 8.
+- **128-key PV chunks, 4 per P^T tile**: P^T [128 keys, 128 queries] (PE transpose) is the
+  stationary operand and [V | 1] [128 keys, D + 1] the moving one. Four chunks share a PSUM bank
+  and one PSUM -> SBUF copy (512 columns), fine enough to split the copies between ScalarE and
+  VectorE so both finish together (``tiles.fwd_act_evac_share``, computed from the schedule).
+- **K/V residency**: K^T ``[D, Nk]`` and [V | 1] (``Nk/128`` blocks) at matmul precision stay in
+  SBUF for all query tiles of the group when they fit (bf16 D = 128: ~4 Nk bytes per partition,
+  Nk up to ~32K on trn1's budget), so every HBM byte is read once. Otherwise K/V streams in
+  2048-key chunks past a group of query tiles kept on chip (``tiles.forward_hbm_bytes`` derives
+  the resulting Theta(N^2 d^2 / M) traffic).
 - **Head dim up to 256**: S contracts D in passes of 128 rows accumulating in the same PSUM bank;
-  PV writes D <= 512 fp32 per partition (one bank).
+  PV writes D + 1 <= 512 fp32 per partition (one bank).
 
-Engine work per 128 x 2048 block (trn2, D = 128): TensorE 6144 cycles (S 2048, P transposes 2048,
-PV 2048); VectorE ~2300 (row max over fp32 PSUM = one read per score, statistics, o_acc add);
-ScalarE ~2600 (exp with row sum, alpha, o_acc scale); the 2048-column P^T evacuation is split
-between ScalarE and VectorE (``tiles.FWD_ACT_EVAC_SHARE``).
+Engine work per 128 x 2048 block (D = 128): TensorE 6160 cycles (S 2048, P transposes 2048,
+PV 16 x 129); VectorE 2112 (row max: one fp32 PSUM read per score; min-reduction); ScalarE 2305
+(exp; bias, alpha, rescale); plus the 2048-column P^T copy (VectorE 1/2 cycle per column on trn2,
+ScalarE 1). trn2 N = 4096 models at ~188 us with TensorE at ~168 us (benchmarks/forward.py).
 
-Softmax scale: folded into Q^T when it is copied out of PSUM after the transpose (free), so S is
-already in softmax units and the exp is one ``activation(exp, S, bias=-m_new)``. Folding it into
-the exp instead (``exp(scale s - scale m)``) would require the max of ``scale * s``, i.e. a min for
-negative scales, and masks whose sign depends on the scale; the API accepts any finite scale.
+Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
+``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
+other finite scale (tiny, huge, zero, negative -- the API accepts them) is multiplied into Q^T as
+it leaves PSUM after its transpose (free), and the exp runs with ``c = 1``.
 
 Masks: see ``masks.py``. Partial last tiles (any Nq, Nk >= 1) are not padded: their tiles simply
 have fewer rows/keys, so out-of-range keys never enter a max, an exp or a sum (the hazard of seed
-001 cannot arise). Everything else (causal, window, lengths) is a finite ``MASK_NEG`` added to the
-scores by TensorE before the row max, with the running max floored at ``M_FLOOR``, so a fully
-masked row gives l_i = 0, O = 0 and LSE = -inf, never NaN.
+001 cannot arise). Causal, window and length masks add a finite ``MASK_NEG`` to the scores on
+TensorE before the row max (static ones only on boundary tiles; fully masked tiles are never
+computed), and the running max is floored at ``M_FLOOR``, so a fully masked row ends with
+l_i = 0, O = 0 and LSE = -inf, never NaN.
 
 Precision (docs/semantics.md): matmul operands in bf16/fp16 (fp32 inputs: bf16 with
 ``mixed_precision``, else fp32); PSUM, statistics, o_acc and LSE in fp32; O in q's dtype.
+
+APIs whose legacy-NKI status is not fully confirmed (reference/nki-api-spec.md): bf16 PSUM
+output of TensorE transposes on trn2 (gen3 "transpose mode"; fp32 PSUM is used on trn1),
+``nisa.tensor_copy_predicated`` (documented from 2.22), ScalarE ``activation`` writing a PSUM
+tile in place, and ``nisa.dma_transpose`` SBUF -> SBUF (opt-in, ``p_dma_transpose_share``).
 
 The trace is fully unrolled at compile time (``nl.static_range`` and Python lists of the
 schedule): every tile's shape and mask class is a compile-time constant.
@@ -221,7 +236,6 @@ class _Instance:
         self.b = nl.program_id(0)
         self.g = nl.program_id(1)
         self.mm = _DTYPES[mm_dtype]
-        self.mm_bf16 = mm_dtype == "bfloat16"
         self.scale = float(scale)
         lo, hi = T.FWD_FOLD_SCALE_RANGE
         # softmax units: the exp scales raw scores (fold), or Q^T is pre-scaled (q_scale)
@@ -233,14 +247,21 @@ class _Instance:
         self.gen3 = nisa.get_nc_version() >= nisa.nc_version.gen3
         # head-dim passes of the S contraction: (first row, rows)
         self.d_passes = tuple((d0, min(T.PMAX, self.D - d0)) for d0 in range(0, self.D, T.PMAX))
-        share = tiles.act_evac_share
-        if share is None:
-            share = T.FWD_ACT_EVAC_SHARE["trn2" if self.gen3 else "trn1"]
-        self.evac = _EvacBalancer(share)
-        self.neg_eye = None
-        self.neg_row = None
-        self.static_masks = None
-        self.lens = None
+        # how P^T copies split between ScalarE and VectorE, and which P^T groups the DMA
+        # engines transpose (trn2, opt-in): set by balance_engines() once the schedule is known
+        self.evac_on_act = None
+        self.p_on_dma = None
+        self.dma_share = tiles.p_dma_transpose_share if self.gen3 else 0.0
+        self.lse_col = lse.reshape((self.B, self.Hq, self.Nq, 1))  # (rows, 1) store targets
+        self.neg_eye = None        # MASK_NEG * I, for indicator tiles
+        self.neg_row = None        # MASK_NEG * 1, for the key-length row
+        self.static_masks = None   # masks.StaticDiagMasks
+        self.lens = None           # (kv_len on partition 0 [1, 2], both lengths [128, 2])
+        self.diag = None           # runtime diagonal thresholds (hi, lo), [128, 1] or None
+
+    def evac_engine(self, n: int):
+        """Engine of the next PSUM -> SBUF copy of ``n`` columns (ScalarE or VectorE)."""
+        return nisa.scalar_engine if self.evac_on_act.take(n) else nisa.vector_engine
 
     def transpose_psum_dtype(self, src_dtype):
         """PSUM dtype of a TensorE transpose: trn2's transpose mode writes bf16 as bf16
@@ -255,26 +276,46 @@ class _Instance:
         return T.PSUM_FMAX * 4 // item // T.PMAX
 
 
-class _EvacBalancer:
-    """Splits PSUM -> SBUF copies between ScalarE and VectorE in a fixed proportion (by copied
-    elements), deterministically, so neither engine becomes the bottleneck."""
+def balance_engines(f: "_Instance", plan: "ForwardPlan"):
+    """Choose how the P^T copies split between ScalarE and VectorE (``tiles.act_evac_share``, or
+    balanced from the schedule's per-engine work, ``tiles.fwd_act_evac_share``)."""
+    share = f.tiles.act_evac_share
+    if share is None:
+        qts = [qt for grp in plan.groups for qt in grp if qt.blocks]
+        blocks = [(qt, blk) for qt in qts for blk in qt.blocks]
+        share = T.fwd_act_evac_share(
+            "trn2" if f.gen3 else "trn1",
+            score_cols=sum(blk.width for _, blk in blocks), blocks=len(blocks),
+            rescales=len(blocks) - len(qts), q_tiles=len(qts),
+            evac_cols=int((1.0 - f.dma_share) * sum(blk.width * qt.rows for qt, blk in blocks)
+                          // T.PMAX),
+            D=f.D, folded_scale=f.fold_scale and f.act_scale != 1.0)
+    f.evac_on_act = _Splitter(share)
+    f.p_on_dma = _Splitter(f.dma_share)
 
-    def __init__(self, act_share: float):
-        self.act_share = act_share
-        self.act = 0
+
+class _Splitter:
+    """Deterministic split of a stream of work items (weighted by size) in a fixed proportion:
+    ``take(n)`` says whether this item goes to the first kind, keeping the running share of the
+    first kind within half an item of ``share``."""
+
+    def __init__(self, share: float):
+        self.share = share
+        self.taken = 0
         self.total = 0
 
-    def engine(self, n: int):
+    def take(self, n: int) -> bool:
         self.total += n
-        if self.act + n <= self.act_share * self.total + n / 2:
-            self.act += n
-            return nisa.scalar_engine
-        return nisa.vector_engine
+        if self.taken + n <= self.share * self.total + n / 2:
+            self.taken += n
+            return True
+        return False
 
 
 class _KV:
-    """K^T (one tile per head-dim pass, ``[rows, n]``), V (``[128, n/128 blocks, D]``) and the
-    key-length mask row of keys ``[base, base + n)``, all in SBUF."""
+    """K^T (one tile per head-dim pass, ``[rows, n]``), ``[V | 1]`` (``[128, n/128 blocks,
+    D + 1]``) and the key-length mask row (``[1, n]`` or None) of keys ``[base, base + n)``, all
+    in SBUF at matmul dtype."""
 
     def __init__(self, base, kT, v, key_row):
         self.base, self.kT, self.v, self.key_row = base, kT, v, key_row
@@ -352,6 +393,26 @@ def diag_thresholds(f: _Instance, lens_p):
     return hi, lo
 
 
+def transpose_keys(f: _Instance, kT, pieces):
+    """K^T columns from natural K blocks: ``pieces`` are (first column, keys, [keys, D] tile);
+    TensorE transposes them several per PSUM bank, one PSUM -> SBUF copy per bank casts to the
+    matmul dtype (ScalarE or VectorE, balanced)."""
+    P = T.PMAX
+    in_dt = pieces[0][2].dtype
+    per_bank = f.psum_cols(in_dt)
+    for pi, (d0, rows) in enumerate(f.d_passes):
+        for s0 in nl.static_range(0, len(pieces), per_bank):
+            group = pieces[s0:s0 + per_bank]
+            tp = nl.ndarray((rows, per_bank * P), dtype=f.transpose_psum_dtype(in_dt),
+                            buffer=nl.psum)
+            for s, (col, kw, src) in enumerate(group):
+                tp[:, s * P:s * P + kw] = nisa.nc_transpose(src[0:kw, d0:d0 + rows])
+            width = (group[-1][0] + group[-1][1]) - group[0][0]
+            col0 = group[0][0]
+            kT[pi][:, col0:col0 + width] = nisa.tensor_copy(tp[:, 0:width], dtype=f.mm,
+                                                            engine=f.evac_engine(width))
+
+
 def load_kv(f: _Instance, c0: int, c1: int) -> _KV:
     """Load keys ``[c0, c1)`` of K and V once: K^T via TensorE transposes of 128-key blocks
     (PSUM -> SBUF copy casts to the matmul dtype), V as 128-key blocks ``[128, D + 1]`` whose last
@@ -363,14 +424,11 @@ def load_kv(f: _Instance, c0: int, c1: int) -> _KV:
     # V with a ones column: PV then also yields the row sums l_i = sum_j P_ij on TensorE
     v = nl.ndarray((P, nblk, D + 1), dtype=f.mm, buffer=nl.sbuf)
     v[:, :, D:D + 1] = nisa.memset((P, nblk, 1), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
-    in_dt = f.k.dtype
-    per_bank = f.psum_cols(in_dt)
     ip = nl.arange(P)[:, None, None]
     idd = nl.arange(D)[None, None, :]
     for l0 in nl.static_range(c0, c1, f.tiles.kv_load_block):
         ln = min(f.tiles.kv_load_block, c1 - l0)
         full, tail = ln // P, ln % P
-        pieces = []   # (first key, keys, tile, block index in tile)
         if full:
             it = nl.arange(full)[None, :, None]
             kx = nl.load(f.k[f.b, f.g, l0 + ip + P * it, idd])
@@ -381,29 +439,15 @@ def load_kv(f: _Instance, c0: int, c1: int) -> _KV:
                 vx = nl.load(f.v[f.b, f.g, l0 + ip + P * it, idd])
                 v[:, b0:b0 + full, 0:D] = nisa.tensor_copy(vx, dtype=f.mm,
                                                            engine=nisa.gpsimd_engine)
-            pieces += [(l0 + P * t, P, kx, t) for t in range(full)]
+            transpose_keys(f, kT, [(l0 + P * t - c0, P, kx[:, t, :]) for t in range(full)])
         if tail:
             t0 = l0 + full * P
             kt_ = nl.load(f.k[f.b, f.g, t0:t0 + tail, :])
             vt_ = nl.load(f.v[f.b, f.g, t0:t0 + tail, :])
-            bt = (t0 - c0) // P
-            v[0:tail, bt, 0:D] = nisa.tensor_copy(vt_, dtype=f.mm, engine=nisa.gpsimd_engine)
-            pieces.append((t0, tail, kt_, None))
-        for pi, (d0, rows) in enumerate(f.d_passes):
-            for s0 in nl.static_range(0, len(pieces), per_bank):
-                group = pieces[s0:s0 + per_bank]
-                tp = nl.ndarray((rows, per_bank * P), dtype=f.transpose_psum_dtype(in_dt),
-                                buffer=nl.psum)
-                for s, (j, kw, src, t) in enumerate(group):
-                    blk = src[0:kw, t, d0:d0 + rows] if t is not None else src[0:kw, d0:d0 + rows]
-                    tp[:, s * P:s * P + kw] = nisa.nc_transpose(blk)
-                width = (group[-1][0] + group[-1][1]) - group[0][0]
-                col = group[0][0] - c0
-                kT[pi][:, col:col + width] = nisa.tensor_copy(
-                    tp[:, 0:width], dtype=f.mm, engine=f.evac.engine(width))
-    key_row = None
-    if f.spec.kv_lens:
-        key_row = M.key_length_row(f.lens[0][0:1, 0:1], c0, n)
+            v[0:tail, (t0 - c0) // P, 0:D] = nisa.tensor_copy(vt_, dtype=f.mm,
+                                                              engine=nisa.gpsimd_engine)
+            transpose_keys(f, kT, [(t0 - c0, tail, kt_)])
+    key_row = M.key_length_row(f.lens[0][0:1, 0:1], c0, n) if f.spec.kv_lens else None
     return _KV(c0, kT, v, key_row)
 
 
@@ -420,7 +464,8 @@ def load_q_tile(f: _Instance, st: _GroupState, qt: QueryTile):
 
 
 def scores(f: _Instance, st: _GroupState, qt: QueryTile, tile: ScoreTile, kv: _KV):
-    """S_ij = (scale Q_i) K_j^T for one score tile, in one PSUM bank, plus its masks.
+    """S_ij = Q_i K_j^T for one score tile (raw scores; Q^T carries the scale only when it is not
+    folded into the exp), in one PSUM bank, plus its masks.
 
     One matmul per head-dim pass (stationary Q^T [d, rows], moving K^T [d, width]) accumulating
     in PSUM; then ``MASK_NEG * indicator`` for boundary tiles (a matmul with ``MASK_NEG * I``) and
@@ -469,9 +514,8 @@ def online_softmax(f: _Instance, st: _GroupState, qt: QueryTile, blk: KeyBlock, 
     neg_m_new[...] = nisa.tensor_reduce(np.min, row[:, 0:1 + nb], axis=(1,), keepdims=True)
     bias = neg_m_new if c == 1.0 else nisa.activation(nl.copy, neg_m_new, scale=c)
 
-    alpha = None
-    if st.started[qt.slot]:
-        alpha = nisa.activation(nl.exp, neg_m_old, bias=bias, scale=-c)
+    alpha = (nisa.activation(nl.exp, neg_m_old, bias=bias, scale=-c)
+             if st.started[qt.slot] else None)
 
     p = nl.ndarray((r, blk.width), dtype=f.mm, buffer=nl.sbuf)
     col = 0
@@ -494,11 +538,17 @@ def pv_accumulate(f: _Instance, p, qt: QueryTile, blk: KeyBlock, kv: _KV, dst, o
     first = overwrite
     for g0 in nl.static_range(0, len(chunks), per_tile):
         group = chunks[g0:g0 + per_tile]
-        pt = nl.ndarray((P, per_tile * r), dtype=pt_dtype, buffer=nl.psum)
-        for s, (c0, kw) in enumerate(group):
-            pt[0:kw, s * r:(s + 1) * r] = nisa.nc_transpose(p[:, c0:c0 + kw])
         n = len(group) * r
-        pts = nisa.tensor_copy(pt[:, 0:n], dtype=f.mm, engine=f.evac.engine(n))
+        pts = nl.ndarray((P, per_tile * r), dtype=f.mm, buffer=nl.sbuf)
+        if f.p_on_dma.take(n):
+            # trn2: DMA-engine transposes SBUF -> SBUF, no TensorE pass and no PSUM copy
+            for s, (c0, kw) in enumerate(group):
+                pts[0:kw, s * r:(s + 1) * r] = nisa.dma_transpose(p[:, c0:c0 + kw])
+        else:
+            pt = nl.ndarray((P, per_tile * r), dtype=pt_dtype, buffer=nl.psum)
+            for s, (c0, kw) in enumerate(group):
+                pt[0:kw, s * r:(s + 1) * r] = nisa.nc_transpose(p[:, c0:c0 + kw])
+            pts[:, 0:n] = nisa.tensor_copy(pt[:, 0:n], dtype=f.mm, engine=f.evac_engine(n))
         for s, (c0, kw) in enumerate(group):
             vb = (blk.j0 + c0 - kv.base) // P
             prod = nisa.nc_matmul(pts[0:kw, s * r:(s + 1) * r], kv.v[0:kw, vb, :])
@@ -551,15 +601,12 @@ def write_back(f: _Instance, st: _GroupState, qt: QueryTile):
 
     l_safe = nisa.tensor_scalar(l_i, nl.maximum, T.FWD_L_FLOOR, dtype=nl.float32)
     inv_l = nisa.reciprocal(l_safe)
-    if f.spec.q_lens:
-        in_range = M.row_valid(f.lens[1][:, 1:2], qt.i0, r)
-        o_out = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l, op1=nl.multiply,
-                                   operand1=in_range, dtype=f.o.dtype)
-        keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, op1=nl.multiply, operand1=in_range,
-                                  dtype=nl.uint8)
-    else:
-        o_out = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l, dtype=f.o.dtype)
-        keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, dtype=nl.uint8)
+    # rows at or after q_len: multiplied by 0 (o) and deselected (lse)
+    in_range = M.row_valid(f.lens[1][:, 1:2], qt.i0, r) if f.spec.q_lens else None
+    op1 = nl.multiply if f.spec.q_lens else None
+    o_out = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l, op1=op1, operand1=in_range,
+                               dtype=f.o.dtype)
+    keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, op1=op1, operand1=in_range, dtype=nl.uint8)
     nl.store(rows_o, o_out)
 
     log_l = nisa.activation(nl.log, l_safe, dtype=nl.float32)
@@ -584,7 +631,6 @@ def attend_group(f: _Instance, plan: ForwardPlan, group, kv: Optional[_KV]):
         chunk_kv = kv if plan.resident else load_kv(f, c0, c1)
         for qt, blk in work:
             attend_block(f, st, qt, blk, chunk_kv)
-        chunk_kv = None
     for qt in group:
         write_back(f, st, qt)
 
@@ -618,13 +664,15 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
 
     f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec)
-    f.lse_col = lse.reshape((B, Hq, Nq, 1))
+    balance_engines(f, plan)
     if spec.has_diag or spec.kv_lens:
         f.neg_eye = M.neg_identity(T.PMAX)
     if spec.kv_lens:
         f.neg_row = M.neg_row(T.PMAX)
     if spec.has_diag and not spec.runtime_diag:
-        f.static_masks = M.StaticDiagMasks(spec, tiles.q_tile, tiles.k_tile)
+        offsets = {t.j0 - qt.i0 for grp in plan.groups for qt in grp for blk in qt.blocks
+                   for t in blk.tiles if t.kind == M.BOUNDARY}
+        f.static_masks = M.StaticDiagMasks(spec, tiles.q_tile, tiles.k_tile, offsets)
     if spec.kv_lens or spec.q_lens:
         f.lens = load_lengths(f, kv_lens, q_lens)
         if spec.runtime_diag:

@@ -183,28 +183,29 @@ def diag_indicator(pattern, hi, lo):
 
 
 class StaticDiagMasks:
-    """Cache of static boundary-tile indicators, keyed by the tile's ``j0 - i0``.
+    """The static boundary-tile indicators of a kernel, built once up front.
 
     An indicator depends only on the key-minus-query distance pattern and the static bounds, so
-    every tile with the same ``j0 - i0`` shares one (its top-left ``[rows, width]`` corner). A
-    causal or window mask has at most ~5 distinct boundary offsets per bound.
+    every boundary tile with the same ``j0 - i0`` shares one (its top-left ``[rows, width]``
+    corner). ``offsets`` (from the schedule) lists the distinct ``j0 - i0`` of boundary tiles: a
+    causal or window bound has a handful (the tile diagonal crosses a 128 x 512 tile at ~5
+    offsets). All live in one bf16 tensor ``[rows, len(offsets), width]`` filled at the top of
+    the kernel.
     """
 
-    def __init__(self, spec: MaskSpec, rows: int, width: int):
-        self.spec = spec
-        self.rows = rows
-        self.width = width
+    def __init__(self, spec: MaskSpec, rows: int, width: int, offsets):
         off = spec.static_offset
-        self.hi = None if spec.hi is None else float(spec.hi + off)
-        self.lo = None if spec.lo is None else float(spec.lo + off)
-        self._cache = {}
+        hi = None if spec.hi is None else float(spec.hi + off)
+        lo = None if spec.lo is None else float(spec.lo + off)
+        self.index = {key: n for n, key in enumerate(sorted(offsets))}
+        self.tiles = nl.ndarray((rows, max(1, len(self.index)), width), dtype=nl.bfloat16,
+                                buffer=nl.sbuf)
+        for key, n in self.index.items():
+            self.tiles[:, n, :] = diag_indicator(diag_pattern(0, rows, key, width), hi, lo)
 
     def get(self, i0: int, j0: int):
-        key = j0 - i0
-        if key not in self._cache:
-            pattern = diag_pattern(0, self.rows, key, self.width)
-            self._cache[key] = diag_indicator(pattern, self.hi, self.lo)
-        return self._cache[key]
+        """Indicator of the boundary tile at rows ``i0``, keys ``j0`` (``[rows, width]``)."""
+        return self.tiles[:, self.index[j0 - i0], :]
 
 
 def key_length_row(kv_len_1, j0: int, n: int):
@@ -214,7 +215,7 @@ def key_length_row(kv_len_1, j0: int, n: int):
     pieces of at most :data:`tiles.FWD_ROW_FMAX` keys.
     """
     row = nl.ndarray((1, n), dtype=nl.bfloat16, buffer=nl.sbuf)
-    for c0 in range(0, n, T.FWD_ROW_FMAX):
+    for c0 in nl.static_range(0, n, T.FWD_ROW_FMAX):
         w = min(T.FWD_ROW_FMAX, n - c0)
         pos = nisa.iota((j0 + c0) + nl.arange(w)[None, :], dtype=nl.float32)
         row[0:1, c0:c0 + w] = nisa.tensor_scalar(pos, nl.greater_equal, kv_len_1,

@@ -210,6 +210,21 @@ def test_streaming_matches_reference(q_group, mask):
     run_and_check(np.random.default_rng(q_group), 2, 2, 1, 600, 4100, 64, tiles=tiles, **mask)
 
 
+@needs_measure
+def test_dma_transposed_p_trn2():
+    """Opt-in trn2 path: half of the P^T chunk groups transposed by the DMA engines."""
+    rng = np.random.default_rng(23)
+    q, k, v = _inputs(rng, 1, 2, 1, 300, 1100, 64, "bfloat16")
+    tiles = T.ForwardTiles(p_dma_transpose_share=0.5)
+    base = _measured(q, k, v, causal=True)
+    m = _measured(q, k, v, causal=True, tiles=tiles)
+    assert m.instructions["dma"] > base.instructions["dma"]
+    assert m.engine_cycles["tensor"] < base.engine_cycles["tensor"]
+    assert m.hbm_bytes_read == base.hbm_bytes_read
+    o, lse = run_kernel(q, k, v, causal=True, tiles=tiles)
+    check(q, k, v, o, lse, causal=True)
+
+
 def test_plan_skips_causal_tiles():
     """Causal: each query tile's keys end at its last row's diagonal (whole tiles skipped)."""
     tiles = T.ForwardTiles()

@@ -1,0 +1,128 @@
+"""Flash attention forward: modeled time on trn1/trn2 against the engine-aware limits.
+
+Runs ``host.flash_attention`` (one batch, one head, bf16) inside ``simulate.measure`` and reports
+the modeled time range (perfect overlap .. fully serial), the busy time of every engine, the
+TensorE utilization ``4 N^2 D / (t * peak)`` (causal: half the FLOPs) and HBM bytes against the
+IO lower bound, next to the limits of reference/hardware-and-limits.md §5:
+
+- *FLOP bound*: TensorE at peak on the useful FLOPs (two matmul passes per score);
+- *engine-aware*: each engine's unavoidable per-score work -- TensorE 3 passes (S, the P
+  transposes, PV: 1/128 cycle each per score for D <= 128), ScalarE one exp (1/128), VectorE one
+  fp32 max read of PSUM (1/128) -- the largest of them.
+
+Causal runs count N^2/2 scores for the limits (the tile diagonal adds ~N*128/2 more in the kernel).
+Modeled numbers are not hardware timings. Requires the bundled simulator backend.
+
+    python benchmarks/forward.py [--n 4096 16384] [--d 128] [--targets trn2 trn1]
+                                 [--p-dma-transpose 0.5] [--json out.json]
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import host  # noqa: E402
+import simulate  # noqa: E402
+from host import reference  # noqa: E402
+from nki_kernels.nki import BACKEND  # noqa: E402
+
+#: Engine clocks (Hz) and dense bf16 TensorE peak (FLOP/s) per NeuronCore
+#: (hardware-and-limits.md §1-§2).
+CLOCKS = {"trn1": {"tensor": 2.8e9, "vector": 1.12e9, "scalar": 1.4e9},
+          "trn2": {"tensor": 2.4e9, "vector": 0.96e9, "scalar": 1.2e9}}
+PEAK_FLOPS = {"trn1": 128 * 128 * 2 * 2.8e9, "trn2": 128 * 128 * 2 * 2.4e9}
+#: The issue's goal: modeled TensorE utilization >= 50 % for N = 4096, D = 128, non-causal, trn2.
+GOAL = {"target": "trn2", "N": 4096, "D": 128, "causal": False, "utilization": 0.5}
+
+
+def limits(target, N, D, causal):
+    """Per-engine lower limits (seconds) from the per-score costs of hardware-and-limits.md §5."""
+    scores = N * N / (2 if causal else 1)
+    passes = -(-D // 128)  # S and PV contract / produce D in passes of 128 columns
+    clk = CLOCKS[target]
+    pe_flop = 2 * passes * scores / 128 / clk["tensor"]
+    pe_with_t = (2 * passes + 1) * scores / 128 / clk["tensor"]
+    act = scores / 128 / clk["scalar"]
+    dve = scores / 128 / clk["vector"]
+    return {"flop_bound": pe_flop, "tensor_with_transposes": pe_with_t, "scalar_exp": act,
+            "vector_max": dve, "engine_aware": max(pe_with_t, act, dve)}
+
+
+def run(target, N, D, causal, seed=0, p_dma_transpose=0.0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((1, 1, N, D)).astype(ml_dtypes.bfloat16) for _ in range(3))
+    t0 = time.time()
+    with simulate.measure(target=target) as m:
+        tiles = None
+        if p_dma_transpose:
+            kw = host.plan_attention_forward(q, k, v, causal=causal)[2]
+            tiles = replace(kw["tiles"], p_dma_transpose_share=p_dma_transpose)
+        host.flash_attention(q, k, v, causal=causal, tiles=tiles)
+    wall = time.time() - t0
+    lower, upper = m.modeled_seconds
+    flops = 4 * N * N * D / (2 if causal else 1)
+    bound = reference.io_lower_bound_bytes(1, 1, 1, N, N, D, 2)
+    return {
+        "target": target, "N": N, "D": D, "causal": causal,
+        "modeled_lower_us": lower * 1e6, "modeled_upper_us": upper * 1e6,
+        "engine_us": {e: s * 1e6 for e, s in m.engine_seconds.items()},
+        "utilization": flops / (lower * PEAK_FLOPS[target]),
+        "hbm_bytes": m.hbm_bytes_read + m.hbm_bytes_written, "io_lower_bound_bytes": bound,
+        "peak_sbuf_bytes_per_partition": m.peak_sbuf_bytes_per_partition,
+        "limits_us": {name: s * 1e6 for name, s in limits(target, N, D, causal).items()},
+        "simulation_wall_s": wall,
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--targets", nargs="+", default=["trn2", "trn1"], choices=sorted(CLOCKS))
+    ap.add_argument("--p-dma-transpose", type=float, default=0.0, metavar="SHARE",
+                    help="fraction of P^T transposes done by trn2's DMA engines (opt-in path, "
+                         "tiles.ForwardTiles.p_dma_transpose_share; ignored on trn1)")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+    if BACKEND != "simulate":
+        sys.exit("benchmarks/forward.py needs the bundled simulator: set NKI_FLASH_BACKEND=simulate")
+
+    rows = []
+    head = (f"{'target':6} {'N':>6} {'causal':6} {'lower us':>9} {'upper us':>9} {'util':>6} "
+            f"{'PE':>8} {'DVE':>8} {'ACT':>8} {'DMA':>7} | {'FLOP':>8} {'eng-aware':>9} "
+            f"{'HBM/LB':>6}")
+    print(head)
+    print("-" * len(head))
+    for target in args.targets:
+        for N in args.n:
+            for causal in (False, True):
+                r = run(target, N, args.d, causal, p_dma_transpose=args.p_dma_transpose)
+                rows.append(r)
+                e, lim = r["engine_us"], r["limits_us"]
+                print(f"{target:6} {N:6d} {str(causal):6} {r['modeled_lower_us']:9.1f} "
+                      f"{r['modeled_upper_us']:9.1f} {100 * r['utilization']:5.1f}% "
+                      f"{e['tensor']:8.1f} {e['vector']:8.1f} {e['scalar']:8.1f} {e['dma']:7.1f} | "
+                      f"{lim['flop_bound']:8.1f} {lim['engine_aware']:9.1f} "
+                      f"{r['hbm_bytes'] / r['io_lower_bound_bytes']:6.3f}")
+    goal = [r for r in rows if all(r[key] == GOAL[key] for key in ("target", "N", "D", "causal"))]
+    if goal:
+        g = goal[0]
+        verdict = "met" if g["utilization"] >= GOAL["utilization"] else "NOT met"
+        print(f"\ngoal (trn2, N=4096, D=128, non-causal, utilization >= 50 %): {verdict} -- "
+              f"{100 * g['utilization']:.1f} % at {g['modeled_lower_us']:.1f} us (perfect "
+              f"overlap), {g['modeled_upper_us']:.1f} us serial")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
