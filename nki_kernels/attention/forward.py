@@ -265,7 +265,10 @@ class _Instance:
 
     def transpose_psum_dtype(self, src_dtype):
         """PSUM dtype of a TensorE transpose: trn2's transpose mode writes bf16 as bf16
-        (and its PSUM -> SBUF copy then runs in VectorE's 2x mode); otherwise fp32."""
+        (and its PSUM -> SBUF copy then runs in VectorE's 2x mode); otherwise fp32.
+
+        UNCONFIRMED (nki-api-spec §9.1/§10.2, [RE] only): bf16 PSUM output of nc_transpose on
+        gen3; trn1 and other dtypes use the documented fp32 PSUM."""
         if self.gen3 and src_dtype == nl.bfloat16:
             return nl.bfloat16
         return nl.float32
@@ -542,6 +545,7 @@ def pv_accumulate(f: _Instance, p, qt: QueryTile, blk: KeyBlock, kv: _KV, dst, o
         pts = nl.ndarray((P, per_tile * r), dtype=f.mm, buffer=nl.sbuf)
         if f.p_on_dma.take(n):
             # trn2: DMA-engine transposes SBUF -> SBUF, no TensorE pass and no PSUM copy
+            # (opt-in; documented for gen3, AWS kept its own use of it disabled)
             for s, (c0, kw) in enumerate(group):
                 pts[0:kw, s * r:(s + 1) * r] = nisa.dma_transpose(p[:, c0:c0 + kw])
         else:
@@ -568,6 +572,9 @@ def attend_block(f: _Instance, st: _GroupState, qt: QueryTile, blk: KeyBlock, kv
     if st.o_in_psum:
         # ScalarE rescales the PSUM accumulator in place; TensorE accumulates on top of it
         if alpha is not None:
+            # ScalarE reading and writing a PSUM accumulator in place: documented operands
+            # (activation reads SBUF/PSUM, its result may be assigned into PSUM), not seen in
+            # AWS's kernels
             o_acc[...] = nisa.activation(nl.copy, o_acc, scale=alpha, dtype=nl.float32)
         pv_accumulate(f, p, qt, blk, kv, o_acc, overwrite=alpha is None)
     else:
@@ -612,6 +619,7 @@ def write_back(f: _Instance, st: _GroupState, qt: QueryTile):
     log_l = nisa.activation(nl.log, l_safe, dtype=nl.float32)
     lse_val = nisa.activation(nl.copy, neg_m, scale=-f.act_scale, bias=log_l, dtype=nl.float32)
     lse_out = nisa.memset((r, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
+    # explicit select (documented from neuronx-cc 2.22; nki-api-spec §9.14)
     nisa.tensor_copy_predicated(src=lse_val, dst=lse_out, predicate=keep)
     nl.store(rows_lse, lse_out)
 
