@@ -281,6 +281,7 @@ def resolve_grid(grid, tgt):
 # launching
 # ---------------------------------------------------------------------------------------------
 _measures = []        # active simulate.measure() objects, innermost last
+_progress_hooks = []  # active simulate.progress() callbacks: f(instances_done, instances_total)
 _cpu_note_shown = [False]
 
 
@@ -381,6 +382,7 @@ def launch(func, grid, args, kwargs, opts):
     peak_s = peak_p = peak_b = 0
     try:
         points = itertools.product(*(range(s) for s in sizes)) if sizes else [()]
+        total = int(np.prod(sizes)) if sizes else 1
         for pid in points:
             ctx = Ctx(L, pid)
             stack.append(ctx)
@@ -393,6 +395,8 @@ def launch(func, grid, args, kwargs, opts):
             peak_p = max(peak_p, ctx.peak_psum)
             peak_b = max(peak_b, ctx.peak_banks)
             L.instance += 1
+            for hook in _progress_hooks:
+                hook(L.instance, total)
     finally:
         np.seterr(**old)
         blas.__exit__(None, None, None)
