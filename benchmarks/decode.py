@@ -58,7 +58,7 @@ def run_case(args, target):
     wall = time.perf_counter() - t0
     kv_bytes = 2 * args.hkv * args.dim * dtype.itemsize * int(lens.sum())
     read, written = host.flash_decode_hbm_bytes(B, args.hq, args.tokens, args.dim, args.hkv,
-                                                lens, dtype.itemsize, plan.num_splits)
+                                                lens, dtype.itemsize, plan)
     dma_rate, hbm_share = BANDWIDTH[target]
     lower, upper = m.modeled_seconds
     out = {

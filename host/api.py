@@ -351,7 +351,35 @@ def _decode_tiles(inputs, mm: np.dtype, num_splits):
     n = tiles.decode_key_row(inputs.S_max)
     rows_needed = int(np.max((inputs.cache_lens - inputs.T) // n))
     return tiles.decode_tiles(inputs.group * inputs.T, inputs.D, inputs.S_max, mm.itemsize,
-                              rows_needed, num_splits)
+                              rows_needed, num_splits, batch=inputs.B)
+
+
+def decode_work_list(cache_lens, T: int, plan: "tiles.DecodeTiles"):
+    """Scheduler metadata of a decode step: ``(work, num_full, splits)``.
+
+    ``splits[b]`` is the number of partial slots sequence b uses: the splits holding its
+    committed key rows, ``ceil(floor((cache_lens[b] - T) / n) / split_rows)``, at least 1 (a
+    sequence without a full key row gets one empty split, written with lse = -inf). ``work``
+    lists them as ``(b, s)`` int32 rows: first the *full* splits (every split but a sequence's
+    last; all their key rows are committed), padded to ``num_full =
+    tiles.decode_bucket(count)`` with ``(B, 0)`` items (they read nothing and write a trash row
+    block) so the kernel's grid only changes when the count crosses a bucket; then each
+    sequence's *last* split, the only kind that can hold uncommitted rows. ``work`` is None
+    (and ``splits`` all 0) when no sequence has a full key row: only the tail programs run.
+    Work is proportional to the real lengths of the batch, not to B times the longest.
+    """
+    lens = np.asarray(cache_lens, dtype=np.int64)
+    B = len(lens)
+    if plan.num_splits == 0:
+        return None, 0, np.zeros(B, dtype=np.int32)
+    rows = (lens - T) // plan.key_row
+    splits = np.maximum(1, -(-rows // plan.split_rows))
+    full = [(b, s) for b in range(B) for s in range(int(splits[b]) - 1)]
+    num_full = tiles.decode_bucket(len(full))
+    full += [(B, 0)] * (num_full - len(full))
+    last = [(b, int(splits[b]) - 1) for b in range(B)]
+    return np.array(full + last, dtype=np.int32).reshape(-1, 2), num_full, \
+        splits.astype(np.int32)
 
 
 def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, tree_mask=None, num_splits=None,
@@ -371,29 +399,39 @@ def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, tree_mask=None, num_sp
 
 
 def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens,
-                           itemsize: int, num_splits: int, tree_mask: bool = False):
+                           itemsize: int, plan: "tiles.DecodeTiles", tree_mask: bool = False):
     """Exact HBM bytes ``(read, written)`` of :func:`flash_decode` (both kernels).
 
-    With ``N = B Hq T`` query rows, ``P = num_splits + 1`` partials per row (the splits and the
-    tail), ``s`` the input itemsize (q, caches and o share it)::
+    With ``N = B Hq T`` query rows, ``s`` the input itemsize (q, caches and o share it),
+    ``W = sum(splits)`` real work items and ``P`` padding items of :func:`decode_work_list`
+    (both 0, and ``L = 0`` last splits, without a split; else ``L = B``), and
+    ``S = num_splits + 1`` partial slots per row::
 
-        read    = 2 s Hkv D sum_b cache_lens[b]     K and V: each valid byte once
-                + s N D P                            q, once per split program and the tail
-                + 4 B Hkv P                          one int32 length per program
+        read    = 2 s Hkv D sum_b cache_lens[b]     K and V: each valid byte exactly once
+                + s Hq T D (W + B)                   q, per real work item and tail program
+                + 8 Hkv (W + P) + 4 Hkv (L + B)      work items (b, s); one int32 length per
+                                                     last split and per tail program
                 + T^2 B Hkv                          uint8 tree mask per tail program (if any)
-                + 4 N (D + 1) P                      partials read back by the merge
-        written = 4 N (D + 1) P + s N D + 4 N        partials, o, lse
+                + 4 N (D + 1) S + 4 N [S > 1]        all partial slots and the per-row split
+                                                     counts, by the merge
+        written = 4 Hq T (D + 1) (W + P + B)         partials (padding items: a trash block)
+                + s N D + 4 N                        o, lse
 
-    Nothing at or past ``cache_lens[b]`` is read.
+    Nothing at or past ``cache_lens[b]`` is read; padding items read only their work row.
     """
     N = B * Hq * T
-    parts = int(num_splits) + 1
+    work, num_full, splits = decode_work_list(cache_lens, T, plan)
+    W = int(np.sum(splits))
+    pad = 0 if work is None else work.shape[0] - B - (W - B)     # padding items
+    lasts = 0 if work is None else B
+    S = plan.num_splits + 1
     kv = 2 * itemsize * Hkv * D * int(np.sum(np.asarray(cache_lens, dtype=np.int64)))
-    partials = 4 * N * (D + 1) * parts
-    read = kv + itemsize * N * D * parts + 4 * B * Hkv * parts + partials
+    read = (kv + itemsize * Hq * T * D * (W + B) + 8 * Hkv * (W + pad)
+            + 4 * Hkv * (lasts + B) + 4 * N * (D + 1) * S + (4 * N if S > 1 else 0))
     if tree_mask:
         read += T * T * B * Hkv
-    return read, partials + itemsize * N * D + 4 * N
+    written = 4 * Hq * T * (D + 1) * (W + pad + B) + itemsize * N * D + 4 * N
+    return read, written
 
 
 def flash_decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None,
@@ -448,14 +486,16 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None,
     lens = np.ascontiguousarray(inputs.cache_lens, dtype=np.int32)
     tree = None if inputs.tree_mask is None else inputs.tree_mask.astype(np.uint8)
     B, Hq, Hkv, T, D = inputs.B, inputs.Hq, inputs.Hkv, inputs.T, inputs.D
+    work, num_full, splits = decode_work_list(lens, T, plan)
+    W = 0 if work is None else work.shape[0]
     o_part, lse_part = launch(
-        k.flash_decode_split_kernel, (B, Hkv, plan.num_splits + 1), q, k_cache, v_cache, lens,
-        tree, scale=float(scale), mm_dtype=mm.name, key_row=plan.key_row,
-        split_rows=plan.split_rows, num_splits=plan.num_splits, row_tile=plan.row_tile,
-        pack=plan.pack)
+        k.flash_decode_split_kernel, (Hkv, W + B), q, k_cache, v_cache, lens, work, tree,
+        scale=float(scale), mm_dtype=mm.name, key_row=plan.key_row, split_rows=plan.split_rows,
+        num_splits=plan.num_splits, row_tile=plan.row_tile, pack=plan.pack,
+        num_full=num_full)
     N = B * Hq * T
     o, lse = launch(k.flash_decode_merge_kernel, (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),
-                    o_part, lse_part, out_dtype=q.dtype.name,
+                    o_part, lse_part, np.repeat(splits, Hq * T), out_dtype=q.dtype.name,
                     rows_per_program=tiles.DECODE_MERGE_ROWS)
     o = o.reshape(B, Hq, T, D)
     return (o, lse.reshape(B, Hq, T)) if return_lse else o

@@ -560,7 +560,8 @@ def fwd_itemsize(dtype_name: str) -> int:
 # and ``pack`` copies of a row tile share the 128 partitions of the score tile, each copy
 # scoring a different subset of the split's keys.
 
-from typing import NamedTuple as _NamedTuple  # noqa: E402 (this section is self-contained)
+import math as _math  # noqa: E402 (this section is self-contained)
+from typing import NamedTuple as _NamedTuple  # noqa: E402
 
 #: Largest key row n. n positions of D=128 bf16 are ``256 n`` bytes per partition per DMA; 32
 #: gives 8 KiB, above the 4 KiB at which DMA reaches full rate (hardware-and-limits.md §3). n is
@@ -583,6 +584,13 @@ DECODE_DEAD_MAX = -1.0e29
 #: size are compile-time) is recompiled only when the longest sequence crosses a bucket --
 #: B times per doubling of the length, not every token.
 DECODE_BUCKETS_PER_OCTAVE = 4
+#: Smallest split (in cache positions) the automatic sizing makes for a batch: below it the
+#: per-program setup (packed queries, index math) outweighs the split's own work.
+DECODE_MIN_SPLIT_KEYS = 4096
+#: Passes over a split's packed score columns (VectorE max, ScalarE exp, VectorE P^T copy): the
+#: packing factor trades them (split positions / pack columns) against zero-filling the packed
+#: queries (pack * 128 columns), so pack ~ sqrt(passes * split positions / 128).
+DECODE_SCORE_PASSES = 3
 #: Query rows per program of the merge kernel (one partition tile).
 DECODE_MERGE_ROWS = PMAX
 #: Lower clamp of the merge's max LSE: a finite shift (nl.fp32.min) even for a row whose every
@@ -621,17 +629,34 @@ def decode_key_row(S_max: int) -> int:
 
 
 def decode_row_packing(rows: int, key_row: int) -> Tuple[int, int]:
-    """``(row_tile, pack)`` for ``rows = G * T`` query rows per kv head.
+    """``(row_tile, max_pack)`` for ``rows = G * T`` query rows per kv head.
 
-    Rows beyond 128 go in 128-row tiles (pack 1). A smaller row tile is replicated ``pack``
-    times down the partitions -- the largest power of two with ``pack * rows <= 128`` that divides
-    the key row n -- so the exp, max and sum passes over the scores use ``pack`` times more
-    engine lanes (the PR133 failure mode of decode is a Vector-bound kernel, not HBM).
+    Rows beyond 128 go in 128-row tiles (pack 1). A smaller row tile can be replicated up to
+    ``max_pack`` times down the partitions -- the largest power of two with
+    ``pack * rows <= 128`` that divides the key row n -- so the exp, max and sum passes over the
+    scores use ``pack`` times more engine lanes (the PR133 failure mode of decode is a
+    Vector-bound kernel, not HBM). :func:`decode_pack` picks the factor for a split size.
     """
     if rows >= PMAX:
         return PMAX, 1
     pack = min(_pow2_floor(PMAX // rows), key_row)
     return rows, pack
+
+
+def decode_pack(rows: int, key_row: int, split_rows: int) -> int:
+    """Packing factor for a split of ``split_rows`` key rows: the power of two nearest
+    ``sqrt(DECODE_SCORE_PASSES * split_positions / 128)``, at most ``max_pack`` and at least
+    what keeps the score columns within DECODE_SCORE_COLS."""
+    _, max_pack = decode_row_packing(rows, key_row)
+    least = 1
+    while least < max_pack and key_row // least * split_rows > DECODE_SCORE_COLS:
+        least *= 2
+    ideal = _math.sqrt(DECODE_SCORE_PASSES * key_row * split_rows / PMAX)
+    pack = 1
+    while pack * 2 <= max_pack and abs(_math.log2(pack * 2 / ideal)) < abs(
+            _math.log2(pack / ideal)):
+        pack *= 2
+    return max(least, pack)
 
 
 def decode_max_split_rows(rows: int, D: int, mm_itemsize: int, key_row: int) -> int:
@@ -665,7 +690,7 @@ def decode_bucket(rows: int) -> int:
 
 
 def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: int,
-                 num_splits=None) -> DecodeTiles:
+                 num_splits=None, batch: int = 1) -> DecodeTiles:
     """Tiling of a decode call.
 
     Parameters
@@ -682,17 +707,28 @@ def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: i
     num_splits : int, optional
         Force this many splits (>= 1); ``split_rows`` is then the smallest legal size covering
         ``rows_needed``. Raises ValueError when that exceeds the per-split limit.
+    batch : int
+        Sequences in the batch. Each sequence runs only the splits its own length needs (the
+        host's work list), so the longest sequence fixes the split *count* but a short one
+        still costs one whole split: with a batch the automatic size aims at
+        ``rows_needed / (2 batch)`` (no smaller than DECODE_MIN_SPLIT_KEYS positions), bounding
+        that padding by half the longest sequence.
+
+    ``pack`` (:func:`decode_pack`) follows the split size.
     """
     n = decode_key_row(S_max)
-    row_tile, pack = decode_row_packing(rows, n)
+    row_tile, _ = decode_row_packing(rows, n)
     rs_max = decode_max_split_rows(rows, D, mm_itemsize, n)
     if num_splits is None:
         if rows_needed <= 0:
-            return DecodeTiles(n, row_tile, pack, 1, 0, rs_max)
+            return DecodeTiles(n, row_tile, decode_pack(rows, n, 1), 1, 0, rs_max)
         cover = decode_bucket(rows_needed)
-        ns = ceil_div(cover, rs_max)
+        target = cover if batch <= 1 else max(ceil_div(cover, 2 * batch),
+                                              min(cover, ceil_div(DECODE_MIN_SPLIT_KEYS, n)))
+        rs = min(rs_max, _round_split_rows_up(target))
+        ns = ceil_div(cover, rs)
         rs = min(rs_max, _round_split_rows_up(ceil_div(cover, ns)))
-        return DecodeTiles(n, row_tile, pack, rs, ns, rs_max)
+        return DecodeTiles(n, row_tile, decode_pack(rows, n, rs), rs, ns, rs_max)
     ns = int(num_splits)
     rs = _round_split_rows_up(max(1, ceil_div(rows_needed, ns)))
     if rs > rs_max:
@@ -701,4 +737,4 @@ def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: i
             f"num_splits: {ns} split(s) cannot hold the committed prefix of the longest sequence "
             f"({rows_needed * n} positions in key rows of {n}); each split holds at most "
             f"{rs_max * n} positions here, so num_splits must be >= {need} (or None)")
-    return DecodeTiles(n, row_tile, pack, rs, ns, rs_max)
+    return DecodeTiles(n, row_tile, decode_pack(rows, n, rs), rs, ns, rs_max)

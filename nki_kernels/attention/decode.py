@@ -2,12 +2,12 @@
 
 Two kernels, launched in order by ``host.flash_decode``::
 
-    flash_decode_split_kernel   grid (B, Hkv, num_splits + 1)   phase 1: a partial (o, lse) per
-                                                                program -- num_splits splits of
-                                                                the committed prefix, then the
-                                                                tail (last < n committed
-                                                                positions + the T new tokens)
-    flash_decode_merge_kernel   grid (ceil(B Hq T / 128),)      phase 2: LSE merge, in fp32
+    flash_decode_split_kernel   grid (Hkv, W + B)            phase 1: one partial (o, lse) per
+                                                             program -- W work items (splits of
+                                                             committed prefixes), then B tails
+                                                             (last < n committed positions and
+                                                             the T new tokens of a sequence)
+    flash_decode_merge_kernel   grid (ceil(B Hq T / 128),)   phase 2: LSE merge, in fp32
 
 Semantics (docs/semantics.md, "Decode"): q ``(B, Hq, T, D)``, caches ``(B, Hkv, S_max, D)``,
 ``cache_lens (B,)`` int32 with ``T <= L_b = cache_lens[b] <= S_max``. The new tokens' keys and
@@ -29,26 +29,33 @@ output and log-sum-exp
 
 which is associative, so the result does not depend on how the keys were split.
 
-Runtime lengths. ``cache_lens`` is device data (it changes every step); only the grid size and
-the split size are compile-time, chosen by the host from the lengths it sees, in buckets
-(``tiles.decode_tiles``). A *key row* is ``n`` consecutive positions (``n`` = the largest power
-of two <= 32 dividing S_max): one partition's contiguous ``n * D`` slice of a K/V DMA (8 KiB at
-n=32, D=128, bf16). With ``Lp = L_b - T`` committed positions:
+Runtime lengths. ``cache_lens`` is device data (it changes every step); only sizes are
+compile-time: the split size and the most splits a sequence may use (from the longest
+sequence, ``tiles.decode_tiles``), and the work-list length -- all in buckets, so the kernels
+are recompiled only when a length crosses one, not every token. A *key row* is ``n``
+consecutive positions (``n`` = the largest power of two <= 32 dividing S_max): one partition's
+contiguous ``n * D`` slice of a K/V DMA (8 KiB at n=32, D=128, bf16). With ``Lp = L_b - T``
+committed positions:
 
-* split ``s`` covers key rows ``s * split_rows ...``; the rows entirely below Lp
-  (``row < floor(Lp / n)``) are gathered by an *indirect* DMA whose int32 row-index tile is
-  built on chip (``nisa.iota`` + the loaded length): rows past it get an index beyond the
-  tensor and ``oob_mode.skip`` leaves them unread;
-* the tail program (the last on the split axis) gathers the ``Lp mod n`` committed positions
-  of the last, partial key row and the T new tokens, one position per partition (same
-  mechanism); the new tokens' mask (causal or ``tree_mask``) is a static (T, T) bias, the same
-  layout every step,
+* the host's *work list* (``host.api.decode_work_list``, scheduler metadata like
+  FlashAttention-3's) names the splits ``(b, s)`` that hold committed key rows, so the work is
+  proportional to each sequence's own length, not to B times the longest. A program reads its
+  item at run time; its sequence index b then drives indirect DMAs (Q rows, K/V rows, the
+  partial's destination). Split s covers key rows ``s * split_rows ...``; the rows entirely
+  below Lp (``row < floor(Lp / n)``) are gathered by an indirect DMA whose int32 row-index tile
+  is built on chip (``nisa.iota`` + the item and the gathered length): rows past it get an
+  index beyond the tensor and ``oob_mode.skip`` leaves them unread. Only a sequence's *last*
+  split can hold such rows; the others skip the zero-fill and the mask below;
+* the tail program of sequence b gathers the ``Lp mod n`` committed positions of the last,
+  partial key row and the T new tokens, one position per partition (same mechanism); the new
+  tokens' mask (causal or ``tree_mask``) is a static (T, T) bias, the same layout every step,
 
 so every valid K/V byte is read exactly once and nothing at or past ``L_b``. Skipped rows are
-zeroed first (memset): a NaN left in SBUF would otherwise survive ``0 * NaN`` in the PV matmul
-(and smear through a TensorE transpose on trn1). Invalid keys are masked by adding
-``DECODE_MASK_BIAS`` to their scores *in PSUM*, by one extra matmul (ones x bias row), since
-validity is runtime data and ``mask=`` only takes compile-time affine predicates.
+zeroed first (a zero-tile copy on trn2, memsets on trn1): a NaN left in SBUF would otherwise
+survive ``0 * NaN`` in the PV matmul (and smear through a TensorE transpose on trn1). Invalid
+keys are masked by adding ``DECODE_MASK_BIAS`` to their scores *in PSUM*, by one extra matmul
+(ones x bias row), since validity is runtime data and ``mask=`` only takes compile-time affine
+predicates.
 
 Layouts (split kernel). Scores contract over D, so K is transposed on TensorE into
 ``kT[d, (dt, j, row)]`` (``j`` = position within the key row). The ``R = G T`` query rows of a
@@ -57,26 +64,22 @@ once for all of them) are replicated ``pack`` times down the partitions of the s
 ``c`` scores only the positions ``j = c (mod pack)``. It does so with a zero-padded stationary
 ``Qbd_c^T`` ``(D, pack * R)`` (Q^T in columns ``c R .. c R + R``), all copies accumulating into
 one PSUM bank. TensorE work is the same (it is set by the keys), but the max / exp / sum passes
-run on ``pack * R`` lanes instead of R: with T=1 and G=4, 128 lanes instead of 4 (the failure
-mode of PR133 in hardware-and-limits.md is a Vector-bound decode kernel). The copies share one
-shift per query row (``M_r = max_c m_(c, r)``, a cross-partition max via two tiny transposes), so
-the PV products of all copies accumulate into one ``O^T (D, R)`` PSUM group:
+run on ``pack * R`` lanes instead of R: with T=1 and G=4, up to 128 lanes instead of 4 (the
+failure mode of PR133 in hardware-and-limits.md is a Vector-bound decode kernel). The copies
+share one shift per query row (``M_r = max_c m_(c, r)``, a cross-partition max via two tiny
+transposes), so the PV products of all copies accumulate into one ``O^T (D, R)`` PSUM group:
 ``O^T += V_j^T P^T``, with V used as stored ``(positions on partitions, D)`` as the stationary
 operand (64 TensorE cycles per 128 positions). A split's scores (<= 2 PSUM banks) are all in
 PSUM before its softmax, so no online rescaling is needed; a long cache uses more splits.
 
-Per position (D=128, bf16): TensorE 1 cycle (K transpose) + 1 (Q K^T) + 0.5 (P V);
-ScalarE 1/128 row (K^T PSUM->SBUF); VectorE ~1 (K memset); GpSimd ~1 (V memset) -- all below the
-DMA time of the 512 bytes per position (hardware-and-limits.md §5, decode rows).
+Per position (D=128, bf16): TensorE 1 cycle (K transpose) + 1 (Q K^T) + 0.5 (P V); ScalarE
+1 per 128 positions and head-dim row (K^T PSUM -> SBUF); VectorE/GpSimd a few per packed
+score column plus the last split's zero-fill -- all below the DMA time of the 512 bytes per
+position (hardware-and-limits.md §5, decode rows; benchmarks/decode.py).
 
-HBM traffic (exact; ``s_kv``, ``s_q``, ``s_o`` itemsizes; ``N = B Hq T``; ``NS`` splits)::
-
-    K, V      2 * s_kv * Hkv * D * sum_b L_b          each valid byte once
-    q         s_q * N * D * (NS + 1)                  once per split program and the tail
-    lengths   4 * B * Hkv * (NS + 1)                  one int32 per phase-1 program
-    tree      T * T * B * Hkv                         (uint8, tail programs, with a tree mask)
-    partials  written 4 N (D + 1) (NS + 1), read back 4 N (D + 1) (NS + 1) by the merge
-    o, lse    written s_o N D + 4 N
+HBM traffic (exact, ``host.api.flash_decode_hbm_bytes``): K and V ``2 s Hkv D sum_b L_b``
+(each valid byte once), plus q once per work item and tail, the work items and lengths, the
+tree mask, the partials (written by phase 1, read back by the merge) and o, lse.
 """
 import numpy as np
 
@@ -172,24 +175,85 @@ def _oob_offset(n_rows_total):
 # ============================================================================================
 # Split kernel: loading K^T and V of one split
 # ============================================================================================
-def _split_row_indices(full_rows, g, s, base_row, oob):
-    """int32 ``(kv_rows, n_kv)``: the absolute key row gathered into partition p of K/V tile k,
-    or an out-of-bounds row when that key row is not entirely committed.
+def _work_item(work, cache_lens, w, T, n, rs):
+    """Read work item w = (b, s); returns int32 columns ``b``, ``s`` and the fp32 column
+    ``valid`` (key rows of the split that are entirely committed; <= 0 for none), each
+    ``(128, 1)``, the same on every partition.
 
-    ``full_rows`` is ``floor(Lp / n)`` (fp32 column); local key row ``s rs + 128 k + p`` is valid
-    iff it is below it.
+    With ``cache_lens``, ``valid = floor((L_b - T) / n) - s * rs``: b is runtime data, so the
+    length is gathered by an indirect DMA (a padding item has ``b = B``: the gather is skipped
+    and its length reads as 0, i.e. nothing valid). Without, the split is full:
+    ``valid = rs``. Small integers (< 2^24) are exact through the fp32 broadcast matmul.
     """
+    item = nl.load(work[nl.ds(w, 1), 0:2])                              # (1, 2) int32: b, s
+    row = nl.ndarray((1, 3), dtype=nl.float32, buffer=nl.sbuf)
+    row[0:1, 0:2] = nisa.tensor_copy(item, dtype=nl.float32, engine=nisa.vector_engine)
+    if cache_lens is not None:
+        B = cache_lens.shape[0]
+        length = nisa.memset((1, 1), 0, dtype=nl.int32, engine=nisa.gpsimd_engine)
+        nisa.dma_copy(dst=length,
+                      src=cache_lens.reshape((B, 1))[item[nl.arange(1)[:, None], 0],
+                                                     nl.arange(1)[None, :]],
+                      oob_mode=nisa.oob_mode.skip)
+        row[0:1, 2:3] = nisa.tensor_copy(length, dtype=nl.float32, engine=nisa.vector_engine)
+    ones = nl.ones((1, PMAX), dtype=nl.float32, buffer=nl.sbuf)
+    col_ps = nl.ndarray((PMAX, 3), dtype=nl.float32, buffer=nl.psum)
+    col_ps[0:PMAX, 0:3 if cache_lens is not None else 2] = nisa.nc_matmul(
+        ones, row[0:1, 0:3 if cache_lens is not None else 2])
+    cols = nisa.tensor_copy(col_ps, dtype=nl.float32, engine=nisa.vector_engine)
+    b_i = nisa.tensor_copy(cols[0:PMAX, 0:1], dtype=nl.int32, engine=nisa.vector_engine)
+    s_i = nisa.tensor_copy(cols[0:PMAX, 1:2], dtype=nl.int32, engine=nisa.vector_engine)
+    if cache_lens is None:
+        return b_i, s_i, nisa.memset((PMAX, 1), float(rs), dtype=nl.float32,
+                                     engine=nisa.gpsimd_engine)
+    lp, rem = _committed_split(cols[0:PMAX, 2:3], T, n)
+    full = nisa.tensor_tensor(lp, rem, op=np.subtract, dtype=nl.float32)
+    # floor(Lp / n) - s * rs  (exact: n is a power of two, all values < 2^24)
+    valid = nisa.scalar_tensor_tensor(data=cols[0:PMAX, 1:2], op0=np.multiply,
+                                      operand0=float(-rs * n), op1=np.add, operand1=full,
+                                      dtype=nl.float32)
+    valid = nisa.tensor_scalar(valid, op0=np.multiply, operand0=1.0 / n, dtype=nl.float32)
+    return b_i, s_i, valid
+
+
+def _int_column(terms, parts=PMAX):
+    """int32 ``(parts, 1)`` column ``sum(c * col)`` over ``(col, c)`` pairs: int32 multiply and
+    add on GpSimd (exact; fp32 engine arithmetic would round above 2^24)."""
+    acc = None
+    for col, c in terms:
+        if c == 0:
+            continue
+        x = col[0:parts]
+        if c != 1:
+            x = nisa.tensor_tensor(x, nisa.memset((parts, 1), c, dtype=nl.int32,
+                                                  engine=nisa.gpsimd_engine),
+                                   op=np.multiply, dtype=nl.int32)
+        acc = x if acc is None else nisa.tensor_tensor(acc, x, op=np.add, dtype=nl.int32)
+    return acc
+
+
+def _split_row_indices(valid, row_base, g, h_row0, oob):
+    """int32 ``(kv_rows, n_kv)``: the absolute key row gathered into partition p of K/V tile k
+    (``row_base + h_row0 + 128 k + p``), pushed out of bounds (``+ oob``) when the local row
+    ``128 k + p`` is not below ``valid``."""
     i_p = nl.arange(g.kv_rows)[:, None]
     i_k = nl.arange(g.n_kv)[None, :]
-    local = nisa.iota(s * g.rs + i_k * PMAX + i_p, dtype=nl.float32)
-    beyond = nisa.tensor_scalar(local, op0=nl.greater_equal, operand0=full_rows[0:g.kv_rows],
+    local = nisa.iota(i_k * PMAX + i_p, dtype=nl.float32)
+    beyond = nisa.tensor_scalar(local, op0=nl.greater_equal, operand0=valid[0:g.kv_rows],
                                 op1=np.multiply, operand1=float(oob), dtype=nl.int32)
-    rows = nisa.iota(base_row + i_k * PMAX + i_p, dtype=nl.int32)
-    return nisa.tensor_tensor(rows, beyond, op=np.add, dtype=nl.int32)
+    rows = nisa.tensor_tensor(nisa.iota(h_row0 + i_k * PMAX + i_p, dtype=nl.int32), beyond,
+                              op=np.add, dtype=nl.int32)
+    idx = nl.ndarray((g.kv_rows, g.n_kv), dtype=nl.int32, buffer=nl.sbuf)
+    for k in nl.affine_range(g.n_kv):
+        idx[0:g.kv_rows, nl.ds(k, 1)] = nisa.tensor_tensor(
+            rows[0:g.kv_rows, nl.ds(k, 1)], row_base[0:g.kv_rows], op=np.add, dtype=nl.int32)
+    return idx
 
 
-def _load_split_kv(k_rows, v_rows, idx, g, mm):
-    """Gather the split's K and V (skipping rows past the committed prefix).
+def _load_split_kv(k_rows, v_rows, idx, g, mm, zero_fill):
+    """Gather the split's K and V (skipping rows past the committed prefix). With
+    ``zero_fill`` the tiles are zeroed first, so skipped rows hold 0 (a split whose rows are
+    all committed skips that).
 
     Returns ``kT (128, n_dt * n * rs)`` -- head-dim tile ``dt``, position ``j`` of key row
     ``row`` at column ``(dt * n + j) * rs + row`` -- and ``v_all (kv_rows, n_kv * n * D)`` --
@@ -206,8 +270,8 @@ def _load_split_kv(k_rows, v_rows, idx, g, mm):
     # SBUF->SBUF at 4 elements/cycle, so copying one zero tile is 4x cheaper than a memset
     # (1 element/cycle) once a program fills two or more K/V tiles; trn1 memsets, split between
     # VectorE (K) and GpSimd (V).
-    copy_zeros = (nisa.get_nc_version() >= nisa.nc_version.gen3 and mm != nl.float32
-                  and g.n_kv >= 2)
+    copy_zeros = (zero_fill and nisa.get_nc_version() >= nisa.nc_version.gen3
+                  and mm != nl.float32 and g.n_kv >= 2)
     if copy_zeros:
         zeros = nisa.memset((kv_rows, n * D), 0, dtype=mm, engine=nisa.gpsimd_engine)
 
@@ -217,10 +281,12 @@ def _load_split_kv(k_rows, v_rows, idx, g, mm):
             v_all[0:kv_rows, nl.ds(k * n * D, n * D)] = nisa.tensor_copy(
                 zeros, engine=nisa.vector_engine)
             k_nat = nisa.tensor_copy(zeros, engine=nisa.vector_engine)
-        else:
+        elif zero_fill:
             v_all[0:kv_rows, nl.ds(k * n * D, n * D)] = nisa.memset(
                 (kv_rows, n * D), 0, dtype=mm, engine=nisa.gpsimd_engine)
             k_nat = nisa.memset((kv_rows, n * D), 0, dtype=mm, engine=nisa.vector_engine)
+        else:
+            k_nat = nl.ndarray((kv_rows, n * D), dtype=mm, buffer=nl.sbuf)
         nisa.dma_copy(dst=v_all[0:kv_rows, nl.ds(k * n * D, n * D)],
                       src=v_rows[idx[i_p, k], i_f], oob_mode=nisa.oob_mode.skip)
         # K: same gather into a staging tile, then TensorE transposes into kT
@@ -242,24 +308,23 @@ def _load_split_kv(k_rows, v_rows, idx, g, mm):
     return kT, v_all
 
 
-def _split_mask_row(full_rows, g, s):
+def _split_mask_row(valid, g):
     """``(1, rs)`` bias of the split's key rows: 0 when committed, DECODE_MASK_BIAS past it."""
-    local = nisa.iota(s * g.rs + nl.arange(g.rs)[None, :], dtype=nl.float32)
-    return nisa.tensor_scalar(local, op0=nl.greater_equal, operand0=full_rows[0:1],
+    local = nisa.iota(nl.arange(g.rs)[None, :], dtype=nl.float32)
+    return nisa.tensor_scalar(local, op0=nl.greater_equal, operand0=valid[0:1],
                               op1=np.multiply, operand1=NEG, dtype=_MASK_DTYPE)
 
 
 # ============================================================================================
 # Split kernel: one row tile
 # ============================================================================================
-def _scaled_query_t(q_rows, row0, rows, D, n_dt, scale, mm):
-    """``scale * q`` rows ``row0 .. row0 + rows`` transposed: ``(128, n_dt * rows)`` in mm.
+def _scaled_query_t(q_nat, rows, D, n_dt, scale, mm):
+    """``scale * q`` of the loaded rows ``q_nat (rows, D)`` transposed: ``(128, n_dt * rows)``.
 
     The scale is folded into Q before the matmul (one rounding of ``scale * q`` to the operand
     dtype), so scores, masks, max and LSE are all in scaled units: that keeps the additive mask
     valid for any scale, including 0 and negative ones.
     """
-    q_nat = nl.load(q_rows[nl.ds(row0, rows), 0:D])
     qT = nl.ndarray((PMAX, n_dt * rows), dtype=mm, buffer=nl.sbuf)
     for dt in nl.static_range(n_dt):
         d0 = dt * PMAX
@@ -280,9 +345,13 @@ def _packed_queries(qT, rows, g, mm):
     P = g.pack * rows
     qbd = nisa.memset((PMAX, g.n_dt * g.pack * P), 0, dtype=mm, engine=nisa.gpsimd_engine)
     for dt, d0, dsz in g.d_tiles():
-        for c in nl.affine_range(g.pack):
-            qbd[0:dsz, nl.ds((dt * g.pack + c) * P + c * rows, rows)] = nisa.tensor_copy(
-                qT[0:dsz, dt * rows:(dt + 1) * rows], engine=nisa.gpsimd_engine)
+        # the pack diagonal blocks at column (dt pack + c) P + c rows = dt pack P + c (P + rows)
+        # in one copy: a stride-(P + rows) destination, the source broadcast over c
+        i_d = nl.arange(dsz)[:, None, None]
+        i_c = nl.arange(g.pack)[None, :, None]
+        i_r = nl.arange(rows)[None, None, :]
+        qbd[i_d, dt * g.pack * P + i_c * (P + rows) + i_r] = nisa.tensor_copy(
+            qT[i_d, dt * rows + i_r], engine=nisa.gpsimd_engine)
     return qbd
 
 
@@ -291,12 +360,14 @@ def _split_scores(qbd, kT, mask_row, g, P):
 
     Partition ``c * rows + r`` column ``w = jj * rs + row`` is ``scale q_r . k`` for position
     ``j = jj * pack + c`` of key row ``row``, plus DECODE_MASK_BIAS when that row is not
-    committed (``ones(1, P)^T @ mask_row``, accumulated into the same PSUM group).
+    committed (``ones(1, P)^T @ mask_row``, accumulated into the same PSUM group; a full split
+    has no ``mask_row``).
     """
     n, rs = g.n, g.rs
     banks = [nl.zeros((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
              for _ in range(g.n_banks)]
-    ones = nl.ones((1, P), dtype=_MASK_DTYPE, buffer=nl.sbuf)
+    if mask_row is not None:
+        ones = nl.ones((1, P), dtype=_MASK_DTYPE, buffer=nl.sbuf)
     for bank, col, jj, r0, ln in g.pieces:
         acc = banks[bank]
         for c in nl.affine_range(g.pack):
@@ -304,7 +375,8 @@ def _split_scores(qbd, kT, mask_row, g, P):
                 acc[0:P, col:col + ln] += nisa.nc_matmul(
                     qbd[0:dsz, nl.ds((dt * g.pack + c) * P, P)],
                     kT[0:dsz, nl.ds((dt * n + jj * g.pack + c) * rs + r0, ln)])
-        acc[0:P, col:col + ln] += nisa.nc_matmul(ones, mask_row[0:1, r0:r0 + ln])
+        if mask_row is not None:
+            acc[0:P, col:col + ln] += nisa.nc_matmul(ones, mask_row[0:1, r0:r0 + ln])
     return banks
 
 
@@ -432,11 +504,24 @@ def _lse_column(m_col, l_col):
     return nl.where(live, lse, -np.inf, dtype=nl.float32)
 
 
-def _split_row_tile(q_rows, kT, v_all, mask_row, o_part, lse_part, g, bh, s, R, rt0, rows,
-                    scale, mm):
-    """Partial (o, lse) of query rows ``rt0 .. rt0 + rows`` of kv head ``bh`` over split s."""
+def _split_row_tile(q_rows, kT, v_all, mask_row, o_flat, lse_flat, q_base, o_base, g, h, R,
+                    S, rt0, rows, scale, mm):
+    """Partial (o, lse) of query rows ``rt0 .. rt0 + rows`` of kv head h over one work item.
+
+    The item's sequence is runtime data, so the query rows are gathered (row
+    ``q_base + h R + rt0 + p``) and the partial rows scattered (flat row
+    ``o_base + (h R + rt0 + p) S`` of the ``((B + 1) Hq T S, D)`` view: row, then slot) by
+    indirect DMA. A padding item (``b = B``) gathers nothing (out of bounds, skipped) and
+    writes into the trash block.
+    """
     P = g.pack * rows
-    qT = _scaled_query_t(q_rows, bh * R + rt0, rows, g.D, g.n_dt, scale, mm)
+    i_p = nl.arange(rows)[:, None]
+    q_idx = nisa.tensor_tensor(nisa.iota(h * R + rt0 + i_p, dtype=nl.int32), q_base[0:rows],
+                               op=np.add, dtype=nl.int32)
+    q_nat = nisa.memset((rows, g.D), 0, dtype=q_rows.dtype, engine=nisa.gpsimd_engine)
+    nisa.dma_copy(dst=q_nat, src=q_rows[q_idx[i_p, 0], nl.arange(g.D)[None, :]],
+                  oob_mode=nisa.oob_mode.skip)
+    qT = _scaled_query_t(q_nat, rows, g.D, g.n_dt, scale, mm)
     qbd = _packed_queries(qT, rows, g, mm)
     banks = _split_scores(qbd, kT, mask_row, g, P)
     if g.pack > 1:
@@ -455,9 +540,11 @@ def _split_row_tile(q_rows, kT, v_all, mask_row, o_part, lse_part, g, bh, s, R, 
     pT = _transpose_probs(p_sb, g, P, mm)
     acc = _split_pv(v_all, pT, g, rows, P)
     o_sb = _normalize_rows(acc, l_col, rows, g)
-    row0 = bh * R + rt0
-    nl.store(o_part[nl.ds(row0, rows), s, 0:g.D], value=o_sb)
-    nl.store(lse_part[nl.ds(row0, rows), nl.ds(s, 1)], value=_lse_column(m_col, l_col))
+    o_idx = nisa.tensor_tensor(nisa.iota((h * R + rt0 + i_p) * S, dtype=nl.int32),
+                               o_base[0:rows], op=np.add, dtype=nl.int32)
+    nisa.dma_copy(dst=o_flat[o_idx[i_p, 0], nl.arange(g.D)[None, :]], src=o_sb)
+    nisa.dma_copy(dst=lse_flat[o_idx[i_p, 0], nl.arange(1)[None, :]],
+                  src=_lse_column(m_col, l_col))
 
 
 # ============================================================================================
@@ -552,7 +639,8 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
     new_bias = _new_token_bias(tree_mask, T)
 
     for _, rt0, rows in _row_tiles(R, row_tile):
-        qT = _scaled_query_t(q_rows, bh * R + rt0, rows, D, n_dt, scale, mm)
+        qT = _scaled_query_t(nl.load(q_rows[nl.ds(bh * R + rt0, rows), 0:D]), rows, D, n_dt,
+                             scale, mm)
         s_ps = nl.zeros((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
         for dt in nl.static_range(n_dt):
             dsz = min(PMAX, D - dt * PMAX)
@@ -593,16 +681,24 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
 # Phase 1 kernel
 # ============================================================================================
 @nki.jit
-def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, tree_mask=None, scale=1.0,
-                              mm_dtype="bfloat16", key_row=1, split_rows=1, num_splits=1,
-                              row_tile=1, pack=1):
-    """Phase 1: the partial (o, lse) of one key split of one (sequence, kv head) per program.
+def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_mask=None,
+                              scale=1.0, mm_dtype="bfloat16", key_row=1, split_rows=1,
+                              num_splits=1, row_tile=1, pack=1, num_full=0):
+    """Phase 1: one partial (o, lse) per program -- a split of the committed prefix of one
+    sequence, or the tail of one sequence -- for one kv head.
 
     Parameters
     ----------
     q : (B, Hq, T, D) float32 / bfloat16 / float16, D <= 256, T <= 128
     k_cache, v_cache : (B, Hkv, S_max, D), q's dtype; S_max a multiple of ``key_row``
     cache_lens : (B,) int32, ``T <= cache_lens[b] <= S_max`` (device data)
+    work : (num_full + B, 2) int32 or None
+        The split work list (scheduler metadata, ``host.api.decode_work_list``): item
+        ``(b, s)`` is split s of sequence b. Items ``0 .. num_full - 1`` are splits whose key
+        rows are all committed (no zero-fill, no mask); item ``num_full + b`` is the last split
+        of sequence b, the only one that can hold uncommitted rows. Padding items ``(B, 0)``
+        read and write nothing. Runtime data, so it may change every step; only its length is
+        compile-time. None: no sequence has a full key row.
     tree_mask : (T, T) uint8 0/1, or None
         ``tree_mask[t, u] = 1``: new token t sees new token u. None: causal (``u <= t``).
     scale : float
@@ -610,58 +706,67 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, tree_mask=None, s
     mm_dtype : "bfloat16" | "float16" | "float32"
         Matmul operand dtype: q's, or bfloat16 for float32 q with mixed precision.
     key_row, split_rows, num_splits, row_tile, pack : int
-        ``tiles.decode_tiles``: n, key rows per split, splits of the committed prefix, query
-        rows per row tile, packed copies of a row tile.
+        ``tiles.decode_tiles``: n, key rows per split, partial slots per query row for splits
+        (the most splits any sequence may have), query rows per row tile, packed copies.
+    num_full : int
+        Work items of full splits (see ``work``).
 
-    Grid ``(B, Hkv, num_splits + 1)``. Program ``(b, h, s)`` with ``s < num_splits`` covers key
-    rows ``s * split_rows .. (s + 1) * split_rows`` of kv head h (positions ``n`` times that),
-    reading only the rows entirely below ``Lp = cache_lens[b] - T``; program
-    ``(b, h, num_splits)`` covers the rest: the ``Lp mod n`` positions of the last partial key
-    row and the T new tokens.
+    Grid ``(Hkv, W + B)``, ``W = num_full + B`` (0 without ``work``): program ``(h, w)`` with
+    ``w < W`` runs work item w -- key rows ``s * split_rows .. (s + 1) * split_rows`` of
+    sequence b, kv head h (positions ``n`` times that), reading only the rows entirely below
+    ``Lp = cache_lens[b] - T`` -- into partial slot s; program ``(h, W + b)`` runs the tail of
+    sequence b -- the ``Lp mod n`` positions of the last partial key row and the T new tokens
+    -- into slot ``num_splits``.
 
     Returns
     -------
-    o_part : (B * Hq * T, num_splits + 1, D) float32
-        Normalized partial outputs; row ``(b * Hq + h) * T + t``; 0 for an empty split.
-    lse_part : (B * Hq * T, num_splits + 1) float32
+    o_part : ((B + 1) * Hq * T, num_splits + 1, D) float32
+        Normalized partial outputs; row ``(b * Hq + h) * T + t``. Slots of splits a sequence
+        does not have are never written (the merge masks them); the last ``Hq * T`` rows are
+        the padding items' trash.
+    lse_part : ((B + 1) * Hq * T, num_splits + 1) float32
         Partial LSE (natural log of scaled scores); -inf for a split with no valid position.
     """
     B, Hq, T, D = q.shape
     Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
     R = (Hq // Hkv) * T
+    S = num_splits + 1
+    W = 0 if work is None else work.shape[0]
     n = key_row
     mm = _DTYPES[mm_dtype]
-    o_part = nl.ndarray((B * Hq * T, num_splits + 1, D), dtype=nl.float32,
-                        buffer=nl.shared_hbm)
-    lse_part = nl.ndarray((B * Hq * T, num_splits + 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    # rows of "sequence B" are a trash block for padding work items
+    o_part = nl.ndarray(((B + 1) * Hq * T, S, D), dtype=nl.float32, buffer=nl.shared_hbm)
+    lse_part = nl.ndarray(((B + 1) * Hq * T, S), dtype=nl.float32, buffer=nl.shared_hbm)
 
-    b = nl.program_id(0)
-    h = nl.program_id(1)
-    s = nl.program_id(2)
-    bh = b * Hkv + h
+    h = nl.program_id(0)
+    w = nl.program_id(1)
     q_rows = q.reshape((B * Hkv * R, D))
-    len_col = _length_column(cache_lens, b, PMAX)
-    lp, rem = _committed_split(len_col, T, n)
 
-    if s == num_splits:
-        _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part, bh,
-                      num_splits, T, R, D, n, row_tile, scale, mm)
+    if w >= W:
+        b = w - W
+        len_col = _length_column(cache_lens, b, PMAX)
+        lp, rem = _committed_split(len_col, T, n)
+        _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part,
+                      b * Hkv + h, num_splits, T, R, D, n, row_tile, scale, mm)
     else:
         g = _SplitGeometry(D, n, split_rows, pack)
         rows_bh = S_max // n
+        last = w >= num_full       # the sequence's last split: may hold uncommitted rows
+        b_i, s_i, valid = _work_item(work, cache_lens if last else None, w, T, n, split_rows)
         k_rows = k_cache.reshape((B * Hkv * rows_bh, n * D))
         v_rows = v_cache.reshape((B * Hkv * rows_bh, n * D))
-        # key rows entirely committed: floor(Lp / n) = (Lp - Lp mod n) / n (exact, n = 2^k)
-        full_rows = nisa.tensor_tensor(lp, rem, op=np.subtract, dtype=nl.float32)
-        full_rows = nisa.tensor_scalar(full_rows, op0=np.multiply, operand0=1.0 / n,
-                                       dtype=nl.float32)
-        idx = _split_row_indices(full_rows, g, s, bh * rows_bh + s * split_rows,
+        row_base = _int_column([(b_i, Hkv * rows_bh), (s_i, split_rows)], g.kv_rows)
+        idx = _split_row_indices(valid, row_base, g, h * rows_bh,
                                  _oob_offset(B * Hkv * rows_bh))
-        kT, v_all = _load_split_kv(k_rows, v_rows, idx, g, mm)
-        mask_row = _split_mask_row(full_rows, g, s)
+        kT, v_all = _load_split_kv(k_rows, v_rows, idx, g, mm, zero_fill=last)
+        mask_row = _split_mask_row(valid, g) if last else None
+        q_base = _int_column([(b_i, Hkv * R)])
+        o_base = _int_column([(b_i, Hkv * R * S), (s_i, 1)])
+        o_flat = o_part.reshape(((B + 1) * Hq * T * S, D))
+        lse_flat = lse_part.reshape(((B + 1) * Hq * T * S, 1))
         for _, rt0, rows in _row_tiles(R, row_tile):
-            _split_row_tile(q_rows, kT, v_all, mask_row, o_part, lse_part, g, bh, s, R, rt0,
-                            rows, scale, mm)
+            _split_row_tile(q_rows, kT, v_all, mask_row, o_flat, lse_flat, q_base, o_base, g,
+                            h, R, S, rt0, rows, scale, mm)
     return o_part, lse_part
 
 
@@ -669,13 +774,18 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, tree_mask=None, s
 # Merge kernel
 # ============================================================================================
 @nki.jit
-def flash_decode_merge_kernel(o_part, lse_part, out_dtype="bfloat16", rows_per_program=PMAX):
+def flash_decode_merge_kernel(o_part, lse_part, row_splits=None, out_dtype="bfloat16",
+                              rows_per_program=PMAX):
     """Phase 2: merge the partials of every query row by LSE, in fp32 (seed 003).
 
     Parameters
     ----------
-    o_part : (N, S, D) float32;  lse_part : (N, S) float32
+    o_part : (>= N, S, D) float32;  lse_part : (>= N, S) float32
         S partials per row (flash_decode_split_kernel's outputs).
+    row_splits : (N,) int32 or None
+        Split slots in use per row: slots ``row_splits[r] .. S - 2`` were never written and
+        are ignored (their contents are garbage); the last slot (the tail) is always used.
+        None: every slot is used.
     out_dtype : dtype name of o (q's dtype).
     rows_per_program : int <= 128
 
@@ -688,6 +798,8 @@ def flash_decode_merge_kernel(o_part, lse_part, out_dtype="bfloat16", rows_per_p
     o : (N, D) out_dtype;  lse : (N, 1) float32
     """
     N, S, D = o_part.shape
+    if row_splits is not None:
+        N = row_splits.shape[0]          # rows past it (the split kernel's trash) are ignored
     o = nl.ndarray((N, D), dtype=_DTYPES[out_dtype], buffer=nl.shared_hbm)
     lse = nl.ndarray((N, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     i = nl.program_id(0)
@@ -696,6 +808,22 @@ def flash_decode_merge_kernel(o_part, lse_part, out_dtype="bfloat16", rows_per_p
     def merge_rows(r0, rows):
         lse_all = nl.load(lse_part[nl.ds(r0, rows), 0:S])
         o_all = nl.load(o_part[nl.ds(r0, rows), 0:S, 0:D])
+        if row_splits is not None and S > 1:
+            # slot x < S - 1 holds a split partial iff x < row_splits[row]
+            # (compared as p + x < row_splits + p: iota needs the partition index p to span
+            # the partitions)
+            i_p = nl.arange(rows)[:, None]
+            used = nl.load(row_splits[nl.ds(r0, rows)], dtype=nl.float32)
+            limit = nisa.tensor_tensor(used, nisa.iota(i_p, dtype=nl.float32), op=np.add,
+                                       dtype=nl.float32)
+            slot = nisa.iota(i_p + nl.arange(S - 1)[None, :], dtype=nl.float32)
+            live = nisa.tensor_scalar(slot, op0=nl.less, operand0=limit, dtype=nl.uint8)
+            lse_all[0:rows, 0:S - 1] = nl.where(live, lse_all[0:rows, 0:S - 1], -np.inf,
+                                                dtype=nl.float32)
+            i_r = nl.arange(rows)[:, None, None]
+            i_x = nl.arange(S - 1)[None, :, None]
+            o_all[0:rows, 0:S - 1, 0:D] = nl.where(live[i_r, i_x], o_all[0:rows, 0:S - 1, 0:D],
+                                                   0.0, dtype=nl.float32)
         m = nisa.tensor_reduce(np.max, lse_all, axis=(1,), keepdims=True)
         # a finite shift even when every partial is empty: exp(-inf - shift) = 0
         m = nisa.tensor_scalar(m, op0=np.maximum, operand0=tiles.DECODE_MERGE_M_FLOOR,

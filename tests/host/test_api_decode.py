@@ -111,6 +111,27 @@ def test_plan_is_stable_within_a_length_bucket():
     assert len(distinct) <= 5 * tiles.DECODE_BUCKETS_PER_OCTAVE
 
 
+def test_work_list_follows_the_real_lengths():
+    """Splits are scheduled per sequence: one long and three tiny sequences run the long one's
+    splits plus one (empty) split each, not B times the longest; full splits first (padded to
+    a bucket), then each sequence's last split."""
+    q, k, v = shapes(B=4, Hq=32, Hkv=8, T=1, S_max=32768, D=128)
+    lens = [1, 32768, 1, 40]
+    p = host.plan_flash_decode(q, k, v, cache_lens=lens)
+    work, num_full, splits = api.decode_work_list(lens, 1, p)
+    per_split = p.split_keys
+    assert splits.tolist() == [1, -(-32767 // per_split), 1, 1]
+    assert work.shape == (num_full + 4, 2) and num_full == tiles.decode_bucket(splits[1] - 1)
+    real_full = [tuple(x) for x in work[:num_full] if x[0] < 4]
+    assert real_full == [(1, s) for s in range(splits[1] - 1)]
+    assert all(tuple(x) == (4, 0) for x in work[len(real_full):num_full])
+    assert [tuple(x) for x in work[num_full:]] == [(b, splits[b] - 1) for b in range(4)]
+    assert len(work) < 4 * p.num_splits
+    q, k, v = inputs(B=4, Hq=8, Hkv=2, T=1, S_max=4096, D=32, seed=3)
+    lens = [1, 4096, 1, 40]
+    assert_within_rule(q, k, v, lens, host.flash_decode(q, k, v, cache_lens=lens))
+
+
 def test_num_splits_is_honoured_including_more_than_needed():
     q, k, v = inputs(S_max=256)
     for ns in (1, 3, 50):
@@ -132,7 +153,7 @@ def test_hbm_bytes_formula_is_exact():
     p = host.plan_flash_decode(q, k, v, cache_lens=lens)
     with simulate.measure(target="trn1") as m:
         host.flash_decode(q, k, v, cache_lens=lens)
-    read, written = host.flash_decode_hbm_bytes(3, 8, 2, 64, 2, lens, 2, p.num_splits)
+    read, written = host.flash_decode_hbm_bytes(3, 8, 2, 64, 2, lens, 2, p)
     assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
     assert m.per_tensor["k_cache"]["read"] == 2 * 64 * 2 * sum(lens)
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from host import reference
+from host.api import decode_work_list, flash_decode_hbm_bytes
 from nki_kernels import tiles
 from nki_kernels.attention import decode as dk
 from nki_kernels.nki import BACKEND, nki
@@ -71,24 +72,29 @@ def plan(q, k, lens, mm, num_splits=None):
     Hkv, S_max = k.shape[1], k.shape[2]
     n = tiles.decode_key_row(S_max)
     need = int(np.max((lens.astype(np.int64) - T) // n))
-    return tiles.decode_tiles(Hq // Hkv * T, D, S_max, mm.itemsize, need, num_splits)
+    return tiles.decode_tiles(Hq // Hkv * T, D, S_max, mm.itemsize, need, num_splits, batch=B)
 
 
-def run_phase1(q, k, v, lens, t, scale, mm, tree=None):
-    """The split kernel on its grid (B, Hkv, num_splits + 1): every partial (o, lse)."""
+def run_phase1(q, k, v, lens, t, scale, mm, tree=None, work=None, num_full=0):
+    """The split kernel on its grid (Hkv, W + B): every partial (o, lse). ``work`` defaults to
+    the host's work list (the splits that hold committed rows)."""
     B, Hkv = q.shape[0], k.shape[1]
+    if work is None:
+        work, num_full, _ = decode_work_list(lens, q.shape[2], t)
+    W = 0 if work is None else len(work)
     tm = None if tree is None else np.asarray(tree, dtype=np.uint8)
     return nki.simulate_kernel(
-        dk.flash_decode_split_kernel[B, Hkv, t.num_splits + 1], q, k, v, lens, tm,
-        scale=scale, mm_dtype=mm.name, key_row=t.key_row, split_rows=t.split_rows,
-        num_splits=t.num_splits, row_tile=t.row_tile, pack=t.pack)
+        dk.flash_decode_split_kernel[Hkv, W + B], q, k, v, lens, work, tm, scale=scale,
+        mm_dtype=mm.name, key_row=t.key_row, split_rows=t.split_rows, num_splits=t.num_splits,
+        row_tile=t.row_tile, pack=t.pack, num_full=num_full)
 
 
-def run_merge(o_part, lse_part, out_dtype):
-    N = o_part.shape[0]
+def run_merge(o_part, lse_part, row_splits, out_dtype):
+    N = o_part.shape[0] if row_splits is None else row_splits.shape[0]
     return nki.simulate_kernel(
         dk.flash_decode_merge_kernel[tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS)], o_part,
-        lse_part, out_dtype=np.dtype(out_dtype).name, rows_per_program=tiles.DECODE_MERGE_ROWS)
+        lse_part, row_splits, out_dtype=np.dtype(out_dtype).name,
+        rows_per_program=tiles.DECODE_MERGE_ROWS)
 
 
 def decode(q, k, v, lens, *, scale=None, tree=None, num_splits=None, mixed_precision=True):
@@ -98,7 +104,8 @@ def decode(q, k, v, lens, *, scale=None, tree=None, num_splits=None, mixed_preci
     mm = mm_dtype(q.dtype, mixed_precision)
     t = plan(q, k, lens, mm, num_splits)
     o_part, lse_part = run_phase1(q, k, v, lens, t, scale, mm, tree)
-    o, lse = run_merge(o_part, lse_part, q.dtype)
+    _, _, splits = decode_work_list(lens, T, t)
+    o, lse = run_merge(o_part, lse_part, np.repeat(splits, Hq * T), q.dtype)
     return o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T), t
 
 
@@ -218,15 +225,24 @@ def test_every_split_count_gives_the_same_answer():
 
 
 def test_split_partials_are_attention_over_their_keys():
-    """Each split's partial (o, lse) is attention over exactly its key rows (an empty split
-    writes o = 0 and lse = -inf); the tail partial covers the rest of the committed prefix and
-    the new tokens under the causal mask."""
+    """Each split's partial (o, lse) is attention over exactly its key rows (a split with no
+    committed row writes o = 0 and lse = -inf); the tail partial covers the rest of the
+    committed prefix and the new tokens under the causal mask."""
     rng = np.random.default_rng(5)
     B, Hq, Hkv, T, S_max, D = 2, 4, 2, 2, 256, 32
     q, k, v, lens = make_inputs(rng, B, Hq, Hkv, T, S_max, D, F32, [200, 41])
     scale = 1.0 / math.sqrt(D)
     t = plan(q, k, lens, F32, num_splits=4)
-    o_part, lse_part = run_phase1(q, k, v, lens, t, scale, F32)
+    # each split s of every sequence as its "last" (zero-filled, masked) work item, including
+    # splits past a sequence's end (which the host would not schedule): one launch per s
+    o_part = np.zeros((B * Hq * T, t.num_splits + 1, D), np.float32)
+    lse_part = np.zeros((B * Hq * T, t.num_splits + 1), np.float32)
+    for s in range(t.num_splits):
+        work = np.array([(b, s) for b in range(B)], dtype=np.int32)
+        o_s, lse_s = run_phase1(q, k, v, lens, t, scale, F32, work=work, num_full=0)
+        o_s, lse_s = o_s[:B * Hq * T], lse_s[:B * Hq * T]
+        o_part[:, s], lse_part[:, s] = o_s[:, s], lse_s[:, s]
+        o_part[:, -1], lse_part[:, -1] = o_s[:, -1], lse_s[:, -1]
     o_part = o_part.reshape(B, Hq, T, t.num_splits + 1, D)
     lse_part = lse_part.reshape(B, Hq, T, t.num_splits + 1)
     G = Hq // Hkv
@@ -302,18 +318,39 @@ def test_merge_kernel_matches_reference_merge():
     lse_parts[rng.random((N, S)) < 0.3] = -np.inf
     lse_parts[7] = -np.inf
     o_parts[lse_parts == -np.inf] = 0.0
-    o, lse = run_merge(o_parts, lse_parts, F32)
+    o, lse = run_merge(o_parts, lse_parts, None, F32)
     ref_o, ref_lse = reference.merge_partials(np.moveaxis(o_parts, 1, 0), lse_parts.T)
     assert reference.max_abs_err(o, ref_o) < 1e-5
     assert reference.max_abs_err(lse[:, 0], ref_lse) < 1e-5
     assert np.all(o[7] == 0) and lse[7, 0] == -np.inf
 
 
+def test_merge_kernel_ignores_unused_split_slots():
+    """Slots ``row_splits[r] .. S - 2`` were never written (garbage, here NaN and +inf); the
+    last slot (the tail) always counts."""
+    rng = np.random.default_rng(19)
+    N, S, D = 130, 4, 16
+    o_parts = rng.standard_normal((N, S, D)).astype(np.float32)
+    lse_parts = rng.standard_normal((N, S)).astype(np.float32)
+    used = rng.integers(0, S, size=N).astype(np.int32)
+    for r in range(N):
+        o_parts[r, used[r]:S - 1] = np.nan
+        lse_parts[r, used[r]:S - 1] = np.inf
+    o, lse = run_merge(o_parts, lse_parts, used, F32)
+    clean_lse = lse_parts.copy()
+    for r in range(N):
+        clean_lse[r, used[r]:S - 1] = -np.inf
+    ref_o, ref_lse = reference.merge_partials(np.moveaxis(np.nan_to_num(o_parts), 1, 0),
+                                              clean_lse.T)
+    assert reference.max_abs_err(o, ref_o) < 1e-5
+    assert reference.max_abs_err(lse[:, 0], ref_lse) < 1e-5
+
+
 def test_merge_kernel_single_partial():
     rng = np.random.default_rng(17)
     o_tail = rng.standard_normal((3, 1, 8)).astype(np.float32)
     lse_tail = rng.standard_normal((3, 1)).astype(np.float32)
-    o, lse = run_merge(o_tail, lse_tail, BF16)
+    o, lse = run_merge(o_tail, lse_tail, None, BF16)
     assert o.dtype == BF16
     assert reference.max_abs_err(o, o_tail[:, 0]) < 1e-2
     assert reference.max_abs_err(lse, lse_tail) < 1e-6
@@ -330,7 +367,6 @@ def test_merge_kernel_single_partial():
 ])
 def test_io_exact(lens, S_max, T, tree):
     import simulate
-    from host.api import flash_decode_hbm_bytes
 
     rng = np.random.default_rng(23)
     B, Hq, Hkv, D = len(lens), 8, 2, 64
@@ -341,7 +377,7 @@ def test_io_exact(lens, S_max, T, tree):
     kv_bytes = Hkv * D * BF16.itemsize * int(lens.sum())
     per = m.per_tensor
     assert per["k_cache"]["read"] == kv_bytes and per["v_cache"]["read"] == kv_bytes
-    read, written = flash_decode_hbm_bytes(B, Hq, T, D, Hkv, lens, BF16.itemsize,
-                                           t.num_splits, tree_mask=tree)
+    read, written = flash_decode_hbm_bytes(B, Hq, T, D, Hkv, lens, BF16.itemsize, t,
+                                           tree_mask=tree)
     assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
     assert np.all(np.isfinite(o.astype(np.float32)))
