@@ -567,9 +567,10 @@ from typing import NamedTuple as _NamedTuple  # noqa: E402
 #: gives 8 KiB, above the 4 KiB at which DMA reaches full rate (hardware-and-limits.md §3). n is
 #: the largest power of two <= this that divides the cache capacity S_max.
 DECODE_KEY_ROW_MAX = 32
-#: Score columns per partition of one split: two PSUM banks of fp32. All scores of a split stay
-#: in PSUM until its max is known, so a split's softmax needs no online rescaling.
-DECODE_SCORE_COLS = 2 * PSUM_FMAX
+#: Score columns per partition of one split: four PSUM banks of fp32 (with the transients of
+#: the row max at most 7 of the 8 banks are live). All scores of a split stay in PSUM until its
+#: max is known, so a split's softmax needs no online rescaling.
+DECODE_SCORE_COLS = 4 * PSUM_FMAX
 #: SBUF bytes per partition for the resident K^T and V of one split (both in the matmul dtype).
 DECODE_KV_BUDGET = 64 * 1024
 #: Additive bias of an invalid key's score (and of a new token a tree/causal mask hides), in

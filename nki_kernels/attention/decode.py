@@ -364,17 +364,26 @@ def _split_scores(qbd, kT, mask_row, g, P):
     has no ``mask_row``).
     """
     n, rs = g.n, g.rs
-    banks = [nl.zeros((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
+    # each piece's first matmul writes (=), the rest accumulate (+=): no PSUM zero-fill
+    banks = [nl.ndarray((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
              for _ in range(g.n_banks)]
     if mask_row is not None:
         ones = nl.ones((1, P), dtype=_MASK_DTYPE, buffer=nl.sbuf)
+
+    def copy_c(acc, col, jj, r0, ln, c, first):
+        for dt, d0, dsz in g.d_tiles():
+            prod = nisa.nc_matmul(qbd[0:dsz, nl.ds((dt * g.pack + c) * P, P)],
+                                  kT[0:dsz, nl.ds((dt * n + jj * g.pack + c) * rs + r0, ln)])
+            if first and dt == 0:
+                acc[0:P, col:col + ln] = prod
+            else:
+                acc[0:P, col:col + ln] += prod
+
     for bank, col, jj, r0, ln in g.pieces:
         acc = banks[bank]
-        for c in nl.affine_range(g.pack):
-            for dt, d0, dsz in g.d_tiles():
-                acc[0:P, col:col + ln] += nisa.nc_matmul(
-                    qbd[0:dsz, nl.ds((dt * g.pack + c) * P, P)],
-                    kT[0:dsz, nl.ds((dt * n + jj * g.pack + c) * rs + r0, ln)])
+        copy_c(acc, col, jj, r0, ln, 0, True)
+        for c in nl.affine_range(1, g.pack):
+            copy_c(acc, col, jj, r0, ln, c, False)
         if mask_row is not None:
             acc[0:P, col:col + ln] += nisa.nc_matmul(ones, mask_row[0:1, r0:r0 + ln])
     return banks
@@ -468,16 +477,23 @@ def _split_pv(v_all, pT, g, rows, P):
     """``O^T (D, rows)`` per head-dim tile: ``sum_x sum_c V(x, c)^T P^T(x, c)`` in one PSUM
     group each (all copies share the row max, so their products add)."""
     kr, n, D = g.kv_rows, g.n, g.D
-    acc = [nl.zeros((PMAX, rows), dtype=nl.float32, buffer=nl.psum) for _ in range(g.n_dt)]
+    acc = [nl.ndarray((PMAX, rows), dtype=nl.float32, buffer=nl.psum) for _ in range(g.n_dt)]
+
+    def block_c(x, k, jj, c, first):
+        for dt, d0, dsz in g.d_tiles():
+            prod = nisa.nc_matmul(v_all[0:kr, nl.ds((k * n + jj * g.pack + c) * D + d0, dsz)],
+                                  pT[0:kr, nl.ds(x * P + c * rows, rows)])
+            if first:
+                acc[dt][0:dsz, 0:rows] = prod      # the group's first product writes
+            else:
+                acc[dt][0:dsz, 0:rows] += prod
+
     for x in nl.static_range(g.n_blocks):
         jj, rem = divmod(x * kr, g.rs)
         k = rem // PMAX
-        for c in nl.affine_range(g.pack):
-            j = jj * g.pack + c
-            for dt, d0, dsz in g.d_tiles():
-                acc[dt][0:dsz, 0:rows] += nisa.nc_matmul(
-                    v_all[0:kr, nl.ds((k * n + j) * D + d0, dsz)],
-                    pT[0:kr, nl.ds(x * P + c * rows, rows)])
+        block_c(x, k, jj, 0, x == 0)
+        for c in nl.affine_range(1, g.pack):
+            block_c(x, k, jj, c, False)
     return acc
 
 
@@ -641,8 +657,9 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
     for _, rt0, rows in _row_tiles(R, row_tile):
         qT = _scaled_query_t(nl.load(q_rows[nl.ds(bh * R + rt0, rows), 0:D]), rows, D, n_dt,
                              scale, mm)
-        s_ps = nl.zeros((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
-        for dt in nl.static_range(n_dt):
+        s_ps = nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
+        s_ps[0:rows, 0:C] = nisa.nc_matmul(qT[0:min(PMAX, D), 0:rows], kT[0:min(PMAX, D), 0:C])
+        for dt in nl.static_range(1, n_dt):
             dsz = min(PMAX, D - dt * PMAX)
             s_ps[0:rows, 0:C] += nisa.nc_matmul(qT[0:dsz, dt * rows:(dt + 1) * rows],
                                                 kT[0:dsz, dt * C:(dt + 1) * C])
@@ -660,12 +677,12 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
         if ns > 0:
             pt_ps[0:ns, 0:rows] = nisa.nc_transpose(p_sb[0:rows, 0:ns])
         pt_ps[0:T, PMAX:PMAX + rows] = nisa.nc_transpose(p_sb[0:rows, ns:C])
-        o_ps = nl.zeros((rows, D), dtype=nl.float32, buffer=nl.psum)
+        o_ps = nl.ndarray((rows, D), dtype=nl.float32, buffer=nl.psum)
+        pt_new = nisa.activation(op=nl.copy, data=pt_ps[0:T, PMAX:PMAX + rows], dtype=mm)
+        o_ps[0:rows, 0:D] = nisa.nc_matmul(pt_new, v_new)
         if ns > 0:
             pt_part = nisa.activation(op=nl.copy, data=pt_ps[0:ns, 0:rows], dtype=mm)
             o_ps[0:rows, 0:D] += nisa.nc_matmul(pt_part, v_part)
-        pt_new = nisa.activation(op=nl.copy, data=pt_ps[0:T, PMAX:PMAX + rows], dtype=mm)
-        o_ps[0:rows, 0:D] += nisa.nc_matmul(pt_new, v_new)
 
         inv_l = nisa.reciprocal(l_col)
         o_sb = nisa.activation(op=nl.copy, data=o_ps[0:rows, 0:D], scale=inv_l,
