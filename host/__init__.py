@@ -1,17 +1,45 @@
-"""Host side of nki-flash: validation, launching, references, PyTorch wrappers and the CLI."""
+"""nki-flash host API: validated NumPy entry points that launch the NKI kernels.
 
-# Fused kernels and the unfused attention baseline (issue #6).
-from host.api import attention_unfused, linear_gelu, online_softmax  # noqa: E402,F401
+Attention (shapes ``(B, H, N, D)``; semantics in docs/semantics.md):
 
-# Split-KV flash decoding over a KV cache (issue #5).
-from host.api import flash_decode, flash_decode_hbm_bytes, plan_flash_decode  # noqa: E402,F401
+- :func:`flash_attention` — prefill forward, returns ``o`` (and ``lse`` with ``return_lse``).
+- :func:`flash_attention_backward` — ``(dq, dk, dv)`` from ``do``, the inputs, ``o`` and ``lse``.
+- :func:`flash_decode` — split-KV decoding of T new tokens against a KV cache.
+- :func:`attention_unfused` — standard attention that writes S and P to HBM (the baseline).
 
-# Flash attention forward (issue #3).
-from host.api import flash_attention, plan_attention_forward  # noqa: E402,F401
+Fused kernels: :func:`linear_gelu` (GELU(x @ W + b)), :func:`online_softmax`.
 
-# Flash attention backward (issue #4).
-from host.api import (  # noqa: E402,F401
+Planning and IO helpers (what the kernels will do, without running them):
+:func:`plan_attention_forward`, :func:`plan_attention_backward`, :func:`plan_flash_decode`,
+:func:`flash_attention_backward_hbm_bytes`, :func:`flash_decode_hbm_bytes`.
+
+PyTorch wrappers live in :mod:`host.torch_ops` and :mod:`host.distributed` (torch is optional and
+imported only there); float64 references in :mod:`host.reference`.
+"""
+from host.api import (
+    attention_unfused,
+    flash_attention,
     flash_attention_backward,
     flash_attention_backward_hbm_bytes,
+    flash_decode,
+    flash_decode_hbm_bytes,
+    linear_gelu,
+    online_softmax,
     plan_attention_backward,
+    plan_attention_forward,
+    plan_flash_decode,
 )
+
+__all__ = [
+    "attention_unfused",
+    "flash_attention",
+    "flash_attention_backward",
+    "flash_attention_backward_hbm_bytes",
+    "flash_decode",
+    "flash_decode_hbm_bytes",
+    "linear_gelu",
+    "online_softmax",
+    "plan_attention_backward",
+    "plan_attention_forward",
+    "plan_flash_decode",
+]
