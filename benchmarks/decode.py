@@ -13,6 +13,12 @@ NeuronCore) and the even HBM share of a chip (410 / 362.5 GB/s per NeuronCore).
     python benchmarks/decode.py                       # the default case, trn1 and trn2
     python benchmarks/decode.py --lens 1000 32768     # ragged batch (B = number of lengths)
     python benchmarks/decode.py --tokens 9 --hq 32 --hkv 8 --seq 8192 --json out.json
+    python benchmarks/decode.py --paged --page-size 256 --targets trn2   # paged vs contiguous
+
+``--paged`` stores the same caches as pages of ``--page-size`` positions scattered over a
+shuffled page pool ``(num_blocks, Hkv, page_size, D)`` with a block table, runs both the
+contiguous and the paged call, and prints the paged time against the contiguous one and the
+bounds.
 
 Runs on the bundled simulator only (``NKI_FLASH_BACKEND=simulate`` is set if unset).
 """
@@ -38,7 +44,26 @@ GOAL = 1.5
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
 
-def run_case(args, target):
+def to_pages(cache, lens, page_size, rng):
+    """The cache ``(B, Hkv, S_max, D)`` as a shuffled page pool ``(num_blocks, Hkv, page_size,
+    D)`` and its block table ``(B, ceil(S_max / page_size))`` (only used blocks are stored)."""
+    B, Hkv, S_max, D = cache.shape
+    max_blocks = -(-S_max // page_size)
+    used = [-(-int(n) // page_size) for n in lens]
+    perm = rng.permutation(sum(used))
+    pool = np.zeros((max(1, sum(used)), Hkv, page_size, D), cache.dtype)
+    table = np.full((B, max_blocks), -1, dtype=np.int32)
+    j = 0
+    for b in range(B):
+        for i in range(used[b]):
+            seg = cache[b, :, i * page_size:(i + 1) * page_size]
+            pool[perm[j], :, :seg.shape[1]] = seg
+            table[b, i] = perm[j]
+            j += 1
+    return pool, table
+
+
+def run_case(args, target, paged=False):
     import host
     import simulate
     from host import reference
@@ -51,19 +76,26 @@ def run_case(args, target):
     q = rng.standard_normal((B, args.hq, args.tokens, args.dim)).astype(np.float32).astype(dtype)
     k = rng.standard_normal((B, args.hkv, s_max, args.dim)).astype(np.float32).astype(dtype)
     v = rng.standard_normal((B, args.hkv, s_max, args.dim)).astype(np.float32).astype(dtype)
-    plan = host.plan_flash_decode(q, k, v, cache_lens=lens, num_splits=args.num_splits)
+    kw = dict(cache_lens=lens, num_splits=args.num_splits)
+    k_in, v_in = k, v
+    if paged:
+        k_in, table = to_pages(k, lens, args.page_size, np.random.default_rng(1))
+        v_in, _ = to_pages(v, lens, args.page_size, np.random.default_rng(1))
+        kw["block_table"] = table
+    plan = host.plan_flash_decode(q, k_in, v_in, **kw)
     t0 = time.perf_counter()
     with simulate.measure(target=target) as m:
-        o = host.flash_decode(q, k, v, cache_lens=lens, num_splits=args.num_splits)
+        o = host.flash_decode(q, k_in, v_in, **kw)
     wall = time.perf_counter() - t0
     kv_bytes = 2 * args.hkv * args.dim * dtype.itemsize * int(lens.sum())
     read, written = host.flash_decode_hbm_bytes(B, args.hq, args.tokens, args.dim, args.hkv,
-                                                lens, dtype.itemsize, plan)
+                                                lens, dtype.itemsize, plan, paged=paged)
     dma_rate, hbm_share = BANDWIDTH[target]
     lower, upper = m.modeled_seconds
     out = {
         "target": target, "B": B, "Hq": args.hq, "Hkv": args.hkv, "T": args.tokens,
         "D": args.dim, "S_max": s_max, "cache_lens": lens.tolist(), "dtype": args.dtype,
+        "paged": paged, "page_size": args.page_size if paged else None,
         "plan": plan._asdict(),
         "hbm_bytes_read": m.hbm_bytes_read, "hbm_bytes_written": m.hbm_bytes_written,
         "formula_read": read, "formula_written": written, "kv_bytes": kv_bytes,
@@ -82,10 +114,11 @@ def run_case(args, target):
     return out
 
 
-def report(r):
+def report(r, contiguous=None):
     lo, hi = r["modeled_us"]
-    print(f"\n{r['target']}: B={r['B']} Hq={r['Hq']} Hkv={r['Hkv']} T={r['T']} D={r['D']} "
-          f"S_max={r['S_max']} {r['dtype']}  plan {r['plan']}")
+    cache = f"paged (page_size {r['page_size']})" if r.get("paged") else "contiguous"
+    print(f"\n{r['target']} {cache}: B={r['B']} Hq={r['Hq']} Hkv={r['Hkv']} T={r['T']} "
+          f"D={r['D']} S_max={r['S_max']} {r['dtype']}  plan {r['plan']}")
     for k in r["kernels"]:
         eng = "  ".join(f"{e} {s:7.1f}" for e, s in k["engine_us"].items())
         print(f"  {k['name']:<28} grid {k['grid']}: {eng}  (us)")
@@ -99,6 +132,9 @@ def report(r):
         verdict = "within" if ratio <= GOAL else "OUTSIDE"
         print(f"  modeled {lo:8.1f} us (serial {hi:8.1f}) vs {name} bound {r[key]:8.1f} us: "
               f"{ratio:.2f}x ({verdict} the {GOAL}x goal)")
+    if contiguous is not None:
+        c_lo = contiguous["modeled_us"][0]
+        print(f"  paged {lo:8.1f} us vs contiguous {c_lo:8.1f} us: {lo / c_lo:.3f}x")
     if "max_abs_err" in r:
         print(f"  max abs error vs float64 reference: {r['max_abs_err']:.3g}")
     print(f"  (simulation wall time {r['sim_wall_s']:.1f} s)")
@@ -117,12 +153,19 @@ def main(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--num-splits", type=int, default=None)
     p.add_argument("--targets", nargs="+", choices=sorted(BANDWIDTH), default=["trn1", "trn2"])
+    p.add_argument("--paged", action="store_true",
+                   help="also run the cache as a shuffled page pool with a block table")
+    p.add_argument("--page-size", type=int, default=256, help="positions per page (256)")
     p.add_argument("--check", action="store_true", help="also compare with the reference")
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args(argv)
-    results = [run_case(args, t) for t in args.targets]
-    for r in results:
-        report(r)
+    results = []
+    for t in args.targets:
+        results.append(run_case(args, t))
+        report(results[-1])
+        if args.paged:
+            results.append(run_case(args, t, paged=True))
+            report(results[-1], contiguous=results[-2])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

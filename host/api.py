@@ -332,26 +332,39 @@ DECODE_MAX_CACHE_POSITIONS = 1 << 29
 
 
 def _check_decode_call(q, k_cache, v_cache, cache_lens, scale, tree_mask, num_splits,
-                       mixed_precision):
-    inputs = _v.check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask)
+                       mixed_precision, block_table=None):
+    """Validated ``(inputs, scale, num_splits, mixed_precision, pages)``; ``pages`` is the
+    :class:`host.validation.PagedCache` of a paged call, else None (``inputs.S_max`` is then
+    the logical capacity ``max_blocks * page_size``)."""
+    if block_table is None:
+        inputs, pages = _v.check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask), None
+    else:
+        inputs, pages = _v.check_paged_decode_inputs(
+            q, k_cache, v_cache, cache_lens, block_table, tree_mask,
+            page_size_min=tiles.DECODE_PAGE_SIZE_MIN)
     scale = _v.check_scale(scale, inputs.D)
     if num_splits is not None:
         num_splits = _v.check_int("num_splits", num_splits, minimum=1)
     mixed_precision = _check_bool("mixed_precision", mixed_precision)
-    positions = inputs.B * inputs.Hkv * inputs.S_max
+    if pages is None:
+        positions, what = inputs.B * inputs.Hkv * inputs.S_max, "B * Hkv * S_max"
+    else:
+        positions = pages.num_blocks * inputs.Hkv * pages.page_size
+        what = "num_blocks * Hkv * page_size"
     if positions > DECODE_MAX_CACHE_POSITIONS:
         raise ValueError(
-            f"k_cache: B * Hkv * S_max = {positions} cache positions exceed the "
+            f"k_cache: {what} = {positions} cache positions exceed the "
             f"{DECODE_MAX_CACHE_POSITIONS} the decode kernels index with int32 (shape "
             f"{tuple(k_cache.shape)}); split the batch")
-    return inputs, scale, num_splits, mixed_precision
+    return inputs, scale, num_splits, mixed_precision, pages
 
 
-def _decode_tiles(inputs, mm: np.dtype, num_splits):
-    n = tiles.decode_key_row(inputs.S_max)
+def _decode_tiles(inputs, mm: np.dtype, num_splits, pages=None):
+    n = (tiles.decode_key_row(inputs.S_max) if pages is None
+         else tiles.decode_paged_key_row(pages.page_size))
     rows_needed = int(np.max((inputs.cache_lens - inputs.T) // n))
     return tiles.decode_tiles(inputs.group * inputs.T, inputs.D, inputs.S_max, mm.itemsize,
-                              rows_needed, num_splits, batch=inputs.B)
+                              rows_needed, num_splits, batch=inputs.B, key_row=n)
 
 
 def decode_work_list(cache_lens, T: int, plan: "tiles.DecodeTiles"):
@@ -382,8 +395,8 @@ def decode_work_list(cache_lens, T: int, plan: "tiles.DecodeTiles"):
         splits.astype(np.int32)
 
 
-def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, tree_mask=None, num_splits=None,
-                      mixed_precision: bool = True) -> "tiles.DecodeTiles":
+def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, tree_mask=None,
+                      num_splits=None, mixed_precision: bool = True) -> "tiles.DecodeTiles":
     """Validate a decode call and return its tiling (``nki_kernels.tiles.DecodeTiles``).
 
     ``num_splits`` of the result is the number of splits of the committed prefix -- the split
@@ -393,13 +406,16 @@ def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, tree_mask=None, num_sp
     longest sequence crosses one -- unless ``num_splits`` is given. Arguments as in
     :func:`flash_decode`.
     """
-    inputs, _, num_splits, mixed_precision = _check_decode_call(
-        q, k_cache, v_cache, cache_lens, None, tree_mask, num_splits, mixed_precision)
-    return _decode_tiles(inputs, _mm_dtype(np.dtype(q.dtype), mixed_precision), num_splits)
+    inputs, _, num_splits, mixed_precision, pages = _check_decode_call(
+        q, k_cache, v_cache, cache_lens, None, tree_mask, num_splits, mixed_precision,
+        block_table)
+    return _decode_tiles(inputs, _mm_dtype(np.dtype(q.dtype), mixed_precision), num_splits,
+                         pages)
 
 
 def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens,
-                           itemsize: int, plan: "tiles.DecodeTiles", tree_mask: bool = False):
+                           itemsize: int, plan: "tiles.DecodeTiles", tree_mask: bool = False,
+                           paged: bool = False):
     """Exact HBM bytes ``(read, written)`` of :func:`flash_decode` (both kernels).
 
     With ``N = B Hq T`` query rows, ``s`` the input itemsize (q, caches and o share it),
@@ -417,7 +433,15 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
         written = 4 Hq T (D + 1) (W + P + B)         partials (padding items: a trash block)
                 + s N D + 4 N                        o, lse
 
-    Nothing at or past ``cache_lens[b]`` is read; padding items read only their work row.
+    With ``paged`` (a block table; ``n = plan.key_row``, ``Lp_b = cache_lens[b] - T``), the
+    block table adds one int32 per gathered key row and per gathered tail position, in every
+    kv head's programs::
+
+        read   += 4 Hkv sum_b (floor(Lp_b / n) + Lp_b mod n + T)
+
+    (the K/V bytes are unchanged: a page shared by several sequences is read once per
+    sequence that uses it). Nothing at or past ``cache_lens[b]`` is read; padding items read
+    only their work row.
     """
     N = B * Hq * T
     work, num_full, splits = decode_work_list(cache_lens, T, plan)
@@ -430,12 +454,16 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
             + 4 * Hkv * (lasts + B) + 4 * N * (D + 1) * S + (4 * N if S > 1 else 0))
     if tree_mask:
         read += T * T * B * Hkv
+    if paged:
+        lp = np.asarray(cache_lens, dtype=np.int64) - T
+        read += 4 * Hkv * int(np.sum(lp // plan.key_row + lp % plan.key_row + T))
     written = 4 * Hq * T * (D + 1) * (W + pad + B) + itemsize * N * D + 4 * N
     return read, written
 
 
-def flash_decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None,
-                 num_splits=None, mixed_precision: bool = True, return_lse: bool = False):
+def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
+                 tree_mask=None, num_splits=None, mixed_precision: bool = True,
+                 return_lse: bool = False):
     """Attention of T new tokens per sequence over a KV cache (split-KV flash decoding).
 
     Parameters
@@ -450,6 +478,15 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None,
         Valid length per sequence, ``T <= cache_lens[b] <= S_max``. Only these positions are
         read; the kernels take them as device data, so they may change every step without a
         recompile.
+    block_table : integer array (B, max_blocks_per_seq), optional
+        Paged KV cache (FlashAttention's ``flash_attn_with_kvcache(block_table=...)``):
+        k_cache and v_cache are then page pools ``(num_blocks, Hkv, page_size, D)``, page_size
+        a power of two >= ``tiles.DECODE_PAGE_SIZE_MIN`` (16), and logical position p of
+        sequence b is offset ``p % page_size`` of page ``block_table[b, p // page_size]``
+        (``cache_lens[b] <= max_blocks_per_seq * page_size``). The blocks a sequence uses must
+        name pages in ``[0, num_blocks)``; later entries are never read (e.g. -1). Pages may be
+        shared between sequences (prefix sharing). Device data like ``cache_lens``: a new table
+        every step does not recompile (the tiling depends on its shape and the page size only).
     scale : float, optional
         Softmax scale, default ``1 / sqrt(D)``.
     tree_mask : bool array (T, T), optional
@@ -477,12 +514,14 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None,
     """
     from nki_kernels.attention import decode as k
 
-    inputs, scale, num_splits, mixed_precision = _check_decode_call(
-        q, k_cache, v_cache, cache_lens, scale, tree_mask, num_splits, mixed_precision)
+    inputs, scale, num_splits, mixed_precision, pages = _check_decode_call(
+        q, k_cache, v_cache, cache_lens, scale, tree_mask, num_splits, mixed_precision,
+        block_table)
     return_lse = _check_bool("return_lse", return_lse)
     q, k_cache, v_cache = _numpy("q", q), _numpy("k_cache", k_cache), _numpy("v_cache", v_cache)
     mm = _mm_dtype(q.dtype, mixed_precision)
-    plan = _decode_tiles(inputs, mm, num_splits)
+    plan = _decode_tiles(inputs, mm, num_splits, pages)
+    table = None if pages is None else pages.block_table
     lens = np.ascontiguousarray(inputs.cache_lens, dtype=np.int32)
     tree = None if inputs.tree_mask is None else inputs.tree_mask.astype(np.uint8)
     B, Hq, Hkv, T, D = inputs.B, inputs.Hq, inputs.Hkv, inputs.T, inputs.D
@@ -490,9 +529,9 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None,
     W = 0 if work is None else work.shape[0]
     o_part, lse_part = launch(
         k.flash_decode_split_kernel, (Hkv, W + B), q, k_cache, v_cache, lens, work, tree,
-        scale=float(scale), mm_dtype=mm.name, key_row=plan.key_row, split_rows=plan.split_rows,
-        num_splits=plan.num_splits, row_tile=plan.row_tile, pack=plan.pack,
-        num_full=num_full)
+        table, scale=float(scale), mm_dtype=mm.name, key_row=plan.key_row,
+        split_rows=plan.split_rows, num_splits=plan.num_splits, row_tile=plan.row_tile,
+        pack=plan.pack, num_full=num_full)
     N = B * Hq * T
     o, lse = launch(k.flash_decode_merge_kernel, (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),
                     o_part, lse_part, np.repeat(splits, Hq * T), out_dtype=q.dtype.name,

@@ -88,6 +88,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="decode: valid cache length per sequence (default: --seq for all)")
     run.add_argument("--num-splits", type=_positive_int, default=None,
                      help="decode: KV splits (chosen from the real lengths when omitted)")
+    run.add_argument("--paged", action="store_true",
+                     help="decode: store the caches as a shuffled page pool with a block table")
+    run.add_argument("--page-size", type=_positive_int, default=256,
+                     help="decode --paged: positions per page, a power of two >= 16 (256)")
     run.add_argument("--seed", type=int, default=0, help="random seed for the inputs (0)")
     run.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS),
                      help="targets to model (trn1 trn2)")
@@ -180,6 +184,25 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _to_pages(k, v, cache_lens, page_size: int, rng):
+    """Caches ``(B, Hkv, S_max, D)`` as shuffled page pools ``(num_blocks, Hkv, page_size, D)``
+    plus the ``(B, ceil(S_max / page_size))`` int32 block table (unused entries -1)."""
+    B, Hkv, S_max, D = k.shape
+    used = [-(-int(n) // page_size) for n in cache_lens]
+    perm = rng.permutation(sum(used))
+    pools = [np.zeros((sum(used), Hkv, page_size, D), k.dtype) for _ in (k, v)]
+    table = np.full((B, -(-S_max // page_size)), -1, dtype=np.int32)
+    j = 0
+    for b in range(B):
+        for i in range(used[b]):
+            for pool, cache in zip(pools, (k, v)):
+                seg = cache[b, :, i * page_size:(i + 1) * page_size]
+                pool[perm[j], :, :seg.shape[1]] = seg
+            table[b, i] = perm[j]
+            j += 1
+    return pools[0], pools[1], table
+
+
 def _run(args: argparse.Namespace) -> int:
     import host
     from host import reference
@@ -202,9 +225,13 @@ def _run(args: argparse.Namespace) -> int:
                       mixed_precision=not args.no_mixed_precision, return_lse=True, **opts)
         label = (f"decode B={B} Hq={Hq} Hkv={Hkv} T={T} cache_lens={cache_lens.tolist()} "
                  f"S_max={s_max} D={D} {args.dtype}")
+        k_in, v_in = k, v
+        if args.paged:
+            k_in, v_in, kwargs["block_table"] = _to_pages(k, v, cache_lens, args.page_size, rng)
+            label += f" paged (page_size {args.page_size}, {k_in.shape[0]} pages)"
 
         def call():
-            return host.flash_decode(q, k, v, **kwargs)
+            return host.flash_decode(q, k_in, v_in, **kwargs)
 
         ref_o, ref_lse = reference.decode(q, k, v, cache_lens=cache_lens, scale=args.scale)
         base_o = reference.decode_baseline_lowp(q, k, v, cache_lens=cache_lens,

@@ -42,6 +42,7 @@ from host.validation import (
     check_lengths,
     check_linear_gelu_inputs,
     check_merge_inputs,
+    check_paged_decode_inputs,
     check_scale,
     check_softmax_input,
     check_tree_mask,
@@ -375,7 +376,37 @@ def attention_backward_from_lse(do, q, k, v, o, lse, *, scale=None, causal=None,
 # --------------------------------------------------------------------------------------------
 
 
-def decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None
+def paged_to_contiguous(k_pages, block_table, cache_lens) -> np.ndarray:
+    """The contiguous cache ``(B, Hkv, max_blocks * page_size, D)`` a paged one stands for.
+
+    Logical position p of sequence b is offset ``p % page_size`` of page
+    ``block_table[b, p // page_size]`` of ``k_pages (num_blocks, Hkv, page_size, D)``. Only the
+    blocks a sequence uses (``i < ceil(cache_lens[b] / page_size)``) are copied; the rest is 0.
+    Keeps ``k_pages``' dtype. Inputs are not validated (see :func:`decode`).
+    """
+    pages = k_pages.detach().cpu().numpy() if hasattr(k_pages, "detach") else np.asarray(k_pages)
+    table = np.asarray(block_table.detach().cpu().numpy() if hasattr(block_table, "detach")
+                       else block_table, dtype=np.int64)
+    lens = np.asarray(cache_lens, dtype=np.int64)
+    _, Hkv, ps, D = pages.shape
+    B, max_blocks = table.shape
+    out = np.zeros((B, Hkv, max_blocks * ps, D), dtype=pages.dtype)
+    for b in range(B):
+        for i in range(-(-int(lens[b]) // ps)):
+            out[b, :, i * ps:(i + 1) * ps] = pages[table[b, i]]
+    return out
+
+
+def _paged_as_contiguous(q, k_cache, v_cache, cache_lens, block_table, tree_mask):
+    """Validate a paged decode call for the references and gather its caches."""
+    check_paged_decode_inputs(q, k_cache, v_cache, cache_lens, block_table, tree_mask,
+                              dtypes=REFERENCE_DTYPES, same_dtype=False, max_head_dim=None,
+                              max_new_tokens=None)
+    return (paged_to_contiguous(k_cache, block_table, cache_lens),
+            paged_to_contiguous(v_cache, block_table, cache_lens))
+
+
+def decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None, block_table=None
            ) -> Tuple[np.ndarray, np.ndarray]:
     """Exact decode attention (T new tokens per sequence against a KV cache), in float64.
 
@@ -391,6 +422,10 @@ def decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None
         Default ``1 / sqrt(D)``.
     tree_mask : bool array (T, T), optional
         Visibility among the new tokens (diagonal True), shared by the batch; default causal.
+    block_table : integer array (B, max_blocks), optional
+        Paged cache: k_cache and v_cache are page pools ``(num_blocks, Hkv, page_size, D)``
+        and logical block i of sequence b is page ``block_table[b, i]``; the result is that of
+        the contiguous cache :func:`paged_to_contiguous` builds.
 
     Returns
     -------
@@ -400,6 +435,11 @@ def decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None
         ``attention_forward(q, k[:, :, :L], v[:, :, :L], causal="bottom_right")`` with
         ``L = cache_lens[b]`` for each sequence.
     """
+    if block_table is not None:
+        k_cache, v_cache = _paged_as_contiguous(q, k_cache, v_cache, cache_lens, block_table,
+                                                tree_mask)
+        return decode(q, k_cache, v_cache, cache_lens=cache_lens, scale=scale,
+                      tree_mask=tree_mask)
     inputs = check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask,
                                  dtypes=REFERENCE_DTYPES, same_dtype=False, max_head_dim=None,
                                  max_new_tokens=None)
@@ -618,7 +658,7 @@ def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causa
 
 
 def decode_baseline_lowp(q, k_cache, v_cache, *, cache_lens, dtype, out_dtype=None, scale=None,
-                         tree_mask=None, return_lse=False):
+                         tree_mask=None, return_lse=False, block_table=None):
     """Plain decode attention in low precision: the baseline of the tolerance rule for decode.
 
     The same four steps as :func:`attention_baseline_lowp` (q, k, v rounded to ``dtype``; S
@@ -628,7 +668,7 @@ def decode_baseline_lowp(q, k_cache, v_cache, *, cache_lens, dtype, out_dtype=No
 
     Parameters
     ----------
-    q, k_cache, v_cache, cache_lens, scale, tree_mask :
+    q, k_cache, v_cache, cache_lens, scale, tree_mask, block_table :
         As in :func:`decode`.
     dtype, out_dtype, return_lse :
         As in :func:`attention_baseline_lowp`.
@@ -638,6 +678,12 @@ def decode_baseline_lowp(q, k_cache, v_cache, *, cache_lens, dtype, out_dtype=No
     o : float64 (B, Hq, T, D)
     lse : float64 (B, Hq, T), only with ``return_lse``
     """
+    if block_table is not None:
+        k_cache, v_cache = _paged_as_contiguous(q, k_cache, v_cache, cache_lens, block_table,
+                                                tree_mask)
+        return decode_baseline_lowp(q, k_cache, v_cache, cache_lens=cache_lens, dtype=dtype,
+                                    out_dtype=out_dtype, scale=scale, tree_mask=tree_mask,
+                                    return_lse=return_lse)
     inputs = check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask,
                                  dtypes=REFERENCE_DTYPES, same_dtype=False, max_head_dim=None,
                                  max_new_tokens=None)

@@ -112,6 +112,17 @@ class DecodeInputs(NamedTuple):
         return self.Hq // self.Hkv
 
 
+class PagedCache(NamedTuple):
+    """A validated paged KV cache (``block_table`` given): page pools
+    ``(num_blocks, Hkv, page_size, D)`` and the canonical ``block_table``, a fresh int32 array
+    ``(B, max_blocks)``."""
+
+    num_blocks: int
+    page_size: int
+    max_blocks: int
+    block_table: np.ndarray
+
+
 class LinearGeluShape(NamedTuple):
     """Sizes of a validated ``GELU(x @ w + b)``: x ``(M, K)``, w ``(K, N)``, b ``(N,)``."""
 
@@ -633,6 +644,125 @@ def check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask=None, *,
         )
     mask = check_tree_mask(tree_mask, T)
     return DecodeInputs(B, Hq, Hkv, T, S_max, D, lens, mask)
+
+
+def check_paged_decode_inputs(q, k_cache, v_cache, cache_lens, block_table, tree_mask=None, *,
+                              page_size_min: int = 1,
+                              dtypes: Optional[Sequence] = FLOAT_DTYPES, same_dtype: bool = True,
+                              max_head_dim: Optional[int] = MAX_HEAD_DIM,
+                              max_new_tokens: Optional[int] = MAX_DECODE_TOKENS
+                              ) -> Tuple[DecodeInputs, PagedCache]:
+    """Validate a decode call over a paged KV cache.
+
+    Parameters
+    ----------
+    q : array (B, Hq, T, D)
+        As in :func:`check_decode_inputs`.
+    k_cache, v_cache : arrays (num_blocks, Hkv, page_size, D)
+        Page pools of one shape; ``page_size`` a power of two >= ``page_size_min``.
+    cache_lens : (B,) ints
+        ``T <= cache_lens[b] <= max_blocks * page_size``. Required.
+    block_table : integer array (B, max_blocks)
+        Logical block i of sequence b is page ``block_table[b, i]``. The blocks a sequence uses,
+        ``i < ceil(cache_lens[b] / page_size)``, must name pages in ``[0, num_blocks)``; entries
+        past them are never read and may hold anything (e.g. -1). Pages may be shared.
+    tree_mask : bool array (T, T), optional
+    page_size_min : int
+        Smallest allowed page (the kernels': ``tiles.DECODE_PAGE_SIZE_MIN``).
+
+    Returns
+    -------
+    (DecodeInputs, PagedCache)
+        ``DecodeInputs.S_max`` is the logical capacity ``max_blocks * page_size``.
+    """
+    check_array("q", q, ndim=4, dtypes=dtypes, layout="(B, Hq, T, D)")
+    layout = "(num_blocks, Hkv, page_size, D) (a page pool, since block_table is given)"
+    check_array("k_cache", k_cache, ndim=4, dtypes=dtypes, layout=layout)
+    check_array("v_cache", v_cache, ndim=4, dtypes=dtypes, layout=layout)
+    qs, ks, vs = _shape(q), _shape(k_cache), _shape(v_cache)
+    B, Hq, T, D = qs
+    _check_dims_positive("q", qs, ("batch size B", "query heads Hq"))
+    hi = "inf" if max_new_tokens is None else str(max_new_tokens)
+    if T < 1 or (max_new_tokens is not None and T > max_new_tokens):
+        raise ValueError(
+            f"q: T (new tokens per sequence) must be in [1, {hi}], got T={T} (shape {qs})"
+        )
+    _check_head_dim("q", qs, D, max_head_dim)
+    if ks[3] != D:
+        raise ValueError(
+            f"k_cache: expected page pool shape (num_blocks, Hkv, page_size, D) with D={D} "
+            f"matching q, got {ks}"
+        )
+    _check_dims_positive("k_cache", ks, ("num_blocks", "kv heads Hkv", "page_size"))
+    if vs != ks:
+        raise ValueError(f"v_cache: expected the same shape as k_cache {ks}, got {vs}")
+    num_blocks, Hkv, page_size = ks[0], ks[1], ks[2]
+    if page_size < page_size_min or page_size & (page_size - 1):
+        raise ValueError(
+            f"k_cache: page_size (dim 2) must be a power of two >= {page_size_min}, got "
+            f"{page_size} (shape {ks})"
+        )
+    if Hq % Hkv:
+        raise ValueError(
+            f"k_cache: Hkv={Hkv} kv heads must divide q's Hq={Hq} query heads (GQA: query head h "
+            f"reads kv head h // (Hq // Hkv)); got q {qs} and k_cache {ks}"
+        )
+    if same_dtype:
+        _check_same_dtype("k_cache", k_cache, "q", q)
+        _check_same_dtype("v_cache", v_cache, "q", q)
+    if not _is_array(block_table):
+        raise TypeError(
+            f"block_table: expected a (B, max_blocks_per_seq) = ({B}, ...) integer numpy.ndarray "
+            f"or torch.Tensor, got {_describe(block_table)}"
+        )
+    bname = dtype_name(block_table)
+    if bname not in _INT_DTYPE_NAMES:
+        raise TypeError(
+            f"block_table: expected an integer dtype (int32 or int64), got dtype {bname} (no "
+            f"implicit cast)"
+        )
+    bs = _shape(block_table)
+    if len(bs) != 2 or bs[0] != B or bs[1] < 1:
+        raise ValueError(
+            f"block_table: expected shape (B, max_blocks_per_seq) with B={B} matching q and "
+            f"max_blocks_per_seq >= 1, got {bs}"
+        )
+    if _is_torch_tensor(block_table):
+        block_table = block_table.detach().cpu().numpy()
+    table = np.array(block_table, dtype=np.int64, copy=True)
+    max_blocks = bs[1]
+    capacity = max_blocks * page_size
+    if cache_lens is None:
+        raise TypeError(
+            f"cache_lens: required, a (B,) = ({B},) integer array with T <= value <= "
+            f"max_blocks_per_seq * page_size"
+        )
+    lens = check_lengths("cache_lens", cache_lens, B, capacity,
+                         upper_name="max_blocks_per_seq * page_size")
+    short = np.flatnonzero(lens < T)
+    if short.size:
+        idx = int(short[0])
+        raise ValueError(
+            f"cache_lens: each value must be in [T={T}, max_blocks_per_seq * page_size="
+            f"{capacity}] (the cache already holds the T new tokens), got {int(lens[idx])} at "
+            f"index {idx}"
+        )
+    used = -(-lens // page_size)
+    in_use = np.arange(max_blocks)[None, :] < used[:, None]
+    bad = np.argwhere(in_use & ((table < 0) | (table >= num_blocks)))
+    if bad.size:
+        b, i = (int(x) for x in bad[0])
+        raise ValueError(
+            f"block_table: entry [{b}, {i}] = {int(table[b, i])} is not a page of k_cache; "
+            f"sequence {b} uses blocks 0..{int(used[b]) - 1} (cache_lens[{b}]={int(lens[b])}, "
+            f"page_size={page_size}), each must be in [0, num_blocks={num_blocks})"
+        )
+    # entries past a sequence's blocks are never read; kept as given when they fit in int32
+    fits = (table >= np.iinfo(np.int32).min) & (table <= np.iinfo(np.int32).max)
+    table = np.where(in_use | fits, table, -1).astype(np.int32)
+    mask = check_tree_mask(tree_mask, T)
+    return (DecodeInputs(B, Hq, Hkv, T, capacity, D, lens, mask),
+            PagedCache(num_blocks, page_size, max_blocks, table))
 
 
 def normalize_gelu_approximate(approximate) -> str:

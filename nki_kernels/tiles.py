@@ -599,6 +599,12 @@ DECODE_MERGE_ROWS = PMAX
 DECODE_MERGE_M_FLOOR = -3.4028234663852886e38
 #: Lower clamp of the merge's weight sum before 1/sum (0 * 1/floor stays 0).
 DECODE_MERGE_L_FLOOR = 1.0e-30
+#: Smallest page of a paged KV cache (``block_table``). Pages are powers of two: the key row
+#: ``n = min(page_size, DECODE_KEY_ROW_MAX)`` then divides the page, so a key row never straddles
+#: two pages and stays one contiguous ``n * D`` slice of the pool (one DMA descriptor per
+#: partition). Below 16 positions a row is under 4 KiB at D=128 in 16-bit dtypes, the size at
+#: which DMA stops reaching full rate (hardware-and-limits.md §3).
+DECODE_PAGE_SIZE_MIN = 16
 
 
 class DecodeTiles(_NamedTuple):
@@ -627,6 +633,12 @@ def decode_key_row(S_max: int) -> int:
     while n * 2 <= DECODE_KEY_ROW_MAX and S_max % (n * 2) == 0:
         n *= 2
     return n
+
+
+def decode_paged_key_row(page_size: int) -> int:
+    """Key row n of a paged cache: ``min(page_size, DECODE_KEY_ROW_MAX)`` (page_size a power of
+    two), so that n divides the page."""
+    return min(int(page_size), DECODE_KEY_ROW_MAX)
 
 
 def decode_row_packing(rows: int, key_row: int) -> Tuple[int, int]:
@@ -691,7 +703,7 @@ def decode_bucket(rows: int) -> int:
 
 
 def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: int,
-                 num_splits=None, batch: int = 1) -> DecodeTiles:
+                 num_splits=None, batch: int = 1, key_row=None) -> DecodeTiles:
     """Tiling of a decode call.
 
     Parameters
@@ -715,9 +727,13 @@ def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: i
         ``rows_needed / (2 batch)`` (no smaller than DECODE_MIN_SPLIT_KEYS positions), bounding
         that padding by half the longest sequence.
 
+    key_row : int, optional
+        Force the key row n (a paged cache: :func:`decode_paged_key_row`); default
+        :func:`decode_key_row` of S_max.
+
     ``pack`` (:func:`decode_pack`) follows the split size.
     """
-    n = decode_key_row(S_max)
+    n = decode_key_row(S_max) if key_row is None else int(key_row)
     row_tile, _ = decode_row_packing(rows, n)
     rs_max = decode_max_split_rows(rows, D, mm_itemsize, n)
     if num_splits is None:

@@ -77,9 +77,28 @@ Per position (D=128, bf16): TensorE 1 cycle (K transpose) + 1 (Q K^T) + 0.5 (P V
 score column plus the last split's zero-fill -- all below the DMA time of the 512 bytes per
 position (hardware-and-limits.md §5, decode rows; benchmarks/decode.py).
 
+Paged cache (``block_table``, FlashAttention's ``flash_attn_with_kvcache(block_table=...)``).
+The caches are page pools ``(num_blocks, Hkv, page_size, D)`` and ``block_table (B, MB)`` int32
+maps logical block i of sequence b to a page: position p lives at offset ``p mod page_size`` of
+page ``block_table[b, p // page_size]``. Everything above is unchanged except where a key row
+or a tail position is found. page_size is a power of two, so the key row
+``n = min(page_size, 32)`` divides it: a key row never straddles two pages and is still one
+contiguous ``n * D`` slice of HBM per partition (in this layout a page of one kv head is
+contiguous; vLLM's ``(num_blocks, page_size, Hkv, D)`` would cut it into n separate D-element
+pieces, 256 bytes at D=128 bf16). On chip, the row-index tile of each gather goes through the
+block table: the logical block of every partition's key row (or position) is computed from
+the work item, the table entry ``b * MB + block`` is gathered by a small indirect DMA (one
+int32 per partition) into SBUF, and the pool row ``(page * Hkv + h) * rows_per_page + offset``
+is formed with int32 GpSimd arithmetic before the K/V gather. Partitions that must not be read
+skip the table entry too (index pushed out of bounds) and keep the page number
+``num_blocks`` -- one past the pool -- so their K/V gather is skipped as well. The table and
+the lengths are device data: a new table every step needs no recompile; only its shape and
+the page size are compile-time.
+
 HBM traffic (exact, ``host.api.flash_decode_hbm_bytes``): K and V ``2 s Hkv D sum_b L_b``
 (each valid byte once), plus q once per work item and tail, the work items and lengths, the
-tree mask, the partials (written by phase 1, read back by the merge) and o, lse.
+tree mask, the partials (written by phase 1, read back by the merge) and o, lse; paged, also
+one int32 table entry per gathered key row and tail position.
 """
 import numpy as np
 
@@ -248,6 +267,54 @@ def _split_row_indices(valid, row_base, g, h_row0, oob):
         idx[0:g.kv_rows, nl.ds(k, 1)] = nisa.tensor_tensor(
             rows[0:g.kv_rows, nl.ds(k, 1)], row_base[0:g.kv_rows], op=np.add, dtype=nl.int32)
     return idx
+
+
+def _paged_split_row_indices(table, valid, b_i, s_i, g, h, Hkv, num_blocks, ppr):
+    """int32 ``(kv_rows, n_kv)``: the row of the page pools' ``(num_blocks Hkv ppr, n D)`` view
+    gathered into partition p of K/V tile k (``ppr = page_size / n`` key rows per page).
+
+    Local key row ``128 k + p`` of the split is logical key row ``r = s rs + 128 k + p`` of
+    sequence b: key row ``r mod ppr`` of logical block ``r // ppr``, whose page is
+    ``block_table[b, r // ppr]``, so its pool row is ``(page Hkv + h) ppr + r mod ppr``. The
+    page numbers come from the block table by indirect DMA, one int32 per partition (entry
+    ``b MB + r // ppr`` of the flattened table). A row not below ``valid`` (past the committed
+    prefix; every row of a padding item, b = B) reads no entry -- its table index is pushed out
+    of bounds -- and keeps the page number ``num_blocks``, one past the pool, so its K/V gather
+    is skipped too. Block/row arithmetic runs in fp32 on values < 2^24 (exact: ppr is a power
+    of two); page numbers and pool rows in int32 on GpSimd.
+    """
+    B, MB = table.shape
+    kr, nk = g.kv_rows, g.n_kv
+    i_p = nl.arange(kr)[:, None]
+    i_k = nl.arange(nk)[None, :]
+    local = nisa.iota(i_k * PMAX + i_p, dtype=nl.float32)
+    beyond = nisa.tensor_scalar(local, op0=nl.greater_equal, operand0=valid[0:kr],
+                                op1=np.multiply, operand1=float(_oob_offset(B * MB)),
+                                dtype=nl.int32)
+    first = nisa.tensor_scalar(s_i[0:kr], op0=np.multiply, operand0=float(g.rs),
+                               dtype=nl.float32)                          # s rs
+    r = nisa.tensor_scalar(local, op0=np.add, operand0=first, dtype=nl.float32)
+    within = nl.mod(r, float(ppr), dtype=nl.float32)                      # r mod ppr
+    block0 = nisa.tensor_tensor(r, within, op=np.subtract, dtype=nl.float32)
+    block = nisa.tensor_scalar(block0, op0=np.multiply, operand0=1.0 / ppr, dtype=nl.int32)
+    entry = nisa.tensor_tensor(block, beyond, op=np.add, dtype=nl.int32)
+    b_mb = _int_column([(b_i, MB)], kr)
+    table_flat = table.reshape((B * MB, 1))
+    page = nisa.memset((kr, nk), num_blocks, dtype=nl.int32, engine=nisa.gpsimd_engine)
+    for k in nl.affine_range(nk):
+        ent_k = nisa.tensor_tensor(entry[0:kr, nl.ds(k, 1)], b_mb, op=np.add, dtype=nl.int32)
+        nisa.dma_copy(dst=page[0:kr, nl.ds(k, 1)],
+                      src=table_flat[ent_k[i_p, 0], nl.arange(1)[None, :]],
+                      oob_mode=nisa.oob_mode.skip)
+    # h ppr + r mod ppr = iota(h ppr + 128 k + p) + (r mod ppr - (128 k + p))
+    offset = nisa.tensor_tensor(nisa.iota(h * ppr + i_k * PMAX + i_p, dtype=nl.int32),
+                                nisa.tensor_tensor(within, local, op=np.subtract,
+                                                   dtype=nl.int32),
+                                op=np.add, dtype=nl.int32)
+    rows = nisa.tensor_tensor(page, nisa.memset((kr, nk), Hkv * ppr, dtype=nl.int32,
+                                                engine=nisa.gpsimd_engine),
+                              op=np.multiply, dtype=nl.int32)
+    return nisa.tensor_tensor(rows, offset, op=np.add, dtype=nl.int32)
 
 
 def _load_split_kv(k_rows, v_rows, idx, g, mm, zero_fill):
@@ -592,8 +659,50 @@ def _token_selector(T, rt0, rows):
                               operand0=0.0, dtype=_MASK_DTYPE)
 
 
+def _paged_tail_rows(paged, k_cache, lp, c, count, skip):
+    """int32 ``(count, 1)``: the row of the page pools' ``(num_blocks Hkv page_size, D)`` view
+    holding logical position ``Lp + c + q`` of sequence b, kv head h, for partition q.
+
+    Position p is offset ``p mod page_size`` of page ``block_table[b, p // page_size]`` (one
+    int32 gathered per partition by indirect DMA), i.e. pool row
+    ``(page Hkv + h) page_size + p mod page_size``. ``skip`` (int32, 0 or a power of two above
+    the table, or None) pushes a partition's table index out of bounds: it reads no entry and
+    keeps the page number ``num_blocks``, so its K/V gather is skipped as well. Negative
+    positions (only ever skipped ones) are clamped to 0 first.
+    """
+    table, b, h = paged
+    B, MB = table.shape
+    num_blocks, Hkv, ps = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    i_q = nl.arange(count)[:, None]
+    pos = nisa.tensor_scalar(nisa.iota(c + i_q, dtype=nl.float32), op0=np.add,
+                             operand0=lp[0:count], op1=np.maximum, operand1=0.0,
+                             dtype=nl.float32)
+    within = nl.mod(pos, float(ps), dtype=nl.float32)
+    q_f = nisa.iota(i_q, dtype=nl.float32)
+    # b MB + p // page_size = iota(b MB + q) + ((p - p mod page_size) / page_size - q)
+    block0 = nisa.tensor_tensor(pos, within, op=np.subtract, dtype=nl.float32)
+    block_q = nisa.scalar_tensor_tensor(data=block0, op0=np.multiply, operand0=1.0 / ps,
+                                        op1=np.subtract, operand1=q_f, dtype=nl.int32)
+    entry = nisa.tensor_tensor(nisa.iota(b * MB + i_q, dtype=nl.int32), block_q, op=np.add,
+                               dtype=nl.int32)
+    if skip is not None:
+        entry = nisa.tensor_tensor(entry, skip, op=np.add, dtype=nl.int32)
+    page = nisa.memset((count, 1), num_blocks, dtype=nl.int32, engine=nisa.gpsimd_engine)
+    table_flat = table.reshape((B * MB, 1))
+    nisa.dma_copy(dst=page, src=table_flat[entry[i_q, 0], nl.arange(1)[None, :]],
+                  oob_mode=nisa.oob_mode.skip)
+    # h page_size + p mod page_size = iota(h page_size + q) + (p mod page_size - q)
+    offset = nisa.tensor_tensor(nisa.iota(h * ps + i_q, dtype=nl.int32),
+                                nisa.tensor_tensor(within, q_f, op=np.subtract, dtype=nl.int32),
+                                op=np.add, dtype=nl.int32)
+    rows = nisa.tensor_tensor(page, nisa.memset((count, 1), Hkv * ps, dtype=nl.int32,
+                                                engine=nisa.gpsimd_engine),
+                              op=np.multiply, dtype=nl.int32)
+    return nisa.tensor_tensor(rows, offset, op=np.add, dtype=nl.int32)
+
+
 def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part, bh, slot,
-                  T, R, D, n, row_tile, scale, mm):
+                  T, R, D, n, row_tile, scale, mm, paged=None):
     """Partial (o, lse) over the last positions of one (sequence, kv head), into ``slot``.
 
     Keys: the ``Lp mod n`` committed positions of the last, partial key row (gathered into
@@ -601,21 +710,31 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
     skipped and masked) and the T new tokens (positions ``Lp .. L - 1``), masked causally or by
     ``tree_mask``. One position per partition, so the read is exact at any length. Every row
     sees at least its own token, so this partial is never empty.
+
+    ``paged``: None for a contiguous cache ``(B, Hkv, S_max, D)``, else ``(block_table, b, h)``
+    with page pools ``(num_blocks, Hkv, page_size, D)``: positions are then looked up in the
+    block table (:func:`_paged_tail_rows`).
     """
-    B, Hkv, S_max = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    B, Hkv, S_max = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]  # paged: pool, page
     ns = n - 1                      # slots of the partial key row
     C = ns + T                      # score columns: [partial row | new tokens]
     n_dt = tiles.ceil_div(D, PMAX)
     k_pos = k_cache.reshape((B * Hkv * S_max, D))
     v_pos = v_cache.reshape((B * Hkv * S_max, D))
-    oob = _oob_offset(B * Hkv * S_max)
-    lp_i = nisa.tensor_copy(lp, dtype=nl.int32, engine=nisa.vector_engine)
+    if paged is None:
+        oob = _oob_offset(B * Hkv * S_max)
+        lp_i = nisa.tensor_copy(lp, dtype=nl.int32, engine=nisa.vector_engine)
+    else:
+        oob = _oob_offset(paged[0].shape[0] * paged[0].shape[1])     # past the block table
     i_f = nl.arange(D)[None, :]
 
     # ---- new tokens at Lp + u (all valid) ----
     i_u = nl.arange(T)[:, None]
-    new_idx = nisa.tensor_tensor(nisa.iota(bh * S_max + i_u, dtype=nl.int32), lp_i[0:T],
-                                 op=np.add, dtype=nl.int32)
+    if paged is None:
+        new_idx = nisa.tensor_tensor(nisa.iota(bh * S_max + i_u, dtype=nl.int32), lp_i[0:T],
+                                     op=np.add, dtype=nl.int32)
+    else:
+        new_idx = _paged_tail_rows(paged, k_cache, lp, 0, T, None)
     k_new = nl.ndarray((T, D), dtype=mm, buffer=nl.sbuf)
     v_new = nl.ndarray((T, D), dtype=mm, buffer=nl.sbuf)
     nisa.dma_copy(dst=k_new, src=k_pos[new_idx[i_u, 0], i_f], oob_mode=nisa.oob_mode.skip)
@@ -628,9 +747,12 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
         slot_col = nisa.iota(i_q, dtype=nl.float32)
         before = nisa.tensor_scalar(slot_col, op0=nl.less, operand0=first[0:ns],
                                     op1=np.multiply, operand1=float(oob), dtype=nl.int32)
-        pos = nisa.tensor_tensor(nisa.iota(bh * S_max - ns + i_q, dtype=nl.int32), lp_i[0:ns],
-                                 op=np.add, dtype=nl.int32)
-        part_idx = nisa.tensor_tensor(pos, before, op=np.add, dtype=nl.int32)
+        if paged is None:
+            pos = nisa.tensor_tensor(nisa.iota(bh * S_max - ns + i_q, dtype=nl.int32),
+                                     lp_i[0:ns], op=np.add, dtype=nl.int32)
+            part_idx = nisa.tensor_tensor(pos, before, op=np.add, dtype=nl.int32)
+        else:
+            part_idx = _paged_tail_rows(paged, k_cache, lp, -ns, ns, before)
         k_part = nisa.memset((ns, D), 0, dtype=mm, engine=nisa.gpsimd_engine)
         v_part = nisa.memset((ns, D), 0, dtype=mm, engine=nisa.gpsimd_engine)
         nisa.dma_copy(dst=k_part, src=k_pos[part_idx[i_q, 0], i_f],
@@ -699,8 +821,8 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
 # ============================================================================================
 @nki.jit
 def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_mask=None,
-                              scale=1.0, mm_dtype="bfloat16", key_row=1, split_rows=1,
-                              num_splits=1, row_tile=1, pack=1, num_full=0):
+                              block_table=None, scale=1.0, mm_dtype="bfloat16", key_row=1,
+                              split_rows=1, num_splits=1, row_tile=1, pack=1, num_full=0):
     """Phase 1: one partial (o, lse) per program -- a split of the committed prefix of one
     sequence, or the tail of one sequence -- for one kv head.
 
@@ -708,7 +830,10 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     ----------
     q : (B, Hq, T, D) float32 / bfloat16 / float16, D <= 256, T <= 128
     k_cache, v_cache : (B, Hkv, S_max, D), q's dtype; S_max a multiple of ``key_row``
-    cache_lens : (B,) int32, ``T <= cache_lens[b] <= S_max`` (device data)
+        With ``block_table``: page pools ``(num_blocks, Hkv, page_size, D)``, page_size a power
+        of two and a multiple of ``key_row``.
+    cache_lens : (B,) int32, ``T <= cache_lens[b] <= S_max`` (device data; paged:
+        ``<= max_blocks * page_size``)
     work : (num_full + B, 2) int32 or None
         The split work list (scheduler metadata, ``host.api.decode_work_list``): item
         ``(b, s)`` is split s of sequence b. Items ``0 .. num_full - 1`` are splits whose key
@@ -718,6 +843,11 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         compile-time. None: no sequence has a full key row.
     tree_mask : (T, T) uint8 0/1, or None
         ``tree_mask[t, u] = 1``: new token t sees new token u. None: causal (``u <= t``).
+    block_table : (B, max_blocks) int32, or None
+        Paged cache (device data, may change every step): logical position p of sequence b is
+        offset ``p mod page_size`` of page ``block_table[b, p // page_size]``. Only the entries
+        of blocks holding positions below ``cache_lens[b]`` are read, one per gathered key row
+        (splits) or position (tail); they must lie in ``[0, num_blocks)``.
     scale : float
         Softmax scale (any finite value).
     mm_dtype : "bfloat16" | "float16" | "float32"
@@ -764,17 +894,25 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         len_col = _length_column(cache_lens, b, PMAX)
         lp, rem = _committed_split(len_col, T, n)
         _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part,
-                      b * Hkv + h, num_splits, T, R, D, n, row_tile, scale, mm)
+                      b * Hkv + h, num_splits, T, R, D, n, row_tile, scale, mm,
+                      paged=None if block_table is None else (block_table, b, h))
     else:
         g = _SplitGeometry(D, n, split_rows, pack)
-        rows_bh = S_max // n
         last = w >= num_full       # the sequence's last split: may hold uncommitted rows
         b_i, s_i, valid = _work_item(work, cache_lens if last else None, w, T, n, split_rows)
-        k_rows = k_cache.reshape((B * Hkv * rows_bh, n * D))
-        v_rows = v_cache.reshape((B * Hkv * rows_bh, n * D))
-        row_base = _int_column([(b_i, Hkv * rows_bh), (s_i, split_rows)], g.kv_rows)
-        idx = _split_row_indices(valid, row_base, g, h * rows_bh,
-                                 _oob_offset(B * Hkv * rows_bh))
+        if block_table is None:
+            rows_bh = S_max // n
+            k_rows = k_cache.reshape((B * Hkv * rows_bh, n * D))
+            v_rows = v_cache.reshape((B * Hkv * rows_bh, n * D))
+            row_base = _int_column([(b_i, Hkv * rows_bh), (s_i, split_rows)], g.kv_rows)
+            idx = _split_row_indices(valid, row_base, g, h * rows_bh,
+                                     _oob_offset(B * Hkv * rows_bh))
+        else:
+            num_blocks, ppr = k_cache.shape[0], S_max // n      # S_max is the page size here
+            k_rows = k_cache.reshape((num_blocks * Hkv * ppr, n * D))
+            v_rows = v_cache.reshape((num_blocks * Hkv * ppr, n * D))
+            idx = _paged_split_row_indices(block_table, valid, b_i, s_i, g, h, Hkv, num_blocks,
+                                           ppr)
         kT, v_all = _load_split_kv(k_rows, v_rows, idx, g, mm, zero_fill=last)
         mask_row = _split_mask_row(valid, g) if last else None
         q_base = _int_column([(b_i, Hkv * R)])

@@ -53,6 +53,16 @@ def test_run_decode(capsys):
     assert "the IO lower bound" in text and "HBM-BW util" in text
 
 
+@needs_sim
+def test_run_decode_paged(capsys):
+    args = ["run", "--decode", "--paged", "--page-size", "16", "--batch", "2", "--heads", "4",
+            "--kv-heads", "2", "--tokens", "2", "--seq", "100", "--cache-len", "100,17",
+            "--dim", "32", "--quiet", "--targets", "trn2"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert "paged (page_size 16, 9 pages)" in text and "PASS" in text
+
+
 def test_run_fails_with_status_1_when_the_check_fails(monkeypatch, capsys):
     real = host.flash_attention
 
