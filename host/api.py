@@ -545,22 +545,18 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
 # ============================================================================================
 
 
-def _lengths_tuple(lens):
-    """Validated (B,) lengths as the backward kernel's compile-time tuple of ints (or None)."""
-    return None if lens is None else tuple(int(n) for n in lens)
-
-
 def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, window=None,
                             kv_lens=None, q_lens=None, mixed_precision: bool = True):
     """Validate a backward call and choose its launch: ``(kernel, grid, kernel_kwargs)``.
 
-    The kernel is :func:`nki_kernels.attention.backward.flash_attn_bwd`, called as
-    ``kernel[grid](q, k, v, o, do, lse, **kernel_kwargs)``. ``kernel_kwargs`` holds every
-    option, all compile-time: ``scale``, ``causal``, ``window``, ``mixed_precision`` and the
-    lengths as tuples of ints (``q_lens``/``kv_lens``, None when not given). Without lengths the
-    grid is ``(B, Hkv)``; with lengths it is ``(1, Hkv)`` and each program walks the sequences,
-    so every tile is trimmed to the valid rows and keys at compile time (a new set of lengths is
-    a new compilation on a device). Arguments as in :func:`flash_attention_backward`.
+    The kernel is :func:`nki_kernels.attention.backward.flash_attn_bwd`, the grid ``(B, Hkv)``;
+    ``kernel_kwargs`` holds the compile-time options (``scale``, ``causal``, ``window``,
+    ``mixed_precision``) but not the tensors: call it as
+    ``kernel[grid](q, k, v, o, do, lse, kv_lens=..., q_lens=..., **kernel_kwargs)`` with
+    ``(B,)`` int32 lengths (or None), as the forward. The compiled kernel depends on the shapes,
+    these options and whether each length array is given -- never on the lengths' values.
+    Shared by :func:`flash_attention_backward` and the torch-neuronx path of
+    :mod:`host.torch_ops`. Arguments as in :func:`flash_attention_backward`.
     """
     from nki_kernels.attention.backward import flash_attn_bwd
 
@@ -568,15 +564,12 @@ def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, wi
     scale = _v.check_scale(scale, dims.D)
     causal = _v.normalize_causal(causal)
     window = _v.normalize_window(window)
-    kv_lens = _v.check_lengths("kv_lens", kv_lens, dims.B, dims.Nk, upper_name="Nk")
-    q_lens = _v.check_lengths("q_lens", q_lens, dims.B, dims.Nq, upper_name="Nq")
+    _v.check_lengths("kv_lens", kv_lens, dims.B, dims.Nk, upper_name="Nk")
+    _v.check_lengths("q_lens", q_lens, dims.B, dims.Nq, upper_name="Nq")
     mixed_precision = _check_bool("mixed_precision", mixed_precision)
-    lengths = kv_lens is not None or q_lens is not None
-    grid = (1 if lengths else dims.B, dims.Hkv)
     kwargs = dict(scale=float(scale), causal=causal, window=window,
-                  q_lens=_lengths_tuple(q_lens), kv_lens=_lengths_tuple(kv_lens),
                   mixed_precision=mixed_precision)
-    return flash_attn_bwd, grid, kwargs
+    return flash_attn_bwd, (dims.B, dims.Hkv), kwargs
 
 
 def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, window=None,
@@ -606,7 +599,9 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
     scale, causal, window, kv_lens, q_lens :
         Exactly as passed to the forward (:func:`flash_attention`): ``causal=True`` means
         ``"bottom_right"``; ``window=(left, right)`` with -1 = unbounded; per-sequence valid
-        lengths of a padded batch. Padding rows and keys are never read; their gradients are 0.
+        lengths of a padded batch, passed to the kernel as runtime int32 tensors (one
+        compilation serves every set of lengths). Padding rows and keys are never read; their
+        gradients are 0.
     mixed_precision : bool
         float32 inputs only: matmul operands in bf16 (default) or float32 (4x slower TensorE).
         bf16/fp16 inputs always use their own dtype. Accumulation, D and the dS arithmetic are
@@ -622,10 +617,13 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
     kernel, grid, kwargs = plan_attention_backward(
         do, q, k, v, o, lse, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
         q_lens=q_lens, mixed_precision=mixed_precision)
+    B, Nq, Nk = grid[0], q.shape[2], k.shape[2]
+    kv32 = _lengths_int32(_v.check_lengths("kv_lens", kv_lens, B, Nk, upper_name="Nk"))
+    q32 = _lengths_int32(_v.check_lengths("q_lens", q_lens, B, Nq, upper_name="Nq"))
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
     lse = _numpy("lse", lse)
-    return launch(kernel, grid, q, k, v, o, do, lse, **kwargs)
+    return launch(kernel, grid, q, k, v, o, do, lse, kv_lens=kv32, q_lens=q32, **kwargs)
 
 
 def flash_attention_backward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int,
@@ -633,16 +631,18 @@ def flash_attention_backward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: i
                                        mixed_precision: bool = True, target: str = "trn2"):
     """Exact HBM bytes ``(read, written)`` of :func:`flash_attention_backward`.
 
-    Per sequence b with valid lengths ``nq_b``, ``nk_b`` and ``P_b`` passes over K/V (1 when
-    the ``G * nq_b`` query rows of a kv group fit SBUF, ``tiles.bwd_rows_per_pass``; 0 when
-    ``nq_b = 0``):
+    ``P`` passes over K/V per (sequence, kv head): 1 when the ``G * Nq`` query rows of a kv
+    group fit SBUF (``tiles.bwd_rows_per_pass``), else ``ceil(G ceil(Nq/128) / tiles per
+    pass)`` -- from the padded Nq, the same for every sequence (it is compiled). Per sequence b
+    with valid lengths ``nq_b``, ``nk_b`` (Nq, Nk when not given):
 
     * read: do, q, o of the valid rows (``3 Hq nq_b D`` elements), the float32 lse of the valid
       rows (``4 Hq nq_b`` bytes), k and v of the valid keys once per pass
-      (``2 P_b Hkv nk_b D``);
+      (``2 P Hkv nk_b D``): padding rows and keys are skipped by the kernel's gathers, never
+      read; plus one int32 per (sequence, kv head) program for each length array given;
     * written: dq, dk, dv in full, padding included (``Hq Nq D + 2 Hkv Nk D`` elements);
-    * with ``P_b > 1``, the fp32 dK/dV partial sums (``2 Hkv nk_b D`` floats) are written by
-      passes 1..P-1 and read back by passes 2..P.
+    * with ``P > 1``, the fp32 dK/dV partial sums of every key (``2 Hkv Nk D`` floats) are
+      written by passes 1..P-1 and read back by passes 2..P.
 
     ``itemsize`` is the inputs' element size; the pass count uses the matmul operand size
     (bf16 for float32 with ``mixed_precision``) and ``target``'s SBUF.
@@ -650,14 +650,14 @@ def flash_attention_backward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: i
     G = Hq // Hkv
     op_itemsize = 2 if (itemsize == 2 or mixed_precision) else 4
     rows = tiles.bwd_rows_per_pass(D, op_itemsize, target)
-    tiles_per_pass = max(1, rows // tiles.PMAX)
+    passes = tiles.ceil_div(G * tiles.ceil_div(Nq, tiles.PMAX), max(1, rows // tiles.PMAX))
     q_valid = [Nq] * B if q_lens is None else [int(n) for n in q_lens]
     k_valid = [Nk] * B if kv_lens is None else [int(n) for n in kv_lens]
     read = written = 0
     for nq, nk in zip(q_valid, k_valid):
-        passes = tiles.ceil_div(G * tiles.ceil_div(nq, tiles.PMAX), tiles_per_pass)
         read += itemsize * (3 * Hq * nq * D + passes * 2 * Hkv * nk * D) + 4 * Hq * nq
+        read += 4 * Hkv * ((q_lens is not None) + (kv_lens is not None))
         written += itemsize * (Hq * Nq * D + 2 * Hkv * Nk * D)
-        scratch = max(0, passes - 1) * 2 * Hkv * nk * D * 4
+        scratch = (passes - 1) * 2 * Hkv * Nk * D * 4
         read, written = read + scratch, written + scratch
     return read, written

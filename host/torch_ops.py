@@ -252,8 +252,9 @@ class _XlaKernels:
       tiles), called on the device tensors with ``kv_lens``/``q_lens`` as (B,) int32 device
       tensors (the planner's default SBUF budget is trn1's, a tiling that also fits trn2).
     * backward: likewise from :func:`host.api.plan_attention_backward` (``flash_attn_bwd`` on
-      ``(B, Hkv)``, or ``(1, Hkv)`` walking the batch when lengths are given; the lengths are
-      compile-time tuples there, so each new set of lengths is a new compilation on device).
+      ``(B, Hkv)``), with the same (B,) int32 device length tensors: the compiled kernels depend
+      on shapes and options only, so a new set of lengths (every step of padded training) does
+      not recompile.
     """
 
     @staticmethod
@@ -276,7 +277,9 @@ class _XlaKernels:
         do = do.contiguous()
         kernel, grid, kernel_kwargs = api.plan_attention_backward(do, q, k, v, o, lse,
                                                                   **opts.kwargs())
-        dq, dk, dv = kernel[grid](q, k, v, o, do, lse, **kernel_kwargs)
+        dq, dk, dv = kernel[grid](q, k, v, o, do, lse,
+                                  kv_lens=self._lens(q.device, opts.kv_lens),
+                                  q_lens=self._lens(q.device, opts.q_lens), **kernel_kwargs)
         return dq, dk, dv
 
 

@@ -74,17 +74,28 @@ Layouts (all on chip, from the standard ``(B, H, N, D)`` layout in HBM):
 * S, P, dP, dS are ``[128 query rows, Bk keys]``: the per-row LSE and D are per-partition
   scalars (ScalarE bias, VectorE scalar operand).
 
-Masks. The lengths (``q_lens``, ``kv_lens``) are compile-time tuples: keys past ``kv_len`` and
-queries past ``q_len`` are never loaded or computed (partial tiles are simply narrower), so no
-padded key ever reaches the exponential (seed 001's NaN hazard) and padding costs nothing; the
-price is one compilation per set of lengths on a device (the forward takes them at run time).
-Causal and window masks follow the forward's :class:`masks.MaskSpec` (band, key range, tile
-classes): tiles entirely outside the band are skipped, tiles entirely inside it run unmasked,
-and on the boundary tiles the scaled scores are masked *before* the exp by GpSimd
-``affine_select`` (masked entries become ``fp32.min``, whose exp is 0) -- not by the forward's
-TensorE mask-add, because TensorE is the backward's busiest engine. Rows whose LSE is ``-inf``
-(no visible key) get an exp bias of ``-1e30`` instead of ``+inf``, so their P is exactly 0 and
-they contribute nothing.
+Masks. Causal and window masks follow the forward's :class:`masks.MaskSpec` (band, key range,
+tile classes) of the padded shapes: tiles entirely outside the band are skipped at compile time,
+tiles entirely inside it run unmasked, and on the boundary tiles the scaled scores are masked
+*before* the exp by GpSimd ``affine_select`` (masked entries become ``fp32.min``, whose exp is
+0) -- not by the forward's TensorE mask-add, because TensorE is the backward's busiest engine.
+Rows whose LSE is ``-inf`` (no visible key) get an exp bias of ``-1e30`` instead of ``+inf``,
+so their P is exactly 0 and they contribute nothing.
+
+Lengths. ``kv_lens``/``q_lens`` are runtime ``(B,)`` int32 tensors, as in the forward: the
+compiled kernel depends on shapes and static options only, so padded training does not
+recompile every step (:class:`RuntimeMasks` has the details). Padding is never read -- the
+loads are indirect DMAs that skip rows past the lengths (decode.py's ``oob_mode.skip``
+mechanism) into zero-filled tiles -- so a NaN in padding cannot leak, and a padding query row
+has zero inputs and the no-key exp bias (P = 0, dQ row 0). Keys past ``kv_len`` are masked
+before the exp by the forward's rank-1 TensorE add (``MASK_NEG * 1 (x) key_row``), so their P,
+dS, dK and dV are exactly 0. The bottom_right alignment would move the band with the lengths;
+instead the gathers rotate each sequence so that its valid rows and keys end at Nq and Nk,
+where the band is static again (scatter stores undo the rotation), so static tile skipping
+holds with lengths too. What runtime lengths cannot do is skip work by value: every tile the
+static band allows is computed, padding included -- a padded batch costs its padded shape
+(the lengths only save the HBM reads of padding), and ``kv_lens`` adds one rank-1 matmul per
+score tile (``w`` TensorE cycles per 128 x w scores, +1/5 of the 5 matmul passes at D <= 128).
 
 Precision: matmul operands in the input dtype for bf16/fp16, bf16 for fp32 inputs with
 ``mixed_precision`` (fp32 otherwise); PSUM, D, LSE, the dQ accumulator and the dS arithmetic
@@ -106,6 +117,7 @@ from nki_kernels.tiles import (
     BWD_EXP_BIAS_NO_KEY,
     BWD_LSE_NO_KEY,
     BWD_MASK_FILL,
+    FWD_FOLD_SCALE_RANGE,
     PMAX,
     bwd_key_tile,
     bwd_rows_per_pass,
@@ -117,8 +129,8 @@ from nki_kernels.tiles import (
 
 
 class QTile(NamedTuple):
-    """A tile of ``rows`` valid query rows starting at row ``r0`` of query head ``h``; ``slot``
-    is its place in the resident query-side state of its pass."""
+    """A tile of ``rows`` query rows starting at row ``r0`` of query head ``h`` (of the padded
+    length Nq); ``slot`` is its place in the resident query-side state of its pass."""
 
     h: int
     r0: int
@@ -127,7 +139,7 @@ class QTile(NamedTuple):
 
 
 class KTile(NamedTuple):
-    """Keys ``[c0, c0 + cols)`` (valid keys only), split in blocks of at most 128 keys:
+    """Keys ``[c0, c0 + cols)`` of the padded length Nk, split in blocks of at most 128 keys:
     ``blocks[b] = (offset within the tile, keys)``."""
 
     c0: int
@@ -149,12 +161,14 @@ class Visit(NamedTuple):
     mask_lo: bool
 
 
-def mask_spec(nq: int, nk: int, causal: Optional[str], window) -> M.MaskSpec:
-    """The visibility band of docs/semantics.md for one sequence, as the forward's
-    :class:`masks.MaskSpec` (its ``static_offset`` is the alignment offset of the valid lengths:
-    0 for top_left, ``nk - nq`` otherwise). The lengths are compile-time here, so they enter as
-    the sequence's own ``nq, nk`` and never as runtime masks."""
-    return M.MaskSpec(nq, nk, causal, window)
+def band_spec(Nq: int, Nk: int, causal: Optional[str], window) -> M.MaskSpec:
+    """The visibility band of docs/semantics.md as the forward's :class:`masks.MaskSpec` of the
+    padded shapes, always static: its ``static_offset`` is 0 for top_left and ``Nk - Nq``
+    otherwise. With lengths the kernel makes that true on chip: top_left needs nothing (the
+    valid rows and keys start at 0), and for the length-dependent bottom_right alignment
+    (``off_b = kv_len - q_len``) the gathers rotate each sequence so that its valid rows and
+    keys end at Nq and Nk (:class:`RuntimeMasks`)."""
+    return M.MaskSpec(Nq, Nk, causal, window)
 
 
 def plan_q_tiles(G: int, nq: int, rows_per_pass: int):
@@ -174,7 +188,7 @@ def plan_q_tiles(G: int, nq: int, rows_per_pass: int):
 
 
 def plan_k_tiles(nk: int, key_tile: int):
-    """Key tiles over the valid keys ``[0, nk)``."""
+    """Key tiles over the keys ``[0, nk)``."""
     tiles = []
     for c0 in range(0, nk, key_tile):
         cols = min(key_tile, nk - c0)
@@ -186,7 +200,8 @@ def plan_k_tiles(nk: int, key_tile: int):
 def plan_visit(spec: M.MaskSpec, qt: QTile, kt: KTile) -> Optional[Visit]:
     """Classify a (query tile, key tile) pair with the forward's mask plan: None when no row
     sees any of its keys, else the whole 128-key blocks holding visible keys
-    (``spec.key_range``) and whether the band's edges cut through them (``spec.classify``)."""
+    (``spec.key_range``) and whether the band's edges cut through them (``spec.classify``).
+    ``spec`` is the static band of the padded shapes (:func:`band_spec`)."""
     k_lo, k_hi = spec.key_range(qt.r0, qt.rows)
     lo, hi = max(k_lo, kt.c0), min(k_hi, kt.c0 + kt.cols)
     if lo >= hi:
@@ -207,6 +222,112 @@ def plan_visit(spec: M.MaskSpec, qt: QTile, kt: KTile) -> Optional[Visit]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Runtime lengths: gathers that skip padding, and the masks built from the lengths
+# ---------------------------------------------------------------------------------------------
+
+
+def oob_offset(n_rows: int) -> int:
+    """Added to a row index to push it out of bounds of an ``n_rows``-row HBM view: a power of
+    two (exact in fp32) above ``n_rows + 128``; index + offset must stay below 2^31 (int32)."""
+    off = 1 << int(n_rows + PMAX).bit_length()
+    if off >= 1 << 31:
+        raise ValueError(f"flash_attn_bwd with lengths addresses at most 2^30 - 128 rows per "
+                         f"tensor (int32 gather indices); got {n_rows}")
+    return off
+
+
+class RuntimeMasks:
+    """What the runtime ``kv_lens``/``q_lens`` of this program's sequence b mean on chip
+    (built once per program; every tile shape stays a compile-time constant).
+
+    * ``lens_p`` fp32 ``[128, 2]`` = (kv_len, q_len) on every partition, ``kv_len_1`` fp32
+      ``[1, 1]`` on partition 0 (``masks.load_lengths``; a missing length is Nk or Nq).
+    * **Padding never enters SBUF.** Rows of q, do, o, lse past q_len and rows of k, v past
+      kv_len are skipped by indirect DMAs (:meth:`row_map`, index pushed out of bounds,
+      ``oob_mode.skip``: decode.py's mechanism) and keep the zeros (lse: ``-inf``) their tiles
+      were filled with. A padding query row thus has q = do = o = 0, D = 0 and the no-key exp
+      bias (P = 0 exactly): it contributes nothing and its dQ row comes out 0. A padding key
+      has k = v = 0, finite whatever HBM holds there.
+    * **Keys past kv_len are masked before the exp** like the forward's: ``MASK_NEG * 1 (x)
+      key_row`` (``masks.neg_row``, ``masks.key_length_row``) accumulated into S in PSUM by a
+      rank-1 TensorE matmul, so their P and dS are exactly 0, and so are their dK, dV rows.
+    * **The band stays static.** bottom_right alignment (and a window without causal) with
+      lengths puts the diagonal at ``j - i = kv_len - q_len + hi``: runtime data. The gathers
+      then *rotate* the sequence (``rotate_q``/``rotate_k``): SBUF row i' holds HBM row
+      ``(i' + q_len) mod Nq`` and key j' HBM key ``(j' + kv_len) mod Nk``, so the valid rows
+      and keys end at Nq and Nk, ``j' - i' = j - i + Nk - Nq - (kv_len - q_len)``, and the
+      band is the static bottom_right band of the padded shapes (:func:`band_spec`): static
+      tile skipping and boundary masks as without lengths. Padding is then at the start
+      (rows ``i' < Nq - q_len`` skipped by the loads, keys ``j' < Nk - kv_len`` masked), and
+      the stores scatter dQ, dK, dV back through the same bijection, zero rows included.
+    """
+
+    def __init__(self, spec: M.MaskSpec, kv_lens, q_lens, b, Nq: int, Nk: int):
+        raw, self.lens_p = M.load_lengths(kv_lens, q_lens, b, Nk, Nq)
+        self.kv_len_p = self.lens_p[:, 0:1]
+        self.q_len_p = self.lens_p[:, 1:2]
+        self.has_q, self.has_k = q_lens is not None, kv_lens is not None
+        rotate = spec.has_diag and not spec.top_left
+        self.rotate_q, self.rotate_k = rotate and self.has_q, rotate and self.has_k
+        self.Nq, self.Nk = Nq, Nk
+        self.neg_row = self.key_start = None
+        if self.has_k:
+            self.neg_row = M.neg_row(PMAX)
+            # the key row compares with kv_len, or with the first valid key Nk - kv_len
+            self.key_start = (nisa.tensor_scalar(raw[0:1, 0:1], np.subtract, float(Nk),
+                                                 reverse0=True, dtype=nl.float32)
+                              if self.rotate_k else raw[0:1, 0:1])
+
+    def key_row(self, kt: "KTile"):
+        """bf16 ``[1, cols]``: 1.0 at the tile's padding keys (None without kv_lens)."""
+        if self.neg_row is None:
+            return None
+        return M.key_length_row(self.key_start, kt.c0, kt.cols, below=self.rotate_k)
+
+    def row_map(self, first_row, n_rows: int, i0: int, n: int, keys: bool):
+        """Indices of positions ``i0 .. i0 + n - 1`` of the SBUF frame (query rows, or keys when
+        ``keys``) into an ``(n_rows, D)`` HBM view whose row ``first_row`` holds position
+        ``i0`` of this sequence and head (``first_row`` may contain ``program_id``):
+        ``(load, store)`` int32 ``[n, 1]`` tiles. ``load`` is pushed out of bounds for padding
+        positions, which ``oob_mode.skip`` DMAs then never read; ``store`` is None without
+        rotation (a plain store writes the tile in place), else the rotation's HBM row of every
+        position, padding included."""
+        length_p = self.kv_len_p if keys else self.q_len_p
+        rotate = self.rotate_k if keys else self.rotate_q
+        N = self.Nk if keys else self.Nq
+        ip = nl.arange(n)[:, None]
+        rows = nisa.iota(first_row + ip, dtype=nl.int32)
+        pos = nisa.iota(i0 + ip, dtype=nl.float32)
+        store = None
+        if not rotate:
+            valid = nisa.tensor_scalar(pos, nl.less, length_p[0:n, :], dtype=nl.float32)
+        else:
+            # valid iff i0 + p + len >= N, at HBM position i0 + p + len - N; a padding
+            # position goes to i0 + p + len (the rotation by len, mod N: both in range)
+            valid = nisa.tensor_scalar(pos, np.add, length_p[0:n, :], op1=nl.greater_equal,
+                                       operand1=float(N), dtype=nl.float32)
+            shift = nisa.tensor_scalar(valid, np.multiply, -float(N), op1=np.add,
+                                       operand1=length_p[0:n, :], dtype=nl.int32)
+            rows = store = nisa.tensor_tensor(rows, shift, np.add, dtype=nl.int32)
+        beyond = nisa.tensor_scalar(valid, np.subtract, 1.0, op1=np.multiply,
+                                    operand1=-float(oob_offset(n_rows)), dtype=nl.int32)
+        return nisa.tensor_tensor(rows, beyond, np.add, dtype=nl.int32), store
+
+
+def gather_rows(dst, rows_view, idx, n: int, width: int):
+    """``dst[p, :] = rows_view[idx[p], :]`` for ``p < n``, skipping out-of-bounds indices (dst
+    keeps what it held: the caller fills it first)."""
+    nisa.dma_copy(dst=dst, src=rows_view[idx[nl.arange(n)[:, None], 0], nl.arange(width)[None, :]],
+                  oob_mode=nisa.oob_mode.skip)
+
+
+def scatter_rows(rows_view, idx, src, n: int, width: int):
+    """``rows_view[idx[p], :] = src[p, :]`` for ``p < n`` (every index in bounds)."""
+    nisa.dma_copy(dst=rows_view[idx[nl.arange(n)[:, None], 0], nl.arange(width)[None, :]],
+                  src=src)
+
+
+# ---------------------------------------------------------------------------------------------
 # Phase 1: query-side state of a pass (Q, Q^T, dO, dO^T, D = rowsum(dO * O), exp bias)
 # ---------------------------------------------------------------------------------------------
 
@@ -220,14 +341,14 @@ def _accumulate(psum, first, product):
         psum[...] += product
 
 
-def _transpose_into(dst, src, tp_dtype, engine="scalar"):
-    """``dst[D, rows] = src[rows, D]^T`` through a TensorE transpose and a PSUM -> SBUF copy on
-    ScalarE (default) or VectorE."""
+def _transpose_into(dst, src, tp_dtype, engine="scalar", scale=1.0):
+    """``dst[D, rows] = scale * src[rows, D]^T`` through a TensorE transpose and a PSUM -> SBUF
+    copy on ScalarE (default; it applies ``scale``) or VectorE."""
     rows, cols = src.shape
     t_psum = nl.ndarray((cols, rows), dtype=tp_dtype, buffer=nl.psum)
     t_psum[...] = nisa.nc_transpose(src)
     if engine == "scalar":
-        dst[...] = nisa.activation(nl.copy, t_psum, dtype=dst.dtype)
+        dst[...] = nisa.activation(nl.copy, t_psum, scale=scale, dtype=dst.dtype)
     else:
         dst[...] = nisa.tensor_copy(t_psum, dtype=dst.dtype)
 
@@ -241,25 +362,53 @@ def _blocks_view(t, rows, nblocks):
     return t[ip, ib * PMAX + ik]
 
 
-def load_query_side(q, do, o, lse, b, h0, qtiles, d_chunks, q_nat, q_T, do_nat, do_T,
-                    neg_delta, exp_bias, op_dtype, tp_dtype):
+def _load_query_rows(cfg, rt, q, do, o, lse, b, hh, r0, rows, q_dst):
+    """do, o ``[rows, D]`` (input dtype) and lse ``[rows, 1]`` of rows ``r0 ..`` of head hh, and
+    q into ``q_dst`` (operand dtype); returns ``(do, o, lse, store index or None)``. With
+    ``q_lens`` they are gathered (:meth:`RuntimeMasks.row_map`): padding rows are never read and
+    stay 0 (lse: -inf)."""
+    D = cfg.D
+    if rt is None or not rt.has_q:
+        rsl = nl.ds(r0, rows)
+        q_dst[...] = nl.load(q[b, hh, rsl, :], dtype=cfg.op_dtype)
+        return (nl.load(do[b, hh, rsl, :]), nl.load(o[b, hh, rsl, :]),
+                nl.load(lse[b, hh, rsl]), None)
+    B, Hq, Nq, _ = q.shape
+    n_rows = B * Hq * Nq
+    idx, store = rt.row_map((b * Hq + hh) * Nq + r0, n_rows, r0, rows, keys=False)
+    do_in = nisa.memset((rows, D), 0.0, dtype=do.dtype, engine=nisa.gpsimd_engine)
+    gather_rows(do_in, do.reshape((n_rows, D)), idx, rows, D)
+    o_in = nisa.memset((rows, D), 0.0, dtype=o.dtype, engine=nisa.gpsimd_engine)
+    gather_rows(o_in, o.reshape((n_rows, D)), idx, rows, D)
+    q_dst[...] = nisa.memset((rows, D), 0.0, dtype=cfg.op_dtype, engine=nisa.gpsimd_engine)
+    gather_rows(q_dst, q.reshape((n_rows, D)), idx, rows, D)
+    lse_t = nisa.memset((rows, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
+    gather_rows(lse_t, lse.reshape((n_rows, 1)), idx, rows, 1)
+    return do_in, o_in, lse_t, store
+
+
+def load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, do_T,
+                    neg_delta, exp_bias, q_store):
     """Load every query tile of a pass and derive what the inner loop needs.
 
     Per tile (rows r0 .. r0 + rows - 1 of query head h0 + h):
 
     * ``q_nat``, ``do_nat`` ``[rows, D]`` in the operand dtype, and their transposes
-      ``q_T``, ``do_T`` ``[D chunk, rows]``;
+      ``q_T`` (times ``cfg.q_scale``), ``do_T`` ``[D chunk, rows]``;
     * ``neg_delta = -D = -rowsum(dO * O)`` in fp32 (from the loaded values, before any
       rounding; negated because it is used as the ScalarE bias of ``dP - D``);
     * ``exp_bias = -LSE``, or ``BWD_EXP_BIAS_NO_KEY`` where LSE = -inf (a row with no visible
-      key), computed as ``m * BIAS_NO_KEY - max(LSE, LSE_NO_KEY)`` with ``m = [LSE < LSE_NO_KEY]``
-      so every intermediate is finite.
+      key, or a padding row past q_len), computed as ``m * BIAS_NO_KEY - max(LSE, LSE_NO_KEY)``
+      with ``m = [LSE < LSE_NO_KEY]`` so every intermediate is finite;
+    * with rotated rows, ``q_store[:, slot]``: the HBM row of each row (for the dQ scatter).
     """
+    op_dtype, tp_dtype = cfg.op_dtype, cfg.tp_dtype
     for qt in qtiles:
         hh, r0, rows, s = h0 + qt.h, qt.r0, qt.rows, qt.slot
-        rsl = nl.ds(r0, rows)
-        do_in = nl.load(do[b, hh, rsl, :])
-        o_in = nl.load(o[b, hh, rsl, :])
+        do_in, o_in, lse_t, store = _load_query_rows(cfg, rt, q, do, o, lse, b, hh, r0, rows,
+                                                     q_nat[0:rows, s, :])
+        if q_store is not None:
+            q_store[0:rows, s:s + 1] = nisa.tensor_copy(store, engine=nisa.gpsimd_engine)
         prod = nisa.tensor_tensor(do_in, o_in, np.multiply, dtype=nl.float32)
         neg_delta[0:rows, s:s + 1] = nisa.tensor_reduce(np.add, prod, axis=(1,), negate=True,
                                                         dtype=nl.float32, keepdims=True)
@@ -267,18 +416,17 @@ def load_query_side(q, do, o, lse, b, h0, qtiles, d_chunks, q_nat, q_T, do_nat, 
             do_nat[0:rows, s, :] = do_in
         else:
             do_nat[0:rows, s, :] = nisa.tensor_copy(do_in, dtype=op_dtype)
-        q_nat[0:rows, s, :] = nl.load(q[b, hh, rsl, :], dtype=op_dtype)
 
-        lse_t = nl.load(lse[b, hh, rsl])
         lse_floor = nisa.tensor_scalar(lse_t, np.maximum, BWD_LSE_NO_KEY, dtype=nl.float32)
         no_key = nisa.tensor_scalar(lse_t, np.less, BWD_LSE_NO_KEY, dtype=nl.float32)
         exp_bias[0:rows, s:s + 1] = nisa.scalar_tensor_tensor(
             data=no_key, op0=np.multiply, operand0=BWD_EXP_BIAS_NO_KEY,
             op1=np.subtract, operand1=lse_floor, dtype=nl.float32)
 
-        for c, (d0, dsz) in enumerate(d_chunks):
+        for c, (d0, dsz) in enumerate(cfg.d_chunks):
             cols = nl.ds(s * PMAX, rows)
-            _transpose_into(q_T[0:dsz, c, cols], q_nat[0:rows, s, d0:d0 + dsz], tp_dtype)
+            _transpose_into(q_T[0:dsz, c, cols], q_nat[0:rows, s, d0:d0 + dsz], tp_dtype,
+                            scale=cfg.q_scale)
             _transpose_into(do_T[0:dsz, c, cols], do_nat[0:rows, s, d0:d0 + dsz], tp_dtype)
 
 
@@ -287,14 +435,33 @@ def load_query_side(q, do, o, lse, b, h0, qtiles, d_chunks, q_nat, q_T, do_nat, 
 # ---------------------------------------------------------------------------------------------
 
 
-def load_kv_tile(k, v, b, g, kt, d_chunks, k_nat, k_T, v_T, op_dtype, tp_dtype):
+def load_kv_tile(cfg, rt, k, v, b, g, kt, k_nat, k_T, v_T, k_store):
     """Keys ``kt.c0 ..`` of kv head g: ``k_nat[keys, blk, D]``, ``k_T[D chunk, c, keys]``,
-    ``v_T[D chunk, c, keys]`` (V itself is only needed transposed)."""
+    ``v_T[D chunk, c, keys]`` (V itself is only needed transposed). With ``kv_lens`` the keys
+    are gathered (:meth:`RuntimeMasks.row_map`): padding keys are never read and stay 0; with
+    rotated keys ``k_store[:, blk]`` gets each key's HBM row (for the dK/dV scatter)."""
+    op_dtype, tp_dtype, D = cfg.op_dtype, cfg.tp_dtype, cfg.D
+    gathered = rt is not None and rt.has_k
+    if gathered:
+        B, Hkv, Nk, _ = k.shape
+        n_rows = B * Hkv * Nk
+        k_rows, v_rows = k.reshape((n_rows, D)), v.reshape((n_rows, D))
     for bi, (off, n) in enumerate(kt.blocks):
-        ksl = nl.ds(kt.c0 + off, n)
-        k_nat[0:n, bi, :] = nl.load(k[b, g, ksl, :], dtype=op_dtype)
-        v_in = nl.load(v[b, g, ksl, :], dtype=op_dtype)
-        for c, (d0, dsz) in enumerate(d_chunks):
+        if gathered:
+            j0 = kt.c0 + off
+            idx, store = rt.row_map((b * Hkv + g) * Nk + j0, n_rows, j0, n, keys=True)
+            if k_store is not None:
+                k_store[0:n, bi:bi + 1] = nisa.tensor_copy(store, engine=nisa.gpsimd_engine)
+            k_nat[0:n, bi, :] = nisa.memset((n, D), 0.0, dtype=op_dtype,
+                                            engine=nisa.gpsimd_engine)
+            gather_rows(k_nat[0:n, bi, :], k_rows, idx, n, D)
+            v_in = nisa.memset((n, D), 0.0, dtype=op_dtype, engine=nisa.gpsimd_engine)
+            gather_rows(v_in, v_rows, idx, n, D)
+        else:
+            ksl = nl.ds(kt.c0 + off, n)
+            k_nat[0:n, bi, :] = nl.load(k[b, g, ksl, :], dtype=op_dtype)
+            v_in = nl.load(v[b, g, ksl, :], dtype=op_dtype)
+        for c, (d0, dsz) in enumerate(cfg.d_chunks):
             _transpose_into(k_T[0:dsz, c, nl.ds(off, n)], k_nat[0:n, bi, d0:d0 + dsz], tp_dtype)
             _transpose_into(v_T[0:dsz, c, nl.ds(off, n)], v_in[0:n, d0:d0 + dsz], tp_dtype)
 
@@ -304,23 +471,27 @@ def load_kv_tile(k, v, b, g, kt, d_chunks, k_nat, k_T, v_T, op_dtype, tp_dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-def recompute_p(vis, kt, spec, scale, d_chunks, q_T, k_T, exp_bias, op_dtype):
+def recompute_p(cfg, spec, rt, vis, kt, key_row, q_T, k_T, exp_bias):
     """``P = exp(scale * Q K^T - LSE)`` for the visit's rows and keys, ``[rows, w]`` in the
-    operand dtype. Masked keys get ``fp32.min`` before the exp (P = 0 exactly)."""
+    operand dtype. Masked keys get ``fp32.min`` (band edges, GpSimd) or ``MASK_NEG`` (keys past
+    kv_len, TensorE) before the exp: P = 0 exactly."""
     qt = vis.qt
     rows, s, w = qt.rows, qt.slot, vis.w
     s_psum = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.psum)
-    for c, (d0, dsz) in enumerate(d_chunks):
+    for c, (d0, dsz) in enumerate(cfg.d_chunks):
         _accumulate(s_psum, c == 0, nisa.nc_matmul(q_T[0:dsz, c, nl.ds(s * PMAX, rows)],
                                                    k_T[0:dsz, c, nl.ds(vis.a, w)]))
+    if key_row is not None:
+        s_psum[...] += nisa.nc_matmul(rt.neg_row[0:1, 0:rows], key_row[0:1, nl.ds(vis.a, w)])
     bias = exp_bias[0:rows, s:s + 1]
     if not (vis.mask_hi or vis.mask_lo):
-        return nisa.activation(np.exp, s_psum, bias=bias, scale=scale, dtype=op_dtype)
+        return nisa.activation(np.exp, s_psum, bias=bias, scale=cfg.exp_scale,
+                               dtype=cfg.op_dtype)
 
     # Row i = qt.r0 + iq, key j = kt.c0 + vis.a + ik; keep i + off + lo <= j <= i + off + hi.
     # GpSimd selects on the diagonal tiles only: TensorE, where the forward adds its masks, is
     # the backward's busiest engine.
-    scores = nisa.activation(nl.copy, s_psum, scale=scale, dtype=nl.float32)
+    scores = nisa.activation(nl.copy, s_psum, scale=cfg.exp_scale, dtype=nl.float32)
     iq, ik = nl.mgrid[0:rows, 0:w]
     row = qt.r0 + iq
     key = kt.c0 + vis.a + ik
@@ -331,7 +502,7 @@ def recompute_p(vis, kt, spec, scale, d_chunks, q_T, k_T, exp_bias, op_dtype):
     if vis.mask_lo:
         scores = nisa.affine_select(key >= row + (off + spec.lo), scores, BWD_MASK_FILL,
                                     dtype=nl.float32)
-    return nisa.activation(np.exp, scores, bias=bias, scale=1.0, dtype=op_dtype)
+    return nisa.activation(np.exp, scores, bias=bias, scale=1.0, dtype=cfg.op_dtype)
 
 
 def softmax_backward(vis, d_chunks, do_T, v_T, neg_delta, p, op_dtype):
@@ -396,35 +567,51 @@ def accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype, ds_transpose,
 # ---------------------------------------------------------------------------------------------
 
 
-def write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, scale, out_dtype, scratch, first, last):
-    """Store ``dK_j = scale * dK_psum`` and ``dV_j = dV_psum`` for the valid keys of tile kt.
+def store_rows(out, b, head, i0, n, tile, store, col):
+    """``out[b, head, i0 : i0 + n, :] = tile``; with ``store`` (int32 ``[128, k]`` of flat rows,
+    column ``col``), scattered to those rows of out's ``(B H N, D)`` view instead."""
+    if store is None:
+        nl.store(out[b, head, nl.ds(i0, n), :], value=tile)
+        return
+    B, H, N, D = out.shape
+    rows = out.reshape((B * H * N, D))
+    nisa.dma_copy(dst=rows[store[nl.arange(n)[:, None], col], nl.arange(D)[None, :]], src=tile)
 
-    With several passes the partial sums go through fp32 ``scratch = (dk_acc, dv_acc)`` in HBM:
-    the first pass writes them, later passes add theirs, the last one writes the outputs."""
+
+def write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, scale, out_dtype, scratch, first, last,
+                k_store):
+    """Store ``dK_j = scale * dK_psum`` and ``dV_j = dV_psum`` for the keys of tile kt (to the
+    HBM rows ``k_store`` when the keys are rotated).
+
+    With several passes the partial sums go through fp32 ``scratch = (dk_acc, dv_acc)`` in HBM
+    (in the kernel's key order): the first pass writes them, later passes add theirs, the last
+    one writes the outputs."""
     for bi, (off, n) in enumerate(kt.blocks):
         ksl = nl.ds(kt.c0 + off, n)
         acc = nl.ds(bi * D, D)
         for out, psum, factor, part in ((dk, dk_psum, scale, 0), (dv, dv_psum, 1.0, 1)):
             if first and last:
                 tile = nisa.activation(nl.copy, psum[0:n, acc], scale=factor, dtype=out_dtype)
-                nl.store(out[b, g, ksl, :], value=tile)
+                store_rows(out, b, g, kt.c0 + off, n, tile, k_store, bi)
                 continue
             total = nisa.activation(nl.copy, psum[0:n, acc], scale=factor, dtype=nl.float32)
             if not first:
                 prev = nl.load(scratch[part][ksl, :])
                 total = nisa.tensor_tensor(total, prev, np.add, dtype=nl.float32)
             if last:
-                nl.store(out[b, g, ksl, :], value=nisa.tensor_copy(total, dtype=out_dtype))
+                store_rows(out, b, g, kt.c0 + off, n, nisa.tensor_copy(total, dtype=out_dtype),
+                           k_store, bi)
             else:
                 nl.store(scratch[part][ksl, :], value=total)
 
 
-def write_dq(dq, b, h0, qtiles, dq_acc, scale, out_dtype):
-    """Store ``dQ_i = scale * dq_acc_i`` for every query tile of a pass."""
+def write_dq(dq, b, h0, qtiles, dq_acc, scale, out_dtype, q_store):
+    """Store ``dQ_i = scale * dq_acc_i`` for every query tile of a pass (to the HBM rows
+    ``q_store`` when the rows are rotated)."""
     for qt in qtiles:
         tile = nisa.activation(nl.copy, dq_acc[0:qt.rows, qt.slot, :], scale=scale,
                                dtype=out_dtype)
-        nl.store(dq[b, h0 + qt.h, nl.ds(qt.r0, qt.rows), :], value=tile)
+        store_rows(dq, b, h0 + qt.h, qt.r0, qt.rows, tile, q_store, qt.slot)
 
 
 def zero_dq_scratch(dq_scratch, qtiles, D):
@@ -442,20 +629,12 @@ def accumulate_dq_in_hbm(dq_scratch, qt, dq_psum):
              value=nisa.tensor_tensor(prev, dq_psum, np.add, dtype=nl.float32))
 
 
-def write_dq_from_scratch(dq, b, h0, qtiles, dq_scratch, scale, out_dtype):
+def write_dq_from_scratch(dq, b, h0, qtiles, dq_scratch, scale, out_dtype, q_store):
     """Store ``dQ_i = scale * dq_acc_i`` from the HBM scratch."""
     for qt in qtiles:
-        rsl = nl.ds(qt.r0, qt.rows)
-        acc = nl.load(dq_scratch[qt.h, rsl, :])
+        acc = nl.load(dq_scratch[qt.h, nl.ds(qt.r0, qt.rows), :])
         tile = nisa.activation(nl.copy, acc, scale=scale, dtype=out_dtype)
-        nl.store(dq[b, h0 + qt.h, rsl, :], value=tile)
-
-
-def write_zero_rows(out, b, head, r0, r1, D, out_dtype):
-    """Rows ``[r0, r1)`` of ``out[b, head]`` are zero (padding past q_len / kv_len)."""
-    for z0 in range(r0, r1, PMAX):
-        n = min(PMAX, r1 - z0)
-        nl.store(out[b, head, nl.ds(z0, n), :], value=nl.zeros((n, D), dtype=out_dtype))
+        store_rows(dq, b, h0 + qt.h, qt.r0, qt.rows, tile, q_store, qt.slot)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,11 +643,11 @@ def write_zero_rows(out, b, head, r0, r1, D, out_dtype):
 
 
 class _Config(NamedTuple):
-    """Compile-time choices shared by every sequence of a launch."""
+    """Compile-time choices of a launch."""
 
     scale: float
-    causal: Optional[str]
-    window: Optional[Tuple[int, int]]
+    exp_scale: float
+    q_scale: float
     G: int
     D: int
     d_chunks: Tuple[Tuple[int, int], ...]
@@ -483,18 +662,17 @@ class _Config(NamedTuple):
     grads: Tuple[str, ...]
 
 
-def backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, scratch,
-                          dq_scratch):
-    """All gradients of kv head g of sequence b (valid lengths nq, nk): passes over the query
-    tiles of the group, each streaming K/V once (see the module docstring)."""
+def backward_program(cfg, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scratch,
+                     dq_scratch):
+    """All gradients of kv head g of sequence b: passes over the query tiles of the group,
+    each streaming K/V once (see the module docstring)."""
     G, D, d_chunks = cfg.G, cfg.D, cfg.d_chunks
-    op_dtype, tp_dtype = cfg.op_dtype, cfg.tp_dtype
+    op_dtype = cfg.op_dtype
     n_dc, d_part = len(d_chunks), min(D, PMAX)
     n_kblk = cfg.key_tile // PMAX
     Nq, Nk = q.shape[2], k.shape[2]
-    spec = mask_spec(nq, nk, cfg.causal, cfg.window)
-    passes = plan_q_tiles(G, nq, cfg.rows_per_pass)
-    ktiles = plan_k_tiles(nk, cfg.key_tile)
+    passes = plan_q_tiles(G, Nq, cfg.rows_per_pass)
+    ktiles = plan_k_tiles(Nk, cfg.key_tile)
     h0 = g * G
 
     for p_idx, qtiles in enumerate(passes):
@@ -505,8 +683,10 @@ def backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, sc
         do_T = nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
         neg_delta = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
         exp_bias = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
-        load_query_side(q, do, o, lse, b, h0, qtiles, d_chunks, q_nat, q_T, do_nat, do_T,
-                        neg_delta, exp_bias, op_dtype, tp_dtype)
+        q_store = (nl.ndarray((PMAX, n_slots), dtype=nl.int32, buffer=nl.sbuf)
+                   if rt is not None and rt.rotate_q else None)
+        load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, do_T,
+                        neg_delta, exp_bias, q_store)
         if cfg.dq_accumulate == "sbuf":
             dq_acc = nl.zeros((PMAX, n_slots, D), dtype=nl.float32, buffer=nl.sbuf)
         else:
@@ -516,7 +696,10 @@ def backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, sc
             k_nat = nl.ndarray((PMAX, n_kblk, D), dtype=op_dtype, buffer=nl.sbuf)
             k_T = nl.ndarray((d_part, n_dc, cfg.key_tile), dtype=op_dtype, buffer=nl.sbuf)
             v_T = nl.ndarray((d_part, n_dc, cfg.key_tile), dtype=op_dtype, buffer=nl.sbuf)
-            load_kv_tile(k, v, b, g, kt, d_chunks, k_nat, k_T, v_T, op_dtype, tp_dtype)
+            k_store = (nl.ndarray((PMAX, n_kblk), dtype=nl.int32, buffer=nl.sbuf)
+                       if rt is not None and rt.rotate_k else None)
+            load_kv_tile(cfg, rt, k, v, b, g, kt, k_nat, k_T, v_T, k_store)
+            key_row = rt.key_row(kt) if rt is not None else None
             dk_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
             dv_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
 
@@ -524,15 +707,14 @@ def backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, sc
                 vis = plan_visit(spec, qt, kt)
                 if vis is None:
                     continue
-                p = recompute_p(vis, kt, spec, cfg.scale, d_chunks, q_T, k_T, exp_bias,
-                                op_dtype)
+                p = recompute_p(cfg, spec, rt, vis, kt, key_row, q_T, k_T, exp_bias)
                 ds = softmax_backward(vis, d_chunks, do_T, v_T, neg_delta, p, op_dtype)
                 if "dk" in cfg.grads:
                     accumulate_dv_dk(vis, kt, p, ds, q_nat, do_nat, dv_psum, dk_psum, D)
                 if "dq" not in cfg.grads:
                     continue
                 dq_psum = nl.ndarray((qt.rows, D), dtype=nl.float32, buffer=nl.psum)
-                accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype,
+                accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, cfg.tp_dtype,
                               cfg.ds_transpose, cfg.act_evac_blocks)
                 if cfg.dq_accumulate == "sbuf":
                     dq_acc[0:qt.rows, qt.slot, :] = nisa.tensor_tensor(
@@ -542,47 +724,38 @@ def backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, sc
 
             if "dk" in cfg.grads:
                 write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, cfg.scale, cfg.out_dtype,
-                            scratch, first=(p_idx == 0), last=(p_idx == len(passes) - 1))
+                            scratch, first=(p_idx == 0), last=(p_idx == len(passes) - 1),
+                            k_store=k_store)
 
         if "dq" not in cfg.grads:
             pass
         elif cfg.dq_accumulate == "sbuf":
-            write_dq(dq, b, h0, qtiles, dq_acc, cfg.scale, cfg.out_dtype)
+            write_dq(dq, b, h0, qtiles, dq_acc, cfg.scale, cfg.out_dtype, q_store)
         else:
-            write_dq_from_scratch(dq, b, h0, qtiles, dq_scratch, cfg.scale, cfg.out_dtype)
-
-    # Padding rows: queries past q_len and keys past kv_len have zero gradients (all keys when
-    # no query row is valid: then no pass ran).
-    if "dq" in cfg.grads:
-        for h in range(G):
-            write_zero_rows(dq, b, h0 + h, nq, Nq, D, cfg.out_dtype)
-    if "dk" in cfg.grads:
-        k_zero_from = nk if passes else 0
-        write_zero_rows(dk, b, g, k_zero_from, Nk, D, cfg.out_dtype)
-        write_zero_rows(dv, b, g, k_zero_from, Nk, D, cfg.out_dtype)
+            write_dq_from_scratch(dq, b, h0, qtiles, dq_scratch, cfg.scale, cfg.out_dtype,
+                                  q_store)
 
 
 @nki.jit
-def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_lens=None,
-                   kv_lens=None, mixed_precision=True, rows_per_pass=None, key_tile=None,
+def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, *, scale=1.0, causal=None,
+                   window=None, mixed_precision=True, rows_per_pass=None, key_tile=None,
                    dq_accumulate="sbuf", ds_transpose=None, act_evac_blocks=None,
                    grads=("dq", "dk", "dv")):
-    """Flash attention backward; one program per kv head (and per sequence without lengths).
+    """Flash attention backward; one program per (sequence, kv head): grid ``[B, Hkv]``.
 
     Parameters
     ----------
     q, o, do : HBM (B, Hq, Nq, D), one float dtype (fp32, bf16 or fp16)
     k, v : HBM (B, Hkv, Nk, D), same dtype; ``Hq % Hkv == 0``, ``1 <= D <= 256``
     lse : HBM (B, Hq, Nq) float32, natural log, ``-inf`` for rows without a visible key
+    kv_lens, q_lens : HBM (B,) int32, or None (runtime tensors, like the forward's)
+        Valid lengths per sequence (None = all Nk / Nq), values in [0, Nk] / [0, Nq]. The
+        compiled kernel depends only on whether each is given, never on its values: padding
+        rows and keys are skipped by the loads and masked on chip (:class:`RuntimeMasks`), and
+        their gradients come out as zeros.
     scale : float (compile-time)
     causal : None, "top_left" or "bottom_right" (compile-time)
     window : None or (left, right) ints, -1 = unbounded (compile-time)
-    q_lens, kv_lens : tuple of B ints, or None (compile-time)
-        Valid lengths per sequence (None = all Nq / Nk). Without them the grid is
-        ``[B, Hkv]`` (sequence ``program_id(0)``); with them it is ``[1, Hkv]`` and each
-        program walks the B sequences in turn, so every tile shape is a compile-time constant:
-        padding rows and keys are never loaded, computed or masked (their gradients are
-        written as zeros).
     mixed_precision : bool
         fp32 inputs: bf16 matmul operands (True) or fp32 (False).
     rows_per_pass : int, optional
@@ -631,9 +804,16 @@ def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_l
     if rows_per_pass is None:
         rows_per_pass = bwd_rows_per_pass(D, op_itemsize, target,
                                           dq_on_chip=(dq_accumulate == "sbuf"))
+    spec = band_spec(Nq, Nk, causal, window)
+    # Runtime masks add MASK_NEG to the raw scores on TensorE, and the exp scales them: for
+    # scale >= FWD_FOLD_SCALE_RANGE[0] a masked score becomes <= -2^76 (or -inf: there is no
+    # running max here to overflow), whose exp is 0. Smaller scales (tiny, zero, negative) go
+    # into Q^T as it leaves PSUM instead, as in the forward.
+    scale = float(scale)
+    fold = kv_lens is None or scale >= FWD_FOLD_SCALE_RANGE[0]
     cfg = _Config(
-        scale=scale, causal=causal, window=window, G=Hq // Hkv, D=D,
-        d_chunks=tuple((d0, min(PMAX, D - d0)) for d0 in range(0, D, PMAX)),
+        scale=scale, exp_scale=scale if fold else 1.0, q_scale=1.0 if fold else scale,
+        G=Hq // Hkv, D=D, d_chunks=tuple((d0, min(PMAX, D - d0)) for d0 in range(0, D, PMAX)),
         key_tile=bwd_key_tile(D) if key_tile is None else key_tile,
         rows_per_pass=rows_per_pass, op_dtype=op_dtype,
         tp_dtype=op_dtype if (gen3 and op_dtype != nl.float32) else nl.float32,
@@ -641,33 +821,25 @@ def flash_attn_bwd(q, k, v, o, do, lse, scale=1.0, causal=None, window=None, q_l
         ds_transpose=BWD_DS_TRANSPOSE[target] if ds_transpose is None else ds_transpose,
         act_evac_blocks=(BWD_ACT_EVAC_BLOCKS[target] if act_evac_blocks is None
                          else act_evac_blocks), grads=grads)
+    multi_pass = "dk" in grads and len(plan_q_tiles(cfg.G, Nq, rows_per_pass)) > 1
 
-    if q_lens is None and kv_lens is None:
-        sequences = ((nl.program_id(0), Nq, Nk),)
-    else:
-        sequences = tuple((bi, Nq if q_lens is None else int(q_lens[bi]),
-                           Nk if kv_lens is None else int(kv_lens[bi])) for bi in range(B))
-    multi_pass = "dk" in grads and any(len(plan_q_tiles(cfg.G, nq, rows_per_pass)) > 1
-                                       for _, nq, _ in sequences)
+    # conditional expressions, not if-blocks: a tensor bound inside a block is out of scope
+    # after it (err_local_variable_used_out_of_scope)
+    dq = (nl.ndarray((B, Hq, Nq, D), dtype=in_dtype, buffer=nl.shared_hbm)
+          if "dq" in grads else None)
+    dk = (nl.ndarray((B, Hkv, Nk, D), dtype=in_dtype, buffer=nl.shared_hbm)
+          if "dk" in grads else None)
+    dv = (nl.ndarray((B, Hkv, Nk, D), dtype=in_dtype, buffer=nl.shared_hbm)
+          if "dk" in grads else None)
+    scratch = ((nl.ndarray((Nk, D), dtype=nl.float32, buffer=nl.hbm),
+                nl.ndarray((Nk, D), dtype=nl.float32, buffer=nl.hbm)) if multi_pass else None)
+    dq_scratch = (nl.ndarray((cfg.G, Nq, D), dtype=nl.float32, buffer=nl.hbm)
+                  if dq_accumulate == "hbm" else None)
 
-    dq = dk = dv = None
-    if "dq" in grads:
-        dq = nl.ndarray((B, Hq, Nq, D), dtype=in_dtype, buffer=nl.shared_hbm)
-    if "dk" in grads:
-        dk = nl.ndarray((B, Hkv, Nk, D), dtype=in_dtype, buffer=nl.shared_hbm)
-        dv = nl.ndarray((B, Hkv, Nk, D), dtype=in_dtype, buffer=nl.shared_hbm)
-    scratch = None
-    if multi_pass:
-        scratch = (nl.ndarray((Nk, D), dtype=nl.float32, buffer=nl.hbm),
-                   nl.ndarray((Nk, D), dtype=nl.float32, buffer=nl.hbm))
-    dq_scratch = None
-    if dq_accumulate == "hbm":
-        dq_scratch = nl.ndarray((cfg.G, Nq, D), dtype=nl.float32, buffer=nl.hbm)
-
-    g = nl.program_id(1)
-    for b, nq, nk in sequences:
-        backward_one_sequence(cfg, q, k, v, o, do, lse, dq, dk, dv, b, g, nq, nk, scratch,
-                              dq_scratch)
+    b, g = nl.program_id(0), nl.program_id(1)
+    rt = (RuntimeMasks(spec, kv_lens, q_lens, b, Nq, Nk)
+          if (kv_lens is not None or q_lens is not None) else None)
+    backward_program(cfg, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scratch, dq_scratch)
     if grads == ("dk", "dv"):
         return dk, dv
     if grads == ("dq",):

@@ -368,22 +368,9 @@ class _GroupState:
 
 
 def load_lengths(f: _Instance, kv_lens, q_lens):
-    """Per-sequence lengths of instance b as fp32: ``kv_len`` on partition 0 ([1, 1], for the
-    key-mask row) and ``[128, 2]`` = (kv_len, q_len) on every partition (for per-row thresholds).
-    A missing length is its padded size (Nk or Nq). The partition broadcast is a K=1 matmul of a
-    ones row (exact for integers in fp32)."""
-    raw = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
-    for col, arr, full in ((0, kv_lens, f.Nk), (1, q_lens, f.Nq)):
-        if arr is None:
-            raw[0:1, col:col + 1] = nisa.memset((1, 1), float(full), dtype=nl.float32)
-        else:
-            raw[0:1, col:col + 1] = nisa.tensor_copy(nl.load(arr[nl.ds(f.b, 1)]),
-                                                     dtype=nl.float32)
-    ones = nisa.memset((1, T.PMAX), 1.0, dtype=nl.float32)
-    bcast = nl.ndarray((T.PMAX, 2), dtype=nl.float32, buffer=nl.psum)
-    bcast[...] = nisa.nc_matmul(ones, raw)
-    lens_p = nisa.tensor_copy(bcast, dtype=nl.float32)
-    return raw, lens_p
+    """Per-sequence lengths of instance b (``masks.load_lengths``): ``kv_len`` on partition 0
+    ([1, 1] fp32, for the key-mask row) and ``[128, 2]`` = (kv_len, q_len) on every partition."""
+    return M.load_lengths(kv_lens, q_lens, f.b, f.Nk, f.Nq)
 
 
 def diag_thresholds(f: _Instance, lens_p):

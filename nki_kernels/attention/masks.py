@@ -208,18 +208,38 @@ class StaticDiagMasks:
         return self.tiles[:, self.index[j0 - i0], :]
 
 
-def key_length_row(kv_len_1, j0: int, n: int):
-    """bf16 [1, n] row: 1.0 for keys ``j0 + jj >= kv_len`` (masked), else 0.0.
+def load_lengths(kv_lens, q_lens, b, nk: int, nq: int):
+    """Per-sequence lengths of sequence ``b`` as fp32: ``kv_len`` on partition 0 ([1, 1], for the
+    key-mask row) and ``[128, 2]`` = (kv_len, q_len) on every partition (for per-row thresholds).
+    A missing length (None) is its padded size (``nk`` or ``nq``). The partition broadcast is a
+    K=1 matmul of a ones row (exact for integers in fp32). Returns ``(raw [1, 2], lens_p)``."""
+    raw = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
+    for col, arr, full in ((0, kv_lens, nk), (1, q_lens, nq)):
+        if arr is None:
+            raw[0:1, col:col + 1] = nisa.memset((1, 1), float(full), dtype=nl.float32)
+        else:
+            raw[0:1, col:col + 1] = nisa.tensor_copy(nl.load(arr[nl.ds(b, 1)]),
+                                                     dtype=nl.float32)
+    ones = nisa.memset((1, T.PMAX), 1.0, dtype=nl.float32)
+    bcast = nl.ndarray((T.PMAX, 2), dtype=nl.float32, buffer=nl.psum)
+    bcast[...] = nisa.nc_matmul(ones, raw)
+    lens_p = nisa.tensor_copy(bcast, dtype=nl.float32)
+    return raw, lens_p
 
-    ``kv_len_1`` is the sequence's key length as an fp32 [1, 1] tile (partition 0). Built in
-    pieces of at most :data:`tiles.FWD_ROW_FMAX` keys.
+
+def key_length_row(kv_len_1, j0: int, n: int, *, below: bool = False):
+    """bf16 [1, n] row: 1.0 for keys ``j0 + jj >= kv_len`` (masked), else 0.0; with ``below``,
+    1.0 for keys ``j0 + jj < kv_len`` instead (valid keys at the end of the padded length).
+
+    ``kv_len_1`` is the sequence's key length (or first valid key) as an fp32 [1, 1] tile
+    (partition 0). Built in pieces of at most :data:`tiles.FWD_ROW_FMAX` keys.
     """
     row = nl.ndarray((1, n), dtype=nl.bfloat16, buffer=nl.sbuf)
     for c0 in nl.static_range(0, n, T.FWD_ROW_FMAX):
         w = min(T.FWD_ROW_FMAX, n - c0)
         pos = nisa.iota((j0 + c0) + nl.arange(w)[None, :], dtype=nl.float32)
-        row[0:1, c0:c0 + w] = nisa.tensor_scalar(pos, nl.greater_equal, kv_len_1,
-                                                 dtype=nl.bfloat16)
+        row[0:1, c0:c0 + w] = nisa.tensor_scalar(pos, nl.less if below else nl.greater_equal,
+                                                 kv_len_1, dtype=nl.bfloat16)
     return row
 
 
@@ -231,4 +251,5 @@ def row_valid(q_len_p, i0: int, rows: int):
 
 
 __all__ = ["MaskSpec", "FULL", "BOUNDARY", "RUNTIME", "neg_identity", "neg_row", "diag_pattern",
-           "diag_indicator", "StaticDiagMasks", "key_length_row", "row_valid", "np"]
+           "diag_indicator", "StaticDiagMasks", "load_lengths", "key_length_row", "row_valid",
+           "np"]

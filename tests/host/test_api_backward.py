@@ -195,3 +195,33 @@ def test_hbm_bytes(target, dtype, mixed, shape, lens):
         B, Hq, Hkv, Nq, Nk, D, dtype.itemsize, q_lens=q_lens, kv_lens=kv_lens,
         mixed_precision=mixed, target=target)
     assert (m.hbm_bytes_read, m.hbm_bytes_written) == want
+
+
+@needs_measure
+@pytest.mark.parametrize("target,dtype,mixed,shape,causal,window", [
+    # bottom_right with lengths: rows and keys rotated, outputs scattered back
+    ("trn2", BF16, True, (3, 4, 2, 150, 200, 64), "bottom_right", None),
+    ("trn1", BF16, True, (2, 2, 1, 100, 70, 32), None, (20, 5)),
+    # two passes over K/V (dK/dV partial sums through HBM) with rotated keys
+    ("trn1", F32, False, (2, 4, 1, 1024, 128, 256), "bottom_right", None),
+])
+def test_hbm_bytes_with_lengths_and_masks(target, dtype, mixed, shape, causal, window):
+    """The formula holds with every mask kind: padding is never read (gathers), every output
+    row written once (plain or scattered stores), one int32 per program per length array."""
+    import simulate
+    B, Hq, Hkv, Nq, Nk, D = shape
+    q, k, v, do = _inputs(B, Hq, Hkv, Nq, Nk, D, dtype, seed=11)
+    rng = np.random.default_rng(12)
+    q_lens = rng.integers(0, Nq + 1, B)
+    kv_lens = rng.integers(0, Nk + 1, B)
+    q_lens[0], kv_lens[-1] = Nq, 0
+    opts = dict(causal=causal, window=window, q_lens=q_lens, kv_lens=kv_lens)
+    o, lse = ref.attention_forward(q, k, v, **opts)
+    o, lse = o.astype(dtype), lse.astype(np.float32)
+    with simulate.measure(target=target) as m:
+        got = host.flash_attention_backward(do, q, k, v, o, lse, mixed_precision=mixed, **opts)
+    want = host.flash_attention_backward_hbm_bytes(
+        B, Hq, Hkv, Nq, Nk, D, dtype.itemsize, q_lens=q_lens, kv_lens=kv_lens,
+        mixed_precision=mixed, target=target)
+    assert (m.hbm_bytes_read, m.hbm_bytes_written) == want
+    _check(got, q, k, v, do, mixed_precision=mixed, **opts)

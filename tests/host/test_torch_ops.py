@@ -733,6 +733,7 @@ class _SimulatedXlaLaunch:
 
     def __init__(self, kernel):
         self.kernel, self.grids = kernel, []
+        self.compile_keys = []   # what a compilation depends on: grid, shapes, static options
 
     @staticmethod
     def _np(x):
@@ -753,6 +754,11 @@ class _SimulatedXlaLaunch:
 
         def call(*args, **kwargs):
             self.grids.append(grid)
+            self.compile_keys.append((grid, tuple(
+                (None if a is None else (tuple(a.shape), str(a.dtype)))
+                for a in args + tuple(kwargs.values()) if a is None or isinstance(
+                    a, torch.Tensor)), repr(sorted((n, a) for n, a in kwargs.items()
+                                                   if not isinstance(a, torch.Tensor)))))
             kwargs = {key: self._np(a) if isinstance(a, torch.Tensor) else a
                       for key, a in kwargs.items()}
             outs = nki.simulate_kernel(self.kernel[grid], *(self._np(a) for a in args), **kwargs)
@@ -780,7 +786,7 @@ def test_xla_executor_launches_the_kernels(monkeypatch, dtype, mixed, mm):
                                     **opts)
     o = torch_ops._FlashAttentionFunction.apply(q, k, v, torch_ops._XlaKernels(), o_opts, False)
     got = (o,) + _grads(o, do, q, k, v)
-    assert fwd.grids == [(B, Hkv)] and bwd.grids == [(1, Hkv)]
+    assert fwd.grids == [(B, Hkv)] and bwd.grids == [(B, Hkv)]
     ref = _ref_grads(q, k, v, do, **opts)
     ref = (ref[0],) + ref[2:]
     out = str(dtype).replace("torch.", "")
@@ -790,3 +796,36 @@ def test_xla_executor_launches_the_kernels(monkeypatch, dtype, mixed, mm):
         err = reference.max_abs_err(g, r)
         tol = reference.tolerance(r, b, floor=reference.atol_floor(mm))
         assert g.dtype == dtype and err <= tol, f"{name}: error {err:.3g} > tolerance {tol:.3g}"
+
+
+@pytest.mark.skipif(_kernel_modules() is None, reason="attention kernels not available yet")
+def test_xla_backward_takes_runtime_lengths(monkeypatch):
+    """A padded batch whose lengths change every step (0 and full included) launches one
+    compiled backward: the same grid, tensor shapes and static options, the lengths passed as
+    (B,) int32 device tensors; each step's gradients are right."""
+    forward, backward = _kernel_modules()
+    fwd = _SimulatedXlaLaunch(forward.flash_attention_fwd)
+    bwd = _SimulatedXlaLaunch(backward.flash_attn_bwd)
+    monkeypatch.setattr(forward, "flash_attention_fwd", fwd)
+    monkeypatch.setattr(backward, "flash_attn_bwd", bwd)
+    B, Hq, Hkv, Nq, Nk, D = 2, 2, 1, 21, 30, 16
+    steps = [([21, 0], [30, 11]), ([5, 21], [0, 30]), ([13, 8], [17, 29])]
+    for step, (q_lens, kv_lens) in enumerate(steps):
+        opts = dict(causal="top_left", q_lens=torch.tensor(q_lens), kv_lens=torch.tensor(kv_lens))
+        q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float32, seed=50 + step)
+        do = _rand(B, Hq, Nq, D, dtype=torch.float32, seed=60 + step, requires_grad=False)
+        _, o_opts = torch_ops._validate(q, k, v, scale=None, window=None, mixed_precision=False,
+                                        **opts)
+        o = torch_ops._FlashAttentionFunction.apply(q, k, v, torch_ops._XlaKernels(), o_opts,
+                                                    False)
+        got = _grads(o, do, q, k, v)
+        ref = _ref_grads(q, k, v, do, causal="top_left", q_lens=q_lens, kv_lens=kv_lens)[2:]
+        base = reference.attention_backward_baseline_lowp(
+            do, q, k, v, dtype="float32", out_dtype="float32", causal="top_left",
+            q_lens=q_lens, kv_lens=kv_lens)
+        for name, g, r, b in zip(("dq", "dk", "dv"), got, ref, base):
+            err = reference.max_abs_err(g, r)
+            tol = reference.tolerance(r, b, floor=reference.atol_floor("float32"))
+            assert torch.isfinite(g).all() and err <= tol, f"step {step} {name}: {err:.3g}"
+    assert len(set(bwd.compile_keys)) == 1 and len(bwd.compile_keys) == len(steps)
+    assert len(set(fwd.compile_keys)) == 1

@@ -8,8 +8,9 @@ dS rounded to the kernel's matmul operand dtype) and ``atol_floor`` is 1e-3 for 
 operands, 1e-5 for fp32. The kernel gets o and lse from the float64 reference forward, o rounded
 to the input dtype and lse to float32 (what the forward kernel returns).
 
-The kernel is launched directly (grid ``[B, Hkv]``); per-sequence lengths are compile-time
-arguments of one launch per sequence, as host.flash_attention_backward does.
+The kernel is launched directly (grid ``[B, Hkv]``) with per-sequence lengths as runtime
+``(B,)`` int32 tensors, as host.flash_attention_backward does: one compiled kernel serves every
+set of lengths.
 """
 from __future__ import annotations
 
@@ -51,16 +52,14 @@ def make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype=BF16, seed=0, *, scale=None, causal
 
 def run_kernel(q, k, v, do, o, lse, *, scale=None, causal=None, window=None, q_lens=None,
                kv_lens=None, **kernel_opts):
-    """Launch the kernel: grid [B, Hkv], or [1, Hkv] with compile-time length tuples."""
+    """Launch the kernel on the grid [B, Hkv]; lengths as (B,) int32 runtime tensors."""
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
     scale = 1.0 / np.sqrt(D) if scale is None else scale
     opts = dict(scale=float(scale), causal=causal, window=window, **kernel_opts)
-    if q_lens is None and kv_lens is None:
-        return launch(flash_attn_bwd, (B, Hkv), q, k, v, o, do, lse, **opts)
-    as_tuple = (lambda x: None if x is None else tuple(int(n) for n in x))
-    return launch(flash_attn_bwd, (1, Hkv), q, k, v, o, do, lse, q_lens=as_tuple(q_lens),
-                  kv_lens=as_tuple(kv_lens), **opts)
+    as_int32 = (lambda x: None if x is None else np.ascontiguousarray(x, dtype=np.int32))
+    return launch(flash_attn_bwd, (B, Hkv), q, k, v, o, do, lse, kv_lens=as_int32(kv_lens),
+                  q_lens=as_int32(q_lens), **opts)
 
 
 def op_dtype_of(dtype, mixed_precision=True):
@@ -212,6 +211,79 @@ def test_padding_is_never_read():
     check_grads(got, *clean, causal="bottom_right", q_lens=q_lens, kv_lens=kv_lens)
 
 
+def _poison_padding(q_lens, kv_lens, *arrays):
+    """NaN into every padding row of q, do, o, lse and padding key of k, v (in place)."""
+    q, k, v, do, o, lse = arrays
+    for b in range(q.shape[0]):
+        nq, nk = int(q_lens[b]), int(kv_lens[b])
+        for x in (q, do, o):
+            x[b, :, nq:] = np.nan
+        lse[b, :, nq:] = np.nan
+        k[b, :, nk:] = np.nan
+        v[b, :, nk:] = np.nan
+
+
+@pytest.mark.parametrize("causal,window,Hq,Hkv,kernel_opts", [
+    (None, None, 2, 1, {}),
+    ("top_left", None, 4, 2, {}),                        # static band + runtime key row
+    ("bottom_right", None, 2, 1, {}),                    # runtime band (off = kv_len - q_len)
+    ("bottom_right", (20, 0), 2, 2, {}),                 # runtime band, both edges
+    (None, (30, 10), 2, 1, {"rows_per_pass": PMAX}),     # runtime window, several passes
+    ("top_left", (-1, -1), 2, 1, {"ds_transpose": "pe", "dq_accumulate": "hbm"}),
+])
+def test_lengths_vary_across_calls_of_one_kernel(causal, window, Hq, Hkv, kernel_opts):
+    """The same compiled kernel (shapes and static options) for several sets of lengths, 0 and
+    full included: each call's gradients follow the tolerance rule, padding rows and keys (NaN
+    in HBM) get exact zeros, nothing is NaN, and the instruction stream is identical for every
+    set of lengths (the lengths are data, not part of the program)."""
+    import simulate
+    B, Nq, Nk, D = 3, 200, 330, 32
+    sets = [([200, 0, 77], [330, 150, 0]),
+            ([0, 200, 128], [17, 330, 330]),
+            ([200, 200, 200], [330, 330, 330]),
+            ([1, 129, 199], [1, 129, 329])]
+    programs = []
+    for n, (q_lens, kv_lens) in enumerate(sets):
+        q_lens, kv_lens = np.array(q_lens), np.array(kv_lens)
+        mask = dict(causal=causal, window=window, q_lens=q_lens, kv_lens=kv_lens)
+        q, k, v, do, o, lse = make_inputs(B, Hq, Hkv, Nq, Nk, D, BF16, 70 + n, **mask)
+        _poison_padding(q_lens, kv_lens, q, k, v, do, o, lse)
+        with simulate.measure(target="trn2") as m:
+            got = run_kernel(q, k, v, do, o, lse, **mask, **kernel_opts)
+        programs.append((dict(m.instructions), dict(m.engine_cycles)))
+        clean = [np.nan_to_num(np.asarray(x, np.float32)).astype(BF16) for x in (q, k, v, do)]
+        check_grads(got, *clean, **mask)
+        dq, dk, dv = (np.asarray(x, np.float64) for x in got)
+        for b in range(B):
+            assert not dq[b, :, q_lens[b]:].any()
+            assert not dk[b, :, kv_lens[b]:].any() and not dv[b, :, kv_lens[b]:].any()
+            if q_lens[b] == 0 or kv_lens[b] == 0:
+                assert not dq[b].any() and not dk[b].any() and not dv[b].any()
+    assert all(p == programs[0] for p in programs[1:])
+
+
+@pytest.mark.parametrize("scale,causal", [(0.0, None), (-0.4, "top_left"), (1e-9, "bottom_right"),
+                                          (3e7, "top_left")])
+def test_lengths_with_scales_outside_the_fold_range(scale, causal):
+    """Runtime masks add MASK_NEG on TensorE; scales the exp cannot carry it with (zero,
+    negative, tiny, huge) go into Q^T instead, so masked keys still get P = 0."""
+    mask = dict(scale=scale, causal=causal, q_lens=np.array([50, 9]), kv_lens=np.array([61, 0]))
+    inputs = make_inputs(2, 2, 1, 64, 80, 32, BF16, 77, k_gain=1e-6 if scale > 1e6 else 1.0,
+                         **mask)
+    q, k, v, do, o, lse = inputs
+    check_grads(run_kernel(*inputs, **mask), q, k, v, do, **mask)
+
+
+def test_only_one_length_array():
+    """kv_lens alone (key mask, every row valid) and q_lens alone (rows only)."""
+    run_and_check(2, 2, 1, 150, 140, 64, BF16, seed=78, causal="top_left",
+                  kv_lens=np.array([3, 140]))
+    run_and_check(2, 2, 1, 150, 140, 64, BF16, seed=79, causal="bottom_right",
+                  q_lens=np.array([150, 20]))
+    run_and_check(2, 2, 1, 150, 140, 64, BF16, seed=80, causal="bottom_right",
+                  kv_lens=np.array([100, 140]))
+
+
 def test_rows_without_keys_have_zero_gradient():
     """bottom_right with Nq > Nk: the first Nq - Nk rows see no key (LSE = -inf)."""
     _, got = run_and_check(1, 1, 1, 300, 100, 32, BF16, seed=23, causal="bottom_right")
@@ -277,18 +349,22 @@ def test_small_key_tile():
 # --------------------------------------------------------------------------------------------
 
 
-def backward_io_bytes(B, Hq, Hkv, Nq, Nk, D, itemsize, *, nq=None, nk=None, passes=1):
+def backward_io_bytes(B, Hq, Hkv, Nq, Nk, D, itemsize, *, nq=None, nk=None, passes=1,
+                      length_arrays=0):
     """Exact HBM bytes of the kernel: (read, written).
 
     Reads: q, do, o of the valid rows, lse (fp32) of the valid rows, and k, v of the valid keys
-    once per pass; with P > 1 passes the fp32 dK/dV partial sums are written by passes 1..P-1
-    and read back by passes 2..P. Writes: dq, dk, dv in full (padding rows as zeros).
+    once per pass (padding is skipped by the gathers, never read), plus one int32 per program
+    (B Hkv of them) for each runtime length array; with P > 1 passes the fp32 dK/dV partial
+    sums of every key are written by passes 1..P-1 and read back by passes 2..P. Writes: dq,
+    dk, dv in full (padding rows as zeros).
     """
     nq = Nq if nq is None else nq
     nk = Nk if nk is None else nk
     read = itemsize * (3 * B * Hq * nq * D + passes * 2 * B * Hkv * nk * D) + 4 * B * Hq * nq
+    read += 4 * B * Hkv * length_arrays
     written = itemsize * (B * Hq * Nq * D + 2 * B * Hkv * Nk * D)
-    scratch = (passes - 1) * 2 * B * Hkv * nk * D * 4
+    scratch = (passes - 1) * 2 * B * Hkv * Nk * D * 4
     return read + scratch, written + scratch
 
 
@@ -318,6 +394,7 @@ def test_io_bytes_with_lengths():
         run_kernel(q, k, v, do, o, lse, q_lens=q_lens, kv_lens=kv_lens)
     read = written = 0
     for b in range(B):
-        r, w = backward_io_bytes(1, Hq, Hkv, Nq, Nk, D, 2, nq=int(q_lens[b]), nk=int(kv_lens[b]))
+        r, w = backward_io_bytes(1, Hq, Hkv, Nq, Nk, D, 2, nq=int(q_lens[b]), nk=int(kv_lens[b]),
+                                 length_arrays=2)
         read, written = read + r, written + w
     assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
