@@ -14,6 +14,12 @@ For one batch and one head (bf16, N x N, head dim D) it measures with ``simulate
 * ``pe-transpose`` (trn2 only) -- the design with dS^T on TensorE instead of the DMA queues.
 * ``passes=N/1024`` -- the design forced to keep only 1024 query rows resident per pass
   (what happens past the SBUF limit): K/V re-read per pass, dK/dV partial sums through HBM.
+* ``lens=full``, ``lens=N/2``, ``q_lens=N/2`` -- the design with runtime length tensors
+  (``kv_lens`` and ``q_lens``, or ``q_lens`` alone): all positions valid, or half of them
+  padding. One compiled kernel serves any lengths, so the time is that of the padded shape;
+  the lengths only save the padding's HBM reads. ``kv_lens`` costs one rank-1 TensorE mask
+  matmul per score tile (the forward's key-length mask); with bottom_right the gathers rotate
+  the sequence so that causal tile skipping still applies.
 
 Limits (per NeuronCore, µs; causal counts N^2/2 scores): *strict* = max(TensorE at peak on the
 5 matmul passes, the minimum HBM traffic 16 N D + 4 N bytes at the per-NC HBM share);
@@ -80,9 +86,15 @@ def measure(target, variant, args, causal):
     N, D = q.shape[2], q.shape[3]
     kw = dict(scale=1.0 / np.sqrt(D), causal=causal)
     t0 = time.time()
+    lens = {"lens=full": ([N], [N]), "lens=N/2": ([N // 2], [N // 2]),
+            "q_lens=N/2": ([N // 2], None)}
     with simulate.measure(target=target) as m:
         if variant == "single-pass":
             host.flash_attention_backward(do, q, k, v, o, lse, causal=causal)
+        elif variant in lens:
+            q_lens, kv_lens = lens[variant]
+            host.flash_attention_backward(do, q, k, v, o, lse, causal=causal, q_lens=q_lens,
+                                          kv_lens=kv_lens)
         elif variant == "dq-in-hbm":
             launch(flash_attn_bwd, (1, 1), q, k, v, o, do, lse, dq_accumulate="hbm", **kw)
         elif variant == "two-kernel":
@@ -113,7 +125,7 @@ def main(argv=None):
     ap.add_argument("--targets", nargs="+", default=["trn2", "trn1"])
     ap.add_argument("--variants", nargs="+",
                     default=["single-pass", "dq-in-hbm", "two-kernel", "pe-transpose",
-                             "passes=N/1024"])
+                             "passes=N/1024", "lens=full", "lens=N/2", "q_lens=N/2"])
     ap.add_argument("--json", help="write all rows to this file")
     a = ap.parse_args(argv)
     if BACKEND != "simulate":

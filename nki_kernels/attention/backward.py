@@ -243,7 +243,7 @@ class RuntimeMasks:
     * ``lens_p`` fp32 ``[128, 2]`` = (kv_len, q_len) on every partition, ``kv_len_1`` fp32
       ``[1, 1]`` on partition 0 (``masks.load_lengths``; a missing length is Nk or Nq).
     * **Padding never enters SBUF.** Rows of q, do, o, lse past q_len and rows of k, v past
-      kv_len are skipped by indirect DMAs (:meth:`row_map`, index pushed out of bounds,
+      kv_len are skipped by indirect DMAs (:meth:`index_table`, index pushed out of bounds,
       ``oob_mode.skip``: decode.py's mechanism) and keep the zeros (lse: ``-inf``) their tiles
       were filled with. A padding query row thus has q = do = o = 0, D = 0 and the no-key exp
       bias (P = 0 exactly): it contributes nothing and its dQ row comes out 0. A padding key
@@ -284,47 +284,67 @@ class RuntimeMasks:
             return None
         return M.key_length_row(self.key_start, kt.c0, kt.cols, below=self.rotate_k)
 
-    def row_map(self, first_row, n_rows: int, i0: int, n: int, keys: bool):
-        """Indices of positions ``i0 .. i0 + n - 1`` of the SBUF frame (query rows, or keys when
-        ``keys``) into an ``(n_rows, D)`` HBM view whose row ``first_row`` holds position
-        ``i0`` of this sequence and head (``first_row`` may contain ``program_id``):
-        ``(load, store)`` int32 ``[n, 1]`` tiles. ``load`` is pushed out of bounds for padding
-        positions, which ``oob_mode.skip`` DMAs then never read; ``store`` is None without
-        rotation (a plain store writes the tile in place), else the rotation's HBM row of every
-        position, padding included."""
+    def index_table(self, rows, pos, n_rows: int, keys: bool):
+        """Gather/scatter indices of a set of positions of the kernel's frame (query rows, or
+        keys when ``keys``): ``rows`` int32 ``[128, n]`` are their unrotated rows in an
+        ``(n_rows, D)`` HBM view (:func:`position_table`), ``pos`` fp32 ``[128, n]`` the
+        positions themselves. Returns ``(load, store)`` int32 ``[128, n]``: ``load`` is pushed
+        out of bounds for padding positions, which ``oob_mode.skip`` DMAs then never read;
+        ``store`` is None without rotation (plain stores write the tiles in place), else the
+        rotation's HBM row of every position, padding included. A few VectorE/GpSimd
+        instructions for all n columns at once."""
         length_p = self.kv_len_p if keys else self.q_len_p
         rotate = self.rotate_k if keys else self.rotate_q
         N = self.Nk if keys else self.Nq
-        ip = nl.arange(n)[:, None]
-        rows = nisa.iota(first_row + ip, dtype=nl.int32)
-        pos = nisa.iota(i0 + ip, dtype=nl.float32)
         store = None
         if not rotate:
-            valid = nisa.tensor_scalar(pos, nl.less, length_p[0:n, :], dtype=nl.float32)
+            valid = nisa.tensor_scalar(pos, nl.less, length_p, dtype=nl.float32)
         else:
-            # valid iff i0 + p + len >= N, at HBM position i0 + p + len - N; a padding
-            # position goes to i0 + p + len (the rotation by len, mod N: both in range)
-            valid = nisa.tensor_scalar(pos, np.add, length_p[0:n, :], op1=nl.greater_equal,
+            # valid iff pos + len >= N, at HBM position pos + len - N; a padding position goes
+            # to pos + len (the rotation by len, mod N: both in range)
+            valid = nisa.tensor_scalar(pos, np.add, length_p, op1=nl.greater_equal,
                                        operand1=float(N), dtype=nl.float32)
             shift = nisa.tensor_scalar(valid, np.multiply, -float(N), op1=np.add,
-                                       operand1=length_p[0:n, :], dtype=nl.int32)
+                                       operand1=length_p, dtype=nl.int32)
             rows = store = nisa.tensor_tensor(rows, shift, np.add, dtype=nl.int32)
         beyond = nisa.tensor_scalar(valid, np.subtract, 1.0, op1=np.multiply,
                                     operand1=-float(oob_offset(n_rows)), dtype=nl.int32)
         return nisa.tensor_tensor(rows, beyond, np.add, dtype=nl.int32), store
 
 
-def gather_rows(dst, rows_view, idx, n: int, width: int):
-    """``dst[p, :] = rows_view[idx[p], :]`` for ``p < n``, skipping out-of-bounds indices (dst
-    keeps what it held: the caller fills it first)."""
-    nisa.dma_copy(dst=dst, src=rows_view[idx[nl.arange(n)[:, None], 0], nl.arange(width)[None, :]],
+def position_table(runs, n: int):
+    """int32 flat HBM rows and fp32 frame positions ``[128, n]`` of n tiles of 128 positions:
+    ``runs`` lists ``(first column, tiles, first flat row, first position)`` of stretches whose
+    tiles follow each other in HBM (column c + t holds flat row ``first + 128 t + p`` and
+    position ``pos0 + 128 t + p`` on partition p). One GpSimd iota pair per run."""
+    rows = nl.ndarray((PMAX, n), dtype=nl.int32, buffer=nl.sbuf)
+    pos = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    ip = nl.arange(PMAX)[:, None]
+    for c0, count, first, pos0 in runs:
+        it = nl.arange(count)[None, :]
+        rows[:, c0:c0 + count] = nisa.iota(first + PMAX * it + ip, dtype=nl.int32)
+        pos[:, c0:c0 + count] = nisa.iota(pos0 + PMAX * it + ip, dtype=nl.float32)
+    return rows, pos
+
+
+def query_runs(b, Hq: int, Nq: int, h0, qtiles):
+    """:func:`position_table` runs of a pass's query tiles (consecutive tiles of one head)."""
+    runs = []
+    for qt in qtiles:
+        if runs and runs[-1][4] == qt.h:
+            c0, count, first, pos0, h = runs[-1]
+            runs[-1] = (c0, count + 1, first, pos0, h)
+        else:
+            runs.append((qt.slot, 1, (b * Hq + h0 + qt.h) * Nq + qt.r0, qt.r0, qt.h))
+    return [r[:4] for r in runs]
+
+
+def gather_rows(dst, rows_view, idx, col: int, n: int, width: int):
+    """``dst[p, :] = rows_view[idx[p, col], :]`` for ``p < n``, skipping out-of-bounds indices
+    (dst keeps what it held: the caller fills it first)."""
+    nisa.dma_copy(dst=dst, src=rows_view[idx[nl.arange(n)[:, None], col],
+                                         nl.arange(width)[None, :]],
                   oob_mode=nisa.oob_mode.skip)
-
-
-def scatter_rows(rows_view, idx, src, n: int, width: int):
-    """``rows_view[idx[p], :] = src[p, :]`` for ``p < n`` (every index in bounds)."""
-    nisa.dma_copy(dst=rows_view[idx[nl.arange(n)[:, None], 0], nl.arange(width)[None, :]],
-                  src=src)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,33 +382,30 @@ def _blocks_view(t, rows, nblocks):
     return t[ip, ib * PMAX + ik]
 
 
-def _load_query_rows(cfg, rt, q, do, o, lse, b, hh, r0, rows, q_dst):
-    """do, o ``[rows, D]`` (input dtype) and lse ``[rows, 1]`` of rows ``r0 ..`` of head hh, and
-    q into ``q_dst`` (operand dtype); returns ``(do, o, lse, store index or None)``. With
-    ``q_lens`` they are gathered (:meth:`RuntimeMasks.row_map`): padding rows are never read and
-    stay 0 (lse: -inf)."""
-    D = cfg.D
-    if rt is None or not rt.has_q:
-        rsl = nl.ds(r0, rows)
+def _load_query_rows(cfg, rt, q, do, o, lse, b, hh, qt, q_dst, q_load):
+    """do, o ``[rows, D]`` (input dtype) and lse ``[rows, 1]`` of query tile qt of head hh, and
+    q into ``q_dst`` (operand dtype). With ``q_lens`` they are gathered through column
+    ``qt.slot`` of ``q_load`` (:meth:`RuntimeMasks.index_table`): padding rows are never read
+    and stay 0 (lse: -inf)."""
+    D, rows, s = cfg.D, qt.rows, qt.slot
+    if q_load is None:
+        rsl = nl.ds(qt.r0, rows)
         q_dst[...] = nl.load(q[b, hh, rsl, :], dtype=cfg.op_dtype)
-        return (nl.load(do[b, hh, rsl, :]), nl.load(o[b, hh, rsl, :]),
-                nl.load(lse[b, hh, rsl]), None)
-    B, Hq, Nq, _ = q.shape
-    n_rows = B * Hq * Nq
-    idx, store = rt.row_map((b * Hq + hh) * Nq + r0, n_rows, r0, rows, keys=False)
+        return nl.load(do[b, hh, rsl, :]), nl.load(o[b, hh, rsl, :]), nl.load(lse[b, hh, rsl])
+    n_rows = q.shape[0] * q.shape[1] * q.shape[2]
     do_in = nisa.memset((rows, D), 0.0, dtype=do.dtype, engine=nisa.gpsimd_engine)
-    gather_rows(do_in, do.reshape((n_rows, D)), idx, rows, D)
+    gather_rows(do_in, do.reshape((n_rows, D)), q_load, s, rows, D)
     o_in = nisa.memset((rows, D), 0.0, dtype=o.dtype, engine=nisa.gpsimd_engine)
-    gather_rows(o_in, o.reshape((n_rows, D)), idx, rows, D)
+    gather_rows(o_in, o.reshape((n_rows, D)), q_load, s, rows, D)
     q_dst[...] = nisa.memset((rows, D), 0.0, dtype=cfg.op_dtype, engine=nisa.gpsimd_engine)
-    gather_rows(q_dst, q.reshape((n_rows, D)), idx, rows, D)
+    gather_rows(q_dst, q.reshape((n_rows, D)), q_load, s, rows, D)
     lse_t = nisa.memset((rows, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
-    gather_rows(lse_t, lse.reshape((n_rows, 1)), idx, rows, 1)
-    return do_in, o_in, lse_t, store
+    gather_rows(lse_t, lse.reshape((n_rows, 1)), q_load, s, rows, 1)
+    return do_in, o_in, lse_t
 
 
 def load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, do_T,
-                    neg_delta, exp_bias, q_store):
+                    neg_delta, exp_bias):
     """Load every query tile of a pass and derive what the inner loop needs.
 
     Per tile (rows r0 .. r0 + rows - 1 of query head h0 + h):
@@ -400,15 +417,19 @@ def load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, d
     * ``exp_bias = -LSE``, or ``BWD_EXP_BIAS_NO_KEY`` where LSE = -inf (a row with no visible
       key, or a padding row past q_len), computed as ``m * BIAS_NO_KEY - max(LSE, LSE_NO_KEY)``
       with ``m = [LSE < LSE_NO_KEY]`` so every intermediate is finite;
-    * with rotated rows, ``q_store[:, slot]``: the HBM row of each row (for the dQ scatter).
+
+    Returns the dQ scatter indices ``[128, slots]`` (None unless the rows are rotated).
     """
     op_dtype, tp_dtype = cfg.op_dtype, cfg.tp_dtype
+    q_load = q_store = None
+    if rt is not None and rt.has_q:
+        B, Hq, Nq, _ = q.shape
+        rows_i, pos = position_table(query_runs(b, Hq, Nq, h0, qtiles), len(qtiles))
+        q_load, q_store = rt.index_table(rows_i, pos, B * Hq * Nq, keys=False)
     for qt in qtiles:
-        hh, r0, rows, s = h0 + qt.h, qt.r0, qt.rows, qt.slot
-        do_in, o_in, lse_t, store = _load_query_rows(cfg, rt, q, do, o, lse, b, hh, r0, rows,
-                                                     q_nat[0:rows, s, :])
-        if q_store is not None:
-            q_store[0:rows, s:s + 1] = nisa.tensor_copy(store, engine=nisa.gpsimd_engine)
+        hh, rows, s = h0 + qt.h, qt.rows, qt.slot
+        do_in, o_in, lse_t = _load_query_rows(cfg, rt, q, do, o, lse, b, hh, qt,
+                                              q_nat[0:rows, s, :], q_load)
         prod = nisa.tensor_tensor(do_in, o_in, np.multiply, dtype=nl.float32)
         neg_delta[0:rows, s:s + 1] = nisa.tensor_reduce(np.add, prod, axis=(1,), negate=True,
                                                         dtype=nl.float32, keepdims=True)
@@ -428,6 +449,7 @@ def load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, d
             _transpose_into(q_T[0:dsz, c, cols], q_nat[0:rows, s, d0:d0 + dsz], tp_dtype,
                             scale=cfg.q_scale)
             _transpose_into(do_T[0:dsz, c, cols], do_nat[0:rows, s, d0:d0 + dsz], tp_dtype)
+    return q_store
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,28 +457,34 @@ def load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, d
 # ---------------------------------------------------------------------------------------------
 
 
-def load_kv_tile(cfg, rt, k, v, b, g, kt, k_nat, k_T, v_T, k_store):
+def key_tables(rt, k, b, g):
+    """Gather/scatter indices of every 128-key block of the program's keys (column = block):
+    ``(load, store)`` int32 ``[128, ceil(Nk/128)]``, store None unless the keys are rotated
+    (:meth:`RuntimeMasks.index_table`); ``(None, None)`` without ``kv_lens``."""
+    if rt is None or not rt.has_k:
+        return None, None
+    B, Hkv, Nk, _ = k.shape
+    rows_i, pos = position_table([(0, -(-Nk // PMAX), (b * Hkv + g) * Nk, 0)], -(-Nk // PMAX))
+    return rt.index_table(rows_i, pos, B * Hkv * Nk, keys=True)
+
+
+def load_kv_tile(cfg, k, v, b, g, kt, k_nat, k_T, v_T, k_load):
     """Keys ``kt.c0 ..`` of kv head g: ``k_nat[keys, blk, D]``, ``k_T[D chunk, c, keys]``,
     ``v_T[D chunk, c, keys]`` (V itself is only needed transposed). With ``kv_lens`` the keys
-    are gathered (:meth:`RuntimeMasks.row_map`): padding keys are never read and stay 0; with
-    rotated keys ``k_store[:, blk]`` gets each key's HBM row (for the dK/dV scatter)."""
+    are gathered through ``k_load`` (:func:`key_tables`): padding keys are never read and
+    stay 0."""
     op_dtype, tp_dtype, D = cfg.op_dtype, cfg.tp_dtype, cfg.D
-    gathered = rt is not None and rt.has_k
-    if gathered:
-        B, Hkv, Nk, _ = k.shape
-        n_rows = B * Hkv * Nk
+    if k_load is not None:
+        n_rows = k.shape[0] * k.shape[1] * k.shape[2]
         k_rows, v_rows = k.reshape((n_rows, D)), v.reshape((n_rows, D))
     for bi, (off, n) in enumerate(kt.blocks):
-        if gathered:
-            j0 = kt.c0 + off
-            idx, store = rt.row_map((b * Hkv + g) * Nk + j0, n_rows, j0, n, keys=True)
-            if k_store is not None:
-                k_store[0:n, bi:bi + 1] = nisa.tensor_copy(store, engine=nisa.gpsimd_engine)
+        if k_load is not None:
+            col = (kt.c0 + off) // PMAX
             k_nat[0:n, bi, :] = nisa.memset((n, D), 0.0, dtype=op_dtype,
                                             engine=nisa.gpsimd_engine)
-            gather_rows(k_nat[0:n, bi, :], k_rows, idx, n, D)
+            gather_rows(k_nat[0:n, bi, :], k_rows, k_load, col, n, D)
             v_in = nisa.memset((n, D), 0.0, dtype=op_dtype, engine=nisa.gpsimd_engine)
-            gather_rows(v_in, v_rows, idx, n, D)
+            gather_rows(v_in, v_rows, k_load, col, n, D)
         else:
             ksl = nl.ds(kt.c0 + off, n)
             k_nat[0:n, bi, :] = nl.load(k[b, g, ksl, :], dtype=op_dtype)
@@ -592,7 +620,7 @@ def write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, scale, out_dtype, scratch
         for out, psum, factor, part in ((dk, dk_psum, scale, 0), (dv, dv_psum, 1.0, 1)):
             if first and last:
                 tile = nisa.activation(nl.copy, psum[0:n, acc], scale=factor, dtype=out_dtype)
-                store_rows(out, b, g, kt.c0 + off, n, tile, k_store, bi)
+                store_rows(out, b, g, kt.c0 + off, n, tile, k_store, (kt.c0 + off) // PMAX)
                 continue
             total = nisa.activation(nl.copy, psum[0:n, acc], scale=factor, dtype=nl.float32)
             if not first:
@@ -600,7 +628,7 @@ def write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, scale, out_dtype, scratch
                 total = nisa.tensor_tensor(total, prev, np.add, dtype=nl.float32)
             if last:
                 store_rows(out, b, g, kt.c0 + off, n, nisa.tensor_copy(total, dtype=out_dtype),
-                           k_store, bi)
+                           k_store, (kt.c0 + off) // PMAX)
             else:
                 nl.store(scratch[part][ksl, :], value=total)
 
@@ -674,6 +702,7 @@ def backward_program(cfg, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scrat
     passes = plan_q_tiles(G, Nq, cfg.rows_per_pass)
     ktiles = plan_k_tiles(Nk, cfg.key_tile)
     h0 = g * G
+    k_load, k_store = key_tables(rt, k, b, g)
 
     for p_idx, qtiles in enumerate(passes):
         n_slots = len(qtiles)
@@ -683,10 +712,8 @@ def backward_program(cfg, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scrat
         do_T = nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
         neg_delta = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
         exp_bias = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
-        q_store = (nl.ndarray((PMAX, n_slots), dtype=nl.int32, buffer=nl.sbuf)
-                   if rt is not None and rt.rotate_q else None)
-        load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, do_T,
-                        neg_delta, exp_bias, q_store)
+        q_store = load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat,
+                                  do_T, neg_delta, exp_bias)
         if cfg.dq_accumulate == "sbuf":
             dq_acc = nl.zeros((PMAX, n_slots, D), dtype=nl.float32, buffer=nl.sbuf)
         else:
@@ -696,9 +723,7 @@ def backward_program(cfg, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scrat
             k_nat = nl.ndarray((PMAX, n_kblk, D), dtype=op_dtype, buffer=nl.sbuf)
             k_T = nl.ndarray((d_part, n_dc, cfg.key_tile), dtype=op_dtype, buffer=nl.sbuf)
             v_T = nl.ndarray((d_part, n_dc, cfg.key_tile), dtype=op_dtype, buffer=nl.sbuf)
-            k_store = (nl.ndarray((PMAX, n_kblk), dtype=nl.int32, buffer=nl.sbuf)
-                       if rt is not None and rt.rotate_k else None)
-            load_kv_tile(cfg, rt, k, v, b, g, kt, k_nat, k_T, v_T, k_store)
+            load_kv_tile(cfg, k, v, b, g, kt, k_nat, k_T, v_T, k_load)
             key_row = rt.key_row(kt) if rt is not None else None
             dk_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
             dv_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
