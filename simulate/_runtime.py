@@ -329,13 +329,16 @@ def _kernel_name(func):
 def launch(func, grid, args, kwargs, opts):
     """Run ``func`` as a kernel on every grid point; return host results (see __init__)."""
     from ._tensor import Storage, Tensor, host_array
+    from ._scope import check_kernel
 
     if in_kernel():
         if grid:
             raise nki_error("err_nested_kernel_with_spmd_grid", "syntax",
                             f"Calling kernel with spmd grid ({_kernel_name(func)}"
                             f"{list(grid)}) inside another kernel is not supported")
-        return func(*args, **kwargs)
+        r = func(*args, **kwargs)
+        check_kernel(func)
+        return r
 
     tgt = resolve_target(opts)
     sizes = resolve_grid(grid, tgt) if grid else ()
@@ -391,6 +394,11 @@ def launch(func, grid, args, kwargs, opts):
             finally:
                 stack.pop()
                 ctx.pending = None
+            if L.instance == 0:
+                # front-end block-scope rule (AST of the kernel's source, cached per function);
+                # checked after the first instance so trace-time errors raised before the
+                # out-of-scope read keep precedence
+                check_kernel(func)
             peak_s = max(peak_s, ctx.peak_sbuf)
             peak_p = max(peak_p, ctx.peak_psum)
             peak_b = max(peak_b, ctx.peak_banks)
