@@ -152,7 +152,9 @@ class IndexExpr:
                 if v not in d:
                     order.append(v)
                 d[v] = d.get(v, 0) + sign * c
-            terms = tuple((v, d[v]) for v in dict.fromkeys(order) if d[v] != 0)
+            # a variable whose coefficient cancels to 0 keeps its axis and extent: the
+            # expression's shape is the broadcast shape of all its aranges (spec §9.16)
+            terms = tuple((v, d[v]) for v in dict.fromkeys(order))
             return IndexExpr(terms, self.const + sign * other.const)
         if _is_int(other):
             if not self.affine:
@@ -187,8 +189,7 @@ class IndexExpr:
             o = int(o)
             if not self.affine:
                 return IndexExpr((), 0, self.values() * o, affine=False)
-            if o == 0:
-                return IndexExpr((), 0)
+            # ``0 * nl.arange(n)[:, None]`` is all zeros but still spans the arange's axis
             return IndexExpr(tuple((v, c * o) for v, c in self.terms), self.const * o)
         if isinstance(o, IndexExpr):
             return _nonaffine(self, o, operator.mul)

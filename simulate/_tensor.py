@@ -712,12 +712,15 @@ def _index_advanced(t, key):
         if isinstance(k, IndexExpr):
             lo, _ = k.bounds()
             p0 += lo * pst
-            if len(k.terms) == 1:
-                var, c = k.terms[0]
+            nz = [(var, c) for var, c in k.terms if c != 0]
+            if len(nz) == 1:
+                var, c = nz[0]
                 new_pax = R - var.ndim + var.axis
                 pst *= c
             else:
                 new_pax = 0
+                if k.terms and not nz:
+                    pst = 0              # ``0 * arange``: every partition reads one row
         elif pax in dyn:
             new_pax = 0
         else:
@@ -730,7 +733,7 @@ def _index_advanced(t, key):
         ok = True
         for k in key:
             if isinstance(k, IndexExpr):
-                if not k.affine or len(k.terms) != 1:
+                if not k.affine or len(k.terms) != 1 or k.terms[0][1] == 0:
                     ok = False
                     break
                 var, c = k.terms[0]

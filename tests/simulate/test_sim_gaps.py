@@ -1,0 +1,53 @@
+"""Simulator gaps reported by the kernel authors."""
+import numpy as np
+import pytest
+
+import simulate as nki
+import simulate.isa as nisa
+import simulate.language as nl
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. an arange with coefficient 0 keeps its axis
+# ---------------------------------------------------------------------------------------------
+def test_iota_of_zero_times_arange_keeps_partition_dim():
+    shapes = {}
+
+    @nki.jit
+    def k(a):
+        ip = nl.arange(128)[:, None]
+        jf = nl.arange(64)[None, :]
+        z = nisa.iota(0 * ip, dtype=nl.int32)
+        w = nisa.iota(0 * ip + jf, dtype=nl.float32)
+        u = nisa.iota(ip - ip + 3, dtype=nl.int32)
+        v = nisa.iota((0 * nl.arange(128))[:, None], dtype=nl.int32)
+        shapes.update(z=z.shape, w=w.shape, u=u.shape, v=v.shape)
+        o = nl.ndarray((128, 66), nl.float32, buffer=nl.shared_hbm)
+        nl.store(o[:, 0:64], w)
+        nl.store(o[:, 64:65], z)
+        nl.store(o[:, 65:66], u)
+        return o
+    o = k(np.zeros((1, 1), np.float32))
+    assert shapes == {"z": (128, 1), "w": (128, 64), "u": (128, 1), "v": (128, 1)}
+    np.testing.assert_array_equal(o[:, :64], np.broadcast_to(np.arange(64), (128, 64)))
+    assert not o[:, 64].any() and (o[:, 65] == 3).all()
+
+
+def test_zero_coefficient_index_broadcasts_a_row_over_partitions():
+    a = np.arange(4 * 32, dtype=np.float32).reshape(4, 32)
+    shapes = []
+
+    @nki.jit
+    def k(x):
+        ip = nl.arange(16)[:, None]
+        jf = nl.arange(32)[None, :]
+        t = nl.load(x[0 * ip + 2, jf])              # row 2 on every partition
+        shapes.append(t.shape)
+        o = nl.ndarray((16, 32), nl.float32, buffer=nl.shared_hbm)
+        nl.store(o, t)
+        return o
+    with nki.measure() as m:
+        o = k(a)
+    np.testing.assert_array_equal(o, np.broadcast_to(a[2], (16, 32)))
+    assert shapes == [(16, 32)]
+    assert m.per_tensor["x"]["read"] == 16 * 32 * 4
