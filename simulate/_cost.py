@@ -1,7 +1,9 @@
 """Cost formulas (hardware-and-limits.md §1-§3, "Estimated instruction cost" notes of the ISA
 docs) and the per-launch recorder.
 
-Cycle formulas (N = free elements per partition of the instruction's data operand):
+Cycle formulas (N = free elements per partition the instruction writes; for element-wise
+instructions that is the data operand's size, or the destination's when the result is written
+straight into a larger, broadcast destination -- see ``charge``):
 
 =========================  ===========================================================
 TensorE nc_matmul          max(min(64, M_stationary), N_moving), x4 if an operand is fp32
@@ -62,6 +64,14 @@ def tensor_scalar_cycles(tgt, n, in_psum, out_psum, in16, out16):
         else:
             c = n / 2.0
     return ii(c)
+
+
+def charge(ctx, engine, cycles_fn, n):
+    """Record one instruction of ``cycles_fn(n)`` cycles, ``n`` = free elements per partition
+    it writes, and keep the formula so that a direct write of its result into a larger
+    (broadcast) destination is charged for the elements written there (_tensor.assign)."""
+    ctx.rec.add(engine, cycles_fn(n))
+    ctx.last_charge = (engine, cycles_fn, n)
 
 
 def tensor_reduce_cycles(n, bf16_in_out_addmax):

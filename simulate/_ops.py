@@ -340,9 +340,9 @@ def unary(api, name, x, dtype=None, mask=None):
     m = eval_mask(mask, x.shape)
     n = free_size(x.shape)
     if eng == "scalar":
-        ctx.rec.add("scalar", _cost.act_cycles(n))
+        _cost.charge(ctx, "scalar", _cost.act_cycles, n)
     else:
-        ctx.rec.add("vector", _cost.ii(n))
+        _cost.charge(ctx, "vector", _cost.ii, n)
     return make_result(ctx, res, odi, m, api=api)
 
 
@@ -352,7 +352,7 @@ def unary_int(api, fn, x, dtype=None, mask=None):
     odi = out_info(dtype, di)
     res = fn(a)
     m = eval_mask(mask, x.shape)
-    ctx.rec.add("vector", _cost.ii(free_size(x.shape)))
+    _cost.charge(ctx, "vector", _cost.ii, free_size(x.shape))
     return make_result(ctx, np.asarray(res), odi, m, api=api)
 
 
@@ -403,7 +403,7 @@ def _charge_binary(ctx, engine, xt, yt, xdi, ydi, shape):
     n = free_size(shape)
     rec = ctx.rec
     if engine == "gpsimd":
-        rec.add("gpsimd", _cost.gpsimd_cycles(n))
+        _cost.charge(ctx, "gpsimd", _cost.gpsimd_cycles, n)
         return
     if xt is not None and yt is not None and len(shape):
         px = xt.shape[0] if xt.ndim else 1
@@ -413,16 +413,17 @@ def _charge_binary(ctx, engine, xt, yt, xdi, ydi, shape):
             rec.add("tensor", _cost.matmul_cycles(shape[0], n, False))
         fx, fy = free_size(xt.shape), free_size(yt.shape)
         if fx > 1 and fy > 1:
-            rec.add("vector", _cost.tensor_tensor_cycles(
-                n, xt._st.buffer == PSUM, yt._st.buffer == PSUM,
-                xdi is _dtypes.BF16 and ydi is _dtypes.BF16
-                and xt._st.buffer == SBUF and yt._st.buffer == SBUF))
+            flags = (xt._st.buffer == PSUM, yt._st.buffer == PSUM,
+                     xdi is _dtypes.BF16 and ydi is _dtypes.BF16
+                     and xt._st.buffer == SBUF and yt._st.buffer == SBUF)
+            _cost.charge(ctx, "vector", lambda k: _cost.tensor_tensor_cycles(k, *flags), n)
             return
     t = xt if xt is not None and (yt is None or free_size(xt.shape) >= free_size(yt.shape)) \
         else yt
     di = xdi if t is xt else ydi
-    rec.add("vector", _cost.tensor_scalar_cycles(ctx.tgt, n, t._st.buffer == PSUM, False,
-                                                 is16(di), is16(di)))
+    tgt, psum_in, b16 = ctx.tgt, t._st.buffer == PSUM, is16(di)
+    _cost.charge(ctx, "vector",
+                 lambda k: _cost.tensor_scalar_cycles(tgt, k, psum_in, False, b16, b16), n)
 
 
 def norm_axes(axis, ndim, api):

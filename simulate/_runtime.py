@@ -60,6 +60,7 @@ def enter():
         current()
         raise
     ctx.seq += 1
+    ctx.last_charge = None
     p = ctx.pending
     if p is not None:
         ctx.pending = None
@@ -76,6 +77,7 @@ def enter_keep(value):
         current()
         raise
     ctx.seq += 1
+    ctx.last_charge = None
     p = ctx.pending
     if p is not None and p is not value:
         ctx.pending = None
@@ -170,6 +172,9 @@ class Ctx:
         self.grid = launch.grid
         self.seq = 0
         self.pending = None
+        # cost formula of the current instruction's result, (engine, fn, n): lets a direct
+        # write into a larger (broadcast) destination be re-costed (_tensor.assign)
+        self.last_charge = None
         self.loop_depth = 0
         self.loops = []
         self.sbuf_live = 0

@@ -131,7 +131,7 @@ class Tensor:
     """An NKI tensor or tile (a view of a Storage). ``shape``/``dtype`` as in NKI."""
 
     __slots__ = ("_st", "shape", "_v", "_base", "_key", "_dyn", "_oob", "_pax", "_p0", "_pst",
-                 "_mask", "_tag", "_inpl", "__weakref__")
+                 "_mask", "_tag", "_inpl", "_chg", "__weakref__")
     _is_nki_tensor = True
     __array_ufunc__ = None      # make numpy defer to our reflected operators
 
@@ -970,6 +970,8 @@ def make_result(ctx, arr, di, mask=None, tag=None, buffer=SBUF, api="", rounded=
             t._v = arr
         np.copyto(t._v, di.sentinel, where=~mask)
     t._tag = tag
+    t._chg = ctx.last_charge
+    ctx.last_charge = None
     ctx.pending = t
     return t
 
@@ -1102,6 +1104,8 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
 
     rec = ctx.rec
     n = _free(dshape)
+    if direct:
+        _recharge_direct(ctx, value, vshape, dst, dshape, n, m)
     if accumulate is None:
         if ddi is not vdi and not (ddi is F32 and vdi.is_float):
             vals = ddi.round(vals)
@@ -1134,6 +1138,19 @@ def _free(shape):
     for s in shape[1:]:
         n *= s
     return n
+
+
+def _recharge_direct(ctx, value, vshape, dst, dshape, n, m):
+    """An instruction writing straight into ``dst`` is charged for what it writes there: a
+    compute result broadcast to a larger destination writes ``n`` (destination free size)
+    elements per partition, not its operands' size."""
+    chg = getattr(value, "_chg", None)
+    if chg is None:
+        return
+    value._chg = None                    # charge corrections apply once
+    engine, fn, n0 = chg
+    if n > n0:
+        ctx.rec.engine_cycles[engine] += fn(n) - fn(n0)
 
 
 def _charge_copy(ctx, value, dst, n):

@@ -434,7 +434,8 @@ def _activation(api, op, data, bias, scale, reduce_op, reduce_res, cmd, mask, dt
         _write_reg(ctx, reduce_res, ctx.act_acc, P, api)
     elif int(cmd) == int(reduce_cmd.reset):
         ctx.act_acc[:P] = 0
-    ctx.rec.add("scalar", _cost.act_cycles(_free(data.shape), reduce=do_reduce))
+    _cost.charge(ctx, "scalar", lambda k: _cost.act_cycles(k, reduce=do_reduce),
+                 _free(data.shape))
     return make_result(ctx, res, odi, m, api=api)
 
 
@@ -489,12 +490,13 @@ def tensor_tensor(data1, data2, op, *, dtype=None, mask=None, engine=None, **kwa
                 raise nki_error("err_unsupported_memory", "type",
                                 f"Expected operand '{nm}' of '{api}' (GpSimd engine) to be in "
                                 f"address space 'sbuf', but got a tile in 'psum' instead.")
-        ctx.rec.add("gpsimd", _cost.gpsimd_cycles(_free(data1.shape)))
+        _cost.charge(ctx, "gpsimd", _cost.gpsimd_cycles, _free(data1.shape))
     else:
-        ctx.rec.add("vector", _cost.tensor_tensor_cycles(
-            _free(data1.shape), data1._st.buffer == PSUM, data2._st.buffer == PSUM,
-            adi is _dtypes.BF16 and bdi is _dtypes.BF16 and data1._st.buffer == SBUF
-            and data2._st.buffer == SBUF and o.name in ("add", "multiply", "subtract")))
+        flags = (data1._st.buffer == PSUM, data2._st.buffer == PSUM,
+                 adi is _dtypes.BF16 and bdi is _dtypes.BF16 and data1._st.buffer == SBUF
+                 and data2._st.buffer == SBUF and o.name in ("add", "multiply", "subtract"))
+        _cost.charge(ctx, "vector", lambda k: _cost.tensor_tensor_cycles(k, *flags),
+                     _free(data1.shape))
     return make_result(ctx, np.asarray(res), odi, eval_mask(mask, data1.shape), api=api)
 
 
@@ -551,12 +553,12 @@ def tensor_scalar(data, op0, operand0, reverse0=False, op1=None, operand1=None,
     odi = _ops.out_info(dtype, di)
     n = _free(data.shape)
     if eng == "scalar":
-        ctx.rec.add("scalar", _cost.act_cycles(n))
+        _cost.charge(ctx, "scalar", _cost.act_cycles, n)
     elif eng == "gpsimd":
-        ctx.rec.add("gpsimd", _cost.gpsimd_cycles(n))
+        _cost.charge(ctx, "gpsimd", _cost.gpsimd_cycles, n)
     else:
-        ctx.rec.add("vector", _cost.tensor_scalar_cycles(
-            ctx.tgt, n, data._st.buffer == PSUM, False, _ops.is16(di), _ops.is16(odi)))
+        tgt, flags = ctx.tgt, (data._st.buffer == PSUM, False, _ops.is16(di), _ops.is16(odi))
+        _cost.charge(ctx, "vector", lambda k: _cost.tensor_scalar_cycles(tgt, k, *flags), n)
     return make_result(ctx, res, odi, eval_mask(mask, data.shape), api=api)
 
 
@@ -585,7 +587,7 @@ def scalar_tensor_tensor(*, data, op0, operand0, op1, operand1, reverse0=False,
     n = _free(data.shape)
     fast = (di is _dtypes.BF16 and bdi is _dtypes.BF16 and o0.name == "subtract"
             and o1.name == "multiply")
-    ctx.rec.add("vector", _cost.ii(n if fast else 2 * n))
+    _cost.charge(ctx, "vector", lambda k: _cost.ii(k if fast else 2 * k), n)
     return make_result(ctx, np.asarray(r, np.float32), odi, eval_mask(mask, data.shape),
                        api=api)
 
@@ -686,12 +688,12 @@ def tensor_copy(src, *, mask=None, dtype=None, engine=None, **kwargs):
             res = res.copy()
     n = _free(src.shape)
     if eng == "scalar":
-        ctx.rec.add("scalar", _cost.act_cycles(n))
+        _cost.charge(ctx, "scalar", _cost.act_cycles, n)
     elif eng == "gpsimd":
-        ctx.rec.add("gpsimd", _cost.gpsimd_cycles(n))
+        _cost.charge(ctx, "gpsimd", _cost.gpsimd_cycles, n)
     else:
-        ctx.rec.add("vector", _cost.tensor_scalar_cycles(
-            ctx.tgt, n, src._st.buffer == PSUM, False, _ops.is16(di), _ops.is16(odi)))
+        tgt, flags = ctx.tgt, (src._st.buffer == PSUM, False, _ops.is16(di), _ops.is16(odi))
+        _cost.charge(ctx, "vector", lambda k: _cost.tensor_scalar_cycles(tgt, k, *flags), n)
     return make_result(ctx, res, odi, eval_mask(mask, src.shape), api=api, rounded=True)
 
 
@@ -714,7 +716,7 @@ def tensor_copy_dynamic_src(src, *, mask=None, dtype=None, engine=None, **kwargs
     di = src._st.di
     odi = _ops.out_info(dtype, di)
     res = odi.round(np.array(a, copy=True)) if odi is not di else np.array(a, copy=True)
-    ctx.rec.add("vector", max(_hw.DYNAMIC_COPY_MIN_II, _free(src.shape)))
+    _cost.charge(ctx, "vector", lambda k: max(_hw.DYNAMIC_COPY_MIN_II, k), _free(src.shape))
     return make_result(ctx, res, odi, eval_mask(mask, src.shape), api=api, rounded=True)
 
 
@@ -735,7 +737,8 @@ def tensor_copy_dynamic_dst(*, dst, src, mask=None, dtype=None, engine=None, **k
             _deps.note_write(ctx, dst, m)
         dst._write(ddi.round(np.asarray(vals)) if ddi is not di else vals, m)
     dst._st.written = True
-    ctx.rec.add("vector", max(_hw.DYNAMIC_COPY_MIN_II, _free(src.shape)))
+    # the instruction writes the destination's elements (src may be broadcast)
+    ctx.rec.add("vector", max(_hw.DYNAMIC_COPY_MIN_II, _free(dst.shape)))
     return None
 
 
@@ -780,7 +783,7 @@ def reciprocal(data, *, dtype=None, mask=None, **kwargs):
     ctx = enter()
     a, di = tile_operand(data, "reciprocal", "data")
     res = np.float32(1.0) / _f32(a)
-    ctx.rec.add("vector", _cost.ii(_hw.RECIPROCAL_FACTOR * _free(data.shape)))
+    _cost.charge(ctx, "vector", lambda k: _cost.ii(_hw.RECIPROCAL_FACTOR * k), _free(data.shape))
     return make_result(ctx, np.asarray(res, np.float32), _ops.out_info(dtype, di),
                        eval_mask(mask, data.shape), api="reciprocal")
 
@@ -809,7 +812,7 @@ def iota(expr, dtype, *, mask=None, **kwargs):
     check_partitions(vals.shape, api, "expr")
     di = _dtypes.info(dtype)
     res = di.round(vals.astype(np.float32)) if di.is_float else di.round(vals)
-    ctx.rec.add("gpsimd", _cost.gpsimd_cycles(_free(vals.shape), start=True))
+    _cost.charge(ctx, "gpsimd", lambda k: _cost.gpsimd_cycles(k, start=True), _free(vals.shape))
     return make_result(ctx, np.array(res, copy=True), di, eval_mask(mask, vals.shape), api=api,
                        rounded=True)
 
@@ -822,7 +825,7 @@ def memset(shape, value, dtype, *, mask=None, engine=None, **kwargs):
     di = _dtypes.info(dtype)
     arr = di.round(np.full(shape, value, np.float32 if di.is_float else np.float64))
     eng = _engine_name(engine, "vector")
-    ctx.rec.add("gpsimd" if eng == "gpsimd" else "vector", _cost.ii(_free(shape)))
+    _cost.charge(ctx, "gpsimd" if eng == "gpsimd" else "vector", _cost.ii, _free(shape))
     return make_result(ctx, np.array(arr, copy=True), di, eval_mask(mask, shape), api="memset",
                        rounded=True)
 
@@ -853,7 +856,8 @@ def affine_select(pred, on_true_tile, on_false_value, *, mask=None, dtype=None, 
             res[...] = np.float32(on_false_value)
         else:
             np.copyto(res, np.float32(on_false_value), where=~p)
-    ctx.rec.add("gpsimd", _cost.gpsimd_cycles(_free(on_true_tile.shape), start=True))
+    _cost.charge(ctx, "gpsimd", lambda k: _cost.gpsimd_cycles(k, start=True),
+                 _free(on_true_tile.shape))
     return make_result(ctx, res, odi, eval_mask(mask, on_true_tile.shape), api=api)
 
 
@@ -964,7 +968,7 @@ def dropout(data, prob, *, mask=None, dtype=None, **kwargs):
     odi = _ops.out_info(dtype, di)
     if di.is_int and odi is not di:
         raise ValueError("dropout on integer data: the output dtype must equal the input dtype")
-    ctx.rec.add("vector", _cost.ii(_free(data.shape)))
+    _cost.charge(ctx, "vector", _cost.ii, _free(data.shape))
     return make_result(ctx, res, odi, eval_mask(mask, data.shape), api=api)
 
 

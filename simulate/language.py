@@ -588,9 +588,9 @@ def copy(src, *, mask=None, dtype=None, **kwargs):
         if res is a:
             res = res.copy()
     m = eval_mask(mask, src.shape)
-    ctx.rec.add("vector", _cost.tensor_scalar_cycles(
-        ctx.tgt, _free(src.shape), src._st.buffer == _PSUM, False, _ops.is16(di),
-        _ops.is16(odi)))
+    tgt, flags = ctx.tgt, (src._st.buffer == _PSUM, False, _ops.is16(di), _ops.is16(odi))
+    _cost.charge(ctx, "vector", lambda k: _cost.tensor_scalar_cycles(tgt, k, *flags),
+                 _free(src.shape))
     return make_result(ctx, res, odi, m, api="copy", rounded=True)
 
 
@@ -675,7 +675,7 @@ def broadcast_to(src, *, shape=None, **kwargs):
     if src.ndim and src.shape[0] != shape[0]:
         ctx.rec.add("tensor", _cost.matmul_cycles(shape[0], n, di is F32))
     else:
-        ctx.rec.add("vector", _cost.ii(n))
+        _cost.charge(ctx, "vector", _cost.ii, n)
     return make_result(ctx, res, di, api="broadcast_to", rounded=True)
 
 
@@ -807,7 +807,7 @@ def where(condition, x, y, *, dtype=None, mask=None, **kwargs):
     ya = _ops.rpad(np.asarray(_ops.to_f32(ya)), nd)
     res = np.where(c, xa, ya)
     res = np.broadcast_to(res, shape).astype(np.float32)
-    ctx.rec.add("vector", _cost.ii(2 * _free(shape)))
+    _cost.charge(ctx, "vector", lambda k: _cost.ii(2 * k), _free(shape))
     return make_result(ctx, res, odi, eval_mask(mask, shape), api="where")
 
 
@@ -980,7 +980,7 @@ def dropout(x, rate, *, dtype=None, mask=None, **kwargs):
     keep = ctx.rng.random(x.shape, dtype=np.float32) >= r
     res = np.where(keep, _ops.to_f32(a), np.float32(0))
     odi = _ops.out_info(dtype, di)
-    ctx.rec.add("vector", _cost.ii(_free(x.shape)))
+    _cost.charge(ctx, "vector", _cost.ii, _free(x.shape))
     return make_result(ctx, res, odi, eval_mask(mask, x.shape), api="dropout")
 
 

@@ -51,3 +51,70 @@ def test_zero_coefficient_index_broadcasts_a_row_over_partitions():
     np.testing.assert_array_equal(o, np.broadcast_to(a[2], (16, 32)))
     assert shapes == [(16, 32)]
     assert m.per_tensor["x"]["read"] == 16 * 32 * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. a result written straight into a larger (broadcast) destination costs what it writes
+# ---------------------------------------------------------------------------------------------
+def _cycles(body, target="trn1", src_shape=(128, 1), dst_dtype=nl.float32):
+    @nki.jit
+    def k(a):
+        x = nl.load(a)
+        dst = nl.ndarray((128, 512), dst_dtype)
+        body(x, dst)
+        o = nl.ndarray((128, 512), dst_dtype, buffer=nl.shared_hbm)
+        nl.store(o, dst)
+        return o
+    with nki.measure(target=target) as m:
+        k(np.ones(src_shape, np.float32))
+    return m.engine_cycles
+
+
+def test_direct_write_into_broadcast_destination_is_charged_by_destination_size():
+    def copy(x, dst):
+        dst[...] = nl.copy(x)
+
+    def isa_copy(x, dst):
+        dst[...] = nisa.tensor_copy(x)
+
+    def exp(x, dst):
+        dst[...] = nl.exp(x)
+
+    def act(x, dst):
+        dst[...] = nisa.activation(nl.exp, x, scale=2.0)
+
+    def ts(x, dst):
+        dst[...] = nisa.tensor_scalar(x, np.multiply, 2.0)
+
+    def recip(x, dst):
+        dst[...] = nisa.reciprocal(x)
+
+    def named(x, dst):
+        y = nl.copy(x)
+        nl.exp(x)                                    # y is no longer the pending result
+        dst[...] = y
+
+    assert _cycles(copy) == {"vector": 512}
+    assert _cycles(isa_copy) == {"vector": 512}
+    assert _cycles(exp) == {"scalar": 512}
+    assert _cycles(act) == {"scalar": 512}
+    assert _cycles(ts) == {"vector": 512}
+    assert _cycles(recip) == {"vector": 8 * 512}
+    assert _cycles(named) == {"vector": 64 + 512, "scalar": 64}
+    # no broadcast: unchanged
+    assert _cycles(copy, src_shape=(128, 512)) == {"vector": 512}
+
+
+def test_tensor_copy_dynamic_dst_is_charged_by_destination_size():
+    @nki.jit
+    def k(a):
+        x = nl.load(a)
+        dst = nl.ndarray((128, 1024), nl.float32)
+        nisa.tensor_copy_dynamic_dst(dst=dst, src=x)
+        o = nl.ndarray((128, 1024), nl.float32, buffer=nl.shared_hbm)
+        nl.store(o, dst)
+        return o
+    with nki.measure() as m:
+        o = k(np.full((128, 1), 3.0, np.float32))
+    assert (o == 3.0).all()
+    assert m.engine_cycles == {"vector": 1024}
