@@ -118,6 +118,7 @@ from nki_kernels.tiles import (
     BWD_LSE_NO_KEY,
     BWD_MASK_FILL,
     FWD_FOLD_SCALE_RANGE,
+    FWD_MASK_NEG,
     PMAX,
     bwd_key_tile,
     bwd_rows_per_pass,
@@ -251,6 +252,9 @@ class RuntimeMasks:
     * **Keys past kv_len are masked before the exp** like the forward's: ``MASK_NEG * 1 (x)
       key_row`` (``masks.neg_row``, ``masks.key_length_row``) accumulated into S in PSUM by a
       rank-1 TensorE matmul, so their P and dS are exactly 0, and so are their dK, dV rows.
+      When D % 128 != 0 the two rows instead fill the spare contraction partition
+      ``mask_row`` of Q^T and K^T's last head-dim chunk (SBUF -> SBUF DMAs, exempt from the
+      start-partition rule), and the S matmul adds the mask at no TensorE cost.
     * **The band stays static.** bottom_right alignment (and a window without causal) with
       lengths puts the diagonal at ``j - i = kv_len - q_len + hi``: runtime data. The gathers
       then *rotate* the sequence (``rotate_q``/``rotate_k``): SBUF row i' holds HBM row
@@ -262,7 +266,8 @@ class RuntimeMasks:
       the stores scatter dQ, dK, dV back through the same bijection, zero rows included.
     """
 
-    def __init__(self, spec: M.MaskSpec, kv_lens, q_lens, b, Nq: int, Nk: int):
+    def __init__(self, spec: M.MaskSpec, kv_lens, q_lens, b, Nq: int, Nk: int, D: int,
+                 op_dtype):
         raw, self.lens_p = M.load_lengths(kv_lens, q_lens, b, Nk, Nq)
         self.kv_len_p = self.lens_p[:, 0:1]
         self.q_len_p = self.lens_p[:, 1:2]
@@ -270,9 +275,15 @@ class RuntimeMasks:
         rotate = spec.has_diag and not spec.top_left
         self.rotate_q, self.rotate_k = rotate and self.has_q, rotate and self.has_k
         self.Nq, self.Nk = Nq, Nk
+        # With a spare partition in the last head-dim chunk (D % 128 != 0) the rank-1 key mask
+        # rides in the S matmul itself: Q^T gets a MASK_NEG row there and K^T the key row
+        # (free on TensorE). fp16 operands cannot hold MASK_NEG: separate bf16 matmul.
+        self.mask_row = D % PMAX if (self.has_k and D % PMAX and op_dtype != nl.float16) \
+            else None
         self.neg_row = self.key_start = None
         if self.has_k:
-            self.neg_row = M.neg_row(PMAX)
+            if self.mask_row is None:
+                self.neg_row = M.neg_row(PMAX)
             # the key row compares with kv_len, or with the first valid key Nk - kv_len
             self.key_start = (nisa.tensor_scalar(raw[0:1, 0:1], np.subtract, float(Nk),
                                                  reverse0=True, dtype=nl.float32)
@@ -280,7 +291,7 @@ class RuntimeMasks:
 
     def key_row(self, kt: "KTile"):
         """bf16 ``[1, cols]``: 1.0 at the tile's padding keys (None without kv_lens)."""
-        if self.neg_row is None:
+        if not self.has_k:
             return None
         return M.key_length_row(self.key_start, kt.c0, kt.cols, below=self.rotate_k)
 
@@ -418,7 +429,9 @@ def load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, d
       key, or a padding row past q_len), computed as ``m * BIAS_NO_KEY - max(LSE, LSE_NO_KEY)``
       with ``m = [LSE < LSE_NO_KEY]`` so every intermediate is finite;
 
-    Returns the dQ scatter indices ``[128, slots]`` (None unless the rows are rotated).
+    With the key mask in the S matmul, Q^T's row ``rt.mask_row`` of the last head-dim chunk is
+    ``MASK_NEG``. Returns the dQ scatter indices ``[128, slots]`` (None unless the rows are
+    rotated).
     """
     op_dtype, tp_dtype = cfg.op_dtype, cfg.tp_dtype
     q_load = q_store = None
@@ -449,6 +462,10 @@ def load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, d
             _transpose_into(q_T[0:dsz, c, cols], q_nat[0:rows, s, d0:d0 + dsz], tp_dtype,
                             scale=cfg.q_scale)
             _transpose_into(do_T[0:dsz, c, cols], do_nat[0:rows, s, d0:d0 + dsz], tp_dtype)
+    if rt is not None and rt.mask_row is not None:
+        n = len(qtiles) * PMAX
+        neg = nisa.memset((1, n), FWD_MASK_NEG, dtype=op_dtype, engine=nisa.gpsimd_engine)
+        nisa.dma_copy(dst=q_T[rt.mask_row:rt.mask_row + 1, len(cfg.d_chunks) - 1, 0:n], src=neg)
     return q_store
 
 
@@ -506,7 +523,10 @@ def recompute_p(cfg, spec, rt, vis, kt, key_row, q_T, k_T, exp_bias):
     qt = vis.qt
     rows, s, w = qt.rows, qt.slot, vis.w
     s_psum = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.psum)
+    last = len(cfg.d_chunks) - 1
     for c, (d0, dsz) in enumerate(cfg.d_chunks):
+        if c == last and rt is not None and rt.mask_row is not None:
+            dsz += 1    # MASK_NEG row (x) key row: the key mask inside the S matmul
         _accumulate(s_psum, c == 0, nisa.nc_matmul(q_T[0:dsz, c, nl.ds(s * PMAX, rows)],
                                                    k_T[0:dsz, c, nl.ds(vis.a, w)]))
     if key_row is not None:
@@ -697,6 +717,8 @@ def backward_program(cfg, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scrat
     G, D, d_chunks = cfg.G, cfg.D, cfg.d_chunks
     op_dtype = cfg.op_dtype
     n_dc, d_part = len(d_chunks), min(D, PMAX)
+    # Q^T, K^T: one more partition when the key mask row rides in a D < 128 contraction
+    s_part = d_part + (1 if rt is not None and rt.mask_row is not None and D < PMAX else 0)
     n_kblk = cfg.key_tile // PMAX
     Nq, Nk = q.shape[2], k.shape[2]
     passes = plan_q_tiles(G, Nq, cfg.rows_per_pass)
@@ -708,7 +730,7 @@ def backward_program(cfg, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scrat
         n_slots = len(qtiles)
         q_nat = nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf)
         do_nat = nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf)
-        q_T = nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
+        q_T = nl.ndarray((s_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
         do_T = nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
         neg_delta = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
         exp_bias = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
@@ -721,10 +743,14 @@ def backward_program(cfg, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scrat
 
         for kt in ktiles:
             k_nat = nl.ndarray((PMAX, n_kblk, D), dtype=op_dtype, buffer=nl.sbuf)
-            k_T = nl.ndarray((d_part, n_dc, cfg.key_tile), dtype=op_dtype, buffer=nl.sbuf)
+            k_T = nl.ndarray((s_part, n_dc, cfg.key_tile), dtype=op_dtype, buffer=nl.sbuf)
             v_T = nl.ndarray((d_part, n_dc, cfg.key_tile), dtype=op_dtype, buffer=nl.sbuf)
             load_kv_tile(cfg, k, v, b, g, kt, k_nat, k_T, v_T, k_load)
             key_row = rt.key_row(kt) if rt is not None else None
+            if key_row is not None and rt.mask_row is not None:
+                nisa.dma_copy(dst=k_T[rt.mask_row:rt.mask_row + 1, n_dc - 1, 0:kt.cols],
+                              src=key_row)
+                key_row = None     # in the S matmul now
             dk_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
             dv_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
 
@@ -862,7 +888,7 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, *, scale=1.0,
                   if dq_accumulate == "hbm" else None)
 
     b, g = nl.program_id(0), nl.program_id(1)
-    rt = (RuntimeMasks(spec, kv_lens, q_lens, b, Nq, Nk)
+    rt = (RuntimeMasks(spec, kv_lens, q_lens, b, Nq, Nk, D, op_dtype)
           if (kv_lens is not None or q_lens is not None) else None)
     backward_program(cfg, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scratch, dq_scratch)
     if grads == ("dk", "dv"):

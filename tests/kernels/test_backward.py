@@ -274,6 +274,26 @@ def test_lengths_with_scales_outside_the_fold_range(scale, causal):
     check_grads(run_kernel(*inputs, **mask), q, k, v, do, **mask)
 
 
+@pytest.mark.parametrize("D,dtype,mixed_precision", [
+    (128, BF16, True),     # rank-1 mask matmul (no spare contraction partition)
+    (80, BF16, True),      # mask row on partition 80 of Q^T / K^T, inside the S matmul
+    (200, BF16, True),     # ... on partition 72 of the second head-dim chunk
+    (48, F16, True),       # fp16 operands cannot hold MASK_NEG: separate bf16 matmul
+    (48, F32, False),      # fp32 operands, mask row in the fp32 S matmul
+])
+def test_key_mask_paths(D, dtype, mixed_precision):
+    """Every way the kv_lens mask reaches S, with NaN in the padding."""
+    q_lens, kv_lens = np.array([130, 0, 77]), np.array([300, 140, 1])
+    mask = dict(causal="top_left", q_lens=q_lens, kv_lens=kv_lens)
+    q, k, v, do, o, lse = make_inputs(3, 2, 1, 150, 300, D, dtype, D, **mask)
+    _poison_padding(q_lens, kv_lens, q, k, v, do, o, lse)
+    got = run_kernel(q, k, v, do, o, lse, mixed_precision=mixed_precision, **mask)
+    clean = [np.nan_to_num(np.asarray(x, np.float32)).astype(dtype) for x in (q, k, v, do)]
+    check_grads(got, *clean, mixed_precision=mixed_precision, **mask)
+    dk = np.asarray(got[1], np.float64)
+    assert not dk[0, :, 300:].any() and not dk[1, :, 140:].any() and not dk[2, :, 1:].any()
+
+
 def test_only_one_length_array():
     """kv_lens alone (key mask, every row valid) and q_lens alone (rows only)."""
     run_and_check(2, 2, 1, 150, 140, 64, BF16, seed=78, causal="top_left",
