@@ -107,19 +107,21 @@ class LaunchRecord:
         self.instructions[engine] += 1
         self.engine_cycles[engine] += cycles
 
-    def dma(self, nbytes, contiguous_bytes, rate=1.0, read=None, written=None, extra=0):
+    def dma(self, nbytes, contiguous_bytes, rate=1.0, read=None, written=None,
+            read_bytes=None, written_bytes=None):
         """One DMA instruction moving ``nbytes``; ``read``/``written`` name the HBM tensors
-        whose bytes are counted (None for SBUF-side)."""
+        whose bytes are counted (``read_bytes``/``written_bytes``, default ``nbytes``)."""
         self.dma_transfers += 1
         self.instructions["dma"] += 1
         self.dma_bytes_per_partition.append(int(contiguous_bytes))
         bw = self._tgt.dma_bytes_per_s * rate
         self.dma_seconds += nbytes / bw + _hw.DMA_FIXED_NS_PER_INSTRUCTION * 1e-9
         if read is not None:
-            self.hbm_bytes_read += nbytes
-            self.per_tensor.setdefault(read, {"read": 0, "written": 0})["read"] += nbytes
+            rb = nbytes if read_bytes is None else read_bytes
+            self.hbm_bytes_read += rb
+            self.per_tensor.setdefault(read, {"read": 0, "written": 0})["read"] += rb
         if written is not None:
-            wb = nbytes + extra
+            wb = nbytes if written_bytes is None else written_bytes
             self.hbm_bytes_written += wb
             self.per_tensor.setdefault(written, {"read": 0, "written": 0})["written"] += wb
 

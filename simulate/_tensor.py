@@ -838,22 +838,26 @@ def _resolve(t, mask, skip_oob):
                 bad = b if bad is None else (bad | b)
         if bad is not None:
             bad = np.broadcast_to(bad, t.shape)
-            if mask is not None and mask is not False:
-                bad = bad & mask
-            if bad.any():
-                if not skip_oob:
-                    bk = np.broadcast_arrays(*[np.asarray(k) for k in key])
-                    pos = tuple(int(x[0]) for x in np.nonzero(bad))
-                    flat = 0
-                    for d, kk in enumerate(bk):
-                        flat = flat * base_shape[d] + int(kk[pos])
-                    for n in base_shape[len(bk):]:
-                        flat *= n
-                    raise IndexError(f"index {flat} is out of bounds for axis 0 with size "
-                                     f"{int(np.prod(base_shape))}")
-                valid = ~bad
-                for d in t._dyn:
-                    key[d] = np.clip(key[d], 0, base_shape[d] - 1)
+            hit = bad                     # out-of-range rows that are actually accessed
+            if mask is False:
+                hit = None
+            elif mask is not None:
+                hit = bad & mask
+            if hit is not None and hit.any() and not skip_oob:
+                bk = np.broadcast_arrays(*[np.asarray(k) for k in key])
+                pos = tuple(int(x[0]) for x in np.nonzero(hit))
+                flat = 0
+                for d, kk in enumerate(bk):
+                    flat = flat * base_shape[d] + int(kk[pos])
+                for n in base_shape[len(bk):]:
+                    flat *= n
+                raise IndexError(f"index {flat} is out of bounds for axis 0 with size "
+                                 f"{int(np.prod(base_shape))}")
+            # skipped (oob_mode.skip) or masked-out out-of-range rows are neither read nor
+            # written: clip their indices and leave them out of ``valid``
+            valid = ~bad
+            for d in t._dyn:
+                key[d] = np.clip(key[d], 0, base_shape[d] - 1)
         key = tuple(key)
     if t._oob is not None:
         if mask is None:

@@ -1278,10 +1278,13 @@ def dma_copy(*, dst, src, mask=None, dst_rmw_op=None, oob_mode=oob_mode.error,
     if m is False:
         return None
     sshape = src.shape
-    vals = src._read(None) if src._dyn is None else None
+    vals = None
+    if src._dyn is None:
+        # a statically out-of-range source view is legal where the mask turns it off
+        vals = src._read(m if (src._oob is not None and sshape == dst.shape) else None)
     valid_src = None
     if vals is None:
-        key, valid_src = _tensor._resolve(src, None, skip)
+        key, valid_src = _tensor._resolve(src, m if sshape == dst.shape else None, skip)
         if valid_src is None:
             vals = src._base[key]
         else:
@@ -1291,27 +1294,36 @@ def dma_copy(*, dst, src, mask=None, dst_rmw_op=None, oob_mode=oob_mode.error,
     if sshape != dst.shape:
         vals = fit_value(vals, sshape, dst.shape, dstt.name, "src")
         if valid_src is not None:
-            valid_src = valid_src.reshape(dst.shape)
+            valid_src = _tensor.fit_mask(valid_src, sshape, dst.shape)
     wmask = _tensor.combine_masks(m, valid_src)
+    # rows of an indirect destination skipped by oob_mode.skip are not written (and their
+    # source rows are not read): leave them out of the transfer
+    if dst._dyn is not None and skip:
+        _, valid_dst = _tensor._resolve(dst, wmask, True)
+        if valid_dst is not None:
+            wmask = _tensor.combine_masks(wmask, valid_dst)
+    if isinstance(wmask, np.ndarray) and not wmask.any():
+        wmask = False
     ddi, sdi = dstt.di, sst.di
-    if dst_rmw_op is not None:
-        cur = dst._read(wmask if isinstance(wmask, np.ndarray) else None)
-        res = (_f32(cur) + _f32(vals)) if ddi.is_float else cur.astype(np.int64) + vals
-        vals = ddi.round(np.asarray(res))
-    elif ddi is not sdi and not (ddi is F32 and sdi.is_float):
-        vals = ddi.round(np.asarray(vals))
-    if ctx.loops and dst_rmw_op is None:
-        _deps.note_write(ctx, dst, wmask)
-    dst._write(vals, wmask, skip_oob=skip)
+    if wmask is not False:
+        if dst_rmw_op is not None:
+            cur = dst._read(wmask if isinstance(wmask, np.ndarray) else None)
+            res = (_f32(cur) + _f32(vals)) if ddi.is_float else cur.astype(np.int64) + vals
+            vals = ddi.round(np.asarray(res))
+        elif ddi is not sdi and not (ddi is F32 and sdi.is_float):
+            vals = ddi.round(np.asarray(vals))
+        if ctx.loops and dst_rmw_op is None:
+            _deps.note_write(ctx, dst, wmask)
+        dst._write(vals, wmask, skip_oob=skip)
     dstt.written = True
-    cnt = dst._count(wmask if wmask is not None else None)
-    if isinstance(wmask, np.ndarray):
-        cnt = int(np.count_nonzero(wmask))
-    hbm_side = sst if sst.buffer in _HBMS else dstt
+    cnt = dst._count(wmask)
+    src_hbm, dst_hbm = sst.buffer in _HBMS, dstt.buffer in _HBMS
+    hbm_side = sst if src_hbm else dstt
     nbytes = cnt * hbm_side.di.itemsize
-    cont = _contig(src if sst.buffer in _HBMS else dst, hbm_side.di)
-    ctx.rec.dma(nbytes, cont, read=sst.name if sst.buffer in _HBMS else None,
-                written=dstt.name if dstt.buffer in _HBMS else None)
+    cont = _contig(src if src_hbm else dst, hbm_side.di)
+    ctx.rec.dma(nbytes, cont, read=sst.name if src_hbm else None,
+                written=dstt.name if dst_hbm else None,
+                read_bytes=cnt * sdi.itemsize, written_bytes=cnt * ddi.itemsize)
     return None
 
 

@@ -1,10 +1,90 @@
 """Simulator gaps reported by the kernel authors."""
+import ml_dtypes
 import numpy as np
 import pytest
 
 import simulate as nki
 import simulate.isa as nisa
 import simulate.language as nl
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. indirect DMA rows that are skipped (oob_mode.skip) or masked out are not counted
+# ---------------------------------------------------------------------------------------------
+def test_dma_copy_scatter_with_skip_counts_only_written_rows():
+    data = np.arange(4 * 512, dtype=np.float32).reshape(4, 512)
+    idx = np.array([[0], [9], [3], [100]], np.int32)        # rows 1 and 3 are out of range
+
+    @nki.jit
+    def k(d, ix):
+        it = nl.load(ix)
+        src = nl.load(d)
+        o = nl.ndarray((8, 512), nl.float32, buffer=nl.shared_hbm)
+        nl.store(o, nl.zeros((8, 512), nl.float32))
+        nisa.dma_copy(dst=o[it[nl.arange(4)[:, None], 0], nl.arange(512)[None, :]], src=src,
+                      oob_mode=nisa.oob_mode.skip)
+        return o
+    with nki.measure() as m:
+        o = k(data, idx)
+    np.testing.assert_array_equal(o[0], data[0])
+    np.testing.assert_array_equal(o[3], data[2])
+    assert not o[[1, 2, 4, 5, 6, 7]].any()
+    # zero fill (8 rows) + the two rows actually scattered
+    assert m.per_tensor["shared_hbm_0"]["written"] == (8 + 2) * 512 * 4
+
+
+def test_dma_copy_hbm_to_hbm_gather_with_skip_counts_read_and_written_rows():
+    idx = np.array([[0], [9], [3], [-1]], np.int32)
+
+    @nki.jit
+    def k(d, ix):
+        it = nl.load(ix)
+        o = nl.ndarray((4, 512), nl.bfloat16, buffer=nl.shared_hbm)
+        nl.store(o, nl.zeros((4, 512), nl.bfloat16))
+        nisa.dma_copy(dst=o, src=d[it[nl.arange(4)[:, None], 0], nl.arange(512)[None, :]],
+                      oob_mode=nisa.oob_mode.skip)
+        return o
+    d = np.arange(8 * 512, dtype=np.float32).reshape(8, 512)
+    with nki.measure() as m:
+        o = k(d, idx)
+    np.testing.assert_array_equal(o[[0, 2]].astype(np.float32),
+                                  d[[0, 3]].astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert not o[[1, 3]].astype(np.float32).any()
+    assert m.per_tensor["d"]["read"] == 2 * 512 * 4               # fp32 source rows
+    # bf16 destination: the written bytes use the destination's element size
+    assert m.per_tensor["shared_hbm_0"]["written"] == 4 * 512 * 2 + 2 * 512 * 2
+
+
+def test_masked_out_of_range_index_rows_in_load_and_store():
+    ix = np.array([[0], [1], [3], [100]], np.int32)           # row 3 is masked off
+
+    @nki.jit
+    def k(d, ixs):
+        it = nl.load(ixs)
+        ip = nl.arange(4)[:, None]
+        jf = nl.arange(512)[None, :]
+        t = nl.load(d[it[ip, 0], jf], mask=ip < 3)
+        o = nl.ndarray((8, 512), nl.float32, buffer=nl.shared_hbm)
+        nl.store(o, nl.zeros((8, 512), nl.float32))
+        nl.store(o[it[ip, 0], jf], t, mask=ip < 3)
+        return o
+    d = np.arange(8 * 512, dtype=np.float32).reshape(8, 512)
+    with nki.measure() as m:
+        o = k(d, ix)
+    np.testing.assert_array_equal(o[[0, 1, 3]], d[[0, 1, 3]])
+    assert not o[[2, 4, 5, 6, 7]].any()
+    assert m.per_tensor["d"]["read"] == 3 * 512 * 4
+    assert m.per_tensor["shared_hbm_0"]["written"] == (8 + 3) * 512 * 4
+
+
+def test_unmasked_out_of_range_index_still_raises():
+    @nki.jit
+    def k(d, ixs):
+        it = nl.load(ixs)
+        ip = nl.arange(4)[:, None]
+        return nl.load(d[it[ip, 0], nl.arange(8)[None, :]], mask=ip < 4)
+    with pytest.raises(IndexError, match="is out of bounds for axis 0 with size 64"):
+        k(np.ones((8, 8), np.float32), np.array([[0], [1], [3], [100]], np.int32))
 
 
 # ---------------------------------------------------------------------------------------------
