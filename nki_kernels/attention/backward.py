@@ -94,8 +94,14 @@ instead the gathers rotate each sequence so that its valid rows and keys end at 
 where the band is static again (scatter stores undo the rotation), so static tile skipping
 holds with lengths too. What runtime lengths cannot do is skip work by value: every tile the
 static band allows is computed, padding included -- a padded batch costs its padded shape
-(the lengths only save the HBM reads of padding), and ``kv_lens`` adds one rank-1 matmul per
-score tile (``w`` TensorE cycles per 128 x w scores, +1/5 of the 5 matmul passes at D <= 128).
+(the lengths only save the HBM reads of padding). ``kv_lens`` adds one rank-1 matmul per score
+tile when D is a multiple of 128 (``w`` TensorE cycles per 128 x w scores: a 6th pass next to
+the 5 at D = 128, +20 % TensorE); otherwise the mask rides in a spare contraction row of the S
+matmul for free. ``q_lens`` costs only O(N d) work (index tables, zero fills).
+
+Not fully confirmed APIs (reference/nki-api-spec.md): ``nisa.dma_copy`` casting between dtypes
+(documented in §7.5; [RE] lists a same-dtype rule for some DMA paths) -- the gathers of fp32
+inputs into bf16 operand tiles and the key row into fp32 operands rely on it, as decode.py does.
 
 Precision: matmul operands in the input dtype for bf16/fp16, bf16 for fp32 inputs with
 ``mixed_precision`` (fp32 otherwise); PSUM, D, LSE, the dQ accumulator and the dS arithmetic
@@ -241,8 +247,9 @@ class RuntimeMasks:
     """What the runtime ``kv_lens``/``q_lens`` of this program's sequence b mean on chip
     (built once per program; every tile shape stays a compile-time constant).
 
-    * ``lens_p`` fp32 ``[128, 2]`` = (kv_len, q_len) on every partition, ``kv_len_1`` fp32
-      ``[1, 1]`` on partition 0 (``masks.load_lengths``; a missing length is Nk or Nq).
+    * ``lens_p`` fp32 ``[128, 2]`` = (kv_len, q_len) on every partition, and kv_len (or, with
+      rotated keys, the first valid key ``Nk - kv_len``) on partition 0 for the key-mask row
+      (``masks.load_lengths``; a missing length is Nk or Nq).
     * **Padding never enters SBUF.** Rows of q, do, o, lse past q_len and rows of k, v past
       kv_len are skipped by indirect DMAs (:meth:`index_table`, index pushed out of bounds,
       ``oob_mode.skip``: decode.py's mechanism) and keep the zeros (lse: ``-inf``) their tiles
@@ -427,7 +434,7 @@ def load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, d
       rounding; negated because it is used as the ScalarE bias of ``dP - D``);
     * ``exp_bias = -LSE``, or ``BWD_EXP_BIAS_NO_KEY`` where LSE = -inf (a row with no visible
       key, or a padding row past q_len), computed as ``m * BIAS_NO_KEY - max(LSE, LSE_NO_KEY)``
-      with ``m = [LSE < LSE_NO_KEY]`` so every intermediate is finite;
+      with ``m = [LSE < LSE_NO_KEY]`` so every intermediate is finite.
 
     With the key mask in the S matmul, Q^T's row ``rt.mask_row`` of the last head-dim chunk is
     ``MASK_NEG``. Returns the dQ scatter indices ``[128, slots]`` (None unless the rows are
