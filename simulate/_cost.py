@@ -17,7 +17,9 @@ VectorE 2-pass ops         scalar_tensor_tensor, tensor_tensor_scan: max(64, 2N)
 trn2 VectorE perf mode     tensor_copy / tensor_scalar on 16-bit float data: N/4 SBUF->SBUF,
                            N/2 with one side in PSUM
 GpSimd                     max(64, N); iota / affine_select: N + 150
-DMA                        bytes / DMA bandwidth + 81.25 ns per DMA instruction
+DMA                        (bytes + 256 B x chunks) / DMA bandwidth + 81.25 ns per DMA
+                           instruction; a chunk = a run contiguous on both sides within one
+                           partition (see _dma.py); DMA transposes: bytes / (bandwidth x rate)
 =========================  ===========================================================
 """
 
@@ -93,6 +95,10 @@ class LaunchRecord:
         self.instructions = Counter()       # engine -> count
         self.engine_cycles = Counter()      # compute engine -> cycles
         self.dma_seconds = 0.0
+        self.dma_data_seconds = 0.0         # bytes / bandwidth (what a perfect DMA would take)
+        self.dma_move_seconds = 0.0         # modeled transfer time without the fixed costs
+        self.dma_chunks = 0                 # descriptors (contiguous chunks) of chunked DMAs
+        self.dma_chunked_bytes = 0          # bytes moved by chunked DMAs (not transposes)
         self.dma_transfers = 0
         self.dma_bytes_per_partition = []   # contiguous bytes per partition, one per transfer
         self.hbm_bytes_read = 0
@@ -107,15 +113,26 @@ class LaunchRecord:
         self.instructions[engine] += 1
         self.engine_cycles[engine] += cycles
 
-    def dma(self, nbytes, contiguous_bytes, rate=1.0, read=None, written=None,
+    def dma(self, nbytes, contiguous_bytes, chunks=None, rate=1.0, read=None, written=None,
             read_bytes=None, written_bytes=None):
-        """One DMA instruction moving ``nbytes``; ``read``/``written`` name the HBM tensors
-        whose bytes are counted (``read_bytes``/``written_bytes``, default ``nbytes``)."""
+        """One DMA instruction moving ``nbytes`` in ``chunks`` contiguous chunks (descriptors):
+        ``(nbytes + chunks * DMA_CHUNK_OVERHEAD_BYTES) / bandwidth`` + the fixed cost.
+        ``chunks=None``: no per-chunk term (DMA transposes, modeled by ``rate`` instead).
+        ``contiguous_bytes`` is the HBM-side contiguous bytes per partition (the
+        ``dma_bytes_per_partition`` entry). ``read``/``written`` name the HBM tensors whose
+        bytes are counted (``read_bytes``/``written_bytes``, default ``nbytes``)."""
         self.dma_transfers += 1
         self.instructions["dma"] += 1
         self.dma_bytes_per_partition.append(int(contiguous_bytes))
-        bw = self._tgt.dma_bytes_per_s * rate
-        self.dma_seconds += nbytes / bw + _hw.DMA_FIXED_NS_PER_INSTRUCTION * 1e-9
+        bw = self._tgt.dma_bytes_per_s
+        move = nbytes / (bw * rate)
+        if chunks:
+            self.dma_chunks += chunks
+            self.dma_chunked_bytes += nbytes
+            move += chunks * _hw.DMA_CHUNK_OVERHEAD_BYTES / bw
+        self.dma_data_seconds += nbytes / bw
+        self.dma_move_seconds += move
+        self.dma_seconds += move + _hw.DMA_FIXED_NS_PER_INSTRUCTION * 1e-9
         if read is not None:
             rb = nbytes if read_bytes is None else read_bytes
             self.hbm_bytes_read += rb
@@ -124,6 +141,25 @@ class LaunchRecord:
             wb = nbytes if written_bytes is None else written_bytes
             self.hbm_bytes_written += wb
             self.per_tensor.setdefault(written, {"read": 0, "written": 0})["written"] += wb
+
+    def dma_rechunk(self, old_chunks, new_chunks):
+        """Correct the chunk count of the last DMA (a load written straight into a strided
+        SBUF destination: the destination's runs limit the chunks)."""
+        d = new_chunks - old_chunks
+        if d:
+            self.dma_chunks += d
+            s = d * _hw.DMA_CHUNK_OVERHEAD_BYTES / self._tgt.dma_bytes_per_s
+            self.dma_move_seconds += s
+            self.dma_seconds += s
+
+    @property
+    def dma_efficiency(self):
+        """bytes / bandwidth over the modeled transfer time (fixed costs excluded)."""
+        return self.dma_data_seconds / self.dma_move_seconds if self.dma_move_seconds else 1.0
+
+    @property
+    def dma_average_chunk_bytes(self):
+        return self.dma_chunked_bytes / self.dma_chunks if self.dma_chunks else 0.0
 
     # -- derived ---------------------------------------------------------------------------------
     @property
@@ -141,29 +177,14 @@ class LaunchRecord:
         return {
             "name": self.name, "target": self.target, "grid": self.grid,
             "hbm_bytes_read": self.hbm_bytes_read, "hbm_bytes_written": self.hbm_bytes_written,
-            "dma_transfers": self.dma_transfers, "instructions": dict(self.instructions),
+            "dma_transfers": self.dma_transfers, "dma_chunks": self.dma_chunks,
+            "dma_average_chunk_bytes": self.dma_average_chunk_bytes,
+            "dma_efficiency": self.dma_efficiency, "instructions": dict(self.instructions),
             "engine_cycles": dict(self.engine_cycles), "engine_seconds": self.engine_seconds,
             "modeled_seconds": self.modeled_seconds,
             "peak_sbuf_bytes_per_partition": self.peak_sbuf_bytes_per_partition,
             "peak_psum_bytes_per_partition": self.peak_psum_bytes_per_partition,
         }
-
-
-def contiguous_run_bytes(view, itemsize):
-    """Bytes of the innermost contiguous run of one partition's data in a strided numpy view
-    (dimension 0 is the partition dimension and is excluded)."""
-    run = itemsize
-    el = view.itemsize
-    shape, strides = view.shape, view.strides
-    for d in range(len(shape) - 1, 0, -1):
-        n = shape[d]
-        if n == 1:
-            continue
-        if strides[d] == (run // itemsize) * el:
-            run *= n
-        else:
-            break
-    return run
 
 
 def ceil_div(a, b):

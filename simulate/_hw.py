@@ -49,6 +49,16 @@ DMA_FIXED_LATENCY_NS = 1300.0   # descriptor + semaphore latency per transfer [H
 # (choice) the fixed latency is paid per DMA *instruction* but 16 queues work in parallel, so a
 # stream of independent DMAs pays ~1300/16 = 81.25 ns each on the DMA "engine" time line.
 DMA_FIXED_NS_PER_INSTRUCTION = DMA_FIXED_LATENCY_NS / DMA_QUEUES_PER_NC
+# Per-descriptor (per contiguous chunk) DMA overhead, expressed as bytes of transfer time.
+# (derived, UNCONFIRMED) [HL §3 "DMA efficiency rules"]: a DMA moving contiguous chunks of c
+# bytes reaches an efficiency of c / (c + 256): 50 % at 256 B ("< 256 B per partition: badly
+# overhead-bound"), 80 % at 1 KiB and 89 % at 2 KiB ("256 B - 2 KiB: below peak; >= 2 KiB the
+# minimum recommended"), 94 % at 4 KiB and 97 % at 8 KiB ("full rate" from 4 KiB). The guide gives
+# only these thresholds; 256 B is the value that puts the knee at the guide's 256 B boundary.
+# A chunk is the innermost run that is contiguous on BOTH sides of the transfer within one
+# partition (SBUF partitions are separate address ranges, so a chunk never spans partitions);
+# gathers/scatters (index tiles) move one chunk per row.
+DMA_CHUNK_OVERHEAD_BYTES = 256
 
 
 @dataclass(frozen=True)

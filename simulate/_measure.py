@@ -25,7 +25,9 @@ class Measurement:
     ``hbm_bytes_read``, ``hbm_bytes_written`` (exact bytes moved between HBM and on-chip
     memory, masked-out elements excluded), ``per_tensor`` (name -> {"read", "written"}),
     ``dma_transfers`` (DMA instructions), ``dma_bytes_per_partition`` (per transfer: contiguous
-    HBM-side bytes per partition), ``instructions`` (engine -> count; engines ``tensor``,
+    HBM-side bytes per partition), ``dma_chunks`` / ``dma_average_chunk_bytes`` (descriptors:
+    runs contiguous on both sides within a partition), ``dma_efficiency`` (bytes at the full
+    DMA rate over the modeled transfer time), ``instructions`` (engine -> count; engines ``tensor``,
     ``vector``, ``scalar``, ``gpsimd``, ``dma``), ``engine_cycles`` (compute engine -> cycles),
     ``engine_seconds`` (engine incl. ``dma`` -> modeled seconds),
     ``peak_sbuf_bytes_per_partition``, ``peak_psum_bytes_per_partition``, ``peak_psum_banks``,
@@ -80,6 +82,25 @@ class Measurement:
         for k in self.kernels:
             out.extend(k.dma_bytes_per_partition)
         return out
+
+    @property
+    def dma_chunks(self):
+        """DMA descriptors: contiguous chunks moved (DMA transposes excluded)."""
+        return sum(k.dma_chunks for k in self.kernels)
+
+    @property
+    def dma_average_chunk_bytes(self):
+        """Bytes per chunk over the chunked DMAs (0 without any)."""
+        n = self.dma_chunks
+        return sum(k.dma_chunked_bytes for k in self.kernels) / n if n else 0.0
+
+    @property
+    def dma_efficiency(self):
+        """Modeled DMA efficiency: bytes / bandwidth over the modeled transfer time (per-chunk
+        overheads and transpose rates included, the fixed per-DMA costs excluded); 1.0 = every
+        byte at the full DMA rate."""
+        move = sum(k.dma_move_seconds for k in self.kernels)
+        return sum(k.dma_data_seconds for k in self.kernels) / move if move else 1.0
 
     @property
     def dma_bytes_histogram(self):
@@ -147,6 +168,11 @@ class Measurement:
         lo, hi = self.modeled_seconds
         lines.append(f"HBM bytes read {self.hbm_bytes_read}, written {self.hbm_bytes_written}; "
                      f"DMA transfers {self.dma_transfers}")
+        tgts = "/".join(sorted({k.target for k in self.kernels})) or "-"
+        lines.append(f"DMA chunks {self.dma_chunks}, average chunk "
+                     f"{self.dma_average_chunk_bytes:.0f} B; modeled DMA efficiency "
+                     f"{100 * self.dma_efficiency:.1f} % of the {tgts} DMA rate "
+                     f"(per-chunk overhead {_hw.DMA_CHUNK_OVERHEAD_BYTES} B)")
         lines.append(f"peak SBUF {self.peak_sbuf_bytes_per_partition} B/partition, peak PSUM "
                      f"{self.peak_psum_bytes_per_partition} B/partition "
                      f"({self.peak_psum_banks} banks)")

@@ -172,8 +172,8 @@ class Ctx:
         self.grid = launch.grid
         self.seq = 0
         self.pending = None
-        # cost formula of the current instruction's result, (engine, fn, n): lets a direct
-        # write into a larger (broadcast) destination be re-costed (_tensor.assign)
+        # cost formula of the current instruction's result, (engine, fn, n) or ("dma", ...):
+        # lets a direct write into a larger / strided destination be re-costed (_tensor.assign)
         self.last_charge = None
         self.loop_depth = 0
         self.loops = []

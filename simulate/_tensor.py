@@ -1145,13 +1145,24 @@ def _free(shape):
 
 
 def _recharge_direct(ctx, value, vshape, dst, dshape, n, m):
-    """An instruction writing straight into ``dst`` is charged for what it writes there: a
-    compute result broadcast to a larger destination writes ``n`` (destination free size)
-    elements per partition, not its operands' size."""
+    """An instruction writing straight into ``dst`` is charged for what it writes there:
+
+    * a compute result broadcast to a larger destination writes ``n`` (destination free size)
+      elements per partition, not its operands' size;
+    * a load written into a strided SBUF view is cut into chunks by the view's runs too."""
     chg = getattr(value, "_chg", None)
     if chg is None:
         return
     value._chg = None                    # charge corrections apply once
+    if chg[0] == "dma":
+        from . import _dma
+        _, hl, old = chg
+        dl = _dma.layout(dst)
+        if dl == ("run", max(1, n)) and tuple(vshape[1:]) == tuple(dshape[1:]):
+            return                           # contiguous per partition, as assumed
+        new = _dma.chunks(dshape, [_dma.to_shape(hl, vshape, dshape), dl], m)
+        ctx.rec.dma_rechunk(old, new)
+        return
     engine, fn, n0 = chg
     if n > n0:
         ctx.rec.engine_cycles[engine] += fn(n) - fn(n0)

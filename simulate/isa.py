@@ -14,7 +14,7 @@ import enum
 
 import numpy as np
 
-from . import _cost, _deps, _dtypes, _hw, _ops, _tensor
+from . import _cost, _deps, _dma, _dtypes, _hw, _ops, _tensor
 from ._dtypes import F32
 from ._errors import nki_error, hw_error, fmt_shape
 from ._index import IndexExpr, Predicate, eval_mask
@@ -1321,7 +1321,9 @@ def dma_copy(*, dst, src, mask=None, dst_rmw_op=None, oob_mode=oob_mode.error,
     hbm_side = sst if src_hbm else dstt
     nbytes = cnt * hbm_side.di.itemsize
     cont = _contig(src if src_hbm else dst, hbm_side.di)
-    ctx.rec.dma(nbytes, cont, read=sst.name if src_hbm else None,
+    ch = _dma.chunks(dst.shape, [_dma.layout(dst),
+                                 _dma.to_shape(_dma.layout(src), sshape, dst.shape)], wmask)
+    ctx.rec.dma(nbytes, cont, ch, read=sst.name if src_hbm else None,
                 written=dstt.name if dst_hbm else None,
                 read_bytes=cnt * sdi.itemsize, written_bytes=cnt * ddi.itemsize)
     return None
@@ -1363,7 +1365,8 @@ def dma_transpose(src, *, axes=None, mask=None, dtype=None, dge_mode=dge_mode.un
         vals = odi.round(vals)
     cnt = src._count(m)
     rate = ctx.tgt.dma_transpose_hbm_rate if on_hbm else ctx.tgt.dma_transpose_sbuf_rate
-    ctx.rec.dma(cnt * di.itemsize, di.itemsize, rate=rate, read=st.name if on_hbm else None)
+    ctx.rec.dma(cnt * di.itemsize, di.itemsize, None, rate=rate,
+                read=st.name if on_hbm else None)
     mm = None if not isinstance(m, np.ndarray) else np.transpose(m, perm)
     if m is False:
         mm = False

@@ -9,14 +9,13 @@ See docs/simulator.md for what is modeled and the spec sections cited in each do
 
 from __future__ import annotations
 
-import builtins as _builtins
 import sys as _sys
 from types import SimpleNamespace as _NS
 
 import numpy as np
 import ml_dtypes as _mld
 
-from . import _cost, _deps, _dtypes, _hw, _ops, _runtime, _tensor
+from . import _cost, _deps, _dma, _dtypes, _hw, _ops, _runtime, _tensor
 from ._dtypes import (float32, float16, bfloat16, float8_e4m3, float8_e5m2, tfloat32, int8,  # noqa: F401,E501 (public nl dtypes)
                       int16, int32, uint8, uint16, uint32, bool_, float32r, F32)
 from ._errors import nki_error, fmt_shape
@@ -433,31 +432,8 @@ def _out_shape(shape):
 
 def _contig(t, di):
     """Per-partition contiguous bytes of the HBM side of a DMA (the innermost run of
-    consecutive addresses within one partition's data)."""
-    v = t._v
-    per_part = _free(_out_shape(t.shape)) * di.itemsize
-    if v is not None:
-        if v.ndim < 2:
-            return di.itemsize
-        return _builtins.min(per_part, _cost.contiguous_run_bytes(v, di.itemsize))
-    # advanced view: flat offsets of partition 0's elements (index tiles only move whole rows)
-    base = t._base
-    shape = t.shape
-    if len(shape) < 2:
-        return di.itemsize
-    el = base.itemsize
-    off = np.zeros(shape[1:], np.int64)
-    for d, k in enumerate(t._key):
-        if isinstance(k, (Tensor, _tensor.DynExpr)):
-            continue
-        a = np.broadcast_to(np.asarray(k), shape)[0]
-        off = off + a * (base.strides[d] // el)
-    off = off.reshape(-1)
-    if off.size < 2:
-        return di.itemsize
-    steps = np.diff(off) == 1
-    run = off.size if steps.all() else int(np.argmin(steps)) + 1
-    return _builtins.min(per_part, run * di.itemsize)
+    consecutive device addresses within one partition's data)."""
+    return _dma.contiguous_bytes(t, di.itemsize)
 
 
 def load(src, *, mask=None, dtype=None, **kwargs):
@@ -484,8 +460,13 @@ def load(src, *, mask=None, dtype=None, **kwargs):
             vals = odi.round(vals)
         cnt = src._count(m)
         vals = vals.reshape(oshape)
-    ctx.rec.dma(cnt * di.itemsize, _contig(src, di), read=st.name)
+    # chunks: the HBM view's runs (a fresh SBUF tile is contiguous per partition; a strided
+    # SBUF destination of ``t[...] = nl.load(...)`` is accounted in _tensor.assign)
+    hl = _dma.layout(src)
+    ch = _dma.chunks(shape, [hl], m)
+    ctx.rec.dma(cnt * di.itemsize, _contig(src, di), ch, read=st.name)
     mm = None if m is None else (m.reshape(oshape) if m is not False else False)
+    ctx.last_charge = ("dma", hl, ch)
     return make_result(ctx, vals, odi, mm, tag="dma", api="load", rounded=True)
 
 
@@ -538,13 +519,18 @@ def store(dst, value, *, mask=None, **kwargs):
     if ddi is not vdi and not (ddi is F32 and vdi.is_float):
         vals = ddi.round(np.asarray(vals))
     cnt = 0
+    ch = 0
     if m is not False:
         if ctx.loops:
             _deps.note_write(ctx, dst, m)
         dst._write(vals, m)
         cnt = dst._count(m)
+        sides = [_dma.layout(dst)]
+        if type(value) is Tensor:
+            sides.append(_dma.to_shape(_dma.layout(value), vshape, dshape))
+        ch = _dma.chunks(dshape, sides, m)
     st.written = True
-    ctx.rec.dma(cnt * ddi.itemsize, _contig(dst, ddi), written=st.name)
+    ctx.rec.dma(cnt * ddi.itemsize, _contig(dst, ddi), ch, written=st.name)
     return None
 
 
@@ -571,7 +557,9 @@ def load_transpose2d(src, *, mask=None, dtype=None, **kwargs):
         if odi is not di:
             vals = odi.round(vals)
         cnt = src._count(m)
-    ctx.rec.dma(cnt * di.itemsize, di.itemsize, rate=ctx.tgt.load_transpose_rate, read=st.name)
+    # element-granular transpose: modeled by the target's transpose rate, no per-chunk term
+    ctx.rec.dma(cnt * di.itemsize, di.itemsize, None, rate=ctx.tgt.load_transpose_rate,
+                read=st.name)
     mm = None if m is None else (False if m is False else m.T)
     return make_result(ctx, vals, odi, mm, tag="dma", api="load_transpose2d", rounded=True)
 
@@ -625,8 +613,13 @@ def atomic_rmw(dst, value, op, *, mask=None, **kwargs):
     base[...] = st.di.round(acc.astype(np.float32) if st.di.is_float else acc)
     st.written = True
     cnt = int(vb.size)
-    ctx.rec.dma(cnt * st.di.itemsize, st.di.itemsize, read=st.name)
-    ctx.rec.dma(cnt * st.di.itemsize, _contig(dst, st.di), written=st.name)
+    amask = valid if valid is not None else m
+    cont = _contig(dst, st.di)
+    # read-modify-write: the rows are read and written back (one chunk per row each way)
+    ch = _dma.chunks(dshape, [_dma.layout(dst), _dma.to_shape(_dma.layout(value), value.shape,
+                                                                 dshape)], amask)
+    ctx.rec.dma(cnt * st.di.itemsize, cont, ch, read=st.name)
+    ctx.rec.dma(cnt * st.di.itemsize, cont, ch, written=st.name)
     return None
 
 

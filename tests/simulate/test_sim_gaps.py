@@ -1,4 +1,6 @@
-"""Simulator gaps reported by the kernel authors."""
+"""Simulator gaps reported by the kernel authors: skipped indirect rows in the HBM counts,
+zero-coefficient aranges in index expressions, broadcast destinations in the engine cost.
+(The DMA chunk model is in test_dma_model.py, the block-scope rule in test_scope.py.)"""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -31,6 +33,7 @@ def test_dma_copy_scatter_with_skip_counts_only_written_rows():
     assert not o[[1, 2, 4, 5, 6, 7]].any()
     # zero fill (8 rows) + the two rows actually scattered
     assert m.per_tensor["shared_hbm_0"]["written"] == (8 + 2) * 512 * 4
+    assert m.kernels[0].dma_chunks == 4 * 1 + 4 * 1 + 8 + 2    # ix, d, fill, 2 rows
 
 
 def test_dma_copy_hbm_to_hbm_gather_with_skip_counts_read_and_written_rows():
