@@ -80,6 +80,25 @@ def test_masked_out_of_range_index_rows_in_load_and_store():
     assert m.per_tensor["shared_hbm_0"]["written"] == (8 + 3) * 512 * 4
 
 
+def test_masked_dma_copy_from_a_statically_out_of_range_source_view():
+    a = np.arange(100 * 64, dtype=np.float32).reshape(100, 64)
+
+    @nki.jit
+    def k(x):
+        ip = nl.arange(128)[:, None]
+        jf = nl.arange(64)[None, :]
+        t = nl.zeros((128, 64), nl.float32)
+        nisa.dma_copy(dst=t, src=x[64 + ip, jf], mask=(64 + ip < 100))   # rows 100.. masked
+        o = nl.ndarray((128, 64), nl.float32, buffer=nl.shared_hbm)
+        nl.store(o, t)
+        return o
+    with nki.measure() as m:
+        o = k(a)
+    np.testing.assert_array_equal(o[:36], a[64:])
+    assert not o[36:].any()
+    assert m.per_tensor["x"]["read"] == 36 * 64 * 4
+
+
 def test_unmasked_out_of_range_index_still_raises():
     @nki.jit
     def k(d, ixs):
