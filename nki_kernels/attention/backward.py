@@ -56,11 +56,12 @@ trn1: 287 µs non-causal (strict 234, engine-aware 328), 151 µs causal (117 / 1
 with the 6th pass. The single pass wins on every engine: the two-kernel split recomputes S, P
 and dP (2 more matmuls, a second exp and dP - D per score), and dQ in HBM moves 5.5x the bytes.
 
-With runtime lengths (``--variants lens=full lens=N/2 q_lens=N/2``, same N and D): trn2 335 µs
-non-causal and 176 causal (both TensorE, the rank-1 key mask being a 6th pass; trn1 334 / 175);
-``q_lens`` alone +0.1 µs; D = 64 within 2 % of no lengths (the mask rides in the S matmul).
-Half-padded sequences cost the same as full ones (only the 8-byte length reads and the skipped
-padding reads differ).
+With runtime lengths (``--variants lens=full lens=N/2 q_lens=N/2``, same N and D; simulator at
+e33fe61, whose per-descriptor DMA cost moves the causal single-pass row above from 152 to 178
+µs, DMA-bound): trn2 335 µs non-causal (TensorE: the rank-1 key mask is a 6th pass) and 178
+causal (DMA; TensorE 176), trn1 334 / 175 (TensorE); ``q_lens`` alone +0.1 µs; D = 64 within
+2 % of no lengths (the mask rides in the S matmul). Half-padded sequences cost the same as full
+ones (only the 8-byte length reads and the skipped padding reads differ).
 
 Limits. One pass holds ``tiles.bwd_slot_bytes`` per 128 query rows (bf16, D = 128: 1544 bytes
 per partition) next to a fixed working set, so it covers ``G * Nq`` up to
