@@ -264,6 +264,7 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
         chosen = _tiles.choose_forward_tiles(
             dims.Nq, dims.Nk, dims.D, dims.group, _tiles.fwd_itemsize(in_dtype),
             _tiles.fwd_itemsize(mm), sbuf_bytes=sbuf_budget, kv_lens=kv_lens is not None,
+            q_lens=q_lens is not None,
             masks=(causal is not None or window is not None or kv_lens is not None
                    or q_lens is not None))
     kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen)

@@ -414,16 +414,15 @@ def fwd_d_passes(D: int) -> int:
     return ceil_div(D, PMAX)
 
 
-def fwd_kv_bytes(Nk: int, D: int, mm_itemsize: int, kv_lens: bool = False) -> int:
+def fwd_kv_bytes(Nk: int, D: int, mm_itemsize: int) -> int:
     """SBUF bytes per partition of ``Nk`` keys of K^T and V at matmul precision.
 
     K^T is ``fwd_d_passes(D)`` tiles ``[<=128, Nk]``; V is ``ceil(Nk/128)`` blocks ``[128, D]``
-    side by side in the free dim. With ``kv_lens`` a ``[1, Nk]`` bf16 key-mask row joins them (a
-    one-partition tile still takes its free bytes on every partition's budget).
+    side by side in the free dim (plus its ones column, counted by the working set's slack).
     """
     kt = fwd_d_passes(D) * Nk * mm_itemsize
     vv = ceil_div(Nk, PMAX) * D * mm_itemsize
-    return kt + vv + (2 * Nk if kv_lens else 0)
+    return kt + vv
 
 
 def fwd_working_bytes(D: int, in_itemsize: int, mm_itemsize: int, tiles: ForwardTiles,
@@ -433,7 +432,7 @@ def fwd_working_bytes(D: int, in_itemsize: int, mm_itemsize: int, tiles: Forward
     K/V DMA staging in the input dtype; the query load and its transpose; P and P^T of one
     softmax block (twice, so one block can be copied while the next is produced); the (P, 1)
     statistics; the normalised output; the cache of static mask indicators (bf16 [128, 512]
-    each, at most ~12 distinct) and one runtime mask pattern.
+    each, at most ~12 distinct) and the fp32 patterns they are built from.
     """
     staging = 2 * (tiles.kv_load_block // PMAX) * D * max(in_itemsize, mm_itemsize)
     q_load = D * in_itemsize + fwd_d_passes(D) * PMAX * mm_itemsize
@@ -444,6 +443,22 @@ def fwd_working_bytes(D: int, in_itemsize: int, mm_itemsize: int, tiles: Forward
     return staging + q_load + p_blocks + stats + out + mask_cache
 
 
+def fwd_length_table_bytes(Nq: int, Nk: int, group: int, D: int = FWD_MAX_HEAD_DIM, *,
+                           q_lens: bool = False, kv_lens: bool = False,
+                           q_tile: int = FWD_Q_TILE) -> int:
+    """SBUF bytes per partition of the forward's runtime-length state, kept for the whole
+    program: the index tables (4 bytes per column: one column per query tile of the group or
+    per 128-key block) -- gather, scatter (rotated rows) and validity of the
+    ``G ceil(Nq / q_tile)`` query tiles, gather rows of the ``ceil(Nk / 128)`` key blocks -- and
+    with ``kv_lens`` the edge key that fills padding keys (``[128, D]``, input dtype). Counted
+    generously: fp32 for the edge key, and the temporaries of building the larger table (rows,
+    positions, validity, shift, out-of-bounds push: 5 tables)."""
+    q_cols = group * ceil_div(Nq, q_tile) if q_lens else 0
+    k_cols = ceil_div(Nk, PMAX) if kv_lens else 0
+    edge = 4 * D if kv_lens else 0
+    return 4 * (3 * q_cols + k_cols + 5 * max(q_cols, k_cols)) + edge
+
+
 def fwd_q_state_bytes(D: int, mm_itemsize: int) -> int:
     """SBUF bytes per partition of one query tile's state: Q^T, o_acc (fp32), m_i and l_i."""
     return fwd_d_passes(D) * PMAX * mm_itemsize + 4 * D + 2 * 4
@@ -452,7 +467,7 @@ def fwd_q_state_bytes(D: int, mm_itemsize: int) -> int:
 def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
                          mm_itemsize: int, *, target: Optional[str] = None,
                          sbuf_bytes: Optional[int] = None, kv_lens: bool = False,
-                         masks: bool = True) -> "ForwardTiles":
+                         masks: bool = True, q_lens: bool = False) -> "ForwardTiles":
     """Pick the forward tiling from the SBUF budget.
 
     Parameters
@@ -467,8 +482,9 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
         Default :data:`FWD_DEFAULT_TARGET` (trn1: its tiling also fits trn2).
     sbuf_bytes : int, optional
         Override of the usable SBUF bytes per partition (tests force the streaming regime with it).
-    kv_lens, masks : bool
-        A key-length mask row is resident; some mask is active (mask indicator cache).
+    kv_lens, masks, q_lens : bool
+        Key lengths are given; some mask is active (mask indicator cache); query lengths are
+        given (the lengths' index tables, :func:`fwd_length_table_bytes`).
 
     Returns
     -------
@@ -483,11 +499,12 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
     budget = SBUF_USABLE_BYTES[target] if sbuf_bytes is None else int(sbuf_bytes)
     base = ForwardTiles(target=target)
     work = fwd_working_bytes(D, in_itemsize, mm_itemsize, base, masks=masks)
+    work += fwd_length_table_bytes(Nq, Nk, group, D, q_lens=q_lens, kv_lens=kv_lens)
     state = fwd_q_state_bytes(D, mm_itemsize)
-    if fwd_kv_bytes(Nk, D, mm_itemsize, kv_lens) + work + state <= budget:
+    if fwd_kv_bytes(Nk, D, mm_itemsize) + work + state <= budget:
         return base
     # two chunks: the next one loads while the current one is in use
-    room = budget - work - 2 * fwd_kv_bytes(base.kv_chunk, D, mm_itemsize, kv_lens)
+    room = budget - work - 2 * fwd_kv_bytes(base.kv_chunk, D, mm_itemsize)
     n_tiles = group * ceil_div(Nq, FWD_Q_TILE)
     q_group = max(1, min(n_tiles, room // state)) if room > 0 else 1
     return replace(base, kv_resident=False, q_group=int(q_group))
@@ -500,9 +517,22 @@ def forward_kv_passes(Nq: int, group: int, tiles: "ForwardTiles") -> int:
     return ceil_div(group * ceil_div(Nq, tiles.q_tile), tiles.q_group)
 
 
+def fwd_valid_lengths(lens, B: int, N: int):
+    """Per-sequence valid lengths for the byte counts: None when the array is not given
+    (``None``/``False``), ``[N] * B`` for ``True`` (given, every position valid), else the B
+    given values as ints."""
+    if lens is None or lens is False:
+        return None
+    if lens is True:
+        return [N] * B
+    vals = [int(n) for n in lens]
+    if len(vals) != B or any(not 0 <= n <= N for n in vals):
+        raise ValueError(f"lengths: expected B={B} values in [0, {N}], got {vals}")
+    return vals
+
+
 def forward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize: int,
-                      tiles: "ForwardTiles", *, kv_lens: bool = False,
-                      q_lens: bool = False) -> Tuple[int, int]:
+                      tiles: "ForwardTiles", *, kv_lens=None, q_lens=None) -> Tuple[int, int]:
     """HBM bytes ``(read, written)`` of the forward kernel without causal/window masks.
 
     Derivation. One grid instance per (batch b, kv head g) serves the ``G = Hq / Hkv`` query heads
@@ -521,9 +551,17 @@ def forward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, items
       Theorem 2 of the FlashAttention paper (seed 004), in FlashAttention-2's loop order (queries
       outer, keys inner), which never writes partial outputs back to HBM.
 
-    Length arrays add one int32 (4 bytes) per instance each. Causal/window masks only lower the
-    counts (skipped query tiles and chunks): ``nki_kernels.attention.forward.plan_hbm_bytes``
-    counts those from the kernel's own schedule.
+    Lengths. ``kv_lens``/``q_lens`` are the per-sequence valid lengths (a sequence of B ints;
+    ``True`` = given with every position valid; None = not given). The kernel gathers rows and
+    keys with DMAs that skip padding, so the reads are proportional to the *valid* lengths:
+    ``Nq``, ``Nk`` above become ``q_lens[b]``, ``kv_lens[b]`` for sequence b (the pass count
+    stays that of the padded shape: it is compiled). Each given length array adds one int32
+    (4 bytes) per instance, and ``kv_lens`` one more row of k (the *edge key* that fills the
+    padding keys on chip, ``forward.edge_key_fill``) per instance whose ``kv_lens[b] > 0``.
+    Writes cover every row, padding included (o = 0, LSE = -inf).
+    Causal/window masks only lower the counts (skipped query tiles and chunks):
+    ``nki_kernels.attention.forward.plan_hbm_bytes`` counts those from the kernel's own
+    schedule.
 
     Returns
     -------
@@ -531,9 +569,17 @@ def forward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, items
     """
     group = Hq // Hkv
     passes = forward_kv_passes(Nq, group, tiles)
-    per_instance = itemsize * (group * Nq * D + passes * 2 * Nk * D)
-    per_instance += 4 * (int(bool(kv_lens)) + int(bool(q_lens)))
-    return B * Hkv * per_instance, B * Hq * Nq * (D * itemsize + 4)
+    q_valid = fwd_valid_lengths(q_lens, B, Nq)
+    k_valid = fwd_valid_lengths(kv_lens, B, Nk)
+    read = 0
+    for b in range(B):
+        nq = Nq if q_valid is None else q_valid[b]
+        nk = Nk if k_valid is None else k_valid[b]
+        per_instance = itemsize * (group * nq * D + passes * 2 * nk * D)
+        per_instance += 4 * (int(k_valid is not None) + int(q_valid is not None))
+        per_instance += D * itemsize if k_valid is not None and nk > 0 else 0
+        read += Hkv * per_instance
+    return read, B * Hq * Nq * (D * itemsize + 4)
 
 
 def fwd_mm_dtype_name(in_dtype_name: str, mixed_precision: bool) -> str:

@@ -236,27 +236,16 @@ def plan_visit(spec: M.MaskSpec, qt: QTile, kt: KTile) -> Optional[Visit]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Runtime lengths: gathers that skip padding, and the masks built from the lengths
+# Runtime lengths: gathers that skip padding, and the masks built from the lengths (the shared
+# pieces live in masks.py: RuntimeLengths, position_table, gather_rows, store_rows)
 # ---------------------------------------------------------------------------------------------
 
 
-def oob_offset(n_rows: int) -> int:
-    """Added to a row index to push it out of bounds of an ``n_rows``-row HBM view: a power of
-    two (exact in fp32) above ``n_rows + 128``; index + offset must stay below 2^31 (int32)."""
-    off = 1 << int(n_rows + PMAX).bit_length()
-    if off >= 1 << 31:
-        raise ValueError(f"flash_attn_bwd with lengths addresses at most 2^30 - 128 rows per "
-                         f"tensor (int32 gather indices); got {n_rows}")
-    return off
+class RuntimeMasks(M.RuntimeLengths):
+    """What the runtime ``kv_lens``/``q_lens`` of this program's sequence b mean on chip:
+    :class:`masks.RuntimeLengths` (shared with the forward), plus the backward's way of masking
+    keys.
 
-
-class RuntimeMasks:
-    """What the runtime ``kv_lens``/``q_lens`` of this program's sequence b mean on chip
-    (built once per program; every tile shape stays a compile-time constant).
-
-    * ``lens_p`` fp32 ``[128, 2]`` = (kv_len, q_len) on every partition, and kv_len (or, with
-      rotated keys, the first valid key ``Nk - kv_len``) on partition 0 for the key-mask row
-      (``masks.load_lengths``; a missing length is Nk or Nq).
     * **Padding never enters SBUF.** Rows of q, do, o, lse past q_len and rows of k, v past
       kv_len are skipped by indirect DMAs (:meth:`index_table`, index pushed out of bounds,
       ``oob_mode.skip``: decode.py's mechanism) and keep the zeros (lse: ``-inf``) their tiles
@@ -269,91 +258,34 @@ class RuntimeMasks:
       When D % 128 != 0 the two rows instead fill the spare contraction partition
       ``mask_row`` of Q^T and K^T's last head-dim chunk (SBUF -> SBUF DMAs, exempt from the
       start-partition rule), and the S matmul adds the mask at no TensorE cost.
-    * **The band stays static.** bottom_right alignment (and a window without causal) with
-      lengths puts the diagonal at ``j - i = kv_len - q_len + hi``: runtime data. The gathers
-      then *rotate* the sequence (``rotate_q``/``rotate_k``): SBUF row i' holds HBM row
-      ``(i' + q_len) mod Nq`` and key j' HBM key ``(j' + kv_len) mod Nk``, so the valid rows
-      and keys end at Nq and Nk, ``j' - i' = j - i + Nk - Nq - (kv_len - q_len)``, and the
-      band is the static bottom_right band of the padded shapes (:func:`band_spec`): static
-      tile skipping and boundary masks as without lengths. Padding is then at the start
-      (rows ``i' < Nq - q_len`` skipped by the loads, keys ``j' < Nk - kv_len`` masked), and
-      the stores scatter dQ, dK, dV back through the same bijection, zero rows included.
+    * **The band stays static.** With bottom_right alignment (and a window without causal) the
+      gathers rotate the sequence by its lengths (``rotate_q``/``rotate_k``; see
+      :class:`masks.RuntimeLengths`), so the band is the static bottom_right band of the padded
+      shapes (:func:`band_spec`): static tile skipping and boundary masks as without lengths.
+      Padding is then at the start (rows ``i' < Nq - q_len`` skipped by the loads, keys
+      ``j' < Nk - kv_len`` masked), and the stores scatter dQ, dK, dV back through the same
+      bijection, zero rows included.
     """
 
     def __init__(self, spec: M.MaskSpec, kv_lens, q_lens, b, Nq: int, Nk: int, D: int,
                  op_dtype):
-        raw, self.lens_p = M.load_lengths(kv_lens, q_lens, b, Nk, Nq)
-        self.kv_len_p = self.lens_p[:, 0:1]
-        self.q_len_p = self.lens_p[:, 1:2]
-        self.has_q, self.has_k = q_lens is not None, kv_lens is not None
-        rotate = spec.has_diag and not spec.top_left
-        self.rotate_q, self.rotate_k = rotate and self.has_q, rotate and self.has_k
-        self.Nq, self.Nk = Nq, Nk
+        super().__init__(spec, kv_lens, q_lens, b, Nq, Nk)
         # With a spare partition in the last head-dim chunk (D % 128 != 0) the rank-1 key mask
         # rides in the S matmul itself: Q^T gets a MASK_NEG row there and K^T the key row
         # (free on TensorE). fp16 operands cannot hold MASK_NEG: separate bf16 matmul.
         self.mask_row = D % PMAX if (self.has_k and D % PMAX and op_dtype != nl.float16) \
             else None
-        self.neg_row = self.key_start = None
-        if self.has_k:
-            if self.mask_row is None:
-                self.neg_row = M.neg_row(PMAX)
-            # the key row compares with kv_len, or with the first valid key Nk - kv_len
-            self.key_start = (nisa.tensor_scalar(raw[0:1, 0:1], np.subtract, float(Nk),
-                                                 reverse0=True, dtype=nl.float32)
-                              if self.rotate_k else raw[0:1, 0:1])
+        self.neg_row = None
+        if self.has_k and self.mask_row is None:
+            self.neg_row = M.neg_row(PMAX)
 
     def key_row(self, kt: "KTile"):
         """bf16 ``[1, cols]``: 1.0 at the tile's padding keys (None without kv_lens)."""
-        if not self.has_k:
-            return None
-        return M.key_length_row(self.key_start, kt.c0, kt.cols, below=self.rotate_k)
-
-    def index_table(self, rows, pos, n_rows: int, keys: bool):
-        """Gather/scatter indices of a set of positions of the kernel's frame (query rows, or
-        keys when ``keys``): ``rows`` int32 ``[128, n]`` are their unrotated rows in an
-        ``(n_rows, D)`` HBM view (:func:`position_table`), ``pos`` fp32 ``[128, n]`` the
-        positions themselves. Returns ``(load, store)`` int32 ``[128, n]``: ``load`` is pushed
-        out of bounds for padding positions, which ``oob_mode.skip`` DMAs then never read;
-        ``store`` is None without rotation (plain stores write the tiles in place), else the
-        rotation's HBM row of every position, padding included. A few VectorE/GpSimd
-        instructions for all n columns at once."""
-        length_p = self.kv_len_p if keys else self.q_len_p
-        rotate = self.rotate_k if keys else self.rotate_q
-        N = self.Nk if keys else self.Nq
-        store = None
-        if not rotate:
-            valid = nisa.tensor_scalar(pos, nl.less, length_p, dtype=nl.float32)
-        else:
-            # valid iff pos + len >= N, at HBM position pos + len - N; a padding position goes
-            # to pos + len (the rotation by len, mod N: both in range)
-            valid = nisa.tensor_scalar(pos, np.add, length_p, op1=nl.greater_equal,
-                                       operand1=float(N), dtype=nl.float32)
-            shift = nisa.tensor_scalar(valid, np.multiply, -float(N), op1=np.add,
-                                       operand1=length_p, dtype=nl.int32)
-            rows = store = nisa.tensor_tensor(rows, shift, np.add, dtype=nl.int32)
-        beyond = nisa.tensor_scalar(valid, np.subtract, 1.0, op1=np.multiply,
-                                    operand1=-float(oob_offset(n_rows)), dtype=nl.int32)
-        return nisa.tensor_tensor(rows, beyond, np.add, dtype=nl.int32), store
-
-
-def position_table(runs, n: int):
-    """int32 flat HBM rows and fp32 frame positions ``[128, n]`` of n tiles of 128 positions:
-    ``runs`` lists ``(first column, tiles, first flat row, first position)`` of stretches whose
-    tiles follow each other in HBM (column c + t holds flat row ``first + 128 t + p`` and
-    position ``pos0 + 128 t + p`` on partition p). One GpSimd iota pair per run."""
-    rows = nl.ndarray((PMAX, n), dtype=nl.int32, buffer=nl.sbuf)
-    pos = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    ip = nl.arange(PMAX)[:, None]
-    for c0, count, first, pos0 in runs:
-        it = nl.arange(count)[None, :]
-        rows[:, c0:c0 + count] = nisa.iota(first + PMAX * it + ip, dtype=nl.int32)
-        pos[:, c0:c0 + count] = nisa.iota(pos0 + PMAX * it + ip, dtype=nl.float32)
-    return rows, pos
+        return self.key_mask_row(kt.c0, kt.cols)
 
 
 def query_runs(b, Hq: int, Nq: int, h0, qtiles):
-    """:func:`position_table` runs of a pass's query tiles (consecutive tiles of one head)."""
+    """:func:`masks.position_table` runs of a pass's query tiles (consecutive tiles of one head)."""
     runs = []
     for qt in qtiles:
         if runs and runs[-1][4] == qt.h:
@@ -362,14 +294,6 @@ def query_runs(b, Hq: int, Nq: int, h0, qtiles):
         else:
             runs.append((qt.slot, 1, (b * Hq + h0 + qt.h) * Nq + qt.r0, qt.r0, qt.h))
     return [r[:4] for r in runs]
-
-
-def gather_rows(dst, rows_view, idx, col: int, n: int, width: int):
-    """``dst[p, :] = rows_view[idx[p, col], :]`` for ``p < n``, skipping out-of-bounds indices
-    (dst keeps what it held: the caller fills it first)."""
-    nisa.dma_copy(dst=dst, src=rows_view[idx[nl.arange(n)[:, None], col],
-                                         nl.arange(width)[None, :]],
-                  oob_mode=nisa.oob_mode.skip)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,13 +343,13 @@ def _load_query_rows(cfg, rt, q, do, o, lse, b, hh, qt, q_dst, q_load):
         return nl.load(do[b, hh, rsl, :]), nl.load(o[b, hh, rsl, :]), nl.load(lse[b, hh, rsl])
     n_rows = q.shape[0] * q.shape[1] * q.shape[2]
     do_in = nisa.memset((rows, D), 0.0, dtype=do.dtype, engine=nisa.gpsimd_engine)
-    gather_rows(do_in, do.reshape((n_rows, D)), q_load, s, rows, D)
+    M.gather_rows(do_in, do.reshape((n_rows, D)), q_load, s, rows, D)
     o_in = nisa.memset((rows, D), 0.0, dtype=o.dtype, engine=nisa.gpsimd_engine)
-    gather_rows(o_in, o.reshape((n_rows, D)), q_load, s, rows, D)
+    M.gather_rows(o_in, o.reshape((n_rows, D)), q_load, s, rows, D)
     q_dst[...] = nisa.memset((rows, D), 0.0, dtype=cfg.op_dtype, engine=nisa.gpsimd_engine)
-    gather_rows(q_dst, q.reshape((n_rows, D)), q_load, s, rows, D)
+    M.gather_rows(q_dst, q.reshape((n_rows, D)), q_load, s, rows, D)
     lse_t = nisa.memset((rows, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
-    gather_rows(lse_t, lse.reshape((n_rows, 1)), q_load, s, rows, 1)
+    M.gather_rows(lse_t, lse.reshape((n_rows, 1)), q_load, s, rows, 1)
     return do_in, o_in, lse_t
 
 
@@ -451,7 +375,7 @@ def load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, d
     q_load = q_store = None
     if rt is not None and rt.has_q:
         B, Hq, Nq, _ = q.shape
-        rows_i, pos = position_table(query_runs(b, Hq, Nq, h0, qtiles), len(qtiles))
+        rows_i, pos = M.position_table(query_runs(b, Hq, Nq, h0, qtiles), len(qtiles))
         q_load, q_store = rt.index_table(rows_i, pos, B * Hq * Nq, keys=False)
     for qt in qtiles:
         hh, rows, s = h0 + qt.h, qt.rows, qt.slot
@@ -495,7 +419,8 @@ def key_tables(rt, k, b, g):
     if rt is None or not rt.has_k:
         return None, None
     B, Hkv, Nk, _ = k.shape
-    rows_i, pos = position_table([(0, -(-Nk // PMAX), (b * Hkv + g) * Nk, 0)], -(-Nk // PMAX))
+    n_blocks = -(-Nk // PMAX)
+    rows_i, pos = M.position_table([(0, n_blocks, (b * Hkv + g) * Nk, 0)], n_blocks)
     return rt.index_table(rows_i, pos, B * Hkv * Nk, keys=True)
 
 
@@ -513,9 +438,9 @@ def load_kv_tile(cfg, k, v, b, g, kt, k_nat, k_T, v_T, k_load):
             col = (kt.c0 + off) // PMAX
             k_nat[0:n, bi, :] = nisa.memset((n, D), 0.0, dtype=op_dtype,
                                             engine=nisa.gpsimd_engine)
-            gather_rows(k_nat[0:n, bi, :], k_rows, k_load, col, n, D)
+            M.gather_rows(k_nat[0:n, bi, :], k_rows, k_load, col, n, D)
             v_in = nisa.memset((n, D), 0.0, dtype=op_dtype, engine=nisa.gpsimd_engine)
-            gather_rows(v_in, v_rows, k_load, col, n, D)
+            M.gather_rows(v_in, v_rows, k_load, col, n, D)
         else:
             ksl = nl.ds(kt.c0 + off, n)
             k_nat[0:n, bi, :] = nl.load(k[b, g, ksl, :], dtype=op_dtype)
@@ -629,17 +554,6 @@ def accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype, ds_transpose,
 # ---------------------------------------------------------------------------------------------
 
 
-def store_rows(out, b, head, i0, n, tile, store, col):
-    """``out[b, head, i0 : i0 + n, :] = tile``; with ``store`` (int32 ``[128, k]`` of flat rows,
-    column ``col``), scattered to those rows of out's ``(B H N, D)`` view instead."""
-    if store is None:
-        nl.store(out[b, head, nl.ds(i0, n), :], value=tile)
-        return
-    B, H, N, D = out.shape
-    rows = out.reshape((B * H * N, D))
-    nisa.dma_copy(dst=rows[store[nl.arange(n)[:, None], col], nl.arange(D)[None, :]], src=tile)
-
-
 def write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, scale, out_dtype, scratch, first, last,
                 k_store):
     """Store ``dK_j = scale * dK_psum`` and ``dV_j = dV_psum`` for the keys of tile kt (to the
@@ -654,15 +568,16 @@ def write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, scale, out_dtype, scratch
         for out, psum, factor, part in ((dk, dk_psum, scale, 0), (dv, dv_psum, 1.0, 1)):
             if first and last:
                 tile = nisa.activation(nl.copy, psum[0:n, acc], scale=factor, dtype=out_dtype)
-                store_rows(out, b, g, kt.c0 + off, n, tile, k_store, (kt.c0 + off) // PMAX)
+                M.store_rows(out, b, g, kt.c0 + off, n, tile, k_store, (kt.c0 + off) // PMAX)
                 continue
             total = nisa.activation(nl.copy, psum[0:n, acc], scale=factor, dtype=nl.float32)
             if not first:
                 prev = nl.load(scratch[part][ksl, :])
                 total = nisa.tensor_tensor(total, prev, np.add, dtype=nl.float32)
             if last:
-                store_rows(out, b, g, kt.c0 + off, n, nisa.tensor_copy(total, dtype=out_dtype),
-                           k_store, (kt.c0 + off) // PMAX)
+                M.store_rows(out, b, g, kt.c0 + off, n,
+                             nisa.tensor_copy(total, dtype=out_dtype), k_store,
+                             (kt.c0 + off) // PMAX)
             else:
                 nl.store(scratch[part][ksl, :], value=total)
 
@@ -673,7 +588,7 @@ def write_dq(dq, b, h0, qtiles, dq_acc, scale, out_dtype, q_store):
     for qt in qtiles:
         tile = nisa.activation(nl.copy, dq_acc[0:qt.rows, qt.slot, :], scale=scale,
                                dtype=out_dtype)
-        store_rows(dq, b, h0 + qt.h, qt.r0, qt.rows, tile, q_store, qt.slot)
+        M.store_rows(dq, b, h0 + qt.h, qt.r0, qt.rows, tile, q_store, qt.slot)
 
 
 def zero_dq_scratch(dq_scratch, qtiles, D):
@@ -696,7 +611,7 @@ def write_dq_from_scratch(dq, b, h0, qtiles, dq_scratch, scale, out_dtype, q_sto
     for qt in qtiles:
         acc = nl.load(dq_scratch[qt.h, nl.ds(qt.r0, qt.rows), :])
         tile = nisa.activation(nl.copy, acc, scale=scale, dtype=out_dtype)
-        store_rows(dq, b, h0 + qt.h, qt.r0, qt.rows, tile, q_store, qt.slot)
+        M.store_rows(dq, b, h0 + qt.h, qt.r0, qt.rows, tile, q_store, qt.slot)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -65,10 +65,39 @@ it leaves PSUM after its transpose (free), and the exp runs with ``c = 1``.
 
 Masks: see ``masks.py``. Partial last tiles (any Nq, Nk >= 1) are not padded: their tiles simply
 have fewer rows/keys, so out-of-range keys never enter a max, an exp or a sum (the hazard of seed
-001 cannot arise). Causal, window and length masks add a finite ``MASK_NEG`` to the scores on
-TensorE before the row max (static ones only on boundary tiles; fully masked tiles are never
-computed), and the running max is floored at ``M_FLOOR``, so a fully masked row ends with
-l_i = 0, O = 0 and LSE = -inf, never NaN.
+001 cannot arise). Causal and window masks add a finite ``MASK_NEG`` to the scores on TensorE
+before the row max (only on boundary tiles; fully masked tiles are never computed), and the
+running max is floored at ``M_FLOOR``, so a fully masked row ends with l_i = 0, O = 0 and
+LSE = -inf, never NaN.
+
+Lengths: ``kv_lens``/``q_lens`` are runtime int32 tensors, so one compiled kernel (shapes and
+static options) serves every set of lengths. The band stays static, and so does the schedule
+(the same tiles are skipped as without lengths):
+
+- the query rows and keys are *gathered* by indirect DMAs that skip padding
+  (``masks.RuntimeLengths``, shared with the backward): padding is never read, so NaN there
+  cannot leak, and HBM reads are proportional to the valid lengths;
+- bottom_right alignment (``causal=True``, or a window without causal) would put the diagonal
+  at ``j - i = kv_len - q_len``: runtime data. The gathers *rotate* each sequence instead
+  (on-chip row i' = HBM row ``(i' + q_len) mod Nq``, key j' = HBM key ``(j' + kv_len) mod Nk``)
+  so its valid rows and keys end at Nq and Nk, where the band is the static bottom_right band
+  of the padded shapes; O and LSE are scattered back through the same bijection.
+- top_left needs no rotation: its band (``j <= i``) does not depend on lengths, and its valid
+  rows and keys already start at row and key 0, the band's origin (rotating them would move
+  the band by ``(Nk - kv_len) - (Nq - q_len)``, runtime data again). Its rows and keys are
+  gathered in place.
+- padding keys cost nothing on the score path: V's ones column is 0 for them and their V rows
+  are 0, so they add nothing to o_acc or l_i, and their K rows hold a copy of the valid key
+  next to the padding, which every row that sees both padding and valid keys also sees, so
+  they cannot raise a row max (``edge_key_fill``). Padding query rows are zeroed (o = 0,
+  LSE = -inf) at write-back. Work is that of the padded shape; the lengths cost O(N d) extra
+  (gathers, fills, index tables).
+
+Measured (``python benchmarks/forward.py --lens none full N/2``, simulator at e33fe61; one head,
+bf16, D = 128): trn2 N = 4096 causal 104.7 us with ``kv_lens = q_lens = [N]`` or ``[N/2]``, as
+without lengths (328.2 us before the rotation, which computed every tile with runtime diagonal
+masks), non-causal 187.8 us (222.4 with the former rank-1 key mask); the same holds at
+N = 16384 and on trn1. HBM reads with ``[N/2]`` are half of Q, K, V plus one key row.
 
 Precision (docs/semantics.md): matmul operands in bf16/fp16 (fp32 inputs: bf16 with
 ``mixed_precision``, else fp32); PSUM, statistics, o_acc and LSE in fp32; O in q's dtype.
@@ -100,7 +129,7 @@ from nki_kernels.nki import nisa, nki, nl
 @dataclass(frozen=True)
 class ScoreTile:
     """Keys ``[j0, j0 + width)`` of one score tile (<= 512 keys, one PSUM bank) and its mask
-    class (``masks.FULL``, ``BOUNDARY`` or ``RUNTIME``)."""
+    class (``masks.FULL`` or ``BOUNDARY``)."""
 
     j0: int
     width: int
@@ -193,29 +222,54 @@ def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
     return ForwardPlan(tuple(groups), chunks, tiles.kv_resident)
 
 
+def _valid_in(lo: int, hi: int, n_valid: int, N: int, rotated: bool) -> int:
+    """Valid positions among frame positions ``[lo, hi)`` of a sequence with ``n_valid`` of N
+    valid: ``[0, n_valid)``, or ``[N - n_valid, N)`` when the gathers rotate it."""
+    v0, v1 = (N - n_valid, N) if rotated else (0, n_valid)
+    return max(0, min(hi, v1) - max(lo, v0))
+
+
 def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize: int,
-                   tiles: T.ForwardTiles, *, causal=None, window=None, q_lens: bool = False,
-                   kv_lens: bool = False) -> Tuple[int, int]:
+                   tiles: T.ForwardTiles, *, causal=None, window=None, q_lens=None,
+                   kv_lens=None) -> Tuple[int, int]:
     """HBM bytes (read, written) the kernel moves, counted from its own schedule.
+
+    ``q_lens``/``kv_lens``: the per-sequence valid lengths (B ints), ``True`` for given with
+    every position valid, None/False for not given (``tiles.fwd_valid_lengths``).
 
     Reads: each query tile with at least one key block loads its rows once; each K/V chunk is
     loaded once per group that needs it (resident: once if any tile needs it); one int32 per
-    given length array. Writes: every row's output and LSE (rows without keys get zeros and
-    -inf). Equals :func:`tiles.forward_hbm_bytes` when there is no causal/window mask.
+    given length array. With lengths only the *valid* rows and keys of those tiles and chunks
+    are read (the gathers skip padding; with rotation the valid positions of the kernel's frame
+    are the last ``q_lens[b]`` / ``kv_lens[b]``), so the traffic is proportional to the valid
+    lengths; ``kv_lens`` adds the edge key (one row of k, :func:`edge_key_fill`) per program
+    whose ``kv_lens[b] > 0``. Writes: every row's output and LSE, padding included (rows
+    without keys get zeros and -inf). Equals :func:`tiles.forward_hbm_bytes` when there is no
+    causal/window mask.
     """
-    spec = M.MaskSpec(Nq, Nk, causal, window, bool(q_lens), bool(kv_lens))
+    q_valid = T.fwd_valid_lengths(q_lens, B, Nq)
+    k_valid = T.fwd_valid_lengths(kv_lens, B, Nk)
+    spec = M.MaskSpec(Nq, Nk, causal, window, q_valid is not None, k_valid is not None)
     plan = plan_forward(Nq, Nk, Hq // Hkv, spec, tiles)
-    read = 4 * (int(bool(q_lens)) + int(bool(kv_lens)))
-    kv_bytes = [2 * (c1 - c0) * D * itemsize for c0, c1 in plan.chunks]
-    if plan.resident:
-        if any(qt.blocks for grp in plan.groups for qt in grp):
-            read += kv_bytes[0]
-    for grp in plan.groups:
-        read += sum(qt.rows * D * itemsize for qt in grp if qt.blocks)
-        if not plan.resident:
-            needed = {blk.chunk for qt in grp for blk in qt.blocks}
-            read += sum(kv_bytes[c] for c in needed)
-    return B * Hkv * read, B * Hq * Nq * (D * itemsize + 4)
+    any_block = any(qt.blocks for grp in plan.groups for qt in grp)
+    read = 0
+    for b in range(B):
+        nq = Nq if q_valid is None else q_valid[b]
+        nk = Nk if k_valid is None else k_valid[b]
+        per_instance = 4 * (int(q_valid is not None) + int(k_valid is not None))
+        per_instance += D * itemsize if k_valid is not None and nk > 0 else 0     # the edge key
+        kv_bytes = [2 * _valid_in(c0, c1, nk, Nk, spec.rotate_k) * D * itemsize
+                    for c0, c1 in plan.chunks]
+        if plan.resident and any_block:
+            per_instance += kv_bytes[0]
+        for grp in plan.groups:
+            per_instance += sum(_valid_in(qt.i0, qt.i0 + qt.rows, nq, Nq, spec.rotate_q)
+                                * D * itemsize for qt in grp if qt.blocks)
+            if not plan.resident:
+                needed = {blk.chunk for qt in grp for blk in qt.blocks}
+                per_instance += sum(kv_bytes[c] for c in needed)
+        read += Hkv * per_instance
+    return read, B * Hq * Nq * (D * itemsize + 4)
 
 
 # ============================================================================================
@@ -254,10 +308,18 @@ class _Instance:
         self.dma_share = tiles.p_dma_transpose_share if self.gen3 else 0.0
         self.lse_col = lse.reshape((self.B, self.Hq, self.Nq, 1))  # (rows, 1) store targets
         self.neg_eye = None        # MASK_NEG * I, for indicator tiles
-        self.neg_row = None        # MASK_NEG * 1, for the key-length row
         self.static_masks = None   # masks.StaticDiagMasks
-        self.lens = None           # (kv_len on partition 0 [1, 2], both lengths [128, 2])
-        self.diag = None           # runtime diagonal thresholds (hi, lo), [128, 1] or None
+        self.rt = None             # masks.RuntimeLengths (with kv_lens or q_lens)
+        self.q_load = None         # int32 [128, G * tiles per head]: query-row gather indices,
+        self.q_store = None        # scatter indices (rotated rows only),
+        self.q_valid = None        # fp32 1.0 for valid rows
+        self.k_load = None         # int32 [128, ceil(Nk / 128)]: key gather indices
+        self.k_fill = None         # [128, D] in k's dtype: the edge key on every partition
+        self.q_rows = self.k_rows = self.v_rows = None     # (B H N, D) views for the gathers
+
+    def q_col(self, qt: "QueryTile") -> int:
+        """Column of query tile qt in the query index tables."""
+        return qt.head * T.ceil_div(self.Nq, self.tiles.q_tile) + qt.i0 // self.tiles.q_tile
 
     def evac_engine(self, n: int):
         """Engine of the next PSUM -> SBUF copy of ``n`` columns (ScalarE or VectorE)."""
@@ -316,12 +378,12 @@ class _Splitter:
 
 
 class _KV:
-    """K^T (one tile per head-dim pass, ``[rows, n]``), ``[V | 1]`` (``[128, n/128 blocks,
-    D + 1]``) and the key-length mask row (``[1, n]`` or None) of keys ``[base, base + n)``, all
-    in SBUF at matmul dtype."""
+    """K^T (one tile per head-dim pass, ``[rows, n]``) and ``[V | 1]`` (``[128, n/128 blocks,
+    D + 1]``; with ``kv_lens`` the last column is 1.0 for valid keys only) of keys
+    ``[base, base + n)``, in SBUF at matmul dtype."""
 
-    def __init__(self, base, kT, v, key_row):
-        self.base, self.kT, self.v, self.key_row = base, kT, v, key_row
+    def __init__(self, base, kT, v):
+        self.base, self.kT, self.v = base, kT, v
 
 
 class _GroupState:
@@ -367,20 +429,57 @@ class _GroupState:
 # ============================================================================================
 
 
-def load_lengths(f: _Instance, kv_lens, q_lens):
-    """Per-sequence lengths of instance b (``masks.load_lengths``): ``kv_len`` on partition 0
-    ([1, 1] fp32, for the key-mask row) and ``[128, 2]`` = (kv_len, q_len) on every partition."""
-    return M.load_lengths(kv_lens, q_lens, f.b, f.Nk, f.Nq)
+def length_tables(f: _Instance, kv_lens, q_lens):
+    """Runtime lengths of sequence b (:class:`masks.RuntimeLengths`, shared with the backward)
+    and the index tables of the gathers, built once per program for every query tile and key
+    block in ``[128, n]`` instructions: ``q_load``/``q_store``/``q_valid`` (column
+    :meth:`_Instance.q_col`; store only when the rows are rotated) and ``k_load`` (column =
+    128-key block; keys are only read). Padding positions get out-of-bounds load indices: the
+    ``oob_mode.skip`` gathers never read them. With ``kv_lens`` also the key mask's fill
+    (:func:`edge_key_fill`)."""
+    f.rt = M.RuntimeLengths(f.spec, kv_lens, q_lens, f.b, f.Nq, f.Nk, key_rows=False)
+    f.q_rows = f.q.reshape((f.B * f.Hq * f.Nq, f.D))
+    f.k_rows = f.k.reshape((f.B * f.Hkv * f.Nk, f.D))
+    f.v_rows = f.v.reshape((f.B * f.Hkv * f.Nk, f.D))
+    if f.rt.has_q:
+        per_head = T.ceil_div(f.Nq, f.tiles.q_tile)
+        runs = [(h * per_head, per_head, (f.b * f.Hq + f.g * f.G + h) * f.Nq, 0)
+                for h in range(f.G)]
+        rows, pos = M.position_table(runs, f.G * per_head, stride=f.tiles.q_tile)
+        f.q_valid = f.rt.valid(pos, keys=False)
+        f.q_load, f.q_store = f.rt.index_table(rows, pos, f.B * f.Hq * f.Nq, keys=False,
+                                               valid=f.q_valid)
+    if f.rt.has_k:
+        n = T.ceil_div(f.Nk, T.PMAX)
+        rows, pos = M.position_table([(0, n, (f.b * f.Hkv + f.g) * f.Nk, 0)], n)
+        f.k_load, _ = f.rt.index_table(rows, pos, f.B * f.Hkv * f.Nk, keys=True)
+        f.k_fill = edge_key_fill(f)
 
 
-def diag_thresholds(f: _Instance, lens_p):
-    """Runtime diagonal bounds on ``j - i`` per partition: ``hi + off_b`` and ``lo + off_b`` with
-    ``off_b = nk_b - nq_b`` (bottom_right alignment with lengths). fp32 [128, 1] or None."""
-    spec = f.spec
-    off = nisa.tensor_tensor(lens_p[:, 0:1], lens_p[:, 1:2], nl.subtract)
-    hi = None if spec.hi is None else nisa.tensor_scalar(off, nl.add, float(spec.hi))
-    lo = None if spec.lo is None else nisa.tensor_scalar(off, nl.add, float(spec.lo))
-    return hi, lo
+def edge_key_fill(f: _Instance):
+    """The key mask of ``kv_lens`` without a mask on the scores: ``[128, D]`` (k's dtype), the
+    valid key next to the padding (:meth:`masks.RuntimeLengths.edge_key_index`; zeros when
+    ``kv_len = 0``) on every partition. Key tiles start as copies of it, so every padding key
+    the gathers skip holds the edge key.
+
+    Why that masks: padding keys get V = 0 and a 0 in V's ones column (:func:`load_kv`), so
+    they add nothing to o_acc or l_i whatever their P; the only place they could still act is
+    the row max. The keys a row sees form an interval, and the padding keys of the frame form an
+    interval next to the valid ones, so a row that sees a padding key and any valid key also
+    sees the edge key: a padding score (a copy of the edge key's) never exceeds the row's true
+    max. A row that sees only padding ends with l_i = 0 (o = 0, LSE = -inf). The copy need not
+    be bit-exact (a K = 1 TensorE broadcast; fp32 matmuls are not guaranteed exact on
+    hardware): a padding score within rounding of a visible one changes nothing. One gathered
+    row (``D`` elements read) per program. Caveat: the edge key is valid data, so a NaN/inf in
+    it also reaches the rows that see only padding keys (finite inputs: no effect)."""
+    P, D = T.PMAX, f.D
+    idx = f.rt.edge_key_index((f.b * f.Hkv + f.g) * f.Nk, f.B * f.Hkv * f.Nk)
+    row = nisa.memset((1, D), 0.0, dtype=f.k.dtype, engine=nisa.gpsimd_engine)
+    M.gather_rows(row, f.k_rows, idx, 0, 1, D)
+    ones = nisa.memset((1, P), 1.0, dtype=f.k.dtype, engine=nisa.gpsimd_engine)
+    bcast = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.psum)
+    bcast[...] = nisa.nc_matmul(ones, row)
+    return nisa.tensor_copy(bcast, dtype=f.k.dtype)
 
 
 def transpose_keys(f: _Instance, kT, pieces):
@@ -403,21 +502,58 @@ def transpose_keys(f: _Instance, kT, pieces):
                                                             engine=f.evac_engine(width))
 
 
+def gather_kv(f: _Instance, kT, v, c0: int, l0: int, ln: int):
+    """Keys ``[l0, l0 + ln)`` of the frame (runtime ``kv_lens``): K and V gathered one 128-key
+    block per DMA through ``k_load`` (rotated when the band needs it), padding keys skipped --
+    never read -- and left at what the tiles were filled with: the edge key in K
+    (:func:`edge_key_fill`), zeros in V. Then as :func:`load_kv`."""
+    P, D = T.PMAX, f.D
+    nb, b0 = T.ceil_div(ln, P), (l0 - c0) // P
+    kx = nl.ndarray((P, nb, D), dtype=f.k.dtype, buffer=nl.sbuf)
+    for t in nl.static_range(nb):
+        kx[:, t, :] = nisa.tensor_copy(f.k_fill, engine=nisa.gpsimd_engine)
+    same = f.v.dtype == f.mm
+    if same:
+        v[:, b0:b0 + nb, 0:D] = nisa.memset((P, nb, D), 0.0, dtype=f.mm,
+                                            engine=nisa.gpsimd_engine)
+    vx = None if same else nisa.memset((P, nb, D), 0.0, dtype=f.v.dtype,
+                                       engine=nisa.gpsimd_engine)
+    pieces = []
+    for t in nl.static_range(nb):
+        j0 = l0 + t * P
+        kw = min(P, l0 + ln - j0)
+        M.gather_rows(kx[0:kw, t, :], f.k_rows, f.k_load, j0 // P, kw, D)
+        M.gather_rows(v[0:kw, b0 + t, 0:D] if same else vx[0:kw, t, :], f.v_rows, f.k_load,
+                      j0 // P, kw, D)
+        pieces.append((j0 - c0, kw, kx[:, t, :]))
+    if not same:
+        v[:, b0:b0 + nb, 0:D] = nisa.tensor_copy(vx, dtype=f.mm, engine=nisa.gpsimd_engine)
+    transpose_keys(f, kT, pieces)
+
+
 def load_kv(f: _Instance, c0: int, c1: int) -> _KV:
     """Load keys ``[c0, c1)`` of K and V once: K^T via TensorE transposes of 128-key blocks
     (PSUM -> SBUF copy casts to the matmul dtype), V as 128-key blocks ``[128, D + 1]`` whose last
     column is 1.0 (cast on GpSimd when the input dtype differs). DMAs move up to
-    ``kv_load_block`` keys each."""
+    ``kv_load_block`` keys each. With ``kv_lens`` the keys are gathered (:func:`gather_kv`) and
+    the ones column is 1.0 for valid keys only, 0.0 for padding (:func:`edge_key_fill`)."""
     P, D, n = T.PMAX, f.D, c1 - c0
     nblk = T.ceil_div(n, P)
     kT = [nl.ndarray((rows, n), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     # V with a ones column: PV then also yields the row sums l_i = sum_j P_ij on TensorE
     v = nl.ndarray((P, nblk, D + 1), dtype=f.mm, buffer=nl.sbuf)
-    v[:, :, D:D + 1] = nisa.memset((P, nblk, 1), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
     ip = nl.arange(P)[:, None, None]
+    if f.k_load is None:
+        v[:, :, D:D + 1] = nisa.memset((P, nblk, 1), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
+    else:
+        key = nisa.iota(c0 + P * nl.arange(nblk)[None, :, None] + ip, dtype=nl.float32)
+        v[:, :, D:D + 1] = f.rt.valid(key, keys=True, dtype=f.mm)
     idd = nl.arange(D)[None, None, :]
     for l0 in nl.static_range(c0, c1, f.tiles.kv_load_block):
         ln = min(f.tiles.kv_load_block, c1 - l0)
+        if f.k_load is not None:
+            gather_kv(f, kT, v, c0, l0, ln)
+            continue
         full, tail = ln // P, ln % P
         if full:
             it = nl.arange(full)[None, :, None]
@@ -437,16 +573,20 @@ def load_kv(f: _Instance, c0: int, c1: int) -> _KV:
             v[0:tail, (t0 - c0) // P, 0:D] = nisa.tensor_copy(vt_, dtype=f.mm,
                                                               engine=nisa.gpsimd_engine)
             transpose_keys(f, kT, [(t0 - c0, tail, kt_)])
-    key_row = M.key_length_row(f.lens[0][0:1, 0:1], c0, n) if f.spec.kv_lens else None
-    return _KV(c0, kT, v, key_row)
+    return _KV(c0, kT, v)
 
 
 def load_q_tile(f: _Instance, st: _GroupState, qt: QueryTile):
     """Q_i^T for one query tile: load [rows, D], transpose each 128-wide head-dim slice on
     TensorE, copy it out of PSUM at matmul dtype (ScalarE), times the softmax scale when the
-    scale is not folded into the exp."""
+    scale is not folded into the exp. With ``q_lens`` the rows are gathered through ``q_load``
+    (rotated when the band needs it): padding rows are never read and stay 0."""
     r, h = qt.rows, f.g * f.G + qt.head
-    x = nl.load(f.q[f.b, h, qt.i0:qt.i0 + r, :])
+    if f.q_load is None:
+        x = nl.load(f.q[f.b, h, qt.i0:qt.i0 + r, :])
+    else:
+        x = nisa.memset((r, f.D), 0.0, dtype=f.q.dtype, engine=nisa.gpsimd_engine)
+        M.gather_rows(x, f.q_rows, f.q_load, f.q_col(qt), r, f.D)
     for pi, (d0, rows) in enumerate(f.d_passes):
         tp = nl.ndarray((rows, r), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
         tp[...] = nisa.nc_transpose(x[0:r, d0:d0 + rows])
@@ -458,8 +598,8 @@ def scores(f: _Instance, st: _GroupState, qt: QueryTile, tile: ScoreTile, kv: _K
     folded into the exp), in one PSUM bank, plus its masks.
 
     One matmul per head-dim pass (stationary Q^T [d, rows], moving K^T [d, width]) accumulating
-    in PSUM; then ``MASK_NEG * indicator`` for boundary tiles (a matmul with ``MASK_NEG * I``) and
-    ``MASK_NEG * [j >= kv_len]`` (a rank-1 matmul) when key lengths are given.
+    in PSUM; then ``MASK_NEG * indicator`` for boundary tiles (a matmul with ``MASK_NEG * I``).
+    Padding keys (``kv_lens``) need nothing here (:func:`edge_key_fill`).
     """
     r, w, jr = qt.rows, tile.width, tile.j0 - kv.base
     s = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.psum)
@@ -472,14 +612,6 @@ def scores(f: _Instance, st: _GroupState, qt: QueryTile, tile: ScoreTile, kv: _K
     if tile.kind == M.BOUNDARY:
         ind = f.static_masks.get(qt.i0, tile.j0)
         s[...] += nisa.nc_matmul(f.neg_eye[0:r, 0:r], ind[0:r, 0:w])
-    elif tile.kind == M.RUNTIME:
-        pattern = M.diag_pattern(qt.i0, r, tile.j0, w)
-        hi, lo = f.diag
-        ind = M.diag_indicator(pattern, None if hi is None else hi[0:r, :],
-                               None if lo is None else lo[0:r, :])
-        s[...] += nisa.nc_matmul(f.neg_eye[0:r, 0:r], ind)
-    if kv.key_row is not None:
-        s[...] += nisa.nc_matmul(f.neg_row[0:1, 0:r], kv.key_row[0:1, jr:jr + w])
     return s
 
 
@@ -580,14 +712,17 @@ def write_back(f: _Instance, st: _GroupState, qt: QueryTile):
 
     A row with l_i = 0 (every key masked) has o_acc = 0 exactly, so ``o_acc / max(l_i, L_FLOOR)``
     is 0; its LSE is -inf by an explicit select (``log`` only ever sees ``l_i >= L_FLOOR``).
-    Rows at or after ``q_len`` are selected the same way and their output multiplied by 0.
+    Padding rows (past ``q_len``) are selected the same way and their output multiplied by 0.
+    Rotated rows are scattered back to their HBM rows (``q_store``), padding included.
     """
     r, h = qt.rows, f.g * f.G + qt.head
-    rows_o = f.o[f.b, h, qt.i0:qt.i0 + r, :]
-    rows_lse = f.lse_col[f.b, h, qt.i0:qt.i0 + r, :]
+
+    def store(out, tile):
+        M.store_rows(out, f.b, h, qt.i0, r, tile, f.q_store, f.q_col(qt))
+
     if not st.started[qt.slot]:
-        nl.store(rows_o, nisa.memset((r, f.D), 0.0, dtype=f.o.dtype))
-        nl.store(rows_lse, nisa.memset((r, 1), -np.inf, dtype=nl.float32))
+        store(f.o, nisa.memset((r, f.D), 0.0, dtype=f.o.dtype))
+        store(f.lse_col, nisa.memset((r, 1), -np.inf, dtype=nl.float32))
         return
     o_acc = st.o_acc(qt)
     l_i = o_acc[:, f.D:f.D + 1]
@@ -595,20 +730,21 @@ def write_back(f: _Instance, st: _GroupState, qt: QueryTile):
 
     l_safe = nisa.tensor_scalar(l_i, nl.maximum, T.FWD_L_FLOOR, dtype=nl.float32)
     inv_l = nisa.reciprocal(l_safe)
-    # rows at or after q_len: multiplied by 0 (o) and deselected (lse)
-    in_range = M.row_valid(f.lens[1][:, 1:2], qt.i0, r) if f.spec.q_lens else None
+    # padding rows: multiplied by 0 (o) and deselected (lse)
+    col = f.q_col(qt)
+    in_range = f.q_valid[0:r, col:col + 1] if f.spec.q_lens else None
     op1 = nl.multiply if f.spec.q_lens else None
     o_out = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l, op1=op1, operand1=in_range,
                                dtype=f.o.dtype)
     keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, op1=op1, operand1=in_range, dtype=nl.uint8)
-    nl.store(rows_o, o_out)
+    store(f.o, o_out)
 
     log_l = nisa.activation(nl.log, l_safe, dtype=nl.float32)
     lse_val = nisa.activation(nl.copy, neg_m, scale=-f.act_scale, bias=log_l, dtype=nl.float32)
     lse_out = nisa.memset((r, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
     # explicit select (documented from neuronx-cc 2.22; nki-api-spec §9.14)
     nisa.tensor_copy_predicated(src=lse_val, dst=lse_out, predicate=keep)
-    nl.store(rows_lse, lse_out)
+    store(f.lse_col, lse_out)
 
 
 def attend_group(f: _Instance, plan: ForwardPlan, group, kv: Optional[_KV]):
@@ -641,7 +777,9 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal
     """Flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B, Hkv, Nk, D)``.
 
     Launch on the grid ``(B, Hkv)``. Tensor arguments live in HBM: q, k, v in fp32/bf16/fp16
-    (one dtype), optional ``kv_lens``/``q_lens`` ``(B,)`` int32. Compile-time arguments:
+    (one dtype), optional ``kv_lens``/``q_lens`` ``(B,)`` int32 (values in [0, Nk] / [0, Nq];
+    the compiled kernel depends only on whether each is given: padding rows and keys are never
+    read, bottom_right sequences are rotated on chip, module docstring). Compile-time arguments:
     ``scale`` (float, any finite value), ``causal`` (None, "top_left", "bottom_right"),
     ``window`` (None or (left, right), -1 = unbounded), ``mm_dtype`` ("bfloat16", "float16",
     "float32": matmul operand precision), ``tiles`` (:class:`tiles.ForwardTiles`).
@@ -660,18 +798,13 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal
 
     f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec)
     balance_engines(f, plan)
-    if spec.has_diag or spec.kv_lens:
+    if spec.has_diag:
         f.neg_eye = M.neg_identity(T.PMAX)
-    if spec.kv_lens:
-        f.neg_row = M.neg_row(T.PMAX)
-    if spec.has_diag and not spec.runtime_diag:
         offsets = {t.j0 - qt.i0 for grp in plan.groups for qt in grp for blk in qt.blocks
                    for t in blk.tiles if t.kind == M.BOUNDARY}
         f.static_masks = M.StaticDiagMasks(spec, tiles.q_tile, tiles.k_tile, offsets)
     if spec.kv_lens or spec.q_lens:
-        f.lens = load_lengths(f, kv_lens, q_lens)
-        if spec.runtime_diag:
-            f.diag = diag_thresholds(f, f.lens[1])
+        length_tables(f, kv_lens, q_lens)
 
     needs_kv = any(qt.blocks for grp in plan.groups for qt in grp)
     kv = load_kv(f, 0, Nk) if plan.resident and needs_kv else None

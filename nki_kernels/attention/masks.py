@@ -1,4 +1,5 @@
-"""Attention masks of the forward kernel: which tiles to compute, and in-kernel mask tiles.
+"""Attention masks of the forward kernel (shared with the backward): which tiles to compute, the
+in-kernel mask tiles, and what runtime lengths mean on chip.
 
 Visibility rule (docs/semantics.md): key j is visible to query i of sequence b iff
 
@@ -9,21 +10,31 @@ offset (0 for top_left; ``nk_b - nq_b`` for bottom_right and for a window withou
 relative diagonal bounds are ``hi = 0`` for causal (capped by a window's ``right``) and
 ``lo = -left`` for a window (``None`` = unbounded).
 
-Two kinds of masks, by when their parameters are known:
+The band is always static (compile time). The host-side plan skips score tiles that are fully
+masked, trims each query tile's key range to the union of its rows' windows, and masks only
+*boundary* tiles. Their indicator tiles depend only on ``j0 - i0`` (the tile's diagonal offset)
+and are built once and cached. With runtime lengths (kernel inputs, so one compiled kernel
+serves every set of lengths; :class:`RuntimeLengths`):
 
-- **static** (compile time): causal/window with an offset that does not depend on lengths. The
-  host-side plan skips score tiles that are fully masked, trims each query tile's key range to the
-  union of its rows' windows, and masks only *boundary* tiles. Their indicator tiles depend only
-  on ``j0 - i0`` (the tile's diagonal offset) and are built once and cached.
-- **runtime** (kernel inputs): ``kv_lens`` (a per-key mask, rank 1: ``NEG * 1 (x) [j >= nk_b]``)
-  and, when lengths move the bottom_right diagonal, the diagonal mask itself (built per tile from
-  an iota pattern compared with per-partition thresholds). ``q_lens`` rows are zeroed at the end.
-  A kernel cannot branch on tensor values, so runtime masks apply to every tile they could touch.
+- the rows and keys are *gathered* by indirect DMAs that skip padding (never read, so a NaN there
+  cannot leak) into pre-filled tiles (zeros; the forward's key tiles: its edge key);
+- when lengths would move the band (bottom_right alignment: ``off_b = nk_b - nq_b``), the gathers
+  *rotate* each sequence: on-chip row i' holds HBM row ``(i' + nq_b) mod Nq`` and key j' HBM key
+  ``(j' + nk_b) mod Nk``. The valid rows and keys then end at Nq and Nk, ``j' - i' - (Nk - Nq) =
+  j - i - off_b``, and the band is the static bottom_right band of the padded shapes; stores
+  scatter the results back through the same bijection. top_left needs no rotation: its band does
+  not depend on lengths and its valid rows and keys already start at 0;
+- keys past ``kv_len`` (before ``Nk - kv_len`` when rotated): the backward adds a per-key mask,
+  rank 1: ``NEG * 1 (x) key_row`` (:meth:`RuntimeLengths.key_mask_row`); the forward instead
+  zeroes their V and their share of the row sums and fills their K with the valid key next to
+  the padding (``forward.edge_key_fill``, :meth:`RuntimeLengths.edge_key_index`). Query rows
+  past ``q_len`` are zeroed when the output is written. A kernel cannot branch on tensor
+  values, so these apply to every tile the band allows.
 
-Every mask reaches the scores the same way: a matmul ``(MASK_NEG * I)^T @ indicator`` (or the
-rank-1 ``(MASK_NEG * 1)^T @ key_row``) accumulated into the score tile's PSUM bank, where the
-indicator is 1.0 at masked positions and 0.0 elsewhere. TensorE does the add for free of VectorE
-time, and masked scores become ``s + MASK_NEG`` (finite, see ``tiles.FWD_MASK_NEG``).
+Every forward band mask reaches the scores the same way: a matmul ``(MASK_NEG * I)^T @
+indicator`` accumulated into the score tile's PSUM bank, where the indicator is 1.0 at masked
+positions and 0.0 elsewhere. TensorE does the add for free of VectorE time, and masked scores
+become ``s + MASK_NEG`` (finite, see ``tiles.FWD_MASK_NEG``).
 """
 from __future__ import annotations
 
@@ -36,7 +47,7 @@ from nki_kernels import tiles as T
 from nki_kernels.nki import nisa, nl
 
 #: Score-tile classes of the static plan.
-FULL, BOUNDARY, RUNTIME = "full", "boundary", "runtime"
+FULL, BOUNDARY = "full", "boundary"
 
 
 # ============================================================================================
@@ -90,18 +101,25 @@ class MaskSpec:
         return self.causal == "top_left"
 
     @property
-    def runtime_offset(self) -> bool:
-        """The alignment offset depends on lengths (bottom_right with q_lens or kv_lens)."""
-        return (not self.top_left) and (self.q_lens or self.kv_lens)
+    def rotates(self) -> bool:
+        """Runtime lengths would move the band (bottom_right alignment, also a window without
+        causal), so kernels with lengths rotate each sequence by them (module docstring)."""
+        return self.has_diag and not self.top_left
 
     @property
-    def runtime_diag(self) -> bool:
-        """The diagonal mask must be built per tile from runtime thresholds."""
-        return self.has_diag and self.runtime_offset
+    def rotate_q(self) -> bool:
+        """Query rows are gathered rotated by ``q_len``."""
+        return self.rotates and self.q_lens
+
+    @property
+    def rotate_k(self) -> bool:
+        """Keys are gathered rotated by ``kv_len``."""
+        return self.rotates and self.kv_lens
 
     @property
     def static_offset(self) -> int:
-        """Compile-time alignment offset (meaningful when not :attr:`runtime_offset`)."""
+        """Alignment offset of the band in the kernel's frame: 0 for top_left, ``nk - nq``
+        otherwise (with lengths: in the rotated frame)."""
         return 0 if self.top_left else self.nk - self.nq
 
     @property
@@ -112,8 +130,8 @@ class MaskSpec:
     def key_range(self, i0: int, rows: int) -> Tuple[int, int]:
         """Keys ``[k_lo, k_hi)`` that query rows ``i0 .. i0+rows-1`` may see, ``k_lo`` a multiple
         of 128 (V chunks are 128-key blocks). Empty (``k_lo >= k_hi``) when every row is masked
-        statically. Runtime diagonals cannot be trimmed: ``(0, Nk)``."""
-        if not self.has_diag or self.runtime_diag:
+        statically."""
+        if not self.has_diag:
             return 0, self.nk
         off = self.static_offset
         k_lo = 0 if self.lo is None else max(0, i0 + off + self.lo)
@@ -124,13 +142,11 @@ class MaskSpec:
     def classify(self, i0: int, rows: int, j0: int, width: int) -> Optional[str]:
         """Class of the score tile rows ``[i0, i0+rows)`` x keys ``[j0, j0+width)``.
 
-        Returns None (fully masked: skip), :data:`FULL` (no diagonal mask), :data:`BOUNDARY`
-        (static diagonal mask needed) or :data:`RUNTIME` (runtime diagonal mask).
+        Returns None (fully masked: skip), :data:`FULL` (no diagonal mask) or :data:`BOUNDARY`
+        (static diagonal mask needed).
         """
         if not self.has_diag:
             return FULL
-        if self.runtime_diag:
-            return RUNTIME
         off = self.static_offset
         d_min = j0 - (i0 + rows - 1) - off
         d_max = (j0 + width - 1) - i0 - off
@@ -169,9 +185,9 @@ def diag_pattern(i0: int, rows: int, j0: int, width: int):
 def diag_indicator(pattern, hi, lo):
     """bf16 tile: 1.0 where ``pattern > hi`` or ``pattern < lo``, else 0.0.
 
-    ``hi``/``lo`` are Python numbers (static masks: relative bound plus the compile-time offset)
-    or per-partition fp32 ``(P, 1)`` tiles (runtime offsets), or None for an unbounded side. At
-    most one of the two conditions holds (lo <= hi), so the sum is an indicator.
+    ``hi``/``lo`` are Python numbers (the relative bound plus the compile-time offset), or None
+    for an unbounded side. At most one of the two conditions holds (lo <= hi), so the sum is an
+    indicator.
     """
     if lo is None:
         return nisa.tensor_scalar(pattern, nl.greater, hi, dtype=nl.bfloat16)
@@ -212,15 +228,17 @@ def load_lengths(kv_lens, q_lens, b, nk: int, nq: int):
     """Per-sequence lengths of sequence ``b`` as fp32: ``kv_len`` on partition 0 ([1, 1], for the
     key-mask row) and ``[128, 2]`` = (kv_len, q_len) on every partition (for per-row thresholds).
     A missing length (None) is its padded size (``nk`` or ``nq``). The partition broadcast is a
-    K=1 matmul of a ones row (exact for integers in fp32). Returns ``(raw [1, 2], lens_p)``."""
+    K=1 matmul of a ones row (exact for integers in fp32). Returns ``(raw [1, 2], lens_p)``.
+    The SBUF-only steps run on GpSimd, which attention kernels leave mostly idle."""
     raw = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
     for col, arr, full in ((0, kv_lens, nk), (1, q_lens, nq)):
         if arr is None:
-            raw[0:1, col:col + 1] = nisa.memset((1, 1), float(full), dtype=nl.float32)
+            raw[0:1, col:col + 1] = nisa.memset((1, 1), float(full), dtype=nl.float32,
+                                                engine=nisa.gpsimd_engine)
         else:
             raw[0:1, col:col + 1] = nisa.tensor_copy(nl.load(arr[nl.ds(b, 1)]),
-                                                     dtype=nl.float32)
-    ones = nisa.memset((1, T.PMAX), 1.0, dtype=nl.float32)
+                                                     dtype=nl.float32, engine=nisa.gpsimd_engine)
+    ones = nisa.memset((1, T.PMAX), 1.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
     bcast = nl.ndarray((T.PMAX, 2), dtype=nl.float32, buffer=nl.psum)
     bcast[...] = nisa.nc_matmul(ones, raw)
     lens_p = nisa.tensor_copy(bcast, dtype=nl.float32)
@@ -243,13 +261,160 @@ def key_length_row(kv_len_1, j0: int, n: int, *, below: bool = False):
     return row
 
 
-def row_valid(q_len_p, i0: int, rows: int):
-    """fp32 [rows, 1]: 1.0 for query rows ``i0 + ii < q_len`` else 0.0 (``q_len_p`` is the
-    query length broadcast to every partition, fp32 [128, 1])."""
-    pos = nisa.iota(i0 + nl.arange(rows)[:, None], dtype=nl.float32)
-    return nisa.tensor_scalar(pos, nl.less, q_len_p[0:rows, 0:1], dtype=nl.float32)
+# ============================================================================================
+# Runtime lengths: gathers that skip padding, the rotation, the length masks (NKI)
+# ============================================================================================
 
 
-__all__ = ["MaskSpec", "FULL", "BOUNDARY", "RUNTIME", "neg_identity", "neg_row", "diag_pattern",
-           "diag_indicator", "StaticDiagMasks", "load_lengths", "key_length_row", "row_valid",
-           "np"]
+def oob_offset(n_rows: int) -> int:
+    """Added to a row index to push it out of bounds of an ``n_rows``-row HBM view: a power of
+    two (exact in fp32) above ``n_rows + 128``; index + offset must stay below 2^31 (int32)."""
+    off = 1 << int(n_rows + T.PMAX).bit_length()
+    if off >= 1 << 31:
+        raise ValueError(f"attention kernels with lengths address at most 2^30 - 128 rows per "
+                         f"tensor (int32 gather indices); got {n_rows}")
+    return off
+
+
+def position_table(runs, n: int, stride: int = T.PMAX):
+    """int32 flat HBM rows and fp32 frame positions ``[128, n]`` of n tiles of ``stride``
+    positions (at most 128): ``runs`` lists ``(first column, tiles, first flat row, first
+    position)`` of stretches whose tiles follow each other in HBM (column c + t holds flat row
+    ``first + stride t + p`` and position ``pos0 + stride t + p`` on partition p). One GpSimd
+    iota pair per run."""
+    rows = nl.ndarray((T.PMAX, n), dtype=nl.int32, buffer=nl.sbuf)
+    pos = nl.ndarray((T.PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    ip = nl.arange(T.PMAX)[:, None]
+    for c0, count, first, pos0 in runs:
+        it = nl.arange(count)[None, :]
+        rows[:, c0:c0 + count] = nisa.iota(first + stride * it + ip, dtype=nl.int32)
+        pos[:, c0:c0 + count] = nisa.iota(pos0 + stride * it + ip, dtype=nl.float32)
+    return rows, pos
+
+
+def gather_rows(dst, rows_view, idx, col: int, n: int, width: int):
+    """``dst[p, :] = rows_view[idx[p, col], :]`` for ``p < n``, skipping out-of-bounds indices
+    (dst keeps what it held: the caller fills it first)."""
+    nisa.dma_copy(dst=dst, src=rows_view[idx[nl.arange(n)[:, None], col],
+                                         nl.arange(width)[None, :]],
+                  oob_mode=nisa.oob_mode.skip)
+
+
+def store_rows(out, b, head, i0, n, tile, store, col):
+    """``out[b, head, i0 : i0 + n, :] = tile``; with ``store`` (int32 ``[128, k]`` of flat rows,
+    column ``col``), scattered to those rows of out's ``(B H N, D)`` view instead."""
+    if store is None:
+        nl.store(out[b, head, nl.ds(i0, n), :], value=tile)
+        return
+    B, H, N, D = out.shape
+    rows = out.reshape((B * H * N, D))
+    nisa.dma_copy(dst=rows[store[nl.arange(n)[:, None], col], nl.arange(D)[None, :]], src=tile)
+
+
+class RuntimeLengths:
+    """What the runtime ``kv_lens``/``q_lens`` of a program's sequence b mean on chip (built once
+    per program; every tile shape stays a compile-time constant). Shared by the forward and the
+    backward.
+
+    * ``lens_p`` fp32 ``[128, 2]`` = (kv_len, q_len) on every partition (:func:`load_lengths`; a
+      missing length is Nk or Nq), and with ``key_rows`` ``key_start`` fp32 ``[1, 1]`` on
+      partition 0: kv_len, or with rotated keys the first valid key ``Nk - kv_len`` (for
+      :meth:`key_mask_row`).
+    * **Padding never enters SBUF.** Rows past q_len and keys past kv_len are skipped by
+      indirect DMAs (:meth:`index_table`: the index is pushed out of bounds and
+      ``oob_mode.skip`` leaves the destination as it was, so the caller zero-fills it first).
+    * **The band stays static.** When :attr:`MaskSpec.rotates` (bottom_right alignment, or a
+      window without causal) the gathers rotate the sequence (``rotate_q``/``rotate_k``): frame
+      row i' holds HBM row ``(i' + q_len) mod Nq`` and key j' HBM key ``(j' + kv_len) mod Nk``,
+      so the valid rows and keys end at Nq and Nk and ``j' - i' - (Nk - Nq) = j - i - (kv_len -
+      q_len)``: the band is the static bottom_right band of the padded shapes. Padding is then at
+      the start (rows ``i' < Nq - q_len``, keys ``j' < Nk - kv_len``), and stores scatter the
+      results back through the same bijection (every HBM row written once, padding included).
+    * :meth:`valid` marks the valid positions of the frame, :meth:`key_mask_row` the padding
+      keys (for ``MASK_NEG * 1 (x) row``), :meth:`edge_key_index` locates the valid key next to
+      the padding (the forward's key mask).
+    """
+
+    def __init__(self, spec: MaskSpec, kv_lens, q_lens, b, Nq: int, Nk: int, *,
+                 key_rows: bool = True):
+        raw, self.lens_p = load_lengths(kv_lens, q_lens, b, Nk, Nq)
+        self.kv_len_1 = raw[0:1, 0:1]
+        self.kv_len_p = self.lens_p[:, 0:1]
+        self.q_len_p = self.lens_p[:, 1:2]
+        self.has_q, self.has_k = q_lens is not None, kv_lens is not None
+        self.rotate_q = spec.rotates and self.has_q
+        self.rotate_k = spec.rotates and self.has_k
+        self.Nq, self.Nk = Nq, Nk
+        self.key_start = None
+        if self.has_k and key_rows:
+            # the key row compares with kv_len, or with the first valid key Nk - kv_len
+            self.key_start = (nisa.tensor_scalar(self.kv_len_1, np.subtract, float(Nk),
+                                                 reverse0=True, dtype=nl.float32)
+                              if self.rotate_k else self.kv_len_1)
+
+    def rotated(self, keys: bool) -> bool:
+        """Whether the keys (``keys``) or the query rows are gathered rotated."""
+        return self.rotate_k if keys else self.rotate_q
+
+    def key_mask_row(self, j0: int, n: int):
+        """bf16 ``[1, n]``: 1.0 at the padding keys among frame keys ``[j0, j0 + n)`` (None
+        without kv_lens; needs ``key_rows=True``)."""
+        if not self.has_k:
+            return None
+        return key_length_row(self.key_start, j0, n, below=self.rotate_k)
+
+    def valid(self, pos, keys: bool, dtype=nl.float32):
+        """1.0 where the frame positions ``pos`` (an fp32 tile of query rows, or keys when
+        ``keys``; any free shape) are valid -- ``pos < len``, or ``pos + len >= N`` when rotated
+        -- else 0.0, in ``dtype``. One VectorE instruction."""
+        length_p = self.kv_len_p if keys else self.q_len_p
+        if self.rotated(keys):
+            return nisa.tensor_scalar(pos, np.add, length_p, op1=nl.greater_equal,
+                                      operand1=float(self.Nk if keys else self.Nq), dtype=dtype)
+        return nisa.tensor_scalar(pos, nl.less, length_p, dtype=dtype)
+
+    def edge_key_index(self, first_row, n_rows: int):
+        """int32 ``[1, 1]``: the flat row, in an ``(n_rows, D)`` HBM view where this sequence's
+        key 0 is row ``first_row``, of the valid key next to the padding -- the first one (HBM
+        key 0, frame position ``Nk - kv_len``) when the keys are rotated, else the last one
+        (``kv_len - 1``) -- pushed out of bounds when ``kv_len = 0`` (a gather then skips it).
+        """
+        base = nisa.iota(first_row + nl.arange(1)[:, None], dtype=nl.int32)
+        lack = nisa.tensor_scalar(self.kv_len_1, nl.less, 1.0, op1=np.multiply,
+                                  operand1=float(oob_offset(n_rows)), dtype=nl.float32)
+        if self.rotate_k:
+            shift = nisa.tensor_copy(lack, dtype=nl.int32, engine=nisa.gpsimd_engine)
+        else:
+            shift = nisa.scalar_tensor_tensor(data=self.kv_len_1, op0=np.subtract,
+                                              operand0=1.0, op1=np.add, operand1=lack,
+                                              dtype=nl.int32)
+        return nisa.tensor_tensor(base, shift, np.add, dtype=nl.int32)
+
+    def index_table(self, rows, pos, n_rows: int, keys: bool, valid=None):
+        """Gather/scatter indices of a set of positions of the kernel's frame (query rows, or
+        keys when ``keys``): ``rows`` int32 ``[128, n]`` are their unrotated rows in an
+        ``(n_rows, D)`` HBM view (:func:`position_table`), ``pos`` fp32 ``[128, n]`` the
+        positions themselves. Returns ``(load, store)`` int32 ``[128, n]``: ``load`` is pushed
+        out of bounds for padding positions, which ``oob_mode.skip`` DMAs then never read;
+        ``store`` is None without rotation (plain stores write the tiles in place), else the
+        rotation's HBM row of every position, padding included. A few VectorE/GpSimd
+        instructions for all n columns at once; ``valid`` (:meth:`valid` of ``pos``) may be
+        passed in when the caller needs it too."""
+        length_p = self.kv_len_p if keys else self.q_len_p
+        N = self.Nk if keys else self.Nq
+        store = None
+        valid = self.valid(pos, keys) if valid is None else valid
+        if self.rotated(keys):
+            # valid iff pos + len >= N, at HBM position pos + len - N; a padding position goes
+            # to pos + len (the rotation by len, mod N: both in range)
+            shift = nisa.tensor_scalar(valid, np.multiply, -float(N), op1=np.add,
+                                       operand1=length_p, dtype=nl.int32)
+            rows = store = nisa.tensor_tensor(rows, shift, np.add, dtype=nl.int32)
+        beyond = nisa.tensor_scalar(valid, np.subtract, 1.0, op1=np.multiply,
+                                    operand1=-float(oob_offset(n_rows)), dtype=nl.int32)
+        return nisa.tensor_tensor(rows, beyond, np.add, dtype=nl.int32), store
+
+
+__all__ = ["MaskSpec", "FULL", "BOUNDARY", "neg_identity", "neg_row", "diag_pattern",
+           "diag_indicator", "StaticDiagMasks", "load_lengths", "key_length_row", "oob_offset",
+           "position_table", "gather_rows", "store_rows", "RuntimeLengths", "np"]

@@ -97,6 +97,39 @@ def test_plan_attention_forward():
     assert kw["tiles"] is forced
 
 
+def test_plan_does_not_depend_on_length_values():
+    """Lengths are runtime tensors: the launch plan (kernel, grid, compile-time options, tiling)
+    depends on whether they are given, never on their values."""
+    q, k, v = _qkv(B=3, Hq=4, Hkv=2, Nq=300, Nk=500, D=64)
+    plans = [api.plan_attention_forward(q, k, v, causal=True, window=(64, -1), q_lens=ql,
+                                        kv_lens=kl)
+             for ql, kl in (([300, 0, 1], [500, 17, 0]), ([1, 2, 3], [500, 500, 500]),
+                            (np.array([300] * 3), np.array([250] * 3)))]
+    assert all(p == plans[0] for p in plans[1:])
+    assert "kv_lens" not in plans[0][2] and "q_lens" not in plans[0][2]
+
+
+def test_causal_true_with_lengths_is_bottom_right_and_ignores_padding():
+    """causal=True (bottom_right) in a padded batch: the diagonal moves with each sequence's
+    valid lengths; NaN in the padding changes nothing."""
+    q, k, v = _qkv(B=3, Hq=2, Hkv=1, Nq=150, Nk=260, D=32, seed=6)
+    q_lens, kv_lens = [150, 40, 0], [260, 100, 7]
+    clean = [x.copy() for x in (q, k, v)]
+    for b in range(3):
+        q[b, :, q_lens[b]:] = np.nan
+        k[b, :, kv_lens[b]:] = np.nan
+        v[b, :, kv_lens[b]:] = np.nan
+    o, lse = host.flash_attention(q, k, v, causal=True, q_lens=q_lens, kv_lens=kv_lens,
+                                  return_lse=True)
+    o2, lse2 = host.flash_attention(q, k, v, causal="bottom_right", q_lens=q_lens,
+                                    kv_lens=kv_lens, return_lse=True)
+    np.testing.assert_array_equal(np.asarray(o, np.float64), np.asarray(o2, np.float64))
+    np.testing.assert_array_equal(lse, lse2)
+    _within_rule(*clean, o, lse, BF16, causal="bottom_right", q_lens=q_lens, kv_lens=kv_lens)
+    assert not np.isnan(np.asarray(o, np.float64)).any() and not np.isnan(lse).any()
+    assert np.all(np.asarray(o[2], np.float64) == 0.0) and np.all(np.isneginf(lse[2]))
+
+
 def test_tiles_override_gives_same_result():
     q, k, v = _qkv(Nq=300, Nk=2300, D=32, seed=5)
     a = host.flash_attention(q, k, v, causal="top_left")

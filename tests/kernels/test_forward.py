@@ -48,7 +48,8 @@ def run_kernel(q, k, v, *, scale=None, causal=None, window=None, kv_lens=None, q
     mm = T.fwd_mm_dtype_name(q.dtype.name, mixed_precision)
     if tiles is None:
         tiles = T.choose_forward_tiles(Nq, Nk, D, Hq // Hkv, q.dtype.itemsize,
-                                       T.fwd_itemsize(mm), kv_lens=kv_lens is not None)
+                                       T.fwd_itemsize(mm), kv_lens=kv_lens is not None,
+                                       q_lens=q_lens is not None)
     kv32 = None if kv_lens is None else np.asarray(kv_lens, dtype=np.int32)
     q32 = None if q_lens is None else np.asarray(q_lens, dtype=np.int32)
     o, lse = nki.simulate_kernel(F.flash_attention_fwd[B, Hkv], q, k, v, kv32, q32,
@@ -199,6 +200,178 @@ def test_bf16_large_scores_stay_finite():
 
 
 # --------------------------------------------------------------------------------------------
+# Runtime lengths: padding never read (gathers), bottom_right rotated so the band stays static
+# --------------------------------------------------------------------------------------------
+
+def _poison_padding(q, k, v, q_lens, kv_lens):
+    """NaN into every padding row of q and every padding key of k and v (in place)."""
+    for b in range(q.shape[0]):
+        if q_lens is not None:
+            q[b, :, int(q_lens[b]):] = np.nan
+        if kv_lens is not None:
+            k[b, :, int(kv_lens[b]):] = np.nan
+            v[b, :, int(kv_lens[b]):] = np.nan
+
+
+def _clean(*arrays):
+    return [np.nan_to_num(np.asarray(x, np.float32)).astype(x.dtype) for x in arrays]
+
+
+def run_poisoned(rng, B, Hq, Hkv, Nq, Nk, D, dtype="bfloat16", *, mixed_precision=True,
+                 tiles=None, **mask):
+    """Inputs with NaN in all padding; the kernel must match the reference of the clean inputs
+    (padding rows exactly o = 0, lse = -inf; nothing NaN)."""
+    q, k, v = _inputs(rng, B, Hq, Hkv, Nq, Nk, D, dtype)
+    _poison_padding(q, k, v, mask.get("q_lens"), mask.get("kv_lens"))
+    o, lse = run_kernel(q, k, v, mixed_precision=mixed_precision, tiles=tiles, **mask)
+    errs = check(*_clean(q, k, v), o, lse, mixed_precision=mixed_precision, **mask)
+    if mask.get("q_lens") is not None:
+        for b, n in enumerate(mask["q_lens"]):
+            assert np.all(np.asarray(o[b, :, n:], np.float64) == 0.0)
+            assert np.all(np.isneginf(lse[b, :, n:]))
+    return o, lse, errs
+
+
+ROTATED_CASES = [
+    # B, Hq, Hkv, Nq, Nk, causal, window, q_lens, kv_lens
+    (4, 2, 1, 300, 300, "bottom_right", None, [0, 1, 300, 157], [300, 0, 1, 300]),
+    (3, 2, 1, 200, 700, "bottom_right", None, [200, 37, 129], [700, 650, 5]),      # Nq < Nk
+    (3, 2, 1, 700, 200, "bottom_right", None, [700, 600, 129], [200, 150, 128]),   # Nq > Nk
+    (3, 8, 2, 260, 390, "bottom_right", (50, -1), [260, 1, 100], [390, 77, 0]),    # GQA
+    (2, 4, 4, 333, 333, None, (40, 8), [333, 120], [210, 333]),                    # both edges
+    (2, 2, 1, 130, 1100, None, (-1, 0), [130, 3], [1100, 640]),                    # right only
+    (2, 4, 1, 300, 450, "bottom_right", (0, -1), [300, 200], [450, 250]),          # diagonal
+    (2, 2, 1, 300, 500, "bottom_right", None, [256, 300], None),                   # q_lens only
+    (2, 2, 1, 300, 500, "bottom_right", None, None, [129, 0]),                     # kv_lens only
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,causal,window,q_lens,kv_lens", ROTATED_CASES)
+def test_rotated_lengths(B, Hq, Hkv, Nq, Nk, causal, window, q_lens, kv_lens):
+    """bottom_right (and windows without causal) with lengths: rows and keys rotated by their
+    lengths; NaN in every padding position never reaches an output."""
+    spec = MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None)
+    assert spec.rotates and (spec.rotate_q, spec.rotate_k) == (q_lens is not None,
+                                                               kv_lens is not None)
+    run_poisoned(np.random.default_rng(Nq + Nk), B, Hq, Hkv, Nq, Nk, 64, causal=causal,
+                 window=window, q_lens=q_lens, kv_lens=kv_lens)
+
+
+@pytest.mark.parametrize("causal,window", [("top_left", None), ("top_left", (64, 3)),
+                                           (None, None)])
+def test_unrotated_lengths(causal, window):
+    """top_left and no band: rows and keys gathered in place (the band does not move with the
+    lengths, and the valid positions already start at its origin), padding never read."""
+    q_lens, kv_lens = [0, 300, 77, 1], [450, 1, 200, 0]
+    assert not MaskSpec(300, 450, causal, window, True, True).rotates
+    run_poisoned(np.random.default_rng(31), 4, 2, 1, 300, 450, 64, causal=causal,
+                 window=window, q_lens=q_lens, kv_lens=kv_lens)
+
+
+@pytest.mark.parametrize("dtype,mixed,D", [("float32", False, 80), ("float32", True, 200),
+                                           ("float16", True, 16), ("bfloat16", True, 128)])
+def test_rotated_lengths_dtypes(dtype, mixed, D):
+    """Gathers in the input dtype (cast on chip), the edge-key fill through fp32/fp16/bf16
+    matmuls; head dims with one and two contraction passes."""
+    run_poisoned(np.random.default_rng(D), 2, 2, 1, 200, 330, D, dtype, mixed_precision=mixed,
+                 causal=True, q_lens=[150, 200], kv_lens=[330, 91])
+
+
+@pytest.mark.parametrize("tiles", [T.ForwardTiles(kv_resident=False, q_group=3),
+                                   T.ForwardTiles(q_tile=64),
+                                   T.ForwardTiles(kv_resident=False, q_group=2, q_tile=96)])
+def test_rotated_lengths_other_tilings(tiles):
+    """Streaming K/V chunks (rotated keys per chunk) and query tiles narrower than 128 (index
+    tables with that stride)."""
+    run_poisoned(np.random.default_rng(37), 2, 2, 1, 700, 4300, 64, tiles=tiles, causal=True,
+                 window=(2500, -1), q_lens=[700, 333], kv_lens=[2900, 4300])
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 1e-9, 3e7])
+def test_rotated_lengths_unusual_scales(scale):
+    """Scales outside the folded range (Q^T pre-scaled) with lengths: the key mask does not
+    go through the scores, so it holds for any scale."""
+    run_poisoned(np.random.default_rng(59), 2, 2, 1, 140, 600, 32, scale=scale, causal=True,
+                 q_lens=[140, 77], kv_lens=[300, 600])
+
+
+def test_edge_key_keeps_the_row_max():
+    """Padding keys hold a copy of the valid key next to them: a row that sees padding and valid
+    keys must not take its max from anything else. Keys whose scores are far below 0 (scale
+    3000): a padding key with a score of 0 would underflow every valid exp."""
+    rng = np.random.default_rng(41)
+    q, k, v = _inputs(rng, 2, 1, 1, 256, 384, 32, "bfloat16")
+    k = -np.abs(k.astype(np.float32)).astype(k.dtype)
+    q = np.abs(q.astype(np.float32)).astype(q.dtype)
+    for causal, window in (("bottom_right", (3, -1)), ("top_left", (5, -1))):
+        mask = dict(scale=3000.0, causal=causal, window=window, q_lens=[256, 100],
+                    kv_lens=[200, 64])
+        o, lse = run_kernel(q, k, v, **mask)
+        check(q, k, v, o, lse, **mask)
+        assert np.isfinite(lse).sum() > 200 and lse[np.isfinite(lse)].max() < -1e3
+
+
+def test_plan_is_the_same_with_lengths():
+    """The schedule (skipped tiles, boundary tiles, chunks) does not depend on lengths: with
+    rotation the band is the static one of the padded shapes."""
+    for causal, window in (("bottom_right", None), (None, (300, 40)), ("top_left", (100, -1)),
+                           ("bottom_right", (700, 0))):
+        for tiles in (T.ForwardTiles(), T.ForwardTiles(kv_resident=False, q_group=2)):
+            plans = [F.plan_forward(900, 3000, 2, MaskSpec(900, 3000, causal, window, ql, kl),
+                                    tiles)
+                     for ql, kl in ((False, False), (True, True), (True, False), (False, True))]
+            assert all(p == plans[0] for p in plans[1:])
+
+
+@needs_measure
+@pytest.mark.parametrize("causal,window,Hq,Hkv", [
+    ("bottom_right", None, 2, 1), (None, (30, 10), 4, 2), ("top_left", (50, -1), 2, 2),
+    (None, None, 2, 1),
+])
+def test_one_program_for_every_set_of_lengths(causal, window, Hq, Hkv):
+    """One launch plan (kernel, grid, compile-time arguments) and one instruction stream for
+    every set of lengths (0, 1 and full included): the lengths are data. Each call follows
+    the tolerance rule with NaN in all padding."""
+    import simulate
+
+    from host import api
+
+    B, Nq, Nk, D = 3, 200, 330, 32
+    sets = [([200, 0, 77], [330, 150, 0]), ([0, 200, 128], [17, 330, 330]),
+            ([200, 200, 200], [330, 330, 330]), ([1, 129, 199], [1, 129, 329])]
+    plans, programs = [], []
+    for n, (q_lens, kv_lens) in enumerate(sets):
+        mask = dict(causal=causal, window=window, q_lens=q_lens, kv_lens=kv_lens)
+        q, k, v = _inputs(np.random.default_rng(50 + n), B, Hq, Hkv, Nq, Nk, D, "bfloat16")
+        kernel, grid, kw = api.plan_attention_forward(q, k, v, **mask)
+        plans.append((kernel, grid, kw))
+        _poison_padding(q, k, v, q_lens, kv_lens)
+        with simulate.measure(target="trn2") as m:
+            o, lse = run_kernel(q, k, v, **mask)
+        programs.append((m.instructions, m.engine_cycles, m.dma_transfers))
+        check(*_clean(q, k, v), o, lse, **mask)
+    assert all(p == plans[0] for p in plans[1:])
+    assert all(p == programs[0] for p in programs[1:])
+
+
+@needs_measure
+def test_rotation_keeps_causal_tile_skipping():
+    """causal=True with lengths costs what causal without lengths costs (the same tiles are
+    skipped): TensorE differs by the lengths' two setup matmuls, the modeled time by the
+    lengths' fixed per-program setup (< 1 us), and both are well under the non-causal work
+    (before the rotation: all of it, and more)."""
+    N, D = 2048, 128
+    q, k, v = _inputs(np.random.default_rng(43), 1, 1, 1, N, N, D, "bfloat16")
+    plain = _measured(q, k, v, causal=True)
+    lens = _measured(q, k, v, causal=True, q_lens=[N // 2], kv_lens=[N // 2])
+    full = _measured(q, k, v, q_lens=[N // 2], kv_lens=[N // 2])
+    extra = lens.engine_cycles["tensor"] - plain.engine_cycles["tensor"]
+    assert 0 < extra <= 4 * 128
+    assert lens.engine_cycles["tensor"] < 0.65 * full.engine_cycles["tensor"]
+    assert plain.modeled_seconds[0] <= lens.modeled_seconds[0] <= plain.modeled_seconds[0] + 1e-6
+
+
+# --------------------------------------------------------------------------------------------
 # Streaming regime (K/V not resident) and the schedule
 # --------------------------------------------------------------------------------------------
 
@@ -317,10 +490,64 @@ def test_masked_hbm_bytes_match_plan(mask):
     q, k, v = _inputs(np.random.default_rng(3), 1, 2, 1, 900, 3000, 64, "bfloat16")
     tiles = T.ForwardTiles(kv_resident=False, q_group=2)
     m = _measured(q, k, v, tiles=tiles, **mask)
-    flags = {"q_lens": "q_lens" in mask, "kv_lens": "kv_lens" in mask}
+    lens = {"q_lens": mask.get("q_lens"), "kv_lens": mask.get("kv_lens")}
     assert (m.hbm_bytes_read, m.hbm_bytes_written) == F.plan_hbm_bytes(
         1, 2, 1, 900, 3000, 64, 2, tiles, causal=mask.get("causal"), window=mask.get("window"),
-        **flags)
+        **lens)
+
+
+@needs_measure
+@pytest.mark.parametrize("mask", [{}, {"causal": True}, {"causal": True, "window": (200, -1)},
+                                  {"causal": "top_left"}, {"window": (100, 20)}])
+@pytest.mark.parametrize("tiles", [T.ForwardTiles(), T.ForwardTiles(kv_resident=False,
+                                                                     q_group=2)])
+def test_hbm_bytes_with_lengths_count_valid_positions_only(mask, tiles):
+    """The gathers skip padding: reads count the valid rows of the query tiles that run and the
+    valid keys of the chunks they load (plus the edge key per program with kv_len > 0), i.e.
+    traffic proportional to the valid lengths; writes cover every row. Exactly
+    ``forward.plan_hbm_bytes`` (and ``tiles.forward_hbm_bytes`` without a band)."""
+    B, Hq, Hkv, Nq, Nk, D = 3, 4, 2, 300, 2500, 64
+    q_lens, kv_lens = [300, 0, 131], [2500, 1, 1000]
+    q, k, v = _inputs(np.random.default_rng(47), B, Hq, Hkv, Nq, Nk, D, "bfloat16")
+    _poison_padding(q, k, v, q_lens, kv_lens)
+    m = _measured(q, k, v, tiles=tiles, q_lens=q_lens, kv_lens=kv_lens, **mask)
+    causal = {True: "bottom_right"}.get(mask.get("causal"), mask.get("causal"))
+    plan = F.plan_hbm_bytes(B, Hq, Hkv, Nq, Nk, D, 2, tiles, causal=causal,
+                            window=mask.get("window"), q_lens=q_lens, kv_lens=kv_lens)
+    assert (m.hbm_bytes_read, m.hbm_bytes_written) == plan
+    if not mask:
+        passes = T.forward_kv_passes(Nq, Hq // Hkv, tiles)
+        assert plan == T.forward_hbm_bytes(B, Hq, Hkv, Nq, Nk, D, 2, tiles, q_lens=q_lens,
+                                           kv_lens=kv_lens)
+        assert m.per_tensor["q"]["read"] == Hq * sum(q_lens) * D * 2
+        edge = Hkv * sum(n > 0 for n in kv_lens) * D * 2
+        assert m.per_tensor["k"]["read"] == passes * Hkv * sum(kv_lens) * D * 2 + edge
+        assert m.per_tensor["v"]["read"] == passes * Hkv * sum(kv_lens) * D * 2
+    # all positions valid: the same as without lengths but for the two length arrays and the
+    # edge keys
+    full = F.plan_hbm_bytes(B, Hq, Hkv, Nq, Nk, D, 2, tiles, causal=causal,
+                            window=mask.get("window"), q_lens=True, kv_lens=True)
+    none = F.plan_hbm_bytes(B, Hq, Hkv, Nq, Nk, D, 2, tiles, causal=causal,
+                            window=mask.get("window"))
+    assert full[0] == none[0] + B * Hkv * (8 + D * 2) and full[1] == none[1]
+
+
+@needs_measure
+def test_hbm_bytes_halve_with_half_lengths():
+    """N = 4096 causal (rotated), lengths N/2: Q, K, V reads are exactly half of the full
+    lengths' (the benchmark's case)."""
+    N, D = 4096, 128
+    q, k, v = _inputs(np.random.default_rng(53), 1, 1, 1, N, N, D, "bfloat16")
+    full = _measured(q, k, v, causal=True, q_lens=[N], kv_lens=[N])
+    half = _measured(q, k, v, causal=True, q_lens=[N // 2], kv_lens=[N // 2])
+    for name in ("q", "v"):
+        assert 2 * half.per_tensor[name]["read"] == full.per_tensor[name]["read"] == N * D * 2
+    assert half.per_tensor["k"]["read"] == (N // 2 + 1) * D * 2
+    assert half.hbm_bytes_written == full.hbm_bytes_written == N * (D * 2 + 4)
+    tiles = T.ForwardTiles()
+    for m, n in ((full, N), (half, N // 2)):
+        assert (m.hbm_bytes_read, m.hbm_bytes_written) == F.plan_hbm_bytes(
+            1, 1, 1, N, N, D, 2, tiles, causal="bottom_right", q_lens=[n], kv_lens=[n])
 
 
 @needs_measure
