@@ -1,0 +1,27 @@
+"""The README's NumPy example runs as written."""
+import pathlib
+import re
+
+import numpy as np
+
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _python_block(marker: str) -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    matches = [b for b in blocks if marker in b]
+    assert len(matches) == 1, f"expected one README python block containing {marker!r}"
+    return matches[0]
+
+
+def test_numpy_api_example_runs():
+    scope: dict = {}
+    exec(compile(_python_block("host.flash_attention("), "README.md", "exec"), scope)
+    o, lse, dq, o_new, y, p = (scope[n] for n in ("o", "lse", "dq", "o_new", "y", "p"))
+    assert o.shape == (2, 8, 300, 128) and lse.shape == (2, 8, 300)
+    assert np.isneginf(lse[1, :, 113:]).all()          # padded query rows
+    assert np.all(np.asarray(o[1, :, 113:], np.float32) == 0)
+    assert np.isfinite(np.asarray(dq, np.float32)).all()
+    assert o_new.shape == (2, 8, 1, 128)
+    assert y.shape == (256, 384)
+    np.testing.assert_allclose(p.sum(axis=1), 1.0, rtol=1e-5)
