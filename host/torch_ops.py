@@ -148,7 +148,7 @@ class _Options(NamedTuple):
 
 def _check_tensor(name: str, x) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {_v._describe(x)}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {_v.describe(x)}")
 
 
 def _device_kind(q, k, v) -> str:
@@ -191,7 +191,7 @@ def _validate(q, k, v, *, scale, causal, window, kv_lens, q_lens, mixed_precisio
         _check_tensor(name, x)
     if not isinstance(mixed_precision, (bool, np.bool_)):
         raise TypeError(
-            f"mixed_precision: expected True or False, got {_v._describe(mixed_precision)}"
+            f"mixed_precision: expected True or False, got {_v.describe(mixed_precision)}"
         )
     dtypes = _v.FLOAT_DTYPES + ((np.dtype(np.float64),) if not mixed_precision else ())
     if q.dtype == torch.float64:
@@ -392,7 +392,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
     dims, opts = _validate(q, k, v, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
                            q_lens=q_lens, mixed_precision=mixed_precision)
     if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse: expected True or False, got {_v._describe(return_lse)}")
+        raise TypeError(f"return_lse: expected True or False, got {_v.describe(return_lse)}")
     executor = _EXECUTORS[_device_kind(q, k, v)]
     return _FlashAttentionFunction.apply(q, k, v, executor, opts, bool(return_lse))
 
@@ -548,7 +548,7 @@ def _mask_to_options(attn_mask, query, batch_shape, H: int, L: int, S: int) -> _
 
 def _check_bool(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected True or False, got {_v._describe(value)}")
+        raise TypeError(f"{name}: expected True or False, got {_v.describe(value)}")
     return bool(value)
 
 
@@ -601,7 +601,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     for name, x in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, x)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p: expected a float, got {_v._describe(dropout_p)}")
+        raise TypeError(f"dropout_p: expected a float, got {_v.describe(dropout_p)}")
     if dropout_p != 0.0:
         raise ValueError(
             f"dropout_p: the nki-flash kernels have no attention dropout; got {dropout_p}, "

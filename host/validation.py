@@ -179,9 +179,6 @@ def describe(value) -> str:
     return f"{text} ({type(value).__name__})"
 
 
-_describe = describe  # historical private name, kept for callers that imported it
-
-
 def _is_int(value) -> bool:
     return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(
         value, (bool, np.bool_)
@@ -206,7 +203,7 @@ def check_int(name: str, value, *, minimum: Optional[int] = None,
         ``value`` as a Python int.
     """
     if not _is_int(value):
-        raise TypeError(f"{name}: expected an int, got {_describe(value)}")
+        raise TypeError(f"{name}: expected an int, got {describe(value)}")
     value = int(value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         lo = "-inf" if minimum is None else str(minimum)
@@ -241,7 +238,7 @@ def normalize_dtype(name: str, dtype, allowed: Sequence = FLOAT_DTYPES) -> np.dt
     elif type(dtype).__module__.split(".")[0] == "torch":
         key = dtype_name(dtype)
     if key not in by_name:
-        raise TypeError(f"{name}: expected one of {_names(allowed)}, got {_describe(dtype)}")
+        raise TypeError(f"{name}: expected one of {_names(allowed)}, got {describe(dtype)}")
     return by_name[key]
 
 
@@ -279,7 +276,7 @@ def check_array(name: str, x, *, ndim: Optional[int] = None,
         ``x`` has the wrong rank.
     """
     if not _is_array(x):
-        raise TypeError(f"{name}: expected a numpy.ndarray or torch.Tensor, got {_describe(x)}")
+        raise TypeError(f"{name}: expected a numpy.ndarray or torch.Tensor, got {describe(x)}")
     shape = _shape(x)
     if ndim is not None and len(shape) != ndim:
         expected = f"a {ndim}-D array" + (f" of shape {layout}" if layout else "")
@@ -313,6 +310,47 @@ def _check_dims_positive(name: str, shape, labels: Sequence[str]) -> None:
     for size, label in zip(shape, labels):
         if size < 1:
             raise ValueError(f"{name}: {label} must be >= 1, got {size} (shape {shape})")
+
+
+def _check_gqa(kv_name: str, qs, ks) -> None:
+    Hq, Hkv = qs[1], ks[1]
+    if Hq % Hkv:
+        raise ValueError(
+            f"{kv_name}: Hkv={Hkv} kv heads must divide q's Hq={Hq} query heads (GQA: query head "
+            f"h reads kv head h // (Hq // Hkv)); got q {qs} and {kv_name} {ks}"
+        )
+
+
+def _check_same_dtypes(q, **others) -> None:
+    for name, x in others.items():
+        _check_same_dtype(name, x, "q", q)
+
+
+def _check_new_tokens(qs, max_new_tokens: Optional[int]) -> None:
+    T = qs[2]
+    hi = "inf" if max_new_tokens is None else str(max_new_tokens)
+    if T < 1 or (max_new_tokens is not None and T > max_new_tokens):
+        raise ValueError(
+            f"q: T (new tokens per sequence) must be in [1, {hi}], got T={T} (shape {qs})"
+        )
+
+
+def _check_cache_lens(cache_lens, B: int, T: int, upper: int, upper_name: str) -> np.ndarray:
+    """``cache_lens``: required, ``T <= value <= upper`` (the cache already holds the T new
+    tokens); returns the canonical int64 array."""
+    if cache_lens is None:
+        raise TypeError(
+            f"cache_lens: required, a (B,) = ({B},) integer array with T <= value <= {upper_name}"
+        )
+    lens = check_lengths("cache_lens", cache_lens, B, upper, upper_name=upper_name)
+    short = np.flatnonzero(lens < T)
+    if short.size:
+        idx = int(short[0])
+        raise ValueError(
+            f"cache_lens: each value must be in [T={T}, {upper_name}={upper}] (the cache already "
+            f"holds the T new tokens), got {int(lens[idx])} at index {idx}"
+        )
+    return lens
 
 
 def check_attention_inputs(q, k, v, *, dtypes: Optional[Sequence] = FLOAT_DTYPES,
@@ -352,14 +390,9 @@ def check_attention_inputs(q, k, v, *, dtypes: Optional[Sequence] = FLOAT_DTYPES
     if vs != ks:
         raise ValueError(f"v: expected the same shape as k {ks} (B, Hkv, Nk, D), got {vs}")
     Hkv, Nk = ks[1], ks[2]
-    if Hq % Hkv:
-        raise ValueError(
-            f"k: Hkv={Hkv} kv heads must divide q's Hq={Hq} query heads (GQA: query head h reads "
-            f"kv head h // (Hq // Hkv)); got q {qs} and k {ks}"
-        )
+    _check_gqa("k", qs, ks)
     if same_dtype:
-        _check_same_dtype("k", k, "q", q)
-        _check_same_dtype("v", v, "q", q)
+        _check_same_dtypes(q, k=k, v=v)
     return AttentionShape(B, Hq, Hkv, Nq, Nk, D)
 
 
@@ -426,7 +459,7 @@ def normalize_causal(causal) -> Optional[str]:
     allowed = "None, False, True (= 'bottom_right'), 'top_left' or 'bottom_right'"
     if isinstance(causal, str):
         raise ValueError(f"causal: expected {allowed}, got {causal!r}")
-    raise TypeError(f"causal: expected {allowed}, got {_describe(causal)}")
+    raise TypeError(f"causal: expected {allowed}, got {describe(causal)}")
 
 
 def normalize_window(window) -> Optional[Tuple[int, int]]:
@@ -441,7 +474,7 @@ def normalize_window(window) -> Optional[Tuple[int, int]]:
     if not isinstance(window, (tuple, list)):
         raise TypeError(
             f"window: expected None or a (left, right) pair of ints (-1 = unbounded), "
-            f"got {_describe(window)}"
+            f"got {describe(window)}"
         )
     if len(window) != 2:
         raise ValueError(
@@ -451,7 +484,7 @@ def normalize_window(window) -> Optional[Tuple[int, int]]:
     out = []
     for side, value in zip(("left", "right"), window):
         if not _is_int(value):
-            raise TypeError(f"window: {side} must be an int >= -1, got {_describe(value)}")
+            raise TypeError(f"window: {side} must be an int >= -1, got {describe(value)}")
         if value < WINDOW_UNBOUNDED:
             raise ValueError(
                 f"window: {side} must be >= -1 (-1 = unbounded), got {int(value)}"
@@ -490,7 +523,7 @@ def check_lengths(name: str, lens, batch: int, upper: int, *,
         for idx, value in enumerate(lens):
             if not _is_int(value):
                 raise TypeError(
-                    f"{name}: expected integers, got {_describe(value)} at index {idx}"
+                    f"{name}: expected integers, got {describe(value)} at index {idx}"
                 )
         arr = np.array([int(x) for x in lens], dtype=object).reshape(len(lens))
     elif _is_array(lens):
@@ -502,7 +535,7 @@ def check_lengths(name: str, lens, batch: int, upper: int, *,
         arr = lens
     else:
         raise TypeError(
-            f"{name}: expected None, a 1-D integer array or a list of ints, got {_describe(lens)}"
+            f"{name}: expected None, a 1-D integer array or a list of ints, got {describe(lens)}"
         )
     if arr.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D array of length B={batch}, got shape {arr.shape}")
@@ -538,7 +571,7 @@ def check_scale(scale, D: int) -> float:
         return 1.0 / math.sqrt(D)
     is_real = isinstance(scale, (numbers.Real, np.floating, np.integer))
     if isinstance(scale, (bool, np.bool_)) or not is_real:
-        raise TypeError(f"scale: expected None or a finite real number, got {_describe(scale)}")
+        raise TypeError(f"scale: expected None or a finite real number, got {describe(scale)}")
     value = float(scale)
     if not math.isfinite(value):
         raise ValueError(f"scale: expected a finite real number, got {value}")
@@ -608,11 +641,7 @@ def check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask=None, *,
     qs, ks, vs = _shape(q), _shape(k_cache), _shape(v_cache)
     B, Hq, T, D = qs
     _check_dims_positive("q", qs, ("batch size B", "query heads Hq"))
-    hi = "inf" if max_new_tokens is None else str(max_new_tokens)
-    if T < 1 or (max_new_tokens is not None and T > max_new_tokens):
-        raise ValueError(
-            f"q: T (new tokens per sequence) must be in [1, {hi}], got T={T} (shape {qs})"
-        )
+    _check_new_tokens(qs, max_new_tokens)
     _check_head_dim("q", qs, D, max_head_dim)
     if ks[0] != B or ks[3] != D:
         raise ValueError(
@@ -622,26 +651,10 @@ def check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask=None, *,
     if vs != ks:
         raise ValueError(f"v_cache: expected the same shape as k_cache {ks}, got {vs}")
     Hkv, S_max = ks[1], ks[2]
-    if Hq % Hkv:
-        raise ValueError(
-            f"k_cache: Hkv={Hkv} kv heads must divide q's Hq={Hq} query heads (GQA: query head h "
-            f"reads kv head h // (Hq // Hkv)); got q {qs} and k_cache {ks}"
-        )
+    _check_gqa("k_cache", qs, ks)
     if same_dtype:
-        _check_same_dtype("k_cache", k_cache, "q", q)
-        _check_same_dtype("v_cache", v_cache, "q", q)
-    if cache_lens is None:
-        raise TypeError(
-            f"cache_lens: required, a (B,) = ({B},) integer array with T <= value <= S_max"
-        )
-    lens = check_lengths("cache_lens", cache_lens, B, S_max, upper_name="S_max")
-    short = np.flatnonzero(lens < T)
-    if short.size:
-        idx = int(short[0])
-        raise ValueError(
-            f"cache_lens: each value must be in [T={T}, S_max={S_max}] (the cache already holds "
-            f"the T new tokens), got {int(lens[idx])} at index {idx}"
-        )
+        _check_same_dtypes(q, k_cache=k_cache, v_cache=v_cache)
+    lens = _check_cache_lens(cache_lens, B, T, S_max, "S_max")
     mask = check_tree_mask(tree_mask, T)
     return DecodeInputs(B, Hq, Hkv, T, S_max, D, lens, mask)
 
@@ -682,11 +695,7 @@ def check_paged_decode_inputs(q, k_cache, v_cache, cache_lens, block_table, tree
     qs, ks, vs = _shape(q), _shape(k_cache), _shape(v_cache)
     B, Hq, T, D = qs
     _check_dims_positive("q", qs, ("batch size B", "query heads Hq"))
-    hi = "inf" if max_new_tokens is None else str(max_new_tokens)
-    if T < 1 or (max_new_tokens is not None and T > max_new_tokens):
-        raise ValueError(
-            f"q: T (new tokens per sequence) must be in [1, {hi}], got T={T} (shape {qs})"
-        )
+    _check_new_tokens(qs, max_new_tokens)
     _check_head_dim("q", qs, D, max_head_dim)
     if ks[3] != D:
         raise ValueError(
@@ -702,18 +711,13 @@ def check_paged_decode_inputs(q, k_cache, v_cache, cache_lens, block_table, tree
             f"k_cache: page_size (dim 2) must be a power of two >= {page_size_min}, got "
             f"{page_size} (shape {ks})"
         )
-    if Hq % Hkv:
-        raise ValueError(
-            f"k_cache: Hkv={Hkv} kv heads must divide q's Hq={Hq} query heads (GQA: query head h "
-            f"reads kv head h // (Hq // Hkv)); got q {qs} and k_cache {ks}"
-        )
+    _check_gqa("k_cache", qs, ks)
     if same_dtype:
-        _check_same_dtype("k_cache", k_cache, "q", q)
-        _check_same_dtype("v_cache", v_cache, "q", q)
+        _check_same_dtypes(q, k_cache=k_cache, v_cache=v_cache)
     if not _is_array(block_table):
         raise TypeError(
             f"block_table: expected a (B, max_blocks_per_seq) = ({B}, ...) integer numpy.ndarray "
-            f"or torch.Tensor, got {_describe(block_table)}"
+            f"or torch.Tensor, got {describe(block_table)}"
         )
     bname = dtype_name(block_table)
     if bname not in _INT_DTYPE_NAMES:
@@ -732,21 +736,7 @@ def check_paged_decode_inputs(q, k_cache, v_cache, cache_lens, block_table, tree
     table = np.array(block_table, dtype=np.int64, copy=True)
     max_blocks = bs[1]
     capacity = max_blocks * page_size
-    if cache_lens is None:
-        raise TypeError(
-            f"cache_lens: required, a (B,) = ({B},) integer array with T <= value <= "
-            f"max_blocks_per_seq * page_size"
-        )
-    lens = check_lengths("cache_lens", cache_lens, B, capacity,
-                         upper_name="max_blocks_per_seq * page_size")
-    short = np.flatnonzero(lens < T)
-    if short.size:
-        idx = int(short[0])
-        raise ValueError(
-            f"cache_lens: each value must be in [T={T}, max_blocks_per_seq * page_size="
-            f"{capacity}] (the cache already holds the T new tokens), got {int(lens[idx])} at "
-            f"index {idx}"
-        )
+    lens = _check_cache_lens(cache_lens, B, T, capacity, "max_blocks_per_seq * page_size")
     used = -(-lens // page_size)
     in_use = np.arange(max_blocks)[None, :] < used[:, None]
     bad = np.argwhere(in_use & ((table < 0) | (table >= num_blocks)))
@@ -768,7 +758,7 @@ def check_paged_decode_inputs(q, k_cache, v_cache, cache_lens, block_table, tree
 def normalize_gelu_approximate(approximate) -> str:
     """``approximate`` of GELU: ``"none"`` (erf) or ``"tanh"``, as in torch.nn.functional.gelu."""
     if not isinstance(approximate, str):
-        raise TypeError(f"approximate: expected 'none' or 'tanh', got {_describe(approximate)}")
+        raise TypeError(f"approximate: expected 'none' or 'tanh', got {describe(approximate)}")
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
     return approximate
