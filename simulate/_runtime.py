@@ -52,8 +52,9 @@ def current():
     return st[-1]
 
 
-def enter():
-    """Entry of every NKI API call: returns the current context (see module doc)."""
+def enter(keep=None):
+    """Entry of every NKI API call: returns the current context (see module doc). The pending
+    result is committed unless it is ``keep`` (about to be written straight into a destination)."""
     try:
         ctx = _tls.stack[-1]
     except (AttributeError, IndexError):
@@ -62,24 +63,7 @@ def enter():
     ctx.seq += 1
     ctx.last_charge = None
     p = ctx.pending
-    if p is not None:
-        ctx.pending = None
-        commit(ctx, p._st)
-    return ctx
-
-
-def enter_keep(value):
-    """Like :func:`enter` but leaves ``value`` pending when it is the pending result (it is
-    about to be written straight into a destination)."""
-    try:
-        ctx = _tls.stack[-1]
-    except (AttributeError, IndexError):
-        current()
-        raise
-    ctx.seq += 1
-    ctx.last_charge = None
-    p = ctx.pending
-    if p is not None and p is not value:
+    if p is not None and p is not keep:
         ctx.pending = None
         commit(ctx, p._st)
     return ctx

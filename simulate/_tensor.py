@@ -24,7 +24,7 @@ from . import _deps, _dtypes, _runtime, _hw
 from ._dtypes import F32
 from ._errors import nki_error, hw_error, fmt_shape
 from ._index import IndexExpr, MGridResult, Predicate, _is_int
-from ._runtime import enter, enter_keep
+from ._runtime import enter
 
 SBUF, PSUM, HBM, SHARED_HBM = "sbuf", "psum", "hbm", "shared_hbm"
 _HBM_KINDS = (HBM, SHARED_HBM)
@@ -282,11 +282,11 @@ class Tensor:
         if type(value) is Tensor and value._inpl == ctx.seq and value._st is self._st:
             value._inpl = -1      # the tail of ``t[idx] += x`` (already written in place)
             return
-        ctx = enter_keep(value)
+        ctx = enter(keep=value)
         assign(ctx, self._index(key), value)
 
     def _inplace(self, value, op):
-        ctx = enter_keep(value)
+        ctx = enter(keep=value)
         assign(ctx, self, value, accumulate=op)
         self._inpl = ctx.seq
         return self
@@ -601,22 +601,7 @@ def _index_basic(t, key):
             if d == pax:
                 p0 += i * pst
     if oob is None:
-        r = Tensor.__new__(Tensor)
-        r._st = t._st
-        nv = v[tuple(idx) + (Ellipsis,)]
-        r._v = nv
-        r.shape = nv.shape
-        r._base = None
-        r._key = None
-        r._dyn = None
-        r._oob = None
-        r._pax = new_pax
-        r._p0 = p0
-        r._pst = pst
-        r._mask = None
-        r._tag = None
-        r._inpl = -1
-        return r
+        return _basic(t, v[tuple(idx) + (Ellipsis,)], new_pax, p0, pst)
     # out of bounds: fancy representation with unclipped index arrays, raised on access
     rshape = tuple(c[2] for c in counts if type(c) is tuple)
     R = len(rshape)
@@ -632,6 +617,13 @@ def _index_basic(t, key):
         else:
             keyarr.append(np.int64(c))
     r = _fancy(t, v, tuple(keyarr), rshape, None, oob, new_pax, p0, pst)
+    return r
+
+
+def _basic(t, values, pax, p0, pst):
+    """A view of ``t``'s storage whose elements are the NumPy view ``values`` (no index key)."""
+    r = _fancy(t, None, None, values.shape, None, None, pax, p0, pst)
+    r._v = values
     return r
 
 
@@ -755,21 +747,7 @@ def _index_advanced(t, key):
                 order = sorted(range(ne), key=lambda j: axes[j])
                 nv = nv.transpose(tuple(order) + tuple(range(ne, nv.ndim)))
             nv = nv.reshape(tuple(rshape) + tuple(extra))
-            r = Tensor.__new__(Tensor)
-            r._st = t._st
-            r._v = nv
-            r.shape = nv.shape
-            r._base = None
-            r._key = None
-            r._dyn = None
-            r._oob = None
-            r._pax = new_pax
-            r._p0 = p0
-            r._pst = pst
-            r._mask = None
-            r._tag = None
-            r._inpl = -1
-            return r
+            return _basic(t, nv, new_pax, p0, pst)
     # ---- general fancy view ----
     keyl = []
     for d, k in enumerate(key):
