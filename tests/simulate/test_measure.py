@@ -7,17 +7,7 @@ import simulate as nki
 import simulate.language as nl
 import simulate.isa as nisa
 from simulate import _hw
-
-
-@nki.jit
-def tiled_add(a, b):
-    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
-    for i in nl.affine_range(a.shape[0] // 128):
-        for j in nl.affine_range(a.shape[1] // 512):
-            x = nl.load(a[i * 128:(i + 1) * 128, j * 512:(j + 1) * 512])
-            y = nl.load(b[i * 128:(i + 1) * 128, j * 512:(j + 1) * 512])
-            nl.store(out[i * 128:(i + 1) * 128, j * 512:(j + 1) * 512], x + y)
-    return out
+from conftest import tiled_add, tiled_matmul
 
 
 @pytest.mark.parametrize("target", ["trn1", "trn2"])
@@ -57,27 +47,12 @@ def test_measurement_is_deterministic():
     assert res[0] == res[1]
 
 
-@nki.jit
-def matmul(lhsT, rhs):
-    K, M = lhsT.shape
-    _, N = rhs.shape
-    out = nl.ndarray((M, N), dtype=nl.float32, buffer=nl.shared_hbm)
-    for m in nl.affine_range(M // 128):
-        for n in nl.affine_range(N // 512):
-            ps = nl.zeros((128, 512), nl.float32, buffer=nl.psum)
-            for k in nl.affine_range(K // 128):
-                ps += nisa.nc_matmul(nl.load(lhsT[k * 128:(k + 1) * 128, m * 128:(m + 1) * 128]),
-                                     nl.load(rhs[k * 128:(k + 1) * 128, n * 512:(n + 1) * 512]))
-            nl.store(out[m * 128:(m + 1) * 128, n * 512:(n + 1) * 512], nl.copy(ps))
-    return out
-
-
 @pytest.mark.parametrize("dt,factor", [(ml_dtypes.bfloat16, 1), (np.float32, 4)])
 def test_matmul_pe_cycles(dt, factor):
     a = np.ones((512, 256), dt)
     b = np.ones((512, 1024), dt)
     with nki.measure(target="trn2") as m:
-        matmul(a, b)
+        tiled_matmul(a, b)
     n_mm = 4 * 2 * 2
     assert m.instructions["tensor"] == n_mm
     assert m.engine_cycles["tensor"] == n_mm * 512 * factor
