@@ -63,24 +63,23 @@ CSV_FIELDS = ("study", "variant", "x_name", "x", "N", "D", "M", "K", "dtype", "t
 # --------------------------------------------------------------------------------------------
 
 
-def _int_list(text: str) -> List[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
+def _ints_at_least(minimum: int) -> Callable[[str], List[int]]:
+    """argparse ``type`` for a non-empty comma-separated list of integers >= ``minimum``."""
+
+    def parse(text: str) -> List[int]:
+        try:
+            values = [int(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
+        return values
+
+    return parse
 
 
-def _group_list(text: str) -> List[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
-    return values
+_int_list = _ints_at_least(1)
+_group_list = _ints_at_least(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,18 +229,6 @@ def flash_theorem2(N: int, d: int, itemsize: int, sbuf_bytes: int) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def _flash_forward():
-    """``host.flash_attention`` (the flash forward, issue #3), or None if it is missing."""
-    import host
-
-    fa = getattr(host, "flash_attention", None)
-    if fa is None:
-        from host import api
-
-        fa = getattr(api, "flash_attention", None)
-    return fa
-
-
 def flash_block_tiles(N: int, d: int, q_group: int, in_itemsize: int = 2):
     """The forward's tiling with ``q_group`` query tiles on chip per pass over K/V (0 = K/V
     resident), its query rows per pass and the SBUF bytes per partition it plans for (matmul
@@ -321,23 +308,15 @@ def run_point(pt: dict, args, rng) -> dict:
                 row.update(formula_bytes=unfused_attention_formula(N, D, s),
                            formula="s(4Nd+4N^2) (8Nd+8N^2 at 2 B)")
             else:
-                fa = _flash_forward()
-                if fa is None:
-                    row.update(note="host.flash_attention not available")
-                    return row
-                fn = lambda: fa(q, k, v)  # noqa: E731
+                fn = lambda: host.flash_attention(q, k, v)  # noqa: E731
                 row.update(formula_bytes=flash_lower_bound(N, D, s),
                            formula="s(4Nd)+4N (Q,K,V,O once + LSE)")
         else:
-            fa = _flash_forward()
             t, rows, sbuf = flash_block_tiles(N, D, pt["q_group"], s)
             row.update(x_name="rows_per_pass", x=rows, M=sbuf,
                        formula_bytes=flash_block_formula(N, D, s, rows),
                        formula="s(2Nd+2N^2d^2/M)+4N, M=rows*d")
-            if fa is None:
-                row.update(note="host.flash_attention not available")
-                return row
-            fn = lambda: fa(q, k, v, tiles=t)  # noqa: E731
+            fn = lambda: host.flash_attention(q, k, v, tiles=t)  # noqa: E731
     elif study == "gelu":
         M, K, N = pt["M"], pt["K"], pt["N"]
         x = _randn(rng, (M, K), dtype)
