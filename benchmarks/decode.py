@@ -44,25 +44,6 @@ GOAL = 1.5
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
 
-def to_pages(cache, lens, page_size, rng):
-    """The cache ``(B, Hkv, S_max, D)`` as a shuffled page pool ``(num_blocks, Hkv, page_size,
-    D)`` and its block table ``(B, ceil(S_max / page_size))`` (only used blocks are stored)."""
-    B, Hkv, S_max, D = cache.shape
-    max_blocks = -(-S_max // page_size)
-    used = [-(-int(n) // page_size) for n in lens]
-    perm = rng.permutation(sum(used))
-    pool = np.zeros((max(1, sum(used)), Hkv, page_size, D), cache.dtype)
-    table = np.full((B, max_blocks), -1, dtype=np.int32)
-    j = 0
-    for b in range(B):
-        for i in range(used[b]):
-            seg = cache[b, :, i * page_size:(i + 1) * page_size]
-            pool[perm[j], :, :seg.shape[1]] = seg
-            table[b, i] = perm[j]
-            j += 1
-    return pool, table
-
-
 def run_case(args, target, paged=False):
     import host
     import simulate
@@ -79,8 +60,8 @@ def run_case(args, target, paged=False):
     kw = dict(cache_lens=lens, num_splits=args.num_splits)
     k_in, v_in = k, v
     if paged:
-        k_in, table = to_pages(k, lens, args.page_size, np.random.default_rng(1))
-        v_in, _ = to_pages(v, lens, args.page_size, np.random.default_rng(1))
+        (k_in, v_in), table = reference.contiguous_to_paged((k, v), lens, args.page_size,
+                                                             np.random.default_rng(1))
         kw["block_table"] = table
     plan = host.plan_flash_decode(q, k_in, v_in, **kw)
     t0 = time.perf_counter()

@@ -184,25 +184,6 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def _to_pages(k, v, cache_lens, page_size: int, rng):
-    """Caches ``(B, Hkv, S_max, D)`` as shuffled page pools ``(num_blocks, Hkv, page_size, D)``
-    plus the ``(B, ceil(S_max / page_size))`` int32 block table (unused entries -1)."""
-    B, Hkv, S_max, D = k.shape
-    used = [-(-int(n) // page_size) for n in cache_lens]
-    perm = rng.permutation(sum(used))
-    pools = [np.zeros((sum(used), Hkv, page_size, D), k.dtype) for _ in (k, v)]
-    table = np.full((B, -(-S_max // page_size)), -1, dtype=np.int32)
-    j = 0
-    for b in range(B):
-        for i in range(used[b]):
-            for pool, cache in zip(pools, (k, v)):
-                seg = cache[b, :, i * page_size:(i + 1) * page_size]
-                pool[perm[j], :, :seg.shape[1]] = seg
-            table[b, i] = perm[j]
-            j += 1
-    return pools[0], pools[1], table
-
-
 def _run(args: argparse.Namespace) -> int:
     import host
     from host import reference
@@ -227,7 +208,8 @@ def _run(args: argparse.Namespace) -> int:
                  f"S_max={s_max} D={D} {args.dtype}")
         k_in, v_in = k, v
         if args.paged:
-            k_in, v_in, kwargs["block_table"] = _to_pages(k, v, cache_lens, args.page_size, rng)
+            (k_in, v_in), kwargs["block_table"] = reference.contiguous_to_paged(
+                (k, v), cache_lens, args.page_size, rng)
             label += f" paged (page_size {args.page_size}, {k_in.shape[0]} pages)"
 
         def call():
@@ -237,7 +219,6 @@ def _run(args: argparse.Namespace) -> int:
         base_o = reference.decode_baseline_lowp(q, k, v, cache_lens=cache_lens,
                                                 dtype=_matmul_dtype(dtype, args), out_dtype=dtype,
                                                 scale=args.scale)
-        nq_eff = T
         visible_pairs = int(sum(Hq * (T * (int(c) - T) + T * (T + 1) // 2) for c in cache_lens))
         lower_bound = (q.nbytes + 2 * sum(Hkv * int(c) * D * dtype.itemsize for c in cache_lens)
                        + q.nbytes + B * Hq * T * 4)
@@ -267,7 +248,6 @@ def _run(args: argparse.Namespace) -> int:
                                         window=mask_opts["window"], q_lens=mask_opts["q_lens"],
                                         kv_lens=mask_opts["kv_lens"])
         visible_pairs = int(mask.sum()) * Hq
-        nq_eff = Nq
         lower_bound = reference.io_lower_bound_bytes(B, Hq, Hkv, Nq, Nk, D, dtype.itemsize)
         # Standard attention per query head (seed 000), with the inputs' element size.
         unfused = B * Hq * reference.unfused_attention_bytes(Nq, D, itemsize=dtype.itemsize, nk=Nk)

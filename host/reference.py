@@ -397,6 +397,33 @@ def paged_to_contiguous(k_pages, block_table, cache_lens) -> np.ndarray:
     return out
 
 
+def contiguous_to_paged(caches, cache_lens, page_size: int, rng, *, spare: int = 0):
+    """Scatter contiguous caches into shuffled page pools: the inverse of
+    :func:`paged_to_contiguous`, for building test and benchmark inputs.
+
+    Each cache of ``caches`` ``(B, Hkv, S_max, D)`` becomes a pool
+    ``(used + spare, Hkv, page_size, D)`` of its dtype, where ``used`` is the number of blocks the
+    sequences use (``ceil(cache_lens[b] / page_size)`` each); all pools share one block table
+    ``(B, ceil(S_max / page_size))`` int32 whose unused entries are -1. Pages are placed in the
+    order ``rng.permutation(used + spare)``; spare pages and the tail of a last page past S_max
+    are zero. Returns ``(pools, block_table)``, pools a list in the order of ``caches``.
+    """
+    B, Hkv, S_max, D = caches[0].shape
+    used = [-(-int(n) // page_size) for n in cache_lens]
+    perm = rng.permutation(sum(used) + spare)
+    pools = [np.zeros((sum(used) + spare, Hkv, page_size, D), c.dtype) for c in caches]
+    table = np.full((B, -(-S_max // page_size)), -1, dtype=np.int32)
+    j = 0
+    for b in range(B):
+        for i in range(used[b]):
+            for pool, cache in zip(pools, caches):
+                seg = cache[b, :, i * page_size:(i + 1) * page_size]
+                pool[perm[j], :, :seg.shape[1]] = seg
+            table[b, i] = perm[j]
+            j += 1
+    return pools, table
+
+
 def _paged_as_contiguous(q, k_cache, v_cache, cache_lens, block_table, tree_mask):
     """Validate a paged decode call for the references and gather its caches."""
     check_paged_decode_inputs(q, k_cache, v_cache, cache_lens, block_table, tree_mask,

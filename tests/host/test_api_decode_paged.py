@@ -30,20 +30,9 @@ def inputs(B=2, Hq=8, Hkv=2, T=3, S_max=128, D=32, dtype=BF16, seed=0):
 def to_pages(cache, lens, page_size, seed=1, spare=2):
     """``cache (B, Hkv, S_max, D)`` scattered over a shuffled pool with ``spare`` unused
     pages; unused table entries are -1."""
-    B, Hkv, S_max, D = cache.shape
-    max_blocks = -(-S_max // page_size)
-    used = [-(-int(n) // page_size) for n in lens]
-    perm = np.random.default_rng(seed).permutation(sum(used) + spare)
-    pool = np.zeros((sum(used) + spare, Hkv, page_size, D), cache.dtype)
-    table = np.full((B, max_blocks), -1, dtype=np.int32)
-    j = 0
-    for b in range(B):
-        for i in range(used[b]):
-            seg = cache[b, :, i * page_size:(i + 1) * page_size]
-            pool[perm[j], :, :seg.shape[1]] = seg
-            table[b, i] = perm[j]
-            j += 1
-    return pool, table
+    pools, table = reference.contiguous_to_paged((cache,), lens, page_size,
+                                                 np.random.default_rng(seed), spare=spare)
+    return pools[0], table
 
 
 def assert_within_rule(q, k, v, lens, o, *, table=None, tree=None, mm=BF16):
