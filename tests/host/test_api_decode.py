@@ -72,18 +72,11 @@ def test_flash_decode_full_precision():
 def test_equals_flash_attention_bottom_right_when_cache_is_the_sequence():
     """Semantics: without a tree mask, decode == flash_attention(causal="bottom_right") over
     the first cache_len positions (here the whole cache)."""
-    flash_attention = getattr(api, "flash_attention", None)
-    try:
-        import nki_kernels.attention.forward  # noqa: F401
-    except ImportError:
-        flash_attention = None
-    if flash_attention is None:
-        pytest.skip("host.api.flash_attention and its kernel (issue #3) are not available yet")
     q, k, v = inputs(B=1, Hq=8, Hkv=2, T=5, S_max=77, D=64, dtype=F32)
     o_dec, lse_dec = host.flash_decode(q, k, v, cache_lens=[77], mixed_precision=False,
                                        return_lse=True)
-    o_fa, lse_fa = flash_attention(q, k, v, causal="bottom_right", mixed_precision=False,
-                                   return_lse=True)
+    o_fa, lse_fa = host.flash_attention(q, k, v, causal="bottom_right", mixed_precision=False,
+                                        return_lse=True)
     assert reference.max_abs_err(o_dec, o_fa) < 1e-5
     assert reference.max_abs_err(lse_dec, lse_fa) < 1e-5
 

@@ -18,14 +18,12 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-import host  # noqa: E402
 from host import reference  # noqa: E402
 from host.distributed import ring_attention  # noqa: E402
 from host.torch_ops import flash_attention  # noqa: E402
 
 from _torch_helpers import FakeKernels, ring_case_inputs, ring_worker  # noqa: E402
 
-HAVE_KERNELS = hasattr(host, "flash_attention") and hasattr(host, "flash_attention_backward")
 WORLD = 2
 
 if not dist.is_available():  # pragma: no cover
@@ -108,7 +106,6 @@ def _baseline(case):
         reference.attention_backward_baseline_lowp(do, q, k, v, **kw))
 
 
-@pytest.mark.skipif(not HAVE_KERNELS, reason="host.flash_attention not available yet")
 def test_ring_kernels_match_single_process(tmp_path):
     """The kernels on the active backend in both ranks vs unsharded attention.
 

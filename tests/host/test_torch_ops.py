@@ -7,7 +7,7 @@ Two kinds of tests:
   rounded to the kernels' output dtypes. These check the torch side alone (dtype round trips,
   strides, autograd wiring, option passing, SDPA mask conversion and argument checks) and run in
   milliseconds.
-* **End to end** (``real``): the kernels on the active backend (the CPU simulator in CI), checked
+* **End to end**: the kernels on the active backend (the CPU simulator in CI), checked
   against the float64 reference with the tolerance rule of docs/semantics.md, against PyTorch's
   own ``scaled_dot_product_attention`` through ``torch.autograd``, with
   ``torch.autograd.gradcheck``, and by training a tiny transformer block.
@@ -25,11 +25,10 @@ import host  # noqa: E402
 from host import reference  # noqa: E402
 from host import torch_ops  # noqa: E402
 from host.torch_ops import flash_attention, scaled_dot_product_attention  # noqa: E402
+from nki_kernels.attention import backward, forward  # noqa: E402
 
 from _torch_helpers import FakeKernels  # noqa: E402
 
-HAVE_KERNELS = hasattr(host, "flash_attention") and hasattr(host, "flash_attention_backward")
-real = pytest.mark.skipif(not HAVE_KERNELS, reason="host.flash_attention not available yet")
 
 
 # --------------------------------------------------------------------------------------------
@@ -515,7 +514,6 @@ def _precision_id(p):
     return f"{str(p[0]).replace('torch.', '')}{'' if p[1] else '_fullprec'}"
 
 
-@real
 @pytest.mark.parametrize("precision", PRECISIONS, ids=_precision_id)
 @pytest.mark.parametrize("case", GRAD_CASES, ids=[c[0] for c in GRAD_CASES])
 def test_gradients_within_tolerance_rule(case, precision):
@@ -550,7 +548,6 @@ def _torch_sdpa_grads(q, k, v, do, dtype, **kw):
     return (o,) + _grads(o, do.to(dtype), qq, kk, vv)
 
 
-@real
 @pytest.mark.parametrize("dtype,mixed", [(torch.float32, False), (torch.float32, True),
                                          (torch.bfloat16, True)],
                          ids=["float32_fullprec", "float32", "bfloat16"])
@@ -583,7 +580,6 @@ def test_sdpa_against_pytorch_sdpa_autograd(kw, dtype, mixed):
         assert err <= tol, f"{name}: max abs error {err:.3g} > 2 x PyTorch's {tol:.3g}"
 
 
-@real
 @pytest.mark.parametrize("opts", [dict(causal="top_left"),
                                   dict(causal="bottom_right", kv_lens=[5, 3], q_lens=[3, 2])],
                          ids=["top_left", "bottom_right_padded"])
@@ -606,7 +602,6 @@ def test_gradcheck_tiny(opts):
                                     fast_mode=True)
 
 
-@real
 def test_lse_gradient_on_the_kernels():
     """A loss using both o and the returned LSE: gradients match torch.logsumexp's autograd.
 
@@ -687,7 +682,6 @@ def _train(attention, steps=20, seed=0, B=4, N=24, vocab=32):
     return np.array(losses)
 
 
-@real
 @pytest.mark.parametrize("mixed,tol", [(False, 1e-5), (True, 1e-3)],
                          ids=["fp32_matmuls", "bf16_matmuls"])
 def test_tiny_transformer_training_matches_pytorch_sdpa(mixed, tol):
@@ -710,16 +704,6 @@ def test_tiny_transformer_training_matches_pytorch_sdpa(mixed, tol):
 # --------------------------------------------------------------------------------------------
 # The XLA path's launch code, on the simulator
 # --------------------------------------------------------------------------------------------
-
-
-def _kernel_modules():
-    try:
-        from nki_kernels.attention import backward, forward
-    except ImportError:
-        return None
-    if not (hasattr(forward, "flash_attention_fwd") and hasattr(backward, "flash_attn_bwd")):
-        return None
-    return forward, backward
 
 
 class _SimulatedXlaLaunch:
@@ -767,13 +751,11 @@ class _SimulatedXlaLaunch:
         return call
 
 
-@pytest.mark.skipif(_kernel_modules() is None, reason="attention kernels not available yet")
 @pytest.mark.parametrize("dtype,mixed,mm", [(torch.float32, False, "float32"),
                                             (torch.bfloat16, True, "bfloat16")],
                          ids=["float32_fullprec", "bfloat16"])
 def test_xla_executor_launches_the_kernels(monkeypatch, dtype, mixed, mm):
     """The XLA path's launch code drives the real kernels (simulated) to correct gradients."""
-    forward, backward = _kernel_modules()
     fwd = _SimulatedXlaLaunch(forward.flash_attention_fwd)
     bwd = _SimulatedXlaLaunch(backward.flash_attn_bwd)
     monkeypatch.setattr(forward, "flash_attention_fwd", fwd)
@@ -798,12 +780,10 @@ def test_xla_executor_launches_the_kernels(monkeypatch, dtype, mixed, mm):
         assert g.dtype == dtype and err <= tol, f"{name}: error {err:.3g} > tolerance {tol:.3g}"
 
 
-@pytest.mark.skipif(_kernel_modules() is None, reason="attention kernels not available yet")
 def test_xla_backward_takes_runtime_lengths(monkeypatch):
     """A padded batch whose lengths change every step (0 and full included) launches one
     compiled backward: the same grid, tensor shapes and static options, the lengths passed as
     (B,) int32 device tensors; each step's gradients are right."""
-    forward, backward = _kernel_modules()
     fwd = _SimulatedXlaLaunch(forward.flash_attention_fwd)
     bwd = _SimulatedXlaLaunch(backward.flash_attn_bwd)
     monkeypatch.setattr(forward, "flash_attention_fwd", fwd)
