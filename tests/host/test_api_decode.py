@@ -4,7 +4,6 @@ here is the same (o error <= 2 * baseline error + floor, docs/semantics.md).
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -13,31 +12,13 @@ from host import api, reference
 from nki_kernels import tiles
 from nki_kernels.nki import BACKEND
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
-
-
-def inputs(B=2, Hq=8, Hkv=2, T=3, S_max=128, D=32, dtype=BF16, seed=0):
-    """Random q and caches (planning tests only need shapes: see ``shapes``)."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, Hq, T, D)).astype(np.float32).astype(dtype)
-    k = rng.standard_normal((B, Hkv, S_max, D)).astype(np.float32).astype(dtype)
-    v = rng.standard_normal((B, Hkv, S_max, D)).astype(np.float32).astype(dtype)
-    return q, k, v
+from _decode_helpers import BF16, F32, assert_within_rule, inputs
 
 
 def shapes(B, Hq, Hkv, T, S_max, D, dtype=BF16):
     """Zero q and caches: enough for plan_flash_decode and validation (cheap at 32K)."""
     return (np.zeros((B, Hq, T, D), dtype), np.zeros((B, Hkv, S_max, D), dtype),
             np.zeros((B, Hkv, S_max, D), dtype))
-
-
-def assert_within_rule(q, k, v, lens, o, *, tree=None, mm=BF16):
-    ref = reference.decode(q, k, v, cache_lens=lens, tree_mask=tree)[0]
-    base = reference.decode_baseline_lowp(q, k, v, cache_lens=lens, dtype=mm, out_dtype=q.dtype,
-                                          tree_mask=tree)
-    tol = reference.tolerance(ref, base, floor=reference.atol_floor(mm))
-    assert reference.max_abs_err(o, ref) <= tol
 
 
 # --------------------------------------------------------------------------------------------

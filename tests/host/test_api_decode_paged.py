@@ -6,7 +6,6 @@ tests/kernels/test_decode_paged.py. Tolerance rule as in test_api_decode.py (o e
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -15,16 +14,7 @@ from host import api, reference
 from nki_kernels import tiles
 from nki_kernels.nki import BACKEND
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
-
-
-def inputs(B=2, Hq=8, Hkv=2, T=3, S_max=128, D=32, dtype=BF16, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, Hq, T, D)).astype(np.float32).astype(dtype)
-    k = rng.standard_normal((B, Hkv, S_max, D)).astype(np.float32).astype(dtype)
-    v = rng.standard_normal((B, Hkv, S_max, D)).astype(np.float32).astype(dtype)
-    return q, k, v
+from _decode_helpers import BF16, F32, assert_within_rule, inputs
 
 
 def to_pages(cache, lens, page_size, seed=1, spare=2):
@@ -33,14 +23,6 @@ def to_pages(cache, lens, page_size, seed=1, spare=2):
     pools, table = reference.contiguous_to_paged((cache,), lens, page_size,
                                                  np.random.default_rng(seed), spare=spare)
     return pools[0], table
-
-
-def assert_within_rule(q, k, v, lens, o, *, table=None, tree=None, mm=BF16):
-    ref = reference.decode(q, k, v, cache_lens=lens, tree_mask=tree, block_table=table)[0]
-    base = reference.decode_baseline_lowp(q, k, v, cache_lens=lens, dtype=mm, out_dtype=q.dtype,
-                                          tree_mask=tree, block_table=table)
-    tol = reference.tolerance(ref, base, floor=reference.atol_floor(mm))
-    assert reference.max_abs_err(o, ref) <= tol
 
 
 # --------------------------------------------------------------------------------------------
