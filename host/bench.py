@@ -408,6 +408,15 @@ def make_plots(rows: List[dict], out: str, meta: dict) -> List[str]:
     d = meta["dim"]
     tag = f"{meta['dtype']}, d={d}, 1 head, simulated {meta['target']}"
 
+    def log_log(ax, xlabel, ylabel, title):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+
     def save(fig, name):
         path = os.path.join(out, name)
         fig.tight_layout()
@@ -428,13 +437,8 @@ def make_plots(rows: List[dict], out: str, meta: dict) -> List[str]:
             ax.plot(xs_f, [y / 2**20 for y in ys_f], "s", color="C0", label="flash (measured)")
         ax.plot(ns, [flash_lower_bound(n, d, s) / 2**20 for n in ns], ":", color="C0",
                 label="Q, K, V, O once (+LSE)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length N")
-        ax.set_ylabel("HBM traffic (MiB)")
-        ax.set_title(f"Attention forward HBM traffic ({tag})", fontsize=9)
-        ax.legend(fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
+        log_log(ax, "sequence length N", "HBM traffic (MiB)",
+                 f"Attention forward HBM traffic ({tag})")
         save(fig, "attention_hbm_bytes.png")
 
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
@@ -446,13 +450,8 @@ def make_plots(rows: List[dict], out: str, meta: dict) -> List[str]:
                 ax.plot(xs, lo, mark + "-", color=color, label=f"{label} (engines overlapped)")
                 ax.fill_between(xs, lo, hi, color=color, alpha=0.15,
                                 label=f"{label}: overlapped .. serial")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length N")
-        ax.set_ylabel("modeled time (µs)")
-        ax.set_title(f"Attention forward modeled time ({tag})", fontsize=9)
-        ax.legend(fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
+        log_log(ax, "sequence length N", "modeled time (µs)",
+                 f"Attention forward modeled time ({tag})")
         save(fig, "attention_modeled_time.png")
 
     blk = [r for r in rows if r["study"] == "block" and r["hbm_bytes"] != ""]
@@ -489,13 +488,7 @@ def make_plots(rows: List[dict], out: str, meta: dict) -> List[str]:
         ax.plot(ns, [6 * n / 2**20 for n in ns], "--", color="C3", label="6n")
         ax.plot(xs_f, [y / 2**20 for y in ys_f], "s", color="C0", label="fused: 1 kernel")
         ax.plot(ns, [2 * n / 2**20 for n in ns], ":", color="C0", label="2n")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("n = bytes of y (M = N = 2K)")
-        ax.set_ylabel("HBM traffic (MiB)")
-        ax.set_title("HBM traffic", fontsize=9)
-        ax.legend(fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
+        log_log(ax, "n = bytes of y (M = N = 2K)", "HBM traffic (MiB)", "HBM traffic")
         for variant, color, mark, label in (("unfused", "C3", "o", "unfused"),
                                             ("fused", "C0", "s", "fused")):
             xs, lo = _series(rows, "gelu", variant, "modeled_us_overlap")
@@ -503,13 +496,7 @@ def make_plots(rows: List[dict], out: str, meta: dict) -> List[str]:
             axt.plot(xs, lo, mark + "-", color=color, label=f"{label} (engines overlapped)")
             axt.fill_between(xs, lo, hi, color=color, alpha=0.15,
                              label=f"{label}: overlapped .. serial")
-        axt.set_xscale("log", base=2)
-        axt.set_yscale("log")
-        axt.set_xlabel("n = bytes of y (M = N = 2K)")
-        axt.set_ylabel("modeled time (µs)")
-        axt.set_title("modeled time", fontsize=9)
-        axt.legend(fontsize=8)
-        axt.grid(True, which="both", alpha=0.3)
+        log_log(axt, "n = bytes of y (M = N = 2K)", "modeled time (µs)", "modeled time")
         fig.suptitle(f"GELU(xW + b): fused vs unfused ({meta['dtype']}, simulated "
                      f"{meta['target']})", fontsize=10)
         save(fig, "gelu_fusion.png")
