@@ -31,15 +31,13 @@ Modeled numbers are not hardware timings. Requires the bundled simulator backend
     python benchmarks/backward.py [--n 4096] [--d 128] [--targets trn2 trn1] [--json out.json]
 """
 import argparse
-import json
-import os
 import sys
 import time
 
 import ml_dtypes
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import hardware, write_json
 
 import host  # noqa: E402
 import simulate  # noqa: E402
@@ -50,11 +48,6 @@ from nki_kernels.attention.backward import flash_attn_bwd  # noqa: E402
 from nki_kernels.nki import BACKEND  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-#: TensorE clock (Hz), dense bf16 peak (FLOP/s) and HBM share per NeuronCore (B/s)
-#: (hardware-and-limits.md §1, §3).
-TENSOR_HZ = {"trn1": 2.8e9, "trn2": 2.4e9}
-PEAK_FLOPS = {"trn1": 128 * 128 * 2 * 2.8e9, "trn2": 128 * 128 * 2 * 2.4e9}
-HBM_SHARE = {"trn1": 410e9, "trn2": 362.5e9}
 #: Matmuls per score of the two designs (S, dP, dV, dK, dQ vs. + S and dP again).
 MATMULS = {"single-pass": 5, "two-kernel": 7}
 
@@ -66,11 +59,12 @@ def flops(N, D, causal, matmuls=5):
 
 def limits(target, N, D, causal):
     """The §5 limits in seconds: strict and engine-aware (7 TensorE passes per score)."""
+    hw = hardware(target)
     scores = N * N / (2 if causal else 1)
     d_passes = -(-D // 128)
-    pe5 = 5 * d_passes * scores / 128 / TENSOR_HZ[target]
-    hbm = (16 * N * D + 4 * N) / HBM_SHARE[target]
-    pe7 = (5 * d_passes + 2) * scores / 128 / TENSOR_HZ[target]
+    pe5 = 5 * d_passes * scores / 128 / hw.clock_hz["tensor"]
+    hbm = (16 * N * D + 4 * N) / hw.hbm_share_bytes_per_s
+    pe7 = (5 * d_passes + 2) * scores / 128 / hw.clock_hz["tensor"]
     return {"strict": max(pe5, hbm), "engine_aware": pe7, "hbm_min_bytes": 16 * N * D + 4 * N}
 
 
@@ -160,9 +154,7 @@ def main(argv=None):
                           f"{r['modeled_us'][0]:>8.1f}..{r['modeled_us'][1]:<7.0f}"
                           f"{e['tensor']:>8.1f}{e['scalar']:>8.1f}{e['vector']:>8.1f}"
                           f"{e['gpsimd']:>7.1f}{e['dma']:>8.1f}{tflops:>9.1f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(a.json, rows)
     return rows
 
 

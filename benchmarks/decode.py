@@ -25,20 +25,16 @@ Runs on the bundled simulator only (``NKI_FLASH_BACKEND=simulate`` is set if uns
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import TARGETS, hardware, write_json
+
 os.environ.setdefault("NKI_FLASH_BACKEND", "simulate")
 
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-#: Per-NeuronCore HBM bandwidth, bytes/s: (DMA rate of the simulator's cost model, even share
-#: of the chip's HBM) -- hardware-and-limits.md §3.
-BANDWIDTH = {"trn1": (272e9, 410e9), "trn2": (368e9, 362.5e9)}
 #: Goal of issue #5: modeled time within this factor of the HBM bound.
 GOAL = 1.5
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
@@ -71,7 +67,9 @@ def run_case(args, target, paged=False):
     kv_bytes = 2 * args.hkv * args.dim * dtype.itemsize * int(lens.sum())
     read, written = host.flash_decode_hbm_bytes(B, args.hq, args.tokens, args.dim, args.hkv,
                                                 lens, dtype.itemsize, plan, paged=paged)
-    dma_rate, hbm_share = BANDWIDTH[target]
+    # the bounds at the DMA rate of the cost model and at an even share of the chip's HBM
+    hw = hardware(target)
+    dma_rate, hbm_share = hw.dma_bytes_per_s, hw.hbm_share_bytes_per_s
     lower, upper = m.modeled_seconds
     out = {
         "target": target, "B": B, "Hq": args.hq, "Hkv": args.hkv, "T": args.tokens,
@@ -133,7 +131,7 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--num-splits", type=int, default=None)
-    p.add_argument("--targets", nargs="+", choices=sorted(BANDWIDTH), default=["trn1", "trn2"])
+    p.add_argument("--targets", nargs="+", choices=TARGETS, default=["trn1", "trn2"])
     p.add_argument("--paged", action="store_true",
                    help="also run the cache as a shuffled page pool with a block table")
     p.add_argument("--page-size", type=int, default=256, help="positions per page (256)")
@@ -147,9 +145,7 @@ def main(argv=None):
         if args.paged:
             results.append(run_case(args, t, paged=True))
             report(results[-1], contiguous=results[-2])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
     return results
 
 

@@ -26,8 +26,6 @@ Modeled numbers are not hardware timings. Requires the bundled simulator backend
 """
 import argparse
 import itertools
-import json
-import os
 import sys
 import time
 from dataclasses import replace
@@ -35,18 +33,13 @@ from dataclasses import replace
 import ml_dtypes
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import TARGETS, hardware, write_json
 
 import host  # noqa: E402
 import simulate  # noqa: E402
 from host import reference  # noqa: E402
 from nki_kernels.nki import BACKEND  # noqa: E402
 
-#: Engine clocks (Hz) and dense bf16 TensorE peak (FLOP/s) per NeuronCore
-#: (hardware-and-limits.md §1-§2).
-CLOCKS = {"trn1": {"tensor": 2.8e9, "vector": 1.12e9, "scalar": 1.4e9},
-          "trn2": {"tensor": 2.4e9, "vector": 0.96e9, "scalar": 1.2e9}}
-PEAK_FLOPS = {"trn1": 128 * 128 * 2 * 2.8e9, "trn2": 128 * 128 * 2 * 2.4e9}
 #: The issue's goal: modeled TensorE utilization >= 50 % for N = 4096, D = 128, non-causal, trn2.
 GOAL = {"target": "trn2", "N": 4096, "D": 128, "causal": False, "utilization": 0.5}
 
@@ -55,7 +48,7 @@ def limits(target, N, D, causal):
     """Per-engine lower limits (seconds) from the per-score costs of hardware-and-limits.md §5."""
     scores = N * N / (2 if causal else 1)
     passes = -(-D // 128)  # S and PV contract / produce D in passes of 128 columns
-    clk = CLOCKS[target]
+    clk = hardware(target).clock_hz
     pe_flop = 2 * passes * scores / 128 / clk["tensor"]
     pe_with_t = (2 * passes + 1) * scores / 128 / clk["tensor"]
     act = scores / 128 / clk["scalar"]
@@ -89,7 +82,7 @@ def run(target, N, D, causal, seed=0, p_dma_transpose=0.0, lens="none"):
         "target": target, "N": N, "D": D, "causal": causal, "lens": lens,
         "modeled_lower_us": lower * 1e6, "modeled_upper_us": upper * 1e6,
         "engine_us": {e: s * 1e6 for e, s in m.engine_seconds.items()},
-        "utilization": flops / (lower * PEAK_FLOPS[target]),
+        "utilization": flops / (lower * hardware(target).tensor_peak_flops),
         "hbm_bytes": m.hbm_bytes_read + m.hbm_bytes_written, "io_lower_bound_bytes": bound,
         "peak_sbuf_bytes_per_partition": m.peak_sbuf_bytes_per_partition,
         "limits_us": {name: s * 1e6 for name, s in limits(target, N, D, causal).items()},
@@ -101,7 +94,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--targets", nargs="+", default=["trn2", "trn1"], choices=sorted(CLOCKS))
+    ap.add_argument("--targets", nargs="+", default=["trn2", "trn1"], choices=TARGETS)
     ap.add_argument("--p-dma-transpose", type=float, default=0.0, metavar="SHARE",
                     help="fraction of P^T transposes done by trn2's DMA engines (opt-in path, "
                          "tiles.ForwardTiles.p_dma_transpose_share; ignored on trn1)")
@@ -137,9 +130,7 @@ def main(argv=None):
         print(f"\ngoal (trn2, N=4096, D=128, non-causal, utilization >= 50 %): {verdict} -- "
               f"{100 * g['utilization']:.1f} % at {g['modeled_lower_us']:.1f} us (perfect "
               f"overlap), {g['modeled_upper_us']:.1f} us serial")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+    write_json(args.json, rows, indent=2)
     return rows
 
 

@@ -19,12 +19,11 @@ the y^T form adds VectorE copies and 4x the store DMAs. Run::
 """
 import argparse
 import os
-import sys
 
 import ml_dtypes
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import _common  # noqa: E402,F401  (puts the repository on sys.path)
 os.environ.setdefault("NKI_FLASH_BACKEND", "simulate")
 
 import simulate  # noqa: E402

@@ -9,14 +9,12 @@ Target: simulation wall time <= 3 x numpy.matmul(float32) + 1 s.
 """
 
 import argparse
-import os
-import sys
 import time
 
 import numpy as np
 import ml_dtypes
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import _common  # noqa: E402,F401  (puts the repository on sys.path)
 
 import simulate as nki  # noqa: E402
 import simulate.language as nl  # noqa: E402

@@ -17,12 +17,6 @@ import time
 
 import numpy as np
 
-#: Dense bf16 TensorE peak per NeuronCore in FLOP/s (reference/hardware-and-limits.md §1: the
-#: NKI guide's per-core figures 92 and 79 TFLOPS, i.e. 128*128*2*clock).
-TENSOR_PEAK_FLOPS = {"trn1": 128 * 128 * 2 * 2.8e9, "trn2": 128 * 128 * 2 * 2.4e9}
-#: HBM bandwidth per NeuronCore in bytes/s (hardware-and-limits.md §3: the chip's 820 GB/s and
-#: 2.9 TB/s shared evenly by its 2 and 8 cores). Decode is memory-bound: its bound is this.
-HBM_BYTES_PER_S = {"trn1": 820e9 / 2, "trn2": 2.9e12 / 8}
 TARGETS = ("trn1", "trn2")
 DTYPES = ("bfloat16", "float16", "float32")
 CAUSAL_CHOICES = ("none", "top_left", "bottom_right")
@@ -269,12 +263,15 @@ def _run(args: argparse.Namespace) -> int:
         if m is not None:
             lo, hi = m.modeled_seconds
             flops = 4.0 * D * visible_pairs
+            from simulate import _hw     # m is a simulator measurement: its hardware table
+
+            hw = _hw.get_target(target)
             if args.decode:     # memory-bound: the fraction of the HBM-bandwidth bound reached
-                bound = lower_bound / HBM_BYTES_PER_S[target]
+                # (the chip's HBM bandwidth shared evenly by its cores, hardware-and-limits.md §3)
+                bound = lower_bound / hw.hbm_share_bytes_per_s
                 util = [bound / hi, bound / lo]
             else:               # compute-bound: the fraction of dense bf16 TensorE peak
-                util = [flops / (hi * TENSOR_PEAK_FLOPS[target]),
-                        flops / (lo * TENSOR_PEAK_FLOPS[target])]
+                util = [flops / (hi * hw.tensor_peak_flops), flops / (lo * hw.tensor_peak_flops)]
             entry.update(
                 hbm_bytes_read=int(m.hbm_bytes_read), hbm_bytes_written=int(m.hbm_bytes_written),
                 modeled_seconds=[lo, hi],

@@ -84,6 +84,12 @@ class Target:
     def total_available_sbuf_size(self) -> int:
         return self.sbuf_bytes_per_partition - self.sbuf_reserved_bytes
 
+    @property
+    def tensor_peak_flops(self) -> float:
+        """Dense bf16 TensorE peak, FLOP/s: a 128 x 128 array doing one multiply-add per cell per
+        cycle (92 and 79 TFLOPS per core on trn1 and trn2) [HL §1]."""
+        return NUM_PARTITIONS * NUM_PARTITIONS * 2 * self.clock_hz["tensor"]
+
 
 TRN1 = Target(
     name="trn1",
