@@ -33,6 +33,8 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from nki_kernels import tiles as T
+
 STUDIES = ("attention", "block", "gelu", "softmax")
 TARGETS = ("trn1", "trn2")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -49,8 +51,8 @@ DEFAULT_GELU_K = (64, 128, 256, 512, 1024)
 LARGE_GELU_K = (2048,)
 DEFAULT_SOFTMAX_COLS = (4096, 16384)
 LARGE_SOFTMAX_COLS = (65536,)
-SOFTMAX_ROWS = 128
-SOFTMAX_CHUNK = 2048
+#: Rows of the softmax study: one partition tile.
+SOFTMAX_ROWS = T.PMAX
 
 CSV_FIELDS = ("study", "variant", "x_name", "x", "N", "D", "M", "K", "dtype", "target",
               "hbm_read", "hbm_written", "hbm_bytes", "formula_bytes", "formula",
@@ -220,7 +222,7 @@ def flash_theorem2(N: int, d: int, itemsize: int, sbuf_bytes: int) -> float:
     """Theorem 2 of the paper with constant 1: ``s (2 N d + 2 N^2 d^2 / M)`` bytes, M the on-chip
     memory in elements (``sbuf_bytes`` per partition x 128 partitions / itemsize): Q and O once,
     K and V once per ``M / d`` query rows."""
-    m_elems = sbuf_bytes * 128 / itemsize
+    m_elems = sbuf_bytes * T.PMAX / itemsize
     return itemsize * (2 * N * d + 2 * N * N * d * d / m_elems)
 
 
@@ -233,8 +235,6 @@ def flash_block_tiles(N: int, d: int, q_group: int, in_itemsize: int = 2):
     """The forward's tiling with ``q_group`` query tiles on chip per pass over K/V (0 = K/V
     resident), its query rows per pass and the SBUF bytes per partition it plans for (matmul
     operands in 2-byte precision: bf16/fp16 inputs, or fp32 with mixed precision)."""
-    from nki_kernels import tiles as T
-
     base = T.ForwardTiles()
     if q_group == 0:
         t = base
@@ -265,7 +265,7 @@ def plan(args) -> List[dict]:
     gelu_k = sizes(args.gelu_k, DEFAULT_GELU_K, LARGE_GELU_K)
     cols = sizes(args.softmax_cols, DEFAULT_SOFTMAX_COLS, LARGE_SOFTMAX_COLS)
     # a group of query tiles covering all of N is the resident case (0): keep one of them
-    tiles_n = -(-args.block_seq // 128)
+    tiles_n = T.ceil_div(args.block_seq, T.PMAX)
     groups = sorted({g if g < tiles_n else 0 for g in (args.block_groups or DEFAULT_BLOCK_GROUPS)},
                     key=lambda g: g or tiles_n)
     points = []
@@ -332,13 +332,13 @@ def run_point(pt: dict, args, rng) -> dict:
         x = _randn(rng, (R, C), dtype, 3.0)
         n = s * R * C
         online = pt["variant"] == "online"
-        if C <= SOFTMAX_CHUNK:
+        if C <= T.SOFTMAX_CHUNK:
             row.update(formula_bytes=2 * n, formula="2RC (row on chip)")
         else:
             row.update(formula_bytes=(3 if online else 4) * n, formula="3RC" if online else "4RC")
         row.update(x_name="n_bytes", x=n, M=R, N=C)
         fn = lambda: host.online_softmax(x, algorithm=pt["variant"],  # noqa: E731
-                                         chunk_size=SOFTMAX_CHUNK)
+                                         chunk_size=T.SOFTMAX_CHUNK)
     row.update(measure(fn, args.target))
     return row
 

@@ -16,8 +16,8 @@ is never imported here, tensors are recognized by their type's module. Array *va
 inspected (that would cost a pass over the data) except for small integer and boolean control
 inputs (lengths, tree masks) and scalars.
 
-Limits of the kernels live here, as named constants, until the kernel package grows a home for
-them: :data:`MAX_HEAD_DIM` and :data:`MAX_DECODE_TOKENS`.
+The kernels' limits :data:`MAX_HEAD_DIM` and :data:`MAX_DECODE_TOKENS` are re-exported from their
+home, ``nki_kernels/tiles.py`` (plain Python, no NKI import).
 """
 from __future__ import annotations
 
@@ -28,16 +28,18 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import ml_dtypes
 import numpy as np
 
+from nki_kernels import tiles as _tiles
+
 # --------------------------------------------------------------------------------------------
 # Limits and vocabularies
 # --------------------------------------------------------------------------------------------
 
-#: Largest head dimension D the attention kernels accept (FlashAttention's limit too).
-MAX_HEAD_DIM = 256
+#: Largest head dimension D the attention kernels accept, 256 (FlashAttention's limit too).
+MAX_HEAD_DIM = _tiles.FWD_MAX_HEAD_DIM
 
-#: Largest number T of new tokens per sequence in one decode call (one partition tile of the
-#: query; the SBUF/PSUM partition dimension is 128).
-MAX_DECODE_TOKENS = 128
+#: Largest number T of new tokens per sequence in one decode call, 128 (one partition tile of
+#: the query).
+MAX_DECODE_TOKENS = _tiles.PMAX
 
 #: Dtypes the kernels take for floating-point inputs (all inputs of one call share one dtype).
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
