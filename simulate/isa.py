@@ -293,7 +293,8 @@ def nc_transpose(data, *, mask=None, dtype=None, engine=None, **kwargs):
     odi = _ops.out_info(dtype, di)
     if eng == "tensor":
         if P > _hw.PE_TRANSPOSE_MAX or F > _hw.PE_TRANSPOSE_MAX:
-            raise _size_err(api, "data", data.shape, 0 if P > 128 else 1, _hw.PE_TRANSPOSE_MAX)
+            raise _size_err(api, "data", data.shape, 0 if P > _hw.PE_TRANSPOSE_MAX else 1,
+                            _hw.PE_TRANSPOSE_MAX)
         _sbuf_only(data, api, "data")
         af = _f32(a2)
         if not ctx.tgt.gen3_features and di.is_float and not np.isfinite(af).all():
@@ -308,7 +309,8 @@ def nc_transpose(data, *, mask=None, dtype=None, engine=None, **kwargs):
     if eng != "vector":
         raise ValueError(f"nc_transpose runs on the tensor or vector engine, not {eng}")
     if P > _hw.VECTOR_TRANSPOSE_MAX or F > _hw.VECTOR_TRANSPOSE_MAX:
-        raise _size_err(api, "data", data.shape, 0 if P > 32 else 1, _hw.VECTOR_TRANSPOSE_MAX)
+        raise _size_err(api, "data", data.shape, 0 if P > _hw.VECTOR_TRANSPOSE_MAX else 1,
+                        _hw.VECTOR_TRANSPOSE_MAX)
     res = np.array(a2.T, copy=True)
     res = odi.round(_f32(res)) if odi is not di else res
     ctx.rec.add("vector", _cost.ii(F))

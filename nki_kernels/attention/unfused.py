@@ -37,8 +37,8 @@ from nki_kernels.fused._onchip import (PMAX, for_tiles, load_rows_transposed,
 from nki_kernels.nki import nisa, nki, nl
 
 _DTYPES = {"float32": nl.float32, "bfloat16": nl.bfloat16, "float16": nl.float16}
-#: Fill value of masked scores (nl.fp32.min; -inf after rounding to bf16/fp16).
-MASKED_SCORE = -3.4028234663852886e38
+#: Fill value of masked scores: the most negative finite fp32 (-inf after rounding to bf16/fp16).
+MASKED_SCORE = float(nl.fp32.min)
 
 
 def _heads(Hq, Hkv):
