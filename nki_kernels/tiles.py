@@ -197,6 +197,17 @@ BWD_DS_TRANSPOSE = {"trn1": "pe", "trn2": "dma"}
 #: With PE transposes: dS^T blocks per visit whose PSUM -> SBUF copy runs on ScalarE (the others
 #: on VectorE), balancing ScalarE (exp and dP - D) against VectorE (dS multiply, dQ add).
 BWD_ACT_EVAC_BLOCKS = {"trn1": 1, "trn2": 0}
+#: Per-partition bytes of one input tensor's rows moved by one DMA of the backward (a run of
+#: whole 128-row tiles: 8 tiles for bf16 D = 128): every DMA pays a fixed cost (81.25 ns, about
+#: 30 KB of transfer time on trn2), so Q, dO, O, LSE and dQ move several tiles per DMA, and K, V,
+#: dK, dV a whole key tile. The run's dO/O temporaries fit in ``BWD_SBUF_SLACK``.
+BWD_GROUP_BYTES = 2048
+#: Per-partition bytes of dS (operand dtype) of the visits that share one dS DMA transpose
+#: (``ds_transpose="dma"``; 4 visits of 512 keys in bf16), each saving a DMA's fixed cost. The
+#: group's dS and dS^T (2 x 4 KiB) fit the backward's SBUF headroom: at the largest pass
+#: (``bwd_rows_per_pass``) over 20 KB per partition stay free on trn1 and trn2 (measured
+#: peak with ``simulate.measure``, bf16 D = 64 and 128, fp32 D = 128).
+BWD_DS_GROUP_BYTES = 4096
 #: Per-partition bytes kept free for everything that is not resident query-side state (K/V
 #: tiles, P, dS and temporaries, double-buffered) on top of the computed working set.
 BWD_SBUF_SLACK = 4 * 1024

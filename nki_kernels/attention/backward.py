@@ -40,15 +40,16 @@ hardware) it is a 6th TensorE pass (128 x 128 transposes), the PSUM copies split
 ScalarE and VectorE. ``dP - D`` is formed by ScalarE while it copies dP out of PSUM, so VectorE
 does one bf16 multiply per score for dS.
 
-Measured (``python benchmarks/backward.py``; one head, N = 4096, D = 128, bf16; modeled µs =
-max over engines; the limits of hardware-and-limits.md §5 in brackets, strict / engine-aware):
+Measured (``python benchmarks/backward.py``, simulator with the DMA chunk model; one head,
+N = 4096, D = 128, bf16; modeled µs = max over engines; the limits of hardware-and-limits.md
+§5 in brackets, strict / engine-aware):
 
 =====================  ===============================  ===============================
 variant                trn2 non-causal (273 / 382)      trn2 causal (137 / 191)
 =====================  ===============================  ===============================
-this design            280  (TensorE; 8.40 MB = min)    152  (DMA; TensorE 148)
-dQ in HBM ("atomics")  399  (DMA; 46.2 MB)              243
-two kernels (14N^2d)   477  (ScalarE; 13.7 MB)          283
+this design            280  (TensorE; 8.40 MB = min)    148  (TensorE; DMA 147)
+dQ in HBM ("atomics")  454  (DMA; 46.2 MB)              278
+two kernels (14N^2d)   475  (ScalarE; 13.7 MB)          280
 dS^T on TensorE        335  (TensorE)                   176
 =====================  ===============================  ===============================
 
@@ -56,12 +57,27 @@ trn1: 287 µs non-causal (strict 234, engine-aware 328), 151 µs causal (117 / 1
 with the 6th pass. The single pass wins on every engine: the two-kernel split recomputes S, P
 and dP (2 more matmuls, a second exp and dP - D per score), and dQ in HBM moves 5.5x the bytes.
 
-With runtime lengths (``--variants lens=full lens=N/2 q_lens=N/2``, same N and D; simulator at
-e33fe61, whose per-descriptor DMA cost moves the causal single-pass row above from 152 to 178
-µs, DMA-bound): trn2 335 µs non-causal (TensorE: the rank-1 key mask is a 6th pass) and 178
-causal (DMA; TensorE 176), trn1 334 / 175 (TensorE); ``q_lens`` alone +0.1 µs; D = 64 within
-2 % of no lengths (the mask rides in the S matmul). Half-padded sequences cost the same as full
-ones (only the 8-byte length reads and the skipped padding reads differ).
+DMA layout (the simulator's descriptor model, docs/simulator.md: every DMA pays 81.25 ns and
+every chunk -- a run contiguous in HBM and SBUF within one partition -- 256 bytes of transfer
+time). Tiles stay in their natural row order, which causal tile skipping at 128-row/128-key
+granularity needs, so a row of Q, dO, O, K, dQ, dK, dV is one chunk; what the kernel saves is
+instructions and the narrow chunks: Q, dO, O, LSE and dQ move runs of whole query tiles
+(``tiles.BWD_GROUP_BYTES`` per partition, 8 tiles for bf16 D = 128) in one DMA each, K, dK, dV
+a whole key tile; V, used only transposed, comes in wide rows (partition p holds keys
+``4p .. 4p + 3`` of a 512-key tile, one 1 KiB chunk; its transposes put the columns back in
+key order); LSE is one trn2 DMA transpose of its contiguous ``[tiles, 128]`` rows instead of
+4-byte elements; and up to four visits of a key tile share one dS DMA transpose
+(``tiles.BWD_DS_GROUP_BYTES``). At N = 4096, D = 128 on trn2 that took the causal backward from
+177.6 µs (DMA-bound: 352 loads/stores at 256 B or 4 B per chunk and 144 dS transposes) to
+147.6 µs (TensorE; DMA 146.6) and D = 64 from 166.2 to 139.9 (ScalarE); HBM bytes unchanged.
+
+With runtime lengths (``--variants lens=full lens=N/2 q_lens=N/2``, same N and D, trn2): 335
+µs non-causal (TensorE: the rank-1 key mask is a 6th pass) and 176 causal (TensorE; DMA 171),
+trn1 334 / 175 (TensorE); ``q_lens`` alone costs nothing on TensorE (DMA 151 causal, 1 row
+per gather); D = 64 within 2 % of no lengths on trn1, trn2 causal 160 (DMA) against 140. Rows
+and keys are gathered one per partition by design (each with its own index, padding skipped),
+so these keep the 256 B chunks. Half-padded sequences cost the same as full ones (only the
+8-byte length reads and the skipped padding reads differ).
 
 Limits. One pass holds ``tiles.bwd_slot_bytes`` per 128 query rows (bf16, D = 128: 1544 bytes
 per partition) next to a fixed working set, so it covers ``G * Nq`` up to
@@ -128,6 +144,8 @@ from nki_kernels.tiles import (
     BWD_DQ_ACCUMULATE_MODES,
     BWD_DS_TRANSPOSE,
     BWD_EXP_BIAS_NO_KEY,
+    BWD_DS_GROUP_BYTES,
+    BWD_GROUP_BYTES,
     BWD_LSE_NO_KEY,
     BWD_MASK_FILL,
     FWD_FOLD_SCALE_RANGE,
@@ -331,23 +349,63 @@ def _blocks_view(t, rows, nblocks):
     return t[ip, ib * PMAX + ik]
 
 
-def _load_query_rows(cfg, rt, q, do, o, lse, b, hh, qt, q_dst, q_load):
-    """do, o ``[rows, D]`` (input dtype) and lse ``[rows, 1]`` of query tile qt of head hh, and
-    q into ``q_dst`` (operand dtype). With ``q_lens`` they are gathered through column
-    ``qt.slot`` of ``q_load`` (:meth:`RuntimeMasks.index_table`): padding rows are never read
-    and stay 0 (lse: -inf)."""
-    D, rows, s = cfg.D, qt.rows, qt.slot
+def _row_view(t, b, hh, r0: int, n: int, width=None, rows: int = PMAX):
+    """HBM rows ``r0 + 128 j + p`` of ``t[b, hh]`` as ``[rows (p), n (j), width]`` (a 2-D
+    ``[rows, n]`` view for ``width=None``: lse): n query tiles in one DMA, each row in its
+    tile's natural place (partition p of slot j)."""
+    if width is None:
+        return t[b, hh, r0 + PMAX * nl.arange(n)[None, :] + nl.arange(rows)[:, None]]
+    ip = nl.arange(rows)[:, None, None]
+    ij = nl.arange(n)[None, :, None]
+    return t[b, hh, r0 + PMAX * ij + ip, nl.arange(width)[None, None, :]]
+
+
+def query_groups(qtiles, D: int, itemsize: int):
+    """Runs of at most ``tiles.BWD_GROUP_BYTES // (D * itemsize)`` consecutive whole
+    (128-row) query tiles of one head: each run is loaded (and dQ stored) by one DMA per tensor,
+    which saves the fixed cost per DMA (see ``BWD_GROUP_BYTES``). A partial tile is a run of
+    its own."""
+    cap = max(1, BWD_GROUP_BYTES // (D * itemsize))
+    groups = []
+    for qt in qtiles:
+        g = groups[-1] if groups else None
+        if (g and qt.rows == PMAX and g[-1].rows == PMAX and g[-1].h == qt.h
+                and g[-1].r0 + PMAX == qt.r0 and len(g) < cap):
+            g.append(qt)
+        else:
+            groups.append([qt])
+    return [tuple(g) for g in groups]
+
+
+def _load_query_rows(cfg, rt, q, do, o, lse, b, hh, group, q_nat, q_load, gen3):
+    """do, o ``[rows, n, D]`` (input dtype) and lse ``[rows, n]`` (fp32) of a run of n query
+    tiles of head hh (:func:`query_groups`), and q into ``q_nat`` (operand dtype).
+
+    Without ``q_lens`` each is one DMA of the run's rows (lse on trn2: a DMA transpose of its
+    ``[n, 128]`` rows, contiguous, instead of 4-byte elements). With ``q_lens`` (single tiles)
+    they are gathered through column ``slot`` of ``q_load`` (:meth:`RuntimeMasks.index_table`):
+    padding rows are never read and stay 0 (lse: -inf)."""
+    D, rows, n, s = cfg.D, group[0].rows, len(group), group[0].slot
     if q_load is None:
-        rsl = nl.ds(qt.r0, rows)
-        q_dst[...] = nl.load(q[b, hh, rsl, :], dtype=cfg.op_dtype)
-        return nl.load(do[b, hh, rsl, :]), nl.load(o[b, hh, rsl, :]), nl.load(lse[b, hh, rsl])
+        r0 = group[0].r0
+        q_nat[0:rows, s:s + n, :] = nl.load(_row_view(q, b, hh, r0, n, D, rows),
+                                             dtype=cfg.op_dtype)
+        do_in = nl.load(_row_view(do, b, hh, r0, n, D, rows))
+        o_in = nl.load(_row_view(o, b, hh, r0, n, D, rows))
+        if gen3:
+            ij = nl.arange(n)[:, None]
+            lse_t = nisa.dma_transpose(lse[b, hh, r0 + PMAX * ij + nl.arange(rows)[None, :]])
+        else:
+            lse_t = nl.load(_row_view(lse, b, hh, r0, n, rows=rows))
+        return do_in, o_in, lse_t
     n_rows = q.shape[0] * q.shape[1] * q.shape[2]
-    do_in = nisa.memset((rows, D), 0.0, dtype=do.dtype, engine=nisa.gpsimd_engine)
-    M.gather_rows(do_in, do.reshape((n_rows, D)), q_load, s, rows, D)
-    o_in = nisa.memset((rows, D), 0.0, dtype=o.dtype, engine=nisa.gpsimd_engine)
-    M.gather_rows(o_in, o.reshape((n_rows, D)), q_load, s, rows, D)
-    q_dst[...] = nisa.memset((rows, D), 0.0, dtype=cfg.op_dtype, engine=nisa.gpsimd_engine)
-    M.gather_rows(q_dst, q.reshape((n_rows, D)), q_load, s, rows, D)
+    do_in = nisa.memset((rows, 1, D), 0.0, dtype=do.dtype, engine=nisa.gpsimd_engine)
+    M.gather_rows(do_in[:, 0, :], do.reshape((n_rows, D)), q_load, s, rows, D)
+    o_in = nisa.memset((rows, 1, D), 0.0, dtype=o.dtype, engine=nisa.gpsimd_engine)
+    M.gather_rows(o_in[:, 0, :], o.reshape((n_rows, D)), q_load, s, rows, D)
+    q_nat[0:rows, s, :] = nisa.memset((rows, D), 0.0, dtype=cfg.op_dtype,
+                                      engine=nisa.gpsimd_engine)
+    M.gather_rows(q_nat[0:rows, s, :], q.reshape((n_rows, D)), q_load, s, rows, D)
     lse_t = nisa.memset((rows, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
     M.gather_rows(lse_t, lse.reshape((n_rows, 1)), q_load, s, rows, 1)
     return do_in, o_in, lse_t
@@ -372,34 +430,41 @@ def load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, d
     rotated).
     """
     op_dtype, tp_dtype = cfg.op_dtype, cfg.tp_dtype
+    gen3 = nisa.get_nc_version() >= nisa.nc_version.gen3
     q_load = q_store = None
     if rt is not None and rt.has_q:
         B, Hq, Nq, _ = q.shape
         rows_i, pos = M.position_table(query_runs(b, Hq, Nq, h0, qtiles), len(qtiles))
         q_load, q_store = rt.index_table(rows_i, pos, B * Hq * Nq, keys=False)
-    for qt in qtiles:
-        hh, rows, s = h0 + qt.h, qt.rows, qt.slot
-        do_in, o_in, lse_t = _load_query_rows(cfg, rt, q, do, o, lse, b, hh, qt,
-                                              q_nat[0:rows, s, :], q_load)
-        prod = nisa.tensor_tensor(do_in, o_in, np.multiply, dtype=nl.float32)
-        neg_delta[0:rows, s:s + 1] = nisa.tensor_reduce(np.add, prod, axis=(1,), negate=True,
-                                                        dtype=nl.float32, keepdims=True)
-        if do_in.dtype == op_dtype:
-            do_nat[0:rows, s, :] = do_in
-        else:
-            do_nat[0:rows, s, :] = nisa.tensor_copy(do_in, dtype=op_dtype)
-
+        groups = [(qt,) for qt in qtiles]
+    else:
+        groups = query_groups(qtiles, cfg.D, 4 if do.dtype == nl.float32 else 2)
+    for group in groups:
+        hh, rows, s0, n = h0 + group[0].h, group[0].rows, group[0].slot, len(group)
+        do_in, o_in, lse_t = _load_query_rows(cfg, rt, q, do, o, lse, b, hh, group, q_nat,
+                                              q_load, gen3)
         lse_floor = nisa.tensor_scalar(lse_t, np.maximum, BWD_LSE_NO_KEY, dtype=nl.float32)
         no_key = nisa.tensor_scalar(lse_t, np.less, BWD_LSE_NO_KEY, dtype=nl.float32)
-        exp_bias[0:rows, s:s + 1] = nisa.scalar_tensor_tensor(
+        exp_bias[0:rows, s0:s0 + n] = nisa.scalar_tensor_tensor(
             data=no_key, op0=np.multiply, operand0=BWD_EXP_BIAS_NO_KEY,
             op1=np.subtract, operand1=lse_floor, dtype=nl.float32)
-
-        for c, (d0, dsz) in enumerate(cfg.d_chunks):
-            cols = nl.ds(s * PMAX, rows)
-            _transpose_into(q_T[0:dsz, c, cols], q_nat[0:rows, s, d0:d0 + dsz], tp_dtype,
-                            scale=cfg.q_scale)
-            _transpose_into(do_T[0:dsz, c, cols], do_nat[0:rows, s, d0:d0 + dsz], tp_dtype)
+        for j, qt in enumerate(group):
+            s = qt.slot
+            prod = nisa.tensor_tensor(do_in[0:rows, j, :], o_in[0:rows, j, :], np.multiply,
+                                      dtype=nl.float32)
+            neg_delta[0:rows, s:s + 1] = nisa.tensor_reduce(np.add, prod, axis=(1,),
+                                                            negate=True, dtype=nl.float32,
+                                                            keepdims=True)
+            if do_in.dtype == op_dtype:
+                do_nat[0:rows, s, :] = do_in[0:rows, j, :]
+            else:
+                do_nat[0:rows, s, :] = nisa.tensor_copy(do_in[0:rows, j, :], dtype=op_dtype)
+            for c, (d0, dsz) in enumerate(cfg.d_chunks):
+                cols = nl.ds(s * PMAX, rows)
+                _transpose_into(q_T[0:dsz, c, cols], q_nat[0:rows, s, d0:d0 + dsz], tp_dtype,
+                                scale=cfg.q_scale)
+                _transpose_into(do_T[0:dsz, c, cols], do_nat[0:rows, s, d0:d0 + dsz],
+                                tp_dtype)
     if rt is not None and rt.mask_row is not None:
         n = len(qtiles) * PMAX
         neg = nisa.memset((1, n), FWD_MASK_NEG, dtype=op_dtype, engine=nisa.gpsimd_engine)
@@ -433,6 +498,26 @@ def load_kv_tile(cfg, k, v, b, g, kt, k_nat, k_T, v_T, k_load):
     if k_load is not None:
         n_rows = k.shape[0] * k.shape[1] * k.shape[2]
         k_rows, v_rows = k.reshape((n_rows, D)), v.reshape((n_rows, D))
+    nb = len(kt.blocks)
+    if k_load is None and kt.cols == nb * PMAX:
+        # One DMA per tensor for the whole key tile. K is needed in natural blocks (keys
+        # c0 + 128 bi + p on partition p of block bi: the moving operand of dQ), V only
+        # transposed, so V comes in wide rows -- partition p holds the nb consecutive keys
+        # c0 + nb p + j, one nb * D-element chunk -- and the copies out of PSUM put block j's
+        # column p back at key nb p + j of V^T.
+        k_nat[:, 0:nb, :] = nl.load(_row_view(k, b, g, kt.c0, nb, D), dtype=op_dtype)
+        ip = nl.arange(PMAX)[:, None, None]
+        ij = nl.arange(nb)[None, :, None]
+        v_wide = nl.load(v[b, g, kt.c0 + nb * ip + ij, nl.arange(D)[None, None, :]],
+                         dtype=op_dtype)
+        for bi in range(nb):
+            for c, (d0, dsz) in enumerate(cfg.d_chunks):
+                _transpose_into(k_T[0:dsz, c, nl.ds(bi * PMAX, PMAX)],
+                                k_nat[:, bi, d0:d0 + dsz], tp_dtype)
+                iv = nl.arange(dsz)[:, None]
+                _transpose_into(v_T[iv, c, bi + nb * nl.arange(PMAX)[None, :]],
+                                v_wide[:, bi, d0:d0 + dsz], tp_dtype)
+        return
     for bi, (off, n) in enumerate(kt.blocks):
         if k_load is not None:
             col = (kt.c0 + off) // PMAX
@@ -549,6 +634,61 @@ def accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype, ds_transpose,
         _accumulate(dq_psum, j == 0, nisa.nc_matmul(ds_T, k_nat[0:n, bi, :]))
 
 
+def visit_groups(cfg, spec, qtiles, kt):
+    """The visits of key tile kt, in query-tile order, as groups that share one dS DMA
+    transpose: consecutive visits of whole query tiles over the same whole 128-key blocks, at
+    most ``tiles.BWD_DS_GROUP_BYTES`` of dS per partition (4 visits of 512 keys in bf16), when
+    dS^T goes by DMA into the on-chip dQ. Every DMA pays a fixed cost (81.25 ns, a third of a
+    128 x 512 bf16 transpose), so this saves 3 of 4 on the visits off the causal diagonal. Any
+    other visit is a group of one."""
+    op_itemsize = 4 if cfg.op_dtype == nl.float32 else 2
+    groupable = ("dq" in cfg.grads and cfg.dq_accumulate == "sbuf" and cfg.ds_transpose == "dma")
+    groups = []
+    for qt in qtiles:
+        vis = plan_visit(spec, qt, kt)
+        if vis is None:
+            continue
+        ok = (groupable and qt.rows == PMAX
+              and all(kt.blocks[bi][1] == PMAX for bi in range(vis.b_lo, vis.b_hi)))
+        last = groups[-1] if groups else None
+        if (ok and last is not None and last[0] is not None
+                and last[0][-1][1:] == vis[1:] and last[0][-1].qt.slot + 1 == qt.slot
+                and (len(last[0]) + 1) * vis.w * op_itemsize <= BWD_DS_GROUP_BYTES):
+            last[0].append(vis)
+        else:
+            groups.append(([vis] if ok else None, vis))
+    return [tuple(g) if g is not None else (v,) for g, v in groups]
+
+
+def grouped_visits(cfg, spec, rt, group, kt, key_row, q_T, k_T, do_T, v_T, q_nat, do_nat,
+                   k_nat, neg_delta, exp_bias, dv_psum, dk_psum, dq_acc):
+    """The visits of a :func:`visit_groups` group (same keys, consecutive whole query tiles):
+    each computes P and dS and accumulates dV, dK as alone, with its dS written into one
+    ``[128, n w]`` buffer; then one DMA transpose gives every dS^T block of the group
+    ``[128 keys, n * blocks, 128 rows]``, and each visit adds its ``dS K`` into dQ."""
+    v0 = group[0]
+    n, w, nb = len(group), v0.w, v0.b_hi - v0.b_lo
+    op_dtype, D = cfg.op_dtype, cfg.D
+    ds_buf = nl.ndarray((PMAX, n * w), dtype=op_dtype, buffer=nl.sbuf)
+    for m, vis in enumerate(group):
+        p = recompute_p(cfg, spec, rt, vis, kt, key_row, q_T, k_T, exp_bias)
+        ds_buf[:, nl.ds(m * w, w)] = softmax_backward(vis, cfg.d_chunks, do_T, v_T, neg_delta,
+                                                      p, op_dtype)
+        if "dk" in cfg.grads:
+            accumulate_dv_dk(vis, kt, p, ds_buf[:, nl.ds(m * w, w)], q_nat, do_nat, dv_psum,
+                             dk_psum, D)
+    ds_T = nl.ndarray((PMAX, n * nb, PMAX), dtype=op_dtype, buffer=nl.sbuf)
+    ds_T[...] = nisa.dma_transpose(_blocks_view(ds_buf, PMAX, n * nb))
+    for m, vis in enumerate(group):
+        s = vis.qt.slot
+        dq_psum = nl.ndarray((PMAX, D), dtype=nl.float32, buffer=nl.psum)
+        for j in range(nb):
+            _accumulate(dq_psum, j == 0, nisa.nc_matmul(ds_T[:, m * nb + j, :],
+                                                        k_nat[:, v0.b_lo + j, :]))
+        dq_acc[:, s, :] = nisa.tensor_tensor(dq_acc[:, s, :], dq_psum, np.add,
+                                             dtype=nl.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # Phase 4: write-out
 # ---------------------------------------------------------------------------------------------
@@ -562,6 +702,16 @@ def write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, scale, out_dtype, scratch
     With several passes the partial sums go through fp32 ``scratch = (dk_acc, dv_acc)`` in HBM
     (in the kernel's key order): the first pass writes them, later passes add theirs, the last
     one writes the outputs."""
+    nb = len(kt.blocks)
+    if first and last and k_store is None and kt.cols == nb * PMAX:
+        # one copy out of PSUM and one DMA per tensor for the whole key tile
+        for out, psum, factor in ((dk, dk_psum, scale), (dv, dv_psum, 1.0)):
+            tile = nl.ndarray((PMAX, nb, D), dtype=out_dtype, buffer=nl.sbuf)
+            ip = nl.arange(PMAX)[:, None, None]
+            acc = D * nl.arange(nb)[None, :, None] + nl.arange(D)[None, None, :]
+            tile[...] = nisa.activation(nl.copy, psum[ip, acc], scale=factor, dtype=out_dtype)
+            nl.store(_row_view(out, b, g, kt.c0, nb, D), value=tile)
+        return
     for bi, (off, n) in enumerate(kt.blocks):
         ksl = nl.ds(kt.c0 + off, n)
         acc = nl.ds(bi * D, D)
@@ -585,10 +735,19 @@ def write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, scale, out_dtype, scratch
 def write_dq(dq, b, h0, qtiles, dq_acc, scale, out_dtype, q_store):
     """Store ``dQ_i = scale * dq_acc_i`` for every query tile of a pass (to the HBM rows
     ``q_store`` when the rows are rotated)."""
-    for qt in qtiles:
-        tile = nisa.activation(nl.copy, dq_acc[0:qt.rows, qt.slot, :], scale=scale,
-                               dtype=out_dtype)
-        M.store_rows(dq, b, h0 + qt.h, qt.r0, qt.rows, tile, q_store, qt.slot)
+    if q_store is not None:
+        for qt in qtiles:
+            tile = nisa.activation(nl.copy, dq_acc[0:qt.rows, qt.slot, :], scale=scale,
+                                   dtype=out_dtype)
+            M.store_rows(dq, b, h0 + qt.h, qt.r0, qt.rows, tile, q_store, qt.slot)
+        return
+    D = dq_acc.shape[2]
+    for group in query_groups(qtiles, D, 4 if out_dtype == nl.float32 else 2):
+        rows, s0, n = group[0].rows, group[0].slot, len(group)
+        tile = nl.ndarray((rows, n, D), dtype=out_dtype, buffer=nl.sbuf)
+        tile[...] = nisa.activation(nl.copy, dq_acc[0:rows, s0:s0 + n, :], scale=scale,
+                                    dtype=out_dtype)
+        nl.store(_row_view(dq, b, h0 + group[0].h, group[0].r0, n, D, rows), value=tile)
 
 
 def zero_dq_scratch(dq_scratch, qtiles, D):
@@ -665,9 +824,9 @@ def backward_program(cfg, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scrat
         exp_bias = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
         q_store = load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat,
                                   do_T, neg_delta, exp_bias)
-        if cfg.dq_accumulate == "sbuf":
-            dq_acc = nl.zeros((PMAX, n_slots, D), dtype=nl.float32, buffer=nl.sbuf)
-        else:
+        dq_acc = (nl.zeros((PMAX, n_slots, D), dtype=nl.float32, buffer=nl.sbuf)
+                  if cfg.dq_accumulate == "sbuf" else None)
+        if cfg.dq_accumulate != "sbuf":
             zero_dq_scratch(dq_scratch, qtiles, D)
 
         for kt in ktiles:
@@ -683,10 +842,13 @@ def backward_program(cfg, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scrat
             dk_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
             dv_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
 
-            for qt in qtiles:
-                vis = plan_visit(spec, qt, kt)
-                if vis is None:
+            for group in visit_groups(cfg, spec, qtiles, kt):
+                if len(group) > 1:
+                    grouped_visits(cfg, spec, rt, group, kt, key_row, q_T, k_T, do_T, v_T,
+                                   q_nat, do_nat, k_nat, neg_delta, exp_bias, dv_psum,
+                                   dk_psum, dq_acc)
                     continue
+                vis, qt = group[0], group[0].qt
                 p = recompute_p(cfg, spec, rt, vis, kt, key_row, q_T, k_T, exp_bias)
                 ds = softmax_backward(vis, d_chunks, do_T, v_T, neg_delta, p, op_dtype)
                 if "dk" in cfg.grads:

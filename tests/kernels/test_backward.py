@@ -418,3 +418,33 @@ def test_io_bytes_with_lengths():
                                  length_arrays=2)
         read, written = read + r, written + w
     assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
+
+
+@needs_measure
+@pytest.mark.parametrize("target", ["trn1", "trn2"])
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_dma_chunks_of_the_fast_path(target, causal):
+    """Without lengths, whole tiles move in few DMAs: Q, dO, O, dQ 8 query tiles per DMA (one row
+    = one 256 B chunk per partition and tile), K, dK, dV a whole 512-key tile per DMA, V in wide
+    rows (4 consecutive keys = one 1 KiB chunk per partition), LSE on trn2 by one DMA transpose
+    per run of tiles (no 4-byte chunks), and dS^T of 4 visits per DMA transpose. The HBM bytes
+    stay the minimum; the gradients pass the tolerance rule."""
+    import simulate
+    B, Hq, Hkv, N, D = 1, 2, 1, 1024, 128
+    G = Hq // Hkv
+    q, k, v, do, o, lse = make_inputs(B, Hq, Hkv, N, N, D, BF16, 43, causal=causal)
+    with simulate.measure(target=target) as m:
+        got = run_kernel(q, k, v, do, o, lse, causal=causal)
+    check_grads(got, q, k, v, do, causal=causal)
+    assert (m.hbm_bytes_read, m.hbm_bytes_written) == backward_io_bytes(B, Hq, Hkv, N, N, D, 2)
+    row_chunks = (3 * G + 1) * N + G * N + 2 * N    # q, do, o, k in; dq, dk, dv out: 256 B
+    v_chunks = N // 4                               # 1 KiB
+    lse_chunks = G * N if target == "trn1" else 0   # 4 B elements on trn1
+    assert m.dma_chunks == row_chunks + v_chunks + lse_chunks
+    if target == "trn2":
+        # (before: 13 N chunks, 256 B on average (LSE by elements), 356 DMAs)
+        assert m.dma_average_chunk_bytes == pytest.approx(12 * N * 256 / (11.25 * N))
+        if causal is None:
+            # per head 3 loads, 1 LSE transpose, 1 dQ store; per key tile K, V, dK, dV and 4
+            # dS^T transposes (16 visits of 512 keys)
+            assert m.dma_transfers == G * 5 + (N // 512) * (4 + 4)
