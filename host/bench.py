@@ -218,14 +218,6 @@ def flash_lower_bound(N: int, d: int, itemsize: int) -> int:
     return reference.io_lower_bound_bytes(1, 1, 1, N, N, d, itemsize)
 
 
-def flash_theorem2(N: int, d: int, itemsize: int, sbuf_bytes: int) -> float:
-    """Theorem 2 of the paper with constant 1: ``s (2 N d + 2 N^2 d^2 / M)`` bytes, M the on-chip
-    memory in elements (``sbuf_bytes`` per partition x 128 partitions / itemsize): Q and O once,
-    K and V once per ``M / d`` query rows."""
-    m_elems = sbuf_bytes * T.PMAX / itemsize
-    return itemsize * (2 * N * d + 2 * N * N * d * d / m_elems)
-
-
 # --------------------------------------------------------------------------------------------
 # the studies
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ DMA                        (bytes + 256 B x chunks) / DMA bandwidth + 81.25 ns p
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 from . import _hw
@@ -191,4 +190,4 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
-__all__ = ["LaunchRecord", "matmul_cycles", "act_cycles", "ii", "math"]
+__all__ = ["LaunchRecord", "matmul_cycles", "act_cycles", "ii"]

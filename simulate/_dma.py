@@ -160,7 +160,7 @@ def to_shape(lay, vshape, dshape):
     if tuple(vs[1:]) == tuple(ds[1:]):
         return lay
     off = _as_offsets(lay, _free(vs)).reshape((1,) + tuple(vs[1:]))
-    mapped = fit_value(off, (1,) + tuple(vs[1:]), (1,) + tuple(ds[1:]), "dst")
+    mapped = fit_value(off, (1,) + tuple(vs[1:]), (1,) + tuple(ds[1:]))
     return ("offs", np.ascontiguousarray(mapped).reshape(-1))
 
 

@@ -178,11 +178,6 @@ U32 = _INFO[uint32]
 BOOL = _INFO[bool_]
 
 
-def to_backing(values, di: DInfo):
-    """Convert an array (any numeric dtype) to di's backing dtype with rounding."""
-    return di.round(np.asarray(values))
-
-
 # ---- promotion (spec §11.2) -----------------------------------------------------------------
 _FLOAT_BY_RANK = {5: float32, 4: tfloat32}
 

@@ -452,7 +452,7 @@ _RED_IDENT = {"sum": 0.0, "max": -np.inf, "min": np.inf, "prod": 1.0}
 
 
 def reduce(api, kind, x, axis, dtype=None, mask=None, keepdims=False, negate=False,
-           charge=True, cost_op_addmax=None, ctx=None):
+           charge=True, ctx=None):
     """Free-axis reduction. ``kind``: sum/max/min/prod/mean/var/all or an Op (isa)."""
     if ctx is None:
         ctx = enter()

@@ -645,14 +645,6 @@ def _fancy(t, base, key, shape, dyn, oob, pax, p0, pst):
     return r
 
 
-def _entry_shape(k):
-    if isinstance(k, (IndexExpr, DynExpr)):
-        return k.shape
-    if isinstance(k, Tensor):
-        return k.shape
-    return ()
-
-
 def _index_advanced(t, key):
     v = t._v
     shape = v.shape
@@ -763,13 +755,13 @@ def _index_advanced(t, key):
         E = len(extra)
         for j, n in enumerate(extra):
             keyl.append(np.arange(n, dtype=np.int64).reshape((n,) + (1,) * (E - j - 1)))
-        keyl = [_pad_left(k, R, E) if isinstance(k, np.ndarray) and i < len(key) else k
+        keyl = [_pad_left(k, E) if isinstance(k, np.ndarray) and i < len(key) else k
                 for i, k in enumerate(keyl)]
     return _fancy(t, v, tuple(keyl), tuple(rshape) + tuple(extra), tuple(dyn) or None, oob,
                   new_pax, p0, pst)
 
 
-def _pad_left(a, R, E):
+def _pad_left(a, E):
     # index arrays of the leading entries get E trailing unit dims
     return a.reshape(a.shape + (1,) * E) if a.ndim else a
 
@@ -958,7 +950,7 @@ def make_result(ctx, arr, di, mask=None, tag=None, buffer=SBUF, api="", rounded=
     return t
 
 
-def fit_value(vals, vshape, dshape, dst_name, src_desc="b"):
+def fit_value(vals, vshape, dshape, src_desc="b"):
     """Broadcast a value of shape vshape to the destination shape (partition-aligned right
     padding for rank-deficient values); raises err_store_dst_shape_smaller_than_other_shape."""
     if vshape == dshape:
@@ -1078,7 +1070,7 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
 
     dshape = dst.shape
     if vshape != dshape:
-        vals = fit_value(vals, vshape, dshape, st.name)
+        vals = fit_value(vals, vshape, dshape)
         vmask = fit_mask(vmask, vshape, dshape)
     m = combine_masks(vmask, mask)
     if m is False:

@@ -154,7 +154,7 @@ def _not_both_psum(api, a, b, an, bn):
                         f"operands '{an}' and '{bn}' of '{api}' cannot both be in 'psum'")
 
 
-def _accum_write(ctx, reg, P, vals, cmd, op_fn, ident):
+def _accum_write(reg, P, vals, cmd, op_fn, ident):
     """ScalarE/VectorE accumulation registers (spec §9.3 / §9.20)."""
     cmd = reduce_cmd(int(cmd))
     r = reg[:P]
@@ -432,7 +432,7 @@ def _activation(api, op, data, bias, scale, reduce_op, reduce_res, cmd, mask, dt
             red_src = np.full((P, 1), ident, np.float32)
         red = _ACT_REDUCE[rname].reduce(red_src, axis=1).astype(np.float32)
         eff = reduce_cmd.reset_reduce if int(cmd) == 0 else cmd
-        _accum_write(ctx, ctx.act_acc, P, red, eff, _ACT_REDUCE[rname], ident)
+        _accum_write(ctx.act_acc, P, red, eff, _ACT_REDUCE[rname], ident)
         _write_reg(ctx, reduce_res, ctx.act_acc, P, api)
     elif int(cmd) == int(reduce_cmd.reset):
         ctx.act_acc[:P] = 0
@@ -731,7 +731,7 @@ def tensor_copy_dynamic_dst(*, dst, src, mask=None, dtype=None, engine=None, **k
         raise nki_error("err_unsupported_memory", "type",
                         f"Expected operand 'dst' of '{api}' to be in address space 'psum|sbuf', "
                         "but got a tile in 'hbm' instead.")
-    vals = fit_value(a, src.shape, dst.shape, dst._st.name, "src")
+    vals = fit_value(a, src.shape, dst.shape, "src")
     ddi = dst._st.di
     m = eval_mask(mask, dst.shape)
     if m is not False:
@@ -908,7 +908,7 @@ def range_select(*, on_true_tile, comp_op0, comp_op1, bound0, bound1,
             raise nki_error("err_instruction_unsupported_op", "syntax",
                             f"{rname} is not supported in '{api}' ('reduce_op')")
         red = res.max(axis=1)
-        _accum_write(ctx, ctx.vec_acc, P, red, reduce_cmd, np.maximum, -np.inf)
+        _accum_write(ctx.vec_acc, P, red, reduce_cmd, np.maximum, -np.inf)
         _write_reg(ctx, reduce_res, ctx.vec_acc, P, api)
     ctx.rec.add("vector", _cost.ii(A.shape[1]))
     return make_result(ctx, res.reshape(on_true_tile.shape), _ops.out_info(dtype, di), m,
@@ -952,7 +952,7 @@ def select_reduce(*, dst, predicate, on_true, on_false, reduce_res=None,
             raise nki_error("err_instruction_unsupported_op", "syntax",
                             f"{rname} is not supported in '{api}' ('reduce_op')")
         red = res.reshape(P, -1).max(axis=1)
-        _accum_write(ctx, ctx.vec_acc, P, red, reduce_cmd, np.maximum, -np.inf)
+        _accum_write(ctx.vec_acc, P, red, reduce_cmd, np.maximum, -np.inf)
         _write_reg(ctx, reduce_res, ctx.vec_acc, P, api)
     ctx.rec.add("vector", _cost.ii(_free(dst.shape)))
     return None
@@ -1294,7 +1294,7 @@ def dma_copy(*, dst, src, mask=None, dst_rmw_op=None, oob_mode=oob_mode.error,
             vals = np.zeros(sshape, src._base.dtype)
             vals[valid_src] = src._base[tuple(k[valid_src] for k in bk)]
     if sshape != dst.shape:
-        vals = fit_value(vals, sshape, dst.shape, dstt.name, "src")
+        vals = fit_value(vals, sshape, dst.shape, "src")
         if valid_src is not None:
             valid_src = _tensor.fit_mask(valid_src, sshape, dst.shape)
     wmask = _tensor.combine_masks(m, valid_src)

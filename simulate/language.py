@@ -514,7 +514,7 @@ def store(dst, value, *, mask=None, **kwargs):
     # compute/load result are garbage (NaN) in the tile and a store without a mask writes them.
     m = eval_mask(mask, dshape)
     if vshape != dshape:
-        vals = fit_value(vals, vshape, dshape, st.name, "value")
+        vals = fit_value(vals, vshape, dshape, "value")
     ddi = st.di
     if ddi is not vdi and not (ddi is F32 and vdi.is_float):
         vals = ddi.round(np.asarray(vals))
@@ -597,7 +597,7 @@ def atomic_rmw(dst, value, op, *, mask=None, **kwargs):
     _store_check_param(ctx, st)
     vals, vdi = tile_operand(value, "atomic_rmw", "value")
     dshape = dst.shape
-    vals = fit_value(vals, value.shape, dshape, st.name, "value")
+    vals = fit_value(vals, value.shape, dshape, "value")
     m = eval_mask(mask, dshape)
     if m is False:
         return None
