@@ -13,7 +13,7 @@ from host._launch import launch
 from nki_kernels import tiles
 
 # ============================================================================================
-# Fused kernels and the unfused attention baseline (issue #6)
+# Fused kernels and the unfused attention baseline
 # ============================================================================================
 
 #: ``algorithm`` values of :func:`online_softmax`.
@@ -210,7 +210,7 @@ def attention_unfused(q, k, v, *, scale=None, causal=False,
 
 
 # ============================================================================================
-# Flash attention forward (issue #3)
+# Flash attention forward
 # ============================================================================================
 
 
@@ -324,7 +324,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
 
 
 # ============================================================================================
-# Decode: split-KV flash decoding over a KV cache (issue #5)
+# Decode: split-KV flash decoding over a KV cache
 # ============================================================================================
 
 #: Largest ``B * Hkv * S_max`` the decode kernels address: their int32 row indices push skipped
@@ -542,7 +542,7 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
 
 
 # ============================================================================================
-# Flash attention backward (issue #4)
+# Flash attention backward
 # ============================================================================================
 
 
