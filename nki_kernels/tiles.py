@@ -10,8 +10,9 @@ reference/hardware-and-limits.md §3.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 # ============================================================================================
 # Shared hardware limits (both generations; nl.tile_size)
@@ -28,6 +29,9 @@ GEMM_STATIONARY_FMAX = 128
 GEMM_MOVING_FMAX = 512
 #: PSUM banks per partition.
 PSUM_BANKS = 8
+#: The most negative finite fp32 (``nl.fp32.min``): a fill whose exp is exactly 0 for any finite
+#: shift and that stays finite through fp32 arithmetic.
+FP32_MIN = -3.4028234663852886e38
 #: SBUF bytes per partition a kernel may use, per target: capacity minus the 16 KiB the compiler
 #: reserves (trn1 192 KiB, trn2 224 KiB).
 SBUF_USABLE_BYTES = {"trn1": 192 * 1024 - 16 * 1024, "trn2": 224 * 1024 - 16 * 1024}
@@ -107,7 +111,7 @@ SOFTMAX_MAX_CHUNK = 8192
 SOFTMAX_RESIDENT_BYTES = 96 * 1024
 #: Lower clamp of the running row max: keeps exp(x - m) finite (no -inf - -inf) for rows that
 #: are entirely -inf. Any finite fp32 below every real score works; this is nl.fp32.min.
-SOFTMAX_M_FLOOR = -3.4028234663852886e38
+SOFTMAX_M_FLOOR = FP32_MIN
 #: A row whose max is below this had no visible entry (masked with fp32.min or -inf); the
 #: attention softmax writes zeros for it.
 SOFTMAX_MASKED_ROW_MAX = -1.0e38
@@ -179,7 +183,7 @@ def unfused_attention_blocks(Nk: int, D: int, mm_itemsize: int, *,
 
 #: Fill value of masked (causal / window) scaled scores before the exp: nl.fp32.min, whose exp
 #: is exactly 0 for any finite LSE.
-BWD_MASK_FILL = -3.4028234663852886e38
+BWD_MASK_FILL = FP32_MIN
 #: An LSE below this marks a row with no visible key (the forward writes -inf there).
 BWD_LSE_NO_KEY = -1.0e30
 #: Exp bias of such a row is ``BWD_EXP_BIAS_NO_KEY - BWD_LSE_NO_KEY = -1e30`` (instead of
@@ -617,8 +621,6 @@ def fwd_itemsize(dtype_name: str) -> int:
 # and ``pack`` copies of a row tile share the 128 partitions of the score tile, each copy
 # scoring a different subset of the split's keys.
 
-import math as _math  # noqa: E402 (this section is self-contained)
-from typing import NamedTuple as _NamedTuple  # noqa: E402
 
 #: Largest key row n. n positions of D=128 bf16 are ``256 n`` bytes per partition per DMA; 32
 #: gives 8 KiB, above the 4 KiB at which DMA reaches full rate (hardware-and-limits.md §3). n is
@@ -653,7 +655,7 @@ DECODE_SCORE_PASSES = 3
 DECODE_MERGE_ROWS = PMAX
 #: Lower clamp of the merge's max LSE: a finite shift (nl.fp32.min) even for a row whose every
 #: partial is empty, so exp(-inf - shift) = 0 instead of NaN.
-DECODE_MERGE_M_FLOOR = -3.4028234663852886e38
+DECODE_MERGE_M_FLOOR = FP32_MIN
 #: Lower clamp of the merge's weight sum before 1/sum (0 * 1/floor stays 0).
 DECODE_MERGE_L_FLOOR = 1.0e-30
 #: Smallest page of a paged KV cache (``block_table``). Pages are powers of two: the key row
@@ -664,7 +666,7 @@ DECODE_MERGE_L_FLOOR = 1.0e-30
 DECODE_PAGE_SIZE_MIN = 16
 
 
-class DecodeTiles(_NamedTuple):
+class DecodeTiles(NamedTuple):
     """Compile-time tiling of one decode call (``decode_tiles``)."""
 
     key_row: int          #: n, consecutive positions per partition per K/V DMA (divides S_max)
@@ -721,10 +723,10 @@ def decode_pack(rows: int, key_row: int, split_rows: int) -> int:
     least = 1
     while least < max_pack and key_row // least * split_rows > DECODE_SCORE_COLS:
         least *= 2
-    ideal = _math.sqrt(DECODE_SCORE_PASSES * key_row * split_rows / PMAX)
+    ideal = math.sqrt(DECODE_SCORE_PASSES * key_row * split_rows / PMAX)
     pack = 1
-    while pack * 2 <= max_pack and abs(_math.log2(pack * 2 / ideal)) < abs(
-            _math.log2(pack / ideal)):
+    while pack * 2 <= max_pack and abs(math.log2(pack * 2 / ideal)) < abs(
+            math.log2(pack / ideal)):
         pack *= 2
     return max(least, pack)
 
