@@ -16,8 +16,9 @@ Notation (all functions):
   ``o = P @ v``; ``lse = log(sum_j exp(S_ij) over visible j)`` (natural log).
 - A row with no visible key has ``P = 0``, ``o = 0`` and ``lse = -inf`` (never NaN, no warning).
 
-Also here: the LSE merge of split results, GELU(x @ w + b), softmax, the error/tolerance helpers
-of the tests and the HBM IO-count formulas used by tests and the CLI.
+Also here: the LSE merge of split results, GELU(x @ w + b), softmax, the paged-cache conversions
+(:func:`paged_to_contiguous`, :func:`contiguous_to_paged`), the error/tolerance helpers of the
+tests and the HBM IO-count formulas used by tests and the CLI.
 """
 from __future__ import annotations
 
