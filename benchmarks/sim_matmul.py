@@ -66,6 +66,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--transpose-on-load", action="store_true")
     args = ap.parse_args()
+    if args.size < TILE_N or args.size % TILE_N:
+        ap.error(f"--size: expected a multiple of the {TILE_N}-column output tile "
+                 f"({TILE_N}, {2 * TILE_N}, ...), got {args.size}")
     n = args.size
     rng = np.random.default_rng(0)
     a32 = rng.standard_normal((n, n), dtype=np.float32)

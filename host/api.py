@@ -327,9 +327,8 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
 # Decode: split-KV flash decoding over a KV cache
 # ============================================================================================
 
-#: Largest ``B * Hkv * S_max`` the decode kernels address: their int32 row indices push skipped
-#: rows out of bounds by adding a power of two above the cache size (and must stay < 2^31).
-DECODE_MAX_CACHE_POSITIONS = 1 << 29
+#: Re-exported from the decode tiles (the kernels' int32 addressing limit).
+DECODE_MAX_CACHE_POSITIONS = tiles.DECODE_MAX_CACHE_POSITIONS
 
 
 def _check_decode_call(q, k_cache, v_cache, cache_lens, scale, tree_mask, num_splits,

@@ -621,6 +621,9 @@ def fwd_itemsize(dtype_name: str) -> int:
 # and ``pack`` copies of a row tile share the 128 partitions of the score tile, each copy
 # scoring a different subset of the split's keys.
 
+#: Largest ``B * Hkv * S_max`` the decode kernels address: their int32 row indices push skipped
+#: rows out of bounds by adding a power of two above the cache size (and must stay < 2^31).
+DECODE_MAX_CACHE_POSITIONS = 1 << 29
 
 #: Largest key row n. n positions of D=128 bf16 are ``256 n`` bytes per partition per DMA; 32
 #: gives 8 KiB, above the 4 KiB at which DMA reaches full rate (hardware-and-limits.md §3). n is
