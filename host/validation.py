@@ -314,6 +314,22 @@ def _check_dims_positive(name: str, shape, labels: Sequence[str]) -> None:
             raise ValueError(f"{name}: {label} must be >= 1, got {size} (shape {shape})")
 
 
+def _check_kv_against_q(names, layout, length_label, qs, ks, vs, *, v_suffix=""):
+    """K and V (named ``names``) agree with q's batch and head dim, with each other, and with
+    the grouped-query rule; ``layout`` and ``length_label`` describe K in messages."""
+    k_name, v_name = names
+    B, D = qs[0], qs[3]
+    if ks[0] != B or ks[3] != D:
+        raise ValueError(
+            f"{k_name}: expected shape {layout} with B={B} and D={D} matching q, got {ks}"
+        )
+    _check_dims_positive(k_name, ks, ("batch size B", "kv heads Hkv", length_label))
+    if vs != ks:
+        raise ValueError(
+            f"{v_name}: expected the same shape as {k_name} {ks}{v_suffix}, got {vs}")
+    _check_gqa(k_name, qs, ks)
+
+
 def _check_gqa(kv_name: str, qs, ks) -> None:
     Hq, Hkv = qs[1], ks[1]
     if Hq % Hkv:
@@ -384,15 +400,9 @@ def check_attention_inputs(q, k, v, *, dtypes: Optional[Sequence] = FLOAT_DTYPES
     B, Hq, Nq, D = qs
     _check_dims_positive("q", qs, ("batch size B", "query heads Hq", "query length Nq"))
     _check_head_dim("q", qs, D, max_head_dim)
-    if ks[0] != B or ks[3] != D:
-        raise ValueError(
-            f"k: expected shape (B, Hkv, Nk, D) with B={B} and D={D} matching q, got {ks}"
-        )
-    _check_dims_positive("k", ks, ("batch size B", "kv heads Hkv", "key length Nk"))
-    if vs != ks:
-        raise ValueError(f"v: expected the same shape as k {ks} (B, Hkv, Nk, D), got {vs}")
+    _check_kv_against_q(("k", "v"), "(B, Hkv, Nk, D)", "key length Nk", qs, ks, vs,
+                        v_suffix=" (B, Hkv, Nk, D)")
     Hkv, Nk = ks[1], ks[2]
-    _check_gqa("k", qs, ks)
     if same_dtype:
         _check_same_dtypes(q, k=k, v=v)
     return AttentionShape(B, Hq, Hkv, Nq, Nk, D)
@@ -645,15 +655,9 @@ def check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask=None, *,
     _check_dims_positive("q", qs, ("batch size B", "query heads Hq"))
     _check_new_tokens(qs, max_new_tokens)
     _check_head_dim("q", qs, D, max_head_dim)
-    if ks[0] != B or ks[3] != D:
-        raise ValueError(
-            f"k_cache: expected shape (B, Hkv, S_max, D) with B={B} and D={D} matching q, got {ks}"
-        )
-    _check_dims_positive("k_cache", ks, ("batch size B", "kv heads Hkv", "cache size S_max"))
-    if vs != ks:
-        raise ValueError(f"v_cache: expected the same shape as k_cache {ks}, got {vs}")
+    _check_kv_against_q(("k_cache", "v_cache"), "(B, Hkv, S_max, D)", "cache size S_max",
+                        qs, ks, vs)
     Hkv, S_max = ks[1], ks[2]
-    _check_gqa("k_cache", qs, ks)
     if same_dtype:
         _check_same_dtypes(q, k_cache=k_cache, v_cache=v_cache)
     lens = _check_cache_lens(cache_lens, B, T, S_max, "S_max")
