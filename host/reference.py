@@ -27,6 +27,7 @@ from typing import Tuple
 
 import numpy as np
 
+from host import block_sparse as _bs
 from host.validation import (
     CAUSAL_TOP_LEFT,
     FLOAT_DTYPES,
@@ -39,6 +40,7 @@ from host.validation import (
     check_attention_backward_inputs,
     check_attention_inputs,
     check_decode_inputs,
+    check_dropout,
     check_int,
     check_lengths,
     check_linear_gelu_inputs,
@@ -236,11 +238,42 @@ def _masked_softmax(s: np.ndarray, mask: np.ndarray) -> Tuple[np.ndarray, np.nda
     return p, lse
 
 
-def _prefill_masks(dims, causal, window, q_lens, kv_lens) -> np.ndarray:
-    """(B, 1, Nq, Nk) visibility mask for a validated attention call."""
+def _prefill_masks(dims, causal, window, q_lens, kv_lens, block_mask=None) -> np.ndarray:
+    """(B, 1 or Hq, Nq, Nk) visibility mask for a validated attention call; a block-sparse
+    pattern (see :mod:`host.block_sparse`) removes the keys of its inactive blocks."""
     mask = attention_mask(dims.Nq, dims.Nk, batch=dims.B, causal=causal, window=window,
-                          q_lens=q_lens, kv_lens=kv_lens)
-    return mask[:, None]
+                          q_lens=q_lens, kv_lens=kv_lens)[:, None]
+    sparsity = _bs.check_block_mask(block_mask, dims.B, dims.Hq, dims.Nq, dims.Nk)
+    if sparsity is not None:
+        mask = mask & _bs.expand(sparsity.dense, dims.Nq, dims.Nk)
+    return mask
+
+
+def _dropout_factor(dims, dropout_p, dropout_mask):
+    """``Z / (1 - p)`` as float64 ``(B, Hq, Nq, Nk)`` (Z = the keep mask), or None without
+    dropout.
+
+    The references take the keep mask the kernel used (its debug output): the hardware's
+    generator is not reproduced here, only its effect.
+    """
+    p, _ = check_dropout(dropout_p, 0)  # the reference needs no seed: it takes the mask
+    if dropout_mask is None:
+        if p > 0.0:
+            raise ValueError(
+                f"dropout_mask: required when dropout_p > 0 (got dropout_p={p}): the reference "
+                "applies exactly the keep mask the kernel used"
+            )
+        return None
+    want = (dims.B, dims.Hq, dims.Nq, dims.Nk)
+    check_array("dropout_mask", dropout_mask, ndim=4, dtypes=(np.dtype(bool),),
+                layout="(B, Hq, Nq, Nk)")
+    if tuple(dropout_mask.shape) != want:
+        raise ValueError(
+            f"dropout_mask: expected shape (B, Hq, Nq, Nk) = {want}, got "
+            f"{tuple(dropout_mask.shape)}"
+        )
+    keep = np.asarray(_f64(dropout_mask))
+    return keep / (1.0 - p)
 
 
 def _scores(q: np.ndarray, k_exp: np.ndarray, scale: float) -> np.ndarray:
@@ -248,7 +281,8 @@ def _scores(q: np.ndarray, k_exp: np.ndarray, scale: float) -> np.ndarray:
 
 
 def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=None,
-                      kv_lens=None) -> Tuple[np.ndarray, np.ndarray]:
+                      kv_lens=None, block_mask=None, dropout_p=0.0,
+                      dropout_mask=None) -> Tuple[np.ndarray, np.ndarray]:
     """Exact attention forward in float64.
 
     Parameters
@@ -260,6 +294,15 @@ def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=N
         Default ``1 / sqrt(D)``.
     causal, window, q_lens, kv_lens :
         As in :func:`attention_mask`.
+    block_mask : optional
+        A block-sparse pattern (:func:`host.block_sparse.check_block_mask`): keys of inactive
+        128 x 128 blocks are not visible.
+    dropout_p : float in [0, 1)
+        Dropout probability; with ``dropout_p > 0`` (or a mask given) ``o`` uses the dropped
+        probabilities ``P * Z / (1 - p)`` while ``lse`` stays that of the undropped softmax
+        (FlashAttention appendix, Algorithm 2).
+    dropout_mask : bool array (B, Hq, Nq, Nk), optional
+        The keep mask Z (True = kept); required when ``dropout_p > 0``.
 
     Returns
     -------
@@ -272,20 +315,27 @@ def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=N
     dims = check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES, same_dtype=False,
                                   max_head_dim=None)
     scale = check_scale(scale, dims.D)
-    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens)
+    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens, block_mask)
+    drop = _dropout_factor(dims, dropout_p, dropout_mask)
     q64, k64, v64 = _f64(q), _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
     p, lse = _masked_softmax(_scores(q64, k64, scale), mask)
+    if drop is not None:
+        p = p * drop
     return p @ v64, lse
 
 
-def _backward_from_p(p, do, q64, k64, v64, delta, scale, Hkv):
+def _backward_from_p(p, do, q64, k64, v64, delta, scale, Hkv, drop=None):
     """Gradients of sum(o * do) given the probabilities P and ``delta_i = rowsum(dP_i * P_i)``.
 
     ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``, ``dQ = scale dS K``,
-    ``dK = scale dS^T Q``; dK and dV are summed over the query heads of each kv group.
+    ``dK = scale dS^T Q``; dK and dV are summed over the query heads of each kv group. With
+    dropout (``drop = Z / (1 - p)``, appendix Algorithm 4) ``dV = (P * drop)^T dO`` and
+    ``dP = (dO V^T) * drop``; ``delta = rowsum(dO * O)`` with the dropped output O.
     """
-    dv = np.swapaxes(p, -1, -2) @ do
+    dv = np.swapaxes(p if drop is None else p * drop, -1, -2) @ do
     dp = do @ np.swapaxes(v64, -1, -2)
+    if drop is not None:
+        dp = dp * drop
     ds = p * (dp - delta[..., None])
     dq = scale * (ds @ k64)
     dk = scale * (np.swapaxes(ds, -1, -2) @ q64)
@@ -293,7 +343,8 @@ def _backward_from_p(p, do, q64, k64, v64, delta, scale, Hkv):
 
 
 def attention_backward(do, q, k, v, *, scale=None, causal=None, window=None, q_lens=None,
-                       kv_lens=None) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+                       kv_lens=None, block_mask=None, dropout_p=0.0, dropout_mask=None
+                       ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Exact gradients of ``sum(o * do)`` with respect to q, k, v, in float64.
 
     P is recomputed exactly from q and k (no saved statistics are used).
@@ -302,7 +353,7 @@ def attention_backward(do, q, k, v, *, scale=None, causal=None, window=None, q_l
     ----------
     do : array (B, Hq, Nq, D)
         Gradient of the output.
-    q, k, v, scale, causal, window, q_lens, kv_lens :
+    q, k, v, scale, causal, window, q_lens, kv_lens, block_mask, dropout_p, dropout_mask :
         As in :func:`attention_forward`.
 
     Returns
@@ -321,16 +372,19 @@ def attention_backward(do, q, k, v, *, scale=None, causal=None, window=None, q_l
     dims = check_attention_backward_inputs(do, q, k, v, dtypes=REFERENCE_DTYPES,
                                            same_dtype=False, max_head_dim=None)
     scale = check_scale(scale, dims.D)
-    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens)
+    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens, block_mask)
+    drop = _dropout_factor(dims, dropout_p, dropout_mask)
     q64, do64 = _f64(q), _f64(do)
     k64, v64 = _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
     p, _ = _masked_softmax(_scores(q64, k64, scale), mask)
-    delta = np.sum(p * (do64 @ np.swapaxes(v64, -1, -2)), axis=-1)
-    return _backward_from_p(p, do64, q64, k64, v64, delta, scale, dims.Hkv)
+    dp = do64 @ np.swapaxes(v64, -1, -2)
+    delta = np.sum(p * (dp if drop is None else dp * drop), axis=-1)
+    return _backward_from_p(p, do64, q64, k64, v64, delta, scale, dims.Hkv, drop)
 
 
 def attention_backward_from_lse(do, q, k, v, o, lse, *, scale=None, causal=None, window=None,
-                                q_lens=None, kv_lens=None
+                                q_lens=None, kv_lens=None, block_mask=None, dropout_p=0.0,
+                                dropout_mask=None
                                 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Attention gradients the way the flash backward computes them, from a given o and lse.
 
@@ -342,7 +396,7 @@ def attention_backward_from_lse(do, q, k, v, o, lse, *, scale=None, causal=None,
         Forward output (e.g. a kernel's).
     lse : array (B, Hq, Nq)
         Forward log-sum-exp (natural log; e.g. a kernel's float32 LSE).
-    scale, causal, window, q_lens, kv_lens :
+    scale, causal, window, q_lens, kv_lens, block_mask, dropout_p, dropout_mask :
         As in :func:`attention_forward`.
 
     Returns
@@ -361,7 +415,8 @@ def attention_backward_from_lse(do, q, k, v, o, lse, *, scale=None, causal=None,
                                            lse_dtypes=REFERENCE_DTYPES, same_dtype=False,
                                            max_head_dim=None)
     scale = check_scale(scale, dims.D)
-    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens)
+    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens, block_mask)
+    drop = _dropout_factor(dims, dropout_p, dropout_mask)
     q64, do64, o64, lse64 = _f64(q), _f64(do), _f64(o), _f64(lse)
     k64, v64 = _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
     row_ok = np.isfinite(lse64)[..., None]
@@ -369,7 +424,7 @@ def attention_backward_from_lse(do, q, k, v, o, lse, *, scale=None, causal=None,
     lse_safe = np.where(row_ok, lse64[..., None], 0.0)
     p = np.exp(np.where(live, _scores(q64, k64, scale) - lse_safe, -np.inf))
     delta = np.sum(do64 * o64, axis=-1)
-    return _backward_from_p(p, do64, q64, k64, v64, delta, scale, dims.Hkv)
+    return _backward_from_p(p, do64, q64, k64, v64, delta, scale, dims.Hkv, drop)
 
 
 # --------------------------------------------------------------------------------------------

@@ -590,6 +590,45 @@ def check_scale(scale, D: int) -> float:
     return value
 
 
+#: Largest dropout seed: seeds are non-negative int32 values (they travel to the device as an
+#: int32 tensor).
+MAX_DROPOUT_SEED = 2**31 - 1
+
+
+def check_dropout(dropout_p, seed) -> Tuple[float, Optional[int]]:
+    """Dropout probability and seed of an attention call.
+
+    Parameters
+    ----------
+    dropout_p : int or float in [0, 1)
+        Probability of zeroing each attention probability (kept ones are scaled by
+        ``1 / (1 - dropout_p)``). 1 is refused: every probability would be dropped and the
+        rescale is undefined (PyTorch returns zeros there; a caller who wants zeros should not
+        call attention).
+    seed : None or int in [0, 2**31 - 1]
+        Generator seed; required when ``dropout_p > 0`` (the NumPy API has no global generator),
+        A seed given with ``dropout_p == 0`` is accepted and has no effect.
+
+    Returns
+    -------
+    (float, int or None)
+    """
+    is_real = isinstance(dropout_p, (numbers.Real, np.floating, np.integer))
+    if isinstance(dropout_p, (bool, np.bool_)) or not is_real:
+        raise TypeError(f"dropout_p: expected a real number in [0, 1), got {describe(dropout_p)}")
+    p = float(dropout_p)
+    if not (0.0 <= p < 1.0):
+        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {p}")
+    if seed is not None:
+        seed = check_int("seed", seed, minimum=0, maximum=MAX_DROPOUT_SEED)
+    elif p > 0.0:
+        raise ValueError(
+            f"seed: required when dropout_p > 0 (got dropout_p={p}); pass an int in "
+            f"[0, {MAX_DROPOUT_SEED}] so the backward can regenerate the same mask"
+        )
+    return p, seed
+
+
 # --------------------------------------------------------------------------------------------
 # Decode, fused ops, merge
 # --------------------------------------------------------------------------------------------

@@ -37,6 +37,16 @@ FP32_MIN = -3.4028234663852886e38
 SBUF_USABLE_BYTES = {"trn1": 192 * 1024 - 16 * 1024, "trn2": 224 * 1024 - 16 * 1024}
 
 
+#: Edge of one block of a block-sparse attention pattern (query rows x keys), the paper's
+#: Br x Bc (FlashAttention section 3.3) at the NeuronCore's natural tile: one partition tile of
+#: queries by 128 keys. Kernels may work on coarser key blocks internally.
+BLOCK_SPARSE_TILE = PMAX
+#: Edge of the query x key unit a dropout mask is generated in: every unit draws its keep bits
+#: from a generator seeded by (seed, batch, head, query unit, key unit), so the mask does not
+#: depend on the kernel's own tiling, its loop order or the core that runs the unit.
+DROPOUT_UNIT = PMAX
+
+
 def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` for positive ints."""
     return -(-a // b)

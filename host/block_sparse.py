@@ -1,0 +1,278 @@
+"""Block-sparse attention patterns: validation, the two layouts, and the standard patterns.
+
+A block-sparse pattern says which 128 x 128 blocks of the score matrix exist (FlashAttention
+section 3.3: Br x Bc blocks; here one partition tile of queries by :data:`BLOCK` keys). A block
+that is absent is skipped entirely by the kernels: no K/V load, no matmul, no exponential.
+Inside an active block the usual masks (causal, window, lengths) still apply.
+
+Two layouts describe the same pattern:
+
+- **dense**: a boolean array ``(B or 1, H or 1, ceil(Nq/128), ceil(Nk/128))``; entry
+  ``[b, h, i, j]`` is True when query tile i attends to key block j.
+- **index** (FlexAttention's BlockMask form): ``num_blocks`` int32 ``(B or 1, H or 1, nqt)``,
+  the number of active key blocks of each query tile, and ``indices`` int32
+  ``(B or 1, H or 1, nqt, max_blocks)``, their key-block indices in increasing order in the
+  first ``num_blocks`` slots (the rest is ignored). ``max_blocks`` is the compile-time bound on
+  the count: one compilation serves every pattern with at most that many blocks per tile.
+
+Everything here is host-side bookkeeping on small integer arrays; no attention is computed.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from host.validation import _is_array, _shape, check_int, describe, dtype_name
+from nki_kernels import tiles as _tiles
+
+#: Edge of a block (queries x keys), the kernels' natural tile.
+BLOCK = _tiles.BLOCK_SPARSE_TILE
+
+_INT_NAMES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
+
+
+class BlockIndex(NamedTuple):
+    """The index layout of a block-sparse pattern (see the module docstring)."""
+
+    num_blocks: np.ndarray
+    indices: np.ndarray
+
+    @property
+    def max_blocks(self) -> int:
+        """The compile-time bound on active key blocks per query tile."""
+        return int(self.indices.shape[-1])
+
+
+class BlockSparsity(NamedTuple):
+    """A validated pattern in both layouts, broadcast-ready to ``(B, H)``."""
+
+    dense: np.ndarray  # bool (B or 1, H or 1, nqt, nkt)
+    index: BlockIndex  # int32 layout of the same pattern
+
+    @property
+    def density(self) -> float:
+        """Fraction of the (nqt x nkt) blocks that are active, averaged over batch and heads."""
+        return float(self.dense.mean())
+
+
+def block_grid(nq: int, nk: int) -> Tuple[int, int]:
+    """``(ceil(nq / 128), ceil(nk / 128))``: the block grid of an Nq x Nk score matrix."""
+    nq = check_int("nq", nq, minimum=1)
+    nk = check_int("nk", nk, minimum=1)
+    return _tiles.ceil_div(nq, BLOCK), _tiles.ceil_div(nk, BLOCK)
+
+
+def _to_numpy(x):
+    if type(x).__module__.split(".")[0] == "torch":
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _check_lead_dims(name: str, shape, B: int, H: int, H_name: str) -> None:
+    b, h = shape[0], shape[1]
+    if b not in (1, B) or h not in (1, H):
+        raise ValueError(
+            f"{name}: leading dims must be (B or 1, {H_name} or 1) = ({B} or 1, {H} or 1), "
+            f"got shape {shape}"
+        )
+
+
+def dense_to_index(dense, max_blocks: Optional[int] = None) -> BlockIndex:
+    """Index layout of a dense boolean block mask ``(b, h, nqt, nkt)``.
+
+    ``max_blocks`` defaults to the largest count in the pattern (at least 1); a smaller bound
+    than the pattern needs is an error.
+    """
+    dense = np.asarray(dense, dtype=bool)
+    counts = dense.sum(axis=-1)
+    need = int(counts.max()) if counts.size else 0
+    if max_blocks is None:
+        max_blocks = max(need, 1)
+    max_blocks = check_int("max_blocks", max_blocks, minimum=1)
+    if need > max_blocks:
+        raise ValueError(
+            f"max_blocks: the pattern has up to {need} active key blocks per query tile, "
+            f"got max_blocks={max_blocks}"
+        )
+    nkt = dense.shape[-1]
+    # Stable argsort of "not active" puts active blocks first, in increasing key order.
+    order = np.argsort(~dense, axis=-1, kind="stable")[..., :max_blocks]
+    if order.shape[-1] < max_blocks:
+        pad = np.zeros(order.shape[:-1] + (max_blocks - order.shape[-1],), order.dtype)
+        order = np.concatenate([order, pad], axis=-1)
+    slot = np.arange(max_blocks)
+    indices = np.where(slot < counts[..., None], order, 0)
+    assert indices.max(initial=0) < nkt
+    return BlockIndex(counts.astype(np.int32), indices.astype(np.int32))
+
+
+def index_to_dense(index: BlockIndex, nkt: int) -> np.ndarray:
+    """Dense boolean layout ``(b, h, nqt, nkt)`` of a validated index layout."""
+    num, idx = np.asarray(index.num_blocks), np.asarray(index.indices)
+    dense = np.zeros(num.shape + (nkt,), dtype=bool)
+    slot = np.arange(idx.shape[-1])
+    live = slot < num[..., None]
+    b, h, i, s = np.nonzero(live)
+    dense[b, h, i, idx[b, h, i, s]] = True
+    return dense
+
+
+def _check_dense(block_mask, B, H, nqt, nkt, H_name) -> np.ndarray:
+    name = "block_mask"
+    dname = dtype_name(block_mask)
+    if dname != "bool":
+        raise TypeError(f"{name}: expected a boolean array, got dtype {dname}")
+    shape = _shape(block_mask)
+    if len(shape) != 4:
+        raise ValueError(
+            f"{name}: expected a 4-D array of shape (B or 1, {H_name} or 1, ceil(Nq/{BLOCK}), "
+            f"ceil(Nk/{BLOCK})), got a {len(shape)}-D array of shape {shape}"
+        )
+    _check_lead_dims(name, shape, B, H, H_name)
+    if shape[2:] != (nqt, nkt):
+        raise ValueError(
+            f"{name}: expected {BLOCK} x {BLOCK} blocks, i.e. trailing dims (ceil(Nq/{BLOCK}), "
+            f"ceil(Nk/{BLOCK})) = ({nqt}, {nkt}), got {shape[2:]} (shape {shape})"
+        )
+    return np.array(_to_numpy(block_mask), dtype=bool, copy=True)
+
+
+def _check_index(block_mask, B, H, nqt, nkt, H_name) -> BlockIndex:
+    num, idx = block_mask
+    for name, x, nd in (("block_mask.num_blocks", num, 3), ("block_mask.indices", idx, 4)):
+        if not _is_array(x):
+            raise TypeError(f"{name}: expected an integer array, got {describe(x)}")
+        if dtype_name(x) not in _INT_NAMES:
+            raise TypeError(f"{name}: expected an integer array, got dtype {dtype_name(x)}")
+        if len(_shape(x)) != nd:
+            raise ValueError(f"{name}: expected a {nd}-D array, got shape {_shape(x)}")
+        _check_lead_dims(name, _shape(x), B, H, H_name)
+    num, idx = _to_numpy(num).astype(np.int64), _to_numpy(idx).astype(np.int64)
+    if num.shape[2] != nqt or idx.shape[2] != nqt:
+        raise ValueError(
+            f"block_mask: expected one entry per query tile, ceil(Nq/{BLOCK}) = {nqt}; got "
+            f"num_blocks {num.shape} and indices {idx.shape}"
+        )
+    if num.shape[:2] != idx.shape[:2]:
+        raise ValueError(
+            f"block_mask: num_blocks {num.shape} and indices {idx.shape} must share their "
+            f"leading (batch, head) dims"
+        )
+    max_blocks = idx.shape[3]
+    if max_blocks < 1:
+        raise ValueError("block_mask.indices: the last dim (max_blocks) must be >= 1")
+    bad = np.argwhere((num < 0) | (num > min(max_blocks, nkt)))
+    if bad.size:
+        at = tuple(int(x) for x in bad[0])
+        raise ValueError(
+            f"block_mask.num_blocks: values must be in [0, min(max_blocks={max_blocks}, "
+            f"nkt={nkt})], got {int(num[at])} at index {at}"
+        )
+    live = np.arange(max_blocks) < num[..., None]
+    bad = np.argwhere(live & ((idx < 0) | (idx >= nkt)))
+    if bad.size:
+        at = tuple(int(x) for x in bad[0])
+        raise ValueError(
+            f"block_mask.indices: key-block index out of range [0, {nkt}) at {at}: {int(idx[at])}"
+        )
+    # Active indices must be strictly increasing (each block once, in key order).
+    step_ok = np.diff(idx, axis=-1) > 0
+    bad = np.argwhere(live[..., 1:] & ~step_ok)
+    if bad.size:
+        at = tuple(int(x) for x in bad[0])
+        raise ValueError(
+            f"block_mask.indices: the active key blocks of a query tile must be strictly "
+            f"increasing; not so at {at[:3]}: {idx[at[:3]][: int(num[at[:3]])].tolist()}"
+        )
+    return BlockIndex(num.astype(np.int32), np.where(live, idx, 0).astype(np.int32))
+
+
+def check_block_mask(block_mask, B: int, H: int, Nq: int, Nk: int, *,
+                     H_name: str = "Hq") -> Optional[BlockSparsity]:
+    """Validate a block-sparse pattern given densely or as ``(num_blocks, indices)``.
+
+    Parameters
+    ----------
+    block_mask : None, bool array, or a ``(num_blocks, indices)`` pair (e.g. :class:`BlockIndex`)
+        See the module docstring. NumPy arrays or torch tensors.
+    B, H : int
+        Batch size and head count the pattern must broadcast to.
+    Nq, Nk : int
+        Query and key lengths (the grid is ``ceil(N / 128)`` each way).
+    H_name : str
+        Name of ``H`` in messages.
+
+    Returns
+    -------
+    BlockSparsity or None
+        Both layouts of the pattern (None when ``block_mask`` is None).
+    """
+    if block_mask is None:
+        return None
+    nqt, nkt = block_grid(Nq, Nk)
+    if isinstance(block_mask, tuple) and len(block_mask) == 2:
+        index = _check_index(block_mask, B, H, nqt, nkt, H_name)
+        return BlockSparsity(index_to_dense(index, nkt), index)
+    if not _is_array(block_mask):
+        raise TypeError(
+            "block_mask: expected None, a boolean array (B or 1, H or 1, nqt, nkt) or a "
+            f"(num_blocks, indices) pair, got {describe(block_mask)}"
+        )
+    dense = _check_dense(block_mask, B, H, nqt, nkt, H_name)
+    return BlockSparsity(dense, dense_to_index(dense))
+
+
+def expand(dense, Nq: int, Nk: int) -> np.ndarray:
+    """Element mask ``(b, h, Nq, Nk)`` of a dense block mask (True = the block is active)."""
+    dense = np.asarray(dense, dtype=bool)
+    full = np.repeat(np.repeat(dense, BLOCK, axis=-2), BLOCK, axis=-1)
+    return full[..., :Nq, :Nk]
+
+
+# --------------------------------------------------------------------------------------------
+# Standard patterns (dense, shape (1, 1, nqt, nkt))
+# --------------------------------------------------------------------------------------------
+
+
+def butterfly(nqt: int, nkt: int) -> np.ndarray:
+    """The flat butterfly pattern: block (i, j) is active when ``i == j`` or ``i XOR j`` is a
+    power of two (the union of the butterfly factors' supports, as in the block-sparse
+    experiments of the FlashAttention paper). About ``(1 + log2 n) / n`` dense."""
+    nqt = check_int("nqt", nqt, minimum=1)
+    nkt = check_int("nkt", nkt, minimum=1)
+    x = np.bitwise_xor(np.arange(nqt)[:, None], np.arange(nkt)[None, :])
+    active = (x == 0) | ((x & (x - 1)) == 0)
+    return active[None, None]
+
+
+def local_global(nqt: int, nkt: int, *, window_blocks: int = 1,
+                 global_blocks: int = 1) -> np.ndarray:
+    """Sliding window plus global tokens (Longformer/BigBird style): query tile i sees key
+    blocks within ``window_blocks`` of the diagonal, the first ``global_blocks`` key blocks,
+    and the first ``global_blocks`` query tiles see every key block."""
+    nqt = check_int("nqt", nqt, minimum=1)
+    nkt = check_int("nkt", nkt, minimum=1)
+    window_blocks = check_int("window_blocks", window_blocks, minimum=0)
+    global_blocks = check_int("global_blocks", global_blocks, minimum=0)
+    i = np.arange(nqt)[:, None]
+    j = np.arange(nkt)[None, :]
+    active = (np.abs(i - j) <= window_blocks) | (j < global_blocks) | (i < global_blocks)
+    return active[None, None]
+
+
+def fixed_density(nqt: int, nkt: int, density: float) -> np.ndarray:
+    """A pattern with exactly ``max(1, round(density * nkt))`` active key blocks per query tile,
+    spread evenly and rotated by the tile index so every key block is used about equally
+    (the sweep pattern of ``benchmarks/block_sparse.py``)."""
+    nqt = check_int("nqt", nqt, minimum=1)
+    nkt = check_int("nkt", nkt, minimum=1)
+    if not isinstance(density, (int, float, np.floating)) or not 0.0 < float(density) <= 1.0:
+        raise ValueError(f"density: expected a number in (0, 1], got {describe(density)}")
+    per_row = max(1, int(round(float(density) * nkt)))
+    stride = nkt / per_row
+    cols = (np.floor(np.arange(per_row) * stride).astype(np.int64)[None, :]
+            + np.arange(nqt)[:, None]) % nkt
+    active = np.zeros((nqt, nkt), dtype=bool)
+    active[np.arange(nqt)[:, None], cols] = True
+    return active[None, None]

@@ -1,0 +1,196 @@
+"""Block-sparse pattern layouts, validation and standard patterns (host/block_sparse.py), and the
+block-sparse / dropout forms of the float64 references."""
+import numpy as np
+import pytest
+
+from host import block_sparse as bs
+from host import reference as ref
+from host.validation import check_dropout
+
+
+def _rand(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+# -- layouts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nq,nk,grid", [(1, 1, (1, 1)), (128, 129, (1, 2)), (1000, 300, (8, 3))])
+def test_block_grid(nq, nk, grid):
+    assert bs.block_grid(nq, nk) == grid
+
+
+def test_dense_index_round_trip():
+    rng = np.random.default_rng(3)
+    dense = rng.random((2, 3, 5, 7)) < 0.4
+    index = bs.dense_to_index(dense)
+    assert index.num_blocks.dtype == np.int32 and index.indices.dtype == np.int32
+    assert index.max_blocks == int(dense.sum(-1).max())
+    np.testing.assert_array_equal(bs.index_to_dense(index, 7), dense)
+
+
+def test_dense_to_index_orders_blocks_and_pads_with_zero():
+    dense = np.zeros((1, 1, 2, 6), bool)
+    dense[0, 0, 0, [4, 1]] = True
+    index = bs.dense_to_index(dense, max_blocks=3)
+    assert index.num_blocks.tolist() == [[[2, 0]]]
+    assert index.indices[0, 0].tolist() == [[1, 4, 0], [0, 0, 0]]
+
+
+def test_dense_to_index_bound_too_small():
+    dense = np.ones((1, 1, 1, 4), bool)
+    with pytest.raises(ValueError, match="max_blocks: the pattern has up to 4"):
+        bs.dense_to_index(dense, max_blocks=2)
+
+
+def test_check_block_mask_both_forms_agree():
+    dense = bs.local_global(4, 4, window_blocks=1, global_blocks=1)
+    a = bs.check_block_mask(dense, 2, 8, 500, 512)
+    b = bs.check_block_mask(tuple(bs.dense_to_index(dense)), 2, 8, 500, 512)
+    np.testing.assert_array_equal(a.dense, b.dense)
+    np.testing.assert_array_equal(a.index.indices, b.index.indices)
+    assert bs.check_block_mask(None, 1, 1, 1, 1) is None
+
+
+@pytest.mark.parametrize("mask,match", [
+    (np.ones((1, 1, 2, 2), np.int32), "expected a boolean array, got dtype int32"),
+    (np.ones((2, 2), bool), "expected a 4-D array"),
+    (np.ones((1, 1, 2, 3), bool), r"trailing dims \(ceil\(Nq/128\), ceil\(Nk/128\)\) = \(2, 2\)"),
+    (np.ones((3, 1, 2, 2), bool), r"leading dims must be \(B or 1, Hq or 1\)"),
+    ([[True]], "expected None, a boolean array"),
+])
+def test_check_block_mask_dense_errors(mask, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        bs.check_block_mask(mask, 2, 4, 256, 200)
+
+
+def test_check_block_mask_index_errors():
+    num = np.array([[[1, 2]]], np.int32)
+    good = np.array([[[[0, 0], [0, 1]]]], np.int32)
+    bs.check_block_mask((num, good), 1, 1, 256, 256)
+    out_of_range = np.array([[[[2, 0], [0, 1]]]], np.int32)
+    with pytest.raises(ValueError, match=r"key-block index out of range \[0, 2\)"):
+        bs.check_block_mask((num, out_of_range), 1, 1, 256, 256)
+    repeated = np.array([[[[0, 0], [1, 1]]]], np.int32)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        bs.check_block_mask((num, repeated), 1, 1, 256, 256)
+    with pytest.raises(ValueError, match=r"num_blocks: values must be in \[0, min"):
+        bs.check_block_mask((np.array([[[3, 0]]], np.int32), good), 1, 1, 256, 256)
+    with pytest.raises(TypeError, match="num_blocks: expected an integer array, got dtype"):
+        bs.check_block_mask((num.astype(np.float32), good), 1, 1, 256, 256)
+    with pytest.raises(ValueError, match="one entry per query tile"):
+        bs.check_block_mask((num, good), 1, 1, 384, 256)
+
+
+# -- patterns --------------------------------------------------------------------------------
+
+
+def test_butterfly_pattern():
+    pat = bs.butterfly(8, 8)[0, 0]
+    assert pat.shape == (8, 8) and np.array_equal(pat, pat.T)
+    # i == j or i ^ j a power of two: 1 + log2(8) = 4 blocks per row.
+    assert pat.sum(axis=1).tolist() == [4] * 8
+    assert pat[0, 1] and pat[0, 4] and not pat[0, 3]
+
+
+def test_local_global_pattern():
+    pat = bs.local_global(6, 6, window_blocks=1, global_blocks=1)[0, 0]
+    assert pat[0].all() and pat[:, 0].all()
+    assert pat[3].tolist() == [True, False, True, True, True, False]
+
+
+@pytest.mark.parametrize("density,per_row", [(1.0, 64), (1 / 16, 4), (1 / 64, 1), (1e-6, 1)])
+def test_fixed_density(density, per_row):
+    pat = bs.fixed_density(16, 64, density)[0, 0]
+    assert pat.sum(axis=1).tolist() == [per_row] * 16
+    with pytest.raises(ValueError, match=r"density: expected a number in \(0, 1\]"):
+        bs.fixed_density(4, 4, 0.0)
+
+
+# -- references ------------------------------------------------------------------------------
+
+
+def test_reference_block_mask_equals_dense_mask():
+    q, k, v = _rand((1, 2, 300, 16), 1), _rand((1, 1, 260, 16), 2), _rand((1, 1, 260, 16), 3)
+    dense = np.array([[True, False, True], [False, True, True], [True, True, False]])
+    o, lse = ref.attention_forward(q, k, v, block_mask=dense[None, None])
+    keep = bs.expand(dense[None, None], 300, 260)[0, 0]
+    s = (q[0] @ k[0, 0].T) / np.sqrt(16)
+    s = np.where(keep, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(o[0], (p / p.sum(-1, keepdims=True)) @ v[0, 0], atol=1e-12)
+    np.testing.assert_allclose(lse[0], np.log(np.exp(s).sum(-1)), atol=1e-12)
+
+
+def test_reference_block_row_without_blocks_gives_zeros():
+    q, k, v = (_rand((1, 1, 256, 8), s) for s in range(3))
+    dense = np.array([[[[True, True], [False, False]]]])
+    o, lse = ref.attention_forward(q, k, v, block_mask=dense)
+    assert np.all(o[0, 0, 128:] == 0) and np.all(np.isneginf(lse[0, 0, 128:]))
+    dq, dk, dv = ref.attention_backward(_rand((1, 1, 256, 8), 9), q, k, v, block_mask=dense)
+    assert np.all(dq[0, 0, 128:] == 0) and np.isfinite(dk).all() and np.isfinite(dv).all()
+
+
+def test_reference_dropout_forward_and_gradients():
+    B, H, N, D, p = 1, 2, 70, 8, 0.25
+    q, k, v, do = (_rand((B, H, N, D), s) for s in range(4))
+    keep = np.random.default_rng(7).random((B, H, N, N)) >= p
+    o, lse = ref.attention_forward(q, k, v, causal=True, dropout_p=p, dropout_mask=keep)
+    o0, lse0 = ref.attention_forward(q, k, v, causal=True)
+    np.testing.assert_array_equal(lse, lse0)  # statistics of the undropped softmax
+    assert not np.allclose(o, o0)
+    dq, dk, dv = ref.attention_backward(do, q, k, v, causal=True, dropout_p=p, dropout_mask=keep)
+
+    def loss(q_, k_, v_):
+        out, _ = ref.attention_forward(q_, k_, v_, causal=True, dropout_p=p, dropout_mask=keep)
+        return float(np.sum(out * do))
+
+    eps = 1e-6
+    for grad, idx, which in ((dq, (0, 1, 5, 3), 0), (dk, (0, 0, 7, 2), 1), (dv, (0, 1, 60, 4), 2)):
+        args = [q, k, v]
+        plus, minus = [a.copy() for a in args], [a.copy() for a in args]
+        plus[which][idx] += eps
+        minus[which][idx] -= eps
+        fd = (loss(*plus) - loss(*minus)) / (2 * eps)
+        assert abs(fd - grad[idx]) < 1e-6 * max(1.0, abs(fd))
+    from_lse = ref.attention_backward_from_lse(do, q, k, v, o, lse, causal=True, dropout_p=p,
+                                               dropout_mask=keep)
+    for a, b in zip(from_lse, (dq, dk, dv)):
+        np.testing.assert_allclose(a, b, atol=1e-12)
+
+
+def test_reference_dropout_all_kept_is_plain_attention_rescaled():
+    q, k, v = (_rand((1, 1, 20, 4), s) for s in range(3))
+    keep = np.ones((1, 1, 20, 20), bool)
+    o, _ = ref.attention_forward(q, k, v, dropout_p=0.5, dropout_mask=keep)
+    o0, _ = ref.attention_forward(q, k, v)
+    np.testing.assert_allclose(o, 2.0 * o0, atol=1e-12)
+
+
+def test_reference_dropout_errors():
+    q, k, v = (_rand((1, 1, 4, 4), s) for s in range(3))
+    with pytest.raises(ValueError, match="dropout_mask: required when dropout_p > 0"):
+        ref.attention_forward(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_mask: expected shape \(B, Hq, Nq, Nk\)"):
+        ref.attention_forward(q, k, v, dropout_p=0.1, dropout_mask=np.ones((1, 1, 4, 5), bool))
+
+
+@pytest.mark.parametrize("p,seed,exc,match", [
+    (1.0, 1, ValueError, r"dropout_p: expected a probability in \[0, 1\), got 1.0"),
+    (-0.1, 1, ValueError, "expected a probability"),
+    (True, 1, TypeError, "dropout_p: expected a real number"),
+    ("0.1", 1, TypeError, "dropout_p: expected a real number"),
+    (0.1, None, ValueError, "seed: required when dropout_p > 0"),
+    (0.1, -1, ValueError, r"seed: expected an int in \[0, 2147483647\]"),
+    (0.1, 2**31, ValueError, "seed: expected an int"),
+    (0.1, 1.5, TypeError, "seed: expected an int"),
+])
+def test_check_dropout_errors(p, seed, exc, match):
+    with pytest.raises(exc, match=match):
+        check_dropout(p, seed)
+
+
+def test_check_dropout_accepts():
+    assert check_dropout(0, None) == (0.0, None)
+    assert check_dropout(0.0, 5) == (0.0, 5)
+    assert check_dropout(np.float32(0.5), np.int64(7)) == (0.5, 7)
