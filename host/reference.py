@@ -36,6 +36,7 @@ from host.validation import (
     LSE_DTYPE,
     REFERENCE_DTYPES,
     WINDOW_UNBOUNDED,
+    ScoreMods,
     check_array,
     check_attention_backward_inputs,
     check_attention_inputs,
@@ -47,6 +48,7 @@ from host.validation import (
     check_merge_inputs,
     check_paged_decode_inputs,
     check_scale,
+    check_score_mods,
     check_softmax_input,
     check_tree_mask,
     normalize_causal,
@@ -217,25 +219,68 @@ def decode_mask(T, cache_len, S_max, tree_mask=None) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-def _masked_softmax(s: np.ndarray, mask: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def _masked_softmax(s: np.ndarray, mask: np.ndarray, sink=None) -> Tuple[np.ndarray, np.ndarray]:
     """Row softmax of ``s`` over visible entries, in ``s``'s float dtype.
 
     Returns ``(p, lse)``; rows with no visible entry get ``p = 0`` and ``lse = -inf``, without
-    NaN or floating-point warnings (masked entries never reach ``exp``).
+    NaN or floating-point warnings (masked entries never reach ``exp``). ``sink`` (broadcast to
+    ``s[..., :1]``) adds ``exp(sink)`` to every row's denominator: an attention sink, a logit
+    that takes probability mass but has no value; then a row without visible keys has
+    ``p = 0`` and ``lse = sink``.
     """
     neg_inf = s.dtype.type(-np.inf)
     s_vis = np.where(mask, s, neg_inf)
     m = s_vis.max(axis=-1, keepdims=True)
+    if sink is not None:
+        m = np.maximum(m, sink)
     # A row "has a key" when some entry is visible and its max is not -inf; a NaN or +inf
     # max keeps the row live so that non-finite inputs propagate as NaN instead of vanishing.
     has_key = np.any(mask, axis=-1, keepdims=True) & ~np.isneginf(m)
+    if sink is not None:
+        has_key = has_key | np.isfinite(m)
     m_safe = np.where(has_key, m, 0)
     e = np.exp(np.where(mask, s_vis - m_safe, neg_inf))
     l = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + np.exp(np.where(has_key, sink - m_safe, neg_inf))
     l_safe = np.where(has_key, l, 1)
     p = e / l_safe
     lse = np.where(has_key, m_safe + np.log(l_safe), neg_inf)[..., 0]
     return p, lse
+
+
+def _query_positions(dims, causal, q_lens, kv_lens) -> np.ndarray:
+    """(B, 1, Nq, 1) key-aligned position i' of every query (the diagonal of the causal mask:
+    ``i`` for top_left, ``i + kv_len - q_len`` otherwise)."""
+    causal = normalize_causal(causal)
+    q_valid = check_lengths("q_lens", q_lens, dims.B, dims.Nq, upper_name="Nq")
+    k_valid = check_lengths("kv_lens", kv_lens, dims.B, dims.Nk, upper_name="Nk")
+    nq_b = np.full(dims.B, dims.Nq) if q_valid is None else q_valid
+    nk_b = np.full(dims.B, dims.Nk) if k_valid is None else k_valid
+    off = np.zeros(dims.B) if causal == CAUSAL_TOP_LEFT else (nk_b - nq_b)
+    return (np.arange(dims.Nq)[None, :] + off[:, None]).astype(np.float64)[:, None, :, None]
+
+
+def _modify_scores(s: np.ndarray, mods: ScoreMods, qpos: np.ndarray):
+    """Soft-capping then the ALiBi bias on scaled scores ``s`` (B, Hq, Nq, Nk).
+
+    Returns ``(s', dcap)`` where ``dcap = ds'/ds`` of the soft-cap (``1 - tanh^2(s / c)``), or
+    None without soft-capping. ``qpos`` is the (B, 1, Nq, 1) aligned query position.
+    """
+    dcap = None
+    if mods.softcap is not None:
+        t = np.tanh(s / mods.softcap)
+        s = mods.softcap * t
+        dcap = 1.0 - t * t
+    if mods.alibi_slopes is not None:
+        kpos = np.arange(s.shape[-1], dtype=np.float64)
+        slopes = mods.alibi_slopes[:, :, None, None]
+        s = s - slopes * np.abs(qpos - kpos)
+    return s, dcap
+
+
+def _sink(mods: ScoreMods):
+    return None if mods.sinks is None else mods.sinks[None, :, None, None]
 
 
 def _prefill_masks(dims, causal, window, q_lens, kv_lens, block_mask=None) -> np.ndarray:
@@ -281,8 +326,9 @@ def _scores(q: np.ndarray, k_exp: np.ndarray, scale: float) -> np.ndarray:
 
 
 def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=None,
-                      kv_lens=None, block_mask=None, dropout_p=0.0,
-                      dropout_mask=None) -> Tuple[np.ndarray, np.ndarray]:
+                      kv_lens=None, block_mask=None, dropout_p=0.0, dropout_mask=None,
+                      softcap=None, alibi_slopes=None, sinks=None
+                      ) -> Tuple[np.ndarray, np.ndarray]:
     """Exact attention forward in float64.
 
     Parameters
@@ -303,6 +349,9 @@ def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=N
         (FlashAttention appendix, Algorithm 2).
     dropout_mask : bool array (B, Hq, Nq, Nk), optional
         The keep mask Z (True = kept); required when ``dropout_p > 0``.
+    softcap, alibi_slopes, sinks : optional
+        Score modifiers (:func:`host.validation.check_score_mods`). With sinks, a row without
+        visible keys has ``o = 0`` and ``lse = sink``.
 
     Returns
     -------
@@ -317,34 +366,40 @@ def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=N
     scale = check_scale(scale, dims.D)
     mask = _prefill_masks(dims, causal, window, q_lens, kv_lens, block_mask)
     drop = _dropout_factor(dims, dropout_p, dropout_mask)
+    mods = check_score_mods(softcap, alibi_slopes, sinks, dims.B, dims.Hq)
     q64, k64, v64 = _f64(q), _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
-    p, lse = _masked_softmax(_scores(q64, k64, scale), mask)
+    s, _ = _modify_scores(_scores(q64, k64, scale), mods,
+                          _query_positions(dims, causal, q_lens, kv_lens))
+    p, lse = _masked_softmax(s, mask, _sink(mods))
     if drop is not None:
         p = p * drop
     return p @ v64, lse
 
 
-def _backward_from_p(p, do, q64, k64, v64, delta, scale, Hkv, drop=None):
+def _backward_from_p(p, do, q64, k64, v64, delta, scale, Hkv, drop=None, dcap=None):
     """Gradients of sum(o * do) given the probabilities P and ``delta_i = rowsum(dP_i * P_i)``.
 
     ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``, ``dQ = scale dS K``,
     ``dK = scale dS^T Q``; dK and dV are summed over the query heads of each kv group. With
     dropout (``drop = Z / (1 - p)``, appendix Algorithm 4) ``dV = (P * drop)^T dO`` and
-    ``dP = (dO V^T) * drop``; ``delta = rowsum(dO * O)`` with the dropped output O.
+    ``dP = (dO V^T) * drop``; ``delta = rowsum(dO * O)`` with the dropped output O. With
+    soft-capping, dS is multiplied by ``dcap = 1 - tanh^2(s / c)`` (the cap's derivative).
     """
     dv = np.swapaxes(p if drop is None else p * drop, -1, -2) @ do
     dp = do @ np.swapaxes(v64, -1, -2)
     if drop is not None:
         dp = dp * drop
     ds = p * (dp - delta[..., None])
+    if dcap is not None:
+        ds = ds * dcap
     dq = scale * (ds @ k64)
     dk = scale * (np.swapaxes(ds, -1, -2) @ q64)
     return dq, _sum_groups(dk, Hkv), _sum_groups(dv, Hkv)
 
 
 def attention_backward(do, q, k, v, *, scale=None, causal=None, window=None, q_lens=None,
-                       kv_lens=None, block_mask=None, dropout_p=0.0, dropout_mask=None
-                       ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+                       kv_lens=None, block_mask=None, dropout_p=0.0, dropout_mask=None,
+                       softcap=None, alibi_slopes=None, sinks=None) -> Tuple[np.ndarray, ...]:
     """Exact gradients of ``sum(o * do)`` with respect to q, k, v, in float64.
 
     P is recomputed exactly from q and k (no saved statistics are used).
@@ -353,7 +408,8 @@ def attention_backward(do, q, k, v, *, scale=None, causal=None, window=None, q_l
     ----------
     do : array (B, Hq, Nq, D)
         Gradient of the output.
-    q, k, v, scale, causal, window, q_lens, kv_lens, block_mask, dropout_p, dropout_mask :
+    q, k, v, scale, causal, window, q_lens, kv_lens, block_mask, dropout_p, dropout_mask,
+    softcap, alibi_slopes, sinks :
         As in :func:`attention_forward`.
 
     Returns
@@ -361,6 +417,9 @@ def attention_backward(do, q, k, v, *, scale=None, causal=None, window=None, q_l
     dq : float64 (B, Hq, Nq, D)
     dk, dv : float64 (B, Hkv, Nk, D)
         Summed over the ``Hq // Hkv`` query heads of each kv group.
+    dsinks : float64 (Hq,), only when ``sinks`` is given
+        ``-sum_{b,i} exp(sink_h - lse_i) * delta_i``: a sink's probability times the row's
+        ``-delta`` (the sink has no value, so its dP is 0).
 
     Notes
     -----
@@ -374,18 +433,31 @@ def attention_backward(do, q, k, v, *, scale=None, causal=None, window=None, q_l
     scale = check_scale(scale, dims.D)
     mask = _prefill_masks(dims, causal, window, q_lens, kv_lens, block_mask)
     drop = _dropout_factor(dims, dropout_p, dropout_mask)
+    mods = check_score_mods(softcap, alibi_slopes, sinks, dims.B, dims.Hq)
     q64, do64 = _f64(q), _f64(do)
     k64, v64 = _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
-    p, _ = _masked_softmax(_scores(q64, k64, scale), mask)
+    s, dcap = _modify_scores(_scores(q64, k64, scale), mods,
+                             _query_positions(dims, causal, q_lens, kv_lens))
+    p, lse = _masked_softmax(s, mask, _sink(mods))
     dp = do64 @ np.swapaxes(v64, -1, -2)
     delta = np.sum(p * (dp if drop is None else dp * drop), axis=-1)
-    return _backward_from_p(p, do64, q64, k64, v64, delta, scale, dims.Hkv, drop)
+    grads = _backward_from_p(p, do64, q64, k64, v64, delta, scale, dims.Hkv, drop, dcap)
+    return grads + _sink_grad(mods, lse, delta)
+
+
+def _sink_grad(mods: ScoreMods, lse, delta) -> tuple:
+    """``(dsinks,)`` when the call has sinks, else ``()``."""
+    if mods.sinks is None:
+        return ()
+    live = np.isfinite(lse)
+    p_sink = np.exp(np.where(live, _sink(mods)[..., 0] - np.where(live, lse, 0.0), -np.inf))
+    return (-np.sum(p_sink * delta, axis=(0, 2)),)
 
 
 def attention_backward_from_lse(do, q, k, v, o, lse, *, scale=None, causal=None, window=None,
                                 q_lens=None, kv_lens=None, block_mask=None, dropout_p=0.0,
-                                dropout_mask=None
-                                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+                                dropout_mask=None, softcap=None, alibi_slopes=None, sinks=None
+                                ) -> Tuple[np.ndarray, ...]:
     """Attention gradients the way the flash backward computes them, from a given o and lse.
 
     Parameters
@@ -396,12 +468,13 @@ def attention_backward_from_lse(do, q, k, v, o, lse, *, scale=None, causal=None,
         Forward output (e.g. a kernel's).
     lse : array (B, Hq, Nq)
         Forward log-sum-exp (natural log; e.g. a kernel's float32 LSE).
-    scale, causal, window, q_lens, kv_lens, block_mask, dropout_p, dropout_mask :
-        As in :func:`attention_forward`.
+    scale, causal, window, q_lens, kv_lens, block_mask, dropout_p, dropout_mask, softcap,
+    alibi_slopes, sinks :
+        As in :func:`attention_forward` (with sinks, ``lse`` includes the sink's term).
 
     Returns
     -------
-    dq, dk, dv : float64
+    dq, dk, dv (, dsinks) : float64
         As in :func:`attention_backward`.
 
     Notes
@@ -417,14 +490,18 @@ def attention_backward_from_lse(do, q, k, v, o, lse, *, scale=None, causal=None,
     scale = check_scale(scale, dims.D)
     mask = _prefill_masks(dims, causal, window, q_lens, kv_lens, block_mask)
     drop = _dropout_factor(dims, dropout_p, dropout_mask)
+    mods = check_score_mods(softcap, alibi_slopes, sinks, dims.B, dims.Hq)
     q64, do64, o64, lse64 = _f64(q), _f64(do), _f64(o), _f64(lse)
     k64, v64 = _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
     row_ok = np.isfinite(lse64)[..., None]
     live = mask & row_ok
     lse_safe = np.where(row_ok, lse64[..., None], 0.0)
-    p = np.exp(np.where(live, _scores(q64, k64, scale) - lse_safe, -np.inf))
+    s, dcap = _modify_scores(_scores(q64, k64, scale), mods,
+                             _query_positions(dims, causal, q_lens, kv_lens))
+    p = np.exp(np.where(live, s - lse_safe, -np.inf))
     delta = np.sum(do64 * o64, axis=-1)
-    return _backward_from_p(p, do64, q64, k64, v64, delta, scale, dims.Hkv, drop)
+    grads = _backward_from_p(p, do64, q64, k64, v64, delta, scale, dims.Hkv, drop, dcap)
+    return grads + _sink_grad(mods, lse64, delta)
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,8 +566,8 @@ def _paged_as_contiguous(q, k_cache, v_cache, cache_lens, block_table, tree_mask
             paged_to_contiguous(v_cache, block_table, cache_lens))
 
 
-def decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None, block_table=None
-           ) -> Tuple[np.ndarray, np.ndarray]:
+def decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None, block_table=None,
+           softcap=None, alibi_slopes=None, sinks=None) -> Tuple[np.ndarray, np.ndarray]:
     """Exact decode attention (T new tokens per sequence against a KV cache), in float64.
 
     Parameters
@@ -509,6 +586,9 @@ def decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None, block
         Paged cache: k_cache and v_cache are page pools ``(num_blocks, Hkv, page_size, D)``
         and logical block i of sequence b is page ``block_table[b, i]``; the result is that of
         the contiguous cache :func:`paged_to_contiguous` builds.
+    softcap, alibi_slopes, sinks : optional
+        Score modifiers as in :func:`attention_forward`; new token t sits at key position
+        ``cache_lens[b] - T + t`` for the ALiBi distance.
 
     Returns
     -------
@@ -522,17 +602,22 @@ def decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None, block
         k_cache, v_cache = _paged_as_contiguous(q, k_cache, v_cache, cache_lens, block_table,
                                                 tree_mask)
         return decode(q, k_cache, v_cache, cache_lens=cache_lens, scale=scale,
-                      tree_mask=tree_mask)
+                      tree_mask=tree_mask, softcap=softcap, alibi_slopes=alibi_slopes,
+                      sinks=sinks)
     inputs = check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask,
                                  dtypes=REFERENCE_DTYPES, same_dtype=False, max_head_dim=None,
                                  max_new_tokens=None)
     scale = check_scale(scale, inputs.D)
     mask = np.stack([decode_mask(inputs.T, int(n), inputs.S_max, inputs.tree_mask)
                      for n in inputs.cache_lens])[:, None]
+    mods = check_score_mods(softcap, alibi_slopes, sinks, inputs.B, inputs.Hq)
     q64 = _f64(q)
     k64 = _expand_kv(_f64(k_cache), inputs.group)
     v64 = _expand_kv(_f64(v_cache), inputs.group)
-    p, lse = _masked_softmax(_scores(q64, k64, scale), mask)
+    qpos = (inputs.cache_lens[:, None] - inputs.T + np.arange(inputs.T)[None, :])
+    s, _ = _modify_scores(_scores(q64, k64, scale), mods,
+                          qpos.astype(np.float64)[:, None, :, None])
+    p, lse = _masked_softmax(s, mask, _sink(mods))
     return p @ v64, lse
 
 

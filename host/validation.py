@@ -590,6 +590,80 @@ def check_scale(scale, D: int) -> float:
     return value
 
 
+class ScoreMods(NamedTuple):
+    """Validated score modifiers of an attention call (all optional; see docs/semantics.md).
+
+    Applied in this order to ``s = scale * q . k``: soft-capping ``c * tanh(s / c)``, then the
+    ALiBi bias ``-slope_h * |i' - j|`` (i' = the query position aligned to the keys, as for the
+    causal mask), then the visibility mask; the softmax denominator also counts
+    ``exp(sink_h)`` (a learned attention sink that contributes no value).
+    """
+
+    softcap: Optional[float]  # c > 0, or None
+    alibi_slopes: Optional[np.ndarray]  # float64 (B or 1, Hq), or None
+    sinks: Optional[np.ndarray]  # float64 (Hq,), or None
+
+    @property
+    def any(self) -> bool:
+        return self.softcap is not None or self.alibi_slopes is not None or self.sinks is not None
+
+
+NO_SCORE_MODS = ScoreMods(None, None, None)
+
+
+def _small_float_array(name: str, x, layout: str) -> np.ndarray:
+    check_array(name, x, dtypes=REFERENCE_DTYPES, layout=layout)
+    arr = np.asarray(x.detach().cpu().float().numpy() if _is_torch_tensor(x) else x,
+                     dtype=np.float64)
+    if not np.isfinite(arr).all():
+        idx = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
+        raise ValueError(f"{name}: values must be finite, got {arr[idx]} at index {idx}")
+    return arr
+
+
+def check_score_mods(softcap, alibi_slopes, sinks, B: int, Hq: int) -> ScoreMods:
+    """Validate the score modifiers of an attention call.
+
+    Parameters
+    ----------
+    softcap : None or a finite real number > 0
+        Logit soft-capping (Gemma 2): scores become ``c * tanh(s / c)``. 0 and None mean off.
+    alibi_slopes : None or float array (Hq,) or (B, Hq)
+        ALiBi slope per query head (and optionally per sequence), finite, any sign.
+    sinks : None or float array (Hq,)
+        Learned attention-sink logit per query head (gpt-oss), finite.
+    B, Hq : int
+        Batch size and query heads of the call.
+
+    Returns
+    -------
+    ScoreMods
+    """
+    cap = None
+    if softcap is not None:
+        is_real = isinstance(softcap, (numbers.Real, np.floating, np.integer))
+        if isinstance(softcap, (bool, np.bool_)) or not is_real:
+            raise TypeError(f"softcap: expected None or a real number > 0, got {describe(softcap)}")
+        value = float(softcap)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"softcap: expected a finite number > 0 (or 0/None for off), "
+                             f"got {value}")
+        cap = value if value > 0 else None
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = _small_float_array("alibi_slopes", alibi_slopes, "(Hq,) or (B, Hq)")
+        if slopes.shape not in ((Hq,), (B, Hq)):
+            raise ValueError(f"alibi_slopes: expected shape (Hq,) = ({Hq},) or (B, Hq) = "
+                             f"({B}, {Hq}), got {slopes.shape}")
+        slopes = slopes.reshape(-1, Hq)
+    sink = None
+    if sinks is not None:
+        sink = _small_float_array("sinks", sinks, "(Hq,)")
+        if sink.shape != (Hq,):
+            raise ValueError(f"sinks: expected shape (Hq,) = ({Hq},), got {sink.shape}")
+    return ScoreMods(cap, slopes, sink)
+
+
 #: Largest dropout seed: seeds are non-negative int32 values (they travel to the device as an
 #: int32 tensor).
 MAX_DROPOUT_SEED = 2**31 - 1
