@@ -178,6 +178,19 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _kernel_rows(m) -> list:
+    """Per kernel launched: its program size and peak SBUF (the largest over its launches)."""
+    rows: dict = {}
+    for k in m.kernels:
+        row = rows.setdefault(k.name, {"name": k.name, "program_instructions": 0,
+                                       "peak_sbuf_bytes_per_partition": 0, "launches": 0})
+        row["program_instructions"] = max(row["program_instructions"], k.program_instructions)
+        row["peak_sbuf_bytes_per_partition"] = max(row["peak_sbuf_bytes_per_partition"],
+                                                   k.peak_sbuf_bytes_per_partition)
+        row["launches"] += 1
+    return list(rows.values())
+
+
 def _run(args: argparse.Namespace) -> int:
     import host
     from host import reference
@@ -278,6 +291,10 @@ def _run(args: argparse.Namespace) -> int:
                 engine_seconds={k: float(v) for k, v in m.engine_seconds.items()},
                 utilization=util,
                 peak_sbuf_bytes_per_partition=int(m.peak_sbuf_bytes_per_partition),
+                sbuf_capacity_bytes_per_partition=int(hw.sbuf_bytes_per_partition),
+                kernels=_kernel_rows(m),
+                program_instructions=int(m.program_instructions),
+                executed_instructions=int(sum(m.instructions.values())),
             )
         report["targets"][target] = entry
 
@@ -316,6 +333,13 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{target:8s}{lo * 1e6:15.1f} us .. {hi * 1e6:9.1f} us"
                   f"{e['utilization'][1] * 100:10.1f}% ..{e['utilization'][0] * 100:5.1f}%"
                   "   " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in busiest))
+        for target, e in report["targets"].items():
+            cap = e["sbuf_capacity_bytes_per_partition"]
+            for row in e["kernels"]:
+                peak = row["peak_sbuf_bytes_per_partition"]
+                print(f"{target:8s}kernel {row['name']}: program {row['program_instructions']} "
+                      f"instructions (loop bodies once), peak SBUF {peak / 1024:.1f} KiB/partition "
+                      f"= {100 * peak / cap:.0f}% of {cap // 1024} KiB")
     else:
         print("(HBM bytes and modeled time come from the simulator; this backend ran on a device)")
     if args.json_out:

@@ -22,7 +22,7 @@ import functools
 
 from . import _runtime
 from . import language, isa, typing, compiler
-from ._errors import NKIError, NKISyntaxError
+from ._errors import NKIError, NKISyntaxError, ProgramSizeWarning
 from ._measure import measure, Measurement
 from ._progress import progress
 from ._register import register_as_neuronxcc, unregister_neuronxcc
@@ -30,7 +30,8 @@ from ._tensor import Tensor as tensor
 
 __all__ = ["jit", "trace", "simulate_kernel", "baremetal", "benchmark", "profile", "measure",
            "register_as_neuronxcc", "unregister_neuronxcc", "language", "isa", "typing",
-           "compiler", "tensor", "NKIError", "NKISyntaxError", "Measurement", "progress"]
+           "compiler", "tensor", "NKIError", "NKISyntaxError", "ProgramSizeWarning",
+           "Measurement", "progress"]
 
 _MODES = ("auto", "jax", "torchxla", "baremetal", "benchmark", "simulation", "trace")
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import Counter
 
 from . import _hw
+from ._errors import hw_error
 
 MIN_II = _hw.MIN_II_CYCLES
 
@@ -106,11 +107,38 @@ class LaunchRecord:
         self.peak_sbuf_bytes_per_partition = 0
         self.peak_psum_bytes_per_partition = 0
         self.peak_psum_banks = 0
+        # Program size: instructions of the compiled program (see count_program).
+        self.program_instructions = 0
+        self.ctx = None                     # the grid instance running now (set by _runtime)
 
     # -- recording -----------------------------------------------------------------------------
+    def count_program(self):
+        """Count the instruction being recorded into the program size when it is program text:
+        the first grid instance (every instance runs the same program), and inside
+        ``affine_range``/``sequential_range`` loops only their first iteration (the compiler
+        emits a loop body once); ``static_range`` iterations and Python loops are unrolled text.
+        Raises at neuronx-cc's instruction limit."""
+        ctx = self.ctx
+        if ctx is not None:
+            if ctx.launch.instance:
+                return
+            for s in ctx.loops:
+                if not (s.first or s.static):
+                    return
+        self.program_instructions += 1
+        if self.program_instructions > _hw.PROGRAM_INSTRUCTION_LIMIT:
+            raise hw_error(
+                "runtime",
+                f"kernel '{self.name}': the compiled program exceeds "
+                f"{_hw.PROGRAM_INSTRUCTION_LIMIT} instructions, neuronx-cc's limit ([XTP002] "
+                "'Number of instructions is over the threshold'; aws-neuron-sdk #987). Loops "
+                "over tiles must be nl.affine_range/nl.sequential_range, not Python loops or "
+                "static_range, so that the body is emitted once.")
+
     def add(self, engine, cycles):
         self.instructions[engine] += 1
         self.engine_cycles[engine] += cycles
+        self.count_program()
 
     def dma(self, nbytes, contiguous_bytes, chunks=None, rate=1.0, read=None, written=None,
             read_bytes=None, written_bytes=None):
@@ -122,6 +150,7 @@ class LaunchRecord:
         bytes are counted (``read_bytes``/``written_bytes``, default ``nbytes``)."""
         self.dma_transfers += 1
         self.instructions["dma"] += 1
+        self.count_program()
         self.dma_bytes_per_partition.append(int(contiguous_bytes))
         bw = self._tgt.dma_bytes_per_s
         move = nbytes / (bw * rate)
@@ -183,6 +212,7 @@ class LaunchRecord:
             "modeled_seconds": self.modeled_seconds,
             "peak_sbuf_bytes_per_partition": self.peak_sbuf_bytes_per_partition,
             "peak_psum_bytes_per_partition": self.peak_psum_bytes_per_partition,
+            "program_instructions": self.program_instructions,
         }
 
 

@@ -28,12 +28,14 @@ _uids = itertools.count(1)
 class LoopState:
     """One active ``affine_range``/``sequential_range``/``static_range`` loop."""
 
-    __slots__ = ("value", "first", "affine", "uid", "iter_no", "file", "line")
+    __slots__ = ("value", "first", "affine", "static", "uid", "iter_no", "file", "line")
 
-    def __init__(self, start, affine, file, line):
+    def __init__(self, start, affine, file, line, static=False):
         self.value = start
         self.first = True
         self.affine = affine
+        # static_range is unrolled by the compiler: every iteration is program text
+        self.static = static
         self.uid = next(_uids)
         self.iter_no = -1
         self.file = file

@@ -52,6 +52,10 @@ _KIND = {
 }
 
 
+class ProgramSizeWarning(UserWarning):
+    """A kernel's compiled program is large enough to make neuronx-cc slow (see _hw)."""
+
+
 def error_url(name: str) -> str:
     """Docs anchor: ``err_foo_bar`` -> ``...nki.errors.html#err-foo-bar``."""
     return ERRORS_URL + "#" + name.replace("_", "-")

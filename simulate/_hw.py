@@ -60,6 +60,16 @@ DMA_FIXED_NS_PER_INSTRUCTION = DMA_FIXED_LATENCY_NS / DMA_QUEUES_PER_NC
 # gathers/scatters (index tiles) move one chunk per row.
 DMA_CHUNK_OVERHEAD_BYTES = 256
 
+# Program size: the instructions of the compiled kernel (an affine_range/sequential_range body
+# once, static_range and Python loops unrolled).
+#: neuronx-cc refuses a program above this many instructions: "[XTP002] Number of instructions
+#: (8658944) is over the threshold (5000000)" (aws-neuron-sdk issues #987 and #819).
+PROGRAM_INSTRUCTION_LIMIT = 5_000_000
+#: Above this size the simulator warns. Compile time and memory grow with the unrolled
+#: instruction count: aws-neuron-sdk #1374 reports hours and tens of GB around 1e5 unrolled
+#: iterations. The threshold itself is a guess (the figure issue 11 asks for), not an AWS number.
+PROGRAM_INSTRUCTION_WARN = 50_000
+
 
 @dataclass(frozen=True)
 class Target:

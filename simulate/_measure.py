@@ -141,6 +141,24 @@ class Measurement:
         return max((k.peak_psum_banks for k in self.kernels), default=0)
 
     @property
+    def program_instructions_per_kernel(self):
+        """Kernel name -> instructions of its compiled program (the largest over its launches):
+        an ``affine_range``/``sequential_range`` body counted once, ``static_range`` and Python
+        loops unrolled, one grid instance (every instance runs the same program)."""
+        out = {}
+        for k in self.kernels:
+            out[k.name] = max(out.get(k.name, 0), k.program_instructions)
+        return out
+
+    @property
+    def program_instructions(self):
+        """Instructions of the compiled programs of the kernels launched, each kernel counted
+        once (sum of :attr:`program_instructions_per_kernel`). Unlike :attr:`instructions`
+        (what runs), this is what neuronx-cc has to compile; it must not grow with the
+        problem size."""
+        return sum(self.program_instructions_per_kernel.values())
+
+    @property
     def modeled_seconds(self):
         lo = sum(k.modeled_seconds[0] for k in self.kernels)
         hi = sum(k.modeled_seconds[1] for k in self.kernels)
@@ -156,7 +174,8 @@ class Measurement:
             lo, hi = k.modeled_seconds
             lines.append(f"  [{i}] {k.name} grid={list(k.grid)} target={k.target}: "
                          f"HBM read {k.hbm_bytes_read} B, written {k.hbm_bytes_written} B, "
-                         f"{k.dma_transfers} DMAs, modeled {lo * 1e6:.2f}..{hi * 1e6:.2f} us")
+                         f"{k.dma_transfers} DMAs, program {k.program_instructions} "
+                         f"instructions, modeled {lo * 1e6:.2f}..{hi * 1e6:.2f} us")
         lines.append(f"{'engine':<8} {'instr':>9} {'cycles':>14} {'seconds':>12}")
         ins = self.instructions
         cyc = self.engine_cycles
@@ -166,6 +185,8 @@ class Measurement:
             c = f"{c:.0f}" if c != "" else "-"
             lines.append(f"{e:<8} {ins.get(e, 0):>9} {c:>14} {sec[e]:>12.3e}")
         lo, hi = self.modeled_seconds
+        lines.append(f"program size {self.program_instructions} instructions (loop bodies "
+                     f"once; executed {sum(ins.values())})")
         lines.append(f"HBM bytes read {self.hbm_bytes_read}, written {self.hbm_bytes_written}; "
                      f"DMA transfers {self.dma_transfers}")
         tgts = "/".join(sorted({k.target for k in self.kernels})) or "-"

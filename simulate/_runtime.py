@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _blas, _hw, _dtypes
 from ._cost import LaunchRecord, ceil_div
-from ._errors import nki_error, hw_error, fmt_shape
+from ._errors import nki_error, hw_error, fmt_shape, ProgramSizeWarning
 
 _tls = threading.local()
 
@@ -377,6 +377,7 @@ def launch(func, grid, args, kwargs, opts):
         total = int(np.prod(sizes)) if sizes else 1
         for pid in points:
             ctx = Ctx(L, pid)
+            rec.ctx = ctx
             stack.append(ctx)
             try:
                 ret = func(*conv_args, **conv_kwargs)
@@ -397,9 +398,18 @@ def launch(func, grid, args, kwargs, opts):
     finally:
         np.seterr(**old)
         blas.__exit__(None, None, None)
+        rec.ctx = None
     rec.peak_sbuf_bytes_per_partition = peak_s
     rec.peak_psum_bytes_per_partition = peak_p
     rec.peak_psum_banks = peak_b
+    if rec.program_instructions > _hw.PROGRAM_INSTRUCTION_WARN:
+        warnings.warn(
+            f"kernel '{rec.name}': the compiled program has {rec.program_instructions} "
+            f"instructions (> {_hw.PROGRAM_INSTRUCTION_WARN}); neuronx-cc's compile time and "
+            "memory grow with the unrolled program (aws-neuron-sdk #1374) and it refuses "
+            f"programs above {_hw.PROGRAM_INSTRUCTION_LIMIT} instructions. Use nl.affine_range/"
+            "nl.sequential_range loops instead of Python loops or static_range.",
+            ProgramSizeWarning, stacklevel=3)
     for m in _measures:
         m._add(rec)
 

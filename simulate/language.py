@@ -169,9 +169,9 @@ def spmd_dim(a, b):
 # =============================================================================================
 # loops (spec §6)
 # =============================================================================================
-def _loop(ctx, r, affine, depth=2):
+def _loop(ctx, r, affine, depth=2, static=False):
     f = _sys._getframe(depth)
-    state = _deps.LoopState(r.start, affine, f.f_code.co_filename, f.f_lineno)
+    state = _deps.LoopState(r.start, affine, f.f_code.co_filename, f.f_lineno, static)
     return _loop_gen(ctx, r, state)
 
 
@@ -208,8 +208,8 @@ def sequential_range(*args, **kwargs):
 
 
 def static_range(*args, **kwargs):
-    """Fully unrolled ``range``; yields Python ints."""
-    return _loop(current(), range(*(int(a) for a in args)), False)
+    """Fully unrolled ``range``; yields Python ints (every iteration is program text)."""
+    return _loop(current(), range(*(int(a) for a in args)), False, static=True)
 
 
 def loop_reduce(x, op, loop_indices, *, dtype=None, mask=None, **kwargs):

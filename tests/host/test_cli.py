@@ -31,6 +31,13 @@ def test_run_reports_check_io_and_modeled_time(capsys, tmp_path):
         assert 0 < lo <= hi
         assert entry["hbm_bytes_read"] + entry["hbm_bytes_written"] == report["io_lower_bound_bytes"]
         assert 0 < entry["utilization"][0] <= entry["utilization"][1] <= 1
+        # program size and SBUF peak per kernel (issue 11 item 3, issue 12 item 4)
+        (row,) = entry["kernels"]
+        assert row["name"] == "flash_attention_fwd" and row["launches"] == 1
+        assert 0 < row["program_instructions"] == entry["program_instructions"]
+        assert entry["program_instructions"] <= entry["executed_instructions"]
+        assert 0 < row["peak_sbuf_bytes_per_partition"] <= entry["sbuf_capacity_bytes_per_partition"]
+    assert "kernel flash_attention_fwd: program" in text and "peak SBUF" in text
 
 
 @needs_sim
