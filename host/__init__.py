@@ -16,21 +16,12 @@ Planning and IO helpers (what the kernels will do, without running them):
 PyTorch wrappers live in :mod:`host.torch_ops` and :mod:`host.distributed` (torch is optional and
 imported only there); float64 references in :mod:`host.reference`.
 """
-from host.api import (
-    attention_unfused,
-    flash_attention,
-    flash_attention_backward,
-    flash_attention_backward_hbm_bytes,
-    flash_decode,
-    flash_decode_hbm_bytes,
-    linear_gelu,
-    online_softmax,
-    plan_attention_backward,
-    plan_attention_forward,
-    plan_flash_decode,
-)
+from host._version import __version__
 
-__all__ = [
+#: The public NumPy API, loaded from :mod:`host.api` on first use (PEP 562), so that importing
+#: ``host`` (e.g. by the ``nki-flash`` command, whose ``--help`` and error reporting must work
+#: before the NKI backend is bound) does not bind the backend.
+_API = (
     "attention_unfused",
     "flash_attention",
     "flash_attention_backward",
@@ -42,4 +33,18 @@ __all__ = [
     "plan_attention_backward",
     "plan_attention_forward",
     "plan_flash_decode",
-]
+)
+
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name):
+    if name in _API:
+        from host import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'host' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_API))

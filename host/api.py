@@ -497,7 +497,9 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
         Number of splits of the committed prefix (each one program writing a partial o and LSE;
         the last partial key row and the new tokens always form one more). Default: chosen from
         the real lengths by :func:`plan_flash_decode`. A count too small for the per-split
-        SBUF/PSUM limit raises ValueError; more splits than needed just yield empty partials.
+        SBUF/PSUM limit raises ValueError, and so does one above
+        ``nki_kernels.tiles.decode_max_splits(D)`` (126 at D = 128: the merge kernel holds every
+        partial of a row on chip); more splits than needed just yield empty partials.
     mixed_precision : bool
         float32 inputs only: matmul operands in bf16 (default) or float32.
     return_lse : bool

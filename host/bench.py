@@ -33,6 +33,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from host.validation import MAX_HEAD_DIM
 from nki_kernels import tiles as T
 
 STUDIES = ("attention", "block", "gelu", "softmax")
@@ -81,6 +82,18 @@ def _ints_at_least(minimum: int) -> Callable[[str], List[int]]:
 
 
 _int_list = _ints_at_least(1)
+
+
+def _head_dim(text: str) -> int:
+    """argparse ``type`` of ``--dim``: the kernels' head-dim range."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    if not 1 <= value <= MAX_HEAD_DIM:
+        raise argparse.ArgumentTypeError(
+            f"the attention kernels take head dims 1..{MAX_HEAD_DIM}, got {value}")
+    return value
 _group_list = _ints_at_least(0)
 
 
@@ -98,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", choices=TARGETS, default="trn2",
                    help="generation whose cost model gives the modeled times (trn2)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="input dtype (bfloat16)")
-    p.add_argument("--dim", "-d", type=int, default=64, help="attention head dim d (64)")
+    p.add_argument("--dim", "-d", type=_head_dim, default=64,
+                   help=f"attention head dim d, 1..{MAX_HEAD_DIM} (64)")
     p.add_argument("--seqs", type=_int_list, default=None,
                    help=f"attention sequence lengths (default {','.join(map(str, DEFAULT_SEQS))})")
     p.add_argument("--block-seq", type=int, default=DEFAULT_BLOCK_SEQ,
@@ -508,7 +522,14 @@ def main_bench(argv: Optional[List[str]] = None) -> int:
     except RuntimeError as exc:
         print(f"nki-flash bench: error: {exc}", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        probe = os.path.join(args.out, ".nki-flash-write-test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(f"--out {args.out}: cannot write there ({exc.strerror})") from None
     rng = np.random.default_rng(args.seed)
     points = plan(args)
     meta = {"target": args.target, "dtype": args.dtype, "dim": args.dim,

@@ -45,10 +45,40 @@ from host import validation as _v
 
 __all__ = ["ring_attention"]
 
-#: Fields of the per-rank shape record compared across ranks before the ring starts.
-_META_FIELDS = ("B", "Hq", "Hkv", "Nq", "Nk", "D", "dtype", "causal", "mixed_precision")
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
-_CAUSAL_CODES = {None: 0, _v.CAUSAL_TOP_LEFT: 1, _v.CAUSAL_BOTTOM_RIGHT: 2}
+#: Fields of the per-rank record compared across ranks before the ring starts (sent as one
+#: float64 tensor: the integers are exact, ``scale`` is compared bit for bit).
+_META_FIELDS = ("B", "Hq", "Hkv", "Nq", "Nk", "D", "dtype", "causal", "mixed_precision", "scale")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_CAUSALS = (None, _v.CAUSAL_TOP_LEFT, _v.CAUSAL_BOTTOM_RIGHT)
+
+
+def _meta(dims, q, opts) -> list:
+    """This rank's record, in the order of _META_FIELDS."""
+    return [dims.B, dims.Hq, dims.Hkv, dims.Nq, dims.Nk, dims.D, _DTYPES.index(q.dtype),
+            _CAUSALS.index(opts.causal), int(opts.mixed_precision), float(opts.scale)]
+
+
+def _describe_field(field: str, value) -> str:
+    """A record entry in words (dtype and causal names, not codes)."""
+    if field == "dtype":
+        return str(_DTYPES[int(value)]).replace("torch.", "")
+    if field == "causal":
+        return repr(_CAUSALS[int(value)])
+    if field == "mixed_precision":
+        return str(bool(value))
+    if field == "scale":
+        return repr(float(value))
+    return str(int(value))
+
+
+def _mismatch_message(rank: int, other_rank: int, mine, theirs) -> Optional[str]:
+    """None when the two records agree, else the error message naming what differs."""
+    diffs = [f"{f}: {_describe_field(f, a)} here, {_describe_field(f, b)} on rank {other_rank}"
+             for f, a, b in zip(_META_FIELDS, mine, theirs) if float(a) != float(b)]
+    if not diffs:
+        return None
+    return (f"ring_attention: every rank must call with equal shard shapes and the same options; "
+            f"rank {rank} and rank {other_rank} differ in " + "; ".join(diffs))
 
 
 class _Ring:
@@ -115,20 +145,15 @@ def _merge(o_acc, lse_acc, o_s, lse_s):
     return o, lse
 
 
-def _check_same_everywhere(ring: _Ring, dims, q, causal, mixed_precision) -> None:
+def _check_same_everywhere(ring: _Ring, dims, q, opts) -> None:
     """All ranks must call with the same shapes and options (else the ring would hang or lie)."""
-    mine = torch.tensor([dims.B, dims.Hq, dims.Hkv, dims.Nq, dims.Nk, dims.D,
-                         _DTYPE_CODES[q.dtype], _CAUSAL_CODES[causal], int(mixed_precision)],
-                        dtype=torch.int64)
+    mine = torch.tensor(_meta(dims, q, opts), dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(ring.size)]
     dist.all_gather(everyone, mine, group=ring.group)
     for other_rank, theirs in enumerate(everyone):
-        if not torch.equal(theirs, mine):
-            diff = {f: (int(a), int(b)) for f, a, b in zip(_META_FIELDS, mine, theirs) if a != b}
-            raise ValueError(
-                f"q: every rank must hold equal shards with the same options; rank {ring.rank} "
-                f"and rank {other_rank} differ in (this rank, that rank) = {diff}"
-            )
+        message = _mismatch_message(ring.rank, other_rank, mine.tolist(), theirs.tolist())
+        if message is not None:
+            raise ValueError(message)
 
 
 class _RingAttentionFunction(torch.autograd.Function):
@@ -241,5 +266,5 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, mixed_preci
             f"one sequence), got Nq={dims.Nq} and Nk={dims.Nk}"
         )
     ring = _Ring(group)
-    _check_same_everywhere(ring, dims, q, opts.causal, opts.mixed_precision)
+    _check_same_everywhere(ring, dims, q, opts)
     return _RingAttentionFunction.apply(q, k, v, ring, _ops._EXECUTORS[kind], opts)

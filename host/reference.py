@@ -51,6 +51,7 @@ from host.validation import (
     check_score_mods,
     check_softmax_input,
     check_tree_mask,
+    describe,
     normalize_causal,
     normalize_dtype,
     normalize_gelu_approximate,
@@ -116,7 +117,7 @@ def _infer_batch(*lens) -> int:
 
 
 def attention_mask(nq, nk, *, batch=None, causal=None, window=None, q_lens=None,
-                   kv_lens=None) -> np.ndarray:
+                   kv_lens=None, rows=None) -> np.ndarray:
     """Visibility mask of prefill attention (True = key j is visible to query i).
 
     Parameters
@@ -131,10 +132,12 @@ def attention_mask(nq, nk, *, batch=None, causal=None, window=None, q_lens=None,
         Sliding window; -1 = unbounded on that side.
     q_lens, kv_lens : (B,) ints, optional
         Valid query / key lengths per sequence, in ``[0, Nq]`` / ``[0, Nk]``.
+    rows : 1-D ints in [0, Nq), optional
+        Only these query rows (a sampled check of a long sequence); default all.
 
     Returns
     -------
-    numpy.ndarray of bool, shape (B, Nq, Nk)
+    numpy.ndarray of bool, shape (B, Nq, Nk) (or (B, len(rows), Nk))
 
     Notes
     -----
@@ -160,7 +163,7 @@ def attention_mask(nq, nk, *, batch=None, causal=None, window=None, q_lens=None,
     q_valid = np.full(batch, nq, np.int64) if q_valid is None else q_valid
     k_valid = np.full(batch, nk, np.int64) if k_valid is None else k_valid
 
-    i = np.arange(nq).reshape(1, nq, 1)
+    i = _rows(rows, nq).reshape(1, -1, 1)
     j = np.arange(nk).reshape(1, 1, nk)
     nq_b = q_valid.reshape(batch, 1, 1)
     nk_b = k_valid.reshape(batch, 1, 1)
@@ -176,7 +179,20 @@ def attention_mask(nq, nk, *, batch=None, causal=None, window=None, q_lens=None,
             visible = visible & (j >= diag - left)
         if right != WINDOW_UNBOUNDED:
             visible = visible & (j <= diag + right)
-    return np.broadcast_to(visible, (batch, nq, nk)).copy()
+    return np.broadcast_to(visible, (batch, i.shape[1], nk)).copy()
+
+
+def _rows(rows, nq: int) -> np.ndarray:
+    """Validated query-row subset (int64), or every row."""
+    if rows is None:
+        return np.arange(nq)
+    arr = np.asarray(rows)
+    if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
+        raise ValueError(f"rows: expected a non-empty 1-D integer array, got {describe(rows)}")
+    if arr.min() < 0 or arr.max() >= nq:
+        raise ValueError(f"rows: values must be in [0, Nq={nq}), got {int(arr.min())}.."
+                         f"{int(arr.max())}")
+    return arr.astype(np.int64)
 
 
 def decode_mask(T, cache_len, S_max, tree_mask=None) -> np.ndarray:
@@ -283,14 +299,17 @@ def _sink(mods: ScoreMods):
     return None if mods.sinks is None else mods.sinks[None, :, None, None]
 
 
-def _prefill_masks(dims, causal, window, q_lens, kv_lens, block_mask=None) -> np.ndarray:
-    """(B, 1 or Hq, Nq, Nk) visibility mask for a validated attention call; a block-sparse
-    pattern (see :mod:`host.block_sparse`) removes the keys of its inactive blocks."""
+def _prefill_masks(dims, causal, window, q_lens, kv_lens, block_mask=None,
+                   rows=None) -> np.ndarray:
+    """(B, 1 or Hq, Nq, Nk) visibility mask for a validated attention call (only ``rows`` of
+    the queries when given); a block-sparse pattern (see :mod:`host.block_sparse`) removes the
+    keys of its inactive blocks."""
     mask = attention_mask(dims.Nq, dims.Nk, batch=dims.B, causal=causal, window=window,
-                          q_lens=q_lens, kv_lens=kv_lens)[:, None]
+                          q_lens=q_lens, kv_lens=kv_lens, rows=rows)[:, None]
     sparsity = _bs.check_block_mask(block_mask, dims.B, dims.Hq, dims.Nq, dims.Nk)
     if sparsity is not None:
-        mask = mask & _bs.expand(sparsity.dense, dims.Nq, dims.Nk)
+        mask = mask & np.take(_bs.expand(sparsity.dense, dims.Nq, dims.Nk),
+                              _rows(rows, dims.Nq), axis=-2)
     return mask
 
 
@@ -327,7 +346,7 @@ def _scores(q: np.ndarray, k_exp: np.ndarray, scale: float) -> np.ndarray:
 
 def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=None,
                       kv_lens=None, block_mask=None, dropout_p=0.0, dropout_mask=None,
-                      softcap=None, alibi_slopes=None, sinks=None
+                      softcap=None, alibi_slopes=None, sinks=None, rows=None
                       ) -> Tuple[np.ndarray, np.ndarray]:
     """Exact attention forward in float64.
 
@@ -352,6 +371,9 @@ def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=N
     softcap, alibi_slopes, sinks : optional
         Score modifiers (:func:`host.validation.check_score_mods`). With sinks, a row without
         visible keys has ``o = 0`` and ``lse = sink``.
+    rows : 1-D ints, optional
+        Compute only these query rows (outputs ``(B, Hq, len(rows), ...)``): an exact check of
+        a sample of a sequence too long for the full score matrix.
 
     Returns
     -------
@@ -364,12 +386,16 @@ def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=N
     dims = check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES, same_dtype=False,
                                   max_head_dim=None)
     scale = check_scale(scale, dims.D)
-    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens, block_mask)
+    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens, block_mask, rows)
     drop = _dropout_factor(dims, dropout_p, dropout_mask)
     mods = check_score_mods(softcap, alibi_slopes, sinks, dims.B, dims.Hq)
     q64, k64, v64 = _f64(q), _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
-    s, _ = _modify_scores(_scores(q64, k64, scale), mods,
-                          _query_positions(dims, causal, q_lens, kv_lens))
+    qpos = _query_positions(dims, causal, q_lens, kv_lens)
+    if rows is not None:    # np.take keeps C order (fancy indexing would not)
+        sel = _rows(rows, dims.Nq)
+        q64, qpos = np.take(q64, sel, axis=2), np.take(qpos, sel, axis=2)
+        drop = None if drop is None else np.take(drop, sel, axis=2)
+    s, _ = _modify_scores(_scores(q64, k64, scale), mods, qpos)
     p, lse = _masked_softmax(s, mask, _sink(mods))
     if drop is not None:
         p = p * drop
@@ -752,7 +778,8 @@ def _round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return x.astype(dtype).astype(np.float32)
 
 
-def _lowp_setup(q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_lens, do=None):
+def _lowp_setup(q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_lens, do=None,
+                rows=None):
     if do is None:
         dims = check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES, same_dtype=False,
                                       max_head_dim=None)
@@ -764,14 +791,14 @@ def _lowp_setup(q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_len
         out_dtype = normalize_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
     out_dtype = dtype if out_dtype is None else out_dtype
     scale = check_scale(scale, dims.D)
-    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens)
+    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens, rows=rows)
 
     def rounded(x):
         # ml_dtypes rounds float64 to bfloat16 through float32 (a double rounding that differs
         # from a direct rounding only on exact ties of the float32 value, immaterial here).
         return _f64(x).astype(dtype).astype(np.float32)
 
-    q32 = rounded(q)
+    q32 = rounded(q) if rows is None else np.take(rounded(q), _rows(rows, dims.Nq), axis=2)
     k32 = _expand_kv(rounded(k), dims.group)
     v32 = _expand_kv(rounded(v), dims.group)
     do32 = None if do is None else rounded(do)
@@ -787,7 +814,8 @@ def _lowp_probs(q32, k32, scale, mask, dtype):
 
 
 def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causal=None,
-                            window=None, q_lens=None, kv_lens=None, return_lse=False):
+                            window=None, q_lens=None, kv_lens=None, return_lse=False,
+                            rows=None):
     """Plain (unfused) attention in low precision: the baseline of the tolerance rule.
 
     Mimics PyTorch's eager math in ``dtype``:
@@ -809,6 +837,8 @@ def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causa
         float32 kernel with ``mixed_precision=True``.
     return_lse : bool
         Also return the float32 LSE of the rounded scores.
+    rows : 1-D ints, optional
+        Only these query rows (as in :func:`attention_forward`).
 
     Returns
     -------
@@ -817,7 +847,7 @@ def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causa
     lse : float64 (B, Hq, Nq), only with ``return_lse``
     """
     dims, dtype, out_dtype, scale, mask, q32, k32, v32, _ = _lowp_setup(
-        q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_lens)
+        q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_lens, rows=rows)
     p, lse = _lowp_probs(q32, k32, scale, mask, dtype)
     o = np.matmul(p, v32).astype(out_dtype).astype(np.float64)
     if return_lse:
@@ -962,22 +992,30 @@ def tolerance(ref, baseline, *, floor: float) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def io_lower_bound_bytes(B, Hq, Hkv, Nq, Nk, D, itemsize, lse=True) -> int:
-    """HBM bytes a fused attention forward cannot avoid: every input read once, output written once.
+def io_lower_bound_bytes(B, Hq, Hkv, Nq, Nk, D, itemsize, lse=True, *, q_lens=None,
+                         kv_lens=None) -> int:
+    """HBM bytes a fused attention forward cannot avoid: every input byte it needs read once,
+    every output byte written once.
 
     Derivation: q ``B*Hq*Nq*D`` elements read, k and v ``B*Hkv*Nk*D`` each read, o ``B*Hq*Nq*D``
     written, all of ``itemsize`` bytes; the float32 LSE (``B*Hq*Nq`` x 4 bytes) written when
-    ``lse``. GQA shares each kv head among its query heads, so k/v count once per kv head.
+    ``lse``. GQA shares each kv head among its query heads, so k/v count once per kv head. With
+    ``q_lens``/``kv_lens`` (a padded batch) only the valid query rows and keys need reading;
+    o and LSE are written in full (padded rows get zeros and -inf).
 
     Returns
     -------
     int
-        ``itemsize * (2 B Hq Nq D + 2 B Hkv Nk D) + [lse] 4 B Hq Nq``.
+        ``itemsize * (B Hq (Nq_read + Nq) D + 2 Hkv sum_b Nk_b D) + [lse] 4 B Hq Nq``.
     """
     B, Hq, Hkv, Nq, Nk, D, itemsize = (check_int(n, x, minimum=1) for n, x in zip(
         ("B", "Hq", "Hkv", "Nq", "Nk", "D", "itemsize"), (B, Hq, Hkv, Nq, Nk, D, itemsize)))
-    q_and_o = 2 * B * Hq * Nq * D
-    k_and_v = 2 * B * Hkv * Nk * D
+    q_valid = check_lengths("q_lens", q_lens, B, Nq, upper_name="Nq")
+    k_valid = check_lengths("kv_lens", kv_lens, B, Nk, upper_name="Nk")
+    q_read = B * Nq if q_valid is None else int(q_valid.sum())
+    k_read = B * Nk if k_valid is None else int(k_valid.sum())
+    q_and_o = Hq * (q_read + B * Nq) * D
+    k_and_v = 2 * Hkv * k_read * D
     total = itemsize * (q_and_o + k_and_v)
     if lse:
         total += LSE_ITEMSIZE * B * Hq * Nq

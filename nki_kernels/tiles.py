@@ -666,6 +666,10 @@ DECODE_MIN_SPLIT_KEYS = 4096
 DECODE_SCORE_PASSES = 3
 #: Query rows per program of the merge kernel (one partition tile).
 DECODE_MERGE_ROWS = PMAX
+#: SBUF bytes per partition the merge kernel may plan for its S = num_splits + 1 partial slots
+#: (fp32 o and lse per slot, plus a masked copy of each: 8 (D + 1) bytes per slot). Fits trn1's
+#: usable 176 KiB at ~73%, leaving the allocator headroom.
+DECODE_MERGE_SBUF_BUDGET = 128 * 1024
 #: Lower clamp of the merge's max LSE: a finite shift (nl.fp32.min) even for a row whose every
 #: partial is empty, so exp(-inf - shift) = 0 instead of NaN.
 DECODE_MERGE_M_FLOOR = FP32_MIN
@@ -774,6 +778,12 @@ def decode_bucket(rows: int) -> int:
     return ceil_div(rows, step) * step
 
 
+def decode_max_splits(D: int) -> int:
+    """Largest ``num_splits`` the merge kernel can hold at head dim D
+    (DECODE_MERGE_SBUF_BUDGET over 8 (D + 1) bytes per partial slot, minus the tail slot)."""
+    return max(1, DECODE_MERGE_SBUF_BUDGET // (8 * (D + 1)) - 1)
+
+
 def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: int,
                  num_splits=None, batch: int = 1, key_row=None) -> DecodeTiles:
     """Tiling of a decode call.
@@ -819,6 +829,11 @@ def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: i
         rs = min(rs_max, _round_split_rows_up(ceil_div(cover, ns)))
         return DecodeTiles(n, row_tile, decode_pack(rows, n, rs), rs, ns, rs_max)
     ns = int(num_splits)
+    most = decode_max_splits(D)
+    if ns > most:
+        raise ValueError(
+            f"num_splits: at most {most} splits at head dim D={D} (the merge kernel keeps "
+            f"num_splits + 1 fp32 partials of D + 1 values per row on chip), got {ns}")
     rs = _round_split_rows_up(max(1, ceil_div(rows_needed, ns)))
     if rs > rs_max:
         need = ceil_div(rows_needed, rs_max)

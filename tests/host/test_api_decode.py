@@ -115,6 +115,20 @@ def test_num_splits_is_honoured_including_more_than_needed():
     assert_within_rule(q, k, v, [3, 256], o)
 
 
+def test_num_splits_above_the_merge_limit_is_a_clear_error():
+    from nki_kernels import tiles
+
+    q, k, v = inputs(S_max=256)
+    D = q.shape[-1]
+    most = tiles.decode_max_splits(D)
+    assert host.plan_flash_decode(q, k, v, cache_lens=[3, 256], num_splits=most).num_splits \
+        == most
+    with pytest.raises(ValueError, match=rf"num_splits: at most {most} splits at head dim "
+                                         rf"D={D} .*got 1000"):
+        host.flash_decode(q, k, v, cache_lens=[3, 256], num_splits=1000)
+    assert tiles.decode_max_splits(128) == 126
+
+
 # --------------------------------------------------------------------------------------------
 # IO
 # --------------------------------------------------------------------------------------------

@@ -144,3 +144,21 @@ def test_ring_errors_without_process_group():
     with pytest.raises(ValueError, match=r"q: device meta is not supported"):
         m = q.to("meta")
         ring_attention(m, m, m)
+
+
+def test_rank_mismatch_messages_name_the_options_in_words():
+    from host import distributed as d
+
+    base = [1, 4, 2, 64, 64, 32, d._DTYPES.index(torch.bfloat16),
+            d._CAUSALS.index("bottom_right"), 1, 0.125]
+    assert d._mismatch_message(0, 1, base, list(base)) is None
+    other = list(base)
+    other[9] = 0.25                                    # a per-rank scale mismatch
+    other[7] = d._CAUSALS.index(None)                  # one rank causal, the other not
+    msg = d._mismatch_message(0, 1, base, other)
+    assert "rank 0 and rank 1 differ in" in msg
+    assert "scale: 0.125 here, 0.25 on rank 1" in msg
+    assert "causal: 'bottom_right' here, None on rank 1" in msg
+    other = list(base)
+    other[6] = d._DTYPES.index(torch.float32)
+    assert "dtype: bfloat16 here, float32 on rank 1" in d._mismatch_message(0, 1, base, other)

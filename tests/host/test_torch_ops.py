@@ -809,3 +809,27 @@ def test_xla_backward_takes_runtime_lengths(monkeypatch):
             assert torch.isfinite(g).all() and err <= tol, f"step {step} {name}: {err:.3g}"
     assert len(set(bwd.compile_keys)) == 1 and len(bwd.compile_keys) == len(steps)
     assert len(set(fwd.compile_keys)) == 1
+
+
+@pytest.mark.parametrize("dtype,given,expected", [
+    (torch.float32, None, False),       # a drop-in keeps PyTorch's float32 precision
+    (torch.float32, True, True),        # bf16 operands only when asked
+    (torch.bfloat16, None, True),
+])
+def test_sdpa_precision_default_follows_pytorch(fake_kernels, dtype, given, expected):
+    q, k, v = (x.to(dtype) for x in _qkv(1, 2, 2, 5, 5, 8))
+    kw = {} if given is None else {"mixed_precision": given}
+    scaled_dot_product_attention(q, k, v, **kw)
+    assert fake_kernels.calls[0][1]["mixed_precision"] is expected
+
+
+@pytest.mark.skipif(__import__("nki_kernels.nki").nki.BACKEND != "simulate",
+                    reason="runs the real kernels on the simulator")
+def test_sdpa_float32_default_error_is_pytorch_like():
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 130, 64, generator=g) for _ in range(3))
+    err = (scaled_dot_product_attention(q, k, v, is_causal=True)
+           - F.scaled_dot_product_attention(q, k, v, is_causal=True)).abs().max().item()
+    assert err < 1e-5
