@@ -18,13 +18,15 @@ import operator
 import numpy as np
 
 from ._errors import nki_error
+from ._strict import INT_TYPES, SymbolicIndex
 from ._runtime import current as _in_kernel_check
 
 _ids = itertools.count()
 
 
 def _is_int(v):
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+    """An integer index value: a Python/NumPy int or a symbolic loop index (strict mode)."""
+    return isinstance(v, INT_TYPES) and not isinstance(v, (bool, np.bool_))
 
 
 class IndexVar:

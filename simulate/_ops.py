@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _cost, _dtypes
+from . import _cost, _dtypes, _strict
 from ._dtypes import F32, BOOL
 from ._errors import nki_error, fmt_shape
 from ._index import eval_mask
@@ -291,6 +291,7 @@ def scalar_or_tile(x, api, pname):
     if type(x) is Tensor:
         a, di = tile_operand(x, api, pname)
         return a, di, x
+    _strict.refuse_scalar_operand(x)
     if isinstance(x, (bool, np.bool_, int, float, np.number)):
         di = _dtypes.weak_scalar_info(x)
         if di.is_float:

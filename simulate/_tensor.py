@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _deps, _dtypes, _runtime, _hw
+from . import _deps, _dtypes, _runtime, _hw, _strict
 from ._dtypes import F32
 from ._errors import nki_error, hw_error, fmt_shape
 from ._index import IndexExpr, MGridResult, Predicate, _is_int
@@ -40,7 +40,7 @@ def space(buf):
 # =============================================================================================
 class Storage:
     __slots__ = ("arr", "di", "buffer", "_name", "pdim", "ctx", "param", "mutable", "written",
-                 "bpp", "banks", "acct", "aloops", "deps", "__weakref__")
+                 "bpp", "banks", "acct", "aloops", "deps", "foreign", "__weakref__")
 
     def __init__(self, arr, di, buffer, ctx, pdim=0, name=None):
         self.arr = arr
@@ -58,6 +58,9 @@ class Storage:
         # loops active at allocation (uids) and per-loop written-element records (_deps)
         self.aloops = _deps.alloc_loops(ctx) if ctx is not None else ()
         self.deps = None
+        # PSUM: the non-TensorE instruction that last wrote (part of) this tile since TensorE
+        # last overwrote it, or None (the accumulation-group rule of strict mode)
+        self.foreign = None
 
     @staticmethod
     def new_param(arr, di, name, mutable):
@@ -1080,6 +1083,8 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
     n = _free(dshape)
     if direct:
         _recharge_direct(ctx, value, vshape, dst, dshape, n, m)
+    if st.buffer == PSUM:
+        _track_psum_writer(st, direct, tag, accumulate, value)
     if accumulate is None:
         if ddi is not vdi and not (ddi is F32 and vdi.is_float):
             vals = ddi.round(vals)
@@ -1105,6 +1110,27 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
             rec.add("vector", _cost.tensor_tensor_cycles(
                 n, a_psum, b_psum, ddi is _dtypes.BF16 and vdi is _dtypes.BF16))
     st.written = True
+
+
+_TENSOR_ENGINE_TAGS = ("matmul", "pe_transpose", "nl_matmul")
+
+
+def _track_psum_writer(st, direct, tag, accumulate, value):
+    """Accumulation groups of a PSUM tile: a TensorE overwrite starts a clean group; another
+    engine's write (other than a zero fill) leaves a foreign value that a later TensorE
+    accumulation must not add onto (refused in strict mode, see _strict)."""
+    by_pe = direct and tag in _TENSOR_ENGINE_TAGS
+    if by_pe and accumulate == "add":
+        if st.foreign is not None and _strict.is_strict():
+            _strict.refuse_foreign_accumulation(st.name, st.foreign)
+        return
+    if by_pe and accumulate is None:
+        st.foreign = None
+        return
+    if accumulate is None and isinstance(value, (int, float, np.number)) and value == 0:
+        return                                   # a zero fill: same result either way
+    st.foreign = (f"'{tag}'" if direct and tag else
+                  "a VectorE accumulation" if accumulate is not None else "a copy")
 
 
 def _free(shape):

@@ -14,9 +14,10 @@ import enum
 
 import numpy as np
 
-from . import _cost, _deps, _dma, _dtypes, _hw, _ops, _tensor
+from . import _cost, _deps, _dma, _dtypes, _hw, _ops, _strict, _tensor
 from ._dtypes import F32
 from ._errors import nki_error, hw_error, fmt_shape
+from ._strict import INT_TYPES
 from ._index import IndexExpr, Predicate, eval_mask
 from ._runtime import enter, current
 from ._tensor import (Tensor, tile_operand, make_result, check_partitions, SBUF, PSUM,
@@ -135,6 +136,7 @@ def _pvec(x, P, api, pname, nd):
                             f"'{pname}' of '{api}' must be a scalar or a [{P}, 1] vector, got "
                             f"{fmt_shape(x.shape)}")
         return _f32(a).reshape((P,) + (1,) * (nd - 1)), di
+    _strict.refuse_scalar_operand(x)
     if isinstance(x, (bool, int, float, np.number)):
         return np.float32(x), _dtypes.weak_scalar_info(x)
     raise TypeError(f"'{pname}' of '{api}' must be a scalar or a tile, got {type(x).__name__}")
@@ -342,6 +344,7 @@ def _act_scale(scale, P, api, nd):
                             f"partition dimension, scale.shape={fmt_shape(scale.shape)}")
         a, _ = tile_operand(scale, api, "scale")
         return _f32(a).reshape((P,) + (1,) * (nd - 1))
+    _strict.refuse_scalar_operand(scale)
     if isinstance(scale, (bool, int, float, np.number)):
         return np.float32(scale)
     raise nki_error("err_activation_scale_invalid_type", "type",
@@ -804,7 +807,7 @@ def iota(expr, dtype, *, mask=None, **kwargs):
         shape = expr.shape
         if len(shape) == 0:
             vals = vals.reshape(1, 1)
-    elif isinstance(expr, (int, np.integer)):
+    elif isinstance(expr, INT_TYPES):             # incl. a loop index / program id
         vals = np.full((1, 1), int(expr), np.int64)
     else:
         raise TypeError(f"'expr' of 'iota' must be an index expression, got "

@@ -15,7 +15,7 @@ from types import SimpleNamespace as _NS
 import numpy as np
 import ml_dtypes as _mld
 
-from . import _cost, _deps, _dma, _dtypes, _hw, _ops, _runtime, _tensor
+from . import _cost, _deps, _dma, _dtypes, _hw, _ops, _runtime, _strict, _tensor
 from ._dtypes import (float32, float16, bfloat16, float8_e4m3, float8_e5m2, tfloat32, int8,  # noqa: F401,E501 (public nl dtypes)
                       int16, int32, uint8, uint16, uint32, bool_, float32r, F32)
 from ._errors import nki_error, fmt_shape
@@ -129,7 +129,7 @@ def program_id(axis):
         raise nki_error("err_program_id_axis_out_of_bounds", "index",
                         f"axis in `program_id` is out-of-bound(s) of the spmd launch grid: "
                         f"axis={axis}, grid rank={len(ctx.grid)}")
-    return ctx.pid[axis]
+    return _strict.symbolic(ctx.pid[axis], f"nl.program_id({axis})")
 
 
 def num_programs(axes=None):
@@ -178,6 +178,10 @@ def _loop(ctx, r, affine, depth=2, static=False):
 def _loop_gen(ctx, r, state):
     ctx.loop_depth += 1
     ctx.loops.append(state)
+    # strict mode: the index of an NKI loop is a traced value (static_range stays a Python int)
+    what = None
+    if _strict.is_strict() and not state.static:
+        what = f"loop index '{state.var_name()}'"
     try:
         first = True
         n = 0
@@ -187,7 +191,7 @@ def _loop_gen(ctx, r, state):
             state.iter_no = n
             first = False
             n += 1
-            yield i
+            yield i if what is None else _strict.SymbolicIndex(i, what)
     finally:
         ctx.loop_depth -= 1
         try:
@@ -197,18 +201,22 @@ def _loop_gen(ctx, r, state):
 
 
 def affine_range(*args, **kwargs):
-    """``range`` without loop-carried dependencies; yields Python ints. Extra kwargs
-    (``precise_schedule`` ...) are accepted and ignored."""
+    """``range`` without loop-carried dependencies; yields Python ints (symbolic indices in
+    strict mode). Extra kwargs (``precise_schedule`` ...) are accepted and ignored."""
+    _strict.check_bounds("affine_range", args)
     return _loop(current(), range(*(int(a) for a in args)), True)
 
 
 def sequential_range(*args, **kwargs):
-    """``range`` with loop-carried dependencies allowed; yields Python ints."""
+    """``range`` with loop-carried dependencies allowed; yields Python ints (symbolic indices
+    in strict mode)."""
+    _strict.check_bounds("sequential_range", args)
     return _loop(current(), range(*(int(a) for a in args)), False)
 
 
 def static_range(*args, **kwargs):
     """Fully unrolled ``range``; yields Python ints (every iteration is program text)."""
+    _strict.check_bounds("static_range", args)
     return _loop(current(), range(*(int(a) for a in args)), False, static=True)
 
 
@@ -250,9 +258,12 @@ def loop_reduce(x, op, loop_indices, *, dtype=None, mask=None, **kwargs):
 # tensor creation (spec §3.2)
 # =============================================================================================
 def _norm_shape(shape):
-    if isinstance(shape, (int, np.integer)):
+    if isinstance(shape, _strict.INT_TYPES):
         shape = (shape,)
     shape = tuple(shape)
+    for s in shape:
+        if isinstance(s, _strict.SymbolicIndex):
+            s._refuse("a tile shape (shapes are compile-time)")
     pdim = 0
     for i, s in enumerate(shape):
         if isinstance(s, par_dim):

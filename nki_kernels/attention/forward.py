@@ -390,10 +390,12 @@ class _GroupState:
     """SBUF/PSUM state of a group of query tiles (one slot per tile).
 
     - ``qT``: Q^T per head-dim pass, ``[d, slots, 128]`` at matmul dtype.
-    - ``o``: ``[o_acc | l_i]`` in fp32, D + 1 columns (the ones column of V makes PV produce the
-      row sums). With a single slot it lives in one PSUM bank: TensorE accumulates each block's
-      PV on top of it after ScalarE rescaled it in place, so VectorE never touches it. With
-      several slots it lives in SBUF.
+    - ``o``: ``[o_acc | l_i]`` in fp32 in SBUF, D + 1 columns (the ones column of V makes PV
+      produce the row sums). Each key block's PV goes to a fresh PSUM accumulation group
+      (started by an overwriting matmul) and VectorE folds it in: ``o = alpha o + pv``. The
+      running value never sits in PSUM, because TensorE accumulation onto a value another
+      engine wrote (the rescale) is not a documented sum (nc_matmul: the first matmul of an
+      accumulation group overwrites).
     - ``stats``: per slot two alternating rows ``[-m_i | -rowmax of each score tile]`` (raw score
       units): one min-reduction over a row gives ``-m_new``, which goes to the other row's first
       column, so ``-m_i`` survives until alpha is computed.
@@ -402,11 +404,7 @@ class _GroupState:
     def __init__(self, f: _Instance, n: int):
         P, width = T.PMAX, f.tiles.softmax_block // f.tiles.k_tile
         self.qT = [nl.ndarray((rows, n, P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
-        self.o_in_psum = n == 1
-        if self.o_in_psum:
-            self.o = nl.ndarray((P, f.D + 1), dtype=nl.float32, buffer=nl.psum)
-        else:
-            self.o = nl.ndarray((P, n, f.D + 1), dtype=nl.float32, buffer=nl.sbuf)
+        self.o = nl.ndarray((P, n, f.D + 1), dtype=nl.float32, buffer=nl.sbuf)
         self.stats = nl.ndarray((P, n, 2, 1 + width), dtype=nl.float32, buffer=nl.sbuf)
         self.stats[:, :, 0, 0:1] = nisa.memset((P, n, 1), -T.FWD_M_FLOOR, dtype=nl.float32,
                                                engine=nisa.gpsimd_engine)
@@ -415,8 +413,6 @@ class _GroupState:
 
     def o_acc(self, qt: "QueryTile"):
         """``[o_acc | l_i]`` of one query tile, ``[rows, D + 1]`` fp32."""
-        if self.o_in_psum:
-            return self.o[0:qt.rows, :]
         return self.o[0:qt.rows, qt.slot, :]
 
     def neg_m(self, qt: "QueryTile", which: int):
@@ -688,22 +684,14 @@ def attend_block(f: _Instance, st: _GroupState, qt: QueryTile, blk: KeyBlock, kv
     s_tiles = [scores(f, st, qt, tile, kv) for tile in blk.tiles]
     p, alpha = online_softmax(f, st, qt, blk, s_tiles)
     o_acc = st.o_acc(qt)
-    if st.o_in_psum:
-        # ScalarE rescales the PSUM accumulator in place; TensorE accumulates on top of it
-        if alpha is not None:
-            # ScalarE reading and writing a PSUM accumulator in place: documented operands
-            # (activation reads SBUF/PSUM, its result may be assigned into PSUM), not seen in
-            # AWS's kernels
-            o_acc[...] = nisa.activation(nl.copy, o_acc, scale=alpha, dtype=nl.float32)
-        pv_accumulate(f, p, qt, blk, kv, o_acc, overwrite=alpha is None)
+    pv = nl.ndarray((qt.rows, f.D + 1), dtype=nl.float32, buffer=nl.psum)
+    pv_accumulate(f, p, qt, blk, kv, pv, overwrite=True)
+    if alpha is None:
+        o_acc[...] = nisa.activation(nl.copy, pv, dtype=nl.float32)
     else:
-        pv = nl.ndarray((qt.rows, f.D + 1), dtype=nl.float32, buffer=nl.psum)
-        pv_accumulate(f, p, qt, blk, kv, pv, overwrite=True)
-        if alpha is None:
-            o_acc[...] = nisa.activation(nl.copy, pv, dtype=nl.float32)
-        else:
-            scaled = nisa.activation(nl.copy, o_acc, scale=alpha, dtype=nl.float32)
-            o_acc[...] = nisa.tensor_tensor(scaled, pv, nl.add)
+        # one VectorE instruction: o = (o * alpha) + pv, pv read straight from PSUM
+        o_acc[...] = nisa.scalar_tensor_tensor(data=o_acc, op0=nl.multiply, operand0=alpha,
+                                               op1=nl.add, operand1=pv, dtype=nl.float32)
     st.started[qt.slot] = True
 
 

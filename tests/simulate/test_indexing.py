@@ -196,7 +196,7 @@ def test_mask_loop_only_predicate_enables_whole_instruction():
         o = nl.ndarray((3, 4, 4), nl.float32, buffer=nl.shared_hbm)
         for i in nl.affine_range(3):
             t = nl.zeros((4, 4), nl.float32)
-            t[...] = nl.add(nl.load(x), i, mask=(i > 0) & (i < 2))
+            t[...] = nl.add(nl.load(x), 1.0, mask=(i > 0) & (i < 2))
             nl.store(o[i], t)
         return o
     o = k(a)

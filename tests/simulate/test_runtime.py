@@ -362,8 +362,8 @@ def test_shared_hbm_shared_across_instances():
         out = nl.ndarray((4, 1), nl.float32, buffer=nl.shared_hbm)
         out2 = nl.ndarray((4, 1), nl.float32, buffer=nl.shared_hbm)
         p = nl.program_id(0)
-        nl.store(out[p:p + 1, :], float(p))
-        nl.store(out2[p:p + 1, :], float(10 * p))
+        nl.store(out[p:p + 1, :], nisa.iota(p, dtype=nl.float32))
+        nl.store(out2[p:p + 1, :], nisa.iota(10 * p, dtype=nl.float32))
         return out, out2
     o1, o2 = k[4](np.ones((1, 1), np.float32))
     np.testing.assert_array_equal(o1[:, 0], [0, 1, 2, 3])
