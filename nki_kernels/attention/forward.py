@@ -12,9 +12,11 @@ it may see::
         P_ij  = exp(c S_ij - c m_new)                      ScalarE: one activation per bank,
                                                            scale and max folded in (bias)
         alpha = exp(c m_i - c m_new)                       ScalarE, on a (P, 1) column
-        [o_acc | l_i] = alpha [o_acc | l_i]                ScalarE, in place in PSUM
-                      + P_ij [V_j | 1]                     TensorE: P^T by PE transposes, copied
-        m_i   = m_new                                      to SBUF by ScalarE/VectorE, then PV
+        pv    = P_ij [V_j | 1]                             TensorE into a fresh PSUM tile: P^T by
+                                                           PE transposes, copied to SBUF by
+                                                           ScalarE/VectorE, then PV
+        [o_acc | l_i] = alpha [o_acc | l_i] + pv           VectorE (scalar_tensor_tensor), SBUF
+        m_i   = m_new
     O_i   = o_acc / l_i        (0 where l_i = 0: no visible key)
     LSE_i = c m_i + log l_i    (-inf where l_i = 0, by an explicit select)
 
@@ -402,11 +404,10 @@ class _GroupState:
     def __init__(self, f: _Instance, n: int):
         P, width = T.PMAX, f.tiles.softmax_block // f.tiles.k_tile
         self.qT = [nl.ndarray((rows, n, P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
-        self.o_in_psum = n == 1
-        if self.o_in_psum:
-            self.o = nl.ndarray((P, f.D + 1), dtype=nl.float32, buffer=nl.psum)
-        else:
-            self.o = nl.ndarray((P, n, f.D + 1), dtype=nl.float32, buffer=nl.sbuf)
+        # SBUF, fp32: each block's PV goes to a fresh PSUM tile (its own accumulation group)
+        # and is folded in on ScalarE/VectorE; TensorE never accumulates onto PSUM that
+        # another engine wrote
+        self.o = nl.ndarray((P, n, f.D + 1), dtype=nl.float32, buffer=nl.sbuf)
         self.stats = nl.ndarray((P, n, 2, 1 + width), dtype=nl.float32, buffer=nl.sbuf)
         self.stats[:, :, 0, 0:1] = nisa.memset((P, n, 1), -T.FWD_M_FLOOR, dtype=nl.float32,
                                                engine=nisa.gpsimd_engine)
@@ -415,8 +416,6 @@ class _GroupState:
 
     def o_acc(self, qt: "QueryTile"):
         """``[o_acc | l_i]`` of one query tile, ``[rows, D + 1]`` fp32."""
-        if self.o_in_psum:
-            return self.o[0:qt.rows, :]
         return self.o[0:qt.rows, qt.slot, :]
 
     def neg_m(self, qt: "QueryTile", which: int):
@@ -688,22 +687,14 @@ def attend_block(f: _Instance, st: _GroupState, qt: QueryTile, blk: KeyBlock, kv
     s_tiles = [scores(f, st, qt, tile, kv) for tile in blk.tiles]
     p, alpha = online_softmax(f, st, qt, blk, s_tiles)
     o_acc = st.o_acc(qt)
-    if st.o_in_psum:
-        # ScalarE rescales the PSUM accumulator in place; TensorE accumulates on top of it
-        if alpha is not None:
-            # ScalarE reading and writing a PSUM accumulator in place: documented operands
-            # (activation reads SBUF/PSUM, its result may be assigned into PSUM), not seen in
-            # AWS's kernels
-            o_acc[...] = nisa.activation(nl.copy, o_acc, scale=alpha, dtype=nl.float32)
-        pv_accumulate(f, p, qt, blk, kv, o_acc, overwrite=alpha is None)
+    pv = nl.ndarray((qt.rows, f.D + 1), dtype=nl.float32, buffer=nl.psum)
+    pv_accumulate(f, p, qt, blk, kv, pv, overwrite=True)
+    if alpha is None:
+        o_acc[...] = nisa.activation(nl.copy, pv, dtype=nl.float32)
     else:
-        pv = nl.ndarray((qt.rows, f.D + 1), dtype=nl.float32, buffer=nl.psum)
-        pv_accumulate(f, p, qt, blk, kv, pv, overwrite=True)
-        if alpha is None:
-            o_acc[...] = nisa.activation(nl.copy, pv, dtype=nl.float32)
-        else:
-            scaled = nisa.activation(nl.copy, o_acc, scale=alpha, dtype=nl.float32)
-            o_acc[...] = nisa.tensor_tensor(scaled, pv, nl.add)
+        # o_acc = alpha o_acc + pv in one VectorE pass (alpha a per-row scalar)
+        o_acc[...] = nisa.scalar_tensor_tensor(data=o_acc, op0=nl.multiply, operand0=alpha,
+                                               op1=nl.add, operand1=pv)
     st.started[qt.slot] = True
 
 
