@@ -181,11 +181,10 @@ def test_seed_worked_example():
     np.testing.assert_allclose(o[0, 0, 1], [0.8146 / 1.8146, 1.0 / 1.8146], atol=1e-4)
     np.testing.assert_allclose(lse[0, 0, 1], 0.325 + np.log(1.8146), atol=2e-3)
     check(q, k, v, o, lse, mixed_precision=False, causal=True)
-    # Bq = 2 gives three query tiles; key tile 1 (keys 3-5) is skipped for query tile 0
+    # Bq = 2 gives three query tiles, one span each; keys 2-5 are never swept for tile 0
     plan = F.plan_forward(6, 6, 1, MaskSpec(6, 6, "bottom_right"), tiles)
-    first = plan.groups[0][0]
-    assert (first.i0, first.rows) == (0, 2) and len(plan.groups) == 3
-    assert [t.j0 + t.width for b in first.blocks for t in b.tiles] == [2]
+    assert [(sp.t0, sp.tiles, sp.rows) for sp in plan.spans] == [(0, 1, 2), (1, 1, 2), (2, 1, 2)]
+    assert plan.spans[0].regions == (F.Region(0, 2, True),)
 
 
 def test_bf16_large_scores_stay_finite():
@@ -399,16 +398,21 @@ def test_dma_transposed_p_trn2():
 
 
 def test_plan_skips_causal_tiles():
-    """Causal: each query tile's keys end at its last row's diagonal (whole tiles skipped)."""
+    """Causal: the query tiles form FWD_Q_SPANS spans (plus the partial tile); each span sweeps
+    keys up to its last row's diagonal, unmasked up to its first row's (128-aligned), so the
+    swept area is about (1 + 1/spans) / 2 of the square."""
     tiles = T.ForwardTiles()
-    plan = F.plan_forward(1000, 1000, 1, MaskSpec(1000, 1000, "top_left"), tiles)
-    for qt in (q for g in plan.groups for q in g):
-        last = max(t.j0 + t.width for b in qt.blocks for t in b.tiles)
-        assert last == qt.i0 + qt.rows
-        assert all(b.width <= tiles.softmax_block for b in qt.blocks)
-    computed = sum(t.width * qt.rows for g in plan.groups for qt in g
-                   for b in qt.blocks for t in b.tiles)
-    assert computed < 0.57 * 1000 * 1000
+    for N in (1000, 4096, 16384):
+        plan = F.plan_forward(N, N, 1, MaskSpec(N, N, "top_left"), tiles)
+        assert len(plan.spans) == min(T.FWD_Q_SPANS, N // 128) + (N % 128 > 0)
+        swept = 0
+        for sp in plan.spans:
+            r0, r1 = sp.t0 * 128, sp.t0 * 128 + sp.tiles * sp.rows
+            assert sp.regions[-1].k1 == r1 and sp.regions[-1].masked
+            assert all(not rg.masked for rg in sp.regions[:-1])
+            assert sp.regions[0].k0 == 0 and (len(sp.regions) == 1 or sp.regions[0].k1 <= r0)
+            swept += (r1 - r0) * sum(rg.k1 - rg.k0 for rg in sp.regions)
+        assert swept < (0.5 + 0.5 / min(T.FWD_Q_SPANS, N // 128) + 0.07) * N * N
 
 
 def test_choose_tiles_streams_when_kv_does_not_fit():
@@ -463,7 +467,9 @@ def test_streaming_hbm_bytes_match_formula(B, Hq, Hkv, Nq, Nk, q_group):
     assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
     assert (read, written) == F.plan_hbm_bytes(B, Hq, Hkv, Nq, Nk, D, 2, tiles)
     passes = T.forward_kv_passes(Nq, Hq // Hkv, tiles)
-    assert passes == -(-(Hq // Hkv) * -(-Nq // 128) // q_group) and passes > 1
+    # a group: the same q_group // G tiles of every head; the partial tile alone
+    per_head = max(1, q_group // (Hq // Hkv))
+    assert passes == -(-(Nq // 128) // per_head) + (Nq % 128 > 0) and passes > 1
     assert m.per_tensor["k"]["read"] == B * Hkv * passes * Nk * D * 2
 
 
