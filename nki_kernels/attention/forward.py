@@ -42,11 +42,13 @@ Tile sizes (``nki_kernels/tiles.py``, ``FWD_*``) and why:
 - **2048 keys per softmax block** (4 banks): each online-softmax update costs a few (P, 1)
   instructions of >= 64 cycles (min-reduction, bias, alpha) and one rescale of [o_acc | l]; over
   2048 keys they are ~5 % of the per-score work. PSUM: 4 banks of S + 2 of P^T (double-buffered)
-  + 1 for [o_acc | l] = 7 of 8.
+  + 1 for the block's PV = 7 of 8. The running [o_acc | l] stays in SBUF (fp32): TensorE never
+  accumulates onto PSUM another engine wrote (undocumented), so every block's PV is its own
+  accumulation group, folded in by VectorE.
 - **128-key PV chunks, 4 per P^T tile**: P^T [128 keys, 128 queries] (PE transpose) is the
   stationary operand and [V | 1] [128 keys, D + 1] the moving one. Four chunks share a PSUM bank
   and one PSUM -> SBUF copy (512 columns), fine enough to split the copies between ScalarE and
-  VectorE so both finish together (``tiles.fwd_act_evac_share``, computed from the schedule).
+  VectorE so both finish together (``tiles.fwd_act_evac_share``, computed from the shape).
 - **K/V residency**: K^T ``[D, Nk]`` and [V | 1] (``Nk/128`` blocks) at matmul precision stay in
   SBUF for all query tiles of the group when they fit (bf16 D = 128: ~4 Nk bytes per partition,
   Nk up to ~32K on trn1's budget), so every HBM byte is read once. Otherwise K/V streams in
@@ -56,9 +58,11 @@ Tile sizes (``nki_kernels/tiles.py``, ``FWD_*``) and why:
   PV writes D + 1 <= 512 fp32 per partition (one bank).
 
 Engine work per 128 x 2048 block (D = 128): TensorE 6160 cycles (S 2048, P transposes 2048,
-PV 16 x 129); VectorE 2112 (row max: one fp32 PSUM read per score; min-reduction); ScalarE 2305
-(exp; bias, alpha, rescale); plus the 2048-column P^T copy (VectorE 1/2 cycle per column on trn2,
-ScalarE 1). trn2 N = 4096 models at ~188 us with TensorE at ~168 us (benchmarks/forward.py).
+PV 16 x 129); VectorE 2370 (row max: one fp32 PSUM read per score; min-reduction; the
+``o_acc = alpha o_acc + pv`` fold, 2 (D + 1)); ScalarE 2112 (exp; alpha); GpSimd the bias and
+the m_i copy; plus the 2048-column P^T copy, split at a 32-column boundary between ScalarE (1
+cycle per column) and VectorE (1/2 on trn2) so both finish together. trn2 N = 4096 models at
+~196 us with TensorE at ~168 us (``nki-flash run``).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
@@ -68,7 +72,9 @@ it leaves PSUM after its transpose (free), and the exp runs with ``c = 1``.
 Masks: see ``masks.py``. Partial last tiles (any Nq, Nk >= 1) are not padded: their tiles simply
 have fewer rows/keys, so out-of-range keys never enter a max, an exp or a sum (the hazard of seed
 001 cannot arise). Causal and window masks add a finite ``MASK_NEG`` to the scores on TensorE
-before the row max (only on boundary tiles; fully masked tiles are never computed), and the
+before the row max (only on tiles crossing a band edge, predicated on the loop indices; whole
+key ranges a span of query tiles cannot see are outside its loops, see "Loop structure"), and
+the
 running max is floored at ``M_FLOOR``, so a fully masked row ends with l_i = 0, O = 0 and
 LSE = -inf, never NaN.
 
@@ -95,22 +101,23 @@ static options) serves every set of lengths. The band stays static, and so does 
   LSE = -inf) at write-back. Work is that of the padded shape; the lengths cost O(N d) extra
   (gathers, fills, index tables).
 
-Measured (``python benchmarks/forward.py --lens none full N/2``, simulator at e33fe61; one head,
-bf16, D = 128): trn2 N = 4096 causal 104.7 us with ``kv_lens = q_lens = [N]`` or ``[N/2]``, as
-without lengths (328.2 us before the rotation, which computed every tile with runtime diagonal
-masks), non-causal 187.8 us (222.4 with the former rank-1 key mask); the same holds at
-N = 16384 and on trn1. HBM reads with ``[N/2]`` are half of Q, K, V plus one key row.
+With lengths the modeled time is that without them (the same loops run), plus a fixed
+per-program setup; HBM reads with ``[N/2]`` are half of Q, K, V plus one key row.
 
 Precision (docs/semantics.md): matmul operands in bf16/fp16 (fp32 inputs: bf16 with
 ``mixed_precision``, else fp32); PSUM, statistics, o_acc and LSE in fp32; O in q's dtype.
 
 APIs whose legacy-NKI status is not fully confirmed (reference/nki-api-spec.md): bf16 PSUM
 output of TensorE transposes on trn2 (gen3 "transpose mode"; fp32 PSUM is used on trn1),
-``nisa.tensor_copy_predicated`` (documented from 2.22), ScalarE ``activation`` writing a PSUM
-tile in place, and ``nisa.dma_transpose`` SBUF -> SBUF (opt-in, ``p_dma_transpose_share``).
+``nisa.tensor_copy_predicated`` (documented from 2.22), and ``nisa.dma_transpose`` SBUF ->
+SBUF (opt-in, ``p_dma_transpose_share``).
 
-The trace is fully unrolled at compile time (``nl.static_range`` and Python lists of the
-schedule): every tile's shape and mask class is a compile-time constant.
+The kernel is a fixed nest of NKI loops (``nl.affine_range`` over query-tile groups, heads and
+K/V pieces, ``nl.sequential_range`` over key blocks and streamed chunks; "Loop structure"
+below): Python only picks tile sizes and unrolls small constant loops (head-dim passes, score
+tiles and P^T chunks of one block, the spans and regions of a band), so the compiled program
+does not grow with N. Every tile shape is a compile-time constant; tile positions are affine
+expressions of the loop indices; band edges are loop-index predicates (``mask=``).
 """
 from __future__ import annotations
 

@@ -567,3 +567,34 @@ def test_modeled_time_goal_trn2():
     util = 4 * N * N * D / (lower * 78.6e12)
     assert lower <= 218e-6 and util >= 0.5
     assert m.engine_seconds["tensor"] >= 0.85 * lower
+
+
+# --------------------------------------------------------------------------------------------
+# Program size: the kernel is a fixed nest of NKI loops
+# --------------------------------------------------------------------------------------------
+
+@needs_measure
+@pytest.mark.parametrize("Nq,Nk_small,Nk_big,mask", [
+    (None, 2048 + 100, 8192 + 100, {}),
+    (None, 2048 + 100, 8192 + 100, {"kv_lens": True, "q_lens": True}),
+    (1024, 4096 + 1024, 16384 + 1024, {"causal": "bottom_right"}),
+    (1024, 4096 + 1000, 16384 + 1000, {"window": (700, 0)}),
+])
+def test_program_size_does_not_grow_with_n(Nq, Nk_small, Nk_big, mask):
+    """``program_instructions`` (loop bodies once) is the same at two sequence lengths whose
+    tails (N mod the tile sizes) match -- every loop over query tiles, key blocks and K/V pieces
+    is an NKI loop -- and far below the 20,000 budget, while the executed instructions grow
+    (except for a window, whose work does not depend on Nk)."""
+    sizes = []
+    for Nk in (Nk_small, Nk_big):
+        nq = Nk if Nq is None else Nq
+        q, k, v = _inputs(np.random.default_rng(Nk), 1, 2, 1, nq, Nk, 64, "bfloat16")
+        kw = dict(mask)
+        for name, n in (("kv_lens", Nk), ("q_lens", nq)):
+            if kw.get(name) is True:
+                kw[name] = [n - 7]
+        m = _measured(q, k, v, **kw)
+        sizes.append((m.program_instructions, sum(m.instructions.values())))
+    (p_small, run_small), (p_big, run_big) = sizes
+    assert p_small == p_big < 20_000
+    assert run_big > (1 if "window" in mask else 2) * run_small
