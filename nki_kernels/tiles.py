@@ -341,11 +341,10 @@ def fwd_act_evac_share(target: str, *, score_cols: int, blocks: int, rescales: i
 
     Per score column (of a 128-row tile) VectorE reads S once for the row max and ScalarE
     computes one exp; per key block VectorE does one min-reduction and ScalarE alpha (GpSimd
-    scales the bias); VectorE folds each block's PV into the SBUF accumulator ``[o_acc | l]``
-    (one ``scalar_tensor_tensor`` of 2 cycles per element over D + 1 columns, ``rescales`` of
-    them); per query tile ScalarE copies Q^T
-    out of PSUM and computes log l and the LSE, VectorE does the write-back (5 small
-    instructions and the D-column normalisation). A copied column costs ScalarE 1 cycle and
+    scales the bias); VectorE adds each block's PV (D + 1 columns read from PSUM) into the SBUF
+    accumulator ``[o_acc | l]`` that GpSimd rescaled (``rescales`` of them); per query tile
+    ScalarE copies Q^T out of PSUM and computes log l and the LSE, VectorE does two small
+    write-back instructions (GpSimd the rest). A copied column costs ScalarE 1 cycle and
     VectorE 1 (trn1) or 1/2 (trn2, 16-bit perf mode).
 
     Parameters are totals over the schedule of one kernel instance: ``score_cols`` columns of
@@ -355,7 +354,7 @@ def fwd_act_evac_share(target: str, *, score_cols: int, blocks: int, rescales: i
     if evac_cols <= 0:
         return 0.5
     ii = FWD_MIN_II
-    dve = score_cols + blocks * ii + rescales * max(ii, 2 * (D + 1)) + q_tiles * (5 * ii + D)
+    dve = score_cols + blocks * ii + rescales * max(ii, D + 1) + q_tiles * 2 * ii
     act = score_cols + blocks * ii + q_tiles * (PMAX + 2 * ii)
     f_act, f_dve, r_dve = FWD_ACT_HZ[target], FWD_DVE_HZ[target], FWD_DVE_COPY16_CYCLES[target]
     # (dve + (1 - a) E r_dve) / f_dve == (act + a E) / f_act

@@ -209,6 +209,12 @@ class NC:
     def __repr__(self):
         return f"nc({self.n})"
 
+    def __eq__(self, other):
+        return isinstance(other, NC) and other.n == self.n
+
+    def __hash__(self):
+        return hash(("nc", self.n))
+
 
 class SpmdDim:
     """``nl.spmd_dim(a, b)``: one grid dimension of size a*b (either factor may be nl.nc)."""
@@ -232,6 +238,12 @@ class SpmdDim:
 
     def __repr__(self):
         return f"spmd_dim({self.a!r}, {self.b!r})"
+
+    def __eq__(self, other):
+        return isinstance(other, SpmdDim) and (other.a, other.b) == (self.a, self.b)
+
+    def __hash__(self):
+        return hash(("spmd_dim", self.a, self.b))
 
 
 def _dim_size(d):

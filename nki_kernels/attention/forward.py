@@ -58,9 +58,9 @@ Tile sizes (``nki_kernels/tiles.py``, ``FWD_*``) and why:
   PV writes D + 1 <= 512 fp32 per partition (one bank).
 
 Engine work per 128 x 2048 block (D = 128): TensorE 6160 cycles (S 2048, P transposes 2048,
-PV 16 x 129); VectorE 2370 (row max: one fp32 PSUM read per score; min-reduction; the
-``o_acc = alpha o_acc + pv`` fold, 2 (D + 1)); ScalarE 2112 (exp; alpha); GpSimd the bias and
-the m_i copy; plus the 2048-column P^T copy, split at a 32-column boundary between ScalarE (1
+PV 16 x 129); VectorE 2241 (row max: one fp32 PSUM read per score; min-reduction; the
+``+ pv`` of ``o_acc = alpha o_acc + pv``, D + 1); ScalarE 2112 (exp; alpha); GpSimd the bias,
+the m_i copy and the ``alpha o_acc`` rescale; plus the 2048-column P^T copy, split at a 32-column boundary between ScalarE (1
 cycle per column) and VectorE (1/2 on trn2) so both finish together. trn2 N = 4096 models at
 ~196 us with TensorE at ~168 us (``nki-flash run``).
 
@@ -400,18 +400,25 @@ class _Instance:
         return _Splitter(self.dma_share)
 
 
-def balance_engines(f: _Instance):
+def balance_engines(f: _Instance, plan: ForwardPlan):
     """Choose how the P^T copies split between ScalarE and VectorE (``tiles.act_evac_share``, or
-    balanced from the non-causal work of the shape, ``tiles.fwd_act_evac_share``)."""
+    balanced from the work of the loop nest, ``tiles.fwd_act_evac_share``; the predicated-off
+    blocks of masked regions count as work: they issue)."""
     share = f.tiles.act_evac_share
     if share is None:
-        q_tiles = f.G * f.per_head
-        blocks = q_tiles * T.ceil_div(f.Nk, f.tiles.softmax_block)
+        Bk = f.tiles.softmax_block
+        cols = blocks = tiles = rows_cols = 0
+        for sp in plan.spans:
+            n = f.G * sp.tiles
+            tiles += n
+            for rg in sp.regions:
+                w = rg.k1 - rg.k0
+                cols += n * w
+                rows_cols += n * w * sp.rows
+                blocks += n * T.ceil_div(w, Bk)
         share = T.fwd_act_evac_share(
-            "trn2" if f.gen3 else "trn1", score_cols=q_tiles * f.Nk, blocks=blocks,
-            rescales=blocks, q_tiles=q_tiles,
-            evac_cols=int((1.0 - f.dma_share) * f.G * f.Nq * f.Nk // T.PMAX),
-            D=f.D)
+            "trn2" if f.gen3 else "trn1", score_cols=cols, blocks=blocks, rescales=blocks,
+            q_tiles=tiles, evac_cols=int((1.0 - f.dma_share) * rows_cols // T.PMAX), D=f.D)
     f.act_share = share
 
 
@@ -789,9 +796,11 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
             else:
                 pv[...] += prod
     o_acc = st.o_acc(s)
-    # o_acc = alpha o_acc + pv in one VectorE pass (alpha a per-row scalar); PSUM read once
-    o_acc[...] = nisa.scalar_tensor_tensor(data=o_acc, op0=nl.multiply, operand0=alpha,
-                                           op1=nl.add, operand1=pv, mask=pred)
+    # o_acc = alpha o_acc + pv: the rescale on GpSimd (SBUF only; otherwise idle), the add on
+    # VectorE (one PSUM read, 1 cycle per element)
+    o_acc[...] = nisa.tensor_scalar(o_acc, nl.multiply, alpha, engine=nisa.gpsimd_engine,
+                                    mask=pred)
+    o_acc[...] = nisa.tensor_tensor(o_acc, pv, nl.add, mask=pred)
 
 
 def write_back(f: _Instance, st: _GroupState, s, h, t):
@@ -812,14 +821,17 @@ def write_back(f: _Instance, st: _GroupState, s, h, t):
 
     o_acc = st.o_acc(s)
     l_i = o_acc[:, f.D:f.D + 1]
-    l_safe = nisa.tensor_scalar(l_i, nl.maximum, T.FWD_L_FLOOR, dtype=nl.float32)
+    # the SBUF-only element-wise steps on GpSimd (VectorE and ScalarE are the busy engines)
+    gp = nisa.gpsimd_engine
+    l_safe = nisa.tensor_scalar(l_i, nl.maximum, T.FWD_L_FLOOR, dtype=nl.float32, engine=gp)
     inv_l = nisa.reciprocal(l_safe)
     # padding rows: multiplied by 0 (o) and deselected (lse)
     in_range = f.q_valid[0:r, nl.ds(col, 1)] if f.spec.q_lens else None
     op1 = nl.multiply if f.spec.q_lens else None
     o_out = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l, op1=op1, operand1=in_range,
-                               dtype=f.o.dtype)
-    keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, op1=op1, operand1=in_range, dtype=nl.uint8)
+                               dtype=f.o.dtype, engine=gp)
+    keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, op1=op1, operand1=in_range, dtype=nl.uint8,
+                              engine=gp)
     store(f.o, o_out)
 
     log_l = nisa.activation(nl.log, l_safe, dtype=nl.float32)
@@ -880,9 +892,34 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
 # ============================================================================================
 
 
+def forward_grid(B: int, Hkv: int, lnc: int):
+    """Launch grid and kernel ``lnc`` for ``lnc`` NeuronCores per logical core (1, or 2 on
+    trn2). LNC=2 spreads independent grid instances over the two cores when it can -- kv heads
+    when Hkv is even, else batches when B is even (``nl.spmd_dim(n, nl.nc(2))``; no extra HBM
+    traffic) -- and otherwise adds an ``nl.nc(2)`` grid dimension over which the kernel splits
+    the query tiles (``lnc=2`` kernel argument; each core then reads all of K/V)."""
+    if lnc not in (1, 2):
+        raise ValueError(f"lnc: expected 1 or 2, got {lnc!r}")
+    if lnc == 1:
+        return (B, Hkv), 1
+    if Hkv % 2 == 0:
+        return (B, nl.spmd_dim(Hkv // 2, nl.nc(2))), 1
+    if B % 2 == 0:
+        return (nl.spmd_dim(B // 2, nl.nc(2)), Hkv), 1
+    return (B, Hkv, nl.nc(2)), 2
+
+
+def _core_range(count: int, core):
+    """``(first, n)``: the affine slice of ``count`` groups one of two cores takes: ``n =
+    ceil(count / 2)`` groups from ``core (count - n)`` (an odd count: the middle group is done
+    by both cores, which write identical results)."""
+    n = T.ceil_div(count, 2)
+    return core * (count - n), n
+
+
 @nki.jit
 def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal=None,
-                        window=None, mm_dtype="bfloat16", tiles=None):
+                        window=None, mm_dtype="bfloat16", tiles=None, lnc=1):
     """Flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B, Hkv, Nk, D)``.
 
     Launch on the grid ``(B, Hkv)``. Tensor arguments live in HBM: q, k, v in fp32/bf16/fp16
@@ -891,12 +928,16 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal
     read, bottom_right sequences are rotated on chip, module docstring). Compile-time arguments:
     ``scale`` (float, any finite value), ``causal`` (None, "top_left", "bottom_right"),
     ``window`` (None or (left, right), -1 = unbounded), ``mm_dtype`` ("bfloat16", "float16",
-    "float32": matmul operand precision), ``tiles`` (:class:`tiles.ForwardTiles`).
+    "float32": matmul operand precision), ``tiles`` (:class:`tiles.ForwardTiles`), ``lnc``
+    (2: launched on ``(B, Hkv, nl.nc(2))``, the two cores of a trn2 logical core split every
+    span's query-tile groups, :func:`forward_grid`).
 
     Returns ``(o, lse)``: o ``(B, Hq, Nq, D)`` in q's dtype, lse ``(B, Hq, Nq)`` float32 (natural
     log; -inf for rows without a visible key). Limits: ``1 <= D <= 256``; any Nq, Nk >= 1.
     """
     tiles = T.ForwardTiles() if tiles is None else tiles
+    if lnc not in (1, 2):
+        raise ValueError(f"lnc: expected 1 or 2, got {lnc!r}")
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None)
@@ -907,7 +948,7 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal
 
     f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, nl.program_id(0),
                   nl.program_id(1))
-    balance_engines(f)
+    balance_engines(f, plan)
     if any(rg.masked for sp in plan.spans for rg in sp.regions):
         f.neg_eye = M.neg_identity(T.PMAX)
         f.zeros = nisa.memset((T.PMAX, tiles.k_tile), 0.0, dtype=nl.bfloat16,
@@ -917,8 +958,10 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal
 
     needs_kv = any(sp.regions for sp in plan.spans)
     kv = load_kv(f, 0, Nk) if plan.resident and needs_kv else None
+    core = nl.program_id(2) if lnc == 2 else None
     for sp in plan.spans:
         for first, count, n in _groups(sp, plan.q_group):
-            for grp in nl.affine_range(count):
-                attend_group(f, plan, sp, sp.t0 + first + grp * n, n, kv)
+            start, mine = (0, count) if core is None else _core_range(count, core)
+            for grp in nl.affine_range(mine):
+                attend_group(f, plan, sp, sp.t0 + first + (start + grp) * n, n, kv)
     return o, lse
