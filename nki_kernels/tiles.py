@@ -35,6 +35,10 @@ FP32_MIN = -3.4028234663852886e38
 #: SBUF bytes per partition a kernel may use, per target: capacity minus the 16 KiB the compiler
 #: reserves (trn1 192 KiB, trn2 224 KiB).
 SBUF_USABLE_BYTES = {"trn1": 192 * 1024 - 16 * 1024, "trn2": 224 * 1024 - 16 * 1024}
+#: SBUF bytes per partition the forward plans into: 90 % of capacity, leaving the compiler's
+#: allocator headroom beyond its reservation (issue "kernels that compile and run": peak SBUF
+#: at most 90 %).
+FWD_SBUF_BUDGET_BYTES = {"trn1": 192 * 1024 * 9 // 10, "trn2": 224 * 1024 * 9 // 10}
 
 
 #: Edge of one block of a block-sparse attention pattern (query rows x keys), the paper's
@@ -526,7 +530,7 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
     target = FWD_DEFAULT_TARGET if target is None else str(target)
     if target not in SBUF_USABLE_BYTES:
         raise ValueError(f"target: expected one of {sorted(SBUF_USABLE_BYTES)}, got {target!r}")
-    budget = SBUF_USABLE_BYTES[target] if sbuf_bytes is None else int(sbuf_bytes)
+    budget = FWD_SBUF_BUDGET_BYTES[target] if sbuf_bytes is None else int(sbuf_bytes)
     base = ForwardTiles(target=target)
     work = fwd_working_bytes(D, in_itemsize, mm_itemsize, base, masks=masks)
     work += fwd_length_table_bytes(Nq, Nk, group, D, q_lens=q_lens, kv_lens=kv_lens)

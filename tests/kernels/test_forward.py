@@ -598,3 +598,23 @@ def test_program_size_does_not_grow_with_n(Nq, Nk_small, Nk_big, mask):
     (p_small, run_small), (p_big, run_big) = sizes
     assert p_small == p_big < 20_000
     assert run_big > (1 if "window" in mask else 2) * run_small
+
+
+@needs_measure
+@pytest.mark.parametrize("Nq,Nk,D,G,lens", [
+    (128, 33280, 128, 1, False), (128, 15232, 256, 1, False), (128, 45952, 64, 1, False),
+    (128, 33000, 128, 1, True), (1024, 33408, 128, 8, False),
+])
+def test_peak_sbuf_within_90_percent(Nq, Nk, D, G, lens):
+    """At the largest resident K/V (and just past it, streaming with the largest query group the
+    budget allows) the measured peak SBUF stays within 90 % of trn1's capacity, the compiler's
+    headroom (``tiles.FWD_SBUF_BUDGET_BYTES``)."""
+    q, k, v = _inputs(np.random.default_rng(Nk), 1, G, 1, Nq, Nk, D, "bfloat16")
+    kw = dict(kv_lens=[Nk - 5], q_lens=[Nq - 3]) if lens else {}
+    tiles = T.choose_forward_tiles(Nq, Nk, D, G, 2, 2, kv_lens=lens, q_lens=lens)
+    import simulate
+
+    with simulate.measure(target="trn1") as m:
+        run_kernel(q, k, v, tiles=tiles, **kw)
+    assert m.peak_sbuf_bytes_per_partition <= T.FWD_SBUF_BUDGET_BYTES["trn1"]
+    assert m.peak_sbuf_bytes_per_partition <= 0.9 * 192 * 1024
