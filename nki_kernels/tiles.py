@@ -301,7 +301,7 @@ FWD_KV_CHUNK = FWD_SOFTMAX_BLOCK
 #: only the union of its rows' key ranges (compile-time loop bounds), so a causal kernel
 #: computes about (1 + 1/FWD_Q_SPANS) / 2 of the full score matrix; the program holds one copy
 #: of the loop nest per span (constant in N).
-FWD_Q_SPANS = 8
+FWD_Q_SPANS = 16
 #: Largest head dim: S contracts it in passes of 128 (two passes max); PV writes D <= 512 fp32.
 FWD_MAX_HEAD_DIM = 2 * PMAX
 #: Keys per instruction when building a [1, n] key-mask row (iota + compare).
