@@ -219,14 +219,17 @@ def _regions(spec: M.MaskSpec, r0: int, r1: int) -> Tuple[Region, ...]:
 
 
 def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
-                 tiles: T.ForwardTiles) -> ForwardPlan:
+                 tiles: T.ForwardTiles, cores: int = 1) -> ForwardPlan:
     """Loop structure of one (batch, kv head) instance: the query tiles of a head split into at
     most ``FWD_Q_SPANS`` spans of full tiles (one span without a band) plus the partial last
     tile, and each span's key regions. A group (one loop body) holds the same
-    ``max(1, q_group // G)`` tiles of each of the G query heads (one tile when resident)."""
+    ``max(1, q_group // G)`` tiles of each of the G query heads (one tile when resident).
+    ``cores`` (2: the kernel splits each span's groups over two NeuronCores) keeps at least
+    that many tiles per span."""
     qt = tiles.q_tile
     n_full, tail = Nq // qt, Nq % qt
-    n_spans = min(n_full, T.FWD_Q_SPANS if spec.has_diag else 1)
+    n_spans = max(1, min(n_full // cores, T.FWD_Q_SPANS if spec.has_diag else 1))
+    n_spans = min(n_spans, n_full)
     spans = []
     t = 0
     for i in range(n_spans):
@@ -941,7 +944,7 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None)
-    plan = plan_forward(Nq, Nk, Hq // k.shape[1], spec, tiles)
+    plan = plan_forward(Nq, Nk, Hq // k.shape[1], spec, tiles, cores=lnc)
 
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)

@@ -241,8 +241,8 @@ def test_choose_tiles_target_error():
 
 def test_lnc_grids_and_results():
     """LNC=2 (trn2): kv heads, else batches, go to the two cores through nl.spmd_dim; with one
-    (batch, kv head) the kernel splits its query tiles over an nl.nc(2) dimension. Results
-    equal LNC=1's bit for bit (the same arithmetic per row); the default follows the target."""
+    (batch, kv head) the kernel splits its query tiles over an nl.nc(2) dimension. Both follow
+    the tolerance rule; the default follows the target."""
     import simulate
 
     from nki_kernels.attention.forward import forward_grid
@@ -266,8 +266,8 @@ def test_lnc_grids_and_results():
             o1, l1 = api.flash_attention(q, k, v, causal=causal, return_lse=True, lnc=1)
         with simulate.measure(target="trn2") as m2:
             o2, l2 = api.flash_attention(q, k, v, causal=causal, return_lse=True)
-        np.testing.assert_array_equal(o1, o2)
-        np.testing.assert_array_equal(l1, l2)
+        for o, lse in ((o1, l1), (o2, l2)):
+            _within_rule(q, k, v, o, lse, "bfloat16", causal=causal)
         assert m1.kernels[0].cores == 1 and m2.kernels[0].cores == 2
         assert m2.modeled_seconds[0] < 0.75 * m1.modeled_seconds[0]
     with simulate.measure(target="trn1"):

@@ -618,3 +618,47 @@ def test_peak_sbuf_within_90_percent(Nq, Nk, D, G, lens):
         run_kernel(q, k, v, tiles=tiles, **kw)
     assert m.peak_sbuf_bytes_per_partition <= T.FWD_SBUF_BUDGET_BYTES["trn1"]
     assert m.peak_sbuf_bytes_per_partition <= 0.9 * 192 * 1024
+
+
+# --------------------------------------------------------------------------------------------
+# LNC=2: the query tiles of one (batch, kv head) split over the two cores of a trn2 logical core
+# --------------------------------------------------------------------------------------------
+
+@needs_measure
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,mask,tiles", [
+    (1, 1, 1, 1000, 700, 64, {"causal": "bottom_right"}, None),
+    (1, 2, 1, 2048, 2048, 64, {"causal": "top_left"}, None),
+    (1, 4, 1, 700, 1300, 256, {"window": (300, 40), "kv_lens": [1100], "q_lens": [650]}, None),
+    (2, 2, 1, 900, 2200, 32, {"causal": "bottom_right", "kv_lens": [2000, 5]},
+     T.ForwardTiles(kv_resident=False, q_group=3)),
+    (1, 1, 1, 4096, 4096, 128, {}, None),
+])
+def test_lnc2_query_split_matches_one_core(B, Hq, Hkv, Nq, Nk, D, mask, tiles):
+    """``lnc=2`` on the grid ``(B, Hkv, nl.nc(2))``: correct outputs (spans of at least two
+    tiles, so a causal band's blocks may fall differently than with one core) computed on both
+    cores in parallel: the modeled time drops, and the program does not grow much."""
+    import simulate
+
+    from nki_kernels.nki import nl
+
+    q, k, v = _inputs(np.random.default_rng(Nq + D), B, Hq, Hkv, Nq, Nk, D, "bfloat16")
+    mm = "bfloat16"
+    if tiles is None:
+        tiles = T.choose_forward_tiles(Nq, Nk, D, Hq // Hkv, 2, 2, kv_lens="kv_lens" in mask,
+                                       q_lens="q_lens" in mask)
+    lens = [None if mask.get(n) is None else np.asarray(mask[n], np.int32)
+            for n in ("kv_lens", "q_lens")]
+    kw = dict(scale=1 / np.sqrt(D), causal=mask.get("causal"), window=mask.get("window"),
+              mm_dtype=mm, tiles=tiles)
+    runs = []
+    for grid, lnc in (((B, Hkv), 1), ((B, Hkv, nl.nc(2)), 2)):
+        with simulate.measure(target="trn2") as m:
+            out = nki.simulate_kernel(F.flash_attention_fwd[grid], q, k, v, *lens, lnc=lnc, **kw)
+        runs.append((out, m))
+    (o1, l1), m1 = runs[0]
+    (o2, l2), m2 = runs[1]
+    check(q, k, v, o1, l1, **mask)
+    check(q, k, v, o2, l2, **mask)
+    assert m2.kernels[0].cores == 2
+    assert m2.modeled_seconds[0] < 0.8 * m1.modeled_seconds[0]
+    assert m2.program_instructions <= 1.1 * m1.program_instructions + 50
