@@ -70,10 +70,11 @@ def run(target, N, D, causal, seed=0, p_dma_transpose=0.0, lens="none"):
         tiles = None
         if p_dma_transpose:
             kw = host.plan_attention_forward(q, k, v, causal=causal, kv_lens=lengths,
-                                             q_lens=lengths)[2]
+                                             q_lens=lengths, lnc=1)[2]
             tiles = replace(kw["tiles"], p_dma_transpose_share=p_dma_transpose)
+        # one NeuronCore (lnc=1): utilization is against one core's TensorE peak
         host.flash_attention(q, k, v, causal=causal, tiles=tiles, kv_lens=lengths,
-                             q_lens=lengths)
+                             q_lens=lengths, lnc=1)
     wall = time.time() - t0
     lower, upper = m.modeled_seconds
     flops = 4 * N * N * D / (2 if causal else 1)

@@ -5,6 +5,7 @@ the CPU simulator and a Trainium device is made in one place.
 """
 from __future__ import annotations
 
+import numbers
 import os
 
 from nki_kernels.nki import BACKEND, nki
@@ -20,12 +21,14 @@ def runs_on_simulator() -> bool:
 
 
 def launch(kernel, grid, *args, **kwargs):
-    """Run ``kernel`` on the SPMD ``grid`` (a tuple of ints) with NumPy arguments.
+    """Run ``kernel`` on the SPMD ``grid`` (ints, ``nl.nc(n)`` or ``nl.spmd_dim``) with NumPy
+    arguments.
 
     On the simulator this is ``nki.simulate_kernel(kernel[grid], ...)``; on a Trainium host it is
     ``nki.baremetal(kernel)[grid](...)``. Returns whatever the kernel returns, as NumPy arrays.
     """
-    grid = tuple(int(g) for g in grid)
+    # ints stay ints; nl.nc(n) / nl.spmd_dim(...) dimensions (LNC=2) are passed as they are
+    grid = tuple(int(g) if isinstance(g, numbers.Integral) else g for g in grid)
     if runs_on_simulator():
         return nki.simulate_kernel(kernel[grid], *args, **kwargs)
     return nki.baremetal(kernel)[grid](*args, **kwargs)

@@ -11,6 +11,7 @@ import numpy as np
 from host import validation as _v
 from host._launch import launch
 from nki_kernels import tiles
+from nki_kernels.nki import active_target
 
 # ============================================================================================
 # Fused kernels and the unfused attention baseline
@@ -230,21 +231,35 @@ def _lengths_int32(lens):
     return None if lens is None else np.ascontiguousarray(lens, dtype=np.int32)
 
 
+def _check_lnc(lnc):
+    """``lnc``: None (2 on trn2, else 1), 1 or 2 (trn2 only: the simulator rejects nc grids on
+    trn1, as the hardware does)."""
+    if lnc is None:
+        return 2 if active_target() == "trn2" else 1
+    if isinstance(lnc, bool) or lnc not in (1, 2):
+        raise ValueError(f"lnc: expected None, 1 or 2 (NeuronCores per logical core), "
+                         f"got {lnc!r}")
+    return int(lnc)
+
+
 def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
                            q_lens=None, mixed_precision: bool = True, return_lse: bool = False,
-                           tiles=None, sbuf_budget=None):
+                           tiles=None, sbuf_budget=None, lnc=None):
     """Validate a forward call and choose its launch: ``(kernel, grid, kernel_kwargs)``.
 
     The kernel is :func:`nki_kernels.attention.forward.flash_attention_fwd`, the grid
-    ``(B, Hkv)``; ``kernel_kwargs`` holds the compile-time options (``scale``, ``causal``,
-    ``window``, ``mm_dtype``, ``tiles``) but not the tensors: call it as
+    ``(B, Hkv)`` with LNC=1, or with LNC=2 (trn2) the grid of
+    :func:`nki_kernels.attention.forward.forward_grid` (kv heads or batches spread over the two
+    cores with ``nl.spmd_dim(n, nl.nc(2))``, else an ``nl.nc(2)`` dimension splitting the query
+    tiles); ``kernel_kwargs`` holds the compile-time options (``scale``, ``causal``,
+    ``window``, ``mm_dtype``, ``tiles``, ``lnc``) but not the tensors: call it as
     ``kernel[grid](q, k, v, kv_lens=..., q_lens=..., **kernel_kwargs)`` with ``(B,)`` int32
     lengths (or None). Shared by :func:`flash_attention` and the torch-neuronx path of
     :mod:`host.torch_ops`, so both launch identical kernels. Arguments as in
     :func:`flash_attention`; ``return_lse`` is accepted and ignored (the kernel always writes
     the LSE).
     """
-    from nki_kernels.attention.forward import flash_attention_fwd
+    from nki_kernels.attention.forward import flash_attention_fwd, forward_grid
 
     dims = _v.check_attention_inputs(q, k, v)
     scale = _v.check_scale(scale, dims.D)
@@ -267,13 +282,15 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
             q_lens=q_lens is not None,
             masks=(causal is not None or window is not None or kv_lens is not None
                    or q_lens is not None))
-    kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen)
-    return flash_attention_fwd, (dims.B, dims.Hkv), kwargs
+    grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, _check_lnc(lnc))
+    kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen,
+                  lnc=kernel_lnc)
+    return flash_attention_fwd, grid, kwargs
 
 
 def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
                     q_lens=None, mixed_precision: bool = True, return_lse: bool = False,
-                    tiles=None, sbuf_budget=None):
+                    tiles=None, sbuf_budget=None, lnc=None):
     """Flash attention forward on the active backend (docs/semantics.md for the exact meaning).
 
     Parameters
@@ -304,6 +321,9 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         regime). Default: chosen by ``tiles.choose_forward_tiles`` from the SBUF budget.
     sbuf_budget : int, optional
         SBUF bytes per partition the default tiling may plan into (default: trn1's usable SBUF).
+    lnc : None, 1 or 2
+        NeuronCores per logical core: 2 runs on both cores of a trn2 logical core (LNC=2),
+        1 on one. None: 2 when the active target is trn2 (the simulator's target), else 1.
 
     Returns
     -------
@@ -314,8 +334,8 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
     kernel, grid, kwargs = plan_attention_forward(
         q, k, v, scale=scale, causal=causal, window=window, kv_lens=kv_lens, q_lens=q_lens,
         mixed_precision=mixed_precision, return_lse=return_lse, tiles=tiles,
-        sbuf_budget=sbuf_budget)
-    B, Nk, Nq = grid[0], k.shape[2], q.shape[2]
+        sbuf_budget=sbuf_budget, lnc=lnc)
+    B, Nk, Nq = q.shape[0], k.shape[2], q.shape[2]
     kv32 = _lengths_int32(_v.check_lengths("kv_lens", kv_lens, B, Nk, upper_name="Nk"))
     q32 = _lengths_int32(_v.check_lengths("q_lens", q_lens, B, Nq, upper_name="Nq"))
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)

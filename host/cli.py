@@ -53,7 +53,8 @@ _DECODE_ONLY = (("tokens", "--tokens"), ("cache_len", "--cache-len"),
                 ("num_splits", "--num-splits"), ("paged", "--paged"),
                 ("page_size", "--page-size"))
 _PREFILL_ONLY = (("seq_q", "--seq-q"), ("seq_k", "--seq-k"), ("causal", "--causal"),
-                 ("window", "--window"), ("kv_lens", "--kv-lens"), ("q_lens", "--q-lens"))
+                 ("window", "--window"), ("kv_lens", "--kv-lens"), ("q_lens", "--q-lens"),
+                 ("lnc", "--lnc"))
 
 
 class UsageError(Exception):
@@ -134,6 +135,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, help="random seed for the inputs (0)")
     run.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS),
                      help="targets to model (trn1 trn2)")
+    run.add_argument("--lnc", type=int, choices=(1, 2), default=None,
+                     help="forward: NeuronCores per logical core on trn2 (default 2 on trn2, "
+                          "1 on trn1; trn1 always runs 1)")
     run.add_argument("--check", choices=CHECK_CHOICES, default="full",
                      help="correctness check: 'full' compares every output with the float64 "
                      "reference (needs ~36 bytes per score B*Hq*Nq*Nk: the command refuses up "
@@ -327,7 +331,7 @@ def _run(args: argparse.Namespace) -> int:
                 (k, v), cache_lens, page_size, rng)
             label += f" paged (page_size {page_size}, {k_in.shape[0]} pages)"
 
-        def call():
+        def call(target):
             return host.flash_decode(q, k_in, v_in, **kwargs)
 
         def check_refs():
@@ -360,8 +364,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.check == "fast":
             rows = _fast_rows(Nq)
 
-        def call():
-            return host.flash_attention(q, k, v, **kwargs)
+        def call(target):
+            lnc = args.lnc if target == "trn2" else None   # trn1: one core per logical core
+            return host.flash_attention(q, k, v, lnc=lnc, **kwargs)
 
         def check_refs():
             ref = reference.attention_forward(q, k, v, scale=args.scale, rows=rows, **mask_opts)
@@ -406,7 +411,7 @@ def _run(args: argparse.Namespace) -> int:
         _stage(args, f"running the kernel, modeling {target}")
         with _measure(target) as m, _progress(f"{target:5s}", enabled=not args.quiet):
             t0 = time.perf_counter()
-            result = call()
+            result = call(target)
             wall = time.perf_counter() - t0
         if outputs is None:
             outputs = result
@@ -417,15 +422,18 @@ def _run(args: argparse.Namespace) -> int:
             from simulate import _hw     # m is a simulator measurement: its hardware table
 
             hw = _hw.get_target(target)
+            # NeuronCores the launch ran on in parallel (2 with LNC=2): the peak scales with them
+            cores = max((k.cores for k in m.kernels), default=1)
             if args.decode:     # memory-bound: the fraction of the HBM-bandwidth bound reached
                 # (the chip's HBM bandwidth shared evenly by its cores, hardware-and-limits.md §3)
                 bound = lower_bound / hw.hbm_share_bytes_per_s
                 util = [bound / hi, bound / lo]
             else:               # compute-bound: the fraction of dense bf16 TensorE peak
-                util = [flops / (hi * hw.tensor_peak_flops), flops / (lo * hw.tensor_peak_flops)]
+                peak = cores * hw.tensor_peak_flops
+                util = [flops / (hi * peak), flops / (lo * peak)]
             entry.update(
                 hbm_bytes_read=int(m.hbm_bytes_read), hbm_bytes_written=int(m.hbm_bytes_written),
-                modeled_seconds=[lo, hi],
+                modeled_seconds=[lo, hi], cores=int(cores),
                 engine_seconds={k: float(v) for k, v in m.engine_seconds.items()},
                 utilization=util,
                 peak_sbuf_bytes_per_partition=int(m.peak_sbuf_bytes_per_partition),
@@ -479,8 +487,11 @@ def _run(args: argparse.Namespace) -> int:
               f"   busiest engines")
         for target, e in report["targets"].items():
             lo, hi = e["modeled_seconds"]
-            busiest = sorted(e["engine_seconds"].items(), key=lambda kv: -kv[1])[:3]
-            print(f"{target:8s}{lo * 1e6:15.1f} us .. {hi * 1e6:9.1f} us"
+            # engine time per core (the totals are spread over the cores of an LNC=2 launch)
+            per_core = {k: v / e.get("cores", 1) for k, v in e["engine_seconds"].items()}
+            busiest = sorted(per_core.items(), key=lambda kv: -kv[1])[:3]
+            name = target if e.get("cores", 1) == 1 else f"{target}x{e['cores']}"
+            print(f"{name:8s}{lo * 1e6:15.1f} us .. {hi * 1e6:9.1f} us"
                   f"{e['utilization'][1] * 100:10.1f}% ..{e['utilization'][0] * 100:5.1f}%"
                   "   " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in busiest))
         for target, e in report["targets"].items():

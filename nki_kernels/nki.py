@@ -62,4 +62,17 @@ else:
 
 BACKEND = "simulate" if nki.__name__.split(".")[0] == "simulate" else "neuron"
 
-__all__ = ["nki", "nl", "nisa", "BACKEND", "ENV_VAR"]
+
+def active_target():
+    """The NeuronCore generation kernels launched now would run on: ``"trn1"``/``"trn2"`` on
+    the simulator (its ``measure(target=)``, ``NEURON_PLATFORM_TARGET_OVERRIDE`` or default),
+    None on the neuron backend (the host does not probe the device; callers then assume the
+    conservative choice)."""
+    if BACKEND != "simulate":
+        return None
+    from simulate import _runtime
+
+    return _runtime.resolve_target({}).name
+
+
+__all__ = ["nki", "nl", "nisa", "BACKEND", "ENV_VAR", "active_target"]

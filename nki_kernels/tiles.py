@@ -35,6 +35,10 @@ FP32_MIN = -3.4028234663852886e38
 #: SBUF bytes per partition a kernel may use, per target: capacity minus the 16 KiB the compiler
 #: reserves (trn1 192 KiB, trn2 224 KiB).
 SBUF_USABLE_BYTES = {"trn1": 192 * 1024 - 16 * 1024, "trn2": 224 * 1024 - 16 * 1024}
+#: SBUF bytes per partition the forward plans into: 90 % of capacity, leaving the compiler's
+#: allocator headroom beyond its reservation (issue "kernels that compile and run": peak SBUF
+#: at most 90 %).
+FWD_SBUF_BUDGET_BYTES = {"trn1": 192 * 1024 * 9 // 10, "trn2": 224 * 1024 * 9 // 10}
 
 
 #: Edge of one block of a block-sparse attention pattern (query rows x keys), the paper's
@@ -293,6 +297,11 @@ FWD_PT_CHUNKS = 4
 FWD_KV_LOAD_BLOCK = 2048
 #: Keys per streamed K/V chunk when K/V does not stay resident.
 FWD_KV_CHUNK = FWD_SOFTMAX_BLOCK
+#: Spans of query tiles per head when a causal or window band is active: each span sweeps
+#: only the union of its rows' key ranges (compile-time loop bounds), so a causal kernel
+#: computes about (1 + 1/FWD_Q_SPANS) / 2 of the full score matrix; the program holds one copy
+#: of the loop nest per span (constant in N).
+FWD_Q_SPANS = 16
 #: Largest head dim: S contracts it in passes of 128 (two passes max); PV writes D <= 512 fp32.
 FWD_MAX_HEAD_DIM = 2 * PMAX
 #: Keys per instruction when building a [1, n] key-mask row (iota + compare).
@@ -330,15 +339,16 @@ FWD_MIN_II = 64
 
 
 def fwd_act_evac_share(target: str, *, score_cols: int, blocks: int, rescales: int,
-                       q_tiles: int, evac_cols: int, D: int, folded_scale: bool) -> float:
+                       q_tiles: int, evac_cols: int, D: int) -> float:
     """Fraction of the P^T PSUM -> SBUF copies to issue on ScalarE so that ScalarE and VectorE
     finish together, from the kernel's own (compile-time) schedule.
 
     Per score column (of a 128-row tile) VectorE reads S once for the row max and ScalarE
-    computes one exp; per key block VectorE does one min-reduction and ScalarE the folded bias,
-    alpha and the rescale of ``[o_acc | l]`` (D + 1 columns); per query tile ScalarE copies Q^T
-    out of PSUM and computes log l and the LSE, VectorE does the write-back (5 small
-    instructions and the D-column normalisation). A copied column costs ScalarE 1 cycle and
+    computes one exp; per key block VectorE does one min-reduction and ScalarE alpha (GpSimd
+    scales the bias); VectorE adds each block's PV (D + 1 columns read from PSUM) into the SBUF
+    accumulator ``[o_acc | l]`` that GpSimd rescaled (``rescales`` of them); per query tile
+    ScalarE copies Q^T out of PSUM and computes log l and the LSE, VectorE does two small
+    write-back instructions (GpSimd the rest). A copied column costs ScalarE 1 cycle and
     VectorE 1 (trn1) or 1/2 (trn2, 16-bit perf mode).
 
     Parameters are totals over the schedule of one kernel instance: ``score_cols`` columns of
@@ -348,9 +358,8 @@ def fwd_act_evac_share(target: str, *, score_cols: int, blocks: int, rescales: i
     if evac_cols <= 0:
         return 0.5
     ii = FWD_MIN_II
-    dve = score_cols + blocks * ii + q_tiles * (5 * ii + D)
-    act = (score_cols + blocks * (ii if folded_scale else 0) + rescales * (ii + D + 1)
-           + q_tiles * (PMAX + 2 * ii))
+    dve = score_cols + blocks * ii + rescales * max(ii, D + 1) + q_tiles * 2 * ii
+    act = score_cols + blocks * ii + q_tiles * (PMAX + 2 * ii)
     f_act, f_dve, r_dve = FWD_ACT_HZ[target], FWD_DVE_HZ[target], FWD_DVE_COPY16_CYCLES[target]
     # (dve + (1 - a) E r_dve) / f_dve == (act + a E) / f_act
     share = ((dve + evac_cols * r_dve) * f_act - act * f_dve) / (
@@ -521,7 +530,7 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
     target = FWD_DEFAULT_TARGET if target is None else str(target)
     if target not in SBUF_USABLE_BYTES:
         raise ValueError(f"target: expected one of {sorted(SBUF_USABLE_BYTES)}, got {target!r}")
-    budget = SBUF_USABLE_BYTES[target] if sbuf_bytes is None else int(sbuf_bytes)
+    budget = FWD_SBUF_BUDGET_BYTES[target] if sbuf_bytes is None else int(sbuf_bytes)
     base = ForwardTiles(target=target)
     work = fwd_working_bytes(D, in_itemsize, mm_itemsize, base, masks=masks)
     work += fwd_length_table_bytes(Nq, Nk, group, D, q_lens=q_lens, kv_lens=kv_lens)
@@ -536,10 +545,21 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
 
 
 def forward_kv_passes(Nq: int, group: int, tiles: "ForwardTiles") -> int:
-    """Passes over K/V per (batch, kv head): 1 resident, else ``ceil(G ceil(Nq/128) / q_group)``."""
+    """Passes over K/V per (batch, kv head) without a band: 1 resident, else one per group of
+    query tiles (:func:`fwd_group_passes`, about ``G ceil(Nq/128) / q_group``)."""
     if tiles.kv_resident:
         return 1
-    return ceil_div(group * ceil_div(Nq, tiles.q_tile), tiles.q_group)
+    return fwd_group_passes(Nq, group, tiles)
+
+
+def fwd_group_passes(Nq: int, group: int, tiles: "ForwardTiles") -> int:
+    """Groups of query tiles per (batch, kv head) in the streaming regime: a group holds the
+    same ``max(1, q_group // G)`` consecutive query tiles of each of the G heads, and the
+    partial last tile (Nq % q_tile rows) is a group of its own (each group shape is one NKI
+    loop body)."""
+    per_head = max(1, tiles.q_group // group)
+    full, tail = Nq // tiles.q_tile, Nq % tiles.q_tile
+    return ceil_div(full, per_head) + (1 if tail else 0)
 
 
 def fwd_valid_lengths(lens, B: int, N: int):
@@ -569,7 +589,7 @@ def forward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, items
       lower bound ``itemsize * 2 (Hq Nq + Hkv Nk) D + 4 Hq Nq`` per batch.
     - streaming: the ``T = G ceil(Nq / 128)`` query tiles of an instance go in groups of
       ``q_group`` whose Q^T, o_acc, m_i, l_i stay on chip while all of K/V streams past in
-      2048-key chunks, so K/V is read ``P = ceil(T / q_group)`` times. ``q_group`` is what the SBUF
+      2048-key chunks, so K/V is read ``P ~ T / q_group`` times (:func:`fwd_group_passes`). ``q_group`` is what the SBUF
       budget M (bytes per partition) leaves after one K/V chunk and the working buffers, divided by
       the per-tile state (``~256 + 4 D`` bytes): ``q_group * 128 = Theta(M / d)`` query rows per
       pass, so the K/V traffic ``P * 2 Nk d = Theta(Nq d / M) * Nk d = Theta(N^2 d^2 / M)`` -

@@ -209,6 +209,12 @@ class NC:
     def __repr__(self):
         return f"nc({self.n})"
 
+    def __eq__(self, other):
+        return isinstance(other, NC) and other.n == self.n
+
+    def __hash__(self):
+        return hash(("nc", self.n))
+
 
 class SpmdDim:
     """``nl.spmd_dim(a, b)``: one grid dimension of size a*b (either factor may be nl.nc)."""
@@ -233,6 +239,12 @@ class SpmdDim:
     def __repr__(self):
         return f"spmd_dim({self.a!r}, {self.b!r})"
 
+    def __eq__(self, other):
+        return isinstance(other, SpmdDim) and (other.a, other.b) == (self.a, self.b)
+
+    def __hash__(self):
+        return hash(("spmd_dim", self.a, self.b))
+
 
 def _dim_size(d):
     if isinstance(d, (NC, SpmdDim)):
@@ -244,6 +256,22 @@ def _dim_cores(d):
     if isinstance(d, (NC, SpmdDim)):
         return d.cores
     return 1
+
+
+def core_of(grid, pid):
+    """Physical core of grid point ``pid``: the index along the ``nl.nc(n)`` dimension (or the
+    nc factor of an ``nl.spmd_dim``: ``spmd_dim(a, b)`` numbers its points ``i_a * size(b) +
+    i_b``); 0 without one. Several nc dimensions combine row-major."""
+    core = 0
+    for d, i in zip(grid, pid):
+        if isinstance(d, NC):
+            core = core * d.n + i
+        elif isinstance(d, SpmdDim):
+            ia, ib = divmod(i, _dim_size(d.b))
+            for f, j in ((d.a, ia), (d.b, ib)):
+                if isinstance(f, (NC, SpmdDim)) and f.cores > 1:
+                    core = core * f.cores + (j % f.cores)
+    return core
 
 
 def resolve_grid(grid, tgt):
@@ -375,9 +403,11 @@ def launch(func, grid, args, kwargs, opts):
     try:
         points = itertools.product(*(range(s) for s in sizes)) if sizes else [()]
         total = int(np.prod(sizes)) if sizes else 1
+        raw = grid if isinstance(grid, tuple) else (grid,)
         for pid in points:
             ctx = Ctx(L, pid)
             rec.ctx = ctx
+            rec.core = core_of(raw, pid) if sizes else 0
             stack.append(ctx)
             try:
                 ret = func(*conv_args, **conv_kwargs)

@@ -12,9 +12,11 @@ it may see::
         P_ij  = exp(c S_ij - c m_new)                      ScalarE: one activation per bank,
                                                            scale and max folded in (bias)
         alpha = exp(c m_i - c m_new)                       ScalarE, on a (P, 1) column
-        [o_acc | l_i] = alpha [o_acc | l_i]                ScalarE, in place in PSUM
-                      + P_ij [V_j | 1]                     TensorE: P^T by PE transposes, copied
-        m_i   = m_new                                      to SBUF by ScalarE/VectorE, then PV
+        pv    = P_ij [V_j | 1]                             TensorE into a fresh PSUM tile: P^T by
+                                                           PE transposes, copied to SBUF by
+                                                           ScalarE/VectorE, then PV
+        [o_acc | l_i] = alpha [o_acc | l_i] + pv           VectorE (scalar_tensor_tensor), SBUF
+        m_i   = m_new
     O_i   = o_acc / l_i        (0 where l_i = 0: no visible key)
     LSE_i = c m_i + log l_i    (-inf where l_i = 0, by an explicit select)
 
@@ -40,11 +42,13 @@ Tile sizes (``nki_kernels/tiles.py``, ``FWD_*``) and why:
 - **2048 keys per softmax block** (4 banks): each online-softmax update costs a few (P, 1)
   instructions of >= 64 cycles (min-reduction, bias, alpha) and one rescale of [o_acc | l]; over
   2048 keys they are ~5 % of the per-score work. PSUM: 4 banks of S + 2 of P^T (double-buffered)
-  + 1 for [o_acc | l] = 7 of 8.
+  + 1 for the block's PV = 7 of 8. The running [o_acc | l] stays in SBUF (fp32): TensorE never
+  accumulates onto PSUM another engine wrote (undocumented), so every block's PV is its own
+  accumulation group, folded in by VectorE.
 - **128-key PV chunks, 4 per P^T tile**: P^T [128 keys, 128 queries] (PE transpose) is the
   stationary operand and [V | 1] [128 keys, D + 1] the moving one. Four chunks share a PSUM bank
   and one PSUM -> SBUF copy (512 columns), fine enough to split the copies between ScalarE and
-  VectorE so both finish together (``tiles.fwd_act_evac_share``, computed from the schedule).
+  VectorE so both finish together (``tiles.fwd_act_evac_share``, computed from the shape).
 - **K/V residency**: K^T ``[D, Nk]`` and [V | 1] (``Nk/128`` blocks) at matmul precision stay in
   SBUF for all query tiles of the group when they fit (bf16 D = 128: ~4 Nk bytes per partition,
   Nk up to ~32K on trn1's budget), so every HBM byte is read once. Otherwise K/V streams in
@@ -54,9 +58,11 @@ Tile sizes (``nki_kernels/tiles.py``, ``FWD_*``) and why:
   PV writes D + 1 <= 512 fp32 per partition (one bank).
 
 Engine work per 128 x 2048 block (D = 128): TensorE 6160 cycles (S 2048, P transposes 2048,
-PV 16 x 129); VectorE 2112 (row max: one fp32 PSUM read per score; min-reduction); ScalarE 2305
-(exp; bias, alpha, rescale); plus the 2048-column P^T copy (VectorE 1/2 cycle per column on trn2,
-ScalarE 1). trn2 N = 4096 models at ~188 us with TensorE at ~168 us (benchmarks/forward.py).
+PV 16 x 129); VectorE 2241 (row max: one fp32 PSUM read per score; min-reduction; the
+``+ pv`` of ``o_acc = alpha o_acc + pv``, D + 1); ScalarE 2112 (exp; alpha); GpSimd the bias,
+the m_i copy and the ``alpha o_acc`` rescale; plus the 2048-column P^T copy, split at a 32-column boundary between ScalarE (1
+cycle per column) and VectorE (1/2 on trn2) so both finish together. trn2 N = 4096 models at
+~196 us with TensorE at ~168 us (``nki-flash run``).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
@@ -66,7 +72,9 @@ it leaves PSUM after its transpose (free), and the exp runs with ``c = 1``.
 Masks: see ``masks.py``. Partial last tiles (any Nq, Nk >= 1) are not padded: their tiles simply
 have fewer rows/keys, so out-of-range keys never enter a max, an exp or a sum (the hazard of seed
 001 cannot arise). Causal and window masks add a finite ``MASK_NEG`` to the scores on TensorE
-before the row max (only on boundary tiles; fully masked tiles are never computed), and the
+before the row max (only on tiles crossing a band edge, predicated on the loop indices; whole
+key ranges a span of query tiles cannot see are outside its loops, see "Loop structure"), and
+the
 running max is floored at ``M_FLOOR``, so a fully masked row ends with l_i = 0, O = 0 and
 LSE = -inf, never NaN.
 
@@ -93,22 +101,23 @@ static options) serves every set of lengths. The band stays static, and so does 
   LSE = -inf) at write-back. Work is that of the padded shape; the lengths cost O(N d) extra
   (gathers, fills, index tables).
 
-Measured (``python benchmarks/forward.py --lens none full N/2``, simulator at e33fe61; one head,
-bf16, D = 128): trn2 N = 4096 causal 104.7 us with ``kv_lens = q_lens = [N]`` or ``[N/2]``, as
-without lengths (328.2 us before the rotation, which computed every tile with runtime diagonal
-masks), non-causal 187.8 us (222.4 with the former rank-1 key mask); the same holds at
-N = 16384 and on trn1. HBM reads with ``[N/2]`` are half of Q, K, V plus one key row.
+With lengths the modeled time is that without them (the same loops run), plus a fixed
+per-program setup; HBM reads with ``[N/2]`` are half of Q, K, V plus one key row.
 
 Precision (docs/semantics.md): matmul operands in bf16/fp16 (fp32 inputs: bf16 with
 ``mixed_precision``, else fp32); PSUM, statistics, o_acc and LSE in fp32; O in q's dtype.
 
 APIs whose legacy-NKI status is not fully confirmed (reference/nki-api-spec.md): bf16 PSUM
 output of TensorE transposes on trn2 (gen3 "transpose mode"; fp32 PSUM is used on trn1),
-``nisa.tensor_copy_predicated`` (documented from 2.22), ScalarE ``activation`` writing a PSUM
-tile in place, and ``nisa.dma_transpose`` SBUF -> SBUF (opt-in, ``p_dma_transpose_share``).
+``nisa.tensor_copy_predicated`` (documented from 2.22), and ``nisa.dma_transpose`` SBUF ->
+SBUF (opt-in, ``p_dma_transpose_share``).
 
-The trace is fully unrolled at compile time (``nl.static_range`` and Python lists of the
-schedule): every tile's shape and mask class is a compile-time constant.
+The kernel is a fixed nest of NKI loops (``nl.affine_range`` over query-tile groups, heads and
+K/V pieces, ``nl.sequential_range`` over key blocks and streamed chunks; "Loop structure"
+below): Python only picks tile sizes and unrolls small constant loops (head-dim passes, score
+tiles and P^T chunks of one block, the spans and regions of a band), so the compiled program
+does not grow with N. Every tile shape is a compile-time constant; tile positions are affine
+expressions of the loop indices; band edges are loop-index predicates (``mask=``).
 """
 from __future__ import annotations
 
@@ -122,104 +131,139 @@ from nki_kernels.attention import masks as M
 from nki_kernels.nki import nisa, nki, nl
 
 # ============================================================================================
-# Schedule (plain Python, compile time)
+# Loop structure (plain Python, compile time)
 # ============================================================================================
+#
+# The kernel is a fixed nest of NKI loops whose bounds are compile-time constants:
+#
+#   for h in affine_range(G):                                  query heads of the kv group
+#     for span in plan.spans:                                  <= FWD_Q_SPANS + 1, unrolled
+#       for grp in affine_range(full groups of the span):      q_group query tiles each
+#         load Q^T of the group's tiles; o_acc = 0, m = M_FLOOR
+#         for region in span.regions:                          <= 3, unrolled
+#           [streaming: for chunk in sequential_range(...): load K/V chunk]
+#           for s in affine_range(tiles of the group):
+#             for kb in sequential_range(full key blocks):     the online softmax
+#               block(...)                  unmasked region: no predicate
+#                                           masked region: every instruction predicated on the
+#                                           block intersecting the tile's band, boundary score
+#                                           tiles masked by an iota-built indicator
+#             [one static tail block]
+#         write O, LSE of the group's tiles
+#
+# A span is a run of query tiles whose key range is split into *regions*: keys every row of the
+# span sees (no mask, no predicate) and the keys around the band's edges that only some rows
+# see (masked). Splitting the query tiles into a fixed number of spans (FWD_Q_SPANS, whatever
+# N) is what lets a causal or windowed kernel skip most fully masked blocks with compile-time
+# loop bounds: a span's loops only cover the union of its rows' key ranges, and within the
+# masked regions predicated-off blocks still issue (the hardware runs the loop, the predicate
+# disables the instruction). Partial query tiles (Nq % q_tile rows) form their own span and
+# partial key blocks a static tail block, so every tile shape is compile-time and the program
+# has a constant number of loop bodies.
 
 
 @dataclass(frozen=True)
-class ScoreTile:
-    """Keys ``[j0, j0 + width)`` of one score tile (<= 512 keys, one PSUM bank) and its mask
-    class (``masks.FULL`` or ``BOUNDARY``)."""
+class Region:
+    """Keys ``[k0, k1)`` of a span's sweep; ``masked``: some rows of the span do not see all of
+    them (predicates and indicator masks), else every row sees every key of the region."""
 
-    j0: int
-    width: int
-    kind: str
-
-
-@dataclass(frozen=True)
-class KeyBlock:
-    """One online-softmax update: up to 4 consecutive score tiles, all inside one K/V chunk."""
-
-    tiles: Tuple[ScoreTile, ...]
-    chunk: int
-
-    @property
-    def j0(self) -> int:
-        return self.tiles[0].j0
-
-    @property
-    def width(self) -> int:
-        return sum(t.width for t in self.tiles)
+    k0: int
+    k1: int
+    masked: bool
 
 
 @dataclass(frozen=True)
-class QueryTile:
-    """Rows ``[i0, i0 + rows)`` of query head ``head`` (0..G-1 within the kv group), the slot of
-    its state in the group's SBUF arrays, and its key blocks in order."""
+class Span:
+    """Query tiles ``t0 .. t0 + tiles - 1`` (of ``q_tile`` rows; ``rows`` rows each, fewer only
+    for the partial last tile, alone in its span) and the key regions they sweep in order."""
 
-    head: int
-    i0: int
+    t0: int
+    tiles: int
     rows: int
-    slot: int
-    blocks: Tuple[KeyBlock, ...]
+    regions: Tuple[Region, ...]
 
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    """The compile-time schedule of one grid instance (identical for every instance).
+    """The compile-time loop structure of one grid instance (identical for every instance)."""
 
-    ``groups``: tuples of query tiles processed together (their Q^T, o_acc, m_i, l_i live in SBUF
-    during one pass over K/V); ``chunks``: ``(c0, c1)`` key ranges of K/V loaded at once (one
-    chunk ``(0, Nk)`` when resident, loaded before the first group).
-    """
-
-    groups: Tuple[Tuple[QueryTile, ...], ...]
-    chunks: Tuple[Tuple[int, int], ...]
+    spans: Tuple[Span, ...]
+    q_tile: int
+    q_group: int        # query tiles per head in a group
     resident: bool
+    kv_chunk: int
 
 
-def _key_blocks(spec: M.MaskSpec, i0: int, rows: int, tiles: T.ForwardTiles,
-                chunks) -> Tuple[KeyBlock, ...]:
-    """Key blocks of one query tile: its key range split at softmax-block and chunk boundaries,
-    each block split into <= 512-key score tiles, fully masked tiles dropped."""
-    k_lo, k_hi = spec.key_range(i0, rows)
-    blocks = []
-    for ci, (c0, c1) in enumerate(chunks):
-        lo, hi = max(k_lo, c0), min(k_hi, c1)
-        b0 = (lo // tiles.softmax_block) * tiles.softmax_block
-        while b0 < hi:
-            bs, be = max(lo, b0), min(hi, b0 + tiles.softmax_block)
-            score_tiles = []
-            for j0 in range(bs, be, tiles.k_tile):
-                width = min(tiles.k_tile, be - j0)
-                kind = spec.classify(i0, rows, j0, width)
-                if kind is not None:
-                    score_tiles.append(ScoreTile(j0, width, kind))
-            if score_tiles:
-                blocks.append(KeyBlock(tuple(score_tiles), ci))
-            b0 += tiles.softmax_block
-    return tuple(blocks)
+def _regions(spec: M.MaskSpec, r0: int, r1: int) -> Tuple[Region, ...]:
+    """Key regions of query rows ``[r0, r1)``: the union of their key ranges (``k_lo`` a
+    multiple of 128), split into the 128-aligned part every row sees (unmasked) and the masked
+    parts before and after it. Empty when every row is masked statically."""
+    k_lo, k_hi = spec.key_range(r0, r1 - r0)
+    if k_lo >= k_hi:
+        return ()
+    if not spec.has_diag:
+        return (Region(k_lo, k_hi, False),)
+    P, off = T.FWD_V_CHUNK, spec.static_offset
+    # keys seen by every row: from the last row's lower bound to the first row's upper bound
+    f_lo = k_lo if spec.lo is None else max(k_lo, T.ceil_div(r1 - 1 + off + spec.lo, P) * P)
+    f_hi = k_hi if spec.hi is None else min(k_hi, ((r0 + off + spec.hi + 1) // P) * P)
+    if f_lo >= f_hi:
+        return (Region(k_lo, k_hi, True),)
+    out = []
+    if k_lo < f_lo:
+        out.append(Region(k_lo, f_lo, True))
+    out.append(Region(f_lo, f_hi, False))
+    if f_hi < k_hi:
+        out.append(Region(f_hi, k_hi, True))
+    return tuple(out)
 
 
 def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
-                 tiles: T.ForwardTiles) -> ForwardPlan:
-    """Schedule of one (batch, kv head) instance: query tiles (all heads of the group) in groups
-    of ``tiles.q_group``, K/V chunks, and each tile's key blocks."""
-    if tiles.kv_resident:
-        chunks = ((0, Nk),)
-        per_group = 1
-    else:
-        chunks = tuple((c0, min(Nk, c0 + tiles.kv_chunk)) for c0 in range(0, Nk, tiles.kv_chunk))
-        per_group = tiles.q_group
-    flat = [(h, i0, min(tiles.q_tile, Nq - i0))
-            for h in range(group) for i0 in range(0, Nq, tiles.q_tile)]
-    groups = []
-    for g0 in range(0, len(flat), per_group):
-        members = flat[g0:g0 + per_group]
-        groups.append(tuple(
-            QueryTile(h, i0, rows, slot, _key_blocks(spec, i0, rows, tiles, chunks))
-            for slot, (h, i0, rows) in enumerate(members)))
-    return ForwardPlan(tuple(groups), chunks, tiles.kv_resident)
+                 tiles: T.ForwardTiles, cores: int = 1) -> ForwardPlan:
+    """Loop structure of one (batch, kv head) instance: the query tiles of a head split into at
+    most ``FWD_Q_SPANS`` spans of full tiles (one span without a band) plus the partial last
+    tile, and each span's key regions. A group (one loop body) holds the same
+    ``max(1, q_group // G)`` tiles of each of the G query heads (one tile when resident).
+    ``cores`` (2: the kernel splits each span's groups over two NeuronCores) keeps at least
+    that many tiles per span."""
+    qt = tiles.q_tile
+    n_full, tail = Nq // qt, Nq % qt
+    n_spans = max(1, min(n_full // cores, T.FWD_Q_SPANS if spec.has_diag else 1))
+    n_spans = min(n_spans, n_full)
+    spans = []
+    t = 0
+    for i in range(n_spans):
+        n = n_full // n_spans + (1 if i < n_full % n_spans else 0)
+        spans.append(Span(t, n, qt, _regions(spec, t * qt, (t + n) * qt)))
+        t += n
+    if tail:
+        spans.append(Span(n_full, 1, tail, _regions(spec, n_full * qt, Nq)))
+    q_group = 1 if tiles.kv_resident else max(1, tiles.q_group // group)
+    return ForwardPlan(tuple(spans), qt, q_group, tiles.kv_resident, tiles.kv_chunk)
+
+
+def _groups(span: Span, q_group: int):
+    """``(first tile offset in the span, groups, tiles per group)`` of a span: its full groups
+    (an NKI loop) and the remainder group (static)."""
+    full, rest = span.tiles // q_group, span.tiles % q_group
+    out = []
+    if full:
+        out.append((0, full, min(q_group, span.tiles)))
+    if rest:
+        out.append((full * q_group, 1, rest))
+    return out
+
+
+def _chunks(region: Region, plan: ForwardPlan):
+    """``(first key, chunks, keys per chunk)`` runs of a region's streamed K/V chunks."""
+    n = region.k1 - region.k0
+    C = plan.kv_chunk
+    out = []
+    if n // C:
+        out.append((region.k0, n // C, C))
+    if n % C:
+        out.append((region.k0 + (n // C) * C, 1, n % C))
+    return out
 
 
 def _valid_in(lo: int, hi: int, n_valid: int, N: int, rotated: bool) -> int:
@@ -232,42 +276,45 @@ def _valid_in(lo: int, hi: int, n_valid: int, N: int, rotated: bool) -> int:
 def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize: int,
                    tiles: T.ForwardTiles, *, causal=None, window=None, q_lens=None,
                    kv_lens=None) -> Tuple[int, int]:
-    """HBM bytes (read, written) the kernel moves, counted from its own schedule.
+    """HBM bytes (read, written) the kernel moves, counted from its own loop structure.
 
     ``q_lens``/``kv_lens``: the per-sequence valid lengths (B ints), ``True`` for given with
     every position valid, None/False for not given (``tiles.fwd_valid_lengths``).
 
-    Reads: each query tile with at least one key block loads its rows once; each K/V chunk is
-    loaded once per group that needs it (resident: once if any tile needs it); one int32 per
-    given length array. With lengths only the *valid* rows and keys of those tiles and chunks
-    are read (the gathers skip padding; with rotation the valid positions of the kernel's frame
-    are the last ``q_lens[b]`` / ``kv_lens[b]``), so the traffic is proportional to the valid
-    lengths; ``kv_lens`` adds the edge key (one row of k, :func:`edge_key_fill`) per program
-    whose ``kv_lens[b] > 0``. Writes: every row's output and LSE, padding included (rows
-    without keys get zeros and -inf). Equals :func:`tiles.forward_hbm_bytes` when there is no
-    causal/window mask.
+    Reads: the rows of every query tile of a span with key regions, once; resident K/V once per
+    instance (if any span has regions), streamed K/V once per group (all G heads) and region
+    chunk; one int32
+    per given length array. With lengths only the *valid* rows and keys are read (the gathers
+    skip padding; with rotation the valid positions of the kernel's frame are the last
+    ``q_lens[b]`` / ``kv_lens[b]``); ``kv_lens`` adds the edge key (one row of k,
+    :func:`edge_key_fill`) per program whose ``kv_lens[b] > 0``. Writes: every row's output
+    and LSE, padding included (rows without keys get zeros and -inf). Equals
+    :func:`tiles.forward_hbm_bytes` when there is no causal/window mask.
     """
     q_valid = T.fwd_valid_lengths(q_lens, B, Nq)
     k_valid = T.fwd_valid_lengths(kv_lens, B, Nk)
     spec = M.MaskSpec(Nq, Nk, causal, window, q_valid is not None, k_valid is not None)
     plan = plan_forward(Nq, Nk, Hq // Hkv, spec, tiles)
-    any_block = any(qt.blocks for grp in plan.groups for qt in grp)
+    G = Hq // Hkv
+    any_region = any(sp.regions for sp in plan.spans)
     read = 0
     for b in range(B):
         nq = Nq if q_valid is None else q_valid[b]
         nk = Nk if k_valid is None else k_valid[b]
         per_instance = 4 * (int(q_valid is not None) + int(k_valid is not None))
         per_instance += D * itemsize if k_valid is not None and nk > 0 else 0     # the edge key
-        kv_bytes = [2 * _valid_in(c0, c1, nk, Nk, spec.rotate_k) * D * itemsize
-                    for c0, c1 in plan.chunks]
-        if plan.resident and any_block:
-            per_instance += kv_bytes[0]
-        for grp in plan.groups:
-            per_instance += sum(_valid_in(qt.i0, qt.i0 + qt.rows, nq, Nq, spec.rotate_q)
-                                * D * itemsize for qt in grp if qt.blocks)
+        if plan.resident and any_region:
+            per_instance += 2 * _valid_in(0, Nk, nk, Nk, spec.rotate_k) * D * itemsize
+        for sp in plan.spans:
+            if not sp.regions:
+                continue
+            r0 = sp.t0 * plan.q_tile
+            rows = _valid_in(r0, r0 + sp.tiles * sp.rows, nq, Nq, spec.rotate_q)
+            per_instance += G * rows * D * itemsize
             if not plan.resident:
-                needed = {blk.chunk for qt in grp for blk in qt.blocks}
-                per_instance += sum(kv_bytes[c] for c in needed)
+                keys = sum(_valid_in(rg.k0, rg.k1, nk, Nk, spec.rotate_k) for rg in sp.regions)
+                groups = sum(n for _, n, _ in _groups(sp, plan.q_group))
+                per_instance += groups * 2 * keys * D * itemsize
         read += Hkv * per_instance
     return read, B * Hq * Nq * (D * itemsize + 4)
 
@@ -279,16 +326,25 @@ def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize
 _DTYPES = {"float32": nl.float32, "bfloat16": nl.bfloat16, "float16": nl.float16}
 
 
+def _and(*preds):
+    """Conjunction of tile-level predicates (None = always on): ``&`` of the given ones."""
+    out = None
+    for p in preds:
+        if p is None:
+            continue
+        out = p if out is None else out & p
+    return out
+
+
 class _Instance:
     """Compile-time facts and shared constant tiles of one grid instance."""
 
-    def __init__(self, q, k, v, o, lse, mm_dtype, scale, tiles, spec):
+    def __init__(self, q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g):
         self.q, self.k, self.v, self.o, self.lse = q, k, v, o, lse
         self.B, self.Hq, self.Nq, self.D = q.shape
         self.Hkv, self.Nk = k.shape[1], k.shape[2]
         self.G = self.Hq // self.Hkv
-        self.b = nl.program_id(0)
-        self.g = nl.program_id(1)
+        self.b, self.g = b, g
         self.mm = _DTYPES[mm_dtype]
         self.scale = float(scale)
         lo, hi = T.FWD_FOLD_SCALE_RANGE
@@ -301,14 +357,12 @@ class _Instance:
         self.gen3 = nisa.get_nc_version() >= nisa.nc_version.gen3
         # head-dim passes of the S contraction: (first row, rows)
         self.d_passes = tuple((d0, min(T.PMAX, self.D - d0)) for d0 in range(0, self.D, T.PMAX))
-        # how P^T copies split between ScalarE and VectorE, and which P^T groups the DMA
-        # engines transpose (trn2, opt-in): set by balance_engines() once the schedule is known
-        self.evac_on_act = None
-        self.p_on_dma = None
         self.dma_share = tiles.p_dma_transpose_share if self.gen3 else 0.0
+        self.act_share = None      # fraction of the P^T copies on ScalarE (balance_engines)
         self.lse_col = lse.reshape((self.B, self.Hq, self.Nq, 1))  # (rows, 1) store targets
+        self.per_head = T.ceil_div(self.Nq, tiles.q_tile)         # query tiles per head
         self.neg_eye = None        # MASK_NEG * I, for indicator tiles
-        self.static_masks = None   # masks.StaticDiagMasks
+        self.zeros = None          # bf16 [128, k_tile] zeros: the inside of the indicators
         self.rt = None             # masks.RuntimeLengths (with kv_lens or q_lens)
         self.q_load = None         # int32 [128, G * tiles per head]: query-row gather indices,
         self.q_store = None        # scatter indices (rotated rows only),
@@ -317,13 +371,13 @@ class _Instance:
         self.k_fill = None         # [128, D] in k's dtype: the edge key on every partition
         self.q_rows = self.k_rows = self.v_rows = None     # (B H N, D) views for the gathers
 
-    def q_col(self, qt: "QueryTile") -> int:
-        """Column of query tile qt in the query index tables."""
-        return qt.head * T.ceil_div(self.Nq, self.tiles.q_tile) + qt.i0 // self.tiles.q_tile
+    def head(self, h):
+        """HBM query head of group member h (an NKI loop index)."""
+        return self.g * self.G + h
 
-    def evac_engine(self, n: int):
-        """Engine of the next PSUM -> SBUF copy of ``n`` columns (ScalarE or VectorE)."""
-        return nisa.scalar_engine if self.evac_on_act.take(n) else nisa.vector_engine
+    def q_col(self, h, t):
+        """Column of query tile t of member head h in the query index tables."""
+        return h * self.per_head + t
 
     def transpose_psum_dtype(self, src_dtype):
         """PSUM dtype of a TensorE transpose: trn2's transpose mode writes bf16 as bf16
@@ -340,23 +394,35 @@ class _Instance:
         item = 2 if self.transpose_psum_dtype(src_dtype) == nl.bfloat16 else 4
         return T.PSUM_FMAX * 4 // item // T.PMAX
 
+    def evac_split(self):
+        """A fresh engine split for the PSUM -> SBUF copies of one loop body (the same in every
+        iteration: the split is program text)."""
+        return _Splitter(self.act_share)
 
-def balance_engines(f: "_Instance", plan: "ForwardPlan"):
+    def dma_split(self):
+        return _Splitter(self.dma_share)
+
+
+def balance_engines(f: _Instance, plan: ForwardPlan):
     """Choose how the P^T copies split between ScalarE and VectorE (``tiles.act_evac_share``, or
-    balanced from the schedule's per-engine work, ``tiles.fwd_act_evac_share``)."""
+    balanced from the work of the loop nest, ``tiles.fwd_act_evac_share``; the predicated-off
+    blocks of masked regions count as work: they issue)."""
     share = f.tiles.act_evac_share
     if share is None:
-        qts = [qt for grp in plan.groups for qt in grp if qt.blocks]
-        blocks = [(qt, blk) for qt in qts for blk in qt.blocks]
+        Bk = f.tiles.softmax_block
+        cols = blocks = tiles = rows_cols = 0
+        for sp in plan.spans:
+            n = f.G * sp.tiles
+            tiles += n
+            for rg in sp.regions:
+                w = rg.k1 - rg.k0
+                cols += n * w
+                rows_cols += n * w * sp.rows
+                blocks += n * T.ceil_div(w, Bk)
         share = T.fwd_act_evac_share(
-            "trn2" if f.gen3 else "trn1",
-            score_cols=sum(blk.width for _, blk in blocks), blocks=len(blocks),
-            rescales=len(blocks) - len(qts), q_tiles=len(qts),
-            evac_cols=int((1.0 - f.dma_share) * sum(blk.width * qt.rows for qt, blk in blocks)
-                          // T.PMAX),
-            D=f.D, folded_scale=f.fold_scale and f.act_scale != 1.0)
-    f.evac_on_act = _Splitter(share)
-    f.p_on_dma = _Splitter(f.dma_share)
+            "trn2" if f.gen3 else "trn1", score_cols=cols, blocks=blocks, rescales=blocks,
+            q_tiles=tiles, evac_cols=int((1.0 - f.dma_share) * rows_cols // T.PMAX), D=f.D)
+    f.act_share = share
 
 
 class _Splitter:
@@ -376,48 +442,52 @@ class _Splitter:
             return True
         return False
 
+    def engine(self, n: int):
+        """Engine of the next PSUM -> SBUF copy of ``n`` columns (ScalarE or VectorE)."""
+        return nisa.scalar_engine if self.take(n) else nisa.vector_engine
+
 
 class _KV:
     """K^T (one tile per head-dim pass, ``[rows, n]``) and ``[V | 1]`` (``[128, n/128 blocks,
-    D + 1]``; with ``kv_lens`` the last column is 1.0 for valid keys only) of keys
-    ``[base, base + n)``, in SBUF at matmul dtype."""
+    D + 1]``; with ``kv_lens`` the last column is 1.0 for valid keys only) of ``n`` keys from
+    ``base`` (an NKI expression), in SBUF at matmul dtype."""
 
     def __init__(self, base, kT, v):
         self.base, self.kT, self.v = base, kT, v
 
 
 class _GroupState:
-    """SBUF/PSUM state of a group of query tiles (one slot per tile).
+    """SBUF state of a group of ``n`` query tiles (slot s = the group's s-th tile).
 
-    - ``qT``: Q^T per head-dim pass, ``[d, slots, 128]`` at matmul dtype.
-    - ``o``: ``[o_acc | l_i]`` in fp32 in SBUF, D + 1 columns (the ones column of V makes PV
-      produce the row sums). Each key block's PV goes to a fresh PSUM accumulation group
-      (started by an overwriting matmul) and VectorE folds it in: ``o = alpha o + pv``. The
-      running value never sits in PSUM, because TensorE accumulation onto a value another
-      engine wrote (the rescale) is not a documented sum (nc_matmul: the first matmul of an
-      accumulation group overwrites).
-    - ``stats``: per slot two alternating rows ``[-m_i | -rowmax of each score tile]`` (raw score
-      units): one min-reduction over a row gives ``-m_new``, which goes to the other row's first
-      column, so ``-m_i`` survives until alpha is computed.
+    - ``qT``: Q^T per head-dim pass, ``[d, n, rows]`` at matmul dtype.
+    - ``o``: ``[o_acc | l_i]`` in fp32, D + 1 columns (the ones column of V makes PV produce the
+      row sums); every block's PV is a fresh PSUM accumulation group folded in by VectorE.
+    - ``stats``: per slot ``[-m_new | -m_i | -rowmax of each score tile]`` (raw score units): one
+      min-reduction over columns 1.. gives ``-m_new`` (column 0); after alpha it is copied to
+      column 1.
     """
 
-    def __init__(self, f: _Instance, n: int):
+    def __init__(self, f: _Instance, n: int, rows: int):
         P, width = T.PMAX, f.tiles.softmax_block // f.tiles.k_tile
-        self.qT = [nl.ndarray((rows, n, P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
+        self.n, self.rows = n, rows
+        self.qT = [nl.ndarray((d, n, rows), dtype=f.mm, buffer=nl.sbuf) for _, d in f.d_passes]
         self.o = nl.ndarray((P, n, f.D + 1), dtype=nl.float32, buffer=nl.sbuf)
-        self.stats = nl.ndarray((P, n, 2, 1 + width), dtype=nl.float32, buffer=nl.sbuf)
-        self.stats[:, :, 0, 0:1] = nisa.memset((P, n, 1), -T.FWD_M_FLOOR, dtype=nl.float32,
-                                               engine=nisa.gpsimd_engine)
-        self.parity = [0] * n          # which stats row holds -m_i
-        self.started = [False] * n     # a key block has been folded in
+        self.o[...] = nisa.memset((P, n, f.D + 1), 0.0, dtype=nl.float32,
+                                  engine=nisa.gpsimd_engine)
+        self.stats = nl.ndarray((P, n, 2 + width), dtype=nl.float32, buffer=nl.sbuf)
+        self.stats[:, :, 1:2] = nisa.memset((P, n, 1), -T.FWD_M_FLOOR, dtype=nl.float32,
+                                            engine=nisa.gpsimd_engine)
 
-    def o_acc(self, qt: "QueryTile"):
-        """``[o_acc | l_i]`` of one query tile, ``[rows, D + 1]`` fp32."""
-        return self.o[0:qt.rows, qt.slot, :]
+    def o_acc(self, s):
+        """``[o_acc | l_i]`` of slot s, ``[rows, D + 1]`` fp32."""
+        return self.o[0:self.rows, s, :]
 
-    def neg_m(self, qt: "QueryTile", which: int):
-        """``-m_i`` (raw score units) in stats row ``which`` of the tile's slot, ``[rows, 1]``."""
-        return self.stats[0:qt.rows, qt.slot, which, 0:1]
+    def neg_m(self, s):
+        """``-m_i`` (raw score units) of slot s, ``[rows, 1]``."""
+        return self.stats[0:self.rows, s, 1:2]
+
+    def neg_m_new(self, s):
+        return self.stats[0:self.rows, s, 0:1]
 
 
 # ============================================================================================
@@ -478,280 +548,346 @@ def edge_key_fill(f: _Instance):
     return nisa.tensor_copy(bcast, dtype=f.k.dtype)
 
 
-def transpose_keys(f: _Instance, kT, pieces):
-    """K^T columns from natural K blocks: ``pieces`` are (first column, keys, [keys, D] tile);
-    TensorE transposes them several per PSUM bank, one PSUM -> SBUF copy per bank casts to the
-    matmul dtype (ScalarE or VectorE, balanced)."""
+def transpose_keys(f: _Instance, kT, col0, pieces, src_dtype):
+    """K^T columns from natural K blocks: ``pieces`` are (column offset from ``col0`` (static),
+    keys, [keys, D] tile), consecutive; TensorE transposes them several per PSUM bank, one PSUM
+    -> SBUF copy per bank casts to the matmul dtype (ScalarE or VectorE, balanced). ``col0``
+    is an NKI expression (the first column of the pieces in ``kT``)."""
     P = T.PMAX
-    in_dt = pieces[0][2].dtype
-    per_bank = f.psum_cols(in_dt)
+    per_bank = f.psum_cols(src_dtype)
+    split = f.evac_split()
     for pi, (d0, rows) in enumerate(f.d_passes):
         for s0 in nl.static_range(0, len(pieces), per_bank):
             group = pieces[s0:s0 + per_bank]
-            tp = nl.ndarray((rows, per_bank * P), dtype=f.transpose_psum_dtype(in_dt),
+            tp = nl.ndarray((rows, per_bank * P), dtype=f.transpose_psum_dtype(src_dtype),
                             buffer=nl.psum)
             for s, (col, kw, src) in enumerate(group):
                 tp[:, s * P:s * P + kw] = nisa.nc_transpose(src[0:kw, d0:d0 + rows])
             width = (group[-1][0] + group[-1][1]) - group[0][0]
-            col0 = group[0][0]
-            kT[pi][:, col0:col0 + width] = nisa.tensor_copy(tp[:, 0:width], dtype=f.mm,
-                                                            engine=f.evac_engine(width))
+            kT[pi][:, nl.ds(col0 + group[0][0], width)] = nisa.tensor_copy(
+                tp[:, 0:width], dtype=f.mm, engine=split.engine(width))
 
 
-def gather_kv(f: _Instance, kT, v, c0: int, l0: int, ln: int):
-    """Keys ``[l0, l0 + ln)`` of the frame (runtime ``kv_lens``): K and V gathered one 128-key
-    block per DMA through ``k_load`` (rotated when the band needs it), padding keys skipped --
-    never read -- and left at what the tiles were filled with: the edge key in K
-    (:func:`edge_key_fill`), zeros in V. Then as :func:`load_kv`."""
+def load_piece(f: _Instance, kT, v, cb, rb, ln: int):
+    """Keys ``[128 (cb + rb), 128 (cb + rb) + ln)`` of the frame into K^T / ``[V | 1]`` of a K/V
+    tile starting at key ``128 cb``, at its 128-key block ``rb`` (``cb``, ``rb`` NKI
+    expressions; ``ln`` static, at most ``kv_load_block``). Plain loads, or with ``kv_lens``
+    gathers of one 128-key block per DMA through ``k_load`` (rotated when the band needs it):
+    padding keys are skipped -- never read -- and keep what the tiles were filled with, the
+    edge key in K (:func:`edge_key_fill`) and zeros in V. V of another dtype than the matmul's
+    is cast on GpSimd."""
     P, D = T.PMAX, f.D
-    nb, b0 = T.ceil_div(ln, P), (l0 - c0) // P
-    kx = nl.ndarray((P, nb, D), dtype=f.k.dtype, buffer=nl.sbuf)
-    for t in nl.static_range(nb):
-        kx[:, t, :] = nisa.tensor_copy(f.k_fill, engine=nisa.gpsimd_engine)
+    nb = T.ceil_div(ln, P)
+    full, tail = ln // P, ln % P
+    rows = [min(P, ln - t * P) for t in range(nb)]
     same = f.v.dtype == f.mm
-    if same:
-        v[:, b0:b0 + nb, 0:D] = nisa.memset((P, nb, D), 0.0, dtype=f.mm,
-                                            engine=nisa.gpsimd_engine)
-    vx = None if same else nisa.memset((P, nb, D), 0.0, dtype=f.v.dtype,
-                                       engine=nisa.gpsimd_engine)
-    pieces = []
-    for t in nl.static_range(nb):
-        j0 = l0 + t * P
-        kw = min(P, l0 + ln - j0)
-        M.gather_rows(kx[0:kw, t, :], f.k_rows, f.k_load, j0 // P, kw, D)
-        M.gather_rows(v[0:kw, b0 + t, 0:D] if same else vx[0:kw, t, :], f.v_rows, f.k_load,
-                      j0 // P, kw, D)
-        pieces.append((j0 - c0, kw, kx[:, t, :]))
+    key0 = (cb + rb) * P
+    kx = nl.ndarray((P, nb, D), dtype=f.k.dtype, buffer=nl.sbuf)
+    vx = None if same else nl.ndarray((P, nb, D), dtype=f.v.dtype, buffer=nl.sbuf)
+
+    def v_dst(p, t, n=1):
+        """[p, n blocks, D] destination of V blocks t.. (v itself, or the cast buffer)."""
+        if same:
+            return v[0:p, nl.ds(rb + t, n), 0:D]
+        return vx[0:p, t:t + n, :]
+
+    if f.k_load is not None:
+        for t in nl.static_range(nb):
+            kx[:, t, :] = nisa.tensor_copy(f.k_fill, engine=nisa.gpsimd_engine)
+        v_dst(P, 0, nb)[...] = nisa.memset((P, nb, D), 0.0, dtype=f.v.dtype,
+                                           engine=nisa.gpsimd_engine)
+        for t in nl.static_range(nb):
+            M.gather_rows(kx[0:rows[t], t, :], f.k_rows, f.k_load, cb + rb + t, rows[t], D)
+            M.gather_rows(v_dst(rows[t], t)[:, 0, :], f.v_rows, f.k_load, cb + rb + t,
+                          rows[t], D)
+    else:
+        ip = nl.arange(P)[:, None, None]
+        idd = nl.arange(D)[None, None, :]
+        if full:
+            it = nl.arange(full)[None, :, None]
+            kx[:, 0:full, :] = nl.load(f.k[f.b, f.g, key0 + ip + P * it, idd])
+            v_dst(P, 0, full)[...] = nl.load(f.v[f.b, f.g, key0 + ip + P * it, idd])
+        if tail:
+            kx[0:tail, full, :] = nl.load(f.k[f.b, f.g, nl.ds(key0 + full * P, tail), :])
+            v_dst(tail, full)[:, 0, :] = nl.load(f.v[f.b, f.g, nl.ds(key0 + full * P, tail), :])
     if not same:
-        v[:, b0:b0 + nb, 0:D] = nisa.tensor_copy(vx, dtype=f.mm, engine=nisa.gpsimd_engine)
-    transpose_keys(f, kT, pieces)
+        if full:
+            v[:, nl.ds(rb, full), 0:D] = nisa.tensor_copy(vx[:, 0:full, :], dtype=f.mm,
+                                                          engine=nisa.gpsimd_engine)
+        if tail:
+            v[0:tail, rb + full, 0:D] = nisa.tensor_copy(vx[0:tail, full, :], dtype=f.mm,
+                                                         engine=nisa.gpsimd_engine)
+    transpose_keys(f, kT, rb * P, [(t * P, rows[t], kx[:, t, :]) for t in range(nb)], f.k.dtype)
 
 
-def load_kv(f: _Instance, c0: int, c1: int) -> _KV:
-    """Load keys ``[c0, c1)`` of K and V once: K^T via TensorE transposes of 128-key blocks
-    (PSUM -> SBUF copy casts to the matmul dtype), V as 128-key blocks ``[128, D + 1]`` whose last
-    column is 1.0 (cast on GpSimd when the input dtype differs). DMAs move up to
-    ``kv_load_block`` keys each. With ``kv_lens`` the keys are gathered (:func:`gather_kv`) and
-    the ones column is 1.0 for valid keys only, 0.0 for padding (:func:`edge_key_fill`)."""
-    P, D, n = T.PMAX, f.D, c1 - c0
+def load_kv(f: _Instance, cb, n: int) -> _KV:
+    """Load ``n`` keys (static) of K and V from key ``128 cb`` (``cb`` an NKI expression): K^T
+    via TensorE transposes of 128-key blocks (PSUM -> SBUF copy casts to the matmul dtype), V
+    as 128-key blocks ``[128, D + 1]`` whose last column is 1.0 (0.0 for padding keys with
+    ``kv_lens``, :func:`edge_key_fill`). An affine loop of ``kv_load_block``-key pieces plus a
+    static tail piece."""
+    P, D = T.PMAX, f.D
     nblk = T.ceil_div(n, P)
     kT = [nl.ndarray((rows, n), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     # V with a ones column: PV then also yields the row sums l_i = sum_j P_ij on TensorE
     v = nl.ndarray((P, nblk, D + 1), dtype=f.mm, buffer=nl.sbuf)
-    ip = nl.arange(P)[:, None, None]
     if f.k_load is None:
         v[:, :, D:D + 1] = nisa.memset((P, nblk, 1), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
     else:
-        key = nisa.iota(c0 + P * nl.arange(nblk)[None, :, None] + ip, dtype=nl.float32)
+        key = nisa.iota(cb * P + P * nl.arange(nblk)[None, :, None]
+                        + nl.arange(P)[:, None, None], dtype=nl.float32)
         v[:, :, D:D + 1] = f.rt.valid(key, keys=True, dtype=f.mm)
-    idd = nl.arange(D)[None, None, :]
-    for l0 in nl.static_range(c0, c1, f.tiles.kv_load_block):
-        ln = min(f.tiles.kv_load_block, c1 - l0)
-        if f.k_load is not None:
-            gather_kv(f, kT, v, c0, l0, ln)
-            continue
-        full, tail = ln // P, ln % P
-        if full:
-            it = nl.arange(full)[None, :, None]
-            kx = nl.load(f.k[f.b, f.g, l0 + ip + P * it, idd])
-            b0 = (l0 - c0) // P
-            if f.v.dtype == f.mm:
-                v[:, b0:b0 + full, 0:D] = nl.load(f.v[f.b, f.g, l0 + ip + P * it, idd])
-            else:
-                vx = nl.load(f.v[f.b, f.g, l0 + ip + P * it, idd])
-                v[:, b0:b0 + full, 0:D] = nisa.tensor_copy(vx, dtype=f.mm,
-                                                           engine=nisa.gpsimd_engine)
-            transpose_keys(f, kT, [(l0 + P * t - c0, P, kx[:, t, :]) for t in range(full)])
-        if tail:
-            t0 = l0 + full * P
-            kt_ = nl.load(f.k[f.b, f.g, t0:t0 + tail, :])
-            vt_ = nl.load(f.v[f.b, f.g, t0:t0 + tail, :])
-            v[0:tail, (t0 - c0) // P, 0:D] = nisa.tensor_copy(vt_, dtype=f.mm,
-                                                              engine=nisa.gpsimd_engine)
-            transpose_keys(f, kT, [(t0 - c0, tail, kt_)])
-    return _KV(c0, kT, v)
-
-
-def load_q_tile(f: _Instance, st: _GroupState, qt: QueryTile):
-    """Q_i^T for one query tile: load [rows, D], transpose each 128-wide head-dim slice on
-    TensorE, copy it out of PSUM at matmul dtype (ScalarE), times the softmax scale when the
-    scale is not folded into the exp. With ``q_lens`` the rows are gathered through ``q_load``
-    (rotated when the band needs it): padding rows are never read and stay 0."""
-    r, h = qt.rows, f.g * f.G + qt.head
+    LB = f.tiles.kv_load_block
+    per = LB // P
+    for lb in nl.affine_range(n // LB):
+        load_piece(f, kT, v, cb, lb * per, LB)
+    if n % LB:
+        load_piece(f, kT, v, cb, (n // LB) * per, n % LB)
+    return _KV(cb * P, kT, v)
+def load_q(f: _Instance, st: _GroupState, s, h, t):
+    """Q^T of query tile t (an NKI expression) of member head h into slot s: load
+    ``[rows, D]``, transpose each 128-wide head-dim slice on TensorE, copy it out of PSUM at
+    matmul dtype (ScalarE), times the softmax scale when the scale is not folded into the exp.
+    With ``q_lens`` the rows are gathered through ``q_load`` (rotated when the band needs it):
+    padding rows are never read and stay 0."""
+    r = st.rows
+    x = nl.ndarray((r, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
     if f.q_load is None:
-        x = nl.load(f.q[f.b, h, qt.i0:qt.i0 + r, :])
+        x[...] = nl.load(f.q[f.b, f.head(h), nl.ds(t * f.tiles.q_tile, r), :])
     else:
-        x = nisa.memset((r, f.D), 0.0, dtype=f.q.dtype, engine=nisa.gpsimd_engine)
-        M.gather_rows(x, f.q_rows, f.q_load, f.q_col(qt), r, f.D)
+        x[...] = nisa.memset((r, f.D), 0.0, dtype=f.q.dtype, engine=nisa.gpsimd_engine)
+        M.gather_rows(x, f.q_rows, f.q_load, f.q_col(h, t), r, f.D)
     for pi, (d0, rows) in enumerate(f.d_passes):
         tp = nl.ndarray((rows, r), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
         tp[...] = nisa.nc_transpose(x[0:r, d0:d0 + rows])
-        st.qT[pi][:, qt.slot, 0:r] = nisa.activation(nl.copy, tp, scale=f.q_scale, dtype=f.mm)
+        st.qT[pi][:, s, 0:r] = nisa.activation(nl.copy, tp, scale=f.q_scale, dtype=f.mm)
 
 
-def scores(f: _Instance, st: _GroupState, qt: QueryTile, tile: ScoreTile, kv: _KV):
-    """S_ij = Q_i K_j^T for one score tile (raw scores; Q^T carries the scale only when it is not
-    folded into the exp), in one PSUM bank, plus its masks.
+def band_predicates(f: _Instance, d0, rows: int, width: int):
+    """Tile-level predicates of ``rows`` query rows x ``width`` keys whose first key minus first
+    row is ``d0`` (an NKI expression): ``(any, above, below)`` = some score is inside the band;
+    some score is above its upper bound; some is below its lower bound (None: statically
+    false or not applicable). Affine comparisons of loop indices, combined with ``&``."""
+    spec, off = f.spec, f.spec.static_offset
+    vis, above, below = [], None, None
+    if spec.hi is not None:
+        # d_min = d0 - (rows - 1) - off <= hi;  d_max = d0 + width - 1 - off > hi
+        vis.append(d0 <= spec.hi + off + rows - 1)
+        above = d0 > spec.hi + off - width + 1
+    if spec.lo is not None:
+        vis.append(d0 >= spec.lo + off - width + 1)
+        below = d0 < spec.lo + off + rows - 1
+    return _and(*vis), above, below
+
+
+def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, masked: bool,
+           pred):
+    """S = Q_i K_j^T for one score tile of ``width`` keys (raw scores; Q^T carries the scale only
+    when it is not folded into the exp), in one PSUM bank, plus its band mask.
 
     One matmul per head-dim pass (stationary Q^T [d, rows], moving K^T [d, width]) accumulating
-    in PSUM; then ``MASK_NEG * indicator`` for boundary tiles (a matmul with ``MASK_NEG * I``).
+    in PSUM. In a masked region, ``MASK_NEG * indicator`` is added for tiles crossing a band
+    edge (a matmul with ``MASK_NEG * I``; the indicator is one GpSimd ``affine_select`` of
+    the key-minus-row distance against the bound), each side predicated on the tile crossing
+    it.
     Padding keys (``kv_lens``) need nothing here (:func:`edge_key_fill`).
     """
-    r, w, jr = qt.rows, tile.width, tile.j0 - kv.base
-    s = nl.ndarray((r, w), dtype=nl.float32, buffer=nl.psum)
+    r = st.rows
+    sc = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.psum)
     for pi, (d0, rows) in enumerate(f.d_passes):
-        prod = nisa.nc_matmul(st.qT[pi][:, qt.slot, 0:r], kv.kT[pi][:, jr:jr + w])
+        prod = nisa.nc_matmul(st.qT[pi][:, s, 0:r], kv.kT[pi][:, nl.ds(rel, width)], mask=pred)
         if pi == 0:
-            s[...] = prod
+            sc[...] = prod
         else:
-            s[...] += prod
-    if tile.kind == M.BOUNDARY:
-        ind = f.static_masks.get(qt.i0, tile.j0)
-        s[...] += nisa.nc_matmul(f.neg_eye[0:r, 0:r], ind[0:r, 0:w])
-    return s
+            sc[...] += prod
+    if masked:
+        off = f.spec.static_offset
+        _, above, below = band_predicates(f, j0 - i0, r, width)
+        d = nl.arange(width)[None, :] - nl.arange(r)[:, None]     # key - row - (j0 - i0)
+        for side, inside in ((above, None if above is None else d <= f.spec.hi + off - (j0 - i0)),
+                             (below, None if below is None else d >= f.spec.lo + off - (j0 - i0))):
+            if side is None:
+                continue
+            p = _and(pred, side)
+            # 1.0 outside this side of the band, 0.0 inside: one GpSimd instruction
+            ind = nl.ndarray((r, width), dtype=nl.bfloat16, buffer=nl.sbuf)
+            ind[...] = nisa.affine_select(inside, f.zeros[0:r, 0:width], 1.0, dtype=nl.bfloat16,
+                                          mask=p)
+            sc[...] += nisa.nc_matmul(f.neg_eye[0:r, 0:r], ind, mask=p)
+    return sc
 
 
-def online_softmax(f: _Instance, st: _GroupState, qt: QueryTile, blk: KeyBlock, s_tiles):
-    """The statistics update of one key block; returns (P_ij, alpha or None for the first).
+def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: int,
+                 masked: bool):
+    """Fold one key block of ``width`` keys (static; from the kv tile's 128-key block ``rb``,
+    frame key ``j0``, both NKI expressions) into slot s (query rows from ``i0``): the body of Algorithm
+    1's inner loop.
 
     With ``c`` the softmax scale folded into the exp (1 when Q^T carries it):
-    ``m_new = max(m_i, rowmax S_ij)`` (raw units, kept negated, floored at ``M_FLOOR`` by the
-    initial ``-m_i``); ``P_ij = exp(c S_ij - c m_new)``: one ScalarE activation per score tile,
-    the bias carrying the max; ``alpha = exp(c m_i - c m_new)``. The row sums l_i come with the
-    PV matmul (ones column of V).
+    ``m_new = max(m_i, rowmax S)`` (raw units, kept negated, floored at ``M_FLOOR`` by the
+    initial ``-m_i``); ``P = exp(c S - c m_new)``: one ScalarE activation per score tile, the
+    bias carrying the max; ``alpha = exp(c m_i - c m_new)`` (0 for the first visible block:
+    ``m_i = M_FLOOR``); ``pv = P [V | 1]`` in a fresh PSUM tile; ``[o_acc | l_i] = alpha [o_acc |
+    l_i] + pv`` on VectorE. In a masked region every instruction is predicated on the block
+    meeting the tile's band, so a skipped block leaves the state as it was.
     """
-    r, nb = qt.rows, len(s_tiles)
-    old = st.parity[qt.slot]
-    row = st.stats[0:r, qt.slot, old, :]
-    neg_m_old, neg_m_new = st.neg_m(qt, old), st.neg_m(qt, 1 - old)
+    r, P = st.rows, T.PMAX
+    pred = band_predicates(f, j0 - i0, r, width)[0] if masked else None
+    kt = f.tiles.k_tile
+    widths = [min(kt, width - c0) for c0 in range(0, width, kt)]
+    s_tiles = [scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked, pred)
+               for n, w in enumerate(widths)]
+    nb = len(widths)
+    stats = st.stats[0:r, s, :]
+    neg_m_old, neg_m_new = st.neg_m(s), st.neg_m_new(s)
     c = f.act_scale
 
-    for t in nl.static_range(nb):
-        row[:, 1 + t:2 + t] = nisa.tensor_reduce(np.max, s_tiles[t], axis=(1,), negate=True,
-                                                 keepdims=True)
-    neg_m_new[...] = nisa.tensor_reduce(np.min, row[:, 0:1 + nb], axis=(1,), keepdims=True)
-    bias = neg_m_new if c == 1.0 else nisa.activation(nl.copy, neg_m_new, scale=c)
+    for n in nl.static_range(nb):
+        stats[:, 2 + n:3 + n] = nisa.tensor_reduce(np.max, s_tiles[n], axis=(1,), negate=True,
+                                                   keepdims=True, mask=pred)
+    neg_m_new[...] = nisa.tensor_reduce(np.min, stats[:, 1:2 + nb], axis=(1,), keepdims=True,
+                                        mask=pred)
+    if c == 1.0:
+        bias = neg_m_new
+    else:
+        bias = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+        # c * (-m_new) on GpSimd (idle otherwise; ScalarE is a busiest engine)
+        bias[...] = nisa.tensor_scalar(neg_m_new, nl.multiply, c, engine=nisa.gpsimd_engine,
+                                       mask=pred)
+    alpha = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    alpha[...] = nisa.activation(nl.exp, neg_m_old, bias=bias, scale=-c, mask=pred)
+    p = nl.ndarray((r, width), dtype=f.mm, buffer=nl.sbuf)
+    for n in nl.static_range(nb):
+        p[:, n * kt:n * kt + widths[n]] = nisa.activation(nl.exp, s_tiles[n], bias=bias,
+                                                          scale=c, dtype=f.mm, mask=pred)
+    # m_i = m_new (GpSimd: idle otherwise)
+    neg_m_old[...] = nisa.tensor_copy(neg_m_new, engine=nisa.gpsimd_engine, mask=pred)
 
-    alpha = (nisa.activation(nl.exp, neg_m_old, bias=bias, scale=-c)
-             if st.started[qt.slot] else None)
-
-    p = nl.ndarray((r, blk.width), dtype=f.mm, buffer=nl.sbuf)
-    col = 0
-    for t in nl.static_range(nb):
-        w = blk.tiles[t].width
-        p[:, col:col + w] = nisa.activation(nl.exp, s_tiles[t], bias=bias, scale=c, dtype=f.mm)
-        col += w
-    st.parity[qt.slot] = 1 - old
-    return p, alpha
-
-
-def pv_accumulate(f: _Instance, p, qt: QueryTile, blk: KeyBlock, kv: _KV, dst, overwrite: bool):
-    """``dst (+)= [P_ij V_j | rowsum P_ij]`` in PSUM: P^T by TensorE transposes of 128-key chunks
-    (4 per PSUM tile), each tile copied to SBUF by ScalarE or VectorE (balanced), then one matmul
-    per chunk (stationary P^T [keys, rows], moving ``[V | 1]`` [keys, D + 1])."""
-    r, P = qt.rows, T.PMAX
-    chunks = [(c0, min(P, blk.width - c0)) for c0 in range(0, blk.width, P)]
+    # pv = P [V | 1]: P^T by TensorE transposes of 128-key chunks (FWD_PT_CHUNKS per PSUM
+    # tile), each tile copied to SBUF by ScalarE or VectorE (balanced); one matmul per chunk
+    chunks = [(c0, min(P, width - c0)) for c0 in range(0, width, P)]
     per_tile = T.FWD_PT_CHUNKS
     pt_dtype = f.transpose_psum_dtype(f.mm)
-    first = overwrite
+    on_dma = f.dma_split()
+    act_cols = 0
+    pv = nl.ndarray((r, f.D + 1), dtype=nl.float32, buffer=nl.psum)
     for g0 in nl.static_range(0, len(chunks), per_tile):
         group = chunks[g0:g0 + per_tile]
         n = len(group) * r
         pts = nl.ndarray((P, per_tile * r), dtype=f.mm, buffer=nl.sbuf)
-        if f.p_on_dma.take(n):
+        if on_dma.take(n):
             # trn2: DMA-engine transposes SBUF -> SBUF, no TensorE pass and no PSUM copy
             # (opt-in; documented for gen3, AWS kept its own use of it disabled)
-            for s, (c0, kw) in enumerate(group):
-                pts[0:kw, s * r:(s + 1) * r] = nisa.dma_transpose(p[:, c0:c0 + kw])
+            for q, (c0, kw) in enumerate(group):
+                pts[0:kw, q * r:(q + 1) * r] = nisa.dma_transpose(p[:, c0:c0 + kw], mask=pred)
         else:
             pt = nl.ndarray((P, per_tile * r), dtype=pt_dtype, buffer=nl.psum)
-            for s, (c0, kw) in enumerate(group):
-                pt[0:kw, s * r:(s + 1) * r] = nisa.nc_transpose(p[:, c0:c0 + kw])
-            pts[:, 0:n] = nisa.tensor_copy(pt[:, 0:n], dtype=f.mm, engine=f.evac_engine(n))
-        for s, (c0, kw) in enumerate(group):
-            vb = (blk.j0 + c0 - kv.base) // P
-            prod = nisa.nc_matmul(pts[0:kw, s * r:(s + 1) * r], kv.v[0:kw, vb, :])
-            if first:
-                dst[...] = prod
-                first = False
+            for q, (c0, kw) in enumerate(group):
+                pt[0:kw, q * r:(q + 1) * r] = nisa.nc_transpose(p[:, c0:c0 + kw], mask=pred)
+            # the block's ScalarE share of the copies, split at a 32-column boundary
+            a = min(n, max(0, int(round((f.act_share * (g0 * r + n) - act_cols) / 32)) * 32))
+            act_cols += a
+            for e, (c0, c1) in ((nisa.scalar_engine, (0, a)), (nisa.vector_engine, (a, n))):
+                if c1 > c0:
+                    pts[:, c0:c1] = nisa.tensor_copy(pt[:, c0:c1], dtype=f.mm, engine=e,
+                                                     mask=pred)
+        for q, (c0, kw) in enumerate(group):
+            prod = nisa.nc_matmul(pts[0:kw, q * r:(q + 1) * r], kv.v[0:kw, rb + c0 // P, :],
+                                  mask=pred)
+            if g0 == 0 and q == 0:
+                pv[...] = prod
             else:
-                dst[...] += prod
+                pv[...] += prod
+    o_acc = st.o_acc(s)
+    # o_acc = alpha o_acc + pv: the rescale on GpSimd (SBUF only; otherwise idle), the add on
+    # VectorE (one PSUM read, 1 cycle per element)
+    o_acc[...] = nisa.tensor_scalar(o_acc, nl.multiply, alpha, engine=nisa.gpsimd_engine,
+                                    mask=pred)
+    o_acc[...] = nisa.tensor_tensor(o_acc, pv, nl.add, mask=pred)
 
 
-def attend_block(f: _Instance, st: _GroupState, qt: QueryTile, blk: KeyBlock, kv: _KV):
-    """Fold one key block into the query tile's state (the body of Algorithm 1's inner loop):
-    ``[o_acc | l_i] = alpha [o_acc | l_i] + [P_ij V_j | rowsum P_ij]``."""
-    s_tiles = [scores(f, st, qt, tile, kv) for tile in blk.tiles]
-    p, alpha = online_softmax(f, st, qt, blk, s_tiles)
-    o_acc = st.o_acc(qt)
-    pv = nl.ndarray((qt.rows, f.D + 1), dtype=nl.float32, buffer=nl.psum)
-    pv_accumulate(f, p, qt, blk, kv, pv, overwrite=True)
-    if alpha is None:
-        o_acc[...] = nisa.activation(nl.copy, pv, dtype=nl.float32)
-    else:
-        # one VectorE instruction: o = (o * alpha) + pv, pv read straight from PSUM
-        o_acc[...] = nisa.scalar_tensor_tensor(data=o_acc, op0=nl.multiply, operand0=alpha,
-                                               op1=nl.add, operand1=pv, dtype=nl.float32)
-    st.started[qt.slot] = True
+def write_back(f: _Instance, st: _GroupState, s, h, t):
+    """``O_i = o_acc / l_i`` and ``LSE_i = c m_i + log l_i`` (softmax units) of slot s (query tile
+    t of member head h), stored to HBM.
 
-
-def write_back(f: _Instance, st: _GroupState, qt: QueryTile):
-    """``O_i = o_acc / l_i`` and ``LSE_i = c m_i + log l_i`` (softmax units), stored to HBM.
-
-    A row with l_i = 0 (every key masked) has o_acc = 0 exactly, so ``o_acc / max(l_i, L_FLOOR)``
-    is 0; its LSE is -inf by an explicit select (``log`` only ever sees ``l_i >= L_FLOOR``).
-    Padding rows (past ``q_len``) are selected the same way and their output multiplied by 0.
-    Rotated rows are scattered back to their HBM rows (``q_store``), padding included.
+    A row with l_i = 0 (every key masked, or no key swept) has o_acc = 0 exactly, so ``o_acc /
+    max(l_i, L_FLOOR)`` is 0; its LSE is -inf by an explicit select (``log`` only ever sees
+    ``l_i >= L_FLOOR``). Padding rows (past ``q_len``) are selected the same way and their
+    output multiplied by 0. Rotated rows are scattered back to their HBM rows (``q_store``),
+    padding included.
     """
-    r, h = qt.rows, f.g * f.G + qt.head
+    r = st.rows
+    col = f.q_col(h, t)
 
     def store(out, tile):
-        M.store_rows(out, f.b, h, qt.i0, r, tile, f.q_store, f.q_col(qt))
+        M.store_rows(out, f.b, f.head(h), t * f.tiles.q_tile, r, tile, f.q_store, col)
 
-    if not st.started[qt.slot]:
-        store(f.o, nisa.memset((r, f.D), 0.0, dtype=f.o.dtype))
-        store(f.lse_col, nisa.memset((r, 1), -np.inf, dtype=nl.float32))
-        return
-    o_acc = st.o_acc(qt)
+    o_acc = st.o_acc(s)
     l_i = o_acc[:, f.D:f.D + 1]
-    neg_m = st.neg_m(qt, st.parity[qt.slot])
-
-    l_safe = nisa.tensor_scalar(l_i, nl.maximum, T.FWD_L_FLOOR, dtype=nl.float32)
+    # the SBUF-only element-wise steps on GpSimd (VectorE and ScalarE are the busy engines)
+    gp = nisa.gpsimd_engine
+    l_safe = nisa.tensor_scalar(l_i, nl.maximum, T.FWD_L_FLOOR, dtype=nl.float32, engine=gp)
     inv_l = nisa.reciprocal(l_safe)
     # padding rows: multiplied by 0 (o) and deselected (lse)
-    col = f.q_col(qt)
-    in_range = f.q_valid[0:r, col:col + 1] if f.spec.q_lens else None
+    in_range = f.q_valid[0:r, nl.ds(col, 1)] if f.spec.q_lens else None
     op1 = nl.multiply if f.spec.q_lens else None
     o_out = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l, op1=op1, operand1=in_range,
-                               dtype=f.o.dtype)
-    keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, op1=op1, operand1=in_range, dtype=nl.uint8)
+                               dtype=f.o.dtype, engine=gp)
+    keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, op1=op1, operand1=in_range, dtype=nl.uint8,
+                              engine=gp)
     store(f.o, o_out)
 
     log_l = nisa.activation(nl.log, l_safe, dtype=nl.float32)
-    lse_val = nisa.activation(nl.copy, neg_m, scale=-f.act_scale, bias=log_l, dtype=nl.float32)
+    lse_val = nisa.activation(nl.copy, st.neg_m(s), scale=-f.act_scale, bias=log_l,
+                              dtype=nl.float32)
     lse_out = nisa.memset((r, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
     # explicit select (documented from neuronx-cc 2.22; nki-api-spec §9.14)
     nisa.tensor_copy_predicated(src=lse_val, dst=lse_out, predicate=keep)
     store(f.lse_col, lse_out)
 
 
-def attend_group(f: _Instance, plan: ForwardPlan, group, kv: Optional[_KV]):
-    """One group of query tiles: load their Q^T, stream K/V chunks past them (or use the
-    resident K/V), fold in every key block, write O and LSE. The group's SBUF state is local to
-    this call, so it is freed before the next group allocates its own."""
-    st = _GroupState(f, len(group))
-    for qt in group:
-        if qt.blocks:
-            load_q_tile(f, st, qt)
-    for ci, (c0, c1) in enumerate(plan.chunks):
-        work = [(qt, blk) for qt in group for blk in qt.blocks if blk.chunk == ci]
-        if not work:
+def sweep(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, n: int, masked: bool):
+    """The online softmax of slot s (rows from ``i0``) over ``n`` keys (static) of a K/V tile
+    from its 128-key block ``rb`` = frame key ``j0``: a sequential loop of full softmax
+    blocks (the carried running max, sum and output) and a static partial last block."""
+    Bk = f.tiles.softmax_block
+    per = Bk // T.PMAX
+    full, tail = n // Bk, n % Bk
+    for kb in nl.sequential_range(full):
+        attend_block(f, st, s, i0, kv, rb + kb * per, j0 + kb * Bk, Bk, masked)
+    if tail:
+        attend_block(f, st, s, i0, kv, rb + full * per, j0 + full * Bk, tail, masked)
+
+
+def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[_KV]):
+    """Query tiles ``t0 .. t0 + n - 1`` (``t0`` an NKI expression) of every query head of the kv
+    group (slot ``h n + s`` = tile ``t0 + s`` of member head h): load their Q^T, sweep the
+    span's key regions (resident K/V, or chunks streamed once past the whole group), write O
+    and LSE. The group's SBUF state is local to this body. A span without regions reads no Q
+    and writes o = 0, LSE = -inf."""
+    P, qt, G = T.PMAX, plan.q_tile, f.G
+    st = _GroupState(f, G * n, span.rows)
+    if span.regions:
+        for h in nl.affine_range(G):
+            for s in nl.affine_range(n):
+                load_q(f, st, h * n + s, h, t0 + s)
+
+    def sweep_all(kv_tile, rb, j0, keys, masked):
+        for h in nl.affine_range(G):
+            for s in nl.affine_range(n):
+                sweep(f, st, h * n + s, (t0 + s) * qt, kv_tile, rb, j0, keys, masked)
+
+    for rg in span.regions:
+        if plan.resident:
+            sweep_all(kv, rg.k0 // P, rg.k0, rg.k1 - rg.k0, rg.masked)
             continue
-        chunk_kv = kv if plan.resident else load_kv(f, c0, c1)
-        for qt, blk in work:
-            attend_block(f, st, qt, blk, chunk_kv)
-    for qt in group:
-        write_back(f, st, qt)
+        for first, count, C in _chunks(rg, plan):
+            for c in nl.sequential_range(count):
+                chunk = load_kv(f, first // P + c * (C // P), C)
+                sweep_all(chunk, 0, first + c * C, C, rg.masked)
+    for h in nl.affine_range(G):
+        for s in nl.affine_range(n):
+            write_back(f, st, h * n + s, h, t0 + s)
 
 
 # ============================================================================================
@@ -759,9 +895,34 @@ def attend_group(f: _Instance, plan: ForwardPlan, group, kv: Optional[_KV]):
 # ============================================================================================
 
 
+def forward_grid(B: int, Hkv: int, lnc: int):
+    """Launch grid and kernel ``lnc`` for ``lnc`` NeuronCores per logical core (1, or 2 on
+    trn2). LNC=2 spreads independent grid instances over the two cores when it can -- kv heads
+    when Hkv is even, else batches when B is even (``nl.spmd_dim(n, nl.nc(2))``; no extra HBM
+    traffic) -- and otherwise adds an ``nl.nc(2)`` grid dimension over which the kernel splits
+    the query tiles (``lnc=2`` kernel argument; each core then reads all of K/V)."""
+    if lnc not in (1, 2):
+        raise ValueError(f"lnc: expected 1 or 2, got {lnc!r}")
+    if lnc == 1:
+        return (B, Hkv), 1
+    if Hkv % 2 == 0:
+        return (B, nl.spmd_dim(Hkv // 2, nl.nc(2))), 1
+    if B % 2 == 0:
+        return (nl.spmd_dim(B // 2, nl.nc(2)), Hkv), 1
+    return (B, Hkv, nl.nc(2)), 2
+
+
+def _core_range(count: int, core):
+    """``(first, n)``: the affine slice of ``count`` groups one of two cores takes: ``n =
+    ceil(count / 2)`` groups from ``core (count - n)`` (an odd count: the middle group is done
+    by both cores, which write identical results)."""
+    n = T.ceil_div(count, 2)
+    return core * (count - n), n
+
+
 @nki.jit
 def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal=None,
-                        window=None, mm_dtype="bfloat16", tiles=None):
+                        window=None, mm_dtype="bfloat16", tiles=None, lnc=1):
     """Flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B, Hkv, Nk, D)``.
 
     Launch on the grid ``(B, Hkv)``. Tensor arguments live in HBM: q, k, v in fp32/bf16/fp16
@@ -770,32 +931,40 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal
     read, bottom_right sequences are rotated on chip, module docstring). Compile-time arguments:
     ``scale`` (float, any finite value), ``causal`` (None, "top_left", "bottom_right"),
     ``window`` (None or (left, right), -1 = unbounded), ``mm_dtype`` ("bfloat16", "float16",
-    "float32": matmul operand precision), ``tiles`` (:class:`tiles.ForwardTiles`).
+    "float32": matmul operand precision), ``tiles`` (:class:`tiles.ForwardTiles`), ``lnc``
+    (2: launched on ``(B, Hkv, nl.nc(2))``, the two cores of a trn2 logical core split every
+    span's query-tile groups, :func:`forward_grid`).
 
     Returns ``(o, lse)``: o ``(B, Hq, Nq, D)`` in q's dtype, lse ``(B, Hq, Nq)`` float32 (natural
     log; -inf for rows without a visible key). Limits: ``1 <= D <= 256``; any Nq, Nk >= 1.
     """
     tiles = T.ForwardTiles() if tiles is None else tiles
+    if lnc not in (1, 2):
+        raise ValueError(f"lnc: expected 1 or 2, got {lnc!r}")
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None)
-    plan = plan_forward(Nq, Nk, Hq // k.shape[1], spec, tiles)
+    plan = plan_forward(Nq, Nk, Hq // k.shape[1], spec, tiles, cores=lnc)
 
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
 
-    f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec)
+    f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, nl.program_id(0),
+                  nl.program_id(1))
     balance_engines(f, plan)
-    if spec.has_diag:
+    if any(rg.masked for sp in plan.spans for rg in sp.regions):
         f.neg_eye = M.neg_identity(T.PMAX)
-        offsets = {t.j0 - qt.i0 for grp in plan.groups for qt in grp for blk in qt.blocks
-                   for t in blk.tiles if t.kind == M.BOUNDARY}
-        f.static_masks = M.StaticDiagMasks(spec, tiles.q_tile, tiles.k_tile, offsets)
+        f.zeros = nisa.memset((T.PMAX, tiles.k_tile), 0.0, dtype=nl.bfloat16,
+                              engine=nisa.gpsimd_engine)
     if spec.kv_lens or spec.q_lens:
         length_tables(f, kv_lens, q_lens)
 
-    needs_kv = any(qt.blocks for grp in plan.groups for qt in grp)
+    needs_kv = any(sp.regions for sp in plan.spans)
     kv = load_kv(f, 0, Nk) if plan.resident and needs_kv else None
-    for group in plan.groups:
-        attend_group(f, plan, group, kv)
+    core = nl.program_id(2) if lnc == 2 else None
+    for sp in plan.spans:
+        for first, count, n in _groups(sp, plan.q_group):
+            start, mine = (0, count) if core is None else _core_range(count, core)
+            for grp in nl.affine_range(mine):
+                attend_group(f, plan, sp, sp.t0 + first + (start + grp) * n, n, kv)
     return o, lse

@@ -85,8 +85,8 @@ def test_torch_cpu_tensors():
 def test_plan_attention_forward():
     q, k, v = _qkv(B=2, Hq=8, Hkv=2, Nq=300, Nk=500, D=64, dtype=np.float32)
     kernel, grid, kw = api.plan_attention_forward(q, k, v, causal=True, window=(10, 5),
-                                                  mixed_precision=False)
-    assert kernel is flash_attention_fwd and grid == (2, 2)
+                                                  mixed_precision=False, lnc=1)
+    assert kernel is flash_attention_fwd and grid == (2, 2) and kw["lnc"] == 1
     assert kw["causal"] == "bottom_right" and kw["window"] == (10, 5)
     assert kw["mm_dtype"] == "float32" and kw["scale"] == pytest.approx(1 / 8)
     assert isinstance(kw["tiles"], T.ForwardTiles) and kw["tiles"].kv_resident
@@ -237,3 +237,41 @@ def test_forward_tiles_errors(kwargs, message):
 def test_choose_tiles_target_error():
     with pytest.raises(ValueError, match="target: expected one of"):
         T.choose_forward_tiles(10, 10, 8, 1, 2, 2, target="gen4")
+
+
+def test_lnc_grids_and_results():
+    """LNC=2 (trn2): kv heads, else batches, go to the two cores through nl.spmd_dim; with one
+    (batch, kv head) the kernel splits its query tiles over an nl.nc(2) dimension. Both follow
+    the tolerance rule; the default follows the target."""
+    import simulate
+
+    from nki_kernels.attention.forward import forward_grid
+
+    assert forward_grid(3, 4, 1) == ((3, 4), 1)
+    (b, hd), kl = forward_grid(3, 4, 2)
+    assert (b, int(hd), kl) == (3, 4, 1)
+    (bd, h), kl = forward_grid(4, 3, 2)
+    assert (int(bd), h, kl) == (4, 3, 1)
+    grid, kl = forward_grid(3, 3, 2)
+    assert grid[:2] == (3, 3) and len(grid) == 3 and kl == 2
+    # odd group count (the middle group on both cores) + partial tile (both cores); causal
+    # spans of 2 tiles (one per core); heads split by spmd_dim
+    cases = [dict(B=1, Hq=2, Hkv=1, Nq=1000, Nk=700, causal=None),
+             dict(B=1, Hq=1, Hkv=1, Nq=2048, Nk=2048, causal="top_left"),
+             dict(B=2, Hq=4, Hkv=2, Nq=300, Nk=500, causal=None)]
+    for c in cases:
+        causal = c.pop("causal")
+        q, k, v = _qkv(dtype=ml_dtypes.bfloat16, D=64, **c)
+        with simulate.measure(target="trn2") as m1:
+            o1, l1 = api.flash_attention(q, k, v, causal=causal, return_lse=True, lnc=1)
+        with simulate.measure(target="trn2") as m2:
+            o2, l2 = api.flash_attention(q, k, v, causal=causal, return_lse=True)
+        for o, lse in ((o1, l1), (o2, l2)):
+            _within_rule(q, k, v, o, lse, "bfloat16", causal=causal)
+        assert m1.kernels[0].cores == 1 and m2.kernels[0].cores == 2
+        assert m2.modeled_seconds[0] < 0.75 * m1.modeled_seconds[0]
+    with simulate.measure(target="trn1"):
+        _, grid, kw = api.plan_attention_forward(q, k, v)
+    assert grid == (2, 2) and kw["lnc"] == 1
+    with pytest.raises(ValueError, match="lnc: expected None, 1 or 2"):
+        api.plan_attention_forward(q, k, v, lnc=4)

@@ -181,11 +181,10 @@ def test_seed_worked_example():
     np.testing.assert_allclose(o[0, 0, 1], [0.8146 / 1.8146, 1.0 / 1.8146], atol=1e-4)
     np.testing.assert_allclose(lse[0, 0, 1], 0.325 + np.log(1.8146), atol=2e-3)
     check(q, k, v, o, lse, mixed_precision=False, causal=True)
-    # Bq = 2 gives three query tiles; key tile 1 (keys 3-5) is skipped for query tile 0
+    # Bq = 2 gives three query tiles, one span each; keys 2-5 are never swept for tile 0
     plan = F.plan_forward(6, 6, 1, MaskSpec(6, 6, "bottom_right"), tiles)
-    first = plan.groups[0][0]
-    assert (first.i0, first.rows) == (0, 2) and len(plan.groups) == 3
-    assert [t.j0 + t.width for b in first.blocks for t in b.tiles] == [2]
+    assert [(sp.t0, sp.tiles, sp.rows) for sp in plan.spans] == [(0, 1, 2), (1, 1, 2), (2, 1, 2)]
+    assert plan.spans[0].regions == (F.Region(0, 2, True),)
 
 
 def test_bf16_large_scores_stay_finite():
@@ -399,16 +398,21 @@ def test_dma_transposed_p_trn2():
 
 
 def test_plan_skips_causal_tiles():
-    """Causal: each query tile's keys end at its last row's diagonal (whole tiles skipped)."""
+    """Causal: the query tiles form FWD_Q_SPANS spans (plus the partial tile); each span sweeps
+    keys up to its last row's diagonal, unmasked up to its first row's (128-aligned), so the
+    swept area is about (1 + 1/spans) / 2 of the square."""
     tiles = T.ForwardTiles()
-    plan = F.plan_forward(1000, 1000, 1, MaskSpec(1000, 1000, "top_left"), tiles)
-    for qt in (q for g in plan.groups for q in g):
-        last = max(t.j0 + t.width for b in qt.blocks for t in b.tiles)
-        assert last == qt.i0 + qt.rows
-        assert all(b.width <= tiles.softmax_block for b in qt.blocks)
-    computed = sum(t.width * qt.rows for g in plan.groups for qt in g
-                   for b in qt.blocks for t in b.tiles)
-    assert computed < 0.57 * 1000 * 1000
+    for N in (1000, 4096, 16384):
+        plan = F.plan_forward(N, N, 1, MaskSpec(N, N, "top_left"), tiles)
+        assert len(plan.spans) == min(T.FWD_Q_SPANS, N // 128) + (N % 128 > 0)
+        swept = 0
+        for sp in plan.spans:
+            r0, r1 = sp.t0 * 128, sp.t0 * 128 + sp.tiles * sp.rows
+            assert sp.regions[-1].k1 == r1 and sp.regions[-1].masked
+            assert all(not rg.masked for rg in sp.regions[:-1])
+            assert sp.regions[0].k0 == 0 and (len(sp.regions) == 1 or sp.regions[0].k1 <= r0)
+            swept += (r1 - r0) * sum(rg.k1 - rg.k0 for rg in sp.regions)
+        assert swept < (0.5 + 0.5 / min(T.FWD_Q_SPANS, N // 128) + 0.07) * N * N
 
 
 def test_choose_tiles_streams_when_kv_does_not_fit():
@@ -463,7 +467,9 @@ def test_streaming_hbm_bytes_match_formula(B, Hq, Hkv, Nq, Nk, q_group):
     assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
     assert (read, written) == F.plan_hbm_bytes(B, Hq, Hkv, Nq, Nk, D, 2, tiles)
     passes = T.forward_kv_passes(Nq, Hq // Hkv, tiles)
-    assert passes == -(-(Hq // Hkv) * -(-Nq // 128) // q_group) and passes > 1
+    # a group: the same q_group // G tiles of every head; the partial tile alone
+    per_head = max(1, q_group // (Hq // Hkv))
+    assert passes == -(-(Nq // 128) // per_head) + (Nq % 128 > 0) and passes > 1
     assert m.per_tensor["k"]["read"] == B * Hkv * passes * Nk * D * 2
 
 
@@ -561,3 +567,98 @@ def test_modeled_time_goal_trn2():
     util = 4 * N * N * D / (lower * 78.6e12)
     assert lower <= 218e-6 and util >= 0.5
     assert m.engine_seconds["tensor"] >= 0.85 * lower
+
+
+# --------------------------------------------------------------------------------------------
+# Program size: the kernel is a fixed nest of NKI loops
+# --------------------------------------------------------------------------------------------
+
+@needs_measure
+@pytest.mark.parametrize("Nq,Nk_small,Nk_big,mask", [
+    (None, 2048 + 100, 8192 + 100, {}),
+    (None, 2048 + 100, 8192 + 100, {"kv_lens": True, "q_lens": True}),
+    (1024, 4096 + 1024, 16384 + 1024, {"causal": "bottom_right"}),
+    (1024, 4096 + 1000, 16384 + 1000, {"window": (700, 0)}),
+])
+def test_program_size_does_not_grow_with_n(Nq, Nk_small, Nk_big, mask):
+    """``program_instructions`` (loop bodies once) is the same at two sequence lengths whose
+    tails (N mod the tile sizes) match -- every loop over query tiles, key blocks and K/V pieces
+    is an NKI loop -- and far below the 20,000 budget, while the executed instructions grow
+    (except for a window, whose work does not depend on Nk)."""
+    sizes = []
+    for Nk in (Nk_small, Nk_big):
+        nq = Nk if Nq is None else Nq
+        q, k, v = _inputs(np.random.default_rng(Nk), 1, 2, 1, nq, Nk, 64, "bfloat16")
+        kw = dict(mask)
+        for name, n in (("kv_lens", Nk), ("q_lens", nq)):
+            if kw.get(name) is True:
+                kw[name] = [n - 7]
+        m = _measured(q, k, v, **kw)
+        sizes.append((m.program_instructions, sum(m.instructions.values())))
+    (p_small, run_small), (p_big, run_big) = sizes
+    assert p_small == p_big < 20_000
+    assert run_big > (1 if "window" in mask else 2) * run_small
+
+
+@needs_measure
+@pytest.mark.parametrize("Nq,Nk,D,G,lens", [
+    (128, 33280, 128, 1, False), (128, 15232, 256, 1, False), (128, 45952, 64, 1, False),
+    (128, 33000, 128, 1, True), (1024, 33408, 128, 8, False),
+])
+def test_peak_sbuf_within_90_percent(Nq, Nk, D, G, lens):
+    """At the largest resident K/V (and just past it, streaming with the largest query group the
+    budget allows) the measured peak SBUF stays within 90 % of trn1's capacity, the compiler's
+    headroom (``tiles.FWD_SBUF_BUDGET_BYTES``)."""
+    q, k, v = _inputs(np.random.default_rng(Nk), 1, G, 1, Nq, Nk, D, "bfloat16")
+    kw = dict(kv_lens=[Nk - 5], q_lens=[Nq - 3]) if lens else {}
+    tiles = T.choose_forward_tiles(Nq, Nk, D, G, 2, 2, kv_lens=lens, q_lens=lens)
+    import simulate
+
+    with simulate.measure(target="trn1") as m:
+        run_kernel(q, k, v, tiles=tiles, **kw)
+    assert m.peak_sbuf_bytes_per_partition <= T.FWD_SBUF_BUDGET_BYTES["trn1"]
+    assert m.peak_sbuf_bytes_per_partition <= 0.9 * 192 * 1024
+
+
+# --------------------------------------------------------------------------------------------
+# LNC=2: the query tiles of one (batch, kv head) split over the two cores of a trn2 logical core
+# --------------------------------------------------------------------------------------------
+
+@needs_measure
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,mask,tiles", [
+    (1, 1, 1, 1000, 700, 64, {"causal": "bottom_right"}, None),
+    (1, 2, 1, 2048, 2048, 64, {"causal": "top_left"}, None),
+    (1, 4, 1, 700, 1300, 256, {"window": (300, 40), "kv_lens": [1100], "q_lens": [650]}, None),
+    (2, 2, 1, 900, 2200, 32, {"causal": "bottom_right", "kv_lens": [2000, 5]},
+     T.ForwardTiles(kv_resident=False, q_group=3)),
+    (1, 1, 1, 4096, 4096, 128, {}, None),
+])
+def test_lnc2_query_split_matches_one_core(B, Hq, Hkv, Nq, Nk, D, mask, tiles):
+    """``lnc=2`` on the grid ``(B, Hkv, nl.nc(2))``: correct outputs (spans of at least two
+    tiles, so a causal band's blocks may fall differently than with one core) computed on both
+    cores in parallel: the modeled time drops, and the program does not grow much."""
+    import simulate
+
+    from nki_kernels.nki import nl
+
+    q, k, v = _inputs(np.random.default_rng(Nq + D), B, Hq, Hkv, Nq, Nk, D, "bfloat16")
+    mm = "bfloat16"
+    if tiles is None:
+        tiles = T.choose_forward_tiles(Nq, Nk, D, Hq // Hkv, 2, 2, kv_lens="kv_lens" in mask,
+                                       q_lens="q_lens" in mask)
+    lens = [None if mask.get(n) is None else np.asarray(mask[n], np.int32)
+            for n in ("kv_lens", "q_lens")]
+    kw = dict(scale=1 / np.sqrt(D), causal=mask.get("causal"), window=mask.get("window"),
+              mm_dtype=mm, tiles=tiles)
+    runs = []
+    for grid, lnc in (((B, Hkv), 1), ((B, Hkv, nl.nc(2)), 2)):
+        with simulate.measure(target="trn2") as m:
+            out = nki.simulate_kernel(F.flash_attention_fwd[grid], q, k, v, *lens, lnc=lnc, **kw)
+        runs.append((out, m))
+    (o1, l1), m1 = runs[0]
+    (o2, l2), m2 = runs[1]
+    check(q, k, v, o1, l1, **mask)
+    check(q, k, v, o2, l2, **mask)
+    assert m2.kernels[0].cores == 2
+    assert m2.modeled_seconds[0] < 0.8 * m1.modeled_seconds[0]
+    assert m2.program_instructions <= 1.1 * m1.program_instructions + 50

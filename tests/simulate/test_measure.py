@@ -202,3 +202,30 @@ def test_dma_contiguity_of_masked_and_strided_accesses():
         k(np.ones((200, 512), np.float32))
     assert m.dma_bytes_per_partition == [1024, 4, 1024, 1024]
     assert m.hbm_bytes_read == (72 + 128 + 128) * 256 * 4
+
+
+def test_nc_grid_cores_run_in_parallel():
+    """An nl.nc(2) grid dimension (trn2 LNC=2) puts its instances on two physical cores that
+    run in parallel: the modeled time is that of the busier core, the totals add up."""
+    @nki.jit(platform_target="trn2")
+    def k(a):
+        out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        i = nl.program_id(0)
+        x = nl.load(a[i:i + 1, :])
+        y = nisa.activation(nl.exp, x)
+        nl.store(out[i:i + 1, :], y)
+        return out
+
+    a = np.zeros((4, 512), np.float32)
+    runs = {}
+    for name, grid in (("serial", 4), ("nc", nl.nc(2) * 2), ("spmd", nl.spmd_dim(2, nl.nc(2)))):
+        with nki.measure(target="trn2") as m:
+            np.testing.assert_array_equal(k[grid](a), 1.0)
+        runs[name] = m
+    serial, nc, spmd = runs["serial"], runs["nc"], runs["spmd"]
+    assert serial.kernels[0].cores == 1 and nc.kernels[0].cores == 2 == spmd.kernels[0].cores
+    assert nc.engine_cycles == serial.engine_cycles == spmd.engine_cycles
+    for m in (nc, spmd):
+        lo, hi = m.modeled_seconds
+        assert lo == pytest.approx(serial.modeled_seconds[0] / 2, rel=1e-9)
+        assert hi == pytest.approx(serial.modeled_seconds[1] / 2, rel=1e-9)
