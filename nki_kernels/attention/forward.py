@@ -147,7 +147,7 @@ from nki_kernels.nki import nisa, nki, nl
 #               block(...)                  unmasked region: no predicate
 #                                           masked region: every instruction predicated on the
 #                                           block intersecting the tile's band, boundary score
-#                                           tiles masked by an iota-built indicator
+#                                           tiles masked by an affine_select indicator
 #             [one static tail block]
 #         write O, LSE of the group's tiles
 #
