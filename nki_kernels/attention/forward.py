@@ -58,11 +58,11 @@ Tile sizes (``nki_kernels/tiles.py``, ``FWD_*``) and why:
   PV writes D + 1 <= 512 fp32 per partition (one bank).
 
 Engine work per 128 x 2048 block (D = 128): TensorE 6160 cycles (S 2048, P transposes 2048,
-PV 16 x 129); VectorE 2241 (row max: one fp32 PSUM read per score; min-reduction; the
-``+ pv`` of ``o_acc = alpha o_acc + pv``, D + 1); ScalarE 2112 (exp; alpha); GpSimd the bias,
-the m_i copy and the ``alpha o_acc`` rescale; plus the 2048-column P^T copy, split at a 32-column boundary between ScalarE (1
-cycle per column) and VectorE (1/2 on trn2) so both finish together. trn2 N = 4096 models at
-~196 us with TensorE at ~168 us (``nki-flash run``).
+PV 16 x 129); VectorE 2241 (row max: one fp32 PSUM read per score; min-reduction; the ``+ pv``
+of ``o_acc = alpha o_acc + pv``, D + 1); ScalarE 2112 (exp; alpha); GpSimd the bias, the m_i
+copy and the ``alpha o_acc`` rescale; plus the 2048-column P^T copy, split at a 32-column
+boundary between ScalarE (1 cycle per column) and VectorE (1/2 on trn2) so both finish
+together. trn2 N = 4096 models at ~184 us with TensorE at ~168 us (``nki-flash run``).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
@@ -651,11 +651,13 @@ def load_piece(f: _Instance, kT, v, cb, rb, ln: int):
         idd = nl.arange(D)[None, None, :]
         if full:
             it = nl.arange(full)[None, :, None]
-            kx[:, 0:full, :] = nl.load(f.k[f.b, f.g, key0 + ip + P * it, idd])
-            v_dst(P, 0, full)[...] = nl.load(f.v[f.b, f.g, key0 + ip + P * it, idd])
+            nisa.dma_copy(dst=kx[:, 0:full, :], src=f.k[f.b, f.g, key0 + ip + P * it, idd])
+            nisa.dma_copy(dst=v_dst(P, 0, full), src=f.v[f.b, f.g, key0 + ip + P * it, idd])
         if tail:
-            kx[0:tail, full, :] = nl.load(f.k[f.b, f.g, nl.ds(key0 + full * P, tail), :])
-            v_dst(tail, full)[:, 0, :] = nl.load(f.v[f.b, f.g, nl.ds(key0 + full * P, tail), :])
+            nisa.dma_copy(dst=kx[0:tail, full, :],
+                          src=f.k[f.b, f.g, nl.ds(key0 + full * P, tail), :])
+            nisa.dma_copy(dst=v_dst(tail, full)[:, 0, :],
+                          src=f.v[f.b, f.g, nl.ds(key0 + full * P, tail), :])
     if not same:
         if full:
             v[:, nl.ds(rb, full), 0:D] = nisa.tensor_copy(vx[:, 0:full, :], dtype=f.mm,
@@ -699,7 +701,7 @@ def load_q(f: _Instance, st: _GroupState, s, h, t):
     r = st.rows
     x = nl.ndarray((r, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
     if f.q_load is None:
-        x[...] = nl.load(f.q[f.b, f.head(h), nl.ds(t * f.tiles.q_tile, r), :])
+        nisa.dma_copy(dst=x, src=f.q[f.b, f.head(h), nl.ds(t * f.tiles.q_tile, r), :])
     else:
         x[...] = nisa.memset((r, f.D), 0.0, dtype=f.q.dtype, engine=nisa.gpsimd_engine)
         M.gather_rows(x, f.q_rows, f.q_load, f.q_col(h, t), r, f.D)
@@ -773,8 +775,8 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
 def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: int,
                  masked: bool, d0: Optional[int] = None):
     """Fold one key block of ``width`` keys (static; from the kv tile's 128-key block ``rb``,
-    frame key ``j0``, both NKI expressions) into slot s (query rows from ``i0``): the body of Algorithm
-    1's inner loop.
+    frame key ``j0``, both NKI expressions) into slot s (query rows from ``i0``): the body of
+    Algorithm 1's inner loop.
 
     With ``c`` the softmax scale folded into the exp (1 when Q^T carries it):
     ``m_new = max(m_i, rowmax S)`` (raw units, kept negated, floored at ``M_FLOOR`` by the
