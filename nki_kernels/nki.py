@@ -63,13 +63,18 @@ else:
 BACKEND = "simulate" if nki.__name__.split(".")[0] == "simulate" else "neuron"
 
 
+#: neuronx-cc's target override (also read by the bundled simulator).
+TARGET_ENV_VAR = "NEURON_PLATFORM_TARGET_OVERRIDE"
+
+
 def active_target():
     """The NeuronCore generation kernels launched now would run on: ``"trn1"``/``"trn2"`` on
-    the simulator (its ``measure(target=)``, ``NEURON_PLATFORM_TARGET_OVERRIDE`` or default),
-    None on the neuron backend (the host does not probe the device; callers then assume the
-    conservative choice)."""
+    the simulator (its ``measure(target=)``, ``NEURON_PLATFORM_TARGET_OVERRIDE`` or default);
+    on the neuron backend the override's value when it names one, else None (the host does not
+    probe the device; callers then assume the conservative choice)."""
     if BACKEND != "simulate":
-        return None
+        val = os.environ.get(TARGET_ENV_VAR, "").strip().lower()
+        return val if val in ("trn1", "trn2") else None
     from simulate import _runtime
 
     return _runtime.resolve_target({}).name

@@ -589,12 +589,13 @@ def forward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, items
       lower bound ``itemsize * 2 (Hq Nq + Hkv Nk) D + 4 Hq Nq`` per batch.
     - streaming: the ``T = G ceil(Nq / 128)`` query tiles of an instance go in groups of
       ``q_group`` whose Q^T, o_acc, m_i, l_i stay on chip while all of K/V streams past in
-      2048-key chunks, so K/V is read ``P ~ T / q_group`` times (:func:`fwd_group_passes`). ``q_group`` is what the SBUF
-      budget M (bytes per partition) leaves after one K/V chunk and the working buffers, divided by
-      the per-tile state (``~256 + 4 D`` bytes): ``q_group * 128 = Theta(M / d)`` query rows per
-      pass, so the K/V traffic ``P * 2 Nk d = Theta(Nq d / M) * Nk d = Theta(N^2 d^2 / M)`` -
-      Theorem 2 of the FlashAttention paper (seed 004), in FlashAttention-2's loop order (queries
-      outer, keys inner), which never writes partial outputs back to HBM.
+      2048-key chunks, so K/V is read ``P ~ T / q_group`` times (:func:`fwd_group_passes`).
+      ``q_group`` is what the SBUF budget M (bytes per partition) leaves after one K/V chunk and
+      the working buffers, divided by the per-tile state (``~256 + 4 D`` bytes): ``q_group *
+      128 = Theta(M / d)`` query rows per pass, so the K/V traffic ``P * 2 Nk d = Theta(Nq d /
+      M) * Nk d = Theta(N^2 d^2 / M)`` - Theorem 2 of the FlashAttention paper (seed 004), in
+      FlashAttention-2's loop order (queries outer, keys inner), which never writes partial
+      outputs back to HBM.
 
     Lengths. ``kv_lens``/``q_lens`` are the per-sequence valid lengths (a sequence of B ints;
     ``True`` = given with every position valid; None = not given). The kernel gathers rows and

@@ -58,11 +58,11 @@ Tile sizes (``nki_kernels/tiles.py``, ``FWD_*``) and why:
   PV writes D + 1 <= 512 fp32 per partition (one bank).
 
 Engine work per 128 x 2048 block (D = 128): TensorE 6160 cycles (S 2048, P transposes 2048,
-PV 16 x 129); VectorE 2241 (row max: one fp32 PSUM read per score; min-reduction; the
-``+ pv`` of ``o_acc = alpha o_acc + pv``, D + 1); ScalarE 2112 (exp; alpha); GpSimd the bias,
-the m_i copy and the ``alpha o_acc`` rescale; plus the 2048-column P^T copy, split at a 32-column boundary between ScalarE (1
-cycle per column) and VectorE (1/2 on trn2) so both finish together. trn2 N = 4096 models at
-~196 us with TensorE at ~168 us (``nki-flash run``).
+PV 16 x 129); VectorE 2241 (row max: one fp32 PSUM read per score; min-reduction; the ``+ pv``
+of ``o_acc = alpha o_acc + pv``, D + 1); ScalarE 2112 (exp; alpha); GpSimd the bias, the m_i
+copy and the ``alpha o_acc`` rescale; plus the 2048-column P^T copy, split at a 32-column
+boundary between ScalarE (1 cycle per column) and VectorE (1/2 on trn2) so both finish
+together. trn2 N = 4096 models at ~184 us with TensorE at ~168 us (``nki-flash run``).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
@@ -147,7 +147,7 @@ from nki_kernels.nki import nisa, nki, nl
 #               block(...)                  unmasked region: no predicate
 #                                           masked region: every instruction predicated on the
 #                                           block intersecting the tile's band, boundary score
-#                                           tiles masked by an iota-built indicator
+#                                           tiles masked by an affine_select indicator
 #             [one static tail block]
 #         write O, LSE of the group's tiles
 #
@@ -157,7 +157,11 @@ from nki_kernels.nki import nisa, nki, nl
 # N) is what lets a causal or windowed kernel skip most fully masked blocks with compile-time
 # loop bounds: a span's loops only cover the union of its rows' key ranges, and within the
 # masked regions predicated-off blocks still issue (the hardware runs the loop, the predicate
-# disables the instruction). Partial query tiles (Nq % q_tile rows) form their own span and
+# disables the instruction). A band bounded on both sides (a window) instead gives its interior
+# query tiles one *sliding* span: each tile sweeps the same key regions relative to its own
+# first row (an affine offset of the tile index), the fixed spans only cover the tiles near the
+# sequence edges, and the tail block's indicators are compile-time tiles built once.
+# Partial query tiles (Nq % q_tile rows) form their own span and
 # partial key blocks a static tail block, so every tile shape is compile-time and the program
 # has a constant number of loop bodies.
 
@@ -175,12 +179,17 @@ class Region:
 @dataclass(frozen=True)
 class Span:
     """Query tiles ``t0 .. t0 + tiles - 1`` (of ``q_tile`` rows; ``rows`` rows each, fewer only
-    for the partial last tile, alone in its span) and the key regions they sweep in order."""
+    for the partial last tile, alone in its span) and the key regions they sweep in order.
+
+    ``slide``: None, or the regions are relative to each tile -- tile t sweeps keys
+    ``t q_tile + slide + [k0, k1)`` (a band bounded on both sides moves with its rows; the
+    offset is a multiple of 128 so K^T columns and V blocks stay affine in t)."""
 
     t0: int
     tiles: int
     rows: int
     regions: Tuple[Region, ...]
+    slide: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -228,18 +237,54 @@ def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
     that many tiles per span."""
     qt = tiles.q_tile
     n_full, tail = Nq // qt, Nq % qt
-    n_spans = max(1, min(n_full // cores, T.FWD_Q_SPANS if spec.has_diag else 1))
-    n_spans = min(n_spans, n_full)
     spans = []
-    t = 0
-    for i in range(n_spans):
-        n = n_full // n_spans + (1 if i < n_full % n_spans else 0)
-        spans.append(Span(t, n, qt, _regions(spec, t * qt, (t + n) * qt)))
-        t += n
+    slide = _sliding_tiles(spec, n_full, qt, tiles) if tiles.kv_resident else None
+    if slide is None:
+        spans += _fixed_spans(spec, 0, n_full, qt, cores)
+    else:
+        t_lo, t_hi, off, width = slide
+        spans += _fixed_spans(spec, 0, t_lo, qt, cores)
+        # the regions of an interior tile, relative to its first key
+        base = t_lo * qt + off
+        rel = tuple(Region(rg.k0 - base, rg.k1 - base, rg.masked)
+                    for rg in _regions(spec, t_lo * qt, (t_lo + 1) * qt))
+        spans.append(Span(t_lo, t_hi - t_lo, qt, rel, off))
+        spans += _fixed_spans(spec, t_hi, n_full, qt, cores)
     if tail:
         spans.append(Span(n_full, 1, tail, _regions(spec, n_full * qt, Nq)))
     q_group = 1 if tiles.kv_resident else max(1, tiles.q_group // group)
     return ForwardPlan(tuple(spans), qt, q_group, tiles.kv_resident, tiles.kv_chunk)
+
+
+def _fixed_spans(spec: M.MaskSpec, t_from: int, t_to: int, qt: int, cores: int):
+    """Full query tiles ``[t_from, t_to)`` in at most ``FWD_Q_SPANS`` spans (one without a
+    band) of at least ``cores`` tiles, each with its key regions."""
+    n_full = t_to - t_from
+    n_spans = max(1, min(n_full // cores, T.FWD_Q_SPANS if spec.has_diag else 1))
+    n_spans = min(n_spans, n_full)
+    spans, t = [], t_from
+    for i in range(n_spans):
+        n = n_full // n_spans + (1 if i < n_full % n_spans else 0)
+        spans.append(Span(t, n, qt, _regions(spec, t * qt, (t + n) * qt)))
+        t += n
+    return spans
+
+
+def _sliding_tiles(spec: M.MaskSpec, n_full: int, qt: int, tiles: T.ForwardTiles):
+    """For a band bounded on both sides (a window): ``(t_lo, t_hi, slide, width)`` -- full
+    query tiles ``[t_lo, t_hi)`` whose keys ``t qt + slide + [0, width)`` lie inside ``[0,
+    Nk)`` -- or None (no such band, 128 does not divide the tile, or no interior tile, or
+    the sliding sweep would not be narrower than the tile spans' own)."""
+    if spec.lo is None or spec.hi is None or qt % T.FWD_V_CHUNK:
+        return None
+    P, off = T.FWD_V_CHUNK, spec.static_offset
+    slide = ((off + spec.lo) // P) * P                      # first key of tile 0, aligned down
+    width = qt + off + spec.hi - slide                       # to one past tile 0's last key
+    t_lo = max(0, T.ceil_div(-slide, qt))
+    t_hi = min(n_full, (spec.nk - width - slide) // qt + 1)
+    if t_hi - t_lo < 2 or width >= spec.nk:
+        return None
+    return t_lo, t_hi, slide, width
 
 
 def _groups(span: Span, q_group: int):
@@ -363,6 +408,7 @@ class _Instance:
         self.per_head = T.ceil_div(self.Nq, tiles.q_tile)         # query tiles per head
         self.neg_eye = None        # MASK_NEG * I, for indicator tiles
         self.zeros = None          # bf16 [128, k_tile] zeros: the inside of the indicators
+        self.static_masks = None   # masks.StaticDiagMasks of compile-time offsets
         self.rt = None             # masks.RuntimeLengths (with kv_lens or q_lens)
         self.q_load = None         # int32 [128, G * tiles per head]: query-row gather indices,
         self.q_store = None        # scatter indices (rotated rows only),
@@ -605,11 +651,13 @@ def load_piece(f: _Instance, kT, v, cb, rb, ln: int):
         idd = nl.arange(D)[None, None, :]
         if full:
             it = nl.arange(full)[None, :, None]
-            kx[:, 0:full, :] = nl.load(f.k[f.b, f.g, key0 + ip + P * it, idd])
-            v_dst(P, 0, full)[...] = nl.load(f.v[f.b, f.g, key0 + ip + P * it, idd])
+            nisa.dma_copy(dst=kx[:, 0:full, :], src=f.k[f.b, f.g, key0 + ip + P * it, idd])
+            nisa.dma_copy(dst=v_dst(P, 0, full), src=f.v[f.b, f.g, key0 + ip + P * it, idd])
         if tail:
-            kx[0:tail, full, :] = nl.load(f.k[f.b, f.g, nl.ds(key0 + full * P, tail), :])
-            v_dst(tail, full)[:, 0, :] = nl.load(f.v[f.b, f.g, nl.ds(key0 + full * P, tail), :])
+            nisa.dma_copy(dst=kx[0:tail, full, :],
+                          src=f.k[f.b, f.g, nl.ds(key0 + full * P, tail), :])
+            nisa.dma_copy(dst=v_dst(tail, full)[:, 0, :],
+                          src=f.v[f.b, f.g, nl.ds(key0 + full * P, tail), :])
     if not same:
         if full:
             v[:, nl.ds(rb, full), 0:D] = nisa.tensor_copy(vx[:, 0:full, :], dtype=f.mm,
@@ -653,7 +701,7 @@ def load_q(f: _Instance, st: _GroupState, s, h, t):
     r = st.rows
     x = nl.ndarray((r, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
     if f.q_load is None:
-        x[...] = nl.load(f.q[f.b, f.head(h), nl.ds(t * f.tiles.q_tile, r), :])
+        nisa.dma_copy(dst=x, src=f.q[f.b, f.head(h), nl.ds(t * f.tiles.q_tile, r), :])
     else:
         x[...] = nisa.memset((r, f.D), 0.0, dtype=f.q.dtype, engine=nisa.gpsimd_engine)
         M.gather_rows(x, f.q_rows, f.q_load, f.q_col(h, t), r, f.D)
@@ -681,7 +729,7 @@ def band_predicates(f: _Instance, d0, rows: int, width: int):
 
 
 def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, masked: bool,
-           pred):
+           pred, dk: Optional[int] = None):
     """S = Q_i K_j^T for one score tile of ``width`` keys (raw scores; Q^T carries the scale only
     when it is not folded into the exp), in one PSUM bank, plus its band mask.
 
@@ -689,7 +737,8 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
     in PSUM. In a masked region, ``MASK_NEG * indicator`` is added for tiles crossing a band
     edge (a matmul with ``MASK_NEG * I``; the indicator is one GpSimd ``affine_select`` of
     the key-minus-row distance against the bound), each side predicated on the tile crossing
-    it.
+    it. ``dk``: ``j0 - i0`` when it is a compile-time constant (sliding spans): the indicator
+    is then one of the static ones built before the loops, no GpSimd work per tile.
     Padding keys (``kv_lens``) need nothing here (:func:`edge_key_fill`).
     """
     r = st.rows
@@ -700,7 +749,13 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
             sc[...] = prod
         else:
             sc[...] += prod
-    if masked:
+    if masked and dk is not None:
+        # compile-time offset: the indicator was built once (static_offsets)
+        _, above, below = band_predicates(f, dk, r, width)
+        if above or below:
+            ind = f.static_masks.get(0, dk)
+            sc[...] += nisa.nc_matmul(f.neg_eye[0:r, 0:r], ind[0:r, 0:width])
+    elif masked:
         off = f.spec.static_offset
         _, above, below = band_predicates(f, j0 - i0, r, width)
         d = nl.arange(width)[None, :] - nl.arange(r)[:, None]     # key - row - (j0 - i0)
@@ -718,10 +773,10 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
 
 
 def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: int,
-                 masked: bool):
+                 masked: bool, d0: Optional[int] = None):
     """Fold one key block of ``width`` keys (static; from the kv tile's 128-key block ``rb``,
-    frame key ``j0``, both NKI expressions) into slot s (query rows from ``i0``): the body of Algorithm
-    1's inner loop.
+    frame key ``j0``, both NKI expressions) into slot s (query rows from ``i0``): the body of
+    Algorithm 1's inner loop.
 
     With ``c`` the softmax scale folded into the exp (1 when Q^T carries it):
     ``m_new = max(m_i, rowmax S)`` (raw units, kept negated, floored at ``M_FLOOR`` by the
@@ -732,10 +787,17 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
     meeting the tile's band, so a skipped block leaves the state as it was.
     """
     r, P = st.rows, T.PMAX
-    pred = band_predicates(f, j0 - i0, r, width)[0] if masked else None
+    if not masked:
+        pred = None
+    elif d0 is None:
+        pred = band_predicates(f, j0 - i0, r, width)[0]
+    else:
+        # compile-time offset (a sliding span): the block meets the band by construction
+        pred = None
     kt = f.tiles.k_tile
     widths = [min(kt, width - c0) for c0 in range(0, width, kt)]
-    s_tiles = [scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked, pred)
+    s_tiles = [scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked, pred,
+                      None if d0 is None else d0 + n * kt)
                for n, w in enumerate(widths)]
     nb = len(widths)
     stats = st.stats[0:r, s, :]
@@ -846,17 +908,40 @@ def write_back(f: _Instance, st: _GroupState, s, h, t):
     store(f.lse_col, lse_out)
 
 
-def sweep(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, n: int, masked: bool):
+def sweep(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, n: int, masked: bool,
+          d0: Optional[int] = None):
     """The online softmax of slot s (rows from ``i0``) over ``n`` keys (static) of a K/V tile
     from its 128-key block ``rb`` = frame key ``j0``: a sequential loop of full softmax
-    blocks (the carried running max, sum and output) and a static partial last block."""
+    blocks (the carried running max, sum and output) and a static partial last block. ``d0``:
+    ``j0 - i0`` when it is a compile-time constant (a sliding span), else None."""
     Bk = f.tiles.softmax_block
     per = Bk // T.PMAX
     full, tail = n // Bk, n % Bk
     for kb in nl.sequential_range(full):
         attend_block(f, st, s, i0, kv, rb + kb * per, j0 + kb * Bk, Bk, masked)
     if tail:
-        attend_block(f, st, s, i0, kv, rb + full * per, j0 + full * Bk, tail, masked)
+        attend_block(f, st, s, i0, kv, rb + full * per, j0 + full * Bk, tail, masked,
+                     None if d0 is None else d0 + full * Bk)
+
+
+def static_offsets(f: _Instance, plan: ForwardPlan):
+    """``j0 - i0`` of every score tile with a compile-time offset that crosses a band edge:
+    the static tail blocks of sliding spans (their indicator tiles are built once)."""
+    Bk, kt, out = f.tiles.softmax_block, f.tiles.k_tile, set()
+    for sp in plan.spans:
+        if sp.slide is None:
+            continue
+        for rg in sp.regions:
+            n = rg.k1 - rg.k0
+            if not rg.masked or not n % Bk:
+                continue
+            base = sp.slide + rg.k0 + (n // Bk) * Bk
+            for c0 in range(0, n % Bk, kt):
+                d = base + c0
+                _, above, below = band_predicates(f, d, sp.rows, min(kt, n % Bk - c0))
+                if above or below:
+                    out.add(d)
+    return out
 
 
 def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[_KV]):
@@ -875,7 +960,13 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
     def sweep_all(kv_tile, rb, j0, keys, masked):
         for h in nl.affine_range(G):
             for s in nl.affine_range(n):
-                sweep(f, st, h * n + s, (t0 + s) * qt, kv_tile, rb, j0, keys, masked)
+                if span.slide is None:
+                    sweep(f, st, h * n + s, (t0 + s) * qt, kv_tile, rb, j0, keys, masked)
+                else:
+                    # the region moves with the tile: keys from (t0 + s) qt + slide + j0
+                    sweep(f, st, h * n + s, (t0 + s) * qt, kv_tile,
+                          (t0 + s) * (qt // P) + span.slide // P + rb,
+                          (t0 + s) * qt + span.slide + j0, keys, masked, span.slide + j0)
 
     for rg in span.regions:
         if plan.resident:
@@ -956,6 +1047,9 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal
         f.neg_eye = M.neg_identity(T.PMAX)
         f.zeros = nisa.memset((T.PMAX, tiles.k_tile), 0.0, dtype=nl.bfloat16,
                               engine=nisa.gpsimd_engine)
+    offsets = static_offsets(f, plan)
+    if offsets:
+        f.static_masks = M.StaticDiagMasks(spec, tiles.q_tile, tiles.k_tile, offsets)
     if spec.kv_lens or spec.q_lens:
         length_tables(f, kv_lens, q_lens)
 

@@ -662,3 +662,29 @@ def test_lnc2_query_split_matches_one_core(B, Hq, Hkv, Nq, Nk, D, mask, tiles):
     assert m2.kernels[0].cores == 2
     assert m2.modeled_seconds[0] < 0.8 * m1.modeled_seconds[0]
     assert m2.program_instructions <= 1.1 * m1.program_instructions + 50
+
+
+@pytest.mark.parametrize("Nq,Nk,causal,window,lens", [
+    (4000, 4000, None, (2500, 300), False),           # wider than a block: full-block loop
+    (3000, 3100, "bottom_right", (700, 0), True),     # static tail indicators, rotated lengths
+    (2000, 2000, "top_left", (300, -1), False),       # one-sided: no sliding span
+])
+def test_sliding_window_spans(Nq, Nk, causal, window, lens):
+    """A band bounded on both sides sweeps, for every interior query tile, a key range that
+    moves with the tile (one sliding span: its regions relative to the tile); edge tiles keep
+    fixed spans. Results follow the tolerance rule."""
+    spec = MaskSpec(Nq, Nk, causal, window, lens, lens)
+    plan = F.plan_forward(Nq, Nk, 1, spec, T.ForwardTiles())
+    sliding = [sp for sp in plan.spans if sp.slide is not None]
+    two_sided = window[0] >= 0 and (window[1] >= 0 or causal is not None)
+    assert len(sliding) == (1 if two_sided else 0)
+    if sliding:
+        sp = sliding[0]
+        assert sp.tiles >= 2 and sp.slide % 128 == 0 and sp.regions[0].k0 == 0
+        covered = sorted((sp.t0, sp.t0 + sp.tiles) if s is sp else (s.t0, s.t0 + s.tiles)
+                         for s in plan.spans)
+        assert [a for a, _ in covered][1:] == [b for _, b in covered][:-1]   # tiles partitioned
+    kw = dict(causal=causal, window=window)
+    if lens:
+        kw.update(kv_lens=[Nk - 40], q_lens=[Nq - 3])
+    run_and_check(np.random.default_rng(Nq), 1, 1, 1, Nq, Nk, 32, **kw)
