@@ -242,6 +242,14 @@ class Tensor:
             i = next(j for j, k in enumerate(key) if k is Ellipsis)
             fill = nd - (len(key) - 1)
             key = key[:i] + (slice(None),) * fill + key[i + 1:]
+        if (len(key) == 2 and nd == 1 and self._v is not None
+                and self._st.buffer not in _HBM_KINDS):
+            # a rank-1 on-chip tile is a partition vector, i.e. a (P, 1) column (spec §3.6;
+            # AWS flash_fwd indexes the (P,) tile l_buffer[:, i] again as [:, 0])
+            col = self._clone()
+            col._v = self._v[:, None]
+            col.shape = tuple(col._v.shape)
+            return col._index(key)
         if len(key) > nd:
             raise IndexError(f"too many indices for tensor '{self._st.name}': tensor is "
                              f"{nd}-dimensional, but {len(key)} were indexed")
@@ -408,7 +416,12 @@ class Tensor:
         return _NL.not_equal(self, o)
 
     # -- methods -----------------------------------------------------------------------------------
-    def reshape(self, *shape):
+    def reshape(self, *shape, **kw):
+        if kw:
+            if shape or set(kw) != {"shape"}:
+                raise TypeError(f"reshape() takes the new shape positionally or as shape=; "
+                                f"got positional {shape!r} and keywords {sorted(kw)}")
+            shape = (kw["shape"],)
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         shape = tuple(int(s) for s in shape)
