@@ -424,7 +424,9 @@ def _check_dyn(t, api, allow):
     for d in t._dyn:
         k = t._key[d]
         tile = k.tile if isinstance(k, _tensor.DynExpr) else k
-        if d != 0:
+        # dims before d indexed by scalars are block dims, so d is the access's partition dim
+        # (AWS vision.py resize_nearest gathers data[b, idx_tile, i_f])
+        if any(not _tensor._is_int(t._key[j]) for j in range(d)):
             raise nki_error("err_indirect_indices_free_dim", "syntax",
                             "Indirect indexing on free dimension not supported, must be "
                             "partition dimension or block dimension.")
