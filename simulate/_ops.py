@@ -366,6 +366,11 @@ def binary(api, name, x, y, dtype=None, mask=None):
         raise TypeError(f"'{api}' needs at least one tile operand")
     if o.kind in ("cmp", "logical"):
         odi = out_info(dtype, BOOL)
+    elif name == "divide" and not xdi.is_float and not ydi.is_float:
+        # true division, as in NumPy: an integer quotient is float32 unless dtype= says
+        # otherwise (inferred, not documented: AWS vision.py resize_nearest floors
+        # ``int32_iota / out_w`` and its hardware test expects the floor of the true quotient)
+        odi = out_info(dtype, _dtypes.info(_dtypes.float32))
     else:
         odi = out_info(dtype, _dtypes.promote(xdi, ydi))
     xs = xt.shape if xt is not None else ()
