@@ -72,10 +72,11 @@ def _signature(t, mask):
     return sig
 
 
-def note_write(ctx, t, mask):
+def note_write(ctx, t, mask, skip=()):
     """Record a plain write through view ``t`` (under ``mask``); raise when the identical
     access was written by a different iteration of an enclosing affine loop entered after
-    ``t``'s storage was allocated (i.e. the access does not depend on that loop's index)."""
+    ``t``'s storage was allocated (i.e. the access does not depend on that loop's index).
+    Loops whose uids are in ``skip`` are reductions of the written value (nl.loop_reduce)."""
     loops = ctx.loops
     if not loops or mask is False:
         return
@@ -83,7 +84,7 @@ def note_write(ctx, t, mask):
     aloops = st.aloops
     sig = None
     for L in loops:
-        if not L.affine or L.uid in aloops or L.iter_no < 0:
+        if not L.affine or L.uid in aloops or L.iter_no < 0 or L.uid in skip:
             continue
         if sig is None:
             sig = _signature(t, mask)

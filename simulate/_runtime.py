@@ -76,6 +76,12 @@ def commit(ctx, st):
     """Account a live on-chip storage; raises RuntimeError on SBUF/PSUM overflow."""
     if st.acct or st.ctx is not ctx:
         return
+    if st.copy_out:               # a TensorE result the compiler copies out to SBUF
+        ctx.rec.add("vector", st.copy_out)
+        st.copy_out = 0
+    if st.pinned:                 # direct allocation: placed (and checked) by language.Placed
+        st.acct = True
+        return
     buf = st.buffer
     if buf == "sbuf":
         live = ctx.sbuf_live + st.bpp
@@ -112,6 +118,8 @@ def commit(ctx, st):
 
 def release(st):
     ctx = st.ctx
+    if st.pinned:
+        return
     if st.buffer == "sbuf":
         ctx.sbuf_live -= st.bpp
     else:

@@ -153,11 +153,12 @@ class SymbolicIndex:
     Not an ``int`` subclass on purpose: CPython's ``range()`` and sequence indexing take int
     subclasses without asking them, so only a separate type can refuse them."""
 
-    __slots__ = ("v", "what")
+    __slots__ = ("v", "what", "loop")
 
-    def __init__(self, value, what):
+    def __init__(self, value, what, loop=None):
         self.v = int(value)
         self.what = what
+        self.loop = loop          # uid of the NKI loop this is the index of, if any
 
     # -- conversions a traced value does not have ---------------------------------------------
     def _refuse(self, how):

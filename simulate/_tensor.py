@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _deps, _dtypes, _runtime, _hw, _strict
+from . import _cost, _deps, _dtypes, _runtime, _hw, _strict
 from ._dtypes import F32
 from ._errors import nki_error, hw_error, fmt_shape
 from ._index import IndexExpr, MGridResult, Predicate, _is_int
@@ -40,7 +40,8 @@ def space(buf):
 # =============================================================================================
 class Storage:
     __slots__ = ("arr", "di", "buffer", "_name", "pdim", "ctx", "param", "mutable", "written",
-                 "bpp", "banks", "acct", "aloops", "deps", "foreign", "__weakref__")
+                 "bpp", "banks", "acct", "aloops", "deps", "foreign", "pinned",
+                 "copy_out", "reduce_loops", "__weakref__")
 
     def __init__(self, arr, di, buffer, ctx, pdim=0, name=None):
         self.arr = arr
@@ -55,6 +56,9 @@ class Storage:
         self.acct = False
         self.bpp = 0
         self.banks = 0
+        self.pinned = False
+        self.copy_out = 0         # cycles of a compiler-inserted PSUM -> SBUF copy, if any
+        self.reduce_loops = ()    # uids of the loops an nl.loop_reduce accumulator reduces over
         # loops active at allocation (uids) and per-loop written-element records (_deps)
         self.aloops = _deps.alloc_loops(ctx) if ctx is not None else ()
         self.deps = None
@@ -1066,6 +1070,14 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
         raise TypeError(f"cannot assign a {type(value).__name__} to an NKI tile")
 
     # hardware rules for results of TensorE instructions
+    if direct and tag == "pe_transpose_auto":
+        if st.buffer == PSUM:
+            tag = "pe_transpose"
+        else:
+            # compiler-inserted PSUM -> SBUF copy on VectorE (the PSUM staging tile is not
+            # modeled in the PSUM budget; docs/simulator.md)
+            ctx.rec.add("vector", value._st.copy_out)
+            tag = None
     if direct and tag is not None:
         if tag in ("matmul", "pe_transpose"):
             if st.buffer != PSUM:
@@ -1102,7 +1114,9 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
         if ddi is not vdi and not (ddi is F32 and vdi.is_float):
             vals = ddi.round(vals)
         if ctx.loops:
-            _deps.note_write(ctx, dst, m)
+            # a loop_reduce accumulator written out is a reduction over its loops, not a race
+            skip = value._st.reduce_loops if type(value) is Tensor else ()
+            _deps.note_write(ctx, dst, m, skip)
         dst._write(vals, m)
         if not direct or (tag == "nl_matmul" and st.buffer != PSUM):
             _charge_copy(ctx, value, dst, n)     # (nl.matmul into SBUF: PSUM evacuation)
@@ -1117,7 +1131,6 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
             dst._write(ddi.round(res), m)
         if not (direct and tag in ("matmul", "pe_transpose", "nl_matmul")
                 and accumulate == "add" and st.buffer == PSUM):
-            from . import _cost
             a_psum = st.buffer == PSUM
             b_psum = type(value) is Tensor and value._st.buffer == PSUM and not direct
             rec.add("vector", _cost.tensor_tensor_cycles(
@@ -1178,7 +1191,6 @@ def _recharge_direct(ctx, value, vshape, dst, dshape, n, m):
 
 
 def _charge_copy(ctx, value, dst, n):
-    from . import _cost
     if type(value) is not Tensor:
         ctx.rec.add("vector", _cost.ii(n))          # memset
         return

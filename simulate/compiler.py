@@ -1,9 +1,14 @@
 """``neuronxcc.nki.compiler`` (``ncc``): allocation and scheduling controls (spec §14).
 
-All of these are accepted and have no functional effect in the simulator: ``sbuf``/``psum``
-``auto_alloc()``, ``mod_alloc(...)``, ``alloc(func)`` return the plain buffer markers, so a
-direct-allocation kernel runs like an auto-allocated one (its extra placement constraints are
-not validated). Decorators return the function (or kernel) unchanged; directives are inert.
+``auto_alloc()`` returns the plain buffer marker. ``mod_alloc(...)`` and ``alloc(func)`` return
+a placed marker (``language.Placed``): the tensor then occupies the physical space the author
+gave it, not its logical size: block indices wrap modulo ``num_free_tiles``/``num_bank_tiles``
+(rotating buffers), so a ``[2, 8, 128, 512]`` fp32 PSUM tensor placed with
+``num_bank_tiles=(2, 4)`` takes 8 banks, not 16. Placed tensors are checked against the
+capacity (``base + size``), not counted by the stack allocator (AWS's direct-allocation guide:
+the author, not the compiler, places them; two placements may alias on purpose). Functionally the
+simulator keeps every logical block separate, so it does not reproduce a data race between
+aliased blocks. Decorators return the function (or kernel) unchanged; directives are inert.
 """
 
 from __future__ import annotations
@@ -19,11 +24,21 @@ class _Space:
     def auto_alloc(self, *args, **kwargs):
         return self._buf
 
-    def mod_alloc(self, *args, **kwargs):
-        return self._buf
+    def mod_alloc(self, *args, base_addr=None, base_bank=None, num_free_tiles=None,
+                  num_bank_tiles=None, base_partition=0, **kwargs):
+        if self.kind == _nl.psum.kind:
+            base = base_bank if base_bank is not None else (args[0] if args else 0)
+            tiles = num_bank_tiles
+        else:
+            base = base_addr if base_addr is not None else (args[0] if args else 0)
+            tiles = num_free_tiles
+        return _nl.Placed(self._buf, base=int(base), tiles=tiles)
 
-    def alloc(self, *args, **kwargs):
-        return self._buf
+    def alloc(self, func=None, *args, **kwargs):
+        if not callable(func):
+            raise TypeError(f"ncc.{self._buf.name}.alloc() takes an allocation function "
+                            f"(block index, partition size, free size) -> address; got {func!r}")
+        return _nl.Placed(self._buf, func=func)
 
     def __call__(self, *args, **kwargs):
         return self._buf

@@ -306,8 +306,20 @@ def nc_transpose(data, *, mask=None, dtype=None, engine=None, **kwargs):
         factor = (2 if ctx.tgt.gen3_features else _hw.MM_FP32_FACTOR) if di is F32 else 1
         ctx.rec.add("tensor", _cost.pe_transpose_cycles(P, F) * factor)
         res = odi.round(res) if odi.is_float else odi.round(res)
-        return make_result(ctx, res, odi, eval_mask(mask, res.shape), tag="pe_transpose",
-                           buffer=PSUM, api=api, rounded=True)
+        # with the engine left to the compiler, an SBUF destination is legal: neuronx-cc routes
+        # the TensorE result through PSUM and copies it out (AWS SD-attention kernels assign
+        # nc_transpose(128x128) into SBUF tiles); _tensor.assign charges that copy
+        if engine is not None and engine != unknown_engine:
+            return make_result(ctx, res, odi, eval_mask(mask, res.shape), tag="pe_transpose",
+                               buffer=PSUM, api=api, rounded=True)
+        # a temporary of an engine-unspecified transpose is an SBUF tile (the consumer may be a
+        # matmul operand, AWS flash_attn_bwd); its PSUM -> SBUF copy is charged when it is
+        # used as such (_runtime.commit) or assigned into SBUF, not when assigned into PSUM
+        t = make_result(ctx, res, odi, eval_mask(mask, res.shape), tag="pe_transpose_auto",
+                        buffer=SBUF, api=api, rounded=True)
+        t._st.copy_out = _cost.tensor_scalar_cycles(ctx.tgt, F if P else 0, True, False,
+                                                    False, odi.itemsize == 2)
+        return t
     if eng != "vector":
         raise ValueError(f"nc_transpose runs on the tensor or vector engine, not {eng}")
     if P > _hw.VECTOR_TRANSPOSE_MAX or F > _hw.VECTOR_TRANSPOSE_MAX:

@@ -18,7 +18,7 @@ import ml_dtypes as _mld
 from . import _cost, _deps, _dma, _dtypes, _hw, _ops, _runtime, _strict, _tensor
 from ._dtypes import (float32, float16, bfloat16, float8_e4m3, float8_e5m2, tfloat32, int8,  # noqa: F401,E501 (public nl dtypes)
                       int16, int32, uint8, uint16, uint32, bool_, float32r, F32)
-from ._errors import nki_error, fmt_shape
+from ._errors import nki_error, hw_error, fmt_shape
 from ._index import arange, mgrid, ds, eval_mask  # noqa: F401 (public nl names)
 from ._runtime import enter, current, NC as _NC, SpmdDim as _SpmdDim
 from ._tensor import (Tensor, Storage, tile_operand, make_result, new_onchip, check_partitions,
@@ -44,6 +44,71 @@ class Buffer:
 
     def __call__(self, *a, **k):       # nl.sbuf.auto_alloc()-style use
         return self
+
+
+class Placed(Buffer):
+    """A direct-allocation marker (``ncc.sbuf/psum.mod_alloc`` or ``.alloc(func)``): where the
+    tensor lives, in bytes per partition (SBUF) or banks (PSUM). See simulate.compiler."""
+
+    def __init__(self, buf, *, base=0, tiles=None, func=None):
+        super().__init__(buf.kind, buf.name)
+        self.base = base
+        self.tiles = None if tiles is None else tuple(int(t) for t in tiles)
+        self.func = func
+
+    def place(self, ctx, st, shape, pdim, itemsize):
+        """Size the storage by its placement and check it against the capacity."""
+        blocks = [int(s) for s in shape[:pdim]]
+        tile_bytes = itemsize
+        for s in shape[pdim + 1:]:
+            tile_bytes *= int(s)
+        psum = self.kind == _PSUM
+        unit = -(-tile_bytes // _hw.PSUM_BANK_BYTES) if psum else tile_bytes
+        if self.func is not None:
+            slots = set()
+            for idx in np.ndindex(*blocks) if blocks else [()]:
+                addr = self.func(idx=tuple(int(i) for i in idx), pdim_size=int(shape[pdim]),
+                                 fdim_size=tile_bytes)
+                first = addr[0] if isinstance(addr, (tuple, list)) else addr
+                slots.add(int(first) if psum else int(addr[-1] if isinstance(
+                    addr, (tuple, list)) else addr))
+            lo = sorted(slots)[0]
+            hi = sorted(slots)[-1] + unit
+            used = len(slots) * unit
+        else:
+            n = 1
+            if self.tiles is not None:
+                if len(self.tiles) > len(blocks) or any(
+                        t < 1 or t > b for t, b in zip(self.tiles, blocks)):
+                    raise ValueError(
+                        f"mod_alloc tiles {self.tiles} do not fit the block dims {tuple(blocks)} "
+                        f"of tensor '{st.name}' (each must be between 1 and its block dim)")
+                for t in self.tiles:
+                    n *= t
+                for b in blocks[len(self.tiles):]:
+                    n *= b
+            else:
+                for b in blocks:
+                    n *= b
+            lo = self.base
+            used = n * unit
+            hi = self.base + used
+        cap = _hw.PSUM_NUM_BANKS if psum else ctx.tgt.sbuf_bytes_per_partition
+        what = "banks" if psum else "bytes per partition"
+        # the compiler traces an NKI loop body once, so a Python address counter advanced in
+        # the body (AWS allocated SD attention) is read in the first iteration only
+        traced = not [ls for ls in ctx.loops if not (ls.first or ls.static)]
+        if traced and (lo < 0 or hi > cap):
+            raise hw_error("runtime",
+                           f"Allocated memory out of bound: tensor '{st.name}' "
+                           f"{fmt_shape(shape)} is placed at {lo}..{hi} {what}, but "
+                           f"{ctx.tgt.name} has {cap} {what}")
+        st.pinned = True
+        if psum:
+            st.banks = used
+            st.bpp = used * _hw.PSUM_BANK_BYTES
+        else:
+            st.bpp = used
 
 
 sbuf = Buffer(_SBUF, "sbuf")
@@ -191,7 +256,7 @@ def _loop_gen(ctx, r, state):
             state.iter_no = n
             first = False
             n += 1
-            yield i if what is None else _strict.SymbolicIndex(i, what)
+            yield i if what is None else _strict.SymbolicIndex(i, what, state.uid)
     finally:
         ctx.loop_depth -= 1
         try:
@@ -222,8 +287,10 @@ def static_range(*args, **kwargs):
 
 def loop_reduce(x, op, loop_indices, *, dtype=None, mask=None, **kwargs):
     """``b = nl.loop_reduce(a, op=np.add, loop_indices=[k])``: ``b = op(b, a)`` accumulated
-    across the listed loops. Keyed by call site; the accumulator restarts when every listed
-    loop index is at its first iteration (simulator approximation of the compiler's rule)."""
+    across the listed loops. Keyed by call site and the iteration of every other enclosing loop;
+    the accumulator restarts when every listed loop index is at its first iteration (simulator
+    approximation of the compiler's rule). Writing the result out is not an output dependency
+    on the listed loops."""
     ctx = enter()
     f = _sys._getframe(1)
     key = (f.f_code, f.f_lineno)
@@ -232,10 +299,18 @@ def loop_reduce(x, op, loop_indices, *, dtype=None, mask=None, **kwargs):
     odi = _ops.out_info(dtype, di)
     idx = loop_indices if isinstance(loop_indices, (list, tuple)) else [loop_indices]
     restart = True
+    uids = []
     for k in idx:
-        st = next((s for s in reversed(ctx.loops) if s.value == k), None)
-        if st is not None and not st.first:
-            restart = False
+        if isinstance(k, _strict.SymbolicIndex):
+            st = next((s for s in ctx.loops if s.uid == k.loop), None)
+        else:       # a plain int (strict mode off): the innermost loop at that value
+            st = next((s for s in reversed(ctx.loops) if s.value == k), None)
+        if st is not None:
+            uids.append(st.uid)
+            if not st.first:
+                restart = False
+    # one accumulator per iteration of every other enclosing loop (each is its own reduction)
+    key = key + tuple((s.file, s.line, s.value) for s in ctx.loops if s.uid not in uids)
     acc = ctx.loop_reduce.get(key)
     m = eval_mask(mask, x.shape)
     if restart or acc is None or acc.shape != x.shape:
@@ -243,6 +318,7 @@ def loop_reduce(x, op, loop_indices, *, dtype=None, mask=None, **kwargs):
             odi.round(np.array(a, copy=True))
         st = new_onchip(ctx, arr, odi, _SBUF, 0, None, "loop_reduce")
         _runtime.commit(ctx, st)
+        st.reduce_loops = tuple(uids)
         acc = Tensor(st)
         ctx.loop_reduce[key] = acc
         ctx.rec.add("vector", _cost.ii(_free(x.shape)))
@@ -312,6 +388,8 @@ def _create(ctx, shape, dtype, buffer, name, fill, api, depth):
     if fill is not None:
         arr = di.round(arr)
     st = new_onchip(ctx, arr, di, kind, pdim, name or None, api)
+    if isinstance(buffer, Placed):
+        buffer.place(ctx, st, shape, pdim, di.itemsize)
     if fill is not None:
         st.written = True
         n = 1

@@ -86,3 +86,135 @@ def test_integer_true_division_is_fractional():
     pos = np.arange(2176, 2176 + 128)
     np.testing.assert_array_equal(o[:, 0], pos // 38)
     np.testing.assert_array_equal(o[:, 1], np.rint(pos / 38))
+
+
+# ---------------------------------------------------------------------------------------------
+# nc_transpose with the engine left to the compiler (AWS SD attention, flash_attn_bwd)
+# ---------------------------------------------------------------------------------------------
+def _transpose_kernel(into):
+    @nki.jit
+    def k(x, w):
+        xt = nl.load(x)
+        wt = nl.load(w)
+        out = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.shared_hbm)
+        if into == "sbuf":
+            t = nl.ndarray((128, 128), dtype=nl.bfloat16)
+            t[...] = nisa.nc_transpose(xt)
+        elif into == "psum":
+            t = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.psum)
+            t[...] = nisa.nc_transpose(xt)
+            t = nl.copy(t, dtype=nl.bfloat16)
+        else:                                    # a temporary used straight as an operand
+            t = nisa.nc_transpose(xt)
+        p = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.psum)
+        p[...] = nisa.nc_matmul(t, wt)
+        nl.store(out, nl.copy(p))
+        return out
+    return k
+
+
+@pytest.mark.parametrize("into", ["sbuf", "psum", "temporary"])
+def test_unspecified_engine_transpose_lands_where_it_is_used(into):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((128, 128)).astype(np.float32)
+    w = rng.standard_normal((128, 64)).astype(np.float32)
+    import ml_dtypes
+    xb = x.astype(ml_dtypes.bfloat16)
+    with nki.measure() as m:
+        o = _transpose_kernel(into)(xb, w.astype(ml_dtypes.bfloat16))
+    ref = xb.astype(np.float32) @ w.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_allclose(o, ref, rtol=2e-2, atol=2e-2)
+    assert m.instructions["tensor"] == 2
+    # the PSUM -> SBUF evacuation is an instruction whichever way it is written
+    assert m.instructions["vector"] >= 2
+
+
+def test_explicit_tensor_engine_transpose_into_sbuf_is_refused():
+    @nki.jit
+    def k(x):
+        t = nl.ndarray((128, 128), dtype=nl.float32)
+        t[...] = nisa.nc_transpose(nl.load(x), engine=nisa.tensor_engine)
+    with pytest.raises(nki.NKIError, match="must be psum"):
+        k(np.zeros((128, 128), np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# nl.loop_reduce inside other loops (AWS flash_attn_bwd dq reduction)
+# ---------------------------------------------------------------------------------------------
+def test_loop_reduce_keeps_one_accumulator_per_outer_iteration():
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((128, 2, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+        red = nl.zeros((2, nl.par_dim(128), 4), dtype=nl.float32)
+        for i in nl.affine_range(3):
+            for j in nl.affine_range(2):
+                t = nl.load(x[:, j, i, :])
+                # written without i in the index: a reduction over i, not a race
+                red[j, :, :] = nl.loop_reduce(t, op=np.add, loop_indices=(i,),
+                                              dtype=nl.float32)
+        for j in nl.affine_range(2):
+            nl.store(out[:, j, :], red[j])
+        return out
+    x = np.random.default_rng(3).random((128, 2, 3, 4)).astype(np.float32)
+    o = k(x)
+    np.testing.assert_allclose(o, x.sum(2), rtol=1e-6)
+
+
+def test_plain_copy_without_the_loop_index_is_still_an_output_dependency():
+    @nki.jit
+    def k(x):
+        red = nl.zeros((nl.par_dim(128), 4), dtype=nl.float32)
+        for i in nl.affine_range(3):
+            red[...] = nl.load(x[:, i, :])
+    with pytest.raises(nki.NKISyntaxError, match="output dependencies"):
+        k(np.zeros((128, 3, 4), np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# direct allocation (AWS allocated SD attention): placement sizes, not logical sizes
+# ---------------------------------------------------------------------------------------------
+def test_psum_mod_alloc_wraps_block_indices_into_its_banks():
+    import simulate.compiler as ncc
+
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.shared_hbm)
+        # 2 x 8 logical blocks of one bank each, placed on 2 x 4 = 8 physical banks
+        p = nl.ndarray((2, 8, nl.par_dim(128), 512), dtype=nl.float32,
+                       buffer=ncc.psum.mod_alloc(base_bank=0, num_bank_tiles=(2, 4)))
+        p[1, 7] = nl.load(x)
+        nl.store(out, nl.copy(p[1, 7]))
+        return out
+    x = np.ones((128, 512), np.float32)
+    np.testing.assert_array_equal(k(x), x)
+
+
+def test_direct_allocation_past_the_end_is_refused():
+    import simulate.compiler as ncc
+
+    @nki.jit
+    def k():
+        nl.ndarray((2, nl.par_dim(128), 512), dtype=nl.float32,
+                   buffer=ncc.psum.mod_alloc(base_bank=7, num_bank_tiles=(2,)))
+    with pytest.raises(nki.NKIError, match="Allocated memory out of bound"):
+        k()
+
+
+def test_psum_alloc_function_counts_the_banks_it_names():
+    import simulate.compiler as ncc
+
+    def addr(bank_map, idx, pdim_size, fdim_size):
+        return (bank_map[idx], 0, 0)
+
+    import functools
+
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.shared_hbm)
+        a = nl.ndarray((2, nl.par_dim(128), 512), dtype=nl.float32,
+                       buffer=ncc.psum.alloc(functools.partial(addr, bank_map={(0,): 1, (1,): 5})))
+        b = nl.ndarray((2, nl.par_dim(128), 512), dtype=nl.float32,
+                       buffer=ncc.psum.alloc(functools.partial(addr, bank_map={(0,): 8, (1,): 2})))
+        return out
+    with pytest.raises(nki.NKIError, match="placed at 2..9 banks"):
+        k(np.zeros((128, 512), np.float32))
