@@ -41,7 +41,7 @@ def space(buf):
 class Storage:
     __slots__ = ("arr", "di", "buffer", "_name", "pdim", "ctx", "param", "mutable", "written",
                  "bpp", "banks", "acct", "aloops", "deps", "foreign", "pinned",
-                 "copy_out", "reduce_loops", "__weakref__")
+                 "copy_out", "reduce_loops", "fresh", "__weakref__")
 
     def __init__(self, arr, di, buffer, ctx, pdim=0, name=None):
         self.arr = arr
@@ -59,6 +59,7 @@ class Storage:
         self.pinned = False
         self.copy_out = 0         # cycles of a compiler-inserted PSUM -> SBUF copy, if any
         self.reduce_loops = ()    # uids of the loops an nl.loop_reduce accumulator reduces over
+        self.fresh = None         # PSUM ndarray: bool array of elements never written yet
         # loops active at allocation (uids) and per-loop written-element records (_deps)
         self.aloops = _deps.alloc_loops(ctx) if ctx is not None else ()
         self.deps = None
@@ -1123,7 +1124,18 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
     else:
         fn = _ACC_FN[accumulate]
         cur = dst._read()
-        if ddi is F32 and m is None and dst._v is not None and vals.dtype == np.float32:
+        fresh = None
+        if st.fresh is not None and direct and tag in _TENSOR_ENGINE_TAGS:
+            # the first matmul of an accumulation group overwrites its bank (spec §9.1): an
+            # element never written since the PSUM tile was allocated holds no addend
+            fresh = _companion(dst, st.fresh)
+            if not fresh.any():
+                fresh = None
+        if fresh is not None:
+            a = np.where(fresh, np.zeros((), cur.dtype), cur)
+            a = a.astype(np.float32, copy=False) if ddi.is_float else a.astype(np.float64)
+            dst._write(ddi.round(fn(a, vals)), m)
+        elif ddi is F32 and m is None and dst._v is not None and vals.dtype == np.float32:
             fn(cur, vals, out=cur)
         else:
             a = cur.astype(np.float32, copy=False) if ddi.is_float else cur.astype(np.float64)
@@ -1135,10 +1147,41 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
             b_psum = type(value) is Tensor and value._st.buffer == PSUM and not direct
             rec.add("vector", _cost.tensor_tensor_cycles(
                 n, a_psum, b_psum, ddi is _dtypes.BF16 and vdi is _dtypes.BF16))
+    if st.fresh is not None:
+        _mark_written(dst, st.fresh, m)
     st.written = True
 
 
 _TENSOR_ENGINE_TAGS = ("matmul", "pe_transpose", "nl_matmul")
+
+
+def _companion(t, comp):
+    """The elements of ``comp`` (an array shaped like ``t``'s contiguous storage) that view
+    ``t`` addresses: a view for basic indexing, a copy for advanced indexing."""
+    st = t._st
+    if t._v is not None:
+        isz = st.arr.itemsize
+        off = (t._v.__array_interface__["data"][0] - st.arr.__array_interface__["data"][0]) // isz
+        strides = tuple(s // isz * comp.itemsize for s in t._v.strides)
+        return np.lib.stride_tricks.as_strided(comp.reshape(-1)[off:], t._v.shape, strides)
+    key, _ = _resolve(t, None, True)
+    return np.broadcast_to(comp[key], t.shape)
+
+
+def _mark_written(t, comp, mask):
+    if t._v is not None:
+        fv = _companion(t, comp)
+        if mask is None:
+            fv[...] = False
+        else:
+            np.copyto(fv, False, where=np.broadcast_to(mask, fv.shape))
+        return
+    key, valid = _resolve(t, None, True)
+    bk = np.broadcast_arrays(*key)
+    sel = np.ones(t.shape, bool) if mask is None else np.broadcast_to(mask, t.shape)
+    if valid is not None:
+        sel = sel & valid
+    comp[tuple(k[sel] for k in bk)] = False
 
 
 def _track_psum_writer(st, direct, tag, accumulate, value):

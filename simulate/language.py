@@ -388,6 +388,8 @@ def _create(ctx, shape, dtype, buffer, name, fill, api, depth):
     if fill is not None:
         arr = di.round(arr)
     st = new_onchip(ctx, arr, di, kind, pdim, name or None, api)
+    if kind == _PSUM and fill is None:
+        st.fresh = np.ones(shape, bool)
     if isinstance(buffer, Placed):
         buffer.place(ctx, st, shape, pdim, di.itemsize)
     if fill is not None:

@@ -218,3 +218,32 @@ def test_psum_alloc_function_counts_the_banks_it_names():
         return out
     with pytest.raises(nki.NKIError, match="placed at 2..9 banks"):
         k(np.zeros((128, 512), np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorE accumulation into a PSUM tile that was never written (AWS allocated rmsnorm_qkv)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("engine", ["tensor", "vector"])
+def test_first_matmul_into_an_unwritten_psum_tile_overwrites(engine):
+    @nki.jit
+    def k(a, b):
+        out = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.shared_hbm)
+        at = nl.load(a)
+        bt = nl.load(b)
+        acc = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.psum)   # not zeroed
+        for kk in nl.affine_range(2):
+            if engine == "tensor":
+                acc[...] += nisa.nc_matmul(at[:, nl.ds(kk * 128, 128)], bt)
+            else:
+                acc[...] += nl.copy(bt)                  # a VectorE add onto garbage
+        nl.store(out, nl.copy(acc))
+        return out
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((128, 256)).astype(np.float32)
+    b = rng.standard_normal((128, 64)).astype(np.float32)
+    o = k(a, b)
+    if engine == "tensor":
+        ref = a[:, :128].T @ b + a[:, 128:].T @ b
+        np.testing.assert_allclose(o, ref, rtol=1e-4, atol=1e-3)
+    else:
+        assert np.isnan(o).all()                        # the uninitialised value is garbage
