@@ -316,10 +316,12 @@ def loop_reduce(x, op, loop_indices, *, dtype=None, mask=None, **kwargs):
     if restart or acc is None or acc.shape != x.shape:
         arr = odi.round(np.array(_ops.to_f32(a), copy=True)) if odi.is_float else \
             odi.round(np.array(a, copy=True))
-        st = new_onchip(ctx, arr, odi, _SBUF, 0, None, "loop_reduce")
+        # a rank-1 (P,) partition vector is stored as a (P, 1) column
+        st = new_onchip(ctx, arr.reshape(arr.shape + (1,)) if arr.ndim == 1 else arr, odi,
+                        _SBUF, 0, None, "loop_reduce")
         _runtime.commit(ctx, st)
         st.reduce_loops = tuple(uids)
-        acc = Tensor(st)
+        acc = Tensor(st, st.arr[:, 0]) if arr.ndim == 1 else Tensor(st)
         ctx.loop_reduce[key] = acc
         ctx.rec.add("vector", _cost.ii(_free(x.shape)))
     else:

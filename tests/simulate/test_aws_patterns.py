@@ -247,3 +247,19 @@ def test_first_matmul_into_an_unwritten_psum_tile_overwrites(engine):
         np.testing.assert_allclose(o, ref, rtol=1e-4, atol=1e-3)
     else:
         assert np.isnan(o).all()                        # the uninitialised value is garbage
+
+
+def test_loop_reduce_of_a_partition_vector():
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((128, 2), dtype=nl.float32, buffer=nl.shared_hbm)
+        acc = nl.zeros((nl.par_dim(128), 2), dtype=nl.float32)
+        for j in nl.affine_range(2):
+            for i in nl.affine_range(3):
+                row = nl.sum(nl.load(x[:, j, i, :]), axis=1)            # (128,)
+                acc[:, j] = nl.loop_reduce(row, op=np.add, loop_indices=(i,),
+                                           dtype=nl.float32)
+        nl.store(out, acc)
+        return out
+    x = np.random.default_rng(5).random((128, 2, 3, 4)).astype(np.float32)
+    np.testing.assert_allclose(k(x), x.sum(axis=(2, 3)), rtol=1e-5)
