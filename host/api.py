@@ -649,37 +649,33 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
 
 
 def flash_attention_backward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int,
-                                       itemsize: int, *, q_lens=None, kv_lens=None,
+                                       itemsize: int, *, causal=False, window=None,
+                                       q_lens=None, kv_lens=None,
                                        mixed_precision: bool = True, target: str = "trn2"):
-    """Exact HBM bytes ``(read, written)`` of :func:`flash_attention_backward`.
+    """Exact HBM bytes ``(read, written)`` of :func:`flash_attention_backward`, counted from the
+    kernel's own loop plan (:func:`nki_kernels.attention.backward.plan_hbm_bytes`).
 
-    ``P`` passes over K/V per (sequence, kv head): 1 when the ``G * Nq`` query rows of a kv
-    group fit SBUF (``tiles.bwd_rows_per_pass``), else ``ceil(G ceil(Nq/128) / tiles per
-    pass)`` -- from the padded Nq, the same for every sequence (it is compiled). Per sequence b
-    with valid lengths ``nq_b``, ``nk_b`` (Nq, Nk when not given):
+    ``P`` passes over K/V per (sequence, kv head) (:func:`tiles.bwd_passes`: 1 when the ``G *
+    Nq`` query rows of a kv group fit 90 % of SBUF). Per sequence b with valid lengths ``nq_b``,
+    ``nk_b`` (Nq, Nk when not given):
 
     * read: do, q, o of the valid rows (``3 Hq nq_b D`` elements), the float32 lse of the valid
-      rows (``4 Hq nq_b`` bytes), k and v of the valid keys once per pass
-      (``2 P Hkv nk_b D``): padding rows and keys are skipped by the kernel's gathers, never
-      read; plus one int32 per (sequence, kv head) program for each length array given;
+      rows (``4 Hq nq_b`` bytes), k and v of the valid keys some query row can see once per pass
+      (with ``causal``/``window``, key tiles no row sees are not read): padding rows and keys
+      are skipped by the kernel's gathers, never read; plus one int32 per (sequence, kv head)
+      program for each length array given;
     * written: dq, dk, dv in full, padding included (``Hq Nq D + 2 Hkv Nk D`` elements);
-    * with ``P > 1``, the fp32 dK/dV partial sums of every key (``2 Hkv Nk D`` floats) are
-      written by passes 1..P-1 and read back by passes 2..P.
+    * with ``P > 1``, an fp32 dK/dV scratch per program: zeroed (``2 Nk D`` floats), read and
+      written by every pass over the keys it sees, and read once at the end.
 
     ``itemsize`` is the inputs' element size; the pass count uses the matmul operand size
     (bf16 for float32 with ``mixed_precision``) and ``target``'s SBUF.
     """
+    from nki_kernels.attention import backward as _bwd
     G = Hq // Hkv
     op_itemsize = 2 if (itemsize == 2 or mixed_precision) else 4
     rows = tiles.bwd_rows_per_pass(D, op_itemsize, target)
-    passes = tiles.ceil_div(G * tiles.ceil_div(Nq, tiles.PMAX), max(1, rows // tiles.PMAX))
-    q_valid = [Nq] * B if q_lens is None else [int(n) for n in q_lens]
-    k_valid = [Nk] * B if kv_lens is None else [int(n) for n in kv_lens]
-    read = written = 0
-    for nq, nk in zip(q_valid, k_valid):
-        read += itemsize * (3 * Hq * nq * D + passes * 2 * Hkv * nk * D) + 4 * Hq * nq
-        read += 4 * Hkv * ((q_lens is not None) + (kv_lens is not None))
-        written += itemsize * (Hq * Nq * D + 2 * Hkv * Nk * D)
-        scratch = (passes - 1) * 2 * Hkv * Nk * D * 4
-        read, written = read + scratch, written + scratch
-    return read, written
+    spec = _bwd.band_spec(Nq, Nk, _v.normalize_causal(causal), _v.normalize_window(window))
+    plan = _bwd.plan_backward(Nq, Nk, G, spec, tiles.bwd_key_tile(D), rows)
+    return _bwd.plan_hbm_bytes(B, Hq, Hkv, Nq, Nk, D, itemsize, plan, spec, q_lens=q_lens,
+                               kv_lens=kv_lens)

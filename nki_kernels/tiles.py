@@ -210,11 +210,19 @@ BWD_DQ_ACCUMULATE_MODES = ("sbuf", "hbm")
 #: transposes of 128 x 128 blocks plus PSUM -> SBUF copies (one more PE pass per score); "dma" =
 #: one SBUF -> SBUF ``nisa.dma_transpose`` of all blocks of a visit on the otherwise idle DMA
 #: queues (trn2: 50 % of DMA throughput, ~0.8 us per 128 x 512 scores, under TensorE's 1.07 us;
-#: trn1 has no DMA-transpose hardware). Chosen by benchmarks/backward.py.
-BWD_DS_TRANSPOSE = {"trn1": "pe", "trn2": "dma"}
+#: trn1 has no DMA-transpose hardware). "pe" on both: AWS's own kernels disable the SBUF -> SBUF
+#: DMA transpose by default as not yet stable (nki-samples 0898a77 ``transpose_p_local``), so it
+#: is opt-in here until documentation says otherwise.
+BWD_DS_TRANSPOSE = {"trn1": "pe", "trn2": "pe"}
 #: With PE transposes: dS^T blocks per visit whose PSUM -> SBUF copy runs on ScalarE (the others
 #: on VectorE), balancing ScalarE (exp and dP - D) against VectorE (dS multiply, dQ add).
-BWD_ACT_EVAC_BLOCKS = {"trn1": 1, "trn2": 0}
+BWD_ACT_EVAC_BLOCKS = {"trn1": 1, "trn2": 1}
+#: Spans the K/V tiles of a causal or windowed backward are split into: each span's loops cover
+#: only the resident query slots its keys can reach (compile-time ranges), so the band's fully
+#: masked triangle is skipped at span granularity with a program whose size does not grow with N.
+BWD_K_SPANS = 16
+#: SBUF bytes per partition the backward plans into: 90 % of capacity, as the forward's.
+BWD_SBUF_BUDGET_BYTES = {"trn1": 192 * 1024 * 9 // 10, "trn2": 224 * 1024 * 9 // 10}
 #: Per-partition bytes of one input tensor's rows moved by one DMA of the backward (a run of
 #: whole 128-row tiles: 8 tiles for bf16 D = 128): every DMA pays a fixed cost (81.25 ns, about
 #: 30 KB of transfer time on trn2), so Q, dO, O, LSE and dQ move several tiles per DMA, and K, V,
@@ -263,10 +271,21 @@ def bwd_working_bytes(D: int, op_itemsize: int, in_itemsize: int = 4) -> int:
 def bwd_rows_per_pass(D: int, op_itemsize: int, target: str, *, dq_on_chip: bool = True,
                       in_itemsize: int = 4) -> int:
     """Query rows (summed over the heads of a GQA group) whose state fits SBUF in one pass, a
-    multiple of 128 (at least 128). A call with ``G * Nq`` at most this runs in a single pass,
-    reading every input once; longer ones take ``ceil(G * Nq / rows)`` passes over K/V."""
-    room = SBUF_USABLE_BYTES[target] - bwd_working_bytes(D, op_itemsize, in_itemsize)
+    multiple of 128 (at least 128), within ``BWD_SBUF_BUDGET_BYTES`` (90 % of SBUF). A call with
+    ``G * Nq`` at most this runs in a single pass, reading every input once; longer ones take
+    :func:`bwd_passes` passes over K/V."""
+    room = BWD_SBUF_BUDGET_BYTES[target] - bwd_working_bytes(D, op_itemsize, in_itemsize)
     return PMAX * max(1, room // bwd_slot_bytes(D, op_itemsize, dq_on_chip))
+
+
+def bwd_passes(G: int, Nq: int, rows_per_pass: int) -> Tuple[int, int]:
+    """``(P, slots)``: passes over K/V and resident 128-row query tiles per head and pass, for
+    ``G`` query heads per kv head. Pass p holds tiles ``t P + p`` (t < slots) of every head; the
+    slots are balanced so that at most ``P - 1`` of the ``P * slots`` tiles are padding."""
+    n_tiles = ceil_div(Nq, PMAX)
+    most = max(1, rows_per_pass // (PMAX * G))
+    passes = ceil_div(n_tiles, most)
+    return passes, ceil_div(n_tiles, passes)
 
 
 # ============================================================================================

@@ -1,4 +1,4 @@
-"""Flash attention backward: dQ, dK, dV recomputed from O and LSE, in one pass over K/V.
+"""Flash attention backward: dQ, dK, dV recomputed from O and LSE, K/V streamed once per pass.
 
 Math (docs/semantics.md; FlashAttention, appendix B.4, Algorithm 4; seed 001 for the masking).
 For one query head with rows i and keys j, ``S = scale * Q K^T`` and the forward kept only
@@ -15,78 +15,65 @@ For one query head with rows i and keys j, ``S = scale * Q K^T`` and the forward
 GQA: query head ``h`` reads kv head ``h // G``; dK and dV of a kv head are summed over its G
 query heads (they simply accumulate into the same dK_j, dV_j).
 
-Design: one kernel, one pass, no atomics
-----------------------------------------
+Design: one kernel, K/V streamed once per pass, no atomics
+----------------------------------------------------------
 GPUs either run one kernel whose dQ is accumulated with atomics in HBM (10 N^2 d FLOPs) or two
 kernels, one for dK/dV and one for dQ, that recompute P and dP twice (14 N^2 d FLOPs by the
-matmul count: S, dP, dV, dK in the first and S, dP, dQ in the second). A NeuronCore has 24-28 MiB
-of SBUF, enough to keep a whole head's query-side state on chip: Q, Q^T, dO, dO^T, D, LSE and
-the fp32 dQ accumulator. So the kernel streams K/V once, in tiles of ``Bk`` keys (the outer
-loop), and for each K/V tile visits every query tile of every head of the group (the inner loop):
+matmul count: S, dP, dV, dK in the first and S, dP, dQ in the second). A NeuronCore has 24-28
+MiB of SBUF, enough to keep the query-side state of many query tiles on chip: Q, Q^T, dO, dO^T,
+D, LSE and the fp32 dQ accumulator. So the kernel keeps a *pass* of query tiles resident and
+streams K/V past it in tiles of ``Bk`` keys (the outer loop), and for each K/V tile visits every
+resident query tile of every head of the group (the inner loops):
 
-* dK_j and dV_j accumulate in PSUM across the whole inner loop (free on TensorE) and are
-  written once;
-* dQ_i for all query tiles stays in SBUF (fp32) and gains ``dS_ij K_j`` per visit (one small
+* dK_j and dV_j accumulate in PSUM across the inner loops (TensorE ``+=`` onto ``nl.zeros``:
+  one accumulation group each) and are written once per pass;
+* dQ_i of every resident query tile stays in SBUF (fp32) and gains ``dS_ij K_j`` per visit (a
   VectorE add of [128, d] per 128 x Bk scores);
-* Q, dO, O, LSE, K, V are each read from HBM once, dQ, dK, dV written once: the minimum
-  traffic, ``itemsize * (4 Nq d + 2 Nk d) + 4 Nq`` in and ``itemsize * (Nq d + 2 Nk d)`` out
-  per (query head, kv head) pair.
+* with one pass, Q, dO, O, LSE, K, V are each read from HBM once and dQ, dK, dV written once:
+  the minimum traffic, ``itemsize * (4 Nq d + 2 Nk d) + 4 Nq`` in and ``itemsize * (Nq d + 2 Nk
+  d)`` out per (query head, kv head) pair.
 
-That is 5 matmuls per score, 10 N^2 d FLOPs. dQ contracts over keys, so it needs dS^T (keys on
-the partitions); every other product contracts over the partition dim of a tile we already
-have. On trn2 the transpose is one SBUF -> SBUF DMA transpose per visit (the DMA queues are
-otherwise idle), so TensorE does exactly the 5 matmul passes; on trn1 (no DMA-transpose
-hardware) it is a 6th TensorE pass (128 x 128 transposes), the PSUM copies split between
-ScalarE and VectorE. ``dP - D`` is formed by ScalarE while it copies dP out of PSUM, so VectorE
-does one bf16 multiply per score for dS.
+That is 5 matmuls per score (10 N^2 d FLOPs) plus the dS transposes: dQ contracts over keys, so
+it needs dS^T (keys on the partitions). By default they are TensorE transposes (a 6th PE pass;
+the copies out of PSUM split between ScalarE and VectorE) on trn1 and trn2 alike: the SBUF ->
+SBUF DMA transpose that would leave TensorE its 5 passes on trn2 is one AWS disables in its own
+kernels as not yet stable (nki-samples 0898a77, ``transpose_p_local``), so it is opt-in here
+(``ds_transpose="dma"``).
 
-Measured (``python benchmarks/backward.py``, simulator with the DMA chunk model; one head,
-N = 4096, D = 128, bf16; modeled µs = max over engines; the limits of hardware-and-limits.md
-§5 in brackets, strict / engine-aware):
+Loop structure: a fixed nest of NKI loops with compile-time bounds, so the compiled program does
+not grow with N (``simulate.measure(...).program_instructions``)::
 
-=====================  ===============================  ===============================
-variant                trn2 non-causal (273 / 382)      trn2 causal (137 / 191)
-=====================  ===============================  ===============================
-this design            280  (TensorE; 8.40 MB = min)    148  (TensorE; DMA 147)
-dQ in HBM ("atomics")  454  (DMA; 46.2 MB)              278
-two kernels (14N^2d)   475  (ScalarE; 13.7 MB)          280
-dS^T on TensorE        335  (TensorE)                   176
-=====================  ===============================  ===============================
+    for p in sequential_range(P):                  passes; slot t of pass p = query tile t P + p
+      load the query side of the pass             affine loops over heads and slot groups
+      for span in key spans (<= BWD_K_SPANS + 1):  unrolled; compile-time key-tile ranges
+        for j in sequential_range(tiles of span):  a K/V tile (dQ is carried across it)
+          load the K/V tile; dK, dV = 0 in PSUM
+          for region in span.regions:              unrolled: the slots the span's keys reach
+            for h in affine_range(G):
+              for t in affine_range(slots of the region):
+                visit: recompute P, dS; dV += P^T dO; dK += dS^T Q; dQ_slot += dS K
+          write dK, dV (with P > 1: add them to an fp32 scratch in HBM)
+      write dQ of the pass
 
-trn1: 287 µs non-causal (strict 234, engine-aware 328), 151 µs causal (117 / 164), TensorE-bound
-with the 6th pass. The single pass wins on every engine: the two-kernel split recomputes S, P
-and dP (2 more matmuls, a second exp and dP - D per score), and dQ in HBM moves 5.5x the bytes.
+Passes interleave their query tiles (tile ``t P + p`` sits in slot t of pass p), so every pass
+meets the causal or window band in the same place: the key spans, and within each the ranges
+of slots its keys can reach, are compile-time constants valid for every pass. The kernel thus
+skips the band's fully masked part at span granularity with one pass or many. Regions where
+every row sees every key run without masks; in the others the scores are masked before the exp
+by GpSimd ``affine_select`` on loop-index predicates (row ``(t P + p) 128 + i``, key
+``j Bk + k``). The partial last key tile (``Nk % Bk`` keys) is a span of its own with static
+code. Every query tile is 128 rows: the last, partial one (and, with several passes, up to
+``P - 1`` padding tiles that balance them) is loaded under a row mask into zero-filled tiles
+with LSE = -inf, so its padding rows have P = 0 and contribute nothing, and its dQ store is
+masked.
 
-DMA layout (the simulator's descriptor model, docs/simulator.md: every DMA pays 81.25 ns and
-every chunk -- a run contiguous in HBM and SBUF within one partition -- 256 bytes of transfer
-time). Tiles stay in their natural row order, which causal tile skipping at 128-row/128-key
-granularity needs, so a row of Q, dO, O, K, dQ, dK, dV is one chunk; what the kernel saves is
-instructions and the narrow chunks: Q, dO, O, LSE and dQ move runs of whole query tiles
-(``tiles.BWD_GROUP_BYTES`` per partition, 8 tiles for bf16 D = 128) in one DMA each, K, dK, dV
-a whole key tile; V, used only transposed, comes in wide rows (partition p holds keys
-``4p .. 4p + 3`` of a 512-key tile, one 1 KiB chunk; its transposes put the columns back in
-key order); LSE is one trn2 DMA transpose of its contiguous ``[tiles, 128]`` rows instead of
-4-byte elements; and up to four visits of a key tile share one dS DMA transpose
-(``tiles.BWD_DS_GROUP_BYTES``). At N = 4096, D = 128 on trn2 that took the causal backward from
-177.6 µs (DMA-bound: 352 loads/stores at 256 B or 4 B per chunk and 144 dS transposes) to
-147.6 µs (TensorE; DMA 146.6) and D = 64 from 166.2 to 139.9 (ScalarE); HBM bytes unchanged.
-
-With runtime lengths (``--variants lens=full lens=N/2 q_lens=N/2``, same N and D, trn2): 335
-µs non-causal (TensorE: the rank-1 key mask is a 6th pass) and 176 causal (TensorE; DMA 171),
-trn1 334 / 175 (TensorE); ``q_lens`` alone costs nothing on TensorE (DMA 151 causal, 1 row
-per gather); D = 64 within 2 % of no lengths on trn1, trn2 causal 160 (DMA) against 140. Rows
-and keys are gathered one per partition by design (each with its own index, padding skipped),
-so these keep the 256 B chunks. Half-padded sequences cost the same as full ones (only the
-8-byte length reads and the skipped padding reads differ).
-
-Limits. One pass holds ``tiles.bwd_slot_bytes`` per 128 query rows (bf16, D = 128: 1544 bytes
-per partition) next to a fixed working set, so it covers ``G * Nq`` up to
-``tiles.bwd_rows_per_pass`` query rows per kv head: 16128 on trn2 and 13440 on trn1 for D = 128
-(24448 / 20352 for D = 64, 8064 / 6656 for D = 256; fp32 operands roughly halve them).
-Beyond that (long sequences, wide GQA groups) the query tiles are split into *passes* that
-each fit; every pass streams K/V again and adds its dK/dV partial sums into an fp32 scratch in
-HBM (read-add-write, deterministic, no atomics). Each extra pass costs one more read of K/V and
-``16 Nk d`` bytes of fp32 partial sums; forcing 1024-row passes at N = 4096 costs 36 % on trn2.
+Limits. A pass holds ``tiles.bwd_slot_bytes`` per 128 query rows (bf16, D = 128: 1544 bytes per
+partition) next to a fixed working set, within 90 % of SBUF (``tiles.BWD_SBUF_BUDGET_BYTES``),
+so one pass covers ``G * Nq`` up to ``tiles.bwd_rows_per_pass`` query rows per kv head. Beyond
+that the query tiles are split into :func:`tiles.bwd_passes` passes; every pass streams K/V
+again and read-add-writes its dK/dV partial sums into an fp32 scratch in HBM (zeroed first,
+copied out to dK/dV after the last pass; deterministic, no atomics): one more read of K/V and
+``16 Nk d`` bytes of scratch traffic per extra pass.
 
 Layouts (all on chip, from the standard ``(B, H, N, D)`` layout in HBM):
 
@@ -97,11 +84,12 @@ Layouts (all on chip, from the standard ``(B, H, N, D)`` layout in HBM):
 * S, P, dP, dS are ``[128 query rows, Bk keys]``: the per-row LSE and D are per-partition
   scalars (ScalarE bias, VectorE scalar operand).
 
-Masks. Causal and window masks follow the forward's :class:`masks.MaskSpec` (band, key range,
-tile classes) of the padded shapes: tiles entirely outside the band are skipped at compile time,
-tiles entirely inside it run unmasked, and on the boundary tiles the scaled scores are masked
-*before* the exp by GpSimd ``affine_select`` (masked entries become ``fp32.min``, whose exp is
-0) -- not by the forward's TensorE mask-add, because TensorE is the backward's busiest engine.
+Masks. Causal and window masks follow the forward's :class:`masks.MaskSpec` of the padded
+shapes: key spans x slot regions entirely outside the band are not in any loop, regions
+entirely inside it run unmasked, and in the others the scaled scores are masked *before* the
+exp by GpSimd ``affine_select`` on loop-index predicates (masked entries become ``fp32.min``,
+whose exp is 0) -- not by the forward's TensorE mask-add, because TensorE is the backward's
+busiest engine.
 Rows whose LSE is ``-inf`` (no visible key) get an exp bias of ``-1e30`` instead of ``+inf``,
 so their P is exactly 0 and they contribute nothing.
 
@@ -114,8 +102,8 @@ has zero inputs and the no-key exp bias (P = 0, dQ row 0). Keys past ``kv_len`` 
 before the exp by the forward's rank-1 TensorE add (``MASK_NEG * 1 (x) key_row``), so their P,
 dS, dK and dV are exactly 0. The bottom_right alignment would move the band with the lengths;
 instead the gathers rotate each sequence so that its valid rows and keys end at Nq and Nk,
-where the band is static again (scatter stores undo the rotation), so static tile skipping
-holds with lengths too. What runtime lengths cannot do is skip work by value: every tile the
+where the band is static again (scatter stores undo the rotation), so the span plan holds with
+lengths too. What runtime lengths cannot do is skip work by value: every tile the
 static band allows is computed, padding included -- a padded batch costs its padded shape
 (the lengths only save the HBM reads of padding). ``kv_lens`` adds one rank-1 matmul per score
 tile when D is a multiple of 128 (``w`` TensorE cycles per 128 x w scores: a 6th pass next to
@@ -144,53 +132,51 @@ from nki_kernels.tiles import (
     BWD_DQ_ACCUMULATE_MODES,
     BWD_DS_TRANSPOSE,
     BWD_EXP_BIAS_NO_KEY,
-    BWD_DS_GROUP_BYTES,
     BWD_GROUP_BYTES,
+    BWD_K_SPANS,
     BWD_LSE_NO_KEY,
     BWD_MASK_FILL,
     FWD_FOLD_SCALE_RANGE,
     FWD_MASK_NEG,
     PMAX,
     bwd_key_tile,
+    bwd_passes,
     bwd_rows_per_pass,
+    ceil_div,
 )
 
 # ---------------------------------------------------------------------------------------------
-# Compile-time plan (pure Python on ints: which tiles exist, which are skipped or masked)
+# Compile-time plan (pure Python on ints: the loop bounds)
 # ---------------------------------------------------------------------------------------------
 
 
-class QTile(NamedTuple):
-    """A tile of ``rows`` query rows starting at row ``r0`` of query head ``h`` (of the padded
-    length Nq); ``slot`` is its place in the resident query-side state of its pass."""
+class Region(NamedTuple):
+    """Slots ``[t0, t0 + n)`` of every pass that a key span's keys reach; ``masked``: some of
+    their rows do not see every key of the span (the scores go through the band mask)."""
 
-    h: int
-    r0: int
-    rows: int
-    slot: int
+    t0: int
+    n: int
+    masked: bool
 
 
-class KTile(NamedTuple):
-    """Keys ``[c0, c0 + cols)`` of the padded length Nk, split in blocks of at most 128 keys:
-    ``blocks[b] = (offset within the tile, keys)``."""
+class KeySpan(NamedTuple):
+    """Key tiles ``j0 .. j0 + n - 1`` of ``cols`` keys each (key ``j Bk + k``; only the partial
+    last tile, alone in its span, has ``cols < Bk``) and the slot regions they visit."""
 
-    c0: int
+    j0: int
+    n: int
     cols: int
-    blocks: Tuple[Tuple[int, int], ...]
+    regions: Tuple[Region, ...]
 
 
-class Visit(NamedTuple):
-    """One (query tile, key tile) pair to compute: keys ``[c0 + a, c0 + a + w)`` (whole blocks
-    ``b_lo .. b_hi - 1`` of the key tile), and which edges of the visibility band cut through
-    it (``mask_hi``: ``j <= i + off + hi``; ``mask_lo``: ``j >= i + off + lo``)."""
+class BackwardPlan(NamedTuple):
+    """The loop bounds of one grid instance (identical for every instance)."""
 
-    qt: QTile
-    a: int
-    w: int
-    b_lo: int
-    b_hi: int
-    mask_hi: bool
-    mask_lo: bool
+    passes: int
+    slots: int          # resident query tiles per head and pass
+    key_tile: int
+    spans: Tuple[KeySpan, ...]
+    row_mask: bool      # some slot holds rows past Nq (partial last tile, balancing padding)
 
 
 def band_spec(Nq: int, Nk: int, causal: Optional[str], window) -> M.MaskSpec:
@@ -203,59 +189,100 @@ def band_spec(Nq: int, Nk: int, causal: Optional[str], window) -> M.MaskSpec:
     return M.MaskSpec(Nq, Nk, causal, window)
 
 
-def plan_q_tiles(G: int, nq: int, rows_per_pass: int):
-    """Query tiles of the G heads of a group, grouped into passes of at most ``rows_per_pass``
-    rows each (a multiple of 128). Returns a tuple of passes, each a tuple of QTile."""
-    tiles_per_pass = max(1, rows_per_pass // PMAX)
-    passes, cur = [], []
-    for h in range(G):
-        for r0 in range(0, nq, PMAX):
-            if len(cur) == tiles_per_pass:
-                passes.append(tuple(cur))
-                cur = []
-            cur.append(QTile(h, r0, min(PMAX, nq - r0), len(cur)))
-    if cur:
-        passes.append(tuple(cur))
-    return tuple(passes)
+def slot_regions(spec: M.MaskSpec, passes: int, slots: int, Nq: int, c0: int, width: int):
+    """Regions of the slots that keys ``[c0, c0 + width)`` reach: slot t holds rows
+    ``[t P 128, (t + 1) P 128)`` over the P passes, so its class (skipped, unmasked, masked) is
+    that of those rows (:meth:`MaskSpec.classify`), the same in every pass."""
+    out = []
+    for t in range(slots):
+        r0 = t * passes * PMAX
+        r1 = min(Nq, (t + 1) * passes * PMAX)
+        kind = spec.classify(r0, r1 - r0, c0, width) if r0 < r1 else None
+        if kind is None:
+            continue
+        masked = kind != M.FULL
+        if out and out[-1].t0 + out[-1].n == t and out[-1].masked == masked:
+            out[-1] = Region(out[-1].t0, out[-1].n + 1, masked)
+        else:
+            out.append(Region(t, 1, masked))
+    return tuple(out)
 
 
-def plan_k_tiles(nk: int, key_tile: int):
-    """Key tiles over the keys ``[0, nk)``."""
-    tiles = []
-    for c0 in range(0, nk, key_tile):
-        cols = min(key_tile, nk - c0)
-        blocks = tuple((b, min(PMAX, cols - b)) for b in range(0, cols, PMAX))
-        tiles.append(KTile(c0, cols, blocks))
-    return tuple(tiles)
+def plan_backward(Nq: int, Nk: int, G: int, spec: M.MaskSpec, key_tile: int,
+                  rows_per_pass: int) -> BackwardPlan:
+    """Passes and slots (:func:`tiles.bwd_passes`), the full key tiles in at most
+    ``BWD_K_SPANS`` spans (one without a band), the partial key tile as a span of its own, and
+    each span's slot regions. A span no slot sees has no regions: its keys are never loaded and
+    their dK, dV are zeros (:func:`write_unseen_keys`)."""
+    passes, slots = bwd_passes(G, Nq, rows_per_pass)
+    n_full, tail = Nk // key_tile, Nk % key_tile
+    spans = []
+    n_spans = min(n_full, BWD_K_SPANS if spec.has_diag else 1)
+    j = 0
+    for i in range(n_spans):
+        n = n_full // n_spans + (1 if i < n_full % n_spans else 0)
+        spans.append(KeySpan(j, n, key_tile,
+                             slot_regions(spec, passes, slots, Nq, j * key_tile, n * key_tile)))
+        j += n
+    if tail:
+        spans.append(KeySpan(n_full, 1, tail,
+                             slot_regions(spec, passes, slots, Nq, n_full * key_tile, tail)))
+    return BackwardPlan(passes, slots, key_tile, tuple(spans),
+                        row_mask=passes * slots * PMAX > Nq)
 
 
-def plan_visit(spec: M.MaskSpec, qt: QTile, kt: KTile) -> Optional[Visit]:
-    """Classify a (query tile, key tile) pair with the forward's mask plan: None when no row
-    sees any of its keys, else the whole 128-key blocks holding visible keys
-    (``spec.key_range``) and whether the band's edges cut through them (``spec.classify``).
-    ``spec`` is the static band of the padded shapes (:func:`band_spec`)."""
-    k_lo, k_hi = spec.key_range(qt.r0, qt.rows)
-    lo, hi = max(k_lo, kt.c0), min(k_hi, kt.c0 + kt.cols)
-    if lo >= hi:
-        return None
-    b_lo = (lo - kt.c0) // PMAX
-    b_hi = (hi - 1 - kt.c0) // PMAX + 1
-    a = kt.blocks[b_lo][0]
-    w = kt.blocks[b_hi - 1][0] + kt.blocks[b_hi - 1][1] - a
-    kind = spec.classify(qt.r0, qt.rows, kt.c0 + a, w)
-    if kind is None:
-        return None
-    off = spec.static_offset
-    first_col, last_col = kt.c0 + a, kt.c0 + a + w - 1
-    mask_hi = kind != M.FULL and spec.hi is not None and last_col - qt.r0 - off > spec.hi
-    mask_lo = (kind != M.FULL and spec.lo is not None
-               and first_col - (qt.r0 + qt.rows - 1) - off < spec.lo)
-    return Visit(qt, a, w, b_lo, b_hi, mask_hi, mask_lo)
+def _valid_in(lo: int, hi: int, n_valid: int, N: int, rotated: bool) -> int:
+    """Valid positions among frame positions ``[lo, hi)`` of a sequence with ``n_valid`` of N
+    valid: ``[0, n_valid)``, or ``[N - n_valid, N)`` when the gathers rotate it."""
+    v0, v1 = (N - n_valid, N) if rotated else (0, n_valid)
+    return max(0, min(hi, v1) - max(lo, v0))
+
+
+def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize: int,
+                   plan: BackwardPlan, spec: M.MaskSpec, *, q_lens=None, kv_lens=None):
+    """HBM bytes ``(read, written)`` the kernel moves, counted from its own loop structure.
+
+    ``q_lens``/``kv_lens``: per-sequence valid lengths (B ints) or None. Per (sequence b, kv
+    head): the valid query rows of its G heads (q, do, o and the fp32 lse) once; per pass the
+    valid keys of every span some slot sees (k, v); one int32 per given length array; dq, dk, dv
+    in full. With several passes, the fp32 dK/dV scratch: zeroed, read-add-written per pass
+    over the seen spans, read once at the end."""
+    G = Hq // Hkv
+    rot_q = spec.rotates and q_lens is not None
+    rot_k = spec.rotates and kv_lens is not None
+    seen = [(sp.j0 * plan.key_tile, min(Nk, (sp.j0 + sp.n) * plan.key_tile))
+            for sp in plan.spans if sp.regions]
+    multi = plan.passes > 1
+    read = written = 0
+    for b in range(B):
+        nq = Nq if q_lens is None else int(q_lens[b])
+        nk = Nk if kv_lens is None else int(kv_lens[b])
+        nq = _valid_in(0, Nq, nq, Nq, rot_q)
+        keys = sum(_valid_in(lo, hi, nk, Nk, rot_k) for lo, hi in seen)
+        read += Hkv * (G * nq * (3 * D * itemsize + 4) + plan.passes * 2 * keys * D * itemsize)
+        read += 4 * Hkv * ((q_lens is not None) + (kv_lens is not None))
+        written += Hkv * itemsize * (G * Nq * D + 2 * Nk * D)
+        if multi:
+            rmw = plan.passes * sum(hi - lo for lo, hi in seen) * 2 * D * 4
+            read += Hkv * (rmw + 2 * Nk * D * 4)
+            written += Hkv * (rmw + 2 * Nk * D * 4)
+    return read, written
+
+
+def slot_groups(slots: int, cap: int):
+    """``(first slot, groups, slots per group)`` runs covering ``[0, slots)``: full groups of
+    ``cap`` slots (an NKI loop) and the remainder (one static group)."""
+    out = []
+    if slots // cap:
+        out.append((0, slots // cap, cap))
+    if slots % cap:
+        out.append(((slots // cap) * cap, 1, slots % cap))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Runtime lengths: gathers that skip padding, and the masks built from the lengths (the shared
-# pieces live in masks.py: RuntimeLengths, position_table, gather_rows, store_rows)
+# pieces live in masks.py: RuntimeLengths, position_table, gather_rows)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -279,10 +306,9 @@ class RuntimeMasks(M.RuntimeLengths):
     * **The band stays static.** With bottom_right alignment (and a window without causal) the
       gathers rotate the sequence by its lengths (``rotate_q``/``rotate_k``; see
       :class:`masks.RuntimeLengths`), so the band is the static bottom_right band of the padded
-      shapes (:func:`band_spec`): static tile skipping and boundary masks as without lengths.
-      Padding is then at the start (rows ``i' < Nq - q_len`` skipped by the loads, keys
-      ``j' < Nk - kv_len`` masked), and the stores scatter dQ, dK, dV back through the same
-      bijection, zero rows included.
+      shapes (:func:`band_spec`). Padding is then at the start (rows ``i' < Nq - q_len``
+      skipped by the loads, keys ``j' < Nk - kv_len`` masked), and the stores scatter dQ, dK,
+      dV back through the same bijection, zero rows included.
     """
 
     def __init__(self, spec: M.MaskSpec, kv_lens, q_lens, b, Nq: int, Nk: int, D: int,
@@ -297,25 +323,46 @@ class RuntimeMasks(M.RuntimeLengths):
         if self.has_k and self.mask_row is None:
             self.neg_row = M.neg_row(PMAX)
 
-    def key_row(self, kt: "KTile"):
-        """bf16 ``[1, cols]``: 1.0 at the tile's padding keys (None without kv_lens)."""
-        return self.key_mask_row(kt.c0, kt.cols)
+    def query_tables(self, q_shape, b, h0, G: int, plan: BackwardPlan, p):
+        """Gather and scatter indices ``[128, G * slots]`` of pass p's query rows (column
+        ``h slots + t``: head h0 + h, query tile ``t P + p``) in q's ``(B Hq Nq, D)`` view.
+        Rows past Nq (the partial tile, balancing padding) are never read or written: both
+        tables push them out of bounds."""
+        B, Hq, Nq, _ = q_shape
+        runs = [(h * plan.slots, plan.slots, (b * Hq + h0 + h) * Nq + p * PMAX, p * PMAX)
+                for h in range(G)]
+        rows, pos = M.position_table(runs, G * plan.slots, plan.passes * PMAX)
+        total = B * Hq * Nq
+        inside = nisa.tensor_scalar(pos, nl.less, float(Nq), dtype=nl.float32)
+        valid = nisa.tensor_tensor(self.valid(pos, keys=False), inside, np.multiply,
+                                   dtype=nl.float32)
+        load, store = self.index_table(rows, pos, total, keys=False, valid=valid)
+        if store is not None:
+            beyond = nisa.tensor_scalar(inside, np.subtract, 1.0, op1=np.multiply,
+                                        operand1=-float(M.oob_offset(total)), dtype=nl.int32)
+            store = nisa.tensor_tensor(store, beyond, np.add, dtype=nl.int32)
+        return load, store
+
+    def key_row(self, c0, cols: int):
+        """bf16 ``[1, cols]``: 1.0 at the padding keys of keys ``[c0, c0 + cols)`` (None without
+        kv_lens)."""
+        return self.key_mask_row(c0, cols)
 
 
-def query_runs(b, Hq: int, Nq: int, h0, qtiles):
-    """:func:`masks.position_table` runs of a pass's query tiles (consecutive tiles of one head)."""
-    runs = []
-    for qt in qtiles:
-        if runs and runs[-1][4] == qt.h:
-            c0, count, first, pos0, h = runs[-1]
-            runs[-1] = (c0, count + 1, first, pos0, h)
-        else:
-            runs.append((qt.slot, 1, (b * Hq + h0 + qt.h) * Nq + qt.r0, qt.r0, qt.h))
-    return [r[:4] for r in runs]
+def key_tables(rt, k, b, g):
+    """Gather/scatter indices of every 128-key block of the program's keys (column = block):
+    ``(load, store)`` int32 ``[128, ceil(Nk/128)]``, store None unless the keys are rotated
+    (:meth:`RuntimeMasks.index_table`); ``(None, None)`` without ``kv_lens``."""
+    if rt is None or not rt.has_k:
+        return None, None
+    B, Hkv, Nk, _ = k.shape
+    n_blocks = ceil_div(Nk, PMAX)
+    rows_i, pos = M.position_table([(0, n_blocks, (b * Hkv + g) * Nk, 0)], n_blocks)
+    return rt.index_table(rows_i, pos, B * Hkv * Nk, keys=True)
 
 
 # ---------------------------------------------------------------------------------------------
-# Phase 1: query-side state of a pass (Q, Q^T, dO, dO^T, D = rowsum(dO * O), exp bias)
+# Small helpers
 # ---------------------------------------------------------------------------------------------
 
 
@@ -333,7 +380,7 @@ def _transpose_into(dst, src, tp_dtype, engine="scalar", scale=1.0):
     copy on ScalarE (default; it applies ``scale``) or VectorE."""
     rows, cols = src.shape
     t_psum = nl.ndarray((cols, rows), dtype=tp_dtype, buffer=nl.psum)
-    t_psum[...] = nisa.nc_transpose(src)
+    t_psum[...] = nisa.nc_transpose(src, engine=nisa.tensor_engine)
     if engine == "scalar":
         dst[...] = nisa.activation(nl.copy, t_psum, scale=scale, dtype=dst.dtype)
     else:
@@ -349,127 +396,149 @@ def _blocks_view(t, rows, nblocks):
     return t[ip, ib * PMAX + ik]
 
 
-def _row_view(t, b, hh, r0: int, n: int, width=None, rows: int = PMAX):
-    """HBM rows ``r0 + 128 j + p`` of ``t[b, hh]`` as ``[rows (p), n (j), width]`` (a 2-D
-    ``[rows, n]`` view for ``width=None``: lse): n query tiles in one DMA, each row in its
-    tile's natural place (partition p of slot j)."""
+def _blocks(cols: int):
+    """``(offset, keys)`` of the 128-key blocks of a key tile of ``cols`` keys."""
+    return tuple((o, min(PMAX, cols - o)) for o in range(0, cols, PMAX))
+
+
+class _Rows(NamedTuple):
+    """Query rows of ``n`` consecutive slots of one head in one pass: slot ``s0 + j`` holds
+    rows ``r0 + j stride + i`` (i < 128) of head ``hh``."""
+
+    hh: object
+    s0: object
+    r0: object
+    n: int
+    stride: int
+
+
+def _rows_view(t, b, rw: _Rows, width=None):
+    """HBM rows of :class:`_Rows` as ``[128 (i), n (j), width]`` (``[128, n]`` for lse)."""
+    ip = nl.arange(PMAX)[:, None, None] if width is not None else nl.arange(PMAX)[:, None]
+    ij = nl.arange(rw.n)[None, :, None] if width is not None else nl.arange(rw.n)[None, :]
     if width is None:
-        return t[b, hh, r0 + PMAX * nl.arange(n)[None, :] + nl.arange(rows)[:, None]]
-    ip = nl.arange(rows)[:, None, None]
-    ij = nl.arange(n)[None, :, None]
-    return t[b, hh, r0 + PMAX * ij + ip, nl.arange(width)[None, None, :]]
+        return t[b, rw.hh, rw.r0 + rw.stride * ij + ip]
+    return t[b, rw.hh, rw.r0 + rw.stride * ij + ip, nl.arange(width)[None, None, :]]
 
 
-def query_groups(qtiles, D: int, itemsize: int):
-    """Runs of at most ``tiles.BWD_GROUP_BYTES // (D * itemsize)`` consecutive whole
-    (128-row) query tiles of one head: each run is loaded (and dQ stored) by one DMA per tensor,
-    which saves the fixed cost per DMA (see ``BWD_GROUP_BYTES``). A partial tile is a run of
-    its own."""
-    cap = max(1, BWD_GROUP_BYTES // (D * itemsize))
-    groups = []
-    for qt in qtiles:
-        g = groups[-1] if groups else None
-        if (g and qt.rows == PMAX and g[-1].rows == PMAX and g[-1].h == qt.h
-                and g[-1].r0 + PMAX == qt.r0 and len(g) < cap):
-            g.append(qt)
-        else:
-            groups.append([qt])
-    return [tuple(g) for g in groups]
+def _row_mask(rw: _Rows, Nq: int, width=None):
+    """Rows of :class:`_Rows` inside ``[0, Nq)`` (a predicate on the view's shape)."""
+    ip = nl.arange(PMAX)[:, None, None] if width is not None else nl.arange(PMAX)[:, None]
+    ij = nl.arange(rw.n)[None, :, None] if width is not None else nl.arange(rw.n)[None, :]
+    return rw.r0 + rw.stride * ij + ip < Nq
 
 
-def _load_query_rows(cfg, rt, q, do, o, lse, b, hh, group, q_nat, q_load, gen3):
-    """do, o ``[rows, n, D]`` (input dtype) and lse ``[rows, n]`` (fp32) of a run of n query
-    tiles of head hh (:func:`query_groups`), and q into ``q_nat`` (operand dtype).
-
-    Without ``q_lens`` each is one DMA of the run's rows (lse on trn2: a DMA transpose of its
-    ``[n, 128]`` rows, contiguous, instead of 4-byte elements). With ``q_lens`` (single tiles)
-    they are gathered through column ``slot`` of ``q_load`` (:meth:`RuntimeMasks.index_table`):
-    padding rows are never read and stay 0 (lse: -inf)."""
-    D, rows, n, s = cfg.D, group[0].rows, len(group), group[0].slot
-    if q_load is None:
-        r0 = group[0].r0
-        q_nat[0:rows, s:s + n, :] = nl.load(_row_view(q, b, hh, r0, n, D, rows),
-                                             dtype=cfg.op_dtype)
-        do_in = nl.load(_row_view(do, b, hh, r0, n, D, rows))
-        o_in = nl.load(_row_view(o, b, hh, r0, n, D, rows))
-        if gen3:
-            ij = nl.arange(n)[:, None]
-            lse_t = nisa.dma_transpose(lse[b, hh, r0 + PMAX * ij + nl.arange(rows)[None, :]])
-        else:
-            lse_t = nl.load(_row_view(lse, b, hh, r0, n, rows=rows))
-        return do_in, o_in, lse_t
-    n_rows = q.shape[0] * q.shape[1] * q.shape[2]
-    do_in = nisa.memset((rows, 1, D), 0.0, dtype=do.dtype, engine=nisa.gpsimd_engine)
-    M.gather_rows(do_in[:, 0, :], do.reshape((n_rows, D)), q_load, s, rows, D)
-    o_in = nisa.memset((rows, 1, D), 0.0, dtype=o.dtype, engine=nisa.gpsimd_engine)
-    M.gather_rows(o_in[:, 0, :], o.reshape((n_rows, D)), q_load, s, rows, D)
-    q_nat[0:rows, s, :] = nisa.memset((rows, D), 0.0, dtype=cfg.op_dtype,
-                                      engine=nisa.gpsimd_engine)
-    M.gather_rows(q_nat[0:rows, s, :], q.reshape((n_rows, D)), q_load, s, rows, D)
-    lse_t = nisa.memset((rows, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
-    M.gather_rows(lse_t, lse.reshape((n_rows, 1)), q_load, s, rows, 1)
-    return do_in, o_in, lse_t
+# ---------------------------------------------------------------------------------------------
+# Phase 1: query-side state of a pass (Q, Q^T, dO, dO^T, D = rowsum(dO * O), exp bias)
+# ---------------------------------------------------------------------------------------------
 
 
-def load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, do_T,
-                    neg_delta, exp_bias):
-    """Load every query tile of a pass and derive what the inner loop needs.
+class _State(NamedTuple):
+    """Resident query-side state of a pass: slot ``h slots + t`` (head h0 + h, tile t P + p)."""
 
-    Per tile (rows r0 .. r0 + rows - 1 of query head h0 + h):
+    q_nat: object       # [128, S, D]         operand dtype
+    do_nat: object      # [128, S, D]
+    q_T: object         # [D chunk, n_dc, S 128]  (Q^T times q_scale)
+    do_T: object        # [D chunk, n_dc, S 128]
+    neg_delta: object   # [128, S] fp32: -rowsum(dO * O)
+    exp_bias: object    # [128, S] fp32: -LSE, or the no-key bias
+    dq_acc: object      # [128, S, D] fp32 (None when dQ accumulates in HBM)
 
-    * ``q_nat``, ``do_nat`` ``[rows, D]`` in the operand dtype, and their transposes
-      ``q_T`` (times ``cfg.q_scale``), ``do_T`` ``[D chunk, rows]``;
-    * ``neg_delta = -D = -rowsum(dO * O)`` in fp32 (from the loaded values, before any
-      rounding; negated because it is used as the ScalarE bias of ``dP - D``);
-    * ``exp_bias = -LSE``, or ``BWD_EXP_BIAS_NO_KEY`` where LSE = -inf (a row with no visible
-      key, or a padding row past q_len), computed as ``m * BIAS_NO_KEY - max(LSE, LSE_NO_KEY)``
-      with ``m = [LSE < LSE_NO_KEY]`` so every intermediate is finite.
 
-    With the key mask in the S matmul, Q^T's row ``rt.mask_row`` of the last head-dim chunk is
-    ``MASK_NEG``. Returns the dQ scatter indices ``[128, slots]`` (None unless the rows are
-    rotated).
-    """
+def _derive(cfg, st: _State, do_in, o_in, lse_t, s0, n: int):
+    """From the loaded dO, O ``[128, n, D]`` and LSE ``[128, n]`` of slots ``s0 .. s0 + n - 1``
+    (Q already in ``q_nat``): exp bias, -D, dO in the operand dtype, Q^T and dO^T.
+
+    ``exp_bias = -LSE``, or ``BWD_EXP_BIAS_NO_KEY`` where LSE = -inf (a row with no visible
+    key, a padding row), computed as ``m * BIAS_NO_KEY - max(LSE, LSE_NO_KEY)`` with ``m =
+    [LSE < LSE_NO_KEY]`` so every intermediate is finite."""
     op_dtype, tp_dtype = cfg.op_dtype, cfg.tp_dtype
-    gen3 = nisa.get_nc_version() >= nisa.nc_version.gen3
-    q_load = q_store = None
-    if rt is not None and rt.has_q:
-        B, Hq, Nq, _ = q.shape
-        rows_i, pos = M.position_table(query_runs(b, Hq, Nq, h0, qtiles), len(qtiles))
-        q_load, q_store = rt.index_table(rows_i, pos, B * Hq * Nq, keys=False)
-        groups = [(qt,) for qt in qtiles]
-    else:
-        groups = query_groups(qtiles, cfg.D, 4 if do.dtype == nl.float32 else 2)
-    for group in groups:
-        hh, rows, s0, n = h0 + group[0].h, group[0].rows, group[0].slot, len(group)
-        do_in, o_in, lse_t = _load_query_rows(cfg, rt, q, do, o, lse, b, hh, group, q_nat,
-                                              q_load, gen3)
-        lse_floor = nisa.tensor_scalar(lse_t, np.maximum, BWD_LSE_NO_KEY, dtype=nl.float32)
-        no_key = nisa.tensor_scalar(lse_t, np.less, BWD_LSE_NO_KEY, dtype=nl.float32)
-        exp_bias[0:rows, s0:s0 + n] = nisa.scalar_tensor_tensor(
-            data=no_key, op0=np.multiply, operand0=BWD_EXP_BIAS_NO_KEY,
-            op1=np.subtract, operand1=lse_floor, dtype=nl.float32)
-        for j, qt in enumerate(group):
-            s = qt.slot
-            prod = nisa.tensor_tensor(do_in[0:rows, j, :], o_in[0:rows, j, :], np.multiply,
-                                      dtype=nl.float32)
-            neg_delta[0:rows, s:s + 1] = nisa.tensor_reduce(np.add, prod, axis=(1,),
-                                                            negate=True, dtype=nl.float32,
-                                                            keepdims=True)
-            if do_in.dtype == op_dtype:
-                do_nat[0:rows, s, :] = do_in[0:rows, j, :]
-            else:
-                do_nat[0:rows, s, :] = nisa.tensor_copy(do_in[0:rows, j, :], dtype=op_dtype)
-            for c, (d0, dsz) in enumerate(cfg.d_chunks):
-                cols = nl.ds(s * PMAX, rows)
-                _transpose_into(q_T[0:dsz, c, cols], q_nat[0:rows, s, d0:d0 + dsz], tp_dtype,
-                                scale=cfg.q_scale)
-                _transpose_into(do_T[0:dsz, c, cols], do_nat[0:rows, s, d0:d0 + dsz],
-                                tp_dtype)
-    if rt is not None and rt.mask_row is not None:
-        n = len(qtiles) * PMAX
-        neg = nisa.memset((1, n), FWD_MASK_NEG, dtype=op_dtype, engine=nisa.gpsimd_engine)
-        nisa.dma_copy(dst=q_T[rt.mask_row:rt.mask_row + 1, len(cfg.d_chunks) - 1, 0:n], src=neg)
-    return q_store
+    lse_floor = nisa.tensor_scalar(lse_t, np.maximum, BWD_LSE_NO_KEY, dtype=nl.float32)
+    no_key = nisa.tensor_scalar(lse_t, np.less, BWD_LSE_NO_KEY, dtype=nl.float32)
+    st.exp_bias[:, nl.ds(s0, n)] = nisa.scalar_tensor_tensor(
+        data=no_key, op0=np.multiply, operand0=BWD_EXP_BIAS_NO_KEY,
+        op1=np.subtract, operand1=lse_floor, dtype=nl.float32)
+    for j in range(n):
+        s = s0 + j
+        prod = nisa.tensor_tensor(do_in[:, j, :], o_in[:, j, :], np.multiply, dtype=nl.float32)
+        st.neg_delta[:, nl.ds(s, 1)] = nisa.tensor_reduce(np.add, prod, axis=(1,), negate=True,
+                                                          dtype=nl.float32, keepdims=True)
+        if do_in.dtype == op_dtype:
+            st.do_nat[:, s, :] = do_in[:, j, :]
+        else:
+            st.do_nat[:, s, :] = nisa.tensor_copy(do_in[:, j, :], dtype=op_dtype)
+        for c, (d0, dsz) in enumerate(cfg.d_chunks):
+            cols = nl.ds(s * PMAX, PMAX)
+            _transpose_into(st.q_T[0:dsz, c, cols], st.q_nat[:, s, d0:d0 + dsz], tp_dtype,
+                            scale=cfg.q_scale)
+            _transpose_into(st.do_T[0:dsz, c, cols], st.do_nat[:, s, d0:d0 + dsz], tp_dtype)
+
+
+def _zeros(shape, dtype):
+    """A zero-filled SBUF tile (GpSimd memset: attention kernels leave GpSimd mostly idle)."""
+    return nisa.memset(shape, 0.0, dtype=dtype, engine=nisa.gpsimd_engine)
+
+
+def load_query_side(cfg, plan: BackwardPlan, rt, q, do, o, lse, b, h0, p, st: _State,
+                    q_load):
+    """Load pass p's query tiles of every head and derive what the visits need (:func:`_derive`).
+
+    Without ``q_lens`` the slots move in groups of up to ``BWD_GROUP_BYTES`` per partition per
+    tensor (one DMA each: every DMA pays a fixed cost), under a row mask when some rows lie past
+    Nq (their tiles are zero-filled first, LSE -inf). With ``q_lens`` every slot is gathered
+    through its column of ``q_load``: padding rows are never read."""
+    D, G, Nq = cfg.D, cfg.G, q.shape[2]
+    P, S_h = plan.passes, plan.slots
+    stride = P * PMAX
+    if q_load is not None:
+        n_rows = q.shape[0] * q.shape[1] * q.shape[2]
+        for h in nl.affine_range(G):
+            for t in nl.affine_range(S_h):
+                s = h * S_h + t
+                do_in = _zeros((PMAX, 1, D), do.dtype)
+                M.gather_rows(do_in[:, 0, :], do.reshape((n_rows, D)), q_load, s, PMAX, D)
+                o_in = _zeros((PMAX, 1, D), o.dtype)
+                M.gather_rows(o_in[:, 0, :], o.reshape((n_rows, D)), q_load, s, PMAX, D)
+                st.q_nat[:, s, :] = _zeros((PMAX, D), cfg.op_dtype)
+                M.gather_rows(st.q_nat[:, s, :], q.reshape((n_rows, D)), q_load, s, PMAX, D)
+                lse_t = nisa.memset((PMAX, 1), -np.inf, dtype=nl.float32,
+                                    engine=nisa.gpsimd_engine)
+                M.gather_rows(lse_t, lse.reshape((n_rows, 1)), q_load, s, PMAX, 1)
+                _derive(cfg, st, do_in, o_in, lse_t, s, 1)
+        return
+    cap = max(1, BWD_GROUP_BYTES // (D * (4 if do.dtype == nl.float32 else 2)))
+    for t0, n_groups, n in slot_groups(S_h, cap):
+        for h in nl.affine_range(G):
+            for gi in nl.affine_range(n_groups):
+                t = t0 + gi * n
+                rw = _Rows(h0 + h, h * S_h + t, (t * P + p) * PMAX, n, stride)
+                sl = nl.ds(rw.s0, n)
+                if plan.row_mask:
+                    m3, m2 = _row_mask(rw, Nq, D), _row_mask(rw, Nq)
+                    st.q_nat[:, sl, :] = _zeros((PMAX, n, D), cfg.op_dtype)
+                    st.q_nat[:, sl, :] = nl.load(_rows_view(q, b, rw, D), dtype=cfg.op_dtype,
+                                                 mask=m3)
+                    do_in = _zeros((PMAX, n, D), do.dtype)
+                    do_in[...] = nl.load(_rows_view(do, b, rw, D), mask=m3)
+                    o_in = _zeros((PMAX, n, D), o.dtype)
+                    o_in[...] = nl.load(_rows_view(o, b, rw, D), mask=m3)
+                    lse_t = nisa.memset((PMAX, n), -np.inf, dtype=nl.float32,
+                                        engine=nisa.gpsimd_engine)
+                    lse_t[...] = nl.load(_rows_view(lse, b, rw), mask=m2)
+                else:
+                    st.q_nat[:, sl, :] = nl.load(_rows_view(q, b, rw, D), dtype=cfg.op_dtype)
+                    do_in = nl.load(_rows_view(do, b, rw, D))
+                    o_in = nl.load(_rows_view(o, b, rw, D))
+                    lse_t = nl.load(_rows_view(lse, b, rw))
+                _derive(cfg, st, do_in, o_in, lse_t, rw.s0, n)
+
+
+def mask_row_in_q_T(cfg, rt, st: _State):
+    """With the key mask in the S matmul: Q^T's row ``rt.mask_row`` of the last head-dim chunk
+    is ``MASK_NEG`` (one SBUF -> SBUF DMA for the whole pass)."""
+    n = st.q_T.shape[2]
+    neg = nisa.memset((1, n), FWD_MASK_NEG, dtype=cfg.op_dtype, engine=nisa.gpsimd_engine)
+    nisa.dma_copy(dst=st.q_T[rt.mask_row:rt.mask_row + 1, len(cfg.d_chunks) - 1, 0:n], src=neg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,216 +546,178 @@ def load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat, d
 # ---------------------------------------------------------------------------------------------
 
 
-def key_tables(rt, k, b, g):
-    """Gather/scatter indices of every 128-key block of the program's keys (column = block):
-    ``(load, store)`` int32 ``[128, ceil(Nk/128)]``, store None unless the keys are rotated
-    (:meth:`RuntimeMasks.index_table`); ``(None, None)`` without ``kv_lens``."""
-    if rt is None or not rt.has_k:
-        return None, None
-    B, Hkv, Nk, _ = k.shape
-    n_blocks = -(-Nk // PMAX)
-    rows_i, pos = M.position_table([(0, n_blocks, (b * Hkv + g) * Nk, 0)], n_blocks)
-    return rt.index_table(rows_i, pos, B * Hkv * Nk, keys=True)
+class _KV(NamedTuple):
+    k_nat: object       # [128, blocks, D]  operand dtype
+    k_T: object         # [D chunk (+1), n_dc, Bk]
+    v_T: object         # [D chunk, n_dc, Bk]
 
 
-def load_kv_tile(cfg, k, v, b, g, kt, k_nat, k_T, v_T, k_load):
-    """Keys ``kt.c0 ..`` of kv head g: ``k_nat[keys, blk, D]``, ``k_T[D chunk, c, keys]``,
-    ``v_T[D chunk, c, keys]`` (V itself is only needed transposed). With ``kv_lens`` the keys
-    are gathered through ``k_load`` (:func:`key_tables`): padding keys are never read and
+def load_kv_tile(cfg, k, v, b, g, c0, cols: int, kv: _KV, k_load, col0):
+    """Keys ``c0 .. c0 + cols - 1`` of kv head g (``c0`` an NKI expression): ``k_nat``,
+    ``k_T``, ``v_T`` (V itself is only needed transposed). With ``kv_lens`` the keys are
+    gathered through columns ``col0 + block`` of ``k_load``: padding keys are never read and
     stay 0."""
     op_dtype, tp_dtype, D = cfg.op_dtype, cfg.tp_dtype, cfg.D
-    if k_load is not None:
-        n_rows = k.shape[0] * k.shape[1] * k.shape[2]
-        k_rows, v_rows = k.reshape((n_rows, D)), v.reshape((n_rows, D))
-    nb = len(kt.blocks)
-    if k_load is None and kt.cols == nb * PMAX:
+    blocks = _blocks(cols)
+    nb = len(blocks)
+    if k_load is None and cols == nb * PMAX:
         # One DMA per tensor for the whole key tile. K is needed in natural blocks (keys
         # c0 + 128 bi + p on partition p of block bi: the moving operand of dQ), V only
         # transposed, so V comes in wide rows -- partition p holds the nb consecutive keys
         # c0 + nb p + j, one nb * D-element chunk -- and the copies out of PSUM put block j's
         # column p back at key nb p + j of V^T.
-        k_nat[:, 0:nb, :] = nl.load(_row_view(k, b, g, kt.c0, nb, D), dtype=op_dtype)
         ip = nl.arange(PMAX)[:, None, None]
         ij = nl.arange(nb)[None, :, None]
-        v_wide = nl.load(v[b, g, kt.c0 + nb * ip + ij, nl.arange(D)[None, None, :]],
-                         dtype=op_dtype)
+        idd = nl.arange(D)[None, None, :]
+        kv.k_nat[:, 0:nb, :] = nl.load(k[b, g, c0 + PMAX * ij + ip, idd], dtype=op_dtype)
+        v_wide = nl.load(v[b, g, c0 + nb * ip + ij, idd], dtype=op_dtype)
         for bi in range(nb):
             for c, (d0, dsz) in enumerate(cfg.d_chunks):
-                _transpose_into(k_T[0:dsz, c, nl.ds(bi * PMAX, PMAX)],
-                                k_nat[:, bi, d0:d0 + dsz], tp_dtype)
+                _transpose_into(kv.k_T[0:dsz, c, nl.ds(bi * PMAX, PMAX)],
+                                kv.k_nat[:, bi, d0:d0 + dsz], tp_dtype)
                 iv = nl.arange(dsz)[:, None]
-                _transpose_into(v_T[iv, c, bi + nb * nl.arange(PMAX)[None, :]],
+                _transpose_into(kv.v_T[iv, c, bi + nb * nl.arange(PMAX)[None, :]],
                                 v_wide[:, bi, d0:d0 + dsz], tp_dtype)
         return
-    for bi, (off, n) in enumerate(kt.blocks):
+    if k_load is not None:
+        n_rows = k.shape[0] * k.shape[1] * k.shape[2]
+        k_rows, v_rows = k.reshape((n_rows, D)), v.reshape((n_rows, D))
+    for bi, (off, n) in enumerate(blocks):
         if k_load is not None:
-            col = (kt.c0 + off) // PMAX
-            k_nat[0:n, bi, :] = nisa.memset((n, D), 0.0, dtype=op_dtype,
-                                            engine=nisa.gpsimd_engine)
-            M.gather_rows(k_nat[0:n, bi, :], k_rows, k_load, col, n, D)
-            v_in = nisa.memset((n, D), 0.0, dtype=op_dtype, engine=nisa.gpsimd_engine)
-            M.gather_rows(v_in, v_rows, k_load, col, n, D)
+            kv.k_nat[0:n, bi, :] = _zeros((n, D), op_dtype)
+            M.gather_rows(kv.k_nat[0:n, bi, :], k_rows, k_load, col0 + bi, n, D)
+            v_in = _zeros((n, D), op_dtype)
+            M.gather_rows(v_in, v_rows, k_load, col0 + bi, n, D)
         else:
-            ksl = nl.ds(kt.c0 + off, n)
-            k_nat[0:n, bi, :] = nl.load(k[b, g, ksl, :], dtype=op_dtype)
-            v_in = nl.load(v[b, g, ksl, :], dtype=op_dtype)
+            kv.k_nat[0:n, bi, :] = nl.load(k[b, g, nl.ds(c0 + off, n), :], dtype=op_dtype)
+            v_in = nl.load(v[b, g, nl.ds(c0 + off, n), :], dtype=op_dtype)
         for c, (d0, dsz) in enumerate(cfg.d_chunks):
-            _transpose_into(k_T[0:dsz, c, nl.ds(off, n)], k_nat[0:n, bi, d0:d0 + dsz], tp_dtype)
-            _transpose_into(v_T[0:dsz, c, nl.ds(off, n)], v_in[0:n, d0:d0 + dsz], tp_dtype)
+            _transpose_into(kv.k_T[0:dsz, c, nl.ds(off, n)], kv.k_nat[0:n, bi, d0:d0 + dsz],
+                            tp_dtype)
+            _transpose_into(kv.v_T[0:dsz, c, nl.ds(off, n)], v_in[0:n, d0:d0 + dsz], tp_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
-# Phase 3: the per-visit math (recompute P, softmax backward, accumulate dV, dK, dQ)
+# Phase 3: one visit (recompute P, softmax backward, accumulate dV, dK, dQ)
 # ---------------------------------------------------------------------------------------------
 
 
-def recompute_p(cfg, spec, rt, vis, kt, key_row, q_T, k_T, exp_bias):
-    """``P = exp(scale * Q K^T - LSE)`` for the visit's rows and keys, ``[rows, w]`` in the
-    operand dtype. Masked keys get ``fp32.min`` (band edges, GpSimd) or ``MASK_NEG`` (keys past
-    kv_len, TensorE) before the exp: P = 0 exactly."""
-    qt = vis.qt
-    rows, s, w = qt.rows, qt.slot, vis.w
-    s_psum = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.psum)
+class _Visit(NamedTuple):
+    """A (slot, key tile) pair: slot ``s`` holds query rows ``i0 .. i0 + 127`` of head ``h0 +
+    h``, the tile keys
+    ``c0 .. c0 + cols - 1`` (NKI expressions of the loop indices; ``cols`` static); ``masked``:
+    the band's edges may cut it."""
+
+    s: object
+    i0: object
+    h: object
+    c0: object
+    cols: int
+    masked: bool
+
+
+def recompute_p(cfg, spec, rt, vis: _Visit, key_row, st: _State, kv: _KV):
+    """``P = exp(scale * Q K^T - LSE)``, ``[128, cols]`` in the operand dtype. Masked keys get
+    ``fp32.min`` (band edges, GpSimd ``affine_select`` on the row and key indices) or
+    ``MASK_NEG`` (keys past kv_len, TensorE) before the exp: P = 0 exactly."""
+    w = vis.cols
+    s_psum = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
     last = len(cfg.d_chunks) - 1
     for c, (d0, dsz) in enumerate(cfg.d_chunks):
         if c == last and rt is not None and rt.mask_row is not None:
             dsz += 1    # MASK_NEG row (x) key row: the key mask inside the S matmul
-        _accumulate(s_psum, c == 0, nisa.nc_matmul(q_T[0:dsz, c, nl.ds(s * PMAX, rows)],
-                                                   k_T[0:dsz, c, nl.ds(vis.a, w)]))
+        _accumulate(s_psum, c == 0, nisa.nc_matmul(st.q_T[0:dsz, c, nl.ds(vis.s * PMAX, PMAX)],
+                                                   kv.k_T[0:dsz, c, 0:w]))
     if key_row is not None:
-        s_psum[...] += nisa.nc_matmul(rt.neg_row[0:1, 0:rows], key_row[0:1, nl.ds(vis.a, w)])
-    bias = exp_bias[0:rows, s:s + 1]
-    if not (vis.mask_hi or vis.mask_lo):
+        s_psum[...] += nisa.nc_matmul(rt.neg_row[0:1, 0:PMAX], key_row[0:1, 0:w])
+    bias = st.exp_bias[:, nl.ds(vis.s, 1)]
+    if not vis.masked:
         return nisa.activation(np.exp, s_psum, bias=bias, scale=cfg.exp_scale,
                                dtype=cfg.op_dtype)
-
-    # Row i = qt.r0 + iq, key j = kt.c0 + vis.a + ik; keep i + off + lo <= j <= i + off + hi.
-    # GpSimd selects on the diagonal tiles only: TensorE, where the forward adds its masks, is
-    # the backward's busiest engine.
+    # Row i = i0 + iq, key j = c0 + ik; keep i + off + lo <= j <= i + off + hi.
     scores = nisa.activation(nl.copy, s_psum, scale=cfg.exp_scale, dtype=nl.float32)
-    iq, ik = nl.mgrid[0:rows, 0:w]
-    row = qt.r0 + iq
-    key = kt.c0 + vis.a + ik
+    iq, ik = nl.mgrid[0:PMAX, 0:w]
     off = spec.static_offset
-    if vis.mask_hi:
-        scores = nisa.affine_select(row + (off + spec.hi) >= key, scores, BWD_MASK_FILL,
-                                    dtype=nl.float32)
-    if vis.mask_lo:
-        scores = nisa.affine_select(key >= row + (off + spec.lo), scores, BWD_MASK_FILL,
-                                    dtype=nl.float32)
+    if spec.hi is not None:
+        scores = nisa.affine_select(vis.i0 + iq + (off + spec.hi) >= vis.c0 + ik, scores,
+                                    BWD_MASK_FILL, dtype=nl.float32)
+    if spec.lo is not None:
+        scores = nisa.affine_select(vis.c0 + ik >= vis.i0 + iq + (off + spec.lo), scores,
+                                    BWD_MASK_FILL, dtype=nl.float32)
     return nisa.activation(np.exp, scores, bias=bias, scale=1.0, dtype=cfg.op_dtype)
 
 
-def softmax_backward(vis, d_chunks, do_T, v_T, neg_delta, p, op_dtype):
-    """``dS = P * (dP - D)`` with ``dP = dO V^T``, ``[rows, w]`` in the operand dtype.
+def softmax_backward(cfg, vis: _Visit, st: _State, kv: _KV, p):
+    """``dS = P * (dP - D)`` with ``dP = dO V^T``, ``[128, cols]`` in the operand dtype.
 
     ``dP - D`` is formed by ScalarE while it evacuates PSUM (identity with a per-row bias), so
-    VectorE does a single bf16 multiply per score."""
-    qt = vis.qt
-    rows, s, w = qt.rows, qt.slot, vis.w
-    dp_psum = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.psum)
-    for c, (d0, dsz) in enumerate(d_chunks):
-        _accumulate(dp_psum, c == 0, nisa.nc_matmul(do_T[0:dsz, c, nl.ds(s * PMAX, rows)],
-                                                    v_T[0:dsz, c, nl.ds(vis.a, w)]))
-    dp_minus_d = nisa.activation(nl.copy, dp_psum, bias=neg_delta[0:rows, s:s + 1], scale=1.0,
-                                 dtype=op_dtype)
-    return nisa.tensor_tensor(dp_minus_d, p, np.multiply, dtype=op_dtype)
+    VectorE does a single multiply per score."""
+    w = vis.cols
+    dp_psum = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
+    for c, (d0, dsz) in enumerate(cfg.d_chunks):
+        _accumulate(dp_psum, c == 0,
+                    nisa.nc_matmul(st.do_T[0:dsz, c, nl.ds(vis.s * PMAX, PMAX)],
+                                   kv.v_T[0:dsz, c, 0:w]))
+    dp_minus_d = nisa.activation(nl.copy, dp_psum, bias=st.neg_delta[:, nl.ds(vis.s, 1)],
+                                 scale=1.0, dtype=cfg.op_dtype)
+    return nisa.tensor_tensor(dp_minus_d, p, np.multiply, dtype=cfg.op_dtype)
 
 
-def accumulate_dv_dk(vis, kt, p, ds, q_nat, do_nat, dv_psum, dk_psum, D):
+def accumulate_dv_dk(cfg, vis: _Visit, p, ds, st: _State, dv_psum, dk_psum):
     """``dV_j += P^T dO_i`` and ``dK_j += dS^T Q_i`` (scale applied at write-out), per 128-key
-    block of the visit: stationary ``P[:, block]`` / ``dS[:, block]`` ``[rows, keys]``, moving
-    ``dO_i`` / ``Q_i`` ``[rows, D]``, result ``[keys, D]`` accumulating in PSUM."""
-    rows, s = vis.qt.rows, vis.qt.slot
-    for bi in range(vis.b_lo, vis.b_hi):
-        off, n = kt.blocks[bi]
-        cols = nl.ds(off - vis.a, n)
+    block: stationary ``P[:, block]`` / ``dS[:, block]`` ``[rows, keys]``, moving ``dO_i`` /
+    ``Q_i`` ``[rows, D]``, result ``[keys, D]`` accumulating in PSUM across the visits."""
+    D = cfg.D
+    for bi, (off, n) in enumerate(_blocks(vis.cols)):
         acc = nl.ds(bi * D, D)
-        dv_psum[0:n, acc] += nisa.nc_matmul(p[0:rows, cols], do_nat[0:rows, s, :])
-        dk_psum[0:n, acc] += nisa.nc_matmul(ds[0:rows, cols], q_nat[0:rows, s, :])
+        dv_psum[0:n, acc] += nisa.nc_matmul(p[:, nl.ds(off, n)], st.do_nat[:, vis.s, :])
+        dk_psum[0:n, acc] += nisa.nc_matmul(ds[:, nl.ds(off, n)], st.q_nat[:, vis.s, :])
 
 
-def accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, tp_dtype, ds_transpose,
-                  act_evac_blocks):
-    """``dQ_i += dS K_j`` (scale applied at write-out). dQ contracts over keys, so dS goes
-    through a transpose to ``[keys, rows]`` per 128-key block, the stationary operand against
-    ``K[keys, D]``:
+def accumulate_dq(cfg, vis: _Visit, ds, kv: _KV, st: _State, dq_scratch):
+    """``dQ_i += dS K_j`` (scale applied at write-out), into the slot's fp32 accumulator (or,
+    ``dq_accumulate="hbm"``, read-add-written in the HBM scratch: what a GPU does with
+    atomics). dQ contracts over keys, so dS goes through a transpose to ``[keys, rows]`` per
+    128-key block, the stationary operand against ``K[keys, D]``:
 
-    * ``ds_transpose="dma"`` (whole 128-key blocks only): one DMA transpose of the visit's
-      ``[rows, blocks, 128]`` dS into ``[128, blocks, rows]``, no TensorE or PSUM time;
-    * ``"pe"``: a TensorE transpose per block into PSUM, copied to SBUF by ScalarE for the first
-      ``act_evac_blocks`` blocks and by VectorE for the rest.
+    * ``ds_transpose="pe"`` (default): a TensorE transpose per block into PSUM, copied to SBUF
+      by ScalarE for the first ``act_evac_blocks`` blocks and by VectorE for the rest;
+    * ``"dma"`` (opt-in; whole 128-key blocks only): one SBUF -> SBUF DMA transpose of the
+      visit's ``[rows, blocks, 128]`` dS into ``[128, blocks, rows]``.
     """
-    rows = vis.qt.rows
-    blocks = range(vis.b_lo, vis.b_hi)
-    if ds_transpose == "dma" and all(kt.blocks[bi][1] == PMAX for bi in blocks):
-        nb = vis.b_hi - vis.b_lo
-        ds_T = nl.ndarray((PMAX, nb, rows), dtype=op_dtype, buffer=nl.sbuf)
-        ds_T[...] = nisa.dma_transpose(_blocks_view(ds, rows, nb))
-        for j, bi in enumerate(blocks):
-            _accumulate(dq_psum, j == 0, nisa.nc_matmul(ds_T[:, j, :], k_nat[:, bi, :]))
-        return
-    for j, bi in enumerate(blocks):
-        off, n = kt.blocks[bi]
-        ds_T = nl.ndarray((n, rows), dtype=op_dtype, buffer=nl.sbuf)
-        engine = "scalar" if j < act_evac_blocks else "vector"
-        _transpose_into(ds_T, ds[0:rows, nl.ds(off - vis.a, n)], tp_dtype, engine)
-        _accumulate(dq_psum, j == 0, nisa.nc_matmul(ds_T, k_nat[0:n, bi, :]))
-
-
-def visit_groups(cfg, spec, qtiles, kt):
-    """The visits of key tile kt, in query-tile order, as groups that share one dS DMA
-    transpose: consecutive visits of whole query tiles over the same whole 128-key blocks, at
-    most ``tiles.BWD_DS_GROUP_BYTES`` of dS per partition (4 visits of 512 keys in bf16), when
-    dS^T goes by DMA into the on-chip dQ. Every DMA pays a fixed cost (81.25 ns, a third of a
-    128 x 512 bf16 transpose), so this saves 3 of 4 on the visits off the causal diagonal. Any
-    other visit is a group of one."""
-    op_itemsize = 4 if cfg.op_dtype == nl.float32 else 2
-    groupable = ("dq" in cfg.grads and cfg.dq_accumulate == "sbuf" and cfg.ds_transpose == "dma")
-    groups = []
-    for qt in qtiles:
-        vis = plan_visit(spec, qt, kt)
-        if vis is None:
-            continue
-        ok = (groupable and qt.rows == PMAX
-              and all(kt.blocks[bi][1] == PMAX for bi in range(vis.b_lo, vis.b_hi)))
-        last = groups[-1] if groups else None
-        if (ok and last is not None and last[0] is not None
-                and last[0][-1][1:] == vis[1:] and last[0][-1].qt.slot + 1 == qt.slot
-                and (len(last[0]) + 1) * vis.w * op_itemsize <= BWD_DS_GROUP_BYTES):
-            last[0].append(vis)
-        else:
-            groups.append(([vis] if ok else None, vis))
-    return [tuple(g) if g is not None else (v,) for g, v in groups]
-
-
-def grouped_visits(cfg, spec, rt, group, kt, key_row, q_T, k_T, do_T, v_T, q_nat, do_nat,
-                   k_nat, neg_delta, exp_bias, dv_psum, dk_psum, dq_acc):
-    """The visits of a :func:`visit_groups` group (same keys, consecutive whole query tiles):
-    each computes P and dS and accumulates dV, dK as alone, with its dS written into one
-    ``[128, n w]`` buffer; then one DMA transpose gives every dS^T block of the group
-    ``[128 keys, n * blocks, 128 rows]``, and each visit adds its ``dS K`` into dQ."""
-    v0 = group[0]
-    n, w, nb = len(group), v0.w, v0.b_hi - v0.b_lo
     op_dtype, D = cfg.op_dtype, cfg.D
-    ds_buf = nl.ndarray((PMAX, n * w), dtype=op_dtype, buffer=nl.sbuf)
-    for m, vis in enumerate(group):
-        p = recompute_p(cfg, spec, rt, vis, kt, key_row, q_T, k_T, exp_bias)
-        ds_buf[:, nl.ds(m * w, w)] = softmax_backward(vis, cfg.d_chunks, do_T, v_T, neg_delta,
-                                                      p, op_dtype)
-        if "dk" in cfg.grads:
-            accumulate_dv_dk(vis, kt, p, ds_buf[:, nl.ds(m * w, w)], q_nat, do_nat, dv_psum,
-                             dk_psum, D)
-    ds_T = nl.ndarray((PMAX, n * nb, PMAX), dtype=op_dtype, buffer=nl.sbuf)
-    ds_T[...] = nisa.dma_transpose(_blocks_view(ds_buf, PMAX, n * nb))
-    for m, vis in enumerate(group):
-        s = vis.qt.slot
-        dq_psum = nl.ndarray((PMAX, D), dtype=nl.float32, buffer=nl.psum)
-        for j in range(nb):
-            _accumulate(dq_psum, j == 0, nisa.nc_matmul(ds_T[:, m * nb + j, :],
-                                                        k_nat[:, v0.b_lo + j, :]))
-        dq_acc[:, s, :] = nisa.tensor_tensor(dq_acc[:, s, :], dq_psum, np.add,
-                                             dtype=nl.float32)
+    blocks = _blocks(vis.cols)
+    dq_psum = nl.ndarray((PMAX, D), dtype=nl.float32, buffer=nl.psum)
+    if cfg.ds_transpose == "dma" and all(n == PMAX for _, n in blocks):
+        nb = len(blocks)
+        ds_T = nl.ndarray((PMAX, nb, PMAX), dtype=op_dtype, buffer=nl.sbuf)
+        ds_T[...] = nisa.dma_transpose(_blocks_view(ds, PMAX, nb))
+        for bi in range(nb):
+            _accumulate(dq_psum, bi == 0, nisa.nc_matmul(ds_T[:, bi, :], kv.k_nat[:, bi, :]))
+    else:
+        for bi, (off, n) in enumerate(blocks):
+            ds_T = nl.ndarray((n, PMAX), dtype=op_dtype, buffer=nl.sbuf)
+            engine = "scalar" if bi < cfg.act_evac_blocks else "vector"
+            _transpose_into(ds_T, ds[:, nl.ds(off, n)], cfg.tp_dtype, engine)
+            _accumulate(dq_psum, bi == 0, nisa.nc_matmul(ds_T, kv.k_nat[0:n, bi, :]))
+    if st.dq_acc is not None:
+        st.dq_acc[:, vis.s, :] = nisa.tensor_tensor(st.dq_acc[:, vis.s, :], dq_psum, np.add,
+                                                    dtype=nl.float32)
+        return
+    rows = dq_scratch[vis.h, nl.ds(vis.i0, PMAX), :]
+    prev = nl.load(rows)
+    nl.store(rows, value=nisa.tensor_tensor(prev, dq_psum, np.add, dtype=nl.float32))
+
+
+def visit(cfg, spec, rt, vis: _Visit, key_row, st: _State, kv: _KV, dv_psum, dk_psum,
+          dq_scratch):
+    """All the work of one (slot, key tile) pair."""
+    p = recompute_p(cfg, spec, rt, vis, key_row, st, kv)
+    ds = softmax_backward(cfg, vis, st, kv, p)
+    if "dk" in cfg.grads:
+        accumulate_dv_dk(cfg, vis, p, ds, st, dv_psum, dk_psum)
+    if "dq" in cfg.grads:
+        accumulate_dq(cfg, vis, ds, kv, st, dq_scratch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -694,83 +725,135 @@ def grouped_visits(cfg, spec, rt, group, kt, key_row, q_T, k_T, do_T, v_T, q_nat
 # ---------------------------------------------------------------------------------------------
 
 
-def write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, scale, out_dtype, scratch, first, last,
-                k_store):
-    """Store ``dK_j = scale * dK_psum`` and ``dV_j = dV_psum`` for the keys of tile kt (to the
-    HBM rows ``k_store`` when the keys are rotated).
-
-    With several passes the partial sums go through fp32 ``scratch = (dk_acc, dv_acc)`` in HBM
-    (in the kernel's key order): the first pass writes them, later passes add theirs, the last
-    one writes the outputs."""
-    nb = len(kt.blocks)
-    if first and last and k_store is None and kt.cols == nb * PMAX:
-        # one copy out of PSUM and one DMA per tensor for the whole key tile
-        for out, psum, factor in ((dk, dk_psum, scale), (dv, dv_psum, 1.0)):
-            tile = nl.ndarray((PMAX, nb, D), dtype=out_dtype, buffer=nl.sbuf)
-            ip = nl.arange(PMAX)[:, None, None]
-            acc = D * nl.arange(nb)[None, :, None] + nl.arange(D)[None, None, :]
-            tile[...] = nisa.activation(nl.copy, psum[ip, acc], scale=factor, dtype=out_dtype)
-            nl.store(_row_view(out, b, g, kt.c0, nb, D), value=tile)
+def _store_keys(out, b, g, c0, cols: int, tile, k_store, col0):
+    """``out[b, g, c0 : c0 + cols, :] = tile`` (``[128, blocks, D]``, key ``c0 + 128 bi + p`` on
+    partition p of block bi), scattered through ``k_store`` when the keys are rotated."""
+    D = out.shape[3]
+    blocks = _blocks(cols)
+    if k_store is None and cols == len(blocks) * PMAX:
+        ip = nl.arange(PMAX)[:, None, None]
+        ij = nl.arange(len(blocks))[None, :, None]
+        nl.store(out[b, g, c0 + PMAX * ij + ip, nl.arange(D)[None, None, :]], value=tile)
         return
-    for bi, (off, n) in enumerate(kt.blocks):
-        ksl = nl.ds(kt.c0 + off, n)
-        acc = nl.ds(bi * D, D)
-        for out, psum, factor, part in ((dk, dk_psum, scale, 0), (dv, dv_psum, 1.0, 1)):
-            if first and last:
-                tile = nisa.activation(nl.copy, psum[0:n, acc], scale=factor, dtype=out_dtype)
-                M.store_rows(out, b, g, kt.c0 + off, n, tile, k_store, (kt.c0 + off) // PMAX)
-                continue
-            total = nisa.activation(nl.copy, psum[0:n, acc], scale=factor, dtype=nl.float32)
-            if not first:
-                prev = nl.load(scratch[part][ksl, :])
-                total = nisa.tensor_tensor(total, prev, np.add, dtype=nl.float32)
-            if last:
-                M.store_rows(out, b, g, kt.c0 + off, n,
-                             nisa.tensor_copy(total, dtype=out_dtype), k_store,
-                             (kt.c0 + off) // PMAX)
-            else:
-                nl.store(scratch[part][ksl, :], value=total)
+    for bi, (off, n) in enumerate(blocks):
+        if k_store is None:
+            nl.store(out[b, g, nl.ds(c0 + off, n), :], value=tile[0:n, bi, :])
+        else:
+            B, H, N, _ = out.shape
+            rows = out.reshape((B * H * N, D))
+            nisa.dma_copy(dst=rows[k_store[nl.arange(n)[:, None], col0 + bi],
+                                   nl.arange(D)[None, :]], src=tile[0:n, bi, :])
 
 
-def write_dq(dq, b, h0, qtiles, dq_acc, scale, out_dtype, q_store):
-    """Store ``dQ_i = scale * dq_acc_i`` for every query tile of a pass (to the HBM rows
-    ``q_store`` when the rows are rotated)."""
+def write_dk_dv(cfg, dk, dv, b, g, c0, cols: int, dk_psum, dv_psum, scratch, k_store, col0):
+    """dK_j = scale * dK_psum and dV_j = dV_psum for keys ``c0 ..`` (one pass), or their sums
+    added into the fp32 ``scratch = (dk_acc, dv_acc)`` in HBM (several passes;
+    :func:`finish_dk_dv` writes the outputs)."""
+    D, nb = cfg.D, len(_blocks(cols))
+    ip = nl.arange(PMAX)[:, None, None]
+    acc = D * nl.arange(nb)[None, :, None] + nl.arange(D)[None, None, :]
+    for out, psum, factor, part in ((dk, dk_psum, cfg.scale, 0), (dv, dv_psum, 1.0, 1)):
+        if scratch is None:
+            tile = nl.ndarray((PMAX, nb, D), dtype=cfg.out_dtype, buffer=nl.sbuf)
+            tile[...] = nisa.activation(nl.copy, psum[ip, acc], scale=factor,
+                                        dtype=cfg.out_dtype)
+            _store_keys(out, b, g, c0, cols, tile, k_store, col0)
+            continue
+        for bi, (off, n) in enumerate(_blocks(cols)):
+            rows = scratch[part][nl.ds(c0 + off, n), :]
+            total = nisa.activation(nl.copy, psum[0:n, nl.ds(bi * D, D)], scale=factor,
+                                    dtype=nl.float32)
+            nl.store(rows, value=nisa.tensor_tensor(total, nl.load(rows), np.add,
+                                                    dtype=nl.float32))
+
+
+def write_unseen_keys(cfg, dk, dv, b, g, span: KeySpan, Bk: int, k_store):
+    """dK = dV = 0 for the keys of a span no query row sees (never loaded)."""
+    nb = len(_blocks(span.cols))
+    zeros = nl.zeros((PMAX, nb, cfg.D), dtype=cfg.out_dtype)
+    for jj in nl.affine_range(span.n):
+        j = span.j0 + jj
+        for out in (dk, dv):
+            _store_keys(out, b, g, j * Bk, span.cols, zeros, k_store, j * nb)
+
+
+def zero_scratch(scratch, Nk: int, D: int):
+    """``dk_acc = dv_acc = 0`` (fp32 HBM, 128 keys per store)."""
+    zeros = nl.zeros((PMAX, D), dtype=nl.float32)
+    for part in range(2):
+        for j in nl.affine_range(Nk // PMAX):
+            nl.store(scratch[part][nl.ds(j * PMAX, PMAX), :], value=zeros)
+        if Nk % PMAX:
+            n = Nk % PMAX
+            nl.store(scratch[part][nl.ds(Nk - n, n), :], value=zeros[0:n, :])
+
+
+def finish_dk_dv(cfg, dk, dv, b, g, scratch, Nk: int, k_store):
+    """dK, dV from the fp32 scratch after the last pass (cast to the output dtype)."""
+    D = cfg.D
+    n_full = Nk // PMAX
+    for out, part in ((dk, 0), (dv, 1)):
+        for j in nl.affine_range(n_full):
+            tile = nl.ndarray((PMAX, 1, D), dtype=cfg.out_dtype, buffer=nl.sbuf)
+            tile[:, 0, :] = nisa.tensor_copy(nl.load(scratch[part][nl.ds(j * PMAX, PMAX), :]),
+                                             dtype=cfg.out_dtype)
+            _store_keys(out, b, g, j * PMAX, PMAX, tile, k_store, j)
+        if Nk % PMAX:
+            n = Nk % PMAX
+            tile = nl.ndarray((PMAX, 1, D), dtype=cfg.out_dtype, buffer=nl.sbuf)
+            tile[0:n, 0, :] = nisa.tensor_copy(nl.load(scratch[part][nl.ds(Nk - n, n), :]),
+                                               dtype=cfg.out_dtype)
+            _store_keys(out, b, g, n_full * PMAX, n, tile, k_store, n_full)
+
+
+def write_dq(cfg, plan: BackwardPlan, dq, b, h0, p, st: _State, q_store, dq_scratch):
+    """dQ_i = scale * dQ accumulator of every slot of pass p: grouped stores under the row mask,
+    or scattered per slot through ``q_store`` (rotated rows; rows past Nq skipped)."""
+    D, G, Nq = cfg.D, cfg.G, dq.shape[2]
+    S_h, stride = plan.slots, plan.passes * PMAX
     if q_store is not None:
-        for qt in qtiles:
-            tile = nisa.activation(nl.copy, dq_acc[0:qt.rows, qt.slot, :], scale=scale,
-                                   dtype=out_dtype)
-            M.store_rows(dq, b, h0 + qt.h, qt.r0, qt.rows, tile, q_store, qt.slot)
+        B, H, N, _ = dq.shape
+        rows = dq.reshape((B * H * N, D))
+        for h in nl.affine_range(G):
+            for t in nl.affine_range(S_h):
+                s = h * S_h + t
+                if st.dq_acc is not None:
+                    acc = st.dq_acc[:, s, :]
+                else:
+                    acc = nl.load(dq_scratch[h, nl.ds((t * plan.passes + p) * PMAX, PMAX), :])
+                tile = nisa.activation(nl.copy, acc, scale=cfg.scale, dtype=cfg.out_dtype)
+                nisa.dma_copy(dst=rows[q_store[nl.arange(PMAX)[:, None], s],
+                                       nl.arange(D)[None, :]], src=tile,
+                              oob_mode=nisa.oob_mode.skip)
         return
-    D = dq_acc.shape[2]
-    for group in query_groups(qtiles, D, 4 if out_dtype == nl.float32 else 2):
-        rows, s0, n = group[0].rows, group[0].slot, len(group)
-        tile = nl.ndarray((rows, n, D), dtype=out_dtype, buffer=nl.sbuf)
-        tile[...] = nisa.activation(nl.copy, dq_acc[0:rows, s0:s0 + n, :], scale=scale,
-                                    dtype=out_dtype)
-        nl.store(_row_view(dq, b, h0 + group[0].h, group[0].r0, n, D, rows), value=tile)
+    cap = max(1, BWD_GROUP_BYTES // (D * (4 if cfg.out_dtype == nl.float32 else 2)))
+    for t0, n_groups, n in slot_groups(S_h, cap):
+        for h in nl.affine_range(G):
+            for gi in nl.affine_range(n_groups):
+                t = t0 + gi * n
+                rw = _Rows(h0 + h, h * S_h + t, (t * plan.passes + p) * PMAX, n, stride)
+                if st.dq_acc is not None:
+                    acc = st.dq_acc[:, nl.ds(rw.s0, n), :]
+                else:
+                    ip = nl.arange(PMAX)[:, None, None]
+                    ij = nl.arange(n)[None, :, None]
+                    acc = nl.load(dq_scratch[h, rw.r0 + stride * ij + ip,
+                                             nl.arange(D)[None, None, :]])
+                tile = nl.ndarray((PMAX, n, D), dtype=cfg.out_dtype, buffer=nl.sbuf)
+                tile[...] = nisa.activation(nl.copy, acc, scale=cfg.scale, dtype=cfg.out_dtype)
+                view = _rows_view(dq, b, rw, D)
+                if plan.row_mask:
+                    nl.store(view, value=tile, mask=_row_mask(rw, Nq, D))
+                else:
+                    nl.store(view, value=tile)
 
 
-def zero_dq_scratch(dq_scratch, qtiles, D):
-    """``dq_acc_i = 0`` in the fp32 HBM scratch of the ``dq_accumulate="hbm"`` variant."""
-    for qt in qtiles:
-        nl.store(dq_scratch[qt.h, nl.ds(qt.r0, qt.rows), :],
-                 value=nl.zeros((qt.rows, D), dtype=nl.float32))
-
-
-def accumulate_dq_in_hbm(dq_scratch, qt, dq_psum):
-    """``dq_acc_i += dS K_j`` read-add-written in HBM (what a GPU does with atomics)."""
-    rsl = nl.ds(qt.r0, qt.rows)
-    prev = nl.load(dq_scratch[qt.h, rsl, :])
-    nl.store(dq_scratch[qt.h, rsl, :],
-             value=nisa.tensor_tensor(prev, dq_psum, np.add, dtype=nl.float32))
-
-
-def write_dq_from_scratch(dq, b, h0, qtiles, dq_scratch, scale, out_dtype, q_store):
-    """Store ``dQ_i = scale * dq_acc_i`` from the HBM scratch."""
-    for qt in qtiles:
-        acc = nl.load(dq_scratch[qt.h, nl.ds(qt.r0, qt.rows), :])
-        tile = nisa.activation(nl.copy, acc, scale=scale, dtype=out_dtype)
-        M.store_rows(dq, b, h0 + qt.h, qt.r0, qt.rows, tile, q_store, qt.slot)
+def zero_dq_scratch(cfg, plan: BackwardPlan, dq_scratch):
+    """``dq_acc = 0`` in the fp32 HBM scratch of the ``dq_accumulate="hbm"`` variant."""
+    zeros = nl.zeros((PMAX, cfg.D), dtype=nl.float32)
+    for h in nl.affine_range(cfg.G):
+        for i in nl.affine_range(plan.passes * plan.slots):
+            nl.store(dq_scratch[h, nl.ds(i * PMAX, PMAX), :], value=zeros)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -787,8 +870,6 @@ class _Config(NamedTuple):
     G: int
     D: int
     d_chunks: Tuple[Tuple[int, int], ...]
-    key_tile: int
-    rows_per_pass: int
     op_dtype: object
     tp_dtype: object
     out_dtype: object
@@ -798,84 +879,80 @@ class _Config(NamedTuple):
     grads: Tuple[str, ...]
 
 
-def backward_program(cfg, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scratch,
-                     dq_scratch):
-    """All gradients of kv head g of sequence b: passes over the query tiles of the group,
-    each streaming K/V once (see the module docstring)."""
-    G, D, d_chunks = cfg.G, cfg.D, cfg.d_chunks
-    op_dtype = cfg.op_dtype
+def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g,
+                     scratch, dq_scratch):
+    """All gradients of kv head g of sequence b (the loop nest of the module docstring)."""
+    G, D, d_chunks, op_dtype = cfg.G, cfg.D, cfg.d_chunks, cfg.op_dtype
     n_dc, d_part = len(d_chunks), min(D, PMAX)
     # Q^T, K^T: one more partition when the key mask row rides in a D < 128 contraction
     s_part = d_part + (1 if rt is not None and rt.mask_row is not None and D < PMAX else 0)
-    n_kblk = cfg.key_tile // PMAX
-    Nq, Nk = q.shape[2], k.shape[2]
-    passes = plan_q_tiles(G, Nq, cfg.rows_per_pass)
-    ktiles = plan_k_tiles(Nk, cfg.key_tile)
+    Bk, n_kblk = plan.key_tile, plan.key_tile // PMAX
+    Nk = k.shape[2]
     h0 = g * G
     k_load, k_store = key_tables(rt, k, b, g)
+    n_slots = G * plan.slots
+    P = plan.passes
+    if scratch is not None:
+        zero_scratch(scratch, Nk, D)
+    if dq_scratch is not None:
+        zero_dq_scratch(cfg, plan, dq_scratch)
 
-    for p_idx, qtiles in enumerate(passes):
-        n_slots = len(qtiles)
-        q_nat = nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf)
-        do_nat = nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf)
-        q_T = nl.ndarray((s_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
-        do_T = nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf)
-        neg_delta = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
-        exp_bias = nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
-        q_store = load_query_side(cfg, rt, q, do, o, lse, b, h0, qtiles, q_nat, q_T, do_nat,
-                                  do_T, neg_delta, exp_bias)
-        dq_acc = (nl.zeros((PMAX, n_slots, D), dtype=nl.float32, buffer=nl.sbuf)
-                  if cfg.dq_accumulate == "sbuf" else None)
-        if cfg.dq_accumulate != "sbuf":
-            zero_dq_scratch(dq_scratch, qtiles, D)
+    for p in nl.sequential_range(P):
+        st = _State(
+            q_nat=nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf),
+            do_nat=nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf),
+            q_T=nl.ndarray((s_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf),
+            do_T=nl.ndarray((d_part, n_dc, n_slots * PMAX), dtype=op_dtype, buffer=nl.sbuf),
+            neg_delta=nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf),
+            exp_bias=nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf),
+            dq_acc=(nl.zeros((PMAX, n_slots, D), dtype=nl.float32, buffer=nl.sbuf)
+                    if cfg.dq_accumulate == "sbuf" else None))
+        q_load = q_store = None
+        if rt is not None and rt.has_q:
+            q_load, q_store = rt.query_tables(q.shape, b, h0, G, plan, p)
+        load_query_side(cfg, plan, rt, q, do, o, lse, b, h0, p, st, q_load)
+        if rt is not None and rt.mask_row is not None:
+            mask_row_in_q_T(cfg, rt, st)
 
-        for kt in ktiles:
-            k_nat = nl.ndarray((PMAX, n_kblk, D), dtype=op_dtype, buffer=nl.sbuf)
-            k_T = nl.ndarray((s_part, n_dc, cfg.key_tile), dtype=op_dtype, buffer=nl.sbuf)
-            v_T = nl.ndarray((d_part, n_dc, cfg.key_tile), dtype=op_dtype, buffer=nl.sbuf)
-            load_kv_tile(cfg, k, v, b, g, kt, k_nat, k_T, v_T, k_load)
-            key_row = rt.key_row(kt) if rt is not None else None
-            if key_row is not None and rt.mask_row is not None:
-                nisa.dma_copy(dst=k_T[rt.mask_row:rt.mask_row + 1, n_dc - 1, 0:kt.cols],
-                              src=key_row)
-                key_row = None     # in the S matmul now
-            dk_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
-            dv_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
-
-            for group in visit_groups(cfg, spec, qtiles, kt):
-                if len(group) > 1:
-                    grouped_visits(cfg, spec, rt, group, kt, key_row, q_T, k_T, do_T, v_T,
-                                   q_nat, do_nat, k_nat, neg_delta, exp_bias, dv_psum,
-                                   dk_psum, dq_acc)
-                    continue
-                vis, qt = group[0], group[0].qt
-                p = recompute_p(cfg, spec, rt, vis, kt, key_row, q_T, k_T, exp_bias)
-                ds = softmax_backward(vis, d_chunks, do_T, v_T, neg_delta, p, op_dtype)
+        for span in plan.spans:
+            if not span.regions:
+                continue
+            for jj in nl.sequential_range(span.n):
+                j = span.j0 + jj
+                c0 = j * Bk
+                kv = _KV(k_nat=nl.ndarray((PMAX, n_kblk, D), dtype=op_dtype, buffer=nl.sbuf),
+                         k_T=nl.ndarray((s_part, n_dc, Bk), dtype=op_dtype, buffer=nl.sbuf),
+                         v_T=nl.ndarray((d_part, n_dc, Bk), dtype=op_dtype, buffer=nl.sbuf))
+                load_kv_tile(cfg, k, v, b, g, c0, span.cols, kv, k_load, j * n_kblk)
+                key_row = rt.key_row(c0, span.cols) if rt is not None else None
+                if key_row is not None and rt.mask_row is not None:
+                    nisa.dma_copy(dst=kv.k_T[rt.mask_row:rt.mask_row + 1, n_dc - 1,
+                                             0:span.cols], src=key_row)
+                    key_row = None     # in the S matmul now
+                dk_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
+                dv_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
+                for region in span.regions:
+                    for h in nl.affine_range(G):
+                        for tt in nl.affine_range(region.n):
+                            t = region.t0 + tt
+                            vis = _Visit(s=h * plan.slots + t, i0=(t * P + p) * PMAX, h=h,
+                                         c0=c0, cols=span.cols, masked=region.masked)
+                            visit(cfg, spec, rt, vis, key_row, st, kv, dv_psum, dk_psum,
+                                  dq_scratch)
                 if "dk" in cfg.grads:
-                    accumulate_dv_dk(vis, kt, p, ds, q_nat, do_nat, dv_psum, dk_psum, D)
-                if "dq" not in cfg.grads:
-                    continue
-                dq_psum = nl.ndarray((qt.rows, D), dtype=nl.float32, buffer=nl.psum)
-                accumulate_dq(vis, kt, ds, k_nat, dq_psum, op_dtype, cfg.tp_dtype,
-                              cfg.ds_transpose, cfg.act_evac_blocks)
-                if cfg.dq_accumulate == "sbuf":
-                    dq_acc[0:qt.rows, qt.slot, :] = nisa.tensor_tensor(
-                        dq_acc[0:qt.rows, qt.slot, :], dq_psum, np.add, dtype=nl.float32)
-                else:
-                    accumulate_dq_in_hbm(dq_scratch, qt, dq_psum)
+                    write_dk_dv(cfg, dk, dv, b, g, c0, span.cols, dk_psum, dv_psum, scratch,
+                                k_store, j * n_kblk)
+        if "dq" in cfg.grads:
+            write_dq(cfg, plan, dq, b, h0, p, st, q_store, dq_scratch)
 
-            if "dk" in cfg.grads:
-                write_dk_dv(dk, dv, b, g, kt, dk_psum, dv_psum, D, cfg.scale, cfg.out_dtype,
-                            scratch, first=(p_idx == 0), last=(p_idx == len(passes) - 1),
-                            k_store=k_store)
-
-        if "dq" not in cfg.grads:
-            pass
-        elif cfg.dq_accumulate == "sbuf":
-            write_dq(dq, b, h0, qtiles, dq_acc, cfg.scale, cfg.out_dtype, q_store)
-        else:
-            write_dq_from_scratch(dq, b, h0, qtiles, dq_scratch, cfg.scale, cfg.out_dtype,
-                                  q_store)
+    if "dk" not in cfg.grads:
+        return
+    if scratch is not None:
+        finish_dk_dv(cfg, dk, dv, b, g, scratch, Nk, k_store)
+        return
+    for span in plan.spans:
+        if not span.regions:
+            write_unseen_keys(cfg, dk, dv, b, g, span, Bk, k_store)
 
 
 @nki.jit
@@ -901,16 +978,17 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, *, scale=1.0,
     mixed_precision : bool
         fp32 inputs: bf16 matmul operands (True) or fp32 (False).
     rows_per_pass : int, optional
-        Query rows (all heads of the group) resident per pass; None = as many as fit SBUF.
+        Query rows (all heads of the group) resident per pass, at least 128; None = as many as
+        fit 90 % of SBUF (``tiles.bwd_rows_per_pass``).
     key_tile : int, optional
-        Keys per K/V tile (a multiple of 128, at most 512 and one PSUM bank of dK per row);
-        None = the largest that fits.
+        Keys per K/V tile (a multiple of 128, at most one PSUM bank of fp32 dK per row); None =
+        the largest that fits.
     dq_accumulate : "sbuf" (default) or "hbm"
         Where dQ accumulates across K/V tiles: on chip, or (the atomics analogue, for
         measurement) read-add-written to an fp32 HBM scratch after every visit.
     ds_transpose : "pe", "dma" or None
         How dS is transposed for dQ (see :func:`accumulate_dq`); None = ``BWD_DS_TRANSPOSE``
-        of the target generation.
+        of the target generation ("pe").
     act_evac_blocks : int, optional
         With PE transposes, dS^T blocks per visit copied out of PSUM by ScalarE; None =
         ``BWD_ACT_EVAC_BLOCKS`` of the target.
@@ -946,7 +1024,12 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, *, scale=1.0,
     if rows_per_pass is None:
         rows_per_pass = bwd_rows_per_pass(D, op_itemsize, target,
                                           dq_on_chip=(dq_accumulate == "sbuf"))
+    if rows_per_pass < PMAX:
+        raise ValueError(f"rows_per_pass: expected at least {PMAX}, got {rows_per_pass}")
+    key_tile = bwd_key_tile(D) if key_tile is None else key_tile
     spec = band_spec(Nq, Nk, causal, window)
+    G = Hq // Hkv
+    plan = plan_backward(Nq, Nk, G, spec, key_tile, rows_per_pass)
     # Runtime masks add MASK_NEG to the raw scores on TensorE, and the exp scales them: for
     # scale >= FWD_FOLD_SCALE_RANGE[0] a masked score becomes <= -2^76 (or -inf: there is no
     # running max here to overflow), whose exp is 0. Smaller scales (tiny, zero, negative) go
@@ -955,15 +1038,14 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, *, scale=1.0,
     fold = kv_lens is None or scale >= FWD_FOLD_SCALE_RANGE[0]
     cfg = _Config(
         scale=scale, exp_scale=scale if fold else 1.0, q_scale=1.0 if fold else scale,
-        G=Hq // Hkv, D=D, d_chunks=tuple((d0, min(PMAX, D - d0)) for d0 in range(0, D, PMAX)),
-        key_tile=bwd_key_tile(D) if key_tile is None else key_tile,
-        rows_per_pass=rows_per_pass, op_dtype=op_dtype,
+        G=G, D=D, d_chunks=tuple((d0, min(PMAX, D - d0)) for d0 in range(0, D, PMAX)),
+        op_dtype=op_dtype,
         tp_dtype=op_dtype if (gen3 and op_dtype != nl.float32) else nl.float32,
         out_dtype=in_dtype, dq_accumulate=dq_accumulate,
         ds_transpose=BWD_DS_TRANSPOSE[target] if ds_transpose is None else ds_transpose,
         act_evac_blocks=(BWD_ACT_EVAC_BLOCKS[target] if act_evac_blocks is None
                          else act_evac_blocks), grads=grads)
-    multi_pass = "dk" in grads and len(plan_q_tiles(cfg.G, Nq, rows_per_pass)) > 1
+    multi_pass = "dk" in grads and plan.passes > 1
 
     # conditional expressions, not if-blocks: a tensor bound inside a block is out of scope
     # after it (err_local_variable_used_out_of_scope)
@@ -975,13 +1057,15 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, *, scale=1.0,
           if "dk" in grads else None)
     scratch = ((nl.ndarray((Nk, D), dtype=nl.float32, buffer=nl.hbm),
                 nl.ndarray((Nk, D), dtype=nl.float32, buffer=nl.hbm)) if multi_pass else None)
-    dq_scratch = (nl.ndarray((cfg.G, Nq, D), dtype=nl.float32, buffer=nl.hbm)
+    dq_scratch = (nl.ndarray((G, plan.passes * plan.slots * PMAX, D), dtype=nl.float32,
+                             buffer=nl.hbm)
                   if dq_accumulate == "hbm" else None)
 
     b, g = nl.program_id(0), nl.program_id(1)
     rt = (RuntimeMasks(spec, kv_lens, q_lens, b, Nq, Nk, D, op_dtype)
           if (kv_lens is not None or q_lens is not None) else None)
-    backward_program(cfg, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scratch, dq_scratch)
+    backward_program(cfg, plan, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scratch,
+                     dq_scratch)
     if grads == ("dk", "dv"):
         return dk, dv
     if grads == ("dq",):

@@ -221,7 +221,7 @@ def test_hbm_bytes_with_lengths_and_masks(target, dtype, mixed, shape, causal, w
     with simulate.measure(target=target) as m:
         got = host.flash_attention_backward(do, q, k, v, o, lse, mixed_precision=mixed, **opts)
     want = host.flash_attention_backward_hbm_bytes(
-        B, Hq, Hkv, Nq, Nk, D, dtype.itemsize, q_lens=q_lens, kv_lens=kv_lens,
-        mixed_precision=mixed, target=target)
+        B, Hq, Hkv, Nq, Nk, D, dtype.itemsize, causal=causal, window=window, q_lens=q_lens,
+        kv_lens=kv_lens, mixed_precision=mixed, target=target)
     assert (m.hbm_bytes_read, m.hbm_bytes_written) == want
     _check(got, q, k, v, do, mixed_precision=mixed, **opts)
