@@ -28,7 +28,8 @@ _uids = itertools.count(1)
 class LoopState:
     """One active ``affine_range``/``sequential_range``/``static_range`` loop."""
 
-    __slots__ = ("value", "first", "affine", "static", "uid", "iter_no", "file", "line")
+    __slots__ = ("value", "first", "affine", "static", "uid", "iter_no", "file", "line",
+                 "allocs")
 
     def __init__(self, start, affine, file, line, static=False):
         self.value = start
@@ -40,6 +41,9 @@ class LoopState:
         self.iter_no = -1
         self.file = file
         self.line = line
+        # weak references to the on-chip storages accounted during the current iteration: a
+        # loop body is a block scope, so they are dead when the iteration ends
+        self.allocs = []
 
     def var_name(self):
         src = linecache.getline(self.file, self.line) if self.file else ""

@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 
 import numpy as np
 
@@ -98,6 +99,7 @@ def commit(ctx, st):
         if live > ctx.peak_sbuf:
             ctx.peak_sbuf = live
         st.acct = True
+        _note_iteration_alloc(ctx, st)
     elif buf == "psum":
         banks = ctx.psum_banks + st.banks
         if banks > _hw.PSUM_NUM_BANKS:
@@ -114,6 +116,33 @@ def commit(ctx, st):
         if banks > ctx.peak_banks:
             ctx.peak_banks = banks
         st.acct = True
+        _note_iteration_alloc(ctx, st)
+
+
+def _note_iteration_alloc(ctx, st):
+    """Attribute an accounted storage to the iteration of the innermost loop it was allocated
+    in (an allocation is accounted at the next API call, which may be inside a loop entered
+    after it)."""
+    if not st.aloops or st.reduce_loops:
+        return
+    uid = st.aloops[-1]
+    for state in reversed(ctx.loops):
+        if state.uid == uid:
+            state.allocs.append(weakref.ref(st))
+            return
+
+
+def end_iteration(state):
+    """A loop body is a block scope (err_local_variable_used_out_of_scope): the on-chip tiles
+    accounted during the iteration that just ended are dead, whatever Python still references
+    (the compiler's allocator reuses their space for the next iteration)."""
+    for ref in state.allocs:
+        st = ref()
+        if st is not None and st.acct:
+            release(st)
+            st.acct = False
+            st.expired = (state.file, state.line)
+    state.allocs.clear()
 
 
 def release(st):

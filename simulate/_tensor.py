@@ -41,7 +41,7 @@ def space(buf):
 class Storage:
     __slots__ = ("arr", "di", "buffer", "_name", "pdim", "ctx", "param", "mutable", "written",
                  "bpp", "banks", "acct", "aloops", "deps", "foreign", "pinned",
-                 "copy_out", "reduce_loops", "fresh", "__weakref__")
+                 "copy_out", "reduce_loops", "fresh", "expired", "__weakref__")
 
     def __init__(self, arr, di, buffer, ctx, pdim=0, name=None):
         self.arr = arr
@@ -60,6 +60,7 @@ class Storage:
         self.copy_out = 0         # cycles of a compiler-inserted PSUM -> SBUF copy, if any
         self.reduce_loops = ()    # uids of the loops an nl.loop_reduce accumulator reduces over
         self.fresh = None         # PSUM ndarray: bool array of elements never written yet
+        self.expired = None       # (file, line) of the loop whose iteration it died with
         # loops active at allocation (uids) and per-loop written-element records (_deps)
         self.aloops = _deps.alloc_loops(ctx) if ctx is not None else ()
         self.deps = None
@@ -898,6 +899,15 @@ def check_start_partition(t, api, pname):
                 f"partitions must start at partition {' / '.join(map(str, starts))}.")
 
 
+def _out_of_scope(st, api, pname):
+    f, line = st.expired
+    raise nki_error("err_local_variable_used_out_of_scope", "syntax",
+                    f"operand '{pname}' of '{api}': tile '{st.name}' was allocated in an "
+                    f"iteration of the loop at {f}:{line} and is used after that iteration "
+                    "ended. A loop body is a block scope; to carry a tile across iterations "
+                    "allocate it before the loop and write it in place.")
+
+
 def tile_operand(t, api, pname, allow_hbm=False):
     """Validate a compute operand; returns (array, DInfo)."""
     if type(t) is not Tensor:
@@ -907,6 +917,8 @@ def tile_operand(t, api, pname, allow_hbm=False):
         raise TypeError(f"operand '{pname}' of '{api}' must be an NKI tile, got "
                         f"{type(t).__name__}")
     st = t._st
+    if st.expired is not None:
+        _out_of_scope(st, api, pname)
     if st.buffer in _HBM_KINDS and not allow_hbm:
         raise nki_error("err_unsupported_memory", "type",
                         f"Expected operand '{pname}' of '{api}' to be in address space "
@@ -1032,6 +1044,8 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
     straight into ``dst`` (no extra copy, no temporary tile); otherwise a copy (or, for
     accumulation, an add) instruction is charged."""
     st = dst._st
+    if st.expired is not None:
+        _out_of_scope(st, api, "dst")
     if st.buffer in _HBM_KINDS:
         raise nki_error("err_unsupported_memory", "type",
                         f"Expected operand 'dst' of '{api}' to be in address space 'psum|sbuf', "

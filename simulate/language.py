@@ -257,6 +257,7 @@ def _loop_gen(ctx, r, state):
             first = False
             n += 1
             yield i if what is None else _strict.SymbolicIndex(i, what, state.uid)
+            _runtime.end_iteration(state)
     finally:
         ctx.loop_depth -= 1
         try:
@@ -319,8 +320,8 @@ def loop_reduce(x, op, loop_indices, *, dtype=None, mask=None, **kwargs):
         # a rank-1 (P,) partition vector is stored as a (P, 1) column
         st = new_onchip(ctx, arr.reshape(arr.shape + (1,)) if arr.ndim == 1 else arr, odi,
                         _SBUF, 0, None, "loop_reduce")
+        st.reduce_loops = tuple(uids)       # before commit: it outlives the iteration
         _runtime.commit(ctx, st)
-        st.reduce_loops = tuple(uids)
         acc = Tensor(st, st.arr[:, 0]) if arr.ndim == 1 else Tensor(st)
         ctx.loop_reduce[key] = acc
         ctx.rec.add("vector", _cost.ii(_free(x.shape)))
@@ -587,6 +588,8 @@ def store(dst, value, *, mask=None, **kwargs):
     dshape = dst.shape
     if type(value) is Tensor:
         vst = value._st
+        if vst.expired is not None:
+            _tensor._out_of_scope(vst, "store", "value")
         if vst.buffer in (_HBM, _SHARED):
             raise nki_error("err_unsupported_memory", "type",
                             "Expected operand 'value' of 'store' to be in address space "

@@ -156,17 +156,30 @@ def test_grid_launch_records_all_instances_and_kernels_list():
 def test_peak_sbuf_tracks_liveness():
     @nki.jit
     def k(a):
-        keep = []
+        keep = nl.ndarray((4, nl.par_dim(128), 1000), dtype=a.dtype)   # live throughout
         for i in nl.affine_range(4):
-            keep.append(nl.load(a))                   # all four stay alive
+            keep[i] = nl.load(a)
         out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
-        nl.store(out, keep[0])
         for i in nl.affine_range(4):
-            t = nl.load(a)                            # rebinding frees the previous tile
+            t = nl.load(a)                  # a loop body is a block scope: one t at a time
+            keep[i] = nl.add(keep[i], t)
+        nl.store(out, keep[0])
         return out
     with nki.measure() as m:
-        k(np.ones((128, 1000), np.float32))
+        o = k(np.ones((128, 1000), np.float32))
+    np.testing.assert_array_equal(o, 2.0)
     assert m.peak_sbuf_bytes_per_partition == 4 * 4000 + 4000
+
+
+def test_a_loop_body_tile_is_dead_after_its_iteration():
+    @nki.jit
+    def k(a):
+        keep = []
+        for i in nl.affine_range(2):
+            keep.append(nl.load(a))        # Python keeps it; NKI's block scope does not
+        nl.add(keep[0], 1.0)
+    with pytest.raises(nki.NKISyntaxError, match="used after that iteration ended"):
+        k(np.ones((128, 8), np.float32))
 
 
 def test_psum_accumulation_of_nl_matmul_is_free_and_sbuf_copy_charged():
