@@ -479,7 +479,13 @@ def tensor_tensor(data1, data2, op, *, dtype=None, mask=None, engine=None, **kwa
     a, adi = tile_operand(data1, api, "data1")
     b, bdi = tile_operand(data2, api, "data2")
     _pmismatch(api, data1=data1, data2=data2)
-    _same_elems(api, data1, data2, "data1", "data2")
+    if ctx.tgt.gen3_features and _free(data2.shape) == 1 and _free(data1.shape) > 1:
+        # a (P, 1) data2 broadcast along the free dims: accepted on trn2, UNCONFIRMED in the
+        # docs (which say "no broadcasting"); AWS's trn2-only double_row_matmul kernel
+        # multiplies [128, 1024] by a [128, 1] scale this way in its hardware-tested suite
+        b = np.broadcast_to(b.reshape((a.shape[0],) + (1,) * (a.ndim - 1)), a.shape)
+    else:
+        _same_elems(api, data1, data2, "data1", "data2")
     _not_both_psum(api, data1, data2, "data1", "data2")
     if b.shape != a.shape:
         b = b.reshape(a.shape)

@@ -263,3 +263,21 @@ def test_loop_reduce_of_a_partition_vector():
         return out
     x = np.random.default_rng(5).random((128, 2, 3, 4)).astype(np.float32)
     np.testing.assert_allclose(k(x), x.sum(axis=(2, 3)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["trn2", "trn1"])
+def test_tensor_tensor_column_broadcast_on_trn2_only(target):
+    # AWS's trn2-only double_row_matmul scales [128, F] by a [128, 1] column with tensor_tensor
+    @nki.jit(platform_target=target)
+    def k(x, s):
+        out = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.shared_hbm)
+        nl.store(out, nisa.tensor_tensor(nl.load(x), nl.load(s), nl.multiply))
+        return out
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((128, 64)).astype(np.float32)
+    s = rng.standard_normal((128, 1)).astype(np.float32)
+    if target == "trn2":
+        np.testing.assert_allclose(k(x, s), x * s, rtol=1e-6)
+    else:
+        with pytest.raises(nki.NKIError, match="mismatched shapes"):
+            k(x, s)
