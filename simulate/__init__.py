@@ -24,7 +24,7 @@ from . import _runtime
 from . import language, isa, typing, compiler
 from ._errors import NKIError, NKISyntaxError, ProgramSizeWarning
 from ._strict import is_strict, set_strict, strict, StrictError
-from ._measure import measure, Measurement
+from ._measure import measure, Measurement, program_size
 from ._progress import progress
 from ._register import register_as_neuronxcc, unregister_neuronxcc
 from ._tensor import Tensor as tensor
@@ -32,7 +32,7 @@ from ._tensor import Tensor as tensor
 __all__ = ["jit", "trace", "simulate_kernel", "baremetal", "benchmark", "profile", "measure",
            "register_as_neuronxcc", "unregister_neuronxcc", "language", "isa", "typing",
            "compiler", "tensor", "NKIError", "NKISyntaxError", "ProgramSizeWarning",
-           "Measurement", "progress", "is_strict", "set_strict", "strict", "StrictError"]
+           "Measurement", "program_size", "progress", "is_strict", "set_strict", "strict", "StrictError"]
 
 _MODES = ("auto", "jax", "torchxla", "baremetal", "benchmark", "simulation", "trace")
 

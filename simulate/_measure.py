@@ -217,3 +217,28 @@ class Measurement:
 def measure(target=None):
     """Context manager recording every kernel launched inside it (see module doc)."""
     return Measurement(target)
+
+
+def program_size(kernel, *args, **kwargs) -> int:
+    """Instructions in the compiled program of one launch of ``kernel`` (``kernel[grid]`` or a
+    jit kernel) on these arguments, without executing the launch: the first grid instance runs
+    with every ``affine_range``/``sequential_range`` body traced once, as neuronx-cc traces the
+    kernel (``static_range`` and Python loops run in full: they are unrolled program text).
+    Equal to ``measure().program_instructions`` of a full run, at the cost of one loop
+    iteration each; computed values are discarded (they are not the kernel's results)."""
+    if hasattr(kernel, "grid") and hasattr(kernel, "kernel"):       # kernel[grid]
+        func, grid, opts = kernel.kernel.func, kernel.grid, kernel.kernel.opts
+    elif hasattr(kernel, "func") and hasattr(kernel, "opts"):        # @nki.jit kernel
+        func, grid, opts = kernel.func, (), kernel.opts
+    elif callable(kernel):
+        func, grid, opts = kernel, (), {}
+    else:
+        raise TypeError(f"program_size expects a kernel, got {type(kernel).__name__}")
+    m = Measurement()
+    _runtime._trace["on"] = True
+    try:
+        with m:
+            _runtime.launch(func, grid, args, kwargs, opts)
+    finally:
+        _runtime._trace["on"] = False
+    return m.program_instructions

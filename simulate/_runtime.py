@@ -335,6 +335,9 @@ def resolve_grid(grid, tgt):
 # launching
 # ---------------------------------------------------------------------------------------------
 _measures = []        # active simulate.measure() objects, innermost last
+# program_size() tracing: run the first grid instance and every NKI loop body once (as the
+# compiler traces the kernel), outputs discarded
+_trace = {"on": False}
 _progress_hooks = []  # active simulate.progress() callbacks: f(instances_done, instances_total)
 _cpu_note_shown = [False]
 
@@ -439,6 +442,8 @@ def launch(func, grid, args, kwargs, opts):
     peak_s = peak_p = peak_b = 0
     try:
         points = itertools.product(*(range(s) for s in sizes)) if sizes else [()]
+        if _trace["on"]:
+            points = itertools.islice(points, 1)
         total = int(np.prod(sizes)) if sizes else 1
         raw = grid if isinstance(grid, tuple) else (grid,)
         for pid in points:
@@ -481,6 +486,8 @@ def launch(func, grid, args, kwargs, opts):
         m._add(rec)
 
     # ---- outputs ----
+    if _trace["on"]:
+        return None
     return _outputs(L, ret, host_of, Tensor, host_array)
 
 

@@ -241,6 +241,8 @@ def _loop(ctx, r, affine, depth=2, static=False):
 
 
 def _loop_gen(ctx, r, state):
+    if _runtime._trace["on"] and not state.static:
+        r = r[:1]                     # program_size(): the compiler traces a loop body once
     ctx.loop_depth += 1
     ctx.loops.append(state)
     # strict mode: the index of an NKI loop is a traced value (static_range stays a Python int)

@@ -93,3 +93,39 @@ def test_error_at_compiler_limit(monkeypatch):
         _measure(_copy_kernel(range), np.ones((512, 64), np.float32))
     m = _measure(_copy_kernel(nl.affine_range), np.ones((2048, 64), np.float32))
     assert m.program_instructions == 3
+
+
+def test_program_size_traces_loop_bodies_once_without_running_them():
+    @nki.jit
+    def k(a):
+        out = nl.ndarray((4, 128, 64), dtype=nl.float32, buffer=nl.shared_hbm)
+        for i in nl.affine_range(4):
+            t = nl.load(a[i])
+            for j in nl.static_range(3):            # unrolled: three copies
+                t[...] = nl.add(t, 1.0)
+            for j in range(2):                      # Python loop: unrolled too
+                t[...] = nl.multiply(t, 2.0)
+            nl.store(out[i], t)
+        return out
+    x = np.zeros((4, 128, 64), np.float32)
+    with nki.measure() as m:
+        k[2](x)
+    assert nki.program_size(k[2], x) == m.program_instructions == 1 + 3 + 2 + 1
+
+
+def test_program_size_of_the_backward_is_bounded_in_n():
+    """The backward's loop nest: spans saturate at BWD_K_SPANS and more passes reuse the pass
+    loop, so 4x the keys leave the program a few hundred instructions (far under the 20,000
+    budget; the multi-pass scratch code is the only addition)."""
+    import ml_dtypes
+    from nki_kernels.attention.backward import flash_attn_bwd
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    sizes = {}
+    for N in (16384, 65536):
+        q = np.zeros((1, 1, N, 64), bf16)
+        lse = np.zeros((1, 1, N), np.float32)
+        for causal in (None, "top_left"):
+            sizes[N, causal] = nki.program_size(flash_attn_bwd[1, 1], q, q, q, q, q, lse,
+                                                scale=0.125, causal=causal)
+    assert sizes[16384, None] < 1000 and sizes[65536, None] < 1000
+    assert sizes[16384, "top_left"] < 5000 and sizes[65536, "top_left"] < 5000
