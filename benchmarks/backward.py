@@ -4,14 +4,15 @@ its alternatives and against the limits of reference/hardware-and-limits.md §5.
 For one batch and one head (bf16, N x N, head dim D) it measures with ``simulate.measure``:
 
 * ``single-pass`` -- the design (``host.flash_attention_backward``): K/V streamed once, the
-  query-side state and the fp32 dQ accumulator resident in SBUF, dK/dV in PSUM, dS^T by DMA
-  transpose on trn2 / TensorE on trn1. 5 matmuls per score = 10 N^2 D FLOPs.
+  query-side state and the fp32 dQ accumulator resident in SBUF, dK/dV in PSUM, dS^T by
+  TensorE transposes. 5 matmuls per score = 10 N^2 D FLOPs (plus the transposes).
 * ``dq-in-hbm`` -- same, but dQ read-add-written in an fp32 HBM scratch after every
   (query tile, key tile) visit: what a one-kernel GPU backward does with atomics.
 * ``two-kernel`` -- a dK/dV kernel plus a dQ kernel, each recomputing P and dP (the Triton /
   FlashAttention-2 split): 7 matmuls per score = 14 N^2 D FLOPs. Measured as the sum of the two
   launches of the same kernel with ``grads=("dk", "dv")`` and ``grads=("dq",)``.
-* ``pe-transpose`` (trn2 only) -- the design with dS^T on TensorE instead of the DMA queues.
+* ``dma-transpose`` (trn2 only) -- the design with dS^T by SBUF -> SBUF DMA transposes
+  instead of TensorE (opt-in: AWS disables this DMA transpose in its own kernels as unstable).
 * ``passes=N/1024`` -- the design forced to keep only 1024 query rows resident per pass
   (what happens past the SBUF limit): K/V re-read per pass, dK/dV partial sums through HBM.
 * ``lens=full``, ``lens=N/2``, ``q_lens=N/2`` -- the design with runtime length tensors
@@ -94,8 +95,8 @@ def measure(target, variant, args, causal):
         elif variant == "two-kernel":
             launch(flash_attn_bwd, (1, 1), q, k, v, o, do, lse, grads=("dk", "dv"), **kw)
             launch(flash_attn_bwd, (1, 1), q, k, v, o, do, lse, grads=("dq",), **kw)
-        elif variant == "pe-transpose":
-            launch(flash_attn_bwd, (1, 1), q, k, v, o, do, lse, ds_transpose="pe", **kw)
+        elif variant == "dma-transpose":
+            launch(flash_attn_bwd, (1, 1), q, k, v, o, do, lse, ds_transpose="dma", **kw)
         elif variant.startswith("passes"):
             launch(flash_attn_bwd, (1, 1), q, k, v, o, do, lse, rows_per_pass=1024, **kw)
         else:
@@ -118,7 +119,7 @@ def main(argv=None):
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--targets", nargs="+", default=["trn2", "trn1"])
     ap.add_argument("--variants", nargs="+",
-                    default=["single-pass", "dq-in-hbm", "two-kernel", "pe-transpose",
+                    default=["single-pass", "dq-in-hbm", "two-kernel", "dma-transpose",
                              "passes=N/1024", "lens=full", "lens=N/2", "q_lens=N/2"])
     ap.add_argument("--json", help="write all rows to this file")
     a = ap.parse_args(argv)
@@ -140,7 +141,7 @@ def main(argv=None):
                 print(f"   {'variant':<14}{'HBM read':>11}{'written':>10}{'modeled us':>17}"
                       f"{'PE':>8}{'ACT':>8}{'DVE':>8}{'POOL':>7}{'DMA':>8}{'TFLOP/s':>9}")
                 for variant in a.variants:
-                    if variant == "pe-transpose" and target != "trn2":
+                    if variant == "dma-transpose" and target != "trn2":
                         continue
                     r = measure(target, variant, args, causal)
                     r.update(limits_us={k: v * 1e6 for k, v in lim.items() if k != "hbm_min_bytes"},

@@ -568,10 +568,12 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
 
 
 def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, window=None,
-                            kv_lens=None, q_lens=None, mixed_precision: bool = True):
+                            kv_lens=None, q_lens=None, mixed_precision: bool = True, lnc=None):
     """Validate a backward call and choose its launch: ``(kernel, grid, kernel_kwargs)``.
 
-    The kernel is :func:`nki_kernels.attention.backward.flash_attn_bwd`, the grid ``(B, Hkv)``;
+    The kernel is :func:`nki_kernels.attention.backward.flash_attn_bwd`, the grid ``(B, Hkv)``
+    with LNC=1, or with LNC=2 (trn2) :func:`nki_kernels.attention.backward.backward_grid`'s
+    (kv heads or sequences spread over the two cores);
     ``kernel_kwargs`` holds the compile-time options (``scale``, ``causal``, ``window``,
     ``mixed_precision``) but not the tensors: call it as
     ``kernel[grid](q, k, v, o, do, lse, kv_lens=..., q_lens=..., **kernel_kwargs)`` with
@@ -580,7 +582,7 @@ def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, wi
     Shared by :func:`flash_attention_backward` and the torch-neuronx path of
     :mod:`host.torch_ops`. Arguments as in :func:`flash_attention_backward`.
     """
-    from nki_kernels.attention.backward import flash_attn_bwd
+    from nki_kernels.attention.backward import backward_grid, flash_attn_bwd
 
     dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
     scale = _v.check_scale(scale, dims.D)
@@ -591,11 +593,11 @@ def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, wi
     mixed_precision = _check_bool("mixed_precision", mixed_precision)
     kwargs = dict(scale=float(scale), causal=causal, window=window,
                   mixed_precision=mixed_precision)
-    return flash_attn_bwd, (dims.B, dims.Hkv), kwargs
+    return flash_attn_bwd, backward_grid(dims.B, dims.Hkv, _check_lnc(lnc)), kwargs
 
 
 def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, window=None,
-                             kv_lens=None, q_lens=None, mixed_precision: bool = True):
+                             kv_lens=None, q_lens=None, mixed_precision: bool = True, lnc=None):
     """Gradients of flash attention on the active backend: ``(dq, dk, dv)``.
 
     The backward of :func:`flash_attention` from its saved output and log-sum-exp: with
@@ -628,6 +630,10 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
         float32 inputs only: matmul operands in bf16 (default) or float32 (4x slower TensorE).
         bf16/fp16 inputs always use their own dtype. Accumulation, D and the dS arithmetic are
         fp32.
+    lnc : None, 1 or 2
+        NeuronCores per logical core (None: 2 on trn2, else 1). With 2, the (sequence, kv head)
+        programs are spread over the two cores when Hkv or B is even
+        (:func:`nki_kernels.attention.backward.backward_grid`).
 
     Returns
     -------
@@ -638,8 +644,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
     """
     kernel, grid, kwargs = plan_attention_backward(
         do, q, k, v, o, lse, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
-        q_lens=q_lens, mixed_precision=mixed_precision)
-    B, Nq, Nk = grid[0], q.shape[2], k.shape[2]
+        q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc)
+    B, Nq, Nk = q.shape[0], q.shape[2], k.shape[2]
     kv32 = _lengths_int32(_v.check_lengths("kv_lens", kv_lens, B, Nk, upper_name="Nk"))
     q32 = _lengths_int32(_v.check_lengths("q_lens", q_lens, B, Nq, upper_name="Nq"))
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),

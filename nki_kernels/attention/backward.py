@@ -955,6 +955,21 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
             write_unseen_keys(cfg, dk, dv, b, g, span, Bk, k_store)
 
 
+def backward_grid(B: int, Hkv: int, lnc: int):
+    """Launch grid for ``lnc`` NeuronCores per logical core (1, or 2 on trn2): LNC=2 spreads the
+    independent (sequence, kv head) programs over the two cores -- kv heads when Hkv is even,
+    else sequences when B is even (``nl.spmd_dim(n, nl.nc(2))``; no extra HBM traffic). With
+    both odd the grid stays on one core: splitting one program's work would leave dK/dV or dQ
+    as partial sums on two cores with no way to add them on chip."""
+    if lnc not in (1, 2):
+        raise ValueError(f"lnc: expected 1 or 2, got {lnc!r}")
+    if lnc == 2 and Hkv % 2 == 0:
+        return (B, nl.spmd_dim(Hkv // 2, nl.nc(2)))
+    if lnc == 2 and B % 2 == 0:
+        return (nl.spmd_dim(B // 2, nl.nc(2)), Hkv)
+    return (B, Hkv)
+
+
 @nki.jit
 def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, *, scale=1.0, causal=None,
                    window=None, mixed_precision=True, rows_per_pass=None, key_tile=None,

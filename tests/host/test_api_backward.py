@@ -225,3 +225,28 @@ def test_hbm_bytes_with_lengths_and_masks(target, dtype, mixed, shape, causal, w
         kv_lens=kv_lens, mixed_precision=mixed, target=target)
     assert (m.hbm_bytes_read, m.hbm_bytes_written) == want
     _check(got, q, k, v, do, mixed_precision=mixed, **opts)
+
+
+@needs_measure
+@pytest.mark.parametrize("B,Hkv,spread", [(1, 2, True), (2, 1, True), (1, 1, False)])
+def test_lnc2_spreads_programs_over_the_two_cores(B, Hkv, spread):
+    """trn2 LNC=2: kv heads (or sequences) go to the two cores, halving the modeled time with
+    the same gradients and bytes; one (sequence, kv head) program stays on one core."""
+    import simulate
+    q, k, v, do = _inputs(B, 2 * Hkv, Hkv, 256, 256, 64, BF16, seed=13)
+    o, lse = ref.attention_forward(q, k, v, causal="bottom_right")
+    o, lse = o.astype(BF16), lse.astype(np.float32)
+    runs = {}
+    for lnc in (1, 2):
+        with simulate.measure(target="trn2") as m:
+            runs[lnc] = host.flash_attention_backward(do, q, k, v, o, lse, causal=True, lnc=lnc)
+        runs[lnc, "m"] = m
+    for a, b in zip(runs[1], runs[2]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    m1, m2 = runs[1, "m"], runs[2, "m"]
+    assert (m1.hbm_bytes_read, m1.hbm_bytes_written) == (m2.hbm_bytes_read, m2.hbm_bytes_written)
+    t1, t2 = m1.modeled_seconds[0], m2.modeled_seconds[0]
+    if spread:
+        assert t2 == pytest.approx(t1 / 2, rel=1e-6)
+    else:
+        assert t2 == t1
