@@ -323,6 +323,9 @@ def loop_reduce(x, op, loop_indices, *, dtype=None, mask=None, **kwargs):
         st = new_onchip(ctx, arr.reshape(arr.shape + (1,)) if arr.ndim == 1 else arr, odi,
                         _SBUF, 0, None, "loop_reduce")
         st.reduce_loops = tuple(uids)       # before commit: it outlives the iteration
+        # not counted in SBUF: the compiler accumulates in the destination the result is
+        # assigned to (AWS flash_attn_bwd keeps one per query tile, head and D tile)
+        st.pinned = True
         _runtime.commit(ctx, st)
         acc = Tensor(st, st.arr[:, 0]) if arr.ndim == 1 else Tensor(st)
         ctx.loop_reduce[key] = acc
