@@ -60,11 +60,25 @@ def main(argv=None):
     ap.add_argument("--max-n", type=int, default=128 * 1024)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    old = os.environ.get(simulate._hw.TARGET_ENV_VAR)
     os.environ[simulate._hw.TARGET_ENV_VAR] = a.target
+    try:
+        rows = _table(a)
+    finally:
+        if old is None:
+            os.environ.pop(simulate._hw.TARGET_ENV_VAR, None)
+        else:
+            os.environ[simulate._hw.TARGET_ENV_VAR] = old
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _table(a):
     rows = []
     n = 1024
     print(f"program instructions per launch (D = {a.d}, bf16, {a.target}; one head)")
-    print(f"| N | forward | forward causal | backward | backward causal | decode |")
+    print("| N | forward | forward causal | backward | backward causal | decode |")
     print("|---:|---:|---:|---:|---:|---:|")
     while n <= a.max_n:
         dec = decode_size(n, a.d)
@@ -77,9 +91,7 @@ def main(argv=None):
         print(f"| {n // 1024}K | {row['forward']} | {row['forward_causal']} | "
               f"{row['backward']} | {row['backward_causal']} | {row['decode']} |", flush=True)
         n *= 2
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

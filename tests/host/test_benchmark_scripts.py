@@ -1,0 +1,42 @@
+"""The measurement scripts under benchmarks/ run (small sizes; AWS's kernels are not fetched in
+CI, so the side-by-side runs nki-flash's half)."""
+import importlib.util
+import os
+
+import pytest
+
+from nki_kernels.nki import BACKEND
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+pytestmark = pytest.mark.skipif(BACKEND != "simulate", reason="needs the bundled simulator")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks",
+                                                                     f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_program_size_table(capsys, tmp_path):
+    out = tmp_path / "ps.json"
+    _load("program_size").main(["--max-n", "2048", "--d", "64", "--json", str(out)])
+    import json
+    rows = json.loads(out.read_text())
+    assert [r["N"] for r in rows] == [1024, 2048]
+    assert all(0 < r[k] < 20000 for r in rows for k in r if k != "N")
+    assert "| 2K |" in capsys.readouterr().out
+
+
+def test_side_by_side_without_aws(capsys):
+    _load("aws_side_by_side").main(["--n", "256", "--d", "64", "--samples", ""])
+    text = capsys.readouterr().out
+    assert text.count("nki-flash forward") == 2 and "AWS" not in text.split("\n", 2)[2]
+
+
+def test_acceptance_runner_needs_a_checkout(capsys):
+    with pytest.raises(SystemExit) as e:
+        _load("aws_acceptance").main(["--samples", "/nonexistent"])
+    assert e.value.code == 2
+    assert "--samples must be a checkout" in capsys.readouterr().err
