@@ -103,6 +103,7 @@ one int32 table entry per gathered key row and tail position.
 import numpy as np
 
 from nki_kernels import tiles
+from nki_kernels.attention import masks as M
 from nki_kernels.nki import nisa, nki, nl
 
 PMAX = tiles.PMAX
@@ -181,7 +182,7 @@ def _length_column(cache_lens, b, parts):
 def _committed_split(len_col, T, n):
     """``(Lp, rem)`` columns: committed positions ``Lp = L - T`` and ``Lp mod n``."""
     lp = nisa.tensor_scalar(len_col, op0=np.subtract, operand0=float(T), dtype=nl.float32)
-    rem = nl.mod(lp, float(n), dtype=nl.float32)
+    rem = M.int_mod(lp, n)
     return lp, rem
 
 
@@ -294,7 +295,7 @@ def _paged_split_row_indices(table, valid, b_i, s_i, g, h, Hkv, num_blocks, ppr)
     first = nisa.tensor_scalar(s_i[0:kr], op0=np.multiply, operand0=float(g.rs),
                                dtype=nl.float32)                          # s rs
     r = nisa.tensor_scalar(local, op0=np.add, operand0=first, dtype=nl.float32)
-    within = nl.mod(r, float(ppr), dtype=nl.float32)                      # r mod ppr
+    within = M.int_mod(r, ppr)                      # r mod ppr
     block0 = nisa.tensor_tensor(r, within, op=np.subtract, dtype=nl.float32)
     block = nisa.tensor_scalar(block0, op0=np.multiply, operand0=1.0 / ppr, dtype=nl.int32)
     entry = nisa.tensor_tensor(block, beyond, op=np.add, dtype=nl.int32)
@@ -463,12 +464,12 @@ def _group_matrices(rows, P):
     i_p = nl.arange(P)[None, :]
     # p - r + P >= 0; divisible by rows exactly when p is a copy of row r
     diff = nisa.iota(i_p - i_r + P, dtype=nl.float32)
-    e = nisa.tensor_scalar(nl.mod(diff, float(rows), dtype=nl.float32), op0=nl.equal,
+    e = nisa.tensor_scalar(M.int_mod(diff, rows), op0=nl.equal,
                            operand0=0.0, dtype=nl.float32)
     i_pt = nl.arange(P)[:, None]
     i_rt = nl.arange(rows)[None, :]
     diff_t = nisa.iota(i_pt - i_rt + P, dtype=nl.float32)
-    e_t = nisa.tensor_scalar(nl.mod(diff_t, float(rows), dtype=nl.float32), op0=nl.equal,
+    e_t = nisa.tensor_scalar(M.int_mod(diff_t, rows), op0=nl.equal,
                              operand0=0.0, dtype=nl.float32)
     return e, e_t
 
@@ -655,7 +656,7 @@ def _token_selector(T, rt0, rows):
     i_t = nl.arange(T)[:, None]
     i_p = nl.arange(rows)[None, :]
     diff = nisa.iota(rt0 + i_p - i_t + T, dtype=nl.float32)
-    return nisa.tensor_scalar(nl.mod(diff, float(T), dtype=nl.float32), op0=nl.equal,
+    return nisa.tensor_scalar(M.int_mod(diff, T), op0=nl.equal,
                               operand0=0.0, dtype=_MASK_DTYPE)
 
 
@@ -677,7 +678,7 @@ def _paged_tail_rows(paged, k_cache, lp, c, count, skip):
     pos = nisa.tensor_scalar(nisa.iota(c + i_q, dtype=nl.float32), op0=np.add,
                              operand0=lp[0:count], op1=np.maximum, operand1=0.0,
                              dtype=nl.float32)
-    within = nl.mod(pos, float(ps), dtype=nl.float32)
+    within = M.int_mod(pos, ps)
     q_f = nisa.iota(i_q, dtype=nl.float32)
     # b MB + p // page_size = iota(b MB + q) + ((p - p mod page_size) / page_size - q)
     block0 = nisa.tensor_tensor(pos, within, op=np.subtract, dtype=nl.float32)

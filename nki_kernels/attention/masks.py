@@ -170,6 +170,17 @@ def neg_identity(n: int):
                               dtype=nl.bfloat16)
 
 
+def int_mod(x, n: int, dtype=nl.float32):
+    """``x mod n`` of an fp32 tile of non-negative integers (``x n < 2^22``), without ``nl.mod``
+    (issue "kernels that compile and run": an op to avoid on hardware): ``x - n q`` with ``q =
+    RNE((x + 0.5) / n - 0.5)``, which is ``floor(x / n)`` because the argument stays within
+    ``0.5 - 0.5 / n`` of it. Three VectorE instructions."""
+    q = nisa.tensor_scalar(x, np.add, 0.5, op1=np.multiply, operand1=1.0 / n, dtype=nl.float32)
+    q = nisa.tensor_scalar(q, np.subtract, 0.5, dtype=nl.int32)
+    return nisa.scalar_tensor_tensor(data=q, op0=np.multiply, operand0=-float(n), op1=np.add,
+                                     operand1=x, dtype=dtype)
+
+
 def neg_row(n: int):
     """``MASK_NEG`` in bf16 [1, n]: stationary operand of the rank-1 key-length mask."""
     return nisa.memset((1, n), T.FWD_MASK_NEG, dtype=nl.bfloat16)
@@ -415,6 +426,6 @@ class RuntimeLengths:
         return nisa.tensor_tensor(rows, beyond, np.add, dtype=nl.int32), store
 
 
-__all__ = ["MaskSpec", "FULL", "BOUNDARY", "neg_identity", "neg_row", "diag_pattern",
+__all__ = ["MaskSpec", "FULL", "BOUNDARY", "neg_identity", "int_mod", "neg_row", "diag_pattern",
            "diag_indicator", "StaticDiagMasks", "load_lengths", "key_length_row", "oob_offset",
            "position_table", "gather_rows", "store_rows", "RuntimeLengths", "np"]

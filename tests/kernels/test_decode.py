@@ -381,3 +381,22 @@ def test_io_exact(lens, S_max, T, tree):
                                            tree_mask=tree)
     assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
     assert np.all(np.isfinite(o.astype(np.float32)))
+
+
+@needs_measure
+@pytest.mark.parametrize("n", [1, 3, 7, 128, 257, 2048])
+def test_int_mod_is_exact_without_nl_mod(n):
+    """masks.int_mod (the kernels' replacement of nl.mod): exact for x n < 2^22."""
+    import simulate
+    import simulate.language as snl
+    from nki_kernels.attention import masks as M
+    hi = (1 << 22) // n
+    x = np.random.default_rng(n).integers(0, hi, (128, 64)).astype(np.float32)
+    x[0, :3] = [0, hi - 1, n * (hi // n)]
+
+    @simulate.jit
+    def k(a):
+        out = snl.ndarray((128, 64), dtype=snl.float32, buffer=snl.shared_hbm)
+        snl.store(out, M.int_mod(snl.load(a), n))
+        return out
+    np.testing.assert_array_equal(k(x), np.mod(x, n))
