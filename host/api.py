@@ -244,7 +244,7 @@ def _check_lnc(lnc):
 
 def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
                            q_lens=None, mixed_precision: bool = True, return_lse: bool = False,
-                           tiles=None, sbuf_budget=None, lnc=None):
+                           tiles=None, sbuf_budget=None, lnc=None, dropout_p=0.0, seed=None):
     """Validate a forward call and choose its launch: ``(kernel, grid, kernel_kwargs)``.
 
     The kernel is :func:`nki_kernels.attention.forward.flash_attention_fwd`, the grid
@@ -282,15 +282,33 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
             q_lens=q_lens is not None,
             masks=(causal is not None or window is not None or kv_lens is not None
                    or q_lens is not None))
+    dropout_p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
     grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, _check_lnc(lnc))
     kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen,
                   lnc=kernel_lnc)
+    if dropout_p:
+        kwargs["dropout_p"] = dropout_p
     return flash_attention_fwd, grid, kwargs
+
+
+def _check_dropout_call(dropout_p, seed, B, Hq, Nq, Nk):
+    """``(p, device seed array or None)``: the validated dropout options of an attention call
+    and the ``(1,)`` int32 seed tensor the kernels take (``seed mod 2^30``)."""
+    p, seed = _v.check_dropout(dropout_p, seed)
+    if not p:
+        return 0.0, None
+    units = _tiles.dropout_units(B, Hq, Nq, Nk)
+    if units >= _tiles.DROPOUT_SEED_MOD:
+        raise ValueError(f"dropout_p: a launch numbers its 128 x 128 dropout units with int32 "
+                         f"and needs fewer than 2^30 of them; B Hq ceil(Nq/128) ceil(Nk/128) = "
+                         f"{units} here (split the batch)")
+    return p, np.array([seed % _tiles.DROPOUT_SEED_MOD], dtype=np.int32)
 
 
 def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
                     q_lens=None, mixed_precision: bool = True, return_lse: bool = False,
-                    tiles=None, sbuf_budget=None, lnc=None):
+                    tiles=None, sbuf_budget=None, lnc=None, dropout_p=0.0, seed=None,
+                    return_dropout_mask: bool = False):
     """Flash attention forward on the active backend (docs/semantics.md for the exact meaning).
 
     Parameters
@@ -324,23 +342,50 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
     lnc : None, 1 or 2
         NeuronCores per logical core: 2 runs on both cores of a trn2 logical core (LNC=2),
         1 on one. None: 2 when the active target is trn2 (the simulator's target), else 1.
+    dropout_p : float in [0, 1)
+        Attention dropout (FlashAttention appendix Algorithm 2): each attention probability is
+        zeroed with probability ``dropout_p`` and the kept ones scaled by ``1 / (1 - p)``; the
+        LSE is that of the undropped softmax. The mask is never stored: the backward
+        (:func:`flash_attention_backward` with the same ``dropout_p`` and ``seed``) regenerates
+        it. 0 (default) is exactly no dropout.
+    seed : int in [0, 2^31 - 1], required when ``dropout_p > 0``
+        The mask's seed (device data: one compiled kernel serves every seed; ``seed`` and
+        ``seed + 2^30`` give the same mask). Each 128 x 128 block of P has its own draw, keyed by
+        (sequence, head, query block, key block), so the mask depends on neither the tiling, the
+        schedule nor ``lnc``. On the simulator the bit stream is NumPy's, not the hardware's.
+    return_dropout_mask : bool
+        Debugging (small shapes): also return the keep mask the kernel drew, ``(B, Hq, Nq, Nk)``
+        bool (keys no row can see read False).
 
     Returns
     -------
     o : numpy.ndarray (B, Hq, Nq, D), q's dtype
     lse : numpy.ndarray (B, Hq, Nq) float32, only with ``return_lse``
         Natural log; -inf for rows without a visible key (their o is 0).
+    mask : numpy.ndarray (B, Hq, Nq, Nk) bool, only with ``return_dropout_mask``
     """
     kernel, grid, kwargs = plan_attention_forward(
         q, k, v, scale=scale, causal=causal, window=window, kv_lens=kv_lens, q_lens=q_lens,
         mixed_precision=mixed_precision, return_lse=return_lse, tiles=tiles,
-        sbuf_budget=sbuf_budget, lnc=lnc)
+        sbuf_budget=sbuf_budget, lnc=lnc, dropout_p=dropout_p, seed=seed)
+    return_dropout_mask = _check_bool("return_dropout_mask", return_dropout_mask)
     B, Nk, Nq = q.shape[0], k.shape[2], q.shape[2]
     kv32 = _lengths_int32(_v.check_lengths("kv_lens", kv_lens, B, Nk, upper_name="Nk"))
     q32 = _lengths_int32(_v.check_lengths("q_lens", q_lens, B, Nq, upper_name="Nq"))
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
-    o, lse = launch(kernel, grid, q, k, v, kv_lens=kv32, q_lens=q32, **kwargs)
-    return (o, lse) if return_lse else o
+    p, seed32 = _check_dropout_call(dropout_p, seed, B, q.shape[1], Nq, Nk)
+    if return_dropout_mask and not p:
+        raise ValueError("return_dropout_mask: needs dropout_p > 0 (there is no mask)")
+    if p:
+        kwargs.update(dropout_mask=return_dropout_mask)
+        outs = launch(kernel, grid, q, k, v, kv_lens=kv32, q_lens=q32, seed=seed32, **kwargs)
+    else:
+        outs = launch(kernel, grid, q, k, v, kv_lens=kv32, q_lens=q32, **kwargs)
+    o, lse = outs[0], outs[1]
+    res = (o, lse) if return_lse else (o,)
+    if return_dropout_mask:
+        res += (np.asarray(outs[2]) > 0.5,)
+    return res if len(res) > 1 else o
 
 
 # ============================================================================================
@@ -568,7 +613,8 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
 
 
 def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, window=None,
-                            kv_lens=None, q_lens=None, mixed_precision: bool = True, lnc=None):
+                            kv_lens=None, q_lens=None, mixed_precision: bool = True, lnc=None,
+                            dropout_p=0.0, seed=None):
     """Validate a backward call and choose its launch: ``(kernel, grid, kernel_kwargs)``.
 
     The kernel is :func:`nki_kernels.attention.backward.flash_attn_bwd`, the grid ``(B, Hkv)``
@@ -593,11 +639,15 @@ def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, wi
     mixed_precision = _check_bool("mixed_precision", mixed_precision)
     kwargs = dict(scale=float(scale), causal=causal, window=window,
                   mixed_precision=mixed_precision)
+    p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
+    if p:
+        kwargs["dropout_p"] = p
     return flash_attn_bwd, backward_grid(dims.B, dims.Hkv, _check_lnc(lnc)), kwargs
 
 
 def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, window=None,
-                             kv_lens=None, q_lens=None, mixed_precision: bool = True, lnc=None):
+                             kv_lens=None, q_lens=None, mixed_precision: bool = True, lnc=None,
+                             dropout_p=0.0, seed=None):
     """Gradients of flash attention on the active backend: ``(dq, dk, dv)``.
 
     The backward of :func:`flash_attention` from its saved output and log-sum-exp: with
@@ -634,6 +684,9 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
         NeuronCores per logical core (None: 2 on trn2, else 1). With 2, the (sequence, kv head)
         programs are spread over the two cores when Hkv or B is even
         (:func:`nki_kernels.attention.backward.backward_grid`).
+    dropout_p, seed :
+        The forward's attention dropout: the kernel regenerates the forward's mask block by
+        block from the seed (appendix Algorithm 4) and differentiates through it.
 
     Returns
     -------
@@ -644,13 +697,17 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
     """
     kernel, grid, kwargs = plan_attention_backward(
         do, q, k, v, o, lse, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
-        q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc)
+        q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc, dropout_p=dropout_p,
+        seed=seed)
     B, Nq, Nk = q.shape[0], q.shape[2], k.shape[2]
     kv32 = _lengths_int32(_v.check_lengths("kv_lens", kv_lens, B, Nk, upper_name="Nk"))
     q32 = _lengths_int32(_v.check_lengths("q_lens", q_lens, B, Nq, upper_name="Nq"))
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
     lse = _numpy("lse", lse)
+    _, seed32 = _check_dropout_call(dropout_p, seed, B, q.shape[1], Nq, Nk)
+    if seed32 is not None:
+        kwargs["seed"] = seed32
     return launch(kernel, grid, q, k, v, o, do, lse, kv_lens=kv32, q_lens=q32, **kwargs)
 
 

@@ -49,6 +49,15 @@ BLOCK_SPARSE_TILE = PMAX
 #: from a generator seeded by (seed, batch, head, query unit, key unit), so the mask does not
 #: depend on the kernel's own tiling, its loop order or the core that runs the unit.
 DROPOUT_UNIT = PMAX
+#: Dropout units are numbered ``((b Hq + h) ceil(Nq/128) + query tile) ceil(Nk/128) + key unit``
+#: and the RNG of a unit is seeded with ``seed + unit`` (an int32 add on chip), so the kernels
+#: take the seed modulo 2^30 and need fewer than 2^30 units per launch.
+DROPOUT_SEED_MOD = 1 << 30
+
+
+def dropout_units(B: int, Hq: int, Nq: int, Nk: int) -> int:
+    """Number of 128 x 128 dropout units of a launch (see ``DROPOUT_SEED_MOD``)."""
+    return B * Hq * ceil_div(Nq, DROPOUT_UNIT) * ceil_div(Nk, DROPOUT_UNIT)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -647,17 +647,26 @@ def recompute_p(cfg, spec, rt, vis: _Visit, key_row, st: _State, kv: _KV):
     return nisa.activation(np.exp, scores, bias=bias, scale=1.0, dtype=cfg.op_dtype)
 
 
-def softmax_backward(cfg, vis: _Visit, st: _State, kv: _KV, p):
+def softmax_backward(cfg, vis: _Visit, st: _State, kv: _KV, p, pz=None):
     """``dS = P * (dP - D)`` with ``dP = dO V^T``, ``[128, cols]`` in the operand dtype.
 
     ``dP - D`` is formed by ScalarE while it evacuates PSUM (identity with a per-row bias), so
-    VectorE does a single multiply per score."""
+    VectorE does a single multiply per score. With dropout (``pz = Z * P``, unscaled) it is
+    ``Z P dP / (1 - p) - P D``: one more VectorE pass."""
     w = vis.cols
     dp_psum = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
     for c, (d0, dsz) in enumerate(cfg.d_chunks):
         _accumulate(dp_psum, c == 0,
                     nisa.nc_matmul(st.do_T[0:dsz, c, nl.ds(vis.s * PMAX, PMAX)],
                                    kv.v_T[0:dsz, c, 0:w]))
+    if pz is not None:
+        # dS = P (Z dP / (1 - p) - D) = Z P dP / (1 - p) - P D   (appendix Algorithm 4)
+        dp = nisa.activation(nl.copy, dp_psum, scale=1.0 / (1.0 - cfg.dropout_p),
+                             dtype=nl.float32)
+        zp_dp = nisa.tensor_tensor(dp, pz, np.multiply, dtype=nl.float32)
+        return nisa.scalar_tensor_tensor(data=p, op0=np.multiply,
+                                         operand0=st.neg_delta[:, nl.ds(vis.s, 1)],
+                                         op1=np.add, operand1=zp_dp, dtype=cfg.op_dtype)
     dp_minus_d = nisa.activation(nl.copy, dp_psum, bias=st.neg_delta[:, nl.ds(vis.s, 1)],
                                  scale=1.0, dtype=cfg.op_dtype)
     return nisa.tensor_tensor(dp_minus_d, p, np.multiply, dtype=cfg.op_dtype)
@@ -710,12 +719,14 @@ def accumulate_dq(cfg, vis: _Visit, ds, kv: _KV, st: _State, dq_scratch):
 
 
 def visit(cfg, spec, rt, vis: _Visit, key_row, st: _State, kv: _KV, dv_psum, dk_psum,
-          dq_scratch):
-    """All the work of one (slot, key tile) pair."""
+          dq_scratch, dr=None, unit=None):
+    """All the work of one (slot, key tile) pair; with dropout ``unit = (head, query tile,
+    first key unit)``."""
     p = recompute_p(cfg, spec, rt, vis, key_row, st, kv)
-    ds = softmax_backward(cfg, vis, st, kv, p)
+    pz = dropout_mask_units(cfg, dr, vis, p, *unit) if dr is not None else None
+    ds = softmax_backward(cfg, vis, st, kv, p, pz)
     if "dk" in cfg.grads:
-        accumulate_dv_dk(cfg, vis, p, ds, st, dv_psum, dk_psum)
+        accumulate_dv_dk(cfg, vis, p if pz is None else pz, ds, st, dv_psum, dk_psum)
     if "dq" in cfg.grads:
         accumulate_dq(cfg, vis, ds, kv, st, dq_scratch)
 
@@ -752,7 +763,8 @@ def write_dk_dv(cfg, dk, dv, b, g, c0, cols: int, dk_psum, dv_psum, scratch, k_s
     D, nb = cfg.D, len(_blocks(cols))
     ip = nl.arange(PMAX)[:, None, None]
     acc = D * nl.arange(nb)[None, :, None] + nl.arange(D)[None, None, :]
-    for out, psum, factor, part in ((dk, dk_psum, cfg.scale, 0), (dv, dv_psum, 1.0, 1)):
+    dv_factor = 1.0 / (1.0 - cfg.dropout_p)      # dV = (Z P)^T dO / (1 - p)
+    for out, psum, factor, part in ((dk, dk_psum, cfg.scale, 0), (dv, dv_psum, dv_factor, 1)):
         if scratch is None:
             tile = nl.ndarray((PMAX, nb, D), dtype=cfg.out_dtype, buffer=nl.sbuf)
             tile[...] = nisa.activation(nl.copy, psum[ip, acc], scale=factor,
@@ -877,10 +889,45 @@ class _Config(NamedTuple):
     ds_transpose: str
     act_evac_blocks: int
     grads: Tuple[str, ...]
+    dropout_p: float = 0.0
+
+
+class _Dropout(NamedTuple):
+    """The regeneration of the forward's dropout mask: the seed tile and the unit numbering of
+    :func:`nki_kernels.attention.forward.dropout_units` (query tiles x 128-key units)."""
+
+    seed: object
+    b: object
+    Hq: int
+    nqu: int
+    nku: int
+    ones: object        # [128, 128] in the operand dtype: partial units are drawn whole
+
+
+def dropout_mask_units(cfg, dr: _Dropout, vis: "_Visit", p, head, qi, ku0):
+    """``Z * P`` for a visit: each 128-key block of P dropped by the draw the forward made for
+    that unit (reseeded with ``seed + unit``), so the mask is the forward's whatever the two
+    kernels' tilings. Unscaled: the 1 / (1 - p) goes into dV's write-out and dP's copy."""
+    pz = nl.ndarray((PMAX, vis.cols), dtype=cfg.op_dtype, buffer=nl.sbuf)
+    for bi, (off, n) in enumerate(_blocks(vis.cols)):
+        unit = ((dr.b * dr.Hq + head) * dr.nqu + qi) * dr.nku + ku0 + bi
+        seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        seed[...] = nisa.tensor_tensor(dr.seed, nisa.iota(unit + nl.arange(1)[None, :],
+                                                          dtype=nl.int32), np.add,
+                                       dtype=nl.int32)
+        nl.random_seed(seed=seed)
+        if n == PMAX:
+            pz[:, nl.ds(off, n)] = nisa.dropout(p[:, nl.ds(off, n)], cfg.dropout_p)
+        else:
+            # drawn 128 keys wide, as the forward draws every unit
+            keep = nisa.dropout(dr.ones, cfg.dropout_p)
+            pz[:, nl.ds(off, n)] = nisa.tensor_tensor(p[:, nl.ds(off, n)], keep[:, 0:n],
+                                                      np.multiply, dtype=cfg.op_dtype)
+    return pz
 
 
 def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g,
-                     scratch, dq_scratch):
+                     scratch, dq_scratch, seed=None):
     """All gradients of kv head g of sequence b (the loop nest of the module docstring)."""
     G, D, d_chunks, op_dtype = cfg.G, cfg.D, cfg.d_chunks, cfg.op_dtype
     n_dc, d_part = len(d_chunks), min(D, PMAX)
@@ -892,6 +939,11 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
     k_load, k_store = key_tables(rt, k, b, g)
     n_slots = G * plan.slots
     P = plan.passes
+    dr = None
+    if cfg.dropout_p:
+        dr = _Dropout(nl.load(seed.reshape((1, 1))), b, q.shape[1], ceil_div(q.shape[2], PMAX),
+                      ceil_div(Nk, PMAX), nisa.memset((PMAX, PMAX), 1.0, dtype=op_dtype,
+                                                      engine=nisa.gpsimd_engine))
     if scratch is not None:
         zero_scratch(scratch, Nk, D)
     if dq_scratch is not None:
@@ -938,7 +990,7 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
                             vis = _Visit(s=h * plan.slots + t, i0=(t * P + p) * PMAX, h=h,
                                          c0=c0, cols=span.cols, masked=region.masked)
                             visit(cfg, spec, rt, vis, key_row, st, kv, dv_psum, dk_psum,
-                                  dq_scratch)
+                                  dq_scratch, dr, (h0 + h, t * P + p, j * n_kblk))
                 if "dk" in cfg.grads:
                     write_dk_dv(cfg, dk, dv, b, g, c0, span.cols, dk_psum, dv_psum, scratch,
                                 k_store, j * n_kblk)
@@ -971,10 +1023,10 @@ def backward_grid(B: int, Hkv: int, lnc: int):
 
 
 @nki.jit
-def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, *, scale=1.0, causal=None,
-                   window=None, mixed_precision=True, rows_per_pass=None, key_tile=None,
-                   dq_accumulate="sbuf", ds_transpose=None, act_evac_blocks=None,
-                   grads=("dq", "dk", "dv")):
+def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None, *, scale=1.0,
+                   causal=None, window=None, mixed_precision=True, rows_per_pass=None,
+                   key_tile=None, dq_accumulate="sbuf", ds_transpose=None,
+                   act_evac_blocks=None, grads=("dq", "dk", "dv"), dropout_p=0.0):
     """Flash attention backward; one program per (sequence, kv head): grid ``[B, Hkv]``.
 
     Parameters
@@ -1007,6 +1059,10 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, *, scale=1.0,
     act_evac_blocks : int, optional
         With PE transposes, dS^T blocks per visit copied out of PSUM by ScalarE; None =
         ``BWD_ACT_EVAC_BLOCKS`` of the target.
+    seed, dropout_p :
+        Attention dropout as in the forward (``flash_attention_fwd``): ``dropout_p`` in [0, 1)
+        compile-time, ``seed`` an HBM (1,) int32 tensor; the mask is regenerated unit by unit
+        (:func:`dropout_mask_units`), never stored.
     grads : ("dq", "dk", "dv") (default), ("dk", "dv") or ("dq",)
         Which gradients to compute. The subsets exist to measure the two-kernel design of
         GPU backwards (one kernel for dK/dV, one for dQ, each recomputing P and dP) against the
@@ -1059,7 +1115,9 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, *, scale=1.0,
         out_dtype=in_dtype, dq_accumulate=dq_accumulate,
         ds_transpose=BWD_DS_TRANSPOSE[target] if ds_transpose is None else ds_transpose,
         act_evac_blocks=(BWD_ACT_EVAC_BLOCKS[target] if act_evac_blocks is None
-                         else act_evac_blocks), grads=grads)
+                         else act_evac_blocks), grads=grads, dropout_p=float(dropout_p))
+    if cfg.dropout_p and seed is None:
+        raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
     multi_pass = "dk" in grads and plan.passes > 1
 
     # conditional expressions, not if-blocks: a tensor bound inside a block is out of scope
@@ -1080,7 +1138,7 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, *, scale=1.0,
     rt = (RuntimeMasks(spec, kv_lens, q_lens, b, Nq, Nk, D, op_dtype)
           if (kv_lens is not None or q_lens is not None) else None)
     backward_program(cfg, plan, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scratch,
-                     dq_scratch)
+                     dq_scratch, seed)
     if grads == ("dk", "dv"):
         return dk, dv
     if grads == ("dq",):

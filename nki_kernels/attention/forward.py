@@ -416,6 +416,10 @@ class _Instance:
         self.k_load = None         # int32 [128, ceil(Nk / 128)]: key gather indices
         self.k_fill = None         # [128, D] in k's dtype: the edge key on every partition
         self.q_rows = self.k_rows = self.v_rows = None     # (B H N, D) views for the gathers
+        self.dropout_p = 0.0       # attention dropout (appendix Algorithm 2), compile-time
+        self.seed = None           # int32 [1, 1]: the launch's dropout seed (device data)
+        self.mask_out = None       # debug: HBM (B, Hq, Nq, Nk) keep mask the kernel drew
+        self.key_neg = None        # MASK_NEG row: the rank-1 key-length mask (dropout + kv_lens)
 
     def head(self, h):
         """HBM query head of group member h (an NKI loop index)."""
@@ -549,7 +553,11 @@ def length_tables(f: _Instance, kv_lens, q_lens):
     128-key block; keys are only read). Padding positions get out-of-bounds load indices: the
     ``oob_mode.skip`` gathers never read them. With ``kv_lens`` also the key mask's fill
     (:func:`edge_key_fill`)."""
-    f.rt = M.RuntimeLengths(f.spec, kv_lens, q_lens, f.b, f.Nq, f.Nk, key_rows=False)
+    # dropout sums P from the exp, so padding keys are masked on the scores (key rows)
+    key_mask = bool(f.dropout_p) and kv_lens is not None
+    f.rt = M.RuntimeLengths(f.spec, kv_lens, q_lens, f.b, f.Nq, f.Nk, key_rows=key_mask)
+    if key_mask:
+        f.key_neg = M.neg_row(T.PMAX)
     f.q_rows = f.q.reshape((f.B * f.Hq * f.Nq, f.D))
     f.k_rows = f.k.reshape((f.B * f.Hkv * f.Nk, f.D))
     f.v_rows = f.v.reshape((f.B * f.Hkv * f.Nk, f.D))
@@ -769,11 +777,51 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
             ind[...] = nisa.affine_select(inside, f.zeros[0:r, 0:width], 1.0, dtype=nl.bfloat16,
                                           mask=p)
             sc[...] += nisa.nc_matmul(f.neg_eye[0:r, 0:r], ind, mask=p)
+    if f.key_neg is not None:
+        # dropout with kv_lens: the softmax sums come from the exp (dropout_units), so padding
+        # keys must have P = 0 there too: MASK_NEG (x) their key row, a rank-1 TensorE add
+        key_row = f.rt.key_mask_row(j0, width)
+        sc[...] += nisa.nc_matmul(f.key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
     return sc
 
 
+def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
+    """Attention dropout on a P block ``[r, width]`` of query tile ``iu`` (member head h) from
+    128-key unit ``ju`` (NKI expressions): each 128 x 128 unit is zeroed with probability
+    ``dropout_p`` by its own draw, the RNG reseeded with ``seed + unit`` where ``unit`` numbers
+    (sequence, query head, query tile, key unit) -- so the mask depends on neither the tiling
+    nor the schedule, and the backward regenerates it unit by unit (module docstring). The
+    1 / (1 - p) rescale is applied to O at write-back. A unit is always drawn as ``[rows,
+    128]`` (rows: the tile's, a prefix of the backward's 128), whatever part of it a block
+    covers, so both kernels see the same bits (C-order prefix property of the draw; the
+    simulator's generator is NumPy's, the hardware's is not reproduced)."""
+    P = T.PMAX
+    for c0 in range(0, width, P):
+        kw = min(P, width - c0)
+        unit = ((f.b * f.Hq + f.head(h)) * f.nqu + iu) * f.nku + ju + c0 // P
+        seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        seed[...] = nisa.tensor_tensor(f.seed, nisa.iota(unit + nl.arange(1)[None, :],
+                                                         dtype=nl.int32), np.add,
+                                       dtype=nl.int32)
+        nl.random_seed(seed=seed, mask=pred)
+        if kw == P:
+            p[:, c0:c0 + kw] = nisa.dropout(p[:, c0:c0 + kw], f.dropout_p, mask=pred)
+        else:
+            # a unit is always drawn 128 keys wide (the backward may see it whole): keep the
+            # first kw columns of the draw
+            keep = nisa.dropout(f.ones[0:r, 0:P], f.dropout_p, mask=pred)
+            p[:, c0:c0 + kw] = nisa.tensor_tensor(p[:, c0:c0 + kw], keep[:, 0:kw], np.multiply,
+                                                  mask=pred)
+        if f.mask_out is not None:
+            # debug: the same draw again, on ones, stored at the unit's frame position
+            nl.random_seed(seed=seed, mask=pred)
+            keep = nisa.dropout(f.ones[0:r, 0:P], f.dropout_p, mask=pred)
+            nl.store(f.mask_out[f.b, f.head(h), nl.ds(iu * P, r), nl.ds(ju * P + c0, kw)],
+                     value=keep[:, 0:kw], mask=pred)
+
+
 def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: int,
-                 masked: bool, d0: Optional[int] = None):
+                 masked: bool, d0: Optional[int] = None, du=None):
     """Fold one key block of ``width`` keys (static; from the kv tile's 128-key block ``rb``,
     frame key ``j0``, both NKI expressions) into slot s (query rows from ``i0``): the body of
     Algorithm 1's inner loop.
@@ -819,9 +867,21 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
     alpha = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
     alpha[...] = nisa.activation(nl.exp, neg_m_old, bias=bias, scale=-c, mask=pred)
     p = nl.ndarray((r, width), dtype=f.mm, buffer=nl.sbuf)
-    for n in nl.static_range(nb):
-        p[:, n * kt:n * kt + widths[n]] = nisa.activation(nl.exp, s_tiles[n], bias=bias,
-                                                          scale=c, dtype=f.mm, mask=pred)
+    if f.dropout_p:
+        # the row sums of the undropped P come from the exp itself (the [V | 1] column would
+        # sum the dropped P): the softmax statistics are those of the undropped softmax
+        sums = nl.ndarray((r, nb), dtype=nl.float32, buffer=nl.sbuf)
+        for n in nl.static_range(nb):
+            p[:, n * kt:n * kt + widths[n]] = nisa.activation_reduce(
+                nl.exp, s_tiles[n], reduce_op=np.add, reduce_res=sums[:, n:n + 1], bias=bias,
+                scale=c, dtype=f.mm, mask=pred)
+        row_sum = nisa.tensor_reduce(np.add, sums, axis=(1,), keepdims=True, dtype=nl.float32,
+                                     mask=pred)
+        dropout_units(f, p, r, width, *du, pred)
+    else:
+        for n in nl.static_range(nb):
+            p[:, n * kt:n * kt + widths[n]] = nisa.activation(nl.exp, s_tiles[n], bias=bias,
+                                                              scale=c, dtype=f.mm, mask=pred)
     # m_i = m_new (GpSimd: idle otherwise)
     neg_m_old[...] = nisa.tensor_copy(neg_m_new, engine=nisa.gpsimd_engine, mask=pred)
 
@@ -865,7 +925,12 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
     # VectorE (one PSUM read, 1 cycle per element)
     o_acc[...] = nisa.tensor_scalar(o_acc, nl.multiply, alpha, engine=nisa.gpsimd_engine,
                                     mask=pred)
-    o_acc[...] = nisa.tensor_tensor(o_acc, pv, nl.add, mask=pred)
+    if f.dropout_p:
+        o_acc[:, 0:f.D] = nisa.tensor_tensor(o_acc[:, 0:f.D], pv[:, 0:f.D], nl.add, mask=pred)
+        o_acc[:, f.D:f.D + 1] = nisa.tensor_tensor(o_acc[:, f.D:f.D + 1], row_sum, nl.add,
+                                                   mask=pred)
+    else:
+        o_acc[...] = nisa.tensor_tensor(o_acc, pv, nl.add, mask=pred)
 
 
 def write_back(f: _Instance, st: _GroupState, s, h, t):
@@ -890,6 +955,9 @@ def write_back(f: _Instance, st: _GroupState, s, h, t):
     gp = nisa.gpsimd_engine
     l_safe = nisa.tensor_scalar(l_i, nl.maximum, T.FWD_L_FLOOR, dtype=nl.float32, engine=gp)
     inv_l = nisa.reciprocal(l_safe)
+    if f.dropout_p:
+        inv_l = nisa.tensor_scalar(inv_l, nl.multiply, 1.0 / (1.0 - f.dropout_p),
+                                   dtype=nl.float32, engine=gp)
     # padding rows: multiplied by 0 (o) and deselected (lse)
     in_range = f.q_valid[0:r, nl.ds(col, 1)] if f.spec.q_lens else None
     op1 = nl.multiply if f.spec.q_lens else None
@@ -909,7 +977,7 @@ def write_back(f: _Instance, st: _GroupState, s, h, t):
 
 
 def sweep(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, n: int, masked: bool,
-          d0: Optional[int] = None):
+          d0: Optional[int] = None, du=None):
     """The online softmax of slot s (rows from ``i0``) over ``n`` keys (static) of a K/V tile
     from its 128-key block ``rb`` = frame key ``j0``: a sequential loop of full softmax
     blocks (the carried running max, sum and output) and a static partial last block. ``d0``:
@@ -918,10 +986,12 @@ def sweep(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, n: int, masked:
     per = Bk // T.PMAX
     full, tail = n // Bk, n % Bk
     for kb in nl.sequential_range(full):
-        attend_block(f, st, s, i0, kv, rb + kb * per, j0 + kb * Bk, Bk, masked)
+        attend_block(f, st, s, i0, kv, rb + kb * per, j0 + kb * Bk, Bk, masked,
+                     du=None if du is None else (du[0], du[1], du[2] + kb * per))
     if tail:
         attend_block(f, st, s, i0, kv, rb + full * per, j0 + full * Bk, tail, masked,
-                     None if d0 is None else d0 + full * Bk)
+                     None if d0 is None else d0 + full * Bk,
+                     du=None if du is None else (du[0], du[1], du[2] + full * per))
 
 
 def static_offsets(f: _Instance, plan: ForwardPlan):
@@ -957,25 +1027,29 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
             for s in nl.affine_range(n):
                 load_q(f, st, h * n + s, h, t0 + s)
 
-    def sweep_all(kv_tile, rb, j0, keys, masked):
+    def sweep_all(kv_tile, rb, j0, keys, masked, ju):
+        # ju: the first 128-key unit of the keys (dropout), j0 // 128 as an affine expression
         for h in nl.affine_range(G):
             for s in nl.affine_range(n):
+                iu = (t0 + s) * (qt // P)
                 if span.slide is None:
-                    sweep(f, st, h * n + s, (t0 + s) * qt, kv_tile, rb, j0, keys, masked)
+                    sweep(f, st, h * n + s, (t0 + s) * qt, kv_tile, rb, j0, keys, masked,
+                          du=(h, iu, ju))
                 else:
                     # the region moves with the tile: keys from (t0 + s) qt + slide + j0
                     sweep(f, st, h * n + s, (t0 + s) * qt, kv_tile,
                           (t0 + s) * (qt // P) + span.slide // P + rb,
-                          (t0 + s) * qt + span.slide + j0, keys, masked, span.slide + j0)
+                          (t0 + s) * qt + span.slide + j0, keys, masked, span.slide + j0,
+                          du=(h, iu, iu + span.slide // P + ju))
 
     for rg in span.regions:
         if plan.resident:
-            sweep_all(kv, rg.k0 // P, rg.k0, rg.k1 - rg.k0, rg.masked)
+            sweep_all(kv, rg.k0 // P, rg.k0, rg.k1 - rg.k0, rg.masked, rg.k0 // P)
             continue
         for first, count, C in _chunks(rg, plan):
             for c in nl.sequential_range(count):
                 chunk = load_kv(f, first // P + c * (C // P), C)
-                sweep_all(chunk, 0, first + c * C, C, rg.masked)
+                sweep_all(chunk, 0, first + c * C, C, rg.masked, first // P + c * (C // P))
     for h in nl.affine_range(G):
         for s in nl.affine_range(n):
             write_back(f, st, h * n + s, h, t0 + s)
@@ -1012,8 +1086,9 @@ def _core_range(count: int, core):
 
 
 @nki.jit
-def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal=None,
-                        window=None, mm_dtype="bfloat16", tiles=None, lnc=1):
+def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, *, scale=1.0,
+                        causal=None, window=None, mm_dtype="bfloat16", tiles=None, lnc=1,
+                        dropout_p=0.0, dropout_mask=False):
     """Flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B, Hkv, Nk, D)``.
 
     Launch on the grid ``(B, Hkv)``. Tensor arguments live in HBM: q, k, v in fp32/bf16/fp16
@@ -1028,6 +1103,15 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal
 
     Returns ``(o, lse)``: o ``(B, Hq, Nq, D)`` in q's dtype, lse ``(B, Hq, Nq)`` float32 (natural
     log; -inf for rows without a visible key). Limits: ``1 <= D <= 256``; any Nq, Nk >= 1.
+
+    Attention dropout (FlashAttention appendix Algorithm 2): ``dropout_p`` in [0, 1)
+    (compile-time) with ``seed`` an HBM ``(1,)`` int32 tensor (device data: one compilation
+    serves every seed). Each 128 x 128 unit of P is dropped by its own draw after reseeding
+    with ``seed + unit`` (:func:`dropout_units`); LSE and the softmax sums are those of the
+    undropped P and O is rescaled by ``1 / (1 - p)``. ``dropout_mask=True`` (debugging, small
+    shapes) also returns the keep mask the kernel drew, ``(B, Hq, Nq, Nk)`` float32 in the
+    kernel's frame (rotated sequences: frame positions); positions of units no row sees are
+    never written (unspecified; NaN on the simulator).
     """
     tiles = T.ForwardTiles() if tiles is None else tiles
     if lnc not in (1, 2):
@@ -1040,8 +1124,18 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
 
+    mask_out = (nl.ndarray((B, Hq, Nq, Nk), dtype=nl.float32, buffer=nl.shared_hbm)
+                if dropout_p and dropout_mask else None)
     f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, nl.program_id(0),
                   nl.program_id(1))
+    if dropout_p:
+        if seed is None:
+            raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
+        f.dropout_p = float(dropout_p)
+        f.seed = nl.load(seed.reshape((1, 1)))
+        f.nqu, f.nku = T.ceil_div(Nq, T.PMAX), T.ceil_div(Nk, T.PMAX)
+        f.ones = nisa.memset((T.PMAX, T.PMAX), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
+        f.mask_out = mask_out
     balance_engines(f, plan)
     if any(rg.masked for sp in plan.spans for rg in sp.regions):
         f.neg_eye = M.neg_identity(T.PMAX)
@@ -1061,4 +1155,6 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, *, scale=1.0, causal
             start, mine = (0, count) if core is None else _core_range(count, core)
             for grp in nl.affine_range(mine):
                 attend_group(f, plan, sp, sp.t0 + first + (start + grp) * n, n, kv)
+    if mask_out is not None:
+        return o, lse, mask_out
     return o, lse
