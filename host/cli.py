@@ -54,7 +54,7 @@ _DECODE_ONLY = (("tokens", "--tokens"), ("cache_len", "--cache-len"),
                 ("page_size", "--page-size"))
 _PREFILL_ONLY = (("seq_q", "--seq-q"), ("seq_k", "--seq-k"), ("causal", "--causal"),
                  ("window", "--window"), ("kv_lens", "--kv-lens"), ("q_lens", "--q-lens"),
-                 ("lnc", "--lnc"))
+                 ("lnc", "--lnc"), ("dropout", "--dropout"))
 
 
 class UsageError(Exception):
@@ -132,6 +132,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="decode: store the caches as a shuffled page pool with a block table")
     run.add_argument("--page-size", type=_positive_int, default=None,
                      help="decode --paged: positions per page, a power of two >= 16 (256)")
+    run.add_argument("--dropout", type=float, default=None, metavar="P",
+                     help="attention dropout probability in [0, 1) (the mask's seed is --seed; "
+                          "the check uses the mask the kernel drew)")
     run.add_argument("--seed", type=int, default=0, help="random seed for the inputs (0)")
     run.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS),
                      help="targets to model (trn1 trn2)")
@@ -247,6 +250,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         given = [flag for attr, flag in _DECODE_ONLY if getattr(args, attr) not in (None, False)]
         if given:
             raise UsageError(f"{', '.join(given)} applies only with --decode")
+    if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
+        raise UsageError(f"--dropout {args.dropout}: expected a probability in [0, 1)")
     if args.json_out is not None:
         path = os.path.abspath(args.json_out)
         parent = os.path.dirname(path)
@@ -359,19 +364,30 @@ def _run(args: argparse.Namespace) -> int:
                          q_lens=np.array(args.q_lens, dtype=np.int32) if args.q_lens else None)
         kwargs = dict(mixed_precision=not args.no_mixed_precision, return_lse=True,
                       **opts, **mask_opts)
+        drop = {}
+        if args.dropout:
+            kwargs.update(dropout_p=args.dropout, seed=args.seed,
+                          return_dropout_mask=args.check != "none")
         label = (f"forward B={B} Hq={Hq} Hkv={Hkv} Nq={Nq} Nk={Nk} D={D} {args.dtype} "
-                 f"causal={causal}" + (f" window={tuple(args.window)}" if args.window else ""))
+                 f"causal={causal}" + (f" window={tuple(args.window)}" if args.window else "")
+                 + (f" dropout={args.dropout}" if args.dropout else ""))
         if args.check == "fast":
             rows = _fast_rows(Nq)
 
         def call(target):
             lnc = args.lnc if target == "trn2" else None   # trn1: one core per logical core
-            return host.flash_attention(q, k, v, lnc=lnc, **kwargs)
+            res = host.flash_attention(q, k, v, lnc=lnc, **kwargs)
+            if kwargs.get("return_dropout_mask"):
+                drop.update(dropout_p=args.dropout, dropout_mask=res[2])
+                res = res[:2]
+            return res
 
         def check_refs():
-            ref = reference.attention_forward(q, k, v, scale=args.scale, rows=rows, **mask_opts)
+            ref = reference.attention_forward(q, k, v, scale=args.scale, rows=rows, **mask_opts,
+                                              **drop)
             base = reference.attention_baseline_lowp(q, k, v, dtype=mm_dtype, out_dtype=dtype,
-                                                     scale=args.scale, rows=rows, **mask_opts)
+                                                     scale=args.scale, rows=rows, **mask_opts,
+                                                     **drop)
             return ref, (base, None)
 
         scores = B * Hq * (Nq if rows is None else len(rows)) * Nk

@@ -815,7 +815,7 @@ def _lowp_probs(q32, k32, scale, mask, dtype):
 
 def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causal=None,
                             window=None, q_lens=None, kv_lens=None, return_lse=False,
-                            rows=None):
+                            rows=None, dropout_p=0.0, dropout_mask=None):
     """Plain (unfused) attention in low precision: the baseline of the tolerance rule.
 
     Mimics PyTorch's eager math in ``dtype``:
@@ -839,6 +839,9 @@ def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causa
         Also return the float32 LSE of the rounded scores.
     rows : 1-D ints, optional
         Only these query rows (as in :func:`attention_forward`).
+    dropout_p, dropout_mask :
+        As in :func:`attention_forward`: P is multiplied by ``Z / (1 - p)`` (rounded to
+        ``dtype``) before ``P @ v``.
 
     Returns
     -------
@@ -849,6 +852,13 @@ def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causa
     dims, dtype, out_dtype, scale, mask, q32, k32, v32, _ = _lowp_setup(
         q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_lens, rows=rows)
     p, lse = _lowp_probs(q32, k32, scale, mask, dtype)
+    drop = _dropout_factor(check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES,
+                                                  same_dtype=False, max_head_dim=None),
+                           dropout_p, dropout_mask)
+    if drop is not None:
+        if rows is not None:
+            drop = np.take(drop, _rows(rows, q.shape[2]), axis=2)
+        p = _round_to((p * drop).astype(np.float32), dtype)
     o = np.matmul(p, v32).astype(out_dtype).astype(np.float64)
     if return_lse:
         return o, lse.astype(np.float64)

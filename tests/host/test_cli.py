@@ -50,6 +50,25 @@ def test_run_with_masks_and_padding(capsys):
     assert "PASS" in capsys.readouterr().out
 
 
+def test_run_with_dropout_checks_against_the_kernels_mask(capsys, monkeypatch):
+    args = ["run", "--heads", "2", "--kv-heads", "1", "--seq", "200", "--dim", "32",
+            "--dropout", "0.2", "--quiet", "--targets", "trn2"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "dropout=0.2" in out and "PASS" in out
+    # a kernel that ignored the mask would fail the check (the reference applies it)
+    import host
+    real = host.flash_attention
+
+    def no_dropout(*a, **kw):
+        res = real(*a, **kw)
+        kw2 = dict(kw, dropout_p=0.0, seed=None, return_dropout_mask=False)
+        o, lse = real(*a, **kw2)
+        return (o, lse, res[2])
+    monkeypatch.setattr(host, "flash_attention", no_dropout)
+    assert cli.main(args) == 1
+
+
 @needs_sim
 def test_run_decode(capsys):
     args = ["run", "--decode", "--batch", "2", "--heads", "8", "--kv-heads", "2", "--tokens", "3",
@@ -105,6 +124,8 @@ CLI_ERRORS = [
     (["run", "--num-splits", "2"], 2, "--num-splits applies only with --decode"),
     (["run", "--page-size", "32"], 2, "--page-size applies only with --decode"),
     (["run", "--decode", "--window", "4", "4"], 2, "--window does not apply to --decode"),
+    (["run", "--decode", "--dropout", "0.1"], 2, "--dropout does not apply to --decode"),
+    (["run", "--dropout", "1.0"], 2, "--dropout 1.0: expected a probability in [0, 1)"),
     (["run", "--decode", "--kv-lens", "3"], 2, "--kv-lens does not apply to --decode"),
     (["run", "--decode", "--q-lens", "3"], 2, "--q-lens does not apply to --decode"),
     (["run", "--decode", "--seq-q", "3"], 2, "--seq-q does not apply to --decode"),

@@ -397,11 +397,42 @@ def test_sdpa_all_true_mask_is_no_mask(fake_kernels):
 # --------------------------------------------------------------------------------------------
 
 
-def test_sdpa_error_dropout(fake_kernels):
+@pytest.mark.parametrize("p,err,match", [
+    (1.0, ValueError, r"dropout_p: expected a probability in \[0, 1\), got 1.0"),
+    (-0.5, ValueError, r"dropout_p: expected a probability"),
+    (True, TypeError, r"dropout_p: expected a float"),
+])
+def test_sdpa_error_dropout(fake_kernels, p, err, match):
     q, k, v = _qkv(1, 1, 1, 3, 3, 4)
-    with pytest.raises(ValueError, match=r"dropout_p: .*no attention dropout; got 0.1, allowed: 0.0"):
-        scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(err, match=match):
+        scaled_dot_product_attention(q, k, v, dropout_p=p)
     assert not fake_kernels.calls
+
+
+def test_dropout_through_torch_matches_the_numpy_api_and_reproduces():
+    """SDPA with dropout_p: the seed comes from torch's generator (torch.manual_seed makes it
+    reproducible); forward and gradients equal the NumPy API's with that seed."""
+    q, k, v = _qkv(1, 2, 2, 64, 64, 16)
+    torch.manual_seed(3)
+    o1 = scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True,
+                                      mixed_precision=False)
+    o1.sum().backward()
+    g1 = [x.grad.clone() for x in (q, k, v)]
+    torch.manual_seed(3)
+    seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
+    o_np, lse = host.flash_attention(*(x.detach().numpy() for x in (q, k, v)), causal="top_left",
+                                     mixed_precision=False, dropout_p=0.25, seed=seed,
+                                     return_lse=True)
+    np.testing.assert_allclose(o1.detach().numpy(), o_np, atol=1e-6)
+    grads = host.flash_attention_backward(np.ones_like(o_np), *(x.detach().numpy()
+                                          for x in (q, k, v)), o_np, lse, causal="top_left",
+                                          mixed_precision=False, dropout_p=0.25, seed=seed)
+    for a, b in zip(g1, grads):
+        np.testing.assert_allclose(a.numpy(), b, atol=1e-5)
+    torch.manual_seed(4)
+    o2 = scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True,
+                                      mixed_precision=False)
+    assert not torch.allclose(o1, o2)
 
 
 def test_sdpa_error_is_causal_with_mask(fake_kernels):
