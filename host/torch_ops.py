@@ -44,8 +44,9 @@ torch is imported by this module only; ``import host`` does not import it.
 """
 from __future__ import annotations
 
+import math
 import numbers
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -414,27 +415,194 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         Bad inputs or options; the message names the argument, what was given and what is
         allowed.
     """
-    dims, opts = _validate(q, k, v, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
-                           q_lens=q_lens, mixed_precision=mixed_precision)
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse: expected True or False, got {_v.describe(return_lse)}")
-    opts = _with_dropout(opts, dropout_p, seed, generator)
-    executor = _EXECUTORS[_device_kind(q, k, v)]
-    return _FlashAttentionFunction.apply(q, k, v, executor, opts, bool(return_lse))
+    if torch.compiler.is_compiling():
+        # traced by torch.compile / torch.export: the NumPy-side validators cannot be traced;
+        # the kernels' host API validates every argument when the op runs
+        opts, kv_t, q_t = _traced_options(q, scale, causal, window, kv_lens, q_lens,
+                                          mixed_precision)
+        p, seed_t = _traced_dropout(dropout_p, seed, generator)
+    else:
+        dims, opts = _validate(q, k, v, scale=scale, causal=causal, window=window,
+                               kv_lens=kv_lens, q_lens=q_lens, mixed_precision=mixed_precision)
+        if not isinstance(return_lse, (bool, np.bool_)):
+            raise TypeError(f"return_lse: expected True or False, got "
+                            f"{_v.describe(return_lse)}")
+        p, seed_t = _dropout_args(dropout_p, seed, generator)
+        _device_kind(q, k, v)           # the device check, before the op
+        kv_t, q_t = _lens_tensor(opts.kv_lens), _lens_tensor(opts.q_lens)
+    o, lse = torch.ops.nki_flash.attention_fwd(
+        q, k, v, opts.scale, opts.causal, list(opts.window) if opts.window else None, kv_t, q_t,
+        opts.mixed_precision, p, seed_t)
+    return (o, lse) if return_lse else o
 
 
-def _with_dropout(opts: _Options, dropout_p, seed, generator) -> _Options:
-    """``opts`` with the validated dropout probability and a seed (drawn from ``generator``, or
-    torch's default generator, when none is given and ``dropout_p > 0``)."""
+def _dropout_args(dropout_p, seed, generator):
+    """``(p, seed tensor)`` of a call: the validated probability and an int64 scalar tensor
+    holding the seed (drawn from ``generator``, or torch's default generator, when none is
+    given and ``dropout_p > 0``; a tensor, so that torch.compile traces the draw)."""
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator or None, got "
                         f"{_v.describe(generator)}")
     p, _ = _v.check_dropout(dropout_p, 0 if seed is None else seed)
     if not p:
-        return opts
+        return 0.0, torch.zeros((), dtype=torch.int64)
     if seed is None:
-        seed = int(torch.randint(0, _v.MAX_DROPOUT_SEED, (1,), generator=generator).item())
-    return opts._replace(dropout_p=p, seed=int(seed))
+        return p, torch.randint(0, _v.MAX_DROPOUT_SEED, (), generator=generator,
+                                dtype=torch.int64)
+    return p, torch.tensor(int(seed), dtype=torch.int64)
+
+
+def _traced_options(q, scale, causal, window, kv_lens, q_lens, mixed_precision):
+    """The options of a call being traced by torch.compile/export, in plain Python (the op's
+    host API call validates them again when it runs)."""
+    D = q.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    causal = {True: "bottom_right", False: None, None: None}.get(causal, causal)
+    window = None if window is None else tuple(int(w) for w in window)
+    lens = []
+    for name, x in (("kv_lens", kv_lens), ("q_lens", q_lens)):
+        if x is None or isinstance(x, torch.Tensor):
+            lens.append(None if x is None else x.to(torch.int32))
+        else:
+            lens.append(torch.tensor([int(n) for n in x], dtype=torch.int32))
+    opts = _Options(scale=scale, causal=causal, window=window, kv_lens=None, q_lens=None,
+                    mixed_precision=bool(mixed_precision))
+    return opts, lens[0], lens[1]
+
+
+def _traced_dropout(dropout_p, seed, generator):
+    p = float(dropout_p)
+    if not p:
+        return 0.0, torch.zeros((), dtype=torch.int64)
+    if seed is None:
+        return p, torch.randint(0, 2 ** 31 - 1, (), generator=generator, dtype=torch.int64)
+    return p, torch.tensor(int(seed), dtype=torch.int64)
+
+
+def _lens_tensor(lens):
+    return None if lens is None else torch.as_tensor(np.asarray(lens, dtype=np.int32))
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom ops: what torch.compile, torch.export and torch.func see
+# --------------------------------------------------------------------------------------------
+#
+# nki_flash::attention_fwd(q, k, v, scale, causal, window, kv_lens, q_lens, mixed_precision,
+#                          dropout_p, seed) -> (o, lse)
+# nki_flash::attention_bwd(do, q, k, v, o, lse, <the same options>) -> (dq, dk, dv)
+#
+# Each has a fake (meta) implementation for shape and dtype propagation; attention_fwd's
+# autograd formula calls attention_bwd (and, for a gradient flowing into the LSE, the two ops
+# again), so compiled and exported graphs contain only these ops. attention_bwd has no
+# derivative: differentiating it (double backward, Hessian-vector products) raises.
+
+
+def _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout_p, seed):
+    return _Options(scale=float(scale), causal=causal, window=None if window is None else
+                    tuple(int(w) for w in window),
+                    kv_lens=None if kv_lens is None else kv_lens.cpu().numpy(),
+                    q_lens=None if q_lens is None else q_lens.cpu().numpy(),
+                    mixed_precision=bool(mixed_precision), dropout_p=float(dropout_p),
+                    seed=int(seed) if dropout_p else None)
+
+
+def _lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("nki_flash::attention_fwd", mutates_args=())
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   causal: Optional[str], window: Optional[List[int]],
+                   kv_lens: Optional[torch.Tensor], q_lens: Optional[torch.Tensor],
+                   mixed_precision: bool, dropout_p: float,
+                   seed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    opts = _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout_p,
+                       seed)
+    ex = _EXECUTORS[_device_kind(q, k, v)]
+    cdt = _compute_dtype(q, opts.mixed_precision)
+    o, lse = ex.forward(*(x.detach().to(cdt) for x in (q, k, v)), opts)
+    return o.to(q.dtype).clone(), lse.to(_lse_dtype(q)).clone()
+
+
+@_attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, scale, causal, window, kv_lens, q_lens, mixed_precision,
+                        dropout_p, seed):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("nki_flash::attention_bwd", mutates_args=())
+def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   o: torch.Tensor, lse: torch.Tensor, scale: float, causal: Optional[str],
+                   window: Optional[List[int]], kv_lens: Optional[torch.Tensor],
+                   q_lens: Optional[torch.Tensor], mixed_precision: bool, dropout_p: float,
+                   seed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    opts = _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout_p,
+                       seed)
+    ex = _EXECUTORS[_device_kind(q, k, v)]
+    cdt = _compute_dtype(q, opts.mixed_precision)
+    qc, kc, vc, oc, doc = (x.detach().to(cdt) for x in (q, k, v, o, do))
+    dq, dk, dv = ex.backward(doc, qc, kc, vc, oc, lse.detach().to(torch.float32), opts)
+    return dq.to(q.dtype).clone(), dk.to(k.dtype).clone(), dv.to(v.dtype).clone()
+
+
+@_attention_bwd.register_fake
+def _attention_bwd_fake(do, q, k, v, o, lse, scale, causal, window, kv_lens, q_lens,
+                        mixed_precision, dropout_p, seed):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, scale, causal, window, kv_lens, q_lens, mp, dropout_p, seed = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, seed)
+    ctx.lens = (kv_lens, q_lens)
+    ctx.opts = (scale, causal, window, mp, dropout_p)
+    ctx.set_materialize_grads(False)
+
+
+def _fwd_backward(ctx, grad_o, grad_lse):
+    q, k, v, o, lse, seed = ctx.saved_tensors
+    scale, causal, window, mp, dropout_p = ctx.opts
+    kv_lens, q_lens = ctx.lens
+    nothing = (None,) * 8
+    if grad_o is None and grad_lse is None:
+        return (None, None, None) + nothing
+    bwd = torch.ops.nki_flash.attention_bwd
+    do = torch.zeros_like(o) if grad_o is None else grad_o.to(o.dtype)
+    dq, dk, dv = bwd(do, q, k, v, o, lse, scale, causal, window, kv_lens, q_lens, mp, dropout_p,
+                     seed)
+    if grad_lse is not None:
+        # d lse_i / d S_ij = P_ij of the undropped softmax: dq += scale g (P @ k),
+        # dk += scale P^T (g q) -- attention with k as the values, and the dv of a backward
+        # with do = g q (module docstring of _lse_gradient_terms)
+        no_drop = torch.zeros((), dtype=torch.int64)
+        g32 = grad_lse.to(torch.float32)
+        pk, _ = torch.ops.nki_flash.attention_fwd(q, k, k, scale, causal, window, kv_lens,
+                                                   q_lens, mp, 0.0, no_drop)
+        do_x = (g32[..., None] * q.to(torch.float32)).to(q.dtype)
+        _, _, pt_x = bwd(do_x, q, k, v, o, lse, scale, causal, window, kv_lens, q_lens, mp, 0.0,
+                         no_drop)
+        dq = (dq.to(torch.float32) + scale * g32[..., None] * pk.to(torch.float32)).to(q.dtype)
+        dk = (dk.to(torch.float32) + scale * pt_x.to(torch.float32)).to(k.dtype)
+    return (dq, dk, dv) + nothing
+
+
+_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+def _bwd_setup_context(ctx, inputs, output):
+    pass
+
+
+def _bwd_backward(ctx, *grads):
+    raise RuntimeError(
+        "nki_flash: double backward (a gradient of the attention gradients, e.g. a "
+        "Hessian-vector product or create_graph=True followed by another backward) is not "
+        "supported: the flash backward kernel has no derivative. Use PyTorch's SDPA for "
+        "higher-order gradients.")
+
+
+_attention_bwd.register_autograd(_bwd_backward, setup_context=_bwd_setup_context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -564,7 +732,9 @@ def _mask_to_options(attn_mask, query, batch_shape, H: int, L: int, S: int) -> _
                 f"the kernels apply one mask to all heads. {_SUPPORTED_MASKS}"
             )
         keep = keep.narrow(-3, 0, 1)
-    B = int(np.prod(batch_shape)) if batch_shape else 1
+    B = 1
+    for d in batch_shape:
+        B *= int(d)
     per_batch = all(d == 1 for d in keep.shape[:-3])
     Bm = 1 if per_batch else B
     Lm = int(keep.shape[-2])
@@ -708,7 +878,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None:
         form = _mask_to_options(attn_mask, query, batch_shape, Hq, L, S)
         causal, window, kv_lens, q_lens = form
-    B = int(np.prod(batch_shape)) if batch_shape else 1
+    B = 1
+    for d in batch_shape:
+        B *= int(d)
     q4 = query.reshape(B, Hq, L, E)
     k4 = key.reshape(B, Hkv, S, E)
     v4 = value.reshape(B, Hkv, S, E)
