@@ -3,11 +3,14 @@
 Two functions, both autograd-aware:
 
 :func:`flash_attention`
-    The NumPy API's :func:`host.flash_attention` for torch tensors, as a
-    :class:`torch.autograd.Function`: the forward runs the flash forward kernel and saves
-    ``q, k, v, o, lse``; the backward runs the flash backward kernel
-    (:func:`host.flash_attention_backward`). Same options and semantics as the NumPy API
-    (docs/semantics.md); in particular ``causal=True`` means ``"bottom_right"``.
+    The NumPy API's :func:`host.flash_attention` for torch tensors, as the ``torch.library``
+    custom op ``nki_flash::attention_fwd`` whose autograd formula calls
+    ``nki_flash::attention_bwd`` (the flash backward kernel, :func:`host.flash_attention_backward`).
+    Both ops have fake implementations, so ``torch.compile(fullgraph=True)`` and
+    ``torch.export`` see them as single graph nodes; differentiating the backward op (double
+    backward) raises; ``torch.func.vmap`` runs one call per sample; ``torch.func.grad`` raises.
+    Same options and semantics as the NumPy API (docs/semantics.md); in particular
+    ``causal=True`` means ``"bottom_right"``.
 :func:`scaled_dot_product_attention`
     A drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` with PyTorch's
     semantics (``is_causal`` is top-left aligned, ``enable_gqa``, keyword ``scale``, any number
