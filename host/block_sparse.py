@@ -276,3 +276,90 @@ def fixed_density(nqt: int, nkt: int, density: float) -> np.ndarray:
     active = np.zeros((nqt, nkt), dtype=bool)
     active[np.arange(nqt)[:, None], cols] = True
     return active[None, None]
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels' tables
+# --------------------------------------------------------------------------------------------
+
+
+class KernelTables(NamedTuple):
+    """What a block-sparse kernel reads: its rows (query tiles in the forward, key blocks in
+    the backward's dK/dV sweep) in processing order, with their active blocks.
+
+    ``meta`` int32 ``(b, h, n, 2 + trip_max)``: at order position r, ``[row, count, block_0,
+    ..., block_{trip_max - 1}]`` (blocks past ``count`` are 0 and masked by the kernel).
+    ``classes``: ``((first position, positions, trip, exact), ...)``, at most
+    :data:`nki_kernels.tiles.BSP_MAX_CLASSES`: a loop over positions whose inner loop runs
+    ``trip`` slots; ``exact`` when every row of the class has exactly ``trip`` blocks (no slot
+    is masked). Compile-time: the kernel's program depends on ``classes`` and the shapes only.
+    """
+
+    meta: np.ndarray
+    classes: Tuple[Tuple[int, int, int, bool], ...]
+
+
+def _cut(profile: np.ndarray, max_classes: int):
+    """Cut a non-increasing count profile into at most ``max_classes`` runs of positions,
+    merging greedily the adjacent runs whose merge adds the fewest padding slots."""
+    runs = []
+    for pos, c in enumerate(profile.tolist()):
+        if runs and runs[-1][2] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([pos, 1, c])
+    while len(runs) > max_classes:
+        # merging run i + 1 into run i pads run i + 1 up to run i's trip
+        costs = [runs[i + 1][1] * (runs[i][2] - runs[i + 1][2]) for i in range(len(runs) - 1)]
+        i = int(np.argmin(costs))
+        runs[i][1] += runs[i + 1][1]
+        del runs[i + 1]
+    return [(a, n, t) for a, n, t in runs]
+
+
+def kernel_tables(index: BlockIndex, *, sort: bool, group: int = 1,
+                  max_classes: Optional[int] = None) -> KernelTables:
+    """Tables of a validated index layout ``(b, h, rows, max_blocks)`` for a block-sparse
+    kernel.
+
+    ``sort=True`` (a compile-time pattern) orders the rows of every ``(b, h)`` by decreasing
+    count and cuts them into classes with tight trip counts; ``sort=False`` (a runtime pattern:
+    one compilation for every pattern of the bound) keeps the natural order in one class whose
+    trip is ``max_blocks``. ``group``: rows must be processed in the same order by ``group``
+    consecutive heads (the query heads of a kv group, whose dK/dV one loop accumulates), so
+    the order of a group follows the largest count among its heads.
+    """
+    num = np.asarray(index.num_blocks, dtype=np.int64)
+    idx = np.asarray(index.indices, dtype=np.int64)
+    b, h, n = num.shape
+    max_classes = _tiles.BSP_MAX_CLASSES if max_classes is None else max_classes
+    if h % group:
+        raise ValueError(f"group: {group} must divide the head count {h} of the pattern")
+    if sort:
+        key = num.reshape(b, h // group, group, n).max(axis=2)          # (b, h/group, n)
+        order_g = np.argsort(-key, axis=-1, kind="stable")
+        order = np.repeat(order_g, group, axis=1)                     # (b, h, n)
+        profile = np.take_along_axis(key, order_g, axis=-1).max(axis=(0, 1))
+        runs = _cut(profile, max_classes)
+    else:
+        order = np.broadcast_to(np.arange(n), (b, h, n))
+        runs = [(0, n, int(idx.shape[-1]))]
+    trip_max = max(1, max(t for _, _, t in runs))
+    num_o = np.take_along_axis(num, order, axis=-1)
+    idx_o = np.take_along_axis(idx, order[..., None], axis=2)[..., :trip_max]
+    if idx_o.shape[-1] < trip_max:
+        idx_o = np.concatenate(
+            [idx_o, np.zeros(idx_o.shape[:-1] + (trip_max - idx_o.shape[-1],), np.int64)], -1)
+    live = np.arange(trip_max) < num_o[..., None]
+    meta = np.concatenate([order[..., None], num_o[..., None], np.where(live, idx_o, 0)], -1)
+    classes = []
+    for a, m, t in runs:
+        counts = num_o[..., a:a + m]
+        classes.append((a, m, t, bool((counts == t).all())))
+    return KernelTables(np.ascontiguousarray(meta, dtype=np.int32), tuple(classes))
+
+
+def transpose(sparsity: BlockSparsity) -> BlockIndex:
+    """The pattern seen from the keys: for every key block, its active query tiles (the index
+    layout of the transposed dense mask; for the backward's dK/dV sweep)."""
+    return dense_to_index(np.swapaxes(sparsity.dense, -1, -2))

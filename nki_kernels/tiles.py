@@ -45,6 +45,13 @@ FWD_SBUF_BUDGET_BYTES = {"trn1": 192 * 1024 * 9 // 10, "trn2": 224 * 1024 * 9 //
 #: Br x Bc (FlashAttention section 3.3) at the NeuronCore's natural tile: one partition tile of
 #: queries by 128 keys. Kernels may work on coarser key blocks internally.
 BLOCK_SPARSE_TILE = PMAX
+#: Most loop bodies (classes) a block-sparse kernel sorts its rows into: rows (query tiles, or
+#: key blocks in the backward) are ordered by their count of active blocks and cut into at most
+#: this many runs, each a loop whose trip count is the largest count of the run (padding slots
+#: are masked). The program size is bounded by it, whatever N; the waste is what the cut leaves.
+BSP_MAX_CLASSES = 16
+
+
 #: Edge of the query x key unit a dropout mask is generated in: every unit draws its keep bits
 #: from a generator seeded by (seed, batch, head, query unit, key unit), so the mask does not
 #: depend on the kernel's own tiling, its loop order or the core that runs the unit.

@@ -847,6 +847,23 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
     s_tiles = [scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked, pred,
                       None if d0 is None else d0 + n * kt)
                for n, w in enumerate(widths)]
+    drop = None
+    if f.dropout_p:
+        def drop(p, r_, w_, pr):
+            dropout_units(f, p, r_, w_, *du, pr)
+    fold_block(f, st, s, s_tiles, widths, kv, rb, pred, drop)
+
+
+def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, pred, drop=None):
+    """The online-softmax update of slot s by one key block whose raw score tiles (masks
+    already added) are ``s_tiles`` (PSUM, ``widths`` keys each, consecutive keys from the K/V
+    tile's 128-key block ``rb``): new max, ``P = exp(...)``, alpha, ``pv = P [V | 1]``,
+    ``[o_acc | l_i] = alpha [o_acc | l_i] + pv`` (:func:`attend_block`). ``drop``: None, or
+    ``drop(p, rows, width, pred)`` applies attention dropout to P in place (the statistics
+    stay those of the undropped P). Every instruction is predicated on ``pred``."""
+    r, P = st.rows, T.PMAX
+    kt = f.tiles.k_tile
+    width = sum(widths)
     nb = len(widths)
     stats = st.stats[0:r, s, :]
     neg_m_old, neg_m_new = st.neg_m(s), st.neg_m_new(s)
@@ -877,7 +894,7 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
                 scale=c, dtype=f.mm, mask=pred)
         row_sum = nisa.tensor_reduce(np.add, sums, axis=(1,), keepdims=True, dtype=nl.float32,
                                      mask=pred)
-        dropout_units(f, p, r, width, *du, pred)
+        drop(p, r, width, pred)
     else:
         for n in nl.static_range(nb):
             p[:, n * kt:n * kt + widths[n]] = nisa.activation(nl.exp, s_tiles[n], bias=bias,
@@ -949,6 +966,18 @@ def write_back(f: _Instance, st: _GroupState, s, h, t):
     def store(out, tile):
         M.store_rows(out, f.b, f.head(h), t * f.tiles.q_tile, r, tile, f.q_store, col)
 
+    in_range = f.q_valid[0:r, nl.ds(col, 1)] if f.spec.q_lens else None
+    o_out, lse_out = finalize(f, st, s, in_range)
+    store(f.o, o_out)
+    store(f.lse_col, lse_out)
+
+
+def finalize(f: _Instance, st: _GroupState, s, in_range=None):
+    """``(o, lse)`` tiles of slot s (:func:`write_back`): ``o_acc / max(l_i, L_FLOOR)`` in
+    o's dtype (times ``1 / (1 - p)`` with dropout) and ``c m_i + log l_i`` fp32, -inf where
+    ``l_i = 0``. ``in_range``: None, or an fp32 ``[rows, 1]`` column, 1.0 for real rows and 0.0
+    for padding rows (their o is multiplied by 0 and their lse is -inf)."""
+    r = st.rows
     o_acc = st.o_acc(s)
     l_i = o_acc[:, f.D:f.D + 1]
     # the SBUF-only element-wise steps on GpSimd (VectorE and ScalarE are the busy engines)
@@ -959,21 +988,18 @@ def write_back(f: _Instance, st: _GroupState, s, h, t):
         inv_l = nisa.tensor_scalar(inv_l, nl.multiply, 1.0 / (1.0 - f.dropout_p),
                                    dtype=nl.float32, engine=gp)
     # padding rows: multiplied by 0 (o) and deselected (lse)
-    in_range = f.q_valid[0:r, nl.ds(col, 1)] if f.spec.q_lens else None
-    op1 = nl.multiply if f.spec.q_lens else None
+    op1 = None if in_range is None else nl.multiply
     o_out = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l, op1=op1, operand1=in_range,
                                dtype=f.o.dtype, engine=gp)
     keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, op1=op1, operand1=in_range, dtype=nl.uint8,
                               engine=gp)
-    store(f.o, o_out)
-
     log_l = nisa.activation(nl.log, l_safe, dtype=nl.float32)
     lse_val = nisa.activation(nl.copy, st.neg_m(s), scale=-f.act_scale, bias=log_l,
                               dtype=nl.float32)
     lse_out = nisa.memset((r, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
     # explicit select (documented from neuronx-cc 2.22; nki-api-spec §9.14)
     nisa.tensor_copy_predicated(src=lse_val, dst=lse_out, predicate=keep)
-    store(f.lse_col, lse_out)
+    return o_out, lse_out
 
 
 def sweep(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, n: int, masked: bool,

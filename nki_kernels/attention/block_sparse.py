@@ -1,0 +1,408 @@
+"""Block-sparse flash attention forward (FlashAttention section 3.3, appendix Algorithm 5).
+
+A pattern of 128 x 128 blocks says which key blocks each query tile attends to
+(``host/block_sparse.py``); a missing block is skipped entirely -- no K/V load, no matmul, no
+exponential -- so HBM traffic and work fall with the density s (Proposition 4: Theta(Nd +
+N^2 d^2 M^-1 s)). Inside an active block the usual masks still apply (causal, window, valid
+lengths), and GQA and attention dropout compose as in the dense forward.
+
+The pattern is device data: ``meta (b, h, n, 2 + trip)`` int32, one row per query tile in
+processing order, ``[query tile, count, key block_0, ...]`` (``host.block_sparse.kernel_tables``).
+The compile-time part is ``classes``: runs of order positions, each an NKI loop over its query
+tiles with an inner ``sequential_range`` of ``trip`` slots (the carried online-softmax state),
+at most ``tiles.BSP_MAX_CLASSES`` of them whatever N, so the program does not grow with N.
+
+- **Compile-time pattern** (a dense bool block mask): the host sorts the query tiles by their
+  count and cuts the runs tightly (``exact`` classes have no masked slot and no mask work).
+- **Runtime pattern** (FlexAttention's ``(num_blocks, indices)``): one class of every query
+  tile with ``trip = max_blocks``; one compilation serves every pattern of that bound. Slots
+  past a tile's count are *padding slots*: their K/V gathers are skipped by ``oob_mode.skip``
+  (the index is pushed out of bounds: no HBM read) and their scores are masked, so they cost
+  on-chip work but no traffic. Legacy NKI has no data-dependent trip count (``dynamic_range``
+  is an ``nki.*`` API on trn2/trn3 only; reference/nki-api-spec.md), so this is the NKI way.
+
+Per query tile (a loop body)::
+
+    load meta row -> fp32 on every partition (a K=1 ones matmul, exact for ints < 2^24)
+    gather Q rows (indirect DMA; rows past Nq or q_len skipped), Q^T by TensorE
+    for slot in sequential_range(trip):
+        gather K_j, V_j rows of block j = meta[slot] (indirect DMA, skip-padding)
+        K_j^T by TensorE;  S = Q K_j^T (+ MASK_NEG x indicator: padding slot, keys past the
+        length, causal/window band -- comparisons of iota tiles with per-tile columns)
+        online-softmax update (forward.fold_block, shared with the dense kernel)
+    O, LSE scattered to the tile's rows (rows past Nq skipped)
+
+Masks here are computed at run time from the block's position (the dense kernel's band
+predicates are affine in loop indices; here the key block is data). The alignment offset of
+the band is ``Nk - Nq`` (bottom_right), 0 (top_left) or, with lengths, ``kv_len - q_len`` per
+sequence; positions are those of the padded frame, the block pattern's own (no rotation).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np  # compile-time constants only (reduction ops)
+
+from nki_kernels import tiles as T
+from nki_kernels.attention import forward as F
+from nki_kernels.attention import masks as M
+from nki_kernels.nki import nisa, nki, nl
+
+P = T.PMAX
+
+
+def _check_classes(classes, n: int, trip_max: int):
+    """Validate the compile-time classes against the table: contiguous runs covering the
+    ``n`` order positions, trips within the table's columns."""
+    pos = 0
+    for a, m, t, _exact in classes:
+        if a != pos or m < 1 or not 0 <= t <= trip_max:
+            raise ValueError(f"classes: expected contiguous runs of positions with trips in "
+                             f"[0, {trip_max}], got {classes!r}")
+        pos += m
+    if pos != n or len(classes) > T.BSP_MAX_CLASSES:
+        raise ValueError(f"classes: must cover the {n} rows in at most {T.BSP_MAX_CLASSES} runs, "
+                         f"got {classes!r}")
+
+
+def broadcast_row(row_i32, width: int):
+    """fp32 ``[128, width]``: an int32 ``[1, width]`` row on every partition (a K=1 matmul of
+    a ones row, one PSUM bank per 512 columns; exact for integers below 2^24)."""
+    row = nisa.tensor_copy(row_i32, dtype=nl.float32, engine=nisa.vector_engine)
+    ones = nisa.memset((1, P), 1.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
+    out = nl.ndarray((P, width), dtype=nl.float32, buffer=nl.sbuf)
+    for c0 in nl.static_range(0, width, T.PSUM_FMAX):
+        w = min(T.PSUM_FMAX, width - c0)
+        ps = nl.ndarray((P, w), dtype=nl.float32, buffer=nl.psum)
+        ps[...] = nisa.nc_matmul(ones, row[0:1, c0:c0 + w])
+        out[:, c0:c0 + w] = nisa.tensor_copy(ps, dtype=nl.float32, engine=nisa.vector_engine)
+    return out
+
+
+class Geometry:
+    """Compile-time facts of one launch shared by the forward and the backward: lengths, the
+    band, and the constant iota tiles the runtime masks compare against."""
+
+    def __init__(self, spec: M.MaskSpec, kv_lens, q_lens, b, Nq: int, Nk: int):
+        self.spec, self.Nq, self.Nk = spec, Nq, Nk
+        self.has_lens = kv_lens is not None or q_lens is not None
+        _, self.lens_p = M.load_lengths(kv_lens, q_lens, b, Nk, Nq)
+        self.kv_len = self.lens_p[:, 0:1]       # fp32 [128, 1]: kv_len (or Nk)
+        self.q_len = self.lens_p[:, 1:2]        # q_len (or Nq)
+        # the band's alignment offset: 0, Nk - Nq, or kv_len - q_len with lengths
+        self.offset = None
+        if spec.has_diag and not spec.top_left and self.has_lens:
+            self.offset = nisa.tensor_tensor(self.kv_len, self.q_len, np.subtract,
+                                             dtype=nl.float32)
+        self.static_offset = 0 if spec.top_left else Nk - Nq
+        self.diff = nisa.iota(nl.arange(P)[None, :] - nl.arange(P)[:, None],
+                              dtype=nl.float32)                    # c - p
+        self.part = nisa.iota(nl.arange(P)[:, None], dtype=nl.float32)   # p, [128, 1]
+        self.col = nisa.tensor_scalar(self.diff, np.add, self.part, dtype=nl.float32)   # c
+        self.neg_eye = M.neg_identity(P)
+
+    def needs_key_mask(self, exact: bool) -> bool:
+        """Whether scores need the key-side indicator: padding slots (not ``exact``), keys past
+        kv_len, or the partial last key block."""
+        return (not exact) or self.Nk % P != 0 or self.has_lens
+
+    def band_columns(self, gap):
+        """``(hi_thr, lo_thr)`` fp32 (None when unbounded), the shape of ``gap``: a score at
+        row p, key column c of a block pair is outside the band when ``c - p > hi_thr`` or ``c
+        - p < lo_thr``. ``gap``: fp32, first key minus first query row of each pair."""
+        spec = self.spec
+        if not spec.has_diag:
+            return None, None
+        # e = gap - off;  c - p + e in [lo, hi]
+        e = gap
+        if self.offset is not None:
+            e = nisa.tensor_scalar(e, np.subtract, self.offset, dtype=nl.float32)
+        else:
+            e = nisa.tensor_scalar(e, np.subtract, float(self.static_offset), dtype=nl.float32)
+        hi = lo = None
+        if spec.hi is not None:
+            hi = nisa.tensor_scalar(e, np.subtract, float(spec.hi), op1=np.multiply,
+                                    operand1=-1.0, dtype=nl.float32)
+        if spec.lo is not None:
+            lo = nisa.tensor_scalar(e, np.subtract, float(spec.lo), op1=np.multiply,
+                                    operand1=-1.0, dtype=nl.float32)
+        return hi, lo
+
+    def indicator(self, key_thr, hi_thr, lo_thr, rows: int = P):
+        """bf16 ``[rows, 128]``: 1.0 at the scores to mask -- key column ``c >= key_thr`` (a
+        padding slot has ``key_thr <= 0``: every column), ``c - p > hi_thr``, ``c - p <
+        lo_thr`` (each a ``[rows, 1]`` column, or None) -- else 0.0. GpSimd/VectorE."""
+        parts = []
+        if key_thr is not None:
+            parts.append(nisa.tensor_scalar(self.col[0:rows], nl.greater_equal, key_thr,
+                                            dtype=nl.float32, engine=nisa.gpsimd_engine))
+        if hi_thr is not None:
+            parts.append(nisa.tensor_scalar(self.diff[0:rows], nl.greater, hi_thr,
+                                            dtype=nl.float32, engine=nisa.gpsimd_engine))
+        if lo_thr is not None:
+            parts.append(nisa.tensor_scalar(self.diff[0:rows], nl.less, lo_thr,
+                                            dtype=nl.float32, engine=nisa.vector_engine))
+        if not parts:
+            return None
+        ind = parts[0]
+        for x in parts[1:]:
+            ind = nisa.tensor_tensor(ind, x, nl.maximum, dtype=nl.float32)
+        return nisa.tensor_copy(ind, dtype=nl.bfloat16, engine=nisa.vector_engine)
+
+
+class Row:
+    """The tables of one processing-order position (a *row*: a query tile, or a key block in
+    the backward's dK/dV sweep) and its *entries* (the blocks of the other side it meets), on
+    every partition: the row's first position ``first`` (fp32 ``[128, 1]``), its ``count``,
+    the entries' first positions ``block_first`` (fp32 ``[128, trip]``), ``pad`` (1.0 at the
+    padding slots, ``slot >= count``), ``bad`` (1.0 where partition p of a slot's entry is not
+    read: padding, or position ``block_first + p`` past ``other_len``) and ``rows`` (int32
+    ``[128, trip]``: ``block_first + p``, pushed out of bounds where ``bad``: the gathers skip
+    them)."""
+
+    def __init__(self, geo: Geometry, meta_row, trip: int, other_len, other_n: int):
+        self.bc = broadcast_row(meta_row, 2 + trip)
+        self.first = nisa.tensor_scalar(self.bc[:, 0:1], np.multiply, float(P),
+                                        dtype=nl.float32)
+        self.count = self.bc[:, 1:2]
+        self.block_first = nisa.tensor_scalar(self.bc[:, 2:2 + trip], np.multiply, float(P),
+                                              dtype=nl.float32)
+        slot = nisa.tensor_scalar(nisa.iota(nl.arange(trip)[None, :] - nl.arange(P)[:, None],
+                                            dtype=nl.float32), np.add, geo.part,
+                                  dtype=nl.float32)
+        self.pad = nisa.tensor_scalar(slot, nl.greater_equal, self.count, dtype=nl.float32)
+        pos = nisa.tensor_scalar(self.block_first, np.add, geo.part, dtype=nl.float32)
+        past = nisa.tensor_scalar(pos, nl.greater_equal, other_len, dtype=nl.float32)
+        self.bad = nisa.tensor_tensor(past, self.pad, nl.maximum, dtype=nl.float32)
+        oob = nisa.tensor_scalar(self.bad, np.multiply, float(M.oob_offset(other_n)),
+                                 dtype=nl.int32)
+        rel = nisa.tensor_copy(pos, dtype=nl.int32, engine=nisa.vector_engine)
+        self.rows = nisa.tensor_tensor(rel, oob, np.add, dtype=nl.int32)      # GpSimd, exact
+
+    def key_thresholds(self, geo: Geometry, big: float):
+        """fp32 ``[128, trip]`` for entries that are key blocks: valid key columns are ``c <
+        kv_len - block_first``, none in a padding slot (``- big pad``)."""
+        thr = nisa.scalar_tensor_tensor(data=self.pad, op0=np.multiply, operand0=-big,
+                                        op1=np.subtract, operand1=self.block_first,
+                                        dtype=nl.float32)
+        return nisa.tensor_scalar(thr, np.add, geo.kv_len, dtype=nl.float32)
+
+
+def own_rows(geo: Geometry, first, length, n: int):
+    """``(idx, pos)``: int32 ``[128, 1]`` gather/scatter indices of the 128 positions from
+    ``first`` (fp32 column) of a sequence of ``n`` positions, out of bounds at positions ``>=
+    length`` (a ``[128, 1]`` column or a number), and the positions themselves (fp32)."""
+    pos = nisa.tensor_scalar(first, np.add, geo.part, dtype=nl.float32)
+    if isinstance(length, (int, float)):
+        past = nisa.tensor_scalar(pos, nl.greater_equal, float(length), dtype=nl.float32)
+    else:
+        past = nisa.tensor_scalar(pos, nl.greater_equal, length, dtype=nl.float32)
+    oob = nisa.tensor_scalar(past, np.multiply, float(M.oob_offset(n)), dtype=nl.int32)
+    rel = nisa.tensor_copy(pos, dtype=nl.int32, engine=nisa.vector_engine)
+    return nisa.tensor_tensor(rel, oob, np.add, dtype=nl.int32), pos
+
+
+def gather(dst, src, bh, idx, col, width: int, skip: bool):
+    """``dst[p] = src[b, h, idx[p, col]]`` for ``bh = (b, h)`` (``col`` an NKI expression); with
+    ``skip`` the destination is zeroed first and out-of-bounds rows are not read."""
+    if skip:
+        dst[...] = nisa.memset(dst.shape, 0.0, dtype=dst.dtype, engine=nisa.gpsimd_engine)
+    nisa.dma_copy(dst=dst, src=src[bh[0], bh[1], idx[nl.arange(P)[:, None], col],
+                                   nl.arange(width)[None, :]],
+                  oob_mode=nisa.oob_mode.skip if skip else nisa.oob_mode.error)
+
+
+def _unit_seeds(f, rw: Row, head, trip: int):
+    """``(units, base)``: int32 ``[1, trip]`` ``query tile nku + key block`` of every slot
+    (exact in fp32: nqu nku < 2^24) and int32 ``[1, 1]`` ``seed + (b Hq + head) nqu nku``; a
+    slot's dropout seed is their sum (:func:`unit_seed`), the dense kernels' numbering."""
+    qn = nisa.tensor_scalar(rw.bc[0:1, 0:1], np.multiply, float(f.nku), dtype=nl.float32)
+    units = nisa.tensor_scalar(rw.bc[0:1, 2:2 + trip], np.add, qn, dtype=nl.int32)
+    base = nisa.iota((f.b * f.Hq + head) * (f.nqu * f.nku) + nl.arange(1)[None, :],
+                     dtype=nl.int32)
+    return units, nisa.tensor_tensor(base, f.seed, np.add, dtype=nl.int32)
+
+
+def unit_seed(seeds, sl):
+    """int32 ``[1, 1]`` dropout seed of slot sl (:func:`_unit_seeds`)."""
+    units, base = seeds
+    out = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    out[...] = nisa.tensor_tensor(units[0:1, nl.ds(sl, 1)], base, np.add, dtype=nl.int32)
+    return out
+
+
+def _attend_tile(f, geo: Geometry, meta, h, pos, trip: int, exact: bool):
+    """One query tile (order position ``pos`` of member head h): the body of a class loop."""
+    head = f.head(h)
+    hb = f.b if meta.shape[0] > 1 else 0
+    hh = head if meta.shape[1] > 1 else 0
+    row = nl.ndarray((1, 2 + trip), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=row, src=meta[hb, hh, nl.ds(pos, 1), 0:2 + trip])
+    need_thr = geo.needs_key_mask(exact)
+    rw = Row(geo, row, trip, geo.kv_len, f.Nk)
+    thr = rw.key_thresholds(geo, float(2 * P + f.Nk)) if need_thr else None
+    st = F._GroupState(f, 1, P)
+    # Q rows of the tile: skipped past q_len (they output 0), scattered back below Nq
+    q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, f.Nq)
+    x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
+    gather(x, f.q, (f.b, head), q_idx, 0, f.D, True)
+    for pi, (d0, rows) in enumerate(f.d_passes):
+        tp = nl.ndarray((rows, P), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
+        tp[...] = nisa.nc_transpose(x[:, d0:d0 + rows])
+        st.qT[pi][:, 0, :] = nisa.activation(nl.copy, tp, scale=f.q_scale, dtype=f.mm)
+    hi_thr, lo_thr = geo.band_columns(
+        nisa.tensor_scalar(rw.block_first, np.subtract, rw.first, dtype=nl.float32))
+    seeds = _unit_seeds(f, rw, head, trip) if f.dropout_p else None
+    skip = need_thr
+    same = f.v.dtype == f.mm
+
+    for sl in nl.sequential_range(trip):
+        kx = nl.ndarray((P, f.D), dtype=f.k.dtype, buffer=nl.sbuf)
+        k_idx = rw.rows[:, nl.ds(sl, 1)]
+        gather(kx, f.k, (f.b, f.g), k_idx, 0, f.D, skip)
+        v = nl.ndarray((P, 1, f.D + 1), dtype=f.mm, buffer=nl.sbuf)
+        v[:, 0, f.D:f.D + 1] = nisa.memset((P, 1), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
+        if same:
+            gather(v[:, 0, 0:f.D], f.v, (f.b, f.g), k_idx, 0, f.D, skip)
+        else:
+            vx = nl.ndarray((P, f.D), dtype=f.v.dtype, buffer=nl.sbuf)
+            gather(vx, f.v, (f.b, f.g), k_idx, 0, f.D, skip)
+            v[:, 0, 0:f.D] = nisa.tensor_copy(vx, dtype=f.mm, engine=nisa.gpsimd_engine)
+        kT = [nl.ndarray((rows, P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
+        F.transpose_keys(f, kT, 0, [(0, P, kx)], f.k.dtype)
+        sc = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
+        for pi, (d0, rows) in enumerate(f.d_passes):
+            prod = nisa.nc_matmul(st.qT[pi][:, 0, :], kT[pi])
+            if pi == 0:
+                sc[...] = prod
+            else:
+                sc[...] += prod
+        ind = geo.indicator(None if thr is None else thr[:, nl.ds(sl, 1)],
+                            None if hi_thr is None else hi_thr[:, nl.ds(sl, 1)],
+                            None if lo_thr is None else lo_thr[:, nl.ds(sl, 1)])
+        if ind is not None:
+            sc[...] += nisa.nc_matmul(geo.neg_eye, ind)
+        drop = None
+        if f.dropout_p:
+            def drop(p, r, w, pred, sl=sl):
+                us = unit_seed(seeds, sl)
+                nl.random_seed(seed=us)
+                p[...] = nisa.dropout(p, f.dropout_p)
+                if f.mask_out is not None:
+                    nl.random_seed(seed=us)
+                    keep = nisa.dropout(f.ones, f.dropout_p)
+                    _store_mask(f, geo, rw, head, sl, keep)
+        F.fold_block(f, st, 0, [sc], [P], F._KV(None, kT, v), 0, None, drop)
+
+    in_range = None
+    if f.spec.q_lens:
+        in_range = nisa.tensor_scalar(q_pos, nl.less, geo.q_len, dtype=nl.float32)
+    o_out, lse_out = F.finalize(f, st, 0, in_range)
+    store_tile(f, geo, rw.first, head, o_out, lse_out)
+
+
+def store_tile(f, geo: Geometry, first, head, o_tile, lse_tile):
+    """Scatter a query tile's o ``[128, D]`` and lse ``[128, 1]`` to its rows from ``first``
+    (fp32 column) of query head ``head``; rows past Nq are skipped."""
+    out_idx, _ = own_rows(geo, first, f.Nq, f.Nq)
+    ip, iD = nl.arange(P)[:, None], nl.arange(f.D)[None, :]
+    nisa.dma_copy(dst=f.o[f.b, head, out_idx[ip, 0], iD], src=o_tile,
+                  oob_mode=nisa.oob_mode.skip)
+    nisa.dma_copy(dst=f.lse_col[f.b, head, out_idx[ip, 0], nl.arange(1)[None, :]], src=lse_tile,
+                  oob_mode=nisa.oob_mode.skip)
+
+
+def _store_mask(f, geo: Geometry, rw: Row, head, sl, keep):
+    """Debug: the keep mask of slot sl into ``mask_out``'s ``(B, Hq, Nq nku, 128)`` view at
+    row ``i nku + key block`` (one 128-key unit per row)."""
+    nku = f.nku
+    # (first + p) nku + block, exact in fp32 (debug shapes: Nq nku < 2^24)
+    pos = nisa.tensor_scalar(rw.first, np.add, geo.part, dtype=nl.float32)
+    blk = nisa.tensor_scalar(rw.block_first[:, nl.ds(sl, 1)], np.multiply, 1.0 / P,
+                             dtype=nl.float32)
+    rel = nisa.scalar_tensor_tensor(data=pos, op0=np.multiply, operand0=float(nku), op1=np.add,
+                                    operand1=blk, dtype=nl.float32)
+    past = nisa.tensor_scalar(pos, nl.greater_equal, float(f.Nq), op1=np.multiply,
+                              operand1=float(M.oob_offset(f.Nq * nku)),
+                              dtype=nl.int32)
+    idx = nisa.tensor_tensor(nisa.tensor_copy(rel, dtype=nl.int32), past, np.add,
+                             dtype=nl.int32)
+    nisa.dma_copy(dst=f.mask_rows[f.b, head, idx[nl.arange(P)[:, None], 0],
+                                  nl.arange(P)[None, :]],
+                  src=keep, oob_mode=nisa.oob_mode.skip)
+
+
+@nki.jit
+def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=None, *,
+                               classes, scale=1.0, causal=None, window=None,
+                               mm_dtype="bfloat16", dropout_p=0.0, dropout_mask=False):
+    """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
+    Hkv, Nk, D)``, on the grid ``(B, Hkv)``.
+
+    ``meta``: int32 ``(B or 1, Hq or 1, ceil(Nq/128), 2 + trip)`` HBM table of the pattern in
+    processing order and ``classes`` its compile-time runs
+    (``host.block_sparse.kernel_tables``). Other arguments as
+    :func:`forward.flash_attention_fwd` (``mm_dtype``, ``scale``, ``causal``, ``window``,
+    lengths, ``dropout_p`` with ``seed``, ``dropout_mask``: the mask is returned as ``(B, Hq,
+    Nq, 128 ceil(Nk/128))`` float32, positions of blocks never drawn unspecified). The same
+    outputs as the dense kernel restricted to the active blocks; rows that see no key get o =
+    0 and lse = -inf.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    nqt = T.ceil_div(Nq, P)
+    trip_max = meta.shape[3] - 2
+    if tuple(meta.shape[2:3]) != (nqt,):
+        raise ValueError(f"meta: expected {nqt} rows (one per query tile), got {meta.shape}")
+    _check_classes(classes, nqt, trip_max)
+    spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None)
+    tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
+    o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
+    lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
+    nku = T.ceil_div(Nk, P)
+    mask_out = (nl.ndarray((B, Hq, Nq, nku * P), dtype=nl.float32, buffer=nl.shared_hbm)
+                if dropout_p and dropout_mask else None)
+    f = F._Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, nl.program_id(0),
+                    nl.program_id(1))
+    f.act_share = 0.5
+    f.nqu, f.nku = nqt, nku
+    if dropout_p:
+        if seed is None:
+            raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
+        f.dropout_p = float(dropout_p)
+        f.seed = nl.load(seed.reshape((1, 1)))
+        f.ones = nisa.memset((P, P), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
+        if mask_out is not None:
+            f.mask_out = mask_out
+            f.mask_rows = mask_out.reshape((B, Hq, Nq * nku, P))
+    geo = Geometry(spec, kv_lens, q_lens, f.b, Nq, Nk)
+    for h in nl.affine_range(f.G):
+        for first, count, trip, exact in classes:
+            if trip == 0:
+                # rows without any active block: o = 0, lse = -inf (still one loop body)
+                for c in nl.affine_range(count):
+                    _empty_tile(f, geo, meta, h, first + c)
+                continue
+            for c in nl.affine_range(count):
+                _attend_tile(f, geo, meta, h, first + c, trip, exact)
+    if mask_out is not None:
+        return o, lse, mask_out
+    return o, lse
+
+
+def _empty_tile(f, geo: Geometry, meta, h, pos):
+    """A query tile without active blocks: o = 0 and lse = -inf at its rows."""
+    head = f.head(h)
+    hb = f.b if meta.shape[0] > 1 else 0
+    hh = head if meta.shape[1] > 1 else 0
+    row = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=row, src=meta[hb, hh, nl.ds(pos, 1), 0:1])
+    bc = broadcast_row(row, 1)
+    first = nisa.tensor_scalar(bc, np.multiply, float(P), dtype=nl.float32)
+    zeros = nisa.memset((P, f.D), 0.0, dtype=f.o.dtype, engine=nisa.gpsimd_engine)
+    ninf = nisa.memset((P, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
+    store_tile(f, geo, first, head, zeros, ninf)
+
+
+__all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "broadcast_row", "own_rows",
+           "gather"]
