@@ -308,7 +308,7 @@ def _check_dropout_call(dropout_p, seed, B, Hq, Nq, Nk):
 def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
                     q_lens=None, mixed_precision: bool = True, return_lse: bool = False,
                     tiles=None, sbuf_budget=None, lnc=None, dropout_p=0.0, seed=None,
-                    return_dropout_mask: bool = False):
+                    return_dropout_mask: bool = False, block_mask=None):
     """Flash attention forward on the active backend (docs/semantics.md for the exact meaning).
 
     Parameters
@@ -362,8 +362,24 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
     o : numpy.ndarray (B, Hq, Nq, D), q's dtype
     lse : numpy.ndarray (B, Hq, Nq) float32, only with ``return_lse``
         Natural log; -inf for rows without a visible key (their o is 0).
+    block_mask : optional
+        Block-sparse attention (FlashAttention section 3.3): which 128 x 128 blocks of the
+        score matrix exist, as a dense bool array ``(B or 1, Hq or 1, ceil(Nq/128),
+        ceil(Nk/128))`` (a compile-time pattern: the kernel's loops are cut to it) or
+        FlexAttention's index form ``(num_blocks, indices)`` (a runtime pattern: one
+        compilation per ``max_blocks`` bound; :mod:`host.block_sparse`). Inactive blocks are
+        skipped entirely (no K/V load, no matmul, no exp); the other masks apply inside active
+        blocks. Runs :mod:`nki_kernels.attention.block_sparse` on one NeuronCore (``lnc`` 2,
+        ``tiles`` and ``sbuf_budget`` are refused with it).
+
     mask : numpy.ndarray (B, Hq, Nq, Nk) bool, only with ``return_dropout_mask``
     """
+    if block_mask is not None:
+        return _block_sparse_forward(
+            q, k, v, block_mask, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
+            q_lens=q_lens, mixed_precision=mixed_precision, return_lse=return_lse,
+            tiles=tiles, sbuf_budget=sbuf_budget, lnc=lnc, dropout_p=dropout_p, seed=seed,
+            return_dropout_mask=return_dropout_mask)
     kernel, grid, kwargs = plan_attention_forward(
         q, k, v, scale=scale, causal=causal, window=window, kv_lens=kv_lens, q_lens=q_lens,
         mixed_precision=mixed_precision, return_lse=return_lse, tiles=tiles,
@@ -386,6 +402,78 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
     if return_dropout_mask:
         res += (np.asarray(outs[2]) > 0.5,)
     return res if len(res) > 1 else o
+
+
+# ============================================================================================
+# Block-sparse attention (FlashAttention section 3.3)
+# ============================================================================================
+
+
+def _block_sparse_options(q, k, v, block_mask, *, scale, causal, window, kv_lens, q_lens,
+                          mixed_precision, lnc, tiles=None, sbuf_budget=None, backward=True):
+    """Validated options of a block-sparse call: ``(dims, sparsity, tables, kwargs, kv32,
+    q32)``; ``kwargs`` are the kernels' compile-time options."""
+    from host import block_sparse as _bs
+
+    dims = _v.check_attention_inputs(q, k, v)
+    for name, value in (("tiles", tiles), ("sbuf_budget", sbuf_budget)):
+        if value is not None:
+            raise ValueError(f"{name}: not used by the block-sparse kernel (block_mask is "
+                             f"given); got {value!r}, allowed: None")
+    if lnc is not None and _check_lnc(lnc) != 1:
+        raise ValueError(f"lnc: the block-sparse kernel runs on one NeuronCore; got {lnc!r}, "
+                         "allowed: None or 1")
+    scale = _v.check_scale(scale, dims.D)
+    causal = _v.normalize_causal(causal)
+    window = _v.normalize_window(window)
+    kv32 = _lengths_int32(_v.check_lengths("kv_lens", kv_lens, dims.B, dims.Nk,
+                                           upper_name="Nk"))
+    q32 = _lengths_int32(_v.check_lengths("q_lens", q_lens, dims.B, dims.Nq, upper_name="Nq"))
+    mixed_precision = _check_bool("mixed_precision", mixed_precision)
+    sparsity = _bs.check_block_mask(block_mask, dims.B, dims.Hq, dims.Nq, dims.Nk)
+    tables = _bs.launch_tables(sparsity, group=dims.group, backward=backward)
+    mm = _tiles.fwd_mm_dtype_name(_v.dtype_name(q), mixed_precision)
+    kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm)
+    return dims, sparsity, tables, kwargs, kv32, q32
+
+
+def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
+                          return_dropout_mask, **options):
+    from nki_kernels.attention.block_sparse import block_sparse_attention_fwd
+
+    dims, _, tables, kwargs, kv32, q32 = _block_sparse_options(q, k, v, block_mask,
+                                                               backward=False, **options)
+    _check_bool("return_lse", return_lse)
+    return_dropout_mask = _check_bool("return_dropout_mask", return_dropout_mask)
+    p, seed32 = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
+    if return_dropout_mask and not p:
+        raise ValueError("return_dropout_mask: needs dropout_p > 0 (there is no mask)")
+    if p:
+        kwargs.update(dropout_p=p, dropout_mask=return_dropout_mask)
+    q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
+    outs = launch(block_sparse_attention_fwd, (dims.B, dims.Hkv), q, k, v, tables.q.meta,
+                  kv_lens=kv32, q_lens=q32, seed=seed32, classes=tables.q.classes, **kwargs)
+    o, lse = outs[0], outs[1]
+    res = (o, lse) if return_lse else (o,)
+    if return_dropout_mask:
+        res += (np.asarray(outs[2])[..., :dims.Nk] > 0.5,)
+    return res if len(res) > 1 else o
+
+
+def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, **options):
+    from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
+
+    dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
+    _, _, tables, kwargs, kv32, q32 = _block_sparse_options(q, k, v, block_mask, **options)
+    p, seed32 = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
+    if p:
+        kwargs["dropout_p"] = p
+    do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
+                                                 ("o", o)))
+    return launch(block_sparse_attention_bwd, (dims.B, dims.Hkv), q, k, v, o, do,
+                  _numpy("lse", lse), tables.q.meta, tables.k.meta, kv_lens=kv32, q_lens=q32,
+                  seed=seed32, classes_q=tables.q.classes, classes_k=tables.k.classes,
+                  **kwargs)
 
 
 # ============================================================================================
@@ -647,7 +735,7 @@ def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, wi
 
 def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, window=None,
                              kv_lens=None, q_lens=None, mixed_precision: bool = True, lnc=None,
-                             dropout_p=0.0, seed=None):
+                             dropout_p=0.0, seed=None, block_mask=None):
     """Gradients of flash attention on the active backend: ``(dq, dk, dv)``.
 
     The backward of :func:`flash_attention` from its saved output and log-sum-exp: with
@@ -695,6 +783,11 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
         In the inputs' dtype. For GQA/MQA dk and dv are summed over the query heads of each
         kv group.
     """
+    if block_mask is not None:
+        return _block_sparse_backward(do, q, k, v, o, lse, block_mask, scale=scale,
+                                      causal=causal, window=window, kv_lens=kv_lens,
+                                      q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc,
+                                      dropout_p=dropout_p, seed=seed)
     kernel, grid, kwargs = plan_attention_backward(
         do, q, k, v, o, lse, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
         q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc, dropout_p=dropout_p,

@@ -49,6 +49,7 @@ class BlockSparsity(NamedTuple):
 
     dense: np.ndarray  # bool (B or 1, H or 1, nqt, nkt)
     index: BlockIndex  # int32 layout of the same pattern
+    runtime: bool = False  # given in the index form (a runtime pattern of a bound)
 
     @property
     def density(self) -> float:
@@ -213,7 +214,7 @@ def check_block_mask(block_mask, B: int, H: int, Nq: int, Nk: int, *,
     nqt, nkt = block_grid(Nq, Nk)
     if isinstance(block_mask, tuple) and len(block_mask) == 2:
         index = _check_index(block_mask, B, H, nqt, nkt, H_name)
-        return BlockSparsity(index_to_dense(index, nkt), index)
+        return BlockSparsity(index_to_dense(index, nkt), index, True)
     if not _is_array(block_mask):
         raise TypeError(
             "block_mask: expected None, a boolean array (B or 1, H or 1, nqt, nkt) or a "
@@ -359,7 +360,39 @@ def kernel_tables(index: BlockIndex, *, sort: bool, group: int = 1,
     return KernelTables(np.ascontiguousarray(meta, dtype=np.int32), tuple(classes))
 
 
-def transpose(sparsity: BlockSparsity) -> BlockIndex:
-    """The pattern seen from the keys: for every key block, its active query tiles (the index
-    layout of the transposed dense mask; for the backward's dK/dV sweep)."""
-    return dense_to_index(np.swapaxes(sparsity.dense, -1, -2))
+class LaunchTables(NamedTuple):
+    """The tables of one block-sparse launch: the forward's (query tiles) and the backward's
+    key-major ones (key blocks, one order per kv group)."""
+
+    q: KernelTables
+    k: KernelTables
+    runtime: bool
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True) -> LaunchTables:
+    """Tables for the kernels of a validated pattern.
+
+    A pattern given densely is a compile-time pattern: rows are sorted into tight classes.
+    One given in the index form (``sparsity.runtime``) keeps one class with the pattern's own
+    ``max_blocks`` bound, so the forward compiles once per bound. The backward's key-major
+    sweep then bounds each key block's query tiles by the next power of two of the pattern's
+    largest column count (few recompilations, at most 2x padding). ``group``: query heads per
+    kv head (the key-major order is shared within a kv group).
+    """
+    heads, runtime = sparsity.dense.shape[1], sparsity.runtime
+    q = kernel_tables(sparsity.index, sort=not runtime)
+    if not backward:
+        return LaunchTables(q, None, runtime)
+    g = group if heads > 1 else 1
+    dense_t = np.swapaxes(sparsity.dense, -1, -2)
+    if runtime:
+        need = int(dense_t.sum(axis=-1).max()) if dense_t.size else 0
+        bound = min(dense_t.shape[-1], _pow2_at_least(max(need, 1)))
+        k = kernel_tables(dense_to_index(dense_t, bound), sort=False)
+    else:
+        k = kernel_tables(dense_to_index(dense_t), sort=True, group=g)
+    return LaunchTables(q, k, runtime)
