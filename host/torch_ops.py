@@ -144,6 +144,7 @@ class _Options(NamedTuple):
     mixed_precision: bool
     dropout_p: float = 0.0
     seed: Optional[int] = None
+    block_mask: object = None   # None, a bool array, or a (num_blocks, indices) pair
 
     def kwargs(self) -> dict:
         """Keyword arguments of :func:`host.flash_attention` / ``flash_attention_backward``."""
@@ -152,6 +153,8 @@ class _Options(NamedTuple):
                   mixed_precision=self.mixed_precision)
         if self.dropout_p:
             kw.update(dropout_p=self.dropout_p, seed=self.seed)
+        if self.block_mask is not None:
+            kw["block_mask"] = self.block_mask
         return kw
 
 
@@ -270,9 +273,17 @@ class _XlaKernels:
     def _lens(device, lens):
         return None if lens is None else torch.as_tensor(lens, dtype=torch.int32, device=device)
 
+    @staticmethod
+    def _no_blocks(opts: _Options):
+        if opts.block_mask is not None:
+            raise NotImplementedError(
+                "block_mask: block-sparse attention on XLA tensors is not wired yet (the "
+                "kernel's tables are built on the host); call it with CPU tensors")
+
     def forward(self, q, k, v, opts: _Options):
         from host import api
 
+        self._no_blocks(opts)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         kernel, grid, kernel_kwargs = api.plan_attention_forward(
             q, k, v, **opts.kwargs())
@@ -292,6 +303,7 @@ class _XlaKernels:
     def backward(self, do, q, k, v, o, lse, opts: _Options):
         from host import api
 
+        self._no_blocks(opts)
         do = do.contiguous()
         kernel, grid, kernel_kwargs = api.plan_attention_backward(do, q, k, v, o, lse,
                                                                   **opts.kwargs())
@@ -369,7 +381,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
 
 def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
                     q_lens=None, mixed_precision=True, return_lse=False, dropout_p=0.0,
-                    seed=None, generator=None):
+                    seed=None, generator=None, block_mask=None):
     """Differentiable flash attention on torch tensors (the NumPy API's semantics).
 
     Parameters
@@ -404,6 +416,10 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
     seed : int, optional
         The mask's seed; default: drawn from ``generator`` (``torch.Generator``, default
         torch's global CPU generator), so ``torch.manual_seed`` makes runs reproducible.
+    block_mask : optional
+        Block-sparse attention (:func:`host.flash_attention`): a bool tensor ``(B or 1, Hq or
+        1, ceil(Nq/128), ceil(Nk/128))`` or FlexAttention's ``(num_blocks, indices)`` pair
+        (integer tensors or arrays). CPU tensors only (the XLA path raises).
 
     Returns
     -------
@@ -433,9 +449,13 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         p, seed_t = _dropout_args(dropout_p, seed, generator)
         _device_kind(q, k, v)           # the device check, before the op
         kv_t, q_t = _lens_tensor(opts.kv_lens), _lens_tensor(opts.q_lens)
+        if block_mask is not None:
+            from host import block_sparse as _bs
+            _bs.check_block_mask(block_mask, dims.B, dims.Hq, dims.Nq, dims.Nk)
+    bm, bi = _block_mask_tensors(block_mask)
     o, lse = torch.ops.nki_flash.attention_fwd(
         q, k, v, opts.scale, opts.causal, list(opts.window) if opts.window else None, kv_t, q_t,
-        opts.mixed_precision, p, seed_t)
+        opts.mixed_precision, p, seed_t, bm, bi)
     return (o, lse) if return_lse else o
 
 
@@ -491,7 +511,8 @@ def _lens_tensor(lens):
 # --------------------------------------------------------------------------------------------
 #
 # nki_flash::attention_fwd(q, k, v, scale, causal, window, kv_lens, q_lens, mixed_precision,
-#                          dropout_p, seed) -> (o, lse)
+#                          dropout_p, seed, block_mask=None, block_indices=None) -> (o, lse)
+#   (block_mask: a dense bool pattern, or with block_indices the index form's num_blocks)
 # nki_flash::attention_bwd(do, q, k, v, o, lse, <the same options>) -> (dq, dk, dv)
 #
 # Each has a fake (meta) implementation for shape and dtype propagation; attention_fwd's
@@ -500,13 +521,31 @@ def _lens_tensor(lens):
 # derivative: differentiating it (double backward, Hessian-vector products) raises.
 
 
-def _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout_p, seed):
+def _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout_p, seed,
+                block_mask=None, block_indices=None):
+    if block_mask is not None:
+        block_mask = (block_mask.cpu().numpy() if block_indices is None else
+                      (block_mask.cpu().numpy(), block_indices.cpu().numpy()))
     return _Options(scale=float(scale), causal=causal, window=None if window is None else
                     tuple(int(w) for w in window),
                     kv_lens=None if kv_lens is None else kv_lens.cpu().numpy(),
                     q_lens=None if q_lens is None else q_lens.cpu().numpy(),
                     mixed_precision=bool(mixed_precision), dropout_p=float(dropout_p),
-                    seed=int(seed) if dropout_p else None)
+                    seed=int(seed) if dropout_p else None, block_mask=block_mask)
+
+
+def _block_mask_tensors(block_mask):
+    """``(block_mask, block_indices)`` op arguments of a pattern: a dense bool tensor and
+    None, or the index form's ``num_blocks`` and ``indices`` as int32 tensors."""
+    def cpu(x, dtype=None):
+        t = x.detach().cpu() if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+        return t if dtype is None else t.to(dtype)
+
+    if block_mask is None:
+        return None, None
+    if isinstance(block_mask, tuple) and len(block_mask) == 2:
+        return cpu(block_mask[0], torch.int32), cpu(block_mask[1], torch.int32)
+    return cpu(block_mask), None
 
 
 def _lse_dtype(q):
@@ -517,10 +556,12 @@ def _lse_dtype(q):
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    causal: Optional[str], window: Optional[List[int]],
                    kv_lens: Optional[torch.Tensor], q_lens: Optional[torch.Tensor],
-                   mixed_precision: bool, dropout_p: float,
-                   seed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                   mixed_precision: bool, dropout_p: float, seed: torch.Tensor,
+                   block_mask: Optional[torch.Tensor] = None,
+                   block_indices: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     opts = _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout_p,
-                       seed)
+                       seed, block_mask, block_indices)
     ex = _EXECUTORS[_device_kind(q, k, v)]
     cdt = _compute_dtype(q, opts.mixed_precision)
     o, lse = ex.forward(*(x.detach().to(cdt) for x in (q, k, v)), opts)
@@ -529,7 +570,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 @_attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, scale, causal, window, kv_lens, q_lens, mixed_precision,
-                        dropout_p, seed):
+                        dropout_p, seed, block_mask=None, block_indices=None):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
@@ -538,9 +579,11 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    o: torch.Tensor, lse: torch.Tensor, scale: float, causal: Optional[str],
                    window: Optional[List[int]], kv_lens: Optional[torch.Tensor],
                    q_lens: Optional[torch.Tensor], mixed_precision: bool, dropout_p: float,
-                   seed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   seed: torch.Tensor, block_mask: Optional[torch.Tensor] = None,
+                   block_indices: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout_p,
-                       seed)
+                       seed, block_mask, block_indices)
     ex = _EXECUTORS[_device_kind(q, k, v)]
     cdt = _compute_dtype(q, opts.mixed_precision)
     qc, kc, vc, oc, doc = (x.detach().to(cdt) for x in (q, k, v, o, do))
@@ -550,15 +593,16 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 @_attention_bwd.register_fake
 def _attention_bwd_fake(do, q, k, v, o, lse, scale, causal, window, kv_lens, q_lens,
-                        mixed_precision, dropout_p, seed):
+                        mixed_precision, dropout_p, seed, block_mask=None, block_indices=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, window, kv_lens, q_lens, mp, dropout_p, seed = inputs
+    q, k, v, scale, causal, window, kv_lens, q_lens, mp, dropout_p, seed, bm, bi = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, seed)
     ctx.lens = (kv_lens, q_lens)
+    ctx.blocks = (bm, bi)
     ctx.opts = (scale, causal, window, mp, dropout_p)
     ctx.set_materialize_grads(False)
 
@@ -567,13 +611,14 @@ def _fwd_backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse, seed = ctx.saved_tensors
     scale, causal, window, mp, dropout_p = ctx.opts
     kv_lens, q_lens = ctx.lens
-    nothing = (None,) * 8
+    bm, bi = ctx.blocks
+    nothing = (None,) * 10
     if grad_o is None and grad_lse is None:
         return (None, None, None) + nothing
     bwd = torch.ops.nki_flash.attention_bwd
     do = torch.zeros_like(o) if grad_o is None else grad_o.to(o.dtype)
     dq, dk, dv = bwd(do, q, k, v, o, lse, scale, causal, window, kv_lens, q_lens, mp, dropout_p,
-                     seed)
+                     seed, bm, bi)
     if grad_lse is not None:
         # d lse_i / d S_ij = P_ij of the undropped softmax: dq += scale g (P @ k),
         # dk += scale P^T (g q) -- attention with k as the values, and the dv of a backward
@@ -581,10 +626,10 @@ def _fwd_backward(ctx, grad_o, grad_lse):
         no_drop = torch.zeros((), dtype=torch.int64)
         g32 = grad_lse.to(torch.float32)
         pk, _ = torch.ops.nki_flash.attention_fwd(q, k, k, scale, causal, window, kv_lens,
-                                                   q_lens, mp, 0.0, no_drop)
+                                                   q_lens, mp, 0.0, no_drop, bm, bi)
         do_x = (g32[..., None] * q.to(torch.float32)).to(q.dtype)
         _, _, pt_x = bwd(do_x, q, k, v, o, lse, scale, causal, window, kv_lens, q_lens, mp, 0.0,
-                         no_drop)
+                         no_drop, bm, bi)
         dq = (dq.to(torch.float32) + scale * g32[..., None] * pk.to(torch.float32)).to(q.dtype)
         dk = (dk.to(torch.float32) + scale * pt_x.to(torch.float32)).to(k.dtype)
     return (dq, dk, dv) + nothing

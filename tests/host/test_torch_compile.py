@@ -118,3 +118,38 @@ def test_eager_dropout_under_compile_draws_from_the_generator():
     b = torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
     torch.testing.assert_close(a, b)
     assert np.isfinite(a.detach().numpy()).all()
+
+
+def test_block_sparse_through_torch_eager_compile_and_both_layouts():
+    """``block_mask=`` in the torch API: the dense bool pattern and FlexAttention's index form
+    give the same output and gradients, eagerly and under torch.compile(fullgraph=True); the
+    custom ops pass opcheck with the pattern arguments."""
+    from host import block_sparse as bs
+    from host import reference as ref
+
+    q, k, v = _qkv(seed=3, Hq=2, Hkv=1, N=300, D=16)
+    mask = torch.rand(1, 2, 3, 3, generator=torch.Generator().manual_seed(1)) < 0.6
+    mask[..., 0] = True
+    idx = bs.dense_to_index(mask.numpy(), max_blocks=3)
+    index = (torch.as_tensor(idx.num_blocks), torch.as_tensor(idx.indices))
+
+    def fn(m):
+        return lambda q, k, v: flash_attention(q, k, v, causal=True, block_mask=m,
+                                               mixed_precision=False)
+
+    o, grads = _run(fn(mask), q, k, v)
+    want = ref.attention_forward(*(x.detach().numpy() for x in (q, k, v)),
+                                 causal="bottom_right", block_mask=mask.numpy())[0]
+    assert np.abs(o.numpy() - want).max() < 1e-5
+    o2, grads2 = _run(fn(index), q, k, v)
+    compiled = torch.compile(lambda q, k, v, m: fn(m)(q, k, v), fullgraph=True, backend="eager")
+    o3, grads3 = _run(lambda q, k, v: compiled(q, k, v, mask), q, k, v)
+    for other, other_grads in ((o2, grads2), (o3, grads3)):
+        torch.testing.assert_close(other, o, rtol=0, atol=1e-6)
+        for a, b in zip(other_grads, grads):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    seed = torch.zeros((), dtype=torch.int64)
+    args = (q.detach(), k.detach(), v.detach(), 0.25, "bottom_right", None, None, None, False,
+            0.0, seed, mask, None)
+    torch.library.opcheck(torch.ops.nki_flash.attention_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
