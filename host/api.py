@@ -370,11 +370,12 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         compilation per ``max_blocks`` bound; :mod:`host.block_sparse`). Inactive blocks are
         skipped entirely (no K/V load, no matmul, no exp); the other masks apply inside active
         blocks. Runs :mod:`nki_kernels.attention.block_sparse` on one NeuronCore (``lnc`` 2,
-        ``tiles`` and ``sbuf_budget`` are refused with it).
+        ``tiles`` and ``sbuf_budget`` are refused with it); a dense pattern with every block
+        active is dense attention and runs the dense kernel.
 
     mask : numpy.ndarray (B, Hq, Nq, Nk) bool, only with ``return_dropout_mask``
     """
-    if block_mask is not None:
+    if block_mask is not None and not _all_blocks(q, k, v, block_mask):
         return _block_sparse_forward(
             q, k, v, block_mask, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
             q_lens=q_lens, mixed_precision=mixed_precision, return_lse=return_lse,
@@ -407,6 +408,18 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
 # ============================================================================================
 # Block-sparse attention (FlashAttention section 3.3)
 # ============================================================================================
+
+
+def _all_blocks(q, k, v, block_mask) -> bool:
+    """Whether ``block_mask`` is a dense (compile-time) pattern with every block active: then
+    it is dense attention, and the dense kernels run it (same results; the block-sparse kernel
+    gathers K/V per query tile, which at density 1 is slower than streaming them). The index
+    form is a runtime pattern and always runs the block-sparse kernel."""
+    from host import block_sparse as _bs
+
+    dims = _v.check_attention_inputs(q, k, v)
+    sparsity = _bs.check_block_mask(block_mask, dims.B, dims.Hq, dims.Nq, dims.Nk)
+    return not sparsity.runtime and bool(sparsity.dense.all())
 
 
 def _block_sparse_options(q, k, v, block_mask, *, scale, causal, window, kv_lens, q_lens,
@@ -783,7 +796,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
         In the inputs' dtype. For GQA/MQA dk and dv are summed over the query heads of each
         kv group.
     """
-    if block_mask is not None:
+    if block_mask is not None and not _all_blocks(q, k, v, block_mask):
         return _block_sparse_backward(do, q, k, v, o, lse, block_mask, scale=scale,
                                       causal=causal, window=window, kv_lens=kv_lens,
                                       q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc,

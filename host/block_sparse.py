@@ -212,6 +212,10 @@ def check_block_mask(block_mask, B: int, H: int, Nq: int, Nk: int, *,
     if block_mask is None:
         return None
     nqt, nkt = block_grid(Nq, Nk)
+    limit = _tiles.BSP_PAD_FIRST - 2 * BLOCK
+    if max(Nq, Nk) > limit:
+        raise ValueError(f"block_mask: block-sparse attention supports sequences of at most "
+                         f"{limit} positions (fp32 position tables); got Nq={Nq}, Nk={Nk}")
     if isinstance(block_mask, tuple) and len(block_mask) == 2:
         index = _check_index(block_mask, B, H, nqt, nkt, H_name)
         return BlockSparsity(index_to_dense(index, nkt), index, True)
@@ -288,8 +292,12 @@ class KernelTables(NamedTuple):
     """What a block-sparse kernel reads: its rows (query tiles in the forward, key blocks in
     the backward's dK/dV sweep) in processing order, with their active blocks.
 
-    ``meta`` int32 ``(b, h, n, 2 + trip_max)``: at order position r, ``[row, count, block_0,
-    ..., block_{trip_max - 1}]`` (blocks past ``count`` are 0 and masked by the kernel).
+    ``meta`` float32 ``(b, h, n, 2 + trip_max)``: at order position r, ``[first, count,
+    first_0, ..., first_{trip_max - 1}]`` -- the row's first position (``128 x`` its tile
+    index), its count of active blocks and the first positions of those blocks; slots past
+    ``count`` hold :data:`nki_kernels.tiles.BSP_PAD_FIRST`, beyond every sequence, so the
+    kernels skip and mask them with the length comparisons. Positions are exact in fp32 (the
+    kernels broadcast the row to every partition with a matmul).
     ``classes``: ``((first position, positions, trip, exact), ...)``, at most
     :data:`nki_kernels.tiles.BSP_MAX_CLASSES`: a loop over positions whose inner loop runs
     ``trip`` slots; ``exact`` when every row of the class has exactly ``trip`` blocks (no slot
@@ -352,12 +360,14 @@ def kernel_tables(index: BlockIndex, *, sort: bool, group: int = 1,
         idx_o = np.concatenate(
             [idx_o, np.zeros(idx_o.shape[:-1] + (trip_max - idx_o.shape[-1],), np.int64)], -1)
     live = np.arange(trip_max) < num_o[..., None]
-    meta = np.concatenate([order[..., None], num_o[..., None], np.where(live, idx_o, 0)], -1)
+    block = _tiles.BLOCK_SPARSE_TILE
+    firsts = np.where(live, idx_o * block, _tiles.BSP_PAD_FIRST)
+    meta = np.concatenate([order[..., None] * block, num_o[..., None], firsts], -1)
     classes = []
     for a, m, t in runs:
         counts = num_o[..., a:a + m]
         classes.append((a, m, t, bool((counts == t).all())))
-    return KernelTables(np.ascontiguousarray(meta, dtype=np.int32), tuple(classes))
+    return KernelTables(np.ascontiguousarray(meta, dtype=np.float32), tuple(classes))
 
 
 class LaunchTables(NamedTuple):

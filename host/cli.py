@@ -54,7 +54,10 @@ _DECODE_ONLY = (("tokens", "--tokens"), ("cache_len", "--cache-len"),
                 ("page_size", "--page-size"))
 _PREFILL_ONLY = (("seq_q", "--seq-q"), ("seq_k", "--seq-k"), ("causal", "--causal"),
                  ("window", "--window"), ("kv_lens", "--kv-lens"), ("q_lens", "--q-lens"),
-                 ("lnc", "--lnc"), ("dropout", "--dropout"))
+                 ("lnc", "--lnc"), ("dropout", "--dropout"), ("block_sparse", "--block-sparse"))
+#: ``--block-sparse`` patterns (host/block_sparse.py); ``density=S`` is the benchmark's
+#: evenly spread pattern with a fraction S of the key blocks per query tile.
+BLOCK_SPARSE_PATTERNS = ("butterfly", "local-global", "density=S")
 
 
 class UsageError(Exception):
@@ -135,6 +138,11 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dropout", type=float, default=None, metavar="P",
                      help="attention dropout probability in [0, 1) (the mask's seed is --seed; "
                           "the check uses the mask the kernel drew)")
+    run.add_argument("--block-sparse", default=None, metavar="PATTERN",
+                     help="block-sparse attention over 128 x 128 blocks: butterfly, "
+                          "local-global (window of one block plus one global block) or "
+                          "density=S (S in (0, 1]: that fraction of the key blocks per query "
+                          "tile); inactive blocks are never loaded")
     run.add_argument("--seed", type=int, default=0, help="random seed for the inputs (0)")
     run.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS),
                      help="targets to model (trn1 trn2)")
@@ -236,6 +244,26 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _block_pattern(text: str, nqt: int, nkt: int) -> np.ndarray:
+    """The dense ``(1, 1, nqt, nkt)`` block mask of a ``--block-sparse`` pattern."""
+    from host import block_sparse as bs
+
+    if text == "butterfly":
+        return bs.butterfly(nqt, nkt)
+    if text == "local-global":
+        return bs.local_global(nqt, nkt)
+    if text.startswith("density="):
+        try:
+            s = float(text[len("density="):])
+        except ValueError:
+            s = float("nan")
+        if not 0.0 < s <= 1.0:
+            raise UsageError(f"--block-sparse {text}: expected density=S with S in (0, 1]")
+        return bs.fixed_density(nqt, nkt, s)
+    raise UsageError(f"--block-sparse {text}: expected one of "
+                     f"{', '.join(BLOCK_SPARSE_PATTERNS)}")
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     """Refuse flags that the chosen mode would silently ignore."""
     if args.decode:
@@ -252,6 +280,11 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise UsageError(f"{', '.join(given)} applies only with --decode")
     if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
         raise UsageError(f"--dropout {args.dropout}: expected a probability in [0, 1)")
+    if args.block_sparse is not None:
+        _block_pattern(args.block_sparse, 1, 1)          # the pattern's name and value
+        if args.lnc == 2:
+            raise UsageError("--lnc 2 does not apply to --block-sparse (the block-sparse kernel "
+                             "runs on one NeuronCore)")
     if args.json_out is not None:
         path = os.path.abspath(args.json_out)
         parent = os.path.dirname(path)
@@ -362,6 +395,9 @@ def _run(args: argparse.Namespace) -> int:
         mask_opts = dict(causal=causal, window=tuple(args.window) if args.window else None,
                          kv_lens=np.array(args.kv_lens, dtype=np.int32) if args.kv_lens else None,
                          q_lens=np.array(args.q_lens, dtype=np.int32) if args.q_lens else None)
+        if args.block_sparse is not None:
+            from host import block_sparse as bs
+            mask_opts["block_mask"] = _block_pattern(args.block_sparse, *bs.block_grid(Nq, Nk))
         kwargs = dict(mixed_precision=not args.no_mixed_precision, return_lse=True,
                       **opts, **mask_opts)
         drop = {}
@@ -370,7 +406,9 @@ def _run(args: argparse.Namespace) -> int:
                           return_dropout_mask=args.check != "none")
         label = (f"forward B={B} Hq={Hq} Hkv={Hkv} Nq={Nq} Nk={Nk} D={D} {args.dtype} "
                  f"causal={causal}" + (f" window={tuple(args.window)}" if args.window else "")
-                 + (f" dropout={args.dropout}" if args.dropout else ""))
+                 + (f" dropout={args.dropout}" if args.dropout else "")
+                 + (f" block-sparse={args.block_sparse} (density "
+                    f"{mask_opts['block_mask'].mean():.3f})" if args.block_sparse else ""))
         if args.check == "fast":
             rows = _fast_rows(Nq)
 
@@ -392,11 +430,18 @@ def _run(args: argparse.Namespace) -> int:
 
         scores = B * Hq * (Nq if rows is None else len(rows)) * Nk
         # visible pairs per batch row, counted without materializing the mask for long rows
-        visible_pairs = Hq * sum(
-            int(reference.attention_mask(Nq, Nk, batch=B, causal=causal, window=mask_opts["window"],
-                                         q_lens=mask_opts["q_lens"], kv_lens=mask_opts["kv_lens"],
-                                         rows=np.arange(r0, min(Nq, r0 + 1024))).sum())
-            for r0 in range(0, Nq, 1024))
+        blocks = mask_opts.get("block_mask")
+
+        def visible(r0):
+            r = np.arange(r0, min(Nq, r0 + 1024))
+            m = reference.attention_mask(Nq, Nk, batch=B, causal=causal,
+                                         window=mask_opts["window"], q_lens=mask_opts["q_lens"],
+                                         kv_lens=mask_opts["kv_lens"], rows=r)
+            if blocks is not None:
+                m = m & np.repeat(blocks[0, 0][r // 128], 128, axis=-1)[None, :, :Nk]
+            return int(m.sum())
+
+        visible_pairs = Hq * sum(visible(r0) for r0 in range(0, Nq, 1024))
         lower_bound = reference.io_lower_bound_bytes(B, Hq, Hkv, Nq, Nk, D, dtype.itemsize,
                                                      q_lens=mask_opts["q_lens"],
                                                      kv_lens=mask_opts["kv_lens"])

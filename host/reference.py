@@ -779,7 +779,7 @@ def _round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _lowp_setup(q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_lens, do=None,
-                rows=None):
+                rows=None, block_mask=None):
     if do is None:
         dims = check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES, same_dtype=False,
                                       max_head_dim=None)
@@ -791,7 +791,7 @@ def _lowp_setup(q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_len
         out_dtype = normalize_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
     out_dtype = dtype if out_dtype is None else out_dtype
     scale = check_scale(scale, dims.D)
-    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens, rows=rows)
+    mask = _prefill_masks(dims, causal, window, q_lens, kv_lens, block_mask, rows=rows)
 
     def rounded(x):
         # ml_dtypes rounds float64 to bfloat16 through float32 (a double rounding that differs
@@ -815,7 +815,7 @@ def _lowp_probs(q32, k32, scale, mask, dtype):
 
 def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causal=None,
                             window=None, q_lens=None, kv_lens=None, return_lse=False,
-                            rows=None, dropout_p=0.0, dropout_mask=None):
+                            rows=None, dropout_p=0.0, dropout_mask=None, block_mask=None):
     """Plain (unfused) attention in low precision: the baseline of the tolerance rule.
 
     Mimics PyTorch's eager math in ``dtype``:
@@ -828,7 +828,7 @@ def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causa
 
     Parameters
     ----------
-    q, k, v, scale, causal, window, q_lens, kv_lens :
+    q, k, v, scale, causal, window, q_lens, kv_lens, block_mask :
         As in :func:`attention_forward`.
     dtype : float32, bfloat16 or float16 (NumPy/ml_dtypes/torch dtype or name)
         Matmul operand precision of the kernel under test.
@@ -850,7 +850,8 @@ def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causa
     lse : float64 (B, Hq, Nq), only with ``return_lse``
     """
     dims, dtype, out_dtype, scale, mask, q32, k32, v32, _ = _lowp_setup(
-        q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_lens, rows=rows)
+        q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_lens, rows=rows,
+        block_mask=block_mask)
     p, lse = _lowp_probs(q32, k32, scale, mask, dtype)
     drop = _dropout_factor(check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES,
                                                   same_dtype=False, max_head_dim=None),

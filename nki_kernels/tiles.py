@@ -52,6 +52,17 @@ BLOCK_SPARSE_TILE = PMAX
 BSP_MAX_CLASSES = 16
 
 
+#: First position the block-sparse tables write for a padding slot (a slot past a row's
+#: count): beyond every sequence, so the slot's gathers are skipped and its scores masked by
+#: the same comparisons as positions past the length. Exact in fp32 (the tables are fp32), so
+#: sequences are limited to BSP_PAD_FIRST - 256 positions.
+BSP_PAD_FIRST = 1 << 22
+#: Key blocks per online-softmax step of the block-sparse forward: 4 x 128 keys = one PSUM
+#: bank of fp32 scores, so the step's fixed work (row max, rescale, P^T copies) is shared by
+#: four blocks, as the dense forward shares it over its 2048-key blocks.
+BSP_STEP_BLOCKS = 4
+
+
 #: Edge of the query x key unit a dropout mask is generated in: every unit draws its keep bits
 #: from a generator seeded by (seed, batch, head, query unit, key unit), so the mask does not
 #: depend on the kernel's own tiling, its loop order or the core that runs the unit.

@@ -6,8 +6,9 @@ exponential -- so HBM traffic and work fall with the density s (Proposition 4: T
 N^2 d^2 M^-1 s)). Inside an active block the usual masks still apply (causal, window, valid
 lengths), and GQA and attention dropout compose as in the dense forward.
 
-The pattern is device data: ``meta (b, h, n, 2 + trip)`` int32, one row per query tile in
-processing order, ``[query tile, count, key block_0, ...]`` (``host.block_sparse.kernel_tables``).
+The pattern is device data: ``meta (b, h, n, 2 + trip)`` float32, one row per query tile in
+processing order, ``[first row, count, first key of block_0, ...]`` with
+``tiles.BSP_PAD_FIRST`` in padding slots (``host.block_sparse.kernel_tables``).
 The compile-time part is ``classes``: runs of order positions, each an NKI loop over its query
 tiles with an inner ``sequential_range`` of ``trip`` slots (the carried online-softmax state),
 at most ``tiles.BSP_MAX_CLASSES`` of them whatever N, so the program does not grow with N.
@@ -25,10 +26,11 @@ Per query tile (a loop body)::
 
     load meta row -> fp32 on every partition (a K=1 ones matmul, exact for ints < 2^24)
     gather Q rows (indirect DMA; rows past Nq or q_len skipped), Q^T by TensorE
-    for slot in sequential_range(trip):
-        gather K_j, V_j rows of block j = meta[slot] (indirect DMA, skip-padding)
-        K_j^T by TensorE;  S = Q K_j^T (+ MASK_NEG x indicator: padding slot, keys past the
-        length, causal/window band -- comparisons of iota tiles with per-tile columns)
+    for step in sequential_range(trip / 4) (+ a static tail step):
+        gather K_j, V_j rows of the step's 4 blocks (indirect DMA, padding skipped)
+        K^T by TensorE;  S = Q K^T over 512 keys (+ MASK_NEG x indicator: padding slot, keys
+        past the length, causal/window band -- comparisons of iota tiles with per-slot
+        columns)
         online-softmax update (forward.fold_block, shared with the dense kernel)
     O, LSE scattered to the tile's rows (rows past Nq skipped)
 
@@ -65,10 +67,10 @@ def _check_classes(classes, n: int, trip_max: int):
                          f"got {classes!r}")
 
 
-def broadcast_row(row_i32, width: int):
-    """fp32 ``[128, width]``: an int32 ``[1, width]`` row on every partition (a K=1 matmul of
-    a ones row, one PSUM bank per 512 columns; exact for integers below 2^24)."""
-    row = nisa.tensor_copy(row_i32, dtype=nl.float32, engine=nisa.vector_engine)
+def broadcast_row(row, width: int):
+    """fp32 ``[128, width]``: an fp32 ``[1, width]`` row on every partition (a K=1 matmul of
+    a ones row, one PSUM bank per 512 columns; exact for integers below 2^24, as
+    ``masks.load_lengths`` uses it)."""
     ones = nisa.memset((1, P), 1.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
     out = nl.ndarray((P, width), dtype=nl.float32, buffer=nl.sbuf)
     for c0 in nl.static_range(0, width, T.PSUM_FMAX):
@@ -128,10 +130,11 @@ class Geometry:
                                     operand1=-1.0, dtype=nl.float32)
         return hi, lo
 
-    def indicator(self, key_thr, hi_thr, lo_thr, rows: int = P):
+    def indicator(self, key_thr, hi_thr, lo_thr, rows: int = P, out=None):
         """bf16 ``[rows, 128]``: 1.0 at the scores to mask -- key column ``c >= key_thr`` (a
         padding slot has ``key_thr <= 0``: every column), ``c - p > hi_thr``, ``c - p <
-        lo_thr`` (each a ``[rows, 1]`` column, or None) -- else 0.0. GpSimd/VectorE."""
+        lo_thr`` (each a ``[rows, 1]`` column, or None) -- else 0.0. GpSimd/VectorE. Written
+        into ``out`` when given."""
         parts = []
         if key_thr is not None:
             parts.append(nisa.tensor_scalar(self.col[0:rows], nl.greater_equal, key_thr,
@@ -144,48 +147,38 @@ class Geometry:
                                             dtype=nl.float32, engine=nisa.vector_engine))
         if not parts:
             return None
+        if out is None:
+            out = nl.ndarray((rows, P), dtype=nl.bfloat16, buffer=nl.sbuf)
+        if len(parts) == 1:
+            out[...] = nisa.tensor_copy(parts[0], dtype=nl.bfloat16, engine=nisa.vector_engine)
+            return out
         ind = parts[0]
-        for x in parts[1:]:
+        for x in parts[1:-1]:
             ind = nisa.tensor_tensor(ind, x, nl.maximum, dtype=nl.float32)
-        return nisa.tensor_copy(ind, dtype=nl.bfloat16, engine=nisa.vector_engine)
+        out[...] = nisa.tensor_tensor(ind, parts[-1], nl.maximum, dtype=nl.bfloat16)
+        return out
 
 
 class Row:
     """The tables of one processing-order position (a *row*: a query tile, or a key block in
     the backward's dK/dV sweep) and its *entries* (the blocks of the other side it meets), on
-    every partition: the row's first position ``first`` (fp32 ``[128, 1]``), its ``count``,
-    the entries' first positions ``block_first`` (fp32 ``[128, trip]``), ``pad`` (1.0 at the
-    padding slots, ``slot >= count``), ``bad`` (1.0 where partition p of a slot's entry is not
-    read: padding, or position ``block_first + p`` past ``other_len``) and ``rows`` (int32
-    ``[128, trip]``: ``block_first + p``, pushed out of bounds where ``bad``: the gathers skip
-    them)."""
+    every partition (``host.block_sparse.KernelTables``): ``first`` (fp32 ``[128, 1]``), the
+    row's first position; ``block_first`` (fp32 ``[128, trip]``), the entries' first positions
+    (``tiles.BSP_PAD_FIRST`` for padding slots); ``bad`` (1.0 where position ``block_first + p``
+    of a slot's entry is not read: at or past ``other_len``, which every padding slot is) and
+    ``rows`` (int32 ``[128, trip]``: ``block_first + p``, pushed out of bounds where ``bad``:
+    the gathers skip those rows). Four instructions after the broadcast."""
 
     def __init__(self, geo: Geometry, meta_row, trip: int, other_len, other_n: int):
         self.bc = broadcast_row(meta_row, 2 + trip)
-        self.first = nisa.tensor_scalar(self.bc[:, 0:1], np.multiply, float(P),
-                                        dtype=nl.float32)
-        self.count = self.bc[:, 1:2]
-        self.block_first = nisa.tensor_scalar(self.bc[:, 2:2 + trip], np.multiply, float(P),
-                                              dtype=nl.float32)
-        slot = nisa.tensor_scalar(nisa.iota(nl.arange(trip)[None, :] - nl.arange(P)[:, None],
-                                            dtype=nl.float32), np.add, geo.part,
-                                  dtype=nl.float32)
-        self.pad = nisa.tensor_scalar(slot, nl.greater_equal, self.count, dtype=nl.float32)
+        self.first = self.bc[:, 0:1]
+        self.block_first = self.bc[:, 2:2 + trip]
         pos = nisa.tensor_scalar(self.block_first, np.add, geo.part, dtype=nl.float32)
-        past = nisa.tensor_scalar(pos, nl.greater_equal, other_len, dtype=nl.float32)
-        self.bad = nisa.tensor_tensor(past, self.pad, nl.maximum, dtype=nl.float32)
-        oob = nisa.tensor_scalar(self.bad, np.multiply, float(M.oob_offset(other_n)),
-                                 dtype=nl.int32)
-        rel = nisa.tensor_copy(pos, dtype=nl.int32, engine=nisa.vector_engine)
-        self.rows = nisa.tensor_tensor(rel, oob, np.add, dtype=nl.int32)      # GpSimd, exact
-
-    def key_thresholds(self, geo: Geometry, big: float):
-        """fp32 ``[128, trip]`` for entries that are key blocks: valid key columns are ``c <
-        kv_len - block_first``, none in a padding slot (``- big pad``)."""
-        thr = nisa.scalar_tensor_tensor(data=self.pad, op0=np.multiply, operand0=-big,
-                                        op1=np.subtract, operand1=self.block_first,
-                                        dtype=nl.float32)
-        return nisa.tensor_scalar(thr, np.add, geo.kv_len, dtype=nl.float32)
+        self.bad = nisa.tensor_scalar(pos, nl.greater_equal, other_len, dtype=nl.float32)
+        # in range: pos exactly; out: pos + OOB (>= OOB > other_n, exact enough to stay out)
+        self.rows = nisa.scalar_tensor_tensor(data=self.bad, op0=np.multiply,
+                                              operand0=float(M.oob_offset(other_n)),
+                                              op1=np.add, operand1=pos, dtype=nl.int32)
 
 
 def own_rows(geo: Geometry, first, length, n: int):
@@ -193,13 +186,10 @@ def own_rows(geo: Geometry, first, length, n: int):
     ``first`` (fp32 column) of a sequence of ``n`` positions, out of bounds at positions ``>=
     length`` (a ``[128, 1]`` column or a number), and the positions themselves (fp32)."""
     pos = nisa.tensor_scalar(first, np.add, geo.part, dtype=nl.float32)
-    if isinstance(length, (int, float)):
-        past = nisa.tensor_scalar(pos, nl.greater_equal, float(length), dtype=nl.float32)
-    else:
-        past = nisa.tensor_scalar(pos, nl.greater_equal, length, dtype=nl.float32)
-    oob = nisa.tensor_scalar(past, np.multiply, float(M.oob_offset(n)), dtype=nl.int32)
-    rel = nisa.tensor_copy(pos, dtype=nl.int32, engine=nisa.vector_engine)
-    return nisa.tensor_tensor(rel, oob, np.add, dtype=nl.int32), pos
+    length = float(length) if isinstance(length, (int, float)) else length
+    idx = nisa.tensor_scalar(pos, nl.greater_equal, length, op1=np.multiply,
+                             operand1=float(M.oob_offset(n)), dtype=nl.float32)
+    return nisa.tensor_tensor(idx, pos, np.add, dtype=nl.int32), pos
 
 
 def gather(dst, src, bh, idx, col, width: int, skip: bool):
@@ -212,99 +202,142 @@ def gather(dst, src, bh, idx, col, width: int, skip: bool):
                   oob_mode=nisa.oob_mode.skip if skip else nisa.oob_mode.error)
 
 
-def _unit_seeds(f, rw: Row, head, trip: int):
-    """``(units, base)``: int32 ``[1, trip]`` ``query tile nku + key block`` of every slot
-    (exact in fp32: nqu nku < 2^24) and int32 ``[1, 1]`` ``seed + (b Hq + head) nqu nku``; a
-    slot's dropout seed is their sum (:func:`unit_seed`), the dense kernels' numbering."""
-    qn = nisa.tensor_scalar(rw.bc[0:1, 0:1], np.multiply, float(f.nku), dtype=nl.float32)
-    units = nisa.tensor_scalar(rw.bc[0:1, 2:2 + trip], np.add, qn, dtype=nl.int32)
+def unit_seeds(f, head, q_first, k_first):
+    """int32 ``[1, n]``: the dropout seed ``seed + ((b Hq + head) nqu + i) nku + j`` of the
+    128 x 128 units whose first query row / first key are the fp32 ``[1, n]`` (or ``[1, 1]``)
+    ``q_first`` / ``k_first`` (``i = q_first / 128``, ``j = k_first / 128``; exact in fp32:
+    nqu nku < 2^24) -- the dense kernels' numbering."""
+    if q_first.shape[1] == 1:
+        q_col = nisa.tensor_scalar(q_first, np.multiply, float(f.nku) / P, dtype=nl.float32)
+        u = nisa.tensor_scalar(k_first, np.multiply, 1.0 / P, op1=np.add, operand1=q_col,
+                               dtype=nl.int32)
+    else:
+        k_col = nisa.tensor_scalar(k_first, np.multiply, 1.0 / P, dtype=nl.float32)
+        u = nisa.tensor_scalar(q_first, np.multiply, float(f.nku) / P, op1=np.add,
+                               operand1=k_col, dtype=nl.int32)
     base = nisa.iota((f.b * f.Hq + head) * (f.nqu * f.nku) + nl.arange(1)[None, :],
                      dtype=nl.int32)
-    return units, nisa.tensor_tensor(base, f.seed, np.add, dtype=nl.int32)
+    base = nisa.tensor_tensor(base, f.seed, np.add, dtype=nl.int32)
+    return _add_int_column(u, base)
 
 
-def unit_seed(seeds, sl):
-    """int32 ``[1, 1]`` dropout seed of slot sl (:func:`_unit_seeds`)."""
-    units, base = seeds
-    out = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    out[...] = nisa.tensor_tensor(units[0:1, nl.ds(sl, 1)], base, np.add, dtype=nl.int32)
+def _add_int_column(u, base):
+    """``u + base`` for int32 ``[1, n]`` and ``[1, 1]`` (GpSimd int32 adds, column by column
+    when n > 1: an exact broadcast add)."""
+    n = u.shape[1]
+    if n == 1:
+        return nisa.tensor_tensor(u, base, np.add, dtype=nl.int32)
+    out = nl.ndarray((1, n), dtype=nl.int32, buffer=nl.sbuf)
+    for c in nl.affine_range(n):
+        out[0:1, nl.ds(c, 1)] = nisa.tensor_tensor(u[0:1, nl.ds(c, 1)], base, np.add,
+                                                   dtype=nl.int32)
     return out
 
 
 def _attend_tile(f, geo: Geometry, meta, h, pos, trip: int, exact: bool):
-    """One query tile (order position ``pos`` of member head h): the body of a class loop."""
+    """One query tile (order position ``pos`` of member head h): the body of a class loop.
+    Its ``trip`` slots are swept in steps of ``tiles.BSP_STEP_BLOCKS`` key blocks (a
+    sequential loop of full steps and a static tail step), each one online-softmax update."""
     head = f.head(h)
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
-    row = nl.ndarray((1, 2 + trip), dtype=nl.int32, buffer=nl.sbuf)
+    row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=row, src=meta[hb, hh, nl.ds(pos, 1), 0:2 + trip])
-    need_thr = geo.needs_key_mask(exact)
+    skip = geo.needs_key_mask(exact)
     rw = Row(geo, row, trip, geo.kv_len, f.Nk)
-    thr = rw.key_thresholds(geo, float(2 * P + f.Nk)) if need_thr else None
+    # valid key columns of slot s: c < kv_len - first_s (none in a padding slot)
+    thr = (nisa.tensor_scalar(rw.block_first, np.subtract, geo.kv_len, op1=np.multiply,
+                              operand1=-1.0, dtype=nl.float32) if skip else None)
+    hi_thr, lo_thr = geo.band_columns(
+        nisa.tensor_scalar(rw.block_first, np.subtract, rw.first, dtype=nl.float32))
     st = F._GroupState(f, 1, P)
     # Q rows of the tile: skipped past q_len (they output 0), scattered back below Nq
     q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, f.Nq)
     x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
-    gather(x, f.q, (f.b, head), q_idx, 0, f.D, True)
+    gather(x, f.q, (f.b, head), q_idx, 0, f.D, geo.has_lens or f.Nq % P != 0)
     for pi, (d0, rows) in enumerate(f.d_passes):
         tp = nl.ndarray((rows, P), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
         tp[...] = nisa.nc_transpose(x[:, d0:d0 + rows])
         st.qT[pi][:, 0, :] = nisa.activation(nl.copy, tp, scale=f.q_scale, dtype=f.mm)
-    hi_thr, lo_thr = geo.band_columns(
-        nisa.tensor_scalar(rw.block_first, np.subtract, rw.first, dtype=nl.float32))
-    seeds = _unit_seeds(f, rw, head, trip) if f.dropout_p else None
-    skip = need_thr
-    same = f.v.dtype == f.mm
-
-    for sl in nl.sequential_range(trip):
-        kx = nl.ndarray((P, f.D), dtype=f.k.dtype, buffer=nl.sbuf)
-        k_idx = rw.rows[:, nl.ds(sl, 1)]
-        gather(kx, f.k, (f.b, f.g), k_idx, 0, f.D, skip)
-        v = nl.ndarray((P, 1, f.D + 1), dtype=f.mm, buffer=nl.sbuf)
-        v[:, 0, f.D:f.D + 1] = nisa.memset((P, 1), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
-        if same:
-            gather(v[:, 0, 0:f.D], f.v, (f.b, f.g), k_idx, 0, f.D, skip)
-        else:
-            vx = nl.ndarray((P, f.D), dtype=f.v.dtype, buffer=nl.sbuf)
-            gather(vx, f.v, (f.b, f.g), k_idx, 0, f.D, skip)
-            v[:, 0, 0:f.D] = nisa.tensor_copy(vx, dtype=f.mm, engine=nisa.gpsimd_engine)
-        kT = [nl.ndarray((rows, P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
-        F.transpose_keys(f, kT, 0, [(0, P, kx)], f.k.dtype)
-        sc = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
-        for pi, (d0, rows) in enumerate(f.d_passes):
-            prod = nisa.nc_matmul(st.qT[pi][:, 0, :], kT[pi])
-            if pi == 0:
-                sc[...] = prod
-            else:
-                sc[...] += prod
-        ind = geo.indicator(None if thr is None else thr[:, nl.ds(sl, 1)],
-                            None if hi_thr is None else hi_thr[:, nl.ds(sl, 1)],
-                            None if lo_thr is None else lo_thr[:, nl.ds(sl, 1)])
-        if ind is not None:
-            sc[...] += nisa.nc_matmul(geo.neg_eye, ind)
-        drop = None
-        if f.dropout_p:
-            def drop(p, r, w, pred, sl=sl):
-                us = unit_seed(seeds, sl)
-                nl.random_seed(seed=us)
-                p[...] = nisa.dropout(p, f.dropout_p)
-                if f.mask_out is not None:
-                    nl.random_seed(seed=us)
-                    keep = nisa.dropout(f.ones, f.dropout_p)
-                    _store_mask(f, geo, rw, head, sl, keep)
-        F.fold_block(f, st, 0, [sc], [P], F._KV(None, kT, v), 0, None, drop)
-
+    seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
+             if f.dropout_p else None)
+    W = min(T.BSP_STEP_BLOCKS, trip)
+    # [V | 1] of a step's blocks (the ones column gives the row sums, forward module doc)
+    v = nl.ndarray((P, W, f.D + 1), dtype=f.mm, buffer=nl.sbuf)
+    v[:, :, f.D:f.D + 1] = nisa.memset((P, W, 1), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
+    cols = dict(thr=thr, hi=hi_thr, lo=lo_thr)
+    for s in nl.sequential_range(trip // W):
+        _step(f, geo, st, rw, v, cols, seeds, head, s * W, W, skip)
+    if trip % W:
+        _step(f, geo, st, rw, v, cols, seeds, head, (trip // W) * W, trip % W, skip)
     in_range = None
     if f.spec.q_lens:
         in_range = nisa.tensor_scalar(q_pos, nl.less, geo.q_len, dtype=nl.float32)
     o_out, lse_out = F.finalize(f, st, 0, in_range)
-    store_tile(f, geo, rw.first, head, o_out, lse_out)
+    out_idx = q_idx if not geo.has_lens else own_rows(geo, rw.first, f.Nq, f.Nq)[0]
+    store_tile(f, out_idx, head, o_out, lse_out)
 
 
-def store_tile(f, geo: Geometry, first, head, o_tile, lse_tile):
-    """Scatter a query tile's o ``[128, D]`` and lse ``[128, 1]`` to its rows from ``first``
-    (fp32 column) of query head ``head``; rows past Nq are skipped."""
-    out_idx, _ = own_rows(geo, first, f.Nq, f.Nq)
+def _step(f, geo: Geometry, st, rw: Row, v, cols, seeds, head, s0, n: int, skip: bool):
+    """Slots ``s0 .. s0 + n - 1`` (``s0`` an NKI expression, n static) of a query tile: gather
+    their K and V blocks, ``S = Q K^T`` over ``128 n`` keys (one PSUM bank), the runtime masks,
+    then one online-softmax update (``forward.fold_block``)."""
+    D = f.D
+    kx = nl.ndarray((P, n, D), dtype=f.k.dtype, buffer=nl.sbuf)
+    same = f.v.dtype == f.mm
+    vx = v if same else nl.ndarray((P, n, D), dtype=f.v.dtype, buffer=nl.sbuf)
+    if skip:
+        kx[...] = nisa.memset((P, n, D), 0.0, dtype=f.k.dtype, engine=nisa.gpsimd_engine)
+        vx[:, 0:n, 0:D] = nisa.memset((P, n, D), 0.0, dtype=vx.dtype,
+                                      engine=nisa.gpsimd_engine)
+    mode = nisa.oob_mode.skip if skip else nisa.oob_mode.error
+    ip, iD = nl.arange(P)[:, None], nl.arange(D)[None, :]
+    for w in nl.static_range(n):
+        nisa.dma_copy(dst=kx[:, w, :], src=f.k[f.b, f.g, rw.rows[ip, s0 + w], iD],
+                      oob_mode=mode)
+        nisa.dma_copy(dst=vx[:, w, 0:D], src=f.v[f.b, f.g, rw.rows[ip, s0 + w], iD],
+                      oob_mode=mode)
+    if not same:
+        v[:, 0:n, 0:D] = nisa.tensor_copy(vx, dtype=f.mm, engine=nisa.gpsimd_engine)
+    kT = [nl.ndarray((rows, n * P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
+    F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in range(n)], f.k.dtype)
+    sc = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.psum)
+    for pi in range(len(f.d_passes)):
+        prod = nisa.nc_matmul(f_qT(f, st, pi), kT[pi])
+        if pi == 0:
+            sc[...] = prod
+        else:
+            sc[...] += prod
+    if any(c is not None for c in cols.values()):
+        ind = nl.ndarray((P, n * P), dtype=nl.bfloat16, buffer=nl.sbuf)
+        for w in nl.static_range(n):
+            geo.indicator(*(None if cols[k] is None else cols[k][:, nl.ds(s0 + w, 1)]
+                            for k in ("thr", "hi", "lo")), out=ind[:, w * P:(w + 1) * P])
+        sc[...] += nisa.nc_matmul(geo.neg_eye, ind)
+    drop = None
+    if f.dropout_p:
+        def drop(p, r, width, pred):
+            for w in nl.static_range(n):
+                us = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+                us[...] = nisa.tensor_copy(seeds[0:1, nl.ds(s0 + w, 1)],
+                                           engine=nisa.gpsimd_engine)
+                nl.random_seed(seed=us)
+                p[:, w * P:(w + 1) * P] = nisa.dropout(p[:, w * P:(w + 1) * P], f.dropout_p)
+                if f.mask_out is not None:
+                    nl.random_seed(seed=us)
+                    keep = nisa.dropout(f.ones, f.dropout_p)
+                    _store_mask(f, geo, rw, head, s0 + w, keep)
+    F.fold_block(f, st, 0, [sc], [n * P], F._KV(None, kT, v), 0, None, drop)
+
+
+def f_qT(f, st, pi):
+    """Q^T of the tile for head-dim pass pi (stationary, ``[d, 128]``)."""
+    return st.qT[pi][:, 0, :]
+
+
+def store_tile(f, out_idx, head, o_tile, lse_tile):
+    """Scatter a query tile's o ``[128, D]`` and lse ``[128, 1]`` of query head ``head`` to the
+    rows ``out_idx`` (int32 ``[128, 1]``; rows past Nq out of bounds, skipped)."""
     ip, iD = nl.arange(P)[:, None], nl.arange(f.D)[None, :]
     nisa.dma_copy(dst=f.o[f.b, head, out_idx[ip, 0], iD], src=o_tile,
                   oob_mode=nisa.oob_mode.skip)
@@ -314,19 +347,21 @@ def store_tile(f, geo: Geometry, first, head, o_tile, lse_tile):
 
 def _store_mask(f, geo: Geometry, rw: Row, head, sl, keep):
     """Debug: the keep mask of slot sl into ``mask_out``'s ``(B, Hq, Nq nku, 128)`` view at
-    row ``i nku + key block`` (one 128-key unit per row)."""
+    row ``i nku + key block`` (one 128-key unit per row; padding slots and rows past Nq are
+    skipped). Exact in fp32 for debug shapes (Nq nku < 2^24)."""
     nku = f.nku
-    # (first + p) nku + block, exact in fp32 (debug shapes: Nq nku < 2^24)
     pos = nisa.tensor_scalar(rw.first, np.add, geo.part, dtype=nl.float32)
-    blk = nisa.tensor_scalar(rw.block_first[:, nl.ds(sl, 1)], np.multiply, 1.0 / P,
-                             dtype=nl.float32)
+    first = rw.block_first[:, nl.ds(sl, 1)]
     rel = nisa.scalar_tensor_tensor(data=pos, op0=np.multiply, operand0=float(nku), op1=np.add,
-                                    operand1=blk, dtype=nl.float32)
-    past = nisa.tensor_scalar(pos, nl.greater_equal, float(f.Nq), op1=np.multiply,
-                              operand1=float(M.oob_offset(f.Nq * nku)),
-                              dtype=nl.int32)
-    idx = nisa.tensor_tensor(nisa.tensor_copy(rel, dtype=nl.int32), past, np.add,
-                             dtype=nl.int32)
+                                    operand1=nisa.tensor_scalar(first, np.multiply, 1.0 / P,
+                                                                dtype=nl.float32),
+                                    dtype=nl.float32)
+    oob = float(M.oob_offset(f.Nq * nku))
+    past = nisa.tensor_scalar(pos, nl.greater_equal, float(f.Nq), dtype=nl.float32)
+    pad = nisa.tensor_scalar(first, nl.greater_equal, float(f.Nk), dtype=nl.float32)
+    bad = nisa.tensor_tensor(past, pad, nl.maximum, dtype=nl.float32)
+    idx = nisa.scalar_tensor_tensor(data=bad, op0=np.multiply, operand0=oob, op1=np.add,
+                                    operand1=rel, dtype=nl.int32)
     nisa.dma_copy(dst=f.mask_rows[f.b, head, idx[nl.arange(P)[:, None], 0],
                                   nl.arange(P)[None, :]],
                   src=keep, oob_mode=nisa.oob_mode.skip)
@@ -339,7 +374,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
     Hkv, Nk, D)``, on the grid ``(B, Hkv)``.
 
-    ``meta``: int32 ``(B or 1, Hq or 1, ceil(Nq/128), 2 + trip)`` HBM table of the pattern in
+    ``meta``: float32 ``(B or 1, Hq or 1, ceil(Nq/128), 2 + trip)`` HBM table of the pattern in
     processing order and ``classes`` its compile-time runs
     (``host.block_sparse.kernel_tables``). Other arguments as
     :func:`forward.flash_attention_fwd` (``mm_dtype``, ``scale``, ``causal``, ``window``,
@@ -395,14 +430,13 @@ def _empty_tile(f, geo: Geometry, meta, h, pos):
     head = f.head(h)
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
-    row = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    row = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=row, src=meta[hb, hh, nl.ds(pos, 1), 0:1])
-    bc = broadcast_row(row, 1)
-    first = nisa.tensor_scalar(bc, np.multiply, float(P), dtype=nl.float32)
+    out_idx, _ = own_rows(geo, broadcast_row(row, 1), f.Nq, f.Nq)
     zeros = nisa.memset((P, f.D), 0.0, dtype=f.o.dtype, engine=nisa.gpsimd_engine)
     ninf = nisa.memset((P, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
-    store_tile(f, geo, first, head, zeros, ninf)
+    store_tile(f, out_idx, head, zeros, ninf)
 
 
 __all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "broadcast_row", "own_rows",
-           "gather"]
+           "gather", "unit_seeds", "store_tile"]

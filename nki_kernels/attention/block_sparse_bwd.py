@@ -34,7 +34,7 @@ from nki_kernels import tiles as T
 from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
 from nki_kernels.attention.block_sparse import (P, Geometry, Row, _check_classes,
-                                                broadcast_row, gather, own_rows)
+                                                broadcast_row, gather, own_rows, unit_seeds)
 from nki_kernels.nki import nisa, nki, nl
 
 #: -lse is clamped to this before the exp: a row without visible keys (lse = -inf) keeps
@@ -150,20 +150,6 @@ def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi
     return p_dv, ds
 
 
-def _seeds(cfg: _Cfg, head, q_tiles, k_blocks):
-    """int32 ``[1, 1]``: ``seed + ((b Hq + head) nqu + q_tile) nku + k_block`` for fp32 [1, 1]
-    query-tile and key-block values (the forward's unit numbering)."""
-    f = cfg.f
-    u = nisa.scalar_tensor_tensor(data=q_tiles, op0=np.multiply, operand0=float(f.nku),
-                                  op1=np.add, operand1=k_blocks, dtype=nl.int32)
-    base = nisa.iota((f.b * f.Hq + head) * (f.nqu * f.nku) + nl.arange(1)[None, :],
-                     dtype=nl.int32)
-    out = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    out[...] = nisa.tensor_tensor(nisa.tensor_tensor(u, base, np.add, dtype=nl.int32), f.seed,
-                                  np.add, dtype=nl.int32)
-    return out
-
-
 def _accumulate(acc, psum_product):
     """``acc += product`` (fp32 SBUF += a fresh PSUM group) on VectorE."""
     acc[...] = nisa.tensor_tensor(acc, psum_product, np.add, dtype=nl.float32)
@@ -188,10 +174,9 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
     hb = f.b if meta_k.shape[0] > 1 else 0
     per_head = meta_k.shape[1] > 1
     head0 = f.g * f.G if per_head else 0
-    first_row = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    first_row = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=first_row, src=meta_k[hb, head0, nl.ds(pos, 1), 0:1])
-    k_first = nisa.tensor_scalar(broadcast_row(first_row, 1), np.multiply, float(P),
-                                 dtype=nl.float32)
+    k_first = broadcast_row(first_row, 1)
     dk_acc = nisa.memset((P, f.D), 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
     dv_acc = nisa.memset((P, f.D), 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
     k_idx, _ = own_rows(geo, k_first, geo.kv_len, f.Nk)
@@ -202,7 +187,7 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
         big = float(2 * P + f.Nk + f.Nq)
         for h in nl.sequential_range(f.G):
             head = f.head(h)
-            row = nl.ndarray((1, 2 + trip), dtype=nl.int32, buffer=nl.sbuf)
+            row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=row, src=meta_k[hb, head if per_head else 0, nl.ds(pos, 1),
                                               0:2 + trip])
             rw = Row(geo, row, trip, geo.q_len, f.Nq)
@@ -214,18 +199,17 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
                 gap = nisa.tensor_scalar(rw.block_first, np.subtract, k_first, op1=np.multiply,
                                          operand1=-1.0, dtype=nl.float32)
                 hi, lo = geo.band_columns(gap)
+            seeds = (unit_seeds(f, head, rw.bc[0:1, 2:2 + trip], rw.bc[0:1, 0:1])
+                     if cfg.dropout_p else None)
             for sl in nl.sequential_range(trip):
-                q_first = rw.block_first[:, nl.ds(sl, 1)]
-                # padding slots read nothing: push the tile's first row out of range
-                q_first = nisa.scalar_tensor_tensor(data=rw.pad[:, nl.ds(sl, 1)],
-                                                    op0=np.multiply, operand0=float(2 * f.Nq),
-                                                    op1=np.add, operand1=q_first,
-                                                    dtype=nl.float32)
-                q_mm, do_mm, qT, doT, neg_lse, delta, _ = _query_side(cfg, geo, head, q_first,
-                                                                      True)
+                # a padding slot's first row is past every sequence: nothing is read
+                q_mm, do_mm, qT, doT, neg_lse, delta, _ = _query_side(
+                    cfg, geo, head, rw.block_first[:, nl.ds(sl, 1)], True)
                 seed = None
                 if cfg.dropout_p:
-                    seed = _seeds(cfg, head, rw.bc[0:1, nl.ds(2 + sl, 1)], rw.bc[0:1, 0:1])
+                    seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+                    seed[...] = nisa.tensor_copy(seeds[0:1, nl.ds(sl, 1)],
+                                                 engine=nisa.gpsimd_engine)
                 p_dv, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, delta,
                                  None if thr is None else thr[:, nl.ds(sl, 1)],
                                  None if hi is None else hi[:, nl.ds(sl, 1)],
@@ -252,7 +236,7 @@ def _query_tile(cfg: _Cfg, geo: Geometry, meta_q, h, pos, trip: int, exact: bool
     head = f.head(h)
     hb = f.b if meta_q.shape[0] > 1 else 0
     hh = head if meta_q.shape[1] > 1 else 0
-    row = nl.ndarray((1, 2 + trip), dtype=nl.int32, buffer=nl.sbuf)
+    row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=row, src=meta_q[hb, hh, nl.ds(pos, 1), 0:2 + trip])
     rw = Row(geo, row, trip, geo.kv_len, f.Nk)
     dq_acc = nisa.memset((P, f.D), 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
@@ -264,15 +248,22 @@ def _query_tile(cfg: _Cfg, geo: Geometry, meta_q, h, pos, trip: int, exact: bool
             big = float(2 * P + f.Nk + f.Nq)
             row_bad = nisa.tensor_scalar(q_pos, nl.greater_equal, geo.q_len, op1=np.multiply,
                                          operand1=big, dtype=nl.float32)
-            thr = nisa.tensor_scalar(rw.key_thresholds(geo, big), np.subtract, row_bad,
-                                     dtype=nl.float32)
+            # valid key columns c < kv_len - first (none in a padding slot), none for rows
+            # past q_len
+            thr = nisa.tensor_scalar(rw.block_first, np.subtract, geo.kv_len, op1=np.add,
+                                     operand1=row_bad, dtype=nl.float32)
+            thr = nisa.tensor_scalar(thr, np.multiply, -1.0, dtype=nl.float32)
             hi, lo = geo.band_columns(nisa.tensor_scalar(rw.block_first, np.subtract,
                                                          rw.first, dtype=nl.float32))
+        seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
+                 if cfg.dropout_p else None)
         for sl in nl.sequential_range(trip):
             kT, vT, k_mm = _key_side(cfg, rw.rows[:, nl.ds(sl, 1)], skip, True)
             seed = None
             if cfg.dropout_p:
-                seed = _seeds(cfg, head, rw.bc[0:1, 0:1], rw.bc[0:1, nl.ds(2 + sl, 1)])
+                seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+                seed[...] = nisa.tensor_copy(seeds[0:1, nl.ds(sl, 1)],
+                                             engine=nisa.gpsimd_engine)
             _, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, delta,
                           None if thr is None else thr[:, nl.ds(sl, 1)],
                           None if hi is None else hi[:, nl.ds(sl, 1)],
