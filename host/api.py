@@ -680,32 +680,45 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     causal="bottom_right")`` for each sequence with ``L = cache_lens[b]``. HBM traffic:
     :func:`flash_decode_hbm_bytes`.
     """
-    from nki_kernels.attention import decode as k
-
     inputs, scale, num_splits, mixed_precision, pages = _check_decode_call(
         q, k_cache, v_cache, cache_lens, scale, tree_mask, num_splits, mixed_precision,
         block_table)
     return_lse = _check_bool("return_lse", return_lse)
     q, k_cache, v_cache = _numpy("q", q), _numpy("k_cache", k_cache), _numpy("v_cache", v_cache)
-    mm = _mm_dtype(q.dtype, mixed_precision)
+    o, lse = run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_cache,
+                        launch, lambda a: a)
+    o = o.reshape(inputs.B, inputs.Hq, inputs.T, inputs.D)
+    return (o, lse.reshape(inputs.B, inputs.Hq, inputs.T)) if return_lse else o
+
+
+def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_cache, run,
+               to_device):
+    """The two launches of a validated decode call (:func:`flash_decode`): the split kernel
+    on ``(Hkv, work items + B)`` and the LSE merge. ``run(kernel, grid, *args, **kw)`` launches
+    (:func:`host._launch.launch`, or ``kernel[grid](...)`` on XLA tensors) and ``to_device``
+    moves the host-built int arrays (lengths, work list, tree mask, block table) next to q.
+    Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``."""
+    from nki_kernels.attention import decode as k
+
+    in_dtype = _v.dtype_name(q)
+    mm = np.dtype(_v.normalize_dtype("q", _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision),
+                                     _v.FLOAT_DTYPES))
     plan = _decode_tiles(inputs, mm, num_splits, pages)
-    table = None if pages is None else pages.block_table
+    table = None if pages is None else to_device(pages.block_table)
     lens = np.ascontiguousarray(inputs.cache_lens, dtype=np.int32)
-    tree = None if inputs.tree_mask is None else inputs.tree_mask.astype(np.uint8)
-    B, Hq, Hkv, T, D = inputs.B, inputs.Hq, inputs.Hkv, inputs.T, inputs.D
+    tree = None if inputs.tree_mask is None else to_device(inputs.tree_mask.astype(np.uint8))
+    B, Hq, Hkv, T = inputs.B, inputs.Hq, inputs.Hkv, inputs.T
     work, num_full, splits = decode_work_list(lens, T, plan)
     W = 0 if work is None else work.shape[0]
-    o_part, lse_part = launch(
-        k.flash_decode_split_kernel, (Hkv, W + B), q, k_cache, v_cache, lens, work, tree,
-        table, scale=float(scale), mm_dtype=mm.name, key_row=plan.key_row,
-        split_rows=plan.split_rows, num_splits=plan.num_splits, row_tile=plan.row_tile,
-        pack=plan.pack, num_full=num_full)
+    o_part, lse_part = run(
+        k.flash_decode_split_kernel, (Hkv, W + B), q, k_cache, v_cache, to_device(lens),
+        None if work is None else to_device(work), tree, table, scale=float(scale),
+        mm_dtype=mm.name, key_row=plan.key_row, split_rows=plan.split_rows,
+        num_splits=plan.num_splits, row_tile=plan.row_tile, pack=plan.pack, num_full=num_full)
     N = B * Hq * T
-    o, lse = launch(k.flash_decode_merge_kernel, (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),
-                    o_part, lse_part, np.repeat(splits, Hq * T), out_dtype=q.dtype.name,
-                    rows_per_program=tiles.DECODE_MERGE_ROWS)
-    o = o.reshape(B, Hq, T, D)
-    return (o, lse.reshape(B, Hq, T)) if return_lse else o
+    return run(k.flash_decode_merge_kernel, (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),
+               o_part, lse_part, to_device(np.repeat(splits, Hq * T)),
+               out_dtype=in_dtype, rows_per_program=tiles.DECODE_MERGE_ROWS)
 
 
 # ============================================================================================

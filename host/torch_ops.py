@@ -64,7 +64,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without torch
 import host
 from host import validation as _v
 
-__all__ = ["flash_attention", "scaled_dot_product_attention"]
+__all__ = ["flash_attention", "scaled_dot_product_attention", "flash_decode"]
 
 # --------------------------------------------------------------------------------------------
 # Dtypes and conversion
@@ -663,8 +663,10 @@ _SUPPORTED_MASKS = (
     "key-padding prefix (key j visible iff j < kv_len[b]) -> kv_lens; a lower-triangular causal "
     "mask, top-left (j <= i) or bottom-right (j <= i + S - L) aligned -> causal; a causal mask "
     "with a sliding-window band (j >= i + off - left) -> window; trailing all-False query rows "
-    "(i >= q_len[b]) -> q_lens; and combinations of these as in docs/semantics.md. For anything "
-    "else (additive biases, per-head or arbitrary masks) use PyTorch's own SDPA"
+    "(i >= q_len[b]) -> q_lens; left padding (leading all-False key columns and query rows of a "
+    "sequence: rotated on the host so the valid part comes first); and combinations of these as "
+    "in docs/semantics.md. For anything else (additive biases, per-head or arbitrary masks) use "
+    "PyTorch's own SDPA"
 )
 
 
@@ -673,6 +675,47 @@ class _MaskForm(NamedTuple):
     window: Optional[Tuple[int, int]]
     kv_lens: Optional[np.ndarray]
     q_lens: Optional[np.ndarray]
+    #: left padding: per-batch first query row / first key that any row sees (None: all 0).
+    #: The sequences are rotated by them before the kernels run (valid positions first) and
+    #: the output rotated back.
+    q_start: Optional[np.ndarray] = None
+    kv_start: Optional[np.ndarray] = None
+
+
+def _first_true(any_: np.ndarray) -> np.ndarray:
+    """(B, N) bool -> (B,) int64: index of the first True (0 when a row has none)."""
+    return np.where(any_.any(axis=1), np.argmax(any_, axis=1), 0).astype(np.int64)
+
+
+def _recognize_padded_mask(m: np.ndarray, rows_broadcast: bool) -> Optional[_MaskForm]:
+    """:func:`_recognize_mask`, also for left-padded batches: when the visible keys (and
+    query rows) of a sequence start after position 0, rotate each sequence so they come first
+    and recognize the rotated mask (a key-padding prefix, trailing empty query rows, causal or
+    window bands of the valid part)."""
+    form = _recognize_mask(m)
+    if form is not None:
+        return form
+    ks = _first_true(m.any(axis=1))
+    qs = np.zeros_like(ks) if rows_broadcast else _first_true(m.any(axis=2))
+    if not (ks.any() or qs.any()):
+        return None
+    B, L, S = m.shape
+    rolled = np.stack([np.roll(m[b], (-int(qs[b]), -int(ks[b])), axis=(0, 1))
+                       for b in range(B)])
+    form = _recognize_mask(rolled)
+    if form is None:
+        return None
+    return form._replace(q_start=qs if qs.any() else None, kv_start=ks if ks.any() else None)
+
+
+def _rotate(x: "torch.Tensor", start: np.ndarray, inverse: bool = False) -> "torch.Tensor":
+    """Rotate each sequence b of ``x`` (B, H, N, D) along N by ``start[b]`` (row i of the
+    result is row ``(i + start[b]) mod N``; ``inverse`` undoes it). A gather: differentiable."""
+    B, H, N, D = x.shape
+    i = torch.arange(N)[None, :]
+    shift = torch.as_tensor(start, dtype=torch.int64)[:, None]
+    idx = (i - shift) % N if inverse else (i + shift) % N
+    return torch.gather(x, 2, idx.to(x.device)[:, None, :, None].expand(B, H, N, D))
 
 
 def _last_true_plus_one(any_: np.ndarray) -> np.ndarray:
@@ -788,7 +831,7 @@ def _mask_to_options(attn_mask, query, batch_shape, H: int, L: int, S: int) -> _
     Lm = int(keep.shape[-2])
     m = torch.broadcast_to(keep, (tuple(keep.shape[:-3]) if per_batch else tuple(batch_shape))
                            + (1, Lm, S)).reshape(Bm, Lm, S).numpy().astype(bool, copy=True)
-    form = _recognize_mask(m)
+    form = _recognize_padded_mask(m, rows_broadcast=Lm != L)
     if form is not None and Lm != L:
         # Broadcast over queries: one row per sequence, only a key-padding prefix describes it.
         form = None if form.causal is not None or form.q_lens is not None else form
@@ -798,9 +841,9 @@ def _mask_to_options(attn_mask, query, batch_shape, H: int, L: int, S: int) -> _
             f"is not one the kernels can apply. {_SUPPORTED_MASKS}"
         )
     if Bm != B:
-        form = _MaskForm(form.causal, form.window,
-                         None if form.kv_lens is None else np.repeat(form.kv_lens, B),
-                         None if form.q_lens is None else np.repeat(form.q_lens, B))
+        rep = (lambda a: None if a is None else np.repeat(a, B))
+        form = _MaskForm(form.causal, form.window, rep(form.kv_lens), rep(form.q_lens),
+                         rep(form.q_start), rep(form.kv_start))
     return form
 
 
@@ -922,17 +965,91 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if mixed_precision is None:
         mixed_precision = query.dtype not in (torch.float32, torch.float64)
     causal = _v.CAUSAL_TOP_LEFT if is_causal else None
-    window = kv_lens = q_lens = None
+    form = _MaskForm(causal, None, None, None)
     if attn_mask is not None:
         form = _mask_to_options(attn_mask, query, batch_shape, Hq, L, S)
-        causal, window, kv_lens, q_lens = form
     B = 1
     for d in batch_shape:
         B *= int(d)
     q4 = query.reshape(B, Hq, L, E)
     k4 = key.reshape(B, Hkv, S, E)
     v4 = value.reshape(B, Hkv, S, E)
-    o = flash_attention(q4, k4, v4, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
-                        q_lens=q_lens, mixed_precision=mixed_precision,
-                        dropout_p=float(dropout_p))
-    return o.reshape(tuple(query.shape))
+    return _attention_with_form(q4, k4, v4, form, scale=scale, mixed_precision=mixed_precision,
+                                dropout_p=float(dropout_p)).reshape(tuple(query.shape))
+
+
+def _attention_with_form(q, k, v, form: _MaskForm, **kw):
+    """:func:`flash_attention` of (B, H, N, D) tensors under a recognized mask, rotating
+    left-padded sequences so that their valid positions come first (and the output back)."""
+    if form.q_start is not None:
+        q = _rotate(q, form.q_start)
+    if form.kv_start is not None:
+        k, v = _rotate(k, form.kv_start), _rotate(v, form.kv_start)
+    o = flash_attention(q, k, v, causal=form.causal, window=form.window, kv_lens=form.kv_lens,
+                        q_lens=form.q_lens, **kw)
+    if form.q_start is not None:
+        o = _rotate(o, form.q_start, inverse=True)
+    return o
+
+
+# --------------------------------------------------------------------------------------------
+# Decode over a KV cache (serving loops): no autograd
+# --------------------------------------------------------------------------------------------
+
+
+def _host_ints(name: str, x):
+    """A host NumPy copy of an integer tensor/array argument (lengths, block tables)."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point() or x.is_complex():
+            raise TypeError(f"{name}: expected an integer tensor, got dtype {x.dtype}")
+        return x.detach().to(_DEVICE_CPU).numpy()
+    return x
+
+
+def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
+                 tree_mask=None, num_splits=None, mixed_precision=True, return_lse=False):
+    """:func:`host.flash_decode` on torch tensors: T new tokens per sequence over a contiguous
+    ``(B, Hkv, S_max, D)`` or paged KV cache.
+
+    ``block_table`` (``(B, max_blocks_per_seq)`` integers) lays pages out as vLLM does:
+    logical position p of sequence b is offset ``p % page_size`` of page
+    ``block_table[b, p // page_size]`` of the pools ``(num_blocks, Hkv, page_size, D)``.
+    ``cache_lens``/``block_table`` may be tensors (read on the host: the split plan and the
+    work list are built from the lengths) or arrays. CPU tensors run on the active backend;
+    XLA tensors launch the kernels on the device (untested without hardware). No autograd: a
+    call with inputs that require grad while grad mode is on raises (use
+    :func:`flash_attention` to differentiate). Returns o (and lse) as torch tensors on q's
+    device, o in q's dtype, lse float32.
+    """
+    from host import api
+
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, x)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k_cache, v_cache)):
+        raise RuntimeError(
+            "flash_decode: has no autograd (decode serves generation); call it under "
+            "torch.no_grad(), or use flash_attention to differentiate")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse: expected True or False, got {_v.describe(return_lse)}")
+    lens, table = _host_ints("cache_lens", cache_lens), _host_ints("block_table", block_table)
+    tree = None if tree_mask is None else (tree_mask.detach().to(_DEVICE_CPU).numpy()
+                                           if isinstance(tree_mask, torch.Tensor) else tree_mask)
+    if _device_kind(q, k_cache, v_cache) == _DEVICE_CPU:
+        res = host.flash_decode(_to_numpy(q), _to_numpy(k_cache), _to_numpy(v_cache),
+                                cache_lens=lens, block_table=table, scale=scale,
+                                tree_mask=tree, num_splits=num_splits,
+                                mixed_precision=mixed_precision, return_lse=True)
+        o, lse = _to_torch(res[0], "o", q.dtype), _to_torch(res[1], "lse", torch.float32)
+    else:
+        inputs, scale, num_splits, mixed_precision, pages = api._check_decode_call(
+            q, k_cache, v_cache, lens, scale, tree, num_splits, mixed_precision, table)
+        o, lse = api.run_decode(
+            inputs, scale, num_splits, mixed_precision, pages, q.contiguous(),
+            k_cache.contiguous(), v_cache.contiguous(),
+            lambda kernel, grid, *a, **kw: kernel[grid](*a, **kw),
+            lambda a: torch.as_tensor(np.ascontiguousarray(a)).to(q.device))
+        B, Hq, T, D = (int(x) for x in q.shape)
+        o, lse = o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
+    return (o, lse) if return_lse else o

@@ -1,6 +1,7 @@
 """The README's NumPy example runs as written."""
 import pathlib
 import re
+import textwrap
 
 import numpy as np
 import pytest
@@ -29,7 +30,9 @@ def test_numpy_api_example_runs():
 
 
 def _all_python_blocks():
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    # blocks inside list items are indented: dedent them
+    return [textwrap.dedent(b) for b in
+            re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)]
 
 
 def test_every_readme_python_block_runs_as_written():
@@ -41,6 +44,8 @@ def test_every_readme_python_block_runs_as_written():
     for i, block in enumerate(blocks):
         if "torch" in block:
             pytest.importorskip("torch")
+        if "import transformers" in block:
+            pytest.importorskip("transformers")
         had_alias = "neuronxcc" in sys.modules
         try:
             exec(compile(block, f"README.md block {i}", "exec"), {"__name__": f"readme_{i}"})

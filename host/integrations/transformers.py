@@ -1,0 +1,123 @@
+"""Hugging Face transformers attention backend on the nki-flash kernels.
+
+One call registers it; models then select it by name::
+
+    import host.integrations.transformers as nki_tf
+    nki_tf.register()                                   # -> "nki"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="nki")
+
+The name avoids "flash": transformers resolves attention implementations whose names contain
+it through its hub-kernel machinery. ``register`` adds two entries, under the same name, to
+transformers' registries: the attention function (:func:`attention_forward`) and the mask
+function (transformers' own ``sdpa_mask``: a boolean mask, or None where ``is_causal``
+suffices), so the masks models build are the SDPA ones and :func:`attention_forward` converts
+them to the kernels' options (host-side, exactly: a mask that is not one the kernels apply
+raises, naming the form).
+
+What the kernels run:
+
+- prefill and training: :func:`host.torch_ops.flash_attention` (forward and flash backward),
+  GQA native (K/V are not repeated), causal / sliding-window bands, right *and left* padding
+  (a left-padded batch is rotated on the host so each sequence's valid positions come first,
+  and the output rotated back; fully masked padding rows give zeros), dropout when the module
+  is training;
+- ``generate()`` steps with one query token and no gradient: the split-KV decode kernel
+  (:func:`host.torch_ops.flash_decode`) over the cache's valid keys.
+
+Not supported (a clear error, never a silent difference): soft-capping (Gemma 2's
+``softcap``), attention sinks (gpt-oss's ``s_aux``), position biases, arbitrary or per-head
+masks, ``output_attentions`` (no weights are materialized; a warning, as SDPA gives).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from host import torch_ops as _ops
+from host import validation as _v
+
+#: The registered name (no "flash": see the module docstring).
+NAME = "nki"
+
+
+def register(name: str = NAME) -> str:
+    """Register the attention function and its mask function with transformers under
+    ``name`` (default ``"nki"``) and return the name. Idempotent."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name: expected a non-empty str, got {_v.describe(name)}")
+    if "flash" in name.lower():
+        raise ValueError(f"name: {name!r} contains 'flash', which transformers resolves as a hub "
+                         f"kernel; choose another name (default {NAME!r})")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as e:        # an optional extra
+        raise ImportError("host.integrations.transformers needs transformers >= 5 "
+                          "(pip install 'nki-flash[transformers]')") from e
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def _unsupported(kwargs) -> None:
+    for key, what in (("softcap", "logit soft-capping"), ("s_aux", "attention sinks"),
+                      ("position_bias", "an additive position bias")):
+        if kwargs.get(key) is not None:
+            raise NotImplementedError(
+                f"{key}: {what} is not supported by the nki attention backend yet; use "
+                f"attn_implementation='eager' for this model")
+    if kwargs.get("output_attentions", False):
+        warnings.warn("output_attentions: the nki backend materializes no attention weights; "
+                      "returning None", stacklevel=3)
+
+
+def _form(module, query, key, attention_mask, is_causal, sliding_window) -> "_ops._MaskForm":
+    B, Hq, L, _ = query.shape
+    S = key.shape[2]
+    if attention_mask is not None:
+        return _ops._mask_to_options(attention_mask, query, (B,), Hq, L, S)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not causal or L == 1:
+        return _ops._MaskForm(None, None, None, None)
+    window = None
+    if sliding_window is not None:
+        # transformers' sliding window: key j visible from query i iff i - W < j <= i
+        window = (int(sliding_window) - 1, _v.WINDOW_UNBOUNDED)
+    return _ops._MaskForm(_v.CAUSAL_BOTTOM_RIGHT, window, None, None)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                      dropout: float = 0.0, scaling: Optional[float] = None,
+                      is_causal: Optional[bool] = None, sliding_window: Optional[int] = None,
+                      **kwargs):
+    """transformers' attention-function interface: query ``(B, Hq, L, D)``, key/value ``(B,
+    Hkv, S, D)`` (not repeated for GQA), the mask built by the registered mask function;
+    returns ``(attn_output (B, L, Hq, D), None)``."""
+    _unsupported(kwargs)
+    form = _form(module, query, key, attention_mask, is_causal, sliding_window)
+    # fp32 models keep fp32 matmul operands (as their SDPA would), bf16/fp16 theirs
+    mixed = query.dtype not in (torch.float32, torch.float64)
+    needs_grad = torch.is_grad_enabled() and any(
+        x.requires_grad for x in (query, key, value))
+    if query.shape[2] == 1 and not needs_grad and not dropout and form.q_lens is None:
+        o = _decode(query, key, value, form, scaling, mixed)
+    else:
+        o = _ops._attention_with_form(query, key, value, form, scale=scaling,
+                                      mixed_precision=mixed, dropout_p=float(dropout))
+    return o.transpose(1, 2).contiguous(), None
+
+
+def _decode(query, key, value, form, scaling, mixed):
+    """One new token per sequence over the cache's valid keys (left padding rotated away)."""
+    B, S = query.shape[0], key.shape[2]
+    if form.kv_start is not None:
+        key, value = _ops._rotate(key, form.kv_start), _ops._rotate(value, form.kv_start)
+    lens = form.kv_lens if form.kv_lens is not None else [S] * B
+    return _ops.flash_decode(query, key, value, cache_lens=torch.as_tensor(lens),
+                             scale=scaling, mixed_precision=mixed)
+
+
+__all__ = ["NAME", "register", "attention_forward"]

@@ -1,0 +1,100 @@
+"""The transformers attention backend (``host.integrations.transformers``): tiny random models
+built from configs (no downloads) compared with ``attn_implementation="sdpa"`` -- logits,
+gradients and greedy generation, with left and right padding, GQA and sliding windows."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import host.integrations.transformers as nki_tf  # noqa: E402
+from host import torch_ops  # noqa: E402
+
+V, N = 97, 24
+
+
+def _model(kind, **extra):
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    common.update(extra)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(sliding_window=7, **common)
+        cls = transformers.MistralForCausalLM
+    else:
+        cfg = transformers.Qwen2Config(use_sliding_window=True, sliding_window=9,
+                                       max_window_layers=1, **common)
+        cls = transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    ref = cls._from_config(cfg, attn_implementation="sdpa").eval()
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation(nki_tf.register())
+    return ref, ours
+
+
+def _batch(padding):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (3, N), generator=g)
+    am = torch.ones(3, N, dtype=torch.long)
+    if padding == "left":
+        am[1, :5] = 0
+        am[2, :15] = 0
+    elif padding == "right":
+        am[1, N - 5:] = 0
+        am[2, N - 15:] = 0
+    return ids, am
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+def test_logits_and_gradients_match_sdpa(kind, padding):
+    ref, ours = _model(kind)
+    ids, am = _batch(padding)
+    valid = am.bool()
+    outs = []
+    for model in (ref, ours):
+        model.zero_grad()
+        logits = model(ids, attention_mask=am).logits
+        (logits[valid] * torch.linspace(-1, 1, V)).sum().backward()
+        outs.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (la, ga), (lb, gb) = outs
+    assert (la - lb)[valid].abs().max() < 2e-5
+    for name in ga:
+        assert (ga[name] - gb[name]).abs().max() < 2e-4 * max(1.0, ga[name].abs().max()), name
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_generate_left_padded_batch_uses_the_decode_kernel(kind, monkeypatch):
+    ref, ours = _model(kind)
+    ids, am = _batch("left")
+    calls = []
+    real = torch_ops.flash_decode
+
+    def counting(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch_ops, "flash_decode", counting)
+    want = ref.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False)
+    got = ours.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False)
+    assert torch.equal(want, got)
+    assert calls and all(shape[2] == 1 for shape in calls)
+
+
+def test_training_mode_dropout_runs_and_unsupported_options_raise():
+    ref, ours = _model("llama", attention_dropout=0.1)
+    ours.train()
+    ids, am = _batch("right")
+    loss = ours(ids, attention_mask=am, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="softcap: logit soft-capping"):
+        nki_tf.attention_forward(ours.model.layers[0].self_attn, q, q, q, None, softcap=30.0)
+    with pytest.raises(ValueError, match="contains 'flash'"):
+        nki_tf.register("my_flash")
