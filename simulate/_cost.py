@@ -29,6 +29,7 @@ from collections import Counter
 
 from . import _hw
 from ._errors import hw_error
+from ._sched import Scheduler
 
 MIN_II = _hw.MIN_II_CYCLES
 
@@ -115,6 +116,9 @@ class LaunchRecord:
         self.core = 0                       # core of the grid instance running now
         self.core_cycles = {}               # core -> Counter(engine -> cycles)
         self.core_dma_seconds = Counter()   # core -> modeled DMA seconds
+        # the scheduled estimate (simulate._sched): fed by every instruction, read at the end
+        self.sched = Scheduler(target)
+        self.estimated_seconds = 0.0
 
     # -- recording -----------------------------------------------------------------------------
     def count_program(self):
@@ -141,6 +145,7 @@ class LaunchRecord:
                 "static_range, so that the body is emitted once.")
 
     def add(self, engine, cycles):
+        self.sched.compute(engine, cycles)
         self.instructions[engine] += 1
         self.engine_cycles[engine] += cycles
         self.core_cycles.setdefault(self.core, Counter())[engine] += cycles
@@ -164,6 +169,7 @@ class LaunchRecord:
             self.dma_chunks += chunks
             self.dma_chunked_bytes += nbytes
             move += chunks * _hw.DMA_CHUNK_OVERHEAD_BYTES / bw
+        self.sched.dma(move)
         self.dma_data_seconds += nbytes / bw
         self.dma_move_seconds += move
         self.dma_seconds += move + _hw.DMA_FIXED_NS_PER_INSTRUCTION * 1e-9
@@ -184,6 +190,7 @@ class LaunchRecord:
         if d:
             self.dma_chunks += d
             s = d * _hw.DMA_CHUNK_OVERHEAD_BYTES / self._tgt.dma_bytes_per_s
+            self.sched.rechunk(s)
             self.dma_move_seconds += s
             self.dma_seconds += s
             self.core_dma_seconds[self.core] += s

@@ -49,6 +49,23 @@ DMA_FIXED_LATENCY_NS = 1300.0   # descriptor + semaphore latency per transfer [H
 # (choice) the fixed latency is paid per DMA *instruction* but 16 queues work in parallel, so a
 # stream of independent DMAs pays ~1300/16 = 81.25 ns each on the DMA "engine" time line.
 DMA_FIXED_NS_PER_INSTRUCTION = DMA_FIXED_LATENCY_NS / DMA_QUEUES_PER_NC
+
+# -- the scheduled estimate (simulate._sched) ------------------------------------------------
+#: Semaphore wait when an instruction's input was written by another engine or a DMA: "~100
+#: extra cycles when instructions depend on each other back to back" [HL §2 fixed overheads,
+#: PERF Opt #5], at 1.4 GHz.
+SCHED_SYNC_NS = 100 / 1.4
+#: Fixed issue cost per instruction on its engine, on top of the cost formula (which already
+#: has the 64-cycle MIN_II floor). FITTED: to the trn2 MFU of AWS's fully optimized matmul
+#: tutorial kernel at 2048^3 bf16 (docs/simulator.md, "Calibration").
+SCHED_ISSUE_NS = 0.0
+#: Idle gaps per engine an independent instruction may be moved back into (the compiler's
+#: scheduling window; 0 = strictly in program order). FITTED (docs/simulator.md,
+#: "Calibration").
+SCHED_REORDER_WINDOW = 8
+#: Buffers the compiler rotates per tile allocation site inside loops (double buffering).
+#: GUESS: the NKI docs describe multi-buffering of loop-local tiles without a number.
+SCHED_BUFFERS = 2
 # Per-descriptor (per contiguous chunk) DMA overhead, expressed as bytes of transfer time.
 # (derived, UNCONFIRMED) [HL §3 "DMA efficiency rules"]: a DMA moving contiguous chunks of c
 # bytes reaches an efficiency of c / (c + 256): 50 % at 256 B ("< 256 B per partition: badly

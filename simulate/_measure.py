@@ -159,6 +159,13 @@ class Measurement:
         return sum(self.program_instructions_per_kernel.values())
 
     @property
+    def estimated_seconds(self):
+        """The scheduled estimate (simulate._sched): list scheduling of every launch's
+        instruction stream over in-order engine queues and DMA queues with data dependencies,
+        launches one after another. Between the bounds of :attr:`modeled_seconds`."""
+        return sum(k.estimated_seconds for k in self.kernels)
+
+    @property
     def modeled_seconds(self):
         lo = sum(k.modeled_seconds[0] for k in self.kernels)
         hi = sum(k.modeled_seconds[1] for k in self.kernels)
@@ -198,7 +205,7 @@ class Measurement:
                      f"{self.peak_psum_bytes_per_partition} B/partition "
                      f"({self.peak_psum_banks} banks)")
         lines.append(f"modeled time: {lo * 1e6:.3f} us (perfect overlap) .. {hi * 1e6:.3f} us "
-                     "(serial)")
+                     f"(serial); scheduled estimate {self.estimated_seconds * 1e6:.3f} us")
         pt = self.per_tensor
         if pt:
             lines.append("per tensor (bytes): " + ", ".join(

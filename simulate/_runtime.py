@@ -26,7 +26,7 @@ import weakref
 
 import numpy as np
 
-from . import _blas, _hw, _dtypes
+from . import _blas, _hw, _dtypes, _sched
 from ._cost import LaunchRecord, ceil_div
 from ._errors import nki_error, hw_error, fmt_shape, ProgramSizeWarning
 
@@ -63,6 +63,8 @@ def enter(keep=None):
         raise
     ctx.seq += 1
     ctx.last_charge = None
+    rec = ctx.rec
+    rec.sched.boundary(rec.core)
     p = ctx.pending
     if p is not None and p is not keep:
         ctx.pending = None
@@ -440,6 +442,7 @@ def launch(func, grid, args, kwargs, opts):
     blas.__enter__()
     stack = _stack()
     peak_s = peak_p = peak_b = 0
+    _sched.ACTIVE = rec.sched
     try:
         points = itertools.product(*(range(s) for s in sizes)) if sizes else [()]
         if _trace["on"]:
@@ -471,6 +474,8 @@ def launch(func, grid, args, kwargs, opts):
         np.seterr(**old)
         blas.__exit__(None, None, None)
         rec.ctx = None
+        _sched.ACTIVE = None
+    rec.estimated_seconds = rec.sched.finish()
     rec.peak_sbuf_bytes_per_partition = peak_s
     rec.peak_psum_bytes_per_partition = peak_p
     rec.peak_psum_banks = peak_b

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _cost, _deps, _dtypes, _runtime, _hw, _strict
+from . import _cost, _deps, _dtypes, _runtime, _hw, _sched, _strict
 from ._dtypes import F32
 from ._errors import nki_error, hw_error, fmt_shape
 from ._index import IndexExpr, MGridResult, Predicate, _is_int
@@ -111,6 +111,8 @@ def new_onchip(ctx, arr, di, buffer, pdim=0, name=None, api="ndarray"):
             "err_num_partition_exceed_arch_limit", "value",
             f"number of partitions {p} exceed architecture limitation of {_hw.NUM_PARTITIONS}.")
     st = Storage(arr, di, buffer, ctx, pdim, name)
+    if _sched.ACTIVE is not None:
+        _sched.ACTIVE.alloc(st)
     bpp = _sizes(shape, pdim, di.itemsize)
     st.bpp = bpp
     if buffer == SBUF:
@@ -484,6 +486,8 @@ class Tensor:
     def _read(self, mask=None):
         """Backing-dtype array of this view (a numpy view when possible). Masked-out elements
         of out-of-bounds accesses hold the dtype's sentinel."""
+        if _sched.ACTIVE is not None:
+            _sched.ACTIVE.read(self)
         v = self._v
         if v is not None:
             return v
@@ -498,6 +502,8 @@ class Tensor:
 
     def _write(self, vals, mask=None, skip_oob=False):
         """Write backing-dtype ``vals`` (broadcastable to self.shape) where ``mask``."""
+        if _sched.ACTIVE is not None:
+            _sched.ACTIVE.write(self)
         v = self._v
         if v is not None:
             if mask is None:
@@ -964,6 +970,8 @@ def make_result(ctx, arr, di, mask=None, tag=None, buffer=SBUF, api="", rounded=
     if buffer == PSUM:
         st.banks = max(1, -(-st.bpp // _hw.PSUM_BANK_BYTES))
     t = Tensor(st, arr)
+    if _sched.ACTIVE is not None:
+        _sched.ACTIVE.write(t)
     if len(shape) == 0:
         t._v = arr.reshape(())
         t.shape = ()

@@ -232,7 +232,8 @@ def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
     """Loop structure of one (batch, kv head) instance: the query tiles of a head split into at
     most ``FWD_Q_SPANS`` spans of full tiles (one span without a band) plus the partial last
     tile, and each span's key regions. A group (one loop body) holds the same
-    ``max(1, q_group // G)`` tiles of each of the G query heads (one tile when resident).
+    ``max(1, q_group // G)`` tiles of each of the G query heads (fewer with ``cores`` 2, so
+    that each span has a group per core).
     ``cores`` (2: the kernel splits each span's groups over two NeuronCores) keeps at least
     that many tiles per span."""
     qt = tiles.q_tile
@@ -252,7 +253,11 @@ def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
         spans += _fixed_spans(spec, t_hi, n_full, qt, cores)
     if tail:
         spans.append(Span(n_full, 1, tail, _regions(spec, n_full * qt, Nq)))
-    q_group = 1 if tiles.kv_resident else max(1, tiles.q_group // group)
+    q_group = max(1, tiles.q_group // group)
+    if cores > 1:
+        # every span must have at least `cores` groups for the cores to share it
+        smallest = min((sp.tiles for sp in spans if sp.rows == qt), default=1)
+        q_group = max(1, min(q_group, smallest // cores))
     return ForwardPlan(tuple(spans), qt, q_group, tiles.kv_resident, tiles.kv_chunk)
 
 
@@ -1054,19 +1059,35 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
                 load_q(f, st, h * n + s, h, t0 + s)
 
     def sweep_all(kv_tile, rb, j0, keys, masked, ju):
-        # ju: the first 128-key unit of the keys (dropout), j0 // 128 as an affine expression
-        for h in nl.affine_range(G):
-            for s in nl.affine_range(n):
-                iu = (t0 + s) * (qt // P)
-                if span.slide is None:
-                    sweep(f, st, h * n + s, (t0 + s) * qt, kv_tile, rb, j0, keys, masked,
-                          du=(h, iu, ju))
-                else:
-                    # the region moves with the tile: keys from (t0 + s) qt + slide + j0
-                    sweep(f, st, h * n + s, (t0 + s) * qt, kv_tile,
-                          (t0 + s) * (qt // P) + span.slide // P + rb,
-                          (t0 + s) * qt + span.slide + j0, keys, masked, span.slide + j0,
-                          du=(h, iu, iu + span.slide // P + ju))
+        # ju: the first 128-key unit of the keys (dropout), j0 // 128 as an affine expression.
+        # The key blocks are the outer (sequential) loop and the group's tiles the inner
+        # (affine) ones, so consecutive instructions belong to independent tiles: each
+        # engine's stream interleaves their dependency chains (sweep's per-tile order would
+        # leave every engine waiting on the previous step of a single chain).
+        Bk = f.tiles.softmax_block
+        per = Bk // P
+        full, tail = keys // Bk, keys % Bk
+
+        def block(kb_rb, kb_j0, width, static_d):
+            for h in nl.affine_range(G):
+                for s in nl.affine_range(n):
+                    iu = (t0 + s) * (qt // P)
+                    if span.slide is None:
+                        attend_block(f, st, h * n + s, (t0 + s) * qt, kv_tile, rb + kb_rb,
+                                     j0 + kb_j0, width, masked,
+                                     du=(h, iu, ju + kb_rb))
+                    else:
+                        # the region moves with the tile: keys from (t0 + s) qt + slide + j0
+                        attend_block(f, st, h * n + s, (t0 + s) * qt, kv_tile,
+                                     (t0 + s) * (qt // P) + span.slide // P + rb + kb_rb,
+                                     (t0 + s) * qt + span.slide + j0 + kb_j0, width, masked,
+                                     None if static_d is None else span.slide + j0 + static_d,
+                                     du=(h, iu, iu + span.slide // P + ju + kb_rb))
+
+        for kb in nl.sequential_range(full):
+            block(kb * per, kb * Bk, Bk, None)
+        if tail:
+            block(full * per, full * Bk, tail, full * Bk)
 
     for rg in span.regions:
         if plan.resident:
