@@ -17,7 +17,9 @@ the dense kernel, for comparison.
                                       [--min-density 64] [--out DIR]
 
 Writes ``DIR/block_sparse.json`` and, with matplotlib, ``DIR/block_sparse.png``. Every number
-is the simulator's model of the named target (forward kernel, B = Hq = Hkv = 1, bf16).
+is the simulator's model of the named target (forward kernel, B = Hq = Hkv = 1, bf16): the
+perfect-overlap bound (``us``) and the scheduled estimate (``est us``); ``t/(s t1)`` is the
+bound's time over s times its time at s = 1 (1.0 = exactly proportional).
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def measure(fn, target):
         fn()
     lo, hi = m.modeled_seconds
     return dict(bytes=int(m.hbm_bytes_read + m.hbm_bytes_written), us=lo * 1e6,
-                us_serial=hi * 1e6)
+                us_serial=hi * 1e6, us_estimate=m.estimated_seconds * 1e6)
 
 
 def inputs(N, D, seed=0):
@@ -101,7 +103,8 @@ def main(argv=None):
     dens = [1.0 / (1 << i) for i in range(int(np.log2(args.min_density)) + 1)]
     results = {"target": args.target, "sweeps": [], "patterns": []}
     path = os.path.join(args.out, "block_sparse.json")
-    print(f"{'N':>6} {'D':>4} {'s':>8} {'HBM MB':>9} {'part/s':>7} {'us':>9} {'dense us':>9}")
+    print(f"{'N':>6} {'D':>4} {'s':>8} {'HBM MB':>9} {'part/s':>7} {'us':>9} {'est us':>9} "
+          f"{'t/(s t1)':>8} {'dense us':>9} {'dense est':>9}")
     for D in args.d:
         for N in args.n:
             nqt = N // 128
@@ -118,9 +121,11 @@ def main(argv=None):
             for r, (ratio, s) in zip(rows, part):
                 r["bytes_part_over_s"] = ratio / s
                 r["time_part_over_s"] = ((r["us"] - a) / b) / s
+                r["time_over_s"] = r["us"] / (s * rows[0]["us"])
                 print(f"{N:6d} {D:4d} {s:8.4f} {r['bytes'] / 1e6:9.2f} {ratio / s:7.3f} "
-                      f"{r['us']:9.1f} {dense['us'] if s == 1.0 else float('nan'):9.1f}",
-                      flush=True)
+                      f"{r['us']:9.1f} {r['us_estimate']:9.1f} {r['time_over_s']:8.3f} "
+                      f"{dense['us'] if s == 1.0 else float('nan'):9.1f} "
+                      f"{dense['us_estimate'] if s == 1.0 else float('nan'):9.1f}", flush=True)
             results["sweeps"].append(dict(N=N, D=D, rows=rows, dense=dense,
                                           time_fit_us=dict(fixed=a, per_density=b)))
             with open(path, "w") as fh:
@@ -133,7 +138,7 @@ def main(argv=None):
             row.update(N=N, D=128, pattern=name)
             results["patterns"].append(row)
             print(f"{name:>12} N={N} s={row['density']:.4f} {row['bytes'] / 1e6:.2f} MB "
-                  f"{row['us']:.1f} us", flush=True)
+                  f"{row['us']:.1f} us (estimate {row['us_estimate']:.1f} us)", flush=True)
             with open(path, "w") as fh:
                 json.dump(results, fh, indent=1)
     plot(results, os.path.join(args.out, "block_sparse.png"))

@@ -495,6 +495,7 @@ def _run(args: argparse.Namespace) -> int:
             entry.update(
                 hbm_bytes_read=int(m.hbm_bytes_read), hbm_bytes_written=int(m.hbm_bytes_written),
                 modeled_seconds=[lo, hi], cores=int(cores),
+                estimated_seconds=float(m.estimated_seconds),
                 engine_seconds={k: float(v) for k, v in m.engine_seconds.items()},
                 utilization=util,
                 peak_sbuf_bytes_per_partition=int(m.peak_sbuf_bytes_per_partition),
@@ -544,8 +545,8 @@ def _run(args: argparse.Namespace) -> int:
         report.update(io_lower_bound_bytes=int(lower_bound),
                       unfused_bytes=int(unfused) if unfused else None)
         util_name = "HBM-BW util" if args.decode else "TensorE util"
-        print(f"{'target':8s}{'modeled time (overlap .. serial)':>36s}{util_name:>18s}"
-              f"   busiest engines")
+        print(f"{'target':8s}{'modeled time (overlap .. serial)':>36s}{'scheduled':>12s}"
+              f"{util_name:>18s}   busiest engines")
         for target, e in report["targets"].items():
             lo, hi = e["modeled_seconds"]
             # engine time per core (the totals are spread over the cores of an LNC=2 launch)
@@ -553,6 +554,7 @@ def _run(args: argparse.Namespace) -> int:
             busiest = sorted(per_core.items(), key=lambda kv: -kv[1])[:3]
             name = target if e.get("cores", 1) == 1 else f"{target}x{e['cores']}"
             print(f"{name:8s}{lo * 1e6:15.1f} us .. {hi * 1e6:9.1f} us"
+                  f"{e['estimated_seconds'] * 1e6:9.1f} us"
                   f"{e['utilization'][1] * 100:10.1f}% ..{e['utilization'][0] * 100:5.1f}%"
                   "   " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in busiest))
         for target, e in report["targets"].items():
@@ -564,6 +566,9 @@ def _run(args: argparse.Namespace) -> int:
                       f"= {100 * peak / cap:.0f}% of {cap // 1024} KiB")
     else:
         print("(HBM bytes and modeled time come from the simulator; this backend ran on a device)")
+    if "modeled_seconds" in first:
+        print("modeled time: the perfect-overlap bound .. the serial bound; scheduled: the list-"
+              "scheduled estimate (simulate.measure().estimated_seconds, docs/simulator.md)")
     if args.json_out:
         try:
             with open(args.json_out, "w") as fh:

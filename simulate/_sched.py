@@ -41,6 +41,8 @@ import heapq
 import sys
 import weakref
 
+import numpy as np
+
 from . import _hw
 
 _SIM_DIR = __file__.rsplit("/", 1)[0]
@@ -63,13 +65,14 @@ class _Access:
     """Recorded accesses of one storage: writes ``(lo, hi, end, engine)`` and reads ``(lo,
     hi, end)`` since they were last superseded, and a floor (rotating buffers)."""
 
-    __slots__ = ("w", "r", "floor", "last")
+    __slots__ = ("w", "r", "floor", "last", "ring")
 
     def __init__(self):
         self.w = []
         self.r = []
         self.floor = 0.0
         self.last = 0.0          # end of the latest access (for the next buffer of the site)
+        self.ring = None         # the allocation site's ring it is in, if any
 
 
 _CAP = 24
@@ -87,29 +90,62 @@ def _squash(lst, n):
     lst[:_CAP // 2] = [merged]
 
 
+def _ptr(a):
+    return a.__array_interface__["data"][0]
+
+
 def _range(t):
     """Byte range ``(lo, hi)`` a view covers in its storage: within one partition for on-chip
-    tiles (free dims only), on the flat buffer for HBM tensors. Whole storage when unknown."""
+    tiles (free dims only), on the flat buffer for HBM tensors. Static fancy views (mgrid /
+    ``nl.ds`` of loop indices) get the bounding box of their index arrays; dynamic (indirect)
+    views and anything unknown the whole storage."""
     st = t._st
     arr = st.arr
+    whole = (0, arr.nbytes or 1)
     v = t._v
-    if v is None or arr.size == 0:
-        return 0, arr.nbytes or 1
+    if arr.size == 0:
+        return whole
     try:
-        off = v.__array_interface__["data"][0] - arr.__array_interface__["data"][0]
-    except (AttributeError, TypeError):
-        return 0, arr.nbytes or 1
-    ext = v.itemsize
+        if v is not None:
+            base, los, his = v, [0] * v.ndim, [n - 1 for n in v.shape]
+            if any(n == 0 for n in v.shape):
+                return 0, 0
+        else:
+            base, key = t._base, t._key
+            if base is None or key is None or t._dyn is not None or len(key) != base.ndim:
+                return whole
+            los, his = [], []
+            for k in key:
+                if isinstance(k, slice):
+                    idx = range(*k.indices(base.shape[len(los)]))
+                    if len(idx) == 0:
+                        return 0, 0
+                    los.append(min(idx[0], idx[-1]))
+                    his.append(max(idx[0], idx[-1]))
+                else:
+                    k = np.asarray(k)
+                    if k.size == 0:
+                        return 0, 0
+                    los.append(int(k.min()))
+                    his.append(int(k.max()))
+        off = _ptr(base) - _ptr(arr)
+    except (AttributeError, TypeError, ValueError):
+        return whole
     pdim = st.pdim if st.buffer != "hbm" else None
-    for i, (n, s) in enumerate(zip(v.shape, v.strides)):
-        if n == 0:
-            return off, off
+    lo = hi = off
+    for i, s in enumerate(base.strides):
         if pdim is not None and i == 0:
             continue
-        ext += (n - 1) * abs(s)
+        if s < 0:
+            return whole
+        lo += los[i] * s
+        hi += his[i] * s
+    hi += base.itemsize
     if pdim is not None and arr.ndim and arr.strides[0]:
-        off %= arr.strides[0]
-    return off, off + ext
+        row = arr.strides[0]
+        shift = (lo // row) * row
+        lo, hi = lo - shift, hi - shift
+    return lo, hi
 
 
 class Scheduler:
@@ -182,8 +218,20 @@ class Scheduler:
         if len(ring) >= _hw.SCHED_BUFFERS:
             a.floor = ring[-_hw.SCHED_BUFFERS].last
         ring.append(a)
+        a.ring = ring
         if len(ring) > _hw.SCHED_BUFFERS:
             del ring[0]
+
+    def direct(self, st):
+        """An instruction's result written straight into a destination (``dst[...] =
+        nisa.op(...)``): on the hardware it never had a buffer of its own, so it leaves its
+        site's ring and carries no floor."""
+        a = self.acc.get(st)
+        if a is not None and a.ring is not None:
+            if a.ring and a.ring[-1] is a:
+                a.ring.pop()
+            a.ring = None
+            a.floor = 0.0
 
     # -- scheduling -----------------------------------------------------------------------------
     def _access(self, st):

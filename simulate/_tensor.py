@@ -971,6 +971,7 @@ def make_result(ctx, arr, di, mask=None, tag=None, buffer=SBUF, api="", rounded=
         st.banks = max(1, -(-st.bpp // _hw.PSUM_BANK_BYTES))
     t = Tensor(st, arr)
     if _sched.ACTIVE is not None:
+        _sched.ACTIVE.alloc(st)
         _sched.ACTIVE.write(t)
     if len(shape) == 0:
         t._v = arr.reshape(())
@@ -1131,6 +1132,8 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
     n = _free(dshape)
     if direct:
         _recharge_direct(ctx, value, vshape, dst, dshape, n, m)
+        if _sched.ACTIVE is not None:
+            _sched.ACTIVE.direct(value._st)
     if st.buffer == PSUM:
         _track_psum_writer(st, direct, tag, accumulate, value)
     if accumulate is None:
