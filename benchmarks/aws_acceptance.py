@@ -76,7 +76,7 @@ class AcceptancePlugin:
                 self.latency.append((item.nodeid, msg))
                 rep.outcome = "skipped"
                 rep.longrepr = (str(item.fspath), tb.lineno + 1,
-                                f"Skipped: device latency threshold; modeled (serial bound) vs "
+                                f"Skipped: device latency threshold; modeled (scheduled estimate) vs "
                                 f"AWS's measured figure: {msg}")
 
     def pytest_runtest_logreport(self, report):
@@ -94,7 +94,7 @@ class AcceptancePlugin:
                          f"{t['failed']:>6}")
         lines.append(f"{'total':<48} {tot['passed']:>6} {tot['skipped']:>7} {tot['failed']:>6}")
         if self.latency:
-            lines.append("device latency thresholds (modeled serial bound <= AWS figure):")
+            lines.append("device latency thresholds (modeled scheduled estimate <= AWS figure):")
             lines += [f"  {n}: {m}" for n, m in self.latency]
         return "\n".join(lines)
 

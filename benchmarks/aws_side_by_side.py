@@ -35,7 +35,8 @@ def _measure(target, fn):
     with simulate.measure(target=target) as m:
         fn()
     lo, hi = m.modeled_seconds
-    return dict(lower_us=lo * 1e6, serial_us=hi * 1e6, read=m.hbm_bytes_read,
+    return dict(lower_us=lo * 1e6, serial_us=hi * 1e6, est_us=m.estimated_seconds * 1e6,
+                read=m.hbm_bytes_read,
                 written=m.hbm_bytes_written, program=m.program_instructions)
 
 
@@ -80,14 +81,14 @@ def main(argv=None):
         sys.path.insert(0, os.path.join(a.samples, "src"))
         from nki_samples.reference.attention import FlashConfig, flash_attn_bwd, flash_fwd
         aws = (flash_fwd, flash_attn_bwd, FlashConfig)
-    print(f"| target | mask | kernel | modeled (overlap .. serial) | HBM read / written | "
-          f"program |")
-    print("|---|---|---|---|---|---|")
+    print(f"| target | mask | kernel | modeled (overlap .. serial) | scheduled estimate | "
+          f"HBM read / written | program |")
+    print("|---|---|---|---|---|---|---|")
     for target in a.targets:
         for causal in (False, True):
             for name, r in run(target, a.n, a.d, causal, aws).items():
                 print(f"| {target} | {'causal' if causal else 'none'} | {name} | "
-                      f"{r['lower_us']:.1f} .. {r['serial_us']:.1f} us | "
+                      f"{r['lower_us']:.1f} .. {r['serial_us']:.1f} us | {r['est_us']:.1f} us | "
                       f"{r['read'] / 1e6:.2f} / {r['written'] / 1e6:.2f} MB | {r['program']} |",
                       flush=True)
 

@@ -106,6 +106,7 @@ def measure(target, variant, args, causal):
         "target": target, "variant": variant, "N": N, "D": D, "causal": bool(causal),
         "hbm_read": m.hbm_bytes_read, "hbm_written": m.hbm_bytes_written,
         "modeled_us": [lo * 1e6, hi * 1e6],
+        "estimated_us": m.estimated_seconds * 1e6,
         "engine_us": {e: s * 1e6 for e, s in m.engine_seconds.items()},
         "peak_sbuf_bytes_per_partition": m.peak_sbuf_bytes_per_partition,
         "peak_psum_banks": m.peak_psum_banks,
@@ -139,6 +140,7 @@ def main(argv=None):
                       f"{lim['strict'] * 1e6:.0f} us, engine-aware (7 PE passes) "
                       f"{lim['engine_aware'] * 1e6:.0f} us, min HBM {lim['hbm_min_bytes']} B")
                 print(f"   {'variant':<14}{'HBM read':>11}{'written':>10}{'modeled us':>17}"
+                      f"{'est us':>9}"
                       f"{'PE':>8}{'ACT':>8}{'DVE':>8}{'POOL':>7}{'DMA':>8}{'TFLOP/s':>9}")
                 for variant in a.variants:
                     if variant == "dma-transpose" and target != "trn2":
@@ -153,6 +155,7 @@ def main(argv=None):
                     tflops = r["flops_useful"] / (r["modeled_us"][0] * 1e-6) / 1e12
                     print(f"   {variant:<14}{r['hbm_read']:>11}{r['hbm_written']:>10}"
                           f"{r['modeled_us'][0]:>8.1f}..{r['modeled_us'][1]:<7.0f}"
+                          f"{r['estimated_us']:>9.1f}"
                           f"{e['tensor']:>8.1f}{e['scalar']:>8.1f}{e['vector']:>8.1f}"
                           f"{e['gpsimd']:>7.1f}{e['dma']:>8.1f}{tflops:>9.1f}")
     write_json(a.json, rows)

@@ -82,6 +82,7 @@ def run(target, N, D, causal, seed=0, p_dma_transpose=0.0, lens="none"):
     return {
         "target": target, "N": N, "D": D, "causal": causal, "lens": lens,
         "modeled_lower_us": lower * 1e6, "modeled_upper_us": upper * 1e6,
+        "estimated_us": m.estimated_seconds * 1e6,
         "engine_us": {e: s * 1e6 for e, s in m.engine_seconds.items()},
         "utilization": flops / (lower * hardware(target).tensor_peak_flops),
         "hbm_bytes": m.hbm_bytes_read + m.hbm_bytes_written, "io_lower_bound_bytes": bound,
@@ -108,7 +109,8 @@ def main(argv=None):
         sys.exit("benchmarks/forward.py needs the bundled simulator: set NKI_FLASH_BACKEND=simulate")
 
     rows = []
-    head = (f"{'target':6} {'N':>6} {'causal':6} {'lens':4} {'lower us':>9} {'upper us':>9} "
+    head = (f"{'target':6} {'N':>6} {'causal':6} {'lens':4} {'lower us':>9} {'est us':>9} "
+            f"{'upper us':>9} "
             f"{'util':>6} {'PE':>8} {'DVE':>8} {'ACT':>8} {'POOL':>7} {'DMA':>7} | {'FLOP':>8} "
             f"{'eng-aware':>9} {'HBM bytes':>10} {'HBM/LB':>6}")
     print(head)
@@ -119,6 +121,7 @@ def main(argv=None):
         rows.append(r)
         e, lim = r["engine_us"], r["limits_us"]
         print(f"{target:6} {N:6d} {str(causal):6} {lens:4} {r['modeled_lower_us']:9.1f} "
+              f"{r['estimated_us']:9.1f} "
               f"{r['modeled_upper_us']:9.1f} {100 * r['utilization']:5.1f}% "
               f"{e['tensor']:8.1f} {e['vector']:8.1f} {e['scalar']:8.1f} {e['gpsimd']:7.1f} "
               f"{e['dma']:7.1f} | {lim['flop_bound']:8.1f} {lim['engine_aware']:9.1f} "

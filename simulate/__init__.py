@@ -105,8 +105,9 @@ class BaremetalKernel(Kernel):
 
 
 class _Latency:
-    """``benchmark_result.nc_latency``: modeled latency (cost model, serial upper bound) -- NOT
-    a hardware measurement. Every percentile is the same deterministic number."""
+    """``benchmark_result.nc_latency``: modeled latency (the scheduled estimate of the cost
+    model, ``Measurement.estimated_seconds``) -- NOT a hardware measurement. Every percentile
+    is the same deterministic number."""
 
     def __init__(self, seconds):
         self._us = seconds * 1e6
@@ -120,18 +121,19 @@ class BenchmarkResult:
         self.measurement = measurement
         lo, hi = measurement.modeled_seconds
         self.modeled_seconds = (lo, hi)
-        self.nc_latency = _Latency(hi)
+        self.estimated_seconds = measurement.estimated_seconds
+        self.nc_latency = _Latency(self.estimated_seconds)
 
     def __repr__(self):
         lo, hi = self.modeled_seconds
-        return (f"<BenchmarkResult modeled {lo * 1e6:.2f}..{hi * 1e6:.2f} us "
-                "(cost model, not hardware)>")
+        return (f"<BenchmarkResult modeled {lo * 1e6:.2f}..{hi * 1e6:.2f} us, estimate "
+                f"{self.estimated_seconds * 1e6:.2f} us (cost model, not hardware)>")
 
 
 class BenchmarkKernel(Kernel):
     """``nki.benchmark(...)(kernel)``: runs once in the simulator inside ``measure()`` and
-    exposes ``benchmark_result.nc_latency.get_latency_percentile(p)`` = modeled upper-bound
-    time in microseconds (NOT a hardware number)."""
+    exposes ``benchmark_result.nc_latency.get_latency_percentile(p)`` = the scheduled
+    estimate in microseconds (NOT a hardware number)."""
 
     _kind = "benchmark"
     benchmark_result = None
