@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 
-from . import _runtime
+from . import _launch, _runtime
 from . import language, isa, typing, compiler
 from ._errors import NKIError, NKISyntaxError, ProgramSizeWarning
 from ._strict import is_strict, set_strict, strict, StrictError
@@ -66,7 +66,7 @@ class Kernel:
         return GridKernel(self, grid)
 
     def _run(self, grid, args, kwargs):
-        return _runtime.launch(self.func, grid, args, kwargs, self.opts)
+        return _launch.launch(self.func, grid, args, kwargs, self.opts)
 
     def __repr__(self):
         return f"<nki {self._kind} kernel {getattr(self.func, '__name__', self.func)}>"
@@ -81,7 +81,7 @@ class GridKernel:
 
     def __call__(self, *args, **kwargs):
         if _runtime.in_kernel():
-            _runtime.launch(self.kernel.func, self.grid, args, kwargs, self.kernel.opts)
+            _launch.launch(self.kernel.func, self.grid, args, kwargs, self.kernel.opts)
         return self.kernel._run(self.grid, args, kwargs)
 
     @property
@@ -209,10 +209,10 @@ def simulate_kernel(kernel, *args, **kwargs):
     ``nki.baremetal(kernel)[grid]``. 2.20-style kernels that return nothing write their
     outputs into the argument arrays (copied back in place)."""
     if isinstance(kernel, GridKernel):
-        return _runtime.launch(kernel.kernel.func, kernel.grid, args, kwargs,
+        return _launch.launch(kernel.kernel.func, kernel.grid, args, kwargs,
                                kernel.kernel.opts)
     if isinstance(kernel, Kernel):
-        return _runtime.launch(kernel.func, (), args, kwargs, kernel.opts)
+        return _launch.launch(kernel.func, (), args, kwargs, kernel.opts)
     if callable(kernel):
-        return _runtime.launch(kernel, (), args, kwargs, {})
+        return _launch.launch(kernel, (), args, kwargs, {})
     raise TypeError(f"simulate_kernel expects a kernel, got {type(kernel).__name__}")

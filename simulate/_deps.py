@@ -66,8 +66,7 @@ def _signature(t, mask):
         sig = (v.__array_interface__["data"][0] - st.arr.__array_interface__["data"][0],
                v.shape, v.strides)
     else:
-        from ._tensor import _resolve
-        key, valid = _resolve(t, mask if isinstance(mask, np.ndarray) else None, True)
+        key, valid = t._resolved(mask if isinstance(mask, np.ndarray) else None)
         sig = tuple((np.shape(k), hash(np.ascontiguousarray(k).tobytes())) for k in key)
         if valid is not None:
             sig += (hash(np.packbits(valid).tobytes()),)

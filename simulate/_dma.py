@@ -22,6 +22,8 @@ import math
 
 import numpy as np
 
+from ._fit import fit_value
+
 
 
 def _out_shape(shape):
@@ -108,7 +110,6 @@ def _run(shape, ls):
 
 def layout(t):
     """Per-partition layout of a DMA side given as a tensor view ``t`` (HBM or SBUF)."""
-    from ._tensor import Tensor, DynExpr
     shape = _out_shape(t.shape)
     F = _free(shape)
     v = t._v
@@ -123,7 +124,7 @@ def layout(t):
     ls = logical_strides(base, st)
     off = np.zeros(t.shape[1:], np.int64)
     for d, k in enumerate(t._key):
-        if isinstance(k, (Tensor, DynExpr)):
+        if getattr(k, "_dyn_index", False):
             continue            # index tiles select whole rows (partition dimension only)
         a = np.broadcast_to(np.asarray(k), t.shape)[0]
         off = off + a * ls[d]
@@ -154,8 +155,7 @@ def _as_offsets(lay, F):
 
 def to_shape(lay, vshape, dshape):
     """Map a side layout given in ``vshape`` order onto the destination's element order
-    (broadcast or same-size reshape, as ``_tensor.fit_value`` does for the values)."""
-    from ._tensor import fit_value
+    (broadcast or same-size reshape, as ``_fit.fit_value`` does for the values)."""
     vs, ds = _out_shape(vshape), _out_shape(dshape)
     if tuple(vs[1:]) == tuple(ds[1:]):
         return lay

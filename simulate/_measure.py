@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from . import _hw, _runtime
+from . import _hw, _launch, _runtime
 
 
 class Measurement:
@@ -245,7 +245,7 @@ def program_size(kernel, *args, **kwargs) -> int:
     _runtime._trace["on"] = True
     try:
         with m:
-            _runtime.launch(func, grid, args, kwargs, opts)
+            _launch.launch(func, grid, args, kwargs, opts)
     finally:
         _runtime._trace["on"] = False
     return m.program_instructions

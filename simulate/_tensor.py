@@ -24,6 +24,7 @@ from . import _cost, _deps, _dtypes, _runtime, _hw, _sched, _strict
 from ._dtypes import F32
 from ._errors import nki_error, hw_error, fmt_shape
 from ._index import IndexExpr, MGridResult, Predicate, _is_int
+from ._fit import fit_value, fit_mask  # noqa: F401 (re-exported to isa/language)
 from ._runtime import enter
 
 SBUF, PSUM, HBM, SHARED_HBM = "sbuf", "psum", "hbm", "shared_hbm"
@@ -140,6 +141,8 @@ def new_onchip(ctx, arr, di, buffer, pdim=0, name=None, api="ndarray"):
 # =============================================================================================
 class Tensor:
     """An NKI tensor or tile (a view of a Storage). ``shape``/``dtype`` as in NKI."""
+
+    _dyn_index = True           # a tile used as an index is an indirect (dynamic) index
 
     __slots__ = ("_st", "shape", "_v", "_base", "_key", "_dyn", "_oob", "_pax", "_p0", "_pst",
                  "_mask", "_tag", "_inpl", "_chg", "__weakref__")
@@ -519,6 +522,10 @@ class Tensor:
         vb = np.broadcast_to(vals, self.shape)
         self._base[tuple(k[valid] for k in bk)] = vb[valid]
 
+    def _resolved(self, mask):
+        """``(key, valid)`` of a fancy view under ``mask`` (see ``_resolve``; for ``_deps``)."""
+        return _resolve(self, mask, True)
+
     def _count(self, mask):
         """Number of elements accessed under ``mask`` (in-bounds, unmasked)."""
         n = self.size
@@ -530,6 +537,7 @@ class Tensor:
 
 
 class DynExpr:
+    _dyn_index = True           # an indirect (dynamic) index
     """``index_tile + nl.arange(...)``: a runtime (dynamic) index entry."""
 
     __slots__ = ("tile", "expr")
@@ -990,45 +998,6 @@ def make_result(ctx, arr, di, mask=None, tag=None, buffer=SBUF, api="", rounded=
     ctx.last_charge = None
     ctx.pending = t
     return t
-
-
-def fit_value(vals, vshape, dshape, src_desc="b"):
-    """Broadcast a value of shape vshape to the destination shape (partition-aligned right
-    padding for rank-deficient values); raises err_store_dst_shape_smaller_than_other_shape."""
-    if vshape == dshape:
-        return vals
-    vn = len(vshape)
-    dn = len(dshape)
-    try:
-        if 0 < vn < dn:
-            v2 = vals.reshape(tuple(vshape) + (1,) * (dn - vn))
-            return np.broadcast_to(v2, dshape)
-        return np.broadcast_to(vals, dshape)
-    except ValueError:
-        pass
-    # same partitions and same elements per partition: (P,1) <-> (P,), (P,a,b) <-> (P,a*b)
-    vsize = int(np.prod(vshape)) if vn else 1
-    dsize = int(np.prod(dshape)) if dn else 1
-    if vsize == dsize and (vn == 0 or dn == 0 or vshape[0] == dshape[0] or vsize == 1):
-        return vals.reshape(dshape)
-    raise nki_error(
-        "err_store_dst_shape_smaller_than_other_shape", "value",
-        f"Illegal assignment destination shape in 'a = b': shape {fmt_shape(dshape)} of "
-        f"parameter 'a' is smaller than other parameter shapes {src_desc}{fmt_shape(vshape)}.")
-
-
-def fit_mask(mask, vshape, dshape):
-    if mask is None or mask is False:
-        return mask
-    if mask.shape == tuple(dshape):
-        return mask
-    vn, dn = len(vshape), len(dshape)
-    if 0 < vn < dn:
-        return np.broadcast_to(mask.reshape(mask.shape + (1,) * (dn - vn)), dshape)
-    try:
-        return np.broadcast_to(mask, dshape)
-    except ValueError:
-        return mask.reshape(dshape)
 
 
 _ACC_FN = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply,
