@@ -652,7 +652,8 @@ def softmax_backward(cfg, vis: _Visit, st: _State, kv: _KV, p, pz=None):
 
     ``dP - D`` is formed by ScalarE while it evacuates PSUM (identity with a per-row bias), so
     VectorE does a single multiply per score. With dropout (``pz = Z * P``, unscaled) it is
-    ``Z P dP / (1 - p) - P D``: one more VectorE pass."""
+    ``Z P dP / (1 - p) - P D``: two GpSimd passes and one VectorE pass (VectorE also draws
+    Z)."""
     w = vis.cols
     dp_psum = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
     for c, (d0, dsz) in enumerate(cfg.d_chunks):
@@ -660,13 +661,16 @@ def softmax_backward(cfg, vis: _Visit, st: _State, kv: _KV, p, pz=None):
                     nisa.nc_matmul(st.do_T[0:dsz, c, nl.ds(vis.s * PMAX, PMAX)],
                                    kv.v_T[0:dsz, c, 0:w]))
     if pz is not None:
-        # dS = P (Z dP / (1 - p) - D) = Z P dP / (1 - p) - P D   (appendix Algorithm 4)
+        # dS = P (Z dP / (1 - p) - D) = Z P dP / (1 - p) - P D   (appendix Algorithm 4).
+        # VectorE already draws Z (nisa.dropout is VectorE-only): two of the three
+        # element-wise passes run on GpSimd, which the backward otherwise leaves idle
+        gp = nisa.gpsimd_engine
         dp = nisa.activation(nl.copy, dp_psum, scale=1.0 / (1.0 - cfg.dropout_p),
                              dtype=nl.float32)
-        zp_dp = nisa.tensor_tensor(dp, pz, np.multiply, dtype=nl.float32)
-        return nisa.scalar_tensor_tensor(data=p, op0=np.multiply,
-                                         operand0=st.neg_delta[:, nl.ds(vis.s, 1)],
-                                         op1=np.add, operand1=zp_dp, dtype=cfg.op_dtype)
+        zp_dp = nisa.tensor_tensor(dp, pz, np.multiply, dtype=nl.float32, engine=gp)
+        p_d = nisa.tensor_scalar(p, np.multiply, st.neg_delta[:, nl.ds(vis.s, 1)],
+                                 dtype=nl.float32, engine=nisa.vector_engine)
+        return nisa.tensor_tensor(zp_dp, p_d, np.add, dtype=cfg.op_dtype, engine=gp)
     dp_minus_d = nisa.activation(nl.copy, dp_psum, bias=st.neg_delta[:, nl.ds(vis.s, 1)],
                                  scale=1.0, dtype=cfg.op_dtype)
     return nisa.tensor_tensor(dp_minus_d, p, np.multiply, dtype=cfg.op_dtype)
@@ -902,6 +906,7 @@ class _Dropout(NamedTuple):
     nqu: int
     nku: int
     ones: object        # [128, 128] in the operand dtype: partial units are drawn whole
+    seed_row: object    # int32 [1, n]: the seed repeated (for the int32 add of unit numbers)
 
 
 def dropout_mask_units(cfg, dr: _Dropout, vis: "_Visit", p, head, qi, ku0):
@@ -909,13 +914,13 @@ def dropout_mask_units(cfg, dr: _Dropout, vis: "_Visit", p, head, qi, ku0):
     that unit (reseeded with ``seed + unit``), so the mask is the forward's whatever the two
     kernels' tilings. Unscaled: the 1 / (1 - p) goes into dV's write-out and dP's copy."""
     pz = nl.ndarray((PMAX, vis.cols), dtype=cfg.op_dtype, buffer=nl.sbuf)
-    for bi, (off, n) in enumerate(_blocks(vis.cols)):
-        unit = ((dr.b * dr.Hq + head) * dr.nqu + qi) * dr.nku + ku0 + bi
-        seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-        seed[...] = nisa.tensor_tensor(dr.seed, nisa.iota(unit + nl.arange(1)[None, :],
-                                                          dtype=nl.int32), np.add,
-                                       dtype=nl.int32)
-        nl.random_seed(seed=seed)
+    blocks = _blocks(vis.cols)
+    # every unit's seed of the visit at once: one iota and one int32 add
+    unit0 = ((dr.b * dr.Hq + head) * dr.nqu + qi) * dr.nku + ku0
+    units = nisa.iota(unit0 + nl.arange(len(blocks))[None, :], dtype=nl.int32)
+    seeds = nisa.tensor_tensor(units, dr.seed_row[0:1, 0:len(blocks)], np.add, dtype=nl.int32)
+    for bi, (off, n) in enumerate(blocks):
+        nl.random_seed(seed=seeds[0:1, bi:bi + 1])
         if n == PMAX:
             pz[:, nl.ds(off, n)] = nisa.dropout(p[:, nl.ds(off, n)], cfg.dropout_p)
         else:
@@ -941,9 +946,14 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
     P = plan.passes
     dr = None
     if cfg.dropout_p:
-        dr = _Dropout(nl.load(seed.reshape((1, 1))), b, q.shape[1], ceil_div(q.shape[2], PMAX),
+        seed_t = nl.load(seed.reshape((1, 1)))
+        n_row = max(1, Bk // PMAX)
+        seed_row = nl.ndarray((1, n_row), dtype=nl.int32, buffer=nl.sbuf)
+        for c in nl.static_range(n_row):
+            seed_row[0:1, c:c + 1] = nisa.tensor_copy(seed_t, engine=nisa.gpsimd_engine)
+        dr = _Dropout(seed_t, b, q.shape[1], ceil_div(q.shape[2], PMAX),
                       ceil_div(Nk, PMAX), nisa.memset((PMAX, PMAX), 1.0, dtype=op_dtype,
-                                                      engine=nisa.gpsimd_engine))
+                                                      engine=nisa.gpsimd_engine), seed_row)
     if scratch is not None:
         zero_scratch(scratch, Nk, D)
     if dq_scratch is not None:

@@ -476,7 +476,8 @@ def balance_engines(f: _Instance, plan: ForwardPlan):
                 blocks += n * T.ceil_div(w, Bk)
         share = T.fwd_act_evac_share(
             "trn2" if f.gen3 else "trn1", score_cols=cols, blocks=blocks, rescales=blocks,
-            q_tiles=tiles, evac_cols=int((1.0 - f.dma_share) * rows_cols // T.PMAX), D=f.D)
+            q_tiles=tiles, evac_cols=int((1.0 - f.dma_share) * rows_cols // T.PMAX), D=f.D,
+            dropout=bool(f.dropout_p))
     f.act_share = share
 
 
@@ -801,13 +802,14 @@ def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
     covers, so both kernels see the same bits (C-order prefix property of the draw; the
     simulator's generator is NumPy's, the hardware's is not reproduced)."""
     P = T.PMAX
+    n_units = T.ceil_div(width, P)
+    # the block's unit seeds at once: one iota and one int32 add (GpSimd) for all its units
+    unit0 = ((f.b * f.Hq + f.head(h)) * f.nqu + iu) * f.nku + ju
+    units = nisa.iota(unit0 + nl.arange(n_units)[None, :], dtype=nl.int32)
+    seeds = nisa.tensor_tensor(units, f.seed_row[0:1, 0:n_units], np.add, dtype=nl.int32)
     for c0 in range(0, width, P):
         kw = min(P, width - c0)
-        unit = ((f.b * f.Hq + f.head(h)) * f.nqu + iu) * f.nku + ju + c0 // P
-        seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-        seed[...] = nisa.tensor_tensor(f.seed, nisa.iota(unit + nl.arange(1)[None, :],
-                                                         dtype=nl.int32), np.add,
-                                       dtype=nl.int32)
+        seed = seeds[0:1, c0 // P:c0 // P + 1]
         nl.random_seed(seed=seed, mask=pred)
         if kw == P:
             p[:, c0:c0 + kw] = nisa.dropout(p[:, c0:c0 + kw], f.dropout_p, mask=pred)
@@ -1180,6 +1182,11 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, *, scale=
             raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
         f.dropout_p = float(dropout_p)
         f.seed = nl.load(seed.reshape((1, 1)))
+        # the seed along a row, for the int32 add of a block's unit numbers (exact copies)
+        n_row = T.ceil_div(max(tiles.softmax_block, T.PMAX), T.PMAX)
+        f.seed_row = nl.ndarray((1, n_row), dtype=nl.int32, buffer=nl.sbuf)
+        for c in nl.static_range(n_row):
+            f.seed_row[0:1, c:c + 1] = nisa.tensor_copy(f.seed, engine=nisa.gpsimd_engine)
         f.nqu, f.nku = T.ceil_div(Nq, T.PMAX), T.ceil_div(Nk, T.PMAX)
         f.ones = nisa.memset((T.PMAX, T.PMAX), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
         f.mask_out = mask_out
