@@ -565,7 +565,8 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     ex = _EXECUTORS[_device_kind(q, k, v)]
     cdt = _compute_dtype(q, opts.mixed_precision)
     o, lse = ex.forward(*(x.detach().to(cdt) for x in (q, k, v)), opts)
-    return o.to(q.dtype).clone(), lse.to(_lse_dtype(q)).clone()
+    # fresh tensors over the kernels' output arrays: no copy, no aliasing of the inputs
+    return o.to(q.dtype), lse.to(_lse_dtype(q))
 
 
 @_attention_fwd.register_fake
@@ -588,7 +589,7 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     cdt = _compute_dtype(q, opts.mixed_precision)
     qc, kc, vc, oc, doc = (x.detach().to(cdt) for x in (q, k, v, o, do))
     dq, dk, dv = ex.backward(doc, qc, kc, vc, oc, lse.detach().to(torch.float32), opts)
-    return dq.to(q.dtype).clone(), dk.to(k.dtype).clone(), dv.to(v.dtype).clone()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @_attention_bwd.register_fake
