@@ -61,6 +61,10 @@ BSP_PAD_FIRST = 1 << 22
 #: bank of fp32 scores, so the step's fixed work (row max, rescale, P^T copies) is shared by
 #: four blocks, as the dense forward shares it over its 2048-key blocks.
 BSP_STEP_BLOCKS = 4
+#: Query tiles of one class processed together by the block-sparse forward (a loop body): their
+#: softmax chains interleave step by step, as the dense forward's groups do
+#: (FWD_RESIDENT_Q_GROUP), so the engines have independent work while one tile waits.
+BSP_GROUP_TILES = 4
 
 
 #: Edge of the query x key unit a dropout mask is generated in: every unit draws its keep bits

@@ -234,51 +234,60 @@ def _add_int_column(u, base):
     return out
 
 
-def _attend_tile(f, geo: Geometry, meta, h, pos, trip: int, exact: bool):
-    """One query tile (order position ``pos`` of member head h): the body of a class loop.
-    Its ``trip`` slots are swept in steps of ``tiles.BSP_STEP_BLOCKS`` key blocks (a
-    sequential loop of full steps and a static tail step), each one online-softmax update."""
+def _attend_tiles(f, geo: Geometry, meta, h, pos0, n_tiles: int, trip: int, exact: bool):
+    """``n_tiles`` query tiles of one class (order positions ``pos0 ..``, member head h): the
+    body of a class loop. Their ``trip`` slots are swept in steps of
+    ``tiles.BSP_STEP_BLOCKS`` key blocks (a sequential loop of full steps and a static tail
+    step), each one online-softmax update per tile; within a step the tiles follow each
+    other, so every engine has another tile's independent work while one waits."""
     head = f.head(h)
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
-    row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=row, src=meta[hb, hh, nl.ds(pos, 1), 0:2 + trip])
     skip = geo.needs_key_mask(exact)
-    rw = Row(geo, row, trip, geo.kv_len, f.Nk)
-    # valid key columns of slot s: c < kv_len - first_s (none in a padding slot)
-    thr = (nisa.tensor_scalar(rw.block_first, np.subtract, geo.kv_len, op1=np.multiply,
-                              operand1=-1.0, dtype=nl.float32) if skip else None)
-    hi_thr, lo_thr = geo.band_columns(
-        nisa.tensor_scalar(rw.block_first, np.subtract, rw.first, dtype=nl.float32))
-    st = F._GroupState(f, 1, P)
-    # Q rows of the tile: skipped past q_len (they output 0), scattered back below Nq
-    q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, f.Nq)
-    x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
-    gather(x, f.q, (f.b, head), q_idx, 0, f.D, geo.has_lens or f.Nq % P != 0)
-    for pi, (d0, rows) in enumerate(f.d_passes):
-        tp = nl.ndarray((rows, P), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
-        tp[...] = nisa.nc_transpose(x[:, d0:d0 + rows])
-        st.qT[pi][:, 0, :] = nisa.activation(nl.copy, tp, scale=f.q_scale, dtype=f.mm)
-    seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
-             if f.dropout_p else None)
     W = min(T.BSP_STEP_BLOCKS, trip)
-    # [V | 1] of a step's blocks (the ones column gives the row sums, forward module doc)
-    v = nl.ndarray((P, W, f.D + 1), dtype=f.mm, buffer=nl.sbuf)
-    v[:, :, f.D:f.D + 1] = nisa.memset((P, W, 1), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
-    cols = dict(thr=thr, hi=hi_thr, lo=lo_thr)
+    st = F._GroupState(f, n_tiles, P)
+    tiles = []
+    for t in range(n_tiles):
+        row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=row, src=meta[hb, hh, nl.ds(pos0 + t, 1), 0:2 + trip])
+        rw = Row(geo, row, trip, geo.kv_len, f.Nk)
+        # valid key columns of slot s: c < kv_len - first_s (none in a padding slot)
+        thr = (nisa.tensor_scalar(rw.block_first, np.subtract, geo.kv_len, op1=np.multiply,
+                                  operand1=-1.0, dtype=nl.float32) if skip else None)
+        hi_thr, lo_thr = geo.band_columns(
+            nisa.tensor_scalar(rw.block_first, np.subtract, rw.first, dtype=nl.float32))
+        # Q rows of the tile: skipped past q_len (they output 0), scattered back below Nq
+        q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, f.Nq)
+        x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
+        gather(x, f.q, (f.b, head), q_idx, 0, f.D, geo.has_lens or f.Nq % P != 0)
+        for pi, (d0, rows) in enumerate(f.d_passes):
+            tp = nl.ndarray((rows, P), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
+            tp[...] = nisa.nc_transpose(x[:, d0:d0 + rows])
+            st.qT[pi][:, t, :] = nisa.activation(nl.copy, tp, scale=f.q_scale, dtype=f.mm)
+        seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
+                 if f.dropout_p else None)
+        # [V | 1] of a step's blocks (the ones column gives the row sums, forward module doc)
+        v = nl.ndarray((P, W, f.D + 1), dtype=f.mm, buffer=nl.sbuf)
+        v[:, :, f.D:f.D + 1] = nisa.memset((P, W, 1), 1.0, dtype=f.mm,
+                                           engine=nisa.gpsimd_engine)
+        tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos))
     for s in nl.sequential_range(trip // W):
-        _step(f, geo, st, rw, v, cols, seeds, head, s * W, W, skip)
+        for t, (rw, v, cols, seeds, _, _) in enumerate(tiles):
+            _step(f, geo, st, t, rw, v, cols, seeds, head, s * W, W, skip)
     if trip % W:
-        _step(f, geo, st, rw, v, cols, seeds, head, (trip // W) * W, trip % W, skip)
-    in_range = None
-    if f.spec.q_lens:
-        in_range = nisa.tensor_scalar(q_pos, nl.less, geo.q_len, dtype=nl.float32)
-    o_out, lse_out = F.finalize(f, st, 0, in_range)
-    out_idx = q_idx if not geo.has_lens else own_rows(geo, rw.first, f.Nq, f.Nq)[0]
-    store_tile(f, out_idx, head, o_out, lse_out)
+        for t, (rw, v, cols, seeds, _, _) in enumerate(tiles):
+            _step(f, geo, st, t, rw, v, cols, seeds, head, (trip // W) * W, trip % W, skip)
+    for t, (rw, _, _, _, q_idx, q_pos) in enumerate(tiles):
+        in_range = None
+        if f.spec.q_lens:
+            in_range = nisa.tensor_scalar(q_pos, nl.less, geo.q_len, dtype=nl.float32)
+        o_out, lse_out = F.finalize(f, st, t, in_range)
+        out_idx = q_idx if not geo.has_lens else own_rows(geo, rw.first, f.Nq, f.Nq)[0]
+        store_tile(f, out_idx, head, o_out, lse_out)
 
 
-def _step(f, geo: Geometry, st, rw: Row, v, cols, seeds, head, s0, n: int, skip: bool):
+def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, head, s0, n: int,
+          skip: bool):
     """Slots ``s0 .. s0 + n - 1`` (``s0`` an NKI expression, n static) of a query tile: gather
     their K and V blocks, ``S = Q K^T`` over ``128 n`` keys (one PSUM bank), the runtime masks,
     then one online-softmax update (``forward.fold_block``)."""
@@ -303,7 +312,7 @@ def _step(f, geo: Geometry, st, rw: Row, v, cols, seeds, head, s0, n: int, skip:
     F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in range(n)], f.k.dtype)
     sc = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.psum)
     for pi in range(len(f.d_passes)):
-        prod = nisa.nc_matmul(f_qT(f, st, pi), kT[pi])
+        prod = nisa.nc_matmul(st.qT[pi][:, slot, :], kT[pi])
         if pi == 0:
             sc[...] = prod
         else:
@@ -327,12 +336,7 @@ def _step(f, geo: Geometry, st, rw: Row, v, cols, seeds, head, s0, n: int, skip:
                     nl.random_seed(seed=us)
                     keep = nisa.dropout(f.ones, f.dropout_p)
                     _store_mask(f, geo, rw, head, s0 + w, keep)
-    F.fold_block(f, st, 0, [sc], [n * P], F._KV(None, kT, v), 0, None, drop)
-
-
-def f_qT(f, st, pi):
-    """Q^T of the tile for head-dim pass pi (stationary, ``[d, 128]``)."""
-    return st.qT[pi][:, 0, :]
+    F.fold_block(f, st, slot, [sc], [n * P], F._KV(None, kT, v), 0, None, drop)
 
 
 def store_tile(f, out_idx, head, o_tile, lse_tile):
@@ -418,8 +422,12 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                 for c in nl.affine_range(count):
                     _empty_tile(f, geo, meta, h, first + c)
                 continue
-            for c in nl.affine_range(count):
-                _attend_tile(f, geo, meta, h, first + c, trip, exact)
+            g = min(T.BSP_GROUP_TILES, count)
+            for c in nl.affine_range(count // g):
+                _attend_tiles(f, geo, meta, h, first + c * g, g, trip, exact)
+            if count % g:
+                _attend_tiles(f, geo, meta, h, first + (count // g) * g, count % g, trip,
+                              exact)
     if mask_out is not None:
         return o, lse, mask_out
     return o, lse
