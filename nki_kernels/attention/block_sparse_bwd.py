@@ -150,6 +150,17 @@ def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi
     return p_dv, ds
 
 
+def _slot(sl, seeds, thr, hi, lo):
+    """The per-slot arguments of :func:`_pair` for slot sl (an NKI expression): the mask
+    columns (None where absent) and the unit's dropout seed (an int32 [1, 1] copy, or None)."""
+    seed = None
+    if seeds is not None:
+        seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        seed[...] = nisa.tensor_copy(seeds[0:1, nl.ds(sl, 1)], engine=nisa.gpsimd_engine)
+    cols = tuple(None if c is None else c[:, nl.ds(sl, 1)] for c in (thr, hi, lo))
+    return cols + (seed,)
+
+
 def _accumulate(acc, psum_product):
     """``acc += product`` (fp32 SBUF += a fresh PSUM group) on VectorE."""
     acc[...] = nisa.tensor_tensor(acc, psum_product, np.add, dtype=nl.float32)
@@ -205,15 +216,8 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
                 # a padding slot's first row is past every sequence: nothing is read
                 q_mm, do_mm, qT, doT, neg_lse, delta, _ = _query_side(
                     cfg, geo, head, rw.block_first[:, nl.ds(sl, 1)], True)
-                seed = None
-                if cfg.dropout_p:
-                    seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-                    seed[...] = nisa.tensor_copy(seeds[0:1, nl.ds(sl, 1)],
-                                                 engine=nisa.gpsimd_engine)
                 p_dv, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, delta,
-                                 None if thr is None else thr[:, nl.ds(sl, 1)],
-                                 None if hi is None else hi[:, nl.ds(sl, 1)],
-                                 None if lo is None else lo[:, nl.ds(sl, 1)], seed)
+                                 *_slot(sl, seeds, thr, hi, lo))
                 dv_ps = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.psum)
                 dv_ps[...] = nisa.nc_matmul(p_dv, do_mm)
                 _accumulate(dv_acc, dv_ps)
@@ -259,15 +263,8 @@ def _query_tile(cfg: _Cfg, geo: Geometry, meta_q, h, pos, trip: int, exact: bool
                  if cfg.dropout_p else None)
         for sl in nl.sequential_range(trip):
             kT, vT, k_mm = _key_side(cfg, rw.rows[:, nl.ds(sl, 1)], skip, True)
-            seed = None
-            if cfg.dropout_p:
-                seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-                seed[...] = nisa.tensor_copy(seeds[0:1, nl.ds(sl, 1)],
-                                             engine=nisa.gpsimd_engine)
             _, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, delta,
-                          None if thr is None else thr[:, nl.ds(sl, 1)],
-                          None if hi is None else hi[:, nl.ds(sl, 1)],
-                          None if lo is None else lo[:, nl.ds(sl, 1)], seed)
+                          *_slot(sl, seeds, thr, hi, lo))
             tp = nl.ndarray((P, P), dtype=f.transpose_psum_dtype(f.mm), buffer=nl.psum)
             tp[...] = nisa.nc_transpose(ds)
             dsT = nisa.tensor_copy(tp, dtype=f.mm, engine=nisa.vector_engine)

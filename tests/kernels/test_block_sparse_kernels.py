@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import host
+from _attention_inputs import attention_inputs
 import simulate
 from host import block_sparse as bs
 from host import reference as ref
@@ -21,15 +22,6 @@ F32 = np.dtype(np.float32)
 
 pytestmark = pytest.mark.skipif(BACKEND != "simulate",
                                 reason="exact byte counts and program sizes use the simulator")
-
-
-def _inputs(B, Hq, Hkv, Nq, Nk, D, dtype=F32, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, Hq, Nq, D)).astype(dtype)
-    k = rng.standard_normal((B, Hkv, Nk, D)).astype(dtype)
-    v = rng.standard_normal((B, Hkv, Nk, D)).astype(dtype)
-    do = rng.standard_normal((B, Hq, Nq, D)).astype(dtype)
-    return q, k, v, do
 
 
 def _pattern(b, h, Nq, Nk, density, seed=1):
@@ -62,7 +54,7 @@ CASES = [
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(map(str, kw)) or "plain")
 def test_matches_reference_with_masks_and_gqa(kw):
     B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 300, 390, 32
-    q, k, v, do = _inputs(B, Hq, Hkv, Nq, Nk, D)
+    q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D)
     mask = _pattern(B, Hq, Nq, Nk, 0.5)
     o, lse, grads = _fwd_bwd(q, k, v, do, mask, **kw)
     kw_ref = {**kw, "causal": kw.get("causal") if kw.get("causal") is not True
@@ -80,7 +72,7 @@ def test_index_form_equals_dense_form_and_broadcasts():
     """FlexAttention's (num_blocks, indices) with a larger bound (padding slots) gives the
     same result as the dense mask; a (1, 1, ...) pattern broadcasts over batch and heads."""
     B, Hq, Hkv, Nq, Nk, D = 2, 2, 1, 256, 520, 16
-    q, k, v, do = _inputs(B, Hq, Hkv, Nq, Nk, D, seed=3)
+    q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=3)
     mask = _pattern(1, 1, Nq, Nk, 0.4, seed=4)
     mask[..., 0, :] = False                       # a query tile with no block at all
     index = bs.dense_to_index(mask, max_blocks=5)
@@ -97,7 +89,7 @@ def test_index_form_equals_dense_form_and_broadcasts():
 def test_fully_masked_rows_are_zero_not_nan():
     """Rows whose active blocks are all hidden by causality, and key blocks no query sees."""
     B, Hq, Hkv, Nq, Nk, D = 1, 1, 1, 256, 256, 16
-    q, k, v, do = _inputs(B, Hq, Hkv, Nq, Nk, D, seed=5)
+    q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=5)
     mask = np.zeros((1, 1, 2, 2), bool)
     mask[0, 0, 0, 1] = True              # tile 0 sees only keys it cannot see causally
     mask[0, 0, 1, 1] = True
@@ -112,7 +104,7 @@ def test_inactive_blocks_are_never_read():
     """Non-finite K/V in inactive blocks cannot reach any row (they are not loaded), and the
     K/V bytes read are exactly those of the active (query tile, key block) pairs."""
     B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 384, 300, 32
-    q, k, v, do = _inputs(B, Hq, Hkv, Nq, Nk, D, seed=6)
+    q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=6)
     mask = np.zeros((1, 1, 3, 3), bool)
     mask[0, 0, :, 0] = True
     mask[0, 0, 2, 2] = True
@@ -135,7 +127,7 @@ def test_inactive_blocks_are_never_read():
 
 def test_bf16_and_float32_inputs_with_bf16_matmuls():
     B, Hq, Hkv, Nq, Nk, D = 1, 2, 2, 256, 256, 64
-    q, k, v, _ = _inputs(B, Hq, Hkv, Nq, Nk, D, dtype=BF16, seed=7)
+    q, k, v, _ = attention_inputs(B, Hq, Hkv, Nq, Nk, D, dtype=BF16, seed=7)
     mask = _pattern(B, Hq, Nq, Nk, 0.6, seed=8)
     mask[..., 0] = True
     o = host.flash_attention(q, k, v, block_mask=mask, causal=True)
@@ -148,7 +140,7 @@ def test_bf16_and_float32_inputs_with_bf16_matmuls():
 
 def test_dropout_mask_is_the_dense_kernels_and_gradients_match():
     B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 300, 260, 32
-    q, k, v, do = _inputs(B, Hq, Hkv, Nq, Nk, D, seed=9)
+    q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=9)
     mask = _pattern(1, Hq, Nq, Nk, 0.6, seed=10)
     kw = dict(causal=True, dropout_p=0.3, seed=12345, mixed_precision=False)
     o, lse, keep = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
@@ -174,7 +166,7 @@ def test_program_size_does_not_grow_with_n():
     program depends on N only through the step width, min(4, blocks per tile))."""
     sizes = []
     for N in (4096, 16384):
-        q, k, v, do = _inputs(1, 1, 1, N, N, 64, dtype=BF16)
+        q, k, v, do = attention_inputs(1, 1, 1, N, N, 64, dtype=BF16)
         sp = bs.check_block_mask(bs.fixed_density(N // 128, N // 128, 0.25), 1, 1, N, N)
         t = bs.launch_tables(sp, group=1)
         kw = dict(scale=0.125, mm_dtype="bfloat16")
@@ -196,7 +188,7 @@ def test_program_size_does_not_grow_with_n():
     (dict(lnc=2), "lnc: the block-sparse kernel runs on one NeuronCore"),
 ])
 def test_options_the_block_sparse_kernel_does_not_take_are_refused(kw, match):
-    q, k, v, _ = _inputs(1, 1, 1, 256, 256, 16)
+    q, k, v, _ = attention_inputs(1, 1, 1, 256, 256, 16)
     mask = np.array([[[[True, False], [True, True]]]])
     with pytest.raises(ValueError, match=match):
         host.flash_attention(q, k, v, block_mask=mask, **kw)
@@ -204,7 +196,7 @@ def test_options_the_block_sparse_kernel_does_not_take_are_refused(kw, match):
 
 def test_a_dense_pattern_with_every_block_is_dense_attention():
     """All blocks active (given densely): the dense kernel runs, bit for bit."""
-    q, k, v, do = _inputs(1, 2, 1, 300, 200, 16)
+    q, k, v, do = attention_inputs(1, 2, 1, 300, 200, 16)
     full = np.ones((1, 1, 3, 2), bool)
     o, lse = host.flash_attention(q, k, v, block_mask=full, causal=True, return_lse=True)
     o2, lse2 = host.flash_attention(q, k, v, causal=True, return_lse=True)

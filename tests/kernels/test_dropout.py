@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import host
+from _attention_inputs import attention_inputs
 from host import reference as ref
 from nki_kernels import tiles
 from nki_kernels.nki import BACKEND
@@ -24,15 +25,6 @@ F32 = np.dtype(np.float32)
 
 pytestmark = pytest.mark.skipif(BACKEND != "simulate",
                                 reason="the debug mask and exact checks use the simulator")
-
-
-def _inputs(B, Hq, Hkv, Nq, Nk, D, dtype=F32, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, Hq, Nq, D)).astype(dtype)
-    k = rng.standard_normal((B, Hkv, Nk, D)).astype(dtype)
-    v = rng.standard_normal((B, Hkv, Nk, D)).astype(dtype)
-    do = rng.standard_normal((B, Hq, Nq, D)).astype(dtype)
-    return q, k, v, do
 
 
 def _close(got, want, tol):
@@ -50,7 +42,7 @@ def test_forward_and_backward_match_the_reference_under_the_kernels_mask(opts):
     """fp32 operands: O, LSE and dQ/dK/dV equal the float64 reference's under the mask the
     forward drew (the backward regenerated it from the seed alone); GQA, partial tiles."""
     B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 300, 260, 48
-    q, k, v, do = _inputs(B, Hq, Hkv, Nq, Nk, D)
+    q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D)
     kw = dict(mixed_precision=False, dropout_p=0.3, seed=77, lnc=1, **opts)
     o, lse, mask = host.flash_attention(q, k, v, return_lse=True, return_dropout_mask=True,
                                         **kw)
@@ -66,7 +58,7 @@ def test_forward_and_backward_match_the_reference_under_the_kernels_mask(opts):
 def test_lse_is_that_of_the_undropped_softmax():
     """(With dropout the row sums come from the fp32 exp instead of the matmul-precision P
     column, hence a last-bit tolerance.)"""
-    q, k, v, _ = _inputs(1, 2, 2, 200, 200, 32)
+    q, k, v, _ = attention_inputs(1, 2, 2, 200, 200, 32)
     _, lse_d = host.flash_attention(q, k, v, return_lse=True, dropout_p=0.5, seed=1)
     _, lse = host.flash_attention(q, k, v, return_lse=True)
     np.testing.assert_allclose(lse_d, lse, atol=2e-3)
@@ -75,7 +67,7 @@ def test_lse_is_that_of_the_undropped_softmax():
 def test_keep_rate_is_binomial():
     """Over 2 x 2 x 512 x 512 drawn entries the keep rate is within 5 standard deviations of
     1 - p."""
-    q, k, v, _ = _inputs(2, 2, 2, 512, 512, 16, BF16)
+    q, k, v, _ = attention_inputs(2, 2, 2, 512, 512, 16, BF16)
     p = 0.2
     _, mask = host.flash_attention(q, k, v, dropout_p=p, seed=5, return_dropout_mask=True)
     n = mask.size
@@ -84,7 +76,7 @@ def test_keep_rate_is_binomial():
 
 
 def test_same_seed_same_output_other_seed_other_mask():
-    q, k, v, _ = _inputs(1, 2, 1, 256, 256, 32, BF16)
+    q, k, v, _ = attention_inputs(1, 2, 1, 256, 256, 32, BF16)
     a = host.flash_attention(q, k, v, dropout_p=0.1, seed=11, return_dropout_mask=True)
     b = host.flash_attention(q, k, v, dropout_p=0.1, seed=11, return_dropout_mask=True)
     c = host.flash_attention(q, k, v, dropout_p=0.1, seed=12, return_dropout_mask=True)
@@ -94,7 +86,7 @@ def test_same_seed_same_output_other_seed_other_mask():
 
 
 def test_p_zero_is_bit_identical_to_no_dropout():
-    q, k, v, do = _inputs(1, 2, 2, 200, 300, 64, BF16)
+    q, k, v, do = attention_inputs(1, 2, 2, 200, 300, 64, BF16)
     o0, lse0 = host.flash_attention(q, k, v, return_lse=True, causal=True)
     o1, lse1 = host.flash_attention(q, k, v, return_lse=True, causal=True, dropout_p=0.0,
                                     seed=3)
@@ -107,7 +99,7 @@ def test_p_zero_is_bit_identical_to_no_dropout():
 def test_mask_does_not_depend_on_tiling_schedule_or_cores():
     """Streaming K/V instead of resident, LNC=2 instead of 1, several backward passes: the same
     mask, the same outputs."""
-    q, k, v, do = _inputs(1, 2, 1, 640, 640, 32)
+    q, k, v, do = attention_inputs(1, 2, 1, 640, 640, 32)
     kw = dict(mixed_precision=False, dropout_p=0.25, seed=9, causal=True)
     o1, lse1, m1 = host.flash_attention(q, k, v, return_lse=True, return_dropout_mask=True,
                                         lnc=1, **kw)
@@ -134,12 +126,12 @@ def test_mask_does_not_depend_on_tiling_schedule_or_cores():
     ("0.1", 1, TypeError, "dropout_p: expected a real number"),
 ])
 def test_bad_dropout_arguments(p, seed, err, match):
-    q, k, v, _ = _inputs(1, 1, 1, 8, 8, 8)
+    q, k, v, _ = attention_inputs(1, 1, 1, 8, 8, 8)
     with pytest.raises(err, match=match):
         host.flash_attention(q, k, v, dropout_p=p, seed=seed)
 
 
 def test_mask_needs_dropout():
-    q, k, v, _ = _inputs(1, 1, 1, 8, 8, 8)
+    q, k, v, _ = attention_inputs(1, 1, 1, 8, 8, 8)
     with pytest.raises(ValueError, match="return_dropout_mask: needs dropout_p > 0"):
         host.flash_attention(q, k, v, return_dropout_mask=True)
