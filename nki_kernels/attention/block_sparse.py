@@ -131,7 +131,7 @@ class Geometry:
         return hi, lo
 
     def indicator(self, key_thr, hi_thr, lo_thr, rows: int = P, out=None):
-        """bf16 ``[rows, 128]``: 1.0 at the scores to mask -- key column ``c >= key_thr`` (a
+        """``[rows, 128]`` (bf16, or ``out``'s dtype): 1 at the scores to mask -- key column ``c >= key_thr`` (a
         padding slot has ``key_thr <= 0``: every column), ``c - p > hi_thr``, ``c - p <
         lo_thr`` (each a ``[rows, 1]`` column, or None) -- else 0.0. GpSimd/VectorE. Written
         into ``out`` when given."""
@@ -150,12 +150,12 @@ class Geometry:
         if out is None:
             out = nl.ndarray((rows, P), dtype=nl.bfloat16, buffer=nl.sbuf)
         if len(parts) == 1:
-            out[...] = nisa.tensor_copy(parts[0], dtype=nl.bfloat16, engine=nisa.vector_engine)
+            out[...] = nisa.tensor_copy(parts[0], dtype=out.dtype, engine=nisa.vector_engine)
             return out
         ind = parts[0]
         for x in parts[1:-1]:
             ind = nisa.tensor_tensor(ind, x, nl.maximum, dtype=nl.float32)
-        out[...] = nisa.tensor_tensor(ind, parts[-1], nl.maximum, dtype=nl.bfloat16)
+        out[...] = nisa.tensor_tensor(ind, parts[-1], nl.maximum, dtype=out.dtype)
         return out
 
 
@@ -317,12 +317,18 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, head, s0, n: int,
             sc[...] = prod
         else:
             sc[...] += prod
+    s_tile = sc
     if any(c is not None for c in cols.values()):
-        ind = nl.ndarray((P, n * P), dtype=nl.bfloat16, buffer=nl.sbuf)
+        # masks by selection: scores a row cannot see become MASK_NEG, whatever they were (a
+        # NaN or inf in a hidden key never reaches the row); VectorE copies the scores out of
+        # PSUM and overwrites the masked ones
+        ind = nl.ndarray((P, n * P), dtype=nl.uint8, buffer=nl.sbuf)
         for w in nl.static_range(n):
             geo.indicator(*(None if cols[k] is None else cols[k][:, nl.ds(s0 + w, 1)]
                             for k in ("thr", "hi", "lo")), out=ind[:, w * P:(w + 1) * P])
-        sc[...] += nisa.nc_matmul(geo.neg_eye, ind)
+        s_tile = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
+        s_tile[...] = nisa.tensor_copy(sc, dtype=nl.float32, engine=nisa.vector_engine)
+        nisa.tensor_copy_predicated(src=T.FWD_MASK_NEG, dst=s_tile, predicate=ind)
     drop = None
     if f.dropout_p:
         def drop(p, r, width, pred):
@@ -336,7 +342,7 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, head, s0, n: int,
                     nl.random_seed(seed=us)
                     keep = nisa.dropout(f.ones, f.dropout_p)
                     _store_mask(f, geo, rw, head, s0 + w, keep)
-    F.fold_block(f, st, slot, [sc], [n * P], F._KV(None, kT, v), 0, None, drop)
+    F.fold_block(f, st, slot, [s_tile], [n * P], F._KV(None, kT, v), 0, None, drop)
 
 
 def store_tile(f, out_idx, head, o_tile, lse_tile):

@@ -411,9 +411,6 @@ class _Instance:
         self.act_share = None      # fraction of the P^T copies on ScalarE (balance_engines)
         self.lse_col = lse.reshape((self.B, self.Hq, self.Nq, 1))  # (rows, 1) store targets
         self.per_head = T.ceil_div(self.Nq, tiles.q_tile)         # query tiles per head
-        self.neg_eye = None        # MASK_NEG * I, for indicator tiles
-        self.zeros = None          # bf16 [128, k_tile] zeros: the inside of the indicators
-        self.static_masks = None   # masks.StaticDiagMasks of compile-time offsets
         self.rt = None             # masks.RuntimeLengths (with kv_lens or q_lens)
         self.q_load = None         # int32 [128, G * tiles per head]: query-row gather indices,
         self.q_store = None        # scatter indices (rotated rows only),
@@ -748,12 +745,12 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
     when it is not folded into the exp), in one PSUM bank, plus its band mask.
 
     One matmul per head-dim pass (stationary Q^T [d, rows], moving K^T [d, width]) accumulating
-    in PSUM. In a masked region, ``MASK_NEG * indicator`` is added for tiles crossing a band
-    edge (a matmul with ``MASK_NEG * I``; the indicator is one GpSimd ``affine_select`` of
-    the key-minus-row distance against the bound), each side predicated on the tile crossing
-    it. ``dk``: ``j0 - i0`` when it is a compile-time constant (sliding spans): the indicator
-    is then one of the static ones built before the loops, no GpSimd work per tile.
-    Padding keys (``kv_lens``) need nothing here (:func:`edge_key_fill`).
+    in PSUM. In a masked region the tile is copied to SBUF and each band edge it crosses
+    selects ``MASK_NEG`` outside the band (one GpSimd ``affine_select`` of the key-minus-row
+    distance against the bound, predicated on the tile crossing that side): a selection, so a
+    non-finite score a row cannot see never reaches it. ``dk``: ``j0 - i0`` when it is a
+    compile-time constant (sliding spans). Padding keys (``kv_lens``) are never read
+    (:func:`edge_key_fill`).
     """
     r = st.rows
     sc = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.psum)
@@ -763,32 +760,33 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
             sc[...] = prod
         else:
             sc[...] += prod
-    if masked and dk is not None:
-        # compile-time offset: the indicator was built once (static_offsets)
-        _, above, below = band_predicates(f, dk, r, width)
-        if above or below:
-            ind = f.static_masks.get(0, dk)
-            sc[...] += nisa.nc_matmul(f.neg_eye[0:r, 0:r], ind[0:r, 0:width])
-    elif masked:
+    sides = []
+    if masked:
+        rel_d = j0 - i0 if dk is None else dk
+        _, above, below = band_predicates(f, rel_d, r, width)
         off = f.spec.static_offset
-        _, above, below = band_predicates(f, j0 - i0, r, width)
         d = nl.arange(width)[None, :] - nl.arange(r)[:, None]     # key - row - (j0 - i0)
-        for side, inside in ((above, None if above is None else d <= f.spec.hi + off - (j0 - i0)),
-                             (below, None if below is None else d >= f.spec.lo + off - (j0 - i0))):
-            if side is None:
-                continue
-            p = _and(pred, side)
-            # 1.0 outside this side of the band, 0.0 inside: one GpSimd instruction
-            ind = nl.ndarray((r, width), dtype=nl.bfloat16, buffer=nl.sbuf)
-            ind[...] = nisa.affine_select(inside, f.zeros[0:r, 0:width], 1.0, dtype=nl.bfloat16,
-                                          mask=p)
-            sc[...] += nisa.nc_matmul(f.neg_eye[0:r, 0:r], ind, mask=p)
+        if above is not None and above is not False:
+            sides.append((_and(pred, above) if dk is None else pred,
+                          d <= f.spec.hi + off - rel_d))
+        if below is not None and below is not False:
+            sides.append((_and(pred, below) if dk is None else pred,
+                          d >= f.spec.lo + off - rel_d))
     if f.key_neg is not None:
         # dropout with kv_lens: the softmax sums come from the exp (dropout_units), so padding
         # keys must have P = 0 there too: MASK_NEG (x) their key row, a rank-1 TensorE add
         key_row = f.rt.key_mask_row(j0, width)
         sc[...] += nisa.nc_matmul(f.key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
-    return sc
+    if not sides:
+        return sc
+    # band edges by selection, not addition: a non-finite score a row cannot see (a NaN or inf
+    # in a hidden key) is replaced, never carried into the row's max and sums. The scores are
+    # copied out of PSUM (VectorE) and each crossed side selects MASK_NEG (GpSimd)
+    s_sb = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.sbuf)
+    s_sb[...] = nisa.tensor_copy(sc, dtype=nl.float32, engine=nisa.vector_engine, mask=pred)
+    for p, inside in sides:
+        s_sb[...] = nisa.affine_select(inside, s_sb, T.FWD_MASK_NEG, dtype=nl.float32, mask=p)
+    return s_sb
 
 
 def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
@@ -1027,26 +1025,6 @@ def sweep(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, n: int, masked:
                      du=None if du is None else (du[0], du[1], du[2] + full * per))
 
 
-def static_offsets(f: _Instance, plan: ForwardPlan):
-    """``j0 - i0`` of every score tile with a compile-time offset that crosses a band edge:
-    the static tail blocks of sliding spans (their indicator tiles are built once)."""
-    Bk, kt, out = f.tiles.softmax_block, f.tiles.k_tile, set()
-    for sp in plan.spans:
-        if sp.slide is None:
-            continue
-        for rg in sp.regions:
-            n = rg.k1 - rg.k0
-            if not rg.masked or not n % Bk:
-                continue
-            base = sp.slide + rg.k0 + (n // Bk) * Bk
-            for c0 in range(0, n % Bk, kt):
-                d = base + c0
-                _, above, below = band_predicates(f, d, sp.rows, min(kt, n % Bk - c0))
-                if above or below:
-                    out.add(d)
-    return out
-
-
 def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[_KV]):
     """Query tiles ``t0 .. t0 + n - 1`` (``t0`` an NKI expression) of every query head of the kv
     group (slot ``h n + s`` = tile ``t0 + s`` of member head h): load their Q^T, sweep the
@@ -1191,13 +1169,6 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, *, scale=
         f.ones = nisa.memset((T.PMAX, T.PMAX), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
         f.mask_out = mask_out
     balance_engines(f, plan)
-    if any(rg.masked for sp in plan.spans for rg in sp.regions):
-        f.neg_eye = M.neg_identity(T.PMAX)
-        f.zeros = nisa.memset((T.PMAX, tiles.k_tile), 0.0, dtype=nl.bfloat16,
-                              engine=nisa.gpsimd_engine)
-    offsets = static_offsets(f, plan)
-    if offsets:
-        f.static_masks = M.StaticDiagMasks(spec, tiles.q_tile, tiles.k_tile, offsets)
     if spec.kv_lens or spec.q_lens:
         length_tables(f, kv_lens, q_lens)
 
