@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import host
+from _attention_inputs import attention_inputs
 from host import reference as ref
 from nki_kernels.nki import BACKEND
 
@@ -26,12 +27,7 @@ needs_measure = pytest.mark.skipif(BACKEND != "simulate",
 
 
 def _inputs(B, Hq, Hkv, Nq, Nk, D, dtype=BF16, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, Hq, Nq, D)).astype(dtype)
-    k = rng.standard_normal((B, Hkv, Nk, D)).astype(dtype)
-    v = rng.standard_normal((B, Hkv, Nk, D)).astype(dtype)
-    do = rng.standard_normal((B, Hq, Nq, D)).astype(dtype)
-    return q, k, v, do
+    return attention_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, seed)
 
 
 def _train_step(q, k, v, do, **opts):
