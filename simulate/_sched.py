@@ -214,7 +214,7 @@ class Scheduler:
         self.acc[st] = a
         if site is None:
             return
-        ring = self.sites.setdefault(site, [])
+        ring = self.sites.setdefault((self.core, site), [])     # buffers are per core
         if len(ring) >= _hw.SCHED_BUFFERS:
             a.floor = ring[-_hw.SCHED_BUFFERS].last
         ring.append(a)
