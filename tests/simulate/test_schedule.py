@@ -139,3 +139,20 @@ def test_report_and_run_show_the_estimate():
     m = _run(_chain, np.ones((128, 512), np.float32))
     assert "scheduled estimate" in m.report()
     assert m.kernels[0].estimated_seconds == pytest.approx(m.estimated_seconds)
+
+
+def test_the_two_cores_of_an_lnc2_launch_run_side_by_side():
+    """kv heads spread over two NeuronCores (LNC=2): each core has its own engines, DMA
+    queues and rotating buffers, so the estimate drops well below one core's."""
+    import ml_dtypes
+    import host
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, 512, 64)).astype(ml_dtypes.bfloat16)
+    k = rng.standard_normal((1, 2, 512, 64)).astype(ml_dtypes.bfloat16)
+    est = {}
+    for lnc in (1, 2):
+        with nki.measure(target="trn2") as m:
+            host.flash_attention(q, k, k, causal=True, lnc=lnc)
+        est[lnc] = m.estimated_seconds
+    assert est[2] < 0.8 * est[1]
