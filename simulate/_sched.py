@@ -126,6 +126,9 @@ def _range(t):
                     k = np.asarray(k)
                     if k.size == 0:
                         return 0, 0
+                    # broadcast index arrays (mgrid, arange sums) repeat along zero-stride
+                    # axes: reduce over one slice of those
+                    k = k[tuple(slice(0, 1) if st == 0 else slice(None) for st in k.strides)]
                     los.append(int(k.min()))
                     his.append(int(k.max()))
         off = _ptr(base) - _ptr(arr)
