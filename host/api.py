@@ -244,7 +244,8 @@ def _check_lnc(lnc):
 
 def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
                            q_lens=None, mixed_precision: bool = True, return_lse: bool = False,
-                           tiles=None, sbuf_budget=None, lnc=None, dropout_p=0.0, seed=None):
+                           tiles=None, sbuf_budget=None, lnc=None, dropout_p=0.0, seed=None,
+                           softcap=None, alibi_slopes=None, sinks=None):
     """Validate a forward call and choose its launch: ``(kernel, grid, kernel_kwargs)``.
 
     The kernel is :func:`nki_kernels.attention.forward.flash_attention_fwd`, the grid
@@ -254,7 +255,9 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
     tiles); ``kernel_kwargs`` holds the compile-time options (``scale``, ``causal``,
     ``window``, ``mm_dtype``, ``tiles``, ``lnc``) but not the tensors: call it as
     ``kernel[grid](q, k, v, kv_lens=..., q_lens=..., **kernel_kwargs)`` with ``(B,)`` int32
-    lengths (or None). Shared by :func:`flash_attention` and the torch-neuronx path of
+    lengths (or None) and, with score modifiers, ``alibi_slopes=``/``sinks=`` float32 tensors
+    (:func:`_score_mods_call`; ``softcap`` is in ``kernel_kwargs``). Shared by
+    :func:`flash_attention` and the torch-neuronx path of
     :mod:`host.torch_ops`, so both launch identical kernels. Arguments as in
     :func:`flash_attention`; ``return_lse`` is accepted and ignored (the kernel always writes
     the LSE).
@@ -288,7 +291,35 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
                   lnc=kernel_lnc)
     if dropout_p:
         kwargs["dropout_p"] = dropout_p
+    kwargs.update(_score_mods_call(softcap, alibi_slopes, sinks, dims.B, dims.Hq)[0])
     return flash_attention_fwd, grid, kwargs
+
+
+def _score_mods_call(softcap, alibi_slopes, sinks, B: int, Hq: int, *, block_sparse=False):
+    """``(kernel kwargs, tensors)`` of the score modifiers of an attention call: the
+    compile-time ``softcap`` and the device tensors ``alibi_slopes`` ``(1 or B, Hq)`` and
+    ``sinks`` ``(Hq,)`` as float32 (None when absent), validated for the kernels' ranges
+    (``tiles.FWD_FOLD_SCALE_RANGE`` for the cap, ``tiles.SCORE_MOD_ABS_MAX`` for the rest)."""
+    mods = _v.check_score_mods(softcap, alibi_slopes, sinks, B, Hq)
+    if not mods.any:
+        return {}, dict(alibi_slopes=None, sinks=None)
+    if block_sparse:
+        raise ValueError("softcap/alibi_slopes/sinks: not supported with block_mask (the "
+                         "block-sparse kernels take no score modifiers); allowed: None")
+    kwargs = {}
+    if mods.softcap is not None:
+        lo, hi = _tiles.FWD_FOLD_SCALE_RANGE
+        if not lo <= mods.softcap <= hi:
+            raise ValueError(f"softcap: the kernels take a cap in [2^-24, 2^24], got "
+                             f"{mods.softcap!r}")
+        kwargs["softcap"] = mods.softcap
+    tensors = {}
+    for name, arr in (("alibi_slopes", mods.alibi_slopes), ("sinks", mods.sinks)):
+        if arr is not None and np.abs(arr).max() > _tiles.SCORE_MOD_ABS_MAX:
+            raise ValueError(f"{name}: the kernels take values with |x| <= 2^32, got "
+                             f"{float(np.abs(arr).max())!r}")
+        tensors[name] = None if arr is None else arr.astype(np.float32)
+    return kwargs, tensors
 
 
 def _check_dropout_call(dropout_p, seed, B, Hq, Nq, Nk):
@@ -308,7 +339,8 @@ def _check_dropout_call(dropout_p, seed, B, Hq, Nq, Nk):
 def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
                     q_lens=None, mixed_precision: bool = True, return_lse: bool = False,
                     tiles=None, sbuf_budget=None, lnc=None, dropout_p=0.0, seed=None,
-                    return_dropout_mask: bool = False, block_mask=None):
+                    return_dropout_mask: bool = False, block_mask=None, softcap=None,
+                    alibi_slopes=None, sinks=None):
     """Flash attention forward on the active backend (docs/semantics.md for the exact meaning).
 
     Parameters
@@ -372,6 +404,16 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         blocks. Runs :mod:`nki_kernels.attention.block_sparse` on one NeuronCore (``lnc`` 2,
         ``tiles`` and ``sbuf_budget`` are refused with it); a dense pattern with every block
         active is dense attention and runs the dense kernel.
+    softcap : None or float in [2^-24, 2^24]
+        Logit soft-capping (Gemma 2): scores ``s`` become ``softcap * tanh(s / softcap)``
+        before masks and ALiBi. 0 or None: off.
+    alibi_slopes : array (Hq,) or (B, Hq), optional
+        ALiBi: the score of query i and key j gains ``-slope |i' - j|`` (``i'`` the query's
+        position aligned as the causal mask aligns it; |slope| <= 2^32). Device data.
+    sinks : array (Hq,), optional
+        Attention sinks (gpt-oss): one learned logit per head in every row's softmax
+        denominator, with no value (|sink| <= 2^32). The LSE includes it; a row without visible
+        keys then has o = 0 and ``lse = sink`` (padding rows past ``q_lens`` keep -inf).
 
     mask : numpy.ndarray (B, Hq, Nq, Nk) bool, only with ``return_dropout_mask``
     """
@@ -380,11 +422,14 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
             q, k, v, block_mask, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
             q_lens=q_lens, mixed_precision=mixed_precision, return_lse=return_lse,
             tiles=tiles, sbuf_budget=sbuf_budget, lnc=lnc, dropout_p=dropout_p, seed=seed,
-            return_dropout_mask=return_dropout_mask)
+            return_dropout_mask=return_dropout_mask, softcap=softcap, alibi_slopes=alibi_slopes,
+            sinks=sinks)
     kernel, grid, kwargs = plan_attention_forward(
         q, k, v, scale=scale, causal=causal, window=window, kv_lens=kv_lens, q_lens=q_lens,
         mixed_precision=mixed_precision, return_lse=return_lse, tiles=tiles,
-        sbuf_budget=sbuf_budget, lnc=lnc, dropout_p=dropout_p, seed=seed)
+        sbuf_budget=sbuf_budget, lnc=lnc, dropout_p=dropout_p, seed=seed, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks)
+    mod_tensors = _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1])[1]
     return_dropout_mask = _check_bool("return_dropout_mask", return_dropout_mask)
     B, Nk, Nq = q.shape[0], k.shape[2], q.shape[2]
     kv32 = _lengths_int32(_v.check_lengths("kv_lens", kv_lens, B, Nk, upper_name="Nk"))
@@ -395,9 +440,10 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         raise ValueError("return_dropout_mask: needs dropout_p > 0 (there is no mask)")
     if p:
         kwargs.update(dropout_mask=return_dropout_mask)
-        outs = launch(kernel, grid, q, k, v, kv_lens=kv32, q_lens=q32, seed=seed32, **kwargs)
+        outs = launch(kernel, grid, q, k, v, kv_lens=kv32, q_lens=q32, seed=seed32,
+                      **mod_tensors, **kwargs)
     else:
-        outs = launch(kernel, grid, q, k, v, kv_lens=kv32, q_lens=q32, **kwargs)
+        outs = launch(kernel, grid, q, k, v, kv_lens=kv32, q_lens=q32, **mod_tensors, **kwargs)
     o, lse = outs[0], outs[1]
     res = (o, lse) if return_lse else (o,)
     if return_dropout_mask:
@@ -451,9 +497,10 @@ def _block_sparse_options(q, k, v, block_mask, *, scale, causal, window, kv_lens
 
 
 def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
-                          return_dropout_mask, **options):
+                          return_dropout_mask, softcap, alibi_slopes, sinks, **options):
     from nki_kernels.attention.block_sparse import block_sparse_attention_fwd
 
+    _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1], block_sparse=True)
     dims, _, tables, kwargs, kv32, q32 = _block_sparse_options(q, k, v, block_mask,
                                                                backward=False, **options)
     _check_bool("return_lse", return_lse)

@@ -370,7 +370,8 @@ def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=N
         The keep mask Z (True = kept); required when ``dropout_p > 0``.
     softcap, alibi_slopes, sinks : optional
         Score modifiers (:func:`host.validation.check_score_mods`). With sinks, a row without
-        visible keys has ``o = 0`` and ``lse = sink``.
+        visible keys has ``o = 0`` and ``lse = sink``; a padding row (past its ``q_lens``) keeps
+        ``lse = -inf``.
     rows : 1-D ints, optional
         Compute only these query rows (outputs ``(B, Hq, len(rows), ...)``): an exact check of
         a sample of a sequence too long for the full score matrix.
@@ -397,6 +398,10 @@ def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=N
         drop = None if drop is None else np.take(drop, sel, axis=2)
     s, _ = _modify_scores(_scores(q64, k64, scale), mods, qpos)
     p, lse = _masked_softmax(s, mask, _sink(mods))
+    if mods.sinks is not None and q_lens is not None:
+        # a padding query row is not a row: lse = -inf as without sinks
+        pad = np.arange(dims.Nq)[None, :] >= np.asarray(q_lens, dtype=np.int64)[:, None]
+        lse = np.where(np.take(pad, _rows(rows, dims.Nq), axis=1)[:, None, :], -np.inf, lse)
     if drop is not None:
         p = p * drop
     return p @ v64, lse

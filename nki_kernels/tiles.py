@@ -382,6 +382,11 @@ FWD_L_FLOOR = 2.0 ** -60
 #: overflows fp32 (``scale * 2^102 < 2^127``). Other scales (tiny, huge, zero or negative) are
 #: multiplied into Q^T instead (one more bf16 rounding of the scores' operand).
 FWD_FOLD_SCALE_RANGE = (2.0 ** -24, 2.0 ** 24)
+#: Largest |sink| and |ALiBi slope| the kernels take: for every exp scale ``u`` of the fold
+#: range ``|sink| / u <= 2^56`` and an ALiBi bias ``|slope| / u * N <= 2^76`` (N < 2^20), both far
+#: from the running max's floor ``M_FLOOR = -2^96`` and the masks' ``-2^100`` (``score_mods``).
+#: Derived from those margins, not measured; real sinks and slopes are O(1-10).
+SCORE_MOD_ABS_MAX = 2.0 ** 32
 
 # -- engine balance -----------------------------------------------------------------------------
 #: Engine clocks (Hz) of ScalarE and VectorE, and VectorE's cycles per element of a 16-bit

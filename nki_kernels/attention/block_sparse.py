@@ -67,20 +67,6 @@ def _check_classes(classes, n: int, trip_max: int):
                          f"got {classes!r}")
 
 
-def broadcast_row(row, width: int):
-    """fp32 ``[128, width]``: an fp32 ``[1, width]`` row on every partition (a K=1 matmul of
-    a ones row, one PSUM bank per 512 columns; exact for integers below 2^24, as
-    ``masks.load_lengths`` uses it)."""
-    ones = nisa.memset((1, P), 1.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
-    out = nl.ndarray((P, width), dtype=nl.float32, buffer=nl.sbuf)
-    for c0 in nl.static_range(0, width, T.PSUM_FMAX):
-        w = min(T.PSUM_FMAX, width - c0)
-        ps = nl.ndarray((P, w), dtype=nl.float32, buffer=nl.psum)
-        ps[...] = nisa.nc_matmul(ones, row[0:1, c0:c0 + w])
-        out[:, c0:c0 + w] = nisa.tensor_copy(ps, dtype=nl.float32, engine=nisa.vector_engine)
-    return out
-
-
 class Geometry:
     """Compile-time facts of one launch shared by the forward and the backward: lengths, the
     band, and the constant iota tiles the runtime masks compare against."""
@@ -170,7 +156,7 @@ class Row:
     the gathers skip those rows). Four instructions after the broadcast."""
 
     def __init__(self, geo: Geometry, meta_row, trip: int, other_len, other_n: int):
-        self.bc = broadcast_row(meta_row, 2 + trip)
+        self.bc = M.broadcast_row(meta_row, 2 + trip)
         self.first = self.bc[:, 0:1]
         self.block_first = self.bc[:, 2:2 + trip]
         pos = nisa.tensor_scalar(self.block_first, np.add, geo.part, dtype=nl.float32)
@@ -446,11 +432,11 @@ def _empty_tile(f, geo: Geometry, meta, h, pos):
     hh = head if meta.shape[1] > 1 else 0
     row = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=row, src=meta[hb, hh, nl.ds(pos, 1), 0:1])
-    out_idx, _ = own_rows(geo, broadcast_row(row, 1), f.Nq, f.Nq)
+    out_idx, _ = own_rows(geo, M.broadcast_row(row, 1), f.Nq, f.Nq)
     zeros = nisa.memset((P, f.D), 0.0, dtype=f.o.dtype, engine=nisa.gpsimd_engine)
     ninf = nisa.memset((P, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
     store_tile(f, out_idx, head, zeros, ninf)
 
 
-__all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "broadcast_row", "own_rows",
+__all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "own_rows",
            "gather", "unit_seeds", "store_tile"]

@@ -33,8 +33,8 @@ import numpy as np  # compile-time constants only (reduction ops)
 from nki_kernels import tiles as T
 from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
-from nki_kernels.attention.block_sparse import (P, Geometry, Row, _check_classes,
-                                                broadcast_row, gather, own_rows, unit_seeds)
+from nki_kernels.attention.block_sparse import (P, Geometry, Row, _check_classes, gather,
+                                                own_rows, unit_seeds)
 from nki_kernels.nki import nisa, nki, nl
 
 #: -lse is clamped to this before the exp: a row without visible keys (lse = -inf) keeps
@@ -187,7 +187,7 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
     head0 = f.g * f.G if per_head else 0
     first_row = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=first_row, src=meta_k[hb, head0, nl.ds(pos, 1), 0:1])
-    k_first = broadcast_row(first_row, 1)
+    k_first = M.broadcast_row(first_row, 1)
     dk_acc = nisa.memset((P, f.D), 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
     dv_acc = nisa.memset((P, f.D), 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
     k_idx, _ = own_rows(geo, k_first, geo.kv_len, f.Nk)

@@ -128,6 +128,7 @@ import numpy as np  # compile-time constants only (reduction ops)
 
 from nki_kernels import tiles as T
 from nki_kernels.attention import masks as M
+from nki_kernels.attention import score_mods as SM
 from nki_kernels.nki import nisa, nki, nl
 
 # ============================================================================================
@@ -422,6 +423,9 @@ class _Instance:
         self.seed = None           # int32 [1, 1]: the launch's dropout seed (device data)
         self.mask_out = None       # debug: HBM (B, Hq, Nq, Nk) keep mask the kernel drew
         self.key_neg = None        # MASK_NEG row: the rank-1 key-length mask (dropout + kv_lens)
+        self.mods = SM.Mods()      # score modifiers (score_mods.py), compile-time
+        self.unit = self.act_scale  # u: the exp's scale on raw units (the cap with softcap)
+        self.cols = None           # score_mods.HeadColumns of the group's query heads
 
     def head(self, h):
         """HBM query head of group member h (an NKI loop index)."""
@@ -556,8 +560,9 @@ def length_tables(f: _Instance, kv_lens, q_lens):
     128-key block; keys are only read). Padding positions get out-of-bounds load indices: the
     ``oob_mode.skip`` gathers never read them. With ``kv_lens`` also the key mask's fill
     (:func:`edge_key_fill`)."""
-    # dropout sums P from the exp, so padding keys are masked on the scores (key rows)
-    key_mask = bool(f.dropout_p) and kv_lens is not None
+    # dropout sums P from the exp and ALiBi could lift a padding key's score above the edge
+    # key's, so with either padding keys are masked on the scores (key rows)
+    key_mask = (bool(f.dropout_p) or f.mods.alibi) and kv_lens is not None
     f.rt = M.RuntimeLengths(f.spec, kv_lens, q_lens, f.b, f.Nq, f.Nk, key_rows=key_mask)
     if key_mask:
         f.key_neg = M.neg_row(T.PMAX)
@@ -740,7 +745,7 @@ def band_predicates(f: _Instance, d0, rows: int, width: int):
 
 
 def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, masked: bool,
-           pred, dk: Optional[int] = None):
+           pred, dk: Optional[int] = None, h=None):
     """S = Q_i K_j^T for one score tile of ``width`` keys (raw scores; Q^T carries the scale only
     when it is not folded into the exp), in one PSUM bank, plus its band mask.
 
@@ -750,7 +755,8 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
     distance against the bound, predicated on the tile crossing that side): a selection, so a
     non-finite score a row cannot see never reaches it. ``dk``: ``j0 - i0`` when it is a
     compile-time constant (sliding spans). Padding keys (``kv_lens``) are never read
-    (:func:`edge_key_fill`).
+    (:func:`edge_key_fill`). Score modifiers (``score_mods``; ``h`` = member head) turn the
+    scores into raw units of ``f.unit`` before the masks select.
     """
     r = st.rows
     sc = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.psum)
@@ -772,18 +778,35 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
         if below is not None and below is not False:
             sides.append((_and(pred, below) if dk is None else pred,
                           d >= f.spec.lo + off - rel_d))
-    if f.key_neg is not None:
-        # dropout with kv_lens: the softmax sums come from the exp (dropout_units), so padding
-        # keys must have P = 0 there too: MASK_NEG (x) their key row, a rank-1 TensorE add
+    capped = f.mods.softcap is not None
+    if f.key_neg is not None and not capped:
+        # dropout or ALiBi with kv_lens: padding keys must have P = 0 on the scores (the
+        # softmax sums come from the exp with dropout; ALiBi lifts a padding key above its
+        # edge key): MASK_NEG (x) their key row, a rank-1 TensorE add
         key_row = f.rt.key_mask_row(j0, width)
         sc[...] += nisa.nc_matmul(f.key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
+    s_sb = None
+    if f.mods.transforms:
+        rel = j0 - i0 if dk is None else dk
+        s_sb, _ = SM.modify_scores(f.mods, f.cols, sc, r, width, h,
+                                   rel - f.spec.static_offset, f.act_scale / f.unit,
+                                   not SM.one_sided(f.spec), pred)
+        if f.key_neg is not None and capped:
+            # the key mask after the tanh (which would map MASK_NEG to -1): its own PSUM tile
+            key_row = f.rt.key_mask_row(j0, width)
+            kneg = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.psum)
+            kneg[...] = nisa.nc_matmul(f.key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
+            s_sb[...] = nisa.tensor_tensor(s_sb, kneg, nl.add, mask=pred)
     if not sides:
-        return sc
+        return sc if s_sb is None else s_sb
     # band edges by selection, not addition: a non-finite score a row cannot see (a NaN or inf
     # in a hidden key) is replaced, never carried into the row's max and sums. The scores are
-    # copied out of PSUM (VectorE) and each crossed side selects MASK_NEG (GpSimd)
-    s_sb = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.sbuf)
-    s_sb[...] = nisa.tensor_copy(sc, dtype=nl.float32, engine=nisa.vector_engine, mask=pred)
+    # copied out of PSUM (VectorE) unless a modifier already did, and each crossed side selects
+    # MASK_NEG (GpSimd)
+    if s_sb is None:
+        s_sb = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.sbuf)
+        s_sb[...] = nisa.tensor_copy(sc, dtype=nl.float32, engine=nisa.vector_engine,
+                                     mask=pred)
     for p, inside in sides:
         s_sb[...] = nisa.affine_select(inside, s_sb, T.FWD_MASK_NEG, dtype=nl.float32, mask=p)
     return s_sb
@@ -826,7 +849,7 @@ def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
 
 
 def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: int,
-                 masked: bool, d0: Optional[int] = None, du=None):
+                 masked: bool, d0: Optional[int] = None, du=None, h=None):
     """Fold one key block of ``width`` keys (static; from the kv tile's 128-key block ``rb``,
     frame key ``j0``, both NKI expressions) into slot s (query rows from ``i0``): the body of
     Algorithm 1's inner loop.
@@ -850,7 +873,7 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
     kt = f.tiles.k_tile
     widths = [min(kt, width - c0) for c0 in range(0, width, kt)]
     s_tiles = [scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked, pred,
-                      None if d0 is None else d0 + n * kt)
+                      None if d0 is None else d0 + n * kt, h)
                for n, w in enumerate(widths)]
     drop = None
     if f.dropout_p:
@@ -872,7 +895,7 @@ def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, p
     nb = len(widths)
     stats = st.stats[0:r, s, :]
     neg_m_old, neg_m_new = st.neg_m(s), st.neg_m_new(s)
-    c = f.act_scale
+    c = f.unit
 
     for n in nl.static_range(nb):
         stats[:, 2 + n:3 + n] = nisa.tensor_reduce(np.max, s_tiles[n], axis=(1,), negate=True,
@@ -999,7 +1022,7 @@ def finalize(f: _Instance, st: _GroupState, s, in_range=None):
     keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, op1=op1, operand1=in_range, dtype=nl.uint8,
                               engine=gp)
     log_l = nisa.activation(nl.log, l_safe, dtype=nl.float32)
-    lse_val = nisa.activation(nl.copy, st.neg_m(s), scale=-f.act_scale, bias=log_l,
+    lse_val = nisa.activation(nl.copy, st.neg_m(s), scale=-f.unit, bias=log_l,
                               dtype=nl.float32)
     lse_out = nisa.memset((r, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
     # explicit select (documented from neuronx-cc 2.22; nki-api-spec §9.14)
@@ -1033,6 +1056,15 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
     and writes o = 0, LSE = -inf."""
     P, qt, G = T.PMAX, plan.q_tile, f.G
     st = _GroupState(f, G * n, span.rows)
+    if f.mods.sinks:
+        # the sink is the online softmax's first "key": m = max(sink / u, M_FLOOR), l = l_0
+        gp, D = nisa.gpsimd_engine, f.D
+        for h in nl.affine_range(G):
+            l_slots = st.o[:, nl.ds(h * n, n), D:D + 1]
+            st.stats[:, nl.ds(h * n, n), 1:2] = nisa.tensor_scalar(
+                l_slots, nl.add, SM.HeadColumns.col(f.cols.neg_m0, h, P), engine=gp)
+            st.o[:, nl.ds(h * n, n), D:D + 1] = nisa.tensor_scalar(
+                l_slots, nl.add, SM.HeadColumns.col(f.cols.l0, h, P), engine=gp)
     if span.regions:
         for h in nl.affine_range(G):
             for s in nl.affine_range(n):
@@ -1055,14 +1087,14 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
                     if span.slide is None:
                         attend_block(f, st, h * n + s, (t0 + s) * qt, kv_tile, rb + kb_rb,
                                      j0 + kb_j0, width, masked,
-                                     du=(h, iu, ju + kb_rb))
+                                     du=(h, iu, ju + kb_rb), h=h)
                     else:
                         # the region moves with the tile: keys from (t0 + s) qt + slide + j0
                         attend_block(f, st, h * n + s, (t0 + s) * qt, kv_tile,
                                      (t0 + s) * (qt // P) + span.slide // P + rb + kb_rb,
                                      (t0 + s) * qt + span.slide + j0 + kb_j0, width, masked,
                                      None if static_d is None else span.slide + j0 + static_d,
-                                     du=(h, iu, iu + span.slide // P + ju + kb_rb))
+                                     du=(h, iu, iu + span.slide // P + ju + kb_rb), h=h)
 
         for kb in nl.sequential_range(full):
             block(kb * per, kb * Bk, Bk, None)
@@ -1113,9 +1145,9 @@ def _core_range(count: int, core):
 
 
 @nki.jit
-def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, *, scale=1.0,
-                        causal=None, window=None, mm_dtype="bfloat16", tiles=None, lnc=1,
-                        dropout_p=0.0, dropout_mask=False):
+def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slopes=None,
+                        sinks=None, *, scale=1.0, causal=None, window=None, mm_dtype="bfloat16",
+                        tiles=None, lnc=1, dropout_p=0.0, dropout_mask=False, softcap=None):
     """Flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B, Hkv, Nk, D)``.
 
     Launch on the grid ``(B, Hkv)``. Tensor arguments live in HBM: q, k, v in fp32/bf16/fp16
@@ -1139,13 +1171,20 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, *, scale=
     shapes) also returns the keep mask the kernel drew, ``(B, Hq, Nq, Nk)`` float32 in the
     kernel's frame (rotated sequences: frame positions); positions of units no row sees are
     never written (unspecified; NaN on the simulator).
+
+    Score modifiers (``score_mods.py``): ``softcap`` (compile-time float, ``cap tanh(s / cap)``),
+    ``alibi_slopes`` (HBM ``(Hq,)``, ``(1, Hq)`` or ``(B, Hq)`` float32: ``- slope |qpos - j|``)
+    and ``sinks`` (HBM ``(Hq,)`` float32: one more logit per head with a zero value; a row
+    without visible keys then has ``lse = sink``, padding rows keep -inf).
     """
     tiles = T.ForwardTiles() if tiles is None else tiles
+    mods = SM.check_mods(softcap, alibi_slopes, sinks)
     if lnc not in (1, 2):
         raise ValueError(f"lnc: expected 1 or 2, got {lnc!r}")
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
-    spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None)
+    spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
+                      mods.alibi)
     plan = plan_forward(Nq, Nk, Hq // k.shape[1], spec, tiles, cores=lnc)
 
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
@@ -1155,6 +1194,9 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, *, scale=
                 if dropout_p and dropout_mask else None)
     f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, nl.program_id(0),
                   nl.program_id(1))
+    if mods != SM.Mods():
+        f.mods, f.unit = mods, mods.unit(f.act_scale)
+        f.cols = SM.HeadColumns(mods, f.unit, alibi_slopes, sinks, f.b, f.head(0), f.G)
     if dropout_p:
         if seed is None:
             raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")

@@ -67,6 +67,9 @@ class MaskSpec:
     window : None or (left, right) with -1 = unbounded
     q_lens, kv_lens : bool
         Whether the corresponding length array is given.
+    alibi : bool
+        ALiBi bias on the scores (``score_mods``): its distance ``|i + off - j|`` must be static
+        in the kernel's frame, so with lengths the sequences rotate as for a band.
     """
 
     nq: int
@@ -75,6 +78,7 @@ class MaskSpec:
     window: Optional[Tuple[int, int]] = None
     q_lens: bool = False
     kv_lens: bool = False
+    alibi: bool = False
 
     # -- diagonal bounds relative to the alignment offset ------------------------------------
     @property
@@ -103,8 +107,9 @@ class MaskSpec:
     @property
     def rotates(self) -> bool:
         """Runtime lengths would move the band (bottom_right alignment, also a window without
-        causal), so kernels with lengths rotate each sequence by them (module docstring)."""
-        return self.has_diag and not self.top_left
+        causal), so kernels with lengths rotate each sequence by them (module docstring). So
+        does ALiBi's distance, bottom_right aligned without a band too."""
+        return (self.has_diag or self.alibi) and not self.top_left
 
     @property
     def rotate_q(self) -> bool:
@@ -233,6 +238,21 @@ class StaticDiagMasks:
     def get(self, i0: int, j0: int):
         """Indicator of the boundary tile at rows ``i0``, keys ``j0`` (``[rows, width]``)."""
         return self.tiles[:, self.index[j0 - i0], :]
+
+
+def broadcast_row(row, width: int):
+    """fp32 ``[128, width]``: an fp32 ``[1, width]`` row on every partition (a K=1 matmul of
+    a ones row, one PSUM bank per 512 columns; exact for integers below 2^24, as
+    ``masks.load_lengths`` uses it, and for any fp32 value if the fp32 matmul keeps full
+    products -- 1.0 x v needs no rounding; score_mods relies on it for per-head floats)."""
+    ones = nisa.memset((1, T.PMAX), 1.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
+    out = nl.ndarray((T.PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
+    for c0 in nl.static_range(0, width, T.PSUM_FMAX):
+        w = min(T.PSUM_FMAX, width - c0)
+        ps = nl.ndarray((T.PMAX, w), dtype=nl.float32, buffer=nl.psum)
+        ps[...] = nisa.nc_matmul(ones, row[0:1, c0:c0 + w])
+        out[:, c0:c0 + w] = nisa.tensor_copy(ps, dtype=nl.float32, engine=nisa.vector_engine)
+    return out
 
 
 def load_lengths(kv_lens, q_lens, b, nk: int, nq: int):
@@ -426,6 +446,6 @@ class RuntimeLengths:
         return nisa.tensor_tensor(rows, beyond, np.add, dtype=nl.int32), store
 
 
-__all__ = ["MaskSpec", "FULL", "BOUNDARY", "neg_identity", "int_mod", "neg_row", "diag_pattern",
+__all__ = ["MaskSpec", "broadcast_row", "FULL", "BOUNDARY", "neg_identity", "int_mod", "neg_row", "diag_pattern",
            "diag_indicator", "StaticDiagMasks", "load_lengths", "key_length_row", "oob_offset",
            "position_table", "gather_rows", "store_rows", "RuntimeLengths", "np"]

@@ -1,0 +1,168 @@
+"""Score modifiers of the attention kernels: logit soft-capping, ALiBi and attention sinks.
+
+Definitions (``host/reference.py``, ``_modify_scores``): with ``s = scale q_i . k_j`` the scaled
+score of aligned query position ``qpos`` (``i`` for top_left, ``i + kv_len - q_len`` otherwise,
+as the masks align) and key position ``j``,
+
+    s'   = cap tanh(s / cap)                   soft-capping (Gemma 2), when ``softcap`` is given
+    s''  = s' - slope_h |qpos - j|             ALiBi (per query head, per batch or shared)
+    P_ij = exp(s''_ij - lse_i),   lse_i = log(exp(sink_h) + sum_j visible exp(s''_ij))
+
+where the sink (gpt-oss) is one more logit per head whose value vector is 0: it takes part of
+every row's probability mass and adds nothing to O. A row without visible keys then has
+``o = 0`` and ``lse = sink_h`` (not -inf).
+
+Kernel units. The kernels keep scores in "raw units" ``y`` with ``s'' = u y``, ``u`` the scale
+of their exp: the softmax scale when it is folded into the exp, 1 when Q^T carries it, and
+``cap`` with soft-capping, where ``y = tanh(c x / cap)`` lies in [-1, 1] (``x`` the PSUM score,
+``c`` the exp scale without capping) -- one ScalarE activation reading PSUM. ALiBi then adds
+``(-slope_h / u) |d|`` with ``d = j - i - off`` the key-minus-row distance in the kernel's frame
+(``MaskSpec.alibi`` makes sequences with lengths rotate, so the distance is static there): one
+GpSimd ``iota`` of the affine index expression, one ScalarE ``abs`` (skipped when every visible
+key of the band has ``d <= 0``, causal: ``|d| = -d``) and one VectorE ``scalar_tensor_tensor``
+that multiplies by the head's column and adds the scores. Masks select ``MASK_NEG`` after the
+modifiers (a tanh would map it to -1). The sink enters as the initial state of the online
+softmax: ``m_0 = max(sink / u, M_FLOOR)``, ``l_0 = exp(sink - u m_0)`` (1 unless floored).
+
+Backward (``backward.py``): with ``t = tanh(s / cap)`` recomputed, ``ds/dx`` gains the factor
+``1 - t^2``; ALiBi's bias is a constant; ``dsink_h = -sum_i exp(sink_h - lse_i) D_i`` with
+``D_i = rowsum(dO_i * O_i)``, reduced on chip per (sequence, head).
+
+Per-head values (slopes, sinks) are device data, HBM fp32: one compiled kernel serves every
+value. They reach every partition by a K=1 TensorE broadcast (``masks.broadcast_row``).
+
+Valid ranges: ``cap`` in ``tiles.FWD_FOLD_SCALE_RANGE`` (the masks' margin survives ``u = cap``
+as it does the folded scale); sinks and slopes within ``tiles.SCORE_MOD_ABS_MAX`` (the host
+checks them: they are device data).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from nki_kernels import tiles as T
+from nki_kernels.attention import masks as M
+from nki_kernels.nki import nisa, nl
+
+
+class Mods(NamedTuple):
+    """Compile-time modifiers of one launch."""
+
+    softcap: Optional[float] = None
+    alibi: bool = False
+    sinks: bool = False
+
+    @property
+    def transforms(self) -> bool:
+        """The score tiles change (soft-capping or ALiBi)."""
+        return self.softcap is not None or self.alibi
+
+    def unit(self, exp_scale: float) -> float:
+        """``u``: the exp's scale on raw units (the cap with soft-capping)."""
+        return float(self.softcap) if self.softcap is not None else float(exp_scale)
+
+
+def check_mods(softcap, alibi_slopes, sinks) -> Mods:
+    """Compile-time :class:`Mods` from a kernel's arguments (tensors only checked for
+    presence; their shapes are the host's to validate)."""
+    if softcap is not None:
+        lo, hi = T.FWD_FOLD_SCALE_RANGE
+        if not lo <= float(softcap) <= hi:
+            raise ValueError(f"softcap: expected a value in [{lo}, {hi}], got {softcap!r}")
+        softcap = float(softcap)
+    return Mods(softcap, alibi_slopes is not None, sinks is not None)
+
+
+def head_values(hbm, b, h0, G: int):
+    """fp32 ``[128, G]``: per-head values of heads ``h0 .. h0 + G - 1`` on every partition, from
+    an HBM ``(Hq,)`` or ``(B or 1, Hq)`` fp32 tensor (row ``b``, or row 0 when it has one)."""
+    row = nl.ndarray((1, G), dtype=nl.float32, buffer=nl.sbuf)
+    if len(hbm.shape) == 1:
+        src = hbm.reshape((1, hbm.shape[0]))[0:1, nl.ds(h0, G)]
+    elif hbm.shape[0] == 1:
+        src = hbm[0:1, nl.ds(h0, G)]
+    else:
+        src = hbm[nl.ds(b, 1), nl.ds(h0, G)]
+    nisa.dma_copy(dst=row, src=src)
+    return M.broadcast_row(row, G)
+
+
+class HeadColumns:
+    """Per-head ``[128, G]`` fp32 columns of one grid instance (query heads ``h0 ..``):
+    ``alibi`` = ``-slope / u`` (the multiplier of ``|d|``), ``alibi_d`` = ``slope / u`` (of
+    ``d`` where ``|d| = -d``), ``sink`` (scaled units), ``neg_m0`` = ``-max(sink / u, M_FLOOR)``
+    and ``l0`` = ``exp(sink - u m_0)`` (the online softmax's initial state)."""
+
+    def __init__(self, mods: Mods, u: float, slopes, sinks, b, h0, G: int):
+        self.alibi = self.alibi_d = self.sink = self.neg_m0 = self.l0 = None
+        gp = nisa.gpsimd_engine
+        if mods.alibi:
+            slope = head_values(slopes, b, h0, G)
+            self.alibi = nisa.tensor_scalar(slope, nl.multiply, -1.0 / u, dtype=nl.float32,
+                                            engine=gp)
+            self.alibi_d = nisa.tensor_scalar(slope, nl.multiply, 1.0 / u, dtype=nl.float32,
+                                              engine=gp)
+        if mods.sinks:
+            self.sink = head_values(sinks, b, h0, G)
+            # -m_0 = min(-sink / u, -M_FLOOR)
+            self.neg_m0 = nisa.tensor_scalar(self.sink, nl.multiply, -1.0 / u,
+                                             op1=nl.minimum, operand1=-T.FWD_M_FLOOR,
+                                             dtype=nl.float32, engine=gp)
+            # l_0 = exp(sink - u m_0) = exp(u (-m_0) + sink)
+            self.l0 = nl.ndarray((T.PMAX, G), dtype=nl.float32, buffer=nl.sbuf)
+            for h in nl.affine_range(G):
+                self.l0[:, nl.ds(h, 1)] = nisa.activation(
+                    nl.exp, self.neg_m0[:, nl.ds(h, 1)], bias=self.sink[:, nl.ds(h, 1)],
+                    scale=u, dtype=nl.float32)
+
+    @staticmethod
+    def col(tile, h, rows: int):
+        """Column of member head ``h`` (an NKI expression), ``[rows, 1]``."""
+        return tile[0:rows, nl.ds(h, 1)]
+
+
+def distance_tile(d0, rows: int, width: int, pred=None):
+    """fp32 ``[rows, width]``: ``d0 + key - row`` (``d0`` an affine NKI expression, the first
+    key's distance from the first row), one GpSimd iota."""
+    return nisa.iota(d0 + nl.arange(width)[None, :] - nl.arange(rows)[:, None],
+                     dtype=nl.float32, mask=pred)
+
+
+def one_sided(spec: M.MaskSpec) -> bool:
+    """Every visible score has ``d = j - i - off <= 0`` (a causal band), so ``|d| = -d``."""
+    return spec.hi is not None and spec.hi <= 0
+
+
+def modify_scores(mods: Mods, cols: HeadColumns, sc, rows: int, width: int, h, d0,
+                  tanh_scale: float, two_sided: bool, pred=None):
+    """Soft-capping then ALiBi on a score tile ``sc`` (PSUM or SBUF fp32 ``[rows, width]`` of
+    raw scores). Returns ``(y, t)``: ``y`` a new SBUF fp32 tile in raw units (module
+    docstring) and ``t`` the tanh tile (None without soft-capping; ``y is t`` without ALiBi),
+    which the backward differentiates. ``h``: member head (NKI expression); ``d0``: the tile's
+    ``j0 - i0 - off``; ``tanh_scale``: ``c / cap``. Every instruction predicated on ``pred``."""
+    y = t = None
+    if mods.softcap is not None:
+        t = nisa.activation(nl.tanh, sc, scale=tanh_scale, dtype=nl.float32, mask=pred)
+        y = t
+    if mods.alibi:
+        d = distance_tile(d0, rows, width, pred)
+        if two_sided:
+            d = nisa.activation(nl.abs, d, dtype=nl.float32, mask=pred)
+            col = cols.col(cols.alibi, h, rows)
+        else:
+            col = cols.col(cols.alibi_d, h, rows)
+        y = nisa.scalar_tensor_tensor(data=d, op0=nl.multiply, operand0=col, op1=nl.add,
+                                      operand1=sc if t is None else t, dtype=nl.float32,
+                                      mask=pred)
+    return y, t
+
+
+def softcap_grad_factor(t, rows: int, width: int, pred=None):
+    """fp32 ``[rows, width]``: ``1 - t^2`` of a tanh tile (the soft-cap's derivative): ScalarE
+    square, then ``1 - x`` on GpSimd."""
+    sq = nisa.activation(nl.square, t, dtype=nl.float32, mask=pred)
+    return nisa.tensor_scalar(sq, nl.multiply, -1.0, op1=nl.add, operand1=1.0,
+                              dtype=nl.float32, engine=nisa.gpsimd_engine, mask=pred)
+
+
+__all__ = ["Mods", "check_mods", "head_values", "HeadColumns", "distance_tile", "one_sided",
+           "modify_scores", "softcap_grad_factor"]
