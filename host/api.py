@@ -520,9 +520,11 @@ def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
     return res if len(res) > 1 else o
 
 
-def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, **options):
+def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, softcap,
+                           alibi_slopes, sinks, **options):
     from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
 
+    _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1], block_sparse=True)
     dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
     _, _, tables, kwargs, kv32, q32 = _block_sparse_options(q, k, v, block_mask, **options)
     p, seed32 = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
@@ -775,7 +777,8 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
 
 def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, window=None,
                             kv_lens=None, q_lens=None, mixed_precision: bool = True, lnc=None,
-                            dropout_p=0.0, seed=None):
+                            dropout_p=0.0, seed=None, softcap=None, alibi_slopes=None,
+                            sinks=None):
     """Validate a backward call and choose its launch: ``(kernel, grid, kernel_kwargs)``.
 
     The kernel is :func:`nki_kernels.attention.backward.flash_attn_bwd`, the grid ``(B, Hkv)``
@@ -803,13 +806,16 @@ def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, wi
     p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
     if p:
         kwargs["dropout_p"] = p
+    kwargs.update(_score_mods_call(softcap, alibi_slopes, sinks, dims.B, dims.Hq)[0])
     return flash_attn_bwd, backward_grid(dims.B, dims.Hkv, _check_lnc(lnc)), kwargs
 
 
 def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, window=None,
                              kv_lens=None, q_lens=None, mixed_precision: bool = True, lnc=None,
-                             dropout_p=0.0, seed=None, block_mask=None):
-    """Gradients of flash attention on the active backend: ``(dq, dk, dv)``.
+                             dropout_p=0.0, seed=None, block_mask=None, softcap=None,
+                             alibi_slopes=None, sinks=None):
+    """Gradients of flash attention on the active backend: ``(dq, dk, dv)`` (and ``dsinks``
+    with ``sinks``).
 
     The backward of :func:`flash_attention` from its saved output and log-sum-exp: with
     ``P = exp(scale q k^T - lse)`` recomputed tile by tile, ``D = rowsum(do * o)``,
@@ -848,6 +854,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
     dropout_p, seed :
         The forward's attention dropout: the kernel regenerates the forward's mask block by
         block from the seed (appendix Algorithm 4) and differentiates through it.
+    block_mask, softcap, alibi_slopes, sinks :
+        As passed to the forward (``lse`` then includes the sinks).
 
     Returns
     -------
@@ -855,16 +863,21 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
     dk, dv : numpy.ndarray (B, Hkv, Nk, D)
         In the inputs' dtype. For GQA/MQA dk and dv are summed over the query heads of each
         kv group.
+    dsinks : numpy.ndarray (Hq,) float32, only with ``sinks``
+        ``-sum over rows of exp(sink - lse) * rowsum(do * o)`` (ALiBi slopes and the cap get
+        no gradient: they are constants of the model).
     """
     if block_mask is not None and not _all_blocks(q, k, v, block_mask):
         return _block_sparse_backward(do, q, k, v, o, lse, block_mask, scale=scale,
                                       causal=causal, window=window, kv_lens=kv_lens,
                                       q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc,
-                                      dropout_p=dropout_p, seed=seed)
+                                      dropout_p=dropout_p, seed=seed, softcap=softcap,
+                                      alibi_slopes=alibi_slopes, sinks=sinks)
     kernel, grid, kwargs = plan_attention_backward(
         do, q, k, v, o, lse, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
         q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc, dropout_p=dropout_p,
-        seed=seed)
+        seed=seed, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    mod_tensors = _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1])[1]
     B, Nq, Nk = q.shape[0], q.shape[2], k.shape[2]
     kv32 = _lengths_int32(_v.check_lengths("kv_lens", kv_lens, B, Nk, upper_name="Nk"))
     q32 = _lengths_int32(_v.check_lengths("q_lens", q_lens, B, Nq, upper_name="Nq"))
@@ -874,7 +887,12 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
     _, seed32 = _check_dropout_call(dropout_p, seed, B, q.shape[1], Nq, Nk)
     if seed32 is not None:
         kwargs["seed"] = seed32
-    return launch(kernel, grid, q, k, v, o, do, lse, kv_lens=kv32, q_lens=q32, **kwargs)
+    outs = launch(kernel, grid, q, k, v, o, do, lse, kv_lens=kv32, q_lens=q32, **mod_tensors,
+                  **kwargs)
+    if mod_tensors["sinks"] is None:
+        return outs
+    # each sequence's share of dsinks, summed over the batch on the host (B x Hq floats)
+    return tuple(outs[:3]) + (np.asarray(outs[3], dtype=np.float32).sum(axis=0),)
 
 
 def flash_attention_backward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int,

@@ -126,6 +126,7 @@ from typing import NamedTuple, Optional, Tuple
 import numpy as np
 
 from nki_kernels.attention import masks as M
+from nki_kernels.attention import score_mods as SM
 from nki_kernels.nki import nisa, nki, nl
 from nki_kernels.tiles import (
     BWD_ACT_EVAC_BLOCKS,
@@ -179,14 +180,16 @@ class BackwardPlan(NamedTuple):
     row_mask: bool      # some slot holds rows past Nq (partial last tile, balancing padding)
 
 
-def band_spec(Nq: int, Nk: int, causal: Optional[str], window) -> M.MaskSpec:
+def band_spec(Nq: int, Nk: int, causal: Optional[str], window, alibi: bool = False
+              ) -> M.MaskSpec:
     """The visibility band of docs/semantics.md as the forward's :class:`masks.MaskSpec` of the
     padded shapes, always static: its ``static_offset`` is 0 for top_left and ``Nk - Nq``
     otherwise. With lengths the kernel makes that true on chip: top_left needs nothing (the
     valid rows and keys start at 0), and for the length-dependent bottom_right alignment
     (``off_b = kv_len - q_len``) the gathers rotate each sequence so that its valid rows and
-    keys end at Nq and Nk (:class:`RuntimeMasks`)."""
-    return M.MaskSpec(Nq, Nk, causal, window)
+    keys end at Nq and Nk (:class:`RuntimeMasks`). ALiBi's distance rotates the same way
+    (``MaskSpec.alibi``)."""
+    return M.MaskSpec(Nq, Nk, causal, window, alibi=alibi)
 
 
 def slot_regions(spec: M.MaskSpec, passes: int, slots: int, Nq: int, c0: int, width: int):
@@ -312,13 +315,14 @@ class RuntimeMasks(M.RuntimeLengths):
     """
 
     def __init__(self, spec: M.MaskSpec, kv_lens, q_lens, b, Nq: int, Nk: int, D: int,
-                 op_dtype):
+                 op_dtype, softcap: bool = False):
         super().__init__(spec, kv_lens, q_lens, b, Nq, Nk)
         # With a spare partition in the last head-dim chunk (D % 128 != 0) the rank-1 key mask
         # rides in the S matmul itself: Q^T gets a MASK_NEG row there and K^T the key row
-        # (free on TensorE). fp16 operands cannot hold MASK_NEG: separate bf16 matmul.
-        self.mask_row = D % PMAX if (self.has_k and D % PMAX and op_dtype != nl.float16) \
-            else None
+        # (free on TensorE). fp16 operands cannot hold MASK_NEG: separate bf16 matmul. With
+        # soft-capping the mask must follow the tanh (which maps MASK_NEG to -1): separate.
+        self.mask_row = D % PMAX if (self.has_k and D % PMAX and op_dtype != nl.float16
+                                     and not softcap) else None
         self.neg_row = None
         if self.has_k and self.mask_row is None:
             self.neg_row = M.neg_row(PMAX)
@@ -443,11 +447,14 @@ class _State(NamedTuple):
     neg_delta: object   # [128, S] fp32: -rowsum(dO * O)
     exp_bias: object    # [128, S] fp32: -LSE, or the no-key bias
     dq_acc: object      # [128, S, D] fp32 (None when dQ accumulates in HBM)
+    sink_terms: object = None   # [128, S] fp32: -exp(sink - LSE) D per row (with sinks)
 
 
-def _derive(cfg, st: _State, do_in, o_in, lse_t, s0, n: int):
+def _derive(cfg, st: _State, do_in, o_in, lse_t, s0, n: int, h=None):
     """From the loaded dO, O ``[128, n, D]`` and LSE ``[128, n]`` of slots ``s0 .. s0 + n - 1``
-    (Q already in ``q_nat``): exp bias, -D, dO in the operand dtype, Q^T and dO^T.
+    (Q already in ``q_nat``) of member head ``h``: exp bias, -D, dO in the operand dtype, Q^T
+    and dO^T; with sinks each row's share of dsink, ``-exp(sink - LSE) D`` (0 for rows
+    without a visible key: their exp bias is the no-key one).
 
     ``exp_bias = -LSE``, or ``BWD_EXP_BIAS_NO_KEY`` where LSE = -inf (a row with no visible
     key, a padding row), computed as ``m * BIAS_NO_KEY - max(LSE, LSE_NO_KEY)`` with ``m =
@@ -472,6 +479,13 @@ def _derive(cfg, st: _State, do_in, o_in, lse_t, s0, n: int):
             _transpose_into(st.q_T[0:dsz, c, cols], st.q_nat[:, s, d0:d0 + dsz], tp_dtype,
                             scale=cfg.q_scale)
             _transpose_into(st.do_T[0:dsz, c, cols], st.do_nat[:, s, d0:d0 + dsz], tp_dtype)
+    if st.sink_terms is not None:
+        p_sink = nisa.activation(nl.exp, st.exp_bias[:, nl.ds(s0, n)],
+                                 bias=SM.HeadColumns.col(cfg.cols.sink, h, PMAX), scale=1.0,
+                                 dtype=nl.float32)
+        st.sink_terms[:, nl.ds(s0, n)] = nisa.tensor_tensor(
+            p_sink, st.neg_delta[:, nl.ds(s0, n)], np.multiply, dtype=nl.float32,
+            engine=nisa.gpsimd_engine)
 
 
 def _zeros(shape, dtype):
@@ -504,7 +518,7 @@ def load_query_side(cfg, plan: BackwardPlan, rt, q, do, o, lse, b, h0, p, st: _S
                 lse_t = nisa.memset((PMAX, 1), -np.inf, dtype=nl.float32,
                                     engine=nisa.gpsimd_engine)
                 M.gather_rows(lse_t, lse.reshape((n_rows, 1)), q_load, s, PMAX, 1)
-                _derive(cfg, st, do_in, o_in, lse_t, s, 1)
+                _derive(cfg, st, do_in, o_in, lse_t, s, 1, h)
         return
     cap = max(1, BWD_GROUP_BYTES // (D * (4 if do.dtype == nl.float32 else 2)))
     for t0, n_groups, n in slot_groups(S_h, cap):
@@ -530,7 +544,7 @@ def load_query_side(cfg, plan: BackwardPlan, rt, q, do, o, lse, b, h0, p, st: _S
                     do_in = nl.load(_rows_view(do, b, rw, D))
                     o_in = nl.load(_rows_view(o, b, rw, D))
                     lse_t = nl.load(_rows_view(lse, b, rw))
-                _derive(cfg, st, do_in, o_in, lse_t, rw.s0, n)
+                _derive(cfg, st, do_in, o_in, lse_t, rw.s0, n, h)
 
 
 def mask_row_in_q_T(cfg, rt, st: _State):
@@ -617,9 +631,11 @@ class _Visit(NamedTuple):
 
 
 def recompute_p(cfg, spec, rt, vis: _Visit, key_row, st: _State, kv: _KV):
-    """``P = exp(scale * Q K^T - LSE)``, ``[128, cols]`` in the operand dtype. Masked keys get
-    ``fp32.min`` (band edges, GpSimd ``affine_select`` on the row and key indices) or
-    ``MASK_NEG`` (keys past kv_len, TensorE) before the exp: P = 0 exactly."""
+    """``(P, g)``: ``P = exp(scale * Q K^T - LSE)``, ``[128, cols]`` in the operand dtype.
+    Masked keys get ``fp32.min`` (band edges, GpSimd ``affine_select`` on the row and key
+    indices) or ``MASK_NEG`` (keys past kv_len, TensorE) before the exp: P = 0 exactly. With
+    score modifiers (``score_mods``) the scores are modified first (raw units of
+    ``cfg.unit``) and ``g = 1 - tanh^2`` is the soft-cap's derivative (else None)."""
     w = vis.cols
     s_psum = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
     last = len(cfg.d_chunks) - 1
@@ -628,27 +644,47 @@ def recompute_p(cfg, spec, rt, vis: _Visit, key_row, st: _State, kv: _KV):
             dsz += 1    # MASK_NEG row (x) key row: the key mask inside the S matmul
         _accumulate(s_psum, c == 0, nisa.nc_matmul(st.q_T[0:dsz, c, nl.ds(vis.s * PMAX, PMAX)],
                                                    kv.k_T[0:dsz, c, 0:w]))
-    if key_row is not None:
+    capped = cfg.mods.softcap is not None
+    if key_row is not None and not capped:
         s_psum[...] += nisa.nc_matmul(rt.neg_row[0:1, 0:PMAX], key_row[0:1, 0:w])
     bias = st.exp_bias[:, nl.ds(vis.s, 1)]
-    if not vis.masked:
-        return nisa.activation(np.exp, s_psum, bias=bias, scale=cfg.exp_scale,
-                               dtype=cfg.op_dtype)
-    # Row i = i0 + iq, key j = c0 + ik; keep i + off + lo <= j <= i + off + hi.
-    scores = nisa.activation(nl.copy, s_psum, scale=cfg.exp_scale, dtype=nl.float32)
-    iq, ik = nl.mgrid[0:PMAX, 0:w]
     off = spec.static_offset
+    g = None
+    if cfg.mods.transforms:
+        y, t = SM.modify_scores(cfg.mods, cfg.cols, s_psum, PMAX, w, vis.h,
+                                vis.c0 - vis.i0 - off, cfg.exp_scale / cfg.unit,
+                                not SM.one_sided(spec))
+        if t is not None:
+            g = SM.softcap_grad_factor(t, PMAX, w)
+        if key_row is not None and capped:
+            # the key mask after the tanh: its own PSUM tile, added on VectorE
+            kneg = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
+            kneg[...] = nisa.nc_matmul(rt.neg_row[0:1, 0:PMAX], key_row[0:1, 0:w])
+            y = nisa.tensor_tensor(y, kneg, np.add, dtype=nl.float32)
+        if not vis.masked:
+            return nisa.activation(np.exp, y, bias=bias, scale=cfg.unit,
+                                   dtype=cfg.op_dtype), g
+        scores, exp_scale = y, cfg.unit
+    elif not vis.masked:
+        return nisa.activation(np.exp, s_psum, bias=bias, scale=cfg.exp_scale,
+                               dtype=cfg.op_dtype), g
+    else:
+        scores = nisa.activation(nl.copy, s_psum, scale=cfg.exp_scale, dtype=nl.float32)
+        exp_scale = 1.0
+    # Row i = i0 + iq, key j = c0 + ik; keep i + off + lo <= j <= i + off + hi.
+    iq, ik = nl.mgrid[0:PMAX, 0:w]
     if spec.hi is not None:
         scores = nisa.affine_select(vis.i0 + iq + (off + spec.hi) >= vis.c0 + ik, scores,
                                     BWD_MASK_FILL, dtype=nl.float32)
     if spec.lo is not None:
         scores = nisa.affine_select(vis.c0 + ik >= vis.i0 + iq + (off + spec.lo), scores,
                                     BWD_MASK_FILL, dtype=nl.float32)
-    return nisa.activation(np.exp, scores, bias=bias, scale=1.0, dtype=cfg.op_dtype)
+    return nisa.activation(np.exp, scores, bias=bias, scale=exp_scale, dtype=cfg.op_dtype), g
 
 
-def softmax_backward(cfg, vis: _Visit, st: _State, kv: _KV, p, pz=None):
-    """``dS = P * (dP - D)`` with ``dP = dO V^T``, ``[128, cols]`` in the operand dtype.
+def softmax_backward(cfg, vis: _Visit, st: _State, kv: _KV, p, pz=None, g=None):
+    """``dS = P * (dP - D)`` with ``dP = dO V^T``, ``[128, cols]`` in the operand dtype; with
+    soft-capping times ``g = 1 - tanh^2`` (fp32 until that last multiply).
 
     ``dP - D`` is formed by ScalarE while it evacuates PSUM (identity with a per-row bias), so
     VectorE does a single multiply per score. With dropout (``pz = Z * P``, unscaled) it is
@@ -670,10 +706,16 @@ def softmax_backward(cfg, vis: _Visit, st: _State, kv: _KV, p, pz=None):
         zp_dp = nisa.tensor_tensor(dp, pz, np.multiply, dtype=nl.float32, engine=gp)
         p_d = nisa.tensor_scalar(p, np.multiply, st.neg_delta[:, nl.ds(vis.s, 1)],
                                  dtype=nl.float32, engine=nisa.vector_engine)
-        return nisa.tensor_tensor(zp_dp, p_d, np.add, dtype=cfg.op_dtype, engine=gp)
-    dp_minus_d = nisa.activation(nl.copy, dp_psum, bias=st.neg_delta[:, nl.ds(vis.s, 1)],
-                                 scale=1.0, dtype=cfg.op_dtype)
-    return nisa.tensor_tensor(dp_minus_d, p, np.multiply, dtype=cfg.op_dtype)
+        ds = nisa.tensor_tensor(zp_dp, p_d, np.add,
+                                dtype=cfg.op_dtype if g is None else nl.float32, engine=gp)
+    else:
+        dp_minus_d = nisa.activation(nl.copy, dp_psum, bias=st.neg_delta[:, nl.ds(vis.s, 1)],
+                                     scale=1.0, dtype=cfg.op_dtype)
+        ds = nisa.tensor_tensor(dp_minus_d, p, np.multiply,
+                                dtype=cfg.op_dtype if g is None else nl.float32)
+    if g is None:
+        return ds
+    return nisa.tensor_tensor(ds, g, np.multiply, dtype=cfg.op_dtype)
 
 
 def accumulate_dv_dk(cfg, vis: _Visit, p, ds, st: _State, dv_psum, dk_psum):
@@ -726,9 +768,9 @@ def visit(cfg, spec, rt, vis: _Visit, key_row, st: _State, kv: _KV, dv_psum, dk_
           dq_scratch, dr=None, unit=None):
     """All the work of one (slot, key tile) pair; with dropout ``unit = (head, query tile,
     first key unit)``."""
-    p = recompute_p(cfg, spec, rt, vis, key_row, st, kv)
+    p, g = recompute_p(cfg, spec, rt, vis, key_row, st, kv)
     pz = dropout_mask_units(cfg, dr, vis, p, *unit) if dr is not None else None
-    ds = softmax_backward(cfg, vis, st, kv, p, pz)
+    ds = softmax_backward(cfg, vis, st, kv, p, pz, g)
     if "dk" in cfg.grads:
         accumulate_dv_dk(cfg, vis, p if pz is None else pz, ds, st, dv_psum, dk_psum)
     if "dq" in cfg.grads:
@@ -894,6 +936,9 @@ class _Config(NamedTuple):
     act_evac_blocks: int
     grads: Tuple[str, ...]
     dropout_p: float = 0.0
+    mods: SM.Mods = SM.Mods()
+    unit: float = 1.0           # u: the exp's scale on modified scores (score_mods)
+    cols: object = None         # score_mods.HeadColumns of the program's query heads
 
 
 class _Dropout(NamedTuple):
@@ -932,8 +977,9 @@ def dropout_mask_units(cfg, dr: _Dropout, vis: "_Visit", p, head, qi, ku0):
 
 
 def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g,
-                     scratch, dq_scratch, seed=None):
-    """All gradients of kv head g of sequence b (the loop nest of the module docstring)."""
+                     scratch, dq_scratch, seed=None, dsinks=None):
+    """All gradients of kv head g of sequence b (the loop nest of the module docstring); with
+    sinks also ``dsinks[b, heads of g]`` (summed over the sequence's rows on chip)."""
     G, D, d_chunks, op_dtype = cfg.G, cfg.D, cfg.d_chunks, cfg.op_dtype
     n_dc, d_part = len(d_chunks), min(D, PMAX)
     # Q^T, K^T: one more partition when the key mask row rides in a D < 128 contraction
@@ -958,6 +1004,8 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
         zero_scratch(scratch, Nk, D)
     if dq_scratch is not None:
         zero_dq_scratch(cfg, plan, dq_scratch)
+    # per-partition partial sums of dsink, one column per member head, carried across passes
+    dsink_acc = _zeros((PMAX, G), nl.float32) if dsinks is not None else None
 
     for p in nl.sequential_range(P):
         st = _State(
@@ -968,11 +1016,20 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
             neg_delta=nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf),
             exp_bias=nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf),
             dq_acc=(nl.zeros((PMAX, n_slots, D), dtype=nl.float32, buffer=nl.sbuf)
-                    if cfg.dq_accumulate == "sbuf" else None))
+                    if cfg.dq_accumulate == "sbuf" else None),
+            sink_terms=(nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
+                        if dsinks is not None else None))
         q_load = q_store = None
         if rt is not None and rt.has_q:
             q_load, q_store = rt.query_tables(q.shape, b, h0, G, plan, p)
         load_query_side(cfg, plan, rt, q, do, o, lse, b, h0, p, st, q_load)
+        if dsink_acc is not None:
+            for h in nl.affine_range(G):
+                part = nisa.tensor_reduce(np.add, st.sink_terms[:, nl.ds(h * plan.slots,
+                                                                         plan.slots)],
+                                          axis=(1,), keepdims=True, dtype=nl.float32)
+                dsink_acc[:, nl.ds(h, 1)] = nisa.tensor_tensor(
+                    dsink_acc[:, nl.ds(h, 1)], part, np.add, dtype=nl.float32)
         if rt is not None and rt.mask_row is not None:
             mask_row_in_q_T(cfg, rt, st)
 
@@ -1007,6 +1064,13 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
         if "dq" in cfg.grads:
             write_dq(cfg, plan, dq, b, h0, p, st, q_store, dq_scratch)
 
+    if dsink_acc is not None:
+        # the sum over partitions: a ones column against the [128, G] partials (TensorE)
+        ones = nisa.memset((PMAX, 1), 1.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
+        tot = nl.ndarray((1, G), dtype=nl.float32, buffer=nl.psum)
+        tot[...] = nisa.nc_matmul(ones, dsink_acc)
+        out = nisa.tensor_copy(tot, dtype=nl.float32)
+        nisa.dma_copy(dst=dsinks[nl.ds(b, 1), nl.ds(h0, G)], src=out)
     if "dk" not in cfg.grads:
         return
     if scratch is not None:
@@ -1033,10 +1097,11 @@ def backward_grid(B: int, Hkv: int, lnc: int):
 
 
 @nki.jit
-def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None, *, scale=1.0,
-                   causal=None, window=None, mixed_precision=True, rows_per_pass=None,
-                   key_tile=None, dq_accumulate="sbuf", ds_transpose=None,
-                   act_evac_blocks=None, grads=("dq", "dk", "dv"), dropout_p=0.0):
+def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
+                   alibi_slopes=None, sinks=None, *, scale=1.0, causal=None, window=None,
+                   mixed_precision=True, rows_per_pass=None, key_tile=None,
+                   dq_accumulate="sbuf", ds_transpose=None, act_evac_blocks=None,
+                   grads=("dq", "dk", "dv"), dropout_p=0.0, softcap=None):
     """Flash attention backward; one program per (sequence, kv head): grid ``[B, Hkv]``.
 
     Parameters
@@ -1077,11 +1142,16 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None, *,
         Which gradients to compute. The subsets exist to measure the two-kernel design of
         GPU backwards (one kernel for dK/dV, one for dQ, each recomputing P and dP) against the
         single pass; see benchmarks/backward.py.
+    softcap, alibi_slopes, sinks :
+        The forward's score modifiers (``score_mods.py``; ``lse`` is the forward's, sinks
+        included): soft-capping multiplies dS by ``1 - tanh^2``, ALiBi is a constant bias, and
+        sinks add the output ``dsinks``.
 
     Returns
     -------
     The requested gradients in the order dq (B, Hq, Nq, D), dk, dv (B, Hkv, Nk, D), in the
-    input dtype.
+    input dtype; with ``sinks`` then ``dsinks`` (B, Hq) float32, each sequence's share (the
+    gradient is their sum over B).
     """
     grads = tuple(grads)
     if grads not in (("dq", "dk", "dv"), ("dk", "dv"), ("dq",)):
@@ -1108,7 +1178,8 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None, *,
     if rows_per_pass < PMAX:
         raise ValueError(f"rows_per_pass: expected at least {PMAX}, got {rows_per_pass}")
     key_tile = bwd_key_tile(D) if key_tile is None else key_tile
-    spec = band_spec(Nq, Nk, causal, window)
+    mods = SM.check_mods(softcap, alibi_slopes, sinks)
+    spec = band_spec(Nq, Nk, causal, window, mods.alibi)
     G = Hq // Hkv
     plan = plan_backward(Nq, Nk, G, spec, key_tile, rows_per_pass)
     # Runtime masks add MASK_NEG to the raw scores on TensorE, and the exp scales them: for
@@ -1125,7 +1196,8 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None, *,
         out_dtype=in_dtype, dq_accumulate=dq_accumulate,
         ds_transpose=BWD_DS_TRANSPOSE[target] if ds_transpose is None else ds_transpose,
         act_evac_blocks=(BWD_ACT_EVAC_BLOCKS[target] if act_evac_blocks is None
-                         else act_evac_blocks), grads=grads, dropout_p=float(dropout_p))
+                         else act_evac_blocks), grads=grads, dropout_p=float(dropout_p),
+        mods=mods, unit=mods.unit(scale if fold else 1.0))
     if cfg.dropout_p and seed is None:
         raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
     multi_pass = "dk" in grads and plan.passes > 1
@@ -1144,13 +1216,21 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None, *,
                              buffer=nl.hbm)
                   if dq_accumulate == "hbm" else None)
 
+    dsinks = (nl.ndarray((B, Hq), dtype=nl.float32, buffer=nl.shared_hbm)
+              if mods.sinks else None)
+
     b, g = nl.program_id(0), nl.program_id(1)
-    rt = (RuntimeMasks(spec, kv_lens, q_lens, b, Nq, Nk, D, op_dtype)
+    rt = (RuntimeMasks(spec, kv_lens, q_lens, b, Nq, Nk, D, op_dtype,
+                       softcap=mods.softcap is not None)
           if (kv_lens is not None or q_lens is not None) else None)
+    if mods != SM.Mods():
+        cfg = cfg._replace(cols=SM.HeadColumns(mods, cfg.unit, alibi_slopes, sinks, b, g * G,
+                                                G))
     backward_program(cfg, plan, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scratch,
-                     dq_scratch, seed)
+                     dq_scratch, seed, dsinks)
+    extra = (dsinks,) if dsinks is not None else ()
     if grads == ("dk", "dv"):
-        return dk, dv
+        return (dk, dv) + extra
     if grads == ("dq",):
-        return dq
-    return dq, dk, dv
+        return (dq,) + extra if extra else dq
+    return (dq, dk, dv) + extra
