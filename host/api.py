@@ -678,7 +678,7 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
 
 def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision: bool = True,
-                 return_lse: bool = False):
+                 return_lse: bool = False, softcap=None, alibi_slopes=None, sinks=None):
     """Attention of T new tokens per sequence over a KV cache (split-KV flash decoding).
 
     Parameters
@@ -719,6 +719,9 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
         float32 inputs only: matmul operands in bf16 (default) or float32.
     return_lse : bool
         Also return the log-sum-exp.
+    softcap, alibi_slopes, sinks : optional
+        Score modifiers as in :func:`flash_attention`; new token t sits at position
+        ``cache_lens[b] - T + t`` for the ALiBi distance (two-sided with a tree mask).
 
     Returns
     -------
@@ -733,19 +736,21 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
         q, k_cache, v_cache, cache_lens, scale, tree_mask, num_splits, mixed_precision,
         block_table)
     return_lse = _check_bool("return_lse", return_lse)
+    mods = _score_mods_call(softcap, alibi_slopes, sinks, inputs.B, inputs.Hq)
     q, k_cache, v_cache = _numpy("q", q), _numpy("k_cache", k_cache), _numpy("v_cache", v_cache)
     o, lse = run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_cache,
-                        launch, lambda a: a)
+                        launch, lambda a: a, mods)
     o = o.reshape(inputs.B, inputs.Hq, inputs.T, inputs.D)
     return (o, lse.reshape(inputs.B, inputs.Hq, inputs.T)) if return_lse else o
 
 
 def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_cache, run,
-               to_device):
+               to_device, mods=None):
     """The two launches of a validated decode call (:func:`flash_decode`): the split kernel
     on ``(Hkv, work items + B)`` and the LSE merge. ``run(kernel, grid, *args, **kw)`` launches
     (:func:`host._launch.launch`, or ``kernel[grid](...)`` on XLA tensors) and ``to_device``
-    moves the host-built int arrays (lengths, work list, tree mask, block table) next to q.
+    moves the host-built arrays (lengths, work list, tree mask, block table, slopes, sinks)
+    next to q. ``mods``: :func:`_score_mods_call`'s ``(kernel kwargs, tensors)`` or None.
     Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``."""
     from nki_kernels.attention import decode as k
 
@@ -759,11 +764,14 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     B, Hq, Hkv, T = inputs.B, inputs.Hq, inputs.Hkv, inputs.T
     work, num_full, splits = decode_work_list(lens, T, plan)
     W = 0 if work is None else work.shape[0]
+    mod_kwargs, mod_tensors = ({}, {}) if mods is None else mods
+    mod_tensors = {name: None if a is None else to_device(a) for name, a in mod_tensors.items()}
     o_part, lse_part = run(
         k.flash_decode_split_kernel, (Hkv, W + B), q, k_cache, v_cache, to_device(lens),
         None if work is None else to_device(work), tree, table, scale=float(scale),
         mm_dtype=mm.name, key_row=plan.key_row, split_rows=plan.split_rows,
-        num_splits=plan.num_splits, row_tile=plan.row_tile, pack=plan.pack, num_full=num_full)
+        num_splits=plan.num_splits, row_tile=plan.row_tile, pack=plan.pack, num_full=num_full,
+        **mod_tensors, **mod_kwargs)
     N = B * Hq * T
     return run(k.flash_decode_merge_kernel, (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),
                o_part, lse_part, to_device(np.repeat(splits, Hq * T)),

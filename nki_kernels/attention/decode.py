@@ -104,6 +104,7 @@ import numpy as np
 
 from nki_kernels import tiles
 from nki_kernels.attention import masks as M
+from nki_kernels.attention import score_mods as SM
 from nki_kernels.nki import nisa, nki, nl
 
 PMAX = tiles.PMAX
@@ -196,9 +197,10 @@ def _oob_offset(n_rows_total):
 # Split kernel: loading K^T and V of one split
 # ============================================================================================
 def _work_item(work, cache_lens, w, T, n, rs):
-    """Read work item w = (b, s); returns int32 columns ``b``, ``s`` and the fp32 column
-    ``valid`` (key rows of the split that are entirely committed; <= 0 for none), each
-    ``(128, 1)``, the same on every partition.
+    """Read work item w = (b, s); returns int32 columns ``b``, ``s``, the fp32 column
+    ``valid`` (key rows of the split that are entirely committed; <= 0 for none) and the fp32
+    length column ``L_b`` (None without ``cache_lens``), each ``(128, 1)``, the same on every
+    partition.
 
     With ``cache_lens``, ``valid = floor((L_b - T) / n) - s * rs``: b is runtime data, so the
     length is gathered by an indirect DMA (a padding item has ``b = B``: the gather is skipped
@@ -225,7 +227,7 @@ def _work_item(work, cache_lens, w, T, n, rs):
     s_i = nisa.tensor_copy(cols[0:PMAX, 1:2], dtype=nl.int32, engine=nisa.vector_engine)
     if cache_lens is None:
         return b_i, s_i, nisa.memset((PMAX, 1), float(rs), dtype=nl.float32,
-                                     engine=nisa.gpsimd_engine)
+                                     engine=nisa.gpsimd_engine), None
     lp, rem = _committed_split(cols[0:PMAX, 2:3], T, n)
     full = nisa.tensor_tensor(lp, rem, op=np.subtract, dtype=nl.float32)
     # floor(Lp / n) - s * rs  (exact: n is a power of two, all values < 2^24)
@@ -233,7 +235,7 @@ def _work_item(work, cache_lens, w, T, n, rs):
                                       operand0=float(-rs * n), op1=np.add, operand1=full,
                                       dtype=nl.float32)
     valid = nisa.tensor_scalar(valid, op0=np.multiply, operand0=1.0 / n, dtype=nl.float32)
-    return b_i, s_i, valid
+    return b_i, s_i, valid, cols[0:PMAX, 2:3]
 
 
 def _int_column(terms, parts=PMAX):
@@ -383,6 +385,90 @@ def _split_mask_row(valid, g):
                               op1=np.multiply, operand1=NEG, dtype=_MASK_DTYPE)
 
 
+
+# ============================================================================================
+# Score modifiers (score_mods.py): soft-capping, ALiBi, sinks
+# ============================================================================================
+class _RowMods:
+    """Per-row modifier columns of one row tile (rows ``rt0 ..`` of a kv head, row ``g T +
+    t``): ``slope`` ``(rows, 1)`` (ALiBi), ``sink`` ``(rows, 1)`` and ``t`` (the row's new
+    token, fp32). Built from ``(G, 1)`` per-member columns by a selection matmul (row r belongs
+    to member ``(rt0 + r) // T``)."""
+
+    def __init__(self, mods, slope_g, sink_g, G, T, rt0, rows):
+        self.mods, self.G, self.T = mods, G, T
+        self.slope = self.sink = None
+        i_g = nl.arange(G)[:, None]
+        i_r = nl.arange(rows)[None, :]
+        diff = nisa.iota(rt0 + i_r - T * i_g, dtype=nl.float32)            # (G, rows)
+        ge = nisa.tensor_scalar(diff, op0=nl.greater_equal, operand0=0.0, dtype=nl.float32)
+        sel = nisa.scalar_tensor_tensor(data=diff, op0=nl.less, operand0=float(T),
+                                        op1=np.multiply, operand1=ge, dtype=nl.float32)
+        for name, col in (("slope", slope_g), ("sink", sink_g)):
+            if col is not None:
+                ps = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.psum)
+                ps[...] = nisa.nc_matmul(sel, col)
+                setattr(self, name, nisa.tensor_copy(ps, dtype=nl.float32,
+                                                     engine=nisa.vector_engine))
+        self.t = M.int_mod(nisa.iota(rt0 + nl.arange(rows)[:, None], dtype=nl.float32), T)
+
+
+def _member_column(values, b, b_col, h, G):
+    """fp32 ``(G, 1)``: ``values[b, h G + g]`` of an HBM ``(Hq,)`` or ``(1 or B, Hq)`` fp32
+    tensor, by an indirect DMA (``b`` an NKI expression, or ``b_col`` an int32 column of the
+    runtime sequence index; a padding item's b = B reads out of bounds, skipped: 0)."""
+    Hq = values.shape[-1]
+    per_batch = len(values.shape) == 2 and values.shape[0] > 1
+    total = 1
+    for d in values.shape:
+        total *= d
+    i_g = nl.arange(G)[:, None]
+    if not per_batch:
+        idx = nisa.iota(h * G + i_g, dtype=nl.int32)
+    elif b_col is None:
+        idx = nisa.iota(b * Hq + h * G + i_g, dtype=nl.int32)
+    else:
+        idx = nisa.tensor_tensor(nisa.iota(h * G + i_g, dtype=nl.int32),
+                                 _int_column([(b_col, Hq)], G), op=np.add, dtype=nl.int32)
+    out = nisa.memset((G, 1), 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
+    nisa.dma_copy(dst=out, src=values.reshape((total, 1))[idx[i_g, 0], nl.arange(1)[None, :]],
+                  oob_mode=nisa.oob_mode.skip)
+    return out
+
+
+def _modified(mods, src, mask_ps, pos, slope, cap):
+    """Scaled scores after the modifiers, fp32 SBUF: ``cap tanh(src / cap)`` (with
+    ``softcap``), plus ``slope * pos`` (``pos`` an fp32 distance tile, ALiBi), plus the mask
+    ``mask_ps`` (a PSUM tile, only with soft-capping: otherwise it is already in ``src``)."""
+    y = src
+    if mods.softcap is not None:
+        t = nisa.activation(op=nl.tanh, data=src, scale=1.0 / cap, dtype=nl.float32)
+        if mask_ps is not None:
+            y = nisa.scalar_tensor_tensor(data=t, op0=np.multiply, operand0=cap, op1=np.add,
+                                          operand1=mask_ps, dtype=nl.float32)
+        else:
+            y = nisa.tensor_scalar(t, op0=np.multiply, operand0=cap, dtype=nl.float32,
+                                   engine=nisa.gpsimd_engine)
+    if mods.alibi:
+        y = nisa.scalar_tensor_tensor(data=pos, op0=np.multiply, operand0=slope, op1=np.add,
+                                      operand1=y, dtype=nl.float32)
+    return y
+
+
+def _with_sink(o_sb, lse, sink, rows):
+    """Fold a sink logit (an extra key with value 0) into a partial: ``lse' = log(e^lse +
+    e^sink)``, ``o' = o e^(lse - lse')``."""
+    mx = nisa.tensor_tensor(lse, sink, op=np.maximum, dtype=nl.float32)
+    neg_mx = nisa.activation(op=nl.copy, data=mx, scale=-1.0, dtype=nl.float32)
+    a = nisa.activation(op=nl.exp, data=lse, bias=neg_mx, scale=1.0, dtype=nl.float32)
+    c = nisa.activation(op=nl.exp, data=sink, bias=neg_mx, scale=1.0, dtype=nl.float32)
+    den = nisa.tensor_tensor(a, c, op=np.add, dtype=nl.float32)
+    lse2 = nisa.tensor_tensor(mx, nisa.activation(op=nl.log, data=den, dtype=nl.float32),
+                              op=np.add, dtype=nl.float32)
+    w = nisa.tensor_tensor(a, nisa.reciprocal(den), op=np.multiply, dtype=nl.float32)
+    return nisa.tensor_scalar(o_sb, op0=np.multiply, operand0=w, dtype=nl.float32), lse2
+
+
 # ============================================================================================
 # Split kernel: one row tile
 # ============================================================================================
@@ -423,20 +509,26 @@ def _packed_queries(qT, rows, g, mm):
     return qbd
 
 
-def _split_scores(qbd, kT, mask_row, g, P):
-    """Scores of the split in PSUM: ``n_banks`` tiles ``(P, 512)`` fp32.
+def _split_scores(qbd, kT, mask_row, g, P, mask_apart=False):
+    """Scores of the split in PSUM: ``(banks, mask_banks)``, ``n_banks`` tiles ``(P, 512)``
+    fp32 each.
 
     Partition ``c * rows + r`` column ``w = jj * rs + row`` is ``scale q_r . k`` for position
     ``j = jj * pack + c`` of key row ``row``, plus DECODE_MASK_BIAS when that row is not
     committed (``ones(1, P)^T @ mask_row``, accumulated into the same PSUM group; a full split
-    has no ``mask_row``).
+    has no ``mask_row``). With ``mask_apart`` (soft-capping: the tanh would flatten it) the
+    mask goes to its own PSUM tiles ``mask_banks`` instead (else None).
     """
     n, rs = g.n, g.rs
     # each piece's first matmul writes (=), the rest accumulate (+=): no PSUM zero-fill
     banks = [nl.ndarray((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
              for _ in range(g.n_banks)]
+    mask_banks = None
     if mask_row is not None:
         ones = nl.ones((1, P), dtype=_MASK_DTYPE, buffer=nl.sbuf)
+        if mask_apart:
+            mask_banks = [nl.ndarray((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
+                          for _ in range(g.n_banks)]
 
     def copy_c(acc, col, jj, r0, ln, c, first):
         for dt, d0, dsz in g.d_tiles():
@@ -452,9 +544,11 @@ def _split_scores(qbd, kT, mask_row, g, P):
         copy_c(acc, col, jj, r0, ln, 0, True)
         for c in nl.affine_range(1, g.pack):
             copy_c(acc, col, jj, r0, ln, c, False)
-        if mask_row is not None:
+        if mask_row is not None and mask_banks is not None:
+            mask_banks[bank][0:P, col:col + ln] = nisa.nc_matmul(ones, mask_row[0:1, r0:r0 + ln])
+        elif mask_row is not None:
             acc[0:P, col:col + ln] += nisa.nc_matmul(ones, mask_row[0:1, r0:r0 + ln])
-    return banks
+    return banks, mask_banks
 
 
 def _group_matrices(rows, P):
@@ -588,9 +682,68 @@ def _lse_column(m_col, l_col):
     return nl.where(live, lse, -np.inf, dtype=nl.float32)
 
 
+def _split_mods(banks, mask_banks, g, rows, P, rm, e, cap):
+    """The split's scores after soft-capping and ALiBi (:class:`_RowMods` ``rm``): SBUF fp32
+    tiles shaped like ``banks``. ALiBi adds ``slope * (position within the split)`` (position
+    ``n row + jj pack + c`` of copy c; the split's offset from the query position is added to
+    its LSE instead, :func:`_alibi_lse_shift`)."""
+    mods = rm.mods
+    slope = None
+    c_col = None
+    if mods.alibi:
+        slope = rm.slope
+        if g.pack > 1:
+            ps = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
+            ps[...] = nisa.nc_matmul(e, rm.slope)
+            slope = nisa.tensor_copy(ps, dtype=nl.float32, engine=nisa.vector_engine)
+            # copy index c = #{k in 1 .. pack - 1 : p >= k rows}
+            above = nisa.tensor_scalar(
+                nisa.iota(nl.arange(P)[:, None] - rows * (nl.arange(g.pack - 1)[None, :] + 1),
+                          dtype=nl.float32), op0=nl.greater_equal, operand0=0.0,
+                dtype=nl.float32)
+            c_col = nisa.tensor_reduce(np.add, above, axis=(1,), keepdims=True,
+                                       dtype=nl.float32)
+    out = [nl.ndarray((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.sbuf)
+           for _ in range(g.n_banks)]
+    if not mods.alibi:
+        for bank in nl.static_range(g.n_banks):
+            w = g.bank_cols[bank]
+            out[bank][0:P, 0:w] = _modified(
+                mods, banks[bank][0:P, 0:w],
+                None if mask_banks is None else mask_banks[bank][0:P, 0:w], None, None, cap)
+        return out
+    for bank, col, jj, r0, ln in g.pieces:
+        pos = nisa.iota(g.n * (r0 + nl.arange(ln)[None, :]) + jj * g.pack
+                        + 0 * nl.arange(P)[:, None], dtype=nl.float32)
+        if c_col is not None:
+            pos = nisa.tensor_scalar(pos, op0=np.add, operand0=c_col, dtype=nl.float32,
+                                     engine=nisa.gpsimd_engine)
+        out[bank][0:P, col:col + ln] = _modified(
+            mods, banks[bank][0:P, col:col + ln],
+            None if mask_banks is None else mask_banks[bank][0:P, col:col + ln], pos, slope,
+            cap)
+    return out
+
+
+def _alibi_lse_shift(lse, rm, s_i, length, T, split_keys, rows):
+    """ALiBi's per-row part of a split's scores, added to its LSE: ``slope (s split_keys -
+    (L - T + t))`` (split start minus the query position; all keys of a split are at or
+    before it)."""
+    s_f = nisa.tensor_copy(s_i[0:rows], dtype=nl.float32, engine=nisa.vector_engine)
+    start = nisa.scalar_tensor_tensor(data=s_f, op0=np.multiply, operand0=float(split_keys),
+                                      op1=np.subtract, operand1=length[0:rows],
+                                      dtype=nl.float32)
+    dist = nisa.scalar_tensor_tensor(data=start, op0=np.add, operand0=float(T),
+                                     op1=np.subtract, operand1=rm.t, dtype=nl.float32)
+    return nisa.scalar_tensor_tensor(data=dist, op0=np.multiply, operand0=rm.slope,
+                                     op1=np.add, operand1=lse, dtype=nl.float32)
+
+
 def _split_row_tile(q_rows, kT, v_all, mask_row, o_flat, lse_flat, q_base, o_base, g, h, R,
-                    S, rt0, rows, scale, mm):
+                    S, rt0, rows, scale, mm, rm=None, cap=None, item=None):
     """Partial (o, lse) of query rows ``rt0 .. rt0 + rows`` of kv head h over one work item.
+    ``rm``: the row tile's score modifiers (:class:`_RowMods`, None without); ``item``:
+    ``(s_i, L)`` columns of the work item (ALiBi).
 
     The item's sequence is runtime data, so the query rows are gathered (row
     ``q_base + h R + rt0 + p``) and the partial rows scattered (flat row
@@ -607,11 +760,15 @@ def _split_row_tile(q_rows, kT, v_all, mask_row, o_flat, lse_flat, q_base, o_bas
                   oob_mode=nisa.oob_mode.skip)
     qT = _scaled_query_t(q_nat, rows, g.D, g.n_dt, scale, mm)
     qbd = _packed_queries(qT, rows, g, mm)
-    banks = _split_scores(qbd, kT, mask_row, g, P)
+    transforms = rm is not None and rm.mods.transforms
+    banks, mask_banks = _split_scores(qbd, kT, mask_row, g, P,
+                                      mask_apart=transforms and cap is not None)
     if g.pack > 1:
         e, e_t = _group_matrices(rows, P)
     else:
         e = e_t = None
+    if transforms:
+        banks = _split_mods(banks, mask_banks, g, rows, P, rm, e, cap)
     m_col, neg_m = _row_max(banks, g, rows, P, e)
     p_sb, l_p = _exp_scores(banks, neg_m, g, P, mm)
     del banks
@@ -627,8 +784,10 @@ def _split_row_tile(q_rows, kT, v_all, mask_row, o_flat, lse_flat, q_base, o_bas
     o_idx = nisa.tensor_tensor(nisa.iota((h * R + rt0 + i_p) * S, dtype=nl.int32),
                                o_base[0:rows], op=np.add, dtype=nl.int32)
     nisa.dma_copy(dst=o_flat[o_idx[i_p, 0], nl.arange(g.D)[None, :]], src=o_sb)
-    nisa.dma_copy(dst=lse_flat[o_idx[i_p, 0], nl.arange(1)[None, :]],
-                  src=_lse_column(m_col, l_col))
+    lse = _lse_column(m_col, l_col)
+    if rm is not None and rm.mods.alibi:
+        lse = _alibi_lse_shift(lse, rm, item[0], item[1], rm.T, g.rs * g.n, rows)
+    nisa.dma_copy(dst=lse_flat[o_idx[i_p, 0], nl.arange(1)[None, :]], src=lse)
 
 
 # ============================================================================================
@@ -703,7 +862,7 @@ def _paged_tail_rows(paged, k_cache, lp, c, count, skip):
 
 
 def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part, bh, slot,
-                  T, R, D, n, row_tile, scale, mm, paged=None):
+                  T, R, D, n, row_tile, scale, mm, paged=None, mods=None):
     """Partial (o, lse) over the last positions of one (sequence, kv head), into ``slot``.
 
     Keys: the ``Lp mod n`` committed positions of the last, partial key row (gathered into
@@ -715,6 +874,11 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
     ``paged``: None for a contiguous cache ``(B, Hkv, S_max, D)``, else ``(block_table, b, h)``
     with page pools ``(num_blocks, Hkv, page_size, D)``: positions are then looked up in the
     block table (:func:`_paged_tail_rows`).
+
+    ``mods``: None, or ``(Mods, slope_g, sink_g, G, cap)`` -- score modifiers: key column
+    ``col`` sits ``col - (n - 1) - t`` positions from new token t (ALiBi, two-sided with a tree
+    mask), the masks are kept apart from a soft-cap's tanh, and the sink (once per row, here)
+    joins this partial.
     """
     B, Hkv, S_max = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]  # paged: pool, page
     ns = n - 1                      # slots of the partial key row
@@ -786,15 +950,42 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
             dsz = min(PMAX, D - dt * PMAX)
             s_ps[0:rows, 0:C] += nisa.nc_matmul(qT[0:dsz, dt * rows:(dt + 1) * rows],
                                                 kT[0:dsz, dt * C:(dt + 1) * C])
+        rm = None if mods is None else _RowMods(mods[0], mods[1], mods[2], mods[3], T, rt0,
+                                                rows)
+        capped = rm is not None and mods[4] is not None
+        # with a soft-cap the masks go to their own PSUM tile (the tanh would flatten them)
+        mk_ps = (nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
+                 if capped else s_ps)
         if ns > 0:
             ones = nl.ones((1, rows), dtype=_MASK_DTYPE, buffer=nl.sbuf)
-            s_ps[0:rows, 0:ns] += nisa.nc_matmul(ones, part_bias)
-        s_ps[0:rows, ns:C] += nisa.nc_matmul(_token_selector(T, rt0, rows), new_bias)
+            if capped:
+                mk_ps[0:rows, 0:ns] = nisa.nc_matmul(ones, part_bias)
+            else:
+                s_ps[0:rows, 0:ns] += nisa.nc_matmul(ones, part_bias)
+        if capped:
+            mk_ps[0:rows, ns:C] = nisa.nc_matmul(_token_selector(T, rt0, rows), new_bias)
+        else:
+            s_ps[0:rows, ns:C] += nisa.nc_matmul(_token_selector(T, rt0, rows), new_bias)
+        scores = s_ps[0:rows, 0:C]
+        if rm is not None and rm.mods.transforms:
+            d = slope = None
+            if rm.mods.alibi:
+                d = nisa.tensor_scalar(
+                    nisa.iota(nl.arange(C)[None, :] - ns + 0 * nl.arange(rows)[:, None],
+                              dtype=nl.float32),
+                    op0=np.subtract, operand0=rm.t, dtype=nl.float32)
+                slope = rm.slope
+                if tree_mask is not None:      # a tree may let a token see a later one
+                    d = nisa.activation(op=nl.abs, data=d, dtype=nl.float32)
+                    slope = nisa.tensor_scalar(rm.slope, op0=np.multiply, operand0=-1.0,
+                                               dtype=nl.float32)
+            scores = _modified(rm.mods, scores, mk_ps[0:rows, 0:C] if capped else None, d,
+                               slope, mods[4])
 
-        m = nisa.tensor_reduce(np.max, s_ps[0:rows, 0:C], axis=(1,), keepdims=True)
+        m = nisa.tensor_reduce(np.max, scores, axis=(1,), keepdims=True)
         neg_m = nisa.activation(op=nl.copy, data=m, scale=-1.0, dtype=nl.float32)
         l_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-        p_sb = nisa.activation_reduce(op=np.exp, data=s_ps[0:rows, 0:C], reduce_op=np.add,
+        p_sb = nisa.activation_reduce(op=np.exp, data=scores, reduce_op=np.add,
                                       reduce_res=l_col, bias=neg_m, scale=1.0, dtype=mm)
         pt_ps = nl.ndarray((PMAX, 2 * PMAX), dtype=nl.float32, buffer=nl.psum)
         if ns > 0:
@@ -811,10 +1002,12 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
         o_sb = nisa.activation(op=nl.copy, data=o_ps[0:rows, 0:D], scale=inv_l,
                                dtype=nl.float32)
         row0 = bh * R + rt0
-        nl.store(o_part[nl.ds(row0, rows), slot, 0:D], value=o_sb)
         log_l = nisa.activation(op=nl.log, data=l_col, dtype=nl.float32)
-        nl.store(lse_part[nl.ds(row0, rows), nl.ds(slot, 1)],
-                 value=nisa.tensor_tensor(m, log_l, op=np.add, dtype=nl.float32))
+        lse = nisa.tensor_tensor(m, log_l, op=np.add, dtype=nl.float32)
+        if rm is not None and rm.sink is not None:
+            o_sb, lse = _with_sink(o_sb, lse, rm.sink, rows)
+        nl.store(o_part[nl.ds(row0, rows), slot, 0:D], value=o_sb)
+        nl.store(lse_part[nl.ds(row0, rows), nl.ds(slot, 1)], value=lse)
 
 
 # ============================================================================================
@@ -822,8 +1015,9 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
 # ============================================================================================
 @nki.jit
 def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_mask=None,
-                              block_table=None, scale=1.0, mm_dtype="bfloat16", key_row=1,
-                              split_rows=1, num_splits=1, row_tile=1, pack=1, num_full=0):
+                              block_table=None, alibi_slopes=None, sinks=None, scale=1.0,
+                              mm_dtype="bfloat16", key_row=1, split_rows=1, num_splits=1,
+                              row_tile=1, pack=1, num_full=0, softcap=None):
     """Phase 1: one partial (o, lse) per program -- a split of the committed prefix of one
     sequence, or the tail of one sequence -- for one kv head.
 
@@ -858,6 +1052,10 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         (the most splits any sequence may have), query rows per row tile, packed copies.
     num_full : int
         Work items of full splits (see ``work``).
+    softcap, alibi_slopes, sinks :
+        Score modifiers (``score_mods.py``; HBM float32 ``(1 or B, Hq)`` slopes and ``(Hq,)``
+        sinks): soft-capping and ALiBi in every partial (new token t at position ``L - T +
+        t``), the sink in the tail's partial only (so the merge counts it once).
 
     Grid ``(Hkv, W + B)``, ``W = num_full + B`` (0 without ``work``): program ``(h, w)`` with
     ``w < W`` runs work item w -- key rows ``s * split_rows .. (s + 1) * split_rows`` of
@@ -889,18 +1087,30 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     h = nl.program_id(0)
     w = nl.program_id(1)
     q_rows = q.reshape((B * Hkv * R, D))
+    mods = SM.check_mods(softcap, alibi_slopes, sinks)
+    G = Hq // Hkv
 
     if w >= W:
         b = w - W
         len_col = _length_column(cache_lens, b, PMAX)
         lp, rem = _committed_split(len_col, T, n)
+        tail_mods = None
+        if mods != SM.Mods():
+            tail_mods = (mods, _member_column(alibi_slopes, b, None, h, G) if mods.alibi
+                         else None,
+                         _member_column(sinks, b, None, h, G) if mods.sinks else None, G,
+                         mods.softcap)
         _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part,
                       b * Hkv + h, num_splits, T, R, D, n, row_tile, scale, mm,
-                      paged=None if block_table is None else (block_table, b, h))
+                      paged=None if block_table is None else (block_table, b, h),
+                      mods=tail_mods)
     else:
         g = _SplitGeometry(D, n, split_rows, pack)
         last = w >= num_full       # the sequence's last split: may hold uncommitted rows
-        b_i, s_i, valid = _work_item(work, cache_lens if last else None, w, T, n, split_rows)
+        # ALiBi needs every split's sequence length (its distance to the new tokens)
+        b_i, s_i, valid, length = _work_item(work, cache_lens if mods.alibi or last else None,
+                                             w, T, n, split_rows)
+        slope_g = _member_column(alibi_slopes, None, b_i, h, G) if mods.alibi else None
         if block_table is None:
             rows_bh = S_max // n
             k_rows = k_cache.reshape((B * Hkv * rows_bh, n * D))
@@ -921,8 +1131,9 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         o_flat = o_part.reshape(((B + 1) * Hq * T * S, D))
         lse_flat = lse_part.reshape(((B + 1) * Hq * T * S, 1))
         for _, rt0, rows in _row_tiles(R, row_tile):
+            rm = (_RowMods(mods, slope_g, None, G, T, rt0, rows) if mods.transforms else None)
             _split_row_tile(q_rows, kT, v_all, mask_row, o_flat, lse_flat, q_base, o_base, g,
-                            h, R, S, rt0, rows, scale, mm)
+                            h, R, S, rt0, rows, scale, mm, rm, mods.softcap, (s_i, length))
     return o_part, lse_part
 
 
