@@ -145,6 +145,9 @@ class _Options(NamedTuple):
     dropout_p: float = 0.0
     seed: Optional[int] = None
     block_mask: object = None   # None, a bool array, or a (num_blocks, indices) pair
+    softcap: Optional[float] = None
+    alibi_slopes: Optional[np.ndarray] = None   # float32 (Hq,) or (B, Hq)
+    sinks: Optional[np.ndarray] = None          # float32 (Hq,)
 
     def kwargs(self) -> dict:
         """Keyword arguments of :func:`host.flash_attention` / ``flash_attention_backward``."""
@@ -155,6 +158,9 @@ class _Options(NamedTuple):
             kw.update(dropout_p=self.dropout_p, seed=self.seed)
         if self.block_mask is not None:
             kw["block_mask"] = self.block_mask
+        for name in ("softcap", "alibi_slopes", "sinks"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
         return kw
 
 
@@ -242,11 +248,15 @@ class _HostKernels:
         return _to_torch(o, "o", q.dtype), _to_torch(lse, "lse", torch.float32)
 
     def backward(self, do, q, k, v, o, lse, opts: _Options):
-        dq, dk, dv = host.flash_attention_backward(
+        """``(dq, dk, dv)``, and ``dsinks`` (Hq,) float32 when the call has sinks."""
+        grads = host.flash_attention_backward(
             _to_numpy(do), _to_numpy(q), _to_numpy(k), _to_numpy(v), _to_numpy(o),
             _to_numpy(lse), **opts.kwargs())
-        return (_to_torch(dq, "dq", q.dtype), _to_torch(dk, "dk", k.dtype),
-                _to_torch(dv, "dv", v.dtype))
+        out = (_to_torch(grads[0], "dq", q.dtype), _to_torch(grads[1], "dk", k.dtype),
+               _to_torch(grads[2], "dv", v.dtype))
+        if opts.sinks is not None:
+            out += (_to_torch(grads[3], "dsinks", torch.float32),)
+        return out
 
 
 class _XlaKernels:
@@ -289,8 +299,14 @@ class _XlaKernels:
             q, k, v, **opts.kwargs())
         o, lse = kernel[grid](q, k, v, kv_lens=self._lens(q.device, opts.kv_lens),
                               q_lens=self._lens(q.device, opts.q_lens),
-                              **self._seed(q.device, opts), **kernel_kwargs)
+                              **self._seed(q.device, opts), **self._mods(q.device, opts),
+                              **kernel_kwargs)
         return o, lse
+
+    @staticmethod
+    def _mods(device, opts):
+        return {name: torch.as_tensor(getattr(opts, name), dtype=torch.float32, device=device)
+                for name in ("alibi_slopes", "sinks") if getattr(opts, name) is not None}
 
     @staticmethod
     def _seed(device, opts):
@@ -307,11 +323,15 @@ class _XlaKernels:
         do = do.contiguous()
         kernel, grid, kernel_kwargs = api.plan_attention_backward(do, q, k, v, o, lse,
                                                                   **opts.kwargs())
-        dq, dk, dv = kernel[grid](q, k, v, o, do, lse,
-                                  kv_lens=self._lens(q.device, opts.kv_lens),
-                                  q_lens=self._lens(q.device, opts.q_lens),
-                                  **self._seed(q.device, opts), **kernel_kwargs)
-        return dq, dk, dv
+        grads = kernel[grid](q, k, v, o, do, lse,
+                             kv_lens=self._lens(q.device, opts.kv_lens),
+                             q_lens=self._lens(q.device, opts.q_lens),
+                             **self._seed(q.device, opts), **self._mods(q.device, opts),
+                             **kernel_kwargs)
+        if opts.sinks is None:
+            return tuple(grads)
+        # the kernel writes each sequence's share of dsinks (B, Hq)
+        return tuple(grads[:3]) + (grads[3].sum(dim=0),)
 
 
 _EXECUTORS = {_DEVICE_CPU: _HostKernels(), _DEVICE_XLA: _XlaKernels()}
@@ -336,7 +356,7 @@ def _lse_gradient_terms(ex, g, q, k, v, o, lse, opts: _Options):
     pk, _ = ex.forward(q, k, k, opts)
     dq_extra = opts.scale * g32[..., None] * pk.to(torch.float32)
     do_x = (g32[..., None] * q.to(torch.float32)).to(q.dtype)
-    _, _, pt_x = ex.backward(do_x, q, k, v, o, lse, opts)
+    pt_x = ex.backward(do_x, q, k, v, o, lse, opts)[2]
     dk_extra = opts.scale * pt_x.to(torch.float32)
     return dq_extra, dk_extra
 
@@ -368,7 +388,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         ex, opts = ctx.executor, ctx.opts
         do = torch.zeros_like(o) if grad_o is None else grad_o.to(o.dtype)
-        dq, dk, dv = ex.backward(do, q, k, v, o, lse, opts)
+        dq, dk, dv = ex.backward(do, q, k, v, o, lse, opts)[:3]
         # grad_lse is None unless the returned lse was used (set_materialize_grads(False));
         # no value test, which would force a graph execution on XLA.
         if grad_lse is not None:
@@ -381,7 +401,8 @@ class _FlashAttentionFunction(torch.autograd.Function):
 
 def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
                     q_lens=None, mixed_precision=True, return_lse=False, dropout_p=0.0,
-                    seed=None, generator=None, block_mask=None):
+                    seed=None, generator=None, block_mask=None, softcap=None,
+                    alibi_slopes=None, sinks=None):
     """Differentiable flash attention on torch tensors (the NumPy API's semantics).
 
     Parameters
@@ -420,6 +441,13 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         Block-sparse attention (:func:`host.flash_attention`): a bool tensor ``(B or 1, Hq or
         1, ceil(Nq/128), ceil(Nk/128))`` or FlexAttention's ``(num_blocks, indices)`` pair
         (integer tensors or arrays). CPU tensors only (the XLA path raises).
+    softcap : float, optional
+        Logit soft-capping ``softcap * tanh(s / softcap)`` (Gemma 2), in [2^-24, 2^24].
+    alibi_slopes : tensor or array (Hq,) or (B, Hq), optional
+        ALiBi slopes (a constant: no gradient flows to them).
+    sinks : tensor or array (Hq,), optional
+        Attention-sink logits (gpt-oss); differentiable: a float tensor that requires grad
+        gets ``dsinks``.
 
     Returns
     -------
@@ -452,11 +480,28 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         if block_mask is not None:
             from host import block_sparse as _bs
             _bs.check_block_mask(block_mask, dims.B, dims.Hq, dims.Nq, dims.Nk)
+        from host import api
+        api._score_mods_call(softcap, alibi_slopes, sinks, dims.B, dims.Hq,
+                             block_sparse=block_mask is not None)
     bm, bi = _block_mask_tensors(block_mask)
+    cap, slopes_t, sinks_t = _mod_args(softcap, alibi_slopes, sinks)
     o, lse = torch.ops.nki_flash.attention_fwd(
         q, k, v, opts.scale, opts.causal, list(opts.window) if opts.window else None, kv_t, q_t,
-        opts.mixed_precision, p, seed_t, bm, bi)
+        opts.mixed_precision, p, seed_t, bm, bi, cap, slopes_t, sinks_t)
     return (o, lse) if return_lse else o
+
+
+def _mod_args(softcap, alibi_slopes, sinks):
+    """The custom op's modifier arguments: the cap as a float (None for 0/None), the slopes and
+    sinks as tensors (a given tensor as is, so a sinks parameter keeps its autograd graph)."""
+    cap = None if softcap is None or float(softcap) == 0.0 else float(softcap)
+
+    def tensor(x):
+        if x is None or isinstance(x, torch.Tensor):
+            return x
+        return torch.as_tensor(np.asarray(x, dtype=np.float32))
+
+    return cap, tensor(alibi_slopes), tensor(sinks)
 
 
 def _dropout_args(dropout_p, seed, generator):
@@ -511,9 +556,11 @@ def _lens_tensor(lens):
 # --------------------------------------------------------------------------------------------
 #
 # nki_flash::attention_fwd(q, k, v, scale, causal, window, kv_lens, q_lens, mixed_precision,
-#                          dropout_p, seed, block_mask=None, block_indices=None) -> (o, lse)
+#                          dropout_p, seed, block_mask=None, block_indices=None, softcap=None,
+#                          alibi_slopes=None, sinks=None) -> (o, lse)
 #   (block_mask: a dense bool pattern, or with block_indices the index form's num_blocks)
-# nki_flash::attention_bwd(do, q, k, v, o, lse, <the same options>) -> (dq, dk, dv)
+# nki_flash::attention_bwd(do, q, k, v, o, lse, <the same options>) -> (dq, dk, dv, dsinks)
+#   (dsinks: (Hq,) float32 with sinks, an empty (0,) tensor without)
 #
 # Each has a fake (meta) implementation for shape and dtype propagation; attention_fwd's
 # autograd formula calls attention_bwd (and, for a gradient flowing into the LSE, the two ops
@@ -522,7 +569,8 @@ def _lens_tensor(lens):
 
 
 def _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout_p, seed,
-                block_mask=None, block_indices=None):
+                block_mask=None, block_indices=None, softcap=None, alibi_slopes=None,
+                sinks=None):
     if block_mask is not None:
         block_mask = (block_mask.cpu().numpy() if block_indices is None else
                       (block_mask.cpu().numpy(), block_indices.cpu().numpy()))
@@ -531,7 +579,14 @@ def _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout
                     kv_lens=None if kv_lens is None else kv_lens.cpu().numpy(),
                     q_lens=None if q_lens is None else q_lens.cpu().numpy(),
                     mixed_precision=bool(mixed_precision), dropout_p=float(dropout_p),
-                    seed=int(seed) if dropout_p else None, block_mask=block_mask)
+                    seed=int(seed) if dropout_p else None, block_mask=block_mask,
+                    softcap=None if softcap is None else float(softcap),
+                    alibi_slopes=_host_floats(alibi_slopes), sinks=_host_floats(sinks))
+
+
+def _host_floats(x):
+    """A float32 host copy of a small per-head tensor (slopes, sinks), or None."""
+    return None if x is None else x.detach().to(_DEVICE_CPU, torch.float32).numpy()
 
 
 def _block_mask_tensors(block_mask):
@@ -558,10 +613,13 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                    kv_lens: Optional[torch.Tensor], q_lens: Optional[torch.Tensor],
                    mixed_precision: bool, dropout_p: float, seed: torch.Tensor,
                    block_mask: Optional[torch.Tensor] = None,
-                   block_indices: Optional[torch.Tensor] = None
+                   block_indices: Optional[torch.Tensor] = None,
+                   softcap: Optional[float] = None,
+                   alibi_slopes: Optional[torch.Tensor] = None,
+                   sinks: Optional[torch.Tensor] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     opts = _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout_p,
-                       seed, block_mask, block_indices)
+                       seed, block_mask, block_indices, softcap, alibi_slopes, sinks)
     ex = _EXECUTORS[_device_kind(q, k, v)]
     cdt = _compute_dtype(q, opts.mixed_precision)
     o, lse = ex.forward(*(x.detach().to(cdt) for x in (q, k, v)), opts)
@@ -571,7 +629,8 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 @_attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, scale, causal, window, kv_lens, q_lens, mixed_precision,
-                        dropout_p, seed, block_mask=None, block_indices=None):
+                        dropout_p, seed, block_mask=None, block_indices=None, softcap=None,
+                        alibi_slopes=None, sinks=None):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
@@ -581,29 +640,40 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    window: Optional[List[int]], kv_lens: Optional[torch.Tensor],
                    q_lens: Optional[torch.Tensor], mixed_precision: bool, dropout_p: float,
                    seed: torch.Tensor, block_mask: Optional[torch.Tensor] = None,
-                   block_indices: Optional[torch.Tensor] = None
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   block_indices: Optional[torch.Tensor] = None,
+                   softcap: Optional[float] = None,
+                   alibi_slopes: Optional[torch.Tensor] = None,
+                   sinks: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout_p,
-                       seed, block_mask, block_indices)
+                       seed, block_mask, block_indices, softcap, alibi_slopes, sinks)
     ex = _EXECUTORS[_device_kind(q, k, v)]
     cdt = _compute_dtype(q, opts.mixed_precision)
     qc, kc, vc, oc, doc = (x.detach().to(cdt) for x in (q, k, v, o, do))
-    dq, dk, dv = ex.backward(doc, qc, kc, vc, oc, lse.detach().to(torch.float32), opts)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    grads = ex.backward(doc, qc, kc, vc, oc, lse.detach().to(torch.float32), opts)
+    # dsinks: (Hq,) float32 with sinks, an empty (0,) tensor without (the op's arity is fixed)
+    dsinks = (grads[3].to(torch.float32) if sinks is not None
+              else q.new_empty((0,), dtype=torch.float32))
+    return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), dsinks
 
 
 @_attention_bwd.register_fake
 def _attention_bwd_fake(do, q, k, v, o, lse, scale, causal, window, kv_lens, q_lens,
-                        mixed_precision, dropout_p, seed, block_mask=None, block_indices=None):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                        mixed_precision, dropout_p, seed, block_mask=None, block_indices=None,
+                        softcap=None, alibi_slopes=None, sinks=None):
+    n = 0 if sinks is None else q.shape[1]
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty((n,), dtype=torch.float32))
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, window, kv_lens, q_lens, mp, dropout_p, seed, bm, bi = inputs
+    (q, k, v, scale, causal, window, kv_lens, q_lens, mp, dropout_p, seed, bm, bi, softcap,
+     slopes, sinks) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, seed)
     ctx.lens = (kv_lens, q_lens)
     ctx.blocks = (bm, bi)
+    ctx.mods = (softcap, slopes, sinks)
     ctx.opts = (scale, causal, window, mp, dropout_p)
     ctx.set_materialize_grads(False)
 
@@ -613,13 +683,19 @@ def _fwd_backward(ctx, grad_o, grad_lse):
     scale, causal, window, mp, dropout_p = ctx.opts
     kv_lens, q_lens = ctx.lens
     bm, bi = ctx.blocks
-    nothing = (None,) * 10
+    softcap, slopes, sinks = ctx.mods
+    nothing = (None,) * 12
     if grad_o is None and grad_lse is None:
-        return (None, None, None) + nothing
+        return (None, None, None) + nothing + (None,)
     bwd = torch.ops.nki_flash.attention_bwd
+    mods = (softcap, slopes, sinks)
     do = torch.zeros_like(o) if grad_o is None else grad_o.to(o.dtype)
-    dq, dk, dv = bwd(do, q, k, v, o, lse, scale, causal, window, kv_lens, q_lens, mp, dropout_p,
-                     seed, bm, bi)
+    dq, dk, dv, dsinks = bwd(do, q, k, v, o, lse, scale, causal, window, kv_lens, q_lens, mp,
+                             dropout_p, seed, bm, bi, *mods)
+    if grad_lse is not None and softcap is not None:
+        raise NotImplementedError(
+            "nki_flash: a gradient into the returned lse with softcap is not supported (its "
+            "P @ k shortcut ignores the cap's derivative); use the output o only, or no softcap")
     if grad_lse is not None:
         # d lse_i / d S_ij = P_ij of the undropped softmax: dq += scale g (P @ k),
         # dk += scale P^T (g q) -- attention with k as the values, and the dv of a backward
@@ -627,13 +703,21 @@ def _fwd_backward(ctx, grad_o, grad_lse):
         no_drop = torch.zeros((), dtype=torch.int64)
         g32 = grad_lse.to(torch.float32)
         pk, _ = torch.ops.nki_flash.attention_fwd(q, k, k, scale, causal, window, kv_lens,
-                                                   q_lens, mp, 0.0, no_drop, bm, bi)
+                                                   q_lens, mp, 0.0, no_drop, bm, bi, *mods)
         do_x = (g32[..., None] * q.to(torch.float32)).to(q.dtype)
-        _, _, pt_x = bwd(do_x, q, k, v, o, lse, scale, causal, window, kv_lens, q_lens, mp, 0.0,
-                         no_drop, bm, bi)
+        pt_x = bwd(do_x, q, k, v, o, lse, scale, causal, window, kv_lens, q_lens, mp, 0.0,
+                   no_drop, bm, bi, *mods)[2]
         dq = (dq.to(torch.float32) + scale * g32[..., None] * pk.to(torch.float32)).to(q.dtype)
         dk = (dk.to(torch.float32) + scale * pt_x.to(torch.float32)).to(k.dtype)
-    return (dq, dk, dv) + nothing
+        if sinks is not None:
+            # d lse_i / d sink_h = exp(sink_h - lse_i) (0 on rows with lse = -inf)
+            lse32 = lse.to(torch.float32)
+            live = torch.isfinite(lse32)
+            p_sink = torch.where(live, torch.exp(sinks.to(torch.float32)[None, :, None]
+                                                 - torch.where(live, lse32, 0.0)), 0.0)
+            dsinks = dsinks + (g32 * p_sink).sum(dim=(0, 2))
+    d_sinks = None if sinks is None else dsinks.to(sinks.dtype)
+    return (dq, dk, dv) + nothing + (d_sinks,)
 
 
 _attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -1010,7 +1094,8 @@ def _host_ints(name: str, x):
 
 
 def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
-                 tree_mask=None, num_splits=None, mixed_precision=True, return_lse=False):
+                 tree_mask=None, num_splits=None, mixed_precision=True, return_lse=False,
+                 softcap=None, alibi_slopes=None, sinks=None):
     """:func:`host.flash_decode` on torch tensors: T new tokens per sequence over a contiguous
     ``(B, Hkv, S_max, D)`` or paged KV cache.
 
@@ -1021,7 +1106,8 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     work list are built from the lengths) or arrays. CPU tensors run on the active backend;
     XLA tensors launch the kernels on the device (untested without hardware). No autograd: a
     call with inputs that require grad while grad mode is on raises (use
-    :func:`flash_attention` to differentiate). Returns o (and lse) as torch tensors on q's
+    :func:`flash_attention` to differentiate). ``softcap``, ``alibi_slopes``, ``sinks``: the
+    score modifiers of :func:`host.flash_decode`. Returns o (and lse) as torch tensors on q's
     device, o in q's dtype, lse float32.
     """
     from host import api
@@ -1037,11 +1123,14 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     lens, table = _host_ints("cache_lens", cache_lens), _host_ints("block_table", block_table)
     tree = None if tree_mask is None else (tree_mask.detach().to(_DEVICE_CPU).numpy()
                                            if isinstance(tree_mask, torch.Tensor) else tree_mask)
+    mods = dict(softcap=softcap, alibi_slopes=_host_floats(alibi_slopes)
+                if isinstance(alibi_slopes, torch.Tensor) else alibi_slopes,
+                sinks=_host_floats(sinks) if isinstance(sinks, torch.Tensor) else sinks)
     if _device_kind(q, k_cache, v_cache) == _DEVICE_CPU:
         res = host.flash_decode(_to_numpy(q), _to_numpy(k_cache), _to_numpy(v_cache),
                                 cache_lens=lens, block_table=table, scale=scale,
                                 tree_mask=tree, num_splits=num_splits,
-                                mixed_precision=mixed_precision, return_lse=True)
+                                mixed_precision=mixed_precision, return_lse=True, **mods)
         o, lse = _to_torch(res[0], "o", q.dtype), _to_torch(res[1], "lse", torch.float32)
     else:
         inputs, scale, num_splits, mixed_precision, pages = api._check_decode_call(
@@ -1050,7 +1139,9 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
             inputs, scale, num_splits, mixed_precision, pages, q.contiguous(),
             k_cache.contiguous(), v_cache.contiguous(),
             lambda kernel, grid, *a, **kw: kernel[grid](*a, **kw),
-            lambda a: torch.as_tensor(np.ascontiguousarray(a)).to(q.device))
+            lambda a: torch.as_tensor(np.ascontiguousarray(a)).to(q.device),
+            api._score_mods_call(mods["softcap"], mods["alibi_slopes"], mods["sinks"],
+                                 inputs.B, inputs.Hq))
         B, Hq, T, D = (int(x) for x in q.shape)
         o, lse = o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
     return (o, lse) if return_lse else o

@@ -48,8 +48,12 @@ def test_forward_mods_match_naive(causal):
 
 def test_sink_row_without_keys():
     q, k, v = _rand((1, 1, 4, 4), 1), _rand((1, 1, 4, 4), 2), _rand((1, 1, 4, 4), 3)
+    # a real row that sees no key: o = 0, lse = the sink
+    o, lse = ref.attention_forward(q, k, v, kv_lens=[0], sinks=np.array([0.7]))
+    assert np.all(o == 0) and np.allclose(lse, 0.7)
+    # a padding row (past q_lens) is not a row: lse = -inf with or without a sink
     o, lse = ref.attention_forward(q, k, v, q_lens=[2], sinks=np.array([0.7]))
-    assert np.all(o[0, 0, 2:] == 0) and np.allclose(lse[0, 0, 2:], 0.7)
+    assert np.all(o[0, 0, 2:] == 0) and np.all(np.isneginf(lse[0, 0, 2:]))
     o, lse = ref.attention_forward(q, k, v, q_lens=[2])
     assert np.all(np.isneginf(lse[0, 0, 2:]))
 
