@@ -24,9 +24,12 @@ What the kernels run:
 - ``generate()`` steps with one query token and no gradient: the split-KV decode kernel
   (:func:`host.torch_ops.flash_decode`) over the cache's valid keys.
 
-Not supported (a clear error, never a silent difference): soft-capping (Gemma 2's
-``softcap``), attention sinks (gpt-oss's ``s_aux``), position biases, arbitrary or per-head
-masks, ``output_attentions`` (no weights are materialized; a warning, as SDPA gives).
+- logit soft-capping (Gemma 2's ``softcap``) and attention sinks (gpt-oss's ``s_aux``, with
+  their gradient), in the kernels (``nki_kernels/attention/score_mods.py``).
+
+Not supported (a clear error, never a silent difference): position biases, arbitrary or
+per-head masks, ``output_attentions`` (no weights are materialized; a warning, as SDPA
+gives).
 """
 from __future__ import annotations
 
@@ -62,8 +65,7 @@ def register(name: str = NAME) -> str:
 
 
 def _unsupported(kwargs) -> None:
-    for key, what in (("softcap", "logit soft-capping"), ("s_aux", "attention sinks"),
-                      ("position_bias", "an additive position bias")):
+    for key, what in (("position_bias", "an additive position bias"),):
         if kwargs.get(key) is not None:
             raise NotImplementedError(
                 f"{key}: {what} is not supported by the nki attention backend yet; use "
@@ -97,27 +99,28 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     Hkv, S, D)`` (not repeated for GQA), the mask built by the registered mask function;
     returns ``(attn_output (B, L, Hq, D), None)``."""
     _unsupported(kwargs)
+    mods = dict(softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     form = _form(module, query, key, attention_mask, is_causal, sliding_window)
     # fp32 models keep fp32 matmul operands (as their SDPA would), bf16/fp16 theirs
     mixed = query.dtype not in (torch.float32, torch.float64)
     needs_grad = torch.is_grad_enabled() and any(
-        x.requires_grad for x in (query, key, value))
+        x is not None and x.requires_grad for x in (query, key, value, mods["sinks"]))
     if query.shape[2] == 1 and not needs_grad and not dropout and form.q_lens is None:
-        o = _decode(query, key, value, form, scaling, mixed)
+        o = _decode(query, key, value, form, scaling, mixed, mods)
     else:
         o = _ops._attention_with_form(query, key, value, form, scale=scaling,
-                                      mixed_precision=mixed, dropout_p=float(dropout))
+                                      mixed_precision=mixed, dropout_p=float(dropout), **mods)
     return o.transpose(1, 2).contiguous(), None
 
 
-def _decode(query, key, value, form, scaling, mixed):
+def _decode(query, key, value, form, scaling, mixed, mods):
     """One new token per sequence over the cache's valid keys (left padding rotated away)."""
     B, S = query.shape[0], key.shape[2]
     if form.kv_start is not None:
         key, value = _ops._rotate(key, form.kv_start), _ops._rotate(value, form.kv_start)
     lens = form.kv_lens if form.kv_lens is not None else [S] * B
     return _ops.flash_decode(query, key, value, cache_lens=torch.as_tensor(lens),
-                             scale=scaling, mixed_precision=mixed)
+                             scale=scaling, mixed_precision=mixed, **mods)
 
 
 __all__ = ["NAME", "register", "attention_forward"]

@@ -1,6 +1,7 @@
 """The transformers attention backend (``host.integrations.transformers``): tiny random models
 built from configs (no downloads) compared with ``attn_implementation="sdpa"`` -- logits,
-gradients and greedy generation, with left and right padding, GQA and sliding windows."""
+gradients and greedy generation, with left and right padding, GQA and sliding windows; Gemma 2
+(logit soft-capping) and gpt-oss (attention sinks) against their eager attention."""
 from __future__ import annotations
 
 import copy
@@ -94,7 +95,59 @@ def test_training_mode_dropout_runs_and_unsupported_options_raise():
     loss.backward()
     assert torch.isfinite(loss)
     q = torch.zeros(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="softcap: logit soft-capping"):
-        nki_tf.attention_forward(ours.model.layers[0].self_attn, q, q, q, None, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="position_bias: an additive position bias"):
+        nki_tf.attention_forward(ours.model.layers[0].self_attn, q, q, q, None,
+                                 position_bias=torch.zeros(1, 2, 4, 4))
     with pytest.raises(ValueError, match="contains 'flash'"):
         nki_tf.register("my_flash")
+
+
+def _modified_model(kind):
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  head_dim=16, sliding_window=7)
+    if kind == "gemma2":
+        cfg = transformers.Gemma2Config(attn_logit_softcapping=20.0,
+                                        final_logit_softcapping=None, query_pre_attn_scalar=16,
+                                        **common)
+        cls = transformers.Gemma2ForCausalLM
+    else:
+        cfg = transformers.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+        cls = transformers.GptOssForCausalLM
+    torch.manual_seed(0)
+    # eager is these models' reference attention (SDPA has no soft-cap or sink)
+    ref = cls._from_config(cfg, attn_implementation="eager").eval()
+    if kind == "gpt_oss":
+        with torch.no_grad():
+            for layer in ref.model.layers:
+                layer.self_attn.sinks.normal_()     # initialised to zeros otherwise
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation(nki_tf.register())
+    return ref, ours
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+def test_softcap_and_sink_models_match_eager(kind):
+    """Gemma 2's logit soft-capping and gpt-oss's attention sinks run in the kernels: logits and
+    every gradient (the sinks' included) match eager attention on a left-padded batch, and
+    greedy generation (decode kernel steps) gives the same tokens."""
+    ref, ours = _modified_model(kind)
+    ids, am = _batch("left")
+    valid = am.bool()
+    outs = []
+    for model in (ref, ours):
+        model.zero_grad()
+        logits = model(ids, attention_mask=am).logits
+        (logits[valid] * torch.linspace(-1, 1, V)).sum().backward()
+        outs.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                       if p.grad is not None}))
+    (la, ga), (lb, gb) = outs
+    assert (la - lb)[valid].abs().max() < 2e-5
+    assert set(ga) == set(gb)
+    if kind == "gpt_oss":
+        assert any(name.endswith("self_attn.sinks") for name in ga)
+    for name in ga:
+        assert (ga[name] - gb[name]).abs().max() < 2e-4 * max(1.0, ga[name].abs().max()), name
+    want = ref.generate(ids, attention_mask=am, max_new_tokens=5, do_sample=False)
+    got = ours.generate(ids, attention_mask=am, max_new_tokens=5, do_sample=False)
+    assert torch.equal(want, got)

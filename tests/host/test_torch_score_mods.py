@@ -1,0 +1,108 @@
+"""Score modifiers (softcap, ALiBi, sinks) through the torch API: the custom ops' schemas and
+fake implementations, gradients (the sinks' included) against the float64 reference, the
+LSE gradient, torch.compile, and the torch decode."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from host import reference as ref  # noqa: E402
+from host.torch_ops import flash_attention, flash_decode  # noqa: E402
+
+
+def _inputs(B=1, Hq=4, Hkv=2, N=150, D=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, N, D, generator=g, requires_grad=True)
+               for h in (Hq, Hkv, Hkv))
+    sinks = torch.randn(Hq, generator=g, requires_grad=True)
+    slopes = torch.rand(Hq, generator=g) * 0.3
+    return q, k, v, sinks, slopes
+
+
+def _np(kw):
+    return {n: x.detach().numpy() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+
+
+@pytest.mark.parametrize("which", [("softcap",), ("alibi_slopes",), ("sinks",),
+                                   ("softcap", "alibi_slopes", "sinks")])
+def test_gradients_match_the_reference(which):
+    q, k, v, sinks, slopes = _inputs()
+    kw = {"softcap": 3.0, "alibi_slopes": slopes, "sinks": sinks}
+    kw = {n: kw[n] for n in which}
+    o = flash_attention(q, k, v, causal=True, mixed_precision=False, **kw)
+    do = torch.randn_like(o)
+    wrt = [q, k, v] + ([sinks] if "sinks" in kw else [])
+    grads = torch.autograd.grad(o, wrt, do)
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    want_o, _ = ref.attention_forward(*arrays, causal=True, **_np(kw))
+    want = ref.attention_backward(do.numpy(), *arrays, causal=True, **_np(kw))
+    np.testing.assert_allclose(o.detach().numpy(), want_o, atol=2e-5)
+    assert len(grads) == len(want)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g.numpy(), w, atol=3e-5 * max(1.0, np.abs(w).max()))
+
+
+def test_lse_gradient_reaches_the_sinks():
+    """d lse_i / d sink_h = exp(sink_h - lse_i): a loss on the returned lse gives the sinks that
+    gradient (besides dq, dk)."""
+    q, k, v, sinks, _ = _inputs(seed=3)
+    _, lse = flash_attention(q, k, v, causal=True, mixed_precision=False, sinks=sinks,
+                             return_lse=True)
+    (d_sinks,) = torch.autograd.grad(lse.sum(), [sinks])
+    want = torch.exp(sinks.detach()[None, :, None] - lse.detach()).sum(dim=(0, 2))
+    torch.testing.assert_close(d_sinks, want, rtol=1e-5, atol=1e-5)
+
+
+def test_lse_gradient_with_softcap_raises():
+    q, k, v, _, _ = _inputs()
+    _, lse = flash_attention(q, k, v, softcap=2.0, mixed_precision=False, return_lse=True)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        lse.sum().backward()
+
+
+def test_ops_pass_opcheck_with_modifiers():
+    q, k, v, sinks, slopes = (x.detach() for x in _inputs(N=40, D=16))
+    seed = torch.zeros((), dtype=torch.int64)
+    args = (q, k, v, 0.25, "top_left", None, None, None, False, 0.0, seed, None, None, 4.0,
+            slopes, sinks)
+    torch.library.opcheck(torch.ops.nki_flash.attention_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    o, lse = torch.ops.nki_flash.attention_fwd(*args)
+    bwd = (torch.ones_like(o), q, k, v, o, lse) + args[3:]
+    torch.library.opcheck(torch.ops.nki_flash.attention_bwd.default, bwd,
+                          test_utils=("test_schema", "test_faketensor"))
+    assert torch.ops.nki_flash.attention_bwd(*bwd)[3].shape == (4,)
+
+
+def test_compile_fullgraph_matches_eager():
+    q, k, v, sinks, slopes = _inputs(seed=7)
+
+    def f(q, k, v, sinks):
+        return flash_attention(q, k, v, causal=True, softcap=5.0, alibi_slopes=slopes,
+                               sinks=sinks, mixed_precision=False)
+
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    results = []
+    for fn in (f, compiled):
+        o = fn(q, k, v, sinks)
+        results.append((o.detach(), torch.autograd.grad(o.sum(), [q, sinks])))
+    (oe, ge), (oc, gc) = results
+    torch.testing.assert_close(oc, oe, rtol=0, atol=0)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_decode_with_modifiers():
+    g = torch.Generator().manual_seed(2)
+    B, Hq, Hkv, T, D, S = 2, 4, 2, 2, 32, 300
+    q = torch.randn(B, Hq, T, D, generator=g)
+    kc, vc = (torch.randn(B, Hkv, S, D, generator=g) for _ in range(2))
+    lens = torch.tensor([300, 45])
+    kw = dict(softcap=4.0, alibi_slopes=torch.rand(B, Hq, generator=g) * 0.2,
+              sinks=torch.randn(Hq, generator=g))
+    o, lse = flash_decode(q, kc, vc, cache_lens=lens, mixed_precision=False, return_lse=True,
+                          **kw)
+    want_o, want_l = ref.decode(q.numpy(), kc.numpy(), vc.numpy(), cache_lens=lens.numpy(),
+                                **_np(kw))
+    np.testing.assert_allclose(o.numpy(), want_o, atol=5e-5)
+    np.testing.assert_allclose(lse.numpy(), want_l, atol=5e-5)
