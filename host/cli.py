@@ -143,6 +143,12 @@ def _build_parser() -> argparse.ArgumentParser:
                           "local-global (window of one block plus one global block) or "
                           "density=S (S in (0, 1]: that fraction of the key blocks per query "
                           "tile); inactive blocks are never loaded")
+    run.add_argument("--softcap", type=float, default=None, metavar="C",
+                     help="logit soft-capping C tanh(s / C) (Gemma 2), C in [2^-24, 2^24]")
+    run.add_argument("--alibi", action="store_true",
+                     help="ALiBi bias with the standard slopes 2^(-8 (h + 1) / Hq)")
+    run.add_argument("--sinks", action="store_true",
+                     help="attention sinks (gpt-oss): one random N(0, 1) logit per query head")
     run.add_argument("--seed", type=int, default=0, help="random seed for the inputs (0)")
     run.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS),
                      help="targets to model (trn1 trn2)")
@@ -264,6 +270,24 @@ def _block_pattern(text: str, nqt: int, nkt: int) -> np.ndarray:
                      f"{', '.join(BLOCK_SPARSE_PATTERNS)}")
 
 
+def _score_mods(args: argparse.Namespace, Hq: int, rng) -> dict:
+    """The score-modifier keyword arguments of ``--softcap``, ``--alibi``, ``--sinks``."""
+    mods: dict = {}
+    if args.softcap is not None:
+        mods["softcap"] = args.softcap
+    if args.alibi:
+        # the ALiBi paper's geometric slopes (exact for a power-of-two head count)
+        mods["alibi_slopes"] = 2.0 ** (-8.0 * np.arange(1, Hq + 1) / Hq)
+    if args.sinks:
+        mods["sinks"] = rng.standard_normal(Hq)
+    return mods
+
+
+def _mods_label(args: argparse.Namespace) -> str:
+    return ((f" softcap={args.softcap}" if args.softcap is not None else "")
+            + (" alibi" if args.alibi else "") + (" sinks" if args.sinks else ""))
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     """Refuse flags that the chosen mode would silently ignore."""
     if args.decode:
@@ -280,6 +304,11 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise UsageError(f"{', '.join(given)} applies only with --decode")
     if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
         raise UsageError(f"--dropout {args.dropout}: expected a probability in [0, 1)")
+    if args.softcap is not None and not 2.0 ** -24 <= args.softcap <= 2.0 ** 24:
+        raise UsageError(f"--softcap {args.softcap}: expected a cap in [2^-24, 2^24]")
+    if args.block_sparse is not None and (args.softcap is not None or args.alibi or args.sinks):
+        raise UsageError("--softcap/--alibi/--sinks do not apply to --block-sparse (the "
+                         "block-sparse kernels take no score modifiers)")
     if args.block_sparse is not None:
         _block_pattern(args.block_sparse, 1, 1)          # the pattern's name and value
         if args.lnc == 2:
@@ -348,6 +377,7 @@ def _run(args: argparse.Namespace) -> int:
     dtype = _dtype(args.dtype)
     B, Hq, Hkv, D = args.batch, args.heads, args.kv_heads, args.dim
     opts: dict = {"scale": args.scale}
+    mods = _score_mods(args, Hq, rng)
     mm_dtype = _matmul_dtype(dtype, args)
     rows = None     # query rows the check compares (None: all)
 
@@ -360,9 +390,10 @@ def _run(args: argparse.Namespace) -> int:
         k = rng.standard_normal((B, Hkv, s_max, D)).astype(dtype)
         v = rng.standard_normal((B, Hkv, s_max, D)).astype(dtype)
         kwargs = dict(cache_lens=cache_lens, num_splits=args.num_splits,
-                      mixed_precision=not args.no_mixed_precision, return_lse=True, **opts)
+                      mixed_precision=not args.no_mixed_precision, return_lse=True, **opts,
+                      **mods)
         label = (f"decode B={B} Hq={Hq} Hkv={Hkv} T={T} cache_lens={cache_lens.tolist()} "
-                 f"S_max={s_max} D={D} {args.dtype}")
+                 f"S_max={s_max} D={D} {args.dtype}" + _mods_label(args))
         k_in, v_in = k, v
         if args.paged:
             (k_in, v_in), kwargs["block_table"] = reference.contiguous_to_paged(
@@ -373,9 +404,9 @@ def _run(args: argparse.Namespace) -> int:
             return host.flash_decode(q, k_in, v_in, **kwargs)
 
         def check_refs():
-            ref = reference.decode(q, k, v, cache_lens=cache_lens, scale=args.scale)
+            ref = reference.decode(q, k, v, cache_lens=cache_lens, scale=args.scale, **mods)
             base = reference.decode_baseline_lowp(q, k, v, cache_lens=cache_lens, dtype=mm_dtype,
-                                                  out_dtype=dtype, scale=args.scale)
+                                                  out_dtype=dtype, scale=args.scale, **mods)
             return ref, (base, None)
 
         scores = B * Hq * T * s_max
@@ -399,7 +430,7 @@ def _run(args: argparse.Namespace) -> int:
             from host import block_sparse as bs
             mask_opts["block_mask"] = _block_pattern(args.block_sparse, *bs.block_grid(Nq, Nk))
         kwargs = dict(mixed_precision=not args.no_mixed_precision, return_lse=True,
-                      **opts, **mask_opts)
+                      **opts, **mask_opts, **mods)
         drop = {}
         if args.dropout:
             kwargs.update(dropout_p=args.dropout, seed=args.seed,
@@ -408,7 +439,8 @@ def _run(args: argparse.Namespace) -> int:
                  f"causal={causal}" + (f" window={tuple(args.window)}" if args.window else "")
                  + (f" dropout={args.dropout}" if args.dropout else "")
                  + (f" block-sparse={args.block_sparse} (density "
-                    f"{mask_opts['block_mask'].mean():.3f})" if args.block_sparse else ""))
+                    f"{mask_opts['block_mask'].mean():.3f})" if args.block_sparse else "")
+                 + _mods_label(args))
         if args.check == "fast":
             rows = _fast_rows(Nq)
 
@@ -422,10 +454,10 @@ def _run(args: argparse.Namespace) -> int:
 
         def check_refs():
             ref = reference.attention_forward(q, k, v, scale=args.scale, rows=rows, **mask_opts,
-                                              **drop)
+                                              **drop, **mods)
             base = reference.attention_baseline_lowp(q, k, v, dtype=mm_dtype, out_dtype=dtype,
                                                      scale=args.scale, rows=rows, **mask_opts,
-                                                     **drop)
+                                                     **drop, **mods)
             return ref, (base, None)
 
         scores = B * Hq * (Nq if rows is None else len(rows)) * Nk

@@ -36,6 +36,7 @@ from host.validation import (
     LSE_DTYPE,
     REFERENCE_DTYPES,
     WINDOW_UNBOUNDED,
+    NO_SCORE_MODS,
     ScoreMods,
     check_array,
     check_attention_backward_inputs,
@@ -810,17 +811,26 @@ def _lowp_setup(q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_len
     return dims, dtype, out_dtype, scale, mask, q32, k32, v32, do32
 
 
-def _lowp_probs(q32, k32, scale, mask, dtype):
-    """S rounded to dtype before and after scaling; P = softmax in float32, rounded to dtype."""
+def _lowp_probs(q32, k32, scale, mask, dtype, mods=NO_SCORE_MODS, qpos=None):
+    """S rounded to dtype before and after scaling (and after each score modifier, computed in
+    float32); P = softmax in float32 (with the sink), rounded to dtype."""
     s = _round_to(np.matmul(q32, np.swapaxes(k32, -1, -2)), dtype)
     s = _round_to(np.float32(scale) * s, dtype)
-    p, lse = _masked_softmax(s, mask)
+    if mods.softcap is not None:
+        c = np.float32(mods.softcap)
+        s = _round_to(c * np.tanh(s / c), dtype)
+    if mods.alibi_slopes is not None:
+        dist = np.abs(qpos - np.arange(s.shape[-1], dtype=np.float64))
+        s = _round_to((s - mods.alibi_slopes[:, :, None, None] * dist).astype(np.float32), dtype)
+    sink = None if mods.sinks is None else mods.sinks.astype(np.float32)[None, :, None, None]
+    p, lse = _masked_softmax(s, mask, sink)
     return _round_to(p, dtype), lse
 
 
 def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causal=None,
                             window=None, q_lens=None, kv_lens=None, return_lse=False,
-                            rows=None, dropout_p=0.0, dropout_mask=None, block_mask=None):
+                            rows=None, dropout_p=0.0, dropout_mask=None, block_mask=None,
+                            softcap=None, alibi_slopes=None, sinks=None):
     """Plain (unfused) attention in low precision: the baseline of the tolerance rule.
 
     Mimics PyTorch's eager math in ``dtype``:
@@ -847,6 +857,8 @@ def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causa
     dropout_p, dropout_mask :
         As in :func:`attention_forward`: P is multiplied by ``Z / (1 - p)`` (rounded to
         ``dtype``) before ``P @ v``.
+    softcap, alibi_slopes, sinks :
+        As in :func:`attention_forward`; the modified scores are rounded to ``dtype``.
 
     Returns
     -------
@@ -857,7 +869,11 @@ def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causa
     dims, dtype, out_dtype, scale, mask, q32, k32, v32, _ = _lowp_setup(
         q, k, v, dtype, out_dtype, scale, causal, window, q_lens, kv_lens, rows=rows,
         block_mask=block_mask)
-    p, lse = _lowp_probs(q32, k32, scale, mask, dtype)
+    mods = check_score_mods(softcap, alibi_slopes, sinks, dims.B, dims.Hq)
+    qpos = _query_positions(dims, causal, q_lens, kv_lens)
+    if rows is not None:
+        qpos = np.take(qpos, _rows(rows, dims.Nq), axis=2)
+    p, lse = _lowp_probs(q32, k32, scale, mask, dtype, mods, qpos)
     drop = _dropout_factor(check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES,
                                                   same_dtype=False, max_head_dim=None),
                            dropout_p, dropout_mask)
@@ -872,7 +888,8 @@ def attention_baseline_lowp(q, k, v, *, dtype, out_dtype=None, scale=None, causa
 
 
 def decode_baseline_lowp(q, k_cache, v_cache, *, cache_lens, dtype, out_dtype=None, scale=None,
-                         tree_mask=None, return_lse=False, block_table=None):
+                         tree_mask=None, return_lse=False, block_table=None, softcap=None,
+                         alibi_slopes=None, sinks=None):
     """Plain decode attention in low precision: the baseline of the tolerance rule for decode.
 
     The same four steps as :func:`attention_baseline_lowp` (q, k, v rounded to ``dtype``; S
@@ -882,7 +899,8 @@ def decode_baseline_lowp(q, k_cache, v_cache, *, cache_lens, dtype, out_dtype=No
 
     Parameters
     ----------
-    q, k_cache, v_cache, cache_lens, scale, tree_mask, block_table :
+    q, k_cache, v_cache, cache_lens, scale, tree_mask, block_table, softcap, alibi_slopes,
+    sinks :
         As in :func:`decode`.
     dtype, out_dtype, return_lse :
         As in :func:`attention_baseline_lowp`.
@@ -897,7 +915,8 @@ def decode_baseline_lowp(q, k_cache, v_cache, *, cache_lens, dtype, out_dtype=No
                                                 tree_mask)
         return decode_baseline_lowp(q, k_cache, v_cache, cache_lens=cache_lens, dtype=dtype,
                                     out_dtype=out_dtype, scale=scale, tree_mask=tree_mask,
-                                    return_lse=return_lse)
+                                    return_lse=return_lse, softcap=softcap,
+                                    alibi_slopes=alibi_slopes, sinks=sinks)
     inputs = check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask,
                                  dtypes=REFERENCE_DTYPES, same_dtype=False, max_head_dim=None,
                                  max_new_tokens=None)
@@ -914,7 +933,10 @@ def decode_baseline_lowp(q, k_cache, v_cache, *, cache_lens, dtype, out_dtype=No
     q32 = rounded(q)
     k32 = _expand_kv(rounded(k_cache), inputs.group)
     v32 = _expand_kv(rounded(v_cache), inputs.group)
-    p, lse = _lowp_probs(q32, k32, scale, mask, dtype)
+    mods = check_score_mods(softcap, alibi_slopes, sinks, inputs.B, inputs.Hq)
+    qpos = (inputs.cache_lens[:, None] - inputs.T + np.arange(inputs.T)[None, :])
+    p, lse = _lowp_probs(q32, k32, scale, mask, dtype, mods,
+                         qpos.astype(np.float64)[:, None, :, None])
     o = np.matmul(p, v32).astype(out_dtype).astype(np.float64)
     if return_lse:
         return o, lse.astype(np.float64)

@@ -684,7 +684,8 @@ def recompute_p(cfg, spec, rt, vis: _Visit, key_row, st: _State, kv: _KV):
 
 def softmax_backward(cfg, vis: _Visit, st: _State, kv: _KV, p, pz=None, g=None):
     """``dS = P * (dP - D)`` with ``dP = dO V^T``, ``[128, cols]`` in the operand dtype; with
-    soft-capping times ``g = 1 - tanh^2`` (fp32 until that last multiply).
+    soft-capping times ``g = 1 - tanh^2`` (folded into P on GpSimd; with dropout a last
+    multiply of the fp32 dS).
 
     ``dP - D`` is formed by ScalarE while it evacuates PSUM (identity with a per-row bias), so
     VectorE does a single multiply per score. With dropout (``pz = Z * P``, unscaled) it is
@@ -708,14 +709,16 @@ def softmax_backward(cfg, vis: _Visit, st: _State, kv: _KV, p, pz=None, g=None):
                                  dtype=nl.float32, engine=nisa.vector_engine)
         ds = nisa.tensor_tensor(zp_dp, p_d, np.add,
                                 dtype=cfg.op_dtype if g is None else nl.float32, engine=gp)
-    else:
-        dp_minus_d = nisa.activation(nl.copy, dp_psum, bias=st.neg_delta[:, nl.ds(vis.s, 1)],
-                                     scale=1.0, dtype=cfg.op_dtype)
-        ds = nisa.tensor_tensor(dp_minus_d, p, np.multiply,
-                                dtype=cfg.op_dtype if g is None else nl.float32)
-    if g is None:
-        return ds
-    return nisa.tensor_tensor(ds, g, np.multiply, dtype=cfg.op_dtype)
+        if g is None:
+            return ds
+        return nisa.tensor_tensor(ds, g, np.multiply, dtype=cfg.op_dtype)
+    dp_minus_d = nisa.activation(nl.copy, dp_psum, bias=st.neg_delta[:, nl.ds(vis.s, 1)],
+                                 scale=1.0, dtype=cfg.op_dtype)
+    if g is not None:
+        # P (1 - t^2) on GpSimd, rounded to the operand dtype as P is
+        p = nisa.tensor_tensor(p, g, np.multiply, dtype=cfg.op_dtype,
+                               engine=nisa.gpsimd_engine)
+    return nisa.tensor_tensor(dp_minus_d, p, np.multiply, dtype=cfg.op_dtype)
 
 
 def accumulate_dv_dk(cfg, vis: _Visit, p, ds, st: _State, dv_psum, dk_psum):

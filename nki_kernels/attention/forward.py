@@ -475,10 +475,11 @@ def balance_engines(f: _Instance, plan: ForwardPlan):
                 cols += n * w
                 rows_cols += n * w * sp.rows
                 blocks += n * T.ceil_div(w, Bk)
+        act_extra, dve_extra = SM.engine_extra(f.mods, not SM.one_sided(f.spec))
         share = T.fwd_act_evac_share(
             "trn2" if f.gen3 else "trn1", score_cols=cols, blocks=blocks, rescales=blocks,
             q_tiles=tiles, evac_cols=int((1.0 - f.dma_share) * rows_cols // T.PMAX), D=f.D,
-            dropout=bool(f.dropout_p))
+            dropout=bool(f.dropout_p), act_extra=act_extra, dve_extra=dve_extra)
     f.act_share = share
 
 

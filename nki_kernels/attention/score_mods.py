@@ -19,8 +19,10 @@ of their exp: the softmax scale when it is folded into the exp, 1 when Q^T carri
 ``(-slope_h / u) |d|`` with ``d = j - i - off`` the key-minus-row distance in the kernel's frame
 (``MaskSpec.alibi`` makes sequences with lengths rotate, so the distance is static there): one
 GpSimd ``iota`` of the affine index expression, one ScalarE ``abs`` (skipped when every visible
-key of the band has ``d <= 0``, causal: ``|d| = -d``) and one VectorE ``scalar_tensor_tensor``
-that multiplies by the head's column and adds the scores. Masks select ``MASK_NEG`` after the
+key of the band has ``d <= 0``, causal: ``|d| = -d``), one GpSimd multiply by the head's column
+and one VectorE add of the scores (read from PSUM). Per score: GpSimd 2 cycles, VectorE 1,
+ScalarE 1 (two-sided); soft-capping costs ScalarE 1 (the tanh). :func:`engine_extra` gives
+these to the kernels' engine balancing. Masks select ``MASK_NEG`` after the
 modifiers (a tanh would map it to -1). The sink enters as the initial state of the online
 softmax: ``m_0 = max(sink / u, M_FLOOR)``, ``l_0 = exp(sink - u m_0)`` (1 unless floored).
 
@@ -144,25 +146,38 @@ def modify_scores(mods: Mods, cols: HeadColumns, sc, rows: int, width: int, h, d
         t = nisa.activation(nl.tanh, sc, scale=tanh_scale, dtype=nl.float32, mask=pred)
         y = t
     if mods.alibi:
+        # the bias on GpSimd (iota, then times the head's column) and ScalarE (|d|), one add on
+        # VectorE (reading the scores from PSUM: 1 cycle per element)
         d = distance_tile(d0, rows, width, pred)
         if two_sided:
             d = nisa.activation(nl.abs, d, dtype=nl.float32, mask=pred)
             col = cols.col(cols.alibi, h, rows)
         else:
             col = cols.col(cols.alibi_d, h, rows)
-        y = nisa.scalar_tensor_tensor(data=d, op0=nl.multiply, operand0=col, op1=nl.add,
-                                      operand1=sc if t is None else t, dtype=nl.float32,
-                                      mask=pred)
+        bias = nisa.tensor_scalar(d, nl.multiply, col, dtype=nl.float32,
+                                  engine=nisa.gpsimd_engine, mask=pred)
+        y = nisa.tensor_tensor(sc if t is None else t, bias, nl.add, dtype=nl.float32,
+                               mask=pred)
     return y, t
 
 
+def engine_extra(mods: Mods, two_sided: bool):
+    """``(act, dve)``: extra ScalarE and VectorE cycles per score column the modifiers add to
+    the forward (for ``tiles.fwd_act_evac_share``)."""
+    act = (1.0 if mods.softcap is not None else 0.0) + (1.0 if mods.alibi and two_sided else 0.0)
+    # the add reads PSUM (1 cycle) unless it follows the tanh (two fp32 SBUF operands: 2)
+    dve = 0.0 if not mods.alibi else (2.0 if mods.softcap is not None else 1.0)
+    return act, dve
+
+
 def softcap_grad_factor(t, rows: int, width: int, pred=None):
-    """fp32 ``[rows, width]``: ``1 - t^2`` of a tanh tile (the soft-cap's derivative): ScalarE
-    square, then ``1 - x`` on GpSimd."""
-    sq = nisa.activation(nl.square, t, dtype=nl.float32, mask=pred)
+    """fp32 ``[rows, width]``: ``1 - t^2`` of a tanh tile (the soft-cap's derivative), both
+    steps on GpSimd (the backward's ScalarE and VectorE are its busy engines)."""
+    gp = nisa.gpsimd_engine
+    sq = nisa.tensor_tensor(t, t, nl.multiply, dtype=nl.float32, engine=gp, mask=pred)
     return nisa.tensor_scalar(sq, nl.multiply, -1.0, op1=nl.add, operand1=1.0,
-                              dtype=nl.float32, engine=nisa.gpsimd_engine, mask=pred)
+                              dtype=nl.float32, engine=gp, mask=pred)
 
 
 __all__ = ["Mods", "check_mods", "head_values", "HeadColumns", "distance_tile", "one_sided",
-           "modify_scores", "softcap_grad_factor"]
+           "modify_scores", "engine_extra", "softcap_grad_factor"]

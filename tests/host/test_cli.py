@@ -80,6 +80,27 @@ def test_run_with_dropout_checks_against_the_kernels_mask(capsys, monkeypatch):
 
 
 @needs_sim
+@pytest.mark.parametrize("decode", [False, True])
+def test_run_with_score_modifiers_checks_them(decode, capsys, monkeypatch):
+    args = ["run", "--heads", "4", "--kv-heads", "2", "--seq", "300", "--dim", "32",
+            "--softcap", "20", "--alibi", "--sinks", "--quiet", "--targets", "trn2"]
+    if decode:
+        args += ["--decode", "--tokens", "2"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "softcap=20.0 alibi sinks" in out and "PASS" in out
+    # a kernel that dropped the modifiers would fail the check (the references apply them)
+    import host
+    name = "flash_decode" if decode else "flash_attention"
+    real = getattr(host, name)
+
+    def unmodified(*a, **kw):
+        return real(*a, **{n: x for n, x in kw.items() if n not in ("alibi_slopes", "sinks")})
+    monkeypatch.setattr(host, name, unmodified)
+    assert cli.main(args) == 1
+
+
+@needs_sim
 def test_run_decode(capsys):
     args = ["run", "--decode", "--batch", "2", "--heads", "8", "--kv-heads", "2", "--tokens", "3",
             "--seq", "300", "--cache-len", "300,45", "--dim", "64", "--quiet", "--targets", "trn2"]
@@ -136,6 +157,9 @@ CLI_ERRORS = [
     (["run", "--decode", "--window", "4", "4"], 2, "--window does not apply to --decode"),
     (["run", "--decode", "--dropout", "0.1"], 2, "--dropout does not apply to --decode"),
     (["run", "--dropout", "1.0"], 2, "--dropout 1.0: expected a probability in [0, 1)"),
+    (["run", "--softcap", "0"], 2, "--softcap 0.0: expected a cap in [2^-24, 2^24]"),
+    (["run", "--sinks", "--block-sparse", "butterfly"], 2,
+     "--softcap/--alibi/--sinks do not apply to --block-sparse"),
     (["run", "--block-sparse", "stripes"], 2, "--block-sparse stripes: expected one of"),
     (["run", "--block-sparse", "density=0"], 2, "expected density=S with S in (0, 1]"),
     (["run", "--block-sparse", "density=x"], 2, "expected density=S with S in (0, 1]"),
