@@ -7,13 +7,17 @@ estimate (``estimated_seconds``). Run: ``python benchmarks/score_mods.py [--n 40
 [--json FILE]``.
 """
 import argparse
+import json
+import os
+import sys
 
-import _common  # noqa: F401  (puts the repository on sys.path)
 import ml_dtypes
 import numpy as np
 
-import host
-import simulate
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+
+import host  # noqa: E402
+import simulate  # noqa: E402
 
 MODS = {
     "none": {},
@@ -81,7 +85,9 @@ def main(argv=None):
         m, _ = _measured(lambda: host.flash_decode(qd, kc, vc, cache_lens=np.array([S]), **kw))
         rows.append({"modifiers": name, "decode": (m.modeled_seconds[0], m.estimated_seconds)})
         print(f"{name:12s} {m.modeled_seconds[0] * 1e6:7.1f} /{m.estimated_seconds * 1e6:7.1f}")
-    _common.write_json(args.json, rows)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
 
 
 if __name__ == "__main__":

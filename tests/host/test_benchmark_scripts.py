@@ -40,3 +40,18 @@ def test_acceptance_runner_needs_a_checkout(capsys):
         _load("aws_acceptance").main(["--samples", "/nonexistent"])
     assert e.value.code == 2
     assert "--samples must be a checkout" in capsys.readouterr().err
+
+
+def test_score_mods_table(capsys, tmp_path):
+    out = tmp_path / "mods.json"
+    _load("score_mods").main(["--n", "256", "--d", "64", "--cache", "512", "--json", str(out)])
+    import json
+    rows = json.loads(out.read_text())
+    prefill = {r["modifiers"]: r for r in rows if "forward" in r}
+    assert set(prefill) == {"none", "softcap", "alibi", "sinks", "all three"}
+    # bound <= estimate; a modifier never makes the kernel faster on the bound
+    for r in prefill.values():
+        for key in ("forward", "forward_causal", "backward"):
+            assert 0 < r[key][0] <= r[key][1]
+            assert r[key][0] >= 0.999 * prefill["none"][key][0]
+    assert "decode" in capsys.readouterr().out
