@@ -401,7 +401,8 @@ FWD_MIN_II = 64
 
 def fwd_act_evac_share(target: str, *, score_cols: int, blocks: int, rescales: int,
                        q_tiles: int, evac_cols: int, D: int, dropout: bool = False,
-                       act_extra: float = 0.0, dve_extra: float = 0.0) -> float:
+                       act_extra: float = 0.0, dve_extra: float = 0.0,
+                       dve_cycles: float = 0.0) -> float:
     """Fraction of the P^T PSUM -> SBUF copies to issue on ScalarE so that ScalarE and VectorE
     finish together, from the kernel's own (compile-time) schedule.
 
@@ -418,7 +419,8 @@ def fwd_act_evac_share(target: str, *, score_cols: int, blocks: int, rescales: i
     query tiles, ``evac_cols`` P^T columns copied. ``dropout``: VectorE also draws the keep
     mask (``nisa.dropout``, one cycle per score column), so more copies go to ScalarE.
     ``act_extra``, ``dve_extra``: more ScalarE / VectorE cycles per score column (the score
-    modifiers, ``score_mods.engine_extra``).
+    modifiers, ``score_mods.engine_extra``); ``dve_cycles``: more VectorE cycles in all (the
+    forward's non-finite value guard).
     """
     if evac_cols <= 0:
         return 0.5
@@ -426,7 +428,7 @@ def fwd_act_evac_share(target: str, *, score_cols: int, blocks: int, rescales: i
     dve = score_cols + blocks * ii + rescales * max(ii, D + 1) + q_tiles * 2 * ii
     if dropout:
         dve += score_cols
-    dve += dve_extra * score_cols
+    dve += dve_extra * score_cols + dve_cycles
     act = score_cols * (1.0 + act_extra) + blocks * ii + q_tiles * (PMAX + 2 * ii)
     f_act, f_dve, r_dve = FWD_ACT_HZ[target], FWD_DVE_HZ[target], FWD_DVE_COPY16_CYCLES[target]
     # (dve + (1 - a) E r_dve) / f_dve == (act + a E) / f_act

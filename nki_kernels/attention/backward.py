@@ -570,7 +570,12 @@ def load_kv_tile(cfg, k, v, b, g, c0, cols: int, kv: _KV, k_load, col0):
     """Keys ``c0 .. c0 + cols - 1`` of kv head g (``c0`` an NKI expression): ``k_nat``,
     ``k_T``, ``v_T`` (V itself is only needed transposed). With ``kv_lens`` the keys are
     gathered through columns ``col0 + block`` of ``k_load``: padding keys are never read and
-    stay 0."""
+    stay 0.
+
+    Non-finite entries are zeroed in ``v_T`` (the dP operand) and ``k_nat`` (the dQ operand),
+    not in ``k_T`` (S): a row that sees such a key or value still gets NaN -- through its P and
+    dS (key) or its D = rowsum(dO O) (value, O being NaN there) -- while a row that cannot see
+    it (P = 0) no longer computes ``0 * inf`` in dP or dQ."""
     op_dtype, tp_dtype, D = cfg.op_dtype, cfg.tp_dtype, cfg.D
     blocks = _blocks(cols)
     nb = len(blocks)
@@ -585,6 +590,7 @@ def load_kv_tile(cfg, k, v, b, g, c0, cols: int, kv: _KV, k_load, col0):
         idd = nl.arange(D)[None, None, :]
         kv.k_nat[:, 0:nb, :] = nl.load(k[b, g, c0 + PMAX * ij + ip, idd], dtype=op_dtype)
         v_wide = nl.load(v[b, g, c0 + nb * ip + ij, idd], dtype=op_dtype)
+        M.zero_non_finite(v_wide)
         for bi in range(nb):
             for c, (d0, dsz) in enumerate(cfg.d_chunks):
                 _transpose_into(kv.k_T[0:dsz, c, nl.ds(bi * PMAX, PMAX)],
@@ -592,6 +598,7 @@ def load_kv_tile(cfg, k, v, b, g, c0, cols: int, kv: _KV, k_load, col0):
                 iv = nl.arange(dsz)[:, None]
                 _transpose_into(kv.v_T[iv, c, bi + nb * nl.arange(PMAX)[None, :]],
                                 v_wide[:, bi, d0:d0 + dsz], tp_dtype)
+        M.zero_non_finite(kv.k_nat[:, 0:nb, :])
         return
     if k_load is not None:
         n_rows = k.shape[0] * k.shape[1] * k.shape[2]
@@ -605,10 +612,12 @@ def load_kv_tile(cfg, k, v, b, g, c0, cols: int, kv: _KV, k_load, col0):
         else:
             kv.k_nat[0:n, bi, :] = nl.load(k[b, g, nl.ds(c0 + off, n), :], dtype=op_dtype)
             v_in = nl.load(v[b, g, nl.ds(c0 + off, n), :], dtype=op_dtype)
+        M.zero_non_finite(v_in)
         for c, (d0, dsz) in enumerate(cfg.d_chunks):
             _transpose_into(kv.k_T[0:dsz, c, nl.ds(off, n)], kv.k_nat[0:n, bi, d0:d0 + dsz],
                             tp_dtype)
             _transpose_into(kv.v_T[0:dsz, c, nl.ds(off, n)], v_in[0:n, d0:d0 + dsz], tp_dtype)
+        M.zero_non_finite(kv.k_nat[0:n, bi, :])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,7 +87,6 @@ class Geometry:
                               dtype=nl.float32)                    # c - p
         self.part = nisa.iota(nl.arange(P)[:, None], dtype=nl.float32)   # p, [128, 1]
         self.col = nisa.tensor_scalar(self.diff, np.add, self.part, dtype=nl.float32)   # c
-        self.neg_eye = M.neg_identity(P)
 
     def needs_key_mask(self, exact: bool) -> bool:
         """Whether scores need the key-side indicator: padding slots (not ``exact``), keys past
@@ -253,7 +252,7 @@ def _attend_tiles(f, geo: Geometry, meta, h, pos0, n_tiles: int, trip: int, exac
         seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
                  if f.dropout_p else None)
         # [V | 1] of a step's blocks (the ones column gives the row sums, forward module doc)
-        v = nl.ndarray((P, W, f.D + 1), dtype=f.mm, buffer=nl.sbuf)
+        v = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
         v[:, :, f.D:f.D + 1] = nisa.memset((P, W, 1), 1.0, dtype=f.mm,
                                            engine=nisa.gpsimd_engine)
         tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos))
@@ -294,6 +293,7 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, head, s0, n: int,
                       oob_mode=mode)
     if not same:
         v[:, 0:n, 0:D] = nisa.tensor_copy(vx, dtype=f.mm, engine=nisa.gpsimd_engine)
+    F.guard_values(f, v[:, 0:n, 0:D], v[:, 0:n, D + 1:D + 2])
     kT = [nl.ndarray((rows, n * P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in range(n)], f.k.dtype)
     sc = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.psum)
@@ -396,6 +396,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     f = F._Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, nl.program_id(0),
                     nl.program_id(1))
     f.act_share = 0.5
+    f.guard = True         # non-finite values reach only the rows that see them
     f.nqu, f.nku = nqt, nku
     if dropout_p:
         if seed is None:

@@ -108,7 +108,14 @@ def _key_side(cfg: _Cfg, idx, skip: bool, natural_k: bool):
     gather(kx, f.k, (f.b, f.g), idx, 0, f.D, skip)
     vx = nl.ndarray((P, f.D), dtype=f.v.dtype, buffer=nl.sbuf)
     gather(vx, f.v, (f.b, f.g), idx, 0, f.D, skip)
-    return _transposed(f, kx), _transposed(f, vx), (_as_mm(f, kx) if natural_k else None)
+    # non-finite entries zeroed in the dP and dQ operands, not in K^T (backward.load_kv_tile)
+    M.zero_non_finite(vx)
+    kT = _transposed(f, kx)
+    k_nat = None
+    if natural_k:
+        M.zero_non_finite(kx)
+        k_nat = _as_mm(f, kx)
+    return kT, _transposed(f, vx), k_nat
 
 
 def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi, lo, seed):
@@ -124,10 +131,12 @@ def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi
             s[...] = prod
         else:
             s[...] += prod
-    ind = geo.indicator(key_thr, hi, lo)
-    if ind is not None:
-        s[...] += nisa.nc_matmul(geo.neg_eye, ind)
     p = nisa.activation(nl.exp, s, bias=neg_lse, scale=1.0, dtype=nl.float32)
+    # masked scores by selection (P = 0), so a non-finite hidden key never reaches a row
+    ind = geo.indicator(key_thr, hi, lo,
+                        out=nl.ndarray((P, P), dtype=nl.uint8, buffer=nl.sbuf))
+    if ind is not None:
+        nisa.tensor_copy_predicated(src=0.0, dst=p, predicate=ind)
     dp = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
     for pi in range(len(f.d_passes)):
         prod = nisa.nc_matmul(doT[pi], vT[pi])

@@ -901,9 +901,15 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
     else:
         new_idx = _paged_tail_rows(paged, k_cache, lp, 0, T, None)
     k_new = nl.ndarray((T, D), dtype=mm, buffer=nl.sbuf)
-    v_new = nl.ndarray((T, D), dtype=mm, buffer=nl.sbuf)
+    # [V | flag]: a new token's value may be hidden from some rows (causal or tree mask), so
+    # its non-finite entries are zeroed and flagged (forward.guard_values): a row that gives
+    # it weight gets NaN, the others never compute 0 * inf
+    v_new = nl.ndarray((T, D + 1), dtype=mm, buffer=nl.sbuf)
     nisa.dma_copy(dst=k_new, src=k_pos[new_idx[i_u, 0], i_f], oob_mode=nisa.oob_mode.skip)
-    nisa.dma_copy(dst=v_new, src=v_pos[new_idx[i_u, 0], i_f], oob_mode=nisa.oob_mode.skip)
+    nisa.dma_copy(dst=v_new[:, 0:D], src=v_pos[new_idx[i_u, 0], i_f],
+                  oob_mode=nisa.oob_mode.skip)
+    v_new[:, D:D + 1] = nisa.tensor_reduce(np.max, M.zero_non_finite(v_new[:, 0:D]),
+                                           axis=(1,), keepdims=True, dtype=mm)
     if ns > 0:
         # slot q is committed and in the partial row iff q >= (n - 1) - (Lp mod n)
         i_q = nl.arange(ns)[:, None]
@@ -952,21 +958,15 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
                                                 kT[0:dsz, dt * C:(dt + 1) * C])
         rm = None if mods is None else _RowMods(mods[0], mods[1], mods[2], mods[3], T, rt0,
                                                 rows)
-        capped = rm is not None and mods[4] is not None
-        # with a soft-cap the masks go to their own PSUM tile (the tanh would flatten them)
-        mk_ps = (nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
-                 if capped else s_ps)
+        # the masks in their own PSUM tile, applied by selection after the modifiers: a
+        # non-finite key a row cannot see (a later new token) never reaches it, and a tanh
+        # cannot flatten them
+        mk_ps = nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
         if ns > 0:
             ones = nl.ones((1, rows), dtype=_MASK_DTYPE, buffer=nl.sbuf)
-            if capped:
-                mk_ps[0:rows, 0:ns] = nisa.nc_matmul(ones, part_bias)
-            else:
-                s_ps[0:rows, 0:ns] += nisa.nc_matmul(ones, part_bias)
-        if capped:
-            mk_ps[0:rows, ns:C] = nisa.nc_matmul(_token_selector(T, rt0, rows), new_bias)
-        else:
-            s_ps[0:rows, ns:C] += nisa.nc_matmul(_token_selector(T, rt0, rows), new_bias)
-        scores = s_ps[0:rows, 0:C]
+            mk_ps[0:rows, 0:ns] = nisa.nc_matmul(ones, part_bias)
+        mk_ps[0:rows, ns:C] = nisa.nc_matmul(_token_selector(T, rt0, rows), new_bias)
+        scores = None
         if rm is not None and rm.mods.transforms:
             d = slope = None
             if rm.mods.alibi:
@@ -979,8 +979,13 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
                     d = nisa.activation(op=nl.abs, data=d, dtype=nl.float32)
                     slope = nisa.tensor_scalar(rm.slope, op0=np.multiply, operand0=-1.0,
                                                dtype=nl.float32)
-            scores = _modified(rm.mods, scores, mk_ps[0:rows, 0:C] if capped else None, d,
-                               slope, mods[4])
+            scores = _modified(rm.mods, s_ps[0:rows, 0:C], None, d, slope, mods[4])
+        if scores is None:
+            scores = nisa.tensor_copy(s_ps[0:rows, 0:C], dtype=nl.float32,
+                                      engine=nisa.vector_engine)
+        hidden = nisa.tensor_scalar(mk_ps[0:rows, 0:C], op0=nl.less, operand0=0.0,
+                                    dtype=nl.uint8)
+        nisa.tensor_copy_predicated(src=NEG, dst=scores, predicate=hidden)
 
         m = nisa.tensor_reduce(np.max, scores, axis=(1,), keepdims=True)
         neg_m = nisa.activation(op=nl.copy, data=m, scale=-1.0, dtype=nl.float32)
@@ -991,14 +996,18 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
         if ns > 0:
             pt_ps[0:ns, 0:rows] = nisa.nc_transpose(p_sb[0:rows, 0:ns])
         pt_ps[0:T, PMAX:PMAX + rows] = nisa.nc_transpose(p_sb[0:rows, ns:C])
-        o_ps = nl.ndarray((rows, D), dtype=nl.float32, buffer=nl.psum)
+        o_ps = nl.ndarray((rows, D + 1), dtype=nl.float32, buffer=nl.psum)
         pt_new = nisa.activation(op=nl.copy, data=pt_ps[0:T, PMAX:PMAX + rows], dtype=mm)
-        o_ps[0:rows, 0:D] = nisa.nc_matmul(pt_new, v_new)
+        o_ps[0:rows, 0:D + 1] = nisa.nc_matmul(pt_new, v_new)
         if ns > 0:
             pt_part = nisa.activation(op=nl.copy, data=pt_ps[0:ns, 0:rows], dtype=mm)
             o_ps[0:rows, 0:D] += nisa.nc_matmul(pt_part, v_part)
 
         inv_l = nisa.reciprocal(l_col)
+        # rows that weighed a flagged value: times NaN
+        poison = nisa.tensor_scalar(o_ps[0:rows, D:D + 1], op0=nl.greater, operand0=0.0,
+                                    dtype=nl.uint8)
+        nisa.tensor_copy_predicated(src=float("nan"), dst=inv_l, predicate=poison)
         o_sb = nisa.activation(op=nl.copy, data=o_ps[0:rows, 0:D], scale=inv_l,
                                dtype=nl.float32)
         row0 = bh * R + rt0

@@ -426,6 +426,14 @@ class _Instance:
         self.mods = SM.Mods()      # score modifiers (score_mods.py), compile-time
         self.unit = self.act_scale  # u: the exp's scale on raw units (the cap with softcap)
         self.cols = None           # score_mods.HeadColumns of the group's query heads
+        # non-finite V guard (guard_values): V's non-finite entries zeroed and flagged in one
+        # more column, so they reach only the rows that see them
+        self.guard = False
+
+    @property
+    def vcols(self) -> int:
+        """Columns of ``[V | 1 (| flag)]`` and of ``[o_acc | l_i (| flags)]``."""
+        return self.D + 1 + (1 if self.guard else 0)
 
     def head(self, h):
         """HBM query head of group member h (an NKI loop index)."""
@@ -476,10 +484,15 @@ def balance_engines(f: _Instance, plan: ForwardPlan):
                 rows_cols += n * w * sp.rows
                 blocks += n * T.ceil_div(w, Bk)
         act_extra, dve_extra = SM.engine_extra(f.mods, not SM.one_sided(f.spec))
+        # the non-finite V guard: three VectorE passes over every V element loaded, two small
+        # instructions per query tile at write-back
+        loads = 1 if plan.resident else max(1, tiles // max(1, plan.q_group))
+        guard = (3 * loads * f.Nk * f.D / T.PMAX + 2 * tiles * T.FWD_MIN_II) if f.guard else 0
         share = T.fwd_act_evac_share(
             "trn2" if f.gen3 else "trn1", score_cols=cols, blocks=blocks, rescales=blocks,
             q_tiles=tiles, evac_cols=int((1.0 - f.dma_share) * rows_cols // T.PMAX), D=f.D,
-            dropout=bool(f.dropout_p), act_extra=act_extra, dve_extra=dve_extra)
+            dropout=bool(f.dropout_p), act_extra=act_extra, dve_extra=dve_extra,
+            dve_cycles=guard)
     f.act_share = share
 
 
@@ -529,8 +542,8 @@ class _GroupState:
         P, width = T.PMAX, f.tiles.softmax_block // f.tiles.k_tile
         self.n, self.rows = n, rows
         self.qT = [nl.ndarray((d, n, rows), dtype=f.mm, buffer=nl.sbuf) for _, d in f.d_passes]
-        self.o = nl.ndarray((P, n, f.D + 1), dtype=nl.float32, buffer=nl.sbuf)
-        self.o[...] = nisa.memset((P, n, f.D + 1), 0.0, dtype=nl.float32,
+        self.o = nl.ndarray((P, n, f.vcols), dtype=nl.float32, buffer=nl.sbuf)
+        self.o[...] = nisa.memset((P, n, f.vcols), 0.0, dtype=nl.float32,
                                   engine=nisa.gpsimd_engine)
         self.stats = nl.ndarray((P, n, 2 + width), dtype=nl.float32, buffer=nl.sbuf)
         self.stats[:, :, 1:2] = nisa.memset((P, n, 1), -T.FWD_M_FLOOR, dtype=nl.float32,
@@ -682,7 +695,26 @@ def load_piece(f: _Instance, kT, v, cb, rb, ln: int):
         if tail:
             v[0:tail, rb + full, 0:D] = nisa.tensor_copy(vx[0:tail, full, :], dtype=f.mm,
                                                          engine=nisa.gpsimd_engine)
+    if f.guard:
+        if full:
+            guard_values(f, v[:, nl.ds(rb, full), 0:D], v[:, nl.ds(rb, full), D + 1:D + 2])
+        if tail:
+            guard_values(f, v[0:tail, nl.ds(rb + full, 1), 0:D],
+                         v[0:tail, nl.ds(rb + full, 1), D + 1:D + 2])
     transpose_keys(f, kT, rb * P, [(t * P, rows[t], kx[:, t, :]) for t in range(nb)], f.k.dtype)
+
+
+def guard_values(f: _Instance, vals, flag):
+    """Keep a non-finite value to the rows that see it: zero the non-finite entries of the V
+    blocks ``vals`` (``[p, n, D]``, matmul dtype, in place) and set ``flag`` (``[p, n, 1]``,
+    the column after V's ones column) to 1.0 for keys that had one. P V then never computes
+    ``0 * inf`` for a row that cannot see the key (a NaN there would reach every row of the
+    tile), while PV's extra column sums ``P_ij flag_j``: a row with a positive sum saw a
+    non-finite value and gets NaN at write-back (:func:`finalize`), as ``P V`` would give it
+    (unless its weight underflowed to 0 within its block). O(N D) per K/V load
+    (:func:`masks.zero_non_finite` and one reduction)."""
+    bad = M.zero_non_finite(vals)
+    flag[...] = nisa.tensor_reduce(np.max, bad, axis=(2,), keepdims=True, dtype=f.mm)
 
 
 def load_kv(f: _Instance, cb, n: int) -> _KV:
@@ -695,7 +727,7 @@ def load_kv(f: _Instance, cb, n: int) -> _KV:
     nblk = T.ceil_div(n, P)
     kT = [nl.ndarray((rows, n), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     # V with a ones column: PV then also yields the row sums l_i = sum_j P_ij on TensorE
-    v = nl.ndarray((P, nblk, D + 1), dtype=f.mm, buffer=nl.sbuf)
+    v = nl.ndarray((P, nblk, f.vcols), dtype=f.mm, buffer=nl.sbuf)
     if f.k_load is None:
         v[:, :, D:D + 1] = nisa.memset((P, nblk, 1), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
     else:
@@ -938,7 +970,7 @@ def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, p
     pt_dtype = f.transpose_psum_dtype(f.mm)
     on_dma = f.dma_split()
     act_cols = 0
-    pv = nl.ndarray((r, f.D + 1), dtype=nl.float32, buffer=nl.psum)
+    pv = nl.ndarray((r, f.vcols), dtype=nl.float32, buffer=nl.psum)
     for g0 in nl.static_range(0, len(chunks), per_tile):
         group = chunks[g0:g0 + per_tile]
         n = len(group) * r
@@ -969,12 +1001,16 @@ def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, p
     o_acc = st.o_acc(s)
     # o_acc = alpha o_acc + pv: the rescale on GpSimd (SBUF only; otherwise idle), the add on
     # VectorE (one PSUM read, 1 cycle per element)
-    o_acc[...] = nisa.tensor_scalar(o_acc, nl.multiply, alpha, engine=nisa.gpsimd_engine,
-                                    mask=pred)
+    # (the guard's flag column is not rescaled: its sum only needs to stay positive)
+    o_acc[:, 0:f.D + 1] = nisa.tensor_scalar(o_acc[:, 0:f.D + 1], nl.multiply, alpha,
+                                             engine=nisa.gpsimd_engine, mask=pred)
     if f.dropout_p:
         o_acc[:, 0:f.D] = nisa.tensor_tensor(o_acc[:, 0:f.D], pv[:, 0:f.D], nl.add, mask=pred)
         o_acc[:, f.D:f.D + 1] = nisa.tensor_tensor(o_acc[:, f.D:f.D + 1], row_sum, nl.add,
                                                    mask=pred)
+        if f.guard:
+            o_acc[:, f.D + 1:f.D + 2] = nisa.tensor_tensor(
+                o_acc[:, f.D + 1:f.D + 2], pv[:, f.D + 1:f.D + 2], nl.add, mask=pred)
     else:
         o_acc[...] = nisa.tensor_tensor(o_acc, pv, nl.add, mask=pred)
 
@@ -1018,7 +1054,19 @@ def finalize(f: _Instance, st: _GroupState, s, in_range=None):
                                    dtype=nl.float32, engine=gp)
     # padding rows: multiplied by 0 (o) and deselected (lse)
     op1 = None if in_range is None else nl.multiply
-    o_out = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l, op1=op1, operand1=in_range,
+    factor = in_range
+    if f.guard:
+        # a row that saw a non-finite value (guard_values) is multiplied by NaN instead of 1
+        seen = o_acc[:, f.D + 1:f.D + 2]
+        poison = nisa.tensor_scalar(seen, nl.greater, 0.0, op1=op1, operand1=in_range,
+                                    dtype=nl.uint8)
+        nan_or_1 = nisa.memset((r, 1), 1.0, dtype=nl.float32, engine=gp)
+        nisa.tensor_copy_predicated(src=float("nan"), dst=nan_or_1, predicate=poison)
+        factor = (nan_or_1 if in_range is None else
+                  nisa.tensor_tensor(nan_or_1, in_range, nl.multiply, dtype=nl.float32,
+                                     engine=gp))
+    o_out = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l,
+                               op1=None if factor is None else nl.multiply, operand1=factor,
                                dtype=f.o.dtype, engine=gp)
     keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, op1=op1, operand1=in_range, dtype=nl.uint8,
                               engine=gp)
@@ -1195,6 +1243,7 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
                 if dropout_p and dropout_mask else None)
     f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, nl.program_id(0),
                   nl.program_id(1))
+    f.guard = True
     if mods != SM.Mods():
         f.mods, f.unit = mods, mods.unit(f.act_scale)
         f.cols = SM.HeadColumns(mods, f.unit, alibi_slopes, sinks, f.b, f.head(0), f.G)

@@ -255,6 +255,17 @@ def broadcast_row(row, width: int):
     return out
 
 
+def zero_non_finite(vals):
+    """Zero the inf/NaN entries of an SBUF tile ``vals`` in place; returns the uint8 tile that
+    marks them. GpSimd multiplies by 0 (NaN exactly at the non-finite entries), VectorE
+    compares and selects. Used where a value multiplies a zero weight in a matmul (``0 * inf``
+    would reach rows that cannot see the value)."""
+    z = nisa.tensor_scalar(vals, nl.multiply, 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
+    bad = nisa.tensor_scalar(z, nl.not_equal, 0.0, dtype=nl.uint8)
+    nisa.tensor_copy_predicated(src=0.0, dst=vals, predicate=bad)
+    return bad
+
+
 def load_lengths(kv_lens, q_lens, b, nk: int, nq: int):
     """Per-sequence lengths of sequence ``b`` as fp32: ``kv_len`` on partition 0 ([1, 1], for the
     key-mask row) and ``[128, 2]`` = (kv_len, q_len) on every partition (for per-row thresholds).
@@ -446,6 +457,6 @@ class RuntimeLengths:
         return nisa.tensor_tensor(rows, beyond, np.add, dtype=nl.int32), store
 
 
-__all__ = ["MaskSpec", "broadcast_row", "FULL", "BOUNDARY", "neg_identity", "int_mod", "neg_row", "diag_pattern",
+__all__ = ["MaskSpec", "broadcast_row", "zero_non_finite", "FULL", "BOUNDARY", "neg_identity", "int_mod", "neg_row", "diag_pattern",
            "diag_indicator", "StaticDiagMasks", "load_lengths", "key_length_row", "oob_offset",
            "position_table", "gather_rows", "store_rows", "RuntimeLengths", "np"]

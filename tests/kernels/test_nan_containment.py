@@ -1,6 +1,7 @@
 """A non-finite key a row cannot see never reaches that row (the forward's band masks select
 rather than add): the rows before a NaN key under a causal mask, or outside its window, give
-exactly what they give when that key is finite. Dense and block-sparse forwards."""
+exactly what they give when that key is finite. Dense and block-sparse forwards; and a
+non-finite hidden value (forward) or key/value (backward dQ) likewise."""
 import numpy as np
 import pytest
 
@@ -32,3 +33,65 @@ def test_a_non_finite_hidden_key_does_not_reach_the_rows_that_cannot_see_it(kw, 
     got = host.flash_attention(q, k, v, mixed_precision=False, **kw)
     np.testing.assert_array_equal(got[:, :, hidden], clean[:, :, hidden])
     assert np.isfinite(got[:, :, hidden]).all()
+
+
+BANDS = [
+    (dict(causal="top_left"), slice(0, 250), slice(250, 300)),
+    (dict(window=(20, 20)), slice(0, 229), slice(230, 271)),
+    (dict(causal="top_left", block_mask=np.tril(np.ones((3, 3), bool))[None, None]),
+     slice(0, 250), slice(250, 300)),
+]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("kw, hidden, seeing", BANDS)
+def test_a_non_finite_hidden_value_reaches_only_the_rows_that_see_it(kw, hidden, seeing, bad):
+    """V's non-finite entries are zeroed on chip and flagged (forward.guard_values): the rows
+    that cannot see the value are bit-identical to a finite run, the rows that see it are NaN
+    (as P V would make them)."""
+    q, k, v = _qkv(300, 300, seed=2)
+    clean = host.flash_attention(q, k, v, mixed_precision=False, **kw)
+    v[0, 0, 250, 5] = bad
+    got = host.flash_attention(q, k, v, mixed_precision=False, **kw)
+    np.testing.assert_array_equal(got[:, :, hidden], clean[:, :, hidden])
+    assert np.isnan(got[:, :, seeing]).all()
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("kw, hidden, seeing", BANDS)
+def test_backward_keeps_a_hidden_non_finite_key_or_value_out_of_dq(kw, hidden, seeing, which):
+    """The dP and dQ operands (V^T, natural K) have their non-finite entries zeroed; S uses the
+    raw K^T. Rows that cannot see the key get the dQ of the finite run; rows that see it get
+    NaN (through P or through D = rowsum(dO O))."""
+    q, k, v = _qkv(300, 300, seed=3)
+    do = np.random.default_rng(4).standard_normal(q.shape).astype(np.float32)
+
+    def grads():
+        o, lse = host.flash_attention(q, k, v, mixed_precision=False, return_lse=True, **kw)
+        return host.flash_attention_backward(do, q, k, v, o, lse, mixed_precision=False, **kw)
+
+    dq0 = grads()[0]
+    (k if which == "k" else v)[0, 0, 250, 5] = np.nan
+    dq = grads()[0]
+    np.testing.assert_array_equal(dq[:, :, hidden], dq0[:, :, hidden])
+    assert np.isnan(dq[:, :, seeing]).any(axis=-1).all()
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("tree", [False, True])
+def test_decode_keeps_a_later_new_token_out_of_earlier_rows(which, tree):
+    """A new token's key or value hidden from the earlier tokens (causal, or a tree mask) by
+    selection and the value guard: earlier rows are unchanged, the rows that see it NaN."""
+    rng = np.random.default_rng(5)
+    B, Hq, Hkv, T, D, S = 1, 4, 2, 3, 32, 200
+    q = rng.standard_normal((B, Hq, T, D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Hkv, S, D)).astype(np.float32) for _ in range(2))
+    lens = np.array([150])
+    tree_mask = np.array([[1, 0, 0], [1, 1, 0], [0, 1, 1]], bool) if tree else None
+    clean = host.flash_decode(q, k, v, cache_lens=lens, tree_mask=tree_mask,
+                              mixed_precision=False)
+    (k if which == "k" else v)[0, :, 149, 2] = np.nan       # new token 2, at L - 1
+    got = host.flash_decode(q, k, v, cache_lens=lens, tree_mask=tree_mask,
+                            mixed_precision=False)
+    np.testing.assert_array_equal(got[:, :, 0:2], clean[:, :, 0:2])
+    assert np.isnan(got[:, :, 2]).all()
