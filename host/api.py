@@ -497,7 +497,8 @@ def _block_sparse_options(q, k, v, block_mask, *, scale, causal, window, kv_lens
 
 
 def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
-                          return_dropout_mask, softcap, alibi_slopes, sinks, **options):
+                          return_dropout_mask, softcap=None, alibi_slopes=None, sinks=None,
+                          **options):
     from nki_kernels.attention.block_sparse import block_sparse_attention_fwd
 
     _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1], block_sparse=True)
@@ -520,8 +521,8 @@ def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
     return res if len(res) > 1 else o
 
 
-def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, softcap,
-                           alibi_slopes, sinks, **options):
+def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, softcap=None,
+                           alibi_slopes=None, sinks=None, **options):
     from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
 
     _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1], block_sparse=True)
