@@ -293,7 +293,7 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, head, s0, n: int,
                       oob_mode=mode)
     if not same:
         v[:, 0:n, 0:D] = nisa.tensor_copy(vx, dtype=f.mm, engine=nisa.gpsimd_engine)
-    F.guard_values(f, v[:, 0:n, 0:D], v[:, 0:n, D + 1:D + 2])
+    F.guard_values(f, v[:, 0:n, 0:D], v[:, 0:n, D + 1:D + 2], sum_on_scalar=True)
     kT = [nl.ndarray((rows, n * P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in range(n)], f.k.dtype)
     sc = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.psum)

@@ -908,7 +908,7 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
     nisa.dma_copy(dst=k_new, src=k_pos[new_idx[i_u, 0], i_f], oob_mode=nisa.oob_mode.skip)
     nisa.dma_copy(dst=v_new[:, 0:D], src=v_pos[new_idx[i_u, 0], i_f],
                   oob_mode=nisa.oob_mode.skip)
-    v_new[:, D:D + 1] = nisa.tensor_reduce(np.max, M.zero_non_finite(v_new[:, 0:D]),
+    v_new[:, D:D + 1] = nisa.tensor_reduce(np.max, M.zero_non_finite(v_new[:, 0:D])[0],
                                            axis=(1,), keepdims=True, dtype=mm)
     if ns > 0:
         # slot q is committed and in the partial row iff q >= (n - 1) - (Lp mod n)

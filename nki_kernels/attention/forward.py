@@ -704,7 +704,7 @@ def load_piece(f: _Instance, kT, v, cb, rb, ln: int):
     transpose_keys(f, kT, rb * P, [(t * P, rows[t], kx[:, t, :]) for t in range(nb)], f.k.dtype)
 
 
-def guard_values(f: _Instance, vals, flag):
+def guard_values(f: _Instance, vals, flag, sum_on_scalar: bool = False):
     """Keep a non-finite value to the rows that see it: zero the non-finite entries of the V
     blocks ``vals`` (``[p, n, D]``, matmul dtype, in place) and set ``flag`` (``[p, n, 1]``,
     the column after V's ones column) to 1.0 for keys that had one. P V then never computes
@@ -712,9 +712,21 @@ def guard_values(f: _Instance, vals, flag):
     tile), while PV's extra column sums ``P_ij flag_j``: a row with a positive sum saw a
     non-finite value and gets NaN at write-back (:func:`finalize`), as ``P V`` would give it
     (unless its weight underflowed to 0 within its block). O(N D) per K/V load
-    (:func:`masks.zero_non_finite` and one reduction)."""
-    bad = M.zero_non_finite(vals)
-    flag[...] = nisa.tensor_reduce(np.max, bad, axis=(2,), keepdims=True, dtype=f.mm)
+    (:func:`masks.zero_non_finite` and one reduction, on VectorE, or with ``sum_on_scalar`` as
+    ScalarE sums: the block-sparse kernel guards every gathered block and its VectorE is the
+    busier engine)."""
+    bad, z = M.zero_non_finite(vals)
+    if not sum_on_scalar:
+        flag[...] = nisa.tensor_reduce(np.max, bad, axis=(2,), keepdims=True, dtype=f.mm)
+        return
+    # the flag from ScalarE sums of z (NaN where a block row had a non-finite entry), one
+    # [p, D] activation per block, and one small VectorE compare
+    p, n = vals.shape[0], vals.shape[1]
+    sums = nl.ndarray((p, n), dtype=nl.float32, buffer=nl.sbuf)
+    for w in nl.static_range(n):
+        nisa.activation_reduce(nl.copy, z[:, w, :], reduce_op=np.add,
+                               reduce_res=sums[:, w:w + 1], dtype=nl.float32)
+    flag[:, :, 0] = nisa.tensor_scalar(sums, nl.not_equal, 0.0, dtype=f.mm)
 
 
 def load_kv(f: _Instance, cb, n: int) -> _KV:
