@@ -78,6 +78,13 @@ the
 running max is floored at ``M_FLOOR``, so a fully masked row ends with l_i = 0, O = 0 and
 LSE = -inf, never NaN.
 
+Non-finite inputs: the band and length masks select (a NaN or inf in a key a row cannot see
+never reaches it), and V's non-finite entries are zeroed on chip and flagged in a column after
+V's ones column (:func:`guard_values`): PV sums each row's weight on flagged keys, and a row with
+a positive sum is written as NaN, so a non-finite value reaches exactly the rows that weigh it.
+
+Score modifiers (soft-capping, ALiBi, sinks): ``score_mods.py``.
+
 Lengths: ``kv_lens``/``q_lens`` are runtime int32 tensors, so one compiled kernel (shapes and
 static options) serves every set of lengths. The band stays static, and so does the schedule
 (the same tiles are skipped as without lengths):
