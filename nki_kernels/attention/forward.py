@@ -46,7 +46,7 @@ Tile sizes (``nki_kernels/tiles.py``, ``FWD_*``) and why:
   accumulates onto PSUM another engine wrote (undocumented), so every block's PV is its own
   accumulation group, folded in by VectorE.
 - **128-key PV chunks, 4 per P^T tile**: P^T [128 keys, 128 queries] (PE transpose) is the
-  stationary operand and [V | 1] [128 keys, D + 1] the moving one. Four chunks share a PSUM bank
+  stationary operand and [V | 1 | flag] [128 keys, D + 2] the moving one. Four chunks share a PSUM bank
   and one PSUM -> SBUF copy (512 columns), fine enough to split the copies between ScalarE and
   VectorE so both finish together (``tiles.fwd_act_evac_share``, computed from the shape).
 - **K/V residency**: K^T ``[D, Nk]`` and [V | 1] (``Nk/128`` blocks) at matmul precision stay in
@@ -62,7 +62,7 @@ PV 16 x 129); VectorE 2241 (row max: one fp32 PSUM read per score; min-reduction
 of ``o_acc = alpha o_acc + pv``, D + 1); ScalarE 2112 (exp; alpha); GpSimd the bias, the m_i
 copy and the ``alpha o_acc`` rescale; plus the 2048-column P^T copy, split at a 32-column
 boundary between ScalarE (1 cycle per column) and VectorE (1/2 on trn2) so both finish
-together. trn2 N = 4096 models at ~184 us with TensorE at ~168 us (``nki-flash run``).
+together. trn2 N = 4096 models at ~195 us with TensorE at ~168 us (``nki-flash run``).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
