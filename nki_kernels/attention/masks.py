@@ -457,6 +457,7 @@ class RuntimeLengths:
         return nisa.tensor_tensor(rows, beyond, np.add, dtype=nl.int32), store
 
 
-__all__ = ["MaskSpec", "broadcast_row", "zero_non_finite", "FULL", "BOUNDARY", "neg_identity", "int_mod", "neg_row", "diag_pattern",
+__all__ = ["MaskSpec", "broadcast_row", "zero_non_finite", "FULL", "BOUNDARY", "neg_identity",
+           "int_mod", "neg_row", "diag_pattern",
            "diag_indicator", "StaticDiagMasks", "load_lengths", "key_length_row", "oob_offset",
            "position_table", "gather_rows", "store_rows", "RuntimeLengths", "np"]
