@@ -48,7 +48,8 @@ Tile sizes (``nki_kernels/tiles.py``, ``FWD_*``) and why:
 - **128-key PV chunks, 4 per P^T tile**: P^T [128 keys, 128 queries] (PE transpose) is the
   stationary operand and [V | 1 | flag] [128 keys, D + 2] the moving one. Four chunks share a
   PSUM bank and one PSUM -> SBUF copy (512 columns), fine enough to split the copies between
-  ScalarE and VectorE so both finish together (``tiles.fwd_act_evac_share``, computed from the shape).
+  ScalarE and VectorE so both finish together (``tiles.fwd_act_evac_share``, computed from the
+  shape).
 - **K/V residency**: K^T ``[D, Nk]`` and [V | 1] (``Nk/128`` blocks) at matmul precision stay in
   SBUF for all query tiles of the group when they fit (bf16 D = 128: ~4 Nk bytes per partition,
   Nk up to ~32K on trn1's budget), so every HBM byte is read once. Otherwise K/V streams in
