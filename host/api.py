@@ -387,7 +387,8 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         schedule nor ``lnc``. On the simulator the bit stream is NumPy's, not the hardware's.
     return_dropout_mask : bool
         Debugging (small shapes): also return the keep mask the kernel drew, ``(B, Hq, Nq, Nk)``
-        bool (keys no row can see read False).
+        bool in the caller's row and key positions (keys no row can see read False; entries of
+        padding rows and keys are unspecified: the kernel draws whole 128 x 128 units).
 
     Returns
     -------
@@ -447,8 +448,30 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
     o, lse = outs[0], outs[1]
     res = (o, lse) if return_lse else (o,)
     if return_dropout_mask:
-        res += (np.asarray(outs[2]) > 0.5,)
+        res += (_mask_in_user_positions(np.asarray(outs[2]) > 0.5, kwargs, q32, kv32,
+                                        alibi_slopes is not None),)
     return res if len(res) > 1 else o
+
+
+def _mask_in_user_positions(mask, kwargs, q32, kv32, alibi: bool):
+    """The kernel's debug keep mask ``(B, Hq, Nq, Nk)`` in the caller's row and key positions.
+    The kernel writes it in its frame, where a sequence with runtime lengths and a
+    bottom-right band (or ALiBi) is rotated so its valid rows and keys end at Nq and Nk (frame
+    row i' = row (i' + q_len) mod Nq, key j' = key (j' + kv_len) mod Nk): roll it back."""
+    from nki_kernels.attention import masks as M
+
+    B, _, Nq, Nk = mask.shape
+    spec = M.MaskSpec(Nq, Nk, kwargs.get("causal"), kwargs.get("window"), q32 is not None,
+                      kv32 is not None, alibi)
+    if not spec.rotates:
+        return mask
+    out = mask.copy()
+    for b in range(B):
+        if spec.rotate_q:
+            out[b] = np.roll(out[b], int(q32[b]), axis=-2)
+        if spec.rotate_k:
+            out[b] = np.roll(out[b], int(kv32[b]), axis=-1)
+    return out
 
 
 # ============================================================================================
