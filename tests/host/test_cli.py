@@ -101,6 +101,17 @@ def test_run_with_score_modifiers_checks_them(decode, capsys, monkeypatch):
 
 
 @needs_sim
+def test_run_dropout_with_lengths_and_modifiers(capsys):
+    """Bottom-right band with lengths: the kernel rotates the sequences, and the mask it
+    returns for the check is in the caller's positions."""
+    args = ["run", "--heads", "2", "--kv-heads", "1", "--seq", "300", "--dim", "32",
+            "--dropout", "0.2", "--kv-lens", "250", "--q-lens", "180", "--softcap", "10",
+            "--alibi", "--sinks", "--quiet", "--targets", "trn2"]
+    assert cli.main(args) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+@needs_sim
 def test_run_decode(capsys):
     args = ["run", "--decode", "--batch", "2", "--heads", "8", "--kv-heads", "2", "--tokens", "3",
             "--seq", "300", "--cache-len", "300,45", "--dim", "64", "--quiet", "--targets", "trn2"]
