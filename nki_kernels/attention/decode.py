@@ -1208,12 +1208,15 @@ def flash_decode_merge_kernel(o_part, lse_part, row_splits=None, out_dtype="bflo
         den = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
         w = nisa.activation_reduce(op=np.exp, data=lse_all, reduce_op=np.add, reduce_res=den,
                                    bias=neg_m, scale=1.0, dtype=nl.float32)
-        acc = nisa.activation(op=nl.copy, data=o_all[0:rows, 0, 0:D], scale=w[0:rows, 0:1],
-                              dtype=nl.float32)
-        for x in nl.static_range(1, S):
-            acc = nisa.scalar_tensor_tensor(data=o_all[0:rows, x, 0:D], op0=np.multiply,
-                                            operand0=w[0:rows, x:x + 1], op1=np.add,
-                                            operand1=acc, dtype=nl.float32)
+        # the weighted sum over the partials: an NKI loop carrying acc (the split count grows
+        # with the cache length)
+        acc = nl.ndarray((rows, D), dtype=nl.float32, buffer=nl.sbuf)
+        acc[...] = nisa.activation(op=nl.copy, data=o_all[0:rows, 0, 0:D],
+                                   scale=w[0:rows, 0:1], dtype=nl.float32)
+        for x in nl.sequential_range(1, S):
+            acc[...] = nisa.scalar_tensor_tensor(data=o_all[0:rows, x, 0:D], op0=np.multiply,
+                                                 operand0=w[0:rows, nl.ds(x, 1)], op1=np.add,
+                                                 operand1=acc, dtype=nl.float32)
         den_safe = nisa.tensor_scalar(den, op0=np.maximum, operand0=tiles.DECODE_MERGE_L_FLOOR,
                                       dtype=nl.float32)
         inv = nisa.reciprocal(den_safe)

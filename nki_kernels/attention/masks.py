@@ -247,11 +247,18 @@ def broadcast_row(row, width: int):
     products -- 1.0 x v needs no rounding; score_mods relies on it for per-head floats)."""
     ones = nisa.memset((1, T.PMAX), 1.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
     out = nl.ndarray((T.PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
-    for c0 in nl.static_range(0, width, T.PSUM_FMAX):
-        w = min(T.PSUM_FMAX, width - c0)
+
+    def bank(c0, w: int):
         ps = nl.ndarray((T.PMAX, w), dtype=nl.float32, buffer=nl.psum)
-        ps[...] = nisa.nc_matmul(ones, row[0:1, c0:c0 + w])
-        out[:, c0:c0 + w] = nisa.tensor_copy(ps, dtype=nl.float32, engine=nisa.vector_engine)
+        ps[...] = nisa.nc_matmul(ones, row[0:1, nl.ds(c0, w)])
+        out[:, nl.ds(c0, w)] = nisa.tensor_copy(ps, dtype=nl.float32, engine=nisa.vector_engine)
+
+    # an NKI loop over full banks (a block-sparse table row grows with N), a static tail
+    full, tail = divmod(width, T.PSUM_FMAX)
+    for c in nl.affine_range(full):
+        bank(c * T.PSUM_FMAX, T.PSUM_FMAX)
+    if tail:
+        bank(full * T.PSUM_FMAX, tail)
     return out
 
 
