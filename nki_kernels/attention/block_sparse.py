@@ -296,13 +296,8 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, head, s0, n: int,
     F.guard_values(f, v[:, 0:n, 0:D], v[:, 0:n, D + 1:D + 2], sum_on_scalar=True)
     kT = [nl.ndarray((rows, n * P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in range(n)], f.k.dtype)
-    sc = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.psum)
-    for pi in range(len(f.d_passes)):
-        prod = nisa.nc_matmul(st.qT[pi][:, slot, :], kT[pi])
-        if pi == 0:
-            sc[...] = prod
-        else:
-            sc[...] += prod
+    sc = F.contract([(st.qT[pi][:, slot, :], kT[pi]) for pi in range(len(f.d_passes))],
+                    (P, n * P))
     s_tile = sc
     if any(c is not None for c in cols.values()):
         # masks by selection: scores a row cannot see become MASK_NEG, whatever they were (a

@@ -124,26 +124,14 @@ def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi
     exp(S - lse)`` on the masked scores (``key_thr``, ``hi``, ``lo``: the indicator's columns,
     or None) and ``dP = dO V^T``. ``seed``: the unit's int32 [1, 1] dropout seed or None."""
     f = cfg.f
-    s = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
-    for pi in range(len(f.d_passes)):
-        prod = nisa.nc_matmul(qT[pi], kT[pi])
-        if pi == 0:
-            s[...] = prod
-        else:
-            s[...] += prod
+    s = F.contract(list(zip(qT, kT)), (P, P))
     p = nisa.activation(nl.exp, s, bias=neg_lse, scale=1.0, dtype=nl.float32)
     # masked scores by selection (P = 0), so a non-finite hidden key never reaches a row
     ind = geo.indicator(key_thr, hi, lo,
                         out=nl.ndarray((P, P), dtype=nl.uint8, buffer=nl.sbuf))
     if ind is not None:
         nisa.tensor_copy_predicated(src=0.0, dst=p, predicate=ind)
-    dp = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
-    for pi in range(len(f.d_passes)):
-        prod = nisa.nc_matmul(doT[pi], vT[pi])
-        if pi == 0:
-            dp[...] = prod
-        else:
-            dp[...] += prod
+    dp = F.contract(list(zip(doT, vT)), (P, P))
     if cfg.dropout_p:
         nl.random_seed(seed=seed)
         keep = nisa.dropout(f.ones, cfg.dropout_p)              # 0/1, the forward's draw

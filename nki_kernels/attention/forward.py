@@ -797,6 +797,21 @@ def band_predicates(f: _Instance, d0, rows: int, width: int):
     return _and(*vis), above, below
 
 
+def contract(pairs, shape, pred=None):
+    """A new fp32 PSUM tile of ``shape``: ``sum nc_matmul(stationary, moving)`` over ``pairs``
+    (the head-dim passes of a contraction), one accumulation group -- the first product
+    writes, the others add. Predicated on ``pred``. Shared by the dense and block-sparse
+    kernels."""
+    acc = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
+    for i, (stationary, moving) in enumerate(pairs):
+        prod = nisa.nc_matmul(stationary, moving, mask=pred)
+        if i == 0:
+            acc[...] = prod
+        else:
+            acc[...] += prod
+    return acc
+
+
 def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, masked: bool,
            pred, dk: Optional[int] = None, h=None):
     """S = Q_i K_j^T for one score tile of ``width`` keys (raw scores; Q^T carries the scale only
@@ -812,13 +827,8 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
     scores into raw units of ``f.unit`` before the masks select.
     """
     r = st.rows
-    sc = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.psum)
-    for pi, (d0, rows) in enumerate(f.d_passes):
-        prod = nisa.nc_matmul(st.qT[pi][:, s, 0:r], kv.kT[pi][:, nl.ds(rel, width)], mask=pred)
-        if pi == 0:
-            sc[...] = prod
-        else:
-            sc[...] += prod
+    sc = contract([(st.qT[pi][:, s, 0:r], kv.kT[pi][:, nl.ds(rel, width)])
+                   for pi in range(len(f.d_passes))], (r, width), pred)
     sides = []
     if masked:
         rel_d = j0 - i0 if dk is None else dk
