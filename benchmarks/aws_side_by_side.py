@@ -27,17 +27,9 @@ import ml_dtypes  # noqa: E402
 
 import host  # noqa: E402
 import simulate  # noqa: E402
+from host.bench import measure  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def _measure(target, fn):
-    with simulate.measure(target=target) as m:
-        fn()
-    lo, hi = m.modeled_seconds
-    return dict(lower_us=lo * 1e6, serial_us=hi * 1e6, est_us=m.estimated_seconds * 1e6,
-                read=m.hbm_bytes_read,
-                written=m.hbm_bytes_written, program=m.program_instructions)
 
 
 def run(target, N, D, causal, aws):
@@ -46,10 +38,10 @@ def run(target, N, D, causal, aws):
     o, lse = host.flash_attention(q, k, v, causal=causal, return_lse=True, lnc=1)
     mask = "bottom_right" if causal else None
     rows = {
-        "nki-flash forward": _measure(target, lambda: host.flash_attention(
-            q, k, v, causal=causal, lnc=1)),
-        "nki-flash backward": _measure(target, lambda: host.flash_attention_backward(
-            do, q, k, v, o, lse, causal=mask, lnc=1)),
+        "nki-flash forward": measure(lambda: host.flash_attention(
+            q, k, v, causal=causal, lnc=1), target),
+        "nki-flash backward": measure(lambda: host.flash_attention_backward(
+            do, q, k, v, o, lse, causal=mask, lnc=1), target),
     }
     if aws is not None:
         flash_fwd, flash_attn_bwd, FlashConfig = aws
@@ -57,12 +49,12 @@ def run(target, N, D, causal, aws):
         oT, doT = o.transpose(0, 1, 3, 2).copy(), do.transpose(0, 1, 3, 2).copy()
         lse_aws = lse.reshape(1, 1, N // 128, 128).transpose(0, 1, 3, 2).copy()
         cfg = FlashConfig(seq_tile_size=2048, training=False)
-        rows["AWS flash_fwd"] = _measure(target, lambda: simulate.simulate_kernel(
+        rows["AWS flash_fwd"] = measure(lambda: simulate.simulate_kernel(
             flash_fwd[1, 1], qT, kT, v, None, use_causal_mask=causal, mixed_precision=True,
-            config=cfg))
-        rows["AWS flash_attn_bwd"] = _measure(target, lambda: simulate.simulate_kernel(
+            config=cfg), target)
+        rows["AWS flash_attn_bwd"] = measure(lambda: simulate.simulate_kernel(
             flash_attn_bwd[1, 1], qT, kT, v.transpose(0, 1, 3, 2).copy(), oT, doT, lse_aws,
-            None, use_causal_mask=causal, mixed_precision=True))
+            None, use_causal_mask=causal, mixed_precision=True), target)
     return rows
 
 
@@ -88,8 +80,9 @@ def main(argv=None):
         for causal in (False, True):
             for name, r in run(target, a.n, a.d, causal, aws).items():
                 print(f"| {target} | {'causal' if causal else 'none'} | {name} | "
-                      f"{r['lower_us']:.1f} .. {r['serial_us']:.1f} us | {r['est_us']:.1f} us | "
-                      f"{r['read'] / 1e6:.2f} / {r['written'] / 1e6:.2f} MB | {r['program']} |",
+                      f"{r['modeled_us_overlap']:.1f} .. {r['modeled_us_serial']:.1f} us | "
+                      f"{r['modeled_us_estimate']:.1f} us | {r['hbm_read'] / 1e6:.2f} / "
+                      f"{r['hbm_written'] / 1e6:.2f} MB | {r['program_instructions']} |",
                       flush=True)
 
 

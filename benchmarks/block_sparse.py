@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -35,19 +34,11 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 
 import ml_dtypes  # noqa: E402
 
-import simulate  # noqa: E402
 from host import api  # noqa: E402
 from host import block_sparse as bs  # noqa: E402
+from host.bench import measure  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def measure(fn, target):
-    with simulate.measure(target=target) as m:
-        fn()
-    lo, hi = m.modeled_seconds
-    return dict(bytes=int(m.hbm_bytes_read + m.hbm_bytes_written), us=lo * 1e6,
-                us_serial=hi * 1e6, us_estimate=m.estimated_seconds * 1e6)
 
 
 def inputs(N, D, seed=0):
@@ -86,7 +77,7 @@ def proportional(rows, key, fixed):
 def time_intercept(rows):
     """Least-squares ``us = a + b s``: the fixed part a of the modeled time."""
     s = np.array([r["density"] for r in rows])
-    t = np.array([r["us"] for r in rows])
+    t = np.array([r["modeled_us_overlap"] for r in rows])
     b, a = np.polyfit(s, t, 1)
     return float(a), float(b)
 
@@ -110,22 +101,21 @@ def main(argv=None):
             nqt = N // 128
             rows = []
             for s in dens:
-                t0 = time.perf_counter()
-                row = run_pattern(N, D, bs.fixed_density(nqt, nqt, s), args.target)
-                row["wall_s"] = time.perf_counter() - t0
-                rows.append(row)
+                rows.append(run_pattern(N, D, bs.fixed_density(nqt, nqt, s), args.target))
             q, k, v = inputs(N, D)
             dense = measure(lambda: api.flash_attention(q, k, v, lnc=1), args.target)
-            part = proportional(rows, "bytes", lambda r: r["fixed_bytes"])
+            part = proportional(rows, "hbm_bytes", lambda r: r["fixed_bytes"])
             a, b = time_intercept(rows)
             for r, (ratio, s) in zip(rows, part):
+                us, us1 = r["modeled_us_overlap"], rows[0]["modeled_us_overlap"]
                 r["bytes_part_over_s"] = ratio / s
-                r["time_part_over_s"] = ((r["us"] - a) / b) / s
-                r["time_over_s"] = r["us"] / (s * rows[0]["us"])
-                print(f"{N:6d} {D:4d} {s:8.4f} {r['bytes'] / 1e6:9.2f} {ratio / s:7.3f} "
-                      f"{r['us']:9.1f} {r['us_estimate']:9.1f} {r['time_over_s']:8.3f} "
-                      f"{dense['us'] if s == 1.0 else float('nan'):9.1f} "
-                      f"{dense['us_estimate'] if s == 1.0 else float('nan'):9.1f}", flush=True)
+                r["time_part_over_s"] = ((us - a) / b) / s
+                r["time_over_s"] = us / (s * us1)
+                dense_us, dense_est = ((dense["modeled_us_overlap"], dense["modeled_us_estimate"])
+                                       if s == 1.0 else (float("nan"), float("nan")))
+                print(f"{N:6d} {D:4d} {s:8.4f} {r['hbm_bytes'] / 1e6:9.2f} {ratio / s:7.3f} "
+                      f"{us:9.1f} {r['modeled_us_estimate']:9.1f} {r['time_over_s']:8.3f} "
+                      f"{dense_us:9.1f} {dense_est:9.1f}", flush=True)
             results["sweeps"].append(dict(N=N, D=D, rows=rows, dense=dense,
                                           time_fit_us=dict(fixed=a, per_density=b)))
             with open(path, "w") as fh:
@@ -137,8 +127,9 @@ def main(argv=None):
             row = run_pattern(N, 128, mask, args.target)
             row.update(N=N, D=128, pattern=name)
             results["patterns"].append(row)
-            print(f"{name:>12} N={N} s={row['density']:.4f} {row['bytes'] / 1e6:.2f} MB "
-                  f"{row['us']:.1f} us (estimate {row['us_estimate']:.1f} us)", flush=True)
+            print(f"{name:>12} N={N} s={row['density']:.4f} {row['hbm_bytes'] / 1e6:.2f} MB "
+                  f"{row['modeled_us_overlap']:.1f} us (estimate "
+                  f"{row['modeled_us_estimate']:.1f} us)", flush=True)
             with open(path, "w") as fh:
                 json.dump(results, fh, indent=1)
     plot(results, os.path.join(args.out, "block_sparse.png"))
@@ -157,11 +148,11 @@ def plot(results, png):
         s = np.array([r["density"] for r in sw["rows"]])
         label = f"N={sw['N'] // 1024}K d={sw['D']}"
         fixed = sw["rows"][0]["fixed_bytes"]
-        by = np.array([r["bytes"] for r in sw["rows"]])
+        by = np.array([r["hbm_bytes"] for r in sw["rows"]])
         line, = axes[0].loglog(s, by / 1e6, "o-", label=label)
         # Proposition 4's form: fixed (N d) + a part proportional to s
         axes[0].loglog(s, (fixed + s * (by[0] - fixed)) / 1e6, ":", color=line.get_color())
-        us = np.array([r["us"] for r in sw["rows"]])
+        us = np.array([r["modeled_us_overlap"] for r in sw["rows"]])
         fit = sw["time_fit_us"]
         axes[1].loglog(s, us, "o-", color=line.get_color(), label=label)
         axes[1].loglog(s, fit["fixed"] + s * fit["per_density"], ":", color=line.get_color())

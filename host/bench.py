@@ -182,7 +182,8 @@ def _require_simulator() -> None:
 
 
 def measure(fn: Callable[[], object], target: str) -> Dict[str, float]:
-    """Run ``fn`` inside ``simulate.measure(target)``; the numbers of the row."""
+    """Run ``fn`` inside ``simulate.measure(target)``; the numbers of the row (also used by the
+    scripts under benchmarks/)."""
     import simulate
 
     t0 = time.perf_counter()
@@ -196,6 +197,8 @@ def measure(fn: Callable[[], object], target: str) -> Dict[str, float]:
         "hbm_bytes": int(m.hbm_bytes_read) + int(m.hbm_bytes_written),
         "modeled_us_overlap": float(lo) * 1e6,
         "modeled_us_serial": float(hi) * 1e6,
+        "modeled_us_estimate": float(m.estimated_seconds) * 1e6,
+        "program_instructions": int(m.program_instructions),
         "peak_sbuf_per_partition": int(m.peak_sbuf_bytes_per_partition),
         "wall_s": wall,
     }
