@@ -337,68 +337,6 @@ class _XlaKernels:
 _EXECUTORS = {_DEVICE_CPU: _HostKernels(), _DEVICE_XLA: _XlaKernels()}
 
 
-# --------------------------------------------------------------------------------------------
-# The autograd function
-# --------------------------------------------------------------------------------------------
-
-
-def _lse_gradient_terms(ex, g, q, k, v, o, lse, opts: _Options):
-    """Extra (dq, dk) from an upstream gradient ``g`` (B, Hq, Nq) of the returned LSE, fp32.
-
-    ``lse_i = log sum_j exp(S_ij)`` gives ``d lse_i / d S_ij = P_ij``, hence
-    ``dq_i += scale * g_i * (P @ k)_i`` and ``dk_j += scale * (P^T (g * q))_j`` (dv is
-    unaffected). ``P @ k`` is attention with k as the values (one forward call); ``P^T x`` is the
-    dv of a backward call with ``do = x`` (dv does not depend on o or on v). GQA sums over each
-    group, as dk must.
-    """
-    g32 = g.to(torch.float32)
-    opts = opts._replace(dropout_p=0.0, seed=None)   # the LSE is the undropped softmax's
-    pk, _ = ex.forward(q, k, k, opts)
-    dq_extra = opts.scale * g32[..., None] * pk.to(torch.float32)
-    do_x = (g32[..., None] * q.to(torch.float32)).to(q.dtype)
-    pt_x = ex.backward(do_x, q, k, v, o, lse, opts)[2]
-    dk_extra = opts.scale * pt_x.to(torch.float32)
-    return dq_extra, dk_extra
-
-
-class _FlashAttentionFunction(torch.autograd.Function):
-    """forward(q, k, v, executor, options, return_lse) -> o or (o, lse)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, executor, opts, return_lse):
-        in_dtype = q.dtype
-        cdt = _compute_dtype(q, opts.mixed_precision)
-        qc, kc, vc = (x.detach().to(cdt) for x in (q, k, v))  # a no-op unless float64
-        o, lse = executor.forward(qc, kc, vc, opts)
-        ctx.save_for_backward(qc, kc, vc, o, lse)
-        ctx.executor, ctx.opts, ctx.in_dtype = executor, opts, in_dtype
-        ctx.set_materialize_grads(False)
-        out_dtype = in_dtype
-        lse_dtype = torch.float64 if in_dtype == torch.float64 else torch.float32
-        o_out = o.to(out_dtype)
-        if not return_lse:
-            return o_out
-        return o_out, lse.to(lse_dtype)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_o, grad_lse=None):
-        if grad_o is None and grad_lse is None:
-            return None, None, None, None, None, None
-        q, k, v, o, lse = ctx.saved_tensors
-        ex, opts = ctx.executor, ctx.opts
-        do = torch.zeros_like(o) if grad_o is None else grad_o.to(o.dtype)
-        dq, dk, dv = ex.backward(do, q, k, v, o, lse, opts)[:3]
-        # grad_lse is None unless the returned lse was used (set_materialize_grads(False));
-        # no value test, which would force a graph execution on XLA.
-        if grad_lse is not None:
-            dq_extra, dk_extra = _lse_gradient_terms(ex, grad_lse, q, k, v, o, lse, opts)
-            dq = (dq.to(torch.float32) + dq_extra).to(q.dtype)
-            dk = (dk.to(torch.float32) + dk_extra).to(k.dtype)
-        out = ctx.in_dtype
-        return dq.to(out), dk.to(out), dv.to(out), None, None, None
-
-
 def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
                     q_lens=None, mixed_precision=True, return_lse=False, dropout_p=0.0,
                     seed=None, generator=None, block_mask=None, softcap=None,

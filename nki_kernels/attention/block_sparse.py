@@ -41,8 +41,6 @@ sequence; positions are those of the padded frame, the block pattern's own (no r
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import numpy as np  # compile-time constants only (reduction ops)
 
 from nki_kernels import tiles as T
@@ -375,7 +373,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     0 and lse = -inf.
     """
     B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Nk = k.shape[2]
     nqt = T.ceil_div(Nq, P)
     trip_max = meta.shape[3] - 2
     if tuple(meta.shape[2:3]) != (nqt,):

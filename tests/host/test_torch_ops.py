@@ -793,13 +793,13 @@ def test_xla_executor_launches_the_kernels(monkeypatch, dtype, mixed, mm):
     bwd = _SimulatedXlaLaunch(backward.flash_attn_bwd)
     monkeypatch.setattr(forward, "flash_attention_fwd", fwd)
     monkeypatch.setattr(backward, "flash_attn_bwd", bwd)
+    # the custom ops with the XLA executor on CPU tensors
+    monkeypatch.setitem(torch_ops._EXECUTORS, torch_ops._DEVICE_CPU, torch_ops._XlaKernels())
     B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 19, 23, 16
     opts = dict(causal="bottom_right", kv_lens=[23, 9], q_lens=[19, 6])
     q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, D, dtype=dtype, seed=41)
     do = _rand(B, Hq, Nq, D, dtype=dtype, seed=42, requires_grad=False)
-    _, o_opts = torch_ops._validate(q, k, v, scale=None, window=None, mixed_precision=mixed,
-                                    **opts)
-    o = torch_ops._FlashAttentionFunction.apply(q, k, v, torch_ops._XlaKernels(), o_opts, False)
+    o = flash_attention(q, k, v, mixed_precision=mixed, **opts)
     got = (o,) + _grads(o, do, q, k, v)
     # the grids follow the default LNC of the active target (trn2: both cores)
     lnc = 2 if nki_backend.active_target() == "trn2" else 1
@@ -824,16 +824,14 @@ def test_xla_backward_takes_runtime_lengths(monkeypatch):
     bwd = _SimulatedXlaLaunch(backward.flash_attn_bwd)
     monkeypatch.setattr(forward, "flash_attention_fwd", fwd)
     monkeypatch.setattr(backward, "flash_attn_bwd", bwd)
+    monkeypatch.setitem(torch_ops._EXECUTORS, torch_ops._DEVICE_CPU, torch_ops._XlaKernels())
     B, Hq, Hkv, Nq, Nk, D = 2, 2, 1, 21, 30, 16
     steps = [([21, 0], [30, 11]), ([5, 21], [0, 30]), ([13, 8], [17, 29])]
     for step, (q_lens, kv_lens) in enumerate(steps):
         opts = dict(causal="top_left", q_lens=torch.tensor(q_lens), kv_lens=torch.tensor(kv_lens))
         q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float32, seed=50 + step)
         do = _rand(B, Hq, Nq, D, dtype=torch.float32, seed=60 + step, requires_grad=False)
-        _, o_opts = torch_ops._validate(q, k, v, scale=None, window=None, mixed_precision=False,
-                                        **opts)
-        o = torch_ops._FlashAttentionFunction.apply(q, k, v, torch_ops._XlaKernels(), o_opts,
-                                                    False)
+        o = flash_attention(q, k, v, mixed_precision=False, **opts)
         got = _grads(o, do, q, k, v)
         ref = _ref_grads(q, k, v, do, causal="top_left", q_lens=q_lens, kv_lens=kv_lens)[2:]
         base = reference.attention_backward_baseline_lowp(
