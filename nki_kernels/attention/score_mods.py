@@ -90,19 +90,15 @@ def head_values(hbm, b, h0, G: int):
 
 class HeadColumns:
     """Per-head ``[128, G]`` fp32 columns of one grid instance (query heads ``h0 ..``):
-    ``alibi`` = ``-slope / u`` (the multiplier of ``|d|``), ``alibi_d`` = ``slope / u`` (of
-    ``d`` where ``|d| = -d``), ``sink`` (scaled units), ``neg_m0`` = ``-max(sink / u, M_FLOOR)``
+    ``slope_u`` = ``slope / u`` (ALiBi's bias is ``-slope_u |d|``), ``sink`` (scaled units), ``neg_m0`` = ``-max(sink / u, M_FLOOR)``
     and ``l0`` = ``exp(sink - u m_0)`` (the online softmax's initial state)."""
 
     def __init__(self, mods: Mods, u: float, slopes, sinks, b, h0, G: int):
-        self.alibi = self.alibi_d = self.sink = self.neg_m0 = self.l0 = None
+        self.slope_u = self.sink = self.neg_m0 = self.l0 = None
         gp = nisa.gpsimd_engine
         if mods.alibi:
-            slope = head_values(slopes, b, h0, G)
-            self.alibi = nisa.tensor_scalar(slope, nl.multiply, -1.0 / u, dtype=nl.float32,
-                                            engine=gp)
-            self.alibi_d = nisa.tensor_scalar(slope, nl.multiply, 1.0 / u, dtype=nl.float32,
-                                              engine=gp)
+            self.slope_u = nisa.tensor_scalar(head_values(slopes, b, h0, G), nl.multiply,
+                                              1.0 / u, dtype=nl.float32, engine=gp)
         if mods.sinks:
             self.sink = head_values(sinks, b, h0, G)
             # -m_0 = min(-sink / u, -M_FLOOR)
@@ -148,15 +144,14 @@ def modify_scores(mods: Mods, cols: HeadColumns, sc, rows: int, width: int, h, d
     if mods.alibi:
         # the bias on GpSimd (iota, then times the head's column) and ScalarE (|d|), one add on
         # VectorE (reading the scores from PSUM: 1 cycle per element)
+        # -slope_u |d|: with a one-sided band |d| = -d, so + slope_u d
         d = distance_tile(d0, rows, width, pred)
         if two_sided:
             d = nisa.activation(nl.abs, d, dtype=nl.float32, mask=pred)
-            col = cols.col(cols.alibi, h, rows)
-        else:
-            col = cols.col(cols.alibi_d, h, rows)
-        bias = nisa.tensor_scalar(d, nl.multiply, col, dtype=nl.float32,
-                                  engine=nisa.gpsimd_engine, mask=pred)
-        y = nisa.tensor_tensor(sc if t is None else t, bias, nl.add, dtype=nl.float32,
+        bias = nisa.tensor_scalar(d, nl.multiply, cols.col(cols.slope_u, h, rows),
+                                  dtype=nl.float32, engine=nisa.gpsimd_engine, mask=pred)
+        y = nisa.tensor_tensor(sc if t is None else t, bias,
+                               nl.subtract if two_sided else nl.add, dtype=nl.float32,
                                mask=pred)
     return y, t
 
