@@ -607,30 +607,28 @@ def _decode_tiles(inputs, mm: np.dtype, num_splits, pages=None):
 
 
 def decode_work_list(cache_lens, T: int, plan: "tiles.DecodeTiles"):
-    """Scheduler metadata of a decode step: ``(work, num_full, splits)``.
+    """Scheduler metadata of a decode step: ``(work, items_per_program, splits)``.
 
     ``splits[b]`` is the number of partial slots sequence b uses: the splits holding its
     committed key rows, ``ceil(floor((cache_lens[b] - T) / n) / split_rows)``, at least 1 (a
     sequence without a full key row gets one empty split, written with lse = -inf). ``work``
-    lists them as ``(b, s)`` int32 rows: first the *full* splits (every split but a sequence's
-    last; all their key rows are committed), padded to ``num_full =
-    tiles.decode_bucket(count)`` with ``(B, 0)`` items (they read nothing and write a trash row
-    block) so the kernel's grid only changes when the count crosses a bucket; then each
-    sequence's *last* split, the only kind that can hold uncommitted rows. ``work`` is None
-    (and ``splits`` all 0) when no sequence has a full key row: only the tail programs run.
+    lists them as ``(b, s)`` int32 rows, sequence by sequence, padded with ``(B, 0)`` items
+    (they read nothing and write a trash row block) to ``tiles.decode_work_items`` of the
+    count -- a bucket, so the kernel's grid only changes when the count crosses one -- which
+    the split kernel runs ``items_per_program`` at a time. ``work`` is None (``splits`` all 0,
+    ``items_per_program`` 1) when no sequence has a full key row: only the tail programs run.
     Work is proportional to the real lengths of the batch, not to B times the longest.
     """
     lens = np.asarray(cache_lens, dtype=np.int64)
     B = len(lens)
     if plan.num_splits == 0:
-        return None, 0, np.zeros(B, dtype=np.int32)
+        return None, 1, np.zeros(B, dtype=np.int32)
     rows = (lens - T) // plan.key_row
     splits = np.maximum(1, -(-rows // plan.split_rows))
-    full = [(b, s) for b in range(B) for s in range(int(splits[b]) - 1)]
-    num_full = tiles.decode_bucket(len(full))
-    full += [(B, 0)] * (num_full - len(full))
-    last = [(b, int(splits[b]) - 1) for b in range(B)]
-    return np.array(full + last, dtype=np.int32).reshape(-1, 2), num_full, \
+    items = [(b, s) for b in range(B) for s in range(int(splits[b]))]
+    total, per_program = tiles.decode_work_items(len(items), plan.max_steps)
+    items += [(B, 0)] * (total - len(items))
+    return np.array(items, dtype=np.int32).reshape(-1, 2), per_program, \
         splits.astype(np.int32)
 
 
@@ -659,13 +657,14 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
 
     With ``N = B Hq T`` query rows, ``s`` the input itemsize (q, caches and o share it),
     ``W = sum(splits)`` real work items and ``P`` padding items of :func:`decode_work_list`
-    (both 0, and ``L = 0`` last splits, without a split; else ``L = B``), and
-    ``S = num_splits + 1`` partial slots per row::
+    (both 0 without a split), ``S = num_splits + 1`` partial slots per row and ``H'`` the
+    split kernel's head groups (``Hkv / tiles.decode_heads_per_program``: each program reads
+    its items' headers once for its kv heads)::
 
         read    = 2 s Hkv D sum_b cache_lens[b]     K and V: each valid byte exactly once
                 + s Hq T D (W + B)                   q, per real work item and tail program
-                + 8 Hkv (W + P) + 4 Hkv (L + B)      work items (b, s); one int32 length per
-                                                     last split and per tail program
+                + 8 H' (W + P) + 4 H' (W + B)        work items (b, s); one int32 length per
+                                                     real work item and per tail program
                 + T^2 B Hkv                          uint8 tree mask per tail program (if any)
                 + 4 N (D + 1) S + 4 N [S > 1]        all partial slots and the per-row split
                                                      counts, by the merge
@@ -673,29 +672,30 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
                 + s N D + 4 N                        o, lse
 
     With ``paged`` (a block table; ``n = plan.key_row``, ``Lp_b = cache_lens[b] - T``), the
-    block table adds one int32 per gathered key row and per gathered tail position, in every
-    kv head's programs::
+    block table adds one int32 per gathered key row (once per head group: the page does not
+    depend on the head) and per gathered tail position (per kv head)::
 
-        read   += 4 Hkv sum_b (floor(Lp_b / n) + Lp_b mod n + T)
+        read   += 4 H' sum_b floor(Lp_b / n) + 4 Hkv sum_b (Lp_b mod n + T)
 
     (the K/V bytes are unchanged: a page shared by several sequences is read once per
     sequence that uses it). Nothing at or past ``cache_lens[b]`` is read; padding items read
     only their work row.
     """
     N = B * Hq * T
-    work, num_full, splits = decode_work_list(cache_lens, T, plan)
+    work, per_program, splits = decode_work_list(cache_lens, T, plan)
     W = int(np.sum(splits))
-    pad = 0 if work is None else work.shape[0] - B - (W - B)     # padding items
-    lasts = 0 if work is None else B
+    pad = 0 if work is None else work.shape[0] - W               # padding items
+    groups = Hkv // tiles.decode_heads_per_program(Hkv, per_program, plan.max_steps)
     S = plan.num_splits + 1
     kv = 2 * itemsize * Hkv * D * int(np.sum(np.asarray(cache_lens, dtype=np.int64)))
-    read = (kv + itemsize * Hq * T * D * (W + B) + 8 * Hkv * (W + pad)
-            + 4 * Hkv * (lasts + B) + 4 * N * (D + 1) * S + (4 * N if S > 1 else 0))
+    read = (kv + itemsize * Hq * T * D * (W + B) + 8 * groups * (W + pad)
+            + 4 * groups * (W + B) + 4 * N * (D + 1) * S + (4 * N if S > 1 else 0))
     if tree_mask:
         read += T * T * B * Hkv
     if paged:
         lp = np.asarray(cache_lens, dtype=np.int64) - T
-        read += 4 * Hkv * int(np.sum(lp // plan.key_row + lp % plan.key_row + T))
+        read += 4 * (groups * int(np.sum(lp // plan.key_row))
+                     + Hkv * int(np.sum(lp % plan.key_row + T)))
     written = 4 * Hq * T * (D + 1) * (W + pad + B) + itemsize * N * D + 4 * N
     return read, written
 
@@ -786,15 +786,17 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     lens = np.ascontiguousarray(inputs.cache_lens, dtype=np.int32)
     tree = None if inputs.tree_mask is None else to_device(inputs.tree_mask.astype(np.uint8))
     B, Hq, Hkv, T = inputs.B, inputs.Hq, inputs.Hkv, inputs.T
-    work, num_full, splits = decode_work_list(lens, T, plan)
+    work, per_program, splits = decode_work_list(lens, T, plan)
     W = 0 if work is None else work.shape[0]
+    per_head = tiles.decode_heads_per_program(Hkv, per_program, plan.max_steps)
     mod_kwargs, mod_tensors = ({}, {}) if mods is None else mods
     mod_tensors = {name: None if a is None else to_device(a) for name, a in mod_tensors.items()}
     o_part, lse_part = run(
-        k.flash_decode_split_kernel, (Hkv, W + B), q, k_cache, v_cache, to_device(lens),
+        k.flash_decode_split_kernel, (Hkv // per_head, W // per_program + B), q, k_cache, v_cache, to_device(lens),
         None if work is None else to_device(work), tree, table, scale=float(scale),
         mm_dtype=mm.name, key_row=plan.key_row, split_rows=plan.split_rows,
-        num_splits=plan.num_splits, row_tile=plan.row_tile, pack=plan.pack, num_full=num_full,
+        num_splits=plan.num_splits, row_tile=plan.row_tile, pack=plan.pack,
+        items_per_program=per_program, heads_per_program=per_head,
         **mod_tensors, **mod_kwargs)
     N = B * Hq * T
     return run(k.flash_decode_merge_kernel, (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),

@@ -739,8 +739,16 @@ DECODE_KEY_ROW_MAX = 32
 #: the row max at most 7 of the 8 banks are live). All scores of a split stay in PSUM until its
 #: max is known, so a split's softmax needs no online rescaling.
 DECODE_SCORE_COLS = 4 * PSUM_FMAX
-#: SBUF bytes per partition for the resident K^T and V of one split (both in the matmul dtype).
+#: SBUF bytes per partition for the split kernel's two resident K^T / V buffer pairs (in the
+#: matmul dtype): one split is computed while the next one is gathered.
 DECODE_KV_BUDGET = 64 * 1024
+#: Most work items (splits) one program of the split kernel streams through its two buffers
+#: (per kv head it runs).
+DECODE_ITEMS_PER_PROGRAM = 16
+#: SBUF bytes per partition a split-kernel program may hold for the query rows of its steps
+#: (``row tiles x steps x D`` values, budgeted at 4 bytes): it bounds the steps (work items x
+#: kv heads) one program streams.
+DECODE_QUERY_BUDGET = 32 * 1024
 #: Additive bias of an invalid key's score (and of a new token a tree/causal mask hides), in
 #: already-scaled score units: exp(s - max) of such a key is exactly 0 in fp32. Finite, so a
 #: split with no valid key computes finite numbers (it is marked dead by DECODE_DEAD_MAX), and
@@ -753,8 +761,10 @@ DECODE_DEAD_MAX = -1.0e29
 #: size are compile-time) is recompiled only when the longest sequence crosses a bucket --
 #: B times per doubling of the length, not every token.
 DECODE_BUCKETS_PER_OCTAVE = 4
-#: Smallest split (in cache positions) the automatic sizing makes for a batch: below it the
-#: per-program setup (packed queries, index math) outweighs the split's own work.
+#: Split size (in cache positions) the automatic sizing aims at, and the smallest it makes for
+#: a batch: below it the per-split setup (packed queries, index math, the merge's partial)
+#: outweighs the split's own work; above it the pipeline of a program fills and drains slower
+#: (its first gather and its last split's compute are not overlapped).
 DECODE_MIN_SPLIT_KEYS = 4096
 #: Passes over a split's packed score columns (VectorE max, ScalarE exp, VectorE P^T copy): the
 #: packing factor trades them (split positions / pack columns) against zero-filling the packed
@@ -788,6 +798,8 @@ class DecodeTiles(NamedTuple):
     split_rows: int       #: key rows per split of the committed prefix
     num_splits: int       #: splits of the committed prefix (0: no key row is ever full)
     max_split_rows: int   #: the SBUF/PSUM limit split_rows was chosen under
+    #: most steps (work items x kv heads) per split-kernel program (decode_max_steps)
+    max_steps: int = DECODE_ITEMS_PER_PROGRAM
 
     @property
     def split_keys(self) -> int:
@@ -845,13 +857,13 @@ def decode_pack(rows: int, key_row: int, split_rows: int) -> int:
 
 
 def decode_max_split_rows(rows: int, D: int, mm_itemsize: int, key_row: int) -> int:
-    """Largest split (in key rows) whose scores fit DECODE_SCORE_COLS and whose K^T + V fit
-    DECODE_KV_BUDGET; a multiple of 128 or a power of two below 128."""
+    """Largest split (in key rows) whose scores fit DECODE_SCORE_COLS and whose K^T + V, twice
+    (two buffers), fit DECODE_KV_BUDGET; a multiple of 128 or a power of two below 128."""
     _, pack = decode_row_packing(rows, key_row)
     sub_rows = key_row // pack               # key-row positions scored by each packed copy
     by_psum = DECODE_SCORE_COLS // sub_rows
     per_key_row = 2 * key_row * ceil_div(D, PMAX) * PMAX * mm_itemsize // PMAX
-    by_sbuf = DECODE_KV_BUDGET // max(1, per_key_row)
+    by_sbuf = DECODE_KV_BUDGET // max(1, 2 * per_key_row)        # two buffer pairs
     return _round_split_rows_down(max(1, min(by_psum, by_sbuf)))
 
 
@@ -872,6 +884,43 @@ def decode_bucket(rows: int) -> int:
         return max(0, int(rows))
     step = 1 << max(0, (int(rows) - 1).bit_length() - b.bit_length())
     return ceil_div(rows, step) * step
+
+
+def decode_max_steps(rows: int, row_tile: int, D: int) -> int:
+    """Most steps (work items x kv heads) one split-kernel program runs: its query rows,
+    ``ceil(rows / row_tile) * steps * D`` values per partition, fit DECODE_QUERY_BUDGET."""
+    return max(1, DECODE_QUERY_BUDGET // (ceil_div(rows, row_tile) * D * 4))
+
+
+def decode_work_items(count: int, max_steps: int = DECODE_ITEMS_PER_PROGRAM):
+    """``(total, per_program)``: the split kernel's work list of ``count`` real items is
+    padded to ``total`` (``decode_bucket(count)`` rounded up to whole programs) and run
+    ``per_program`` items per program (1 or even, at most DECODE_ITEMS_PER_PROGRAM and
+    ``max_steps``, chosen so the programs share the items evenly)."""
+    items = max(1, decode_bucket(count))
+    cap = max(1, min(DECODE_ITEMS_PER_PROGRAM, max_steps))
+    if cap > 1:
+        cap -= cap % 2
+    programs = ceil_div(items, cap)
+    per = ceil_div(items, programs)
+    if per > 1 and per % 2:
+        per += 1
+    return programs * per, per
+
+
+def decode_heads_per_program(Hkv: int, items: int, max_steps: int) -> int:
+    """kv heads one split-kernel program runs (``items`` work items each): the largest
+    divisor of Hkv with ``heads * items <= max_steps``, even or 1 when ``items`` is odd (the
+    program's steps come in pairs). More heads per program means fewer programs, each of which
+    pays its headers and fills and drains its pipeline once."""
+    best = 1
+    for hpp in range(1, Hkv + 1):
+        if Hkv % hpp or hpp * items > max_steps:
+            continue
+        if items % 2 and hpp > 1 and hpp % 2:
+            continue
+        best = hpp
+    return best
 
 
 def decode_max_splits(D: int) -> int:
@@ -899,11 +948,13 @@ def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: i
         Force this many splits (>= 1); ``split_rows`` is then the smallest legal size covering
         ``rows_needed``. Raises ValueError when that exceeds the per-split limit.
     batch : int
-        Sequences in the batch. Each sequence runs only the splits its own length needs (the
-        host's work list), so the longest sequence fixes the split *count* but a short one
-        still costs one whole split: with a batch the automatic size aims at
-        ``rows_needed / (2 batch)`` (no smaller than DECODE_MIN_SPLIT_KEYS positions), bounding
-        that padding by half the longest sequence.
+        Sequences in the batch. The automatic size aims at DECODE_MIN_SPLIT_KEYS positions
+        (small splits keep the programs' pipelines short to fill and drain). Each sequence runs
+        only the splits its own length needs (the host's work list), so the longest sequence
+        fixes the split *count* but a short one still costs one whole split: with a batch the
+        size is at least ``rows_needed / (2 batch)``, bounding that padding by half the longest
+        sequence; and at least ``rows_needed / decode_max_splits(D)``, the most partials the
+        merge holds.
 
     key_row : int, optional
         Force the key row n (a paged cache: :func:`decode_paged_key_row`); default
@@ -914,16 +965,20 @@ def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: i
     n = decode_key_row(S_max) if key_row is None else int(key_row)
     row_tile, _ = decode_row_packing(rows, n)
     rs_max = decode_max_split_rows(rows, D, mm_itemsize, n)
+    steps = decode_max_steps(rows, row_tile, D)
     if num_splits is None:
         if rows_needed <= 0:
-            return DecodeTiles(n, row_tile, decode_pack(rows, n, 1), 1, 0, rs_max)
+            return DecodeTiles(n, row_tile, decode_pack(rows, n, 1), 1, 0, rs_max, steps)
         cover = decode_bucket(rows_needed)
-        target = cover if batch <= 1 else max(ceil_div(cover, 2 * batch),
-                                              min(cover, ceil_div(DECODE_MIN_SPLIT_KEYS, n)))
+        target = min(cover, ceil_div(DECODE_MIN_SPLIT_KEYS, n))
+        if batch > 1:
+            target = max(target, ceil_div(cover, 2 * batch))
+        # the merge holds at most decode_max_splits partials per row
+        target = max(target, ceil_div(cover, decode_max_splits(D)))
         rs = min(rs_max, _round_split_rows_up(target))
         ns = ceil_div(cover, rs)
         rs = min(rs_max, _round_split_rows_up(ceil_div(cover, ns)))
-        return DecodeTiles(n, row_tile, decode_pack(rows, n, rs), rs, ns, rs_max)
+        return DecodeTiles(n, row_tile, decode_pack(rows, n, rs), rs, ns, rs_max, steps)
     ns = int(num_splits)
     most = decode_max_splits(D)
     if ns > most:
@@ -937,4 +992,4 @@ def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: i
             f"num_splits: {ns} split(s) cannot hold the committed prefix of the longest sequence "
             f"({rows_needed * n} positions in key rows of {n}); each split holds at most "
             f"{rs_max * n} positions here, so num_splits must be >= {need} (or None)")
-    return DecodeTiles(n, row_tile, decode_pack(rows, n, rs), rs, ns, rs_max)
+    return DecodeTiles(n, row_tile, decode_pack(rows, n, rs), rs, ns, rs_max, steps)

@@ -2,9 +2,11 @@
 
 Two kernels, launched in order by ``host.flash_decode``::
 
-    flash_decode_split_kernel   grid (Hkv, W + B)            phase 1: one partial (o, lse) per
-                                                             program -- W work items (splits of
-                                                             committed prefixes), then B tails
+    flash_decode_split_kernel   grid (Hkv / H, W / I + B)    phase 1: one partial (o, lse) per
+                                                             work item and kv head -- W work
+                                                             items (splits of committed
+                                                             prefixes), I per program, for H kv
+                                                             heads per program; then B tails
                                                              (last < n committed positions and
                                                              the T new tokens of a sequence)
     flash_decode_merge_kernel   grid (ceil(B Hq T / 128),)   phase 2: LSE merge, in fp32
@@ -45,7 +47,8 @@ committed positions:
   below Lp (``row < floor(Lp / n)``) are gathered by an indirect DMA whose int32 row-index tile
   is built on chip (``nisa.iota`` + the item and the gathered length): rows past it get an
   index beyond the tensor and ``oob_mode.skip`` leaves them unread. Only a sequence's *last*
-  split can hold such rows; the others skip the zero-fill and the mask below;
+  split can hold such rows, but which item that is is runtime data, so every item is
+  zero-filled and masked as below;
 * the tail program of sequence b gathers the ``Lp mod n`` committed positions of the last,
   partial key row and the T new tokens, one position per partition (same mechanism); the new
   tokens' mask (causal or ``tree_mask``) is a static (T, T) bias, the same layout every step,
@@ -74,8 +77,19 @@ PSUM before its softmax, so no online rescaling is needed; a long cache uses mor
 
 Per position (D=128, bf16): TensorE 1 cycle (K transpose) + 1 (Q K^T) + 0.5 (P V); ScalarE
 1 per 128 positions and head-dim row (K^T PSUM -> SBUF); VectorE/GpSimd a few per packed
-score column plus the last split's zero-fill -- all below the DMA time of the 512 bytes per
-position (hardware-and-limits.md §5, decode rows; benchmarks/decode.py).
+score column plus the zero-fill (a 16-bit copy at 4 elements/cycle on trn2) -- all below the
+DMA time of the 512 bytes per position (hardware-and-limits.md §5, decode rows;
+benchmarks/decode.py).
+
+Program structure (split kernel). A program runs several *steps* -- work items x kv heads
+(``tiles.decode_work_items``, ``tiles.decode_heads_per_program``) -- so that the K/V gathers
+stream: it first builds the headers of all its steps (row indices, mask rows, query rows; every
+runtime-indexed read issued before any compute, so none waits behind the in-order engines),
+then runs a software pipeline with two buffers of gathered keys, transposed keys and values:
+step t + 2 is gathered and step t + 1's keys transposed while step t's softmax and P V run.
+One program per split instead (the layout before 2026-11-25) leaves each program's gathers
+waiting for the previous program's chain: the scheduled estimate of the default decode case
+was 2.14x the HBM bound that way and is 1.27x this way (benchmarks/decode.py).
 
 Paged cache (``block_table``, FlashAttention's ``flash_attn_with_kvcache(block_table=...)``).
 The caches are page pools ``(num_blocks, Hkv, page_size, D)`` and ``block_table (B, MB)`` int32
@@ -196,46 +210,62 @@ def _oob_offset(n_rows_total):
 # ============================================================================================
 # Split kernel: loading K^T and V of one split
 # ============================================================================================
-def _work_item(work, cache_lens, w, T, n, rs):
-    """Read work item w = (b, s); returns int32 columns ``b``, ``s``, the fp32 column
-    ``valid`` (key rows of the split that are entirely committed; <= 0 for none) and the fp32
-    length column ``L_b`` (None without ``cache_lens``), each ``(128, 1)``, the same on every
-    partition.
+def _item_columns(work, cache_lens, c, ipp):
+    """fp32 ``(128, 3 ipp)``: ``b_j | s_j | L_j`` of work items ``c ipp + j`` (the same on
+    every partition), ``L_j = cache_lens[b_j]``.
 
-    With ``cache_lens``, ``valid = floor((L_b - T) / n) - s * rs``: b is runtime data, so the
-    length is gathered by an indirect DMA (a padding item has ``b = B``: the gather is skipped
-    and its length reads as 0, i.e. nothing valid). Without, the split is full:
-    ``valid = rs``. Small integers (< 2^24) are exact through the fp32 broadcast matmul.
+    One DMA reads the ``(ipp, 2)`` items (one per partition), one indirect DMA gathers their
+    lengths (b is runtime data; a padding item has ``b = B``: skipped, its length reads as 0,
+    i.e. nothing valid), and one matmul ``ones(ipp, 128)^T @ [diag(b) | diag(s) | diag(L)]``
+    lays each item's values down a column (exact: integers < 2^24, one non-zero term each).
     """
-    item = nl.load(work[nl.ds(w, 1), 0:2])                              # (1, 2) int32: b, s
-    row = nl.ndarray((1, 3), dtype=nl.float32, buffer=nl.sbuf)
-    row[0:1, 0:2] = nisa.tensor_copy(item, dtype=nl.float32, engine=nisa.vector_engine)
-    if cache_lens is not None:
-        B = cache_lens.shape[0]
-        length = nisa.memset((1, 1), 0, dtype=nl.int32, engine=nisa.gpsimd_engine)
-        nisa.dma_copy(dst=length,
-                      src=cache_lens.reshape((B, 1))[item[nl.arange(1)[:, None], 0],
-                                                     nl.arange(1)[None, :]],
-                      oob_mode=nisa.oob_mode.skip)
-        row[0:1, 2:3] = nisa.tensor_copy(length, dtype=nl.float32, engine=nisa.vector_engine)
-    ones = nl.ones((1, PMAX), dtype=nl.float32, buffer=nl.sbuf)
-    col_ps = nl.ndarray((PMAX, 3), dtype=nl.float32, buffer=nl.psum)
-    col_ps[0:PMAX, 0:3 if cache_lens is not None else 2] = nisa.nc_matmul(
-        ones, row[0:1, 0:3 if cache_lens is not None else 2])
-    cols = nisa.tensor_copy(col_ps, dtype=nl.float32, engine=nisa.vector_engine)
-    b_i = nisa.tensor_copy(cols[0:PMAX, 0:1], dtype=nl.int32, engine=nisa.vector_engine)
-    s_i = nisa.tensor_copy(cols[0:PMAX, 1:2], dtype=nl.int32, engine=nisa.vector_engine)
-    if cache_lens is None:
-        return b_i, s_i, nisa.memset((PMAX, 1), float(rs), dtype=nl.float32,
-                                     engine=nisa.gpsimd_engine), None
-    lp, rem = _committed_split(cols[0:PMAX, 2:3], T, n)
-    full = nisa.tensor_tensor(lp, rem, op=np.subtract, dtype=nl.float32)
-    # floor(Lp / n) - s * rs  (exact: n is a power of two, all values < 2^24)
-    valid = nisa.scalar_tensor_tensor(data=cols[0:PMAX, 1:2], op0=np.multiply,
+    B = cache_lens.shape[0]
+    i_j = nl.arange(ipp)[:, None]
+    items = nl.load(work[nl.ds(c * ipp, ipp), 0:2])                    # (ipp, 2) int32
+    length = nisa.memset((ipp, 1), 0, dtype=nl.int32, engine=nisa.gpsimd_engine)
+    nisa.dma_copy(dst=length,
+                  src=cache_lens.reshape((B, 1))[items[i_j, 0], nl.arange(1)[None, :]],
+                  oob_mode=nisa.oob_mode.skip)
+    vals = nl.ndarray((ipp, 3), dtype=nl.float32, buffer=nl.sbuf)
+    vals[0:ipp, 0:2] = nisa.tensor_copy(items, dtype=nl.float32, engine=nisa.vector_engine)
+    vals[0:ipp, 2:3] = nisa.tensor_copy(length, dtype=nl.float32, engine=nisa.vector_engine)
+    ident = nisa.tensor_scalar(nisa.iota(nl.arange(ipp)[None, :] - i_j, dtype=nl.float32),
+                               op0=nl.equal, operand0=0.0, dtype=nl.float32)
+    diag = nl.ndarray((ipp, 3 * ipp), dtype=nl.float32, buffer=nl.sbuf)
+    for v in nl.static_range(3):
+        diag[0:ipp, v * ipp:(v + 1) * ipp] = nisa.tensor_scalar(
+            ident, op0=np.multiply, operand0=vals[0:ipp, v:v + 1], dtype=nl.float32)
+    ones = nl.ones((ipp, PMAX), dtype=nl.float32, buffer=nl.sbuf)
+    cols_ps = nl.ndarray((PMAX, 3 * ipp), dtype=nl.float32, buffer=nl.psum)
+    cols_ps[...] = nisa.nc_matmul(ones, diag)
+    return nisa.tensor_copy(cols_ps, dtype=nl.float32, engine=nisa.vector_engine)
+
+
+def _valid_rows(cols, ipp, T, n, rs):
+    """fp32 ``(128, ipp)``: key rows of each item's split that are entirely committed,
+    ``floor((L - T) / n) - s rs`` (<= 0 for none; exact: n is a power of two, all values
+    < 2^24)."""
+    lp = nisa.tensor_scalar(cols[0:PMAX, 2 * ipp:3 * ipp], op0=np.subtract, operand0=float(T),
+                            dtype=nl.float32)
+    full = nisa.tensor_tensor(lp, M.int_mod(lp, n), op=np.subtract, dtype=nl.float32)
+    valid = nisa.scalar_tensor_tensor(data=cols[0:PMAX, ipp:2 * ipp], op0=np.multiply,
                                       operand0=float(-rs * n), op1=np.add, operand1=full,
                                       dtype=nl.float32)
-    valid = nisa.tensor_scalar(valid, op0=np.multiply, operand0=1.0 / n, dtype=nl.float32)
-    return b_i, s_i, valid, cols[0:PMAX, 2:3]
+    return nisa.tensor_scalar(valid, op0=np.multiply, operand0=1.0 / n, dtype=nl.float32)
+
+
+def _int_tile(terms, parts, width, acc=None):
+    """int32 ``(parts, width)`` tile ``acc + sum(c * x)`` over ``(x, c)`` pairs of int32 tiles:
+    int32 multiply and add (exact; fp32 engine arithmetic would round above 2^24)."""
+    for x, c in terms:
+        if c == 0:
+            continue
+        if c != 1:
+            x = nisa.tensor_tensor(x, nisa.memset((parts, width), c, dtype=nl.int32,
+                                                  engine=nisa.gpsimd_engine),
+                                   op=np.multiply, dtype=nl.int32)
+        acc = x if acc is None else nisa.tensor_tensor(acc, x, op=np.add, dtype=nl.int32)
+    return acc
 
 
 def _int_column(terms, parts=PMAX):
@@ -254,27 +284,35 @@ def _int_column(terms, parts=PMAX):
     return acc
 
 
-def _split_row_indices(valid, row_base, g, h_row0, oob):
-    """int32 ``(kv_rows, n_kv)``: the absolute key row gathered into partition p of K/V tile k
-    (``row_base + h_row0 + 128 k + p``), pushed out of bounds (``+ oob``) when the local row
-    ``128 k + p`` is not below ``valid``."""
-    i_p = nl.arange(g.kv_rows)[:, None]
-    i_k = nl.arange(g.n_kv)[None, :]
-    local = nisa.iota(i_k * PMAX + i_p, dtype=nl.float32)
-    beyond = nisa.tensor_scalar(local, op0=nl.greater_equal, operand0=valid[0:g.kv_rows],
-                                op1=np.multiply, operand1=float(oob), dtype=nl.int32)
-    rows = nisa.tensor_tensor(nisa.iota(h_row0 + i_k * PMAX + i_p, dtype=nl.int32), beyond,
-                              op=np.add, dtype=nl.int32)
-    idx = nl.ndarray((g.kv_rows, g.n_kv), dtype=nl.int32, buffer=nl.sbuf)
+def _split_row_indices(valid, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, idx):
+    """Row indices of a chunk's K/V gathers: column ``(hh ipp + j) n_kv + k`` of the int32
+    tile ``idx`` is the absolute key row gathered into partition p of K/V tile k of item j for
+    head ``hh`` of the group (``b_j b_stride + s_j rs + h_row0 + hh h_stride + 128 k + p``),
+    pushed out of bounds (``+ oob``) when the local row ``128 k + p`` is not below
+    ``valid[:, j]``. ``bs``: int32 ``b | s`` columns."""
+    kr = g.kv_rows
+    i_p = nl.arange(kr)[:, None]
+    i_j = nl.arange(ipp)[None, :]
+    base = _int_tile([(bs[0:kr, 0:ipp], b_stride), (bs[0:kr, ipp:2 * ipp], g.rs)], kr, ipp)
     for k in nl.affine_range(g.n_kv):
-        idx[0:g.kv_rows, nl.ds(k, 1)] = nisa.tensor_tensor(
-            rows[0:g.kv_rows, nl.ds(k, 1)], row_base[0:g.kv_rows], op=np.add, dtype=nl.int32)
-    return idx
+        local = nisa.iota(k * PMAX + i_p + 0 * i_j, dtype=nl.float32)
+        beyond = nisa.tensor_tensor(local, valid[0:kr, 0:ipp], op=nl.greater_equal,
+                                    dtype=nl.float32)
+        beyond = nisa.tensor_scalar(beyond, op0=np.multiply, operand0=float(oob),
+                                    dtype=nl.int32)
+        rows = _int_tile([(beyond, 1), (base, 1)], kr, ipp)
+        for hh in nl.affine_range(hpp):
+            idx[i_p, (hh * ipp + i_j) * g.n_kv + k] = nisa.tensor_tensor(
+                nisa.iota(h_row0 + hh * h_stride + k * PMAX + i_p + 0 * i_j, dtype=nl.int32),
+                rows, op=np.add, dtype=nl.int32)
 
 
-def _paged_split_row_indices(table, valid, b_i, s_i, g, h, Hkv, num_blocks, ppr):
-    """int32 ``(kv_rows, n_kv)``: the row of the page pools' ``(num_blocks Hkv ppr, n D)`` view
-    gathered into partition p of K/V tile k (``ppr = page_size / n`` key rows per page).
+def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_blocks, ppr,
+                             idx):
+    """Row indices of a chunk's K/V gathers from a paged cache: column ``(hh ipp + j) n_kv +
+    k`` of ``idx`` is the row of the page pools' ``(num_blocks Hkv ppr, n D)`` view gathered
+    into partition p of K/V tile k of item j for kv head ``h = h0 + hh`` (``ppr = page_size /
+    n`` key rows per page). The page numbers are gathered once for the group's heads.
 
     Local key row ``128 k + p`` of the split is logical key row ``r = s rs + 128 k + p`` of
     sequence b: key row ``r mod ppr`` of logical block ``r // ppr``, whose page is
@@ -284,98 +322,97 @@ def _paged_split_row_indices(table, valid, b_i, s_i, g, h, Hkv, num_blocks, ppr)
     prefix; every row of a padding item, b = B) reads no entry -- its table index is pushed out
     of bounds -- and keeps the page number ``num_blocks``, one past the pool, so its K/V gather
     is skipped too. Block/row arithmetic runs in fp32 on values < 2^24 (exact: ppr is a power
-    of two); page numbers and pool rows in int32 on GpSimd.
+    of two); page numbers and pool rows in int32.
     """
     B, MB = table.shape
-    kr, nk = g.kv_rows, g.n_kv
+    kr = g.kv_rows
     i_p = nl.arange(kr)[:, None]
-    i_k = nl.arange(nk)[None, :]
-    local = nisa.iota(i_k * PMAX + i_p, dtype=nl.float32)
-    beyond = nisa.tensor_scalar(local, op0=nl.greater_equal, operand0=valid[0:kr],
-                                op1=np.multiply, operand1=float(_oob_offset(B * MB)),
-                                dtype=nl.int32)
-    first = nisa.tensor_scalar(s_i[0:kr], op0=np.multiply, operand0=float(g.rs),
+    i_j = nl.arange(ipp)[None, :]
+    oob = float(_oob_offset(B * MB))
+    b_mb = _int_tile([(bs[0:kr, 0:ipp], MB)], kr, ipp)
+    first = nisa.tensor_scalar(cols[0:kr, ipp:2 * ipp], op0=np.multiply, operand0=float(g.rs),
                                dtype=nl.float32)                          # s rs
-    r = nisa.tensor_scalar(local, op0=np.add, operand0=first, dtype=nl.float32)
-    within = M.int_mod(r, ppr)                      # r mod ppr
-    block0 = nisa.tensor_tensor(r, within, op=np.subtract, dtype=nl.float32)
-    block = nisa.tensor_scalar(block0, op0=np.multiply, operand0=1.0 / ppr, dtype=nl.int32)
-    entry = nisa.tensor_tensor(block, beyond, op=np.add, dtype=nl.int32)
-    b_mb = _int_column([(b_i, MB)], kr)
     table_flat = table.reshape((B * MB, 1))
-    page = nisa.memset((kr, nk), num_blocks, dtype=nl.int32, engine=nisa.gpsimd_engine)
-    for k in nl.affine_range(nk):
-        ent_k = nisa.tensor_tensor(entry[0:kr, nl.ds(k, 1)], b_mb, op=np.add, dtype=nl.int32)
-        nisa.dma_copy(dst=page[0:kr, nl.ds(k, 1)],
-                      src=table_flat[ent_k[i_p, 0], nl.arange(1)[None, :]],
-                      oob_mode=nisa.oob_mode.skip)
-    # h ppr + r mod ppr = iota(h ppr + 128 k + p) + (r mod ppr - (128 k + p))
-    offset = nisa.tensor_tensor(nisa.iota(h * ppr + i_k * PMAX + i_p, dtype=nl.int32),
-                                nisa.tensor_tensor(within, local, op=np.subtract,
-                                                   dtype=nl.int32),
-                                op=np.add, dtype=nl.int32)
-    rows = nisa.tensor_tensor(page, nisa.memset((kr, nk), Hkv * ppr, dtype=nl.int32,
-                                                engine=nisa.gpsimd_engine),
-                              op=np.multiply, dtype=nl.int32)
-    return nisa.tensor_tensor(rows, offset, op=np.add, dtype=nl.int32)
+    for k in nl.affine_range(g.n_kv):
+        local = nisa.iota(k * PMAX + i_p + 0 * i_j, dtype=nl.float32)
+        beyond = nisa.tensor_tensor(local, valid[0:kr, 0:ipp], op=nl.greater_equal,
+                                    dtype=nl.float32)
+        beyond = nisa.tensor_scalar(beyond, op0=np.multiply, operand0=oob, dtype=nl.int32)
+        r = nisa.tensor_tensor(local, first, op=np.add, dtype=nl.float32)
+        within = M.int_mod(r, ppr)                      # r mod ppr
+        block = nisa.tensor_scalar(nisa.tensor_tensor(r, within, op=np.subtract,
+                                                      dtype=nl.float32),
+                                   op0=np.multiply, operand0=1.0 / ppr, dtype=nl.int32)
+        entry = _int_tile([(beyond, 1), (b_mb, 1)], kr, ipp, acc=block)
+        page = nisa.memset((kr, ipp), num_blocks, dtype=nl.int32, engine=nisa.gpsimd_engine)
+        for j in nl.affine_range(ipp):
+            nisa.dma_copy(dst=page[0:kr, nl.ds(j, 1)],
+                          src=table_flat[entry[i_p, j], nl.arange(1)[None, :]],
+                          oob_mode=nisa.oob_mode.skip)
+        # page Hkv ppr + r mod ppr, then + h ppr per head
+        rows = _int_tile([(page, Hkv * ppr), (nisa.tensor_copy(within, dtype=nl.int32), 1)],
+                         kr, ipp)
+        for hh in nl.affine_range(hpp):
+            idx[i_p, (hh * ipp + i_j) * g.n_kv + k] = nisa.tensor_tensor(
+                nisa.iota((h0 + hh) * ppr + 0 * i_p + 0 * i_j, dtype=nl.int32), rows,
+                op=np.add, dtype=nl.int32)
 
 
-def _load_split_kv(k_rows, v_rows, idx, g, mm, zero_fill):
-    """Gather the split's K and V (skipping rows past the committed prefix). With
-    ``zero_fill`` the tiles are zeroed first, so skipped rows hold 0 (a split whose rows are
-    all committed skips that).
+def _zero_source(g, mm, items):
+    """The zero tile the K/V fills copy from, made once per program, or None (memsets).
 
-    Returns ``kT (128, n_dt * n * rs)`` -- head-dim tile ``dt``, position ``j`` of key row
-    ``row`` at column ``(dt * n + j) * rs + row`` -- and ``v_all (kv_rows, n_kv * n * D)`` --
-    partition p of tile k holds key row ``128 k + p``, position j at columns
-    ``(k * n + j) * D``.
+    Skipped rows must hold zeros, never a stale or uninitialized NaN. On trn2 VectorE copies
+    16-bit data SBUF->SBUF at 4 elements/cycle, so copying one zero tile is 4x cheaper than a
+    memset (1 element/cycle) once a program fills two or more K/V tiles; trn1 memsets, split
+    between VectorE (K) and GpSimd (V).
     """
-    n, D, rs, kv_rows = g.n, g.D, g.rs, g.kv_rows
-    kT = nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf)
-    v_all = nl.ndarray((kv_rows, g.n_kv * n * D), dtype=mm, buffer=nl.sbuf)
+    if (nisa.get_nc_version() >= nisa.nc_version.gen3 and mm != nl.float32
+            and g.n_kv * items >= 2):
+        return nisa.memset((g.kv_rows, g.n * g.D), 0, dtype=mm, engine=nisa.gpsimd_engine)
+    return None
+
+
+def _gather_rows(rows_view, idx, c0, g, zeros, dst, engine):
+    """Zero ``dst (kv_rows, n_kv * n * D)``, then gather into it the committed key rows of one
+    split of ``rows_view`` (K or V rows), named by columns ``c0 .. c0 + n_kv`` of the row-index
+    tile ``idx`` (out-of-bounds rows are skipped and stay 0). ``zeros``: :func:`_zero_source`
+    (else a memset on ``engine``)."""
+    n, D, kv_rows = g.n, g.D, g.kv_rows
     i_p = nl.arange(kv_rows)[:, None]
     i_f = nl.arange(n * D)[None, :]
-    per_bank = max(1, min(n, tiles.PSUM_FMAX // kv_rows))   # transposes per PSUM staging bank
-    # Skipped rows must hold zeros, never stale NaN. On trn2 VectorE copies 16-bit data
-    # SBUF->SBUF at 4 elements/cycle, so copying one zero tile is 4x cheaper than a memset
-    # (1 element/cycle) once a program fills two or more K/V tiles; trn1 memsets, split between
-    # VectorE (K) and GpSimd (V).
-    copy_zeros = (zero_fill and nisa.get_nc_version() >= nisa.nc_version.gen3
-                  and mm != nl.float32 and g.n_kv >= 2)
-    if copy_zeros:
-        zeros = nisa.memset((kv_rows, n * D), 0, dtype=mm, engine=nisa.gpsimd_engine)
-
     for k in nl.affine_range(g.n_kv):
-        # V: zero, then gather the committed key rows (the rest stays 0)
-        if copy_zeros:
-            v_all[0:kv_rows, nl.ds(k * n * D, n * D)] = nisa.tensor_copy(
+        if zeros is not None:
+            dst[0:kv_rows, nl.ds(k * n * D, n * D)] = nisa.tensor_copy(
                 zeros, engine=nisa.vector_engine)
-            k_nat = nisa.tensor_copy(zeros, engine=nisa.vector_engine)
-        elif zero_fill:
-            v_all[0:kv_rows, nl.ds(k * n * D, n * D)] = nisa.memset(
-                (kv_rows, n * D), 0, dtype=mm, engine=nisa.gpsimd_engine)
-            k_nat = nisa.memset((kv_rows, n * D), 0, dtype=mm, engine=nisa.vector_engine)
         else:
-            k_nat = nl.ndarray((kv_rows, n * D), dtype=mm, buffer=nl.sbuf)
-        nisa.dma_copy(dst=v_all[0:kv_rows, nl.ds(k * n * D, n * D)],
-                      src=v_rows[idx[i_p, k], i_f], oob_mode=nisa.oob_mode.skip)
-        # K: same gather into a staging tile, then TensorE transposes into kT
-        nisa.dma_copy(dst=k_nat, src=k_rows[idx[i_p, k], i_f], oob_mode=nisa.oob_mode.skip)
+            dst[0:kv_rows, nl.ds(k * n * D, n * D)] = nisa.memset(
+                (kv_rows, n * D), 0, dtype=dst.dtype, engine=engine)
+        nisa.dma_copy(dst=dst[0:kv_rows, nl.ds(k * n * D, n * D)],
+                      src=rows_view[idx[i_p, c0 + k], i_f], oob_mode=nisa.oob_mode.skip)
+
+
+def _transpose_keys(k_nat, kT, g):
+    """``kT (128, n_dt * n * rs)`` -- head-dim tile ``dt``, position ``j`` of key row ``row``
+    at column ``(dt * n + j) * rs + row`` -- from the gathered key rows ``k_nat (kv_rows,
+    n_kv * n * D)``: TensorE transposes through PSUM staging banks, copied out by ScalarE."""
+    n, D, rs, kv_rows = g.n, g.D, g.rs, g.kv_rows
+    per_bank = max(1, min(n, tiles.PSUM_FMAX // kv_rows))   # transposes per PSUM staging bank
+    for k in nl.affine_range(g.n_kv):
         for dt, d0, dsz in g.d_tiles():
             for jg in nl.static_range(tiles.ceil_div(n, per_bank)):
                 j0 = jg * per_bank
                 cnt = min(per_bank, n - j0)
                 kt_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
                 for jb in nl.static_range(cnt):
+                    c0 = (k * n + j0 + jb) * D + d0
                     kt_ps[0:dsz, jb * kv_rows:(jb + 1) * kv_rows] = nisa.nc_transpose(
-                        k_nat[0:kv_rows, (j0 + jb) * D + d0:(j0 + jb) * D + d0 + dsz])
+                        k_nat[0:kv_rows, nl.ds(c0, dsz)])
                 i_d = nl.arange(dsz)[:, None, None]
                 i_j = nl.arange(cnt)[None, :, None]
                 i_r = nl.arange(kv_rows)[None, None, :]
                 col0 = (dt * n + j0) * rs
                 kT[i_d, col0 + i_j * rs + k * PMAX + i_r] = nisa.tensor_copy(
-                    kt_ps[i_d, i_j * kv_rows + i_r], dtype=mm, engine=nisa.scalar_engine)
-    return kT, v_all
+                    kt_ps[i_d, i_j * kv_rows + i_r], dtype=kT.dtype, engine=nisa.scalar_engine)
 
 
 def _split_mask_row(valid, g):
@@ -434,6 +471,26 @@ def _member_column(values, b, b_col, h, G):
     nisa.dma_copy(dst=out, src=values.reshape((total, 1))[idx[i_g, 0], nl.arange(1)[None, :]],
                   oob_mode=nisa.oob_mode.skip)
     return out
+
+
+def _member_columns(values, bs, h, G, ipp, out, col0):
+    """Columns ``col0 + j`` of the fp32 ``(G, ...)`` tile ``out`` (zeroed by the caller):
+    ``values[b_j, h G + g]`` of an HBM ``(Hq,)`` or ``(1 or B, Hq)`` fp32 tensor, by indirect
+    DMAs (``bs``: int32 ``b | s`` columns; a padding item's b = B reads out of bounds,
+    skipped: 0)."""
+    Hq = values.shape[-1]
+    per_batch = len(values.shape) == 2 and values.shape[0] > 1
+    total = 1
+    for d in values.shape:
+        total *= d
+    i_g = nl.arange(G)[:, None]
+    idx = nisa.iota(h * G + i_g + 0 * nl.arange(ipp)[None, :], dtype=nl.int32)
+    if per_batch:
+        idx = _int_tile([(bs[0:G, 0:ipp], Hq)], G, ipp, acc=idx)
+    flat = values.reshape((total, 1))
+    for j in nl.affine_range(ipp):
+        nisa.dma_copy(dst=out[0:G, nl.ds(col0 + j, 1)],
+                      src=flat[idx[i_g, j], nl.arange(1)[None, :]], oob_mode=nisa.oob_mode.skip)
 
 
 def _modified(mods, src, mask_ps, pos, slope, cap):
@@ -739,25 +796,12 @@ def _alibi_lse_shift(lse, rm, s_i, length, T, split_keys, rows):
                                      op1=np.add, operand1=lse, dtype=nl.float32)
 
 
-def _split_row_tile(q_rows, kT, v_all, mask_row, o_flat, lse_flat, q_base, o_base, g, h, R,
-                    S, rt0, rows, scale, mm, rm=None, cap=None, item=None):
-    """Partial (o, lse) of query rows ``rt0 .. rt0 + rows`` of kv head h over one work item.
-    ``rm``: the row tile's score modifiers (:class:`_RowMods`, None without); ``item``:
-    ``(s_i, L)`` columns of the work item (ALiBi).
-
-    The item's sequence is runtime data, so the query rows are gathered (row
-    ``q_base + h R + rt0 + p``) and the partial rows scattered (flat row
-    ``o_base + (h R + rt0 + p) S`` of the ``((B + 1) Hq T S, D)`` view: row, then slot) by
-    indirect DMA. A padding item (``b = B``) gathers nothing (out of bounds, skipped) and
-    writes into the trash block.
-    """
+def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, rm=None, cap=None):
+    """First half of one row tile's partial over a work item (query rows ``rows`` of the
+    item, gathered as ``q_nat (rows, D)``): scores against ``kT``, the modifiers (``rm``:
+    :class:`_RowMods`, None without), the row max and the exponentials. Returns the state
+    :func:`_split_back` finishes: ``(p_sb, l_col, m_col)``."""
     P = g.pack * rows
-    i_p = nl.arange(rows)[:, None]
-    q_idx = nisa.tensor_tensor(nisa.iota(h * R + rt0 + i_p, dtype=nl.int32), q_base[0:rows],
-                               op=np.add, dtype=nl.int32)
-    q_nat = nisa.memset((rows, g.D), 0, dtype=q_rows.dtype, engine=nisa.gpsimd_engine)
-    nisa.dma_copy(dst=q_nat, src=q_rows[q_idx[i_p, 0], nl.arange(g.D)[None, :]],
-                  oob_mode=nisa.oob_mode.skip)
     qT = _scaled_query_t(q_nat, rows, g.D, g.n_dt, scale, mm)
     qbd = _packed_queries(qT, rows, g, mm)
     transforms = rm is not None and rm.mods.transforms
@@ -778,6 +822,21 @@ def _split_row_tile(q_rows, kT, v_all, mask_row, o_flat, lse_flat, q_base, o_bas
         l_col = nisa.tensor_copy(l_ps, dtype=nl.float32, engine=nisa.vector_engine)
     else:
         l_col = l_p
+    return p_sb, l_col, m_col
+
+
+def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, mm, rm=None,
+                item=None):
+    """Second half (:func:`_split_front`): ``P V``, the normalization and the scatter of the
+    partial (o, lse). ``item``: ``(s_i, L)`` columns of the work item (ALiBi).
+
+    The item's sequence is runtime data, so the partial rows are scattered (flat row
+    ``o_base + (h R + rt0 + p) S`` of the ``((B + 1) Hq T S, D)`` view: row, then slot) by
+    indirect DMA. A padding item (``b = B``) writes into the trash block.
+    """
+    p_sb, l_col, m_col = state
+    P = g.pack * rows
+    i_p = nl.arange(rows)[:, None]
     pT = _transpose_probs(p_sb, g, P, mm)
     acc = _split_pv(v_all, pT, g, rows, P)
     o_sb = _normalize_rows(acc, l_col, rows, g)
@@ -1022,13 +1081,167 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
 # ============================================================================================
 # Phase 1 kernel
 # ============================================================================================
+def _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_slopes, o_part,
+                 lse_part, mods, hg, c, B, Hkv, R, S, T, G, n, split_rows, pack, row_tile, ipp,
+                 hpp, scale, mm):
+    """Chunk program ``(hg, c)`` of the split kernel: work items ``c ipp .. c ipp + ipp - 1``
+    for kv heads ``hg hpp .. hg hpp + hpp - 1``, i.e. ``hpp ipp`` steps ``t = hh ipp + j``
+    (head ``hh`` of the group, item j).
+
+    1. Headers, for all steps at once (one item per column): ``(b, s)``, the sequence
+       lengths, the row indices of the K/V gathers, the mask rows, the query rows (and ALiBi
+       slopes). Every runtime-indexed read of the program is issued here, before any split is
+       computed, so none of them waits behind the engines, and the chain of small DMAs and
+       index arithmetic is paid once per program, not once per step.
+    2. Splits (``sequential_range`` loops over the heads and item pairs, software-pipelined:
+       the loops carry two buffers of gathered keys, transposed keys and values): step t + 1's
+       keys are transposed while step t's softmax runs, step t + 2's gathers are issued while
+       steps t and t + 1 are computed, and each step scatters its partial (o, lse) when done.
+       The last two gathers are of dead steps (all rows out of bounds: nothing is read), which
+       keeps the loop body uniform.
+
+    Every item is treated as possibly holding uncommitted rows (zero-filled buffers, mask
+    row): whether it does is runtime data.
+    """
+    Hq = G * Hkv
+    S_max = k_cache.shape[2]
+    g = _SplitGeometry(q_rows.shape[1], n, split_rows, pack)
+    D, rs, kr = g.D, g.rs, g.kv_rows
+    steps = hpp * ipp
+    alibi = mods.alibi
+    h0 = hg * hpp                                       # first kv head of the group
+    if block_table is None:
+        rows_bh = S_max // n
+        k_rows = k_cache.reshape((B * Hkv * rows_bh, n * D))
+        v_rows = v_cache.reshape((B * Hkv * rows_bh, n * D))
+        oob = _oob_offset(B * Hkv * rows_bh)
+    else:
+        num_blocks, ppr = k_cache.shape[0], S_max // n      # S_max is the page size here
+        k_rows = k_cache.reshape((num_blocks * Hkv * ppr, n * D))
+        v_rows = v_cache.reshape((num_blocks * Hkv * ppr, n * D))
+        oob = _oob_offset(num_blocks * Hkv * ppr)
+    row_tiles = _row_tiles(R, row_tile)
+
+    # -- 1. headers ------------------------------------------------------------------------
+    cols = _item_columns(work, cache_lens, c, ipp)           # (128, 3 ipp): b | s | L
+    valid = _valid_rows(cols, ipp, T, n, split_rows)         # (128, ipp)
+    bs = nisa.tensor_copy(cols[0:PMAX, 0:2 * ipp], dtype=nl.int32, engine=nisa.vector_engine)
+    idx = nl.ndarray((kr, (steps + 2) * g.n_kv), dtype=nl.int32, buffer=nl.sbuf)
+    idx[0:kr, steps * g.n_kv:(steps + 2) * g.n_kv] = nisa.memset(
+        (kr, 2 * g.n_kv), oob, dtype=nl.int32, engine=nisa.gpsimd_engine)   # dead steps
+    if block_table is None:
+        _split_row_indices(valid, bs, g, ipp, hpp, h0 * rows_bh, rows_bh, Hkv * rows_bh, oob,
+                           idx)
+    else:
+        _paged_split_row_indices(block_table, valid, cols, bs, g, ipp, hpp, h0, Hkv,
+                                 num_blocks, ppr, idx)
+    mask = nl.ndarray((1, ipp * rs), dtype=_MASK_DTYPE, buffer=nl.sbuf)
+    local = nisa.iota(nl.arange(rs)[None, :], dtype=nl.float32)
+    for j in nl.affine_range(ipp):
+        mask[0:1, nl.ds(j * rs, rs)] = nisa.tensor_scalar(
+            local, op0=nl.greater_equal, operand0=valid[0:1, nl.ds(j, 1)], op1=np.multiply,
+            operand1=NEG, dtype=_MASK_DTYPE)
+    slopes = None
+    if alibi:
+        slopes = nisa.memset((G, steps), 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
+        for hh in nl.affine_range(hpp):
+            _member_columns(alibi_slopes, bs, h0 + hh, G, ipp, slopes, hh * ipp)
+    # the query rows of every step (padding items gather none: their rows stay 0)
+    qs = []
+    for _, rt0, rows in row_tiles:
+        i_p = nl.arange(rows)[:, None]
+        q_keep = nisa.memset((rows, steps * D), 0, dtype=q_rows.dtype,
+                             engine=nisa.gpsimd_engine)
+        for hh in nl.affine_range(hpp):
+            q_idx = _int_tile([(bs[0:rows, 0:ipp], Hkv * R)], rows, ipp,
+                              nisa.iota((h0 + hh) * R + rt0 + i_p + 0 * nl.arange(ipp)[None, :],
+                                        dtype=nl.int32))
+            for j in nl.affine_range(ipp):
+                nisa.dma_copy(dst=q_keep[0:rows, nl.ds((hh * ipp + j) * D, D)],
+                              src=q_rows[q_idx[i_p, j], nl.arange(D)[None, :]],
+                              oob_mode=nisa.oob_mode.skip)
+        qs.append(q_keep)
+
+    # -- 2. splits ------------------------------------------------------------------------
+    o_flat = o_part.reshape(((B + 1) * Hq * T * S, D))
+    lse_flat = lse_part.reshape(((B + 1) * Hq * T * S, 1))
+    zeros = _zero_source(g, mm, steps + 2)
+    kv_cols = g.n_kv * n * D
+    k_nat = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in range(2)]
+    v_all = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in range(2)]
+    kT = [nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf) for _ in range(2)]
+
+    def gather_k(t, b):
+        _gather_rows(k_rows, idx, t * g.n_kv, g, zeros, k_nat[b], nisa.vector_engine)
+
+    def gather_v(t, b):
+        _gather_rows(v_rows, idx, t * g.n_kv, g, zeros, v_all[b], nisa.gpsimd_engine)
+
+    def front(hh, j, b):
+        """Step (hh, j)'s headers and the first half of each row tile (on ``kT[b]``)."""
+        t = hh * ipp + j
+        b_i = nisa.tensor_copy(bs[0:PMAX, nl.ds(j, 1)], engine=nisa.gpsimd_engine)
+        s_i = nisa.tensor_copy(bs[0:PMAX, nl.ds(ipp + j, 1)], engine=nisa.gpsimd_engine)
+        mask_row = nisa.tensor_copy(mask[0:1, nl.ds(j * rs, rs)], engine=nisa.gpsimd_engine)
+        slope_g = item = None
+        if alibi:
+            slope_g = nisa.tensor_copy(slopes[0:G, nl.ds(t, 1)], engine=nisa.gpsimd_engine)
+            item = (s_i, nisa.tensor_copy(cols[0:PMAX, nl.ds(2 * ipp + j, 1)],
+                                          engine=nisa.gpsimd_engine))
+        states = []
+        for (_, rt0, rows), q_keep in zip(row_tiles, qs):
+            q_nat = nisa.tensor_copy(q_keep[0:rows, nl.ds(t * D, D)],
+                                     engine=nisa.gpsimd_engine)
+            rm = (_RowMods(mods, slope_g, None, G, T, rt0, rows) if mods.transforms
+                  else None)
+            states.append((rm, _split_front(q_nat, kT[b], mask_row, g, rows, scale, mm, rm,
+                                            mods.softcap)))
+        return b_i, s_i, item, states
+
+    def back(hh, b, head):
+        """The second half of each row tile of the step ``front`` began (on ``v_all[b]``)."""
+        b_i, s_i, item, states = head
+        o_base = _int_column([(b_i, Hkv * R * S), (s_i, 1)])
+        for (_, rt0, rows), (rm, state) in zip(row_tiles, states):
+            _split_back(state, v_all[b], o_flat, lse_flat, o_base, g, h0 + hh, R, S, rt0, rows,
+                        mm, rm, item)
+
+    def step(hh, j, b):
+        t = hh * ipp + j
+        gather_k(t + 2, b)                      # k_nat[b] is free: step t's keys are in kT[b]
+        head = front(hh, j, b)
+        _transpose_keys(k_nat[1 - b], kT[1 - b], g)
+        back(hh, b, head)
+        gather_v(t + 2, b)                      # after step t's P V
+
+    # Buffer b is the parity of the step: steps come in pairs (ipp even: item pairs of one
+    # head; ipp = 1: pairs of heads).
+    gather_k(0, 0)
+    gather_v(0, 0)
+    gather_k(1, 1)
+    gather_v(1, 1)
+    _transpose_keys(k_nat[0], kT[0], g)
+    if steps == 1:
+        step(0, 0, 0)
+    elif ipp % 2 == 0:
+        for hh in nl.sequential_range(hpp):
+            for jj in nl.sequential_range(ipp // 2):
+                step(hh, 2 * jj, 0)
+                step(hh, 2 * jj + 1, 1)
+    else:
+        for hp in nl.sequential_range(hpp // 2):
+            step(2 * hp, 0, 0)
+            step(2 * hp + 1, 0, 1)
+
+
 @nki.jit
 def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_mask=None,
                               block_table=None, alibi_slopes=None, sinks=None, scale=1.0,
                               mm_dtype="bfloat16", key_row=1, split_rows=1, num_splits=1,
-                              row_tile=1, pack=1, num_full=0, softcap=None):
-    """Phase 1: one partial (o, lse) per program -- a split of the committed prefix of one
-    sequence, or the tail of one sequence -- for one kv head.
+                              row_tile=1, pack=1, items_per_program=1, heads_per_program=1,
+                              softcap=None):
+    """Phase 1: one partial (o, lse) per work item -- a split of the committed prefix of one
+    sequence -- or tail of one sequence, for one kv head.
 
     Parameters
     ----------
@@ -1038,13 +1251,11 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         of two and a multiple of ``key_row``.
     cache_lens : (B,) int32, ``T <= cache_lens[b] <= S_max`` (device data; paged:
         ``<= max_blocks * page_size``)
-    work : (num_full + B, 2) int32 or None
+    work : (W, 2) int32 or None
         The split work list (scheduler metadata, ``host.api.decode_work_list``): item
-        ``(b, s)`` is split s of sequence b. Items ``0 .. num_full - 1`` are splits whose key
-        rows are all committed (no zero-fill, no mask); item ``num_full + b`` is the last split
-        of sequence b, the only one that can hold uncommitted rows. Padding items ``(B, 0)``
-        read and write nothing. Runtime data, so it may change every step; only its length is
-        compile-time. None: no sequence has a full key row.
+        ``(b, s)`` is split s of sequence b; padding items ``(B, 0)`` read nothing and write a
+        trash block. Runtime data, so it may change every step; only its length W (a multiple
+        of ``items_per_program``) is compile-time. None: no sequence has a full key row.
     tree_mask : (T, T) uint8 0/1, or None
         ``tree_mask[t, u] = 1``: new token t sees new token u. None: causal (``u <= t``).
     block_table : (B, max_blocks) int32, or None
@@ -1059,19 +1270,25 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     key_row, split_rows, num_splits, row_tile, pack : int
         ``tiles.decode_tiles``: n, key rows per split, partial slots per query row for splits
         (the most splits any sequence may have), query rows per row tile, packed copies.
-    num_full : int
-        Work items of full splits (see ``work``).
+    items_per_program, heads_per_program : int
+        A chunk program runs ``items_per_program`` work items for ``heads_per_program`` kv
+        heads (``tiles.decode_program_shape``; their product is 1 or even). It first reads the
+        headers of all its steps (work items, lengths, row indices, query rows) and then
+        streams the splits through two buffers of each kind: step t + 2 is gathered and step
+        t + 1's keys transposed while step t is computed, so the DMA queues stay busy while
+        the engines work.
     softcap, alibi_slopes, sinks :
         Score modifiers (``score_mods.py``; HBM float32 ``(1 or B, Hq)`` slopes and ``(Hq,)``
         sinks): soft-capping and ALiBi in every partial (new token t at position ``L - T +
         t``), the sink in the tail's partial only (so the merge counts it once).
 
-    Grid ``(Hkv, W + B)``, ``W = num_full + B`` (0 without ``work``): program ``(h, w)`` with
-    ``w < W`` runs work item w -- key rows ``s * split_rows .. (s + 1) * split_rows`` of
-    sequence b, kv head h (positions ``n`` times that), reading only the rows entirely below
-    ``Lp = cache_lens[b] - T`` -- into partial slot s; program ``(h, W + b)`` runs the tail of
-    sequence b -- the ``Lp mod n`` positions of the last partial key row and the T new tokens
-    -- into slot ``num_splits``.
+    Grid ``(Hkv / heads_per_program, C + B)``, ``C = W / items_per_program``: program
+    ``(hg, c)`` with ``c < C`` runs work items ``c items_per_program ..`` for kv heads ``hg
+    heads_per_program ..``; item ``(b, s)`` is key rows ``s * split_rows .. (s + 1) *
+    split_rows`` of sequence b (positions ``n`` times that), reading only the rows entirely
+    below ``Lp = cache_lens[b] - T``, into partial slot s. Program ``(hg, C + b)`` runs the
+    tails of sequence b for those heads -- the ``Lp mod n`` positions of the last partial key
+    row and the T new tokens -- into slot ``num_splits``.
 
     Returns
     -------
@@ -1083,66 +1300,43 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         Partial LSE (natural log of scaled scores); -inf for a split with no valid position.
     """
     B, Hq, T, D = q.shape
-    Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
+    Hkv = k_cache.shape[1]
     R = (Hq // Hkv) * T
     S = num_splits + 1
     W = 0 if work is None else work.shape[0]
+    C = W // items_per_program     # chunk programs
     n = key_row
     mm = _DTYPES[mm_dtype]
     # rows of "sequence B" are a trash block for padding work items
     o_part = nl.ndarray(((B + 1) * Hq * T, S, D), dtype=nl.float32, buffer=nl.shared_hbm)
     lse_part = nl.ndarray(((B + 1) * Hq * T, S), dtype=nl.float32, buffer=nl.shared_hbm)
 
-    h = nl.program_id(0)
+    hg = nl.program_id(0)
     w = nl.program_id(1)
     q_rows = q.reshape((B * Hkv * R, D))
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
     G = Hq // Hkv
 
-    if w >= W:
-        b = w - W
+    if w >= C:
+        b = w - C
         len_col = _length_column(cache_lens, b, PMAX)
         lp, rem = _committed_split(len_col, T, n)
-        tail_mods = None
-        if mods != SM.Mods():
-            tail_mods = (mods, _member_column(alibi_slopes, b, None, h, G) if mods.alibi
-                         else None,
-                         _member_column(sinks, b, None, h, G) if mods.sinks else None, G,
-                         mods.softcap)
-        _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part,
-                      b * Hkv + h, num_splits, T, R, D, n, row_tile, scale, mm,
-                      paged=None if block_table is None else (block_table, b, h),
-                      mods=tail_mods)
+        for hh in nl.affine_range(heads_per_program):
+            h = hg * heads_per_program + hh
+            tail_mods = None
+            if mods != SM.Mods():
+                tail_mods = (mods, _member_column(alibi_slopes, b, None, h, G) if mods.alibi
+                             else None,
+                             _member_column(sinks, b, None, h, G) if mods.sinks else None, G,
+                             mods.softcap)
+            _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part,
+                          b * Hkv + h, num_splits, T, R, D, n, row_tile, scale, mm,
+                          paged=None if block_table is None else (block_table, b, h),
+                          mods=tail_mods)
     else:
-        g = _SplitGeometry(D, n, split_rows, pack)
-        last = w >= num_full       # the sequence's last split: may hold uncommitted rows
-        # ALiBi needs every split's sequence length (its distance to the new tokens)
-        b_i, s_i, valid, length = _work_item(work, cache_lens if mods.alibi or last else None,
-                                             w, T, n, split_rows)
-        slope_g = _member_column(alibi_slopes, None, b_i, h, G) if mods.alibi else None
-        if block_table is None:
-            rows_bh = S_max // n
-            k_rows = k_cache.reshape((B * Hkv * rows_bh, n * D))
-            v_rows = v_cache.reshape((B * Hkv * rows_bh, n * D))
-            row_base = _int_column([(b_i, Hkv * rows_bh), (s_i, split_rows)], g.kv_rows)
-            idx = _split_row_indices(valid, row_base, g, h * rows_bh,
-                                     _oob_offset(B * Hkv * rows_bh))
-        else:
-            num_blocks, ppr = k_cache.shape[0], S_max // n      # S_max is the page size here
-            k_rows = k_cache.reshape((num_blocks * Hkv * ppr, n * D))
-            v_rows = v_cache.reshape((num_blocks * Hkv * ppr, n * D))
-            idx = _paged_split_row_indices(block_table, valid, b_i, s_i, g, h, Hkv, num_blocks,
-                                           ppr)
-        kT, v_all = _load_split_kv(k_rows, v_rows, idx, g, mm, zero_fill=last)
-        mask_row = _split_mask_row(valid, g) if last else None
-        q_base = _int_column([(b_i, Hkv * R)])
-        o_base = _int_column([(b_i, Hkv * R * S), (s_i, 1)])
-        o_flat = o_part.reshape(((B + 1) * Hq * T * S, D))
-        lse_flat = lse_part.reshape(((B + 1) * Hq * T * S, 1))
-        for _, rt0, rows in _row_tiles(R, row_tile):
-            rm = (_RowMods(mods, slope_g, None, G, T, rt0, rows) if mods.transforms else None)
-            _split_row_tile(q_rows, kT, v_all, mask_row, o_flat, lse_flat, q_base, o_base, g,
-                            h, R, S, rt0, rows, scale, mm, rm, mods.softcap, (s_i, length))
+        _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_slopes,
+                     o_part, lse_part, mods, hg, w, B, Hkv, R, S, T, G, n, split_rows, pack,
+                     row_tile, items_per_program, heads_per_program, scale, mm)
     return o_part, lse_part
 
 

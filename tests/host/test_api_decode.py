@@ -70,7 +70,9 @@ def test_split_count_comes_from_the_real_lengths_not_the_capacity():
     short = host.plan_flash_decode(q, k, v, cache_lens=[100])
     full = host.plan_flash_decode(q, k, v, cache_lens=[32768])
     assert short.num_splits == 1 and short.split_keys <= 1024
-    assert full.num_splits == 2 and full.split_keys * full.num_splits >= 32767
+    # splits of DECODE_MIN_SPLIT_KEYS positions, streamed through the programs' two buffers
+    assert full.split_keys == tiles.DECODE_MIN_SPLIT_KEYS == 4096
+    assert full.num_splits == 8 and full.split_keys * full.num_splits >= 32767
     assert host.plan_flash_decode(q, k, v, cache_lens=[1]).num_splits == 0
 
 
@@ -87,19 +89,20 @@ def test_plan_is_stable_within_a_length_bucket():
 
 def test_work_list_follows_the_real_lengths():
     """Splits are scheduled per sequence: one long and three tiny sequences run the long one's
-    splits plus one (empty) split each, not B times the longest; full splits first (padded to
-    a bucket), then each sequence's last split."""
+    splits plus one (empty) split each, not B times the longest, sequence by sequence, padded
+    to a bucket of whole programs."""
     q, k, v = shapes(B=4, Hq=32, Hkv=8, T=1, S_max=32768, D=128)
     lens = [1, 32768, 1, 40]
     p = host.plan_flash_decode(q, k, v, cache_lens=lens)
-    work, num_full, splits = api.decode_work_list(lens, 1, p)
+    work, per_program, splits = api.decode_work_list(lens, 1, p)
     per_split = p.split_keys
     assert splits.tolist() == [1, -(-32767 // per_split), 1, 1]
-    assert work.shape == (num_full + 4, 2) and num_full == tiles.decode_bucket(splits[1] - 1)
-    real_full = [tuple(x) for x in work[:num_full] if x[0] < 4]
-    assert real_full == [(1, s) for s in range(splits[1] - 1)]
-    assert all(tuple(x) == (4, 0) for x in work[len(real_full):num_full])
-    assert [tuple(x) for x in work[num_full:]] == [(b, splits[b] - 1) for b in range(4)]
+    real = [(b, s) for b in range(4) for s in range(splits[b])]
+    total, per = tiles.decode_work_items(len(real))
+    assert (len(work), per_program) == (total, per) and total % per == 0
+    assert total >= tiles.decode_bucket(len(real))
+    assert [tuple(x) for x in work[:len(real)]] == real
+    assert all(tuple(x) == (4, 0) for x in work[len(real):])
     assert len(work) < 4 * p.num_splits
     q, k, v = inputs(B=4, Hq=8, Hkv=2, T=1, S_max=4096, D=32, seed=3)
     lens = [1, 4096, 1, 40]
@@ -199,7 +202,7 @@ def test_validation_errors(index):
 def test_num_splits_too_small_names_the_minimum():
     q, k, v = shapes(B=1, Hq=32, Hkv=8, T=1, S_max=32768, D=128)
     with pytest.raises(ValueError, match=r"num_splits: 1 split\(s\) cannot hold .* num_splits "
-                                         r"must be >= 2"):
+                                         r"must be >= 4"):
         host.flash_decode(q, k, v, cache_lens=[32768], num_splits=1)
     with pytest.raises(ValueError, match="num_splits"):
         host.plan_flash_decode(q, k, v, cache_lens=[32768], num_splits=1)

@@ -127,7 +127,10 @@ def test_paged_hbm_bytes_formula_is_exact():
     assert m.per_tensor["k_cache"]["read"] == 2 * 64 * 2 * sum(lens)
     contiguous = host.flash_decode_hbm_bytes(3, 8, 2, 64, 2, lens, 2, p)
     lp = np.array(lens) - 2
-    assert read - contiguous[0] == 4 * 2 * int(np.sum(lp // 32 + lp % 32 + 2))
+    # one program runs both kv heads: a key row's page is read once, a tail position's per head
+    _, per_program, _ = api.decode_work_list(lens, 2, p)
+    assert tiles.decode_heads_per_program(2, per_program, p.max_steps) == 2
+    assert read - contiguous[0] == 4 * (int(np.sum(lp // 32)) + 2 * int(np.sum(lp % 32 + 2)))
     assert written == contiguous[1]
 
 

@@ -75,18 +75,21 @@ def plan(q, k, lens, mm, num_splits=None):
     return tiles.decode_tiles(Hq // Hkv * T, D, S_max, mm.itemsize, need, num_splits, batch=B)
 
 
-def run_phase1(q, k, v, lens, t, scale, mm, tree=None, work=None, num_full=0):
-    """The split kernel on its grid (Hkv, W + B): every partial (o, lse). ``work`` defaults to
-    the host's work list (the splits that hold committed rows)."""
+def run_phase1(q, k, v, lens, t, scale, mm, tree=None, work=None, per_program=1):
+    """The split kernel on its grid (Hkv, W / per_program + B): every partial (o, lse).
+    ``work`` defaults to the host's work list (the splits that hold committed rows)."""
     B, Hkv = q.shape[0], k.shape[1]
+    per_head = 1
     if work is None:
-        work, num_full, _ = decode_work_list(lens, q.shape[2], t)
+        work, per_program, _ = decode_work_list(lens, q.shape[2], t)
+        per_head = tiles.decode_heads_per_program(Hkv, per_program, t.max_steps)
     W = 0 if work is None else len(work)
     tm = None if tree is None else np.asarray(tree, dtype=np.uint8)
     return nki.simulate_kernel(
-        dk.flash_decode_split_kernel[Hkv, W + B], q, k, v, lens, work, tm, scale=scale,
-        mm_dtype=mm.name, key_row=t.key_row, split_rows=t.split_rows, num_splits=t.num_splits,
-        row_tile=t.row_tile, pack=t.pack, num_full=num_full)
+        dk.flash_decode_split_kernel[Hkv // per_head, W // per_program + B], q, k, v, lens,
+        work, tm, scale=scale, mm_dtype=mm.name, key_row=t.key_row, split_rows=t.split_rows,
+        num_splits=t.num_splits, row_tile=t.row_tile, pack=t.pack,
+        items_per_program=per_program, heads_per_program=per_head)
 
 
 def run_merge(o_part, lse_part, row_splits, out_dtype):
@@ -233,13 +236,13 @@ def test_split_partials_are_attention_over_their_keys():
     q, k, v, lens = make_inputs(rng, B, Hq, Hkv, T, S_max, D, F32, [200, 41])
     scale = 1.0 / math.sqrt(D)
     t = plan(q, k, lens, F32, num_splits=4)
-    # each split s of every sequence as its "last" (zero-filled, masked) work item, including
-    # splits past a sequence's end (which the host would not schedule): one launch per s
+    # each split s of every sequence as a work item (zero-filled, masked), including splits
+    # past a sequence's end (which the host would not schedule): one launch per s
     o_part = np.zeros((B * Hq * T, t.num_splits + 1, D), np.float32)
     lse_part = np.zeros((B * Hq * T, t.num_splits + 1), np.float32)
     for s in range(t.num_splits):
         work = np.array([(b, s) for b in range(B)], dtype=np.int32)
-        o_s, lse_s = run_phase1(q, k, v, lens, t, scale, F32, work=work, num_full=0)
+        o_s, lse_s = run_phase1(q, k, v, lens, t, scale, F32, work=work, per_program=B)
         o_s, lse_s = o_s[:B * Hq * T], lse_s[:B * Hq * T]
         o_part[:, s], lse_part[:, s] = o_s[:, s], lse_s[:, s]
         o_part[:, -1], lse_part[:, -1] = o_s[:, -1], lse_s[:, -1]
