@@ -1304,7 +1304,14 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     R = (Hq // Hkv) * T
     S = num_splits + 1
     W = 0 if work is None else work.shape[0]
-    C = W // items_per_program     # chunk programs
+    ipp, hpp = items_per_program, heads_per_program
+    if (ipp < 1 or hpp < 1 or W % ipp or Hkv % hpp or (ipp > 1 and ipp % 2)
+            or (ipp == 1 and hpp > 1 and hpp % 2)):
+        raise ValueError(
+            f"items_per_program={ipp}, heads_per_program={hpp}: they must divide the work "
+            f"items ({W}) and the kv heads ({Hkv}), and a program's steps come in pairs "
+            f"(an even number of items, or 1 item and 1 or an even number of heads)")
+    C = W // ipp                   # chunk programs
     n = key_row
     mm = _DTYPES[mm_dtype]
     # rows of "sequence B" are a trash block for padding work items

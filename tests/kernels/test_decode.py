@@ -188,6 +188,62 @@ def test_decode_multi_tile_splits_on_both_generations(target):
     check_against_reference(q, k, v, lens, o, lse)
 
 
+@pytest.mark.parametrize("items,heads", [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (6, 4)])
+def test_every_program_shape_gives_the_reference(items, heads):
+    """A split-kernel program streams ``items`` work items for ``heads`` kv heads through two
+    buffers (a software pipeline with two dead gathers at the end). Every shape -- single
+    steps, pairs of heads, pairs of items, padding items between real ones -- gives the
+    reference, with NaN past every length (a stale or dead buffer row that reached a score or
+    a P V product would show)."""
+    rng = np.random.default_rng(31)
+    B, Hq, Hkv, T, S_max, D = 2, 8, 4, 2, 512, 32
+    q, k, v, lens = make_inputs(rng, B, Hq, Hkv, T, S_max, D, BF16, [500, 70])
+    scale = 1.0 / math.sqrt(D)
+    t = plan(q, k, lens, BF16, num_splits=3)
+    _, _, splits = decode_work_list(lens, T, t)
+    real = [(b, s) for b in range(B) for s in range(splits[b])]
+    pad = -len(real) % items
+    work = np.array(real + [(B, 0)] * pad, dtype=np.int32)
+    o_part, lse_part = nki.simulate_kernel(
+        dk.flash_decode_split_kernel[Hkv // heads, len(work) // items + B], q,
+        poisoned(k, lens), poisoned(v, lens), lens, work, None, scale=scale, mm_dtype="bfloat16",
+        key_row=t.key_row, split_rows=t.split_rows, num_splits=t.num_splits,
+        row_tile=t.row_tile, pack=t.pack, items_per_program=items, heads_per_program=heads)
+    o, lse = run_merge(o_part, lse_part, np.repeat(splits, Hq * T), q.dtype)
+    check_against_reference(q, k, v, lens, o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T))
+
+
+@pytest.mark.parametrize("items,heads", [(3, 1), (3, 2), (1, 3), (5, 4)])
+def test_unpaired_program_shapes_are_refused(items, heads):
+    rng = np.random.default_rng(1)
+    q, k, v, lens = make_inputs(rng, 1, 12, 12, 1, 256, 16, BF16, [200])
+    work = np.zeros((15, 2), dtype=np.int32)
+    with pytest.raises(ValueError, match="steps come in pairs"):
+        nki.simulate_kernel(
+            dk.flash_decode_split_kernel[12 // heads, 15 // items + 1], q, k, v, lens, work,
+            None, key_row=32, split_rows=1, num_splits=1, items_per_program=items,
+            heads_per_program=heads)
+
+
+def test_program_shape_choice():
+    """Items per program: 1 or even, at most DECODE_ITEMS_PER_PROGRAM and the step budget,
+    spread evenly; heads per program: a divisor of Hkv within the step budget (even with an
+    odd item count)."""
+    assert tiles.decode_work_items(1) == (1, 1)
+    assert tiles.decode_work_items(8) == (8, 8)
+    assert tiles.decode_work_items(7) == (8, 8)                 # steps come in pairs
+    total, per = tiles.decode_work_items(40)                   # 40 items: 3 programs of 14
+    assert (total, per) == (42, 14)
+    assert tiles.decode_work_items(40, max_steps=5) == (40, 4)
+    assert tiles.decode_heads_per_program(8, 8, 64) == 8
+    assert tiles.decode_heads_per_program(8, 16, 64) == 4
+    assert tiles.decode_heads_per_program(3, 1, 64) == 1        # odd items need even heads
+    assert tiles.decode_heads_per_program(6, 1, 64) == 6
+    assert tiles.decode_heads_per_program(8, 1, 64) == 8
+    assert tiles.decode_max_steps(rows=4, row_tile=4, D=128) == 64
+    assert tiles.decode_max_steps(rows=1024, row_tile=128, D=128) == 8
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
 def test_decode_full_precision_and_dtypes(dtype):
     """fp32 with mixed_precision=False is exact to ~1e-6; every dtype obeys the rule."""
