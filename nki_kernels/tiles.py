@@ -358,6 +358,12 @@ FWD_Q_SPANS = 16
 #: estimate at N = 4096 D = 128 falls from 2.2x to 1.6x the perfect-overlap bound (1, 2, 4, 8:
 #: 404, 348, 319, 303 us on trn2); the state is ~0.8 KiB per tile per partition.
 FWD_RESIDENT_Q_GROUP = 8
+#: Query tiles whose first half of a key block (scores, row max, exp) is issued before any of
+#: their second halves (P^T, P V, the accumulator update): each engine's in-order queue then
+#: holds a run of independent instructions instead of one tile's chain (the scheduled
+#: estimate, simulate._sched: forward N = 4096 trn2 308.6 -> 266.5 us). Each staged tile keeps
+#: its P of one softmax block in SBUF until its second half.
+FWD_STAGE_SLOTS = 8
 #: Largest head dim: S contracts it in passes of 128 (two passes max); PV writes D <= 512 fp32.
 FWD_MAX_HEAD_DIM = 2 * PMAX
 #: Keys per instruction when building a [1, n] key-mask row (iota + compare).
@@ -469,6 +475,10 @@ class ForwardTiles:
         disabled pending stabilisation, so the hardware path is unproven.
     target : str
         "trn1" or "trn2": the generation whose SBUF the K/V residency was sized for.
+    stage : int
+        Query tiles staged together (:data:`FWD_STAGE_SLOTS`): their scores, max and exp of a
+        key block are issued before their P V; each keeps one softmax block of P in SBUF
+        (:func:`fwd_stage_bytes`). 1: every tile's block is issued whole.
     """
 
     q_tile: int = FWD_Q_TILE
@@ -482,6 +492,7 @@ class ForwardTiles:
     act_evac_share: Optional[float] = None
     p_dma_transpose_share: float = 0.0
     target: str = FWD_DEFAULT_TARGET
+    stage: int = 1
 
     def __post_init__(self):
         if not 1 <= self.q_tile <= PMAX:
@@ -502,6 +513,8 @@ class ForwardTiles:
                              f"{self.kv_load_block}")
         if self.q_group < 1:
             raise ValueError(f"q_group: expected >= 1, got {self.q_group}")
+        if self.stage < 1:
+            raise ValueError(f"stage: expected >= 1, got {self.stage}")
         if self.act_evac_share is not None and not 0.0 <= self.act_evac_share <= 1.0:
             raise ValueError(f"act_evac_share: expected None or a fraction in [0, 1], got "
                              f"{self.act_evac_share}")
@@ -563,6 +576,12 @@ def fwd_length_table_bytes(Nq: int, Nk: int, group: int, D: int = FWD_MAX_HEAD_D
     return 4 * (3 * q_cols + k_cols + 5 * max(q_cols, k_cols)) + edge
 
 
+def fwd_stage_bytes(stage: int, tiles: "ForwardTiles", mm_itemsize: int) -> int:
+    """SBUF bytes per partition of ``stage`` staged query tiles: P of one softmax block each,
+    plus their alpha and (dropout) row sums."""
+    return stage * (tiles.softmax_block * mm_itemsize + 2 * 4) if stage > 1 else 0
+
+
 def fwd_q_state_bytes(D: int, mm_itemsize: int) -> int:
     """SBUF bytes per partition of one query tile's state: Q^T, o_acc (fp32), m_i and l_i."""
     return fwd_d_passes(D) * PMAX * mm_itemsize + 4 * D + 2 * 4
@@ -606,17 +625,26 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
     work += fwd_length_table_bytes(Nq, Nk, group, D, q_lens=q_lens, kv_lens=kv_lens)
     state = fwd_q_state_bytes(D, mm_itemsize)
     kv = fwd_kv_bytes(Nk, D, mm_itemsize)
+    n_tiles = group * ceil_div(Nq, FWD_Q_TILE)
+
+    def staged(tiles, left):
+        # the most staged tiles (up to the group's) whose P fits what the group leaves
+        stage = min(FWD_STAGE_SLOTS, tiles.q_group)
+        while stage > 1 and fwd_stage_bytes(stage, tiles, mm_itemsize) > left:
+            stage -= 1
+        return replace(tiles, stage=int(stage))
+
     if kv + work + state <= budget:
         # resident K/V: a group of query tiles interleaves independent softmax chains (the
         # scheduled estimate, simulate._sched, shows one tile's chain leaves engines waiting)
-        n_tiles = group * ceil_div(Nq, FWD_Q_TILE)
         fit = (budget - kv - work) // state
-        return replace(base, q_group=int(max(1, min(FWD_RESIDENT_Q_GROUP, n_tiles, fit))))
+        t = replace(base, q_group=int(max(1, min(FWD_RESIDENT_Q_GROUP, n_tiles, fit))))
+        return staged(t, budget - kv - work - t.q_group * state)
     # two chunks: the next one loads while the current one is in use
     room = budget - work - 2 * fwd_kv_bytes(base.kv_chunk, D, mm_itemsize)
-    n_tiles = group * ceil_div(Nq, FWD_Q_TILE)
     q_group = max(1, min(n_tiles, room // state)) if room > 0 else 1
-    return replace(base, kv_resident=False, q_group=int(q_group))
+    t = replace(base, kv_resident=False, q_group=int(q_group))
+    return staged(t, room - q_group * state)
 
 
 def forward_kv_passes(Nq: int, group: int, tiles: "ForwardTiles") -> int:

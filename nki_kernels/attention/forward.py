@@ -912,7 +912,8 @@ def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
 
 
 def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: int,
-                 masked: bool, d0: Optional[int] = None, du=None, h=None):
+                 masked: bool, d0: Optional[int] = None, du=None, h=None, part: str = "all",
+                 stage=None):
     """Fold one key block of ``width`` keys (static; from the kv tile's 128-key block ``rb``,
     frame key ``j0``, both NKI expressions) into slot s (query rows from ``i0``): the body of
     Algorithm 1's inner loop.
@@ -924,6 +925,10 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
     ``m_i = M_FLOOR``); ``pv = P [V | 1]`` in a fresh PSUM tile; ``[o_acc | l_i] = alpha [o_acc |
     l_i] + pv`` on VectorE. In a masked region every instruction is predicated on the block
     meeting the tile's band, so a skipped block leaves the state as it was.
+
+    ``part``: "all", or "front" (scores through the exp, :func:`fold_front`) / "back" (P^T
+    through the update, :func:`fold_back`) for a staged tile, whose P, alpha and row sums live
+    in the staging buffers ``stage = (p, alpha, row_sum, index)`` between the two halves.
     """
     r, P = st.rows, T.PMAX
     if not masked:
@@ -935,6 +940,9 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
         pred = None
     kt = f.tiles.k_tile
     widths = [min(kt, width - c0) for c0 in range(0, width, kt)]
+    if part == "back":
+        fold_back(f, st, s, staged_front(stage, r, width), widths, kv, rb, pred)
+        return
     s_tiles = [scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked, pred,
                       None if d0 is None else d0 + n * kt, h)
                for n, w in enumerate(widths)]
@@ -942,7 +950,18 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
     if f.dropout_p:
         def drop(p, r_, w_, pr):
             dropout_units(f, p, r_, w_, *du, pr)
+    if part == "front":
+        fold_front(f, st, s, s_tiles, widths, pred, drop, staged_front(stage, r, width))
+        return
     fold_block(f, st, s, s_tiles, widths, kv, rb, pred, drop)
+
+
+def staged_front(stage, rows: int, width: int):
+    """Views ``(p, alpha, row_sum)`` of staged tile ``index`` in the staging buffers ``stage =
+    (p, alpha, row_sum, index)``."""
+    p_buf, a_buf, r_buf, k = stage
+    return (p_buf[0:rows, k, 0:width], a_buf[0:rows, k, :],
+            None if r_buf is None else r_buf[0:rows, k, :])
 
 
 def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, pred, drop=None):
@@ -952,7 +971,14 @@ def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, p
     ``[o_acc | l_i] = alpha [o_acc | l_i] + pv`` (:func:`attend_block`). ``drop``: None, or
     ``drop(p, rows, width, pred)`` applies attention dropout to P in place (the statistics
     stay those of the undropped P). Every instruction is predicated on ``pred``."""
-    r, P = st.rows, T.PMAX
+    fold_back(f, st, s, fold_front(f, st, s, s_tiles, widths, pred, drop), widths, kv, rb, pred)
+
+
+def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=None, out=None):
+    """First half of :func:`fold_block`: the new max, alpha and P (dropped, with its
+    undropped row sums, under dropout). Returns ``(p, alpha, row_sum)`` (row_sum None without
+    dropout), written into ``out`` (views of the same shapes) when given."""
+    r = st.rows
     kt = f.tiles.k_tile
     width = sum(widths)
     nb = len(widths)
@@ -972,9 +998,14 @@ def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, p
         # c * (-m_new) on GpSimd (idle otherwise; ScalarE is a busiest engine)
         bias[...] = nisa.tensor_scalar(neg_m_new, nl.multiply, c, engine=nisa.gpsimd_engine,
                                        mask=pred)
-    alpha = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if out is None:
+        p = nl.ndarray((r, width), dtype=f.mm, buffer=nl.sbuf)
+        alpha = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+        row_sum = (nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf) if f.dropout_p
+                   else None)
+    else:
+        p, alpha, row_sum = out
     alpha[...] = nisa.activation(nl.exp, neg_m_old, bias=bias, scale=-c, mask=pred)
-    p = nl.ndarray((r, width), dtype=f.mm, buffer=nl.sbuf)
     if f.dropout_p:
         # the row sums of the undropped P come from the exp itself (the [V | 1] column would
         # sum the dropped P): the softmax statistics are those of the undropped softmax
@@ -983,8 +1014,8 @@ def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, p
             p[:, n * kt:n * kt + widths[n]] = nisa.activation_reduce(
                 nl.exp, s_tiles[n], reduce_op=np.add, reduce_res=sums[:, n:n + 1], bias=bias,
                 scale=c, dtype=f.mm, mask=pred)
-        row_sum = nisa.tensor_reduce(np.add, sums, axis=(1,), keepdims=True, dtype=nl.float32,
-                                     mask=pred)
+        row_sum[...] = nisa.tensor_reduce(np.add, sums, axis=(1,), keepdims=True,
+                                          dtype=nl.float32, mask=pred)
         drop(p, r, width, pred)
     else:
         for n in nl.static_range(nb):
@@ -992,6 +1023,15 @@ def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, p
                                                               scale=c, dtype=f.mm, mask=pred)
     # m_i = m_new (GpSimd: idle otherwise)
     neg_m_old[...] = nisa.tensor_copy(neg_m_new, engine=nisa.gpsimd_engine, mask=pred)
+    return p, alpha, row_sum
+
+
+def fold_back(f: _Instance, st: _GroupState, s, front, widths, kv: _KV, rb, pred):
+    """Second half of :func:`fold_block`: ``pv = P [V | 1]`` and the accumulator update, from
+    :func:`fold_front`'s ``(p, alpha, row_sum)``."""
+    p, alpha, row_sum = front
+    r, P = st.rows, T.PMAX
+    width = sum(widths)
 
     # pv = P [V | 1]: P^T by TensorE transposes of 128-key chunks (FWD_PT_CHUNKS per PSUM
     # tile), each tile copied to SBUF by ScalarE or VectorE (balanced); one matmul per chunk
@@ -1127,6 +1167,11 @@ def sweep(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, n: int, masked:
                      du=None if du is None else (du[0], du[1], du[2] + full * per))
 
 
+def _largest_divisor(n: int, cap: int) -> int:
+    """The largest divisor of n that is at most ``cap`` (at least 1); compile time."""
+    return max(d for d in range(1, max(1, min(n, cap)) + 1) if n % d == 0)
+
+
 def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[_KV]):
     """Query tiles ``t0 .. t0 + n - 1`` (``t0`` an NKI expression) of every query head of the kv
     group (slot ``h n + s`` = tile ``t0 + s`` of member head h): load their Q^T, sweep the
@@ -1148,6 +1193,19 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
         for h in nl.affine_range(G):
             for s in nl.affine_range(n):
                 load_q(f, st, h * n + s, h, t0 + s)
+    # staging (ForwardTiles.stage): ss tiles of each of hs heads, hs ss <= stage
+    ss = _largest_divisor(n, f.tiles.stage)
+    hs = _largest_divisor(G, f.tiles.stage // ss)
+    staged = ss * hs > 1
+
+    def staging_buffers():
+        """P, alpha and row sums of the hs ss staged tiles (allocated per staged batch: the
+        batches are independent iterations)."""
+        Bk = f.tiles.softmax_block
+        return (nl.ndarray((P, ss * hs, Bk), dtype=f.mm, buffer=nl.sbuf),
+                nl.ndarray((P, ss * hs, 1), dtype=nl.float32, buffer=nl.sbuf),
+                nl.ndarray((P, ss * hs, 1), dtype=nl.float32, buffer=nl.sbuf)
+                if f.dropout_p else None)
 
     def sweep_all(kv_tile, rb, j0, keys, masked, ju):
         # ju: the first 128-key unit of the keys (dropout), j0 // 128 as an affine expression.
@@ -1159,21 +1217,37 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
         per = Bk // P
         full, tail = keys // Bk, keys % Bk
 
+        def tile_block(h, s, kb_rb, kb_j0, width, static_d, part="all", stage=None):
+            iu = (t0 + s) * (qt // P)
+            if span.slide is None:
+                attend_block(f, st, h * n + s, (t0 + s) * qt, kv_tile, rb + kb_rb,
+                             j0 + kb_j0, width, masked, du=(h, iu, ju + kb_rb), h=h,
+                             part=part, stage=stage)
+            else:
+                # the region moves with the tile: keys from (t0 + s) qt + slide + j0
+                attend_block(f, st, h * n + s, (t0 + s) * qt, kv_tile,
+                             (t0 + s) * (qt // P) + span.slide // P + rb + kb_rb,
+                             (t0 + s) * qt + span.slide + j0 + kb_j0, width, masked,
+                             None if static_d is None else span.slide + j0 + static_d,
+                             du=(h, iu, iu + span.slide // P + ju + kb_rb), h=h, part=part,
+                             stage=stage)
+
         def block(kb_rb, kb_j0, width, static_d):
-            for h in nl.affine_range(G):
-                for s in nl.affine_range(n):
-                    iu = (t0 + s) * (qt // P)
-                    if span.slide is None:
-                        attend_block(f, st, h * n + s, (t0 + s) * qt, kv_tile, rb + kb_rb,
-                                     j0 + kb_j0, width, masked,
-                                     du=(h, iu, ju + kb_rb), h=h)
-                    else:
-                        # the region moves with the tile: keys from (t0 + s) qt + slide + j0
-                        attend_block(f, st, h * n + s, (t0 + s) * qt, kv_tile,
-                                     (t0 + s) * (qt // P) + span.slide // P + rb + kb_rb,
-                                     (t0 + s) * qt + span.slide + j0 + kb_j0, width, masked,
-                                     None if static_d is None else span.slide + j0 + static_d,
-                                     du=(h, iu, iu + span.slide // P + ju + kb_rb), h=h)
+            if not staged:
+                for h in nl.affine_range(G):
+                    for s in nl.affine_range(n):
+                        tile_block(h, s, kb_rb, kb_j0, width, static_d)
+                return
+            # staged: hs heads x ss tiles at a time, every first half before the second
+            # halves (each in its own loop nest: the halves share only SBUF buffers)
+            for sb in nl.affine_range(n // ss):
+                for hb in nl.affine_range(G // hs):
+                    bufs = staging_buffers()
+                    for part in ("front", "back"):
+                        for hh in nl.affine_range(hs):
+                            for k in nl.affine_range(ss):
+                                tile_block(hb * hs + hh, sb * ss + k, kb_rb, kb_j0, width,
+                                           static_d, part, bufs + (hh * ss + k,))
 
         for kb in nl.sequential_range(full):
             block(kb * per, kb * Bk, Bk, None)
