@@ -248,11 +248,12 @@ def flash_block_tiles(N: int, d: int, q_group: int, in_itemsize: int = 2):
     if q_group == 0:
         t = base
         rows = N
-        sbuf = T.fwd_kv_bytes(N, d, 2) + T.fwd_q_state_bytes(d, 2)
+        sbuf = T.fwd_kv_bytes(N, d, 2) + T.fwd_q_state_bytes(d, 2, in_itemsize)
     else:
         t = T.ForwardTiles(kv_resident=False, q_group=q_group)
         rows = min(N, q_group * t.q_tile)
-        sbuf = T.fwd_kv_bytes(t.kv_chunk, d, 2) + q_group * T.fwd_q_state_bytes(d, 2)
+        sbuf = (T.fwd_kv_bytes(t.kv_chunk, d, 2)
+                + q_group * T.fwd_q_state_bytes(d, 2, in_itemsize))
     sbuf += T.fwd_working_bytes(d, in_itemsize, 2, t, masks=False)
     return t, rows, sbuf
 

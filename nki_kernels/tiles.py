@@ -582,9 +582,11 @@ def fwd_stage_bytes(stage: int, tiles: "ForwardTiles", mm_itemsize: int) -> int:
     return stage * (tiles.softmax_block * mm_itemsize + 2 * 4) if stage > 1 else 0
 
 
-def fwd_q_state_bytes(D: int, mm_itemsize: int) -> int:
-    """SBUF bytes per partition of one query tile's state: Q^T, o_acc (fp32), m_i and l_i."""
-    return fwd_d_passes(D) * PMAX * mm_itemsize + 4 * D + 2 * 4
+def fwd_q_state_bytes(D: int, mm_itemsize: int, out_itemsize: int = 4) -> int:
+    """SBUF bytes per partition of one query tile's state: Q^T, o_acc (fp32), m_i and l_i, and
+    its finished output (o in the output dtype and the fp32 lse), which waits in SBUF until the
+    next group of query tiles stores it."""
+    return fwd_d_passes(D) * PMAX * mm_itemsize + 4 * D + 2 * 4 + out_itemsize * D + 4
 
 
 def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
@@ -623,7 +625,7 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
     base = ForwardTiles(target=target)
     work = fwd_working_bytes(D, in_itemsize, mm_itemsize, base, masks=masks)
     work += fwd_length_table_bytes(Nq, Nk, group, D, q_lens=q_lens, kv_lens=kv_lens)
-    state = fwd_q_state_bytes(D, mm_itemsize)
+    state = fwd_q_state_bytes(D, mm_itemsize, in_itemsize)
     kv = fwd_kv_bytes(Nk, D, mm_itemsize)
     n_tiles = group * ceil_div(Nq, FWD_Q_TILE)
 

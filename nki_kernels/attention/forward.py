@@ -1085,9 +1085,36 @@ def fold_back(f: _Instance, st: _GroupState, s, front, widths, kv: _KV, rb, pred
         o_acc[...] = nisa.tensor_tensor(o_acc, pv, nl.add, mask=pred)
 
 
-def write_back(f: _Instance, st: _GroupState, s, h, t):
+class _Outputs:
+    """SBUF copies of the last group's finished outputs (o in o's dtype, lse fp32, one slot
+    per query tile of the group), stored to HBM by the *next* group after it has issued its
+    Q loads (:func:`flush`): a store waits for its group's last softmax step, and the DMA
+    queues would otherwise hold the next group's loads behind it. Carried from one group to
+    the next, so the group loops are ``sequential_range``."""
+
+    def __init__(self, f: _Instance, slots: int):
+        P = T.PMAX
+        self.o = nl.ndarray((P, slots, f.D), dtype=f.o.dtype, buffer=nl.sbuf)
+        self.lse = nl.ndarray((P, slots, 1), dtype=nl.float32, buffer=nl.sbuf)
+
+
+def flush(f: _Instance, out: _Outputs, pending):
+    """Store a finished group's outputs from ``out``: ``pending = (pred, t0, n, rows)`` -- its
+    first query tile (an NKI expression), tiles per head, rows per tile -- every store
+    predicated on ``pred`` (None: always)."""
+    pred, t0, n, rows = pending
+    for h in nl.affine_range(f.G):
+        for s in nl.affine_range(n):
+            t = t0 + s
+            col = f.q_col(h, t)
+            for dst, src in ((f.o, out.o), (f.lse_col, out.lse)):
+                M.store_rows(dst, f.b, f.head(h), t * f.tiles.q_tile, rows,
+                             src[0:rows, h * n + s, :], f.q_store, col, pred)
+
+
+def write_back(f: _Instance, st: _GroupState, s, h, t, out: _Outputs):
     """``O_i = o_acc / l_i`` and ``LSE_i = c m_i + log l_i`` (softmax units) of slot s (query tile
-    t of member head h), stored to HBM.
+    t of member head h), into ``out`` (stored by :func:`flush`).
 
     A row with l_i = 0 (every key masked, or no key swept) has o_acc = 0 exactly, so ``o_acc /
     max(l_i, L_FLOOR)`` is 0; its LSE is -inf by an explicit select (``log`` only ever sees
@@ -1097,21 +1124,16 @@ def write_back(f: _Instance, st: _GroupState, s, h, t):
     """
     r = st.rows
     col = f.q_col(h, t)
-
-    def store(out, tile):
-        M.store_rows(out, f.b, f.head(h), t * f.tiles.q_tile, r, tile, f.q_store, col)
-
     in_range = f.q_valid[0:r, nl.ds(col, 1)] if f.spec.q_lens else None
-    o_out, lse_out = finalize(f, st, s, in_range)
-    store(f.o, o_out)
-    store(f.lse_col, lse_out)
+    finalize(f, st, s, in_range, (out.o[0:r, s, :], out.lse[0:r, s, :]))
 
 
-def finalize(f: _Instance, st: _GroupState, s, in_range=None):
+def finalize(f: _Instance, st: _GroupState, s, in_range=None, dst=None):
     """``(o, lse)`` tiles of slot s (:func:`write_back`): ``o_acc / max(l_i, L_FLOOR)`` in
     o's dtype (times ``1 / (1 - p)`` with dropout) and ``c m_i + log l_i`` fp32, -inf where
     ``l_i = 0``. ``in_range``: None, or an fp32 ``[rows, 1]`` column, 1.0 for real rows and 0.0
-    for padding rows (their o is multiplied by 0 and their lse is -inf)."""
+    for padding rows (their o is multiplied by 0 and their lse is -inf). ``dst``: None, or
+    ``(o, lse)`` views the results are written into (and returned)."""
     r = st.rows
     o_acc = st.o_acc(s)
     l_i = o_acc[:, f.D:f.D + 1]
@@ -1135,15 +1157,20 @@ def finalize(f: _Instance, st: _GroupState, s, in_range=None):
         factor = (nan_or_1 if in_range is None else
                   nisa.tensor_tensor(nan_or_1, in_range, nl.multiply, dtype=nl.float32,
                                      engine=gp))
-    o_out = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l,
-                               op1=None if factor is None else nl.multiply, operand1=factor,
-                               dtype=f.o.dtype, engine=gp)
+    if dst is None:
+        o_out = nl.ndarray((r, f.D), dtype=f.o.dtype, buffer=nl.sbuf)
+        lse_out = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    else:
+        o_out, lse_out = dst
+    o_out[...] = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l,
+                                    op1=None if factor is None else nl.multiply,
+                                    operand1=factor, dtype=f.o.dtype, engine=gp)
     keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, op1=op1, operand1=in_range, dtype=nl.uint8,
                               engine=gp)
     log_l = nisa.activation(nl.log, l_safe, dtype=nl.float32)
     lse_val = nisa.activation(nl.copy, st.neg_m(s), scale=-f.unit, bias=log_l,
                               dtype=nl.float32)
-    lse_out = nisa.memset((r, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
+    lse_out[...] = nisa.memset((r, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
     # explicit select (documented from neuronx-cc 2.22; nki-api-spec §9.14)
     nisa.tensor_copy_predicated(src=lse_val, dst=lse_out, predicate=keep)
     return o_out, lse_out
@@ -1172,12 +1199,14 @@ def _largest_divisor(n: int, cap: int) -> int:
     return max(d for d in range(1, max(1, min(n, cap)) + 1) if n % d == 0)
 
 
-def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[_KV]):
+def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[_KV],
+                 out: _Outputs, flushes=()):
     """Query tiles ``t0 .. t0 + n - 1`` (``t0`` an NKI expression) of every query head of the kv
     group (slot ``h n + s`` = tile ``t0 + s`` of member head h): load their Q^T, sweep the
     span's key regions (resident K/V, or chunks streamed once past the whole group), write O
     and LSE. The group's SBUF state is local to this body. A span without regions reads no Q
-    and writes o = 0, LSE = -inf."""
+    and writes o = 0, LSE = -inf. The outputs go to ``out``; the previous group's are stored
+    (``flushes``, :func:`flush`) right after this group's Q loads are issued."""
     P, qt, G = T.PMAX, plan.q_tile, f.G
     st = _GroupState(f, G * n, span.rows)
     if f.mods.sinks:
@@ -1193,6 +1222,8 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
         for h in nl.affine_range(G):
             for s in nl.affine_range(n):
                 load_q(f, st, h * n + s, h, t0 + s)
+    for pending in flushes:
+        flush(f, out, pending)
     # staging (ForwardTiles.stage): ss tiles of each of hs heads, hs ss <= stage
     ss = _largest_divisor(n, f.tiles.stage)
     hs = _largest_divisor(G, f.tiles.stage // ss)
@@ -1264,7 +1295,7 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
                 sweep_all(chunk, 0, first + c * C, C, rg.masked, first // P + c * (C // P))
     for h in nl.affine_range(G):
         for s in nl.affine_range(n):
-            write_back(f, st, h * n + s, h, t0 + s)
+            write_back(f, st, h * n + s, h, t0 + s, out)
 
 
 # ============================================================================================
@@ -1371,11 +1402,22 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     needs_kv = any(sp.regions for sp in plan.spans)
     kv = load_kv(f, 0, Nk) if plan.resident and needs_kv else None
     core = nl.program_id(2) if lnc == 2 else None
-    for sp in plan.spans:
-        for first, count, n in _groups(sp, plan.q_group):
-            start, mine = (0, count) if core is None else _core_range(count, core)
-            for grp in nl.affine_range(mine):
-                attend_group(f, plan, sp, sp.t0 + first + (start + grp) * n, n, kv)
+    groups = [(sp, g) for sp in plan.spans for g in _groups(sp, plan.q_group)]
+    out = _Outputs(f, f.G * max(n for _, (_, _, n) in groups))
+    pending = ()                # the group whose outputs are waiting in `out`
+    for sp, (first, count, n) in groups:
+        start, mine = (0, count) if core is None else _core_range(count, core)
+        t_first = sp.t0 + first + start * n
+        # each group stores the previous one's outputs (_Outputs): the loop's first group is
+        # peeled (its predecessor is another loop's last group, or none), the others are a
+        # sequential loop (they carry `out`)
+        attend_group(f, plan, sp, t_first, n, kv, out, pending)
+        for grp in nl.sequential_range(1, mine):
+            t0 = t_first + grp * n
+            attend_group(f, plan, sp, t0, n, kv, out, [(None, t0 - n, n, sp.rows)])
+        pending = [(None, t_first + (mine - 1) * n, n, sp.rows)]
+    for p in pending:
+        flush(f, out, p)
     if mask_out is not None:
         return o, lse, mask_out
     return o, lse

@@ -349,15 +349,17 @@ def gather_rows(dst, rows_view, idx, col: int, n: int, width: int):
                   oob_mode=nisa.oob_mode.skip)
 
 
-def store_rows(out, b, head, i0, n, tile, store, col):
+def store_rows(out, b, head, i0, n, tile, store, col, pred=None):
     """``out[b, head, i0 : i0 + n, :] = tile``; with ``store`` (int32 ``[128, k]`` of flat rows,
-    column ``col``), scattered to those rows of out's ``(B H N, D)`` view instead."""
+    column ``col``), scattered to those rows of out's ``(B H N, D)`` view instead. ``pred``:
+    None, or a loop-index predicate the store is masked on."""
     if store is None:
-        nl.store(out[b, head, nl.ds(i0, n), :], value=tile)
+        nl.store(out[b, head, nl.ds(i0, n), :], value=tile, mask=pred)
         return
     B, H, N, D = out.shape
     rows = out.reshape((B * H * N, D))
-    nisa.dma_copy(dst=rows[store[nl.arange(n)[:, None], col], nl.arange(D)[None, :]], src=tile)
+    nisa.dma_copy(dst=rows[store[nl.arange(n)[:, None], col], nl.arange(D)[None, :]], src=tile,
+                  mask=pred)
 
 
 class RuntimeLengths:

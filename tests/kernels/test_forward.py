@@ -449,7 +449,7 @@ def test_hbm_bytes_at_lower_bound(N):
     assert m.peak_sbuf_bytes_per_partition <= T.SBUF_USABLE_BYTES["trn1"]
     assert m.peak_sbuf_bytes_per_partition <= (T.fwd_kv_bytes(N, 128, 2)
                                                + T.fwd_working_bytes(128, 2, 2, tiles, False)
-                                               + tiles.q_group * T.fwd_q_state_bytes(128, 2)
+                                               + tiles.q_group * T.fwd_q_state_bytes(128, 2, 2)
                                                + T.fwd_stage_bytes(tiles.stage, tiles, 2))
 
 
