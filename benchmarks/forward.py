@@ -40,8 +40,10 @@ import simulate  # noqa: E402
 from host import reference  # noqa: E402
 from nki_kernels.nki import BACKEND  # noqa: E402
 
-#: The issue's goal: modeled TensorE utilization >= 50 % for N = 4096, D = 128, non-causal, trn2.
-GOAL = {"target": "trn2", "N": 4096, "D": 128, "causal": False, "utilization": 0.5}
+#: The issue's goals: TensorE utilization on the scheduled estimate >= 50 % for N = 4096,
+#: D = 128, non-causal, trn2; >= 45 % causal.
+GOALS = ({"target": "trn2", "N": 4096, "D": 128, "causal": False, "utilization": 0.5},
+         {"target": "trn2", "N": 4096, "D": 128, "causal": True, "utilization": 0.45})
 
 
 def limits(target, N, D, causal):
@@ -85,6 +87,8 @@ def run(target, N, D, causal, seed=0, p_dma_transpose=0.0, lens="none"):
         "estimated_us": m.estimated_seconds * 1e6,
         "engine_us": {e: s * 1e6 for e, s in m.engine_seconds.items()},
         "utilization": flops / (lower * hardware(target).tensor_peak_flops),
+        "utilization_estimate": flops / (m.estimated_seconds
+                                         * hardware(target).tensor_peak_flops),
         "hbm_bytes": m.hbm_bytes_read + m.hbm_bytes_written, "io_lower_bound_bytes": bound,
         "peak_sbuf_bytes_per_partition": m.peak_sbuf_bytes_per_partition,
         "limits_us": {name: s * 1e6 for name, s in limits(target, N, D, causal).items()},
@@ -111,7 +115,8 @@ def main(argv=None):
     rows = []
     head = (f"{'target':6} {'N':>6} {'causal':6} {'lens':4} {'lower us':>9} {'est us':>9} "
             f"{'upper us':>9} "
-            f"{'util':>6} {'PE':>8} {'DVE':>8} {'ACT':>8} {'POOL':>7} {'DMA':>7} | {'FLOP':>8} "
+            f"{'util':>6} {'util est':>8} {'PE':>8} {'DVE':>8} {'ACT':>8} {'POOL':>7} "
+            f"{'DMA':>7} | {'FLOP':>8} "
             f"{'eng-aware':>9} {'HBM bytes':>10} {'HBM/LB':>6}")
     print(head)
     print("-" * len(head))
@@ -123,17 +128,21 @@ def main(argv=None):
         print(f"{target:6} {N:6d} {str(causal):6} {lens:4} {r['modeled_lower_us']:9.1f} "
               f"{r['estimated_us']:9.1f} "
               f"{r['modeled_upper_us']:9.1f} {100 * r['utilization']:5.1f}% "
+              f"{100 * r['utilization_estimate']:7.1f}% "
               f"{e['tensor']:8.1f} {e['vector']:8.1f} {e['scalar']:8.1f} {e['gpsimd']:7.1f} "
               f"{e['dma']:7.1f} | {lim['flop_bound']:8.1f} {lim['engine_aware']:9.1f} "
               f"{r['hbm_bytes']:10d} {r['hbm_bytes'] / r['io_lower_bound_bytes']:6.3f}")
-    goal = [r for r in rows if r["lens"] == "none"
-            and all(r[key] == GOAL[key] for key in ("target", "N", "D", "causal"))]
-    if goal:
-        g = goal[0]
-        verdict = "met" if g["utilization"] >= GOAL["utilization"] else "NOT met"
-        print(f"\ngoal (trn2, N=4096, D=128, non-causal, utilization >= 50 %): {verdict} -- "
-              f"{100 * g['utilization']:.1f} % at {g['modeled_lower_us']:.1f} us (perfect "
-              f"overlap), {g['modeled_upper_us']:.1f} us serial")
+    for goal in GOALS:
+        hit = [r for r in rows if r["lens"] == "none"
+               and all(r[key] == goal[key] for key in ("target", "N", "D", "causal"))]
+        if hit:
+            g = hit[0]
+            verdict = "met" if g["utilization_estimate"] >= goal["utilization"] else "NOT met"
+            mask = "causal" if goal["causal"] else "non-causal"
+            print(f"goal (trn2, N=4096, D=128, {mask}, utilization on the estimate >= "
+                  f"{100 * goal['utilization']:.0f} %): {verdict} -- "
+                  f"{100 * g['utilization_estimate']:.1f} % at {g['estimated_us']:.1f} us "
+                  f"(bound {100 * g['utilization']:.1f} % at {g['modeled_lower_us']:.1f} us)")
     write_json(args.json, rows, indent=2)
     return rows
 

@@ -792,7 +792,8 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     mod_kwargs, mod_tensors = ({}, {}) if mods is None else mods
     mod_tensors = {name: None if a is None else to_device(a) for name, a in mod_tensors.items()}
     o_part, lse_part = run(
-        k.flash_decode_split_kernel, (Hkv // per_head, W // per_program + B), q, k_cache, v_cache, to_device(lens),
+        k.flash_decode_split_kernel, (Hkv // per_head, W // per_program + B), q, k_cache,
+        v_cache, to_device(lens),
         None if work is None else to_device(work), tree, table, scale=float(scale),
         mm_dtype=mm.name, key_row=plan.key_row, split_rows=plan.split_rows,
         num_splits=plan.num_splits, row_tile=plan.row_tile, pack=plan.pack,

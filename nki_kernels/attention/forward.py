@@ -120,9 +120,9 @@ output of TensorE transposes on trn2 (gen3 "transpose mode"; fp32 PSUM is used o
 ``nisa.tensor_copy_predicated`` (documented from 2.22), and ``nisa.dma_transpose`` SBUF ->
 SBUF (opt-in, ``p_dma_transpose_share``).
 
-The kernel is a fixed nest of NKI loops (``nl.affine_range`` over query-tile groups, heads and
-K/V pieces, ``nl.sequential_range`` over key blocks and streamed chunks; "Loop structure"
-below): Python only picks tile sizes and unrolls small constant loops (head-dim passes, score
+The kernel is a fixed nest of NKI loops (``nl.affine_range`` over heads, query tiles and K/V
+pieces, ``nl.sequential_range`` over query-tile groups, key blocks and streamed chunks; "Loop
+structure" below): Python only picks tile sizes and unrolls small constant loops (head-dim passes, score
 tiles and P^T chunks of one block, the spans and regions of a band), so the compiled program
 does not grow with N. Every tile shape is a compile-time constant; tile positions are affine
 expressions of the loop indices; band edges are loop-index predicates (``mask=``).
@@ -145,20 +145,24 @@ from nki_kernels.nki import nisa, nki, nl
 #
 # The kernel is a fixed nest of NKI loops whose bounds are compile-time constants:
 #
-#   for h in affine_range(G):                                  query heads of the kv group
-#     for span in plan.spans:                                  <= FWD_Q_SPANS + 1, unrolled
-#       for grp in affine_range(full groups of the span):      q_group query tiles each
-#         load Q^T of the group's tiles; o_acc = 0, m = M_FLOOR
-#         for region in span.regions:                          <= 3, unrolled
-#           [streaming: for chunk in sequential_range(...): load K/V chunk]
-#           for s in affine_range(tiles of the group):
-#             for kb in sequential_range(full key blocks):     the online softmax
-#               block(...)                  unmasked region: no predicate
+#   for span in plan.spans:                                    <= FWD_Q_SPANS + 1, unrolled
+#     group 0 (peeled), then for grp in sequential_range(1, groups of the span):
+#       load Q^T of the group's tiles (every query head of the kv group); o_acc = 0, m = M_FLOOR
+#       store the previous group's O, LSE (waiting in SBUF: the stores, which wait for that
+#         group's last softmax step, come after this group's loads in the DMA queues)
+#       for region in span.regions:                            <= 3, unrolled
+#         [streaming: for chunk in sequential_range(...): load K/V chunk]
+#         for kb in sequential_range(full key blocks):         the online softmax
+#           for each batch of <= FWD_STAGE_SLOTS tiles (affine loops over heads and tiles):
+#             first halves of every tile: scores, max, exp   (fold_front)
+#             second halves of every tile: P^T, P V, update  (fold_back)
+#                                           unmasked region: no predicate
 #                                           masked region: every instruction predicated on the
 #                                           block intersecting the tile's band, boundary score
 #                                           tiles masked by an affine_select indicator
-#             [one static tail block]
-#         write O, LSE of the group's tiles
+#         [one static tail block]
+#       finish O, LSE of the group's tiles into SBUF
+#   store the last group's O, LSE
 #
 # A span is a run of query tiles whose key range is split into *regions*: keys every row of the
 # span sees (no mask, no predicate) and the keys around the band's edges that only some rows

@@ -265,8 +265,9 @@ def broadcast_row(row, width: int):
 def zero_non_finite(vals):
     """Zero the inf/NaN entries of an SBUF tile ``vals`` in place; returns ``(bad, z)``: the
     uint8 tile that marks them and ``vals * 0`` in fp32 (NaN exactly there, 0 elsewhere). GpSimd
-    (otherwise mostly idle) multiplies by 0 and compares; VectorE selects. Used where a value multiplies a zero weight
-    in a matmul (``0 * inf`` would reach rows that cannot see the value)."""
+    (otherwise mostly idle) multiplies by 0 and compares; VectorE selects. Used where a value
+    multiplies a zero weight in a matmul (``0 * inf`` would reach rows that cannot see the
+    value)."""
     z = nisa.tensor_scalar(vals, nl.multiply, 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
     bad = nisa.tensor_scalar(z, nl.not_equal, 0.0, dtype=nl.uint8, engine=nisa.gpsimd_engine)
     nisa.tensor_copy_predicated(src=0.0, dst=vals, predicate=bad)

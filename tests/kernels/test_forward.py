@@ -10,6 +10,8 @@ o = 0, lse = -inf.
 
 IO and quality claims use ``simulate.measure`` (simulate backend only).
 """
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -689,3 +691,29 @@ def test_sliding_window_spans(Nq, Nk, causal, window, lens):
     if lens:
         kw.update(kv_lens=[Nk - 40], q_lens=[Nq - 3])
     run_and_check(np.random.default_rng(Nq), 1, 1, 1, Nq, Nk, 32, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule-shaping structure: staged key blocks and deferred output stores
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("Hq,Hkv,Nq,Nk,mask", [
+    (1, 1, 1100, 1300, {"causal": "bottom_right"}),             # spans, a partial tile
+    (4, 2, 600, 700, {"window": (200, 30), "kv_lens": [650], "q_lens": [590]}),
+    (2, 1, 1024, 2300, {}),                                      # GQA: heads staged together
+])
+def test_staging_and_deferred_stores_change_nothing(Hq, Hkv, Nq, Nk, mask):
+    """Staging (ForwardTiles.stage: the first halves of several tiles' key blocks before their
+    second halves) only reorders the same instructions, and each group's outputs are stored by
+    the next group: the results are bit-identical to the unstaged kernel, with one group per
+    loop and with several (the loop's peeled first group stores the previous loop's last)."""
+    q, k, v = _inputs(np.random.default_rng(Nq + Nk), 1, Hq, Hkv, Nq, Nk, 64, "bfloat16")
+    base = T.choose_forward_tiles(Nq, Nk, 64, Hq // Hkv, 2, 2, kv_lens="kv_lens" in mask,
+                                  q_lens="q_lens" in mask)
+    assert base.stage > 1
+    runs = [run_kernel(q, k, v, tiles=dataclasses.replace(base, stage=s, q_group=g), **mask)
+            for s, g in ((1, base.q_group), (base.stage, base.q_group), (2, 2), (1, 1))]
+    for o, lse in runs[1:]:
+        np.testing.assert_array_equal(o.view(np.uint16), runs[0][0].view(np.uint16))
+        np.testing.assert_array_equal(lse, runs[0][1])
+    check(q, k, v, *runs[0], **mask)
