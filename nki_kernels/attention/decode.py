@@ -268,22 +268,6 @@ def _int_tile(terms, parts, width, acc=None):
     return acc
 
 
-def _int_column(terms, parts=PMAX):
-    """int32 ``(parts, 1)`` column ``sum(c * col)`` over ``(col, c)`` pairs: int32 multiply and
-    add on GpSimd (exact; fp32 engine arithmetic would round above 2^24)."""
-    acc = None
-    for col, c in terms:
-        if c == 0:
-            continue
-        x = col[0:parts]
-        if c != 1:
-            x = nisa.tensor_tensor(x, nisa.memset((parts, 1), c, dtype=nl.int32,
-                                                  engine=nisa.gpsimd_engine),
-                                   op=np.multiply, dtype=nl.int32)
-        acc = x if acc is None else nisa.tensor_tensor(acc, x, op=np.add, dtype=nl.int32)
-    return acc
-
-
 def _split_row_indices(valid, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, idx):
     """Row indices of a chunk's K/V gathers: column ``(hh ipp + j) n_kv + k`` of the int32
     tile ``idx`` is the absolute key row gathered into partition p of K/V tile k of item j for
@@ -450,25 +434,24 @@ class _RowMods:
         self.t = M.int_mod(nisa.iota(rt0 + nl.arange(rows)[:, None], dtype=nl.float32), T)
 
 
-def _member_column(values, b, b_col, h, G):
-    """fp32 ``(G, 1)``: ``values[b, h G + g]`` of an HBM ``(Hq,)`` or ``(1 or B, Hq)`` fp32
-    tensor, by an indirect DMA (``b`` an NKI expression, or ``b_col`` an int32 column of the
-    runtime sequence index; a padding item's b = B reads out of bounds, skipped: 0)."""
-    Hq = values.shape[-1]
-    per_batch = len(values.shape) == 2 and values.shape[0] > 1
+def _member_values(values):
+    """``(Hq, per_batch, flat)`` of an HBM ``(Hq,)`` or ``(1 or B, Hq)`` fp32 tensor: its
+    head count, whether it has a row per sequence, and its ``(total, 1)`` view."""
     total = 1
     for d in values.shape:
         total *= d
+    return (values.shape[-1], len(values.shape) == 2 and values.shape[0] > 1,
+            values.reshape((total, 1)))
+
+
+def _member_column(values, b, h, G):
+    """fp32 ``(G, 1)``: ``values[b, h G + g]`` of an HBM ``(Hq,)`` or ``(1 or B, Hq)`` fp32
+    tensor (``b`` an NKI expression), by an indirect DMA."""
+    Hq, per_batch, flat = _member_values(values)
     i_g = nl.arange(G)[:, None]
-    if not per_batch:
-        idx = nisa.iota(h * G + i_g, dtype=nl.int32)
-    elif b_col is None:
-        idx = nisa.iota(b * Hq + h * G + i_g, dtype=nl.int32)
-    else:
-        idx = nisa.tensor_tensor(nisa.iota(h * G + i_g, dtype=nl.int32),
-                                 _int_column([(b_col, Hq)], G), op=np.add, dtype=nl.int32)
+    idx = nisa.iota((b * Hq if per_batch else 0) + h * G + i_g, dtype=nl.int32)
     out = nisa.memset((G, 1), 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
-    nisa.dma_copy(dst=out, src=values.reshape((total, 1))[idx[i_g, 0], nl.arange(1)[None, :]],
+    nisa.dma_copy(dst=out, src=flat[idx[i_g, 0], nl.arange(1)[None, :]],
                   oob_mode=nisa.oob_mode.skip)
     return out
 
@@ -478,16 +461,11 @@ def _member_columns(values, bs, h, G, ipp, out, col0):
     ``values[b_j, h G + g]`` of an HBM ``(Hq,)`` or ``(1 or B, Hq)`` fp32 tensor, by indirect
     DMAs (``bs``: int32 ``b | s`` columns; a padding item's b = B reads out of bounds,
     skipped: 0)."""
-    Hq = values.shape[-1]
-    per_batch = len(values.shape) == 2 and values.shape[0] > 1
-    total = 1
-    for d in values.shape:
-        total *= d
+    Hq, per_batch, flat = _member_values(values)
     i_g = nl.arange(G)[:, None]
     idx = nisa.iota(h * G + i_g + 0 * nl.arange(ipp)[None, :], dtype=nl.int32)
     if per_batch:
         idx = _int_tile([(bs[0:G, 0:ipp], Hq)], G, ipp, acc=idx)
-    flat = values.reshape((total, 1))
     for j in nl.affine_range(ipp):
         nisa.dma_copy(dst=out[0:G, nl.ds(col0 + j, 1)],
                       src=flat[idx[i_g, j], nl.arange(1)[None, :]], oob_mode=nisa.oob_mode.skip)
@@ -1201,7 +1179,7 @@ def _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_
     def back(hh, b, head):
         """The second half of each row tile of the step ``front`` began (on ``v_all[b]``)."""
         b_i, s_i, item, states = head
-        o_base = _int_column([(b_i, Hkv * R * S), (s_i, 1)])
+        o_base = _int_tile([(b_i, Hkv * R * S), (s_i, 1)], PMAX, 1)
         for (_, rt0, rows), (rm, state) in zip(row_tiles, states):
             _split_back(state, v_all[b], o_flat, lse_flat, o_base, g, h0 + hh, R, S, rt0, rows,
                         mm, rm, item)
@@ -1332,9 +1310,9 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
             h = hg * heads_per_program + hh
             tail_mods = None
             if mods != SM.Mods():
-                tail_mods = (mods, _member_column(alibi_slopes, b, None, h, G) if mods.alibi
+                tail_mods = (mods, _member_column(alibi_slopes, b, h, G) if mods.alibi
                              else None,
-                             _member_column(sinks, b, None, h, G) if mods.sinks else None, G,
+                             _member_column(sinks, b, h, G) if mods.sinks else None, G,
                              mods.softcap)
             _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part,
                           b * Hkv + h, num_splits, T, R, D, n, row_tile, scale, mm,
