@@ -479,6 +479,10 @@ class ForwardTiles:
         Query tiles staged together (:data:`FWD_STAGE_SLOTS`): their scores, max and exp of a
         key block are issued before their P V; each keeps one softmax block of P in SBUF
         (:func:`fwd_stage_bytes`). 1: every tile's block is issued whole.
+    q_preload : bool
+        Every query row of the program is loaded at its start (:func:`fwd_q_preload_bytes`
+        of SBUF), instead of each group loading its own tiles when it begins (a group's loads
+        of 128-row tiles of 256-byte rows take longer than its first steps need).
     """
 
     q_tile: int = FWD_Q_TILE
@@ -493,6 +497,7 @@ class ForwardTiles:
     p_dma_transpose_share: float = 0.0
     target: str = FWD_DEFAULT_TARGET
     stage: int = 1
+    q_preload: bool = False
 
     def __post_init__(self):
         if not 1 <= self.q_tile <= PMAX:
@@ -582,6 +587,13 @@ def fwd_stage_bytes(stage: int, tiles: "ForwardTiles", mm_itemsize: int) -> int:
     return stage * (tiles.softmax_block * mm_itemsize + 2 * 4) if stage > 1 else 0
 
 
+def fwd_q_preload_bytes(Nq: int, group: int, D: int, in_itemsize: int,
+                        q_tile: int = FWD_Q_TILE) -> int:
+    """SBUF bytes per partition of every query row of a (batch, kv head) program: ``G
+    ceil(Nq / q_tile)`` tiles of D values in the input dtype (``ForwardTiles.q_preload``)."""
+    return group * ceil_div(Nq, q_tile) * D * in_itemsize
+
+
 def fwd_q_state_bytes(D: int, mm_itemsize: int, out_itemsize: int = 4) -> int:
     """SBUF bytes per partition of one query tile's state: Q^T, o_acc (fp32), m_i and l_i, and
     its finished output (o in the output dtype and the fp32 lse), which waits in SBUF until the
@@ -641,7 +653,10 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
         # scheduled estimate, simulate._sched, shows one tile's chain leaves engines waiting)
         fit = (budget - kv - work) // state
         t = replace(base, q_group=int(max(1, min(FWD_RESIDENT_Q_GROUP, n_tiles, fit))))
-        return staged(t, budget - kv - work - t.q_group * state)
+        t = staged(t, budget - kv - work - t.q_group * state)
+        left = (budget - kv - work - t.q_group * state
+                - fwd_stage_bytes(t.stage, t, mm_itemsize))
+        return replace(t, q_preload=fwd_q_preload_bytes(Nq, group, D, in_itemsize) <= left)
     # two chunks: the next one loads while the current one is in use
     room = budget - work - 2 * fwd_kv_bytes(base.kv_chunk, D, mm_itemsize)
     q_group = max(1, min(n_tiles, room // state)) if room > 0 else 1

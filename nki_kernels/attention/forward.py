@@ -428,6 +428,8 @@ class _Instance:
         self.q_load = None         # int32 [128, G * tiles per head]: query-row gather indices,
         self.q_store = None        # scatter indices (rotated rows only),
         self.q_valid = None        # fp32 1.0 for valid rows
+        self.xq = None             # [128, G * tiles per head, D]: preloaded query rows (column
+        #                            q_col), ForwardTiles.q_preload; None: loaded per group
         self.k_load = None         # int32 [128, ceil(Nk / 128)]: key gather indices
         self.k_fill = None         # [128, D] in k's dtype: the edge key on every partition
         self.q_rows = self.k_rows = self.v_rows = None     # (B H N, D) views for the gathers
@@ -765,19 +767,36 @@ def load_kv(f: _Instance, cb, n: int) -> _KV:
     if n % LB:
         load_piece(f, kT, v, cb, (n // LB) * per, n % LB)
     return _KV(cb * P, kT, v)
-def load_q(f: _Instance, st: _GroupState, s, h, t):
-    """Q^T of query tile t (an NKI expression) of member head h into slot s: load
-    ``[rows, D]``, transpose each 128-wide head-dim slice on TensorE, copy it out of PSUM at
-    matmul dtype (ScalarE), times the softmax scale when the scale is not folded into the exp.
-    With ``q_lens`` the rows are gathered through ``q_load`` (rotated when the band needs it):
-    padding rows are never read and stay 0."""
-    r = st.rows
-    x = nl.ndarray((r, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
+def load_q_rows(f: _Instance, r: int, h, t, x):
+    """Load the ``r`` rows of query tile t (an NKI expression) of member head h into ``x``
+    (``[r, D]``). With ``q_lens`` the rows are gathered through ``q_load`` (rotated when the
+    band needs it): padding rows are never read and stay 0."""
     if f.q_load is None:
         nisa.dma_copy(dst=x, src=f.q[f.b, f.head(h), nl.ds(t * f.tiles.q_tile, r), :])
     else:
         x[...] = nisa.memset((r, f.D), 0.0, dtype=f.q.dtype, engine=nisa.gpsimd_engine)
         M.gather_rows(x, f.q_rows, f.q_load, f.q_col(h, t), r, f.D)
+
+
+def preload_q(f: _Instance, r: int, h, t0, n: int):
+    """Rows of query tiles ``t0 .. t0 + n - 1`` of member head h into the preload buffer
+    ``f.xq`` (:attr:`tiles.ForwardTiles.q_preload`): issued at the start of the program, the
+    loads are out of the groups' way."""
+    for i in nl.affine_range(n):
+        load_q_rows(f, r, h, t0 + i, f.xq[0:r, f.q_col(h, t0 + i), :])
+
+
+def load_q(f: _Instance, st: _GroupState, s, h, t):
+    """Q^T of query tile t (an NKI expression) of member head h into slot s: its rows (the
+    preloaded ones, or loaded now), each 128-wide head-dim slice transposed on TensorE and
+    copied out of PSUM at matmul dtype (ScalarE), times the softmax scale when the scale is not
+    folded into the exp."""
+    r = st.rows
+    if f.xq is not None:
+        x = f.xq[0:r, f.q_col(h, t), :]
+    else:
+        x = nl.ndarray((r, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
+        load_q_rows(f, r, h, t, x)
     for pi, (d0, rows) in enumerate(f.d_passes):
         tp = nl.ndarray((rows, r), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
         tp[...] = nisa.nc_transpose(x[0:r, d0:d0 + rows])
@@ -1407,6 +1426,15 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     kv = load_kv(f, 0, Nk) if plan.resident and needs_kv else None
     core = nl.program_id(2) if lnc == 2 else None
     groups = [(sp, g) for sp in plan.spans for g in _groups(sp, plan.q_group)]
+    if tiles.q_preload and needs_kv and len(plan.spans) > 1:
+        # every query row this core will use, loaded up front (each exactly once): with
+        # several spans (a band) each span's first group would otherwise wait for its loads
+        f.xq = nl.ndarray((T.PMAX, f.G * f.per_head, D), dtype=q.dtype, buffer=nl.sbuf)
+        for sp, (first, count, n) in groups:
+            if sp.regions:
+                start, mine = (0, count) if core is None else _core_range(count, core)
+                for h in nl.affine_range(f.G):
+                    preload_q(f, sp.rows, h, sp.t0 + first + start * n, mine * n)
     out = _Outputs(f, f.G * max(n for _, (_, _, n) in groups))
     pending = ()                # the group whose outputs are waiting in `out`
     for sp, (first, count, n) in groups:

@@ -704,15 +704,18 @@ def test_sliding_window_spans(Nq, Nk, causal, window, lens):
 ])
 def test_staging_and_deferred_stores_change_nothing(Hq, Hkv, Nq, Nk, mask):
     """Staging (ForwardTiles.stage: the first halves of several tiles' key blocks before their
-    second halves) only reorders the same instructions, and each group's outputs are stored by
-    the next group: the results are bit-identical to the unstaged kernel, with one group per
-    loop and with several (the loop's peeled first group stores the previous loop's last)."""
+    second halves) only reorders the same instructions, each group's outputs are stored by the
+    next group, and preloaded query rows are the same rows: the results are bit-identical to
+    the unstaged kernel, with one group per loop and with several (the loop's peeled first
+    group stores the previous loop's last), query rows preloaded or not."""
     q, k, v = _inputs(np.random.default_rng(Nq + Nk), 1, Hq, Hkv, Nq, Nk, 64, "bfloat16")
     base = T.choose_forward_tiles(Nq, Nk, 64, Hq // Hkv, 2, 2, kv_lens="kv_lens" in mask,
                                   q_lens="q_lens" in mask)
-    assert base.stage > 1
-    runs = [run_kernel(q, k, v, tiles=dataclasses.replace(base, stage=s, q_group=g), **mask)
-            for s, g in ((1, base.q_group), (base.stage, base.q_group), (2, 2), (1, 1))]
+    assert base.stage > 1 and base.q_preload
+    runs = [run_kernel(q, k, v, tiles=dataclasses.replace(base, stage=s, q_group=g,
+                                                          q_preload=pre), **mask)
+            for s, g, pre in ((1, base.q_group, False), (base.stage, base.q_group, True),
+                              (2, 2, True), (1, 1, False))]
     for o, lse in runs[1:]:
         np.testing.assert_array_equal(o.view(np.uint16), runs[0][0].view(np.uint16))
         np.testing.assert_array_equal(lse, runs[0][1])
