@@ -8,7 +8,9 @@ the 8 heads -- about 46 us per kv head and 370 us in all on trn2 (goal: within 1
 Numbers come from ``simulate.measure`` (exact HBM bytes; modeled time = per kernel the max over
 engines, i.e. perfect overlap, summed over the two kernels; NOT hardware timings). Two bounds
 are printed: the simulator's DMA rate (its cost model: 272 GB/s trn1, 368 GB/s trn2 per
-NeuronCore) and the even HBM share of a chip (410 / 362.5 GB/s per NeuronCore).
+NeuronCore) and the even HBM share of a chip (410 / 362.5 GB/s per NeuronCore), times the
+NeuronCores of the run: ``--lnc 1 2`` (the default) also runs trn2's LNC=2 layout, the split
+kernel's programs spread over both cores.
 
     python benchmarks/decode.py                       # the default case, trn1 and trn2
     python benchmarks/decode.py --lens 1000 32768     # ragged batch (B = number of lengths)
@@ -40,7 +42,7 @@ GOAL = 1.5
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
 
-def run_case(args, target, paged=False):
+def run_case(args, target, paged=False, lnc=1):
     import host
     import simulate
     from host import reference
@@ -62,17 +64,20 @@ def run_case(args, target, paged=False):
     plan = host.plan_flash_decode(q, k_in, v_in, **kw)
     t0 = time.perf_counter()
     with simulate.measure(target=target) as m:
-        o = host.flash_decode(q, k_in, v_in, **kw)
+        o = host.flash_decode(q, k_in, v_in, lnc=lnc, **kw)
     wall = time.perf_counter() - t0
     kv_bytes = 2 * args.hkv * args.dim * dtype.itemsize * int(lens.sum())
     read, written = host.flash_decode_hbm_bytes(B, args.hq, args.tokens, args.dim, args.hkv,
-                                                lens, dtype.itemsize, plan, paged=paged)
-    # the bounds at the DMA rate of the cost model and at an even share of the chip's HBM
+                                                lens, dtype.itemsize, plan, paged=paged,
+                                                lnc=lnc)
+    # the bounds at the DMA rate of the cost model and at an even share of the chip's HBM,
+    # per NeuronCore (LNC=2: two cores, each with its DMA engines and HBM share)
     hw = hardware(target)
-    dma_rate, hbm_share = hw.dma_bytes_per_s, hw.hbm_share_bytes_per_s
+    dma_rate, hbm_share = lnc * hw.dma_bytes_per_s, lnc * hw.hbm_share_bytes_per_s
     lower, upper = m.modeled_seconds
     out = {
-        "target": target, "B": B, "Hq": args.hq, "Hkv": args.hkv, "T": args.tokens,
+        "target": target, "lnc": lnc, "B": B, "Hq": args.hq, "Hkv": args.hkv,
+        "T": args.tokens,
         "D": args.dim, "S_max": s_max, "cache_lens": lens.tolist(), "dtype": args.dtype,
         "paged": paged, "page_size": args.page_size if paged else None,
         "plan": plan._asdict(),
@@ -97,7 +102,7 @@ def run_case(args, target, paged=False):
 def report(r, contiguous=None):
     lo, hi = r["modeled_us"]
     cache = f"paged (page_size {r['page_size']})" if r.get("paged") else "contiguous"
-    print(f"\n{r['target']} {cache}: B={r['B']} Hq={r['Hq']} Hkv={r['Hkv']} T={r['T']} "
+    print(f"\n{r['target']} LNC={r['lnc']} {cache}: B={r['B']} Hq={r['Hq']} Hkv={r['Hkv']} T={r['T']} "
           f"D={r['D']} S_max={r['S_max']} {r['dtype']}  plan {r['plan']}")
     for k in r["kernels"]:
         eng = "  ".join(f"{e} {s:7.1f}" for e, s in k["engine_us"].items())
@@ -139,15 +144,20 @@ def main(argv=None):
                    help="also run the cache as a shuffled page pool with a block table")
     p.add_argument("--page-size", type=int, default=256, help="positions per page (256)")
     p.add_argument("--check", action="store_true", help="also compare with the reference")
+    p.add_argument("--lnc", type=int, nargs="+", choices=(1, 2), default=[1, 2],
+                   help="NeuronCores per logical core to run (2: trn2 only; default both)")
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args(argv)
     results = []
     for t in args.targets:
-        results.append(run_case(args, t))
-        report(results[-1])
-        if args.paged:
-            results.append(run_case(args, t, paged=True))
-            report(results[-1], contiguous=results[-2])
+        for lnc in args.lnc:
+            if lnc == 2 and t != "trn2":
+                continue
+            results.append(run_case(args, t, lnc=lnc))
+            report(results[-1])
+            if args.paged:
+                results.append(run_case(args, t, paged=True, lnc=lnc))
+                report(results[-1], contiguous=results[-2])
     write_json(args.json, results)
     return results
 

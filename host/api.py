@@ -6,6 +6,8 @@ kernels through :func:`host._launch.launch` (the CPU simulator or a Trainium dev
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import numpy as np
 
 from host import validation as _v
@@ -632,6 +634,44 @@ def decode_work_list(cache_lens, T: int, plan: "tiles.DecodeTiles"):
         splits.astype(np.int32)
 
 
+class DecodeLaunch(NamedTuple):
+    """The split kernel's launch (:func:`decode_launch`): the work list (None: tails only),
+    work items and kv heads per program, the per-sequence split counts, and the grid as
+    ``(head groups, programs per group, axis spread over the two NeuronCores or None)``."""
+
+    work: Optional[np.ndarray]
+    items_per_program: int
+    heads_per_program: int
+    splits: np.ndarray
+    groups: int
+    programs: int
+    core_axis: Optional[int]
+
+
+def decode_launch(cache_lens, T: int, Hkv: int, plan: "tiles.DecodeTiles",
+                  lnc: int = 1) -> DecodeLaunch:
+    """The split kernel's launch for these lengths (:func:`decode_work_list`) on ``lnc``
+    NeuronCores. With LNC=2 the two cores take half of the head groups each when their count
+    is even (``tiles.decode_heads_per_program`` keeps it even when Hkv is), else half of each
+    group's programs (chunks, then tails): an odd program count gets one more chunk of padding
+    items (they read nothing; their partials go to the trash block)."""
+    work, per_program, splits = decode_work_list(cache_lens, T, plan)
+    per_head = tiles.decode_heads_per_program(Hkv, per_program, plan.max_steps, cores=lnc)
+    B = len(splits)
+    W = 0 if work is None else work.shape[0]
+    groups, programs, axis = Hkv // per_head, W // per_program + B, None
+    if lnc == 2:
+        if groups % 2 == 0:
+            axis = 0
+        else:
+            axis = 1
+            if programs % 2:
+                pad = np.full((per_program, 2), (B, 0), dtype=np.int32)
+                work = pad if work is None else np.concatenate([work, pad])
+                programs += 1
+    return DecodeLaunch(work, per_program, per_head, splits, groups, programs, axis)
+
+
 def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, tree_mask=None,
                       num_splits=None, mixed_precision: bool = True) -> "tiles.DecodeTiles":
     """Validate a decode call and return its tiling (``nki_kernels.tiles.DecodeTiles``).
@@ -652,14 +692,15 @@ def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, tree
 
 def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens,
                            itemsize: int, plan: "tiles.DecodeTiles", tree_mask: bool = False,
-                           paged: bool = False):
+                           paged: bool = False, lnc: int = 1):
     """Exact HBM bytes ``(read, written)`` of :func:`flash_decode` (both kernels).
 
     With ``N = B Hq T`` query rows, ``s`` the input itemsize (q, caches and o share it),
     ``W = sum(splits)`` real work items and ``P`` padding items of :func:`decode_work_list`
     (both 0 without a split), ``S = num_splits + 1`` partial slots per row and ``H'`` the
     split kernel's head groups (``Hkv / tiles.decode_heads_per_program``: each program reads
-    its items' headers once for its kv heads)::
+    its items' headers once for its kv heads); ``lnc`` as the call's (:func:`decode_launch`:
+    its layout can add padding items)::
 
         read    = 2 s Hkv D sum_b cache_lens[b]     K and V: each valid byte exactly once
                 + s Hq T D (W + B)                   q, per real work item and tail program
@@ -682,10 +723,10 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     only their work row.
     """
     N = B * Hq * T
-    work, per_program, splits = decode_work_list(cache_lens, T, plan)
+    launch_ = decode_launch(cache_lens, T, Hkv, plan, lnc)
+    work, splits, groups = launch_.work, launch_.splits, launch_.groups
     W = int(np.sum(splits))
     pad = 0 if work is None else work.shape[0] - W               # padding items
-    groups = Hkv // tiles.decode_heads_per_program(Hkv, per_program, plan.max_steps)
     S = plan.num_splits + 1
     kv = 2 * itemsize * Hkv * D * int(np.sum(np.asarray(cache_lens, dtype=np.int64)))
     read = (kv + itemsize * Hq * T * D * (W + B) + 8 * groups * (W + pad)
@@ -702,7 +743,8 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
 
 def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision: bool = True,
-                 return_lse: bool = False, softcap=None, alibi_slopes=None, sinks=None):
+                 return_lse: bool = False, softcap=None, alibi_slopes=None, sinks=None,
+                 lnc=None):
     """Attention of T new tokens per sequence over a KV cache (split-KV flash decoding).
 
     Parameters
@@ -746,6 +788,9 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     softcap, alibi_slopes, sinks : optional
         Score modifiers as in :func:`flash_attention`; new token t sits at position
         ``cache_lens[b] - T + t`` for the ALiBi distance (two-sided with a tree mask).
+    lnc : None, 1 or 2
+        NeuronCores per logical core (None: 2 on trn2, else 1). With 2 the split kernel's
+        programs are spread over both cores (:func:`decode_launch`).
 
     Returns
     -------
@@ -763,13 +808,13 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     mods = _score_mods_call(softcap, alibi_slopes, sinks, inputs.B, inputs.Hq)
     q, k_cache, v_cache = _numpy("q", q), _numpy("k_cache", k_cache), _numpy("v_cache", v_cache)
     o, lse = run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_cache,
-                        launch, lambda a: a, mods)
+                        launch, lambda a: a, mods, lnc=_check_lnc(lnc))
     o = o.reshape(inputs.B, inputs.Hq, inputs.T, inputs.D)
     return (o, lse.reshape(inputs.B, inputs.Hq, inputs.T)) if return_lse else o
 
 
 def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_cache, run,
-               to_device, mods=None):
+               to_device, mods=None, lnc=1):
     """The two launches of a validated decode call (:func:`flash_decode`): the split kernel
     on ``(Hkv, work items + B)`` and the LSE merge. ``run(kernel, grid, *args, **kw)`` launches
     (:func:`host._launch.launch`, or ``kernel[grid](...)`` on XLA tensors) and ``to_device``
@@ -786,18 +831,17 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     lens = np.ascontiguousarray(inputs.cache_lens, dtype=np.int32)
     tree = None if inputs.tree_mask is None else to_device(inputs.tree_mask.astype(np.uint8))
     B, Hq, Hkv, T = inputs.B, inputs.Hq, inputs.Hkv, inputs.T
-    work, per_program, splits = decode_work_list(lens, T, plan)
-    W = 0 if work is None else work.shape[0]
-    per_head = tiles.decode_heads_per_program(Hkv, per_program, plan.max_steps)
+    ln = decode_launch(lens, T, Hkv, plan, lnc)
+    work, splits = ln.work, ln.splits
     mod_kwargs, mod_tensors = ({}, {}) if mods is None else mods
     mod_tensors = {name: None if a is None else to_device(a) for name, a in mod_tensors.items()}
     o_part, lse_part = run(
-        k.flash_decode_split_kernel, (Hkv // per_head, W // per_program + B), q, k_cache,
-        v_cache, to_device(lens),
+        k.flash_decode_split_kernel, k.decode_grid(ln.groups, ln.programs, ln.core_axis), q,
+        k_cache, v_cache, to_device(lens),
         None if work is None else to_device(work), tree, table, scale=float(scale),
         mm_dtype=mm.name, key_row=plan.key_row, split_rows=plan.split_rows,
         num_splits=plan.num_splits, row_tile=plan.row_tile, pack=plan.pack,
-        items_per_program=per_program, heads_per_program=per_head,
+        items_per_program=ln.items_per_program, heads_per_program=ln.heads_per_program,
         **mod_tensors, **mod_kwargs)
     N = B * Hq * T
     return run(k.flash_decode_merge_kernel, (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),

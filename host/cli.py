@@ -54,7 +54,7 @@ _DECODE_ONLY = (("tokens", "--tokens"), ("cache_len", "--cache-len"),
                 ("page_size", "--page-size"))
 _PREFILL_ONLY = (("seq_q", "--seq-q"), ("seq_k", "--seq-k"), ("causal", "--causal"),
                  ("window", "--window"), ("kv_lens", "--kv-lens"), ("q_lens", "--q-lens"),
-                 ("lnc", "--lnc"), ("dropout", "--dropout"), ("block_sparse", "--block-sparse"))
+                 ("dropout", "--dropout"), ("block_sparse", "--block-sparse"))
 #: ``--block-sparse`` patterns (host/block_sparse.py); ``density=S`` is the benchmark's
 #: evenly spread pattern with a fraction S of the key blocks per query tile.
 BLOCK_SPARSE_PATTERNS = ("butterfly", "local-global", "density=S")
@@ -153,8 +153,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS),
                      help="targets to model (trn1 trn2)")
     run.add_argument("--lnc", type=int, choices=(1, 2), default=None,
-                     help="forward: NeuronCores per logical core on trn2 (default 2 on trn2, "
-                          "1 on trn1; trn1 always runs 1)")
+                     help="NeuronCores per logical core on trn2 (default 2 on trn2, 1 on trn1; "
+                          "trn1 always runs 1)")
     run.add_argument("--check", choices=CHECK_CHOICES, default="full",
                      help="correctness check: 'full' compares every output with the float64 "
                      "reference (needs ~36 bytes per score B*Hq*Nq*Nk: the command refuses up "
@@ -401,7 +401,8 @@ def _run(args: argparse.Namespace) -> int:
             label += f" paged (page_size {page_size}, {k_in.shape[0]} pages)"
 
         def call(target):
-            return host.flash_decode(q, k_in, v_in, **kwargs)
+            lnc = args.lnc if target == "trn2" else None   # trn1: one core per logical core
+            return host.flash_decode(q, k_in, v_in, lnc=lnc, **kwargs)
 
         def check_refs():
             ref = reference.decode(q, k, v, cache_lens=cache_lens, scale=args.scale, **mods)
@@ -519,7 +520,7 @@ def _run(args: argparse.Namespace) -> int:
             cores = max((k.cores for k in m.kernels), default=1)
             if args.decode:     # memory-bound: the fraction of the HBM-bandwidth bound reached
                 # (the chip's HBM bandwidth shared evenly by its cores, hardware-and-limits.md §3)
-                bound = lower_bound / hw.hbm_share_bytes_per_s
+                bound = lower_bound / (cores * hw.hbm_share_bytes_per_s)
                 util = [bound / hi, bound / lo]
             else:               # compute-bound: the fraction of dense bf16 TensorE peak
                 peak = cores * hw.tensor_peak_flops

@@ -953,16 +953,19 @@ def decode_work_items(count: int, max_steps: int = DECODE_ITEMS_PER_PROGRAM):
     return programs * per, per
 
 
-def decode_heads_per_program(Hkv: int, items: int, max_steps: int) -> int:
+def decode_heads_per_program(Hkv: int, items: int, max_steps: int, cores: int = 1) -> int:
     """kv heads one split-kernel program runs (``items`` work items each): the largest
     divisor of Hkv with ``heads * items <= max_steps``, even or 1 when ``items`` is odd (the
     program's steps come in pairs). More heads per program means fewer programs, each of which
-    pays its headers and fills and drains its pipeline once."""
+    pays its headers and fills and drains its pipeline once. With ``cores = 2`` (trn2 LNC=2)
+    the head groups are kept even when Hkv allows, so the two cores take half of them each."""
     best = 1
     for hpp in range(1, Hkv + 1):
         if Hkv % hpp or hpp * items > max_steps:
             continue
         if items % 2 and hpp > 1 and hpp % 2:
+            continue
+        if cores == 2 and Hkv % 2 == 0 and (Hkv // hpp) % 2:
             continue
         best = hpp
     return best

@@ -22,7 +22,9 @@ Model (constants in ``_hw``, each with its source or marked fitted):
 * **Dependencies** through the bytes instructions touch: read after write, write after read,
   write after write, tracked per storage on byte ranges of the free dims (a slice of a tile is
   independent of a disjoint slice; partitions are not told apart) -- for HBM tensors on the
-  flat byte range. An input written by another engine (or a DMA) pays a semaphore latency
+  flat byte range -- and per NeuronCore: instances on different cores of one launch are
+  independent programs with no ordering between them (an indirect write covers its whole
+  tensor here, which would otherwise order two cores' disjoint writes). An input written by another engine (or a DMA) pays a semaphore latency
   (``SCHED_SYNC_NS``).
 * **Rotating buffers.** A tile allocated inside a loop gets a fresh buffer each iteration in
   the simulator; the compiler instead rotates ``SCHED_BUFFERS`` buffers per allocation site, so
@@ -156,7 +158,7 @@ class Scheduler:
 
     def __init__(self, tgt):
         self.tgt = tgt
-        self.acc = weakref.WeakKeyDictionary()      # Storage -> _Access
+        self.acc = weakref.WeakKeyDictionary()      # Storage -> {core: _Access}
         self.sites = {}                              # alloc site -> list of _Access (ring)
         self.engine_free = {}                        # (core, engine) -> time
         self.gaps = {}                               # (core, engine) -> recent idle gaps
@@ -214,7 +216,7 @@ class Scheduler:
         back at the same site (rotating buffers)."""
         site = _alloc_site()
         a = _Access()
-        self.acc[st] = a
+        self.acc[st] = {self.core: a}
         if site is None:
             return
         ring = self.sites.setdefault((self.core, site), [])     # buffers are per core
@@ -229,7 +231,7 @@ class Scheduler:
         """An instruction's result written straight into a destination (``dst[...] =
         nisa.op(...)``): on the hardware it never had a buffer of its own, so it leaves its
         site's ring and carries no floor."""
-        a = self.acc.get(st)
+        a = self.acc.get(st, {}).get(self.core)
         if a is not None and a.ring is not None:
             if a.ring and a.ring[-1] is a:
                 a.ring.pop()
@@ -238,9 +240,15 @@ class Scheduler:
 
     # -- scheduling -----------------------------------------------------------------------------
     def _access(self, st):
-        a = self.acc.get(st)
+        """The current core's record of ``st``: grid instances on different NeuronCores are
+        independent programs (no ordering between them; their writes to a shared HBM tensor
+        must be disjoint), so dependencies are tracked per core."""
+        per_core = self.acc.get(st)
+        if per_core is None:
+            per_core = self.acc[st] = {}
+        a = per_core.get(self.core)
         if a is None:
-            a = self.acc[st] = _Access()
+            a = per_core[self.core] = _Access()
         return a
 
     def _commit(self):

@@ -1212,6 +1212,17 @@ def _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_
             step(2 * hp + 1, 0, 1)
 
 
+def decode_grid(groups: int, programs: int, core_axis=None):
+    """The split kernel's launch grid ``(head groups, programs)``, with axis ``core_axis``
+    (None, 0 or 1; its size even) spread over the two NeuronCores of a trn2 logical core
+    (``nl.spmd_dim(n / 2, nl.nc(2))``: program ids stay the logical ones, so the kernel is
+    unchanged)."""
+    dims = [groups, programs]
+    if core_axis is not None:
+        dims[core_axis] = nl.spmd_dim(dims[core_axis] // 2, nl.nc(2))
+    return tuple(dims)
+
+
 @nki.jit
 def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_mask=None,
                               block_table=None, alibi_slopes=None, sinks=None, scale=1.0,

@@ -149,6 +149,37 @@ def test_hbm_bytes_formula_is_exact():
     assert m.per_tensor["k_cache"]["read"] == 2 * 64 * 2 * sum(lens)
 
 
+@pytest.mark.skipif(BACKEND != "simulate", reason="simulate.measure needs the bundled simulator")
+@pytest.mark.parametrize("Hkv,lens,axis", [
+    (2, [2, 300, 512], 0),            # two head groups: one per core
+    (1, [2, 300, 512], 1),            # one head group: the programs are split
+    (1, [300, 512], 1),               # ... an odd program count gets a padding chunk
+])
+def test_lnc2_spreads_the_split_programs_over_both_cores(Hkv, lens, axis):
+    """trn2 LNC=2: the same outputs as LNC=1 (bit for bit: the same programs), the exact HBM
+    formula, and both cores busy: the split kernel's scheduled estimate drops well below
+    LNC=1's (an indirect scatter covers its whole tensor in the model, so tracking dependencies
+    across cores would serialize them: 0.99x for two head groups)."""
+    import simulate
+
+    B = len(lens)
+    q, k, v = inputs(B=B, Hq=4 * Hkv, Hkv=Hkv, T=1, S_max=8192, D=64)
+    p = host.plan_flash_decode(q, k, v, cache_lens=lens)
+    assert api.decode_launch(lens, 1, Hkv, p, 2).core_axis == axis
+    runs = []
+    for lnc in (1, 2):
+        with simulate.measure(target="trn2") as m:
+            o = host.flash_decode(q, k, v, cache_lens=lens, lnc=lnc)
+        read, written = host.flash_decode_hbm_bytes(B, 4 * Hkv, 1, 64, Hkv, lens, 2, p,
+                                                    lnc=lnc)
+        assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
+        runs.append((o, m.kernels[0].estimated_seconds))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    assert_within_rule(q, k, v, lens, runs[1][0])
+    # small launches: the programs' fixed costs do not halve; whole head groups per core do
+    assert runs[1][1] < (0.7 if axis == 0 else 0.85) * runs[0][1]
+
+
 # --------------------------------------------------------------------------------------------
 # validation: every error path names the argument
 # --------------------------------------------------------------------------------------------
