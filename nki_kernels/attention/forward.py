@@ -731,7 +731,15 @@ def guard_values(f: _Instance, vals, flag, sum_on_scalar: bool = False):
     busier engine)."""
     bad, z = M.zero_non_finite(vals)
     if not sum_on_scalar:
-        flag[...] = nisa.tensor_reduce(np.max, bad, axis=(2,), keepdims=True, dtype=f.mm)
+        # the flag: a max over the head dim by halving on GpSimd (VectorE, which selects the
+        # zeros, is the busier engine when the K/V load opens the kernel)
+        w = vals.shape[2]
+        while w > 1:
+            h = (w + 1) // 2
+            bad[:, :, 0:w - h] = nisa.tensor_tensor(bad[:, :, 0:w - h], bad[:, :, h:w],
+                                                    nl.maximum, engine=nisa.gpsimd_engine)
+            w = h
+        flag[...] = nisa.tensor_copy(bad[:, :, 0:1], dtype=f.mm, engine=nisa.gpsimd_engine)
         return
     # the flag from ScalarE sums of z (NaN where a block row had a non-finite entry), one
     # [p, D] activation per block, and one small VectorE compare
