@@ -82,7 +82,8 @@ def main(argv=None):
     print(f"\ndecode B={B} Hq={Hq} Hkv={Hkv} T=1 cache {S}: bound / estimate (us)")
     for name in ("none", "all three"):
         kw = _kwargs(MODS[name], Hq, rng)
-        m, _ = _measured(lambda: host.flash_decode(qd, kc, vc, cache_lens=np.array([S]), **kw))
+        m, _ = _measured(lambda: host.flash_decode(qd, kc, vc, cache_lens=np.array([S]), lnc=1,
+                                                     **kw))
         rows.append({"modifiers": name, "decode": (m.modeled_seconds[0], m.estimated_seconds)})
         print(f"{name:12s} {m.modeled_seconds[0] * 1e6:7.1f} /{m.estimated_seconds * 1e6:7.1f}")
     if args.json:
