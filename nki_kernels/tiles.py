@@ -10,6 +10,7 @@ reference/hardware-and-limits.md §3.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Tuple
@@ -80,6 +81,22 @@ DROPOUT_SEED_MOD = 1 << 30
 def dropout_units(B: int, Hq: int, Nq: int, Nk: int) -> int:
     """Number of 128 x 128 dropout units of a launch (see ``DROPOUT_SEED_MOD``)."""
     return B * Hq * ceil_div(Nq, DROPOUT_UNIT) * ceil_div(Nk, DROPOUT_UNIT)
+
+
+def unrolled(start: int, stop: Optional[int] = None, step: int = 1) -> Tuple[int, ...]:
+    """The integers of ``range(start, stop, step)`` as a tuple, for trace-time Python in kernel
+    code: loops the tracer unrolls (head-dim passes, chunks of a tile, heads of a group) and
+    lists of compile-time sizes or tiles. Kernel code does not call ``range()``: neuronx-cc
+    rewrites every ``range(...)`` inside a kernel into ``nl.sequential_range(...)``
+    (nki.language.sequential_range, Notes), whose index is a traced value and whose body is
+    compiled once."""
+    if stop is None:
+        start, stop = 0, start
+    start, stop, step = int(start), int(stop), int(step)
+    if step <= 0:
+        raise ValueError(f"unrolled: step must be a positive int, got {step}")
+    count = max(0, ceil_div(stop - start, step))
+    return tuple(itertools.islice(itertools.count(start, step), count))
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -738,7 +755,7 @@ def forward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, items
     q_valid = fwd_valid_lengths(q_lens, B, Nq)
     k_valid = fwd_valid_lengths(kv_lens, B, Nk)
     read = 0
-    for b in range(B):
+    for b in unrolled(B):
         nq = Nq if q_valid is None else q_valid[b]
         nk = Nk if k_valid is None else k_valid[b]
         per_instance = itemsize * (group * nq * D + passes * 2 * nk * D)
@@ -960,7 +977,7 @@ def decode_heads_per_program(Hkv: int, items: int, max_steps: int, cores: int = 
     pays its headers and fills and drains its pipeline once. With ``cores = 2`` (trn2 LNC=2)
     the head groups are kept even when Hkv allows, so the two cores take half of them each."""
     best = 1
-    for hpp in range(1, Hkv + 1):
+    for hpp in unrolled(1, Hkv + 1):
         if Hkv % hpp or hpp * items > max_steps:
             continue
         if items % 2 and hpp > 1 and hpp % 2:

@@ -3,7 +3,8 @@ convert the host arguments to HBM tensors and the returned tensors back to host 
 hand the launch's record to the active ``simulate.measure()`` objects.
 
 The top of the simulator's core: it imports the contexts (``_runtime``), the tensors
-(``_tensor``) and the front-end block-scope check (``_scope``); nothing below imports it.
+(``_tensor``), the front-end block-scope check (``_scope``) and ``language`` (the NKI loop that
+stands in for Python ``range`` in kernel code under strict mode); nothing below imports it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import warnings
 
 import numpy as np
 
-from . import _blas, _dtypes, _hw, _sched
+from . import _blas, _dtypes, _hw, _sched, _strict, language
 from ._cost import LaunchRecord
 from ._errors import nki_error, fmt_shape, ProgramSizeWarning
 from ._runtime import (Ctx, Launch, _measures, _progress_hooks, _stack, _trace, core_of,
@@ -118,7 +119,8 @@ def launch(func, grid, args, kwargs, opts):
             rec.core = core_of(raw, pid) if sizes else 0
             stack.append(ctx)
             try:
-                ret = func(*conv_args, **conv_kwargs)
+                with _strict.python_range_as(language._python_range):
+                    ret = func(*conv_args, **conv_kwargs)
             finally:
                 stack.pop()
                 ctx.pending = None

@@ -22,10 +22,13 @@ What strict mode enforces
      or tuple indexed by ``i``, an array shape built from ``i``. Those make a trace-time Python
      decision on a value that only exists at run time;
    * refuse arithmetic with non-integers (``err_tile_index_add_non_integer_scalar``).
-2. **Loop bounds are compile-time constants**: a symbolic value as a bound of
+2. **Python ``range`` is ``nl.sequential_range``** in kernel code (:func:`python_range_as`,
+   installed while a kernel instance runs): the compiler rewrites it, so its index is symbolic
+   and its body is one copy of program text. Unroll with ``nl.static_range``.
+3. **Loop bounds are compile-time constants**: a symbolic value as a bound of
    ``affine_range``/``sequential_range``/``static_range`` is refused ("all require compile-time
    constant bounds", NKI dynamic-loops page).
-3. **PSUM accumulation groups** (``_tensor.assign``): a TensorE accumulation (``psum += matmul``)
+4. **PSUM accumulation groups** (``_tensor.assign``): a TensorE accumulation (``psum += matmul``)
    onto a PSUM tile that another engine (VectorE, ScalarE, GpSimd) wrote since TensorE last
    overwrote it is refused. On hardware the first matmul of an accumulation group overwrites
    the bank and later ones accumulate (spec §9.1, nc_matmul); adding onto a value another engine
@@ -280,6 +283,54 @@ class SymbolicIndex:
 #: Integer types the simulator accepts where the API takes an integer (index arithmetic,
 #: slices, scalar operands).
 INT_TYPES = (int, _np.integer, SymbolicIndex)
+
+
+# -- Python range() in kernel code ---------------------------------------------------------
+_real_range = range
+
+
+class _RangeMeta(type):
+    """Keeps ``isinstance(x, range)`` working while ``builtins.range`` is replaced."""
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, _real_range)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, _real_range)
+
+
+def _make_kernel_range(loop):
+    class range(metaclass=_RangeMeta):          # noqa: N801 (stands in for the builtin)
+        """``range`` during a strict launch: kernel code gets ``loop(*args)`` (an NKI
+        sequential loop, as neuronx-cc rewrites it); everything else the builtin."""
+
+        def __new__(cls, *args):
+            # the rewrite is syntactic: a range() written in kernel code, not one that a
+            # library (the standard library, NumPy) calls on the kernel's behalf
+            if _kind(sys._getframe(1).f_code.co_filename) == _KERNEL:
+                return loop(*args)
+            return _real_range(*args)
+    return range
+
+
+@contextlib.contextmanager
+def python_range_as(loop):
+    """While strict mode is on, Python ``range(...)`` called from kernel code is ``loop(...)``.
+
+    neuronx-cc rewrites every ``range(...)`` inside a kernel into ``nl.sequential_range(...)``
+    (nki.language.sequential_range docs, Notes: "Inside a NKI kernel, any use of Python
+    range(...) will be replaced with sequential_range(...)"), so its index is a traced value and
+    its body is compiled once. Unrolling needs ``nl.static_range``."""
+    if not _state["on"]:
+        yield
+        return
+    import builtins
+    old = builtins.range
+    builtins.range = _make_kernel_range(loop)
+    try:
+        yield
+    finally:
+        builtins.range = old
 
 
 def symbolic(value, what):

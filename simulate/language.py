@@ -282,6 +282,13 @@ def sequential_range(*args, **kwargs):
     return _loop(current(), range(*(int(a) for a in args)), False)
 
 
+def _python_range(*args):
+    """Python ``range(...)`` in kernel code under strict mode: neuronx-cc rewrites it to
+    ``sequential_range`` (see ``_strict.python_range_as``)."""
+    _strict.check_bounds("range", args)
+    return _loop(current(), _strict._real_range(*(int(a) for a in args)), False, depth=3)
+
+
 def static_range(*args, **kwargs):
     """Fully unrolled ``range``; yields Python ints (every iteration is program text)."""
     _strict.check_bounds("static_range", args)

@@ -129,6 +129,7 @@ from nki_kernels.attention import masks as M
 from nki_kernels.attention import score_mods as SM
 from nki_kernels.nki import nisa, nki, nl
 from nki_kernels.tiles import (
+    unrolled,
     BWD_ACT_EVAC_BLOCKS,
     BWD_DQ_ACCUMULATE_MODES,
     BWD_DS_TRANSPOSE,
@@ -197,7 +198,7 @@ def slot_regions(spec: M.MaskSpec, passes: int, slots: int, Nq: int, c0: int, wi
     ``[t P 128, (t + 1) P 128)`` over the P passes, so its class (skipped, unmasked, masked) is
     that of those rows (:meth:`MaskSpec.classify`), the same in every pass."""
     out = []
-    for t in range(slots):
+    for t in unrolled(slots):
         r0 = t * passes * PMAX
         r1 = min(Nq, (t + 1) * passes * PMAX)
         kind = spec.classify(r0, r1 - r0, c0, width) if r0 < r1 else None
@@ -222,7 +223,7 @@ def plan_backward(Nq: int, Nk: int, G: int, spec: M.MaskSpec, key_tile: int,
     spans = []
     n_spans = min(n_full, BWD_K_SPANS if spec.has_diag else 1)
     j = 0
-    for i in range(n_spans):
+    for i in unrolled(n_spans):
         n = n_full // n_spans + (1 if i < n_full % n_spans else 0)
         spans.append(KeySpan(j, n, key_tile,
                              slot_regions(spec, passes, slots, Nq, j * key_tile, n * key_tile)))
@@ -257,7 +258,7 @@ def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize
             for sp in plan.spans if sp.regions]
     multi = plan.passes > 1
     read = written = 0
-    for b in range(B):
+    for b in unrolled(B):
         nq = Nq if q_lens is None else int(q_lens[b])
         nk = Nk if kv_lens is None else int(kv_lens[b])
         nq = _valid_in(0, Nq, nq, Nq, rot_q)
@@ -334,7 +335,7 @@ class RuntimeMasks(M.RuntimeLengths):
         tables push them out of bounds."""
         B, Hq, Nq, _ = q_shape
         runs = [(h * plan.slots, plan.slots, (b * Hq + h0 + h) * Nq + p * PMAX, p * PMAX)
-                for h in range(G)]
+                for h in unrolled(G)]
         rows, pos = M.position_table(runs, G * plan.slots, plan.passes * PMAX)
         total = B * Hq * Nq
         inside = nisa.tensor_scalar(pos, nl.less, float(Nq), dtype=nl.float32)
@@ -402,7 +403,7 @@ def _blocks_view(t, rows, nblocks):
 
 def _blocks(cols: int):
     """``(offset, keys)`` of the 128-key blocks of a key tile of ``cols`` keys."""
-    return tuple((o, min(PMAX, cols - o)) for o in range(0, cols, PMAX))
+    return tuple((o, min(PMAX, cols - o)) for o in unrolled(0, cols, PMAX))
 
 
 class _Rows(NamedTuple):
@@ -465,7 +466,7 @@ def _derive(cfg, st: _State, do_in, o_in, lse_t, s0, n: int, h=None):
     st.exp_bias[:, nl.ds(s0, n)] = nisa.scalar_tensor_tensor(
         data=no_key, op0=np.multiply, operand0=BWD_EXP_BIAS_NO_KEY,
         op1=np.subtract, operand1=lse_floor, dtype=nl.float32)
-    for j in range(n):
+    for j in unrolled(n):
         s = s0 + j
         prod = nisa.tensor_tensor(do_in[:, j, :], o_in[:, j, :], np.multiply, dtype=nl.float32)
         st.neg_delta[:, nl.ds(s, 1)] = nisa.tensor_reduce(np.add, prod, axis=(1,), negate=True,
@@ -591,7 +592,7 @@ def load_kv_tile(cfg, k, v, b, g, c0, cols: int, kv: _KV, k_load, col0):
         kv.k_nat[:, 0:nb, :] = nl.load(k[b, g, c0 + PMAX * ij + ip, idd], dtype=op_dtype)
         v_wide = nl.load(v[b, g, c0 + nb * ip + ij, idd], dtype=op_dtype)
         M.zero_non_finite(v_wide)
-        for bi in range(nb):
+        for bi in unrolled(nb):
             for c, (d0, dsz) in enumerate(cfg.d_chunks):
                 _transpose_into(kv.k_T[0:dsz, c, nl.ds(bi * PMAX, PMAX)],
                                 kv.k_nat[:, bi, d0:d0 + dsz], tp_dtype)
@@ -759,7 +760,7 @@ def accumulate_dq(cfg, vis: _Visit, ds, kv: _KV, st: _State, dq_scratch):
         nb = len(blocks)
         ds_T = nl.ndarray((PMAX, nb, PMAX), dtype=op_dtype, buffer=nl.sbuf)
         ds_T[...] = nisa.dma_transpose(_blocks_view(ds, PMAX, nb))
-        for bi in range(nb):
+        for bi in unrolled(nb):
             _accumulate(dq_psum, bi == 0, nisa.nc_matmul(ds_T[:, bi, :], kv.k_nat[:, bi, :]))
     else:
         for bi, (off, n) in enumerate(blocks):
@@ -850,7 +851,7 @@ def write_unseen_keys(cfg, dk, dv, b, g, span: KeySpan, Bk: int, k_store):
 def zero_scratch(scratch, Nk: int, D: int):
     """``dk_acc = dv_acc = 0`` (fp32 HBM, 128 keys per store)."""
     zeros = nl.zeros((PMAX, D), dtype=nl.float32)
-    for part in range(2):
+    for part in unrolled(2):
         for j in nl.affine_range(Nk // PMAX):
             nl.store(scratch[part][nl.ds(j * PMAX, PMAX), :], value=zeros)
         if Nk % PMAX:
@@ -1202,7 +1203,7 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
     fold = kv_lens is None or scale >= FWD_FOLD_SCALE_RANGE[0]
     cfg = _Config(
         scale=scale, exp_scale=scale if fold else 1.0, q_scale=1.0 if fold else scale,
-        G=G, D=D, d_chunks=tuple((d0, min(PMAX, D - d0)) for d0 in range(0, D, PMAX)),
+        G=G, D=D, d_chunks=tuple((d0, min(PMAX, D - d0)) for d0 in unrolled(0, D, PMAX)),
         op_dtype=op_dtype,
         tp_dtype=op_dtype if (gen3 and op_dtype != nl.float32) else nl.float32,
         out_dtype=in_dtype, dq_accumulate=dq_accumulate,

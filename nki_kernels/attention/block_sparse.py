@@ -230,7 +230,7 @@ def _attend_tiles(f, geo: Geometry, meta, h, pos0, n_tiles: int, trip: int, exac
     W = min(T.BSP_STEP_BLOCKS, trip)
     st = F._GroupState(f, n_tiles, P)
     tiles = []
-    for t in range(n_tiles):
+    for t in T.unrolled(n_tiles):
         row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=row, src=meta[hb, hh, nl.ds(pos0 + t, 1), 0:2 + trip])
         rw = Row(geo, row, trip, geo.kv_len, f.Nk)
@@ -293,8 +293,8 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, head, s0, n: int,
         v[:, 0:n, 0:D] = nisa.tensor_copy(vx, dtype=f.mm, engine=nisa.gpsimd_engine)
     F.guard_values(f, v[:, 0:n, 0:D], v[:, 0:n, D + 1:D + 2], sum_on_scalar=True)
     kT = [nl.ndarray((rows, n * P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
-    F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in range(n)], f.k.dtype)
-    sc = F.contract([(st.qT[pi][:, slot, :], kT[pi]) for pi in range(len(f.d_passes))],
+    F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in T.unrolled(n)], f.k.dtype)
+    sc = F.contract([(st.qT[pi][:, slot, :], kT[pi]) for pi in T.unrolled(len(f.d_passes))],
                     (P, n * P))
     s_tile = sc
     if any(c is not None for c in cols.values()):

@@ -153,7 +153,7 @@ class _SplitGeometry:
         # score pieces: (bank, column in bank, jj, first row, length), never crossing a bank
         # or a jj boundary
         self.pieces = []
-        for jj in range(self.n_sub):
+        for jj in tiles.unrolled(self.n_sub):
             r = 0
             while r < rs:
                 w = jj * rs + r
@@ -162,19 +162,19 @@ class _SplitGeometry:
                 self.pieces.append((bank, col, jj, r, ln))
                 r += ln
         self.bank_cols = [min(tiles.PSUM_FMAX, self.width - bk * tiles.PSUM_FMAX)
-                          for bk in range(self.n_banks)]
+                          for bk in tiles.unrolled(self.n_banks)]
         # P^T blocks of kv_rows columns: block x is rows (x mod n_kv) * 128 .. of sub-key jj
         self.n_blocks = self.width // self.kv_rows
 
     def d_tiles(self):
         """(dt, first column, size) of the head-dim tiles."""
-        return [(dt, dt * PMAX, min(PMAX, self.D - dt * PMAX)) for dt in range(self.n_dt)]
+        return [(dt, dt * PMAX, min(PMAX, self.D - dt * PMAX)) for dt in tiles.unrolled(self.n_dt)]
 
 
 def _row_tiles(rows, row_tile):
     """(index, first row, size) of the query row tiles."""
     return [(i, i * row_tile, min(row_tile, rows - i * row_tile))
-            for i in range(tiles.ceil_div(rows, row_tile))]
+            for i in tiles.unrolled(tiles.ceil_div(rows, row_tile))]
 
 
 # ============================================================================================
@@ -557,13 +557,13 @@ def _split_scores(qbd, kT, mask_row, g, P, mask_apart=False):
     n, rs = g.n, g.rs
     # each piece's first matmul writes (=), the rest accumulate (+=): no PSUM zero-fill
     banks = [nl.ndarray((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
-             for _ in range(g.n_banks)]
+             for _ in tiles.unrolled(g.n_banks)]
     mask_banks = None
     if mask_row is not None:
         ones = nl.ones((1, P), dtype=_MASK_DTYPE, buffer=nl.sbuf)
         if mask_apart:
             mask_banks = [nl.ndarray((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
-                          for _ in range(g.n_banks)]
+                          for _ in tiles.unrolled(g.n_banks)]
 
     def copy_c(acc, col, jj, r0, ln, c, first):
         for dt, d0, dsz in g.d_tiles():
@@ -674,7 +674,8 @@ def _split_pv(v_all, pT, g, rows, P):
     """``O^T (D, rows)`` per head-dim tile: ``sum_x sum_c V(x, c)^T P^T(x, c)`` in one PSUM
     group each (all copies share the row max, so their products add)."""
     kr, n, D = g.kv_rows, g.n, g.D
-    acc = [nl.ndarray((PMAX, rows), dtype=nl.float32, buffer=nl.psum) for _ in range(g.n_dt)]
+    acc = [nl.ndarray((PMAX, rows), dtype=nl.float32, buffer=nl.psum)
+           for _ in tiles.unrolled(g.n_dt)]
 
     def block_c(x, k, jj, c, first):
         for dt, d0, dsz in g.d_tiles():
@@ -739,7 +740,7 @@ def _split_mods(banks, mask_banks, g, rows, P, rm, e, cap):
             c_col = nisa.tensor_reduce(np.add, above, axis=(1,), keepdims=True,
                                        dtype=nl.float32)
     out = [nl.ndarray((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.sbuf)
-           for _ in range(g.n_banks)]
+           for _ in tiles.unrolled(g.n_banks)]
     if not mods.alibi:
         for bank in nl.static_range(g.n_banks):
             w = g.bank_cols[bank]
@@ -1145,9 +1146,9 @@ def _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_
     lse_flat = lse_part.reshape(((B + 1) * Hq * T * S, 1))
     zeros = _zero_source(g, mm, steps + 2)
     kv_cols = g.n_kv * n * D
-    k_nat = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in range(2)]
-    v_all = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in range(2)]
-    kT = [nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf) for _ in range(2)]
+    k_nat = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
+    v_all = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
+    kT = [nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
 
     def gather_k(t, b):
         _gather_rows(k_rows, idx, t * g.n_kv, g, zeros, k_nat[b], nisa.vector_engine)

@@ -281,7 +281,7 @@ def _fixed_spans(spec: M.MaskSpec, t_from: int, t_to: int, qt: int, cores: int):
     n_spans = max(1, min(n_full // cores, T.FWD_Q_SPANS if spec.has_diag else 1))
     n_spans = min(n_spans, n_full)
     spans, t = [], t_from
-    for i in range(n_spans):
+    for i in T.unrolled(n_spans):
         n = n_full // n_spans + (1 if i < n_full % n_spans else 0)
         spans.append(Span(t, n, qt, _regions(spec, t * qt, (t + n) * qt)))
         t += n
@@ -361,7 +361,7 @@ def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize
     G = Hq // Hkv
     any_region = any(sp.regions for sp in plan.spans)
     read = 0
-    for b in range(B):
+    for b in T.unrolled(B):
         nq = Nq if q_valid is None else q_valid[b]
         nk = Nk if k_valid is None else k_valid[b]
         per_instance = 4 * (int(q_valid is not None) + int(k_valid is not None))
@@ -419,7 +419,8 @@ class _Instance:
         self.spec = spec
         self.gen3 = nisa.get_nc_version() >= nisa.nc_version.gen3
         # head-dim passes of the S contraction: (first row, rows)
-        self.d_passes = tuple((d0, min(T.PMAX, self.D - d0)) for d0 in range(0, self.D, T.PMAX))
+        self.d_passes = tuple((d0, min(T.PMAX, self.D - d0))
+                              for d0 in T.unrolled(0, self.D, T.PMAX))
         self.dma_share = tiles.p_dma_transpose_share if self.gen3 else 0.0
         self.act_share = None      # fraction of the P^T copies on ScalarE (balance_engines)
         self.lse_col = lse.reshape((self.B, self.Hq, self.Nq, 1))  # (rows, 1) store targets
@@ -600,7 +601,7 @@ def length_tables(f: _Instance, kv_lens, q_lens):
     if f.rt.has_q:
         per_head = T.ceil_div(f.Nq, f.tiles.q_tile)
         runs = [(h * per_head, per_head, (f.b * f.Hq + f.g * f.G + h) * f.Nq, 0)
-                for h in range(f.G)]
+                for h in T.unrolled(f.G)]
         rows, pos = M.position_table(runs, f.G * per_head, stride=f.tiles.q_tile)
         f.q_valid = f.rt.valid(pos, keys=False)
         f.q_load, f.q_store = f.rt.index_table(rows, pos, f.B * f.Hq * f.Nq, keys=False,
@@ -669,7 +670,7 @@ def load_piece(f: _Instance, kT, v, cb, rb, ln: int):
     P, D = T.PMAX, f.D
     nb = T.ceil_div(ln, P)
     full, tail = ln // P, ln % P
-    rows = [min(P, ln - t * P) for t in range(nb)]
+    rows = [min(P, ln - t * P) for t in T.unrolled(nb)]
     same = f.v.dtype == f.mm
     key0 = (cb + rb) * P
     kx = nl.ndarray((P, nb, D), dtype=f.k.dtype, buffer=nl.sbuf)
@@ -715,7 +716,8 @@ def load_piece(f: _Instance, kT, v, cb, rb, ln: int):
         if tail:
             guard_values(f, v[0:tail, nl.ds(rb + full, 1), 0:D],
                          v[0:tail, nl.ds(rb + full, 1), D + 1:D + 2])
-    transpose_keys(f, kT, rb * P, [(t * P, rows[t], kx[:, t, :]) for t in range(nb)], f.k.dtype)
+    transpose_keys(f, kT, rb * P, [(t * P, rows[t], kx[:, t, :]) for t in T.unrolled(nb)],
+                   f.k.dtype)
 
 
 def guard_values(f: _Instance, vals, flag, sum_on_scalar: bool = False):
@@ -859,7 +861,7 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
     """
     r = st.rows
     sc = contract([(st.qT[pi][:, s, 0:r], kv.kT[pi][:, nl.ds(rel, width)])
-                   for pi in range(len(f.d_passes))], (r, width), pred)
+                   for pi in T.unrolled(len(f.d_passes))], (r, width), pred)
     sides = []
     if masked:
         rel_d = j0 - i0 if dk is None else dk
@@ -922,7 +924,7 @@ def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
     unit0 = ((f.b * f.Hq + f.head(h)) * f.nqu + iu) * f.nku + ju
     units = nisa.iota(unit0 + nl.arange(n_units)[None, :], dtype=nl.int32)
     seeds = nisa.tensor_tensor(units, f.seed_row[0:1, 0:n_units], np.add, dtype=nl.int32)
-    for c0 in range(0, width, P):
+    for c0 in T.unrolled(0, width, P):
         kw = min(P, width - c0)
         seed = seeds[0:1, c0 // P:c0 // P + 1]
         nl.random_seed(seed=seed, mask=pred)
@@ -970,7 +972,7 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
         # compile-time offset (a sliding span): the block meets the band by construction
         pred = None
     kt = f.tiles.k_tile
-    widths = [min(kt, width - c0) for c0 in range(0, width, kt)]
+    widths = [min(kt, width - c0) for c0 in T.unrolled(0, width, kt)]
     if part == "back":
         fold_back(f, st, s, staged_front(stage, r, width), widths, kv, rb, pred)
         return
@@ -1066,7 +1068,7 @@ def fold_back(f: _Instance, st: _GroupState, s, front, widths, kv: _KV, rb, pred
 
     # pv = P [V | 1]: P^T by TensorE transposes of 128-key chunks (FWD_PT_CHUNKS per PSUM
     # tile), each tile copied to SBUF by ScalarE or VectorE (balanced); one matmul per chunk
-    chunks = [(c0, min(P, width - c0)) for c0 in range(0, width, P)]
+    chunks = [(c0, min(P, width - c0)) for c0 in T.unrolled(0, width, P)]
     per_tile = T.FWD_PT_CHUNKS
     pt_dtype = f.transpose_psum_dtype(f.mm)
     on_dma = f.dma_split()
@@ -1227,7 +1229,7 @@ def sweep(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, n: int, masked:
 
 def _largest_divisor(n: int, cap: int) -> int:
     """The largest divisor of n that is at most ``cap`` (at least 1); compile time."""
-    return max(d for d in range(1, max(1, min(n, cap)) + 1) if n % d == 0)
+    return max(d for d in T.unrolled(1, max(1, min(n, cap)) + 1) if n % d == 0)
 
 
 def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[_KV],

@@ -103,14 +103,16 @@ def test_program_size_traces_loop_bodies_once_without_running_them():
             t = nl.load(a[i])
             for j in nl.static_range(3):            # unrolled: three copies
                 t[...] = nl.add(t, 1.0)
-            for j in range(2):                      # Python loop: unrolled too
+            for j in (0, 1):                        # Python loop over a tuple: unrolled too
                 t[...] = nl.multiply(t, 2.0)
+            for j in range(5):                      # range(): the compiler's sequential_range
+                t[...] = nl.subtract(t, 1.0)
             nl.store(out[i], t)
         return out
     x = np.zeros((4, 128, 64), np.float32)
     with nki.measure() as m:
         k[2](x)
-    assert nki.program_size(k[2], x) == m.program_instructions == 1 + 3 + 2 + 1
+    assert nki.program_size(k[2], x) == m.program_instructions == 1 + 3 + 2 + 1 + 1
 
 
 def test_program_size_of_the_backward_is_bounded_in_n():

@@ -118,6 +118,68 @@ def test_static_range_stays_python_int():
     np.testing.assert_array_equal(_run(_rows_kernel(body), A), A)
 
 
+def test_python_range_is_a_sequential_loop():
+    """neuronx-cc rewrites range() in kernel code into nl.sequential_range: a traced index and
+    one copy of the body in the program."""
+    seen = []
+
+    def body(i, a, out):
+        for j in range(2):
+            seen.append(type(j))
+            cols = nl.ds(j * 32, 32)                             # index arithmetic works
+            nl.store(out[nl.ds(i * 128, 128), cols], value=nl.load(a[nl.ds(i * 128, 128), cols]))
+
+    k = _rows_kernel(body)
+    np.testing.assert_array_equal(_run(k, A), A)
+    assert set(seen) == {SymbolicIndex}
+    with nki.strict(), nki.measure() as m:
+        k(A)
+    assert m.program_instructions == 2                           # one load + one store
+    with nki.strict(False), nki.measure() as m:
+        k(A)
+    assert m.program_instructions == 4                           # plain Python: unrolled
+
+
+def test_python_range_index_as_python_int_is_refused():
+    def body(i, a, out):
+        for j in range(2):
+            cols = [0, 32][j]                                    # a trace-time list lookup
+            t = nl.load(a[nl.ds(i * 128, 128), cols:cols + 32])
+            nl.store(out[nl.ds(i * 128, 128), cols:cols + 32], value=t)
+
+    with pytest.raises(SymbolicIndexError, match="loop index 'j'"):
+        _run(_rows_kernel(body), A)
+    _run(_rows_kernel(body), A, strict=False)
+
+
+def test_python_range_bounds_must_be_constants_and_unrolled_lists_of_tiles_fail():
+    def bound(i, a, out):
+        for _ in range(i):
+            pass
+
+    with pytest.raises(LoopBoundError, match="range: loop bounds must be compile-time"):
+        _run(_rows_kernel(bound), A)
+
+    def tiles(i, a, out):                  # the tracer runs the comprehension's body once
+        ts = [nl.load(a[nl.ds(i * 128, 128), nl.ds(c * 32, 32)]) for c in range(2)]
+        nl.store(out[nl.ds(i * 128, 128), 0:32], value=ts[0])
+
+    with pytest.raises(nki.NKIError, match="used after that iteration ended"):
+        _run(_rows_kernel(tiles), A)
+
+
+def test_range_outside_kernel_code_is_the_builtin():
+    host_range = range(3)
+
+    def body(i, a, out):
+        assert isinstance(host_range, range)                     # isinstance keeps working
+        assert list(np.arange(4)[2:]) == [2, 3]                  # libraries keep the builtin
+        nl.store(out[nl.ds(i * 128, 128), :], value=nl.load(a[nl.ds(i * 128, 128), :]))
+
+    _run(_rows_kernel(body), A)
+    assert range is type(host_range) and list(range(2)) == [0, 1]   # restored after launch
+
+
 def test_strict_off_hands_out_ints():
     seen = []
 
@@ -133,7 +195,6 @@ def test_strict_off_hands_out_ints():
 
 
 @pytest.mark.parametrize("misuse,fragment", [
-    (lambda i: range(i), "using it as a Python integer"),
     (lambda i: int(i), "int()"),
     (lambda i: float(i), "float()"),
     (lambda i: [0, 1, 2, 3][i], "using it as a Python integer"),
