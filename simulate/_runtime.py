@@ -24,7 +24,7 @@ import weakref
 
 import numpy as np
 
-from . import _hw
+from . import _hw, _sched
 from ._cost import ceil_div
 from ._errors import nki_error, hw_error, fmt_shape
 
@@ -154,6 +154,8 @@ def release(st):
     else:
         ctx.psum_banks -= st.banks
         ctx.psum_live -= st.bpp
+        if _sched.ACTIVE is not None:
+            _sched.ACTIVE.free_banks(st)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ Model (constants in ``_hw``, each with its source or marked fitted):
   (the earliest free takes the next DMA), share the NeuronCore's DMA bandwidth (a transfer
   occupies it for its bytes, the per-chunk overhead and its share of the fixed cost,
   ``DMA_FIXED_NS_PER_INSTRUCTION``, exactly as in the bound) and complete a fixed latency
-  (``DMA_FIXED_LATENCY_NS``) after their data.
+  (``DMA_FIXED_LATENCY_NS``) after their data. The bandwidth is not taken in program order: a
+  transfer that is ready may use bandwidth left idle before one issued earlier (the queues
+  are independent), within the same window of recent idle gaps as the engines.
 * **Dependencies** through the bytes instructions touch: read after write, write after read,
   write after write, tracked per storage on byte ranges of the free dims (a slice of a tile is
   independent of a disjoint slice; partitions are not told apart) -- for HBM tensors on the
@@ -26,10 +28,21 @@ Model (constants in ``_hw``, each with its source or marked fitted):
   independent programs with no ordering between them (an indirect write covers its whole
   tensor here, which would otherwise order two cores' disjoint writes). An input written by another engine (or a DMA) pays a semaphore latency
   (``SCHED_SYNC_NS``).
+* **Results written into a destination** (``dst[...] = nisa.op(...)``, ``t[...] =
+  nl.load(...)``): the instruction writes ``dst`` itself, so it also waits for the earlier
+  reads and writes of the bytes of ``dst`` it overwrites and for ``dst``'s rotating buffer.
+  (An instruction is placed when the next API call shows whether its result is assigned.)
 * **Rotating buffers.** A tile allocated inside a loop gets a fresh buffer each iteration in
   the simulator; the compiler instead rotates ``SCHED_BUFFERS`` buffers per allocation site, so
   a new tile cannot be written before the tile ``SCHED_BUFFERS`` allocations back at the same
-  site was last used (write-after-read across iterations).
+  site was last used (write-after-read across iterations). A site is a source line and the
+  allocation's rank on that line within the current iteration of the innermost NKI loop:
+  copies of a Python-unrolled loop are distinct program text with buffers of their own.
+* **PSUM banks.** PSUM is ``PSUM_NUM_BANKS`` physical banks per core: a new PSUM tile takes
+  as many free banks as it needs (those freed longest ago: a choice) and its first write
+  waits until their previous tiles' last accesses end. A tile's banks are free when the
+  simulator releases it (its iteration ended, or nothing refers to it). PSUM tiles do not
+  use the rotating rings.
 * **Cores.** Each NeuronCore (``nl.nc`` grid dimensions, LNC=2) has its own engines and DMA
   queues; the estimate is the latest finish over cores. Grid instances on one core run one
   after another in program order, overlapping only where dependencies allow.
@@ -65,16 +78,19 @@ def _alloc_site():
 
 class _Access:
     """Recorded accesses of one storage: writes ``(lo, hi, end, engine)`` and reads ``(lo,
-    hi, end)`` since they were last superseded, and a floor (rotating buffers)."""
+    hi, end)`` since they were last superseded, and the buffer it reuses (rotating buffers):
+    its first write waits until that buffer's last access ends."""
 
-    __slots__ = ("w", "r", "floor", "last", "ring")
+    __slots__ = ("w", "r", "preds", "last", "ring", "banks")
 
     def __init__(self):
         self.w = []
         self.r = []
-        self.floor = 0.0
-        self.last = 0.0          # end of the latest access (for the next buffer of the site)
+        self.preds = ()          # the _Access(es) whose memory this one reuses: its first
+        #                          write waits until their last access ends
+        self.last = 0.0          # end of the latest access (for the next user of its memory)
         self.ring = None         # the allocation site's ring it is in, if any
+        self.banks = None        # PSUM: [(core, bank, previous owner)] it occupies
 
 
 _CAP = 24
@@ -136,21 +152,27 @@ def _range(t):
         off = _ptr(base) - _ptr(arr)
     except (AttributeError, TypeError, ValueError):
         return whole
-    pdim = st.pdim if st.buffer != "hbm" else None
     lo = hi = off
     for i, s in enumerate(base.strides):
-        if pdim is not None and i == 0:
-            continue
         if s < 0:
             return whole
         lo += los[i] * s
         hi += his[i] * s
-    hi += base.itemsize
-    if pdim is not None and arr.ndim and arr.strides[0]:
-        row = arr.strides[0]
-        shift = (lo // row) * row
-        lo, hi = lo - shift, hi - shift
-    return lo, hi
+    if st.buffer == "hbm" or not arr.ndim:
+        return lo, hi + base.itemsize
+    # on chip: the corners' offsets within their partition. The storage is C-ordered with the
+    # partition axis ``pdim`` after any block dims; drop that axis from the corners' indices.
+    return _in_partition(arr, st.pdim, lo), _in_partition(arr, st.pdim, hi) + base.itemsize
+
+
+def _in_partition(arr, pdim, byte):
+    """Byte offset within its partition of the element at ``byte`` of C-ordered ``arr``."""
+    out, rest = 0, byte
+    for i, (n, s) in enumerate(zip(arr.shape, arr.strides)):
+        q, rest = divmod(rest, s) if s else (0, rest)
+        if i != pdim:
+            out = out * n + q
+    return out * arr.itemsize
 
 
 class Scheduler:
@@ -160,12 +182,14 @@ class Scheduler:
         self.tgt = tgt
         self.acc = weakref.WeakKeyDictionary()      # Storage -> {core: _Access}
         self.sites = {}                              # alloc site -> list of _Access (ring)
+        self.ranks = {}                              # (core, line) -> (iteration, rank)
+        self.psum = {}                               # core -> [[owner _Access, free]] per bank
         self.engine_free = {}                        # (core, engine) -> time
         self.gaps = {}                               # (core, engine) -> recent idle gaps
         self.dma_queues = {}                         # core -> heap of queue free times
-        self.dma_bw_free = {}                        # core -> time
         self.core_end = {}                           # core -> latest finish
         self.cur = None                              # the open instruction
+        self.held = None                             # the last instruction, not yet placed
         self.core = 0
         self.last_end, self.last_engine = 0.0, "dma"  # the latest committed instruction
 
@@ -174,7 +198,8 @@ class Scheduler:
         """A new NKI API call begins: close the open instruction."""
         self._commit()
         self.core = core
-        self.cur = {"reads": [], "writes": [], "engine": None, "dur": 0.0, "dma": None}
+        self.cur = {"reads": [], "writes": [], "engine": None, "dur": 0.0, "dma": None,
+                    "core": core}
 
     def read(self, t):
         if self.cur is not None:
@@ -195,7 +220,7 @@ class Scheduler:
             first = cur
             self._commit()
             self.cur = cur = {"reads": list(first["writes"]), "writes": [], "engine": None,
-                              "dur": 0.0, "dma": None}
+                              "dur": 0.0, "dma": None, "core": first["core"]}
         cur["engine"] = engine
         cur["dur"] = seconds
         cur["dma"] = dma
@@ -211,32 +236,79 @@ class Scheduler:
         if self.cur is not None and self.cur["dma"] is not None:
             self.cur["dma"] += seconds
 
-    def alloc(self, st):
+    def alloc(self, st, iteration=None):
         """A new on-chip storage: it reuses the buffer of the allocation ``SCHED_BUFFERS``
-        back at the same site (rotating buffers)."""
-        site = _alloc_site()
+        back at the same site (rotating buffers). ``iteration`` is the innermost NKI loop's
+        (uid, iteration number), None outside NKI loops. A site is a source line and the
+        allocation's rank among that line's allocations in the current iteration: the copies
+        of a Python-unrolled loop (or a helper called twice) in one iteration are distinct
+        program text with buffers of their own; outside NKI loops nothing rotates."""
         a = _Access()
         self.acc[st] = {self.core: a}
-        if site is None:
+        if st.buffer == "psum":
+            self._take_banks(a, getattr(st, "banks", 1))
             return
-        ring = self.sites.setdefault((self.core, site), [])     # buffers are per core
+        site = _alloc_site()
+        if site is None or iteration is None:
+            return
+        key = (self.core, site)
+        seen = self.ranks.get(key)
+        rank = seen[1] + 1 if seen is not None and seen[0] == iteration else 0
+        self.ranks[key] = (iteration, rank)
+        ring = self.sites.setdefault((self.core, site, rank), [])   # buffers are per core
         if len(ring) >= _hw.SCHED_BUFFERS:
-            a.floor = ring[-_hw.SCHED_BUFFERS].last
+            a.preds = (ring[-_hw.SCHED_BUFFERS],)
         ring.append(a)
         a.ring = ring
         if len(ring) > _hw.SCHED_BUFFERS:
             del ring[0]
 
+    def _take_banks(self, a, n):
+        """PSUM is 8 physical banks per core: a new PSUM tile takes ``n`` free banks (those
+        freed longest ago, a choice) and its first write waits until their previous tiles'
+        last accesses end."""
+        banks = self.psum.get(self.core)
+        if banks is None:
+            banks = self.psum[self.core] = [[None, True] for _ in range(_hw.PSUM_NUM_BANKS)]
+        order = sorted(range(len(banks)),
+                       key=lambda b: (not banks[b][1],
+                                      banks[b][0].last if banks[b][0] is not None else 0.0))
+        taken = []
+        for b in order[:max(1, min(n, len(banks)))]:
+            prev = banks[b][0]
+            taken.append((self.core, b, prev))
+            banks[b] = [a, False]
+        a.banks = taken
+        a.preds = tuple(p for _, _, p in taken if p is not None)
+
+    def free_banks(self, st):
+        """A PSUM tile died: its banks are free, last used by it."""
+        for a in self.acc.get(st, {}).values():
+            for core, b, _ in a.banks or ():
+                slot = self.psum[core][b]
+                if slot[0] is a:
+                    slot[1] = True
+            a.banks = None
+
     def direct(self, st):
         """An instruction's result written straight into a destination (``dst[...] =
         nisa.op(...)``): on the hardware it never had a buffer of its own, so it leaves its
         site's ring and carries no floor."""
+        if self.cur is not None:
+            self.cur["src"] = st                     # the result this assignment forwards
         a = self.acc.get(st, {}).get(self.core)
+        if a is not None and a.banks:
+            for core, b, prev in a.banks:            # hand the banks back as they were
+                slot = self.psum[core][b]
+                if slot[0] is a:
+                    self.psum[core][b] = [prev, True]
+            a.banks = None
+            a.preds = ()
         if a is not None and a.ring is not None:
             if a.ring and a.ring[-1] is a:
                 a.ring.pop()
             a.ring = None
-            a.floor = 0.0
+            a.preds = ()
 
     # -- scheduling -----------------------------------------------------------------------------
     def _access(self, st):
@@ -252,14 +324,42 @@ class Scheduler:
         return a
 
     def _commit(self):
+        """Close the open API call. An instruction is held until the next call shows whether
+        its result is assigned straight into a destination (``dst[...] = nisa.op(...)``): the
+        instruction then writes that destination itself, so it also waits for the
+        destination's earlier readers and writers and for its rotating buffer."""
         cur, self.cur = self.cur, None
         if cur is None:
             return
+        held = self.held
         if cur["engine"] is None:
-            if cur["writes"]:
-                self._forward(cur)
+            if not cur["writes"]:
+                return
+            src = cur.get("src")
+            if held is not None and any(w[0] is src or any(r[0] is w[0] for r in cur["reads"])
+                                        for w in held["writes"]):
+                held["writes"].extend(cur["writes"])
+                self._flush()
+                return
+            self._flush()
+            self._forward(cur)
             return
-        engine, core = cur["engine"], self.core
+        self._flush()
+        self.held = cur
+
+    def _flush(self):
+        """Place the held instruction, if any."""
+        cur, self.held = self.held, None
+        if cur is None:
+            return
+        engine, core = cur["engine"], cur["core"]
+        prev, self.core = self.core, core           # _access() keys by the instruction's core
+        try:
+            self._place_instruction(cur, engine, core)
+        finally:
+            self.core = prev
+
+    def _place_instruction(self, cur, engine, core):
         sync = _hw.SCHED_SYNC_NS * 1e-9
         ready = 0.0
         for st, lo, hi in cur["reads"]:
@@ -270,8 +370,9 @@ class Scheduler:
                         ready = t
         for st, lo, hi in cur["writes"]:
             a = self._access(st)
-            if a.floor > ready:
-                ready = a.floor
+            for p in a.preds:
+                if p.last > ready:
+                    ready = p.last
             for wlo, whi, wend, weng in a.w:
                 if wlo < hi and lo < whi and wend > ready:
                     ready = wend
@@ -288,9 +389,10 @@ class Scheduler:
             start = max(ready, qfree)
             # the transfer holds the core's DMA bandwidth for its bytes plus the per-DMA
             # share of the fixed cost (as in the bound), and completes the latency later
-            data = (max(start, self.dma_bw_free.get(core, 0.0)) + cur["dma"]
-                    + _hw.DMA_FIXED_NS_PER_INSTRUCTION * 1e-9)
-            self.dma_bw_free[core] = data
+            # the core's DMA bandwidth is shared by its queues, not taken in program order: a
+            # ready transfer may use bandwidth left idle before a transfer issued earlier
+            data = self._place((core, "dma-bandwidth"), start, cur["dma"]
+                               + _hw.DMA_FIXED_NS_PER_INSTRUCTION * 1e-9)
             end = data + _hw.DMA_FIXED_LATENCY_NS * 1e-9
             heapq.heappush(q, end)
         if end > self.core_end.get(core, 0.0):
@@ -362,8 +464,11 @@ class Scheduler:
         """Close the stream; the estimate in seconds (latest finish over the cores). The
         per-storage records are dropped; later calls record nothing."""
         self._commit()
+        self._flush()
         self.acc = weakref.WeakKeyDictionary()
         self.sites = {}
+        self.ranks = {}
+        self.psum = {}
         return max(self.core_end.values(), default=0.0)
 
 

@@ -98,6 +98,15 @@ def _sizes(shape, pdim, itemsize):
     return n * itemsize
 
 
+def _loop_iteration(ctx):
+    """The iteration of the innermost NKI loop (not ``static_range``) running now, or None:
+    the scope across which the compiler rotates a loop-local tile's buffers."""
+    for L in reversed(ctx.loops):
+        if not L.static:
+            return L.uid, L.iter_no
+    return None
+
+
 def new_onchip(ctx, arr, di, buffer, pdim=0, name=None, api="ndarray"):
     """Create an SBUF/PSUM storage (validated, not yet accounted)."""
     shape = arr.shape
@@ -112,8 +121,6 @@ def new_onchip(ctx, arr, di, buffer, pdim=0, name=None, api="ndarray"):
             "err_num_partition_exceed_arch_limit", "value",
             f"number of partitions {p} exceed architecture limitation of {_hw.NUM_PARTITIONS}.")
     st = Storage(arr, di, buffer, ctx, pdim, name)
-    if _sched.ACTIVE is not None:
-        _sched.ACTIVE.alloc(st)
     bpp = _sizes(shape, pdim, di.itemsize)
     st.bpp = bpp
     if buffer == SBUF:
@@ -133,6 +140,8 @@ def new_onchip(ctx, arr, di, buffer, pdim=0, name=None, api="ndarray"):
                 f"partition per tile, but a PSUM tile must fit one {_hw.PSUM_BANK_BYTES}-byte "
                 f"bank ({_hw.PSUM_FMAX} fp32 elements per partition).")
         st.banks = banks
+    if _sched.ACTIVE is not None:
+        _sched.ACTIVE.alloc(st, _loop_iteration(ctx))
     return st
 
 
@@ -979,7 +988,7 @@ def make_result(ctx, arr, di, mask=None, tag=None, buffer=SBUF, api="", rounded=
         st.banks = max(1, -(-st.bpp // _hw.PSUM_BANK_BYTES))
     t = Tensor(st, arr)
     if _sched.ACTIVE is not None:
-        _sched.ACTIVE.alloc(st)
+        _sched.ACTIVE.alloc(st, _loop_iteration(ctx))
         _sched.ACTIVE.write(t)
     if len(shape) == 0:
         t._v = arr.reshape(())

@@ -177,7 +177,7 @@ def test_lnc2_spreads_the_split_programs_over_both_cores(Hkv, lens, axis):
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     assert_within_rule(q, k, v, lens, runs[1][0])
     # small launches: the programs' fixed costs do not halve; whole head groups per core do
-    assert runs[1][1] < (0.7 if axis == 0 else 0.85) * runs[0][1]
+    assert runs[1][1] < (0.7 if axis == 0 else 0.95) * runs[0][1]
 
 
 # --------------------------------------------------------------------------------------------

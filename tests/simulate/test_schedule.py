@@ -156,3 +156,127 @@ def test_the_two_cores_of_an_lnc2_launch_run_side_by_side():
             host.flash_attention(q, k, k, causal=True, lnc=lnc)
         est[lnc] = m.estimated_seconds
     assert est[2] < 0.8 * est[1]
+
+
+# -- results written straight into a destination ---------------------------------------------
+
+
+@nki.jit
+def _overwrite_while_read(a):
+    """VectorE sums ``t``; then ScalarE's exp of ``t`` is written straight back into ``t`` and
+    summed again. The exp could start with the first sum (same input), but its write into
+    ``t`` must wait for that read (write after read on the destination)."""
+    out = nl.ndarray((128, 2), dtype=nl.float32, buffer=nl.shared_hbm)
+    t = nl.ndarray((128, 4096), dtype=nl.float32, buffer=nl.sbuf)
+    t[...] = nisa.memset((128, 4096), 0.5, dtype=nl.float32, engine=nisa.gpsimd_engine)
+    u = nisa.tensor_reduce(np.add, t, axis=1)                  # VectorE reads t
+    t[...] = nisa.activation(nl.exp, t)                        # ScalarE writes t
+    w = nisa.tensor_reduce(np.add, t, axis=1)                  # VectorE reads the new t
+    nl.store(out[:, 0:1], value=u)
+    nl.store(out[:, 1:2], value=w)
+    return out
+
+
+def test_a_result_written_into_a_destination_waits_for_its_readers():
+    m = _run(_overwrite_while_read, np.ones((128, 2), np.float32))
+    fill, vec, act = _secs("gpsimd", 4096), _secs("vector", 4096), _secs("scalar", 4096)
+    lat = _hw.DMA_FIXED_LATENCY_NS * NS
+    # fill, sum, exp, sum and a store in a row (the exp no longer hides under the first sum;
+    # overlapped, this launch models at 13.6 us)
+    assert m.estimated_seconds >= fill + 2 * vec + act + lat
+
+
+@nki.jit
+def _loads_into_blocks(a):
+    """Loads into the blocks of one block-dim tile (blocks before the partition dim) are
+    independent writes: they overlap their latencies."""
+    n = a.shape[0] // 128
+    out = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.shared_hbm)
+    t = nl.ndarray((n, nl.par_dim(128), 64), dtype=nl.float32, buffer=nl.sbuf)
+    for i in nl.affine_range(n):
+        t[i, :, :] = nl.load(a[i * 128:(i + 1) * 128, :])
+    nl.store(out, value=t[n - 1, :, :])
+    return out
+
+
+def test_blocks_of_a_tile_are_independent_destinations():
+    a = np.ones((32 * 128, 64), np.float32)
+    m = _run(_loads_into_blocks, a)
+    assert m.estimated_seconds < 32 * _hw.DMA_FIXED_LATENCY_NS * NS / 2
+
+
+@nki.jit
+def _unrolled_allocations(a):
+    """Eight tiles allocated on one source line inside one NKI-loop iteration (an unrolled
+    Python loop): distinct buffers, so their loads all go ahead together."""
+    out = nl.ndarray((256, 512), dtype=nl.float32, buffer=nl.shared_hbm)
+    for i in nl.affine_range(2):
+        ts = []
+        for j in (0, 1, 2, 3, 4, 5, 6, 7):
+            t = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+            t[...] = nl.load(a[:, nl.ds(j * 64, 64)])
+            ts.append(t)
+        for j in (0, 1, 2, 3, 4, 5, 6, 7):
+            nl.store(out[nl.ds(i * 128, 128), nl.ds(j * 64, 64)], value=ts[j])
+    return out
+
+
+def test_unrolled_copies_of_an_allocation_do_not_rotate(monkeypatch):
+    a = np.ones((128, 512), np.float32)
+    monkeypatch.setattr(_hw, "SCHED_BUFFERS", 1)
+    m = _run(_unrolled_allocations, a)
+    lat = _hw.DMA_FIXED_LATENCY_NS * NS
+    # one buffer for the source line would chain the 16 loads (16 latencies in a row); eight
+    # buffers, each rotating across the two iterations, let each iteration's loads overlap
+    assert m.estimated_seconds < 12 * lat
+
+
+@nki.jit
+def _late_small_dma(a, b):
+    """A large load, a dependent chain, then a small independent load issued last: the small
+    one uses bandwidth the others leave idle instead of queueing behind them."""
+    out = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.shared_hbm)
+    big = nl.load(a)
+    y = nisa.activation(nl.exp, big)
+    nl.store(out[:, 0:64], value=y[:, 0:64])
+    s = nl.load(b)
+    nl.store(out[:, 64:128], value=s)
+    return out
+
+
+def test_ready_transfers_use_idle_bandwidth():
+    a = np.ones((128, 8192), np.float32)
+    b = np.ones((128, 64), np.float32)
+    m = _run(_late_small_dma, a, b)
+    lat = _hw.DMA_FIXED_LATENCY_NS * NS
+    move = 128 * 8192 * 4 / TRN2.dma_bytes_per_s
+    act = _secs("scalar", 8192)
+    # the chain (big load, exp, store) ends the launch; the small load and store fit inside
+    assert m.estimated_seconds < move + act + 3 * lat
+
+
+@nki.jit
+def _psum_pipeline(a):
+    """16 matmuls, each into a fresh PSUM tile that VectorE copies out."""
+    out = nl.ndarray((128, 16 * 512), dtype=nl.float32, buffer=nl.shared_hbm)
+    x = nl.load(a[:, 0:128])
+    y = nl.load(a)
+    res = nl.ndarray((128, 16 * 512), dtype=nl.float32, buffer=nl.sbuf)
+    for i in nl.affine_range(16):
+        p = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum)
+        p[...] = nisa.nc_matmul(x, y)
+        res[:, nl.ds(i * 512, 512)] = nisa.tensor_copy(p, engine=nisa.vector_engine)
+    nl.store(out, value=res)
+    return out
+
+
+def test_psum_tiles_share_eight_physical_banks(monkeypatch):
+    """A PSUM tile takes a physical bank; its first write waits for the bank's previous tile.
+    With 8 banks TensorE runs ahead of the copies; with 1 every matmul waits for the copy
+    before it."""
+    a = np.ones((128, 512), np.float32)
+    eight = _run(_psum_pipeline, a).estimated_seconds
+    monkeypatch.setattr(_hw, "PSUM_NUM_BANKS", 1)
+    one = _run(_psum_pipeline, a).estimated_seconds
+    mm = 512 / TRN2.clock_hz["tensor"]
+    assert one - eight >= 15 * mm
