@@ -50,6 +50,7 @@ class AcceptancePlugin:
     def __init__(self):
         self.tally = defaultdict(lambda: defaultdict(int))
         self.latency = []          # (test id, message)
+        self.perf = []             # (test id, modeled estimate in us, AWS's figure in us)
 
     # -- host questions answered by the simulator ----------------------------------------------
     @pytest.hookimpl(tryfirst=True)
@@ -61,6 +62,20 @@ class AcceptancePlugin:
             mod = getattr(item, "module", None)
             if mod is not None and hasattr(mod, "get_target_string"):
                 mod.get_target_string = _simulated_target
+
+    # -- every perf test: the scheduled estimate of its launches next to AWS's figure ----------
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        if "perf" not in item.name:
+            yield
+            return
+        import simulate
+        with simulate.measure() as m:
+            yield
+        figure = _figure(item.nodeid)
+        if m.kernels and figure is not None:
+            est = max(k.estimated_seconds for k in m.kernels) * 1e6
+            self.perf.append((item.nodeid, est, figure))
 
     # -- device latency thresholds become reported skips ---------------------------------------
     @pytest.hookimpl(hookwrapper=True)
@@ -106,7 +121,17 @@ class AcceptancePlugin:
         if self.latency:
             lines.append("device latency thresholds (modeled scheduled estimate <= AWS figure):")
             lines += [f"  {n}: {m}" for n, m in self.latency]
+        if self.perf:
+            lines.append("perf tests: the scheduled estimate of the longest launch vs AWS's "
+                         "latency figure (us; the figure is the test's last parameter)")
+            lines += [f"  {n}: {e:.1f} vs {f:g} ({e / f:.2f}x)" for n, e, f in self.perf]
         return "\n".join(lines)
+
+
+def _figure(nodeid: str):
+    """AWS's latency figure of a perf test: the last parameter of its id (``...-675]``)."""
+    m = re.search(r"-([0-9]+(?:\.[0-9]+)?)\]$", nodeid)
+    return float(m.group(1)) if m else None
 
 
 def main(argv=None) -> int:

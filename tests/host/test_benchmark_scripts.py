@@ -42,6 +42,13 @@ def test_acceptance_runner_needs_a_checkout(capsys):
     assert "--samples must be a checkout" in capsys.readouterr().err
 
 
+def test_acceptance_runner_reads_aws_latency_figures():
+    figure = _load("aws_acceptance")._figure
+    assert figure("t.py::T::test_attention_for_SD_perf[1-4096-128-float32-675]") == 675.0
+    assert figure("t.py::T::test_pool_perf[1-64-56-56-7-float32-68.25]") == 68.25
+    assert figure("t.py::T::test_numerical[1-4096-128-float32]") is None
+
+
 def test_score_mods_table(capsys, tmp_path):
     out = tmp_path / "mods.json"
     _load("score_mods").main(["--n", "256", "--d", "64", "--cache", "512", "--json", str(out)])
