@@ -373,13 +373,16 @@ FWD_Q_SPANS = 16
 #: softmax chains are interleaved in the loop nest (key blocks outer, tiles inner), so every
 #: engine has independent work while one tile waits on another engine. 8 tiles: the scheduled
 #: estimate at N = 4096 D = 128 falls from 2.2x to 1.6x the perfect-overlap bound (1, 2, 4, 8:
-#: 404, 348, 319, 303 us on trn2); the state is ~0.8 KiB per tile per partition.
+#: 404, 348, 319, 303 us on trn2, on the scheduler of 2026-11-25); the state is ~0.8 KiB per
+#: tile per partition.
 FWD_RESIDENT_Q_GROUP = 8
 #: Query tiles whose first half of a key block (scores, row max, exp) is issued before any of
 #: their second halves (P^T, P V, the accumulator update): each engine's in-order queue then
 #: holds a run of independent instructions instead of one tile's chain (the scheduled
-#: estimate, simulate._sched: forward N = 4096 trn2 308.6 -> 266.5 us). Each staged tile keeps
-#: its P of one softmax block in SBUF until its second half.
+#: estimate, simulate._sched: forward N = 4096 trn2 308.6 -> 266.5 us on the scheduler of
+#: 2026-11-25; on 2026-11-26's, with PSUM banks, 8 is still best: 284.5 us against 287.6,
+#: 305.6 and 351.6 for 4, 2 and 1). Each staged tile keeps its P of one softmax block in SBUF
+#: until its second half.
 FWD_STAGE_SLOTS = 8
 #: Largest head dim: S contracts it in passes of 128 (two passes max); PV writes D <= 512 fp32.
 FWD_MAX_HEAD_DIM = 2 * PMAX
