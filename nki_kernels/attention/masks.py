@@ -303,11 +303,17 @@ def key_length_row(kv_len_1, j0: int, n: int, *, below: bool = False):
     (partition 0). Built in pieces of at most :data:`tiles.FWD_ROW_FMAX` keys.
     """
     row = nl.ndarray((1, n), dtype=nl.bfloat16, buffer=nl.sbuf)
-    for c0 in nl.static_range(0, n, T.FWD_ROW_FMAX):
-        w = min(T.FWD_ROW_FMAX, n - c0)
+    op = nl.less if below else nl.greater_equal
+    full, tail = divmod(n, T.FWD_ROW_FMAX)
+
+    def piece(c0, w):
         pos = nisa.iota((j0 + c0) + nl.arange(w)[None, :], dtype=nl.float32)
-        row[0:1, c0:c0 + w] = nisa.tensor_scalar(pos, nl.less if below else nl.greater_equal,
-                                                 kv_len_1, dtype=nl.bfloat16)
+        row[0:1, nl.ds(c0, w)] = nisa.tensor_scalar(pos, op, kv_len_1, dtype=nl.bfloat16)
+
+    for i in nl.affine_range(full):          # the row's length may grow with N: an NKI loop
+        piece(i * T.FWD_ROW_FMAX, T.FWD_ROW_FMAX)
+    if tail:
+        piece(full * T.FWD_ROW_FMAX, tail)
     return row
 
 

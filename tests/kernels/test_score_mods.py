@@ -120,6 +120,23 @@ def test_alibi_lengths_rotate_like_a_band():
         _close(o, want, 2e-5)
 
 
+def test_key_length_rows_longer_than_one_piece(monkeypatch):
+    """With ALiBi and runtime lengths the padding keys are masked by a [1, n] key row
+    (masks.key_length_row), built in pieces of ``FWD_ROW_FMAX`` keys: the full pieces in an
+    NKI loop, the rest after it. With 96-key pieces a 512-key score tile's row is 5 full pieces
+    and a 32-key tail (the forward), and the backward's key spans likewise."""
+    from nki_kernels import tiles
+    monkeypatch.setattr(tiles, "FWD_ROW_FMAX", 96)
+    q, k, v, do = attention_inputs(2, 2, 1, 200, 420, 64, seed=8)
+    kw = dict(causal=True, kv_lens=[400, 131], q_lens=[200, 77], **_mods(2, alibi=True, B=2))
+    o, lse = host.flash_attention(q, k, v, return_lse=True, mixed_precision=False, lnc=1, **kw)
+    _close(o, ref.attention_forward(q, k, v, **kw)[0], 2e-5)
+    grads = host.flash_attention_backward(do, q, k, v, o, lse, mixed_precision=False, lnc=1,
+                                          **kw)
+    for g, w in zip(grads, ref.attention_backward_from_lse(do, q, k, v, o, lse, **kw)):
+        _close(g, w, 3e-5)
+
+
 DECODE_CASES = [
     # (mods, T, tree, paged)
     (dict(softcap=3.0), 1, False, False),
