@@ -42,6 +42,7 @@ converts symbolic values freely.
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import operator
 import os
@@ -286,31 +287,29 @@ INT_TYPES = (int, _np.integer, SymbolicIndex)
 
 
 # -- Python range() in kernel code ---------------------------------------------------------
-_real_range = range
+builtin_range = builtins.range
+_range_loop = {"loop": None}      # the NKI loop that kernel code's range() stands for
 
 
 class _RangeMeta(type):
     """Keeps ``isinstance(x, range)`` working while ``builtins.range`` is replaced."""
 
     def __instancecheck__(cls, obj):
-        return isinstance(obj, _real_range)
+        return isinstance(obj, builtin_range)
 
     def __subclasscheck__(cls, sub):
-        return issubclass(sub, _real_range)
+        return issubclass(sub, builtin_range)
 
 
-def _make_kernel_range(loop):
-    class range(metaclass=_RangeMeta):          # noqa: N801 (stands in for the builtin)
-        """``range`` during a strict launch: kernel code gets ``loop(*args)`` (an NKI
-        sequential loop, as neuronx-cc rewrites it); everything else the builtin."""
+class _KernelRange(metaclass=_RangeMeta):
+    """``range`` while :func:`python_range_as` is active: a ``range()`` written in kernel code
+    is the NKI loop (the rewrite is syntactic: a library -- the standard library, NumPy --
+    calling range() on the kernel's behalf keeps the builtin)."""
 
-        def __new__(cls, *args):
-            # the rewrite is syntactic: a range() written in kernel code, not one that a
-            # library (the standard library, NumPy) calls on the kernel's behalf
-            if _kind(sys._getframe(1).f_code.co_filename) == _KERNEL:
-                return loop(*args)
-            return _real_range(*args)
-    return range
+    def __new__(cls, *args):
+        if _kind(sys._getframe(1).f_code.co_filename) == _KERNEL:
+            return _range_loop["loop"](*args)
+        return builtin_range(*args)
 
 
 @contextlib.contextmanager
@@ -324,13 +323,12 @@ def python_range_as(loop):
     if not _state["on"]:
         yield
         return
-    import builtins
-    old = builtins.range
-    builtins.range = _make_kernel_range(loop)
+    _range_loop["loop"] = loop
+    builtins.range = _KernelRange
     try:
         yield
     finally:
-        builtins.range = old
+        builtins.range = builtin_range
 
 
 def symbolic(value, what):

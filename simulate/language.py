@@ -268,31 +268,35 @@ def _loop_gen(ctx, r, state):
             pass
 
 
+def _nki_loop(api, args, affine, static=False, depth=3):
+    """An NKI loop over ``range(*args)`` (compile-time bounds); ``depth`` frames up from
+    :func:`_loop` is the kernel line that opened it."""
+    _strict.check_bounds(api, args)
+    return _loop(current(), _strict.builtin_range(*(int(a) for a in args)), affine, depth,
+                 static)
+
+
 def affine_range(*args, **kwargs):
     """``range`` without loop-carried dependencies; yields Python ints (symbolic indices in
     strict mode). Extra kwargs (``precise_schedule`` ...) are accepted and ignored."""
-    _strict.check_bounds("affine_range", args)
-    return _loop(current(), range(*(int(a) for a in args)), True)
+    return _nki_loop("affine_range", args, True)
 
 
 def sequential_range(*args, **kwargs):
     """``range`` with loop-carried dependencies allowed; yields Python ints (symbolic indices
     in strict mode)."""
-    _strict.check_bounds("sequential_range", args)
-    return _loop(current(), range(*(int(a) for a in args)), False)
+    return _nki_loop("sequential_range", args, False)
 
 
 def _python_range(*args):
     """Python ``range(...)`` in kernel code under strict mode: neuronx-cc rewrites it to
     ``sequential_range`` (see ``_strict.python_range_as``)."""
-    _strict.check_bounds("range", args)
-    return _loop(current(), _strict._real_range(*(int(a) for a in args)), False, depth=3)
+    return _nki_loop("range", args, False, depth=4)
 
 
 def static_range(*args, **kwargs):
     """Fully unrolled ``range``; yields Python ints (every iteration is program text)."""
-    _strict.check_bounds("static_range", args)
-    return _loop(current(), range(*(int(a) for a in args)), False, static=True)
+    return _nki_loop("static_range", args, False, static=True)
 
 
 def loop_reduce(x, op, loop_indices, *, dtype=None, mask=None, **kwargs):
