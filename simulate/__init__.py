@@ -24,6 +24,7 @@ from . import _launch, _runtime
 from . import language, isa, typing, compiler
 from ._errors import NKIError, NKISyntaxError, ProgramSizeWarning
 from ._strict import is_strict, set_strict, strict, StrictError
+from ._spill import SpillWarning, is_spill, set_spill, spill
 from ._measure import measure, Measurement, program_size
 from ._progress import progress
 from ._register import register_as_neuronxcc, unregister_neuronxcc
@@ -32,7 +33,8 @@ from ._tensor import Tensor as tensor
 __all__ = ["jit", "trace", "simulate_kernel", "baremetal", "benchmark", "profile", "measure",
            "register_as_neuronxcc", "unregister_neuronxcc", "language", "isa", "typing",
            "compiler", "tensor", "NKIError", "NKISyntaxError", "ProgramSizeWarning",
-           "Measurement", "program_size", "progress", "is_strict", "set_strict", "strict", "StrictError"]
+           "Measurement", "program_size", "progress", "is_strict", "set_strict", "strict", "StrictError",
+           "SpillWarning", "is_spill", "set_spill", "spill"]
 
 _MODES = ("auto", "jax", "torchxla", "baremetal", "benchmark", "simulation", "trace")
 
@@ -66,7 +68,10 @@ class Kernel:
         return GridKernel(self, grid)
 
     def _run(self, grid, args, kwargs):
-        return _launch.launch(self.func, grid, args, kwargs, self.opts)
+        opts = self.opts
+        if self.mode == "simulation":
+            opts = dict(opts, _simulation_mode=True)
+        return _launch.launch(self.func, grid, args, kwargs, opts)
 
     def __repr__(self):
         return f"<nki {self._kind} kernel {getattr(self.func, '__name__', self.func)}>"

@@ -104,6 +104,8 @@ class LaunchRecord:
         self.dma_bytes_per_partition = []   # contiguous bytes per partition, one per transfer
         self.hbm_bytes_read = 0
         self.hbm_bytes_written = 0
+        self.spill_hbm_bytes = 0            # HBM bytes of compiler spills (_spill), both ways
+        self.spill_refills = 0              # spilled on-chip units loaded back (_spill)
         self.per_tensor = {}                # name -> {"read": bytes, "written": bytes}
         self.peak_sbuf_bytes_per_partition = 0
         self.peak_psum_bytes_per_partition = 0
@@ -159,6 +161,19 @@ class LaunchRecord:
         ``contiguous_bytes`` is the HBM-side contiguous bytes per partition (the
         ``dma_bytes_per_partition`` entry). ``read``/``written`` name the HBM tensors whose
         bytes are counted (``read_bytes``/``written_bytes``, default ``nbytes``)."""
+        self.sched.dma(self._dma_account(nbytes, contiguous_bytes, chunks, rate))
+        if read is not None:
+            rb = nbytes if read_bytes is None else read_bytes
+            self.hbm_bytes_read += rb
+            self.per_tensor.setdefault(read, {"read": 0, "written": 0})["read"] += rb
+        if written is not None:
+            wb = nbytes if written_bytes is None else written_bytes
+            self.hbm_bytes_written += wb
+            self.per_tensor.setdefault(written, {"read": 0, "written": 0})["written"] += wb
+
+    def _dma_account(self, nbytes, contiguous_bytes, chunks, rate):
+        """Count one DMA instruction in the totals and the bound; returns its transfer time
+        without the fixed costs."""
         self.dma_transfers += 1
         self.instructions["dma"] += 1
         self.count_program()
@@ -169,19 +184,29 @@ class LaunchRecord:
             self.dma_chunks += chunks
             self.dma_chunked_bytes += nbytes
             move += chunks * _hw.DMA_CHUNK_OVERHEAD_BYTES / bw
-        self.sched.dma(move)
         self.dma_data_seconds += nbytes / bw
         self.dma_move_seconds += move
         self.dma_seconds += move + _hw.DMA_FIXED_NS_PER_INSTRUCTION * 1e-9
         self.core_dma_seconds[self.core] += move + _hw.DMA_FIXED_NS_PER_INSTRUCTION * 1e-9
-        if read is not None:
-            rb = nbytes if read_bytes is None else read_bytes
-            self.hbm_bytes_read += rb
-            self.per_tensor.setdefault(read, {"read": 0, "written": 0})["read"] += rb
-        if written is not None:
-            wb = nbytes if written_bytes is None else written_bytes
-            self.hbm_bytes_written += wb
-            self.per_tensor.setdefault(written, {"read": 0, "written": 0})["written"] += wb
+        return move
+
+    def side(self, engine, cycles, st, lo, hi, read):
+        """A compiler-inserted compute instruction outside the running API call (a spill or
+        refill copy, ``_spill``) on bytes ``lo:hi`` of ``st``."""
+        self.instructions[engine] += 1
+        self.engine_cycles[engine] += cycles
+        self.core_cycles.setdefault(self.core, Counter())[engine] += cycles
+        self.count_program()
+        self.sched.side(engine, cycles / self._tgt.clock_hz[engine] + _hw.SCHED_ISSUE_NS * 1e-9,
+                        None, st, lo, hi, read)
+
+    def side_dma(self, nbytes, chunks, st, lo, hi, read):
+        """A compiler-inserted DMA between on-chip ``st`` (bytes ``lo:hi`` per partition) and a
+        spill area in HBM: ``read`` stores it out, else loads it back. Counted in
+        ``spill_hbm_bytes``, not in the kernel's tensors' HBM bytes."""
+        move = self._dma_account(nbytes, nbytes // max(1, chunks), chunks, 1.0)
+        self.spill_hbm_bytes += nbytes
+        self.sched.side("dma", 0.0, move, st, lo, hi, read)
 
     def dma_rechunk(self, old_chunks, new_chunks):
         """Correct the chunk count of the last DMA (a load written straight into a strided

@@ -63,6 +63,16 @@ class Measurement:
         return sum(k.hbm_bytes_written for k in self.kernels)
 
     @property
+    def spill_refills(self):
+        """Spilled on-chip units loaded back (``simulate.spill``; 0 for a kernel within capacity)."""
+        return sum(k.spill_refills for k in self.kernels)
+
+    @property
+    def spill_hbm_bytes(self):
+        """HBM bytes the modeled spills moved, out and back (not in ``hbm_bytes_read/written``)."""
+        return sum(k.spill_hbm_bytes for k in self.kernels)
+
+    @property
     def per_tensor(self):
         out = {}
         for k in self.kernels:
@@ -201,6 +211,9 @@ class Measurement:
                      f"{self.dma_average_chunk_bytes:.0f} B; modeled DMA efficiency "
                      f"{100 * self.dma_efficiency:.1f} % of the {tgts} DMA rate "
                      f"(per-chunk overhead {_hw.DMA_CHUNK_OVERHEAD_BYTES} B)")
+        if self.spill_refills:
+            lines.append(f"spilled beyond capacity (modeled, UNCONFIRMED): {self.spill_refills} "
+                         f"refills, {self.spill_hbm_bytes} B through HBM")
         lines.append(f"peak SBUF {self.peak_sbuf_bytes_per_partition} B/partition, peak PSUM "
                      f"{self.peak_psum_bytes_per_partition} B/partition "
                      f"({self.peak_psum_banks} banks)")

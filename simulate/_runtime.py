@@ -24,7 +24,7 @@ import weakref
 
 import numpy as np
 
-from . import _hw, _sched
+from . import _hw, _sched, _spill
 from ._cost import ceil_div
 from ._errors import nki_error, hw_error, fmt_shape
 
@@ -84,9 +84,14 @@ def commit(ctx, st):
         st.acct = True
         return
     buf = st.buffer
+    spill = ctx.space is not None
     if buf == "sbuf":
         live = ctx.sbuf_live + st.bpp
         cap = ctx.tgt.sbuf_bytes_per_partition
+        if spill and live + ctx.space.spill_sbuf > cap and _spill.admit(ctx, st):
+            st.acct = True
+            _note_iteration_alloc(ctx, st)
+            return
         if live > cap:
             raise hw_error(
                 "runtime",
@@ -99,9 +104,15 @@ def commit(ctx, st):
         if live > ctx.peak_sbuf:
             ctx.peak_sbuf = live
         st.acct = True
+        if spill:
+            _spill.track(ctx, st, st.bpp)
         _note_iteration_alloc(ctx, st)
     elif buf == "psum":
         banks = ctx.psum_banks + st.banks
+        if spill and banks > _hw.PSUM_NUM_BANKS and _spill.admit(ctx, st):
+            st.acct = True
+            _note_iteration_alloc(ctx, st)
+            return
         if banks > _hw.PSUM_NUM_BANKS:
             raise hw_error(
                 "runtime",
@@ -116,6 +127,8 @@ def commit(ctx, st):
         if banks > ctx.peak_banks:
             ctx.peak_banks = banks
         st.acct = True
+        if spill:
+            _spill.track(ctx, st, st.banks)
         _note_iteration_alloc(ctx, st)
 
 
@@ -148,6 +161,10 @@ def end_iteration(state):
 def release(st):
     ctx = st.ctx
     if st.pinned:
+        return
+    if ctx.space is not None and _spill.forget(ctx, st):
+        if st.buffer == "psum" and _sched.ACTIVE is not None:
+            _sched.ACTIVE.free_banks(st)
         return
     if st.buffer == "sbuf":
         ctx.sbuf_live -= st.bpp
@@ -206,6 +223,8 @@ class Ctx:
         self.peak_sbuf = 0
         self.peak_psum = 0
         self.peak_banks = 0
+        # on-chip units in LRU order when allocations may spill beyond capacity (_spill)
+        self.space = _spill.Space(pid) if _spill.is_spill() else None
         self.shared_idx = 0
         self.hbm_idx = 0
         self.created_shared = False

@@ -296,19 +296,35 @@ class Scheduler:
         site's ring and carries no floor."""
         if self.cur is not None:
             self.cur["src"] = st                     # the result this assignment forwards
+        self.unbank(st)
         a = self.acc.get(st, {}).get(self.core)
-        if a is not None and a.banks:
-            for core, b, prev in a.banks:            # hand the banks back as they were
-                slot = self.psum[core][b]
-                if slot[0] is a:
-                    self.psum[core][b] = [prev, True]
-            a.banks = None
-            a.preds = ()
         if a is not None and a.ring is not None:
             if a.ring and a.ring[-1] is a:
                 a.ring.pop()
             a.ring = None
             a.preds = ()
+
+    def unbank(self, st):
+        """``st`` holds no banks of its own after all (a result written into a destination, or
+        a PSUM tensor allocated block by block, ``_spill``): hand its banks back as they were."""
+        a = self.acc.get(st, {}).get(self.core)
+        if a is not None and a.banks:
+            for core, b, prev in a.banks:
+                slot = self.psum[core][b]
+                if slot[0] is a:
+                    self.psum[core][b] = [prev, True]
+            a.banks = None
+            a.preds = ()
+
+    def side(self, engine, seconds, dma, st, lo, hi, read):
+        """Place a compiler-inserted instruction now, outside the open API call: a spill
+        (``read``: it reads bytes ``lo:hi`` of ``st``) or a refill (it writes them). The open
+        call's accesses of those bytes then depend on it."""
+        self._flush()
+        ent = (st, lo, hi)
+        self._place_instruction({"reads": [ent] if read else [], "writes": [] if read else [ent],
+                                 "engine": engine, "dur": seconds, "dma": dma,
+                                 "core": self.core}, engine, self.core)
 
     # -- scheduling -----------------------------------------------------------------------------
     def _access(self, st):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _cost, _deps, _dtypes, _runtime, _hw, _sched, _strict
+from . import _cost, _deps, _dtypes, _runtime, _hw, _sched, _spill, _strict
 from ._dtypes import F32
 from ._errors import nki_error, hw_error, fmt_shape
 from ._index import IndexExpr, MGridResult, Predicate, _is_int
@@ -42,7 +42,7 @@ def space(buf):
 class Storage:
     __slots__ = ("arr", "di", "buffer", "_name", "pdim", "ctx", "param", "mutable", "written",
                  "bpp", "banks", "acct", "aloops", "deps", "foreign", "pinned",
-                 "copy_out", "reduce_loops", "fresh", "expired", "__weakref__")
+                 "copy_out", "reduce_loops", "fresh", "expired", "lazy", "uid", "__weakref__")
 
     def __init__(self, arr, di, buffer, ctx, pdim=0, name=None):
         self.arr = arr
@@ -62,6 +62,8 @@ class Storage:
         self.reduce_loops = ()    # uids of the loops an nl.loop_reduce accumulator reduces over
         self.fresh = None         # PSUM ndarray: bool array of elements never written yet
         self.expired = None       # (file, line) of the loop whose iteration it died with
+        self.lazy = False         # allocated block by block beyond capacity (_spill)
+        self.uid = None           # allocation number in its grid instance (_spill)
         # loops active at allocation (uids) and per-loop written-element records (_deps)
         self.aloops = _deps.alloc_loops(ctx) if ctx is not None else ()
         self.deps = None
@@ -500,6 +502,9 @@ class Tensor:
         of out-of-bounds accesses hold the dtype's sentinel."""
         if _sched.ACTIVE is not None:
             _sched.ACTIVE.read(self)
+        st = self._st
+        if st.ctx is not None and st.ctx.space is not None and st.acct:
+            _spill.touch(st.ctx, self, False)
         v = self._v
         if v is not None:
             return v
@@ -516,6 +521,9 @@ class Tensor:
         """Write backing-dtype ``vals`` (broadcastable to self.shape) where ``mask``."""
         if _sched.ACTIVE is not None:
             _sched.ACTIVE.write(self)
+        st = self._st
+        if st.ctx is not None and st.ctx.space is not None and st.acct:
+            _spill.touch(st.ctx, self, True)
         v = self._v
         if v is not None:
             if mask is None:
@@ -931,8 +939,10 @@ def _out_of_scope(st, api, pname):
                     "allocate it before the loop and write it in place.")
 
 
-def tile_operand(t, api, pname, allow_hbm=False):
-    """Validate a compute operand; returns (array, DInfo)."""
+def tile_operand(t, api, pname, allow_hbm=False, mask=None):
+    """Validate a compute operand; returns (array, DInfo). ``mask`` (a bool array of the
+    operand's shape) marks the elements the instruction reads: out-of-bounds indices are
+    allowed where it is off."""
     if type(t) is not Tensor:
         if isinstance(t, IndexExpr):
             raise TypeError(f"operand '{pname}' of '{api}' is an nl.arange/mgrid index; "
@@ -957,7 +967,7 @@ def tile_operand(t, api, pname, allow_hbm=False):
                         f"'{api}'; use nisa.tensor_copy_dynamic_src/dst")
     if t._p0 != 0 or t._pst != 1:
         check_start_partition(t, api, pname)
-    return t._read(), st.di
+    return t._read(mask), st.di
 
 
 def check_partitions(shape, api, desc):
@@ -981,6 +991,7 @@ def make_result(ctx, arr, di, mask=None, tag=None, buffer=SBUF, api="", rounded=
                         f"number of partitions {shape[0]} exceed architecture limitation of "
                         f"{_hw.NUM_PARTITIONS}." + (f" (result of '{api}')" if api else ""))
     st = Storage(arr, di, buffer, ctx, 0, None)
+    st.written = True             # holds the instruction's result (_spill refills it)
     n = arr.size
     p = shape[0] if len(shape) else 1
     st.bpp = (n // p if p else 0) * di.itemsize
@@ -1095,8 +1106,18 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
                                    f"PSUM tensor for writes must be either 4-byte (FP32/int32) "
                                    f"or (trn2 transpose, same dtype as the input) BF16/FP16; "
                                    f"'{st.name}' is {ddi.name}")
-    if not (direct and tag == "dma") and (dst._p0 != 0 or dst._pst != 1):
-        check_start_partition(dst, api, "dst")
+    if dst._p0 != 0 or dst._pst != 1:
+        if vshape == () and type(value) is not Tensor:
+            # an immediate (``t[i, j] = 5``) moves no data between partitions: only the
+            # unit-stride rule applies. The start-partition rule is documented for where the
+            # allocator places a tensor and, through it, for which partition shifts an engine can
+            # make from a source to a destination (D26 arch guide, "Accessing SBUF/PSUM" and
+            # "Cross-Partition Connectivity"); AWS's nl.gather_flattened example writes
+            # single elements at partitions 1..31 this way.
+            if dst._pst != 1 and (dst.shape[0] if dst._pax == 0 else 1) > 1:
+                check_start_partition(dst, api, "dst")
+        elif not (direct and tag == "dma"):
+            check_start_partition(dst, api, "dst")
 
     dshape = dst.shape
     if vshape != dshape:

@@ -15,3 +15,19 @@ def strict_sim():
 
     with simulate.strict():
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_spill():
+    """The package's kernels hold to the hardware's SBUF and PSUM (a project rule: whatever the
+    compiler does beyond them is slow), so the suite runs with the simulator's modeled spilling
+    off and an overflowing allocation raises. Tests of the spilling model turn it on."""
+    import importlib.util
+
+    if importlib.util.find_spec("simulate") is None:
+        yield
+        return
+    import simulate
+
+    with simulate.spill(False):
+        yield

@@ -1,0 +1,369 @@
+"""On-chip tensors beyond capacity: allocation by liveness and spilling, as neuronx-cc does it.
+
+AWS's legacy kernels allocate more SBUF/PSUM than the hardware has and still compile and run:
+the attention tutorial's ``qk`` PSUM tensor of ``(N/128, N/512)`` blocks (v3, 1 GiB at N =
+16K), v4-v8's eight 2 KiB score blocks plus an output bank at N = 4096, v11's PSUM tensors
+indexed by every query tile (nki-samples 6905a68, measured on trn1 at 512-16K). What AWS
+documents (NKI Block Dimension Migration Guide, "What are block dimensions?"): a block
+dimension is logical; "the compiler analyzes the memory dependency and allocates physical
+address to each tiles", so "the physical tiles may not be alive in the memory
+simultaneously". Nothing AWS publishes says what happens when even the live tiles do not fit;
+the measured times say it is not free (v3 grows 4.2-5.2x per doubling of N, v11 jumps 25x from
+8K to 16K where its SBUF tensors pass trn1's 192 KiB per partition).
+
+The model (each point UNCONFIRMED, docs/simulator.md "Allocation beyond capacity"):
+
+* **Units.** An on-chip tensor is one unit; a tensor with block dimensions that does not fit
+  as a whole is allocated block by block: a block takes its space (PSUM: its banks) at its first
+  access, not at the declaration.
+* **Eviction by liveness.** The compiler sees the whole program; an eager simulator does not.
+  So a launch that runs out of space runs twice: the first run records when every unit is
+  accessed, the second evicts, when a unit needs space that is not free, the unit whose next
+  access is furthest away (none: it is dead and costs nothing) among those not used by the
+  current instruction and not directly allocated -- what an allocator that knows every
+  access does (Belady's choice). Only the second run is measured and returned.
+* **Spill and refill.** An evicted unit that is accessed again (other than by a write that
+  overwrites it whole) was spilled: it is charged, at that access, a store to its spill
+  location and, where needed, a load back. PSUM spills to SBUF while SBUF has room beside the
+  live tensors: one VectorE copy out (the engine the compiler's PSUM copies use here), after
+  which engines read it there; only a write brings it back into a bank (a copy back unless the
+  write overwrites it whole). Without room PSUM spills to HBM (the copy plus a DMA each way
+  and the copy back); SBUF spills to HBM (a DMA each way). Each is a dependency of the access.
+
+Kernels of this package must not rely on it (a project rule: whatever the compiler does beyond
+the hardware's capacity is slow): ``set_spill(False)`` / ``NKI_SIM_SPILL=0`` turns it off and
+overflowing allocations raise, as the package's tests run. On by default, so that AWS's code
+runs unchanged; a launch that spilled warns once with :class:`SpillWarning`.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import os
+import warnings
+import weakref
+from collections import OrderedDict
+
+from . import _hw, _sched
+
+ENV_VAR = "NKI_SIM_SPILL"
+DOC_BLOCKS = ("https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/nki/"
+              "nki_block_dimension_migration_guide.html")
+
+_state = {"on": os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")}
+
+
+class SpillWarning(UserWarning):
+    """A launch allocated beyond SBUF/PSUM capacity and ran on the modeled spilling."""
+
+
+def is_spill() -> bool:
+    """Whether allocations beyond capacity spill (True) or raise (False)."""
+    return _state["on"]
+
+
+def set_spill(flag: bool) -> bool:
+    """Turn spilling on or off; returns the previous setting."""
+    old = _state["on"]
+    _state["on"] = bool(flag)
+    return old
+
+
+@contextlib.contextmanager
+def spill(flag: bool = True):
+    """``with simulate.spill(False): ...`` runs the block with overflowing allocations raising."""
+    old = set_spill(flag)
+    try:
+        yield
+    finally:
+        set_spill(old)
+
+
+class _Unit:
+    """A tensor, or one block of a block-by-block tensor, competing for on-chip space."""
+
+    __slots__ = ("st", "block", "size", "resident", "spilled_to", "out_paid", "seq", "written",
+                 "key")
+
+    def __init__(self, st, block, size, key):
+        self.st = weakref.ref(st)
+        self.block = block          # block index, or None for the whole tensor
+        self.size = size            # SBUF: bytes per partition; PSUM: banks
+        self.resident = True
+        self.spilled_to = None      # where an evicted unit's data went: "sbuf" / "hbm"
+        self.out_paid = False       # its spill copy was charged (PSUM units living in SBUF)
+        self.seq = -1               # the API call that last touched it
+        self.written = False
+        self.key = key              # (pid, allocation number, block): the same in both runs
+
+
+#: The accesses recorded by a launch's first run, (pid, allocation number, block) -> API call
+#: numbers in order, while its second run is under way; None otherwise (``_launch``).
+ORACLE = None
+
+
+class Space:
+    """One grid instance's units (see the module docstring)."""
+
+    def __init__(self, pid):
+        self.pid = pid
+        self.units = OrderedDict()  # (id(storage), block) -> _Unit
+        self.spill_sbuf = 0         # bytes per partition of PSUM units spilled into SBUF
+        self.allocs = 0             # units' storages numbered in allocation order
+        self.trace = {}             # key -> API call numbers of its accesses (first run)
+        self.evicted = False        # space was short: the launch runs again with the trace
+
+
+def block_geometry(st):
+    """(blocks, bytes per partition of one block) of an on-chip storage."""
+    shape, pdim, isz = st.arr.shape, st.pdim, st.arr.itemsize
+    nblocks = 1
+    for s in shape[:pdim]:
+        nblocks *= int(s)
+    fb = isz
+    for s in shape[pdim + 1:]:
+        fb *= int(s)
+    return nblocks, fb
+
+
+def unit_size(st, fb):
+    if st.buffer == "psum":
+        return max(1, -(-fb // _hw.PSUM_BANK_BYTES))
+    return fb
+
+
+def _live(ctx, buffer):
+    if buffer == "psum":
+        return ctx.psum_banks, _hw.PSUM_NUM_BANKS
+    return ctx.sbuf_live + ctx.space.spill_sbuf, ctx.tgt.sbuf_bytes_per_partition
+
+
+def _account(ctx, st, size, sign):
+    if st.buffer == "psum":
+        ctx.psum_banks += sign * size
+        if ctx.psum_banks > ctx.peak_banks:
+            ctx.peak_banks = ctx.psum_banks
+    else:
+        ctx.sbuf_live += sign * size
+        if ctx.sbuf_live > ctx.peak_sbuf:
+            ctx.peak_sbuf = ctx.sbuf_live
+
+
+def make_room(ctx, buffer, need):
+    """Evict least recently used units of ``buffer`` until ``need`` more fits. Returns False
+    when it cannot (everything left is in use by this instruction or directly allocated)."""
+    space = ctx.space
+    live, cap = _live(ctx, buffer)
+    if live + need <= cap:
+        return True
+    space.evicted = True
+    cands = []
+    for key in list(space.units):
+        u = space.units[key]
+        st = u.st()
+        if st is None:
+            del space.units[key]
+            continue
+        if st.buffer == buffer and u.resident and u.seq != ctx.seq and not st.pinned:
+            cands.append((u, st))
+    if ORACLE is not None:                    # furthest next access first; dead ones first of all
+        inf = float("inf")
+
+        def next_use(c):
+            seqs = ORACLE.get(c[0].key, ())
+            i = bisect.bisect_left(seqs, ctx.seq)       # this call's own accesses count
+            return seqs[i] if i < len(seqs) else inf
+        cands.sort(key=next_use, reverse=True)
+    for u, st in cands:
+        u.resident = False
+        u.out_paid = False
+        _account(ctx, st, u.size, -1)
+        if buffer == "psum":
+            fb = block_geometry(st)[1]
+            if ctx.sbuf_live + space.spill_sbuf + fb <= ctx.tgt.sbuf_bytes_per_partition:
+                u.spilled_to = "sbuf"
+                space.spill_sbuf += fb
+            else:
+                u.spilled_to = "hbm"
+        else:
+            u.spilled_to = "hbm"
+        live, cap = _live(ctx, buffer)
+        if live + need <= cap:
+            return True
+    return False
+
+
+def admit(ctx, st):
+    """``st`` does not fit as a whole: place it as a tracked unit (making room), or, when it
+    has block dimensions, block by block as its blocks are accessed. Returns False when it
+    cannot be placed even so."""
+    nblocks, fb = block_geometry(st)
+    if nblocks > 1:
+        st.lazy = True
+        _number(ctx.space, st)
+        if st.buffer == "psum" and _sched.ACTIVE is not None:
+            _sched.ACTIVE.unbank(st)
+        return True
+    size = unit_size(st, fb) if st.buffer == "psum" else st.bpp
+    if not make_room(ctx, st.buffer, size):
+        return False
+    _account(ctx, st, size, +1)
+    if st.buffer == "psum":
+        ctx.psum_live += st.bpp
+    track(ctx, st, size)
+    return True
+
+
+def _number(space, st):
+    if st.uid is None:
+        st.uid = space.allocs
+        space.allocs += 1
+    return st.uid
+
+
+def track(ctx, st, size):
+    """An accounted whole tensor becomes an eviction candidate."""
+    space = ctx.space
+    u = _Unit(st, None, size, (space.pid, _number(space, st), None))
+    u.seq = ctx.seq
+    u.written = st.written
+    space.units[(id(st), None)] = u
+    _record(space, u.key, ctx.seq)
+
+
+def _record(space, key, seq):
+    if ORACLE is None:
+        seqs = space.trace.get(key)
+        if seqs is None:
+            space.trace[key] = [seq]
+        elif seqs[-1] != seq:
+            seqs.append(seq)
+
+
+def _blocks(t, fb):
+    lo, hi = _sched._range(t)
+    if hi <= lo:
+        return (), lo, hi
+    return range(lo // fb, (hi - 1) // fb + 1), lo, hi
+
+
+def touch(ctx, t, write):
+    """An instruction of ``ctx`` reads or writes the on-chip view ``t``: bring its units in
+    (refilling spilled ones) and mark them most recently used."""
+    st = t._st
+    space = ctx.space
+    if st.lazy:
+        nblocks, fb = block_geometry(st)
+        blocks, lo, hi = _blocks(t, fb)
+        keys = [(b, fb) for b in blocks]
+    else:
+        u = space.units.get((id(st), None))
+        if u is None:
+            return
+        keys = [(None, st.bpp)]
+        lo, hi = 0, st.bpp
+    for b, fb in keys:
+        key = (id(st), b)
+        u = space.units.get(key)
+        size = unit_size(st, fb) if (st.buffer == "psum" or b is not None) else st.bpp
+        if u is None:                          # a block's first access: it takes its space
+            u = _Unit(st, b, size, (space.pid, st.uid, b))
+            u.seq = ctx.seq
+            if not make_room(ctx, st.buffer, size):
+                _overflow(ctx, st, size)
+            _account(ctx, st, size, +1)
+            space.units[key] = u
+        elif not u.resident:
+            u.seq = ctx.seq
+            base = 0 if b is None else b * fb
+            whole = write and lo <= base and hi >= base + fb
+            if u.written and not whole and not u.out_paid:
+                _spill_out(ctx, st, base, fb, u.spilled_to)
+                u.out_paid = True
+            if write or u.spilled_to != "sbuf" or st.buffer != "psum":
+                # back into its own memory (a PSUM unit in SBUF is read where it is)
+                if not make_room(ctx, st.buffer, size):
+                    _overflow(ctx, st, size)
+                _account(ctx, st, size, +1)
+                if u.spilled_to == "sbuf":
+                    space.spill_sbuf -= fb
+                if u.written and not whole:
+                    _load_back(ctx, st, base, fb, u.spilled_to)
+                u.resident = True
+                u.spilled_to = None
+        _record(space, u.key, ctx.seq)
+        u.seq = ctx.seq
+        if write:
+            u.written = True
+        space.units.move_to_end(key)
+
+
+def _spill_out(ctx, st, lo, fb, where):
+    """Charge the store of an evicted unit to where it went, before the access needing it."""
+    rec = ctx.rec
+    rec.spill_refills += 1
+    parts = int(st.arr.shape[st.pdim])
+    if st.buffer == "psum":
+        rec.side("vector", _copy_cycles(st, fb), st, lo, lo + fb, read=True)
+        if where == "hbm":
+            rec.side_dma(parts * fb, parts, st, lo, lo + fb, read=True)
+    else:
+        rec.side_dma(parts * fb, parts, st, lo, lo + fb, read=True)
+
+
+def _load_back(ctx, st, lo, fb, where):
+    """Charge the load of a spilled unit back into its own memory."""
+    rec = ctx.rec
+    parts = int(st.arr.shape[st.pdim])
+    if where == "hbm":
+        rec.side_dma(parts * fb, parts, st, lo, lo + fb, read=False)
+    if st.buffer == "psum":
+        rec.side("vector", _copy_cycles(st, fb), st, lo, lo + fb, read=False)
+
+
+def _copy_cycles(st, fb):
+    return max(_hw.MIN_II_CYCLES, fb // st.arr.itemsize)
+
+
+def warn(rec, tgt):
+    """Once per launch that spilled: say that its time rests on the modeled spilling."""
+    warnings.warn(
+        f"kernel '{rec.name}': its on-chip tensors exceed {tgt.name}'s SBUF or PSUM "
+        f"({rec.spill_refills} spilled units reloaded, {rec.spill_hbm_bytes} B through HBM); "
+        "the simulator models the compiler's spilling (UNCONFIRMED: docs/simulator.md, "
+        "'Allocation beyond capacity'). simulate.set_spill(False) makes this an error.",
+        SpillWarning, stacklevel=4)
+
+
+def _overflow(ctx, st, size):
+    from ._errors import hw_error, fmt_shape
+    what = "psum banks" if st.buffer == "psum" else "SBUF bytes per partition"
+    raise hw_error(
+        "runtime",
+        f"on-chip memory exhausted: tensor '{st.name}' {fmt_shape(st.arr.shape)} needs {size} "
+        f"{what} and every other live unit is in use by the same instruction (spilling "
+        "cannot make room).")
+
+
+def forget(ctx, st):
+    """``st`` died: its resident units give their space back; nothing of it stays tracked.
+    Returns True when ``st`` was handled here (tracked or block by block)."""
+    space = ctx.space
+    handled = st.lazy or (id(st), None) in space.units
+    if not handled:
+        return False
+    nblocks, fb = block_geometry(st)
+    for b in (range(nblocks) if st.lazy else (None,)):
+        u = space.units.pop((id(st), b), None)
+        if u is None:
+            continue
+        if u.resident:
+            _account(ctx, st, u.size, -1)
+        elif u.spilled_to == "sbuf":
+            space.spill_sbuf -= fb
+    if not st.lazy and st.buffer == "psum":
+        ctx.psum_live -= st.bpp
+    return True
+
+
+__all__ = ["SpillWarning", "is_spill", "set_spill", "spill"]
