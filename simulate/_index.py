@@ -12,8 +12,11 @@
 
 from __future__ import annotations
 
+import dis
 import itertools
 import operator
+import sys
+import warnings
 
 import numpy as np
 
@@ -53,6 +56,37 @@ class IndexVar:
             self._vals = np.arange(self.start, self.start + self.n, dtype=np.int64).reshape(
                 self.shape)
         return self._vals
+
+
+class MaskAndWarning(UserWarning):
+    """A mask written ``p and q``: it means ``q`` only (use ``p & q``)."""
+
+
+_AND_OPS = frozenset(("JUMP_IF_FALSE_OR_POP",))                     # Python <= 3.11
+_BRANCH_OPS = frozenset(("POP_JUMP_IF_FALSE", "POP_JUMP_FORWARD_IF_FALSE"))
+_and_cache = {}
+
+
+def _short_circuit_and(frame):
+    """Is ``frame`` evaluating the left operand of an ``and`` (not an ``if``/``while``)?"""
+    key = (frame.f_code, frame.f_lasti)
+    hit = _and_cache.get(key)
+    if hit is None:
+        ins = list(dis.get_instructions(frame.f_code))
+        at = next((k for k, i in enumerate(ins) if i.offset == frame.f_lasti), None)
+        hit = False
+        if at is not None:
+            op = ins[at].opname
+            if op in _AND_OPS:
+                hit = True
+            else:
+                # 3.12+: ``a and b`` is COPY 1; [TO_BOOL;] POP_JUMP_IF_FALSE; an ``if`` has no COPY
+                k = at + 1 if op == "TO_BOOL" else at
+                if k < len(ins) and ins[k].opname in _BRANCH_OPS:
+                    j = k - 1 if op != "TO_BOOL" else at - 1
+                    hit = j >= 0 and ins[j].opname == "COPY" and ins[j].arg == 1
+        _and_cache[key] = hit
+    return hit
 
 
 def _cflag():
@@ -302,6 +336,15 @@ class Predicate:
                         "indices combined with '&'; '~' is not supported.")
 
     def __bool__(self):
+        if _short_circuit_and(sys._getframe(1)):
+            # ``p and q`` on masks: the value is ``q`` (Python's ``and``), as in AWS's front end,
+            # which runs its own documentation example ``mask=(ix < n // 2 and iy < m // 2)``
+            # (test_nki_isa_nc_match_replace8.py). AWS's known issues say ``and`` is not
+            # supported for masks -- use ``&`` -- so the left operand is dropped and we say so.
+            warnings.warn("`and` between NKI mask predicates keeps only its right operand "
+                          "(Python's `and`; NKI known issues: use `&` to combine masks)",
+                          MaskAndWarning, stacklevel=2)
+            return True
         _cflag()
 
     def check(self):

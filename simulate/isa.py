@@ -1039,28 +1039,71 @@ def tensor_partition_reduce(op, data, *, mask=None, dtype=None, **kwargs):
                        eval_mask(mask, res.shape), api=api)
 
 
+def _operand_mask(mask, in_shape, out_shape, data_first=False):
+    """``mask=`` of an instruction whose output grid differs from its input's (bn_stats, max8,
+    nc_find_index8, nc_match_replace8): -> (input mask of ``in_shape``, output mask); each is
+    None (all on), False (all off) or a bool array.
+
+    A predicate may range over the indices of an input tile, not only the output's: "each
+    comparison expression should indicate which range of indices along one of the input tile
+    axes should be valid for the computation" (D26 nki.api.shared, "NKI API Masking"; AWS's
+    layernorm tutorial masks bn_stats' input columns, the nc_match_replace8 example max8's).
+    A mask that fits the output grid keeps its output meaning unless ``data_first`` (the
+    instruction documents that its mask applies to ``data``). Masked-out input elements are
+    not read; a partition none of whose input elements is on is not written."""
+    if mask is None:
+        return None, None
+    order = ("in", "out") if data_first else ("out", "in")
+    err = None
+    for which in order:
+        try:
+            m = eval_mask(mask, in_shape if which == "in" else out_shape)
+        except ValueError as e:
+            err = err or e
+            continue
+        if which == "out" and not data_first:
+            return None, m
+        if m is None or m is False:
+            return (None if m is None else np.zeros(in_shape, bool)), m
+        P = in_shape[0]
+        rows = m.reshape(P, -1).any(axis=1)
+        mo = None if rows.all() else (False if not rows.any() else
+                                      np.broadcast_to(rows.reshape((P,) + (1,) * (len(out_shape) - 1)),
+                                                      out_shape))
+        if data_first and tuple(in_shape) == tuple(out_shape):
+            mo = m
+        return m, mo
+    raise err
+
+
+def _read_mask(mi):
+    return mi if isinstance(mi, np.ndarray) else (None if mi is None else False)
+
+
 def bn_stats(data, *, mask=None, dtype=None, **kwargs):
     """Per partition over the (flattened, <= 512) free dim: [count, mean, var*count] of the
     even-indexed elements, then the same for the odd-indexed ones -> [P, 6]."""
     ctx = enter()
     api = "bn_stats"
-    a, di = tile_operand(data, api, "data")
-    P = data.shape[0]
+    P = data.shape[0] if isinstance(data, Tensor) and data.ndim else 1
+    mi, mo = _operand_mask(mask, data.shape, (P, 6)) if isinstance(data, Tensor) else (None, None)
+    a, di = tile_operand(data, api, "data", mask=_read_mask(mi))
     A = _f32(a).reshape(P, -1).astype(np.float64)
     F = A.shape[1]
     if F > _hw.BN_STATS_FMAX:
         raise _size_err(api, "data", data.shape, 1, _hw.BN_STATS_FMAX)
+    on = np.ones((P, F), bool) if mi is None else np.asarray(mi).reshape(P, F)
     out = np.zeros((P, 6), np.float64)
-    for g, sl in enumerate((A[:, 0::2], A[:, 1::2])):
-        c = sl.shape[1]
+    for g in range(2):
+        sl, ok = A[:, g::2], on[:, g::2]        # parity of the element's index in the row
+        c = ok.sum(axis=1)
         out[:, 3 * g] = c
-        if c:
-            mu = sl.mean(axis=1)
-            out[:, 3 * g + 1] = mu
-            out[:, 3 * g + 2] = ((sl - mu[:, None]) ** 2).sum(axis=1)
+        cc = np.where(c > 0, c, 1)
+        mu = np.where(ok, sl, 0.0).sum(axis=1) / cc
+        out[:, 3 * g + 1] = mu
+        out[:, 3 * g + 2] = np.where(ok, (sl - mu[:, None]) ** 2, 0.0).sum(axis=1)
     ctx.rec.add("vector", _cost.ii(F))
-    return make_result(ctx, out.astype(np.float32), _ops.out_info(dtype, di),
-                       eval_mask(mask, (P, 6)), api=api)
+    return make_result(ctx, out.astype(np.float32), _ops.out_info(dtype, di), mo, api=api)
 
 
 def bn_aggr(data, *, mask=None, dtype=None, **kwargs):
@@ -1096,14 +1139,16 @@ def max8(*, src, mask=None, dtype=None, **kwargs):
     """Top-8 values per partition in descending order -> [P, 8]."""
     ctx = enter()
     api = "max8"
-    a, di = tile_operand(src, api, "src")
+    P = src.shape[0] if isinstance(src, Tensor) and src.ndim else 1
+    mi, mo = _operand_mask(mask, src.shape, (P, 8)) if isinstance(src, Tensor) else (None, None)
+    a, di = tile_operand(src, api, "src", mask=_read_mask(mi))
     _elems_check(api, "src", src)
-    P = src.shape[0]
     A = _f32(a).reshape(P, -1)
+    if mi is not None:
+        A = np.where(np.asarray(mi).reshape(P, -1), A, -np.inf)   # masked-out: not read
     top = -np.sort(-A, axis=1)[:, :8]
     ctx.rec.add("vector", _cost.ii(A.shape[1]))
-    return make_result(ctx, top.astype(np.float32), _ops.out_info(dtype, di),
-                       eval_mask(mask, (P, 8)), api=api)
+    return make_result(ctx, top.astype(np.float32), _ops.out_info(dtype, di), mo, api=api)
 
 
 def nc_find_index8(*, data, vals, mask=None, dtype=None, **kwargs):
@@ -1111,20 +1156,24 @@ def nc_find_index8(*, data, vals, mask=None, dtype=None, **kwargs):
     ``data`` row -> [P, 8] uint32 (absent values give 0xFFFFFFFF; undefined on hardware)."""
     ctx = enter()
     api = "nc_find_index8"
-    a, di = tile_operand(data, api, "data")
+    P = data.shape[0] if isinstance(data, Tensor) and data.ndim else 1
+    mi, mo = (_operand_mask(mask, data.shape, (P, 8), data_first=True)   # "mask applies to data"
+              if isinstance(data, Tensor) else (None, None))
+    a, di = tile_operand(data, api, "data", mask=_read_mask(mi))
     v, vdi = tile_operand(vals, api, "vals")
     _pmismatch(api, data=data, vals=vals)
     if _free(vals.shape) != 8:
         raise ValueError(f"'vals' of '{api}' must have exactly 8 elements per partition")
-    P = data.shape[0]
     A = _f32(a).reshape(P, -1)
     V = _f32(v).reshape(P, 8)
     eq = A[:, None, :] == V[:, :, None]
+    if mi is not None:
+        eq &= np.asarray(mi).reshape(P, 1, -1)
     found = eq.any(axis=2)
     idx = np.where(found, eq.argmax(axis=2), np.iinfo(np.uint32).max).astype(np.uint32)
     ctx.rec.add("vector", _cost.ii(A.shape[1]))
     odi = _ops.out_info(dtype, _dtypes.U32)
-    return make_result(ctx, idx, odi, eval_mask(mask, (P, 8)), api=api)
+    return make_result(ctx, idx, odi, mo, api=api)
 
 
 def nc_match_replace8(*, data, vals, imm, dst_idx=None, mask=None, dtype=None, **kwargs):
@@ -1132,20 +1181,27 @@ def nc_match_replace8(*, data, vals, imm, dst_idx=None, mask=None, dtype=None, *
     of ``data`` with ``imm``; returns the modified data; ``dst_idx`` receives the indices."""
     ctx = enter()
     api = "nc_match_replace8"
-    a, di = tile_operand(data, api, "data")
+    P = data.shape[0] if isinstance(data, Tensor) and data.ndim else 1
+    mi, mo = (_operand_mask(mask, data.shape, data.shape, data_first=True)  # "applies to data"
+              if isinstance(data, Tensor) else (None, None))
+    a, di = tile_operand(data, api, "data", mask=_read_mask(mi))
     v, vdi = tile_operand(vals, api, "vals")
     _pmismatch(api, data=data, vals=vals)
     if _free(vals.shape) != 8:
         raise ValueError(f"'vals' of '{api}' must have exactly 8 elements per partition")
     _elems_check(api, "data", data)
-    P = data.shape[0]
     A = _f32(a).reshape(P, -1).copy()
     V = _f32(v).reshape(P, 8)
     idx = np.full((P, 8), np.iinfo(np.uint32).max, np.uint32)
     rows = np.arange(P)
     imm32 = np.float32(imm)
+    if mi is not None:
+        mi = np.asarray(mi).reshape(P, -1)
+    rows_on = np.ones(P, bool) if mi is None else mi.any(axis=1)
     for k in range(8):
         eq = A == V[:, k:k + 1]
+        if mi is not None:
+            eq &= mi
         found = eq.any(axis=1)
         j = eq.argmax(axis=1)
         A[rows[found], j[found]] = imm32
@@ -1156,11 +1212,12 @@ def nc_match_replace8(*, data, vals, imm, dst_idx=None, mask=None, dtype=None, *
         ddi = dst_idx._st.di
         if ctx.loops:
             _deps.note_write(ctx, dst_idx, None)
-        dst_idx._write(ddi.round(idx).reshape(dst_idx.shape))
+        wm = None if rows_on.all() else np.broadcast_to(
+            rows_on.reshape((P,) + (1,) * (dst_idx.ndim - 1)), dst_idx.shape)
+        dst_idx._write(ddi.round(idx).reshape(dst_idx.shape), wm)
         dst_idx._st.written = True
     ctx.rec.add("vector", _cost.ii(A.shape[1]))
-    return make_result(ctx, A.reshape(data.shape), _ops.out_info(dtype, di),
-                       eval_mask(mask, data.shape), api=api)
+    return make_result(ctx, A.reshape(data.shape), _ops.out_info(dtype, di), mo, api=api)
 
 
 def nc_stream_shuffle(src, dst, shuffle_mask, *, dtype=None, mask=None, **kwargs):
