@@ -63,6 +63,14 @@ class Measurement:
         return sum(k.hbm_bytes_written for k in self.kernels)
 
     @property
+    def benchmark_seconds(self):
+        """What a device benchmark (neuron-bench, ``nki.benchmark``) would report: the
+        scheduled estimate plus the fitted per-launch overhead of the measurement
+        (``_hw.BENCH_OVERHEAD_NS``). Compare published latencies with this, device time with
+        :attr:`estimated_seconds`."""
+        return self.estimated_seconds + len(self.kernels) * _hw.BENCH_OVERHEAD_NS * 1e-9
+
+    @property
     def spill_refills(self):
         """Spilled on-chip units loaded back (``simulate.spill``; 0 for a kernel within capacity)."""
         return sum(k.spill_refills for k in self.kernels)
