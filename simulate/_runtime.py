@@ -62,7 +62,7 @@ def enter(keep=None):
     ctx.seq += 1
     ctx.last_charge = None
     rec = ctx.rec
-    rec.sched.boundary(rec.core)
+    rec.sched.boundary(rec.core, ctx.no_reorder > 0)
     p = ctx.pending
     if p is not None and p is not keep:
         ctx.pending = None
@@ -217,6 +217,7 @@ class Ctx:
         self.last_charge = None
         self.loop_depth = 0
         self.loops = []
+        self.no_reorder = 0         # depth of no_reorder regions (loop directives, with-blocks)
         self.sbuf_live = 0
         self.psum_banks = 0
         self.psum_live = 0

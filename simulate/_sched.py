@@ -43,6 +43,9 @@ Model (constants in ``_hw``, each with its source or marked fitted):
   waits until their previous tiles' last accesses end. A tile's banks are free when the
   simulator releases it (its iteration ended, or nothing refers to it). PSUM tiles do not
   use the rotating rings.
+* **no_reorder.** Instructions issued inside a ``no_reorder`` region (a loop with
+  ``directives=ncc.no_reorder()``, or ``with ncc.no_reorder():``) run in program order on
+  their engine: they never fill an earlier idle gap.
 * **Cores.** Each NeuronCore (``nl.nc`` grid dimensions, LNC=2) has its own engines and DMA
   queues; the estimate is the latest finish over cores. Grid instances on one core run one
   after another in program order, overlapping only where dependencies allow.
@@ -194,12 +197,13 @@ class Scheduler:
         self.last_end, self.last_engine = 0.0, "dma"  # the latest committed instruction
 
     # -- recording ------------------------------------------------------------------------------
-    def boundary(self, core):
-        """A new NKI API call begins: close the open instruction."""
+    def boundary(self, core, ordered=False):
+        """A new NKI API call begins: close the open instruction. ``ordered``: the call is in a
+        ``no_reorder`` region, where it may not move into an earlier idle gap."""
         self._commit()
         self.core = core
         self.cur = {"reads": [], "writes": [], "engine": None, "dur": 0.0, "dma": None,
-                    "core": core}
+                    "core": core, "ordered": ordered}
 
     def read(self, t):
         if self.cur is not None:
@@ -220,7 +224,8 @@ class Scheduler:
             first = cur
             self._commit()
             self.cur = cur = {"reads": list(first["writes"]), "writes": [], "engine": None,
-                              "dur": 0.0, "dma": None, "core": first["core"]}
+                              "dur": 0.0, "dma": None, "core": first["core"],
+                              "ordered": first.get("ordered", False)}
         cur["engine"] = engine
         cur["dur"] = seconds
         cur["dma"] = dma
@@ -395,8 +400,9 @@ class Scheduler:
             for rlo, rhi, rend in a.r:
                 if rlo < hi and lo < rhi and rend > ready:
                     ready = rend
+        ordered = cur.get("ordered", False)
         if cur["dma"] is None:
-            end = self._place((core, engine), ready, cur["dur"])
+            end = self._place((core, engine), ready, cur["dur"], ordered)
         else:
             q = self.dma_queues.get(core)
             if q is None:
@@ -408,7 +414,7 @@ class Scheduler:
             # the core's DMA bandwidth is shared by its queues, not taken in program order: a
             # ready transfer may use bandwidth left idle before a transfer issued earlier
             data = self._place((core, "dma-bandwidth"), start, cur["dma"]
-                               + _hw.DMA_FIXED_NS_PER_INSTRUCTION * 1e-9)
+                               + _hw.DMA_FIXED_NS_PER_INSTRUCTION * 1e-9, ordered)
             end = data + _hw.DMA_FIXED_LATENCY_NS * 1e-9
             heapq.heappush(q, end)
         if end > self.core_end.get(core, 0.0):
@@ -449,14 +455,15 @@ class Scheduler:
             if end > a.last:
                 a.last = end
 
-    def _place(self, key, ready, dur):
+    def _place(self, key, ready, dur, ordered=False):
         """Start an instruction at ``ready`` or later on engine ``key``: in the earliest idle
         gap among the engine's last ``SCHED_REORDER_WINDOW`` gaps that fits it (the compiler
         moving independent instructions earlier), else after the engine's last instruction.
-        Returns its end."""
+        ``ordered`` (a ``no_reorder`` region: "operations inside the block execute in program
+        order", nki.language.no_reorder docs) never takes a gap. Returns its end."""
         free = self.engine_free.get(key, 0.0)
         gaps = self.gaps.get(key)
-        if gaps:
+        if gaps and not ordered:
             for i, (g0, g1) in enumerate(gaps):
                 st = g0 if g0 > ready else ready
                 if st + dur <= g1:

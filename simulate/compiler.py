@@ -8,12 +8,13 @@ gave it, not its logical size: block indices wrap modulo ``num_free_tiles``/``nu
 capacity (``base + size``), not counted by the stack allocator (AWS's direct-allocation guide:
 the author, not the compiler, places them; two placements may alias on purpose). Functionally the
 simulator keeps every logical block separate, so it does not reproduce a data race between
-aliased blocks. Decorators return the function (or kernel) unchanged; directives are inert.
+aliased blocks. Decorators return the function (or kernel) unchanged; ``no_reorder`` keeps instructions in program order in the scheduled estimate (``_sched``); the other
+directives are inert.
 """
 
 from __future__ import annotations
 
-from . import language as _nl
+from . import _runtime, language as _nl
 
 
 class _Space:
@@ -68,9 +69,17 @@ class _Directive:
         self.kwargs = kwargs
 
     def __enter__(self):
+        # ``with ncc.no_reorder():`` inside a kernel: program order in the scheduled estimate
+        if self.name == "no_reorder" and _runtime.in_kernel():
+            _runtime.current().no_reorder += 1
+            self._ctx = _runtime.current()
         return self
 
     def __exit__(self, *exc):
+        ctx = getattr(self, "_ctx", None)
+        if ctx is not None:
+            ctx.no_reorder -= 1
+            self._ctx = None
         return False
 
     def __repr__(self):

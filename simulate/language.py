@@ -234,16 +234,23 @@ def spmd_dim(a, b):
 # =============================================================================================
 # loops (spec §6)
 # =============================================================================================
-def _loop(ctx, r, affine, depth=2, static=False):
+def _loop(ctx, r, affine, depth=2, static=False, ordered=False):
     f = _sys._getframe(depth)
     state = _deps.LoopState(r.start, affine, f.f_code.co_filename, f.f_lineno, static)
-    return _loop_gen(ctx, r, state)
+    return _loop_gen(ctx, r, state, ordered)
 
 
-def _loop_gen(ctx, r, state):
+def _no_reorder(directives):
+    """Whether a loop's ``directives=`` holds ``ncc.no_reorder()`` (one or a sequence)."""
+    ds = directives if isinstance(directives, (list, tuple)) else (directives,)
+    return any(getattr(d, "name", None) == "no_reorder" for d in ds)
+
+
+def _loop_gen(ctx, r, state, ordered=False):
     if _runtime._trace["on"] and not state.static:
         r = r[:1]                     # program_size(): the compiler traces a loop body once
     ctx.loop_depth += 1
+    ctx.no_reorder += ordered
     ctx.loops.append(state)
     # strict mode: the index of an NKI loop is a traced value (static_range stays a Python int)
     what = None
@@ -262,30 +269,32 @@ def _loop_gen(ctx, r, state):
             _runtime.end_iteration(state)
     finally:
         ctx.loop_depth -= 1
+        ctx.no_reorder -= ordered
         try:
             ctx.loops.remove(state)
         except ValueError:
             pass
 
 
-def _nki_loop(api, args, affine, static=False, depth=3):
+def _nki_loop(api, args, affine, static=False, depth=3, directives=()):
     """An NKI loop over ``range(*args)`` (compile-time bounds); ``depth`` frames up from
-    :func:`_loop` is the kernel line that opened it."""
+    :func:`_loop` is the kernel line that opened it. ``directives``: ``ncc.no_reorder()``
+    keeps the body's instructions in program order in the scheduled estimate."""
     _strict.check_bounds(api, args)
     return _loop(current(), _strict.builtin_range(*(int(a) for a in args)), affine, depth,
-                 static)
+                 static, _no_reorder(directives))
 
 
-def affine_range(*args, **kwargs):
+def affine_range(*args, directives=(), **kwargs):
     """``range`` without loop-carried dependencies; yields Python ints (symbolic indices in
-    strict mode). Extra kwargs (``precise_schedule`` ...) are accepted and ignored."""
-    return _nki_loop("affine_range", args, True)
+    strict mode). Other kwargs (``precise_schedule`` ...) are accepted and ignored."""
+    return _nki_loop("affine_range", args, True, directives=directives)
 
 
-def sequential_range(*args, **kwargs):
+def sequential_range(*args, directives=(), **kwargs):
     """``range`` with loop-carried dependencies allowed; yields Python ints (symbolic indices
     in strict mode)."""
-    return _nki_loop("sequential_range", args, False)
+    return _nki_loop("sequential_range", args, False, directives=directives)
 
 
 def _python_range(*args):
@@ -294,9 +303,9 @@ def _python_range(*args):
     return _nki_loop("range", args, False, depth=4)
 
 
-def static_range(*args, **kwargs):
+def static_range(*args, directives=(), **kwargs):
     """Fully unrolled ``range``; yields Python ints (every iteration is program text)."""
-    return _nki_loop("static_range", args, False, static=True)
+    return _nki_loop("static_range", args, False, static=True, directives=directives)
 
 
 def loop_reduce(x, op, loop_indices, *, dtype=None, mask=None, **kwargs):

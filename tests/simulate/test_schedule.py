@@ -280,3 +280,44 @@ def test_psum_tiles_share_eight_physical_banks(monkeypatch):
     one = _run(_psum_pipeline, a).estimated_seconds
     mm = 512 / TRN2.clock_hz["tensor"]
     assert one - eight >= 15 * mm
+
+
+
+def _gap_kernel(ordered, loop=False):
+    """VectorE: a copy of a just-loaded tile (it waits for the load: an idle gap before it),
+    then a copy of a memset tile that needs no load, whose result is stored last. Out of order,
+    the second copy fills the gap and its store starts early; in program order it waits for
+    the first copy."""
+    import contextlib
+
+    import simulate.compiler as ncc
+
+    def kernel(a):
+        out = nl.ndarray((128, 2048), dtype=nl.float32, buffer=nl.shared_hbm)
+        x = nl.load(a)
+        z = nl.zeros((128, 2048), nl.float32)
+        if loop:
+            for _ in nl.sequential_range(1, directives=ncc.no_reorder() if ordered else ()):
+                nisa.tensor_copy(x, engine=nisa.vector_engine)
+                w = nisa.tensor_copy(z, engine=nisa.vector_engine)
+                nl.store(out, value=w)
+        else:
+            with ncc.no_reorder() if ordered else contextlib.nullcontext():
+                nisa.tensor_copy(x, engine=nisa.vector_engine)
+                w = nisa.tensor_copy(z, engine=nisa.vector_engine)
+            nl.store(out, value=w)
+        return out
+    return kernel
+
+
+def test_no_reorder_keeps_program_order():
+    """``no_reorder`` ("operations inside the block execute in program order",
+    nki.language.no_reorder docs), as a with-block or a loop directive: the independent copy
+    may not move into the idle gap before the copy that waits for the load, so the store of
+    its result starts later by at least one copy's time."""
+    a = np.ones((128, 2048), np.float32)
+    copy = _secs("vector", 2048)
+    for loop in (False, True):
+        free = _run(_gap_kernel(False, loop), a).estimated_seconds
+        kept = _run(_gap_kernel(True, loop), a).estimated_seconds
+        assert kept - free > copy
