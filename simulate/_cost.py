@@ -69,6 +69,14 @@ def tensor_scalar_cycles(tgt, n, in_psum, out_psum, in16, out16):
     return ii(c)
 
 
+def act_copy_cycles(tgt, n, in16, out16):
+    """ScalarE tensor_copy / tensor_scalar: NC-v4's 2x mode for 16-bit data (``Target.
+    scalar_perf_mode``), else the activation formula."""
+    if tgt.scalar_perf_mode and in16 and out16:
+        return ii(n / 2.0)
+    return act_cycles(n)
+
+
 def charge(ctx, engine, cycles_fn, n):
     """Record one instruction of ``cycles_fn(n)`` cycles, ``n`` = free elements per partition
     it writes, and keep the formula so that a direct write of its result into a larger

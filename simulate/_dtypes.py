@@ -24,6 +24,8 @@ float16 = np.dtype(np.float16)
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float8_e4m3 = np.dtype(ml_dtypes.float8_e4m3)   # IEEE-style E4M3 (max 240, has inf) [SPEC §10.1]
 float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)     # OCP E4M3 (max 448, no inf): trn3
+float8_e8m0fnu = np.dtype(ml_dtypes.float8_e8m0fnu)   # E8M0 block scales (MXFP8): trn3
 tfloat32 = np.dtype("V4")                        # opaque 4-byte type, as in the legacy stub
 int8 = np.dtype(np.int8)
 int16 = np.dtype(np.int16)
@@ -119,6 +121,10 @@ _reg(float8_e4m3, "float8_e4m3", "f", _F32, 1, _make_ml_rounder(ml_dtypes.float8
      _NAN, float8_e4m3)
 _reg(float8_e5m2, "float8_e5m2", "f", _F32, 1, _make_ml_rounder(ml_dtypes.float8_e5m2), 1,
      _NAN, float8_e5m2)
+_reg(float8_e4m3fn, "float8_e4m3fn", "f", _F32, 1, _make_ml_rounder(ml_dtypes.float8_e4m3fn), 1,
+     _NAN, float8_e4m3fn)
+_reg(float8_e8m0fnu, "float8_e8m0fnu", "f", _F32, 1,
+     _make_ml_rounder(ml_dtypes.float8_e8m0fnu), 1, _NAN, float8_e8m0fnu)
 # Integer sentinel: the type's maximum (a likely out-of-bounds index / overflow) (choice).
 for _dt, _nm, _k in ((int8, "int8", "i"), (int16, "int16", "i"), (int32, "int32", "i"),
                      (uint8, "uint8", "u"), (uint16, "uint16", "u"), (uint32, "uint32", "u")):
@@ -168,6 +174,16 @@ def host_info(np_dtype) -> DInfo:
     nd = np.dtype(np_dtype)
     nd = _HOST_NARROW.get(nd, nd)
     return info(nd)
+
+
+def check_target(di: DInfo, tgt, what: str) -> None:
+    """Refuse an 8-bit float format the target does not define (a TypeError naming it):
+    trn1/trn2 have IEEE-style E4M3 (max 240) and E5M2; trn3 has OCP E4M3 (max 448), E5M2 and
+    E8M0 scales (``_hw.Target.fp8_dtypes``; nki-today.md §4)."""
+    if di.itemsize == 1 and di.kind == "f" and di.name not in tgt.fp8_dtypes:
+        raise TypeError(
+            f"{what}: dtype {di.name} is not an 8-bit float format of {tgt.name}; "
+            f"{tgt.name} supports {', '.join(tgt.fp8_dtypes)}")
 
 
 F32 = _INFO[float32]

@@ -113,6 +113,14 @@ class Target:
     multi_core_spmd: bool         # nl.nc(n) grid dimensions allowed
     gen3_features: bool           # range_select, hwdge, double_row_gen3, bf16 PSUM transposes
     notes: Dict[str, str] = field(default_factory=dict)
+    # ScalarE's 2x mode for 16-bit copy / tensor_scalar (NC-v4: "256 BF16/FP16/FP8 for
+    # copy/tensor_scalar, 128 other") [HL §2 ARCH3]
+    scalar_perf_mode: bool = False
+    # nisa.exponential on VectorE, as a multiple of ScalarE's exp throughput (0: the target has
+    # no such instruction). NC-v4: 4x [HL §2 ARCH3; nki-today.md §4]
+    vector_exp_speedup: float = 0.0
+    # 8-bit float formats the target computes in (names of _dtypes' registry) [nki-today.md §4]
+    fp8_dtypes: tuple = ("float8_e4m3", "float8_e5m2")
 
     @property
     def total_available_sbuf_size(self) -> int:
@@ -121,7 +129,7 @@ class Target:
     @property
     def tensor_peak_flops(self) -> float:
         """Dense bf16 TensorE peak, FLOP/s: a 128 x 128 array doing one multiply-add per cell per
-        cycle (92 and 79 TFLOPS per core on trn1 and trn2) [HL §1]."""
+        cycle (92, 79 and 79 TFLOPS per core on trn1, trn2 and trn3) [HL §1]."""
         return NUM_PARTITIONS * NUM_PARTITIONS * 2 * self.clock_hz["tensor"]
 
 
@@ -167,7 +175,31 @@ TRN2 = Target(
     notes={"dma": "368 GB/s = DMA table; 362.5 GB/s = HBM share (not used)"},
 )
 
-TARGETS = {"trn1": TRN1, "inf2": TRN1, "gen2": TRN1, "trn2": TRN2, "gen3": TRN2}
+TRN3 = Target(
+    name="trn3",
+    nc_version=4,
+    sbuf_bytes_per_partition=262144,   # 256 KiB: 32 MiB / 128 partitions [HL §3 ARCH3]
+    sbuf_reserved_bytes=16384,         # UNCONFIRMED for v4; same 16 KiB as v2 (choice)
+    clock_hz={                         # [HL §2 ARCH3]; tensor: 79 TFLOPS / (128 x 128 x 2)
+        "tensor": 2.4e9, "vector": 1.2e9, "scalar": 1.2e9, "gpsimd": 1.2e9,
+    },
+    dma_bytes_per_s=528e9,             # 33 B/ns per NC, DMA guide table; 16 x 38.4 GB/s [HL §3]
+    hbm_share_bytes_per_s=612.5e9,     # 4.9 TB/s / 8 NCs (derived) [HL §3]
+    load_transpose_rate=0.9,           # (choice) v4 keeps v3's DMA-transpose hardware rates
+    dma_transpose_hbm_rate=0.9,
+    dma_transpose_sbuf_rate=0.5,
+    vector_perf_mode=True,             # 512 BF16/FP16/FP8 elements per cycle [HL §2 ARCH3]
+    multi_core_spmd=True,
+    gen3_features=True,
+    notes={"dma": "528 GB/s = DMA table; 612.5 GB/s = HBM share (not used)"},
+    scalar_perf_mode=True,
+    vector_exp_speedup=4.0,
+    # OCP E4M3 (max 448) and E5M2; E8M0 block scales for MXFP8 (trn3 pages, nki-today.md §4)
+    fp8_dtypes=("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"),
+)
+
+TARGETS = {"trn1": TRN1, "inf2": TRN1, "gen2": TRN1, "trn2": TRN2, "gen3": TRN2,
+           "trn3": TRN3, "gen4": TRN3}
 DEFAULT_TARGET = "trn2"               # (choice, per issue #2)
 TARGET_ENV_VAR = "NEURON_PLATFORM_TARGET_OVERRIDE"
 
@@ -175,7 +207,8 @@ ENGINES = ("tensor", "vector", "scalar", "gpsimd")  # compute engines; DMA is tr
 
 
 def get_target(name) -> Target:
-    """Resolve a target name (trn1/inf2/gen2/trn2/gen3, case-insensitive) to its table row."""
+    """Resolve a target name (trn1/inf2/gen2, trn2/gen3, trn3/gen4; case-insensitive) to its
+    table row."""
     if isinstance(name, Target):
         return name
     key = str(name).strip().lower()

@@ -184,6 +184,7 @@ def launch(func, grid, args, kwargs, opts):
 def _conv_arg(L, name, val, mutable, host_of, Storage, Tensor):
     if isinstance(val, np.ndarray):
         di = _dtypes.host_info(val.dtype)
+        _dtypes.check_target(di, L.tgt, f"kernel argument '{name}'")
         if not di.is_float:
             arr = np.array(val, dtype=di.backing)
         elif val.dtype == di.out_np:

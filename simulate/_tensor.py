@@ -979,6 +979,8 @@ def check_partitions(shape, api, desc):
 
 def make_result(ctx, arr, di, mask=None, tag=None, buffer=SBUF, api="", rounded=False):
     """Wrap a computed array as a new (pending) tile of dtype ``di``."""
+    if di.itemsize == 1 and di.is_float:
+        _dtypes.check_target(di, ctx.tgt, f"result of '{api}'" if api else "a result")
     if not rounded:
         arr = di.round(arr)
     shape = arr.shape

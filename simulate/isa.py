@@ -576,7 +576,8 @@ def tensor_scalar(data, op0, operand0, reverse0=False, op1=None, operand1=None,
     odi = _ops.out_info(dtype, di)
     n = _free(data.shape)
     if eng == "scalar":
-        _cost.charge(ctx, "scalar", _cost.act_cycles, n)
+        tgt, f16 = ctx.tgt, (_ops.is16(di), _ops.is16(odi))
+        _cost.charge(ctx, "scalar", lambda k: _cost.act_copy_cycles(tgt, k, *f16), n)
     elif eng == "gpsimd":
         _cost.charge(ctx, "gpsimd", _cost.gpsimd_cycles, n)
     else:
@@ -711,7 +712,8 @@ def tensor_copy(src, *, mask=None, dtype=None, engine=None, **kwargs):
             res = res.copy()
     n = _free(src.shape)
     if eng == "scalar":
-        _cost.charge(ctx, "scalar", _cost.act_cycles, n)
+        tgt, f16 = ctx.tgt, (_ops.is16(di), _ops.is16(odi))
+        _cost.charge(ctx, "scalar", lambda k: _cost.act_copy_cycles(tgt, k, *f16), n)
     elif eng == "gpsimd":
         _cost.charge(ctx, "gpsimd", _cost.gpsimd_cycles, n)
     else:

@@ -381,6 +381,7 @@ _name_counter = [0]
 def _create(ctx, shape, dtype, buffer, name, fill, api, depth):
     shape, pdim = _norm_shape(shape)
     di = _dtypes.info(dtype if dtype is not None else float32)
+    _dtypes.check_target(di, ctx.tgt, f"'{api}'")
     kind = _buffer_kind(buffer)
     L = ctx.launch
     if kind in (_HBM, _SHARED):
