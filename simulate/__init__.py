@@ -4,6 +4,7 @@ Module layout mirrors neuronx-cc::
 
     simulate            ~ neuronxcc.nki           jit, simulate_kernel, baremetal, benchmark,
                                                   profile, trace (+ measure, register_as_neuronxcc)
+    simulate.nki        ~ nki (NKI 0.7)           the second front end (register_as_nki)
     simulate.language   ~ neuronxcc.nki.language  (nl)
     simulate.isa        ~ neuronxcc.nki.isa       (nisa)
     simulate.typing     ~ neuronxcc.nki.typing    (nt)
@@ -27,11 +28,12 @@ from ._strict import is_strict, set_strict, strict, StrictError
 from ._spill import SpillWarning, is_spill, set_spill, spill
 from ._measure import measure, Measurement, program_size
 from ._progress import progress
-from ._register import register_as_neuronxcc, unregister_neuronxcc
+from ._register import register_as_neuronxcc, unregister_neuronxcc, register_as_nki, unregister_nki
 from ._tensor import Tensor as tensor
 
 __all__ = ["jit", "trace", "simulate_kernel", "baremetal", "benchmark", "profile", "measure",
-           "register_as_neuronxcc", "unregister_neuronxcc", "language", "isa", "typing",
+           "register_as_neuronxcc", "unregister_neuronxcc", "register_as_nki",
+           "unregister_nki", "language", "isa", "typing",
            "compiler", "tensor", "NKIError", "NKISyntaxError", "ProgramSizeWarning",
            "Measurement", "program_size", "progress", "is_strict", "set_strict", "strict", "StrictError",
            "SpillWarning", "is_spill", "set_spill", "spill"]

@@ -101,6 +101,7 @@ class LaunchRecord:
         self.target = target.name
         self._tgt = target
         self.grid = tuple(grid)
+        self.api = "legacy"                 # front end: "legacy" (neuronxcc.nki) or "nki" (0.7)
         self.instructions = Counter()       # engine -> count
         self.engine_cycles = Counter()      # compute engine -> cycles
         self.dma_seconds = 0.0
@@ -267,7 +268,7 @@ class LaunchRecord:
 
     def summary(self):
         return {
-            "name": self.name, "target": self.target, "grid": self.grid,
+            "name": self.name, "target": self.target, "grid": self.grid, "api": self.api,
             "hbm_bytes_read": self.hbm_bytes_read, "hbm_bytes_written": self.hbm_bytes_written,
             "dma_transfers": self.dma_transfers, "dma_chunks": self.dma_chunks,
             "dma_average_chunk_bytes": self.dma_average_chunk_bytes,

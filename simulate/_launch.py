@@ -66,6 +66,9 @@ def launch(func, grid, args, kwargs, opts):
     tgt = resolve_target(opts)
     sizes = resolve_grid(grid, tgt) if grid else ()
     rec = LaunchRecord(_kernel_name(func), tgt, sizes)
+    # which front end launched it: "legacy" (neuronxcc.nki, simulate.*) or "nki" (simulate.nki)
+    api = rec.api = opts.get("_api", "legacy")
+    legacy = api == "legacy"
     L = Launch(func, tgt, sizes, rec, opts)
 
     # ---- bind arguments: numpy arrays become HBM tensors ----
@@ -120,12 +123,17 @@ def launch(func, grid, args, kwargs, opts):
             rec.core = core_of(raw, pid) if sizes else 0
             stack.append(ctx)
             try:
-                with _strict.python_range_as(language._python_range):
+                if legacy:
+                    # neuronx-cc rewrites Python range to sequential_range (legacy only: NKI
+                    # 0.7 unrolls Python loops, nki-loops page)
+                    with _strict.python_range_as(language._python_range):
+                        ret = func(*conv_args, **conv_kwargs)
+                else:
                     ret = func(*conv_args, **conv_kwargs)
             finally:
                 stack.pop()
                 ctx.pending = None
-            if L.instance == 0:
+            if L.instance == 0 and legacy:
                 # front-end block-scope rule (AST of the kernel's source, cached per function);
                 # checked after the first instance so trace-time errors raised before the
                 # out-of-scope read keep precedence
@@ -169,8 +177,10 @@ def launch(func, grid, args, kwargs, opts):
             f"kernel '{rec.name}': the compiled program has {rec.program_instructions} "
             f"instructions (> {_hw.PROGRAM_INSTRUCTION_WARN}); neuronx-cc's compile time and "
             "memory grow with the unrolled program (aws-neuron-sdk #1374) and it refuses "
-            f"programs above {_hw.PROGRAM_INSTRUCTION_LIMIT} instructions. Use nl.affine_range/"
-            "nl.sequential_range loops instead of Python loops or static_range.",
+            f"programs above {_hw.PROGRAM_INSTRUCTION_LIMIT} instructions. "
+            + ("Use nl.affine_range/nl.sequential_range loops instead of Python loops or "
+               "static_range." if legacy else "NKI 0.7 unrolls Python loops and the range "
+               "aliases; use nl.fori_loop for long loops (nki-loops page)."),
             ProgramSizeWarning, stacklevel=3)
     for m in _measures:
         m._add(rec)

@@ -55,6 +55,17 @@ class Measurement:
 
     # -- aggregates -------------------------------------------------------------------------------
     @property
+    def api(self):
+        """Front end(s) of the measured launches: "nki" (the nki.* API, NKI 0.7), "legacy"
+        (neuronxcc.nki), "legacy+nki" when both ran, "" when nothing ran. ``apis`` gives the
+        set."""
+        return "+".join(sorted(self.apis))
+
+    @property
+    def apis(self):
+        return {getattr(k, "api", "legacy") for k in self.kernels}
+
+    @property
     def hbm_bytes_read(self):
         return sum(k.hbm_bytes_read for k in self.kernels)
 

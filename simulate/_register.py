@@ -69,3 +69,62 @@ def unregister_neuronxcc():
         return
     for key in ["neuronxcc", "neuronxcc.nki"] + [f"neuronxcc.nki.{n}" for n in _SUBMODULES]:
         sys.modules.pop(key, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# register_as_nki(): ``import nki`` -> simulate.nki (the NKI 0.7 front end)
+# ---------------------------------------------------------------------------------------------
+_NKI_SUBMODULES = ("language", "isa")
+
+
+def _real_nki_present():
+    """A real ``nki`` package (AWS's NKI compiler, SDK 2.27+) is importable."""
+    mod = sys.modules.get("nki")
+    if mod is not None:
+        return not getattr(mod, _ALIAS_FLAG, False)
+    try:
+        spec = importlib.util.find_spec("nki")
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    # a namespace package (a directory named nki without __init__.py, e.g. a test folder on
+    # sys.path) is not AWS's package; a regular package or a module is
+    if spec.origin not in (None, "namespace"):
+        return True
+    return any(os.path.exists(os.path.join(loc, n))
+               for loc in (spec.submodule_search_locations or [])
+               for n in ("language", "language.py", "isa", "isa.py"))
+
+
+def is_nki_registered():
+    mod = sys.modules.get("nki")
+    return mod is not None and getattr(mod, _ALIAS_FLAG, False)
+
+
+def register_as_nki():
+    """Alias ``nki``, ``nki.language``, ``nki.isa`` to ``simulate.nki*`` (the nki.* front end,
+    NKI 0.7). Refuses (RuntimeError) when a real ``nki`` package is installed. Idempotent;
+    ``unregister_nki()`` removes the aliases. Returns the ``simulate.nki`` package."""
+    import simulate.nki as front
+    if is_nki_registered():
+        return front
+    if _real_nki_present():
+        spec = importlib.util.find_spec("nki") if "nki" not in sys.modules else None
+        where = getattr(spec, "origin", None) or getattr(sys.modules.get("nki"), "__file__", "?")
+        raise RuntimeError(
+            f"register_as_nki(): a real 'nki' package is installed ({where}); refusing to "
+            "shadow AWS's NKI with the CPU simulator (import simulate.nki directly instead).")
+    setattr(front, _ALIAS_FLAG, True)
+    sys.modules["nki"] = front
+    for name in _NKI_SUBMODULES:
+        sys.modules[f"nki.{name}"] = getattr(front, name)
+    return front
+
+
+def unregister_nki():
+    """Remove the aliases installed by :func:`register_as_nki` (for tests)."""
+    if not is_nki_registered():
+        return
+    for key in ["nki"] + [f"nki.{n}" for n in _NKI_SUBMODULES]:
+        sys.modules.pop(key, None)

@@ -1,0 +1,412 @@
+"""``nki.language`` (``nl``) of NKI 0.7 (Neuron SDK 2.33) on the simulator's core.
+
+Signatures follow AWS's stub ``nki/api/nki/language/__init__.py`` (aws-neuron/aws-neuron-sdk);
+each function translates onto the legacy implementation in ``simulate.language`` so that
+values, rules and cost are computed once. Pages cited below are the 2.33 docs:
+
+* nki-loops: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/deep-dives/nki-loops.html
+* migration: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/migration/index.html
+* simulator: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/guides/nki_simulator.html
+
+Not here yet: NkiTensor view methods (``.ap()``, ``slice``, ``permute``, ``reshape_dim``, ...),
+``NkiScalar``/``VirtualRegister`` registers, ``while_loop``, ``shared_constant`` and
+``device_print`` under their 0.7 names, ``dropout``/``rand``.
+"""
+
+from __future__ import annotations
+
+import builtins as _builtins
+import operator as _operator
+import sys as _sys
+
+from .. import _deps, _hw, _ops, _runtime, _strict
+from .. import language as _L
+from .._dtypes import (float32, float16, bfloat16, float8_e4m3, float8_e5m2, tfloat32,  # noqa: F401,E501 (public dtypes)
+                       float8_e4m3fn, float8_e8m0fnu, int8, int16, int32, uint8, uint16,
+                       uint32, bool_)
+
+DOC_LOOPS = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/deep-dives/"
+             "nki-loops.html")
+DOC_MIGRATION = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/migration/"
+                 "index.html")
+DOC_BLOCK_DIMS = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/migration/"
+                  "nki-block-dimension-migration-guide.html")
+
+# -- memory regions (stub: MemoryRegion sbuf, psum, private_hbm, shared_hbm; hbm = private) ---
+sbuf = _L.sbuf
+psum = _L.psum
+private_hbm = _L.private_hbm
+hbm = _L.hbm
+shared_hbm = _L.shared_hbm
+
+
+def is_hbm(buffer):
+    return _L._buffer_kind(buffer) in ("hbm", "shared_hbm")
+
+
+def is_on_chip(buffer):
+    return _L._buffer_kind(buffer) in ("sbuf", "psum")
+
+
+def is_psum(buffer):
+    return _L._buffer_kind(buffer) == "psum"
+
+
+def is_sbuf(buffer):
+    return _L._buffer_kind(buffer) == "sbuf"
+
+
+# -- tile_size (stub: _TileSize) ----------------------------------------------------------------
+class _TileSize(_L._TileSize):
+    """``nl.tile_size`` of NKI 0.7: the legacy constants plus the 0.4.0 names
+    (``psum_bank_fmax``, ``psum_bank_fmax_bytes``, ``sbuf_size_bytes``, ``sbuf_fmax``,
+    ``sbuf_fmax_bytes``). ``psum_min_align``/``sbuf_min_align`` have no value in AWS's
+    documentation and are not provided."""
+
+    psum_bank_fmax = _hw.PSUM_FMAX
+    psum_bank_fmax_bytes = _hw.PSUM_BANK_BYTES
+
+    @staticmethod
+    def _tgt():
+        if _runtime.in_kernel():
+            return _runtime.current().tgt
+        return _runtime.resolve_target({})
+
+    @property
+    def sbuf_size_bytes(self):
+        return self._tgt().sbuf_bytes_per_partition * _hw.NUM_PARTITIONS
+
+    @property
+    def sbuf_fmax_bytes(self):
+        return self._tgt().total_available_sbuf_size
+
+    @property
+    def sbuf_fmax(self):
+        return self._tgt().total_available_sbuf_size // 4
+
+
+tile_size = _TileSize()
+
+
+# -- SPMD ---------------------------------------------------------------------------------------
+def program_id(axis=0):
+    return _L.program_id(axis)
+
+
+def num_programs(axes=0):
+    # The stub's signature defaults to axis 0 (its docstring also mentions "if not provided,
+    # the total"); we follow the signature.
+    return _L.num_programs(axes)
+
+
+def program_ndim():
+    return _L.program_ndim()
+
+
+# -- loops (nki-loops page) -----------------------------------------------------------------
+def _range(api, start, stop, step):
+    for v in (start, stop, step):
+        if isinstance(v, _strict.SymbolicIndex):
+            # nki-loops: Python loops (and these aliases) unroll at tracing, so their bounds
+            # must be known while tracing; runtime counts go to nl.fori_loop
+            raise _strict.LoopBoundError(
+                f"nl.{api}: bound {v!r} is a runtime value; NKI 0.7 unrolls {api} (an alias of "
+                f"Python range) while tracing, so its bounds must be Python ints. Use "
+                f"nl.fori_loop for a runtime trip count ({DOC_LOOPS})")
+    return _strict.builtin_range(start, stop, step) if stop is not None else \
+        _strict.builtin_range(start)
+
+
+def affine_range(start, stop=None, step=1):
+    """Alias of Python ``range`` (NKI 0.7, deprecated): unrolled while tracing, every iteration
+    is program text (nki-loops page)."""
+    return _range("affine_range", start, stop, step)
+
+
+def sequential_range(start, stop=None, step=1):
+    """Alias of Python ``range`` (NKI 0.7, deprecated; nki-loops page)."""
+    return _range("sequential_range", start, stop, step)
+
+
+def static_range(start, stop=None, step=1):
+    """Alias of Python ``range`` (NKI 0.7, deprecated; nki-loops page)."""
+    return _range("static_range", start, stop, step)
+
+
+def dynamic_range(*args, **kwargs):
+    raise NotImplementedError(
+        f"nl.dynamic_range was removed in NKI 0.7 (deprecated in 0.6); use nl.fori_loop "
+        f"({DOC_MIGRATION})")
+
+
+class LoopIndex(_strict.SymbolicIndex):
+    """The index ``nl.fori_loop`` passes to its body: a runtime scalar (``NkiScalar`` /
+    ``VirtualRegister`` in AWS's API). It works in index arithmetic, slices and ``nl.ds`` (the
+    core's symbolic index); kernel code cannot make it a Python int (``int()``, ``range()``, a
+    list index, a shape) nor branch on it (``if``): the stub's VirtualRegister note, "using a
+    register in Python control flow (if/while) or converting it with int() / range() raises
+    TypeError" under the tracer. Refused whatever the strict setting."""
+
+    __slots__ = ()
+
+    def __bool__(self):
+        if _strict._from_kernel():
+            self._refuse("a Python 'if'/'while' condition (control flow on a runtime value)")
+        return self.v != 0
+
+    def _cmp(self, other, op):
+        # a comparison is a runtime value too: its truth cannot steer tracing
+        return _RuntimeBool(_strict.SymbolicIndex._cmp(self, other, op), self)
+
+    def _arith(self, other, op, sym, reflected=False):
+        r = _strict.SymbolicIndex._arith(self, other, op, sym, reflected)
+        if isinstance(r, _strict.SymbolicIndex):
+            return LoopIndex(r.v, r.what, self.loop)
+        return r
+
+    def __neg__(self):
+        return LoopIndex(-self.v, f"-{self.what}", self.loop)
+
+    def __hash__(self):
+        return hash(self.v)
+
+    def _refuse(self, how):
+        raise _strict.SymbolicIndexError(
+            f"{self.what} is the index of an nl.fori_loop, a runtime scalar on the device; {how} "
+            "needs its value while the kernel is traced. Use it in index arithmetic, slices "
+            f"and nl.ds; keep Python-side choices on Python ints ({DOC_LOOPS})")
+
+
+class _RuntimeBool:
+    __slots__ = ("v", "idx")
+
+    def __init__(self, v, idx):
+        self.v = bool(v)
+        self.idx = idx
+
+    def __bool__(self):
+        if _strict._from_kernel():
+            self.idx._refuse("a comparison used as a Python condition")
+        return self.v
+
+
+def fori_loop(lower, upper, body_fun, step=1):
+    """``nl.fori_loop(lower, upper, body_fun, step=1)``: a compiled (hardware) loop. The body
+    is called with the index as a :class:`LoopIndex` and is one copy of program text ("a single
+    copy of the body is generated and the hardware iterates over it at runtime", nki dynamic
+    loops page): the program size counts it once, the run executes every iteration. Returns
+    None; state is carried through SBUF/HBM (stub docstring)."""
+    ctx = _runtime.enter()
+    if not callable(body_fun):
+        raise TypeError("nl.fori_loop: body_fun must be callable (i) -> None")
+    if isinstance(step, _strict.SymbolicIndex) or int(step) <= 0:
+        raise ValueError("nl.fori_loop: step must be a compile-time positive integer (stub)")
+    lo = lower.v if isinstance(lower, _strict.SymbolicIndex) else int(lower)
+    hi = upper.v if isinstance(upper, _strict.SymbolicIndex) else int(upper)
+    for b in (lo, hi):
+        if not -2 ** 31 <= b < 2 ** 31:
+            raise ValueError("nl.fori_loop: bounds are 32-bit integers (nki-loops page)")
+    r = _strict.builtin_range(lo, hi, int(step))
+    if _runtime._trace["on"]:
+        r = r[:1]                     # program_size(): the body is traced once
+    f = _sys._getframe(1)
+    state = _deps.LoopState(r.start if len(r) else lo, False, f.f_code.co_filename,
+                            f.f_lineno, False)
+    ctx.loop_depth += 1
+    ctx.loops.append(state)
+    name = getattr(body_fun, "__name__", "body")
+    try:
+        n = 0
+        for i in r:
+            state.value = i
+            state.first = n == 0
+            state.iter_no = n
+            n += 1
+            ret = body_fun(LoopIndex(i, f"index of nl.fori_loop({name})", state.uid))
+            if ret is not None:
+                raise TypeError("nl.fori_loop: body_fun returns None; carry loop state "
+                                "through SBUF/HBM tensors (stub docstring)")
+            _runtime.end_iteration(state)
+    finally:
+        ctx.loop_depth -= 1
+        try:
+            ctx.loops.remove(state)
+        except ValueError:
+            pass
+    return None
+
+
+def while_loop(init, body_fun):
+    raise NotImplementedError("nl.while_loop is not simulated yet (needs VirtualRegister)")
+
+
+# -- tensor creation ------------------------------------------------------------------------
+def _shape07(shape, api):
+    if isinstance(shape, _strict.INT_TYPES):
+        shape = (shape,)
+    shape = tuple(shape)
+    for i, s in enumerate(shape):
+        if isinstance(s, _L.par_dim) and i != 0:
+            # migration guide: block dimensions (a partition dim anywhere but first) removed
+            raise ValueError(
+                f"nl.{api}: shape {shape} puts the partition dim (par_dim) at position {i}; NKI "
+                f"0.7 has no block dimensions: the partition dim is always the first "
+                f"({DOC_BLOCK_DIMS})")
+    return tuple(s if isinstance(s, _strict.SymbolicIndex) else int(s) for s in shape)
+
+
+def ndarray(shape, dtype, buffer=sbuf, name='', address=None):
+    """New tensor (partition dim first). Fresh memory holds NaN (ints: the type's maximum),
+    as AWS's nki.simulate fills new allocations to expose uninitialized reads (simulator
+    guide). ``address`` is accepted and not modeled."""
+    ctx = _runtime.enter()
+    return _L._create(ctx, _shape07(shape, "ndarray"), dtype, buffer, name, None, "ndarray", 1)
+
+
+def zeros(shape, dtype, buffer=sbuf, name=''):
+    ctx = _runtime.enter()
+    return _L._create(ctx, _shape07(shape, "zeros"), dtype, buffer, name, 0, "zeros", 1)
+
+
+def ones(shape, dtype, buffer=sbuf, name=''):
+    ctx = _runtime.enter()
+    return _L._create(ctx, _shape07(shape, "ones"), dtype, buffer, name, 1, "ones", 1)
+
+
+def full(shape, fill_value, dtype, buffer=sbuf, name=''):
+    ctx = _runtime.enter()
+    return _L._create(ctx, _shape07(shape, "full"), dtype, buffer, name, fill_value, "full", 1)
+
+
+def zeros_like(x, dtype=None, buffer=None, name=''):
+    return zeros(x.shape, dtype if dtype is not None else x.dtype,
+                 buffer if buffer is not None else _buffer_of(x), name)
+
+
+def empty_like(x, dtype=None, buffer=None, name=''):
+    return ndarray(x.shape, dtype if dtype is not None else x.dtype,
+                   buffer if buffer is not None else _buffer_of(x), name)
+
+
+def _buffer_of(x):
+    return {"sbuf": sbuf, "psum": psum, "hbm": hbm, "shared_hbm": shared_hbm}.get(
+        getattr(x, "buffer", "sbuf"), sbuf)
+
+
+def ds(start, size):
+    return _L.ds(start, size)
+
+
+# -- load / store (experimental wrappers again since 0.3.0) -------------------------------------
+def load(src, dtype=None):
+    return _L.load(src, dtype=dtype)
+
+
+def store(dst, value):
+    return _L.store(dst, value)
+
+
+# -- compute wrappers (stub signatures: (x[, y], dtype=None)) ---------------------------------
+def _binary(name):
+    impl = getattr(_L, name)
+
+    def f(x, y, dtype=None):
+        return impl(x, y, dtype=dtype)
+    f.__name__ = f.__qualname__ = name
+    f.__doc__ = f"``nl.{name}(x, y, dtype=None)`` (NKI 0.7), computed by the core's nl.{name}."
+    return f
+
+
+def _unary(name):
+    impl = getattr(_L, name)
+
+    def f(x, dtype=None):
+        return impl(x, dtype=dtype)
+    f.__name__ = f.__qualname__ = name
+    f.__doc__ = f"``nl.{name}(x, dtype=None)`` (NKI 0.7), computed by the core's nl.{name}."
+    return f
+
+
+def _reduce(name):
+    impl = getattr(_L, name)
+
+    def f(x, axis, dtype=None, keepdims=False):
+        return impl(x, axis, dtype=dtype, keepdims=keepdims)
+    f.__name__ = f.__qualname__ = name
+    return f
+
+
+_BINARY = ("add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "equal",
+           "not_equal", "less", "less_equal", "greater", "greater_equal", "bitwise_and",
+           "bitwise_or", "bitwise_xor", "left_shift", "right_shift", "logical_and",
+           "logical_or", "logical_xor", "fmod", "mod")
+_UNARY = ("abs", "square", "invert", "logical_not", "exp", "log", "sqrt", "rsqrt", "tanh",
+          "sigmoid", "relu", "gelu", "gelu_apprx_sigmoid", "gelu_apprx_tanh", "gelu_dx",
+          "silu", "silu_dx", "softplus", "mish", "erf", "erf_dx", "reciprocal", "copy", "sin",
+          "cos", "tan", "arctan", "ceil", "floor", "trunc", "negative", "sign")
+_REDUCE = ("sum", "max", "min", "mean", "prod", "var")
+_g = globals()
+for _n in _BINARY:
+    _g[_n] = _binary(_n)
+for _n in _UNARY:
+    _g[_n] = _unary(_n)
+for _n in _REDUCE:
+    _g[_n] = _reduce(_n)
+del _g, _n
+
+
+def all(x, axis, dtype=None):  # noqa: A001 (NKI name)
+    return _L.all(x, axis, dtype=dtype)
+
+
+def where(condition, x, y, dtype=None):
+    return _L.where(condition, x, y, dtype=dtype)
+
+
+def transpose(x, dtype=None):
+    return _L.transpose(x, dtype=dtype)
+
+
+def matmul(x, y, transpose_x=False):
+    return _L.matmul(x, y, transpose_x=transpose_x)
+
+
+def softmax(x, axis=-1, dtype=None):
+    return _L.softmax(x, axis, dtype=dtype)
+
+
+def expand_dims(x, axis):
+    return _L.expand_dims(x, axis)
+
+
+def broadcast_to(x, shape, dtype=None):
+    r = _L.broadcast_to(x, shape=shape)
+    return r if dtype is None else _L.copy(r, dtype=dtype)
+
+
+def shared_identity_matrix(n, dtype=uint8, dst=None):
+    if dst is not None:
+        raise NotImplementedError("nl.shared_identity_matrix(dst=...) is not simulated yet")
+    return _L.shared_identity_matrix(n, dtype=dtype)
+
+
+# Operators used as ``op=`` of nki.isa instructions (stub: nl.add, nl.maximum, ... are the
+# functions above; ``bypass`` skips a tensor_scalar stage).
+bypass = None
+
+
+def _register_ops():
+    """The 0.7 functions are accepted wherever an ``op=`` names an ALU/activation function, as
+    the legacy ones they wrap (``_ops.OP_BY_OBJ``)."""
+    m = _ops.OP_BY_OBJ
+    for n in _BINARY + _UNARY + _REDUCE + ("all",):
+        legacy = getattr(_L, n, None)
+        if legacy in m:
+            m[globals()[n]] = m[legacy]
+
+
+_register_ops()
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in (
+    "annotations", "DOC_LOOPS", "DOC_MIGRATION", "DOC_BLOCK_DIMS")]
+_ = (_builtins, _operator)
