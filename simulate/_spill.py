@@ -150,8 +150,10 @@ def _account(ctx, st, size, sign):
 
 
 def make_room(ctx, buffer, need):
-    """Evict least recently used units of ``buffer`` until ``need`` more fits. Returns False
-    when it cannot (everything left is in use by this instruction or directly allocated)."""
+    """Evict units of ``buffer`` (SBUF: also move PSUM data spilled into SBUF on to HBM) until
+    ``need`` more fits: in the second run the ones whose next access is furthest, in the first
+    the least recently used. Returns False when it cannot (everything left is in use by this
+    instruction or directly allocated)."""
     space = ctx.space
     live, cap = _live(ctx, buffer)
     if live + need <= cap:
@@ -164,8 +166,12 @@ def make_room(ctx, buffer, need):
         if st is None:
             del space.units[key]
             continue
-        if st.buffer == buffer and u.resident and u.seq != ctx.seq and not st.pinned:
+        if u.seq == ctx.seq or st.pinned:
+            continue
+        if st.buffer == buffer and u.resident:
             cands.append((u, st))
+        elif buffer == "sbuf" and st.buffer == "psum" and u.spilled_to == "sbuf":
+            cands.append((u, st))              # spilled PSUM data in SBUF moves on to HBM
     if ORACLE is not None:                    # furthest next access first; dead ones first of all
         inf = float("inf")
 
@@ -175,6 +181,14 @@ def make_room(ctx, buffer, need):
             return seqs[i] if i < len(seqs) else inf
         cands.sort(key=next_use, reverse=True)
     for u, st in cands:
+        if not u.resident:                     # PSUM data spilled into SBUF: on to HBM (its
+            space.spill_sbuf -= block_geometry(st)[1]   # spill is charged again, via HBM)
+            u.spilled_to = "hbm"
+            u.out_paid = False
+            live, cap = _live(ctx, buffer)
+            if live + need <= cap:
+                return True
+            continue
         u.resident = False
         u.out_paid = False
         _account(ctx, st, u.size, -1)

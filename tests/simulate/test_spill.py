@@ -157,3 +157,30 @@ def test_within_capacity_nothing_changes():
         res.append((m.estimated_seconds, m.modeled_seconds, dict(m.instructions),
                     m.peak_psum_banks, m.spill_refills))
     assert res[0] == res[1]
+
+
+def test_psum_spilled_into_sbuf_moves_on_when_sbuf_fills(spilling):
+    """PSUM blocks spilled into SBUF give their SBUF space up to a large SBUF tile that needs it
+    (they move on to HBM), instead of making the kernel fail."""
+    x, w = _inputs()
+    cap = 192 * 1024
+
+    def kernel(x, w):
+        out = nl.ndarray((16, 128, BANK_F32), nl.float32, buffer=nl.shared_hbm)
+        xs = nl.load(x)
+        ws = nl.load(w)
+        ps = nl.ndarray((16, nl.par_dim(128), BANK_F32), nl.float32, buffer=nl.psum)
+        for i in nl.affine_range(16):
+            ps[i] = nisa.nc_matmul(xs, ws)      # 8 blocks end up spilled into SBUF (16 KiB)
+        big = nl.zeros((nl.par_dim(128), (cap - 8 * 1024) // 4), nl.float32)
+        for i in nl.affine_range(16):
+            nl.store(out[i], nisa.tensor_copy(ps[i]))
+        nl.store(out[0], nl.add(nisa.tensor_copy(ps[0]), big[:, 0:BANK_F32]))
+        return out
+
+    with pytest.warns(nki.SpillWarning):
+        with nki.measure(target="trn1") as m:
+            out = nki.simulate_kernel(kernel, x, w)
+    ref = np.broadcast_to(x.T @ w, out.shape)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-3)
+    assert m.spill_hbm_bytes > 0
