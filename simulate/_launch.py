@@ -64,11 +64,19 @@ def launch(func, grid, args, kwargs, opts):
         return r
 
     tgt = resolve_target(opts)
+    # which front end launched it: "legacy" (neuronxcc.nki, simulate.*) or "nki" (simulate.nki)
+    api = opts.get("_api", "legacy")
+    legacy = api == "legacy"
+    if legacy and tgt.nc_version >= 4:
+        # neuronxcc.nki ends with Neuron SDK 2.29; trn3 came with the nki.* namespace
+        # (nki-today.md §1 and §3): no legacy toolchain targets NeuronCore-v4
+        raise ValueError(
+            f"kernel '{_kernel_name(func)}': the legacy neuronxcc.nki API does not target "
+            f"{tgt.name} (NeuronCore-v{tgt.nc_version}); trn3 runs nki.* kernels (Neuron SDK "
+            "2.30+, simulate.register_as_nki()). Legacy targets: trn1, trn2.")
     sizes = resolve_grid(grid, tgt) if grid else ()
     rec = LaunchRecord(_kernel_name(func), tgt, sizes)
-    # which front end launched it: "legacy" (neuronxcc.nki, simulate.*) or "nki" (simulate.nki)
-    api = rec.api = opts.get("_api", "legacy")
-    legacy = api == "legacy"
+    rec.api = api
     L = Launch(func, tgt, sizes, rec, opts)
 
     # ---- bind arguments: numpy arrays become HBM tensors ----

@@ -12,7 +12,10 @@ import pytest
 import simulate as nki
 import simulate.isa as nisa
 import simulate.language as nl
+import simulate.nki as nki7             # the nki.* (NKI 0.7) front end: the API trn3 runs
 from simulate import _hw
+
+nl7, nisa7 = nki7.language, nki7.isa
 
 
 def test_trn3_resolves_by_name_and_generation():
@@ -25,11 +28,14 @@ def test_trn3_resolves_by_name_and_generation():
 
 
 def _copy_kernel(dtype, engine):
+    @nki7.jit
     def kernel(a):
-        out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
-        x = nl.load(a)
-        y = nisa.tensor_copy(x, dtype=dtype, engine=engine)
-        nl.store(out, y)
+        out = nl7.ndarray(a.shape, dtype, buffer=nl7.shared_hbm)
+        x = nl7.ndarray(a.shape, a.dtype, buffer=nl7.sbuf)
+        nisa7.dma_copy(dst=x, src=a)
+        y = nl7.ndarray(a.shape, dtype, buffer=nl7.sbuf)
+        nisa7.tensor_copy(dst=y, src=x, engine=engine)
+        nisa7.dma_copy(dst=out, src=y)
         return out
     return kernel
 
@@ -39,26 +45,28 @@ def test_scalar_engine_copies_16_bit_data_twice_as_fast_on_trn3():
     cyc = {}
     for tgt in ("trn2", "trn3"):
         with nki.measure(target=tgt) as m:
-            nki.simulate_kernel(_copy_kernel(nl.bfloat16, nisa.scalar_engine), a)
+            _copy_kernel(nl7.bfloat16, nisa7.scalar_engine)(a)
         cyc[tgt] = m.engine_cycles["scalar"]
     assert cyc["trn2"] == 2048 and cyc["trn3"] == 1024
     f = np.ones((128, 2048), np.float32)            # fp32 keeps the 1x rate
     with nki.measure(target="trn3") as m:
-        nki.simulate_kernel(_copy_kernel(nl.float32, nisa.scalar_engine), f)
+        _copy_kernel(nl7.float32, nisa7.scalar_engine)(f)
     assert m.engine_cycles["scalar"] == 2048
 
 
 def test_trn3_sbuf_capacity():
+    @nki7.jit
     def fill(a):
-        keep = [nl.zeros((128, 30000), nl.float32) for _ in (0,) * 2]   # 240,000 B
-        out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
-        nl.store(out, 0.0)
+        keep = [nl7.zeros((128, 30000), nl7.float32, buffer=nl7.sbuf) for _ in (0,) * 2]
+        out = nl7.ndarray((128, 1), nl7.float32, buffer=nl7.shared_hbm)
+        nisa7.dma_copy(dst=out, src=keep[1][:, 0:1])      # 2 x 120,000 B live
         return out
     a = np.ones((1, 1), np.float32)
     with nki.measure(target="trn3"):
-        nki.simulate_kernel(fill, a)                 # fits 256 KiB
-    with nki.measure(target="trn2"), pytest.raises(RuntimeError, match="SBUF capacity"):
-        nki.simulate_kernel(fill, a)                 # not 224 KiB
+        fill(a)                                       # fits 256 KiB
+    with nki.spill(False), nki.measure(target="trn2"), pytest.raises(RuntimeError,
+                                                                      match="SBUF capacity"):
+        fill(a)                                       # not 224 KiB
 
 
 @pytest.mark.parametrize("target,dtype,ok", [
@@ -78,25 +86,55 @@ def test_fp8_formats_per_target(target, dtype, ok):
         out = nl.ndarray(a.shape, nl.float32, buffer=nl.shared_hbm)
         nl.store(out, nl.copy(nl.load(a), dtype=nl.float32))
         return out
+
+    @nki7.jit
+    def kernel7(a):
+        out = nl7.ndarray(a.shape, nl7.float32, buffer=nl7.shared_hbm)
+        x = nl7.ndarray(a.shape, a.dtype, buffer=nl7.sbuf)
+        nisa7.dma_copy(dst=x, src=a)
+        y = nl7.ndarray(a.shape, nl7.float32, buffer=nl7.sbuf)
+        nisa7.tensor_copy(dst=y, src=x)
+        nisa7.dma_copy(dst=out, src=y)
+        return out
+    run = kernel7 if target == "trn3" else (lambda a: nki.simulate_kernel(kernel, a))
     with nki.measure(target=target):
         if ok:
-            np.testing.assert_array_equal(nki.simulate_kernel(kernel, a), a.astype(np.float32))
+            np.testing.assert_array_equal(run(a), a.astype(np.float32))
         else:
             with pytest.raises(TypeError, match=f"{np.dtype(dtype).name} is not an 8-bit float "
                                                 f"format of {target}"):
-                nki.simulate_kernel(kernel, a)
+                run(a)
 
 
 def test_ocp_e4m3_rounds_and_saturates_as_its_format():
     """trn3's OCP E4M3 holds up to 448 (IEEE-style E4M3: 240); values round to it."""
     a = np.array([[300.0, 448.0, 0.1]] * 128, np.float32)
 
+    @nki7.jit
     def kernel(a):
-        out = nl.ndarray(a.shape, nl.float32, buffer=nl.shared_hbm)
-        y = nl.copy(nl.load(a), dtype=ml_dtypes.float8_e4m3fn)
-        nl.store(out, nl.copy(y, dtype=nl.float32))
+        out = nl7.ndarray(a.shape, nl7.float32, buffer=nl7.shared_hbm)
+        x = nl7.ndarray(a.shape, a.dtype, buffer=nl7.sbuf)
+        nisa7.dma_copy(dst=x, src=a)
+        y = nl7.ndarray(a.shape, ml_dtypes.float8_e4m3fn, buffer=nl7.sbuf)
+        nisa7.tensor_copy(dst=y, src=x)
+        z = nl7.ndarray(a.shape, nl7.float32, buffer=nl7.sbuf)
+        nisa7.tensor_copy(dst=z, src=y)
+        nisa7.dma_copy(dst=out, src=z)
         return out
     with nki.measure(target="trn3"):
-        out = nki.simulate_kernel(kernel, a)
+        out = kernel(a)
     np.testing.assert_array_equal(out, a.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
     assert out[0, 1] == 448.0
+
+
+def test_the_legacy_api_does_not_target_trn3():
+    """neuronxcc.nki ends with SDK 2.29 and no legacy toolchain targets NeuronCore-v4: a legacy
+    launch on trn3 is refused with what to use instead."""
+    a = np.ones((128, 4), np.float32)
+
+    def kernel(a):
+        out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, nl.load(a))
+        return out
+    with nki.measure(target="trn3"), pytest.raises(ValueError, match="does not target trn3"):
+        nki.simulate_kernel(kernel, a)
