@@ -156,7 +156,7 @@ class Tensor:
     _dyn_index = True           # a tile used as an index is an indirect (dynamic) index
 
     __slots__ = ("_st", "shape", "_v", "_base", "_key", "_dyn", "_oob", "_pax", "_p0", "_pst",
-                 "_mask", "_tag", "_inpl", "_chg", "__weakref__")
+                 "_mask", "_tag", "_inpl", "_chg", "_ind", "__weakref__")
     _is_nki_tensor = True
     __array_ufunc__ = None      # make numpy defer to our reflected operators
 
@@ -176,6 +176,7 @@ class Tensor:
         self._mask = None
         self._tag = None
         self._inpl = -1
+        self._ind = None          # index tensors a runtime-offset view reads (_views)
 
     # -- properties ----------------------------------------------------------------------------
     @property
@@ -240,6 +241,7 @@ class Tensor:
         t._mask = None
         t._tag = None
         t._inpl = -1
+        t._ind = self._ind
         return t
 
     # -- indexing --------------------------------------------------------------------------------
@@ -277,6 +279,12 @@ class Tensor:
                              f"{nd}-dimensional, but {len(key)} were indexed")
         if self._v is None:
             return _index_compose(self, key)
+        if (key and self._st.buffer not in _HBM_KINDS and _is_int(key[0])
+                and type(key[0]) is not bool and _nki_api()):
+            # NKI 0.7 (NkiTensor.__getitem__): an integer on dim 0 of an on-chip tensor is a
+            # size-1 slice, the partition dim is kept
+            i = int(key[0])
+            key = (slice(i, i + 1 if i != -1 else None),) + key[1:]
         adv = False
         has_slice = False
         for k in key:
@@ -446,6 +454,8 @@ class Tensor:
             shape = (kw["shape"],)
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
+        if _nki_api():
+            return _views.reshape(self, shape)      # NKI 0.7 NkiTensor.reshape (views)
         shape = tuple(int(s) for s in shape)
         if self._st.buffer not in _HBM_KINDS:
             raise TypeError("Can only reshape tensors in HBM")
@@ -502,6 +512,9 @@ class Tensor:
         of out-of-bounds accesses hold the dtype's sentinel."""
         if _sched.ACTIVE is not None:
             _sched.ACTIVE.read(self)
+            if self._ind is not None:
+                for x in self._ind:
+                    _sched.ACTIVE.read(x)
         st = self._st
         if st.ctx is not None and st.ctx.space is not None and st.acct:
             _spill.touch(st.ctx, self, False)
@@ -521,6 +534,9 @@ class Tensor:
         """Write backing-dtype ``vals`` (broadcastable to self.shape) where ``mask``."""
         if _sched.ACTIVE is not None:
             _sched.ACTIVE.write(self)
+            if self._ind is not None:
+                for x in self._ind:
+                    _sched.ACTIVE.read(x)
         st = self._st
         if st.ctx is not None and st.ctx.space is not None and st.acct:
             _spill.touch(st.ctx, self, True)
@@ -695,6 +711,7 @@ def _fancy(t, base, key, shape, dyn, oob, pax, p0, pst):
     r._mask = None
     r._tag = None
     r._inpl = -1
+    r._ind = t._ind
     return r
 
 
@@ -1269,6 +1286,11 @@ def _charge_copy(ctx, value, dst, n):
         a.di.is_float and a.di.itemsize == 2, b.di.is_float and b.di.itemsize == 2))
 
 
+def _nki_api():
+    """True inside a launch of the nki.* (NKI 0.7) front end."""
+    return _runtime.in_kernel() and getattr(_runtime.current().rec, "api", "") == "nki"
+
+
 def host_array(t):
     """numpy array (declared dtype; bf16 as ml_dtypes) of an HBM tensor or view."""
     di = t._st.di
@@ -1278,3 +1300,7 @@ def host_array(t):
             return np.array(a, dtype=np.float32)
         return a.astype(di.out_np)
     return np.array(a, dtype=di.out_np)
+
+
+from . import _views  # noqa: E402 (installs the NkiTensor view methods on Tensor)
+_views.install(Tensor, _basic, _resolve)

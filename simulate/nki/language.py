@@ -8,9 +8,8 @@ values, rules and cost are computed once. Pages cited below are the 2.33 docs:
 * migration: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/migration/index.html
 * simulator: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/guides/nki_simulator.html
 
-Not here yet: NkiTensor view methods (``.ap()``, ``slice``, ``permute``, ``reshape_dim``, ...),
-``NkiScalar``/``VirtualRegister`` registers, ``while_loop``, ``shared_constant`` and
-``device_print`` under their 0.7 names, ``dropout``/``rand``.
+Not here yet: ``NkiTensor.view``/``.indirect``/``vector_select``/``ap(vector_offset=)``,
+``shared_constant`` and ``device_print`` under their 0.7 names, ``dropout``/``rand``.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import builtins as _builtins
 import operator as _operator
 import sys as _sys
 
-from .. import _deps, _hw, _ops, _runtime, _strict
+from .. import _deps, _hw, _ops, _runtime, _scalar, _strict, _tensor
 from .. import language as _L
 from .._dtypes import (float32, float16, bfloat16, float8_e4m3, float8_e5m2, tfloat32,  # noqa: F401,E501 (public dtypes)
                        float8_e4m3fn, float8_e8m0fnu, int8, int16, int32, uint8, uint16,
@@ -139,55 +138,22 @@ def dynamic_range(*args, **kwargs):
         f"({DOC_MIGRATION})")
 
 
-class LoopIndex(_strict.SymbolicIndex):
+class LoopIndex(_scalar.NkiScalar):
     """The index ``nl.fori_loop`` passes to its body: a runtime scalar (``NkiScalar`` /
-    ``VirtualRegister`` in AWS's API). It works in index arithmetic, slices and ``nl.ds`` (the
-    core's symbolic index); kernel code cannot make it a Python int (``int()``, ``range()``, a
-    list index, a shape) nor branch on it (``if``): the stub's VirtualRegister note, "using a
-    register in Python control flow (if/while) or converting it with int() / range() raises
-    TypeError" under the tracer. Refused whatever the strict setting."""
+    ``VirtualRegister`` in AWS's API, ``simulate._scalar``). It works in index arithmetic,
+    slices, ``nl.ds`` and access-pattern offsets; kernel code cannot make it a Python int
+    (``int()``, ``range()``, a list index, a shape) nor branch on it (``if``): the stub's
+    VirtualRegister note, "using a register in Python control flow (if/while) or converting it
+    with int() / range() raises TypeError" under the tracer. Refused whatever the strict
+    setting."""
 
     __slots__ = ()
 
-    def __bool__(self):
-        if _strict._from_kernel():
-            self._refuse("a Python 'if'/'while' condition (control flow on a runtime value)")
-        return self.v != 0
+    def _kind(self):
+        return "the index of an nl.fori_loop, a runtime scalar on the device"
 
-    def _cmp(self, other, op):
-        # a comparison is a runtime value too: its truth cannot steer tracing
-        return _RuntimeBool(_strict.SymbolicIndex._cmp(self, other, op), self)
-
-    def _arith(self, other, op, sym, reflected=False):
-        r = _strict.SymbolicIndex._arith(self, other, op, sym, reflected)
-        if isinstance(r, _strict.SymbolicIndex):
-            return LoopIndex(r.v, r.what, self.loop)
-        return r
-
-    def __neg__(self):
-        return LoopIndex(-self.v, f"-{self.what}", self.loop)
-
-    def __hash__(self):
-        return hash(self.v)
-
-    def _refuse(self, how):
-        raise _strict.SymbolicIndexError(
-            f"{self.what} is the index of an nl.fori_loop, a runtime scalar on the device; {how} "
-            "needs its value while the kernel is traced. Use it in index arithmetic, slices "
-            f"and nl.ds; keep Python-side choices on Python ints ({DOC_LOOPS})")
-
-
-class _RuntimeBool:
-    __slots__ = ("v", "idx")
-
-    def __init__(self, v, idx):
-        self.v = bool(v)
-        self.idx = idx
-
-    def __bool__(self):
-        if _strict._from_kernel():
-            self.idx._refuse("a comparison used as a Python condition")
-        return self.v
+    def _new(self, v, what):
+        return LoopIndex(v, what, self.loop)
 
 
 def fori_loop(lower, upper, body_fun, step=1):
@@ -237,7 +203,86 @@ def fori_loop(lower, upper, body_fun, step=1):
 
 
 def while_loop(init, body_fun):
-    raise NotImplementedError("nl.while_loop is not simulated yet (needs VirtualRegister)")
+    """``nl.while_loop(init, body_fun)``: a compiled loop that runs while its condition
+    register is nonzero, tested before each iteration (stub: "a true while, not do-while").
+    ``body_fun(r)`` gets the condition's value as a register and returns the register holding
+    the next condition. Like ``fori_loop``, the body is one copy of program text: the run
+    executes every iteration, the program size counts it once. Returns None."""
+    ctx = _runtime.enter()
+    if not isinstance(init, _scalar.VirtualRegister):
+        raise TypeError(f"nl.while_loop: init must be a VirtualRegister (nisa.register_alloc), "
+                        f"got {type(init).__name__} ({DOC_LOOPS})")
+    if not callable(body_fun):
+        raise TypeError("nl.while_loop: body_fun must be callable (r) -> VirtualRegister")
+    f = _sys._getframe(1)
+    state = _deps.LoopState(0, False, f.f_code.co_filename, f.f_lineno, False)
+    ctx.loop_depth += 1
+    ctx.loops.append(state)
+    cond = init
+    tracing = _runtime._trace["on"]
+    try:
+        n = 0
+        while cond.v != 0 or (tracing and n == 0):
+            state.value = n
+            state.first = n == 0
+            state.iter_no = n
+            n += 1
+            arg = _scalar.VirtualRegister(cond.v)      # passed by value
+            ret = body_fun(arg)
+            if not isinstance(ret, _scalar.VirtualRegister):
+                raise TypeError(f"nl.while_loop: body_fun must return the VirtualRegister "
+                                f"holding the next condition, got {type(ret).__name__} (stub "
+                                "docstring)")
+            cond = ret
+            _runtime.end_iteration(state)
+            if tracing:
+                break                              # program_size(): the body once
+    finally:
+        ctx.loop_depth -= 1
+        try:
+            ctx.loops.remove(state)
+        except ValueError:
+            pass
+    return None
+
+
+# -- removed indexing (migration guide: "Update indexing syntax for mgrid and arange") ---------
+def _no_arange(api):
+    return NotImplementedError(
+        f"nl.{api} does not exist in NKI 0.7 (removed in 0.2.0, migration guide): index "
+        f"contiguous elements with integer slices (t[0:128, 0:8, 0:64] instead of "
+        f"mgrid[0:128, 0:8, 0:64]; a flattened index i*64 + j becomes one slice 0:8*64), and "
+        f"anything slices cannot express with an access pattern, t.ap([[stride, count], ...], "
+        f"offset=...) ({DOC_MIGRATION})")
+
+
+def arange(*args, **kwargs):
+    raise _no_arange("arange")
+
+
+class _NoMgrid:
+    def __getitem__(self, key):
+        raise _no_arange("mgrid")
+
+    def __repr__(self):
+        return "<nl.mgrid: removed in NKI 0.7>"
+
+
+mgrid = _NoMgrid()
+
+
+class NKIObject:
+    """Base class of kernel dataclasses and configuration objects (stub ``NKIObject``)."""
+
+    def __init__(self, **kwargs):
+        for k, v in kwargs.items():
+            setattr(self, k, v)
+
+
+#: The tensor type of NKI 0.7: the core's tensor, with the view methods of ``simulate._views``
+#: (``ap``, ``slice``, ``select``, ``permute``, ``broadcast``, ``expand_dim``, ``squeeze_dim``,
+#: ``reshape_dim``, ``flatten_dims``, ``reshape``, ``rearrange``, ``strides``, ``offset``, ...).
+NkiTensor = _tensor.Tensor
 
 
 # -- tensor creation ------------------------------------------------------------------------
