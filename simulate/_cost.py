@@ -77,6 +77,15 @@ def act_copy_cycles(tgt, n, in16, out16):
     return act_cycles(n)
 
 
+def vector_exp_cycles(tgt, n):
+    """NC-v4 ``nisa.exponential`` on VectorE: ``Target.vector_exp_speedup`` times ScalarE's exp
+    throughput (one element per ScalarE cycle), in VectorE cycles: n * vector_clock /
+    (speedup * scalar_clock), MIN_II floor. ``speedup`` 0 means the target lacks the
+    instruction (the caller refuses it)."""
+    clk = tgt.clock_hz
+    return ii(n * clk["vector"] / (tgt.vector_exp_speedup * clk["scalar"]))
+
+
 def charge(ctx, engine, cycles_fn, n):
     """Record one instruction of ``cycles_fn(n)`` cycles, ``n`` = free elements per partition
     it writes, and keep the formula so that a direct write of its result into a larger

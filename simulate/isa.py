@@ -367,14 +367,30 @@ def _act_scale(scale, P, api, nd):
 _BIAS_OK = ("float32", "float16", "bfloat16")
 
 
-def _act_bias(bias, P, api, nd):
+def _act_bias(bias, P, api, nd, v07=None):
+    """``v07`` (the nki.* front end passes its target): the NKI 0.7 rules of
+    nki.isa.activation -- a compile-time scalar bias from NeuronCore-v3 on, and any dtype but
+    tfloat32 ("Data types", "Layout")."""
     if bias is None:
         return None
+    if v07 is not None and not isinstance(bias, Tensor):
+        _strict.refuse_scalar_operand(bias)
+        if isinstance(bias, (bool, int, float, np.number)):
+            if not v07.gen3_features:
+                raise nki_error("err_activation_bias_invalid_type", "type",
+                                f"'bias' param of '{api}' must be a [{P}, 1] vector on "
+                                f"{v07.name} (NeuronCore-v2); a scalar bias needs "
+                                "NeuronCore-v3 or newer")
+            return np.float32(bias)
     if not isinstance(bias, Tensor):
         raise nki_error("err_activation_bias_invalid_type", "type",
                         f"'bias' param of '{api}' must be a vector of type float32, float16, or "
                         f"bfloat16, got '{type(bias).__name__}'")
-    if bias._st.di.name not in _BIAS_OK:
+    if v07 is not None:
+        if bias._st.di.name == "tfloat32":
+            raise nki_error("err_activation_bias_invalid_type", "type",
+                            f"'bias' param of '{api}' can be any dtype except tfloat32")
+    elif bias._st.di.name not in _BIAS_OK:
         raise nki_error("err_activation_bias_invalid_type", "type",
                         f"'bias' param of '{api}' must be a vector of type float32, float16, or "
                         f"bfloat16, got '{bias._st.di.name}'")
@@ -402,14 +418,20 @@ def activation(op, data, *, bias=None, scale=1.0, reduce_op=None, reduce_res=Non
                        mask, dtype)
 
 
-def _activation(api, op, data, bias, scale, reduce_op, reduce_res, cmd, mask, dtype):
+def _activation(api, op, data, bias, scale, reduce_op, reduce_res, cmd, mask, dtype,
+                v07=False):
+    """``v07``: the NKI 0.7 rules of nki.isa.activation / activation_reduce (the nki.* front
+    end): scalar or any-dtype bias (``_act_bias``), and ``reduce_cmd`` exactly as the stub's
+    pseudo code -- ``idle`` leaves the registers alone and ``reduce_res`` reads them out
+    whatever the command (the legacy front end treats a ``reduce_res`` with ``idle`` as
+    ``reset_reduce``)."""
     ctx = enter()
     fn = _act_fn(op, api)
     a, di = tile_operand(data, api, "data")
     P = data.shape[0] if data.ndim else 1
     nd = max(data.ndim, 1)
     sc = _act_scale(scale, P, api, nd)
-    bi = _act_bias(bias, P, api, nd)
+    bi = _act_bias(bias, P, api, nd, ctx.tgt if v07 else None)
     if bi is not None and fn is _ops.UNARY["reciprocal"][0] and not ctx.tgt.gen3_features:
         raise nki_error("err_instruction_unsupported_op", "syntax",
                         f"reciprocal with a bias is not supported in '{api}' on "
@@ -429,6 +451,8 @@ def _activation(api, op, data, bias, scale, reduce_op, reduce_res, cmd, mask, dt
         res = res.copy()
     m = eval_mask(mask, data.shape)
     odi = _ops.out_info(dtype, di)
+    if v07:
+        return _activation_v07(ctx, api, res, data, reduce_op, reduce_res, cmd, m, odi)
     do_reduce = reduce_op is not None and (int(cmd) != 0 or reduce_res is not None)
     if do_reduce:
         rname = _ops.op_name(reduce_op, api, "reduce_op")
@@ -456,6 +480,51 @@ def _activation(api, op, data, bias, scale, reduce_op, reduce_res, cmd, mask, dt
     return make_result(ctx, res, odi, m, api=api)
 
 
+def _act_reduce_fn(ctx, api, reduce_op):
+    rname = _ops.op_name(reduce_op, api, "reduce_op")
+    if rname not in _ACT_REDUCE:
+        raise nki_error("err_instruction_unsupported_op", "syntax",
+                        f"{rname} is not supported in '{api}' ('reduce_op')")
+    if rname != "add" and not ctx.tgt.gen3_features:
+        raise nki_error("err_instruction_unsupported_op", "syntax",
+                        f"{rname} is not supported in '{api}' ('reduce_op') on "
+                        f"{ctx.tgt.name}: NeuronCore-v2 only supports add")
+    return rname
+
+
+def _activation_v07(ctx, api, res, data, reduce_op, reduce_res, cmd, m, odi):
+    """The reduce part of NKI 0.7's activation (stub pseudo code): reset/reset_reduce zero the
+    ScalarE registers, reduce/reset_reduce accumulate ``reduce_op`` of the activated data over
+    the free dims, ``reduce_res`` (if given) receives the registers."""
+    P = data.shape[0] if data.ndim else 1
+    c = int(cmd)
+    if c not in (0, 1, 2, 3):
+        raise nki_error("err_instruction_unsupported_op", "syntax",
+                        f"reduce_cmd {cmd!r} is not supported in '{api}' (idle, reset, reduce, "
+                        "reset_reduce)")
+    accumulate = c in (2, 3)
+    if accumulate and reduce_op is None:
+        raise nki_error("err_operand_cannot_be_none", "value",
+                        f"'{api}': reduce_cmd {cmd!r} needs a 'reduce_op'")
+    rname = _act_reduce_fn(ctx, api, reduce_op) if reduce_op is not None else "add"
+    ident = _ACT_IDENT[rname]
+    if c in (1, 3):
+        ctx.act_acc[:P] = ident           # zero for add, the stub's only documented reduce_op
+    if accumulate:
+        red_src = res.reshape(P, -1)
+        if isinstance(m, np.ndarray):
+            red_src = np.where(m.reshape(P, -1), red_src, np.float32(ident))
+        elif m is False:
+            red_src = np.full((P, 1), ident, np.float32)
+        red = _ACT_REDUCE[rname].reduce(red_src, axis=1).astype(np.float32)
+        ctx.act_acc[:P] = _ACT_REDUCE[rname](ctx.act_acc[:P], red)
+    _write_reg(ctx, reduce_res, ctx.act_acc, P, api)
+    _cost.charge(ctx, "scalar",
+                 lambda k: _cost.act_cycles(k, reduce=accumulate or reduce_res is not None),
+                 _free(data.shape))
+    return make_result(ctx, res, odi, m, api=api)
+
+
 def activation_reduce(op, data, *, reduce_op, reduce_res, bias=None, scale=1.0, mask=None,
                       dtype=None, **kwargs):
     """``activation`` + per-partition ``reduce_op`` (add on trn1) of the result over all free
@@ -464,6 +533,48 @@ def activation_reduce(op, data, *, reduce_op, reduce_res, bias=None, scale=1.0, 
         raise nki_error("err_operand_cannot_be_none", "value", "'reduce_res' cannot be None.")
     return _activation("activation_reduce", op, data, bias, scale, reduce_op, reduce_res,
                        reduce_cmd.reset_reduce, mask, dtype)
+
+
+def _exponential(src, max_value, reduce_res, cmd, init, dtype):
+    """NKI 0.7 ``nisa.exponential`` (NeuronCore-v4 VectorE; no legacy ``neuronxcc.nki``
+    counterpart, so its semantics live here for the nki.* front end): ``exp(src - max_value)``
+    in fp32, ``max_value`` a scalar or fp32 [P, 1]; ``reduce_cmd`` reset_reduce / reduce /
+    load_reduce (from ``init``) adds the row sums onto the VectorE accumulation registers, idle
+    leaves them alone; ``reduce_res`` receives them. Cost: ``_cost.vector_exp_cycles``."""
+    ctx = enter()
+    api = "exponential"
+    tgt = ctx.tgt
+    if not tgt.vector_exp_speedup:
+        raise nki_error("err_min_arch_support_for_inst", "syntax",
+                        f"'{api}' is available only on NeuronCore-v4 and newer (trn3); current "
+                        f"target is {tgt.name} (NeuronCore-v{tgt.nc_version})")
+    a, di = tile_operand(src, api, "src")
+    P = src.shape[0] if src.ndim else 1
+    nd = max(src.ndim, 1)
+    mv, _ = _pvec(max_value, P, api, "max_value", nd)
+    if isinstance(max_value, Tensor) and max_value._st.di is not F32:
+        raise nki_error("err_param_dtype_mismatch", "type",
+                        f"'max_value' of '{api}' must be float32, got {max_value._st.di.name}")
+    res = np.exp(_f32(a) - mv).astype(np.float32)
+    c = int(cmd)
+    if c not in (0, 2, 3, 4):
+        raise nki_error("err_instruction_unsupported_op", "syntax",
+                        f"reduce_cmd {cmd!r} is not supported in '{api}' (idle, reset_reduce, "
+                        "reduce, load_reduce)")
+    if c != 4 and not (isinstance(init, (int, float, np.number)) and float(init) == 0.0):
+        raise ValueError(f"'{api}': reduce_init must be unset or 0.0 unless reduce_cmd is "
+                         "load_reduce")
+    acc = ctx.vec_acc
+    if c == 3:
+        acc[:P] = 0
+    elif c == 4:
+        iv, _ = _pvec(init, P, api, "reduce_init", 2)
+        acc[:P] = np.broadcast_to(np.asarray(iv, np.float32).reshape(-1), (P,))
+    if c != 0:
+        acc[:P] = acc[:P] + res.reshape(P, -1).sum(axis=1, dtype=np.float32)
+    _write_reg(ctx, reduce_res, acc, P, api)
+    _cost.charge(ctx, "vector", lambda k: _cost.vector_exp_cycles(tgt, k), _free(src.shape))
+    return make_result(ctx, res, _ops.out_info(dtype, di), None, api=api)
 
 
 # =============================================================================================
@@ -620,6 +731,17 @@ def tensor_scalar_reduce(*, data, op0, operand0, reduce_op, reduce_res, reverse0
                          dtype=None, mask=None, **kwargs):
     """Returns ``data op0 operand0`` and writes ``reduce_op`` (add/subtract/multiply/max/min)
     of it over all free dims into ``reduce_res`` ([P, 1], in place)."""
+    return _tensor_scalar_reduce(data, op0, operand0, reduce_op, reduce_res, reverse0, dtype,
+                                 mask)
+
+
+def _tensor_scalar_reduce(data, op0, operand0, reduce_op, reduce_res, reverse0, dtype, mask,
+                          cmd=None, init=None, negate=False):
+    """``cmd`` (NKI 0.7, nki.isa.tensor_scalar_reduce "Accumulator behavior"): the reduction
+    goes through the VectorE accumulation registers -- ``reset_reduce`` starts them at the
+    reduce_op's identity, ``reduce`` continues, ``load_reduce`` starts them at ``init`` (scalar
+    or [P, 1] fp32) -- and ``reduce_res`` (optional) receives them, negated if ``negate``
+    (the registers keep the sign). ``cmd=None``: the legacy instruction (no registers)."""
     ctx = enter()
     api = "tensor_scalar_reduce"
     if reverse0:
@@ -650,6 +772,24 @@ def tensor_scalar_reduce(*, data, op0, operand0, reduce_op, reduce_res, reverse0
     else:
         red = ro.red(src, axis=1)
     reg = np.asarray(red, np.float32)
+    if cmd is not None:
+        c = int(cmd)
+        if c not in (2, 3, 4):
+            raise nki_error("err_instruction_unsupported_op", "syntax",
+                            f"reduce_cmd {cmd!r} is not supported in '{api}' (reset_reduce, "
+                            "reduce, load_reduce)")
+        if (init is not None) != (c == 4):
+            raise ValueError(f"'{api}': reduce_init must be given with reduce_cmd.load_reduce "
+                             "and only then")
+        acc = ctx.vec_acc
+        if c == 3:
+            acc[:P] = ident
+        elif c == 4:
+            iv, _ = _pvec(init, P, api, "reduce_init", 2)
+            acc[:P] = np.broadcast_to(np.asarray(iv, np.float32).reshape(-1), (P,))
+        fn = np.add if ro.name == "subtract" else ro.fn
+        acc[:P] = (acc[:P] + reg) if ro.name == "subtract" else fn(acc[:P], reg)
+        reg = -acc[:P] if negate else acc[:P]
     _write_reg(ctx, reduce_res, reg, P, api)
     ctx.rec.add("vector", _cost.ii(_free(data.shape)))
     return make_result(ctx, res, _ops.out_info(dtype, di), m, api=api)
@@ -873,6 +1013,13 @@ def affine_select(pred, on_true_tile, on_false_value, *, mask=None, dtype=None, 
     else:
         raise TypeError("'pred' of 'affine_select' must be an affine predicate of nl.arange / "
                         "nl.mgrid indices")
+    return _affine_select(ctx, api, p, a, di, on_true_tile, on_false_value, dtype, mask)
+
+
+def _affine_select(ctx, api, p, a, di, on_true_tile, on_false_value, dtype, mask):
+    """The selection and cost of affine_select, given the evaluated predicate ``p`` (bool or
+    a boolean array of ``on_true_tile``'s shape); the nki.* front end evaluates its 0.7
+    ``pattern``/``offset``/``channel_multiplier``/``cmp_op`` form and comes in here."""
     fdi = _dtypes.weak_scalar_info(on_false_value)
     odi = _ops.out_info(dtype, _dtypes.promote(di, fdi))
     res = np.array(_f32(a), dtype=np.float32, copy=True)
@@ -1171,8 +1318,15 @@ def nc_find_index8(*, data, vals, mask=None, dtype=None, **kwargs):
     eq = A[:, None, :] == V[:, :, None]
     if mi is not None:
         eq &= np.asarray(mi).reshape(P, 1, -1)
-    found = eq.any(axis=2)
-    idx = np.where(found, eq.argmax(axis=2), np.iinfo(np.uint32).max).astype(np.uint32)
+    # a value repeated in vals takes the next occurrence in data, in ascending order across
+    # the repeats (2.33 stub, nki.isa.nc_match_replace8: "nc_find_index8 ... pairs duplicate
+    # vals with their matching positions in ascending order across dst_idx columns")
+    rank = (V[:, :, None] == V[:, None, :]) & np.tri(8, k=-1, dtype=bool)[None]
+    rank = rank.sum(axis=2)                          # earlier equal vals in the row
+    pos = np.cumsum(eq, axis=2) - 1                  # occurrence number of each match
+    hit = eq & (pos == rank[:, :, None])
+    found = hit.any(axis=2)
+    idx = np.where(found, hit.argmax(axis=2), np.iinfo(np.uint32).max).astype(np.uint32)
     ctx.rec.add("vector", _cost.ii(A.shape[1]))
     odi = _ops.out_info(dtype, _dtypes.U32)
     return make_result(ctx, idx, odi, mo, api=api)
@@ -1200,7 +1354,9 @@ def nc_match_replace8(*, data, vals, imm, dst_idx=None, mask=None, dtype=None, *
     if mi is not None:
         mi = np.asarray(mi).reshape(P, -1)
     rows_on = np.ones(P, bool) if mi is None else mi.any(axis=1)
-    for k in range(8):
+    # vals are processed last to first (2.33 stub, nki.isa.nc_match_replace8, "Behavior with
+    # duplicate vals"): a repeated value's first match goes to its highest dst_idx column
+    for k in reversed(range(8)):
         eq = A == V[:, k:k + 1]
         if mi is not None:
             eq &= mi
