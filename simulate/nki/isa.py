@@ -17,7 +17,7 @@ import enum
 
 import numpy as np
 
-from .. import _index, _ops, _runtime, _tensor
+from .. import _deps, _index, _ops, _runtime, _scalar, _tensor
 from .. import isa as _I
 from .._errors import nki_error, hw_error, fmt_shape
 from .._tensor import Tensor
@@ -749,6 +749,98 @@ def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):
     r = _I.nc_match_replace8(data=data, vals=vals, imm=imm, dst_idx=dst_idx, dtype=dst.dtype)
     _same_layout(api, dst, r.shape)
     _into(api, dst, r)
+
+
+# -- cross-partition ----------------------------------------------------------------------------
+def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
+    """Within each 32-partition quadrant ``dst[i] = src[shuffle_mask[i]]`` (255: unchanged),
+    in place on ``dst`` (VectorE). Stub constraints: same dtype and same elements per
+    partition for ``src`` and ``dst``."""
+    api = "nc_stream_shuffle"
+    _need_tensor(api, dst, "dst")
+    _need_tensor(api, src, "src")
+    if np.dtype(dst.dtype) != np.dtype(src.dtype):
+        raise nki_error("err_param_dtype_mismatch", "type",
+                        f"nisa.nc_stream_shuffle: 'dst' dtype {dst.dtype} differs from 'src' "
+                        f"dtype {src.dtype} ({_doc(api)})")
+    _I.nc_stream_shuffle(src, dst, shuffle_mask)
+
+
+def tensor_partition_reduce(dst, op, data, name=None):
+    """Reduce ``data`` across partitions into a 1-partition ``dst`` (GpSimdE): add, max,
+    bitwise_or, bitwise_and (the stub's ``average`` is not simulated)."""
+    api = "tensor_partition_reduce"
+    _need_tensor(api, dst, "dst")
+    r = _I.tensor_partition_reduce(op, data, dtype=dst.dtype)
+    _same_layout(api, dst, r.shape)
+    _into(api, dst, r)
+
+
+# -- virtual registers --------------------------------------------------------------------------
+# nki.isa.register_alloc / register_move / register_load / register_store (2.33 stub): 32-bit
+# registers of the engine sequencers, used as fori_loop / while_loop bounds and runtime
+# offsets. Values and the tracer's refusals live in simulate._scalar (VirtualRegister). The
+# instructions run on the sequencers; the simulator charges them no engine time and does not
+# count them in the program size (UNCONFIRMED: no cost is documented).
+VirtualRegister = _scalar.VirtualRegister
+
+
+def register_alloc(x=None):
+    """A new virtual register, uninitialized (``None``) or holding the int ``x``."""
+    _runtime.current()
+    if x is not None and (isinstance(x, bool) or not isinstance(x, (int, np.integer))):
+        raise TypeError(f"nisa.register_alloc: x must be None or an int, got "
+                        f"{type(x).__name__} ({_doc('register_alloc')})")
+    return VirtualRegister(x)
+
+
+def _need_reg(api, r, pname):
+    if not isinstance(r, VirtualRegister):
+        raise TypeError(f"nisa.{api}: '{pname}' must be a VirtualRegister (nisa.register_alloc)"
+                        f", got {type(r).__name__} ({_doc(api)})")
+
+
+def register_move(dst, src):
+    """``dst = src``: a compile-time int or another register."""
+    api = "register_move"
+    _runtime.current()
+    _need_reg(api, dst, "dst")
+    if isinstance(src, VirtualRegister):
+        if not src.initialized:
+            raise ValueError(f"nisa.register_move: 'src' register was never written "
+                             f"({_doc(api)})")
+    elif isinstance(src, bool) or not isinstance(src, (int, np.integer)):
+        raise TypeError(f"nisa.register_move: 'src' must be an int or a VirtualRegister, got "
+                        f"{type(src).__name__} ({_doc(api)})")
+    dst.set(src)
+
+
+def register_load(dst, src):
+    """Load the single (<= 32-bit) element of ``src`` (HBM or SBUF) into the register ``dst``."""
+    api = "register_load"
+    _runtime.current()
+    _need_reg(api, dst, "dst")
+    _need_tensor(api, src, "src")
+    _buffer(api, src, "src", ("hbm", "sbuf"))
+    if np.dtype(src.dtype).itemsize > 4:
+        raise TypeError(f"nisa.register_load: 'src' holds a {src.dtype}; registers are 32-bit "
+                        f"({_doc(api)})")
+    _scalar.register_load(dst, src)
+
+
+def register_store(dst, src):
+    """Store the register ``src`` into the single element of ``dst`` (HBM or SBUF)."""
+    api = "register_store"
+    ctx = _runtime.current()
+    _need_reg(api, src, "src")
+    _need_tensor(api, dst, "dst")
+    _buffer(api, dst, "dst", ("hbm", "sbuf"))
+    if not src.initialized:
+        raise ValueError(f"nisa.register_store: 'src' register was never written ({_doc(api)})")
+    if ctx.loops:
+        _deps.note_write(ctx, dst, None)
+    _scalar.store_value(dst, src, api)
+    dst._st.written = True
 
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "np", "enum",

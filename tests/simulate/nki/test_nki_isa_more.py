@@ -687,3 +687,61 @@ def test_duplicate_vals_pairing(nk):
     out = _k(nki, nl, nisa, body, (1, 16), nl.uint32)(data, vals)
     assert out[0, :8].tolist() == [2, 10, 9, 8, 7, 6, 5, 4]
     assert out[0, 8:].tolist() == [2, 4, 5, 6, 7, 8, 9, 10]
+
+
+# -- cross-partition ----------------------------------------------------------------------------
+def test_stream_shuffle_and_partition_reduce(nk, rng):
+    nki, nl, nisa = nk
+    a = rng.standard_normal((64, 16)).astype(np.float32)
+    mask = [31 - i for i in range(32)]
+    mask[5] = 255
+
+    def body(nl, nisa, x):
+        y = nl.ndarray((64, 16), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=y, value=7.0)
+        nisa.nc_stream_shuffle(dst=y, src=x, shuffle_mask=mask)
+        s = nl.ndarray((1, 16), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_partition_reduce(dst=s, op=nl.add, data=x)
+        out = nl.ndarray((65, 16), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=out[0:64], src=y)
+        nisa.tensor_copy(dst=out[64:65], src=s)
+        return out
+    out = _k(nki, nl, nisa, body, (65, 16))(a)
+    ref = np.concatenate([a[0:32][::-1], a[32:64][::-1]])
+    ref[5] = ref[37] = 7.0
+    np.testing.assert_array_equal(out[:64], ref)
+    np.testing.assert_allclose(out[64], a.sum(axis=0), rtol=1e-5)
+
+
+# -- virtual registers --------------------------------------------------------------------------
+def test_registers(nk):
+    nki, nl, nisa = nk
+
+    @nki.jit
+    def k(a):
+        out = nl.ndarray((1, 4), nl.int32, buffer=nl.shared_hbm)
+        t = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a)
+        r0 = nisa.register_alloc(5)
+        r1 = nisa.register_alloc()
+        nisa.register_load(r1, t)
+        r2 = nisa.register_alloc()
+        nisa.register_move(r2, r1)
+        r3 = nisa.register_alloc(0)
+        nisa.register_move(r3, 9)
+        o = nl.ndarray((1, 4), nl.int32, buffer=nl.sbuf)
+        for j, r in enumerate((r0, r1, r2, r3)):
+            nisa.register_store(o[0:1, j:j + 1], r)
+        with pytest.raises(TypeError):
+            int(r1)
+        nisa.dma_copy(dst=out, src=o)
+        return out
+    out = k(np.array([[42]], np.int32))
+    assert out.tolist() == [[5, 42, 42, 9]]
+
+    @nki.jit
+    def bad(a):
+        nisa.register_store(a, nisa.register_alloc())
+        return a
+    with pytest.raises(ValueError, match="never written"):
+        bad(np.zeros((1, 1), np.int32))
