@@ -271,7 +271,31 @@ class _NoMgrid:
 mgrid = _NoMgrid()
 
 
-class NKIObject:
+class _NKIObjectMeta(type):
+    """Keyword arguments naming class attributes set those attributes. Kernels declare
+    ``@dataclass class P(nl.NKIObject): x = None`` (an attribute without annotation, which
+    ``dataclass`` does not make a field) and construct ``P(x=1)``, as AWS's nki-library does;
+    the stub's ``NKIObject.__init__(self, **kwargs)`` takes them."""
+
+    def __call__(cls, *args, **kwargs):
+        import inspect
+        try:
+            params = inspect.signature(cls.__init__).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return super().__call__(*args, **kwargs)
+        extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in params}
+        for k in extra:
+            if not hasattr(cls, k):
+                raise TypeError(f"{cls.__name__}() got an unexpected keyword argument '{k}'")
+        obj = super().__call__(*args, **kwargs)
+        for k, v in extra.items():
+            setattr(obj, k, v)
+        return obj
+
+
+class NKIObject(metaclass=_NKIObjectMeta):
     """Base class of kernel dataclasses and configuration objects (stub ``NKIObject``)."""
 
     def __init__(self, **kwargs):

@@ -268,3 +268,20 @@ def test_arange_mgrid_removed(nk, use):
     nki, nl, nisa = nk
     with pytest.raises(NotImplementedError, match="integer slices"):
         use(nl)
+
+
+def test_nkiobject_dataclass_with_plain_class_attributes(nk):
+    """nki-library declares ``@dataclass class P(nl.NKIObject): x = None`` (no annotation, so
+    no dataclass field) and builds ``P(x=1)``: NKIObject's ``**kwargs`` set the attributes."""
+    from dataclasses import dataclass
+    nki, nl, nisa = nk
+
+    @dataclass
+    class P(nl.NKIObject):
+        a: int = 0
+        x = None
+
+    p = P(a=2, x=5)
+    assert (p.a, p.x) == (2, 5)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        P(y=1)
