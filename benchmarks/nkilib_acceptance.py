@@ -123,10 +123,12 @@ def bwd_case(B, Hq, Hkv, S, d, causal=False):
 def tkg_case(B, H, s_active, s_prior, d):
     def run(mods):
         import nki
+        import nki.isa as nisa
         import nki.language as nl
         tkg, ref = mods["tkg"], mods["tkg_ref"]
         Cfg, Sbm, Logger = mods["tkg_cfg"], mods["sbm"], mods["logger"]
-        cfg = Cfg(B, H, s_active, s_prior, s_prior, d, 0)
+        # without fused RoPE the kernel takes Q and K_active in SBUF (its own validation)
+        cfg = Cfg(B, H, s_active, s_prior, s_prior, d, 0, qk_in_sb=True)
         rng = np.random.default_rng(2)
         q = _rand(rng, (d, B * H, s_active))
         k_active = _rand(rng, (d, B, s_active))
@@ -144,13 +146,19 @@ def tkg_case(B, H, s_active, s_prior, d):
             sbm = Sbm(0, nl.tile_size.total_available_sbuf_size - 16 * 1024, Logger("SBM"))
             sbm.open_scope()
             out = nl.ndarray((B, H, d, s_active), dtype=q.dtype, buffer=nl.shared_hbm)
-            o, _ = tkg(q, k_active, v_active, k_prior, v_prior, mask, out, cfg, sbm)
+            q_sb = sbm.alloc_stack(q.shape, dtype=q.dtype, buffer=nl.sbuf)
+            k_sb = sbm.alloc_stack(k_active.shape, dtype=k_active.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(q_sb, q)
+            nisa.dma_copy(k_sb, k_active)
+            o, _ = tkg(q_sb, k_sb, v_active, k_prior, v_prior, mask, out, cfg, sbm)
             sbm.close_scope()
             return o
 
         got = top(q, k_active, v_active, k_prior, v_prior, mask)
-        want = ref(_t(q), _t(k_active), _t(v_active), _t(k_prior), _t(v_prior),
-                   _t(mask), cfg)
+        out_ref = np.zeros((B, H, d, s_active), np.float32)
+        want = ref[1](q=_t(q), k_active=_t(k_active), v_active=_t(v_active),
+                      k_prior=_t(k_prior), v_prior=_t(v_prior), mask=_t(mask),
+                      out=_t(out_ref), cfg=cfg, sbm=None)
         want = want[0] if isinstance(want, tuple) else want
         return _cmp(got, want.numpy().reshape(np.shape(got)))
     return run

@@ -45,6 +45,19 @@ class Buffer:
     def __call__(self, *a, **k):       # nl.sbuf.auto_alloc()-style use
         return self
 
+    def __eq__(self, other):
+        # a tensor's ``.buffer`` is the memory kind as a string ("sbuf", "psum", "hbm",
+        # "shared_hbm"); NKI 0.7 code compares it with the markers (``t.buffer == nl.sbuf``;
+        # the stub types NkiTensor.buffer as ``MemoryRegion | str``)
+        if isinstance(other, Buffer):
+            return self.kind == other.kind
+        if isinstance(other, str):
+            return other in (self.kind, self.name)
+        return NotImplemented
+
+    def __hash__(self):
+        return hash(self.kind)
+
 
 class Placed(Buffer):
     """A direct-allocation marker (``ncc.sbuf/psum.mod_alloc`` or ``.alloc(func)``): where the

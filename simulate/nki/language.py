@@ -88,13 +88,26 @@ tile_size = _TileSize()
 
 
 # -- SPMD ---------------------------------------------------------------------------------------
+def _lnc1(axis):
+    """A kernel launched without brackets runs at the default LNC=1 (nki.jit docstring: "The
+    default is LNC=1"): its launch is one program, so axis 0 answers program 0 of 1 as it does
+    for ``kernel[1]``, instead of the legacy rank-0 grid error."""
+    return _L.program_ndim() == 0 and not isinstance(axis, bool) and axis in (0, -1)
+
+
 def program_id(axis=0):
+    if _lnc1(axis):
+        _runtime.enter()
+        return 0
     return _L.program_id(axis)
 
 
 def num_programs(axes=0):
     # The stub's signature defaults to axis 0 (its docstring also mentions "if not provided,
     # the total"); we follow the signature.
+    if _lnc1(axes):
+        _runtime.enter()
+        return 1
     return _L.num_programs(axes)
 
 
