@@ -285,3 +285,17 @@ def test_nkiobject_dataclass_with_plain_class_attributes(nk):
     assert (p.a, p.x) == (2, 5)
     with pytest.raises(TypeError, match="unexpected keyword"):
         P(y=1)
+
+
+def test_buffer_markers_and_lnc1_program_id(nk):
+    nki, nl, nisa = nk
+    seen = {}
+
+    def k(a):
+        t = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+        seen["eq"] = (t.buffer == nl.sbuf, a.buffer == nl.sbuf, t.buffer == nl.psum)
+        seen["pid"] = (nl.program_id(0), nl.num_programs(0))
+        return a
+
+    _run(nki, k, np.zeros((2, 2), np.float32))
+    assert seen == {"eq": (True, False, False), "pid": (0, 1)}
