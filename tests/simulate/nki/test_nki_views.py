@@ -295,7 +295,7 @@ def test_buffer_markers_and_lnc1_program_id(nk):
         t = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
         seen["eq"] = (t.buffer == nl.sbuf, a.buffer == nl.sbuf, t.buffer == nl.psum)
         seen["pid"] = (nl.program_id(0), nl.num_programs(0))
-        return a
+        return _copy_out(nl, nisa, a, (2, 2))
 
     _run(nki, k, np.zeros((2, 2), np.float32))
     assert seen == {"eq": (True, False, False), "pid": (0, 1)}
