@@ -105,7 +105,7 @@ def commit(ctx, st):
             ctx.peak_sbuf = live
         st.acct = True
         if spill:
-            _spill.track(ctx, st, st.bpp)
+            _spill.track(ctx, st)
         _note_iteration_alloc(ctx, st)
     elif buf == "psum":
         banks = ctx.psum_banks + st.banks
@@ -128,7 +128,7 @@ def commit(ctx, st):
             ctx.peak_banks = banks
         st.acct = True
         if spill:
-            _spill.track(ctx, st, st.banks)
+            _spill.track(ctx, st)
         _note_iteration_alloc(ctx, st)
 
 
@@ -395,10 +395,6 @@ def cpu_note(what):
 
 
 def psum_banks_for(shape, pdim, itemsize):
-    nblocks = 1
-    for s in shape[:pdim]:
-        nblocks *= int(s)
-    fb = itemsize
-    for s in shape[pdim + 1:]:
-        fb *= int(s)
+    """(blocks, bytes per partition of a block, banks) of a PSUM tensor allocated whole."""
+    nblocks, fb = _spill.geometry(shape, pdim, itemsize)
     return nblocks, fb, nblocks * max(1, ceil_div(fb, _hw.PSUM_BANK_BYTES))

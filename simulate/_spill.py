@@ -82,13 +82,16 @@ def spill(flag: bool = True):
 class _Unit:
     """A tensor, or one block of a block-by-block tensor, competing for on-chip space."""
 
-    __slots__ = ("st", "block", "size", "resident", "spilled_to", "out_paid", "seq", "written",
-                 "key")
+    __slots__ = ("st", "block", "fb", "span", "size", "resident", "spilled_to", "out_paid",
+                 "seq", "written", "key")
 
-    def __init__(self, st, block, size, key):
+    def __init__(self, st, block, key):
         self.st = weakref.ref(st)
         self.block = block          # block index, or None for the whole tensor
-        self.size = size            # SBUF: bytes per partition; PSUM: banks
+        _, self.fb, self.span = _units_of(st)   # bytes per partition: dtype's, backing array's
+        # SBUF: bytes per partition; PSUM: banks (a tensor allocated whole: as it was accounted)
+        self.size = (unit_size(st, self.fb) if st.lazy
+                     else st.banks if st.buffer == "psum" else st.bpp)
         self.resident = True
         self.spilled_to = None      # where an evicted unit's data went: "sbuf" / "hbm"
         self.out_paid = False       # its spill copy was charged (PSUM units living in SBUF)
@@ -114,19 +117,30 @@ class Space:
         self.evicted = False        # space was short: the launch runs again with the trace
 
 
-def block_geometry(st):
-    """(blocks, bytes per partition of one block) of an on-chip storage."""
-    shape, pdim, isz = st.arr.shape, st.pdim, st.arr.itemsize
+def geometry(shape, pdim, itemsize):
+    """(blocks, bytes per partition of one block) of an on-chip tensor of ``shape`` whose
+    partition axis is ``pdim`` (the dims before it are block dims)."""
     nblocks = 1
     for s in shape[:pdim]:
         nblocks *= int(s)
-    fb = isz
+    fb = itemsize
     for s in shape[pdim + 1:]:
         fb *= int(s)
     return nblocks, fb
 
 
+def _units_of(st):
+    """(blocks, bytes of a unit per partition in the tensor's dtype, the same in the backing
+    array's bytes: what the scheduler's byte ranges count) of a storage; one unit per block of a
+    block-by-block tensor, else one for the whole tensor."""
+    nblocks, fb = geometry(st.arr.shape, st.pdim, st.di.itemsize)
+    if not st.lazy:
+        nblocks, fb = 1, nblocks * fb
+    return nblocks, fb, fb // st.di.itemsize * st.arr.itemsize
+
+
 def unit_size(st, fb):
+    """Space one unit of ``fb`` bytes per partition takes: PSUM banks, or SBUF bytes."""
     if st.buffer == "psum":
         return max(1, -(-fb // _hw.PSUM_BANK_BYTES))
     return fb
@@ -182,7 +196,7 @@ def make_room(ctx, buffer, need):
         cands.sort(key=next_use, reverse=True)
     for u, st in cands:
         if not u.resident:                     # PSUM data spilled into SBUF: on to HBM (its
-            space.spill_sbuf -= block_geometry(st)[1]   # spill is charged again, via HBM)
+            space.spill_sbuf -= u.fb           # spill is charged again, via HBM)
             u.spilled_to = "hbm"
             u.out_paid = False
             live, cap = _live(ctx, buffer)
@@ -193,10 +207,9 @@ def make_room(ctx, buffer, need):
         u.out_paid = False
         _account(ctx, st, u.size, -1)
         if buffer == "psum":
-            fb = block_geometry(st)[1]
-            if ctx.sbuf_live + space.spill_sbuf + fb <= ctx.tgt.sbuf_bytes_per_partition:
+            if ctx.sbuf_live + space.spill_sbuf + u.fb <= ctx.tgt.sbuf_bytes_per_partition:
                 u.spilled_to = "sbuf"
-                space.spill_sbuf += fb
+                space.spill_sbuf += u.fb
             else:
                 u.spilled_to = "hbm"
         else:
@@ -211,20 +224,19 @@ def admit(ctx, st):
     """``st`` does not fit as a whole: place it as a tracked unit (making room), or, when it
     has block dimensions, block by block as its blocks are accessed. Returns False when it
     cannot be placed even so."""
-    nblocks, fb = block_geometry(st)
-    if nblocks > 1:
+    if geometry(st.arr.shape, st.pdim, st.di.itemsize)[0] > 1:
         st.lazy = True
         _number(ctx.space, st)
         if st.buffer == "psum" and _sched.ACTIVE is not None:
             _sched.ACTIVE.unbank(st)
         return True
-    size = unit_size(st, fb) if st.buffer == "psum" else st.bpp
+    size = st.banks if st.buffer == "psum" else st.bpp
     if not make_room(ctx, st.buffer, size):
         return False
     _account(ctx, st, size, +1)
     if st.buffer == "psum":
         ctx.psum_live += st.bpp
-    track(ctx, st, size)
+    track(ctx, st)
     return True
 
 
@@ -235,10 +247,10 @@ def _number(space, st):
     return st.uid
 
 
-def track(ctx, st, size):
+def track(ctx, st):
     """An accounted whole tensor becomes an eviction candidate."""
     space = ctx.space
-    u = _Unit(st, None, size, (space.pid, _number(space, st), None))
+    u = _Unit(st, None, (space.pid, _number(space, st), None))
     u.seq = ctx.seq
     u.written = st.written
     space.units[(id(st), None)] = u
@@ -254,55 +266,45 @@ def _record(space, key, seq):
             seqs.append(seq)
 
 
-def _blocks(t, fb):
-    lo, hi = _sched._range(t)
-    if hi <= lo:
-        return (), lo, hi
-    return range(lo // fb, (hi - 1) // fb + 1), lo, hi
-
-
 def touch(ctx, t, write):
     """An instruction of ``ctx`` reads or writes the on-chip view ``t``: bring its units in
     (refilling spilled ones) and mark them most recently used."""
     st = t._st
     space = ctx.space
+    lo, hi = _sched._range(t)                  # in the backing array's bytes
     if st.lazy:
-        nblocks, fb = block_geometry(st)
-        blocks, lo, hi = _blocks(t, fb)
-        keys = [(b, fb) for b in blocks]
+        span = _units_of(st)[2]
+        blocks = range(lo // span, (hi - 1) // span + 1) if hi > lo else ()
+    elif (id(st), None) in space.units:
+        blocks = (None,)
     else:
-        u = space.units.get((id(st), None))
-        if u is None:
-            return
-        keys = [(None, st.bpp)]
-        lo, hi = 0, st.bpp
-    for b, fb in keys:
+        return
+    for b in blocks:
         key = (id(st), b)
         u = space.units.get(key)
-        size = unit_size(st, fb) if (st.buffer == "psum" or b is not None) else st.bpp
         if u is None:                          # a block's first access: it takes its space
-            u = _Unit(st, b, size, (space.pid, st.uid, b))
+            u = _Unit(st, b, (space.pid, st.uid, b))
             u.seq = ctx.seq
-            if not make_room(ctx, st.buffer, size):
-                _overflow(ctx, st, size)
-            _account(ctx, st, size, +1)
+            if not make_room(ctx, st.buffer, u.size):
+                _overflow(ctx, st, u.size)
+            _account(ctx, st, u.size, +1)
             space.units[key] = u
         elif not u.resident:
             u.seq = ctx.seq
-            base = 0 if b is None else b * fb
-            whole = write and lo <= base and hi >= base + fb
+            base = 0 if b is None else b * u.span
+            whole = write and lo <= base and hi >= base + u.span
             if u.written and not whole and not u.out_paid:
-                _spill_out(ctx, st, base, fb, u.spilled_to)
+                _spill_out(ctx, st, u)
                 u.out_paid = True
             if write or u.spilled_to != "sbuf" or st.buffer != "psum":
                 # back into its own memory (a PSUM unit in SBUF is read where it is)
-                if not make_room(ctx, st.buffer, size):
-                    _overflow(ctx, st, size)
-                _account(ctx, st, size, +1)
+                if not make_room(ctx, st.buffer, u.size):
+                    _overflow(ctx, st, u.size)
+                _account(ctx, st, u.size, +1)
                 if u.spilled_to == "sbuf":
-                    space.spill_sbuf -= fb
+                    space.spill_sbuf -= u.fb
                 if u.written and not whole:
-                    _load_back(ctx, st, base, fb, u.spilled_to)
+                    _load_back(ctx, st, u)
                 u.resident = True
                 u.spilled_to = None
         _record(space, u.key, ctx.seq)
@@ -312,31 +314,31 @@ def touch(ctx, t, write):
         space.units.move_to_end(key)
 
 
-def _spill_out(ctx, st, lo, fb, where):
+def _spill_out(ctx, st, u):
     """Charge the store of an evicted unit to where it went, before the access needing it."""
     rec = ctx.rec
     rec.spill_refills += 1
     parts = int(st.arr.shape[st.pdim])
+    lo = 0 if u.block is None else u.block * u.span
     if st.buffer == "psum":
-        rec.side("vector", _copy_cycles(st, fb), st, lo, lo + fb, read=True)
-        if where == "hbm":
-            rec.side_dma(parts * fb, parts, st, lo, lo + fb, read=True)
-    else:
-        rec.side_dma(parts * fb, parts, st, lo, lo + fb, read=True)
+        rec.side("vector", _copy_cycles(st, u.fb), st, lo, lo + u.span, read=True)
+    if st.buffer == "sbuf" or u.spilled_to == "hbm":
+        rec.side_dma(parts * u.fb, parts, st, lo, lo + u.span, read=True)
 
 
-def _load_back(ctx, st, lo, fb, where):
+def _load_back(ctx, st, u):
     """Charge the load of a spilled unit back into its own memory."""
     rec = ctx.rec
     parts = int(st.arr.shape[st.pdim])
-    if where == "hbm":
-        rec.side_dma(parts * fb, parts, st, lo, lo + fb, read=False)
+    lo = 0 if u.block is None else u.block * u.span
+    if u.spilled_to == "hbm":
+        rec.side_dma(parts * u.fb, parts, st, lo, lo + u.span, read=False)
     if st.buffer == "psum":
-        rec.side("vector", _copy_cycles(st, fb), st, lo, lo + fb, read=False)
+        rec.side("vector", _copy_cycles(st, u.fb), st, lo, lo + u.span, read=False)
 
 
 def _copy_cycles(st, fb):
-    return max(_hw.MIN_II_CYCLES, fb // st.arr.itemsize)
+    return max(_hw.MIN_II_CYCLES, fb // st.di.itemsize)
 
 
 def warn(rec, tgt):
@@ -363,18 +365,16 @@ def forget(ctx, st):
     """``st`` died: its resident units give their space back; nothing of it stays tracked.
     Returns True when ``st`` was handled here (tracked or block by block)."""
     space = ctx.space
-    handled = st.lazy or (id(st), None) in space.units
-    if not handled:
+    if not (st.lazy or (id(st), None) in space.units):
         return False
-    nblocks, fb = block_geometry(st)
-    for b in (range(nblocks) if st.lazy else (None,)):
+    for b in (range(_units_of(st)[0]) if st.lazy else (None,)):
         u = space.units.pop((id(st), b), None)
         if u is None:
             continue
         if u.resident:
             _account(ctx, st, u.size, -1)
         elif u.spilled_to == "sbuf":
-            space.spill_sbuf -= fb
+            space.spill_sbuf -= u.fb
     if not st.lazy and st.buffer == "psum":
         ctx.psum_live -= st.bpp
     return True
