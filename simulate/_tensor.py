@@ -1239,7 +1239,9 @@ def _track_psum_writer(st, direct, tag, accumulate, value):
     if by_pe and accumulate is None:
         st.foreign = None
         return
-    if accumulate is None and isinstance(value, (int, float, np.number)) and value == 0:
+    if accumulate is None and (
+            (isinstance(value, (int, float, np.number)) and value == 0)
+            or (direct and tag == "memset" and not np.any(value._st.arr))):
         return                                   # a zero fill: same result either way
     st.foreign = (f"'{tag}'" if direct and tag else
                   "a VectorE accumulation" if accumulate is not None else "a copy")

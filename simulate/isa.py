@@ -992,7 +992,7 @@ def memset(shape, value, dtype, *, mask=None, engine=None, **kwargs):
     eng = _engine_name(engine, "vector")
     _cost.charge(ctx, "gpsimd" if eng == "gpsimd" else "vector", _cost.ii, _free(shape))
     return make_result(ctx, np.array(arr, copy=True), di, eval_mask(mask, shape), api="memset",
-                       rounded=True)
+                       rounded=True, tag="memset")
 
 
 def affine_select(pred, on_true_tile, on_false_value, *, mask=None, dtype=None, **kwargs):

@@ -63,6 +63,13 @@ class oob_mode(enum.IntEnum):
     skip = 1
 
 
+class dma_engine(enum.IntEnum):
+    """DMA transfer engine of ``sendrecv`` (0.7 stub): the shared DMA with CoreBarrier
+    synchronization, or GpSimd's internal DMA for SBUF-to-SBUF swaps in LNC=2."""
+    dma = 1
+    gpsimd_dma = 2
+
+
 class matmul_perf_mode(enum.Enum):
     none = "none"
     double_row = "double_row"

@@ -278,6 +278,23 @@ def test_overwrite_then_accumulate_is_legal():
     _run(_matmul_kernel(pattern), X)
 
 
+@pytest.mark.parametrize("fill, ok", [(0.0, True), (1.0, False)])
+def test_a_memset_of_zero_is_a_zero_fill(fill, ok):
+    """``memset(0)`` into PSUM then accumulating matmuls (what nki-library's attention_bwd
+    does) sums the same whether the zeros are a group's start or not; a nonzero memset is a
+    foreign value."""
+    def pattern(acc, xt):
+        acc[...] = nisa.memset((128, 128), fill, nl.float32)
+        acc += nisa.nc_matmul(xt, xt)
+
+    if ok:
+        np.testing.assert_allclose(_run(_matmul_kernel(pattern), X), X.T @ X,
+                                   rtol=1e-2, atol=1e-2)
+    else:
+        with pytest.raises(AccumulationGroupError):
+            _run(_matmul_kernel(pattern), X)
+
+
 @pytest.mark.parametrize("foreign", ["scale", "copy", "vector_add"])
 def test_accumulating_onto_another_engines_value_is_refused(foreign):
     def pattern(acc, xt):

@@ -745,3 +745,9 @@ def test_registers(nk):
         return a
     with pytest.raises(ValueError, match="never written"):
         bad(np.zeros((1, 1), np.int32))
+
+
+def test_dma_engine_enum_as_the_stub_numbers_it(nk):
+    """nki-library's attention_tkg imports ``nisa.dma_engine`` (sendrecv's transfer engine)."""
+    nki, nl, nisa = nk
+    assert (int(nisa.dma_engine.dma), int(nisa.dma_engine.gpsimd_dma)) == (1, 2)
