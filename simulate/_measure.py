@@ -35,8 +35,10 @@ class Measurement:
     upper = sum over engines (fully serial); summed over kernels.
     """
 
-    def __init__(self, target=None):
+    def __init__(self, target=None, compiled_loop_overlap=None):
         self.target = None if target is None else _hw.get_target(target).name
+        # None: inherit (outer measure, else the default: overlap); see _sched.Scheduler.barrier
+        self.compiled_loop_overlap = compiled_loop_overlap
         self.kernels = []
 
     def __enter__(self):
@@ -253,9 +255,13 @@ class Measurement:
                 f"written={self.hbm_bytes_written} modeled={lo:.3e}..{hi:.3e}s>")
 
 
-def measure(target=None):
-    """Context manager recording every kernel launched inside it (see module doc)."""
-    return Measurement(target)
+def measure(target=None, compiled_loop_overlap=None):
+    """Context manager recording every kernel launched inside it (see module doc).
+    ``compiled_loop_overlap``: whether the scheduled estimate lets work of one iteration of a
+    compiled loop (``nl.fori_loop`` / ``nl.while_loop``, NKI 0.7) overlap the next one's
+    (True, the default) or puts a barrier between iterations (False). AWS does not document
+    which the compiler does (nki-today.md §2); docs/simulator.md gives our kernels both ways."""
+    return Measurement(target, compiled_loop_overlap)
 
 
 def program_size(kernel, *args, **kwargs) -> int:

@@ -364,6 +364,15 @@ _progress_hooks = []  # active simulate.progress() callbacks: f(instances_done, 
 _cpu_note_shown = [False]
 
 
+def compiled_loop_overlap():
+    """The innermost measure's ``compiled_loop_overlap`` setting, else True (the default
+    assumption: iterations of a compiled loop overlap as unrolled copies do)."""
+    for m in reversed(_measures):
+        if m.compiled_loop_overlap is not None:
+            return bool(m.compiled_loop_overlap)
+    return True
+
+
 def resolve_target(opts):
     for m in reversed(_measures):
         if m.target is not None:

@@ -43,6 +43,9 @@ Model (constants in ``_hw``, each with its source or marked fitted):
   waits until their previous tiles' last accesses end. A tile's banks are free when the
   simulator releases it (its iteration ended, or nothing refers to it). PSUM tiles do not
   use the rotating rings.
+* **Compiled loops** (NKI 0.7 ``nl.fori_loop``/``nl.while_loop``): by default their
+  iterations overlap like any instruction stream; ``simulate.measure(compiled_loop_overlap=
+  False)`` puts a barrier between iterations instead (AWS does not document which holds).
 * **no_reorder.** Instructions issued inside a ``no_reorder`` region (a loop with
   ``directives=ncc.no_reorder()``, or ``with ncc.no_reorder():``) run in program order on
   their engine: they never fill an earlier idle gap.
@@ -330,6 +333,24 @@ class Scheduler:
         self._place_instruction({"reads": [ent] if read else [], "writes": [] if read else [ent],
                                  "engine": engine, "dur": seconds, "dma": dma,
                                  "core": self.core}, engine, self.core)
+
+    def barrier(self, core):
+        """Nothing issued after this point starts before everything issued before it on
+        ``core`` has finished (an iteration boundary of a compiled loop when the estimate
+        assumes no overlap across its iterations): every engine, the DMA bandwidth and the
+        queues restart at the core's latest finish, with no idle gaps left to fill."""
+        self._commit()
+        self._flush()
+        t = self.core_end.get(core, 0.0)
+        for key in list(self.engine_free):
+            if key[0] == core:
+                self.engine_free[key] = max(self.engine_free[key], t)
+                self.gaps.pop(key, None)
+        for e in ("tensor", "vector", "scalar", "gpsimd", "dma-bandwidth"):
+            self.engine_free[(core, e)] = max(self.engine_free.get((core, e), 0.0), t)
+        q = self.dma_queues.get(core)
+        if q is not None:
+            self.dma_queues[core] = [max(x, t) for x in q]
 
     # -- scheduling -----------------------------------------------------------------------------
     def _access(self, st):

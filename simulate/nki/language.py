@@ -18,7 +18,7 @@ import builtins as _builtins
 import operator as _operator
 import sys as _sys
 
-from .. import _deps, _hw, _ops, _runtime, _scalar, _strict, _tensor
+from .. import _deps, _hw, _ops, _runtime, _scalar, _sched, _strict, _tensor
 from .. import language as _L
 from .._dtypes import (float32, float16, bfloat16, float8_e4m3, float8_e5m2, tfloat32,  # noqa: F401,E501 (public dtypes)
                        float8_e4m3fn, float8_e8m0fnu, int8, int16, int32, uint8, uint16,
@@ -169,6 +169,14 @@ class LoopIndex(_scalar.NkiScalar):
         return LoopIndex(v, what, self.loop)
 
 
+def _iteration_boundary(ctx):
+    """The end of an iteration of a compiled loop: a barrier in the scheduled estimate when the
+    active measure assumes no overlap across iterations (``measure(compiled_loop_overlap=
+    False)``)."""
+    if _sched.ACTIVE is not None and not _runtime.compiled_loop_overlap():
+        _sched.ACTIVE.barrier(ctx.rec.core)
+
+
 def fori_loop(lower, upper, body_fun, step=1):
     """``nl.fori_loop(lower, upper, body_fun, step=1)``: a compiled (hardware) loop. The body
     is called with the index as a :class:`LoopIndex` and is one copy of program text ("a single
@@ -206,6 +214,7 @@ def fori_loop(lower, upper, body_fun, step=1):
                 raise TypeError("nl.fori_loop: body_fun returns None; carry loop state "
                                 "through SBUF/HBM tensors (stub docstring)")
             _runtime.end_iteration(state)
+            _iteration_boundary(ctx)
     finally:
         ctx.loop_depth -= 1
         try:
@@ -248,6 +257,7 @@ def while_loop(init, body_fun):
                                 "docstring)")
             cond = ret
             _runtime.end_iteration(state)
+            _iteration_boundary(ctx)
             if tracing:
                 break                              # program_size(): the body once
     finally:
