@@ -15,3 +15,20 @@ def nk():
     import nki.language as nl
     yield nki, nl, nisa
     simulate.unregister_nki()
+
+
+def tile_kernel(nki, nl, nisa, body, shape_out, dtype_out=None):
+    """A jit kernel that loads its inputs into SBUF, runs ``body(nl, nisa, *tiles) -> sbuf
+    tile`` and stores the result."""
+    @nki.jit
+    def k(*arrays):
+        out = nl.ndarray(shape_out, dtype=dtype_out or arrays[0].dtype, buffer=nl.shared_hbm)
+        tiles = []
+        for a in arrays:
+            t = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=a)
+            tiles.append(t)
+        r = body(nl, nisa, *tiles)
+        nisa.dma_copy(dst=out, src=r)
+        return out
+    return k

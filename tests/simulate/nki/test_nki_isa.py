@@ -3,23 +3,10 @@ import numpy as np
 import pytest
 
 import simulate
-from nki07_fixtures import nk  # noqa: F401 (fixture)
+from nki07_fixtures import nk, tile_kernel  # noqa: F401 (nk: fixture)
 
 
-def _k(nki, nl, nisa, body, shape_out, dtype_out=None):
-    """Kernel: load the inputs into SBUF, ``body(nl, nisa, *tiles) -> sbuf tile``, store."""
-    @nki.jit
-    def k(*arrays):
-        out = nl.ndarray(shape_out, dtype=dtype_out or arrays[0].dtype, buffer=nl.shared_hbm)
-        tiles = []
-        for a in arrays:
-            t = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=t, src=a)
-            tiles.append(t)
-        r = body(nl, nisa, *tiles)
-        nisa.dma_copy(dst=out, src=r)
-        return out
-    return k
+_k = tile_kernel
 
 
 def test_tensor_copy_casts_to_dst_and_has_no_dtype(nk, rng):
