@@ -455,14 +455,7 @@ def _activation(api, op, data, bias, scale, reduce_op, reduce_res, cmd, mask, dt
         return _activation_v07(ctx, api, res, data, reduce_op, reduce_res, cmd, m, odi)
     do_reduce = reduce_op is not None and (int(cmd) != 0 or reduce_res is not None)
     if do_reduce:
-        rname = _ops.op_name(reduce_op, api, "reduce_op")
-        if rname not in _ACT_REDUCE:
-            raise nki_error("err_instruction_unsupported_op", "syntax",
-                            f"{rname} is not supported in '{api}' ('reduce_op')")
-        if rname != "add" and not ctx.tgt.gen3_features:
-            raise nki_error("err_instruction_unsupported_op", "syntax",
-                            f"{rname} is not supported in '{api}' ('reduce_op') on "
-                            f"{ctx.tgt.name}: NeuronCore-v2 only supports add")
+        rname = _act_reduce_fn(ctx, api, reduce_op)
         red_src = res.reshape(P, -1)
         ident = _ACT_IDENT[rname]
         if isinstance(m, np.ndarray):
