@@ -130,8 +130,10 @@ def tkg_case(B, H, s_active, s_prior, d):
         # without fused RoPE the kernel takes Q and K_active in SBUF (its own validation)
         cfg = Cfg(B, H, s_active, s_prior, s_prior, d, 0, qk_in_sb=True)
         rng = np.random.default_rng(2)
-        q = _rand(rng, (d, B * H, s_active))
-        k_active = _rand(rng, (d, B, s_active))
+        # with qk_in_sb the kernel documents q as [d, B * H * s_active] and k_active as
+        # [d, B * s_active] (2-D; attention_tkg docstring); it folds them with views itself
+        q = _rand(rng, (d, B * H * s_active))
+        k_active = _rand(rng, (d, B * s_active))
         v_active = _rand(rng, (B, 1, s_active, d))
         k_prior = _rand(rng, (B, 1, d, s_prior))
         v_prior = _rand(rng, (B, 1, s_prior, d))

@@ -74,7 +74,7 @@ def unregister_neuronxcc():
 # ---------------------------------------------------------------------------------------------
 # register_as_nki(): ``import nki`` -> simulate.nki (the NKI 0.7 front end)
 # ---------------------------------------------------------------------------------------------
-_NKI_SUBMODULES = ("language", "isa")
+_NKI_SUBMODULES = ("language", "isa", "typing")
 
 
 def _real_nki_present():

@@ -22,9 +22,9 @@ import os
 import warnings
 
 from .. import _launch, _runtime, _hw
-from . import language, isa  # noqa: F401 (public submodules)
+from . import language, isa, typing  # noqa: F401 (public submodules)
 
-__all__ = ["jit", "simulate", "Kernel", "language", "isa"]
+__all__ = ["jit", "simulate", "Kernel", "language", "isa", "typing"]
 
 #: What ``_launch.launch`` records as the front end of a launch (``LaunchRecord.api``).
 API = "nki"
