@@ -381,9 +381,14 @@ def mx_cases(root, compat):
             ker = _load(os.path.join(d, "mx_kernels.py"), "mx_kernels")
         except Exception as e:
             msg = str(e).strip().splitlines()[0]
-            return [dict(name=f"mx_kernels.py import{tag}", ok=False, err=None, api="?",
-                         est=None, prog=None, hbm=None, wall=0.0,
-                         why=f"{type(e).__name__}: {msg}")]
+            return [dict(name=f"{c}{tag}", ok=False, err=None, api="?", est=None, prog=None,
+                         hbm=None, wall=0.0, why=f"mx_kernels.py import: {type(e).__name__}: "
+                                                 f"{msg}")
+                    for c in ("offline_quantized float8_e5m2", "offline_quantized float4_e2m1fn",
+                              "on_device_quantize float4_e2m1fn @ float8_e5m2",
+                              "on_device_quantize float8_e5m2 @ float8_e5m2",
+                              "copy_strided tensor_copy float8_e5m2",
+                              "copy_strided dma float8_e5m2")]
         import nki.language as nl
         x4 = {mld.float8_e5m2: nl.float8_e5m2_x4, mld.float8_e4m3fn: nl.float8_e4m3fn_x4,
               mld.float4_e2m1fn: nl.float4_e2m1fn_x4}

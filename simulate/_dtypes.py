@@ -27,6 +27,13 @@ float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
 float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)     # OCP E4M3 (max 448, no inf): trn3
 float8_e8m0fnu = np.dtype(ml_dtypes.float8_e8m0fnu)   # E8M0 block scales (MXFP8): trn3
 tfloat32 = np.dtype("V4")                        # opaque 4-byte type, as in the legacy stub
+# MX packed types (NeuronCore-v4, nki.isa.nc_matmul_mx / quantize_mx): 4 quantized elements per
+# element, held as their raw bits (uint32 for 4 x fp8, uint16 for 4 x fp4; element k of a pack
+# in bits 8k.. / 4k.., little-endian as AWS's mx_cpu_utils packs them). Distinct dtypes: one-field
+# records named after the type.
+float8_e5m2_x4 = np.dtype([("float8_e5m2_x4", "<u4")])
+float8_e4m3fn_x4 = np.dtype([("float8_e4m3fn_x4", "<u4")])
+float4_e2m1fn_x4 = np.dtype([("float4_e2m1fn_x4", "<u2")])
 int8 = np.dtype(np.int8)
 int16 = np.dtype(np.int16)
 int32 = np.dtype(np.int32)
@@ -125,6 +132,30 @@ _reg(float8_e4m3fn, "float8_e4m3fn", "f", _F32, 1, _make_ml_rounder(ml_dtypes.fl
      _NAN, float8_e4m3fn)
 _reg(float8_e8m0fnu, "float8_e8m0fnu", "f", _F32, 1,
      _make_ml_rounder(ml_dtypes.float8_e8m0fnu), 1, _NAN, float8_e8m0fnu)
+
+
+def _make_packed_rounder(backing):
+    bt = np.dtype(backing)
+
+    def rnd(a):
+        if a.dtype == bt:
+            return a
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"MX packed data holds raw bits; cannot convert {a.dtype} values "
+                            f"(quantize with nki.isa.quantize_mx)")
+        return a.astype(bt)
+    return rnd
+
+
+# kind 'p': packed raw bits; no arithmetic, only copies and the MX instructions read them
+for _dt, _nm, _bk in ((float8_e5m2_x4, "float8_e5m2_x4", np.uint32),
+                      (float8_e4m3fn_x4, "float8_e4m3fn_x4", np.uint32),
+                      (float4_e2m1fn_x4, "float4_e2m1fn_x4", np.uint16)):
+    _reg(_dt, _nm, "p", _bk, np.dtype(_bk).itemsize, _make_packed_rounder(_bk), 0,
+         np.iinfo(_bk).max, _bk)
+MX_PACKED = {"float8_e5m2_x4": ml_dtypes.float8_e5m2, "float8_e4m3fn_x4": ml_dtypes.float8_e4m3fn,
+             "float4_e2m1fn_x4": ml_dtypes.float4_e2m1fn}
+
 # Integer sentinel: the type's maximum (a likely out-of-bounds index / overflow) (choice).
 for _dt, _nm, _k in ((int8, "int8", "i"), (int16, "int16", "i"), (int32, "int32", "i"),
                      (uint8, "uint8", "u"), (uint16, "uint16", "u"), (uint32, "uint32", "u")):

@@ -1111,7 +1111,7 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
             ctx.rec.add("vector", value._st.copy_out)
             tag = None
     if direct and tag is not None:
-        if tag in ("matmul", "pe_transpose"):
+        if tag in ("matmul", "pe_transpose", "matmul_mx"):
             if st.buffer != PSUM:
                 raise nki_error("err_unsupported_memory", "type",
                                 "Result buffer of matmult must be psum! (destination "
@@ -1184,7 +1184,7 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
             a = cur.astype(np.float32, copy=False) if ddi.is_float else cur.astype(np.float64)
             res = fn(a, vals)
             dst._write(ddi.round(res), m)
-        if not (direct and tag in ("matmul", "pe_transpose", "nl_matmul")
+        if not (direct and tag in ("matmul", "pe_transpose", "nl_matmul", "matmul_mx")
                 and accumulate == "add" and st.buffer == PSUM):
             a_psum = st.buffer == PSUM
             b_psum = type(value) is Tensor and value._st.buffer == PSUM and not direct
@@ -1195,7 +1195,7 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
     st.written = True
 
 
-_TENSOR_ENGINE_TAGS = ("matmul", "pe_transpose", "nl_matmul")
+_TENSOR_ENGINE_TAGS = ("matmul", "pe_transpose", "nl_matmul", "matmul_mx")
 
 
 def _companion(t, comp):

@@ -407,6 +407,42 @@ def rearrange(t, src_pattern, dst_pattern, fixed_sizes=None):
     return _numpy_reshape(perm, tuple(merged), api)
 
 
+def _reinterpret(t, di):
+    """``t`` (a view) as the same bytes of dtype ``di``: its storage reinterpreted, units now
+    ``di`` elements. Only raw-bit storage (integer and MX packed types, whose backing array
+    holds the bytes themselves) in HBM: float storage holds decoded values, and an on-chip
+    reinterpretation would need its own SBUF accounting (not done). The reinterpreted storage
+    shares the memory but is a separate Storage: the dependence tracker does not see writes
+    through one as writes to the other (fine for read-only kernel inputs)."""
+    sdi = t._st.di
+    raw = lambda d: d.kind in "iup" and d.backing.itemsize == d.itemsize  # noqa: E731
+    if not (raw(sdi) and raw(di)):
+        raise NotImplementedError(
+            f"NkiTensor.ap(dtype={di.name}) reinterprets '{t._st.name}' ({sdi.name}): only "
+            f"integer / MX packed storage is reinterpreted (float storage holds decoded values)")
+    if _onchip(t):
+        raise NotImplementedError(
+            f"NkiTensor.ap(dtype={di.name}) on on-chip tensor '{t._st.name}': reinterpretation "
+            f"is simulated for HBM tensors only")
+    a = _arr(t)
+    nbytes = a.size * a.itemsize
+    if nbytes % di.itemsize:
+        raise _err(t, f"ap(dtype={di.name}): {nbytes} bytes are not a whole number of "
+                      f"{di.itemsize}-byte elements")
+    _, _, off = layout(t)
+    if (off * a.itemsize) % di.itemsize:
+        raise _err(t, f"ap(dtype={di.name}): view offset is not aligned to {di.itemsize} bytes")
+    flat = a.reshape(-1).view(di.backing)
+    old = t._st
+    st = type(old)(flat, di, old.buffer, old.ctx, 0, f"{old.name}.as_{di.name}")
+    st.param, st.mutable, st.written = old.param, old.mutable, old.written
+    nt = _T.Tensor(st, flat)
+    if off:
+        nt = make(nt, [flat.size - off * a.itemsize // di.itemsize], [1],
+                  off * a.itemsize // di.itemsize, api="ap")
+    return nt
+
+
 def ap(t, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0,
        dtype=None):
     """Explicit ``[[stride, count], ...]`` access pattern over ``t``'s storage, starting at
@@ -417,9 +453,7 @@ def ap(t, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect
     if dtype is not None:
         from . import _dtypes
         if _dtypes.info(dtype).dt != t._st.di.dt:
-            raise NotImplementedError(
-                f"NkiTensor.ap(dtype={dtype}) reinterprets '{t._st.name}' ({t.dtype}) as "
-                f"another dtype: not simulated (the storage holds decoded values)")
+            t = _reinterpret(t, _dtypes.info(dtype))
     if vector_offset is not None:
         raise NotImplementedError("NkiTensor.ap(vector_offset=...) (per-partition indirect "
                                   "addressing) is not simulated yet")

@@ -1606,3 +1606,116 @@ def dma_transpose(src, *, axes=None, mask=None, dtype=None, dge_mode=dge_mode.un
 
 def builtin_custom_op(*args, **kwargs):
     raise NotImplementedError("nisa.builtin_custom_op is not supported by the simulator")
+
+
+# -- MX (NeuronCore-v4): nc_matmul_mx, quantize_mx ------------------------------------------------
+def _need_v4(ctx, api):
+    if ctx.tgt.nc_version < 4:
+        raise hw_error("type", f"'{api}' is available only on NeuronCore-v4 and newer "
+                               f"(trn3); the target is {ctx.tgt.name}")
+
+
+def _mx_exps(t, api, pname):
+    """Biased E8M0 exponents held by scale tile ``t`` (uint8 or float8_e8m0fnu)."""
+    a, di = tile_operand(t, api, pname)
+    if di.name == "uint8":
+        return a.astype(np.int32)
+    if di.name == "float8_e8m0fnu":
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.rint(np.log2(a.astype(np.float64)) + 127).astype(np.int32)
+    raise nki_error("err_param_dtype_mismatch", "type",
+                    f"'{api}': '{pname}' must be float8_e8m0fnu or uint8, got {di.name}")
+
+
+def _mx_scales_of(t, api, pname, P, F):
+    """``[P // 8, F]`` exponents of the groups of a ``P``-partition data tile, read from scale
+    tile ``t`` at the quadrant-spread partitions (``_mx.scale_partition``)."""
+    from . import _mx
+    need = _mx.scale_rows_needed(P)
+    if t.shape[0] < need or _free(t.shape) < F:
+        raise nki_error("err_param_shape_mismatch", "value",
+                        f"'{api}': '{pname}' {fmt_shape(t.shape)} cannot hold the scales of "
+                        f"a {P}-partition data tile with {F} packed elements per partition: "
+                        f"it needs {need} partitions (4 per 32-partition quadrant, at the "
+                        f"quadrant's start) and {F} elements per partition")
+    e = _mx_exps(t, api, pname).reshape(t.shape[0], -1)
+    return e[_mx.scale_partition(np.arange(P // 8)), :F]
+
+
+def nc_matmul_mx(stationary, moving, stationary_scale, moving_scale, *, tile_position=(),
+                 tile_size=(), out_bf16=False):
+    """MXFP8/MXFP4 matmul on TensorE (NeuronCore-v4): ``[M, N]`` fp32 PSUM result of the
+    dequantized ``stationary`` [P, M] and ``moving`` [P, N] (``*_x4`` packed, SBUF),
+    contracting over the P partitions and the 4 values of each packed element."""
+    from . import _mx
+    ctx = enter()
+    api = "nc_matmul_mx"
+    _need_v4(ctx, api)
+    sa, sdi = tile_operand(stationary, api, "stationary")
+    ma, mdi = tile_operand(moving, api, "moving")
+    for t, nm in ((stationary, "stationary"), (moving, "moving"),
+                  (stationary_scale, "stationary_scale"), (moving_scale, "moving_scale")):
+        _sbuf_only(t, api, nm)
+    for di, nm in ((sdi, "stationary"), (mdi, "moving")):
+        if di.name not in _mx.ELEM:
+            raise nki_error("err_param_dtype_mismatch", "type",
+                            f"'{api}': '{nm}' must be float8_e5m2_x4, float8_e4m3fn_x4 or "
+                            f"float4_e2m1fn_x4, got {di.name}")
+    P, Pm = stationary.shape[0], moving.shape[0]
+    if P != Pm or P % 32 or P > _hw.NUM_PARTITIONS:
+        raise nki_error("err_param_shape_incompatible_with_matmul", "value",
+                        f"'{api}': stationary{fmt_shape(stationary.shape)} and moving"
+                        f"{fmt_shape(moving.shape)} must have the same partition size, a "
+                        f"multiple of 32 and at most 128")
+    M, N = _free(stationary.shape), _free(moving.shape)
+    if M % 2 or M > _hw.GEMM_STATIONARY_FMAX:
+        raise nki_error("err_param_shape_mismatch", "value",
+                        f"'{api}': the free size of stationary ({M}) must be even and at most "
+                        f"{_hw.GEMM_STATIONARY_FMAX}")
+    nmax = 8192 if out_bf16 else 4096
+    if N > nmax:
+        raise nki_error("err_param_shape_mismatch", "value",
+                        f"'{api}': the free size of moving ({N}) exceeds {nmax} (8 PSUM banks "
+                        f"of {'bf16' if out_bf16 else 'fp32'})")
+    if tile_position or tile_size:
+        _check_pe_tiling(ctx, tile_position, tile_size, P, M)
+    se = _mx_scales_of(stationary_scale, api, "stationary_scale", P, M)
+    me = _mx_scales_of(moving_scale, api, "moving_scale", P, N)
+    res = _mx.matmul(sa.reshape(P, M), sdi.name, se, ma.reshape(P, N), mdi.name, me)
+    # 315 MXFP8 TFLOPS per NC-v4 = 4 x its 79 BF16 TFLOPS (nki-today.md section 4): each moving
+    # row carries 4x the contraction of a BF16 row in the same cycles
+    ctx.rec.add("tensor", _cost.matmul_cycles(M, N, False))
+    oshape = (M,) + tuple(moving.shape[1:])
+    return make_result(ctx, res.reshape(oshape), F32, tag="matmul_mx", buffer=PSUM, api=api,
+                       rounded=True)
+
+
+def quantize_mx(src, out_name):
+    """MXFP8 quantization on VectorE (NeuronCore-v4): ``(packed [P, F // 4] result tile,
+    biased exponents [P // 8, F // 4])`` of fp16/bf16 ``src`` [P, F] (SBUF). The caller places
+    the exponents in its scale tile."""
+    from . import _mx
+    ctx = enter()
+    api = "quantize_mx"
+    _need_v4(ctx, api)
+    a, di = tile_operand(src, api, "src")
+    _sbuf_only(src, api, "src")
+    if di.name not in ("float16", "bfloat16"):
+        raise nki_error("err_param_dtype_mismatch", "type",
+                        f"'{api}': 'src' must be float16 or bfloat16, got {di.name}")
+    if out_name not in _mx.EMAX:
+        raise nki_error("err_param_dtype_mismatch", "type",
+                        f"'{api}': 'dst' must be float8_e5m2_x4 or float8_e4m3fn_x4, got "
+                        f"{out_name}")
+    P, F = src.shape[0], _free(src.shape)
+    if P % 32 or P > _hw.NUM_PARTITIONS or F % 4:
+        raise nki_error("err_param_shape_mismatch", "value",
+                        f"'{api}': src{fmt_shape(src.shape)} must have a multiple of 32 "
+                        f"partitions (at most 128) and a free size that is a multiple of 4")
+    bits, exps = _mx.quantize(a.reshape(P, F).astype(np.float32), out_name)
+    # UNCONFIRMED: not documented; charged as one VectorE pass over src (1 element per
+    # partition per cycle, the MIN_II floor)
+    ctx.rec.add("vector", _cost.ii(F))
+    odi = next(d for d in _dtypes.ALL_DTYPES if _dtypes.info(d).name == out_name)
+    return make_result(ctx, bits, _dtypes.info(odi), tag="quantize_mx", buffer=SBUF, api=api,
+                       rounded=True), exps

@@ -18,6 +18,7 @@ import enum
 import numpy as np
 
 from .. import _deps, _index, _ops, _runtime, _scalar, _tensor
+from .. import _dtypes as _dt
 from .. import isa as _I
 from .._errors import nki_error, hw_error, fmt_shape
 from .._tensor import Tensor
@@ -264,6 +265,27 @@ def memset(dst, value, engine=engine.unknown, name=None):
 
 
 # -- TensorE ------------------------------------------------------------------------------------
+def _acc_mode(api, dst, accumulate):
+    """The ``_tensor.assign`` accumulate mode of a TensorE ``accumulate=`` argument (stub,
+    "Accumulation mode"): ``True`` adds and is refused where no instruction has written yet
+    (undefined behaviour), ``None`` overwrites fresh locations and adds onto the others,
+    ``False`` overwrites."""
+    if accumulate is True or (accumulate is not None and accumulate is not False
+                              and bool(accumulate)):
+        st = dst._st
+        if st.fresh is not None and _tensor._companion(dst, st.fresh).any():
+            raise nki_error(
+                "err_matmul_accumulate_uninitialized", "value",
+                f"nisa.{api}(accumulate=True) onto PSUM tensor '{st.name}' where no "
+                f"instruction has written yet: 'Using accumulate=True on an uninitialized "
+                f"PSUM location is undefined behavior on all targets'; start the group with "
+                f"accumulate=False or leave accumulate=None ({_doc(api)})")
+        return "add"
+    if accumulate is None:
+        return "add"               # fresh locations are overwritten by _tensor.assign
+    return None
+
+
 def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False,
               is_transpose=False, accumulate=None, tile_position=(), tile_size=(),
               perf_mode=None, name=None):
@@ -276,26 +298,75 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     subsequent writes accumulate")."""
     api = "nc_matmul"
     _need_tensor(api, dst, "dst")
-    if accumulate is True or (accumulate is not None and accumulate is not False
-                              and bool(accumulate)):
-        st = dst._st
-        if st.fresh is not None and _tensor._companion(dst, st.fresh).any():
-            raise nki_error(
-                "err_matmul_accumulate_uninitialized", "value",
-                f"nisa.nc_matmul(accumulate=True) onto PSUM tensor '{st.name}' where no "
-                f"instruction has written yet: 'Using accumulate=True on an uninitialized "
-                f"PSUM location is undefined behavior on all targets'; start the group with "
-                f"accumulate=False or leave accumulate=None ({_doc(api)})")
-        acc = "add"
-    elif accumulate is None:
-        acc = "add"                # fresh locations are overwritten by _tensor.assign
-    else:
-        acc = None
+    acc = _acc_mode(api, dst, accumulate)
     r = _I.nc_matmul(stationary, moving, is_stationary_onezero=is_stationary_onezero,
                      is_moving_onezero=is_moving_onezero, is_transpose=is_transpose,
                      tile_position=tile_position, tile_size=tile_size, perf_mode=perf_mode)
     _same_layout(api, dst, r.shape)
     _into(api, dst, r, accumulate=acc)
+
+
+def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_position=None,
+                 tile_size=None, accumulate=None, name=None):
+    """MXFP8/MXFP4 matmul with dequantization on TensorE (NeuronCore-v4 only): ``dst`` (PSUM,
+    float32 or bfloat16) ``[M, N]`` = dequantized ``stationary`` [P, M] x ``moving`` [P, N]
+    (``*_x4`` packed, SBUF), contracting over the partitions and the 4 values of each packed
+    element; scales (uint8 or float8_e8m0fnu, SBUF) one per 8 partitions x 1 packed element,
+    spread over quadrants (``simulate._mx``). ``accumulate`` as for ``nc_matmul``. Indirect
+    views are not simulated."""
+    api = "nc_matmul_mx"
+    _need_tensor(api, dst, "dst")
+    _buffer(api, dst, "dst", ("psum",))
+    if np.dtype(dst.dtype) not in (np.dtype(np.float32), np.dtype(_dt.bfloat16)):
+        raise nki_error("err_param_dtype_mismatch", "type",
+                        f"nisa.nc_matmul_mx: 'dst' must be float32 or bfloat16, got {dst.dtype} "
+                        f"({_doc(api)})")
+    for t, nm in ((stationary, "stationary"), (moving, "moving"),
+                  (stationary_scale, "stationary_scale"), (moving_scale, "moving_scale")):
+        _need_tensor(api, t, nm)
+    acc = _acc_mode(api, dst, accumulate)
+    r = _I.nc_matmul_mx(stationary, moving, stationary_scale, moving_scale,
+                        tile_position=tile_position or (), tile_size=tile_size or (),
+                        out_bf16=np.dtype(dst.dtype) == np.dtype(_dt.bfloat16))
+    _same_layout(api, dst, r.shape)
+    _into(api, dst, r, accumulate=acc)
+
+
+def quantize_mx(dst, src, dst_scale, name=None):
+    """MXFP8 quantization of fp16/bf16 ``src`` [P, F] (SBUF) on VectorE (NeuronCore-v4 only):
+    ``dst`` [P, F // 4] ``float8_e5m2_x4``/``float8_e4m3fn_x4`` and one scale per 8 partitions
+    x 4 elements in ``dst_scale`` (uint8 or float8_e8m0fnu), at partition ``32 * (g // 4) + g %
+    4`` for group g (``P // 8`` rows when P <= 32). Scale ``2**(floor(log2(amax)) - (Emax -
+    1))``, ``2**-127`` for an all-zero group (stub, "Scale calculation")."""
+    api = "quantize_mx"
+    for t, nm in ((dst, "dst"), (src, "src"), (dst_scale, "dst_scale")):
+        _need_tensor(api, t, nm)
+        _buffer(api, t, nm, ("sbuf",))
+    sdn = _dt.info(dst_scale.dtype).name
+    if sdn not in ("uint8", "float8_e8m0fnu"):
+        raise nki_error("err_param_dtype_mismatch", "type",
+                        f"nisa.quantize_mx: 'dst_scale' must be float8_e8m0fnu or uint8, got "
+                        f"{sdn} ({_doc(api)})")
+    r, exps = _I.quantize_mx(src, _dt.info(dst.dtype).name)
+    _same_layout(api, dst, r.shape)
+    _into(api, dst, r)
+    from .. import _mx
+    P, F4 = src.shape[0], exps.shape[1]
+    need = _mx.scale_rows_needed(P)
+    if dst_scale.shape[0] < need or _tensor._free(dst_scale.shape) < F4:
+        raise nki_error("err_param_shape_mismatch", "value",
+                        f"nisa.quantize_mx: 'dst_scale' {fmt_shape(dst_scale.shape)} cannot hold "
+                        f"the scales of a {P}-partition src: it needs {need} partitions (4 at "
+                        f"the start of each 32-partition quadrant) and {F4} elements per "
+                        f"partition ({_doc(api)})")
+    ctx = _runtime.enter()
+    sdi = _dt.info(dst_scale.dtype)
+    vals = exps.astype(np.uint8) if sdn == "uint8" else np.exp2(exps - 127.0).astype(np.float32)
+    for q in range(0, P // 8, 4):     # the scale rows of each quadrant, one write per quadrant
+        rows = vals[q:q + 4]
+        p0 = 32 * (q // 4)
+        part = _tensor.make_result(ctx, rows, sdi, tag="quantize_mx", api=api)
+        _into(api, dst_scale[p0:p0 + rows.shape[0], 0:F4], part)
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):

@@ -22,7 +22,7 @@ from .. import _deps, _hw, _ops, _runtime, _scalar, _sched, _strict, _tensor
 from .. import language as _L
 from .._dtypes import (float32, float16, bfloat16, float8_e4m3, float8_e5m2, tfloat32,  # noqa: F401,E501 (public dtypes)
                        float8_e4m3fn, float8_e8m0fnu, int8, int16, int32, uint8, uint16,
-                       uint32, bool_)
+                       uint32, bool_, float8_e5m2_x4, float8_e4m3fn_x4, float4_e2m1fn_x4)
 
 DOC_LOOPS = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/deep-dives/"
              "nki-loops.html")
