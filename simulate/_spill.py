@@ -271,14 +271,23 @@ def touch(ctx, t, write):
     (refilling spilled ones) and mark them most recently used."""
     st = t._st
     space = ctx.space
-    lo, hi = _sched._range(t)                  # in the backing array's bytes
+    lo = hi = None                             # the view's bytes, in the backing array's
     if st.lazy:
+        lo, hi = _sched._range(t)
         span = _units_of(st)[2]
         blocks = range(lo // span, (hi - 1) // span + 1) if hi > lo else ()
-    elif (id(st), None) in space.units:
-        blocks = (None,)
     else:
-        return
+        u = space.units.get((id(st), None))
+        if u is None:
+            return
+        if u.resident:                         # the common case: only the LRU order moves
+            _record(space, u.key, ctx.seq)
+            u.seq = ctx.seq
+            if write:
+                u.written = True
+            space.units.move_to_end((id(st), None))
+            return
+        blocks = (None,)
     for b in blocks:
         key = (id(st), b)
         u = space.units.get(key)
@@ -291,6 +300,8 @@ def touch(ctx, t, write):
             space.units[key] = u
         elif not u.resident:
             u.seq = ctx.seq
+            if lo is None:
+                lo, hi = _sched._range(t)
             base = 0 if b is None else b * u.span
             whole = write and lo <= base and hi >= base + u.span
             if u.written and not whole and not u.out_paid:
