@@ -8,7 +8,8 @@ from __future__ import annotations
 import numbers
 import os
 
-from nki_kernels.nki import BACKEND, nki
+from nki_kernels import port
+from nki_kernels.nki import BACKEND, namespace, nki, select_api
 
 #: ``NKI_FLASH_RUN=simulate`` runs kernels through ``nki.simulate_kernel`` even when the backend is
 #: the real neuronx-cc (its own CPU simulator); the default on that backend is the device.
@@ -24,11 +25,30 @@ def launch(kernel, grid, *args, **kwargs):
     """Run ``kernel`` on the SPMD ``grid`` (ints, ``nl.nc(n)`` or ``nl.spmd_dim``) with NumPy
     arguments.
 
-    On the simulator this is ``nki.simulate_kernel(kernel[grid], ...)``; on a Trainium host it is
-    ``nki.baremetal(kernel)[grid](...)``. Returns whatever the kernel returns, as NumPy arrays.
+    A kernel written against :mod:`nki_kernels.port` traces through the namespace
+    :func:`nki_kernels.nki.select_api` picks (``NKI_FLASH_API``); the others through the legacy
+    one. Legacy: ``nki.simulate_kernel(kernel[grid], ...)`` on the simulator,
+    ``nki.baremetal(kernel)[grid](...)`` on a Trainium host. ``nki.*``: ``nki.simulate(kernel[grid])
+    (...)`` on the simulator, ``kernel[grid](...)`` on a device (NumPy arguments there are
+    UNCONFIRMED: AWS documents framework tensors). Returns the kernel's outputs as NumPy arrays.
     """
     # ints stay ints; nl.nc(n) / nl.spmd_dim(...) dimensions (LNC=2) are passed as they are
     grid = tuple(int(g) if isinstance(g, numbers.Integral) else g for g in grid)
+    if isinstance(kernel, port.Kernel):
+        return _launch_port(kernel, grid, args, kwargs)
     if runs_on_simulator():
         return nki.simulate_kernel(kernel[grid], *args, **kwargs)
     return nki.baremetal(kernel)[grid](*args, **kwargs)
+
+
+def _launch_port(kernel, grid, args, kwargs):
+    ns = namespace(select_api())
+    jitted = kernel.jitted(ns)
+    with port.tracing(ns):
+        if ns.api == "legacy":
+            if ns.backend == "simulate" or runs_on_simulator():
+                return ns.nki.simulate_kernel(jitted[grid], *args, **kwargs)
+            return ns.nki.baremetal(jitted)[grid](*args, **kwargs)
+        if ns.backend == "simulate" or os.environ.get(RUN_ENV_VAR, "").lower() == "simulate":
+            return ns.nki.simulate(jitted[grid])(*args, **kwargs)
+        return jitted[grid](*args, **kwargs)

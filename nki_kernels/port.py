@@ -1,0 +1,213 @@
+"""One kernel source, two NKI namespaces: the few operations where ``nki.*`` (NKI 0.7) and the
+legacy ``neuronxcc.nki`` differ, in one place.
+
+A ported kernel imports ``nl`` and its instructions from here, never from a namespace::
+
+    from nki_kernels import port
+    from nki_kernels.port import nl
+
+    @port.jit
+    def kernel(x):
+        y = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray((128, 512), dtype=x.dtype, buffer=nl.sbuf)
+        port.dma_copy(t[0:rows, 0:512], x[...])                    # HBM -> SBUF
+        port.tensor_scalar(t, t, op0=nl.multiply, operand0=2.0)   # VectorE, writes dst
+        ...
+
+What is the same in both namespaces is used as it is, through ``nl`` (a proxy of the namespace
+being traced): dtypes, buffers, ``nl.ndarray``/``nl.zeros``/``nl.full`` of 2-D (partition
+first) tiles, ``nl.ds``, the operators (``nl.add``, ``nl.maximum``, ``nl.exp``, ...), basic slices
+of tensors, and index arithmetic on a loop index (``i * size + c``, in slices and ``nl.ds``).
+Allocate tiles with ``nl.ndarray`` at the statement that owns them, not through a shared helper:
+each allocation statement is one tile (one rotating buffer in the compiler and in the
+simulator's schedule, which keys buffers on the allocating line). What differs goes through
+this module:
+
+- **Instructions write ``dst``** (the 0.7 form, migration guide): ``tensor_scalar(dst, data,
+  ...)`` is ``nisa.tensor_scalar(dst=dst, ...)`` in 0.7 and ``dst[...] = nisa.tensor_scalar(...,
+  dtype=dst.dtype)`` in legacy, so the result dtype is always ``dst.dtype``. ``dst`` may be a
+  slice of a tile (``t[0:rows, 0:1]``); it has the result's shape.
+- **Loads and stores** are ``dma_copy(dst, src)`` into preallocated tiles: ``nisa.dma_copy`` in
+  0.7, ``nl.load``/``nl.store`` in legacy (the instructions this package's legacy estimates were
+  made with). The cast, if any, is to ``dst.dtype``.
+- **Compiled loops**: ``loop(n, body, carried=...)`` calls ``body(i)`` for ``i`` in ``[0, n)``
+  as ``nl.fori_loop`` in 0.7 (every Python loop unrolls in 0.7) and ``nl.affine_range`` /
+  ``nl.sequential_range`` (``carried=True``: a loop-carried dependence) in legacy. Either way the
+  body is one copy of program text, so the program size does not grow with ``n``. ``i`` is a
+  runtime index: use it in index arithmetic, slices and ``nl.ds`` only (no ``int(i)``, no
+  ``if`` on it, no ``range(i)``). Loops whose trip count is a small constant may stay Python.
+- **Kernels** are decorated with :func:`jit`, which keeps the plain function; the launcher
+  (``host._launch.launch``) binds the namespace chosen by ``NKI_FLASH_API``
+  (:func:`nki_kernels.nki.select_api`), applies that namespace's ``nki.jit`` and traces the same
+  function with :func:`tracing` active. Nothing here reaches the other namespace: a kernel
+  traced through ``nki.*`` uses no ``neuronxcc`` object.
+
+Not covered yet (the later kernels' needs): matmuls and transposes into PSUM (``nc_matmul``'s
+``accumulate=`` against legacy ``+=``), masks (no ``mask=`` in 0.7: ``affine_select`` /
+``iota`` patterns), ``par_dim`` block dimensions, loop-carried Python values, SPMD grids against
+``kernel[lnc]``.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from nki_kernels import nki as _binding
+
+_ACTIVE = []
+
+
+def current():
+    """The :class:`nki_kernels.nki.Namespace` being traced (legacy outside :func:`tracing`, which
+    is what the kernels not ported yet trace through)."""
+    return _ACTIVE[-1] if _ACTIVE else _binding.namespace("legacy")
+
+
+@contextlib.contextmanager
+def tracing(ns):
+    """Trace kernels through the namespace ``ns`` inside the block."""
+    _ACTIVE.append(ns)
+    try:
+        yield ns
+    finally:
+        _ACTIVE.pop()
+
+
+class _Language:
+    """``nl`` of the namespace being traced (attribute lookups resolve at trace time)."""
+
+    def __getattr__(self, name):
+        return getattr(current().nl, name)
+
+    def __repr__(self):
+        return f"<nki_kernels.port.nl -> {current().nl.__name__}>"
+
+
+nl = _Language()
+
+
+class Kernel:
+    """A kernel written against this module: ``func`` is the plain function; :meth:`jitted`
+    is it under one namespace's ``nki.jit`` (made once per namespace)."""
+
+    def __init__(self, func):
+        self.func = func
+        self.__name__ = func.__name__
+        self.__doc__ = func.__doc__
+        self._jitted = {}
+
+    def jitted(self, ns):
+        key = (ns.api, ns.backend)
+        if key not in self._jitted:
+            self._jitted[key] = ns.nki.jit(self.func)
+        return self._jitted[key]
+
+    def __repr__(self):
+        return f"<nki_kernels.port.Kernel {self.__name__}>"
+
+
+def jit(func):
+    """Mark ``func`` as a kernel traced through either namespace (see :class:`Kernel`)."""
+    return Kernel(func)
+
+
+# -- data movement ----------------------------------------------------------------------------
+
+def dma_copy(dst, src):
+    """``dst = src`` by DMA (HBM -> SBUF or SBUF -> HBM), cast to ``dst.dtype``."""
+    ns = current()
+    if ns.api == "nki":
+        ns.nisa.dma_copy(dst=dst, src=src)
+    elif str(getattr(src, "buffer", "")).lower().endswith("hbm"):     # hbm, shared_hbm
+        dst[...] = ns.nl.load(src, dtype=dst.dtype)
+    else:
+        ns.nl.store(dst, value=src)
+
+
+# -- compiled loops ---------------------------------------------------------------------------
+
+def loop(n, body, carried=False):
+    """``body(i)`` for ``i`` in ``[0, n)`` as a compiled loop (see the module docstring);
+    ``carried`` says an iteration reads what the previous one wrote (legacy needs
+    ``sequential_range`` for that; 0.7's ``fori_loop`` is sequential by definition)."""
+    ns = current()
+    if ns.api == "nki":
+        def step(i):
+            body(i)
+
+        step.__name__ = getattr(body, "__name__", "body")
+        ns.nl.fori_loop(0, n, step)
+        return
+    for i in (ns.nl.sequential_range if carried else ns.nl.affine_range)(n):
+        body(i)
+
+
+def for_tiles(total, size, body, carried=False):
+    """Call ``body(i, n)`` for the tiles ``i * size ... i * size + n`` covering ``[0, total)``:
+    a compiled :func:`loop` over the full tiles, then one statically sized tail.
+
+    ``total`` and ``size`` are static ints. ``i`` is the tile index: a runtime loop index for the
+    full tiles (a Python int when there is only one, and for the tail); the tile starts at
+    ``i * size``. ``n`` is always a Python int (``size``, or ``total % size`` for the tail), so
+    partial tiles are plain static slices (no masks). ``carried``: see :func:`loop`.
+    """
+    n_full, tail = divmod(total, size)
+    if n_full == 1:
+        body(0, size)
+    elif n_full > 1:
+        def full_tile(i):
+            body(i, size)
+
+        full_tile.__name__ = getattr(body, "__name__", "body")
+        loop(n_full, full_tile, carried=carried)
+    if tail:
+        body(n_full, tail)
+
+
+# -- compute instructions: dst first, result dtype = dst.dtype ---------------------------------
+
+def _issue(name, dst, legacy_extra=None, **operands):
+    ns = current()
+    fn = getattr(ns.nisa, name)
+    if ns.api == "nki":
+        fn(dst=dst, **operands)
+    else:
+        dst[...] = fn(**operands, **(legacy_extra or {}), dtype=dst.dtype)
+
+
+def tensor_copy(dst, src):
+    _issue("tensor_copy", dst, src=src)
+
+
+def tensor_tensor(dst, data1, data2, op):
+    _issue("tensor_tensor", dst, data1=data1, data2=data2, op=op)
+
+
+def tensor_scalar(dst, data, op0, operand0, op1=None, operand1=None):
+    _issue("tensor_scalar", dst, data=data, op0=op0, operand0=operand0, op1=op1,
+           operand1=operand1)
+
+
+def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1):
+    _issue("scalar_tensor_tensor", dst, data=data, op0=op0, operand0=operand0, op1=op1,
+           operand1=operand1)
+
+
+def tensor_reduce(dst, op, data, axis):
+    """Reduce ``data`` over ``axis`` (free axes) into ``dst`` of shape ``(P, 1)``."""
+    _issue("tensor_reduce", dst, legacy_extra=dict(keepdims=True), op=op, data=data, axis=axis)
+
+
+def reciprocal(dst, data):
+    _issue("reciprocal", dst, data=data)
+
+
+def activation(dst, op, data, bias=None, scale=1.0):
+    """``dst = op(data * scale + bias)`` on ScalarE (``bias`` a ``(P, 1)`` tile or None)."""
+    _issue("activation", dst, op=op, data=data, bias=bias, scale=scale)
+
+
+def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0):
+    """:func:`activation`, and ``reduce_res`` ``(P, 1)`` = the row reduction (``nl.add``) of
+    the fp32 result, taken before ``dst`` is rounded."""
+    _issue("activation_reduce", dst, op=op, data=data, reduce_op=reduce_op,
+           reduce_res=reduce_res, bias=bias, scale=scale)
