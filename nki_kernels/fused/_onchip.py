@@ -2,8 +2,9 @@
 
 Helpers called from inside an ``@nki.jit`` kernel:
 
-- :func:`for_tiles` walks ``[0, total)`` in tiles of a fixed size: an ``nl.affine_range`` over the
-  full tiles, then one statically sized tail. Every tile size a body sees is a Python int, so
+- :func:`for_tiles` (:func:`nki_kernels.port.for_tiles`) walks ``[0, total)`` in tiles of a fixed
+  size: a compiled loop over the full tiles (``nl.affine_range`` in legacy, ``nl.fori_loop`` in
+  ``nki.*``), then one statically sized tail. Every tile size a body sees is a Python int, so
   partial tiles are plain static slices (no masks, and no uninitialized rows reach TensorE).
 - :func:`matmul_accumulate` sums matmuls over contraction tiles into one PSUM tile; the first
   matmul writes the tile, so no zero-fill instruction is spent on it.
@@ -15,34 +16,9 @@ Helpers called from inside an ``@nki.jit`` kernel:
 """
 from nki_kernels import tiles
 from nki_kernels.nki import nisa, nl
+from nki_kernels.port import for_tiles  # noqa: F401 (re-exported for the kernels)
 
 PMAX = tiles.PMAX
-
-
-def for_tiles(total, size, body, loop=None):
-    """Call ``body(i, n)`` for the tiles ``i * size ... i * size + n`` covering ``[0, total)``.
-
-    Parameters
-    ----------
-    total, size : int
-        Static extent and tile size.
-    body : callable(i, n)
-        ``i`` is the tile index: a loop index for the full tiles (a Python int when there is
-        only one, and for the tail); the tile starts at ``i * size``. ``n`` is always a Python
-        int: ``size``, or ``total % size`` for the tail.
-    loop : callable, optional
-        Loop constructor for the full tiles, default ``nl.affine_range`` (independent
-        iterations); ``nl.sequential_range`` for a loop-carried recurrence.
-    """
-    loop = nl.affine_range if loop is None else loop
-    n_full, tail = divmod(total, size)
-    if n_full == 1:
-        body(0, size)
-    elif n_full > 1:
-        for i in loop(n_full):
-            body(i, size)
-    if tail:
-        body(n_full, tail)
 
 
 def matmul_accumulate(acc, idx, total, size, operands):

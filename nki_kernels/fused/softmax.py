@@ -26,14 +26,17 @@ sees ``-inf - -inf``; the sum is clamped at ``tiles.SOFTMAX_L_FLOOR`` before ``1
 entirely -inf therefore gives zeros (as the float64 reference does). With
 ``zero_masked_rows=True`` a row whose max is below ``tiles.SOFTMAX_MASKED_ROW_MAX`` (a fully
 masked attention row filled with fp32.min) also gives zeros.
-"""
-import numpy as np
 
-from nki_kernels import tiles
-from nki_kernels.fused._onchip import PMAX, for_tiles
-from nki_kernels.nki import nisa, nki, nl
+One source for both NKI namespaces (``nki.*`` on trn2/trn3, ``neuronxcc.nki`` on trn1), written
+against :mod:`nki_kernels.port`: every loop over row tiles and column chunks is a compiled loop
+in both, so the program does not grow with R or C. Tiles are allocated at their full size
+(128 partitions, ``chunk`` columns) and partial tiles are static slices of them.
+"""
+from nki_kernels import port, tiles
+from nki_kernels.port import for_tiles, nl
 
 ALGORITHMS = ("online", "two_pass")
+PMAX = tiles.PMAX
 
 
 def _vec():
@@ -41,10 +44,18 @@ def _vec():
     return nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
 
 
+def _load(t, x, r0, rsz, c0, cw):
+    """``t[0:rsz, 0:cw] = x[r0:r0+rsz, c0:c0+cw]`` (DMA); returns t."""
+    port.dma_copy(t[0:rsz, 0:cw], x[nl.ds(r0, rsz), nl.ds(c0, cw)])
+    return t
+
+
 def _row_max(t, rsz, cw):
-    """``max_j t[p, j]`` as an (rsz, 1) vector in t's dtype (VectorE; a max is exact in any
+    """``max_j t[p, j]`` as a (128, 1) vector in t's dtype (VectorE; a max is exact in any
     dtype, and 16-bit in and out runs at 2 elements per cycle)."""
-    return nisa.tensor_reduce(np.max, t[0:rsz, 0:cw], axis=(1,), dtype=t.dtype, keepdims=True)
+    m = nl.ndarray((PMAX, 1), dtype=t.dtype, buffer=nl.sbuf)
+    port.tensor_reduce(m[0:rsz, 0:1], nl.maximum, t[0:rsz, 0:cw], axis=(1,))
+    return m
 
 
 def _e_dtype(out_dtype):
@@ -55,80 +66,94 @@ def _e_dtype(out_dtype):
 
 def _neg_clamped(m, rsz):
     """``-max(m, M_FLOOR)``: the exp bias of a row with max m (finite even for all -inf rows)."""
-    return nisa.tensor_scalar(m[0:rsz, 0:1], np.maximum, tiles.SOFTMAX_M_FLOOR,
-                              op1=np.multiply, operand1=-1.0, dtype=nl.float32)
+    neg_m = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(neg_m[0:rsz, 0:1], m[0:rsz, 0:1], nl.maximum, tiles.SOFTMAX_M_FLOOR,
+                       op1=nl.multiply, operand1=-1.0)
+    return neg_m
 
 
-def _exp_sum(t, neg_m, s, rsz, cw, e_dtype=nl.float32):
-    """``e = exp(t + neg_m)`` (returned in ``e_dtype``) and ``s = sum_j e`` into the vector s,
-    summed in fp32 before e is rounded (ScalarE)."""
-    return nisa.activation_reduce(op=nl.exp, data=t[0:rsz, 0:cw], bias=neg_m[0:rsz, 0:1],
-                                  reduce_op=np.add, reduce_res=s[0:rsz, 0:1], dtype=e_dtype)
+def _exp_sum(t, neg_m, s, rsz, cw, e_dtype=None):
+    """``e = exp(t + neg_m)`` (returned, a (128, t's width) tile in ``e_dtype``, default fp32)
+    and ``s = sum_j e`` into the vector s, summed in fp32 before e is rounded (ScalarE)."""
+    e = nl.ndarray((PMAX, t.shape[1]), dtype=e_dtype or nl.float32, buffer=nl.sbuf)
+    port.activation_reduce(e[0:rsz, 0:cw], nl.exp, t[0:rsz, 0:cw], reduce_op=nl.add,
+                           reduce_res=s[0:rsz, 0:1], bias=neg_m[0:rsz, 0:1])
+    return e
 
 
 def _inv_sum(l, m, rsz, zero_masked_rows):
     """``1 / max(l, L_FLOOR)``, times ``[m > MASKED_ROW_MAX]`` when zeroing masked rows."""
-    l_safe = nisa.tensor_scalar(l[0:rsz, 0:1], np.maximum, tiles.SOFTMAX_L_FLOOR,
-                                dtype=nl.float32)
-    inv = nisa.reciprocal(l_safe, dtype=nl.float32)
-    if zero_masked_rows:
-        seen = nisa.tensor_scalar(m[0:rsz, 0:1], np.greater, tiles.SOFTMAX_MASKED_ROW_MAX,
-                                  dtype=nl.float32)
-        inv = nisa.tensor_tensor(inv, seen, op=np.multiply, dtype=nl.float32)
-    return inv
+    l_safe = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(l_safe[0:rsz, 0:1], l[0:rsz, 0:1], nl.maximum, tiles.SOFTMAX_L_FLOOR)
+    inv = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.reciprocal(inv[0:rsz, 0:1], l_safe[0:rsz, 0:1])
+    if not zero_masked_rows:
+        return inv
+    seen = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(seen[0:rsz, 0:1], m[0:rsz, 0:1], nl.greater, tiles.SOFTMAX_MASKED_ROW_MAX)
+    inv_seen = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(inv_seen[0:rsz, 0:1], inv[0:rsz, 0:1], seen[0:rsz, 0:1], op=nl.multiply)
+    return inv_seen
 
 
 def _rows_resident(x, y, r0, rsz, C, zero_masked_rows):
     """The whole row tile on chip: one read, one write; max, exp-sum and scale on chip."""
-    t = nl.load(x[nl.ds(r0, rsz), 0:C])
+    t = _load(nl.ndarray((PMAX, C), dtype=x.dtype, buffer=nl.sbuf), x, r0, rsz, 0, C)
     m = _row_max(t, rsz, C)
     neg_m = _neg_clamped(m, rsz)
     l = _vec()
     e = _exp_sum(t, neg_m, l, rsz, C, _e_dtype(y.dtype))
     inv = _inv_sum(l, m, rsz, zero_masked_rows)
-    out = nisa.tensor_scalar(e, np.multiply, inv, dtype=y.dtype)
-    nl.store(y[nl.ds(r0, rsz), 0:C], value=out)
+    out = nl.ndarray((PMAX, C), dtype=y.dtype, buffer=nl.sbuf)
+    port.tensor_scalar(out[0:rsz, 0:C], e[0:rsz, 0:C], nl.multiply, inv[0:rsz, 0:1])
+    port.dma_copy(y[nl.ds(r0, rsz), 0:C], out[0:rsz, 0:C])
 
 
 def _stats_online(x, r0, rsz, C, chunk, m_run, l_run):
     """One walk over the row: running (m, l) with the rescaling recurrence."""
 
     def update(ci, cw):
-        t = nl.load(x[nl.ds(r0, rsz), nl.ds(ci * chunk, cw)])
+        t = _load(nl.ndarray((PMAX, chunk), dtype=x.dtype, buffer=nl.sbuf),
+                  x, r0, rsz, ci * chunk, cw)
         m_chunk = _row_max(t, rsz, cw)
-        m_new = nisa.tensor_tensor(m_run[0:rsz, 0:1], m_chunk, op=np.maximum, dtype=nl.float32)
-        neg_m = nisa.tensor_scalar(m_new, np.multiply, -1.0, dtype=nl.float32)
+        m_new = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(m_new[0:rsz, 0:1], m_run[0:rsz, 0:1], m_chunk[0:rsz, 0:1],
+                           op=nl.maximum)
+        neg_m = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(neg_m[0:rsz, 0:1], m_new[0:rsz, 0:1], nl.multiply, -1.0)
         s_chunk = _vec()
         _exp_sum(t, neg_m, s_chunk, rsz, cw)
-        alpha = nisa.activation(op=nl.exp, data=m_run[0:rsz, 0:1], bias=neg_m,
-                                dtype=nl.float32)  # exp(m - m') <= 1
-        l_run[0:rsz, 0:1] = nisa.scalar_tensor_tensor(
-            data=l_run[0:rsz, 0:1], op0=np.multiply, operand0=alpha, op1=np.add,
-            operand1=s_chunk[0:rsz, 0:1], dtype=nl.float32)
-        m_run[0:rsz, 0:1] = nisa.tensor_copy(m_new, dtype=nl.float32)
+        alpha = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.activation(alpha[0:rsz, 0:1], nl.exp, m_run[0:rsz, 0:1],
+                        bias=neg_m[0:rsz, 0:1])                  # exp(m - m') <= 1
+        port.scalar_tensor_tensor(l_run[0:rsz, 0:1], l_run[0:rsz, 0:1], nl.multiply,
+                                  alpha[0:rsz, 0:1], nl.add, s_chunk[0:rsz, 0:1])
+        port.tensor_copy(m_run[0:rsz, 0:1], m_new[0:rsz, 0:1])
 
-    for_tiles(C, chunk, update, loop=nl.sequential_range)
+    for_tiles(C, chunk, update, carried=True)
 
 
 def _stats_two_pass(x, r0, rsz, C, chunk, m_run, l_run):
     """Two walks over the row: the max first, then the sum of exponentials."""
 
     def take_max(ci, cw):
-        t = nl.load(x[nl.ds(r0, rsz), nl.ds(ci * chunk, cw)])
-        m_run[0:rsz, 0:1] = nisa.tensor_tensor(m_run[0:rsz, 0:1], _row_max(t, rsz, cw),
-                                               op=np.maximum, dtype=nl.float32)
+        t = _load(nl.ndarray((PMAX, chunk), dtype=x.dtype, buffer=nl.sbuf),
+                  x, r0, rsz, ci * chunk, cw)
+        port.tensor_tensor(m_run[0:rsz, 0:1], m_run[0:rsz, 0:1], _row_max(t, rsz, cw)[0:rsz, 0:1],
+                           op=nl.maximum)
 
-    for_tiles(C, chunk, take_max, loop=nl.sequential_range)
+    for_tiles(C, chunk, take_max, carried=True)
     neg_m = _neg_clamped(m_run, rsz)
 
     def add_sum(ci, cw):
-        t = nl.load(x[nl.ds(r0, rsz), nl.ds(ci * chunk, cw)])
+        t = _load(nl.ndarray((PMAX, chunk), dtype=x.dtype, buffer=nl.sbuf),
+                  x, r0, rsz, ci * chunk, cw)
         s_chunk = _vec()
         _exp_sum(t, neg_m, s_chunk, rsz, cw)
-        l_run[0:rsz, 0:1] = nisa.tensor_tensor(l_run[0:rsz, 0:1], s_chunk[0:rsz, 0:1],
-                                               op=np.add, dtype=nl.float32)
+        port.tensor_tensor(l_run[0:rsz, 0:1], l_run[0:rsz, 0:1], s_chunk[0:rsz, 0:1],
+                           op=nl.add)
 
-    for_tiles(C, chunk, add_sum, loop=nl.sequential_range)
+    for_tiles(C, chunk, add_sum, carried=True)
 
 
 def _rows_streamed(x, y, r0, rsz, C, chunk, algorithm, zero_masked_rows):
@@ -144,16 +169,17 @@ def _rows_streamed(x, y, r0, rsz, C, chunk, algorithm, zero_masked_rows):
 
     def write(ci, cw):
         c0 = ci * chunk
-        t = nl.load(x[nl.ds(r0, rsz), nl.ds(c0, cw)])
-        e = nisa.activation(op=nl.exp, data=t[0:rsz, 0:cw], bias=neg_m,
-                            dtype=_e_dtype(y.dtype))
-        out = nisa.tensor_scalar(e, np.multiply, inv, dtype=y.dtype)
-        nl.store(y[nl.ds(r0, rsz), nl.ds(c0, cw)], value=out)
+        t = _load(nl.ndarray((PMAX, chunk), dtype=x.dtype, buffer=nl.sbuf), x, r0, rsz, c0, cw)
+        e = nl.ndarray((PMAX, chunk), dtype=_e_dtype(y.dtype), buffer=nl.sbuf)
+        port.activation(e[0:rsz, 0:cw], nl.exp, t[0:rsz, 0:cw], bias=neg_m[0:rsz, 0:1])
+        out = nl.ndarray((PMAX, chunk), dtype=y.dtype, buffer=nl.sbuf)
+        port.tensor_scalar(out[0:rsz, 0:cw], e[0:rsz, 0:cw], nl.multiply, inv[0:rsz, 0:1])
+        port.dma_copy(y[nl.ds(r0, rsz), nl.ds(c0, cw)], out[0:rsz, 0:cw])
 
     for_tiles(C, chunk, write)
 
 
-@nki.jit
+@port.jit
 def softmax_kernel(x, algorithm="online", chunk=tiles.SOFTMAX_CHUNK, resident=False,
                    zero_masked_rows=False):
     """Row softmax of a 2-D HBM tensor (launch on a grid of ``(1,)``).

@@ -4,6 +4,8 @@ Tolerance rule (docs/semantics.md, adapted to these kernels; see _fused_baseline
 <= 2 x the error of a plain NumPy implementation in the kernel's matmul operand precision
 (each operator's result rounded to that dtype) + a floor of 1e-5 (fp32 operands) or 1e-3.
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from host._launch import launch
 from nki_kernels import tiles
 from nki_kernels.fused import linear_gelu as lg
 from nki_kernels.fused import softmax as sm
+from nki_kernels.nki import API_ENV_VAR, BACKEND
 
 
 def _f64(a):
@@ -89,14 +92,30 @@ def test_unfused_pipeline_steps(dtype):
 # Row softmax
 # --------------------------------------------------------------------------------------------
 
+@pytest.fixture(params=["legacy", "nki"])
+def api(request, monkeypatch):
+    """The softmax kernel is written once (nki_kernels.port): every softmax test runs through
+    both NKI namespaces (NKI_FLASH_API), same tolerance rule."""
+    monkeypatch.setenv(API_ENV_VAR, request.param)
+    return request.param
+
+
 def _softmax(x, algorithm, chunk, resident, zero_masked_rows=False):
-    return launch(sm.softmax_kernel, (1,), x, algorithm=algorithm, chunk=chunk,
-                  resident=resident, zero_masked_rows=zero_masked_rows)
+    if BACKEND != "simulate":
+        return launch(sm.softmax_kernel, (1,), x, algorithm=algorithm, chunk=chunk,
+                      resident=resident, zero_masked_rows=zero_masked_rows)
+    import simulate
+
+    with simulate.measure() as m:
+        y = launch(sm.softmax_kernel, (1,), x, algorithm=algorithm, chunk=chunk,
+                   resident=resident, zero_masked_rows=zero_masked_rows)
+    assert m.api == os.environ[API_ENV_VAR]     # the namespace asked for is the one that ran
+    return y
 
 
 @pytest.mark.parametrize("algorithm", sm.ALGORITHMS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_softmax_streamed(algorithm, dtype):
+def test_softmax_streamed(algorithm, dtype, api):
     """Rows streamed in chunks of 256 columns (3 full chunks + a 232-column tail), 130 rows."""
     rng = np.random.default_rng(11)
     dt = DTYPES[dtype]
@@ -108,7 +127,7 @@ def test_softmax_streamed(algorithm, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_softmax_resident(dtype):
+def test_softmax_resident(dtype, api):
     rng = np.random.default_rng(12)
     dt = DTYPES[dtype]
     x = randn(rng, (129, 300), dt, scale=3.0)
@@ -117,7 +136,7 @@ def test_softmax_resident(dtype):
 
 
 @pytest.mark.parametrize("resident", [True, False])
-def test_softmax_infinities_and_tiny_shapes(resident):
+def test_softmax_infinities_and_tiny_shapes(resident, api):
     """-inf entries are zeros, an all -inf row is zeros (no NaN); 1 x 1 and 1-column rows."""
     x = np.random.default_rng(13).standard_normal((3, 40)).astype(np.float32) * 100.0
     x[0, ::3] = -np.inf
@@ -134,7 +153,7 @@ def test_softmax_infinities_and_tiny_shapes(resident):
         assert np.allclose(_softmax(one, "two_pass", 1, resident), 1.0)
 
 
-def test_softmax_zero_masked_rows():
+def test_softmax_zero_masked_rows(api):
     """The attention flavour: a row of fp32.min (a query that sees no key) outputs zeros."""
     x = np.random.default_rng(14).standard_normal((4, 70)).astype(np.float32)
     x[2, :] = np.finfo(np.float32).min
