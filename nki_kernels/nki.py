@@ -196,7 +196,15 @@ def select_api(target=None):
     target = active_target() if target is None else target
     if target == "trn1":
         return "legacy"
-    return "nki" if nki_available() else "legacy"
+    if nki_available():
+        return "nki"
+    if target == "trn3":
+        # no legacy toolchain targets NeuronCore-v4 (nki-today.md §1, §3)
+        raise ImportError(
+            "trn3 runs only nki.* kernels (Neuron SDK 2.30+) and only neuronx-cc's legacy "
+            "neuronxcc.nki is installed: pip install neuronx-cc nki --extra-index-url "
+            f"https://pip.repos.neuron.amazonaws.com, or {ENV_VAR}=simulate")
+    return "legacy"
 
 
 __all__ = ["nki", "nl", "nisa", "BACKEND", "ENV_VAR", "active_target", "API_ENV_VAR",

@@ -142,3 +142,14 @@ def test_auto_on_trn2_falls_back_to_legacy_with_only_neuronx_cc(monkeypatch):
     monkeypatch.setattr(binding, "_real_nki_importable", lambda: True)
     assert binding.select_api("trn2") == "nki"
     assert binding.select_api("trn1") == "legacy"
+
+
+def test_trn3_with_only_neuronx_cc_says_what_to_install(monkeypatch):
+    """trn3 has no legacy toolchain: with only neuronx-cc installed, one line says what to
+    install (or to use the simulator) instead of a legacy trace that cannot target it."""
+    monkeypatch.delenv(binding.API_ENV_VAR, raising=False)
+    monkeypatch.setattr(binding, "_choice", "auto")
+    monkeypatch.setattr(binding, "BACKEND", "neuron")
+    monkeypatch.setattr(binding, "_real_nki_importable", lambda: False)
+    with pytest.raises(ImportError, match="trn3 runs only nki.* kernels .* pip install"):
+        binding.select_api("trn3")
