@@ -18,7 +18,7 @@ The model (each point UNCONFIRMED, docs/simulator.md "Allocation beyond capacity
   access, not at the declaration.
 * **Eviction by liveness.** The compiler sees the whole program; an eager simulator does not.
   So a launch that runs out of space runs twice: the first run records when every unit is
-  accessed, the second evicts, when a unit needs space that is not free, the unit whose next
+  accessed from its first shortage on (the runs are identical before it), the second evicts, when a unit needs space that is not free, the unit whose next
   access is furthest away (none: it is dead and costs nothing) among those not used by the
   current instruction and not directly allocated -- what an allocator that knows every
   access does (Belady's choice). Only the second run is measured and returned.
@@ -258,7 +258,10 @@ def track(ctx, st):
 
 
 def _record(space, key, seq):
-    if ORACLE is None:
+    """Note an access for the second run. Only accesses from the first shortage on are kept:
+    until then both runs are the same and nothing is evicted, and a unit with no access after
+    it is dead (so a launch that never runs short records nothing)."""
+    if ORACLE is None and space.evicted:
         seqs = space.trace.get(key)
         if seqs is None:
             space.trace[key] = [seq]
