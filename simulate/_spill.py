@@ -42,7 +42,6 @@ import contextlib
 import os
 import warnings
 import weakref
-from collections import OrderedDict
 
 from . import _hw, _sched
 
@@ -110,7 +109,10 @@ class Space:
 
     def __init__(self, pid):
         self.pid = pid
-        self.units = OrderedDict()  # (id(storage), block) -> _Unit
+        self.units = {}             # (id(storage), block) -> _Unit
+        # the units holding space in each memory: resident ones, and (in "sbuf") PSUM units
+        # spilled into SBUF -- the eviction candidates, without scanning every unit
+        self.holding = {"sbuf": {}, "psum": {}}
         self.spill_sbuf = 0         # bytes per partition of PSUM units spilled into SBUF
         self.allocs = 0             # units' storages numbered in allocation order
         self.trace = {}             # key -> API call numbers of its accesses (first run)
@@ -174,18 +176,14 @@ def make_room(ctx, buffer, need):
         return True
     space.evicted = True
     cands = []
-    for key in list(space.units):
-        u = space.units[key]
+    held = space.holding[buffer]
+    for key, u in list(held.items()):
         st = u.st()
         if st is None:
-            del space.units[key]
+            del held[key]
             continue
-        if u.seq == ctx.seq or st.pinned:
-            continue
-        if st.buffer == buffer and u.resident:
-            cands.append((u, st))
-        elif buffer == "sbuf" and st.buffer == "psum" and u.spilled_to == "sbuf":
-            cands.append((u, st))              # spilled PSUM data in SBUF moves on to HBM
+        if u.seq != ctx.seq and not st.pinned:
+            cands.append((u, st, key))
     if ORACLE is not None:                    # furthest next access first; dead ones first of all
         inf = float("inf")
 
@@ -194,7 +192,10 @@ def make_room(ctx, buffer, need):
             i = bisect.bisect_left(seqs, ctx.seq)       # this call's own accesses count
             return seqs[i] if i < len(seqs) else inf
         cands.sort(key=next_use, reverse=True)
-    for u, st in cands:
+    else:                                      # least recently used first
+        cands.sort(key=lambda c: c[0].seq)
+    for u, st, key in cands:
+        del held[key]
         if not u.resident:                     # PSUM data spilled into SBUF: on to HBM (its
             space.spill_sbuf -= u.fb           # spill is charged again, via HBM)
             u.spilled_to = "hbm"
@@ -210,6 +211,7 @@ def make_room(ctx, buffer, need):
             if ctx.sbuf_live + space.spill_sbuf + u.fb <= ctx.tgt.sbuf_bytes_per_partition:
                 u.spilled_to = "sbuf"
                 space.spill_sbuf += u.fb
+                space.holding["sbuf"][key] = u
             else:
                 u.spilled_to = "hbm"
         else:
@@ -254,6 +256,7 @@ def track(ctx, st):
     u.seq = ctx.seq
     u.written = st.written
     space.units[(id(st), None)] = u
+    space.holding[st.buffer][(id(st), None)] = u
     _record(space, u.key, ctx.seq)
 
 
@@ -283,12 +286,11 @@ def touch(ctx, t, write):
         u = space.units.get((id(st), None))
         if u is None:
             return
-        if u.resident:                         # the common case: only the LRU order moves
+        if u.resident:                         # the common case: only its last access is noted
             _record(space, u.key, ctx.seq)
             u.seq = ctx.seq
             if write:
                 u.written = True
-            space.units.move_to_end((id(st), None))
             return
         blocks = (None,)
     for b in blocks:
@@ -301,6 +303,7 @@ def touch(ctx, t, write):
                 _overflow(ctx, st, u.size)
             _account(ctx, st, u.size, +1)
             space.units[key] = u
+            space.holding[st.buffer][key] = u
         elif not u.resident:
             u.seq = ctx.seq
             if lo is None:
@@ -317,6 +320,8 @@ def touch(ctx, t, write):
                 _account(ctx, st, u.size, +1)
                 if u.spilled_to == "sbuf":
                     space.spill_sbuf -= u.fb
+                    space.holding["sbuf"].pop(key, None)
+                space.holding[st.buffer][key] = u
                 if u.written and not whole:
                     _load_back(ctx, st, u)
                 u.resident = True
@@ -325,7 +330,6 @@ def touch(ctx, t, write):
         u.seq = ctx.seq
         if write:
             u.written = True
-        space.units.move_to_end(key)
 
 
 def _spill_out(ctx, st, u):
@@ -382,9 +386,12 @@ def forget(ctx, st):
     if not (st.lazy or (id(st), None) in space.units):
         return False
     for b in (range(_units_of(st)[0]) if st.lazy else (None,)):
-        u = space.units.pop((id(st), b), None)
+        key = (id(st), b)
+        u = space.units.pop(key, None)
         if u is None:
             continue
+        space.holding["sbuf"].pop(key, None)
+        space.holding["psum"].pop(key, None)
         if u.resident:
             _account(ctx, st, u.size, -1)
         elif u.spilled_to == "sbuf":
