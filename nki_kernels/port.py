@@ -42,10 +42,19 @@ this module:
   function with :func:`tracing` active. Nothing here reaches the other namespace: a kernel
   traced through ``nki.*`` uses no ``neuronxcc`` object.
 
-Not covered yet (the later kernels' needs): matmuls and transposes into PSUM (``nc_matmul``'s
-``accumulate=`` against legacy ``+=``), masks (no ``mask=`` in 0.7: ``affine_select`` /
-``iota`` patterns), ``par_dim`` block dimensions, loop-carried Python values, SPMD grids against
-``kernel[lnc]``.
+- **TensorE into PSUM**: ``nc_matmul(dst, stationary, moving, accumulate=False|True)`` is
+  ``nisa.nc_matmul(dst, ..., accumulate=)`` in 0.7 and ``dst[...] = / += nisa.nc_matmul(...)``
+  in legacy (``True`` only onto PSUM a matmul or a zero fill has written: 0.7 leaves it
+  undefined otherwise). ``nc_transpose(dst, data)`` likewise; its PSUM ``dst`` has the dtype
+  :func:`transpose_dtype` gives (0.7 requires the input's dtype; the legacy kernels transposed
+  into fp32 PSUM, kept so their estimates do not move).
+- **Engines** are named by strings (``"vector"``, ``"scalar"``, ``"gpsimd"``):
+  ``nisa.engine.vector`` in 0.7, ``nisa.vector_engine`` in legacy.
+
+Not covered yet (the later kernels' needs): masks (no ``mask=`` in 0.7: ``affine_select`` /
+``iota`` patterns; legacy ``affine_select`` takes an ``nl.mgrid`` predicate, 0.7 a pattern with
+a compile-time ``offset``, so a loop-index offset needs ``iota`` + compare), ``par_dim`` block
+dimensions, loop-carried Python values, SPMD grids against ``kernel[lnc]``.
 """
 from __future__ import annotations
 
@@ -125,8 +134,8 @@ def dma_copy(dst, src):
 
 # -- compiled loops ---------------------------------------------------------------------------
 
-def loop(n, body, carried=False):
-    """``body(i)`` for ``i`` in ``[0, n)`` as a compiled loop (see the module docstring);
+def loop(n, body, carried=False, start=0):
+    """``body(i)`` for ``i`` in ``[start, n)`` as a compiled loop (see the module docstring);
     ``carried`` says an iteration reads what the previous one wrote (legacy needs
     ``sequential_range`` for that; 0.7's ``fori_loop`` is sequential by definition)."""
     ns = current()
@@ -135,9 +144,10 @@ def loop(n, body, carried=False):
             body(i)
 
         step.__name__ = getattr(body, "__name__", "body")
-        ns.nl.fori_loop(0, n, step)
+        ns.nl.fori_loop(start, n, step)
         return
-    for i in (ns.nl.sequential_range if carried else ns.nl.affine_range)(n):
+    rng = ns.nl.sequential_range if carried else ns.nl.affine_range
+    for i in (rng(start, n) if start else rng(n)):
         body(i)
 
 
@@ -174,8 +184,53 @@ def _issue(name, dst, legacy_extra=None, **operands):
         dst[...] = fn(**operands, **(legacy_extra or {}), dtype=dst.dtype)
 
 
-def tensor_copy(dst, src):
-    _issue("tensor_copy", dst, src=src)
+def _engine(ns, name):
+    """The engine called ``name`` ("vector", "scalar", "gpsimd") in ``ns``."""
+    return getattr(ns.nisa.engine, name) if ns.api == "nki" else getattr(ns.nisa, name + "_engine")
+
+
+def tensor_copy(dst, src, engine=None):
+    """``dst = src`` (SBUF/PSUM -> SBUF) on ``engine`` ("vector", "scalar", "gpsimd"; None lets
+    the compiler choose)."""
+    if engine is None:
+        _issue("tensor_copy", dst, src=src)
+    else:
+        _issue("tensor_copy", dst, src=src, engine=_engine(current(), engine))
+
+
+# -- TensorE: results into PSUM ----------------------------------------------------------------
+
+def nc_matmul(dst, stationary, moving, accumulate=False):
+    """``dst = stationary^T @ moving`` (``accumulate=False``) or ``dst += ...`` (``True``) on
+    TensorE, ``dst`` a PSUM tile (fp32). Start every accumulation group with ``False``, or on a
+    PSUM tile zero-filled by ``nl.zeros``: 0.7 leaves ``True`` on an unwritten location
+    undefined."""
+    ns = current()
+    if ns.api == "nki":
+        ns.nisa.nc_matmul(dst=dst, stationary=stationary, moving=moving,
+                          accumulate=bool(accumulate))
+    elif accumulate:
+        dst[...] += ns.nisa.nc_matmul(stationary, moving)
+    else:
+        dst[...] = ns.nisa.nc_matmul(stationary, moving)
+
+
+def transpose_dtype(dtype):
+    """dtype of the PSUM tile a TensorE :func:`nc_transpose` of ``dtype`` data writes: the same
+    dtype in 0.7 (``nisa.nc_transpose``: "the output must have the input's dtype"), fp32 in
+    legacy (what this package's legacy kernels allocated; their estimates were made with it).
+    Allocate the tile at its own statement with this dtype."""
+    return dtype if current().api == "nki" else current().nl.float32
+
+
+def nc_transpose(dst, data):
+    """``dst = data^T`` (partitions <-> free) on TensorE: ``data`` in SBUF (<= 128 x 128),
+    ``dst`` in PSUM of dtype :func:`transpose_dtype` ``(data.dtype)``."""
+    ns = current()
+    if ns.api == "nki":
+        ns.nisa.nc_transpose(dst=dst, data=data)
+    else:
+        dst[...] = ns.nisa.nc_transpose(data)
 
 
 def tensor_tensor(dst, data1, data2, op):

@@ -112,7 +112,7 @@ def attention_scores_kernel(q, k, scale=1.0, causal_offset=None, mm_dtype="bfloa
                     return (q_t[0:dsz, nl.ds(dt * PMAX, qsz)],
                             k_t[0:dsz, nl.ds(dt * kbs + ki * key_tile, ksz)])
 
-                matmul_accumulate(acc, (slice(0, qsz), slice(0, ksz)), D, PMAX, operands)
+                matmul_accumulate(acc[0:qsz, 0:ksz], D, PMAX, operands)
                 _score_tile(s, acc[0:qsz, 0:ksz], b, h, q0, qsz, kb0 + ki * key_tile, ksz,
                             scale, causal_offset)
 

@@ -1,6 +1,8 @@
 """On-chip building blocks shared by the fused kernels and the unfused attention baseline.
 
-Helpers called from inside an ``@nki.jit`` kernel:
+Helpers called from inside a kernel, written against :mod:`nki_kernels.port` (so they trace
+through ``nki.*`` or legacy, whichever the kernel is being traced through; legacy outside
+``port.tracing``):
 
 - :func:`for_tiles` (:func:`nki_kernels.port.for_tiles`) walks ``[0, total)`` in tiles of a fixed
   size: a compiled loop over the full tiles (``nl.affine_range`` in legacy, ``nl.fori_loop`` in
@@ -14,35 +16,33 @@ Helpers called from inside an ``@nki.jit`` kernel:
   is fast on both generations; ``load_transpose2d`` would be a DMA transpose, which
   hardware-and-limits.md §1 calls "much lower DMA bandwidth" on trn1.
 """
-from nki_kernels import tiles
-from nki_kernels.nki import nisa, nl
-from nki_kernels.port import for_tiles  # noqa: F401 (re-exported for the kernels)
+from nki_kernels import port, tiles
+from nki_kernels.port import for_tiles, nl  # noqa: F401 (for_tiles re-exported for the kernels)
 
 PMAX = tiles.PMAX
 
 
-def matmul_accumulate(acc, idx, total, size, operands):
-    """``acc[idx] = sum_i stationary_i^T @ moving_i`` over contraction tiles covering
-    ``[0, total)`` in tiles of ``size``.
+def matmul_accumulate(acc, total, size, operands):
+    """``acc = sum_i stationary_i^T @ moving_i`` over contraction tiles covering ``[0, total)``
+    in tiles of ``size``; ``acc`` is a PSUM tile (or a slice of one).
 
     ``operands(i, n)`` returns the ``(stationary, moving)`` pair of tile ``i`` (``n`` rows on
     partitions). Tile 0's matmul overwrites the PSUM region and the rest accumulate onto it (the
     hardware's accumulation-group semantics), instead of zero-filling the tile with an extra
-    VectorE instruction first.
+    VectorE instruction first. Tiles 1 .. are a compiled loop when there are more than two.
     """
     n_full, tail = divmod(total, size)
     if n_full:
-        acc[idx] = nisa.nc_matmul(*operands(0, size))
+        port.nc_matmul(acc, *operands(0, size))
         if n_full == 2:
-            acc[idx] += nisa.nc_matmul(*operands(1, size))
+            port.nc_matmul(acc, *operands(1, size), accumulate=True)
         elif n_full > 2:
-            for i in nl.affine_range(1, n_full):
-                acc[idx] += nisa.nc_matmul(*operands(i, size))
+            def more(i):
+                port.nc_matmul(acc, *operands(i, size), accumulate=True)
+
+            port.loop(n_full, more, start=1)
     if tail:
-        if n_full:
-            acc[idx] += nisa.nc_matmul(*operands(n_full, tail))
-        else:
-            acc[idx] = nisa.nc_matmul(*operands(n_full, tail))
+        port.nc_matmul(acc, *operands(n_full, tail), accumulate=bool(n_full))
 
 
 def load_rows_transposed(src, lead, r0, rows, cols, dst, col_stride, col_offset,
@@ -74,15 +74,15 @@ def load_rows_transposed(src, lead, r0, rows, cols, dst, col_stride, col_offset,
     per_load = load_cols // PMAX
 
     def chunk(ci, cw):
-        x_rows = nl.load(src[(*lead, nl.ds(r0, rows), nl.ds(c0 + ci * load_cols, cw))],
-                         dtype=load_dtype)
+        x_rows = nl.ndarray((rows, cw), dtype=load_dtype or src.dtype, buffer=nl.sbuf)
+        port.dma_copy(x_rows, src[(*lead, nl.ds(r0, rows), nl.ds(c0 + ci * load_cols, cw))])
 
         def piece(ji, jw):
-            tp = nl.ndarray((PMAX, PMAX), dtype=nl.float32, buffer=nl.psum)
-            tp[0:jw, 0:rows] = nisa.nc_transpose(x_rows[0:rows, nl.ds(ji * PMAX, jw)])
+            tp = nl.ndarray((PMAX, PMAX), dtype=port.transpose_dtype(x_rows.dtype),
+                            buffer=nl.psum)
+            port.nc_transpose(tp[0:jw, 0:rows], x_rows[0:rows, nl.ds(ji * PMAX, jw)])
             col = (ci * per_load + ji) * col_stride + col_offset
-            dst[0:jw, nl.ds(col, rows)] = nisa.tensor_copy(
-                tp[0:jw, 0:rows], dtype=dst.dtype, engine=nisa.vector_engine)
+            port.tensor_copy(dst[0:jw, nl.ds(col, rows)], tp[0:jw, 0:rows], engine="vector")
 
         for_tiles(cw, PMAX, piece)
 

@@ -41,19 +41,31 @@ For very long K (no 128-row block of x^T fits in SBUF next to a W block; see
 ``tiles.linear_gelu_blocks``), :func:`linear_gelu_fused` runs the streaming variant: x and W
 tiles are loaded per output tile, so x is read ``ceil(N / 512)`` times and W ``ceil(M / 128)``
 times.
+
+One source for both NKI namespaces (``nki.*`` on trn2/trn3, ``neuronxcc.nki`` on trn1), written
+against :mod:`nki_kernels.port`: every walk over row, column and contraction tiles is a compiled
+loop in both (``port.for_tiles``), so the program does not grow with M, K or N. Each tile is
+allocated at the statement that fills it, at the shape the legacy ``nl.load`` / instruction
+result had, so the legacy instruction stream and estimate are the ones before the port.
 """
-from nki_kernels import tiles
+from nki_kernels import port, tiles
 from nki_kernels.fused._onchip import PMAX, for_tiles, load_rows_transposed, matmul_accumulate
-from nki_kernels.nki import nisa, nki, nl
+from nki_kernels.port import nl
 
 #: ``approximate`` argument (torch.nn.functional.gelu) -> ScalarE activation function.
 _GELU = {"none": "gelu", "tanh": "gelu_apprx_tanh"}
-#: Matmul operand dtype names -> NKI dtypes (kernel arguments are compile-time strings).
-_DTYPES = {"float32": nl.float32, "bfloat16": nl.bfloat16, "float16": nl.float16}
 
 
 def _gelu_op(approximate):
     return getattr(nl, _GELU[approximate])
+
+
+def _dtype(name):
+    """A matmul operand dtype name (kernel arguments are compile-time strings) -> the traced
+    namespace's dtype."""
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"mm_dtype: expected float32, bfloat16 or float16, got {name!r}")
+    return getattr(nl, name)
 
 
 def _x_load_cols(K, itemsize):
@@ -90,12 +102,13 @@ def _matmul_blocks(y, x, w, b, act, mm_dtype, block_m, block_n):
             w_blk = nl.ndarray((PMAX, n_kt * bn), dtype=mm_dtype, buffer=nl.sbuf)
 
             def load_w(kt, ksz):
-                w_blk[0:ksz, nl.ds(kt * bn, bn)] = nl.load(
-                    w[nl.ds(kt * PMAX, ksz), nl.ds(n0, bn)], dtype=cast)
+                port.dma_copy(w_blk[0:ksz, nl.ds(kt * bn, bn)],
+                              w[nl.ds(kt * PMAX, ksz), nl.ds(n0, bn)])
 
             for_tiles(K, PMAX, load_w)
             if b is not None:
-                b_row = nl.load(b_row_view[0:1, nl.ds(n0, bn)], dtype=cast)
+                b_row = nl.ndarray((1, bn), dtype=mm_dtype, buffer=nl.sbuf)
+                port.dma_copy(b_row, b_row_view[0:1, nl.ds(n0, bn)])
 
             def out_tile(ms, msz):
                 acc = nl.ndarray((PMAX, bn), dtype=nl.float32, buffer=nl.psum)
@@ -104,10 +117,11 @@ def _matmul_blocks(y, x, w, b, act, mm_dtype, block_m, block_n):
                     return (x_t[0:ksz, nl.ds(kt * bm + ms * PMAX, msz)],
                             w_blk[0:ksz, nl.ds(kt * bn, bn)])
 
-                matmul_accumulate(acc, (slice(0, msz), slice(0, bn)), K, PMAX, operands)
+                matmul_accumulate(acc[0:msz, 0:bn], K, PMAX, operands)
                 if b is not None:
                     # the bias as a rank-1 update: every row of the tile gets b[cols]
-                    acc[0:msz, 0:bn] += nisa.nc_matmul(ones[0:1, 0:msz], b_row[0:1, 0:bn])
+                    port.nc_matmul(acc[0:msz, 0:bn], ones[0:1, 0:msz], b_row[0:1, 0:bn],
+                                   accumulate=True)
                 _evacuate_and_store(y, acc[0:msz, 0:bn], act, m0 + ms * PMAX, msz, n0, bn)
 
             for_tiles(bm, PMAX, out_tile)
@@ -145,16 +159,19 @@ def _matmul_streaming(y, x, w, b, act, mm_dtype):
                                      c0=ci * kc)
 
                 def k_tile(kt, ksz):
-                    w_t = nl.load(w[nl.ds(ci * kc + kt * PMAX, ksz), nl.ds(n0, nsz)], dtype=cast)
-                    acc[0:msz, 0:nsz] += nisa.nc_matmul(x_t[0:ksz, nl.ds(kt * PMAX, msz)],
-                                                        w_t[0:ksz, 0:nsz])
+                    w_t = nl.ndarray((ksz, nsz), dtype=mm_dtype, buffer=nl.sbuf)
+                    port.dma_copy(w_t, w[nl.ds(ci * kc + kt * PMAX, ksz), nl.ds(n0, nsz)])
+                    port.nc_matmul(acc[0:msz, 0:nsz], x_t[0:ksz, nl.ds(kt * PMAX, msz)],
+                                   w_t[0:ksz, 0:nsz], accumulate=True)
 
                 for_tiles(cw, PMAX, k_tile)
 
             for_tiles(K, kc, k_chunk)
             if b is not None:
-                b_row = nl.load(b_row_view[0:1, nl.ds(n0, nsz)], dtype=cast)
-                acc[0:msz, 0:nsz] += nisa.nc_matmul(ones[0:1, 0:msz], b_row[0:1, 0:nsz])
+                b_row = nl.ndarray((1, nsz), dtype=mm_dtype, buffer=nl.sbuf)
+                port.dma_copy(b_row, b_row_view[0:1, nl.ds(n0, nsz)])
+                port.nc_matmul(acc[0:msz, 0:nsz], ones[0:1, 0:msz], b_row[0:1, 0:nsz],
+                               accumulate=True)
             _evacuate_and_store(y, acc[0:msz, 0:nsz], act, m0, msz, n0, nsz)
 
         for_tiles(N, n_tile, n_col)
@@ -164,14 +181,15 @@ def _matmul_streaming(y, x, w, b, act, mm_dtype):
 
 def _evacuate_and_store(y, acc, act, r0, rows, c0, cols):
     """PSUM -> SBUF in y's dtype (through ``act`` on ScalarE, or a VectorE copy) -> HBM."""
+    out = nl.ndarray((rows, cols), dtype=y.dtype, buffer=nl.sbuf)
     if act is None:
-        out = nisa.tensor_copy(acc, dtype=y.dtype, engine=nisa.vector_engine)
+        port.tensor_copy(out, acc, engine="vector")
     else:
-        out = nisa.activation(op=act, data=acc, dtype=y.dtype)
-    nl.store(y[nl.ds(r0, rows), nl.ds(c0, cols)], value=out)
+        port.activation(out, act, acc)
+    port.dma_copy(y[nl.ds(r0, rows), nl.ds(c0, cols)], out)
 
 
-@nki.jit
+@port.jit
 def linear_gelu_fused(x, w, b, approximate="none", mm_dtype="bfloat16", block_m=0, block_n=0):
     """``GELU(x @ w + b)`` in one kernel (launch on a grid of ``(1,)``).
 
@@ -196,13 +214,13 @@ def linear_gelu_fused(x, w, b, approximate="none", mm_dtype="bfloat16", block_m=
     y = nl.ndarray((M, N), dtype=x.dtype, buffer=nl.shared_hbm)
     act = _gelu_op(approximate)
     if block_m:
-        _matmul_blocks(y, x, w, b, act, _DTYPES[mm_dtype], block_m, block_n)
+        _matmul_blocks(y, x, w, b, act, _dtype(mm_dtype), block_m, block_n)
     else:
-        _matmul_streaming(y, x, w, b, act, _DTYPES[mm_dtype])
+        _matmul_streaming(y, x, w, b, act, _dtype(mm_dtype))
     return y
 
 
-@nki.jit
+@port.jit
 def matmul_kernel(x, w, mm_dtype="bfloat16", block_m=0, block_n=0):
     """Unfused step 1: ``z = x @ w`` written to HBM in x's dtype (same blocking as the fused
     kernel, so the two differ only by fusion)."""
@@ -210,13 +228,13 @@ def matmul_kernel(x, w, mm_dtype="bfloat16", block_m=0, block_n=0):
     N = w.shape[1]
     z = nl.ndarray((M, N), dtype=x.dtype, buffer=nl.shared_hbm)
     if block_m:
-        _matmul_blocks(z, x, w, None, None, _DTYPES[mm_dtype], block_m, block_n)
+        _matmul_blocks(z, x, w, None, None, _dtype(mm_dtype), block_m, block_n)
     else:
-        _matmul_streaming(z, x, w, None, None, _DTYPES[mm_dtype])
+        _matmul_streaming(z, x, w, None, None, _dtype(mm_dtype))
     return z
 
 
-@nki.jit
+@port.jit
 def bias_add_kernel(z, b):
     """Unfused step 2: ``z + b`` (b broadcast over rows), written to HBM in z's dtype.
 
@@ -232,16 +250,19 @@ def bias_add_kernel(z, b):
 
     def col_block(ci, cw):
         c0 = ci * cols
-        b_row = nl.load(b_row_view[0:1, nl.ds(c0, cw)])
+        b_row = nl.ndarray((1, cw), dtype=b.dtype, buffer=nl.sbuf)
+        port.dma_copy(b_row, b_row_view[0:1, nl.ds(c0, cw)])
         b_bcast = nl.zeros((PMAX, cols), dtype=nl.float32, buffer=nl.psum)
-        b_bcast[0:PMAX, 0:cw] += nisa.nc_matmul(ones[0:1, 0:PMAX], b_row[0:1, 0:cw])
+        port.nc_matmul(b_bcast[0:PMAX, 0:cw], ones[0:1, 0:PMAX], b_row[0:1, 0:cw],
+                       accumulate=True)
 
         def row_tile(ri, rsz):
             r0 = ri * PMAX
-            t = nl.load(z[nl.ds(r0, rsz), nl.ds(c0, cw)])
-            s = nisa.tensor_tensor(t[0:rsz, 0:cw], b_bcast[0:rsz, 0:cw], op=nl.add,
-                                   dtype=z.dtype)
-            nl.store(out[nl.ds(r0, rsz), nl.ds(c0, cw)], value=s)
+            t = nl.ndarray((rsz, cw), dtype=z.dtype, buffer=nl.sbuf)
+            port.dma_copy(t, z[nl.ds(r0, rsz), nl.ds(c0, cw)])
+            s = nl.ndarray((rsz, cw), dtype=z.dtype, buffer=nl.sbuf)
+            port.tensor_tensor(s, t[0:rsz, 0:cw], b_bcast[0:rsz, 0:cw], op=nl.add)
+            port.dma_copy(out[nl.ds(r0, rsz), nl.ds(c0, cw)], s)
 
         for_tiles(M, PMAX, row_tile)
 
@@ -249,7 +270,7 @@ def bias_add_kernel(z, b):
     return out
 
 
-@nki.jit
+@port.jit
 def gelu_kernel(z, approximate="none"):
     """Unfused step 3: ``GELU(z)`` element-wise on ScalarE, written to HBM in z's dtype."""
     M, N = z.shape
@@ -262,9 +283,11 @@ def gelu_kernel(z, approximate="none"):
 
         def col(ci, cw):
             c0 = ci * cols
-            t = nl.load(z[nl.ds(r0, rsz), nl.ds(c0, cw)])
-            g = nisa.activation(op=act, data=t, dtype=z.dtype)
-            nl.store(out[nl.ds(r0, rsz), nl.ds(c0, cw)], value=g)
+            t = nl.ndarray((rsz, cw), dtype=z.dtype, buffer=nl.sbuf)
+            port.dma_copy(t, z[nl.ds(r0, rsz), nl.ds(c0, cw)])
+            g = nl.ndarray((rsz, cw), dtype=z.dtype, buffer=nl.sbuf)
+            port.activation(g, act, t)
+            port.dma_copy(out[nl.ds(r0, rsz), nl.ds(c0, cw)], g)
 
         for_tiles(N, cols, col)
 

@@ -29,6 +29,27 @@ def _check(out, ref, base, operand_dtype):
     assert err <= tol, f"max abs error {err:.3e} > tolerance {tol:.3e}"
 
 
+@pytest.fixture(params=["legacy", "nki"])
+def api(request, monkeypatch):
+    """The fused kernels are written once (nki_kernels.port): every test of them runs through
+    both NKI namespaces (NKI_FLASH_API), same tolerance rule."""
+    monkeypatch.setenv(API_ENV_VAR, request.param)
+    return request.param
+
+
+def _run(kernel, *args, **kw):
+    """Launch on grid (1,); on the simulator, check the namespace asked for is the one that
+    ran."""
+    if BACKEND != "simulate":
+        return launch(kernel, (1,), *args, **kw)
+    import simulate
+
+    with simulate.measure() as m:
+        out = launch(kernel, (1,), *args, **kw)
+    assert m.api == os.environ[API_ENV_VAR]
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # GELU(x @ W + b)
 # --------------------------------------------------------------------------------------------
@@ -45,15 +66,15 @@ LINEAR_CASES = [
 
 
 @pytest.mark.parametrize("M,K,N,dtype,mixed,approximate,blocks", LINEAR_CASES)
-def test_linear_gelu_fused(M, K, N, dtype, mixed, approximate, blocks):
+def test_linear_gelu_fused(M, K, N, dtype, mixed, approximate, blocks, api):
     rng = np.random.default_rng(M * 7 + K)
     dt = DTYPES[dtype]
     x, w, b = linear_inputs(rng, M, K, N, dt)
     mm = mm_dtype(dt, mixed)
     if blocks is None:
         blocks = tiles.linear_gelu_blocks(M, K, N, mm.itemsize)
-    y = launch(lg.linear_gelu_fused, (1,), x, w, b, approximate=approximate, mm_dtype=mm.name,
-               block_m=blocks[0], block_n=blocks[1])
+    y = _run(lg.linear_gelu_fused, x, w, b, approximate=approximate, mm_dtype=mm.name,
+             block_m=blocks[0], block_n=blocks[1])
     assert y.shape == (M, N) and y.dtype == dt
     ref = reference.linear_gelu(x, w, b, approximate=approximate)
     base = linear_gelu_baseline(x, w, b, dtype=mm, out_dtype=dt, approximate=approximate)
@@ -61,7 +82,7 @@ def test_linear_gelu_fused(M, K, N, dtype, mixed, approximate, blocks):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_unfused_pipeline_steps(dtype):
+def test_unfused_pipeline_steps(dtype, api):
     """matmul -> bias add -> GELU, each kernel checked on its own and end to end."""
     rng = np.random.default_rng(3)
     dt = DTYPES[dtype]
@@ -69,17 +90,17 @@ def test_unfused_pipeline_steps(dtype):
     x, w, b = linear_inputs(rng, M, K, N, dt)
     mm = mm_dtype(dt, True)
     bm, bn = tiles.linear_gelu_blocks(M, K, N, mm.itemsize)
-    z = launch(lg.matmul_kernel, (1,), x, w, mm_dtype=mm.name, block_m=bm, block_n=bn)
+    z = _run(lg.matmul_kernel, x, w, mm_dtype=mm.name, block_m=bm, block_n=bn)
     assert z.dtype == dt
     z_ref = _f64(x) @ _f64(w)
     z_base = (x.astype(mm).astype(np.float32) @ w.astype(mm).astype(np.float32)).astype(dt)
     _check(z, z_ref, _f64(z_base), mm)
 
-    zb = launch(lg.bias_add_kernel, (1,), z, b)
+    zb = _run(lg.bias_add_kernel, z, b)
     zb_ref = _f64(z) + _f64(b)
     _check(zb, zb_ref, _f64((z.astype(np.float32) + b.astype(np.float32)).astype(dt)), dt)
 
-    y = launch(lg.gelu_kernel, (1,), zb, approximate="tanh")
+    y = _run(lg.gelu_kernel, zb, approximate="tanh")
     y_ref = reference.gelu(zb, "tanh")
     _check(y, y_ref, _f64(y_ref.astype(np.float32).astype(dt)), dt)
 
@@ -92,25 +113,9 @@ def test_unfused_pipeline_steps(dtype):
 # Row softmax
 # --------------------------------------------------------------------------------------------
 
-@pytest.fixture(params=["legacy", "nki"])
-def api(request, monkeypatch):
-    """The softmax kernel is written once (nki_kernels.port): every softmax test runs through
-    both NKI namespaces (NKI_FLASH_API), same tolerance rule."""
-    monkeypatch.setenv(API_ENV_VAR, request.param)
-    return request.param
-
-
 def _softmax(x, algorithm, chunk, resident, zero_masked_rows=False):
-    if BACKEND != "simulate":
-        return launch(sm.softmax_kernel, (1,), x, algorithm=algorithm, chunk=chunk,
-                      resident=resident, zero_masked_rows=zero_masked_rows)
-    import simulate
-
-    with simulate.measure() as m:
-        y = launch(sm.softmax_kernel, (1,), x, algorithm=algorithm, chunk=chunk,
-                   resident=resident, zero_masked_rows=zero_masked_rows)
-    assert m.api == os.environ[API_ENV_VAR]     # the namespace asked for is the one that ran
-    return y
+    return _run(sm.softmax_kernel, x, algorithm=algorithm, chunk=chunk, resident=resident,
+                zero_masked_rows=zero_masked_rows)
 
 
 @pytest.mark.parametrize("algorithm", sm.ALGORITHMS)
