@@ -169,6 +169,39 @@ class LoopIndex(_scalar.NkiScalar):
         return LoopIndex(v, what, self.loop)
 
 
+class _CompiledLoop:
+    """A running compiled loop (``fori_loop``/``while_loop``): its ``LoopState`` is on the
+    context's loop stack while it runs; ``begin`` starts an iteration, ``end`` closes it (the
+    iteration's block scope, and the estimate's iteration boundary)."""
+
+    def __init__(self, ctx, start, frame):
+        self.ctx = ctx
+        self.state = _deps.LoopState(start, False, frame.f_code.co_filename, frame.f_lineno,
+                                     False)
+
+    def __enter__(self):
+        self.ctx.loop_depth += 1
+        self.ctx.loops.append(self.state)
+        return self
+
+    def __exit__(self, *exc):
+        self.ctx.loop_depth -= 1
+        try:
+            self.ctx.loops.remove(self.state)
+        except ValueError:
+            pass
+        return False
+
+    def begin(self, value, n):
+        self.state.value = value
+        self.state.first = n == 0
+        self.state.iter_no = n
+
+    def end(self):
+        _runtime.end_iteration(self.state)
+        _iteration_boundary(self.ctx)
+
+
 def _iteration_boundary(ctx):
     """The end of an iteration of a compiled loop: a barrier in the scheduled estimate when the
     active measure assumes no overlap across iterations (``measure(compiled_loop_overlap=
@@ -196,31 +229,15 @@ def fori_loop(lower, upper, body_fun, step=1):
     r = _strict.builtin_range(lo, hi, int(step))
     if _runtime._trace["on"]:
         r = r[:1]                     # program_size(): the body is traced once
-    f = _sys._getframe(1)
-    state = _deps.LoopState(r.start if len(r) else lo, False, f.f_code.co_filename,
-                            f.f_lineno, False)
-    ctx.loop_depth += 1
-    ctx.loops.append(state)
     name = getattr(body_fun, "__name__", "body")
-    try:
-        n = 0
-        for i in r:
-            state.value = i
-            state.first = n == 0
-            state.iter_no = n
-            n += 1
-            ret = body_fun(LoopIndex(i, f"index of nl.fori_loop({name})", state.uid))
+    with _CompiledLoop(ctx, r.start if len(r) else lo, _sys._getframe(1)) as loop:
+        for n, i in enumerate(r):
+            loop.begin(i, n)
+            ret = body_fun(LoopIndex(i, f"index of nl.fori_loop({name})", loop.state.uid))
             if ret is not None:
                 raise TypeError("nl.fori_loop: body_fun returns None; carry loop state "
                                 "through SBUF/HBM tensors (stub docstring)")
-            _runtime.end_iteration(state)
-            _iteration_boundary(ctx)
-    finally:
-        ctx.loop_depth -= 1
-        try:
-            ctx.loops.remove(state)
-        except ValueError:
-            pass
+            loop.end()
     return None
 
 
@@ -236,18 +253,12 @@ def while_loop(init, body_fun):
                         f"got {type(init).__name__} ({DOC_LOOPS})")
     if not callable(body_fun):
         raise TypeError("nl.while_loop: body_fun must be callable (r) -> VirtualRegister")
-    f = _sys._getframe(1)
-    state = _deps.LoopState(0, False, f.f_code.co_filename, f.f_lineno, False)
-    ctx.loop_depth += 1
-    ctx.loops.append(state)
     cond = init
     tracing = _runtime._trace["on"]
-    try:
+    with _CompiledLoop(ctx, 0, _sys._getframe(1)) as loop:
         n = 0
         while cond.v != 0 or (tracing and n == 0):
-            state.value = n
-            state.first = n == 0
-            state.iter_no = n
+            loop.begin(n, n)
             n += 1
             arg = _scalar.VirtualRegister(cond.v)      # passed by value
             ret = body_fun(arg)
@@ -256,16 +267,9 @@ def while_loop(init, body_fun):
                                 f"holding the next condition, got {type(ret).__name__} (stub "
                                 "docstring)")
             cond = ret
-            _runtime.end_iteration(state)
-            _iteration_boundary(ctx)
+            loop.end()
             if tracing:
                 break                              # program_size(): the body once
-    finally:
-        ctx.loop_depth -= 1
-        try:
-            ctx.loops.remove(state)
-        except ValueError:
-            pass
     return None
 
 
