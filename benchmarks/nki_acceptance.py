@@ -473,7 +473,7 @@ def main(argv=None):
         ap.error(f"{args.sdk} does not hold {SDK_EX}")
     rng = np.random.default_rng(0)
     simulate.register_as_nki()
-    tallies, ok_all = [], True
+    tallies = []
     if not args.skip_samples:
         files = [os.path.join(root, MATMUL), os.path.join(root, TRANSPOSE)] + [
             os.path.join(root, ADD, f) for f in sorted(os.listdir(os.path.join(root, ADD)))

@@ -21,7 +21,7 @@ import warnings
 import numpy as np
 
 from ._errors import nki_error
-from ._strict import INT_TYPES, SymbolicIndex
+from ._strict import INT_TYPES
 from ._runtime import current as _in_kernel_check
 
 _ids = itertools.count()

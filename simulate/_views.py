@@ -449,7 +449,6 @@ def ap(t, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect
     ``t``'s own storage offset plus ``offset``; ``scalar_offset`` adds ``value *
     t.strides[indirect_dim]``."""
     api = "ap"
-    T = _T
     if dtype is not None:
         from . import _dtypes
         if _dtypes.info(dtype).dt != t._st.di.dt:
