@@ -167,6 +167,14 @@ def _buffer(api, t, pname, allowed):
                         f"nisa.{api}: '{pname}' must be in {where}, got {b} ({_doc(api)})")
 
 
+def _same_dtype(api, a, aname, b, bname, rule=""):
+    """Refuse two operands of different dtypes (``rule``: the doc's wording, appended)."""
+    if np.dtype(a.dtype) != np.dtype(b.dtype):
+        raise nki_error("err_param_dtype_mismatch", "type",
+                        f"nisa.{api}: '{aname}' dtype {a.dtype} differs from '{bname}' dtype "
+                        f"{b.dtype}{rule} ({_doc(api)})")
+
+
 def _dtype_in(api, t, pname, names, what=None):
     n = t._st.di.name
     if n not in names:
@@ -375,10 +383,7 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     api = "nc_transpose"
     _need_tensor(api, dst, "dst")
     _need_tensor(api, data, "data")
-    if np.dtype(dst.dtype) != np.dtype(data.dtype):
-        raise nki_error("err_param_dtype_mismatch", "type",
-                        f"nisa.nc_transpose: 'dst' dtype {dst.dtype} differs from 'data' dtype "
-                        f"{data.dtype}; the output must have the input's dtype ({_doc(api)})")
+    _same_dtype(api, dst, "dst", data, "data", "; the output must have the input's dtype")
     r = _I.nc_transpose(data, engine=_eng(engine))
     tensor_e = r._tag in ("pe_transpose_auto", "pe_transpose")
     if tensor_e and dst.buffer != "psum":
@@ -509,10 +514,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     _need_tensor(api, src, "src")
     _buffer(api, dst, "dst", ("sbuf",))
     _buffer(api, src, "src", ("hbm", "sbuf"))
-    if np.dtype(dst.dtype) != np.dtype(src.dtype):
-        raise nki_error("err_param_dtype_mismatch", "type",
-                        f"nisa.dma_transpose: 'dst' dtype {dst.dtype} differs from 'src' dtype "
-                        f"{src.dtype}: src.dtype == dst.dtype ({_doc(api)})")
+    _same_dtype(api, dst, "dst", src, "src", ": src.dtype == dst.dtype")
     _priority(api, priority)
     nd = src.ndim
     if nd in _TRANSPOSE_AXES and axes is not None and tuple(axes) != _TRANSPOSE_AXES[nd]:
@@ -676,11 +678,7 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
     _dtype_in(api, predicate, "predicate", ("uint8", "uint16", "uint32"))
     if isinstance(src, Tensor):
         _rows(api, src, P, "src", F)
-        if np.dtype(src.dtype) != np.dtype(dst.dtype):
-            raise nki_error("err_param_dtype_mismatch", "type",
-                            f"nisa.tensor_copy_predicated: 'src' dtype {src.dtype} differs from "
-                            f"'dst' dtype {dst.dtype}: they must share the data type "
-                            f"({_doc(api)})")
+        _same_dtype(api, src, "src", dst, "dst", ": they must share the data type")
     _I.tensor_copy_predicated(src=src, dst=dst, predicate=predicate, reverse_pred=reverse_pred)
 
 
@@ -837,10 +835,7 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
     api = "nc_stream_shuffle"
     _need_tensor(api, dst, "dst")
     _need_tensor(api, src, "src")
-    if np.dtype(dst.dtype) != np.dtype(src.dtype):
-        raise nki_error("err_param_dtype_mismatch", "type",
-                        f"nisa.nc_stream_shuffle: 'dst' dtype {dst.dtype} differs from 'src' "
-                        f"dtype {src.dtype} ({_doc(api)})")
+    _same_dtype(api, dst, "dst", src, "src")
     _I.nc_stream_shuffle(src, dst, shuffle_mask)
 
 

@@ -87,15 +87,7 @@ def test_fp8_formats_per_target(target, dtype, ok):
         nl.store(out, nl.copy(nl.load(a), dtype=nl.float32))
         return out
 
-    @nki7.jit
-    def kernel7(a):
-        out = nl7.ndarray(a.shape, nl7.float32, buffer=nl7.shared_hbm)
-        x = nl7.ndarray(a.shape, a.dtype, buffer=nl7.sbuf)
-        nisa7.dma_copy(dst=x, src=a)
-        y = nl7.ndarray(a.shape, nl7.float32, buffer=nl7.sbuf)
-        nisa7.tensor_copy(dst=y, src=x)
-        nisa7.dma_copy(dst=out, src=y)
-        return out
+    kernel7 = _copy_kernel(nl7.float32, nisa7.unknown_engine)
     run = kernel7 if target == "trn3" else (lambda a: nki.simulate_kernel(kernel, a))
     with nki.measure(target=target):
         if ok:

@@ -19,18 +19,8 @@ _k = tile_kernel
 
 def _leg(body, shape_out, dtype_out=None):
     """The legacy twin of ``_k``: ``body(*tiles) -> sbuf tile`` with neuronxcc.nki APIs."""
-    @simulate.jit
-    def k(*arrays):
-        out = lnl.ndarray(shape_out, dtype=dtype_out or arrays[0].dtype, buffer=lnl.shared_hbm)
-        tiles = []
-        for a in arrays:
-            t = lnl.ndarray(a.shape, a.dtype, buffer=lnl.sbuf)
-            lisa.dma_copy(dst=t, src=a)
-            tiles.append(t)
-        r = body(*tiles)
-        lisa.dma_copy(dst=out, src=r)
-        return out
-    return k
+    return tile_kernel(simulate, lnl, lisa, lambda nl, nisa, *tiles: body(*tiles), shape_out,
+                       dtype_out)
 
 
 def _same_cost(run_nki, run_leg, target="trn2"):
