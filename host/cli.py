@@ -355,10 +355,12 @@ def _stage(args: argparse.Namespace, text: str) -> None:
 
 
 def _kernel_rows(m) -> list:
-    """Per kernel launched: its program size and peak SBUF (the largest over its launches)."""
+    """Per kernel launched: the NKI namespace it was traced through ("nki" or "legacy"), its
+    program size and peak SBUF (the largest over its launches)."""
     rows: dict = {}
     for k in m.kernels:
-        row = rows.setdefault(k.name, {"name": k.name, "program_instructions": 0,
+        row = rows.setdefault(k.name, {"name": k.name, "api": getattr(k, "api", "legacy"),
+                                       "program_instructions": 0,
                                        "peak_sbuf_bytes_per_partition": 0, "launches": 0})
         row["program_instructions"] = max(row["program_instructions"], k.program_instructions)
         row["peak_sbuf_bytes_per_partition"] = max(row["peak_sbuf_bytes_per_partition"],
@@ -594,7 +596,9 @@ def _run(args: argparse.Namespace) -> int:
             cap = e["sbuf_capacity_bytes_per_partition"]
             for row in e["kernels"]:
                 peak = row["peak_sbuf_bytes_per_partition"]
-                print(f"{target:8s}kernel {row['name']}: program {row['program_instructions']} "
+                ns = "nki.*" if row["api"] == "nki" else "neuronxcc.nki"
+                print(f"{target:8s}kernel {row['name']} ({ns}): program "
+                      f"{row['program_instructions']} "
                       f"instructions (loop bodies once), peak SBUF {peak / 1024:.1f} KiB/partition "
                       f"= {100 * peak / cap:.0f}% of {cap // 1024} KiB")
     else:
