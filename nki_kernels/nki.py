@@ -186,7 +186,9 @@ def select_api(target=None):
     """The namespace a launch traces through now: ``NKI_FLASH_API`` (read at every call, so a
     test or a caller may change it), ``auto`` resolved for ``target`` (default
     :func:`active_target`): ``legacy`` on trn1, else ``nki`` when it is available and
-    ``legacy`` otherwise (trn2 on neuronx-cc 2.20-2.24 only)."""
+    ``legacy`` otherwise (trn2 on neuronx-cc 2.20-2.24 only). A target the installed
+    toolchain cannot serve (trn3 with only neuronx-cc, trn1 with only AWS's ``nki``) raises an
+    ImportError saying what to install."""
     raw = os.environ.get(API_ENV_VAR, "auto")
     choice = raw.strip().lower() or "auto"
     if choice not in API_CHOICES:
@@ -195,6 +197,13 @@ def select_api(target=None):
         return choice
     target = active_target() if target is None else target
     if target == "trn1":
+        if _choice == "auto" and BACKEND == "simulate" and _real_nki_importable():
+            # AWS's nki is installed, neuronx-cc is not: the legacy names fell back to the CPU
+            # simulator, and nki.* kernels do not run on trn1 (nki-today.md §3)
+            raise ImportError(
+                "trn1 runs only legacy neuronxcc.nki kernels (Neuron SDK <= 2.29) and only AWS's "
+                "nki package is installed: pip install 'nki-flash[neuron]' --extra-index-url "
+                f"https://pip.repos.neuron.amazonaws.com, or {ENV_VAR}=simulate")
         return "legacy"
     if nki_available():
         return "nki"

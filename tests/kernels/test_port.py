@@ -156,6 +156,20 @@ def test_trn3_with_only_neuronx_cc_says_what_to_install(monkeypatch):
         binding.select_api("trn3")
 
 
+def test_trn1_with_only_aws_nki_says_what_to_install(monkeypatch):
+    """trn1 runs only the legacy namespace: with AWS's nki installed and no neuronx-cc, the
+    legacy names fell back to the simulator, so one line says what to install instead of a
+    silent CPU run; NKI_FLASH_BACKEND=simulate keeps the simulator."""
+    monkeypatch.delenv(binding.API_ENV_VAR, raising=False)
+    monkeypatch.setattr(binding, "_choice", "auto")
+    monkeypatch.setattr(binding, "BACKEND", "simulate")
+    monkeypatch.setattr(binding, "_real_nki_importable", lambda: True)
+    with pytest.raises(ImportError, match="trn1 runs only legacy neuronxcc.nki .* pip install"):
+        binding.select_api("trn1")
+    monkeypatch.setattr(binding, "_choice", "simulate")
+    assert binding.select_api("trn1") == "legacy"
+
+
 # -- GELU(x @ W + b): fused and the unfused three kernels -----------------------------------------
 
 def _linear_inputs(M, K, N, seed=0):
