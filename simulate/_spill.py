@@ -13,10 +13,9 @@ the measured times say it is not free (v3 grows 4.2-5.2x per doubling of N, v11 
 
 The model (each point UNCONFIRMED, docs/simulator.md "Allocation beyond capacity"):
 
-* **Units.** An on-chip tensor is one unit; a tensor that does not fit as a whole is
-  allocated unit by unit, a unit taking its space (PSUM: its banks) at its first access, not at
-  the declaration: a tensor with block dimensions block by block, one without them in pages of
-  :data:`PAGE_BYTES` per partition (a guess: how finely the compiler spills is not documented).
+* **Units.** An on-chip tensor is one unit; a tensor with block dimensions that does not fit
+  as a whole is allocated block by block: a block takes its space (PSUM: its banks) at its first
+  access, not at the declaration.
 * **Eviction by liveness.** The compiler sees the whole program; an eager simulator does not.
   So a launch that runs out of space runs twice: the first run records when every unit is
   accessed from its first shortage on (the runs are identical before it), the second evicts, when a unit needs space that is not free, the unit whose next
@@ -49,12 +48,6 @@ from . import _hw, _sched
 ENV_VAR = "NKI_SIM_SPILL"
 DOC_BLOCKS = ("https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/nki/"
               "nki_block_dimension_migration_guide.html")
-
-#: Bytes per partition of one unit of a tensor without block dimensions that does not fit:
-#: a guess (UNCONFIRMED), one PSUM bank, the DMA guide's smallest efficient transfer per
-#: partition ("at least 2 KiB"). Whole-tensor units made AWS's attention tutorial v11 at 16K
-#: on trn1 17x slower than measured (docs/simulator.md, "Allocation beyond capacity").
-PAGE_BYTES = _hw.PSUM_BANK_BYTES
 
 _state = {"on": os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")}
 
@@ -94,9 +87,7 @@ class _Unit:
     def __init__(self, st, block, key):
         self.st = weakref.ref(st)
         self.block = block          # block index, or None for the whole tensor
-        n, self.fb, self.span = _units_of(st)   # bytes per partition: dtype's, backing array's
-        if st.page and block == n - 1:          # a paged tensor's last page may be partial
-            self.fb = geometry(st.arr.shape, st.pdim, st.di.itemsize)[1] - block * st.page
+        _, self.fb, self.span = _units_of(st)   # bytes per partition: dtype's, backing array's
         # SBUF: bytes per partition; PSUM: banks (a tensor allocated whole: as it was accounted)
         self.size = (unit_size(st, self.fb) if st.lazy
                      else st.banks if st.buffer == "psum" else st.bpp)
@@ -141,13 +132,11 @@ def geometry(shape, pdim, itemsize):
 
 
 def _units_of(st):
-    """(units, bytes of a unit per partition in the tensor's dtype, the same in the backing
+    """(blocks, bytes of a unit per partition in the tensor's dtype, the same in the backing
     array's bytes: what the scheduler's byte ranges count) of a storage; one unit per block of a
-    block-by-block tensor, per page of a paged one, else one for the whole tensor."""
+    block-by-block tensor, else one for the whole tensor."""
     nblocks, fb = geometry(st.arr.shape, st.pdim, st.di.itemsize)
-    if st.page:
-        nblocks, fb = -(-fb // st.page), st.page
-    elif not st.lazy:
+    if not st.lazy:
         nblocks, fb = 1, nblocks * fb
     return nblocks, fb, fb // st.di.itemsize * st.arr.itemsize
 
@@ -233,22 +222,12 @@ def make_room(ctx, buffer, need):
     return False
 
 
-def _split(st):
-    """Mark ``st`` as held in several units when it has more than one (its blocks, or pages of
-    :data:`PAGE_BYTES` when it has no block dimensions); returns whether it does."""
-    nblocks, fb = geometry(st.arr.shape, st.pdim, st.di.itemsize)
-    if nblocks == 1 and fb <= PAGE_BYTES:
-        return False
-    st.lazy = True
-    st.page = PAGE_BYTES if nblocks == 1 else 0
-    return True
-
-
 def admit(ctx, st):
-    """``st`` does not fit as a whole: place it unit by unit as its units are accessed, or,
-    when it is a single unit, as a tracked unit (making room). Returns False when it cannot be
-    placed even so."""
-    if _split(st):
+    """``st`` does not fit as a whole: place it as a tracked unit (making room), or, when it
+    has block dimensions, block by block as its blocks are accessed. Returns False when it
+    cannot be placed even so."""
+    if geometry(st.arr.shape, st.pdim, st.di.itemsize)[0] > 1:
+        st.lazy = True
         _number(ctx.space, st)
         if st.buffer == "psum" and _sched.ACTIVE is not None:
             _sched.ACTIVE.unbank(st)
@@ -271,19 +250,14 @@ def _number(space, st):
 
 
 def track(ctx, st):
-    """An accounted tensor becomes an eviction candidate: in SBUF unit by unit (its space is
-    already counted whole), in PSUM as one unit."""
+    """An accounted whole tensor becomes an eviction candidate."""
     space = ctx.space
-    uid = _number(space, st)
-    blocks = range(_units_of(st)[0]) if st.buffer == "sbuf" and _split(st) else (None,)
-    for b in blocks:
-        key = (id(st), b)
-        u = _Unit(st, b, (space.pid, uid, b))
-        u.seq = ctx.seq
-        u.written = st.written
-        space.units[key] = u
-        space.holding[st.buffer][key] = u
-        _record(space, u.key, ctx.seq)
+    u = _Unit(st, None, (space.pid, _number(space, st), None))
+    u.seq = ctx.seq
+    u.written = st.written
+    space.units[(id(st), None)] = u
+    space.holding[st.buffer][(id(st), None)] = u
+    _record(space, u.key, ctx.seq)
 
 
 def _record(space, key, seq):

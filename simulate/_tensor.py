@@ -42,8 +42,7 @@ def space(buf):
 class Storage:
     __slots__ = ("arr", "di", "buffer", "_name", "pdim", "ctx", "param", "mutable", "written",
                  "bpp", "banks", "acct", "aloops", "deps", "foreign", "pinned",
-                 "copy_out", "reduce_loops", "fresh", "expired", "lazy", "page", "uid",
-                 "__weakref__")
+                 "copy_out", "reduce_loops", "fresh", "expired", "lazy", "uid", "__weakref__")
 
     def __init__(self, arr, di, buffer, ctx, pdim=0, name=None):
         self.arr = arr
@@ -64,7 +63,6 @@ class Storage:
         self.fresh = None         # PSUM ndarray: bool array of elements never written yet
         self.expired = None       # (file, line) of the loop whose iteration it died with
         self.lazy = False         # allocated block by block beyond capacity (_spill)
-        self.page = 0             # lazy without block dims: bytes per partition per unit
         self.uid = None           # allocation number in its grid instance (_spill)
         # loops active at allocation (uids) and per-loop written-element records (_deps)
         self.aloops = _deps.alloc_loops(ctx) if ctx is not None else ()
