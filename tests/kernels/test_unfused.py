@@ -11,9 +11,19 @@ import pytest
 from _fused_baselines import DTYPES, mm_dtype, randn
 from host import reference
 from host._launch import launch
+from nki_kernels import nki as binding
 from nki_kernels import tiles
 from nki_kernels.attention import unfused as ua
 from nki_kernels.fused.softmax import softmax_kernel
+
+
+@pytest.fixture(params=["legacy", "nki"], autouse=True)
+def api(request, monkeypatch):
+    """Every test runs through both namespaces (one kernel source, nki_kernels.port)."""
+    if request.param == "nki" and not binding.nki_available():
+        pytest.skip("the nki package is not installed")
+    monkeypatch.setenv(binding.API_ENV_VAR, request.param)
+    return request.param
 
 
 def run_unfused(q, k, v, *, scale, causal_offset, mm, kv_block=None, v_resident=None):
@@ -23,7 +33,7 @@ def run_unfused(q, k, v, *, scale, causal_offset, mm, kv_block=None, v_resident=
     default_block, default_resident = tiles.unfused_attention_blocks(Nk, D, mm.itemsize)
     kv_block = default_block if kv_block is None else kv_block
     v_resident = default_resident if v_resident is None else v_resident
-    grid = (B, Hkv, Hq // Hkv)
+    grid = ua.grid(B, Hq, Hkv, binding.select_api())
     s = launch(ua.attention_scores_kernel, grid, q, k, scale=scale, causal_offset=causal_offset,
                mm_dtype=mm.name, s_dtype=q.dtype.name, kv_block=kv_block)
     assert s.shape == (B, Hq, Nq, Nk) and s.dtype == q.dtype
