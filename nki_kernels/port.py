@@ -51,10 +51,17 @@ this module:
 - **Engines** are named by strings (``"vector"``, ``"scalar"``, ``"gpsimd"``):
   ``nisa.engine.vector`` in 0.7, ``nisa.vector_engine`` in legacy.
 
-Not covered yet (the later kernels' needs): masks (no ``mask=`` in 0.7: ``affine_select`` /
-``iota`` patterns; legacy ``affine_select`` takes an ``nl.mgrid`` predicate, 0.7 a pattern with
-a compile-time ``offset``, so a loop-index offset needs ``iota`` + compare), ``par_dim`` block
-dimensions, loop-carried Python values, SPMD grids against ``kernel[lnc]``.
+- **Index patterns**: ``iota`` and ``affine_select`` take 0.7's ``(pattern, offset,
+  channel_multiplier)``; legacy gets the equivalent ``nl.arange`` expression. 0.7 offsets are
+  compile-time ints, so a mask whose diagonal moves with a loop index is a
+  :class:`DiagonalMask` (legacy: ``affine_select`` with the index in its offset; 0.7: a bound
+  table made once + ``range_select``, NeuronCore-v3+).
+- **SPMD grids**: 0.7 launches ``kernel[lnc]`` only (one number). A kernel that legacy runs on
+  a grid walks it with :func:`for_programs` (``nl.program_id`` in legacy, one compiled loop in
+  0.7) and is launched on :func:`launch_grid`.
+
+Not covered yet (the later kernels' needs): ``par_dim`` block dimensions, loop-carried Python
+values.
 """
 from __future__ import annotations
 

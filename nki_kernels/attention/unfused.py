@@ -8,17 +8,29 @@ Three kernels, each a round trip through HBM, launched one after the other by
     2. P = softmax(S)  row-wise              fused.softmax.softmax_kernel  read S;  write P
     3. O = P V                               attention_pv_kernel       read P, V;  write O
 
+One source for both NKI namespaces (``nki.*`` on trn2/trn3, ``neuronxcc.nki`` on trn1), written
+against :mod:`nki_kernels.port`; every loop over key blocks, query tiles, key tiles and P chunks
+is a compiled loop, so the program does not grow with Nq, Nk or the head count.
+
 Layouts: q ``(B, Hq, Nq, D)``, k and v ``(B, Hkv, Nk, D)``, S and P ``(B, Hq, Nq, Nk)``, o
-``(B, Hq, Nq, D)``; GQA with ``G = Hq // Hkv``. Kernels 1 and 3 run on the SPMD grid
-``(B, Hkv, G)``: program ``(b, hk, g)`` is query head ``h = hk * G + g``, which reads kv head
-``hk`` (docs/semantics.md), all index arithmetic affine. S and P are stored in the score dtype
-(q's dtype, as PyTorch's eager math would); matmul operands run in ``mm_dtype``.
+``(B, Hq, Nq, D)``; GQA with ``G = Hq // Hkv``. Kernels 1 and 3 walk the grid ``(B, Hkv, G)``:
+point ``(b, hk, g)`` is query head ``h = hk * G + g``, which reads kv head ``hk``
+(docs/semantics.md). Legacy launches them on that SPMD grid (a point per program,
+``nl.program_id``); 0.7 launches ``kernel[lnc]`` only, so there the points are one compiled loop
+over ``B * Hkv * G`` inside a single program (``port.for_programs``; launch on :func:`grid`).
+S and P are stored in the score dtype (q's dtype, as PyTorch's eager math would); matmul operands
+run in ``mm_dtype``.
 
 Masking (``causal_offset``): key j is visible to query i when ``j <= i + causal_offset``
-(0 for "top_left", ``Nk - Nq`` for "bottom_right"); masked scores are written as fp32.min (-inf
-once rounded to bf16/fp16) while S leaves PSUM, so masking adds no HBM pass. A row with no
-visible key (bottom_right with Nq > Nk) gets P = 0 and O = 0 (the softmax's
-``zero_masked_rows``).
+(0 for "top_left", ``Nk - Nq`` for "bottom_right"); masked scores are written as fp32.min
+(``MASKED_SCORE``; -inf once rounded to bf16/fp16) while S leaves PSUM, so masking adds no HBM
+pass. The diagonal of a score tile at queries ``q0..``, keys ``k0..`` is offset by
+``q0 - k0 + causal_offset``, a runtime value (loop indices): legacy masks with one GpSimdE
+``affine_select`` whose predicate takes it; 0.7's ``affine_select`` takes compile-time offsets
+only, so there a ``(128, ceil(Nq/128) + ceil(Nk/128) - 1)`` fp32 table of per-row bounds is made
+once per launch (one ``iota``) and each tile is one VectorE ``range_select`` (NeuronCore-v3+)
+against the column of ``(q0 - k0) / 128`` (``port.DiagonalMask``). A row with no visible key
+(bottom_right with Nq > Nk) gets P = 0 and O = 0 (the softmax's ``zero_masked_rows``).
 
 HBM traffic with K^T and V resident (``tiles.unfused_attention_blocks``), per query head, with
 ``s`` the input itemsize and ``s_S`` the score itemsize::
