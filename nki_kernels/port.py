@@ -293,7 +293,7 @@ def _legacy_pattern(ns, P, pattern, offset, channel_multiplier):
     nd = len(pattern) + 1
 
     def axis(n, k):
-        return ns.nl.arange(n)[tuple(slice(None) if j == k else None for j in range(nd))]
+        return ns.nl.arange(n)[(None,) * k + (slice(None),) + (None,) * (nd - 1 - k)]
 
     expr = axis(P, 0) * channel_multiplier + offset
     for k, (step, num) in enumerate(pattern, start=1):
@@ -381,9 +381,9 @@ def for_programs(dims, body):
     runtime loop index."""
     ns = current()
     if ns.api == "legacy":
-        body(*(ns.nl.program_id(a) for a in range(len(dims))))
+        body(*(ns.nl.program_id(a) for a, _ in enumerate(dims)))
         return
-    strides = [math.prod(dims[k + 1:]) for k in range(len(dims))]
+    strides = [math.prod(dims[k + 1:]) for k, _ in enumerate(dims)]
 
     def point(i):
         body(*(i // s if k == 0 else i // s % n

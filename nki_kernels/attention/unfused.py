@@ -84,9 +84,9 @@ def _causal_mask(Nq, Nk, causal_offset):
                              causal_offset)
 
 
-def _score_tile(s, acc, b, h, qi, qsz, k0, kt, ksz, scale, mask):
-    """PSUM scores -> scale (and mask) -> S tile in HBM. Query tile ``qi`` (rows ``qi * 128``..),
-    keys ``k0..`` (``k0 = kt * 128``)."""
+def _score_tile(s, acc, b, h, qi, qsz, kt, ksz, scale, mask):
+    """PSUM scores -> scale (and mask) -> S tile in HBM: queries ``qi * 128..``, keys
+    ``kt * 128..``."""
     s_t = nl.ndarray((PMAX, tiles.UNFUSED_KEY_TILE), dtype=s.dtype, buffer=nl.sbuf)
     if mask is None:
         port.activation(s_t[0:qsz, 0:ksz], nl.copy, acc, scale=scale)
@@ -94,7 +94,7 @@ def _score_tile(s, acc, b, h, qi, qsz, k0, kt, ksz, scale, mask):
         scaled = nl.ndarray((PMAX, tiles.UNFUSED_KEY_TILE), dtype=nl.float32, buffer=nl.sbuf)
         port.activation(scaled[0:qsz, 0:ksz], nl.copy, acc, scale=scale)
         mask.select(s_t[0:qsz, 0:ksz], scaled[0:qsz, 0:ksz], qi - kt)
-    port.dma_copy(s[b, h, nl.ds(qi * PMAX, qsz), nl.ds(k0, ksz)], s_t[0:qsz, 0:ksz])
+    port.dma_copy(s[b, h, nl.ds(qi * PMAX, qsz), nl.ds(kt * PMAX, ksz)], s_t[0:qsz, 0:ksz])
 
 
 @port.jit
@@ -146,9 +146,8 @@ def attention_scores_kernel(q, k, scale=1.0, causal_offset=None, mm_dtype="bfloa
                                 k_t[0:dsz, nl.ds(dt * kbs + ki * key_tile, ksz)])
 
                     matmul_accumulate(acc[0:qsz, 0:ksz], D, PMAX, operands)
-                    _score_tile(s, acc[0:qsz, 0:ksz], b, h, qi, qsz, kb0 + ki * key_tile,
-                                kb * (kv_block // PMAX) + ki * (key_tile // PMAX), ksz, scale,
-                                mask)
+                    kt = kb * (kv_block // PMAX) + ki * (key_tile // PMAX)
+                    _score_tile(s, acc[0:qsz, 0:ksz], b, h, qi, qsz, kt, ksz, scale, mask)
 
                 for_tiles(kbs, key_tile, key_tile_scores)
 
