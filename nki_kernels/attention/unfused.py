@@ -87,11 +87,12 @@ def _causal_mask(Nq, Nk, causal_offset):
 def _score_tile(s, acc, b, h, qi, qsz, kt, ksz, scale, mask):
     """PSUM scores -> scale (and mask) -> S tile in HBM: queries ``qi * 128..``, keys
     ``kt * 128..``."""
-    s_t = nl.ndarray((PMAX, tiles.UNFUSED_KEY_TILE), dtype=s.dtype, buffer=nl.sbuf)
+    width = min(tiles.UNFUSED_KEY_TILE, s.shape[3])     # a key tile, or all of a shorter row
+    s_t = nl.ndarray((PMAX, width), dtype=s.dtype, buffer=nl.sbuf)
     if mask is None:
         port.activation(s_t[0:qsz, 0:ksz], nl.copy, acc, scale=scale)
     else:
-        scaled = nl.ndarray((PMAX, tiles.UNFUSED_KEY_TILE), dtype=nl.float32, buffer=nl.sbuf)
+        scaled = nl.ndarray((PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
         port.activation(scaled[0:qsz, 0:ksz], nl.copy, acc, scale=scale)
         mask.select(s_t[0:qsz, 0:ksz], scaled[0:qsz, 0:ksz], qi - kt)
     port.dma_copy(s[b, h, nl.ds(qi * PMAX, qsz), nl.ds(kt * PMAX, ksz)], s_t[0:qsz, 0:ksz])
@@ -183,6 +184,7 @@ def attention_pv_kernel(p, v, mm_dtype="bfloat16", o_dtype="bfloat16", v_residen
     o = nl.ndarray((B, Hq, Nq, D), dtype=_dtype(o_dtype), buffer=nl.shared_hbm)
     chunk = tiles.UNFUSED_P_CHUNK
     per_chunk = chunk // PMAX
+    p_width = min(chunk, Nk)                # one chunk, or all of a shorter row
 
     def head(b, hk, h):
         if v_resident:
@@ -199,7 +201,7 @@ def attention_pv_kernel(p, v, mm_dtype="bfloat16", o_dtype="bfloat16", v_residen
             acc = nl.zeros((PMAX, D), dtype=nl.float32, buffer=nl.psum)
 
             def p_chunk(ci, cw):
-                p_rows = nl.ndarray((PMAX, chunk), dtype=mm, buffer=nl.sbuf)
+                p_rows = nl.ndarray((PMAX, p_width), dtype=mm, buffer=nl.sbuf)
                 port.dma_copy(p_rows[0:qsz, 0:cw], p[b, h, nl.ds(q0, qsz), nl.ds(ci * chunk, cw)])
 
                 def piece(kt, j0, jsz, on_scalar):
