@@ -13,7 +13,7 @@ import numpy as np
 from host import validation as _v
 from host._launch import launch
 from nki_kernels import tiles
-from nki_kernels.nki import active_target
+from nki_kernels.nki import active_target, select_api
 
 # ============================================================================================
 # Fused kernels and the unfused attention baseline
@@ -200,7 +200,7 @@ def attention_unfused(q, k, v, *, scale=None, causal=False,
     mm = _mm_dtype(dtype, mixed_precision)
     offset = None if causal is None else (0 if causal == _v.CAUSAL_TOP_LEFT else Nk - Nq)
     kv_block, v_resident = tiles.unfused_attention_blocks(Nk, D, mm.itemsize)
-    grid = (B, Hkv, Hq // Hkv)
+    grid = ua.grid(B, Hq, Hkv, select_api())
 
     s = launch(ua.attention_scores_kernel, grid, q4, k4, scale=float(scale),
                causal_offset=offset, mm_dtype=mm.name, s_dtype=dtype.name, kv_block=kv_block)

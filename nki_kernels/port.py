@@ -51,16 +51,26 @@ this module:
 - **Engines** are named by strings (``"vector"``, ``"scalar"``, ``"gpsimd"``):
   ``nisa.engine.vector`` in 0.7, ``nisa.vector_engine`` in legacy.
 
-Not covered yet (the later kernels' needs): masks (no ``mask=`` in 0.7: ``affine_select`` /
-``iota`` patterns; legacy ``affine_select`` takes an ``nl.mgrid`` predicate, 0.7 a pattern with
-a compile-time ``offset``, so a loop-index offset needs ``iota`` + compare), ``par_dim`` block
-dimensions, loop-carried Python values, SPMD grids against ``kernel[lnc]``.
+- **Index patterns**: ``iota`` and ``affine_select`` take 0.7's ``(pattern, offset,
+  channel_multiplier)``; legacy gets the equivalent ``nl.arange`` expression. 0.7 offsets are
+  compile-time ints, so a mask whose diagonal moves with a loop index is a
+  :class:`DiagonalMask` (legacy: ``affine_select`` with the index in its offset; 0.7: a bound
+  table made once + ``range_select``, NeuronCore-v3+).
+- **SPMD grids**: 0.7 launches ``kernel[lnc]`` only (one number). A kernel that legacy runs on
+  a grid walks it with :func:`for_programs` (``nl.program_id`` in legacy, one compiled loop in
+  0.7) and is launched on :func:`launch_grid`.
+
+Not covered yet (the later kernels' needs): ``par_dim`` block dimensions, loop-carried Python
+values.
 """
 from __future__ import annotations
 
 import contextlib
+import math
+import operator
 
 from nki_kernels import nki as _binding
+from nki_kernels import tiles
 
 _ACTIVE = []
 
@@ -266,3 +276,118 @@ def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0
     the fp32 result, taken before ``dst`` is rounded."""
     _issue("activation_reduce", dst, op=op, data=data, reduce_op=reduce_op,
            reduce_res=reduce_res, bias=bias, scale=scale)
+
+
+# ============================================================================================
+# Added for attention/unfused.py: GpSimdE index patterns, a moving-diagonal mask, the SPMD grid
+# ============================================================================================
+
+_COMPARE = {"equal": operator.eq, "not_equal": operator.ne, "greater": operator.gt,
+            "greater_equal": operator.ge, "less": operator.lt, "less_equal": operator.le}
+
+
+def _legacy_pattern(ns, P, pattern, offset, channel_multiplier):
+    """The legacy index expression of 0.7's ``(pattern, offset, channel_multiplier)`` over a
+    ``(P, num_1, ...)`` tile: ``offset + p * channel_multiplier + sum_k i_k * step_k``, built
+    from ``nl.arange`` (``offset`` may be a loop-index expression there)."""
+    nd = len(pattern) + 1
+
+    def axis(n, k):
+        return ns.nl.arange(n)[(None,) * k + (slice(None),) + (None,) * (nd - 1 - k)]
+
+    expr = axis(P, 0) * channel_multiplier + offset
+    for k, (step, num) in enumerate(pattern, start=1):
+        expr = expr + axis(num, k) * step
+    return expr
+
+
+def iota(dst, pattern, offset=0, channel_multiplier=0):
+    """``dst[p, i_1, ...] = offset + p * channel_multiplier + sum_k i_k * step_k`` (GpSimdE,
+    int32 math cast to ``dst.dtype``; ``dst`` in SBUF), ``pattern`` 0.7's ``[[step_k, num_k],
+    ...]``, one pair per free dim of ``dst``. ``offset`` is a compile-time int in 0.7."""
+    ns = current()
+    if ns.api == "nki":
+        ns.nisa.iota(dst=dst, pattern=pattern, offset=offset,
+                     channel_multiplier=channel_multiplier)
+    else:
+        dst[...] = ns.nisa.iota(_legacy_pattern(ns, dst.shape[0], pattern, offset,
+                                                channel_multiplier), dtype=dst.dtype)
+
+
+def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op,
+                  offset=0):
+    """``dst = on_true_tile`` where ``cmp_op(offset + p * channel_multiplier + sum_k i_k *
+    step_k, 0)`` holds, else the float ``on_false_value`` (GpSimdE; SBUF in and out; pattern as
+    in :func:`iota`). ``offset`` is a compile-time int in 0.7; legacy also takes a loop-index
+    expression (see :class:`DiagonalMask` for a runtime offset in both)."""
+    ns = current()
+    if ns.api == "nki":
+        ns.nisa.affine_select(dst=dst, pattern=pattern, channel_multiplier=channel_multiplier,
+                              on_true_tile=on_true_tile, on_false_value=on_false_value,
+                              cmp_op=cmp_op, offset=offset)
+    else:
+        expr = _legacy_pattern(ns, on_true_tile.shape[0], pattern, offset, channel_multiplier)
+        dst[...] = ns.nisa.affine_select(pred=_COMPARE[cmp_op.__name__](expr, 0),
+                                         on_true_tile=on_true_tile,
+                                         on_false_value=on_false_value, dtype=dst.dtype)
+
+
+class DiagonalMask:
+    """Keep ``data[p, j]`` where ``j <= p + offset`` and write fp32.min elsewhere, for a diagonal
+    that moves with loop indices: ``offset = step * r + base``, ``r`` a runtime index
+    expression in ``[lo, hi)`` (``step``, ``base``, ``lo``, ``hi`` static ints).
+
+    Legacy: :meth:`select` is one :func:`affine_select` whose offset is the index expression.
+    0.7: ``affine_select``/``iota`` offsets are compile-time ints, so the mask holds the
+    per-partition bounds ``p + step * r + base`` of every ``r``: one fp32 :func:`iota` table
+    ``(rows, hi - lo)`` made with the mask (construct it once, outside the loops), and
+    :meth:`select` is one ``range_select`` (VectorE; NeuronCore-v3+, i.e. trn2/trn3) of the free
+    index against column ``r - lo`` (no reduction). Nothing is allocated in legacy.
+    """
+
+    def __init__(self, rows, step, lo, hi, base=0):
+        self.step, self.lo, self.base = step, lo, base
+        self.bounds = None
+        if current().api == "nki":
+            self.bounds = nl.ndarray((rows, hi - lo), dtype=nl.float32, buffer=nl.sbuf)
+            iota(self.bounds, [[step, hi - lo]], offset=step * lo + base, channel_multiplier=1)
+
+    def select(self, dst, data, r):
+        """``dst = data`` on or below the diagonal of ``r``, fp32.min above (``data`` a
+        ``(P, F)`` SBUF tile, cast to ``dst.dtype``: -inf in bf16/fp16)."""
+        ns = current()
+        P, F = data.shape
+        if self.bounds is None:
+            affine_select(dst, [[-1, F]], 1, data, tiles.FP32_MIN, ns.nl.greater_equal,
+                          offset=self.step * r + self.base)
+            return
+        bound = self.bounds[0:P, nl.ds(r - self.lo, 1)]
+        ns.nisa.range_select(dst=dst, on_true_tile=data, comp_op0=ns.nl.less_equal,
+                             comp_op1=ns.nl.less_equal, bound0=bound, bound1=bound,
+                             reduce_cmd=ns.nisa.reduce_cmd.idle)
+
+
+def launch_grid(dims, api):
+    """The launch grid of a kernel that walks ``dims`` with :func:`for_programs`, traced
+    through ``api``: the SPMD grid ``dims`` in legacy; ``(1,)`` in 0.7 (``kernel[lnc]``)."""
+    return tuple(dims) if api == "legacy" else (1,)
+
+
+def for_programs(dims, body):
+    """``body(*index)`` for every point of the grid ``dims`` (static ints). Legacy: the kernel is
+    launched on the SPMD grid ``dims`` (:func:`launch_grid`) and this program's point is
+    ``nl.program_id(0), ...``. 0.7 launches ``kernel[lnc]`` only: the points are one compiled
+    :func:`loop` over ``prod(dims)``, the index unflattened row-major with ``//`` and ``%`` of the
+    runtime loop index."""
+    ns = current()
+    if ns.api == "legacy":
+        body(*(ns.nl.program_id(a) for a, _ in enumerate(dims)))
+        return
+    strides = [math.prod(dims[k + 1:]) for k, _ in enumerate(dims)]
+
+    def point(i):
+        body(*(i // s if k == 0 else i // s % n
+               for k, (s, n) in enumerate(zip(strides, dims))))
+
+    point.__name__ = getattr(body, "__name__", "body")
+    loop(math.prod(dims), point)

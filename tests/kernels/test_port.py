@@ -12,14 +12,16 @@ from host import reference
 from host._launch import launch
 from nki_kernels import nki as binding
 from nki_kernels import port, tiles
+from nki_kernels.attention import unfused as ua
 from nki_kernels.fused import linear_gelu as lg
 from nki_kernels.fused import softmax as sm
+from nki_kernels.port import nl
 
 pytestmark = pytest.mark.skipif(binding.BACKEND != "simulate",
                                 reason="program sizes and launch records are simulator measures")
 
 #: Modules written against nki_kernels.port (no namespace imported directly).
-PORTED = ["fused/softmax.py", "fused/linear_gelu.py", "fused/_onchip.py"]
+PORTED = ["fused/softmax.py", "fused/linear_gelu.py", "fused/_onchip.py", "attention/unfused.py"]
 
 
 def _run(api, monkeypatch, x, target="trn2", **kw):
@@ -258,3 +260,85 @@ def test_linear_gelu_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch)
         z = launch(lg.matmul_kernel, (1,), x, w, **opts)
         y2 = launch(lg.gelu_kernel, (1,), launch(lg.bias_add_kernel, (1,), z, b))
         assert reference.max_abs_err(y2, ref) < 0.05
+
+
+# -- iota / affine_select: 0.7's pattern form in both namespaces ----------------------------------
+
+@port.jit
+def _pattern_kernel(x):
+    """iota of ``3 + 2p - j`` and affine_select of ``x`` where ``p - j + 5 >= 0`` (fill -7)."""
+    P, F = x.shape
+    out = nl.ndarray((2 * P, F), dtype=nl.float32, buffer=nl.shared_hbm)
+    t = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(t, x)
+    ramp = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.sbuf)
+    port.iota(ramp, [[-1, F]], offset=3, channel_multiplier=2)
+    port.dma_copy(out[0:P, 0:F], ramp)
+    sel = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.sbuf)
+    port.affine_select(sel, [[-1, F]], 1, t, -7.0, nl.greater_equal, offset=5)
+    port.dma_copy(out[P:2 * P, 0:F], sel)
+    return out
+
+
+@pytest.mark.parametrize("api", ["legacy", "nki"])
+def test_iota_and_affine_select_patterns(api, monkeypatch):
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
+    x = np.random.default_rng(6).standard_normal((16, 40)).astype(np.float32)
+    out = launch(_pattern_kernel, (1,), x)
+    p, j = np.mgrid[0:16, 0:40]
+    assert np.array_equal(out[:16], 3 + 2 * p - j)
+    assert np.array_equal(out[16:], np.where(p - j + 5 >= 0, x, -7.0))
+
+
+# -- standard (unfused) attention: kernels 1 and 3 ------------------------------------------------
+
+def _unfused_programs(api, monkeypatch, B, Hq, Hkv, Nq, Nk):
+    """Program size of the score and PV kernels (bf16, D 64, bottom_right causal, 1024-key
+    blocks, V streamed)."""
+    import ml_dtypes
+    import simulate
+
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
+    rng = np.random.default_rng(Nq)
+    q = rng.standard_normal((B, Hq, Nq, 64)).astype(ml_dtypes.bfloat16)
+    k = rng.standard_normal((B, Hkv, Nk, 64)).astype(ml_dtypes.bfloat16)
+    p = rng.random((B, Hq, Nq, Nk)).astype(ml_dtypes.bfloat16)
+    grid = ua.grid(B, Hq, Hkv, api)
+    sizes = {}
+    for name, run in (
+            ("scores", lambda: launch(ua.attention_scores_kernel, grid, q, k,
+                                      causal_offset=Nk - Nq, kv_block=1024)),
+            ("pv", lambda: launch(ua.attention_pv_kernel, grid, p, k, v_resident=False))):
+        with simulate.measure(target="trn2") as m:
+            run()
+        assert m.api == api
+        sizes[name] = m.program_instructions
+    return sizes
+
+
+@pytest.mark.parametrize("api", ["legacy", "nki"])
+def test_unfused_attention_program_flat_in_sequence_length(api, monkeypatch):
+    """Every walk over key blocks, query tiles, key tiles, P chunks and heads is a compiled loop:
+    doubling Nq and Nk (2 -> 4 query tiles, key blocks and P chunks, the tails alike) and the
+    heads (one -> four, GQA 2:1, B 2: nl.program_id in legacy, a compiled loop in nki.*) leaves
+    both kernels' program sizes unchanged; the causal diagonal moves at run time."""
+    small = _unfused_programs(api, monkeypatch, 1, 1, 1, 2 * 128 + 44, 2 * 1024 + 40)
+    large = _unfused_programs(api, monkeypatch, 2, 2, 1, 4 * 128 + 44, 4 * 1024 + 40)
+    assert small == large, (small, large)
+
+
+def test_unfused_attention_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
+    """With the legacy binding poisoned, host.attention_unfused (GQA 4:2, batch 2, causal
+    bottom_right with Nq > Nk) runs through nki.* and matches the reference."""
+    import host
+
+    poisoned = binding.Namespace("legacy", "simulate", _Poisoned(), _Poisoned(), _Poisoned())
+    monkeypatch.setitem(binding._NAMESPACES, "legacy", poisoned)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 4, 150, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 130, 32)).astype(np.float32) for _ in range(2))
+    o = host.attention_unfused(q, k, v, causal="bottom_right", mixed_precision=False)
+    ref = reference.attention_forward(q, k, v, causal="bottom_right")[0]
+    assert reference.max_abs_err(o, ref) < 1e-4
+    assert np.all(o[..., :20, :] == 0)

@@ -11,9 +11,19 @@ import pytest
 from _fused_baselines import DTYPES, mm_dtype, randn
 from host import reference
 from host._launch import launch
+from nki_kernels import nki as binding
 from nki_kernels import tiles
 from nki_kernels.attention import unfused as ua
 from nki_kernels.fused.softmax import softmax_kernel
+
+
+@pytest.fixture(params=["legacy", "nki"], autouse=True)
+def api(request, monkeypatch):
+    """Every test runs through both namespaces (one kernel source, nki_kernels.port)."""
+    if request.param == "nki" and not binding.nki_available():
+        pytest.skip("the nki package is not installed")
+    monkeypatch.setenv(binding.API_ENV_VAR, request.param)
+    return request.param
 
 
 def run_unfused(q, k, v, *, scale, causal_offset, mm, kv_block=None, v_resident=None):
@@ -23,7 +33,7 @@ def run_unfused(q, k, v, *, scale, causal_offset, mm, kv_block=None, v_resident=
     default_block, default_resident = tiles.unfused_attention_blocks(Nk, D, mm.itemsize)
     kv_block = default_block if kv_block is None else kv_block
     v_resident = default_resident if v_resident is None else v_resident
-    grid = (B, Hkv, Hq // Hkv)
+    grid = ua.grid(B, Hq, Hkv, binding.select_api())
     s = launch(ua.attention_scores_kernel, grid, q, k, scale=scale, causal_offset=causal_offset,
                mm_dtype=mm.name, s_dtype=q.dtype.name, kv_block=kv_block)
     assert s.shape == (B, Hq, Nq, Nk) and s.dtype == q.dtype
@@ -66,15 +76,23 @@ def test_unfused_attention(B, Hq, Hkv, Nq, Nk, D, dtype, causal):
         assert np.all(o[..., : Nq - Nk, :] == 0) and np.all(p[..., : Nq - Nk, :] == 0)
 
 
-def test_unfused_attention_blocked_k_and_streamed_v():
-    """Key blocks smaller than Nk (Q re-read per block) and V streamed per query tile."""
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_unfused_attention_blocked_k_and_streamed_v(causal):
+    """Key blocks smaller than Nk (Q re-read per block) and V streamed per query tile; with a
+    causal mask, the diagonal moves with the runtime tile indices (2 full query tiles, 2 full
+    key blocks, tails): masked scores are fp32.min, -inf in bf16, and only they."""
     rng = np.random.default_rng(5)
-    q = randn(rng, (1, 1, 150, 64), DTYPES["bfloat16"])
-    k = randn(rng, (1, 1, 1100, 64), DTYPES["bfloat16"])
-    v = randn(rng, (1, 1, 1100, 64), DTYPES["bfloat16"])
+    Nq, Nk = 300, 1100
+    q = randn(rng, (1, 1, Nq, 64), DTYPES["bfloat16"])
+    k = randn(rng, (1, 1, Nk, 64), DTYPES["bfloat16"])
+    v = randn(rng, (1, 1, Nk, 64), DTYPES["bfloat16"])
     mm = q.dtype
-    _, _, o = run_unfused(q, k, v, scale=0.125, causal_offset=None, mm=mm, kv_block=512,
+    offset = None if causal is None else (0 if causal == "top_left" else Nk - Nq)
+    s, _, o = run_unfused(q, k, v, scale=0.125, causal_offset=offset, mm=mm, kv_block=512,
                           v_resident=False)
-    ref = reference.attention_forward(q, k, v)[0]
-    base = reference.attention_baseline_lowp(q, k, v, dtype=mm)
+    i, j = np.mgrid[0:Nq, 0:Nk]
+    masked = np.zeros((Nq, Nk), bool) if offset is None else j > i + offset
+    assert np.array_equal(np.isneginf(np.asarray(s[0, 0], np.float32)), masked)
+    ref = reference.attention_forward(q, k, v, causal=causal)[0]
+    base = reference.attention_baseline_lowp(q, k, v, dtype=mm, causal=causal)
     assert reference.max_abs_err(o, ref) <= reference.tolerance(ref, base, floor=1e-3)
