@@ -85,10 +85,13 @@ def _f64(a):
     return np.asarray(a).astype(np.float64)
 
 
-def _visible(nq, nk, causal, left):
-    """(nq, nk) bool: top-left causal (j <= i) and/or a left window (j >= i - left)."""
-    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
-    vis = np.ones((nq, nk), bool)
+ROWS = 1024            # query rows per block of the references (memory stays O(ROWS N))
+
+
+def _visible(rows, nk, causal, left):
+    """(len(rows), nk) bool: top-left causal (j <= i) and/or a left window (j >= i - left)."""
+    i, j = rows[:, None], np.arange(nk)[None, :]
+    vis = np.ones((len(rows), nk), bool)
     if causal:
         vis &= j <= i
     if left is not None:
@@ -96,29 +99,46 @@ def _visible(nq, nk, causal, left):
     return vis
 
 
-def reference(q, k, v, causal, scale, left=None, sink=None):
-    """float64 attention of one head, (N, D) q, k, v: ``(o, lse, p)``; ``sink`` a logit in
+def _probs(q, k, rows, causal, scale, left=None, sink=None):
+    """float64 softmax probabilities of query rows ``rows`` and their lse; ``sink`` a logit in
     the denominator."""
-    q, k, v = _f64(q), _f64(k), _f64(v)
-    s = (q @ k.T) * scale
+    s = (q[rows] @ k.T) * scale
     if causal or left is not None:
-        s = np.where(_visible(len(q), len(k), causal, left), s, -np.inf)
+        s = np.where(_visible(rows, len(k), causal, left), s, -np.inf)
     m = s.max(axis=1, keepdims=True)
     if sink is not None:
         m = np.maximum(m, sink)
     p = np.exp(s - m)
     den = p.sum(axis=1, keepdims=True) + (np.exp(sink - m) if sink is not None else 0.0)
     p /= den
-    return p @ v, (m + np.log(den))[:, 0], p
+    return p, (m + np.log(den))[:, 0]
+
+
+def reference(q, k, v, causal, scale, left=None, sink=None):
+    """float64 attention of one head, (N, D) q, k, v: ``(o, lse)``, ROWS query rows at a
+    time."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    o, lse = np.empty((len(q), v.shape[1])), np.empty(len(q))
+    for r0 in range(0, len(q), ROWS):
+        rows = np.arange(r0, min(r0 + ROWS, len(q)))
+        p, lse[rows] = _probs(q, k, rows, causal, scale, left, sink)
+        o[rows] = p @ v
+    return o, lse
 
 
 def backward_reference(q, k, v, do, causal, scale):
     """Exact float64 (dq, dk, dv) of one head, plus the forward's (o, lse)."""
-    o, lse, p = reference(q, k, v, causal, scale)
+    o, lse = reference(q, k, v, causal, scale)
     q, k, v, do = _f64(q), _f64(k), _f64(v), _f64(do)
-    dv = p.T @ do
-    ds = p * (do @ v.T - (do * o).sum(axis=1, keepdims=True))
-    return (scale * ds @ k, scale * ds.T @ q, dv), (o, lse)
+    dq, dk, dv = np.empty_like(q), np.zeros_like(k), np.zeros_like(v)
+    for r0 in range(0, len(q), ROWS):
+        rows = np.arange(r0, min(r0 + ROWS, len(q)))
+        p, _ = _probs(q, k, rows, causal, scale)
+        dv += p.T @ do[rows]
+        ds = p * (do[rows] @ v.T - (do[rows] * o[rows]).sum(axis=1, keepdims=True))
+        dq[rows] = scale * ds @ k
+        dk += scale * ds.T @ q[rows]
+    return (dq, dk, dv), (o, lse)
 
 
 def _err(got, want):
