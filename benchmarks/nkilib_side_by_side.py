@@ -15,8 +15,8 @@ benchmarks/nkilib_acceptance.py, whose helpers this script imports. Ours run thr
 ``host.flash_attention``, ``host.flash_attention_backward`` and ``host.flash_decode`` with
 ``lnc=1`` on whichever front end they trace through today; the table's last column names both
 front ends as ``simulate.measure(...).api`` records them ("nki": the simulator's ``nki.*``
-NKI 0.7 front end; "legacy": its ``neuronxcc.nki`` front end). Inputs are bf16, drawn once per shape and given to both kernels in each one's
-layout (ours (B, H, N, D) everywhere). Max error is the largest absolute difference from a
+NKI 0.7 front end; "legacy": its ``neuronxcc.nki`` front end). Inputs are bf16, drawn once
+per shape and given to both kernels in each one's layout (ours (B, H, N, D) everywhere). Max error is the largest absolute difference from a
 float64 computation from the same bf16-rounded inputs. Modeled numbers, not hardware timings.
 
 ``--kernel cte`` (default): attention_cte vs our forward. One batch, one head; attention_cte
@@ -24,8 +24,8 @@ takes Q as (B, S, d), K as (B, d, S), V as (B, S, d); scale 1/sqrt(D); causal is
 top-left mask for both. Shapes from issue 24, item 5: N in {2K, 8K} x D in {64, 128} x causal
 or not; N = 32K only with ``--allow-32k``: attention_cte unrolls its Python loops under NKI 0.7
 (76441 program instructions at 32K, causal) and one 32K causal shape takes about 7 min here
-(ours 5 min of it), a non-causal one about twice that. ``--extras`` adds, at N = ``--extras-n`` (8K), D = 128,
-causal:
+(ours 5 min of it), a non-causal one about twice that. ``--extras`` adds, at N =
+``--extras-n`` (8K), D = 128, causal:
 
 * GQA 4:1: four query heads on one kv head. attention_cte has no head axis: its GQA is
   ``batch_size = 4`` query sequences over ``batch_size_kv = 1`` kv sequence (query batch b
