@@ -16,8 +16,9 @@ benchmarks/nkilib_acceptance.py, whose helpers this script imports. Ours run thr
 ``lnc=1`` on whichever front end they trace through today; the table's last column names both
 front ends as ``simulate.measure(...).api`` records them ("nki": the simulator's ``nki.*``
 NKI 0.7 front end; "legacy": its ``neuronxcc.nki`` front end). Inputs are bf16, drawn once
-per shape and given to both kernels in each one's layout (ours (B, H, N, D) everywhere). Max error is the largest absolute difference from a
-float64 computation from the same bf16-rounded inputs. Modeled numbers, not hardware timings.
+per shape and given to both kernels in each one's layout (ours (B, H, N, D) everywhere). Max
+error is the largest absolute difference from a float64 computation from the same bf16-rounded
+inputs. Modeled numbers, not hardware timings.
 
 ``--kernel cte`` (default): attention_cte vs our forward. One batch, one head; attention_cte
 takes Q as (B, S, d), K as (B, d, S), V as (B, S, d); scale 1/sqrt(D); causal is the square
