@@ -120,13 +120,34 @@ def bwd_case(B, Hq, Hkv, S, d, causal=False):
 
 
 # -- attention_tkg ------------------------------------------------------------------------------
+def tkg_program(mods, cfg, B, H, d, s_active):
+    """A top-level kernel (written here) around attention_tkg, which is not one: it allocates
+    the kernel's ``SbufManager`` and the HBM output (B, H, d, s_active), DMAs q and k_active
+    into SBUF (``cfg.qk_in_sb``: 2-D [d, B * H * s_active] and [d, B * s_active]) and calls
+    it, as attention_tkg's documentation describes."""
+    import nki
+    import nki.isa as nisa
+    import nki.language as nl
+    tkg, Sbm, Logger = mods["tkg"], mods["sbm"], mods["logger"]
+
+    @nki.jit
+    def top(q, k_active, v_active, k_prior, v_prior, mask):
+        sbm = Sbm(0, nl.tile_size.total_available_sbuf_size - 16 * 1024, Logger("SBM"))
+        sbm.open_scope()
+        out = nl.ndarray((B, H, d, s_active), dtype=q.dtype, buffer=nl.shared_hbm)
+        q_sb = sbm.alloc_stack(q.shape, dtype=q.dtype, buffer=nl.sbuf)
+        k_sb = sbm.alloc_stack(k_active.shape, dtype=k_active.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(q_sb, q)
+        nisa.dma_copy(k_sb, k_active)
+        o, _ = tkg(q_sb, k_sb, v_active, k_prior, v_prior, mask, out, cfg, sbm)
+        sbm.close_scope()
+        return o
+    return top
+
+
 def tkg_case(B, H, s_active, s_prior, d):
     def run(mods):
-        import nki
-        import nki.isa as nisa
-        import nki.language as nl
-        tkg, ref = mods["tkg"], mods["tkg_ref"]
-        Cfg, Sbm, Logger = mods["tkg_cfg"], mods["sbm"], mods["logger"]
+        ref, Cfg = mods["tkg_ref"], mods["tkg_cfg"]
         # without fused RoPE the kernel takes Q and K_active in SBUF (its own validation)
         cfg = Cfg(B, H, s_active, s_prior, s_prior, d, 0, qk_in_sb=True)
         rng = np.random.default_rng(2)
@@ -143,19 +164,7 @@ def tkg_case(B, H, s_active, s_prior, d):
         act = np.tril(np.ones((s_active, s_active), np.uint8))
         mask[s_prior - s_active:] = act.T[:, None, None, :]
 
-        @nki.jit
-        def top(q, k_active, v_active, k_prior, v_prior, mask):
-            sbm = Sbm(0, nl.tile_size.total_available_sbuf_size - 16 * 1024, Logger("SBM"))
-            sbm.open_scope()
-            out = nl.ndarray((B, H, d, s_active), dtype=q.dtype, buffer=nl.shared_hbm)
-            q_sb = sbm.alloc_stack(q.shape, dtype=q.dtype, buffer=nl.sbuf)
-            k_sb = sbm.alloc_stack(k_active.shape, dtype=k_active.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(q_sb, q)
-            nisa.dma_copy(k_sb, k_active)
-            o, _ = tkg(q_sb, k_sb, v_active, k_prior, v_prior, mask, out, cfg, sbm)
-            sbm.close_scope()
-            return o
-
+        top = tkg_program(mods, cfg, B, H, d, s_active)
         got = top(q, k_active, v_active, k_prior, v_prior, mask)
         out_ref = np.zeros((B, H, d, s_active), np.float32)
         want = ref[1](q=_t(q), k_active=_t(k_active), v_active=_t(v_active),

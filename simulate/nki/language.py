@@ -18,7 +18,7 @@ import builtins as _builtins
 import operator as _operator
 import sys as _sys
 
-from .. import _deps, _hw, _ops, _runtime, _scalar, _sched, _strict, _tensor
+from .. import _deps, _errors, _hw, _ops, _runtime, _scalar, _sched, _strict, _tensor
 from .. import language as _L
 from .._dtypes import (float32, float16, bfloat16, float8_e4m3, float8_e5m2, tfloat32,  # noqa: F401,E501 (public dtypes)
                        float8_e4m3fn, float8_e8m0fnu, int8, int16, int32, uint8, uint16,
@@ -354,9 +354,53 @@ def _shape07(shape, api):
 def ndarray(shape, dtype, buffer=sbuf, name='', address=None):
     """New tensor (partition dim first). Fresh memory holds NaN (ints: the type's maximum),
     as AWS's nki.simulate fills new allocations to expose uninitialized reads (simulator
-    guide). ``address`` is accepted and not modeled."""
+    guide). ``address=(partition, byte offset)`` on SBUF or PSUM places the tensor there:
+    see :func:`_place_at`."""
     ctx = _runtime.enter()
-    return _L._create(ctx, _shape07(shape, "ndarray"), dtype, buffer, name, None, "ndarray", 1)
+    t = _L._create(ctx, _shape07(shape, "ndarray"), dtype, buffer, name, None, "ndarray", 1)
+    if address is not None and is_on_chip(buffer):
+        _place_at(ctx, t._st, address)
+    return t
+
+
+def _place_at(ctx, st, address):
+    """An on-chip tensor the kernel placed itself (``address=(partition, byte offset)`` of
+    the stub's ``nl.ndarray``): a direct allocation, like ``mod_alloc``. The compiler's
+    allocator does not own it, so it is not counted in the live SBUF/PSUM stack (tensors the
+    kernel places at the same address share that memory: nki-library's attention_cte puts
+    its QK^T tiles in PSUM banks ``k % 4`` and its PV tiles in banks ``4 + k % 4``, its
+    SbufManager places every SBUF buffer on a stack it manages); the placement must lie
+    within the partitions and the bytes per partition of the memory (PSUM: 8 banks of 2 KiB).
+    Overlaps between placed tensors are the kernel's business and not checked."""
+    if isinstance(address, (tuple, list)):
+        part, off = (int(address[0]), int(address[1])) if len(address) > 1 else (
+            0, int(address[0]))
+    else:
+        part, off = 0, int(address)
+    shape = st.arr.shape
+    nbytes = st.di.itemsize
+    for s in shape[1:]:
+        nbytes *= int(s)
+    psum = st.buffer == "psum"
+    cap = _hw.PSUM_NUM_BANKS * _hw.PSUM_BANK_BYTES if psum else \
+        ctx.tgt.sbuf_bytes_per_partition
+    if part < 0 or part + int(shape[0]) > _hw.NUM_PARTITIONS or off < 0 or off + nbytes > cap:
+        raise _errors.hw_error(
+            "runtime",
+            f"Allocated memory out of bound: tensor '{st.name}' {list(shape)} "
+            f"{st.di.name} is placed at partitions {part}..{part + int(shape[0])}, bytes "
+            f"{off}..{off + nbytes} per partition, but {ctx.tgt.name}'s {st.buffer.upper()} "
+            f"has {_hw.NUM_PARTITIONS} partitions of {cap} bytes")
+    st.pinned = True
+    if psum:
+        first, last = off // _hw.PSUM_BANK_BYTES, (off + nbytes - 1) // _hw.PSUM_BANK_BYTES
+        st.banks = last - first + 1
+        st.bpp = nbytes
+        ctx.peak_banks = _builtins.max(ctx.peak_banks, last + 1)
+        ctx.peak_psum = _builtins.max(ctx.peak_psum, off + nbytes)
+    else:
+        st.bpp = nbytes
+        ctx.peak_sbuf = _builtins.max(ctx.peak_sbuf, off + nbytes)
 
 
 def zeros(shape, dtype, buffer=sbuf, name=''):

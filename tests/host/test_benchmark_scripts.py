@@ -63,3 +63,20 @@ def test_score_mods_table(capsys, tmp_path):
     for key in ("forward", "backward"):
         assert abs(prefill["sinks"][key][0] / prefill["none"][key][0] - 1) < 0.10
     assert "decode" in capsys.readouterr().out
+
+
+NKILIB = os.environ.get("NKILIB_CHECKOUT", "/tmp/nkilib")
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(NKILIB, "src", "nkilib_src")),
+                    reason="needs an aws-neuron/nki-library checkout (NKILIB_CHECKOUT)")
+def test_nkilib_side_by_side_all_kernels(capsys):
+    _load("nkilib_side_by_side").main([
+        NKILIB, "--kernel", "cte", "bwd", "tkg", "--n", "256", "--d", "128", "--causal", "yes",
+        "--extras", "--extras-n", "256", "--decode", "1x512", "--hq", "4", "--hkv", "2"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ")
+            and r[2].isdigit()]
+    assert len(rows) == 6                  # cte causal + three extras, bwd, tkg
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert cells[-1].endswith("/ nki") and float(cells[-2]) > 0

@@ -197,3 +197,46 @@ def test_dynamic_range_removed(nk):
     nki, nl, nisa = nk
     with pytest.raises(NotImplementedError, match="removed in NKI 0.7"):
         nl.dynamic_range(4)
+
+
+def test_ndarray_address_places_the_tensor_outside_the_stack(nk):
+    """``nl.ndarray(..., address=(partition, byte offset))`` is a direct allocation (as
+    nki-library's attention_cte and its SbufManager use it): tensors placed at the same PSUM
+    bank share it instead of each taking a bank of the allocator's stack, so twelve live PSUM
+    tiles in four banks fit; a placement past the memory is refused."""
+    nki, nl, nisa = nk
+
+    @nki.jit
+    def k(a, b):
+        out = nl.ndarray((12, 128, 512), dtype=nl.float32, buffer=nl.shared_hbm)
+        at = nl.ndarray((128, 128), a.dtype, buffer=nl.sbuf, address=(0, 0))
+        bt = nl.ndarray((128, 512), b.dtype, buffer=nl.sbuf, address=(0, 256))
+        nisa.dma_copy(dst=at, src=a)
+        nisa.dma_copy(dst=bt, src=b)
+        tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum,
+                            address=(0, (i % 4) * 2048)) for i in range(12)]
+        for i, t in enumerate(tiles):                   # all twelve are live here
+            nisa.nc_matmul(dst=t, stationary=at, moving=bt)
+            r = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=r, src=t)
+            nisa.dma_copy(dst=out[i], src=r)
+        return out
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((128, 128)).astype(np.float32)
+    b = rng.standard_normal((128, 512)).astype(np.float32)
+    with simulate.spill(False):
+        got = k(a, b)
+    want = a.T.astype(np.float64) @ b
+    assert np.abs(got - want[None]).max() < 1e-3 * np.abs(want).max()
+
+    @nki.jit
+    def past(a):
+        out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray((128, 512), nl.float32, buffer=nl.psum, address=(0, 7 * 2048 + 4))
+        nisa.dma_copy(dst=out, src=a)
+        del t
+        return out
+
+    with pytest.raises(RuntimeError, match="Allocated memory out of bound"):
+        past(a)
