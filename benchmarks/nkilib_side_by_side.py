@@ -24,9 +24,10 @@ inputs. Modeled numbers, not hardware timings.
 takes Q as (B, S, d), K as (B, d, S), V as (B, S, d); scale 1/sqrt(D); causal is the square
 top-left mask for both. Shapes from issue 24, item 5: N in {2K, 8K} x D in {64, 128} x causal
 or not; N = 32K only with ``--allow-32k``: attention_cte unrolls its Python loops under NKI 0.7
-(76441 program instructions at 32K, causal) and one 32K causal shape takes about 7 min here
-(ours 5 min of it), a non-causal one about twice that. ``--extras`` adds, at N =
-``--extras-n`` (8K), D = 128, causal:
+(76441 program instructions at 32K causal, 147401 non-causal). One 32K D = 128 shape takes
+about 7 min here causal (ours 5 min of it) and 31 min non-causal (ours 26 min: the simulation
+of our forward grows faster than its work from 8K to 32K), beyond a 15-minute budget.
+``--extras`` adds, at N = ``--extras-n`` (8K), D = 128, causal:
 
 * GQA 4:1: four query heads on one kv head. attention_cte has no head axis: its GQA is
   ``batch_size = 4`` query sequences over ``batch_size_kv = 1`` kv sequence (query batch b
