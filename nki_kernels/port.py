@@ -29,7 +29,8 @@ this module:
   slice of a tile (``t[0:rows, 0:1]``); it has the result's shape.
 - **Loads and stores** are ``dma_copy(dst, src)`` into preallocated tiles: ``nisa.dma_copy`` in
   0.7, ``nl.load``/``nl.store`` in legacy (the instructions this package's legacy estimates were
-  made with). The cast, if any, is to ``dst.dtype``.
+  made with; ``legacy_isa=True``: ``nisa.dma_copy``, where a legacy kernel used that). The
+  cast, if any, is to ``dst.dtype``.
 - **Compiled loops**: ``loop(n, body, carried=...)`` calls ``body(i)`` for ``i`` in ``[0, n)``
   as ``nl.fori_loop`` in 0.7 (every Python loop unrolls in 0.7) and ``nl.affine_range`` /
   ``nl.sequential_range`` (``carried=True``: a loop-carried dependence) in legacy. Either way the
@@ -39,8 +40,9 @@ this module:
 - **Kernels** are decorated with :func:`jit`, which keeps the plain function; the launcher
   (``host._launch.launch``) binds the namespace chosen by ``NKI_FLASH_API``
   (:func:`nki_kernels.nki.select_api`), applies that namespace's ``nki.jit`` and traces the same
-  function with :func:`tracing` active. Nothing here reaches the other namespace: a kernel
-  traced through ``nki.*`` uses no ``neuronxcc`` object.
+  function with :func:`tracing` active (``Kernel.on(api)`` pins a launch to one namespace;
+  ``kernel[grid](...)`` serves frameworks that call the jitted kernel themselves). Nothing here
+  reaches the other namespace: a kernel traced through ``nki.*`` uses no ``neuronxcc`` object.
 
 - **TensorE into PSUM**: ``nc_matmul(dst, stationary, moving, accumulate=False|True)`` is
   ``nisa.nc_matmul(dst, ..., accumulate=)`` in 0.7 and ``dst[...] = / += nisa.nc_matmul(...)``
@@ -50,7 +52,6 @@ this module:
   into fp32 PSUM, kept so their estimates do not move).
 - **Engines** are named by strings (``"vector"``, ``"scalar"``, ``"gpsimd"``):
   ``nisa.engine.vector`` in 0.7, ``nisa.vector_engine`` in legacy.
-
 - **Predicates** (``mask=``, legacy only): the legacy kernels predicate instructions on
   loop-index comparisons (a block that may lie outside a band). 0.7 has no ``mask=``: there
   the instruction always runs. Pass ``mask`` only where running the instruction anyway is
@@ -66,7 +67,8 @@ this module:
   ``reshape_dim`` + ``permute`` view in 0.7.
 - **Programs** (:func:`for_programs`): the legacy SPMD grid gives each instance its indices by
   ``nl.program_id``; 0.7 launches ``kernel[lnc]`` only, so the kernel loops (a compiled loop)
-  over the flattened grid itself, the ``lnc`` cores sharing it by ``nl.program_id(0)``.
+  over the flattened grid itself, the ``lnc`` cores sharing it by ``nl.program_id(0)``
+  (:func:`spmd_core`: which core, when both split one instance's work instead).
 - **Refusals** (:func:`refuse_in_nki`): a feature not ported to ``nki.*`` raises
   NotImplementedError naming it, never a silent fallback.
 
@@ -77,6 +79,7 @@ loop-carried Python values.
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 from nki_kernels import nki as _binding
 
@@ -114,13 +117,39 @@ nl = _Language()
 
 class Kernel:
     """A kernel written against this module: ``func`` is the plain function; :meth:`jitted`
-    is it under one namespace's ``nki.jit`` (made once per namespace)."""
+    is it under one namespace's ``nki.jit`` (made once per namespace). ``api``: None (the
+    launcher traces it through the namespace ``NKI_FLASH_API`` selects) or the namespace a
+    launch of this object must trace through (:meth:`on`)."""
 
-    def __init__(self, func):
+    def __init__(self, func, api=None, jitted=None):
         self.func = func
+        self.api = api
         self.__name__ = func.__name__
         self.__doc__ = func.__doc__
-        self._jitted = {}
+        self._jitted = {} if jitted is None else jitted
+
+    def on(self, api):
+        """This kernel, launched through the namespace ``api`` ("nki" or "legacy")."""
+        return Kernel(self.func, api, self._jitted)
+
+    def __eq__(self, other):
+        return (isinstance(other, Kernel) and (self.func, self.api) == (other.func, other.api))
+
+    def __hash__(self):
+        return hash((self.func, self.api))
+
+    def __getitem__(self, grid):
+        """``kernel[grid](...)``: a launch by a framework that calls the jitted kernel itself
+        (torch-neuronx), traced through this kernel's namespace (:meth:`on`, else the one
+        ``NKI_FLASH_API`` selects); 0.7 takes ``kernel[lnc]``, the int of a one-int grid."""
+        def call(*args, **kwargs):
+            ns = _binding.namespace(self.api or _binding.select_api())
+            key = grid[0] if ns.api == "nki" and isinstance(grid, tuple) and len(grid) == 1 \
+                else grid
+            with tracing(ns):
+                return self.jitted(ns)[key](*args, **kwargs)
+
+        return call
 
     def jitted(self, ns):
         key = (ns.api, ns.backend)
@@ -148,6 +177,11 @@ def gen3():
     """True on NeuronCore-v3 and newer (trn2, trn3)."""
     ns = current()
     return ns.nisa.get_nc_version() >= ns.nisa.nc_version.gen3
+
+
+def predicates():
+    """True when instructions take loop-index predicates (``mask=``: legacy only)."""
+    return current().api == "legacy"
 
 
 def refuse_in_nki(feature):
@@ -265,6 +299,14 @@ def for_programs(dims, body, share=True):
     loop(per, instance, carried=True)
 
 
+def spmd_core():
+    """Which of the two NeuronCores of an LNC=2 launch this is, when both run the same grid
+    instance and split its work: ``nl.program_id(2)`` in legacy (the grid ``(B, Hkv,
+    nl.nc(2))``), ``nl.program_id(0)`` in 0.7 (``kernel[2]``)."""
+    ns = current()
+    return ns.nl.program_id(0 if ns.api == "nki" else 2)
+
+
 # -- compute instructions: dst first, result dtype = dst.dtype ---------------------------------
 
 def _issue(name, dst, legacy_extra=None, mask=None, **operands):
@@ -330,10 +372,10 @@ def _affine_expr(ns, dst, pattern, offset, channel_multiplier):
     if len(pattern) != len(dst.shape) - 1:
         raise ValueError(f"port: the pattern needs one [step, num] pair per free dim of dst "
                          f"{tuple(dst.shape)}, got {pattern}")
-    nd = len(dst.shape)
 
     def axis(n, k):
-        return ns.nl.arange(n)[tuple(slice(None) if j == k else None for j in range(nd))]
+        return ns.nl.arange(n)[tuple(slice(None) if j == k else None
+                                     for j, _ in enumerate(dst.shape))]
 
     expr = axis(dst.shape[0], 0) * channel_multiplier + offset
     for k, (step, num) in enumerate(pattern, start=1):
@@ -359,6 +401,13 @@ class OffsetColumns:
     def col(self, value, rows=128):
         """``[rows, 1]`` fp32: ``value`` on every partition."""
         return self.table[0:rows, current().nl.ds((value - self.lo) // self.step, 1)]
+
+
+def _fold_static(offset, runtime):
+    """``(offset, runtime)`` with a compile-time ``runtime`` folded into the offset."""
+    if runtime is not None and isinstance(runtime, numbers.Integral):
+        return int(offset) + int(runtime), None
+    return offset, runtime
 
 
 def _runtime_pattern(ns, dst, pattern, offset, channel_multiplier, runtime, offsets, cmp_op):
@@ -388,6 +437,7 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=Non
         dst[...] = ns.nisa.iota(expr, dtype=dst.dtype, **extra)
         return
     pattern = [list(map(int, pv)) for pv in pattern]
+    offset, runtime = _fold_static(offset, runtime)
     if runtime is None:
         ns.nisa.iota(dst=dst, pattern=pattern, offset=int(offset),
                      channel_multiplier=int(channel_multiplier))
@@ -413,6 +463,7 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
                                          **extra)
         return
     pattern = [list(map(int, pv)) for pv in pattern]
+    offset, runtime = _fold_static(offset, runtime)
     if runtime is None:
         ns.nisa.affine_select(dst=dst, pattern=pattern, channel_multiplier=int(channel_multiplier),
                               on_true_tile=on_true_tile, on_false_value=float(on_false_value),
@@ -503,3 +554,17 @@ def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0
     the fp32 result, taken before ``dst`` is rounded."""
     _issue("activation_reduce", dst, mask=mask, op=op, data=data, reduce_op=reduce_op,
            reduce_res=reduce_res, bias=bias, scale=scale)
+
+
+# -- random numbers (legacy only so far) -------------------------------------------------------
+
+def random_seed(seed, mask=None):
+    """Seed the RNG of :func:`dropout` from ``seed`` (an int32 ``[1, 1]`` tile)."""
+    refuse_in_nki("port.random_seed (nisa.set_rng_seed is not in the simulator's 0.7 front end)")
+    current().nl.random_seed(seed=seed, mask=mask)
+
+
+def dropout(dst, data, prob, mask=None):
+    """``dst = data`` with each element zeroed with probability ``prob`` (no rescale)."""
+    refuse_in_nki("port.dropout (nisa.dropout is not in the simulator's 0.7 front end)")
+    _issue("dropout", dst, mask=mask, data=data, prob=prob)

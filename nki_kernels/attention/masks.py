@@ -43,6 +43,7 @@ from typing import Optional, Tuple
 
 import numpy as np  # compile-time constants only
 
+from nki_kernels import port
 from nki_kernels import tiles as T
 from nki_kernels.nki import nisa, nl
 
@@ -244,19 +245,21 @@ def broadcast_row(row, width: int):
     """fp32 ``[128, width]``: an fp32 ``[1, width]`` row on every partition (a K=1 matmul of
     a ones row, one PSUM bank per 512 columns; exact for integers below 2^24, as
     ``masks.load_lengths`` uses it, and for any fp32 value if the fp32 matmul keeps full
-    products -- 1.0 x v needs no rounding; score_mods relies on it for per-head floats)."""
-    ones = nisa.memset((1, T.PMAX), 1.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
-    out = nl.ndarray((T.PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
+    products -- 1.0 x v needs no rounding; score_mods relies on it for per-head floats).
+    Written against :mod:`nki_kernels.port` (either namespace)."""
+    pl = port.nl
+    ones = pl.ndarray((1, T.PMAX), dtype=pl.float32, buffer=pl.sbuf)
+    port.memset(ones, 1.0, engine="gpsimd")
+    out = pl.ndarray((T.PMAX, width), dtype=pl.float32, buffer=pl.sbuf)
 
     def bank(c0, w: int):
-        ps = nl.ndarray((T.PMAX, w), dtype=nl.float32, buffer=nl.psum)
-        ps[...] = nisa.nc_matmul(ones, row[0:1, nl.ds(c0, w)])
-        out[:, nl.ds(c0, w)] = nisa.tensor_copy(ps, dtype=nl.float32, engine=nisa.vector_engine)
+        ps = pl.ndarray((T.PMAX, w), dtype=pl.float32, buffer=pl.psum)
+        port.nc_matmul(ps, ones, row[0:1, pl.ds(c0, w)])
+        port.tensor_copy(out[:, pl.ds(c0, w)], ps, engine="vector")
 
-    # an NKI loop over full banks (a block-sparse table row grows with N), a static tail
+    # a compiled loop over full banks (a block-sparse table row grows with N), a static tail
     full, tail = divmod(width, T.PSUM_FMAX)
-    for c in nl.affine_range(full):
-        bank(c * T.PSUM_FMAX, T.PSUM_FMAX)
+    port.loop(full, lambda c: bank(c * T.PSUM_FMAX, T.PSUM_FMAX))
     if tail:
         bank(full * T.PSUM_FMAX, tail)
     return out
@@ -267,10 +270,14 @@ def zero_non_finite(vals):
     uint8 tile that marks them and ``vals * 0`` in fp32 (NaN exactly there, 0 elsewhere). GpSimd
     (otherwise mostly idle) multiplies by 0 and compares; VectorE selects. Used where a value
     multiplies a zero weight in a matmul (``0 * inf`` would reach rows that cannot see the
-    value)."""
-    z = nisa.tensor_scalar(vals, nl.multiply, 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
-    bad = nisa.tensor_scalar(z, nl.not_equal, 0.0, dtype=nl.uint8, engine=nisa.gpsimd_engine)
-    nisa.tensor_copy_predicated(src=0.0, dst=vals, predicate=bad)
+    value). Written against :mod:`nki_kernels.port` (either namespace)."""
+    pl = port.nl
+    shape = tuple(vals.shape)
+    z = pl.ndarray(shape, dtype=pl.float32, buffer=pl.sbuf)
+    port.tensor_scalar(z, vals, pl.multiply, 0.0, engine="gpsimd")
+    bad = pl.ndarray(shape, dtype=pl.uint8, buffer=pl.sbuf)
+    port.tensor_scalar(bad, z, pl.not_equal, 0.0, engine="gpsimd")
+    port.tensor_copy_predicated(vals, 0.0, bad)
     return bad, z
 
 
@@ -358,10 +365,11 @@ def gather_rows(dst, rows_view, idx, col: int, n: int, width: int):
 
 def store_rows(out, b, head, i0, n, tile, store, col, pred=None):
     """``out[b, head, i0 : i0 + n, :] = tile``; with ``store`` (int32 ``[128, k]`` of flat rows,
-    column ``col``), scattered to those rows of out's ``(B H N, D)`` view instead. ``pred``:
-    None, or a loop-index predicate the store is masked on."""
+    column ``col``), scattered to those rows of out's ``(B H N, D)`` view instead (legacy
+    namespace only). ``pred``: None, or a loop-index predicate the store is masked on
+    (legacy)."""
     if store is None:
-        nl.store(out[b, head, nl.ds(i0, n), :], value=tile, mask=pred)
+        port.dma_copy(out[b, head, port.nl.ds(i0, n), :], tile, mask=pred)
         return
     B, H, N, D = out.shape
     rows = out.reshape((B * H * N, D))

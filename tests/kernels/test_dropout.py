@@ -18,13 +18,20 @@ import host
 from _attention_inputs import attention_inputs
 from host import reference as ref
 from nki_kernels import tiles
-from nki_kernels.nki import BACKEND
+from nki_kernels.nki import API_ENV_VAR, BACKEND
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 
 pytestmark = pytest.mark.skipif(BACKEND != "simulate",
                                 reason="the debug mask and exact checks use the simulator")
+
+
+@pytest.fixture(autouse=True)
+def _legacy_namespace(monkeypatch):
+    """These tests trace the kernels through the legacy namespace (the forward is one source
+    for both; tests/kernels/test_forward.py runs it through nki.* as well)."""
+    monkeypatch.setenv(API_ENV_VAR, "legacy")
 
 
 def _close(got, want, tol):

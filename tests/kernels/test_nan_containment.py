@@ -6,9 +6,16 @@ import numpy as np
 import pytest
 
 import host
-from nki_kernels.nki import BACKEND
+from nki_kernels.nki import API_ENV_VAR, BACKEND
 
 pytestmark = pytest.mark.skipif(BACKEND != "simulate", reason="simulator runs")
+
+
+@pytest.fixture(autouse=True)
+def _legacy_namespace(monkeypatch):
+    """These tests trace the kernels through the legacy namespace (the forward is one source
+    for both; tests/kernels/test_forward.py runs it through nki.* as well)."""
+    monkeypatch.setenv(API_ENV_VAR, "legacy")
 
 
 def _qkv(Nq, Nk, seed=0):
