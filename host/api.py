@@ -289,7 +289,10 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
             masks=(causal is not None or window is not None or kv_lens is not None
                    or q_lens is not None))
     dropout_p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
-    api = _forward_api(kv_lens is not None or q_lens is not None or bool(dropout_p))
+    units = (dims.B * dims.Hq * _tiles.ceil_div(dims.Nq, _tiles.PMAX)
+             * _tiles.ceil_div(dims.Nk, _tiles.PMAX))
+    api = _forward_api(kv_lens is not None or q_lens is not None
+                       or (bool(dropout_p) and units >= _tiles.FP32_EXACT_INT))
     grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, _check_lnc(lnc), api=api)
     kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen,
                   lnc=kernel_lnc)
@@ -302,7 +305,8 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
 def _forward_api(legacy_only: bool) -> str:
     """The namespace the forward traces through: :func:`nki_kernels.nki.select_api`'s, except
     that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
-    (``legacy_only``: runtime lengths, dropout) runs through the legacy namespace when it runs
+    (``legacy_only``: runtime lengths, dropout over 2^24 units or more) runs through the
+    legacy namespace when it runs
     on the same kind of backend (both simulated, or both AWS's toolchains) and the target has a
     legacy toolchain (not trn3). Otherwise the kernel refuses it under nki.*
     (NotImplementedError)."""

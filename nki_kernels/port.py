@@ -59,9 +59,10 @@ this module:
 - **Affine patterns** (:func:`iota`, :func:`affine_select`): 0.7's ``(pattern, offset,
   channel_multiplier)`` form; legacy builds the equivalent ``nl.arange`` expression. 0.7 takes
   a compile-time ``offset`` only: a part that depends on a loop index is passed as
-  ``runtime=`` (an index expression, a multiple of ``offsets.step``) with ``offsets`` an
-  :class:`OffsetColumns` table built once at the kernel's start, from which 0.7 reads that
-  value as data (an SBUF column at a runtime position) and adds it on VectorE.
+  ``runtime=`` (an index expression, a multiple of ``offsets.step``, or a linear form
+  ``[(expression, int coefficient), ...]`` of step-1 expressions) with ``offsets`` an
+  :class:`OffsetColumns` table built once at the kernel's start, from which 0.7 reads those
+  values as data (SBUF columns at runtime positions) and adds them on VectorE.
 - **Strided HBM blocks** (:func:`row_blocks`): rows ``r0 + j * rows + p`` of an HBM matrix as
   a ``[rows, n, cols]`` access (one DMA): an ``nl.arange`` expression in legacy, a
   ``reshape_dim`` + ``permute`` view in 0.7.
@@ -72,9 +73,11 @@ this module:
 - **Refusals** (:func:`refuse_in_nki`): a feature not ported to ``nki.*`` raises
   NotImplementedError naming it, never a silent fallback.
 
+- **Random numbers** (:func:`random_seed`, :func:`dropout`): ``nl.random_seed`` /
+  ``nisa.dropout`` in legacy, ``nisa.set_rng_seed`` / ``nisa.dropout`` (``dst`` form) in 0.7.
+
 Not covered yet: ``par_dim`` block dimensions, indirect DMA (``.ap(vector_offset=)``, not in
-the simulator's 0.7 front end), RNG instructions (``nisa.dropout``/``set_rng_seed``, likewise),
-loop-carried Python values.
+the simulator's 0.7 front end), loop-carried Python values.
 """
 from __future__ import annotations
 
@@ -403,20 +406,56 @@ class OffsetColumns:
         return self.table[0:rows, current().nl.ds((value - self.lo) // self.step, 1)]
 
 
+def _terms(runtime):
+    """``runtime`` as ``[(index expression, int coefficient), ...]``."""
+    if runtime is None:
+        return []
+    if isinstance(runtime, list):
+        return [(e, int(c)) for e, c in runtime]
+    return [(runtime, 1)]
+
+
 def _fold_static(offset, runtime):
-    """``(offset, runtime)`` with a compile-time ``runtime`` folded into the offset."""
-    if runtime is not None and isinstance(runtime, numbers.Integral):
-        return int(offset) + int(runtime), None
-    return offset, runtime
+    """``(offset, terms)``: compile-time terms of ``runtime`` folded into the offset."""
+    terms = []
+    for e, c in _terms(runtime):
+        if isinstance(e, numbers.Integral):
+            offset = int(offset) + c * int(e)
+        else:
+            terms.append((e, c))
+    return offset, terms
 
 
-def _runtime_pattern(ns, dst, pattern, offset, channel_multiplier, runtime, offsets, cmp_op):
+def _legacy_offset(offset, runtime):
+    """The legacy index expression ``offset + sum c e`` of a runtime offset."""
+    for e, c in _terms(runtime):
+        offset = offset + (e if c == 1 else e * c)
+    return offset
+
+
+def _runtime_column(ns, terms, offsets, rows):
+    """0.7: ``[rows, 1]`` fp32 holding ``sum c e`` over ``terms``, each ``e`` read from the
+    :class:`OffsetColumns` ``offsets`` (one term: the table's column itself; more: VectorE
+    multiply-adds, exact while the values stay below 2^24)."""
+    (e0, c0), rest = terms[0], terms[1:]
+    if c0 == 1 and not rest:
+        return offsets.col(e0, rows)
+    acc = ns.nl.ndarray((rows, 1), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
+    ns.nisa.tensor_scalar(dst=acc, data=offsets.col(e0, rows), op0=ns.nl.multiply,
+                          operand0=float(c0))
+    for e, c in rest:
+        ns.nisa.tensor_scalar(dst=acc, data=offsets.col(e, rows), op0=ns.nl.multiply,
+                              operand0=float(c), op1=ns.nl.add, operand1=acc)
+    return acc
+
+
+def _runtime_pattern(ns, dst, pattern, offset, channel_multiplier, terms, offsets, cmp_op):
     """0.7: ``cmp_op(pattern value + runtime, 0)`` (uint8), or with ``cmp_op`` None the fp32
     value itself, into a new tile of dst's shape."""
     nl, nisa = ns.nl, ns.nisa
     val = nl.ndarray(tuple(dst.shape), dtype=nl.float32, buffer=nl.sbuf)
     nisa.iota(dst=val, pattern=pattern, offset=offset, channel_multiplier=channel_multiplier)
-    col = offsets.col(runtime, dst.shape[0])
+    col = _runtime_column(ns, terms, offsets, dst.shape[0])
     if cmp_op is None:
         return val, col
     pred = nl.ndarray(tuple(dst.shape), dtype=nl.uint8, buffer=nl.sbuf)
@@ -427,22 +466,22 @@ def _runtime_pattern(ns, dst, pattern, offset, channel_multiplier, runtime, offs
 def iota(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=None, mask=None):
     """``dst[p, x...] = offset + runtime + p * channel_multiplier + sum_k step_k x_k`` (GpSimd;
     ``pattern`` one ``[step, num]`` pair per free dim of dst; ``offset`` a compile-time int;
-    ``runtime`` None or an index expression, which 0.7 reads from ``offsets``, an
-    :class:`OffsetColumns`)."""
+    ``runtime`` None, an index expression or a linear form ``[(expression, coefficient),
+    ...]``, which 0.7 reads from ``offsets``, an :class:`OffsetColumns`)."""
     ns = current()
     if ns.api == "legacy":
-        expr = _affine_expr(ns, dst, pattern, offset if runtime is None else offset + runtime,
+        expr = _affine_expr(ns, dst, pattern, _legacy_offset(offset, runtime),
                             channel_multiplier)
         extra = {} if mask is None else dict(mask=mask)
         dst[...] = ns.nisa.iota(expr, dtype=dst.dtype, **extra)
         return
     pattern = [list(map(int, pv)) for pv in pattern]
-    offset, runtime = _fold_static(offset, runtime)
-    if runtime is None:
+    offset, terms = _fold_static(offset, runtime)
+    if not terms:
         ns.nisa.iota(dst=dst, pattern=pattern, offset=int(offset),
                      channel_multiplier=int(channel_multiplier))
         return
-    val, col = _runtime_pattern(ns, dst, pattern, int(offset), int(channel_multiplier), runtime,
+    val, col = _runtime_pattern(ns, dst, pattern, int(offset), int(channel_multiplier), terms,
                                 offsets, None)
     ns.nisa.tensor_scalar(dst=dst, data=val, op0=ns.nl.add, operand0=col)
 
@@ -455,7 +494,7 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
     and a predicated copy."""
     ns = current()
     if ns.api == "legacy":
-        expr = _affine_expr(ns, dst, pattern, offset if runtime is None else offset + runtime,
+        expr = _affine_expr(ns, dst, pattern, _legacy_offset(offset, runtime),
                             channel_multiplier)
         pred = getattr(expr, _CMP_LEGACY[_cmp_name(cmp_op)])(0)
         extra = {} if mask is None else dict(mask=mask)
@@ -463,13 +502,13 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
                                          **extra)
         return
     pattern = [list(map(int, pv)) for pv in pattern]
-    offset, runtime = _fold_static(offset, runtime)
-    if runtime is None:
+    offset, terms = _fold_static(offset, runtime)
+    if not terms:
         ns.nisa.affine_select(dst=dst, pattern=pattern, channel_multiplier=int(channel_multiplier),
                               on_true_tile=on_true_tile, on_false_value=float(on_false_value),
                               cmp_op=cmp_op, offset=int(offset))
         return
-    pred, _ = _runtime_pattern(ns, dst, pattern, int(offset), int(channel_multiplier), runtime,
+    pred, _ = _runtime_pattern(ns, dst, pattern, int(offset), int(channel_multiplier), terms,
                                offsets, cmp_op)
     if on_true_tile is not dst:
         ns.nisa.tensor_copy(dst=dst, src=on_true_tile)
@@ -556,15 +595,18 @@ def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0
            reduce_res=reduce_res, bias=bias, scale=scale)
 
 
-# -- random numbers (legacy only so far) -------------------------------------------------------
+# -- random numbers ---------------------------------------------------------------------------
 
 def random_seed(seed, mask=None):
-    """Seed the RNG of :func:`dropout` from ``seed`` (an int32 ``[1, 1]`` tile)."""
-    refuse_in_nki("port.random_seed (nisa.set_rng_seed is not in the simulator's 0.7 front end)")
-    current().nl.random_seed(seed=seed, mask=mask)
+    """Seed the RNG :func:`dropout` draws from with ``seed`` (an int32 ``[1, 1]`` tile):
+    ``nl.random_seed`` in legacy, ``nisa.set_rng_seed`` (the VectorE PRNG) in 0.7."""
+    ns = current()
+    if ns.api == "nki":
+        ns.nisa.set_rng_seed(src_seeds=seed)
+    else:
+        ns.nl.random_seed(seed=seed, mask=mask)
 
 
 def dropout(dst, data, prob, mask=None):
-    """``dst = data`` with each element zeroed with probability ``prob`` (no rescale)."""
-    refuse_in_nki("port.dropout (nisa.dropout is not in the simulator's 0.7 front end)")
+    """``dst = data`` with each element zeroed with probability ``prob`` (no rescale; VectorE)."""
     _issue("dropout", dst, mask=mask, data=data, prob=prob)

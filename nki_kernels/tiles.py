@@ -22,6 +22,9 @@ from typing import NamedTuple, Optional, Tuple
 #: Partitions of SBUF and PSUM (``nl.tile_size.pmax``): the partition dim of every tile, the
 #: matmul contraction tile and the TensorE transpose edge.
 PMAX = 128
+#: Integers below this are exact in fp32 (engines compute in fp32): bound of index arithmetic a
+#: kernel does on chip in fp32 (the nki.* forward's dropout unit numbers).
+FP32_EXACT_INT = 2 ** 24
 #: fp32 elements per partition of one PSUM bank (``nl.tile_size.psum_fmax``, 2 KiB).
 PSUM_FMAX = 512
 #: Largest free size of a matmul's stationary operand (``gemm_stationary_fmax``).

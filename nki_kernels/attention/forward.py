@@ -137,8 +137,11 @@ differ:
   exactly as it was, ``attend_block``), and the distance's loop-index part is read as data
   from a table built once per launch (:class:`port.OffsetColumns`) and compared on VectorE.
   The outputs are the same bit for bit; the nki.* program issues the skipped blocks' work;
-- *runtime lengths* (indirect-DMA gathers) and *dropout* (RNG instructions) are legacy only
-  so far (NotImplementedError under nki.*).
+- *dropout*: the unit numbers that seed each 128 x 128 unit's draw are loop-index
+  expressions; 0.7 reads the indices from a table (:class:`port.OffsetColumns`) and combines
+  them on VectorE (fp32-exact below 2^24 units); ``nisa.set_rng_seed`` seeds the draw;
+- *runtime lengths* (indirect-DMA gathers) are legacy only so far (NotImplementedError under
+  nki.*).
 """
 from __future__ import annotations
 
@@ -438,6 +441,7 @@ class _Instance:
         self.lse_col = lse.reshape((self.B, self.Hq, self.Nq, 1))  # (rows, 1) store targets
         self.per_head = T.ceil_div(self.Nq, tiles.q_tile)         # query tiles per head
         self.offsets = None        # port.OffsetColumns of key-minus-row distances (nki.*)
+        self.indices = None        # port.OffsetColumns 0, 1, ...: loop indices as data (nki.*)
         self.rt = None             # masks.RuntimeLengths (with kv_lens or q_lens)
         self.q_load = None         # int32 [128, G * tiles per head]: query-row gather indices,
         self.q_store = None        # scatter indices (rotated rows only),
@@ -938,14 +942,17 @@ def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
     1 / (1 - p) rescale is applied to O at write-back. A unit is always drawn as ``[rows,
     128]`` (rows: the tile's, a prefix of the backward's 128), whatever part of it a block
     covers, so both kernels see the same bits (C-order prefix property of the draw; the
-    simulator's generator is NumPy's, the hardware's is not reproduced). Legacy namespace
-    only (:func:`flash_attention_fwd`)."""
+    simulator's generator is NumPy's, the hardware's is not reproduced)."""
     P = T.PMAX
     n_units = T.ceil_div(width, P)
-    # the block's unit seeds at once: one iota and one int32 add (GpSimd) for all its units
-    unit0 = ((f.b * f.Hq + f.head(h)) * f.nqu + iu) * f.nku + ju
+    # the block's unit seeds at once: one iota and one int32 add (GpSimd) for all its units;
+    # the first unit ((b Hq + g G + h) nqu + iu) nku + ju as a linear form of the loop indices
+    # (nki.*: read from f.indices)
+    per_head = f.nqu * f.nku
+    unit0 = [(f.b, f.Hq * per_head), (f.g, f.G * per_head), (h, per_head), (iu, f.nku),
+             (ju, 1)]
     units = nl.ndarray((1, n_units), dtype=nl.int32, buffer=nl.sbuf)
-    port.iota(units, [[1, n_units]], runtime=unit0)
+    port.iota(units, [[1, n_units]], runtime=unit0, offsets=f.indices)
     seeds = nl.ndarray((1, n_units), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_tensor(seeds, units, f.seed_row[0:1, 0:n_units], nl.add)
     for c0 in T.unrolled(0, width, P):
@@ -1419,8 +1426,8 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     without visible keys then has ``lse = sink``, padding rows keep -inf).
 
     Not yet through nki.* (NotImplementedError there): ``kv_lens``/``q_lens`` (their gathers
-    are indirect DMAs) and dropout (the RNG instructions); the simulator's 0.7 front end has
-    neither.
+    are indirect DMAs, which the simulator's 0.7 front end lacks), and dropout with ``B Hq
+    ceil(Nq / 128) ceil(Nk / 128) >= 2^24`` units (0.7 computes the unit numbers in fp32).
     """
     tiles = T.ForwardTiles() if tiles is None else tiles
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
@@ -1428,10 +1435,12 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
         raise ValueError(f"lnc: expected 1 or 2, got {lnc!r}")
     if kv_lens is not None or q_lens is not None:
         port.refuse_in_nki("flash_attention_fwd with kv_lens/q_lens (indirect-DMA gathers)")
-    if dropout_p:
-        port.refuse_in_nki("flash_attention_fwd with dropout_p > 0 (RNG instructions)")
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    n_units = B * Hq * T.ceil_div(Nq, T.PMAX) * T.ceil_div(Nk, T.PMAX)
+    if dropout_p and n_units >= T.FP32_EXACT_INT:
+        port.refuse_in_nki(f"flash_attention_fwd with dropout over {n_units} >= 2^24 units "
+                           "(fp32 unit numbers)")
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
                       mods.alibi)
     plan = plan_forward(Nq, Nk, Hq // Hkv, spec, tiles, cores=lnc)
@@ -1444,11 +1453,14 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     offsets = (port.OffsetColumns(-T.ceil_div(Nq, T.PMAX) * T.PMAX,
                                   T.ceil_div(Nq, T.PMAX) + T.ceil_div(Nk, T.PMAX) + 1, T.PMAX)
                if spec.has_diag or mods.alibi else None)
+    # loop indices (batch, heads, query tiles, key units) as data: dropout's unit numbers
+    indices = (port.OffsetColumns(0, max(B, Hkv, Hq, T.ceil_div(Nq, T.PMAX),
+                                         T.ceil_div(Nk, T.PMAX)), 1) if dropout_p else None)
 
     def instance(b, g):
         forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slopes,
                          sinks, b, g, scale, mm_dtype, tiles, lnc, dropout_p, mods, spec, plan,
-                         offsets)
+                         (offsets, indices))
 
     port.for_programs((B, Hkv), instance, share=lnc == 1)
     if mask_out is not None:
@@ -1457,12 +1469,13 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
 
 
 def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slopes, sinks, b,
-                     g, scale, mm_dtype, tiles, lnc, dropout_p, mods, spec, plan, offsets):
+                     g, scale, mm_dtype, tiles, lnc, dropout_p, mods, spec, plan, tables):
     """The work of grid instance (batch ``b``, kv head ``g``): the spans' groups of query tiles
-    (:func:`attend_group`), each group storing its predecessor's outputs."""
+    (:func:`attend_group`), each group storing its predecessor's outputs. ``tables``: the
+    launch's ``(offsets, indices)`` (:class:`_Instance`)."""
     D = q.shape[3]
     f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g)
-    f.offsets = offsets
+    f.offsets, f.indices = tables
     f.guard = True
     if mods != SM.Mods():
         f.mods, f.unit = mods, mods.unit(f.act_scale)

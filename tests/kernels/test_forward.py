@@ -837,15 +837,17 @@ def test_nki_namespace_programs_and_cores(B, Hkv, lnc, monkeypatch):
 
 @pytest.mark.parametrize("opts,feature", [
     (dict(kv_lens=[100]), "kv_lens/q_lens"), (dict(q_lens=[50]), "kv_lens/q_lens"),
-    (dict(dropout_p=0.1, seed=1), "dropout"),
+    (dict(dropout_p=0.1, seed=1), "dropout over"),
 ])
 def test_nki_namespace_refuses_what_is_not_ported(opts, feature, monkeypatch):
-    """Runtime lengths (indirect-DMA gathers) and dropout (RNG instructions) are not ported to
-    nki.*: an explicit NKI_FLASH_API=nki call says so; ``auto`` runs such a call through the
-    legacy namespace when that runs on the same backend (here: both simulated)."""
+    """Runtime lengths (indirect-DMA gathers) are not ported to nki.*, nor dropout with 2^24
+    units or more (fp32 unit numbers; the bound lowered here to the case's 4 units): an
+    explicit NKI_FLASH_API=nki call says so; ``auto`` runs such a call through the legacy
+    namespace when that runs on the same backend (here: both simulated)."""
     import host
 
-    q, k, v = _inputs(np.random.default_rng(1), 1, 1, 1, 128, 128, 32, "bfloat16")
+    monkeypatch.setattr(T, "FP32_EXACT_INT", 4)
+    q, k, v = _inputs(np.random.default_rng(1), 1, 1, 1, 256, 256, 32, "bfloat16")
     monkeypatch.setenv(binding.API_ENV_VAR, "nki")
     with pytest.raises(NotImplementedError, match=f"{feature}.* nki.* namespace"):
         host.flash_attention(q, k, v, **opts)
