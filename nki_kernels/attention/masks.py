@@ -12,8 +12,9 @@ relative diagonal bounds are ``hi = 0`` for causal (capped by a window's ``right
 
 The band is always static (compile time). The host-side plan skips score tiles that are fully
 masked, trims each query tile's key range to the union of its rows' windows, and masks only
-*boundary* tiles. Their indicator tiles depend only on ``j0 - i0`` (the tile's diagonal offset)
-and are built once and cached. With runtime lengths (kernel inputs, so one compiled kernel
+*boundary* tiles, by selecting ``MASK_NEG`` outside the band (``forward.scores``: an
+``affine_select`` of the key-minus-row distance; the backward selects on loop-index predicates
+too). With runtime lengths (kernel inputs, so one compiled kernel
 serves every set of lengths; :class:`RuntimeLengths`):
 
 - the rows and keys are *gathered* by indirect DMAs that skip padding (never read, so a NaN there
@@ -31,10 +32,10 @@ serves every set of lengths; :class:`RuntimeLengths`):
   past ``q_len`` are zeroed when the output is written. A kernel cannot branch on tensor
   values, so these apply to every tile the band allows.
 
-Every forward band mask reaches the scores the same way: a matmul ``(MASK_NEG * I)^T @
-indicator`` accumulated into the score tile's PSUM bank, where the indicator is 1.0 at masked
-positions and 0.0 elsewhere. TensorE does the add for free of VectorE time, and masked scores
-become ``s + MASK_NEG`` (finite, see ``tiles.FWD_MASK_NEG``).
+Masked scores become ``MASK_NEG`` (finite, see ``tiles.FWD_MASK_NEG``). The helpers the forward
+uses (:func:`broadcast_row`, :func:`zero_non_finite`, :func:`store_rows` without a scatter) are
+written against :mod:`nki_kernels.port` and trace through either namespace; the runtime-length
+machinery (:class:`RuntimeLengths`, gathers and scatters) is legacy only so far.
 """
 from __future__ import annotations
 
@@ -168,14 +169,6 @@ class MaskSpec:
 # ============================================================================================
 
 
-def neg_identity(n: int):
-    """``MASK_NEG * I_n`` in bf16 [n, n]: the stationary operand that adds ``MASK_NEG *
-    indicator`` into a score tile (row i of the result gets row i of the indicator)."""
-    diff = nisa.iota(nl.arange(n)[None, :] - nl.arange(n)[:, None], dtype=nl.float32)
-    return nisa.tensor_scalar(diff, nl.equal, 0.0, op1=nl.multiply, operand1=T.FWD_MASK_NEG,
-                              dtype=nl.bfloat16)
-
-
 def int_mod(x, n: int, dtype=nl.float32):
     """``x mod n`` of an fp32 tile of non-negative integers (``x n < 2^22``), without ``nl.mod``
     (issue "kernels that compile and run": an op to avoid on hardware): ``x - n q`` with ``q =
@@ -190,55 +183,6 @@ def int_mod(x, n: int, dtype=nl.float32):
 def neg_row(n: int):
     """``MASK_NEG`` in bf16 [1, n]: stationary operand of the rank-1 key-length mask."""
     return nisa.memset((1, n), T.FWD_MASK_NEG, dtype=nl.bfloat16)
-
-
-def diag_pattern(i0: int, rows: int, j0: int, width: int):
-    """fp32 [rows, width] tile of ``(j0 + jj) - (i0 + ii)``, the key-minus-query distance
-    (exact integers; GpSimd iota)."""
-    return nisa.iota((j0 - i0) + nl.arange(width)[None, :] - nl.arange(rows)[:, None],
-                     dtype=nl.float32)
-
-
-def diag_indicator(pattern, hi, lo):
-    """bf16 tile: 1.0 where ``pattern > hi`` or ``pattern < lo``, else 0.0.
-
-    ``hi``/``lo`` are Python numbers (the relative bound plus the compile-time offset), or None
-    for an unbounded side. At most one of the two conditions holds (lo <= hi), so the sum is an
-    indicator.
-    """
-    if lo is None:
-        return nisa.tensor_scalar(pattern, nl.greater, hi, dtype=nl.bfloat16)
-    if hi is None:
-        return nisa.tensor_scalar(pattern, nl.less, lo, dtype=nl.bfloat16)
-    above = nisa.tensor_scalar(pattern, nl.greater, hi, dtype=nl.float32)
-    return nisa.scalar_tensor_tensor(data=pattern, op0=nl.less, operand0=lo, op1=nl.add,
-                                     operand1=above, dtype=nl.bfloat16)
-
-
-class StaticDiagMasks:
-    """The static boundary-tile indicators of a kernel, built once up front.
-
-    An indicator depends only on the key-minus-query distance pattern and the static bounds, so
-    every boundary tile with the same ``j0 - i0`` shares one (its top-left ``[rows, width]``
-    corner). ``offsets`` (from the schedule) lists the distinct ``j0 - i0`` of boundary tiles: a
-    causal or window bound has a handful (the tile diagonal crosses a 128 x 512 tile at ~5
-    offsets). All live in one bf16 tensor ``[rows, len(offsets), width]`` filled at the top of
-    the kernel.
-    """
-
-    def __init__(self, spec: MaskSpec, rows: int, width: int, offsets):
-        off = spec.static_offset
-        hi = None if spec.hi is None else float(spec.hi + off)
-        lo = None if spec.lo is None else float(spec.lo + off)
-        self.index = {key: n for n, key in enumerate(sorted(offsets))}
-        self.tiles = nl.ndarray((rows, max(1, len(self.index)), width), dtype=nl.bfloat16,
-                                buffer=nl.sbuf)
-        for key, n in self.index.items():
-            self.tiles[:, n, :] = diag_indicator(diag_pattern(0, rows, key, width), hi, lo)
-
-    def get(self, i0: int, j0: int):
-        """Indicator of the boundary tile at rows ``i0``, keys ``j0`` (``[rows, width]``)."""
-        return self.tiles[:, self.index[j0 - i0], :]
 
 
 def broadcast_row(row, width: int):
@@ -481,7 +425,6 @@ class RuntimeLengths:
         return nisa.tensor_tensor(rows, beyond, np.add, dtype=nl.int32), store
 
 
-__all__ = ["MaskSpec", "broadcast_row", "zero_non_finite", "FULL", "BOUNDARY", "neg_identity",
-           "int_mod", "neg_row", "diag_pattern",
-           "diag_indicator", "StaticDiagMasks", "load_lengths", "key_length_row", "oob_offset",
+__all__ = ["MaskSpec", "broadcast_row", "zero_non_finite", "FULL", "BOUNDARY",
+           "int_mod", "neg_row", "load_lengths", "key_length_row", "oob_offset",
            "position_table", "gather_rows", "store_rows", "RuntimeLengths", "np"]
