@@ -26,6 +26,7 @@ import ml_dtypes  # noqa: E402
 
 import simulate  # noqa: E402
 from host import api  # noqa: E402
+from host._launch import program_size  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -34,14 +35,14 @@ def forward_size(N, D, causal):
     q = np.zeros((1, 1, N, D), BF16)
     k = np.zeros((1, 1, N, D), BF16)
     kernel, grid, kw = api.plan_attention_forward(q, k, k, causal=causal, lnc=1)
-    return simulate.program_size(kernel[grid], q, k, k, **kw)
+    return program_size(kernel, grid, q, k, k, **kw)
 
 
 def backward_size(N, D, causal):
     q = np.zeros((1, 1, N, D), BF16)
     lse = np.zeros((1, 1, N), np.float32)
     kernel, grid, kw = api.plan_attention_backward(q, q, q, q, q, lse, causal=causal)
-    return simulate.program_size(kernel[grid], q, q, q, q, q, lse, **kw)
+    return program_size(kernel, grid, q, q, q, q, q, lse, **kw)
 
 
 def decode_size(N, D):

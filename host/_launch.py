@@ -29,7 +29,8 @@ def launch(kernel, grid, *args, **kwargs):
     :func:`nki_kernels.nki.select_api` picks (``NKI_FLASH_API``); the others through the legacy
     one. Legacy: ``nki.simulate_kernel(kernel[grid], ...)`` on the simulator,
     ``nki.baremetal(kernel)[grid](...)`` on a Trainium host. ``nki.*``: ``nki.simulate(kernel[grid])
-    (...)`` on the simulator, ``kernel[grid](...)`` on a device (NumPy arguments there are
+    (...)`` on the simulator, ``kernel[grid](...)`` on a device (a one-int grid ``(lnc,)`` is
+    ``kernel[lnc]``) (NumPy arguments there are
     UNCONFIRMED: AWS documents framework tensors). Returns the kernel's outputs as NumPy arrays.
     """
     # ints stay ints; nl.nc(n) / nl.spmd_dim(...) dimensions (LNC=2) are passed as they are
@@ -42,13 +43,29 @@ def launch(kernel, grid, *args, **kwargs):
 
 
 def _launch_port(kernel, grid, args, kwargs):
-    ns = namespace(select_api())
+    ns = namespace(kernel.api or select_api())
     jitted = kernel.jitted(ns)
     with port.tracing(ns):
         if ns.api == "legacy":
             if ns.backend == "simulate" or runs_on_simulator():
                 return ns.nki.simulate_kernel(jitted[grid], *args, **kwargs)
             return ns.nki.baremetal(jitted)[grid](*args, **kwargs)
+        # 0.7 launches kernel[lnc]: a one-int grid is the LNC degree
+        key = grid[0] if len(grid) == 1 else grid
         if ns.backend == "simulate" or os.environ.get(RUN_ENV_VAR, "").lower() == "simulate":
-            return ns.nki.simulate(jitted[grid])(*args, **kwargs)
-        return jitted[grid](*args, **kwargs)
+            return ns.nki.simulate(jitted[key])(*args, **kwargs)
+        return jitted[key](*args, **kwargs)
+
+
+def program_size(kernel, grid, *args, **kwargs):
+    """``simulate.program_size`` of a launch of ``kernel`` on ``grid`` (simulator only): the
+    instructions of its compiled program, each loop body traced once. A kernel written against
+    :mod:`nki_kernels.port` is traced through the namespace :func:`launch` would use."""
+    import simulate
+
+    if not isinstance(kernel, port.Kernel):
+        return simulate.program_size(kernel[grid], *args, **kwargs)
+    ns = namespace(kernel.api or select_api())
+    key = grid[0] if ns.api == "nki" and len(grid) == 1 else tuple(grid)
+    with port.tracing(ns):
+        return simulate.program_size(kernel.jitted(ns)[key], *args, **kwargs)

@@ -6,6 +6,7 @@ kernels through :func:`host._launch.launch` (the CPU simulator or a Trainium dev
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -13,7 +14,7 @@ import numpy as np
 from host import validation as _v
 from host._launch import launch
 from nki_kernels import tiles
-from nki_kernels.nki import active_target, select_api
+from nki_kernels.nki import API_ENV_VAR, active_target, namespace, select_api
 
 # ============================================================================================
 # Fused kernels and the unfused attention baseline
@@ -288,13 +289,33 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
             masks=(causal is not None or window is not None or kv_lens is not None
                    or q_lens is not None))
     dropout_p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
-    grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, _check_lnc(lnc))
+    units = (dims.B * dims.Hq * _tiles.ceil_div(dims.Nq, _tiles.PMAX)
+             * _tiles.ceil_div(dims.Nk, _tiles.PMAX))
+    api = _forward_api(kv_lens is not None or q_lens is not None
+                       or (bool(dropout_p) and units >= _tiles.FP32_EXACT_INT))
+    grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, _check_lnc(lnc), api=api)
     kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen,
                   lnc=kernel_lnc)
     if dropout_p:
         kwargs["dropout_p"] = dropout_p
     kwargs.update(_score_mods_call(softcap, alibi_slopes, sinks, dims.B, dims.Hq)[0])
-    return flash_attention_fwd, grid, kwargs
+    return flash_attention_fwd.on(api), grid, kwargs
+
+
+def _forward_api(legacy_only: bool) -> str:
+    """The namespace the forward traces through: :func:`nki_kernels.nki.select_api`'s, except
+    that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
+    (``legacy_only``: runtime lengths, dropout over 2^24 units or more) runs through the
+    legacy namespace when it runs
+    on the same kind of backend (both simulated, or both AWS's toolchains) and the target has a
+    legacy toolchain (not trn3). Otherwise the kernel refuses it under nki.*
+    (NotImplementedError)."""
+    api = select_api()
+    auto = os.environ.get(API_ENV_VAR, "auto").strip().lower() in ("", "auto")
+    if api == "nki" and legacy_only and auto and active_target() != "trn3":
+        if namespace("legacy").backend == namespace("nki").backend:
+            return "legacy"
+    return api
 
 
 def _score_mods_call(softcap, alibi_slopes, sinks, B: int, Hq: int, *, block_sparse=False):

@@ -29,7 +29,8 @@ this module:
   slice of a tile (``t[0:rows, 0:1]``); it has the result's shape.
 - **Loads and stores** are ``dma_copy(dst, src)`` into preallocated tiles: ``nisa.dma_copy`` in
   0.7, ``nl.load``/``nl.store`` in legacy (the instructions this package's legacy estimates were
-  made with). The cast, if any, is to ``dst.dtype``.
+  made with; ``legacy_isa=True``: ``nisa.dma_copy``, where a legacy kernel used that). The
+  cast, if any, is to ``dst.dtype``.
 - **Compiled loops**: ``loop(n, body, carried=...)`` calls ``body(i)`` for ``i`` in ``[0, n)``
   as ``nl.fori_loop`` in 0.7 (every Python loop unrolls in 0.7) and ``nl.affine_range`` /
   ``nl.sequential_range`` (``carried=True``: a loop-carried dependence) in legacy. Either way the
@@ -39,8 +40,9 @@ this module:
 - **Kernels** are decorated with :func:`jit`, which keeps the plain function; the launcher
   (``host._launch.launch``) binds the namespace chosen by ``NKI_FLASH_API``
   (:func:`nki_kernels.nki.select_api`), applies that namespace's ``nki.jit`` and traces the same
-  function with :func:`tracing` active. Nothing here reaches the other namespace: a kernel
-  traced through ``nki.*`` uses no ``neuronxcc`` object.
+  function with :func:`tracing` active (``Kernel.on(api)`` pins a launch to one namespace;
+  ``kernel[grid](...)`` serves frameworks that call the jitted kernel themselves). Nothing here
+  reaches the other namespace: a kernel traced through ``nki.*`` uses no ``neuronxcc`` object.
 
 - **TensorE into PSUM**: ``nc_matmul(dst, stationary, moving, accumulate=False|True)`` is
   ``nisa.nc_matmul(dst, ..., accumulate=)`` in 0.7 and ``dst[...] = / += nisa.nc_matmul(...)``
@@ -51,23 +53,42 @@ this module:
 - **Engines** are named by strings (``"vector"``, ``"scalar"``, ``"gpsimd"``):
   ``nisa.engine.vector`` in 0.7, ``nisa.vector_engine`` in legacy.
 
-- **Index patterns**: ``iota`` and ``affine_select`` take 0.7's ``(pattern, offset,
-  channel_multiplier)``; legacy gets the equivalent ``nl.arange`` expression. 0.7 offsets are
-  compile-time ints, so a mask whose diagonal moves with a loop index is a
-  :class:`DiagonalMask` (legacy: ``affine_select`` with the index in its offset; 0.7: a bound
-  table made once + ``range_select``, NeuronCore-v3+).
-- **SPMD grids**: 0.7 launches ``kernel[lnc]`` only (one number). A kernel that legacy runs on
-  a grid walks it with :func:`for_programs` (``nl.program_id`` in legacy, one compiled loop in
-  0.7) and is launched on :func:`launch_grid`.
+- **Predicates** (``mask=``, legacy only): the legacy kernels predicate instructions on
+  loop-index comparisons (a block that may lie outside a band). 0.7 has no ``mask=``: there
+  the instruction always runs. Pass ``mask`` only where running the instruction anyway is
+  harmless (e.g. a block whose scores are all masked leaves the online softmax unchanged).
+- **Affine patterns** (:func:`iota`, :func:`affine_select`): 0.7's ``(pattern, offset,
+  channel_multiplier)`` form; legacy builds the equivalent ``nl.arange`` expression. 0.7 takes
+  a compile-time ``offset`` only: a part that depends on a loop index is passed as
+  ``runtime=`` (an index expression, a multiple of ``offsets.step``, or a linear form
+  ``[(expression, int coefficient), ...]`` of step-1 expressions) with ``offsets`` an
+  :class:`OffsetColumns` table built once at the kernel's start, from which 0.7 reads those
+  values as data (SBUF columns at runtime positions) and adds them on VectorE.
+- **Strided HBM blocks** (:func:`row_blocks`): rows ``r0 + j * rows + p`` of an HBM matrix as
+  a ``[rows, n, cols]`` access (one DMA): an ``nl.arange`` expression in legacy, a
+  ``reshape_dim`` + ``permute`` view in 0.7.
+- **Programs** (:func:`for_programs`): the legacy SPMD grid gives each instance its indices by
+  ``nl.program_id``; 0.7 launches ``kernel[lnc]`` only, so the kernel loops (a compiled loop)
+  over the flattened grid itself, the ``lnc`` cores sharing it by ``nl.program_id(0)``
+  (:func:`spmd_core`: which core, when both split one instance's work instead).
+- **Refusals** (:func:`refuse_in_nki`): a feature not ported to ``nki.*`` raises
+  NotImplementedError naming it, never a silent fallback.
+- **Moving diagonals** (:class:`DiagonalMask`): a causal diagonal that moves with loop
+  indices, over a whole tile: legacy ``affine_select`` with the index in its offset; 0.7 a
+  per-row bound table made once + ``range_select`` (NeuronCore-v3+).
+- **Launch grids** (:func:`launch_grid`): the grid a kernel walked by :func:`for_programs` is
+  launched on: the SPMD grid in legacy, ``(1,)`` in 0.7.
+- **Random numbers** (:func:`random_seed`, :func:`dropout`): ``nl.random_seed`` /
+  ``nisa.dropout`` in legacy, ``nisa.set_rng_seed`` / ``nisa.dropout`` (``dst`` form) in 0.7.
 
-Not covered yet (the later kernels' needs): ``par_dim`` block dimensions, loop-carried Python
-values.
+Not covered yet: ``par_dim`` block dimensions, indirect DMA (``.ap(vector_offset=)``, not in
+the simulator's 0.7 front end), loop-carried Python values.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import operator
+import numbers
 
 from nki_kernels import nki as _binding
 from nki_kernels import tiles
@@ -106,13 +127,39 @@ nl = _Language()
 
 class Kernel:
     """A kernel written against this module: ``func`` is the plain function; :meth:`jitted`
-    is it under one namespace's ``nki.jit`` (made once per namespace)."""
+    is it under one namespace's ``nki.jit`` (made once per namespace). ``api``: None (the
+    launcher traces it through the namespace ``NKI_FLASH_API`` selects) or the namespace a
+    launch of this object must trace through (:meth:`on`)."""
 
-    def __init__(self, func):
+    def __init__(self, func, api=None, jitted=None):
         self.func = func
+        self.api = api
         self.__name__ = func.__name__
         self.__doc__ = func.__doc__
-        self._jitted = {}
+        self._jitted = {} if jitted is None else jitted
+
+    def on(self, api):
+        """This kernel, launched through the namespace ``api`` ("nki" or "legacy")."""
+        return Kernel(self.func, api, self._jitted)
+
+    def __eq__(self, other):
+        return (isinstance(other, Kernel) and (self.func, self.api) == (other.func, other.api))
+
+    def __hash__(self):
+        return hash((self.func, self.api))
+
+    def __getitem__(self, grid):
+        """``kernel[grid](...)``: a launch by a framework that calls the jitted kernel itself
+        (torch-neuronx), traced through this kernel's namespace (:meth:`on`, else the one
+        ``NKI_FLASH_API`` selects); 0.7 takes ``kernel[lnc]``, the int of a one-int grid."""
+        def call(*args, **kwargs):
+            ns = _binding.namespace(self.api or _binding.select_api())
+            key = grid[0] if ns.api == "nki" and isinstance(grid, tuple) and len(grid) == 1 \
+                else grid
+            with tracing(ns):
+                return self.jitted(ns)[key](*args, **kwargs)
+
+        return call
 
     def jitted(self, ns):
         key = (ns.api, ns.backend)
@@ -129,17 +176,70 @@ def jit(func):
     return Kernel(func)
 
 
+# -- namespace facts ---------------------------------------------------------------------------
+
+def api():
+    """``"nki"`` or ``"legacy"``: the namespace being traced."""
+    return current().api
+
+
+def gen3():
+    """True on NeuronCore-v3 and newer (trn2, trn3)."""
+    ns = current()
+    return ns.nisa.get_nc_version() >= ns.nisa.nc_version.gen3
+
+
+def predicates():
+    """True when instructions take loop-index predicates (``mask=``: legacy only)."""
+    return current().api == "legacy"
+
+
+def refuse_in_nki(feature):
+    """Raise NotImplementedError when tracing through ``nki.*``: ``feature`` (a phrase naming
+    it) is not ported to NKI 0.7 yet."""
+    if current().api == "nki":
+        raise NotImplementedError(
+            f"{feature} is not available through the nki.* namespace (NKI 0.7) yet; run it "
+            f"through the legacy namespace ({_binding.API_ENV_VAR}=legacy)")
+
+
 # -- data movement ----------------------------------------------------------------------------
 
-def dma_copy(dst, src):
-    """``dst = src`` by DMA (HBM -> SBUF or SBUF -> HBM), cast to ``dst.dtype``."""
+def dma_copy(dst, src, mask=None, legacy_isa=False):
+    """``dst = src`` by DMA (HBM -> SBUF or SBUF -> HBM), cast to ``dst.dtype``. Legacy issues
+    ``nl.load``/``nl.store`` (``nisa.dma_copy`` with ``legacy_isa``); ``mask``: see the module
+    docstring."""
     ns = current()
     if ns.api == "nki":
         ns.nisa.dma_copy(dst=dst, src=src)
+    elif legacy_isa:
+        ns.nisa.dma_copy(dst=dst, src=src, mask=mask)
     elif str(getattr(src, "buffer", "")).lower().endswith("hbm"):     # hbm, shared_hbm
-        dst[...] = ns.nl.load(src, dtype=dst.dtype)
+        dst[...] = ns.nl.load(src, dtype=dst.dtype, mask=mask)
     else:
-        ns.nl.store(dst, value=src)
+        ns.nl.store(dst, value=src, mask=mask)
+
+
+def row_blocks(t, lead, r0, rows, n, cols):
+    """``[rows, n, cols]`` access of the HBM tensor ``t``: element ``[p, j, c]`` is
+    ``t[*lead, r0 + j * rows + p, c]`` (``lead`` indices of the leading dims, ``r0`` an int or
+    index expression): ``n`` blocks of ``rows`` consecutive rows, block j on the free axis."""
+    ns = current()
+    if ns.api == "nki":
+        view = t[(*lead, ns.nl.ds(r0, n * rows), slice(0, cols))]
+        return view.reshape_dim(0, (n, rows)).permute((1, 0, 2))
+    ar = ns.nl.arange
+    ip, it, ic = ar(rows)[:, None, None], ar(n)[None, :, None], ar(cols)[None, None, :]
+    return t[(*lead, r0 + ip + rows * it, ic)]
+
+
+def dma_transpose(dst, src, mask=None):
+    """``dst = src^T`` (2-D, SBUF -> SBUF) on the DMA engines (gen3+)."""
+    ns = current()
+    if ns.api == "nki":
+        ns.nisa.dma_transpose(dst=dst, src=src)
+    else:
+        dst[...] = ns.nisa.dma_transpose(src, mask=mask)
 
 
 # -- compiled loops ---------------------------------------------------------------------------
@@ -183,15 +283,54 @@ def for_tiles(total, size, body, carried=False):
         body(n_full, tail)
 
 
+def for_programs(dims, body, share=True):
+    """``body(*index)`` for the grid instances ``index`` of ``dims`` (static ints, e.g. ``(B,
+    Hkv)``) this program serves. Legacy: the kernel is launched on an SPMD grid whose first axes
+    are ``dims`` (:func:`launch_grid`, or a kernel's own grid with more axes); ``body`` runs once
+    with ``nl.program_id(0), ...``. 0.7: the kernel is launched ``kernel[lnc]``; ``body`` runs in
+    a compiled loop over the flattened ``dims`` (the index unflattened row-major with ``//`` and
+    ``%`` of the runtime loop index), the ``lnc`` cores taking halves of it (``share``; an odd
+    count: the middle instance is run by both, which write identical results) or, without
+    ``share``, each core all of it."""
+    ns = current()
+    if ns.api == "legacy":
+        body(*(ns.nl.program_id(a) for a, _ in enumerate(dims)))
+        return
+    total = math.prod(dims)
+    strides = [math.prod(dims[k + 1:]) for k, _ in enumerate(dims)]
+    cores = int(ns.nl.num_programs(0)) if share else 1
+    per = -(-total // cores)
+    first = 0 if cores == 1 else ns.nl.program_id(0) * (total - per)
+
+    def instance(i):
+        flat = first + i
+        body(*(flat // s if k == 0 else flat // s % n
+               for k, (s, n) in enumerate(zip(strides, dims))))
+
+    instance.__name__ = getattr(body, "__name__", "instance")
+    loop(per, instance, carried=True)
+
+
+def spmd_core():
+    """Which of the two NeuronCores of an LNC=2 launch this is, when both run the same grid
+    instance and split its work: ``nl.program_id(2)`` in legacy (the grid ``(B, Hkv,
+    nl.nc(2))``), ``nl.program_id(0)`` in 0.7 (``kernel[2]``)."""
+    ns = current()
+    return ns.nl.program_id(0 if ns.api == "nki" else 2)
+
+
 # -- compute instructions: dst first, result dtype = dst.dtype ---------------------------------
 
-def _issue(name, dst, legacy_extra=None, **operands):
+def _issue(name, dst, legacy_extra=None, mask=None, **operands):
     ns = current()
     fn = getattr(ns.nisa, name)
     if ns.api == "nki":
         fn(dst=dst, **operands)
     else:
-        dst[...] = fn(**operands, **(legacy_extra or {}), dtype=dst.dtype)
+        extra = dict(legacy_extra or {})
+        if mask is not None:
+            extra["mask"] = mask
+        dst[...] = fn(**operands, **extra, dtype=dst.dtype)
 
 
 def _engine(ns, name):
@@ -199,18 +338,196 @@ def _engine(ns, name):
     return getattr(ns.nisa.engine, name) if ns.api == "nki" else getattr(ns.nisa, name + "_engine")
 
 
-def tensor_copy(dst, src, engine=None):
+def _engine_kw(name):
+    return {} if name is None else dict(engine=_engine(current(), name))
+
+
+def tensor_copy(dst, src, engine=None, mask=None):
     """``dst = src`` (SBUF/PSUM -> SBUF) on ``engine`` ("vector", "scalar", "gpsimd"; None lets
     the compiler choose)."""
-    if engine is None:
-        _issue("tensor_copy", dst, src=src)
+    _issue("tensor_copy", dst, mask=mask, src=src, **_engine_kw(engine))
+
+
+def memset(dst, value, engine=None):
+    """Fill ``dst`` with the compile-time constant ``value`` (``engine``: "vector" or
+    "gpsimd")."""
+    ns = current()
+    if ns.api == "nki":
+        ns.nisa.memset(dst=dst, value=value, **_engine_kw(engine))
     else:
-        _issue("tensor_copy", dst, src=src, engine=_engine(current(), engine))
+        dst[...] = ns.nisa.memset(dst.shape, value, dtype=dst.dtype, **_engine_kw(engine))
+
+
+def tensor_copy_predicated(dst, src, predicate, reverse_pred=False):
+    """``dst = src`` (a tile or a float) where ``predicate`` (uint8, dst's layout) is non-zero
+    (zero with ``reverse_pred``), dst unchanged elsewhere (VectorE)."""
+    current().nisa.tensor_copy_predicated(dst=dst, src=src, predicate=predicate,
+                                          reverse_pred=reverse_pred)
+
+
+# -- affine patterns ----------------------------------------------------------------------------
+
+_CMP_LEGACY = {"equal": "__eq__", "not_equal": "__ne__", "less": "__lt__",
+               "less_equal": "__le__", "greater": "__gt__", "greater_equal": "__ge__"}
+
+
+def _cmp_name(op):
+    name = getattr(op, "__name__", str(op))
+    if name not in _CMP_LEGACY:
+        raise ValueError(f"port: cmp_op must be a comparison (nl.equal, nl.less, ...), got {op!r}")
+    return name
+
+
+def _affine_expr(ns, dst, pattern, offset, channel_multiplier):
+    """The legacy index expression of ``offset + p * channel_multiplier + sum step_k x_k`` over
+    ``dst``'s partitions and its free dims (one ``[step, num]`` pair per free dim)."""
+    if len(pattern) != len(dst.shape) - 1:
+        raise ValueError(f"port: the pattern needs one [step, num] pair per free dim of dst "
+                         f"{tuple(dst.shape)}, got {pattern}")
+
+    def axis(n, k):
+        return ns.nl.arange(n)[tuple(slice(None) if j == k else None
+                                     for j, _ in enumerate(dst.shape))]
+
+    expr = axis(dst.shape[0], 0) * channel_multiplier + offset
+    for k, (step, num) in enumerate(pattern, start=1):
+        expr = expr + axis(num, k) * step
+    return expr
+
+
+class OffsetColumns:
+    """Runtime offsets as data, for 0.7 (whose ``iota``/``affine_select`` offsets are
+    compile-time): an fp32 ``[128, n]`` SBUF table, column c holding ``lo + c * step`` on every
+    partition, built by one iota at the kernel's start; :meth:`col` reads the column of a
+    runtime value (an index expression, a multiple of ``step`` in ``[lo, lo + n step)``) at a
+    runtime position. Legacy reads offsets from the index expression itself: no table."""
+
+    def __init__(self, lo, n, step):
+        ns = current()
+        self.lo, self.n, self.step = int(lo), int(n), int(step)
+        self.table = None
+        if ns.api == "nki":
+            self.table = ns.nl.ndarray((128, self.n), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
+            ns.nisa.iota(dst=self.table, pattern=[[self.step, self.n]], offset=self.lo)
+
+    def col(self, value, rows=128):
+        """``[rows, 1]`` fp32: ``value`` on every partition."""
+        return self.table[0:rows, current().nl.ds((value - self.lo) // self.step, 1)]
+
+
+def _terms(runtime):
+    """``runtime`` as ``[(index expression, int coefficient), ...]``."""
+    if runtime is None:
+        return []
+    if isinstance(runtime, list):
+        return [(e, int(c)) for e, c in runtime]
+    return [(runtime, 1)]
+
+
+def _fold_static(offset, runtime):
+    """``(offset, terms)``: compile-time terms of ``runtime`` folded into the offset."""
+    terms = []
+    for e, c in _terms(runtime):
+        if isinstance(e, numbers.Integral):
+            offset = int(offset) + c * int(e)
+        else:
+            terms.append((e, c))
+    return offset, terms
+
+
+def _legacy_offset(offset, runtime):
+    """The legacy index expression ``offset + sum c e`` of a runtime offset."""
+    for e, c in _terms(runtime):
+        offset = offset + (e if c == 1 else e * c)
+    return offset
+
+
+def _runtime_column(ns, terms, offsets, rows):
+    """0.7: ``[rows, 1]`` fp32 holding ``sum c e`` over ``terms``, each ``e`` read from the
+    :class:`OffsetColumns` ``offsets`` (one term: the table's column itself; more: VectorE
+    multiply-adds, exact while the values stay below 2^24)."""
+    (e0, c0), rest = terms[0], terms[1:]
+    if c0 == 1 and not rest:
+        return offsets.col(e0, rows)
+    acc = ns.nl.ndarray((rows, 1), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
+    ns.nisa.tensor_scalar(dst=acc, data=offsets.col(e0, rows), op0=ns.nl.multiply,
+                          operand0=float(c0))
+    for e, c in rest:
+        ns.nisa.tensor_scalar(dst=acc, data=offsets.col(e, rows), op0=ns.nl.multiply,
+                              operand0=float(c), op1=ns.nl.add, operand1=acc)
+    return acc
+
+
+def _runtime_pattern(ns, dst, pattern, offset, channel_multiplier, terms, offsets, cmp_op):
+    """0.7: ``cmp_op(pattern value + runtime, 0)`` (uint8), or with ``cmp_op`` None the fp32
+    value itself, into a new tile of dst's shape."""
+    nl, nisa = ns.nl, ns.nisa
+    val = nl.ndarray(tuple(dst.shape), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.iota(dst=val, pattern=pattern, offset=offset, channel_multiplier=channel_multiplier)
+    col = _runtime_column(ns, terms, offsets, dst.shape[0])
+    if cmp_op is None:
+        return val, col
+    pred = nl.ndarray(tuple(dst.shape), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=pred, data=val, op0=nl.add, operand0=col, op1=cmp_op, operand1=0.0)
+    return pred, col
+
+
+def iota(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=None, mask=None):
+    """``dst[p, x...] = offset + runtime + p * channel_multiplier + sum_k step_k x_k`` (GpSimd;
+    ``pattern`` one ``[step, num]`` pair per free dim of dst; ``offset`` a compile-time int;
+    ``runtime`` None, an index expression or a linear form ``[(expression, coefficient),
+    ...]``, which 0.7 reads from ``offsets``, an :class:`OffsetColumns`)."""
+    ns = current()
+    if ns.api == "legacy":
+        expr = _affine_expr(ns, dst, pattern, _legacy_offset(offset, runtime),
+                            channel_multiplier)
+        extra = {} if mask is None else dict(mask=mask)
+        dst[...] = ns.nisa.iota(expr, dtype=dst.dtype, **extra)
+        return
+    pattern = [list(map(int, pv)) for pv in pattern]
+    offset, terms = _fold_static(offset, runtime)
+    if not terms:
+        ns.nisa.iota(dst=dst, pattern=pattern, offset=int(offset),
+                     channel_multiplier=int(channel_multiplier))
+        return
+    val, col = _runtime_pattern(ns, dst, pattern, int(offset), int(channel_multiplier), terms,
+                                offsets, None)
+    ns.nisa.tensor_scalar(dst=dst, data=val, op0=ns.nl.add, operand0=col)
+
+
+def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op,
+                  offset=0, runtime=None, offsets=None, mask=None):
+    """``dst = on_true_tile`` where ``cmp_op(offset + runtime + p * channel_multiplier + sum_k
+    step_k x_k, 0)`` holds, else the float ``on_false_value`` (arguments as :func:`iota`).
+    GpSimd ``affine_select``; with a ``runtime`` offset under 0.7, an iota, a VectorE compare
+    and a predicated copy."""
+    ns = current()
+    if ns.api == "legacy":
+        expr = _affine_expr(ns, dst, pattern, _legacy_offset(offset, runtime),
+                            channel_multiplier)
+        pred = getattr(expr, _CMP_LEGACY[_cmp_name(cmp_op)])(0)
+        extra = {} if mask is None else dict(mask=mask)
+        dst[...] = ns.nisa.affine_select(pred, on_true_tile, on_false_value, dtype=dst.dtype,
+                                         **extra)
+        return
+    pattern = [list(map(int, pv)) for pv in pattern]
+    offset, terms = _fold_static(offset, runtime)
+    if not terms:
+        ns.nisa.affine_select(dst=dst, pattern=pattern, channel_multiplier=int(channel_multiplier),
+                              on_true_tile=on_true_tile, on_false_value=float(on_false_value),
+                              cmp_op=cmp_op, offset=int(offset))
+        return
+    pred, _ = _runtime_pattern(ns, dst, pattern, int(offset), int(channel_multiplier), terms,
+                               offsets, cmp_op)
+    if on_true_tile is not dst:
+        ns.nisa.tensor_copy(dst=dst, src=on_true_tile)
+    ns.nisa.tensor_copy_predicated(dst=dst, src=float(on_false_value), predicate=pred,
+                                   reverse_pred=True)
 
 
 # -- TensorE: results into PSUM ----------------------------------------------------------------
 
-def nc_matmul(dst, stationary, moving, accumulate=False):
+def nc_matmul(dst, stationary, moving, accumulate=False, mask=None):
     """``dst = stationary^T @ moving`` (``accumulate=False``) or ``dst += ...`` (``True``) on
     TensorE, ``dst`` a PSUM tile (fp32). Start every accumulation group with ``False``, or on a
     PSUM tile zero-filled by ``nl.zeros``: 0.7 leaves ``True`` on an unwritten location
@@ -219,117 +536,90 @@ def nc_matmul(dst, stationary, moving, accumulate=False):
     if ns.api == "nki":
         ns.nisa.nc_matmul(dst=dst, stationary=stationary, moving=moving,
                           accumulate=bool(accumulate))
-    elif accumulate:
-        dst[...] += ns.nisa.nc_matmul(stationary, moving)
+        return
+    extra = {} if mask is None else dict(mask=mask)
+    if accumulate:
+        dst[...] += ns.nisa.nc_matmul(stationary, moving, **extra)
     else:
-        dst[...] = ns.nisa.nc_matmul(stationary, moving)
+        dst[...] = ns.nisa.nc_matmul(stationary, moving, **extra)
 
 
-def transpose_dtype(dtype):
+def transpose_dtype(dtype, legacy=None):
     """dtype of the PSUM tile a TensorE :func:`nc_transpose` of ``dtype`` data writes: the same
-    dtype in 0.7 (``nisa.nc_transpose``: "the output must have the input's dtype"), fp32 in
-    legacy (what this package's legacy kernels allocated; their estimates were made with it).
-    Allocate the tile at its own statement with this dtype."""
-    return dtype if current().api == "nki" else current().nl.float32
+    dtype in 0.7 (``nisa.nc_transpose``: "the output must have the input's dtype"); in legacy
+    ``legacy`` (default fp32: what this package's legacy kernels allocated; their estimates were
+    made with it). Allocate the tile at its own statement with this dtype."""
+    if current().api == "nki":
+        return dtype
+    return current().nl.float32 if legacy is None else legacy
 
 
-def nc_transpose(dst, data):
+def nc_transpose(dst, data, mask=None):
     """``dst = data^T`` (partitions <-> free) on TensorE: ``data`` in SBUF (<= 128 x 128),
     ``dst`` in PSUM of dtype :func:`transpose_dtype` ``(data.dtype)``."""
     ns = current()
     if ns.api == "nki":
         ns.nisa.nc_transpose(dst=dst, data=data)
     else:
-        dst[...] = ns.nisa.nc_transpose(data)
+        dst[...] = ns.nisa.nc_transpose(data, **({} if mask is None else dict(mask=mask)))
 
 
-def tensor_tensor(dst, data1, data2, op):
-    _issue("tensor_tensor", dst, data1=data1, data2=data2, op=op)
+def tensor_tensor(dst, data1, data2, op, engine=None, mask=None):
+    _issue("tensor_tensor", dst, mask=mask, data1=data1, data2=data2, op=op, **_engine_kw(engine))
 
 
-def tensor_scalar(dst, data, op0, operand0, op1=None, operand1=None):
-    _issue("tensor_scalar", dst, data=data, op0=op0, operand0=operand0, op1=op1,
-           operand1=operand1)
+def tensor_scalar(dst, data, op0, operand0, op1=None, operand1=None, reverse0=False,
+                  engine=None, mask=None):
+    extra = dict(reverse0=True) if reverse0 else {}
+    _issue("tensor_scalar", dst, mask=mask, data=data, op0=op0, operand0=operand0, op1=op1,
+           operand1=operand1, **extra, **_engine_kw(engine))
 
 
-def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1):
-    _issue("scalar_tensor_tensor", dst, data=data, op0=op0, operand0=operand0, op1=op1,
-           operand1=operand1)
+def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, mask=None):
+    _issue("scalar_tensor_tensor", dst, mask=mask, data=data, op0=op0, operand0=operand0,
+           op1=op1, operand1=operand1)
 
 
-def tensor_reduce(dst, op, data, axis):
-    """Reduce ``data`` over ``axis`` (free axes) into ``dst`` of shape ``(P, 1)``."""
-    _issue("tensor_reduce", dst, legacy_extra=dict(keepdims=True), op=op, data=data, axis=axis)
+def tensor_reduce(dst, op, data, axis, negate=False, mask=None):
+    """Reduce ``data`` over ``axis`` (free axes) into ``dst`` of shape ``(P, 1)`` (negated with
+    ``negate``)."""
+    extra = dict(negate=True) if negate else {}
+    _issue("tensor_reduce", dst, legacy_extra=dict(keepdims=True), mask=mask, op=op, data=data,
+           axis=axis, **extra)
 
 
 def reciprocal(dst, data):
     _issue("reciprocal", dst, data=data)
 
 
-def activation(dst, op, data, bias=None, scale=1.0):
+def activation(dst, op, data, bias=None, scale=1.0, mask=None):
     """``dst = op(data * scale + bias)`` on ScalarE (``bias`` a ``(P, 1)`` tile or None)."""
-    _issue("activation", dst, op=op, data=data, bias=bias, scale=scale)
+    _issue("activation", dst, mask=mask, op=op, data=data, bias=bias, scale=scale)
 
 
-def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0):
+def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, mask=None):
     """:func:`activation`, and ``reduce_res`` ``(P, 1)`` = the row reduction (``nl.add``) of
     the fp32 result, taken before ``dst`` is rounded."""
-    _issue("activation_reduce", dst, op=op, data=data, reduce_op=reduce_op,
+    _issue("activation_reduce", dst, mask=mask, op=op, data=data, reduce_op=reduce_op,
            reduce_res=reduce_res, bias=bias, scale=scale)
 
 
-# ============================================================================================
-# Added for attention/unfused.py: GpSimdE index patterns, a moving-diagonal mask, the SPMD grid
-# ============================================================================================
+# -- random numbers ---------------------------------------------------------------------------
 
-_COMPARE = {"equal": operator.eq, "not_equal": operator.ne, "greater": operator.gt,
-            "greater_equal": operator.ge, "less": operator.lt, "less_equal": operator.le}
-
-
-def _legacy_pattern(ns, P, pattern, offset, channel_multiplier):
-    """The legacy index expression of 0.7's ``(pattern, offset, channel_multiplier)`` over a
-    ``(P, num_1, ...)`` tile: ``offset + p * channel_multiplier + sum_k i_k * step_k``, built
-    from ``nl.arange`` (``offset`` may be a loop-index expression there)."""
-    nd = len(pattern) + 1
-
-    def axis(n, k):
-        return ns.nl.arange(n)[(None,) * k + (slice(None),) + (None,) * (nd - 1 - k)]
-
-    expr = axis(P, 0) * channel_multiplier + offset
-    for k, (step, num) in enumerate(pattern, start=1):
-        expr = expr + axis(num, k) * step
-    return expr
-
-
-def iota(dst, pattern, offset=0, channel_multiplier=0):
-    """``dst[p, i_1, ...] = offset + p * channel_multiplier + sum_k i_k * step_k`` (GpSimdE,
-    int32 math cast to ``dst.dtype``; ``dst`` in SBUF), ``pattern`` 0.7's ``[[step_k, num_k],
-    ...]``, one pair per free dim of ``dst``. ``offset`` is a compile-time int in 0.7."""
+def random_seed(seed, mask=None):
+    """Seed the RNG :func:`dropout` draws from with ``seed`` (an int32 ``[1, 1]`` tile):
+    ``nl.random_seed`` in legacy, ``nisa.set_rng_seed`` (the VectorE PRNG) in 0.7."""
     ns = current()
     if ns.api == "nki":
-        ns.nisa.iota(dst=dst, pattern=pattern, offset=offset,
-                     channel_multiplier=channel_multiplier)
+        ns.nisa.set_rng_seed(src_seeds=seed)
     else:
-        dst[...] = ns.nisa.iota(_legacy_pattern(ns, dst.shape[0], pattern, offset,
-                                                channel_multiplier), dtype=dst.dtype)
+        ns.nl.random_seed(seed=seed, mask=mask)
 
 
-def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op,
-                  offset=0):
-    """``dst = on_true_tile`` where ``cmp_op(offset + p * channel_multiplier + sum_k i_k *
-    step_k, 0)`` holds, else the float ``on_false_value`` (GpSimdE; SBUF in and out; pattern as
-    in :func:`iota`). ``offset`` is a compile-time int in 0.7; legacy also takes a loop-index
-    expression (see :class:`DiagonalMask` for a runtime offset in both)."""
-    ns = current()
-    if ns.api == "nki":
-        ns.nisa.affine_select(dst=dst, pattern=pattern, channel_multiplier=channel_multiplier,
-                              on_true_tile=on_true_tile, on_false_value=on_false_value,
-                              cmp_op=cmp_op, offset=offset)
-    else:
-        expr = _legacy_pattern(ns, on_true_tile.shape[0], pattern, offset, channel_multiplier)
-        dst[...] = ns.nisa.affine_select(pred=_COMPARE[cmp_op.__name__](expr, 0),
-                                         on_true_tile=on_true_tile,
-                                         on_false_value=on_false_value, dtype=dst.dtype)
+def dropout(dst, data, prob, mask=None):
+    """``dst = data`` with each element zeroed with probability ``prob`` (no rescale; VectorE)."""
+    _issue("dropout", dst, mask=mask, data=data, prob=prob)
+# -- a moving causal diagonal; the launch grid of for_programs -------------------------------
 
 
 class DiagonalMask:
@@ -372,22 +662,3 @@ def launch_grid(dims, api):
     through ``api``: the SPMD grid ``dims`` in legacy; ``(1,)`` in 0.7 (``kernel[lnc]``)."""
     return tuple(dims) if api == "legacy" else (1,)
 
-
-def for_programs(dims, body):
-    """``body(*index)`` for every point of the grid ``dims`` (static ints). Legacy: the kernel is
-    launched on the SPMD grid ``dims`` (:func:`launch_grid`) and this program's point is
-    ``nl.program_id(0), ...``. 0.7 launches ``kernel[lnc]`` only: the points are one compiled
-    :func:`loop` over ``prod(dims)``, the index unflattened row-major with ``//`` and ``%`` of the
-    runtime loop index."""
-    ns = current()
-    if ns.api == "legacy":
-        body(*(ns.nl.program_id(a) for a, _ in enumerate(dims)))
-        return
-    strides = [math.prod(dims[k + 1:]) for k, _ in enumerate(dims)]
-
-    def point(i):
-        body(*(i // s if k == 0 else i // s % n
-               for k, (s, n) in enumerate(zip(strides, dims))))
-
-    point.__name__ = getattr(body, "__name__", "body")
-    loop(math.prod(dims), point)

@@ -22,6 +22,9 @@ from typing import NamedTuple, Optional, Tuple
 #: Partitions of SBUF and PSUM (``nl.tile_size.pmax``): the partition dim of every tile, the
 #: matmul contraction tile and the TensorE transpose edge.
 PMAX = 128
+#: Integers below this are exact in fp32 (engines compute in fp32): bound of index arithmetic a
+#: kernel does on chip in fp32 (the nki.* forward's dropout unit numbers).
+FP32_EXACT_INT = 2 ** 24
 #: fp32 elements per partition of one PSUM bank (``nl.tile_size.psum_fmax``, 2 KiB).
 PSUM_FMAX = 512
 #: Largest free size of a matmul's stationary operand (``gemm_stationary_fmax``).
@@ -573,8 +576,10 @@ def fwd_working_bytes(D: int, in_itemsize: int, mm_itemsize: int, tiles: Forward
 
     K/V DMA staging in the input dtype; the query load and its transpose; P and P^T of one
     softmax block (twice, so one block can be copied while the next is produced); the (P, 1)
-    statistics; the normalised output; the cache of static mask indicators (bf16 [128, 512]
-    each, at most ~12 distinct) and the fp32 patterns they are built from.
+    statistics; the normalised output; with masks, an allowance for the band's working tiles
+    (the SBUF copies of boundary score tiles selected at the band's edges; under nki.* also
+    the iota and predicate tiles of each selection and the distance-column table,
+    ``4 (ceil(Nq / 128) + ceil(Nk / 128) + 1)`` bytes: within it up to N ~ 260K).
     """
     staging = 2 * (tiles.kv_load_block // PMAX) * D * max(in_itemsize, mm_itemsize)
     q_load = D * in_itemsize + fwd_d_passes(D) * PMAX * mm_itemsize

@@ -274,7 +274,8 @@ def program_size(kernel, *args, **kwargs) -> int:
     if hasattr(kernel, "grid") and hasattr(kernel, "kernel"):       # kernel[grid]
         func, grid, opts = kernel.kernel.func, kernel.grid, kernel.kernel.opts
     elif hasattr(kernel, "func") and hasattr(kernel, "opts"):        # @nki.jit kernel
-        func, grid, opts = kernel.func, (), kernel.opts
+        # (an nki.* kernel[lnc] carries its grid)
+        func, grid, opts = kernel.func, tuple(getattr(kernel, "grid", ()) or ()), kernel.opts
     elif callable(kernel):
         func, grid, opts = kernel, (), {}
     else:

@@ -73,10 +73,8 @@ it leaves PSUM after its transpose (free), and the exp runs with ``c = 1``.
 Masks: see ``masks.py``. Partial last tiles (any Nq, Nk >= 1) are not padded: their tiles simply
 have fewer rows/keys, so out-of-range keys never enter a max, an exp or a sum (the hazard of seed
 001 cannot arise). Causal and window masks add a finite ``MASK_NEG`` to the scores on TensorE
-before the row max (only on tiles crossing a band edge, predicated on the loop indices; whole
-key ranges a span of query tiles cannot see are outside its loops, see "Loop structure"), and
-the
-running max is floored at ``M_FLOOR``, so a fully masked row ends with l_i = 0, O = 0 and
+before the row max (only on tiles crossing a band edge; whole key ranges a span of query tiles
+cannot see are outside its loops, see "Loop structure"), and the running max is floored at ``M_FLOOR``, so a fully masked row ends with l_i = 0, O = 0 and
 LSE = -inf, never NaN.
 
 Non-finite inputs: the band and length masks select (a NaN or inf in a key a row cannot see
@@ -120,46 +118,66 @@ output of TensorE transposes on trn2 (gen3 "transpose mode"; fp32 PSUM is used o
 ``nisa.tensor_copy_predicated`` (documented from 2.22), and ``nisa.dma_transpose`` SBUF ->
 SBUF (opt-in, ``p_dma_transpose_share``).
 
-The kernel is a fixed nest of NKI loops (``nl.affine_range`` over heads, query tiles and K/V
-pieces, ``nl.sequential_range`` over query-tile groups, key blocks and streamed chunks; "Loop
-structure" below): Python only picks tile sizes and unrolls small constant loops (head-dim passes, score
-tiles and P^T chunks of one block, the spans and regions of a band), so the compiled program
-does not grow with N. Every tile shape is a compile-time constant; tile positions are affine
-expressions of the loop indices; band edges are loop-index predicates (``mask=``).
+One source, two namespaces (:mod:`nki_kernels.port`): the kernel traces through ``nki.*``
+(NKI 0.7: trn2, trn3) and the legacy ``neuronxcc.nki`` (trn1). It is a fixed nest of compiled
+loops (:func:`port.loop`: ``nl.fori_loop`` in 0.7; in legacy ``nl.affine_range`` over heads,
+query tiles and K/V pieces, ``nl.sequential_range`` over query-tile groups, key blocks and
+streamed chunks; "Loop structure" below): Python only picks tile sizes and unrolls small
+constant loops (head-dim passes, score tiles and P^T chunks of one block, the spans and regions
+of a band), so the compiled program does not grow with N. Every tile shape is a compile-time
+constant; tile positions are affine expressions of the loop indices. Where the namespaces
+differ:
+
+- *grid*: legacy launches an SPMD grid over (batch, kv head); 0.7 launches ``kernel[lnc]`` and
+  the kernel loops over the instances (:func:`port.for_programs`, :func:`forward_grid`);
+- *band edges*: legacy predicates the instructions of a masked region's blocks on the block
+  meeting the tile's band (``mask=``) and selects a tile's band by ``affine_select`` of a
+  loop-index expression. 0.7 has neither predicates nor runtime affine offsets: every block
+  runs (a block outside the band has every score at ``MASK_NEG`` and leaves the online softmax
+  exactly as it was, ``attend_block``), and the distance's loop-index part is read as data
+  from a table built once per launch (:class:`port.OffsetColumns`) and compared on VectorE.
+  The outputs are the same bit for bit; the nki.* program issues the skipped blocks' work;
+- *dropout*: the unit numbers that seed each 128 x 128 unit's draw are loop-index
+  expressions; 0.7 reads the indices from a table (:class:`port.OffsetColumns`) and combines
+  them on VectorE (fp32-exact below 2^24 units); ``nisa.set_rng_seed`` seeds the draw;
+- *runtime lengths* (indirect-DMA gathers) are legacy only so far (NotImplementedError under
+  nki.*).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-import numpy as np  # compile-time constants only (reduction ops)
+import numpy as np  # compile-time constants only (-inf)
 
+from nki_kernels import port
 from nki_kernels import tiles as T
 from nki_kernels.attention import masks as M
 from nki_kernels.attention import score_mods as SM
-from nki_kernels.nki import nisa, nki, nl
+from nki_kernels.port import nl
 
 # ============================================================================================
 # Loop structure (plain Python, compile time)
 # ============================================================================================
 #
-# The kernel is a fixed nest of NKI loops whose bounds are compile-time constants:
+# The kernel is a fixed nest of compiled loops whose bounds are compile-time constants:
 #
+#   for (b, g) in the instances (legacy: the SPMD grid; nki.*: a compiled loop):
 #   for span in plan.spans:                                    <= FWD_Q_SPANS + 1, unrolled
-#     group 0 (peeled), then for grp in sequential_range(1, groups of the span):
+#     group 0 (peeled), then for grp in loop(1, groups of the span, carried):
 #       load Q^T of the group's tiles (every query head of the kv group); o_acc = 0, m = M_FLOOR
 #       store the previous group's O, LSE (waiting in SBUF: the stores, which wait for that
 #         group's last softmax step, come after this group's loads in the DMA queues)
 #       for region in span.regions:                            <= 3, unrolled
-#         [streaming: for chunk in sequential_range(...): load K/V chunk]
-#         for kb in sequential_range(full key blocks):         the online softmax
-#           for each batch of <= FWD_STAGE_SLOTS tiles (affine loops over heads and tiles):
+#         [streaming: for chunk in loop(..., carried): load K/V chunk]
+#         for kb in loop(full key blocks, carried):            the online softmax
+#           for each batch of <= FWD_STAGE_SLOTS tiles (loops over heads and tiles):
 #             first halves of every tile: scores, max, exp   (fold_front)
 #             second halves of every tile: P^T, P V, update  (fold_back)
 #                                           unmasked region: no predicate
-#                                           masked region: every instruction predicated on the
-#                                           block intersecting the tile's band, boundary score
-#                                           tiles masked by an affine_select indicator
+#                                           masked region: (legacy) every instruction predicated
+#                                           on the block intersecting the tile's band; score
+#                                           tiles crossing an edge masked by a selection
 #         [one static tail block]
 #       finish O, LSE of the group's tiles into SBUF
 #   store the last group's O, LSE
@@ -170,7 +188,7 @@ from nki_kernels.nki import nisa, nki, nl
 # N) is what lets a causal or windowed kernel skip most fully masked blocks with compile-time
 # loop bounds: a span's loops only cover the union of its rows' key ranges, and within the
 # masked regions predicated-off blocks still issue (the hardware runs the loop, the predicate
-# disables the instruction). A band bounded on both sides (a window) instead gives its interior
+# disables the instruction; nki.* runs them). A band bounded on both sides (a window) instead gives its interior
 # query tiles one *sliding* span: each tile sweeps the same key regions relative to its own
 # first row (an affine offset of the tile index), the fixed spans only cover the tiles near the
 # sequence edges, and the tail block's indicators are compile-time tiles built once.
@@ -386,9 +404,6 @@ def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize
 # Kernel state (plain Python holders of tiles and compile-time facts)
 # ============================================================================================
 
-_DTYPES = {"float32": nl.float32, "bfloat16": nl.bfloat16, "float16": nl.float16}
-
-
 def _and(*preds):
     """Conjunction of tile-level predicates (None = always on): ``&`` of the given ones."""
     out = None
@@ -408,7 +423,7 @@ class _Instance:
         self.Hkv, self.Nk = k.shape[1], k.shape[2]
         self.G = self.Hq // self.Hkv
         self.b, self.g = b, g
-        self.mm = _DTYPES[mm_dtype]
+        self.mm = getattr(nl, mm_dtype)
         self.scale = float(scale)
         lo, hi = T.FWD_FOLD_SCALE_RANGE
         # softmax units: the exp scales raw scores (fold), or Q^T is pre-scaled (q_scale)
@@ -417,7 +432,7 @@ class _Instance:
         self.q_scale = 1.0 if self.fold_scale else self.scale
         self.tiles = tiles
         self.spec = spec
-        self.gen3 = nisa.get_nc_version() >= nisa.nc_version.gen3
+        self.gen3 = port.gen3()
         # head-dim passes of the S contraction: (first row, rows)
         self.d_passes = tuple((d0, min(T.PMAX, self.D - d0))
                               for d0 in T.unrolled(0, self.D, T.PMAX))
@@ -425,6 +440,8 @@ class _Instance:
         self.act_share = None      # fraction of the P^T copies on ScalarE (balance_engines)
         self.lse_col = lse.reshape((self.B, self.Hq, self.Nq, 1))  # (rows, 1) store targets
         self.per_head = T.ceil_div(self.Nq, tiles.q_tile)         # query tiles per head
+        self.offsets = None        # port.OffsetColumns of key-minus-row distances (nki.*)
+        self.indices = None        # port.OffsetColumns 0, 1, ...: loop indices as data (nki.*)
         self.rt = None             # masks.RuntimeLengths (with kv_lens or q_lens)
         self.q_load = None         # int32 [128, G * tiles per head]: query-row gather indices,
         self.q_store = None        # scatter indices (rotated rows only),
@@ -451,7 +468,7 @@ class _Instance:
         return self.D + 1 + (1 if self.guard else 0)
 
     def head(self, h):
-        """HBM query head of group member h (an NKI loop index)."""
+        """HBM query head of group member h (a loop index)."""
         return self.g * self.G + h
 
     def q_col(self, h, t):
@@ -459,18 +476,18 @@ class _Instance:
         return h * self.per_head + t
 
     def transpose_psum_dtype(self, src_dtype):
-        """PSUM dtype of a TensorE transpose: trn2's transpose mode writes bf16 as bf16
-        (and its PSUM -> SBUF copy then runs in VectorE's 2x mode); otherwise fp32.
+        """PSUM dtype of a TensorE transpose: the input's in nki.* (0.7 requires it); in legacy
+        trn2's transpose mode writes bf16 as bf16 (and its PSUM -> SBUF copy then runs in
+        VectorE's 2x mode), otherwise fp32.
 
         UNCONFIRMED (nki-api-spec §9.1/§10.2, [RE] only): bf16 PSUM output of nc_transpose on
-        gen3; trn1 and other dtypes use the documented fp32 PSUM."""
-        if self.gen3 and src_dtype == nl.bfloat16:
-            return nl.bfloat16
-        return nl.float32
+        gen3 in legacy; trn1 and other dtypes use the documented fp32 PSUM."""
+        legacy = nl.bfloat16 if self.gen3 and src_dtype == nl.bfloat16 else nl.float32
+        return port.transpose_dtype(src_dtype, legacy=legacy)
 
     def psum_cols(self, src_dtype) -> int:
-        """Transposed 128-column blocks per PSUM bank for that dtype (4 fp32, 8 bf16)."""
-        item = 2 if self.transpose_psum_dtype(src_dtype) == nl.bfloat16 else 4
+        """Transposed 128-column blocks per PSUM bank for that dtype (4 fp32, 8 16-bit)."""
+        item = 4 if self.transpose_psum_dtype(src_dtype) == nl.float32 else 2
         return T.PSUM_FMAX * 4 // item // T.PMAX
 
     def evac_split(self):
@@ -528,15 +545,15 @@ class _Splitter:
             return True
         return False
 
-    def engine(self, n: int):
+    def engine(self, n: int) -> str:
         """Engine of the next PSUM -> SBUF copy of ``n`` columns (ScalarE or VectorE)."""
-        return nisa.scalar_engine if self.take(n) else nisa.vector_engine
+        return "scalar" if self.take(n) else "vector"
 
 
 class _KV:
     """K^T (one tile per head-dim pass, ``[rows, n]``) and ``[V | 1]`` (``[128, n/128 blocks,
     D + 1]``; with ``kv_lens`` the last column is 1.0 for valid keys only) of ``n`` keys from
-    ``base`` (an NKI expression), in SBUF at matmul dtype."""
+    ``base`` (an index expression), in SBUF at matmul dtype."""
 
     def __init__(self, base, kT, v):
         self.base, self.kT, self.v = base, kT, v
@@ -558,11 +575,9 @@ class _GroupState:
         self.n, self.rows = n, rows
         self.qT = [nl.ndarray((d, n, rows), dtype=f.mm, buffer=nl.sbuf) for _, d in f.d_passes]
         self.o = nl.ndarray((P, n, f.vcols), dtype=nl.float32, buffer=nl.sbuf)
-        self.o[...] = nisa.memset((P, n, f.vcols), 0.0, dtype=nl.float32,
-                                  engine=nisa.gpsimd_engine)
+        port.memset(self.o, 0.0, engine="gpsimd")
         self.stats = nl.ndarray((P, n, 2 + width), dtype=nl.float32, buffer=nl.sbuf)
-        self.stats[:, :, 1:2] = nisa.memset((P, n, 1), -T.FWD_M_FLOOR, dtype=nl.float32,
-                                            engine=nisa.gpsimd_engine)
+        port.memset(self.stats[:, :, 1:2], -T.FWD_M_FLOOR, engine="gpsimd")
 
     def o_acc(self, s):
         """``[o_acc | l_i]`` of slot s, ``[rows, D + 1]`` fp32."""
@@ -588,7 +603,7 @@ def length_tables(f: _Instance, kv_lens, q_lens):
     :meth:`_Instance.q_col`; store only when the rows are rotated) and ``k_load`` (column =
     128-key block; keys are only read). Padding positions get out-of-bounds load indices: the
     ``oob_mode.skip`` gathers never read them. With ``kv_lens`` also the key mask's fill
-    (:func:`edge_key_fill`)."""
+    (:func:`edge_key_fill`). Legacy namespace only (indirect DMA: :func:`flash_attention_fwd`)."""
     # dropout sums P from the exp and ALiBi could lift a padding key's score above the edge
     # key's, so with either padding keys are masked on the scores (key rows)
     key_mask = (bool(f.dropout_p) or f.mods.alibi) and kv_lens is not None
@@ -631,42 +646,47 @@ def edge_key_fill(f: _Instance):
     it also reaches the rows that see only padding keys (finite inputs: no effect)."""
     P, D = T.PMAX, f.D
     idx = f.rt.edge_key_index((f.b * f.Hkv + f.g) * f.Nk, f.B * f.Hkv * f.Nk)
-    row = nisa.memset((1, D), 0.0, dtype=f.k.dtype, engine=nisa.gpsimd_engine)
+    row = nl.ndarray((1, D), dtype=f.k.dtype, buffer=nl.sbuf)
+    port.memset(row, 0.0, engine="gpsimd")
     M.gather_rows(row, f.k_rows, idx, 0, 1, D)
-    ones = nisa.memset((1, P), 1.0, dtype=f.k.dtype, engine=nisa.gpsimd_engine)
+    ones = nl.ndarray((1, P), dtype=f.k.dtype, buffer=nl.sbuf)
+    port.memset(ones, 1.0, engine="gpsimd")
     bcast = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.psum)
-    bcast[...] = nisa.nc_matmul(ones, row)
-    return nisa.tensor_copy(bcast, dtype=f.k.dtype)
+    port.nc_matmul(bcast, ones, row)
+    fill = nl.ndarray((P, D), dtype=f.k.dtype, buffer=nl.sbuf)
+    port.tensor_copy(fill, bcast)
+    return fill
 
 
 def transpose_keys(f: _Instance, kT, col0, pieces, src_dtype):
     """K^T columns from natural K blocks: ``pieces`` are (column offset from ``col0`` (static),
     keys, [keys, D] tile), consecutive; TensorE transposes them several per PSUM bank, one PSUM
     -> SBUF copy per bank casts to the matmul dtype (ScalarE or VectorE, balanced). ``col0``
-    is an NKI expression (the first column of the pieces in ``kT``)."""
+    is an index expression (the first column of the pieces in ``kT``)."""
     P = T.PMAX
     per_bank = f.psum_cols(src_dtype)
     split = f.evac_split()
     for pi, (d0, rows) in enumerate(f.d_passes):
-        for s0 in nl.static_range(0, len(pieces), per_bank):
+        for s0 in T.unrolled(0, len(pieces), per_bank):
             group = pieces[s0:s0 + per_bank]
             tp = nl.ndarray((rows, per_bank * P), dtype=f.transpose_psum_dtype(src_dtype),
                             buffer=nl.psum)
             for s, (col, kw, src) in enumerate(group):
-                tp[:, s * P:s * P + kw] = nisa.nc_transpose(src[0:kw, d0:d0 + rows])
+                port.nc_transpose(tp[:, s * P:s * P + kw], src[0:kw, d0:d0 + rows])
             width = (group[-1][0] + group[-1][1]) - group[0][0]
-            kT[pi][:, nl.ds(col0 + group[0][0], width)] = nisa.tensor_copy(
-                tp[:, 0:width], dtype=f.mm, engine=split.engine(width))
+            port.tensor_copy(kT[pi][:, nl.ds(col0 + group[0][0], width)], tp[:, 0:width],
+                             engine=split.engine(width))
 
 
 def load_piece(f: _Instance, kT, v, cb, rb, ln: int):
     """Keys ``[128 (cb + rb), 128 (cb + rb) + ln)`` of the frame into K^T / ``[V | 1]`` of a K/V
-    tile starting at key ``128 cb``, at its 128-key block ``rb`` (``cb``, ``rb`` NKI
-    expressions; ``ln`` static, at most ``kv_load_block``). Plain loads, or with ``kv_lens``
-    gathers of one 128-key block per DMA through ``k_load`` (rotated when the band needs it):
-    padding keys are skipped -- never read -- and keep what the tiles were filled with, the
-    edge key in K (:func:`edge_key_fill`) and zeros in V. V of another dtype than the matmul's
-    is cast on GpSimd."""
+    tile starting at key ``128 cb``, at its 128-key block ``rb`` (``cb``, ``rb`` index
+    expressions; ``ln`` static, at most ``kv_load_block``). Plain loads (the full 128-key
+    blocks in one DMA each for K and V, :func:`port.row_blocks`), or with ``kv_lens`` gathers
+    of one 128-key block per DMA through ``k_load`` (rotated when the band needs it): padding
+    keys are skipped -- never read -- and keep what the tiles were filled with, the edge key in
+    K (:func:`edge_key_fill`) and zeros in V. V of another dtype than the matmul's is cast on
+    GpSimd."""
     P, D = T.PMAX, f.D
     nb = T.ceil_div(ln, P)
     full, tail = ln // P, ln % P
@@ -683,33 +703,29 @@ def load_piece(f: _Instance, kT, v, cb, rb, ln: int):
         return vx[0:p, t:t + n, :]
 
     if f.k_load is not None:
-        for t in nl.static_range(nb):
-            kx[:, t, :] = nisa.tensor_copy(f.k_fill, engine=nisa.gpsimd_engine)
-        v_dst(P, 0, nb)[...] = nisa.memset((P, nb, D), 0.0, dtype=f.v.dtype,
-                                           engine=nisa.gpsimd_engine)
-        for t in nl.static_range(nb):
+        for t in T.unrolled(nb):
+            port.tensor_copy(kx[:, t, :], f.k_fill, engine="gpsimd")
+        port.memset(v_dst(P, 0, nb), 0.0, engine="gpsimd")
+        for t in T.unrolled(nb):
             M.gather_rows(kx[0:rows[t], t, :], f.k_rows, f.k_load, cb + rb + t, rows[t], D)
             M.gather_rows(v_dst(rows[t], t)[:, 0, :], f.v_rows, f.k_load, cb + rb + t,
                           rows[t], D)
     else:
-        ip = nl.arange(P)[:, None, None]
-        idd = nl.arange(D)[None, None, :]
         if full:
-            it = nl.arange(full)[None, :, None]
-            nisa.dma_copy(dst=kx[:, 0:full, :], src=f.k[f.b, f.g, key0 + ip + P * it, idd])
-            nisa.dma_copy(dst=v_dst(P, 0, full), src=f.v[f.b, f.g, key0 + ip + P * it, idd])
+            port.dma_copy(kx[:, 0:full, :], port.row_blocks(f.k, (f.b, f.g), key0, P, full, D),
+                          legacy_isa=True)
+            port.dma_copy(v_dst(P, 0, full), port.row_blocks(f.v, (f.b, f.g), key0, P, full, D),
+                          legacy_isa=True)
         if tail:
-            nisa.dma_copy(dst=kx[0:tail, full, :],
-                          src=f.k[f.b, f.g, nl.ds(key0 + full * P, tail), :])
-            nisa.dma_copy(dst=v_dst(tail, full)[:, 0, :],
-                          src=f.v[f.b, f.g, nl.ds(key0 + full * P, tail), :])
+            port.dma_copy(kx[0:tail, full, :], f.k[f.b, f.g, nl.ds(key0 + full * P, tail), :],
+                          legacy_isa=True)
+            port.dma_copy(v_dst(tail, full)[:, 0, :],
+                          f.v[f.b, f.g, nl.ds(key0 + full * P, tail), :], legacy_isa=True)
     if not same:
         if full:
-            v[:, nl.ds(rb, full), 0:D] = nisa.tensor_copy(vx[:, 0:full, :], dtype=f.mm,
-                                                          engine=nisa.gpsimd_engine)
+            port.tensor_copy(v[:, nl.ds(rb, full), 0:D], vx[:, 0:full, :], engine="gpsimd")
         if tail:
-            v[0:tail, rb + full, 0:D] = nisa.tensor_copy(vx[0:tail, full, :], dtype=f.mm,
-                                                         engine=nisa.gpsimd_engine)
+            port.tensor_copy(v[0:tail, rb + full, 0:D], vx[0:tail, full, :], engine="gpsimd")
     if f.guard:
         if full:
             guard_values(f, v[:, nl.ds(rb, full), 0:D], v[:, nl.ds(rb, full), D + 1:D + 2])
@@ -738,26 +754,27 @@ def guard_values(f: _Instance, vals, flag, sum_on_scalar: bool = False):
         w = vals.shape[2]
         while w > 1:
             h = (w + 1) // 2
-            bad[:, :, 0:w - h] = nisa.tensor_tensor(bad[:, :, 0:w - h], bad[:, :, h:w],
-                                                    nl.maximum, engine=nisa.gpsimd_engine)
+            port.tensor_tensor(bad[:, :, 0:w - h], bad[:, :, 0:w - h], bad[:, :, h:w],
+                               nl.maximum, engine="gpsimd")
             w = h
-        flag[...] = nisa.tensor_copy(bad[:, :, 0:1], dtype=f.mm, engine=nisa.gpsimd_engine)
+        port.tensor_copy(flag, bad[:, :, 0:1], engine="gpsimd")
         return
     # the flag from ScalarE sums of z (NaN where a block row had a non-finite entry), one
     # [p, D] activation per block, and one small VectorE compare
     p, n = vals.shape[0], vals.shape[1]
     sums = nl.ndarray((p, n), dtype=nl.float32, buffer=nl.sbuf)
-    for w in nl.static_range(n):
-        nisa.activation_reduce(nl.copy, z[:, w, :], reduce_op=np.add,
-                               reduce_res=sums[:, w:w + 1], dtype=nl.float32)
-    flag[:, :, 0] = nisa.tensor_scalar(sums, nl.not_equal, 0.0, dtype=f.mm)
+    for w in T.unrolled(n):
+        copied = nl.ndarray((p, vals.shape[2]), dtype=nl.float32, buffer=nl.sbuf)
+        port.activation_reduce(copied, nl.copy, z[:, w, :], reduce_op=nl.add,
+                               reduce_res=sums[:, w:w + 1])
+    port.tensor_scalar(flag[:, :, 0], sums, nl.not_equal, 0.0)
 
 
 def load_kv(f: _Instance, cb, n: int) -> _KV:
-    """Load ``n`` keys (static) of K and V from key ``128 cb`` (``cb`` an NKI expression): K^T
-    via TensorE transposes of 128-key blocks (PSUM -> SBUF copy casts to the matmul dtype), V
-    as 128-key blocks ``[128, D + 1]`` whose last column is 1.0 (0.0 for padding keys with
-    ``kv_lens``, :func:`edge_key_fill`). An affine loop of ``kv_load_block``-key pieces plus a
+    """Load ``n`` keys (static) of K and V from key ``128 cb`` (``cb`` an index expression):
+    K^T via TensorE transposes of 128-key blocks (PSUM -> SBUF copy casts to the matmul dtype),
+    V as 128-key blocks ``[128, D + 1]`` whose last column is 1.0 (0.0 for padding keys with
+    ``kv_lens``, :func:`edge_key_fill`). A compiled loop of ``kv_load_block``-key pieces plus a
     static tail piece."""
     P, D = T.PMAX, f.D
     nblk = T.ceil_div(n, P)
@@ -765,26 +782,31 @@ def load_kv(f: _Instance, cb, n: int) -> _KV:
     # V with a ones column: PV then also yields the row sums l_i = sum_j P_ij on TensorE
     v = nl.ndarray((P, nblk, f.vcols), dtype=f.mm, buffer=nl.sbuf)
     if f.k_load is None:
-        v[:, :, D:D + 1] = nisa.memset((P, nblk, 1), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
+        port.memset(v[:, :, D:D + 1], 1.0, engine="gpsimd")
     else:
-        key = nisa.iota(cb * P + P * nl.arange(nblk)[None, :, None]
-                        + nl.arange(P)[:, None, None], dtype=nl.float32)
+        key = nl.ndarray((P, nblk, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(key, [[P, nblk], [1, 1]], channel_multiplier=1, runtime=cb * P)
         v[:, :, D:D + 1] = f.rt.valid(key, keys=True, dtype=f.mm)
     LB = f.tiles.kv_load_block
     per = LB // P
-    for lb in nl.affine_range(n // LB):
+
+    def piece(lb):
         load_piece(f, kT, v, cb, lb * per, LB)
+
+    port.loop(n // LB, piece)
     if n % LB:
         load_piece(f, kT, v, cb, (n // LB) * per, n % LB)
     return _KV(cb * P, kT, v)
+
+
 def load_q_rows(f: _Instance, r: int, h, t, x):
-    """Load the ``r`` rows of query tile t (an NKI expression) of member head h into ``x``
+    """Load the ``r`` rows of query tile t (an index expression) of member head h into ``x``
     (``[r, D]``). With ``q_lens`` the rows are gathered through ``q_load`` (rotated when the
     band needs it): padding rows are never read and stay 0."""
     if f.q_load is None:
-        nisa.dma_copy(dst=x, src=f.q[f.b, f.head(h), nl.ds(t * f.tiles.q_tile, r), :])
+        port.dma_copy(x, f.q[f.b, f.head(h), nl.ds(t * f.tiles.q_tile, r), :], legacy_isa=True)
     else:
-        x[...] = nisa.memset((r, f.D), 0.0, dtype=f.q.dtype, engine=nisa.gpsimd_engine)
+        port.memset(x, 0.0, engine="gpsimd")
         M.gather_rows(x, f.q_rows, f.q_load, f.q_col(h, t), r, f.D)
 
 
@@ -792,12 +814,14 @@ def preload_q(f: _Instance, r: int, h, t0, n: int):
     """Rows of query tiles ``t0 .. t0 + n - 1`` of member head h into the preload buffer
     ``f.xq`` (:attr:`tiles.ForwardTiles.q_preload`): issued at the start of the program, the
     loads are out of the groups' way."""
-    for i in nl.affine_range(n):
+    def one(i):
         load_q_rows(f, r, h, t0 + i, f.xq[0:r, f.q_col(h, t0 + i), :])
+
+    port.loop(n, one)
 
 
 def load_q(f: _Instance, st: _GroupState, s, h, t):
-    """Q^T of query tile t (an NKI expression) of member head h into slot s: its rows (the
+    """Q^T of query tile t (an index expression) of member head h into slot s: its rows (the
     preloaded ones, or loaded now), each 128-wide head-dim slice transposed on TensorE and
     copied out of PSUM at matmul dtype (ScalarE), times the softmax scale when the scale is not
     folded into the exp."""
@@ -809,16 +833,20 @@ def load_q(f: _Instance, st: _GroupState, s, h, t):
         load_q_rows(f, r, h, t, x)
     for pi, (d0, rows) in enumerate(f.d_passes):
         tp = nl.ndarray((rows, r), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
-        tp[...] = nisa.nc_transpose(x[0:r, d0:d0 + rows])
-        st.qT[pi][:, s, 0:r] = nisa.activation(nl.copy, tp, scale=f.q_scale, dtype=f.mm)
+        port.nc_transpose(tp, x[0:r, d0:d0 + rows])
+        port.activation(st.qT[pi][:, s, 0:r], nl.copy, tp, scale=f.q_scale)
 
 
 def band_predicates(f: _Instance, d0, rows: int, width: int):
     """Tile-level predicates of ``rows`` query rows x ``width`` keys whose first key minus first
-    row is ``d0`` (an NKI expression): ``(any, above, below)`` = some score is inside the band;
-    some score is above its upper bound; some is below its lower bound (None: statically
-    false or not applicable). Affine comparisons of loop indices, combined with ``&``."""
+    row is ``d0`` (an index expression): ``(any, above, below)`` = some score is inside the
+    band; some score is above its upper bound; some is below its lower bound (None: not
+    applicable; False: statically false). Python bools when ``d0`` is an int; legacy
+    loop-index predicates (combined with ``&``) otherwise, and under nki.* (no predicates)
+    ``(None, True, True)`` for the bounds the band has: every side is selected."""
     spec, off = f.spec, f.spec.static_offset
+    if not isinstance(d0, int) and not port.predicates():
+        return (None, None if spec.hi is None else True, None if spec.lo is None else True)
     vis, above, below = [], None, None
     if spec.hi is not None:
         # d_min = d0 - (rows - 1) - off <= hi;  d_max = d0 + width - 1 - off > hi
@@ -833,15 +861,11 @@ def band_predicates(f: _Instance, d0, rows: int, width: int):
 def contract(pairs, shape, pred=None):
     """A new fp32 PSUM tile of ``shape``: ``sum nc_matmul(stationary, moving)`` over ``pairs``
     (the head-dim passes of a contraction), one accumulation group -- the first product
-    writes, the others add. Predicated on ``pred``. Shared by the dense and block-sparse
-    kernels."""
+    writes, the others add. Predicated on ``pred`` (legacy). Shared by the dense and
+    block-sparse kernels."""
     acc = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
     for i, (stationary, moving) in enumerate(pairs):
-        prod = nisa.nc_matmul(stationary, moving, mask=pred)
-        if i == 0:
-            acc[...] = prod
-        else:
-            acc[...] += prod
+        port.nc_matmul(acc, stationary, moving, accumulate=i > 0, mask=pred)
     return acc
 
 
@@ -852,47 +876,48 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
 
     One matmul per head-dim pass (stationary Q^T [d, rows], moving K^T [d, width]) accumulating
     in PSUM. In a masked region the tile is copied to SBUF and each band edge it crosses
-    selects ``MASK_NEG`` outside the band (one GpSimd ``affine_select`` of the key-minus-row
-    distance against the bound, predicated on the tile crossing that side): a selection, so a
-    non-finite score a row cannot see never reaches it. ``dk``: ``j0 - i0`` when it is a
-    compile-time constant (sliding spans). Padding keys (``kv_lens``) are never read
-    (:func:`edge_key_fill`). Score modifiers (``score_mods``; ``h`` = member head) turn the
-    scores into raw units of ``f.unit`` before the masks select.
+    selects ``MASK_NEG`` outside the band (:func:`port.affine_select` of the key-minus-row
+    distance against the bound: one GpSimd instruction, predicated in legacy on the tile
+    crossing that side; under nki.* the distance's loop-index part is read from
+    ``f.offsets``): a selection, so a non-finite score a row cannot see never reaches it.
+    ``dk``: ``j0 - i0`` when it is a compile-time constant (sliding spans). Padding keys
+    (``kv_lens``) are never read (:func:`edge_key_fill`). Score modifiers (``score_mods``;
+    ``h`` = member head) turn the scores into raw units of ``f.unit`` before the masks select.
     """
     r = st.rows
     sc = contract([(st.qT[pi][:, s, 0:r], kv.kT[pi][:, nl.ds(rel, width)])
                    for pi in T.unrolled(len(f.d_passes))], (r, width), pred)
     sides = []
+    rel_d = (j0 - i0 if dk is None else dk) if masked or f.mods.alibi else None
     if masked:
-        rel_d = j0 - i0 if dk is None else dk
         _, above, below = band_predicates(f, rel_d, r, width)
         off = f.spec.static_offset
-        d = nl.arange(width)[None, :] - nl.arange(r)[:, None]     # key - row - (j0 - i0)
+        # select where (key - row) + rel_d - bound compares with 0 as the side allows
         if above is not None and above is not False:
             sides.append((_and(pred, above) if dk is None else pred,
-                          d <= f.spec.hi + off - rel_d))
+                          -(f.spec.hi + off), nl.less_equal))
         if below is not None and below is not False:
             sides.append((_and(pred, below) if dk is None else pred,
-                          d >= f.spec.lo + off - rel_d))
+                          -(f.spec.lo + off), nl.greater_equal))
     capped = f.mods.softcap is not None
     if f.key_neg is not None and not capped:
         # dropout or ALiBi with kv_lens: padding keys must have P = 0 on the scores (the
         # softmax sums come from the exp with dropout; ALiBi lifts a padding key above its
         # edge key): MASK_NEG (x) their key row, a rank-1 TensorE add
         key_row = f.rt.key_mask_row(j0, width)
-        sc[...] += nisa.nc_matmul(f.key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
+        port.nc_matmul(sc, f.key_neg[0:1, 0:r], key_row[0:1, 0:width], accumulate=True,
+                       mask=pred)
     s_sb = None
     if f.mods.transforms:
-        rel = j0 - i0 if dk is None else dk
-        s_sb, _ = SM.modify_scores(f.mods, f.cols, sc, r, width, h,
-                                   rel - f.spec.static_offset, f.act_scale / f.unit,
-                                   not SM.one_sided(f.spec), pred)
+        s_sb, _ = SM.modify_scores(f.mods, f.cols, sc, r, width, h, rel_d,
+                                   f.act_scale / f.unit, not SM.one_sided(f.spec), pred,
+                                   d_static=-f.spec.static_offset, offsets=f.offsets)
         if f.key_neg is not None and capped:
             # the key mask after the tanh (which would map MASK_NEG to -1): its own PSUM tile
             key_row = f.rt.key_mask_row(j0, width)
             kneg = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.psum)
-            kneg[...] = nisa.nc_matmul(f.key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
-            s_sb[...] = nisa.tensor_tensor(s_sb, kneg, nl.add, mask=pred)
+            port.nc_matmul(kneg, f.key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
+            port.tensor_tensor(s_sb, s_sb, kneg, nl.add, mask=pred)
     if not sides:
         return sc if s_sb is None else s_sb
     # band edges by selection, not addition: a non-finite score a row cannot see (a NaN or inf
@@ -901,16 +926,16 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
     # MASK_NEG (GpSimd)
     if s_sb is None:
         s_sb = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.sbuf)
-        s_sb[...] = nisa.tensor_copy(sc, dtype=nl.float32, engine=nisa.vector_engine,
-                                     mask=pred)
-    for p, inside in sides:
-        s_sb[...] = nisa.affine_select(inside, s_sb, T.FWD_MASK_NEG, dtype=nl.float32, mask=p)
+        port.tensor_copy(s_sb, sc, engine="vector", mask=pred)
+    for p, bound, cmp in sides:
+        port.affine_select(s_sb, [[1, width]], -1, s_sb, T.FWD_MASK_NEG, cmp, offset=bound,
+                           runtime=rel_d, offsets=f.offsets, mask=p)
     return s_sb
 
 
 def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
     """Attention dropout on a P block ``[r, width]`` of query tile ``iu`` (member head h) from
-    128-key unit ``ju`` (NKI expressions): each 128 x 128 unit is zeroed with probability
+    128-key unit ``ju`` (index expressions): each 128 x 128 unit is zeroed with probability
     ``dropout_p`` by its own draw, the RNG reseeded with ``seed + unit`` where ``unit`` numbers
     (sequence, query head, query tile, key unit) -- so the mask depends on neither the tiling
     nor the schedule, and the backward regenerates it unit by unit (module docstring). The
@@ -920,35 +945,43 @@ def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
     simulator's generator is NumPy's, the hardware's is not reproduced)."""
     P = T.PMAX
     n_units = T.ceil_div(width, P)
-    # the block's unit seeds at once: one iota and one int32 add (GpSimd) for all its units
-    unit0 = ((f.b * f.Hq + f.head(h)) * f.nqu + iu) * f.nku + ju
-    units = nisa.iota(unit0 + nl.arange(n_units)[None, :], dtype=nl.int32)
-    seeds = nisa.tensor_tensor(units, f.seed_row[0:1, 0:n_units], np.add, dtype=nl.int32)
+    # the block's unit seeds at once: one iota and one int32 add (GpSimd) for all its units;
+    # the first unit ((b Hq + g G + h) nqu + iu) nku + ju as a linear form of the loop indices
+    # (nki.*: read from f.indices)
+    per_head = f.nqu * f.nku
+    unit0 = [(f.b, f.Hq * per_head), (f.g, f.G * per_head), (h, per_head), (iu, f.nku),
+             (ju, 1)]
+    units = nl.ndarray((1, n_units), dtype=nl.int32, buffer=nl.sbuf)
+    port.iota(units, [[1, n_units]], runtime=unit0, offsets=f.indices)
+    seeds = nl.ndarray((1, n_units), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(seeds, units, f.seed_row[0:1, 0:n_units], nl.add)
     for c0 in T.unrolled(0, width, P):
         kw = min(P, width - c0)
         seed = seeds[0:1, c0 // P:c0 // P + 1]
-        nl.random_seed(seed=seed, mask=pred)
+        port.random_seed(seed, mask=pred)
         if kw == P:
-            p[:, c0:c0 + kw] = nisa.dropout(p[:, c0:c0 + kw], f.dropout_p, mask=pred)
+            port.dropout(p[:, c0:c0 + kw], p[:, c0:c0 + kw], f.dropout_p, mask=pred)
         else:
             # a unit is always drawn 128 keys wide (the backward may see it whole): keep the
             # first kw columns of the draw
-            keep = nisa.dropout(f.ones[0:r, 0:P], f.dropout_p, mask=pred)
-            p[:, c0:c0 + kw] = nisa.tensor_tensor(p[:, c0:c0 + kw], keep[:, 0:kw], np.multiply,
-                                                  mask=pred)
+            keep = nl.ndarray((r, P), dtype=f.mm, buffer=nl.sbuf)
+            port.dropout(keep, f.ones[0:r, 0:P], f.dropout_p, mask=pred)
+            port.tensor_tensor(p[:, c0:c0 + kw], p[:, c0:c0 + kw], keep[:, 0:kw], nl.multiply,
+                               mask=pred)
         if f.mask_out is not None:
             # debug: the same draw again, on ones, stored at the unit's frame position
-            nl.random_seed(seed=seed, mask=pred)
-            keep = nisa.dropout(f.ones[0:r, 0:P], f.dropout_p, mask=pred)
-            nl.store(f.mask_out[f.b, f.head(h), nl.ds(iu * P, r), nl.ds(ju * P + c0, kw)],
-                     value=keep[:, 0:kw], mask=pred)
+            port.random_seed(seed, mask=pred)
+            drawn = nl.ndarray((r, P), dtype=f.mm, buffer=nl.sbuf)
+            port.dropout(drawn, f.ones[0:r, 0:P], f.dropout_p, mask=pred)
+            port.dma_copy(f.mask_out[f.b, f.head(h), nl.ds(iu * P, r), nl.ds(ju * P + c0, kw)],
+                          drawn[:, 0:kw], mask=pred)
 
 
 def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: int,
                  masked: bool, d0: Optional[int] = None, du=None, h=None, part: str = "all",
                  stage=None):
     """Fold one key block of ``width`` keys (static; from the kv tile's 128-key block ``rb``,
-    frame key ``j0``, both NKI expressions) into slot s (query rows from ``i0``): the body of
+    frame key ``j0``, both index expressions) into slot s (query rows from ``i0``): the body of
     Algorithm 1's inner loop.
 
     With ``c`` the softmax scale folded into the exp (1 when Q^T carries it):
@@ -956,21 +989,23 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
     initial ``-m_i``); ``P = exp(c S - c m_new)``: one ScalarE activation per score tile, the
     bias carrying the max; ``alpha = exp(c m_i - c m_new)`` (0 for the first visible block:
     ``m_i = M_FLOOR``); ``pv = P [V | 1]`` in a fresh PSUM tile; ``[o_acc | l_i] = alpha [o_acc |
-    l_i] + pv`` on VectorE. In a masked region every instruction is predicated on the block
-    meeting the tile's band, so a skipped block leaves the state as it was.
+    l_i] + pv`` on VectorE. In a masked region every instruction is predicated (legacy) on the
+    block meeting the tile's band, so a skipped block leaves the state as it was; nki.* has no
+    predicates and runs the block, whose scores are all ``MASK_NEG``: ``P = exp(<= -2^99) = 0``
+    and ``alpha = 1`` exactly (``tiles.FWD_MASK_NEG`` < ``FWD_M_FLOOR``), so the state is
+    unchanged there too.
 
     ``part``: "all", or "front" (scores through the exp, :func:`fold_front`) / "back" (P^T
     through the update, :func:`fold_back`) for a staged tile, whose P, alpha and row sums live
     in the staging buffers ``stage = (p, alpha, row_sum, index)`` between the two halves.
     """
     r, P = st.rows, T.PMAX
-    if not masked:
+    if not masked or d0 is not None:
+        # no band, or a compile-time offset (a sliding span): the block meets the band by
+        # construction
         pred = None
-    elif d0 is None:
-        pred = band_predicates(f, j0 - i0, r, width)[0]
     else:
-        # compile-time offset (a sliding span): the block meets the band by construction
-        pred = None
+        pred = band_predicates(f, j0 - i0, r, width)[0]
     kt = f.tiles.k_tile
     widths = [min(kt, width - c0) for c0 in T.unrolled(0, width, kt)]
     if part == "back":
@@ -1003,7 +1038,7 @@ def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, p
     tile's 128-key block ``rb``): new max, ``P = exp(...)``, alpha, ``pv = P [V | 1]``,
     ``[o_acc | l_i] = alpha [o_acc | l_i] + pv`` (:func:`attend_block`). ``drop``: None, or
     ``drop(p, rows, width, pred)`` applies attention dropout to P in place (the statistics
-    stay those of the undropped P). Every instruction is predicated on ``pred``."""
+    stay those of the undropped P). Every instruction is predicated on ``pred`` (legacy)."""
     fold_back(f, st, s, fold_front(f, st, s, s_tiles, widths, pred, drop), widths, kv, rb, pred)
 
 
@@ -1019,18 +1054,16 @@ def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=Non
     neg_m_old, neg_m_new = st.neg_m(s), st.neg_m_new(s)
     c = f.unit
 
-    for n in nl.static_range(nb):
-        stats[:, 2 + n:3 + n] = nisa.tensor_reduce(np.max, s_tiles[n], axis=(1,), negate=True,
-                                                   keepdims=True, mask=pred)
-    neg_m_new[...] = nisa.tensor_reduce(np.min, stats[:, 1:2 + nb], axis=(1,), keepdims=True,
-                                        mask=pred)
+    for n in T.unrolled(nb):
+        port.tensor_reduce(stats[:, 2 + n:3 + n], nl.maximum, s_tiles[n], axis=(1,),
+                           negate=True, mask=pred)
+    port.tensor_reduce(neg_m_new, nl.minimum, stats[:, 1:2 + nb], axis=(1,), mask=pred)
     if c == 1.0:
         bias = neg_m_new
     else:
         bias = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
         # c * (-m_new) on GpSimd (idle otherwise; ScalarE is a busiest engine)
-        bias[...] = nisa.tensor_scalar(neg_m_new, nl.multiply, c, engine=nisa.gpsimd_engine,
-                                       mask=pred)
+        port.tensor_scalar(bias, neg_m_new, nl.multiply, c, engine="gpsimd", mask=pred)
     if out is None:
         p = nl.ndarray((r, width), dtype=f.mm, buffer=nl.sbuf)
         alpha = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -1038,24 +1071,23 @@ def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=Non
                    else None)
     else:
         p, alpha, row_sum = out
-    alpha[...] = nisa.activation(nl.exp, neg_m_old, bias=bias, scale=-c, mask=pred)
+    port.activation(alpha, nl.exp, neg_m_old, bias=bias, scale=-c, mask=pred)
     if f.dropout_p:
         # the row sums of the undropped P come from the exp itself (the [V | 1] column would
         # sum the dropped P): the softmax statistics are those of the undropped softmax
         sums = nl.ndarray((r, nb), dtype=nl.float32, buffer=nl.sbuf)
-        for n in nl.static_range(nb):
-            p[:, n * kt:n * kt + widths[n]] = nisa.activation_reduce(
-                nl.exp, s_tiles[n], reduce_op=np.add, reduce_res=sums[:, n:n + 1], bias=bias,
-                scale=c, dtype=f.mm, mask=pred)
-        row_sum[...] = nisa.tensor_reduce(np.add, sums, axis=(1,), keepdims=True,
-                                          dtype=nl.float32, mask=pred)
+        for n in T.unrolled(nb):
+            port.activation_reduce(p[:, n * kt:n * kt + widths[n]], nl.exp, s_tiles[n],
+                                   reduce_op=nl.add, reduce_res=sums[:, n:n + 1], bias=bias,
+                                   scale=c, mask=pred)
+        port.tensor_reduce(row_sum, nl.add, sums, axis=(1,), mask=pred)
         drop(p, r, width, pred)
     else:
-        for n in nl.static_range(nb):
-            p[:, n * kt:n * kt + widths[n]] = nisa.activation(nl.exp, s_tiles[n], bias=bias,
-                                                              scale=c, dtype=f.mm, mask=pred)
+        for n in T.unrolled(nb):
+            port.activation(p[:, n * kt:n * kt + widths[n]], nl.exp, s_tiles[n], bias=bias,
+                            scale=c, mask=pred)
     # m_i = m_new (GpSimd: idle otherwise)
-    neg_m_old[...] = nisa.tensor_copy(neg_m_new, engine=nisa.gpsimd_engine, mask=pred)
+    port.tensor_copy(neg_m_old, neg_m_new, engine="gpsimd", mask=pred)
     return p, alpha, row_sum
 
 
@@ -1074,7 +1106,7 @@ def fold_back(f: _Instance, st: _GroupState, s, front, widths, kv: _KV, rb, pred
     on_dma = f.dma_split()
     act_cols = 0
     pv = nl.ndarray((r, f.vcols), dtype=nl.float32, buffer=nl.psum)
-    for g0 in nl.static_range(0, len(chunks), per_tile):
+    for g0 in T.unrolled(0, len(chunks), per_tile):
         group = chunks[g0:g0 + per_tile]
         n = len(group) * r
         pts = nl.ndarray((P, per_tile * r), dtype=f.mm, buffer=nl.sbuf)
@@ -1082,40 +1114,35 @@ def fold_back(f: _Instance, st: _GroupState, s, front, widths, kv: _KV, rb, pred
             # trn2: DMA-engine transposes SBUF -> SBUF, no TensorE pass and no PSUM copy
             # (opt-in; documented for gen3, AWS kept its own use of it disabled)
             for q, (c0, kw) in enumerate(group):
-                pts[0:kw, q * r:(q + 1) * r] = nisa.dma_transpose(p[:, c0:c0 + kw], mask=pred)
+                port.dma_transpose(pts[0:kw, q * r:(q + 1) * r], p[:, c0:c0 + kw], mask=pred)
         else:
             pt = nl.ndarray((P, per_tile * r), dtype=pt_dtype, buffer=nl.psum)
             for q, (c0, kw) in enumerate(group):
-                pt[0:kw, q * r:(q + 1) * r] = nisa.nc_transpose(p[:, c0:c0 + kw], mask=pred)
+                port.nc_transpose(pt[0:kw, q * r:(q + 1) * r], p[:, c0:c0 + kw], mask=pred)
             # the block's ScalarE share of the copies, split at a 32-column boundary
             a = min(n, max(0, int(round((f.act_share * (g0 * r + n) - act_cols) / 32)) * 32))
             act_cols += a
-            for e, (c0, c1) in ((nisa.scalar_engine, (0, a)), (nisa.vector_engine, (a, n))):
+            for e, (c0, c1) in (("scalar", (0, a)), ("vector", (a, n))):
                 if c1 > c0:
-                    pts[:, c0:c1] = nisa.tensor_copy(pt[:, c0:c1], dtype=f.mm, engine=e,
-                                                     mask=pred)
+                    port.tensor_copy(pts[:, c0:c1], pt[:, c0:c1], engine=e, mask=pred)
         for q, (c0, kw) in enumerate(group):
-            prod = nisa.nc_matmul(pts[0:kw, q * r:(q + 1) * r], kv.v[0:kw, rb + c0 // P, :],
-                                  mask=pred)
-            if g0 == 0 and q == 0:
-                pv[...] = prod
-            else:
-                pv[...] += prod
+            port.nc_matmul(pv, pts[0:kw, q * r:(q + 1) * r], kv.v[0:kw, rb + c0 // P, :],
+                           accumulate=not (g0 == 0 and q == 0), mask=pred)
     o_acc = st.o_acc(s)
     # o_acc = alpha o_acc + pv: the rescale on GpSimd (SBUF only; otherwise idle), the add on
     # VectorE (one PSUM read, 1 cycle per element)
     # (the guard's flag column is not rescaled: its sum only needs to stay positive)
-    o_acc[:, 0:f.D + 1] = nisa.tensor_scalar(o_acc[:, 0:f.D + 1], nl.multiply, alpha,
-                                             engine=nisa.gpsimd_engine, mask=pred)
+    port.tensor_scalar(o_acc[:, 0:f.D + 1], o_acc[:, 0:f.D + 1], nl.multiply, alpha,
+                       engine="gpsimd", mask=pred)
     if f.dropout_p:
-        o_acc[:, 0:f.D] = nisa.tensor_tensor(o_acc[:, 0:f.D], pv[:, 0:f.D], nl.add, mask=pred)
-        o_acc[:, f.D:f.D + 1] = nisa.tensor_tensor(o_acc[:, f.D:f.D + 1], row_sum, nl.add,
-                                                   mask=pred)
+        port.tensor_tensor(o_acc[:, 0:f.D], o_acc[:, 0:f.D], pv[:, 0:f.D], nl.add, mask=pred)
+        port.tensor_tensor(o_acc[:, f.D:f.D + 1], o_acc[:, f.D:f.D + 1], row_sum, nl.add,
+                           mask=pred)
         if f.guard:
-            o_acc[:, f.D + 1:f.D + 2] = nisa.tensor_tensor(
-                o_acc[:, f.D + 1:f.D + 2], pv[:, f.D + 1:f.D + 2], nl.add, mask=pred)
+            port.tensor_tensor(o_acc[:, f.D + 1:f.D + 2], o_acc[:, f.D + 1:f.D + 2],
+                               pv[:, f.D + 1:f.D + 2], nl.add, mask=pred)
     else:
-        o_acc[...] = nisa.tensor_tensor(o_acc, pv, nl.add, mask=pred)
+        port.tensor_tensor(o_acc, o_acc, pv, nl.add, mask=pred)
 
 
 class _Outputs:
@@ -1123,7 +1150,7 @@ class _Outputs:
     per query tile of the group), stored to HBM by the *next* group after it has issued its
     Q loads (:func:`flush`): a store waits for its group's last softmax step, and the DMA
     queues would otherwise hold the next group's loads behind it. Carried from one group to
-    the next, so the group loops are ``sequential_range``."""
+    the next, so the group loops are sequential (``carried``)."""
 
     def __init__(self, f: _Instance, slots: int):
         P = T.PMAX
@@ -1132,17 +1159,21 @@ class _Outputs:
 
 
 def flush(f: _Instance, out: _Outputs, pending):
-    """Store a finished group's outputs from ``out``: ``pending = (pred, t0, n, rows)`` -- its
-    first query tile (an NKI expression), tiles per head, rows per tile -- every store
-    predicated on ``pred`` (None: always)."""
-    pred, t0, n, rows = pending
-    for h in nl.affine_range(f.G):
-        for s in nl.affine_range(n):
+    """Store a finished group's outputs from ``out``: ``pending = (t0, n, rows)`` -- its first
+    query tile (an index expression), tiles per head, rows per tile."""
+    t0, n, rows = pending
+
+    def head(h):
+        def tile(s):
             t = t0 + s
             col = f.q_col(h, t)
             for dst, src in ((f.o, out.o), (f.lse_col, out.lse)):
                 M.store_rows(dst, f.b, f.head(h), t * f.tiles.q_tile, rows,
-                             src[0:rows, h * n + s, :], f.q_store, col, pred)
+                             src[0:rows, h * n + s, :], f.q_store, col)
+
+        port.loop(n, tile)
+
+    port.loop(f.G, head)
 
 
 def write_back(f: _Instance, st: _GroupState, s, h, t, out: _Outputs):
@@ -1171,60 +1202,46 @@ def finalize(f: _Instance, st: _GroupState, s, in_range=None, dst=None):
     o_acc = st.o_acc(s)
     l_i = o_acc[:, f.D:f.D + 1]
     # the SBUF-only element-wise steps on GpSimd (VectorE and ScalarE are the busy engines)
-    gp = nisa.gpsimd_engine
-    l_safe = nisa.tensor_scalar(l_i, nl.maximum, T.FWD_L_FLOOR, dtype=nl.float32, engine=gp)
-    inv_l = nisa.reciprocal(l_safe)
+    l_safe = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(l_safe, l_i, nl.maximum, T.FWD_L_FLOOR, engine="gpsimd")
+    inv_l = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.reciprocal(inv_l, l_safe)
     if f.dropout_p:
-        inv_l = nisa.tensor_scalar(inv_l, nl.multiply, 1.0 / (1.0 - f.dropout_p),
-                                   dtype=nl.float32, engine=gp)
+        port.tensor_scalar(inv_l, inv_l, nl.multiply, 1.0 / (1.0 - f.dropout_p),
+                           engine="gpsimd")
     # padding rows: multiplied by 0 (o) and deselected (lse)
     op1 = None if in_range is None else nl.multiply
     factor = in_range
     if f.guard:
         # a row that saw a non-finite value (guard_values) is multiplied by NaN instead of 1
         seen = o_acc[:, f.D + 1:f.D + 2]
-        poison = nisa.tensor_scalar(seen, nl.greater, 0.0, op1=op1, operand1=in_range,
-                                    dtype=nl.uint8)
-        nan_or_1 = nisa.memset((r, 1), 1.0, dtype=nl.float32, engine=gp)
-        nisa.tensor_copy_predicated(src=float("nan"), dst=nan_or_1, predicate=poison)
-        factor = (nan_or_1 if in_range is None else
-                  nisa.tensor_tensor(nan_or_1, in_range, nl.multiply, dtype=nl.float32,
-                                     engine=gp))
+        poison = nl.ndarray((r, 1), dtype=nl.uint8, buffer=nl.sbuf)
+        port.tensor_scalar(poison, seen, nl.greater, 0.0, op1=op1, operand1=in_range)
+        nan_or_1 = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.memset(nan_or_1, 1.0, engine="gpsimd")
+        port.tensor_copy_predicated(nan_or_1, float("nan"), poison)
+        factor = nan_or_1
+        if in_range is not None:
+            factor = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_tensor(factor, nan_or_1, in_range, nl.multiply, engine="gpsimd")
     if dst is None:
         o_out = nl.ndarray((r, f.D), dtype=f.o.dtype, buffer=nl.sbuf)
         lse_out = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
     else:
         o_out, lse_out = dst
-    o_out[...] = nisa.tensor_scalar(o_acc[:, 0:f.D], nl.multiply, inv_l,
-                                    op1=None if factor is None else nl.multiply,
-                                    operand1=factor, dtype=f.o.dtype, engine=gp)
-    keep = nisa.tensor_scalar(l_i, nl.greater, 0.0, op1=op1, operand1=in_range, dtype=nl.uint8,
-                              engine=gp)
-    log_l = nisa.activation(nl.log, l_safe, dtype=nl.float32)
-    lse_val = nisa.activation(nl.copy, st.neg_m(s), scale=-f.unit, bias=log_l,
-                              dtype=nl.float32)
-    lse_out[...] = nisa.memset((r, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
+    port.tensor_scalar(o_out, o_acc[:, 0:f.D], nl.multiply, inv_l,
+                       op1=None if factor is None else nl.multiply, operand1=factor,
+                       engine="gpsimd")
+    keep = nl.ndarray((r, 1), dtype=nl.uint8, buffer=nl.sbuf)
+    port.tensor_scalar(keep, l_i, nl.greater, 0.0, op1=op1, operand1=in_range, engine="gpsimd")
+    log_l = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(log_l, nl.log, l_safe)
+    lse_val = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(lse_val, nl.copy, st.neg_m(s), scale=-f.unit, bias=log_l)
+    port.memset(lse_out, -np.inf, engine="gpsimd")
     # explicit select (documented from neuronx-cc 2.22; nki-api-spec §9.14)
-    nisa.tensor_copy_predicated(src=lse_val, dst=lse_out, predicate=keep)
+    port.tensor_copy_predicated(lse_out, lse_val, keep)
     return o_out, lse_out
-
-
-def sweep(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, n: int, masked: bool,
-          d0: Optional[int] = None, du=None):
-    """The online softmax of slot s (rows from ``i0``) over ``n`` keys (static) of a K/V tile
-    from its 128-key block ``rb`` = frame key ``j0``: a sequential loop of full softmax
-    blocks (the carried running max, sum and output) and a static partial last block. ``d0``:
-    ``j0 - i0`` when it is a compile-time constant (a sliding span), else None."""
-    Bk = f.tiles.softmax_block
-    per = Bk // T.PMAX
-    full, tail = n // Bk, n % Bk
-    for kb in nl.sequential_range(full):
-        attend_block(f, st, s, i0, kv, rb + kb * per, j0 + kb * Bk, Bk, masked,
-                     du=None if du is None else (du[0], du[1], du[2] + kb * per))
-    if tail:
-        attend_block(f, st, s, i0, kv, rb + full * per, j0 + full * Bk, tail, masked,
-                     None if d0 is None else d0 + full * Bk,
-                     du=None if du is None else (du[0], du[1], du[2] + full * per))
 
 
 def _largest_divisor(n: int, cap: int) -> int:
@@ -1234,27 +1251,33 @@ def _largest_divisor(n: int, cap: int) -> int:
 
 def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[_KV],
                  out: _Outputs, flushes=()):
-    """Query tiles ``t0 .. t0 + n - 1`` (``t0`` an NKI expression) of every query head of the kv
-    group (slot ``h n + s`` = tile ``t0 + s`` of member head h): load their Q^T, sweep the
+    """Query tiles ``t0 .. t0 + n - 1`` (``t0`` an index expression) of every query head of the
+    kv group (slot ``h n + s`` = tile ``t0 + s`` of member head h): load their Q^T, sweep the
     span's key regions (resident K/V, or chunks streamed once past the whole group), write O
     and LSE. The group's SBUF state is local to this body. A span without regions reads no Q
     and writes o = 0, LSE = -inf. The outputs go to ``out``; the previous group's are stored
     (``flushes``, :func:`flush`) right after this group's Q loads are issued."""
     P, qt, G = T.PMAX, plan.q_tile, f.G
     st = _GroupState(f, G * n, span.rows)
+
+    def each_tile(body):
+        """``body(h, s)`` for every member head h and slot s of the group (compiled loops)."""
+        port.loop(G, lambda h: port.loop(n, lambda s: body(h, s)))
+
     if f.mods.sinks:
         # the sink is the online softmax's first "key": m = max(sink / u, M_FLOOR), l = l_0
-        gp, D = nisa.gpsimd_engine, f.D
-        for h in nl.affine_range(G):
+        D = f.D
+
+        def sink_init(h):
             l_slots = st.o[:, nl.ds(h * n, n), D:D + 1]
-            st.stats[:, nl.ds(h * n, n), 1:2] = nisa.tensor_scalar(
-                l_slots, nl.add, SM.HeadColumns.col(f.cols.neg_m0, h, P), engine=gp)
-            st.o[:, nl.ds(h * n, n), D:D + 1] = nisa.tensor_scalar(
-                l_slots, nl.add, SM.HeadColumns.col(f.cols.l0, h, P), engine=gp)
+            port.tensor_scalar(st.stats[:, nl.ds(h * n, n), 1:2], l_slots, nl.add,
+                               SM.HeadColumns.col(f.cols.neg_m0, h, P), engine="gpsimd")
+            port.tensor_scalar(l_slots, l_slots, nl.add, SM.HeadColumns.col(f.cols.l0, h, P),
+                               engine="gpsimd")
+
+        port.loop(G, sink_init)
     if span.regions:
-        for h in nl.affine_range(G):
-            for s in nl.affine_range(n):
-                load_q(f, st, h * n + s, h, t0 + s)
+        each_tile(lambda h, s: load_q(f, st, h * n + s, h, t0 + s))
     for pending in flushes:
         flush(f, out, pending)
     # staging (ForwardTiles.stage): ss tiles of each of hs heads, hs ss <= stage
@@ -1274,9 +1297,9 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
     def sweep_all(kv_tile, rb, j0, keys, masked, ju):
         # ju: the first 128-key unit of the keys (dropout), j0 // 128 as an affine expression.
         # The key blocks are the outer (sequential) loop and the group's tiles the inner
-        # (affine) ones, so consecutive instructions belong to independent tiles: each
-        # engine's stream interleaves their dependency chains (sweep's per-tile order would
-        # leave every engine waiting on the previous step of a single chain).
+        # (independent) ones, so consecutive instructions belong to independent tiles: each
+        # engine's stream interleaves their dependency chains (a per-tile order would leave
+        # every engine waiting on the previous step of a single chain).
         Bk = f.tiles.softmax_block
         per = Bk // P
         full, tail = keys // Bk, keys % Bk
@@ -1298,23 +1321,21 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
 
         def block(kb_rb, kb_j0, width, static_d):
             if not staged:
-                for h in nl.affine_range(G):
-                    for s in nl.affine_range(n):
-                        tile_block(h, s, kb_rb, kb_j0, width, static_d)
+                each_tile(lambda h, s: tile_block(h, s, kb_rb, kb_j0, width, static_d))
                 return
+
             # staged: hs heads x ss tiles at a time, every first half before the second
             # halves (each in its own loop nest: the halves share only SBUF buffers)
-            for sb in nl.affine_range(n // ss):
-                for hb in nl.affine_range(G // hs):
-                    bufs = staging_buffers()
-                    for part in ("front", "back"):
-                        for hh in nl.affine_range(hs):
-                            for k in nl.affine_range(ss):
-                                tile_block(hb * hs + hh, sb * ss + k, kb_rb, kb_j0, width,
-                                           static_d, part, bufs + (hh * ss + k,))
+            def batch(sb, hb):
+                bufs = staging_buffers()
+                for part in ("front", "back"):
+                    port.loop(hs, lambda hh: port.loop(ss, lambda k: tile_block(
+                        hb * hs + hh, sb * ss + k, kb_rb, kb_j0, width, static_d, part,
+                        bufs + (hh * ss + k,))))
 
-        for kb in nl.sequential_range(full):
-            block(kb * per, kb * Bk, Bk, None)
+            port.loop(n // ss, lambda sb: port.loop(G // hs, lambda hb: batch(sb, hb)))
+
+        port.loop(full, lambda kb: block(kb * per, kb * Bk, Bk, None), carried=True)
         if tail:
             block(full * per, full * Bk, tail, full * Bk)
 
@@ -1323,12 +1344,12 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
             sweep_all(kv, rg.k0 // P, rg.k0, rg.k1 - rg.k0, rg.masked, rg.k0 // P)
             continue
         for first, count, C in _chunks(rg, plan):
-            for c in nl.sequential_range(count):
-                chunk = load_kv(f, first // P + c * (C // P), C)
-                sweep_all(chunk, 0, first + c * C, C, rg.masked, first // P + c * (C // P))
-    for h in nl.affine_range(G):
-        for s in nl.affine_range(n):
-            write_back(f, st, h * n + s, h, t0 + s, out)
+            def chunk(c, first=first, C=C, masked=rg.masked):
+                kv_c = load_kv(f, first // P + c * (C // P), C)
+                sweep_all(kv_c, 0, first + c * C, C, masked, first // P + c * (C // P))
+
+            port.loop(count, chunk, carried=True)
+    each_tile(lambda h, s: write_back(f, st, h * n + s, h, t0 + s, out))
 
 
 # ============================================================================================
@@ -1336,14 +1357,24 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
 # ============================================================================================
 
 
-def forward_grid(B: int, Hkv: int, lnc: int):
+def forward_grid(B: int, Hkv: int, lnc: int, api: str = "legacy"):
     """Launch grid and kernel ``lnc`` for ``lnc`` NeuronCores per logical core (1, or 2 on
-    trn2). LNC=2 spreads independent grid instances over the two cores when it can -- kv heads
-    when Hkv is even, else batches when B is even (``nl.spmd_dim(n, nl.nc(2))``; no extra HBM
-    traffic) -- and otherwise adds an ``nl.nc(2)`` grid dimension over which the kernel splits
-    the query tiles (``lnc=2`` kernel argument; each core then reads all of K/V)."""
+    trn2), for the namespace ``api`` the kernel is traced through.
+
+    Legacy: an SPMD grid over (batch, kv head). LNC=2 spreads independent grid instances over
+    the two cores when it can -- kv heads when Hkv is even, else batches when B is even
+    (``nl.spmd_dim(n, nl.nc(2))``; no extra HBM traffic) -- and otherwise adds an ``nl.nc(2)``
+    grid dimension over which the kernel splits the query tiles (``lnc=2`` kernel argument;
+    each core then reads all of K/V).
+
+    nki.* (0.7 launches ``kernel[lnc]`` only): the grid is ``(lnc,)`` and the kernel loops over
+    the (batch, kv head) instances itself (:func:`port.for_programs`); the two cores of LNC=2
+    take half of the instances each when there is an even number of them, else (``lnc=2``
+    kernel argument) each runs every instance and they split its query tiles."""
     if lnc not in (1, 2):
         raise ValueError(f"lnc: expected 1 or 2, got {lnc!r}")
+    if api == "nki":
+        return (lnc,), (2 if lnc == 2 and (B * Hkv) % 2 else 1)
     if lnc == 1:
         return (B, Hkv), 1
     if Hkv % 2 == 0:
@@ -1361,21 +1392,21 @@ def _core_range(count: int, core):
     return core * (count - n), n
 
 
-@nki.jit
+@port.jit
 def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slopes=None,
-                        sinks=None, *, scale=1.0, causal=None, window=None, mm_dtype="bfloat16",
+                        sinks=None, scale=1.0, causal=None, window=None, mm_dtype="bfloat16",
                         tiles=None, lnc=1, dropout_p=0.0, dropout_mask=False, softcap=None):
     """Flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B, Hkv, Nk, D)``.
 
-    Launch on the grid ``(B, Hkv)``. Tensor arguments live in HBM: q, k, v in fp32/bf16/fp16
-    (one dtype), optional ``kv_lens``/``q_lens`` ``(B,)`` int32 (values in [0, Nk] / [0, Nq];
-    the compiled kernel depends only on whether each is given: padding rows and keys are never
-    read, bottom_right sequences are rotated on chip, module docstring). Compile-time arguments:
-    ``scale`` (float, any finite value), ``causal`` (None, "top_left", "bottom_right"),
-    ``window`` (None or (left, right), -1 = unbounded), ``mm_dtype`` ("bfloat16", "float16",
-    "float32": matmul operand precision), ``tiles`` (:class:`tiles.ForwardTiles`), ``lnc``
-    (2: launched on ``(B, Hkv, nl.nc(2))``, the two cores of a trn2 logical core split every
-    span's query-tile groups, :func:`forward_grid`).
+    Launch on the grid of :func:`forward_grid` (legacy: ``(B, Hkv)``; nki.*: ``(lnc,)``).
+    Tensor arguments live in HBM: q, k, v in fp32/bf16/fp16 (one dtype), optional
+    ``kv_lens``/``q_lens`` ``(B,)`` int32 (values in [0, Nk] / [0, Nq]; the compiled kernel
+    depends only on whether each is given: padding rows and keys are never read, bottom_right
+    sequences are rotated on chip, module docstring). Compile-time arguments: ``scale`` (float,
+    any finite value), ``causal`` (None, "top_left", "bottom_right"), ``window`` (None or
+    (left, right), -1 = unbounded), ``mm_dtype`` ("bfloat16", "float16", "float32": matmul
+    operand precision), ``tiles`` (:class:`tiles.ForwardTiles`), ``lnc`` (2: the two cores of a
+    trn2 logical core split every span's query-tile groups, :func:`forward_grid`).
 
     Returns ``(o, lse)``: o ``(B, Hq, Nq, D)`` in q's dtype, lse ``(B, Hq, Nq)`` float32 (natural
     log; -inf for rows without a visible key). Limits: ``1 <= D <= 256``; any Nq, Nk >= 1.
@@ -1393,24 +1424,58 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     ``alibi_slopes`` (HBM ``(Hq,)``, ``(1, Hq)`` or ``(B, Hq)`` float32: ``- slope |qpos - j|``)
     and ``sinks`` (HBM ``(Hq,)`` float32: one more logit per head with a zero value; a row
     without visible keys then has ``lse = sink``, padding rows keep -inf).
+
+    Not yet through nki.* (NotImplementedError there): ``kv_lens``/``q_lens`` (their gathers
+    are indirect DMAs, which the simulator's 0.7 front end lacks), and dropout with ``B Hq
+    ceil(Nq / 128) ceil(Nk / 128) >= 2^24`` units (0.7 computes the unit numbers in fp32).
     """
     tiles = T.ForwardTiles() if tiles is None else tiles
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
     if lnc not in (1, 2):
         raise ValueError(f"lnc: expected 1 or 2, got {lnc!r}")
+    if kv_lens is not None or q_lens is not None:
+        port.refuse_in_nki("flash_attention_fwd with kv_lens/q_lens (indirect-DMA gathers)")
     B, Hq, Nq, D = q.shape
-    Nk = k.shape[2]
+    Hkv, Nk = k.shape[1], k.shape[2]
+    n_units = B * Hq * T.ceil_div(Nq, T.PMAX) * T.ceil_div(Nk, T.PMAX)
+    if dropout_p and n_units >= T.FP32_EXACT_INT:
+        port.refuse_in_nki(f"flash_attention_fwd with dropout over {n_units} >= 2^24 units "
+                           "(fp32 unit numbers)")
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
                       mods.alibi)
-    plan = plan_forward(Nq, Nk, Hq // k.shape[1], spec, tiles, cores=lnc)
+    plan = plan_forward(Nq, Nk, Hq // Hkv, spec, tiles, cores=lnc)
 
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
-
     mask_out = (nl.ndarray((B, Hq, Nq, Nk), dtype=nl.float32, buffer=nl.shared_hbm)
                 if dropout_p and dropout_mask else None)
-    f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, nl.program_id(0),
-                  nl.program_id(1))
+    # key-minus-row distances of the tiles, as data for 0.7's compile-time affine patterns
+    offsets = (port.OffsetColumns(-T.ceil_div(Nq, T.PMAX) * T.PMAX,
+                                  T.ceil_div(Nq, T.PMAX) + T.ceil_div(Nk, T.PMAX) + 1, T.PMAX)
+               if spec.has_diag or mods.alibi else None)
+    # loop indices (batch, heads, query tiles, key units) as data: dropout's unit numbers
+    indices = (port.OffsetColumns(0, max(B, Hkv, Hq, T.ceil_div(Nq, T.PMAX),
+                                         T.ceil_div(Nk, T.PMAX)), 1) if dropout_p else None)
+
+    def instance(b, g):
+        forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slopes,
+                         sinks, b, g, scale, mm_dtype, tiles, lnc, dropout_p, mods, spec, plan,
+                         (offsets, indices))
+
+    port.for_programs((B, Hkv), instance, share=lnc == 1)
+    if mask_out is not None:
+        return o, lse, mask_out
+    return o, lse
+
+
+def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slopes, sinks, b,
+                     g, scale, mm_dtype, tiles, lnc, dropout_p, mods, spec, plan, tables):
+    """The work of grid instance (batch ``b``, kv head ``g``): the spans' groups of query tiles
+    (:func:`attend_group`), each group storing its predecessor's outputs. ``tables``: the
+    launch's ``(offsets, indices)`` (:class:`_Instance`)."""
+    D = q.shape[3]
+    f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g)
+    f.offsets, f.indices = tables
     f.guard = True
     if mods != SM.Mods():
         f.mods, f.unit = mods, mods.unit(f.act_scale)
@@ -1419,23 +1484,25 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
         if seed is None:
             raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
         f.dropout_p = float(dropout_p)
-        f.seed = nl.load(seed.reshape((1, 1)))
+        f.seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.dma_copy(f.seed, seed.reshape((1, 1)))
         # the seed along a row, for the int32 add of a block's unit numbers (exact copies)
         n_row = T.ceil_div(max(tiles.softmax_block, T.PMAX), T.PMAX)
         f.seed_row = nl.ndarray((1, n_row), dtype=nl.int32, buffer=nl.sbuf)
-        for c in nl.static_range(n_row):
-            f.seed_row[0:1, c:c + 1] = nisa.tensor_copy(f.seed, engine=nisa.gpsimd_engine)
-        f.nqu, f.nku = T.ceil_div(Nq, T.PMAX), T.ceil_div(Nk, T.PMAX)
-        f.ones = nisa.memset((T.PMAX, T.PMAX), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
+        for c in T.unrolled(n_row):
+            port.tensor_copy(f.seed_row[0:1, c:c + 1], f.seed, engine="gpsimd")
+        f.nqu, f.nku = T.ceil_div(f.Nq, T.PMAX), T.ceil_div(f.Nk, T.PMAX)
+        f.ones = nl.ndarray((T.PMAX, T.PMAX), dtype=f.mm, buffer=nl.sbuf)
+        port.memset(f.ones, 1.0, engine="gpsimd")
         f.mask_out = mask_out
     balance_engines(f, plan)
     if spec.kv_lens or spec.q_lens:
         length_tables(f, kv_lens, q_lens)
 
     needs_kv = any(sp.regions for sp in plan.spans)
-    kv = load_kv(f, 0, Nk) if plan.resident and needs_kv else None
-    core = nl.program_id(2) if lnc == 2 else None
-    groups = [(sp, g) for sp in plan.spans for g in _groups(sp, plan.q_group)]
+    kv = load_kv(f, 0, f.Nk) if plan.resident and needs_kv else None
+    core = port.spmd_core() if lnc == 2 else None
+    groups = [(sp, grp) for sp in plan.spans for grp in _groups(sp, plan.q_group)]
     if tiles.q_preload and needs_kv and len(plan.spans) > 1:
         # every query row this core will use, loaded up front (each exactly once): with
         # several spans (a band) each span's first group would otherwise wait for its loads
@@ -1443,8 +1510,8 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
         for sp, (first, count, n) in groups:
             if sp.regions:
                 start, mine = (0, count) if core is None else _core_range(count, core)
-                for h in nl.affine_range(f.G):
-                    preload_q(f, sp.rows, h, sp.t0 + first + start * n, mine * n)
+                port.loop(f.G, lambda h, sp=sp, t=sp.t0 + first + start * n, c=mine * n:
+                          preload_q(f, sp.rows, h, t, c))
     out = _Outputs(f, f.G * max(n for _, (_, _, n) in groups))
     pending = ()                # the group whose outputs are waiting in `out`
     for sp, (first, count, n) in groups:
@@ -1454,12 +1521,12 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
         # peeled (its predecessor is another loop's last group, or none), the others are a
         # sequential loop (they carry `out`)
         attend_group(f, plan, sp, t_first, n, kv, out, pending)
-        for grp in nl.sequential_range(1, mine):
+
+        def later(grp, sp=sp, n=n, t_first=t_first):
             t0 = t_first + grp * n
-            attend_group(f, plan, sp, t0, n, kv, out, [(None, t0 - n, n, sp.rows)])
-        pending = [(None, t_first + (mine - 1) * n, n, sp.rows)]
+            attend_group(f, plan, sp, t0, n, kv, out, [(t0 - n, n, sp.rows)])
+
+        port.loop(mine, later, carried=True, start=1)
+        pending = [(t_first + (mine - 1) * n, n, sp.rows)]
     for p in pending:
         flush(f, out, p)
-    if mask_out is not None:
-        return o, lse, mask_out
-    return o, lse

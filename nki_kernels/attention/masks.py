@@ -12,8 +12,9 @@ relative diagonal bounds are ``hi = 0`` for causal (capped by a window's ``right
 
 The band is always static (compile time). The host-side plan skips score tiles that are fully
 masked, trims each query tile's key range to the union of its rows' windows, and masks only
-*boundary* tiles. Their indicator tiles depend only on ``j0 - i0`` (the tile's diagonal offset)
-and are built once and cached. With runtime lengths (kernel inputs, so one compiled kernel
+*boundary* tiles, by selecting ``MASK_NEG`` outside the band (``forward.scores``: an
+``affine_select`` of the key-minus-row distance; the backward selects on loop-index predicates
+too). With runtime lengths (kernel inputs, so one compiled kernel
 serves every set of lengths; :class:`RuntimeLengths`):
 
 - the rows and keys are *gathered* by indirect DMAs that skip padding (never read, so a NaN there
@@ -31,10 +32,10 @@ serves every set of lengths; :class:`RuntimeLengths`):
   past ``q_len`` are zeroed when the output is written. A kernel cannot branch on tensor
   values, so these apply to every tile the band allows.
 
-Every forward band mask reaches the scores the same way: a matmul ``(MASK_NEG * I)^T @
-indicator`` accumulated into the score tile's PSUM bank, where the indicator is 1.0 at masked
-positions and 0.0 elsewhere. TensorE does the add for free of VectorE time, and masked scores
-become ``s + MASK_NEG`` (finite, see ``tiles.FWD_MASK_NEG``).
+Masked scores become ``MASK_NEG`` (finite, see ``tiles.FWD_MASK_NEG``). The helpers the forward
+uses (:func:`broadcast_row`, :func:`zero_non_finite`, :func:`store_rows` without a scatter) are
+written against :mod:`nki_kernels.port` and trace through either namespace; the runtime-length
+machinery (:class:`RuntimeLengths`, gathers and scatters) is legacy only so far.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from typing import Optional, Tuple
 
 import numpy as np  # compile-time constants only
 
+from nki_kernels import port
 from nki_kernels import tiles as T
 from nki_kernels.nki import nisa, nl
 
@@ -167,14 +169,6 @@ class MaskSpec:
 # ============================================================================================
 
 
-def neg_identity(n: int):
-    """``MASK_NEG * I_n`` in bf16 [n, n]: the stationary operand that adds ``MASK_NEG *
-    indicator`` into a score tile (row i of the result gets row i of the indicator)."""
-    diff = nisa.iota(nl.arange(n)[None, :] - nl.arange(n)[:, None], dtype=nl.float32)
-    return nisa.tensor_scalar(diff, nl.equal, 0.0, op1=nl.multiply, operand1=T.FWD_MASK_NEG,
-                              dtype=nl.bfloat16)
-
-
 def int_mod(x, n: int, dtype=nl.float32):
     """``x mod n`` of an fp32 tile of non-negative integers (``x n < 2^22``), without ``nl.mod``
     (issue "kernels that compile and run": an op to avoid on hardware): ``x - n q`` with ``q =
@@ -191,72 +185,25 @@ def neg_row(n: int):
     return nisa.memset((1, n), T.FWD_MASK_NEG, dtype=nl.bfloat16)
 
 
-def diag_pattern(i0: int, rows: int, j0: int, width: int):
-    """fp32 [rows, width] tile of ``(j0 + jj) - (i0 + ii)``, the key-minus-query distance
-    (exact integers; GpSimd iota)."""
-    return nisa.iota((j0 - i0) + nl.arange(width)[None, :] - nl.arange(rows)[:, None],
-                     dtype=nl.float32)
-
-
-def diag_indicator(pattern, hi, lo):
-    """bf16 tile: 1.0 where ``pattern > hi`` or ``pattern < lo``, else 0.0.
-
-    ``hi``/``lo`` are Python numbers (the relative bound plus the compile-time offset), or None
-    for an unbounded side. At most one of the two conditions holds (lo <= hi), so the sum is an
-    indicator.
-    """
-    if lo is None:
-        return nisa.tensor_scalar(pattern, nl.greater, hi, dtype=nl.bfloat16)
-    if hi is None:
-        return nisa.tensor_scalar(pattern, nl.less, lo, dtype=nl.bfloat16)
-    above = nisa.tensor_scalar(pattern, nl.greater, hi, dtype=nl.float32)
-    return nisa.scalar_tensor_tensor(data=pattern, op0=nl.less, operand0=lo, op1=nl.add,
-                                     operand1=above, dtype=nl.bfloat16)
-
-
-class StaticDiagMasks:
-    """The static boundary-tile indicators of a kernel, built once up front.
-
-    An indicator depends only on the key-minus-query distance pattern and the static bounds, so
-    every boundary tile with the same ``j0 - i0`` shares one (its top-left ``[rows, width]``
-    corner). ``offsets`` (from the schedule) lists the distinct ``j0 - i0`` of boundary tiles: a
-    causal or window bound has a handful (the tile diagonal crosses a 128 x 512 tile at ~5
-    offsets). All live in one bf16 tensor ``[rows, len(offsets), width]`` filled at the top of
-    the kernel.
-    """
-
-    def __init__(self, spec: MaskSpec, rows: int, width: int, offsets):
-        off = spec.static_offset
-        hi = None if spec.hi is None else float(spec.hi + off)
-        lo = None if spec.lo is None else float(spec.lo + off)
-        self.index = {key: n for n, key in enumerate(sorted(offsets))}
-        self.tiles = nl.ndarray((rows, max(1, len(self.index)), width), dtype=nl.bfloat16,
-                                buffer=nl.sbuf)
-        for key, n in self.index.items():
-            self.tiles[:, n, :] = diag_indicator(diag_pattern(0, rows, key, width), hi, lo)
-
-    def get(self, i0: int, j0: int):
-        """Indicator of the boundary tile at rows ``i0``, keys ``j0`` (``[rows, width]``)."""
-        return self.tiles[:, self.index[j0 - i0], :]
-
-
 def broadcast_row(row, width: int):
     """fp32 ``[128, width]``: an fp32 ``[1, width]`` row on every partition (a K=1 matmul of
     a ones row, one PSUM bank per 512 columns; exact for integers below 2^24, as
     ``masks.load_lengths`` uses it, and for any fp32 value if the fp32 matmul keeps full
-    products -- 1.0 x v needs no rounding; score_mods relies on it for per-head floats)."""
-    ones = nisa.memset((1, T.PMAX), 1.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
-    out = nl.ndarray((T.PMAX, width), dtype=nl.float32, buffer=nl.sbuf)
+    products -- 1.0 x v needs no rounding; score_mods relies on it for per-head floats).
+    Written against :mod:`nki_kernels.port` (either namespace)."""
+    pl = port.nl
+    ones = pl.ndarray((1, T.PMAX), dtype=pl.float32, buffer=pl.sbuf)
+    port.memset(ones, 1.0, engine="gpsimd")
+    out = pl.ndarray((T.PMAX, width), dtype=pl.float32, buffer=pl.sbuf)
 
     def bank(c0, w: int):
-        ps = nl.ndarray((T.PMAX, w), dtype=nl.float32, buffer=nl.psum)
-        ps[...] = nisa.nc_matmul(ones, row[0:1, nl.ds(c0, w)])
-        out[:, nl.ds(c0, w)] = nisa.tensor_copy(ps, dtype=nl.float32, engine=nisa.vector_engine)
+        ps = pl.ndarray((T.PMAX, w), dtype=pl.float32, buffer=pl.psum)
+        port.nc_matmul(ps, ones, row[0:1, pl.ds(c0, w)])
+        port.tensor_copy(out[:, pl.ds(c0, w)], ps, engine="vector")
 
-    # an NKI loop over full banks (a block-sparse table row grows with N), a static tail
+    # a compiled loop over full banks (a block-sparse table row grows with N), a static tail
     full, tail = divmod(width, T.PSUM_FMAX)
-    for c in nl.affine_range(full):
-        bank(c * T.PSUM_FMAX, T.PSUM_FMAX)
+    port.loop(full, lambda c: bank(c * T.PSUM_FMAX, T.PSUM_FMAX))
     if tail:
         bank(full * T.PSUM_FMAX, tail)
     return out
@@ -267,10 +214,14 @@ def zero_non_finite(vals):
     uint8 tile that marks them and ``vals * 0`` in fp32 (NaN exactly there, 0 elsewhere). GpSimd
     (otherwise mostly idle) multiplies by 0 and compares; VectorE selects. Used where a value
     multiplies a zero weight in a matmul (``0 * inf`` would reach rows that cannot see the
-    value)."""
-    z = nisa.tensor_scalar(vals, nl.multiply, 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
-    bad = nisa.tensor_scalar(z, nl.not_equal, 0.0, dtype=nl.uint8, engine=nisa.gpsimd_engine)
-    nisa.tensor_copy_predicated(src=0.0, dst=vals, predicate=bad)
+    value). Written against :mod:`nki_kernels.port` (either namespace)."""
+    pl = port.nl
+    shape = tuple(vals.shape)
+    z = pl.ndarray(shape, dtype=pl.float32, buffer=pl.sbuf)
+    port.tensor_scalar(z, vals, pl.multiply, 0.0, engine="gpsimd")
+    bad = pl.ndarray(shape, dtype=pl.uint8, buffer=pl.sbuf)
+    port.tensor_scalar(bad, z, pl.not_equal, 0.0, engine="gpsimd")
+    port.tensor_copy_predicated(vals, 0.0, bad)
     return bad, z
 
 
@@ -358,10 +309,11 @@ def gather_rows(dst, rows_view, idx, col: int, n: int, width: int):
 
 def store_rows(out, b, head, i0, n, tile, store, col, pred=None):
     """``out[b, head, i0 : i0 + n, :] = tile``; with ``store`` (int32 ``[128, k]`` of flat rows,
-    column ``col``), scattered to those rows of out's ``(B H N, D)`` view instead. ``pred``:
-    None, or a loop-index predicate the store is masked on."""
+    column ``col``), scattered to those rows of out's ``(B H N, D)`` view instead (legacy
+    namespace only). ``pred``: None, or a loop-index predicate the store is masked on
+    (legacy)."""
     if store is None:
-        nl.store(out[b, head, nl.ds(i0, n), :], value=tile, mask=pred)
+        port.dma_copy(out[b, head, port.nl.ds(i0, n), :], tile, mask=pred)
         return
     B, H, N, D = out.shape
     rows = out.reshape((B * H * N, D))
@@ -473,7 +425,6 @@ class RuntimeLengths:
         return nisa.tensor_tensor(rows, beyond, np.add, dtype=nl.int32), store
 
 
-__all__ = ["MaskSpec", "broadcast_row", "zero_non_finite", "FULL", "BOUNDARY", "neg_identity",
-           "int_mod", "neg_row", "diag_pattern",
-           "diag_indicator", "StaticDiagMasks", "load_lengths", "key_length_row", "oob_offset",
+__all__ = ["MaskSpec", "broadcast_row", "zero_non_finite", "FULL", "BOUNDARY",
+           "int_mod", "neg_row", "load_lengths", "key_length_row", "oob_offset",
            "position_table", "gather_rows", "store_rows", "RuntimeLengths", "np"]

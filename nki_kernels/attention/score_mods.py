@@ -43,7 +43,8 @@ from typing import NamedTuple, Optional
 
 from nki_kernels import tiles as T
 from nki_kernels.attention import masks as M
-from nki_kernels.nki import nisa, nl
+from nki_kernels import port
+from nki_kernels.port import nl
 
 
 class Mods(NamedTuple):
@@ -84,7 +85,7 @@ def head_values(hbm, b, h0, G: int):
         src = hbm[0:1, nl.ds(h0, G)]
     else:
         src = hbm[nl.ds(b, 1), nl.ds(h0, G)]
-    nisa.dma_copy(dst=row, src=src)
+    port.dma_copy(row, src, legacy_isa=True)
     return M.broadcast_row(row, G)
 
 
@@ -95,34 +96,38 @@ class HeadColumns:
 
     def __init__(self, mods: Mods, u: float, slopes, sinks, b, h0, G: int):
         self.slope_u = self.sink = self.neg_m0 = self.l0 = None
-        gp = nisa.gpsimd_engine
+        P = T.PMAX
         if mods.alibi:
-            self.slope_u = nisa.tensor_scalar(head_values(slopes, b, h0, G), nl.multiply,
-                                              1.0 / u, dtype=nl.float32, engine=gp)
+            self.slope_u = nl.ndarray((P, G), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(self.slope_u, head_values(slopes, b, h0, G), nl.multiply,
+                               1.0 / u, engine="gpsimd")
         if mods.sinks:
             self.sink = head_values(sinks, b, h0, G)
             # -m_0 = min(-sink / u, -M_FLOOR)
-            self.neg_m0 = nisa.tensor_scalar(self.sink, nl.multiply, -1.0 / u,
-                                             op1=nl.minimum, operand1=-T.FWD_M_FLOOR,
-                                             dtype=nl.float32, engine=gp)
+            self.neg_m0 = nl.ndarray((P, G), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(self.neg_m0, self.sink, nl.multiply, -1.0 / u, op1=nl.minimum,
+                               operand1=-T.FWD_M_FLOOR, engine="gpsimd")
             # l_0 = exp(sink - u m_0) = exp(u (-m_0) + sink)
-            self.l0 = nl.ndarray((T.PMAX, G), dtype=nl.float32, buffer=nl.sbuf)
-            for h in nl.affine_range(G):
-                self.l0[:, nl.ds(h, 1)] = nisa.activation(
-                    nl.exp, self.neg_m0[:, nl.ds(h, 1)], bias=self.sink[:, nl.ds(h, 1)],
-                    scale=u, dtype=nl.float32)
+            self.l0 = nl.ndarray((P, G), dtype=nl.float32, buffer=nl.sbuf)
+            port.loop(G, lambda h: port.activation(
+                self.l0[:, nl.ds(h, 1)], nl.exp, self.neg_m0[:, nl.ds(h, 1)],
+                bias=self.sink[:, nl.ds(h, 1)], scale=u))
 
     @staticmethod
     def col(tile, h, rows: int):
-        """Column of member head ``h`` (an NKI expression), ``[rows, 1]``."""
+        """Column of member head ``h`` (a loop index), ``[rows, 1]``."""
         return tile[0:rows, nl.ds(h, 1)]
 
 
-def distance_tile(d0, rows: int, width: int, pred=None):
-    """fp32 ``[rows, width]``: ``d0 + key - row`` (``d0`` an affine NKI expression, the first
-    key's distance from the first row), one GpSimd iota."""
-    return nisa.iota(d0 + nl.arange(width)[None, :] - nl.arange(rows)[:, None],
-                     dtype=nl.float32, mask=pred)
+def distance_tile(d0, rows: int, width: int, pred=None, d_static=0, offsets=None):
+    """fp32 ``[rows, width]``: ``d0 + d_static + key - row`` (``d0`` an index expression, the
+    first key's distance from the first row, ``d_static`` a compile-time part; under nki.* a
+    loop-index ``d0`` is read from ``offsets``, :class:`port.OffsetColumns`), one GpSimd
+    iota."""
+    d = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
+    port.iota(d, [[1, width]], offset=d_static, channel_multiplier=-1, runtime=d0,
+              offsets=offsets, mask=pred)
+    return d
 
 
 def one_sided(spec: M.MaskSpec) -> bool:
@@ -131,28 +136,31 @@ def one_sided(spec: M.MaskSpec) -> bool:
 
 
 def modify_scores(mods: Mods, cols: HeadColumns, sc, rows: int, width: int, h, d0,
-                  tanh_scale: float, two_sided: bool, pred=None):
+                  tanh_scale: float, two_sided: bool, pred=None, d_static=0, offsets=None):
     """Soft-capping then ALiBi on a score tile ``sc`` (PSUM or SBUF fp32 ``[rows, width]`` of
     raw scores). Returns ``(y, t)``: ``y`` a new SBUF fp32 tile in raw units (module
     docstring) and ``t`` the tanh tile (None without soft-capping; ``y is t`` without ALiBi),
-    which the backward differentiates. ``h``: member head (NKI expression); ``d0``: the tile's
-    ``j0 - i0 - off``; ``tanh_scale``: ``c / cap``. Every instruction predicated on ``pred``."""
+    which the backward differentiates. ``h``: member head (a loop index); ``d0 + d_static``:
+    the tile's ``j0 - i0 - off`` (:func:`distance_tile`); ``tanh_scale``: ``c / cap``. Every
+    instruction predicated on ``pred`` (legacy)."""
     y = t = None
     if mods.softcap is not None:
-        t = nisa.activation(nl.tanh, sc, scale=tanh_scale, dtype=nl.float32, mask=pred)
+        t = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
+        port.activation(t, nl.tanh, sc, scale=tanh_scale, mask=pred)
         y = t
     if mods.alibi:
         # the bias on GpSimd (iota, then times the head's column) and ScalarE (|d|), one add on
         # VectorE (reading the scores from PSUM: 1 cycle per element)
         # -slope_u |d|: with a one-sided band |d| = -d, so + slope_u d
-        d = distance_tile(d0, rows, width, pred)
+        d = distance_tile(d0, rows, width, pred, d_static, offsets)
         if two_sided:
-            d = nisa.activation(nl.abs, d, dtype=nl.float32, mask=pred)
-        bias = nisa.tensor_scalar(d, nl.multiply, cols.col(cols.slope_u, h, rows),
-                                  dtype=nl.float32, engine=nisa.gpsimd_engine, mask=pred)
-        y = nisa.tensor_tensor(sc if t is None else t, bias,
-                               nl.subtract if two_sided else nl.add, dtype=nl.float32,
-                               mask=pred)
+            port.activation(d, nl.abs, d, mask=pred)
+        bias = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(bias, d, nl.multiply, cols.col(cols.slope_u, h, rows),
+                           engine="gpsimd", mask=pred)
+        y = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(y, sc if t is None else t, bias,
+                           nl.subtract if two_sided else nl.add, mask=pred)
     return y, t
 
 
@@ -168,10 +176,12 @@ def engine_extra(mods: Mods, two_sided: bool):
 def softcap_grad_factor(t, rows: int, width: int, pred=None):
     """fp32 ``[rows, width]``: ``1 - t^2`` of a tanh tile (the soft-cap's derivative), both
     steps on GpSimd (the backward's ScalarE and VectorE are its busy engines)."""
-    gp = nisa.gpsimd_engine
-    sq = nisa.tensor_tensor(t, t, nl.multiply, dtype=nl.float32, engine=gp, mask=pred)
-    return nisa.tensor_scalar(sq, nl.multiply, -1.0, op1=nl.add, operand1=1.0,
-                              dtype=nl.float32, engine=gp, mask=pred)
+    sq = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(sq, t, t, nl.multiply, engine="gpsimd", mask=pred)
+    out = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(out, sq, nl.multiply, -1.0, op1=nl.add, operand1=1.0, engine="gpsimd",
+                       mask=pred)
+    return out
 
 
 __all__ = ["Mods", "check_mods", "head_values", "HeadColumns", "distance_tile", "one_sided",

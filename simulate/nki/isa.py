@@ -20,6 +20,7 @@ import numpy as np
 from .. import _deps, _index, _ops, _runtime, _scalar, _tensor
 from .. import _dtypes as _dt
 from .. import isa as _I
+from .. import language as _L
 from .._errors import nki_error, hw_error, fmt_shape
 from .._tensor import Tensor
 
@@ -680,6 +681,38 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
         _rows(api, src, P, "src", F)
         _same_dtype(api, src, "src", dst, "dst", ": they must share the data type")
     _I.tensor_copy_predicated(src=src, dst=dst, predicate=predicate, reverse_pred=reverse_pred)
+
+
+# -- random numbers -----------------------------------------------------------------------------
+def set_rng_seed(src_seeds, name=None):
+    """Seed the PRNG that :func:`dropout` draws from with the 32-bit value of ``src_seeds``, a
+    ``[1, 1]`` tensor in SBUF or PSUM (the stub: "Seed the pseudo random number generator
+    (PRNG) inside the Vector Engine"). The legacy ``nl.random_seed``: the same generator,
+    charged as it is."""
+    api = "set_rng_seed"
+    _need_tensor(api, src_seeds, "src_seeds")
+    _buffer(api, src_seeds, "src_seeds", ("sbuf", "psum"))
+    if tuple(src_seeds.shape) != (1, 1) or src_seeds._st.di.name not in (
+            "int32", "uint32", "float32"):
+        raise nki_error("err_param_shape_mismatch", "value",
+                        f"nisa.set_rng_seed: 'src_seeds' must be a [1, 1] tensor of a 32-bit "
+                        f"value, got {fmt_shape(src_seeds.shape)} {src_seeds._st.di.name} "
+                        f"({_doc(api)})")
+    _L.random_seed(seed=src_seeds)
+
+
+def dropout(dst, data, prob, name=None):
+    """``dst = data`` with each element replaced by 0 with probability ``prob`` (a scalar, or a
+    ``(data.shape[0], 1)`` tile of per-partition probabilities) on VectorE, drawn from the PRNG
+    :func:`set_rng_seed` seeds; no rescale. ``dst.dtype`` must match ``data.dtype`` (stub). The
+    legacy ``nisa.dropout``: the same draw and cost."""
+    api = "dropout"
+    _need_tensor(api, dst, "dst")
+    _need_tensor(api, data, "data")
+    _same_dtype(api, dst, "dst", data, "data", ": the output data type must match the input's")
+    r = _I.dropout(data, prob, dtype=dst.dtype)
+    _same_layout(api, dst, r.shape)
+    _into(api, dst, r)
 
 
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False,

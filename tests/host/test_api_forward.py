@@ -14,6 +14,7 @@ from host import api
 from host import reference as R
 from nki_kernels import tiles as T
 from nki_kernels.attention.forward import flash_attention_fwd
+from nki_kernels.nki import API_ENV_VAR
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -82,11 +83,15 @@ def test_torch_cpu_tensors():
     np.testing.assert_array_equal(o, ref)
 
 
-def test_plan_attention_forward():
+def test_plan_attention_forward(monkeypatch):
     q, k, v = _qkv(B=2, Hq=8, Hkv=2, Nq=300, Nk=500, D=64, dtype=np.float32)
-    kernel, grid, kw = api.plan_attention_forward(q, k, v, causal=True, window=(10, 5),
-                                                  mixed_precision=False, lnc=1)
-    assert kernel is flash_attention_fwd and grid == (2, 2) and kw["lnc"] == 1
+    for name, grid_want in (("legacy", (2, 2)), ("nki", (1,))):
+        # the grid of the namespace the kernel traces through: 0.7 launches kernel[lnc]
+        monkeypatch.setenv(API_ENV_VAR, name)
+        kernel, grid, kw = api.plan_attention_forward(q, k, v, causal=True, window=(10, 5),
+                                                      mixed_precision=False, lnc=1)
+        assert kernel == flash_attention_fwd.on(name) and grid == grid_want
+        assert kw["lnc"] == 1
     assert kw["causal"] == "bottom_right" and kw["window"] == (10, 5)
     assert kw["mm_dtype"] == "float32" and kw["scale"] == pytest.approx(1 / 8)
     assert isinstance(kw["tiles"], T.ForwardTiles) and kw["tiles"].kv_resident

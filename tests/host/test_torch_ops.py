@@ -766,8 +766,14 @@ class _SimulatedXlaLaunch:
             return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(np.ascontiguousarray(a))
 
+    def on(self, api):
+        """A port kernel pinned to a namespace (host.api.plan_attention_forward)."""
+        pinned = _SimulatedXlaLaunch(self.kernel.on(api))
+        pinned.grids, pinned.compile_keys = self.grids, self.compile_keys
+        return pinned
+
     def __getitem__(self, grid):
-        from nki_kernels.nki import nki
+        from host._launch import launch
 
         def call(*args, **kwargs):
             self.grids.append(grid)
@@ -778,7 +784,7 @@ class _SimulatedXlaLaunch:
                                                    if not isinstance(a, torch.Tensor)))))
             kwargs = {key: self._np(a) if isinstance(a, torch.Tensor) else a
                       for key, a in kwargs.items()}
-            outs = nki.simulate_kernel(self.kernel[grid], *(self._np(a) for a in args), **kwargs)
+            outs = launch(self.kernel, grid, *(self._np(a) for a in args), **kwargs)
             return tuple(self._torch(o) for o in outs)
 
         return call

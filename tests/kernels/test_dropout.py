@@ -18,13 +18,20 @@ import host
 from _attention_inputs import attention_inputs
 from host import reference as ref
 from nki_kernels import tiles
-from nki_kernels.nki import BACKEND
+from nki_kernels.nki import API_ENV_VAR, BACKEND
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 
 pytestmark = pytest.mark.skipif(BACKEND != "simulate",
                                 reason="the debug mask and exact checks use the simulator")
+
+
+@pytest.fixture(autouse=True)
+def _legacy_namespace(monkeypatch):
+    """These tests trace the kernels through the legacy namespace (the forward is one source
+    for both; tests/kernels/test_forward.py runs it through nki.* as well)."""
+    monkeypatch.setenv(API_ENV_VAR, "legacy")
 
 
 def _close(got, want, tol):
@@ -141,3 +148,26 @@ def test_mask_needs_dropout():
     q, k, v, _ = attention_inputs(1, 1, 1, 8, 8, 8)
     with pytest.raises(ValueError, match="return_dropout_mask: needs dropout_p > 0"):
         host.flash_attention(q, k, v, return_dropout_mask=True)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(B=2, Hq=4, Hkv=2, Nq=300, Nk=700, causal=True),
+    dict(B=1, Hq=2, Hkv=1, Nq=129, Nk=1000, window=(300, 50)),
+    dict(B=1, Hq=1, Hkv=1, Nq=200, Nk=200, softcap=10.0, sinks=True),
+])
+def test_nki_namespace_draws_the_legacy_mask(opts, monkeypatch):
+    """Through nki.* (nisa.set_rng_seed + nisa.dropout, the unit numbers read from the index
+    table) the forward draws the legacy trace's keep mask and gives its outputs bit for bit
+    (the backward, legacy, regenerates that mask)."""
+    opts = dict(opts)
+    B, Hq, Hkv, Nq, Nk = (opts.pop(n) for n in ("B", "Hq", "Hkv", "Nq", "Nk"))
+    q, k, v, _ = attention_inputs(B, Hq, Hkv, Nq, Nk, 64, F32, seed=Nq + Nk)
+    if opts.pop("sinks", False):
+        opts["sinks"] = np.linspace(-1.0, 1.0, Hq).astype(np.float32)
+    runs = {}
+    for api in ("legacy", "nki"):
+        monkeypatch.setenv(API_ENV_VAR, api)
+        runs[api] = host.flash_attention(q, k, v, return_lse=True, return_dropout_mask=True,
+                                         dropout_p=0.2, seed=77, lnc=1, **opts)
+    for a, b in zip(runs["legacy"], runs["nki"]):
+        np.testing.assert_array_equal(a, b)

@@ -9,6 +9,10 @@ operands, 1e-3 otherwise. No output may be NaN; rows without a visible key must 
 o = 0, lse = -inf.
 
 IO and quality claims use ``simulate.measure`` (simulate backend only).
+
+The kernel is one source for both NKI namespaces (nki_kernels.port). These tests run it through
+the legacy namespace (``NKI_FLASH_API=legacy``, autouse fixture); the section "nki.*" at the end
+runs a representative subset through nki.* (NKI 0.7) and checks it against the legacy trace.
 """
 import dataclasses
 
@@ -17,16 +21,30 @@ import numpy as np
 import pytest
 
 from host import reference as R
+from host._launch import launch
+from nki_kernels import nki as binding
 from nki_kernels import tiles as T
 from nki_kernels.attention import forward as F
 from nki_kernels.attention.masks import MaskSpec
-from nki_kernels.nki import BACKEND, nki
+from nki_kernels.nki import BACKEND
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 
 needs_measure = pytest.mark.skipif(BACKEND != "simulate",
                                    reason="simulate.measure exists only in the bundled simulator")
+
+
+@pytest.fixture(autouse=True)
+def _legacy_namespace(monkeypatch):
+    """The kernel traces through the legacy namespace unless a test says otherwise."""
+    monkeypatch.setenv(binding.API_ENV_VAR, "legacy")
+
+
+def launch_fwd(q, k, v, *lens, lnc=1, **kw):
+    """flash_attention_fwd on :func:`forward.forward_grid` of the namespace selected now."""
+    grid, kernel_lnc = F.forward_grid(q.shape[0], k.shape[1], lnc, api=binding.select_api())
+    return launch(F.flash_attention_fwd, grid, q, k, v, *lens, lnc=kernel_lnc, **kw)
 
 
 def _inputs(rng, B, Hq, Hkv, Nq, Nk, D, dtype, scale=1.0):
@@ -43,7 +61,7 @@ def _mm_dtype(dtype, mixed_precision):
 
 def run_kernel(q, k, v, *, scale=None, causal=None, window=None, kv_lens=None, q_lens=None,
                mixed_precision=True, tiles=None):
-    """Launch flash_attention_fwd on the grid (B, Hkv) through nki.simulate_kernel."""
+    """Launch flash_attention_fwd (LNC=1) on the active backend."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     scale = 1.0 / np.sqrt(D) if scale is None else scale
@@ -54,9 +72,8 @@ def run_kernel(q, k, v, *, scale=None, causal=None, window=None, kv_lens=None, q
                                        q_lens=q_lens is not None)
     kv32 = None if kv_lens is None else np.asarray(kv_lens, dtype=np.int32)
     q32 = None if q_lens is None else np.asarray(q_lens, dtype=np.int32)
-    o, lse = nki.simulate_kernel(F.flash_attention_fwd[B, Hkv], q, k, v, kv32, q32,
-                                 scale=float(scale), causal=causal, window=window, mm_dtype=mm,
-                                 tiles=tiles)
+    o, lse = launch_fwd(q, k, v, kv32, q32, scale=float(scale), causal=causal, window=window,
+                        mm_dtype=mm, tiles=tiles)
     assert o.shape == q.shape and o.dtype == q.dtype
     assert lse.shape == q.shape[:3] and lse.dtype == np.float32
     return o, lse
@@ -656,7 +673,7 @@ def test_lnc2_query_split_matches_one_core(B, Hq, Hkv, Nq, Nk, D, mask, tiles):
     runs = []
     for grid, lnc in (((B, Hkv), 1), ((B, Hkv, nl.nc(2)), 2)):
         with simulate.measure(target="trn2") as m:
-            out = nki.simulate_kernel(F.flash_attention_fwd[grid], q, k, v, *lens, lnc=lnc, **kw)
+            out = launch(F.flash_attention_fwd, grid, q, k, v, *lens, lnc=lnc, **kw)
         runs.append((out, m))
     (o1, l1), m1 = runs[0]
     (o2, l2), m2 = runs[1]
@@ -720,3 +737,124 @@ def test_staging_and_deferred_stores_change_nothing(Hq, Hkv, Nq, Nk, mask):
         np.testing.assert_array_equal(o.view(np.uint16), runs[0][0].view(np.uint16))
         np.testing.assert_array_equal(lse, runs[0][1])
     check(q, k, v, *runs[0], **mask)
+
+
+# --------------------------------------------------------------------------------------------
+# nki.* (NKI 0.7): the same source traced through the other namespace
+# --------------------------------------------------------------------------------------------
+
+#: A representative subset (the shapes and options whose code paths differ under nki.*: the
+#: program loop over (batch, kv head), partial tiles, head-dim passes, GQA, dtypes, masked
+#: regions with loop-index offsets (runtime distance columns), sliding spans (compile-time
+#: offsets), streamed K/V, unusual scales, score modifiers); each is also run through legacy.
+NKI_CASES = [
+    (1, 1, 1, 1, 1, 16, {}),
+    (2, 4, 2, 129, 300, 64, {"causal": True}),
+    (1, 2, 1, 200, 1100, 256, {"causal": "top_left"}),
+    (1, 1, 1, 1100, 200, 80, {"causal": "bottom_right", "dtype": "float32", "mixed": False}),
+    (1, 1, 1, 400, 1300, 64, {"window": (100, 30)}),
+    (1, 1, 1, 3000, 3100, 64, {"causal": "bottom_right", "window": (700, 0)}),
+    (2, 2, 1, 600, 4100, 64, {"causal": True, "tiles": T.ForwardTiles(kv_resident=False,
+                                                                       q_group=2)}),
+    (1, 2, 1, 300, 500, 64, {"causal": True, "scale": -0.3, "dtype": "float16"}),
+    (1, 1, 1, 300, 500, 64, {"window": (64, 64), "scale": 3e7}),
+]
+
+
+def _nki_case(api, B, Hq, Hkv, Nq, Nk, D, opts, monkeypatch):
+    import simulate
+
+    opts = dict(opts)
+    dtype, mixed = opts.pop("dtype", "bfloat16"), opts.pop("mixed", True)
+    scale, tiles = opts.pop("scale", None), opts.pop("tiles", None)
+    q, k, v = _inputs(np.random.default_rng(Nq * D + Nk), B, Hq, Hkv, Nq, Nk, D, dtype)
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
+    with simulate.measure(target="trn2") as m:
+        o, lse = run_kernel(q, k, v, scale=scale, mixed_precision=mixed, tiles=tiles, **opts)
+    assert m.api == api
+    if scale is not None:
+        opts["scale"] = scale
+    return (q, k, v), (o, lse), m, opts, mixed
+
+
+@needs_measure
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,opts", NKI_CASES)
+def test_nki_namespace_matches_legacy(B, Hq, Hkv, Nq, Nk, D, opts, monkeypatch):
+    """Through nki.* the kernel follows the tolerance rule and gives the legacy trace's outputs
+    bit for bit: band blocks that legacy predicates off run under nki.* (no predicates) with
+    every score at MASK_NEG, which leaves the online softmax exactly as it was."""
+    qkv, (o, lse), m, mask, mixed = _nki_case("nki", B, Hq, Hkv, Nq, Nk, D, opts, monkeypatch)
+    check(*qkv, o, lse, mixed_precision=mixed, **mask)
+    _, (o0, lse0), m0, _, _ = _nki_case("legacy", B, Hq, Hkv, Nq, Nk, D, opts, monkeypatch)
+    assert np.array_equal(np.asarray(o, np.float32), np.asarray(o0, np.float32))
+    assert np.array_equal(lse, lse0)
+    assert m.hbm_bytes_read == m0.hbm_bytes_read and m.hbm_bytes_written == m0.hbm_bytes_written
+
+
+@needs_measure
+@pytest.mark.parametrize("mods", [dict(softcap=20.0), dict(alibi="slopes", causal=True),
+                                  dict(alibi="slopes", window=(64, 64)),
+                                  dict(sinks="sinks", causal="bottom_right")])
+def test_nki_namespace_score_modifiers(mods, monkeypatch):
+    """Soft-capping, ALiBi (its distance tile from the runtime distance columns) and sinks
+    through nki.*: the legacy trace's outputs bit for bit."""
+    import host
+
+    rng = np.random.default_rng(9)
+    q, k, v = _inputs(rng, 1, 2, 1, 300, 700, 64, "float32")
+    kw = dict(mods)
+    if kw.pop("alibi", None):
+        kw["alibi_slopes"] = np.array([0.5, 0.125], np.float32)
+    if kw.pop("sinks", None):
+        kw["sinks"] = np.array([1.5, -2.0], np.float32)
+    outs = {}
+    for api in ("legacy", "nki"):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        outs[api] = host.flash_attention(q, k, v, return_lse=True, lnc=1, **kw)
+    assert np.array_equal(outs["legacy"][0], outs["nki"][0])
+    assert np.array_equal(outs["legacy"][1], outs["nki"][1])
+
+
+@needs_measure
+@pytest.mark.parametrize("B,Hkv,lnc", [(2, 1, 2), (1, 1, 2), (3, 1, 1)])
+def test_nki_namespace_programs_and_cores(B, Hkv, lnc, monkeypatch):
+    """0.7 launches ``kernel[lnc]``: the kernel loops over the (batch, kv head) instances, the
+    two cores of LNC=2 taking half of them each (an even count) or splitting every instance's
+    query tiles (an odd count), as the legacy grid's cores do."""
+    import host
+    import simulate
+
+    q, k, v = _inputs(np.random.default_rng(B + lnc), B, 2 * Hkv, Hkv, 600, 700, 64,
+                      "bfloat16")
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    assert F.forward_grid(B, Hkv, lnc, api="nki") == ((lnc,), 2 if lnc == 2 and B * Hkv % 2
+                                                      else 1)
+    with simulate.measure(target="trn2") as m:
+        o, lse = host.flash_attention(q, k, v, causal=True, return_lse=True, lnc=lnc)
+    assert m.api == "nki" and m.kernels[0].cores == lnc
+    check(q, k, v, o, lse, causal=True)
+
+
+@pytest.mark.parametrize("opts,feature", [
+    (dict(kv_lens=[100]), "kv_lens/q_lens"), (dict(q_lens=[50]), "kv_lens/q_lens"),
+    (dict(dropout_p=0.1, seed=1), "dropout over"),
+])
+def test_nki_namespace_refuses_what_is_not_ported(opts, feature, monkeypatch):
+    """Runtime lengths (indirect-DMA gathers) are not ported to nki.*, nor dropout with 2^24
+    units or more (fp32 unit numbers; the bound lowered here to the case's 4 units): an
+    explicit NKI_FLASH_API=nki call says so; ``auto`` runs such a call through the legacy
+    namespace when that runs on the same backend (here: both simulated)."""
+    import host
+
+    monkeypatch.setattr(T, "FP32_EXACT_INT", 4)
+    q, k, v = _inputs(np.random.default_rng(1), 1, 1, 1, 256, 256, 32, "bfloat16")
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    with pytest.raises(NotImplementedError, match=f"{feature}.* nki.* namespace"):
+        host.flash_attention(q, k, v, **opts)
+    if BACKEND == "simulate":
+        import simulate
+
+        monkeypatch.setenv(binding.API_ENV_VAR, "auto")
+        with simulate.measure(target="trn2") as m:
+            host.flash_attention(q, k, v, **opts)
+        assert m.api == "legacy"

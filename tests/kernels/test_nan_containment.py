@@ -6,9 +6,16 @@ import numpy as np
 import pytest
 
 import host
-from nki_kernels.nki import BACKEND
+from nki_kernels.nki import API_ENV_VAR, BACKEND
 
 pytestmark = pytest.mark.skipif(BACKEND != "simulate", reason="simulator runs")
+
+
+@pytest.fixture(autouse=True)
+def _legacy_namespace(monkeypatch):
+    """These tests trace the kernels through the legacy namespace (the forward is one source
+    for both; tests/kernels/test_forward.py runs it through nki.* as well)."""
+    monkeypatch.setenv(API_ENV_VAR, "legacy")
 
 
 def _qkv(Nq, Nk, seed=0):
@@ -26,7 +33,12 @@ def _qkv(Nq, Nk, seed=0):
     (dict(causal="top_left", block_mask=np.tril(np.ones((3, 3), bool))[None, None]),
      slice(0, 250)),
 ])
-def test_a_non_finite_hidden_key_does_not_reach_the_rows_that_cannot_see_it(kw, hidden, bad):
+@pytest.mark.parametrize("api", ["legacy", "nki"])
+def test_a_non_finite_hidden_key_does_not_reach_the_rows_that_cannot_see_it(kw, hidden, bad, api,
+                                                                            monkeypatch):
+    """Also through nki.* (the forward; the block-sparse kernel is legacy), where the band's
+    blocks that legacy predicates off run and their scores are selected away."""
+    monkeypatch.setenv(API_ENV_VAR, api)
     q, k, v = _qkv(300, 300)
     clean = host.flash_attention(q, k, v, mixed_precision=False, **kw)
     k[0, 0, 250] = bad
@@ -45,10 +57,13 @@ BANDS = [
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 @pytest.mark.parametrize("kw, hidden, seeing", BANDS)
-def test_a_non_finite_hidden_value_reaches_only_the_rows_that_see_it(kw, hidden, seeing, bad):
+@pytest.mark.parametrize("api", ["legacy", "nki"])
+def test_a_non_finite_hidden_value_reaches_only_the_rows_that_see_it(kw, hidden, seeing, bad,
+                                                                     api, monkeypatch):
     """V's non-finite entries are zeroed on chip and flagged (forward.guard_values): the rows
     that cannot see the value are bit-identical to a finite run, the rows that see it are NaN
-    (as P V would make them)."""
+    (as P V would make them). Through both namespaces."""
+    monkeypatch.setenv(API_ENV_VAR, api)
     q, k, v = _qkv(300, 300, seed=2)
     clean = host.flash_attention(q, k, v, mixed_precision=False, **kw)
     v[0, 0, 250, 5] = bad

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(binding.BACKEND != "simulate",
                                 reason="program sizes and launch records are simulator measures")
 
 #: Modules written against nki_kernels.port (no namespace imported directly).
-PORTED = ["fused/softmax.py", "fused/linear_gelu.py", "fused/_onchip.py", "attention/unfused.py"]
+PORTED = ["fused/softmax.py", "fused/linear_gelu.py", "fused/_onchip.py",
+          "attention/unfused.py", "attention/forward.py", "attention/score_mods.py"]
 
 
 def _run(api, monkeypatch, x, target="trn2", **kw):
@@ -342,3 +343,55 @@ def test_unfused_attention_nki_trace_uses_nothing_of_the_legacy_namespace(monkey
     ref = reference.attention_forward(q, k, v, causal="bottom_right")[0]
     assert reference.max_abs_err(o, ref) < 1e-4
     assert np.all(o[..., :20, :] == 0)
+
+
+# -- the flash attention forward --------------------------------------------------------------
+
+def _forward_program(api, monkeypatch, Nq, Nk=None, target="trn2", **mask):
+    """Measurement and output of the forward at ``Nq`` queries and ``Nk`` (default Nq) keys
+    (bf16, D = 64, GQA 2:1, one core)."""
+    import ml_dtypes
+    import simulate
+
+    import host
+
+    Nk = Nq if Nk is None else Nk
+    rng = np.random.default_rng(Nq + Nk)
+    q = rng.standard_normal((1, 2, Nq, 64)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((1, 1, Nk, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
+    with simulate.measure(target=target) as m:
+        o = host.flash_attention(q, k, v, lnc=1, **mask)
+    assert m.api == api
+    return m, o
+
+
+@pytest.mark.parametrize("api", ["legacy", "nki"])
+@pytest.mark.parametrize("mask,sizes", [
+    ({}, ((2048, 2048), (4096, 4096))),
+    ({"window": (300, 0)}, ((2048, 2048), (4096, 4096))),
+    ({"causal": "bottom_right"}, ((1024, 3072), (1024, 5120))),
+], ids=["dense", "window", "causal"])
+def test_forward_program_flat_in_sequence_length(api, mask, sizes, monkeypatch):
+    """Every loop of the forward over query tiles, key blocks and K/V pieces -- and, under
+    nki.*, over the (batch, kv head) instances -- is a compiled loop: twice the tiles and key
+    blocks compile to the same program under both namespaces. (A causal band's program grows
+    with Nq until its FWD_Q_SPANS spans hold whole query groups, under either namespace:
+    tests/kernels/test_forward.py.)"""
+    small, _ = _forward_program(api, monkeypatch, *sizes[0], **mask)
+    large, _ = _forward_program(api, monkeypatch, *sizes[1], **mask)
+    assert small.program_instructions == large.program_instructions < 2000
+    assert sum(large.instructions.values()) > 1.5 * sum(small.instructions.values())
+
+
+def test_forward_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
+    """With the legacy binding poisoned, the forward (dense, causal with ALiBi, windowed with
+    softcap and sinks) still runs through nki.* (trn2 and trn3)."""
+    poisoned = binding.Namespace("legacy", "simulate", _Poisoned(), _Poisoned(), _Poisoned())
+    monkeypatch.setitem(binding._NAMESPACES, "legacy", poisoned)
+    slopes = np.array([0.5, 0.25], np.float32)
+    for target, mask in (("trn2", {}), ("trn2", dict(causal=True, alibi_slopes=slopes)),
+                         ("trn3", dict(window=(100, 20), softcap=30.0,
+                                       sinks=np.array([0.5, 1.0], np.float32)))):
+        m, o = _forward_program("nki", monkeypatch, 300, target=target, **mask)
+        assert m.api == "nki" and np.isfinite(np.asarray(o, np.float32)).all()

@@ -7,11 +7,18 @@ import pytest
 
 import host
 from host import reference as ref
-from nki_kernels.nki import BACKEND
+from nki_kernels.nki import API_ENV_VAR, BACKEND
 
 from _attention_inputs import attention_inputs
 
 pytestmark = pytest.mark.skipif(BACKEND != "simulate", reason="simulator runs")
+
+
+@pytest.fixture(autouse=True)
+def _legacy_namespace(monkeypatch):
+    """These tests trace the kernels through the legacy namespace (the forward is one source
+    for both; tests/kernels/test_forward.py runs it through nki.* as well)."""
+    monkeypatch.setenv(API_ENV_VAR, "legacy")
 
 
 def _mods(Hq, softcap=None, alibi=False, sinks=False, B=None, seed=5):

@@ -728,3 +728,47 @@ def test_dma_engine_enum_as_the_stub_numbers_it(nk):
     """nki-library's attention_tkg imports ``nisa.dma_engine`` (sendrecv's transfer engine)."""
     nki, nl, nisa = nk
     assert (int(nisa.dma_engine.dma), int(nisa.dma_engine.gpsimd_dma)) == (1, 2)
+
+
+# -- random numbers -----------------------------------------------------------------------------
+def test_set_rng_seed_and_dropout_are_the_legacy_draw(nk, rng):
+    """nisa.set_rng_seed + nisa.dropout (0.7) draw what the legacy nl.random_seed +
+    nisa.dropout draw, at the same cost; a reseed repeats the draw; the stub's rules."""
+    nki, nl, nisa = nk
+    x = rng.standard_normal((128, 96)).astype(np.float32)
+    seed = np.array([[1234]], np.int32)
+
+    def body(nl, nisa, t, s):
+        d = nl.ndarray((128, 192), nl.float32, buffer=nl.sbuf)
+        for half in (0, 96):
+            nisa.set_rng_seed(src_seeds=s)
+            nisa.dropout(dst=d[:, half:half + 96], data=t, prob=0.25)
+        return d
+
+    def legacy(t, s):
+        d = lnl.ndarray((128, 192), lnl.float32, buffer=lnl.sbuf)
+        for half in (0, 96):
+            lnl.random_seed(seed=s)
+            d[:, half:half + 96] = lisa.dropout(t, 0.25)
+        return d
+
+    m = _same_cost(lambda: _k(nki, nl, nisa, body, (128, 192))(x, seed),
+                   lambda: _leg(legacy, (128, 192))(x, seed))
+    out = _k(nki, nl, nisa, body, (128, 192))(x, seed)
+    np.testing.assert_array_equal(out[:, :96], out[:, 96:])
+    kept = out[:, :96] != 0
+    np.testing.assert_array_equal(out[:, :96][kept], x[kept])
+    assert 0.6 < kept.mean() < 0.9 and m.instructions["vector"] >= 2
+
+    def bad_dtype(nl, nisa, t, s):
+        d = nl.ndarray((128, 96), nl.bfloat16, buffer=nl.sbuf)
+        nisa.dropout(dst=d, data=t, prob=0.5)
+        return d
+    with pytest.raises(Exception, match="dropout"):
+        _k(nki, nl, nisa, bad_dtype, (128, 96), np.float32)(x, seed)
+
+    def bad_seed(nl, nisa, t, s):
+        nisa.set_rng_seed(src_seeds=t[0:1, 0:2])
+        return t
+    with pytest.raises(Exception, match=r"set_rng_seed.*\[1, 1\]"):
+        _k(nki, nl, nisa, bad_seed, (128, 96))(x, seed)
