@@ -3,8 +3,9 @@
 ``nki-flash run``
     runs flash attention (prefill forward, or ``--decode``) on the active backend, checks it
     against the float64 reference, and reports the error and its tolerance, HBM traffic against
-    the IO lower bound and the unfused algorithm, and modeled time on trn1 and trn2 with the
-    TensorE utilization it implies.
+    the IO lower bound and the unfused algorithm, and modeled time on trn1, trn2 and trn3 with
+    the TensorE utilization it implies (trn3 for the kernels ported to ``nki.*``, the only
+    namespace trn3 runs).
 ``nki-flash bench``
     the IO study (flash vs unfused attention, block sizes, fused GELU(xW+b)): tables and plots.
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from host._version import __version__
 
-TARGETS = ("trn1", "trn2")
+TARGETS = ("trn1", "trn2", "trn3")
 DTYPES = ("bfloat16", "float16", "float32")
 CAUSAL_CHOICES = ("none", "top_left", "bottom_right")
 CHECK_CHOICES = ("full", "fast", "none")
@@ -100,7 +101,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="run flash attention, check it against the float64 reference, report IO and time",
         description="Run flash attention on the active backend (the bundled CPU simulator when "
         "neuronx-cc is absent), check it against the float64 NumPy reference, and report HBM "
-        "traffic and modeled time on trn1 and trn2.",
+        "traffic and modeled time on trn1, trn2 and trn3 (each row names the NKI namespace the "
+        "kernel was traced through: neuronxcc.nki on trn1, nki.* on trn2/trn3).",
         epilog=EXIT_HELP,
     )
     run.add_argument("--batch", "-b", type=_positive_int, default=1, help="batch size B (1)")
@@ -150,8 +152,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sinks", action="store_true",
                      help="attention sinks (gpt-oss): one random N(0, 1) logit per query head")
     run.add_argument("--seed", type=int, default=0, help="random seed for the inputs (0)")
-    run.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS),
-                     help="targets to model (trn1 trn2)")
+    run.add_argument("--targets", nargs="+", choices=TARGETS, default=None,
+                     help="targets to model (default trn1 trn2 trn3; trn3 only where the kernel "
+                          "is ported to nki.*: not --decode, --block-sparse, --kv-lens/--q-lens)")
     run.add_argument("--lnc", type=int, choices=(1, 2), default=None,
                      help="NeuronCores per logical core on trn2 (default 2 on trn2, 1 on trn1; "
                           "trn1 always runs 1)")
@@ -288,6 +291,18 @@ def _mods_label(args: argparse.Namespace) -> str:
             + (" alibi" if args.alibi else "") + (" sinks" if args.sinks else ""))
 
 
+def _not_on_trn3(args: argparse.Namespace):
+    """The flag of a kernel path that still traces only through the legacy namespace (so not on
+    trn3, which runs only nki.*), or None (README, Backends: which kernels are ported)."""
+    if args.decode:
+        return "--decode"
+    if args.block_sparse is not None:
+        return "--block-sparse"
+    if args.kv_lens or args.q_lens:
+        return "--kv-lens/--q-lens"
+    return None
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     """Refuse flags that the chosen mode would silently ignore."""
     if args.decode:
@@ -314,6 +329,12 @@ def _check_flags(args: argparse.Namespace) -> None:
         if args.lnc == 2:
             raise UsageError("--lnc 2 does not apply to --block-sparse (the block-sparse kernel "
                              "runs on one NeuronCore)")
+    unported = _not_on_trn3(args)
+    if args.targets is None:
+        args.targets = [t for t in TARGETS if t != "trn3" or not unported]
+    elif "trn3" in args.targets and unported:
+        raise UsageError(f"--targets trn3: {unported} is not ported to nki.* yet, and trn3 runs "
+                         "only nki.* kernels; model it on trn1/trn2")
     if args.json_out is not None:
         path = os.path.abspath(args.json_out)
         parent = os.path.dirname(path)
