@@ -289,7 +289,7 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
             masks=(causal is not None or window is not None or kv_lens is not None
                    or q_lens is not None))
     dropout_p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
-    api = _forward_api(kv_lens is not None or q_lens is not None or bool(dropout_p))
+    api = _port_api(kv_lens is not None or q_lens is not None or bool(dropout_p))
     grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, _check_lnc(lnc), api=api)
     kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen,
                   lnc=kernel_lnc)
@@ -299,10 +299,11 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
     return flash_attention_fwd.on(api), grid, kwargs
 
 
-def _forward_api(legacy_only: bool) -> str:
-    """The namespace the forward traces through: :func:`nki_kernels.nki.select_api`'s, except
-    that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
-    (``legacy_only``: runtime lengths, dropout) runs through the legacy namespace when it runs
+def _port_api(legacy_only: bool) -> str:
+    """The namespace a kernel launch traces through: :func:`nki_kernels.nki.select_api`'s,
+    except that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
+    (``legacy_only``: the forward's runtime lengths and dropout, the decode split kernel) runs
+    through the legacy namespace when it runs
     on the same kind of backend (both simulated, or both AWS's toolchains) and the target has a
     legacy toolchain (not trn3). Otherwise the kernel refuses it under nki.*
     (NotImplementedError)."""
@@ -839,7 +840,16 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     next to q. ``mods``: :func:`_score_mods_call`'s ``(kernel kwargs, tensors)`` or None.
     Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``."""
     from nki_kernels.attention import decode as k
+    from nki_kernels.attention.decode_merge import flash_decode_merge_kernel
 
+    api = _port_api(legacy_only=True)
+    if api == "nki":
+        raise NotImplementedError(
+            "flash_decode is not available through the nki.* namespace (NKI 0.7) yet: its split "
+            "kernel gathers K/V rows, queries and lengths and scatters its partials by "
+            "per-partition indirect DMA (.ap(vector_offset=)), which the simulator's 0.7 front "
+            f"end does not implement; run it through the legacy namespace ({API_ENV_VAR}=legacy"
+            f", or auto on trn1/trn2)")
     in_dtype = _v.dtype_name(q)
     mm = np.dtype(_v.normalize_dtype("q", _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision),
                                      _v.FLOAT_DTYPES))
@@ -861,7 +871,7 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
         items_per_program=ln.items_per_program, heads_per_program=ln.heads_per_program,
         **mod_tensors, **mod_kwargs)
     N = B * Hq * T
-    return run(k.flash_decode_merge_kernel, (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),
+    return run(flash_decode_merge_kernel.on(api), (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),
                o_part, lse_part, to_device(np.repeat(splits, Hq * T)),
                out_dtype=in_dtype, rows_per_program=tiles.DECODE_MERGE_ROWS)
 

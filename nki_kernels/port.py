@@ -69,6 +69,11 @@ this module:
   ``nl.program_id``; 0.7 launches ``kernel[lnc]`` only, so the kernel loops (a compiled loop)
   over the flattened grid itself, the ``lnc`` cores sharing it by ``nl.program_id(0)``
   (:func:`spmd_core`: which core, when both split one instance's work instead).
+- **One program per tile** (:func:`for_tile_programs`): a legacy 1-D grid of row tiles is,
+  in 0.7, one program running :func:`for_tiles` over them.
+- **Selections** (:func:`keep_where`): ``dst = where(predicate, dst, value)`` is ``nl.where``
+  in legacy (the instruction the legacy estimates were made with) and a predicated copy in
+  0.7; :func:`repeat_last` reads a ``(P, F)`` predicate as ``(P, F, n)`` (a broadcast view).
 - **Refusals** (:func:`refuse_in_nki`): a feature not ported to ``nki.*`` raises
   NotImplementedError naming it, never a silent fallback.
 
@@ -299,6 +304,23 @@ def for_programs(dims, body, share=True):
     loop(per, instance, carried=True)
 
 
+def for_tile_programs(total, size, body):
+    """``body(i, n)`` for the tiles ``i * size ... i * size + n`` covering ``[0, total)``, one
+    per program of a 1-D grid. Legacy: the kernel is launched on the grid ``(ceil(total /
+    size),)`` and ``body`` runs once, with ``i = nl.program_id(0)`` (``n`` the tail's size in
+    the last program). 0.7 (``kernel[1]``): :func:`for_tiles` over all of them in one program."""
+    ns = current()
+    if ns.api == "nki":
+        for_tiles(total, size, body)
+        return
+    i = ns.nl.program_id(0)
+    n_full, tail = divmod(total, size)
+    if tail and i == n_full:
+        body(n_full, tail)
+    else:
+        body(i, size)
+
+
 def spmd_core():
     """Which of the two NeuronCores of an LNC=2 launch this is, when both run the same grid
     instance and split its work: ``nl.program_id(2)`` in legacy (the grid ``(B, Hkv,
@@ -351,6 +373,29 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False):
     (zero with ``reverse_pred``), dst unchanged elsewhere (VectorE)."""
     current().nisa.tensor_copy_predicated(dst=dst, src=src, predicate=predicate,
                                           reverse_pred=reverse_pred)
+
+
+def keep_where(dst, predicate, value):
+    """``dst`` unchanged where ``predicate`` (uint8, dst's layout, or a :func:`repeat_last`
+    view) is non-zero, the float ``value`` elsewhere (VectorE): ``nl.where(predicate, dst,
+    value)`` in legacy, a predicated copy of ``value`` in 0.7."""
+    ns = current()
+    if ns.api == "nki":
+        ns.nisa.tensor_copy_predicated(dst=dst, src=float(value), predicate=predicate,
+                                       reverse_pred=True)
+    else:
+        dst[...] = ns.nl.where(predicate, dst, value, dtype=dst.dtype)
+
+
+def repeat_last(t, size):
+    """The 2-D tile ``t`` ``(P, F)`` read as ``(P, F, size)``, each element repeated ``size``
+    times on a new last axis (no copy: a broadcast view in 0.7; in legacy a ``(P, F, 1)``
+    access the instruction broadcasts)."""
+    ns = current()
+    if ns.api == "nki":
+        return t.expand_dim(2).broadcast(2, size)
+    ar = ns.nl.arange
+    return t[ar(t.shape[0])[:, None, None], ar(t.shape[1])[None, :, None]]
 
 
 # -- affine patterns ----------------------------------------------------------------------------

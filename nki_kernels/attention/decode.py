@@ -1,6 +1,8 @@
 """Split-KV flash decoding over a KV cache (FlashDecoding), GQA-packed, with tree masks.
 
-Two kernels, launched in order by ``host.flash_decode``::
+Two kernels, launched in order by ``host.flash_decode`` (the merge in ``decode_merge.py``,
+written against ``nki_kernels.port``; the split kernel is legacy only so far: under nki.* the
+host refuses it, see ``host.api.run_decode``)::
 
     flash_decode_split_kernel   grid (Hkv / H, W / I + B)    phase 1: one partial (o, lse) per
                                                              work item and kv head -- W work
@@ -1335,95 +1337,3 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
                      o_part, lse_part, mods, hg, w, B, Hkv, R, S, T, G, n, split_rows, pack,
                      row_tile, items_per_program, heads_per_program, scale, mm)
     return o_part, lse_part
-
-
-# ============================================================================================
-# Merge kernel
-# ============================================================================================
-@nki.jit
-def flash_decode_merge_kernel(o_part, lse_part, row_splits=None, out_dtype="bfloat16",
-                              rows_per_program=PMAX):
-    """Phase 2: merge the partials of every query row by LSE, in fp32 (seed 003).
-
-    Parameters
-    ----------
-    o_part : (>= N, S, D) float32;  lse_part : (>= N, S) float32
-        S partials per row (flash_decode_split_kernel's outputs).
-    row_splits : (N,) int32 or None
-        Split slots in use per row: slots ``row_splits[r] .. S - 2`` were never written and
-        are ignored (their contents are garbage); the last slot (the tail) is always used.
-        None: every slot is used.
-    out_dtype : dtype name of o (q's dtype).
-    rows_per_program : int <= 128
-
-    Grid ``(ceil(N / rows_per_program),)``; program i merges rows ``i * rows_per_program ...``.
-    A partial with lse = -inf weighs exp(-inf) = 0; a row whose every partial is empty
-    (impossible in decode: each new token sees itself) gets o = 0 and lse = -inf.
-
-    Returns
-    -------
-    o : (N, D) out_dtype;  lse : (N, 1) float32
-    """
-    N, S, D = o_part.shape
-    if row_splits is not None:
-        N = row_splits.shape[0]          # rows past it (the split kernel's trash) are ignored
-    o = nl.ndarray((N, D), dtype=_DTYPES[out_dtype], buffer=nl.shared_hbm)
-    lse = nl.ndarray((N, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-    i = nl.program_id(0)
-    n_full, last = divmod(N, rows_per_program)
-
-    def merge_rows(r0, rows):
-        lse_all = nl.load(lse_part[nl.ds(r0, rows), 0:S])
-        o_all = nl.load(o_part[nl.ds(r0, rows), 0:S, 0:D])
-        if row_splits is not None and S > 1:
-            # slot x < S - 1 holds a split partial iff x < row_splits[row]
-            # (compared as p + x < row_splits + p: iota needs the partition index p to span
-            # the partitions)
-            i_p = nl.arange(rows)[:, None]
-            used = nl.load(row_splits[nl.ds(r0, rows)], dtype=nl.float32)
-            limit = nisa.tensor_tensor(used, nisa.iota(i_p, dtype=nl.float32), op=np.add,
-                                       dtype=nl.float32)
-            slot = nisa.iota(i_p + nl.arange(S - 1)[None, :], dtype=nl.float32)
-            live = nisa.tensor_scalar(slot, op0=nl.less, operand0=limit, dtype=nl.uint8)
-            lse_all[0:rows, 0:S - 1] = nl.where(live, lse_all[0:rows, 0:S - 1], -np.inf,
-                                                dtype=nl.float32)
-            i_r = nl.arange(rows)[:, None, None]
-            i_x = nl.arange(S - 1)[None, :, None]
-            o_all[0:rows, 0:S - 1, 0:D] = nl.where(live[i_r, i_x], o_all[0:rows, 0:S - 1, 0:D],
-                                                   0.0, dtype=nl.float32)
-        m = nisa.tensor_reduce(np.max, lse_all, axis=(1,), keepdims=True)
-        # a finite shift even when every partial is empty: exp(-inf - shift) = 0
-        m = nisa.tensor_scalar(m, op0=np.maximum, operand0=tiles.DECODE_MERGE_M_FLOOR,
-                               dtype=nl.float32)
-        neg_m = nisa.activation(op=nl.copy, data=m, scale=-1.0, dtype=nl.float32)
-        den = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-        w = nisa.activation_reduce(op=np.exp, data=lse_all, reduce_op=np.add, reduce_res=den,
-                                   bias=neg_m, scale=1.0, dtype=nl.float32)
-        # the weighted sum over the partials: an NKI loop carrying acc (the split count grows
-        # with the cache length)
-        acc = nl.ndarray((rows, D), dtype=nl.float32, buffer=nl.sbuf)
-        acc[...] = nisa.activation(op=nl.copy, data=o_all[0:rows, 0, 0:D],
-                                   scale=w[0:rows, 0:1], dtype=nl.float32)
-        for x in nl.sequential_range(1, S):
-            acc[...] = nisa.scalar_tensor_tensor(data=o_all[0:rows, x, 0:D], op0=np.multiply,
-                                                 operand0=w[0:rows, nl.ds(x, 1)], op1=np.add,
-                                                 operand1=acc, dtype=nl.float32)
-        den_safe = nisa.tensor_scalar(den, op0=np.maximum, operand0=tiles.DECODE_MERGE_L_FLOOR,
-                                      dtype=nl.float32)
-        inv = nisa.reciprocal(den_safe)
-        nl.store(o[nl.ds(r0, rows), 0:D],
-                 value=nisa.activation(op=nl.copy, data=acc, scale=inv,
-                                       dtype=_DTYPES[out_dtype]))
-        log_den = nisa.activation(op=nl.log, data=den_safe, dtype=nl.float32)
-        total = nisa.tensor_tensor(m, log_den, op=np.add, dtype=nl.float32)
-        live = nisa.tensor_scalar(den, op0=nl.greater, operand0=0.0, dtype=nl.uint8)
-        nl.store(lse[nl.ds(r0, rows), 0:1], value=nl.where(live, total, -np.inf,
-                                                           dtype=nl.float32))
-
-    if last == 0:
-        merge_rows(i * rows_per_program, rows_per_program)
-    elif i == n_full:
-        merge_rows(n_full * rows_per_program, last)
-    else:
-        merge_rows(i * rows_per_program, rows_per_program)
-    return o, lse
