@@ -846,10 +846,9 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     if api == "nki":
         raise NotImplementedError(
             "flash_decode is not available through the nki.* namespace (NKI 0.7) yet: its split "
-            "kernel gathers K/V rows, queries and lengths and scatters its partials by "
-            "per-partition indirect DMA (.ap(vector_offset=)), which the simulator's 0.7 front "
-            f"end does not implement; run it through the legacy namespace ({API_ENV_VAR}=legacy"
-            f", or auto on trn1/trn2)")
+            "kernel, which gathers K/V rows, queries and lengths and scatters its partials by "
+            "per-partition indirect DMA (.ap(vector_offset=) in 0.7), is not ported; run it "
+            f"through the legacy namespace ({API_ENV_VAR}=legacy, or auto on trn1/trn2)")
     in_dtype = _v.dtype_name(q)
     mm = np.dtype(_v.normalize_dtype("q", _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision),
                                      _v.FLOAT_DTYPES))

@@ -77,8 +77,9 @@ this module:
 - **Refusals** (:func:`refuse_in_nki`): a feature not ported to ``nki.*`` raises
   NotImplementedError naming it, never a silent fallback.
 
-Not covered yet: ``par_dim`` block dimensions, indirect DMA (``.ap(vector_offset=)``, not in
-the simulator's 0.7 front end), RNG instructions (``nisa.dropout``/``set_rng_seed``, likewise),
+Not covered yet: ``par_dim`` block dimensions, indirect DMA (0.7's ``.ap(vector_offset=)``,
+which the simulator's 0.7 front end has, legacy's index-tile subscripts: no wrapper yet), RNG
+instructions (``nisa.dropout``/``set_rng_seed``, not in the simulator's 0.7 front end),
 loop-carried Python values.
 """
 from __future__ import annotations
