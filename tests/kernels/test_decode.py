@@ -477,6 +477,27 @@ def test_merge_kernel_program_flat_in_splits(api):
     assert len(sizes) == 1, sizes
 
 
+@needs_measure
+def test_decode_program_flat_in_cache_length(monkeypatch):
+    """Legacy (the split kernel's only namespace so far): the same programs for an 8K and a
+    16K cache (more splits and work items, the same compiled loops)."""
+    import host
+    import simulate
+    from nki_kernels import nki as binding
+
+    monkeypatch.setenv(binding.API_ENV_VAR, "legacy")
+    sizes = []
+    for S in (8192, 16384):
+        rng = np.random.default_rng(S)
+        q = rng.standard_normal((1, 1, 1, 64)).astype(BF16)
+        cache = rng.standard_normal((1, 1, S, 64)).astype(BF16)
+        with simulate.measure(target="trn2") as m:
+            host.flash_decode(q, cache, cache, cache_lens=np.array([S]), lnc=1)
+        assert m.api == "legacy"
+        sizes.append(m.program_instructions_per_kernel)
+    assert sizes[0] == sizes[1], sizes
+
+
 # --------------------------------------------------------------------------------------------
 # IO: every valid KV byte exactly once, nothing past cache_lens
 # --------------------------------------------------------------------------------------------
