@@ -815,6 +815,10 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     o : numpy.ndarray (B, Hq, T, D), q's dtype
     lse : numpy.ndarray (B, Hq, T) float32 (natural log), only with ``return_lse``
 
+    Raises NotImplementedError under ``NKI_FLASH_API=nki`` (and under ``auto`` where the
+    legacy namespace cannot run it): the split kernel is not ported to nki.* yet
+    (:func:`run_decode`).
+
     Without a tree mask this equals ``flash_attention(q, k[:, :, :L], v[:, :, :L],
     causal="bottom_right")`` for each sequence with ``L = cache_lens[b]``. HBM traffic:
     :func:`flash_decode_hbm_bytes`.
@@ -838,7 +842,9 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     (:func:`host._launch.launch`, or ``kernel[grid](...)`` on XLA tensors) and ``to_device``
     moves the host-built arrays (lengths, work list, tree mask, block table, slopes, sinks)
     next to q. ``mods``: :func:`_score_mods_call`'s ``(kernel kwargs, tensors)`` or None.
-    Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``."""
+    Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``. Both kernels trace through
+    the legacy namespace (:func:`_port_api` with ``legacy_only``; the merge kernel is ported,
+    the split kernel not yet), else NotImplementedError."""
     from nki_kernels.attention import decode as k
     from nki_kernels.attention.decode_merge import flash_decode_merge_kernel
 
