@@ -62,6 +62,8 @@ this module:
   ``runtime=`` (an index expression, a multiple of ``offsets.step``) with ``offsets`` an
   :class:`OffsetColumns` table built once at the kernel's start, from which 0.7 reads that
   value as data (an SBUF column at a runtime position) and adds it on VectorE.
+- **Indirect rows** (:func:`rows`): a gather or scatter of one HBM row per partition, named
+  by an index tile: an index-tile subscript in legacy, ``.ap(vector_offset=)`` in 0.7.
 - **Strided HBM blocks** (:func:`row_blocks`): rows ``r0 + j * rows + p`` of an HBM matrix as
   a ``[rows, n, cols]`` access (one DMA): an ``nl.arange`` expression in legacy, a
   ``reshape_dim`` + ``permute`` view in 0.7.
@@ -77,10 +79,8 @@ this module:
 - **Refusals** (:func:`refuse_in_nki`): a feature not ported to ``nki.*`` raises
   NotImplementedError naming it, never a silent fallback.
 
-Not covered yet: ``par_dim`` block dimensions, indirect DMA (0.7's ``.ap(vector_offset=)``,
-which the simulator's 0.7 front end has, legacy's index-tile subscripts: no wrapper yet), RNG
-instructions (``nisa.dropout``/``set_rng_seed``, not in the simulator's 0.7 front end),
-loop-carried Python values.
+Not covered yet: ``par_dim`` block dimensions, RNG instructions (``nisa.dropout``/
+``set_rng_seed``, not in the simulator's 0.7 front end), loop-carried Python values.
 """
 from __future__ import annotations
 
@@ -201,19 +201,36 @@ def refuse_in_nki(feature):
 
 # -- data movement ----------------------------------------------------------------------------
 
-def dma_copy(dst, src, mask=None, legacy_isa=False):
+def dma_copy(dst, src, mask=None, legacy_isa=False, oob_skip=False):
     """``dst = src`` by DMA (HBM -> SBUF or SBUF -> HBM), cast to ``dst.dtype``. Legacy issues
-    ``nl.load``/``nl.store`` (``nisa.dma_copy`` with ``legacy_isa``); ``mask``: see the module
-    docstring."""
+    ``nl.load``/``nl.store`` (``nisa.dma_copy`` with ``legacy_isa`` or ``oob_skip``); ``mask``:
+    see the module docstring. ``oob_skip``: an indirect side (:func:`rows`) skips the rows
+    whose index is out of bounds (``oob_mode.skip``; else they are an error)."""
     ns = current()
+    oob = dict(oob_mode=ns.nisa.oob_mode.skip) if oob_skip else {}
     if ns.api == "nki":
-        ns.nisa.dma_copy(dst=dst, src=src)
-    elif legacy_isa:
-        ns.nisa.dma_copy(dst=dst, src=src, mask=mask)
+        ns.nisa.dma_copy(dst=dst, src=src, **oob)
+    elif legacy_isa or oob_skip:
+        ns.nisa.dma_copy(dst=dst, src=src, mask=mask, **oob)
     elif str(getattr(src, "buffer", "")).lower().endswith("hbm"):     # hbm, shared_hbm
         dst[...] = ns.nl.load(src, dtype=dst.dtype, mask=mask)
     else:
         ns.nl.store(dst, value=src, mask=mask)
+
+
+def rows(t, idx, col=0):
+    """Rows ``idx[p, col]`` of the 2-D HBM tensor ``t`` ``(R, F)``, one per partition p of the
+    int32 SBUF index tile ``idx``: a ``(P, F)`` indirect access for :func:`dma_copy` (a gather
+    as ``src``, a scatter as ``dst``; ``oob_skip`` skips rows outside ``[0, R)``). ``col`` an
+    int or a loop index. Legacy: the index-tile subscript ``t[idx[i_p, col], i_f]``; 0.7:
+    ``t.ap([[F, P], [1, F]], vector_offset=idx[:, col], indirect_dim=0)``."""
+    ns = current()
+    P, F = idx.shape[0], t.shape[1]
+    if ns.api == "nki":
+        return t.ap(pattern=[[F, P], [1, F]], offset=0,
+                    vector_offset=idx[0:P, ns.nl.ds(col, 1)], indirect_dim=0)
+    ar = ns.nl.arange
+    return t[idx[ar(P)[:, None], col], ar(F)[None, :]]
 
 
 def row_blocks(t, lead, r0, rows, n, cols):
