@@ -291,8 +291,8 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
     dropout_p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
     units = (dims.B * dims.Hq * _tiles.ceil_div(dims.Nq, _tiles.PMAX)
              * _tiles.ceil_div(dims.Nk, _tiles.PMAX))
-    api = _forward_api(kv_lens is not None or q_lens is not None
-                       or (bool(dropout_p) and units >= _tiles.FP32_EXACT_INT))
+    api = _port_api(kv_lens is not None or q_lens is not None
+                    or (bool(dropout_p) and units >= _tiles.FP32_EXACT_INT))
     grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, _check_lnc(lnc), api=api)
     kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen,
                   lnc=kernel_lnc)
@@ -302,11 +302,11 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
     return flash_attention_fwd.on(api), grid, kwargs
 
 
-def _forward_api(legacy_only: bool) -> str:
-    """The namespace the forward traces through: :func:`nki_kernels.nki.select_api`'s, except
-    that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
-    (``legacy_only``: runtime lengths, dropout over 2^24 units or more) runs through the
-    legacy namespace when it runs
+def _port_api(legacy_only: bool) -> str:
+    """The namespace a kernel launch traces through: :func:`nki_kernels.nki.select_api`'s,
+    except that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
+    (``legacy_only``: the forward's runtime lengths and dropout over 2^24 units or more, the
+    decode split kernel) runs through the legacy namespace when it runs
     on the same kind of backend (both simulated, or both AWS's toolchains) and the target has a
     legacy toolchain (not trn3). Otherwise the kernel refuses it under nki.*
     (NotImplementedError)."""
@@ -818,6 +818,10 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     o : numpy.ndarray (B, Hq, T, D), q's dtype
     lse : numpy.ndarray (B, Hq, T) float32 (natural log), only with ``return_lse``
 
+    Raises NotImplementedError under ``NKI_FLASH_API=nki`` (and under ``auto`` where the
+    legacy namespace cannot run it): the split kernel is not ported to nki.* yet
+    (:func:`run_decode`).
+
     Without a tree mask this equals ``flash_attention(q, k[:, :, :L], v[:, :, :L],
     causal="bottom_right")`` for each sequence with ``L = cache_lens[b]``. HBM traffic:
     :func:`flash_decode_hbm_bytes`.
@@ -841,9 +845,19 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     (:func:`host._launch.launch`, or ``kernel[grid](...)`` on XLA tensors) and ``to_device``
     moves the host-built arrays (lengths, work list, tree mask, block table, slopes, sinks)
     next to q. ``mods``: :func:`_score_mods_call`'s ``(kernel kwargs, tensors)`` or None.
-    Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``."""
+    Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``. Both kernels trace through
+    the legacy namespace (:func:`_port_api` with ``legacy_only``; the merge kernel is ported,
+    the split kernel not yet), else NotImplementedError."""
     from nki_kernels.attention import decode as k
+    from nki_kernels.attention.decode_merge import flash_decode_merge_kernel
 
+    api = _port_api(legacy_only=True)
+    if api == "nki":
+        raise NotImplementedError(
+            "flash_decode is not available through the nki.* namespace (NKI 0.7) yet: its split "
+            "kernel, which gathers K/V rows, queries and lengths and scatters its partials by "
+            "per-partition indirect DMA (.ap(vector_offset=) in 0.7), is not ported; run it "
+            f"through the legacy namespace ({API_ENV_VAR}=legacy, or auto on trn1/trn2)")
     in_dtype = _v.dtype_name(q)
     mm = np.dtype(_v.normalize_dtype("q", _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision),
                                      _v.FLOAT_DTYPES))
@@ -865,7 +879,7 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
         items_per_program=ln.items_per_program, heads_per_program=ln.heads_per_program,
         **mod_tensors, **mod_kwargs)
     N = B * Hq * T
-    return run(k.flash_decode_merge_kernel, (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),
+    return run(flash_decode_merge_kernel.on(api), (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),
                o_part, lse_part, to_device(np.repeat(splits, Hq * T)),
                out_dtype=in_dtype, rows_per_program=tiles.DECODE_MERGE_ROWS)
 

@@ -64,6 +64,8 @@ this module:
   ``[(expression, int coefficient), ...]`` of step-1 expressions) with ``offsets`` an
   :class:`OffsetColumns` table built once at the kernel's start, from which 0.7 reads those
   values as data (SBUF columns at runtime positions) and adds them on VectorE.
+- **Indirect rows** (:func:`rows`): a gather or scatter of one HBM row per partition, named
+  by an index tile: an index-tile subscript in legacy, ``.ap(vector_offset=)`` in 0.7.
 - **Strided HBM blocks** (:func:`row_blocks`): rows ``r0 + j * rows + p`` of an HBM matrix as
   a ``[rows, n, cols]`` access (one DMA): an ``nl.arange`` expression in legacy, a
   ``reshape_dim`` + ``permute`` view in 0.7.
@@ -71,6 +73,11 @@ this module:
   ``nl.program_id``; 0.7 launches ``kernel[lnc]`` only, so the kernel loops (a compiled loop)
   over the flattened grid itself, the ``lnc`` cores sharing it by ``nl.program_id(0)``
   (:func:`spmd_core`: which core, when both split one instance's work instead).
+- **One program per tile** (:func:`for_tile_programs`): a legacy 1-D grid of row tiles is,
+  in 0.7, one program running :func:`for_tiles` over them.
+- **Selections** (:func:`keep_where`): ``dst = where(predicate, dst, value)`` is ``nl.where``
+  in legacy (the instruction the legacy estimates were made with) and a predicated copy in
+  0.7; :func:`repeat_last` reads a ``(P, F)`` predicate as ``(P, F, n)`` (a broadcast view).
 - **Refusals** (:func:`refuse_in_nki`): a feature not ported to ``nki.*`` raises
   NotImplementedError naming it, never a silent fallback.
 - **Moving diagonals** (:class:`DiagonalMask`): a causal diagonal that moves with loop
@@ -205,19 +212,36 @@ def refuse_in_nki(feature):
 
 # -- data movement ----------------------------------------------------------------------------
 
-def dma_copy(dst, src, mask=None, legacy_isa=False):
+def dma_copy(dst, src, mask=None, legacy_isa=False, oob_skip=False):
     """``dst = src`` by DMA (HBM -> SBUF or SBUF -> HBM), cast to ``dst.dtype``. Legacy issues
-    ``nl.load``/``nl.store`` (``nisa.dma_copy`` with ``legacy_isa``); ``mask``: see the module
-    docstring."""
+    ``nl.load``/``nl.store`` (``nisa.dma_copy`` with ``legacy_isa`` or ``oob_skip``); ``mask``:
+    see the module docstring. ``oob_skip``: an indirect side (:func:`rows`) skips the rows
+    whose index is out of bounds (``oob_mode.skip``; else they are an error)."""
     ns = current()
+    oob = dict(oob_mode=ns.nisa.oob_mode.skip) if oob_skip else {}
     if ns.api == "nki":
-        ns.nisa.dma_copy(dst=dst, src=src)
-    elif legacy_isa:
-        ns.nisa.dma_copy(dst=dst, src=src, mask=mask)
+        ns.nisa.dma_copy(dst=dst, src=src, **oob)
+    elif legacy_isa or oob_skip:
+        ns.nisa.dma_copy(dst=dst, src=src, mask=mask, **oob)
     elif str(getattr(src, "buffer", "")).lower().endswith("hbm"):     # hbm, shared_hbm
         dst[...] = ns.nl.load(src, dtype=dst.dtype, mask=mask)
     else:
         ns.nl.store(dst, value=src, mask=mask)
+
+
+def rows(t, idx, col=0):
+    """Rows ``idx[p, col]`` of the 2-D HBM tensor ``t`` ``(R, F)``, one per partition p of the
+    int32 SBUF index tile ``idx``: a ``(P, F)`` indirect access for :func:`dma_copy` (a gather
+    as ``src``, a scatter as ``dst``; ``oob_skip`` skips rows outside ``[0, R)``). ``col`` an
+    int or a loop index. Legacy: the index-tile subscript ``t[idx[i_p, col], i_f]``; 0.7:
+    ``t.ap([[F, P], [1, F]], vector_offset=idx[:, col], indirect_dim=0)``."""
+    ns = current()
+    P, F = idx.shape[0], t.shape[1]
+    if ns.api == "nki":
+        return t.ap(pattern=[[F, P], [1, F]], offset=0,
+                    vector_offset=idx[0:P, ns.nl.ds(col, 1)], indirect_dim=0)
+    ar = ns.nl.arange
+    return t[idx[ar(P)[:, None], col], ar(F)[None, :]]
 
 
 def row_blocks(t, lead, r0, rows, n, cols):
@@ -311,6 +335,23 @@ def for_programs(dims, body, share=True):
     loop(per, instance, carried=True)
 
 
+def for_tile_programs(total, size, body):
+    """``body(i, n)`` for the tiles ``i * size ... i * size + n`` covering ``[0, total)``, one
+    per program of a 1-D grid. Legacy: the kernel is launched on the grid ``(ceil(total /
+    size),)`` and ``body`` runs once, with ``i = nl.program_id(0)`` (``n`` the tail's size in
+    the last program). 0.7 (``kernel[1]``): :func:`for_tiles` over all of them in one program."""
+    ns = current()
+    if ns.api == "nki":
+        for_tiles(total, size, body)
+        return
+    i = ns.nl.program_id(0)
+    n_full, tail = divmod(total, size)
+    if tail and i == n_full:
+        body(n_full, tail)
+    else:
+        body(i, size)
+
+
 def spmd_core():
     """Which of the two NeuronCores of an LNC=2 launch this is, when both run the same grid
     instance and split its work: ``nl.program_id(2)`` in legacy (the grid ``(B, Hkv,
@@ -363,6 +404,29 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False):
     (zero with ``reverse_pred``), dst unchanged elsewhere (VectorE)."""
     current().nisa.tensor_copy_predicated(dst=dst, src=src, predicate=predicate,
                                           reverse_pred=reverse_pred)
+
+
+def keep_where(dst, predicate, value):
+    """``dst`` unchanged where ``predicate`` (uint8, dst's layout, or a :func:`repeat_last`
+    view) is non-zero, the float ``value`` elsewhere (VectorE): ``nl.where(predicate, dst,
+    value)`` in legacy, a predicated copy of ``value`` in 0.7."""
+    ns = current()
+    if ns.api == "nki":
+        ns.nisa.tensor_copy_predicated(dst=dst, src=float(value), predicate=predicate,
+                                       reverse_pred=True)
+    else:
+        dst[...] = ns.nl.where(predicate, dst, value, dtype=dst.dtype)
+
+
+def repeat_last(t, size):
+    """The 2-D tile ``t`` ``(P, F)`` read as ``(P, F, size)``, each element repeated ``size``
+    times on a new last axis (no copy: a broadcast view in 0.7; in legacy a ``(P, F, 1)``
+    access the instruction broadcasts)."""
+    ns = current()
+    if ns.api == "nki":
+        return t.expand_dim(2).broadcast(2, size)
+    ar = ns.nl.arange
+    return t[ar(t.shape[0])[:, None, None], ar(t.shape[1])[None, :, None]]
 
 
 # -- affine patterns ----------------------------------------------------------------------------

@@ -443,6 +443,60 @@ def _reinterpret(t, di):
     return nt
 
 
+def _vector_indirect(t, pattern, offset, idx, indirect_dim):
+    """``t.ap(pattern, offset, vector_offset=idx, indirect_dim=d)``: per-partition indirect
+    access of the HBM tensor ``t`` (nki.isa.dma_copy, "Vector indirection": gather on ``src``,
+    scatter on ``dst``). Element ``[p, f...]`` is storage element ``t.offset + offset +
+    idx[p] * t.strides[d] + sum_k step_k f_k``: the pattern's first pair ``[t.strides[d], P]``
+    is the partition walk, which the index replaces; ``idx`` an SBUF ``(P, 1)`` integer tile.
+    Row ``idx[p]`` is out of bounds outside ``[0, t.shape[d])`` (``oob_mode.skip`` skips it),
+    and where the offset would push its elements past the end of the storage.
+
+    The result is the core's indirect view (an index tile on the partition dim, the legacy
+    ``t2[idx[i_p, 0], i_f]`` of the rows view ``t2``), so gathers and scatters share the
+    legacy DMA's numerics, bounds handling and cost. The free pattern must stay within one
+    row (``0 <= f < t.strides[d]``), as every documented use does."""
+    from . import _index, _tensor
+
+    if _onchip(t):
+        raise _err(t, "ap(vector_offset=): the indexed tensor must be in HBM "
+                      "(nki.isa.dma_copy, indirect addressing)")
+    if not isinstance(idx, _T.Tensor) or idx._st.buffer != "sbuf":
+        raise TypeError("NkiTensor.ap(vector_offset=): expected an SBUF tensor of one index "
+                        f"per partition, got {type(idx).__name__}"
+                        + ("" if not isinstance(idx, _T.Tensor) else f" in {idx._st.buffer}"))
+    if len(idx.shape) != 2 or idx.shape[1] != 1 or np.dtype(idx.dtype).kind not in "iu":
+        raise _err(t, f"ap(vector_offset=): the index tensor must be a (P, 1) integer tile, "
+                      f"got {fmt_shape(idx.shape)} {np.dtype(idx.dtype).name}")
+    shape, st, base = layout(t)
+    d = _int(indirect_dim, "indirect_dim")
+    if not 0 <= d < len(st):
+        raise _err(t, f"ap: indirect_dim {indirect_dim} out of range for {len(st)} dims")
+    pat = [(_int(p[0]), _int(p[1])) for p in pattern]
+    row = st[d]
+    if not pat or pat[0] != (row, idx.shape[0]):
+        raise _err(t, f"ap(vector_offset=): the pattern's first pair must be the partition "
+                      f"walk [t.strides[{d}], P] = [{row}, {idx.shape[0]}], got "
+                      f"{[list(p) for p in pat]}")
+    free = pat[1:]
+    last = sum((n - 1) * s for s, n in free) if all(n for _, n in free) else 0
+    if not free or row <= 0 or any(s < 0 for s, _ in free) or last >= row:
+        raise NotImplementedError(
+            f"NkiTensor.ap(vector_offset=): a free pattern {[list(p) for p in free]} beyond "
+            f"one indexed row of {row} elements is not simulated")
+    off = base + (0 if offset is None else _int(offset, "offset"))
+    # the rows that fit in the storage from ``off`` (all ``shape[d]`` of them, unless an offset
+    # pushes the last past the end: those are out of bounds)
+    n_rows = max(0, min(shape[d], (_arr(t).size - off - last - 1) // row + 1))
+    rows = make(t, (n_rows, last + 1), (row, 1), off, api="ap")
+    expr = None
+    for k, (s, n) in enumerate(free):
+        ax = _index.arange(n)[(None,) + tuple(slice(None) if j == k else None
+                                              for j in range(len(free)))] * s
+        expr = ax if expr is None else expr + ax
+    return _tensor.Tensor.__getitem__(rows, (idx, expr))
+
+
 def ap(t, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0,
        dtype=None):
     """Explicit ``[[stride, count], ...]`` access pattern over ``t``'s storage, starting at
@@ -454,8 +508,9 @@ def ap(t, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect
         if _dtypes.info(dtype).dt != t._st.di.dt:
             t = _reinterpret(t, _dtypes.info(dtype))
     if vector_offset is not None:
-        raise NotImplementedError("NkiTensor.ap(vector_offset=...) (per-partition indirect "
-                                  "addressing) is not simulated yet")
+        if scalar_offset is not None:
+            raise _err(t, "ap: vector_offset and scalar_offset are mutually exclusive")
+        return _vector_indirect(t, pattern, offset, vector_offset, indirect_dim)
     shape, st, base = layout(t)
     pat = [(int(s), int(n)) for s, n in ((_int(p[0]), _int(p[1])) for p in pattern)]
     off = base + (0 if offset is None else _int(offset, "offset"))

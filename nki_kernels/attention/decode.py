@@ -1,6 +1,12 @@
 """Split-KV flash decoding over a KV cache (FlashDecoding), GQA-packed, with tree masks.
 
-Two kernels, launched in order by ``host.flash_decode``::
+Two kernels, launched in order by ``host.flash_decode`` (the merge in ``decode_merge.py``,
+written against ``nki_kernels.port``). The split kernel traces through the legacy namespace
+only so far (under nki.* the host refuses it: ``host.api.run_decode``); it is being moved onto
+``nki_kernels.port`` with its legacy instruction stream unchanged: its indirect DMAs
+(``port.rows``), loads, stores and fills and part of its helpers already are. Still legacy:
+``nl.arange`` index expressions (iotas at a runtime offset, strided 3-D copies), the other
+helpers' tile-returning instructions, and the grid (``nl.program_id`` branch, ``nl.spmd_dim``)::
 
     flash_decode_split_kernel   grid (Hkv / H, W / I + B)    phase 1: one partial (o, lse) per
                                                              work item and kv head -- W work
@@ -116,7 +122,7 @@ one int32 table entry per gathered key row and tail position.
 """
 import numpy as np
 
-from nki_kernels import tiles
+from nki_kernels import port, tiles
 from nki_kernels.attention import masks as M
 from nki_kernels.attention import score_mods as SM
 from nki_kernels.nki import nisa, nki, nl
@@ -186,19 +192,23 @@ def _length_column(cache_lens, b, parts):
     One 4-byte DMA, then a K=1 matmul ``ones(1, parts)^T @ L`` broadcasts it down the
     partitions (exact: integers < 2^24 in fp32).
     """
-    len_i = nl.load(cache_lens[nl.ds(b, 1)])                          # (1, 1) int32
-    len_f = nisa.tensor_copy(len_i, dtype=nl.float32, engine=nisa.vector_engine)
+    len_i = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.dma_copy(len_i, cache_lens.reshape((cache_lens.shape[0], 1))[nl.ds(b, 1), 0:1])
+    len_f = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_copy(len_f, len_i, engine="vector")
     ones = nl.ones((1, parts), dtype=nl.float32, buffer=nl.sbuf)
     col_ps = nl.ndarray((parts, 1), dtype=nl.float32, buffer=nl.psum)
-    col_ps[...] = nisa.nc_matmul(ones, len_f)
-    return nisa.tensor_copy(col_ps, dtype=nl.float32, engine=nisa.vector_engine)
+    port.nc_matmul(col_ps, ones, len_f)
+    col = nl.ndarray((parts, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_copy(col, col_ps, engine="vector")
+    return col
 
 
 def _committed_split(len_col, T, n):
     """``(Lp, rem)`` columns: committed positions ``Lp = L - T`` and ``Lp mod n``."""
-    lp = nisa.tensor_scalar(len_col, op0=np.subtract, operand0=float(T), dtype=nl.float32)
-    rem = M.int_mod(lp, n)
-    return lp, rem
+    lp = nl.ndarray(tuple(len_col.shape), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(lp, len_col, op0=nl.subtract, operand0=float(T))
+    return lp, M.int_mod(lp, n)
 
 
 def _oob_offset(n_rows_total):
@@ -221,11 +231,11 @@ def _item_columns(work, cache_lens, c, ipp):
     """
     B = cache_lens.shape[0]
     i_j = nl.arange(ipp)[:, None]
-    items = nl.load(work[nl.ds(c * ipp, ipp), 0:2])                    # (ipp, 2) int32
-    length = nisa.memset((ipp, 1), 0, dtype=nl.int32, engine=nisa.gpsimd_engine)
-    nisa.dma_copy(dst=length,
-                  src=cache_lens.reshape((B, 1))[items[i_j, 0], nl.arange(1)[None, :]],
-                  oob_mode=nisa.oob_mode.skip)
+    items = nl.ndarray((ipp, 2), dtype=nl.int32, buffer=nl.sbuf)
+    port.dma_copy(items, work[nl.ds(c * ipp, ipp), 0:2])
+    length = nl.ndarray((ipp, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.memset(length, 0, engine="gpsimd")
+    port.dma_copy(length, port.rows(cache_lens.reshape((B, 1)), items, 0), oob_skip=True)
     vals = nl.ndarray((ipp, 3), dtype=nl.float32, buffer=nl.sbuf)
     vals[0:ipp, 0:2] = nisa.tensor_copy(items, dtype=nl.float32, engine=nisa.vector_engine)
     vals[0:ipp, 2:3] = nisa.tensor_copy(length, dtype=nl.float32, engine=nisa.vector_engine)
@@ -245,13 +255,16 @@ def _valid_rows(cols, ipp, T, n, rs):
     """fp32 ``(128, ipp)``: key rows of each item's split that are entirely committed,
     ``floor((L - T) / n) - s rs`` (<= 0 for none; exact: n is a power of two, all values
     < 2^24)."""
-    lp = nisa.tensor_scalar(cols[0:PMAX, 2 * ipp:3 * ipp], op0=np.subtract, operand0=float(T),
-                            dtype=nl.float32)
-    full = nisa.tensor_tensor(lp, M.int_mod(lp, n), op=np.subtract, dtype=nl.float32)
-    valid = nisa.scalar_tensor_tensor(data=cols[0:PMAX, ipp:2 * ipp], op0=np.multiply,
-                                      operand0=float(-rs * n), op1=np.add, operand1=full,
-                                      dtype=nl.float32)
-    return nisa.tensor_scalar(valid, op0=np.multiply, operand0=1.0 / n, dtype=nl.float32)
+    lp = nl.ndarray((PMAX, ipp), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(lp, cols[0:PMAX, 2 * ipp:3 * ipp], op0=nl.subtract, operand0=float(T))
+    full = nl.ndarray((PMAX, ipp), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(full, lp, M.int_mod(lp, n), op=nl.subtract)
+    valid = nl.ndarray((PMAX, ipp), dtype=nl.float32, buffer=nl.sbuf)
+    port.scalar_tensor_tensor(valid, cols[0:PMAX, ipp:2 * ipp], op0=nl.multiply,
+                              operand0=float(-rs * n), op1=nl.add, operand1=full)
+    rows = nl.ndarray((PMAX, ipp), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(rows, valid, op0=nl.multiply, operand0=1.0 / n)
+    return rows
 
 
 def _int_tile(terms, parts, width, acc=None):
@@ -261,10 +274,17 @@ def _int_tile(terms, parts, width, acc=None):
         if c == 0:
             continue
         if c != 1:
-            x = nisa.tensor_tensor(x, nisa.memset((parts, width), c, dtype=nl.int32,
-                                                  engine=nisa.gpsimd_engine),
-                                   op=np.multiply, dtype=nl.int32)
-        acc = x if acc is None else nisa.tensor_tensor(acc, x, op=np.add, dtype=nl.int32)
+            c_tile = nl.ndarray((parts, width), dtype=nl.int32, buffer=nl.sbuf)
+            port.memset(c_tile, c, engine="gpsimd")
+            prod = nl.ndarray((parts, width), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_tensor(prod, x, c_tile, op=nl.multiply)
+            x = prod
+        if acc is None:
+            acc = x
+        else:
+            total = nl.ndarray((parts, width), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_tensor(total, acc, x, op=nl.add)
+            acc = total
     return acc
 
 
@@ -328,11 +348,11 @@ def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_b
                                                       dtype=nl.float32),
                                    op0=np.multiply, operand0=1.0 / ppr, dtype=nl.int32)
         entry = _int_tile([(beyond, 1), (b_mb, 1)], kr, ipp, acc=block)
-        page = nisa.memset((kr, ipp), num_blocks, dtype=nl.int32, engine=nisa.gpsimd_engine)
+        page = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
+        port.memset(page, num_blocks, engine="gpsimd")
         for j in nl.affine_range(ipp):
-            nisa.dma_copy(dst=page[0:kr, nl.ds(j, 1)],
-                          src=table_flat[entry[i_p, j], nl.arange(1)[None, :]],
-                          oob_mode=nisa.oob_mode.skip)
+            port.dma_copy(page[0:kr, nl.ds(j, 1)], port.rows(table_flat, entry, j),
+                          oob_skip=True)
         # page Hkv ppr + r mod ppr, then + h ppr per head
         rows = _int_tile([(page, Hkv * ppr), (nisa.tensor_copy(within, dtype=nl.int32), 1)],
                          kr, ipp)
@@ -352,7 +372,9 @@ def _zero_source(g, mm, items):
     """
     if (nisa.get_nc_version() >= nisa.nc_version.gen3 and mm != nl.float32
             and g.n_kv * items >= 2):
-        return nisa.memset((g.kv_rows, g.n * g.D), 0, dtype=mm, engine=nisa.gpsimd_engine)
+        zeros = nl.ndarray((g.kv_rows, g.n * g.D), dtype=mm, buffer=nl.sbuf)
+        port.memset(zeros, 0, engine="gpsimd")
+        return zeros
     return None
 
 
@@ -360,19 +382,16 @@ def _gather_rows(rows_view, idx, c0, g, zeros, dst, engine):
     """Zero ``dst (kv_rows, n_kv * n * D)``, then gather into it the committed key rows of one
     split of ``rows_view`` (K or V rows), named by columns ``c0 .. c0 + n_kv`` of the row-index
     tile ``idx`` (out-of-bounds rows are skipped and stay 0). ``zeros``: :func:`_zero_source`
-    (else a memset on ``engine``)."""
+    (else a memset on ``engine``, "vector" or "gpsimd")."""
     n, D, kv_rows = g.n, g.D, g.kv_rows
-    i_p = nl.arange(kv_rows)[:, None]
-    i_f = nl.arange(n * D)[None, :]
     for k in nl.affine_range(g.n_kv):
         if zeros is not None:
             dst[0:kv_rows, nl.ds(k * n * D, n * D)] = nisa.tensor_copy(
                 zeros, engine=nisa.vector_engine)
         else:
-            dst[0:kv_rows, nl.ds(k * n * D, n * D)] = nisa.memset(
-                (kv_rows, n * D), 0, dtype=dst.dtype, engine=engine)
-        nisa.dma_copy(dst=dst[0:kv_rows, nl.ds(k * n * D, n * D)],
-                      src=rows_view[idx[i_p, c0 + k], i_f], oob_mode=nisa.oob_mode.skip)
+            port.memset(dst[0:kv_rows, nl.ds(k * n * D, n * D)], 0, engine=engine)
+        port.dma_copy(dst[0:kv_rows, nl.ds(k * n * D, n * D)], port.rows(rows_view, idx, c0 + k),
+                      oob_skip=True)
 
 
 def _transpose_keys(k_nat, kT, g):
@@ -450,9 +469,9 @@ def _member_column(values, b, h, G):
     Hq, per_batch, flat = _member_values(values)
     i_g = nl.arange(G)[:, None]
     idx = nisa.iota((b * Hq if per_batch else 0) + h * G + i_g, dtype=nl.int32)
-    out = nisa.memset((G, 1), 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
-    nisa.dma_copy(dst=out, src=flat[idx[i_g, 0], nl.arange(1)[None, :]],
-                  oob_mode=nisa.oob_mode.skip)
+    out = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.memset(out, 0.0, engine="gpsimd")
+    port.dma_copy(out, port.rows(flat, idx), oob_skip=True)
     return out
 
 
@@ -467,8 +486,7 @@ def _member_columns(values, bs, h, G, ipp, out, col0):
     if per_batch:
         idx = _int_tile([(bs[0:G, 0:ipp], Hq)], G, ipp, acc=idx)
     for j in nl.affine_range(ipp):
-        nisa.dma_copy(dst=out[0:G, nl.ds(col0 + j, 1)],
-                      src=flat[idx[i_g, j], nl.arange(1)[None, :]], oob_mode=nisa.oob_mode.skip)
+        port.dma_copy(out[0:G, nl.ds(col0 + j, 1)], port.rows(flat, idx, j), oob_skip=True)
 
 
 def _modified(mods, src, mask_ps, pos, slope, cap):
@@ -476,32 +494,49 @@ def _modified(mods, src, mask_ps, pos, slope, cap):
     ``softcap``), plus ``slope * pos`` (``pos`` an fp32 distance tile, ALiBi), plus the mask
     ``mask_ps`` (a PSUM tile, only with soft-capping: otherwise it is already in ``src``)."""
     y = src
+    shape = tuple(src.shape)
     if mods.softcap is not None:
-        t = nisa.activation(op=nl.tanh, data=src, scale=1.0 / cap, dtype=nl.float32)
+        t = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+        port.activation(t, nl.tanh, src, scale=1.0 / cap)
+        y = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
         if mask_ps is not None:
-            y = nisa.scalar_tensor_tensor(data=t, op0=np.multiply, operand0=cap, op1=np.add,
-                                          operand1=mask_ps, dtype=nl.float32)
+            port.scalar_tensor_tensor(y, t, op0=nl.multiply, operand0=cap, op1=nl.add,
+                                      operand1=mask_ps)
         else:
-            y = nisa.tensor_scalar(t, op0=np.multiply, operand0=cap, dtype=nl.float32,
-                                   engine=nisa.gpsimd_engine)
+            port.tensor_scalar(y, t, op0=nl.multiply, operand0=cap, engine="gpsimd")
     if mods.alibi:
-        y = nisa.scalar_tensor_tensor(data=pos, op0=np.multiply, operand0=slope, op1=np.add,
-                                      operand1=y, dtype=nl.float32)
+        biased = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+        port.scalar_tensor_tensor(biased, pos, op0=nl.multiply, operand0=slope, op1=nl.add,
+                                  operand1=y)
+        y = biased
     return y
 
 
 def _with_sink(o_sb, lse, sink, rows):
     """Fold a sink logit (an extra key with value 0) into a partial: ``lse' = log(e^lse +
     e^sink)``, ``o' = o e^(lse - lse')``."""
-    mx = nisa.tensor_tensor(lse, sink, op=np.maximum, dtype=nl.float32)
-    neg_mx = nisa.activation(op=nl.copy, data=mx, scale=-1.0, dtype=nl.float32)
-    a = nisa.activation(op=nl.exp, data=lse, bias=neg_mx, scale=1.0, dtype=nl.float32)
-    c = nisa.activation(op=nl.exp, data=sink, bias=neg_mx, scale=1.0, dtype=nl.float32)
-    den = nisa.tensor_tensor(a, c, op=np.add, dtype=nl.float32)
-    lse2 = nisa.tensor_tensor(mx, nisa.activation(op=nl.log, data=den, dtype=nl.float32),
-                              op=np.add, dtype=nl.float32)
-    w = nisa.tensor_tensor(a, nisa.reciprocal(den), op=np.multiply, dtype=nl.float32)
-    return nisa.tensor_scalar(o_sb, op0=np.multiply, operand0=w, dtype=nl.float32), lse2
+    col = (rows, 1)
+    mx = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(mx, lse, sink, op=nl.maximum)
+    neg_mx = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(neg_mx, nl.copy, mx, scale=-1.0)
+    a = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(a, nl.exp, lse, bias=neg_mx)
+    c = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(c, nl.exp, sink, bias=neg_mx)
+    den = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(den, a, c, op=nl.add)
+    log_den = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(log_den, nl.log, den)
+    lse2 = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(lse2, mx, log_den, op=nl.add)
+    inv = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.reciprocal(inv, den)
+    w = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(w, a, inv, op=nl.multiply)
+    o2 = nl.ndarray(tuple(o_sb.shape), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(o2, o_sb, op0=nl.multiply, operand0=w)
+    return o2, lse2
 
 
 # ============================================================================================
@@ -515,13 +550,13 @@ def _scaled_query_t(q_nat, rows, D, n_dt, scale, mm):
     valid for any scale, including 0 and negative ones.
     """
     qT = nl.ndarray((PMAX, n_dt * rows), dtype=mm, buffer=nl.sbuf)
-    for dt in nl.static_range(n_dt):
+    for dt in tiles.unrolled(n_dt):
         d0 = dt * PMAX
         dsz = min(PMAX, D - d0)
-        t_ps = nl.ndarray((PMAX, PMAX), dtype=nl.float32, buffer=nl.psum)
-        t_ps[0:dsz, 0:rows] = nisa.nc_transpose(q_nat[0:rows, d0:d0 + dsz])
-        qT[0:dsz, dt * rows:(dt + 1) * rows] = nisa.activation(
-            op=nl.copy, data=t_ps[0:dsz, 0:rows], scale=float(scale), dtype=mm)
+        t_ps = nl.ndarray((PMAX, PMAX), dtype=port.transpose_dtype(q_nat.dtype), buffer=nl.psum)
+        port.nc_transpose(t_ps[0:dsz, 0:rows], q_nat[0:rows, d0:d0 + dsz])
+        port.activation(qT[0:dsz, dt * rows:(dt + 1) * rows], nl.copy, t_ps[0:dsz, 0:rows],
+                        scale=float(scale))
     return qT
 
 
@@ -532,7 +567,8 @@ def _packed_queries(qT, rows, g, mm):
     if g.pack == 1:
         return qT
     P = g.pack * rows
-    qbd = nisa.memset((PMAX, g.n_dt * g.pack * P), 0, dtype=mm, engine=nisa.gpsimd_engine)
+    qbd = nl.ndarray((PMAX, g.n_dt * g.pack * P), dtype=mm, buffer=nl.sbuf)
+    port.memset(qbd, 0, engine="gpsimd")
     for dt, d0, dsz in g.d_tiles():
         # the pack diagonal blocks at column (dt pack + c) P + c rows = dt pack P + c (P + rows)
         # in one copy: a stride-(P + rows) destination, the source broadcast over c
@@ -567,39 +603,38 @@ def _split_scores(qbd, kT, mask_row, g, P, mask_apart=False):
 
     def copy_c(acc, col, jj, r0, ln, c, first):
         for dt, d0, dsz in g.d_tiles():
-            prod = nisa.nc_matmul(qbd[0:dsz, nl.ds((dt * g.pack + c) * P, P)],
-                                  kT[0:dsz, nl.ds((dt * n + jj * g.pack + c) * rs + r0, ln)])
-            if first and dt == 0:
-                acc[0:P, col:col + ln] = prod
-            else:
-                acc[0:P, col:col + ln] += prod
+            port.nc_matmul(acc[0:P, col:col + ln], qbd[0:dsz, nl.ds((dt * g.pack + c) * P, P)],
+                           kT[0:dsz, nl.ds((dt * n + jj * g.pack + c) * rs + r0, ln)],
+                           accumulate=not (first and dt == 0))
 
     for bank, col, jj, r0, ln in g.pieces:
         acc = banks[bank]
         copy_c(acc, col, jj, r0, ln, 0, True)
-        for c in nl.affine_range(1, g.pack):
+
+        def other_copy(c):
             copy_c(acc, col, jj, r0, ln, c, False)
+
+        port.loop(g.pack, other_copy, start=1)
         if mask_row is not None and mask_banks is not None:
-            mask_banks[bank][0:P, col:col + ln] = nisa.nc_matmul(ones, mask_row[0:1, r0:r0 + ln])
+            port.nc_matmul(mask_banks[bank][0:P, col:col + ln], ones, mask_row[0:1, r0:r0 + ln])
         elif mask_row is not None:
-            acc[0:P, col:col + ln] += nisa.nc_matmul(ones, mask_row[0:1, r0:r0 + ln])
+            port.nc_matmul(acc[0:P, col:col + ln], ones, mask_row[0:1, r0:r0 + ln],
+                           accumulate=True)
     return banks, mask_banks
 
 
 def _group_matrices(rows, P):
     """fp32 ``E (rows, P)`` and ``E^T (P, rows)`` with ``E[r, p] = 1`` iff ``p = c rows + r``:
     ``E^T`` sums the packed copies of each query row, ``E`` copies a row value to every copy."""
-    i_r = nl.arange(rows)[:, None]
-    i_p = nl.arange(P)[None, :]
     # p - r + P >= 0; divisible by rows exactly when p is a copy of row r
-    diff = nisa.iota(i_p - i_r + P, dtype=nl.float32)
-    e = nisa.tensor_scalar(M.int_mod(diff, rows), op0=nl.equal,
-                           operand0=0.0, dtype=nl.float32)
-    i_pt = nl.arange(P)[:, None]
-    i_rt = nl.arange(rows)[None, :]
-    diff_t = nisa.iota(i_pt - i_rt + P, dtype=nl.float32)
-    e_t = nisa.tensor_scalar(M.int_mod(diff_t, rows), op0=nl.equal,
-                             operand0=0.0, dtype=nl.float32)
+    diff = nl.ndarray((rows, P), dtype=nl.float32, buffer=nl.sbuf)
+    port.iota(diff, [[1, P]], offset=P, channel_multiplier=-1)
+    e = nl.ndarray((rows, P), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(e, M.int_mod(diff, rows), op0=nl.equal, operand0=0.0)
+    diff_t = nl.ndarray((P, rows), dtype=nl.float32, buffer=nl.sbuf)
+    port.iota(diff_t, [[-1, rows]], offset=P, channel_multiplier=1)
+    e_t = nl.ndarray((P, rows), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(e_t, M.int_mod(diff_t, rows), op0=nl.equal, operand0=0.0)
     return e, e_t
 
 
@@ -642,13 +677,15 @@ def _exp_scores(banks, neg_m, g, P, mm):
     (of the fp32 exponentials, ScalarE's reduction)."""
     p_sb = nl.ndarray((P, g.width), dtype=mm, buffer=nl.sbuf)
     l_cols = nl.ndarray((P, g.n_banks), dtype=nl.float32, buffer=nl.sbuf)
-    for bank in nl.static_range(g.n_banks):
+    for bank in tiles.unrolled(g.n_banks):
         w = g.bank_cols[bank]
-        p_sb[0:P, bank * tiles.PSUM_FMAX:bank * tiles.PSUM_FMAX + w] = nisa.activation_reduce(
-            op=np.exp, data=banks[bank][0:P, 0:w], reduce_op=np.add,
-            reduce_res=l_cols[0:P, bank:bank + 1], bias=neg_m, scale=1.0, dtype=mm)
+        port.activation_reduce(p_sb[0:P, bank * tiles.PSUM_FMAX:bank * tiles.PSUM_FMAX + w],
+                               nl.exp, banks[bank][0:P, 0:w], reduce_op=nl.add,
+                               reduce_res=l_cols[0:P, bank:bank + 1], bias=neg_m)
     if g.n_banks > 1:
-        return p_sb, nisa.tensor_reduce(np.add, l_cols, axis=(1,), keepdims=True)
+        l_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_reduce(l_sum, nl.add, l_cols, axis=(1,))
+        return p_sb, l_sum
     return p_sb, l_cols
 
 
@@ -658,15 +695,16 @@ def _transpose_probs(p_sb, g, P, mm):
     kr = g.kv_rows
     pT = nl.ndarray((kr, g.n_blocks * P), dtype=mm, buffer=nl.sbuf)
     per_bank = max(1, tiles.PSUM_FMAX // P)
-    for xg in nl.static_range(tiles.ceil_div(g.n_blocks, per_bank)):
+    for xg in tiles.unrolled(tiles.ceil_div(g.n_blocks, per_bank)):
         x0 = xg * per_bank
         cnt = min(per_bank, g.n_blocks - x0)
-        t_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
-        for xb in nl.static_range(cnt):
+        t_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=port.transpose_dtype(mm),
+                          buffer=nl.psum)
+        for xb in tiles.unrolled(cnt):
             x = x0 + xb
-            t_ps[0:kr, xb * P:(xb + 1) * P] = nisa.nc_transpose(p_sb[0:P, x * kr:(x + 1) * kr])
-        pT[0:kr, x0 * P:(x0 + cnt) * P] = nisa.tensor_copy(
-            t_ps[0:kr, 0:cnt * P], dtype=mm, engine=nisa.vector_engine)
+            port.nc_transpose(t_ps[0:kr, xb * P:(xb + 1) * P], p_sb[0:P, x * kr:(x + 1) * kr])
+        port.tensor_copy(pT[0:kr, x0 * P:(x0 + cnt) * P], t_ps[0:kr, 0:cnt * P],
+                         engine="vector")
     return pT
 
 
@@ -679,43 +717,49 @@ def _split_pv(v_all, pT, g, rows, P):
 
     def block_c(x, k, jj, c, first):
         for dt, d0, dsz in g.d_tiles():
-            prod = nisa.nc_matmul(v_all[0:kr, nl.ds((k * n + jj * g.pack + c) * D + d0, dsz)],
-                                  pT[0:kr, nl.ds(x * P + c * rows, rows)])
-            if first:
-                acc[dt][0:dsz, 0:rows] = prod      # the group's first product writes
-            else:
-                acc[dt][0:dsz, 0:rows] += prod
+            # the group's first product writes, the others accumulate
+            port.nc_matmul(acc[dt][0:dsz, 0:rows],
+                           v_all[0:kr, nl.ds((k * n + jj * g.pack + c) * D + d0, dsz)],
+                           pT[0:kr, nl.ds(x * P + c * rows, rows)], accumulate=not first)
 
-    for x in nl.static_range(g.n_blocks):
+    for x in tiles.unrolled(g.n_blocks):
         jj, rem = divmod(x * kr, g.rs)
         k = rem // PMAX
-        block_c(x, k, jj, 0, x == 0)
-        for c in nl.affine_range(1, g.pack):
+
+        def other_copy(c):
             block_c(x, k, jj, c, False)
+
+        block_c(x, k, jj, 0, x == 0)
+        port.loop(g.pack, other_copy, start=1)
     return acc
 
 
 def _normalize_rows(acc, l_col, rows, g):
     """``O (rows, D)`` fp32 = transpose of ``O^T`` divided by the row sums."""
-    inv_l = nisa.reciprocal(l_col)
+    inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.reciprocal(inv_l, l_col)
     o_sb = nl.ndarray((rows, g.D), dtype=nl.float32, buffer=nl.sbuf)
     for dt, d0, dsz in g.d_tiles():
-        oT = nisa.tensor_copy(acc[dt][0:dsz, 0:rows], dtype=nl.float32,
-                              engine=nisa.vector_engine)
-        t_ps = nl.ndarray((PMAX, PMAX), dtype=nl.float32, buffer=nl.psum)
-        t_ps[0:rows, 0:dsz] = nisa.nc_transpose(oT[0:dsz, 0:rows])
-        o_sb[0:rows, d0:d0 + dsz] = nisa.tensor_scalar(
-            t_ps[0:rows, 0:dsz], op0=np.multiply, operand0=inv_l, dtype=nl.float32)
+        oT = nl.ndarray((dsz, rows), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_copy(oT, acc[dt][0:dsz, 0:rows], engine="vector")
+        t_ps = nl.ndarray((PMAX, PMAX), dtype=port.transpose_dtype(nl.float32), buffer=nl.psum)
+        port.nc_transpose(t_ps[0:rows, 0:dsz], oT[0:dsz, 0:rows])
+        port.tensor_scalar(o_sb[0:rows, d0:d0 + dsz], t_ps[0:rows, 0:dsz], op0=nl.multiply,
+                           operand0=inv_l)
     return o_sb
 
 
 def _lse_column(m_col, l_col):
     """``m + log l``, or -inf when the max says no key was valid (a dead split)."""
-    log_l = nisa.activation(op=nl.log, data=l_col, dtype=nl.float32)
-    lse = nisa.tensor_tensor(m_col, log_l, op=np.add, dtype=nl.float32)
-    live = nisa.tensor_scalar(m_col, op0=nl.greater, operand0=tiles.DECODE_DEAD_MAX,
-                              dtype=nl.uint8)
-    return nl.where(live, lse, -np.inf, dtype=nl.float32)
+    col = tuple(m_col.shape)
+    log_l = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(log_l, nl.log, l_col)
+    lse = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(lse, m_col, log_l, op=nl.add)
+    live = nl.ndarray(col, dtype=nl.uint8, buffer=nl.sbuf)
+    port.tensor_scalar(live, m_col, op0=nl.greater, operand0=tiles.DECODE_DEAD_MAX)
+    port.keep_where(lse, live, -np.inf)
+    return lse
 
 
 def _split_mods(banks, mask_banks, g, rows, P, rm, e, cap):
@@ -765,14 +809,19 @@ def _alibi_lse_shift(lse, rm, s_i, length, T, split_keys, rows):
     """ALiBi's per-row part of a split's scores, added to its LSE: ``slope (s split_keys -
     (L - T + t))`` (split start minus the query position; all keys of a split are at or
     before it)."""
-    s_f = nisa.tensor_copy(s_i[0:rows], dtype=nl.float32, engine=nisa.vector_engine)
-    start = nisa.scalar_tensor_tensor(data=s_f, op0=np.multiply, operand0=float(split_keys),
-                                      op1=np.subtract, operand1=length[0:rows],
-                                      dtype=nl.float32)
-    dist = nisa.scalar_tensor_tensor(data=start, op0=np.add, operand0=float(T),
-                                     op1=np.subtract, operand1=rm.t, dtype=nl.float32)
-    return nisa.scalar_tensor_tensor(data=dist, op0=np.multiply, operand0=rm.slope,
-                                     op1=np.add, operand1=lse, dtype=nl.float32)
+    col = (rows, 1)
+    s_f = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_copy(s_f, s_i[0:rows], engine="vector")
+    start = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.scalar_tensor_tensor(start, s_f, op0=nl.multiply, operand0=float(split_keys),
+                              op1=nl.subtract, operand1=length[0:rows])
+    dist = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.scalar_tensor_tensor(dist, start, op0=nl.add, operand0=float(T), op1=nl.subtract,
+                              operand1=rm.t)
+    shifted = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.scalar_tensor_tensor(shifted, dist, op0=nl.multiply, operand0=rm.slope, op1=nl.add,
+                              operand1=lse)
+    return shifted
 
 
 def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, rm=None, cap=None):
@@ -797,8 +846,9 @@ def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, rm=None, cap=None):
     del banks
     if g.pack > 1:
         l_ps = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.psum)
-        l_ps[0:rows, 0:1] = nisa.nc_matmul(e_t, l_p)
-        l_col = nisa.tensor_copy(l_ps, dtype=nl.float32, engine=nisa.vector_engine)
+        port.nc_matmul(l_ps[0:rows, 0:1], e_t, l_p)
+        l_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_copy(l_col, l_ps, engine="vector")
     else:
         l_col = l_p
     return p_sb, l_col, m_col
@@ -821,11 +871,11 @@ def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, m
     o_sb = _normalize_rows(acc, l_col, rows, g)
     o_idx = nisa.tensor_tensor(nisa.iota((h * R + rt0 + i_p) * S, dtype=nl.int32),
                                o_base[0:rows], op=np.add, dtype=nl.int32)
-    nisa.dma_copy(dst=o_flat[o_idx[i_p, 0], nl.arange(g.D)[None, :]], src=o_sb)
+    port.dma_copy(port.rows(o_flat, o_idx), o_sb, legacy_isa=True)
     lse = _lse_column(m_col, l_col)
     if rm is not None and rm.mods.alibi:
         lse = _alibi_lse_shift(lse, rm, item[0], item[1], rm.T, g.rs * g.n, rows)
-    nisa.dma_copy(dst=lse_flat[o_idx[i_p, 0], nl.arange(1)[None, :]], src=lse)
+    port.dma_copy(port.rows(lse_flat, o_idx), lse, legacy_isa=True)
 
 
 # ============================================================================================
@@ -834,27 +884,30 @@ def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, m
 def _new_token_bias(tree_mask, T):
     """``(T, T)`` bias among the new tokens (bf16): 0 where token t sees token u, else
     DECODE_MASK_BIAS. Causal (``u <= t``) from an affine iota when ``tree_mask`` is None."""
+    bias = nl.ndarray((T, T), dtype=_MASK_DTYPE, buffer=nl.sbuf)
     if tree_mask is None:
-        i_t = nl.arange(T)[:, None]
-        i_u = nl.arange(T)[None, :]
-        ahead = nisa.iota(i_u - i_t, dtype=nl.float32)
-        return nisa.tensor_scalar(ahead, op0=nl.greater, operand0=0.0, op1=np.multiply,
-                                  operand1=NEG, dtype=_MASK_DTYPE)
-    seen = nl.load(tree_mask[0:T, 0:T], dtype=nl.float32)
+        ahead = nl.ndarray((T, T), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(ahead, [[1, T]], channel_multiplier=-1)                   # u - t
+        port.tensor_scalar(bias, ahead, op0=nl.greater, operand0=0.0, op1=nl.multiply,
+                           operand1=NEG)
+        return bias
+    seen = nl.ndarray((T, T), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(seen, tree_mask[0:T, 0:T])
     # (seen - 1) * (-NEG): 0 where seen, NEG where hidden
-    return nisa.tensor_scalar(seen, op0=np.subtract, operand0=1.0, op1=np.multiply,
-                              operand1=-NEG, dtype=_MASK_DTYPE)
+    port.tensor_scalar(bias, seen, op0=nl.subtract, operand0=1.0, op1=nl.multiply,
+                       operand1=-NEG)
+    return bias
 
 
 def _token_selector(T, rt0, rows):
     """``Sel (T, rows)`` bf16: ``Sel[t, p] = 1`` iff query row ``rt0 + p`` is new token t
     (rows are ``(g, t)`` pairs, row = g T + t): ``Sel^T @ bias`` gives each row its token's mask
     row."""
-    i_t = nl.arange(T)[:, None]
-    i_p = nl.arange(rows)[None, :]
-    diff = nisa.iota(rt0 + i_p - i_t + T, dtype=nl.float32)
-    return nisa.tensor_scalar(M.int_mod(diff, T), op0=nl.equal,
-                              operand0=0.0, dtype=_MASK_DTYPE)
+    diff = nl.ndarray((T, rows), dtype=nl.float32, buffer=nl.sbuf)
+    port.iota(diff, [[1, rows]], offset=rt0 + T, channel_multiplier=-1)    # rt0 + p - t + T
+    sel = nl.ndarray((T, rows), dtype=_MASK_DTYPE, buffer=nl.sbuf)
+    port.tensor_scalar(sel, M.int_mod(diff, T), op0=nl.equal, operand0=0.0)
+    return sel
 
 
 def _paged_tail_rows(paged, k_cache, lp, c, count, skip):
@@ -885,17 +938,17 @@ def _paged_tail_rows(paged, k_cache, lp, c, count, skip):
                                dtype=nl.int32)
     if skip is not None:
         entry = nisa.tensor_tensor(entry, skip, op=np.add, dtype=nl.int32)
-    page = nisa.memset((count, 1), num_blocks, dtype=nl.int32, engine=nisa.gpsimd_engine)
+    page = nl.ndarray((count, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.memset(page, num_blocks, engine="gpsimd")
     table_flat = table.reshape((B * MB, 1))
-    nisa.dma_copy(dst=page, src=table_flat[entry[i_q, 0], nl.arange(1)[None, :]],
-                  oob_mode=nisa.oob_mode.skip)
+    port.dma_copy(page, port.rows(table_flat, entry), oob_skip=True)
     # h page_size + p mod page_size = iota(h page_size + q) + (p mod page_size - q)
     offset = nisa.tensor_tensor(nisa.iota(h * ps + i_q, dtype=nl.int32),
                                 nisa.tensor_tensor(within, q_f, op=np.subtract, dtype=nl.int32),
                                 op=np.add, dtype=nl.int32)
-    rows = nisa.tensor_tensor(page, nisa.memset((count, 1), Hkv * ps, dtype=nl.int32,
-                                                engine=nisa.gpsimd_engine),
-                              op=np.multiply, dtype=nl.int32)
+    stride = nl.ndarray((count, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.memset(stride, Hkv * ps, engine="gpsimd")
+    rows = nisa.tensor_tensor(page, stride, op=np.multiply, dtype=nl.int32)
     return nisa.tensor_tensor(rows, offset, op=np.add, dtype=nl.int32)
 
 
@@ -929,7 +982,6 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
         lp_i = nisa.tensor_copy(lp, dtype=nl.int32, engine=nisa.vector_engine)
     else:
         oob = _oob_offset(paged[0].shape[0] * paged[0].shape[1])     # past the block table
-    i_f = nl.arange(D)[None, :]
 
     # ---- new tokens at Lp + u (all valid) ----
     i_u = nl.arange(T)[:, None]
@@ -943,9 +995,8 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
     # its non-finite entries are zeroed and flagged (forward.guard_values): a row that gives
     # it weight gets NaN, the others never compute 0 * inf
     v_new = nl.ndarray((T, D + 1), dtype=mm, buffer=nl.sbuf)
-    nisa.dma_copy(dst=k_new, src=k_pos[new_idx[i_u, 0], i_f], oob_mode=nisa.oob_mode.skip)
-    nisa.dma_copy(dst=v_new[:, 0:D], src=v_pos[new_idx[i_u, 0], i_f],
-                  oob_mode=nisa.oob_mode.skip)
+    port.dma_copy(k_new, port.rows(k_pos, new_idx), oob_skip=True)
+    port.dma_copy(v_new[:, 0:D], port.rows(v_pos, new_idx), oob_skip=True)
     v_new[:, D:D + 1] = nisa.tensor_reduce(np.max, M.zero_non_finite(v_new[:, 0:D])[0],
                                            axis=(1,), keepdims=True, dtype=mm)
     if ns > 0:
@@ -962,12 +1013,12 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
             part_idx = nisa.tensor_tensor(pos, before, op=np.add, dtype=nl.int32)
         else:
             part_idx = _paged_tail_rows(paged, k_cache, lp, -ns, ns, before)
-        k_part = nisa.memset((ns, D), 0, dtype=mm, engine=nisa.gpsimd_engine)
-        v_part = nisa.memset((ns, D), 0, dtype=mm, engine=nisa.gpsimd_engine)
-        nisa.dma_copy(dst=k_part, src=k_pos[part_idx[i_q, 0], i_f],
-                      oob_mode=nisa.oob_mode.skip)
-        nisa.dma_copy(dst=v_part, src=v_pos[part_idx[i_q, 0], i_f],
-                      oob_mode=nisa.oob_mode.skip)
+        k_part = nl.ndarray((ns, D), dtype=mm, buffer=nl.sbuf)
+        port.memset(k_part, 0, engine="gpsimd")
+        v_part = nl.ndarray((ns, D), dtype=mm, buffer=nl.sbuf)
+        port.memset(v_part, 0, engine="gpsimd")
+        port.dma_copy(k_part, port.rows(k_pos, part_idx), oob_skip=True)
+        port.dma_copy(v_part, port.rows(v_pos, part_idx), oob_skip=True)
         slot_row = nisa.iota(nl.arange(ns)[None, :], dtype=nl.float32)
         part_bias = nisa.tensor_scalar(slot_row, op0=nl.less, operand0=first[0:1],
                                        op1=np.multiply, operand1=NEG, dtype=_MASK_DTYPE)
@@ -986,8 +1037,9 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
     new_bias = _new_token_bias(tree_mask, T)
 
     for _, rt0, rows in _row_tiles(R, row_tile):
-        qT = _scaled_query_t(nl.load(q_rows[nl.ds(bh * R + rt0, rows), 0:D]), rows, D, n_dt,
-                             scale, mm)
+        q_nat = nl.ndarray((rows, D), dtype=q_rows.dtype, buffer=nl.sbuf)
+        port.dma_copy(q_nat, q_rows[nl.ds(bh * R + rt0, rows), 0:D])
+        qT = _scaled_query_t(q_nat, rows, D, n_dt, scale, mm)
         s_ps = nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
         s_ps[0:rows, 0:C] = nisa.nc_matmul(qT[0:min(PMAX, D), 0:rows], kT[0:min(PMAX, D), 0:C])
         for dt in nl.static_range(1, n_dt):
@@ -1053,8 +1105,8 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
         lse = nisa.tensor_tensor(m, log_l, op=np.add, dtype=nl.float32)
         if rm is not None and rm.sink is not None:
             o_sb, lse = _with_sink(o_sb, lse, rm.sink, rows)
-        nl.store(o_part[nl.ds(row0, rows), slot, 0:D], value=o_sb)
-        nl.store(lse_part[nl.ds(row0, rows), nl.ds(slot, 1)], value=lse)
+        port.dma_copy(o_part[nl.ds(row0, rows), slot, 0:D], o_sb)
+        port.dma_copy(lse_part[nl.ds(row0, rows), nl.ds(slot, 1)], lse)
 
 
 # ============================================================================================
@@ -1106,8 +1158,8 @@ def _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_
     valid = _valid_rows(cols, ipp, T, n, split_rows)         # (128, ipp)
     bs = nisa.tensor_copy(cols[0:PMAX, 0:2 * ipp], dtype=nl.int32, engine=nisa.vector_engine)
     idx = nl.ndarray((kr, (steps + 2) * g.n_kv), dtype=nl.int32, buffer=nl.sbuf)
-    idx[0:kr, steps * g.n_kv:(steps + 2) * g.n_kv] = nisa.memset(
-        (kr, 2 * g.n_kv), oob, dtype=nl.int32, engine=nisa.gpsimd_engine)   # dead steps
+    # the two dead steps the pipeline gathers last: every row out of bounds
+    port.memset(idx[0:kr, steps * g.n_kv:(steps + 2) * g.n_kv], oob, engine="gpsimd")
     if block_table is None:
         _split_row_indices(valid, bs, g, ipp, hpp, h0 * rows_bh, rows_bh, Hkv * rows_bh, oob,
                            idx)
@@ -1122,23 +1174,23 @@ def _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_
             operand1=NEG, dtype=_MASK_DTYPE)
     slopes = None
     if alibi:
-        slopes = nisa.memset((G, steps), 0.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
+        slopes = nl.ndarray((G, steps), dtype=nl.float32, buffer=nl.sbuf)
+        port.memset(slopes, 0.0, engine="gpsimd")
         for hh in nl.affine_range(hpp):
             _member_columns(alibi_slopes, bs, h0 + hh, G, ipp, slopes, hh * ipp)
     # the query rows of every step (padding items gather none: their rows stay 0)
     qs = []
     for _, rt0, rows in row_tiles:
         i_p = nl.arange(rows)[:, None]
-        q_keep = nisa.memset((rows, steps * D), 0, dtype=q_rows.dtype,
-                             engine=nisa.gpsimd_engine)
+        q_keep = nl.ndarray((rows, steps * D), dtype=q_rows.dtype, buffer=nl.sbuf)
+        port.memset(q_keep, 0, engine="gpsimd")
         for hh in nl.affine_range(hpp):
             q_idx = _int_tile([(bs[0:rows, 0:ipp], Hkv * R)], rows, ipp,
                               nisa.iota((h0 + hh) * R + rt0 + i_p + 0 * nl.arange(ipp)[None, :],
                                         dtype=nl.int32))
             for j in nl.affine_range(ipp):
-                nisa.dma_copy(dst=q_keep[0:rows, nl.ds((hh * ipp + j) * D, D)],
-                              src=q_rows[q_idx[i_p, j], nl.arange(D)[None, :]],
-                              oob_mode=nisa.oob_mode.skip)
+                port.dma_copy(q_keep[0:rows, nl.ds((hh * ipp + j) * D, D)],
+                              port.rows(q_rows, q_idx, j), oob_skip=True)
         qs.append(q_keep)
 
     # -- 2. splits ------------------------------------------------------------------------
@@ -1151,10 +1203,10 @@ def _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_
     kT = [nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
 
     def gather_k(t, b):
-        _gather_rows(k_rows, idx, t * g.n_kv, g, zeros, k_nat[b], nisa.vector_engine)
+        _gather_rows(k_rows, idx, t * g.n_kv, g, zeros, k_nat[b], "vector")
 
     def gather_v(t, b):
-        _gather_rows(v_rows, idx, t * g.n_kv, g, zeros, v_all[b], nisa.gpsimd_engine)
+        _gather_rows(v_rows, idx, t * g.n_kv, g, zeros, v_all[b], "gpsimd")
 
     def front(hh, j, b):
         """Step (hh, j)'s headers and the first half of each row tile (on ``kT[b]``)."""
@@ -1335,95 +1387,3 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
                      o_part, lse_part, mods, hg, w, B, Hkv, R, S, T, G, n, split_rows, pack,
                      row_tile, items_per_program, heads_per_program, scale, mm)
     return o_part, lse_part
-
-
-# ============================================================================================
-# Merge kernel
-# ============================================================================================
-@nki.jit
-def flash_decode_merge_kernel(o_part, lse_part, row_splits=None, out_dtype="bfloat16",
-                              rows_per_program=PMAX):
-    """Phase 2: merge the partials of every query row by LSE, in fp32 (seed 003).
-
-    Parameters
-    ----------
-    o_part : (>= N, S, D) float32;  lse_part : (>= N, S) float32
-        S partials per row (flash_decode_split_kernel's outputs).
-    row_splits : (N,) int32 or None
-        Split slots in use per row: slots ``row_splits[r] .. S - 2`` were never written and
-        are ignored (their contents are garbage); the last slot (the tail) is always used.
-        None: every slot is used.
-    out_dtype : dtype name of o (q's dtype).
-    rows_per_program : int <= 128
-
-    Grid ``(ceil(N / rows_per_program),)``; program i merges rows ``i * rows_per_program ...``.
-    A partial with lse = -inf weighs exp(-inf) = 0; a row whose every partial is empty
-    (impossible in decode: each new token sees itself) gets o = 0 and lse = -inf.
-
-    Returns
-    -------
-    o : (N, D) out_dtype;  lse : (N, 1) float32
-    """
-    N, S, D = o_part.shape
-    if row_splits is not None:
-        N = row_splits.shape[0]          # rows past it (the split kernel's trash) are ignored
-    o = nl.ndarray((N, D), dtype=_DTYPES[out_dtype], buffer=nl.shared_hbm)
-    lse = nl.ndarray((N, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-    i = nl.program_id(0)
-    n_full, last = divmod(N, rows_per_program)
-
-    def merge_rows(r0, rows):
-        lse_all = nl.load(lse_part[nl.ds(r0, rows), 0:S])
-        o_all = nl.load(o_part[nl.ds(r0, rows), 0:S, 0:D])
-        if row_splits is not None and S > 1:
-            # slot x < S - 1 holds a split partial iff x < row_splits[row]
-            # (compared as p + x < row_splits + p: iota needs the partition index p to span
-            # the partitions)
-            i_p = nl.arange(rows)[:, None]
-            used = nl.load(row_splits[nl.ds(r0, rows)], dtype=nl.float32)
-            limit = nisa.tensor_tensor(used, nisa.iota(i_p, dtype=nl.float32), op=np.add,
-                                       dtype=nl.float32)
-            slot = nisa.iota(i_p + nl.arange(S - 1)[None, :], dtype=nl.float32)
-            live = nisa.tensor_scalar(slot, op0=nl.less, operand0=limit, dtype=nl.uint8)
-            lse_all[0:rows, 0:S - 1] = nl.where(live, lse_all[0:rows, 0:S - 1], -np.inf,
-                                                dtype=nl.float32)
-            i_r = nl.arange(rows)[:, None, None]
-            i_x = nl.arange(S - 1)[None, :, None]
-            o_all[0:rows, 0:S - 1, 0:D] = nl.where(live[i_r, i_x], o_all[0:rows, 0:S - 1, 0:D],
-                                                   0.0, dtype=nl.float32)
-        m = nisa.tensor_reduce(np.max, lse_all, axis=(1,), keepdims=True)
-        # a finite shift even when every partial is empty: exp(-inf - shift) = 0
-        m = nisa.tensor_scalar(m, op0=np.maximum, operand0=tiles.DECODE_MERGE_M_FLOOR,
-                               dtype=nl.float32)
-        neg_m = nisa.activation(op=nl.copy, data=m, scale=-1.0, dtype=nl.float32)
-        den = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-        w = nisa.activation_reduce(op=np.exp, data=lse_all, reduce_op=np.add, reduce_res=den,
-                                   bias=neg_m, scale=1.0, dtype=nl.float32)
-        # the weighted sum over the partials: an NKI loop carrying acc (the split count grows
-        # with the cache length)
-        acc = nl.ndarray((rows, D), dtype=nl.float32, buffer=nl.sbuf)
-        acc[...] = nisa.activation(op=nl.copy, data=o_all[0:rows, 0, 0:D],
-                                   scale=w[0:rows, 0:1], dtype=nl.float32)
-        for x in nl.sequential_range(1, S):
-            acc[...] = nisa.scalar_tensor_tensor(data=o_all[0:rows, x, 0:D], op0=np.multiply,
-                                                 operand0=w[0:rows, nl.ds(x, 1)], op1=np.add,
-                                                 operand1=acc, dtype=nl.float32)
-        den_safe = nisa.tensor_scalar(den, op0=np.maximum, operand0=tiles.DECODE_MERGE_L_FLOOR,
-                                      dtype=nl.float32)
-        inv = nisa.reciprocal(den_safe)
-        nl.store(o[nl.ds(r0, rows), 0:D],
-                 value=nisa.activation(op=nl.copy, data=acc, scale=inv,
-                                       dtype=_DTYPES[out_dtype]))
-        log_den = nisa.activation(op=nl.log, data=den_safe, dtype=nl.float32)
-        total = nisa.tensor_tensor(m, log_den, op=np.add, dtype=nl.float32)
-        live = nisa.tensor_scalar(den, op0=nl.greater, operand0=0.0, dtype=nl.uint8)
-        nl.store(lse[nl.ds(r0, rows), 0:1], value=nl.where(live, total, -np.inf,
-                                                           dtype=nl.float32))
-
-    if last == 0:
-        merge_rows(i * rows_per_program, rows_per_program)
-    elif i == n_full:
-        merge_rows(n_full * rows_per_program, last)
-    else:
-        merge_rows(i * rows_per_program, rows_per_program)
-    return o, lse

@@ -169,15 +169,21 @@ class MaskSpec:
 # ============================================================================================
 
 
-def int_mod(x, n: int, dtype=nl.float32):
+def int_mod(x, n: int, dtype=None):
     """``x mod n`` of an fp32 tile of non-negative integers (``x n < 2^22``), without ``nl.mod``
     (issue "kernels that compile and run": an op to avoid on hardware): ``x - n q`` with ``q =
     RNE((x + 0.5) / n - 0.5)``, which is ``floor(x / n)`` because the argument stays within
-    ``0.5 - 0.5 / n`` of it. Three VectorE instructions."""
-    q = nisa.tensor_scalar(x, np.add, 0.5, op1=np.multiply, operand1=1.0 / n, dtype=nl.float32)
-    q = nisa.tensor_scalar(q, np.subtract, 0.5, dtype=nl.int32)
-    return nisa.scalar_tensor_tensor(data=q, op0=np.multiply, operand0=-float(n), op1=np.add,
-                                     operand1=x, dtype=dtype)
+    ``0.5 - 0.5 / n`` of it. Three VectorE instructions, into a new tile of ``dtype`` (default
+    fp32). Written against :mod:`nki_kernels.port` (either namespace)."""
+    pl = port.nl
+    shape = tuple(x.shape)
+    qf = pl.ndarray(shape, dtype=pl.float32, buffer=pl.sbuf)
+    port.tensor_scalar(qf, x, pl.add, 0.5, op1=pl.multiply, operand1=1.0 / n)
+    q = pl.ndarray(shape, dtype=pl.int32, buffer=pl.sbuf)
+    port.tensor_scalar(q, qf, pl.subtract, 0.5)
+    out = pl.ndarray(shape, dtype=pl.float32 if dtype is None else dtype, buffer=pl.sbuf)
+    port.scalar_tensor_tensor(out, q, pl.multiply, -float(n), pl.add, x)
+    return out
 
 
 def neg_row(n: int):

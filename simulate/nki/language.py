@@ -8,7 +8,7 @@ values, rules and cost are computed once. Pages cited below are the 2.33 docs:
 * migration: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/migration/index.html
 * simulator: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/guides/nki_simulator.html
 
-Not here yet: ``NkiTensor.view``/``.indirect``/``vector_select``/``ap(vector_offset=)``,
+Not here yet: ``NkiTensor.view``/``.indirect``/``vector_select``,
 ``shared_constant`` and ``device_print`` under their 0.7 names, ``dropout``/``rand``.
 """
 

@@ -36,6 +36,33 @@ def test_flash_decode_matches_reference_and_returns_lse():
     assert isinstance(host.flash_decode(q, k, v, cache_lens=lens), np.ndarray)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_nki_namespace_refuses_the_split_kernel(paged, monkeypatch):
+    """The split kernel is not ported to nki.* (per-partition indirect DMA): an explicit
+    NKI_FLASH_API=nki call says so, contiguous or paged; ``auto`` on trn2 runs the call through
+    the legacy namespace when that runs on the same backend (here: both simulated)."""
+    from nki_kernels import nki as binding
+
+    q, k, v = inputs()
+    lens = np.array([3, 101])
+    kw = {}
+    if paged:
+        (k, v), kw["block_table"] = reference.contiguous_to_paged(
+            (k, v), lens, 32, np.random.default_rng(1))
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    with pytest.raises(NotImplementedError, match=r"flash_decode .*nki\.\* namespace.*"
+                                                  r"vector_offset"):
+        host.flash_decode(q, k, v, cache_lens=lens, **kw)
+    if BACKEND == "simulate":
+        import simulate
+
+        monkeypatch.setenv(binding.API_ENV_VAR, "auto")
+        with simulate.measure(target="trn2") as m:
+            o = host.flash_decode(q, k, v, cache_lens=lens, lnc=1, **kw)
+        assert m.api == "legacy"
+        assert_within_rule(q, k, v, lens, o, table=kw.get("block_table"))
+
+
 def test_flash_decode_accepts_lists_and_tree_masks():
     q, k, v = inputs(T=4, S_max=64)
     tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 1, 1]], dtype=bool)

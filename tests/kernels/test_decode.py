@@ -1,5 +1,6 @@
-"""Split-KV flash decoding kernels (nki_kernels/attention/decode.py) through the active backend's
-``nki.simulate_kernel``, against the float64 references of host/reference.py.
+"""Split-KV flash decoding kernels (nki_kernels/attention/decode.py, decode_merge.py) through the
+active backend's simulator, against the float64 references of host/reference.py (the split
+kernel through the legacy namespace, the only one it supports; the merge through both).
 
 Tolerance (docs/semantics.md, FlashAttention's rule): the max abs error of o against
 ``reference.decode`` is at most ``2 * err(decode_baseline_lowp) + floor`` (floor 1e-5 for fp32
@@ -17,7 +18,9 @@ import pytest
 from host import reference
 from host.api import decode_work_list, flash_decode_hbm_bytes
 from nki_kernels import tiles
+from host._launch import launch
 from nki_kernels.attention import decode as dk
+from nki_kernels.attention import decode_merge as merge
 from nki_kernels.nki import BACKEND, nki
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -92,12 +95,13 @@ def run_phase1(q, k, v, lens, t, scale, mm, tree=None, work=None, per_program=1)
         items_per_program=per_program, heads_per_program=per_head)
 
 
-def run_merge(o_part, lse_part, row_splits, out_dtype):
+def run_merge(o_part, lse_part, row_splits, out_dtype, api="legacy"):
+    """The merge kernel through ``api``: legacy on its grid of row tiles, nki.* as
+    ``kernel[1]``."""
     N = o_part.shape[0] if row_splits is None else row_splits.shape[0]
-    return nki.simulate_kernel(
-        dk.flash_decode_merge_kernel[tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS)], o_part,
-        lse_part, row_splits, out_dtype=np.dtype(out_dtype).name,
-        rows_per_program=tiles.DECODE_MERGE_ROWS)
+    grid = (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),) if api == "legacy" else (1,)
+    return launch(merge.flash_decode_merge_kernel.on(api), grid, o_part, lse_part, row_splits,
+                  out_dtype=np.dtype(out_dtype).name, rows_per_program=tiles.DECODE_MERGE_ROWS)
 
 
 def decode(q, k, v, lens, *, scale=None, tree=None, num_splits=None, mixed_precision=True):
@@ -413,6 +417,85 @@ def test_merge_kernel_single_partial():
     assert o.dtype == BF16
     assert reference.max_abs_err(o, o_tail[:, 0]) < 1e-2
     assert reference.max_abs_err(lse, lse_tail) < 1e-6
+
+
+def _merge_inputs(rng, N, S, D, used=False):
+    """Random partials, some empty (lse = -inf); with ``used``, per-row split counts and
+    garbage (NaN o, +inf lse) in the slots past them."""
+    o_parts = rng.standard_normal((N, S, D)).astype(np.float32)
+    lse_parts = (rng.standard_normal((N, S)) * 5).astype(np.float32)
+    lse_parts[rng.random((N, S)) < 0.3] = -np.inf
+    o_parts[lse_parts == -np.inf] = 0.0
+    splits = None
+    if used:
+        splits = rng.integers(0, S, size=N).astype(np.int32)
+        for r in range(N):
+            o_parts[r, splits[r]:S - 1] = np.nan
+            lse_parts[r, splits[r]:S - 1] = np.inf
+    return o_parts, lse_parts, splits
+
+
+@needs_measure
+@pytest.mark.parametrize("N,S,D,used,out", [(200, 5, 48, True, BF16), (128, 1, 16, False, F32),
+                                            (300, 3, 128, False, F16)])
+def test_merge_kernel_nki_matches_legacy(N, S, D, used, out):
+    """Through nki.* (kernel[1]: one program looping over the row tiles) the merge gives the
+    legacy grid's outputs bit for bit (the same instructions per row tile; the masking of
+    unused slots is a predicated copy instead of nl.where) and reads and writes the same HBM
+    bytes."""
+    import simulate
+
+    o_parts, lse_parts, splits = _merge_inputs(np.random.default_rng(N + S), N, S, D, used)
+    runs = {}
+    for api in ("legacy", "nki"):
+        with simulate.measure(target="trn2") as m:
+            runs[api] = run_merge(o_parts, lse_parts, splits, out, api=api), m
+        assert m.api == api
+    (o0, lse0), m0 = runs["legacy"]
+    (o1, lse1), m1 = runs["nki"]
+    assert o1.dtype == out
+    assert np.array_equal(np.asarray(o0, np.float32), np.asarray(o1, np.float32))
+    assert np.array_equal(lse0, lse1)
+    assert (m0.hbm_bytes_read, m0.hbm_bytes_written) == (m1.hbm_bytes_read, m1.hbm_bytes_written)
+
+
+@needs_measure
+@pytest.mark.parametrize("api", ["legacy", "nki"])
+def test_merge_kernel_program_flat_in_splits(api):
+    """The sum over the partials is a compiled loop (their count grows with the cache length)
+    and under nki.* so is the walk over the row tiles: the same program at 3 and 40 slots
+    (a decode cache about 13x longer) and at 2 and 9 row tiles."""
+    from host._launch import program_size
+
+    sizes = set()
+    for N, S in ((200, 3), (1100, 40)):
+        o_parts, lse_parts, splits = _merge_inputs(np.random.default_rng(S), N, S, 64, True)
+        grid = (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),) if api == "legacy" else (1,)
+        sizes.add(program_size(merge.flash_decode_merge_kernel.on(api), grid, o_parts,
+                               lse_parts, splits, out_dtype="bfloat16",
+                               rows_per_program=tiles.DECODE_MERGE_ROWS))
+    assert len(sizes) == 1, sizes
+
+
+@needs_measure
+def test_decode_program_flat_in_cache_length(monkeypatch):
+    """Legacy (the split kernel's only namespace so far): the same programs for an 8K and a
+    16K cache (more splits and work items, the same compiled loops)."""
+    import host
+    import simulate
+    from nki_kernels import nki as binding
+
+    monkeypatch.setenv(binding.API_ENV_VAR, "legacy")
+    sizes = []
+    for S in (8192, 16384):
+        rng = np.random.default_rng(S)
+        q = rng.standard_normal((1, 1, 1, 64)).astype(BF16)
+        cache = rng.standard_normal((1, 1, S, 64)).astype(BF16)
+        with simulate.measure(target="trn2") as m:
+            host.flash_decode(q, cache, cache, cache_lens=np.array([S]), lnc=1)
+        assert m.api == "legacy"
+        sizes.append(m.program_instructions_per_kernel)
+    assert sizes[0] == sizes[1], sizes
 
 
 # --------------------------------------------------------------------------------------------

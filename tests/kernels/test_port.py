@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(binding.BACKEND != "simulate",
 
 #: Modules written against nki_kernels.port (no namespace imported directly).
 PORTED = ["fused/softmax.py", "fused/linear_gelu.py", "fused/_onchip.py",
-          "attention/unfused.py", "attention/forward.py", "attention/score_mods.py"]
+          "attention/unfused.py", "attention/forward.py", "attention/score_mods.py",
+          "attention/decode_merge.py"]
 
 
 def _run(api, monkeypatch, x, target="trn2", **kw):
@@ -126,6 +127,58 @@ def test_ported_modules_import_no_namespace(rel):
     bad = [m for m in mods if m.split(".")[0] in ("neuronxcc", "nki", "simulate")
            or m == "nki_kernels.nki"]
     assert not bad, f"{rel} imports {bad}"
+
+
+@port.jit
+def _gather_scatter_kernel(table, rows_idx):
+    """Rows ``rows_idx[p]`` of ``table`` gathered (out-of-range ones skipped: they stay -1),
+    then scattered into a copy of ``table`` as ``row + 100`` (the out-of-range ones skipped)."""
+    from nki_kernels.port import nl
+
+    P, F = rows_idx.shape[0], table.shape[1]
+    idx = nl.ndarray((P, 2), dtype=nl.int32, buffer=nl.sbuf)
+    port.dma_copy(idx, rows_idx)
+    got = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.sbuf)
+    port.memset(got, -1.0)
+    port.dma_copy(got, port.rows(table, idx, 1), oob_skip=True)
+    gathered = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.shared_hbm)
+    port.dma_copy(gathered, got)
+    out = nl.ndarray(table.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+    whole = nl.ndarray(table.shape, dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(whole, table)
+    port.dma_copy(out, whole)
+    port.tensor_scalar(got, got, op0=nl.add, operand0=100.0)
+    port.dma_copy(port.rows(out, idx, 1), got, oob_skip=True)
+    return gathered, out
+
+
+def test_rows_gather_and_scatter_through_both_namespaces(monkeypatch):
+    """port.rows: an index-tile subscript in legacy, .ap(vector_offset=) in 0.7; the same
+    rows gathered and scattered (out-of-range indices skipped), the same HBM bytes,
+    instructions and estimate."""
+    import simulate
+
+    table = np.arange(40 * 24, dtype=np.float32).reshape(40, 24)
+    idx = np.stack([np.zeros(64), np.random.default_rng(2).integers(0, 48, 64)], 1)
+    idx = idx.astype(np.int32)
+    keep = idx[:, 1] < 40
+    runs = {}
+    for api in ("legacy", "nki"):
+        with simulate.measure(target="trn2") as m:
+            runs[api] = launch(_gather_scatter_kernel.on(api), (1,), table, idx), m
+        assert m.api == api
+    (g0, o0), m0 = runs["legacy"]
+    (g1, o1), m1 = runs["nki"]
+    exp = np.full((64, 24), -1.0, np.float32)
+    exp[keep] = table[idx[keep, 1]]
+    np.testing.assert_array_equal(g0, exp)
+    exp_out = table.copy()
+    exp_out[idx[keep, 1]] = table[idx[keep, 1]] + 100.0
+    np.testing.assert_array_equal(o0, exp_out)
+    np.testing.assert_array_equal(g1, g0)
+    np.testing.assert_array_equal(o1, o0)
+    assert (m0.hbm_bytes_read, m0.hbm_bytes_written) == (m1.hbm_bytes_read, m1.hbm_bytes_written)
+    assert m0.instructions == m1.instructions and m0.estimated_seconds == m1.estimated_seconds
 
 
 def test_port_loop_outside_a_trace_is_legacy():

@@ -167,6 +167,116 @@ def test_runtime_offset_read_is_a_dependence(nk):
     assert m.estimated_seconds > 0
 
 
+def test_vector_offset_gather_and_scatter(nk):
+    """``.ap(pattern=[[F, P], [1, F]], vector_offset=idx, indirect_dim=0)`` (nisa.dma_copy's
+    "Vector indirection"): a per-partition row gather on src and scatter on dst, rows out of
+    range skipped with oob_mode.skip (the gathered rows stay as they were, the scattered ones
+    unwritten), the same numerics and DMA cost as legacy's ``t[idx[i_p, 0], i_f]``."""
+    nki, nl, nisa = nk
+    data = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)
+    rows = np.array([[7], [0], [12], [3]], np.int32)          # 12: past the 10 rows
+
+    def k(a, i):
+        it = nl.ndarray((4, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=it, src=i)
+        got = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=got, value=-1.0)
+        # columns 1..4 of the indexed rows: offset 1, the free pattern within a row
+        src = a.ap(pattern=[[6, 4], [1, 4]], offset=1, vector_offset=it, indirect_dim=0)
+        assert src.shape == (4, 4)
+        nisa.dma_copy(dst=got, src=src, oob_mode=nisa.oob_mode.skip)
+        out = nl.ndarray((10, 6), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=a)
+        vals = nl.ndarray((4, 6), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=vals, value=5.0)
+        nisa.dma_copy(dst=out.ap(pattern=[[6, 4], [1, 6]], vector_offset=it, indirect_dim=0),
+                      src=vals, oob_mode=nisa.oob_mode.skip)
+        return _copy_out(nl, nisa, got, (4, 4)), out
+
+    with simulate.measure(target="trn2") as m:
+        got, out = _run(nki, k, data, rows)
+    np.testing.assert_array_equal(got, [data[7, 1:5], data[0, 1:5], [-1.0] * 4, data[3, 1:5]])
+    exp = data.copy()
+    exp[[7, 0, 3]] = 5.0
+    np.testing.assert_array_equal(out, exp)
+    # the skipped row is neither read nor written: the index (4 int32), 3 rows of 4 and the
+    # copy of a (60) read; a (60), 3 rows of 6 and got (16) written
+    assert m.hbm_bytes_read == 4 * (4 + 3 * 4 + 60)
+    assert m.hbm_bytes_written == 4 * (60 + 3 * 6 + 16)
+    with pytest.raises(IndexError):
+        _run(nki, lambda a, i: _gather_all(nl, nisa, a, i), data, rows)
+
+
+def test_vector_offset_costs_what_legacy_indexing_does(nk):
+    """A gather through ``.ap(vector_offset=)`` measures as legacy's ``t[idx[i_p, 0], i_f]``:
+    the same bytes, DMA transfers, instructions and estimate."""
+    nki, nl, nisa = nk
+    from simulate import isa as lisa, language as lnl
+    data = np.arange(300 * 64, dtype=np.float32).reshape(300, 64)
+    rows = np.random.default_rng(0).permutation(300)[:128].reshape(128, 1).astype(np.int32)
+
+    def k(a, i):
+        it = nl.ndarray((128, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=it, src=i)
+        got = nl.ndarray((128, 64), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=got, src=a.ap(pattern=[[64, 128], [1, 64]], vector_offset=it,
+                                         indirect_dim=0))
+        return _copy_out(nl, nisa, got, (128, 64))
+
+    @simulate.jit
+    def leg(a, i):
+        it = lnl.ndarray((128, 1), lnl.int32, buffer=lnl.sbuf)
+        lisa.dma_copy(dst=it, src=i)
+        got = lnl.ndarray((128, 64), lnl.float32, buffer=lnl.sbuf)
+        lisa.dma_copy(dst=got, src=a[it[lnl.arange(128)[:, None], 0], lnl.arange(64)[None, :]])
+        out = lnl.ndarray((128, 64), lnl.float32, buffer=lnl.shared_hbm)
+        lisa.dma_copy(dst=out, src=got)
+        return out
+
+    with simulate.measure(target="trn2") as m1:
+        r1 = _run(nki, k, data, rows)
+    with simulate.measure(target="trn2") as m2:
+        r2 = leg(data, rows)
+    np.testing.assert_array_equal(r1, data[rows[:, 0]])
+    np.testing.assert_array_equal(r1, r2)
+    assert (m1.hbm_bytes_read, m1.hbm_bytes_written) == (m2.hbm_bytes_read, m2.hbm_bytes_written)
+    assert m1.instructions == m2.instructions
+    assert m1.estimated_seconds == m2.estimated_seconds
+
+
+def _gather_all(nl, nisa, a, i):
+    """A gather of whole rows with the default oob_mode.error."""
+    it = nl.ndarray((4, 1), nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=it, src=i)
+    got = nl.ndarray((4, 6), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=got, src=a.ap(pattern=[[6, 4], [1, 6]], vector_offset=it, indirect_dim=0))
+    return _copy_out(nl, nisa, got, (4, 6))
+
+
+def test_vector_offset_refusals(nk):
+    nki, nl, nisa = nk
+    data = np.zeros((10, 6), np.float32)
+
+    def k(a, bad):
+        it = nl.ndarray((4, 1), nl.int32, buffer=nl.sbuf)
+        nisa.memset(dst=it, value=0)
+        sb = nl.ndarray((4, 6), nl.float32, buffer=nl.sbuf)
+        cases = {
+            "on chip": lambda: sb.ap([[6, 4], [1, 6]], vector_offset=it),
+            "partition walk": lambda: a.ap([[1, 4], [1, 6]], vector_offset=it),
+            "beyond one": lambda: a.ap([[6, 4], [1, 8]], vector_offset=it),
+            "mutually": lambda: a.ap([[6, 4], [1, 6]], vector_offset=it, scalar_offset=it),
+        }
+        view = cases[bad]
+        view()
+        return a
+
+    for bad, err in (("on chip", ValueError), ("partition walk", ValueError),
+                     ("beyond one", NotImplementedError), ("mutually", ValueError)):
+        with pytest.raises(err, match="must be in HBM|partition walk|beyond one|mutually"):
+            _run(nki, k, data, bad)
+
+
 def test_nki_scalar_width_and_refusals():
     s = _scalar.NkiScalar(100000)
     assert (s * 100000).v == 1410065408                          # 32-bit wrap (NkiScalar page)
