@@ -456,7 +456,7 @@ def _vector_indirect(t, pattern, offset, idx, indirect_dim):
     ``t2[idx[i_p, 0], i_f]`` of the rows view ``t2``), so gathers and scatters share the
     legacy DMA's numerics, bounds handling and cost. The free pattern must stay within one
     row (``0 <= f < t.strides[d]``), as every documented use does."""
-    from . import _index, _tensor
+    from . import _index
 
     if _onchip(t):
         raise _err(t, "ap(vector_offset=): the indexed tensor must be in HBM "
@@ -494,7 +494,7 @@ def _vector_indirect(t, pattern, offset, idx, indirect_dim):
         ax = _index.arange(n)[(None,) + tuple(slice(None) if j == k else None
                                               for j in range(len(free)))] * s
         expr = ax if expr is None else expr + ax
-    return _tensor.Tensor.__getitem__(rows, (idx, expr))
+    return _T.Tensor.__getitem__(rows, (idx, expr))
 
 
 def ap(t, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0,
