@@ -25,9 +25,9 @@ Where the work runs
   through ``view(torch.int16)`` and ``ml_dtypes.bfloat16`` (NumPy has no bfloat16).
   Non-contiguous tensors are copied to contiguous ones first.
 * **XLA tensors** (``tensor.device.type == "xla"``, torch-neuronx) call the ``@nki.jit`` kernels
-  directly on the device tensors (torch-neuronx >= 2.20.1 convention: the kernel is launched
-  with its SPMD grid, allocates its outputs in HBM and returns them; it becomes one custom call
-  in the XLA graph). **This path is untested: it needs a Trainium host.** See
+  directly on the device tensors (torch-neuronx convention: the kernel is launched with its
+  SPMD grid in the legacy namespace, ``kernel[lnc]`` under ``nki.*``, allocates its outputs in
+  HBM and returns them; it becomes one custom call in the XLA graph). **This path is untested: it needs a Trainium host.** See
   :class:`_XlaKernels`.
 * Any other device raises.
 
@@ -262,17 +262,21 @@ class _HostKernels:
 class _XlaKernels:
     """XLA tensors (torch-neuronx): the ``@nki.jit`` kernels called directly on device tensors.
 
-    **Untested: it needs a Trainium host with torch-neuronx and neuronx-cc 2.20 - 2.24.**
-    Written to the torch-neuronx convention of Neuron SDK >= 2.20.1 (reference/ecosystem.md
-    §1): ``kernel[grid](*xla_tensors, **compile_time_options)`` traces the kernel into one
-    ``AwsNeuronCustomNativeKernel`` custom call of the XLA graph; the kernel allocates its outputs
-    in HBM (``nl.shared_hbm``) and returns them. The kernels take the standard ``(B, H, N, D)``
-    layout, so no permutes are needed on the host.
+    **Untested: it needs a Trainium host with torch-neuronx** (and neuronx-cc 2.20 - 2.24 for
+    the legacy namespace, or Neuron SDK 2.30+ with AWS's ``nki`` for ``nki.*``). Written to the
+    torch-neuronx convention (reference/ecosystem.md §1): ``kernel[grid](*xla_tensors,
+    **compile_time_options)`` traces the kernel into one ``AwsNeuronCustomNativeKernel`` custom
+    call of the XLA graph; the kernel allocates its outputs in HBM (``nl.shared_hbm``) and
+    returns them. The kernels take the standard ``(B, H, N, D)`` layout, so no permutes are
+    needed on the host.
 
-    * forward: the launch the NumPy API makes, from :func:`host.api.plan_attention_forward`
-      (``flash_attention_fwd`` on the grid ``(B, Hkv)`` with its compile-time options and
-      tiles), called on the device tensors with ``kv_lens``/``q_lens`` as (B,) int32 device
-      tensors (the planner's default SBUF budget is trn1's, a tiling that also fits trn2).
+    * forward: the launch the NumPy API makes, from :func:`host.api.plan_attention_forward`,
+      in the namespace it selected (``NKI_FLASH_API``): legacy ``flash_attention_fwd[(B,
+      Hkv)]`` (SPMD grid), or under ``nki.*`` ``flash_attention_fwd[lnc]`` as SDK 2.33 launches
+      (the kernel walks (batch, kv head) itself, :func:`nki_kernels.port.for_programs`), with
+      its compile-time options and tiles, called on the device tensors with
+      ``kv_lens``/``q_lens`` as (B,) int32 device tensors (the planner's default SBUF budget is
+      trn1's, a tiling that also fits trn2).
     * backward: likewise from :func:`host.api.plan_attention_backward` (``flash_attn_bwd`` on
       ``(B, Hkv)``), with the same (B,) int32 device length tensors: the compiled kernels depend
       on shapes and options only, so a new set of lengths (every step of padded training) does
