@@ -88,8 +88,7 @@ this module:
 - **Random numbers** (:func:`random_seed`, :func:`dropout`): ``nl.random_seed`` /
   ``nisa.dropout`` in legacy, ``nisa.set_rng_seed`` / ``nisa.dropout`` (``dst`` form) in 0.7.
 
-Not covered yet: ``par_dim`` block dimensions, indirect DMA (``.ap(vector_offset=)``, not in
-the simulator's 0.7 front end), loop-carried Python values.
+Not covered yet: ``par_dim`` block dimensions, loop-carried Python values.
 """
 from __future__ import annotations
 
@@ -229,14 +228,15 @@ def dma_copy(dst, src, mask=None, legacy_isa=False, oob_skip=False):
         ns.nl.store(dst, value=src, mask=mask)
 
 
-def rows(t, idx, col=0):
+def rows(t, idx, col=0, n=None):
     """Rows ``idx[p, col]`` of the 2-D HBM tensor ``t`` ``(R, F)``, one per partition p of the
-    int32 SBUF index tile ``idx``: a ``(P, F)`` indirect access for :func:`dma_copy` (a gather
-    as ``src``, a scatter as ``dst``; ``oob_skip`` skips rows outside ``[0, R)``). ``col`` an
-    int or a loop index. Legacy: the index-tile subscript ``t[idx[i_p, col], i_f]``; 0.7:
-    ``t.ap([[F, P], [1, F]], vector_offset=idx[:, col], indirect_dim=0)``."""
+    int32 SBUF index tile ``idx`` (its first ``n`` partitions; default all): a ``(P, F)``
+    indirect access for :func:`dma_copy` (a gather as ``src``, a scatter as ``dst``;
+    ``oob_skip`` skips rows outside ``[0, R)``). ``col`` an int or a loop index. Legacy: the
+    index-tile subscript ``t[idx[i_p, col], i_f]``; 0.7: ``t.ap([[F, P], [1, F]],
+    vector_offset=idx[:, col], indirect_dim=0)``."""
     ns = current()
-    P, F = idx.shape[0], t.shape[1]
+    P, F = (idx.shape[0] if n is None else n), t.shape[1]
     if ns.api == "nki":
         return t.ap(pattern=[[F, P], [1, F]], offset=0,
                     vector_offset=idx[0:P, ns.nl.ds(col, 1)], indirect_dim=0)

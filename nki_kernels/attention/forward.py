@@ -140,8 +140,11 @@ differ:
 - *dropout*: the unit numbers that seed each 128 x 128 unit's draw are loop-index
   expressions; 0.7 reads the indices from a table (:class:`port.OffsetColumns`) and combines
   them on VectorE (fp32-exact below 2^24 units); ``nisa.set_rng_seed`` seeds the draw;
-- *runtime lengths* (indirect-DMA gathers) are legacy only so far (NotImplementedError under
-  nki.*).
+- *runtime lengths*: the gathers and scatters are indirect DMAs (:func:`port.rows`: an
+  index-tile subscript in legacy, ``.ap(vector_offset=)`` in 0.7); the flat HBM rows of a
+  program's sequence are loop-index expressions, which 0.7 reads from a table
+  (:class:`port.OffsetColumns`, fp32-exact below 2^24 rows). With dropout or ALiBi (the
+  key-length mask row) they are legacy only so far (NotImplementedError under nki.*).
 """
 from __future__ import annotations
 
@@ -603,7 +606,9 @@ def length_tables(f: _Instance, kv_lens, q_lens):
     :meth:`_Instance.q_col`; store only when the rows are rotated) and ``k_load`` (column =
     128-key block; keys are only read). Padding positions get out-of-bounds load indices: the
     ``oob_mode.skip`` gathers never read them. With ``kv_lens`` also the key mask's fill
-    (:func:`edge_key_fill`). Legacy namespace only (indirect DMA: :func:`flash_attention_fwd`)."""
+    (:func:`edge_key_fill`). Either namespace: the flat rows of the sequence depend on the
+    program's indices, a linear form 0.7 reads from ``f.indices`` (fp32: below 2^24 rows,
+    :func:`flash_attention_fwd`), and the gathers are :func:`port.rows` accesses."""
     # dropout sums P from the exp and ALiBi could lift a padding key's score above the edge
     # key's, so with either padding keys are masked on the scores (key rows)
     key_mask = (bool(f.dropout_p) or f.mods.alibi) and kv_lens is not None
@@ -615,17 +620,25 @@ def length_tables(f: _Instance, kv_lens, q_lens):
     f.v_rows = f.v.reshape((f.B * f.Hkv * f.Nk, f.D))
     if f.rt.has_q:
         per_head = T.ceil_div(f.Nq, f.tiles.q_tile)
-        runs = [(h * per_head, per_head, (f.b * f.Hq + f.g * f.G + h) * f.Nq, 0)
+        runs = [(h * per_head, per_head,
+                 [(f.b, f.Hq * f.Nq), (f.g, f.G * f.Nq), (h, f.Nq)], 0)
                 for h in T.unrolled(f.G)]
-        rows, pos = M.position_table(runs, f.G * per_head, stride=f.tiles.q_tile)
+        rows, pos = M.position_table(runs, f.G * per_head, stride=f.tiles.q_tile,
+                                     offsets=f.indices)
         f.q_valid = f.rt.valid(pos, keys=False)
         f.q_load, f.q_store = f.rt.index_table(rows, pos, f.B * f.Hq * f.Nq, keys=False,
                                                valid=f.q_valid)
     if f.rt.has_k:
         n = T.ceil_div(f.Nk, T.PMAX)
-        rows, pos = M.position_table([(0, n, (f.b * f.Hkv + f.g) * f.Nk, 0)], n)
+        rows, pos = M.position_table([(0, n, _key_rows0(f), 0)], n, offsets=f.indices)
         f.k_load, _ = f.rt.index_table(rows, pos, f.B * f.Hkv * f.Nk, keys=True)
         f.k_fill = edge_key_fill(f)
+
+
+def _key_rows0(f: _Instance):
+    """The flat row of key 0 of this program's sequence in ``(B Hkv Nk, D)`` views of k and v,
+    ``(b Hkv + g) Nk``, as a linear form of the program's indices (:func:`port.iota`)."""
+    return [(f.b, f.Hkv * f.Nk), (f.g, f.Nk)]
 
 
 def edge_key_fill(f: _Instance):
@@ -645,7 +658,7 @@ def edge_key_fill(f: _Instance):
     row (``D`` elements read) per program. Caveat: the edge key is valid data, so a NaN/inf in
     it also reaches the rows that see only padding keys (finite inputs: no effect)."""
     P, D = T.PMAX, f.D
-    idx = f.rt.edge_key_index((f.b * f.Hkv + f.g) * f.Nk, f.B * f.Hkv * f.Nk)
+    idx = f.rt.edge_key_index(_key_rows0(f), f.B * f.Hkv * f.Nk, offsets=f.indices)
     row = nl.ndarray((1, D), dtype=f.k.dtype, buffer=nl.sbuf)
     port.memset(row, 0.0, engine="gpsimd")
     M.gather_rows(row, f.k_rows, idx, 0, 1, D)
@@ -785,8 +798,9 @@ def load_kv(f: _Instance, cb, n: int) -> _KV:
         port.memset(v[:, :, D:D + 1], 1.0, engine="gpsimd")
     else:
         key = nl.ndarray((P, nblk, 1), dtype=nl.float32, buffer=nl.sbuf)
-        port.iota(key, [[P, nblk], [1, 1]], channel_multiplier=1, runtime=cb * P)
-        v[:, :, D:D + 1] = f.rt.valid(key, keys=True, dtype=f.mm)
+        port.iota(key, [[P, nblk], [1, 1]], channel_multiplier=1, runtime=[(cb, P)],
+                  offsets=f.indices)
+        f.rt.valid(key, keys=True, dst=v[:, :, D:D + 1])
     LB = f.tiles.kv_load_block
     per = LB // P
 
@@ -1425,18 +1439,25 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     and ``sinks`` (HBM ``(Hq,)`` float32: one more logit per head with a zero value; a row
     without visible keys then has ``lse = sink``, padding rows keep -inf).
 
-    Not yet through nki.* (NotImplementedError there): ``kv_lens``/``q_lens`` (their gathers
-    are indirect DMAs, which the simulator's 0.7 front end lacks), and dropout with ``B Hq
-    ceil(Nq / 128) ceil(Nk / 128) >= 2^24`` units (0.7 computes the unit numbers in fp32).
+    Not yet through nki.* (NotImplementedError there): ``kv_lens``/``q_lens`` with dropout or
+    ALiBi (the key-length mask row, :meth:`masks.RuntimeLengths.key_mask_row`) or with ``B Hq
+    Nq`` or ``B Hkv Nk >= 2^24`` (0.7 computes the gathers' flat rows in fp32), and dropout
+    with ``B Hq ceil(Nq / 128) ceil(Nk / 128) >= 2^24`` units (0.7 computes the unit numbers
+    in fp32).
     """
     tiles = T.ForwardTiles() if tiles is None else tiles
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
     if lnc not in (1, 2):
         raise ValueError(f"lnc: expected 1 or 2, got {lnc!r}")
-    if kv_lens is not None or q_lens is not None:
-        port.refuse_in_nki("flash_attention_fwd with kv_lens/q_lens (indirect-DMA gathers)")
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    lens = kv_lens is not None or q_lens is not None
+    if lens and (dropout_p or mods.alibi):
+        port.refuse_in_nki("flash_attention_fwd with kv_lens/q_lens and dropout or ALiBi "
+                           "(the key-length mask row)")
+    if lens and max(B * Hq * Nq, B * Hkv * Nk) >= T.FP32_EXACT_INT:
+        port.refuse_in_nki(f"flash_attention_fwd with kv_lens/q_lens over "
+                           f"{max(B * Hq * Nq, B * Hkv * Nk)} >= 2^24 rows (fp32 row numbers)")
     n_units = B * Hq * T.ceil_div(Nq, T.PMAX) * T.ceil_div(Nk, T.PMAX)
     if dropout_p and n_units >= T.FP32_EXACT_INT:
         port.refuse_in_nki(f"flash_attention_fwd with dropout over {n_units} >= 2^24 units "
@@ -1453,9 +1474,11 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     offsets = (port.OffsetColumns(-T.ceil_div(Nq, T.PMAX) * T.PMAX,
                                   T.ceil_div(Nq, T.PMAX) + T.ceil_div(Nk, T.PMAX) + 1, T.PMAX)
                if spec.has_diag or mods.alibi else None)
-    # loop indices (batch, heads, query tiles, key units) as data: dropout's unit numbers
+    # loop indices (batch, heads, query tiles, key units) as data: dropout's unit numbers, the
+    # flat rows of the length gathers
     indices = (port.OffsetColumns(0, max(B, Hkv, Hq, T.ceil_div(Nq, T.PMAX),
-                                         T.ceil_div(Nk, T.PMAX)), 1) if dropout_p else None)
+                                         T.ceil_div(Nk, T.PMAX)), 1)
+               if dropout_p or lens else None)
 
     def instance(b, g):
         forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slopes,

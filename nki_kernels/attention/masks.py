@@ -33,9 +33,11 @@ serves every set of lengths; :class:`RuntimeLengths`):
   values, so these apply to every tile the band allows.
 
 Masked scores become ``MASK_NEG`` (finite, see ``tiles.FWD_MASK_NEG``). The helpers the forward
-uses (:func:`broadcast_row`, :func:`zero_non_finite`, :func:`store_rows` without a scatter) are
-written against :mod:`nki_kernels.port` and trace through either namespace; the runtime-length
-machinery (:class:`RuntimeLengths`, gathers and scatters) is legacy only so far.
+uses (:func:`broadcast_row`, :func:`zero_non_finite`, :func:`load_lengths`,
+:func:`position_table`, :func:`gather_rows`, :func:`store_rows`, :class:`RuntimeLengths` but
+its key-mask row) are written against :mod:`nki_kernels.port` and trace through either
+namespace (the gathers and scatters: :func:`port.rows`); :func:`neg_row`,
+:func:`key_length_row` (:meth:`RuntimeLengths.key_mask_row`) are legacy only so far.
 """
 from __future__ import annotations
 
@@ -236,19 +238,23 @@ def load_lengths(kv_lens, q_lens, b, nk: int, nq: int):
     key-mask row) and ``[128, 2]`` = (kv_len, q_len) on every partition (for per-row thresholds).
     A missing length (None) is its padded size (``nk`` or ``nq``). The partition broadcast is a
     K=1 matmul of a ones row (exact for integers in fp32). Returns ``(raw [1, 2], lens_p)``.
-    The SBUF-only steps run on GpSimd, which attention kernels leave mostly idle."""
-    raw = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
+    The SBUF-only steps run on GpSimd, which attention kernels leave mostly idle. Written
+    against :mod:`nki_kernels.port` (either namespace; ``b`` an int or a loop index)."""
+    pl = port.nl
+    raw = pl.ndarray((1, 2), dtype=pl.float32, buffer=pl.sbuf)
     for col, arr, full in ((0, kv_lens, nk), (1, q_lens, nq)):
         if arr is None:
-            raw[0:1, col:col + 1] = nisa.memset((1, 1), float(full), dtype=nl.float32,
-                                                engine=nisa.gpsimd_engine)
+            port.memset(raw[0:1, col:col + 1], float(full), engine="gpsimd")
         else:
-            raw[0:1, col:col + 1] = nisa.tensor_copy(nl.load(arr[nl.ds(b, 1)]),
-                                                     dtype=nl.float32, engine=nisa.gpsimd_engine)
-    ones = nisa.memset((1, T.PMAX), 1.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
-    bcast = nl.ndarray((T.PMAX, 2), dtype=nl.float32, buffer=nl.psum)
-    bcast[...] = nisa.nc_matmul(ones, raw)
-    lens_p = nisa.tensor_copy(bcast, dtype=nl.float32)
+            length = pl.ndarray((1, 1), dtype=pl.int32, buffer=pl.sbuf)
+            port.dma_copy(length, arr.reshape((arr.shape[0], 1))[pl.ds(b, 1), 0:1])
+            port.tensor_copy(raw[0:1, col:col + 1], length, engine="gpsimd")
+    ones = pl.ndarray((1, T.PMAX), dtype=pl.float32, buffer=pl.sbuf)
+    port.memset(ones, 1.0, engine="gpsimd")
+    bcast = pl.ndarray((T.PMAX, 2), dtype=pl.float32, buffer=pl.psum)
+    port.nc_matmul(bcast, ones, raw)
+    lens_p = pl.ndarray((T.PMAX, 2), dtype=pl.float32, buffer=pl.sbuf)
+    port.tensor_copy(lens_p, bcast)
     return raw, lens_p
 
 
@@ -289,42 +295,44 @@ def oob_offset(n_rows: int) -> int:
     return off
 
 
-def position_table(runs, n: int, stride: int = T.PMAX):
+def position_table(runs, n: int, stride: int = T.PMAX, offsets=None):
     """int32 flat HBM rows and fp32 frame positions ``[128, n]`` of n tiles of ``stride``
     positions (at most 128): ``runs`` lists ``(first column, tiles, first flat row, first
     position)`` of stretches whose tiles follow each other in HBM (column c + t holds flat row
     ``first + stride t + p`` and position ``pos0 + stride t + p`` on partition p). One GpSimd
-    iota pair per run."""
-    rows = nl.ndarray((T.PMAX, n), dtype=nl.int32, buffer=nl.sbuf)
-    pos = nl.ndarray((T.PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
-    ip = nl.arange(T.PMAX)[:, None]
+    iota pair per run. ``first`` depends on the program's indices: an index expression or a
+    linear form of them (:func:`port.iota`'s ``runtime``), which 0.7 reads from ``offsets``
+    (a :class:`port.OffsetColumns` of the indices; fp32, so the rows stay below 2^24 there).
+    Written against :mod:`nki_kernels.port` (either namespace)."""
+    pl = port.nl
+    rows = pl.ndarray((T.PMAX, n), dtype=pl.int32, buffer=pl.sbuf)
+    pos = pl.ndarray((T.PMAX, n), dtype=pl.float32, buffer=pl.sbuf)
     for c0, count, first, pos0 in runs:
-        it = nl.arange(count)[None, :]
-        rows[:, c0:c0 + count] = nisa.iota(first + stride * it + ip, dtype=nl.int32)
-        pos[:, c0:c0 + count] = nisa.iota(pos0 + stride * it + ip, dtype=nl.float32)
+        port.iota(rows[:, c0:c0 + count], [[stride, count]], channel_multiplier=1,
+                  runtime=first, offsets=offsets)
+        port.iota(pos[:, c0:c0 + count], [[stride, count]], offset=pos0, channel_multiplier=1)
     return rows, pos
 
 
-def gather_rows(dst, rows_view, idx, col: int, n: int, width: int):
+def gather_rows(dst, rows_view, idx, col, n: int, width: int):
     """``dst[p, :] = rows_view[idx[p, col], :]`` for ``p < n``, skipping out-of-bounds indices
-    (dst keeps what it held: the caller fills it first)."""
-    nisa.dma_copy(dst=dst, src=rows_view[idx[nl.arange(n)[:, None], col],
-                                         nl.arange(width)[None, :]],
-                  oob_mode=nisa.oob_mode.skip)
+    (dst keeps what it held: the caller fills it first). ``width``: rows_view's columns.
+    :func:`port.rows` (either namespace)."""
+    assert width == rows_view.shape[1], (width, rows_view.shape)
+    port.dma_copy(dst, port.rows(rows_view, idx, col, n=n), oob_skip=True)
 
 
 def store_rows(out, b, head, i0, n, tile, store, col, pred=None):
     """``out[b, head, i0 : i0 + n, :] = tile``; with ``store`` (int32 ``[128, k]`` of flat rows,
-    column ``col``), scattered to those rows of out's ``(B H N, D)`` view instead (legacy
-    namespace only). ``pred``: None, or a loop-index predicate the store is masked on
+    column ``col``), scattered to those rows of out's ``(B H N, D)`` view instead
+    (:func:`port.rows`). ``pred``: None, or a loop-index predicate the store is masked on
     (legacy)."""
     if store is None:
         port.dma_copy(out[b, head, port.nl.ds(i0, n), :], tile, mask=pred)
         return
     B, H, N, D = out.shape
     rows = out.reshape((B * H * N, D))
-    nisa.dma_copy(dst=rows[store[nl.arange(n)[:, None], col], nl.arange(D)[None, :]], src=tile,
-                  mask=pred)
+    port.dma_copy(port.rows(rows, store, col, n=n), tile, mask=pred, legacy_isa=True)
 
 
 class RuntimeLengths:
@@ -364,9 +372,12 @@ class RuntimeLengths:
         self.key_start = None
         if self.has_k and key_rows:
             # the key row compares with kv_len, or with the first valid key Nk - kv_len
-            self.key_start = (nisa.tensor_scalar(self.kv_len_1, np.subtract, float(Nk),
-                                                 reverse0=True, dtype=nl.float32)
-                              if self.rotate_k else self.kv_len_1)
+            self.key_start = self.kv_len_1
+            if self.rotate_k:
+                pl = port.nl
+                self.key_start = pl.ndarray((1, 1), dtype=pl.float32, buffer=pl.sbuf)
+                port.tensor_scalar(self.key_start, self.kv_len_1, pl.subtract, float(Nk),
+                                   reverse0=True)
 
     def rotated(self, keys: bool) -> bool:
         """Whether the keys (``keys``) or the query rows are gathered rotated."""
@@ -379,32 +390,45 @@ class RuntimeLengths:
             return None
         return key_length_row(self.key_start, j0, n, below=self.rotate_k)
 
-    def valid(self, pos, keys: bool, dtype=nl.float32):
+    def valid(self, pos, keys: bool, dtype=None, dst=None):
         """1.0 where the frame positions ``pos`` (an fp32 tile of query rows, or keys when
         ``keys``; any free shape) are valid -- ``pos < len``, or ``pos + len >= N`` when rotated
-        -- else 0.0, in ``dtype``. One VectorE instruction."""
+        -- else 0.0, into ``dst`` (a new tile of ``dtype``, default fp32, unless given). One
+        VectorE instruction (either namespace)."""
+        pl = port.nl
+        if dst is None:
+            dst = pl.ndarray(tuple(pos.shape), dtype=pl.float32 if dtype is None else dtype,
+                             buffer=pl.sbuf)
         length_p = self.kv_len_p if keys else self.q_len_p
         if self.rotated(keys):
-            return nisa.tensor_scalar(pos, np.add, length_p, op1=nl.greater_equal,
-                                      operand1=float(self.Nk if keys else self.Nq), dtype=dtype)
-        return nisa.tensor_scalar(pos, nl.less, length_p, dtype=dtype)
+            port.tensor_scalar(dst, pos, pl.add, length_p, op1=pl.greater_equal,
+                               operand1=float(self.Nk if keys else self.Nq))
+        else:
+            port.tensor_scalar(dst, pos, pl.less, length_p)
+        return dst
 
-    def edge_key_index(self, first_row, n_rows: int):
+    def edge_key_index(self, first_row, n_rows: int, offsets=None):
         """int32 ``[1, 1]``: the flat row, in an ``(n_rows, D)`` HBM view where this sequence's
         key 0 is row ``first_row``, of the valid key next to the padding -- the first one (HBM
         key 0, frame position ``Nk - kv_len``) when the keys are rotated, else the last one
         (``kv_len - 1``) -- pushed out of bounds when ``kv_len = 0`` (a gather then skips it).
+        ``first_row``/``offsets``: as :func:`position_table`'s ``first``/``offsets``. Either
+        namespace.
         """
-        base = nisa.iota(first_row + nl.arange(1)[:, None], dtype=nl.int32)
-        lack = nisa.tensor_scalar(self.kv_len_1, nl.less, 1.0, op1=np.multiply,
-                                  operand1=float(oob_offset(n_rows)), dtype=nl.float32)
+        pl = port.nl
+        base = pl.ndarray((1, 1), dtype=pl.int32, buffer=pl.sbuf)
+        port.iota(base, [[1, 1]], channel_multiplier=1, runtime=first_row, offsets=offsets)
+        lack = pl.ndarray((1, 1), dtype=pl.float32, buffer=pl.sbuf)
+        port.tensor_scalar(lack, self.kv_len_1, pl.less, 1.0, op1=pl.multiply,
+                           operand1=float(oob_offset(n_rows)))
+        shift = pl.ndarray((1, 1), dtype=pl.int32, buffer=pl.sbuf)
         if self.rotate_k:
-            shift = nisa.tensor_copy(lack, dtype=nl.int32, engine=nisa.gpsimd_engine)
+            port.tensor_copy(shift, lack, engine="gpsimd")
         else:
-            shift = nisa.scalar_tensor_tensor(data=self.kv_len_1, op0=np.subtract,
-                                              operand0=1.0, op1=np.add, operand1=lack,
-                                              dtype=nl.int32)
-        return nisa.tensor_tensor(base, shift, np.add, dtype=nl.int32)
+            port.scalar_tensor_tensor(shift, self.kv_len_1, pl.subtract, 1.0, pl.add, lack)
+        index = pl.ndarray((1, 1), dtype=pl.int32, buffer=pl.sbuf)
+        port.tensor_tensor(index, base, shift, pl.add)
+        return index
 
     def index_table(self, rows, pos, n_rows: int, keys: bool, valid=None):
         """Gather/scatter indices of a set of positions of the kernel's frame (query rows, or
@@ -416,6 +440,8 @@ class RuntimeLengths:
         rotation's HBM row of every position, padding included. A few VectorE/GpSimd
         instructions for all n columns at once; ``valid`` (:meth:`valid` of ``pos``) may be
         passed in when the caller needs it too."""
+        pl = port.nl
+        shape = tuple(rows.shape)
         length_p = self.kv_len_p if keys else self.q_len_p
         N = self.Nk if keys else self.Nq
         store = None
@@ -423,12 +449,18 @@ class RuntimeLengths:
         if self.rotated(keys):
             # valid iff pos + len >= N, at HBM position pos + len - N; a padding position goes
             # to pos + len (the rotation by len, mod N: both in range)
-            shift = nisa.tensor_scalar(valid, np.multiply, -float(N), op1=np.add,
-                                       operand1=length_p, dtype=nl.int32)
-            rows = store = nisa.tensor_tensor(rows, shift, np.add, dtype=nl.int32)
-        beyond = nisa.tensor_scalar(valid, np.subtract, 1.0, op1=np.multiply,
-                                    operand1=-float(oob_offset(n_rows)), dtype=nl.int32)
-        return nisa.tensor_tensor(rows, beyond, np.add, dtype=nl.int32), store
+            shift = pl.ndarray(shape, dtype=pl.int32, buffer=pl.sbuf)
+            port.tensor_scalar(shift, valid, pl.multiply, -float(N), op1=pl.add,
+                               operand1=length_p)
+            store = pl.ndarray(shape, dtype=pl.int32, buffer=pl.sbuf)
+            port.tensor_tensor(store, rows, shift, pl.add)
+            rows = store
+        beyond = pl.ndarray(shape, dtype=pl.int32, buffer=pl.sbuf)
+        port.tensor_scalar(beyond, valid, pl.subtract, 1.0, op1=pl.multiply,
+                           operand1=-float(oob_offset(n_rows)))
+        load = pl.ndarray(shape, dtype=pl.int32, buffer=pl.sbuf)
+        port.tensor_tensor(load, rows, beyond, pl.add)
+        return load, store
 
 
 __all__ = ["MaskSpec", "broadcast_row", "zero_non_finite", "FULL", "BOUNDARY",

@@ -102,6 +102,22 @@ def test_plan_attention_forward(monkeypatch):
     assert kw["tiles"] is forced
 
 
+def test_auto_runs_lengths_through_nki(monkeypatch):
+    """Under NKI_FLASH_API=auto (trn2 here) runtime lengths trace through nki.*; with ALiBi
+    (the key-length mask row, not ported yet) through legacy."""
+    q, k, v = _qkv(B=2, Hq=2, Hkv=1, Nq=100, Nk=200, D=32)
+    monkeypatch.setenv(API_ENV_VAR, "auto")
+    if api.select_api() != "nki" or api.active_target() != "trn2":
+        pytest.skip("auto does not select nki.* on this target")
+    for lens in (dict(kv_lens=[200, 7]), dict(q_lens=[3, 100]),
+                 dict(kv_lens=[5, 0], q_lens=[100, 1])):
+        kernel, grid, _ = api.plan_attention_forward(q, k, v, causal=True, lnc=1, **lens)
+        assert kernel == flash_attention_fwd.on("nki") and grid == (1,)
+    kernel, _, _ = api.plan_attention_forward(q, k, v, kv_lens=[200, 7],
+                                              alibi_slopes=np.ones(2, np.float32))
+    assert kernel == flash_attention_fwd.on("legacy")
+
+
 def test_plan_does_not_depend_on_length_values():
     """Lengths are runtime tensors: the launch plan (kernel, grid, compile-time options, tiling)
     depends on whether they are given, never on their values."""

@@ -758,6 +758,16 @@ NKI_CASES = [
                                                                        q_group=2)}),
     (1, 2, 1, 300, 500, 64, {"causal": True, "scale": -0.3, "dtype": "float16"}),
     (1, 1, 1, 300, 500, 64, {"window": (64, 64), "scale": 3e7}),
+    # runtime lengths: gathers and scatters through port.rows, rotated sequences, GQA
+    (2, 4, 2, 129, 300, 64, {"causal": "bottom_right", "kv_lens": [300, 77],
+                             "q_lens": [129, 5]}),
+    (2, 2, 1, 300, 500, 64, {"causal": "bottom_right", "q_lens": [256, 300]}),
+    (2, 2, 1, 300, 500, 64, {"causal": "bottom_right", "kv_lens": [129, 0]}),
+    (2, 2, 1, 200, 700, 80, {"causal": "top_left", "kv_lens": [700, 300], "q_lens": [150, 0]}),
+    (1, 2, 1, 300, 500, 64, {"kv_lens": [431], "q_lens": [77]}),
+    (2, 2, 1, 600, 4100, 64, {"causal": "bottom_right", "kv_lens": [4000, 1500],
+                              "q_lens": [600, 333],
+                              "tiles": T.ForwardTiles(kv_resident=False, q_group=2)}),
 ]
 
 
@@ -836,14 +846,18 @@ def test_nki_namespace_programs_and_cores(B, Hkv, lnc, monkeypatch):
 
 
 @pytest.mark.parametrize("opts,feature", [
-    (dict(kv_lens=[100]), "kv_lens/q_lens"), (dict(q_lens=[50]), "kv_lens/q_lens"),
+    (dict(kv_lens=[100], dropout_p=0.1, seed=1), "kv_lens/q_lens and dropout or ALiBi"),
+    (dict(q_lens=[50], alibi_slopes=np.array([0.5], np.float32)),
+     "kv_lens/q_lens and dropout or ALiBi"),
+    (dict(q_lens=[50]), "kv_lens/q_lens over 256 >= 2"),
     (dict(dropout_p=0.1, seed=1), "dropout over"),
 ])
 def test_nki_namespace_refuses_what_is_not_ported(opts, feature, monkeypatch):
-    """Runtime lengths (indirect-DMA gathers) are not ported to nki.*, nor dropout with 2^24
-    units or more (fp32 unit numbers; the bound lowered here to the case's 4 units): an
-    explicit NKI_FLASH_API=nki call says so; ``auto`` runs such a call through the legacy
-    namespace when that runs on the same backend (here: both simulated)."""
+    """Not ported to nki.*: runtime lengths with dropout or ALiBi (the key-length mask row),
+    runtime lengths over 2^24 rows (fp32 row numbers) and dropout with 2^24 units or more
+    (fp32 unit numbers; both bounds lowered here to 4): an explicit NKI_FLASH_API=nki call says
+    so; ``auto`` runs such a call through the legacy namespace when that runs on the same
+    backend (here: both simulated)."""
     import host
 
     monkeypatch.setattr(T, "FP32_EXACT_INT", 4)

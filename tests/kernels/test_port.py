@@ -424,7 +424,9 @@ def _forward_program(api, monkeypatch, Nq, Nk=None, target="trn2", **mask):
     ({}, ((2048, 2048), (4096, 4096))),
     ({"window": (300, 0)}, ((2048, 2048), (4096, 4096))),
     ({"causal": "bottom_right"}, ((1024, 3072), (1024, 5120))),
-], ids=["dense", "window", "causal"])
+    ({"causal": "bottom_right", "kv_lens": [1000], "q_lens": [700]},
+     ((1024, 3072), (1024, 5120))),
+], ids=["dense", "window", "causal", "lens"])
 def test_forward_program_flat_in_sequence_length(api, mask, sizes, monkeypatch):
     """Every loop of the forward over query tiles, key blocks and K/V pieces -- and, under
     nki.*, over the (batch, kv head) instances -- is a compiled loop: twice the tiles and key
@@ -439,12 +441,13 @@ def test_forward_program_flat_in_sequence_length(api, mask, sizes, monkeypatch):
 
 def test_forward_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
     """With the legacy binding poisoned, the forward (dense, causal with ALiBi, windowed with
-    softcap and sinks) still runs through nki.* (trn2 and trn3)."""
+    softcap and sinks, runtime lengths) still runs through nki.* (trn2 and trn3)."""
     poisoned = binding.Namespace("legacy", "simulate", _Poisoned(), _Poisoned(), _Poisoned())
     monkeypatch.setitem(binding._NAMESPACES, "legacy", poisoned)
     slopes = np.array([0.5, 0.25], np.float32)
     for target, mask in (("trn2", {}), ("trn2", dict(causal=True, alibi_slopes=slopes)),
                          ("trn3", dict(window=(100, 20), softcap=30.0,
-                                       sinks=np.array([0.5, 1.0], np.float32)))):
+                                       sinks=np.array([0.5, 1.0], np.float32))),
+                         ("trn2", dict(causal="bottom_right", kv_lens=[200], q_lens=[150]))):
         m, o = _forward_program("nki", monkeypatch, 300, target=target, **mask)
         assert m.api == "nki" and np.isfinite(np.asarray(o, np.float32)).all()
