@@ -100,11 +100,30 @@ class _Poisoned:
         raise AssertionError(f"the legacy namespace was used in an nki.* trace ({name})")
 
 
+def _poison_legacy(monkeypatch):
+    """Bind the legacy namespace to objects that fail on any use, for this test."""
+    poisoned = binding.Namespace("legacy", "simulate", _Poisoned(), _Poisoned(), _Poisoned())
+    monkeypatch.setitem(binding._NAMESPACES, "legacy", poisoned)
+
+
+def _program_sizes(api, runs):
+    """``{name: program instructions}`` of each ``(name, launch)`` in ``runs`` on trn2, each
+    asserted to have traced through ``api``."""
+    import simulate
+
+    sizes = {}
+    for name, run in runs:
+        with simulate.measure(target="trn2") as m:
+            run()
+        assert m.api == api
+        sizes[name] = m.program_instructions
+    return sizes
+
+
 def test_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
     """A kernel traced through nki.* touches no legacy object: with the legacy binding
     poisoned, the softmax (resident and streamed, both algorithms) still runs."""
-    poisoned = binding.Namespace("legacy", "simulate", _Poisoned(), _Poisoned(), _Poisoned())
-    monkeypatch.setitem(binding._NAMESPACES, "legacy", poisoned)
+    _poison_legacy(monkeypatch)
     x = np.random.default_rng(5).standard_normal((130, 700)).astype(np.float32)
     ref = reference.online_softmax(x)
     for kw in (dict(resident=True, chunk=700), dict(resident=False, chunk=256),
@@ -241,8 +260,6 @@ def _linear_inputs(M, K, N, seed=0):
 def _linear_programs(api, monkeypatch, M, K, N, blocks, elementwise):
     """Program size of each linear_gelu kernel at one problem size (bf16); the element-wise
     kernels (bias add, GELU) on an input of shape ``elementwise`` (None: not run)."""
-    import simulate
-
     monkeypatch.setenv(binding.API_ENV_VAR, api)
     x, w, b = _linear_inputs(M, K, N)
     opts = dict(mm_dtype="bfloat16", block_m=blocks[0], block_n=blocks[1])
@@ -252,13 +269,7 @@ def _linear_programs(api, monkeypatch, M, K, N, blocks, elementwise):
         z, _, b_e = _linear_inputs(*elementwise, elementwise[1])
         runs += [("bias_add", lambda: launch(lg.bias_add_kernel, (1,), z, b_e)),
                  ("gelu", lambda: launch(lg.gelu_kernel, (1,), z))]
-    sizes = {}
-    for name, run in runs:
-        with simulate.measure(target="trn2") as m:
-            run()
-        assert m.api == api
-        sizes[name] = m.program_instructions
-    return sizes
+    return _program_sizes(api, runs)
 
 
 @pytest.mark.parametrize("api", ["legacy", "nki"])
@@ -302,8 +313,7 @@ def test_linear_gelu_same_instructions_through_both_namespaces(monkeypatch):
 def test_linear_gelu_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
     """With the legacy binding poisoned, the fused kernel (blocked and streaming) and the three
     unfused kernels still run through nki.*."""
-    poisoned = binding.Namespace("legacy", "simulate", _Poisoned(), _Poisoned(), _Poisoned())
-    monkeypatch.setitem(binding._NAMESPACES, "legacy", poisoned)
+    _poison_legacy(monkeypatch)
     monkeypatch.setenv(binding.API_ENV_VAR, "nki")
     x, w, b = _linear_inputs(130, 300, 200, seed=2)
     ref = reference.linear_gelu(x, w, b)
@@ -350,7 +360,6 @@ def _unfused_programs(api, monkeypatch, B, Hq, Hkv, Nq, Nk):
     """Program size of the score and PV kernels (bf16, D 64, bottom_right causal, 1024-key
     blocks, V streamed)."""
     import ml_dtypes
-    import simulate
 
     monkeypatch.setenv(binding.API_ENV_VAR, api)
     rng = np.random.default_rng(Nq)
@@ -358,16 +367,10 @@ def _unfused_programs(api, monkeypatch, B, Hq, Hkv, Nq, Nk):
     k = rng.standard_normal((B, Hkv, Nk, 64)).astype(ml_dtypes.bfloat16)
     p = rng.random((B, Hq, Nq, Nk)).astype(ml_dtypes.bfloat16)
     grid = ua.grid(B, Hq, Hkv, api)
-    sizes = {}
-    for name, run in (
-            ("scores", lambda: launch(ua.attention_scores_kernel, grid, q, k,
-                                      causal_offset=Nk - Nq, kv_block=1024)),
-            ("pv", lambda: launch(ua.attention_pv_kernel, grid, p, k, v_resident=False))):
-        with simulate.measure(target="trn2") as m:
-            run()
-        assert m.api == api
-        sizes[name] = m.program_instructions
-    return sizes
+    return _program_sizes(api, (
+        ("scores", lambda: launch(ua.attention_scores_kernel, grid, q, k,
+                                  causal_offset=Nk - Nq, kv_block=1024)),
+        ("pv", lambda: launch(ua.attention_pv_kernel, grid, p, k, v_resident=False))))
 
 
 @pytest.mark.parametrize("api", ["legacy", "nki"])
@@ -386,8 +389,7 @@ def test_unfused_attention_nki_trace_uses_nothing_of_the_legacy_namespace(monkey
     bottom_right with Nq > Nk) runs through nki.* and matches the reference."""
     import host
 
-    poisoned = binding.Namespace("legacy", "simulate", _Poisoned(), _Poisoned(), _Poisoned())
-    monkeypatch.setitem(binding._NAMESPACES, "legacy", poisoned)
+    _poison_legacy(monkeypatch)
     monkeypatch.setenv(binding.API_ENV_VAR, "nki")
     rng = np.random.default_rng(7)
     q = rng.standard_normal((2, 4, 150, 32)).astype(np.float32)
@@ -442,8 +444,7 @@ def test_forward_program_flat_in_sequence_length(api, mask, sizes, monkeypatch):
 def test_forward_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
     """With the legacy binding poisoned, the forward (dense, causal with ALiBi, windowed with
     softcap and sinks, runtime lengths) still runs through nki.* (trn2 and trn3)."""
-    poisoned = binding.Namespace("legacy", "simulate", _Poisoned(), _Poisoned(), _Poisoned())
-    monkeypatch.setitem(binding._NAMESPACES, "legacy", poisoned)
+    _poison_legacy(monkeypatch)
     slopes = np.array([0.5, 0.25], np.float32)
     for target, mask in (("trn2", {}), ("trn2", dict(causal=True, alibi_slopes=slopes)),
                          ("trn3", dict(window=(100, 20), softcap=30.0,
