@@ -9,9 +9,10 @@ lengths), and GQA and attention dropout compose as in the dense forward.
 The pattern is device data: ``meta (b, h, n, 2 + trip)`` float32, one row per query tile in
 processing order, ``[first row, count, first key of block_0, ...]`` with
 ``tiles.BSP_PAD_FIRST`` in padding slots (``host.block_sparse.kernel_tables``).
-The compile-time part is ``classes``: runs of order positions, each an NKI loop over its query
-tiles with an inner ``sequential_range`` of ``trip`` slots (the carried online-softmax state),
-at most ``tiles.BSP_MAX_CLASSES`` of them whatever N, so the program does not grow with N.
+The compile-time part is ``classes``: runs of order positions, each a compiled loop over its
+query tiles with an inner sequential (carried: the online-softmax state) compiled loop over
+``trip`` slots, at most ``tiles.BSP_MAX_CLASSES`` of them whatever N, so the program does not
+grow with N.
 
 - **Compile-time pattern** (a dense bool block mask): the host sorts the query tiles by their
   count and cuts the runs tightly (``exact`` classes have no masked slot and no mask work).
@@ -21,12 +22,15 @@ at most ``tiles.BSP_MAX_CLASSES`` of them whatever N, so the program does not gr
   (the index is pushed out of bounds: no HBM read) and their scores are masked, so they cost
   on-chip work but no traffic. Legacy NKI has no data-dependent trip count (``dynamic_range``
   is an ``nki.*`` API on trn2/trn3 only; reference/nki-api-spec.md), so this is the NKI way.
+  (0.7's ``nl.fori_loop`` takes a register bound, but the nki.* trace keeps the legacy loops
+  and their cost: the tiles of a group share one slot loop, so skipping padding there is a
+  restructuring of its own.)
 
 Per query tile (a loop body)::
 
     load meta row -> fp32 on every partition (a K=1 ones matmul, exact for ints < 2^24)
     gather Q rows (indirect DMA; rows past Nq or q_len skipped), Q^T by TensorE
-    for step in sequential_range(trip / 4) (+ a static tail step):
+    for step in a sequential loop over trip / 4 (+ a static tail step):
         gather K_j, V_j rows of the step's 4 blocks (indirect DMA, padding skipped)
         K^T by TensorE;  S = Q K^T over 512 keys (+ MASK_NEG x indicator: padding slot, keys
         past the length, causal/window band -- comparisons of iota tiles with per-slot
@@ -38,6 +42,16 @@ Masks here are computed at run time from the block's position (the dense kernel'
 predicates are affine in loop indices; here the key block is data). The alignment offset of
 the band is ``Nk - Nq`` (bottom_right), 0 (top_left) or, with lengths, ``kv_len - q_len`` per
 sequence; positions are those of the padded frame, the block pattern's own (no rotation).
+
+One source, two namespaces (:mod:`nki_kernels.port`): the (batch, kv head) instances are the
+legacy SPMD grid, or under nki.* (NKI 0.7) one compiled loop of a ``kernel[1]`` launch
+(:func:`port.for_programs`), and every loop above is a :func:`port.loop`. Where the traces
+differ: an indirect view in 0.7 takes no runtime leading index, so the gathers and scatters of
+a ``(b, head)`` slice index the flattened tensor (:func:`port.lead_rows`) and the index tables
+carry the slice's first row (:class:`RowFrame`, read from a table of the loop indices; fp32,
+so 0.7 is refused past 2^24 rows); dropout's unit numbers come from the same table. The
+instructions on the data are the same: the outputs are the legacy trace's bit for bit, the
+0.7 program adds a few ``[128, 1]`` instructions per instance, head and row.
 """
 from __future__ import annotations
 

@@ -25,6 +25,11 @@ Masks, lengths, GQA and dropout as in the forward kernel (module ``block_sparse`
 are computed at run time from each pair's positions; dropout regenerates each unit's mask
 from ``seed + unit`` (the dense kernels' numbering), so ``dP`` and ``dV`` see exactly the
 forward's ``Z / (1 - p)``.
+
+Namespaces as the forward's (module ``block_sparse``): a compiled loop over the instances in
+0.7, gathers through the flattened tensors; delta's scratch is each legacy program's own ``(1,
+G, Nq, 1)``, and under 0.7, whose one program runs every instance, ``(B, Hq, Nq, 1)`` (the same
+bytes in all), addressed like Q.
 """
 from __future__ import annotations
 
