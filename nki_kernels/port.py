@@ -262,16 +262,16 @@ def lead_rows(t, lead, idx, col=0):
     return t[(*lead, idx[ar(idx.shape[0])[:, None], col], ar(t.shape[-1])[None, :])]
 
 
-def lead_first_row(t, lead, offsets, rows=128):
+def lead_first_row(t, lead, offsets, partitions=128):
     """The first row of the slice ``t[*lead]`` in the flattened view :func:`lead_rows` addresses
-    under 0.7, as an fp32 ``[rows, 1]`` column (each runtime index of ``lead`` read from
+    under 0.7, as an fp32 ``[partitions, 1]`` column (each runtime index of ``lead`` read from
     ``offsets``, an :class:`OffsetColumns` of 0, 1, ...; exact below 2^24 rows). None in legacy,
     where nothing is issued: the subscript carries ``lead``."""
     ns = current()
     if ns.api != "nki":
         return None
     strides = [math.prod(t.shape[k + 1:-1]) for k, _ in enumerate(lead)]
-    first = ns.nl.ndarray((rows, 1), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
+    first = ns.nl.ndarray((partitions, 1), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
     iota(first, [[1, 1]], runtime=list(zip(lead, strides)), offsets=offsets)
     return first
 
