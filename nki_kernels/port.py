@@ -57,7 +57,7 @@ this module:
   loop-index comparisons (a block that may lie outside a band). 0.7 has no ``mask=``: there
   the instruction always runs. Pass ``mask`` only where running the instruction anyway is
   harmless (e.g. a block whose scores are all masked leaves the online softmax unchanged).
-- **Affine patterns** (:func:`iota`, :func:`affine_select`): 0.7's ``(pattern, offset,
+- **Affine patterns** (:func:`iota`, :func:`affine_select`, :func:`iota_compare`): 0.7's ``(pattern, offset,
   channel_multiplier)`` form; legacy builds the equivalent ``nl.arange`` expression. 0.7 takes
   a compile-time ``offset`` only: a part that depends on a loop index is passed as
   ``runtime=`` (an index expression, a multiple of ``offsets.step``, or a linear form
@@ -557,6 +557,30 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=Non
     val, col = _runtime_pattern(ns, dst, pattern, int(offset), int(channel_multiplier), terms,
                                 offsets, None)
     ns.nisa.tensor_scalar(dst=dst, data=val, op0=ns.nl.add, operand0=col)
+
+
+def iota_compare(dst, pattern, cmp_op, operand, offset=0, channel_multiplier=0, runtime=None,
+                 offsets=None):
+    """``dst = cmp_op(offset + runtime + p * channel_multiplier + sum_k step_k x_k, operand)``
+    (1.0 or 0.0 in ``dst.dtype``; ``operand`` a ``(P, 1)`` fp32 tile or a float; the other
+    arguments as :func:`iota`). The positions go through an fp32 tile allocated here. Legacy:
+    a GpSimd iota of the index expression and a VectorE compare; 0.7: the iota of the
+    compile-time part and one VectorE ``tensor_scalar`` that adds the runtime column (read
+    from ``offsets``) and compares, as many instructions as legacy."""
+    ns = current()
+    pos = ns.nl.ndarray(tuple(dst.shape), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
+    if ns.api == "nki":
+        static, terms = _fold_static(offset, runtime)
+        if terms:
+            ns.nisa.iota(dst=pos, pattern=[list(map(int, pv)) for pv in pattern],
+                         offset=int(static), channel_multiplier=int(channel_multiplier))
+            col = _runtime_column(ns, terms, offsets, dst.shape[0])
+            ns.nisa.tensor_scalar(dst=dst, data=pos, op0=ns.nl.add, operand0=col, op1=cmp_op,
+                                  operand1=operand)
+            return
+    iota(pos, pattern, offset=offset, channel_multiplier=channel_multiplier, runtime=runtime,
+         offsets=offsets)
+    tensor_scalar(dst, pos, cmp_op, operand)
 
 
 def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op,

@@ -609,9 +609,7 @@ def length_tables(f: _Instance, kv_lens, q_lens):
     (:func:`edge_key_fill`). Either namespace: the flat rows of the sequence depend on the
     program's indices, a linear form 0.7 reads from ``f.indices`` (fp32: below 2^24 rows,
     :func:`flash_attention_fwd`), and the gathers are :func:`port.rows` accesses."""
-    # dropout sums P from the exp and ALiBi could lift a padding key's score above the edge
-    # key's, so with either padding keys are masked on the scores (key rows)
-    key_mask = (bool(f.dropout_p) or f.mods.alibi) and kv_lens is not None
+    key_mask = _key_mask(f.dropout_p, f.mods, kv_lens)
     f.rt = M.RuntimeLengths(f.spec, kv_lens, q_lens, f.b, f.Nq, f.Nk, key_rows=key_mask)
     if key_mask:
         f.key_neg = M.neg_row(T.PMAX)
@@ -633,6 +631,13 @@ def length_tables(f: _Instance, kv_lens, q_lens):
         rows, pos = M.position_table([(0, n, _key_rows0(f), 0)], n, offsets=f.indices)
         f.k_load, _ = f.rt.index_table(rows, pos, f.B * f.Hkv * f.Nk, keys=True)
         f.k_fill = edge_key_fill(f)
+
+
+def _key_mask(dropout_p, mods: SM.Mods, kv_lens) -> bool:
+    """Whether padding keys are masked on the scores (a rank-1 ``MASK_NEG`` key row,
+    :meth:`masks.RuntimeLengths.key_mask_row`) rather than by the edge key alone: dropout sums
+    P from the exp, and ALiBi could lift a padding key's score above the edge key's."""
+    return (bool(dropout_p) or mods.alibi) and kv_lens is not None
 
 
 def _key_rows0(f: _Instance):
@@ -918,7 +923,7 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
         # dropout or ALiBi with kv_lens: padding keys must have P = 0 on the scores (the
         # softmax sums come from the exp with dropout; ALiBi lifts a padding key above its
         # edge key): MASK_NEG (x) their key row, a rank-1 TensorE add
-        key_row = f.rt.key_mask_row(j0, width)
+        key_row = f.rt.key_mask_row(j0, width, f.offsets)
         port.nc_matmul(sc, f.key_neg[0:1, 0:r], key_row[0:1, 0:width], accumulate=True,
                        mask=pred)
     s_sb = None
@@ -928,7 +933,7 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
                                    d_static=-f.spec.static_offset, offsets=f.offsets)
         if f.key_neg is not None and capped:
             # the key mask after the tanh (which would map MASK_NEG to -1): its own PSUM tile
-            key_row = f.rt.key_mask_row(j0, width)
+            key_row = f.rt.key_mask_row(j0, width, f.offsets)
             kneg = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.psum)
             port.nc_matmul(kneg, f.key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
             port.tensor_tensor(s_sb, s_sb, kneg, nl.add, mask=pred)
@@ -1452,9 +1457,6 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     lens = kv_lens is not None or q_lens is not None
-    if lens and (dropout_p or mods.alibi):
-        port.refuse_in_nki("flash_attention_fwd with kv_lens/q_lens and dropout or ALiBi "
-                           "(the key-length mask row)")
     if lens and max(B * Hq * Nq, B * Hkv * Nk) >= T.FP32_EXACT_INT:
         port.refuse_in_nki(f"flash_attention_fwd with kv_lens/q_lens over "
                            f"{max(B * Hq * Nq, B * Hkv * Nk)} >= 2^24 rows (fp32 row numbers)")
@@ -1470,10 +1472,11 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
     mask_out = (nl.ndarray((B, Hq, Nq, Nk), dtype=nl.float32, buffer=nl.shared_hbm)
                 if dropout_p and dropout_mask else None)
-    # key-minus-row distances of the tiles, as data for 0.7's compile-time affine patterns
+    # key-minus-row distances of the tiles (and the first keys of score tiles, for the key-length
+    # mask row), as data for 0.7's compile-time affine patterns
     offsets = (port.OffsetColumns(-T.ceil_div(Nq, T.PMAX) * T.PMAX,
                                   T.ceil_div(Nq, T.PMAX) + T.ceil_div(Nk, T.PMAX) + 1, T.PMAX)
-               if spec.has_diag or mods.alibi else None)
+               if spec.has_diag or mods.alibi or _key_mask(dropout_p, mods, kv_lens) else None)
     # loop indices (batch, heads, query tiles, key units) as data: dropout's unit numbers, the
     # flat rows of the length gathers
     indices = (port.OffsetColumns(0, max(B, Hkv, Hq, T.ceil_div(Nq, T.PMAX),
