@@ -63,7 +63,8 @@ this module:
   ``runtime=`` (an index expression, a multiple of ``offsets.step``, or a linear form
   ``[(expression, int coefficient), ...]`` of step-1 expressions) with ``offsets`` an
   :class:`OffsetColumns` table built once at the kernel's start, from which 0.7 reads those
-  values as data (SBUF columns at runtime positions) and adds them on VectorE.
+  values as data (SBUF columns at runtime positions) and adds them on VectorE in fp32 (exact
+  below 2^24), or for int32 destinations of an ``exact`` table in int32 on GpSimd.
 - **Indirect rows** (:func:`rows`): a gather or scatter of one HBM row per partition, named
   by an index tile: an index-tile subscript in legacy, ``.ap(vector_offset=)`` in 0.7.
 - **Strided HBM blocks** (:func:`row_blocks`): rows ``r0 + j * rows + p`` of an HBM matrix as
@@ -464,19 +465,30 @@ class OffsetColumns:
     compile-time): an fp32 ``[128, n]`` SBUF table, column c holding ``lo + c * step`` on every
     partition, built by one iota at the kernel's start; :meth:`col` reads the column of a
     runtime value (an index expression, a multiple of ``step`` in ``[lo, lo + n step)``) at a
-    runtime position. Legacy reads offsets from the index expression itself: no table."""
+    runtime position. Legacy reads offsets from the index expression itself: no table.
 
-    def __init__(self, lo, n, step):
+    fp32 combines runtime values exactly while every partial sum stays below 2^24. ``exact``
+    (for linear forms that may reach 2^24 or more: flat row numbers of huge tensors, unit
+    numbers): the same values also as an int32 table, from which an integer :func:`iota`
+    destination gets its runtime part in int32 arithmetic (GpSimd ``tensor_tensor``, whose
+    int32 add and multiply are exact, ``nki.isa.tensor_tensor``; exact to 2^31)."""
+
+    def __init__(self, lo, n, step, exact=False):
         ns = current()
         self.lo, self.n, self.step = int(lo), int(n), int(step)
-        self.table = None
+        self.table = self.ints = None
         if ns.api == "nki":
             self.table = ns.nl.ndarray((128, self.n), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
             ns.nisa.iota(dst=self.table, pattern=[[self.step, self.n]], offset=self.lo)
+            if exact:
+                self.ints = ns.nl.ndarray((128, self.n), dtype=ns.nl.int32, buffer=ns.nl.sbuf)
+                ns.nisa.iota(dst=self.ints, pattern=[[self.step, self.n]], offset=self.lo)
 
-    def col(self, value, rows=128):
-        """``[rows, 1]`` fp32: ``value`` on every partition."""
-        return self.table[0:rows, current().nl.ds((value - self.lo) // self.step, 1)]
+    def col(self, value, rows=128, ints=False):
+        """``[rows, 1]``: ``value`` on every partition (fp32, or int32 with ``ints`` from an
+        ``exact`` table)."""
+        table = self.ints if ints else self.table
+        return table[0:rows, current().nl.ds((value - self.lo) // self.step, 1)]
 
 
 def _terms(runtime):
@@ -522,6 +534,31 @@ def _runtime_column(ns, terms, offsets, rows):
     return acc
 
 
+def _exact_column(ns, terms, offsets, rows):
+    """0.7: int32 ``[rows, 1]`` holding ``sum c e`` over ``terms`` in int32 arithmetic (GpSimd
+    ``tensor_tensor``: exact), each ``e`` read from the ``exact`` table of ``offsets``, each
+    coefficient other than 1 an int32 iota (compile-time)."""
+    nl, nisa = ns.nl, ns.nisa
+    acc = None
+    for e, c in terms:
+        term = offsets.col(e, rows, ints=True)
+        if c != 1:
+            coef = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.iota(dst=coef, pattern=[[0, 1]], offset=int(c))
+            prod = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=prod, data1=term, data2=coef, op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
+            term = prod
+        if acc is None:
+            acc = term
+            continue
+        total = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=total, data1=acc, data2=term, op=nl.add,
+                           engine=nisa.engine.gpsimd)
+        acc = total
+    return acc
+
+
 def _runtime_pattern(ns, dst, pattern, offset, channel_multiplier, terms, offsets, cmp_op):
     """0.7: ``cmp_op(pattern value + runtime, 0)`` (uint8), or with ``cmp_op`` None the fp32
     value itself, into a new tile of dst's shape."""
@@ -540,7 +577,8 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=Non
     """``dst[p, x...] = offset + runtime + p * channel_multiplier + sum_k step_k x_k`` (GpSimd;
     ``pattern`` one ``[step, num]`` pair per free dim of dst; ``offset`` a compile-time int;
     ``runtime`` None, an index expression or a linear form ``[(expression, coefficient),
-    ...]``, which 0.7 reads from ``offsets``, an :class:`OffsetColumns`)."""
+    ...]``, which 0.7 reads from ``offsets``, an :class:`OffsetColumns`: combined in fp32,
+    or for an int32 ``dst`` and an ``exact`` table in int32)."""
     ns = current()
     if ns.api == "legacy":
         expr = _affine_expr(ns, dst, pattern, _legacy_offset(offset, runtime),
@@ -553,6 +591,19 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=Non
     if not terms:
         ns.nisa.iota(dst=dst, pattern=pattern, offset=int(offset),
                      channel_multiplier=int(channel_multiplier))
+        return
+    if offsets.ints is not None and dst.dtype in (ns.nl.int32, ns.nl.uint32):
+        # integer positions from an exact table: the static part by the iota's own int32
+        # arithmetic, the runtime part and the sum in int32 on GpSimd
+        val = ns.nl.ndarray(tuple(dst.shape), dtype=ns.nl.int32, buffer=ns.nl.sbuf)
+        ns.nisa.iota(dst=val, pattern=pattern, offset=int(offset),
+                     channel_multiplier=int(channel_multiplier))
+        col = _exact_column(ns, terms, offsets, dst.shape[0])
+        for d in range(1, len(dst.shape)):
+            col = col if d == 1 else col.expand_dim(d)
+            col = col.broadcast(d, dst.shape[d])
+        ns.nisa.tensor_tensor(dst=dst, data1=val, data2=col, op=ns.nl.add,
+                              engine=ns.nisa.engine.gpsimd)
         return
     val, col = _runtime_pattern(ns, dst, pattern, int(offset), int(channel_multiplier), terms,
                                 offsets, None)

@@ -139,12 +139,15 @@ differ:
   The outputs are the same bit for bit; the nki.* program issues the skipped blocks' work;
 - *dropout*: the unit numbers that seed each 128 x 128 unit's draw are loop-index
   expressions; 0.7 reads the indices from a table (:class:`port.OffsetColumns`) and combines
-  them on VectorE (fp32-exact below 2^24 units); ``nisa.set_rng_seed`` seeds the draw;
+  them on VectorE in fp32, or, when a launch has 2^24 units or more (beyond fp32's exact
+  integers), in int32 on GpSimd (exact; the table's ``exact`` form); ``nisa.set_rng_seed``
+  seeds the draw;
 - *runtime lengths*: the gathers and scatters are indirect DMAs (:func:`port.rows`: an
   index-tile subscript in legacy, ``.ap(vector_offset=)`` in 0.7); the flat HBM rows of a
-  program's sequence are loop-index expressions, which 0.7 reads from a table
-  (:class:`port.OffsetColumns`, fp32-exact below 2^24 rows). With dropout or ALiBi (the
-  key-length mask row) they are legacy only so far (NotImplementedError under nki.*).
+  program's sequence are loop-index expressions, which 0.7 reads from the same table (int32
+  sums when q, k or v has 2^24 rows or more). The key-length mask row of lengths with
+  dropout or ALiBi (:func:`masks.key_length_row`) starts at a loop-index key, which 0.7
+  reads from the distance table (:func:`port.iota_compare`).
 """
 from __future__ import annotations
 
@@ -607,8 +610,9 @@ def length_tables(f: _Instance, kv_lens, q_lens):
     128-key block; keys are only read). Padding positions get out-of-bounds load indices: the
     ``oob_mode.skip`` gathers never read them. With ``kv_lens`` also the key mask's fill
     (:func:`edge_key_fill`). Either namespace: the flat rows of the sequence depend on the
-    program's indices, a linear form 0.7 reads from ``f.indices`` (fp32: below 2^24 rows,
-    :func:`flash_attention_fwd`), and the gathers are :func:`port.rows` accesses."""
+    program's indices, a linear form 0.7 reads from ``f.indices`` (summed in int32 when the
+    rows reach 2^24, :func:`flash_attention_fwd`), and the gathers are :func:`port.rows`
+    accesses."""
     key_mask = _key_mask(f.dropout_p, f.mods, kv_lens)
     f.rt = M.RuntimeLengths(f.spec, kv_lens, q_lens, f.b, f.Nq, f.Nk, key_rows=key_mask)
     if key_mask:
@@ -1444,11 +1448,9 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     and ``sinks`` (HBM ``(Hq,)`` float32: one more logit per head with a zero value; a row
     without visible keys then has ``lse = sink``, padding rows keep -inf).
 
-    Not yet through nki.* (NotImplementedError there): ``kv_lens``/``q_lens`` with dropout or
-    ALiBi (the key-length mask row, :meth:`masks.RuntimeLengths.key_mask_row`) or with ``B Hq
-    Nq`` or ``B Hkv Nk >= 2^24`` (0.7 computes the gathers' flat rows in fp32), and dropout
-    with ``B Hq ceil(Nq / 128) ceil(Nk / 128) >= 2^24`` units (0.7 computes the unit numbers
-    in fp32).
+    Every option traces through both namespaces. Integer limits: the flat row numbers of the
+    length gathers (``B Hq Nq``, ``B Hkv Nk``) and the dropout unit numbers (``B Hq ceil(Nq /
+    128) ceil(Nk / 128)``; the seed is added to them) are int32 in both namespaces.
     """
     tiles = T.ForwardTiles() if tiles is None else tiles
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
@@ -1457,13 +1459,6 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     lens = kv_lens is not None or q_lens is not None
-    if lens and max(B * Hq * Nq, B * Hkv * Nk) >= T.FP32_EXACT_INT:
-        port.refuse_in_nki(f"flash_attention_fwd with kv_lens/q_lens over "
-                           f"{max(B * Hq * Nq, B * Hkv * Nk)} >= 2^24 rows (fp32 row numbers)")
-    n_units = B * Hq * T.ceil_div(Nq, T.PMAX) * T.ceil_div(Nk, T.PMAX)
-    if dropout_p and n_units >= T.FP32_EXACT_INT:
-        port.refuse_in_nki(f"flash_attention_fwd with dropout over {n_units} >= 2^24 units "
-                           "(fp32 unit numbers)")
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
                       mods.alibi)
     plan = plan_forward(Nq, Nk, Hq // Hkv, spec, tiles, cores=lnc)
@@ -1478,9 +1473,12 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
                                   T.ceil_div(Nq, T.PMAX) + T.ceil_div(Nk, T.PMAX) + 1, T.PMAX)
                if spec.has_diag or mods.alibi or _key_mask(dropout_p, mods, kv_lens) else None)
     # loop indices (batch, heads, query tiles, key units) as data: dropout's unit numbers, the
-    # flat rows of the length gathers
+    # flat rows of the length gathers; combined in int32 (exact) when those may reach 2^24
+    n_units = B * Hq * T.ceil_div(Nq, T.PMAX) * T.ceil_div(Nk, T.PMAX)
+    big = max(n_units if dropout_p else 0,
+              max(B * Hq * Nq, B * Hkv * Nk) if lens else 0) >= T.FP32_EXACT_INT
     indices = (port.OffsetColumns(0, max(B, Hkv, Hq, T.ceil_div(Nq, T.PMAX),
-                                         T.ceil_div(Nk, T.PMAX)), 1)
+                                         T.ceil_div(Nk, T.PMAX)), 1, exact=big)
                if dropout_p or lens else None)
 
     def instance(b, g):
