@@ -138,14 +138,13 @@ differ:
   from a table built once per launch (:class:`port.OffsetColumns`) and compared on VectorE.
   The outputs are the same bit for bit; the nki.* program issues the skipped blocks' work;
 - *dropout*: the unit numbers that seed each 128 x 128 unit's draw are loop-index
-  expressions; 0.7 reads the indices from a table (:class:`port.OffsetColumns`) and combines
-  them on VectorE in fp32, or, when a launch has 2^24 units or more (beyond fp32's exact
-  integers), in int32 on GpSimd (exact; the table's ``exact`` form); ``nisa.set_rng_seed``
-  seeds the draw;
+  expressions; 0.7 reads the indices from a table (:class:`port.OffsetColumns`, its ``exact``
+  form) and combines them in int32 on GpSimd (exact at any size, and off VectorE, which the
+  draws keep busiest); ``nisa.set_rng_seed`` seeds the draw;
 - *runtime lengths*: the gathers and scatters are indirect DMAs (:func:`port.rows`: an
   index-tile subscript in legacy, ``.ap(vector_offset=)`` in 0.7); the flat HBM rows of a
-  program's sequence are loop-index expressions, which 0.7 reads from the same table (int32
-  sums when q, k or v has 2^24 rows or more). The key-length mask row of lengths with
+  program's sequence are loop-index expressions, which 0.7 reads from the same table (fp32
+  sums on VectorE, int32 ones with dropout or when q, k or v has 2^24 rows or more). The key-length mask row of lengths with
   dropout or ALiBi (:func:`masks.key_length_row`) starts at a loop-index key, which 0.7
   reads from the distance table (:func:`port.iota_compare`).
 """
@@ -611,8 +610,8 @@ def length_tables(f: _Instance, kv_lens, q_lens):
     ``oob_mode.skip`` gathers never read them. With ``kv_lens`` also the key mask's fill
     (:func:`edge_key_fill`). Either namespace: the flat rows of the sequence depend on the
     program's indices, a linear form 0.7 reads from ``f.indices`` (summed in int32 when the
-    rows reach 2^24, :func:`flash_attention_fwd`), and the gathers are :func:`port.rows`
-    accesses."""
+    rows may reach 2^24, or with dropout: :func:`flash_attention_fwd`), and the gathers are
+    :func:`port.rows` accesses."""
     key_mask = _key_mask(f.dropout_p, f.mods, kv_lens)
     f.rt = M.RuntimeLengths(f.spec, kv_lens, q_lens, f.b, f.Nq, f.Nk, key_rows=key_mask)
     if key_mask:
@@ -970,7 +969,7 @@ def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
     n_units = T.ceil_div(width, P)
     # the block's unit seeds at once: one iota and one int32 add (GpSimd) for all its units;
     # the first unit ((b Hq + g G + h) nqu + iu) nku + ju as a linear form of the loop indices
-    # (nki.*: read from f.indices)
+    # (nki.*: read from f.indices, summed in int32 on GpSimd)
     per_head = f.nqu * f.nku
     unit0 = [(f.b, f.Hq * per_head), (f.g, f.G * per_head), (h, per_head), (iu, f.nku),
              (ju, 1)]
@@ -1020,7 +1019,11 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
 
     ``part``: "all", or "front" (scores through the exp, :func:`fold_front`) / "back" (P^T
     through the update, :func:`fold_back`) for a staged tile, whose P, alpha and row sums live
-    in the staging buffers ``stage = (p, alpha, row_sum, index)`` between the two halves.
+    in the staging buffers ``stage = (p, alpha, row_sum, index)`` between the two halves. A
+    staged tile's dropout (:func:`dropout_units`) opens its back half: in the front halves each
+    tile's draw (VectorE, one cycle per score) would wait for that tile's exp on ScalarE,
+    ahead of the next tile's row max in VectorE's queue; in the back half its input is ready,
+    and it delays only that tile's transposes (trn2 N = 4096: 450 -> 356 us modeled).
     """
     r, P = st.rows, T.PMAX
     if not masked or d0 is not None:
@@ -1032,7 +1035,10 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
     kt = f.tiles.k_tile
     widths = [min(kt, width - c0) for c0 in T.unrolled(0, width, kt)]
     if part == "back":
-        fold_back(f, st, s, staged_front(stage, r, width), widths, kv, rb, pred)
+        front = staged_front(stage, r, width)
+        if f.dropout_p:
+            dropout_units(f, front[0], r, width, *du, pred)
+        fold_back(f, st, s, front, widths, kv, rb, pred)
         return
     s_tiles = [scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked, pred,
                       None if d0 is None else d0 + n * kt, h)
@@ -1042,7 +1048,7 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
         def drop(p, r_, w_, pr):
             dropout_units(f, p, r_, w_, *du, pr)
     if part == "front":
-        fold_front(f, st, s, s_tiles, widths, pred, drop, staged_front(stage, r, width))
+        fold_front(f, st, s, s_tiles, widths, pred, out=staged_front(stage, r, width))
         return
     fold_block(f, st, s, s_tiles, widths, kv, rb, pred, drop)
 
@@ -1066,9 +1072,10 @@ def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, p
 
 
 def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=None, out=None):
-    """First half of :func:`fold_block`: the new max, alpha and P (dropped, with its
-    undropped row sums, under dropout). Returns ``(p, alpha, row_sum)`` (row_sum None without
-    dropout), written into ``out`` (views of the same shapes) when given."""
+    """First half of :func:`fold_block`: the new max, alpha and P (under dropout its
+    undropped row sums, and P dropped by ``drop`` unless that is None: a staged tile's back
+    half drops it, :func:`attend_block`). Returns ``(p, alpha, row_sum)`` (row_sum None
+    without dropout), written into ``out`` (views of the same shapes) when given."""
     r = st.rows
     kt = f.tiles.k_tile
     width = sum(widths)
@@ -1104,7 +1111,8 @@ def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=Non
                                    reduce_op=nl.add, reduce_res=sums[:, n:n + 1], bias=bias,
                                    scale=c, mask=pred)
         port.tensor_reduce(row_sum, nl.add, sums, axis=(1,), mask=pred)
-        drop(p, r, width, pred)
+        if drop is not None:
+            drop(p, r, width, pred)
     else:
         for n in T.unrolled(nb):
             port.activation(p[:, n * kt:n * kt + widths[n]], nl.exp, s_tiles[n], bias=bias,
@@ -1473,12 +1481,12 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
                                   T.ceil_div(Nq, T.PMAX) + T.ceil_div(Nk, T.PMAX) + 1, T.PMAX)
                if spec.has_diag or mods.alibi or _key_mask(dropout_p, mods, kv_lens) else None)
     # loop indices (batch, heads, query tiles, key units) as data: dropout's unit numbers, the
-    # flat rows of the length gathers; combined in int32 (exact) when those may reach 2^24
-    n_units = B * Hq * T.ceil_div(Nq, T.PMAX) * T.ceil_div(Nk, T.PMAX)
-    big = max(n_units if dropout_p else 0,
-              max(B * Hq * Nq, B * Hkv * Nk) if lens else 0) >= T.FP32_EXACT_INT
+    # flat rows of the length gathers. Combined in int32 on GpSimd (exact) with dropout, whose
+    # draw makes VectorE the busiest engine, and when the rows may reach 2^24 (beyond fp32's
+    # exact integers); else in fp32 on VectorE
+    exact = bool(dropout_p) or (lens and max(B * Hq * Nq, B * Hkv * Nk) >= T.FP32_EXACT_INT)
     indices = (port.OffsetColumns(0, max(B, Hkv, Hq, T.ceil_div(Nq, T.PMAX),
-                                         T.ceil_div(Nk, T.PMAX)), 1, exact=big)
+                                         T.ceil_div(Nk, T.PMAX)), 1, exact=exact)
                if dropout_p or lens else None)
 
     def instance(b, g):
