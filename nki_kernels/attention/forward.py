@@ -1023,7 +1023,7 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
     staged tile's dropout (:func:`dropout_units`) opens its back half: in the front halves each
     tile's draw (VectorE, one cycle per score) would wait for that tile's exp on ScalarE,
     ahead of the next tile's row max in VectorE's queue; in the back half its input is ready,
-    and it delays only that tile's transposes (trn2 N = 4096: 450 -> 356 us modeled).
+    and it delays only that tile's transposes (trn2 N = 4096: 450 -> 337 us modeled).
     """
     r, P = st.rows, T.PMAX
     if not masked or d0 is not None:
