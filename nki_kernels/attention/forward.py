@@ -64,6 +64,10 @@ of ``o_acc = alpha o_acc + pv``, D + 1); ScalarE 2112 (exp; alpha); GpSimd the b
 copy and the ``alpha o_acc`` rescale; plus the 2048-column P^T copy, split at a 32-column
 boundary between ScalarE (1 cycle per column) and VectorE (1/2 on trn2) so both finish
 together. trn2 N = 4096 models at ~195 us with TensorE at ~168 us (``nki-flash run``).
+Dropout adds VectorE's draw (one cycle per score, ``nisa.dropout`` has no other engine), so
+its other per-block work moves off VectorE: the softmax sums' additions and the unit numbers
+go to GpSimd, P^T copies to ScalarE (``benchmarks/forward.py``'s shape: 325.6 us against
+284.5 without dropout, VectorE busy 303 us, 262 of them the row max and the draw).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
@@ -1104,13 +1108,22 @@ def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=Non
     port.activation(alpha, nl.exp, neg_m_old, bias=bias, scale=-c, mask=pred)
     if f.dropout_p:
         # the row sums of the undropped P come from the exp itself (the [V | 1] column would
-        # sum the dropped P): the softmax statistics are those of the undropped softmax
+        # sum the dropped P): the softmax statistics are those of the undropped softmax. The
+        # score tiles' sums are added on GpSimd: VectorE, which draws the masks, is the
+        # busiest engine under dropout
         sums = nl.ndarray((r, nb), dtype=nl.float32, buffer=nl.sbuf)
         for n in T.unrolled(nb):
             port.activation_reduce(p[:, n * kt:n * kt + widths[n]], nl.exp, s_tiles[n],
                                    reduce_op=nl.add, reduce_res=sums[:, n:n + 1], bias=bias,
                                    scale=c, mask=pred)
-        port.tensor_reduce(row_sum, nl.add, sums, axis=(1,), mask=pred)
+        if nb == 1:
+            port.tensor_copy(row_sum, sums, engine="gpsimd", mask=pred)
+        else:
+            port.tensor_tensor(row_sum, sums[:, 0:1], sums[:, 1:2], nl.add, engine="gpsimd",
+                               mask=pred)
+            for n in T.unrolled(2, nb):
+                port.tensor_tensor(row_sum, row_sum, sums[:, n:n + 1], nl.add, engine="gpsimd",
+                                   mask=pred)
         if drop is not None:
             drop(p, r, width, pred)
     else:
@@ -1161,18 +1174,21 @@ def fold_back(f: _Instance, st: _GroupState, s, front, widths, kv: _KV, rb, pred
                            accumulate=not (g0 == 0 and q == 0), mask=pred)
     o_acc = st.o_acc(s)
     # o_acc = alpha o_acc + pv: the rescale on GpSimd (SBUF only; otherwise idle), the add on
-    # VectorE (one PSUM read, 1 cycle per element)
+    # VectorE (one PSUM read, 1 cycle per element); under dropout l_i = alpha l_i + row_sum
+    # entirely on GpSimd (one instruction fewer on VectorE, the busiest engine there)
     # (the guard's flag column is not rescaled: its sum only needs to stay positive)
-    port.tensor_scalar(o_acc[:, 0:f.D + 1], o_acc[:, 0:f.D + 1], nl.multiply, alpha,
-                       engine="gpsimd", mask=pred)
     if f.dropout_p:
+        port.tensor_scalar(o_acc[:, 0:f.D], o_acc[:, 0:f.D], nl.multiply, alpha,
+                           engine="gpsimd", mask=pred)
+        port.tensor_scalar(o_acc[:, f.D:f.D + 1], o_acc[:, f.D:f.D + 1], nl.multiply, alpha,
+                           op1=nl.add, operand1=row_sum, engine="gpsimd", mask=pred)
         port.tensor_tensor(o_acc[:, 0:f.D], o_acc[:, 0:f.D], pv[:, 0:f.D], nl.add, mask=pred)
-        port.tensor_tensor(o_acc[:, f.D:f.D + 1], o_acc[:, f.D:f.D + 1], row_sum, nl.add,
-                           mask=pred)
         if f.guard:
             port.tensor_tensor(o_acc[:, f.D + 1:f.D + 2], o_acc[:, f.D + 1:f.D + 2],
                                pv[:, f.D + 1:f.D + 2], nl.add, mask=pred)
     else:
+        port.tensor_scalar(o_acc[:, 0:f.D + 1], o_acc[:, 0:f.D + 1], nl.multiply, alpha,
+                           engine="gpsimd", mask=pred)
         port.tensor_tensor(o_acc, o_acc, pv, nl.add, mask=pred)
 
 
