@@ -67,7 +67,7 @@ together. trn2 N = 4096 models at ~195 us with TensorE at ~168 us (``nki-flash r
 Dropout adds VectorE's draw (one cycle per score, ``nisa.dropout`` has no other engine), so
 its other per-block work moves off VectorE: the softmax sums' additions and the unit numbers
 go to GpSimd, P^T copies to ScalarE (``benchmarks/forward.py``'s shape: 325.6 us against
-284.5 without dropout, VectorE busy 303 us, 262 of them the row max and the draw).
+284.5 without dropout; VectorE busy 303 us, 273 of them the row max and the draw).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
