@@ -57,11 +57,11 @@ this module:
   loop-index comparisons (a block that may lie outside a band). 0.7 has no ``mask=``: there
   the instruction always runs. Pass ``mask`` only where running the instruction anyway is
   harmless (e.g. a block whose scores are all masked leaves the online softmax unchanged).
-- **Affine patterns** (:func:`iota`, :func:`affine_select`, :func:`iota_compare`): 0.7's ``(pattern, offset,
-  channel_multiplier)`` form; legacy builds the equivalent ``nl.arange`` expression. 0.7 takes
-  a compile-time ``offset`` only: a part that depends on a loop index is passed as
-  ``runtime=`` (an index expression, a multiple of ``offsets.step``, or a linear form
-  ``[(expression, int coefficient), ...]`` of step-1 expressions) with ``offsets`` an
+- **Affine patterns** (:func:`iota`, :func:`affine_select`, :func:`iota_compare`): 0.7's
+  ``(pattern, offset, channel_multiplier)`` form; legacy builds the equivalent ``nl.arange``
+  expression. 0.7 takes a compile-time ``offset`` only: a part that depends on a loop index
+  is passed as ``runtime=`` (an index expression, a multiple of ``offsets.step``, or a linear
+  form ``[(expression, int coefficient), ...]`` of step-1 expressions) with ``offsets`` an
   :class:`OffsetColumns` table built once at the kernel's start, from which 0.7 reads those
   values as data (SBUF columns at runtime positions) and adds them on VectorE in fp32 (exact
   below 2^24), or for int32 destinations of an ``exact`` table in int32 on GpSimd.
@@ -598,10 +598,10 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=Non
         val = ns.nl.ndarray(tuple(dst.shape), dtype=ns.nl.int32, buffer=ns.nl.sbuf)
         ns.nisa.iota(dst=val, pattern=pattern, offset=int(offset),
                      channel_multiplier=int(channel_multiplier))
+        # the [rows, 1] column broadcast over dst's free dims (a view: no copy)
         col = _exact_column(ns, terms, offsets, dst.shape[0])
-        for d in range(1, len(dst.shape)):
-            col = col if d == 1 else col.expand_dim(d)
-            col = col.broadcast(d, dst.shape[d])
+        for d, size in enumerate(dst.shape[1:], start=1):
+            col = (col if d == 1 else col.expand_dim(d)).broadcast(d, size)
         ns.nisa.tensor_tensor(dst=dst, data1=val, data2=col, op=ns.nl.add,
                               engine=ns.nisa.engine.gpsimd)
         return

@@ -148,9 +148,10 @@ differ:
 - *runtime lengths*: the gathers and scatters are indirect DMAs (:func:`port.rows`: an
   index-tile subscript in legacy, ``.ap(vector_offset=)`` in 0.7); the flat HBM rows of a
   program's sequence are loop-index expressions, which 0.7 reads from the same table (fp32
-  sums on VectorE, int32 ones with dropout or when q, k or v has 2^24 rows or more). The key-length mask row of lengths with
-  dropout or ALiBi (:func:`masks.key_length_row`) starts at a loop-index key, which 0.7
-  reads from the distance table (:func:`port.iota_compare`).
+  sums on VectorE; int32 ones with dropout, or when q, k or v has 2^24 rows or more). The
+  key-length mask row of lengths with dropout or ALiBi (:func:`masks.key_length_row`)
+  starts at a loop-index key, which 0.7 reads from the distance table
+  (:func:`port.iota_compare`).
 """
 from __future__ import annotations
 
