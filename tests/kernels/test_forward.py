@@ -857,11 +857,12 @@ def test_nki_namespace_programs_and_cores(B, Hkv, lnc, monkeypatch):
     dict(causal="top_left", kv_lens=[150, 256], alibi_slopes=np.array([0.5, 0.25], np.float32)),
 ], ids=["rotated-dropout", "alibi"])
 def test_nki_namespace_exact_integer_indices(opts, monkeypatch):
-    """Flat row numbers of the length gathers and dropout unit numbers at 2^24 or more are
-    summed in int32 under nki.* (``port.OffsetColumns(exact=True)``; fp32 would round them):
-    with that bound lowered to 4 here, every launch takes that path and still gives the legacy
-    trace's outputs (and dropout mask) bit for bit, GQA and two sequences. ``auto`` on trn2
-    traces such calls through nki.* (nothing of the forward is left to legacy)."""
+    """Flat row numbers of the length gathers that may reach 2^24, and dropout unit numbers
+    always, are summed in int32 under nki.* (``port.OffsetColumns(exact=True)``; fp32 would
+    round them): with that bound lowered to 4 here, both launches take that path and still
+    give the legacy trace's outputs (and dropout mask) bit for bit, GQA and two sequences.
+    ``auto`` on trn2 traces such calls through nki.* (nothing of the forward is left to
+    legacy)."""
     import host
     import simulate
 
