@@ -57,7 +57,8 @@ this module:
   loop-index comparisons (a block that may lie outside a band). 0.7 has no ``mask=``: there
   the instruction always runs. Pass ``mask`` only where running the instruction anyway is
   harmless (e.g. a block whose scores are all masked leaves the online softmax unchanged).
-- **Affine patterns** (:func:`iota`, :func:`affine_select`, :func:`iota_compare`): 0.7's
+- **Affine patterns** (:func:`iota`, :func:`affine_select`, :func:`iota_compare`,
+  :func:`iota_column`): 0.7's
   ``(pattern, offset, channel_multiplier)`` form; legacy builds the equivalent ``nl.arange``
   expression. 0.7 takes a compile-time ``offset`` only: a part that depends on a loop index
   is passed as ``runtime=`` (an index expression, a multiple of ``offsets.step``, or a linear
@@ -608,6 +609,25 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=Non
     val, col = _runtime_pattern(ns, dst, pattern, int(offset), int(channel_multiplier), terms,
                                 offsets, None)
     ns.nisa.tensor_scalar(dst=dst, data=val, op0=ns.nl.add, operand0=col)
+
+
+def iota_column(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=None,
+                mask=None):
+    """:func:`iota` whose runtime part the caller adds in an instruction it issues anyway (a
+    ``tensor_scalar`` operand, an ``activation`` bias) instead of one more VectorE pass over
+    ``dst``. Returns None when ``dst`` holds the whole value (legacy, whose index expression
+    carries the runtime part; no runtime terms), else under 0.7 the fp32 ``[rows, 1]`` column
+    of the runtime part, ``dst`` holding the compile-time part (one GpSimd iota)."""
+    ns = current()
+    if ns.api == "nki":
+        static, terms = _fold_static(offset, runtime)
+        if terms:
+            ns.nisa.iota(dst=dst, pattern=[list(map(int, pv)) for pv in pattern],
+                         offset=int(static), channel_multiplier=int(channel_multiplier))
+            return _runtime_column(ns, terms, offsets, dst.shape[0])
+    iota(dst, pattern, offset=offset, channel_multiplier=channel_multiplier, runtime=runtime,
+         offsets=offsets, mask=mask)
+    return None
 
 
 def iota_compare(dst, pattern, cmp_op, operand, offset=0, channel_multiplier=0, runtime=None,
