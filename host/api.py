@@ -289,13 +289,7 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
             masks=(causal is not None or window is not None or kv_lens is not None
                    or q_lens is not None))
     dropout_p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
-    units = (dims.B * dims.Hq * _tiles.ceil_div(dims.Nq, _tiles.PMAX)
-             * _tiles.ceil_div(dims.Nk, _tiles.PMAX))
-    lens = kv_lens is not None or q_lens is not None
-    rows = max(dims.B * dims.Hq * dims.Nq, dims.B * dims.Hkv * dims.Nk)
-    api = _port_api((bool(dropout_p) and units >= _tiles.FP32_EXACT_INT)
-                    or (lens and (bool(dropout_p) or alibi_slopes is not None
-                                  or rows >= _tiles.FP32_EXACT_INT)))
+    api = select_api()          # the forward is ported to nki.* whole
     grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, _check_lnc(lnc), api=api)
     kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen,
                   lnc=kernel_lnc)
@@ -308,9 +302,8 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
 def _port_api(legacy_only: bool) -> str:
     """The namespace a kernel launch traces through: :func:`nki_kernels.nki.select_api`'s,
     except that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
-    (``legacy_only``: the forward's runtime lengths with dropout or ALiBi or over 2^24 rows,
-    its dropout over 2^24 units or more, the block-sparse kernels over 2^24 rows or dropout
-    units, the decode split kernel) runs through the legacy
+    (``legacy_only``: the block-sparse kernels over 2^24 rows or dropout units, the decode
+    split kernel) runs through the legacy
     namespace when it runs on the same kind of backend (both simulated, or both AWS's
     toolchains) and the target has a legacy toolchain (not trn3). Otherwise the kernel refuses
     it under nki.* (NotImplementedError)."""

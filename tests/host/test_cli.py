@@ -123,10 +123,11 @@ def test_run_with_score_modifiers_checks_them(decode, capsys, monkeypatch):
 @needs_sim
 def test_run_dropout_with_lengths_and_modifiers(capsys):
     """Bottom-right band with lengths: the kernel rotates the sequences, and the mask it
-    returns for the check is in the caller's positions."""
+    returns for the check is in the caller's positions. Modeled on trn3 (nki.* only: lengths
+    with dropout and ALiBi are ported)."""
     args = ["run", "--heads", "2", "--kv-heads", "1", "--seq", "300", "--dim", "32",
             "--dropout", "0.2", "--kv-lens", "250", "--q-lens", "180", "--softcap", "10",
-            "--alibi", "--sinks", "--quiet", "--targets", "trn2"]
+            "--alibi", "--sinks", "--quiet", "--targets", "trn3"]
     assert cli.main(args) == 0
     assert "PASS" in capsys.readouterr().out
 
