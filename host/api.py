@@ -854,13 +854,9 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     from nki_kernels.attention import decode as k
     from nki_kernels.attention.decode_merge import flash_decode_merge_kernel
 
-    api = _port_api(legacy_only=True)
-    if api == "nki":
-        raise NotImplementedError(
-            "flash_decode is not available through the nki.* namespace (NKI 0.7) yet: its split "
-            "kernel, which gathers K/V rows, queries and lengths and scatters its partials by "
-            "per-partition indirect DMA (.ap(vector_offset=) in 0.7), is not ported; run it "
-            f"through the legacy namespace ({API_ENV_VAR}=legacy, or auto on trn1/trn2)")
+    # nki.* computes a contiguous cache's tail rows in fp32 (exact below 2^24 rows)
+    api = _port_api(legacy_only=pages is None and (inputs.B * inputs.Hkv * k_cache.shape[2]
+                                                   >= _tiles.FP32_EXACT_INT))
     in_dtype = _v.dtype_name(q)
     mm = np.dtype(_v.normalize_dtype("q", _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision),
                                      _v.FLOAT_DTYPES))
@@ -874,7 +870,8 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     mod_kwargs, mod_tensors = ({}, {}) if mods is None else mods
     mod_tensors = {name: None if a is None else to_device(a) for name, a in mod_tensors.items()}
     o_part, lse_part = run(
-        k.flash_decode_split_kernel, k.decode_grid(ln.groups, ln.programs, ln.core_axis), q,
+        k.flash_decode_split_kernel.on(api),
+        k.decode_grid(ln.groups, ln.programs, ln.core_axis, api=api, lnc=lnc), q,
         k_cache, v_cache, to_device(lens),
         None if work is None else to_device(work), tree, table, scale=float(scale),
         mm_dtype=mm.name, key_row=plan.key_row, split_rows=plan.split_rows,

@@ -257,6 +257,29 @@ def row_blocks(t, lead, r0, rows, n, cols):
     return t[(*lead, r0 + ip + rows * it, ic)]
 
 
+def view(t, p0, rows, c0, pattern):
+    """A strided view of the 2-D on-chip tile ``t`` ``(P, F)``: element ``[p, x_1, ...]`` is
+    ``t[p0 + p, c0 + sum_k step_k x_k]`` for ``p < rows`` and one ``[step, num]`` pair per free
+    dim of the view (``step`` 0: the dim repeats one element, a broadcast source). Legacy: the
+    ``nl.arange`` expression (``c0`` an int or an expression of loop indices); 0.7: ``t.ap``
+    (``c0`` an int: use :func:`unroll` for the loops it depends on)."""
+    ns = current()
+    if ns.api == "nki":
+        F = t.shape[1]
+        return t.ap(pattern=[[F, rows]] + [[int(s), int(n)] for s, n in pattern],
+                    offset=int(p0) * F + int(c0))
+    ar = ns.nl.arange
+    nd = len(pattern) + 1
+    free = None
+    for k, (step, num) in enumerate(pattern, start=1):
+        ax = ar(1 if step == 0 else num)[tuple(slice(None) if j == k else None
+                                               for j in tiles.unrolled(nd))]
+        term = ax if step in (0, 1) else ax * step
+        free = term if free is None else free + term
+    ip = ar(rows)[(slice(None),) + (None,) * (nd - 1)]
+    return t[p0 + ip, c0 + free]
+
+
 def dma_transpose(dst, src, mask=None):
     """``dst = src^T`` (2-D, SBUF -> SBUF) on the DMA engines (gen3+)."""
     ns = current()
@@ -282,6 +305,21 @@ def loop(n, body, carried=False, start=0):
         return
     rng = ns.nl.sequential_range if carried else ns.nl.affine_range
     for i in (rng(start, n) if start else rng(n)):
+        body(i)
+
+
+def unroll(n, body):
+    """``body(i)`` for ``i`` in ``[0, n)``, ``n`` a small compile-time count (a handful of
+    tiles or heads, not growing with a sequence length). Legacy: ``nl.affine_range`` (the loop
+    the legacy kernels wrote; ``i`` an index for affine expressions); 0.7: a Python loop,
+    unrolled at tracing, so ``i`` is an int and the access patterns built from it are static
+    (:func:`view`)."""
+    ns = current()
+    if ns.api == "nki":
+        for i in tiles.unrolled(n):
+            body(i)
+        return
+    for i in ns.nl.affine_range(n):
         body(i)
 
 
@@ -333,6 +371,28 @@ def for_programs(dims, body, share=True):
 
     instance.__name__ = getattr(body, "__name__", "instance")
     loop(per, instance, carried=True)
+
+
+def for_program_parts(lead, parts):
+    """The programs of a grid ``(*lead, sum of the counts)`` whose last axis is cut into
+    consecutive parts, ``parts`` a list of ``(count, body)``: instance ``(*index, start + i)``
+    of a part starting at ``start`` runs ``body(*index, i)``. Legacy: the SPMD grid; each
+    program runs the body of its part, chosen while tracing from its program id (how the
+    legacy kernels were written). 0.7 (``kernel[lnc]``): one :func:`for_programs` loop per part
+    over ``(*lead, count)``, the cores sharing each."""
+    ns = current()
+    if ns.api == "nki":
+        for count, body in parts:
+            if count:
+                for_programs(tuple(lead) + (count,), body)
+        return
+    ids = [ns.nl.program_id(a) for a in tiles.unrolled(len(lead) + 1)]
+    start = 0
+    for count, body in parts:
+        if start <= ids[-1] < start + count:
+            body(*ids[:-1], ids[-1] - start)
+            return
+        start += count
 
 
 def for_tile_programs(total, size, body):
@@ -645,11 +705,13 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, mask=None):
 
 
 def tensor_reduce(dst, op, data, axis, negate=False, mask=None):
-    """Reduce ``data`` over ``axis`` (free axes) into ``dst`` of shape ``(P, 1)`` (negated with
-    ``negate``)."""
+    """Reduce ``data`` over ``axis`` (free axes) into ``dst`` of shape ``(P, 1)``, or of data's
+    shape without ``axis`` when dst has fewer dims (negated with ``negate``)."""
     extra = dict(negate=True) if negate else {}
-    _issue("tensor_reduce", dst, legacy_extra=dict(keepdims=True), mask=mask, op=op, data=data,
-           axis=axis, **extra)
+    # a dst with fewer dims than data (a 3-D view reduced on its last axis) drops the axis
+    keep = len(dst.shape) == len(data.shape)
+    _issue("tensor_reduce", dst, legacy_extra=dict(keepdims=keep), mask=mask, op=op,
+           data=data, axis=axis, **extra)
 
 
 def reciprocal(dst, data):
