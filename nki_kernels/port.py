@@ -700,6 +700,16 @@ def tensor_scalar(dst, data, op0, operand0, op1=None, operand1=None, reverse0=Fa
 
 
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, mask=None):
+    """``dst = (data op0 operand0) op1 operand1`` (VectorE). 0.7 takes arithmetic operators
+    only (``nisa.scalar_tensor_tensor``: "Both op0 and op1 must be arithmetic operators"): a
+    comparison ``op0`` is issued there as a ``tensor_scalar`` into an fp32 tile and a
+    ``tensor_tensor``."""
+    ns = current()
+    if ns.api == "nki" and getattr(op0, "__name__", str(op0)) in _CMP_LEGACY:
+        first = ns.nl.ndarray(tuple(data.shape), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
+        ns.nisa.tensor_scalar(dst=first, data=data, op0=op0, operand0=operand0)
+        ns.nisa.tensor_tensor(dst=dst, data1=first, data2=operand1, op=op1)
+        return
     _issue("scalar_tensor_tensor", dst, mask=mask, data=data, op0=op0, operand0=operand0,
            op1=op1, operand1=operand1)
 
