@@ -296,6 +296,13 @@ def _int_tile(terms, parts, width, acc=None):
     return acc
 
 
+def _idx_col(k, t, steps):
+    """Column of the row-index tile of K/V tile ``k`` of step ``t`` (a program's ``steps``
+    steps and its pipeline's two dead ones, per K/V tile): one K/V tile's steps are adjacent, so
+    the columns a head's items write are one contiguous run for a runtime head index."""
+    return k * (steps + 2) + t
+
+
 def _terms(terms, c):
     """The linear form ``terms`` (``[(index expression, int coefficient), ...]``: runtime
     offsets for :func:`port.iota`) times the int ``c``."""
@@ -303,9 +310,9 @@ def _terms(terms, c):
 
 
 def _split_row_indices(valid, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, idx, offsets):
-    """Row indices of a chunk's K/V gathers: column ``(hh ipp + j) n_kv + k`` of the int32
-    tile ``idx`` is the absolute key row gathered into partition p of K/V tile k of item j for
-    head ``hh`` of the group (``b_j b_stride + s_j rs + h_row0 + hh h_stride + 128 k + p``),
+    """Row indices of a chunk's K/V gathers: column ``k (hpp ipp + 2) + hh ipp + j`` of the
+    int32 tile ``idx`` (:func:`_idx_col`) is the absolute key row gathered into partition p of
+    K/V tile k of item j for head ``hh`` of the group (``b_j b_stride + s_j rs + h_row0 + hh h_stride + 128 k + p``),
     pushed out of bounds (``+ oob``) when the local row ``128 k + p`` is not below
     ``valid[:, j]``. ``bs``: int32 ``b | s`` columns; ``h_row0``: a linear form of the
     program's indices (nki.*: read from ``offsets``, :class:`port.OffsetColumns`)."""
@@ -325,18 +332,18 @@ def _split_row_indices(valid, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, 
             first = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
             port.iota(first, [[0, ipp]], offset=k * PMAX, channel_multiplier=1,
                       runtime=h_row0 + [(hh, h_stride)], offsets=offsets)
-            port.tensor_tensor(port.view(idx, 0, kr, hh * ipp * g.n_kv + k, [[g.n_kv, ipp]]),
-                               first, rows, op=nl.add)
+            port.tensor_tensor(idx[0:kr, nl.ds(_idx_col(k, hh * ipp, hpp * ipp), ipp)], first,
+                               rows, op=nl.add)
 
-        port.unroll(hpp, head)
+        port.loop(hpp, head)
 
     port.unroll(g.n_kv, key_tile)
 
 
 def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_blocks, ppr,
                              idx, offsets):
-    """Row indices of a chunk's K/V gathers from a paged cache: column ``(hh ipp + j) n_kv +
-    k`` of ``idx`` is the row of the page pools' ``(num_blocks Hkv ppr, n D)`` view gathered
+    """Row indices of a chunk's K/V gathers from a paged cache: column ``k (hpp ipp + 2) + hh
+    ipp + j`` of ``idx`` is the row of the page pools' ``(num_blocks Hkv ppr, n D)`` view gathered
     into partition p of K/V tile k of item j for kv head ``h = h0 + hh`` (``ppr = page_size /
     n`` key rows per page; ``h0`` a linear form of the program's indices, as in
     :func:`_split_row_indices`). The page numbers are gathered once for the group's heads.
@@ -382,7 +389,7 @@ def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_b
             port.dma_copy(page[0:kr, nl.ds(j, 1)], port.rows(table_flat, entry, j),
                           oob_skip=True)
 
-        port.unroll(ipp, table_entry)
+        port.loop(ipp, table_entry)
         # page Hkv ppr + r mod ppr, then + h ppr per head
         within_i = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
         port.tensor_copy(within_i, within)
@@ -392,10 +399,10 @@ def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_b
             h_rows = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
             port.iota(h_rows, [[0, ipp]], runtime=_terms(h0, ppr) + [(hh, ppr)],
                       offsets=offsets)
-            port.tensor_tensor(port.view(idx, 0, kr, hh * ipp * g.n_kv + k, [[g.n_kv, ipp]]),
-                               h_rows, rows, op=nl.add)
+            port.tensor_tensor(idx[0:kr, nl.ds(_idx_col(k, hh * ipp, hpp * ipp), ipp)], h_rows,
+                               rows, op=nl.add)
 
-        port.unroll(hpp, head)
+        port.loop(hpp, head)
 
     port.unroll(g.n_kv, key_tile)
 
@@ -415,11 +422,11 @@ def _zero_source(g, mm, items):
     return None
 
 
-def _gather_rows(rows_view, idx, c0, g, zeros, dst, engine):
+def _gather_rows(rows_view, idx, t, steps, g, zeros, dst, engine):
     """Zero ``dst (kv_rows, n_kv * n * D)``, then gather into it the committed key rows of one
-    split of ``rows_view`` (K or V rows), named by columns ``c0 .. c0 + n_kv`` of the row-index
-    tile ``idx`` (out-of-bounds rows are skipped and stay 0). ``zeros``: :func:`_zero_source`
-    (else a memset on ``engine``, "vector" or "gpsimd")."""
+    split of ``rows_view`` (K or V rows), named by the columns of step ``t`` (of ``steps``) of
+    the row-index tile ``idx`` (:func:`_idx_col`; out-of-bounds rows are skipped and stay 0).
+    ``zeros``: :func:`_zero_source` (else a memset on ``engine``, "vector" or "gpsimd")."""
     n, D, kv_rows = g.n, g.D, g.kv_rows
 
     def key_tile(k):
@@ -428,7 +435,7 @@ def _gather_rows(rows_view, idx, c0, g, zeros, dst, engine):
             port.tensor_copy(dst_k, zeros, engine="vector")
         else:
             port.memset(dst_k, 0, engine=engine)
-        port.dma_copy(dst_k, port.rows(rows_view, idx, c0 + k), oob_skip=True)
+        port.dma_copy(dst_k, port.rows(rows_view, idx, _idx_col(k, t, steps)), oob_skip=True)
 
     port.unroll(g.n_kv, key_tile)
 
@@ -529,7 +536,7 @@ def _member_columns(values, bs, h, G, ipp, out, col0, offsets):
     def item(j):
         port.dma_copy(out[0:G, nl.ds(col0 + j, 1)], port.rows(flat, idx, j), oob_skip=True)
 
-    port.unroll(ipp, item)
+    port.loop(ipp, item)
 
 
 def _modified(mods, src, mask_ps, pos, slope, cap):
@@ -1348,9 +1355,11 @@ def _split_chunk(cfg, io, hg, c):
     valid = _valid_rows(cols, ipp, T, n, rs)                 # (128, ipp)
     bs = nl.ndarray((PMAX, 2 * ipp), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_copy(bs, cols[0:PMAX, 0:2 * ipp], engine="vector")
-    idx = nl.ndarray((kr, (steps + 2) * g.n_kv), dtype=nl.int32, buffer=nl.sbuf)
+    idx = nl.ndarray((kr, g.n_kv * (steps + 2)), dtype=nl.int32, buffer=nl.sbuf)
     # the two dead steps the pipeline gathers last: every row out of bounds
-    port.memset(idx[0:kr, steps * g.n_kv:(steps + 2) * g.n_kv], oob, engine="gpsimd")
+    dead = (idx[0:kr, steps:steps + 2] if g.n_kv == 1 else
+            port.view(idx, 0, kr, steps, [[steps + 2, g.n_kv], [1, 2]]))
+    port.memset(dead, oob, engine="gpsimd")
     if io.block_table is None:
         _split_row_indices(valid, bs, g, ipp, hpp, _terms(h0, rows_bh), rows_bh, Hkv * rows_bh,
                            oob, idx, io.offsets)
@@ -1365,7 +1374,7 @@ def _split_chunk(cfg, io, hg, c):
         port.tensor_scalar(mask[0:1, nl.ds(j * rs, rs)], local, op0=nl.greater_equal,
                            operand0=valid[0:1, nl.ds(j, 1)], op1=nl.multiply, operand1=NEG)
 
-    port.unroll(ipp, mask_item)
+    port.loop(ipp, mask_item)
     slopes = None
     if alibi:
         slopes = nl.ndarray((G, steps), dtype=nl.float32, buffer=nl.sbuf)
@@ -1375,7 +1384,7 @@ def _split_chunk(cfg, io, hg, c):
             _member_columns(io.alibi_slopes, bs, h0 + [(hh, 1)], G, ipp, slopes, hh * ipp,
                             io.offsets)
 
-        port.unroll(hpp, head_slopes)
+        port.loop(hpp, head_slopes)
     # the query rows of every step (padding items gather none: their rows stay 0)
     qs = []
     for _, rt0, rows in row_tiles:
@@ -1392,9 +1401,9 @@ def _split_chunk(cfg, io, hg, c):
                 port.dma_copy(q_keep[0:rows, nl.ds((hh * ipp + j) * D, D)],
                               port.rows(q_rows, q_idx, j), oob_skip=True)
 
-            port.unroll(ipp, item)
+            port.loop(ipp, item)
 
-        port.unroll(hpp, head_queries)
+        port.loop(hpp, head_queries)
         qs.append(q_keep)
 
     # -- 2. splits ------------------------------------------------------------------------
@@ -1407,10 +1416,10 @@ def _split_chunk(cfg, io, hg, c):
     kT = [nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
 
     def gather_k(t, b):
-        _gather_rows(k_rows, idx, t * g.n_kv, g, zeros, k_nat[b], "vector")
+        _gather_rows(k_rows, idx, t, steps, g, zeros, k_nat[b], "vector")
 
     def gather_v(t, b):
-        _gather_rows(v_rows, idx, t * g.n_kv, g, zeros, v_all[b], "gpsimd")
+        _gather_rows(v_rows, idx, t, steps, g, zeros, v_all[b], "gpsimd")
 
     def front(hh, j, b):
         """Step (hh, j)'s headers and the first half of each row tile (on ``kT[b]``)."""

@@ -20,13 +20,12 @@ import math
 import numpy as np
 import pytest
 from test_decode import (BF16, F16, F32, SEED_TREE_MASK, check_against_reference, decode,
-                         make_inputs, mm_dtype, needs_measure, run_merge, tree_from_parents)
+                         make_inputs, mm_dtype, needs_measure, run_merge, split_kernel,
+                         tree_from_parents)
 
 from host import reference
 from host.api import decode_work_list, flash_decode_hbm_bytes
 from nki_kernels import tiles
-from nki_kernels.attention import decode as dk
-from nki_kernels.nki import nki
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,10 +78,10 @@ def decode_paged(q, k_pool, v_pool, table, lens, *, scale=None, tree=None, num_s
     per_head = tiles.decode_heads_per_program(Hkv, per_program, t.max_steps)
     W = 0 if work is None else len(work)
     tm = None if tree is None else np.asarray(tree, dtype=np.uint8)
-    o_part, lse_part = nki.simulate_kernel(
-        dk.flash_decode_split_kernel[Hkv // per_head, W // per_program + B], q, k_pool, v_pool,
-        lens, work, tm, table, scale=scale, mm_dtype=mm.name, key_row=t.key_row,
-        split_rows=t.split_rows, num_splits=t.num_splits, row_tile=t.row_tile, pack=t.pack,
+    o_part, lse_part = split_kernel(
+        Hkv // per_head, W // per_program + B, q, k_pool, v_pool, lens, work, tm, table,
+        scale=scale, mm_dtype=mm.name, key_row=t.key_row, split_rows=t.split_rows,
+        num_splits=t.num_splits, row_tile=t.row_tile, pack=t.pack,
         items_per_program=per_program, heads_per_program=per_head)
     o, lse = run_merge(o_part, lse_part, np.repeat(splits, Hq * T), q.dtype)
     return o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T), t
