@@ -1,12 +1,20 @@
 """Split-KV flash decoding over a KV cache (FlashDecoding), GQA-packed, with tree masks.
 
-Two kernels, launched in order by ``host.flash_decode`` (the merge in ``decode_merge.py``,
-written against ``nki_kernels.port``). The split kernel traces through the legacy namespace
-only so far (under nki.* the host refuses it: ``host.api.run_decode``); it is being moved onto
-``nki_kernels.port`` with its legacy instruction stream unchanged: its indirect DMAs
-(``port.rows``), loads, stores and fills and part of its helpers already are. Still legacy:
-``nl.arange`` index expressions (iotas at a runtime offset, strided 3-D copies), the other
-helpers' tile-returning instructions, and the grid (``nl.program_id`` branch, ``nl.spmd_dim``)::
+Two kernels, launched in order by ``host.flash_decode`` (the merge in ``decode_merge.py``),
+one source each through ``nki.*`` (NKI 0.7) and the legacy namespace
+(:mod:`nki_kernels.port`). Where the namespaces differ: the legacy split kernel runs on an SPMD
+grid whose programs are work-item chunks then tails; 0.7 launches ``kernel[lnc]`` and walks
+the chunks, then the tails, in two compiled loops (:func:`port.for_program_parts`), the cores
+of LNC=2 sharing each. The program indices (head group, chunk, sequence) and the heads of a
+group enter iota offsets as index expressions in legacy and, in 0.7 (compile-time offsets),
+as columns of a small table (:class:`port.OffsetColumns`) added on VectorE; strided 3-D
+copies are ``nl.arange`` expressions in legacy and ``.ap`` views in 0.7 (:func:`port.view`);
+loops over a few K/V tiles unroll in 0.7 (:func:`port.unroll`), every loop whose count follows
+the work (items, heads, steps, programs) is compiled in both, so the program does not grow
+with the cache length. The legacy instruction stream, estimates and outputs are those of the
+legacy kernel before the port; 0.7's outputs equal them bit for bit. Through 0.7 the tails'
+flat cache rows ``(b Hkv + h) S_max + position`` of a contiguous cache are computed in fp32:
+a cache of ``B Hkv S_max >= 2^24`` rows is refused there (legacy only)::
 
     flash_decode_split_kernel   grid (Hkv / H, W / I + B)    phase 1: one partial (o, lse) per
                                                              work item and kv head -- W work
@@ -95,7 +103,8 @@ then runs a software pipeline with two buffers of gathered keys, transposed keys
 step t + 2 is gathered and step t + 1's keys transposed while step t's softmax and P V run.
 One program per split instead (the layout before 2026-11-25) leaves each program's gathers
 waiting for the previous program's chain: the scheduled estimate of the default decode case
-was 2.14x the HBM bound that way and is 1.27x this way (benchmarks/decode.py).
+was 2.14x the HBM bound that way and is 1.29x this way (benchmarks/decode.py; through nki.*,
+where one program walks every chunk and no program boundary drains the pipeline, 1.23x).
 
 Paged cache (``block_table``, FlashAttention's ``flash_attn_with_kvcache(block_table=...)``).
 The caches are page pools ``(num_blocks, Hkv, page_size, D)`` and ``block_table (B, MB)`` int32
@@ -1553,7 +1562,8 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         sinks): soft-capping and ALiBi in every partial (new token t at position ``L - T +
         t``), the sink in the tail's partial only (so the merge counts it once).
 
-    Grid ``(Hkv / heads_per_program, C + B)``, ``C = W / items_per_program``: program
+    Legacy grid ``(Hkv / heads_per_program, C + B)`` (:func:`decode_grid`; nki.*:
+    ``kernel[lnc]``, looping over the same programs), ``C = W / items_per_program``: program
     ``(hg, c)`` with ``c < C`` runs work items ``c items_per_program ..`` for kv heads ``hg
     heads_per_program ..``; item ``(b, s)`` is key rows ``s * split_rows .. (s + 1) *
     split_rows`` of sequence b (positions ``n`` times that), reading only the rows entirely

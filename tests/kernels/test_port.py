@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(binding.BACKEND != "simulate",
 #: Modules written against nki_kernels.port (no namespace imported directly).
 PORTED = ["fused/softmax.py", "fused/linear_gelu.py", "fused/_onchip.py",
           "attention/unfused.py", "attention/forward.py", "attention/score_mods.py",
-          "attention/decode_merge.py"]
+          "attention/decode_merge.py", "attention/decode.py"]
 
 
 def _run(api, monkeypatch, x, target="trn2", **kw):
