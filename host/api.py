@@ -838,10 +838,10 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     o : numpy.ndarray (B, Hq, T, D), q's dtype
     lse : numpy.ndarray (B, Hq, T) float32 (natural log), only with ``return_lse``
 
-    Raises NotImplementedError for a contiguous cache of ``B Hkv S_max >= 2^24`` rows under
-    ``NKI_FLASH_API=nki`` (and under ``auto`` where the legacy namespace cannot run it, i.e.
-    trn3): the split kernel's tails compute those flat rows in fp32 under nki.*
-    (:func:`run_decode`).
+    Raises NotImplementedError for a contiguous cache of ``B Hkv S_max >= 2^24`` rows (a block
+    table of ``>= 2^24`` entries) under ``NKI_FLASH_API=nki`` (and under ``auto`` where the
+    legacy namespace cannot run it, i.e. trn3): the split kernel's tails compute those flat
+    rows in fp32 under nki.* (:func:`run_decode`).
 
     Without a tree mask this equals ``flash_attention(q, k[:, :, :L], v[:, :, :L],
     causal="bottom_right")`` for each sequence with ``L = cache_lens[b]``. HBM traffic:
@@ -867,14 +867,16 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     moves the host-built arrays (lengths, work list, tree mask, block table, slopes, sinks)
     next to q. ``mods``: :func:`_score_mods_call`'s ``(kernel kwargs, tensors)`` or None.
     Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``. Both kernels trace through
-    the namespace :func:`_port_api` selects (a contiguous cache of 2^24 rows or more is
-    ``legacy_only``: under nki.* the split kernel refuses it, NotImplementedError)."""
+    the namespace :func:`_port_api` selects (a contiguous cache of 2^24 rows or more, or a block
+    table of 2^24 entries, is ``legacy_only``: under nki.* the split kernel refuses it,
+    NotImplementedError)."""
     from nki_kernels.attention import decode as k
     from nki_kernels.attention.decode_merge import flash_decode_merge_kernel
 
-    # nki.* computes a contiguous cache's tail rows in fp32 (exact below 2^24 rows)
-    api = _port_api(legacy_only=pages is None and (inputs.B * inputs.Hkv * k_cache.shape[2]
-                                                   >= _tiles.FP32_EXACT_INT))
+    # nki.* computes the tails' flat cache rows (paged: table entries) in fp32, exact below 2^24
+    flat = (inputs.B * inputs.Hkv * k_cache.shape[2] if pages is None
+            else int(np.prod(pages.block_table.shape)))
+    api = _port_api(legacy_only=flat >= _tiles.FP32_EXACT_INT)
     in_dtype = _v.dtype_name(q)
     mm = np.dtype(_v.normalize_dtype("q", _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision),
                                      _v.FLOAT_DTYPES))

@@ -295,11 +295,14 @@ def _mods_label(args: argparse.Namespace) -> str:
 def _not_on_trn3(args: argparse.Namespace):
     """The flag of a kernel path that still traces only through the legacy namespace (so not on
     trn3, which runs only nki.*), or None (README, Backends: which kernels are ported)."""
-    if args.decode and not args.paged:
+    if args.decode:
         from nki_kernels.tiles import FP32_EXACT_INT
 
         s_max = max(max(args.cache_len) if args.cache_len else 0, args.seq)
-        if args.batch * args.kv_heads * s_max >= FP32_EXACT_INT:
+        page = 256 if args.page_size is None else args.page_size
+        if args.paged and args.batch * -(-s_max // page) >= FP32_EXACT_INT:
+            return "--decode --paged with 2^24 or more block-table entries"
+        if not args.paged and args.batch * args.kv_heads * s_max >= FP32_EXACT_INT:
             return "--decode over 2^24 or more cache rows (B x kv heads x S_max, contiguous)"
     if args.block_sparse is not None:
         return "--block-sparse"

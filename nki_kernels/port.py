@@ -69,12 +69,20 @@ this module:
 - **Strided HBM blocks** (:func:`row_blocks`): rows ``r0 + j * rows + p`` of an HBM matrix as
   a ``[rows, n, cols]`` access (one DMA): an ``nl.arange`` expression in legacy, a
   ``reshape_dim`` + ``permute`` view in 0.7.
+- **Strided on-chip views** (:func:`view`): a ``[step, num]`` pattern over a 2-D SBUF/PSUM tile
+  (a 3-D copy or reduce in one instruction): an ``nl.arange`` expression in legacy, ``.ap`` in
+  0.7 (a compile-time start: :func:`unroll` loops small counts in 0.7, keeping legacy's
+  ``affine_range``).
 - **Programs** (:func:`for_programs`): the legacy SPMD grid gives each instance its indices by
   ``nl.program_id``; 0.7 launches ``kernel[lnc]`` only, so the kernel loops (a compiled loop)
   over the flattened grid itself, the ``lnc`` cores sharing it by ``nl.program_id(0)``
   (:func:`spmd_core`: which core, when both split one instance's work instead).
 - **One program per tile** (:func:`for_tile_programs`): a legacy 1-D grid of row tiles is,
-  in 0.7, one program running :func:`for_tiles` over them.
+  in 0.7, one program running :func:`for_tiles` over them. :func:`for_program_parts`: a
+  legacy grid whose last axis holds programs of different kinds (e.g. work chunks, then
+  tails) is, in 0.7, one :func:`for_programs` loop per kind.
+- **Comparisons in ``scalar_tensor_tensor``**: 0.7 takes arithmetic operators only; a
+  comparison ``op0`` becomes ``tensor_scalar`` + ``tensor_tensor`` there.
 - **Selections** (:func:`keep_where`): ``dst = where(predicate, dst, value)`` is ``nl.where``
   in legacy (the instruction the legacy estimates were made with) and a predicated copy in
   0.7; :func:`repeat_last` reads a ``(P, F)`` predicate as ``(P, F, n)`` (a broadcast view).

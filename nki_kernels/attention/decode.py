@@ -13,8 +13,9 @@ loops over a few K/V tiles unroll in 0.7 (:func:`port.unroll`), every loop whose
 the work (items, heads, steps, programs) is compiled in both, so the program does not grow
 with the cache length. The legacy instruction stream, estimates and outputs are those of the
 legacy kernel before the port; 0.7's outputs equal them bit for bit. Through 0.7 the tails'
-flat cache rows ``(b Hkv + h) S_max + position`` of a contiguous cache are computed in fp32:
-a cache of ``B Hkv S_max >= 2^24`` rows is refused there (legacy only)::
+flat cache rows ``(b Hkv + h) S_max + position`` of a contiguous cache (paged: block-table
+entries ``b MB + block``) are computed in fp32: a cache of ``B Hkv S_max >= 2^24`` rows (a
+table of ``B MB >= 2^24`` entries) is refused there (legacy only)::
 
     flash_decode_split_kernel   grid (Hkv / H, W / I + B)    phase 1: one partial (o, lse) per
                                                              work item and kv head -- W work
@@ -321,10 +322,10 @@ def _terms(terms, c):
 def _split_row_indices(valid, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, idx, offsets):
     """Row indices of a chunk's K/V gathers: column ``k (hpp ipp + 2) + hh ipp + j`` of the
     int32 tile ``idx`` (:func:`_idx_col`) is the absolute key row gathered into partition p of
-    K/V tile k of item j for head ``hh`` of the group (``b_j b_stride + s_j rs + h_row0 + hh h_stride + 128 k + p``),
-    pushed out of bounds (``+ oob``) when the local row ``128 k + p`` is not below
-    ``valid[:, j]``. ``bs``: int32 ``b | s`` columns; ``h_row0``: a linear form of the
-    program's indices (nki.*: read from ``offsets``, :class:`port.OffsetColumns`)."""
+    K/V tile k of item j for head ``hh`` of the group (``b_j b_stride + s_j rs + h_row0 + hh
+    h_stride + 128 k + p``), pushed out of bounds (``+ oob``) when the local row ``128 k + p``
+    is not below ``valid[:, j]``. ``bs``: int32 ``b | s`` columns; ``h_row0``: a linear form
+    of the program's indices (nki.*: read from ``offsets``, :class:`port.OffsetColumns`)."""
     kr = g.kv_rows
     base = _int_tile([(bs[0:kr, 0:ipp], b_stride), (bs[0:kr, ipp:2 * ipp], g.rs)], kr, ipp)
 
@@ -1595,10 +1596,13 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     C = W // ipp                   # chunk programs
     if mm_dtype not in _DTYPES:
         raise ValueError(f"mm_dtype: expected one of {_DTYPES}, got {mm_dtype!r}")
-    S_max = k_cache.shape[2]
-    if block_table is None and B * Hkv * S_max >= tiles.FP32_EXACT_INT:
-        port.refuse_in_nki(f"flash_decode_split_kernel over {B * Hkv * S_max} >= 2^24 cache "
-                           f"rows (the tails' flat row numbers are fp32 there)")
+    # nki.*: the tails' flat rows of a contiguous cache, or their block-table entries, in fp32
+    flat = (B * Hkv * k_cache.shape[2] if block_table is None
+            else block_table.shape[0] * block_table.shape[1])
+    if flat >= tiles.FP32_EXACT_INT:
+        port.refuse_in_nki(f"flash_decode_split_kernel over {flat} >= 2^24 "
+                           f"{'cache rows' if block_table is None else 'block-table entries'} "
+                           f"(the tails' flat row numbers are fp32 there)")
     # rows of "sequence B" are a trash block for padding work items
     o_part = nl.ndarray(((B + 1) * Hq * T, S, D), dtype=nl.float32, buffer=nl.shared_hbm)
     lse_part = nl.ndarray(((B + 1) * Hq * T, S), dtype=nl.float32, buffer=nl.shared_hbm)

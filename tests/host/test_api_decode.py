@@ -39,10 +39,11 @@ def test_flash_decode_matches_reference_and_returns_lse():
 @pytest.mark.parametrize("paged", [False, True])
 def test_nki_namespace_refuses_only_fp32_inexact_cache_rows(paged, monkeypatch):
     """Through nki.* the split kernel's tails compute a contiguous cache's flat rows
-    ``(b Hkv + h) S_max + position`` in fp32: a cache of 2^24 rows or more (the bound lowered
-    here to 256) is refused by an explicit NKI_FLASH_API=nki call, and ``auto`` on trn2 runs
-    it through the legacy namespace when that runs on the same backend (here: both
-    simulated). A paged cache has no such rows: it runs through nki.*."""
+    ``(b Hkv + h) S_max + position`` (paged: block-table entries ``b MB + block``) in fp32: a
+    cache of 2^24 rows or more (the bound lowered here to 256: 512 rows, 8 table entries) is
+    refused by an explicit NKI_FLASH_API=nki call, and ``auto`` on trn2 runs it through the
+    legacy namespace when that runs on the same backend (here: both simulated); a table below
+    the bound runs through nki.*."""
     from nki_kernels import nki as binding
 
     monkeypatch.setattr(tiles, "FP32_EXACT_INT", 256)
