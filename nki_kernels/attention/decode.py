@@ -285,12 +285,12 @@ def _valid_rows(cols, ipp, T, n, rs):
     return rows
 
 
-def _int_tile(terms, parts, width, acc=None):
+def _int_tile(terms, parts, width, acc=None, out=None):
     """int32 ``(parts, width)`` tile ``acc + sum(c * x)`` over ``(x, c)`` pairs of int32 tiles:
-    int32 multiply and add (exact; fp32 engine arithmetic would round above 2^24)."""
-    for x, c in terms:
-        if c == 0:
-            continue
+    int32 multiply and add (exact; fp32 engine arithmetic would round above 2^24). ``out``: the
+    tile (or view) the last add writes, else a new tile."""
+    terms = [(x, c) for x, c in terms if c != 0]
+    for k, (x, c) in enumerate(terms):
         if c != 1:
             c_tile = nl.ndarray((parts, width), dtype=nl.int32, buffer=nl.sbuf)
             port.memset(c_tile, c, engine="gpsimd")
@@ -300,7 +300,8 @@ def _int_tile(terms, parts, width, acc=None):
         if acc is None:
             acc = x
         else:
-            total = nl.ndarray((parts, width), dtype=nl.int32, buffer=nl.sbuf)
+            total = (out if out is not None and k == len(terms) - 1 else
+                     nl.ndarray((parts, width), dtype=nl.int32, buffer=nl.sbuf))
             port.tensor_tensor(total, acc, x, op=nl.add)
             acc = total
     return acc
@@ -1400,16 +1401,20 @@ def _split_chunk(cfg, io, hg, c):
     for _, rt0, rows in row_tiles:
         q_keep = nl.ndarray((rows, steps * D), dtype=q_rows.dtype, buffer=nl.sbuf)
         port.memset(q_keep, 0, engine="gpsimd")
+        # every head's row indices in one tile: a compiled head loop then reuses no buffer a
+        # previous head's gathers still read
+        q_idx = nl.ndarray((rows, steps), dtype=nl.int32, buffer=nl.sbuf)
 
-        def head_queries(hh, rt0=rt0, rows=rows, q_keep=q_keep):
+        def head_queries(hh, rt0=rt0, rows=rows, q_keep=q_keep, q_idx=q_idx):
             first = nl.ndarray((rows, ipp), dtype=nl.int32, buffer=nl.sbuf)
             port.iota(first, [[0, ipp]], offset=rt0, channel_multiplier=1,
                       runtime=_terms(h0, R) + [(hh, R)], offsets=io.offsets)
-            q_idx = _int_tile([(bs[0:rows, 0:ipp], Hkv * R)], rows, ipp, first)
+            _int_tile([(bs[0:rows, 0:ipp], Hkv * R)], rows, ipp, first,
+                      out=q_idx[0:rows, nl.ds(hh * ipp, ipp)])
 
             def item(j):
                 port.dma_copy(q_keep[0:rows, nl.ds((hh * ipp + j) * D, D)],
-                              port.rows(q_rows, q_idx, j), oob_skip=True)
+                              port.rows(q_rows, q_idx, hh * ipp + j), oob_skip=True)
 
             port.loop(ipp, item)
 
