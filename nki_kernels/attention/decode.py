@@ -104,8 +104,8 @@ then runs a software pipeline with two buffers of gathered keys, transposed keys
 step t + 2 is gathered and step t + 1's keys transposed while step t's softmax and P V run.
 One program per split instead (the layout before 2026-11-25) leaves each program's gathers
 waiting for the previous program's chain: the scheduled estimate of the default decode case
-was 2.14x the HBM bound that way and is 1.29x this way (benchmarks/decode.py; through nki.*,
-where one program walks every chunk and no program boundary drains the pipeline, 1.23x).
+was 2.14x the HBM bound that way and is 1.27x this way (benchmarks/decode.py; through nki.*,
+where one program walks every chunk and no program boundary drains the pipeline, 1.24x).
 
 Paged cache (``block_table``, FlashAttention's ``flash_attn_with_kvcache(block_table=...)``).
 The caches are page pools ``(num_blocks, Hkv, page_size, D)`` and ``block_table (B, MB)`` int32
