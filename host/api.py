@@ -309,10 +309,10 @@ def _port_api(legacy_only: bool) -> str:
     """The namespace a kernel launch traces through: :func:`nki_kernels.nki.select_api`'s,
     except that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
     (``legacy_only``: the forward's runtime lengths with dropout or ALiBi or over 2^24 rows,
-    its dropout over 2^24 units or more, the decode split kernel) runs through the legacy
-    namespace when it runs on the same kind of backend (both simulated, or both AWS's
-    toolchains) and the target has a legacy toolchain (not trn3). Otherwise the kernel refuses
-    it under nki.* (NotImplementedError)."""
+    its dropout over 2^24 units or more, decode over 2^24 cache rows or block-table entries)
+    runs through the legacy namespace when it runs on the same kind of backend (both
+    simulated, or both AWS's toolchains) and the target has a legacy toolchain (not trn3).
+    Otherwise the kernel refuses it under nki.* (NotImplementedError)."""
     api = select_api()
     auto = os.environ.get(API_ENV_VAR, "auto").strip().lower() in ("", "auto")
     if api == "nki" and legacy_only and auto and active_target() != "trn3":
