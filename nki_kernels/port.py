@@ -381,16 +381,18 @@ def for_programs(dims, body, share=True):
     loop(per, instance, carried=True)
 
 
-def for_program_parts(lead, parts):
+def for_program_parts(lead, parts, order=None):
     """The programs of a grid ``(*lead, sum of the counts)`` whose last axis is cut into
     consecutive parts, ``parts`` a list of ``(count, body)``: instance ``(*index, start + i)``
     of a part starting at ``start`` runs ``body(*index, i)``. Legacy: the SPMD grid; each
     program runs the body of its part, chosen while tracing from its program id (how the
     legacy kernels were written). 0.7 (``kernel[lnc]``): one :func:`for_programs` loop per part
-    over ``(*lead, count)``, the cores sharing each."""
+    over ``(*lead, count)``, the cores sharing each, in the order ``order`` (indices into
+    ``parts``; default as listed)."""
     ns = current()
     if ns.api == "nki":
-        for count, body in parts:
+        for k in (tiles.unrolled(len(parts)) if order is None else order):
+            count, body = parts[k]
             if count:
                 for_programs(tuple(lead) + (count,), body)
         return

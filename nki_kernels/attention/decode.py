@@ -4,8 +4,9 @@ Two kernels, launched in order by ``host.flash_decode`` (the merge in ``decode_m
 one source each through ``nki.*`` (NKI 0.7) and the legacy namespace
 (:mod:`nki_kernels.port`). Where the namespaces differ: the legacy split kernel runs on an SPMD
 grid whose programs are work-item chunks then tails; 0.7 launches ``kernel[lnc]`` and walks
-the chunks, then the tails, in two compiled loops (:func:`port.for_program_parts`), the cores
-of LNC=2 sharing each. The program indices (head group, chunk, sequence) and the heads of a
+the tails, then the chunks, in two compiled loops (:func:`port.for_program_parts`), the cores
+of LNC=2 sharing each (tails first: their short, latency-bound chains then overlap the
+chunks' headers instead of trailing the last split). The program indices (head group, chunk, sequence) and the heads of a
 group enter iota offsets as index expressions in legacy and, in 0.7 (compile-time offsets),
 as columns of a small table (:class:`port.OffsetColumns`) added on VectorE; strided 3-D
 copies are ``nl.arange`` expressions in legacy and ``.ap`` views in 0.7 (:func:`port.view`);
@@ -105,7 +106,7 @@ step t + 2 is gathered and step t + 1's keys transposed while step t's softmax a
 One program per split instead (the layout before 2026-11-25) leaves each program's gathers
 waiting for the previous program's chain: the scheduled estimate of the default decode case
 was 2.14x the HBM bound that way and is 1.27x this way (benchmarks/decode.py; through nki.*,
-where one program walks every chunk and no program boundary drains the pipeline, 1.24x).
+where one program walks every chunk and no program boundary drains the pipeline, 1.23x).
 
 Paged cache (``block_table``, FlashAttention's ``flash_attn_with_kvcache(block_table=...)``).
 The caches are page pools ``(num_blocks, Hkv, page_size, D)`` and ``block_table (B, MB)`` int32
@@ -1569,7 +1570,8 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         t``), the sink in the tail's partial only (so the merge counts it once).
 
     Legacy grid ``(Hkv / heads_per_program, C + B)`` (:func:`decode_grid`; nki.*:
-    ``kernel[lnc]``, looping over the same programs), ``C = W / items_per_program``: program
+    ``kernel[lnc]``, looping over the same programs, tails first), ``C = W /
+    items_per_program``: program
     ``(hg, c)`` with ``c < C`` runs work items ``c items_per_program ..`` for kv heads ``hg
     heads_per_program ..``; item ``(b, s)`` is key rows ``s * split_rows .. (s + 1) *
     split_rows`` of sequence b (positions ``n`` times that), reading only the rows entirely
@@ -1626,5 +1628,6 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     def tail(hg, b):
         _tails(cfg, io, hg, b)
 
-    port.for_program_parts((Hkv // hpp,), [(C, chunk), (B, tail)])
+    # nki.*: the tails first, their short latency-bound chains under the chunks' headers
+    port.for_program_parts((Hkv // hpp,), [(C, chunk), (B, tail)], order=(1, 0))
     return o_part, lse_part
