@@ -73,12 +73,20 @@ this module:
 - **Strided HBM blocks** (:func:`row_blocks`): rows ``r0 + j * rows + p`` of an HBM matrix as
   a ``[rows, n, cols]`` access (one DMA): an ``nl.arange`` expression in legacy, a
   ``reshape_dim`` + ``permute`` view in 0.7.
+- **Strided on-chip views** (:func:`view`): a ``[step, num]`` pattern over a 2-D SBUF/PSUM tile
+  (a 3-D copy or reduce in one instruction): an ``nl.arange`` expression in legacy, ``.ap`` in
+  0.7 (a compile-time start: :func:`unroll` loops small counts in 0.7, keeping legacy's
+  ``affine_range``).
 - **Programs** (:func:`for_programs`): the legacy SPMD grid gives each instance its indices by
   ``nl.program_id``; 0.7 launches ``kernel[lnc]`` only, so the kernel loops (a compiled loop)
   over the flattened grid itself, the ``lnc`` cores sharing it by ``nl.program_id(0)``
   (:func:`spmd_core`: which core, when both split one instance's work instead).
 - **One program per tile** (:func:`for_tile_programs`): a legacy 1-D grid of row tiles is,
-  in 0.7, one program running :func:`for_tiles` over them.
+  in 0.7, one program running :func:`for_tiles` over them. :func:`for_program_parts`: a
+  legacy grid whose last axis holds programs of different kinds (e.g. work chunks, then
+  tails) is, in 0.7, one :func:`for_programs` loop per kind.
+- **Comparisons in ``scalar_tensor_tensor``**: 0.7 takes arithmetic operators only; a
+  comparison ``op0`` becomes ``tensor_scalar`` + ``tensor_tensor`` there.
 - **Selections** (:func:`keep_where`): ``dst = where(predicate, dst, value)`` is ``nl.where``
   in legacy (the instruction the legacy estimates were made with) and a predicated copy in
   0.7; :func:`repeat_last` reads a ``(P, F)`` predicate as ``(P, F, n)`` (a broadcast view).
@@ -291,6 +299,29 @@ def row_blocks(t, lead, r0, rows, n, cols):
     return t[(*lead, r0 + ip + rows * it, ic)]
 
 
+def view(t, p0, rows, c0, pattern):
+    """A strided view of the 2-D on-chip tile ``t`` ``(P, F)``: element ``[p, x_1, ...]`` is
+    ``t[p0 + p, c0 + sum_k step_k x_k]`` for ``p < rows`` and one ``[step, num]`` pair per free
+    dim of the view (``step`` 0: the dim repeats one element, a broadcast source). Legacy: the
+    ``nl.arange`` expression (``c0`` an int or an expression of loop indices); 0.7: ``t.ap``
+    (``c0`` an int: use :func:`unroll` for the loops it depends on)."""
+    ns = current()
+    if ns.api == "nki":
+        F = t.shape[1]
+        return t.ap(pattern=[[F, rows]] + [[int(s), int(n)] for s, n in pattern],
+                    offset=int(p0) * F + int(c0))
+    ar = ns.nl.arange
+    nd = len(pattern) + 1
+    free = None
+    for k, (step, num) in enumerate(pattern, start=1):
+        ax = ar(1 if step == 0 else num)[tuple(slice(None) if j == k else None
+                                               for j in tiles.unrolled(nd))]
+        term = ax if step in (0, 1) else ax * step
+        free = term if free is None else free + term
+    ip = ar(rows)[(slice(None),) + (None,) * (nd - 1)]
+    return t[p0 + ip, c0 + free]
+
+
 def dma_transpose(dst, src, mask=None):
     """``dst = src^T`` (2-D, SBUF -> SBUF) on the DMA engines (gen3+)."""
     ns = current()
@@ -316,6 +347,21 @@ def loop(n, body, carried=False, start=0):
         return
     rng = ns.nl.sequential_range if carried else ns.nl.affine_range
     for i in (rng(start, n) if start else rng(n)):
+        body(i)
+
+
+def unroll(n, body):
+    """``body(i)`` for ``i`` in ``[0, n)``, ``n`` a small compile-time count (a handful of
+    tiles or heads, not growing with a sequence length). Legacy: ``nl.affine_range`` (the loop
+    the legacy kernels wrote; ``i`` an index for affine expressions); 0.7: a Python loop,
+    unrolled at tracing, so ``i`` is an int and the access patterns built from it are static
+    (:func:`view`)."""
+    ns = current()
+    if ns.api == "nki":
+        for i in tiles.unrolled(n):
+            body(i)
+        return
+    for i in ns.nl.affine_range(n):
         body(i)
 
 
@@ -367,6 +413,30 @@ def for_programs(dims, body, share=True):
 
     instance.__name__ = getattr(body, "__name__", "instance")
     loop(per, instance, carried=True)
+
+
+def for_program_parts(lead, parts, order=None):
+    """The programs of a grid ``(*lead, sum of the counts)`` whose last axis is cut into
+    consecutive parts, ``parts`` a list of ``(count, body)``: instance ``(*index, start + i)``
+    of a part starting at ``start`` runs ``body(*index, i)``. Legacy: the SPMD grid; each
+    program runs the body of its part, chosen while tracing from its program id (how the
+    legacy kernels were written). 0.7 (``kernel[lnc]``): one :func:`for_programs` loop per part
+    over ``(*lead, count)``, the cores sharing each, in the order ``order`` (indices into
+    ``parts``; default as listed)."""
+    ns = current()
+    if ns.api == "nki":
+        for k in (tiles.unrolled(len(parts)) if order is None else order):
+            count, body = parts[k]
+            if count:
+                for_programs(tuple(lead) + (count,), body)
+        return
+    ids = [ns.nl.program_id(a) for a in tiles.unrolled(len(lead) + 1)]
+    start = 0
+    for count, body in parts:
+        if start <= ids[-1] < start + count:
+            body(*ids[:-1], ids[-1] - start)
+            return
+        start += count
 
 
 def for_tile_programs(total, size, body):
@@ -767,16 +837,28 @@ def tensor_scalar(dst, data, op0, operand0, op1=None, operand1=None, reverse0=Fa
 
 
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, mask=None):
+    """``dst = (data op0 operand0) op1 operand1`` (VectorE). 0.7 takes arithmetic operators
+    only (``nisa.scalar_tensor_tensor``: "Both op0 and op1 must be arithmetic operators"): a
+    comparison ``op0`` is issued there as a ``tensor_scalar`` into an fp32 tile and a
+    ``tensor_tensor``."""
+    ns = current()
+    if ns.api == "nki" and getattr(op0, "__name__", str(op0)) in _CMP_LEGACY:
+        first = ns.nl.ndarray(tuple(data.shape), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
+        ns.nisa.tensor_scalar(dst=first, data=data, op0=op0, operand0=operand0)
+        ns.nisa.tensor_tensor(dst=dst, data1=first, data2=operand1, op=op1)
+        return
     _issue("scalar_tensor_tensor", dst, mask=mask, data=data, op0=op0, operand0=operand0,
            op1=op1, operand1=operand1)
 
 
 def tensor_reduce(dst, op, data, axis, negate=False, mask=None):
-    """Reduce ``data`` over ``axis`` (free axes) into ``dst`` of shape ``(P, 1)`` (negated with
-    ``negate``)."""
+    """Reduce ``data`` over ``axis`` (free axes) into ``dst`` of shape ``(P, 1)``, or of data's
+    shape without ``axis`` when dst has fewer dims (negated with ``negate``)."""
     extra = dict(negate=True) if negate else {}
-    _issue("tensor_reduce", dst, legacy_extra=dict(keepdims=True), mask=mask, op=op, data=data,
-           axis=axis, **extra)
+    # a dst with fewer dims than data (a 3-D view reduced on its last axis) drops the axis
+    keep = len(dst.shape) == len(data.shape)
+    _issue("tensor_reduce", dst, legacy_extra=dict(keepdims=keep), mask=mask, op=op,
+           data=data, axis=axis, **extra)
 
 
 def reciprocal(dst, data):

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(binding.BACKEND != "simulate",
 PORTED = ["fused/softmax.py", "fused/linear_gelu.py", "fused/_onchip.py",
           "attention/unfused.py", "attention/forward.py", "attention/score_mods.py",
           "attention/masks.py", "attention/decode_merge.py", "attention/block_sparse.py",
-          "attention/block_sparse_bwd.py"]
+          "attention/block_sparse_bwd.py", "attention/decode.py"]
 
 
 def _run(api, monkeypatch, x, target="trn2", **kw):
