@@ -292,9 +292,9 @@ def _attention_call(dims: _v.AttentionShape, dtype: str, block_sparse=None, *, s
                     softcap=None, alibi_slopes=None, sinks=None, tiles=None, sbuf_budget=None,
                     return_lse: bool = False,
                     return_dropout_mask: bool = False) -> AttentionCall:
-    """Validate the options of an attention call whose inputs (of sizes ``dims`` and dtype
-    ``dtype``) are validated into one :class:`AttentionCall`. Options as in
-    :func:`flash_attention`; ``block_sparse`` is the validated pattern when the block-sparse
+    """The :class:`AttentionCall` of a call whose tensors are validated already (sizes
+    ``dims``, dtype name ``dtype``), its options validated (as in :func:`flash_attention`).
+    ``block_sparse`` is the validated pattern when the block-sparse
     kernels run the call (:func:`_block_sparsity`): they take no ``tiles``, ``sbuf_budget``,
     score modifiers nor second NeuronCore."""
     scale = _v.check_scale(scale, dims.D)
@@ -715,6 +715,7 @@ def _decode_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
 
 
 def _decode_tiles(call: DecodeCall) -> "tiles.DecodeTiles":
+    """The split kernel's tiling of a validated decode call (:func:`plan_flash_decode`)."""
     inputs, pages = call.inputs, call.pages
     n = (tiles.decode_key_row(inputs.S_max) if pages is None
          else tiles.decode_paged_key_row(pages.page_size))
