@@ -281,13 +281,6 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
                                    maximum=max(_tiles.SBUF_USABLE_BYTES.values()))
     in_dtype = _v.dtype_name(q)
     mm = _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision)
-    if chosen is None:
-        chosen = _tiles.choose_forward_tiles(
-            dims.Nq, dims.Nk, dims.D, dims.group, _tiles.fwd_itemsize(in_dtype),
-            _tiles.fwd_itemsize(mm), sbuf_bytes=sbuf_budget, kv_lens=kv_lens is not None,
-            q_lens=q_lens is not None,
-            masks=(causal is not None or window is not None or kv_lens is not None
-                   or q_lens is not None))
     dropout_p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
     units = (dims.B * dims.Hq * _tiles.ceil_div(dims.Nq, _tiles.PMAX)
              * _tiles.ceil_div(dims.Nk, _tiles.PMAX))
@@ -296,6 +289,13 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
     api = _port_api((bool(dropout_p) and units >= _tiles.FP32_EXACT_INT)
                     or (lens and (bool(dropout_p) or alibi_slopes is not None
                                   or rows >= _tiles.FP32_EXACT_INT)))
+    if chosen is None:
+        chosen = _tiles.choose_forward_tiles(
+            dims.Nq, dims.Nk, dims.D, dims.group, _tiles.fwd_itemsize(in_dtype),
+            _tiles.fwd_itemsize(mm), sbuf_bytes=sbuf_budget, kv_lens=kv_lens is not None,
+            q_lens=q_lens is not None,
+            masks=(causal is not None or window is not None or kv_lens is not None
+                   or q_lens is not None), api=api, device=active_target())
     grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, _check_lnc(lnc), api=api)
     kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen,
                   lnc=kernel_lnc)

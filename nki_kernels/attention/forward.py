@@ -116,7 +116,8 @@ Precision (docs/semantics.md): matmul operands in bf16/fp16 (fp32 inputs: bf16 w
 APIs whose legacy-NKI status is not fully confirmed (reference/nki-api-spec.md): bf16 PSUM
 output of TensorE transposes on trn2 (gen3 "transpose mode"; fp32 PSUM is used on trn1),
 ``nisa.tensor_copy_predicated`` (documented from 2.22), and ``nisa.dma_transpose`` SBUF ->
-SBUF (opt-in, ``p_dma_transpose_share``).
+SBUF (``p_dma_transpose_share``: opt-in under legacy; under nki.* the planner's default, as
+in AWS's NKI 0.7 ``attention_cte``).
 
 One source, two namespaces (:mod:`nki_kernels.port`): the kernel traces through ``nki.*``
 (NKI 0.7: trn2, trn3) and the legacy ``neuronxcc.nki`` (trn1). It is a fixed nest of compiled
@@ -884,7 +885,7 @@ def contract(pairs, shape, pred=None):
 
 
 def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, masked: bool,
-           pred, dk: Optional[int] = None, h=None):
+           pred, dk: Optional[int] = None, h=None, neg_max=None):
     """S = Q_i K_j^T for one score tile of ``width`` keys (raw scores; Q^T carries the scale only
     when it is not folded into the exp), in one PSUM bank, plus its band mask.
 
@@ -897,6 +898,11 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
     ``dk``: ``j0 - i0`` when it is a compile-time constant (sliding spans). Padding keys
     (``kv_lens``) are never read (:func:`edge_key_fill`). Score modifiers (``score_mods``;
     ``h`` = member head) turn the scores into raw units of ``f.unit`` before the masks select.
+
+    Returns ``(tile, fused)``. Under nki.* a tile crossing a band edge is instead selected by
+    one VectorE ``range_select`` straight out of PSUM (:func:`port.band_select_max`: fp32.min
+    outside the band, below ``FWD_M_FLOOR`` as ``MASK_NEG`` is) that also writes the negated
+    row max into ``neg_max`` (``fused`` True: :func:`fold_front` skips its own max there).
     """
     r = st.rows
     sc = contract([(st.qT[pi][:, s, 0:r], kv.kT[pi][:, nl.ds(rel, width)])
@@ -933,7 +939,13 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
             port.nc_matmul(kneg, f.key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
             port.tensor_tensor(s_sb, s_sb, kneg, nl.add, mask=pred)
     if not sides:
-        return sc if s_sb is None else s_sb
+        return (sc if s_sb is None else s_sb), False
+    if port.api() == "nki" and neg_max is not None:
+        out = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.sbuf) if s_sb is None else s_sb
+        port.band_select_max(out, sc if s_sb is None else s_sb,
+                             [(bound, cmp) for _, bound, cmp in sides], runtime=rel_d,
+                             offsets=f.offsets, neg_max=neg_max)
+        return out, True
     # band edges by selection, not addition: a non-finite score a row cannot see (a NaN or inf
     # in a hidden key) is replaced, never carried into the row's max and sums. The scores are
     # copied out of PSUM (VectorE) unless a modifier already did, and each crossed side selects
@@ -944,7 +956,7 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
     for p, bound, cmp in sides:
         port.affine_select(s_sb, [[1, width]], -1, s_sb, T.FWD_MASK_NEG, cmp, offset=bound,
                            runtime=rel_d, offsets=f.offsets, mask=p)
-    return s_sb
+    return s_sb, False
 
 
 def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
@@ -1025,17 +1037,20 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
     if part == "back":
         fold_back(f, st, s, staged_front(stage, r, width), widths, kv, rb, pred)
         return
-    s_tiles = [scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked, pred,
-                      None if d0 is None else d0 + n * kt, h)
-               for n, w in enumerate(widths)]
+    stats = st.stats[0:r, s, :]
+    s_tiles, fused = zip(*[scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked,
+                                  pred, None if d0 is None else d0 + n * kt, h,
+                                  neg_max=stats[:, 2 + n:3 + n])
+                           for n, w in enumerate(widths)])
     drop = None
     if f.dropout_p:
         def drop(p, r_, w_, pr):
             dropout_units(f, p, r_, w_, *du, pr)
     if part == "front":
-        fold_front(f, st, s, s_tiles, widths, pred, drop, staged_front(stage, r, width))
+        fold_front(f, st, s, s_tiles, widths, pred, drop, staged_front(stage, r, width),
+                   fused)
         return
-    fold_block(f, st, s, s_tiles, widths, kv, rb, pred, drop)
+    fold_block(f, st, s, s_tiles, widths, kv, rb, pred, drop, fused)
 
 
 def staged_front(stage, rows: int, width: int):
@@ -1046,17 +1061,22 @@ def staged_front(stage, rows: int, width: int):
             None if r_buf is None else r_buf[0:rows, k, :])
 
 
-def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, pred, drop=None):
+def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, pred, drop=None,
+               fused=()):
     """The online-softmax update of slot s by one key block whose raw score tiles (masks
     already added) are ``s_tiles`` (PSUM, ``widths`` keys each, consecutive keys from the K/V
     tile's 128-key block ``rb``): new max, ``P = exp(...)``, alpha, ``pv = P [V | 1]``,
     ``[o_acc | l_i] = alpha [o_acc | l_i] + pv`` (:func:`attend_block`). ``drop``: None, or
     ``drop(p, rows, width, pred)`` applies attention dropout to P in place (the statistics
-    stay those of the undropped P). Every instruction is predicated on ``pred`` (legacy)."""
-    fold_back(f, st, s, fold_front(f, st, s, s_tiles, widths, pred, drop), widths, kv, rb, pred)
+    stay those of the undropped P). Every instruction is predicated on ``pred`` (legacy).
+    ``fused[n]``: tile n's negated row max is already in its statistics column
+    (:func:`scores`)."""
+    fold_back(f, st, s, fold_front(f, st, s, s_tiles, widths, pred, drop, fused=fused), widths,
+              kv, rb, pred)
 
 
-def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=None, out=None):
+def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=None, out=None,
+               fused=()):
     """First half of :func:`fold_block`: the new max, alpha and P (dropped, with its
     undropped row sums, under dropout). Returns ``(p, alpha, row_sum)`` (row_sum None without
     dropout), written into ``out`` (views of the same shapes) when given."""
@@ -1069,8 +1089,9 @@ def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=Non
     c = f.unit
 
     for n in T.unrolled(nb):
-        port.tensor_reduce(stats[:, 2 + n:3 + n], nl.maximum, s_tiles[n], axis=(1,),
-                           negate=True, mask=pred)
+        if not (fused and fused[n]):
+            port.tensor_reduce(stats[:, 2 + n:3 + n], nl.maximum, s_tiles[n], axis=(1,),
+                               negate=True, mask=pred)
     port.tensor_reduce(neg_m_new, nl.minimum, stats[:, 1:2 + nb], axis=(1,), mask=pred)
     if c == 1.0:
         bias = neg_m_new
@@ -1127,7 +1148,11 @@ def fold_back(f: _Instance, st: _GroupState, s, front, widths, kv: _KV, rb, pred
         if on_dma.take(n):
             # trn2: DMA-engine transposes SBUF -> SBUF, no TensorE pass and no PSUM copy
             # (opt-in; documented for gen3, AWS kept its own use of it disabled)
-            for q, (c0, kw) in enumerate(group):
+            full = [kw for _, kw in group].count(P)
+            if full:
+                port.dma_transpose_blocks(pts, p[:, group[0][0]:group[0][0] + full * P], full,
+                                          P, mask=pred)
+            for q, (c0, kw) in list(enumerate(group))[full:]:
                 port.dma_transpose(pts[0:kw, q * r:(q + 1) * r], p[:, c0:c0 + kw], mask=pred)
         else:
             pt = nl.ndarray((P, per_tile * r), dtype=pt_dtype, buffer=nl.psum)
