@@ -309,7 +309,8 @@ def _port_api(legacy_only: bool) -> str:
     """The namespace a kernel launch traces through: :func:`nki_kernels.nki.select_api`'s,
     except that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
     (``legacy_only``: the forward's runtime lengths with dropout or ALiBi or over 2^24 rows,
-    its dropout over 2^24 units or more, the decode split kernel) runs through the legacy
+    its dropout over 2^24 units or more, the block-sparse kernels over 2^24 rows or dropout
+    units, the decode split kernel) runs through the legacy
     namespace when it runs on the same kind of backend (both simulated, or both AWS's
     toolchains) and the target has a legacy toolchain (not trn3). Otherwise the kernel refuses
     it under nki.* (NotImplementedError)."""
@@ -545,10 +546,23 @@ def _block_sparse_options(q, k, v, block_mask, *, scale, causal, window, kv_lens
     return dims, sparsity, tables, kwargs, kv32, q32
 
 
+def _block_sparse_api(dims, dropout_p: float, dropout_mask: bool) -> str:
+    """The namespace of a block-sparse launch (:func:`_port_api`): legacy only when 0.7 would
+    number its rows (``B Hq Nq``, ``B Hkv Nk``, with the debug dropout mask ``B Hq Nq
+    ceil(Nk/128)``) or dropout units in fp32 past 2^24 (the kernels refuse those under
+    nki.*)."""
+    nqt, nkt = _tiles.ceil_div(dims.Nq, _tiles.PMAX), _tiles.ceil_div(dims.Nk, _tiles.PMAX)
+    rows = max(dims.B * dims.Hq * dims.Nq, dims.B * dims.Hkv * dims.Nk,
+               dims.B * dims.Hq * dims.Nq * nkt if dropout_p and dropout_mask else 0)
+    units = dims.B * dims.Hq * nqt * nkt if dropout_p else 0
+    return _port_api(max(rows, units) >= _tiles.FP32_EXACT_INT)
+
+
 def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
                           return_dropout_mask, softcap=None, alibi_slopes=None, sinks=None,
                           **options):
     from nki_kernels.attention.block_sparse import block_sparse_attention_fwd
+    from nki_kernels.port import launch_grid
 
     _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1], block_sparse=True)
     dims, _, tables, kwargs, kv32, q32 = _block_sparse_options(q, k, v, block_mask,
@@ -561,8 +575,10 @@ def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
     if p:
         kwargs.update(dropout_p=p, dropout_mask=return_dropout_mask)
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
-    outs = launch(block_sparse_attention_fwd, (dims.B, dims.Hkv), q, k, v, tables.q.meta,
-                  kv_lens=kv32, q_lens=q32, seed=seed32, classes=tables.q.classes, **kwargs)
+    api = _block_sparse_api(dims, p, return_dropout_mask)
+    outs = launch(block_sparse_attention_fwd.on(api), launch_grid((dims.B, dims.Hkv), api), q, k,
+                  v, tables.q.meta, kv_lens=kv32, q_lens=q32, seed=seed32,
+                  classes=tables.q.classes, **kwargs)
     o, lse = outs[0], outs[1]
     res = (o, lse) if return_lse else (o,)
     if return_dropout_mask:
@@ -573,6 +589,7 @@ def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
 def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, softcap=None,
                            alibi_slopes=None, sinks=None, **options):
     from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
+    from nki_kernels.port import launch_grid
 
     _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1], block_sparse=True)
     dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
@@ -582,7 +599,9 @@ def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, 
         kwargs["dropout_p"] = p
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
-    return launch(block_sparse_attention_bwd, (dims.B, dims.Hkv), q, k, v, o, do,
+    api = _block_sparse_api(dims, p, False)
+    return launch(block_sparse_attention_bwd.on(api), launch_grid((dims.B, dims.Hkv), api), q,
+                  k, v, o, do,
                   _numpy("lse", lse), tables.q.meta, tables.k.meta, kv_lens=kv32, q_lens=q32,
                   seed=seed32, classes_q=tables.q.classes, classes_k=tables.k.classes,
                   **kwargs)

@@ -154,8 +154,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, help="random seed for the inputs (0)")
     run.add_argument("--targets", nargs="+", choices=TARGETS, default=None,
                      help="targets to model (default trn1 trn2 trn3; trn3 only where the kernel "
-                          "is ported to nki.*: not --decode, --block-sparse, or lengths with "
-                          "--dropout/--alibi)")
+                          "is ported to nki.*: not --decode, or lengths with --dropout/--alibi "
+                          "without --block-sparse)")
     run.add_argument("--lnc", type=int, choices=(1, 2), default=None,
                      help="NeuronCores per logical core on trn2 (default 2 on trn2, 1 on trn1; "
                           "trn1 always runs 1)")
@@ -297,9 +297,8 @@ def _not_on_trn3(args: argparse.Namespace):
     trn3, which runs only nki.*), or None (README, Backends: which kernels are ported)."""
     if args.decode:
         return "--decode"
-    if args.block_sparse is not None:
-        return "--block-sparse"
-    if (args.kv_lens or args.q_lens) and (args.dropout or args.alibi):
+    if (args.kv_lens or args.q_lens) and (args.dropout or args.alibi) \
+            and args.block_sparse is None:
         return "--kv-lens/--q-lens with --dropout or --alibi"
     return None
 

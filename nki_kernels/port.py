@@ -65,7 +65,9 @@ this module:
   :class:`OffsetColumns` table built once at the kernel's start, from which 0.7 reads those
   values as data (SBUF columns at runtime positions) and adds them on VectorE.
 - **Indirect rows** (:func:`rows`): a gather or scatter of one HBM row per partition, named
-  by an index tile: an index-tile subscript in legacy, ``.ap(vector_offset=)`` in 0.7.
+  by an index tile: an index-tile subscript in legacy, ``.ap(vector_offset=)`` in 0.7; of a
+  slice ``t[b, h]`` of a 4-D tensor (:func:`lead_rows`), in 0.7 through the flattened tensor,
+  the slice's first row (:func:`lead_first_row`) added to the indices.
 - **Strided HBM blocks** (:func:`row_blocks`): rows ``r0 + j * rows + p`` of an HBM matrix as
   a ``[rows, n, cols]`` access (one DMA): an ``nl.arange`` expression in legacy, a
   ``reshape_dim`` + ``permute`` view in 0.7.
@@ -242,6 +244,36 @@ def rows(t, idx, col=0, n=None):
                     vector_offset=idx[0:P, ns.nl.ds(col, 1)], indirect_dim=0)
     ar = ns.nl.arange
     return t[idx[ar(P)[:, None], col], ar(F)[None, :]]
+
+
+def lead_rows(t, lead, idx, col=0):
+    """Rows ``idx[p, col]`` of the 2-D slice ``t[*lead]`` of the HBM tensor ``t`` (``lead``:
+    indices of its leading dims, ints or index expressions), one per partition of the int32
+    SBUF index tile ``idx``: a ``(P, F)`` indirect access for :func:`dma_copy`. Legacy: the
+    subscript ``t[*lead, idx[i_p, col], i_f]``, ``idx`` holding rows of the slice. 0.7: an
+    indirect view takes no runtime leading index (one dynamic selection per view), so this is
+    :func:`rows` of t's flattened ``(all rows, F)`` view and ``idx`` holds rows of that view:
+    the slice's own rows plus its first row, :func:`lead_first_row`."""
+    ns = current()
+    if ns.api == "nki":
+        flat = t.reshape((math.prod(t.shape[:-1]), t.shape[-1]))
+        return rows(flat, idx, col)
+    ar = ns.nl.arange
+    return t[(*lead, idx[ar(idx.shape[0])[:, None], col], ar(t.shape[-1])[None, :])]
+
+
+def lead_first_row(t, lead, offsets, partitions=128):
+    """The first row of the slice ``t[*lead]`` in the flattened view :func:`lead_rows` addresses
+    under 0.7, as an fp32 ``[partitions, 1]`` column (each runtime index of ``lead`` read from
+    ``offsets``, an :class:`OffsetColumns` of 0, 1, ...; exact below 2^24 rows). None in legacy,
+    where nothing is issued: the subscript carries ``lead``."""
+    ns = current()
+    if ns.api != "nki":
+        return None
+    strides = [math.prod(t.shape[k + 1:-1]) for k, _ in enumerate(lead)]
+    first = ns.nl.ndarray((partitions, 1), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
+    iota(first, [[1, 1]], runtime=list(zip(lead, strides)), offsets=offsets)
+    return first
 
 
 def row_blocks(t, lead, r0, rows, n, cols):

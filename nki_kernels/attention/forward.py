@@ -418,8 +418,9 @@ def _and(*preds):
     return out
 
 
-class _Instance:
-    """Compile-time facts and shared constant tiles of one grid instance."""
+class Instance:
+    """Compile-time facts and shared constant tiles of one grid instance (the block-sparse
+    kernels build theirs from it too)."""
 
     def __init__(self, q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g):
         self.q, self.k, self.v, self.o, self.lse = q, k, v, o, lse
@@ -503,7 +504,7 @@ class _Instance:
         return _Splitter(self.dma_share)
 
 
-def balance_engines(f: _Instance, plan: ForwardPlan):
+def balance_engines(f: Instance, plan: ForwardPlan):
     """Choose how the P^T copies split between ScalarE and VectorE (``tiles.act_evac_share``, or
     balanced from the work of the loop nest, ``tiles.fwd_act_evac_share``; the predicated-off
     blocks of masked regions count as work: they issue)."""
@@ -554,7 +555,7 @@ class _Splitter:
         return "scalar" if self.take(n) else "vector"
 
 
-class _KV:
+class KV:
     """K^T (one tile per head-dim pass, ``[rows, n]``) and ``[V | 1]`` (``[128, n/128 blocks,
     D + 1]``; with ``kv_lens`` the last column is 1.0 for valid keys only) of ``n`` keys from
     ``base`` (an index expression), in SBUF at matmul dtype."""
@@ -563,7 +564,7 @@ class _KV:
         self.base, self.kT, self.v = base, kT, v
 
 
-class _GroupState:
+class GroupState:
     """SBUF state of a group of ``n`` query tiles (slot s = the group's s-th tile).
 
     - ``qT``: Q^T per head-dim pass, ``[d, n, rows]`` at matmul dtype.
@@ -574,7 +575,7 @@ class _GroupState:
       column 1.
     """
 
-    def __init__(self, f: _Instance, n: int, rows: int):
+    def __init__(self, f: Instance, n: int, rows: int):
         P, width = T.PMAX, f.tiles.softmax_block // f.tiles.k_tile
         self.n, self.rows = n, rows
         self.qT = [nl.ndarray((d, n, rows), dtype=f.mm, buffer=nl.sbuf) for _, d in f.d_passes]
@@ -600,11 +601,11 @@ class _GroupState:
 # ============================================================================================
 
 
-def length_tables(f: _Instance, kv_lens, q_lens):
+def length_tables(f: Instance, kv_lens, q_lens):
     """Runtime lengths of sequence b (:class:`masks.RuntimeLengths`, shared with the backward)
     and the index tables of the gathers, built once per program for every query tile and key
     block in ``[128, n]`` instructions: ``q_load``/``q_store``/``q_valid`` (column
-    :meth:`_Instance.q_col`; store only when the rows are rotated) and ``k_load`` (column =
+    :meth:`Instance.q_col`; store only when the rows are rotated) and ``k_load`` (column =
     128-key block; keys are only read). Padding positions get out-of-bounds load indices: the
     ``oob_mode.skip`` gathers never read them. With ``kv_lens`` also the key mask's fill
     (:func:`edge_key_fill`). Either namespace: the flat rows of the sequence depend on the
@@ -636,13 +637,13 @@ def length_tables(f: _Instance, kv_lens, q_lens):
         f.k_fill = edge_key_fill(f)
 
 
-def _key_rows0(f: _Instance):
+def _key_rows0(f: Instance):
     """The flat row of key 0 of this program's sequence in ``(B Hkv Nk, D)`` views of k and v,
     ``(b Hkv + g) Nk``, as a linear form of the program's indices (:func:`port.iota`)."""
     return [(f.b, f.Hkv * f.Nk), (f.g, f.Nk)]
 
 
-def edge_key_fill(f: _Instance):
+def edge_key_fill(f: Instance):
     """The key mask of ``kv_lens`` without a mask on the scores: ``[128, D]`` (k's dtype), the
     valid key next to the padding (:meth:`masks.RuntimeLengths.edge_key_index`; zeros when
     ``kv_len = 0``) on every partition. Key tiles start as copies of it, so every padding key
@@ -672,7 +673,7 @@ def edge_key_fill(f: _Instance):
     return fill
 
 
-def transpose_keys(f: _Instance, kT, col0, pieces, src_dtype):
+def transpose_keys(f: Instance, kT, col0, pieces, src_dtype):
     """K^T columns from natural K blocks: ``pieces`` are (column offset from ``col0`` (static),
     keys, [keys, D] tile), consecutive; TensorE transposes them several per PSUM bank, one PSUM
     -> SBUF copy per bank casts to the matmul dtype (ScalarE or VectorE, balanced). ``col0``
@@ -692,7 +693,7 @@ def transpose_keys(f: _Instance, kT, col0, pieces, src_dtype):
                              engine=split.engine(width))
 
 
-def load_piece(f: _Instance, kT, v, cb, rb, ln: int):
+def load_piece(f: Instance, kT, v, cb, rb, ln: int):
     """Keys ``[128 (cb + rb), 128 (cb + rb) + ln)`` of the frame into K^T / ``[V | 1]`` of a K/V
     tile starting at key ``128 cb``, at its 128-key block ``rb`` (``cb``, ``rb`` index
     expressions; ``ln`` static, at most ``kv_load_block``). Plain loads (the full 128-key
@@ -750,7 +751,7 @@ def load_piece(f: _Instance, kT, v, cb, rb, ln: int):
                    f.k.dtype)
 
 
-def guard_values(f: _Instance, vals, flag, sum_on_scalar: bool = False):
+def guard_values(f: Instance, vals, flag, sum_on_scalar: bool = False):
     """Keep a non-finite value to the rows that see it: zero the non-finite entries of the V
     blocks ``vals`` (``[p, n, D]``, matmul dtype, in place) and set ``flag`` (``[p, n, 1]``,
     the column after V's ones column) to 1.0 for keys that had one. P V then never computes
@@ -784,7 +785,7 @@ def guard_values(f: _Instance, vals, flag, sum_on_scalar: bool = False):
     port.tensor_scalar(flag[:, :, 0], sums, nl.not_equal, 0.0)
 
 
-def load_kv(f: _Instance, cb, n: int) -> _KV:
+def load_kv(f: Instance, cb, n: int) -> KV:
     """Load ``n`` keys (static) of K and V from key ``128 cb`` (``cb`` an index expression):
     K^T via TensorE transposes of 128-key blocks (PSUM -> SBUF copy casts to the matmul dtype),
     V as 128-key blocks ``[128, D + 1]`` whose last column is 1.0 (0.0 for padding keys with
@@ -811,10 +812,10 @@ def load_kv(f: _Instance, cb, n: int) -> _KV:
     port.loop(n // LB, piece)
     if n % LB:
         load_piece(f, kT, v, cb, (n // LB) * per, n % LB)
-    return _KV(cb * P, kT, v)
+    return KV(cb * P, kT, v)
 
 
-def load_q_rows(f: _Instance, r: int, h, t, x):
+def load_q_rows(f: Instance, r: int, h, t, x):
     """Load the ``r`` rows of query tile t (an index expression) of member head h into ``x``
     (``[r, D]``). With ``q_lens`` the rows are gathered through ``q_load`` (rotated when the
     band needs it): padding rows are never read and stay 0."""
@@ -825,7 +826,7 @@ def load_q_rows(f: _Instance, r: int, h, t, x):
         M.gather_rows(x, f.q_rows, f.q_load, f.q_col(h, t), r, f.D)
 
 
-def preload_q(f: _Instance, r: int, h, t0, n: int):
+def preload_q(f: Instance, r: int, h, t0, n: int):
     """Rows of query tiles ``t0 .. t0 + n - 1`` of member head h into the preload buffer
     ``f.xq`` (:attr:`tiles.ForwardTiles.q_preload`): issued at the start of the program, the
     loads are out of the groups' way."""
@@ -835,7 +836,7 @@ def preload_q(f: _Instance, r: int, h, t0, n: int):
     port.loop(n, one)
 
 
-def load_q(f: _Instance, st: _GroupState, s, h, t):
+def load_q(f: Instance, st: GroupState, s, h, t):
     """Q^T of query tile t (an index expression) of member head h into slot s: its rows (the
     preloaded ones, or loaded now), each 128-wide head-dim slice transposed on TensorE and
     copied out of PSUM at matmul dtype (ScalarE), times the softmax scale when the scale is not
@@ -852,7 +853,7 @@ def load_q(f: _Instance, st: _GroupState, s, h, t):
         port.activation(st.qT[pi][:, s, 0:r], nl.copy, tp, scale=f.q_scale)
 
 
-def band_predicates(f: _Instance, d0, rows: int, width: int):
+def band_predicates(f: Instance, d0, rows: int, width: int):
     """Tile-level predicates of ``rows`` query rows x ``width`` keys whose first key minus first
     row is ``d0`` (an index expression): ``(any, above, below)`` = some score is inside the
     band; some score is above its upper bound; some is below its lower bound (None: not
@@ -884,7 +885,7 @@ def contract(pairs, shape, pred=None):
     return acc
 
 
-def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, masked: bool,
+def scores(f: Instance, st: GroupState, s, i0, kv: KV, rel, j0, width: int, masked: bool,
            pred, dk: Optional[int] = None, h=None, neg_max=None):
     """S = Q_i K_j^T for one score tile of ``width`` keys (raw scores; Q^T carries the scale only
     when it is not folded into the exp), in one PSUM bank, plus its band mask.
@@ -959,7 +960,7 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
     return s_sb, False
 
 
-def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
+def dropout_units(f: Instance, p, r: int, width: int, h, iu, ju, pred):
     """Attention dropout on a P block ``[r, width]`` of query tile ``iu`` (member head h) from
     128-key unit ``ju`` (index expressions): each 128 x 128 unit is zeroed with probability
     ``dropout_p`` by its own draw, the RNG reseeded with ``seed + unit`` where ``unit`` numbers
@@ -1003,7 +1004,7 @@ def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
                           drawn[:, 0:kw], mask=pred)
 
 
-def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: int,
+def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
                  masked: bool, d0: Optional[int] = None, du=None, h=None, part: str = "all",
                  stage=None):
     """Fold one key block of ``width`` keys (static; from the kv tile's 128-key block ``rb``,
@@ -1061,7 +1062,7 @@ def staged_front(stage, rows: int, width: int):
             None if r_buf is None else r_buf[0:rows, k, :])
 
 
-def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, pred, drop=None,
+def fold_block(f: Instance, st: GroupState, s, s_tiles, widths, kv: KV, rb, pred, drop=None,
                fused=()):
     """The online-softmax update of slot s by one key block whose raw score tiles (masks
     already added) are ``s_tiles`` (PSUM, ``widths`` keys each, consecutive keys from the K/V
@@ -1075,7 +1076,7 @@ def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, p
               kv, rb, pred)
 
 
-def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=None, out=None,
+def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None, out=None,
                fused=()):
     """First half of :func:`fold_block`: the new max, alpha and P (dropped, with its
     undropped row sums, under dropout). Returns ``(p, alpha, row_sum)`` (row_sum None without
@@ -1126,7 +1127,7 @@ def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=Non
     return p, alpha, row_sum
 
 
-def fold_back(f: _Instance, st: _GroupState, s, front, widths, kv: _KV, rb, pred):
+def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred):
     """Second half of :func:`fold_block`: ``pv = P [V | 1]`` and the accumulator update, from
     :func:`fold_front`'s ``(p, alpha, row_sum)``."""
     p, alpha, row_sum = front
@@ -1191,13 +1192,13 @@ class _Outputs:
     queues would otherwise hold the next group's loads behind it. Carried from one group to
     the next, so the group loops are sequential (``carried``)."""
 
-    def __init__(self, f: _Instance, slots: int):
+    def __init__(self, f: Instance, slots: int):
         P = T.PMAX
         self.o = nl.ndarray((P, slots, f.D), dtype=f.o.dtype, buffer=nl.sbuf)
         self.lse = nl.ndarray((P, slots, 1), dtype=nl.float32, buffer=nl.sbuf)
 
 
-def flush(f: _Instance, out: _Outputs, pending):
+def flush(f: Instance, out: _Outputs, pending):
     """Store a finished group's outputs from ``out``: ``pending = (t0, n, rows)`` -- its first
     query tile (an index expression), tiles per head, rows per tile."""
     t0, n, rows = pending
@@ -1215,7 +1216,7 @@ def flush(f: _Instance, out: _Outputs, pending):
     port.loop(f.G, head)
 
 
-def write_back(f: _Instance, st: _GroupState, s, h, t, out: _Outputs):
+def write_back(f: Instance, st: GroupState, s, h, t, out: _Outputs):
     """``O_i = o_acc / l_i`` and ``LSE_i = c m_i + log l_i`` (softmax units) of slot s (query tile
     t of member head h), into ``out`` (stored by :func:`flush`).
 
@@ -1231,7 +1232,7 @@ def write_back(f: _Instance, st: _GroupState, s, h, t, out: _Outputs):
     finalize(f, st, s, in_range, (out.o[0:r, s, :], out.lse[0:r, s, :]))
 
 
-def finalize(f: _Instance, st: _GroupState, s, in_range=None, dst=None):
+def finalize(f: Instance, st: GroupState, s, in_range=None, dst=None):
     """``(o, lse)`` tiles of slot s (:func:`write_back`): ``o_acc / max(l_i, L_FLOOR)`` in
     o's dtype (times ``1 / (1 - p)`` with dropout) and ``c m_i + log l_i`` fp32, -inf where
     ``l_i = 0``. ``in_range``: None, or an fp32 ``[rows, 1]`` column, 1.0 for real rows and 0.0
@@ -1288,7 +1289,7 @@ def _largest_divisor(n: int, cap: int) -> int:
     return max(d for d in T.unrolled(1, max(1, min(n, cap)) + 1) if n % d == 0)
 
 
-def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[_KV],
+def attend_group(f: Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[KV],
                  out: _Outputs, flushes=()):
     """Query tiles ``t0 .. t0 + n - 1`` (``t0`` an index expression) of every query head of the
     kv group (slot ``h n + s`` = tile ``t0 + s`` of member head h): load their Q^T, sweep the
@@ -1297,7 +1298,7 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
     and writes o = 0, LSE = -inf. The outputs go to ``out``; the previous group's are stored
     (``flushes``, :func:`flush`) right after this group's Q loads are issued."""
     P, qt, G = T.PMAX, plan.q_tile, f.G
-    st = _GroupState(f, G * n, span.rows)
+    st = GroupState(f, G * n, span.rows)
 
     def each_tile(body):
         """``body(h, s)`` for every member head h and slot s of the group (compiled loops)."""
@@ -1520,9 +1521,9 @@ def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slo
                      g, scale, mm_dtype, tiles, lnc, dropout_p, mods, spec, plan, tables):
     """The work of grid instance (batch ``b``, kv head ``g``): the spans' groups of query tiles
     (:func:`attend_group`), each group storing its predecessor's outputs. ``tables``: the
-    launch's ``(offsets, indices)`` (:class:`_Instance`)."""
+    launch's ``(offsets, indices)`` (:class:`Instance`)."""
     D = q.shape[3]
-    f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g)
+    f = Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g)
     f.offsets, f.indices = tables
     f.guard = True
     if mods != SM.Mods():

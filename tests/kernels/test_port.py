@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(binding.BACKEND != "simulate",
 #: Modules written against nki_kernels.port (no namespace imported directly).
 PORTED = ["fused/softmax.py", "fused/linear_gelu.py", "fused/_onchip.py",
           "attention/unfused.py", "attention/forward.py", "attention/score_mods.py",
-          "attention/decode_merge.py"]
+          "attention/decode_merge.py", "attention/block_sparse.py",
+          "attention/block_sparse_bwd.py"]
 
 
 def _run(api, monkeypatch, x, target="trn2", **kw):
@@ -453,3 +454,22 @@ def test_forward_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
                          ("trn2", dict(causal="bottom_right", kv_lens=[200], q_lens=[150]))):
         m, o = _forward_program("nki", monkeypatch, 300, target=target, **mask)
         assert m.api == "nki" and np.isfinite(np.asarray(o, np.float32)).all()
+
+
+def test_block_sparse_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
+    """With the legacy binding poisoned, the block-sparse forward and backward (GQA, runtime
+    lengths with a band, dropout: every path whose 0.7 trace differs) still run through
+    nki.*."""
+    import host
+    from host import block_sparse as bs
+
+    _poison_legacy(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    rng = np.random.default_rng(6)
+    q, do = (rng.standard_normal((1, 2, 300, 32)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1, 300, 32)).astype(np.float32) for _ in range(2))
+    kw = dict(block_mask=bs.butterfly(3, 3), causal=True, kv_lens=[250], q_lens=[280],
+              dropout_p=0.2, seed=3)
+    o, lse = host.flash_attention(q, k, v, return_lse=True, **kw)
+    grads = host.flash_attention_backward(do, q, k, v, o, lse, **kw)
+    assert all(np.isfinite(x).all() for x in (o, *grads))
