@@ -313,7 +313,7 @@ def dma_transpose_blocks(dst, src, n, width, mask=None):
         ns.nisa.dma_transpose(dst=dst[0:width, 0:n * r].reshape_dim(1, (n, r)),
                               src=src[0:r, 0:n * width].reshape_dim(1, (n, width)))
         return
-    for q in range(n):
+    for q in tiles.unrolled(n):
         dst[0:width, q * r:(q + 1) * r] = ns.nisa.dma_transpose(
             src[0:r, q * width:(q + 1) * width], mask=mask)
 

@@ -265,7 +265,8 @@ def _regions(spec: M.MaskSpec, r0: int, r1: int) -> Tuple[Region, ...]:
 def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
                  tiles: T.ForwardTiles, cores: int = 1) -> ForwardPlan:
     """Loop structure of one (batch, kv head) instance: the query tiles of a head split into at
-    most ``FWD_Q_SPANS`` spans of full tiles (one span without a band) plus the partial last
+    most ``FWD_Q_SPANS`` spans of at least ``tiles.span_tiles`` full tiles (one span without a
+    band) plus the partial last
     tile, and each span's key regions. A group (one loop body) holds the same
     ``max(1, q_group // G)`` tiles of each of the G query heads (fewer with ``cores`` 2, so
     that each span has a group per core).
@@ -276,16 +277,16 @@ def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
     spans = []
     slide = _sliding_tiles(spec, n_full, qt, tiles) if tiles.kv_resident else None
     if slide is None:
-        spans += _fixed_spans(spec, 0, n_full, qt, cores)
+        spans += _fixed_spans(spec, 0, n_full, qt, max(cores, tiles.span_tiles))
     else:
         t_lo, t_hi, off, width = slide
-        spans += _fixed_spans(spec, 0, t_lo, qt, cores)
+        spans += _fixed_spans(spec, 0, t_lo, qt, max(cores, tiles.span_tiles))
         # the regions of an interior tile, relative to its first key
         base = t_lo * qt + off
         rel = tuple(Region(rg.k0 - base, rg.k1 - base, rg.masked)
                     for rg in _regions(spec, t_lo * qt, (t_lo + 1) * qt))
         spans.append(Span(t_lo, t_hi - t_lo, qt, rel, off))
-        spans += _fixed_spans(spec, t_hi, n_full, qt, cores)
+        spans += _fixed_spans(spec, t_hi, n_full, qt, max(cores, tiles.span_tiles))
     if tail:
         spans.append(Span(n_full, 1, tail, _regions(spec, n_full * qt, Nq)))
     q_group = max(1, tiles.q_group // group)
@@ -296,11 +297,11 @@ def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
     return ForwardPlan(tuple(spans), qt, q_group, tiles.kv_resident, tiles.kv_chunk)
 
 
-def _fixed_spans(spec: M.MaskSpec, t_from: int, t_to: int, qt: int, cores: int):
+def _fixed_spans(spec: M.MaskSpec, t_from: int, t_to: int, qt: int, least: int):
     """Full query tiles ``[t_from, t_to)`` in at most ``FWD_Q_SPANS`` spans (one without a
-    band) of at least ``cores`` tiles, each with its key regions."""
+    band) of at least ``least`` tiles, each with its key regions."""
     n_full = t_to - t_from
-    n_spans = max(1, min(n_full // cores, T.FWD_Q_SPANS if spec.has_diag else 1))
+    n_spans = max(1, min(n_full // least, T.FWD_Q_SPANS if spec.has_diag else 1))
     n_spans = min(n_spans, n_full)
     spans, t = [], t_from
     for i in T.unrolled(n_spans):
@@ -1289,107 +1290,143 @@ def _largest_divisor(n: int, cap: int) -> int:
     return max(d for d in T.unrolled(1, max(1, min(n, cap)) + 1) if n % d == 0)
 
 
+@dataclass(frozen=True)
+class GroupSweep:
+    """What a key block's visit to a group of query tiles needs (:func:`attend_group`): tiles
+    ``t0 .. t0 + n - 1`` (``t0`` an index expression) of each member head, in ``st``'s slots
+    ``h n + s``; ``ss`` tiles of each of ``hs`` heads are staged together (``ss hs > 1``:
+    every first half of a block before the second halves)."""
+    f: Instance
+    st: GroupState
+    span: Span
+    t0: object
+    n: int
+    q_tile: int
+    ss: int
+    hs: int
+
+    def each_tile(self, body):
+        """``body(h, s)`` for every member head h and slot s of the group (compiled loops)."""
+        port.loop(self.f.G, lambda h: port.loop(self.n, lambda s: body(h, s)))
+
+
 def attend_group(f: Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[KV],
                  out: _Outputs, flushes=()):
-    """Query tiles ``t0 .. t0 + n - 1`` (``t0`` an index expression) of every query head of the
-    kv group (slot ``h n + s`` = tile ``t0 + s`` of member head h): load their Q^T, sweep the
-    span's key regions (resident K/V, or chunks streamed once past the whole group), write O
-    and LSE. The group's SBUF state is local to this body. A span without regions reads no Q
-    and writes o = 0, LSE = -inf. The outputs go to ``out``; the previous group's are stored
-    (``flushes``, :func:`flush`) right after this group's Q loads are issued."""
-    P, qt, G = T.PMAX, plan.q_tile, f.G
-    st = GroupState(f, G * n, span.rows)
+    """FlashAttention's Algorithm 1 (seed 002) for query tiles ``t0 .. t0 + n - 1`` of every
+    query head of the kv group: load their Q^T, sweep the span's key regions (resident K/V, or
+    chunks streamed once past the whole group) one key block at a time, write O and LSE. The
+    group's SBUF state (O, l, m: ``GroupState``) is local to this body. A span without regions
+    reads no Q and writes o = 0, LSE = -inf. The outputs go to ``out``; the previous group's
+    are stored (``flushes``, :func:`flush`) right after this group's Q loads are issued.
 
-    def each_tile(body):
-        """``body(h, s)`` for every member head h and slot s of the group (compiled loops)."""
-        port.loop(G, lambda h: port.loop(n, lambda s: body(h, s)))
+    The loop nest (legacy: affine/sequential ranges; nki.*: ``nl.fori_loop``)::
 
+        O, l, m = 0, 0, M_FLOOR (sinks: m, l start from the sink); load Q^T of every tile
+        for region in span.regions:                         unrolled, <= 3
+          for each K/V chunk (resident: the whole region)   compiled loop when streamed
+            for kb in key blocks, then the tail block:      compiled loop, carried
+              for every tile: S = Q K^T, m, P = exp, O = alpha O + P V      (sweep_block)
+        O = O / l, LSE = m + log l of every tile
+    """
+    P, Bk, per = T.PMAX, f.tiles.softmax_block, f.tiles.softmax_block // T.PMAX
+    st = GroupState(f, f.G * n, span.rows)
+    ss = _largest_divisor(n, f.tiles.stage)
+    g = GroupSweep(f, st, span, t0, n, plan.q_tile, ss, _largest_divisor(f.G, f.tiles.stage // ss))
     if f.mods.sinks:
-        # the sink is the online softmax's first "key": m = max(sink / u, M_FLOOR), l = l_0
-        D = f.D
-
-        def sink_init(h):
-            l_slots = st.o[:, nl.ds(h * n, n), D:D + 1]
-            port.tensor_scalar(st.stats[:, nl.ds(h * n, n), 1:2], l_slots, nl.add,
-                               SM.HeadColumns.col(f.cols.neg_m0, h, P), engine="gpsimd")
-            port.tensor_scalar(l_slots, l_slots, nl.add, SM.HeadColumns.col(f.cols.l0, h, P),
-                               engine="gpsimd")
-
-        port.loop(G, sink_init)
+        port.loop(f.G, lambda h: start_at_sink(f, st, h, n))
     if span.regions:
-        each_tile(lambda h, s: load_q(f, st, h * n + s, h, t0 + s))
+        g.each_tile(lambda h, s: load_q(f, st, h * n + s, h, t0 + s))
     for pending in flushes:
         flush(f, out, pending)
-    # staging (ForwardTiles.stage): ss tiles of each of hs heads, hs ss <= stage
-    ss = _largest_divisor(n, f.tiles.stage)
-    hs = _largest_divisor(G, f.tiles.stage // ss)
-    staged = ss * hs > 1
 
-    def staging_buffers():
-        """P, alpha and row sums of the hs ss staged tiles (allocated per staged batch: the
-        batches are independent iterations)."""
-        Bk = f.tiles.softmax_block
-        return (nl.ndarray((P, ss * hs, Bk), dtype=f.mm, buffer=nl.sbuf),
-                nl.ndarray((P, ss * hs, 1), dtype=nl.float32, buffer=nl.sbuf),
-                nl.ndarray((P, ss * hs, 1), dtype=nl.float32, buffer=nl.sbuf)
-                if f.dropout_p else None)
-
-    def sweep_all(kv_tile, rb, j0, keys, masked, ju):
-        # ju: the first 128-key unit of the keys (dropout), j0 // 128 as an affine expression.
-        # The key blocks are the outer (sequential) loop and the group's tiles the inner
-        # (independent) ones, so consecutive instructions belong to independent tiles: each
-        # engine's stream interleaves their dependency chains (a per-tile order would leave
-        # every engine waiting on the previous step of a single chain).
-        Bk = f.tiles.softmax_block
-        per = Bk // P
+    def key_blocks(kv_t, rb, j0, keys, masked, ju):
+        # ju: the first 128-key unit of the keys (dropout), j0 // 128 as an affine expression
         full, tail = keys // Bk, keys % Bk
-
-        def tile_block(h, s, kb_rb, kb_j0, width, static_d, part="all", stage=None):
-            iu = (t0 + s) * (qt // P)
-            if span.slide is None:
-                attend_block(f, st, h * n + s, (t0 + s) * qt, kv_tile, rb + kb_rb,
-                             j0 + kb_j0, width, masked, du=(h, iu, ju + kb_rb), h=h,
-                             part=part, stage=stage)
-            else:
-                # the region moves with the tile: keys from (t0 + s) qt + slide + j0
-                attend_block(f, st, h * n + s, (t0 + s) * qt, kv_tile,
-                             (t0 + s) * (qt // P) + span.slide // P + rb + kb_rb,
-                             (t0 + s) * qt + span.slide + j0 + kb_j0, width, masked,
-                             None if static_d is None else span.slide + j0 + static_d,
-                             du=(h, iu, iu + span.slide // P + ju + kb_rb), h=h, part=part,
-                             stage=stage)
-
-        def block(kb_rb, kb_j0, width, static_d):
-            if not staged:
-                each_tile(lambda h, s: tile_block(h, s, kb_rb, kb_j0, width, static_d))
-                return
-
-            # staged: hs heads x ss tiles at a time, every first half before the second
-            # halves (each in its own loop nest: the halves share only SBUF buffers)
-            def batch(sb, hb):
-                bufs = staging_buffers()
-                for part in ("front", "back"):
-                    port.loop(hs, lambda hh: port.loop(ss, lambda k: tile_block(
-                        hb * hs + hh, sb * ss + k, kb_rb, kb_j0, width, static_d, part,
-                        bufs + (hh * ss + k,))))
-
-            port.loop(n // ss, lambda sb: port.loop(G // hs, lambda hb: batch(sb, hb)))
-
-        port.loop(full, lambda kb: block(kb * per, kb * Bk, Bk, None), carried=True)
+        port.loop(full, lambda kb: sweep_block(g, kv_t, rb + kb * per, j0 + kb * Bk, Bk, masked,
+                                               ju + kb * per, None), carried=True)
         if tail:
-            block(full * per, full * Bk, tail, full * Bk)
+            sweep_block(g, kv_t, rb + full * per, j0 + full * Bk, tail, masked,
+                        ju + full * per, j0 + full * Bk)
 
     for rg in span.regions:
         if plan.resident:
-            sweep_all(kv, rg.k0 // P, rg.k0, rg.k1 - rg.k0, rg.masked, rg.k0 // P)
+            key_blocks(kv, rg.k0 // P, rg.k0, rg.k1 - rg.k0, rg.masked, rg.k0 // P)
             continue
         for first, count, C in _chunks(rg, plan):
             def chunk(c, first=first, C=C, masked=rg.masked):
-                kv_c = load_kv(f, first // P + c * (C // P), C)
-                sweep_all(kv_c, 0, first + c * C, C, masked, first // P + c * (C // P))
+                u0 = first // P + c * (C // P)
+                key_blocks(load_kv(f, u0, C), 0, first + c * C, C, masked, u0)
 
             port.loop(count, chunk, carried=True)
-    each_tile(lambda h, s: write_back(f, st, h * n + s, h, t0 + s, out))
+    g.each_tile(lambda h, s: write_back(f, st, h * n + s, h, t0 + s, out))
+
+
+def start_at_sink(f: Instance, st: GroupState, h, n: int):
+    """The sink is the online softmax's first "key" for member head h's n slots: ``m =
+    max(sink / u, M_FLOOR)``, ``l = l_0``."""
+    D, P = f.D, T.PMAX
+    l_slots = st.o[:, nl.ds(h * n, n), D:D + 1]
+    port.tensor_scalar(st.stats[:, nl.ds(h * n, n), 1:2], l_slots, nl.add,
+                       SM.HeadColumns.col(f.cols.neg_m0, h, P), engine="gpsimd")
+    port.tensor_scalar(l_slots, l_slots, nl.add, SM.HeadColumns.col(f.cols.l0, h, P),
+                       engine="gpsimd")
+
+
+def sweep_block(g: GroupSweep, kv: KV, rb, j0, width: int, masked: bool, ju, static_d):
+    """One key block of ``width`` keys (from the K/V tile's 128-key block ``rb``, frame key
+    ``j0``, dropout unit ``ju``; ``static_d``: ``j0`` again for the tail block, None for the
+    looped ones) for every
+    tile of the group: the body of Algorithm 1's inner loop, each tile's steps in
+    :func:`attend_block`. The key blocks are the outer (sequential) loop and the tiles the
+    inner (independent) ones, so consecutive instructions belong to independent tiles: each
+    engine's stream interleaves their dependency chains.
+
+    Unstaged: each tile's block whole. Staged: per batch of ``hs`` heads x ``ss`` tiles,
+    every first half (scores, max, exp) before the second halves (P^T, P V, update), two
+    nests that share only the batch's SBUF staging buffers."""
+    f, ss, hs = g.f, g.ss, g.hs
+    if ss * hs == 1:
+        g.each_tile(lambda h, s: tile_block(g, h, s, kv, rb, j0, width, masked, ju, static_d))
+        return
+
+    def batch(sb, hb):
+        bufs = staging_buffers(f, ss * hs)
+        port.loop(hs, lambda hh: port.loop(ss, lambda k: tile_block(
+            g, hb * hs + hh, sb * ss + k, kv, rb, j0, width, masked, ju, static_d, "front",
+            bufs + (hh * ss + k,))))
+        port.loop(hs, lambda hh: port.loop(ss, lambda k: tile_block(
+            g, hb * hs + hh, sb * ss + k, kv, rb, j0, width, masked, ju, static_d, "back",
+            bufs + (hh * ss + k,))))
+
+    port.loop(g.n // ss, lambda sb: port.loop(f.G // hs, lambda hb: batch(sb, hb)))
+
+
+def staging_buffers(f: Instance, slots: int):
+    """P, alpha and (dropout) row sums of ``slots`` staged tiles, one softmax block each
+    (allocated per staged batch: the batches are independent iterations)."""
+    P, Bk = T.PMAX, f.tiles.softmax_block
+    return (nl.ndarray((P, slots, Bk), dtype=f.mm, buffer=nl.sbuf),
+            nl.ndarray((P, slots, 1), dtype=nl.float32, buffer=nl.sbuf),
+            nl.ndarray((P, slots, 1), dtype=nl.float32, buffer=nl.sbuf)
+            if f.dropout_p else None)
+
+
+def tile_block(g: GroupSweep, h, s, kv: KV, rb, j0, width: int, masked: bool, ju, static_d,
+               part: str = "all", stage=None):
+    """:func:`attend_block` of member head h's slot s (tile ``t0 + s``) for one key block of
+    :func:`sweep_block`; a sliding span moves the block with the tile: keys from ``(t0 + s)
+    q_tile + slide + j0``."""
+    f, span, qt, P = g.f, g.span, g.q_tile, T.PMAX
+    t = g.t0 + s
+    iu = t * (qt // P)
+    if span.slide is None:
+        attend_block(f, g.st, h * g.n + s, t * qt, kv, rb, j0, width, masked,
+                     du=(h, iu, ju), h=h, part=part, stage=stage)
+        return
+    attend_block(f, g.st, h * g.n + s, t * qt, kv, iu + span.slide // P + rb,
+                 t * qt + span.slide + j0, width, masked,
+                 None if static_d is None else span.slide + static_d,
+                 du=(h, iu, iu + span.slide // P + ju), h=h, part=part, stage=stage)
 
 
 # ============================================================================================
