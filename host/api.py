@@ -282,13 +282,7 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
     in_dtype = _v.dtype_name(q)
     mm = _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision)
     dropout_p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
-    units = (dims.B * dims.Hq * _tiles.ceil_div(dims.Nq, _tiles.PMAX)
-             * _tiles.ceil_div(dims.Nk, _tiles.PMAX))
-    lens = kv_lens is not None or q_lens is not None
-    rows = max(dims.B * dims.Hq * dims.Nq, dims.B * dims.Hkv * dims.Nk)
-    api = _port_api((bool(dropout_p) and units >= _tiles.FP32_EXACT_INT)
-                    or (lens and (bool(dropout_p) or alibi_slopes is not None
-                                  or rows >= _tiles.FP32_EXACT_INT)))
+    api = select_api()          # the forward is ported to nki.* whole
     if chosen is None:
         chosen = _tiles.choose_forward_tiles(
             dims.Nq, dims.Nk, dims.D, dims.group, _tiles.fwd_itemsize(in_dtype),
@@ -308,9 +302,8 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
 def _port_api(legacy_only: bool) -> str:
     """The namespace a kernel launch traces through: :func:`nki_kernels.nki.select_api`'s,
     except that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
-    (``legacy_only``: the forward's runtime lengths with dropout or ALiBi or over 2^24 rows,
-    its dropout over 2^24 units or more, the block-sparse kernels over 2^24 rows or dropout
-    units, the decode split kernel) runs through the legacy
+    (``legacy_only``: the block-sparse kernels over 2^24 rows or dropout units, decode over
+    2^24 cache rows or block-table entries) runs through the legacy
     namespace when it runs on the same kind of backend (both simulated, or both AWS's
     toolchains) and the target has a legacy toolchain (not trn3). Otherwise the kernel refuses
     it under nki.* (NotImplementedError)."""
@@ -692,12 +685,15 @@ class DecodeLaunch(NamedTuple):
 
 
 def decode_launch(cache_lens, T: int, Hkv: int, plan: "tiles.DecodeTiles",
-                  lnc: int = 1) -> DecodeLaunch:
+                  lnc: int = 1, api: str = "legacy") -> DecodeLaunch:
     """The split kernel's launch for these lengths (:func:`decode_work_list`) on ``lnc``
-    NeuronCores. With LNC=2 the two cores take half of the head groups each when their count
-    is even (``tiles.decode_heads_per_program`` keeps it even when Hkv is), else half of each
-    group's programs (chunks, then tails): an odd program count gets one more chunk of padding
-    items (they read nothing; their partials go to the trash block)."""
+    NeuronCores, traced through ``api``. With LNC=2 the two cores take half of the head groups
+    each when their count is even (``tiles.decode_heads_per_program`` keeps it even when Hkv
+    is), else half of each group's programs (chunks, then tails): an odd program count gets one
+    more chunk of padding items (they read nothing; their partials go to the trash block).
+    nki.* walks the chunks and the tails in two loops, each shared by the cores: there the
+    chunk count is made even instead (an odd count of tails has its middle one run by both
+    cores, :func:`nki_kernels.port.for_programs`)."""
     work, per_program, splits = decode_work_list(cache_lens, T, plan)
     per_head = tiles.decode_heads_per_program(Hkv, per_program, plan.max_steps, cores=lnc)
     B = len(splits)
@@ -708,7 +704,7 @@ def decode_launch(cache_lens, T: int, Hkv: int, plan: "tiles.DecodeTiles",
             axis = 0
         else:
             axis = 1
-            if programs % 2:
+            if (programs if api == "legacy" else programs - B) % 2:
                 pad = np.full((per_program, 2), (B, 0), dtype=np.int32)
                 work = pad if work is None else np.concatenate([work, pad])
                 programs += 1
@@ -735,7 +731,7 @@ def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, tree
 
 def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens,
                            itemsize: int, plan: "tiles.DecodeTiles", tree_mask: bool = False,
-                           paged: bool = False, lnc: int = 1):
+                           paged: bool = False, lnc: int = 1, api: str = "legacy"):
     """Exact HBM bytes ``(read, written)`` of :func:`flash_decode` (both kernels).
 
     With ``N = B Hq T`` query rows, ``s`` the input itemsize (q, caches and o share it),
@@ -764,9 +760,15 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     (the K/V bytes are unchanged: a page shared by several sequences is read once per
     sequence that uses it). Nothing at or past ``cache_lens[b]`` is read; padding items read
     only their work row.
+
+    Through ``api="nki"`` with LNC=2 and an odd number ``H' B`` of tail programs, both cores
+    run the middle one (:func:`decode_launch`), sequence ``b = ((H' B - 1) / 2) mod B`` for
+    ``h = Hkv / H'`` kv heads: its reads (``s h G T D`` of q, 4 of the length, ``2 s h D
+    (Lp_b mod n + T)`` of K/V, ``h T^2`` of the tree mask, paged ``4 h (Lp_b mod n + T)``) and
+    its ``4 h G T (D + 1)`` bytes of partials count twice.
     """
     N = B * Hq * T
-    launch_ = decode_launch(cache_lens, T, Hkv, plan, lnc)
+    launch_ = decode_launch(cache_lens, T, Hkv, plan, lnc, api)
     work, splits, groups = launch_.work, launch_.splits, launch_.groups
     W = int(np.sum(splits))
     pad = 0 if work is None else work.shape[0] - W               # padding items
@@ -781,6 +783,14 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
         read += 4 * (groups * int(np.sum(lp // plan.key_row))
                      + Hkv * int(np.sum(lp % plan.key_row + T)))
     written = 4 * Hq * T * (D + 1) * (W + pad + B) + itemsize * N * D + 4 * N
+    if api == "nki" and lnc == 2 and (groups * B) % 2:
+        b = ((groups * B - 1) // 2) % B
+        h, G = Hkv // groups, Hq // Hkv
+        tail = int(cache_lens[b]) - T
+        tail = tail % plan.key_row + T                       # positions the tail reads
+        read += (itemsize * h * G * T * D + 4 + 2 * itemsize * h * D * tail
+                 + (h * T * T if tree_mask else 0) + (4 * h * tail if paged else 0))
+        written += 4 * h * G * T * (D + 1)
     return read, written
 
 
@@ -840,9 +850,10 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     o : numpy.ndarray (B, Hq, T, D), q's dtype
     lse : numpy.ndarray (B, Hq, T) float32 (natural log), only with ``return_lse``
 
-    Raises NotImplementedError under ``NKI_FLASH_API=nki`` (and under ``auto`` where the
-    legacy namespace cannot run it): the split kernel is not ported to nki.* yet
-    (:func:`run_decode`).
+    Raises NotImplementedError for a contiguous cache of ``B Hkv S_max >= 2^24`` rows (a block
+    table of ``>= 2^24`` entries) under ``NKI_FLASH_API=nki`` (and under ``auto`` where the
+    legacy namespace cannot run it, i.e. trn3): the split kernel's tails compute those flat
+    rows in fp32 under nki.* (:func:`run_decode`).
 
     Without a tree mask this equals ``flash_attention(q, k[:, :, :L], v[:, :, :L],
     causal="bottom_right")`` for each sequence with ``L = cache_lens[b]``. HBM traffic:
@@ -868,18 +879,16 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     moves the host-built arrays (lengths, work list, tree mask, block table, slopes, sinks)
     next to q. ``mods``: :func:`_score_mods_call`'s ``(kernel kwargs, tensors)`` or None.
     Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``. Both kernels trace through
-    the legacy namespace (:func:`_port_api` with ``legacy_only``; the merge kernel is ported,
-    the split kernel not yet), else NotImplementedError."""
+    the namespace :func:`_port_api` selects (a contiguous cache of 2^24 rows or more, or a block
+    table of 2^24 entries, is ``legacy_only``: under nki.* the split kernel refuses it,
+    NotImplementedError)."""
     from nki_kernels.attention import decode as k
     from nki_kernels.attention.decode_merge import flash_decode_merge_kernel
 
-    api = _port_api(legacy_only=True)
-    if api == "nki":
-        raise NotImplementedError(
-            "flash_decode is not available through the nki.* namespace (NKI 0.7) yet: its split "
-            "kernel, which gathers K/V rows, queries and lengths and scatters its partials by "
-            "per-partition indirect DMA (.ap(vector_offset=) in 0.7), is not ported; run it "
-            f"through the legacy namespace ({API_ENV_VAR}=legacy, or auto on trn1/trn2)")
+    # nki.* computes the tails' flat cache rows (paged: table entries) in fp32, exact below 2^24
+    flat = (inputs.B * inputs.Hkv * k_cache.shape[2] if pages is None
+            else int(np.prod(pages.block_table.shape)))
+    api = _port_api(legacy_only=flat >= _tiles.FP32_EXACT_INT)
     in_dtype = _v.dtype_name(q)
     mm = np.dtype(_v.normalize_dtype("q", _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision),
                                      _v.FLOAT_DTYPES))
@@ -888,12 +897,13 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     lens = np.ascontiguousarray(inputs.cache_lens, dtype=np.int32)
     tree = None if inputs.tree_mask is None else to_device(inputs.tree_mask.astype(np.uint8))
     B, Hq, Hkv, T = inputs.B, inputs.Hq, inputs.Hkv, inputs.T
-    ln = decode_launch(lens, T, Hkv, plan, lnc)
+    ln = decode_launch(lens, T, Hkv, plan, lnc, api)
     work, splits = ln.work, ln.splits
     mod_kwargs, mod_tensors = ({}, {}) if mods is None else mods
     mod_tensors = {name: None if a is None else to_device(a) for name, a in mod_tensors.items()}
     o_part, lse_part = run(
-        k.flash_decode_split_kernel, k.decode_grid(ln.groups, ln.programs, ln.core_axis), q,
+        k.flash_decode_split_kernel.on(api),
+        k.decode_grid(ln.groups, ln.programs, ln.core_axis, api=api, lnc=lnc), q,
         k_cache, v_cache, to_device(lens),
         None if work is None else to_device(work), tree, table, scale=float(scale),
         mm_dtype=mm.name, key_row=plan.key_row, split_rows=plan.split_rows,

@@ -64,6 +64,10 @@ of ``o_acc = alpha o_acc + pv``, D + 1); ScalarE 2112 (exp; alpha); GpSimd the b
 copy and the ``alpha o_acc`` rescale; plus the 2048-column P^T copy, split at a 32-column
 boundary between ScalarE (1 cycle per column) and VectorE (1/2 on trn2) so both finish
 together. trn2 N = 4096 models at ~195 us with TensorE at ~168 us (``nki-flash run``).
+Dropout adds VectorE's draw (one cycle per score, ``nisa.dropout`` has no other engine), so
+its other per-block work moves off VectorE: the softmax sums' additions and the unit numbers
+go to GpSimd, P^T copies to ScalarE (``benchmarks/forward.py``'s shape: 325.6 us against
+284.5 without dropout; VectorE busy 303 us, 273 of them the row max and the draw).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
@@ -139,13 +143,16 @@ differ:
   from a table built once per launch (:class:`port.OffsetColumns`) and compared on VectorE.
   The outputs are the same bit for bit; the nki.* program issues the skipped blocks' work;
 - *dropout*: the unit numbers that seed each 128 x 128 unit's draw are loop-index
-  expressions; 0.7 reads the indices from a table (:class:`port.OffsetColumns`) and combines
-  them on VectorE (fp32-exact below 2^24 units); ``nisa.set_rng_seed`` seeds the draw;
+  expressions; 0.7 reads the indices from a table (:class:`port.OffsetColumns`, its ``exact``
+  form) and combines them in int32 on GpSimd (exact at any size, and off VectorE, which the
+  draws keep busiest); ``nisa.set_rng_seed`` seeds the draw;
 - *runtime lengths*: the gathers and scatters are indirect DMAs (:func:`port.rows`: an
   index-tile subscript in legacy, ``.ap(vector_offset=)`` in 0.7); the flat HBM rows of a
-  program's sequence are loop-index expressions, which 0.7 reads from a table
-  (:class:`port.OffsetColumns`, fp32-exact below 2^24 rows). With dropout or ALiBi (the
-  key-length mask row) they are legacy only so far (NotImplementedError under nki.*).
+  program's sequence are loop-index expressions, which 0.7 reads from the same table (fp32
+  sums on VectorE; int32 ones with dropout, or when q, k or v has 2^24 rows or more). The
+  key-length mask row of lengths with dropout or ALiBi (:func:`masks.key_length_row`)
+  starts at a loop-index key, which 0.7 reads from the distance table
+  (:func:`port.iota_compare`).
 """
 from __future__ import annotations
 
@@ -610,11 +617,10 @@ def length_tables(f: Instance, kv_lens, q_lens):
     128-key block; keys are only read). Padding positions get out-of-bounds load indices: the
     ``oob_mode.skip`` gathers never read them. With ``kv_lens`` also the key mask's fill
     (:func:`edge_key_fill`). Either namespace: the flat rows of the sequence depend on the
-    program's indices, a linear form 0.7 reads from ``f.indices`` (fp32: below 2^24 rows,
-    :func:`flash_attention_fwd`), and the gathers are :func:`port.rows` accesses."""
-    # dropout sums P from the exp and ALiBi could lift a padding key's score above the edge
-    # key's, so with either padding keys are masked on the scores (key rows)
-    key_mask = (bool(f.dropout_p) or f.mods.alibi) and kv_lens is not None
+    program's indices, a linear form 0.7 reads from ``f.indices`` (summed in int32 when the
+    rows may reach 2^24, or with dropout: :func:`flash_attention_fwd`), and the gathers are
+    :func:`port.rows` accesses."""
+    key_mask = _key_mask(f.dropout_p, f.mods, kv_lens)
     f.rt = M.RuntimeLengths(f.spec, kv_lens, q_lens, f.b, f.Nq, f.Nk, key_rows=key_mask)
     if key_mask:
         f.key_neg = M.neg_row(T.PMAX)
@@ -636,6 +642,13 @@ def length_tables(f: Instance, kv_lens, q_lens):
         rows, pos = M.position_table([(0, n, _key_rows0(f), 0)], n, offsets=f.indices)
         f.k_load, _ = f.rt.index_table(rows, pos, f.B * f.Hkv * f.Nk, keys=True)
         f.k_fill = edge_key_fill(f)
+
+
+def _key_mask(dropout_p, mods: SM.Mods, kv_lens) -> bool:
+    """Whether padding keys are masked on the scores (a rank-1 ``MASK_NEG`` key row,
+    :meth:`masks.RuntimeLengths.key_mask_row`) rather than by the edge key alone: dropout sums
+    P from the exp, and ALiBi could lift a padding key's score above the edge key's."""
+    return (bool(dropout_p) or mods.alibi) and kv_lens is not None
 
 
 def _key_rows0(f: Instance):
@@ -926,7 +939,7 @@ def scores(f: Instance, st: GroupState, s, i0, kv: KV, rel, j0, width: int, mask
         # dropout or ALiBi with kv_lens: padding keys must have P = 0 on the scores (the
         # softmax sums come from the exp with dropout; ALiBi lifts a padding key above its
         # edge key): MASK_NEG (x) their key row, a rank-1 TensorE add
-        key_row = f.rt.key_mask_row(j0, width)
+        key_row = f.rt.key_mask_row(j0, width, f.offsets)
         port.nc_matmul(sc, f.key_neg[0:1, 0:r], key_row[0:1, 0:width], accumulate=True,
                        mask=pred)
     s_sb = None
@@ -936,7 +949,7 @@ def scores(f: Instance, st: GroupState, s, i0, kv: KV, rel, j0, width: int, mask
                                    d_static=-f.spec.static_offset, offsets=f.offsets)
         if f.key_neg is not None and capped:
             # the key mask after the tanh (which would map MASK_NEG to -1): its own PSUM tile
-            key_row = f.rt.key_mask_row(j0, width)
+            key_row = f.rt.key_mask_row(j0, width, f.offsets)
             kneg = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.psum)
             port.nc_matmul(kneg, f.key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
             port.tensor_tensor(s_sb, s_sb, kneg, nl.add, mask=pred)
@@ -975,7 +988,7 @@ def dropout_units(f: Instance, p, r: int, width: int, h, iu, ju, pred):
     n_units = T.ceil_div(width, P)
     # the block's unit seeds at once: one iota and one int32 add (GpSimd) for all its units;
     # the first unit ((b Hq + g G + h) nqu + iu) nku + ju as a linear form of the loop indices
-    # (nki.*: read from f.indices)
+    # (nki.*: read from f.indices, summed in int32 on GpSimd)
     per_head = f.nqu * f.nku
     unit0 = [(f.b, f.Hq * per_head), (f.g, f.G * per_head), (h, per_head), (iu, f.nku),
              (ju, 1)]
@@ -1025,7 +1038,11 @@ def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
 
     ``part``: "all", or "front" (scores through the exp, :func:`fold_front`) / "back" (P^T
     through the update, :func:`fold_back`) for a staged tile, whose P, alpha and row sums live
-    in the staging buffers ``stage = (p, alpha, row_sum, index)`` between the two halves.
+    in the staging buffers ``stage = (p, alpha, row_sum, index)`` between the two halves. A
+    staged tile's dropout (:func:`dropout_units`) opens its back half: in the front halves each
+    tile's draw (VectorE, one cycle per score) would wait for that tile's exp on ScalarE,
+    ahead of the next tile's row max in VectorE's queue; in the back half its input is ready,
+    and it delays only that tile's transposes (trn2 N = 4096: 450 -> 337 us modeled).
     """
     r, P = st.rows, T.PMAX
     if not masked or d0 is not None:
@@ -1037,7 +1054,10 @@ def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
     kt = f.tiles.k_tile
     widths = [min(kt, width - c0) for c0 in T.unrolled(0, width, kt)]
     if part == "back":
-        fold_back(f, st, s, staged_front(stage, r, width), widths, kv, rb, pred)
+        front = staged_front(stage, r, width)
+        if f.dropout_p:
+            dropout_units(f, front[0], r, width, *du, pred)
+        fold_back(f, st, s, front, widths, kv, rb, pred)
         return
     stats = st.stats[0:r, s, :]
     s_tiles, fused = zip(*[scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked,
@@ -1049,8 +1069,8 @@ def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
         def drop(p, r_, w_, pr):
             dropout_units(f, p, r_, w_, *du, pr)
     if part == "front":
-        fold_front(f, st, s, s_tiles, widths, pred, drop, staged_front(stage, r, width),
-                   fused)
+        fold_front(f, st, s, s_tiles, widths, pred, out=staged_front(stage, r, width),
+                   fused=fused)
         return
     fold_block(f, st, s, s_tiles, widths, kv, rb, pred, drop, fused)
 
@@ -1079,9 +1099,10 @@ def fold_block(f: Instance, st: GroupState, s, s_tiles, widths, kv: KV, rb, pred
 
 def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None, out=None,
                fused=()):
-    """First half of :func:`fold_block`: the new max, alpha and P (dropped, with its
-    undropped row sums, under dropout). Returns ``(p, alpha, row_sum)`` (row_sum None without
-    dropout), written into ``out`` (views of the same shapes) when given."""
+    """First half of :func:`fold_block`: the new max, alpha and P (under dropout its
+    undropped row sums, and P dropped by ``drop`` unless that is None: a staged tile's back
+    half drops it, :func:`attend_block`). Returns ``(p, alpha, row_sum)`` (row_sum None
+    without dropout), written into ``out`` (views of the same shapes) when given."""
     r = st.rows
     kt = f.tiles.k_tile
     width = sum(widths)
@@ -1111,14 +1132,24 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
     port.activation(alpha, nl.exp, neg_m_old, bias=bias, scale=-c, mask=pred)
     if f.dropout_p:
         # the row sums of the undropped P come from the exp itself (the [V | 1] column would
-        # sum the dropped P): the softmax statistics are those of the undropped softmax
+        # sum the dropped P): the softmax statistics are those of the undropped softmax. The
+        # score tiles' sums are added on GpSimd: VectorE, which draws the masks, is the
+        # busiest engine under dropout
         sums = nl.ndarray((r, nb), dtype=nl.float32, buffer=nl.sbuf)
         for n in T.unrolled(nb):
             port.activation_reduce(p[:, n * kt:n * kt + widths[n]], nl.exp, s_tiles[n],
                                    reduce_op=nl.add, reduce_res=sums[:, n:n + 1], bias=bias,
                                    scale=c, mask=pred)
-        port.tensor_reduce(row_sum, nl.add, sums, axis=(1,), mask=pred)
-        drop(p, r, width, pred)
+        if nb == 1:
+            port.tensor_copy(row_sum, sums, engine="gpsimd", mask=pred)
+        else:
+            port.tensor_tensor(row_sum, sums[:, 0:1], sums[:, 1:2], nl.add, engine="gpsimd",
+                               mask=pred)
+            for n in T.unrolled(2, nb):
+                port.tensor_tensor(row_sum, row_sum, sums[:, n:n + 1], nl.add, engine="gpsimd",
+                                   mask=pred)
+        if drop is not None:
+            drop(p, r, width, pred)
     else:
         for n in T.unrolled(nb):
             port.activation(p[:, n * kt:n * kt + widths[n]], nl.exp, s_tiles[n], bias=bias,
@@ -1171,18 +1202,21 @@ def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred):
                            accumulate=not (g0 == 0 and q == 0), mask=pred)
     o_acc = st.o_acc(s)
     # o_acc = alpha o_acc + pv: the rescale on GpSimd (SBUF only; otherwise idle), the add on
-    # VectorE (one PSUM read, 1 cycle per element)
+    # VectorE (one PSUM read, 1 cycle per element); under dropout l_i = alpha l_i + row_sum
+    # entirely on GpSimd (one instruction fewer on VectorE, the busiest engine there)
     # (the guard's flag column is not rescaled: its sum only needs to stay positive)
-    port.tensor_scalar(o_acc[:, 0:f.D + 1], o_acc[:, 0:f.D + 1], nl.multiply, alpha,
-                       engine="gpsimd", mask=pred)
     if f.dropout_p:
+        port.tensor_scalar(o_acc[:, 0:f.D], o_acc[:, 0:f.D], nl.multiply, alpha,
+                           engine="gpsimd", mask=pred)
+        port.tensor_scalar(o_acc[:, f.D:f.D + 1], o_acc[:, f.D:f.D + 1], nl.multiply, alpha,
+                           op1=nl.add, operand1=row_sum, engine="gpsimd", mask=pred)
         port.tensor_tensor(o_acc[:, 0:f.D], o_acc[:, 0:f.D], pv[:, 0:f.D], nl.add, mask=pred)
-        port.tensor_tensor(o_acc[:, f.D:f.D + 1], o_acc[:, f.D:f.D + 1], row_sum, nl.add,
-                           mask=pred)
         if f.guard:
             port.tensor_tensor(o_acc[:, f.D + 1:f.D + 2], o_acc[:, f.D + 1:f.D + 2],
                                pv[:, f.D + 1:f.D + 2], nl.add, mask=pred)
     else:
+        port.tensor_scalar(o_acc[:, 0:f.D + 1], o_acc[:, 0:f.D + 1], nl.multiply, alpha,
+                           engine="gpsimd", mask=pred)
         port.tensor_tensor(o_acc, o_acc, pv, nl.add, mask=pred)
 
 
@@ -1502,11 +1536,9 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     and ``sinks`` (HBM ``(Hq,)`` float32: one more logit per head with a zero value; a row
     without visible keys then has ``lse = sink``, padding rows keep -inf).
 
-    Not yet through nki.* (NotImplementedError there): ``kv_lens``/``q_lens`` with dropout or
-    ALiBi (the key-length mask row, :meth:`masks.RuntimeLengths.key_mask_row`) or with ``B Hq
-    Nq`` or ``B Hkv Nk >= 2^24`` (0.7 computes the gathers' flat rows in fp32), and dropout
-    with ``B Hq ceil(Nq / 128) ceil(Nk / 128) >= 2^24`` units (0.7 computes the unit numbers
-    in fp32).
+    Every option traces through both namespaces. Integer limits: the flat row numbers of the
+    length gathers (``B Hq Nq``, ``B Hkv Nk``) and the dropout unit numbers (``B Hq ceil(Nq /
+    128) ceil(Nk / 128)``; the seed is added to them) are int32 in both namespaces.
     """
     tiles = T.ForwardTiles() if tiles is None else tiles
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
@@ -1515,16 +1547,6 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     lens = kv_lens is not None or q_lens is not None
-    if lens and (dropout_p or mods.alibi):
-        port.refuse_in_nki("flash_attention_fwd with kv_lens/q_lens and dropout or ALiBi "
-                           "(the key-length mask row)")
-    if lens and max(B * Hq * Nq, B * Hkv * Nk) >= T.FP32_EXACT_INT:
-        port.refuse_in_nki(f"flash_attention_fwd with kv_lens/q_lens over "
-                           f"{max(B * Hq * Nq, B * Hkv * Nk)} >= 2^24 rows (fp32 row numbers)")
-    n_units = B * Hq * T.ceil_div(Nq, T.PMAX) * T.ceil_div(Nk, T.PMAX)
-    if dropout_p and n_units >= T.FP32_EXACT_INT:
-        port.refuse_in_nki(f"flash_attention_fwd with dropout over {n_units} >= 2^24 units "
-                           "(fp32 unit numbers)")
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
                       mods.alibi)
     plan = plan_forward(Nq, Nk, Hq // Hkv, spec, tiles, cores=lnc)
@@ -1533,14 +1555,18 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
     mask_out = (nl.ndarray((B, Hq, Nq, Nk), dtype=nl.float32, buffer=nl.shared_hbm)
                 if dropout_p and dropout_mask else None)
-    # key-minus-row distances of the tiles, as data for 0.7's compile-time affine patterns
+    # key-minus-row distances of the tiles (and the first keys of score tiles, for the key-length
+    # mask row), as data for 0.7's compile-time affine patterns
     offsets = (port.OffsetColumns(-T.ceil_div(Nq, T.PMAX) * T.PMAX,
                                   T.ceil_div(Nq, T.PMAX) + T.ceil_div(Nk, T.PMAX) + 1, T.PMAX)
-               if spec.has_diag or mods.alibi else None)
+               if spec.has_diag or mods.alibi or _key_mask(dropout_p, mods, kv_lens) else None)
     # loop indices (batch, heads, query tiles, key units) as data: dropout's unit numbers, the
-    # flat rows of the length gathers
+    # flat rows of the length gathers. Combined in int32 on GpSimd (exact) with dropout, whose
+    # draw makes VectorE the busiest engine, and when the rows may reach 2^24 (beyond fp32's
+    # exact integers); else in fp32 on VectorE
+    exact = bool(dropout_p) or (lens and max(B * Hq * Nq, B * Hkv * Nk) >= T.FP32_EXACT_INT)
     indices = (port.OffsetColumns(0, max(B, Hkv, Hq, T.ceil_div(Nq, T.PMAX),
-                                         T.ceil_div(Nk, T.PMAX)), 1)
+                                         T.ceil_div(Nk, T.PMAX)), 1, exact=exact)
                if dropout_p or lens else None)
 
     def instance(b, g):
