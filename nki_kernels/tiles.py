@@ -403,13 +403,6 @@ FWD_NKI_P_DMA_SHARE = {"trn2": 0.75, "trn3": 1.0}
 #: N = 2048 67.9 / 67.2 / 67.0 / 75.6; causal 4096 167.8 / 172.6 / 167.8 / 167.8; trn3, share
 #: 1.0: N = 4096 187.2 / 187.7 / 187.2 / 214.3).
 FWD_NKI_STAGE_SLOTS = 2
-#: Under nki.*, a causal band's spans hold at least this many full query tiles
-#: (``ForwardTiles.span_tiles``): fewer, longer spans sweep a little more of the masked
-#: triangle ((1 + 1/spans) / 2 of the scores) but give each span's loops tiles to interleave
-#: (trn2, causal, D = 128, scheduled estimate at 1 / 2 / 4 / 8 / 16 tiles per span: N = 2048
-#: 72.8 / 64.3 / 61.9 / 61.6 / - us; N = 4096 165.2 / 161.5 / 157.6 / 168.3; N = 8192 at 4
-#: and 8 tiles: 501.4 / 490.9).
-FWD_NKI_SPAN_TILES = 8
 #: Largest head dim: S contracts it in passes of 128 (two passes max); PV writes D <= 512 fp32.
 FWD_MAX_HEAD_DIM = 2 * PMAX
 #: Keys per instruction when building a [1, n] key-mask row (iota + compare).
@@ -531,9 +524,6 @@ class ForwardTiles:
         Every query row of the program is loaded at its start (:func:`fwd_q_preload_bytes`
         of SBUF), instead of each group loading its own tiles when it begins (a group's loads
         of 128-row tiles of 256-byte rows take longer than its first steps need).
-    span_tiles : int
-        Least full query tiles per span of a causal band (at most :data:`FWD_Q_SPANS`
-        spans either way; :data:`FWD_NKI_SPAN_TILES` under nki.*).
     """
 
     q_tile: int = FWD_Q_TILE
@@ -549,7 +539,6 @@ class ForwardTiles:
     target: str = FWD_DEFAULT_TARGET
     stage: int = 1
     q_preload: bool = False
-    span_tiles: int = 1
 
     def __post_init__(self):
         if not 1 <= self.q_tile <= PMAX:
@@ -572,8 +561,6 @@ class ForwardTiles:
             raise ValueError(f"q_group: expected >= 1, got {self.q_group}")
         if self.stage < 1:
             raise ValueError(f"stage: expected >= 1, got {self.stage}")
-        if self.span_tiles < 1:
-            raise ValueError(f"span_tiles: expected >= 1, got {self.span_tiles}")
         if self.act_evac_share is not None and not 0.0 <= self.act_evac_share <= 1.0:
             raise ValueError(f"act_evac_share: expected None or a fraction in [0, 1], got "
                              f"{self.act_evac_share}")
@@ -681,9 +668,8 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
         given (the lengths' index tables, :func:`fwd_length_table_bytes`).
     api : "legacy" or "nki"
         The namespace the kernel traces through: under nki.* the P^T transposes are shared
-        with the DMA engines (:data:`FWD_NKI_P_DMA_SHARE` of ``device``), at most
-        :data:`FWD_NKI_STAGE_SLOTS` query tiles are staged and a causal band's spans hold
-        :data:`FWD_NKI_SPAN_TILES` tiles.
+        with the DMA engines (:data:`FWD_NKI_P_DMA_SHARE` of ``device``) and at most
+        :data:`FWD_NKI_STAGE_SLOTS` query tiles are staged.
     device : "trn2", "trn3" or None
         The generation the launch runs on (nki.* only; None or another: trn2's share).
 
@@ -702,8 +688,7 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
         raise ValueError(f"api: expected 'legacy' or 'nki', got {api!r}")
     nki = api == "nki"
     share = FWD_NKI_P_DMA_SHARE.get(device, FWD_NKI_P_DMA_SHARE["trn2"]) if nki else 0.0
-    base = ForwardTiles(target=target, p_dma_transpose_share=share,
-                        span_tiles=FWD_NKI_SPAN_TILES if nki else 1)
+    base = ForwardTiles(target=target, p_dma_transpose_share=share)
     slots = FWD_NKI_STAGE_SLOTS if nki else FWD_STAGE_SLOTS
     work = fwd_working_bytes(D, in_itemsize, mm_itemsize, base, masks=masks)
     work += fwd_length_table_bytes(Nq, Nk, group, D, q_lens=q_lens, kv_lens=kv_lens)

@@ -272,8 +272,7 @@ def _regions(spec: M.MaskSpec, r0: int, r1: int) -> Tuple[Region, ...]:
 def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
                  tiles: T.ForwardTiles, cores: int = 1) -> ForwardPlan:
     """Loop structure of one (batch, kv head) instance: the query tiles of a head split into at
-    most ``FWD_Q_SPANS`` spans of at least ``tiles.span_tiles`` full tiles (one span without a
-    band) plus the partial last
+    most ``FWD_Q_SPANS`` spans of full tiles (one span without a band) plus the partial last
     tile, and each span's key regions. A group (one loop body) holds the same
     ``max(1, q_group // G)`` tiles of each of the G query heads (fewer with ``cores`` 2, so
     that each span has a group per core).
@@ -284,16 +283,16 @@ def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
     spans = []
     slide = _sliding_tiles(spec, n_full, qt, tiles) if tiles.kv_resident else None
     if slide is None:
-        spans += _fixed_spans(spec, 0, n_full, qt, max(cores, tiles.span_tiles))
+        spans += _fixed_spans(spec, 0, n_full, qt, cores)
     else:
         t_lo, t_hi, off, width = slide
-        spans += _fixed_spans(spec, 0, t_lo, qt, max(cores, tiles.span_tiles))
+        spans += _fixed_spans(spec, 0, t_lo, qt, cores)
         # the regions of an interior tile, relative to its first key
         base = t_lo * qt + off
         rel = tuple(Region(rg.k0 - base, rg.k1 - base, rg.masked)
                     for rg in _regions(spec, t_lo * qt, (t_lo + 1) * qt))
         spans.append(Span(t_lo, t_hi - t_lo, qt, rel, off))
-        spans += _fixed_spans(spec, t_hi, n_full, qt, max(cores, tiles.span_tiles))
+        spans += _fixed_spans(spec, t_hi, n_full, qt, cores)
     if tail:
         spans.append(Span(n_full, 1, tail, _regions(spec, n_full * qt, Nq)))
     q_group = max(1, tiles.q_group // group)
@@ -304,11 +303,11 @@ def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
     return ForwardPlan(tuple(spans), qt, q_group, tiles.kv_resident, tiles.kv_chunk)
 
 
-def _fixed_spans(spec: M.MaskSpec, t_from: int, t_to: int, qt: int, least: int):
+def _fixed_spans(spec: M.MaskSpec, t_from: int, t_to: int, qt: int, cores: int):
     """Full query tiles ``[t_from, t_to)`` in at most ``FWD_Q_SPANS`` spans (one without a
-    band) of at least ``least`` tiles, each with its key regions."""
+    band) of at least ``cores`` tiles, each with its key regions."""
     n_full = t_to - t_from
-    n_spans = max(1, min(n_full // least, T.FWD_Q_SPANS if spec.has_diag else 1))
+    n_spans = max(1, min(n_full // cores, T.FWD_Q_SPANS if spec.has_diag else 1))
     n_spans = min(n_spans, n_full)
     spans, t = [], t_from
     for i in T.unrolled(n_spans):
