@@ -281,15 +281,15 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
                                    maximum=max(_tiles.SBUF_USABLE_BYTES.values()))
     in_dtype = _v.dtype_name(q)
     mm = _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision)
+    dropout_p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
+    api = select_api()          # the forward is ported to nki.* whole
     if chosen is None:
         chosen = _tiles.choose_forward_tiles(
             dims.Nq, dims.Nk, dims.D, dims.group, _tiles.fwd_itemsize(in_dtype),
             _tiles.fwd_itemsize(mm), sbuf_bytes=sbuf_budget, kv_lens=kv_lens is not None,
             q_lens=q_lens is not None,
             masks=(causal is not None or window is not None or kv_lens is not None
-                   or q_lens is not None))
-    dropout_p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
-    api = select_api()          # the forward is ported to nki.* whole
+                   or q_lens is not None), api=api, device=active_target())
     grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, _check_lnc(lnc), api=api)
     kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen,
                   lnc=kernel_lnc)

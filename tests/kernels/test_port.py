@@ -471,7 +471,8 @@ def test_forward_program_flat_in_sequence_length(api, mask, sizes, monkeypatch):
     small, _ = _forward_program(api, monkeypatch, *sizes[0], **mask)
     large, _ = _forward_program(api, monkeypatch, *sizes[1], **mask)
     assert small.program_instructions == large.program_instructions < 2000
-    assert sum(large.instructions.values()) > 1.5 * sum(small.instructions.values())
+    # the work does grow: TensorE runs a matmul per key block
+    assert large.instructions["tensor"] > 1.5 * small.instructions["tensor"]
 
 
 def test_forward_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
