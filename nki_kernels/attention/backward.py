@@ -558,7 +558,7 @@ def load_query_side(cfg, plan: BackwardPlan, rt, q, do, o, lse, b, h0, p, st: _S
             M.gather_rows(do_in[:, 0, :], do.reshape((n_rows, D)), q_load, s, PMAX, D)
             o_in = _zeros((PMAX, 1, D), o.dtype)
             M.gather_rows(o_in[:, 0, :], o.reshape((n_rows, D)), q_load, s, PMAX, D)
-            _copy(st.q_nat[:, s, :], _zeros((PMAX, D), cfg.op_dtype))
+            port.memset(st.q_nat[:, s, :], 0.0, engine="gpsimd")
             M.gather_rows(st.q_nat[:, s, :], q.reshape((n_rows, D)), q_load, s, PMAX, D)
             lse_t = _lse_tile(1)
             M.gather_rows(lse_t, lse.reshape((n_rows, 1)), q_load, s, PMAX, 1)
@@ -584,7 +584,7 @@ def load_query_side(cfg, plan: BackwardPlan, rt, q, do, o, lse, b, h0, p, st: _S
                           lse.reshape(lse.shape + (1,))[b, rw.hh, nl.ds(rw.r0, rows), :])
         elif plan.row_mask and port.predicates():
             m3, m2 = _row_mask(rw, Nq, D), _row_mask(rw, Nq)
-            _copy(st.q_nat[:, sl, :], _zeros((PMAX, n, D), cfg.op_dtype))
+            port.memset(st.q_nat[:, sl, :], 0.0, engine="gpsimd")
             port.dma_copy(st.q_nat[:, sl, :], _rows_view(q, b, rw, D), mask=m3)
             do_in = _zeros((PMAX, n, D), do.dtype)
             port.dma_copy(do_in, _rows_view(do, b, rw, D), mask=m3)
@@ -682,7 +682,7 @@ def load_kv_tile(cfg, k, v, b, g, c0, cols: int, kv: _KV, k_load, col0):
         k_rows, v_rows = k.reshape((n_rows, D)), v.reshape((n_rows, D))
     for bi, (off, n) in enumerate(blocks):
         if k_load is not None:
-            _copy(kv.k_nat[0:n, bi, :], _zeros((n, D), op_dtype))
+            port.memset(kv.k_nat[0:n, bi, :], 0.0, engine="gpsimd")
             M.gather_rows(kv.k_nat[0:n, bi, :], k_rows, k_load, col0 + bi, n, D)
             v_in = _zeros((n, D), op_dtype)
             M.gather_rows(v_in, v_rows, k_load, col0 + bi, n, D)
