@@ -406,10 +406,11 @@ def _copy(dst, src):
 
 
 def _split_free(t, n: int, width: int):
-    """A ``[rows, n * width]`` tile seen as ``[rows, n, width]`` (a free-dim access pattern, no
-    copy): an ``nl.arange`` expression in legacy, ``reshape_dim`` in 0.7."""
+    """The first ``n * width`` columns of a 2-D tile ``[rows, cols]`` seen as ``[rows, n,
+    width]`` (a free-dim access pattern, no copy): an ``nl.arange`` expression in legacy,
+    ``reshape_dim`` in 0.7."""
     if port.api() == "nki":
-        return t.reshape_dim(1, (n, width))
+        return t[:, 0:n * width].reshape_dim(1, (n, width))
     ip = nl.arange(t.shape[0])[:, None, None]
     ib = nl.arange(n)[None, :, None]
     ik = nl.arange(width)[None, None, :]
