@@ -11,6 +11,16 @@ to the input dtype and lse to float32 (what the forward kernel returns).
 The kernel is launched directly (grid ``[B, Hkv]``) with per-sequence lengths as runtime
 ``(B,)`` int32 tensors, as host.flash_attention_backward does: one compiled kernel serves every
 set of lengths.
+
+Every case traces through the legacy namespace (``NKI_FLASH_API=legacy``, autouse fixture);
+the section "nki.*" at the end runs a representative subset through nki.* (NKI 0.7) and checks
+it against the legacy trace bit for bit (same instructions but the band masks' distances, read
+as data under nki.*): the program loop over (sequence, kv head), partial query and key tiles,
+head-dim chunks, GQA, dtypes and unusual scales, causal and window bands (loop-index offsets),
+the dQ-in-HBM and DMA-transpose variants, a small key tile, the two-kernel split, dropout and
+the score modifiers, LNC=2, and the program size flat in N; plus what nki.* still refuses
+(runtime lengths, several passes), which ``auto`` runs through legacy. The rest of this module
+covers the shared code paths once, in legacy.
 """
 from __future__ import annotations
 
@@ -20,7 +30,9 @@ import pytest
 
 from host import reference as ref
 from host._launch import launch
-from nki_kernels.attention.backward import flash_attn_bwd
+from nki_kernels import nki as binding
+from nki_kernels import tiles as T
+from nki_kernels.attention.backward import backward_grid, flash_attn_bwd
 from nki_kernels.nki import BACKEND
 from nki_kernels.tiles import PMAX
 
@@ -30,6 +42,12 @@ F32 = np.dtype(np.float32)
 
 needs_measure = pytest.mark.skipif(BACKEND != "simulate",
                                    reason="simulate.measure needs the bundled simulator")
+
+
+@pytest.fixture(autouse=True)
+def _legacy_namespace(monkeypatch):
+    """The kernel traces through the legacy namespace unless a test says otherwise."""
+    monkeypatch.setenv(binding.API_ENV_VAR, "legacy")
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,13 +70,15 @@ def make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype=BF16, seed=0, *, scale=None, causal
 
 def run_kernel(q, k, v, do, o, lse, *, scale=None, causal=None, window=None, q_lens=None,
                kv_lens=None, **kernel_opts):
-    """Launch the kernel on the grid [B, Hkv]; lengths as (B,) int32 runtime tensors."""
+    """Launch the kernel on :func:`backward_grid` of the namespace selected now (legacy: [B,
+    Hkv]); lengths as (B,) int32 runtime tensors."""
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
     scale = 1.0 / np.sqrt(D) if scale is None else scale
     opts = dict(scale=float(scale), causal=causal, window=window, **kernel_opts)
     as_int32 = (lambda x: None if x is None else np.ascontiguousarray(x, dtype=np.int32))
-    return launch(flash_attn_bwd, (B, Hkv), q, k, v, o, do, lse, kv_lens=as_int32(kv_lens),
+    grid = backward_grid(B, Hkv, 1, api=binding.select_api())
+    return launch(flash_attn_bwd, grid, q, k, v, o, do, lse, kv_lens=as_int32(kv_lens),
                   q_lens=as_int32(q_lens), **opts)
 
 
@@ -447,3 +467,152 @@ def test_dma_chunks_of_the_fast_path(target, causal):
     if causal is None:
         # per head 3 loads, 1 LSE load, 1 dQ store; per 512-key tile K, V, dK, dV
         assert m.dma_transfers == G * 5 + (N // 512) * 4
+
+
+# --------------------------------------------------------------------------------------------
+# nki.* (NKI 0.7): the same source traced through the other namespace
+# --------------------------------------------------------------------------------------------
+
+#: The representative subset of the module docstring: (B, Hq, Hkv, Nq, Nk, D, options).
+NKI_CASES = [
+    (1, 1, 1, 1, 1, 16, {}),
+    (2, 4, 2, 129, 300, 64, {"causal": "bottom_right"}),
+    (1, 2, 1, 200, 1100, 256, {"causal": "top_left"}),
+    (1, 1, 1, 400, 1300, 64, {"window": (100, 30)}),
+    (1, 1, 1, 300, 500, 64, {"causal": "bottom_right", "window": (200, 0)}),
+    (1, 1, 1, 200, 300, 80, {"causal": "bottom_right", "dtype": F32, "mixed_precision": False}),
+    (1, 2, 1, 150, 300, 64, {"causal": "top_left", "dtype": F16, "scale": -0.3}),
+    (1, 2, 1, 150, 700, 32, {"causal": "top_left", "dq_accumulate": "hbm"}),
+    (1, 1, 1, 150, 512, 128, {"ds_transpose": "dma"}),
+    (1, 2, 1, 150, 300, 64, {"causal": "bottom_right", "act_evac_blocks": 2}),
+    (1, 1, 1, 100, 300, 64, {"window": (50, 10), "key_tile": 128}),
+    (1, 4, 2, 150, 260, 32, {"causal": "top_left", "grads": ("dk", "dv")}),
+    (1, 4, 2, 150, 260, 32, {"causal": "top_left", "grads": ("dq",)}),
+]
+
+
+def _run_in(api, monkeypatch, q, k, v, do, o, lse, **opts):
+    import simulate
+
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
+    with simulate.measure(target="trn2") as m:
+        got = run_kernel(q, k, v, do, o, lse, **opts)
+    assert m.api == api
+    return (got if isinstance(got, tuple) else (got,)), m
+
+
+@needs_measure
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,opts", NKI_CASES)
+def test_nki_namespace_matches_legacy(B, Hq, Hkv, Nq, Nk, D, opts, monkeypatch):
+    """Through nki.* the gradients are the legacy trace's bit for bit (and so follow the
+    tolerance rule, checked here for the full-gradient cases), with the same HBM bytes."""
+    opts = dict(opts)
+    dtype = opts.pop("dtype", BF16)
+    mask = {n: opts.pop(n) for n in ("scale", "causal", "window") if n in opts}
+    q, k, v, do, o, lse = make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, Nq + Nk + D, **mask)
+    got, m = _run_in("nki", monkeypatch, q, k, v, do, o, lse, **mask, **opts)
+    ref_got, m0 = _run_in("legacy", monkeypatch, q, k, v, do, o, lse, **mask, **opts)
+    for a, b in zip(got, ref_got):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert (m.hbm_bytes_read, m.hbm_bytes_written) == (m0.hbm_bytes_read, m0.hbm_bytes_written)
+    if "grads" not in opts:
+        check_grads(got, q, k, v, do, mixed_precision=opts.get("mixed_precision", True),
+                    **mask)
+
+
+@needs_measure
+@pytest.mark.parametrize("mods", [dict(dropout_p=0.2, causal="bottom_right"),
+                                  dict(softcap=20.0),
+                                  dict(alibi=True, causal="top_left"),
+                                  dict(alibi=True, window=(64, 64)),
+                                  dict(sinks=True, causal="bottom_right")])
+def test_nki_namespace_dropout_and_score_modifiers(mods, monkeypatch):
+    """Dropout (unit numbers from the loop-index table), soft-capping, ALiBi (its distance tile
+    from the runtime distance columns) and sinks (dsinks) through nki.*, by the host API: the
+    legacy trace's gradients bit for bit."""
+    import host
+
+    kw = dict(mods)
+    q, k, v, do, _, _ = make_inputs(1, 2, 1, 300, 500, 64, BF16, 9)
+    if kw.pop("alibi", None):
+        kw["alibi_slopes"] = np.array([0.5, 0.125], np.float32)
+    if kw.pop("sinks", None):
+        kw["sinks"] = np.array([1.5, -2.0], np.float32)
+    if kw.get("dropout_p"):
+        kw["seed"] = 11
+    monkeypatch.setenv(binding.API_ENV_VAR, "legacy")
+    o, lse = host.flash_attention(q, k, v, return_lse=True, lnc=1, **kw)
+    outs = {}
+    for api in ("legacy", "nki"):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        outs[api] = host.flash_attention_backward(do, q, k, v, o, lse, lnc=1, **kw)
+    for a, b in zip(outs["legacy"], outs["nki"]):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@needs_measure
+@pytest.mark.parametrize("B,Hkv,lnc", [(2, 1, 2), (1, 1, 2), (3, 1, 1)])
+def test_nki_namespace_programs_and_cores(B, Hkv, lnc, monkeypatch):
+    """0.7 launches ``kernel[lnc]``: the kernel loops over the (sequence, kv head) programs,
+    the two cores of LNC=2 taking half of them each (an even count; an odd one stays on one
+    core, as the legacy grid does)."""
+    import host
+    import simulate
+
+    q, k, v, do, o, lse = make_inputs(B, 2 * Hkv, Hkv, 300, 400, 64, BF16, B + lnc,
+                                      causal="bottom_right")
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    cores = 2 if lnc == 2 and B * Hkv % 2 == 0 else 1
+    assert backward_grid(B, Hkv, lnc, api="nki") == (cores,)
+    with simulate.measure(target="trn2") as m:
+        got = host.flash_attention_backward(do, q, k, v, o, lse, causal="bottom_right", lnc=lnc)
+    assert m.api == "nki" and m.kernels[0].cores == cores
+    check_grads(got, q, k, v, do, causal="bottom_right")
+
+
+@needs_measure
+@pytest.mark.parametrize("api", ["legacy", "nki"])
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_program_size_does_not_grow_with_n(api, causal):
+    """Every loop over sequence tiles is a compiled loop in both namespaces: the program has
+    the same size at N = 8192 + 100 and 16384 + 100 (the key spans saturate at
+    ``BWD_K_SPANS``; ``simulate.program_size`` traces every loop body once)."""
+    import simulate
+    from nki_kernels import port
+
+    ns = binding.namespace(api)
+    grid = backward_grid(1, 1, 1, api=api)
+    sizes = []
+    for N in (8192 + 100, 16384 + 100):
+        q = np.zeros((1, 1, N, 64), BF16)
+        lse = np.zeros((1, 1, N), np.float32)
+        with port.tracing(ns):
+            kernel = flash_attn_bwd.jitted(ns)[grid[0] if api == "nki" else grid]
+            sizes.append(simulate.program_size(kernel, q, q, q, q, q, lse, scale=0.125,
+                                               causal=causal))
+    assert sizes[0] == sizes[1] < 5000
+
+
+@pytest.mark.parametrize("opts,feature", [
+    (dict(kv_lens=[100]), "kv_lens/q_lens"),
+    (dict(q_lens=[50]), "kv_lens/q_lens"),
+    (dict(rows_per_pass=128), "several passes"),
+])
+def test_nki_namespace_refuses_what_is_not_ported(opts, feature, monkeypatch):
+    """Not ported to nki.*: runtime lengths (the key-length mask row) and several passes (the
+    strided query rows of a pass under legacy row masks): an explicit NKI_FLASH_API=nki call
+    says so; ``auto`` runs such a host call through the legacy namespace when that runs on the
+    same backend (here: both simulated)."""
+    q, k, v, do, o, lse = make_inputs(1, 2, 1, 256, 256, 32, BF16, 1)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    kw = {n: np.array(x, np.int32) if n.endswith("lens") else x for n, x in opts.items()}
+    with pytest.raises(NotImplementedError, match=f"{feature}.* nki.* namespace"):
+        run_kernel(q, k, v, do, o, lse, **kw)
+    if BACKEND == "simulate" and "rows_per_pass" not in opts:
+        import host
+        import simulate
+
+        monkeypatch.setenv(binding.API_ENV_VAR, "auto")
+        with simulate.measure(target="trn2") as m:
+            host.flash_attention_backward(do, q, k, v, o, lse, **opts)
+        assert m.api == "legacy"
