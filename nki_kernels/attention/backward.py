@@ -316,9 +316,9 @@ class RuntimeMasks(M.RuntimeLengths):
       skipped by the loads, keys ``j' < Nk - kv_len`` masked), and the stores scatter dQ, dK,
       dV back through the same bijection, zero rows included.
 
-    Legacy namespace only so far (refused under nki.*, :func:`flash_attn_bwd`): the key-mask
-    row (``masks.key_length_row``, ``masks.neg_row``) is not written against
-    :mod:`nki_kernels.port` yet.
+    ``kv_lens`` is legacy-only so far (refused under nki.*, :func:`flash_attn_bwd`): the
+    key-mask row (``masks.key_length_row``, ``masks.neg_row``) is not written against
+    :mod:`nki_kernels.port` yet. ``q_lens`` alone runs through either namespace.
     """
 
     def __init__(self, spec: M.MaskSpec, kv_lens, q_lens, b, Nq: int, Nk: int, D: int,
@@ -334,38 +334,55 @@ class RuntimeMasks(M.RuntimeLengths):
         if self.has_k and self.mask_row is None:
             self.neg_row = M.neg_row(PMAX)
 
-    def query_tables(self, q_shape, b, h0, G: int, plan: BackwardPlan, p):
-        """Gather and scatter indices ``[128, G * slots]`` of pass p's query rows (column
-        ``h slots + t``: head h0 + h, query tile ``t P + p``) in q's ``(B Hq Nq, D)`` view.
-        Rows past Nq (the partial tile, balancing padding) are never read or written: both
-        tables push them out of bounds."""
-        B, Hq, Nq, _ = q_shape
-        runs = [(h * plan.slots, plan.slots, (b * Hq + h0 + h) * Nq + p * PMAX, p * PMAX)
-                for h in unrolled(G)]
-        rows, pos = M.position_table(runs, G * plan.slots, plan.passes * PMAX)
-        total = B * Hq * Nq
-        shape = tuple(pos.shape)
-        inside = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(inside, pos, nl.less, float(Nq))
-        valid = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_tensor(valid, self.valid(pos, keys=False), inside, nl.multiply)
-        load, store = self.index_table(rows, pos, total, keys=False, valid=valid)
-        if store is not None:
-            beyond = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_scalar(beyond, inside, nl.subtract, 1.0, op1=nl.multiply,
-                               operand1=-float(M.oob_offset(total)))
-            moved = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_tensor(moved, store, beyond, nl.add)
-            store = moved
-        return load, store
-
     def key_row(self, c0, cols: int):
         """bf16 ``[1, cols]``: 1.0 at the padding keys of keys ``[c0, c0 + cols)`` (None without
         kv_lens)."""
         return self.key_mask_row(c0, cols)
 
 
-def key_tables(rt, k, b, g):
+def query_tables(cfg, plan: BackwardPlan, rt, q_shape, b, g, p):
+    """Gather and scatter indices ``[128, G * slots]`` of pass p's query rows (column ``h
+    slots + t``: head ``g G + h``, query tile ``t P + p``) in q's ``(B Hq Nq, D)`` view, with
+    ``q_lens`` (``rt``) or, under nki.* with several passes (no row masks there), without.
+    Rows past Nq (the partial tile, balancing padding) are never read or written: both tables
+    push them out of bounds; so do padding rows in the load table (:meth:`RuntimeMasks.
+    index_table`). The flat rows and positions depend on the program and pass: linear forms of
+    ``b``, ``g``, ``p``, read from ``cfg.indices`` under nki.*."""
+    B, Hq, Nq, _ = q_shape
+    G = cfg.G
+    runs = [(h * plan.slots, plan.slots, [(b, Hq * Nq), (g, G * Nq), (p, PMAX), (h * Nq, 1)],
+             [(p, PMAX)]) for h in unrolled(G)]
+    rows, pos = M.position_table(runs, G * plan.slots, plan.passes * PMAX, offsets=cfg.indices)
+    total = B * Hq * Nq
+    shape = tuple(pos.shape)
+    inside = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(inside, pos, nl.less, float(Nq))
+    if rt is None:
+        load = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(load, inside, nl.subtract, 1.0, op1=nl.multiply,
+                           operand1=-float(M.oob_offset(total)))
+        port.tensor_tensor(load, rows, load, nl.add)
+        return load, load
+    valid = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(valid, rt.valid(pos, keys=False), inside, nl.multiply)
+    load, store = rt.index_table(rows, pos, total, keys=False, valid=valid)
+    beyond = None
+    if store is not None or not port.predicates():
+        beyond = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(beyond, inside, nl.subtract, 1.0, op1=nl.multiply,
+                           operand1=-float(M.oob_offset(total)))
+    if store is None and beyond is not None:
+        # nki.*: dQ is scattered too (its grouped stores would need row masks): every row
+        # in place but those past Nq
+        store = rows
+    if beyond is not None:
+        moved = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_tensor(moved, store, beyond, nl.add)
+        store = moved
+    return load, store
+
+
+def key_tables(rt, k, b, g, indices=None):
     """Gather/scatter indices of every 128-key block of the program's keys (column = block):
     ``(load, store)`` int32 ``[128, ceil(Nk/128)]``, store None unless the keys are rotated
     (:meth:`RuntimeMasks.index_table`); ``(None, None)`` without ``kv_lens``."""
@@ -373,7 +390,8 @@ def key_tables(rt, k, b, g):
         return None, None
     B, Hkv, Nk, _ = k.shape
     n_blocks = ceil_div(Nk, PMAX)
-    rows_i, pos = M.position_table([(0, n_blocks, (b * Hkv + g) * Nk, 0)], n_blocks)
+    rows_i, pos = M.position_table([(0, n_blocks, [(b, Hkv * Nk), (g, Nk)], 0)], n_blocks,
+                                   offsets=indices)
     return rt.index_table(rows_i, pos, B * Hkv * Nk, keys=True)
 
 
@@ -1129,7 +1147,7 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
     Bk, n_kblk = plan.key_tile, plan.key_tile // PMAX
     Nk = k.shape[2]
     h0 = g * G
-    k_load, k_store = key_tables(rt, k, b, g)
+    k_load, k_store = key_tables(rt, k, b, g, cfg.indices)
     n_slots = G * plan.slots
     P = plan.passes
     dr = None
@@ -1164,8 +1182,9 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
             sink_terms=(nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
                         if dsinks is not None else None))
         q_load = q_store = None
-        if rt is not None and rt.has_q:
-            q_load, q_store = rt.query_tables(q.shape, b, h0, G, plan, p)
+        if (rt is not None and rt.has_q) or (P > 1 and not port.predicates()):
+            q_load, q_store = query_tables(cfg, plan, rt if rt is not None and rt.has_q
+                                           else None, q.shape, b, g, p)
         load_query_side(cfg, plan, rt, q, do, o, lse, b, h0, p, st, q_load)
         if dsink_acc is not None:
             def sink_part(h):
@@ -1317,11 +1336,10 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
         included): soft-capping multiplies dS by ``1 - tanh^2``, ALiBi is a constant bias, and
         sinks add the output ``dsinks``.
 
-    Not yet through nki.* (NotImplementedError there): ``kv_lens``/``q_lens`` (the key-mask
-    row, :class:`RuntimeMasks`), several passes (``G Nq`` beyond one pass's rows: the strided
-    query rows of a pass and the partial tiles that balance them are loaded under legacy row
-    masks), and dropout with ``B Hq ceil(Nq / 128) ceil(Nk / 128) >= 2^24`` units (0.7
-    computes the unit numbers in fp32).
+    Not yet through nki.* (NotImplementedError there): ``kv_lens`` (the key-length mask
+    row, :class:`RuntimeMasks`), ``q_lens`` or several passes with ``B Hq Nq >= 2^24`` (0.7
+    computes the gathers' flat rows in fp32), and dropout with ``B Hq ceil(Nq / 128) ceil(Nk
+    / 128) >= 2^24`` units (likewise the unit numbers).
 
     Returns
     -------
@@ -1377,12 +1395,14 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
     if cfg.dropout_p and seed is None:
         raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
     multi_pass = "dk" in grads and plan.passes > 1
-    if kv_lens is not None or q_lens is not None:
-        port.refuse_in_nki("flash_attn_bwd with kv_lens/q_lens (the key-length mask row)")
-    if plan.passes > 1:
-        port.refuse_in_nki(f"flash_attn_bwd with several passes ({plan.passes}: G Nq = "
-                           f"{G * Nq} query rows per kv head over the {rows_per_pass} of one "
-                           f"pass)")
+    if kv_lens is not None:
+        port.refuse_in_nki("flash_attn_bwd with kv_lens (the key-length mask row)")
+    # nki.*: the query rows of q_lens or of several passes are gathered by flat row numbers,
+    # which 0.7 computes in fp32
+    gathered = q_lens is not None or plan.passes > 1
+    if gathered and B * Hq * Nq >= FP32_EXACT_INT:
+        port.refuse_in_nki(f"flash_attn_bwd with q_lens or several passes over "
+                           f"{B * Hq * Nq} >= 2^24 query rows (fp32 row numbers)")
     n_units = B * Hq * ceil_div(Nq, PMAX) * ceil_div(Nk, PMAX)
     if cfg.dropout_p and n_units >= FP32_EXACT_INT:
         port.refuse_in_nki(f"flash_attn_bwd with dropout over {n_units} >= 2^24 units "
@@ -1406,14 +1426,15 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
               if mods.sinks else None)
 
     # nki.*: the key-minus-row distances of the visits (multiples of 128) and the loop
-    # indices (dropout's unit numbers) as data, for 0.7's compile-time affine patterns
+    # indices (dropout's unit numbers, the gathers' flat rows) as data, for 0.7's compile-time
+    # affine patterns
     n_rows = plan.passes * plan.slots * PMAX
     cfg = cfg._replace(
         offsets=(port.OffsetColumns(-n_rows, n_rows // PMAX + ceil_div(Nk, PMAX) + 1, PMAX)
                  if spec.has_diag or mods.alibi else None),
         indices=(port.OffsetColumns(0, max(B, Hkv, G, plan.slots, plan.passes,
                                            max(sp.n for sp in plan.spans)), 1)
-                 if cfg.dropout_p else None))
+                 if cfg.dropout_p or gathered else None))
 
     def program(b, g):
         rt = (RuntimeMasks(spec, kv_lens, q_lens, b, Nq, Nk, D, op_dtype,

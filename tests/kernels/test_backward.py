@@ -488,6 +488,14 @@ NKI_CASES = [
     (1, 1, 1, 100, 300, 64, {"window": (50, 10), "key_tile": 128}),
     (1, 4, 2, 150, 260, 32, {"causal": "top_left", "grads": ("dk", "dv")}),
     (1, 4, 2, 150, 260, 32, {"causal": "top_left", "grads": ("dq",)}),
+    # several passes: the query rows gathered and scattered by flat row numbers under nki.*
+    (1, 4, 2, 200, 300, 32, {"causal": "bottom_right", "rows_per_pass": PMAX}),
+    (2, 2, 1, 700, 600, 64, {"causal": "top_left", "rows_per_pass": 256,
+                             "dq_accumulate": "hbm"}),
+    # q_lens (kv_lens is legacy-only): rotated and in-place rows
+    (2, 4, 2, 129, 300, 64, {"causal": "bottom_right", "q_lens": [129, 5]}),
+    (2, 2, 1, 200, 700, 80, {"causal": "top_left", "q_lens": [150, 0]}),
+    (2, 2, 1, 300, 400, 64, {"q_lens": [300, 77], "rows_per_pass": 256}),
 ]
 
 
@@ -509,6 +517,8 @@ def test_nki_namespace_matches_legacy(B, Hq, Hkv, Nq, Nk, D, opts, monkeypatch):
     opts = dict(opts)
     dtype = opts.pop("dtype", BF16)
     mask = {n: opts.pop(n) for n in ("scale", "causal", "window") if n in opts}
+    if "q_lens" in opts:
+        mask["q_lens"] = np.array(opts.pop("q_lens"))
     q, k, v, do, o, lse = make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, Nq + Nk + D, **mask)
     got, m = _run_in("nki", monkeypatch, q, k, v, do, o, lse, **mask, **opts)
     ref_got, m0 = _run_in("legacy", monkeypatch, q, k, v, do, o, lse, **mask, **opts)
@@ -594,21 +604,26 @@ def test_program_size_does_not_grow_with_n(api, causal):
 
 
 @pytest.mark.parametrize("opts,feature", [
-    (dict(kv_lens=[100]), "kv_lens/q_lens"),
-    (dict(q_lens=[50]), "kv_lens/q_lens"),
-    (dict(rows_per_pass=128), "several passes"),
+    (dict(kv_lens=[100]), "kv_lens"),
+    (dict(kv_lens=[100], q_lens=[50]), "kv_lens"),
+    (dict(q_lens=[50]), "q_lens or several passes over 512 >= 2"),
+    (dict(dropout_p=0.1, seed=1), "dropout over"),
 ])
 def test_nki_namespace_refuses_what_is_not_ported(opts, feature, monkeypatch):
-    """Not ported to nki.*: runtime lengths (the key-length mask row) and several passes (the
-    strided query rows of a pass under legacy row masks): an explicit NKI_FLASH_API=nki call
-    says so; ``auto`` runs such a host call through the legacy namespace when that runs on the
-    same backend (here: both simulated)."""
+    """Not ported to nki.*: ``kv_lens`` (the key-length mask row), ``q_lens`` or several passes
+    over 2^24 query rows (fp32 row numbers) and dropout over 2^24 units (fp32 unit numbers;
+    both bounds lowered here to 4): an explicit NKI_FLASH_API=nki call says so; ``auto`` runs
+    such a host call through the legacy namespace when that runs on the same backend (here:
+    both simulated)."""
+    monkeypatch.setattr(T, "FP32_EXACT_INT", 4)
+    monkeypatch.setattr("nki_kernels.attention.backward.FP32_EXACT_INT", 4)
     q, k, v, do, o, lse = make_inputs(1, 2, 1, 256, 256, 32, BF16, 1)
     monkeypatch.setenv(binding.API_ENV_VAR, "nki")
-    kw = {n: np.array(x, np.int32) if n.endswith("lens") else x for n, x in opts.items()}
+    kw = {n: np.array(x if n.endswith("lens") else [x], np.int32)
+          if n.endswith("lens") or n == "seed" else x for n, x in opts.items()}
     with pytest.raises(NotImplementedError, match=f"{feature}.* nki.* namespace"):
         run_kernel(q, k, v, do, o, lse, **kw)
-    if BACKEND == "simulate" and "rows_per_pass" not in opts:
+    if BACKEND == "simulate":
         import host
         import simulate
 
