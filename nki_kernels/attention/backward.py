@@ -110,6 +110,29 @@ tile when D is a multiple of 128 (``w`` TensorE cycles per 128 x w scores: a 6th
 the 5 at D = 128, +20 % TensorE); otherwise the mask rides in a spare contraction row of the S
 matmul for free. ``q_lens`` costs only O(N d) work (index tables, zero fills).
 
+One source, two namespaces (:mod:`nki_kernels.port`): the kernel traces through ``nki.*``
+(NKI 0.7: trn2, trn3) and the legacy ``neuronxcc.nki`` (trn1), the loop nest above being
+:func:`port.loop` (``nl.fori_loop`` in 0.7; in legacy the ``sequential_range`` /
+``affine_range`` shown). Where the namespaces differ:
+
+* *grid*: legacy launches the SPMD grid ``(B, Hkv)``; 0.7 launches ``kernel[lnc]`` and the
+  kernel loops over the programs (:func:`port.for_programs`, :func:`backward_grid`);
+* *band edges*: the ``affine_select`` offset of a visit is its key-minus-row distance, a
+  loop-index expression; 0.7 reads it from a table built once per launch
+  (:class:`port.OffsetColumns`) and compares on VectorE. Dropout's unit numbers and the flat
+  rows of the query gathers are linear forms of the loop indices, read from a second table
+  (fp32-exact below 2^24);
+* *row masks*: legacy loads and stores the query tiles of a pass under a row mask (the partial
+  last tile, the padding tiles that balance several passes). 0.7 has no masks: with one pass
+  the partial tile is a statically short group of its own; with several passes (or
+  ``q_lens``) every slot is gathered and scattered by indirect DMA (:func:`port.rows`), rows
+  past Nq pushed out of bounds;
+* *copies by assignment* (legacy) are VectorE ``tensor_copy`` in 0.7.
+
+The gradients are the same bit for bit and, without masks, so is the modeled time (with a
+band the 0.7 distance columns cost a few VectorE instructions per masked visit); the program
+stays flat in N under both. ``kv_lens`` is legacy-only so far (:class:`RuntimeMasks`).
+
 Not fully confirmed APIs (reference/nki-api-spec.md): ``nisa.dma_copy`` casting between dtypes
 (documented in §7.5; [RE] lists a same-dtype rule for some DMA paths) -- the gathers of fp32
 inputs into bf16 operand tiles and the key row into fp32 operands rely on it, as decode.py does.
