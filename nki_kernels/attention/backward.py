@@ -757,6 +757,7 @@ class _Visit(NamedTuple):
     c0: object
     cols: int
     masked: bool
+    r: object = None    # (i0 - c0) / 128: the visit's diagonal (``cfg.diagonal``)
 
 
 def recompute_p(cfg, spec, rt, vis: _Visit, key_row, st: _State, kv: _KV):
@@ -809,14 +810,18 @@ def recompute_p(cfg, spec, rt, vis: _Visit, key_row, st: _State, kv: _KV):
         port.activation(scores, nl.copy, s_psum, scale=cfg.exp_scale)
         exp_scale = 1.0
     # Row i = i0 + iq, key j = c0 + ik; keep i + off + lo <= j <= i + off + hi, i.e. the
-    # distance dist + ik - iq between off + lo and off + hi.
+    # distance dist + ik - iq between off + lo and off + hi. The lower bound: legacy selects
+    # into a new tile (the trace its estimates were made with); 0.7, whose selection with a
+    # runtime offset is a predicated copy, selects in place (no copy of the scores first)
+    in_place = port.api() == "nki"
     if spec.hi is not None:
+        # j <= i + off + hi: keys on or below a diagonal that moves with the loop indices
+        # (:class:`port.DiagonalMask`: legacy affine_select, 0.7 one range_select)
         upper = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
-        port.affine_select(upper, [[1, w]], -1, scores, BWD_MASK_FILL, nl.less_equal,
-                           offset=-(off + spec.hi), runtime=dist, offsets=cfg.offsets)
+        cfg.diagonal.select(upper, scores, vis.r)
         scores = upper
     if spec.lo is not None:
-        lower = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
+        lower = scores if in_place else nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
         port.affine_select(lower, [[1, w]], -1, scores, BWD_MASK_FILL, nl.greater_equal,
                            offset=-(off + spec.lo), runtime=dist, offsets=cfg.offsets)
         scores = lower
@@ -1111,6 +1116,7 @@ class _Config(NamedTuple):
     unit: float = 1.0           # u: the exp's scale on modified scores (score_mods)
     cols: object = None         # score_mods.HeadColumns of the program's query heads
     offsets: object = None      # port.OffsetColumns of key-minus-row distances (nki.*)
+    diagonal: object = None     # port.DiagonalMask of the band's upper edge
     indices: object = None      # port.OffsetColumns 0, 1, ...: loop indices as data (nki.*)
 
 
@@ -1243,7 +1249,8 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
                     def slot(h, tt, region=region):
                         t = region.t0 + tt
                         vis = _Visit(s=h * plan.slots + t, i0=(t * P + p) * PMAX, h=h,
-                                     c0=c0, cols=span.cols, masked=region.masked)
+                                     c0=c0, cols=span.cols, masked=region.masked,
+                                     r=t * P + p - j * n_kblk)
                         # dropout's query tile t P + p and first key unit j n_kblk, as linear
                         # forms of the loop indices
                         unit = (h, [(tt, P), (p, 1), (region.t0 * P, 1)],
@@ -1454,7 +1461,10 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
     n_rows = plan.passes * plan.slots * PMAX
     cfg = cfg._replace(
         offsets=(port.OffsetColumns(-n_rows, n_rows // PMAX + ceil_div(Nk, PMAX) + 1, PMAX)
-                 if spec.has_diag or mods.alibi else None),
+                 if spec.lo is not None or mods.alibi else None),
+        diagonal=(port.DiagonalMask(PMAX, PMAX, -ceil_div(Nk, PMAX), n_rows // PMAX + 1,
+                                    base=spec.static_offset + spec.hi)
+                  if spec.hi is not None else None),
         indices=(port.OffsetColumns(0, max(B, Hkv, G, plan.slots, plan.passes,
                                            max(sp.n for sp in plan.spans)), 1)
                  if cfg.dropout_p or gathered else None))
