@@ -291,10 +291,14 @@ BWD_SBUF_SLACK = 4 * 1024
 
 
 def bwd_key_tile(D: int) -> int:
-    """Keys per K/V tile of the backward: the most 128-key blocks whose fp32 dK (and dV)
-    accumulators ``[128 keys, D]`` share one PSUM bank per partition (512 keys for D <= 128,
-    256 for D <= 256). dK_j and dV_j then use one bank each for the whole inner loop."""
-    return PMAX * max(1, PSUM_FMAX // max(D, PMAX))
+    """Keys per K/V tile of the backward: one 128-key block, whatever D. Wider tiles (up to the
+    most blocks whose fp32 dK accumulators share a PSUM bank: 512 keys for D <= 128) cost fewer
+    instructions per score, but each visit is then a longer dependent chain (S, exp, dP, dS,
+    its transposes, dQ) over bigger tiles, and the two rotating buffers of its tiles let fewer
+    visits overlap: TensorE waits. Scheduled estimates at N = 4096, D = 128 (trn2 / trn1):
+    512 keys 575.7 / 560.7 us, 256 keys 548.0 / 503.5, 128 keys 480.7 / 445.5 (causal trn2
+    352.1 -> 285.1); D = 64 and 256 gain likewise (``D`` is not used)."""
+    return PMAX
 
 
 def bwd_slot_bytes(D: int, op_itemsize: int, dq_on_chip: bool = True) -> int:

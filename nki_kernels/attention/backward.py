@@ -1343,7 +1343,7 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
         fit 90 % of SBUF (``tiles.bwd_rows_per_pass``).
     key_tile : int, optional
         Keys per K/V tile (a multiple of 128, at most one PSUM bank of fp32 dK per row); None =
-        the largest that fits.
+        ``tiles.bwd_key_tile`` (128: short visits overlap best).
     dq_accumulate : "sbuf" (default) or "hbm"
         Where dQ accumulates across K/V tiles: on chip, or (the atomics analogue, for
         measurement) read-add-written to an fp32 HBM scratch after every visit.

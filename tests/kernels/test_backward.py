@@ -17,7 +17,7 @@ the section "nki.*" at the end runs a representative subset through nki.* (NKI 0
 it against the legacy trace bit for bit (same instructions but the band masks' distances, read
 as data under nki.*): the program loop over (sequence, kv head), partial query and key tiles,
 head-dim chunks, GQA, dtypes and unusual scales, causal and window bands (loop-index offsets),
-the dQ-in-HBM and DMA-transpose variants, a small key tile, the two-kernel split, dropout and
+the dQ-in-HBM and DMA-transpose variants, wide key tiles, the two-kernel split, dropout and
 the score modifiers, LNC=2, and the program size flat in N; plus what nki.* still refuses
 (runtime lengths, several passes), which ``auto`` runs through legacy. The rest of this module
 covers the shared code paths once, in legacy.
@@ -355,10 +355,11 @@ def test_dq_accumulated_in_hbm():
 
 @pytest.mark.parametrize("ds_transpose,act_evac_blocks", [("pe", 0), ("pe", 2), ("dma", 0)])
 def test_ds_transpose_paths(ds_transpose, act_evac_blocks):
-    """dS^T on TensorE (PSUM copies on ScalarE and/or VectorE) or by DMA transpose; the DMA
-    path falls back to TensorE for visits with a partial 128-key block (Nk = 300)."""
+    """dS^T on TensorE (PSUM copies on ScalarE and/or VectorE) or by DMA transpose, over the
+    blocks of 256-key visits; the DMA path falls back to TensorE for visits with a partial
+    128-key block (Nk = 300)."""
     run_and_check(1, 2, 1, 150, 300, 64, BF16, seed=34, causal="bottom_right",
-                  ds_transpose=ds_transpose, act_evac_blocks=act_evac_blocks)
+                  ds_transpose=ds_transpose, act_evac_blocks=act_evac_blocks, key_tile=256)
 
 
 @needs_measure
@@ -380,8 +381,10 @@ def test_two_kernel_split():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_small_key_tile():
-    run_and_check(1, 1, 1, 100, 300, 64, BF16, seed=33, window=(50, 10), key_tile=128)
+def test_wide_key_tile():
+    """Visits of several 128-key blocks (the default is one): K^T, V^T and the dK/dV
+    accumulators per block, V in wide rows, a partial last block."""
+    run_and_check(1, 1, 1, 100, 1100, 64, BF16, seed=33, window=(50, 10), key_tile=512)
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,26 +450,28 @@ def test_io_bytes_with_lengths():
 def test_dma_chunks_of_the_fast_path(target, causal):
     """Without lengths, whole tiles move in few DMAs: Q, dO, O, LSE, dQ 8 query tiles per DMA
     (one row = one 256 B chunk per partition and tile; LSE 4-byte elements), K, dK, dV a whole
-    512-key tile per DMA, V in wide rows (4 consecutive keys = one 1 KiB chunk per partition);
-    dS^T by TensorE, no DMA transposes. The HBM bytes stay the minimum; the gradients pass the
-    tolerance rule."""
+    key tile per DMA, V in wide rows (nb consecutive keys = one nb 256 B chunk per partition,
+    for nb 128-key blocks per tile: 1 by default, 4 with ``key_tile=512``, run here without a
+    mask); dS^T by TensorE, no DMA transposes. The HBM bytes stay the minimum; the gradients
+    pass the tolerance rule."""
     import simulate
     B, Hq, Hkv, N, D = 1, 2, 1, 1024, 128
     G = Hq // Hkv
+    key_tile = 512 if causal is None else T.bwd_key_tile(D)
     q, k, v, do, o, lse = make_inputs(B, Hq, Hkv, N, N, D, BF16, 43, causal=causal)
     with simulate.measure(target=target) as m:
-        got = run_kernel(q, k, v, do, o, lse, causal=causal)
+        got = run_kernel(q, k, v, do, o, lse, causal=causal, key_tile=key_tile)
     check_grads(got, q, k, v, do, causal=causal)
     assert (m.hbm_bytes_read, m.hbm_bytes_written) == backward_io_bytes(B, Hq, Hkv, N, N, D, 2)
     row_chunks = (3 * G + 1) * N + G * N + 2 * N    # q, do, o, k in; dq, dk, dv out: 256 B
-    v_chunks = N // 4                               # 1 KiB
+    v_chunks = N // (key_tile // PMAX)              # nb 256 B
     lse_chunks = G * N                              # 4 B elements
     assert m.dma_chunks == row_chunks + v_chunks + lse_chunks
     assert m.dma_average_chunk_bytes == pytest.approx(
         (m.hbm_bytes_read + m.hbm_bytes_written) / m.dma_chunks)
     if causal is None:
-        # per head 3 loads, 1 LSE load, 1 dQ store; per 512-key tile K, V, dK, dV
-        assert m.dma_transfers == G * 5 + (N // 512) * 4
+        # per head 3 loads, 1 LSE load, 1 dQ store; per key tile K, V, dK, dV
+        assert m.dma_transfers == G * 5 + (N // key_tile) * 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,9 +488,9 @@ NKI_CASES = [
     (1, 1, 1, 200, 300, 80, {"causal": "bottom_right", "dtype": F32, "mixed_precision": False}),
     (1, 2, 1, 150, 300, 64, {"causal": "top_left", "dtype": F16, "scale": -0.3}),
     (1, 2, 1, 150, 700, 32, {"causal": "top_left", "dq_accumulate": "hbm"}),
-    (1, 1, 1, 150, 512, 128, {"ds_transpose": "dma"}),
-    (1, 2, 1, 150, 300, 64, {"causal": "bottom_right", "act_evac_blocks": 2}),
-    (1, 1, 1, 100, 300, 64, {"window": (50, 10), "key_tile": 128}),
+    (1, 1, 1, 150, 512, 128, {"ds_transpose": "dma", "key_tile": 512}),
+    (1, 2, 1, 150, 300, 64, {"causal": "bottom_right", "act_evac_blocks": 2, "key_tile": 256}),
+    (1, 1, 1, 100, 1100, 64, {"window": (50, 10), "key_tile": 512}),
     (1, 4, 2, 150, 260, 32, {"causal": "top_left", "grads": ("dk", "dv")}),
     (1, 4, 2, 150, 260, 32, {"causal": "top_left", "grads": ("dq",)}),
     # several passes: the query rows gathered and scattered by flat row numbers under nki.*
