@@ -290,14 +290,18 @@ BWD_DS_GROUP_BYTES = 4096
 BWD_SBUF_SLACK = 4 * 1024
 
 
-def bwd_key_tile(D: int) -> int:
-    """Keys per K/V tile of the backward: one 128-key block, whatever D. Wider tiles (up to the
-    most blocks whose fp32 dK accumulators share a PSUM bank: 512 keys for D <= 128) cost fewer
-    instructions per score, but each visit is then a longer dependent chain (S, exp, dP, dS,
-    its transposes, dQ) over bigger tiles, and the two rotating buffers of its tiles let fewer
-    visits overlap: TensorE waits. Scheduled estimates at N = 4096, D = 128 (trn2 / trn1):
-    512 keys 575.7 / 560.7 us, 256 keys 548.0 / 503.5, 128 keys 480.7 / 445.5 (causal trn2
-    352.1 -> 285.1); D = 64 and 256 gain likewise (``D`` is not used)."""
+def bwd_key_tile(D: int, ds_transpose: str = "pe") -> int:
+    """Keys per K/V tile of the backward. With dS^T by TensorE (``ds_transpose="pe"``, the
+    default) one 128-key block, whatever D: wider tiles cost fewer instructions per score, but
+    each visit is then a longer dependent chain (S, exp, dP, dS, its transposes, dQ) over bigger
+    tiles, and the two rotating buffers of its tiles let fewer visits overlap, so TensorE waits.
+    Scheduled estimates at N = 4096, D = 128 (trn2 / trn1): 512 keys 575.7 / 560.7 us, 256
+    keys 548.0 / 503.5, 128 keys 480.7 / 445.5 (causal trn2 352.1 -> 285.1); D = 64 and 256
+    gain likewise. With ``"dma"`` the most 128-key blocks whose fp32 dK (and dV) accumulators
+    ``[128 keys, D]`` share one PSUM bank per partition (512 keys for D <= 128, 256 for D <=
+    256): each visit's dS goes through one DMA transpose, whose fixed cost wants many blocks."""
+    if ds_transpose == "dma":
+        return PMAX * max(1, PSUM_FMAX // max(D, PMAX))
     return PMAX
 
 
@@ -315,7 +319,7 @@ def bwd_working_bytes(D: int, op_itemsize: int, in_itemsize: int = 4) -> int:
     K/V tile (K [keys, D] blocks, K^T and V^T [D chunk, keys]), per visit P, dS, dP - D
     ([128, keys], operand dtype), the fp32 masked scores, one dS^T block, and load/store
     temporaries ([128, D] in the input dtype and fp32)."""
-    key_tile = bwd_key_tile(D)
+    key_tile = bwd_key_tile(D, "dma")     # the wider of the two modes' tiles
     d_chunks = ceil_div(D, PMAX)
     kv_tile = (key_tile // PMAX) * D * op_itemsize + 2 * d_chunks * key_tile * op_itemsize
     visit = 3 * key_tile * op_itemsize + 4 * key_tile + PMAX * op_itemsize

@@ -1343,7 +1343,8 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
         fit 90 % of SBUF (``tiles.bwd_rows_per_pass``).
     key_tile : int, optional
         Keys per K/V tile (a multiple of 128, at most one PSUM bank of fp32 dK per row); None =
-        ``tiles.bwd_key_tile`` (128: short visits overlap best).
+        ``tiles.bwd_key_tile`` (128 keys: short visits overlap best; with ``ds_transpose=
+        "dma"`` a PSUM bank of dK, 512 keys for D <= 128).
     dq_accumulate : "sbuf" (default) or "hbm"
         Where dQ accumulates across K/V tiles: on chip, or (the atomics analogue, for
         measurement) read-add-written to an fp32 HBM scratch after every visit.
@@ -1401,7 +1402,8 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
                                           dq_on_chip=(dq_accumulate == "sbuf"))
     if rows_per_pass < PMAX:
         raise ValueError(f"rows_per_pass: expected at least {PMAX}, got {rows_per_pass}")
-    key_tile = bwd_key_tile(D) if key_tile is None else key_tile
+    ds_transpose = BWD_DS_TRANSPOSE[target] if ds_transpose is None else ds_transpose
+    key_tile = bwd_key_tile(D, ds_transpose) if key_tile is None else key_tile
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
     spec = band_spec(Nq, Nk, causal, window, mods.alibi)
     G = Hq // Hkv
@@ -1418,7 +1420,7 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
         op_dtype=op_dtype,
         tp_dtype=op_dtype if (gen3 and op_dtype != nl.float32) else nl.float32,
         out_dtype=in_dtype, dq_accumulate=dq_accumulate,
-        ds_transpose=BWD_DS_TRANSPOSE[target] if ds_transpose is None else ds_transpose,
+        ds_transpose=ds_transpose,
         act_evac_blocks=(BWD_ACT_EVAC_BLOCKS[target] if act_evac_blocks is None
                          else act_evac_blocks), grads=grads, dropout_p=float(dropout_p),
         mods=mods, unit=mods.unit(scale if fold else 1.0))
