@@ -309,8 +309,8 @@ def _port_api(legacy_only: bool) -> str:
     """The namespace a kernel launch traces through: :func:`nki_kernels.nki.select_api`'s,
     except that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
     (``legacy_only``: the forward's runtime lengths with dropout or ALiBi or over 2^24 rows,
-    its dropout over 2^24 units or more, the backward's ``kv_lens``, its ``q_lens`` or several
-    passes over 2^24 rows, its dropout over 2^24 units, the decode split kernel) runs through the legacy
+    its dropout over 2^24 units or more, the backward's lengths or several passes over 2^24
+    rows, its dropout over 2^24 units, the decode split kernel) runs through the legacy
     namespace when it runs on the same kind of backend (both simulated, or both AWS's
     toolchains) and the target has a legacy toolchain (not trn3). Otherwise the kernel refuses
     it under nki.* (NotImplementedError)."""
@@ -901,8 +901,8 @@ def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, wi
 
     The kernel is :func:`nki_kernels.attention.backward.flash_attn_bwd` pinned to the namespace
     it traces through (:func:`_port_api`: under ``auto`` the legacy one for what is not ported
-    to nki.* yet -- ``kv_lens``, ``q_lens`` or several passes over 2^24 query rows, dropout
-    over 2^24 units), the grid
+    to nki.* yet -- lengths or several passes over 2^24 rows, dropout over 2^24 units), the
+    grid
     :func:`nki_kernels.attention.backward.backward_grid`'s for that namespace: in legacy
     ``(B, Hkv)`` with LNC=1, or with LNC=2 (trn2) kv heads or sequences spread over the two
     cores; under nki.* ``(lnc,)``, the kernel looping over the programs;
@@ -936,9 +936,12 @@ def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, wi
     sbuf_of = "trn1" if active_target() == "trn1" else "trn2"
     passes, _ = _tiles.bwd_passes(dims.group, dims.Nq,
                                   _tiles.bwd_rows_per_pass(dims.D, op_itemsize, sbuf_of))
-    gathered = q_lens is not None or passes > 1      # query rows by flat row numbers
-    api = _port_api(kv_lens is not None
-                    or (gathered and dims.B * dims.Hq * dims.Nq >= _tiles.FP32_EXACT_INT)
+    # rows gathered by flat row numbers, fp32 under nki.*: query rows with q_lens or several
+    # passes, keys with kv_lens
+    gathered = q_lens is not None or passes > 1 or kv_lens is not None
+    flat = max(dims.B * dims.Hq * dims.Nq,
+               dims.B * dims.Hkv * dims.Nk if kv_lens is not None else 0)
+    api = _port_api((gathered and flat >= _tiles.FP32_EXACT_INT)
                     or (bool(p) and units >= _tiles.FP32_EXACT_INT))
     return (flash_attn_bwd.on(api), backward_grid(dims.B, dims.Hkv, _check_lnc(lnc), api=api),
             kwargs)

@@ -117,11 +117,13 @@ One source, two namespaces (:mod:`nki_kernels.port`): the kernel traces through 
 
 * *grid*: legacy launches the SPMD grid ``(B, Hkv)``; 0.7 launches ``kernel[lnc]`` and the
   kernel loops over the programs (:func:`port.for_programs`, :func:`backward_grid`);
-* *band edges*: the ``affine_select`` offset of a visit is its key-minus-row distance, a
-  loop-index expression; 0.7 reads it from a table built once per launch
-  (:class:`port.OffsetColumns`) and compares on VectorE. Dropout's unit numbers and the flat
-  rows of the query gathers are linear forms of the loop indices, read from a second table
-  (fp32-exact below 2^24);
+* *band edges*: the offset of a visit's band selection is its key-minus-row distance, a
+  loop-index expression. The upper edge is a :class:`port.DiagonalMask` (legacy
+  ``affine_select``; 0.7 one ``range_select`` against a per-row bound table made once); the
+  lower one, ALiBi's distances and the key-length row read the distance (or the first key)
+  from a table built once per launch (:class:`port.OffsetColumns`) and compare on VectorE.
+  Dropout's unit numbers and the flat rows of the gathers are linear forms of the loop
+  indices, read from a second table (fp32-exact below 2^24);
 * *row masks*: legacy loads and stores the query tiles of a pass under a row mask (the partial
   last tile, the padding tiles that balance several passes). 0.7 has no masks: with one pass
   the partial tile is a statically short group of its own; with several passes (or
@@ -129,9 +131,9 @@ One source, two namespaces (:mod:`nki_kernels.port`): the kernel traces through 
   past Nq pushed out of bounds;
 * *copies by assignment* (legacy) are VectorE ``tensor_copy`` in 0.7.
 
-The gradients are the same bit for bit and, without masks, so is the modeled time (with a
-band the 0.7 distance columns cost a few VectorE instructions per masked visit); the program
-stays flat in N under both. ``kv_lens`` is legacy-only so far (:class:`RuntimeMasks`).
+The gradients are the same bit for bit and, without masks, so is the modeled time (a band's
+lower edge costs 0.7 a few VectorE instructions per masked visit); the program stays flat in N
+under both.
 
 Not fully confirmed APIs (reference/nki-api-spec.md): ``nisa.dma_copy`` casting between dtypes
 (documented in §7.5; [RE] lists a same-dtype rule for some DMA paths) -- the gathers of fp32
@@ -338,10 +340,6 @@ class RuntimeMasks(M.RuntimeLengths):
       shapes (:func:`band_spec`). Padding is then at the start (rows ``i' < Nq - q_len``
       skipped by the loads, keys ``j' < Nk - kv_len`` masked), and the stores scatter dQ, dK,
       dV back through the same bijection, zero rows included.
-
-    ``kv_lens`` is legacy-only so far (refused under nki.*, :func:`flash_attn_bwd`): the
-    key-mask row (``masks.key_length_row``, ``masks.neg_row``) is not written against
-    :mod:`nki_kernels.port` yet. ``q_lens`` alone runs through either namespace.
     """
 
     def __init__(self, spec: M.MaskSpec, kv_lens, q_lens, b, Nq: int, Nk: int, D: int,
@@ -357,10 +355,10 @@ class RuntimeMasks(M.RuntimeLengths):
         if self.has_k and self.mask_row is None:
             self.neg_row = M.neg_row(PMAX)
 
-    def key_row(self, c0, cols: int):
+    def key_row(self, c0, cols: int, offsets=None):
         """bf16 ``[1, cols]``: 1.0 at the padding keys of keys ``[c0, c0 + cols)`` (None without
-        kv_lens)."""
-        return self.key_mask_row(c0, cols)
+        kv_lens; ``c0`` a multiple of 128, read from ``offsets`` under nki.*)."""
+        return self.key_mask_row(c0, cols, offsets=offsets)
 
 
 def query_tables(cfg, plan: BackwardPlan, rt, q_shape, b, g, p):
@@ -1238,7 +1236,7 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
                          k_T=nl.ndarray((s_part, n_dc, Bk), dtype=op_dtype, buffer=nl.sbuf),
                          v_T=nl.ndarray((d_part, n_dc, Bk), dtype=op_dtype, buffer=nl.sbuf))
                 load_kv_tile(cfg, k, v, b, g, c0, span.cols, kv, k_load, j * n_kblk)
-                key_row = rt.key_row(c0, span.cols) if rt is not None else None
+                key_row = rt.key_row(c0, span.cols, cfg.offsets) if rt is not None else None
                 if key_row is not None and rt.mask_row is not None:
                     port.dma_copy(kv.k_T[rt.mask_row:rt.mask_row + 1, n_dc - 1, 0:span.cols],
                                   key_row, legacy_isa=True)
@@ -1367,10 +1365,10 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
         included): soft-capping multiplies dS by ``1 - tanh^2``, ALiBi is a constant bias, and
         sinks add the output ``dsinks``.
 
-    Not yet through nki.* (NotImplementedError there): ``kv_lens`` (the key-length mask
-    row, :class:`RuntimeMasks`), ``q_lens`` or several passes with ``B Hq Nq >= 2^24`` (0.7
-    computes the gathers' flat rows in fp32), and dropout with ``B Hq ceil(Nq / 128) ceil(Nk
-    / 128) >= 2^24`` units (likewise the unit numbers).
+    Not yet through nki.* (NotImplementedError there): lengths or several passes with ``B Hq
+    Nq`` (or, with ``kv_lens``, ``B Hkv Nk``) ``>= 2^24`` (0.7 computes the gathers' flat rows
+    in fp32), and dropout with ``B Hq ceil(Nq / 128) ceil(Nk / 128) >= 2^24`` units (likewise
+    the unit numbers).
 
     Returns
     -------
@@ -1427,14 +1425,13 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
     if cfg.dropout_p and seed is None:
         raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
     multi_pass = "dk" in grads and plan.passes > 1
-    if kv_lens is not None:
-        port.refuse_in_nki("flash_attn_bwd with kv_lens (the key-length mask row)")
-    # nki.*: the query rows of q_lens or of several passes are gathered by flat row numbers,
-    # which 0.7 computes in fp32
-    gathered = q_lens is not None or plan.passes > 1
-    if gathered and B * Hq * Nq >= FP32_EXACT_INT:
-        port.refuse_in_nki(f"flash_attn_bwd with q_lens or several passes over "
-                           f"{B * Hq * Nq} >= 2^24 query rows (fp32 row numbers)")
+    # nki.*: the query rows of q_lens or of several passes, and the keys of kv_lens, are
+    # gathered by flat row numbers, which 0.7 computes in fp32
+    gathered = q_lens is not None or plan.passes > 1 or kv_lens is not None
+    n_flat = max(B * Hq * Nq, B * Hkv * Nk if kv_lens is not None else 0)
+    if gathered and n_flat >= FP32_EXACT_INT:
+        port.refuse_in_nki(f"flash_attn_bwd with lengths or several passes over {n_flat} >= "
+                           f"2^24 rows (fp32 row numbers)")
     n_units = B * Hq * ceil_div(Nq, PMAX) * ceil_div(Nk, PMAX)
     if cfg.dropout_p and n_units >= FP32_EXACT_INT:
         port.refuse_in_nki(f"flash_attn_bwd with dropout over {n_units} >= 2^24 units "
@@ -1463,7 +1460,7 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
     n_rows = plan.passes * plan.slots * PMAX
     cfg = cfg._replace(
         offsets=(port.OffsetColumns(-n_rows, n_rows // PMAX + ceil_div(Nk, PMAX) + 1, PMAX)
-                 if spec.lo is not None or mods.alibi else None),
+                 if spec.lo is not None or mods.alibi or kv_lens is not None else None),
         diagonal=(port.DiagonalMask(PMAX, PMAX, -ceil_div(Nk, PMAX), n_rows // PMAX + 1,
                                     base=spec.static_offset + spec.hi)
                   if spec.hi is not None else None),

@@ -36,8 +36,8 @@ Masked scores become ``MASK_NEG`` (finite, see ``tiles.FWD_MASK_NEG``). The help
 uses (:func:`broadcast_row`, :func:`zero_non_finite`, :func:`load_lengths`,
 :func:`position_table`, :func:`gather_rows`, :func:`store_rows`, :class:`RuntimeLengths` but
 its key-mask row) are written against :mod:`nki_kernels.port` and trace through either
-namespace (the gathers and scatters: :func:`port.rows`); :func:`neg_row`,
-:func:`key_length_row` (:meth:`RuntimeLengths.key_mask_row`) are legacy only so far.
+namespace (the gathers and scatters: :func:`port.rows`), and so are the backward's
+:func:`neg_row` and :func:`key_length_row` (:meth:`RuntimeLengths.key_mask_row`).
 """
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ import numpy as np  # compile-time constants only
 
 from nki_kernels import port
 from nki_kernels import tiles as T
-from nki_kernels.nki import nisa, nl
 
 #: Score-tile classes of the static plan.
 FULL, BOUNDARY = "full", "boundary"
@@ -189,8 +188,12 @@ def int_mod(x, n: int, dtype=None):
 
 
 def neg_row(n: int):
-    """``MASK_NEG`` in bf16 [1, n]: stationary operand of the rank-1 key-length mask."""
-    return nisa.memset((1, n), T.FWD_MASK_NEG, dtype=nl.bfloat16)
+    """``MASK_NEG`` in bf16 [1, n]: stationary operand of the rank-1 key-length mask. Written
+    against :mod:`nki_kernels.port` (either namespace)."""
+    pl = port.nl
+    row = pl.ndarray((1, n), dtype=pl.bfloat16, buffer=pl.sbuf)
+    port.memset(row, T.FWD_MASK_NEG)
+    return row
 
 
 def broadcast_row(row, width: int):
@@ -258,23 +261,28 @@ def load_lengths(kv_lens, q_lens, b, nk: int, nq: int):
     return raw, lens_p
 
 
-def key_length_row(kv_len_1, j0: int, n: int, *, below: bool = False):
+def key_length_row(kv_len_1, j0: int, n: int, *, below: bool = False, offsets=None):
     """bf16 [1, n] row: 1.0 for keys ``j0 + jj >= kv_len`` (masked), else 0.0; with ``below``,
     1.0 for keys ``j0 + jj < kv_len`` instead (valid keys at the end of the padded length).
 
     ``kv_len_1`` is the sequence's key length (or first valid key) as an fp32 [1, 1] tile
-    (partition 0). Built in pieces of at most :data:`tiles.FWD_ROW_FMAX` keys.
+    (partition 0). Built in pieces of at most :data:`tiles.FWD_ROW_FMAX` keys. ``j0``: an int
+    or an index expression, which 0.7 reads from ``offsets`` (a :class:`port.OffsetColumns`
+    holding it; :func:`port.iota`'s ``runtime``). Written against :mod:`nki_kernels.port`
+    (either namespace).
     """
-    row = nl.ndarray((1, n), dtype=nl.bfloat16, buffer=nl.sbuf)
-    op = nl.less if below else nl.greater_equal
+    pl = port.nl
+    row = pl.ndarray((1, n), dtype=pl.bfloat16, buffer=pl.sbuf)
+    op = pl.less if below else pl.greater_equal
     full, tail = divmod(n, T.FWD_ROW_FMAX)
 
     def piece(c0, w):
-        pos = nisa.iota((j0 + c0) + nl.arange(w)[None, :], dtype=nl.float32)
-        row[0:1, nl.ds(c0, w)] = nisa.tensor_scalar(pos, op, kv_len_1, dtype=nl.bfloat16)
+        pos = pl.ndarray((1, w), dtype=pl.float32, buffer=pl.sbuf)
+        port.iota(pos, [[1, w]], runtime=j0 + c0, offsets=offsets)
+        port.tensor_scalar(row[0:1, pl.ds(c0, w)], pos, op, kv_len_1)
 
-    for i in nl.affine_range(full):          # the row's length may grow with N: an NKI loop
-        piece(i * T.FWD_ROW_FMAX, T.FWD_ROW_FMAX)
+    # the row's length may grow with N: a compiled loop
+    port.loop(full, lambda i: piece(i * T.FWD_ROW_FMAX, T.FWD_ROW_FMAX))
     if tail:
         piece(full * T.FWD_ROW_FMAX, tail)
     return row
@@ -389,12 +397,12 @@ class RuntimeLengths:
         """Whether the keys (``keys``) or the query rows are gathered rotated."""
         return self.rotate_k if keys else self.rotate_q
 
-    def key_mask_row(self, j0: int, n: int):
+    def key_mask_row(self, j0: int, n: int, offsets=None):
         """bf16 ``[1, n]``: 1.0 at the padding keys among frame keys ``[j0, j0 + n)`` (None
-        without kv_lens; needs ``key_rows=True``)."""
+        without kv_lens; needs ``key_rows=True``; ``offsets``: :func:`key_length_row`'s)."""
         if not self.has_k:
             return None
-        return key_length_row(self.key_start, j0, n, below=self.rotate_k)
+        return key_length_row(self.key_start, j0, n, below=self.rotate_k, offsets=offsets)
 
     def valid(self, pos, keys: bool, dtype=None, dst=None):
         """1.0 where the frame positions ``pos`` (an fp32 tile of query rows, or keys when

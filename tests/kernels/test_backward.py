@@ -18,8 +18,9 @@ it against the legacy trace bit for bit (same instructions but the band masks' d
 as data under nki.*): the program loop over (sequence, kv head), partial query and key tiles,
 head-dim chunks, GQA, dtypes and unusual scales, causal and window bands (loop-index offsets),
 the dQ-in-HBM and DMA-transpose variants, wide key tiles, the two-kernel split, dropout and
-the score modifiers, LNC=2, and the program size flat in N; plus what nki.* still refuses
-(runtime lengths, several passes), which ``auto`` runs through legacy. The rest of this module
+the score modifiers, runtime lengths (both key-mask paths), several passes, LNC=2, and the
+program size flat in N; plus what nki.* still refuses (lengths or passes over 2^24 rows,
+dropout over 2^24 units), which ``auto`` runs through legacy. The rest of this module
 covers the shared code paths once, in legacy.
 """
 from __future__ import annotations
@@ -497,8 +498,12 @@ NKI_CASES = [
     (1, 4, 2, 200, 300, 32, {"causal": "bottom_right", "rows_per_pass": PMAX}),
     (1, 2, 1, 400, 300, 64, {"causal": "top_left", "rows_per_pass": 256,
                              "dq_accumulate": "hbm"}),
-    # q_lens (kv_lens is legacy-only): rotated and in-place rows
-    (2, 2, 1, 129, 200, 64, {"causal": "bottom_right", "q_lens": [129, 5]}),
+    # runtime lengths: rotated and in-place rows and keys, the key mask in the S contraction
+    # (D % 128 != 0) or its own rank-1 matmul (D = 128, fp16)
+    (2, 2, 1, 129, 200, 64, {"causal": "bottom_right", "q_lens": [129, 5],
+                             "kv_lens": [200, 77]}),
+    (2, 2, 1, 200, 300, 128, {"causal": "top_left", "kv_lens": [3, 300]}),
+    (1, 2, 1, 150, 300, 64, {"window": (100, 30), "kv_lens": [151], "dtype": F16}),
     (2, 2, 1, 200, 700, 80, {"causal": "top_left", "q_lens": [150, 0]}),
     (1, 2, 1, 300, 200, 32, {"q_lens": [77], "rows_per_pass": 256}),
 ]
@@ -522,8 +527,9 @@ def test_nki_namespace_matches_legacy(B, Hq, Hkv, Nq, Nk, D, opts, monkeypatch):
     opts = dict(opts)
     dtype = opts.pop("dtype", BF16)
     mask = {n: opts.pop(n) for n in ("scale", "causal", "window") if n in opts}
-    if "q_lens" in opts:
-        mask["q_lens"] = np.array(opts.pop("q_lens"))
+    for name in ("q_lens", "kv_lens"):
+        if name in opts:
+            mask[name] = np.array(opts.pop(name))
     q, k, v, do, o, lse = make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, Nq + Nk + D, **mask)
     got, m = _run_in("nki", monkeypatch, q, k, v, do, o, lse, **mask, **opts)
     ref_got, m0 = _run_in("legacy", monkeypatch, q, k, v, do, o, lse, **mask, **opts)
@@ -609,17 +615,15 @@ def test_program_size_does_not_grow_with_n(api, causal):
 
 
 @pytest.mark.parametrize("opts,feature", [
-    (dict(kv_lens=[100]), "kv_lens"),
-    (dict(kv_lens=[100], q_lens=[50]), "kv_lens"),
-    (dict(q_lens=[50]), "q_lens or several passes over 512 >= 2"),
+    (dict(kv_lens=[100]), "lengths or several passes over 512 >= 2"),
+    (dict(q_lens=[50]), "lengths or several passes over 512 >= 2"),
     (dict(dropout_p=0.1, seed=1), "dropout over"),
 ])
 def test_nki_namespace_refuses_what_is_not_ported(opts, feature, monkeypatch):
-    """Not ported to nki.*: ``kv_lens`` (the key-length mask row), ``q_lens`` or several passes
-    over 2^24 query rows (fp32 row numbers) and dropout over 2^24 units (fp32 unit numbers;
-    both bounds lowered here to 4): an explicit NKI_FLASH_API=nki call says so; ``auto`` runs
-    such a host call through the legacy namespace when that runs on the same backend (here:
-    both simulated)."""
+    """Not ported to nki.*: runtime lengths or several passes over 2^24 rows (fp32 row numbers)
+    and dropout over 2^24 units (fp32 unit numbers; both bounds lowered here to 4): an
+    explicit NKI_FLASH_API=nki call says so; ``auto`` runs such a host call through the legacy
+    namespace when that runs on the same backend (here: both simulated)."""
     monkeypatch.setattr(T, "FP32_EXACT_INT", 4)
     monkeypatch.setattr("nki_kernels.attention.backward.FP32_EXACT_INT", 4)
     q, k, v, do, o, lse = make_inputs(1, 2, 1, 256, 256, 32, BF16, 1)

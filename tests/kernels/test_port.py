@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(binding.BACKEND != "simulate",
 #: Modules written against nki_kernels.port (no namespace imported directly).
 PORTED = ["fused/softmax.py", "fused/linear_gelu.py", "fused/_onchip.py",
           "attention/unfused.py", "attention/forward.py", "attention/score_mods.py",
-          "attention/decode_merge.py", "attention/backward.py"]
+          "attention/decode_merge.py", "attention/backward.py", "attention/masks.py"]
 
 
 def _run(api, monkeypatch, x, target="trn2", **kw):
@@ -456,7 +456,8 @@ def test_forward_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
 
 def test_backward_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
     """With the legacy binding poisoned, the backward (causal with ALiBi and dropout, windowed
-    with softcap and sinks, dQ in HBM) still runs through nki.* (trn2 and trn3)."""
+    with softcap and sinks, dQ in HBM, runtime lengths) still runs through nki.* (trn2 and
+    trn3)."""
     import ml_dtypes
     import simulate
 
@@ -472,7 +473,9 @@ def test_backward_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
     for target, opts in (("trn2", dict(causal="bottom_right", alibi_slopes=slopes,
                                        dropout_p=0.1, seed=np.array([3], np.int32))),
                          ("trn3", dict(window=(100, 20), softcap=30.0, sinks=sinks,
-                                       dq_accumulate="hbm"))):
+                                       dq_accumulate="hbm")),
+                         ("trn2", dict(causal="bottom_right", kv_lens=np.array([250], np.int32),
+                                       q_lens=np.array([200], np.int32)))):
         with simulate.measure(target=target) as m:
             outs = launch(flash_attn_bwd, backward_grid(1, 1, 1, api="nki"), q, k[:, :1],
                           v[:, :1], o, do, lse, scale=0.125, **opts)
