@@ -290,19 +290,25 @@ BWD_DS_GROUP_BYTES = 4096
 BWD_SBUF_SLACK = 4 * 1024
 
 
-def bwd_key_tile(D: int, ds_transpose: str = "pe") -> int:
-    """Keys per K/V tile of the backward. With dS^T by TensorE (``ds_transpose="pe"``, the
-    default) one 128-key block, whatever D: wider tiles cost fewer instructions per score, but
-    each visit is then a longer dependent chain (S, exp, dP, dS, its transposes, dQ) over bigger
-    tiles, and the two rotating buffers of its tiles let fewer visits overlap, so TensorE waits.
-    Scheduled estimates at N = 4096, D = 128 (trn2 / trn1): 512 keys 575.7 / 560.7 us, 256
-    keys 548.0 / 503.5, 128 keys 480.7 / 445.5 (causal trn2 352.1 -> 285.1); D = 64 and 256
-    gain likewise. With ``"dma"`` the most 128-key blocks whose fp32 dK (and dV) accumulators
-    ``[128 keys, D]`` share one PSUM bank per partition (512 keys for D <= 128, 256 for D <=
-    256): each visit's dS goes through one DMA transpose, whose fixed cost wants many blocks."""
+def bwd_key_tile(D: int, ds_transpose: str = "pe", transforms: int = 0) -> int:
+    """Keys per K/V tile of the backward: ``128 * 2^transforms`` keys (``transforms``: how many
+    score transforms run, soft-capping and ALiBi), at most the most 128-key blocks whose fp32
+    dK (and dV) accumulators ``[128 keys, D]`` share one PSUM bank per partition (512 keys for
+    D <= 128, 256 for D <= 256), which ``ds_transpose="dma"`` always takes (one DMA transpose
+    per visit, whose fixed cost wants many blocks).
+
+    Why: a visit (128 query rows x one key tile) is a dependent chain -- S, exp, dP, dS, its
+    transposes, dQ -- and two rotating buffers per tile let only a few visits overlap, so
+    short visits keep TensorE busiest; but the score transforms add per-score instructions on
+    ScalarE, VectorE and GpSimd, whose fixed costs favour wider visits once those engines are
+    the busy ones. Scheduled estimates, trn2, N = 4096, D = 128, keys 128 / 256 / 512 (us):
+    plain 480.7 / 548.0 / 575.7 (causal 285.1 / 310.1 / 352.1; trn1 445.5 / 503.5 / 560.7),
+    softcap 591.3 / 561.4 / 586.8, ALiBi 638.7 / 571.6 / 773.9, both (and sinks) 899.1 /
+    848.4 / 753.9. D = 64 and 256 favour the short tile likewise."""
+    widest = PMAX * max(1, PSUM_FMAX // max(D, PMAX))
     if ds_transpose == "dma":
-        return PMAX * max(1, PSUM_FMAX // max(D, PMAX))
-    return PMAX
+        return widest
+    return min(widest, PMAX << transforms)
 
 
 def bwd_slot_bytes(D: int, op_itemsize: int, dq_on_chip: bool = True) -> int:

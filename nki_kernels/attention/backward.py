@@ -1341,8 +1341,8 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
         fit 90 % of SBUF (``tiles.bwd_rows_per_pass``).
     key_tile : int, optional
         Keys per K/V tile (a multiple of 128, at most one PSUM bank of fp32 dK per row); None =
-        ``tiles.bwd_key_tile`` (128 keys: short visits overlap best; with ``ds_transpose=
-        "dma"`` a PSUM bank of dK, 512 keys for D <= 128).
+        ``tiles.bwd_key_tile`` (128 keys: short visits overlap best; 256 with soft-capping or
+        ALiBi, 512 with both or with ``ds_transpose="dma"``, at most a PSUM bank of dK).
     dq_accumulate : "sbuf" (default) or "hbm"
         Where dQ accumulates across K/V tiles: on chip, or (the atomics analogue, for
         measurement) read-add-written to an fp32 HBM scratch after every visit.
@@ -1400,9 +1400,10 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
                                           dq_on_chip=(dq_accumulate == "sbuf"))
     if rows_per_pass < PMAX:
         raise ValueError(f"rows_per_pass: expected at least {PMAX}, got {rows_per_pass}")
-    ds_transpose = BWD_DS_TRANSPOSE[target] if ds_transpose is None else ds_transpose
-    key_tile = bwd_key_tile(D, ds_transpose) if key_tile is None else key_tile
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
+    ds_transpose = BWD_DS_TRANSPOSE[target] if ds_transpose is None else ds_transpose
+    if key_tile is None:
+        key_tile = bwd_key_tile(D, ds_transpose, (mods.softcap is not None) + mods.alibi)
     spec = band_spec(Nq, Nk, causal, window, mods.alibi)
     G = Hq // Hkv
     plan = plan_backward(Nq, Nk, G, spec, key_tile, rows_per_pass)
