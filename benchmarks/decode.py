@@ -69,7 +69,7 @@ def run_case(args, target, paged=False, lnc=1):
     kv_bytes = 2 * args.hkv * args.dim * dtype.itemsize * int(lens.sum())
     read, written = host.flash_decode_hbm_bytes(B, args.hq, args.tokens, args.dim, args.hkv,
                                                 lens, dtype.itemsize, plan, paged=paged,
-                                                lnc=lnc)
+                                                lnc=lnc, api=m.api)
     # the bounds at the DMA rate of the cost model and at an even share of the chip's HBM,
     # per NeuronCore (LNC=2: two cores, each with its DMA engines and HBM share)
     hw = hardware(target)

@@ -289,13 +289,7 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
             masks=(causal is not None or window is not None or kv_lens is not None
                    or q_lens is not None))
     dropout_p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
-    units = (dims.B * dims.Hq * _tiles.ceil_div(dims.Nq, _tiles.PMAX)
-             * _tiles.ceil_div(dims.Nk, _tiles.PMAX))
-    lens = kv_lens is not None or q_lens is not None
-    rows = max(dims.B * dims.Hq * dims.Nq, dims.B * dims.Hkv * dims.Nk)
-    api = _port_api((bool(dropout_p) and units >= _tiles.FP32_EXACT_INT)
-                    or (lens and (bool(dropout_p) or alibi_slopes is not None
-                                  or rows >= _tiles.FP32_EXACT_INT)))
+    api = select_api()          # the forward is ported to nki.* whole
     grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, _check_lnc(lnc), api=api)
     kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen,
                   lnc=kernel_lnc)
@@ -308,9 +302,9 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
 def _port_api(legacy_only: bool) -> str:
     """The namespace a kernel launch traces through: :func:`nki_kernels.nki.select_api`'s,
     except that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
-    (``legacy_only``: the forward's runtime lengths with dropout or ALiBi or over 2^24 rows,
-    its dropout over 2^24 units or more, the backward's lengths or several passes over 2^24
-    rows, its dropout over 2^24 units, the decode split kernel) runs through the legacy
+    (``legacy_only``: the block-sparse kernels over 2^24 rows or dropout units, decode over
+    2^24 cache rows or block-table entries, the backward's lengths or several passes over 2^24
+    rows or its dropout over 2^24 units) runs through the legacy
     namespace when it runs on the same kind of backend (both simulated, or both AWS's
     toolchains) and the target has a legacy toolchain (not trn3). Otherwise the kernel refuses
     it under nki.* (NotImplementedError)."""
@@ -546,10 +540,23 @@ def _block_sparse_options(q, k, v, block_mask, *, scale, causal, window, kv_lens
     return dims, sparsity, tables, kwargs, kv32, q32
 
 
+def _block_sparse_api(dims, dropout_p: float, dropout_mask: bool) -> str:
+    """The namespace of a block-sparse launch (:func:`_port_api`): legacy only when 0.7 would
+    number its rows (``B Hq Nq``, ``B Hkv Nk``, with the debug dropout mask ``B Hq Nq
+    ceil(Nk/128)``) or dropout units in fp32 past 2^24 (the kernels refuse those under
+    nki.*)."""
+    nqt, nkt = _tiles.ceil_div(dims.Nq, _tiles.PMAX), _tiles.ceil_div(dims.Nk, _tiles.PMAX)
+    rows = max(dims.B * dims.Hq * dims.Nq, dims.B * dims.Hkv * dims.Nk,
+               dims.B * dims.Hq * dims.Nq * nkt if dropout_p and dropout_mask else 0)
+    units = dims.B * dims.Hq * nqt * nkt if dropout_p else 0
+    return _port_api(max(rows, units) >= _tiles.FP32_EXACT_INT)
+
+
 def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
                           return_dropout_mask, softcap=None, alibi_slopes=None, sinks=None,
                           **options):
     from nki_kernels.attention.block_sparse import block_sparse_attention_fwd
+    from nki_kernels.port import launch_grid
 
     _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1], block_sparse=True)
     dims, _, tables, kwargs, kv32, q32 = _block_sparse_options(q, k, v, block_mask,
@@ -562,8 +569,10 @@ def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
     if p:
         kwargs.update(dropout_p=p, dropout_mask=return_dropout_mask)
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
-    outs = launch(block_sparse_attention_fwd, (dims.B, dims.Hkv), q, k, v, tables.q.meta,
-                  kv_lens=kv32, q_lens=q32, seed=seed32, classes=tables.q.classes, **kwargs)
+    api = _block_sparse_api(dims, p, return_dropout_mask)
+    outs = launch(block_sparse_attention_fwd.on(api), launch_grid((dims.B, dims.Hkv), api), q, k,
+                  v, tables.q.meta, kv_lens=kv32, q_lens=q32, seed=seed32,
+                  classes=tables.q.classes, **kwargs)
     o, lse = outs[0], outs[1]
     res = (o, lse) if return_lse else (o,)
     if return_dropout_mask:
@@ -574,6 +583,7 @@ def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
 def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, softcap=None,
                            alibi_slopes=None, sinks=None, **options):
     from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
+    from nki_kernels.port import launch_grid
 
     _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1], block_sparse=True)
     dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
@@ -583,7 +593,9 @@ def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, 
         kwargs["dropout_p"] = p
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
-    return launch(block_sparse_attention_bwd, (dims.B, dims.Hkv), q, k, v, o, do,
+    api = _block_sparse_api(dims, p, False)
+    return launch(block_sparse_attention_bwd.on(api), launch_grid((dims.B, dims.Hkv), api), q,
+                  k, v, o, do,
                   _numpy("lse", lse), tables.q.meta, tables.k.meta, kv_lens=kv32, q_lens=q32,
                   seed=seed32, classes_q=tables.q.classes, classes_k=tables.k.classes,
                   **kwargs)
@@ -674,12 +686,15 @@ class DecodeLaunch(NamedTuple):
 
 
 def decode_launch(cache_lens, T: int, Hkv: int, plan: "tiles.DecodeTiles",
-                  lnc: int = 1) -> DecodeLaunch:
+                  lnc: int = 1, api: str = "legacy") -> DecodeLaunch:
     """The split kernel's launch for these lengths (:func:`decode_work_list`) on ``lnc``
-    NeuronCores. With LNC=2 the two cores take half of the head groups each when their count
-    is even (``tiles.decode_heads_per_program`` keeps it even when Hkv is), else half of each
-    group's programs (chunks, then tails): an odd program count gets one more chunk of padding
-    items (they read nothing; their partials go to the trash block)."""
+    NeuronCores, traced through ``api``. With LNC=2 the two cores take half of the head groups
+    each when their count is even (``tiles.decode_heads_per_program`` keeps it even when Hkv
+    is), else half of each group's programs (chunks, then tails): an odd program count gets one
+    more chunk of padding items (they read nothing; their partials go to the trash block).
+    nki.* walks the chunks and the tails in two loops, each shared by the cores: there the
+    chunk count is made even instead (an odd count of tails has its middle one run by both
+    cores, :func:`nki_kernels.port.for_programs`)."""
     work, per_program, splits = decode_work_list(cache_lens, T, plan)
     per_head = tiles.decode_heads_per_program(Hkv, per_program, plan.max_steps, cores=lnc)
     B = len(splits)
@@ -690,7 +705,7 @@ def decode_launch(cache_lens, T: int, Hkv: int, plan: "tiles.DecodeTiles",
             axis = 0
         else:
             axis = 1
-            if programs % 2:
+            if (programs if api == "legacy" else programs - B) % 2:
                 pad = np.full((per_program, 2), (B, 0), dtype=np.int32)
                 work = pad if work is None else np.concatenate([work, pad])
                 programs += 1
@@ -717,7 +732,7 @@ def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, tree
 
 def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens,
                            itemsize: int, plan: "tiles.DecodeTiles", tree_mask: bool = False,
-                           paged: bool = False, lnc: int = 1):
+                           paged: bool = False, lnc: int = 1, api: str = "legacy"):
     """Exact HBM bytes ``(read, written)`` of :func:`flash_decode` (both kernels).
 
     With ``N = B Hq T`` query rows, ``s`` the input itemsize (q, caches and o share it),
@@ -746,9 +761,15 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     (the K/V bytes are unchanged: a page shared by several sequences is read once per
     sequence that uses it). Nothing at or past ``cache_lens[b]`` is read; padding items read
     only their work row.
+
+    Through ``api="nki"`` with LNC=2 and an odd number ``H' B`` of tail programs, both cores
+    run the middle one (:func:`decode_launch`), sequence ``b = ((H' B - 1) / 2) mod B`` for
+    ``h = Hkv / H'`` kv heads: its reads (``s h G T D`` of q, 4 of the length, ``2 s h D
+    (Lp_b mod n + T)`` of K/V, ``h T^2`` of the tree mask, paged ``4 h (Lp_b mod n + T)``) and
+    its ``4 h G T (D + 1)`` bytes of partials count twice.
     """
     N = B * Hq * T
-    launch_ = decode_launch(cache_lens, T, Hkv, plan, lnc)
+    launch_ = decode_launch(cache_lens, T, Hkv, plan, lnc, api)
     work, splits, groups = launch_.work, launch_.splits, launch_.groups
     W = int(np.sum(splits))
     pad = 0 if work is None else work.shape[0] - W               # padding items
@@ -763,6 +784,14 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
         read += 4 * (groups * int(np.sum(lp // plan.key_row))
                      + Hkv * int(np.sum(lp % plan.key_row + T)))
     written = 4 * Hq * T * (D + 1) * (W + pad + B) + itemsize * N * D + 4 * N
+    if api == "nki" and lnc == 2 and (groups * B) % 2:
+        b = ((groups * B - 1) // 2) % B
+        h, G = Hkv // groups, Hq // Hkv
+        tail = int(cache_lens[b]) - T
+        tail = tail % plan.key_row + T                       # positions the tail reads
+        read += (itemsize * h * G * T * D + 4 + 2 * itemsize * h * D * tail
+                 + (h * T * T if tree_mask else 0) + (4 * h * tail if paged else 0))
+        written += 4 * h * G * T * (D + 1)
     return read, written
 
 
@@ -822,9 +851,10 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     o : numpy.ndarray (B, Hq, T, D), q's dtype
     lse : numpy.ndarray (B, Hq, T) float32 (natural log), only with ``return_lse``
 
-    Raises NotImplementedError under ``NKI_FLASH_API=nki`` (and under ``auto`` where the
-    legacy namespace cannot run it): the split kernel is not ported to nki.* yet
-    (:func:`run_decode`).
+    Raises NotImplementedError for a contiguous cache of ``B Hkv S_max >= 2^24`` rows (a block
+    table of ``>= 2^24`` entries) under ``NKI_FLASH_API=nki`` (and under ``auto`` where the
+    legacy namespace cannot run it, i.e. trn3): the split kernel's tails compute those flat
+    rows in fp32 under nki.* (:func:`run_decode`).
 
     Without a tree mask this equals ``flash_attention(q, k[:, :, :L], v[:, :, :L],
     causal="bottom_right")`` for each sequence with ``L = cache_lens[b]``. HBM traffic:
@@ -850,18 +880,16 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     moves the host-built arrays (lengths, work list, tree mask, block table, slopes, sinks)
     next to q. ``mods``: :func:`_score_mods_call`'s ``(kernel kwargs, tensors)`` or None.
     Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``. Both kernels trace through
-    the legacy namespace (:func:`_port_api` with ``legacy_only``; the merge kernel is ported,
-    the split kernel not yet), else NotImplementedError."""
+    the namespace :func:`_port_api` selects (a contiguous cache of 2^24 rows or more, or a block
+    table of 2^24 entries, is ``legacy_only``: under nki.* the split kernel refuses it,
+    NotImplementedError)."""
     from nki_kernels.attention import decode as k
     from nki_kernels.attention.decode_merge import flash_decode_merge_kernel
 
-    api = _port_api(legacy_only=True)
-    if api == "nki":
-        raise NotImplementedError(
-            "flash_decode is not available through the nki.* namespace (NKI 0.7) yet: its split "
-            "kernel, which gathers K/V rows, queries and lengths and scatters its partials by "
-            "per-partition indirect DMA (.ap(vector_offset=) in 0.7), is not ported; run it "
-            f"through the legacy namespace ({API_ENV_VAR}=legacy, or auto on trn1/trn2)")
+    # nki.* computes the tails' flat cache rows (paged: table entries) in fp32, exact below 2^24
+    flat = (inputs.B * inputs.Hkv * k_cache.shape[2] if pages is None
+            else int(np.prod(pages.block_table.shape)))
+    api = _port_api(legacy_only=flat >= _tiles.FP32_EXACT_INT)
     in_dtype = _v.dtype_name(q)
     mm = np.dtype(_v.normalize_dtype("q", _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision),
                                      _v.FLOAT_DTYPES))
@@ -870,12 +898,13 @@ def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_
     lens = np.ascontiguousarray(inputs.cache_lens, dtype=np.int32)
     tree = None if inputs.tree_mask is None else to_device(inputs.tree_mask.astype(np.uint8))
     B, Hq, Hkv, T = inputs.B, inputs.Hq, inputs.Hkv, inputs.T
-    ln = decode_launch(lens, T, Hkv, plan, lnc)
+    ln = decode_launch(lens, T, Hkv, plan, lnc, api)
     work, splits = ln.work, ln.splits
     mod_kwargs, mod_tensors = ({}, {}) if mods is None else mods
     mod_tensors = {name: None if a is None else to_device(a) for name, a in mod_tensors.items()}
     o_part, lse_part = run(
-        k.flash_decode_split_kernel, k.decode_grid(ln.groups, ln.programs, ln.core_axis), q,
+        k.flash_decode_split_kernel.on(api),
+        k.decode_grid(ln.groups, ln.programs, ln.core_axis, api=api, lnc=lnc), q,
         k_cache, v_cache, to_device(lens),
         None if work is None else to_device(work), tree, table, scale=float(scale),
         mm_dtype=mm.name, key_row=plan.key_row, split_rows=plan.split_rows,

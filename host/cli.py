@@ -154,8 +154,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, help="random seed for the inputs (0)")
     run.add_argument("--targets", nargs="+", choices=TARGETS, default=None,
                      help="targets to model (default trn1 trn2 trn3; trn3 only where the kernel "
-                          "is ported to nki.*: not --decode, --block-sparse, or lengths with "
-                          "--dropout/--alibi)")
+                          "is ported to nki.*: not --decode over 2^24 or more cache rows or "
+                          "block-table entries)")
     run.add_argument("--lnc", type=int, choices=(1, 2), default=None,
                      help="NeuronCores per logical core on trn2 (default 2 on trn2, 1 on trn1; "
                           "trn1 always runs 1)")
@@ -296,11 +296,14 @@ def _not_on_trn3(args: argparse.Namespace):
     """The flag of a kernel path that still traces only through the legacy namespace (so not on
     trn3, which runs only nki.*), or None (README, Backends: which kernels are ported)."""
     if args.decode:
-        return "--decode"
-    if args.block_sparse is not None:
-        return "--block-sparse"
-    if (args.kv_lens or args.q_lens) and (args.dropout or args.alibi):
-        return "--kv-lens/--q-lens with --dropout or --alibi"
+        from nki_kernels.tiles import FP32_EXACT_INT
+
+        s_max = max(max(args.cache_len) if args.cache_len else 0, args.seq)
+        page = 256 if args.page_size is None else args.page_size
+        if args.paged and args.batch * -(-s_max // page) >= FP32_EXACT_INT:
+            return "--decode --paged with 2^24 or more block-table entries"
+        if not args.paged and args.batch * args.kv_heads * s_max >= FP32_EXACT_INT:
+            return "--decode over 2^24 or more cache rows (B x kv heads x S_max, contiguous)"
     return None
 
 

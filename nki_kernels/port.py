@@ -57,24 +57,36 @@ this module:
   loop-index comparisons (a block that may lie outside a band). 0.7 has no ``mask=``: there
   the instruction always runs. Pass ``mask`` only where running the instruction anyway is
   harmless (e.g. a block whose scores are all masked leaves the online softmax unchanged).
-- **Affine patterns** (:func:`iota`, :func:`affine_select`): 0.7's ``(pattern, offset,
-  channel_multiplier)`` form; legacy builds the equivalent ``nl.arange`` expression. 0.7 takes
-  a compile-time ``offset`` only: a part that depends on a loop index is passed as
-  ``runtime=`` (an index expression, a multiple of ``offsets.step``, or a linear form
-  ``[(expression, int coefficient), ...]`` of step-1 expressions) with ``offsets`` an
+- **Affine patterns** (:func:`iota`, :func:`affine_select`, :func:`iota_compare`,
+  :func:`iota_column`): 0.7's
+  ``(pattern, offset, channel_multiplier)`` form; legacy builds the equivalent ``nl.arange``
+  expression. 0.7 takes a compile-time ``offset`` only: a part that depends on a loop index
+  is passed as ``runtime=`` (an index expression, a multiple of ``offsets.step``, or a linear
+  form ``[(expression, int coefficient), ...]`` of step-1 expressions) with ``offsets`` an
   :class:`OffsetColumns` table built once at the kernel's start, from which 0.7 reads those
-  values as data (SBUF columns at runtime positions) and adds them on VectorE.
+  values as data (SBUF columns at runtime positions) and adds them on VectorE in fp32 (exact
+  below 2^24), or for int32 destinations of an ``exact`` table in int32 on GpSimd.
 - **Indirect rows** (:func:`rows`): a gather or scatter of one HBM row per partition, named
-  by an index tile: an index-tile subscript in legacy, ``.ap(vector_offset=)`` in 0.7.
+  by an index tile: an index-tile subscript in legacy, ``.ap(vector_offset=)`` in 0.7; of a
+  slice ``t[b, h]`` of a 4-D tensor (:func:`lead_rows`), in 0.7 through the flattened tensor,
+  the slice's first row (:func:`lead_first_row`) added to the indices.
 - **Strided HBM blocks** (:func:`row_blocks`): rows ``r0 + j * rows + p`` of an HBM matrix as
   a ``[rows, n, cols]`` access (one DMA): an ``nl.arange`` expression in legacy, a
   ``reshape_dim`` + ``permute`` view in 0.7.
+- **Strided on-chip views** (:func:`view`): a ``[step, num]`` pattern over a 2-D SBUF/PSUM tile
+  (a 3-D copy or reduce in one instruction): an ``nl.arange`` expression in legacy, ``.ap`` in
+  0.7 (a compile-time start: :func:`unroll` loops small counts in 0.7, keeping legacy's
+  ``affine_range``).
 - **Programs** (:func:`for_programs`): the legacy SPMD grid gives each instance its indices by
   ``nl.program_id``; 0.7 launches ``kernel[lnc]`` only, so the kernel loops (a compiled loop)
   over the flattened grid itself, the ``lnc`` cores sharing it by ``nl.program_id(0)``
   (:func:`spmd_core`: which core, when both split one instance's work instead).
 - **One program per tile** (:func:`for_tile_programs`): a legacy 1-D grid of row tiles is,
-  in 0.7, one program running :func:`for_tiles` over them.
+  in 0.7, one program running :func:`for_tiles` over them. :func:`for_program_parts`: a
+  legacy grid whose last axis holds programs of different kinds (e.g. work chunks, then
+  tails) is, in 0.7, one :func:`for_programs` loop per kind.
+- **Comparisons in ``scalar_tensor_tensor``**: 0.7 takes arithmetic operators only; a
+  comparison ``op0`` becomes ``tensor_scalar`` + ``tensor_tensor`` there.
 - **Selections** (:func:`keep_where`): ``dst = where(predicate, dst, value)`` is ``nl.where``
   in legacy (the instruction the legacy estimates were made with) and a predicated copy in
   0.7; :func:`repeat_last` reads a ``(P, F)`` predicate as ``(P, F, n)`` (a broadcast view).
@@ -244,6 +256,36 @@ def rows(t, idx, col=0, n=None):
     return t[idx[ar(P)[:, None], col], ar(F)[None, :]]
 
 
+def lead_rows(t, lead, idx, col=0):
+    """Rows ``idx[p, col]`` of the 2-D slice ``t[*lead]`` of the HBM tensor ``t`` (``lead``:
+    indices of its leading dims, ints or index expressions), one per partition of the int32
+    SBUF index tile ``idx``: a ``(P, F)`` indirect access for :func:`dma_copy`. Legacy: the
+    subscript ``t[*lead, idx[i_p, col], i_f]``, ``idx`` holding rows of the slice. 0.7: an
+    indirect view takes no runtime leading index (one dynamic selection per view), so this is
+    :func:`rows` of t's flattened ``(all rows, F)`` view and ``idx`` holds rows of that view:
+    the slice's own rows plus its first row, :func:`lead_first_row`."""
+    ns = current()
+    if ns.api == "nki":
+        flat = t.reshape((math.prod(t.shape[:-1]), t.shape[-1]))
+        return rows(flat, idx, col)
+    ar = ns.nl.arange
+    return t[(*lead, idx[ar(idx.shape[0])[:, None], col], ar(t.shape[-1])[None, :])]
+
+
+def lead_first_row(t, lead, offsets, partitions=128):
+    """The first row of the slice ``t[*lead]`` in the flattened view :func:`lead_rows` addresses
+    under 0.7, as an fp32 ``[partitions, 1]`` column (each runtime index of ``lead`` read from
+    ``offsets``, an :class:`OffsetColumns` of 0, 1, ...; exact below 2^24 rows). None in legacy,
+    where nothing is issued: the subscript carries ``lead``."""
+    ns = current()
+    if ns.api != "nki":
+        return None
+    strides = [math.prod(t.shape[k + 1:-1]) for k, _ in enumerate(lead)]
+    first = ns.nl.ndarray((partitions, 1), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
+    iota(first, [[1, 1]], runtime=list(zip(lead, strides)), offsets=offsets)
+    return first
+
+
 def row_blocks(t, lead, r0, rows, n, cols):
     """``[rows, n, cols]`` access of the HBM tensor ``t``: element ``[p, j, c]`` is
     ``t[*lead, r0 + j * rows + p, c]`` (``lead`` indices of the leading dims, ``r0`` an int or
@@ -255,6 +297,29 @@ def row_blocks(t, lead, r0, rows, n, cols):
     ar = ns.nl.arange
     ip, it, ic = ar(rows)[:, None, None], ar(n)[None, :, None], ar(cols)[None, None, :]
     return t[(*lead, r0 + ip + rows * it, ic)]
+
+
+def view(t, p0, rows, c0, pattern):
+    """A strided view of the 2-D on-chip tile ``t`` ``(P, F)``: element ``[p, x_1, ...]`` is
+    ``t[p0 + p, c0 + sum_k step_k x_k]`` for ``p < rows`` and one ``[step, num]`` pair per free
+    dim of the view (``step`` 0: the dim repeats one element, a broadcast source). Legacy: the
+    ``nl.arange`` expression (``c0`` an int or an expression of loop indices); 0.7: ``t.ap``
+    (``c0`` an int: use :func:`unroll` for the loops it depends on)."""
+    ns = current()
+    if ns.api == "nki":
+        F = t.shape[1]
+        return t.ap(pattern=[[F, rows]] + [[int(s), int(n)] for s, n in pattern],
+                    offset=int(p0) * F + int(c0))
+    ar = ns.nl.arange
+    nd = len(pattern) + 1
+    free = None
+    for k, (step, num) in enumerate(pattern, start=1):
+        ax = ar(1 if step == 0 else num)[tuple(slice(None) if j == k else None
+                                               for j in tiles.unrolled(nd))]
+        term = ax if step in (0, 1) else ax * step
+        free = term if free is None else free + term
+    ip = ar(rows)[(slice(None),) + (None,) * (nd - 1)]
+    return t[p0 + ip, c0 + free]
 
 
 def dma_transpose(dst, src, mask=None):
@@ -282,6 +347,21 @@ def loop(n, body, carried=False, start=0):
         return
     rng = ns.nl.sequential_range if carried else ns.nl.affine_range
     for i in (rng(start, n) if start else rng(n)):
+        body(i)
+
+
+def unroll(n, body):
+    """``body(i)`` for ``i`` in ``[0, n)``, ``n`` a small compile-time count (a handful of
+    tiles or heads, not growing with a sequence length). Legacy: ``nl.affine_range`` (the loop
+    the legacy kernels wrote; ``i`` an index for affine expressions); 0.7: a Python loop,
+    unrolled at tracing, so ``i`` is an int and the access patterns built from it are static
+    (:func:`view`)."""
+    ns = current()
+    if ns.api == "nki":
+        for i in tiles.unrolled(n):
+            body(i)
+        return
+    for i in ns.nl.affine_range(n):
         body(i)
 
 
@@ -333,6 +413,30 @@ def for_programs(dims, body, share=True):
 
     instance.__name__ = getattr(body, "__name__", "instance")
     loop(per, instance, carried=True)
+
+
+def for_program_parts(lead, parts, order=None):
+    """The programs of a grid ``(*lead, sum of the counts)`` whose last axis is cut into
+    consecutive parts, ``parts`` a list of ``(count, body)``: instance ``(*index, start + i)``
+    of a part starting at ``start`` runs ``body(*index, i)``. Legacy: the SPMD grid; each
+    program runs the body of its part, chosen while tracing from its program id (how the
+    legacy kernels were written). 0.7 (``kernel[lnc]``): one :func:`for_programs` loop per part
+    over ``(*lead, count)``, the cores sharing each, in the order ``order`` (indices into
+    ``parts``; default as listed)."""
+    ns = current()
+    if ns.api == "nki":
+        for k in (tiles.unrolled(len(parts)) if order is None else order):
+            count, body = parts[k]
+            if count:
+                for_programs(tuple(lead) + (count,), body)
+        return
+    ids = [ns.nl.program_id(a) for a in tiles.unrolled(len(lead) + 1)]
+    start = 0
+    for count, body in parts:
+        if start <= ids[-1] < start + count:
+            body(*ids[:-1], ids[-1] - start)
+            return
+        start += count
 
 
 def for_tile_programs(total, size, body):
@@ -464,19 +568,30 @@ class OffsetColumns:
     compile-time): an fp32 ``[128, n]`` SBUF table, column c holding ``lo + c * step`` on every
     partition, built by one iota at the kernel's start; :meth:`col` reads the column of a
     runtime value (an index expression, a multiple of ``step`` in ``[lo, lo + n step)``) at a
-    runtime position. Legacy reads offsets from the index expression itself: no table."""
+    runtime position. Legacy reads offsets from the index expression itself: no table.
 
-    def __init__(self, lo, n, step):
+    fp32 combines runtime values exactly while every partial sum stays below 2^24. ``exact``
+    (for linear forms that may reach 2^24 or more: flat row numbers of huge tensors, unit
+    numbers): the same values also as an int32 table, from which an integer :func:`iota`
+    destination gets its runtime part in int32 arithmetic (GpSimd ``tensor_tensor``, whose
+    int32 add and multiply are exact, ``nki.isa.tensor_tensor``; exact to 2^31)."""
+
+    def __init__(self, lo, n, step, exact=False):
         ns = current()
         self.lo, self.n, self.step = int(lo), int(n), int(step)
-        self.table = None
+        self.table = self.ints = None
         if ns.api == "nki":
             self.table = ns.nl.ndarray((128, self.n), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
             ns.nisa.iota(dst=self.table, pattern=[[self.step, self.n]], offset=self.lo)
+            if exact:
+                self.ints = ns.nl.ndarray((128, self.n), dtype=ns.nl.int32, buffer=ns.nl.sbuf)
+                ns.nisa.iota(dst=self.ints, pattern=[[self.step, self.n]], offset=self.lo)
 
-    def col(self, value, rows=128):
-        """``[rows, 1]`` fp32: ``value`` on every partition."""
-        return self.table[0:rows, current().nl.ds((value - self.lo) // self.step, 1)]
+    def col(self, value, rows=128, ints=False):
+        """``[rows, 1]``: ``value`` on every partition (fp32, or int32 with ``ints`` from an
+        ``exact`` table)."""
+        table = self.ints if ints else self.table
+        return table[0:rows, current().nl.ds((value - self.lo) // self.step, 1)]
 
 
 def _terms(runtime):
@@ -522,6 +637,31 @@ def _runtime_column(ns, terms, offsets, rows):
     return acc
 
 
+def _exact_column(ns, terms, offsets, rows):
+    """0.7: int32 ``[rows, 1]`` holding ``sum c e`` over ``terms`` in int32 arithmetic (GpSimd
+    ``tensor_tensor``: exact), each ``e`` read from the ``exact`` table of ``offsets``, each
+    coefficient other than 1 an int32 iota (compile-time)."""
+    nl, nisa = ns.nl, ns.nisa
+    acc = None
+    for e, c in terms:
+        term = offsets.col(e, rows, ints=True)
+        if c != 1:
+            coef = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.iota(dst=coef, pattern=[[0, 1]], offset=int(c))
+            prod = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=prod, data1=term, data2=coef, op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
+            term = prod
+        if acc is None:
+            acc = term
+            continue
+        total = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=total, data1=acc, data2=term, op=nl.add,
+                           engine=nisa.engine.gpsimd)
+        acc = total
+    return acc
+
+
 def _runtime_pattern(ns, dst, pattern, offset, channel_multiplier, terms, offsets, cmp_op):
     """0.7: ``cmp_op(pattern value + runtime, 0)`` (uint8), or with ``cmp_op`` None the fp32
     value itself, into a new tile of dst's shape."""
@@ -540,7 +680,8 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=Non
     """``dst[p, x...] = offset + runtime + p * channel_multiplier + sum_k step_k x_k`` (GpSimd;
     ``pattern`` one ``[step, num]`` pair per free dim of dst; ``offset`` a compile-time int;
     ``runtime`` None, an index expression or a linear form ``[(expression, coefficient),
-    ...]``, which 0.7 reads from ``offsets``, an :class:`OffsetColumns`)."""
+    ...]``, which 0.7 reads from ``offsets``, an :class:`OffsetColumns`: combined in fp32,
+    or for an int32 ``dst`` and an ``exact`` table in int32)."""
     ns = current()
     if ns.api == "legacy":
         expr = _affine_expr(ns, dst, pattern, _legacy_offset(offset, runtime),
@@ -554,9 +695,65 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=Non
         ns.nisa.iota(dst=dst, pattern=pattern, offset=int(offset),
                      channel_multiplier=int(channel_multiplier))
         return
+    if offsets.ints is not None and dst.dtype in (ns.nl.int32, ns.nl.uint32):
+        # integer positions from an exact table: the static part by the iota's own int32
+        # arithmetic, the runtime part and the sum in int32 on GpSimd
+        val = ns.nl.ndarray(tuple(dst.shape), dtype=ns.nl.int32, buffer=ns.nl.sbuf)
+        ns.nisa.iota(dst=val, pattern=pattern, offset=int(offset),
+                     channel_multiplier=int(channel_multiplier))
+        # the [rows, 1] column broadcast over dst's free dims (a view: no copy)
+        col = _exact_column(ns, terms, offsets, dst.shape[0])
+        for d, size in enumerate(dst.shape[1:], start=1):
+            col = (col if d == 1 else col.expand_dim(d)).broadcast(d, size)
+        ns.nisa.tensor_tensor(dst=dst, data1=val, data2=col, op=ns.nl.add,
+                              engine=ns.nisa.engine.gpsimd)
+        return
     val, col = _runtime_pattern(ns, dst, pattern, int(offset), int(channel_multiplier), terms,
                                 offsets, None)
     ns.nisa.tensor_scalar(dst=dst, data=val, op0=ns.nl.add, operand0=col)
+
+
+def iota_column(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=None,
+                mask=None):
+    """:func:`iota` whose runtime part the caller adds in an instruction it issues anyway (a
+    ``tensor_scalar`` operand, an ``activation`` bias) instead of one more VectorE pass over
+    ``dst``. Returns None when ``dst`` holds the whole value (legacy, whose index expression
+    carries the runtime part; no runtime terms), else under 0.7 the fp32 ``[rows, 1]`` column
+    of the runtime part, ``dst`` holding the compile-time part (one GpSimd iota)."""
+    ns = current()
+    if ns.api == "nki":
+        static, terms = _fold_static(offset, runtime)
+        if terms:
+            ns.nisa.iota(dst=dst, pattern=[list(map(int, pv)) for pv in pattern],
+                         offset=int(static), channel_multiplier=int(channel_multiplier))
+            return _runtime_column(ns, terms, offsets, dst.shape[0])
+    iota(dst, pattern, offset=offset, channel_multiplier=channel_multiplier, runtime=runtime,
+         offsets=offsets, mask=mask)
+    return None
+
+
+def iota_compare(dst, pattern, cmp_op, operand, offset=0, channel_multiplier=0, runtime=None,
+                 offsets=None):
+    """``dst = cmp_op(offset + runtime + p * channel_multiplier + sum_k step_k x_k, operand)``
+    (1.0 or 0.0 in ``dst.dtype``; ``operand`` a ``(P, 1)`` fp32 tile or a float; the other
+    arguments as :func:`iota`). The positions go through an fp32 tile allocated here. Legacy:
+    a GpSimd iota of the index expression and a VectorE compare; 0.7: the iota of the
+    compile-time part and one VectorE ``tensor_scalar`` that adds the runtime column (read
+    from ``offsets``) and compares, as many instructions as legacy."""
+    ns = current()
+    pos = ns.nl.ndarray(tuple(dst.shape), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
+    if ns.api == "nki":
+        static, terms = _fold_static(offset, runtime)
+        if terms:
+            ns.nisa.iota(dst=pos, pattern=[list(map(int, pv)) for pv in pattern],
+                         offset=int(static), channel_multiplier=int(channel_multiplier))
+            col = _runtime_column(ns, terms, offsets, dst.shape[0])
+            ns.nisa.tensor_scalar(dst=dst, data=pos, op0=ns.nl.add, operand0=col, op1=cmp_op,
+                                  operand1=operand)
+            return
+    iota(pos, pattern, offset=offset, channel_multiplier=channel_multiplier, runtime=runtime,
+         offsets=offsets)
+    tensor_scalar(dst, pos, cmp_op, operand)
 
 
 def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op,
@@ -640,16 +837,28 @@ def tensor_scalar(dst, data, op0, operand0, op1=None, operand1=None, reverse0=Fa
 
 
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, mask=None):
+    """``dst = (data op0 operand0) op1 operand1`` (VectorE). 0.7 takes arithmetic operators
+    only (``nisa.scalar_tensor_tensor``: "Both op0 and op1 must be arithmetic operators"): a
+    comparison ``op0`` is issued there as a ``tensor_scalar`` into an fp32 tile and a
+    ``tensor_tensor``."""
+    ns = current()
+    if ns.api == "nki" and getattr(op0, "__name__", str(op0)) in _CMP_LEGACY:
+        first = ns.nl.ndarray(tuple(data.shape), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
+        ns.nisa.tensor_scalar(dst=first, data=data, op0=op0, operand0=operand0)
+        ns.nisa.tensor_tensor(dst=dst, data1=first, data2=operand1, op=op1)
+        return
     _issue("scalar_tensor_tensor", dst, mask=mask, data=data, op0=op0, operand0=operand0,
            op1=op1, operand1=operand1)
 
 
 def tensor_reduce(dst, op, data, axis, negate=False, mask=None):
-    """Reduce ``data`` over ``axis`` (free axes) into ``dst`` of shape ``(P, 1)`` (negated with
-    ``negate``)."""
+    """Reduce ``data`` over ``axis`` (free axes) into ``dst`` of shape ``(P, 1)``, or of data's
+    shape without ``axis`` when dst has fewer dims (negated with ``negate``)."""
     extra = dict(negate=True) if negate else {}
-    _issue("tensor_reduce", dst, legacy_extra=dict(keepdims=True), mask=mask, op=op, data=data,
-           axis=axis, **extra)
+    # a dst with fewer dims than data (a 3-D view reduced on its last axis) drops the axis
+    keep = len(dst.shape) == len(data.shape)
+    _issue("tensor_reduce", dst, legacy_extra=dict(keepdims=keep), mask=mask, op=op,
+           data=data, axis=axis, **extra)
 
 
 def reciprocal(dst, data):

@@ -9,9 +9,10 @@ lengths), and GQA and attention dropout compose as in the dense forward.
 The pattern is device data: ``meta (b, h, n, 2 + trip)`` float32, one row per query tile in
 processing order, ``[first row, count, first key of block_0, ...]`` with
 ``tiles.BSP_PAD_FIRST`` in padding slots (``host.block_sparse.kernel_tables``).
-The compile-time part is ``classes``: runs of order positions, each an NKI loop over its query
-tiles with an inner ``sequential_range`` of ``trip`` slots (the carried online-softmax state),
-at most ``tiles.BSP_MAX_CLASSES`` of them whatever N, so the program does not grow with N.
+The compile-time part is ``classes``: runs of order positions, each a compiled loop over its
+query tiles with an inner sequential (carried: the online-softmax state) compiled loop over
+``trip`` slots, at most ``tiles.BSP_MAX_CLASSES`` of them whatever N, so the program does not
+grow with N.
 
 - **Compile-time pattern** (a dense bool block mask): the host sorts the query tiles by their
   count and cuts the runs tightly (``exact`` classes have no masked slot and no mask work).
@@ -21,12 +22,15 @@ at most ``tiles.BSP_MAX_CLASSES`` of them whatever N, so the program does not gr
   (the index is pushed out of bounds: no HBM read) and their scores are masked, so they cost
   on-chip work but no traffic. Legacy NKI has no data-dependent trip count (``dynamic_range``
   is an ``nki.*`` API on trn2/trn3 only; reference/nki-api-spec.md), so this is the NKI way.
+  (0.7's ``nl.fori_loop`` takes a register bound, but the nki.* trace keeps the legacy loops
+  and their cost: the tiles of a group share one slot loop, so skipping padding there is a
+  restructuring of its own.)
 
 Per query tile (a loop body)::
 
     load meta row -> fp32 on every partition (a K=1 ones matmul, exact for ints < 2^24)
     gather Q rows (indirect DMA; rows past Nq or q_len skipped), Q^T by TensorE
-    for step in sequential_range(trip / 4) (+ a static tail step):
+    for step in a sequential loop over trip / 4 (+ a static tail step):
         gather K_j, V_j rows of the step's 4 blocks (indirect DMA, padding skipped)
         K^T by TensorE;  S = Q K^T over 512 keys (+ MASK_NEG x indicator: padding slot, keys
         past the length, causal/window band -- comparisons of iota tiles with per-slot
@@ -38,20 +42,32 @@ Masks here are computed at run time from the block's position (the dense kernel'
 predicates are affine in loop indices; here the key block is data). The alignment offset of
 the band is ``Nk - Nq`` (bottom_right), 0 (top_left) or, with lengths, ``kv_len - q_len`` per
 sequence; positions are those of the padded frame, the block pattern's own (no rotation).
+
+One source, two namespaces (:mod:`nki_kernels.port`): the (batch, kv head) instances are the
+legacy SPMD grid, or under nki.* (NKI 0.7) one compiled loop of a ``kernel[1]`` launch
+(:func:`port.for_programs`), and every loop above is a :func:`port.loop`. Where the traces
+differ: an indirect view in 0.7 takes no runtime leading index, so the gathers and scatters of
+a ``(b, head)`` slice index the flattened tensor (:func:`port.lead_rows`) and the index tables
+carry the slice's first row (:class:`RowFrame`, read from a table of the loop indices; fp32,
+so 0.7 is refused past 2^24 rows); dropout's unit numbers come from the same table. The
+instructions on the data are the same: the outputs are the legacy trace's bit for bit, the
+0.7 program adds a few ``[128, 1]`` instructions per instance, head and row.
 """
 from __future__ import annotations
 
-import numpy as np  # compile-time constants only (reduction ops)
+import math
+from typing import NamedTuple, Optional
 
+from nki_kernels import port
 from nki_kernels import tiles as T
 from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
-from nki_kernels.nki import nisa, nki, nl
+from nki_kernels.port import nl
 
 P = T.PMAX
 
 
-def _check_classes(classes, n: int, trip_max: int):
+def check_classes(classes, n: int, trip_max: int):
     """Validate the compile-time classes against the table: contiguous runs covering the
     ``n`` order positions, trips within the table's columns."""
     pos = 0
@@ -65,12 +81,54 @@ def _check_classes(classes, n: int, trip_max: int):
                          f"got {classes!r}")
 
 
+def refuse_large_in_nki(kernel: str, rows: int, units: Optional[int] = None):
+    """Refuse under nki.* (:func:`port.refuse_in_nki`) what 0.7 would number in fp32 past
+    2^24: ``rows`` (the largest flattened row count the indirect DMAs address,
+    :func:`port.lead_rows`) or dropout ``units`` (None without dropout)."""
+    if rows >= T.FP32_EXACT_INT:
+        port.refuse_in_nki(f"{kernel} over {rows} >= 2^24 rows (fp32 row numbers)")
+    if units is not None and units >= T.FP32_EXACT_INT:
+        port.refuse_in_nki(f"{kernel} with dropout over {units} >= 2^24 units (fp32 unit "
+                           "numbers)")
+
+
+class RowFrame(NamedTuple):
+    """How the indirect DMAs address the rows of one 2-D slice ``t[b, h]`` of an HBM tensor
+    (:func:`port.lead_rows`): ``base`` is the slice's first row in the view they index (fp32
+    ``[128, 1]`` under 0.7, which indexes the flattened tensor; None in legacy, which indexes
+    the slice itself) and ``oob`` what pushes an index out of bounds of that view (a power of
+    two, :func:`masks.oob_offset`)."""
+
+    base: object
+    oob: float
+
+    @staticmethod
+    def of(t, lead, indices) -> "RowFrame":
+        """The frame of ``t[*lead]`` (``indices``: the launch's :class:`port.OffsetColumns` of
+        0, 1, ..., read under 0.7 only)."""
+        base = port.lead_first_row(t, lead, indices)
+        n = t.shape[-2] if base is None else math.prod(t.shape[:-1])
+        return RowFrame(base, float(M.oob_offset(n)))
+
+    def shift(self, col):
+        """``col`` (fp32 ``[128, 1]``, positions of the slice) as rows of the indexed view:
+        ``col + base`` (VectorE) under 0.7, ``col`` itself in legacy."""
+        if self.base is None:
+            return col
+        out = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(out, col, self.base, nl.add)
+        return out
+
+
 class Geometry:
     """Compile-time facts of one launch shared by the forward and the backward: lengths, the
-    band, and the constant iota tiles the runtime masks compare against."""
+    band, the constant iota tiles the runtime masks compare against, and how the indirect DMAs
+    address K and V (``kv``: the :class:`RowFrame` of ``k[b, g]``; ``k_part``/``k_len``: the
+    partition index and kv_len shifted into it)."""
 
-    def __init__(self, spec: M.MaskSpec, kv_lens, q_lens, b, Nq: int, Nk: int):
+    def __init__(self, spec: M.MaskSpec, kv_lens, q_lens, k, b, g, Nq: int, Nk: int, indices):
         self.spec, self.Nq, self.Nk = spec, Nq, Nk
+        self.indices = indices
         self.has_lens = kv_lens is not None or q_lens is not None
         _, self.lens_p = M.load_lengths(kv_lens, q_lens, b, Nk, Nq)
         self.kv_len = self.lens_p[:, 0:1]       # fp32 [128, 1]: kv_len (or Nk)
@@ -78,13 +136,17 @@ class Geometry:
         # the band's alignment offset: 0, Nk - Nq, or kv_len - q_len with lengths
         self.offset = None
         if spec.has_diag and not spec.top_left and self.has_lens:
-            self.offset = nisa.tensor_tensor(self.kv_len, self.q_len, np.subtract,
-                                             dtype=nl.float32)
+            self.offset = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_tensor(self.offset, self.kv_len, self.q_len, nl.subtract)
         self.static_offset = 0 if spec.top_left else Nk - Nq
-        self.diff = nisa.iota(nl.arange(P)[None, :] - nl.arange(P)[:, None],
-                              dtype=nl.float32)                    # c - p
-        self.part = nisa.iota(nl.arange(P)[:, None], dtype=nl.float32)   # p, [128, 1]
-        self.col = nisa.tensor_scalar(self.diff, np.add, self.part, dtype=nl.float32)   # c
+        self.diff = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)       # c - p
+        port.iota(self.diff, [[1, P]], channel_multiplier=-1)
+        self.part = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)       # p
+        port.iota(self.part, [[0, 1]], channel_multiplier=1)
+        self.col = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)        # c
+        port.tensor_scalar(self.col, self.diff, nl.add, self.part)
+        self.kv = RowFrame.of(k, (b, g), indices)
+        self.k_part, self.k_len = self.kv.shift(self.part), self.kv.shift(self.kv_len)
 
     def needs_key_mask(self, exact: bool) -> bool:
         """Whether scores need the key-side indicator: padding slots (not ``exact``), keys past
@@ -98,48 +160,51 @@ class Geometry:
         spec = self.spec
         if not spec.has_diag:
             return None, None
+        shape = tuple(gap.shape)
         # e = gap - off;  c - p + e in [lo, hi]
-        e = gap
-        if self.offset is not None:
-            e = nisa.tensor_scalar(e, np.subtract, self.offset, dtype=nl.float32)
-        else:
-            e = nisa.tensor_scalar(e, np.subtract, float(self.static_offset), dtype=nl.float32)
+        e = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(e, gap, nl.subtract,
+                           self.offset if self.offset is not None else float(self.static_offset))
         hi = lo = None
         if spec.hi is not None:
-            hi = nisa.tensor_scalar(e, np.subtract, float(spec.hi), op1=np.multiply,
-                                    operand1=-1.0, dtype=nl.float32)
+            hi = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(hi, e, nl.subtract, float(spec.hi), op1=nl.multiply,
+                               operand1=-1.0)
         if spec.lo is not None:
-            lo = nisa.tensor_scalar(e, np.subtract, float(spec.lo), op1=np.multiply,
-                                    operand1=-1.0, dtype=nl.float32)
+            lo = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(lo, e, nl.subtract, float(spec.lo), op1=nl.multiply,
+                               operand1=-1.0)
         return hi, lo
 
-    def indicator(self, key_thr, hi_thr, lo_thr, rows: int = P, out=None):
-        """``[rows, 128]`` (bf16, or ``out``'s dtype): 1 at the scores to mask -- key column ``c >= key_thr`` (a
-        padding slot has ``key_thr <= 0``: every column), ``c - p > hi_thr``, ``c - p <
-        lo_thr`` (each a ``[rows, 1]`` column, or None) -- else 0.0. GpSimd/VectorE. Written
-        into ``out`` when given."""
+    def indicator(self, key_thr, hi_thr, lo_thr, out, rows: int = P):
+        """1 at the scores to mask -- key column ``c >= key_thr`` (a padding slot has ``key_thr
+        <= 0``: every column), ``c - p > hi_thr``, ``c - p < lo_thr`` (each a ``[rows, 1]``
+        column, or None) -- else 0, written into ``out`` (``[rows, 128]``, uint8).
+        GpSimd/VectorE. False when there is nothing to mask (``out`` untouched)."""
         parts = []
         if key_thr is not None:
-            parts.append(nisa.tensor_scalar(self.col[0:rows], nl.greater_equal, key_thr,
-                                            dtype=nl.float32, engine=nisa.gpsimd_engine))
+            kp = nl.ndarray((rows, P), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(kp, self.col[0:rows], nl.greater_equal, key_thr, engine="gpsimd")
+            parts.append(kp)
         if hi_thr is not None:
-            parts.append(nisa.tensor_scalar(self.diff[0:rows], nl.greater, hi_thr,
-                                            dtype=nl.float32, engine=nisa.gpsimd_engine))
+            hp = nl.ndarray((rows, P), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(hp, self.diff[0:rows], nl.greater, hi_thr, engine="gpsimd")
+            parts.append(hp)
         if lo_thr is not None:
-            parts.append(nisa.tensor_scalar(self.diff[0:rows], nl.less, lo_thr,
-                                            dtype=nl.float32, engine=nisa.vector_engine))
+            lp = nl.ndarray((rows, P), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(lp, self.diff[0:rows], nl.less, lo_thr, engine="vector")
+            parts.append(lp)
         if not parts:
-            return None
-        if out is None:
-            out = nl.ndarray((rows, P), dtype=nl.bfloat16, buffer=nl.sbuf)
+            return False
         if len(parts) == 1:
-            out[...] = nisa.tensor_copy(parts[0], dtype=out.dtype, engine=nisa.vector_engine)
-            return out
+            port.tensor_copy(out, parts[0], engine="vector")
+            return True
         ind = parts[0]
-        for x in parts[1:-1]:
-            ind = nisa.tensor_tensor(ind, x, nl.maximum, dtype=nl.float32)
-        out[...] = nisa.tensor_tensor(ind, parts[-1], nl.maximum, dtype=out.dtype)
-        return out
+        if len(parts) == 3:
+            ind = nl.ndarray((rows, P), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_tensor(ind, parts[0], parts[1], nl.maximum)
+        port.tensor_tensor(out, ind, parts[-1], nl.maximum)
+        return True
 
 
 class Row:
@@ -149,58 +214,79 @@ class Row:
     row's first position; ``block_first`` (fp32 ``[128, trip]``), the entries' first positions
     (``tiles.BSP_PAD_FIRST`` for padding slots); ``bad`` (1.0 where position ``block_first + p``
     of a slot's entry is not read: at or past ``other_len``, which every padding slot is) and
-    ``rows`` (int32 ``[128, trip]``: ``block_first + p``, pushed out of bounds where ``bad``:
-    the gathers skip those rows). Four instructions after the broadcast."""
+    ``rows`` (int32 ``[128, trip]``: the indexed rows of those positions, pushed out of bounds
+    where ``bad``: the gathers skip those rows). ``part``/``other_len``: the partition index
+    and the other side's valid length as rows of ``frame`` (:meth:`RowFrame.shift`). Four
+    instructions after the broadcast."""
 
-    def __init__(self, geo: Geometry, meta_row, trip: int, other_len, other_n: int):
+    def __init__(self, meta_row, trip: int, part, other_len, frame: RowFrame):
         self.bc = M.broadcast_row(meta_row, 2 + trip)
         self.first = self.bc[:, 0:1]
         self.block_first = self.bc[:, 2:2 + trip]
-        pos = nisa.tensor_scalar(self.block_first, np.add, geo.part, dtype=nl.float32)
-        self.bad = nisa.tensor_scalar(pos, nl.greater_equal, other_len, dtype=nl.float32)
-        # in range: pos exactly; out: pos + OOB (>= OOB > other_n, exact enough to stay out)
-        self.rows = nisa.scalar_tensor_tensor(data=self.bad, op0=np.multiply,
-                                              operand0=float(M.oob_offset(other_n)),
-                                              op1=np.add, operand1=pos, dtype=nl.int32)
+        pos = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(pos, self.block_first, nl.add, part)
+        self.bad = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(self.bad, pos, nl.greater_equal, other_len)
+        # in range: pos exactly; out: pos + OOB (>= OOB, past every row, exact enough to stay out)
+        self.rows = nl.ndarray((P, trip), dtype=nl.int32, buffer=nl.sbuf)
+        port.scalar_tensor_tensor(self.rows, self.bad, nl.multiply, frame.oob, nl.add, pos)
 
 
-def own_rows(geo: Geometry, first, length, n: int):
-    """``(idx, pos)``: int32 ``[128, 1]`` gather/scatter indices of the 128 positions from
-    ``first`` (fp32 column) of a sequence of ``n`` positions, out of bounds at positions ``>=
+def own_rows(geo: Geometry, first, length, frame: RowFrame):
+    """``(idx, pos)``: int32 ``[128, 1]`` gather/scatter indices (rows of ``frame``) of the 128
+    positions from ``first`` (fp32 column) of a slice, out of bounds at positions ``>=
     length`` (a ``[128, 1]`` column or a number), and the positions themselves (fp32)."""
-    pos = nisa.tensor_scalar(first, np.add, geo.part, dtype=nl.float32)
+    pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(pos, first, nl.add, geo.part)
     length = float(length) if isinstance(length, (int, float)) else length
-    idx = nisa.tensor_scalar(pos, nl.greater_equal, length, op1=np.multiply,
-                             operand1=float(M.oob_offset(n)), dtype=nl.float32)
-    return nisa.tensor_tensor(idx, pos, np.add, dtype=nl.int32), pos
+    pushed = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(pushed, pos, nl.greater_equal, length, op1=nl.multiply,
+                       operand1=frame.oob)
+    idx = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+    if frame.base is None:
+        port.tensor_tensor(idx, pushed, pos, nl.add)
+    else:
+        port.scalar_tensor_tensor(idx, pushed, nl.add, frame.base, nl.add, pos)
+    return idx, pos
 
 
-def gather(dst, src, bh, idx, col, width: int, skip: bool):
-    """``dst[p] = src[b, h, idx[p, col]]`` for ``bh = (b, h)`` (``col`` an NKI expression); with
-    ``skip`` the destination is zeroed first and out-of-bounds rows are not read."""
+def gather(dst, src, lead, idx, col, skip: bool):
+    """``dst[p] = src[*lead][idx[p, col]]`` (``col`` an index expression; ``idx`` rows of the
+    slice's :class:`RowFrame`); with ``skip`` the destination is zeroed first and
+    out-of-bounds rows are not read."""
     if skip:
-        dst[...] = nisa.memset(dst.shape, 0.0, dtype=dst.dtype, engine=nisa.gpsimd_engine)
-    nisa.dma_copy(dst=dst, src=src[bh[0], bh[1], idx[nl.arange(P)[:, None], col],
-                                   nl.arange(width)[None, :]],
-                  oob_mode=nisa.oob_mode.skip if skip else nisa.oob_mode.error)
+        port.memset(dst, 0.0, engine="gpsimd")
+    port.dma_copy(dst, port.lead_rows(src, lead, idx, col), legacy_isa=True, oob_skip=skip)
+
+
+def scatter(dst, lead, idx, src):
+    """``dst[*lead][idx[p, 0]] = src[p]`` (rows out of bounds skipped)."""
+    port.dma_copy(port.lead_rows(dst, lead, idx, 0), src, oob_skip=True)
 
 
 def unit_seeds(f, head, q_first, k_first):
     """int32 ``[1, n]``: the dropout seed ``seed + ((b Hq + head) nqu + i) nku + j`` of the
     128 x 128 units whose first query row / first key are the fp32 ``[1, n]`` (or ``[1, 1]``)
     ``q_first`` / ``k_first`` (``i = q_first / 128``, ``j = k_first / 128``; exact in fp32:
-    nqu nku < 2^24) -- the dense kernels' numbering."""
+    nqu nku < 2^24) -- the dense kernels' numbering. ``(b Hq + head) nqu nku`` is a linear form
+    of the loop indices (:func:`port.iota`; 0.7 reads them from ``f.indices``)."""
+    n = max(q_first.shape[1], k_first.shape[1])
+    u = nl.ndarray((1, n), dtype=nl.int32, buffer=nl.sbuf)
     if q_first.shape[1] == 1:
-        q_col = nisa.tensor_scalar(q_first, np.multiply, float(f.nku) / P, dtype=nl.float32)
-        u = nisa.tensor_scalar(k_first, np.multiply, 1.0 / P, op1=np.add, operand1=q_col,
-                               dtype=nl.int32)
+        q_col = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(q_col, q_first, nl.multiply, float(f.nku) / P)
+        port.tensor_scalar(u, k_first, nl.multiply, 1.0 / P, op1=nl.add, operand1=q_col)
     else:
-        k_col = nisa.tensor_scalar(k_first, np.multiply, 1.0 / P, dtype=nl.float32)
-        u = nisa.tensor_scalar(q_first, np.multiply, float(f.nku) / P, op1=np.add,
-                               operand1=k_col, dtype=nl.int32)
-    base = nisa.iota((f.b * f.Hq + head) * (f.nqu * f.nku) + nl.arange(1)[None, :],
-                     dtype=nl.int32)
-    base = nisa.tensor_tensor(base, f.seed, np.add, dtype=nl.int32)
+        k_col = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(k_col, k_first, nl.multiply, 1.0 / P)
+        port.tensor_scalar(u, q_first, nl.multiply, float(f.nku) / P, op1=nl.add,
+                           operand1=k_col)
+    per_head = f.nqu * f.nku
+    unit0 = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.iota(unit0, [[1, 1]], runtime=[(f.b, f.Hq * per_head), (head, per_head)],
+              offsets=f.indices)
+    base = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(base, unit0, f.seed, nl.add)
     return _add_int_column(u, base)
 
 
@@ -208,70 +294,79 @@ def _add_int_column(u, base):
     """``u + base`` for int32 ``[1, n]`` and ``[1, 1]`` (GpSimd int32 adds, column by column
     when n > 1: an exact broadcast add)."""
     n = u.shape[1]
-    if n == 1:
-        return nisa.tensor_tensor(u, base, np.add, dtype=nl.int32)
     out = nl.ndarray((1, n), dtype=nl.int32, buffer=nl.sbuf)
-    for c in nl.affine_range(n):
-        out[0:1, nl.ds(c, 1)] = nisa.tensor_tensor(u[0:1, nl.ds(c, 1)], base, np.add,
-                                                   dtype=nl.int32)
+    if n == 1:
+        port.tensor_tensor(out, u, base, nl.add)
+        return out
+    port.loop(n, lambda c: port.tensor_tensor(out[0:1, nl.ds(c, 1)], u[0:1, nl.ds(c, 1)],
+                                              base, nl.add))
     return out
 
 
-def _attend_tiles(f, geo: Geometry, meta, h, pos0, n_tiles: int, trip: int, exact: bool):
-    """``n_tiles`` query tiles of one class (order positions ``pos0 ..``, member head h): the
-    body of a class loop. Their ``trip`` slots are swept in steps of
-    ``tiles.BSP_STEP_BLOCKS`` key blocks (a sequential loop of full steps and a static tail
-    step), each one online-softmax update per tile; within a step the tiles follow each
+def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: int,
+                  trip: int, exact: bool):
+    """``n_tiles`` query tiles of one class (order positions ``pos0 ..``, member head h, whose
+    rows ``q_frame`` addresses): the body of a class loop. Their ``trip`` slots are swept in
+    steps of ``tiles.BSP_STEP_BLOCKS`` key blocks (a sequential loop of full steps and a static
+    tail step), each one online-softmax update per tile; within a step the tiles follow each
     other, so every engine has another tile's independent work while one waits."""
     head = f.head(h)
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
     skip = geo.needs_key_mask(exact)
     W = min(T.BSP_STEP_BLOCKS, trip)
-    st = F._GroupState(f, n_tiles, P)
+    st = F.GroupState(f, n_tiles, P)
     tiles = []
     for t in T.unrolled(n_tiles):
         row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=row, src=meta[hb, hh, nl.ds(pos0 + t, 1), 0:2 + trip])
-        rw = Row(geo, row, trip, geo.kv_len, f.Nk)
+        port.dma_copy(row, meta[hb, hh, nl.ds(pos0 + t, 1), 0:2 + trip], legacy_isa=True)
+        rw = Row(row, trip, geo.k_part, geo.k_len, geo.kv)
         # valid key columns of slot s: c < kv_len - first_s (none in a padding slot)
-        thr = (nisa.tensor_scalar(rw.block_first, np.subtract, geo.kv_len, op1=np.multiply,
-                                  operand1=-1.0, dtype=nl.float32) if skip else None)
-        hi_thr, lo_thr = geo.band_columns(
-            nisa.tensor_scalar(rw.block_first, np.subtract, rw.first, dtype=nl.float32))
+        thr = None
+        if skip:
+            thr = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(thr, rw.block_first, nl.subtract, geo.kv_len, op1=nl.multiply,
+                               operand1=-1.0)
+        gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(gap, rw.block_first, nl.subtract, rw.first)
+        hi_thr, lo_thr = geo.band_columns(gap)
         # Q rows of the tile: skipped past q_len (they output 0), scattered back below Nq
-        q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, f.Nq)
+        q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, q_frame)
         x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
-        gather(x, f.q, (f.b, head), q_idx, 0, f.D, geo.has_lens or f.Nq % P != 0)
+        gather(x, f.q, (f.b, head), q_idx, 0, geo.has_lens or f.Nq % P != 0)
         for pi, (d0, rows) in enumerate(f.d_passes):
             tp = nl.ndarray((rows, P), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
-            tp[...] = nisa.nc_transpose(x[:, d0:d0 + rows])
-            st.qT[pi][:, t, :] = nisa.activation(nl.copy, tp, scale=f.q_scale, dtype=f.mm)
+            port.nc_transpose(tp, x[:, d0:d0 + rows])
+            port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
         seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
                  if f.dropout_p else None)
         # [V | 1] of a step's blocks (the ones column gives the row sums, forward module doc)
         v = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-        v[:, :, f.D:f.D + 1] = nisa.memset((P, W, 1), 1.0, dtype=f.mm,
-                                           engine=nisa.gpsimd_engine)
+        port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
         tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos))
-    for s in nl.sequential_range(trip // W):
+
+    def full_step(s):
         for t, (rw, v, cols, seeds, _, _) in enumerate(tiles):
-            _step(f, geo, st, t, rw, v, cols, seeds, head, s * W, W, skip)
+            _step(f, geo, st, t, rw, v, cols, seeds, head, q_frame, s * W, W, skip)
+
+    port.loop(trip // W, full_step, carried=True)
     if trip % W:
         for t, (rw, v, cols, seeds, _, _) in enumerate(tiles):
-            _step(f, geo, st, t, rw, v, cols, seeds, head, (trip // W) * W, trip % W, skip)
+            _step(f, geo, st, t, rw, v, cols, seeds, head, q_frame, (trip // W) * W, trip % W,
+                  skip)
     for t, (rw, _, _, _, q_idx, q_pos) in enumerate(tiles):
         in_range = None
         if f.spec.q_lens:
-            in_range = nisa.tensor_scalar(q_pos, nl.less, geo.q_len, dtype=nl.float32)
+            in_range = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(in_range, q_pos, nl.less, geo.q_len)
         o_out, lse_out = F.finalize(f, st, t, in_range)
-        out_idx = q_idx if not geo.has_lens else own_rows(geo, rw.first, f.Nq, f.Nq)[0]
+        out_idx = q_idx if not geo.has_lens else own_rows(geo, rw.first, f.Nq, q_frame)[0]
         store_tile(f, out_idx, head, o_out, lse_out)
 
 
-def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, head, s0, n: int,
-          skip: bool):
-    """Slots ``s0 .. s0 + n - 1`` (``s0`` an NKI expression, n static) of a query tile: gather
+def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, head, q_frame: RowFrame, s0,
+          n: int, skip: bool):
+    """Slots ``s0 .. s0 + n - 1`` (``s0`` an index expression, n static) of a query tile: gather
     their K and V blocks, ``S = Q K^T`` over ``128 n`` keys (one PSUM bank), the runtime masks,
     then one online-softmax update (``forward.fold_block``)."""
     D = f.D
@@ -279,18 +374,15 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, head, s0, n: int,
     same = f.v.dtype == f.mm
     vx = v if same else nl.ndarray((P, n, D), dtype=f.v.dtype, buffer=nl.sbuf)
     if skip:
-        kx[...] = nisa.memset((P, n, D), 0.0, dtype=f.k.dtype, engine=nisa.gpsimd_engine)
-        vx[:, 0:n, 0:D] = nisa.memset((P, n, D), 0.0, dtype=vx.dtype,
-                                      engine=nisa.gpsimd_engine)
-    mode = nisa.oob_mode.skip if skip else nisa.oob_mode.error
-    ip, iD = nl.arange(P)[:, None], nl.arange(D)[None, :]
-    for w in nl.static_range(n):
-        nisa.dma_copy(dst=kx[:, w, :], src=f.k[f.b, f.g, rw.rows[ip, s0 + w], iD],
-                      oob_mode=mode)
-        nisa.dma_copy(dst=vx[:, w, 0:D], src=f.v[f.b, f.g, rw.rows[ip, s0 + w], iD],
-                      oob_mode=mode)
+        port.memset(kx, 0.0, engine="gpsimd")
+        port.memset(vx[:, 0:n, 0:D], 0.0, engine="gpsimd")
+    for w in T.unrolled(n):
+        port.dma_copy(kx[:, w, :], port.lead_rows(f.k, (f.b, f.g), rw.rows, s0 + w),
+                      legacy_isa=True, oob_skip=skip)
+        port.dma_copy(vx[:, w, 0:D], port.lead_rows(f.v, (f.b, f.g), rw.rows, s0 + w),
+                      legacy_isa=True, oob_skip=skip)
     if not same:
-        v[:, 0:n, 0:D] = nisa.tensor_copy(vx, dtype=f.mm, engine=nisa.gpsimd_engine)
+        port.tensor_copy(v[:, 0:n, 0:D], vx, engine="gpsimd")
     F.guard_values(f, v[:, 0:n, 0:D], v[:, 0:n, D + 1:D + 2], sum_on_scalar=True)
     kT = [nl.ndarray((rows, n * P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in T.unrolled(n)], f.k.dtype)
@@ -302,66 +394,68 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, head, s0, n: int,
         # NaN or inf in a hidden key never reaches the row); VectorE copies the scores out of
         # PSUM and overwrites the masked ones
         ind = nl.ndarray((P, n * P), dtype=nl.uint8, buffer=nl.sbuf)
-        for w in nl.static_range(n):
+        for w in T.unrolled(n):
             geo.indicator(*(None if cols[k] is None else cols[k][:, nl.ds(s0 + w, 1)]
                             for k in ("thr", "hi", "lo")), out=ind[:, w * P:(w + 1) * P])
         s_tile = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
-        s_tile[...] = nisa.tensor_copy(sc, dtype=nl.float32, engine=nisa.vector_engine)
-        nisa.tensor_copy_predicated(src=T.FWD_MASK_NEG, dst=s_tile, predicate=ind)
+        port.tensor_copy(s_tile, sc, engine="vector")
+        port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
     drop = None
     if f.dropout_p:
         def drop(p, r, width, pred):
-            for w in nl.static_range(n):
+            for w in T.unrolled(n):
                 us = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-                us[...] = nisa.tensor_copy(seeds[0:1, nl.ds(s0 + w, 1)],
-                                           engine=nisa.gpsimd_engine)
-                nl.random_seed(seed=us)
-                p[:, w * P:(w + 1) * P] = nisa.dropout(p[:, w * P:(w + 1) * P], f.dropout_p)
+                port.tensor_copy(us, seeds[0:1, nl.ds(s0 + w, 1)], engine="gpsimd")
+                port.random_seed(us)
+                port.dropout(p[:, w * P:(w + 1) * P], p[:, w * P:(w + 1) * P], f.dropout_p)
                 if f.mask_out is not None:
-                    nl.random_seed(seed=us)
-                    keep = nisa.dropout(f.ones, f.dropout_p)
-                    _store_mask(f, geo, rw, head, s0 + w, keep)
-    F.fold_block(f, st, slot, [s_tile], [n * P], F._KV(None, kT, v), 0, None, drop)
+                    port.random_seed(us)
+                    keep = nl.ndarray((P, P), dtype=f.ones.dtype, buffer=nl.sbuf)
+                    port.dropout(keep, f.ones, f.dropout_p)
+                    _store_mask(f, geo, rw, head, q_frame, s0 + w, keep)
+    F.fold_block(f, st, slot, [s_tile], [n * P], F.KV(None, kT, v), 0, None, drop)
 
 
 def store_tile(f, out_idx, head, o_tile, lse_tile):
     """Scatter a query tile's o ``[128, D]`` and lse ``[128, 1]`` of query head ``head`` to the
     rows ``out_idx`` (int32 ``[128, 1]``; rows past Nq out of bounds, skipped)."""
-    ip, iD = nl.arange(P)[:, None], nl.arange(f.D)[None, :]
-    nisa.dma_copy(dst=f.o[f.b, head, out_idx[ip, 0], iD], src=o_tile,
-                  oob_mode=nisa.oob_mode.skip)
-    nisa.dma_copy(dst=f.lse_col[f.b, head, out_idx[ip, 0], nl.arange(1)[None, :]], src=lse_tile,
-                  oob_mode=nisa.oob_mode.skip)
+    scatter(f.o, (f.b, head), out_idx, o_tile)
+    scatter(f.lse_col, (f.b, head), out_idx, lse_tile)
 
 
-def _store_mask(f, geo: Geometry, rw: Row, head, sl, keep):
+def _store_mask(f, geo: Geometry, rw: Row, head, q_frame: RowFrame, sl, keep):
     """Debug: the keep mask of slot sl into ``mask_out``'s ``(B, Hq, Nq nku, 128)`` view at
     row ``i nku + key block`` (one 128-key unit per row; padding slots and rows past Nq are
-    skipped). Exact in fp32 for debug shapes (Nq nku < 2^24)."""
+    skipped). Exact in fp32 for debug shapes (``B Hq Nq nku < 2^24`` rows)."""
     nku = f.nku
-    pos = nisa.tensor_scalar(rw.first, np.add, geo.part, dtype=nl.float32)
+    pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(pos, rw.first, nl.add, geo.part)
     first = rw.block_first[:, nl.ds(sl, 1)]
-    rel = nisa.scalar_tensor_tensor(data=pos, op0=np.multiply, operand0=float(nku), op1=np.add,
-                                    operand1=nisa.tensor_scalar(first, np.multiply, 1.0 / P,
-                                                                dtype=nl.float32),
-                                    dtype=nl.float32)
-    oob = float(M.oob_offset(f.Nq * nku))
-    past = nisa.tensor_scalar(pos, nl.greater_equal, float(f.Nq), dtype=nl.float32)
-    pad = nisa.tensor_scalar(first, nl.greater_equal, float(f.Nk), dtype=nl.float32)
-    bad = nisa.tensor_tensor(past, pad, nl.maximum, dtype=nl.float32)
-    idx = nisa.scalar_tensor_tensor(data=bad, op0=np.multiply, operand0=oob, op1=np.add,
-                                    operand1=rel, dtype=nl.int32)
-    nisa.dma_copy(dst=f.mask_rows[f.b, head, idx[nl.arange(P)[:, None], 0],
-                                  nl.arange(P)[None, :]],
-                  src=keep, oob_mode=nisa.oob_mode.skip)
+    unit = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(unit, first, nl.multiply, 1.0 / P)
+    rel = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    # under 0.7 the rows of the flattened mask: the query row's flat row (q_frame) times nku
+    port.scalar_tensor_tensor(rel, q_frame.shift(pos), nl.multiply, float(nku), nl.add, unit)
+    # out of bounds of the mask rows the indices address: the slice's, or every slice's (0.7)
+    rows = f.mask_rows.shape[2] if q_frame.base is None else math.prod(f.mask_rows.shape[:3])
+    past = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(past, pos, nl.greater_equal, float(f.Nq))
+    pad = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(pad, first, nl.greater_equal, float(f.Nk))
+    bad = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(bad, past, pad, nl.maximum)
+    idx = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.scalar_tensor_tensor(idx, bad, nl.multiply, float(M.oob_offset(rows)), nl.add, rel)
+    port.dma_copy(port.lead_rows(f.mask_rows, (f.b, head), idx, 0), keep, oob_skip=True)
 
 
-@nki.jit
+@port.jit
 def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=None, *,
                                classes, scale=1.0, causal=None, window=None,
                                mm_dtype="bfloat16", dropout_p=0.0, dropout_mask=False):
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
-    Hkv, Nk, D)``, on the grid ``(B, Hkv)``.
+    Hkv, Nk, D)``, over the instances ``(B, Hkv)`` (:func:`port.for_programs`: the SPMD grid
+    ``(B, Hkv)`` in legacy, ``kernel[1]`` looping over them in 0.7; :func:`port.launch_grid`).
 
     ``meta``: float32 ``(B or 1, Hq or 1, ceil(Nq/128), 2 + trip)`` HBM table of the pattern in
     processing order and ``classes`` its compile-time runs
@@ -371,66 +465,90 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     Nq, 128 ceil(Nk/128))`` float32, positions of blocks never drawn unspecified). The same
     outputs as the dense kernel restricted to the active blocks; rows that see no key get o =
     0 and lse = -inf.
+
+    Not through nki.* (NotImplementedError there): ``B Hq Nq``, ``B Hkv Nk`` (or with
+    ``dropout_mask`` ``B Hq Nq ceil(Nk/128)``) rows or ``B Hq ceil(Nq/128) ceil(Nk/128)``
+    dropout units of 2^24 or more (0.7 numbers them in fp32).
     """
     B, Hq, Nq, D = q.shape
-    Nk = k.shape[2]
+    Hkv, Nk = k.shape[1], k.shape[2]
     nqt = T.ceil_div(Nq, P)
     trip_max = meta.shape[3] - 2
     if tuple(meta.shape[2:3]) != (nqt,):
         raise ValueError(f"meta: expected {nqt} rows (one per query tile), got {meta.shape}")
-    _check_classes(classes, nqt, trip_max)
+    check_classes(classes, nqt, trip_max)
+    nku = T.ceil_div(Nk, P)
+    mask_rows = B * Hq * Nq * nku if dropout_p and dropout_mask else 0
+    refuse_large_in_nki("block_sparse_attention_fwd", max(B * Hq * Nq, B * Hkv * Nk, mask_rows),
+                        B * Hq * nqt * nku if dropout_p else None)
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None)
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
-    nku = T.ceil_div(Nk, P)
     mask_out = (nl.ndarray((B, Hq, Nq, nku * P), dtype=nl.float32, buffer=nl.shared_hbm)
                 if dropout_p and dropout_mask else None)
-    f = F._Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, nl.program_id(0),
-                    nl.program_id(1))
-    f.act_share = 0.5
-    f.guard = True         # non-finite values reach only the rows that see them
-    f.nqu, f.nku = nqt, nku
-    if dropout_p:
-        if seed is None:
-            raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
-        f.dropout_p = float(dropout_p)
-        f.seed = nl.load(seed.reshape((1, 1)))
-        f.ones = nisa.memset((P, P), 1.0, dtype=f.mm, engine=nisa.gpsimd_engine)
-        if mask_out is not None:
-            f.mask_out = mask_out
-            f.mask_rows = mask_out.reshape((B, Hq, Nq * nku, P))
-    geo = Geometry(spec, kv_lens, q_lens, f.b, Nq, Nk)
-    for h in nl.affine_range(f.G):
-        for first, count, trip, exact in classes:
-            if trip == 0:
-                # rows without any active block: o = 0, lse = -inf (still one loop body)
-                for c in nl.affine_range(count):
-                    _empty_tile(f, geo, meta, h, first + c)
-                continue
-            g = min(T.BSP_GROUP_TILES, count)
-            for c in nl.affine_range(count // g):
-                _attend_tiles(f, geo, meta, h, first + c * g, g, trip, exact)
-            if count % g:
-                _attend_tiles(f, geo, meta, h, first + (count // g) * g, count % g, trip,
-                              exact)
+    if dropout_p and seed is None:
+        raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
+    # loop indices (batch, heads) as data for 0.7: the first rows of the (b, head) slices the
+    # indirect DMAs address, dropout's unit numbers
+    indices = port.OffsetColumns(0, max(B, Hq), 1)
+
+    def instance(b, g):
+        f = F.Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g)
+        f.act_share = 0.5
+        f.guard = True         # non-finite values reach only the rows that see them
+        f.nqu, f.nku = nqt, nku
+        f.indices = indices
+        if dropout_p:
+            f.dropout_p = float(dropout_p)
+            f.seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.dma_copy(f.seed, seed.reshape((1, 1)))
+            f.ones = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
+            port.memset(f.ones, 1.0, engine="gpsimd")
+            if mask_out is not None:
+                f.mask_out = mask_out
+                f.mask_rows = mask_out.reshape((B, Hq, Nq * nku, P))
+        geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
+        port.loop(f.G, lambda h: _head(f, geo, meta, classes, h))
+
+    port.for_programs((B, Hkv), instance)
     if mask_out is not None:
         return o, lse, mask_out
     return o, lse
 
 
-def _empty_tile(f, geo: Geometry, meta, h, pos):
+def _head(f, geo: Geometry, meta, classes, h):
+    """Every class of query tiles of member head h (a loop body): each class a loop over its
+    tiles in groups of ``tiles.BSP_GROUP_TILES`` (and a static remainder group)."""
+    q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
+    for first, count, trip, exact in classes:
+        if trip == 0:
+            # rows without any active block: o = 0, lse = -inf (still one loop body)
+            port.loop(count, lambda c, first=first: _empty_tile(f, geo, meta, h, q_frame,
+                                                                 first + c))
+            continue
+        g = min(T.BSP_GROUP_TILES, count)
+        port.loop(count // g, lambda c, first=first, g=g, trip=trip, exact=exact:
+                  _attend_tiles(f, geo, meta, h, q_frame, first + c * g, g, trip, exact))
+        if count % g:
+            _attend_tiles(f, geo, meta, h, q_frame, first + (count // g) * g, count % g, trip,
+                          exact)
+
+
+def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
     """A query tile without active blocks: o = 0 and lse = -inf at its rows."""
     head = f.head(h)
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
     row = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=row, src=meta[hb, hh, nl.ds(pos, 1), 0:1])
-    out_idx, _ = own_rows(geo, M.broadcast_row(row, 1), f.Nq, f.Nq)
-    zeros = nisa.memset((P, f.D), 0.0, dtype=f.o.dtype, engine=nisa.gpsimd_engine)
-    ninf = nisa.memset((P, 1), -np.inf, dtype=nl.float32, engine=nisa.gpsimd_engine)
+    port.dma_copy(row, meta[hb, hh, nl.ds(pos, 1), 0:1], legacy_isa=True)
+    out_idx, _ = own_rows(geo, M.broadcast_row(row, 1), f.Nq, q_frame)
+    zeros = nl.ndarray((P, f.D), dtype=f.o.dtype, buffer=nl.sbuf)
+    port.memset(zeros, 0.0, engine="gpsimd")
+    ninf = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.memset(ninf, -math.inf, engine="gpsimd")
     store_tile(f, out_idx, head, zeros, ninf)
 
 
-__all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "own_rows",
-           "gather", "unit_seeds", "store_tile"]
+__all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "RowFrame", "own_rows", "gather",
+           "scatter", "unit_seeds", "store_tile", "check_classes", "refuse_large_in_nki"]

@@ -1,12 +1,22 @@
 """Split-KV flash decoding over a KV cache (FlashDecoding), GQA-packed, with tree masks.
 
-Two kernels, launched in order by ``host.flash_decode`` (the merge in ``decode_merge.py``,
-written against ``nki_kernels.port``). The split kernel traces through the legacy namespace
-only so far (under nki.* the host refuses it: ``host.api.run_decode``); it is being moved onto
-``nki_kernels.port`` with its legacy instruction stream unchanged: its indirect DMAs
-(``port.rows``), loads, stores and fills and part of its helpers already are. Still legacy:
-``nl.arange`` index expressions (iotas at a runtime offset, strided 3-D copies), the other
-helpers' tile-returning instructions, and the grid (``nl.program_id`` branch, ``nl.spmd_dim``)::
+Two kernels, launched in order by ``host.flash_decode`` (the merge in ``decode_merge.py``),
+one source each through ``nki.*`` (NKI 0.7) and the legacy namespace
+(:mod:`nki_kernels.port`). Where the namespaces differ: the legacy split kernel runs on an SPMD
+grid whose programs are work-item chunks then tails; 0.7 launches ``kernel[lnc]`` and walks
+the tails, then the chunks, in two compiled loops (:func:`port.for_program_parts`), the cores
+of LNC=2 sharing each (tails first: their short, latency-bound chains then overlap the
+chunks' headers instead of trailing the last split). The program indices (head group, chunk, sequence) and the heads of a
+group enter iota offsets as index expressions in legacy and, in 0.7 (compile-time offsets),
+as columns of a small table (:class:`port.OffsetColumns`) added on VectorE; strided 3-D
+copies are ``nl.arange`` expressions in legacy and ``.ap`` views in 0.7 (:func:`port.view`);
+loops over a few K/V tiles unroll in 0.7 (:func:`port.unroll`), every loop whose count follows
+the work (items, heads, steps, programs) is compiled in both, so the program does not grow
+with the cache length. The legacy instruction stream, estimates and outputs are those of the
+legacy kernel before the port; 0.7's outputs equal them bit for bit. Through 0.7 the tails'
+flat cache rows ``(b Hkv + h) S_max + position`` of a contiguous cache (paged: block-table
+entries ``b MB + block``) are computed in fp32: a cache of ``B Hkv S_max >= 2^24`` rows (a
+table of ``B MB >= 2^24`` entries) is refused there (legacy only)::
 
     flash_decode_split_kernel   grid (Hkv / H, W / I + B)    phase 1: one partial (o, lse) per
                                                              work item and kv head -- W work
@@ -95,7 +105,8 @@ then runs a software pipeline with two buffers of gathered keys, transposed keys
 step t + 2 is gathered and step t + 1's keys transposed while step t's softmax and P V run.
 One program per split instead (the layout before 2026-11-25) leaves each program's gathers
 waiting for the previous program's chain: the scheduled estimate of the default decode case
-was 2.14x the HBM bound that way and is 1.27x this way (benchmarks/decode.py).
+was 2.14x the HBM bound that way and is 1.27x this way (benchmarks/decode.py; through nki.*,
+where one program walks every chunk and no program boundary drains the pipeline, 1.23x).
 
 Paged cache (``block_table``, FlashAttention's ``flash_attn_with_kvcache(block_table=...)``).
 The caches are page pools ``(num_blocks, Hkv, page_size, D)`` and ``block_table (B, MB)`` int32
@@ -120,19 +131,24 @@ HBM traffic (exact, ``host.api.flash_decode_hbm_bytes``): K and V ``2 s Hkv D su
 tree mask, the partials (written by phase 1, read back by the merge) and o, lse; paged, also
 one int32 table entry per gathered key row and tail position.
 """
-import numpy as np
+from typing import NamedTuple
+
+import numpy as np  # compile-time constants only (-inf)
 
 from nki_kernels import port, tiles
 from nki_kernels.attention import masks as M
 from nki_kernels.attention import score_mods as SM
-from nki_kernels.nki import nisa, nki, nl
+from nki_kernels.port import nl
 
 PMAX = tiles.PMAX
-_DTYPES = {"float32": nl.float32, "bfloat16": nl.bfloat16, "float16": nl.float16}
-#: dtype of the mask matmul operands (0/1 and DECODE_MASK_BIAS are exact enough in bf16 and
-#: -1e30 is representable there, unlike fp16).
-_MASK_DTYPE = nl.bfloat16
+_DTYPES = ("float32", "bfloat16", "float16")
 NEG = tiles.DECODE_MASK_BIAS
+
+
+def _mask_dtype():
+    """dtype of the mask matmul operands (0/1 and DECODE_MASK_BIAS are exact enough in bf16 and
+    -1e30 is representable there, unlike fp16), in the namespace being traced."""
+    return nl.bfloat16
 
 
 # ============================================================================================
@@ -230,25 +246,28 @@ def _item_columns(work, cache_lens, c, ipp):
     lays each item's values down a column (exact: integers < 2^24, one non-zero term each).
     """
     B = cache_lens.shape[0]
-    i_j = nl.arange(ipp)[:, None]
     items = nl.ndarray((ipp, 2), dtype=nl.int32, buffer=nl.sbuf)
     port.dma_copy(items, work[nl.ds(c * ipp, ipp), 0:2])
     length = nl.ndarray((ipp, 1), dtype=nl.int32, buffer=nl.sbuf)
     port.memset(length, 0, engine="gpsimd")
     port.dma_copy(length, port.rows(cache_lens.reshape((B, 1)), items, 0), oob_skip=True)
     vals = nl.ndarray((ipp, 3), dtype=nl.float32, buffer=nl.sbuf)
-    vals[0:ipp, 0:2] = nisa.tensor_copy(items, dtype=nl.float32, engine=nisa.vector_engine)
-    vals[0:ipp, 2:3] = nisa.tensor_copy(length, dtype=nl.float32, engine=nisa.vector_engine)
-    ident = nisa.tensor_scalar(nisa.iota(nl.arange(ipp)[None, :] - i_j, dtype=nl.float32),
-                               op0=nl.equal, operand0=0.0, dtype=nl.float32)
+    port.tensor_copy(vals[0:ipp, 0:2], items, engine="vector")
+    port.tensor_copy(vals[0:ipp, 2:3], length, engine="vector")
+    j_minus_p = nl.ndarray((ipp, ipp), dtype=nl.float32, buffer=nl.sbuf)
+    port.iota(j_minus_p, [[1, ipp]], channel_multiplier=-1)
+    ident = nl.ndarray((ipp, ipp), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(ident, j_minus_p, op0=nl.equal, operand0=0.0)
     diag = nl.ndarray((ipp, 3 * ipp), dtype=nl.float32, buffer=nl.sbuf)
-    for v in nl.static_range(3):
-        diag[0:ipp, v * ipp:(v + 1) * ipp] = nisa.tensor_scalar(
-            ident, op0=np.multiply, operand0=vals[0:ipp, v:v + 1], dtype=nl.float32)
+    for v in tiles.unrolled(3):
+        port.tensor_scalar(diag[0:ipp, v * ipp:(v + 1) * ipp], ident, op0=nl.multiply,
+                           operand0=vals[0:ipp, v:v + 1])
     ones = nl.ones((ipp, PMAX), dtype=nl.float32, buffer=nl.sbuf)
     cols_ps = nl.ndarray((PMAX, 3 * ipp), dtype=nl.float32, buffer=nl.psum)
-    cols_ps[...] = nisa.nc_matmul(ones, diag)
-    return nisa.tensor_copy(cols_ps, dtype=nl.float32, engine=nisa.vector_engine)
+    port.nc_matmul(cols_ps, ones, diag)
+    cols = nl.ndarray((PMAX, 3 * ipp), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_copy(cols, cols_ps, engine="vector")
+    return cols
 
 
 def _valid_rows(cols, ipp, T, n, rs):
@@ -267,12 +286,12 @@ def _valid_rows(cols, ipp, T, n, rs):
     return rows
 
 
-def _int_tile(terms, parts, width, acc=None):
+def _int_tile(terms, parts, width, acc=None, out=None):
     """int32 ``(parts, width)`` tile ``acc + sum(c * x)`` over ``(x, c)`` pairs of int32 tiles:
-    int32 multiply and add (exact; fp32 engine arithmetic would round above 2^24)."""
-    for x, c in terms:
-        if c == 0:
-            continue
+    int32 multiply and add (exact; fp32 engine arithmetic would round above 2^24). ``out``: the
+    tile (or view) the last add writes, else a new tile."""
+    terms = [(x, c) for x, c in terms if c != 0]
+    for k, (x, c) in enumerate(terms):
         if c != 1:
             c_tile = nl.ndarray((parts, width), dtype=nl.int32, buffer=nl.sbuf)
             port.memset(c_tile, c, engine="gpsimd")
@@ -282,41 +301,64 @@ def _int_tile(terms, parts, width, acc=None):
         if acc is None:
             acc = x
         else:
-            total = nl.ndarray((parts, width), dtype=nl.int32, buffer=nl.sbuf)
+            total = (out if out is not None and k == len(terms) - 1 else
+                     nl.ndarray((parts, width), dtype=nl.int32, buffer=nl.sbuf))
             port.tensor_tensor(total, acc, x, op=nl.add)
             acc = total
     return acc
 
 
-def _split_row_indices(valid, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, idx):
-    """Row indices of a chunk's K/V gathers: column ``(hh ipp + j) n_kv + k`` of the int32
-    tile ``idx`` is the absolute key row gathered into partition p of K/V tile k of item j for
-    head ``hh`` of the group (``b_j b_stride + s_j rs + h_row0 + hh h_stride + 128 k + p``),
-    pushed out of bounds (``+ oob``) when the local row ``128 k + p`` is not below
-    ``valid[:, j]``. ``bs``: int32 ``b | s`` columns."""
+def _idx_col(k, t, steps):
+    """Column of the row-index tile of K/V tile ``k`` of step ``t`` (a program's ``steps``
+    steps and its pipeline's two dead ones, per K/V tile): one K/V tile's steps are adjacent, so
+    the columns a head's items write are one contiguous run for a runtime head index."""
+    return k * (steps + 2) + t
+
+
+def _terms(terms, c):
+    """The linear form ``terms`` (``[(index expression, int coefficient), ...]``: runtime
+    offsets for :func:`port.iota`) times the int ``c``."""
+    return [(e, k * c) for e, k in terms]
+
+
+def _split_row_indices(valid, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, idx, offsets):
+    """Row indices of a chunk's K/V gathers: column ``k (hpp ipp + 2) + hh ipp + j`` of the
+    int32 tile ``idx`` (:func:`_idx_col`) is the absolute key row gathered into partition p of
+    K/V tile k of item j for head ``hh`` of the group (``b_j b_stride + s_j rs + h_row0 + hh
+    h_stride + 128 k + p``), pushed out of bounds (``+ oob``) when the local row ``128 k + p``
+    is not below ``valid[:, j]``. ``bs``: int32 ``b | s`` columns; ``h_row0``: a linear form
+    of the program's indices (nki.*: read from ``offsets``, :class:`port.OffsetColumns`)."""
     kr = g.kv_rows
-    i_p = nl.arange(kr)[:, None]
-    i_j = nl.arange(ipp)[None, :]
     base = _int_tile([(bs[0:kr, 0:ipp], b_stride), (bs[0:kr, ipp:2 * ipp], g.rs)], kr, ipp)
-    for k in nl.affine_range(g.n_kv):
-        local = nisa.iota(k * PMAX + i_p + 0 * i_j, dtype=nl.float32)
-        beyond = nisa.tensor_tensor(local, valid[0:kr, 0:ipp], op=nl.greater_equal,
-                                    dtype=nl.float32)
-        beyond = nisa.tensor_scalar(beyond, op0=np.multiply, operand0=float(oob),
-                                    dtype=nl.int32)
+
+    def key_tile(k):
+        local = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(local, [[0, ipp]], offset=k * PMAX, channel_multiplier=1)
+        beyond_f = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(beyond_f, local, valid[0:kr, 0:ipp], op=nl.greater_equal)
+        beyond = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(beyond, beyond_f, op0=nl.multiply, operand0=float(oob))
         rows = _int_tile([(beyond, 1), (base, 1)], kr, ipp)
-        for hh in nl.affine_range(hpp):
-            idx[i_p, (hh * ipp + i_j) * g.n_kv + k] = nisa.tensor_tensor(
-                nisa.iota(h_row0 + hh * h_stride + k * PMAX + i_p + 0 * i_j, dtype=nl.int32),
-                rows, op=np.add, dtype=nl.int32)
+
+        def head(hh):
+            first = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
+            port.iota(first, [[0, ipp]], offset=k * PMAX, channel_multiplier=1,
+                      runtime=h_row0 + [(hh, h_stride)], offsets=offsets)
+            port.tensor_tensor(idx[0:kr, nl.ds(_idx_col(k, hh * ipp, hpp * ipp), ipp)], first,
+                               rows, op=nl.add)
+
+        port.loop(hpp, head)
+
+    port.unroll(g.n_kv, key_tile)
 
 
 def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_blocks, ppr,
-                             idx):
-    """Row indices of a chunk's K/V gathers from a paged cache: column ``(hh ipp + j) n_kv +
-    k`` of ``idx`` is the row of the page pools' ``(num_blocks Hkv ppr, n D)`` view gathered
+                             idx, offsets):
+    """Row indices of a chunk's K/V gathers from a paged cache: column ``k (hpp ipp + 2) + hh
+    ipp + j`` of ``idx`` is the row of the page pools' ``(num_blocks Hkv ppr, n D)`` view gathered
     into partition p of K/V tile k of item j for kv head ``h = h0 + hh`` (``ppr = page_size /
-    n`` key rows per page). The page numbers are gathered once for the group's heads.
+    n`` key rows per page; ``h0`` a linear form of the program's indices, as in
+    :func:`_split_row_indices`). The page numbers are gathered once for the group's heads.
 
     Local key row ``128 k + p`` of the split is logical key row ``r = s rs + 128 k + p`` of
     sequence b: key row ``r mod ppr`` of logical block ``r // ppr``, whose page is
@@ -330,36 +372,51 @@ def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_b
     """
     B, MB = table.shape
     kr = g.kv_rows
-    i_p = nl.arange(kr)[:, None]
-    i_j = nl.arange(ipp)[None, :]
     oob = float(_oob_offset(B * MB))
     b_mb = _int_tile([(bs[0:kr, 0:ipp], MB)], kr, ipp)
-    first = nisa.tensor_scalar(cols[0:kr, ipp:2 * ipp], op0=np.multiply, operand0=float(g.rs),
-                               dtype=nl.float32)                          # s rs
+    first = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(first, cols[0:kr, ipp:2 * ipp], op0=nl.multiply,
+                       operand0=float(g.rs))                              # s rs
     table_flat = table.reshape((B * MB, 1))
-    for k in nl.affine_range(g.n_kv):
-        local = nisa.iota(k * PMAX + i_p + 0 * i_j, dtype=nl.float32)
-        beyond = nisa.tensor_tensor(local, valid[0:kr, 0:ipp], op=nl.greater_equal,
-                                    dtype=nl.float32)
-        beyond = nisa.tensor_scalar(beyond, op0=np.multiply, operand0=oob, dtype=nl.int32)
-        r = nisa.tensor_tensor(local, first, op=np.add, dtype=nl.float32)
+
+    def key_tile(k):
+        local = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(local, [[0, ipp]], offset=k * PMAX, channel_multiplier=1)
+        beyond_f = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(beyond_f, local, valid[0:kr, 0:ipp], op=nl.greater_equal)
+        beyond = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(beyond, beyond_f, op0=nl.multiply, operand0=oob)
+        r = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(r, local, first, op=nl.add)
         within = M.int_mod(r, ppr)                      # r mod ppr
-        block = nisa.tensor_scalar(nisa.tensor_tensor(r, within, op=np.subtract,
-                                                      dtype=nl.float32),
-                                   op0=np.multiply, operand0=1.0 / ppr, dtype=nl.int32)
+        block_f = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(block_f, r, within, op=nl.subtract)
+        block = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(block, block_f, op0=nl.multiply, operand0=1.0 / ppr)
         entry = _int_tile([(beyond, 1), (b_mb, 1)], kr, ipp, acc=block)
         page = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
         port.memset(page, num_blocks, engine="gpsimd")
-        for j in nl.affine_range(ipp):
+
+        def table_entry(j):
             port.dma_copy(page[0:kr, nl.ds(j, 1)], port.rows(table_flat, entry, j),
                           oob_skip=True)
+
+        port.loop(ipp, table_entry)
         # page Hkv ppr + r mod ppr, then + h ppr per head
-        rows = _int_tile([(page, Hkv * ppr), (nisa.tensor_copy(within, dtype=nl.int32), 1)],
-                         kr, ipp)
-        for hh in nl.affine_range(hpp):
-            idx[i_p, (hh * ipp + i_j) * g.n_kv + k] = nisa.tensor_tensor(
-                nisa.iota((h0 + hh) * ppr + 0 * i_p + 0 * i_j, dtype=nl.int32), rows,
-                op=np.add, dtype=nl.int32)
+        within_i = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_copy(within_i, within)
+        rows = _int_tile([(page, Hkv * ppr), (within_i, 1)], kr, ipp)
+
+        def head(hh):
+            h_rows = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
+            port.iota(h_rows, [[0, ipp]], runtime=_terms(h0, ppr) + [(hh, ppr)],
+                      offsets=offsets)
+            port.tensor_tensor(idx[0:kr, nl.ds(_idx_col(k, hh * ipp, hpp * ipp), ipp)], h_rows,
+                               rows, op=nl.add)
+
+        port.loop(hpp, head)
+
+    port.unroll(g.n_kv, key_tile)
 
 
 def _zero_source(g, mm, items):
@@ -370,28 +427,29 @@ def _zero_source(g, mm, items):
     memset (1 element/cycle) once a program fills two or more K/V tiles; trn1 memsets, split
     between VectorE (K) and GpSimd (V).
     """
-    if (nisa.get_nc_version() >= nisa.nc_version.gen3 and mm != nl.float32
-            and g.n_kv * items >= 2):
+    if port.gen3() and mm != nl.float32 and g.n_kv * items >= 2:
         zeros = nl.ndarray((g.kv_rows, g.n * g.D), dtype=mm, buffer=nl.sbuf)
         port.memset(zeros, 0, engine="gpsimd")
         return zeros
     return None
 
 
-def _gather_rows(rows_view, idx, c0, g, zeros, dst, engine):
+def _gather_rows(rows_view, idx, t, steps, g, zeros, dst, engine):
     """Zero ``dst (kv_rows, n_kv * n * D)``, then gather into it the committed key rows of one
-    split of ``rows_view`` (K or V rows), named by columns ``c0 .. c0 + n_kv`` of the row-index
-    tile ``idx`` (out-of-bounds rows are skipped and stay 0). ``zeros``: :func:`_zero_source`
-    (else a memset on ``engine``, "vector" or "gpsimd")."""
+    split of ``rows_view`` (K or V rows), named by the columns of step ``t`` (of ``steps``) of
+    the row-index tile ``idx`` (:func:`_idx_col`; out-of-bounds rows are skipped and stay 0).
+    ``zeros``: :func:`_zero_source` (else a memset on ``engine``, "vector" or "gpsimd")."""
     n, D, kv_rows = g.n, g.D, g.kv_rows
-    for k in nl.affine_range(g.n_kv):
+
+    def key_tile(k):
+        dst_k = dst[0:kv_rows, nl.ds(k * n * D, n * D)]
         if zeros is not None:
-            dst[0:kv_rows, nl.ds(k * n * D, n * D)] = nisa.tensor_copy(
-                zeros, engine=nisa.vector_engine)
+            port.tensor_copy(dst_k, zeros, engine="vector")
         else:
-            port.memset(dst[0:kv_rows, nl.ds(k * n * D, n * D)], 0, engine=engine)
-        port.dma_copy(dst[0:kv_rows, nl.ds(k * n * D, n * D)], port.rows(rows_view, idx, c0 + k),
-                      oob_skip=True)
+            port.memset(dst_k, 0, engine=engine)
+        port.dma_copy(dst_k, port.rows(rows_view, idx, _idx_col(k, t, steps)), oob_skip=True)
+
+    port.unroll(g.n_kv, key_tile)
 
 
 def _transpose_keys(k_nat, kT, g):
@@ -400,29 +458,24 @@ def _transpose_keys(k_nat, kT, g):
     n_kv * n * D)``: TensorE transposes through PSUM staging banks, copied out by ScalarE."""
     n, D, rs, kv_rows = g.n, g.D, g.rs, g.kv_rows
     per_bank = max(1, min(n, tiles.PSUM_FMAX // kv_rows))   # transposes per PSUM staging bank
-    for k in nl.affine_range(g.n_kv):
+
+    def key_tile(k):
         for dt, d0, dsz in g.d_tiles():
-            for jg in nl.static_range(tiles.ceil_div(n, per_bank)):
+            for jg in tiles.unrolled(tiles.ceil_div(n, per_bank)):
                 j0 = jg * per_bank
                 cnt = min(per_bank, n - j0)
-                kt_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
-                for jb in nl.static_range(cnt):
+                kt_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=port.transpose_dtype(kT.dtype),
+                                   buffer=nl.psum)
+                for jb in tiles.unrolled(cnt):
                     c0 = (k * n + j0 + jb) * D + d0
-                    kt_ps[0:dsz, jb * kv_rows:(jb + 1) * kv_rows] = nisa.nc_transpose(
-                        k_nat[0:kv_rows, nl.ds(c0, dsz)])
-                i_d = nl.arange(dsz)[:, None, None]
-                i_j = nl.arange(cnt)[None, :, None]
-                i_r = nl.arange(kv_rows)[None, None, :]
-                col0 = (dt * n + j0) * rs
-                kT[i_d, col0 + i_j * rs + k * PMAX + i_r] = nisa.tensor_copy(
-                    kt_ps[i_d, i_j * kv_rows + i_r], dtype=kT.dtype, engine=nisa.scalar_engine)
+                    port.nc_transpose(kt_ps[0:dsz, jb * kv_rows:(jb + 1) * kv_rows],
+                                      k_nat[0:kv_rows, nl.ds(c0, dsz)])
+                # position j0 + jj of key row k 128 + r: column (dt n + j0 + jj) rs + k 128 + r
+                port.tensor_copy(
+                    port.view(kT, 0, dsz, (dt * n + j0) * rs + k * PMAX, [[rs, cnt], [1, kv_rows]]),
+                    port.view(kt_ps, 0, dsz, 0, [[kv_rows, cnt], [1, kv_rows]]), engine="scalar")
 
-
-def _split_mask_row(valid, g):
-    """``(1, rs)`` bias of the split's key rows: 0 when committed, DECODE_MASK_BIAS past it."""
-    local = nisa.iota(nl.arange(g.rs)[None, :], dtype=nl.float32)
-    return nisa.tensor_scalar(local, op0=nl.greater_equal, operand0=valid[0:1],
-                              op1=np.multiply, operand1=NEG, dtype=_MASK_DTYPE)
+    port.unroll(g.n_kv, key_tile)
 
 
 
@@ -438,19 +491,23 @@ class _RowMods:
     def __init__(self, mods, slope_g, sink_g, G, T, rt0, rows):
         self.mods, self.G, self.T = mods, G, T
         self.slope = self.sink = None
-        i_g = nl.arange(G)[:, None]
-        i_r = nl.arange(rows)[None, :]
-        diff = nisa.iota(rt0 + i_r - T * i_g, dtype=nl.float32)            # (G, rows)
-        ge = nisa.tensor_scalar(diff, op0=nl.greater_equal, operand0=0.0, dtype=nl.float32)
-        sel = nisa.scalar_tensor_tensor(data=diff, op0=nl.less, operand0=float(T),
-                                        op1=np.multiply, operand1=ge, dtype=nl.float32)
+        diff = nl.ndarray((G, rows), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(diff, [[1, rows]], offset=rt0, channel_multiplier=-T)    # rt0 + r - T g
+        ge = nl.ndarray((G, rows), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(ge, diff, op0=nl.greater_equal, operand0=0.0)
+        sel = nl.ndarray((G, rows), dtype=nl.float32, buffer=nl.sbuf)
+        port.scalar_tensor_tensor(sel, diff, op0=nl.less, operand0=float(T), op1=nl.multiply,
+                                  operand1=ge)
         for name, col in (("slope", slope_g), ("sink", sink_g)):
             if col is not None:
                 ps = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.psum)
-                ps[...] = nisa.nc_matmul(sel, col)
-                setattr(self, name, nisa.tensor_copy(ps, dtype=nl.float32,
-                                                     engine=nisa.vector_engine))
-        self.t = M.int_mod(nisa.iota(rt0 + nl.arange(rows)[:, None], dtype=nl.float32), T)
+                port.nc_matmul(ps, sel, col)
+                val = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+                port.tensor_copy(val, ps, engine="vector")
+                setattr(self, name, val)
+        row = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(row, [[0, 1]], offset=rt0, channel_multiplier=1)
+        self.t = M.int_mod(row, T)
 
 
 def _member_values(values):
@@ -463,30 +520,35 @@ def _member_values(values):
             values.reshape((total, 1)))
 
 
-def _member_column(values, b, h, G):
+def _member_column(values, b, h, G, offsets):
     """fp32 ``(G, 1)``: ``values[b, h G + g]`` of an HBM ``(Hq,)`` or ``(1 or B, Hq)`` fp32
-    tensor (``b`` an NKI expression), by an indirect DMA."""
+    tensor (``b``, ``h``: linear forms of the program's indices, read from ``offsets`` under
+    nki.*), by an indirect DMA."""
     Hq, per_batch, flat = _member_values(values)
-    i_g = nl.arange(G)[:, None]
-    idx = nisa.iota((b * Hq if per_batch else 0) + h * G + i_g, dtype=nl.int32)
+    idx = nl.ndarray((G, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.iota(idx, [[0, 1]], channel_multiplier=1,
+              runtime=(_terms(b, Hq) if per_batch else []) + _terms(h, G), offsets=offsets)
     out = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.memset(out, 0.0, engine="gpsimd")
     port.dma_copy(out, port.rows(flat, idx), oob_skip=True)
     return out
 
 
-def _member_columns(values, bs, h, G, ipp, out, col0):
+def _member_columns(values, bs, h, G, ipp, out, col0, offsets):
     """Columns ``col0 + j`` of the fp32 ``(G, ...)`` tile ``out`` (zeroed by the caller):
     ``values[b_j, h G + g]`` of an HBM ``(Hq,)`` or ``(1 or B, Hq)`` fp32 tensor, by indirect
     DMAs (``bs``: int32 ``b | s`` columns; a padding item's b = B reads out of bounds,
-    skipped: 0)."""
+    skipped: 0; ``h`` as in :func:`_member_column`)."""
     Hq, per_batch, flat = _member_values(values)
-    i_g = nl.arange(G)[:, None]
-    idx = nisa.iota(h * G + i_g + 0 * nl.arange(ipp)[None, :], dtype=nl.int32)
+    idx = nl.ndarray((G, ipp), dtype=nl.int32, buffer=nl.sbuf)
+    port.iota(idx, [[0, ipp]], channel_multiplier=1, runtime=_terms(h, G), offsets=offsets)
     if per_batch:
         idx = _int_tile([(bs[0:G, 0:ipp], Hq)], G, ipp, acc=idx)
-    for j in nl.affine_range(ipp):
+
+    def item(j):
         port.dma_copy(out[0:G, nl.ds(col0 + j, 1)], port.rows(flat, idx, j), oob_skip=True)
+
+    port.loop(ipp, item)
 
 
 def _modified(mods, src, mask_ps, pos, slope, cap):
@@ -572,11 +634,9 @@ def _packed_queries(qT, rows, g, mm):
     for dt, d0, dsz in g.d_tiles():
         # the pack diagonal blocks at column (dt pack + c) P + c rows = dt pack P + c (P + rows)
         # in one copy: a stride-(P + rows) destination, the source broadcast over c
-        i_d = nl.arange(dsz)[:, None, None]
-        i_c = nl.arange(g.pack)[None, :, None]
-        i_r = nl.arange(rows)[None, None, :]
-        qbd[i_d, dt * g.pack * P + i_c * (P + rows) + i_r] = nisa.tensor_copy(
-            qT[i_d, dt * rows + i_r], engine=nisa.gpsimd_engine)
+        port.tensor_copy(port.view(qbd, 0, dsz, dt * g.pack * P, [[P + rows, g.pack], [1, rows]]),
+                         port.view(qT, 0, dsz, dt * rows, [[0, g.pack], [1, rows]]),
+                         engine="gpsimd")
     return qbd
 
 
@@ -596,7 +656,7 @@ def _split_scores(qbd, kT, mask_row, g, P, mask_apart=False):
              for _ in tiles.unrolled(g.n_banks)]
     mask_banks = None
     if mask_row is not None:
-        ones = nl.ones((1, P), dtype=_MASK_DTYPE, buffer=nl.sbuf)
+        ones = nl.ones((1, P), dtype=_mask_dtype(), buffer=nl.sbuf)
         if mask_apart:
             mask_banks = [nl.ndarray((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
                           for _ in tiles.unrolled(g.n_banks)]
@@ -646,29 +706,32 @@ def _row_max(banks, g, rows, P, e):
     back, and ``E^T``-broadcast it to every copy with a K=rows matmul.
     """
     m_cols = nl.ndarray((P, g.n_banks), dtype=nl.float32, buffer=nl.sbuf)
-    for bank in nl.static_range(g.n_banks):
-        m_cols[0:P, bank:bank + 1] = nisa.tensor_reduce(
-            np.max, banks[bank][0:P, 0:g.bank_cols[bank]], axis=(1,), keepdims=True)
+    for bank in tiles.unrolled(g.n_banks):
+        port.tensor_reduce(m_cols[0:P, bank:bank + 1], nl.maximum,
+                           banks[bank][0:P, 0:g.bank_cols[bank]], axis=(1,))
     if g.n_banks > 1:
-        m_p = nisa.tensor_reduce(np.max, m_cols, axis=(1,), keepdims=True)
+        m_p = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_reduce(m_p, nl.maximum, m_cols, axis=(1,))
     else:
         m_p = m_cols
     if g.pack == 1:
-        neg = nisa.tensor_scalar(m_p, op0=np.multiply, operand0=-1.0, dtype=nl.float32)
+        neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(neg, m_p, op0=nl.multiply, operand0=-1.0)
         return m_p, neg
-    mt_ps = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.psum)
-    mt_ps[0:1, 0:P] = nisa.nc_transpose(m_p[0:P, 0:1])
-    i_0 = nl.arange(1)[:, None, None]
-    i_r = nl.arange(rows)[None, :, None]
-    i_c = nl.arange(g.pack)[None, None, :]
-    m_row = nisa.tensor_reduce(np.max, mt_ps[i_0, i_c * rows + i_r], axis=(2,),
-                               dtype=nl.float32)                               # (1, rows)
-    mc_ps = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.psum)
-    mc_ps[0:rows, 0:1] = nisa.nc_transpose(m_row[0:1, 0:rows])
-    m_col = nisa.tensor_copy(mc_ps, dtype=nl.float32, engine=nisa.vector_engine)
+    mt_ps = nl.ndarray((1, P), dtype=port.transpose_dtype(nl.float32), buffer=nl.psum)
+    port.nc_transpose(mt_ps[0:1, 0:P], m_p[0:P, 0:1])
+    m_row = nl.ndarray((1, rows), dtype=nl.float32, buffer=nl.sbuf)
+    # (1, rows, pack): element [0, r, c] is copy c of row r, column c rows + r
+    port.tensor_reduce(m_row, nl.maximum, port.view(mt_ps, 0, 1, 0, [[1, rows], [rows, g.pack]]),
+                       axis=(2,))
+    mc_ps = nl.ndarray((rows, 1), dtype=port.transpose_dtype(nl.float32), buffer=nl.psum)
+    port.nc_transpose(mc_ps[0:rows, 0:1], m_row[0:1, 0:rows])
+    m_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_copy(m_col, mc_ps, engine="vector")
     bc_ps = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
-    bc_ps[0:P, 0:1] = nisa.nc_matmul(e, m_col)
-    neg = nisa.tensor_scalar(bc_ps, op0=np.multiply, operand0=-1.0, dtype=nl.float32)
+    port.nc_matmul(bc_ps[0:P, 0:1], e, m_col)
+    neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(neg, bc_ps, op0=nl.multiply, operand0=-1.0)
     return m_col, neg
 
 
@@ -774,34 +837,38 @@ def _split_mods(banks, mask_banks, g, rows, P, rm, e, cap):
         slope = rm.slope
         if g.pack > 1:
             ps = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
-            ps[...] = nisa.nc_matmul(e, rm.slope)
-            slope = nisa.tensor_copy(ps, dtype=nl.float32, engine=nisa.vector_engine)
+            port.nc_matmul(ps, e, rm.slope)
+            slope = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_copy(slope, ps, engine="vector")
             # copy index c = #{k in 1 .. pack - 1 : p >= k rows}
-            above = nisa.tensor_scalar(
-                nisa.iota(nl.arange(P)[:, None] - rows * (nl.arange(g.pack - 1)[None, :] + 1),
-                          dtype=nl.float32), op0=nl.greater_equal, operand0=0.0,
-                dtype=nl.float32)
-            c_col = nisa.tensor_reduce(np.add, above, axis=(1,), keepdims=True,
-                                       dtype=nl.float32)
+            p_minus = nl.ndarray((P, g.pack - 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.iota(p_minus, [[-rows, g.pack - 1]], offset=-rows, channel_multiplier=1)
+            above = nl.ndarray((P, g.pack - 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(above, p_minus, op0=nl.greater_equal, operand0=0.0)
+            c_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_reduce(c_col, nl.add, above, axis=(1,))
     out = [nl.ndarray((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.sbuf)
            for _ in tiles.unrolled(g.n_banks)]
+    # each piece is modified into its own tile, then copied into place (VectorE)
     if not mods.alibi:
-        for bank in nl.static_range(g.n_banks):
+        for bank in tiles.unrolled(g.n_banks):
             w = g.bank_cols[bank]
-            out[bank][0:P, 0:w] = _modified(
+            port.tensor_copy(out[bank][0:P, 0:w], _modified(
                 mods, banks[bank][0:P, 0:w],
-                None if mask_banks is None else mask_banks[bank][0:P, 0:w], None, None, cap)
+                None if mask_banks is None else mask_banks[bank][0:P, 0:w], None, None, cap),
+                engine="vector")
         return out
     for bank, col, jj, r0, ln in g.pieces:
-        pos = nisa.iota(g.n * (r0 + nl.arange(ln)[None, :]) + jj * g.pack
-                        + 0 * nl.arange(P)[:, None], dtype=nl.float32)
+        pos = nl.ndarray((P, ln), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(pos, [[g.n, ln]], offset=g.n * r0 + jj * g.pack)
         if c_col is not None:
-            pos = nisa.tensor_scalar(pos, op0=np.add, operand0=c_col, dtype=nl.float32,
-                                     engine=nisa.gpsimd_engine)
-        out[bank][0:P, col:col + ln] = _modified(
+            pos_c = nl.ndarray((P, ln), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(pos_c, pos, op0=nl.add, operand0=c_col, engine="gpsimd")
+            pos = pos_c
+        port.tensor_copy(out[bank][0:P, col:col + ln], _modified(
             mods, banks[bank][0:P, col:col + ln],
             None if mask_banks is None else mask_banks[bank][0:P, col:col + ln], pos, slope,
-            cap)
+            cap), engine="vector")
     return out
 
 
@@ -854,10 +921,11 @@ def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, rm=None, cap=None):
     return p_sb, l_col, m_col
 
 
-def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, mm, rm=None,
-                item=None):
+def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, mm, offsets,
+                rm=None, item=None):
     """Second half (:func:`_split_front`): ``P V``, the normalization and the scatter of the
-    partial (o, lse). ``item``: ``(s_i, L)`` columns of the work item (ALiBi).
+    partial (o, lse). ``item``: ``(s_i, L)`` columns of the work item (ALiBi); ``h`` the kv
+    head, a linear form of the program's indices (read from ``offsets`` under nki.*).
 
     The item's sequence is runtime data, so the partial rows are scattered (flat row
     ``o_base + (h R + rt0 + p) S`` of the ``((B + 1) Hq T S, D)`` view: row, then slot) by
@@ -865,12 +933,14 @@ def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, m
     """
     p_sb, l_col, m_col = state
     P = g.pack * rows
-    i_p = nl.arange(rows)[:, None]
     pT = _transpose_probs(p_sb, g, P, mm)
     acc = _split_pv(v_all, pT, g, rows, P)
     o_sb = _normalize_rows(acc, l_col, rows, g)
-    o_idx = nisa.tensor_tensor(nisa.iota((h * R + rt0 + i_p) * S, dtype=nl.int32),
-                               o_base[0:rows], op=np.add, dtype=nl.int32)
+    row_slot = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.iota(row_slot, [[0, 1]], offset=rt0 * S, channel_multiplier=S,
+              runtime=_terms(h, R * S), offsets=offsets)                  # (h R + rt0 + p) S
+    o_idx = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(o_idx, row_slot, o_base[0:rows], op=nl.add)
     port.dma_copy(port.rows(o_flat, o_idx), o_sb, legacy_isa=True)
     lse = _lse_column(m_col, l_col)
     if rm is not None and rm.mods.alibi:
@@ -884,7 +954,7 @@ def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, m
 def _new_token_bias(tree_mask, T):
     """``(T, T)`` bias among the new tokens (bf16): 0 where token t sees token u, else
     DECODE_MASK_BIAS. Causal (``u <= t``) from an affine iota when ``tree_mask`` is None."""
-    bias = nl.ndarray((T, T), dtype=_MASK_DTYPE, buffer=nl.sbuf)
+    bias = nl.ndarray((T, T), dtype=_mask_dtype(), buffer=nl.sbuf)
     if tree_mask is None:
         ahead = nl.ndarray((T, T), dtype=nl.float32, buffer=nl.sbuf)
         port.iota(ahead, [[1, T]], channel_multiplier=-1)                   # u - t
@@ -905,14 +975,15 @@ def _token_selector(T, rt0, rows):
     row."""
     diff = nl.ndarray((T, rows), dtype=nl.float32, buffer=nl.sbuf)
     port.iota(diff, [[1, rows]], offset=rt0 + T, channel_multiplier=-1)    # rt0 + p - t + T
-    sel = nl.ndarray((T, rows), dtype=_MASK_DTYPE, buffer=nl.sbuf)
+    sel = nl.ndarray((T, rows), dtype=_mask_dtype(), buffer=nl.sbuf)
     port.tensor_scalar(sel, M.int_mod(diff, T), op0=nl.equal, operand0=0.0)
     return sel
 
 
-def _paged_tail_rows(paged, k_cache, lp, c, count, skip):
+def _paged_tail_rows(cfg, io, tail, lp, c, count, skip):
     """int32 ``(count, 1)``: the row of the page pools' ``(num_blocks Hkv page_size, D)`` view
-    holding logical position ``Lp + c + q`` of sequence b, kv head h, for partition q.
+    holding logical position ``Lp + c + q`` of the tail's sequence b and kv head h, for
+    partition q.
 
     Position p is offset ``p mod page_size`` of page ``block_table[b, p // page_size]`` (one
     int32 gathered per partition by indirect DMA), i.e. pool row
@@ -921,40 +992,56 @@ def _paged_tail_rows(paged, k_cache, lp, c, count, skip):
     keeps the page number ``num_blocks``, so its K/V gather is skipped as well. Negative
     positions (only ever skipped ones) are clamped to 0 first.
     """
-    table, b, h = paged
+    table = io.block_table
     B, MB = table.shape
-    num_blocks, Hkv, ps = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
-    i_q = nl.arange(count)[:, None]
-    pos = nisa.tensor_scalar(nisa.iota(c + i_q, dtype=nl.float32), op0=np.add,
-                             operand0=lp[0:count], op1=np.maximum, operand1=0.0,
-                             dtype=nl.float32)
+    num_blocks, Hkv, ps = io.k_cache.shape[0], io.k_cache.shape[1], io.k_cache.shape[2]
+    col = (count, 1)
+    pos0 = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.iota(pos0, [[0, 1]], offset=c, channel_multiplier=1)
+    pos = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(pos, pos0, op0=nl.add, operand0=lp[0:count], op1=nl.maximum, operand1=0.0)
     within = M.int_mod(pos, ps)
-    q_f = nisa.iota(i_q, dtype=nl.float32)
+    q_f = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.iota(q_f, [[0, 1]], channel_multiplier=1)
     # b MB + p // page_size = iota(b MB + q) + ((p - p mod page_size) / page_size - q)
-    block0 = nisa.tensor_tensor(pos, within, op=np.subtract, dtype=nl.float32)
-    block_q = nisa.scalar_tensor_tensor(data=block0, op0=np.multiply, operand0=1.0 / ps,
-                                        op1=np.subtract, operand1=q_f, dtype=nl.int32)
-    entry = nisa.tensor_tensor(nisa.iota(b * MB + i_q, dtype=nl.int32), block_q, op=np.add,
-                               dtype=nl.int32)
+    block0 = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(block0, pos, within, op=nl.subtract)
+    block_q = nl.ndarray(col, dtype=nl.int32, buffer=nl.sbuf)
+    port.scalar_tensor_tensor(block_q, block0, op0=nl.multiply, operand0=1.0 / ps,
+                              op1=nl.subtract, operand1=q_f)
+    first = nl.ndarray(col, dtype=nl.int32, buffer=nl.sbuf)
+    port.iota(first, [[0, 1]], channel_multiplier=1, runtime=_terms(tail.b, MB),
+              offsets=io.offsets)
+    entry = nl.ndarray(col, dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(entry, first, block_q, op=nl.add)
     if skip is not None:
-        entry = nisa.tensor_tensor(entry, skip, op=np.add, dtype=nl.int32)
-    page = nl.ndarray((count, 1), dtype=nl.int32, buffer=nl.sbuf)
+        skipped = nl.ndarray(col, dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_tensor(skipped, entry, skip, op=nl.add)
+        entry = skipped
+    page = nl.ndarray(col, dtype=nl.int32, buffer=nl.sbuf)
     port.memset(page, num_blocks, engine="gpsimd")
     table_flat = table.reshape((B * MB, 1))
     port.dma_copy(page, port.rows(table_flat, entry), oob_skip=True)
     # h page_size + p mod page_size = iota(h page_size + q) + (p mod page_size - q)
-    offset = nisa.tensor_tensor(nisa.iota(h * ps + i_q, dtype=nl.int32),
-                                nisa.tensor_tensor(within, q_f, op=np.subtract, dtype=nl.int32),
-                                op=np.add, dtype=nl.int32)
-    stride = nl.ndarray((count, 1), dtype=nl.int32, buffer=nl.sbuf)
+    h_q = nl.ndarray(col, dtype=nl.int32, buffer=nl.sbuf)
+    port.iota(h_q, [[0, 1]], channel_multiplier=1, runtime=_terms(tail.h, ps),
+              offsets=io.offsets)
+    within_q = nl.ndarray(col, dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(within_q, within, q_f, op=nl.subtract)
+    offset = nl.ndarray(col, dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(offset, h_q, within_q, op=nl.add)
+    stride = nl.ndarray(col, dtype=nl.int32, buffer=nl.sbuf)
     port.memset(stride, Hkv * ps, engine="gpsimd")
-    rows = nisa.tensor_tensor(page, stride, op=np.multiply, dtype=nl.int32)
-    return nisa.tensor_tensor(rows, offset, op=np.add, dtype=nl.int32)
+    rows = nl.ndarray(col, dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(rows, page, stride, op=nl.multiply)
+    out = nl.ndarray(col, dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(out, rows, offset, op=nl.add)
+    return out
 
 
-def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part, bh, slot,
-                  T, R, D, n, row_tile, scale, mm, paged=None, mods=None):
-    """Partial (o, lse) over the last positions of one (sequence, kv head), into ``slot``.
+def _tail_partial(cfg, io, tail):
+    """Partial (o, lse) of ``tail`` (:class:`_Tail`: one sequence and kv head) over its last
+    positions, into the last slot.
 
     Keys: the ``Lp mod n`` committed positions of the last, partial key row (gathered into
     ``n - 1`` slots, position ``Lp - (n - 1) + q`` in slot q; slots before the row start are
@@ -962,159 +1049,278 @@ def _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part
     ``tree_mask``. One position per partition, so the read is exact at any length. Every row
     sees at least its own token, so this partial is never empty.
 
-    ``paged``: None for a contiguous cache ``(B, Hkv, S_max, D)``, else ``(block_table, b, h)``
-    with page pools ``(num_blocks, Hkv, page_size, D)``: positions are then looked up in the
-    block table (:func:`_paged_tail_rows`).
+    Contiguous caches ``(B, Hkv, S_max, D)``, or page pools ``(num_blocks, Hkv, page_size, D)``
+    with ``io.block_table``: positions are then looked up in the block table
+    (:func:`_paged_tail_rows`).
 
-    ``mods``: None, or ``(Mods, slope_g, sink_g, G, cap)`` -- score modifiers: key column
-    ``col`` sits ``col - (n - 1) - t`` positions from new token t (ALiBi, two-sided with a tree
-    mask), the masks are kept apart from a soft-cap's tanh, and the sink (once per row, here)
-    joins this partial.
+    Score modifiers (``cfg.mods``): key column ``col`` sits ``col - (n - 1) - t`` positions
+    from new token t (ALiBi, two-sided with a tree mask), the masks are kept apart from a
+    soft-cap's tanh, and the sink (once per row, here) joins this partial.
     """
+    k_cache, v_cache, tree_mask = io.k_cache, io.v_cache, io.tree_mask
+    T, D, n, R, mm = cfg.T, cfg.D, cfg.n, cfg.R, cfg.mm
     B, Hkv, S_max = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]  # paged: pool, page
+    paged = io.block_table is not None
+    lp, rem = tail.lp, tail.rem
     ns = n - 1                      # slots of the partial key row
     C = ns + T                      # score columns: [partial row | new tokens]
     n_dt = tiles.ceil_div(D, PMAX)
     k_pos = k_cache.reshape((B * Hkv * S_max, D))
     v_pos = v_cache.reshape((B * Hkv * S_max, D))
-    if paged is None:
+    bh = _terms(tail.b, cfg.Hkv) + tail.h                   # b Hkv + h, a linear form
+    if not paged:
         oob = _oob_offset(B * Hkv * S_max)
-        lp_i = nisa.tensor_copy(lp, dtype=nl.int32, engine=nisa.vector_engine)
+        lp_i = nl.ndarray(tuple(lp.shape), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_copy(lp_i, lp, engine="vector")
     else:
-        oob = _oob_offset(paged[0].shape[0] * paged[0].shape[1])     # past the block table
+        oob = _oob_offset(io.block_table.shape[0] * io.block_table.shape[1])  # past the table
 
     # ---- new tokens at Lp + u (all valid) ----
-    i_u = nl.arange(T)[:, None]
-    if paged is None:
-        new_idx = nisa.tensor_tensor(nisa.iota(bh * S_max + i_u, dtype=nl.int32), lp_i[0:T],
-                                     op=np.add, dtype=nl.int32)
+    if not paged:
+        new_row = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.iota(new_row, [[0, 1]], channel_multiplier=1, runtime=_terms(bh, S_max),
+                  offsets=io.offsets)                                   # bh S_max + u
+        new_idx = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_tensor(new_idx, new_row, lp_i[0:T], op=nl.add)
     else:
-        new_idx = _paged_tail_rows(paged, k_cache, lp, 0, T, None)
+        new_idx = _paged_tail_rows(cfg, io, tail, lp, 0, T, None)
     k_new = nl.ndarray((T, D), dtype=mm, buffer=nl.sbuf)
     # [V | flag]: a new token's value may be hidden from some rows (causal or tree mask), so
     # its non-finite entries are zeroed and flagged (forward.guard_values): a row that gives
     # it weight gets NaN, the others never compute 0 * inf
     v_new = nl.ndarray((T, D + 1), dtype=mm, buffer=nl.sbuf)
     port.dma_copy(k_new, port.rows(k_pos, new_idx), oob_skip=True)
-    port.dma_copy(v_new[:, 0:D], port.rows(v_pos, new_idx), oob_skip=True)
-    v_new[:, D:D + 1] = nisa.tensor_reduce(np.max, M.zero_non_finite(v_new[:, 0:D])[0],
-                                           axis=(1,), keepdims=True, dtype=mm)
+    port.dma_copy(v_new[0:T, 0:D], port.rows(v_pos, new_idx), oob_skip=True)
+    port.tensor_reduce(v_new[0:T, D:D + 1], nl.maximum, M.zero_non_finite(v_new[0:T, 0:D])[0],
+                       axis=(1,))
     if ns > 0:
         # slot q is committed and in the partial row iff q >= (n - 1) - (Lp mod n)
-        i_q = nl.arange(ns)[:, None]
-        first = nisa.tensor_scalar(rem, op0=np.subtract, operand0=float(ns), reverse0=True,
-                                   dtype=nl.float32)                 # (n - 1) - rem
-        slot_col = nisa.iota(i_q, dtype=nl.float32)
-        before = nisa.tensor_scalar(slot_col, op0=nl.less, operand0=first[0:ns],
-                                    op1=np.multiply, operand1=float(oob), dtype=nl.int32)
-        if paged is None:
-            pos = nisa.tensor_tensor(nisa.iota(bh * S_max - ns + i_q, dtype=nl.int32),
-                                     lp_i[0:ns], op=np.add, dtype=nl.int32)
-            part_idx = nisa.tensor_tensor(pos, before, op=np.add, dtype=nl.int32)
+        first = nl.ndarray(tuple(rem.shape), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(first, rem, op0=nl.subtract, operand0=float(ns),
+                           reverse0=True)                                # (n - 1) - rem
+        slot_col = nl.ndarray((ns, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(slot_col, [[0, 1]], channel_multiplier=1)
+        before = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(before, slot_col, op0=nl.less, operand0=first[0:ns],
+                           op1=nl.multiply, operand1=float(oob))
+        if not paged:
+            part_row = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.iota(part_row, [[0, 1]], offset=-ns, channel_multiplier=1,
+                      runtime=_terms(bh, S_max), offsets=io.offsets)   # bh S_max - ns + q
+            pos = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_tensor(pos, part_row, lp_i[0:ns], op=nl.add)
+            part_idx = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_tensor(part_idx, pos, before, op=nl.add)
         else:
-            part_idx = _paged_tail_rows(paged, k_cache, lp, -ns, ns, before)
+            part_idx = _paged_tail_rows(cfg, io, tail, lp, -ns, ns, before)
         k_part = nl.ndarray((ns, D), dtype=mm, buffer=nl.sbuf)
         port.memset(k_part, 0, engine="gpsimd")
         v_part = nl.ndarray((ns, D), dtype=mm, buffer=nl.sbuf)
         port.memset(v_part, 0, engine="gpsimd")
         port.dma_copy(k_part, port.rows(k_pos, part_idx), oob_skip=True)
         port.dma_copy(v_part, port.rows(v_pos, part_idx), oob_skip=True)
-        slot_row = nisa.iota(nl.arange(ns)[None, :], dtype=nl.float32)
-        part_bias = nisa.tensor_scalar(slot_row, op0=nl.less, operand0=first[0:1],
-                                       op1=np.multiply, operand1=NEG, dtype=_MASK_DTYPE)
+        slot_row = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(slot_row, [[1, ns]])
+        part_bias = nl.ndarray((1, ns), dtype=_mask_dtype(), buffer=nl.sbuf)
+        port.tensor_scalar(part_bias, slot_row, op0=nl.less, operand0=first[0:1],
+                           op1=nl.multiply, operand1=NEG)
 
     # ---- K^T of all C keys ----
     kT = nl.ndarray((PMAX, n_dt * C), dtype=mm, buffer=nl.sbuf)
-    for dt in nl.static_range(n_dt):
+    for dt in tiles.unrolled(n_dt):
         d0 = dt * PMAX
         dsz = min(PMAX, D - d0)
-        t_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
+        t_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=port.transpose_dtype(mm),
+                          buffer=nl.psum)
         if ns > 0:
-            t_ps[0:dsz, 0:ns] = nisa.nc_transpose(k_part[0:ns, d0:d0 + dsz])
-        t_ps[0:dsz, ns:C] = nisa.nc_transpose(k_new[0:T, d0:d0 + dsz])
-        kT[0:dsz, dt * C:(dt + 1) * C] = nisa.tensor_copy(t_ps[0:dsz, 0:C], dtype=mm,
-                                                          engine=nisa.scalar_engine)
+            port.nc_transpose(t_ps[0:dsz, 0:ns], k_part[0:ns, d0:d0 + dsz])
+        port.nc_transpose(t_ps[0:dsz, ns:C], k_new[0:T, d0:d0 + dsz])
+        port.tensor_copy(kT[0:dsz, dt * C:(dt + 1) * C], t_ps[0:dsz, 0:C], engine="scalar")
     new_bias = _new_token_bias(tree_mask, T)
 
-    for _, rt0, rows in _row_tiles(R, row_tile):
-        q_nat = nl.ndarray((rows, D), dtype=q_rows.dtype, buffer=nl.sbuf)
-        port.dma_copy(q_nat, q_rows[nl.ds(bh * R + rt0, rows), 0:D])
-        qT = _scaled_query_t(q_nat, rows, D, n_dt, scale, mm)
-        s_ps = nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
-        s_ps[0:rows, 0:C] = nisa.nc_matmul(qT[0:min(PMAX, D), 0:rows], kT[0:min(PMAX, D), 0:C])
-        for dt in nl.static_range(1, n_dt):
-            dsz = min(PMAX, D - dt * PMAX)
-            s_ps[0:rows, 0:C] += nisa.nc_matmul(qT[0:dsz, dt * rows:(dt + 1) * rows],
-                                                kT[0:dsz, dt * C:(dt + 1) * C])
-        rm = None if mods is None else _RowMods(mods[0], mods[1], mods[2], mods[3], T, rt0,
-                                                rows)
-        # the masks in their own PSUM tile, applied by selection after the modifiers: a
-        # non-finite key a row cannot see (a later new token) never reaches it, and a tanh
-        # cannot flatten them
-        mk_ps = nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
-        if ns > 0:
-            ones = nl.ones((1, rows), dtype=_MASK_DTYPE, buffer=nl.sbuf)
-            mk_ps[0:rows, 0:ns] = nisa.nc_matmul(ones, part_bias)
-        mk_ps[0:rows, ns:C] = nisa.nc_matmul(_token_selector(T, rt0, rows), new_bias)
-        scores = None
-        if rm is not None and rm.mods.transforms:
-            d = slope = None
-            if rm.mods.alibi:
-                d = nisa.tensor_scalar(
-                    nisa.iota(nl.arange(C)[None, :] - ns + 0 * nl.arange(rows)[:, None],
-                              dtype=nl.float32),
-                    op0=np.subtract, operand0=rm.t, dtype=nl.float32)
-                slope = rm.slope
-                if tree_mask is not None:      # a tree may let a token see a later one
-                    d = nisa.activation(op=nl.abs, data=d, dtype=nl.float32)
-                    slope = nisa.tensor_scalar(rm.slope, op0=np.multiply, operand0=-1.0,
-                                               dtype=nl.float32)
-            scores = _modified(rm.mods, s_ps[0:rows, 0:C], None, d, slope, mods[4])
-        if scores is None:
-            scores = nisa.tensor_copy(s_ps[0:rows, 0:C], dtype=nl.float32,
-                                      engine=nisa.vector_engine)
-        hidden = nisa.tensor_scalar(mk_ps[0:rows, 0:C], op0=nl.less, operand0=0.0,
-                                    dtype=nl.uint8)
-        nisa.tensor_copy_predicated(src=NEG, dst=scores, predicate=hidden)
+    for _, rt0, rows in _row_tiles(R, cfg.row_tile):
+        _tail_rows(cfg, io, tail, bh, kT, (k_new, v_new, v_part if ns > 0 else None),
+                   (part_bias if ns > 0 else None, new_bias), rt0, rows)
 
-        m = nisa.tensor_reduce(np.max, scores, axis=(1,), keepdims=True)
-        neg_m = nisa.activation(op=nl.copy, data=m, scale=-1.0, dtype=nl.float32)
-        l_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-        p_sb = nisa.activation_reduce(op=np.exp, data=scores, reduce_op=np.add,
-                                      reduce_res=l_col, bias=neg_m, scale=1.0, dtype=mm)
-        pt_ps = nl.ndarray((PMAX, 2 * PMAX), dtype=nl.float32, buffer=nl.psum)
-        if ns > 0:
-            pt_ps[0:ns, 0:rows] = nisa.nc_transpose(p_sb[0:rows, 0:ns])
-        pt_ps[0:T, PMAX:PMAX + rows] = nisa.nc_transpose(p_sb[0:rows, ns:C])
-        o_ps = nl.ndarray((rows, D + 1), dtype=nl.float32, buffer=nl.psum)
-        pt_new = nisa.activation(op=nl.copy, data=pt_ps[0:T, PMAX:PMAX + rows], dtype=mm)
-        o_ps[0:rows, 0:D + 1] = nisa.nc_matmul(pt_new, v_new)
-        if ns > 0:
-            pt_part = nisa.activation(op=nl.copy, data=pt_ps[0:ns, 0:rows], dtype=mm)
-            o_ps[0:rows, 0:D] += nisa.nc_matmul(pt_part, v_part)
 
-        inv_l = nisa.reciprocal(l_col)
-        # rows that weighed a flagged value: times NaN
-        poison = nisa.tensor_scalar(o_ps[0:rows, D:D + 1], op0=nl.greater, operand0=0.0,
-                                    dtype=nl.uint8)
-        nisa.tensor_copy_predicated(src=float("nan"), dst=inv_l, predicate=poison)
-        o_sb = nisa.activation(op=nl.copy, data=o_ps[0:rows, 0:D], scale=inv_l,
-                               dtype=nl.float32)
-        row0 = bh * R + rt0
-        log_l = nisa.activation(op=nl.log, data=l_col, dtype=nl.float32)
-        lse = nisa.tensor_tensor(m, log_l, op=np.add, dtype=nl.float32)
-        if rm is not None and rm.sink is not None:
-            o_sb, lse = _with_sink(o_sb, lse, rm.sink, rows)
-        port.dma_copy(o_part[nl.ds(row0, rows), slot, 0:D], o_sb)
-        port.dma_copy(lse_part[nl.ds(row0, rows), nl.ds(slot, 1)], lse)
+def _tail_rows(cfg, io, tail, bh, kT, values, biases, rt0, rows):
+    """One row tile of :func:`_tail_partial`: query rows ``rt0 .. rt0 + rows`` of the kv head
+    against the tail's ``C = n - 1 + T`` keys (``kT``, ``values``: ``(k_new, v_new | flag,
+    v_part or None)``, ``biases``: ``(part_bias or None, new_bias)``)."""
+    T, D, n, R, mm = cfg.T, cfg.D, cfg.n, cfg.R, cfg.mm
+    ns = n - 1
+    C = ns + T
+    n_dt = tiles.ceil_div(D, PMAX)
+    _, v_new, v_part = values
+    part_bias, new_bias = biases
+    row0 = _expr(bh) * R + rt0
+    q_nat = nl.ndarray((rows, D), dtype=io.q_rows.dtype, buffer=nl.sbuf)
+    port.dma_copy(q_nat, io.q_rows[nl.ds(row0, rows), 0:D])
+    qT = _scaled_query_t(q_nat, rows, D, n_dt, cfg.scale, mm)
+    s_ps = nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
+    port.nc_matmul(s_ps[0:rows, 0:C], qT[0:min(PMAX, D), 0:rows], kT[0:min(PMAX, D), 0:C])
+    for dt in tiles.unrolled(1, n_dt):
+        dsz = min(PMAX, D - dt * PMAX)
+        port.nc_matmul(s_ps[0:rows, 0:C], qT[0:dsz, dt * rows:(dt + 1) * rows],
+                       kT[0:dsz, dt * C:(dt + 1) * C], accumulate=True)
+    rm = (None if cfg.mods == SM.Mods() else
+          _RowMods(cfg.mods, tail.slope_g, tail.sink_g, cfg.G, T, rt0, rows))
+    # the masks in their own PSUM tile, applied by selection after the modifiers: a
+    # non-finite key a row cannot see (a later new token) never reaches it, and a tanh
+    # cannot flatten them
+    mk_ps = nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
+    if ns > 0:
+        ones = nl.ones((1, rows), dtype=_mask_dtype(), buffer=nl.sbuf)
+        port.nc_matmul(mk_ps[0:rows, 0:ns], ones, part_bias)
+    port.nc_matmul(mk_ps[0:rows, ns:C], _token_selector(T, rt0, rows), new_bias)
+    scores = None
+    if rm is not None and rm.mods.transforms:
+        d = slope = None
+        if rm.mods.alibi:
+            col = nl.ndarray((rows, C), dtype=nl.float32, buffer=nl.sbuf)
+            port.iota(col, [[1, C]], offset=-ns)
+            d = nl.ndarray((rows, C), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(d, col, op0=nl.subtract, operand0=rm.t)
+            slope = rm.slope
+            if io.tree_mask is not None:      # a tree may let a token see a later one
+                d_abs = nl.ndarray((rows, C), dtype=nl.float32, buffer=nl.sbuf)
+                port.activation(d_abs, nl.abs, d)
+                d = d_abs
+                slope = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+                port.tensor_scalar(slope, rm.slope, op0=nl.multiply, operand0=-1.0)
+        scores = _modified(rm.mods, s_ps[0:rows, 0:C], None, d, slope, cfg.mods.softcap)
+    if scores is None:
+        scores = nl.ndarray((rows, C), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_copy(scores, s_ps[0:rows, 0:C], engine="vector")
+    hidden = nl.ndarray((rows, C), dtype=nl.uint8, buffer=nl.sbuf)
+    port.tensor_scalar(hidden, mk_ps[0:rows, 0:C], op0=nl.less, operand0=0.0)
+    port.tensor_copy_predicated(scores, NEG, hidden)
+
+    m = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_reduce(m, nl.maximum, scores, axis=(1,))
+    neg_m = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(neg_m, nl.copy, m, scale=-1.0)
+    l_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    p_sb = nl.ndarray((rows, C), dtype=mm, buffer=nl.sbuf)
+    port.activation_reduce(p_sb, nl.exp, scores, reduce_op=nl.add, reduce_res=l_col,
+                           bias=neg_m)
+    pt_ps = nl.ndarray((PMAX, 2 * PMAX), dtype=port.transpose_dtype(mm), buffer=nl.psum)
+    if ns > 0:
+        port.nc_transpose(pt_ps[0:ns, 0:rows], p_sb[0:rows, 0:ns])
+    port.nc_transpose(pt_ps[0:T, PMAX:PMAX + rows], p_sb[0:rows, ns:C])
+    o_ps = nl.ndarray((rows, D + 1), dtype=nl.float32, buffer=nl.psum)
+    pt_new = nl.ndarray((T, rows), dtype=mm, buffer=nl.sbuf)
+    port.activation(pt_new, nl.copy, pt_ps[0:T, PMAX:PMAX + rows])
+    port.nc_matmul(o_ps[0:rows, 0:D + 1], pt_new, v_new)
+    if ns > 0:
+        pt_part = nl.ndarray((ns, rows), dtype=mm, buffer=nl.sbuf)
+        port.activation(pt_part, nl.copy, pt_ps[0:ns, 0:rows])
+        port.nc_matmul(o_ps[0:rows, 0:D], pt_part, v_part, accumulate=True)
+
+    inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.reciprocal(inv_l, l_col)
+    # rows that weighed a flagged value: times NaN
+    poison = nl.ndarray((rows, 1), dtype=nl.uint8, buffer=nl.sbuf)
+    port.tensor_scalar(poison, o_ps[0:rows, D:D + 1], op0=nl.greater, operand0=0.0)
+    port.tensor_copy_predicated(inv_l, float("nan"), poison)
+    o_sb = nl.ndarray((rows, D), dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(o_sb, nl.copy, o_ps[0:rows, 0:D], scale=inv_l)
+    log_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(log_l, nl.log, l_col)
+    lse = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(lse, m, log_l, op=nl.add)
+    if rm is not None and rm.sink is not None:
+        o_sb, lse = _with_sink(o_sb, lse, rm.sink, rows)
+    slot = cfg.S - 1
+    port.dma_copy(io.o_part[nl.ds(row0, rows), slot, 0:D], o_sb)
+    port.dma_copy(io.lse_part[nl.ds(row0, rows), nl.ds(slot, 1)], lse)
 
 
 # ============================================================================================
 # Phase 1 kernel
 # ============================================================================================
-def _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_slopes, o_part,
-                 lse_part, mods, hg, c, B, Hkv, R, S, T, G, n, split_rows, pack, row_tile, ipp,
-                 hpp, scale, mm):
+class _Config(NamedTuple):
+    """Compile-time facts of one split-kernel launch (plain Python values)."""
+
+    B: int
+    Hq: int
+    Hkv: int
+    G: int              # query heads per kv head
+    T: int              # new tokens per sequence
+    D: int
+    R: int              # query rows per kv head, G T
+    S: int              # partial slots per query row, num_splits + 1 (the last: the tail)
+    n: int              # key row
+    split_rows: int     # key rows per split
+    pack: int
+    row_tile: int
+    ipp: int            # work items per chunk program
+    hpp: int            # kv heads per program
+    scale: float
+    mm: object          # matmul operand dtype (of the namespace being traced)
+    mods: object        # score_mods.Mods
+
+
+class _Tensors(NamedTuple):
+    """The kernel's HBM tensors (inputs as given, q as ``(B Hkv R, D)`` rows; optional ones
+    None) and the runtime-offset table of the program indices (:class:`port.OffsetColumns`;
+    it holds nothing in legacy, where the indices are index expressions)."""
+
+    q_rows: object
+    k_cache: object
+    v_cache: object
+    cache_lens: object
+    work: object
+    tree_mask: object
+    block_table: object
+    alibi_slopes: object
+    sinks: object
+    o_part: object
+    lse_part: object
+    offsets: object
+
+
+class _Tail(NamedTuple):
+    """One tail program step: sequence ``b`` and kv head ``h`` (linear forms ``[(index,
+    coefficient), ...]`` of the program's indices), the committed length ``lp = L - T`` and
+    ``rem = lp mod n`` columns, and the head's ALiBi slopes / sinks ``(G, 1)`` (or None)."""
+
+    b: list
+    h: list
+    lp: object
+    rem: object
+    slope_g: object
+    sink_g: object
+
+
+def _expr(terms):
+    """The index expression ``sum c e`` of a linear form (for ``nl.ds`` starts)."""
+    out = None
+    for e, c in terms:
+        term = e if c == 1 else e * c
+        out = term if out is None else out + term
+    return 0 if out is None else out
+
+
+def _tails(cfg, io, hg, b):
+    """Tail program ``(hg, b)``: the tails of sequence ``b`` for the kv heads ``hg hpp ..
+    hg hpp + hpp - 1`` (:func:`_tail_partial`)."""
+    len_col = _length_column(io.cache_lens, b, PMAX)
+    lp, rem = _committed_split(len_col, cfg.T, cfg.n)
+
+    def head(hh):
+        h = [(hg, cfg.hpp), (hh, 1)]
+        slope_g = sink_g = None
+        if cfg.mods.alibi:
+            slope_g = _member_column(io.alibi_slopes, [(b, 1)], h, cfg.G, io.offsets)
+        if cfg.mods.sinks:
+            sink_g = _member_column(io.sinks, [(b, 1)], h, cfg.G, io.offsets)
+        _tail_partial(cfg, io, _Tail([(b, 1)], h, lp, rem, slope_g, sink_g))
+
+    port.loop(cfg.hpp, head)
+
+
+def _split_chunk(cfg, io, hg, c):
     """Chunk program ``(hg, c)`` of the split kernel: work items ``c ipp .. c ipp + ipp - 1``
     for kv heads ``hg hpp .. hg hpp + hpp - 1``, i.e. ``hpp ipp`` steps ``t = hh ipp + j``
     (head ``hh`` of the group, item j).
@@ -1124,7 +1330,7 @@ def _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_
        slopes). Every runtime-indexed read of the program is issued here, before any split is
        computed, so none of them waits behind the engines, and the chain of small DMAs and
        index arithmetic is paid once per program, not once per step.
-    2. Splits (``sequential_range`` loops over the heads and item pairs, software-pipelined:
+    2. Splits (compiled sequential loops over the heads and item pairs, software-pipelined:
        the loops carry two buffers of gathered keys, transposed keys and values): step t + 1's
        keys are transposed while step t's softmax runs, step t + 2's gathers are issued while
        steps t and t + 1 are computed, and each step scatters its partial (o, lse) when done.
@@ -1134,14 +1340,17 @@ def _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_
     Every item is treated as possibly holding uncommitted rows (zero-filled buffers, mask
     row): whether it does is runtime data.
     """
+    q_rows, k_cache, v_cache = io.q_rows, io.k_cache, io.v_cache
+    B, Hkv, R, S, T, G, n = cfg.B, cfg.Hkv, cfg.R, cfg.S, cfg.T, cfg.G, cfg.n
+    ipp, hpp, mm = cfg.ipp, cfg.hpp, cfg.mm
     Hq = G * Hkv
     S_max = k_cache.shape[2]
-    g = _SplitGeometry(q_rows.shape[1], n, split_rows, pack)
+    g = _SplitGeometry(cfg.D, n, cfg.split_rows, cfg.pack)
     D, rs, kr = g.D, g.rs, g.kv_rows
     steps = hpp * ipp
-    alibi = mods.alibi
-    h0 = hg * hpp                                       # first kv head of the group
-    if block_table is None:
+    alibi = cfg.mods.alibi
+    h0 = [(hg, hpp)]                                     # first kv head of the group
+    if io.block_table is None:
         rows_bh = S_max // n
         k_rows = k_cache.reshape((B * Hkv * rows_bh, n * D))
         v_rows = v_cache.reshape((B * Hkv * rows_bh, n * D))
@@ -1151,51 +1360,71 @@ def _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_
         k_rows = k_cache.reshape((num_blocks * Hkv * ppr, n * D))
         v_rows = v_cache.reshape((num_blocks * Hkv * ppr, n * D))
         oob = _oob_offset(num_blocks * Hkv * ppr)
-    row_tiles = _row_tiles(R, row_tile)
+    row_tiles = _row_tiles(R, cfg.row_tile)
 
     # -- 1. headers ------------------------------------------------------------------------
-    cols = _item_columns(work, cache_lens, c, ipp)           # (128, 3 ipp): b | s | L
-    valid = _valid_rows(cols, ipp, T, n, split_rows)         # (128, ipp)
-    bs = nisa.tensor_copy(cols[0:PMAX, 0:2 * ipp], dtype=nl.int32, engine=nisa.vector_engine)
-    idx = nl.ndarray((kr, (steps + 2) * g.n_kv), dtype=nl.int32, buffer=nl.sbuf)
+    cols = _item_columns(io.work, io.cache_lens, c, ipp)     # (128, 3 ipp): b | s | L
+    valid = _valid_rows(cols, ipp, T, n, rs)                 # (128, ipp)
+    bs = nl.ndarray((PMAX, 2 * ipp), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_copy(bs, cols[0:PMAX, 0:2 * ipp], engine="vector")
+    idx = nl.ndarray((kr, g.n_kv * (steps + 2)), dtype=nl.int32, buffer=nl.sbuf)
     # the two dead steps the pipeline gathers last: every row out of bounds
-    port.memset(idx[0:kr, steps * g.n_kv:(steps + 2) * g.n_kv], oob, engine="gpsimd")
-    if block_table is None:
-        _split_row_indices(valid, bs, g, ipp, hpp, h0 * rows_bh, rows_bh, Hkv * rows_bh, oob,
-                           idx)
+    dead = (idx[0:kr, steps:steps + 2] if g.n_kv == 1 else
+            port.view(idx, 0, kr, steps, [[steps + 2, g.n_kv], [1, 2]]))
+    port.memset(dead, oob, engine="gpsimd")
+    if io.block_table is None:
+        _split_row_indices(valid, bs, g, ipp, hpp, _terms(h0, rows_bh), rows_bh, Hkv * rows_bh,
+                           oob, idx, io.offsets)
     else:
-        _paged_split_row_indices(block_table, valid, cols, bs, g, ipp, hpp, h0, Hkv,
-                                 num_blocks, ppr, idx)
-    mask = nl.ndarray((1, ipp * rs), dtype=_MASK_DTYPE, buffer=nl.sbuf)
-    local = nisa.iota(nl.arange(rs)[None, :], dtype=nl.float32)
-    for j in nl.affine_range(ipp):
-        mask[0:1, nl.ds(j * rs, rs)] = nisa.tensor_scalar(
-            local, op0=nl.greater_equal, operand0=valid[0:1, nl.ds(j, 1)], op1=np.multiply,
-            operand1=NEG, dtype=_MASK_DTYPE)
+        _paged_split_row_indices(io.block_table, valid, cols, bs, g, ipp, hpp, h0, Hkv,
+                                 num_blocks, ppr, idx, io.offsets)
+    mask = nl.ndarray((1, ipp * rs), dtype=_mask_dtype(), buffer=nl.sbuf)
+    local = nl.ndarray((1, rs), dtype=nl.float32, buffer=nl.sbuf)
+    port.iota(local, [[1, rs]])
+
+    def mask_item(j):
+        port.tensor_scalar(mask[0:1, nl.ds(j * rs, rs)], local, op0=nl.greater_equal,
+                           operand0=valid[0:1, nl.ds(j, 1)], op1=nl.multiply, operand1=NEG)
+
+    port.loop(ipp, mask_item)
     slopes = None
     if alibi:
         slopes = nl.ndarray((G, steps), dtype=nl.float32, buffer=nl.sbuf)
         port.memset(slopes, 0.0, engine="gpsimd")
-        for hh in nl.affine_range(hpp):
-            _member_columns(alibi_slopes, bs, h0 + hh, G, ipp, slopes, hh * ipp)
+
+        def head_slopes(hh):
+            _member_columns(io.alibi_slopes, bs, h0 + [(hh, 1)], G, ipp, slopes, hh * ipp,
+                            io.offsets)
+
+        port.loop(hpp, head_slopes)
     # the query rows of every step (padding items gather none: their rows stay 0)
     qs = []
     for _, rt0, rows in row_tiles:
-        i_p = nl.arange(rows)[:, None]
         q_keep = nl.ndarray((rows, steps * D), dtype=q_rows.dtype, buffer=nl.sbuf)
         port.memset(q_keep, 0, engine="gpsimd")
-        for hh in nl.affine_range(hpp):
-            q_idx = _int_tile([(bs[0:rows, 0:ipp], Hkv * R)], rows, ipp,
-                              nisa.iota((h0 + hh) * R + rt0 + i_p + 0 * nl.arange(ipp)[None, :],
-                                        dtype=nl.int32))
-            for j in nl.affine_range(ipp):
+        # every head's row indices in one tile: a compiled head loop then reuses no buffer a
+        # previous head's gathers still read
+        q_idx = nl.ndarray((rows, steps), dtype=nl.int32, buffer=nl.sbuf)
+
+        def head_queries(hh, rt0=rt0, rows=rows, q_keep=q_keep, q_idx=q_idx):
+            first = nl.ndarray((rows, ipp), dtype=nl.int32, buffer=nl.sbuf)
+            port.iota(first, [[0, ipp]], offset=rt0, channel_multiplier=1,
+                      runtime=_terms(h0, R) + [(hh, R)], offsets=io.offsets)
+            _int_tile([(bs[0:rows, 0:ipp], Hkv * R)], rows, ipp, first,
+                      out=q_idx[0:rows, nl.ds(hh * ipp, ipp)])
+
+            def item(j):
                 port.dma_copy(q_keep[0:rows, nl.ds((hh * ipp + j) * D, D)],
-                              port.rows(q_rows, q_idx, j), oob_skip=True)
+                              port.rows(q_rows, q_idx, hh * ipp + j), oob_skip=True)
+
+            port.loop(ipp, item)
+
+        port.loop(hpp, head_queries)
         qs.append(q_keep)
 
     # -- 2. splits ------------------------------------------------------------------------
-    o_flat = o_part.reshape(((B + 1) * Hq * T * S, D))
-    lse_flat = lse_part.reshape(((B + 1) * Hq * T * S, 1))
+    o_flat = io.o_part.reshape(((B + 1) * Hq * T * S, D))
+    lse_flat = io.lse_part.reshape(((B + 1) * Hq * T * S, 1))
     zeros = _zero_source(g, mm, steps + 2)
     kv_cols = g.n_kv * n * D
     k_nat = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
@@ -1203,46 +1432,53 @@ def _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_
     kT = [nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
 
     def gather_k(t, b):
-        _gather_rows(k_rows, idx, t * g.n_kv, g, zeros, k_nat[b], "vector")
+        _gather_rows(k_rows, idx, t, steps, g, zeros, k_nat[b], "vector")
 
     def gather_v(t, b):
-        _gather_rows(v_rows, idx, t * g.n_kv, g, zeros, v_all[b], "gpsimd")
+        _gather_rows(v_rows, idx, t, steps, g, zeros, v_all[b], "gpsimd")
 
     def front(hh, j, b):
         """Step (hh, j)'s headers and the first half of each row tile (on ``kT[b]``)."""
         t = hh * ipp + j
-        b_i = nisa.tensor_copy(bs[0:PMAX, nl.ds(j, 1)], engine=nisa.gpsimd_engine)
-        s_i = nisa.tensor_copy(bs[0:PMAX, nl.ds(ipp + j, 1)], engine=nisa.gpsimd_engine)
-        mask_row = nisa.tensor_copy(mask[0:1, nl.ds(j * rs, rs)], engine=nisa.gpsimd_engine)
+        b_i = nl.ndarray((PMAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_copy(b_i, bs[0:PMAX, nl.ds(j, 1)], engine="gpsimd")
+        s_i = nl.ndarray((PMAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_copy(s_i, bs[0:PMAX, nl.ds(ipp + j, 1)], engine="gpsimd")
+        mask_row = nl.ndarray((1, rs), dtype=_mask_dtype(), buffer=nl.sbuf)
+        port.tensor_copy(mask_row, mask[0:1, nl.ds(j * rs, rs)], engine="gpsimd")
         slope_g = item = None
         if alibi:
-            slope_g = nisa.tensor_copy(slopes[0:G, nl.ds(t, 1)], engine=nisa.gpsimd_engine)
-            item = (s_i, nisa.tensor_copy(cols[0:PMAX, nl.ds(2 * ipp + j, 1)],
-                                          engine=nisa.gpsimd_engine))
+            slope_g = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_copy(slope_g, slopes[0:G, nl.ds(t, 1)], engine="gpsimd")
+            length = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_copy(length, cols[0:PMAX, nl.ds(2 * ipp + j, 1)], engine="gpsimd")
+            item = (s_i, length)
         states = []
         for (_, rt0, rows), q_keep in zip(row_tiles, qs):
-            q_nat = nisa.tensor_copy(q_keep[0:rows, nl.ds(t * D, D)],
-                                     engine=nisa.gpsimd_engine)
-            rm = (_RowMods(mods, slope_g, None, G, T, rt0, rows) if mods.transforms
+            q_nat = nl.ndarray((rows, D), dtype=q_rows.dtype, buffer=nl.sbuf)
+            port.tensor_copy(q_nat, q_keep[0:rows, nl.ds(t * D, D)], engine="gpsimd")
+            rm = (_RowMods(cfg.mods, slope_g, None, G, T, rt0, rows) if cfg.mods.transforms
                   else None)
-            states.append((rm, _split_front(q_nat, kT[b], mask_row, g, rows, scale, mm, rm,
-                                            mods.softcap)))
+            states.append((rm, _split_front(q_nat, kT[b], mask_row, g, rows, cfg.scale, mm, rm,
+                                            cfg.mods.softcap)))
         return b_i, s_i, item, states
 
-    def back(hh, b, head):
-        """The second half of each row tile of the step ``front`` began (on ``v_all[b]``)."""
+    def back(h, b, head):
+        """The second half of each row tile of the step ``front`` began (on ``v_all[b]``);
+        ``h`` the step's kv head (a linear form)."""
         b_i, s_i, item, states = head
         o_base = _int_tile([(b_i, Hkv * R * S), (s_i, 1)], PMAX, 1)
         for (_, rt0, rows), (rm, state) in zip(row_tiles, states):
-            _split_back(state, v_all[b], o_flat, lse_flat, o_base, g, h0 + hh, R, S, rt0, rows,
-                        mm, rm, item)
+            _split_back(state, v_all[b], o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, mm,
+                        io.offsets, rm, item)
 
-    def step(hh, j, b):
+    def step(hh, h, j, b):
+        """Step ``(hh, j)`` (``h``: its kv head) on buffer ``b``."""
         t = hh * ipp + j
         gather_k(t + 2, b)                      # k_nat[b] is free: step t's keys are in kT[b]
         head = front(hh, j, b)
         _transpose_keys(k_nat[1 - b], kT[1 - b], g)
-        back(hh, b, head)
+        back(h, b, head)
         gather_v(t + 2, b)                      # after step t's P V
 
     # Buffer b is the parity of the step: steps come in pairs (ipp even: item pairs of one
@@ -1253,30 +1489,39 @@ def _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_
     gather_v(1, 1)
     _transpose_keys(k_nat[0], kT[0], g)
     if steps == 1:
-        step(0, 0, 0)
+        step(0, h0, 0, 0)
     elif ipp % 2 == 0:
-        for hh in nl.sequential_range(hpp):
-            for jj in nl.sequential_range(ipp // 2):
-                step(hh, 2 * jj, 0)
-                step(hh, 2 * jj + 1, 1)
+        def head_items(hh):
+            def item_pair(jj):
+                step(hh, h0 + [(hh, 1)], 2 * jj, 0)
+                step(hh, h0 + [(hh, 1)], 2 * jj + 1, 1)
+
+            port.loop(ipp // 2, item_pair, carried=True)
+
+        port.loop(hpp, head_items, carried=True)
     else:
-        for hp in nl.sequential_range(hpp // 2):
-            step(2 * hp, 0, 0)
-            step(2 * hp + 1, 0, 1)
+        def head_pair(hp):
+            step(2 * hp, h0 + [(hp, 2)], 0, 0)
+            step(2 * hp + 1, h0 + [(hp, 2), (1, 1)], 0, 1)
+
+        port.loop(hpp // 2, head_pair, carried=True)
 
 
-def decode_grid(groups: int, programs: int, core_axis=None):
-    """The split kernel's launch grid ``(head groups, programs)``, with axis ``core_axis``
-    (None, 0 or 1; its size even) spread over the two NeuronCores of a trn2 logical core
-    (``nl.spmd_dim(n / 2, nl.nc(2))``: program ids stay the logical ones, so the kernel is
-    unchanged)."""
+def decode_grid(groups: int, programs: int, core_axis=None, api: str = "legacy", lnc: int = 1):
+    """The split kernel's launch grid for the namespace ``api``. Legacy: ``(head groups,
+    programs)``, with axis ``core_axis`` (None, 0 or 1; its size even) spread over the two
+    NeuronCores of a trn2 logical core (``nl.spmd_dim(n / 2, nl.nc(2))``: program ids stay the
+    logical ones, so the kernel is unchanged). nki.*: ``(lnc,)`` (``kernel[lnc]``; the kernel
+    walks the programs itself, the cores taking halves of them, :func:`port.for_programs`)."""
+    if api == "nki":
+        return (lnc,)
     dims = [groups, programs]
     if core_axis is not None:
         dims[core_axis] = nl.spmd_dim(dims[core_axis] // 2, nl.nc(2))
     return tuple(dims)
 
 
-@nki.jit
+@port.jit
 def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_mask=None,
                               block_table=None, alibi_slopes=None, sinks=None, scale=1.0,
                               mm_dtype="bfloat16", key_row=1, split_rows=1, num_splits=1,
@@ -1324,7 +1569,9 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         sinks): soft-capping and ALiBi in every partial (new token t at position ``L - T +
         t``), the sink in the tail's partial only (so the merge counts it once).
 
-    Grid ``(Hkv / heads_per_program, C + B)``, ``C = W / items_per_program``: program
+    Legacy grid ``(Hkv / heads_per_program, C + B)`` (:func:`decode_grid`; nki.*:
+    ``kernel[lnc]``, looping over the same programs, tails first), ``C = W /
+    items_per_program``: program
     ``(hg, c)`` with ``c < C`` runs work items ``c items_per_program ..`` for kv heads ``hg
     heads_per_program ..``; item ``(b, s)`` is key rows ``s * split_rows .. (s + 1) *
     split_rows`` of sequence b (positions ``n`` times that), reading only the rows entirely
@@ -1354,36 +1601,33 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
             f"items ({W}) and the kv heads ({Hkv}), and a program's steps come in pairs "
             f"(an even number of items, or 1 item and 1 or an even number of heads)")
     C = W // ipp                   # chunk programs
-    n = key_row
-    mm = _DTYPES[mm_dtype]
+    if mm_dtype not in _DTYPES:
+        raise ValueError(f"mm_dtype: expected one of {_DTYPES}, got {mm_dtype!r}")
+    # nki.*: the tails' flat rows of a contiguous cache, or their block-table entries, in fp32
+    flat = (B * Hkv * k_cache.shape[2] if block_table is None
+            else block_table.shape[0] * block_table.shape[1])
+    if flat >= tiles.FP32_EXACT_INT:
+        port.refuse_in_nki(f"flash_decode_split_kernel over {flat} >= 2^24 "
+                           f"{'cache rows' if block_table is None else 'block-table entries'} "
+                           f"(the tails' flat row numbers are fp32 there)")
     # rows of "sequence B" are a trash block for padding work items
     o_part = nl.ndarray(((B + 1) * Hq * T, S, D), dtype=nl.float32, buffer=nl.shared_hbm)
     lse_part = nl.ndarray(((B + 1) * Hq * T, S), dtype=nl.float32, buffer=nl.shared_hbm)
+    cfg = _Config(B, Hq, Hkv, Hq // Hkv, T, D, R, S, key_row, split_rows, pack, row_tile, ipp,
+                  hpp, float(scale), getattr(nl, mm_dtype),
+                  SM.check_mods(softcap, alibi_slopes, sinks))
+    # the program indices (head group, chunk, sequence, heads of a group) as data for nki.*'s
+    # compile-time iota offsets
+    io = _Tensors(q.reshape((B * Hkv * R, D)), k_cache, v_cache, cache_lens, work, tree_mask,
+                  block_table, alibi_slopes, sinks, o_part, lse_part,
+                  port.OffsetColumns(0, max(Hkv, B), 1))
 
-    hg = nl.program_id(0)
-    w = nl.program_id(1)
-    q_rows = q.reshape((B * Hkv * R, D))
-    mods = SM.check_mods(softcap, alibi_slopes, sinks)
-    G = Hq // Hkv
+    def chunk(hg, c):
+        _split_chunk(cfg, io, hg, c)
 
-    if w >= C:
-        b = w - C
-        len_col = _length_column(cache_lens, b, PMAX)
-        lp, rem = _committed_split(len_col, T, n)
-        for hh in nl.affine_range(heads_per_program):
-            h = hg * heads_per_program + hh
-            tail_mods = None
-            if mods != SM.Mods():
-                tail_mods = (mods, _member_column(alibi_slopes, b, h, G) if mods.alibi
-                             else None,
-                             _member_column(sinks, b, h, G) if mods.sinks else None, G,
-                             mods.softcap)
-            _tail_partial(q_rows, k_cache, v_cache, tree_mask, lp, rem, o_part, lse_part,
-                          b * Hkv + h, num_splits, T, R, D, n, row_tile, scale, mm,
-                          paged=None if block_table is None else (block_table, b, h),
-                          mods=tail_mods)
-    else:
-        _split_chunk(q_rows, k_cache, v_cache, cache_lens, work, block_table, alibi_slopes,
-                     o_part, lse_part, mods, hg, w, B, Hkv, R, S, T, G, n, split_rows, pack,
-                     row_tile, items_per_program, heads_per_program, scale, mm)
+    def tail(hg, b):
+        _tails(cfg, io, hg, b)
+
+    # nki.*: the tails first, their short latency-bound chains under the chunks' headers
+    port.for_program_parts((Hkv // hpp,), [(C, chunk), (B, tail)], order=(1, 0))
     return o_part, lse_part

@@ -64,6 +64,10 @@ of ``o_acc = alpha o_acc + pv``, D + 1); ScalarE 2112 (exp; alpha); GpSimd the b
 copy and the ``alpha o_acc`` rescale; plus the 2048-column P^T copy, split at a 32-column
 boundary between ScalarE (1 cycle per column) and VectorE (1/2 on trn2) so both finish
 together. trn2 N = 4096 models at ~195 us with TensorE at ~168 us (``nki-flash run``).
+Dropout adds VectorE's draw (one cycle per score, ``nisa.dropout`` has no other engine), so
+its other per-block work moves off VectorE: the softmax sums' additions and the unit numbers
+go to GpSimd, P^T copies to ScalarE (``benchmarks/forward.py``'s shape: 325.6 us against
+284.5 without dropout; VectorE busy 303 us, 273 of them the row max and the draw).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
@@ -138,13 +142,16 @@ differ:
   from a table built once per launch (:class:`port.OffsetColumns`) and compared on VectorE.
   The outputs are the same bit for bit; the nki.* program issues the skipped blocks' work;
 - *dropout*: the unit numbers that seed each 128 x 128 unit's draw are loop-index
-  expressions; 0.7 reads the indices from a table (:class:`port.OffsetColumns`) and combines
-  them on VectorE (fp32-exact below 2^24 units); ``nisa.set_rng_seed`` seeds the draw;
+  expressions; 0.7 reads the indices from a table (:class:`port.OffsetColumns`, its ``exact``
+  form) and combines them in int32 on GpSimd (exact at any size, and off VectorE, which the
+  draws keep busiest); ``nisa.set_rng_seed`` seeds the draw;
 - *runtime lengths*: the gathers and scatters are indirect DMAs (:func:`port.rows`: an
   index-tile subscript in legacy, ``.ap(vector_offset=)`` in 0.7); the flat HBM rows of a
-  program's sequence are loop-index expressions, which 0.7 reads from a table
-  (:class:`port.OffsetColumns`, fp32-exact below 2^24 rows). With dropout or ALiBi (the
-  key-length mask row) they are legacy only so far (NotImplementedError under nki.*).
+  program's sequence are loop-index expressions, which 0.7 reads from the same table (fp32
+  sums on VectorE; int32 ones with dropout, or when q, k or v has 2^24 rows or more). The
+  key-length mask row of lengths with dropout or ALiBi (:func:`masks.key_length_row`)
+  starts at a loop-index key, which 0.7 reads from the distance table
+  (:func:`port.iota_compare`).
 """
 from __future__ import annotations
 
@@ -417,8 +424,9 @@ def _and(*preds):
     return out
 
 
-class _Instance:
-    """Compile-time facts and shared constant tiles of one grid instance."""
+class Instance:
+    """Compile-time facts and shared constant tiles of one grid instance (the block-sparse
+    kernels build theirs from it too)."""
 
     def __init__(self, q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g):
         self.q, self.k, self.v, self.o, self.lse = q, k, v, o, lse
@@ -502,7 +510,7 @@ class _Instance:
         return _Splitter(self.dma_share)
 
 
-def balance_engines(f: _Instance, plan: ForwardPlan):
+def balance_engines(f: Instance, plan: ForwardPlan):
     """Choose how the P^T copies split between ScalarE and VectorE (``tiles.act_evac_share``, or
     balanced from the work of the loop nest, ``tiles.fwd_act_evac_share``; the predicated-off
     blocks of masked regions count as work: they issue)."""
@@ -553,7 +561,7 @@ class _Splitter:
         return "scalar" if self.take(n) else "vector"
 
 
-class _KV:
+class KV:
     """K^T (one tile per head-dim pass, ``[rows, n]``) and ``[V | 1]`` (``[128, n/128 blocks,
     D + 1]``; with ``kv_lens`` the last column is 1.0 for valid keys only) of ``n`` keys from
     ``base`` (an index expression), in SBUF at matmul dtype."""
@@ -562,7 +570,7 @@ class _KV:
         self.base, self.kT, self.v = base, kT, v
 
 
-class _GroupState:
+class GroupState:
     """SBUF state of a group of ``n`` query tiles (slot s = the group's s-th tile).
 
     - ``qT``: Q^T per head-dim pass, ``[d, n, rows]`` at matmul dtype.
@@ -573,7 +581,7 @@ class _GroupState:
       column 1.
     """
 
-    def __init__(self, f: _Instance, n: int, rows: int):
+    def __init__(self, f: Instance, n: int, rows: int):
         P, width = T.PMAX, f.tiles.softmax_block // f.tiles.k_tile
         self.n, self.rows = n, rows
         self.qT = [nl.ndarray((d, n, rows), dtype=f.mm, buffer=nl.sbuf) for _, d in f.d_passes]
@@ -599,19 +607,18 @@ class _GroupState:
 # ============================================================================================
 
 
-def length_tables(f: _Instance, kv_lens, q_lens):
+def length_tables(f: Instance, kv_lens, q_lens):
     """Runtime lengths of sequence b (:class:`masks.RuntimeLengths`, shared with the backward)
     and the index tables of the gathers, built once per program for every query tile and key
     block in ``[128, n]`` instructions: ``q_load``/``q_store``/``q_valid`` (column
-    :meth:`_Instance.q_col`; store only when the rows are rotated) and ``k_load`` (column =
+    :meth:`Instance.q_col`; store only when the rows are rotated) and ``k_load`` (column =
     128-key block; keys are only read). Padding positions get out-of-bounds load indices: the
     ``oob_mode.skip`` gathers never read them. With ``kv_lens`` also the key mask's fill
     (:func:`edge_key_fill`). Either namespace: the flat rows of the sequence depend on the
-    program's indices, a linear form 0.7 reads from ``f.indices`` (fp32: below 2^24 rows,
-    :func:`flash_attention_fwd`), and the gathers are :func:`port.rows` accesses."""
-    # dropout sums P from the exp and ALiBi could lift a padding key's score above the edge
-    # key's, so with either padding keys are masked on the scores (key rows)
-    key_mask = (bool(f.dropout_p) or f.mods.alibi) and kv_lens is not None
+    program's indices, a linear form 0.7 reads from ``f.indices`` (summed in int32 when the
+    rows may reach 2^24, or with dropout: :func:`flash_attention_fwd`), and the gathers are
+    :func:`port.rows` accesses."""
+    key_mask = _key_mask(f.dropout_p, f.mods, kv_lens)
     f.rt = M.RuntimeLengths(f.spec, kv_lens, q_lens, f.b, f.Nq, f.Nk, key_rows=key_mask)
     if key_mask:
         f.key_neg = M.neg_row(T.PMAX)
@@ -635,13 +642,20 @@ def length_tables(f: _Instance, kv_lens, q_lens):
         f.k_fill = edge_key_fill(f)
 
 
-def _key_rows0(f: _Instance):
+def _key_mask(dropout_p, mods: SM.Mods, kv_lens) -> bool:
+    """Whether padding keys are masked on the scores (a rank-1 ``MASK_NEG`` key row,
+    :meth:`masks.RuntimeLengths.key_mask_row`) rather than by the edge key alone: dropout sums
+    P from the exp, and ALiBi could lift a padding key's score above the edge key's."""
+    return (bool(dropout_p) or mods.alibi) and kv_lens is not None
+
+
+def _key_rows0(f: Instance):
     """The flat row of key 0 of this program's sequence in ``(B Hkv Nk, D)`` views of k and v,
     ``(b Hkv + g) Nk``, as a linear form of the program's indices (:func:`port.iota`)."""
     return [(f.b, f.Hkv * f.Nk), (f.g, f.Nk)]
 
 
-def edge_key_fill(f: _Instance):
+def edge_key_fill(f: Instance):
     """The key mask of ``kv_lens`` without a mask on the scores: ``[128, D]`` (k's dtype), the
     valid key next to the padding (:meth:`masks.RuntimeLengths.edge_key_index`; zeros when
     ``kv_len = 0``) on every partition. Key tiles start as copies of it, so every padding key
@@ -671,7 +685,7 @@ def edge_key_fill(f: _Instance):
     return fill
 
 
-def transpose_keys(f: _Instance, kT, col0, pieces, src_dtype):
+def transpose_keys(f: Instance, kT, col0, pieces, src_dtype):
     """K^T columns from natural K blocks: ``pieces`` are (column offset from ``col0`` (static),
     keys, [keys, D] tile), consecutive; TensorE transposes them several per PSUM bank, one PSUM
     -> SBUF copy per bank casts to the matmul dtype (ScalarE or VectorE, balanced). ``col0``
@@ -691,7 +705,7 @@ def transpose_keys(f: _Instance, kT, col0, pieces, src_dtype):
                              engine=split.engine(width))
 
 
-def load_piece(f: _Instance, kT, v, cb, rb, ln: int):
+def load_piece(f: Instance, kT, v, cb, rb, ln: int):
     """Keys ``[128 (cb + rb), 128 (cb + rb) + ln)`` of the frame into K^T / ``[V | 1]`` of a K/V
     tile starting at key ``128 cb``, at its 128-key block ``rb`` (``cb``, ``rb`` index
     expressions; ``ln`` static, at most ``kv_load_block``). Plain loads (the full 128-key
@@ -749,7 +763,7 @@ def load_piece(f: _Instance, kT, v, cb, rb, ln: int):
                    f.k.dtype)
 
 
-def guard_values(f: _Instance, vals, flag, sum_on_scalar: bool = False):
+def guard_values(f: Instance, vals, flag, sum_on_scalar: bool = False):
     """Keep a non-finite value to the rows that see it: zero the non-finite entries of the V
     blocks ``vals`` (``[p, n, D]``, matmul dtype, in place) and set ``flag`` (``[p, n, 1]``,
     the column after V's ones column) to 1.0 for keys that had one. P V then never computes
@@ -783,7 +797,7 @@ def guard_values(f: _Instance, vals, flag, sum_on_scalar: bool = False):
     port.tensor_scalar(flag[:, :, 0], sums, nl.not_equal, 0.0)
 
 
-def load_kv(f: _Instance, cb, n: int) -> _KV:
+def load_kv(f: Instance, cb, n: int) -> KV:
     """Load ``n`` keys (static) of K and V from key ``128 cb`` (``cb`` an index expression):
     K^T via TensorE transposes of 128-key blocks (PSUM -> SBUF copy casts to the matmul dtype),
     V as 128-key blocks ``[128, D + 1]`` whose last column is 1.0 (0.0 for padding keys with
@@ -810,10 +824,10 @@ def load_kv(f: _Instance, cb, n: int) -> _KV:
     port.loop(n // LB, piece)
     if n % LB:
         load_piece(f, kT, v, cb, (n // LB) * per, n % LB)
-    return _KV(cb * P, kT, v)
+    return KV(cb * P, kT, v)
 
 
-def load_q_rows(f: _Instance, r: int, h, t, x):
+def load_q_rows(f: Instance, r: int, h, t, x):
     """Load the ``r`` rows of query tile t (an index expression) of member head h into ``x``
     (``[r, D]``). With ``q_lens`` the rows are gathered through ``q_load`` (rotated when the
     band needs it): padding rows are never read and stay 0."""
@@ -824,7 +838,7 @@ def load_q_rows(f: _Instance, r: int, h, t, x):
         M.gather_rows(x, f.q_rows, f.q_load, f.q_col(h, t), r, f.D)
 
 
-def preload_q(f: _Instance, r: int, h, t0, n: int):
+def preload_q(f: Instance, r: int, h, t0, n: int):
     """Rows of query tiles ``t0 .. t0 + n - 1`` of member head h into the preload buffer
     ``f.xq`` (:attr:`tiles.ForwardTiles.q_preload`): issued at the start of the program, the
     loads are out of the groups' way."""
@@ -834,7 +848,7 @@ def preload_q(f: _Instance, r: int, h, t0, n: int):
     port.loop(n, one)
 
 
-def load_q(f: _Instance, st: _GroupState, s, h, t):
+def load_q(f: Instance, st: GroupState, s, h, t):
     """Q^T of query tile t (an index expression) of member head h into slot s: its rows (the
     preloaded ones, or loaded now), each 128-wide head-dim slice transposed on TensorE and
     copied out of PSUM at matmul dtype (ScalarE), times the softmax scale when the scale is not
@@ -851,7 +865,7 @@ def load_q(f: _Instance, st: _GroupState, s, h, t):
         port.activation(st.qT[pi][:, s, 0:r], nl.copy, tp, scale=f.q_scale)
 
 
-def band_predicates(f: _Instance, d0, rows: int, width: int):
+def band_predicates(f: Instance, d0, rows: int, width: int):
     """Tile-level predicates of ``rows`` query rows x ``width`` keys whose first key minus first
     row is ``d0`` (an index expression): ``(any, above, below)`` = some score is inside the
     band; some score is above its upper bound; some is below its lower bound (None: not
@@ -883,7 +897,7 @@ def contract(pairs, shape, pred=None):
     return acc
 
 
-def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, masked: bool,
+def scores(f: Instance, st: GroupState, s, i0, kv: KV, rel, j0, width: int, masked: bool,
            pred, dk: Optional[int] = None, h=None):
     """S = Q_i K_j^T for one score tile of ``width`` keys (raw scores; Q^T carries the scale only
     when it is not folded into the exp), in one PSUM bank, plus its band mask.
@@ -918,7 +932,7 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
         # dropout or ALiBi with kv_lens: padding keys must have P = 0 on the scores (the
         # softmax sums come from the exp with dropout; ALiBi lifts a padding key above its
         # edge key): MASK_NEG (x) their key row, a rank-1 TensorE add
-        key_row = f.rt.key_mask_row(j0, width)
+        key_row = f.rt.key_mask_row(j0, width, f.offsets)
         port.nc_matmul(sc, f.key_neg[0:1, 0:r], key_row[0:1, 0:width], accumulate=True,
                        mask=pred)
     s_sb = None
@@ -928,7 +942,7 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
                                    d_static=-f.spec.static_offset, offsets=f.offsets)
         if f.key_neg is not None and capped:
             # the key mask after the tanh (which would map MASK_NEG to -1): its own PSUM tile
-            key_row = f.rt.key_mask_row(j0, width)
+            key_row = f.rt.key_mask_row(j0, width, f.offsets)
             kneg = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.psum)
             port.nc_matmul(kneg, f.key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
             port.tensor_tensor(s_sb, s_sb, kneg, nl.add, mask=pred)
@@ -947,7 +961,7 @@ def scores(f: _Instance, st: _GroupState, s, i0, kv: _KV, rel, j0, width: int, m
     return s_sb
 
 
-def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
+def dropout_units(f: Instance, p, r: int, width: int, h, iu, ju, pred):
     """Attention dropout on a P block ``[r, width]`` of query tile ``iu`` (member head h) from
     128-key unit ``ju`` (index expressions): each 128 x 128 unit is zeroed with probability
     ``dropout_p`` by its own draw, the RNG reseeded with ``seed + unit`` where ``unit`` numbers
@@ -961,7 +975,7 @@ def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
     n_units = T.ceil_div(width, P)
     # the block's unit seeds at once: one iota and one int32 add (GpSimd) for all its units;
     # the first unit ((b Hq + g G + h) nqu + iu) nku + ju as a linear form of the loop indices
-    # (nki.*: read from f.indices)
+    # (nki.*: read from f.indices, summed in int32 on GpSimd)
     per_head = f.nqu * f.nku
     unit0 = [(f.b, f.Hq * per_head), (f.g, f.G * per_head), (h, per_head), (iu, f.nku),
              (ju, 1)]
@@ -991,7 +1005,7 @@ def dropout_units(f: _Instance, p, r: int, width: int, h, iu, ju, pred):
                           drawn[:, 0:kw], mask=pred)
 
 
-def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: int,
+def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
                  masked: bool, d0: Optional[int] = None, du=None, h=None, part: str = "all",
                  stage=None):
     """Fold one key block of ``width`` keys (static; from the kv tile's 128-key block ``rb``,
@@ -1011,7 +1025,11 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
 
     ``part``: "all", or "front" (scores through the exp, :func:`fold_front`) / "back" (P^T
     through the update, :func:`fold_back`) for a staged tile, whose P, alpha and row sums live
-    in the staging buffers ``stage = (p, alpha, row_sum, index)`` between the two halves.
+    in the staging buffers ``stage = (p, alpha, row_sum, index)`` between the two halves. A
+    staged tile's dropout (:func:`dropout_units`) opens its back half: in the front halves each
+    tile's draw (VectorE, one cycle per score) would wait for that tile's exp on ScalarE,
+    ahead of the next tile's row max in VectorE's queue; in the back half its input is ready,
+    and it delays only that tile's transposes (trn2 N = 4096: 450 -> 337 us modeled).
     """
     r, P = st.rows, T.PMAX
     if not masked or d0 is not None:
@@ -1023,7 +1041,10 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
     kt = f.tiles.k_tile
     widths = [min(kt, width - c0) for c0 in T.unrolled(0, width, kt)]
     if part == "back":
-        fold_back(f, st, s, staged_front(stage, r, width), widths, kv, rb, pred)
+        front = staged_front(stage, r, width)
+        if f.dropout_p:
+            dropout_units(f, front[0], r, width, *du, pred)
+        fold_back(f, st, s, front, widths, kv, rb, pred)
         return
     s_tiles = [scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked, pred,
                       None if d0 is None else d0 + n * kt, h)
@@ -1033,7 +1054,7 @@ def attend_block(f: _Instance, st: _GroupState, s, i0, kv: _KV, rb, j0, width: i
         def drop(p, r_, w_, pr):
             dropout_units(f, p, r_, w_, *du, pr)
     if part == "front":
-        fold_front(f, st, s, s_tiles, widths, pred, drop, staged_front(stage, r, width))
+        fold_front(f, st, s, s_tiles, widths, pred, out=staged_front(stage, r, width))
         return
     fold_block(f, st, s, s_tiles, widths, kv, rb, pred, drop)
 
@@ -1046,7 +1067,7 @@ def staged_front(stage, rows: int, width: int):
             None if r_buf is None else r_buf[0:rows, k, :])
 
 
-def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, pred, drop=None):
+def fold_block(f: Instance, st: GroupState, s, s_tiles, widths, kv: KV, rb, pred, drop=None):
     """The online-softmax update of slot s by one key block whose raw score tiles (masks
     already added) are ``s_tiles`` (PSUM, ``widths`` keys each, consecutive keys from the K/V
     tile's 128-key block ``rb``): new max, ``P = exp(...)``, alpha, ``pv = P [V | 1]``,
@@ -1056,10 +1077,11 @@ def fold_block(f: _Instance, st: _GroupState, s, s_tiles, widths, kv: _KV, rb, p
     fold_back(f, st, s, fold_front(f, st, s, s_tiles, widths, pred, drop), widths, kv, rb, pred)
 
 
-def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=None, out=None):
-    """First half of :func:`fold_block`: the new max, alpha and P (dropped, with its
-    undropped row sums, under dropout). Returns ``(p, alpha, row_sum)`` (row_sum None without
-    dropout), written into ``out`` (views of the same shapes) when given."""
+def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None, out=None):
+    """First half of :func:`fold_block`: the new max, alpha and P (under dropout its
+    undropped row sums, and P dropped by ``drop`` unless that is None: a staged tile's back
+    half drops it, :func:`attend_block`). Returns ``(p, alpha, row_sum)`` (row_sum None
+    without dropout), written into ``out`` (views of the same shapes) when given."""
     r = st.rows
     kt = f.tiles.k_tile
     width = sum(widths)
@@ -1088,14 +1110,24 @@ def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=Non
     port.activation(alpha, nl.exp, neg_m_old, bias=bias, scale=-c, mask=pred)
     if f.dropout_p:
         # the row sums of the undropped P come from the exp itself (the [V | 1] column would
-        # sum the dropped P): the softmax statistics are those of the undropped softmax
+        # sum the dropped P): the softmax statistics are those of the undropped softmax. The
+        # score tiles' sums are added on GpSimd: VectorE, which draws the masks, is the
+        # busiest engine under dropout
         sums = nl.ndarray((r, nb), dtype=nl.float32, buffer=nl.sbuf)
         for n in T.unrolled(nb):
             port.activation_reduce(p[:, n * kt:n * kt + widths[n]], nl.exp, s_tiles[n],
                                    reduce_op=nl.add, reduce_res=sums[:, n:n + 1], bias=bias,
                                    scale=c, mask=pred)
-        port.tensor_reduce(row_sum, nl.add, sums, axis=(1,), mask=pred)
-        drop(p, r, width, pred)
+        if nb == 1:
+            port.tensor_copy(row_sum, sums, engine="gpsimd", mask=pred)
+        else:
+            port.tensor_tensor(row_sum, sums[:, 0:1], sums[:, 1:2], nl.add, engine="gpsimd",
+                               mask=pred)
+            for n in T.unrolled(2, nb):
+                port.tensor_tensor(row_sum, row_sum, sums[:, n:n + 1], nl.add, engine="gpsimd",
+                                   mask=pred)
+        if drop is not None:
+            drop(p, r, width, pred)
     else:
         for n in T.unrolled(nb):
             port.activation(p[:, n * kt:n * kt + widths[n]], nl.exp, s_tiles[n], bias=bias,
@@ -1105,7 +1137,7 @@ def fold_front(f: _Instance, st: _GroupState, s, s_tiles, widths, pred, drop=Non
     return p, alpha, row_sum
 
 
-def fold_back(f: _Instance, st: _GroupState, s, front, widths, kv: _KV, rb, pred):
+def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred):
     """Second half of :func:`fold_block`: ``pv = P [V | 1]`` and the accumulator update, from
     :func:`fold_front`'s ``(p, alpha, row_sum)``."""
     p, alpha, row_sum = front
@@ -1144,18 +1176,21 @@ def fold_back(f: _Instance, st: _GroupState, s, front, widths, kv: _KV, rb, pred
                            accumulate=not (g0 == 0 and q == 0), mask=pred)
     o_acc = st.o_acc(s)
     # o_acc = alpha o_acc + pv: the rescale on GpSimd (SBUF only; otherwise idle), the add on
-    # VectorE (one PSUM read, 1 cycle per element)
+    # VectorE (one PSUM read, 1 cycle per element); under dropout l_i = alpha l_i + row_sum
+    # entirely on GpSimd (one instruction fewer on VectorE, the busiest engine there)
     # (the guard's flag column is not rescaled: its sum only needs to stay positive)
-    port.tensor_scalar(o_acc[:, 0:f.D + 1], o_acc[:, 0:f.D + 1], nl.multiply, alpha,
-                       engine="gpsimd", mask=pred)
     if f.dropout_p:
+        port.tensor_scalar(o_acc[:, 0:f.D], o_acc[:, 0:f.D], nl.multiply, alpha,
+                           engine="gpsimd", mask=pred)
+        port.tensor_scalar(o_acc[:, f.D:f.D + 1], o_acc[:, f.D:f.D + 1], nl.multiply, alpha,
+                           op1=nl.add, operand1=row_sum, engine="gpsimd", mask=pred)
         port.tensor_tensor(o_acc[:, 0:f.D], o_acc[:, 0:f.D], pv[:, 0:f.D], nl.add, mask=pred)
-        port.tensor_tensor(o_acc[:, f.D:f.D + 1], o_acc[:, f.D:f.D + 1], row_sum, nl.add,
-                           mask=pred)
         if f.guard:
             port.tensor_tensor(o_acc[:, f.D + 1:f.D + 2], o_acc[:, f.D + 1:f.D + 2],
                                pv[:, f.D + 1:f.D + 2], nl.add, mask=pred)
     else:
+        port.tensor_scalar(o_acc[:, 0:f.D + 1], o_acc[:, 0:f.D + 1], nl.multiply, alpha,
+                           engine="gpsimd", mask=pred)
         port.tensor_tensor(o_acc, o_acc, pv, nl.add, mask=pred)
 
 
@@ -1166,13 +1201,13 @@ class _Outputs:
     queues would otherwise hold the next group's loads behind it. Carried from one group to
     the next, so the group loops are sequential (``carried``)."""
 
-    def __init__(self, f: _Instance, slots: int):
+    def __init__(self, f: Instance, slots: int):
         P = T.PMAX
         self.o = nl.ndarray((P, slots, f.D), dtype=f.o.dtype, buffer=nl.sbuf)
         self.lse = nl.ndarray((P, slots, 1), dtype=nl.float32, buffer=nl.sbuf)
 
 
-def flush(f: _Instance, out: _Outputs, pending):
+def flush(f: Instance, out: _Outputs, pending):
     """Store a finished group's outputs from ``out``: ``pending = (t0, n, rows)`` -- its first
     query tile (an index expression), tiles per head, rows per tile."""
     t0, n, rows = pending
@@ -1190,7 +1225,7 @@ def flush(f: _Instance, out: _Outputs, pending):
     port.loop(f.G, head)
 
 
-def write_back(f: _Instance, st: _GroupState, s, h, t, out: _Outputs):
+def write_back(f: Instance, st: GroupState, s, h, t, out: _Outputs):
     """``O_i = o_acc / l_i`` and ``LSE_i = c m_i + log l_i`` (softmax units) of slot s (query tile
     t of member head h), into ``out`` (stored by :func:`flush`).
 
@@ -1206,7 +1241,7 @@ def write_back(f: _Instance, st: _GroupState, s, h, t, out: _Outputs):
     finalize(f, st, s, in_range, (out.o[0:r, s, :], out.lse[0:r, s, :]))
 
 
-def finalize(f: _Instance, st: _GroupState, s, in_range=None, dst=None):
+def finalize(f: Instance, st: GroupState, s, in_range=None, dst=None):
     """``(o, lse)`` tiles of slot s (:func:`write_back`): ``o_acc / max(l_i, L_FLOOR)`` in
     o's dtype (times ``1 / (1 - p)`` with dropout) and ``c m_i + log l_i`` fp32, -inf where
     ``l_i = 0``. ``in_range``: None, or an fp32 ``[rows, 1]`` column, 1.0 for real rows and 0.0
@@ -1263,7 +1298,7 @@ def _largest_divisor(n: int, cap: int) -> int:
     return max(d for d in T.unrolled(1, max(1, min(n, cap)) + 1) if n % d == 0)
 
 
-def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[_KV],
+def attend_group(f: Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[KV],
                  out: _Outputs, flushes=()):
     """Query tiles ``t0 .. t0 + n - 1`` (``t0`` an index expression) of every query head of the
     kv group (slot ``h n + s`` = tile ``t0 + s`` of member head h): load their Q^T, sweep the
@@ -1272,7 +1307,7 @@ def attend_group(f: _Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Op
     and writes o = 0, LSE = -inf. The outputs go to ``out``; the previous group's are stored
     (``flushes``, :func:`flush`) right after this group's Q loads are issued."""
     P, qt, G = T.PMAX, plan.q_tile, f.G
-    st = _GroupState(f, G * n, span.rows)
+    st = GroupState(f, G * n, span.rows)
 
     def each_tile(body):
         """``body(h, s)`` for every member head h and slot s of the group (compiled loops)."""
@@ -1439,11 +1474,9 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     and ``sinks`` (HBM ``(Hq,)`` float32: one more logit per head with a zero value; a row
     without visible keys then has ``lse = sink``, padding rows keep -inf).
 
-    Not yet through nki.* (NotImplementedError there): ``kv_lens``/``q_lens`` with dropout or
-    ALiBi (the key-length mask row, :meth:`masks.RuntimeLengths.key_mask_row`) or with ``B Hq
-    Nq`` or ``B Hkv Nk >= 2^24`` (0.7 computes the gathers' flat rows in fp32), and dropout
-    with ``B Hq ceil(Nq / 128) ceil(Nk / 128) >= 2^24`` units (0.7 computes the unit numbers
-    in fp32).
+    Every option traces through both namespaces. Integer limits: the flat row numbers of the
+    length gathers (``B Hq Nq``, ``B Hkv Nk``) and the dropout unit numbers (``B Hq ceil(Nq /
+    128) ceil(Nk / 128)``; the seed is added to them) are int32 in both namespaces.
     """
     tiles = T.ForwardTiles() if tiles is None else tiles
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
@@ -1452,16 +1485,6 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     lens = kv_lens is not None or q_lens is not None
-    if lens and (dropout_p or mods.alibi):
-        port.refuse_in_nki("flash_attention_fwd with kv_lens/q_lens and dropout or ALiBi "
-                           "(the key-length mask row)")
-    if lens and max(B * Hq * Nq, B * Hkv * Nk) >= T.FP32_EXACT_INT:
-        port.refuse_in_nki(f"flash_attention_fwd with kv_lens/q_lens over "
-                           f"{max(B * Hq * Nq, B * Hkv * Nk)} >= 2^24 rows (fp32 row numbers)")
-    n_units = B * Hq * T.ceil_div(Nq, T.PMAX) * T.ceil_div(Nk, T.PMAX)
-    if dropout_p and n_units >= T.FP32_EXACT_INT:
-        port.refuse_in_nki(f"flash_attention_fwd with dropout over {n_units} >= 2^24 units "
-                           "(fp32 unit numbers)")
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
                       mods.alibi)
     plan = plan_forward(Nq, Nk, Hq // Hkv, spec, tiles, cores=lnc)
@@ -1470,14 +1493,18 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
     mask_out = (nl.ndarray((B, Hq, Nq, Nk), dtype=nl.float32, buffer=nl.shared_hbm)
                 if dropout_p and dropout_mask else None)
-    # key-minus-row distances of the tiles, as data for 0.7's compile-time affine patterns
+    # key-minus-row distances of the tiles (and the first keys of score tiles, for the key-length
+    # mask row), as data for 0.7's compile-time affine patterns
     offsets = (port.OffsetColumns(-T.ceil_div(Nq, T.PMAX) * T.PMAX,
                                   T.ceil_div(Nq, T.PMAX) + T.ceil_div(Nk, T.PMAX) + 1, T.PMAX)
-               if spec.has_diag or mods.alibi else None)
+               if spec.has_diag or mods.alibi or _key_mask(dropout_p, mods, kv_lens) else None)
     # loop indices (batch, heads, query tiles, key units) as data: dropout's unit numbers, the
-    # flat rows of the length gathers
+    # flat rows of the length gathers. Combined in int32 on GpSimd (exact) with dropout, whose
+    # draw makes VectorE the busiest engine, and when the rows may reach 2^24 (beyond fp32's
+    # exact integers); else in fp32 on VectorE
+    exact = bool(dropout_p) or (lens and max(B * Hq * Nq, B * Hkv * Nk) >= T.FP32_EXACT_INT)
     indices = (port.OffsetColumns(0, max(B, Hkv, Hq, T.ceil_div(Nq, T.PMAX),
-                                         T.ceil_div(Nk, T.PMAX)), 1)
+                                         T.ceil_div(Nk, T.PMAX)), 1, exact=exact)
                if dropout_p or lens else None)
 
     def instance(b, g):
@@ -1495,9 +1522,9 @@ def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slo
                      g, scale, mm_dtype, tiles, lnc, dropout_p, mods, spec, plan, tables):
     """The work of grid instance (batch ``b``, kv head ``g``): the spans' groups of query tiles
     (:func:`attend_group`), each group storing its predecessor's outputs. ``tables``: the
-    launch's ``(offsets, indices)`` (:class:`_Instance`)."""
+    launch's ``(offsets, indices)`` (:class:`Instance`)."""
     D = q.shape[3]
-    f = _Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g)
+    f = Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g)
     f.offsets, f.indices = tables
     f.guard = True
     if mods != SM.Mods():

@@ -34,10 +34,10 @@ serves every set of lengths; :class:`RuntimeLengths`):
 
 Masked scores become ``MASK_NEG`` (finite, see ``tiles.FWD_MASK_NEG``). The helpers the forward
 uses (:func:`broadcast_row`, :func:`zero_non_finite`, :func:`load_lengths`,
-:func:`position_table`, :func:`gather_rows`, :func:`store_rows`, :class:`RuntimeLengths` but
-its key-mask row) are written against :mod:`nki_kernels.port` and trace through either
-namespace (the gathers and scatters: :func:`port.rows`), and so are the backward's
-:func:`neg_row` and :func:`key_length_row` (:meth:`RuntimeLengths.key_mask_row`).
+:func:`position_table`, :func:`gather_rows`, :func:`store_rows`, :func:`neg_row`,
+:func:`key_length_row`, :class:`RuntimeLengths`) are written against :mod:`nki_kernels.port`
+and trace through either namespace (the gathers and scatters: :func:`port.rows`; the key row's
+loop-index start: a :class:`port.OffsetColumns` under nki.*).
 """
 from __future__ import annotations
 
@@ -261,15 +261,16 @@ def load_lengths(kv_lens, q_lens, b, nk: int, nq: int):
     return raw, lens_p
 
 
-def key_length_row(kv_len_1, j0: int, n: int, *, below: bool = False, offsets=None):
+def key_length_row(kv_len_1, j0, n: int, *, below: bool = False, offsets=None):
     """bf16 [1, n] row: 1.0 for keys ``j0 + jj >= kv_len`` (masked), else 0.0; with ``below``,
     1.0 for keys ``j0 + jj < kv_len`` instead (valid keys at the end of the padded length).
 
     ``kv_len_1`` is the sequence's key length (or first valid key) as an fp32 [1, 1] tile
-    (partition 0). Built in pieces of at most :data:`tiles.FWD_ROW_FMAX` keys. ``j0``: an int
-    or an index expression, which 0.7 reads from ``offsets`` (a :class:`port.OffsetColumns`
-    holding it; :func:`port.iota`'s ``runtime``). Written against :mod:`nki_kernels.port`
-    (either namespace).
+    (partition 0). ``j0``: an int or an index expression; under nki.* a loop-index ``j0`` is
+    read from ``offsets`` (a :class:`port.OffsetColumns` holding it: a multiple of its step,
+    as ``j0`` plus each piece's start must be). Built in pieces of at most
+    :data:`tiles.FWD_ROW_FMAX` keys, each one GpSimd iota and one VectorE compare
+    (:func:`port.iota_compare`). Written against :mod:`nki_kernels.port` (either namespace).
     """
     pl = port.nl
     row = pl.ndarray((1, n), dtype=pl.bfloat16, buffer=pl.sbuf)
@@ -277,9 +278,8 @@ def key_length_row(kv_len_1, j0: int, n: int, *, below: bool = False, offsets=No
     full, tail = divmod(n, T.FWD_ROW_FMAX)
 
     def piece(c0, w):
-        pos = pl.ndarray((1, w), dtype=pl.float32, buffer=pl.sbuf)
-        port.iota(pos, [[1, w]], runtime=j0 + c0, offsets=offsets)
-        port.tensor_scalar(row[0:1, pl.ds(c0, w)], pos, op, kv_len_1)
+        port.iota_compare(row[0:1, pl.ds(c0, w)], [[1, w]], op, kv_len_1, runtime=j0 + c0,
+                          offsets=offsets)
 
     # the row's length may grow with N: a compiled loop
     port.loop(full, lambda i: piece(i * T.FWD_ROW_FMAX, T.FWD_ROW_FMAX))
@@ -397,7 +397,7 @@ class RuntimeLengths:
         """Whether the keys (``keys``) or the query rows are gathered rotated."""
         return self.rotate_k if keys else self.rotate_q
 
-    def key_mask_row(self, j0: int, n: int, offsets=None):
+    def key_mask_row(self, j0, n: int, offsets=None):
         """bf16 ``[1, n]``: 1.0 at the padding keys among frame keys ``[j0, j0 + n)`` (None
         without kv_lens; needs ``key_rows=True``; ``offsets``: :func:`key_length_row`'s)."""
         if not self.has_k:

@@ -121,13 +121,15 @@ class HeadColumns:
 
 def distance_tile(d0, rows: int, width: int, pred=None, d_static=0, offsets=None):
     """fp32 ``[rows, width]``: ``d0 + d_static + key - row`` (``d0`` an index expression, the
-    first key's distance from the first row, ``d_static`` a compile-time part; under nki.* a
-    loop-index ``d0`` is read from ``offsets``, :class:`port.OffsetColumns`), one GpSimd
-    iota."""
+    first key's distance from the first row, ``d_static`` a compile-time part), one GpSimd
+    iota; returns ``(d, col)``. ``col`` is None when ``d`` is complete (legacy, or a
+    compile-time ``d0``); under nki.* a loop-index ``d0`` is read from ``offsets``
+    (:class:`port.OffsetColumns`) as the fp32 ``[rows, 1]`` column ``col`` still to be added
+    to ``d`` (:func:`port.iota_column`: the caller folds it into its next instruction)."""
     d = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
-    port.iota(d, [[1, width]], offset=d_static, channel_multiplier=-1, runtime=d0,
-              offsets=offsets, mask=pred)
-    return d
+    col = port.iota_column(d, [[1, width]], offset=d_static, channel_multiplier=-1,
+                           runtime=d0, offsets=offsets, mask=pred)
+    return d, col
 
 
 def one_sided(spec: M.MaskSpec) -> bool:
@@ -151,13 +153,19 @@ def modify_scores(mods: Mods, cols: HeadColumns, sc, rows: int, width: int, h, d
     if mods.alibi:
         # the bias on GpSimd (iota, then times the head's column) and ScalarE (|d|), one add on
         # VectorE (reading the scores from PSUM: 1 cycle per element)
-        # -slope_u |d|: with a one-sided band |d| = -d, so + slope_u d
-        d = distance_tile(d0, rows, width, pred, d_static, offsets)
+        # -slope_u |d|: with a one-sided band |d| = -d, so + slope_u d. Under nki.* the
+        # distance's loop-index part (col) is added by the |d| activation's bias, or one-sided
+        # by the GpSimd multiply's first operation (no VectorE pass)
+        d, col = distance_tile(d0, rows, width, pred, d_static, offsets)
+        slope = cols.col(cols.slope_u, h, rows)
         if two_sided:
-            port.activation(d, nl.abs, d, mask=pred)
+            port.activation(d, nl.abs, d, bias=col, mask=pred)
         bias = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(bias, d, nl.multiply, cols.col(cols.slope_u, h, rows),
-                           engine="gpsimd", mask=pred)
+        if col is None or two_sided:
+            port.tensor_scalar(bias, d, nl.multiply, slope, engine="gpsimd", mask=pred)
+        else:
+            port.tensor_scalar(bias, d, nl.add, col, op1=nl.multiply, operand1=slope,
+                               engine="gpsimd", mask=pred)
         y = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_tensor(y, sc if t is None else t, bias,
                            nl.subtract if two_sided else nl.add, mask=pred)

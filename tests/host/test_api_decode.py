@@ -37,12 +37,16 @@ def test_flash_decode_matches_reference_and_returns_lse():
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_nki_namespace_refuses_the_split_kernel(paged, monkeypatch):
-    """The split kernel is not ported to nki.* (per-partition indirect DMA): an explicit
-    NKI_FLASH_API=nki call says so, contiguous or paged; ``auto`` on trn2 runs the call through
-    the legacy namespace when that runs on the same backend (here: both simulated)."""
+def test_nki_namespace_refuses_only_fp32_inexact_cache_rows(paged, monkeypatch):
+    """Through nki.* the split kernel's tails compute a contiguous cache's flat rows
+    ``(b Hkv + h) S_max + position`` (paged: block-table entries ``b MB + block``) in fp32: a
+    cache of 2^24 rows or more (the bound lowered here to 256: 512 rows, 8 table entries) is
+    refused by an explicit NKI_FLASH_API=nki call, and ``auto`` on trn2 runs it through the
+    legacy namespace when that runs on the same backend (here: both simulated); a table below
+    the bound runs through nki.*."""
     from nki_kernels import nki as binding
 
+    monkeypatch.setattr(tiles, "FP32_EXACT_INT", 256)
     q, k, v = inputs()
     lens = np.array([3, 101])
     kw = {}
@@ -50,16 +54,17 @@ def test_nki_namespace_refuses_the_split_kernel(paged, monkeypatch):
         (k, v), kw["block_table"] = reference.contiguous_to_paged(
             (k, v), lens, 32, np.random.default_rng(1))
     monkeypatch.setenv(binding.API_ENV_VAR, "nki")
-    with pytest.raises(NotImplementedError, match=r"flash_decode .*nki\.\* namespace.*"
-                                                  r"vector_offset"):
-        host.flash_decode(q, k, v, cache_lens=lens, **kw)
+    if not paged:
+        with pytest.raises(NotImplementedError, match=r"flash_decode_split_kernel over 512 >= "
+                                                      r"2\^24 cache rows.*nki\.\* namespace"):
+            host.flash_decode(q, k, v, cache_lens=lens)
     if BACKEND == "simulate":
         import simulate
 
         monkeypatch.setenv(binding.API_ENV_VAR, "auto")
         with simulate.measure(target="trn2") as m:
             o = host.flash_decode(q, k, v, cache_lens=lens, lnc=1, **kw)
-        assert m.api == "legacy"
+        assert m.api == ("nki" if paged else "legacy")
         assert_within_rule(q, k, v, lens, o, table=kw.get("block_table"))
 
 
@@ -199,7 +204,7 @@ def test_lnc2_spreads_the_split_programs_over_both_cores(Hkv, lens, axis):
         with simulate.measure(target="trn2") as m:
             o = host.flash_decode(q, k, v, cache_lens=lens, lnc=lnc)
         read, written = host.flash_decode_hbm_bytes(B, 4 * Hkv, 1, 64, Hkv, lens, 2, p,
-                                                    lnc=lnc)
+                                                    lnc=lnc, api=m.api)
         assert (m.hbm_bytes_read, m.hbm_bytes_written) == (read, written)
         runs.append((o, m.kernels[0].estimated_seconds))
     np.testing.assert_array_equal(runs[0][0], runs[1][0])

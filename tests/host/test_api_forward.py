@@ -103,8 +103,8 @@ def test_plan_attention_forward(monkeypatch):
 
 
 def test_auto_runs_lengths_through_nki(monkeypatch):
-    """Under NKI_FLASH_API=auto (trn2 here) runtime lengths trace through nki.*; with ALiBi
-    (the key-length mask row, not ported yet) through legacy."""
+    """Under NKI_FLASH_API=auto (trn2 here) runtime lengths trace through nki.*, with ALiBi
+    or dropout too (their key-length mask row is ported)."""
     q, k, v = _qkv(B=2, Hq=2, Hkv=1, Nq=100, Nk=200, D=32)
     monkeypatch.setenv(API_ENV_VAR, "auto")
     if api.select_api() != "nki" or api.active_target() != "trn2":
@@ -113,9 +113,9 @@ def test_auto_runs_lengths_through_nki(monkeypatch):
                  dict(kv_lens=[5, 0], q_lens=[100, 1])):
         kernel, grid, _ = api.plan_attention_forward(q, k, v, causal=True, lnc=1, **lens)
         assert kernel == flash_attention_fwd.on("nki") and grid == (1,)
-    kernel, _, _ = api.plan_attention_forward(q, k, v, kv_lens=[200, 7],
-                                              alibi_slopes=np.ones(2, np.float32))
-    assert kernel == flash_attention_fwd.on("legacy")
+    for mod in (dict(alibi_slopes=np.ones(2, np.float32)), dict(dropout_p=0.1, seed=3)):
+        kernel, _, _ = api.plan_attention_forward(q, k, v, kv_lens=[200, 7], **mod)
+        assert kernel == flash_attention_fwd.on("nki")
 
 
 def test_plan_does_not_depend_on_length_values():

@@ -45,16 +45,22 @@ def test_run_reports_check_io_and_modeled_time(capsys, tmp_path):
 
 @needs_sim
 def test_run_models_trn3_where_the_kernel_is_ported(capsys, tmp_path):
-    """trn3 runs only nki.* kernels: the forward (ported) is modeled there by default and its
-    row names the namespace; a path still legacy-only (decode) leaves trn3 out by default and
-    refuses it when asked, in one line."""
+    """trn3 runs only nki.* kernels: the forward and the block-sparse forward (ported) are
+    modeled there and their rows name the namespace; a path still legacy-only (decode over a
+    contiguous cache of 2^24 rows) leaves trn3 out by default and refuses it when asked, in
+    one line."""
     out_json = tmp_path / "r.json"
     assert cli.main(SMALL + ["--targets", "trn3", "--json", str(out_json)]) == 0
     (row,) = json.loads(out_json.read_text())["targets"]["trn3"]["kernels"]
     assert row["api"] == "nki"
     assert "trn3    kernel flash_attention_fwd (nki.*)" in capsys.readouterr().out
-    assert cli.main(["run", "--decode", "--targets", "trn3"]) == 2
-    assert "--targets trn3: --decode is not ported to nki.* yet" in capsys.readouterr().err
+    assert cli.main(["run", "--heads", "2", "--kv-heads", "1", "--seq", "520", "--dim", "32",
+                     "--block-sparse", "butterfly", "--quiet", "--targets", "trn3"]) == 0
+    assert "trn3    kernel block_sparse_attention_fwd (nki.*)" in capsys.readouterr().out
+    assert cli.main(["run", "--decode", "--batch", "64", "--kv-heads", "8", "--seq", "32768",
+                     "--targets", "trn3"]) == 2
+    assert ("--targets trn3: --decode over 2^24 or more cache rows (B x kv heads x S_max, "
+            "contiguous) is not ported to nki.* yet") in capsys.readouterr().err
 
 
 @needs_sim
@@ -120,10 +126,11 @@ def test_run_with_score_modifiers_checks_them(decode, capsys, monkeypatch):
 @needs_sim
 def test_run_dropout_with_lengths_and_modifiers(capsys):
     """Bottom-right band with lengths: the kernel rotates the sequences, and the mask it
-    returns for the check is in the caller's positions."""
+    returns for the check is in the caller's positions. Modeled on trn3 (nki.* only: lengths
+    with dropout and ALiBi are ported)."""
     args = ["run", "--heads", "2", "--kv-heads", "1", "--seq", "300", "--dim", "32",
             "--dropout", "0.2", "--kv-lens", "250", "--q-lens", "180", "--softcap", "10",
-            "--alibi", "--sinks", "--quiet", "--targets", "trn2"]
+            "--alibi", "--sinks", "--quiet", "--targets", "trn3"]
     assert cli.main(args) == 0
     assert "PASS" in capsys.readouterr().out
 

@@ -1,6 +1,16 @@
 """Block-sparse flash attention (FlashAttention section 3.3, appendix Algorithm 5): forward and
 backward kernels through the NumPy API, against the float64 reference restricted to the same
 pattern, with the traffic that proves inactive blocks are skipped.
+
+The kernels are one source for both NKI namespaces (nki_kernels.port). These tests run them
+through the legacy namespace (``NKI_FLASH_API=legacy``, autouse fixture), but for the program
+size, checked flat in N under both. The section "nki.*" at the end runs a representative subset
+through nki.* (NKI 0.7) against the legacy trace, bit for bit: the compile-time (sorted, dense)
+and runtime (index form, padding slots) patterns, a query tile without blocks, lengths with a
+band and GQA over several (batch, kv head) instances, and dropout with its mask -- the paths
+where the two traces differ (flattened indirect rows, loop indices read as data) -- forward
+and backward; plus the refusals past 2^24 fp32 row numbers. Each is a few 128-row tiles
+(~15 s in all).
 """
 from __future__ import annotations
 
@@ -13,15 +23,25 @@ from _attention_inputs import attention_inputs
 import simulate
 from host import block_sparse as bs
 from host import reference as ref
+from host._launch import program_size
+from nki_kernels import nki as binding
+from nki_kernels import tiles as T
 from nki_kernels.attention.block_sparse import block_sparse_attention_fwd
 from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
 from nki_kernels.nki import BACKEND
+from nki_kernels.port import launch_grid
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 
 pytestmark = pytest.mark.skipif(BACKEND != "simulate",
                                 reason="exact byte counts and program sizes use the simulator")
+
+
+@pytest.fixture(autouse=True)
+def _legacy_namespace(monkeypatch):
+    """The kernels trace through the legacy namespace unless a test says otherwise."""
+    monkeypatch.setenv(binding.API_ENV_VAR, "legacy")
 
 
 def _pattern(b, h, Nq, Nk, density, seed=1):
@@ -161,22 +181,25 @@ def test_dropout_mask_is_the_dense_kernels_and_gradients_match():
     assert np.array_equal(keep[vis], dense_keep[vis])
 
 
-def test_program_size_does_not_grow_with_n():
+@pytest.mark.parametrize("api", ["legacy", "nki"])
+def test_program_size_does_not_grow_with_n(api):
     """One compilation per class structure: a uniform pattern is one class at any N (the
-    program depends on N only through the step width, min(4, blocks per tile))."""
+    program depends on N only through the step width, min(4, blocks per tile)), under both
+    namespaces (0.7 would unroll any Python loop over tiles or slots)."""
     sizes = []
+    grid = launch_grid((1, 1), api)
     for N in (4096, 16384):
         q, k, v, do = attention_inputs(1, 1, 1, N, N, 64, dtype=BF16)
         sp = bs.check_block_mask(bs.fixed_density(N // 128, N // 128, 0.25), 1, 1, N, N)
         t = bs.launch_tables(sp, group=1)
         kw = dict(scale=0.125, mm_dtype="bfloat16")
-        fwd = simulate.program_size(block_sparse_attention_fwd[1, 1], q, k, v, t.q.meta,
-                                    classes=t.q.classes, **kw)
+        fwd = program_size(block_sparse_attention_fwd.on(api), grid, q, k, v, t.q.meta,
+                           classes=t.q.classes, **kw)
         o = np.zeros_like(q)
         lse = np.zeros(q.shape[:3], np.float32)
-        bwd = simulate.program_size(block_sparse_attention_bwd[1, 1], q, k, v, o, do, lse,
-                                    t.q.meta, t.k.meta, classes_q=t.q.classes,
-                                    classes_k=t.k.classes, **kw)
+        bwd = program_size(block_sparse_attention_bwd.on(api), grid, q, k, v, o, do, lse,
+                           t.q.meta, t.k.meta, classes_q=t.q.classes, classes_k=t.k.classes,
+                           **kw)
         sizes.append((fwd, bwd))
     assert sizes[0] == sizes[1]
     assert max(sizes[0]) < 20000
@@ -204,3 +227,105 @@ def test_a_dense_pattern_with_every_block_is_dense_attention():
     g = host.flash_attention_backward(do, q, k, v, o, lse, block_mask=full, causal=True)
     for a, b in zip(g, host.flash_attention_backward(do, q, k, v, o, lse, causal=True)):
         np.testing.assert_array_equal(a, b)
+
+
+# -- nki.* (NKI 0.7) ------------------------------------------------------------------------
+
+
+def _both(run, monkeypatch):
+    """``run()`` traced through nki.* (on trn2) and through legacy: ``(nki outputs, legacy
+    outputs)`` as lists of arrays, each trace asserted to have used its namespace."""
+    outs = {}
+    for api in ("nki", "legacy"):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        with simulate.measure(target="trn2") as m:
+            got = run()
+        assert {kr.api for kr in m.kernels} == {api}
+        outs[api] = [np.asarray(x) for x in got]
+    return outs["nki"], outs["legacy"]
+
+
+def _same(a, b):
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True)
+
+
+def _empty_tile_mask(b, h, Nq, Nk, density, seed):
+    mask = _pattern(b, h, Nq, Nk, density, seed)
+    mask[..., 1, :] = False                       # query tile 1 sees no block: its own class
+    return mask
+
+
+NKI_CASES = [
+    # compile-time pattern (sorted classes, one of trip 0), band, GQA, 2 x 2 instances
+    (dict(causal="bottom_right"), lambda: _empty_tile_mask(2, 2, 300, 390, 0.5, 11), 2, 2, 1),
+    # runtime pattern: one class of max_blocks slots, padding slots masked and never read
+    (dict(window=(100, 20)),
+     lambda: tuple(bs.dense_to_index(_pattern(1, 1, 300, 390, 0.4, 12), max_blocks=3)), 1, 2,
+     1),
+    # lengths with the band (bottom_right alignment moves with them), several instances
+    (dict(causal=True, kv_lens=[250, 3], q_lens=[200, 300]),
+     lambda: _pattern(2, 2, 300, 390, 0.6, 13), 2, 2, 2),
+]
+
+
+@pytest.mark.parametrize("kw, make_mask, B, Hq, Hkv", NKI_CASES, ids=["sorted", "index", "lens"])
+def test_nki_namespace_matches_legacy(kw, make_mask, B, Hq, Hkv, monkeypatch):
+    """Through nki.* the forward and the backward give the legacy trace's outputs bit for bit
+    (the same instructions on the data; 0.7 adds the slices' first rows to the gather indices
+    and reads the loop indices as data)."""
+    q, k, v, do = attention_inputs(B, Hq, Hkv, 300, 390, 32, seed=14)
+    mask = make_mask()
+
+    def run():
+        o, lse, grads = _fwd_bwd(q, k, v, do, mask, **kw)
+        return [o, lse, *grads]
+
+    got, want = _both(run, monkeypatch)
+    _same(got, want)
+    kw_ref = {**kw, "causal": "bottom_right" if kw.get("causal") is True else kw.get("causal")}
+    dense = bs.check_block_mask(mask, B, Hq, 300, 390).dense
+    assert _err(got[0], ref.attention_forward(q, k, v, block_mask=dense, **kw_ref)[0]) < 2e-6
+
+
+def test_nki_namespace_dropout_and_its_mask_match_legacy(monkeypatch):
+    """Dropout through nki.* (unit numbers from the loop indices read as data, the seed set by
+    nisa.set_rng_seed): the same keep mask, outputs and gradients as legacy, bit for bit."""
+    q, k, v, do = attention_inputs(1, 2, 1, 300, 260, 32, seed=15)
+    mask = _pattern(1, 2, 300, 260, 0.6, seed=16)
+    kw = dict(causal=True, dropout_p=0.3, seed=777, mixed_precision=False)
+
+    def run():
+        o, lse, keep = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                            return_dropout_mask=True, **kw)
+        return [o, lse, keep, *host.flash_attention_backward(do, q, k, v, o, lse,
+                                                             block_mask=mask, **kw)]
+
+    got, want = _both(run, monkeypatch)
+    _same(got, want)
+    assert got[2].any() and not got[2].all()
+
+
+def test_nki_namespace_refuses_past_fp32_row_numbers(monkeypatch):
+    """0.7 numbers the flattened rows (and dropout units) in fp32: past 2^24 (lowered here to
+    4) an explicit NKI_FLASH_API=nki call is refused, naming the kernel; ``auto`` on trn2 runs
+    it through the legacy namespace (both simulated here), and through nki.* below the
+    bound."""
+    q, k, v, do = attention_inputs(1, 1, 1, 256, 256, 16, seed=17)
+    mask = np.array([[[[True, False], [True, True]]]])
+    monkeypatch.setenv(binding.API_ENV_VAR, "auto")
+    with simulate.measure(target="trn2") as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True)
+        host.flash_attention_backward(do, q, k, v, o, lse, block_mask=mask)
+    assert [kr.api for kr in m.kernels] == ["nki", "nki"]
+    monkeypatch.setattr(T, "FP32_EXACT_INT", 4)
+    with simulate.measure(target="trn2") as m:
+        host.flash_attention_backward(do, q, k, v, o, lse, block_mask=mask)
+    assert [kr.api for kr in m.kernels] == ["legacy"]
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    for run, name in ((lambda: host.flash_attention(q, k, v, block_mask=mask), "fwd"),
+                      (lambda: host.flash_attention_backward(do, q, k, v, o, lse,
+                                                             block_mask=mask), "bwd")):
+        with pytest.raises(NotImplementedError,
+                           match=f"block_sparse_attention_{name} over 256 >= 2\\^24 rows"):
+            run()

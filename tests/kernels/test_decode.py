@@ -1,6 +1,16 @@
 """Split-KV flash decoding kernels (nki_kernels/attention/decode.py, decode_merge.py) through the
-active backend's simulator, against the float64 references of host/reference.py (the split
-kernel through the legacy namespace, the only one it supports; the merge through both).
+active backend's simulator, against the float64 references of host/reference.py.
+
+Both kernels are one source through nki.* and legacy. The cases against the reference run the
+legacy namespace (the grid the legacy estimates were made with); the nki.* section runs a
+representative subset through both namespaces and asserts the same outputs bit for bit and
+the same HBM bytes (the instruction streams differ only where 0.7 needs it: program walks,
+iota offsets read from a table, predicated copies): one call per feature that changes the
+instruction stream -- packed GQA rows with several splits, a ragged batch with forced splits
+and a 1-position key row, a tree mask with T > 1, every score modifier, D = 256, fp32 inputs,
+a paged cache (test_decode_paged.py) and LNC=2 (tests/host/test_api_decode.py runs those
+through nki.* on trn2, the default) -- and the program size flat in the cache length under
+both.
 
 Tolerance (docs/semantics.md, FlashAttention's rule): the max abs error of o against
 ``reference.decode`` is at most ``2 * err(decode_baseline_lowp) + floor`` (floor 1e-5 for fp32
@@ -21,7 +31,7 @@ from nki_kernels import tiles
 from host._launch import launch
 from nki_kernels.attention import decode as dk
 from nki_kernels.attention import decode_merge as merge
-from nki_kernels.nki import BACKEND, nki
+from nki_kernels.nki import BACKEND
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -78,9 +88,18 @@ def plan(q, k, lens, mm, num_splits=None):
     return tiles.decode_tiles(Hq // Hkv * T, D, S_max, mm.itemsize, need, num_splits, batch=B)
 
 
-def run_phase1(q, k, v, lens, t, scale, mm, tree=None, work=None, per_program=1):
-    """The split kernel on its grid (Hkv, W / per_program + B): every partial (o, lse).
-    ``work`` defaults to the host's work list (the splits that hold committed rows)."""
+def split_kernel(groups, programs, *args, api="legacy", **kwargs):
+    """The split kernel through ``api``: legacy on its grid ``(groups, programs)`` (head
+    groups, chunk and tail programs), nki.* as ``kernel[1]`` (it walks them itself)."""
+    grid = (groups, programs) if api == "legacy" else (1,)
+    return launch(dk.flash_decode_split_kernel.on(api), grid, *args, **kwargs)
+
+
+def run_phase1(q, k, v, lens, t, scale, mm, tree=None, work=None, per_program=1,
+               api="legacy"):
+    """The split kernel on its grid (Hkv, W / per_program + B) through ``api``: every partial
+    (o, lse). ``work`` defaults to the host's work list (the splits that hold committed
+    rows)."""
     B, Hkv = q.shape[0], k.shape[1]
     per_head = 1
     if work is None:
@@ -88,11 +107,11 @@ def run_phase1(q, k, v, lens, t, scale, mm, tree=None, work=None, per_program=1)
         per_head = tiles.decode_heads_per_program(Hkv, per_program, t.max_steps)
     W = 0 if work is None else len(work)
     tm = None if tree is None else np.asarray(tree, dtype=np.uint8)
-    return nki.simulate_kernel(
-        dk.flash_decode_split_kernel[Hkv // per_head, W // per_program + B], q, k, v, lens,
-        work, tm, scale=scale, mm_dtype=mm.name, key_row=t.key_row, split_rows=t.split_rows,
-        num_splits=t.num_splits, row_tile=t.row_tile, pack=t.pack,
-        items_per_program=per_program, heads_per_program=per_head)
+    return split_kernel(
+        Hkv // per_head, W // per_program + B, q, k, v, lens, work, tm, api=api, scale=scale,
+        mm_dtype=mm.name, key_row=t.key_row, split_rows=t.split_rows, num_splits=t.num_splits,
+        row_tile=t.row_tile, pack=t.pack, items_per_program=per_program,
+        heads_per_program=per_head)
 
 
 def run_merge(o_part, lse_part, row_splits, out_dtype, api="legacy"):
@@ -104,15 +123,17 @@ def run_merge(o_part, lse_part, row_splits, out_dtype, api="legacy"):
                   out_dtype=np.dtype(out_dtype).name, rows_per_program=tiles.DECODE_MERGE_ROWS)
 
 
-def decode(q, k, v, lens, *, scale=None, tree=None, num_splits=None, mixed_precision=True):
-    """The two kernels as host.flash_decode launches them; returns (o, lse, tiles)."""
+def decode(q, k, v, lens, *, scale=None, tree=None, num_splits=None, mixed_precision=True,
+           api="legacy"):
+    """The two kernels as host.flash_decode launches them (LNC=1), through ``api``; returns
+    (o, lse, tiles)."""
     B, Hq, T, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     mm = mm_dtype(q.dtype, mixed_precision)
     t = plan(q, k, lens, mm, num_splits)
-    o_part, lse_part = run_phase1(q, k, v, lens, t, scale, mm, tree)
+    o_part, lse_part = run_phase1(q, k, v, lens, t, scale, mm, tree, api=api)
     _, _, splits = decode_work_list(lens, T, t)
-    o, lse = run_merge(o_part, lse_part, np.repeat(splits, Hq * T), q.dtype)
+    o, lse = run_merge(o_part, lse_part, np.repeat(splits, Hq * T), q.dtype, api=api)
     return o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T), t
 
 
@@ -208,11 +229,11 @@ def test_every_program_shape_gives_the_reference(items, heads):
     real = [(b, s) for b in range(B) for s in range(splits[b])]
     pad = -len(real) % items
     work = np.array(real + [(B, 0)] * pad, dtype=np.int32)
-    o_part, lse_part = nki.simulate_kernel(
-        dk.flash_decode_split_kernel[Hkv // heads, len(work) // items + B], q,
-        poisoned(k, lens), poisoned(v, lens), lens, work, None, scale=scale, mm_dtype="bfloat16",
-        key_row=t.key_row, split_rows=t.split_rows, num_splits=t.num_splits,
-        row_tile=t.row_tile, pack=t.pack, items_per_program=items, heads_per_program=heads)
+    o_part, lse_part = split_kernel(
+        Hkv // heads, len(work) // items + B, q, poisoned(k, lens), poisoned(v, lens), lens,
+        work, None, scale=scale, mm_dtype="bfloat16", key_row=t.key_row,
+        split_rows=t.split_rows, num_splits=t.num_splits, row_tile=t.row_tile, pack=t.pack,
+        items_per_program=items, heads_per_program=heads)
     o, lse = run_merge(o_part, lse_part, np.repeat(splits, Hq * T), q.dtype)
     check_against_reference(q, k, v, lens, o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T))
 
@@ -223,10 +244,9 @@ def test_unpaired_program_shapes_are_refused(items, heads):
     q, k, v, lens = make_inputs(rng, 1, 12, 12, 1, 256, 16, BF16, [200])
     work = np.zeros((15, 2), dtype=np.int32)
     with pytest.raises(ValueError, match="steps come in pairs"):
-        nki.simulate_kernel(
-            dk.flash_decode_split_kernel[12 // heads, 15 // items + 1], q, k, v, lens, work,
-            None, key_row=32, split_rows=1, num_splits=1, items_per_program=items,
-            heads_per_program=heads)
+        split_kernel(12 // heads, 15 // items + 1, q, k, v, lens, work, None, key_row=32,
+                     split_rows=1, num_splits=1, items_per_program=items,
+                     heads_per_program=heads)
 
 
 def test_program_shape_choice():
@@ -477,15 +497,63 @@ def test_merge_kernel_program_flat_in_splits(api):
     assert len(sizes) == 1, sizes
 
 
+NKI_CASES = [
+    # B, Hq, Hkv, T, S_max, D, cache_lens, dtype, options
+    (1, 8, 2, 1, 2048, 64, [2000], BF16, {}),                          # packed GQA, 2 splits
+    (3, 6, 3, 3, 301, 80, [3, 150, 301], F16, dict(num_splits=3)),     # ragged, key row 1
+    (2, 4, 1, 4, 512, 64, [100, 512], BF16, dict(tree=True)),           # tree mask, T = 4
+    (2, 8, 2, 2, 1024, 64, [700, 1024], BF16, dict(mods=True)),          # softcap, ALiBi, sinks
+    (1, 2, 1, 1, 4096, 256, [4000], BF16, {}),                          # D = 256
+    (1, 4, 4, 5, 1000, 128, [999], F32, {}),                            # fp32 -> bf16 operands
+]
+
+
 @needs_measure
-def test_decode_program_flat_in_cache_length(monkeypatch):
-    """Legacy (the split kernel's only namespace so far): the same programs for an 8K and a
-    16K cache (more splits and work items, the same compiled loops)."""
+@pytest.mark.parametrize("B,Hq,Hkv,T,S_max,D,lens,dtype,opts", NKI_CASES)
+def test_decode_nki_matches_legacy(B, Hq, Hkv, T, S_max, D, lens, dtype, opts, monkeypatch):
+    """host.flash_decode through nki.* (the split kernel as kernel[1], walking its chunk and
+    tail programs in compiled loops) gives the legacy grid's o and LSE bit for bit and reads
+    and writes the same HBM bytes."""
     import host
     import simulate
     from nki_kernels import nki as binding
 
-    monkeypatch.setenv(binding.API_ENV_VAR, "legacy")
+    rng = np.random.default_rng(S_max + T)
+    q, k, v, lens = make_inputs(rng, B, Hq, Hkv, T, S_max, D, dtype, lens)
+    kw = {}
+    if opts.get("num_splits"):
+        kw["num_splits"] = opts["num_splits"]
+    if opts.get("tree"):
+        kw["tree_mask"] = np.tril(np.ones((T, T), bool)) & ~np.eye(T, k=-2, dtype=bool)
+    if opts.get("mods"):
+        kw.update(softcap=20.0, alibi_slopes=rng.uniform(0.01, 0.5, (Hq,)).astype(np.float32),
+                  sinks=rng.standard_normal((Hq,)).astype(np.float32))
+    runs = {}
+    for api in ("legacy", "nki"):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        with simulate.measure(target="trn2") as m:
+            runs[api] = host.flash_decode(q, poisoned(k, lens), poisoned(v, lens),
+                                          cache_lens=lens, return_lse=True, lnc=1, **kw), m
+        assert m.api == api
+    (o0, lse0), m0 = runs["legacy"]
+    (o1, lse1), m1 = runs["nki"]
+    assert o1.dtype == dtype and np.all(np.isfinite(np.asarray(o1, np.float32)))
+    assert np.array_equal(np.asarray(o0, np.float32), np.asarray(o1, np.float32))
+    assert np.array_equal(lse0, lse1)
+    assert (m0.hbm_bytes_read, m0.hbm_bytes_written) == (m1.hbm_bytes_read, m1.hbm_bytes_written)
+
+
+@needs_measure
+@pytest.mark.parametrize("api", ["legacy", "nki"])
+def test_decode_program_flat_in_cache_length(api, monkeypatch):
+    """The same programs for an 8K and a 16K cache (more splits and work items, the same
+    compiled loops): under nki.* the walks over the chunk and tail programs are compiled loops
+    too."""
+    import host
+    import simulate
+    from nki_kernels import nki as binding
+
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
     sizes = []
     for S in (8192, 16384):
         rng = np.random.default_rng(S)
@@ -493,7 +561,7 @@ def test_decode_program_flat_in_cache_length(monkeypatch):
         cache = rng.standard_normal((1, 1, S, 64)).astype(BF16)
         with simulate.measure(target="trn2") as m:
             host.flash_decode(q, cache, cache, cache_lens=np.array([S]), lnc=1)
-        assert m.api == "legacy"
+        assert m.api == api
         sizes.append(m.program_instructions_per_kernel)
     assert sizes[0] == sizes[1], sizes
 

@@ -154,16 +154,23 @@ def test_mask_needs_dropout():
     dict(B=2, Hq=4, Hkv=2, Nq=300, Nk=700, causal=True),
     dict(B=1, Hq=2, Hkv=1, Nq=129, Nk=1000, window=(300, 50)),
     dict(B=1, Hq=1, Hkv=1, Nq=200, Nk=200, softcap=10.0, sinks=True),
+    dict(B=2, Hq=2, Hkv=1, Nq=300, Nk=260, causal="top_left", q_lens=[300, 90],
+         kv_lens=[170, 260]),
+    dict(B=2, Hq=2, Hkv=1, Nq=300, Nk=260, causal="bottom_right", q_lens=[300, 90],
+         kv_lens=[170, 0], softcap=3.0, alibi=True),
 ])
 def test_nki_namespace_draws_the_legacy_mask(opts, monkeypatch):
     """Through nki.* (nisa.set_rng_seed + nisa.dropout, the unit numbers read from the index
     table) the forward draws the legacy trace's keep mask and gives its outputs bit for bit
-    (the backward, legacy, regenerates that mask)."""
+    (the backward, legacy, regenerates that mask); with runtime lengths too, in place and
+    rotated, where the padding keys are masked on the scores by the key-length row."""
     opts = dict(opts)
     B, Hq, Hkv, Nq, Nk = (opts.pop(n) for n in ("B", "Hq", "Hkv", "Nq", "Nk"))
     q, k, v, _ = attention_inputs(B, Hq, Hkv, Nq, Nk, 64, F32, seed=Nq + Nk)
     if opts.pop("sinks", False):
         opts["sinks"] = np.linspace(-1.0, 1.0, Hq).astype(np.float32)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = np.linspace(0.5, 0.1, Hq).astype(np.float32)
     runs = {}
     for api in ("legacy", "nki"):
         monkeypatch.setenv(API_ENV_VAR, api)

@@ -804,10 +804,15 @@ def test_nki_namespace_matches_legacy(B, Hq, Hkv, Nq, Nk, D, opts, monkeypatch):
 @needs_measure
 @pytest.mark.parametrize("mods", [dict(softcap=20.0), dict(alibi="slopes", causal=True),
                                   dict(alibi="slopes", window=(64, 64)),
-                                  dict(sinks="sinks", causal="bottom_right")])
+                                  dict(sinks="sinks", causal="bottom_right"),
+                                  dict(alibi="slopes", kv_lens=[500], q_lens=[250]),
+                                  dict(alibi="slopes", softcap=5.0, causal="top_left",
+                                       kv_lens=[450])])
 def test_nki_namespace_score_modifiers(mods, monkeypatch):
     """Soft-capping, ALiBi (its distance tile from the runtime distance columns) and sinks
-    through nki.*: the legacy trace's outputs bit for bit."""
+    through nki.*: the legacy trace's outputs bit for bit; with ALiBi and runtime lengths also
+    the key-length mask row (its loop-index start read from the distance table), added to the
+    scores in PSUM, or after the tanh with soft-capping."""
     import host
 
     rng = np.random.default_rng(9)
@@ -845,30 +850,30 @@ def test_nki_namespace_programs_and_cores(B, Hkv, lnc, monkeypatch):
     check(q, k, v, o, lse, causal=True)
 
 
-@pytest.mark.parametrize("opts,feature", [
-    (dict(kv_lens=[100], dropout_p=0.1, seed=1), "kv_lens/q_lens and dropout or ALiBi"),
-    (dict(q_lens=[50], alibi_slopes=np.array([0.5], np.float32)),
-     "kv_lens/q_lens and dropout or ALiBi"),
-    (dict(q_lens=[50]), "kv_lens/q_lens over 256 >= 2"),
-    (dict(dropout_p=0.1, seed=1), "dropout over"),
-])
-def test_nki_namespace_refuses_what_is_not_ported(opts, feature, monkeypatch):
-    """Not ported to nki.*: runtime lengths with dropout or ALiBi (the key-length mask row),
-    runtime lengths over 2^24 rows (fp32 row numbers) and dropout with 2^24 units or more
-    (fp32 unit numbers; both bounds lowered here to 4): an explicit NKI_FLASH_API=nki call says
-    so; ``auto`` runs such a call through the legacy namespace when that runs on the same
-    backend (here: both simulated)."""
+@needs_measure
+@pytest.mark.parametrize("opts", [
+    dict(causal="bottom_right", kv_lens=[256, 77], q_lens=[200, 5], dropout_p=0.2,
+         seed=2 ** 31 - 9),
+    dict(causal="top_left", kv_lens=[150, 256], alibi_slopes=np.array([0.5, 0.25], np.float32)),
+], ids=["rotated-dropout", "alibi"])
+def test_nki_namespace_exact_integer_indices(opts, monkeypatch):
+    """Flat row numbers of the length gathers that may reach 2^24, and dropout unit numbers
+    always, are summed in int32 under nki.* (``port.OffsetColumns(exact=True)``; fp32 would
+    round them): with that bound lowered to 4 here, both launches take that path and still
+    give the legacy trace's outputs (and dropout mask) bit for bit, GQA and two sequences.
+    ``auto`` on trn2 traces such calls through nki.* (nothing of the forward is left to
+    legacy)."""
     import host
+    import simulate
 
     monkeypatch.setattr(T, "FP32_EXACT_INT", 4)
-    q, k, v = _inputs(np.random.default_rng(1), 1, 1, 1, 256, 256, 32, "bfloat16")
-    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
-    with pytest.raises(NotImplementedError, match=f"{feature}.* nki.* namespace"):
-        host.flash_attention(q, k, v, **opts)
-    if BACKEND == "simulate":
-        import simulate
-
-        monkeypatch.setenv(binding.API_ENV_VAR, "auto")
+    q, k, v = _inputs(np.random.default_rng(3), 2, 2, 1, 200, 256, 32, "float32")
+    extra = dict(return_dropout_mask=True) if "dropout_p" in opts else {}
+    runs = {}
+    for api in ("legacy", "nki", "auto"):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
         with simulate.measure(target="trn2") as m:
-            host.flash_attention(q, k, v, **opts)
-        assert m.api == "legacy"
+            runs[api] = host.flash_attention(q, k, v, return_lse=True, lnc=1, **opts, **extra)
+        assert m.api == ("legacy" if api == "legacy" else "nki")
+    for a, b in zip(runs["legacy"], runs["nki"]):
+        np.testing.assert_array_equal(a, b)

@@ -36,7 +36,7 @@ def _qkv(Nq, Nk, seed=0):
 @pytest.mark.parametrize("api", ["legacy", "nki"])
 def test_a_non_finite_hidden_key_does_not_reach_the_rows_that_cannot_see_it(kw, hidden, bad, api,
                                                                             monkeypatch):
-    """Also through nki.* (the forward; the block-sparse kernel is legacy), where the band's
+    """Also through nki.* (the forward and the block-sparse forward), where the band's
     blocks that legacy predicates off run and their scores are selected away."""
     monkeypatch.setenv(API_ENV_VAR, api)
     q, k, v = _qkv(300, 300)

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(binding.BACKEND != "simulate",
 #: Modules written against nki_kernels.port (no namespace imported directly).
 PORTED = ["fused/softmax.py", "fused/linear_gelu.py", "fused/_onchip.py",
           "attention/unfused.py", "attention/forward.py", "attention/score_mods.py",
-          "attention/decode_merge.py", "attention/backward.py", "attention/masks.py"]
+          "attention/masks.py", "attention/decode_merge.py", "attention/block_sparse.py",
+          "attention/block_sparse_bwd.py", "attention/decode.py", "attention/backward.py"]
 
 
 def _run(api, monkeypatch, x, target="trn2", **kw):
@@ -354,6 +355,38 @@ def test_iota_and_affine_select_patterns(api, monkeypatch):
     assert np.array_equal(out[16:], np.where(p - j + 5 >= 0, x, -7.0))
 
 
+@port.jit
+def _runtime_iota_kernel(exact):
+    """``5 + p + j + i (2^27 + 3)`` (int32 ``[2, 8]``) for the loop index i in [0, 4): a runtime
+    offset beyond 2^24, read under 0.7 from an :class:`port.OffsetColumns` (``exact`` or not)."""
+    out = nl.ndarray((4, 2, 8), dtype=nl.int32, buffer=nl.shared_hbm)
+    idx = port.OffsetColumns(0, 4, 1, exact=exact)
+
+    def body(i):
+        t = nl.ndarray((2, 8), dtype=nl.int32, buffer=nl.sbuf)
+        port.iota(t, [[1, 8]], offset=5, channel_multiplier=1, runtime=[(i, 2 ** 27 + 3)],
+                  offsets=idx)
+        port.dma_copy(out[i], t)
+
+    port.loop(4, body)
+    return out
+
+
+def test_exact_runtime_offsets_beyond_fp32(monkeypatch):
+    """Runtime offsets of an integer iota past 2^24: exact in legacy (index expressions) and,
+    from an ``exact`` OffsetColumns, under nki.* (int32 sums on GpSimd); the fp32 form of 0.7
+    rounds them (why ``exact`` exists: the forward's row and dropout-unit numbers)."""
+    i, p, j = np.mgrid[0:4, 0:2, 0:8]
+    want = 5 + p + j + i * (2 ** 27 + 3)
+    got = {}
+    for api, exact in (("legacy", True), ("nki", True), ("nki", False)):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        got[api, exact] = launch(_runtime_iota_kernel, (1,), exact=exact)
+    np.testing.assert_array_equal(got["legacy", True], want)
+    np.testing.assert_array_equal(got["nki", True], want)
+    assert not np.array_equal(got["nki", False], want)
+
+
 # -- standard (unfused) attention: kernels 1 and 3 ------------------------------------------------
 
 def _unfused_programs(api, monkeypatch, B, Hq, Hkv, Nq, Nk):
@@ -443,13 +476,16 @@ def test_forward_program_flat_in_sequence_length(api, mask, sizes, monkeypatch):
 
 def test_forward_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
     """With the legacy binding poisoned, the forward (dense, causal with ALiBi, windowed with
-    softcap and sinks, runtime lengths) still runs through nki.* (trn2 and trn3)."""
+    softcap and sinks, runtime lengths, and lengths with ALiBi and dropout) still runs through
+    nki.* (trn2 and trn3)."""
     _poison_legacy(monkeypatch)
     slopes = np.array([0.5, 0.25], np.float32)
     for target, mask in (("trn2", {}), ("trn2", dict(causal=True, alibi_slopes=slopes)),
                          ("trn3", dict(window=(100, 20), softcap=30.0,
                                        sinks=np.array([0.5, 1.0], np.float32))),
-                         ("trn2", dict(causal="bottom_right", kv_lens=[200], q_lens=[150]))):
+                         ("trn2", dict(causal="bottom_right", kv_lens=[200], q_lens=[150])),
+                         ("trn2", dict(kv_lens=[170], q_lens=[300], alibi_slopes=slopes,
+                                       dropout_p=0.1, seed=5))):
         m, o = _forward_program("nki", monkeypatch, 300, target=target, **mask)
         assert m.api == "nki" and np.isfinite(np.asarray(o, np.float32)).all()
 
@@ -481,3 +517,22 @@ def test_backward_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
                           v[:, :1], o, do, lse, scale=0.125, **opts)
         assert m.api == "nki"
         assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in outs)
+
+
+def test_block_sparse_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
+    """With the legacy binding poisoned, the block-sparse forward and backward (GQA, runtime
+    lengths with a band, dropout: every path whose 0.7 trace differs) still run through
+    nki.*."""
+    import host
+    from host import block_sparse as bs
+
+    _poison_legacy(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    rng = np.random.default_rng(6)
+    q, do = (rng.standard_normal((1, 2, 300, 32)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1, 300, 32)).astype(np.float32) for _ in range(2))
+    kw = dict(block_mask=bs.butterfly(3, 3), causal=True, kv_lens=[250], q_lens=[280],
+              dropout_p=0.2, seed=3)
+    o, lse = host.flash_attention(q, k, v, return_lse=True, **kw)
+    grads = host.flash_attention_backward(do, q, k, v, o, lse, **kw)
+    assert all(np.isfinite(x).all() for x in (o, *grads))

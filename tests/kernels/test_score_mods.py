@@ -16,8 +16,9 @@ pytestmark = pytest.mark.skipif(BACKEND != "simulate", reason="simulator runs")
 
 @pytest.fixture(autouse=True)
 def _legacy_namespace(monkeypatch):
-    """These tests trace the kernels through the legacy namespace (the forward is one source
-    for both; tests/kernels/test_forward.py runs it through nki.* as well)."""
+    """These tests trace the kernels through the legacy namespace unless a test says otherwise
+    (the forward is one source for both; tests/kernels/test_forward.py runs it through nki.*
+    as well)."""
     monkeypatch.setenv(API_ENV_VAR, "legacy")
 
 
@@ -142,6 +143,25 @@ def test_key_length_rows_longer_than_one_piece(monkeypatch):
                                           **kw)
     for g, w in zip(grads, ref.attention_backward_from_lse(do, q, k, v, o, lse, **kw)):
         _close(g, w, 3e-5)
+
+
+def test_key_length_row_pieces_through_nki(monkeypatch):
+    """Through nki.* the key row's pieces of a compiled loop start at loop-index keys read
+    from the distance table (masks.key_length_row; 128-key pieces, the table's step, so a
+    512-key score tile's row is four of them): the legacy trace's outputs bit for bit, ALiBi
+    with lengths, per-sequence slopes."""
+    from nki_kernels import tiles
+    monkeypatch.setattr(tiles, "FWD_ROW_FMAX", 128)
+    q, k, v, _ = attention_inputs(2, 2, 1, 200, 700, 64, seed=8)
+    kw = dict(causal=True, kv_lens=[650, 131], q_lens=[200, 77], **_mods(2, alibi=True, B=2))
+    outs = []
+    for api in ("legacy", "nki"):
+        monkeypatch.setenv(API_ENV_VAR, api)
+        outs.append(host.flash_attention(q, k, v, return_lse=True, mixed_precision=False, lnc=1,
+                                         **kw))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    _close(outs[1][0], ref.attention_forward(q, k, v, **kw)[0], 2e-5)
 
 
 DECODE_CASES = [
