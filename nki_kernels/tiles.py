@@ -290,11 +290,25 @@ BWD_DS_GROUP_BYTES = 4096
 BWD_SBUF_SLACK = 4 * 1024
 
 
-def bwd_key_tile(D: int) -> int:
-    """Keys per K/V tile of the backward: the most 128-key blocks whose fp32 dK (and dV)
-    accumulators ``[128 keys, D]`` share one PSUM bank per partition (512 keys for D <= 128,
-    256 for D <= 256). dK_j and dV_j then use one bank each for the whole inner loop."""
-    return PMAX * max(1, PSUM_FMAX // max(D, PMAX))
+def bwd_key_tile(D: int, ds_transpose: str = "pe", transforms: int = 0) -> int:
+    """Keys per K/V tile of the backward: ``128 * 2^transforms`` keys (``transforms``: how many
+    score transforms run, soft-capping and ALiBi), at most the most 128-key blocks whose fp32
+    dK (and dV) accumulators ``[128 keys, D]`` share one PSUM bank per partition (512 keys for
+    D <= 128, 256 for D <= 256), which ``ds_transpose="dma"`` always takes (one DMA transpose
+    per visit, whose fixed cost wants many blocks).
+
+    Why: a visit (128 query rows x one key tile) is a dependent chain -- S, exp, dP, dS, its
+    transposes, dQ -- and two rotating buffers per tile let only a few visits overlap, so
+    short visits keep TensorE busiest; but the score transforms add per-score instructions on
+    ScalarE, VectorE and GpSimd, whose fixed costs favour wider visits once those engines are
+    the busy ones. Scheduled estimates, trn2, N = 4096, D = 128, keys 128 / 256 / 512 (us):
+    plain 480.7 / 548.0 / 575.7 (causal 285.1 / 310.1 / 352.1; trn1 445.5 / 503.5 / 560.7),
+    softcap 591.3 / 561.4 / 586.8, ALiBi 638.7 / 571.6 / 773.9, both (and sinks) 899.1 /
+    848.4 / 753.9. D = 64 and 256 favour the short tile likewise."""
+    widest = PMAX * max(1, PSUM_FMAX // max(D, PMAX))
+    if ds_transpose == "dma":
+        return widest
+    return min(widest, PMAX << transforms)
 
 
 def bwd_slot_bytes(D: int, op_itemsize: int, dq_on_chip: bool = True) -> int:
@@ -311,7 +325,7 @@ def bwd_working_bytes(D: int, op_itemsize: int, in_itemsize: int = 4) -> int:
     K/V tile (K [keys, D] blocks, K^T and V^T [D chunk, keys]), per visit P, dS, dP - D
     ([128, keys], operand dtype), the fp32 masked scores, one dS^T block, and load/store
     temporaries ([128, D] in the input dtype and fp32)."""
-    key_tile = bwd_key_tile(D)
+    key_tile = bwd_key_tile(D, "dma")     # the wider of the two modes' tiles
     d_chunks = ceil_div(D, PMAX)
     kv_tile = (key_tile // PMAX) * D * op_itemsize + 2 * d_chunks * key_tile * op_itemsize
     visit = 3 * key_tile * op_itemsize + 4 * key_tile + PMAX * op_itemsize
