@@ -278,7 +278,8 @@ class _XlaKernels:
       ``kv_lens``/``q_lens`` as (B,) int32 device tensors (the planner's default SBUF budget is
       trn1's, a tiling that also fits trn2).
     * backward: likewise from :func:`host.api.plan_attention_backward` (``flash_attn_bwd`` on
-      ``(B, Hkv)``), with the same (B,) int32 device length tensors: the compiled kernels depend
+      ``(B, Hkv)`` in legacy, ``[lnc]`` under ``nki.*``), with the same (B,) int32 device
+      length tensors: the compiled kernels depend
       on shapes and options only, so a new set of lengths (every step of padded training) does
       not recompile.
     """

@@ -331,6 +331,26 @@ def dma_transpose(dst, src, mask=None):
         dst[...] = ns.nisa.dma_transpose(src, mask=mask)
 
 
+def dma_transpose_blocks(dst, src, n, width, mask=None):
+    """``dst[0:width, q r:(q + 1) r] = src[0:r, q width:(q + 1) width]^T`` for the ``n``
+    blocks ``q`` of a 2-D SBUF ``src`` of ``r`` rows (SBUF -> SBUF, DMA engines, gen3+).
+
+    0.7: one 3-D ``nisa.dma_transpose`` of ``reshape_dim`` views, ``(r, n, width) -> (width,
+    n, r)`` (the stub's 3-D permutation), so the per-instruction DMA cost is paid once for the
+    ``n`` blocks, as nki-library's ``attention_cte`` batches its P transposes (one 4-D
+    ``dma_transpose`` per 512 keys). Legacy: one 2-D transpose per block (its SBUF tiles have
+    no views to reshape)."""
+    ns = current()
+    r = src.shape[0]
+    if ns.api == "nki":
+        ns.nisa.dma_transpose(dst=dst[0:width, 0:n * r].reshape_dim(1, (n, r)),
+                              src=src[0:r, 0:n * width].reshape_dim(1, (n, width)))
+        return
+    for q in tiles.unrolled(n):
+        dst[0:width, q * r:(q + 1) * r] = ns.nisa.dma_transpose(
+            src[0:r, q * width:(q + 1) * width], mask=mask)
+
+
 # -- compiled loops ---------------------------------------------------------------------------
 
 def loop(n, body, carried=False, start=0):
@@ -784,6 +804,42 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
         ns.nisa.tensor_copy(dst=dst, src=on_true_tile)
     ns.nisa.tensor_copy_predicated(dst=dst, src=float(on_false_value), predicate=pred,
                                    reverse_pred=True)
+
+
+def band_select_max(dst, data, sides, runtime=None, offsets=None, neg_max=None):
+    """0.7 only (NeuronCore-v3+): ``dst = data`` where every side ``(bound, cmp_op)`` of a band
+    holds for the key-minus-row distance, ``cmp_op(j - p + runtime + bound, 0)`` with ``cmp_op``
+    ``nl.less_equal`` or ``nl.greater_equal`` (one or two sides; ``j`` the free index, ``p``
+    the partition), fp32.min elsewhere; and ``neg_max = -(row max of dst)``, ``[P, 1]``.
+
+    One VectorE ``range_select`` reading ``data`` (PSUM or SBUF) with its max reduction, in
+    place of :func:`affine_select`'s iota, compare and predicated copy per side and a separate
+    max: the per-row bounds ``p - runtime - bound`` are ``[P, 1]`` columns (a GpSimd iota of
+    the partitions, minus the runtime offset read from ``offsets`` on VectorE), as AWS's NKI
+    0.7 ``attention_cte`` masks its diagonal tiles (``range_select`` with ``reduce_res``)."""
+    ns = current()
+    if ns.api != "nki":
+        raise RuntimeError("port.band_select_max: NKI 0.7 only (legacy: affine_select)")
+    nl_, nisa = ns.nl, ns.nisa
+    rows = data.shape[0]
+    bounds = []
+    for bound, cmp_op in sides:
+        offset, terms = _fold_static(bound, runtime)
+        col = nl_.ndarray((rows, 1), dtype=nl_.float32, buffer=nl_.sbuf)
+        nisa.iota(dst=col, pattern=[[0, 1]], offset=-int(offset), channel_multiplier=1)
+        if terms:
+            nisa.tensor_scalar(dst=col, data=col, op0=nl_.subtract,
+                               operand0=_runtime_column(ns, terms, offsets, rows))
+        bounds.append((col, cmp_op))
+    if len(bounds) == 1:
+        bounds.append(bounds[0])
+    (b0, c0), (b1, c1) = bounds
+    mx = nl_.ndarray((rows, 1), dtype=nl_.float32, buffer=nl_.sbuf)
+    nisa.range_select(dst=dst, on_true_tile=data, comp_op0=c0, comp_op1=c1, bound0=b0,
+                      bound1=b1, reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=mx,
+                      reduce_op=nl_.maximum)
+    nisa.tensor_scalar(dst=neg_max, data=mx, op0=nl_.multiply, operand0=-1.0,
+                       engine=_engine(ns, "gpsimd"))
 
 
 # -- TensorE: results into PSUM ----------------------------------------------------------------

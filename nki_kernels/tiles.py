@@ -290,11 +290,25 @@ BWD_DS_GROUP_BYTES = 4096
 BWD_SBUF_SLACK = 4 * 1024
 
 
-def bwd_key_tile(D: int) -> int:
-    """Keys per K/V tile of the backward: the most 128-key blocks whose fp32 dK (and dV)
-    accumulators ``[128 keys, D]`` share one PSUM bank per partition (512 keys for D <= 128,
-    256 for D <= 256). dK_j and dV_j then use one bank each for the whole inner loop."""
-    return PMAX * max(1, PSUM_FMAX // max(D, PMAX))
+def bwd_key_tile(D: int, ds_transpose: str = "pe", transforms: int = 0) -> int:
+    """Keys per K/V tile of the backward: ``128 * 2^transforms`` keys (``transforms``: how many
+    score transforms run, soft-capping and ALiBi), at most the most 128-key blocks whose fp32
+    dK (and dV) accumulators ``[128 keys, D]`` share one PSUM bank per partition (512 keys for
+    D <= 128, 256 for D <= 256), which ``ds_transpose="dma"`` always takes (one DMA transpose
+    per visit, whose fixed cost wants many blocks).
+
+    Why: a visit (128 query rows x one key tile) is a dependent chain -- S, exp, dP, dS, its
+    transposes, dQ -- and two rotating buffers per tile let only a few visits overlap, so
+    short visits keep TensorE busiest; but the score transforms add per-score instructions on
+    ScalarE, VectorE and GpSimd, whose fixed costs favour wider visits once those engines are
+    the busy ones. Scheduled estimates, trn2, N = 4096, D = 128, keys 128 / 256 / 512 (us):
+    plain 480.7 / 548.0 / 575.7 (causal 285.1 / 310.1 / 352.1; trn1 445.5 / 503.5 / 560.7),
+    softcap 591.3 / 561.4 / 586.8, ALiBi 638.7 / 571.6 / 773.9, both (and sinks) 899.1 /
+    848.4 / 753.9. D = 64 and 256 favour the short tile likewise."""
+    widest = PMAX * max(1, PSUM_FMAX // max(D, PMAX))
+    if ds_transpose == "dma":
+        return widest
+    return min(widest, PMAX << transforms)
 
 
 def bwd_slot_bytes(D: int, op_itemsize: int, dq_on_chip: bool = True) -> int:
@@ -311,7 +325,7 @@ def bwd_working_bytes(D: int, op_itemsize: int, in_itemsize: int = 4) -> int:
     K/V tile (K [keys, D] blocks, K^T and V^T [D chunk, keys]), per visit P, dS, dP - D
     ([128, keys], operand dtype), the fp32 masked scores, one dS^T block, and load/store
     temporaries ([128, D] in the input dtype and fp32)."""
-    key_tile = bwd_key_tile(D)
+    key_tile = bwd_key_tile(D, "dma")     # the wider of the two modes' tiles
     d_chunks = ceil_div(D, PMAX)
     kv_tile = (key_tile // PMAX) * D * op_itemsize + 2 * d_chunks * key_tile * op_itemsize
     visit = 3 * key_tile * op_itemsize + 4 * key_tile + PMAX * op_itemsize
@@ -387,6 +401,22 @@ FWD_RESIDENT_Q_GROUP = 8
 #: 305.6 and 351.6 for 4, 2 and 1). Each staged tile keeps its P of one softmax block in SBUF
 #: until its second half.
 FWD_STAGE_SLOTS = 8
+#: Under nki.* (NKI 0.7: trn2, trn3), the share of P^T chunk groups the DMA engines transpose
+#: SBUF -> SBUF (``ForwardTiles.p_dma_transpose_share``), per target. AWS's production NKI 0.7
+#: forward transposes all of its P that way (nki-library ``attention_cte``, "Perform DMA
+#: transpose": one ``dma_transpose`` per 512 keys). On trn2 three groups in four, the fourth on
+#: TensorE, balance the DMA queues (SBUF -> SBUF at half the DMA rate) against TensorE and the
+#: ScalarE/VectorE PSUM copies; trn3's faster DMA takes them all. Scheduled estimate, one core,
+#: D = 128, bf16, stage 2, shares 0.5 / 0.75 / 1.0: trn2 N = 4096 260.0 / 217.7 / 245.5 us,
+#: causal 179.6 / 167.8 / 177.2, N = 2048 76.3 / 67.9 / 76.9, N = 8192 991.7 / 799.8 / 892.1;
+#: trn3 N = 4096 239.1 / 210.1 / 187.2. Legacy keeps 0: AWS's legacy flash_fwd left its
+#: DMA-transpose path disabled as not yet stable (nki-samples 0898a77 ``transpose_p_local``).
+FWD_NKI_P_DMA_SHARE = {"trn2": 0.75, "trn3": 1.0}
+#: Staged query tiles under nki.* with those DMA transposes (trn2, share 0.75: stage 2 against
+#: 1, 4, 8: N = 4096 217.7 / 218.3 / 218.7 / 239.8 us; N = 8192 799.8 / 799.5 / 808.7 / 853.2;
+#: N = 2048 67.9 / 67.2 / 67.0 / 75.6; causal 4096 167.8 / 172.6 / 167.8 / 167.8; trn3, share
+#: 1.0: N = 4096 187.2 / 187.7 / 187.2 / 214.3).
+FWD_NKI_STAGE_SLOTS = 2
 #: Largest head dim: S contracts it in passes of 128 (two passes max); PV writes D <= 512 fp32.
 FWD_MAX_HEAD_DIM = 2 * PMAX
 #: Keys per instruction when building a [1, n] key-mask row (iota + compare).
@@ -494,8 +524,10 @@ class ForwardTiles:
     p_dma_transpose_share : float
         trn2 only (ignored on trn1): fraction of the P^T chunk groups transposed SBUF -> SBUF by
         the DMA engines (``nisa.dma_transpose``, up to 50 % of DMA bandwidth on trn2) instead of
-        TensorE + a PSUM copy. Off by default: AWS's flash_fwd kept its DMA-transpose path
-        disabled pending stabilisation, so the hardware path is unproven.
+        TensorE + a PSUM copy. :func:`choose_forward_tiles` picks the target's
+        :data:`FWD_NKI_P_DMA_SHARE` under nki.* (as AWS's NKI 0.7 ``attention_cte`` does) and
+        0 under legacy (AWS's legacy flash_fwd kept its DMA-transpose path disabled pending
+        stabilisation).
     target : str
         "trn1" or "trn2": the generation whose SBUF the K/V residency was sized for.
     stage : int
@@ -629,7 +661,8 @@ def fwd_q_state_bytes(D: int, mm_itemsize: int, out_itemsize: int = 4) -> int:
 def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
                          mm_itemsize: int, *, target: Optional[str] = None,
                          sbuf_bytes: Optional[int] = None, kv_lens: bool = False,
-                         masks: bool = True, q_lens: bool = False) -> "ForwardTiles":
+                         masks: bool = True, q_lens: bool = False,
+                         api: str = "legacy", device: Optional[str] = None) -> "ForwardTiles":
     """Pick the forward tiling from the SBUF budget.
 
     Parameters
@@ -647,6 +680,12 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
     kv_lens, masks, q_lens : bool
         Key lengths are given; some mask is active (mask indicator cache); query lengths are
         given (the lengths' index tables, :func:`fwd_length_table_bytes`).
+    api : "legacy" or "nki"
+        The namespace the kernel traces through: under nki.* the P^T transposes are shared
+        with the DMA engines (:data:`FWD_NKI_P_DMA_SHARE` of ``device``) and at most
+        :data:`FWD_NKI_STAGE_SLOTS` query tiles are staged.
+    device : "trn2", "trn3" or None
+        The generation the launch runs on (nki.* only; None or another: trn2's share).
 
     Returns
     -------
@@ -659,7 +698,12 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
     if target not in SBUF_USABLE_BYTES:
         raise ValueError(f"target: expected one of {sorted(SBUF_USABLE_BYTES)}, got {target!r}")
     budget = FWD_SBUF_BUDGET_BYTES[target] if sbuf_bytes is None else int(sbuf_bytes)
-    base = ForwardTiles(target=target)
+    if api not in ("legacy", "nki"):
+        raise ValueError(f"api: expected 'legacy' or 'nki', got {api!r}")
+    nki = api == "nki"
+    share = FWD_NKI_P_DMA_SHARE.get(device, FWD_NKI_P_DMA_SHARE["trn2"]) if nki else 0.0
+    base = ForwardTiles(target=target, p_dma_transpose_share=share)
+    slots = FWD_NKI_STAGE_SLOTS if nki else FWD_STAGE_SLOTS
     work = fwd_working_bytes(D, in_itemsize, mm_itemsize, base, masks=masks)
     work += fwd_length_table_bytes(Nq, Nk, group, D, q_lens=q_lens, kv_lens=kv_lens)
     state = fwd_q_state_bytes(D, mm_itemsize, in_itemsize)
@@ -668,7 +712,7 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
 
     def staged(tiles, left):
         # the most staged tiles (up to the group's) whose P fits what the group leaves
-        stage = min(FWD_STAGE_SLOTS, tiles.q_group)
+        stage = min(slots, tiles.q_group)
         while stage > 1 and fwd_stage_bytes(stage, tiles, mm_itemsize) > left:
             stage -= 1
         return replace(tiles, stage=int(stage))

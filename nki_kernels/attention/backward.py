@@ -110,6 +110,31 @@ tile when D is a multiple of 128 (``w`` TensorE cycles per 128 x w scores: a 6th
 the 5 at D = 128, +20 % TensorE); otherwise the mask rides in a spare contraction row of the S
 matmul for free. ``q_lens`` costs only O(N d) work (index tables, zero fills).
 
+One source, two namespaces (:mod:`nki_kernels.port`): the kernel traces through ``nki.*``
+(NKI 0.7: trn2, trn3) and the legacy ``neuronxcc.nki`` (trn1), the loop nest above being
+:func:`port.loop` (``nl.fori_loop`` in 0.7; in legacy the ``sequential_range`` /
+``affine_range`` shown). Where the namespaces differ:
+
+* *grid*: legacy launches the SPMD grid ``(B, Hkv)``; 0.7 launches ``kernel[lnc]`` and the
+  kernel loops over the programs (:func:`port.for_programs`, :func:`backward_grid`);
+* *band edges*: the offset of a visit's band selection is its key-minus-row distance, a
+  loop-index expression. The upper edge is a :class:`port.DiagonalMask` (legacy
+  ``affine_select``; 0.7 one ``range_select`` against a per-row bound table made once); the
+  lower one, ALiBi's distances and the key-length row read the distance (or the first key)
+  from a table built once per launch (:class:`port.OffsetColumns`) and compare on VectorE.
+  Dropout's unit numbers and the flat rows of the gathers are linear forms of the loop
+  indices, read from a second table (fp32-exact below 2^24);
+* *row masks*: legacy loads and stores the query tiles of a pass under a row mask (the partial
+  last tile, the padding tiles that balance several passes). 0.7 has no masks: with one pass
+  the partial tile is a statically short group of its own; with several passes (or
+  ``q_lens``) every slot is gathered and scattered by indirect DMA (:func:`port.rows`), rows
+  past Nq pushed out of bounds;
+* *copies by assignment* (legacy) are VectorE ``tensor_copy`` in 0.7.
+
+The gradients are the same bit for bit and, without masks, so is the modeled time (a band's
+lower edge costs 0.7 a few VectorE instructions per masked visit); the program stays flat in N
+under both.
+
 Not fully confirmed APIs (reference/nki-api-spec.md): ``nisa.dma_copy`` casting between dtypes
 (documented in §7.5; [RE] lists a same-dtype rule for some DMA paths) -- the gathers of fp32
 inputs into bf16 operand tiles and the key row into fp32 operands rely on it, as decode.py does.
@@ -123,13 +148,15 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple
 
-import numpy as np
+import numpy as np  # compile-time constants only (-inf)
 
+from nki_kernels import port
 from nki_kernels.attention import masks as M
 from nki_kernels.attention import score_mods as SM
-from nki_kernels.nki import nisa, nki, nl
+from nki_kernels.port import nl
 from nki_kernels.tiles import (
     unrolled,
+    FP32_EXACT_INT,
     BWD_ACT_EVAC_BLOCKS,
     BWD_DQ_ACCUMULATE_MODES,
     BWD_DS_TRANSPOSE,
@@ -328,33 +355,55 @@ class RuntimeMasks(M.RuntimeLengths):
         if self.has_k and self.mask_row is None:
             self.neg_row = M.neg_row(PMAX)
 
-    def query_tables(self, q_shape, b, h0, G: int, plan: BackwardPlan, p):
-        """Gather and scatter indices ``[128, G * slots]`` of pass p's query rows (column
-        ``h slots + t``: head h0 + h, query tile ``t P + p``) in q's ``(B Hq Nq, D)`` view.
-        Rows past Nq (the partial tile, balancing padding) are never read or written: both
-        tables push them out of bounds."""
-        B, Hq, Nq, _ = q_shape
-        runs = [(h * plan.slots, plan.slots, (b * Hq + h0 + h) * Nq + p * PMAX, p * PMAX)
-                for h in unrolled(G)]
-        rows, pos = M.position_table(runs, G * plan.slots, plan.passes * PMAX)
-        total = B * Hq * Nq
-        inside = nisa.tensor_scalar(pos, nl.less, float(Nq), dtype=nl.float32)
-        valid = nisa.tensor_tensor(self.valid(pos, keys=False), inside, np.multiply,
-                                   dtype=nl.float32)
-        load, store = self.index_table(rows, pos, total, keys=False, valid=valid)
-        if store is not None:
-            beyond = nisa.tensor_scalar(inside, np.subtract, 1.0, op1=np.multiply,
-                                        operand1=-float(M.oob_offset(total)), dtype=nl.int32)
-            store = nisa.tensor_tensor(store, beyond, np.add, dtype=nl.int32)
-        return load, store
-
-    def key_row(self, c0, cols: int):
+    def key_row(self, c0, cols: int, offsets=None):
         """bf16 ``[1, cols]``: 1.0 at the padding keys of keys ``[c0, c0 + cols)`` (None without
-        kv_lens)."""
-        return self.key_mask_row(c0, cols)
+        kv_lens; ``c0`` a multiple of 128, read from ``offsets`` under nki.*)."""
+        return self.key_mask_row(c0, cols, offsets=offsets)
 
 
-def key_tables(rt, k, b, g):
+def query_tables(cfg, plan: BackwardPlan, rt, q_shape, b, g, p):
+    """Gather and scatter indices ``[128, G * slots]`` of pass p's query rows (column ``h
+    slots + t``: head ``g G + h``, query tile ``t P + p``) in q's ``(B Hq Nq, D)`` view, with
+    ``q_lens`` (``rt``) or, under nki.* with several passes (no row masks there), without.
+    Rows past Nq (the partial tile, balancing padding) are never read or written: both tables
+    push them out of bounds; so do padding rows in the load table (:meth:`RuntimeMasks.
+    index_table`). The flat rows and positions depend on the program and pass: linear forms of
+    ``b``, ``g``, ``p``, read from ``cfg.indices`` under nki.*."""
+    B, Hq, Nq, _ = q_shape
+    G = cfg.G
+    runs = [(h * plan.slots, plan.slots, [(b, Hq * Nq), (g, G * Nq), (p, PMAX), (h * Nq, 1)],
+             [(p, PMAX)]) for h in unrolled(G)]
+    rows, pos = M.position_table(runs, G * plan.slots, plan.passes * PMAX, offsets=cfg.indices)
+    total = B * Hq * Nq
+    shape = tuple(pos.shape)
+    inside = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(inside, pos, nl.less, float(Nq))
+    if rt is None:
+        load = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(load, inside, nl.subtract, 1.0, op1=nl.multiply,
+                           operand1=-float(M.oob_offset(total)))
+        port.tensor_tensor(load, rows, load, nl.add)
+        return load, load
+    valid = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(valid, rt.valid(pos, keys=False), inside, nl.multiply)
+    load, store = rt.index_table(rows, pos, total, keys=False, valid=valid)
+    beyond = None
+    if store is not None or not port.predicates():
+        beyond = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(beyond, inside, nl.subtract, 1.0, op1=nl.multiply,
+                           operand1=-float(M.oob_offset(total)))
+    if store is None and beyond is not None:
+        # nki.*: dQ is scattered too (its grouped stores would need row masks): every row
+        # in place but those past Nq
+        store = rows
+    if beyond is not None:
+        moved = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_tensor(moved, store, beyond, nl.add)
+        store = moved
+    return load, store
+
+
+def key_tables(rt, k, b, g, indices=None):
     """Gather/scatter indices of every 128-key block of the program's keys (column = block):
     ``(load, store)`` int32 ``[128, ceil(Nk/128)]``, store None unless the keys are rotated
     (:meth:`RuntimeMasks.index_table`); ``(None, None)`` without ``kv_lens``."""
@@ -362,7 +411,8 @@ def key_tables(rt, k, b, g):
         return None, None
     B, Hkv, Nk, _ = k.shape
     n_blocks = ceil_div(Nk, PMAX)
-    rows_i, pos = M.position_table([(0, n_blocks, (b * Hkv + g) * Nk, 0)], n_blocks)
+    rows_i, pos = M.position_table([(0, n_blocks, [(b, Hkv * Nk), (g, Nk)], 0)], n_blocks,
+                                   offsets=indices)
     return rt.index_table(rows_i, pos, B * Hkv * Nk, keys=True)
 
 
@@ -371,34 +421,39 @@ def key_tables(rt, k, b, g):
 # ---------------------------------------------------------------------------------------------
 
 
-def _accumulate(psum, first, product):
-    """``psum = product`` for the first partial product of a PSUM accumulation group, then
-    ``psum += product`` (a matmul's first write into a bank overwrites it)."""
-    if first:
-        psum[...] = product
-    else:
-        psum[...] += product
-
-
 def _transpose_into(dst, src, tp_dtype, engine="scalar", scale=1.0):
     """``dst[D, rows] = scale * src[rows, D]^T`` through a TensorE transpose and a PSUM -> SBUF
-    copy on ScalarE (default; it applies ``scale``) or VectorE."""
+    copy on ScalarE (default; it applies ``scale``) or VectorE. ``tp_dtype``: the PSUM dtype of
+    the legacy trace (:func:`port.transpose_dtype`; nki.* requires the input's)."""
     rows, cols = src.shape
-    t_psum = nl.ndarray((cols, rows), dtype=tp_dtype, buffer=nl.psum)
-    t_psum[...] = nisa.nc_transpose(src, engine=nisa.tensor_engine)
+    t_psum = nl.ndarray((cols, rows), dtype=port.transpose_dtype(src.dtype, legacy=tp_dtype),
+                        buffer=nl.psum)
+    port.nc_transpose(t_psum, src)
     if engine == "scalar":
-        dst[...] = nisa.activation(nl.copy, t_psum, scale=scale, dtype=dst.dtype)
+        port.activation(dst, nl.copy, t_psum, scale=scale)
     else:
-        dst[...] = nisa.tensor_copy(t_psum, dtype=dst.dtype)
+        port.tensor_copy(dst, t_psum)
 
 
-def _blocks_view(t, rows, nblocks):
-    """A ``[rows, nblocks * 128]`` tile seen as ``[rows, nblocks, 128]`` (a free-dim access
-    pattern, no copy)."""
-    ip = nl.arange(rows)[:, None, None]
-    ib = nl.arange(nblocks)[None, :, None]
-    ik = nl.arange(PMAX)[None, None, :]
-    return t[ip, ib * PMAX + ik]
+def _copy(dst, src):
+    """``dst = src`` between SBUF tiles: an assignment in legacy (the copy its estimates were
+    made with), a VectorE ``tensor_copy`` in 0.7 (which has no tile assignment)."""
+    if port.api() == "nki":
+        port.tensor_copy(dst, src, engine="vector")
+    else:
+        dst[...] = src
+
+
+def _split_free(t, n: int, width: int):
+    """The first ``n * width`` columns of a 2-D tile ``[rows, cols]`` seen as ``[rows, n,
+    width]`` (a free-dim access pattern, no copy): an ``nl.arange`` expression in legacy,
+    ``reshape_dim`` in 0.7."""
+    if port.api() == "nki":
+        return t[:, 0:n * width].reshape_dim(1, (n, width))
+    ip = nl.arange(t.shape[0])[:, None, None]
+    ib = nl.arange(n)[None, :, None]
+    ik = nl.arange(width)[None, None, :]
+    return t[ip, ib * width + ik]
 
 
 def _blocks(cols: int):
@@ -418,7 +473,13 @@ class _Rows(NamedTuple):
 
 
 def _rows_view(t, b, rw: _Rows, width=None):
-    """HBM rows of :class:`_Rows` as ``[128 (i), n (j), width]`` (``[128, n]`` for lse)."""
+    """HBM rows of :class:`_Rows` as ``[128 (i), n (j), width]`` (``[128, n]`` for lse). Under
+    nki.* one pass holds every query tile (``stride`` 128): consecutive rows, reshaped."""
+    if port.api() == "nki":
+        if width is None:
+            return t[b, rw.hh, nl.ds(rw.r0, rw.n * PMAX)].reshape_dim(0, (rw.n, PMAX)).permute(
+                (1, 0))
+        return port.row_blocks(t, (b, rw.hh), rw.r0, PMAX, rw.n, width)
     ip = nl.arange(PMAX)[:, None, None] if width is not None else nl.arange(PMAX)[:, None]
     ij = nl.arange(rw.n)[None, :, None] if width is not None else nl.arange(rw.n)[None, :]
     if width is None:
@@ -427,10 +488,23 @@ def _rows_view(t, b, rw: _Rows, width=None):
 
 
 def _row_mask(rw: _Rows, Nq: int, width=None):
-    """Rows of :class:`_Rows` inside ``[0, Nq)`` (a predicate on the view's shape)."""
+    """Rows of :class:`_Rows` inside ``[0, Nq)`` (a legacy predicate on the view's shape)."""
     ip = nl.arange(PMAX)[:, None, None] if width is not None else nl.arange(PMAX)[:, None]
     ij = nl.arange(rw.n)[None, :, None] if width is not None else nl.arange(rw.n)[None, :]
     return rw.r0 + rw.stride * ij + ip < Nq
+
+
+def _query_groups(plan: BackwardPlan, Nq: int, cap: int):
+    """``(first slot, groups, slots per group, rows)`` runs covering the slots of a head: the
+    :func:`slot_groups` of ``cap``, every slot of ``rows = 128`` rows (rows past Nq masked in
+    legacy). 0.7 has no masks: there (one pass) the partial last tile is a static group of its
+    own, of ``Nq % 128`` rows."""
+    partial = plan.row_mask and not port.predicates()
+    full = plan.slots - (1 if partial else 0)
+    out = [(t0, n_groups, n, PMAX) for t0, n_groups, n in slot_groups(full, cap)]
+    if partial:
+        out.append((full, 1, 1, Nq - full * PMAX))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,37 +535,46 @@ def _derive(cfg, st: _State, do_in, o_in, lse_t, s0, n: int, h=None):
     key, a padding row), computed as ``m * BIAS_NO_KEY - max(LSE, LSE_NO_KEY)`` with ``m =
     [LSE < LSE_NO_KEY]`` so every intermediate is finite."""
     op_dtype, tp_dtype = cfg.op_dtype, cfg.tp_dtype
-    lse_floor = nisa.tensor_scalar(lse_t, np.maximum, BWD_LSE_NO_KEY, dtype=nl.float32)
-    no_key = nisa.tensor_scalar(lse_t, np.less, BWD_LSE_NO_KEY, dtype=nl.float32)
-    st.exp_bias[:, nl.ds(s0, n)] = nisa.scalar_tensor_tensor(
-        data=no_key, op0=np.multiply, operand0=BWD_EXP_BIAS_NO_KEY,
-        op1=np.subtract, operand1=lse_floor, dtype=nl.float32)
+    lse_floor = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(lse_floor, lse_t, nl.maximum, BWD_LSE_NO_KEY)
+    no_key = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(no_key, lse_t, nl.less, BWD_LSE_NO_KEY)
+    port.scalar_tensor_tensor(st.exp_bias[:, nl.ds(s0, n)], no_key, nl.multiply,
+                              BWD_EXP_BIAS_NO_KEY, nl.subtract, lse_floor)
     for j in unrolled(n):
         s = s0 + j
-        prod = nisa.tensor_tensor(do_in[:, j, :], o_in[:, j, :], np.multiply, dtype=nl.float32)
-        st.neg_delta[:, nl.ds(s, 1)] = nisa.tensor_reduce(np.add, prod, axis=(1,), negate=True,
-                                                          dtype=nl.float32, keepdims=True)
+        prod = nl.ndarray((PMAX, cfg.D), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(prod, do_in[:, j, :], o_in[:, j, :], nl.multiply)
+        port.tensor_reduce(st.neg_delta[:, nl.ds(s, 1)], nl.add, prod, axis=(1,), negate=True)
         if do_in.dtype == op_dtype:
-            st.do_nat[:, s, :] = do_in[:, j, :]
+            _copy(st.do_nat[:, s, :], do_in[:, j, :])
         else:
-            st.do_nat[:, s, :] = nisa.tensor_copy(do_in[:, j, :], dtype=op_dtype)
+            port.tensor_copy(st.do_nat[:, s, :], do_in[:, j, :])
         for c, (d0, dsz) in enumerate(cfg.d_chunks):
             cols = nl.ds(s * PMAX, PMAX)
             _transpose_into(st.q_T[0:dsz, c, cols], st.q_nat[:, s, d0:d0 + dsz], tp_dtype,
                             scale=cfg.q_scale)
             _transpose_into(st.do_T[0:dsz, c, cols], st.do_nat[:, s, d0:d0 + dsz], tp_dtype)
     if st.sink_terms is not None:
-        p_sink = nisa.activation(nl.exp, st.exp_bias[:, nl.ds(s0, n)],
-                                 bias=SM.HeadColumns.col(cfg.cols.sink, h, PMAX), scale=1.0,
-                                 dtype=nl.float32)
-        st.sink_terms[:, nl.ds(s0, n)] = nisa.tensor_tensor(
-            p_sink, st.neg_delta[:, nl.ds(s0, n)], np.multiply, dtype=nl.float32,
-            engine=nisa.gpsimd_engine)
+        p_sink = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+        port.activation(p_sink, nl.exp, st.exp_bias[:, nl.ds(s0, n)],
+                        bias=SM.HeadColumns.col(cfg.cols.sink, h, PMAX), scale=1.0)
+        port.tensor_tensor(st.sink_terms[:, nl.ds(s0, n)], p_sink,
+                           st.neg_delta[:, nl.ds(s0, n)], nl.multiply, engine="gpsimd")
 
 
 def _zeros(shape, dtype):
     """A zero-filled SBUF tile (GpSimd memset: attention kernels leave GpSimd mostly idle)."""
-    return nisa.memset(shape, 0.0, dtype=dtype, engine=nisa.gpsimd_engine)
+    t = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
+    port.memset(t, 0.0, engine="gpsimd")
+    return t
+
+
+def _lse_tile(n: int):
+    """fp32 ``[128, n]`` filled with -inf (the LSE of rows never loaded: no visible key)."""
+    t = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+    port.memset(t, -np.inf, engine="gpsimd")
+    return t
 
 
 def load_query_side(cfg, plan: BackwardPlan, rt, q, do, o, lse, b, h0, p, st: _State,
@@ -500,60 +583,78 @@ def load_query_side(cfg, plan: BackwardPlan, rt, q, do, o, lse, b, h0, p, st: _S
 
     Without ``q_lens`` the slots move in groups of up to ``BWD_GROUP_BYTES`` per partition per
     tensor (one DMA each: every DMA pays a fixed cost), under a row mask when some rows lie past
-    Nq (their tiles are zero-filled first, LSE -inf). With ``q_lens`` every slot is gathered
-    through its column of ``q_load``: padding rows are never read."""
+    Nq (their tiles are zero-filled first, LSE -inf; under nki.* the partial tile is a group of
+    its own whose load is statically short). With ``q_lens`` every slot is gathered through its
+    column of ``q_load``: padding rows are never read."""
     D, G, Nq = cfg.D, cfg.G, q.shape[2]
     P, S_h = plan.passes, plan.slots
     stride = P * PMAX
     if q_load is not None:
         n_rows = q.shape[0] * q.shape[1] * q.shape[2]
-        for h in nl.affine_range(G):
-            for t in nl.affine_range(S_h):
-                s = h * S_h + t
-                do_in = _zeros((PMAX, 1, D), do.dtype)
-                M.gather_rows(do_in[:, 0, :], do.reshape((n_rows, D)), q_load, s, PMAX, D)
-                o_in = _zeros((PMAX, 1, D), o.dtype)
-                M.gather_rows(o_in[:, 0, :], o.reshape((n_rows, D)), q_load, s, PMAX, D)
-                st.q_nat[:, s, :] = _zeros((PMAX, D), cfg.op_dtype)
-                M.gather_rows(st.q_nat[:, s, :], q.reshape((n_rows, D)), q_load, s, PMAX, D)
-                lse_t = nisa.memset((PMAX, 1), -np.inf, dtype=nl.float32,
-                                    engine=nisa.gpsimd_engine)
-                M.gather_rows(lse_t, lse.reshape((n_rows, 1)), q_load, s, PMAX, 1)
-                _derive(cfg, st, do_in, o_in, lse_t, s, 1, h)
+
+        def gather_slot(h, t):
+            s = h * S_h + t
+            do_in = _zeros((PMAX, 1, D), do.dtype)
+            M.gather_rows(do_in[:, 0, :], do.reshape((n_rows, D)), q_load, s, PMAX, D)
+            o_in = _zeros((PMAX, 1, D), o.dtype)
+            M.gather_rows(o_in[:, 0, :], o.reshape((n_rows, D)), q_load, s, PMAX, D)
+            port.memset(st.q_nat[:, s, :], 0.0, engine="gpsimd")
+            M.gather_rows(st.q_nat[:, s, :], q.reshape((n_rows, D)), q_load, s, PMAX, D)
+            lse_t = _lse_tile(1)
+            M.gather_rows(lse_t, lse.reshape((n_rows, 1)), q_load, s, PMAX, 1)
+            _derive(cfg, st, do_in, o_in, lse_t, s, 1, h)
+
+        port.loop(G, lambda h: port.loop(S_h, lambda t: gather_slot(h, t)))
         return
     cap = max(1, BWD_GROUP_BYTES // (D * (4 if do.dtype == nl.float32 else 2)))
-    for t0, n_groups, n in slot_groups(S_h, cap):
-        for h in nl.affine_range(G):
-            for gi in nl.affine_range(n_groups):
-                t = t0 + gi * n
-                rw = _Rows(h0 + h, h * S_h + t, (t * P + p) * PMAX, n, stride)
-                sl = nl.ds(rw.s0, n)
-                if plan.row_mask:
-                    m3, m2 = _row_mask(rw, Nq, D), _row_mask(rw, Nq)
-                    st.q_nat[:, sl, :] = _zeros((PMAX, n, D), cfg.op_dtype)
-                    st.q_nat[:, sl, :] = nl.load(_rows_view(q, b, rw, D), dtype=cfg.op_dtype,
-                                                 mask=m3)
-                    do_in = _zeros((PMAX, n, D), do.dtype)
-                    do_in[...] = nl.load(_rows_view(do, b, rw, D), mask=m3)
-                    o_in = _zeros((PMAX, n, D), o.dtype)
-                    o_in[...] = nl.load(_rows_view(o, b, rw, D), mask=m3)
-                    lse_t = nisa.memset((PMAX, n), -np.inf, dtype=nl.float32,
-                                        engine=nisa.gpsimd_engine)
-                    lse_t[...] = nl.load(_rows_view(lse, b, rw), mask=m2)
-                else:
-                    st.q_nat[:, sl, :] = nl.load(_rows_view(q, b, rw, D), dtype=cfg.op_dtype)
-                    do_in = nl.load(_rows_view(do, b, rw, D))
-                    o_in = nl.load(_rows_view(o, b, rw, D))
-                    lse_t = nl.load(_rows_view(lse, b, rw))
-                _derive(cfg, st, do_in, o_in, lse_t, rw.s0, n, h)
+
+    def group(h, t, n: int, rows: int):
+        rw = _Rows(h0 + h, h * S_h + t, (t * P + p) * PMAX, n, stride)
+        sl = nl.ds(rw.s0, n)
+        if rows < PMAX:
+            # nki.*: the partial last tile (one slot), loaded statically short
+            port.memset(st.q_nat[:, sl, :], 0.0, engine="gpsimd")
+            port.dma_copy(st.q_nat[0:rows, rw.s0, :], q[b, rw.hh, nl.ds(rw.r0, rows), :])
+            do_in = _zeros((PMAX, n, D), do.dtype)
+            port.dma_copy(do_in[0:rows, 0, :], do[b, rw.hh, nl.ds(rw.r0, rows), :])
+            o_in = _zeros((PMAX, n, D), o.dtype)
+            port.dma_copy(o_in[0:rows, 0, :], o[b, rw.hh, nl.ds(rw.r0, rows), :])
+            lse_t = _lse_tile(n)
+            port.dma_copy(lse_t[0:rows, 0:1],
+                          lse.reshape(lse.shape + (1,))[b, rw.hh, nl.ds(rw.r0, rows), :])
+        elif plan.row_mask and port.predicates():
+            m3, m2 = _row_mask(rw, Nq, D), _row_mask(rw, Nq)
+            port.memset(st.q_nat[:, sl, :], 0.0, engine="gpsimd")
+            port.dma_copy(st.q_nat[:, sl, :], _rows_view(q, b, rw, D), mask=m3)
+            do_in = _zeros((PMAX, n, D), do.dtype)
+            port.dma_copy(do_in, _rows_view(do, b, rw, D), mask=m3)
+            o_in = _zeros((PMAX, n, D), o.dtype)
+            port.dma_copy(o_in, _rows_view(o, b, rw, D), mask=m3)
+            lse_t = _lse_tile(n)
+            port.dma_copy(lse_t, _rows_view(lse, b, rw), mask=m2)
+        else:
+            port.dma_copy(st.q_nat[:, sl, :], _rows_view(q, b, rw, D))
+            do_in = nl.ndarray((PMAX, n, D), dtype=do.dtype, buffer=nl.sbuf)
+            port.dma_copy(do_in, _rows_view(do, b, rw, D))
+            o_in = nl.ndarray((PMAX, n, D), dtype=o.dtype, buffer=nl.sbuf)
+            port.dma_copy(o_in, _rows_view(o, b, rw, D))
+            lse_t = nl.ndarray((PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+            port.dma_copy(lse_t, _rows_view(lse, b, rw))
+        _derive(cfg, st, do_in, o_in, lse_t, rw.s0, n, h)
+
+    for t0, n_groups, n, rows in _query_groups(plan, Nq, cap):
+        port.loop(G, lambda h, t0=t0, n_groups=n_groups, n=n, rows=rows: port.loop(
+            n_groups, lambda gi: group(h, t0 + gi * n, n, rows)))
 
 
 def mask_row_in_q_T(cfg, rt, st: _State):
     """With the key mask in the S matmul: Q^T's row ``rt.mask_row`` of the last head-dim chunk
     is ``MASK_NEG`` (one SBUF -> SBUF DMA for the whole pass)."""
     n = st.q_T.shape[2]
-    neg = nisa.memset((1, n), FWD_MASK_NEG, dtype=cfg.op_dtype, engine=nisa.gpsimd_engine)
-    nisa.dma_copy(dst=st.q_T[rt.mask_row:rt.mask_row + 1, len(cfg.d_chunks) - 1, 0:n], src=neg)
+    neg = nl.ndarray((1, n), dtype=cfg.op_dtype, buffer=nl.sbuf)
+    port.memset(neg, FWD_MASK_NEG, engine="gpsimd")
+    port.dma_copy(st.q_T[rt.mask_row:rt.mask_row + 1, len(cfg.d_chunks) - 1, 0:n], neg,
+                  legacy_isa=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,6 +666,24 @@ class _KV(NamedTuple):
     k_nat: object       # [128, blocks, D]  operand dtype
     k_T: object         # [D chunk (+1), n_dc, Bk]
     v_T: object         # [D chunk, n_dc, Bk]
+
+
+def _wide_rows(t, b, g, c0, nb: int, D: int):
+    """``[128, nb, D]`` HBM view whose partition p holds the nb consecutive rows ``c0 + nb p +
+    j`` of ``t[b, g]`` (one ``nb * D``-element chunk per partition)."""
+    if port.api() == "nki":
+        return t[b, g, nl.ds(c0, nb * PMAX), :].reshape_dim(0, (PMAX, nb))
+    ip = nl.arange(PMAX)[:, None, None]
+    ij = nl.arange(nb)[None, :, None]
+    return t[b, g, c0 + nb * ip + ij, nl.arange(D)[None, None, :]]
+
+
+def _every_nth_col(t, rows: int, first, n: int, count: int):
+    """Columns ``first, first + n, ...`` (count of them) of the first ``rows`` partitions of
+    the 2-D tile view ``t``."""
+    if port.api() == "nki":
+        return t[0:rows, first:first + n * (count - 1) + 1:n]
+    return t[nl.arange(rows)[:, None], first + n * nl.arange(count)[None, :]]
 
 
 def load_kv_tile(cfg, k, v, b, g, c0, cols: int, kv: _KV, k_load, col0):
@@ -586,18 +705,15 @@ def load_kv_tile(cfg, k, v, b, g, c0, cols: int, kv: _KV, k_load, col0):
         # transposed, so V comes in wide rows -- partition p holds the nb consecutive keys
         # c0 + nb p + j, one nb * D-element chunk -- and the copies out of PSUM put block j's
         # column p back at key nb p + j of V^T.
-        ip = nl.arange(PMAX)[:, None, None]
-        ij = nl.arange(nb)[None, :, None]
-        idd = nl.arange(D)[None, None, :]
-        kv.k_nat[:, 0:nb, :] = nl.load(k[b, g, c0 + PMAX * ij + ip, idd], dtype=op_dtype)
-        v_wide = nl.load(v[b, g, c0 + nb * ip + ij, idd], dtype=op_dtype)
+        port.dma_copy(kv.k_nat[:, 0:nb, :], port.row_blocks(k, (b, g), c0, PMAX, nb, D))
+        v_wide = nl.ndarray((PMAX, nb, D), dtype=op_dtype, buffer=nl.sbuf)
+        port.dma_copy(v_wide, _wide_rows(v, b, g, c0, nb, D))
         M.zero_non_finite(v_wide)
         for bi in unrolled(nb):
             for c, (d0, dsz) in enumerate(cfg.d_chunks):
                 _transpose_into(kv.k_T[0:dsz, c, nl.ds(bi * PMAX, PMAX)],
                                 kv.k_nat[:, bi, d0:d0 + dsz], tp_dtype)
-                iv = nl.arange(dsz)[:, None]
-                _transpose_into(kv.v_T[iv, c, bi + nb * nl.arange(PMAX)[None, :]],
+                _transpose_into(_every_nth_col(kv.v_T[:, c, :], dsz, bi, nb, PMAX),
                                 v_wide[:, bi, d0:d0 + dsz], tp_dtype)
         M.zero_non_finite(kv.k_nat[:, 0:nb, :])
         return
@@ -606,13 +722,14 @@ def load_kv_tile(cfg, k, v, b, g, c0, cols: int, kv: _KV, k_load, col0):
         k_rows, v_rows = k.reshape((n_rows, D)), v.reshape((n_rows, D))
     for bi, (off, n) in enumerate(blocks):
         if k_load is not None:
-            kv.k_nat[0:n, bi, :] = _zeros((n, D), op_dtype)
+            port.memset(kv.k_nat[0:n, bi, :], 0.0, engine="gpsimd")
             M.gather_rows(kv.k_nat[0:n, bi, :], k_rows, k_load, col0 + bi, n, D)
             v_in = _zeros((n, D), op_dtype)
             M.gather_rows(v_in, v_rows, k_load, col0 + bi, n, D)
         else:
-            kv.k_nat[0:n, bi, :] = nl.load(k[b, g, nl.ds(c0 + off, n), :], dtype=op_dtype)
-            v_in = nl.load(v[b, g, nl.ds(c0 + off, n), :], dtype=op_dtype)
+            port.dma_copy(kv.k_nat[0:n, bi, :], k[b, g, nl.ds(c0 + off, n), :])
+            v_in = nl.ndarray((n, D), dtype=op_dtype, buffer=nl.sbuf)
+            port.dma_copy(v_in, v[b, g, nl.ds(c0 + off, n), :])
         M.zero_non_finite(v_in)
         for c, (d0, dsz) in enumerate(cfg.d_chunks):
             _transpose_into(kv.k_T[0:dsz, c, nl.ds(off, n)], kv.k_nat[0:n, bi, d0:d0 + dsz],
@@ -638,58 +755,77 @@ class _Visit(NamedTuple):
     c0: object
     cols: int
     masked: bool
+    r: object = None    # (i0 - c0) / 128: the visit's diagonal (``cfg.diagonal``)
 
 
 def recompute_p(cfg, spec, rt, vis: _Visit, key_row, st: _State, kv: _KV):
     """``(P, g)``: ``P = exp(scale * Q K^T - LSE)``, ``[128, cols]`` in the operand dtype.
     Masked keys get ``fp32.min`` (band edges, GpSimd ``affine_select`` on the row and key
-    indices) or ``MASK_NEG`` (keys past kv_len, TensorE) before the exp: P = 0 exactly. With
-    score modifiers (``score_mods``) the scores are modified first (raw units of
-    ``cfg.unit``) and ``g = 1 - tanh^2`` is the soft-cap's derivative (else None)."""
+    indices; under nki.* their loop-index part read from ``cfg.offsets``) or ``MASK_NEG``
+    (keys past kv_len, TensorE) before the exp: P = 0 exactly. With score modifiers
+    (``score_mods``) the scores are modified first (raw units of ``cfg.unit``) and ``g = 1 -
+    tanh^2`` is the soft-cap's derivative (else None)."""
     w = vis.cols
     s_psum = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
     last = len(cfg.d_chunks) - 1
     for c, (d0, dsz) in enumerate(cfg.d_chunks):
         if c == last and rt is not None and rt.mask_row is not None:
             dsz += 1    # MASK_NEG row (x) key row: the key mask inside the S matmul
-        _accumulate(s_psum, c == 0, nisa.nc_matmul(st.q_T[0:dsz, c, nl.ds(vis.s * PMAX, PMAX)],
-                                                   kv.k_T[0:dsz, c, 0:w]))
+        port.nc_matmul(s_psum, st.q_T[0:dsz, c, nl.ds(vis.s * PMAX, PMAX)],
+                       kv.k_T[0:dsz, c, 0:w], accumulate=c > 0)
     capped = cfg.mods.softcap is not None
     if key_row is not None and not capped:
-        s_psum[...] += nisa.nc_matmul(rt.neg_row[0:1, 0:PMAX], key_row[0:1, 0:w])
+        port.nc_matmul(s_psum, rt.neg_row[0:1, 0:PMAX], key_row[0:1, 0:w], accumulate=True)
     bias = st.exp_bias[:, nl.ds(vis.s, 1)]
     off = spec.static_offset
+    # the key-minus-row distance of the tile's first score (a multiple of 128)
+    dist = vis.c0 - vis.i0
     g = None
     if cfg.mods.transforms:
-        y, t = SM.modify_scores(cfg.mods, cfg.cols, s_psum, PMAX, w, vis.h,
-                                vis.c0 - vis.i0 - off, cfg.exp_scale / cfg.unit,
-                                not SM.one_sided(spec))
+        y, t = SM.modify_scores(cfg.mods, cfg.cols, s_psum, PMAX, w, vis.h, dist,
+                                cfg.exp_scale / cfg.unit, not SM.one_sided(spec),
+                                d_static=-off, offsets=cfg.offsets)
         if t is not None:
             g = SM.softcap_grad_factor(t, PMAX, w)
         if key_row is not None and capped:
             # the key mask after the tanh: its own PSUM tile, added on VectorE
             kneg = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
-            kneg[...] = nisa.nc_matmul(rt.neg_row[0:1, 0:PMAX], key_row[0:1, 0:w])
-            y = nisa.tensor_tensor(y, kneg, np.add, dtype=nl.float32)
+            port.nc_matmul(kneg, rt.neg_row[0:1, 0:PMAX], key_row[0:1, 0:w])
+            y_k = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_tensor(y_k, y, kneg, nl.add)
+            y = y_k
         if not vis.masked:
-            return nisa.activation(np.exp, y, bias=bias, scale=cfg.unit,
-                                   dtype=cfg.op_dtype), g
+            p = nl.ndarray((PMAX, w), dtype=cfg.op_dtype, buffer=nl.sbuf)
+            port.activation(p, nl.exp, y, bias=bias, scale=cfg.unit)
+            return p, g
         scores, exp_scale = y, cfg.unit
     elif not vis.masked:
-        return nisa.activation(np.exp, s_psum, bias=bias, scale=cfg.exp_scale,
-                               dtype=cfg.op_dtype), g
+        p = nl.ndarray((PMAX, w), dtype=cfg.op_dtype, buffer=nl.sbuf)
+        port.activation(p, nl.exp, s_psum, bias=bias, scale=cfg.exp_scale)
+        return p, g
     else:
-        scores = nisa.activation(nl.copy, s_psum, scale=cfg.exp_scale, dtype=nl.float32)
+        scores = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
+        port.activation(scores, nl.copy, s_psum, scale=cfg.exp_scale)
         exp_scale = 1.0
-    # Row i = i0 + iq, key j = c0 + ik; keep i + off + lo <= j <= i + off + hi.
-    iq, ik = nl.mgrid[0:PMAX, 0:w]
+    # Row i = i0 + iq, key j = c0 + ik; keep i + off + lo <= j <= i + off + hi, i.e. the
+    # distance dist + ik - iq between off + lo and off + hi. The lower bound: legacy selects
+    # into a new tile (the trace its estimates were made with); 0.7, whose selection with a
+    # runtime offset is a predicated copy, selects in place (no copy of the scores first)
+    in_place = port.api() == "nki"
     if spec.hi is not None:
-        scores = nisa.affine_select(vis.i0 + iq + (off + spec.hi) >= vis.c0 + ik, scores,
-                                    BWD_MASK_FILL, dtype=nl.float32)
+        # j <= i + off + hi: keys on or below a diagonal that moves with the loop indices
+        # (:class:`port.DiagonalMask`: legacy affine_select, 0.7 one range_select)
+        upper = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
+        cfg.diagonal.select(upper, scores, vis.r)
+        scores = upper
     if spec.lo is not None:
-        scores = nisa.affine_select(vis.c0 + ik >= vis.i0 + iq + (off + spec.lo), scores,
-                                    BWD_MASK_FILL, dtype=nl.float32)
-    return nisa.activation(np.exp, scores, bias=bias, scale=exp_scale, dtype=cfg.op_dtype), g
+        lower = scores if in_place else nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.sbuf)
+        port.affine_select(lower, [[1, w]], -1, scores, BWD_MASK_FILL, nl.greater_equal,
+                           offset=-(off + spec.lo), runtime=dist, offsets=cfg.offsets)
+        scores = lower
+    p = nl.ndarray((PMAX, w), dtype=cfg.op_dtype, buffer=nl.sbuf)
+    port.activation(p, nl.exp, scores, bias=bias, scale=exp_scale)
+    return p, g
 
 
 def softmax_backward(cfg, vis: _Visit, st: _State, kv: _KV, p, pz=None, g=None):
@@ -702,33 +838,40 @@ def softmax_backward(cfg, vis: _Visit, st: _State, kv: _KV, p, pz=None, g=None):
     ``Z P dP / (1 - p) - P D``: two GpSimd passes and one VectorE pass (VectorE also draws
     Z)."""
     w = vis.cols
-    dp_psum = nl.ndarray((PMAX, w), dtype=nl.float32, buffer=nl.psum)
+    shape = (PMAX, w)
+    dp_psum = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
     for c, (d0, dsz) in enumerate(cfg.d_chunks):
-        _accumulate(dp_psum, c == 0,
-                    nisa.nc_matmul(st.do_T[0:dsz, c, nl.ds(vis.s * PMAX, PMAX)],
-                                   kv.v_T[0:dsz, c, 0:w]))
+        port.nc_matmul(dp_psum, st.do_T[0:dsz, c, nl.ds(vis.s * PMAX, PMAX)],
+                       kv.v_T[0:dsz, c, 0:w], accumulate=c > 0)
+    neg_d = st.neg_delta[:, nl.ds(vis.s, 1)]
     if pz is not None:
         # dS = P (Z dP / (1 - p) - D) = Z P dP / (1 - p) - P D   (appendix Algorithm 4).
         # VectorE already draws Z (nisa.dropout is VectorE-only): two of the three
         # element-wise passes run on GpSimd, which the backward otherwise leaves idle
-        gp = nisa.gpsimd_engine
-        dp = nisa.activation(nl.copy, dp_psum, scale=1.0 / (1.0 - cfg.dropout_p),
-                             dtype=nl.float32)
-        zp_dp = nisa.tensor_tensor(dp, pz, np.multiply, dtype=nl.float32, engine=gp)
-        p_d = nisa.tensor_scalar(p, np.multiply, st.neg_delta[:, nl.ds(vis.s, 1)],
-                                 dtype=nl.float32, engine=nisa.vector_engine)
-        ds = nisa.tensor_tensor(zp_dp, p_d, np.add,
-                                dtype=cfg.op_dtype if g is None else nl.float32, engine=gp)
+        dp = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+        port.activation(dp, nl.copy, dp_psum, scale=1.0 / (1.0 - cfg.dropout_p))
+        zp_dp = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(zp_dp, dp, pz, nl.multiply, engine="gpsimd")
+        p_d = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(p_d, p, nl.multiply, neg_d, engine="vector")
+        ds = nl.ndarray(shape, dtype=cfg.op_dtype if g is None else nl.float32,
+                        buffer=nl.sbuf)
+        port.tensor_tensor(ds, zp_dp, p_d, nl.add, engine="gpsimd")
         if g is None:
             return ds
-        return nisa.tensor_tensor(ds, g, np.multiply, dtype=cfg.op_dtype)
-    dp_minus_d = nisa.activation(nl.copy, dp_psum, bias=st.neg_delta[:, nl.ds(vis.s, 1)],
-                                 scale=1.0, dtype=cfg.op_dtype)
+        ds_g = nl.ndarray(shape, dtype=cfg.op_dtype, buffer=nl.sbuf)
+        port.tensor_tensor(ds_g, ds, g, nl.multiply)
+        return ds_g
+    dp_minus_d = nl.ndarray(shape, dtype=cfg.op_dtype, buffer=nl.sbuf)
+    port.activation(dp_minus_d, nl.copy, dp_psum, bias=neg_d, scale=1.0)
     if g is not None:
         # P (1 - t^2) on GpSimd, rounded to the operand dtype as P is
-        p = nisa.tensor_tensor(p, g, np.multiply, dtype=cfg.op_dtype,
-                               engine=nisa.gpsimd_engine)
-    return nisa.tensor_tensor(dp_minus_d, p, np.multiply, dtype=cfg.op_dtype)
+        p_g = nl.ndarray(shape, dtype=cfg.op_dtype, buffer=nl.sbuf)
+        port.tensor_tensor(p_g, p, g, nl.multiply, engine="gpsimd")
+        p = p_g
+    ds = nl.ndarray(shape, dtype=cfg.op_dtype, buffer=nl.sbuf)
+    port.tensor_tensor(ds, dp_minus_d, p, nl.multiply)
+    return ds
 
 
 def accumulate_dv_dk(cfg, vis: _Visit, p, ds, st: _State, dv_psum, dk_psum):
@@ -738,8 +881,10 @@ def accumulate_dv_dk(cfg, vis: _Visit, p, ds, st: _State, dv_psum, dk_psum):
     D = cfg.D
     for bi, (off, n) in enumerate(_blocks(vis.cols)):
         acc = nl.ds(bi * D, D)
-        dv_psum[0:n, acc] += nisa.nc_matmul(p[:, nl.ds(off, n)], st.do_nat[:, vis.s, :])
-        dk_psum[0:n, acc] += nisa.nc_matmul(ds[:, nl.ds(off, n)], st.q_nat[:, vis.s, :])
+        port.nc_matmul(dv_psum[0:n, acc], p[:, nl.ds(off, n)], st.do_nat[:, vis.s, :],
+                       accumulate=True)
+        port.nc_matmul(dk_psum[0:n, acc], ds[:, nl.ds(off, n)], st.q_nat[:, vis.s, :],
+                       accumulate=True)
 
 
 def accumulate_dq(cfg, vis: _Visit, ds, kv: _KV, st: _State, dq_scratch):
@@ -751,7 +896,8 @@ def accumulate_dq(cfg, vis: _Visit, ds, kv: _KV, st: _State, dq_scratch):
     * ``ds_transpose="pe"`` (default): a TensorE transpose per block into PSUM, copied to SBUF
       by ScalarE for the first ``act_evac_blocks`` blocks and by VectorE for the rest;
     * ``"dma"`` (opt-in; whole 128-key blocks only): one SBUF -> SBUF DMA transpose of the
-      visit's ``[rows, blocks, 128]`` dS into ``[128, blocks, rows]``.
+      visit's ``[rows, blocks, 128]`` dS into ``[128, blocks, rows]`` (under nki.*, whose DMA
+      transpose is 2-D, one per block).
     """
     op_dtype, D = cfg.op_dtype, cfg.D
     blocks = _blocks(vis.cols)
@@ -759,28 +905,34 @@ def accumulate_dq(cfg, vis: _Visit, ds, kv: _KV, st: _State, dq_scratch):
     if cfg.ds_transpose == "dma" and all(n == PMAX for _, n in blocks):
         nb = len(blocks)
         ds_T = nl.ndarray((PMAX, nb, PMAX), dtype=op_dtype, buffer=nl.sbuf)
-        ds_T[...] = nisa.dma_transpose(_blocks_view(ds, PMAX, nb))
+        if port.api() == "nki":
+            for bi in unrolled(nb):
+                port.dma_transpose(ds_T[:, bi, :], ds[:, nl.ds(bi * PMAX, PMAX)])
+        else:
+            port.dma_transpose(ds_T, _split_free(ds, nb, PMAX))
         for bi in unrolled(nb):
-            _accumulate(dq_psum, bi == 0, nisa.nc_matmul(ds_T[:, bi, :], kv.k_nat[:, bi, :]))
+            port.nc_matmul(dq_psum, ds_T[:, bi, :], kv.k_nat[:, bi, :], accumulate=bi > 0)
     else:
         for bi, (off, n) in enumerate(blocks):
             ds_T = nl.ndarray((n, PMAX), dtype=op_dtype, buffer=nl.sbuf)
             engine = "scalar" if bi < cfg.act_evac_blocks else "vector"
             _transpose_into(ds_T, ds[:, nl.ds(off, n)], cfg.tp_dtype, engine)
-            _accumulate(dq_psum, bi == 0, nisa.nc_matmul(ds_T, kv.k_nat[0:n, bi, :]))
+            port.nc_matmul(dq_psum, ds_T, kv.k_nat[0:n, bi, :], accumulate=bi > 0)
     if st.dq_acc is not None:
-        st.dq_acc[:, vis.s, :] = nisa.tensor_tensor(st.dq_acc[:, vis.s, :], dq_psum, np.add,
-                                                    dtype=nl.float32)
+        port.tensor_tensor(st.dq_acc[:, vis.s, :], st.dq_acc[:, vis.s, :], dq_psum, nl.add)
         return
     rows = dq_scratch[vis.h, nl.ds(vis.i0, PMAX), :]
-    prev = nl.load(rows)
-    nl.store(rows, value=nisa.tensor_tensor(prev, dq_psum, np.add, dtype=nl.float32))
+    prev = nl.ndarray((PMAX, D), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(prev, rows)
+    total = nl.ndarray((PMAX, D), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(total, prev, dq_psum, nl.add)
+    port.dma_copy(rows, total)
 
 
 def visit(cfg, spec, rt, vis: _Visit, key_row, st: _State, kv: _KV, dv_psum, dk_psum,
           dq_scratch, dr=None, unit=None):
-    """All the work of one (slot, key tile) pair; with dropout ``unit = (head, query tile,
-    first key unit)``."""
+    """All the work of one (slot, key tile) pair; with dropout ``unit = (member head, query
+    tile, first key unit)``."""
     p, g = recompute_p(cfg, spec, rt, vis, key_row, st, kv)
     pz = dropout_mask_units(cfg, dr, vis, p, *unit) if dr is not None else None
     ds = softmax_backward(cfg, vis, st, kv, p, pz, g)
@@ -801,18 +953,16 @@ def _store_keys(out, b, g, c0, cols: int, tile, k_store, col0):
     D = out.shape[3]
     blocks = _blocks(cols)
     if k_store is None and cols == len(blocks) * PMAX:
-        ip = nl.arange(PMAX)[:, None, None]
-        ij = nl.arange(len(blocks))[None, :, None]
-        nl.store(out[b, g, c0 + PMAX * ij + ip, nl.arange(D)[None, None, :]], value=tile)
+        port.dma_copy(port.row_blocks(out, (b, g), c0, PMAX, len(blocks), D), tile)
         return
     for bi, (off, n) in enumerate(blocks):
         if k_store is None:
-            nl.store(out[b, g, nl.ds(c0 + off, n), :], value=tile[0:n, bi, :])
+            port.dma_copy(out[b, g, nl.ds(c0 + off, n), :], tile[0:n, bi, :])
         else:
             B, H, N, _ = out.shape
             rows = out.reshape((B * H * N, D))
-            nisa.dma_copy(dst=rows[k_store[nl.arange(n)[:, None], col0 + bi],
-                                   nl.arange(D)[None, :]], src=tile[0:n, bi, :])
+            port.dma_copy(port.rows(rows, k_store, col0 + bi, n=n), tile[0:n, bi, :],
+                          legacy_isa=True)
 
 
 def write_dk_dv(cfg, dk, dv, b, g, c0, cols: int, dk_psum, dv_psum, scratch, k_store, col0):
@@ -820,43 +970,46 @@ def write_dk_dv(cfg, dk, dv, b, g, c0, cols: int, dk_psum, dv_psum, scratch, k_s
     added into the fp32 ``scratch = (dk_acc, dv_acc)`` in HBM (several passes;
     :func:`finish_dk_dv` writes the outputs)."""
     D, nb = cfg.D, len(_blocks(cols))
-    ip = nl.arange(PMAX)[:, None, None]
-    acc = D * nl.arange(nb)[None, :, None] + nl.arange(D)[None, None, :]
     dv_factor = 1.0 / (1.0 - cfg.dropout_p)      # dV = (Z P)^T dO / (1 - p)
     for out, psum, factor, part in ((dk, dk_psum, cfg.scale, 0), (dv, dv_psum, dv_factor, 1)):
         if scratch is None:
             tile = nl.ndarray((PMAX, nb, D), dtype=cfg.out_dtype, buffer=nl.sbuf)
-            tile[...] = nisa.activation(nl.copy, psum[ip, acc], scale=factor,
-                                        dtype=cfg.out_dtype)
+            port.activation(tile, nl.copy, _split_free(psum, nb, D), scale=factor)
             _store_keys(out, b, g, c0, cols, tile, k_store, col0)
             continue
         for bi, (off, n) in enumerate(_blocks(cols)):
             rows = scratch[part][nl.ds(c0 + off, n), :]
-            total = nisa.activation(nl.copy, psum[0:n, nl.ds(bi * D, D)], scale=factor,
-                                    dtype=nl.float32)
-            nl.store(rows, value=nisa.tensor_tensor(total, nl.load(rows), np.add,
-                                                    dtype=nl.float32))
+            total = nl.ndarray((n, D), dtype=nl.float32, buffer=nl.sbuf)
+            port.activation(total, nl.copy, psum[0:n, nl.ds(bi * D, D)], scale=factor)
+            prev = nl.ndarray((n, D), dtype=nl.float32, buffer=nl.sbuf)
+            port.dma_copy(prev, rows)
+            acc = nl.ndarray((n, D), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_tensor(acc, total, prev, nl.add)
+            port.dma_copy(rows, acc)
 
 
 def write_unseen_keys(cfg, dk, dv, b, g, span: KeySpan, Bk: int, k_store):
     """dK = dV = 0 for the keys of a span no query row sees (never loaded)."""
     nb = len(_blocks(span.cols))
-    zeros = nl.zeros((PMAX, nb, cfg.D), dtype=cfg.out_dtype)
-    for jj in nl.affine_range(span.n):
+    zeros = nl.zeros((PMAX, nb, cfg.D), dtype=cfg.out_dtype, buffer=nl.sbuf)
+
+    def key_tile(jj):
         j = span.j0 + jj
         for out in (dk, dv):
             _store_keys(out, b, g, j * Bk, span.cols, zeros, k_store, j * nb)
 
+    port.loop(span.n, key_tile)
+
 
 def zero_scratch(scratch, Nk: int, D: int):
     """``dk_acc = dv_acc = 0`` (fp32 HBM, 128 keys per store)."""
-    zeros = nl.zeros((PMAX, D), dtype=nl.float32)
+    zeros = nl.zeros((PMAX, D), dtype=nl.float32, buffer=nl.sbuf)
     for part in unrolled(2):
-        for j in nl.affine_range(Nk // PMAX):
-            nl.store(scratch[part][nl.ds(j * PMAX, PMAX), :], value=zeros)
+        port.loop(Nk // PMAX, lambda j, part=part: port.dma_copy(
+            scratch[part][nl.ds(j * PMAX, PMAX), :], zeros))
         if Nk % PMAX:
             n = Nk % PMAX
-            nl.store(scratch[part][nl.ds(Nk - n, n), :], value=zeros[0:n, :])
+            port.dma_copy(scratch[part][nl.ds(Nk - n, n), :], zeros[0:n, :])
 
 
 def finish_dk_dv(cfg, dk, dv, b, g, scratch, Nk: int, k_store):
@@ -864,67 +1017,75 @@ def finish_dk_dv(cfg, dk, dv, b, g, scratch, Nk: int, k_store):
     D = cfg.D
     n_full = Nk // PMAX
     for out, part in ((dk, 0), (dv, 1)):
-        for j in nl.affine_range(n_full):
+        def block(j, out=out, part=part):
             tile = nl.ndarray((PMAX, 1, D), dtype=cfg.out_dtype, buffer=nl.sbuf)
-            tile[:, 0, :] = nisa.tensor_copy(nl.load(scratch[part][nl.ds(j * PMAX, PMAX), :]),
-                                             dtype=cfg.out_dtype)
+            acc = nl.ndarray((PMAX, D), dtype=nl.float32, buffer=nl.sbuf)
+            port.dma_copy(acc, scratch[part][nl.ds(j * PMAX, PMAX), :])
+            port.tensor_copy(tile[:, 0, :], acc)
             _store_keys(out, b, g, j * PMAX, PMAX, tile, k_store, j)
+
+        port.loop(n_full, block)
         if Nk % PMAX:
             n = Nk % PMAX
             tile = nl.ndarray((PMAX, 1, D), dtype=cfg.out_dtype, buffer=nl.sbuf)
-            tile[0:n, 0, :] = nisa.tensor_copy(nl.load(scratch[part][nl.ds(Nk - n, n), :]),
-                                               dtype=cfg.out_dtype)
+            acc = nl.ndarray((n, D), dtype=nl.float32, buffer=nl.sbuf)
+            port.dma_copy(acc, scratch[part][nl.ds(Nk - n, n), :])
+            port.tensor_copy(tile[0:n, 0, :], acc)
             _store_keys(out, b, g, n_full * PMAX, n, tile, k_store, n_full)
 
 
 def write_dq(cfg, plan: BackwardPlan, dq, b, h0, p, st: _State, q_store, dq_scratch):
-    """dQ_i = scale * dQ accumulator of every slot of pass p: grouped stores under the row mask,
-    or scattered per slot through ``q_store`` (rotated rows; rows past Nq skipped)."""
+    """dQ_i = scale * dQ accumulator of every slot of pass p: grouped stores under the row mask
+    (under nki.*, the partial last tile stored statically short), or scattered per slot
+    through ``q_store`` (rotated rows; rows past Nq skipped)."""
     D, G, Nq = cfg.D, cfg.G, dq.shape[2]
     S_h, stride = plan.slots, plan.passes * PMAX
     if q_store is not None:
         B, H, N, _ = dq.shape
         rows = dq.reshape((B * H * N, D))
-        for h in nl.affine_range(G):
-            for t in nl.affine_range(S_h):
-                s = h * S_h + t
-                if st.dq_acc is not None:
-                    acc = st.dq_acc[:, s, :]
-                else:
-                    acc = nl.load(dq_scratch[h, nl.ds((t * plan.passes + p) * PMAX, PMAX), :])
-                tile = nisa.activation(nl.copy, acc, scale=cfg.scale, dtype=cfg.out_dtype)
-                nisa.dma_copy(dst=rows[q_store[nl.arange(PMAX)[:, None], s],
-                                       nl.arange(D)[None, :]], src=tile,
-                              oob_mode=nisa.oob_mode.skip)
+
+        def scatter_slot(h, t):
+            s = h * S_h + t
+            if st.dq_acc is not None:
+                acc = st.dq_acc[:, s, :]
+            else:
+                acc = nl.ndarray((PMAX, D), dtype=nl.float32, buffer=nl.sbuf)
+                port.dma_copy(acc, dq_scratch[h, nl.ds((t * plan.passes + p) * PMAX, PMAX), :])
+            tile = nl.ndarray((PMAX, D), dtype=cfg.out_dtype, buffer=nl.sbuf)
+            port.activation(tile, nl.copy, acc, scale=cfg.scale)
+            port.dma_copy(port.rows(rows, q_store, s), tile, oob_skip=True)
+
+        port.loop(G, lambda h: port.loop(S_h, lambda t: scatter_slot(h, t)))
         return
     cap = max(1, BWD_GROUP_BYTES // (D * (4 if cfg.out_dtype == nl.float32 else 2)))
-    for t0, n_groups, n in slot_groups(S_h, cap):
-        for h in nl.affine_range(G):
-            for gi in nl.affine_range(n_groups):
-                t = t0 + gi * n
-                rw = _Rows(h0 + h, h * S_h + t, (t * plan.passes + p) * PMAX, n, stride)
-                if st.dq_acc is not None:
-                    acc = st.dq_acc[:, nl.ds(rw.s0, n), :]
-                else:
-                    ip = nl.arange(PMAX)[:, None, None]
-                    ij = nl.arange(n)[None, :, None]
-                    acc = nl.load(dq_scratch[h, rw.r0 + stride * ij + ip,
-                                             nl.arange(D)[None, None, :]])
-                tile = nl.ndarray((PMAX, n, D), dtype=cfg.out_dtype, buffer=nl.sbuf)
-                tile[...] = nisa.activation(nl.copy, acc, scale=cfg.scale, dtype=cfg.out_dtype)
-                view = _rows_view(dq, b, rw, D)
-                if plan.row_mask:
-                    nl.store(view, value=tile, mask=_row_mask(rw, Nq, D))
-                else:
-                    nl.store(view, value=tile)
+
+    def group(h, t, n: int, rows: int):
+        rw = _Rows(h0 + h, h * S_h + t, (t * plan.passes + p) * PMAX, n, stride)
+        if st.dq_acc is not None:
+            acc = st.dq_acc[:, nl.ds(rw.s0, n), :]
+        else:
+            acc = nl.ndarray((PMAX, n, D), dtype=nl.float32, buffer=nl.sbuf)
+            port.dma_copy(acc, _rows_view(dq_scratch.reshape((1,) + tuple(dq_scratch.shape)),
+                                          0, rw._replace(hh=h), D))
+        tile = nl.ndarray((PMAX, n, D), dtype=cfg.out_dtype, buffer=nl.sbuf)
+        port.activation(tile, nl.copy, acc, scale=cfg.scale)
+        if rows < PMAX:
+            port.dma_copy(dq[b, rw.hh, nl.ds(rw.r0, rows), :], tile[0:rows, 0, :])
+        elif plan.row_mask and port.predicates():
+            port.dma_copy(_rows_view(dq, b, rw, D), tile, mask=_row_mask(rw, Nq, D))
+        else:
+            port.dma_copy(_rows_view(dq, b, rw, D), tile)
+
+    for t0, n_groups, n, rows in _query_groups(plan, Nq, cap):
+        port.loop(G, lambda h, t0=t0, n_groups=n_groups, n=n, rows=rows: port.loop(
+            n_groups, lambda gi: group(h, t0 + gi * n, n, rows)))
 
 
 def zero_dq_scratch(cfg, plan: BackwardPlan, dq_scratch):
     """``dq_acc = 0`` in the fp32 HBM scratch of the ``dq_accumulate="hbm"`` variant."""
-    zeros = nl.zeros((PMAX, cfg.D), dtype=nl.float32)
-    for h in nl.affine_range(cfg.G):
-        for i in nl.affine_range(plan.passes * plan.slots):
-            nl.store(dq_scratch[h, nl.ds(i * PMAX, PMAX), :], value=zeros)
+    zeros = nl.zeros((PMAX, cfg.D), dtype=nl.float32, buffer=nl.sbuf)
+    port.loop(cfg.G, lambda h: port.loop(plan.passes * plan.slots, lambda i: port.dma_copy(
+        dq_scratch[h, nl.ds(i * PMAX, PMAX), :], zeros)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -952,6 +1113,9 @@ class _Config(NamedTuple):
     mods: SM.Mods = SM.Mods()
     unit: float = 1.0           # u: the exp's scale on modified scores (score_mods)
     cols: object = None         # score_mods.HeadColumns of the program's query heads
+    offsets: object = None      # port.OffsetColumns of key-minus-row distances (nki.*)
+    diagonal: object = None     # port.DiagonalMask of the band's upper edge
+    indices: object = None      # port.OffsetColumns 0, 1, ...: loop indices as data (nki.*)
 
 
 class _Dropout(NamedTuple):
@@ -960,6 +1124,7 @@ class _Dropout(NamedTuple):
 
     seed: object
     b: object
+    g: object
     Hq: int
     nqu: int
     nku: int
@@ -967,25 +1132,34 @@ class _Dropout(NamedTuple):
     seed_row: object    # int32 [1, n]: the seed repeated (for the int32 add of unit numbers)
 
 
-def dropout_mask_units(cfg, dr: _Dropout, vis: "_Visit", p, head, qi, ku0):
+def dropout_mask_units(cfg, dr: _Dropout, vis: "_Visit", p, h, qi, ku0):
     """``Z * P`` for a visit: each 128-key block of P dropped by the draw the forward made for
     that unit (reseeded with ``seed + unit``), so the mask is the forward's whatever the two
-    kernels' tilings. Unscaled: the 1 / (1 - p) goes into dV's write-out and dP's copy."""
+    kernels' tilings. Unscaled: the 1 / (1 - p) goes into dV's write-out and dP's copy.
+    ``h``: member head; ``qi``, ``ku0``: the query tile and first key unit, linear forms
+    ``[(loop index, coefficient), ...]`` of the loop indices (nki.* reads the indices from
+    ``cfg.indices``)."""
     pz = nl.ndarray((PMAX, vis.cols), dtype=cfg.op_dtype, buffer=nl.sbuf)
     blocks = _blocks(vis.cols)
-    # every unit's seed of the visit at once: one iota and one int32 add
-    unit0 = ((dr.b * dr.Hq + head) * dr.nqu + qi) * dr.nku + ku0
-    units = nisa.iota(unit0 + nl.arange(len(blocks))[None, :], dtype=nl.int32)
-    seeds = nisa.tensor_tensor(units, dr.seed_row[0:1, 0:len(blocks)], np.add, dtype=nl.int32)
+    # every unit's seed of the visit at once: one iota and one int32 add; the first unit
+    # ((b Hq + g G + h) nqu + qi) nku + ku0
+    per_head = dr.nqu * dr.nku
+    unit0 = ([(dr.b, dr.Hq * per_head), (dr.g, cfg.G * per_head), (h, per_head)]
+             + [(e, c * dr.nku) for e, c in qi] + list(ku0))
+    units = nl.ndarray((1, len(blocks)), dtype=nl.int32, buffer=nl.sbuf)
+    port.iota(units, [[1, len(blocks)]], runtime=unit0, offsets=cfg.indices)
+    seeds = nl.ndarray((1, len(blocks)), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(seeds, units, dr.seed_row[0:1, 0:len(blocks)], nl.add)
     for bi, (off, n) in enumerate(blocks):
-        nl.random_seed(seed=seeds[0:1, bi:bi + 1])
+        port.random_seed(seeds[0:1, bi:bi + 1])
         if n == PMAX:
-            pz[:, nl.ds(off, n)] = nisa.dropout(p[:, nl.ds(off, n)], cfg.dropout_p)
+            port.dropout(pz[:, nl.ds(off, n)], p[:, nl.ds(off, n)], cfg.dropout_p)
         else:
             # drawn 128 keys wide, as the forward draws every unit
-            keep = nisa.dropout(dr.ones, cfg.dropout_p)
-            pz[:, nl.ds(off, n)] = nisa.tensor_tensor(p[:, nl.ds(off, n)], keep[:, 0:n],
-                                                      np.multiply, dtype=cfg.op_dtype)
+            keep = nl.ndarray((PMAX, PMAX), dtype=cfg.op_dtype, buffer=nl.sbuf)
+            port.dropout(keep, dr.ones, cfg.dropout_p)
+            port.tensor_tensor(pz[:, nl.ds(off, n)], p[:, nl.ds(off, n)], keep[:, 0:n],
+                               nl.multiply)
     return pz
 
 
@@ -1000,19 +1174,21 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
     Bk, n_kblk = plan.key_tile, plan.key_tile // PMAX
     Nk = k.shape[2]
     h0 = g * G
-    k_load, k_store = key_tables(rt, k, b, g)
+    k_load, k_store = key_tables(rt, k, b, g, cfg.indices)
     n_slots = G * plan.slots
     P = plan.passes
     dr = None
     if cfg.dropout_p:
-        seed_t = nl.load(seed.reshape((1, 1)))
+        seed_t = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.dma_copy(seed_t, seed.reshape((1, 1)))
         n_row = max(1, Bk // PMAX)
         seed_row = nl.ndarray((1, n_row), dtype=nl.int32, buffer=nl.sbuf)
-        for c in nl.static_range(n_row):
-            seed_row[0:1, c:c + 1] = nisa.tensor_copy(seed_t, engine=nisa.gpsimd_engine)
-        dr = _Dropout(seed_t, b, q.shape[1], ceil_div(q.shape[2], PMAX),
-                      ceil_div(Nk, PMAX), nisa.memset((PMAX, PMAX), 1.0, dtype=op_dtype,
-                                                      engine=nisa.gpsimd_engine), seed_row)
+        for c in unrolled(n_row):
+            port.tensor_copy(seed_row[0:1, c:c + 1], seed_t, engine="gpsimd")
+        ones = nl.ndarray((PMAX, PMAX), dtype=op_dtype, buffer=nl.sbuf)
+        port.memset(ones, 1.0, engine="gpsimd")
+        dr = _Dropout(seed_t, b, g, q.shape[1], ceil_div(q.shape[2], PMAX), ceil_div(Nk, PMAX),
+                      ones, seed_row)
     if scratch is not None:
         zero_scratch(scratch, Nk, D)
     if dq_scratch is not None:
@@ -1020,7 +1196,7 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
     # per-partition partial sums of dsink, one column per member head, carried across passes
     dsink_acc = _zeros((PMAX, G), nl.float32) if dsinks is not None else None
 
-    for p in nl.sequential_range(P):
+    def one_pass(p):
         st = _State(
             q_nat=nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf),
             do_nat=nl.ndarray((PMAX, n_slots, D), dtype=op_dtype, buffer=nl.sbuf),
@@ -1033,57 +1209,74 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
             sink_terms=(nl.ndarray((PMAX, n_slots), dtype=nl.float32, buffer=nl.sbuf)
                         if dsinks is not None else None))
         q_load = q_store = None
-        if rt is not None and rt.has_q:
-            q_load, q_store = rt.query_tables(q.shape, b, h0, G, plan, p)
+        if (rt is not None and rt.has_q) or (P > 1 and not port.predicates()):
+            q_load, q_store = query_tables(cfg, plan, rt if rt is not None and rt.has_q
+                                           else None, q.shape, b, g, p)
         load_query_side(cfg, plan, rt, q, do, o, lse, b, h0, p, st, q_load)
         if dsink_acc is not None:
-            for h in nl.affine_range(G):
-                part = nisa.tensor_reduce(np.add, st.sink_terms[:, nl.ds(h * plan.slots,
-                                                                         plan.slots)],
-                                          axis=(1,), keepdims=True, dtype=nl.float32)
-                dsink_acc[:, nl.ds(h, 1)] = nisa.tensor_tensor(
-                    dsink_acc[:, nl.ds(h, 1)], part, np.add, dtype=nl.float32)
+            def sink_part(h):
+                part = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+                port.tensor_reduce(part, nl.add, st.sink_terms[:, nl.ds(h * plan.slots,
+                                                                        plan.slots)], axis=(1,))
+                port.tensor_tensor(dsink_acc[:, nl.ds(h, 1)], dsink_acc[:, nl.ds(h, 1)], part,
+                                   nl.add)
+
+            port.loop(G, sink_part)
         if rt is not None and rt.mask_row is not None:
             mask_row_in_q_T(cfg, rt, st)
 
         for span in plan.spans:
             if not span.regions:
                 continue
-            for jj in nl.sequential_range(span.n):
+
+            def key_tile(jj, span=span):
                 j = span.j0 + jj
                 c0 = j * Bk
                 kv = _KV(k_nat=nl.ndarray((PMAX, n_kblk, D), dtype=op_dtype, buffer=nl.sbuf),
                          k_T=nl.ndarray((s_part, n_dc, Bk), dtype=op_dtype, buffer=nl.sbuf),
                          v_T=nl.ndarray((d_part, n_dc, Bk), dtype=op_dtype, buffer=nl.sbuf))
                 load_kv_tile(cfg, k, v, b, g, c0, span.cols, kv, k_load, j * n_kblk)
-                key_row = rt.key_row(c0, span.cols) if rt is not None else None
+                key_row = rt.key_row(c0, span.cols, cfg.offsets) if rt is not None else None
                 if key_row is not None and rt.mask_row is not None:
-                    nisa.dma_copy(dst=kv.k_T[rt.mask_row:rt.mask_row + 1, n_dc - 1,
-                                             0:span.cols], src=key_row)
+                    port.dma_copy(kv.k_T[rt.mask_row:rt.mask_row + 1, n_dc - 1, 0:span.cols],
+                                  key_row, legacy_isa=True)
                     key_row = None     # in the S matmul now
                 dk_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
                 dv_psum = nl.zeros((PMAX, n_kblk * D), dtype=nl.float32, buffer=nl.psum)
                 for region in span.regions:
-                    for h in nl.affine_range(G):
-                        for tt in nl.affine_range(region.n):
-                            t = region.t0 + tt
-                            vis = _Visit(s=h * plan.slots + t, i0=(t * P + p) * PMAX, h=h,
-                                         c0=c0, cols=span.cols, masked=region.masked)
-                            visit(cfg, spec, rt, vis, key_row, st, kv, dv_psum, dk_psum,
-                                  dq_scratch, dr, (h0 + h, t * P + p, j * n_kblk))
+                    def slot(h, tt, region=region):
+                        t = region.t0 + tt
+                        vis = _Visit(s=h * plan.slots + t, i0=(t * P + p) * PMAX, h=h,
+                                     c0=c0, cols=span.cols, masked=region.masked,
+                                     r=t * P + p - j * n_kblk)
+                        # dropout's query tile t P + p and first key unit j n_kblk, as linear
+                        # forms of the loop indices
+                        unit = (h, [(tt, P), (p, 1), (region.t0 * P, 1)],
+                                [(jj, n_kblk), (span.j0 * n_kblk, 1)])
+                        visit(cfg, spec, rt, vis, key_row, st, kv, dv_psum, dk_psum,
+                              dq_scratch, dr, unit)
+
+                    port.loop(G, lambda h, slot=slot, n=region.n: port.loop(
+                        n, lambda tt: slot(h, tt)))
                 if "dk" in cfg.grads:
                     write_dk_dv(cfg, dk, dv, b, g, c0, span.cols, dk_psum, dv_psum, scratch,
                                 k_store, j * n_kblk)
+
+            port.loop(span.n, key_tile, carried=True)
         if "dq" in cfg.grads:
             write_dq(cfg, plan, dq, b, h0, p, st, q_store, dq_scratch)
 
+    port.loop(P, one_pass, carried=True)
+
     if dsink_acc is not None:
         # the sum over partitions: a ones column against the [128, G] partials (TensorE)
-        ones = nisa.memset((PMAX, 1), 1.0, dtype=nl.float32, engine=nisa.gpsimd_engine)
+        ones = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.memset(ones, 1.0, engine="gpsimd")
         tot = nl.ndarray((1, G), dtype=nl.float32, buffer=nl.psum)
-        tot[...] = nisa.nc_matmul(ones, dsink_acc)
-        out = nisa.tensor_copy(tot, dtype=nl.float32)
-        nisa.dma_copy(dst=dsinks[nl.ds(b, 1), nl.ds(h0, G)], src=out)
+        port.nc_matmul(tot, ones, dsink_acc)
+        out = nl.ndarray((1, G), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_copy(out, tot)
+        port.dma_copy(dsinks[nl.ds(b, 1), nl.ds(h0, G)], out, legacy_isa=True)
     if "dk" not in cfg.grads:
         return
     if scratch is not None:
@@ -1094,14 +1287,23 @@ def backward_program(cfg, plan: BackwardPlan, spec, rt, q, k, v, o, do, lse, dq,
             write_unseen_keys(cfg, dk, dv, b, g, span, Bk, k_store)
 
 
-def backward_grid(B: int, Hkv: int, lnc: int):
-    """Launch grid for ``lnc`` NeuronCores per logical core (1, or 2 on trn2): LNC=2 spreads the
-    independent (sequence, kv head) programs over the two cores -- kv heads when Hkv is even,
-    else sequences when B is even (``nl.spmd_dim(n, nl.nc(2))``; no extra HBM traffic). With
-    both odd the grid stays on one core: splitting one program's work would leave dK/dV or dQ
-    as partial sums on two cores with no way to add them on chip."""
+def backward_grid(B: int, Hkv: int, lnc: int, api: str = "legacy"):
+    """Launch grid for ``lnc`` NeuronCores per logical core (1, or 2 on trn2), for the
+    namespace ``api`` the kernel is traced through.
+
+    Legacy: an SPMD grid over (sequence, kv head). LNC=2 spreads the independent programs over
+    the two cores -- kv heads when Hkv is even, else sequences when B is even
+    (``nl.spmd_dim(n, nl.nc(2))``; no extra HBM traffic). With both odd the grid stays on one
+    core: splitting one program's work would leave dK/dV or dQ as partial sums on two cores
+    with no way to add them on chip.
+
+    nki.* (0.7 launches ``kernel[lnc]`` only): ``(2,)`` when the ``B Hkv`` programs split
+    evenly over two cores (each takes half of them, :func:`port.for_programs`), else
+    ``(1,)``: one core loops over all of them."""
     if lnc not in (1, 2):
         raise ValueError(f"lnc: expected 1 or 2, got {lnc!r}")
+    if api == "nki":
+        return (2,) if lnc == 2 and (B * Hkv) % 2 == 0 else (1,)
     if lnc == 2 and Hkv % 2 == 0:
         return (B, nl.spmd_dim(Hkv // 2, nl.nc(2)))
     if lnc == 2 and B % 2 == 0:
@@ -1109,13 +1311,15 @@ def backward_grid(B: int, Hkv: int, lnc: int):
     return (B, Hkv)
 
 
-@nki.jit
+@port.jit
 def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
                    alibi_slopes=None, sinks=None, *, scale=1.0, causal=None, window=None,
                    mixed_precision=True, rows_per_pass=None, key_tile=None,
                    dq_accumulate="sbuf", ds_transpose=None, act_evac_blocks=None,
                    grads=("dq", "dk", "dv"), dropout_p=0.0, softcap=None):
-    """Flash attention backward; one program per (sequence, kv head): grid ``[B, Hkv]``.
+    """Flash attention backward; one program per (sequence, kv head), launched on the grid of
+    :func:`backward_grid` (legacy: the SPMD grid ``(B, Hkv)``; nki.*: ``(lnc,)``, the kernel
+    looping over the programs itself, :func:`port.for_programs`).
 
     Parameters
     ----------
@@ -1137,7 +1341,8 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
         fit 90 % of SBUF (``tiles.bwd_rows_per_pass``).
     key_tile : int, optional
         Keys per K/V tile (a multiple of 128, at most one PSUM bank of fp32 dK per row); None =
-        the largest that fits.
+        ``tiles.bwd_key_tile`` (128 keys: short visits overlap best; 256 with soft-capping or
+        ALiBi, 512 with both or with ``ds_transpose="dma"``, at most a PSUM bank of dK).
     dq_accumulate : "sbuf" (default) or "hbm"
         Where dQ accumulates across K/V tiles: on chip, or (the atomics analogue, for
         measurement) read-add-written to an fp32 HBM scratch after every visit.
@@ -1159,6 +1364,11 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
         The forward's score modifiers (``score_mods.py``; ``lse`` is the forward's, sinks
         included): soft-capping multiplies dS by ``1 - tanh^2``, ALiBi is a constant bias, and
         sinks add the output ``dsinks``.
+
+    Not yet through nki.* (NotImplementedError there): lengths or several passes with ``B Hq
+    Nq`` (or, with ``kv_lens``, ``B Hkv Nk``) ``>= 2^24`` (0.7 computes the gathers' flat rows
+    in fp32), and dropout with ``B Hq ceil(Nq / 128) ceil(Nk / 128) >= 2^24`` units (likewise
+    the unit numbers).
 
     Returns
     -------
@@ -1182,7 +1392,7 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
         op_dtype = nl.bfloat16
     else:
         op_dtype = in_dtype
-    gen3 = nisa.get_nc_version() >= nisa.nc_version.gen3
+    gen3 = port.gen3()
     target = "trn2" if gen3 else "trn1"
     op_itemsize = 4 if op_dtype == nl.float32 else 2
     if rows_per_pass is None:
@@ -1190,8 +1400,10 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
                                           dq_on_chip=(dq_accumulate == "sbuf"))
     if rows_per_pass < PMAX:
         raise ValueError(f"rows_per_pass: expected at least {PMAX}, got {rows_per_pass}")
-    key_tile = bwd_key_tile(D) if key_tile is None else key_tile
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
+    ds_transpose = BWD_DS_TRANSPOSE[target] if ds_transpose is None else ds_transpose
+    if key_tile is None:
+        key_tile = bwd_key_tile(D, ds_transpose, (mods.softcap is not None) + mods.alibi)
     spec = band_spec(Nq, Nk, causal, window, mods.alibi)
     G = Hq // Hkv
     plan = plan_backward(Nq, Nk, G, spec, key_tile, rows_per_pass)
@@ -1207,13 +1419,24 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
         op_dtype=op_dtype,
         tp_dtype=op_dtype if (gen3 and op_dtype != nl.float32) else nl.float32,
         out_dtype=in_dtype, dq_accumulate=dq_accumulate,
-        ds_transpose=BWD_DS_TRANSPOSE[target] if ds_transpose is None else ds_transpose,
+        ds_transpose=ds_transpose,
         act_evac_blocks=(BWD_ACT_EVAC_BLOCKS[target] if act_evac_blocks is None
                          else act_evac_blocks), grads=grads, dropout_p=float(dropout_p),
         mods=mods, unit=mods.unit(scale if fold else 1.0))
     if cfg.dropout_p and seed is None:
         raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
     multi_pass = "dk" in grads and plan.passes > 1
+    # nki.*: the query rows of q_lens or of several passes, and the keys of kv_lens, are
+    # gathered by flat row numbers, which 0.7 computes in fp32
+    gathered = q_lens is not None or plan.passes > 1 or kv_lens is not None
+    n_flat = max(B * Hq * Nq, B * Hkv * Nk if kv_lens is not None else 0)
+    if gathered and n_flat >= FP32_EXACT_INT:
+        port.refuse_in_nki(f"flash_attn_bwd with lengths or several passes over {n_flat} >= "
+                           f"2^24 rows (fp32 row numbers)")
+    n_units = B * Hq * ceil_div(Nq, PMAX) * ceil_div(Nk, PMAX)
+    if cfg.dropout_p and n_units >= FP32_EXACT_INT:
+        port.refuse_in_nki(f"flash_attn_bwd with dropout over {n_units} >= 2^24 units "
+                           "(fp32 unit numbers)")
 
     # conditional expressions, not if-blocks: a tensor bound inside a block is out of scope
     # after it (err_local_variable_used_out_of_scope)
@@ -1232,15 +1455,32 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
     dsinks = (nl.ndarray((B, Hq), dtype=nl.float32, buffer=nl.shared_hbm)
               if mods.sinks else None)
 
-    b, g = nl.program_id(0), nl.program_id(1)
-    rt = (RuntimeMasks(spec, kv_lens, q_lens, b, Nq, Nk, D, op_dtype,
-                       softcap=mods.softcap is not None)
-          if (kv_lens is not None or q_lens is not None) else None)
-    if mods != SM.Mods():
-        cfg = cfg._replace(cols=SM.HeadColumns(mods, cfg.unit, alibi_slopes, sinks, b, g * G,
-                                                G))
-    backward_program(cfg, plan, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scratch,
-                     dq_scratch, seed, dsinks)
+    # nki.*: the key-minus-row distances of the visits (multiples of 128) and the loop
+    # indices (dropout's unit numbers, the gathers' flat rows) as data, for 0.7's compile-time
+    # affine patterns
+    n_rows = plan.passes * plan.slots * PMAX
+    cfg = cfg._replace(
+        offsets=(port.OffsetColumns(-n_rows, n_rows // PMAX + ceil_div(Nk, PMAX) + 1, PMAX)
+                 if spec.lo is not None or mods.alibi or kv_lens is not None else None),
+        diagonal=(port.DiagonalMask(PMAX, PMAX, -ceil_div(Nk, PMAX), n_rows // PMAX + 1,
+                                    base=spec.static_offset + spec.hi)
+                  if spec.hi is not None else None),
+        indices=(port.OffsetColumns(0, max(B, Hkv, G, plan.slots, plan.passes,
+                                           max(sp.n for sp in plan.spans)), 1)
+                 if cfg.dropout_p or gathered else None))
+
+    def program(b, g):
+        rt = (RuntimeMasks(spec, kv_lens, q_lens, b, Nq, Nk, D, op_dtype,
+                           softcap=mods.softcap is not None)
+              if (kv_lens is not None or q_lens is not None) else None)
+        pcfg = cfg
+        if mods != SM.Mods():
+            pcfg = cfg._replace(cols=SM.HeadColumns(mods, cfg.unit, alibi_slopes, sinks, b,
+                                                    g * G, G))
+        backward_program(pcfg, plan, spec, rt, q, k, v, o, do, lse, dq, dk, dv, b, g, scratch,
+                         dq_scratch, seed, dsinks)
+
+    port.for_programs((B, Hkv), program)
     extra = (dsinks,) if dsinks is not None else ()
     if grads == ("dk", "dv"):
         return (dk, dv) + extra

@@ -120,7 +120,8 @@ Precision (docs/semantics.md): matmul operands in bf16/fp16 (fp32 inputs: bf16 w
 APIs whose legacy-NKI status is not fully confirmed (reference/nki-api-spec.md): bf16 PSUM
 output of TensorE transposes on trn2 (gen3 "transpose mode"; fp32 PSUM is used on trn1),
 ``nisa.tensor_copy_predicated`` (documented from 2.22), and ``nisa.dma_transpose`` SBUF ->
-SBUF (opt-in, ``p_dma_transpose_share``).
+SBUF (``p_dma_transpose_share``: opt-in under legacy; under nki.* the planner's default, as
+in AWS's NKI 0.7 ``attention_cte``).
 
 One source, two namespaces (:mod:`nki_kernels.port`): the kernel traces through ``nki.*``
 (NKI 0.7: trn2, trn3) and the legacy ``neuronxcc.nki`` (trn1). It is a fixed nest of compiled
@@ -898,7 +899,7 @@ def contract(pairs, shape, pred=None):
 
 
 def scores(f: Instance, st: GroupState, s, i0, kv: KV, rel, j0, width: int, masked: bool,
-           pred, dk: Optional[int] = None, h=None):
+           pred, dk: Optional[int] = None, h=None, neg_max=None):
     """S = Q_i K_j^T for one score tile of ``width`` keys (raw scores; Q^T carries the scale only
     when it is not folded into the exp), in one PSUM bank, plus its band mask.
 
@@ -911,6 +912,11 @@ def scores(f: Instance, st: GroupState, s, i0, kv: KV, rel, j0, width: int, mask
     ``dk``: ``j0 - i0`` when it is a compile-time constant (sliding spans). Padding keys
     (``kv_lens``) are never read (:func:`edge_key_fill`). Score modifiers (``score_mods``;
     ``h`` = member head) turn the scores into raw units of ``f.unit`` before the masks select.
+
+    Returns ``(tile, fused)``. Under nki.* a tile crossing a band edge is instead selected by
+    one VectorE ``range_select`` straight out of PSUM (:func:`port.band_select_max`: fp32.min
+    outside the band, below ``FWD_M_FLOOR`` as ``MASK_NEG`` is) that also writes the negated
+    row max into ``neg_max`` (``fused`` True: :func:`fold_front` skips its own max there).
     """
     r = st.rows
     sc = contract([(st.qT[pi][:, s, 0:r], kv.kT[pi][:, nl.ds(rel, width)])
@@ -947,7 +953,13 @@ def scores(f: Instance, st: GroupState, s, i0, kv: KV, rel, j0, width: int, mask
             port.nc_matmul(kneg, f.key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
             port.tensor_tensor(s_sb, s_sb, kneg, nl.add, mask=pred)
     if not sides:
-        return sc if s_sb is None else s_sb
+        return (sc if s_sb is None else s_sb), False
+    if port.api() == "nki" and neg_max is not None:
+        out = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.sbuf) if s_sb is None else s_sb
+        port.band_select_max(out, sc if s_sb is None else s_sb,
+                             [(bound, cmp) for _, bound, cmp in sides], runtime=rel_d,
+                             offsets=f.offsets, neg_max=neg_max)
+        return out, True
     # band edges by selection, not addition: a non-finite score a row cannot see (a NaN or inf
     # in a hidden key) is replaced, never carried into the row's max and sums. The scores are
     # copied out of PSUM (VectorE) unless a modifier already did, and each crossed side selects
@@ -958,7 +970,7 @@ def scores(f: Instance, st: GroupState, s, i0, kv: KV, rel, j0, width: int, mask
     for p, bound, cmp in sides:
         port.affine_select(s_sb, [[1, width]], -1, s_sb, T.FWD_MASK_NEG, cmp, offset=bound,
                            runtime=rel_d, offsets=f.offsets, mask=p)
-    return s_sb
+    return s_sb, False
 
 
 def dropout_units(f: Instance, p, r: int, width: int, h, iu, ju, pred):
@@ -1046,17 +1058,20 @@ def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
             dropout_units(f, front[0], r, width, *du, pred)
         fold_back(f, st, s, front, widths, kv, rb, pred)
         return
-    s_tiles = [scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked, pred,
-                      None if d0 is None else d0 + n * kt, h)
-               for n, w in enumerate(widths)]
+    stats = st.stats[0:r, s, :]
+    s_tiles, fused = zip(*[scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked,
+                                  pred, None if d0 is None else d0 + n * kt, h,
+                                  neg_max=stats[:, 2 + n:3 + n])
+                           for n, w in enumerate(widths)])
     drop = None
     if f.dropout_p:
         def drop(p, r_, w_, pr):
             dropout_units(f, p, r_, w_, *du, pr)
     if part == "front":
-        fold_front(f, st, s, s_tiles, widths, pred, out=staged_front(stage, r, width))
+        fold_front(f, st, s, s_tiles, widths, pred, out=staged_front(stage, r, width),
+                   fused=fused)
         return
-    fold_block(f, st, s, s_tiles, widths, kv, rb, pred, drop)
+    fold_block(f, st, s, s_tiles, widths, kv, rb, pred, drop, fused)
 
 
 def staged_front(stage, rows: int, width: int):
@@ -1067,17 +1082,22 @@ def staged_front(stage, rows: int, width: int):
             None if r_buf is None else r_buf[0:rows, k, :])
 
 
-def fold_block(f: Instance, st: GroupState, s, s_tiles, widths, kv: KV, rb, pred, drop=None):
+def fold_block(f: Instance, st: GroupState, s, s_tiles, widths, kv: KV, rb, pred, drop=None,
+               fused=()):
     """The online-softmax update of slot s by one key block whose raw score tiles (masks
     already added) are ``s_tiles`` (PSUM, ``widths`` keys each, consecutive keys from the K/V
     tile's 128-key block ``rb``): new max, ``P = exp(...)``, alpha, ``pv = P [V | 1]``,
     ``[o_acc | l_i] = alpha [o_acc | l_i] + pv`` (:func:`attend_block`). ``drop``: None, or
     ``drop(p, rows, width, pred)`` applies attention dropout to P in place (the statistics
-    stay those of the undropped P). Every instruction is predicated on ``pred`` (legacy)."""
-    fold_back(f, st, s, fold_front(f, st, s, s_tiles, widths, pred, drop), widths, kv, rb, pred)
+    stay those of the undropped P). Every instruction is predicated on ``pred`` (legacy).
+    ``fused[n]``: tile n's negated row max is already in its statistics column
+    (:func:`scores`)."""
+    fold_back(f, st, s, fold_front(f, st, s, s_tiles, widths, pred, drop, fused=fused), widths,
+              kv, rb, pred)
 
 
-def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None, out=None):
+def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None, out=None,
+               fused=()):
     """First half of :func:`fold_block`: the new max, alpha and P (under dropout its
     undropped row sums, and P dropped by ``drop`` unless that is None: a staged tile's back
     half drops it, :func:`attend_block`). Returns ``(p, alpha, row_sum)`` (row_sum None
@@ -1091,8 +1111,9 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
     c = f.unit
 
     for n in T.unrolled(nb):
-        port.tensor_reduce(stats[:, 2 + n:3 + n], nl.maximum, s_tiles[n], axis=(1,),
-                           negate=True, mask=pred)
+        if not (fused and fused[n]):
+            port.tensor_reduce(stats[:, 2 + n:3 + n], nl.maximum, s_tiles[n], axis=(1,),
+                               negate=True, mask=pred)
     port.tensor_reduce(neg_m_new, nl.minimum, stats[:, 1:2 + nb], axis=(1,), mask=pred)
     if c == 1.0:
         bias = neg_m_new
@@ -1159,7 +1180,11 @@ def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred):
         if on_dma.take(n):
             # trn2: DMA-engine transposes SBUF -> SBUF, no TensorE pass and no PSUM copy
             # (opt-in; documented for gen3, AWS kept its own use of it disabled)
-            for q, (c0, kw) in enumerate(group):
+            full = [kw for _, kw in group].count(P)
+            if full:
+                port.dma_transpose_blocks(pts, p[:, group[0][0]:group[0][0] + full * P], full,
+                                          P, mask=pred)
+            for q, (c0, kw) in list(enumerate(group))[full:]:
                 port.dma_transpose(pts[0:kw, q * r:(q + 1) * r], p[:, c0:c0 + kw], mask=pred)
         else:
             pt = nl.ndarray((P, per_tile * r), dtype=pt_dtype, buffer=nl.psum)
@@ -1298,107 +1323,143 @@ def _largest_divisor(n: int, cap: int) -> int:
     return max(d for d in T.unrolled(1, max(1, min(n, cap)) + 1) if n % d == 0)
 
 
+@dataclass(frozen=True)
+class GroupSweep:
+    """What a key block's visit to a group of query tiles needs (:func:`attend_group`): tiles
+    ``t0 .. t0 + n - 1`` (``t0`` an index expression) of each member head, in ``st``'s slots
+    ``h n + s``; ``ss`` tiles of each of ``hs`` heads are staged together (``ss hs > 1``:
+    every first half of a block before the second halves)."""
+    f: Instance
+    st: GroupState
+    span: Span
+    t0: object
+    n: int
+    q_tile: int
+    ss: int
+    hs: int
+
+    def each_tile(self, body):
+        """``body(h, s)`` for every member head h and slot s of the group (compiled loops)."""
+        port.loop(self.f.G, lambda h: port.loop(self.n, lambda s: body(h, s)))
+
+
 def attend_group(f: Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Optional[KV],
                  out: _Outputs, flushes=()):
-    """Query tiles ``t0 .. t0 + n - 1`` (``t0`` an index expression) of every query head of the
-    kv group (slot ``h n + s`` = tile ``t0 + s`` of member head h): load their Q^T, sweep the
-    span's key regions (resident K/V, or chunks streamed once past the whole group), write O
-    and LSE. The group's SBUF state is local to this body. A span without regions reads no Q
-    and writes o = 0, LSE = -inf. The outputs go to ``out``; the previous group's are stored
-    (``flushes``, :func:`flush`) right after this group's Q loads are issued."""
-    P, qt, G = T.PMAX, plan.q_tile, f.G
-    st = GroupState(f, G * n, span.rows)
+    """FlashAttention's Algorithm 1 (seed 002) for query tiles ``t0 .. t0 + n - 1`` of every
+    query head of the kv group: load their Q^T, sweep the span's key regions (resident K/V, or
+    chunks streamed once past the whole group) one key block at a time, write O and LSE. The
+    group's SBUF state (O, l, m: ``GroupState``) is local to this body. A span without regions
+    reads no Q and writes o = 0, LSE = -inf. The outputs go to ``out``; the previous group's
+    are stored (``flushes``, :func:`flush`) right after this group's Q loads are issued.
 
-    def each_tile(body):
-        """``body(h, s)`` for every member head h and slot s of the group (compiled loops)."""
-        port.loop(G, lambda h: port.loop(n, lambda s: body(h, s)))
+    The loop nest (legacy: affine/sequential ranges; nki.*: ``nl.fori_loop``)::
 
+        O, l, m = 0, 0, M_FLOOR (sinks: m, l start from the sink); load Q^T of every tile
+        for region in span.regions:                         unrolled, <= 3
+          for each K/V chunk (resident: the whole region)   compiled loop when streamed
+            for kb in key blocks, then the tail block:      compiled loop, carried
+              for every tile: S = Q K^T, m, P = exp, O = alpha O + P V      (sweep_block)
+        O = O / l, LSE = m + log l of every tile
+    """
+    P, Bk, per = T.PMAX, f.tiles.softmax_block, f.tiles.softmax_block // T.PMAX
+    st = GroupState(f, f.G * n, span.rows)
+    ss = _largest_divisor(n, f.tiles.stage)
+    g = GroupSweep(f, st, span, t0, n, plan.q_tile, ss, _largest_divisor(f.G, f.tiles.stage // ss))
     if f.mods.sinks:
-        # the sink is the online softmax's first "key": m = max(sink / u, M_FLOOR), l = l_0
-        D = f.D
-
-        def sink_init(h):
-            l_slots = st.o[:, nl.ds(h * n, n), D:D + 1]
-            port.tensor_scalar(st.stats[:, nl.ds(h * n, n), 1:2], l_slots, nl.add,
-                               SM.HeadColumns.col(f.cols.neg_m0, h, P), engine="gpsimd")
-            port.tensor_scalar(l_slots, l_slots, nl.add, SM.HeadColumns.col(f.cols.l0, h, P),
-                               engine="gpsimd")
-
-        port.loop(G, sink_init)
+        port.loop(f.G, lambda h: start_at_sink(f, st, h, n))
     if span.regions:
-        each_tile(lambda h, s: load_q(f, st, h * n + s, h, t0 + s))
+        g.each_tile(lambda h, s: load_q(f, st, h * n + s, h, t0 + s))
     for pending in flushes:
         flush(f, out, pending)
-    # staging (ForwardTiles.stage): ss tiles of each of hs heads, hs ss <= stage
-    ss = _largest_divisor(n, f.tiles.stage)
-    hs = _largest_divisor(G, f.tiles.stage // ss)
-    staged = ss * hs > 1
 
-    def staging_buffers():
-        """P, alpha and row sums of the hs ss staged tiles (allocated per staged batch: the
-        batches are independent iterations)."""
-        Bk = f.tiles.softmax_block
-        return (nl.ndarray((P, ss * hs, Bk), dtype=f.mm, buffer=nl.sbuf),
-                nl.ndarray((P, ss * hs, 1), dtype=nl.float32, buffer=nl.sbuf),
-                nl.ndarray((P, ss * hs, 1), dtype=nl.float32, buffer=nl.sbuf)
-                if f.dropout_p else None)
-
-    def sweep_all(kv_tile, rb, j0, keys, masked, ju):
-        # ju: the first 128-key unit of the keys (dropout), j0 // 128 as an affine expression.
-        # The key blocks are the outer (sequential) loop and the group's tiles the inner
-        # (independent) ones, so consecutive instructions belong to independent tiles: each
-        # engine's stream interleaves their dependency chains (a per-tile order would leave
-        # every engine waiting on the previous step of a single chain).
-        Bk = f.tiles.softmax_block
-        per = Bk // P
+    def key_blocks(kv_t, rb, j0, keys, masked, ju):
+        # ju: the first 128-key unit of the keys (dropout), j0 // 128 as an affine expression
         full, tail = keys // Bk, keys % Bk
-
-        def tile_block(h, s, kb_rb, kb_j0, width, static_d, part="all", stage=None):
-            iu = (t0 + s) * (qt // P)
-            if span.slide is None:
-                attend_block(f, st, h * n + s, (t0 + s) * qt, kv_tile, rb + kb_rb,
-                             j0 + kb_j0, width, masked, du=(h, iu, ju + kb_rb), h=h,
-                             part=part, stage=stage)
-            else:
-                # the region moves with the tile: keys from (t0 + s) qt + slide + j0
-                attend_block(f, st, h * n + s, (t0 + s) * qt, kv_tile,
-                             (t0 + s) * (qt // P) + span.slide // P + rb + kb_rb,
-                             (t0 + s) * qt + span.slide + j0 + kb_j0, width, masked,
-                             None if static_d is None else span.slide + j0 + static_d,
-                             du=(h, iu, iu + span.slide // P + ju + kb_rb), h=h, part=part,
-                             stage=stage)
-
-        def block(kb_rb, kb_j0, width, static_d):
-            if not staged:
-                each_tile(lambda h, s: tile_block(h, s, kb_rb, kb_j0, width, static_d))
-                return
-
-            # staged: hs heads x ss tiles at a time, every first half before the second
-            # halves (each in its own loop nest: the halves share only SBUF buffers)
-            def batch(sb, hb):
-                bufs = staging_buffers()
-                for part in ("front", "back"):
-                    port.loop(hs, lambda hh: port.loop(ss, lambda k: tile_block(
-                        hb * hs + hh, sb * ss + k, kb_rb, kb_j0, width, static_d, part,
-                        bufs + (hh * ss + k,))))
-
-            port.loop(n // ss, lambda sb: port.loop(G // hs, lambda hb: batch(sb, hb)))
-
-        port.loop(full, lambda kb: block(kb * per, kb * Bk, Bk, None), carried=True)
+        port.loop(full, lambda kb: sweep_block(g, kv_t, rb + kb * per, j0 + kb * Bk, Bk, masked,
+                                               ju + kb * per, None), carried=True)
         if tail:
-            block(full * per, full * Bk, tail, full * Bk)
+            sweep_block(g, kv_t, rb + full * per, j0 + full * Bk, tail, masked,
+                        ju + full * per, j0 + full * Bk)
 
     for rg in span.regions:
         if plan.resident:
-            sweep_all(kv, rg.k0 // P, rg.k0, rg.k1 - rg.k0, rg.masked, rg.k0 // P)
+            key_blocks(kv, rg.k0 // P, rg.k0, rg.k1 - rg.k0, rg.masked, rg.k0 // P)
             continue
         for first, count, C in _chunks(rg, plan):
             def chunk(c, first=first, C=C, masked=rg.masked):
-                kv_c = load_kv(f, first // P + c * (C // P), C)
-                sweep_all(kv_c, 0, first + c * C, C, masked, first // P + c * (C // P))
+                u0 = first // P + c * (C // P)
+                key_blocks(load_kv(f, u0, C), 0, first + c * C, C, masked, u0)
 
             port.loop(count, chunk, carried=True)
-    each_tile(lambda h, s: write_back(f, st, h * n + s, h, t0 + s, out))
+    g.each_tile(lambda h, s: write_back(f, st, h * n + s, h, t0 + s, out))
+
+
+def start_at_sink(f: Instance, st: GroupState, h, n: int):
+    """The sink is the online softmax's first "key" for member head h's n slots: ``m =
+    max(sink / u, M_FLOOR)``, ``l = l_0``."""
+    D, P = f.D, T.PMAX
+    l_slots = st.o[:, nl.ds(h * n, n), D:D + 1]
+    port.tensor_scalar(st.stats[:, nl.ds(h * n, n), 1:2], l_slots, nl.add,
+                       SM.HeadColumns.col(f.cols.neg_m0, h, P), engine="gpsimd")
+    port.tensor_scalar(l_slots, l_slots, nl.add, SM.HeadColumns.col(f.cols.l0, h, P),
+                       engine="gpsimd")
+
+
+def sweep_block(g: GroupSweep, kv: KV, rb, j0, width: int, masked: bool, ju, static_d):
+    """One key block of ``width`` keys (from the K/V tile's 128-key block ``rb``, frame key
+    ``j0``, dropout unit ``ju``; ``static_d``: ``j0`` again for the tail block, None for the
+    looped ones) for every
+    tile of the group: the body of Algorithm 1's inner loop, each tile's steps in
+    :func:`attend_block`. The key blocks are the outer (sequential) loop and the tiles the
+    inner (independent) ones, so consecutive instructions belong to independent tiles: each
+    engine's stream interleaves their dependency chains.
+
+    Unstaged: each tile's block whole. Staged: per batch of ``hs`` heads x ``ss`` tiles,
+    every first half (scores, max, exp) before the second halves (P^T, P V, update), two
+    nests that share only the batch's SBUF staging buffers."""
+    f, ss, hs = g.f, g.ss, g.hs
+    if ss * hs == 1:
+        g.each_tile(lambda h, s: tile_block(g, h, s, kv, rb, j0, width, masked, ju, static_d))
+        return
+
+    def batch(sb, hb):
+        bufs = staging_buffers(f, ss * hs)
+        port.loop(hs, lambda hh: port.loop(ss, lambda k: tile_block(
+            g, hb * hs + hh, sb * ss + k, kv, rb, j0, width, masked, ju, static_d, "front",
+            bufs + (hh * ss + k,))))
+        port.loop(hs, lambda hh: port.loop(ss, lambda k: tile_block(
+            g, hb * hs + hh, sb * ss + k, kv, rb, j0, width, masked, ju, static_d, "back",
+            bufs + (hh * ss + k,))))
+
+    port.loop(g.n // ss, lambda sb: port.loop(f.G // hs, lambda hb: batch(sb, hb)))
+
+
+def staging_buffers(f: Instance, slots: int):
+    """P, alpha and (dropout) row sums of ``slots`` staged tiles, one softmax block each
+    (allocated per staged batch: the batches are independent iterations)."""
+    P, Bk = T.PMAX, f.tiles.softmax_block
+    return (nl.ndarray((P, slots, Bk), dtype=f.mm, buffer=nl.sbuf),
+            nl.ndarray((P, slots, 1), dtype=nl.float32, buffer=nl.sbuf),
+            nl.ndarray((P, slots, 1), dtype=nl.float32, buffer=nl.sbuf)
+            if f.dropout_p else None)
+
+
+def tile_block(g: GroupSweep, h, s, kv: KV, rb, j0, width: int, masked: bool, ju, static_d,
+               part: str = "all", stage=None):
+    """:func:`attend_block` of member head h's slot s (tile ``t0 + s``) for one key block of
+    :func:`sweep_block`; a sliding span moves the block with the tile: keys from ``(t0 + s)
+    q_tile + slide + j0``."""
+    f, span, qt, P = g.f, g.span, g.q_tile, T.PMAX
+    t = g.t0 + s
+    iu = t * (qt // P)
+    if span.slide is None:
+        attend_block(f, g.st, h * g.n + s, t * qt, kv, rb, j0, width, masked,
+                     du=(h, iu, ju), h=h, part=part, stage=stage)
+        return
+    attend_block(f, g.st, h * g.n + s, t * qt, kv, iu + span.slide // P + rb,
+                 t * qt + span.slide + j0, width, masked,
+                 None if static_d is None else span.slide + static_d,
+                 du=(h, iu, iu + span.slide // P + ju), h=h, part=part, stage=stage)
 
 
 # ============================================================================================

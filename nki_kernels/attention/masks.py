@@ -311,6 +311,7 @@ def position_table(runs, n: int, stride: int = T.PMAX, offsets=None):
     iota pair per run. ``first`` depends on the program's indices: an index expression or a
     linear form of them (:func:`port.iota`'s ``runtime``), which 0.7 reads from ``offsets``
     (a :class:`port.OffsetColumns` of the indices; fp32, so the rows stay below 2^24 there).
+    ``pos0`` is an int, or a linear form read likewise (a loop-dependent first position).
     Written against :mod:`nki_kernels.port` (either namespace)."""
     pl = port.nl
     rows = pl.ndarray((T.PMAX, n), dtype=pl.int32, buffer=pl.sbuf)
@@ -318,7 +319,12 @@ def position_table(runs, n: int, stride: int = T.PMAX, offsets=None):
     for c0, count, first, pos0 in runs:
         port.iota(rows[:, c0:c0 + count], [[stride, count]], channel_multiplier=1,
                   runtime=first, offsets=offsets)
-        port.iota(pos[:, c0:c0 + count], [[stride, count]], offset=pos0, channel_multiplier=1)
+        if isinstance(pos0, list):
+            port.iota(pos[:, c0:c0 + count], [[stride, count]], channel_multiplier=1,
+                      runtime=pos0, offsets=offsets)
+        else:
+            port.iota(pos[:, c0:c0 + count], [[stride, count]], offset=pos0,
+                      channel_multiplier=1)
     return rows, pos
 
 

@@ -807,11 +807,12 @@ def test_xla_executor_launches_the_kernels(monkeypatch, dtype, mixed, mm):
     do = _rand(B, Hq, Nq, D, dtype=dtype, seed=42, requires_grad=False)
     o = flash_attention(q, k, v, mixed_precision=mixed, **opts)
     got = (o,) + _grads(o, do, q, k, v)
-    # the grids follow the default LNC of the active target (trn2: both cores) and, for the
-    # forward, the namespace it traces through (runtime lengths: nki.* where auto selects it)
+    # the grids follow the default LNC of the active target (trn2: both cores) and the
+    # namespace the kernels trace through (runtime lengths: nki.* where auto selects it)
     lnc = 2 if nki_backend.active_target() == "trn2" else 1
     assert fwd.grids == [forward.forward_grid(B, Hkv, lnc, api=nki_backend.select_api())[0]]
-    assert [repr(g) for g in bwd.grids] == [repr(backward.backward_grid(B, Hkv, lnc))]
+    assert [repr(g) for g in bwd.grids] == [repr(backward.backward_grid(
+        B, Hkv, lnc, api=nki_backend.select_api()))]
     ref = _ref_grads(q, k, v, do, **opts)
     ref = (ref[0],) + ref[2:]
     out = str(dtype).replace("torch.", "")

@@ -11,6 +11,17 @@ to the input dtype and lse to float32 (what the forward kernel returns).
 The kernel is launched directly (grid ``[B, Hkv]``) with per-sequence lengths as runtime
 ``(B,)`` int32 tensors, as host.flash_attention_backward does: one compiled kernel serves every
 set of lengths.
+
+Every case traces through the legacy namespace (``NKI_FLASH_API=legacy``, autouse fixture);
+the section "nki.*" at the end runs a representative subset through nki.* (NKI 0.7) and checks
+it against the legacy trace bit for bit (same instructions but the band masks' distances, read
+as data under nki.*): the program loop over (sequence, kv head), partial query and key tiles,
+head-dim chunks, GQA, dtypes and unusual scales, causal and window bands (loop-index offsets),
+the dQ-in-HBM and DMA-transpose variants, wide key tiles, the two-kernel split, dropout and
+the score modifiers, runtime lengths (both key-mask paths), several passes, LNC=2, and the
+program size flat in N; plus what nki.* still refuses (lengths or passes over 2^24 rows,
+dropout over 2^24 units), which ``auto`` runs through legacy. The rest of this module
+covers the shared code paths once, in legacy.
 """
 from __future__ import annotations
 
@@ -20,7 +31,9 @@ import pytest
 
 from host import reference as ref
 from host._launch import launch
-from nki_kernels.attention.backward import flash_attn_bwd
+from nki_kernels import nki as binding
+from nki_kernels import tiles as T
+from nki_kernels.attention.backward import backward_grid, flash_attn_bwd
 from nki_kernels.nki import BACKEND
 from nki_kernels.tiles import PMAX
 
@@ -30,6 +43,12 @@ F32 = np.dtype(np.float32)
 
 needs_measure = pytest.mark.skipif(BACKEND != "simulate",
                                    reason="simulate.measure needs the bundled simulator")
+
+
+@pytest.fixture(autouse=True)
+def _legacy_namespace(monkeypatch):
+    """The kernel traces through the legacy namespace unless a test says otherwise."""
+    monkeypatch.setenv(binding.API_ENV_VAR, "legacy")
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,13 +71,15 @@ def make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype=BF16, seed=0, *, scale=None, causal
 
 def run_kernel(q, k, v, do, o, lse, *, scale=None, causal=None, window=None, q_lens=None,
                kv_lens=None, **kernel_opts):
-    """Launch the kernel on the grid [B, Hkv]; lengths as (B,) int32 runtime tensors."""
+    """Launch the kernel on :func:`backward_grid` of the namespace selected now (legacy: [B,
+    Hkv]); lengths as (B,) int32 runtime tensors."""
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
     scale = 1.0 / np.sqrt(D) if scale is None else scale
     opts = dict(scale=float(scale), causal=causal, window=window, **kernel_opts)
     as_int32 = (lambda x: None if x is None else np.ascontiguousarray(x, dtype=np.int32))
-    return launch(flash_attn_bwd, (B, Hkv), q, k, v, o, do, lse, kv_lens=as_int32(kv_lens),
+    grid = backward_grid(B, Hkv, 1, api=binding.select_api())
+    return launch(flash_attn_bwd, grid, q, k, v, o, do, lse, kv_lens=as_int32(kv_lens),
                   q_lens=as_int32(q_lens), **opts)
 
 
@@ -335,10 +356,11 @@ def test_dq_accumulated_in_hbm():
 
 @pytest.mark.parametrize("ds_transpose,act_evac_blocks", [("pe", 0), ("pe", 2), ("dma", 0)])
 def test_ds_transpose_paths(ds_transpose, act_evac_blocks):
-    """dS^T on TensorE (PSUM copies on ScalarE and/or VectorE) or by DMA transpose; the DMA
-    path falls back to TensorE for visits with a partial 128-key block (Nk = 300)."""
+    """dS^T on TensorE (PSUM copies on ScalarE and/or VectorE) or by DMA transpose, over the
+    blocks of 256-key visits; the DMA path falls back to TensorE for visits with a partial
+    128-key block (Nk = 300)."""
     run_and_check(1, 2, 1, 150, 300, 64, BF16, seed=34, causal="bottom_right",
-                  ds_transpose=ds_transpose, act_evac_blocks=act_evac_blocks)
+                  ds_transpose=ds_transpose, act_evac_blocks=act_evac_blocks, key_tile=256)
 
 
 @needs_measure
@@ -360,8 +382,10 @@ def test_two_kernel_split():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_small_key_tile():
-    run_and_check(1, 1, 1, 100, 300, 64, BF16, seed=33, window=(50, 10), key_tile=128)
+def test_wide_key_tile():
+    """Visits of several 128-key blocks (the default is one): K^T, V^T and the dK/dV
+    accumulators per block, V in wide rows, a partial last block."""
+    run_and_check(1, 1, 1, 100, 1100, 64, BF16, seed=33, window=(50, 10), key_tile=512)
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,23 +451,192 @@ def test_io_bytes_with_lengths():
 def test_dma_chunks_of_the_fast_path(target, causal):
     """Without lengths, whole tiles move in few DMAs: Q, dO, O, LSE, dQ 8 query tiles per DMA
     (one row = one 256 B chunk per partition and tile; LSE 4-byte elements), K, dK, dV a whole
-    512-key tile per DMA, V in wide rows (4 consecutive keys = one 1 KiB chunk per partition);
-    dS^T by TensorE, no DMA transposes. The HBM bytes stay the minimum; the gradients pass the
-    tolerance rule."""
+    key tile per DMA, V in wide rows (nb consecutive keys = one nb 256 B chunk per partition,
+    for nb 128-key blocks per tile: 1 by default, 4 with ``key_tile=512``, run here without a
+    mask); dS^T by TensorE, no DMA transposes. The HBM bytes stay the minimum; the gradients
+    pass the tolerance rule."""
     import simulate
     B, Hq, Hkv, N, D = 1, 2, 1, 1024, 128
     G = Hq // Hkv
+    key_tile = 512 if causal is None else T.bwd_key_tile(D)
     q, k, v, do, o, lse = make_inputs(B, Hq, Hkv, N, N, D, BF16, 43, causal=causal)
     with simulate.measure(target=target) as m:
-        got = run_kernel(q, k, v, do, o, lse, causal=causal)
+        got = run_kernel(q, k, v, do, o, lse, causal=causal, key_tile=key_tile)
     check_grads(got, q, k, v, do, causal=causal)
     assert (m.hbm_bytes_read, m.hbm_bytes_written) == backward_io_bytes(B, Hq, Hkv, N, N, D, 2)
     row_chunks = (3 * G + 1) * N + G * N + 2 * N    # q, do, o, k in; dq, dk, dv out: 256 B
-    v_chunks = N // 4                               # 1 KiB
+    v_chunks = N // (key_tile // PMAX)              # nb 256 B
     lse_chunks = G * N                              # 4 B elements
     assert m.dma_chunks == row_chunks + v_chunks + lse_chunks
     assert m.dma_average_chunk_bytes == pytest.approx(
         (m.hbm_bytes_read + m.hbm_bytes_written) / m.dma_chunks)
     if causal is None:
-        # per head 3 loads, 1 LSE load, 1 dQ store; per 512-key tile K, V, dK, dV
-        assert m.dma_transfers == G * 5 + (N // 512) * 4
+        # per head 3 loads, 1 LSE load, 1 dQ store; per key tile K, V, dK, dV
+        assert m.dma_transfers == G * 5 + (N // key_tile) * 4
+
+
+# --------------------------------------------------------------------------------------------
+# nki.* (NKI 0.7): the same source traced through the other namespace
+# --------------------------------------------------------------------------------------------
+
+#: The representative subset of the module docstring: (B, Hq, Hkv, Nq, Nk, D, options).
+NKI_CASES = [
+    (1, 1, 1, 1, 1, 16, {}),
+    (2, 4, 2, 129, 300, 64, {"causal": "bottom_right"}),
+    (1, 2, 1, 200, 1100, 256, {"causal": "top_left"}),
+    (1, 1, 1, 400, 1300, 64, {"window": (100, 30)}),
+    (1, 1, 1, 300, 500, 64, {"causal": "bottom_right", "window": (200, 0)}),
+    (1, 1, 1, 200, 300, 80, {"causal": "bottom_right", "dtype": F32, "mixed_precision": False}),
+    (1, 2, 1, 150, 300, 64, {"causal": "top_left", "dtype": F16, "scale": -0.3}),
+    (1, 2, 1, 150, 700, 32, {"causal": "top_left", "dq_accumulate": "hbm"}),
+    (1, 1, 1, 150, 512, 128, {"ds_transpose": "dma", "key_tile": 512}),
+    (1, 2, 1, 150, 300, 64, {"causal": "bottom_right", "act_evac_blocks": 2, "key_tile": 256}),
+    (1, 1, 1, 100, 1100, 64, {"window": (50, 10), "key_tile": 512}),
+    (1, 4, 2, 150, 260, 32, {"causal": "top_left", "grads": ("dk", "dv")}),
+    (1, 4, 2, 150, 260, 32, {"causal": "top_left", "grads": ("dq",)}),
+    # several passes: the query rows gathered and scattered by flat row numbers under nki.*
+    (1, 4, 2, 200, 300, 32, {"causal": "bottom_right", "rows_per_pass": PMAX}),
+    (1, 2, 1, 400, 300, 64, {"causal": "top_left", "rows_per_pass": 256,
+                             "dq_accumulate": "hbm"}),
+    # runtime lengths: rotated and in-place rows and keys, the key mask in the S contraction
+    # (D % 128 != 0) or its own rank-1 matmul (D = 128, fp16)
+    (2, 2, 1, 129, 200, 64, {"causal": "bottom_right", "q_lens": [129, 5],
+                             "kv_lens": [200, 77]}),
+    (2, 2, 1, 200, 300, 128, {"causal": "top_left", "kv_lens": [3, 300]}),
+    (1, 2, 1, 150, 300, 64, {"window": (100, 30), "kv_lens": [151], "dtype": F16}),
+    (2, 2, 1, 200, 700, 80, {"causal": "top_left", "q_lens": [150, 0]}),
+    (1, 2, 1, 300, 200, 32, {"q_lens": [77], "rows_per_pass": 256}),
+]
+
+
+def _run_in(api, monkeypatch, q, k, v, do, o, lse, **opts):
+    import simulate
+
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
+    with simulate.measure(target="trn2") as m:
+        got = run_kernel(q, k, v, do, o, lse, **opts)
+    assert m.api == api
+    return (got if isinstance(got, tuple) else (got,)), m
+
+
+@needs_measure
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,opts", NKI_CASES)
+def test_nki_namespace_matches_legacy(B, Hq, Hkv, Nq, Nk, D, opts, monkeypatch):
+    """Through nki.* the gradients are the legacy trace's bit for bit (and so follow the
+    tolerance rule, checked here for the full-gradient cases), with the same HBM bytes."""
+    opts = dict(opts)
+    dtype = opts.pop("dtype", BF16)
+    mask = {n: opts.pop(n) for n in ("scale", "causal", "window") if n in opts}
+    for name in ("q_lens", "kv_lens"):
+        if name in opts:
+            mask[name] = np.array(opts.pop(name))
+    q, k, v, do, o, lse = make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, Nq + Nk + D, **mask)
+    got, m = _run_in("nki", monkeypatch, q, k, v, do, o, lse, **mask, **opts)
+    ref_got, m0 = _run_in("legacy", monkeypatch, q, k, v, do, o, lse, **mask, **opts)
+    for a, b in zip(got, ref_got):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert (m.hbm_bytes_read, m.hbm_bytes_written) == (m0.hbm_bytes_read, m0.hbm_bytes_written)
+    if "grads" not in opts:
+        check_grads(got, q, k, v, do, mixed_precision=opts.get("mixed_precision", True),
+                    **mask)
+
+
+@needs_measure
+@pytest.mark.parametrize("mods", [dict(dropout_p=0.2, causal="bottom_right"),
+                                  dict(softcap=20.0),
+                                  dict(alibi=True, causal="top_left"),
+                                  dict(alibi=True, window=(64, 64)),
+                                  dict(sinks=True, causal="bottom_right")])
+def test_nki_namespace_dropout_and_score_modifiers(mods, monkeypatch):
+    """Dropout (unit numbers from the loop-index table), soft-capping, ALiBi (its distance tile
+    from the runtime distance columns) and sinks (dsinks) through nki.*, by the host API: the
+    legacy trace's gradients bit for bit."""
+    import host
+
+    kw = dict(mods)
+    q, k, v, do, _, _ = make_inputs(1, 2, 1, 300, 500, 64, BF16, 9)
+    if kw.pop("alibi", None):
+        kw["alibi_slopes"] = np.array([0.5, 0.125], np.float32)
+    if kw.pop("sinks", None):
+        kw["sinks"] = np.array([1.5, -2.0], np.float32)
+    if kw.get("dropout_p"):
+        kw["seed"] = 11
+    monkeypatch.setenv(binding.API_ENV_VAR, "legacy")
+    o, lse = host.flash_attention(q, k, v, return_lse=True, lnc=1, **kw)
+    outs = {}
+    for api in ("legacy", "nki"):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        outs[api] = host.flash_attention_backward(do, q, k, v, o, lse, lnc=1, **kw)
+    for a, b in zip(outs["legacy"], outs["nki"]):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@needs_measure
+@pytest.mark.parametrize("B,Hkv,lnc", [(2, 1, 2), (1, 1, 2), (3, 1, 1)])
+def test_nki_namespace_programs_and_cores(B, Hkv, lnc, monkeypatch):
+    """0.7 launches ``kernel[lnc]``: the kernel loops over the (sequence, kv head) programs,
+    the two cores of LNC=2 taking half of them each (an even count; an odd one stays on one
+    core, as the legacy grid does)."""
+    import host
+    import simulate
+
+    q, k, v, do, o, lse = make_inputs(B, 2 * Hkv, Hkv, 200, 300, 64, BF16, B + lnc,
+                                      causal="bottom_right")
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    cores = 2 if lnc == 2 and B * Hkv % 2 == 0 else 1
+    assert backward_grid(B, Hkv, lnc, api="nki") == (cores,)
+    with simulate.measure(target="trn2") as m:
+        got = host.flash_attention_backward(do, q, k, v, o, lse, causal="bottom_right", lnc=lnc)
+    assert m.api == "nki" and m.kernels[0].cores == cores
+    check_grads(got, q, k, v, do, causal="bottom_right")
+
+
+@needs_measure
+@pytest.mark.parametrize("api", ["legacy", "nki"])
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_program_size_does_not_grow_with_n(api, causal):
+    """Every loop over sequence tiles is a compiled loop in both namespaces: the program has
+    the same size at N = 8192 + 100 and 16384 + 100 (the key spans saturate at
+    ``BWD_K_SPANS``; ``simulate.program_size`` traces every loop body once)."""
+    import simulate
+    from nki_kernels import port
+
+    ns = binding.namespace(api)
+    grid = backward_grid(1, 1, 1, api=api)
+    sizes = []
+    for N in (8192 + 100, 16384 + 100):
+        q = np.zeros((1, 1, N, 64), BF16)
+        lse = np.zeros((1, 1, N), np.float32)
+        with port.tracing(ns):
+            kernel = flash_attn_bwd.jitted(ns)[grid[0] if api == "nki" else grid]
+            sizes.append(simulate.program_size(kernel, q, q, q, q, q, lse, scale=0.125,
+                                               causal=causal))
+    assert sizes[0] == sizes[1] < 5000
+
+
+@pytest.mark.parametrize("opts,feature", [
+    (dict(kv_lens=[100]), "lengths or several passes over 512 >= 2"),
+    (dict(q_lens=[50]), "lengths or several passes over 512 >= 2"),
+    (dict(dropout_p=0.1, seed=1), "dropout over"),
+])
+def test_nki_namespace_refuses_what_is_not_ported(opts, feature, monkeypatch):
+    """Not ported to nki.*: runtime lengths or several passes over 2^24 rows (fp32 row numbers)
+    and dropout over 2^24 units (fp32 unit numbers; both bounds lowered here to 4): an
+    explicit NKI_FLASH_API=nki call says so; ``auto`` runs such a host call through the legacy
+    namespace when that runs on the same backend (here: both simulated)."""
+    monkeypatch.setattr(T, "FP32_EXACT_INT", 4)
+    monkeypatch.setattr("nki_kernels.attention.backward.FP32_EXACT_INT", 4)
+    q, k, v, do, o, lse = make_inputs(1, 2, 1, 256, 256, 32, BF16, 1)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    kw = {n: np.array(x if n.endswith("lens") else [x], np.int32)
+          if n.endswith("lens") or n == "seed" else x for n, x in opts.items()}
+    with pytest.raises(NotImplementedError, match=f"{feature}.* nki.* namespace"):
+        run_kernel(q, k, v, do, o, lse, **kw)
+    if BACKEND == "simulate":
+        import host
+        import simulate
+
+        monkeypatch.setenv(binding.API_ENV_VAR, "auto")
+        with simulate.measure(target="trn2") as m:
+            host.flash_attention_backward(do, q, k, v, o, lse, **opts)
+        assert m.api == "legacy"

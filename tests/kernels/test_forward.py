@@ -69,7 +69,8 @@ def run_kernel(q, k, v, *, scale=None, causal=None, window=None, kv_lens=None, q
     if tiles is None:
         tiles = T.choose_forward_tiles(Nq, Nk, D, Hq // Hkv, q.dtype.itemsize,
                                        T.fwd_itemsize(mm), kv_lens=kv_lens is not None,
-                                       q_lens=q_lens is not None)
+                                       q_lens=q_lens is not None, api=binding.select_api(),
+                                       device=binding.active_target())
     kv32 = None if kv_lens is None else np.asarray(kv_lens, dtype=np.int32)
     q32 = None if q_lens is None else np.asarray(q_lens, dtype=np.int32)
     o, lse = launch_fwd(q, k, v, kv32, q32, scale=float(scale), causal=causal, window=window,

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(binding.BACKEND != "simulate",
 PORTED = ["fused/softmax.py", "fused/linear_gelu.py", "fused/_onchip.py",
           "attention/unfused.py", "attention/forward.py", "attention/score_mods.py",
           "attention/masks.py", "attention/decode_merge.py", "attention/block_sparse.py",
-          "attention/block_sparse_bwd.py", "attention/decode.py"]
+          "attention/block_sparse_bwd.py", "attention/decode.py", "attention/backward.py"]
 
 
 def _run(api, monkeypatch, x, target="trn2", **kw):
@@ -471,7 +471,8 @@ def test_forward_program_flat_in_sequence_length(api, mask, sizes, monkeypatch):
     small, _ = _forward_program(api, monkeypatch, *sizes[0], **mask)
     large, _ = _forward_program(api, monkeypatch, *sizes[1], **mask)
     assert small.program_instructions == large.program_instructions < 2000
-    assert sum(large.instructions.values()) > 1.5 * sum(small.instructions.values())
+    # the work does grow: TensorE runs a matmul per key block
+    assert large.instructions["tensor"] > 1.5 * small.instructions["tensor"]
 
 
 def test_forward_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
@@ -488,6 +489,35 @@ def test_forward_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
                                        dropout_p=0.1, seed=5))):
         m, o = _forward_program("nki", monkeypatch, 300, target=target, **mask)
         assert m.api == "nki" and np.isfinite(np.asarray(o, np.float32)).all()
+
+
+def test_backward_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
+    """With the legacy binding poisoned, the backward (causal with ALiBi and dropout, windowed
+    with softcap and sinks, dQ in HBM, runtime lengths) still runs through nki.* (trn2 and
+    trn3)."""
+    import ml_dtypes
+    import simulate
+
+    from nki_kernels.attention.backward import backward_grid, flash_attn_bwd
+
+    _poison_legacy(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    rng = np.random.default_rng(8)
+    q, k, v, do, o = (rng.standard_normal((1, 2, 300, 64)).astype(ml_dtypes.bfloat16)
+                      for _ in range(5))
+    lse = np.full((1, 2, 300), 5.0, np.float32)
+    slopes, sinks = np.array([0.5, 0.25], np.float32), np.array([0.5, 1.0], np.float32)
+    for target, opts in (("trn2", dict(causal="bottom_right", alibi_slopes=slopes,
+                                       dropout_p=0.1, seed=np.array([3], np.int32))),
+                         ("trn3", dict(window=(100, 20), softcap=30.0, sinks=sinks,
+                                       dq_accumulate="hbm")),
+                         ("trn2", dict(causal="bottom_right", kv_lens=np.array([250], np.int32),
+                                       q_lens=np.array([200], np.int32)))):
+        with simulate.measure(target=target) as m:
+            outs = launch(flash_attn_bwd, backward_grid(1, 1, 1, api="nki"), q, k[:, :1],
+                          v[:, :1], o, do, lse, scale=0.125, **opts)
+        assert m.api == "nki"
+        assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in outs)
 
 
 def test_block_sparse_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch):
