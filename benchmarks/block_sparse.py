@@ -36,6 +36,7 @@ import ml_dtypes  # noqa: E402
 
 from host import api  # noqa: E402
 from host import block_sparse as bs  # noqa: E402
+from host import validation as _v  # noqa: E402
 from host.bench import measure  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -59,10 +60,8 @@ def run_pattern(N, D, mask, target):
     trip = max(t for _, _, t, _ in bs.launch_tables(sp, group=1, backward=False).q.classes)
     # the block-sparse kernel itself, also at density 1 (where flash_attention would hand an
     # all-True pattern to the dense kernel)
-    opts = dict(scale=None, causal=None, window=None, kv_lens=None, q_lens=None,
-                mixed_precision=True, return_lse=False, tiles=None, sbuf_budget=None, lnc=None,
-                dropout_p=0.0, seed=None, return_dropout_mask=False)
-    row = measure(lambda: api._block_sparse_forward(q, k, v, mask, **opts), target)
+    call = api._attention_call(_v.check_attention_inputs(q, k, v), _v.dtype_name(q), sp)
+    row = measure(lambda: api._block_sparse_forward(q, k, v, call), target)
     row.update(density=float(mask.mean()), fixed_bytes=fixed_bytes(N, D, trip))
     return row
 

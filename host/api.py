@@ -2,15 +2,18 @@
 
 Every entry point validates its inputs with :mod:`host.validation` (errors name the argument, what
 was given and what is allowed), chooses block sizes with :mod:`nki_kernels.tiles`, and launches
-kernels through :func:`host._launch.launch` (the CPU simulator or a Trainium device).
+kernels through :func:`host._launch.launch` (the CPU simulator or a Trainium device). An attention
+call is validated once, whole, into one immutable record (:class:`AttentionCall` for the forward
+and the backward, :class:`DecodeCall` for decode); planning and launching read that record only.
 """
 from __future__ import annotations
 
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from host import block_sparse as _bs
 from host import validation as _v
 from host._launch import launch
 from nki_kernels import tiles
@@ -245,6 +248,115 @@ def _check_lnc(lnc):
     return int(lnc)
 
 
+class Dropout(NamedTuple):
+    """The validated attention dropout of a call (:func:`_check_dropout_call`)."""
+
+    p: float                        # 0.0: no dropout
+    seed: Optional[np.ndarray]      # the kernels' (1,) int32 seed, seed mod 2^30; None if p == 0
+
+
+class KernelScoreMods(NamedTuple):
+    """The validated score modifiers of a call as the kernels take them
+    (:func:`_score_mods_call`)."""
+
+    kwargs: dict    # compile-time options: {"softcap": cap} or {}
+    tensors: dict   # "alibi_slopes" (1 or B, Hq) and "sinks" (Hq,): float32 arrays or None
+
+
+class AttentionCall(NamedTuple):
+    """One validated flash-attention call, forward or backward (:func:`_attention_call`):
+    everything planning and launching read besides the tensors q, k, v (do, o, lse)."""
+
+    dims: _v.AttentionShape
+    dtype: str                              # the inputs' dtype name
+    scale: float
+    causal: Optional[str]                   # None, "top_left" or "bottom_right"
+    window: Optional[Tuple[int, int]]       # (left, right), -1 = unbounded; None: no window
+    kv_lens: Optional[np.ndarray]           # (B,) int32 in [0, Nk], the kernels' input
+    q_lens: Optional[np.ndarray]            # (B,) int32 in [0, Nq]
+    mixed_precision: bool
+    mm_dtype: str                           # matmul operand dtype name
+    lnc: int                                # NeuronCores per logical core (1: block-sparse)
+    dropout: Dropout
+    mods: KernelScoreMods
+    block_sparse: Optional[_bs.BlockSparsity]  # the pattern the block-sparse kernels run
+    tiles: Optional["tiles.ForwardTiles"]   # forward: the caller's tiling (None: planned)
+    sbuf_budget: Optional[int]              # forward: SBUF bytes per partition to plan into
+    return_lse: bool                        # forward
+    return_dropout_mask: bool               # forward
+
+
+def _attention_call(dims: _v.AttentionShape, dtype: str, block_sparse=None, *, scale=None,
+                    causal=False, window=None, kv_lens=None, q_lens=None,
+                    mixed_precision: bool = True, lnc=None, dropout_p=0.0, seed=None,
+                    softcap=None, alibi_slopes=None, sinks=None, tiles=None, sbuf_budget=None,
+                    return_lse: bool = False,
+                    return_dropout_mask: bool = False) -> AttentionCall:
+    """The :class:`AttentionCall` of a call whose tensors are validated already (sizes
+    ``dims``, dtype name ``dtype``), its options validated (as in :func:`flash_attention`).
+    ``block_sparse`` is the validated pattern when the block-sparse
+    kernels run the call (:func:`_block_sparsity`): they take no ``tiles``, ``sbuf_budget``,
+    score modifiers nor second NeuronCore."""
+    scale = _v.check_scale(scale, dims.D)
+    causal = _v.normalize_causal(causal)
+    window = _v.normalize_window(window)
+    kv_lens = _lengths_int32(_v.check_lengths("kv_lens", kv_lens, dims.B, dims.Nk,
+                                              upper_name="Nk"))
+    q_lens = _lengths_int32(_v.check_lengths("q_lens", q_lens, dims.B, dims.Nq, upper_name="Nq"))
+    mixed_precision = _check_bool("mixed_precision", mixed_precision)
+    return_lse = _check_bool("return_lse", return_lse)
+    if block_sparse is not None:
+        for name, value in (("tiles", tiles), ("sbuf_budget", sbuf_budget)):
+            if value is not None:
+                raise ValueError(f"{name}: not used by the block-sparse kernel (block_mask is "
+                                 f"given); got {value!r}, allowed: None")
+    tiles = _check_forward_tiles(tiles)
+    if sbuf_budget is not None:
+        sbuf_budget = _v.check_int("sbuf_budget", sbuf_budget, minimum=1,
+                                   maximum=max(_tiles.SBUF_USABLE_BYTES.values()))
+    if block_sparse is None:
+        lnc = _check_lnc(lnc)
+    elif lnc is not None and _check_lnc(lnc) != 1:
+        raise ValueError(f"lnc: the block-sparse kernel runs on one NeuronCore; got {lnc!r}, "
+                         "allowed: None or 1")
+    else:
+        lnc = 1
+    dropout = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
+    mods = _score_mods_call(softcap, alibi_slopes, sinks, dims.B, dims.Hq,
+                            block_sparse=block_sparse is not None)
+    return_dropout_mask = _check_bool("return_dropout_mask", return_dropout_mask)
+    if return_dropout_mask and not dropout.p:
+        raise ValueError("return_dropout_mask: needs dropout_p > 0 (there is no mask)")
+    return AttentionCall(dims, dtype, scale, causal, window, kv_lens, q_lens, mixed_precision,
+                         _tiles.fwd_mm_dtype_name(dtype, mixed_precision), lnc, dropout, mods,
+                         block_sparse, tiles, sbuf_budget, return_lse, return_dropout_mask)
+
+
+def _block_sparsity(block_mask, dims: _v.AttentionShape):
+    """The validated ``block_mask`` of a call (:func:`host.block_sparse.check_block_mask`) when
+    the block-sparse kernels run it, else None. A dense (compile-time) pattern with every block
+    active is dense attention, and the dense kernels run it (same results; the block-sparse
+    kernel gathers K/V per query tile, which at density 1 is slower than streaming them). The
+    index form is a runtime pattern and always runs the block-sparse kernel."""
+    sparsity = _bs.check_block_mask(block_mask, dims.B, dims.Hq, dims.Nq, dims.Nk)
+    if sparsity is None or (not sparsity.runtime and bool(sparsity.dense.all())):
+        return None
+    return sparsity
+
+
+def _forward_call(q, k, v, *, block_mask=None, **options) -> AttentionCall:
+    """Validate a forward call (arguments as in :func:`flash_attention`) into one record."""
+    dims = _v.check_attention_inputs(q, k, v)
+    return _attention_call(dims, _v.dtype_name(q), _block_sparsity(block_mask, dims), **options)
+
+
+def _backward_call(do, q, k, v, o, lse, *, block_mask=None, **options) -> AttentionCall:
+    """Validate a backward call (arguments as in :func:`flash_attention_backward`) into one
+    record."""
+    dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
+    return _attention_call(dims, _v.dtype_name(q), _block_sparsity(block_mask, dims), **options)
+
+
 def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
                            q_lens=None, mixed_precision: bool = True, return_lse: bool = False,
                            tiles=None, sbuf_budget=None, lnc=None, dropout_p=0.0, seed=None,
@@ -265,37 +377,35 @@ def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv
     :func:`flash_attention`; ``return_lse`` is accepted and ignored (the kernel always writes
     the LSE).
     """
+    return _plan_forward(_forward_call(
+        q, k, v, scale=scale, causal=causal, window=window, kv_lens=kv_lens, q_lens=q_lens,
+        mixed_precision=mixed_precision, return_lse=return_lse, tiles=tiles,
+        sbuf_budget=sbuf_budget, lnc=lnc, dropout_p=dropout_p, seed=seed, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks))
+
+
+def _plan_forward(call: AttentionCall):
+    """The dense forward's launch of a validated call, ``(kernel, grid, kernel_kwargs)``, as
+    :func:`plan_attention_forward` describes it."""
     from nki_kernels.attention.forward import flash_attention_fwd, forward_grid
 
-    dims = _v.check_attention_inputs(q, k, v)
-    scale = _v.check_scale(scale, dims.D)
-    causal = _v.normalize_causal(causal)
-    window = _v.normalize_window(window)
-    kv_lens = _v.check_lengths("kv_lens", kv_lens, dims.B, dims.Nk, upper_name="Nk")
-    q_lens = _v.check_lengths("q_lens", q_lens, dims.B, dims.Nq, upper_name="Nq")
-    mixed_precision = _check_bool("mixed_precision", mixed_precision)
-    _check_bool("return_lse", return_lse)
-    chosen = _check_forward_tiles(tiles)
-    if sbuf_budget is not None:
-        sbuf_budget = _v.check_int("sbuf_budget", sbuf_budget, minimum=1,
-                                   maximum=max(_tiles.SBUF_USABLE_BYTES.values()))
-    in_dtype = _v.dtype_name(q)
-    mm = _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision)
-    dropout_p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
+    dims = call.dims
     api = select_api()          # the forward is ported to nki.* whole
+    chosen = call.tiles
     if chosen is None:
         chosen = _tiles.choose_forward_tiles(
-            dims.Nq, dims.Nk, dims.D, dims.group, _tiles.fwd_itemsize(in_dtype),
-            _tiles.fwd_itemsize(mm), sbuf_bytes=sbuf_budget, kv_lens=kv_lens is not None,
-            q_lens=q_lens is not None,
-            masks=(causal is not None or window is not None or kv_lens is not None
-                   or q_lens is not None), api=api, device=active_target())
-    grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, _check_lnc(lnc), api=api)
-    kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm, tiles=chosen,
-                  lnc=kernel_lnc)
-    if dropout_p:
-        kwargs["dropout_p"] = dropout_p
-    kwargs.update(_score_mods_call(softcap, alibi_slopes, sinks, dims.B, dims.Hq)[0])
+            dims.Nq, dims.Nk, dims.D, dims.group, _tiles.fwd_itemsize(call.dtype),
+            _tiles.fwd_itemsize(call.mm_dtype), sbuf_bytes=call.sbuf_budget,
+            kv_lens=call.kv_lens is not None, q_lens=call.q_lens is not None,
+            masks=(call.causal is not None or call.window is not None
+                   or call.kv_lens is not None or call.q_lens is not None),
+            api=api, device=active_target())
+    grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, call.lnc, api=api)
+    kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
+                  mm_dtype=call.mm_dtype, tiles=chosen, lnc=kernel_lnc)
+    if call.dropout.p:
+        kwargs["dropout_p"] = call.dropout.p
+    kwargs.update(call.mods.kwargs)
     return flash_attention_fwd.on(api), grid, kwargs
 
 
@@ -316,14 +426,15 @@ def _port_api(legacy_only: bool) -> str:
     return api
 
 
-def _score_mods_call(softcap, alibi_slopes, sinks, B: int, Hq: int, *, block_sparse=False):
-    """``(kernel kwargs, tensors)`` of the score modifiers of an attention call: the
-    compile-time ``softcap`` and the device tensors ``alibi_slopes`` ``(1 or B, Hq)`` and
-    ``sinks`` ``(Hq,)`` as float32 (None when absent), validated for the kernels' ranges
+def _score_mods_call(softcap, alibi_slopes, sinks, B: int, Hq: int, *,
+                     block_sparse=False) -> KernelScoreMods:
+    """The score modifiers of an attention call as the kernels take them: the compile-time
+    ``softcap`` and the device tensors ``alibi_slopes`` ``(1 or B, Hq)`` and ``sinks`` ``(Hq,)``
+    as float32 (None when absent), validated for the kernels' ranges
     (``tiles.FWD_FOLD_SCALE_RANGE`` for the cap, ``tiles.SCORE_MOD_ABS_MAX`` for the rest)."""
     mods = _v.check_score_mods(softcap, alibi_slopes, sinks, B, Hq)
     if not mods.any:
-        return {}, dict(alibi_slopes=None, sinks=None)
+        return KernelScoreMods({}, dict(alibi_slopes=None, sinks=None))
     if block_sparse:
         raise ValueError("softcap/alibi_slopes/sinks: not supported with block_mask (the "
                          "block-sparse kernels take no score modifiers); allowed: None")
@@ -340,21 +451,21 @@ def _score_mods_call(softcap, alibi_slopes, sinks, B: int, Hq: int, *, block_spa
             raise ValueError(f"{name}: the kernels take values with |x| <= 2^32, got "
                              f"{float(np.abs(arr).max())!r}")
         tensors[name] = None if arr is None else arr.astype(np.float32)
-    return kwargs, tensors
+    return KernelScoreMods(kwargs, tensors)
 
 
-def _check_dropout_call(dropout_p, seed, B, Hq, Nq, Nk):
-    """``(p, device seed array or None)``: the validated dropout options of an attention call
-    and the ``(1,)`` int32 seed tensor the kernels take (``seed mod 2^30``)."""
+def _check_dropout_call(dropout_p, seed, B, Hq, Nq, Nk) -> Dropout:
+    """The validated dropout options of an attention call with the ``(1,)`` int32 seed tensor
+    the kernels take (``seed mod 2^30``)."""
     p, seed = _v.check_dropout(dropout_p, seed)
     if not p:
-        return 0.0, None
+        return Dropout(0.0, None)
     units = _tiles.dropout_units(B, Hq, Nq, Nk)
     if units >= _tiles.DROPOUT_SEED_MOD:
         raise ValueError(f"dropout_p: a launch numbers its 128 x 128 dropout units with int32 "
                          f"and needs fewer than 2^30 of them; B Hq ceil(Nq/128) ceil(Nk/128) = "
                          f"{units} here (split the batch)")
-    return p, np.array([seed % _tiles.DROPOUT_SEED_MOD], dtype=np.int32)
+    return Dropout(p, np.array([seed % _tiles.DROPOUT_SEED_MOD], dtype=np.int32))
 
 
 def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
@@ -439,42 +550,31 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
 
     mask : numpy.ndarray (B, Hq, Nq, Nk) bool, only with ``return_dropout_mask``
     """
-    if block_mask is not None and not _all_blocks(q, k, v, block_mask):
-        return _block_sparse_forward(
-            q, k, v, block_mask, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
-            q_lens=q_lens, mixed_precision=mixed_precision, return_lse=return_lse,
-            tiles=tiles, sbuf_budget=sbuf_budget, lnc=lnc, dropout_p=dropout_p, seed=seed,
-            return_dropout_mask=return_dropout_mask, softcap=softcap, alibi_slopes=alibi_slopes,
-            sinks=sinks)
-    kernel, grid, kwargs = plan_attention_forward(
-        q, k, v, scale=scale, causal=causal, window=window, kv_lens=kv_lens, q_lens=q_lens,
-        mixed_precision=mixed_precision, return_lse=return_lse, tiles=tiles,
-        sbuf_budget=sbuf_budget, lnc=lnc, dropout_p=dropout_p, seed=seed, softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks)
-    mod_tensors = _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1])[1]
-    return_dropout_mask = _check_bool("return_dropout_mask", return_dropout_mask)
-    B, Nk, Nq = q.shape[0], k.shape[2], q.shape[2]
-    kv32 = _lengths_int32(_v.check_lengths("kv_lens", kv_lens, B, Nk, upper_name="Nk"))
-    q32 = _lengths_int32(_v.check_lengths("q_lens", q_lens, B, Nq, upper_name="Nq"))
+    call = _forward_call(
+        q, k, v, block_mask=block_mask, scale=scale, causal=causal, window=window,
+        kv_lens=kv_lens, q_lens=q_lens, mixed_precision=mixed_precision, return_lse=return_lse,
+        tiles=tiles, sbuf_budget=sbuf_budget, lnc=lnc, dropout_p=dropout_p, seed=seed,
+        return_dropout_mask=return_dropout_mask, softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks)
+    if call.block_sparse is not None:
+        return _block_sparse_forward(q, k, v, call)
+    kernel, grid, kwargs = _plan_forward(call)
+    kv32, q32, mod_tensors = call.kv_lens, call.q_lens, call.mods.tensors
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
-    p, seed32 = _check_dropout_call(dropout_p, seed, B, q.shape[1], Nq, Nk)
-    if return_dropout_mask and not p:
-        raise ValueError("return_dropout_mask: needs dropout_p > 0 (there is no mask)")
-    if p:
-        kwargs.update(dropout_mask=return_dropout_mask)
-        outs = launch(kernel, grid, q, k, v, kv_lens=kv32, q_lens=q32, seed=seed32,
+    if call.dropout.p:
+        kwargs.update(dropout_mask=call.return_dropout_mask)
+        outs = launch(kernel, grid, q, k, v, kv_lens=kv32, q_lens=q32, seed=call.dropout.seed,
                       **mod_tensors, **kwargs)
     else:
         outs = launch(kernel, grid, q, k, v, kv_lens=kv32, q_lens=q32, **mod_tensors, **kwargs)
     o, lse = outs[0], outs[1]
-    res = (o, lse) if return_lse else (o,)
-    if return_dropout_mask:
-        res += (_mask_in_user_positions(np.asarray(outs[2]) > 0.5, kwargs, q32, kv32,
-                                        alibi_slopes is not None),)
+    res = (o, lse) if call.return_lse else (o,)
+    if call.return_dropout_mask:
+        res += (_mask_in_user_positions(np.asarray(outs[2]) > 0.5, call),)
     return res if len(res) > 1 else o
 
 
-def _mask_in_user_positions(mask, kwargs, q32, kv32, alibi: bool):
+def _mask_in_user_positions(mask, call: AttentionCall):
     """The kernel's debug keep mask ``(B, Hq, Nq, Nk)`` in the caller's row and key positions.
     The kernel writes it in its frame, where a sequence with runtime lengths and a
     bottom-right band (or ALiBi) is rotated so its valid rows and keys end at Nq and Nk (frame
@@ -482,8 +582,9 @@ def _mask_in_user_positions(mask, kwargs, q32, kv32, alibi: bool):
     from nki_kernels.attention import masks as M
 
     B, _, Nq, Nk = mask.shape
-    spec = M.MaskSpec(Nq, Nk, kwargs.get("causal"), kwargs.get("window"), q32 is not None,
-                      kv32 is not None, alibi)
+    q32, kv32 = call.q_lens, call.kv_lens
+    spec = M.MaskSpec(Nq, Nk, call.causal, call.window, q32 is not None, kv32 is not None,
+                      call.mods.tensors["alibi_slopes"] is not None)
     if not spec.rotates:
         return mask
     out = mask.copy()
@@ -500,46 +601,6 @@ def _mask_in_user_positions(mask, kwargs, q32, kv32, alibi: bool):
 # ============================================================================================
 
 
-def _all_blocks(q, k, v, block_mask) -> bool:
-    """Whether ``block_mask`` is a dense (compile-time) pattern with every block active: then
-    it is dense attention, and the dense kernels run it (same results; the block-sparse kernel
-    gathers K/V per query tile, which at density 1 is slower than streaming them). The index
-    form is a runtime pattern and always runs the block-sparse kernel."""
-    from host import block_sparse as _bs
-
-    dims = _v.check_attention_inputs(q, k, v)
-    sparsity = _bs.check_block_mask(block_mask, dims.B, dims.Hq, dims.Nq, dims.Nk)
-    return not sparsity.runtime and bool(sparsity.dense.all())
-
-
-def _block_sparse_options(q, k, v, block_mask, *, scale, causal, window, kv_lens, q_lens,
-                          mixed_precision, lnc, tiles=None, sbuf_budget=None, backward=True):
-    """Validated options of a block-sparse call: ``(dims, sparsity, tables, kwargs, kv32,
-    q32)``; ``kwargs`` are the kernels' compile-time options."""
-    from host import block_sparse as _bs
-
-    dims = _v.check_attention_inputs(q, k, v)
-    for name, value in (("tiles", tiles), ("sbuf_budget", sbuf_budget)):
-        if value is not None:
-            raise ValueError(f"{name}: not used by the block-sparse kernel (block_mask is "
-                             f"given); got {value!r}, allowed: None")
-    if lnc is not None and _check_lnc(lnc) != 1:
-        raise ValueError(f"lnc: the block-sparse kernel runs on one NeuronCore; got {lnc!r}, "
-                         "allowed: None or 1")
-    scale = _v.check_scale(scale, dims.D)
-    causal = _v.normalize_causal(causal)
-    window = _v.normalize_window(window)
-    kv32 = _lengths_int32(_v.check_lengths("kv_lens", kv_lens, dims.B, dims.Nk,
-                                           upper_name="Nk"))
-    q32 = _lengths_int32(_v.check_lengths("q_lens", q_lens, dims.B, dims.Nq, upper_name="Nq"))
-    mixed_precision = _check_bool("mixed_precision", mixed_precision)
-    sparsity = _bs.check_block_mask(block_mask, dims.B, dims.Hq, dims.Nq, dims.Nk)
-    tables = _bs.launch_tables(sparsity, group=dims.group, backward=backward)
-    mm = _tiles.fwd_mm_dtype_name(_v.dtype_name(q), mixed_precision)
-    kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm)
-    return dims, sparsity, tables, kwargs, kv32, q32
-
-
 def _block_sparse_api(dims, dropout_p: float, dropout_mask: bool) -> str:
     """The namespace of a block-sparse launch (:func:`_port_api`): legacy only when 0.7 would
     number its rows (``B Hq Nq``, ``B Hkv Nk``, with the debug dropout mask ``B Hq Nq
@@ -552,43 +613,40 @@ def _block_sparse_api(dims, dropout_p: float, dropout_mask: bool) -> str:
     return _port_api(max(rows, units) >= _tiles.FP32_EXACT_INT)
 
 
-def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
-                          return_dropout_mask, softcap=None, alibi_slopes=None, sinks=None,
-                          **options):
+def _block_sparse_forward(q, k, v, call: AttentionCall):
+    """The block-sparse forward of a validated call (``call.block_sparse`` given): outputs as
+    :func:`flash_attention`'s."""
     from nki_kernels.attention.block_sparse import block_sparse_attention_fwd
     from nki_kernels.port import launch_grid
 
-    _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1], block_sparse=True)
-    dims, _, tables, kwargs, kv32, q32 = _block_sparse_options(q, k, v, block_mask,
-                                                               backward=False, **options)
-    _check_bool("return_lse", return_lse)
-    return_dropout_mask = _check_bool("return_dropout_mask", return_dropout_mask)
-    p, seed32 = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
-    if return_dropout_mask and not p:
-        raise ValueError("return_dropout_mask: needs dropout_p > 0 (there is no mask)")
+    dims, p = call.dims, call.dropout.p
+    tables = _bs.launch_tables(call.block_sparse, group=dims.group, backward=False)
+    kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
+                  mm_dtype=call.mm_dtype)
     if p:
-        kwargs.update(dropout_p=p, dropout_mask=return_dropout_mask)
+        kwargs.update(dropout_p=p, dropout_mask=call.return_dropout_mask)
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
-    api = _block_sparse_api(dims, p, return_dropout_mask)
+    api = _block_sparse_api(dims, p, call.return_dropout_mask)
     outs = launch(block_sparse_attention_fwd.on(api), launch_grid((dims.B, dims.Hkv), api), q, k,
-                  v, tables.q.meta, kv_lens=kv32, q_lens=q32, seed=seed32,
-                  classes=tables.q.classes, **kwargs)
+                  v, tables.q.meta, kv_lens=call.kv_lens, q_lens=call.q_lens,
+                  seed=call.dropout.seed, classes=tables.q.classes, **kwargs)
     o, lse = outs[0], outs[1]
-    res = (o, lse) if return_lse else (o,)
-    if return_dropout_mask:
+    res = (o, lse) if call.return_lse else (o,)
+    if call.return_dropout_mask:
         res += (np.asarray(outs[2])[..., :dims.Nk] > 0.5,)
     return res if len(res) > 1 else o
 
 
-def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, softcap=None,
-                           alibi_slopes=None, sinks=None, **options):
+def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):
+    """The block-sparse backward of a validated call (``call.block_sparse`` given):
+    ``(dq, dk, dv)``."""
     from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
     from nki_kernels.port import launch_grid
 
-    _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1], block_sparse=True)
-    dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
-    _, _, tables, kwargs, kv32, q32 = _block_sparse_options(q, k, v, block_mask, **options)
-    p, seed32 = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
+    dims, p = call.dims, call.dropout.p
+    tables = _bs.launch_tables(call.block_sparse, group=dims.group)
+    kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
+                  mm_dtype=call.mm_dtype)
     if p:
         kwargs["dropout_p"] = p
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
@@ -596,9 +654,9 @@ def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, 
     api = _block_sparse_api(dims, p, False)
     return launch(block_sparse_attention_bwd.on(api), launch_grid((dims.B, dims.Hkv), api), q,
                   k, v, o, do,
-                  _numpy("lse", lse), tables.q.meta, tables.k.meta, kv_lens=kv32, q_lens=q32,
-                  seed=seed32, classes_q=tables.q.classes, classes_k=tables.k.classes,
-                  **kwargs)
+                  _numpy("lse", lse), tables.q.meta, tables.k.meta, kv_lens=call.kv_lens,
+                  q_lens=call.q_lens, seed=call.dropout.seed, classes_q=tables.q.classes,
+                  classes_k=tables.k.classes, **kwargs)
 
 
 # ============================================================================================
@@ -609,11 +667,27 @@ def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, 
 DECODE_MAX_CACHE_POSITIONS = tiles.DECODE_MAX_CACHE_POSITIONS
 
 
-def _check_decode_call(q, k_cache, v_cache, cache_lens, scale, tree_mask, num_splits,
-                       mixed_precision, block_table=None):
-    """Validated ``(inputs, scale, num_splits, mixed_precision, pages)``; ``pages`` is the
-    :class:`host.validation.PagedCache` of a paged call, else None (``inputs.S_max`` is then
-    the logical capacity ``max_blocks * page_size``)."""
+class DecodeCall(NamedTuple):
+    """One validated decode call (:func:`_decode_call`): everything planning and launching read
+    besides the tensors q, k_cache and v_cache."""
+
+    inputs: _v.DecodeInputs         # sizes, int64 cache_lens, bool tree_mask (or None)
+    pages: Optional[_v.PagedCache]  # a paged call's pools and int32 block table; None: contiguous
+    dtype: str                      # q's dtype name (also o's)
+    scale: float
+    num_splits: Optional[int]       # the caller's split count (None: planned)
+    mm_dtype: str                   # matmul operand dtype name
+    mods: KernelScoreMods
+    lnc: int                        # NeuronCores per logical core
+    return_lse: bool
+
+
+def _decode_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
+                 tree_mask=None, num_splits=None, mixed_precision: bool = True,
+                 return_lse: bool = False, softcap=None, alibi_slopes=None, sinks=None,
+                 lnc=None) -> DecodeCall:
+    """Validate a decode call (arguments as in :func:`flash_decode`) into one record. In a
+    paged call ``inputs.S_max`` is the logical capacity ``max_blocks * page_size``."""
     if block_table is None:
         inputs, pages = _v.check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask), None
     else:
@@ -634,15 +708,23 @@ def _check_decode_call(q, k_cache, v_cache, cache_lens, scale, tree_mask, num_sp
             f"k_cache: {what} = {positions} cache positions exceed the "
             f"{DECODE_MAX_CACHE_POSITIONS} the decode kernels index with int32 (shape "
             f"{tuple(k_cache.shape)}); split the batch")
-    return inputs, scale, num_splits, mixed_precision, pages
+    return_lse = _check_bool("return_lse", return_lse)
+    mods = _score_mods_call(softcap, alibi_slopes, sinks, inputs.B, inputs.Hq)
+    dtype = _v.dtype_name(q)
+    return DecodeCall(inputs, pages, dtype, scale, num_splits,
+                      _tiles.fwd_mm_dtype_name(dtype, mixed_precision), mods, _check_lnc(lnc),
+                      return_lse)
 
 
-def _decode_tiles(inputs, mm: np.dtype, num_splits, pages=None):
+def _decode_tiles(call: DecodeCall) -> "tiles.DecodeTiles":
+    """The split kernel's tiling of a validated decode call (:func:`plan_flash_decode`)."""
+    inputs, pages = call.inputs, call.pages
     n = (tiles.decode_key_row(inputs.S_max) if pages is None
          else tiles.decode_paged_key_row(pages.page_size))
     rows_needed = int(np.max((inputs.cache_lens - inputs.T) // n))
-    return tiles.decode_tiles(inputs.group * inputs.T, inputs.D, inputs.S_max, mm.itemsize,
-                              rows_needed, num_splits, batch=inputs.B, key_row=n)
+    return tiles.decode_tiles(inputs.group * inputs.T, inputs.D, inputs.S_max,
+                              _tiles.fwd_itemsize(call.mm_dtype), rows_needed, call.num_splits,
+                              batch=inputs.B, key_row=n)
 
 
 def decode_work_list(cache_lens, T: int, plan: "tiles.DecodeTiles"):
@@ -723,11 +805,9 @@ def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, tree
     longest sequence crosses one -- unless ``num_splits`` is given. Arguments as in
     :func:`flash_decode`.
     """
-    inputs, _, num_splits, mixed_precision, pages = _check_decode_call(
-        q, k_cache, v_cache, cache_lens, None, tree_mask, num_splits, mixed_precision,
-        block_table)
-    return _decode_tiles(inputs, _mm_dtype(np.dtype(q.dtype), mixed_precision), num_splits,
-                         pages)
+    return _decode_tiles(_decode_call(q, k_cache, v_cache, cache_lens=cache_lens,
+                                      block_table=block_table, tree_mask=tree_mask,
+                                      num_splits=num_splits, mixed_precision=mixed_precision))
 
 
 def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens,
@@ -860,61 +940,56 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     causal="bottom_right")`` for each sequence with ``L = cache_lens[b]``. HBM traffic:
     :func:`flash_decode_hbm_bytes`.
     """
-    inputs, scale, num_splits, mixed_precision, pages = _check_decode_call(
-        q, k_cache, v_cache, cache_lens, scale, tree_mask, num_splits, mixed_precision,
-        block_table)
-    return_lse = _check_bool("return_lse", return_lse)
-    mods = _score_mods_call(softcap, alibi_slopes, sinks, inputs.B, inputs.Hq)
+    call = _decode_call(q, k_cache, v_cache, cache_lens=cache_lens, block_table=block_table,
+                        scale=scale, tree_mask=tree_mask, num_splits=num_splits,
+                        mixed_precision=mixed_precision, return_lse=return_lse,
+                        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, lnc=lnc)
     q, k_cache, v_cache = _numpy("q", q), _numpy("k_cache", k_cache), _numpy("v_cache", v_cache)
-    o, lse = run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_cache,
-                        launch, lambda a: a, mods, lnc=_check_lnc(lnc))
-    o = o.reshape(inputs.B, inputs.Hq, inputs.T, inputs.D)
-    return (o, lse.reshape(inputs.B, inputs.Hq, inputs.T)) if return_lse else o
+    o, lse = run_decode(call, q, k_cache, v_cache, launch, lambda a: a)
+    B, Hq, T, D = call.inputs.B, call.inputs.Hq, call.inputs.T, call.inputs.D
+    o = o.reshape(B, Hq, T, D)
+    return (o, lse.reshape(B, Hq, T)) if call.return_lse else o
 
 
-def run_decode(inputs, scale, num_splits, mixed_precision, pages, q, k_cache, v_cache, run,
-               to_device, mods=None, lnc=1):
-    """The two launches of a validated decode call (:func:`flash_decode`): the split kernel
+def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
+    """The two launches of a validated decode call (:func:`_decode_call`): the split kernel
     on ``(Hkv, work items + B)`` and the LSE merge. ``run(kernel, grid, *args, **kw)`` launches
     (:func:`host._launch.launch`, or ``kernel[grid](...)`` on XLA tensors) and ``to_device``
     moves the host-built arrays (lengths, work list, tree mask, block table, slopes, sinks)
-    next to q. ``mods``: :func:`_score_mods_call`'s ``(kernel kwargs, tensors)`` or None.
-    Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``. Both kernels trace through
-    the namespace :func:`_port_api` selects (a contiguous cache of 2^24 rows or more, or a block
-    table of 2^24 entries, is ``legacy_only``: under nki.* the split kernel refuses it,
+    next to q. Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``. Both kernels trace
+    through the namespace :func:`_port_api` selects (a contiguous cache of 2^24 rows or more, or
+    a block table of 2^24 entries, is ``legacy_only``: under nki.* the split kernel refuses it,
     NotImplementedError)."""
     from nki_kernels.attention import decode as k
     from nki_kernels.attention.decode_merge import flash_decode_merge_kernel
 
+    inputs, pages = call.inputs, call.pages
     # nki.* computes the tails' flat cache rows (paged: table entries) in fp32, exact below 2^24
     flat = (inputs.B * inputs.Hkv * k_cache.shape[2] if pages is None
             else int(np.prod(pages.block_table.shape)))
     api = _port_api(legacy_only=flat >= _tiles.FP32_EXACT_INT)
-    in_dtype = _v.dtype_name(q)
-    mm = np.dtype(_v.normalize_dtype("q", _tiles.fwd_mm_dtype_name(in_dtype, mixed_precision),
-                                     _v.FLOAT_DTYPES))
-    plan = _decode_tiles(inputs, mm, num_splits, pages)
+    plan = _decode_tiles(call)
     table = None if pages is None else to_device(pages.block_table)
     lens = np.ascontiguousarray(inputs.cache_lens, dtype=np.int32)
     tree = None if inputs.tree_mask is None else to_device(inputs.tree_mask.astype(np.uint8))
     B, Hq, Hkv, T = inputs.B, inputs.Hq, inputs.Hkv, inputs.T
-    ln = decode_launch(lens, T, Hkv, plan, lnc, api)
+    ln = decode_launch(lens, T, Hkv, plan, call.lnc, api)
     work, splits = ln.work, ln.splits
-    mod_kwargs, mod_tensors = ({}, {}) if mods is None else mods
-    mod_tensors = {name: None if a is None else to_device(a) for name, a in mod_tensors.items()}
+    mod_tensors = {name: None if a is None else to_device(a)
+                   for name, a in call.mods.tensors.items()}
     o_part, lse_part = run(
         k.flash_decode_split_kernel.on(api),
-        k.decode_grid(ln.groups, ln.programs, ln.core_axis, api=api, lnc=lnc), q,
+        k.decode_grid(ln.groups, ln.programs, ln.core_axis, api=api, lnc=call.lnc), q,
         k_cache, v_cache, to_device(lens),
-        None if work is None else to_device(work), tree, table, scale=float(scale),
-        mm_dtype=mm.name, key_row=plan.key_row, split_rows=plan.split_rows,
+        None if work is None else to_device(work), tree, table, scale=call.scale,
+        mm_dtype=call.mm_dtype, key_row=plan.key_row, split_rows=plan.split_rows,
         num_splits=plan.num_splits, row_tile=plan.row_tile, pack=plan.pack,
         items_per_program=ln.items_per_program, heads_per_program=ln.heads_per_program,
-        **mod_tensors, **mod_kwargs)
+        **mod_tensors, **call.mods.kwargs)
     N = B * Hq * T
     return run(flash_decode_merge_kernel.on(api), (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),
                o_part, lse_part, to_device(np.repeat(splits, Hq * T)),
-               out_dtype=in_dtype, rows_per_program=tiles.DECODE_MERGE_ROWS)
+               out_dtype=call.dtype, rows_per_program=tiles.DECODE_MERGE_ROWS)
 
 
 # ============================================================================================
@@ -943,36 +1018,37 @@ def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, wi
     Shared by :func:`flash_attention_backward` and the torch-neuronx path of
     :mod:`host.torch_ops`. Arguments as in :func:`flash_attention_backward`.
     """
+    return _plan_backward(_backward_call(
+        do, q, k, v, o, lse, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
+        q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc, dropout_p=dropout_p, seed=seed,
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks))
+
+
+def _plan_backward(call: AttentionCall):
+    """The dense backward's launch of a validated call, ``(kernel, grid, kernel_kwargs)``, as
+    :func:`plan_attention_backward` describes it."""
     from nki_kernels.attention.backward import backward_grid, flash_attn_bwd
 
-    dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
-    scale = _v.check_scale(scale, dims.D)
-    causal = _v.normalize_causal(causal)
-    window = _v.normalize_window(window)
-    _v.check_lengths("kv_lens", kv_lens, dims.B, dims.Nk, upper_name="Nk")
-    _v.check_lengths("q_lens", q_lens, dims.B, dims.Nq, upper_name="Nq")
-    mixed_precision = _check_bool("mixed_precision", mixed_precision)
-    kwargs = dict(scale=float(scale), causal=causal, window=window,
-                  mixed_precision=mixed_precision)
-    p, _ = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
+    dims, p = call.dims, call.dropout.p
+    kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
+                  mixed_precision=call.mixed_precision)
     if p:
         kwargs["dropout_p"] = p
-    kwargs.update(_score_mods_call(softcap, alibi_slopes, sinks, dims.B, dims.Hq)[0])
+    kwargs.update(call.mods.kwargs)
     units = (dims.B * dims.Hq * _tiles.ceil_div(dims.Nq, _tiles.PMAX)
              * _tiles.ceil_div(dims.Nk, _tiles.PMAX))
     # the kernel's pass count: its SBUF budget is trn1's or, on NeuronCore-v3+, trn2's
-    op_itemsize = 2 if (_v.dtype_name(q) != "float32" or mixed_precision) else 4
     sbuf_of = "trn1" if active_target() == "trn1" else "trn2"
-    passes, _ = _tiles.bwd_passes(dims.group, dims.Nq,
-                                  _tiles.bwd_rows_per_pass(dims.D, op_itemsize, sbuf_of))
+    passes, _ = _tiles.bwd_passes(dims.group, dims.Nq, _tiles.bwd_rows_per_pass(
+        dims.D, _tiles.fwd_itemsize(call.mm_dtype), sbuf_of))
     # rows gathered by flat row numbers, fp32 under nki.*: query rows with q_lens or several
     # passes, keys with kv_lens
-    gathered = q_lens is not None or passes > 1 or kv_lens is not None
+    gathered = call.q_lens is not None or passes > 1 or call.kv_lens is not None
     flat = max(dims.B * dims.Hq * dims.Nq,
-               dims.B * dims.Hkv * dims.Nk if kv_lens is not None else 0)
+               dims.B * dims.Hkv * dims.Nk if call.kv_lens is not None else 0)
     api = _port_api((gathered and flat >= _tiles.FP32_EXACT_INT)
                     or (bool(p) and units >= _tiles.FP32_EXACT_INT))
-    return (flash_attn_bwd.on(api), backward_grid(dims.B, dims.Hkv, _check_lnc(lnc), api=api),
+    return (flash_attn_bwd.on(api), backward_grid(dims.B, dims.Hkv, call.lnc, api=api),
             kwargs)
 
 
@@ -1033,28 +1109,21 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
         ``-sum over rows of exp(sink - lse) * rowsum(do * o)`` (ALiBi slopes and the cap get
         no gradient: they are constants of the model).
     """
-    if block_mask is not None and not _all_blocks(q, k, v, block_mask):
-        return _block_sparse_backward(do, q, k, v, o, lse, block_mask, scale=scale,
-                                      causal=causal, window=window, kv_lens=kv_lens,
-                                      q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc,
-                                      dropout_p=dropout_p, seed=seed, softcap=softcap,
-                                      alibi_slopes=alibi_slopes, sinks=sinks)
-    kernel, grid, kwargs = plan_attention_backward(
-        do, q, k, v, o, lse, scale=scale, causal=causal, window=window, kv_lens=kv_lens,
-        q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc, dropout_p=dropout_p,
-        seed=seed, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
-    mod_tensors = _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1])[1]
-    B, Nq, Nk = q.shape[0], q.shape[2], k.shape[2]
-    kv32 = _lengths_int32(_v.check_lengths("kv_lens", kv_lens, B, Nk, upper_name="Nk"))
-    q32 = _lengths_int32(_v.check_lengths("q_lens", q_lens, B, Nq, upper_name="Nq"))
+    call = _backward_call(
+        do, q, k, v, o, lse, block_mask=block_mask, scale=scale, causal=causal, window=window,
+        kv_lens=kv_lens, q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc,
+        dropout_p=dropout_p, seed=seed, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    if call.block_sparse is not None:
+        return _block_sparse_backward(do, q, k, v, o, lse, call)
+    kernel, grid, kwargs = _plan_backward(call)
+    mod_tensors = call.mods.tensors
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
     lse = _numpy("lse", lse)
-    _, seed32 = _check_dropout_call(dropout_p, seed, B, q.shape[1], Nq, Nk)
-    if seed32 is not None:
-        kwargs["seed"] = seed32
-    outs = launch(kernel, grid, q, k, v, o, do, lse, kv_lens=kv32, q_lens=q32, **mod_tensors,
-                  **kwargs)
+    if call.dropout.seed is not None:
+        kwargs["seed"] = call.dropout.seed
+    outs = launch(kernel, grid, q, k, v, o, do, lse, kv_lens=call.kv_lens, q_lens=call.q_lens,
+                  **mod_tensors, **kwargs)
     if mod_tensors["sinks"] is None:
         return outs
     # each sequence's share of dsinks, summed over the batch on the host (B x Hq floats)

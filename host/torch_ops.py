@@ -1071,15 +1071,14 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
                                 mixed_precision=mixed_precision, return_lse=True, **mods)
         o, lse = _to_torch(res[0], "o", q.dtype), _to_torch(res[1], "lse", torch.float32)
     else:
-        inputs, scale, num_splits, mixed_precision, pages = api._check_decode_call(
-            q, k_cache, v_cache, lens, scale, tree, num_splits, mixed_precision, table)
+        # one NeuronCore: this entry point takes no lnc
+        call = api._decode_call(q, k_cache, v_cache, cache_lens=lens, block_table=table,
+                                scale=scale, tree_mask=tree, num_splits=num_splits,
+                                mixed_precision=mixed_precision, lnc=1, **mods)
         o, lse = api.run_decode(
-            inputs, scale, num_splits, mixed_precision, pages, q.contiguous(),
-            k_cache.contiguous(), v_cache.contiguous(),
+            call, q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
             lambda kernel, grid, *a, **kw: kernel[grid](*a, **kw),
-            lambda a: torch.as_tensor(np.ascontiguousarray(a)).to(q.device),
-            api._score_mods_call(mods["softcap"], mods["alibi_slopes"], mods["sinks"],
-                                 inputs.B, inputs.Hq))
+            lambda a: torch.as_tensor(np.ascontiguousarray(a)).to(q.device))
         B, Hq, T, D = (int(x) for x in q.shape)
         o, lse = o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
     return (o, lse) if return_lse else o
