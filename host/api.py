@@ -316,7 +316,7 @@ def _port_api(legacy_only: bool) -> str:
     return api
 
 
-def _score_mods_call(softcap, alibi_slopes, sinks, B: int, Hq: int, *, block_sparse=False):
+def _score_mods_call(softcap, alibi_slopes, sinks, B: int, Hq: int):
     """``(kernel kwargs, tensors)`` of the score modifiers of an attention call: the
     compile-time ``softcap`` and the device tensors ``alibi_slopes`` ``(1 or B, Hq)`` and
     ``sinks`` ``(Hq,)`` as float32 (None when absent), validated for the kernels' ranges
@@ -324,9 +324,6 @@ def _score_mods_call(softcap, alibi_slopes, sinks, B: int, Hq: int, *, block_spa
     mods = _v.check_score_mods(softcap, alibi_slopes, sinks, B, Hq)
     if not mods.any:
         return {}, dict(alibi_slopes=None, sinks=None)
-    if block_sparse:
-        raise ValueError("softcap/alibi_slopes/sinks: not supported with block_mask (the "
-                         "block-sparse kernels take no score modifiers); allowed: None")
     kwargs = {}
     if mods.softcap is not None:
         lo, hi = _tiles.FWD_FOLD_SCALE_RANGE
@@ -558,9 +555,11 @@ def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
     from nki_kernels.attention.block_sparse import block_sparse_attention_fwd
     from nki_kernels.port import launch_grid
 
-    _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1], block_sparse=True)
+    mod_kwargs, mod_tensors = _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0],
+                                               q.shape[1])
     dims, _, tables, kwargs, kv32, q32 = _block_sparse_options(q, k, v, block_mask,
                                                                backward=False, **options)
+    kwargs.update(mod_kwargs)
     _check_bool("return_lse", return_lse)
     return_dropout_mask = _check_bool("return_dropout_mask", return_dropout_mask)
     p, seed32 = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
@@ -572,7 +571,7 @@ def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
     api = _block_sparse_api(dims, p, return_dropout_mask)
     outs = launch(block_sparse_attention_fwd.on(api), launch_grid((dims.B, dims.Hkv), api), q, k,
                   v, tables.q.meta, kv_lens=kv32, q_lens=q32, seed=seed32,
-                  classes=tables.q.classes, **kwargs)
+                  classes=tables.q.classes, **mod_tensors, **kwargs)
     o, lse = outs[0], outs[1]
     res = (o, lse) if return_lse else (o,)
     if return_dropout_mask:
@@ -585,20 +584,26 @@ def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, 
     from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
     from nki_kernels.port import launch_grid
 
-    _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1], block_sparse=True)
+    mod_kwargs, mod_tensors = _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0],
+                                               q.shape[1])
     dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
     _, _, tables, kwargs, kv32, q32 = _block_sparse_options(q, k, v, block_mask, **options)
+    kwargs.update(mod_kwargs)
     p, seed32 = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
     if p:
         kwargs["dropout_p"] = p
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
     api = _block_sparse_api(dims, p, False)
-    return launch(block_sparse_attention_bwd.on(api), launch_grid((dims.B, dims.Hkv), api), q,
+    outs = launch(block_sparse_attention_bwd.on(api), launch_grid((dims.B, dims.Hkv), api), q,
                   k, v, o, do,
                   _numpy("lse", lse), tables.q.meta, tables.k.meta, kv_lens=kv32, q_lens=q32,
                   seed=seed32, classes_q=tables.q.classes, classes_k=tables.k.classes,
-                  **kwargs)
+                  **mod_tensors, **kwargs)
+    if mod_tensors["sinks"] is None:
+        return outs
+    # each sequence's share of dsinks, summed over the batch on the host (as the dense path)
+    return tuple(outs[:3]) + (np.asarray(outs[3], dtype=np.float32).sum(axis=0),)
 
 
 # ============================================================================================
