@@ -181,11 +181,13 @@ def test_dropout_mask_is_the_dense_kernels_and_gradients_match():
     assert np.array_equal(keep[vis], dense_keep[vis])
 
 
+@pytest.mark.parametrize("mods", [False, True], ids=["plain", "score-mods"])
 @pytest.mark.parametrize("api", ["legacy", "nki"])
-def test_program_size_does_not_grow_with_n(api):
+def test_program_size_does_not_grow_with_n(api, mods):
     """One compilation per class structure: a uniform pattern is one class at any N (the
     program depends on N only through the step width, min(4, blocks per tile)), under both
-    namespaces (0.7 would unroll any Python loop over tiles or slots)."""
+    namespaces (0.7 would unroll any Python loop over tiles or slots), with the score
+    modifiers too."""
     sizes = []
     grid = launch_grid((1, 1), api)
     for N in (4096, 16384):
@@ -193,6 +195,9 @@ def test_program_size_does_not_grow_with_n(api):
         sp = bs.check_block_mask(bs.fixed_density(N // 128, N // 128, 0.25), 1, 1, N, N)
         t = bs.launch_tables(sp, group=1)
         kw = dict(scale=0.125, mm_dtype="bfloat16")
+        if mods:
+            kw.update(softcap=5.0, alibi_slopes=np.full(1, 0.1, np.float32),
+                      sinks=np.zeros(1, np.float32))
         fwd = program_size(block_sparse_attention_fwd.on(api), grid, q, k, v, t.q.meta,
                            classes=t.q.classes, **kw)
         o = np.zeros_like(q)
