@@ -420,9 +420,11 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         FlexAttention's index form ``(num_blocks, indices)`` (a runtime pattern: one
         compilation per ``max_blocks`` bound; :mod:`host.block_sparse`). Inactive blocks are
         skipped entirely (no K/V load, no matmul, no exp); the other masks apply inside active
-        blocks. Runs :mod:`nki_kernels.attention.block_sparse` on one NeuronCore (``lnc`` 2,
-        ``tiles`` and ``sbuf_budget`` are refused with it); a dense pattern with every block
-        active is dense attention and runs the dense kernel.
+        blocks. Runs :mod:`nki_kernels.attention.block_sparse` on one NeuronCore unless
+        ``lnc=2`` is given (``None`` means 1 here; ``tiles`` and ``sbuf_budget`` are refused
+        with it): then, as the dense backward, its (batch, kv head) instances are spread over
+        the two cores when ``B Hkv`` allows (:func:`_block_sparse_grid`). A dense pattern with
+        every block active is dense attention and runs the dense kernel.
     softcap : None or float in [2^-24, 2^24]
         Logit soft-capping (Gemma 2): scores ``s`` become ``softcap * tanh(s / softcap)``
         before masks and ALiBi. 0 or None: off.
@@ -512,7 +514,8 @@ def _all_blocks(q, k, v, block_mask) -> bool:
 def _block_sparse_options(q, k, v, block_mask, *, scale, causal, window, kv_lens, q_lens,
                           mixed_precision, lnc, tiles=None, sbuf_budget=None, backward=True):
     """Validated options of a block-sparse call: ``(dims, sparsity, tables, kwargs, kv32,
-    q32)``; ``kwargs`` are the kernels' compile-time options."""
+    q32, lnc)``; ``kwargs`` are the kernels' compile-time options, ``lnc`` the NeuronCores
+    (None: 1, the launch the block-sparse estimates are made with)."""
     from host import block_sparse as _bs
 
     dims = _v.check_attention_inputs(q, k, v)
@@ -520,9 +523,7 @@ def _block_sparse_options(q, k, v, block_mask, *, scale, causal, window, kv_lens
         if value is not None:
             raise ValueError(f"{name}: not used by the block-sparse kernel (block_mask is "
                              f"given); got {value!r}, allowed: None")
-    if lnc is not None and _check_lnc(lnc) != 1:
-        raise ValueError(f"lnc: the block-sparse kernel runs on one NeuronCore; got {lnc!r}, "
-                         "allowed: None or 1")
+    lnc = 1 if lnc is None else _check_lnc(lnc)
     scale = _v.check_scale(scale, dims.D)
     causal = _v.normalize_causal(causal)
     window = _v.normalize_window(window)
@@ -534,7 +535,20 @@ def _block_sparse_options(q, k, v, block_mask, *, scale, causal, window, kv_lens
     tables = _bs.launch_tables(sparsity, group=dims.group, backward=backward)
     mm = _tiles.fwd_mm_dtype_name(_v.dtype_name(q), mixed_precision)
     kwargs = dict(scale=float(scale), causal=causal, window=window, mm_dtype=mm)
-    return dims, sparsity, tables, kwargs, kv32, q32
+    return dims, sparsity, tables, kwargs, kv32, q32, lnc
+
+
+def _block_sparse_grid(dims, lnc: int, api: str):
+    """The launch grid of a block-sparse kernel: the dense backward's
+    (:func:`nki_kernels.attention.backward.backward_grid`), whose programs are independent
+    as these are: with ``lnc=2`` the (batch, kv head) instances spread over the two cores
+    (legacy ``nl.spmd_dim(n, nl.nc(2))`` over kv heads when Hkv is even, else batches; nki.*
+    ``kernel[2]``, :func:`port.for_programs` taking half of them per core by
+    ``nl.program_id(0)``) when ``B Hkv`` is even, else one core runs them all (splitting an
+    instance would leave partial dK/dV or dQ sums on two cores)."""
+    from nki_kernels.attention.backward import backward_grid
+
+    return backward_grid(dims.B, dims.Hkv, lnc, api=api)
 
 
 def _block_sparse_api(dims, dropout_p: float, dropout_mask: bool) -> str:
@@ -553,12 +567,11 @@ def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
                           return_dropout_mask, softcap=None, alibi_slopes=None, sinks=None,
                           **options):
     from nki_kernels.attention.block_sparse import block_sparse_attention_fwd
-    from nki_kernels.port import launch_grid
 
     mod_kwargs, mod_tensors = _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0],
                                                q.shape[1])
-    dims, _, tables, kwargs, kv32, q32 = _block_sparse_options(q, k, v, block_mask,
-                                                               backward=False, **options)
+    dims, _, tables, kwargs, kv32, q32, lnc = _block_sparse_options(
+        q, k, v, block_mask, backward=False, **options)
     kwargs.update(mod_kwargs)
     _check_bool("return_lse", return_lse)
     return_dropout_mask = _check_bool("return_dropout_mask", return_dropout_mask)
@@ -569,7 +582,7 @@ def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
         kwargs.update(dropout_p=p, dropout_mask=return_dropout_mask)
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
     api = _block_sparse_api(dims, p, return_dropout_mask)
-    outs = launch(block_sparse_attention_fwd.on(api), launch_grid((dims.B, dims.Hkv), api), q, k,
+    outs = launch(block_sparse_attention_fwd.on(api), _block_sparse_grid(dims, lnc, api), q, k,
                   v, tables.q.meta, kv_lens=kv32, q_lens=q32, seed=seed32,
                   classes=tables.q.classes, **mod_tensors, **kwargs)
     o, lse = outs[0], outs[1]
@@ -582,12 +595,12 @@ def _block_sparse_forward(q, k, v, block_mask, *, return_lse, dropout_p, seed,
 def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, softcap=None,
                            alibi_slopes=None, sinks=None, **options):
     from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
-    from nki_kernels.port import launch_grid
 
     mod_kwargs, mod_tensors = _score_mods_call(softcap, alibi_slopes, sinks, q.shape[0],
                                                q.shape[1])
     dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
-    _, _, tables, kwargs, kv32, q32 = _block_sparse_options(q, k, v, block_mask, **options)
+    _, _, tables, kwargs, kv32, q32, lnc = _block_sparse_options(q, k, v, block_mask,
+                                                                 **options)
     kwargs.update(mod_kwargs)
     p, seed32 = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
     if p:
@@ -595,7 +608,7 @@ def _block_sparse_backward(do, q, k, v, o, lse, block_mask, *, dropout_p, seed, 
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
     api = _block_sparse_api(dims, p, False)
-    outs = launch(block_sparse_attention_bwd.on(api), launch_grid((dims.B, dims.Hkv), api), q,
+    outs = launch(block_sparse_attention_bwd.on(api), _block_sparse_grid(dims, lnc, api), q,
                   k, v, o, do,
                   _numpy("lse", lse), tables.q.meta, tables.k.meta, kv_lens=kv32, q_lens=q32,
                   seed=seed32, classes_q=tables.q.classes, classes_k=tables.k.classes,

@@ -45,7 +45,10 @@ sequence; positions are those of the padded frame, the block pattern's own (no r
 
 One source, two namespaces (:mod:`nki_kernels.port`): the (batch, kv head) instances are the
 legacy SPMD grid, or under nki.* (NKI 0.7) one compiled loop of a ``kernel[1]`` launch
-(:func:`port.for_programs`), and every loop above is a :func:`port.loop`. Where the traces
+(:func:`port.for_programs`), and every loop above is a :func:`port.loop`. LNC=2 is only a
+launch grid (``backward.backward_grid``, the host's choice): the instances are independent, so
+the two cores take half of them each (legacy ``nl.spmd_dim(n, nl.nc(2))``; nki.* ``kernel[2]``,
+shared by ``nl.program_id(0)``). Where the traces
 differ: an indirect view in 0.7 takes no runtime leading index, so the gathers and scatters of
 a ``(b, head)`` slice index the flattened tensor (:func:`port.lead_rows`) and the index tables
 carry the slice's first row (:class:`RowFrame`, read from a table of the loop indices; fp32,
@@ -490,7 +493,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                                dropout_mask=False, softcap=None):
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
     Hkv, Nk, D)``, over the instances ``(B, Hkv)`` (:func:`port.for_programs`: the SPMD grid
-    ``(B, Hkv)`` in legacy, ``kernel[1]`` looping over them in 0.7; :func:`port.launch_grid`).
+    ``(B, Hkv)`` in legacy, ``kernel[1]`` looping over them in 0.7; :func:`port.launch_grid`;
+    LNC=2: ``backward.backward_grid``'s grids).
 
     ``meta``: float32 ``(B or 1, Hq or 1, ceil(Nq/128), 2 + trip)`` HBM table of the pattern in
     processing order and ``classes`` its compile-time runs

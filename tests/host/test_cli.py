@@ -73,7 +73,7 @@ def test_run_with_masks_and_padding(capsys):
     assert "PASS" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("pattern, mods", [("butterfly", []), ("local-global", []),
+@pytest.mark.parametrize("pattern, mods", [("butterfly", ["--lnc", "2"]), ("local-global", []),
                                            ("density=0.5", ["--softcap", "20", "--alibi",
                                                             "--sinks"])])
 def test_run_block_sparse(pattern, mods, capsys):
@@ -200,8 +200,6 @@ CLI_ERRORS = [
     (["run", "--block-sparse", "density=x"], 2, "expected density=S with S in (0, 1]"),
     (["run", "--decode", "--block-sparse", "butterfly"], 2,
      "--block-sparse does not apply to --decode"),
-    (["run", "--lnc", "2", "--block-sparse", "butterfly"], 2,
-     "--lnc 2 does not apply to --block-sparse"),
     (["run", "--decode", "--kv-lens", "3"], 2, "--kv-lens does not apply to --decode"),
     (["run", "--decode", "--q-lens", "3"], 2, "--q-lens does not apply to --decode"),
     (["run", "--decode", "--seq-q", "3"], 2, "--seq-q does not apply to --decode"),
