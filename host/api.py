@@ -276,7 +276,7 @@ class AttentionCall(NamedTuple):
     q_lens: Optional[np.ndarray]            # (B,) int32 in [0, Nq]
     mixed_precision: bool
     mm_dtype: str                           # matmul operand dtype name
-    lnc: int                                # NeuronCores per logical core (1: block-sparse)
+    lnc: int                                # NeuronCores per logical core
     dropout: Dropout
     mods: KernelScoreMods
     block_sparse: Optional[_bs.BlockSparsity]  # the pattern the block-sparse kernels run
@@ -295,8 +295,8 @@ def _attention_call(dims: _v.AttentionShape, dtype: str, block_sparse=None, *, s
     """The :class:`AttentionCall` of a call whose tensors are validated already (sizes
     ``dims``, dtype name ``dtype``), its options validated (as in :func:`flash_attention`).
     ``block_sparse`` is the validated pattern when the block-sparse
-    kernels run the call (:func:`_block_sparsity`): they take no ``tiles``, ``sbuf_budget``,
-    score modifiers nor second NeuronCore."""
+    kernels run the call (:func:`_block_sparsity`): they take no ``tiles`` nor
+    ``sbuf_budget``, and ``lnc`` None means one NeuronCore for them."""
     scale = _v.check_scale(scale, dims.D)
     causal = _v.normalize_causal(causal)
     window = _v.normalize_window(window)
@@ -316,14 +316,11 @@ def _attention_call(dims: _v.AttentionShape, dtype: str, block_sparse=None, *, s
                                    maximum=max(_tiles.SBUF_USABLE_BYTES.values()))
     if block_sparse is None:
         lnc = _check_lnc(lnc)
-    elif lnc is not None and _check_lnc(lnc) != 1:
-        raise ValueError(f"lnc: the block-sparse kernel runs on one NeuronCore; got {lnc!r}, "
-                         "allowed: None or 1")
     else:
-        lnc = 1
+        # None: one core, the launch the block-sparse estimates are made with
+        lnc = 1 if lnc is None else _check_lnc(lnc)
     dropout = _check_dropout_call(dropout_p, seed, dims.B, dims.Hq, dims.Nq, dims.Nk)
-    mods = _score_mods_call(softcap, alibi_slopes, sinks, dims.B, dims.Hq,
-                            block_sparse=block_sparse is not None)
+    mods = _score_mods_call(softcap, alibi_slopes, sinks, dims.B, dims.Hq)
     return_dropout_mask = _check_bool("return_dropout_mask", return_dropout_mask)
     if return_dropout_mask and not dropout.p:
         raise ValueError("return_dropout_mask: needs dropout_p > 0 (there is no mask)")
@@ -426,8 +423,7 @@ def _port_api(legacy_only: bool) -> str:
     return api
 
 
-def _score_mods_call(softcap, alibi_slopes, sinks, B: int, Hq: int, *,
-                     block_sparse=False) -> KernelScoreMods:
+def _score_mods_call(softcap, alibi_slopes, sinks, B: int, Hq: int) -> KernelScoreMods:
     """The score modifiers of an attention call as the kernels take them: the compile-time
     ``softcap`` and the device tensors ``alibi_slopes`` ``(1 or B, Hq)`` and ``sinks`` ``(Hq,)``
     as float32 (None when absent), validated for the kernels' ranges
@@ -435,9 +431,6 @@ def _score_mods_call(softcap, alibi_slopes, sinks, B: int, Hq: int, *,
     mods = _v.check_score_mods(softcap, alibi_slopes, sinks, B, Hq)
     if not mods.any:
         return KernelScoreMods({}, dict(alibi_slopes=None, sinks=None))
-    if block_sparse:
-        raise ValueError("softcap/alibi_slopes/sinks: not supported with block_mask (the "
-                         "block-sparse kernels take no score modifiers); allowed: None")
     kwargs = {}
     if mods.softcap is not None:
         lo, hi = _tiles.FWD_FOLD_SCALE_RANGE
@@ -534,9 +527,11 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         FlexAttention's index form ``(num_blocks, indices)`` (a runtime pattern: one
         compilation per ``max_blocks`` bound; :mod:`host.block_sparse`). Inactive blocks are
         skipped entirely (no K/V load, no matmul, no exp); the other masks apply inside active
-        blocks. Runs :mod:`nki_kernels.attention.block_sparse` on one NeuronCore (``lnc`` 2,
-        ``tiles`` and ``sbuf_budget`` are refused with it); a dense pattern with every block
-        active is dense attention and runs the dense kernel.
+        blocks. Runs :mod:`nki_kernels.attention.block_sparse` on one NeuronCore unless
+        ``lnc=2`` is given (``None`` means 1 here; ``tiles`` and ``sbuf_budget`` are refused
+        with it): then, as the dense backward, its (batch, kv head) instances are spread over
+        the two cores when ``B Hkv`` allows (:func:`_block_sparse_grid`). A dense pattern with
+        every block active is dense attention and runs the dense kernel.
     softcap : None or float in [2^-24, 2^24]
         Logit soft-capping (Gemma 2): scores ``s`` become ``softcap * tanh(s / softcap)``
         before masks and ALiBi. 0 or None: off.
@@ -601,6 +596,19 @@ def _mask_in_user_positions(mask, call: AttentionCall):
 # ============================================================================================
 
 
+def _block_sparse_grid(dims, lnc: int, api: str):
+    """The launch grid of a block-sparse kernel: the dense backward's
+    (:func:`nki_kernels.attention.backward.backward_grid`), whose programs are independent
+    as these are: with ``lnc=2`` the (batch, kv head) instances spread over the two cores
+    (legacy ``nl.spmd_dim(n, nl.nc(2))`` over kv heads when Hkv is even, else batches; nki.*
+    ``kernel[2]``, :func:`port.for_programs` taking half of them per core by
+    ``nl.program_id(0)``) when ``B Hkv`` is even, else one core runs them all (splitting an
+    instance would leave partial dK/dV or dQ sums on two cores)."""
+    from nki_kernels.attention.backward import backward_grid
+
+    return backward_grid(dims.B, dims.Hkv, lnc, api=api)
+
+
 def _block_sparse_api(dims, dropout_p: float, dropout_mask: bool) -> str:
     """The namespace of a block-sparse launch (:func:`_port_api`): legacy only when 0.7 would
     number its rows (``B Hq Nq``, ``B Hkv Nk``, with the debug dropout mask ``B Hq Nq
@@ -617,19 +625,19 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     """The block-sparse forward of a validated call (``call.block_sparse`` given): outputs as
     :func:`flash_attention`'s."""
     from nki_kernels.attention.block_sparse import block_sparse_attention_fwd
-    from nki_kernels.port import launch_grid
 
     dims, p = call.dims, call.dropout.p
     tables = _bs.launch_tables(call.block_sparse, group=dims.group, backward=False)
     kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
-                  mm_dtype=call.mm_dtype)
+                  mm_dtype=call.mm_dtype, **call.mods.kwargs)
     if p:
         kwargs.update(dropout_p=p, dropout_mask=call.return_dropout_mask)
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
     api = _block_sparse_api(dims, p, call.return_dropout_mask)
-    outs = launch(block_sparse_attention_fwd.on(api), launch_grid((dims.B, dims.Hkv), api), q, k,
-                  v, tables.q.meta, kv_lens=call.kv_lens, q_lens=call.q_lens,
-                  seed=call.dropout.seed, classes=tables.q.classes, **kwargs)
+    outs = launch(block_sparse_attention_fwd.on(api), _block_sparse_grid(dims, call.lnc, api),
+                  q, k, v, tables.q.meta, kv_lens=call.kv_lens, q_lens=call.q_lens,
+                  seed=call.dropout.seed, classes=tables.q.classes, **call.mods.tensors,
+                  **kwargs)
     o, lse = outs[0], outs[1]
     res = (o, lse) if call.return_lse else (o,)
     if call.return_dropout_mask:
@@ -641,22 +649,25 @@ def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):
     """The block-sparse backward of a validated call (``call.block_sparse`` given):
     ``(dq, dk, dv)``."""
     from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
-    from nki_kernels.port import launch_grid
 
     dims, p = call.dims, call.dropout.p
     tables = _bs.launch_tables(call.block_sparse, group=dims.group)
     kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
-                  mm_dtype=call.mm_dtype)
+                  mm_dtype=call.mm_dtype, **call.mods.kwargs)
     if p:
         kwargs["dropout_p"] = p
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
     api = _block_sparse_api(dims, p, False)
-    return launch(block_sparse_attention_bwd.on(api), launch_grid((dims.B, dims.Hkv), api), q,
+    outs = launch(block_sparse_attention_bwd.on(api), _block_sparse_grid(dims, call.lnc, api), q,
                   k, v, o, do,
                   _numpy("lse", lse), tables.q.meta, tables.k.meta, kv_lens=call.kv_lens,
                   q_lens=call.q_lens, seed=call.dropout.seed, classes_q=tables.q.classes,
-                  classes_k=tables.k.classes, **kwargs)
+                  classes_k=tables.k.classes, **call.mods.tensors, **kwargs)
+    if call.mods.tensors["sinks"] is None:
+        return outs
+    # each sequence's share of dsinks, summed over the batch on the host (as the dense path)
+    return tuple(outs[:3]) + (np.asarray(outs[3], dtype=np.float32).sum(axis=0),)
 
 
 # ============================================================================================

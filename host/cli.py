@@ -325,14 +325,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--dropout {args.dropout}: expected a probability in [0, 1)")
     if args.softcap is not None and not 2.0 ** -24 <= args.softcap <= 2.0 ** 24:
         raise UsageError(f"--softcap {args.softcap}: expected a cap in [2^-24, 2^24]")
-    if args.block_sparse is not None and (args.softcap is not None or args.alibi or args.sinks):
-        raise UsageError("--softcap/--alibi/--sinks do not apply to --block-sparse (the "
-                         "block-sparse kernels take no score modifiers)")
     if args.block_sparse is not None:
         _block_pattern(args.block_sparse, 1, 1)          # the pattern's name and value
-        if args.lnc == 2:
-            raise UsageError("--lnc 2 does not apply to --block-sparse (the block-sparse kernel "
-                             "runs on one NeuronCore)")
     unported = _not_on_trn3(args)
     if args.targets is None:
         args.targets = [t for t in TARGETS if t != "trn3" or not unported]

@@ -425,8 +425,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
             from host import block_sparse as _bs
             _bs.check_block_mask(block_mask, dims.B, dims.Hq, dims.Nq, dims.Nk)
         from host import api
-        api._score_mods_call(softcap, alibi_slopes, sinks, dims.B, dims.Hq,
-                             block_sparse=block_mask is not None)
+        api._score_mods_call(softcap, alibi_slopes, sinks, dims.B, dims.Hq)
     bm, bi = _block_mask_tensors(block_mask)
     cap, slopes_t, sinks_t = _mod_args(softcap, alibi_slopes, sinks)
     o, lse = torch.ops.nki_flash.attention_fwd(

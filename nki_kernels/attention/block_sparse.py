@@ -45,7 +45,10 @@ sequence; positions are those of the padded frame, the block pattern's own (no r
 
 One source, two namespaces (:mod:`nki_kernels.port`): the (batch, kv head) instances are the
 legacy SPMD grid, or under nki.* (NKI 0.7) one compiled loop of a ``kernel[1]`` launch
-(:func:`port.for_programs`), and every loop above is a :func:`port.loop`. Where the traces
+(:func:`port.for_programs`), and every loop above is a :func:`port.loop`. LNC=2 is only a
+launch grid (``backward.backward_grid``, the host's choice): the instances are independent, so
+the two cores take half of them each (legacy ``nl.spmd_dim(n, nl.nc(2))``; nki.* ``kernel[2]``,
+shared by ``nl.program_id(0)``). Where the traces
 differ: an indirect view in 0.7 takes no runtime leading index, so the gathers and scatters of
 a ``(b, head)`` slice index the flattened tensor (:func:`port.lead_rows`) and the index tables
 carry the slice's first row (:class:`RowFrame`, read from a table of the loop indices; fp32,
@@ -62,6 +65,7 @@ from nki_kernels import port
 from nki_kernels import tiles as T
 from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
+from nki_kernels.attention import score_mods as SM
 from nki_kernels.port import nl
 
 P = T.PMAX
@@ -133,9 +137,10 @@ class Geometry:
         _, self.lens_p = M.load_lengths(kv_lens, q_lens, b, Nk, Nq)
         self.kv_len = self.lens_p[:, 0:1]       # fp32 [128, 1]: kv_len (or Nk)
         self.q_len = self.lens_p[:, 1:2]        # q_len (or Nq)
-        # the band's alignment offset: 0, Nk - Nq, or kv_len - q_len with lengths
+        # the alignment offset of the band (and of ALiBi's distance): 0, Nk - Nq, or kv_len -
+        # q_len with lengths
         self.offset = None
-        if spec.has_diag and not spec.top_left and self.has_lens:
+        if spec.rotates and self.has_lens:
             self.offset = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_tensor(self.offset, self.kv_len, self.q_len, nl.subtract)
         self.static_offset = 0 if spec.top_left else Nk - Nq
@@ -162,9 +167,7 @@ class Geometry:
             return None, None
         shape = tuple(gap.shape)
         # e = gap - off;  c - p + e in [lo, hi]
-        e = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(e, gap, nl.subtract,
-                           self.offset if self.offset is not None else float(self.static_offset))
+        e = self.distance_columns(gap)
         hi = lo = None
         if spec.hi is not None:
             hi = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
@@ -175,6 +178,25 @@ class Geometry:
             port.tensor_scalar(lo, e, nl.subtract, float(spec.lo), op1=nl.multiply,
                                operand1=-1.0)
         return hi, lo
+
+    def distance_columns(self, gap):
+        """fp32, the shape of ``gap``: ``e = gap - off``, so that ``c - p + e`` is the distance
+        ``j - i - off`` of the score at row p, key column c of each block pair (the band's and
+        ALiBi's, ``score_mods``). One VectorE instruction."""
+        e = nl.ndarray(tuple(gap.shape), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(e, gap, nl.subtract,
+                           self.offset if self.offset is not None else float(self.static_offset))
+        return e
+
+    def distance_tile(self, e, s0, n: int):
+        """fp32 ``[128, 128 n]``: the distances ``j - i - off`` of slots ``s0 .. s0 + n - 1``
+        (``e`` from :meth:`distance_columns`), ``c - p`` plus each slot's column: n GpSimd
+        instructions (the key positions are data, so not an iota of loop indices)."""
+        d = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
+        for w in T.unrolled(n):
+            port.tensor_scalar(d[:, w * P:(w + 1) * P], self.diff, nl.add, e[:, nl.ds(s0 + w, 1)],
+                               engine="gpsimd")
+        return d
 
     def indicator(self, key_thr, hi_thr, lo_thr, out, rows: int = P):
         """1 at the scores to mask -- key column ``c >= key_thr`` (a padding slot has ``key_thr
@@ -316,6 +338,8 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     skip = geo.needs_key_mask(exact)
     W = min(T.BSP_STEP_BLOCKS, trip)
     st = F.GroupState(f, n_tiles, P)
+    if f.mods.sinks:
+        F.start_at_sink(f, st, h, n_tiles, slot0=0)
     tiles = []
     for t in T.unrolled(n_tiles):
         row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
@@ -330,6 +354,8 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(gap, rw.block_first, nl.subtract, rw.first)
         hi_thr, lo_thr = geo.band_columns(gap)
+        # ALiBi's distances j - i - off of the slots, less the c - p of a score (Geometry)
+        dist = geo.distance_columns(gap) if f.mods.alibi else None
         # Q rows of the tile: skipped past q_len (they output 0), scattered back below Nq
         q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, q_frame)
         x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
@@ -343,18 +369,18 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         # [V | 1] of a step's blocks (the ones column gives the row sums, forward module doc)
         v = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
         port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
-        tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos))
+        tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos, dist))
 
     def full_step(s):
-        for t, (rw, v, cols, seeds, _, _) in enumerate(tiles):
-            _step(f, geo, st, t, rw, v, cols, seeds, head, q_frame, s * W, W, skip)
+        for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
+            _step(f, geo, st, t, rw, v, cols, seeds, h, q_frame, s * W, W, skip, dist)
 
     port.loop(trip // W, full_step, carried=True)
     if trip % W:
-        for t, (rw, v, cols, seeds, _, _) in enumerate(tiles):
-            _step(f, geo, st, t, rw, v, cols, seeds, head, q_frame, (trip // W) * W, trip % W,
-                  skip)
-    for t, (rw, _, _, _, q_idx, q_pos) in enumerate(tiles):
+        for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
+            _step(f, geo, st, t, rw, v, cols, seeds, h, q_frame, (trip // W) * W, trip % W,
+                  skip, dist)
+    for t, (rw, _, _, _, q_idx, q_pos, _) in enumerate(tiles):
         in_range = None
         if f.spec.q_lens:
             in_range = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -364,12 +390,15 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         store_tile(f, out_idx, head, o_out, lse_out)
 
 
-def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, head, q_frame: RowFrame, s0,
-          n: int, skip: bool):
-    """Slots ``s0 .. s0 + n - 1`` (``s0`` an index expression, n static) of a query tile: gather
-    their K and V blocks, ``S = Q K^T`` over ``128 n`` keys (one PSUM bank), the runtime masks,
-    then one online-softmax update (``forward.fold_block``)."""
+def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, h, q_frame: RowFrame, s0,
+          n: int, skip: bool, dist=None):
+    """Slots ``s0 .. s0 + n - 1`` (``s0`` an index expression, n static) of a query tile of
+    member head h: gather their K and V blocks, ``S = Q K^T`` over ``128 n`` keys (one PSUM
+    bank), the score modifiers (``score_mods.modify_scores``; ``dist``: the tile's ALiBi
+    columns, :meth:`Geometry.distance_columns`), the runtime masks, then one online-softmax
+    update (``forward.fold_block``)."""
     D = f.D
+    head = f.head(h)
     kx = nl.ndarray((P, n, D), dtype=f.k.dtype, buffer=nl.sbuf)
     same = f.v.dtype == f.mm
     vx = v if same else nl.ndarray((P, n, D), dtype=f.v.dtype, buffer=nl.sbuf)
@@ -389,16 +418,24 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, head, q_frame: Ro
     sc = F.contract([(st.qT[pi][:, slot, :], kT[pi]) for pi in T.unrolled(len(f.d_passes))],
                     (P, n * P))
     s_tile = sc
+    if f.mods.transforms:
+        # soft-capping, ALiBi (raw units of f.unit), the dense kernels' instructions; the masks
+        # select after them (a tanh would map MASK_NEG to -1)
+        s_tile, _ = SM.modify_scores(
+            f.mods, f.cols, sc, P, n * P, h, None, f.act_scale / f.unit,
+            not SM.one_sided(f.spec),
+            dist=geo.distance_tile(dist, s0, n) if dist is not None else None)
     if any(c is not None for c in cols.values()):
         # masks by selection: scores a row cannot see become MASK_NEG, whatever they were (a
         # NaN or inf in a hidden key never reaches the row); VectorE copies the scores out of
-        # PSUM and overwrites the masked ones
+        # PSUM (unless a modifier did) and overwrites the masked ones
         ind = nl.ndarray((P, n * P), dtype=nl.uint8, buffer=nl.sbuf)
         for w in T.unrolled(n):
             geo.indicator(*(None if cols[k] is None else cols[k][:, nl.ds(s0 + w, 1)]
                             for k in ("thr", "hi", "lo")), out=ind[:, w * P:(w + 1) * P])
-        s_tile = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_copy(s_tile, sc, engine="vector")
+        if s_tile is sc:
+            s_tile = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_copy(s_tile, sc, engine="vector")
         port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
     drop = None
     if f.dropout_p:
@@ -450,21 +487,24 @@ def _store_mask(f, geo: Geometry, rw: Row, head, q_frame: RowFrame, sl, keep):
 
 
 @port.jit
-def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=None, *,
-                               classes, scale=1.0, causal=None, window=None,
-                               mm_dtype="bfloat16", dropout_p=0.0, dropout_mask=False):
+def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=None,
+                               alibi_slopes=None, sinks=None, *, classes, scale=1.0,
+                               causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
+                               dropout_mask=False, softcap=None):
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
     Hkv, Nk, D)``, over the instances ``(B, Hkv)`` (:func:`port.for_programs`: the SPMD grid
-    ``(B, Hkv)`` in legacy, ``kernel[1]`` looping over them in 0.7; :func:`port.launch_grid`).
+    ``(B, Hkv)`` in legacy, ``kernel[1]`` looping over them in 0.7; :func:`port.launch_grid`;
+    LNC=2: ``backward.backward_grid``'s grids).
 
     ``meta``: float32 ``(B or 1, Hq or 1, ceil(Nq/128), 2 + trip)`` HBM table of the pattern in
     processing order and ``classes`` its compile-time runs
     (``host.block_sparse.kernel_tables``). Other arguments as
     :func:`forward.flash_attention_fwd` (``mm_dtype``, ``scale``, ``causal``, ``window``,
     lengths, ``dropout_p`` with ``seed``, ``dropout_mask``: the mask is returned as ``(B, Hq,
-    Nq, 128 ceil(Nk/128))`` float32, positions of blocks never drawn unspecified). The same
-    outputs as the dense kernel restricted to the active blocks; rows that see no key get o =
-    0 and lse = -inf.
+    Nq, 128 ceil(Nk/128))`` float32, positions of blocks never drawn unspecified; the score
+    modifiers ``softcap``, ``alibi_slopes``, ``sinks``, ``score_mods.py``). The same outputs
+    as the dense kernel restricted to the active blocks; rows that see no key get o = 0 and
+    lse = -inf (with sinks lse = sink, padding rows -inf).
 
     Not through nki.* (NotImplementedError there): ``B Hq Nq``, ``B Hkv Nk`` (or with
     ``dropout_mask`` ``B Hq Nq ceil(Nk/128)``) rows or ``B Hq ceil(Nq/128) ceil(Nk/128)``
@@ -481,7 +521,9 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     mask_rows = B * Hq * Nq * nku if dropout_p and dropout_mask else 0
     refuse_large_in_nki("block_sparse_attention_fwd", max(B * Hq * Nq, B * Hkv * Nk, mask_rows),
                         B * Hq * nqt * nku if dropout_p else None)
-    spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None)
+    mods = SM.check_mods(softcap, alibi_slopes, sinks)
+    spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
+                      mods.alibi)
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -499,6 +541,9 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
         f.guard = True         # non-finite values reach only the rows that see them
         f.nqu, f.nku = nqt, nku
         f.indices = indices
+        if mods != SM.Mods():
+            f.mods, f.unit = mods, mods.unit(f.act_scale)
+            f.cols = SM.HeadColumns(mods, f.unit, alibi_slopes, sinks, f.b, f.head(0), f.G)
         if dropout_p:
             f.dropout_p = float(dropout_p)
             f.seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -536,17 +581,27 @@ def _head(f, geo: Geometry, meta, classes, h):
 
 
 def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
-    """A query tile without active blocks: o = 0 and lse = -inf at its rows."""
+    """A query tile without active blocks: o = 0 and lse = -inf at its rows (with sinks lse =
+    the head's sink at rows below q_len)."""
     head = f.head(h)
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
     row = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.dma_copy(row, meta[hb, hh, nl.ds(pos, 1), 0:1], legacy_isa=True)
-    out_idx, _ = own_rows(geo, M.broadcast_row(row, 1), f.Nq, q_frame)
+    out_idx, pos = own_rows(geo, M.broadcast_row(row, 1), f.Nq, q_frame)
     zeros = nl.ndarray((P, f.D), dtype=f.o.dtype, buffer=nl.sbuf)
     port.memset(zeros, 0.0, engine="gpsimd")
     ninf = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.memset(ninf, -math.inf, engine="gpsimd")
+    if f.mods.sinks:
+        # the sink is the only logit of these rows: lse = sink (padding rows keep -inf)
+        sink = SM.HeadColumns.col(f.cols.sink, h, P)
+        if f.spec.q_lens:
+            keep = nl.ndarray((P, 1), dtype=nl.uint8, buffer=nl.sbuf)
+            port.tensor_scalar(keep, pos, nl.less, geo.q_len, engine="gpsimd")
+            port.tensor_copy_predicated(ninf, sink, keep)
+        else:
+            port.tensor_copy(ninf, sink, engine="gpsimd")
     store_tile(f, out_idx, head, zeros, ninf)
 
 

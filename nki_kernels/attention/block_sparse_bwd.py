@@ -37,6 +37,7 @@ from nki_kernels import port
 from nki_kernels import tiles as T
 from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
+from nki_kernels.attention import score_mods as SM
 from nki_kernels.attention.block_sparse import (P, Geometry, Row, RowFrame, check_classes,
                                                 gather, own_rows, refuse_large_in_nki, scatter,
                                                 unit_seeds)
@@ -57,6 +58,12 @@ class _Cfg:
         self.every_head = every_head
         self.dropout_p = dropout_p
         self.scale = f.scale
+        # score modifiers: Q^T carries the scale, so the exp's scale is 1 (u: the cap with
+        # soft-capping); HeadColumns of the instance's query heads; dsink's partial sums
+        self.mods = SM.Mods()
+        self.unit = 1.0
+        self.cols = None
+        self.dsink_acc = None
 
     def need_mask(self, geo: Geometry, exact: bool) -> bool:
         """Whether pairs need the runtime indicator (padding slots, lengths, partial tiles,
@@ -139,18 +146,29 @@ def _key_side(cfg: _Cfg, idx, skip: bool, natural_k: bool):
     return kT, _transposed(f, vx), k_nat
 
 
-def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi, lo, seed):
+def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi, lo, seed,
+          h=None, dist=None):
     """One block pair: ``(p_dv, ds)`` at matmul dtype, ``[128 queries, 128 keys]``: ``P Z /
     (1 - p)`` (``P`` without dropout) and ``dS = P (dP Z / (1 - p) - delta)`` with ``P =
     exp(S - lse)`` on the masked scores (``key_thr``, ``hi``, ``lo``: the indicator's columns,
-    or None) and ``dP = dO V^T``. ``seed``: the unit's int32 [1, 1] dropout seed or None."""
+    or None) and ``dP = dO V^T``. ``seed``: the unit's int32 [1, 1] dropout seed or None.
+    Score modifiers (``score_mods.modify_scores``, member head ``h``; ``dist``: ALiBi's
+    distance tile, :meth:`Geometry.distance_tile`): ``S`` modified first, and with
+    soft-capping ``dS`` times ``1 - tanh^2``."""
     f = cfg.f
     s = F.contract(list(zip(qT, kT)), (P, P))
+    y, g = s, None
+    if cfg.mods.transforms:
+        y, t = SM.modify_scores(cfg.mods, cfg.cols, s, P, P, h, None, 1.0 / cfg.unit,
+                                not SM.one_sided(f.spec), dist=dist)
+        if t is not None:
+            g = SM.softcap_grad_factor(t, P, P)
     p = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
-    port.activation(p, nl.exp, s, bias=neg_lse, scale=1.0)
+    port.activation(p, nl.exp, y, bias=neg_lse, scale=cfg.unit)
     # masked scores by selection (P = 0), so a non-finite hidden key never reaches a row
     ind = nl.ndarray((P, P), dtype=nl.uint8, buffer=nl.sbuf)
-    if geo.indicator(key_thr, hi, lo, out=ind):
+    masked = geo.indicator(key_thr, hi, lo, out=ind)
+    if masked:
         port.tensor_copy_predicated(p, 0.0, ind)
     dp = F.contract(list(zip(doT, vT)), (P, P))
     p_dv = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
@@ -166,8 +184,15 @@ def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi
     else:
         port.tensor_copy(p_dv, p, engine="gpsimd")
         dpz = dp
+    pg = p
+    if g is not None:
+        # P (1 - t^2), deselected where masked (a hidden non-finite score's tanh is NaN)
+        pg = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(pg, p, g, nl.multiply, engine="gpsimd")
+        if masked:
+            port.tensor_copy_predicated(pg, 0.0, ind)
     ds = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
-    port.scalar_tensor_tensor(ds, dpz, nl.subtract, delta, nl.multiply, p)
+    port.scalar_tensor_tensor(ds, dpz, nl.subtract, delta, nl.multiply, pg)
     return p_dv, ds
 
 
@@ -201,6 +226,19 @@ def _delta(cfg: _Cfg, h, t0, rows: int):
     port.tensor_reduce(d, nl.add, prod, axis=(1,))
     port.dma_copy(cfg.delta[(*cfg.delta_lead(h), nl.ds(t0, rows), slice(None))], d,
                   legacy_isa=True)
+    if cfg.dsink_acc is not None:
+        # the rows' shares of dsink, exp(sink - lse) D (negated at the end): lse >= sink at
+        # every real row, so max(lse, sink) changes none and makes a padding row's (lse =
+        # -inf, D = 0) exp 1, not inf
+        lse = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.dma_copy(lse, f.lse_col[f.b, head, nl.ds(t0, rows), :], legacy_isa=True)
+        sink = SM.HeadColumns.col(cfg.cols.sink, h, rows)
+        lse_c = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(lse_c, lse, sink, nl.maximum)
+        p_sink = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.activation(p_sink, nl.exp, lse_c, bias=sink, scale=-1.0)
+        acc = cfg.dsink_acc[0:rows, nl.ds(h, 1)]
+        port.scalar_tensor_tensor(acc, p_sink, nl.multiply, d, nl.add, acc)
 
 
 def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
@@ -230,16 +268,18 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
             port.dma_copy(row, meta_k[hb, f.head(h) if per_head else 0, nl.ds(pos, 1),
                                       0:2 + trip], legacy_isa=True)
             rw = Row(row, trip, q_frame.shift(geo.part), q_frame.shift(geo.q_len), q_frame)
-            hi = lo = thr = None
+            hi = lo = thr = gap = None
+            if skip or cfg.mods.alibi:
+                gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+                port.tensor_scalar(gap, rw.block_first, nl.subtract, k_first, op1=nl.multiply,
+                                   operand1=-1.0)
             if skip:
                 # a query row not read (padding slot, past q_len) masks every key
                 thr = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
                 port.tensor_scalar(thr, rw.bad, nl.multiply, -big, op1=nl.add,
                                    operand1=key_thr0)
-                gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
-                port.tensor_scalar(gap, rw.block_first, nl.subtract, k_first, op1=nl.multiply,
-                                   operand1=-1.0)
                 hi, lo = geo.band_columns(gap)
+            dist = geo.distance_columns(gap) if cfg.mods.alibi else None
             seeds = (unit_seeds(f, f.head(h), rw.bc[0:1, 2:2 + trip], rw.bc[0:1, 0:1])
                      if cfg.dropout_p else None)
 
@@ -248,7 +288,8 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
                 q_mm, do_mm, qT, doT, neg_lse, delta, _ = _query_side(
                     cfg, geo, h, rw.block_first[:, nl.ds(sl, 1)], q_frame)
                 p_dv, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, delta,
-                                 *_slot(sl, seeds, thr, hi, lo))
+                                 *_slot(sl, seeds, thr, hi, lo), h=h,
+                                 dist=None if dist is None else geo.distance_tile(dist, sl, 1))
                 dv_ps = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.psum)
                 port.nc_matmul(dv_ps, p_dv, do_mm)
                 _accumulate(dv_acc, dv_ps)
@@ -283,7 +324,10 @@ def _query_tile(cfg: _Cfg, geo: Geometry, meta_q, h, q_frame: RowFrame, pos, tri
     if trip:
         skip = cfg.need_mask(geo, exact)
         _, _, qT, doT, neg_lse, delta, q_pos = _query_side(cfg, geo, h, rw.first, q_frame)
-        hi = lo = thr = None
+        hi = lo = thr = gap = None
+        if skip or cfg.mods.alibi:
+            gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(gap, rw.block_first, nl.subtract, rw.first)
         if skip:
             big = float(2 * P + f.Nk + f.Nq)
             row_bad = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -296,16 +340,16 @@ def _query_tile(cfg: _Cfg, geo: Geometry, meta_q, h, q_frame: RowFrame, pos, tri
                                operand1=row_bad)
             thr = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_scalar(thr, thr0, nl.multiply, -1.0)
-            gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_scalar(gap, rw.block_first, nl.subtract, rw.first)
             hi, lo = geo.band_columns(gap)
+        dist = geo.distance_columns(gap) if cfg.mods.alibi else None
         seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
                  if cfg.dropout_p else None)
 
         def slot(sl):
             kT, vT, k_mm = _key_side(cfg, rw.rows[:, nl.ds(sl, 1)], skip, True)
             _, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, delta,
-                          *_slot(sl, seeds, thr, hi, lo))
+                          *_slot(sl, seeds, thr, hi, lo), h=h,
+                          dist=None if dist is None else geo.distance_tile(dist, sl, 1))
             tp = nl.ndarray((P, P), dtype=f.transpose_psum_dtype(f.mm), buffer=nl.psum)
             port.nc_transpose(tp, ds)
             dsT = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
@@ -323,8 +367,9 @@ def _query_tile(cfg: _Cfg, geo: Geometry, meta_q, h, q_frame: RowFrame, pos, tri
 
 @port.jit
 def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None, q_lens=None,
-                               seed=None, *, classes_q, classes_k, scale=1.0, causal=None,
-                               window=None, mm_dtype="bfloat16", dropout_p=0.0):
+                               seed=None, alibi_slopes=None, sinks=None, *, classes_q,
+                               classes_k, scale=1.0, causal=None, window=None,
+                               mm_dtype="bfloat16", dropout_p=0.0, softcap=None):
     """Gradients ``(dq, dk, dv)`` of the block-sparse forward, over the instances ``(B, Hkv)``
     (as the forward: :func:`port.for_programs`).
 
@@ -332,8 +377,10 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
     ``meta_k``/``classes_k``: the transposed pattern's (key blocks and their query tiles,
     ``(B or 1, Hq or 1, ceil(Nk/128), 2 + trip)``, in one order per kv group:
     ``host.block_sparse.kernel_tables(..., group=G)``). Other arguments as the forward; o and
-    lse are the forward's outputs, do the gradient of o. Refused under nki.* past 2^24 rows
-    or dropout units, as the forward.
+    lse are the forward's outputs, do the gradient of o. Score modifiers as the forward's
+    (``softcap``, ``alibi_slopes``, ``sinks``; ``score_mods.py``): with sinks also ``dsinks``
+    ``(B, Hq)`` float32, each sequence's ``-sum_i exp(sink - lse_i) D_i``. Refused under
+    nki.* past 2^24 rows or dropout units, as the forward.
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -348,8 +395,12 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
                         B * Hq * nqt * nkt if dropout_p else None)
     if dropout_p and seed is None:
         raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
-    spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None)
+    mods = SM.check_mods(softcap, alibi_slopes, sinks)
+    spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
+                      mods.alibi)
     dq = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
+    dsinks = (nl.ndarray((B, Hq), dtype=nl.float32, buffer=nl.shared_hbm) if mods.sinks
+              else None)
     dk = nl.ndarray((B, Hkv, Nk, D), dtype=q.dtype, buffer=nl.shared_hbm)
     dv = nl.ndarray((B, Hkv, Nk, D), dtype=q.dtype, buffer=nl.shared_hbm)
     # rowsum(dO * O) scratch: each legacy program's own (its G heads); in 0.7 one program
@@ -365,6 +416,12 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
         f.nqu, f.nku = nqt, nkt
         f.indices = indices
         cfg = _Cfg(f, do, dq, dk, dv, delta, every_head, float(dropout_p))
+        if mods != SM.Mods():
+            cfg.mods, cfg.unit = mods, mods.unit(1.0)
+            cfg.cols = SM.HeadColumns(mods, cfg.unit, alibi_slopes, sinks, b, f.head(0), G)
+        if mods.sinks:
+            cfg.dsink_acc = nl.ndarray((P, G), dtype=nl.float32, buffer=nl.sbuf)
+            port.memset(cfg.dsink_acc, 0.0, engine="gpsimd")
         if dropout_p:
             f.seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
             port.dma_copy(f.seed, seed.reshape((1, 1)))
@@ -376,11 +433,13 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
         full, tail = Nq // P, Nq % P
 
         def delta_head(h):
-            port.loop(full, lambda t: _delta(cfg, h, t * P, P))
+            port.loop(full, lambda t: _delta(cfg, h, t * P, P), carried=mods.sinks)
             if tail:
                 _delta(cfg, h, full * P, tail)
 
-        port.loop(G, delta_head)
+        port.loop(G, delta_head, carried=mods.sinks)
+        if mods.sinks:
+            _store_dsinks(cfg, dsinks)
         # 2. dK, dV, key-major
         for first, count, trip, exact in classes_k:
             port.loop(count, lambda c, first=first, trip=trip, exact=exact:
@@ -396,7 +455,22 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
         port.loop(G, dq_head)
 
     port.for_programs((B, Hkv), instance)
+    if dsinks is not None:
+        return dq, dk, dv, dsinks
     return dq, dk, dv
+
+
+def _store_dsinks(cfg: _Cfg, dsinks):
+    """``dsinks[b, heads of g] = -(the partition sums of dsink_acc)``: a ones column against
+    the ``[128, G]`` partials (TensorE, as the dense backward), negated on the way out."""
+    f = cfg.f
+    ones = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.memset(ones, 1.0, engine="gpsimd")
+    tot = nl.ndarray((1, f.G), dtype=nl.float32, buffer=nl.psum)
+    port.nc_matmul(tot, ones, cfg.dsink_acc)
+    out = nl.ndarray((1, f.G), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(out, tot, nl.multiply, -1.0)
+    port.dma_copy(dsinks[nl.ds(f.b, 1), nl.ds(f.head(0), f.G)], out, legacy_isa=True)
 
 
 __all__ = ["block_sparse_attention_bwd", "LSE_CLAMP"]

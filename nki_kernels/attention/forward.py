@@ -1394,12 +1394,13 @@ def attend_group(f: Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Opt
     g.each_tile(lambda h, s: write_back(f, st, h * n + s, h, t0 + s, out))
 
 
-def start_at_sink(f: Instance, st: GroupState, h, n: int):
-    """The sink is the online softmax's first "key" for member head h's n slots: ``m =
-    max(sink / u, M_FLOOR)``, ``l = l_0``."""
+def start_at_sink(f: Instance, st: GroupState, h, n: int, slot0=None):
+    """The sink is the online softmax's first "key" for member head h's n slots (from
+    ``slot0``, default ``h n``): ``m = max(sink / u, M_FLOOR)``, ``l = l_0``."""
     D, P = f.D, T.PMAX
-    l_slots = st.o[:, nl.ds(h * n, n), D:D + 1]
-    port.tensor_scalar(st.stats[:, nl.ds(h * n, n), 1:2], l_slots, nl.add,
+    slot0 = h * n if slot0 is None else slot0
+    l_slots = st.o[:, nl.ds(slot0, n), D:D + 1]
+    port.tensor_scalar(st.stats[:, nl.ds(slot0, n), 1:2], l_slots, nl.add,
                        SM.HeadColumns.col(f.cols.neg_m0, h, P), engine="gpsimd")
     port.tensor_scalar(l_slots, l_slots, nl.add, SM.HeadColumns.col(f.cols.l0, h, P),
                        engine="gpsimd")

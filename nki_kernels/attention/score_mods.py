@@ -138,13 +138,16 @@ def one_sided(spec: M.MaskSpec) -> bool:
 
 
 def modify_scores(mods: Mods, cols: HeadColumns, sc, rows: int, width: int, h, d0,
-                  tanh_scale: float, two_sided: bool, pred=None, d_static=0, offsets=None):
+                  tanh_scale: float, two_sided: bool, pred=None, d_static=0, offsets=None,
+                  dist=None):
     """Soft-capping then ALiBi on a score tile ``sc`` (PSUM or SBUF fp32 ``[rows, width]`` of
     raw scores). Returns ``(y, t)``: ``y`` a new SBUF fp32 tile in raw units (module
     docstring) and ``t`` the tanh tile (None without soft-capping; ``y is t`` without ALiBi),
     which the backward differentiates. ``h``: member head (a loop index); ``d0 + d_static``:
     the tile's ``j0 - i0 - off`` (:func:`distance_tile`); ``tanh_scale``: ``c / cap``. Every
-    instruction predicated on ``pred`` (legacy)."""
+    instruction predicated on ``pred`` (legacy). ``dist``: None, or the distance tile itself
+    (SBUF fp32 ``[rows, width]``, overwritten when two-sided) where the key positions are data
+    (the block-sparse kernels: ``d0`` is then unused)."""
     y = t = None
     if mods.softcap is not None:
         t = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
@@ -156,7 +159,8 @@ def modify_scores(mods: Mods, cols: HeadColumns, sc, rows: int, width: int, h, d
         # -slope_u |d|: with a one-sided band |d| = -d, so + slope_u d. Under nki.* the
         # distance's loop-index part (col) is added by the |d| activation's bias, or one-sided
         # by the GpSimd multiply's first operation (no VectorE pass)
-        d, col = distance_tile(d0, rows, width, pred, d_static, offsets)
+        d, col = ((dist, None) if dist is not None
+                  else distance_tile(d0, rows, width, pred, d_static, offsets))
         slope = cols.col(cols.slope_u, h, rows)
         if two_sided:
             port.activation(d, nl.abs, d, bias=col, mask=pred)

@@ -73,10 +73,12 @@ def test_run_with_masks_and_padding(capsys):
     assert "PASS" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("pattern", ["butterfly", "local-global", "density=0.5"])
-def test_run_block_sparse(pattern, capsys):
+@pytest.mark.parametrize("pattern, mods", [("butterfly", ["--lnc", "2"]), ("local-global", []),
+                                           ("density=0.5", ["--softcap", "20", "--alibi",
+                                                            "--sinks"])])
+def test_run_block_sparse(pattern, mods, capsys):
     args = ["run", "--heads", "2", "--kv-heads", "1", "--seq", "520", "--dim", "32",
-            "--block-sparse", pattern, "--dropout", "0.1", "--quiet", "--targets", "trn2"]
+            "--block-sparse", pattern, "--dropout", "0.1", "--quiet", "--targets", "trn2", *mods]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert f"block-sparse={pattern}" in out and "PASS" in out
@@ -193,15 +195,11 @@ CLI_ERRORS = [
     (["run", "--decode", "--dropout", "0.1"], 2, "--dropout does not apply to --decode"),
     (["run", "--dropout", "1.0"], 2, "--dropout 1.0: expected a probability in [0, 1)"),
     (["run", "--softcap", "0"], 2, "--softcap 0.0: expected a cap in [2^-24, 2^24]"),
-    (["run", "--sinks", "--block-sparse", "butterfly"], 2,
-     "--softcap/--alibi/--sinks do not apply to --block-sparse"),
     (["run", "--block-sparse", "stripes"], 2, "--block-sparse stripes: expected one of"),
     (["run", "--block-sparse", "density=0"], 2, "expected density=S with S in (0, 1]"),
     (["run", "--block-sparse", "density=x"], 2, "expected density=S with S in (0, 1]"),
     (["run", "--decode", "--block-sparse", "butterfly"], 2,
      "--block-sparse does not apply to --decode"),
-    (["run", "--lnc", "2", "--block-sparse", "butterfly"], 2,
-     "--lnc 2 does not apply to --block-sparse"),
     (["run", "--decode", "--kv-lens", "3"], 2, "--kv-lens does not apply to --decode"),
     (["run", "--decode", "--q-lens", "3"], 2, "--q-lens does not apply to --decode"),
     (["run", "--decode", "--seq-q", "3"], 2, "--seq-q does not apply to --decode"),

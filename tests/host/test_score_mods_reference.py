@@ -46,6 +46,26 @@ def test_forward_mods_match_naive(causal):
     np.testing.assert_allclose(lse, lse2, atol=1e-12)
 
 
+def test_block_sparse_mods_match_naive():
+    """With a block pattern the modifiers apply to the active blocks' scores; a row whose
+    blocks are all inactive keeps only the sink (o = 0, lse = sink)."""
+    from host import block_sparse as bs
+    B, H, Nq, Nk, D = 1, 2, 300, 260, 8
+    q, k, v = _rand((B, H, Nq, D), 1), _rand((B, H, Nk, D), 2), _rand((B, H, Nk, D), 3)
+    slopes, sinks = np.array([0.5, 0.125]), np.array([0.3, -1.0])
+    pattern = np.array([[True, False, True], [False, False, False], [True, True, False]])
+    block = np.broadcast_to(pattern, (B, H, 3, 3))
+    o, lse = ref.attention_forward(q, k, v, causal=True, softcap=1.5, alibi_slopes=slopes,
+                                   sinks=sinks, block_mask=block)
+    mask = ref.attention_mask(Nq, Nk, batch=B, causal=True)[:, None] & bs.expand(block, Nq, Nk)
+    qpos = np.broadcast_to(np.arange(Nq) + Nk - Nq, (B, Nq)).astype(float)
+    o2, lse2 = _naive(q, k, v, 1 / np.sqrt(D), mask, 1.5, slopes, sinks, qpos)
+    np.testing.assert_allclose(o, o2, atol=1e-12)
+    np.testing.assert_allclose(lse, lse2, atol=1e-12)
+    assert np.all(o[:, :, 128:256] == 0)
+    np.testing.assert_allclose(lse[0, :, 128:256], np.broadcast_to(sinks[:, None], (2, 128)))
+
+
 def test_sink_row_without_keys():
     q, k, v = _rand((1, 1, 4, 4), 1), _rand((1, 1, 4, 4), 2), _rand((1, 1, 4, 4), 3)
     # a real row that sees no key: o = 0, lse = the sink

@@ -181,11 +181,13 @@ def test_dropout_mask_is_the_dense_kernels_and_gradients_match():
     assert np.array_equal(keep[vis], dense_keep[vis])
 
 
+@pytest.mark.parametrize("mods", [False, True], ids=["plain", "score-mods"])
 @pytest.mark.parametrize("api", ["legacy", "nki"])
-def test_program_size_does_not_grow_with_n(api):
+def test_program_size_does_not_grow_with_n(api, mods):
     """One compilation per class structure: a uniform pattern is one class at any N (the
     program depends on N only through the step width, min(4, blocks per tile)), under both
-    namespaces (0.7 would unroll any Python loop over tiles or slots)."""
+    namespaces (0.7 would unroll any Python loop over tiles or slots), with the score
+    modifiers too."""
     sizes = []
     grid = launch_grid((1, 1), api)
     for N in (4096, 16384):
@@ -193,6 +195,9 @@ def test_program_size_does_not_grow_with_n(api):
         sp = bs.check_block_mask(bs.fixed_density(N // 128, N // 128, 0.25), 1, 1, N, N)
         t = bs.launch_tables(sp, group=1)
         kw = dict(scale=0.125, mm_dtype="bfloat16")
+        if mods:
+            kw.update(softcap=5.0, alibi_slopes=np.full(1, 0.1, np.float32),
+                      sinks=np.zeros(1, np.float32))
         fwd = program_size(block_sparse_attention_fwd.on(api), grid, q, k, v, t.q.meta,
                            classes=t.q.classes, **kw)
         o = np.zeros_like(q)
@@ -208,7 +213,7 @@ def test_program_size_does_not_grow_with_n(api):
 @pytest.mark.parametrize("kw, match", [
     (dict(tiles=object()), "tiles: not used by the block-sparse kernel"),
     (dict(sbuf_budget=1000), "sbuf_budget: not used"),
-    (dict(lnc=2), "lnc: the block-sparse kernel runs on one NeuronCore"),
+    (dict(lnc=3), "lnc: expected None, 1 or 2"),
 ])
 def test_options_the_block_sparse_kernel_does_not_take_are_refused(kw, match):
     q, k, v, _ = attention_inputs(1, 1, 1, 256, 256, 16)
@@ -329,3 +334,28 @@ def test_nki_namespace_refuses_past_fp32_row_numbers(monkeypatch):
         with pytest.raises(NotImplementedError,
                            match=f"block_sparse_attention_{name} over 256 >= 2\\^24 rows"):
             run()
+
+
+@pytest.mark.parametrize("B, Hkv", [(2, 1), (1, 2), (1, 1)], ids=["batches", "heads", "odd"])
+def test_lnc2_spreads_the_instances_over_two_cores(B, Hkv, monkeypatch):
+    """``lnc=2`` (trn2): the (batch, kv head) instances spread over the two cores as the dense
+    backward's (legacy ``nl.spmd_dim(n, nl.nc(2))``, nki.* ``kernel[2]`` sharing them by
+    ``nl.program_id(0)``): the outputs and gradients (dsinks included) of ``lnc=1`` bit for
+    bit under both namespaces, the modeled time about halved; an odd ``B Hkv`` stays on one
+    core (the same launch as ``lnc=1``)."""
+    q, k, v, do = attention_inputs(B, 2, Hkv, 300, 260, 32, seed=31)
+    mask = _pattern(B, 2, 300, 260, 0.6, seed=32)
+    kw = dict(causal=True, sinks=np.array([0.5, -1.0]))
+    for api in ("legacy", "nki"):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        runs = {}
+        for lnc in (1, 2):
+            with simulate.measure(target="trn2") as m:
+                o, lse, grads = _fwd_bwd(q, k, v, do, mask, lnc=lnc, **kw)
+            assert m.api == api
+            runs[lnc] = ([np.asarray(x) for x in (o, lse, *grads)], m.estimated_seconds)
+        _same(runs[2][0], runs[1][0])
+        if B * Hkv % 2:
+            assert runs[2][1] == runs[1][1]
+        else:
+            assert runs[2][1] < 0.6 * runs[1][1]

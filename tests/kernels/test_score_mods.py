@@ -226,10 +226,105 @@ def test_program_size_with_modifiers_does_not_grow_with_n():
     (dict(alibi_slopes=np.full(2, -2.0 ** 33)), "alibi_slopes"),
     (dict(alibi_slopes=np.ones(3)), "alibi_slopes"),
     (dict(sinks=np.array([1.0, np.nan])), "sinks"),
-    (dict(sinks=np.ones(2), block_mask=np.ones((1, 1, 2, 2), bool)
-          & np.tri(2, dtype=bool)[None, None]), "block_mask"),
+    (dict(sinks=np.ones(3), block_mask=np.ones((1, 1, 2, 2), bool)
+          & np.tri(2, dtype=bool)[None, None]), "sinks"),
 ])
 def test_refusals_name_the_argument(kw, match):
     q, k, v, _ = attention_inputs(1, 2, 1, 200, 200, 32)
     with pytest.raises(ValueError, match=match):
         host.flash_attention(q, k, v, lnc=1, **kw)
+
+
+# -- block-sparse kernels (nki_kernels/attention/block_sparse*.py) ----------------------------
+
+
+def _block_pattern(B, Hq, Nq, Nk, density, seed):
+    """A random compile-time pattern whose query tile 1 has no active block (its own class:
+    o = 0, lse = sink with sinks)."""
+    from host import block_sparse as bs
+    nqt, nkt = bs.block_grid(Nq, Nk)
+    mask = np.random.default_rng(seed).random((B, Hq, nqt, nkt)) < density
+    mask[..., 1, :] = False
+    return mask
+
+
+BLOCK_SPARSE_CASES = [
+    # (mods, masks, B, Hq, Hkv, index form)
+    (dict(softcap=4.0, sinks=True), dict(window=(100, 20)), 1, 2, 1, True),
+    (dict(alibi=True), dict(causal=True), 1, 2, 2, False),
+    (dict(softcap=2.0, alibi=True, sinks=True), dict(causal=True, kv_lens=[250, 3],
+                                                     q_lens=[200, 300]), 2, 2, 1, False),
+    (dict(alibi=True, sinks=True), dict(kv_lens=[250, 300], q_lens=[200, 17]), 2, 2, 1, False),
+]
+
+
+@pytest.mark.parametrize("mods, masks, B, Hq, Hkv, index", BLOCK_SPARSE_CASES)
+def test_block_sparse_forward_and_backward_match_the_reference(mods, masks, B, Hq, Hkv, index):
+    """The block-sparse kernels with score modifiers against the float64 reference on the
+    pattern's active blocks (tolerances as the dense kernels': fp32 inputs and matmuls, 2e-5
+    forward and 3e-5 backward relative to max(1, max |want|)); the index form's padding
+    slots and an empty query tile (lse = sink) included."""
+    from host import block_sparse as bs
+    Nq, Nk = 300, 390
+    q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, 32, seed=21)
+    dense = _block_pattern(B, Hq, Nq, Nk, 0.5, seed=22)
+    mask = tuple(bs.dense_to_index(dense, max_blocks=3)) if index else dense
+    dense = bs.check_block_mask(mask, B, Hq, Nq, Nk).dense
+    kw = dict(masks, **_mods(Hq, B=B if "kv_lens" in masks else None, **mods))
+    o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                  mixed_precision=False, **kw)
+    ro, rl = ref.attention_forward(q, k, v, block_mask=dense, **kw)
+    _close(o, ro, 2e-5)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(rl))
+    _close(np.where(np.isfinite(rl), lse, 0.0), np.where(np.isfinite(rl), rl, 0.0), 2e-5)
+    grads = host.flash_attention_backward(do, q, k, v, o, lse, block_mask=mask,
+                                          mixed_precision=False, **kw)
+    want = ref.attention_backward_from_lse(do, q, k, v, o, lse, block_mask=dense, **kw)
+    assert len(grads) == len(want) == (4 if mods.get("sinks") else 3)
+    for g, w in zip(grads, want):
+        _close(g, w, 3e-5)
+
+
+def test_block_sparse_nki_namespace_matches_legacy_with_every_modifier(monkeypatch):
+    """Through nki.* the block-sparse forward and backward with every modifier give the legacy
+    trace's outputs bit for bit (the same instructions on the data); bf16 inputs and matmuls
+    within the bf16 tolerance of the reference."""
+    import simulate
+    q, k, v, do = attention_inputs(2, 2, 1, 300, 390, 32, dtype=ml_dtypes.bfloat16, seed=23)
+    mask = _block_pattern(2, 2, 300, 390, 0.6, seed=24)
+    kw = dict(causal=True, kv_lens=[250, 390], q_lens=[200, 300],
+              **_mods(2, softcap=3.0, alibi=True, sinks=True, B=2))
+    outs = {}
+    for api in ("nki", "legacy"):
+        monkeypatch.setenv(API_ENV_VAR, api)
+        with simulate.measure(target="trn2") as m:
+            o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True, **kw)
+            grads = host.flash_attention_backward(do, q, k, v, o, lse, block_mask=mask, **kw)
+        assert {kr.api for kr in m.kernels} == {api}
+        outs[api] = [np.asarray(x) for x in (o, lse, *grads)]
+    for a, b in zip(outs["nki"], outs["legacy"]):
+        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+    o, lse = outs["nki"][:2]
+    ro, rl = ref.attention_forward(q, k, v, block_mask=mask, **kw)
+    _close(o, ro, 2e-2)
+    _close(np.where(np.isfinite(rl), lse, 0.0), np.where(np.isfinite(rl), rl, 0.0), 2e-2)
+
+
+def test_block_sparse_hidden_non_finite_key_stays_hidden_with_modifiers():
+    """A NaN in a key of an inactive block, and in a causally hidden key of an active one,
+    reaches no row through the tanh and the ALiBi bias, forward and backward."""
+    q, k, v, do = attention_inputs(1, 2, 1, 300, 300, 32, seed=25)
+    mask = np.ones((1, 1, 3, 3), bool) & np.tri(3, dtype=bool)[None, None]
+    mask[0, 0, 2, 1] = False
+    kw = dict(causal="top_left", mixed_precision=False,
+              **_mods(2, softcap=3.0, alibi=True, sinks=True))
+    o0, l0 = host.flash_attention(q, k, v, block_mask=mask, return_lse=True, **kw)
+    g0 = host.flash_attention_backward(do, q, k, v, o0, l0, block_mask=mask, **kw)
+    k[0, 0, 250] = np.nan          # causally hidden from rows < 250
+    k[0, 0, 200] = np.nan          # block (2, 1) is inactive: rows >= 256 never see it
+    o1, l1 = host.flash_attention(q, k, v, block_mask=mask, return_lse=True, **kw)
+    np.testing.assert_array_equal(o1[:, :, :200], o0[:, :, :200])
+    np.testing.assert_array_equal(o1[:, :, 256:], o0[:, :, 256:])
+    np.testing.assert_array_equal(l1[:, :, 256:], l0[:, :, 256:])
+    g1 = host.flash_attention_backward(do, q, k, v, o1, l1, block_mask=mask, **kw)
+    np.testing.assert_array_equal(g1[0][:, :, :200], g0[0][:, :, :200])
