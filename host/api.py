@@ -16,7 +16,7 @@ import numpy as np
 from host import block_sparse as _bs
 from host import validation as _v
 from host._launch import launch
-from nki_kernels import tiles
+from nki_kernels import port, tiles
 from nki_kernels.nki import API_ENV_VAR, active_target, namespace, select_api
 
 # ============================================================================================
@@ -998,7 +998,9 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
         items_per_program=ln.items_per_program, heads_per_program=ln.heads_per_program,
         **mod_tensors, **call.mods.kwargs)
     N = B * Hq * T
-    return run(flash_decode_merge_kernel.on(api), (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),),
+    # legacy: one program per row tile; nki.* (kernel[1]): one program walks the row tiles
+    return run(flash_decode_merge_kernel.on(api),
+               port.launch_grid((tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),), api),
                o_part, lse_part, to_device(np.repeat(splits, Hq * T)),
                out_dtype=call.dtype, rows_per_program=tiles.DECODE_MERGE_ROWS)
 
