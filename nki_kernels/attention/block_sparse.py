@@ -537,8 +537,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     indices = port.OffsetColumns(0, max(B, Hq), 1)
 
     def instance(b, g):
-        # act_share 0.5: no loop nest to balance from; guard: non-finite values reach only the
-        # rows that see them
+        # the P^T copies split evenly between ScalarE and VectorE; guard: non-finite values
+        # reach only the rows that see them
         c = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g, None, indices,
                      guard=True, act_share=0.5)
         score = F.score_mods(c, mods, alibi_slopes, sinks, c.act_scale)
