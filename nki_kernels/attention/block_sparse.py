@@ -308,7 +308,7 @@ def unit_seeds(f, head, q_first, k_first):
     port.iota(unit0, [[1, 1]], runtime=[(f.b, f.Hq * per_head), (head, per_head)],
               offsets=f.indices)
     base = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    port.tensor_tensor(base, unit0, f.seed, nl.add)
+    port.tensor_tensor(base, unit0, f.drop.seed, nl.add)
     return _add_int_column(u, base)
 
 
@@ -422,7 +422,7 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, h, q_frame: RowFr
         # soft-capping, ALiBi (raw units of f.unit), the dense kernels' instructions; the masks
         # select after them (a tanh would map MASK_NEG to -1)
         s_tile, _ = SM.modify_scores(
-            f.mods, f.cols, sc, P, n * P, h, None, f.act_scale / f.unit,
+            f.mods, f.score.cols, sc, P, n * P, h, None, f.act_scale / f.unit,
             not SM.one_sided(f.spec),
             dist=geo.distance_tile(dist, s0, n) if dist is not None else None)
     if any(c is not None for c in cols.values()):
@@ -445,10 +445,10 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, h, q_frame: RowFr
                 port.tensor_copy(us, seeds[0:1, nl.ds(s0 + w, 1)], engine="gpsimd")
                 port.random_seed(us)
                 port.dropout(p[:, w * P:(w + 1) * P], p[:, w * P:(w + 1) * P], f.dropout_p)
-                if f.mask_out is not None:
+                if f.drop.mask_out is not None:
                     port.random_seed(us)
-                    keep = nl.ndarray((P, P), dtype=f.ones.dtype, buffer=nl.sbuf)
-                    port.dropout(keep, f.ones, f.dropout_p)
+                    keep = nl.ndarray((P, P), dtype=f.drop.ones.dtype, buffer=nl.sbuf)
+                    port.dropout(keep, f.drop.ones, f.dropout_p)
                     _store_mask(f, geo, rw, head, q_frame, s0 + w, keep)
     F.fold_block(f, st, slot, [s_tile], [n * P], F.KV(None, kT, v), 0, None, drop)
 
@@ -465,6 +465,7 @@ def _store_mask(f, geo: Geometry, rw: Row, head, q_frame: RowFrame, sl, keep):
     row ``i nku + key block`` (one 128-key unit per row; padding slots and rows past Nq are
     skipped). Exact in fp32 for debug shapes (``B Hq Nq nku < 2^24`` rows)."""
     nku = f.nku
+    mask_rows = f.drop.mask_out.reshape((f.B, f.Hq, f.Nq * nku, P))
     pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(pos, rw.first, nl.add, geo.part)
     first = rw.block_first[:, nl.ds(sl, 1)]
@@ -474,7 +475,7 @@ def _store_mask(f, geo: Geometry, rw: Row, head, q_frame: RowFrame, sl, keep):
     # under 0.7 the rows of the flattened mask: the query row's flat row (q_frame) times nku
     port.scalar_tensor_tensor(rel, q_frame.shift(pos), nl.multiply, float(nku), nl.add, unit)
     # out of bounds of the mask rows the indices address: the slice's, or every slice's (0.7)
-    rows = f.mask_rows.shape[2] if q_frame.base is None else math.prod(f.mask_rows.shape[:3])
+    rows = mask_rows.shape[2] if q_frame.base is None else math.prod(mask_rows.shape[:3])
     past = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(past, pos, nl.greater_equal, float(f.Nq))
     pad = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -483,7 +484,7 @@ def _store_mask(f, geo: Geometry, rw: Row, head, q_frame: RowFrame, sl, keep):
     port.tensor_tensor(bad, past, pad, nl.maximum)
     idx = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
     port.scalar_tensor_tensor(idx, bad, nl.multiply, float(M.oob_offset(rows)), nl.add, rel)
-    port.dma_copy(port.lead_rows(f.mask_rows, (f.b, head), idx, 0), keep, oob_skip=True)
+    port.dma_copy(port.lead_rows(mask_rows, (f.b, head), idx, 0), keep, oob_skip=True)
 
 
 @port.jit
@@ -536,23 +537,14 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     indices = port.OffsetColumns(0, max(B, Hq), 1)
 
     def instance(b, g):
-        f = F.Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g)
-        f.act_share = 0.5
-        f.guard = True         # non-finite values reach only the rows that see them
-        f.nqu, f.nku = nqt, nku
-        f.indices = indices
-        if mods != SM.Mods():
-            f.mods, f.unit = mods, mods.unit(f.act_scale)
-            f.cols = SM.HeadColumns(mods, f.unit, alibi_slopes, sinks, f.b, f.head(0), f.G)
-        if dropout_p:
-            f.dropout_p = float(dropout_p)
-            f.seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-            port.dma_copy(f.seed, seed.reshape((1, 1)))
-            f.ones = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
-            port.memset(f.ones, 1.0, engine="gpsimd")
-            if mask_out is not None:
-                f.mask_out = mask_out
-                f.mask_rows = mask_out.reshape((B, Hq, Nq * nku, P))
+        # the P^T copies split evenly between ScalarE and VectorE; guard: non-finite values
+        # reach only the rows that see them
+        c = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g, None, indices,
+                     guard=True, act_share=0.5)
+        score = F.score_mods(c, mods, alibi_slopes, sinks, c.act_scale)
+        drop = (F.load_dropout(dropout_p, seed, c.mm, mask_out=mask_out) if dropout_p
+                else None)
+        f = F.Instance.of(c, drop=drop, score=score)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
         port.loop(f.G, lambda h: _head(f, geo, meta, classes, h))
 
@@ -595,7 +587,7 @@ def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
     port.memset(ninf, -math.inf, engine="gpsimd")
     if f.mods.sinks:
         # the sink is the only logit of these rows: lse = sink (padding rows keep -inf)
-        sink = SM.HeadColumns.col(f.cols.sink, h, P)
+        sink = SM.HeadColumns.col(f.score.cols.sink, h, P)
         if f.spec.q_lens:
             keep = nl.ndarray((P, 1), dtype=nl.uint8, buffer=nl.sbuf)
             port.tensor_scalar(keep, pos, nl.less, geo.q_len, engine="gpsimd")

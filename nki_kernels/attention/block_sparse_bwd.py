@@ -50,20 +50,23 @@ LSE_CLAMP = -T.FWD_M_FLOOR
 
 class _Cfg:
     """Compile-time facts of one backward instance (the forward's ``Instance`` supplies the
-    matmul dtype, head-dim passes and transpose PSUM dtypes)."""
+    matmul dtype, head-dim passes, transpose PSUM dtypes and the dropout record).
+
+    Score modifiers: Q^T carries the scale, so the exp's scale is 1 (``unit``: the cap with
+    soft-capping); ``cols`` the HeadColumns of the instance's query heads (``score``:
+    :class:`forward.ScoreMods`, None without modifiers); ``dsink_acc`` dsink's partial sums
+    (``[128, G]`` fp32, with sinks)."""
 
     def __init__(self, f: F.Instance, do, dq, dk, dv, delta, every_head: bool,
-                 dropout_p: float):
+                 score, dsink_acc):
         self.f, self.do, self.dq, self.dk, self.dv, self.delta = f, do, dq, dk, dv, delta
         self.every_head = every_head
-        self.dropout_p = dropout_p
+        self.dropout_p = f.dropout_p
         self.scale = f.scale
-        # score modifiers: Q^T carries the scale, so the exp's scale is 1 (u: the cap with
-        # soft-capping); HeadColumns of the instance's query heads; dsink's partial sums
-        self.mods = SM.Mods()
-        self.unit = 1.0
-        self.cols = None
-        self.dsink_acc = None
+        self.mods = score.mods if score is not None else SM.Mods()
+        self.unit = score.unit if score is not None else 1.0
+        self.cols = score.cols if score is not None else None
+        self.dsink_acc = dsink_acc
 
     def need_mask(self, geo: Geometry, exact: bool) -> bool:
         """Whether pairs need the runtime indicator (padding slots, lengths, partial tiles,
@@ -174,8 +177,8 @@ def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi
     p_dv = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
     if cfg.dropout_p:
         port.random_seed(seed)
-        keep = nl.ndarray((P, P), dtype=f.ones.dtype, buffer=nl.sbuf)
-        port.dropout(keep, f.ones, cfg.dropout_p)              # 0/1, the forward's draw
+        keep = nl.ndarray((P, P), dtype=f.drop.ones.dtype, buffer=nl.sbuf)
+        port.dropout(keep, f.drop.ones, cfg.dropout_p)              # 0/1, the forward's draw
         z = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(z, keep, nl.multiply, 1.0 / (1.0 - cfg.dropout_p))
         port.tensor_tensor(p_dv, p, z, nl.multiply)
@@ -412,21 +415,17 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
     indices = port.OffsetColumns(0, max(B, Hq), 1)
 
     def instance(b, g):
-        f = F.Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g)
-        f.nqu, f.nku = nqt, nkt
-        f.indices = indices
-        cfg = _Cfg(f, do, dq, dk, dv, delta, every_head, float(dropout_p))
-        if mods != SM.Mods():
-            cfg.mods, cfg.unit = mods, mods.unit(1.0)
-            cfg.cols = SM.HeadColumns(mods, cfg.unit, alibi_slopes, sinks, b, f.head(0), G)
+        c = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g, None, indices,
+                     guard=False, act_share=None)
+        # Q^T carries the scale, so the exp's scale is 1
+        score = F.score_mods(c, mods, alibi_slopes, sinks, 1.0)
+        dsink_acc = None
         if mods.sinks:
-            cfg.dsink_acc = nl.ndarray((P, G), dtype=nl.float32, buffer=nl.sbuf)
-            port.memset(cfg.dsink_acc, 0.0, engine="gpsimd")
-        if dropout_p:
-            f.seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-            port.dma_copy(f.seed, seed.reshape((1, 1)))
-            f.ones = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
-            port.memset(f.ones, 1.0, engine="gpsimd")
+            dsink_acc = nl.ndarray((P, G), dtype=nl.float32, buffer=nl.sbuf)
+            port.memset(dsink_acc, 0.0, engine="gpsimd")
+        drop = F.load_dropout(dropout_p, seed, nl.float32) if dropout_p else None
+        f = F.Instance.of(c, drop=drop)
+        cfg = _Cfg(f, do, dq, dk, dv, delta, every_head, score, dsink_acc)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
 
         # 1. delta = rowsum(dO * O)

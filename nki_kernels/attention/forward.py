@@ -156,8 +156,9 @@ differ:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Tuple
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np  # compile-time constants only (-inf)
 
@@ -425,54 +426,73 @@ def _and(*preds):
     return out
 
 
-class Instance:
-    """Compile-time facts and shared constant tiles of one grid instance (the block-sparse
-    kernels build theirs from it too)."""
+@dataclass(frozen=True, eq=False)
+class Config:
+    """Compile-time facts of one grid instance (batch ``b``, kv head ``g``; the block-sparse
+    kernels build theirs too): the HBM tensors, shapes, dtypes, softmax units, tiles and mask
+    spec, fixed for the whole program. Fields after ``act_share`` are derived from the others.
 
-    def __init__(self, q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g):
-        self.q, self.k, self.v, self.o, self.lse = q, k, v, o, lse
-        self.B, self.Hq, self.Nq, self.D = q.shape
-        self.Hkv, self.Nk = k.shape[1], k.shape[2]
-        self.G = self.Hq // self.Hkv
-        self.b, self.g = b, g
-        self.mm = getattr(nl, mm_dtype)
-        self.scale = float(scale)
+    - ``offsets``: :class:`port.OffsetColumns` of key-minus-row distances (nki.*; None when no
+      mask needs them); ``indices``: loop indices as data (nki.*; None when nothing reads them).
+    - ``guard``: the non-finite V guard (:func:`guard_values`): V's non-finite entries zeroed
+      and flagged in one more column, so they reach only the rows that see them.
+    - ``act_share``: fraction of the P^T copies on ScalarE (:func:`balance_engines`; None in a
+      kernel that splits no copies).
+    """
+    q: object
+    k: object
+    v: object
+    o: object
+    lse: object
+    mm_dtype: str
+    scale: float
+    tiles: T.ForwardTiles
+    spec: M.MaskSpec
+    b: object
+    g: object
+    offsets: Optional[object]
+    indices: Optional[object]
+    guard: bool
+    act_share: Optional[float]
+    B: int = field(init=False)
+    Hq: int = field(init=False)
+    Nq: int = field(init=False)
+    D: int = field(init=False)
+    Hkv: int = field(init=False)
+    Nk: int = field(init=False)
+    G: int = field(init=False)
+    nqu: int = field(init=False)        # 128-row query units (dropout's numbering)
+    nku: int = field(init=False)        # 128-key units
+    mm: object = field(init=False)      # matmul dtype
+    act_scale: float = field(init=False)
+    q_scale: float = field(init=False)
+    gen3: bool = field(init=False)
+    d_passes: Tuple[Tuple[int, int], ...] = field(init=False)
+    dma_share: float = field(init=False)
+    lse_col: object = field(init=False)
+    per_head: int = field(init=False)
+
+    def __post_init__(self):
+        B, Hq, Nq, D = self.q.shape
+        Hkv, Nk = self.k.shape[1], self.k.shape[2]
+        scale = float(self.scale)
         lo, hi = T.FWD_FOLD_SCALE_RANGE
         # softmax units: the exp scales raw scores (fold), or Q^T is pre-scaled (q_scale)
-        self.fold_scale = lo <= self.scale <= hi
-        self.act_scale = self.scale if self.fold_scale else 1.0
-        self.q_scale = 1.0 if self.fold_scale else self.scale
-        self.tiles = tiles
-        self.spec = spec
-        self.gen3 = port.gen3()
-        # head-dim passes of the S contraction: (first row, rows)
-        self.d_passes = tuple((d0, min(T.PMAX, self.D - d0))
-                              for d0 in T.unrolled(0, self.D, T.PMAX))
-        self.dma_share = tiles.p_dma_transpose_share if self.gen3 else 0.0
-        self.act_share = None      # fraction of the P^T copies on ScalarE (balance_engines)
-        self.lse_col = lse.reshape((self.B, self.Hq, self.Nq, 1))  # (rows, 1) store targets
-        self.per_head = T.ceil_div(self.Nq, tiles.q_tile)         # query tiles per head
-        self.offsets = None        # port.OffsetColumns of key-minus-row distances (nki.*)
-        self.indices = None        # port.OffsetColumns 0, 1, ...: loop indices as data (nki.*)
-        self.rt = None             # masks.RuntimeLengths (with kv_lens or q_lens)
-        self.q_load = None         # int32 [128, G * tiles per head]: query-row gather indices,
-        self.q_store = None        # scatter indices (rotated rows only),
-        self.q_valid = None        # fp32 1.0 for valid rows
-        self.xq = None             # [128, G * tiles per head, D]: preloaded query rows (column
-        #                            q_col), ForwardTiles.q_preload; None: loaded per group
-        self.k_load = None         # int32 [128, ceil(Nk / 128)]: key gather indices
-        self.k_fill = None         # [128, D] in k's dtype: the edge key on every partition
-        self.q_rows = self.k_rows = self.v_rows = None     # (B H N, D) views for the gathers
-        self.dropout_p = 0.0       # attention dropout (appendix Algorithm 2), compile-time
-        self.seed = None           # int32 [1, 1]: the launch's dropout seed (device data)
-        self.mask_out = None       # debug: HBM (B, Hq, Nq, Nk) keep mask the kernel drew
-        self.key_neg = None        # MASK_NEG row: the rank-1 key-length mask (dropout + kv_lens)
-        self.mods = SM.Mods()      # score modifiers (score_mods.py), compile-time
-        self.unit = self.act_scale  # u: the exp's scale on raw units (the cap with softcap)
-        self.cols = None           # score_mods.HeadColumns of the group's query heads
-        # non-finite V guard (guard_values): V's non-finite entries zeroed and flagged in one
-        # more column, so they reach only the rows that see them
-        self.guard = False
+        fold_scale = lo <= scale <= hi
+        gen3 = port.gen3()
+        derived = dict(
+            B=B, Hq=Hq, Nq=Nq, D=D, Hkv=Hkv, Nk=Nk, G=Hq // Hkv, scale=scale,
+            nqu=T.ceil_div(Nq, T.PMAX), nku=T.ceil_div(Nk, T.PMAX),
+            mm=getattr(nl, self.mm_dtype),
+            act_scale=scale if fold_scale else 1.0, q_scale=1.0 if fold_scale else scale,
+            gen3=gen3,
+            # head-dim passes of the S contraction: (first row, rows)
+            d_passes=tuple((d0, min(T.PMAX, D - d0)) for d0 in T.unrolled(0, D, T.PMAX)),
+            dma_share=dma_share(self.tiles, gen3),
+            lse_col=self.lse.reshape((B, Hq, Nq, 1)),         # (rows, 1) store targets
+            per_head=T.ceil_div(Nq, self.tiles.q_tile))        # query tiles per head
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     @property
     def vcols(self) -> int:
@@ -511,33 +531,153 @@ class Instance:
         return _Splitter(self.dma_share)
 
 
-def balance_engines(f: Instance, plan: ForwardPlan):
-    """Choose how the P^T copies split between ScalarE and VectorE (``tiles.act_evac_share``, or
-    balanced from the work of the loop nest, ``tiles.fwd_act_evac_share``; the predicated-off
-    blocks of masked regions count as work: they issue)."""
-    share = f.tiles.act_evac_share
+def dma_share(tiles: T.ForwardTiles, gen3: bool) -> float:
+    """Share of the P^T transposes done by DMA (``tiles.p_dma_transpose_share``; gen3 only)."""
+    return tiles.p_dma_transpose_share if gen3 else 0.0
+
+
+class Lengths(NamedTuple):
+    """Per-sequence lengths of one instance (``kv_lens`` and/or ``q_lens``;
+    :func:`length_tables`).
+
+    - ``rt``: :class:`masks.RuntimeLengths` of sequence b; ``q_rows``/``k_rows``/``v_rows``:
+      ``(B H N, D)`` views of q, k, v for the gathers.
+    - ``q_load``/``q_store``/``q_valid`` (with ``q_lens``, else None): int32 ``[128, G * tiles
+      per head]`` query-row gather indices, scatter indices (rotated rows only, else None) and
+      fp32 1.0 for valid rows, column :meth:`Config.q_col`.
+    - ``k_load``/``k_fill`` (with ``kv_lens``, else None): int32 ``[128, ceil(Nk / 128)]`` key
+      gather indices, and ``[128, D]`` in k's dtype, the edge key on every partition
+      (:func:`edge_key_fill`).
+    - ``key_neg``: the ``MASK_NEG`` row of the rank-1 key-length mask on the scores when
+      :func:`_key_mask` asks for it, else None.
+    """
+    rt: M.RuntimeLengths
+    q_rows: object
+    k_rows: object
+    v_rows: object
+    q_load: Optional[object]
+    q_store: Optional[object]
+    q_valid: Optional[object]
+    k_load: Optional[object]
+    k_fill: Optional[object]
+    key_neg: Optional[object]
+
+
+class Dropout(NamedTuple):
+    """Attention dropout of one instance (FlashAttention appendix Algorithm 2;
+    :func:`load_dropout`): ``p`` (compile-time), ``seed`` int32 ``[1, 1]`` (the launch's seed,
+    device data), ``ones`` ``[128, 128]`` of 1.0 (the draw of a keep mask), ``seed_row`` int32
+    ``[1, n]``: the seed along a row for the int32 add of a block's unit numbers (the dense
+    forward; None in the block-sparse kernels), ``mask_out`` the debug HBM keep mask the kernel
+    draws into (None unless asked)."""
+    p: float
+    seed: object
+    ones: object
+    seed_row: Optional[object]
+    mask_out: Optional[object]
+
+
+class ScoreMods(NamedTuple):
+    """Score modifiers of one instance (``score_mods.py``): ``mods`` (compile-time), ``unit``
+    ``u`` (the exp's scale on raw units: the cap with softcap) and ``cols`` the
+    :class:`score_mods.HeadColumns` of the instance's query heads."""
+    mods: SM.Mods
+    unit: float
+    cols: SM.HeadColumns
+
+
+def score_mods(c: Config, mods: SM.Mods, alibi_slopes, sinks,
+               exp_scale: float) -> Optional[ScoreMods]:
+    """The :class:`ScoreMods` of instance ``c`` for ``exp_scale`` (the exp's scale on raw
+    scores), or None without modifiers."""
+    if mods == SM.Mods():
+        return None
+    unit = mods.unit(exp_scale)
+    return ScoreMods(mods, unit, SM.HeadColumns(mods, unit, alibi_slopes, sinks, c.b,
+                                                c.head(0), c.G))
+
+
+def load_dropout(p, seed, ones_dtype, seed_row: int = 0, mask_out=None) -> Dropout:
+    """The :class:`Dropout` record: the HBM ``(1,)`` int32 ``seed`` loaded once per program,
+    the ones tile (``ones_dtype``) and, with ``seed_row`` > 0, the seed along a row of that
+    many columns."""
+    seed_sb = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.dma_copy(seed_sb, seed.reshape((1, 1)))
+    row = None
+    if seed_row:
+        # the seed along a row, for the int32 add of a block's unit numbers (exact copies)
+        row = nl.ndarray((1, seed_row), dtype=nl.int32, buffer=nl.sbuf)
+        for c in T.unrolled(seed_row):
+            port.tensor_copy(row[0:1, c:c + 1], seed_sb, engine="gpsimd")
+    ones = nl.ndarray((T.PMAX, T.PMAX), dtype=ones_dtype, buffer=nl.sbuf)
+    port.memset(ones, 1.0, engine="gpsimd")
+    return Dropout(float(p), seed_sb, ones, row, mask_out)
+
+
+@dataclass(frozen=True, eq=False)
+class Instance(Config):
+    """A :class:`Config` with its optional feature records, each complete when present:
+    ``lens`` (:class:`Lengths`), ``drop`` (:class:`Dropout`), ``score`` (:class:`ScoreMods`),
+    and ``xq``: ``[128, G * tiles per head, D]`` query rows preloaded at the start of the
+    program (column :meth:`Config.q_col`, ``ForwardTiles.q_preload``; None: loaded per
+    group)."""
+    lens: Optional[Lengths] = None
+    drop: Optional[Dropout] = None
+    score: Optional[ScoreMods] = None
+    xq: Optional[object] = None
+
+    @classmethod
+    def of(cls, c: Config, **records) -> "Instance":
+        """Instance ``c`` with ``records`` (keywords ``lens``, ``drop``, ``score``, ``xq``)."""
+        return cls(**{f.name: getattr(c, f.name) for f in fields(Config) if f.init}, **records)
+
+    @property
+    def mods(self) -> SM.Mods:
+        """The score modifiers (none without the ``score`` record)."""
+        return self.score.mods if self.score is not None else SM.Mods()
+
+    @property
+    def unit(self) -> float:
+        """``u``: the exp's scale on raw units (``act_scale`` without modifiers)."""
+        return self.score.unit if self.score is not None else self.act_scale
+
+    @property
+    def dropout_p(self) -> float:
+        """The dropout probability (0.0 without the ``drop`` record)."""
+        return self.drop.p if self.drop is not None else 0.0
+
+
+def balance_engines(tiles: T.ForwardTiles, plan: ForwardPlan, spec: M.MaskSpec, mods: SM.Mods,
+                    dropout: bool, guard: bool, G: int, Nk: int, D: int) -> float:
+    """How the P^T copies split between ScalarE and VectorE (:attr:`Config.act_share`):
+    ``tiles.act_evac_share``, or balanced from the work of the loop nest,
+    ``tiles.fwd_act_evac_share``; the predicated-off blocks of masked regions count as work:
+    they issue."""
+    share = tiles.act_evac_share
     if share is None:
-        Bk = f.tiles.softmax_block
-        cols = blocks = tiles = rows_cols = 0
+        gen3 = port.gen3()
+        Bk = tiles.softmax_block
+        cols = blocks = n_tiles = rows_cols = 0
         for sp in plan.spans:
-            n = f.G * sp.tiles
-            tiles += n
+            n = G * sp.tiles
+            n_tiles += n
             for rg in sp.regions:
                 w = rg.k1 - rg.k0
                 cols += n * w
                 rows_cols += n * w * sp.rows
                 blocks += n * T.ceil_div(w, Bk)
-        act_extra, dve_extra = SM.engine_extra(f.mods, not SM.one_sided(f.spec))
+        act_extra, dve_extra = SM.engine_extra(mods, not SM.one_sided(spec))
         # the non-finite V guard: three VectorE passes over every V element loaded, two small
         # instructions per query tile at write-back
-        loads = 1 if plan.resident else max(1, tiles // max(1, plan.q_group))
-        guard = (3 * loads * f.Nk * f.D / T.PMAX + 2 * tiles * T.FWD_MIN_II) if f.guard else 0
+        loads = 1 if plan.resident else max(1, n_tiles // max(1, plan.q_group))
+        guard_cycles = (3 * loads * Nk * D / T.PMAX + 2 * n_tiles * T.FWD_MIN_II) if guard else 0
         share = T.fwd_act_evac_share(
-            "trn2" if f.gen3 else "trn1", score_cols=cols, blocks=blocks, rescales=blocks,
-            q_tiles=tiles, evac_cols=int((1.0 - f.dma_share) * rows_cols // T.PMAX), D=f.D,
-            dropout=bool(f.dropout_p), act_extra=act_extra, dve_extra=dve_extra,
-            dve_cycles=guard)
-    f.act_share = share
+            "trn2" if gen3 else "trn1", score_cols=cols, blocks=blocks, rescales=blocks,
+            q_tiles=n_tiles,
+            evac_cols=int((1.0 - dma_share(tiles, gen3)) * rows_cols // T.PMAX), D=D,
+            dropout=dropout, act_extra=act_extra, dve_extra=dve_extra,
+            dve_cycles=guard_cycles)
+    return share
 
 
 class _Splitter:
@@ -608,39 +748,41 @@ class GroupState:
 # ============================================================================================
 
 
-def length_tables(f: Instance, kv_lens, q_lens):
-    """Runtime lengths of sequence b (:class:`masks.RuntimeLengths`, shared with the backward)
-    and the index tables of the gathers, built once per program for every query tile and key
-    block in ``[128, n]`` instructions: ``q_load``/``q_store``/``q_valid`` (column
-    :meth:`Instance.q_col`; store only when the rows are rotated) and ``k_load`` (column =
-    128-key block; keys are only read). Padding positions get out-of-bounds load indices: the
-    ``oob_mode.skip`` gathers never read them. With ``kv_lens`` also the key mask's fill
-    (:func:`edge_key_fill`). Either namespace: the flat rows of the sequence depend on the
-    program's indices, a linear form 0.7 reads from ``f.indices`` (summed in int32 when the
-    rows may reach 2^24, or with dropout: :func:`flash_attention_fwd`), and the gathers are
-    :func:`port.rows` accesses."""
-    key_mask = _key_mask(f.dropout_p, f.mods, kv_lens)
-    f.rt = M.RuntimeLengths(f.spec, kv_lens, q_lens, f.b, f.Nq, f.Nk, key_rows=key_mask)
-    if key_mask:
-        f.key_neg = M.neg_row(T.PMAX)
-    f.q_rows = f.q.reshape((f.B * f.Hq * f.Nq, f.D))
-    f.k_rows = f.k.reshape((f.B * f.Hkv * f.Nk, f.D))
-    f.v_rows = f.v.reshape((f.B * f.Hkv * f.Nk, f.D))
-    if f.rt.has_q:
-        per_head = T.ceil_div(f.Nq, f.tiles.q_tile)
+def length_tables(c: Config, kv_lens, q_lens, key_mask: bool) -> Lengths:
+    """The :class:`Lengths` of instance ``c``: the runtime lengths of sequence b
+    (:class:`masks.RuntimeLengths`, shared with the backward) and the index tables of the
+    gathers, built once per program for every query tile and key block in ``[128, n]``
+    instructions: ``q_load``/``q_store``/``q_valid`` (column :meth:`Config.q_col`; store only
+    when the rows are rotated) and ``k_load`` (column = 128-key block; keys are only read).
+    Padding positions get out-of-bounds load indices: the ``oob_mode.skip`` gathers never read
+    them. With ``kv_lens`` also the key mask's fill (:func:`edge_key_fill`), and with
+    ``key_mask`` (:func:`_key_mask`) its ``MASK_NEG`` row. Either namespace: the flat rows of
+    the sequence depend on the program's indices, a linear form 0.7 reads from ``c.indices``
+    (summed in int32 when the rows may reach 2^24, or with dropout:
+    :func:`flash_attention_fwd`), and the gathers are :func:`port.rows` accesses."""
+    rt = M.RuntimeLengths(c.spec, kv_lens, q_lens, c.b, c.Nq, c.Nk, key_rows=key_mask)
+    key_neg = M.neg_row(T.PMAX) if key_mask else None
+    q_rows = c.q.reshape((c.B * c.Hq * c.Nq, c.D))
+    k_rows = c.k.reshape((c.B * c.Hkv * c.Nk, c.D))
+    v_rows = c.v.reshape((c.B * c.Hkv * c.Nk, c.D))
+    q_load = q_store = q_valid = k_load = k_fill = None
+    if rt.has_q:
+        per_head = T.ceil_div(c.Nq, c.tiles.q_tile)
         runs = [(h * per_head, per_head,
-                 [(f.b, f.Hq * f.Nq), (f.g, f.G * f.Nq), (h, f.Nq)], 0)
-                for h in T.unrolled(f.G)]
-        rows, pos = M.position_table(runs, f.G * per_head, stride=f.tiles.q_tile,
-                                     offsets=f.indices)
-        f.q_valid = f.rt.valid(pos, keys=False)
-        f.q_load, f.q_store = f.rt.index_table(rows, pos, f.B * f.Hq * f.Nq, keys=False,
-                                               valid=f.q_valid)
-    if f.rt.has_k:
-        n = T.ceil_div(f.Nk, T.PMAX)
-        rows, pos = M.position_table([(0, n, _key_rows0(f), 0)], n, offsets=f.indices)
-        f.k_load, _ = f.rt.index_table(rows, pos, f.B * f.Hkv * f.Nk, keys=True)
-        f.k_fill = edge_key_fill(f)
+                 [(c.b, c.Hq * c.Nq), (c.g, c.G * c.Nq), (h, c.Nq)], 0)
+                for h in T.unrolled(c.G)]
+        rows, pos = M.position_table(runs, c.G * per_head, stride=c.tiles.q_tile,
+                                     offsets=c.indices)
+        q_valid = rt.valid(pos, keys=False)
+        q_load, q_store = rt.index_table(rows, pos, c.B * c.Hq * c.Nq, keys=False,
+                                         valid=q_valid)
+    if rt.has_k:
+        n = T.ceil_div(c.Nk, T.PMAX)
+        rows, pos = M.position_table([(0, n, _key_rows0(c), 0)], n, offsets=c.indices)
+        k_load, _ = rt.index_table(rows, pos, c.B * c.Hkv * c.Nk, keys=True)
+        k_fill = edge_key_fill(c, rt, k_rows)
+    return Lengths(rt, q_rows, k_rows, v_rows, q_load, q_store, q_valid, k_load, k_fill,
+                   key_neg)
 
 
 def _key_mask(dropout_p, mods: SM.Mods, kv_lens) -> bool:
@@ -650,13 +792,13 @@ def _key_mask(dropout_p, mods: SM.Mods, kv_lens) -> bool:
     return (bool(dropout_p) or mods.alibi) and kv_lens is not None
 
 
-def _key_rows0(f: Instance):
+def _key_rows0(c: Config):
     """The flat row of key 0 of this program's sequence in ``(B Hkv Nk, D)`` views of k and v,
     ``(b Hkv + g) Nk``, as a linear form of the program's indices (:func:`port.iota`)."""
-    return [(f.b, f.Hkv * f.Nk), (f.g, f.Nk)]
+    return [(c.b, c.Hkv * c.Nk), (c.g, c.Nk)]
 
 
-def edge_key_fill(f: Instance):
+def edge_key_fill(c: Config, rt: M.RuntimeLengths, k_rows):
     """The key mask of ``kv_lens`` without a mask on the scores: ``[128, D]`` (k's dtype), the
     valid key next to the padding (:meth:`masks.RuntimeLengths.edge_key_index`; zeros when
     ``kv_len = 0``) on every partition. Key tiles start as copies of it, so every padding key
@@ -672,16 +814,16 @@ def edge_key_fill(f: Instance):
     hardware): a padding score within rounding of a visible one changes nothing. One gathered
     row (``D`` elements read) per program. Caveat: the edge key is valid data, so a NaN/inf in
     it also reaches the rows that see only padding keys (finite inputs: no effect)."""
-    P, D = T.PMAX, f.D
-    idx = f.rt.edge_key_index(_key_rows0(f), f.B * f.Hkv * f.Nk, offsets=f.indices)
-    row = nl.ndarray((1, D), dtype=f.k.dtype, buffer=nl.sbuf)
+    P, D = T.PMAX, c.D
+    idx = rt.edge_key_index(_key_rows0(c), c.B * c.Hkv * c.Nk, offsets=c.indices)
+    row = nl.ndarray((1, D), dtype=c.k.dtype, buffer=nl.sbuf)
     port.memset(row, 0.0, engine="gpsimd")
-    M.gather_rows(row, f.k_rows, idx, 0, 1, D)
-    ones = nl.ndarray((1, P), dtype=f.k.dtype, buffer=nl.sbuf)
+    M.gather_rows(row, k_rows, idx, 0, 1, D)
+    ones = nl.ndarray((1, P), dtype=c.k.dtype, buffer=nl.sbuf)
     port.memset(ones, 1.0, engine="gpsimd")
     bcast = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.psum)
     port.nc_matmul(bcast, ones, row)
-    fill = nl.ndarray((P, D), dtype=f.k.dtype, buffer=nl.sbuf)
+    fill = nl.ndarray((P, D), dtype=c.k.dtype, buffer=nl.sbuf)
     port.tensor_copy(fill, bcast)
     return fill
 
@@ -730,13 +872,15 @@ def load_piece(f: Instance, kT, v, cb, rb, ln: int):
             return v[0:p, nl.ds(rb + t, n), 0:D]
         return vx[0:p, t:t + n, :]
 
-    if f.k_load is not None:
+    lens = f.lens
+    if lens is not None and lens.k_load is not None:
         for t in T.unrolled(nb):
-            port.tensor_copy(kx[:, t, :], f.k_fill, engine="gpsimd")
+            port.tensor_copy(kx[:, t, :], lens.k_fill, engine="gpsimd")
         port.memset(v_dst(P, 0, nb), 0.0, engine="gpsimd")
         for t in T.unrolled(nb):
-            M.gather_rows(kx[0:rows[t], t, :], f.k_rows, f.k_load, cb + rb + t, rows[t], D)
-            M.gather_rows(v_dst(rows[t], t)[:, 0, :], f.v_rows, f.k_load, cb + rb + t,
+            M.gather_rows(kx[0:rows[t], t, :], lens.k_rows, lens.k_load, cb + rb + t, rows[t],
+                          D)
+            M.gather_rows(v_dst(rows[t], t)[:, 0, :], lens.v_rows, lens.k_load, cb + rb + t,
                           rows[t], D)
     else:
         if full:
@@ -809,13 +953,13 @@ def load_kv(f: Instance, cb, n: int) -> KV:
     kT = [nl.ndarray((rows, n), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     # V with a ones column: PV then also yields the row sums l_i = sum_j P_ij on TensorE
     v = nl.ndarray((P, nblk, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-    if f.k_load is None:
+    if f.lens is None or f.lens.k_load is None:
         port.memset(v[:, :, D:D + 1], 1.0, engine="gpsimd")
     else:
         key = nl.ndarray((P, nblk, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.iota(key, [[P, nblk], [1, 1]], channel_multiplier=1, runtime=[(cb, P)],
                   offsets=f.indices)
-        f.rt.valid(key, keys=True, dst=v[:, :, D:D + 1])
+        f.lens.rt.valid(key, keys=True, dst=v[:, :, D:D + 1])
     LB = f.tiles.kv_load_block
     per = LB // P
 
@@ -832,11 +976,11 @@ def load_q_rows(f: Instance, r: int, h, t, x):
     """Load the ``r`` rows of query tile t (an index expression) of member head h into ``x``
     (``[r, D]``). With ``q_lens`` the rows are gathered through ``q_load`` (rotated when the
     band needs it): padding rows are never read and stay 0."""
-    if f.q_load is None:
+    if f.lens is None or f.lens.q_load is None:
         port.dma_copy(x, f.q[f.b, f.head(h), nl.ds(t * f.tiles.q_tile, r), :], legacy_isa=True)
     else:
         port.memset(x, 0.0, engine="gpsimd")
-        M.gather_rows(x, f.q_rows, f.q_load, f.q_col(h, t), r, f.D)
+        M.gather_rows(x, f.lens.q_rows, f.lens.q_load, f.q_col(h, t), r, f.D)
 
 
 def preload_q(f: Instance, r: int, h, t0, n: int):
@@ -934,23 +1078,24 @@ def scores(f: Instance, st: GroupState, s, i0, kv: KV, rel, j0, width: int, mask
             sides.append((_and(pred, below) if dk is None else pred,
                           -(f.spec.lo + off), nl.greater_equal))
     capped = f.mods.softcap is not None
-    if f.key_neg is not None and not capped:
+    key_neg = f.lens.key_neg if f.lens is not None else None
+    if key_neg is not None and not capped:
         # dropout or ALiBi with kv_lens: padding keys must have P = 0 on the scores (the
         # softmax sums come from the exp with dropout; ALiBi lifts a padding key above its
         # edge key): MASK_NEG (x) their key row, a rank-1 TensorE add
-        key_row = f.rt.key_mask_row(j0, width, f.offsets)
-        port.nc_matmul(sc, f.key_neg[0:1, 0:r], key_row[0:1, 0:width], accumulate=True,
+        key_row = f.lens.rt.key_mask_row(j0, width, f.offsets)
+        port.nc_matmul(sc, key_neg[0:1, 0:r], key_row[0:1, 0:width], accumulate=True,
                        mask=pred)
     s_sb = None
     if f.mods.transforms:
-        s_sb, _ = SM.modify_scores(f.mods, f.cols, sc, r, width, h, rel_d,
+        s_sb, _ = SM.modify_scores(f.mods, f.score.cols, sc, r, width, h, rel_d,
                                    f.act_scale / f.unit, not SM.one_sided(f.spec), pred,
                                    d_static=-f.spec.static_offset, offsets=f.offsets)
-        if f.key_neg is not None and capped:
+        if key_neg is not None and capped:
             # the key mask after the tanh (which would map MASK_NEG to -1): its own PSUM tile
-            key_row = f.rt.key_mask_row(j0, width, f.offsets)
+            key_row = f.lens.rt.key_mask_row(j0, width, f.offsets)
             kneg = nl.ndarray((r, width), dtype=nl.float32, buffer=nl.psum)
-            port.nc_matmul(kneg, f.key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
+            port.nc_matmul(kneg, key_neg[0:1, 0:r], key_row[0:1, 0:width], mask=pred)
             port.tensor_tensor(s_sb, s_sb, kneg, nl.add, mask=pred)
     if not sides:
         return (sc if s_sb is None else s_sb), False
@@ -994,7 +1139,7 @@ def dropout_units(f: Instance, p, r: int, width: int, h, iu, ju, pred):
     units = nl.ndarray((1, n_units), dtype=nl.int32, buffer=nl.sbuf)
     port.iota(units, [[1, n_units]], runtime=unit0, offsets=f.indices)
     seeds = nl.ndarray((1, n_units), dtype=nl.int32, buffer=nl.sbuf)
-    port.tensor_tensor(seeds, units, f.seed_row[0:1, 0:n_units], nl.add)
+    port.tensor_tensor(seeds, units, f.drop.seed_row[0:1, 0:n_units], nl.add)
     for c0 in T.unrolled(0, width, P):
         kw = min(P, width - c0)
         seed = seeds[0:1, c0 // P:c0 // P + 1]
@@ -1005,15 +1150,15 @@ def dropout_units(f: Instance, p, r: int, width: int, h, iu, ju, pred):
             # a unit is always drawn 128 keys wide (the backward may see it whole): keep the
             # first kw columns of the draw
             keep = nl.ndarray((r, P), dtype=f.mm, buffer=nl.sbuf)
-            port.dropout(keep, f.ones[0:r, 0:P], f.dropout_p, mask=pred)
+            port.dropout(keep, f.drop.ones[0:r, 0:P], f.dropout_p, mask=pred)
             port.tensor_tensor(p[:, c0:c0 + kw], p[:, c0:c0 + kw], keep[:, 0:kw], nl.multiply,
                                mask=pred)
-        if f.mask_out is not None:
+        if f.drop.mask_out is not None:
             # debug: the same draw again, on ones, stored at the unit's frame position
             port.random_seed(seed, mask=pred)
             drawn = nl.ndarray((r, P), dtype=f.mm, buffer=nl.sbuf)
-            port.dropout(drawn, f.ones[0:r, 0:P], f.dropout_p, mask=pred)
-            port.dma_copy(f.mask_out[f.b, f.head(h), nl.ds(iu * P, r), nl.ds(ju * P + c0, kw)],
+            port.dropout(drawn, f.drop.ones[0:r, 0:P], f.dropout_p, mask=pred)
+            port.dma_copy(f.drop.mask_out[f.b, f.head(h), nl.ds(iu * P, r), nl.ds(ju * P + c0, kw)],
                           drawn[:, 0:kw], mask=pred)
 
 
@@ -1236,6 +1381,7 @@ def flush(f: Instance, out: _Outputs, pending):
     """Store a finished group's outputs from ``out``: ``pending = (t0, n, rows)`` -- its first
     query tile (an index expression), tiles per head, rows per tile."""
     t0, n, rows = pending
+    q_store = f.lens.q_store if f.lens is not None else None
 
     def head(h):
         def tile(s):
@@ -1243,7 +1389,7 @@ def flush(f: Instance, out: _Outputs, pending):
             col = f.q_col(h, t)
             for dst, src in ((f.o, out.o), (f.lse_col, out.lse)):
                 M.store_rows(dst, f.b, f.head(h), t * f.tiles.q_tile, rows,
-                             src[0:rows, h * n + s, :], f.q_store, col)
+                             src[0:rows, h * n + s, :], q_store, col)
 
         port.loop(n, tile)
 
@@ -1262,7 +1408,7 @@ def write_back(f: Instance, st: GroupState, s, h, t, out: _Outputs):
     """
     r = st.rows
     col = f.q_col(h, t)
-    in_range = f.q_valid[0:r, nl.ds(col, 1)] if f.spec.q_lens else None
+    in_range = f.lens.q_valid[0:r, nl.ds(col, 1)] if f.spec.q_lens else None
     finalize(f, st, s, in_range, (out.o[0:r, s, :], out.lse[0:r, s, :]))
 
 
@@ -1401,8 +1547,8 @@ def start_at_sink(f: Instance, st: GroupState, h, n: int, slot0=None):
     slot0 = h * n if slot0 is None else slot0
     l_slots = st.o[:, nl.ds(slot0, n), D:D + 1]
     port.tensor_scalar(st.stats[:, nl.ds(slot0, n), 1:2], l_slots, nl.add,
-                       SM.HeadColumns.col(f.cols.neg_m0, h, P), engine="gpsimd")
-    port.tensor_scalar(l_slots, l_slots, nl.add, SM.HeadColumns.col(f.cols.l0, h, P),
+                       SM.HeadColumns.col(f.score.cols.neg_m0, h, P), engine="gpsimd")
+    port.tensor_scalar(l_slots, l_slots, nl.add, SM.HeadColumns.col(f.score.cols.l0, h, P),
                        engine="gpsimd")
 
 
@@ -1584,32 +1730,22 @@ def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slo
                      g, scale, mm_dtype, tiles, lnc, dropout_p, mods, spec, plan, tables):
     """The work of grid instance (batch ``b``, kv head ``g``): the spans' groups of query tiles
     (:func:`attend_group`), each group storing its predecessor's outputs. ``tables``: the
-    launch's ``(offsets, indices)`` (:class:`Instance`)."""
+    launch's ``(offsets, indices)`` (:class:`Config`)."""
     D = q.shape[3]
-    f = Instance(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g)
-    f.offsets, f.indices = tables
-    f.guard = True
-    if mods != SM.Mods():
-        f.mods, f.unit = mods, mods.unit(f.act_scale)
-        f.cols = SM.HeadColumns(mods, f.unit, alibi_slopes, sinks, f.b, f.head(0), f.G)
-    if dropout_p:
-        if seed is None:
-            raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
-        f.dropout_p = float(dropout_p)
-        f.seed = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.dma_copy(f.seed, seed.reshape((1, 1)))
-        # the seed along a row, for the int32 add of a block's unit numbers (exact copies)
-        n_row = T.ceil_div(max(tiles.softmax_block, T.PMAX), T.PMAX)
-        f.seed_row = nl.ndarray((1, n_row), dtype=nl.int32, buffer=nl.sbuf)
-        for c in T.unrolled(n_row):
-            port.tensor_copy(f.seed_row[0:1, c:c + 1], f.seed, engine="gpsimd")
-        f.nqu, f.nku = T.ceil_div(f.Nq, T.PMAX), T.ceil_div(f.Nk, T.PMAX)
-        f.ones = nl.ndarray((T.PMAX, T.PMAX), dtype=f.mm, buffer=nl.sbuf)
-        port.memset(f.ones, 1.0, engine="gpsimd")
-        f.mask_out = mask_out
-    balance_engines(f, plan)
-    if spec.kv_lens or spec.q_lens:
-        length_tables(f, kv_lens, q_lens)
+    if dropout_p and seed is None:
+        raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
+    offsets, indices = tables
+    share = balance_engines(tiles, plan, spec, mods, bool(dropout_p), True,
+                            q.shape[1] // k.shape[1], k.shape[2], D)
+    c = Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g, offsets, indices,
+               guard=True, act_share=share)
+    score = score_mods(c, mods, alibi_slopes, sinks, c.act_scale)
+    drop = (load_dropout(dropout_p, seed, c.mm, mask_out=mask_out,
+                         seed_row=T.ceil_div(max(tiles.softmax_block, T.PMAX), T.PMAX))
+            if dropout_p else None)
+    lens = (length_tables(c, kv_lens, q_lens, _key_mask(dropout_p, mods, kv_lens))
+            if spec.kv_lens or spec.q_lens else None)
+    f = Instance.of(c, lens=lens, drop=drop, score=score)
 
     needs_kv = any(sp.regions for sp in plan.spans)
     kv = load_kv(f, 0, f.Nk) if plan.resident and needs_kv else None
@@ -1618,7 +1754,8 @@ def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slo
     if tiles.q_preload and needs_kv and len(plan.spans) > 1:
         # every query row this core will use, loaded up front (each exactly once): with
         # several spans (a band) each span's first group would otherwise wait for its loads
-        f.xq = nl.ndarray((T.PMAX, f.G * f.per_head, D), dtype=q.dtype, buffer=nl.sbuf)
+        f = dataclasses.replace(
+            f, xq=nl.ndarray((T.PMAX, f.G * f.per_head, D), dtype=q.dtype, buffer=nl.sbuf))
         for sp, (first, count, n) in groups:
             if sp.regions:
                 start, mine = (0, count) if core is None else _core_range(count, core)
