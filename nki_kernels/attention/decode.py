@@ -321,6 +321,19 @@ def _terms(terms, c):
     return [(e, k * c) for e, k in terms]
 
 
+def _local_rows(valid, kr: int, ipp: int, k: int, oob):
+    """``(local, beyond)`` of K/V tile k of a chunk's items: the local key row ``128 k + p`` of
+    partition p (fp32, ``[kr, ipp]``) and ``oob`` (int32) where that row is not below
+    ``valid[:, j]``, else 0 -- the push out of bounds of a gather index."""
+    local = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
+    port.iota(local, [[0, ipp]], offset=k * PMAX, channel_multiplier=1)
+    beyond_f = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(beyond_f, local, valid[0:kr, 0:ipp], op=nl.greater_equal)
+    beyond = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_scalar(beyond, beyond_f, op0=nl.multiply, operand0=float(oob))
+    return local, beyond
+
+
 def _split_row_indices(valid, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, idx, offsets):
     """Row indices of a chunk's K/V gathers: column ``k (hpp ipp + 2) + hh ipp + j`` of the
     int32 tile ``idx`` (:func:`_idx_col`) is the absolute key row gathered into partition p of
@@ -332,12 +345,7 @@ def _split_row_indices(valid, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, 
     base = _int_tile([(bs[0:kr, 0:ipp], b_stride), (bs[0:kr, ipp:2 * ipp], g.rs)], kr, ipp)
 
     def key_tile(k):
-        local = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
-        port.iota(local, [[0, ipp]], offset=k * PMAX, channel_multiplier=1)
-        beyond_f = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_tensor(beyond_f, local, valid[0:kr, 0:ipp], op=nl.greater_equal)
-        beyond = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_scalar(beyond, beyond_f, op0=nl.multiply, operand0=float(oob))
+        _, beyond = _local_rows(valid, kr, ipp, k, oob)
         rows = _int_tile([(beyond, 1), (base, 1)], kr, ipp)
 
         def head(hh):
@@ -380,12 +388,7 @@ def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_b
     table_flat = table.reshape((B * MB, 1))
 
     def key_tile(k):
-        local = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
-        port.iota(local, [[0, ipp]], offset=k * PMAX, channel_multiplier=1)
-        beyond_f = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_tensor(beyond_f, local, valid[0:kr, 0:ipp], op=nl.greater_equal)
-        beyond = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_scalar(beyond, beyond_f, op0=nl.multiply, operand0=oob)
+        local, beyond = _local_rows(valid, kr, ipp, k, oob)
         r = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_tensor(r, local, first, op=nl.add)
         within = M.int_mod(r, ppr)                      # r mod ppr
