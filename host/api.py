@@ -410,8 +410,7 @@ def _port_api(legacy_only: bool) -> str:
     """The namespace a kernel launch traces through: :func:`nki_kernels.nki.select_api`'s,
     except that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
     (``legacy_only``: the block-sparse kernels over 2^24 rows or dropout units, decode over
-    2^24 cache rows or block-table entries, the backward's lengths or several passes over 2^24
-    rows or its dropout over 2^24 units) runs through the legacy
+    2^24 cache rows or block-table entries) runs through the legacy
     namespace when it runs on the same kind of backend (both simulated, or both AWS's
     toolchains) and the target has a legacy toolchain (not trn3). Otherwise the kernel refuses
     it under nki.* (NotImplementedError)."""
@@ -1017,8 +1016,7 @@ def plan_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, wi
     """Validate a backward call and choose its launch: ``(kernel, grid, kernel_kwargs)``.
 
     The kernel is :func:`nki_kernels.attention.backward.flash_attn_bwd` pinned to the namespace
-    it traces through (:func:`_port_api`: under ``auto`` the legacy one for what is not ported
-    to nki.* yet -- lengths or several passes over 2^24 rows, dropout over 2^24 units), the
+    it traces through (:func:`nki_kernels.nki.select_api`: every backward call is ported), the
     grid
     :func:`nki_kernels.attention.backward.backward_grid`'s for that namespace: in legacy
     ``(B, Hkv)`` with LNC=1, or with LNC=2 (trn2) kv heads or sequences spread over the two
@@ -1048,19 +1046,7 @@ def _plan_backward(call: AttentionCall):
     if p:
         kwargs["dropout_p"] = p
     kwargs.update(call.mods.kwargs)
-    units = (dims.B * dims.Hq * _tiles.ceil_div(dims.Nq, _tiles.PMAX)
-             * _tiles.ceil_div(dims.Nk, _tiles.PMAX))
-    # the kernel's pass count: its SBUF budget is trn1's or, on NeuronCore-v3+, trn2's
-    sbuf_of = "trn1" if active_target() == "trn1" else "trn2"
-    passes, _ = _tiles.bwd_passes(dims.group, dims.Nq, _tiles.bwd_rows_per_pass(
-        dims.D, _tiles.fwd_itemsize(call.mm_dtype), sbuf_of))
-    # rows gathered by flat row numbers, fp32 under nki.*: query rows with q_lens or several
-    # passes, keys with kv_lens
-    gathered = call.q_lens is not None or passes > 1 or call.kv_lens is not None
-    flat = max(dims.B * dims.Hq * dims.Nq,
-               dims.B * dims.Hkv * dims.Nk if call.kv_lens is not None else 0)
-    api = _port_api((gathered and flat >= _tiles.FP32_EXACT_INT)
-                    or (bool(p) and units >= _tiles.FP32_EXACT_INT))
+    api = select_api()
     return (flash_attn_bwd.on(api), backward_grid(dims.B, dims.Hkv, call.lnc, api=api),
             kwargs)
 

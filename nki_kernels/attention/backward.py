@@ -123,7 +123,8 @@ One source, two namespaces (:mod:`nki_kernels.port`): the kernel traces through 
   lower one, ALiBi's distances and the key-length row read the distance (or the first key)
   from a table built once per launch (:class:`port.OffsetColumns`) and compare on VectorE.
   Dropout's unit numbers and the flat rows of the gathers are linear forms of the loop
-  indices, read from a second table (fp32-exact below 2^24);
+  indices, read from a second table (summed in fp32 on VectorE, exact below 2^24; where they
+  may reach 2^24, in int32 on GpSimd from the table's ``exact`` form);
 * *row masks*: legacy loads and stores the query tiles of a pass under a row mask (the partial
   last tile, the padding tiles that balance several passes). 0.7 has no masks: with one pass
   the partial tile is a statically short group of its own; with several passes (or
@@ -1430,13 +1431,11 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
     # gathered by flat row numbers, which 0.7 computes in fp32
     gathered = q_lens is not None or plan.passes > 1 or kv_lens is not None
     n_flat = max(B * Hq * Nq, B * Hkv * Nk if kv_lens is not None else 0)
-    if gathered and n_flat >= FP32_EXACT_INT:
-        port.refuse_in_nki(f"flash_attn_bwd with lengths or several passes over {n_flat} >= "
-                           f"2^24 rows (fp32 row numbers)")
     n_units = B * Hq * ceil_div(Nq, PMAX) * ceil_div(Nk, PMAX)
-    if cfg.dropout_p and n_units >= FP32_EXACT_INT:
-        port.refuse_in_nki(f"flash_attn_bwd with dropout over {n_units} >= 2^24 units "
-                           "(fp32 unit numbers)")
+    # row or unit numbers that may reach 2^24 are summed in int32 on GpSimd under nki.*
+    # (port.OffsetColumns(exact=True)); below that the fp32 sums on VectorE are exact and cheaper
+    exact = ((gathered and n_flat >= FP32_EXACT_INT)
+             or (bool(cfg.dropout_p) and n_units >= FP32_EXACT_INT))
 
     # conditional expressions, not if-blocks: a tensor bound inside a block is out of scope
     # after it (err_local_variable_used_out_of_scope)
@@ -1466,7 +1465,7 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
                                     base=spec.static_offset + spec.hi)
                   if spec.hi is not None else None),
         indices=(port.OffsetColumns(0, max(B, Hkv, G, plan.slots, plan.passes,
-                                           max(sp.n for sp in plan.spans)), 1)
+                                           max(sp.n for sp in plan.spans)), 1, exact=exact)
                  if cfg.dropout_p or gathered else None))
 
     def program(b, g):

@@ -614,29 +614,29 @@ def test_program_size_does_not_grow_with_n(api, causal):
     assert sizes[0] == sizes[1] < 5000
 
 
-@pytest.mark.parametrize("opts,feature", [
-    (dict(kv_lens=[100]), "lengths or several passes over 512 >= 2"),
-    (dict(q_lens=[50]), "lengths or several passes over 512 >= 2"),
-    (dict(dropout_p=0.1, seed=1), "dropout over"),
-])
-def test_nki_namespace_refuses_what_is_not_ported(opts, feature, monkeypatch):
-    """Not ported to nki.*: runtime lengths or several passes over 2^24 rows (fp32 row numbers)
-    and dropout over 2^24 units (fp32 unit numbers; both bounds lowered here to 4): an
-    explicit NKI_FLASH_API=nki call says so; ``auto`` runs such a host call through the legacy
-    namespace when that runs on the same backend (here: both simulated)."""
+@pytest.mark.parametrize("opts", [
+    dict(kv_lens=[100, 256], q_lens=[50, 256], causal="bottom_right"),
+    dict(dropout_p=0.1, seed=2 ** 31 - 9, causal="top_left"),
+], ids=["lengths", "dropout"])
+def test_nki_namespace_exact_integer_indices(opts, monkeypatch):
+    """Flat row numbers of the gathers (runtime lengths, several passes) and dropout unit
+    numbers that may reach 2^24 are summed in int32 under nki.* (``port.OffsetColumns(
+    exact=True)``; fp32 would round them): with that bound lowered to 4 here, the nki.* trace
+    takes that path and still gives the legacy trace's gradients bit for bit (GQA, two
+    sequences); ``auto`` on trn2 traces such calls through nki.* (nothing of the backward is
+    left to legacy)."""
+    import host
+    import simulate
+
     monkeypatch.setattr(T, "FP32_EXACT_INT", 4)
     monkeypatch.setattr("nki_kernels.attention.backward.FP32_EXACT_INT", 4)
-    q, k, v, do, o, lse = make_inputs(1, 2, 1, 256, 256, 32, BF16, 1)
-    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
-    kw = {n: np.array(x if n.endswith("lens") else [x], np.int32)
-          if n.endswith("lens") or n == "seed" else x for n, x in opts.items()}
-    with pytest.raises(NotImplementedError, match=f"{feature}.* nki.* namespace"):
-        run_kernel(q, k, v, do, o, lse, **kw)
-    if BACKEND == "simulate":
-        import host
-        import simulate
-
-        monkeypatch.setenv(binding.API_ENV_VAR, "auto")
+    q, k, v, do, o, lse = make_inputs(2, 2, 1, 256, 256, 32, BF16, 1)
+    kw = {n: np.array(x, np.int32) if n.endswith("lens") else x for n, x in opts.items()}
+    runs = {}
+    for api in ("legacy", "nki", "auto"):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
         with simulate.measure(target="trn2") as m:
-            host.flash_attention_backward(do, q, k, v, o, lse, **opts)
-        assert m.api == "legacy"
+            runs[api] = host.flash_attention_backward(do, q, k, v, o, lse, lnc=1, **kw)
+        assert m.api == ("legacy" if api == "legacy" else "nki")
+    for a, b in zip(runs["legacy"], runs["nki"]):
+        np.testing.assert_array_equal(a, b)
