@@ -927,8 +927,9 @@ def activation(dst, op, data, bias=None, scale=1.0, mask=None):
 
 
 def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, mask=None):
-    """:func:`activation`, and ``reduce_res`` ``(P, 1)`` = the row reduction (``nl.add``) of
-    the fp32 result, taken before ``dst`` is rounded."""
+    """:func:`activation`, and ``reduce_res`` ``(P, 1)`` = the row reduction ``reduce_op`` of
+    the fp32 result, taken before ``dst`` is rounded (``nl.add``; NeuronCore-v3+ also
+    ``nl.maximum``/``nl.minimum``)."""
     _issue("activation_reduce", dst, mask=mask, op=op, data=data, reduce_op=reduce_op,
            reduce_res=reduce_res, bias=bias, scale=scale)
 

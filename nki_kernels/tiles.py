@@ -417,6 +417,15 @@ FWD_NKI_P_DMA_SHARE = {"trn2": 0.75, "trn3": 1.0}
 #: N = 2048 67.9 / 67.2 / 67.0 / 75.6; causal 4096 167.8 / 172.6 / 167.8 / 167.8; trn3, share
 #: 1.0: N = 4096 187.2 / 187.7 / 187.2 / 214.3).
 FWD_NKI_STAGE_SLOTS = 2
+#: Under dropout through nki.* on NeuronCore-v3+, the share of score tiles whose row max ScalarE
+#: takes (``activation_reduce`` of -s with ``reduce_op`` minimum; NKI 0.7 stub: "On NeuronCore-v2,
+#: the reduce_op must be nl.add", so v3+ reduces with max/min too) instead of VectorE, which also
+#: draws every dropout mask (``nisa.dropout`` is VectorE only) and binds the forward. Counted in
+#: 512-key tiles, so the share moves in quarters of a 2048-key block. Scheduled estimate, trn2,
+#: N = 4096, D = 128, bf16, p = 0.1, shares 0 / 0.25 / 0.5 / 0.75: 328.6 / 300.3 / 278.2 /
+#: 302.7 us (VectorE 302.9 / 268.8 / 234.7 / 200.5 us busy, ScalarE 163.8 / 194.6 / 225.3 /
+#: 256.0). Without dropout VectorE does not bind (share 0.25 there: 217.7 -> 224.6 us): 0.
+FWD_NKI_DROPOUT_MAX_ACT_SHARE = 0.5
 #: Largest head dim: S contracts it in passes of 128 (two passes max); PV writes D <= 512 fp32.
 FWD_MAX_HEAD_DIM = 2 * PMAX
 #: Keys per instruction when building a [1, n] key-mask row (iota + compare).

@@ -1255,8 +1255,19 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
     neg_m_old, neg_m_new = st.neg_m(s), st.neg_m_new(s)
     c = f.unit
 
+    # the row max of each score tile (negated): VectorE, or under dropout through nki.* on
+    # NeuronCore-v3+ a share of the tiles on ScalarE (tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE: VectorE
+    # also draws the masks), whose -s output is not used; either is exact, so the bits are equal
+    on_act = _Splitter(T.FWD_NKI_DROPOUT_MAX_ACT_SHARE
+                       if f.dropout_p and f.gen3 and port.api() == "nki" else 0.0)
     for n in T.unrolled(nb):
-        if not (fused and fused[n]):
+        if fused and fused[n]:
+            continue
+        if on_act.take(widths[n]):
+            unused = nl.ndarray((r, widths[n]), dtype=f.mm, buffer=nl.sbuf)
+            port.activation_reduce(unused, nl.copy, s_tiles[n], reduce_op=nl.minimum,
+                                   reduce_res=stats[:, 2 + n:3 + n], scale=-1.0, mask=pred)
+        else:
             port.tensor_reduce(stats[:, 2 + n:3 + n], nl.maximum, s_tiles[n], axis=(1,),
                                negate=True, mask=pred)
     port.tensor_reduce(neg_m_new, nl.minimum, stats[:, 1:2 + nb], axis=(1,), mask=pred)
