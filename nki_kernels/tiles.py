@@ -902,6 +902,12 @@ DECODE_MERGE_L_FLOOR = 1.0e-30
 #: which DMA stops reaching full rate (hardware-and-limits.md §3).
 DECODE_PAGE_SIZE_MIN = 16
 
+#: ``host.api.flash_attention_with_kvcache``: T new tokens per sequence up to this many run the
+#: split-KV decode kernels, more run the prefill forward over the cache (``kv_lens`` gathers,
+#: paged through the block table). Chosen from the trn2 scheduled estimates of both kernels on
+#: the same calls (CHANGELOG 0.2.0, ``benchmarks/kvcache.py``).
+KVCACHE_DECODE_MAX_TOKENS = 64
+
 
 class DecodeTiles(NamedTuple):
     """Compile-time tiling of one decode call (``decode_tiles``)."""
