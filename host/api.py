@@ -964,8 +964,7 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
                          scale=scale, causal=True, window=window, tree_mask=tree_mask,
                          num_splits=num_splits, mixed_precision=mixed_precision,
                          return_lse=return_lse, softcap=softcap, alibi_slopes=alibi_slopes,
-                         sinks=sinks, lnc=lnc, max_new_tokens=_v.MAX_DECODE_TOKENS,
-                         decode_up_to=_v.MAX_DECODE_TOKENS)
+                         sinks=sinks, lnc=lnc, decode_only=True)
     return _kvcache_outputs(call, q, k_cache, v_cache)
 
 
@@ -1029,15 +1028,19 @@ class KVCacheCall(NamedTuple):
     prefill: bool                       # the forward kernel; False: the split-KV decode kernels
 
 
-def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table, scale, causal, window,
-                  tree_mask, num_splits, mixed_precision, return_lse, softcap, alibi_slopes,
-                  sinks, lnc, max_new_tokens, decode_up_to) -> KVCacheCall:
+def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
+                  causal=True, window=None, tree_mask=None, num_splits=None,
+                  mixed_precision: bool = True, return_lse: bool = False, softcap=None,
+                  alibi_slopes=None, sinks=None, lnc=None,
+                  decode_only: bool = False) -> KVCacheCall:
     """Validate a call over a KV cache (arguments as in
     :func:`flash_attention_with_kvcache`) into one record and choose its kernel: the split-KV
-    decode kernels for ``T <= decode_up_to`` (and whenever ``tree_mask`` or ``num_splits``
-    asks for them), else -- and always with a window, which they lack -- the forward with the
-    cache lengths as ``kv_lens`` (and the block table). ``max_new_tokens``: the largest T
-    (None: any)."""
+    decode kernels for ``T <= tiles.KVCACHE_DECODE_MAX_TOKENS`` (and whenever ``tree_mask``
+    or ``num_splits`` asks for them), else -- and always with a window, which they lack -- the
+    forward with the cache lengths as ``kv_lens`` (and the block table). ``decode_only``
+    (:func:`flash_decode`): ``T <= 128``, all of which the decode kernels run."""
+    max_new_tokens = _v.MAX_DECODE_TOKENS if decode_only else None
+    decode_up_to = _v.MAX_DECODE_TOKENS if decode_only else tiles.KVCACHE_DECODE_MAX_TOKENS
     causal = _v.normalize_causal(causal)
     if causal == "top_left":
         raise ValueError("causal: over a KV cache the new tokens are the last T positions of "
@@ -1174,8 +1177,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_lens, block_table
                          scale=scale, causal=causal, window=window, tree_mask=tree_mask,
                          num_splits=num_splits, mixed_precision=mixed_precision,
                          return_lse=return_lse, softcap=softcap, alibi_slopes=alibi_slopes,
-                         sinks=sinks, lnc=lnc, max_new_tokens=None,
-                         decode_up_to=tiles.KVCACHE_DECODE_MAX_TOKENS)
+                         sinks=sinks, lnc=lnc)
     return _kvcache_outputs(call, q, k_cache, v_cache)
 
 

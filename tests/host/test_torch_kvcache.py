@@ -1,0 +1,41 @@
+"""The torch form of flash_attention_with_kvcache: a chunk over a paged cache against the float64
+reference, and its errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from host import reference as ref  # noqa: E402
+from host.torch_ops import flash_attention_with_kvcache  # noqa: E402
+from nki_kernels import tiles  # noqa: E402
+
+
+def test_chunk_over_a_paged_cache_matches_the_reference():
+    T = tiles.KVCACHE_DECODE_MAX_TOKENS + 1
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, T, 16, generator=g)
+    kc = torch.randn(2, 1, 192, 16, generator=g)
+    vc = torch.randn(2, 1, 192, 16, generator=g)
+    lens = torch.tensor([T, 170])
+    want, want_lse = ref.attention_forward(q.numpy(), kc.numpy(), vc.numpy(),
+                                           causal="bottom_right", kv_lens=lens.numpy())
+    (kp, vp), table = ref.contiguous_to_paged((kc.numpy(), vc.numpy()), lens.numpy(), 32,
+                                              np.random.default_rng(1), spare=3)
+    o, lse = flash_attention_with_kvcache(q, torch.from_numpy(kp), torch.from_numpy(vp),
+                                          cache_lens=lens, block_table=torch.from_numpy(table),
+                                          mixed_precision=False, return_lse=True)
+    assert o.dtype == torch.float32 and o.shape == q.shape and lse.shape == (2, 2, T)
+    assert np.abs(o.numpy() - want).max() < 1e-5
+    assert np.abs(lse.numpy() - want_lse).max() < 1e-5
+
+
+def test_refuses_autograd_and_top_left():
+    q = torch.randn(1, 1, 2, 16, requires_grad=True)
+    kc = torch.randn(1, 1, 20, 16)
+    with pytest.raises(RuntimeError, match="flash_attention_with_kvcache: has no autograd"):
+        flash_attention_with_kvcache(q, kc, kc, cache_lens=[20])
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="causal: .*got 'top_left'"):
+            flash_attention_with_kvcache(q, kc, kc, cache_lens=[20], causal="top_left")
