@@ -8,7 +8,7 @@ with k, v the 8192 cache positions as plain ``(B, Hkv, 8192, D)`` arrays. Goal: 
 call within 1.15x the baseline's time and 1.10x its HBM bytes (scheduled estimate, one
 NeuronCore of trn2). ``--threshold`` instead compares the split-KV decode kernels with the
 prefill forward over the same cache for several T (the choice of
-``tiles.KVCACHE_DECODE_MAX_TOKENS``).
+``tiles.kvcache_decode_max_tokens``).
 
 Numbers come from ``simulate.measure`` (exact HBM bytes; the scheduled estimate
 ``estimated_seconds``; NOT hardware timings).
@@ -87,7 +87,7 @@ def threshold_case(args, target):
     import host
     from nki_kernels import tiles
 
-    chosen = tiles.KVCACHE_DECODE_MAX_TOKENS
+    chosen = tiles.kvcache_decode_max_tokens
 
     rows = []
     print(f"\n{target}, one NeuronCore: B={args.batch} Hq={args.hq} Hkv={args.hkv} "
@@ -98,10 +98,10 @@ def threshold_case(args, target):
         runs = {}
         for name, limit in (("decode", T), ("prefill", T - 1)):
             # the same call, its kernel forced by the threshold
-            tiles.KVCACHE_DECODE_MAX_TOKENS = limit
+            tiles.kvcache_decode_max_tokens = lambda group, limit=limit: limit
             runs[name] = _measure(target, lambda: host.flash_attention_with_kvcache(
                 q, k, v, cache_lens=lens, lnc=1))
-        tiles.KVCACHE_DECODE_MAX_TOKENS = chosen
+        tiles.kvcache_decode_max_tokens = chosen
         dec, pre = runs["decode"], runs["prefill"]
         rows.append(dict(target=target, T=T, decode=dec, prefill=pre))
         print(f"  T={T:4d}: decode {dec['estimated_us']:9.1f} us  prefill "

@@ -1035,12 +1035,11 @@ def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=No
                   decode_only: bool = False) -> KVCacheCall:
     """Validate a call over a KV cache (arguments as in
     :func:`flash_attention_with_kvcache`) into one record and choose its kernel: the split-KV
-    decode kernels for ``T <= tiles.KVCACHE_DECODE_MAX_TOKENS`` (and whenever ``tree_mask``
+    decode kernels for ``T <= tiles.kvcache_decode_max_tokens(G)`` (and whenever ``tree_mask``
     or ``num_splits`` asks for them), else -- and always with a window, which they lack -- the
     forward with the cache lengths as ``kv_lens`` (and the block table). ``decode_only``
     (:func:`flash_decode`): ``T <= 128``, all of which the decode kernels run."""
     max_new_tokens = _v.MAX_DECODE_TOKENS if decode_only else None
-    decode_up_to = _v.MAX_DECODE_TOKENS if decode_only else tiles.KVCACHE_DECODE_MAX_TOKENS
     causal = _v.normalize_causal(causal)
     if causal == "top_left":
         raise ValueError("causal: over a KV cache the new tokens are the last T positions of "
@@ -1054,6 +1053,8 @@ def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=No
                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, lnc=lnc,
                         max_new_tokens=max_new_tokens)
     T = call.inputs.T
+    decode_up_to = (_v.MAX_DECODE_TOKENS if decode_only
+                    else tiles.kvcache_decode_max_tokens(call.inputs.group))
     for name, value in (("tree_mask", tree_mask), ("num_splits", num_splits)):
         if value is None:
             continue
@@ -1166,8 +1167,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_lens, block_table
     o : numpy.ndarray (B, Hq, T, D), q's dtype
     lse : numpy.ndarray (B, Hq, T) float32, only with ``return_lse``
 
-    Kernels: ``T <= nki_kernels.tiles.KVCACHE_DECODE_MAX_TOKENS`` (and a tree mask or
-    ``num_splits``) runs the split-KV decode kernels of :func:`flash_decode`; larger T, or a
+    Kernels: ``T <= nki_kernels.tiles.kvcache_decode_max_tokens(Hq // Hkv)`` (64, up to 128
+    for ``Hq // Hkv <= 2``; and a tree mask or ``num_splits``) runs the split-KV decode
+    kernels of :func:`flash_decode` (faster there on the trn2 estimates); larger T, or a
     window, runs the prefill forward (:func:`flash_attention`'s kernel) with ``kv_lens =
     cache_lens``, whose key loads gather the valid cache rows -- through the block table when
     paged, one table entry per key -- into the same K/V staging as a contiguous input. Both

@@ -419,11 +419,11 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.decode or args.kvcache:
         T = 1 if args.tokens is None else args.tokens
-        from nki_kernels.tiles import KVCACHE_DECODE_MAX_TOKENS
+        from nki_kernels.tiles import kvcache_decode_max_tokens
 
         # the split-KV decode kernels stream the cache (memory-bound); the prefill forward
         # over it is compute-bound
-        memory_bound = args.decode or T <= KVCACHE_DECODE_MAX_TOKENS
+        memory_bound = args.decode or T <= kvcache_decode_max_tokens(Hq // Hkv)
         page_size = 256 if args.page_size is None else args.page_size
         cache_lens = np.array(args.cache_len if args.cache_len else [args.seq] * B, dtype=np.int32)
         s_max = int(max(int(cache_lens.max()), args.seq))

@@ -16,8 +16,8 @@ from nki_kernels import tiles
 
 from _decode_helpers import BF16, inputs
 
-#: the first T the prefill kernel runs
-PREFILL_T = tiles.KVCACHE_DECODE_MAX_TOKENS + 1
+#: the first T the prefill kernel runs at 4 query heads per kv head (the tests' group)
+PREFILL_T = tiles.kvcache_decode_max_tokens(4) + 1
 
 
 def _paged(k, v, lens, page_size, seed=1):
@@ -52,7 +52,7 @@ def test_chunk_paged_equals_contiguous_with_length_1_and_a_chunk_equal_to_its_ca
     sequence 1 a chunk after a 181-position prefix ending in a partial page; paged and
     contiguous give the same bits, within the rule of the float64 reference."""
     T = PREFILL_T
-    q, k, v = inputs(B=2, Hq=4, Hkv=2, T=T, S_max=256, D=32)
+    q, k, v = inputs(B=2, Hq=8, Hkv=2, T=T, S_max=256, D=32)
     lens = np.array([T, 181 + T])
     kp, vp, table = _paged(k, v, lens, 32)
     o, lse = host.flash_attention_with_kvcache(q, kp, vp, cache_lens=lens, block_table=table,
@@ -76,7 +76,7 @@ def test_pages_shared_between_sequences():
     """Prefix caching: both sequences' first two pages are the same pages of the pool (a
     shared prompt); each then has its own chunk."""
     T, ps = PREFILL_T, 32
-    q, k, v = inputs(B=2, Hq=2, Hkv=1, T=T, S_max=192, D=32, seed=3)
+    q, k, v = inputs(B=2, Hq=4, Hkv=1, T=T, S_max=192, D=32, seed=3)
     k[1, :, :2 * ps], v[1, :, :2 * ps] = k[0, :, :2 * ps], v[0, :, :2 * ps]
     lens = np.array([2 * ps + T, 2 * ps + T + 20])
     kp, vp, table = _paged(k, v, lens, ps)
@@ -89,12 +89,12 @@ def test_pages_shared_between_sequences():
 @pytest.mark.parametrize("causal,window,mods", [
     (False, None, {}),
     (True, (40, 0), dict(softcap=20.0)),
-    (False, (30, 10), dict(alibi_slopes=np.array([0.5, 0.25], np.float32))),
-    (True, None, dict(sinks=np.array([1.0, -0.5], np.float32))),
+    (False, (30, 10), dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 1.0], np.float32))),
+    (True, None, dict(sinks=np.array([1.0, -0.5, 0.0, 2.0], np.float32))),
 ])
 def test_prefill_masks_and_score_modifiers(causal, window, mods):
     T = PREFILL_T
-    q, k, v = inputs(B=2, Hq=2, Hkv=1, T=T, S_max=256, D=32, seed=5)
+    q, k, v = inputs(B=2, Hq=4, Hkv=1, T=T, S_max=256, D=32, seed=5)
     lens = np.array([T + 3, 250])
     kp, vp, table = _paged(k, v, lens, 64)
     o, lse = host.flash_attention_with_kvcache(q, kp, vp, cache_lens=lens, block_table=table,
@@ -107,18 +107,31 @@ def test_prefill_masks_and_score_modifiers(causal, window, mods):
 def test_both_kernels_agree_at_the_threshold(monkeypatch, causal):
     """The same call run by the decode kernels (T at the threshold) and by the prefill kernel
     (threshold lowered by one): both within the rule, and within rounding of each other."""
-    T = tiles.KVCACHE_DECODE_MAX_TOKENS
-    q, k, v = inputs(B=2, Hq=4, Hkv=2, T=T, S_max=256, D=32, seed=7)
+    T = tiles.kvcache_decode_max_tokens(4)
+    q, k, v = inputs(B=2, Hq=4, Hkv=1, T=T, S_max=256, D=32, seed=7)
     lens = np.array([T, 200])
     kp, vp, table = _paged(k, v, lens, 32)
     outs = []
     for limit in (T, T - 1):
-        monkeypatch.setattr(tiles, "KVCACHE_DECODE_MAX_TOKENS", limit)
+        monkeypatch.setattr(tiles, "kvcache_decode_max_tokens", lambda group, n=limit: n)
         outs.append(host.flash_attention_with_kvcache(q, kp, vp, cache_lens=lens,
                                                       block_table=table, causal=causal,
                                                       return_lse=True))
         _check(*outs[-1], q, k, v, lens, causal=causal)
     np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-2)
+
+
+@pytest.mark.parametrize("Hq,T,window,prefill", [
+    (4, 64, None, False), (4, 65, None, True),          # G = 4: T <= 64
+    (1, 128, None, False), (2, 96, None, False),         # G <= 2: G T <= 192 rows
+    (2, 97, None, True), (8, 1, (4, 0), True),           # a window: always the prefill kernel
+])
+def test_kernel_choice(Hq, T, window, prefill):
+    from host import api
+
+    q, k, v = inputs(B=1, Hq=Hq, Hkv=1, T=T, S_max=128, D=16)
+    call = api._kvcache_call(q, k, v, cache_lens=[128], window=window)
+    assert call.prefill is prefill
 
 
 def test_flash_decode_window():
@@ -134,7 +147,7 @@ def test_paged_prefill_nki_matches_legacy_in_strict_mode(monkeypatch, strict_sim
     from nki_kernels import nki as binding
 
     T = PREFILL_T
-    q, k, v = inputs(B=2, Hq=2, Hkv=2, T=T, S_max=256, D=32, seed=9)
+    q, k, v = inputs(B=2, Hq=8, Hkv=2, T=T, S_max=256, D=32, seed=9)
     lens = np.array([T, 230])
     kp, vp, table = _paged(k, v, lens, 16)
     runs = []
@@ -171,7 +184,7 @@ def test_errors_name_the_argument(kw, match):
 
 
 def test_block_table_out_of_range():
-    q, k, v = inputs(B=2, Hq=2, Hkv=1, T=PREFILL_T, S_max=128, D=16)
+    q, k, v = inputs(B=2, Hq=4, Hkv=1, T=PREFILL_T, S_max=128, D=16)
     lens = np.array([PREFILL_T, 128])
     kp, vp, table = _paged(k, v, lens, 16)
     table[1, 7] = kp.shape[0]

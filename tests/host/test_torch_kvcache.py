@@ -13,9 +13,9 @@ from nki_kernels import tiles  # noqa: E402
 
 
 def test_chunk_over_a_paged_cache_matches_the_reference():
-    T = tiles.KVCACHE_DECODE_MAX_TOKENS + 1
+    T = tiles.kvcache_decode_max_tokens(4) + 1
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 2, T, 16, generator=g)
+    q = torch.randn(2, 4, T, 16, generator=g)
     kc = torch.randn(2, 1, 192, 16, generator=g)
     vc = torch.randn(2, 1, 192, 16, generator=g)
     lens = torch.tensor([T, 170])
@@ -26,7 +26,7 @@ def test_chunk_over_a_paged_cache_matches_the_reference():
     o, lse = flash_attention_with_kvcache(q, torch.from_numpy(kp), torch.from_numpy(vp),
                                           cache_lens=lens, block_table=torch.from_numpy(table),
                                           mixed_precision=False, return_lse=True)
-    assert o.dtype == torch.float32 and o.shape == q.shape and lse.shape == (2, 2, T)
+    assert o.dtype == torch.float32 and o.shape == q.shape and lse.shape == (2, 4, T)
     assert np.abs(o.numpy() - want).max() < 1e-5
     assert np.abs(lse.numpy() - want_lse).max() < 1e-5
 
