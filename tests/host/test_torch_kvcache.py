@@ -1,5 +1,5 @@
 """The torch form of flash_attention_with_kvcache: a chunk over a paged cache against the float64
-reference, and its errors."""
+reference (its errors: test_torch_decode_and_padding.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,12 +30,3 @@ def test_chunk_over_a_paged_cache_matches_the_reference():
     assert np.abs(o.numpy() - want).max() < 1e-5
     assert np.abs(lse.numpy() - want_lse).max() < 1e-5
 
-
-def test_refuses_autograd_and_top_left():
-    q = torch.randn(1, 1, 2, 16, requires_grad=True)
-    kc = torch.randn(1, 1, 20, 16)
-    with pytest.raises(RuntimeError, match="flash_attention_with_kvcache: has no autograd"):
-        flash_attention_with_kvcache(q, kc, kc, cache_lens=[20])
-    with torch.no_grad():
-        with pytest.raises(ValueError, match="causal: .*got 'top_left'"):
-            flash_attention_with_kvcache(q, kc, kc, cache_lens=[20], causal="top_left")
