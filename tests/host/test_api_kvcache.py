@@ -169,6 +169,26 @@ def test_paged_prefill_io_is_the_contiguous_one_plus_one_table_entry_per_key():
                                     + paged.per_tensor["block_table"]["read"])
 
 
+@pytest.mark.skipif(BACKEND != "simulate", reason="simulate.measure needs the bundled simulator")
+def test_paging_adds_a_program_size_independent_of_the_cache():
+    """The table lookups are a compiled loop: paging adds the same instructions to the program
+    whatever the cache length."""
+    import simulate
+
+    added = []
+    for S in (256, 1024):
+        q, k, v = inputs(B=1, Hq=4, Hkv=1, T=PREFILL_T, S_max=S, D=16)
+        lens = np.array([S])
+        kp, vp, table = _paged(k, v, lens, 32)
+        sizes = []
+        for kk, vv, extra in ((k, v, {}), (kp, vp, dict(block_table=table))):
+            with simulate.measure(target="trn2") as m:
+                host.flash_attention_with_kvcache(q, kk, vv, cache_lens=lens, **extra)
+            sizes.append(m.program_instructions)
+        added.append(sizes[1] - sizes[0])
+    assert added[0] == added[1] > 0
+
+
 def test_paged_prefill_nki_matches_legacy_in_strict_mode(monkeypatch, strict_sim):
     """The paged gathers (table lookups in a compiled loop, pool-row arithmetic) trace through
     both namespaces under strict simulation and give the same bits."""
