@@ -1039,6 +1039,8 @@ def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=No
     or ``num_splits`` asks for them), else -- and always with a window, which they lack -- the
     forward with the cache lengths as ``kv_lens`` (and the block table). ``decode_only``
     (:func:`flash_decode`): ``T <= 128``, all of which the decode kernels run."""
+    from nki_kernels.attention import masks as M
+
     max_new_tokens = _v.MAX_DECODE_TOKENS if decode_only else None
     causal = _v.normalize_causal(causal)
     if causal == "top_left":
@@ -1067,6 +1069,15 @@ def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=No
                          "causal=True, got causal=False")
     prefill = window is not None or (tree_mask is None and num_splits is None
                                      and T > decode_up_to)
+    pages = call.pages
+    if prefill and pages is not None and max(
+            2 * call.inputs.S_max, M.oob_offset(call.inputs.B * pages.max_blocks)
+    ) >= tiles.FWD_PAGED_INDEX_LIMIT:
+        raise ValueError(
+            f"block_table: the prefill kernel over a paged cache indexes positions and table "
+            f"entries in fp32 below 2^22 (twice max_blocks * page_size = "
+            f"{2 * call.inputs.S_max}, B * max_blocks = {call.inputs.B * pages.max_blocks}); "
+            f"split the batch or the table")
     if not prefill and causal is None:
         # no causal mask: every new token sees every new token (the decode kernels' tree)
         call = call._replace(inputs=call.inputs._replace(tree_mask=np.ones((T, T), bool)))

@@ -912,6 +912,10 @@ DECODE_PAGE_SIZE_MIN = 16
 #: T = 72 192 / 186; G = 8: T = 64 529 / 553, T = 72 621 / 556.
 KVCACHE_DECODE_MAX_TOKENS = 64
 KVCACHE_DECODE_MAX_ROWS = 192
+#: The paged forward (``forward.paged_key_rows``) finds a key's page and offset in fp32: its
+#: positions (below twice the logical capacity ``max_blocks * page_size``) and table indices
+#: (below ``2 B max_blocks + 128``) stay under 2^22, where ``masks.int_mod``'s floor is exact.
+FWD_PAGED_INDEX_LIMIT = 2 ** 22
 
 
 def kvcache_decode_max_tokens(group: int) -> int:

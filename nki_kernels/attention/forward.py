@@ -1807,6 +1807,11 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     if block_table is not None and kv_lens is None:
         raise ValueError("block_table: a paged K/V cache needs kv_lens (the keys are gathered "
                          "through the table)")
+    if block_table is not None and max(2 * Nk, M.oob_offset(int(np.prod(
+            block_table.shape)))) >= T.FWD_PAGED_INDEX_LIMIT:
+        raise ValueError(f"block_table: the paged forward indexes keys and table entries in "
+                         f"fp32 below 2^22; got {tuple(block_table.shape)} entries of "
+                         f"{k.shape[2]} positions")
     lens = kv_lens is not None or q_lens is not None
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
                       mods.alibi)

@@ -231,6 +231,16 @@ def test_errors_name_the_argument(kw, match):
         _call(**kw)
 
 
+def test_paged_prefill_index_limit():
+    q, k, v = inputs(B=1, Hq=4, Hkv=1, T=PREFILL_T, S_max=128, D=16)
+    kp, vp, table = _paged(k, v, [128], 16)
+    big = np.full((1, (1 << 21) // 16), -1, dtype=np.int32)
+    big[0, :table.shape[1]] = table[0]
+    with pytest.raises(ValueError, match=r"block_table: the prefill kernel over a paged cache "
+                                         r"indexes .* below 2\^22"):
+        host.flash_attention_with_kvcache(q, kp, vp, cache_lens=[128], block_table=big)
+
+
 def test_block_table_out_of_range():
     q, k, v = inputs(B=2, Hq=4, Hkv=1, T=PREFILL_T, S_max=128, D=16)
     lens = np.array([PREFILL_T, 128])
