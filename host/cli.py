@@ -556,9 +556,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.check != "none":
         avail = _available_memory_bytes()
         if avail is not None and need > REFERENCE_MEMORY_FRACTION * avail:
+            sampled = args.check == "full" and not (args.decode or args.kvcache)
             hint = ("use --check fast (an exact float64 check of up to "
                     f"{2 * FAST_CHECK_EDGE_ROWS + FAST_CHECK_SPREAD_ROWS} sampled query rows per "
-                    "head) or --check none" if args.check == "full" and not (args.decode or args.kvcache) else
+                    "head) or --check none" if sampled else
                     "use --check none, or fewer heads/sequences")
             raise EnvironmentProblem(
                 f"the float64 reference check needs about {_fmt_bytes(need)} of memory and "

@@ -1754,8 +1754,9 @@ def _core_range(count: int, core):
 
 @port.jit
 def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slopes=None,
-                        sinks=None, block_table=None, scale=1.0, causal=None, window=None, mm_dtype="bfloat16",
-                        tiles=None, lnc=1, dropout_p=0.0, dropout_mask=False, softcap=None):
+                        sinks=None, block_table=None, scale=1.0, causal=None, window=None,
+                        mm_dtype="bfloat16", tiles=None, lnc=1, dropout_p=0.0,
+                        dropout_mask=False, softcap=None):
     """Flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B, Hkv, Nk, D)``.
 
     Launch on the grid of :func:`forward_grid` (legacy: ``(B, Hkv)``; nki.*: ``(lnc,)``).
@@ -1831,8 +1832,6 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     # draw makes VectorE the busiest engine, and when the rows may reach 2^24 (beyond fp32's
     # exact integers); else in fp32 on VectorE
     exact = bool(dropout_p) or (lens and max(B * Hq * Nq, B * Hkv * Nk) >= T.FP32_EXACT_INT)
-    exact = exact or (block_table is not None
-                      and int(np.prod(block_table.shape)) >= T.FP32_EXACT_INT)
     indices = (port.OffsetColumns(0, max(B, Hkv, Hq, T.ceil_div(Nq, T.PMAX),
                                          T.ceil_div(Nk, T.PMAX)), 1, exact=exact)
                if dropout_p or lens else None)
