@@ -96,12 +96,14 @@ def threshold_case(args, target):
         q, k, v = _inputs(args, T)
         lens = np.full(args.batch, args.seq)
         runs = {}
-        for name, limit in (("decode", T), ("prefill", T - 1)):
-            # the same call, its kernel forced by the threshold
-            tiles.kvcache_decode_max_tokens = lambda group, limit=limit: limit
-            runs[name] = _measure(target, lambda: host.flash_attention_with_kvcache(
-                q, k, v, cache_lens=lens, lnc=1))
-        tiles.kvcache_decode_max_tokens = chosen
+        try:
+            for name, limit in (("decode", T), ("prefill", T - 1)):
+                # the same call, its kernel forced by the threshold
+                tiles.kvcache_decode_max_tokens = lambda group, limit=limit: limit
+                runs[name] = _measure(target, lambda: host.flash_attention_with_kvcache(
+                    q, k, v, cache_lens=lens, lnc=1))
+        finally:
+            tiles.kvcache_decode_max_tokens = chosen
         dec, pre = runs["decode"], runs["prefill"]
         rows.append(dict(target=target, T=T, decode=dec, prefill=pre))
         print(f"  T={T:4d}: decode {dec['estimated_us']:9.1f} us  prefill "
