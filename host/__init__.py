@@ -5,6 +5,7 @@ Attention (shapes ``(B, H, N, D)``; semantics in docs/semantics.md):
 - :func:`flash_attention` — prefill forward, returns ``o`` (and ``lse`` with ``return_lse``).
 - :func:`flash_attention_backward` — ``(dq, dk, dv)`` from ``do``, the inputs, ``o`` and ``lse``.
 - :func:`flash_decode` — split-KV decoding of T new tokens against a KV cache.
+- :func:`flash_attention_with_kvcache` — any T over a (paged) KV cache: chunked prefill.
 - :func:`attention_unfused` — standard attention that writes S and P to HBM (the baseline).
 
 Fused kernels: :func:`linear_gelu` (GELU(x @ W + b)), :func:`online_softmax`.
@@ -26,6 +27,7 @@ _API = (
     "flash_attention",
     "flash_attention_backward",
     "flash_attention_backward_hbm_bytes",
+    "flash_attention_with_kvcache",
     "flash_decode",
     "flash_decode_hbm_bytes",
     "linear_gelu",

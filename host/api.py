@@ -695,15 +695,17 @@ class DecodeCall(NamedTuple):
 def _decode_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision: bool = True,
                  return_lse: bool = False, softcap=None, alibi_slopes=None, sinks=None,
-                 lnc=None) -> DecodeCall:
+                 lnc=None, max_new_tokens=_v.MAX_DECODE_TOKENS) -> DecodeCall:
     """Validate a decode call (arguments as in :func:`flash_decode`) into one record. In a
-    paged call ``inputs.S_max`` is the logical capacity ``max_blocks * page_size``."""
+    paged call ``inputs.S_max`` is the logical capacity ``max_blocks * page_size``.
+    ``max_new_tokens``: the largest T (None: any, :func:`flash_attention_with_kvcache`)."""
     if block_table is None:
-        inputs, pages = _v.check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask), None
+        inputs, pages = _v.check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask,
+                                               max_new_tokens=max_new_tokens), None
     else:
         inputs, pages = _v.check_paged_decode_inputs(
             q, k_cache, v_cache, cache_lens, block_table, tree_mask,
-            page_size_min=tiles.DECODE_PAGE_SIZE_MIN)
+            page_size_min=tiles.DECODE_PAGE_SIZE_MIN, max_new_tokens=max_new_tokens)
     scale = _v.check_scale(scale, inputs.D)
     if num_splits is not None:
         num_splits = _v.check_int("num_splits", num_splits, minimum=1)
@@ -888,7 +890,7 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
 def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision: bool = True,
                  return_lse: bool = False, softcap=None, alibi_slopes=None, sinks=None,
-                 lnc=None):
+                 lnc=None, window=None):
     """Attention of T new tokens per sequence over a KV cache (split-KV flash decoding).
 
     Parameters
@@ -935,6 +937,11 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     lnc : None, 1 or 2
         NeuronCores per logical core (None: 2 on trn2, else 1). With 2 the split kernel's
         programs are spread over both cores (:func:`decode_launch`).
+    window : None or (left, right)
+        Sliding window as in :func:`flash_attention` (new token t at position ``cache_lens[b]
+        - T + t``; -1 = unbounded side). The split-KV kernels have no window: a windowed call
+        runs the prefill-class kernel of :func:`flash_attention_with_kvcache` (same
+        semantics; ``num_splits`` and ``tree_mask`` are refused with it).
 
     Returns
     -------
@@ -948,17 +955,16 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
 
     Without a tree mask this equals ``flash_attention(q, k[:, :, :L], v[:, :, :L],
     causal="bottom_right")`` for each sequence with ``L = cache_lens[b]``. HBM traffic:
-    :func:`flash_decode_hbm_bytes`.
+    :func:`flash_decode_hbm_bytes` (without a window). This is the small-T case of
+    :func:`flash_attention_with_kvcache`: the same validation and semantics, with the
+    split-KV kernels kept for every T (unless a window is given).
     """
-    call = _decode_call(q, k_cache, v_cache, cache_lens=cache_lens, block_table=block_table,
-                        scale=scale, tree_mask=tree_mask, num_splits=num_splits,
-                        mixed_precision=mixed_precision, return_lse=return_lse,
-                        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, lnc=lnc)
-    q, k_cache, v_cache = _numpy("q", q), _numpy("k_cache", k_cache), _numpy("v_cache", v_cache)
-    o, lse = run_decode(call, q, k_cache, v_cache, launch, lambda a: a)
-    B, Hq, T, D = call.inputs.B, call.inputs.Hq, call.inputs.T, call.inputs.D
-    o = o.reshape(B, Hq, T, D)
-    return (o, lse.reshape(B, Hq, T)) if call.return_lse else o
+    call = _kvcache_call(q, k_cache, v_cache, cache_lens=cache_lens, block_table=block_table,
+                         scale=scale, causal=True, window=window, tree_mask=tree_mask,
+                         num_splits=num_splits, mixed_precision=mixed_precision,
+                         return_lse=return_lse, softcap=softcap, alibi_slopes=alibi_slopes,
+                         sinks=sinks, lnc=lnc, decode_only=True)
+    return _kvcache_outputs(call, q, k_cache, v_cache)
 
 
 def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
@@ -1002,6 +1008,189 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
                port.launch_grid((tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),), api),
                o_part, lse_part, to_device(np.repeat(splits, Hq * T)),
                out_dtype=call.dtype, rows_per_program=tiles.DECODE_MERGE_ROWS)
+
+
+# ============================================================================================
+# Attention over a KV cache for any T (chunked prefill, prefix caching)
+# ============================================================================================
+
+
+class KVCacheCall(NamedTuple):
+    """One validated call over a KV cache (:func:`_kvcache_call`): its decode record (sizes,
+    lengths, pages, scale, modifiers, ...; the tree mask of the decode kernels), the mask
+    options, and which kernel runs it."""
+
+    decode: DecodeCall
+    causal: Optional[str]               # "bottom_right" or None
+    window: Optional[Tuple[int, int]]   # (left, right), -1 = unbounded; None: no window
+    mixed_precision: bool
+    prefill: bool                       # the forward kernel; False: the split-KV decode kernels
+
+
+def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
+                  causal=True, window=None, tree_mask=None, num_splits=None,
+                  mixed_precision: bool = True, return_lse: bool = False, softcap=None,
+                  alibi_slopes=None, sinks=None, lnc=None,
+                  decode_only: bool = False) -> KVCacheCall:
+    """Validate a call over a KV cache (arguments as in
+    :func:`flash_attention_with_kvcache`) into one record and choose its kernel: the split-KV
+    decode kernels for ``T <= tiles.kvcache_decode_max_tokens(G)`` (and whenever ``tree_mask``
+    or ``num_splits`` asks for them), else -- and always with a window, which they lack -- the
+    forward with the cache lengths as ``kv_lens`` (and the block table). ``decode_only``
+    (:func:`flash_decode`): ``T <= 128``, all of which the decode kernels run."""
+    from nki_kernels.attention import masks as M
+
+    max_new_tokens = _v.MAX_DECODE_TOKENS if decode_only else None
+    causal = _v.normalize_causal(causal)
+    if causal == "top_left":
+        raise ValueError("causal: over a KV cache the new tokens are the last T positions of "
+                         "each sequence, so the diagonal is bottom-right; expected True (= "
+                         "'bottom_right'), 'bottom_right', False or None, got 'top_left'")
+    window = _v.normalize_window(window)
+    mixed_precision = _check_bool("mixed_precision", mixed_precision)
+    call = _decode_call(q, k_cache, v_cache, cache_lens=cache_lens, block_table=block_table,
+                        scale=scale, tree_mask=tree_mask, num_splits=num_splits,
+                        mixed_precision=mixed_precision, return_lse=return_lse,
+                        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, lnc=lnc,
+                        max_new_tokens=max_new_tokens)
+    T = call.inputs.T
+    decode_up_to = (_v.MAX_DECODE_TOKENS if decode_only
+                    else tiles.kvcache_decode_max_tokens(call.inputs.group))
+    for name, value in (("tree_mask", tree_mask), ("num_splits", num_splits)):
+        if value is None:
+            continue
+        if window is not None or T > _v.MAX_DECODE_TOKENS:
+            raise ValueError(f"{name}: an option of the split-KV decode kernels (T <= "
+                             f"{_v.MAX_DECODE_TOKENS}, no window); this call has T={T}, "
+                             f"window={window!r}; allowed: None")
+    if tree_mask is not None and causal is None:
+        raise ValueError("tree_mask: replaces the causal mask among the new tokens; needs "
+                         "causal=True, got causal=False")
+    prefill = window is not None or (tree_mask is None and num_splits is None
+                                     and T > decode_up_to)
+    pages = call.pages
+    if prefill and pages is not None and max(
+            2 * call.inputs.S_max, M.oob_offset(call.inputs.B * pages.max_blocks)
+    ) >= tiles.FWD_PAGED_INDEX_LIMIT:
+        raise ValueError(
+            f"block_table: the prefill kernel over a paged cache indexes positions and table "
+            f"entries in fp32 below 2^22 (twice max_blocks * page_size = "
+            f"{2 * call.inputs.S_max}, B * max_blocks = {call.inputs.B * pages.max_blocks}); "
+            f"split the batch or the table")
+    if not prefill and causal is None:
+        # no causal mask: every new token sees every new token (the decode kernels' tree)
+        call = call._replace(inputs=call.inputs._replace(tree_mask=np.ones((T, T), bool)))
+    return KVCacheCall(call, causal, window, mixed_precision, prefill)
+
+
+def _prefill_call(call: KVCacheCall) -> AttentionCall:
+    """The forward's :class:`AttentionCall` of a call over a cache: q's T rows against the
+    cache's ``S_max`` key frame (paged: the logical capacity), ``kv_lens = cache_lens``. Its
+    bottom-right alignment ``kv_len - Nq`` is ``cache_lens[b] - T``, the new tokens'
+    positions."""
+    d = call.decode
+    i = d.inputs
+    dims = _v.AttentionShape(i.B, i.Hq, i.Hkv, i.T, i.S_max, i.D)
+    return AttentionCall(dims, d.dtype, d.scale, call.causal, call.window,
+                         _lengths_int32(i.cache_lens), None, call.mixed_precision, d.mm_dtype,
+                         d.lnc, Dropout(0.0, None), d.mods, None, None, None, d.return_lse,
+                         False)
+
+
+def run_kvcache(call: KVCacheCall, q, k_cache, v_cache, run, to_device):
+    """The launches of a validated call over a cache (:func:`_kvcache_call`): the decode
+    kernels (:func:`run_decode`) or the forward (:func:`_plan_forward`) with the cache lengths
+    and the block table as device data. ``run``/``to_device`` as :func:`run_decode`'s; returns
+    ``(o, lse)`` flat, ``(B Hq T, D)`` and ``(B Hq T,)``."""
+    d = call.decode
+    if not call.prefill:
+        return run_decode(d, q, k_cache, v_cache, run, to_device)
+    att = _prefill_call(call)
+    kernel, grid, kwargs = _plan_forward(att)
+    table = None if d.pages is None else to_device(d.pages.block_table)
+    mod_tensors = {name: None if a is None else to_device(a)
+                   for name, a in d.mods.tensors.items()}
+    o, lse = run(kernel, grid, q, k_cache, v_cache, kv_lens=to_device(att.kv_lens),
+                 block_table=table, **mod_tensors, **kwargs)
+    i = d.inputs
+    return o.reshape(i.B * i.Hq * i.T, i.D), lse.reshape(i.B * i.Hq * i.T)
+
+
+def _kvcache_outputs(call: KVCacheCall, q, k_cache, v_cache):
+    """Run a validated call on NumPy inputs through :func:`host._launch.launch`: ``o`` (and
+    ``lse`` with ``return_lse``) in the caller's shapes."""
+    q, k_cache, v_cache = _numpy("q", q), _numpy("k_cache", k_cache), _numpy("v_cache", v_cache)
+    o, lse = run_kvcache(call, q, k_cache, v_cache, launch, lambda a: a)
+    i = call.decode.inputs
+    o = np.asarray(o).reshape(i.B, i.Hq, i.T, i.D)
+    return (o, np.asarray(lse).reshape(i.B, i.Hq, i.T)) if call.decode.return_lse else o
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_lens, block_table=None,
+                                 scale=None, causal=True, window=None, tree_mask=None,
+                                 softcap=None, alibi_slopes=None, sinks=None, num_splits=None,
+                                 mixed_precision: bool = True, return_lse: bool = False,
+                                 lnc=None):
+    """Attention of T new tokens per sequence over a KV cache, any ``T >= 1``: decoding,
+    speculative trees, chunked prefill and prefix caching (FlashAttention's
+    ``flash_attn_with_kvcache`` in the ``(B, H, N, D)`` layout; docs/semantics.md).
+
+    Parameters
+    ----------
+    q : array (B, Hq, T, D)
+        Queries of the new tokens, ``T >= 1``, ``D <= 256``.
+    k_cache, v_cache : arrays (B, Hkv, S_max, D), or page pools (num_blocks, Hkv, page_size, D)
+        with ``block_table``
+        q's dtype (float32, bfloat16, float16); ``Hq % Hkv == 0``. They already hold the new
+        tokens' keys and values at positions ``cache_lens[b] - T .. cache_lens[b] - 1`` (the
+        tokens before them are the cached prefix: a shared prompt, earlier chunks).
+    cache_lens : (B,) ints, required
+        ``T <= cache_lens[b] <= S_max`` (paged: ``max_blocks_per_seq * page_size``). Device
+        data: new lengths do not recompile.
+    block_table : integer array (B, max_blocks_per_seq), optional
+        Paged cache as in :func:`flash_decode`: position p of sequence b is offset ``p %
+        page_size`` of page ``block_table[b, p // page_size]``; page_size a power of two >= 16;
+        the pages a sequence uses must be in ``[0, num_blocks)``; pages may be shared between
+        sequences (prefix caching).
+    scale : float, optional
+        Softmax scale, default ``1 / sqrt(D)``.
+    causal : True, "bottom_right", False or None
+        True (default) is bottom-right: new token t (position ``cache_lens[b] - T + t``) sees
+        the positions up to its own. False/None: every new token sees all ``cache_lens[b]``
+        positions. ``"top_left"`` is refused (ValueError).
+    window : None or (left, right)
+        Sliding window of :func:`flash_attention` (-1 = unbounded side), aligned as causal
+        aligns the new tokens: position ``cache_lens[b] - T + t`` sees keys j with ``pos - left
+        <= j <= pos + right``.
+    tree_mask : bool (T, T), optional
+        Speculative decoding (``T <= 128``, causal): as in :func:`flash_decode`.
+    softcap, alibi_slopes, sinks : optional
+        Score modifiers as in :func:`flash_attention`.
+    num_splits : int, optional
+        Splits of the decode kernels' cache scan (``T <= 128`` only), as in
+        :func:`flash_decode`.
+    mixed_precision, return_lse, lnc
+        As in :func:`flash_attention`.
+
+    Returns
+    -------
+    o : numpy.ndarray (B, Hq, T, D), q's dtype
+    lse : numpy.ndarray (B, Hq, T) float32, only with ``return_lse``
+
+    Kernels: ``T <= nki_kernels.tiles.kvcache_decode_max_tokens(Hq // Hkv)`` (64, up to 128
+    for ``Hq // Hkv <= 2``; and a tree mask or ``num_splits``) runs the split-KV decode
+    kernels of :func:`flash_decode` (faster there on the trn2 estimates); larger T, or a
+    window, runs the prefill forward (:func:`flash_attention`'s kernel) with ``kv_lens =
+    cache_lens``, whose key loads gather the valid cache rows -- through the block table when
+    paged, one table entry per key -- into the same K/V staging as a contiguous input. Both
+    give the same results up to rounding.
+    """
+    call = _kvcache_call(q, k_cache, v_cache, cache_lens=cache_lens, block_table=block_table,
+                         scale=scale, causal=causal, window=window, tree_mask=tree_mask,
+                         num_splits=num_splits, mixed_precision=mixed_precision,
+                         return_lse=return_lse, softcap=softcap, alibi_slopes=alibi_slopes,
+                         sinks=sinks, lnc=lnc)
+    return _kvcache_outputs(call, q, k_cache, v_cache)
 
 
 # ============================================================================================

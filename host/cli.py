@@ -1,7 +1,8 @@
 """The ``nki-flash`` command.
 
 ``nki-flash run``
-    runs flash attention (prefill forward, or ``--decode``) on the active backend, checks it
+    runs flash attention (prefill forward, ``--decode``, or ``--kvcache``: any number of new
+    tokens over a KV cache, e.g. a chunked prefill) on the active backend, checks it
     against the float64 reference, and reports the error and its tolerance, HBM traffic against
     the IO lower bound and the unfused algorithm, and modeled time on trn1, trn2 and trn3 with
     the TensorE utilization it implies (trn3 for the kernels ported to ``nki.*``, the only
@@ -49,10 +50,12 @@ FAST_CHECK_SPREAD_ROWS = 128
 #: Fraction of the available memory the reference may plan to use.
 REFERENCE_MEMORY_FRACTION = 0.8
 
-#: Flags of one mode only: (attribute, flag) pairs.
+#: Flags of one mode only: (attribute, flag) pairs. ``--kvcache`` takes the cache flags of
+#: ``--decode`` and the masks of :data:`_KVCACHE_MASKS`.
 _DECODE_ONLY = (("tokens", "--tokens"), ("cache_len", "--cache-len"),
                 ("num_splits", "--num-splits"), ("paged", "--paged"),
                 ("page_size", "--page-size"))
+_KVCACHE_MASKS = ("causal", "window")
 _PREFILL_ONLY = (("seq_q", "--seq-q"), ("seq_k", "--seq-k"), ("causal", "--causal"),
                  ("window", "--window"), ("kv_lens", "--kv-lens"), ("q_lens", "--q-lens"),
                  ("dropout", "--dropout"), ("block_sparse", "--block-sparse"))
@@ -127,6 +130,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="fp32 inputs: run matmuls in fp32 instead of bf16")
     run.add_argument("--decode", action="store_true",
                      help="decode instead of prefill: --tokens new tokens against a KV cache")
+    run.add_argument("--kvcache", action="store_true",
+                     help="flash_attention_with_kvcache: --tokens new tokens (any number: a "
+                          "chunked prefill) over a KV cache; takes the --decode flags and "
+                          "--causal (none, bottom_right) and --window")
     run.add_argument("--tokens", "-t", type=_positive_int, default=None,
                      help="decode: new tokens T per sequence (1)")
     run.add_argument("--cache-len", type=_int_list, default=None,
@@ -295,7 +302,7 @@ def _mods_label(args: argparse.Namespace) -> str:
 def _not_on_trn3(args: argparse.Namespace):
     """The flag of a kernel path that still traces only through the legacy namespace (so not on
     trn3, which runs only nki.*), or None (README, Backends: which kernels are ported)."""
-    if args.decode:
+    if args.decode or args.kvcache:
         from nki_kernels.tiles import FP32_EXACT_INT
 
         s_max = max(max(args.cache_len) if args.cache_len else 0, args.seq)
@@ -309,8 +316,16 @@ def _not_on_trn3(args: argparse.Namespace):
 
 def _check_flags(args: argparse.Namespace) -> None:
     """Refuse flags that the chosen mode would silently ignore."""
-    if args.decode:
-        given = [flag for attr, flag in _PREFILL_ONLY if getattr(args, attr) not in (None, False)]
+    if args.decode and args.kvcache:
+        raise UsageError("--decode and --kvcache: choose one (--kvcache runs any T, decode "
+                         "included)")
+    if args.decode or args.kvcache:
+        given = [flag for attr, flag in _PREFILL_ONLY if getattr(args, attr) not in (None, False)
+                 and not (args.kvcache and attr in _KVCACHE_MASKS)]
+        if given and args.kvcache:
+            raise UsageError(f"{', '.join(given)} does not apply to --kvcache (the new tokens "
+                             "attend to their cache: set the lengths with --cache-len, --seq "
+                             "and --tokens)")
         if given:
             raise UsageError(
                 f"{', '.join(given)} does not apply to --decode (decode attends each new token to "
@@ -320,7 +335,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     else:
         given = [flag for attr, flag in _DECODE_ONLY if getattr(args, attr) not in (None, False)]
         if given:
-            raise UsageError(f"{', '.join(given)} applies only with --decode")
+            raise UsageError(f"{', '.join(given)} applies only with --decode or --kvcache")
     if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
         raise UsageError(f"--dropout {args.dropout}: expected a probability in [0, 1)")
     if args.softcap is not None and not 2.0 ** -24 <= args.softcap <= 2.0 ** 24:
@@ -402,8 +417,13 @@ def _run(args: argparse.Namespace) -> int:
     mm_dtype = _matmul_dtype(dtype, args)
     rows = None     # query rows the check compares (None: all)
 
-    if args.decode:
+    if args.decode or args.kvcache:
         T = 1 if args.tokens is None else args.tokens
+        from nki_kernels.tiles import kvcache_decode_max_tokens
+
+        # the split-KV decode kernels stream the cache (memory-bound); the prefill forward
+        # over it is compute-bound
+        memory_bound = args.decode or T <= kvcache_decode_max_tokens(Hq // Hkv)
         page_size = 256 if args.page_size is None else args.page_size
         cache_lens = np.array(args.cache_len if args.cache_len else [args.seq] * B, dtype=np.int32)
         s_max = int(max(int(cache_lens.max()), args.seq))
@@ -413,7 +433,14 @@ def _run(args: argparse.Namespace) -> int:
         kwargs = dict(cache_lens=cache_lens, num_splits=args.num_splits,
                       mixed_precision=not args.no_mixed_precision, return_lse=True, **opts,
                       **mods)
-        label = (f"decode B={B} Hq={Hq} Hkv={Hkv} T={T} cache_lens={cache_lens.tolist()} "
+        mode = "decode"
+        if args.kvcache:
+            causal = None if args.causal == "none" else (args.causal or "bottom_right")
+            cache_masks = dict(causal=causal,
+                               window=tuple(args.window) if args.window else None)
+            mode = f"kvcache causal={causal}" + (f" window={cache_masks['window']}"
+                                                 if args.window else "")
+        label = (f"{mode} B={B} Hq={Hq} Hkv={Hkv} T={T} cache_lens={cache_lens.tolist()} "
                  f"S_max={s_max} D={D} {args.dtype}" + _mods_label(args))
         k_in, v_in = k, v
         if args.paged:
@@ -423,21 +450,38 @@ def _run(args: argparse.Namespace) -> int:
 
         def call(target):
             lnc = args.lnc if target == "trn2" else None   # trn1: one core per logical core
+            if args.kvcache:
+                return host.flash_attention_with_kvcache(q, k_in, v_in, lnc=lnc, **cache_masks,
+                                                         **kwargs)
             return host.flash_decode(q, k_in, v_in, lnc=lnc, **kwargs)
 
         def check_refs():
+            if args.kvcache:
+                # the forward over the contiguous cache with kv_lens = cache_lens
+                ref = reference.attention_forward(q, k, v, scale=args.scale,
+                                                  kv_lens=cache_lens, **cache_masks, **mods)
+                base = reference.attention_baseline_lowp(
+                    q, k, v, dtype=mm_dtype, out_dtype=dtype, scale=args.scale,
+                    kv_lens=cache_lens, **cache_masks, **mods)
+                return ref, (base, None)
             ref = reference.decode(q, k, v, cache_lens=cache_lens, scale=args.scale, **mods)
             base = reference.decode_baseline_lowp(q, k, v, cache_lens=cache_lens, dtype=mm_dtype,
                                                   out_dtype=dtype, scale=args.scale, **mods)
             return ref, (base, None)
 
         scores = B * Hq * T * s_max
-        visible_pairs = int(sum(Hq * (T * (int(c) - T) + T * (T + 1) // 2) for c in cache_lens))
+        if args.kvcache:
+            visible_pairs = Hq * int(reference.attention_mask(
+                T, s_max, batch=B, kv_lens=cache_lens, **cache_masks).sum())
+        else:
+            visible_pairs = int(sum(Hq * (T * (int(c) - T) + T * (T + 1) // 2)
+                                    for c in cache_lens))
         lower_bound = (q.nbytes + 2 * sum(Hkv * int(c) * D * dtype.itemsize for c in cache_lens)
                        + q.nbytes + B * Hq * T * 4)
         bound_says = "Q read, the valid K/V read once, O and LSE written once"
         unfused = None
     else:
+        memory_bound = False
         causal = "bottom_right" if args.causal is None else args.causal
         causal = None if causal == "none" else causal
         Nq = args.seq_q or args.seq
@@ -512,9 +556,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.check != "none":
         avail = _available_memory_bytes()
         if avail is not None and need > REFERENCE_MEMORY_FRACTION * avail:
+            sampled = args.check == "full" and not (args.decode or args.kvcache)
             hint = ("use --check fast (an exact float64 check of up to "
                     f"{2 * FAST_CHECK_EDGE_ROWS + FAST_CHECK_SPREAD_ROWS} sampled query rows per "
-                    "head) or --check none" if args.check == "full" and not args.decode else
+                    "head) or --check none" if sampled else
                     "use --check none, or fewer heads/sequences")
             raise EnvironmentProblem(
                 f"the float64 reference check needs about {_fmt_bytes(need)} of memory and "
@@ -539,7 +584,7 @@ def _run(args: argparse.Namespace) -> int:
             hw = _hw.get_target(target)
             # NeuronCores the launch ran on in parallel (2 with LNC=2): the peak scales with them
             cores = max((k.cores for k in m.kernels), default=1)
-            if args.decode:     # memory-bound: the fraction of the HBM-bandwidth bound reached
+            if memory_bound:    # the fraction of the HBM-bandwidth bound reached
                 # (the chip's HBM bandwidth shared evenly by its cores, hardware-and-limits.md §3)
                 bound = lower_bound / (cores * hw.hbm_share_bytes_per_s)
                 util = [bound / hi, bound / lo]
@@ -598,7 +643,7 @@ def _run(args: argparse.Namespace) -> int:
                  f"({unfused / total:.1f}x more)" if unfused else ""))
         report.update(io_lower_bound_bytes=int(lower_bound),
                       unfused_bytes=int(unfused) if unfused else None)
-        util_name = "HBM-BW util" if args.decode else "TensorE util"
+        util_name = "HBM-BW util" if memory_bound else "TensorE util"
         print(f"{'target':8s}{'modeled time (overlap .. serial)':>36s}{'scheduled':>12s}"
               f"{util_name:>18s}   busiest engines")
         for target, e in report["targets"].items():

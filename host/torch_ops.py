@@ -64,7 +64,8 @@ except ImportError as _exc:  # pragma: no cover - exercised only without torch
 import host
 from host import validation as _v
 
-__all__ = ["flash_attention", "scaled_dot_product_attention", "flash_decode"]
+__all__ = ["flash_attention", "scaled_dot_product_attention", "flash_decode",
+           "flash_attention_with_kvcache"]
 
 # --------------------------------------------------------------------------------------------
 # Dtypes and conversion
@@ -1032,7 +1033,7 @@ def _host_ints(name: str, x):
 
 def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision=True, return_lse=False,
-                 softcap=None, alibi_slopes=None, sinks=None):
+                 softcap=None, alibi_slopes=None, sinks=None, window=None):
     """:func:`host.flash_decode` on torch tensors: T new tokens per sequence over a contiguous
     ``(B, Hkv, S_max, D)`` or paged KV cache.
 
@@ -1043,38 +1044,64 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     work list are built from the lengths) or arrays. CPU tensors run on the active backend;
     XLA tensors launch the kernels on the device (untested without hardware). No autograd: a
     call with inputs that require grad while grad mode is on raises (use
-    :func:`flash_attention` to differentiate). ``softcap``, ``alibi_slopes``, ``sinks``: the
-    score modifiers of :func:`host.flash_decode`. Returns o (and lse) as torch tensors on q's
+    :func:`flash_attention` to differentiate). ``softcap``, ``alibi_slopes``, ``sinks``,
+    ``window``: as in :func:`host.flash_decode`. Returns o (and lse) as torch tensors on q's
     device, o in q's dtype, lse float32.
     """
+    return _over_cache("flash_decode", q, k_cache, v_cache, cache_lens=cache_lens,
+                       block_table=block_table, tree_mask=tree_mask, alibi_slopes=alibi_slopes,
+                       sinks=sinks, return_lse=return_lse, scale=scale, num_splits=num_splits,
+                       mixed_precision=mixed_precision, softcap=softcap, window=window)
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_lens, block_table=None,
+                                 scale=None, causal=True, window=None, tree_mask=None,
+                                 softcap=None, alibi_slopes=None, sinks=None, num_splits=None,
+                                 mixed_precision=True, return_lse=False):
+    """:func:`host.flash_attention_with_kvcache` on torch tensors: any T new tokens per
+    sequence over a contiguous or paged KV cache (chunked prefill, prefix caching, decode).
+    Arguments and devices as :func:`flash_decode` here (``causal``: True/"bottom_right" or
+    False; ``"top_left"`` is refused); no autograd. Returns o (and lse) as torch tensors on
+    q's device."""
+    return _over_cache("flash_attention_with_kvcache", q, k_cache, v_cache,
+                       cache_lens=cache_lens, block_table=block_table, tree_mask=tree_mask,
+                       alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
+                       scale=scale, causal=causal, window=window, softcap=softcap,
+                       num_splits=num_splits, mixed_precision=mixed_precision)
+
+
+def _over_cache(entry: str, q, k_cache, v_cache, *, cache_lens, block_table, tree_mask,
+                alibi_slopes, sinks, return_lse, **options):
+    """The torch form of the host entry point ``entry`` over a KV cache (``flash_decode``
+    or ``flash_attention_with_kvcache``): one validated call (:func:`host.api._kvcache_call`)
+    run on the active backend for CPU tensors, or launched on q's device (one NeuronCore)."""
     from host import api
 
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, x)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k_cache, v_cache)):
         raise RuntimeError(
-            "flash_decode: has no autograd (decode serves generation); call it under "
-            "torch.no_grad(), or use flash_attention to differentiate")
+            f"{entry}: has no autograd (it serves generation); call it under "
+            f"torch.no_grad(), or use flash_attention to differentiate")
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse: expected True or False, got {_v.describe(return_lse)}")
     lens, table = _host_ints("cache_lens", cache_lens), _host_ints("block_table", block_table)
     tree = None if tree_mask is None else (tree_mask.detach().to(_DEVICE_CPU).numpy()
                                            if isinstance(tree_mask, torch.Tensor) else tree_mask)
-    mods = dict(softcap=softcap, alibi_slopes=_host_floats(alibi_slopes)
+    mods = dict(alibi_slopes=_host_floats(alibi_slopes)
                 if isinstance(alibi_slopes, torch.Tensor) else alibi_slopes,
                 sinks=_host_floats(sinks) if isinstance(sinks, torch.Tensor) else sinks)
-    if _device_kind(q, k_cache, v_cache) == _DEVICE_CPU:
-        res = host.flash_decode(_to_numpy(q), _to_numpy(k_cache), _to_numpy(v_cache),
-                                cache_lens=lens, block_table=table, scale=scale,
-                                tree_mask=tree, num_splits=num_splits,
-                                mixed_precision=mixed_precision, return_lse=True, **mods)
-        o, lse = _to_torch(res[0], "o", q.dtype), _to_torch(res[1], "lse", torch.float32)
+    cpu = _device_kind(q, k_cache, v_cache) == _DEVICE_CPU
+    # one NeuronCore on a device: these entry points take no lnc
+    call = api._kvcache_call(q, k_cache, v_cache, cache_lens=lens, block_table=table,
+                             tree_mask=tree, return_lse=True, lnc=None if cpu else 1,
+                             decode_only=entry == "flash_decode", **mods, **options)
+    if cpu:
+        o, lse = api._kvcache_outputs(call, _to_numpy(q), _to_numpy(k_cache),
+                                      _to_numpy(v_cache))
+        o, lse = _to_torch(o, "o", q.dtype), _to_torch(lse, "lse", torch.float32)
     else:
-        # one NeuronCore: this entry point takes no lnc
-        call = api._decode_call(q, k_cache, v_cache, cache_lens=lens, block_table=table,
-                                scale=scale, tree_mask=tree, num_splits=num_splits,
-                                mixed_precision=mixed_precision, lnc=1, **mods)
-        o, lse = api.run_decode(
+        o, lse = api.run_kvcache(
             call, q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
             lambda kernel, grid, *a, **kw: kernel[grid](*a, **kw),
             lambda a: torch.as_tensor(np.ascontiguousarray(a)).to(q.device))

@@ -911,6 +911,27 @@ DECODE_MERGE_L_FLOOR = 1.0e-30
 #: which DMA stops reaching full rate (hardware-and-limits.md §3).
 DECODE_PAGE_SIZE_MIN = 16
 
+#: ``host.api.flash_attention_with_kvcache`` runs the split-KV decode kernels for T new tokens
+#: per sequence up to :func:`kvcache_decode_max_tokens`, the prefill forward over the cache
+#: (``kv_lens`` gathers, paged through the block table) for more: the decode kernels win while
+#: T <= 64 or the G T query rows of a kv head stay within 192. From the trn2 scheduled
+#: estimates of both kernels on the same calls (one core, 8192 cached positions, D = 128,
+#: ``benchmarks/kvcache.py --threshold``): decode / prefill us at G = 1: T = 64 226 / 422,
+#: T = 128 353 / 427; G = 2: T = 96 253 / 262, T = 128 289 / 266; G = 4: T = 64 149 / 184,
+#: T = 72 192 / 186; G = 8: T = 64 529 / 553, T = 72 621 / 556.
+KVCACHE_DECODE_MAX_TOKENS = 64
+KVCACHE_DECODE_MAX_ROWS = 192
+#: The paged forward (``forward.paged_key_rows``) finds a key's page and offset in fp32: its
+#: positions (below twice the logical capacity ``max_blocks * page_size``) and table indices
+#: (below ``2 B max_blocks + 128``) stay under 2^22, where ``masks.int_mod``'s floor is exact.
+FWD_PAGED_INDEX_LIMIT = 2 ** 22
+
+
+def kvcache_decode_max_tokens(group: int) -> int:
+    """The largest T the decode kernels run in ``flash_attention_with_kvcache`` for ``group``
+    query heads per kv head (at most ``PMAX``, the decode kernels' limit)."""
+    return min(PMAX, max(KVCACHE_DECODE_MAX_TOKENS, KVCACHE_DECODE_MAX_ROWS // group))
+
 
 class DecodeTiles(NamedTuple):
     """Compile-time tiling of one decode call (``decode_tiles``)."""

@@ -438,6 +438,10 @@ class Config:
       and flagged in one more column, so they reach only the rows that see them.
     - ``act_share``: fraction of the P^T copies on ScalarE (:func:`balance_engines`; None in a
       kernel that splits no copies).
+    - ``block_table``: a paged K/V cache's HBM ``(B, max_blocks)`` int32 table (None: k and v
+      are ``(B, Hkv, Nk, D)``). k and v are then page pools ``(num_blocks, Hkv, page_size,
+      D)`` and the key frame is the logical cache, ``Nk = max_blocks * page_size``
+      (:func:`paged_key_rows`).
     """
     q: object
     k: object
@@ -454,6 +458,7 @@ class Config:
     indices: Optional[object]
     guard: bool
     act_share: Optional[float]
+    block_table: Optional[object] = None
     B: int = field(init=False)
     Hq: int = field(init=False)
     Nq: int = field(init=False)
@@ -474,7 +479,7 @@ class Config:
 
     def __post_init__(self):
         B, Hq, Nq, D = self.q.shape
-        Hkv, Nk = self.k.shape[1], self.k.shape[2]
+        Hkv, Nk = self.k.shape[1], frame_keys(self.k, self.block_table)
         scale = float(self.scale)
         lo, hi = T.FWD_FOLD_SCALE_RANGE
         # softmax units: the exp scales raw scores (fold), or Q^T is pre-scaled (q_scale)
@@ -498,6 +503,12 @@ class Config:
     def vcols(self) -> int:
         """Columns of ``[V | 1 (| flag)]`` and of ``[o_acc | l_i (| flags)]``."""
         return self.D + 1 + (1 if self.guard else 0)
+
+    @property
+    def kv_rows(self) -> int:
+        """Rows of the flat ``(rows, D)`` views of k and v the key gathers read: ``B Hkv Nk``,
+        or ``num_blocks Hkv page_size`` of page pools."""
+        return self.k.shape[0] * self.Hkv * self.k.shape[2]
 
     def head(self, h):
         """HBM query head of group member h (a loop index)."""
@@ -763,8 +774,8 @@ def length_tables(c: Config, kv_lens, q_lens, key_mask: bool) -> Lengths:
     rt = M.RuntimeLengths(c.spec, kv_lens, q_lens, c.b, c.Nq, c.Nk, key_rows=key_mask)
     key_neg = M.neg_row(T.PMAX) if key_mask else None
     q_rows = c.q.reshape((c.B * c.Hq * c.Nq, c.D))
-    k_rows = c.k.reshape((c.B * c.Hkv * c.Nk, c.D))
-    v_rows = c.v.reshape((c.B * c.Hkv * c.Nk, c.D))
+    k_rows = c.k.reshape((c.kv_rows, c.D))
+    v_rows = c.v.reshape((c.kv_rows, c.D))
     q_load = q_store = q_valid = k_load = k_fill = None
     if rt.has_q:
         per_head = T.ceil_div(c.Nq, c.tiles.q_tile)
@@ -778,8 +789,14 @@ def length_tables(c: Config, kv_lens, q_lens, key_mask: bool) -> Lengths:
                                          valid=q_valid)
     if rt.has_k:
         n = T.ceil_div(c.Nk, T.PMAX)
-        rows, pos = M.position_table([(0, n, _key_rows0(c), 0)], n, offsets=c.indices)
-        k_load, _ = rt.index_table(rows, pos, c.B * c.Hkv * c.Nk, keys=True)
+        if c.block_table is None:
+            rows, pos = M.position_table([(0, n, _key_rows0(c), 0)], n, offsets=c.indices)
+            k_load, _ = rt.index_table(rows, pos, c.kv_rows, keys=True)
+        else:
+            pos = nl.ndarray((T.PMAX, n), dtype=nl.float32, buffer=nl.sbuf)
+            port.iota(pos, [[T.PMAX, n]], channel_multiplier=1)
+            valid = rt.valid(pos, keys=True)
+            k_load = paged_key_rows(c, _hbm_keys(c, rt, pos, valid), valid)
         k_fill = edge_key_fill(c, rt, k_rows)
     return Lengths(rt, q_rows, k_rows, v_rows, q_load, q_store, q_valid, k_load, k_fill,
                    key_neg)
@@ -790,6 +807,79 @@ def _key_mask(dropout_p, mods: SM.Mods, kv_lens) -> bool:
     :meth:`masks.RuntimeLengths.key_mask_row`) rather than by the edge key alone: dropout sums
     P from the exp, and ALiBi could lift a padding key's score above the edge key's."""
     return (bool(dropout_p) or mods.alibi) and kv_lens is not None
+
+
+def frame_keys(k, block_table) -> int:
+    """Keys of the kernel's frame: ``Nk`` of a ``(B, Hkv, Nk, D)`` k, or the logical capacity
+    ``max_blocks * page_size`` of a page pool with a block table."""
+    return k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
+
+
+def _hbm_keys(c: Config, rt: M.RuntimeLengths, pos, valid):
+    """fp32 (pos's shape): the sequence's key (its logical cache position) at frame positions
+    ``pos``: ``pos`` itself, or with rotated keys ``pos + kv_len - Nk`` for valid ones and ``pos
+    + kv_len`` for padding ones (``valid``: :meth:`masks.RuntimeLengths.valid`); all below
+    ``2 Nk``."""
+    if not rt.rotate_k:
+        return pos
+    shape = tuple(pos.shape)
+    shift = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(shift, valid, nl.multiply, -float(c.Nk), op1=nl.add,
+                       operand1=rt.kv_len_p[0:shape[0]])
+    key = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(key, pos, shift, nl.add)
+    return key
+
+
+def paged_key_rows(c: Config, key, valid):
+    """int32 (key's shape, ``[p, n]``): the rows of the page pools' flat ``(num_blocks Hkv
+    page_size, D)`` views holding the sequence's keys ``key`` (fp32 logical positions, exact
+    integers) for kv head g, pushed out of bounds where ``valid`` is 0.
+
+    Key j is offset ``j mod page_size`` of page ``block_table[b, j // page_size]``, so its row
+    is ``(page Hkv + g) page_size + j mod page_size`` (as the decode kernel's gathers find
+    them). The pages come from the table by indirect DMA, one int32 per partition and column
+    (a compiled loop over the columns); an invalid key's table index is pushed past the table,
+    so it reads no entry and keeps the page number ``num_blocks``, one past the pool: its K/V
+    gather is skipped too. page_size is a power of two (the division is exact in fp32); page
+    numbers and rows in int32."""
+    table = c.block_table
+    B, MB = table.shape
+    num_blocks, ps = c.k.shape[0], c.k.shape[2]
+    shape = tuple(key.shape)
+    p, n = shape
+    within = M.int_mod(key, ps)
+    block = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(block, key, within, nl.subtract)
+    skip = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(skip, valid, nl.subtract, 1.0, op1=nl.multiply,
+                       operand1=-float(M.oob_offset(B * MB)))
+    block_i = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+    port.scalar_tensor_tensor(block_i, block, nl.multiply, 1.0 / ps, nl.add, skip)
+    first = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+    port.iota(first, [[0, n]], runtime=[(c.b, MB)], offsets=c.indices)
+    entry = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(entry, first, block_i, nl.add)
+    page = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+    port.memset(page, num_blocks, engine="gpsimd")
+    table_flat = table.reshape((B * MB, 1))
+
+    def table_column(j):
+        port.dma_copy(page[0:p, nl.ds(j, 1)], port.rows(table_flat, entry, j, n=p),
+                      oob_skip=True)
+
+    port.loop(n, table_column)
+    head = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+    port.iota(head, [[0, n]], runtime=[(c.g, ps)], offsets=c.indices)
+    offset = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(offset, head, within, nl.add)
+    stride = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+    port.memset(stride, c.Hkv * ps, engine="gpsimd")
+    first_row = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(first_row, page, stride, nl.multiply)
+    rows = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(rows, first_row, offset, nl.add)
+    return rows
 
 
 def _key_rows0(c: Config):
@@ -815,7 +905,20 @@ def edge_key_fill(c: Config, rt: M.RuntimeLengths, k_rows):
     row (``D`` elements read) per program. Caveat: the edge key is valid data, so a NaN/inf in
     it also reaches the rows that see only padding keys (finite inputs: no effect)."""
     P, D = T.PMAX, c.D
-    idx = rt.edge_key_index(_key_rows0(c), c.B * c.Hkv * c.Nk, offsets=c.indices)
+    if c.block_table is None:
+        idx = rt.edge_key_index(_key_rows0(c), c.kv_rows, offsets=c.indices)
+    else:
+        # the edge key's cache position (key 0 when rotated, else kv_len - 1), valid when
+        # kv_len > 0, through the block table
+        valid = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(valid, rt.kv_len_1, nl.greater_equal, 1.0)
+        key = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if rt.rotate_k:
+            port.memset(key, 0.0, engine="gpsimd")
+        else:
+            port.tensor_scalar(key, rt.kv_len_1, nl.subtract, 1.0, op1=nl.maximum,
+                               operand1=0.0)
+        idx = paged_key_rows(c, key, valid)
     row = nl.ndarray((1, D), dtype=c.k.dtype, buffer=nl.sbuf)
     port.memset(row, 0.0, engine="gpsimd")
     M.gather_rows(row, k_rows, idx, 0, 1, D)
@@ -1662,8 +1765,9 @@ def _core_range(count: int, core):
 
 @port.jit
 def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slopes=None,
-                        sinks=None, scale=1.0, causal=None, window=None, mm_dtype="bfloat16",
-                        tiles=None, lnc=1, dropout_p=0.0, dropout_mask=False, softcap=None):
+                        sinks=None, block_table=None, scale=1.0, causal=None, window=None,
+                        mm_dtype="bfloat16", tiles=None, lnc=1, dropout_p=0.0,
+                        dropout_mask=False, softcap=None):
     """Flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B, Hkv, Nk, D)``.
 
     Launch on the grid of :func:`forward_grid` (legacy: ``(B, Hkv)``; nki.*: ``(lnc,)``).
@@ -1693,6 +1797,15 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     and ``sinks`` (HBM ``(Hq,)`` float32: one more logit per head with a zero value; a row
     without visible keys then has ``lse = sink``, padding rows keep -inf).
 
+    Paged K/V (chunked prefill over a paged cache, ``host.api.flash_attention_with_kvcache``):
+    with ``block_table`` (HBM ``(B, max_blocks)`` int32) k and v are page pools ``(num_blocks,
+    Hkv, page_size, D)``, page_size a power of two, and the kernel runs on the logical cache
+    ``Nk = max_blocks * page_size``: key j of sequence b is offset ``j mod page_size`` of page
+    ``block_table[b, j // page_size]``. ``kv_lens`` is then required (the key gathers are the
+    lengths' gathers, their rows looked up in the table once per program:
+    :func:`paged_key_rows`); everything else -- staging, residency, the loops -- is the
+    contiguous kernel's.
+
     Every option traces through both namespaces. Integer limits: the flat row numbers of the
     length gathers (``B Hq Nq``, ``B Hkv Nk``) and the dropout unit numbers (``B Hq ceil(Nq /
     128) ceil(Nk / 128)``; the seed is added to them) are int32 in both namespaces.
@@ -1702,7 +1815,15 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     if lnc not in (1, 2):
         raise ValueError(f"lnc: expected 1 or 2, got {lnc!r}")
     B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv, Nk = k.shape[1], frame_keys(k, block_table)
+    if block_table is not None and kv_lens is None:
+        raise ValueError("block_table: a paged K/V cache needs kv_lens (the keys are gathered "
+                         "through the table)")
+    if block_table is not None and max(2 * Nk, M.oob_offset(int(np.prod(
+            block_table.shape)))) >= T.FWD_PAGED_INDEX_LIMIT:
+        raise ValueError(f"block_table: the paged forward indexes keys and table entries in "
+                         f"fp32 below 2^22; got {tuple(block_table.shape)} entries of "
+                         f"{k.shape[2]} positions")
     lens = kv_lens is not None or q_lens is not None
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
                       mods.alibi)
@@ -1729,7 +1850,7 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     def instance(b, g):
         forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slopes,
                          sinks, b, g, scale, mm_dtype, tiles, lnc, dropout_p, mods, spec, plan,
-                         (offsets, indices))
+                         (offsets, indices), block_table)
 
     port.for_programs((B, Hkv), instance, share=lnc == 1)
     if mask_out is not None:
@@ -1738,18 +1859,19 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
 
 
 def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slopes, sinks, b,
-                     g, scale, mm_dtype, tiles, lnc, dropout_p, mods, spec, plan, tables):
+                     g, scale, mm_dtype, tiles, lnc, dropout_p, mods, spec, plan, tables,
+                     block_table=None):
     """The work of grid instance (batch ``b``, kv head ``g``): the spans' groups of query tiles
     (:func:`attend_group`), each group storing its predecessor's outputs. ``tables``: the
-    launch's ``(offsets, indices)`` (:class:`Config`)."""
+    launch's ``(offsets, indices)``; ``block_table``: a paged cache's (:class:`Config`)."""
     D = q.shape[3]
     if dropout_p and seed is None:
         raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
     offsets, indices = tables
     share = balance_engines(tiles, plan, spec, mods, bool(dropout_p), True,
-                            q.shape[1] // k.shape[1], k.shape[2], D)
+                            q.shape[1] // k.shape[1], frame_keys(k, block_table), D)
     c = Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g, offsets, indices,
-               guard=True, act_share=share)
+               guard=True, act_share=share, block_table=block_table)
     score = score_mods(c, mods, alibi_slopes, sinks, c.act_scale)
     drop = (load_dropout(dropout_p, seed, c.mm, mask_out=mask_out,
                          seed_row=T.ceil_div(max(tiles.softmax_block, T.PMAX), T.PMAX))

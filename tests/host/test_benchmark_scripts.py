@@ -80,3 +80,17 @@ def test_nkilib_side_by_side_all_kernels(capsys):
     for r in rows:
         cells = [c.strip() for c in r.strip("|").split("|")]
         assert cells[-1].endswith("/ nki") and float(cells[-2]) > 0
+
+
+def test_kvcache_benchmark_small(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))      # its _common
+    bench = _load("kvcache")
+    rows = bench.main(["--tokens", "65", "--seq", "256", "--hq", "4", "--hkv", "1", "--dim",
+                       "32", "--page-sizes", "32"])
+    assert [r["case"] for r in rows] == ["flash_attention contiguous", "with_kvcache contiguous",
+                                        "with_kvcache paged 32"]
+    assert rows[2]["read"] - rows[1]["read"] == 4 * (256 + 1)     # one table entry a key
+    rows = bench.main(["--threshold", "--tokens", "8", "--seq", "128", "--hq", "4", "--hkv",
+                       "1", "--dim", "32"])
+    assert rows[0]["T"] == 8 and rows[0]["decode"]["estimated_us"] > 0
+    assert "decode kernels vs prefill forward" in capsys.readouterr().out

@@ -157,6 +157,19 @@ def test_run_decode_paged(capsys):
     assert "paged (page_size 16, 9 pages)" in text and "PASS" in text
 
 
+@needs_sim
+def test_run_kvcache_paged_chunk(capsys):
+    """--kvcache: a chunk of 70 new tokens (the prefill kernel) over a paged cache, sequence 0
+    the chunk alone, checked against the float64 forward over the contiguous cache."""
+    args = ["run", "--kvcache", "--paged", "--page-size", "16", "--batch", "2", "--heads", "2",
+            "--kv-heads", "1", "--tokens", "70", "--seq", "100", "--cache-len", "70,100",
+            "--dim", "32", "--window", "40", "0", "--quiet", "--targets", "trn2"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert "kvcache causal=bottom_right window=(40, 0)" in text and "PASS" in text
+    assert "paged (page_size 16, 12 pages)" in text
+
+
 def test_run_fails_with_status_1_when_the_check_fails(monkeypatch, capsys):
     real = host.flash_attention
 
@@ -205,6 +218,12 @@ CLI_ERRORS = [
     (["run", "--decode", "--seq-q", "3"], 2, "--seq-q does not apply to --decode"),
     (["run", "--decode", "--causal", "top_left"], 2, "--causal does not apply to --decode"),
     (["run", "--decode", "--page-size", "32"], 2, "--page-size applies only with --paged"),
+    (["run", "--kvcache", "--decode"], 2, "--decode and --kvcache: choose one"),
+    (["run", "--kvcache", "--kv-lens", "3"], 2, "--kv-lens does not apply to --kvcache"),
+    (["run", "--kvcache", "--causal", "top_left", *_TINY], 2,
+     "causal: over a KV cache the new tokens are the last T positions"),
+    (["run", "--kvcache", "--tokens", "20", *_TINY], 2,
+     "cache_lens: each value must be in [T=20, S_max=16]"),
     (["run", "--json", "/proc/no-such-dir/report.json"], 2, "--json /proc/no-such-dir/report.json: cannot write there"),
     (["run", "--heads", "3", "--kv-heads", "2"], 2, "Hkv=2 kv heads must divide"),
     (["run", "--decode", "--num-splits", "1000", "--seq", "64", "--dim", "128", "-q"], 2,

@@ -8,7 +8,8 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from host import reference as ref  # noqa: E402
-from host.torch_ops import flash_decode, scaled_dot_product_attention  # noqa: E402
+from host.torch_ops import (flash_attention_with_kvcache, flash_decode,  # noqa: E402
+                             scaled_dot_product_attention)
 
 
 def test_flash_decode_contiguous_and_paged_match_the_reference():
@@ -29,16 +30,20 @@ def test_flash_decode_contiguous_and_paged_match_the_reference():
     torch.testing.assert_close(op, o, rtol=0, atol=1e-6)
 
 
-def test_flash_decode_refuses_autograd_and_names_bad_arguments():
+@pytest.mark.parametrize("entry", [flash_decode, flash_attention_with_kvcache])
+def test_cache_entries_refuse_autograd_and_name_bad_arguments(entry):
     q = torch.randn(1, 1, 1, 16, requires_grad=True)
     kc = torch.randn(1, 1, 20, 16)
-    with pytest.raises(RuntimeError, match="flash_decode: has no autograd"):
-        flash_decode(q, kc, kc, cache_lens=[20])
+    with pytest.raises(RuntimeError, match=f"{entry.__name__}: has no autograd"):
+        entry(q, kc, kc, cache_lens=[20])
     with torch.no_grad():
         with pytest.raises(TypeError, match="cache_lens: expected an integer tensor"):
-            flash_decode(q, kc, kc, cache_lens=torch.tensor([20.0]))
+            entry(q, kc, kc, cache_lens=torch.tensor([20.0]))
         with pytest.raises(TypeError, match="return_lse"):
-            flash_decode(q, kc, kc, cache_lens=[20], return_lse="yes")
+            entry(q, kc, kc, cache_lens=[20], return_lse="yes")
+    if entry is flash_attention_with_kvcache:
+        with torch.no_grad(), pytest.raises(ValueError, match="causal: .*got 'top_left'"):
+            entry(q, kc, kc, cache_lens=[20], causal="top_left")
 
 
 @pytest.mark.parametrize("L", [1, 150])
