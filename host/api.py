@@ -678,6 +678,22 @@ def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):
 DECODE_MAX_CACHE_POSITIONS = tiles.DECODE_MAX_CACHE_POSITIONS
 
 
+class KVQuant(NamedTuple):
+    """An FP8 KV cache (:func:`_decode_call`): its 8-bit float format and the dequantization
+    scales per kv head, ``(Hkv, 2)`` float32 ``(k_scale, v_scale)`` (device data of the split
+    kernel: K's scale is folded into the softmax scale, V's into the partial outputs)."""
+
+    format: str
+    scales: np.ndarray
+
+
+def _fp8_cache_formats() -> Tuple[Optional[str], Tuple[str, ...]]:
+    """``(target, formats)``: the active target (None when the host does not know it) and the
+    8-bit float KV-cache formats it defines (``tiles.DECODE_FP8_CACHE_DTYPES``)."""
+    target = active_target()
+    return target, tiles.DECODE_FP8_CACHE_DTYPES[target]
+
+
 class DecodeCall(NamedTuple):
     """One validated decode call (:func:`_decode_call`): everything planning and launching read
     besides the tensors q, k_cache and v_cache."""
@@ -691,20 +707,26 @@ class DecodeCall(NamedTuple):
     mods: KernelScoreMods
     lnc: int                        # NeuronCores per logical core
     return_lse: bool
+    kv_quant: Optional[KVQuant] = None  # an FP8 cache's format and scales; None: q's dtype
 
 
 def _decode_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision: bool = True,
                  return_lse: bool = False, softcap=None, alibi_slopes=None, sinks=None,
-                 lnc=None) -> DecodeCall:
+                 lnc=None, k_scale=None, v_scale=None) -> DecodeCall:
     """Validate a decode call (arguments as in :func:`flash_decode`) into one record. In a
     paged call ``inputs.S_max`` is the logical capacity ``max_blocks * page_size``."""
+    target, formats = _fp8_cache_formats()
+    fp8 = _v.check_fp8_cache(k_cache, v_cache, formats, target)
+    cache_dtypes = None if fp8 is None else (fp8,)
     if block_table is None:
-        inputs, pages = _v.check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask), None
+        inputs, pages = _v.check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask,
+                                               cache_dtypes=cache_dtypes), None
     else:
         inputs, pages = _v.check_paged_decode_inputs(
             q, k_cache, v_cache, cache_lens, block_table, tree_mask,
-            page_size_min=tiles.DECODE_PAGE_SIZE_MIN)
+            page_size_min=tiles.DECODE_PAGE_SIZE_MIN, cache_dtypes=cache_dtypes)
+    scales = _v.check_kv_scales(k_scale, v_scale, inputs.Hkv, fp8, _v.dtype_name(k_cache))
     scale = _v.check_scale(scale, inputs.D)
     if num_splits is not None:
         num_splits = _v.check_int("num_splits", num_splits, minimum=1)
@@ -724,7 +746,7 @@ def _decode_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     dtype = _v.dtype_name(q)
     return DecodeCall(inputs, pages, dtype, scale, num_splits,
                       _tiles.fwd_mm_dtype_name(dtype, mixed_precision), mods, _check_lnc(lnc),
-                      return_lse)
+                      return_lse, None if fp8 is None else KVQuant(fp8, scales))
 
 
 def _decode_tiles(call: DecodeCall) -> "tiles.DecodeTiles":
@@ -823,7 +845,8 @@ def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, tree
 
 def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens,
                            itemsize: int, plan: "tiles.DecodeTiles", tree_mask: bool = False,
-                           paged: bool = False, lnc: int = 1, api: str = "legacy"):
+                           paged: bool = False, lnc: int = 1, api: str = "legacy",
+                           cache_itemsize: Optional[int] = None):
     """Exact HBM bytes ``(read, written)`` of :func:`flash_decode` (both kernels).
 
     With ``N = B Hq T`` query rows, ``s`` the input itemsize (q, caches and o share it),
@@ -858,6 +881,16 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     ``h = Hkv / H'`` kv heads: its reads (``s h G T D`` of q, 4 of the length, ``2 s h D
     (Lp_b mod n + T)`` of K/V, ``h T^2`` of the tree mask, paged ``4 h (Lp_b mod n + T)``) and
     its ``4 h G T (D + 1)`` bytes of partials count twice.
+
+    An FP8 cache (``cache_itemsize`` 1; None: the caches in q's itemsize ``s``) has ``s``
+    replaced by 1 in the K/V terms, and adds the per-head scales ``(k_scale, v_scale)``, 8
+    bytes gathered onto each of the ``r = min(G T, plan.row_tile)`` partitions of a row tile
+    once per kv head of each chunk program and of each tail (``I`` work items per program,
+    :func:`decode_launch`)::
+
+        read   += 8 r Hkv ((W + P) / I + B)
+
+    (with the doubled middle tail above, ``8 r h`` more).
     """
     N = B * Hq * T
     launch_ = decode_launch(cache_lens, T, Hkv, plan, lnc, api)
@@ -865,7 +898,8 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     W = int(np.sum(splits))
     pad = 0 if work is None else work.shape[0] - W               # padding items
     S = plan.num_splits + 1
-    kv = 2 * itemsize * Hkv * D * int(np.sum(np.asarray(cache_lens, dtype=np.int64)))
+    cs = itemsize if cache_itemsize is None else cache_itemsize
+    kv = 2 * cs * Hkv * D * int(np.sum(np.asarray(cache_lens, dtype=np.int64)))
     read = (kv + itemsize * Hq * T * D * (W + B) + 8 * groups * (W + pad)
             + 4 * groups * (W + B) + 4 * N * (D + 1) * S + (4 * N if S > 1 else 0))
     if tree_mask:
@@ -875,12 +909,14 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
         read += 4 * (groups * int(np.sum(lp // plan.key_row))
                      + Hkv * int(np.sum(lp % plan.key_row + T)))
     written = 4 * Hq * T * (D + 1) * (W + pad + B) + itemsize * N * D + 4 * N
+    scale_rows = 8 * min(Hq // Hkv * T, plan.row_tile) if cs == 1 else 0   # FP8: the scales
+    read += scale_rows * Hkv * ((W + pad) // launch_.items_per_program + B)
     if api == "nki" and lnc == 2 and (groups * B) % 2:
         b = ((groups * B - 1) // 2) % B
         h, G = Hkv // groups, Hq // Hkv
         tail = int(cache_lens[b]) - T
         tail = tail % plan.key_row + T                       # positions the tail reads
-        read += (itemsize * h * G * T * D + 4 + 2 * itemsize * h * D * tail
+        read += (itemsize * h * G * T * D + 4 + 2 * cs * h * D * tail + scale_rows * h
                  + (h * T * T if tree_mask else 0) + (4 * h * tail if paged else 0))
         written += 4 * h * G * T * (D + 1)
     return read, written
@@ -889,7 +925,7 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
 def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision: bool = True,
                  return_lse: bool = False, softcap=None, alibi_slopes=None, sinks=None,
-                 lnc=None):
+                 lnc=None, k_scale=None, v_scale=None):
     """Attention of T new tokens per sequence over a KV cache (split-KV flash decoding).
 
     Parameters
@@ -899,7 +935,12 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     k_cache, v_cache : arrays (B, Hkv, S_max, D)
         The caches, q's dtype (float32, bfloat16 or float16); ``Hq % Hkv == 0`` (query head h
         reads kv head ``h // (Hq // Hkv)``). They already hold the new tokens' keys and values
-        at positions ``cache_lens[b] - T .. cache_lens[b] - 1``.
+        at positions ``cache_lens[b] - T .. cache_lens[b] - 1``. Or an FP8 cache, K and V in
+        one 8-bit float format of the target (``tiles.DECODE_FP8_CACHE_DTYPES``: trn2 and trn1
+        ``float8_e4m3`` (IEEE-style, max 240) or ``float8_e5m2``; trn3 ``float8_e4m3fn`` (OCP,
+        max 448) or ``float8_e5m2``; any other 8-bit float is a TypeError, never a cast), with
+        ``k_scale`` and ``v_scale``: the kernel reads 1 byte per element and dequantizes on
+        chip.
     cache_lens : (B,) ints, required
         Valid length per sequence, ``T <= cache_lens[b] <= S_max``. Only these positions are
         read; the kernels take them as device data, so they may change every step without a
@@ -936,6 +977,11 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     lnc : None, 1 or 2
         NeuronCores per logical core (None: 2 on trn2, else 1). With 2 the split kernel's
         programs are spread over both cores (:func:`decode_launch`).
+    k_scale, v_scale : number or array (Hkv,), required with (and only with) an FP8 cache
+        Dequantization scales, one per kv head or one for all: the cache holds
+        ``k / k_scale`` and ``v / v_scale``. Finite and > 0 in float32, the precision they are
+        applied in: K's scale is folded into the softmax scale of the head's queries, V's into
+        its output (no dequantized cache is formed).
 
     Returns
     -------
@@ -954,7 +1000,8 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     call = _decode_call(q, k_cache, v_cache, cache_lens=cache_lens, block_table=block_table,
                         scale=scale, tree_mask=tree_mask, num_splits=num_splits,
                         mixed_precision=mixed_precision, return_lse=return_lse,
-                        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, lnc=lnc)
+                        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, lnc=lnc,
+                        k_scale=k_scale, v_scale=v_scale)
     q, k_cache, v_cache = _numpy("q", q), _numpy("k_cache", k_cache), _numpy("v_cache", v_cache)
     o, lse = run_decode(call, q, k_cache, v_cache, launch, lambda a: a)
     B, Hq, T, D = call.inputs.B, call.inputs.Hq, call.inputs.T, call.inputs.D
@@ -988,6 +1035,8 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
     work, splits = ln.work, ln.splits
     mod_tensors = {name: None if a is None else to_device(a)
                    for name, a in call.mods.tensors.items()}
+    if call.kv_quant is not None:
+        mod_tensors["kv_scale"] = to_device(call.kv_quant.scales)
     o_part, lse_part = run(
         k.flash_decode_split_kernel.on(api),
         k.decode_grid(ln.groups, ln.programs, ln.core_axis, api=api, lnc=call.lnc), q,
