@@ -828,7 +828,8 @@ def decode_launch(cache_lens, T: int, Hkv: int, plan: "tiles.DecodeTiles",
 
 
 def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, tree_mask=None,
-                      num_splits=None, mixed_precision: bool = True) -> "tiles.DecodeTiles":
+                      num_splits=None, mixed_precision: bool = True, k_scale=None,
+                      v_scale=None) -> "tiles.DecodeTiles":
     """Validate a decode call and return its tiling (``nki_kernels.tiles.DecodeTiles``).
 
     ``num_splits`` of the result is the number of splits of the committed prefix -- the split
@@ -840,7 +841,8 @@ def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, tree
     """
     return _decode_tiles(_decode_call(q, k_cache, v_cache, cache_lens=cache_lens,
                                       block_table=block_table, tree_mask=tree_mask,
-                                      num_splits=num_splits, mixed_precision=mixed_precision))
+                                      num_splits=num_splits, mixed_precision=mixed_precision,
+                                      k_scale=k_scale, v_scale=v_scale))
 
 
 def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens,

@@ -76,6 +76,12 @@ _NUMPY_DTYPE = {
     torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
     torch.float16: np.dtype(np.float16),
 }
+#: torch's 8-bit float types that have an ml_dtypes twin (an FP8 KV cache of flash_decode; torch
+#: has no IEEE-style E4M3, trn2's ``float8_e4m3``).
+_FP8_NUMPY_DTYPE = {
+    torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2),
+    torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
+}
 #: The dtype the kernels compute a float64 call in (with ``mixed_precision=False`` only).
 _FLOAT64_COMPUTE = torch.float32
 _ALLOWED_DTYPES = "float32, bfloat16, float16 (float64 only with mixed_precision=False)"
@@ -91,6 +97,8 @@ def _to_numpy(t: "torch.Tensor") -> np.ndarray:
         t = t.contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype in _FP8_NUMPY_DTYPE:      # an FP8 KV cache: the same bytes, ml_dtypes' type
+        return t.view(torch.uint8).numpy().view(_FP8_NUMPY_DTYPE[t.dtype])
     if t.dtype in _NUMPY_DTYPE:
         return t.numpy()
     raise TypeError(f"internal: no NumPy dtype for {t.dtype}")
@@ -1032,9 +1040,13 @@ def _host_ints(name: str, x):
 
 def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision=True, return_lse=False,
-                 softcap=None, alibi_slopes=None, sinks=None):
+                 softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None):
     """:func:`host.flash_decode` on torch tensors: T new tokens per sequence over a contiguous
     ``(B, Hkv, S_max, D)`` or paged KV cache.
+
+    An FP8 cache is a ``torch.float8_e5m2`` one, or on trn3 ``torch.float8_e4m3fn`` (torch has
+    no IEEE-style E4M3, trn2's other format), with ``k_scale`` and ``v_scale`` (numbers or
+    ``(Hkv,)`` tensors) as in :func:`host.flash_decode`.
 
     ``block_table`` (``(B, max_blocks_per_seq)`` integers) lays pages out as vLLM does:
     logical position p of sequence b is offset ``p % page_size`` of page
@@ -1063,21 +1075,22 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     mods = dict(softcap=softcap, alibi_slopes=_host_floats(alibi_slopes)
                 if isinstance(alibi_slopes, torch.Tensor) else alibi_slopes,
                 sinks=_host_floats(sinks) if isinstance(sinks, torch.Tensor) else sinks)
-    if _device_kind(q, k_cache, v_cache) == _DEVICE_CPU:
-        res = host.flash_decode(_to_numpy(q), _to_numpy(k_cache), _to_numpy(v_cache),
-                                cache_lens=lens, block_table=table, scale=scale,
-                                tree_mask=tree, num_splits=num_splits,
-                                mixed_precision=mixed_precision, return_lse=True, **mods)
-        o, lse = _to_torch(res[0], "o", q.dtype), _to_torch(res[1], "lse", torch.float32)
+    mods.update(k_scale=k_scale, v_scale=v_scale)
+    cpu = _device_kind(q, k_cache, v_cache) == _DEVICE_CPU
+    # validated as torch tensors: a cache dtype without a NumPy twin is the call's TypeError;
+    # on a device, one NeuronCore (this entry point takes no lnc)
+    call = api._decode_call(q, k_cache, v_cache, cache_lens=lens, block_table=table,
+                            scale=scale, tree_mask=tree, num_splits=num_splits,
+                            mixed_precision=mixed_precision, lnc=None if cpu else 1, **mods)
+    if cpu:
+        o, lse = api.run_decode(call, _to_numpy(q), _to_numpy(k_cache), _to_numpy(v_cache),
+                                api.launch, lambda a: a)
+        o, lse = _to_torch(o, "o", q.dtype), _to_torch(lse, "lse", torch.float32)
     else:
-        # one NeuronCore: this entry point takes no lnc
-        call = api._decode_call(q, k_cache, v_cache, cache_lens=lens, block_table=table,
-                                scale=scale, tree_mask=tree, num_splits=num_splits,
-                                mixed_precision=mixed_precision, lnc=1, **mods)
         o, lse = api.run_decode(
             call, q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
             lambda kernel, grid, *a, **kw: kernel[grid](*a, **kw),
             lambda a: torch.as_tensor(np.ascontiguousarray(a)).to(q.device))
-        B, Hq, T, D = (int(x) for x in q.shape)
-        o, lse = o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
+    B, Hq, T, D = (int(x) for x in q.shape)
+    o, lse = o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
     return (o, lse) if return_lse else o

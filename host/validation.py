@@ -880,7 +880,7 @@ def check_kv_scales(k_scale, v_scale, Hkv: int, fp8: Optional[str],
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(f"{name}: scales must be finite and > 0 (in float32), got "
-                             f"{arr[i]!r} for kv head {i}")
+                             f"{float(arr[i])} for kv head {i}")
         cols.append(f32)
     return np.stack(cols, axis=1)
 
