@@ -106,6 +106,32 @@ def test_fp8_cache_matches_the_dequantized_reference(target, fmt, paged, per_hea
         assert m.per_tensor["k_cache"]["read"] == Hkv * D * int(lens.sum())
 
 
+@needs_measure
+def test_fp8_cache_with_fp16_queries_score_modifiers_and_a_tree_mask():
+    """The scales compose with the rest: K's scale acts before the soft-cap, ALiBi and sinks
+    (the dequantized keys' scores), V's after the sink's weight (fp16 rule)."""
+    import simulate
+
+    rng = np.random.default_rng(5)
+    B, Hq, Hkv, T, D = 2, 4, 2, 3, 32
+    q = rng.standard_normal((B, Hq, T, D)).astype(np.float16)
+    k8, ks = reference.quantize_cache(rng.standard_normal((B, Hkv, 96, D)), E5M2)
+    v8, vs = reference.quantize_cache(rng.standard_normal((B, Hkv, 96, D)), E5M2)
+    lens, tree = np.array([96, 40]), np.tril(np.ones((T, T), bool))
+    tree[2, 1] = False
+    mods = dict(softcap=20.0, alibi_slopes=np.linspace(0.01, 0.1, Hq),
+                sinks=np.linspace(-1.0, 1.0, Hq))
+    with simulate.measure(target="trn2"):
+        o = host.flash_decode(q, k8, v8, cache_lens=lens, k_scale=ks, v_scale=vs,
+                              tree_mask=tree, **mods)
+    kd, vd = reference.dequantize_cache(k8, ks), reference.dequantize_cache(v8, vs)
+    ref = reference.decode(q, kd, vd, cache_lens=lens, tree_mask=tree, **mods)[0]
+    base = reference.decode_baseline_lowp(q, kd, vd, cache_lens=lens, dtype=np.float16,
+                                          tree_mask=tree, **mods)
+    assert reference.max_abs_err(o, ref) <= reference.tolerance(
+        ref, base, floor=reference.atol_floor(np.float16))
+
+
 def test_decode_traffic_at_most_0_6x_the_bf16_caches_on_the_readme_shape():
     """B = 1, Hq = 32, Hkv = 8, S = 32K, T = 1, D = 128 (README): all HBM bytes of the FP8
     call (the exact formula, asserted against the simulator above) against the bf16 call's."""
