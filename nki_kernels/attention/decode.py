@@ -627,12 +627,13 @@ def _scaled_query_t(q_nat, rows, D, n_dt, scale, mm, k_col=None):
     dtype), so scores, masks, max and LSE are all in scaled units: that keeps the additive mask
     valid for any scale, including 0 and negative ones. ``k_col`` (an FP8 cache): the fp32
     ``(rows, 1)`` K scale of the rows' kv head, folded in as well (``q k_scale`` in fp32 on
-    VectorE, transposed in fp32, so ``scale k_scale q`` is still rounded once): the scores of
-    the stored keys are then those of the dequantized ones.
+    ScalarE, whose per-partition scale operand takes the column and which has slack in decode
+    while VectorE is the busiest engine; transposed in fp32, so ``scale k_scale q`` is still
+    rounded once): the scores of the stored keys are then those of the dequantized ones.
     """
     if k_col is not None:
         q_k = nl.ndarray((rows, D), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(q_k, q_nat[0:rows, 0:D], op0=nl.multiply, operand0=k_col)
+        port.activation(q_k, nl.copy, q_nat[0:rows, 0:D], scale=k_col)
         q_nat = q_k
     qT = nl.ndarray((PMAX, n_dt * rows), dtype=mm, buffer=nl.sbuf)
     for dt in tiles.unrolled(n_dt):
@@ -822,8 +823,11 @@ def _split_pv(v_all, pT, g, rows, P):
 
 def _normalize_rows(acc, l_col, rows, g, v_col=None):
     """``O (rows, D)`` fp32 = transpose of ``O^T`` divided by the row sums (and times the V
-    scale ``v_col`` ``(rows, 1)`` of an FP8 cache: the output of the dequantized values)."""
-    inv_l = _out_factor(l_col, v_col, rows)
+    scale ``v_col`` ``(rows, 1)`` of an FP8 cache, in the same instruction: the output of the
+    dequantized values)."""
+    inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.reciprocal(inv_l, l_col)
+    by_v = {} if v_col is None else dict(op1=nl.multiply, operand1=v_col)
     o_sb = nl.ndarray((rows, g.D), dtype=nl.float32, buffer=nl.sbuf)
     for dt, d0, dsz in g.d_tiles():
         oT = nl.ndarray((dsz, rows), dtype=nl.float32, buffer=nl.sbuf)
@@ -831,20 +835,8 @@ def _normalize_rows(acc, l_col, rows, g, v_col=None):
         t_ps = nl.ndarray((PMAX, PMAX), dtype=port.transpose_dtype(nl.float32), buffer=nl.psum)
         port.nc_transpose(t_ps[0:rows, 0:dsz], oT[0:dsz, 0:rows])
         port.tensor_scalar(o_sb[0:rows, d0:d0 + dsz], t_ps[0:rows, 0:dsz], op0=nl.multiply,
-                           operand0=inv_l)
+                           operand0=inv_l, **by_v)
     return o_sb
-
-
-def _out_factor(l_col, v_col, rows):
-    """fp32 ``(rows, 1)`` factor of the unnormalized output: ``1 / l``, times the V scale
-    ``v_col`` of an FP8 cache (None: none)."""
-    inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.reciprocal(inv_l, l_col)
-    if v_col is None:
-        return inv_l
-    f = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_tensor(f, inv_l, v_col, op=nl.multiply)
-    return f
 
 
 def _lse_column(m_col, l_col):
@@ -1256,7 +1248,10 @@ def _tail_rows(cfg, io, tail, bh, kT, values, biases, rt0, rows):
         port.activation(pt_part, nl.copy, pt_ps[0:ns, 0:rows])
         port.nc_matmul(o_ps[0:rows, 0:D], pt_part, v_part, accumulate=True)
 
-    inv_l = _out_factor(l_col, None if kv is None else kv[0:rows, 1:2], rows)
+    inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.reciprocal(inv_l, l_col)
+    if kv is not None:              # an FP8 cache: the output of the dequantized values
+        port.tensor_tensor(inv_l, inv_l, kv[0:rows, 1:2], op=nl.multiply)
     # rows that weighed a flagged value: times NaN
     poison = nl.ndarray((rows, 1), dtype=nl.uint8, buffer=nl.sbuf)
     port.tensor_scalar(poison, o_ps[0:rows, D:D + 1], op0=nl.greater, operand0=0.0)
