@@ -130,6 +130,13 @@ HBM traffic (exact, ``host.api.flash_decode_hbm_bytes``): K and V ``2 s Hkv D su
 (each valid byte once), plus q once per work item and tail, the work items and lengths, the
 tree mask, the partials (written by phase 1, read back by the merge) and o, lse; paged, also
 one int32 table entry per gathered key row and tail position.
+
+FP8 cache (``kv_scale``). The caches may hold an 8-bit float format (``s = 1`` in the K/V
+term): the gathers cast to the matmul dtype on the way into SBUF (a DMA casts when its source
+and destination dtypes differ, through fp32: AWS's DMA guide, nki-dma-overview.rst), so every
+tile after them is the bf16 kernel's and nothing else changes but two folds of the
+per-kv-head scales, read once per head of a program into ``(rows, 2)`` columns: K's into the
+query scaling (:func:`_scaled_query_t`), V's into the normalization of each partial.
 """
 from typing import NamedTuple
 
