@@ -16,6 +16,11 @@ kernel's programs spread over both cores.
     python benchmarks/decode.py --lens 1000 32768     # ragged batch (B = number of lengths)
     python benchmarks/decode.py --tokens 9 --hq 32 --hkv 8 --seq 8192 --json out.json
     python benchmarks/decode.py --paged --page-size 256 --targets trn2   # paged vs contiguous
+    python benchmarks/decode.py --kv-dtype float8_e5m2 --targets trn2   # an FP8 KV cache
+
+``--kv-dtype`` stores the caches in an 8-bit float format (``host.reference.quantize_cache``:
+per-kv-head scales), runs the FP8 call and prints its HBM bytes against the same call's with the caches in
+q's dtype (the formula's, exact).
 
 ``--paged`` stores the same caches as pages of ``--page-size`` positions scattered over a
 shuffled page pool ``(num_blocks, Hkv, page_size, D)`` with a block table, runs both the
@@ -40,6 +45,9 @@ import numpy as np  # noqa: E402
 #: Goal of issue #5: modeled time within this factor of the HBM bound.
 GOAL = 1.5
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+FP8 = {n: np.dtype(getattr(ml_dtypes, n)) for n in ("float8_e5m2", "float8_e4m3",
+                                                   "float8_e4m3fn")}
+
 
 
 def run_case(args, target, paged=False, lnc=1):
@@ -56,6 +64,10 @@ def run_case(args, target, paged=False, lnc=1):
     k = rng.standard_normal((B, args.hkv, s_max, args.dim)).astype(np.float32).astype(dtype)
     v = rng.standard_normal((B, args.hkv, s_max, args.dim)).astype(np.float32).astype(dtype)
     kw = dict(cache_lens=lens, num_splits=args.num_splits)
+    fp8 = args.kv_dtype != "same"
+    if fp8:
+        k, kw["k_scale"] = reference.quantize_cache(k, FP8[args.kv_dtype])
+        v, kw["v_scale"] = reference.quantize_cache(v, FP8[args.kv_dtype])
     k_in, v_in = k, v
     if paged:
         (k_in, v_in), table = reference.contiguous_to_paged((k, v), lens, args.page_size,
@@ -66,10 +78,15 @@ def run_case(args, target, paged=False, lnc=1):
     with simulate.measure(target=target) as m:
         o = host.flash_decode(q, k_in, v_in, lnc=lnc, **kw)
     wall = time.perf_counter() - t0
-    kv_bytes = 2 * args.hkv * args.dim * dtype.itemsize * int(lens.sum())
+    kv_bytes = 2 * args.hkv * args.dim * k.dtype.itemsize * int(lens.sum())
     read, written = host.flash_decode_hbm_bytes(B, args.hq, args.tokens, args.dim, args.hkv,
                                                 lens, dtype.itemsize, plan, paged=paged,
-                                                lnc=lnc, api=m.api)
+                                                lnc=lnc, api=m.api,
+                                                cache_itemsize=k.dtype.itemsize)
+    # the same call with the caches in q's dtype (the plan does not depend on the cache dtype)
+    same = sum(host.flash_decode_hbm_bytes(B, args.hq, args.tokens, args.dim, args.hkv, lens,
+                                           dtype.itemsize, plan, paged=paged, lnc=lnc,
+                                           api=m.api))
     # the bounds at the DMA rate of the cost model and at an even share of the chip's HBM,
     # per NeuronCore (LNC=2: two cores, each with its DMA engines and HBM share)
     hw = hardware(target)
@@ -79,6 +96,7 @@ def run_case(args, target, paged=False, lnc=1):
         "target": target, "lnc": lnc, "B": B, "Hq": args.hq, "Hkv": args.hkv,
         "T": args.tokens,
         "D": args.dim, "S_max": s_max, "cache_lens": lens.tolist(), "dtype": args.dtype,
+        "kv_dtype": k.dtype.name, "bytes_vs_q_dtype_cache": (read + written) / same,
         "paged": paged, "page_size": args.page_size if paged else None,
         "plan": plan._asdict(),
         "hbm_bytes_read": m.hbm_bytes_read, "hbm_bytes_written": m.hbm_bytes_written,
@@ -94,6 +112,9 @@ def run_case(args, target, paged=False, lnc=1):
         "sim_wall_s": wall,
     }
     if args.check:
+        if fp8:
+            k = reference.dequantize_cache(k, kw["k_scale"])
+            v = reference.dequantize_cache(v, kw["v_scale"])
         ref = reference.decode(q, k, v, cache_lens=lens)[0]
         out["max_abs_err"] = reference.max_abs_err(o, ref)
     return out
@@ -103,7 +124,8 @@ def report(r, contiguous=None):
     lo, hi = r["modeled_us"]
     cache = f"paged (page_size {r['page_size']})" if r.get("paged") else "contiguous"
     print(f"\n{r['target']} LNC={r['lnc']} {cache}: B={r['B']} Hq={r['Hq']} Hkv={r['Hkv']} T={r['T']} "
-          f"D={r['D']} S_max={r['S_max']} {r['dtype']}  plan {r['plan']}")
+          f"D={r['D']} S_max={r['S_max']} {r['dtype']} (cache {r['kv_dtype']})  "
+          f"plan {r['plan']}")
     for k in r["kernels"]:
         eng = "  ".join(f"{e} {s:7.1f}" for e, s in k["engine_us"].items())
         print(f"  {k['name']:<28} grid {k['grid']}: {eng}  (us)")
@@ -111,7 +133,8 @@ def report(r, contiguous=None):
                                                                r["formula_written"])
     print(f"  HBM read {r['hbm_bytes_read']} B (K+V {r['kv_bytes_read']} = valid KV "
           f"{r['kv_bytes']}), written {r['hbm_bytes_written']} B; formula "
-          f"{'exact' if exact else 'MISMATCH'}")
+          f"{'exact' if exact else 'MISMATCH'}; all HBM bytes {r['bytes_vs_q_dtype_cache']:.3f}x "
+          f"those with the cache in q's dtype")
     est = r["estimated_us"]
     for name, key in (("DMA rate", "bound_dma_us"), ("HBM share", "bound_hbm_share_us")):
         ratio = lo / r[key]
@@ -144,6 +167,8 @@ def main(argv=None):
                    help="also run the cache as a shuffled page pool with a block table")
     p.add_argument("--page-size", type=int, default=256, help="positions per page (256)")
     p.add_argument("--check", action="store_true", help="also compare with the reference")
+    p.add_argument("--kv-dtype", choices=["same"] + sorted(FP8), default="same",
+                   help="cache dtype: q's (same, the default) or an FP8 format with scales")
     p.add_argument("--lnc", type=int, nargs="+", choices=(1, 2), default=[1, 2],
                    help="NeuronCores per logical core to run (2: trn2 only; default both)")
     p.add_argument("--json", default=None, help="write the results to this file")

@@ -677,6 +677,22 @@ def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):
 DECODE_MAX_CACHE_POSITIONS = tiles.DECODE_MAX_CACHE_POSITIONS
 
 
+class KVQuant(NamedTuple):
+    """An FP8 KV cache (:func:`_decode_call`): its 8-bit float format and the dequantization
+    scales per kv head, ``(Hkv, 2)`` float32 ``(k_scale, v_scale)`` (device data of the split
+    kernel: K's scale is folded into the softmax scale, V's into the partial outputs)."""
+
+    format: str
+    scales: np.ndarray
+
+
+def _fp8_cache_formats() -> Tuple[Optional[str], Tuple[str, ...]]:
+    """``(target, formats)``: the active target (None when the host does not know it) and the
+    8-bit float KV-cache formats it defines (``tiles.DECODE_FP8_CACHE_DTYPES``)."""
+    target = active_target()
+    return target, tiles.DECODE_FP8_CACHE_DTYPES[target]
+
+
 class DecodeCall(NamedTuple):
     """One validated decode call (:func:`_decode_call`): everything planning and launching read
     besides the tensors q, k_cache and v_cache."""
@@ -690,22 +706,30 @@ class DecodeCall(NamedTuple):
     mods: KernelScoreMods
     lnc: int                        # NeuronCores per logical core
     return_lse: bool
+    kv_quant: Optional[KVQuant] = None  # an FP8 cache's format and scales; None: q's dtype
 
 
 def _decode_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision: bool = True,
                  return_lse: bool = False, softcap=None, alibi_slopes=None, sinks=None,
-                 lnc=None, max_new_tokens=_v.MAX_DECODE_TOKENS) -> DecodeCall:
+                 lnc=None, max_new_tokens=_v.MAX_DECODE_TOKENS, k_scale=None,
+                 v_scale=None) -> DecodeCall:
     """Validate a decode call (arguments as in :func:`flash_decode`) into one record. In a
     paged call ``inputs.S_max`` is the logical capacity ``max_blocks * page_size``.
     ``max_new_tokens``: the largest T (None: any, :func:`flash_attention_with_kvcache`)."""
+    target, formats = _fp8_cache_formats()
+    fp8 = _v.check_fp8_cache(k_cache, v_cache, formats, target)
+    cache_dtypes = None if fp8 is None else (fp8,)
     if block_table is None:
         inputs, pages = _v.check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask,
-                                               max_new_tokens=max_new_tokens), None
+                                               max_new_tokens=max_new_tokens,
+                                               cache_dtypes=cache_dtypes), None
     else:
         inputs, pages = _v.check_paged_decode_inputs(
             q, k_cache, v_cache, cache_lens, block_table, tree_mask,
-            page_size_min=tiles.DECODE_PAGE_SIZE_MIN, max_new_tokens=max_new_tokens)
+            page_size_min=tiles.DECODE_PAGE_SIZE_MIN, max_new_tokens=max_new_tokens,
+            cache_dtypes=cache_dtypes)
+    scales = _v.check_kv_scales(k_scale, v_scale, inputs.Hkv, fp8, _v.dtype_name(k_cache))
     scale = _v.check_scale(scale, inputs.D)
     if num_splits is not None:
         num_splits = _v.check_int("num_splits", num_splits, minimum=1)
@@ -725,7 +749,7 @@ def _decode_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     dtype = _v.dtype_name(q)
     return DecodeCall(inputs, pages, dtype, scale, num_splits,
                       _tiles.fwd_mm_dtype_name(dtype, mixed_precision), mods, _check_lnc(lnc),
-                      return_lse)
+                      return_lse, None if fp8 is None else KVQuant(fp8, scales))
 
 
 def _decode_tiles(call: DecodeCall) -> "tiles.DecodeTiles":
@@ -807,7 +831,8 @@ def decode_launch(cache_lens, T: int, Hkv: int, plan: "tiles.DecodeTiles",
 
 
 def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, tree_mask=None,
-                      num_splits=None, mixed_precision: bool = True) -> "tiles.DecodeTiles":
+                      num_splits=None, mixed_precision: bool = True, k_scale=None,
+                      v_scale=None) -> "tiles.DecodeTiles":
     """Validate a decode call and return its tiling (``nki_kernels.tiles.DecodeTiles``).
 
     ``num_splits`` of the result is the number of splits of the committed prefix -- the split
@@ -819,12 +844,14 @@ def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, tree
     """
     return _decode_tiles(_decode_call(q, k_cache, v_cache, cache_lens=cache_lens,
                                       block_table=block_table, tree_mask=tree_mask,
-                                      num_splits=num_splits, mixed_precision=mixed_precision))
+                                      num_splits=num_splits, mixed_precision=mixed_precision,
+                                      k_scale=k_scale, v_scale=v_scale))
 
 
 def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens,
                            itemsize: int, plan: "tiles.DecodeTiles", tree_mask: bool = False,
-                           paged: bool = False, lnc: int = 1, api: str = "legacy"):
+                           paged: bool = False, lnc: int = 1, api: str = "legacy",
+                           cache_itemsize: Optional[int] = None):
     """Exact HBM bytes ``(read, written)`` of :func:`flash_decode` (both kernels).
 
     With ``N = B Hq T`` query rows, ``s`` the input itemsize (q, caches and o share it),
@@ -859,6 +886,16 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     ``h = Hkv / H'`` kv heads: its reads (``s h G T D`` of q, 4 of the length, ``2 s h D
     (Lp_b mod n + T)`` of K/V, ``h T^2`` of the tree mask, paged ``4 h (Lp_b mod n + T)``) and
     its ``4 h G T (D + 1)`` bytes of partials count twice.
+
+    An FP8 cache (``cache_itemsize`` 1; None: the caches in q's itemsize ``s``) has ``s``
+    replaced by 1 in the K/V terms, and adds the per-head scales ``(k_scale, v_scale)``, 8
+    bytes gathered onto each of the ``r = min(G T, plan.row_tile)`` partitions of a row tile
+    once per kv head of each chunk program and of each tail (``I`` work items per program,
+    :func:`decode_launch`)::
+
+        read   += 8 r Hkv ((W + P) / I + B)
+
+    (with the doubled middle tail above, ``8 r h`` more).
     """
     N = B * Hq * T
     launch_ = decode_launch(cache_lens, T, Hkv, plan, lnc, api)
@@ -866,7 +903,8 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     W = int(np.sum(splits))
     pad = 0 if work is None else work.shape[0] - W               # padding items
     S = plan.num_splits + 1
-    kv = 2 * itemsize * Hkv * D * int(np.sum(np.asarray(cache_lens, dtype=np.int64)))
+    cs = itemsize if cache_itemsize is None else cache_itemsize
+    kv = 2 * cs * Hkv * D * int(np.sum(np.asarray(cache_lens, dtype=np.int64)))
     read = (kv + itemsize * Hq * T * D * (W + B) + 8 * groups * (W + pad)
             + 4 * groups * (W + B) + 4 * N * (D + 1) * S + (4 * N if S > 1 else 0))
     if tree_mask:
@@ -876,12 +914,14 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
         read += 4 * (groups * int(np.sum(lp // plan.key_row))
                      + Hkv * int(np.sum(lp % plan.key_row + T)))
     written = 4 * Hq * T * (D + 1) * (W + pad + B) + itemsize * N * D + 4 * N
+    scale_rows = 8 * min(Hq // Hkv * T, plan.row_tile) if cs == 1 else 0   # FP8: the scales
+    read += scale_rows * Hkv * ((W + pad) // launch_.items_per_program + B)
     if api == "nki" and lnc == 2 and (groups * B) % 2:
         b = ((groups * B - 1) // 2) % B
         h, G = Hkv // groups, Hq // Hkv
         tail = int(cache_lens[b]) - T
         tail = tail % plan.key_row + T                       # positions the tail reads
-        read += (itemsize * h * G * T * D + 4 + 2 * itemsize * h * D * tail
+        read += (itemsize * h * G * T * D + 4 + 2 * cs * h * D * tail + scale_rows * h
                  + (h * T * T if tree_mask else 0) + (4 * h * tail if paged else 0))
         written += 4 * h * G * T * (D + 1)
     return read, written
@@ -890,7 +930,7 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
 def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision: bool = True,
                  return_lse: bool = False, softcap=None, alibi_slopes=None, sinks=None,
-                 lnc=None, window=None):
+                 lnc=None, window=None, k_scale=None, v_scale=None):
     """Attention of T new tokens per sequence over a KV cache (split-KV flash decoding).
 
     Parameters
@@ -900,7 +940,12 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     k_cache, v_cache : arrays (B, Hkv, S_max, D)
         The caches, q's dtype (float32, bfloat16 or float16); ``Hq % Hkv == 0`` (query head h
         reads kv head ``h // (Hq // Hkv)``). They already hold the new tokens' keys and values
-        at positions ``cache_lens[b] - T .. cache_lens[b] - 1``.
+        at positions ``cache_lens[b] - T .. cache_lens[b] - 1``. Or an FP8 cache, K and V in
+        one 8-bit float format of the target (``tiles.DECODE_FP8_CACHE_DTYPES``: trn2 and trn1
+        ``float8_e4m3`` (IEEE-style, max 240) or ``float8_e5m2``; trn3 ``float8_e4m3fn`` (OCP,
+        max 448) or ``float8_e5m2``; any other 8-bit float is a TypeError, never a cast), with
+        ``k_scale`` and ``v_scale``: the kernel reads 1 byte per element and dequantizes on
+        chip.
     cache_lens : (B,) ints, required
         Valid length per sequence, ``T <= cache_lens[b] <= S_max``. Only these positions are
         read; the kernels take them as device data, so they may change every step without a
@@ -942,6 +987,11 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
         - T + t``; -1 = unbounded side). The split-KV kernels have no window: a windowed call
         runs the prefill-class kernel of :func:`flash_attention_with_kvcache` (same
         semantics; ``num_splits`` and ``tree_mask`` are refused with it).
+    k_scale, v_scale : number or array (Hkv,), required with (and only with) an FP8 cache
+        Dequantization scales, one per kv head or one for all: the cache holds
+        ``k / k_scale`` and ``v / v_scale``. Finite and > 0 in float32, the precision they are
+        applied in: K's scale is folded into the softmax scale of the head's queries, V's into
+        its output (no dequantized cache is formed).
 
     Returns
     -------
@@ -963,7 +1013,8 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
                          scale=scale, causal=True, window=window, tree_mask=tree_mask,
                          num_splits=num_splits, mixed_precision=mixed_precision,
                          return_lse=return_lse, softcap=softcap, alibi_slopes=alibi_slopes,
-                         sinks=sinks, lnc=lnc, decode_only=True)
+                         sinks=sinks, lnc=lnc, k_scale=k_scale, v_scale=v_scale,
+                         decode_only=True)
     return _kvcache_outputs(call, q, k_cache, v_cache)
 
 
@@ -993,6 +1044,8 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
     work, splits = ln.work, ln.splits
     mod_tensors = {name: None if a is None else to_device(a)
                    for name, a in call.mods.tensors.items()}
+    if call.kv_quant is not None:
+        mod_tensors["kv_scale"] = to_device(call.kv_quant.scales)
     o_part, lse_part = run(
         k.flash_decode_split_kernel.on(api),
         k.decode_grid(ln.groups, ln.programs, ln.core_axis, api=api, lnc=call.lnc), q,
@@ -1030,7 +1083,7 @@ class KVCacheCall(NamedTuple):
 def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                   causal=True, window=None, tree_mask=None, num_splits=None,
                   mixed_precision: bool = True, return_lse: bool = False, softcap=None,
-                  alibi_slopes=None, sinks=None, lnc=None,
+                  alibi_slopes=None, sinks=None, lnc=None, k_scale=None, v_scale=None,
                   decode_only: bool = False) -> KVCacheCall:
     """Validate a call over a KV cache (arguments as in
     :func:`flash_attention_with_kvcache`) into one record and choose its kernel: the split-KV
@@ -1052,7 +1105,7 @@ def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=No
                         scale=scale, tree_mask=tree_mask, num_splits=num_splits,
                         mixed_precision=mixed_precision, return_lse=return_lse,
                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, lnc=lnc,
-                        max_new_tokens=max_new_tokens)
+                        max_new_tokens=max_new_tokens, k_scale=k_scale, v_scale=v_scale)
     T = call.inputs.T
     decode_up_to = (_v.MAX_DECODE_TOKENS if decode_only
                     else tiles.kvcache_decode_max_tokens(call.inputs.group))
@@ -1068,6 +1121,11 @@ def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=No
                          "causal=True, got causal=False")
     prefill = window is not None or (tree_mask is None and num_splits is None
                                      and T > decode_up_to)
+    if prefill and call.kv_quant is not None:
+        raise TypeError(
+            f"k_cache: an FP8 cache ({call.kv_quant.format}) is read by the split-KV decode "
+            f"kernels only: T <= {decode_up_to} without a window; this call has T={T}, "
+            f"window={window!r} (dequantize the cache for it: nothing is cast silently)")
     pages = call.pages
     if prefill and pages is not None and max(
             2 * call.inputs.S_max, M.oob_offset(call.inputs.B * pages.max_blocks)
@@ -1130,7 +1188,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_lens, block_table
                                  scale=None, causal=True, window=None, tree_mask=None,
                                  softcap=None, alibi_slopes=None, sinks=None, num_splits=None,
                                  mixed_precision: bool = True, return_lse: bool = False,
-                                 lnc=None):
+                                 lnc=None, k_scale=None, v_scale=None):
     """Attention of T new tokens per sequence over a KV cache, any ``T >= 1``: decoding,
     speculative trees, chunked prefill and prefix caching (FlashAttention's
     ``flash_attn_with_kvcache`` in the ``(B, H, N, D)`` layout; docs/semantics.md).
@@ -1143,7 +1201,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_lens, block_table
         with ``block_table``
         q's dtype (float32, bfloat16, float16); ``Hq % Hkv == 0``. They already hold the new
         tokens' keys and values at positions ``cache_lens[b] - T .. cache_lens[b] - 1`` (the
-        tokens before them are the cached prefix: a shared prompt, earlier chunks).
+        tokens before them are the cached prefix: a shared prompt, earlier chunks). Or an FP8
+        cache with ``k_scale``/``v_scale`` as in :func:`flash_decode`.
     cache_lens : (B,) ints, required
         ``T <= cache_lens[b] <= S_max`` (paged: ``max_blocks_per_seq * page_size``). Device
         data: new lengths do not recompile.
@@ -1171,6 +1230,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_lens, block_table
         :func:`flash_decode`.
     mixed_precision, return_lse, lnc
         As in :func:`flash_attention`.
+    k_scale, v_scale : number or array (Hkv,), required with (and only with) an FP8 cache
+        As in :func:`flash_decode`. An FP8 cache is read by the split-KV decode kernels only
+        (T up to ``kvcache_decode_max_tokens``, no window); a larger T is a TypeError naming
+        ``k_cache``.
 
     Returns
     -------
@@ -1189,7 +1252,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_lens, block_table
                          scale=scale, causal=causal, window=window, tree_mask=tree_mask,
                          num_splits=num_splits, mixed_precision=mixed_precision,
                          return_lse=return_lse, softcap=softcap, alibi_slopes=alibi_slopes,
-                         sinks=sinks, lnc=lnc)
+                         sinks=sinks, lnc=lnc, k_scale=k_scale, v_scale=v_scale)
     return _kvcache_outputs(call, q, k_cache, v_cache)
 
 

@@ -54,8 +54,11 @@ REFERENCE_MEMORY_FRACTION = 0.8
 #: ``--decode`` and the masks of :data:`_KVCACHE_MASKS`.
 _DECODE_ONLY = (("tokens", "--tokens"), ("cache_len", "--cache-len"),
                 ("num_splits", "--num-splits"), ("paged", "--paged"),
-                ("page_size", "--page-size"))
+                ("page_size", "--page-size"), ("kv_dtype", "--kv-dtype"))
 _KVCACHE_MASKS = ("causal", "window")
+#: ``--kv-dtype``: the FP8 KV-cache formats (host.flash_decode's k_scale/v_scale caches).
+KV_DTYPES = {"fp8_e5m2": "float8_e5m2", "fp8_e4m3": "float8_e4m3",
+             "fp8_e4m3fn": "float8_e4m3fn"}
 _PREFILL_ONLY = (("seq_q", "--seq-q"), ("seq_k", "--seq-k"), ("causal", "--causal"),
                  ("window", "--window"), ("kv_lens", "--kv-lens"), ("q_lens", "--q-lens"),
                  ("dropout", "--dropout"), ("block_sparse", "--block-sparse"))
@@ -144,6 +147,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="decode: store the caches as a shuffled page pool with a block table")
     run.add_argument("--page-size", type=_positive_int, default=None,
                      help="decode --paged: positions per page, a power of two >= 16 (256)")
+    run.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
+                     help="decode: an FP8 KV cache (per-kv-head scales): fp8_e5m2 (trn1-3), "
+                          "fp8_e4m3 (IEEE-style, max 240: trn1, trn2), fp8_e4m3fn (OCP, max "
+                          "448: trn3); checked against the reference on the dequantized cache")
     run.add_argument("--dropout", type=float, default=None, metavar="P",
                      help="attention dropout probability in [0, 1) (the mask's seed is --seed; "
                           "the check uses the mask the kernel drew)")
@@ -343,11 +350,23 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.block_sparse is not None:
         _block_pattern(args.block_sparse, 1, 1)          # the pattern's name and value
     unported = _not_on_trn3(args)
+    explicit = args.targets is not None
     if args.targets is None:
         args.targets = [t for t in TARGETS if t != "trn3" or not unported]
     elif "trn3" in args.targets and unported:
         raise UsageError(f"--targets trn3: {unported} is not ported to nki.* yet, and trn3 runs "
                          "only nki.* kernels; model it on trn1/trn2")
+    if args.kv_dtype is not None:
+        from nki_kernels.tiles import DECODE_FP8_CACHE_DTYPES
+
+        fmt = KV_DTYPES[args.kv_dtype]
+        takes = [t for t in TARGETS if fmt in DECODE_FP8_CACHE_DTYPES[t]]
+        lacking = [t for t in args.targets if t not in takes]
+        if explicit and lacking:
+            raise UsageError(f"--kv-dtype {args.kv_dtype}: {', '.join(lacking)} has no {fmt} "
+                             f"cache format (it is {', '.join(takes)}'s); choose --targets "
+                             f"among those")
+        args.targets = [t for t in args.targets if t in takes]
     if args.json_out is not None:
         path = os.path.abspath(args.json_out)
         parent = os.path.dirname(path)
@@ -442,6 +461,14 @@ def _run(args: argparse.Namespace) -> int:
                                                  if args.window else "")
         label = (f"{mode} B={B} Hq={Hq} Hkv={Hkv} T={T} cache_lens={cache_lens.tolist()} "
                  f"S_max={s_max} D={D} {args.dtype}" + _mods_label(args))
+        kv_itemsize = dtype.itemsize
+        if args.kv_dtype is not None:
+            # the kernel reads the FP8 cache; the check's truth is the cache it stands for
+            fmt = KV_DTYPES[args.kv_dtype]
+            k, kwargs["k_scale"] = reference.quantize_cache(k, fmt)
+            v, kwargs["v_scale"] = reference.quantize_cache(v, fmt)
+            label += f" cache {fmt} (per-kv-head scales)"
+            kv_itemsize = k.itemsize
         k_in, v_in = k, v
         if args.paged:
             (k_in, v_in), kwargs["block_table"] = reference.contiguous_to_paged(
@@ -456,17 +483,22 @@ def _run(args: argparse.Namespace) -> int:
             return host.flash_decode(q, k_in, v_in, lnc=lnc, **kwargs)
 
         def check_refs():
+            kd, vd = k, v
+            if args.kv_dtype is not None:
+                kd = reference.dequantize_cache(k, kwargs["k_scale"])
+                vd = reference.dequantize_cache(v, kwargs["v_scale"])
             if args.kvcache:
                 # the forward over the contiguous cache with kv_lens = cache_lens
-                ref = reference.attention_forward(q, k, v, scale=args.scale,
+                ref = reference.attention_forward(q, kd, vd, scale=args.scale,
                                                   kv_lens=cache_lens, **cache_masks, **mods)
                 base = reference.attention_baseline_lowp(
-                    q, k, v, dtype=mm_dtype, out_dtype=dtype, scale=args.scale,
+                    q, kd, vd, dtype=mm_dtype, out_dtype=dtype, scale=args.scale,
                     kv_lens=cache_lens, **cache_masks, **mods)
                 return ref, (base, None)
-            ref = reference.decode(q, k, v, cache_lens=cache_lens, scale=args.scale, **mods)
-            base = reference.decode_baseline_lowp(q, k, v, cache_lens=cache_lens, dtype=mm_dtype,
-                                                  out_dtype=dtype, scale=args.scale, **mods)
+            ref = reference.decode(q, kd, vd, cache_lens=cache_lens, scale=args.scale, **mods)
+            base = reference.decode_baseline_lowp(q, kd, vd, cache_lens=cache_lens,
+                                                  dtype=mm_dtype, out_dtype=dtype,
+                                                  scale=args.scale, **mods)
             return ref, (base, None)
 
         scores = B * Hq * T * s_max
@@ -476,7 +508,7 @@ def _run(args: argparse.Namespace) -> int:
         else:
             visible_pairs = int(sum(Hq * (T * (int(c) - T) + T * (T + 1) // 2)
                                     for c in cache_lens))
-        lower_bound = (q.nbytes + 2 * sum(Hkv * int(c) * D * dtype.itemsize for c in cache_lens)
+        lower_bound = (q.nbytes + 2 * sum(Hkv * int(c) * D * kv_itemsize for c in cache_lens)
                        + q.nbytes + B * Hq * T * 4)
         bound_says = "Q read, the valid K/V read once, O and LSE written once"
         unfused = None

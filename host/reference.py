@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from typing import Tuple
 
+import ml_dtypes
 import numpy as np
 
 from host import block_sparse as _bs
@@ -651,6 +652,44 @@ def decode(q, k_cache, v_cache, *, cache_lens, scale=None, tree_mask=None, block
                           qpos.astype(np.float64)[:, None, :, None])
     p, lse = _masked_softmax(s, mask, _sink(mods))
     return p @ v64, lse
+
+
+def quantize_cache(cache, dtype) -> Tuple[np.ndarray, np.ndarray]:
+    """An FP8 KV cache of ``cache`` (a way to make one for tests, the CLI and benchmarks):
+    ``(cache / scale[h]) in dtype, scale`` with the float32 ``scale`` ``(Hkv,)`` per kv head
+    putting the head's largest magnitude at half the format's largest finite value (headroom
+    for later tokens; an all-zero head gets scale 1).
+
+    Parameters
+    ----------
+    cache : float array (B or num_blocks, Hkv, S_max or page_size, D)
+    dtype : an 8-bit float dtype (e.g. ``ml_dtypes.float8_e5m2``)
+    """
+    dtype = np.dtype(dtype)
+    values = np.asarray(cache).astype(np.float64)
+    amax = np.abs(values).max(axis=(0, 2, 3))
+    half = float(ml_dtypes.finfo(dtype).max) / 2
+    scale = np.where(amax > 0, amax / half, 1.0).astype(np.float32)
+    return (values / scale[None, :, None, None]).astype(dtype), scale
+
+
+def dequantize_cache(cache, scale) -> np.ndarray:
+    """The float64 values an FP8 KV cache stands for: ``cache * scale[h]`` for kv head h.
+
+    Parameters
+    ----------
+    cache : array (B or num_blocks, Hkv, S_max or page_size, D), any float dtype (8-bit ones
+        included)
+    scale : number, or array (Hkv,)
+        The cache's ``k_scale`` or ``v_scale`` (:func:`host.flash_decode`).
+
+    Returns
+    -------
+    float64 array of ``cache``'s shape: what :func:`decode` takes as the exact cache.
+    """
+    values = np.asarray(cache).astype(np.float64)
+    per_head = np.broadcast_to(np.asarray(scale, dtype=np.float64), (values.shape[1],))
+    return values * per_head[None, :, None, None]
 
 
 def merge_partials(o_parts, lse_parts) -> Tuple[np.ndarray, np.ndarray]:

@@ -77,6 +77,12 @@ _NUMPY_DTYPE = {
     torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
     torch.float16: np.dtype(np.float16),
 }
+#: torch's 8-bit float types that have an ml_dtypes twin (an FP8 KV cache of flash_decode; torch
+#: has no IEEE-style E4M3, trn2's ``float8_e4m3``).
+_FP8_NUMPY_DTYPE = {
+    torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2),
+    torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
+}
 #: The dtype the kernels compute a float64 call in (with ``mixed_precision=False`` only).
 _FLOAT64_COMPUTE = torch.float32
 _ALLOWED_DTYPES = "float32, bfloat16, float16 (float64 only with mixed_precision=False)"
@@ -92,6 +98,8 @@ def _to_numpy(t: "torch.Tensor") -> np.ndarray:
         t = t.contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype in _FP8_NUMPY_DTYPE:      # an FP8 KV cache: the same bytes, ml_dtypes' type
+        return t.view(torch.uint8).numpy().view(_FP8_NUMPY_DTYPE[t.dtype])
     if t.dtype in _NUMPY_DTYPE:
         return t.numpy()
     raise TypeError(f"internal: no NumPy dtype for {t.dtype}")
@@ -1033,9 +1041,14 @@ def _host_ints(name: str, x):
 
 def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision=True, return_lse=False,
-                 softcap=None, alibi_slopes=None, sinks=None, window=None):
+                 softcap=None, alibi_slopes=None, sinks=None, window=None, k_scale=None,
+                 v_scale=None):
     """:func:`host.flash_decode` on torch tensors: T new tokens per sequence over a contiguous
     ``(B, Hkv, S_max, D)`` or paged KV cache.
+
+    An FP8 cache is a ``torch.float8_e5m2`` one, or on trn3 ``torch.float8_e4m3fn`` (torch has
+    no IEEE-style E4M3, trn2's other format), with ``k_scale`` and ``v_scale`` (numbers or
+    ``(Hkv,)`` tensors) as in :func:`host.flash_decode`.
 
     ``block_table`` (``(B, max_blocks_per_seq)`` integers) lays pages out as vLLM does:
     logical position p of sequence b is offset ``p % page_size`` of page
@@ -1051,13 +1064,15 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     return _over_cache("flash_decode", q, k_cache, v_cache, cache_lens=cache_lens,
                        block_table=block_table, tree_mask=tree_mask, alibi_slopes=alibi_slopes,
                        sinks=sinks, return_lse=return_lse, scale=scale, num_splits=num_splits,
-                       mixed_precision=mixed_precision, softcap=softcap, window=window)
+                       mixed_precision=mixed_precision, softcap=softcap, window=window,
+                       k_scale=k_scale, v_scale=v_scale)
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_lens, block_table=None,
                                  scale=None, causal=True, window=None, tree_mask=None,
                                  softcap=None, alibi_slopes=None, sinks=None, num_splits=None,
-                                 mixed_precision=True, return_lse=False):
+                                 mixed_precision=True, return_lse=False, k_scale=None,
+                                 v_scale=None):
     """:func:`host.flash_attention_with_kvcache` on torch tensors: any T new tokens per
     sequence over a contiguous or paged KV cache (chunked prefill, prefix caching, decode).
     Arguments and devices as :func:`flash_decode` here (``causal``: True/"bottom_right" or
@@ -1067,7 +1082,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_lens, block_table
                        cache_lens=cache_lens, block_table=block_table, tree_mask=tree_mask,
                        alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
                        scale=scale, causal=causal, window=window, softcap=softcap,
-                       num_splits=num_splits, mixed_precision=mixed_precision)
+                       num_splits=num_splits, mixed_precision=mixed_precision,
+                       k_scale=k_scale, v_scale=v_scale)
 
 
 def _over_cache(entry: str, q, k_cache, v_cache, *, cache_lens, block_table, tree_mask,
@@ -1105,6 +1121,6 @@ def _over_cache(entry: str, q, k_cache, v_cache, *, cache_lens, block_table, tre
             call, q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
             lambda kernel, grid, *a, **kw: kernel[grid](*a, **kw),
             lambda a: torch.as_tensor(np.ascontiguousarray(a)).to(q.device))
-        B, Hq, T, D = (int(x) for x in q.shape)
-        o, lse = o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
+    B, Hq, T, D = (int(x) for x in q.shape)
+    o, lse = o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
     return (o, lse) if return_lse else o

@@ -344,6 +344,17 @@ def _check_same_dtypes(q, **others) -> None:
         _check_same_dtype(name, x, "q", q)
 
 
+def _check_cache_dtypes(q, k_cache, v_cache, same_dtype: bool, cache_dtypes) -> None:
+    """With ``same_dtype``: the caches in q's dtype, or (``cache_dtypes`` given: an FP8
+    cache) in one dtype."""
+    if not same_dtype:
+        return
+    if cache_dtypes is None:
+        _check_same_dtypes(q, k_cache=k_cache, v_cache=v_cache)
+    else:
+        _check_same_dtype("v_cache", v_cache, "k_cache", k_cache)
+
+
 def _check_new_tokens(qs, max_new_tokens: Optional[int]) -> None:
     T = qs[2]
     hi = "inf" if max_new_tokens is None else str(max_new_tokens)
@@ -742,7 +753,8 @@ def check_tree_mask(tree_mask, T: int) -> Optional[np.ndarray]:
 def check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask=None, *,
                         dtypes: Optional[Sequence] = FLOAT_DTYPES, same_dtype: bool = True,
                         max_head_dim: Optional[int] = MAX_HEAD_DIM,
-                        max_new_tokens: Optional[int] = MAX_DECODE_TOKENS) -> DecodeInputs:
+                        max_new_tokens: Optional[int] = MAX_DECODE_TOKENS,
+                        cache_dtypes: Optional[Sequence] = None) -> DecodeInputs:
     """Validate a decode call.
 
     Parameters
@@ -755,14 +767,19 @@ def check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask=None, *,
         Valid cache length per sequence, ``T <= cache_lens[b] <= S_max``. Required.
     tree_mask : bool array (T, T), optional
         See :func:`check_tree_mask`.
+    cache_dtypes : sequence of dtypes, optional
+        The caches' allowed dtypes when they differ from q's (an FP8 cache,
+        :func:`check_fp8_cache`: then K and V share one dtype); None: ``dtypes`` and, with
+        ``same_dtype``, q's dtype.
 
     Returns
     -------
     DecodeInputs
     """
     check_array("q", q, ndim=4, dtypes=dtypes, layout="(B, Hq, T, D)")
-    check_array("k_cache", k_cache, ndim=4, dtypes=dtypes, layout="(B, Hkv, S_max, D)")
-    check_array("v_cache", v_cache, ndim=4, dtypes=dtypes, layout="(B, Hkv, S_max, D)")
+    cd = dtypes if cache_dtypes is None else cache_dtypes
+    check_array("k_cache", k_cache, ndim=4, dtypes=cd, layout="(B, Hkv, S_max, D)")
+    check_array("v_cache", v_cache, ndim=4, dtypes=cd, layout="(B, Hkv, S_max, D)")
     qs, ks, vs = _shape(q), _shape(k_cache), _shape(v_cache)
     B, Hq, T, D = qs
     _check_dims_positive("q", qs, ("batch size B", "query heads Hq"))
@@ -771,18 +788,109 @@ def check_decode_inputs(q, k_cache, v_cache, cache_lens, tree_mask=None, *,
     _check_kv_against_q(("k_cache", "v_cache"), "(B, Hkv, S_max, D)", "cache size S_max",
                         qs, ks, vs)
     Hkv, S_max = ks[1], ks[2]
-    if same_dtype:
-        _check_same_dtypes(q, k_cache=k_cache, v_cache=v_cache)
+    _check_cache_dtypes(q, k_cache, v_cache, same_dtype, cache_dtypes)
     lens = _check_cache_lens(cache_lens, B, T, S_max, "S_max")
     mask = check_tree_mask(tree_mask, T)
     return DecodeInputs(B, Hq, Hkv, T, S_max, D, lens, mask)
+
+
+#: Every 8-bit float format a cache could be given in (any target's; NumPy/ml_dtypes names,
+#: which torch's ``float8_e5m2`` / ``float8_e4m3fn`` share).
+FP8_DTYPE_NAMES = ("float8_e4m3", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+                   "float8_e5m2fnuz", "float8_e3m4", "float8_e8m0fnu")
+
+
+def check_fp8_cache(k_cache, v_cache, formats: Sequence[str], target) -> Optional[str]:
+    """The format of an FP8 KV cache, or None when ``k_cache`` is not an 8-bit float array.
+
+    Parameters
+    ----------
+    k_cache, v_cache : arrays
+    formats : sequence of str
+        The 8-bit float formats the target defines for a cache
+        (``nki_kernels.tiles.DECODE_FP8_CACHE_DTYPES``).
+    target : str or None
+        The target's name for the message (None: not known to the host).
+
+    Raises
+    ------
+    TypeError
+        ``k_cache`` is an 8-bit float format the target does not define (never cast), or
+        ``v_cache`` is not in ``k_cache``'s format.
+    """
+    if not _is_array(k_cache) or dtype_name(k_cache) not in FP8_DTYPE_NAMES:
+        return None
+    name = dtype_name(k_cache)
+    where = "this device (target unknown: set NEURON_PLATFORM_TARGET_OVERRIDE)" \
+        if target is None else target
+    if name not in formats:
+        raise TypeError(f"k_cache: dtype {name} is not an FP8 KV-cache format of {where}; "
+                        f"allowed there: {', '.join(formats)}")
+    if not _is_array(v_cache) or dtype_name(v_cache) != name:
+        got = dtype_name(v_cache) if _is_array(v_cache) else describe(v_cache)
+        raise TypeError(f"v_cache: dtype {got} does not match k_cache's FP8 format {name}; an "
+                        f"FP8 cache holds K and V in one format")
+    return name
+
+
+def check_kv_scales(k_scale, v_scale, Hkv: int, fp8: Optional[str],
+                    cache_dtype: str) -> Optional[np.ndarray]:
+    """The dequantization scales of an FP8 KV cache, per kv head: ``(Hkv, 2)`` float32
+    ``(k_scale, v_scale)`` (None for a cache that is not FP8, which takes no scales).
+
+    Parameters
+    ----------
+    k_scale, v_scale : real number, or array (Hkv,) (NumPy or torch)
+        ``k = k_cache * k_scale[h]``, ``v = v_cache * v_scale[h]`` for kv head h (a number: the
+        same for every head). Finite and > 0 as float32, the precision the kernel applies them
+        in (a value float32 rounds to 0 or inf is an error, not a cast).
+    Hkv : int
+    fp8 : str or None
+        The cache's FP8 format (:func:`check_fp8_cache`), None: not an FP8 cache.
+    cache_dtype : str
+        The cache's dtype name, for the messages.
+    """
+    given = (("k_scale", k_scale), ("v_scale", v_scale))
+    if fp8 is None:
+        for name, s in given:
+            if s is not None:
+                raise ValueError(f"{name}: only an FP8 cache takes scales; k_cache is "
+                                 f"{cache_dtype}, got {name}={describe(s)}")
+        return None
+    cols = []
+    for name, s in given:
+        if s is None:
+            raise ValueError(f"{name}: an FP8 cache (k_cache {fp8}) needs k_scale and v_scale "
+                             f"(a number > 0, or one per kv head, shape ({Hkv},)); got None")
+        if _is_array(s):
+            check_array(name, s, dtypes=REFERENCE_DTYPES)
+            if _shape(s) != (Hkv,):
+                raise ValueError(f"{name}: expected a number or an array of shape ({Hkv},) "
+                                 f"(one per kv head), got shape {_shape(s)}")
+            arr = np.asarray(s.detach().cpu().double().numpy() if _is_torch_tensor(s) else s,
+                             dtype=np.float64)
+        elif isinstance(s, (numbers.Real, np.floating, np.integer)) and \
+                not isinstance(s, (bool, np.bool_)):
+            arr = np.full(Hkv, float(s))
+        else:
+            raise TypeError(f"{name}: expected a number > 0 or an array ({Hkv},), got "
+                            f"{describe(s)}")
+        f32 = arr.astype(np.float32)
+        bad = ~(np.isfinite(f32) & (f32 > 0))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{name}: scales must be finite and > 0 (in float32), got "
+                             f"{float(arr[i])} for kv head {i}")
+        cols.append(f32)
+    return np.stack(cols, axis=1)
 
 
 def check_paged_decode_inputs(q, k_cache, v_cache, cache_lens, block_table, tree_mask=None, *,
                               page_size_min: int = 1,
                               dtypes: Optional[Sequence] = FLOAT_DTYPES, same_dtype: bool = True,
                               max_head_dim: Optional[int] = MAX_HEAD_DIM,
-                              max_new_tokens: Optional[int] = MAX_DECODE_TOKENS
+                              max_new_tokens: Optional[int] = MAX_DECODE_TOKENS,
+                              cache_dtypes: Optional[Sequence] = None
                               ) -> Tuple[DecodeInputs, PagedCache]:
     """Validate a decode call over a paged KV cache.
 
@@ -801,6 +909,8 @@ def check_paged_decode_inputs(q, k_cache, v_cache, cache_lens, block_table, tree
     tree_mask : bool array (T, T), optional
     page_size_min : int
         Smallest allowed page (the kernels': ``tiles.DECODE_PAGE_SIZE_MIN``).
+    cache_dtypes : sequence of dtypes, optional
+        As in :func:`check_decode_inputs`.
 
     Returns
     -------
@@ -809,8 +919,9 @@ def check_paged_decode_inputs(q, k_cache, v_cache, cache_lens, block_table, tree
     """
     check_array("q", q, ndim=4, dtypes=dtypes, layout="(B, Hq, T, D)")
     layout = "(num_blocks, Hkv, page_size, D) (a page pool, since block_table is given)"
-    check_array("k_cache", k_cache, ndim=4, dtypes=dtypes, layout=layout)
-    check_array("v_cache", v_cache, ndim=4, dtypes=dtypes, layout=layout)
+    cd = dtypes if cache_dtypes is None else cache_dtypes
+    check_array("k_cache", k_cache, ndim=4, dtypes=cd, layout=layout)
+    check_array("v_cache", v_cache, ndim=4, dtypes=cd, layout=layout)
     qs, ks, vs = _shape(q), _shape(k_cache), _shape(v_cache)
     B, Hq, T, D = qs
     _check_dims_positive("q", qs, ("batch size B", "query heads Hq"))
@@ -831,8 +942,7 @@ def check_paged_decode_inputs(q, k_cache, v_cache, cache_lens, block_table, tree
             f"{page_size} (shape {ks})"
         )
     _check_gqa("k_cache", qs, ks)
-    if same_dtype:
-        _check_same_dtypes(q, k_cache=k_cache, v_cache=v_cache)
+    _check_cache_dtypes(q, k_cache, v_cache, same_dtype, cache_dtypes)
     if not _is_array(block_table):
         raise TypeError(
             f"block_table: expected a (B, max_blocks_per_seq) = ({B}, ...) integer numpy.ndarray "

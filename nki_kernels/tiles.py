@@ -854,6 +854,16 @@ def fwd_itemsize(dtype_name: str) -> int:
 #: rows out of bounds by adding a power of two above the cache size (and must stay < 2^31).
 DECODE_MAX_CACHE_POSITIONS = 1 << 29
 
+#: 8-bit float formats of an FP8 KV cache per target, as each defines them: trn1 and trn2 the
+#: IEEE-style E4M3 (max 240, ``ml_dtypes.float8_e4m3``) and E5M2; trn3 the OCP E4M3 (max 448,
+#: ``float8_e4m3fn``) and E5M2 (nki-today.md section 4; the simulator's ``Target.fp8_dtypes``,
+#: whose E8M0 is a block-scale format, not data). On a device whose target the host does not
+#: know (no ``NEURON_PLATFORM_TARGET_OVERRIDE``) only the format every target shares.
+DECODE_FP8_CACHE_DTYPES = {"trn1": ("float8_e4m3", "float8_e5m2"),
+                           "trn2": ("float8_e4m3", "float8_e5m2"),
+                           "trn3": ("float8_e4m3fn", "float8_e5m2"),
+                           None: ("float8_e5m2",)}
+
 #: Largest key row n. n positions of D=128 bf16 are ``256 n`` bytes per partition per DMA; 32
 #: gives 8 KiB, above the 4 KiB at which DMA reaches full rate (hardware-and-limits.md §3). n is
 #: the largest power of two <= this that divides the cache capacity S_max.

@@ -130,6 +130,13 @@ HBM traffic (exact, ``host.api.flash_decode_hbm_bytes``): K and V ``2 s Hkv D su
 (each valid byte once), plus q once per work item and tail, the work items and lengths, the
 tree mask, the partials (written by phase 1, read back by the merge) and o, lse; paged, also
 one int32 table entry per gathered key row and tail position.
+
+FP8 cache (``kv_scale``). The caches may hold an 8-bit float format (``s = 1`` in the K/V
+term): the gathers cast to the matmul dtype on the way into SBUF (a DMA casts when its source
+and destination dtypes differ, through fp32: AWS's DMA guide, nki-dma-overview.rst), so every
+tile after them is the bf16 kernel's and nothing else changes but two folds of the
+per-kv-head scales, read once per head of a program into ``(rows, 2)`` columns: K's into the
+query scaling (:func:`_scaled_query_t`), V's into the normalization of each partial.
 """
 from typing import NamedTuple
 
@@ -554,6 +561,19 @@ def _member_columns(values, bs, h, G, ipp, out, col0, offsets):
     port.loop(ipp, item)
 
 
+def _head_scales(kv_scale, h, rows, offsets, out=None, col=0):
+    """fp32 ``(rows, 2)``: ``kv_scale[h]`` = ``(k_scale, v_scale)`` of kv head ``h`` (a linear
+    form of the program's indices, read from ``offsets`` under nki.*) on every partition, by an
+    indirect DMA of the HBM ``(Hkv, 2)`` float32 scales of an FP8 cache; into columns ``col ..
+    col + 1`` of ``out`` when given."""
+    idx = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.iota(idx, [[0, 1]], runtime=h, offsets=offsets)          # h on every partition
+    if out is None:
+        out = nl.ndarray((rows, 2), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(out[0:rows, nl.ds(col, 2)], port.rows(kv_scale, idx))
+    return out
+
+
 def _modified(mods, src, mask_ps, pos, slope, cap):
     """Scaled scores after the modifiers, fp32 SBUF: ``cap tanh(src / cap)`` (with
     ``softcap``), plus ``slope * pos`` (``pos`` an fp32 distance tile, ALiBi), plus the mask
@@ -607,13 +627,21 @@ def _with_sink(o_sb, lse, sink, rows):
 # ============================================================================================
 # Split kernel: one row tile
 # ============================================================================================
-def _scaled_query_t(q_nat, rows, D, n_dt, scale, mm):
+def _scaled_query_t(q_nat, rows, D, n_dt, scale, mm, k_col=None):
     """``scale * q`` of the loaded rows ``q_nat (rows, D)`` transposed: ``(128, n_dt * rows)``.
 
     The scale is folded into Q before the matmul (one rounding of ``scale * q`` to the operand
     dtype), so scores, masks, max and LSE are all in scaled units: that keeps the additive mask
-    valid for any scale, including 0 and negative ones.
+    valid for any scale, including 0 and negative ones. ``k_col`` (an FP8 cache): the fp32
+    ``(rows, 1)`` K scale of the rows' kv head, folded in as well (``q k_scale`` in fp32 on
+    ScalarE, whose per-partition scale operand takes the column and which has slack in decode
+    while VectorE is the busiest engine; transposed in fp32, so ``scale k_scale q`` is still
+    rounded once): the scores of the stored keys are then those of the dequantized ones.
     """
+    if k_col is not None:
+        q_k = nl.ndarray((rows, D), dtype=nl.float32, buffer=nl.sbuf)
+        port.activation(q_k, nl.copy, q_nat[0:rows, 0:D], scale=k_col)
+        q_nat = q_k
     qT = nl.ndarray((PMAX, n_dt * rows), dtype=mm, buffer=nl.sbuf)
     for dt in tiles.unrolled(n_dt):
         d0 = dt * PMAX
@@ -800,10 +828,13 @@ def _split_pv(v_all, pT, g, rows, P):
     return acc
 
 
-def _normalize_rows(acc, l_col, rows, g):
-    """``O (rows, D)`` fp32 = transpose of ``O^T`` divided by the row sums."""
+def _normalize_rows(acc, l_col, rows, g, v_col=None):
+    """``O (rows, D)`` fp32 = transpose of ``O^T`` divided by the row sums (and times the V
+    scale ``v_col`` ``(rows, 1)`` of an FP8 cache, in the same instruction: the output of the
+    dequantized values)."""
     inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.reciprocal(inv_l, l_col)
+    by_v = {} if v_col is None else dict(op1=nl.multiply, operand1=v_col)
     o_sb = nl.ndarray((rows, g.D), dtype=nl.float32, buffer=nl.sbuf)
     for dt, d0, dsz in g.d_tiles():
         oT = nl.ndarray((dsz, rows), dtype=nl.float32, buffer=nl.sbuf)
@@ -811,7 +842,7 @@ def _normalize_rows(acc, l_col, rows, g):
         t_ps = nl.ndarray((PMAX, PMAX), dtype=port.transpose_dtype(nl.float32), buffer=nl.psum)
         port.nc_transpose(t_ps[0:rows, 0:dsz], oT[0:dsz, 0:rows])
         port.tensor_scalar(o_sb[0:rows, d0:d0 + dsz], t_ps[0:rows, 0:dsz], op0=nl.multiply,
-                           operand0=inv_l)
+                           operand0=inv_l, **by_v)
     return o_sb
 
 
@@ -894,13 +925,14 @@ def _alibi_lse_shift(lse, rm, s_i, length, T, split_keys, rows):
     return shifted
 
 
-def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, rm=None, cap=None):
+def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, rm=None, cap=None, k_col=None):
     """First half of one row tile's partial over a work item (query rows ``rows`` of the
     item, gathered as ``q_nat (rows, D)``): scores against ``kT``, the modifiers (``rm``:
-    :class:`_RowMods`, None without), the row max and the exponentials. Returns the state
-    :func:`_split_back` finishes: ``(p_sb, l_col, m_col)``."""
+    :class:`_RowMods`, None without), the row max and the exponentials (``k_col``: an FP8
+    cache's K scale, :func:`_scaled_query_t`). Returns the state :func:`_split_back`
+    finishes: ``(p_sb, l_col, m_col)``."""
     P = g.pack * rows
-    qT = _scaled_query_t(q_nat, rows, g.D, g.n_dt, scale, mm)
+    qT = _scaled_query_t(q_nat, rows, g.D, g.n_dt, scale, mm, k_col)
     qbd = _packed_queries(qT, rows, g, mm)
     transforms = rm is not None and rm.mods.transforms
     banks, mask_banks = _split_scores(qbd, kT, mask_row, g, P,
@@ -925,10 +957,11 @@ def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, rm=None, cap=None):
 
 
 def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, mm, offsets,
-                rm=None, item=None):
+                rm=None, item=None, v_col=None):
     """Second half (:func:`_split_front`): ``P V``, the normalization and the scatter of the
     partial (o, lse). ``item``: ``(s_i, L)`` columns of the work item (ALiBi); ``h`` the kv
-    head, a linear form of the program's indices (read from ``offsets`` under nki.*).
+    head, a linear form of the program's indices (read from ``offsets`` under nki.*);
+    ``v_col``: an FP8 cache's V scale (:func:`_normalize_rows`).
 
     The item's sequence is runtime data, so the partial rows are scattered (flat row
     ``o_base + (h R + rt0 + p) S`` of the ``((B + 1) Hq T S, D)`` view: row, then slot) by
@@ -938,7 +971,7 @@ def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, m
     P = g.pack * rows
     pT = _transpose_probs(p_sb, g, P, mm)
     acc = _split_pv(v_all, pT, g, rows, P)
-    o_sb = _normalize_rows(acc, l_col, rows, g)
+    o_sb = _normalize_rows(acc, l_col, rows, g, v_col)
     row_slot = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
     port.iota(row_slot, [[0, 1]], offset=rt0 * S, channel_multiplier=S,
               runtime=_terms(h, R * S), offsets=offsets)                  # (h R + rt0 + p) S
@@ -1159,7 +1192,9 @@ def _tail_rows(cfg, io, tail, bh, kT, values, biases, rt0, rows):
     row0 = _expr(bh) * R + rt0
     q_nat = nl.ndarray((rows, D), dtype=io.q_rows.dtype, buffer=nl.sbuf)
     port.dma_copy(q_nat, io.q_rows[nl.ds(row0, rows), 0:D])
-    qT = _scaled_query_t(q_nat, rows, D, n_dt, cfg.scale, mm)
+    kv = tail.scales
+    qT = _scaled_query_t(q_nat, rows, D, n_dt, cfg.scale, mm,
+                         None if kv is None else kv[0:rows, 0:1])
     s_ps = nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
     port.nc_matmul(s_ps[0:rows, 0:C], qT[0:min(PMAX, D), 0:rows], kT[0:min(PMAX, D), 0:C])
     for dt in tiles.unrolled(1, n_dt):
@@ -1222,6 +1257,8 @@ def _tail_rows(cfg, io, tail, bh, kT, values, biases, rt0, rows):
 
     inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.reciprocal(inv_l, l_col)
+    if kv is not None:              # an FP8 cache: the output of the dequantized values
+        port.tensor_tensor(inv_l, inv_l, kv[0:rows, 1:2], op=nl.multiply)
     # rows that weighed a flagged value: times NaN
     poison = nl.ndarray((rows, 1), dtype=nl.uint8, buffer=nl.sbuf)
     port.tensor_scalar(poison, o_ps[0:rows, D:D + 1], op0=nl.greater, operand0=0.0)
@@ -1278,6 +1315,7 @@ class _Tensors(NamedTuple):
     block_table: object
     alibi_slopes: object
     sinks: object
+    kv_scale: object    # an FP8 cache's (Hkv, 2) float32 (k_scale, v_scale), else None
     o_part: object
     lse_part: object
     offsets: object
@@ -1286,7 +1324,8 @@ class _Tensors(NamedTuple):
 class _Tail(NamedTuple):
     """One tail program step: sequence ``b`` and kv head ``h`` (linear forms ``[(index,
     coefficient), ...]`` of the program's indices), the committed length ``lp = L - T`` and
-    ``rem = lp mod n`` columns, and the head's ALiBi slopes / sinks ``(G, 1)`` (or None)."""
+    ``rem = lp mod n`` columns, the head's ALiBi slopes / sinks ``(G, 1)`` and an FP8 cache's
+    ``(k_scale, v_scale)`` on the query rows' partitions ``(rows, 2)`` (each or None)."""
 
     b: list
     h: list
@@ -1294,6 +1333,7 @@ class _Tail(NamedTuple):
     rem: object
     slope_g: object
     sink_g: object
+    scales: object
 
 
 def _expr(terms):
@@ -1318,7 +1358,9 @@ def _tails(cfg, io, hg, b):
             slope_g = _member_column(io.alibi_slopes, [(b, 1)], h, cfg.G, io.offsets)
         if cfg.mods.sinks:
             sink_g = _member_column(io.sinks, [(b, 1)], h, cfg.G, io.offsets)
-        _tail_partial(cfg, io, _Tail([(b, 1)], h, lp, rem, slope_g, sink_g))
+        scales = (None if io.kv_scale is None else
+                  _head_scales(io.kv_scale, h, min(cfg.R, cfg.row_tile), io.offsets))
+        _tail_partial(cfg, io, _Tail([(b, 1)], h, lp, rem, slope_g, sink_g, scales))
 
     port.loop(cfg.hpp, head)
 
@@ -1400,6 +1442,16 @@ def _split_chunk(cfg, io, hg, c):
                             io.offsets)
 
         port.loop(hpp, head_slopes)
+    scl = None
+    if io.kv_scale is not None:
+        # an FP8 cache's (k_scale, v_scale) of every head of the group, on the rows' partitions
+        rmax = row_tiles[0][2]
+        scl = nl.ndarray((rmax, 2 * hpp), dtype=nl.float32, buffer=nl.sbuf)
+
+        def head_scales(hh):
+            _head_scales(io.kv_scale, h0 + [(hh, 1)], rmax, io.offsets, out=scl, col=2 * hh)
+
+        port.loop(hpp, head_scales)
     # the query rows of every step (padding items gather none: their rows stay 0)
     qs = []
     for _, rt0, rows in row_tiles:
@@ -1456,6 +1508,10 @@ def _split_chunk(cfg, io, hg, c):
             length = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_copy(length, cols[0:PMAX, nl.ds(2 * ipp + j, 1)], engine="gpsimd")
             item = (s_i, length)
+        kv = None
+        if scl is not None:
+            kv = nl.ndarray((rmax, 2), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_copy(kv, scl[0:rmax, nl.ds(2 * hh, 2)], engine="gpsimd")
         states = []
         for (_, rt0, rows), q_keep in zip(row_tiles, qs):
             q_nat = nl.ndarray((rows, D), dtype=q_rows.dtype, buffer=nl.sbuf)
@@ -1463,17 +1519,18 @@ def _split_chunk(cfg, io, hg, c):
             rm = (_RowMods(cfg.mods, slope_g, None, G, T, rt0, rows) if cfg.mods.transforms
                   else None)
             states.append((rm, _split_front(q_nat, kT[b], mask_row, g, rows, cfg.scale, mm, rm,
-                                            cfg.mods.softcap)))
-        return b_i, s_i, item, states
+                                            cfg.mods.softcap,
+                                            None if kv is None else kv[0:rows, 0:1])))
+        return b_i, s_i, item, kv, states
 
     def back(h, b, head):
         """The second half of each row tile of the step ``front`` began (on ``v_all[b]``);
         ``h`` the step's kv head (a linear form)."""
-        b_i, s_i, item, states = head
+        b_i, s_i, item, kv, states = head
         o_base = _int_tile([(b_i, Hkv * R * S), (s_i, 1)], PMAX, 1)
         for (_, rt0, rows), (rm, state) in zip(row_tiles, states):
             _split_back(state, v_all[b], o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, mm,
-                        io.offsets, rm, item)
+                        io.offsets, rm, item, None if kv is None else kv[0:rows, 1:2])
 
     def step(hh, h, j, b):
         """Step ``(hh, j)`` (``h``: its kv head) on buffer ``b``."""
@@ -1526,7 +1583,8 @@ def decode_grid(groups: int, programs: int, core_axis=None, api: str = "legacy",
 
 @port.jit
 def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_mask=None,
-                              block_table=None, alibi_slopes=None, sinks=None, scale=1.0,
+                              block_table=None, alibi_slopes=None, sinks=None, kv_scale=None,
+                              scale=1.0,
                               mm_dtype="bfloat16", key_row=1, split_rows=1, num_splits=1,
                               row_tile=1, pack=1, items_per_program=1, heads_per_program=1,
                               softcap=None):
@@ -1538,7 +1596,11 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     q : (B, Hq, T, D) float32 / bfloat16 / float16, D <= 256, T <= 128
     k_cache, v_cache : (B, Hkv, S_max, D), q's dtype; S_max a multiple of ``key_row``
         With ``block_table``: page pools ``(num_blocks, Hkv, page_size, D)``, page_size a power
-        of two and a multiple of ``key_row``.
+        of two and a multiple of ``key_row``. Or an FP8 cache (both one 8-bit float format
+        of the target, with ``kv_scale``): the K/V gathers cast it to ``mm_dtype`` on the way
+        into SBUF (the DMA casts to the destination's dtype, as AWS's ``attention_tkg`` loads
+        its FP8 K into a bf16 tile), so HBM moves 1 byte per element and everything after
+        the gathers is unchanged.
     cache_lens : (B,) int32, ``T <= cache_lens[b] <= S_max`` (device data; paged:
         ``<= max_blocks * page_size``)
     work : (W, 2) int32 or None
@@ -1567,6 +1629,11 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         streams the splits through two buffers of each kind: step t + 2 is gathered and step
         t + 1's keys transposed while step t is computed, so the DMA queues stay busy while
         the engines work.
+    kv_scale : (Hkv, 2) float32, or None
+        An FP8 cache's dequantization scales ``(k_scale, v_scale)`` per kv head (device data):
+        the keys' are folded into the softmax scale of the head's query rows
+        (:func:`_scaled_query_t`), the values' into its partial outputs
+        (:func:`_normalize_rows`), so no dequantized cache is ever formed.
     softcap, alibi_slopes, sinks :
         Score modifiers (``score_mods.py``; HBM float32 ``(1 or B, Hq)`` slopes and ``(Hq,)``
         sinks): soft-capping and ALiBi in every partial (new token t at position ``L - T +
@@ -1622,7 +1689,7 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     # the program indices (head group, chunk, sequence, heads of a group) as data for nki.*'s
     # compile-time iota offsets
     io = _Tensors(q.reshape((B * Hkv * R, D)), k_cache, v_cache, cache_lens, work, tree_mask,
-                  block_table, alibi_slopes, sinks, o_part, lse_part,
+                  block_table, alibi_slopes, sinks, kv_scale, o_part, lse_part,
                   port.OffsetColumns(0, max(Hkv, B), 1))
 
     def chunk(hg, c):

@@ -170,6 +170,18 @@ def test_run_kvcache_paged_chunk(capsys):
     assert "paged (page_size 16, 12 pages)" in text
 
 
+@needs_sim
+def test_run_decode_fp8_cache(capsys):
+    """--kv-dtype: the FP8 cache checked against the reference on the dequantized cache, its
+    bytes against a bound that counts 1 byte per cached element."""
+    args = ["run", "--decode", "--kv-dtype", "fp8_e5m2", "--batch", "2", "--heads", "4",
+            "--kv-heads", "2", "--tokens", "2", "--seq", "100", "--cache-len", "100,17",
+            "--dim", "32", "--quiet", "--targets", "trn2"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert "cache float8_e5m2 (per-kv-head scales)" in text and "PASS" in text
+
+
 def test_run_fails_with_status_1_when_the_check_fails(monkeypatch, capsys):
     real = host.flash_attention
 
@@ -228,6 +240,10 @@ CLI_ERRORS = [
     (["run", "--heads", "3", "--kv-heads", "2"], 2, "Hkv=2 kv heads must divide"),
     (["run", "--decode", "--num-splits", "1000", "--seq", "64", "--dim", "128", "-q"], 2,
      "num_splits: at most 126 splits at head dim D=128"),
+    (["run", "--kv-dtype", "fp8_e5m2"], 2, "--kv-dtype applies only with --decode"),
+    (["run", "--decode", "--kv-dtype", "fp8_e4m3fn", "--targets", "trn2", "trn3"], 2,
+     "--kv-dtype fp8_e4m3fn: trn2 has no float8_e4m3fn cache format (it is trn3's)"),
+    (["run", "--decode", "--kv-dtype", "fp8"], 2, "argument --kv-dtype: invalid choice"),
     (["bench", "--dim", "512"], 2, "head dims 1..256, got 512"),
     (["bench", "--out", "/proc/no-such-dir", "--studies", "gelu", "--no-plots", "-q"], 2,
      "--out /proc/no-such-dir: cannot write there"),
