@@ -85,6 +85,19 @@ def check_classes(classes, n: int, trip_max: int):
                          f"got {classes!r}")
 
 
+def check_shared(shared, classes):
+    """The per-class counts of leading slots a group's query tiles share (None: none), as a
+    tuple: one int in ``[0, trip]`` per class."""
+    if shared is None:
+        return (0,) * len(classes)
+    shared = tuple(shared)
+    if len(shared) != len(classes) or not all(
+            isinstance(s, int) and 0 <= s <= c[2] for s, c in zip(shared, classes)):
+        raise ValueError(f"shared: expected one count in [0, trip] per class of {classes!r}, "
+                         f"got {shared!r}")
+    return shared
+
+
 def refuse_large_in_nki(kernel: str, rows: int, units: Optional[int] = None):
     """Refuse under nki.* (:func:`port.refuse_in_nki`) what 0.7 would number in fp32 past
     2^24: ``rows`` (the largest flattened row count the indirect DMAs address,
@@ -326,12 +339,15 @@ def _add_int_column(u, base):
 
 
 def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: int,
-                  trip: int, exact: bool):
+                  trip: int, exact: bool, shared: int):
     """``n_tiles`` query tiles of one class (order positions ``pos0 ..``, member head h, whose
     rows ``q_frame`` addresses): the body of a class loop. Their ``trip`` slots are swept in
     steps of ``tiles.BSP_STEP_BLOCKS`` key blocks (a sequential loop of full steps and a static
     tail step), each one online-softmax update per tile; within a step the tiles follow each
-    other, so every engine has another tile's independent work while one waits."""
+    other, so every engine has another tile's independent work while one waits. The first
+    ``shared`` slots list the same key blocks in every tile of the group (the host's grouping,
+    ``host.block_sparse.kernel_tables``): their K/V are gathered, guarded and transposed once
+    per group, not once per tile."""
     head = f.head(h)
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
@@ -371,15 +387,30 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
         tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos, dist))
 
-    def full_step(s):
-        for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
-            _step(f, geo, st, t, rw, v, cols, seeds, h, q_frame, s * W, W, skip, dist)
+    def sweep(lo: int, hi: int, common: bool):
+        """Slots lo .. hi - 1 in steps of up to W blocks (a sequential loop of full steps and
+        a static tail): a shared slot's K/V are gathered once (from the first tile's table,
+        which lists the same block there as every tile's) and serve every tile."""
+        w = min(W, hi - lo)
 
-    port.loop(trip // W, full_step, carried=True)
-    if trip % W:
-        for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
-            _step(f, geo, st, t, rw, v, cols, seeds, h, q_frame, (trip // W) * W, trip % W,
-                  skip, dist)
+        def one_step(s0, n):
+            kv = _gather_kv(f, tiles[0][0], v_shared, s0, n, skip) if common else None
+            for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
+                own = kv if common else _gather_kv(f, rw, v, s0, n, skip)
+                _step(f, geo, st, t, rw, own, cols, seeds, h, q_frame, s0, n, dist)
+
+        if w == 0:
+            return
+        port.loop((hi - lo) // w, lambda s: one_step(lo + s * w, w), carried=True)
+        if (hi - lo) % w:
+            one_step(lo + ((hi - lo) // w) * w, (hi - lo) % w)
+
+    v_shared = None
+    if shared:
+        v_shared = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+        port.memset(v_shared[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
+    sweep(0, shared, True)
+    sweep(shared, trip, False)
     for t, (rw, _, _, _, q_idx, q_pos, _) in enumerate(tiles):
         in_range = None
         if f.spec.q_lens:
@@ -390,15 +421,12 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         store_tile(f, out_idx, head, o_out, lse_out)
 
 
-def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, h, q_frame: RowFrame, s0,
-          n: int, skip: bool, dist=None):
-    """Slots ``s0 .. s0 + n - 1`` (``s0`` an index expression, n static) of a query tile of
-    member head h: gather their K and V blocks, ``S = Q K^T`` over ``128 n`` keys (one PSUM
-    bank), the score modifiers (``score_mods.modify_scores``; ``dist``: the tile's ALiBi
-    columns, :meth:`Geometry.distance_columns`), the runtime masks, then one online-softmax
-    update (``forward.fold_block``)."""
+def _gather_kv(f, rw: Row, v, s0, n: int, skip: bool) -> F.KV:
+    """The K and V blocks of slots ``s0 .. s0 + n - 1`` (``s0`` an index expression, n static)
+    of ``rw``'s table: K^T (TensorE) and ``v`` (``[128, >= n, vcols]``, its ones column
+    already set) guarded (:func:`forward.guard_values`). Once per tile and step, or once per
+    group and step for the slots its tiles share (``_attend_tiles``)."""
     D = f.D
-    head = f.head(h)
     kx = nl.ndarray((P, n, D), dtype=f.k.dtype, buffer=nl.sbuf)
     same = f.v.dtype == f.mm
     vx = v if same else nl.ndarray((P, n, D), dtype=f.v.dtype, buffer=nl.sbuf)
@@ -415,6 +443,18 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, h, q_frame: RowFr
     F.guard_values(f, v[:, 0:n, 0:D], v[:, 0:n, D + 1:D + 2], sum_on_scalar=True)
     kT = [nl.ndarray((rows, n * P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in T.unrolled(n)], f.k.dtype)
+    return F.KV(None, kT, v)
+
+
+def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame: RowFrame,
+          s0, n: int, dist=None):
+    """Slots ``s0 .. s0 + n - 1`` (``s0`` an index expression, n static) of a query tile of
+    member head h, whose K and V blocks ``kv`` holds (:func:`_gather_kv`): ``S = Q K^T`` over
+    ``128 n`` keys (one PSUM bank), the score modifiers (``score_mods.modify_scores``;
+    ``dist``: the tile's ALiBi columns, :meth:`Geometry.distance_columns`), the runtime masks,
+    then one online-softmax update (``forward.fold_block``)."""
+    head = f.head(h)
+    kT = kv.kT
     sc = F.contract([(st.qT[pi][:, slot, :], kT[pi]) for pi in T.unrolled(len(f.d_passes))],
                     (P, n * P))
     s_tile = sc
@@ -450,7 +490,7 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, h, q_frame: RowFr
                     keep = nl.ndarray((P, P), dtype=f.drop.ones.dtype, buffer=nl.sbuf)
                     port.dropout(keep, f.drop.ones, f.dropout_p)
                     _store_mask(f, geo, rw, head, q_frame, s0 + w, keep)
-    F.fold_block(f, st, slot, [s_tile], [n * P], F.KV(None, kT, v), 0, None, drop)
+    F.fold_block(f, st, slot, [s_tile], [n * P], kv, 0, None, drop)
 
 
 def store_tile(f, out_idx, head, o_tile, lse_tile):
@@ -489,7 +529,8 @@ def _store_mask(f, geo: Geometry, rw: Row, head, q_frame: RowFrame, sl, keep):
 
 @port.jit
 def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=None,
-                               alibi_slopes=None, sinks=None, *, classes, scale=1.0,
+                               alibi_slopes=None, sinks=None, *, classes, shared=None,
+                               scale=1.0,
                                causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
                                dropout_mask=False, softcap=None):
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
@@ -518,6 +559,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     if tuple(meta.shape[2:3]) != (nqt,):
         raise ValueError(f"meta: expected {nqt} rows (one per query tile), got {meta.shape}")
     check_classes(classes, nqt, trip_max)
+    shared = check_shared(shared, classes)
     nku = T.ceil_div(Nk, P)
     mask_rows = B * Hq * Nq * nku if dropout_p and dropout_mask else 0
     refuse_large_in_nki("block_sparse_attention_fwd", max(B * Hq * Nq, B * Hkv * Nk, mask_rows),
@@ -546,7 +588,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                 else None)
         f = F.Instance.of(c, drop=drop, score=score)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
-        port.loop(f.G, lambda h: _head(f, geo, meta, classes, h))
+        port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, h))
 
     port.for_programs((B, Hkv), instance)
     if mask_out is not None:
@@ -554,22 +596,23 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     return o, lse
 
 
-def _head(f, geo: Geometry, meta, classes, h):
+def _head(f, geo: Geometry, meta, classes, shared, h):
     """Every class of query tiles of member head h (a loop body): each class a loop over its
-    tiles in groups of ``tiles.BSP_GROUP_TILES`` (and a static remainder group)."""
+    tiles in groups of ``tiles.BSP_GROUP_TILES`` (and a static remainder group) whose first
+    ``shared`` slots (one count per class) are the group's common key blocks."""
     q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
-    for first, count, trip, exact in classes:
+    for (first, count, trip, exact), sh in zip(classes, shared):
         if trip == 0:
             # rows without any active block: o = 0, lse = -inf (still one loop body)
             port.loop(count, lambda c, first=first: _empty_tile(f, geo, meta, h, q_frame,
                                                                  first + c))
             continue
         g = min(T.BSP_GROUP_TILES, count)
-        port.loop(count // g, lambda c, first=first, g=g, trip=trip, exact=exact:
-                  _attend_tiles(f, geo, meta, h, q_frame, first + c * g, g, trip, exact))
+        port.loop(count // g, lambda c, first=first, g=g, trip=trip, exact=exact, sh=sh:
+                  _attend_tiles(f, geo, meta, h, q_frame, first + c * g, g, trip, exact, sh))
         if count % g:
             _attend_tiles(f, geo, meta, h, q_frame, first + (count // g) * g, count % g, trip,
-                          exact)
+                          exact, sh)
 
 
 def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
