@@ -146,6 +146,36 @@ def test_inactive_blocks_are_never_read():
                                                           mixed_precision=False))
 
 
+def _shared_mask(nqt, nkt):
+    """Key blocks 0 and nkt - 1 in every query tile, plus the diagonal block from tile 1 on:
+    the tiles of a kernel group have two blocks in common."""
+    mask = np.zeros((1, 1, nqt, nkt), bool)
+    mask[..., [0, nkt - 1]] = True
+    for i in range(1, min(nqt, nkt - 1)):
+        mask[0, 0, i, i] = True
+    return mask
+
+
+def test_a_group_reads_its_common_key_blocks_once():
+    """The forward's tables group each class's query tiles by their common key blocks, listed
+    first; the kernel gathers those once per group: tiles 1, 2, 4 (three blocks) one group that
+    shares blocks 0 and 4, tiles 0 and 3 (those two blocks only) another -- 7 key blocks read
+    per head instead of 13 -- with the reference's outputs."""
+    B, Hq, Hkv, N, D = 1, 2, 1, 640, 16
+    q, k, v, _ = attention_inputs(B, Hq, Hkv, N, N, D, seed=21)
+    mask = _shared_mask(5, 5)
+    t = bs.launch_tables(bs.check_block_mask(mask, B, Hq, N, N), group=2, backward=False).q
+    assert [c[:3] for c in t.classes] == [(0, 3, 3), (3, 2, 2)] and t.shared == (2, 2)
+    assert np.all(t.meta[..., 2:4] == [0, 4 * 128])
+    with simulate.measure() as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                      mixed_precision=False)
+    want = Hq * 7 * 128 * D * 4
+    assert m.per_tensor["k"]["read"] == want and m.per_tensor["v"]["read"] == want
+    ro, rl = ref.attention_forward(q, k, v, block_mask=mask)
+    assert _err(o, ro) < 2e-6 and _err(lse, rl) < 2e-6
+
+
 def test_bf16_and_float32_inputs_with_bf16_matmuls():
     B, Hq, Hkv, Nq, Nk, D = 1, 2, 2, 256, 256, 64
     q, k, v, _ = attention_inputs(B, Hq, Hkv, Nq, Nk, D, dtype=BF16, seed=7)
@@ -272,10 +302,14 @@ NKI_CASES = [
     # lengths with the band (bottom_right alignment moves with them), several instances
     (dict(causal=True, kv_lens=[250, 3], q_lens=[200, 300]),
      lambda: _pattern(2, 2, 300, 390, 0.6, 13), 2, 2, 2),
+    # key blocks shared by a group's tiles (loaded once), with a band, lengths and GQA
+    (dict(window=(250, 100), kv_lens=[390, 300], q_lens=[300, 200]),
+     lambda: _shared_mask(3, 4), 2, 2, 1),
 ]
 
 
-@pytest.mark.parametrize("kw, make_mask, B, Hq, Hkv", NKI_CASES, ids=["sorted", "index", "lens"])
+@pytest.mark.parametrize("kw, make_mask, B, Hq, Hkv", NKI_CASES,
+                         ids=["sorted", "index", "lens", "shared"])
 def test_nki_namespace_matches_legacy(kw, make_mask, B, Hq, Hkv, monkeypatch):
     """Through nki.* the forward and the backward give the legacy trace's outputs bit for bit
     (the same instructions on the data; 0.7 adds the slices' first rows to the gather indices
