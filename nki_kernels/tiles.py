@@ -61,10 +61,14 @@ BSP_MAX_CLASSES = 16
 #: the same comparisons as positions past the length. Exact in fp32 (the tables are fp32), so
 #: sequences are limited to BSP_PAD_FIRST - 256 positions.
 BSP_PAD_FIRST = 1 << 22
-#: Key blocks per online-softmax step of the block-sparse forward: 4 x 128 keys = one PSUM
-#: bank of fp32 scores, so the step's fixed work (row max, rescale, P^T copies) is shared by
-#: four blocks, as the dense forward shares it over its 2048-key blocks.
-BSP_STEP_BLOCKS = 4
+#: Key blocks per online-softmax step of the block-sparse forward: 16 x 128 keys, four PSUM
+#: banks of fp32 scores (one score tile per bank), so the step's fixed work (row max, rescale,
+#: accumulator update) is shared by up to sixteen blocks, as the dense forward shares it over
+#: its 2048-key blocks. Scheduled estimate, trn2, one head, N = 4096, D = 128, bf16, every block
+#: active (compile-time form): 4 / 8 / 16 blocks 445.0 / 423.9 / 389.0 us (32: refused by the
+#: simulator, an access out of bounds, not pursued). A tile with fewer blocks takes a shorter
+#: step (the class's trip).
+BSP_STEP_BLOCKS = 16
 #: Query tiles of one class processed together by the block-sparse forward (a loop body): their
 #: softmax chains interleave step by step, as the dense forward's groups do
 #: (FWD_RESIDENT_Q_GROUP), so the engines have independent work while one tile waits.

@@ -16,6 +16,11 @@ grow with N.
 
 - **Compile-time pattern** (a dense bool block mask): the host sorts the query tiles by their
   count and cuts the runs tightly (``exact`` classes have no masked slot and no mask work).
+  Within a class it groups the tiles (``tiles.BSP_GROUP_TILES`` per loop body) by the key
+  blocks they have in common and lists those first: the first ``shared`` slots of a class
+  (one compile-time count per class, the least over its groups) hold the same blocks in every
+  tile of a group, so their K/V are gathered, guarded and transposed once per group -- the
+  dense kernel's K/V reuse across query tiles, following the pattern's structure.
 - **Runtime pattern** (FlexAttention's ``(num_blocks, indices)``): one class of every query
   tile with ``trip = max_blocks``; one compilation serves every pattern of that bound. Slots
   past a tile's count are *padding slots*: their K/V gathers are skipped by ``oob_mode.skip``
@@ -26,17 +31,19 @@ grow with N.
   and their cost: the tiles of a group share one slot loop, so skipping padding there is a
   restructuring of its own.)
 
-Per query tile (a loop body)::
+Per group of query tiles (a loop body)::
 
-    load meta row -> fp32 on every partition (a K=1 ones matmul, exact for ints < 2^24)
-    gather Q rows (indirect DMA; rows past Nq or q_len skipped), Q^T by TensorE
-    for step in a sequential loop over trip / 4 (+ a static tail step):
-        gather K_j, V_j rows of the step's 4 blocks (indirect DMA, padding skipped)
-        K^T by TensorE;  S = Q K^T over 512 keys (+ MASK_NEG x indicator: padding slot, keys
-        past the length, causal/window band -- comparisons of iota tiles with per-slot
-        columns)
-        online-softmax update (forward.fold_block, shared with the dense kernel)
-    O, LSE scattered to the tile's rows (rows past Nq skipped)
+    per tile: load meta row -> fp32 on every partition (a K=1 ones matmul, exact for ints <
+        2^24); gather Q rows (indirect DMA; rows past Nq or q_len skipped), Q^T by TensorE
+    for step over the shared slots, then over the others, each a sequential loop of W =
+    tiles.BSP_STEP_BLOCKS blocks (+ a static tail step):
+        gather K_j, V_j rows of the step's blocks (indirect DMA, padding skipped), K^T by
+        TensorE: once for the group (shared slots) or per tile
+        per tile: S = Q K^T, one PSUM bank of 512 keys per score tile (+ MASK_NEG x
+        indicator: padding slot, keys past the length, causal/window band -- comparisons of
+        iota tiles with per-slot columns); online-softmax update over the step's score tiles
+        (forward.fold_block, shared with the dense kernel)
+    O, LSE scattered to the tiles' rows (rows past Nq skipped)
 
 Masks here are computed at run time from the block's position (the dense kernel's band
 predicates are affine in loop indices; here the key block is data). The alignment offset of
@@ -449,34 +456,14 @@ def _gather_kv(f, rw: Row, v, s0, n: int, skip: bool) -> F.KV:
 def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame: RowFrame,
           s0, n: int, dist=None):
     """Slots ``s0 .. s0 + n - 1`` (``s0`` an index expression, n static) of a query tile of
-    member head h, whose K and V blocks ``kv`` holds (:func:`_gather_kv`): ``S = Q K^T`` over
-    ``128 n`` keys (one PSUM bank), the score modifiers (``score_mods.modify_scores``;
-    ``dist``: the tile's ALiBi columns, :meth:`Geometry.distance_columns`), the runtime masks,
-    then one online-softmax update (``forward.fold_block``)."""
+    member head h, whose K and V blocks ``kv`` holds (:func:`_gather_kv`): the score tiles of
+    ``128 n`` keys, one PSUM bank each (:func:`_scores`: ``S = Q K^T``, the score modifiers,
+    ``dist``: the tile's ALiBi columns, :meth:`Geometry.distance_columns`, the runtime masks),
+    then one online-softmax update over them (``forward.fold_block``)."""
     head = f.head(h)
-    kT = kv.kT
-    sc = F.contract([(st.qT[pi][:, slot, :], kT[pi]) for pi in T.unrolled(len(f.d_passes))],
-                    (P, n * P))
-    s_tile = sc
-    if f.mods.transforms:
-        # soft-capping, ALiBi (raw units of f.unit), the dense kernels' instructions; the masks
-        # select after them (a tanh would map MASK_NEG to -1)
-        s_tile, _ = SM.modify_scores(
-            f.mods, f.score.cols, sc, P, n * P, h, None, f.act_scale / f.unit,
-            not SM.one_sided(f.spec),
-            dist=geo.distance_tile(dist, s0, n) if dist is not None else None)
-    if any(c is not None for c in cols.values()):
-        # masks by selection: scores a row cannot see become MASK_NEG, whatever they were (a
-        # NaN or inf in a hidden key never reaches the row); VectorE copies the scores out of
-        # PSUM (unless a modifier did) and overwrites the masked ones
-        ind = nl.ndarray((P, n * P), dtype=nl.uint8, buffer=nl.sbuf)
-        for w in T.unrolled(n):
-            geo.indicator(*(None if cols[k] is None else cols[k][:, nl.ds(s0 + w, 1)]
-                            for k in ("thr", "hi", "lo")), out=ind[:, w * P:(w + 1) * P])
-        if s_tile is sc:
-            s_tile = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_copy(s_tile, sc, engine="vector")
-        port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
+    per_bank = f.tiles.k_tile // P
+    s_tiles = [_scores(f, geo, st, slot, kv.kT, cols, h, s0, c0, min(per_bank, n - c0), dist)
+               for c0 in T.unrolled(0, n, per_bank)]
     drop = None
     if f.dropout_p:
         def drop(p, r, width, pred):
@@ -490,7 +477,36 @@ def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame
                     keep = nl.ndarray((P, P), dtype=f.drop.ones.dtype, buffer=nl.sbuf)
                     port.dropout(keep, f.drop.ones, f.dropout_p)
                     _store_mask(f, geo, rw, head, q_frame, s0 + w, keep)
-    F.fold_block(f, st, slot, [s_tile], [n * P], kv, 0, None, drop)
+    F.fold_block(f, st, slot, s_tiles, [t.shape[1] for t in s_tiles], kv, 0, None, drop)
+
+
+def _scores(f, geo: Geometry, st, slot, kT, cols, h, s0, c0: int, n: int, dist):
+    """The score tile of slots ``s0 + c0 .. s0 + c0 + n - 1`` (n blocks: at most one PSUM
+    bank, ``tiles.k_tile`` keys): ``S = Q K^T``, the score modifiers, then the runtime masks
+    (:func:`_step`)."""
+    cols_k = [(pi, kT[pi][:, c0 * P:(c0 + n) * P]) for pi in T.unrolled(len(f.d_passes))]
+    sc = F.contract([(st.qT[pi][:, slot, :], k) for pi, k in cols_k], (P, n * P))
+    s_tile = sc
+    if f.mods.transforms:
+        # soft-capping, ALiBi (raw units of f.unit), the dense kernels' instructions; the masks
+        # select after them (a tanh would map MASK_NEG to -1)
+        s_tile, _ = SM.modify_scores(
+            f.mods, f.score.cols, sc, P, n * P, h, None, f.act_scale / f.unit,
+            not SM.one_sided(f.spec),
+            dist=geo.distance_tile(dist, s0 + c0, n) if dist is not None else None)
+    if any(c is not None for c in cols.values()):
+        # masks by selection: scores a row cannot see become MASK_NEG, whatever they were (a
+        # NaN or inf in a hidden key never reaches the row); VectorE copies the scores out of
+        # PSUM (unless a modifier did) and overwrites the masked ones
+        ind = nl.ndarray((P, n * P), dtype=nl.uint8, buffer=nl.sbuf)
+        for w in T.unrolled(n):
+            geo.indicator(*(None if cols[k] is None else cols[k][:, nl.ds(s0 + c0 + w, 1)]
+                            for k in ("thr", "hi", "lo")), out=ind[:, w * P:(w + 1) * P])
+        if s_tile is sc:
+            s_tile = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_copy(s_tile, sc, engine="vector")
+        port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
+    return s_tile
 
 
 def store_tile(f, out_idx, head, o_tile, lse_tile):

@@ -146,31 +146,32 @@ def test_inactive_blocks_are_never_read():
                                                           mixed_precision=False))
 
 
-def _shared_mask(nqt, nkt):
-    """Key blocks 0 and nkt - 1 in every query tile, plus the diagonal block from tile 1 on:
-    the tiles of a kernel group have two blocks in common."""
-    mask = np.zeros((1, 1, nqt, nkt), bool)
-    mask[..., [0, nkt - 1]] = True
-    for i in range(1, min(nqt, nkt - 1)):
-        mask[0, 0, i, i] = True
+def _shared_mask():
+    """Query tiles 0-2 of 4 key blocks: blocks 0 and 3 in every tile, plus block i in tiles 1
+    and 2 (a group of two sharing two blocks, each with one of its own)."""
+    mask = np.zeros((1, 1, 3, 4), bool)
+    mask[..., [0, 3]] = True
+    mask[0, 0, [1, 2], [1, 2]] = True
     return mask
 
 
 def test_a_group_reads_its_common_key_blocks_once():
     """The forward's tables group each class's query tiles by their common key blocks, listed
-    first; the kernel gathers those once per group: tiles 1, 2, 4 (three blocks) one group that
-    shares blocks 0 and 4, tiles 0 and 3 (those two blocks only) another -- 7 key blocks read
-    per head instead of 13 -- with the reference's outputs."""
-    B, Hq, Hkv, N, D = 1, 2, 1, 640, 16
-    q, k, v, _ = attention_inputs(B, Hq, Hkv, N, N, D, seed=21)
-    mask = _shared_mask(5, 5)
-    t = bs.launch_tables(bs.check_block_mask(mask, B, Hq, N, N), group=2, backward=False).q
-    assert [c[:3] for c in t.classes] == [(0, 3, 3), (3, 2, 2)] and t.shared == (2, 2)
-    assert np.all(t.meta[..., 2:4] == [0, 4 * 128])
+    first; the kernel gathers those once per group: tiles 1, 2, 4 (blocks 0-6) one group, tiles
+    0 and 3 (blocks 0-5) another -- 13 key blocks read per head instead of 33 -- with the
+    reference's outputs (a step of 7 blocks: two score tiles)."""
+    B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 640, 896, 16
+    q, k, v, _ = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=21)
+    mask = np.zeros((1, 1, 5, 7), bool)
+    mask[..., :6] = True
+    mask[0, 0, [1, 2, 4], 6] = True
+    t = bs.launch_tables(bs.check_block_mask(mask, B, Hq, Nq, Nk), group=2, backward=False).q
+    assert [c[:3] for c in t.classes] == [(0, 3, 7), (3, 2, 6)] and t.shared == (7, 6)
+    assert np.all(t.meta[..., 2:8] == 128 * np.arange(6))
     with simulate.measure() as m:
         o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
                                       mixed_precision=False)
-    want = Hq * 7 * 128 * D * 4
+    want = Hq * 13 * 128 * D * 4
     assert m.per_tensor["k"]["read"] == want and m.per_tensor["v"]["read"] == want
     ro, rl = ref.attention_forward(q, k, v, block_mask=mask)
     assert _err(o, ro) < 2e-6 and _err(lse, rl) < 2e-6
@@ -215,15 +216,15 @@ def test_dropout_mask_is_the_dense_kernels_and_gradients_match():
 @pytest.mark.parametrize("mods", [False, True], ids=["plain", "score-mods"])
 @pytest.mark.parametrize("api", ["legacy", "nki"])
 def test_program_size_does_not_grow_with_n(api, mods):
-    """One compilation per class structure: a uniform pattern is one class at any N (the
-    program depends on N only through the step width, min(4, blocks per tile)), under both
+    """One compilation per class structure: a uniform pattern is one class at any N, under both
     namespaces (0.7 would unroll any Python loop over tiles or slots), with the score
-    modifiers too."""
+    modifiers too. (The program depends on N only through the step width, min(16, blocks
+    per tile): 16 and 64 blocks here.)"""
     sizes = []
     grid = launch_grid((1, 1), api)
     for N in (4096, 16384):
         q, k, v, do = attention_inputs(1, 1, 1, N, N, 64, dtype=BF16)
-        sp = bs.check_block_mask(bs.fixed_density(N // 128, N // 128, 0.25), 1, 1, N, N)
+        sp = bs.check_block_mask(bs.fixed_density(N // 128, N // 128, 0.5), 1, 1, N, N)
         t = bs.launch_tables(sp, group=1)
         kw = dict(scale=0.125, mm_dtype="bfloat16")
         if mods:
@@ -304,7 +305,7 @@ NKI_CASES = [
      lambda: _pattern(2, 2, 300, 390, 0.6, 13), 2, 2, 2),
     # key blocks shared by a group's tiles (loaded once), with a band, lengths and GQA
     (dict(window=(250, 100), kv_lens=[390, 300], q_lens=[300, 200]),
-     lambda: _shared_mask(3, 4), 2, 2, 1),
+     _shared_mask, 2, 2, 1),
 ]
 
 
