@@ -19,7 +19,8 @@ pattern to the dense kernel). Each row prints the bytes and the estimate over th
 kernel's, beside issue 25's time goal ``1.3 s + 0.1``.
 
     python benchmarks/block_sparse.py [--n 4096 16384] [--d 64 128] [--target trn2]
-        [--min-density 64] [--forms dense index] [--passes fwd bwd] [--no-band] [--out DIR]
+        [--min-density 64 | --densities S ...] [--forms dense index] [--passes fwd bwd]
+        [--no-band] [--out DIR]
 
 Writes ``DIR/block_sparse.json`` and, with matplotlib, ``DIR/block_sparse.png``. Every number
 is the simulator's model, not a hardware timing.
@@ -94,13 +95,15 @@ def main(argv=None):
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--target", default="trn2", choices=["trn1", "trn2"])
     ap.add_argument("--min-density", type=int, default=64, help="sweep s = 1 .. 1/this")
+    ap.add_argument("--densities", type=float, nargs="+",
+                    help="these densities instead of the sweep")
     ap.add_argument("--forms", nargs="+", default=["dense", "index"], choices=["dense", "index"])
     ap.add_argument("--passes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     ap.add_argument("--no-band", action="store_true", help="skip the band+strided pattern")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    dens = [1.0 / (1 << i) for i in range(int(np.log2(args.min_density)) + 1)]
+    dens = args.densities or [1.0 / (1 << i) for i in range(int(np.log2(args.min_density)) + 1)]
     results = {"target": args.target, "rows": [], "dense": []}
     path = os.path.join(args.out, "block_sparse.json")
     print(f"{'N':>6} {'D':>4} {'pattern':>12} {'s':>7} {'form':>5} {'pass':>4} {'MB':>9} "

@@ -359,7 +359,8 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
     skip = geo.needs_key_mask(exact)
-    W = min(T.BSP_STEP_BLOCKS, trip)
+    W = min(T.BSP_STEP_BLOCKS, trip)           # a tile's own slots per step
+    Ws = min(T.BSP_SHARED_STEP_BLOCKS, shared)  # the group's shared slots per step
     st = F.GroupState(f, n_tiles, P)
     if f.mods.sinks:
         F.start_at_sink(f, st, h, n_tiles, slot0=0)
@@ -394,11 +395,11 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
         tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos, dist))
 
-    def sweep(lo: int, hi: int, common: bool):
+    def sweep(lo: int, hi: int, common: bool, width: int):
         """Slots lo .. hi - 1 in steps of up to W blocks (a sequential loop of full steps and
         a static tail): a shared slot's K/V are gathered once (from the first tile's table,
         which lists the same block there as every tile's) and serve every tile."""
-        w = min(W, hi - lo)
+        w = min(width, hi - lo)
 
         def one_step(s0, n):
             kv = _gather_kv(f, tiles[0][0], v_shared, s0, n, skip) if common else None
@@ -414,10 +415,10 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
 
     v_shared = None
     if shared:
-        v_shared = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+        v_shared = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
         port.memset(v_shared[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
-    sweep(0, shared, True)
-    sweep(shared, trip, False)
+    sweep(0, shared, True, Ws)
+    sweep(shared, trip, False, W)
     for t, (rw, _, _, _, q_idx, q_pos, _) in enumerate(tiles):
         in_range = None
         if f.spec.q_lens:

@@ -26,7 +26,7 @@ from host import reference as ref
 from host._launch import program_size
 from nki_kernels import nki as binding
 from nki_kernels import tiles as T
-from nki_kernels.attention.block_sparse import block_sparse_attention_fwd
+from nki_kernels.attention.block_sparse import block_sparse_attention_fwd, check_shared
 from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
 from nki_kernels.nki import BACKEND
 from nki_kernels.port import launch_grid
@@ -177,6 +177,13 @@ def test_a_group_reads_its_common_key_blocks_once():
     assert _err(o, ro) < 2e-6 and _err(lse, rl) < 2e-6
 
 
+def test_shared_counts_are_checked_against_the_classes():
+    assert check_shared(None, ((0, 2, 3, True),)) == (0,)
+    with pytest.raises(ValueError, match=r"shared: expected one count in \[0, trip\] per class "
+                                         r"of \(\(0, 2, 3, True\),\), got \(4,\)"):
+        check_shared((4,), ((0, 2, 3, True),))
+
+
 def test_bf16_and_float32_inputs_with_bf16_matmuls():
     B, Hq, Hkv, Nq, Nk, D = 1, 2, 2, 256, 256, 64
     q, k, v, _ = attention_inputs(B, Hq, Hkv, Nq, Nk, D, dtype=BF16, seed=7)
@@ -218,8 +225,8 @@ def test_dropout_mask_is_the_dense_kernels_and_gradients_match():
 def test_program_size_does_not_grow_with_n(api, mods):
     """One compilation per class structure: a uniform pattern is one class at any N, under both
     namespaces (0.7 would unroll any Python loop over tiles or slots), with the score
-    modifiers too. (The program depends on N only through the step width, min(16, blocks
-    per tile): 16 and 64 blocks here.)"""
+    modifiers too. (The program depends on N only through the step widths, min(4, blocks per
+    tile) and min(16, blocks a group shares): 16 and 64 blocks here, all shared.)"""
     sizes = []
     grid = launch_grid((1, 1), api)
     for N in (4096, 16384):
@@ -230,8 +237,9 @@ def test_program_size_does_not_grow_with_n(api, mods):
         if mods:
             kw.update(softcap=5.0, alibi_slopes=np.full(1, 0.1, np.float32),
                       sinks=np.zeros(1, np.float32))
+        assert t.q.shared == t.q.classes[0][2:3]
         fwd = program_size(block_sparse_attention_fwd.on(api), grid, q, k, v, t.q.meta,
-                           classes=t.q.classes, **kw)
+                           classes=t.q.classes, shared=t.q.shared, **kw)
         o = np.zeros_like(q)
         lse = np.zeros(q.shape[:3], np.float32)
         bwd = program_size(block_sparse_attention_bwd.on(api), grid, q, k, v, o, do, lse,
