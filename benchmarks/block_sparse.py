@@ -152,7 +152,8 @@ def plot(results, png):
     for key in sorted({(r["N"], r["D"], r["form"], r["pass_"]) for r in rows}):
         sel = [r for r in rows if (r["N"], r["D"], r["form"], r["pass_"]) == key]
         s = np.array([r["density"] for r in sel])
-        label = f"N={key[0] // 1024}K d={key[1]} {key[2]} {key[3]}"
+        form = "bool mask" if key[2] == "dense" else "index form"
+        label = f"N={key[0] // 1024}K d={key[1]} {form} {key[3]}"
         line, = axes[0].loglog(s, [r["bytes_over_dense"] for r in sel], "o-", label=label)
         axes[1].loglog(s, [r["est_over_dense"] for r in sel], "o-", color=line.get_color(),
                        label=label)
