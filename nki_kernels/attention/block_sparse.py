@@ -349,12 +349,13 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
                   trip: int, exact: bool, shared: int):
     """``n_tiles`` query tiles of one class (order positions ``pos0 ..``, member head h, whose
     rows ``q_frame`` addresses): the body of a class loop. Their ``trip`` slots are swept in
-    steps of ``tiles.BSP_STEP_BLOCKS`` key blocks (a sequential loop of full steps and a static
-    tail step), each one online-softmax update per tile; within a step the tiles follow each
-    other, so every engine has another tile's independent work while one waits. The first
-    ``shared`` slots list the same key blocks in every tile of the group (the host's grouping,
+    steps of key blocks (a sequential loop of full steps and a static tail step), each one
+    online-softmax update per tile; within a step the tiles follow each other, so every engine
+    has another tile's independent work while one waits. The first ``shared`` slots list the
+    same key blocks in every tile of the group (the host's grouping,
     ``host.block_sparse.kernel_tables``): their K/V are gathered, guarded and transposed once
-    per group, not once per tile."""
+    per group, not once per tile, in steps of ``tiles.BSP_SHARED_STEP_BLOCKS``; the others per
+    tile in steps of ``tiles.BSP_STEP_BLOCKS``."""
     head = f.head(h)
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
@@ -390,15 +391,18 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
             port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
         seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
                  if f.dropout_p else None)
-        # [V | 1] of a step's blocks (the ones column gives the row sums, forward module doc)
-        v = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-        port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
+        # [V | 1] of a step's own blocks (the ones column gives the row sums, forward module
+        # doc); none when the group shares every slot
+        v = None
+        if trip > shared:
+            v = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+            port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
         tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos, dist))
 
     def sweep(lo: int, hi: int, common: bool, width: int):
-        """Slots lo .. hi - 1 in steps of up to W blocks (a sequential loop of full steps and
-        a static tail): a shared slot's K/V are gathered once (from the first tile's table,
-        which lists the same block there as every tile's) and serve every tile."""
+        """Slots lo .. hi - 1 in steps of up to ``width`` blocks (a sequential loop of full
+        steps and a static tail): a shared slot's K/V are gathered once (from the first tile's
+        table, which lists the same block there as every tile's) and serve every tile."""
         w = min(width, hi - lo)
 
         def one_step(s0, n):
