@@ -1,25 +1,29 @@
-"""Block-sparse flash attention: HBM traffic and modeled time against the density s.
+"""Block-sparse flash attention against dense attention: HBM traffic and scheduled time per
+density s.
 
-FlashAttention's Proposition 4 bounds the IO of block-sparse attention by Theta(N d + N^2 d^2
-M^-1 s): a term for Q, O (and here the LSE) that does not depend on the pattern, plus a term
-proportional to the fraction s of active blocks. This sweeps s from 1 to 1/64 at several N and
-D (the evenly spread ``host.block_sparse.fixed_density`` pattern: exactly ``round(s nkt)``
-key blocks per query tile), measures every launch with ``simulate.measure`` (exact HBM bytes;
-modeled time, perfect-overlap bound and serial bound), and fits Proposition 4's form to the
-measurements: ``fixed`` is the pattern-independent bytes (computed from the shapes: Q read,
-O and LSE written, the pattern tables), and the *proportional part* ``(bytes(s) - fixed) /
-(bytes(1) - fixed)`` is compared with s. Time gets the same treatment with its own fixed part
-(the s -> 0 intercept of a least-squares line). It also runs the paper's butterfly pattern and
-a local + global pattern (sliding window of one block plus one global block) and, at s = 1,
-the dense kernel, for comparison.
+For each N and D this measures, with ``simulate.measure`` (exact HBM bytes; the scheduled
+estimate of the named target, one core, B = Hq = Hkv = 1, bf16), the dense kernel once per
+pass (forward, backward) and the block-sparse kernels on
 
-    python benchmarks/block_sparse.py [--n 4096 16384 ...] [--d 64 128] [--target trn2]
-                                      [--min-density 64] [--out DIR]
+- the evenly spread ``host.block_sparse.fixed_density`` pattern (exactly ``round(s nkt)`` key
+  blocks per query tile, rotated by the tile index), s = 1 .. 1/``--min-density``;
+- ``band+strided``: a local band of three key blocks around the diagonal plus one strided
+  global key block per query tile (block ``8 floor(i / 8)``: every eighth key block is global
+  for the eight query tiles from it), s = 0.115 at 4K, 0.029 at 16K;
+
+in both forms of a pattern: ``dense`` (a bool block mask, a compile-time pattern: the host sorts
+and groups the query tiles, and a group loads its common key blocks once) and ``index``
+(FlexAttention's ``(num_blocks, indices)``: one compilation per bound, padding slots masked).
+The block-sparse kernel runs at s = 1 too (``flash_attention`` would send an all-True dense
+pattern to the dense kernel). Each row prints the bytes and the estimate over the dense
+kernel's, beside issue 25's time goal ``1.3 s + 0.1``.
+
+    python benchmarks/block_sparse.py [--n 4096 16384] [--d 64 128] [--target trn2]
+        [--min-density 64 | --densities S ...] [--forms dense index] [--passes fwd bwd]
+        [--no-band] [--out DIR]
 
 Writes ``DIR/block_sparse.json`` and, with matplotlib, ``DIR/block_sparse.png``. Every number
-is the simulator's model of the named target (forward kernel, B = Hq = Hkv = 1, bf16): the
-perfect-overlap bound (``us``) and the scheduled estimate (``est us``); ``t/(s t1)`` is the
-bound's time over s times its time at s = 1 (1.0 = exactly proportional).
+is the simulator's model, not a hardware timing.
 """
 from __future__ import annotations
 
@@ -40,97 +44,98 @@ from host import validation as _v  # noqa: E402
 from host.bench import measure  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+#: Query tiles per strided global key block of the band+strided pattern.
+STRIDE = 8
 
 
 def inputs(N, D, seed=0):
     rng = np.random.default_rng(seed)
-    return tuple(rng.standard_normal((1, 1, N, D)).astype(BF16) for _ in range(3))
+    return tuple(rng.standard_normal((1, 1, N, D)).astype(BF16) for _ in range(4))
 
 
-def fixed_bytes(N, D, trip_cols):
-    """Pattern-independent traffic of one launch: Q read, O written (bf16), LSE written (fp32),
-    and the pattern table read (int32, one row of 2 + trip per query tile)."""
-    nqt = -(-N // 128)
-    return 2 * N * D * 2 + N * 4 + nqt * (2 + trip_cols) * 4
+def band_strided(nqt: int) -> np.ndarray:
+    """Key blocks i - 1 .. i + 1 and ``STRIDE floor(i / STRIDE)`` of query tile i (square)."""
+    i = np.arange(nqt)[:, None]
+    j = np.arange(nqt)[None, :]
+    return ((np.abs(i - j) <= 1) | (j == STRIDE * (i // STRIDE)))[None, None]
 
 
-def run_pattern(N, D, mask, target):
-    q, k, v = inputs(N, D)
-    sp = bs.check_block_mask(mask, 1, 1, N, N)
-    trip = max(t for _, _, t, _ in bs.launch_tables(sp, group=1, backward=False).q.classes)
-    # the block-sparse kernel itself, also at density 1 (where flash_attention would hand an
-    # all-True pattern to the dense kernel)
-    call = api._attention_call(_v.check_attention_inputs(q, k, v), _v.dtype_name(q), sp)
-    row = measure(lambda: api._block_sparse_forward(q, k, v, call), target)
-    row.update(density=float(mask.mean()), fixed_bytes=fixed_bytes(N, D, trip))
-    return row
+def run_sparse(x, mask, form, passes, target):
+    """``{pass: measure row}`` of the block-sparse kernels on ``mask`` given in ``form``."""
+    q, k, v, do = x
+    N = q.shape[2]
+    pattern = mask if form == "dense" else tuple(bs.dense_to_index(mask))
+    call = api._attention_call(_v.check_attention_inputs(q, k, v), _v.dtype_name(q),
+                               bs.check_block_mask(pattern, 1, 1, N, N), return_lse=True)
+    out = {}
+    if "fwd" in passes:
+        out["fwd"] = measure(lambda: api._block_sparse_forward(q, k, v, call), target)
+    if "bwd" in passes:
+        o, lse = api._block_sparse_forward(q, k, v, call)
+        out["bwd"] = measure(lambda: api._block_sparse_backward(do, q, k, v, o, lse, call),
+                             target)
+    return out
 
 
-def proportional(rows, key, fixed):
-    """``(part(s) / part(1), s)`` pairs of the s-dependent part of ``key``."""
-    full = next(r for r in rows if r["density"] == 1.0)
-    base = full[key] - fixed(full)
-    return [((r[key] - fixed(r)) / base, r["density"]) for r in rows]
-
-
-def time_intercept(rows):
-    """Least-squares ``us = a + b s``: the fixed part a of the modeled time."""
-    s = np.array([r["density"] for r in rows])
-    t = np.array([r["modeled_us_overlap"] for r in rows])
-    b, a = np.polyfit(s, t, 1)
-    return float(a), float(b)
+def run_dense(x, passes, target):
+    q, k, v, do = x
+    out = {}
+    if "fwd" in passes:
+        out["fwd"] = measure(lambda: api.flash_attention(q, k, v, lnc=1), target)
+    if "bwd" in passes:
+        o, lse = api.flash_attention(q, k, v, lnc=1, return_lse=True)
+        out["bwd"] = measure(lambda: api.flash_attention_backward(do, q, k, v, o, lse, lnc=1),
+                             target)
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    ap.add_argument("--n", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--target", default="trn2", choices=["trn1", "trn2"])
     ap.add_argument("--min-density", type=int, default=64, help="sweep s = 1 .. 1/this")
+    ap.add_argument("--densities", type=float, nargs="+",
+                    help="these densities instead of the sweep")
+    ap.add_argument("--forms", nargs="+", default=["dense", "index"], choices=["dense", "index"])
+    ap.add_argument("--passes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    ap.add_argument("--no-band", action="store_true", help="skip the band+strided pattern")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    dens = [1.0 / (1 << i) for i in range(int(np.log2(args.min_density)) + 1)]
-    results = {"target": args.target, "sweeps": [], "patterns": []}
+    dens = args.densities or [1.0 / (1 << i) for i in range(int(np.log2(args.min_density)) + 1)]
+    results = {"target": args.target, "rows": [], "dense": []}
     path = os.path.join(args.out, "block_sparse.json")
-    print(f"{'N':>6} {'D':>4} {'s':>8} {'HBM MB':>9} {'part/s':>7} {'us':>9} {'est us':>9} "
-          f"{'t/(s t1)':>8} {'dense us':>9} {'dense est':>9}")
+    print(f"{'N':>6} {'D':>4} {'pattern':>12} {'s':>7} {'form':>5} {'pass':>4} {'MB':>9} "
+          f"{'MB/dense':>8} {'est us':>9} {'est/dense':>9} {'goal':>6}")
     for D in args.d:
         for N in args.n:
-            nqt = N // 128
-            rows = []
-            for s in dens:
-                rows.append(run_pattern(N, D, bs.fixed_density(nqt, nqt, s), args.target))
-            q, k, v = inputs(N, D)
-            dense = measure(lambda: api.flash_attention(q, k, v, lnc=1), args.target)
-            part = proportional(rows, "hbm_bytes", lambda r: r["fixed_bytes"])
-            a, b = time_intercept(rows)
-            for r, (ratio, s) in zip(rows, part):
-                us, us1 = r["modeled_us_overlap"], rows[0]["modeled_us_overlap"]
-                r["bytes_part_over_s"] = ratio / s
-                r["time_part_over_s"] = ((us - a) / b) / s
-                r["time_over_s"] = us / (s * us1)
-                dense_us, dense_est = ((dense["modeled_us_overlap"], dense["modeled_us_estimate"])
-                                       if s == 1.0 else (float("nan"), float("nan")))
-                print(f"{N:6d} {D:4d} {s:8.4f} {r['hbm_bytes'] / 1e6:9.2f} {ratio / s:7.3f} "
-                      f"{us:9.1f} {r['modeled_us_estimate']:9.1f} {r['time_over_s']:8.3f} "
-                      f"{dense_us:9.1f} {dense_est:9.1f}", flush=True)
-            results["sweeps"].append(dict(N=N, D=D, rows=rows, dense=dense,
-                                          time_fit_us=dict(fixed=a, per_density=b)))
-            with open(path, "w") as fh:
-                json.dump(results, fh, indent=1)
-    for N in args.n:
-        nqt = N // 128
-        for name, mask in (("butterfly", bs.butterfly(nqt, nqt)),
-                           ("local-global", bs.local_global(nqt, nqt))):
-            row = run_pattern(N, 128, mask, args.target)
-            row.update(N=N, D=128, pattern=name)
-            results["patterns"].append(row)
-            print(f"{name:>12} N={N} s={row['density']:.4f} {row['hbm_bytes'] / 1e6:.2f} MB "
-                  f"{row['modeled_us_overlap']:.1f} us (estimate "
-                  f"{row['modeled_us_estimate']:.1f} us)", flush=True)
-            with open(path, "w") as fh:
-                json.dump(results, fh, indent=1)
+            nqt = -(-N // 128)
+            x = inputs(N, D)
+            dense = run_dense(x, args.passes, args.target)
+            for p, r in dense.items():
+                results["dense"].append(dict(N=N, D=D, pass_=p, **r))
+            patterns = [("fixed", s, bs.fixed_density(nqt, nqt, s)) for s in dens
+                        if round(s * nqt) >= 1]
+            if not args.no_band:
+                patterns.append(("band+strided", None, band_strided(nqt)))
+            for name, _, mask in patterns:
+                s = float(mask.mean())
+                for form in args.forms:
+                    for p, r in run_sparse(x, mask, form, args.passes, args.target).items():
+                        d = dense[p]
+                        row = dict(N=N, D=D, pattern=name, density=s, form=form, pass_=p,
+                                   bytes_over_dense=r["hbm_bytes"] / d["hbm_bytes"],
+                                   est_over_dense=(r["modeled_us_estimate"]
+                                                   / d["modeled_us_estimate"]),
+                                   goal=1.3 * s + 0.1, **r)
+                        results["rows"].append(row)
+                        print(f"{N:6d} {D:4d} {name:>12} {s:7.4f} {form:>5} {p:>4} "
+                              f"{r['hbm_bytes'] / 1e6:9.2f} {row['bytes_over_dense']:8.2f} "
+                              f"{r['modeled_us_estimate']:9.1f} {row['est_over_dense']:9.3f} "
+                              f"{row['goal']:6.3f}", flush=True)
+                        with open(path, "w") as fh:
+                            json.dump(results, fh, indent=1)
     plot(results, os.path.join(args.out, "block_sparse.png"))
     print(f"wrote {path}")
 
@@ -143,24 +148,24 @@ def plot(results, png):
     except ImportError:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for sw in results["sweeps"]:
-        s = np.array([r["density"] for r in sw["rows"]])
-        label = f"N={sw['N'] // 1024}K d={sw['D']}"
-        fixed = sw["rows"][0]["fixed_bytes"]
-        by = np.array([r["hbm_bytes"] for r in sw["rows"]])
-        line, = axes[0].loglog(s, by / 1e6, "o-", label=label)
-        # Proposition 4's form: fixed (N d) + a part proportional to s
-        axes[0].loglog(s, (fixed + s * (by[0] - fixed)) / 1e6, ":", color=line.get_color())
-        us = np.array([r["modeled_us_overlap"] for r in sw["rows"]])
-        fit = sw["time_fit_us"]
-        axes[1].loglog(s, us, "o-", color=line.get_color(), label=label)
-        axes[1].loglog(s, fit["fixed"] + s * fit["per_density"], ":", color=line.get_color())
-    axes[0].set(xlabel="density s", ylabel="HBM MB", title="HBM traffic (dotted: N d + c s)")
-    axes[1].set(xlabel="density s", ylabel="modeled us (overlap bound)",
-                title=f"modeled time, {results['target']} (dotted: a + b s)")
+    rows = [r for r in results["rows"] if r["pattern"] == "fixed"]
+    for key in sorted({(r["N"], r["D"], r["form"], r["pass_"]) for r in rows}):
+        sel = [r for r in rows if (r["N"], r["D"], r["form"], r["pass_"]) == key]
+        s = np.array([r["density"] for r in sel])
+        form = "bool mask" if key[2] == "dense" else "index form"
+        label = f"N={key[0] // 1024}K d={key[1]} {form} {key[3]}"
+        line, = axes[0].loglog(s, [r["bytes_over_dense"] for r in sel], "o-", label=label)
+        axes[1].loglog(s, [r["est_over_dense"] for r in sel], "o-", color=line.get_color(),
+                       label=label)
+    s = np.logspace(np.log10(min((r["density"] for r in rows), default=1.0)), 0, 50)
+    axes[1].loglog(s, 1.3 * s + 0.1, "k:", label="goal 1.3 s + 0.1")
+    axes[0].set(xlabel="density s", ylabel="HBM bytes / dense kernel's",
+                title="HBM traffic against dense attention")
+    axes[1].set(xlabel="density s", ylabel="scheduled estimate / dense kernel's",
+                title=f"time against dense attention, {results['target']}")
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
-    axes[1].legend(fontsize=7)
+    axes[1].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 

@@ -635,7 +635,8 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     api = _block_sparse_api(dims, p, call.return_dropout_mask)
     outs = launch(block_sparse_attention_fwd.on(api), _block_sparse_grid(dims, call.lnc, api),
                   q, k, v, tables.q.meta, kv_lens=call.kv_lens, q_lens=call.q_lens,
-                  seed=call.dropout.seed, classes=tables.q.classes, **call.mods.tensors,
+                  seed=call.dropout.seed, classes=tables.q.classes, shared=tables.q.shared,
+                  **call.mods.tensors,
                   **kwargs)
     o, lse = outs[0], outs[1]
     res = (o, lse) if call.return_lse else (o,)

@@ -302,10 +302,14 @@ class KernelTables(NamedTuple):
     :data:`nki_kernels.tiles.BSP_MAX_CLASSES`: a loop over positions whose inner loop runs
     ``trip`` slots; ``exact`` when every row of the class has exactly ``trip`` blocks (no slot
     is masked). Compile-time: the kernel's program depends on ``classes`` and the shapes only.
+    ``shared`` (forward, compile-time patterns; zeros otherwise): per class, how many leading
+    slots list the same key blocks, in the same order, in every query tile of each kernel group
+    (:func:`kernel_tables`' ``share``): the kernel loads those blocks once per group.
     """
 
     meta: np.ndarray
     classes: Tuple[Tuple[int, int, int, bool], ...]
+    shared: Tuple[int, ...]
 
 
 def _cut(profile: np.ndarray, max_classes: int):
@@ -326,8 +330,55 @@ def _cut(profile: np.ndarray, max_classes: int):
     return [(a, n, t) for a, n, t in runs]
 
 
+def _share_blocks(order, num_o, idx_o, runs, size: int):
+    """Group the rows of every run (class) as the forward kernel does -- consecutive groups of
+    ``min(size, rows)`` and a remainder group -- choosing greedily, for each group, the rows
+    whose active blocks overlap most with the group's (FlashAttention's K/V reuse across the
+    query tiles of a group, applied to the pattern's structure), and list each group's common
+    blocks first in its rows. Returns ``(order, num_o, idx_o, shared)``: the new processing
+    order, counts and slot lists of every ``(b, h)``, and per run the count of leading slots
+    every group shares (the least over the groups and heads)."""
+    b, h, n = num_o.shape
+    trip = idx_o.shape[-1]
+    live = np.arange(trip) < num_o[..., None]
+    width = int(idx_o[live].max()) + 1 if live.any() else 1
+    sets = np.zeros((b, h, n, width), dtype=bool)
+    bi, hi, ri, si = np.nonzero(live)
+    sets[bi, hi, ri, idx_o[bi, hi, ri, si]] = True
+    perm = np.empty((b, h, n), dtype=np.int64)
+    new_idx = np.zeros_like(idx_o)
+    shared = []
+    for a, m, _t in runs:
+        g = min(size, m)
+        groups = []                               # (b, h, first position, common blocks)
+        for x in range(b):
+            for y in range(h):
+                rest = list(range(a, a + m))
+                pos = a
+                while rest:
+                    grp = [rest.pop(0)]
+                    inter = sets[x, y, grp[0]].copy()
+                    for _ in range(min(g, len(rest) + 1) - 1):
+                        k = int(np.argmax((sets[x, y, rest] & inter).sum(axis=1)))
+                        grp.append(rest.pop(k))
+                        inter &= sets[x, y, grp[-1]]
+                    perm[x, y, pos:pos + len(grp)] = grp
+                    groups.append((x, y, pos, len(grp), np.flatnonzero(inter)))
+                    pos += len(grp)
+        sh = min(len(c) for *_, c in groups)
+        shared.append(sh)
+        for x, y, pos, sz, blocks in groups:
+            for r in range(pos, pos + sz):
+                src = perm[x, y, r]
+                own = idx_o[x, y, src, :num_o[x, y, src]]
+                own = own[~np.isin(own, blocks[:sh])]
+                new_idx[x, y, r, :num_o[x, y, src]] = np.concatenate([blocks[:sh], own])
+    num_new = np.take_along_axis(num_o, perm, axis=-1)
+    return np.take_along_axis(order, perm, axis=-1), num_new, new_idx, tuple(shared)
+
+
 def kernel_tables(index: BlockIndex, *, sort: bool, group: int = 1,
-                  max_classes: Optional[int] = None) -> KernelTables:
+                  max_classes: Optional[int] = None, share: int = 1) -> KernelTables:
     """Tables of a validated index layout ``(b, h, rows, max_blocks)`` for a block-sparse
     kernel.
 
@@ -336,7 +387,10 @@ def kernel_tables(index: BlockIndex, *, sort: bool, group: int = 1,
     one compilation for every pattern of the bound) keeps the natural order in one class whose
     trip is ``max_blocks``. ``group``: rows must be processed in the same order by ``group``
     consecutive heads (the query heads of a kv group, whose dK/dV one loop accumulates), so
-    the order of a group follows the largest count among its heads.
+    the order of a group follows the largest count among its heads. ``share > 1`` (the
+    forward's compile-time tables: ``tiles.BSP_GROUP_TILES``) groups the rows of each class
+    ``share`` at a time by the blocks they have in common and lists those first
+    (``KernelTables.shared``).
     """
     num = np.asarray(index.num_blocks, dtype=np.int64)
     idx = np.asarray(index.indices, dtype=np.int64)
@@ -344,6 +398,9 @@ def kernel_tables(index: BlockIndex, *, sort: bool, group: int = 1,
     max_classes = _tiles.BSP_MAX_CLASSES if max_classes is None else max_classes
     if h % group:
         raise ValueError(f"group: {group} must divide the head count {h} of the pattern")
+    if share > 1 and group > 1:
+        raise ValueError(f"share: grouping rows by shared blocks ({share}) needs group=1, got "
+                         f"group={group}")
     if sort:
         key = num.reshape(b, h // group, group, n).max(axis=2)          # (b, h/group, n)
         order_g = np.argsort(-key, axis=-1, kind="stable")
@@ -359,6 +416,9 @@ def kernel_tables(index: BlockIndex, *, sort: bool, group: int = 1,
     if idx_o.shape[-1] < trip_max:
         idx_o = np.concatenate(
             [idx_o, np.zeros(idx_o.shape[:-1] + (trip_max - idx_o.shape[-1],), np.int64)], -1)
+    shared = (0,) * len(runs)
+    if sort and share > 1:
+        order, num_o, idx_o, shared = _share_blocks(order, num_o, idx_o, runs, share)
     live = np.arange(trip_max) < num_o[..., None]
     block = _tiles.BLOCK_SPARSE_TILE
     firsts = np.where(live, idx_o * block, _tiles.BSP_PAD_FIRST)
@@ -367,7 +427,7 @@ def kernel_tables(index: BlockIndex, *, sort: bool, group: int = 1,
     for a, m, t in runs:
         counts = num_o[..., a:a + m]
         classes.append((a, m, t, bool((counts == t).all())))
-    return KernelTables(np.ascontiguousarray(meta, dtype=np.float32), tuple(classes))
+    return KernelTables(np.ascontiguousarray(meta, dtype=np.float32), tuple(classes), shared)
 
 
 class LaunchTables(NamedTuple):
@@ -394,7 +454,7 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True)
     kv head (the key-major order is shared within a kv group).
     """
     heads, runtime = sparsity.dense.shape[1], sparsity.runtime
-    q = kernel_tables(sparsity.index, sort=not runtime)
+    q = kernel_tables(sparsity.index, sort=not runtime, share=_tiles.BSP_GROUP_TILES)
     if not backward:
         return LaunchTables(q, None, runtime)
     g = group if heads > 1 else 1

@@ -61,10 +61,20 @@ BSP_MAX_CLASSES = 16
 #: the same comparisons as positions past the length. Exact in fp32 (the tables are fp32), so
 #: sequences are limited to BSP_PAD_FIRST - 256 positions.
 BSP_PAD_FIRST = 1 << 22
-#: Key blocks per online-softmax step of the block-sparse forward: 4 x 128 keys = one PSUM
-#: bank of fp32 scores, so the step's fixed work (row max, rescale, P^T copies) is shared by
-#: four blocks, as the dense forward shares it over its 2048-key blocks.
+#: Key blocks per online-softmax step of the block-sparse forward over a query tile's own
+#: slots (gathered per tile): 4 x 128 keys = one PSUM bank of fp32 scores, so the step's fixed
+#: work (row max, rescale, P^T copies) is shared by four blocks. Longer steps lose more than
+#: they share here, the per-tile gathers being the DMA queues' load (trn2 estimate, N = 4096,
+#: D = 128, bf16, s = 1/2, index form: 4 / 8 / 16 blocks 314.4 / 328.3 / 323.9 us).
 BSP_STEP_BLOCKS = 4
+#: Key blocks per step over the slots a group of query tiles shares (gathered once per group,
+#: ``host.block_sparse.kernel_tables``): 16 x 128 keys, four PSUM banks of scores (one score
+#: tile per bank), so the step's fixed softmax work is shared by up to sixteen blocks, as the
+#: dense forward shares it over its 2048-key blocks (trn2 estimate, N = 4096, D = 128, bf16,
+#: compile-time form, every block active: 4 / 8 / 16 blocks 445.0 / 423.9 / 389.0 us; s = 1/2:
+#: 237.7 / 227.2 / 203.5 us; 32 was refused by the simulator, an access out of bounds, not
+#: pursued). A class with fewer shared slots takes a shorter step.
+BSP_SHARED_STEP_BLOCKS = 16
 #: Query tiles of one class processed together by the block-sparse forward (a loop body): their
 #: softmax chains interleave step by step, as the dense forward's groups do
 #: (FWD_RESIDENT_Q_GROUP), so the engines have independent work while one tile waits.

@@ -16,6 +16,11 @@ grow with N.
 
 - **Compile-time pattern** (a dense bool block mask): the host sorts the query tiles by their
   count and cuts the runs tightly (``exact`` classes have no masked slot and no mask work).
+  Within a class it groups the tiles (``tiles.BSP_GROUP_TILES`` per loop body) by the key
+  blocks they have in common and lists those first: the first ``shared`` slots of a class
+  (one compile-time count per class, the least over its groups) hold the same blocks in every
+  tile of a group, so their K/V are gathered, guarded and transposed once per group -- the
+  dense kernel's K/V reuse across query tiles, following the pattern's structure.
 - **Runtime pattern** (FlexAttention's ``(num_blocks, indices)``): one class of every query
   tile with ``trip = max_blocks``; one compilation serves every pattern of that bound. Slots
   past a tile's count are *padding slots*: their K/V gathers are skipped by ``oob_mode.skip``
@@ -26,17 +31,19 @@ grow with N.
   and their cost: the tiles of a group share one slot loop, so skipping padding there is a
   restructuring of its own.)
 
-Per query tile (a loop body)::
+Per group of query tiles (a loop body)::
 
-    load meta row -> fp32 on every partition (a K=1 ones matmul, exact for ints < 2^24)
-    gather Q rows (indirect DMA; rows past Nq or q_len skipped), Q^T by TensorE
-    for step in a sequential loop over trip / 4 (+ a static tail step):
-        gather K_j, V_j rows of the step's 4 blocks (indirect DMA, padding skipped)
-        K^T by TensorE;  S = Q K^T over 512 keys (+ MASK_NEG x indicator: padding slot, keys
-        past the length, causal/window band -- comparisons of iota tiles with per-slot
-        columns)
-        online-softmax update (forward.fold_block, shared with the dense kernel)
-    O, LSE scattered to the tile's rows (rows past Nq skipped)
+    per tile: load meta row -> fp32 on every partition (a K=1 ones matmul, exact for ints <
+        2^24); gather Q rows (indirect DMA; rows past Nq or q_len skipped), Q^T by TensorE
+    for step over the shared slots, then over the others, each a sequential loop of W =
+    tiles.BSP_STEP_BLOCKS blocks (+ a static tail step):
+        gather K_j, V_j rows of the step's blocks (indirect DMA, padding skipped), K^T by
+        TensorE: once for the group (shared slots) or per tile
+        per tile: S = Q K^T, one PSUM bank of 512 keys per score tile (+ MASK_NEG x
+        indicator: padding slot, keys past the length, causal/window band -- comparisons of
+        iota tiles with per-slot columns); online-softmax update over the step's score tiles
+        (forward.fold_block, shared with the dense kernel)
+    O, LSE scattered to the tiles' rows (rows past Nq skipped)
 
 Masks here are computed at run time from the block's position (the dense kernel's band
 predicates are affine in loop indices; here the key block is data). The alignment offset of
@@ -83,6 +90,19 @@ def check_classes(classes, n: int, trip_max: int):
     if pos != n or len(classes) > T.BSP_MAX_CLASSES:
         raise ValueError(f"classes: must cover the {n} rows in at most {T.BSP_MAX_CLASSES} runs, "
                          f"got {classes!r}")
+
+
+def check_shared(shared, classes):
+    """The per-class counts of leading slots a group's query tiles share (None: none), as a
+    tuple: one int in ``[0, trip]`` per class."""
+    if shared is None:
+        return (0,) * len(classes)
+    shared = tuple(shared)
+    if len(shared) != len(classes) or not all(
+            isinstance(s, int) and 0 <= s <= c[2] for s, c in zip(shared, classes)):
+        raise ValueError(f"shared: expected one count in [0, trip] per class of {classes!r}, "
+                         f"got {shared!r}")
+    return shared
 
 
 def refuse_large_in_nki(kernel: str, rows: int, units: Optional[int] = None):
@@ -326,17 +346,22 @@ def _add_int_column(u, base):
 
 
 def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: int,
-                  trip: int, exact: bool):
+                  trip: int, exact: bool, shared: int):
     """``n_tiles`` query tiles of one class (order positions ``pos0 ..``, member head h, whose
     rows ``q_frame`` addresses): the body of a class loop. Their ``trip`` slots are swept in
-    steps of ``tiles.BSP_STEP_BLOCKS`` key blocks (a sequential loop of full steps and a static
-    tail step), each one online-softmax update per tile; within a step the tiles follow each
-    other, so every engine has another tile's independent work while one waits."""
+    steps of key blocks (a sequential loop of full steps and a static tail step), each one
+    online-softmax update per tile; within a step the tiles follow each other, so every engine
+    has another tile's independent work while one waits. The first ``shared`` slots list the
+    same key blocks in every tile of the group (the host's grouping,
+    ``host.block_sparse.kernel_tables``): their K/V are gathered, guarded and transposed once
+    per group, not once per tile, in steps of ``tiles.BSP_SHARED_STEP_BLOCKS``; the others per
+    tile in steps of ``tiles.BSP_STEP_BLOCKS``."""
     head = f.head(h)
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
     skip = geo.needs_key_mask(exact)
-    W = min(T.BSP_STEP_BLOCKS, trip)
+    W = min(T.BSP_STEP_BLOCKS, trip)           # a tile's own slots per step
+    Ws = min(T.BSP_SHARED_STEP_BLOCKS, shared)  # the group's shared slots per step
     st = F.GroupState(f, n_tiles, P)
     if f.mods.sinks:
         F.start_at_sink(f, st, h, n_tiles, slot0=0)
@@ -366,20 +391,38 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
             port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
         seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
                  if f.dropout_p else None)
-        # [V | 1] of a step's blocks (the ones column gives the row sums, forward module doc)
-        v = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-        port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
+        # [V | 1] of a step's own blocks (the ones column gives the row sums, forward module
+        # doc); none when the group shares every slot
+        v = None
+        if trip > shared:
+            v = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+            port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
         tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos, dist))
 
-    def full_step(s):
-        for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
-            _step(f, geo, st, t, rw, v, cols, seeds, h, q_frame, s * W, W, skip, dist)
+    def sweep(lo: int, hi: int, common: bool, width: int):
+        """Slots lo .. hi - 1 in steps of up to ``width`` blocks (a sequential loop of full
+        steps and a static tail): a shared slot's K/V are gathered once (from the first tile's
+        table, which lists the same block there as every tile's) and serve every tile."""
+        w = min(width, hi - lo)
 
-    port.loop(trip // W, full_step, carried=True)
-    if trip % W:
-        for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
-            _step(f, geo, st, t, rw, v, cols, seeds, h, q_frame, (trip // W) * W, trip % W,
-                  skip, dist)
+        def one_step(s0, n):
+            kv = _gather_kv(f, tiles[0][0], v_shared, s0, n, skip) if common else None
+            for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
+                own = kv if common else _gather_kv(f, rw, v, s0, n, skip)
+                _step(f, geo, st, t, rw, own, cols, seeds, h, q_frame, s0, n, dist)
+
+        if w == 0:
+            return
+        port.loop((hi - lo) // w, lambda s: one_step(lo + s * w, w), carried=True)
+        if (hi - lo) % w:
+            one_step(lo + ((hi - lo) // w) * w, (hi - lo) % w)
+
+    v_shared = None
+    if shared:
+        v_shared = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+        port.memset(v_shared[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
+    sweep(0, shared, True, Ws)
+    sweep(shared, trip, False, W)
     for t, (rw, _, _, _, q_idx, q_pos, _) in enumerate(tiles):
         in_range = None
         if f.spec.q_lens:
@@ -390,15 +433,12 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         store_tile(f, out_idx, head, o_out, lse_out)
 
 
-def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, h, q_frame: RowFrame, s0,
-          n: int, skip: bool, dist=None):
-    """Slots ``s0 .. s0 + n - 1`` (``s0`` an index expression, n static) of a query tile of
-    member head h: gather their K and V blocks, ``S = Q K^T`` over ``128 n`` keys (one PSUM
-    bank), the score modifiers (``score_mods.modify_scores``; ``dist``: the tile's ALiBi
-    columns, :meth:`Geometry.distance_columns`), the runtime masks, then one online-softmax
-    update (``forward.fold_block``)."""
+def _gather_kv(f, rw: Row, v, s0, n: int, skip: bool) -> F.KV:
+    """The K and V blocks of slots ``s0 .. s0 + n - 1`` (``s0`` an index expression, n static)
+    of ``rw``'s table: K^T (TensorE) and ``v`` (``[128, >= n, vcols]``, its ones column
+    already set) guarded (:func:`forward.guard_values`). Once per tile and step, or once per
+    group and step for the slots its tiles share (``_attend_tiles``)."""
     D = f.D
-    head = f.head(h)
     kx = nl.ndarray((P, n, D), dtype=f.k.dtype, buffer=nl.sbuf)
     same = f.v.dtype == f.mm
     vx = v if same else nl.ndarray((P, n, D), dtype=f.v.dtype, buffer=nl.sbuf)
@@ -415,28 +455,20 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, h, q_frame: RowFr
     F.guard_values(f, v[:, 0:n, 0:D], v[:, 0:n, D + 1:D + 2], sum_on_scalar=True)
     kT = [nl.ndarray((rows, n * P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in T.unrolled(n)], f.k.dtype)
-    sc = F.contract([(st.qT[pi][:, slot, :], kT[pi]) for pi in T.unrolled(len(f.d_passes))],
-                    (P, n * P))
-    s_tile = sc
-    if f.mods.transforms:
-        # soft-capping, ALiBi (raw units of f.unit), the dense kernels' instructions; the masks
-        # select after them (a tanh would map MASK_NEG to -1)
-        s_tile, _ = SM.modify_scores(
-            f.mods, f.score.cols, sc, P, n * P, h, None, f.act_scale / f.unit,
-            not SM.one_sided(f.spec),
-            dist=geo.distance_tile(dist, s0, n) if dist is not None else None)
-    if any(c is not None for c in cols.values()):
-        # masks by selection: scores a row cannot see become MASK_NEG, whatever they were (a
-        # NaN or inf in a hidden key never reaches the row); VectorE copies the scores out of
-        # PSUM (unless a modifier did) and overwrites the masked ones
-        ind = nl.ndarray((P, n * P), dtype=nl.uint8, buffer=nl.sbuf)
-        for w in T.unrolled(n):
-            geo.indicator(*(None if cols[k] is None else cols[k][:, nl.ds(s0 + w, 1)]
-                            for k in ("thr", "hi", "lo")), out=ind[:, w * P:(w + 1) * P])
-        if s_tile is sc:
-            s_tile = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_copy(s_tile, sc, engine="vector")
-        port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
+    return F.KV(None, kT, v)
+
+
+def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame: RowFrame,
+          s0, n: int, dist=None):
+    """Slots ``s0 .. s0 + n - 1`` (``s0`` an index expression, n static) of a query tile of
+    member head h, whose K and V blocks ``kv`` holds (:func:`_gather_kv`): the score tiles of
+    ``128 n`` keys, one PSUM bank each (:func:`_scores`: ``S = Q K^T``, the score modifiers,
+    ``dist``: the tile's ALiBi columns, :meth:`Geometry.distance_columns`, the runtime masks),
+    then one online-softmax update over them (``forward.fold_block``)."""
+    head = f.head(h)
+    per_bank = f.tiles.k_tile // P
+    s_tiles = [_scores(f, geo, st, slot, kv.kT, cols, h, s0, c0, min(per_bank, n - c0), dist)
+               for c0 in T.unrolled(0, n, per_bank)]
     drop = None
     if f.dropout_p:
         def drop(p, r, width, pred):
@@ -450,7 +482,36 @@ def _step(f, geo: Geometry, st, slot, rw: Row, v, cols, seeds, h, q_frame: RowFr
                     keep = nl.ndarray((P, P), dtype=f.drop.ones.dtype, buffer=nl.sbuf)
                     port.dropout(keep, f.drop.ones, f.dropout_p)
                     _store_mask(f, geo, rw, head, q_frame, s0 + w, keep)
-    F.fold_block(f, st, slot, [s_tile], [n * P], F.KV(None, kT, v), 0, None, drop)
+    F.fold_block(f, st, slot, s_tiles, [t.shape[1] for t in s_tiles], kv, 0, None, drop)
+
+
+def _scores(f, geo: Geometry, st, slot, kT, cols, h, s0, c0: int, n: int, dist):
+    """The score tile of slots ``s0 + c0 .. s0 + c0 + n - 1`` (n blocks: at most one PSUM
+    bank, ``tiles.k_tile`` keys): ``S = Q K^T``, the score modifiers, then the runtime masks
+    (:func:`_step`)."""
+    cols_k = [(pi, kT[pi][:, c0 * P:(c0 + n) * P]) for pi in T.unrolled(len(f.d_passes))]
+    sc = F.contract([(st.qT[pi][:, slot, :], k) for pi, k in cols_k], (P, n * P))
+    s_tile = sc
+    if f.mods.transforms:
+        # soft-capping, ALiBi (raw units of f.unit), the dense kernels' instructions; the masks
+        # select after them (a tanh would map MASK_NEG to -1)
+        s_tile, _ = SM.modify_scores(
+            f.mods, f.score.cols, sc, P, n * P, h, None, f.act_scale / f.unit,
+            not SM.one_sided(f.spec),
+            dist=geo.distance_tile(dist, s0 + c0, n) if dist is not None else None)
+    if any(c is not None for c in cols.values()):
+        # masks by selection: scores a row cannot see become MASK_NEG, whatever they were (a
+        # NaN or inf in a hidden key never reaches the row); VectorE copies the scores out of
+        # PSUM (unless a modifier did) and overwrites the masked ones
+        ind = nl.ndarray((P, n * P), dtype=nl.uint8, buffer=nl.sbuf)
+        for w in T.unrolled(n):
+            geo.indicator(*(None if cols[k] is None else cols[k][:, nl.ds(s0 + c0 + w, 1)]
+                            for k in ("thr", "hi", "lo")), out=ind[:, w * P:(w + 1) * P])
+        if s_tile is sc:
+            s_tile = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_copy(s_tile, sc, engine="vector")
+        port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
+    return s_tile
 
 
 def store_tile(f, out_idx, head, o_tile, lse_tile):
@@ -489,7 +550,8 @@ def _store_mask(f, geo: Geometry, rw: Row, head, q_frame: RowFrame, sl, keep):
 
 @port.jit
 def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=None,
-                               alibi_slopes=None, sinks=None, *, classes, scale=1.0,
+                               alibi_slopes=None, sinks=None, *, classes, shared=None,
+                               scale=1.0,
                                causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
                                dropout_mask=False, softcap=None):
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
@@ -518,6 +580,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     if tuple(meta.shape[2:3]) != (nqt,):
         raise ValueError(f"meta: expected {nqt} rows (one per query tile), got {meta.shape}")
     check_classes(classes, nqt, trip_max)
+    shared = check_shared(shared, classes)
     nku = T.ceil_div(Nk, P)
     mask_rows = B * Hq * Nq * nku if dropout_p and dropout_mask else 0
     refuse_large_in_nki("block_sparse_attention_fwd", max(B * Hq * Nq, B * Hkv * Nk, mask_rows),
@@ -546,7 +609,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                 else None)
         f = F.Instance.of(c, drop=drop, score=score)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
-        port.loop(f.G, lambda h: _head(f, geo, meta, classes, h))
+        port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, h))
 
     port.for_programs((B, Hkv), instance)
     if mask_out is not None:
@@ -554,22 +617,23 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     return o, lse
 
 
-def _head(f, geo: Geometry, meta, classes, h):
+def _head(f, geo: Geometry, meta, classes, shared, h):
     """Every class of query tiles of member head h (a loop body): each class a loop over its
-    tiles in groups of ``tiles.BSP_GROUP_TILES`` (and a static remainder group)."""
+    tiles in groups of ``tiles.BSP_GROUP_TILES`` (and a static remainder group) whose first
+    ``shared`` slots (one count per class) are the group's common key blocks."""
     q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
-    for first, count, trip, exact in classes:
+    for (first, count, trip, exact), sh in zip(classes, shared):
         if trip == 0:
             # rows without any active block: o = 0, lse = -inf (still one loop body)
             port.loop(count, lambda c, first=first: _empty_tile(f, geo, meta, h, q_frame,
                                                                  first + c))
             continue
         g = min(T.BSP_GROUP_TILES, count)
-        port.loop(count // g, lambda c, first=first, g=g, trip=trip, exact=exact:
-                  _attend_tiles(f, geo, meta, h, q_frame, first + c * g, g, trip, exact))
+        port.loop(count // g, lambda c, first=first, g=g, trip=trip, exact=exact, sh=sh:
+                  _attend_tiles(f, geo, meta, h, q_frame, first + c * g, g, trip, exact, sh))
         if count % g:
             _attend_tiles(f, geo, meta, h, q_frame, first + (count // g) * g, count % g, trip,
-                          exact)
+                          exact, sh)
 
 
 def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):

@@ -194,3 +194,10 @@ def test_check_dropout_accepts():
     assert check_dropout(0, None) == (0.0, None)
     assert check_dropout(0.0, 5) == (0.0, 5)
     assert check_dropout(np.float32(0.5), np.int64(7)) == (0.5, 7)
+
+
+def test_kernel_tables_share_needs_one_head_per_order():
+    index = bs.dense_to_index(np.ones((1, 2, 2, 2), bool))
+    with pytest.raises(ValueError, match=r"share: grouping rows by shared blocks \(4\) needs "
+                                         r"group=1, got group=2"):
+        bs.kernel_tables(index, sort=True, group=2, share=4)

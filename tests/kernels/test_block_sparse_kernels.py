@@ -26,7 +26,7 @@ from host import reference as ref
 from host._launch import program_size
 from nki_kernels import nki as binding
 from nki_kernels import tiles as T
-from nki_kernels.attention.block_sparse import block_sparse_attention_fwd
+from nki_kernels.attention.block_sparse import block_sparse_attention_fwd, check_shared
 from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
 from nki_kernels.nki import BACKEND
 from nki_kernels.port import launch_grid
@@ -122,7 +122,9 @@ def test_fully_masked_rows_are_zero_not_nan():
 
 def test_inactive_blocks_are_never_read():
     """Non-finite K/V in inactive blocks cannot reach any row (they are not loaded), and the
-    K/V bytes read are exactly those of the active (query tile, key block) pairs."""
+    K/V bytes read are exactly those of the active blocks of each kernel group of query tiles:
+    tile 2 (two blocks) alone, tiles 0 and 1 (the class of one block) one group that shares
+    key block 0 and reads it once."""
     B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 384, 300, 32
     q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=6)
     mask = np.zeros((1, 1, 3, 3), bool)
@@ -134,8 +136,7 @@ def test_inactive_blocks_are_never_read():
         o = host.flash_attention(q, k, v, block_mask=mask, mixed_precision=False)
     assert np.all(np.isfinite(o))
     rows = [128, 128, Nk - 256]
-    active = [(i, j) for i in range(3) for j in range(3) if mask[0, 0, i, j]]
-    want = Hq * sum(rows[j] for _, j in active) * D * 4
+    want = Hq * (rows[0] + rows[2] + rows[0]) * D * 4
     per = m.per_tensor
     assert per["k"]["read"] == want and per["v"]["read"] == want
     k2, v2 = k.copy(), v.copy()
@@ -143,6 +144,44 @@ def test_inactive_blocks_are_never_read():
     v2[:, :, 128:256] = 0.0
     np.testing.assert_array_equal(o, host.flash_attention(q, k2, v2, block_mask=mask,
                                                           mixed_precision=False))
+
+
+def _shared_mask():
+    """Query tiles 0-2 of 4 key blocks: blocks 0 and 3 in every tile, plus block i in tiles 1
+    and 2 (a group of two sharing two blocks, each with one of its own)."""
+    mask = np.zeros((1, 1, 3, 4), bool)
+    mask[..., [0, 3]] = True
+    mask[0, 0, [1, 2], [1, 2]] = True
+    return mask
+
+
+def test_a_group_reads_its_common_key_blocks_once():
+    """The forward's tables group each class's query tiles by their common key blocks, listed
+    first; the kernel gathers those once per group: tiles 1, 2, 4 (blocks 0-6) one group, tiles
+    0 and 3 (blocks 0-5) another -- 13 key blocks read per head instead of 33 -- with the
+    reference's outputs (a step of 7 blocks: two score tiles)."""
+    B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 640, 896, 16
+    q, k, v, _ = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=21)
+    mask = np.zeros((1, 1, 5, 7), bool)
+    mask[..., :6] = True
+    mask[0, 0, [1, 2, 4], 6] = True
+    t = bs.launch_tables(bs.check_block_mask(mask, B, Hq, Nq, Nk), group=2, backward=False).q
+    assert [c[:3] for c in t.classes] == [(0, 3, 7), (3, 2, 6)] and t.shared == (7, 6)
+    assert np.all(t.meta[..., 2:8] == 128 * np.arange(6))
+    with simulate.measure() as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                      mixed_precision=False)
+    want = Hq * 13 * 128 * D * 4
+    assert m.per_tensor["k"]["read"] == want and m.per_tensor["v"]["read"] == want
+    ro, rl = ref.attention_forward(q, k, v, block_mask=mask)
+    assert _err(o, ro) < 2e-6 and _err(lse, rl) < 2e-6
+
+
+def test_shared_counts_are_checked_against_the_classes():
+    assert check_shared(None, ((0, 2, 3, True),)) == (0,)
+    with pytest.raises(ValueError, match=r"shared: expected one count in \[0, trip\] per class "
+                                         r"of \(\(0, 2, 3, True\),\), got \(4,\)"):
+        check_shared((4,), ((0, 2, 3, True),))
 
 
 def test_bf16_and_float32_inputs_with_bf16_matmuls():
@@ -184,22 +223,23 @@ def test_dropout_mask_is_the_dense_kernels_and_gradients_match():
 @pytest.mark.parametrize("mods", [False, True], ids=["plain", "score-mods"])
 @pytest.mark.parametrize("api", ["legacy", "nki"])
 def test_program_size_does_not_grow_with_n(api, mods):
-    """One compilation per class structure: a uniform pattern is one class at any N (the
-    program depends on N only through the step width, min(4, blocks per tile)), under both
+    """One compilation per class structure: a uniform pattern is one class at any N, under both
     namespaces (0.7 would unroll any Python loop over tiles or slots), with the score
-    modifiers too."""
+    modifiers too. (The program depends on N only through the step widths, min(4, blocks per
+    tile) and min(16, blocks a group shares): 16 and 64 blocks here, all shared.)"""
     sizes = []
     grid = launch_grid((1, 1), api)
     for N in (4096, 16384):
         q, k, v, do = attention_inputs(1, 1, 1, N, N, 64, dtype=BF16)
-        sp = bs.check_block_mask(bs.fixed_density(N // 128, N // 128, 0.25), 1, 1, N, N)
+        sp = bs.check_block_mask(bs.fixed_density(N // 128, N // 128, 0.5), 1, 1, N, N)
         t = bs.launch_tables(sp, group=1)
         kw = dict(scale=0.125, mm_dtype="bfloat16")
         if mods:
             kw.update(softcap=5.0, alibi_slopes=np.full(1, 0.1, np.float32),
                       sinks=np.zeros(1, np.float32))
+        assert t.q.shared == t.q.classes[0][2:3]
         fwd = program_size(block_sparse_attention_fwd.on(api), grid, q, k, v, t.q.meta,
-                           classes=t.q.classes, **kw)
+                           classes=t.q.classes, shared=t.q.shared, **kw)
         o = np.zeros_like(q)
         lse = np.zeros(q.shape[:3], np.float32)
         bwd = program_size(block_sparse_attention_bwd.on(api), grid, q, k, v, o, do, lse,
@@ -271,10 +311,14 @@ NKI_CASES = [
     # lengths with the band (bottom_right alignment moves with them), several instances
     (dict(causal=True, kv_lens=[250, 3], q_lens=[200, 300]),
      lambda: _pattern(2, 2, 300, 390, 0.6, 13), 2, 2, 2),
+    # key blocks shared by a group's tiles (loaded once), with a band, lengths and GQA
+    (dict(window=(250, 100), kv_lens=[390, 300], q_lens=[300, 200]),
+     _shared_mask, 2, 2, 1),
 ]
 
 
-@pytest.mark.parametrize("kw, make_mask, B, Hq, Hkv", NKI_CASES, ids=["sorted", "index", "lens"])
+@pytest.mark.parametrize("kw, make_mask, B, Hq, Hkv", NKI_CASES,
+                         ids=["sorted", "index", "lens", "shared"])
 def test_nki_namespace_matches_legacy(kw, make_mask, B, Hq, Hkv, monkeypatch):
     """Through nki.* the forward and the backward give the legacy trace's outputs bit for bit
     (the same instructions on the data; 0.7 adds the slices' first rows to the gather indices
