@@ -87,7 +87,7 @@ def goal_case(args, target):
         r.update(target=target, time_ratio=r["estimated_us"] / base["estimated_us"],
                  bytes_ratio=r["bytes"] / base["bytes"])
         ok = r["time_ratio"] <= TIME_GOAL and r["bytes_ratio"] <= BYTES_GOAL
-        print(f"  {r['case']:<28} {r['estimated_us']:9.1f} us  HBM {r['bytes']:>11} B  "
+        print(f"  {r['case']:<36} {r['estimated_us']:9.1f} us  HBM {r['bytes']:>11} B  "
               f"time {r['time_ratio']:.3f}x  bytes {r['bytes_ratio']:.4f}x"
               f"{'' if r is base else ('  within goal' if ok else '  OUTSIDE goal')}")
     if args.kv_dtype is not None:

@@ -680,7 +680,8 @@ DECODE_MAX_CACHE_POSITIONS = tiles.DECODE_MAX_CACHE_POSITIONS
 class KVQuant(NamedTuple):
     """An FP8 KV cache (:func:`_decode_call`): its 8-bit float format and the dequantization
     scales per kv head, ``(Hkv, 2)`` float32 ``(k_scale, v_scale)`` (device data of the split
-    kernel: K's scale is folded into the softmax scale, V's into the partial outputs)."""
+    kernel and of the prefill forward: K's scale is folded into the softmax scale, V's into
+    the outputs)."""
 
     format: str
     scales: np.ndarray

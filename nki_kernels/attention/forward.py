@@ -919,10 +919,10 @@ def _key_rows0(c: Config):
 
 def edge_key_fill(c: Config, rt: M.RuntimeLengths, k_rows):
     """The key mask of ``kv_lens`` without a mask on the scores: ``[128, D]`` (the staging
-    dtype :attr:`Config.kv_dtype`), the
-    valid key next to the padding (:meth:`masks.RuntimeLengths.edge_key_index`; zeros when
-    ``kv_len = 0``) on every partition. Key tiles start as copies of it, so every padding key
-    the gathers skip holds the edge key.
+    dtype :attr:`Config.kv_dtype`), the valid key next to the padding
+    (:meth:`masks.RuntimeLengths.edge_key_index`; zeros when ``kv_len = 0``) on every
+    partition. Key tiles start as copies of it, so every padding key the gathers skip holds the
+    edge key.
 
     Why that masks: padding keys get V = 0 and a 0 in V's ones column (:func:`load_kv`), so
     they add nothing to o_acc or l_i whatever their P; the only place they could still act is
@@ -1561,10 +1561,11 @@ def write_back(f: Instance, st: GroupState, s, h, t, out: _Outputs):
 
 def finalize(f: Instance, st: GroupState, s, in_range=None, dst=None):
     """``(o, lse)`` tiles of slot s (:func:`write_back`): ``o_acc / max(l_i, L_FLOOR)`` in
-    o's dtype (times ``1 / (1 - p)`` with dropout, times ``v_scale`` with an FP8 cache) and ``c m_i + log l_i`` fp32, -inf where
-    ``l_i = 0``. ``in_range``: None, or an fp32 ``[rows, 1]`` column, 1.0 for real rows and 0.0
-    for padding rows (their o is multiplied by 0 and their lse is -inf). ``dst``: None, or
-    ``(o, lse)`` views the results are written into (and returned)."""
+    o's dtype (times ``1 / (1 - p)`` with dropout, times ``v_scale`` with an FP8 cache) and
+    ``c m_i + log l_i`` fp32, -inf where ``l_i = 0``. ``in_range``: None, or an fp32 ``[rows,
+    1]`` column, 1.0 for real rows and 0.0 for padding rows (their o is multiplied by 0 and their
+    lse is -inf). ``dst``: None, or ``(o, lse)`` views the results are written into (and
+    returned)."""
     r = st.rows
     o_acc = st.o_acc(s)
     l_i = o_acc[:, f.D:f.D + 1]
@@ -1801,8 +1802,7 @@ def _core_range(count: int, core):
 @port.jit
 def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slopes=None,
                         sinks=None, block_table=None, kv_scale=None, scale=1.0, causal=None,
-                        window=None,
-                        mm_dtype="bfloat16", tiles=None, lnc=1, dropout_p=0.0,
+                        window=None, mm_dtype="bfloat16", tiles=None, lnc=1, dropout_p=0.0,
                         dropout_mask=False, softcap=None):
     """Flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B, Hkv, Nk, D)``.
 

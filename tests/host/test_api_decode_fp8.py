@@ -1,7 +1,8 @@
-"""host.flash_decode over an FP8 KV cache (``k_scale``/``v_scale``): the formats each target
-defines, results against the float64 reference on the dequantized cache (the bf16 tolerance
-rule of the other decode tests), the exact HBM bytes (1 byte per cached element), the torch
-entry point and every error path.
+"""host.flash_decode and host.flash_attention_with_kvcache over an FP8 KV cache
+(``k_scale``/``v_scale``): the formats each target defines, results against the float64
+reference on the dequantized cache (the bf16 tolerance rule of the other decode tests), the
+exact HBM bytes (1 byte per cached element) of the decode kernels and of the prefill forward,
+the torch entry points and every error path.
 """
 from __future__ import annotations
 
@@ -180,6 +181,32 @@ def test_torch_takes_float8_e5m2_and_on_trn3_float8_e4m3fn():
     assert_within_bf16_rule(q, k3, v3, ks3, vs3, lens, o3.view(torch.int16).numpy().view(BF16))
 
 
+@needs_measure
+def test_torch_kvcache_chunk_takes_float8_e5m2_and_on_trn3_float8_e4m3fn():
+    """The torch flash_attention_with_kvcache over FP8 caches at a T the forward runs: the
+    NumPy call's bits on trn2 (float8_e5m2), the rule of the dequantized cache on trn3."""
+    torch = pytest.importorskip("torch")
+    import simulate
+    from host import torch_ops
+
+    def tt(a, dtype):
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.uint8)).view(dtype)
+
+    for target, fmt, tdtype in (("trn2", E5M2, torch.float8_e5m2),
+                                ("trn3", E4M3FN, torch.float8_e4m3fn)):
+        q, (k8, v8), _, ks, vs, lens, _ = _prefill_case(fmt)
+        qt = torch.from_numpy(q.view(np.int16)).view(torch.bfloat16)
+        with simulate.measure(target=target):
+            o = torch_ops.flash_attention_with_kvcache(
+                qt, tt(k8, tdtype), tt(v8, tdtype), cache_lens=torch.from_numpy(lens),
+                k_scale=torch.from_numpy(ks), v_scale=vs)
+            o = o.view(torch.int16).numpy().view(BF16)
+            if target == "trn2":
+                np.testing.assert_array_equal(o, host.flash_attention_with_kvcache(
+                    q, k8, v8, cache_lens=lens, k_scale=ks, v_scale=vs, lnc=1))
+        _assert_forward_rule(q, k8, v8, ks, vs, lens, o)
+
+
 # --------------------------------------------------------------------------------------------
 # validation: every error path names the argument
 # --------------------------------------------------------------------------------------------
@@ -346,3 +373,16 @@ def test_kvcache_small_t_is_the_decode_call_and_a_window_runs_the_forward():
                                              window=(16, 0))
     assert reference.max_abs_err(o, ref) <= reference.tolerance(
         ref, base, floor=reference.atol_floor(BF16))
+
+
+def test_forward_kernel_refuses_kv_scale_without_kv_lens():
+    """The forward reads an FP8 cache only through the lengths' casting gathers."""
+    from host._launch import launch
+    from nki_kernels.attention import forward as F
+    from nki_kernels.nki import select_api
+
+    q, k8 = np.zeros((1, 2, 8, 32), BF16), np.zeros((1, 1, 16, 32), E5M2)
+    grid, lnc = F.forward_grid(1, 1, 1, api=select_api())
+    with pytest.raises(ValueError, match="kv_scale: an FP8 K/V cache needs kv_lens"):
+        launch(F.flash_attention_fwd, grid, q, k8, k8, kv_scale=np.ones((1, 2), np.float32),
+               lnc=lnc)
