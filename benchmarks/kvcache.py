@@ -8,13 +8,16 @@ with k, v the 8192 cache positions as plain ``(B, Hkv, 8192, D)`` arrays. Goal: 
 call within 1.15x the baseline's time and 1.10x its HBM bytes (scheduled estimate, one
 NeuronCore of trn2). ``--threshold`` instead compares the split-KV decode kernels with the
 prefill forward over the same cache for several T (the choice of
-``tiles.kvcache_decode_max_tokens``).
+``tiles.kvcache_decode_max_tokens``). ``--kv-dtype float8_e5m2`` (or another FP8 format of
+the target) adds the same calls over an FP8 copy of the cache (per-kv-head scales,
+``reference.quantize_cache``), compared with the bf16 cache of the same layout.
 
 Numbers come from ``simulate.measure`` (exact HBM bytes; the scheduled estimate
 ``estimated_seconds``; NOT hardware timings).
 
     python benchmarks/kvcache.py                          # the goal case
     python benchmarks/kvcache.py --threshold --tokens 16 32 64 128 --seq 8192
+    python benchmarks/kvcache.py --kv-dtype float8_e5m2 --page-sizes 128  # FP8 vs bf16
 
 Runs on the bundled simulator only (``NKI_FLASH_BACKEND=simulate`` is set if unset).
 """
@@ -62,14 +65,21 @@ def goal_case(args, target):
     rows = [dict(case="flash_attention contiguous",
                  **_measure(target, lambda: host.flash_attention(q, k, v, causal=True,
                                                                  lnc=1)))]
-    rows.append(dict(case="with_kvcache contiguous", **_measure(
-        target, lambda: host.flash_attention_with_kvcache(q, k, v, cache_lens=lens, lnc=1))))
-    for ps in args.page_sizes:
-        (kp, vp), table = reference.contiguous_to_paged((k, v), lens, ps,
-                                                        np.random.default_rng(1))
-        rows.append(dict(case=f"with_kvcache paged {ps}", **_measure(
-            target, lambda: host.flash_attention_with_kvcache(
-                q, kp, vp, cache_lens=lens, block_table=table, lnc=1))))
+    caches = [("", k, v, {})]
+    if args.kv_dtype is not None:
+        fmt = np.dtype(getattr(ml_dtypes, args.kv_dtype))
+        (k8, ks), (v8, vs) = reference.quantize_cache(k, fmt), reference.quantize_cache(v, fmt)
+        caches.append((f" {args.kv_dtype}", k8, v8, dict(k_scale=ks, v_scale=vs)))
+    for suffix, kc, vc, scales in caches:
+        rows.append(dict(case="with_kvcache contiguous" + suffix, **_measure(
+            target, lambda: host.flash_attention_with_kvcache(q, kc, vc, cache_lens=lens,
+                                                              lnc=1, **scales))))
+        for ps in args.page_sizes:
+            (kp, vp), table = reference.contiguous_to_paged((kc, vc), lens, ps,
+                                                            np.random.default_rng(1))
+            rows.append(dict(case=f"with_kvcache paged {ps}" + suffix, **_measure(
+                target, lambda: host.flash_attention_with_kvcache(
+                    q, kp, vp, cache_lens=lens, block_table=table, lnc=1, **scales))))
     base = rows[0]
     print(f"\n{target}, one NeuronCore: B={args.batch} Hq={args.hq} Hkv={args.hkv} "
           f"T={args.tokens[0]} cache={args.seq} D={args.dim} bf16 causal")
@@ -77,9 +87,17 @@ def goal_case(args, target):
         r.update(target=target, time_ratio=r["estimated_us"] / base["estimated_us"],
                  bytes_ratio=r["bytes"] / base["bytes"])
         ok = r["time_ratio"] <= TIME_GOAL and r["bytes_ratio"] <= BYTES_GOAL
-        print(f"  {r['case']:<28} {r['estimated_us']:9.1f} us  HBM {r['bytes']:>11} B  "
+        print(f"  {r['case']:<36} {r['estimated_us']:9.1f} us  HBM {r['bytes']:>11} B  "
               f"time {r['time_ratio']:.3f}x  bytes {r['bytes_ratio']:.4f}x"
               f"{'' if r is base else ('  within goal' if ok else '  OUTSIDE goal')}")
+    if args.kv_dtype is not None:
+        bf16 = {r["case"]: r for r in rows}
+        for r in rows:
+            if r["case"].endswith(args.kv_dtype):
+                other = bf16[r["case"][:-len(args.kv_dtype) - 1]]
+                print(f"  {r['case']:<36} vs the bf16 cache: time "
+                      f"{r['estimated_us'] / other['estimated_us']:.3f}x  bytes "
+                      f"{r['bytes'] / other['bytes']:.4f}x")
     return rows
 
 
@@ -122,6 +140,9 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--page-sizes", type=int, nargs="+", default=[128, 256])
     p.add_argument("--targets", nargs="+", choices=TARGETS, default=["trn2"])
+    p.add_argument("--kv-dtype", default=None,
+                   choices=["float8_e5m2", "float8_e4m3", "float8_e4m3fn"],
+                   help="also the calls over an FP8 copy of the cache (per-kv-head scales)")
     p.add_argument("--threshold", action="store_true",
                    help="compare the decode kernels with the prefill forward per T")
     p.add_argument("--json", default=None, help="write the results to this file")

@@ -681,7 +681,8 @@ DECODE_MAX_CACHE_POSITIONS = tiles.DECODE_MAX_CACHE_POSITIONS
 class KVQuant(NamedTuple):
     """An FP8 KV cache (:func:`_decode_call`): its 8-bit float format and the dequantization
     scales per kv head, ``(Hkv, 2)`` float32 ``(k_scale, v_scale)`` (device data of the split
-    kernel: K's scale is folded into the softmax scale, V's into the partial outputs)."""
+    kernel and of the prefill forward: K's scale is folded into the softmax scale, V's into
+    the outputs)."""
 
     format: str
     scales: np.ndarray
@@ -1019,6 +1020,17 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     return _kvcache_outputs(call, q, k_cache, v_cache)
 
 
+def _cache_tensors(call: DecodeCall, to_device) -> dict:
+    """The device tensors of a call over a cache besides q, the caches, lengths and table:
+    the score modifiers' and, with an FP8 cache, ``kv_scale`` (both kernels take them by these
+    names)."""
+    tensors = {name: None if a is None else to_device(a)
+               for name, a in call.mods.tensors.items()}
+    if call.kv_quant is not None:
+        tensors["kv_scale"] = to_device(call.kv_quant.scales)
+    return tensors
+
+
 def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
     """The two launches of a validated decode call (:func:`_decode_call`): the split kernel
     on ``(Hkv, work items + B)`` and the LSE merge. ``run(kernel, grid, *args, **kw)`` launches
@@ -1043,10 +1055,7 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
     B, Hq, Hkv, T = inputs.B, inputs.Hq, inputs.Hkv, inputs.T
     ln = decode_launch(lens, T, Hkv, plan, call.lnc, api)
     work, splits = ln.work, ln.splits
-    mod_tensors = {name: None if a is None else to_device(a)
-                   for name, a in call.mods.tensors.items()}
-    if call.kv_quant is not None:
-        mod_tensors["kv_scale"] = to_device(call.kv_quant.scales)
+    mod_tensors = _cache_tensors(call, to_device)
     o_part, lse_part = run(
         k.flash_decode_split_kernel.on(api),
         k.decode_grid(ln.groups, ln.programs, ln.core_axis, api=api, lnc=call.lnc), q,
@@ -1122,11 +1131,6 @@ def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=No
                          "causal=True, got causal=False")
     prefill = window is not None or (tree_mask is None and num_splits is None
                                      and T > decode_up_to)
-    if prefill and call.kv_quant is not None:
-        raise TypeError(
-            f"k_cache: an FP8 cache ({call.kv_quant.format}) is read by the split-KV decode "
-            f"kernels only: T <= {decode_up_to} without a window; this call has T={T}, "
-            f"window={window!r} (dequantize the cache for it: nothing is cast silently)")
     pages = call.pages
     if prefill and pages is not None and max(
             2 * call.inputs.S_max, M.oob_offset(call.inputs.B * pages.max_blocks)
@@ -1167,10 +1171,8 @@ def run_kvcache(call: KVCacheCall, q, k_cache, v_cache, run, to_device):
     att = _prefill_call(call)
     kernel, grid, kwargs = _plan_forward(att)
     table = None if d.pages is None else to_device(d.pages.block_table)
-    mod_tensors = {name: None if a is None else to_device(a)
-                   for name, a in d.mods.tensors.items()}
     o, lse = run(kernel, grid, q, k_cache, v_cache, kv_lens=to_device(att.kv_lens),
-                 block_table=table, **mod_tensors, **kwargs)
+                 block_table=table, **_cache_tensors(d, to_device), **kwargs)
     i = d.inputs
     return o.reshape(i.B * i.Hq * i.T, i.D), lse.reshape(i.B * i.Hq * i.T)
 
@@ -1232,9 +1234,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_lens, block_table
     mixed_precision, return_lse, lnc
         As in :func:`flash_attention`.
     k_scale, v_scale : number or array (Hkv,), required with (and only with) an FP8 cache
-        As in :func:`flash_decode`. An FP8 cache is read by the split-KV decode kernels only
-        (T up to ``kvcache_decode_max_tokens``, no window); a larger T is a TypeError naming
-        ``k_cache``.
+        As in :func:`flash_decode`, for every T: the prefill forward's key gathers cast the
+        cache to the matmul dtype as the decode kernels' do, K's scale joins the query
+        scaling and V's the output normalization (``kv_scale``,
+        :func:`nki_kernels.attention.forward.flash_attention_fwd`).
 
     Returns
     -------

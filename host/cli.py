@@ -148,9 +148,10 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--page-size", type=_positive_int, default=None,
                      help="decode --paged: positions per page, a power of two >= 16 (256)")
     run.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
-                     help="decode: an FP8 KV cache (per-kv-head scales): fp8_e5m2 (trn1-3), "
-                          "fp8_e4m3 (IEEE-style, max 240: trn1, trn2), fp8_e4m3fn (OCP, max "
-                          "448: trn3); checked against the reference on the dequantized cache")
+                     help="decode, kvcache: an FP8 KV cache (per-kv-head scales): fp8_e5m2 "
+                          "(trn1-3), fp8_e4m3 (IEEE-style, max 240: trn1, trn2), fp8_e4m3fn "
+                          "(OCP, max 448: trn3); checked against the reference on the "
+                          "dequantized cache")
     run.add_argument("--dropout", type=float, default=None, metavar="P",
                      help="attention dropout probability in [0, 1) (the mask's seed is --seed; "
                           "the check uses the mask the kernel drew)")

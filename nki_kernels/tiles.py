@@ -785,7 +785,8 @@ def fwd_valid_lengths(lens, B: int, N: int):
 
 
 def forward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize: int,
-                      tiles: "ForwardTiles", *, kv_lens=None, q_lens=None) -> Tuple[int, int]:
+                      tiles: "ForwardTiles", *, kv_lens=None, q_lens=None,
+                      cache_itemsize: Optional[int] = None) -> Tuple[int, int]:
     """HBM bytes ``(read, written)`` of the forward kernel without causal/window masks.
 
     Derivation. One grid instance per (batch b, kv head g) serves the ``G = Hq / Hkv`` query heads
@@ -813,6 +814,9 @@ def forward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, items
     (4 bytes) per instance, and ``kv_lens`` one more row of k (the *edge key* that fills the
     padding keys on chip, ``forward.edge_key_fill``) per instance whose ``kv_lens[b] > 0``.
     Writes cover every row, padding included (o = 0, LSE = -inf).
+    FP8 cache (``cache_itemsize`` 1, :func:`fwd_cache_bytes`; None: k and v in ``itemsize``):
+    K/V, the edge key included, at 1 byte per element, plus the kv head's 8 bytes of
+    ``(k_scale, v_scale)`` per instance.
     Causal/window masks only lower the counts (skipped query tiles and chunks):
     ``nki_kernels.attention.forward.plan_hbm_bytes`` counts those from the kernel's own
     schedule.
@@ -829,11 +833,24 @@ def forward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, items
     for b in unrolled(B):
         nq = Nq if q_valid is None else q_valid[b]
         nk = Nk if k_valid is None else k_valid[b]
-        per_instance = itemsize * (group * nq * D + passes * 2 * nk * D)
+        cs, scales = fwd_cache_bytes(itemsize, cache_itemsize)
+        per_instance = itemsize * group * nq * D + cs * passes * 2 * nk * D + scales
         per_instance += 4 * (int(k_valid is not None) + int(q_valid is not None))
-        per_instance += D * itemsize if k_valid is not None and nk > 0 else 0
+        per_instance += D * cs if k_valid is not None and nk > 0 else 0
         read += Hkv * per_instance
     return read, B * Hq * Nq * (D * itemsize + 4)
+
+
+def fwd_cache_bytes(itemsize: int, cache_itemsize: Optional[int]) -> Tuple[int, int]:
+    """``(bytes per K/V element, bytes of scales per instance)`` the forward reads: ``(itemsize,
+    0)``, or for an FP8 cache (``cache_itemsize`` 1) ``(1, 8)``: the kv head's float32
+    ``(k_scale, v_scale)``, one DMA per program (``forward.kv_scale_columns``)."""
+    if cache_itemsize is None:
+        return itemsize, 0
+    if cache_itemsize != 1:
+        raise ValueError(f"cache_itemsize: None (the inputs' itemsize) or 1 (an FP8 cache), "
+                         f"got {cache_itemsize!r}")
+    return 1, 8
 
 
 def fwd_mm_dtype_name(in_dtype_name: str, mixed_precision: bool) -> str:

@@ -368,7 +368,7 @@ def _valid_in(lo: int, hi: int, n_valid: int, N: int, rotated: bool) -> int:
 
 def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize: int,
                    tiles: T.ForwardTiles, *, causal=None, window=None, q_lens=None,
-                   kv_lens=None) -> Tuple[int, int]:
+                   kv_lens=None, cache_itemsize: Optional[int] = None) -> Tuple[int, int]:
     """HBM bytes (read, written) the kernel moves, counted from its own loop structure.
 
     ``q_lens``/``kv_lens``: the per-sequence valid lengths (B ints), ``True`` for given with
@@ -382,7 +382,9 @@ def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize
     ``q_lens[b]`` / ``kv_lens[b]``); ``kv_lens`` adds the edge key (one row of k,
     :func:`edge_key_fill`) per program whose ``kv_lens[b] > 0``. Writes: every row's output
     and LSE, padding included (rows without keys get zeros and -inf). Equals
-    :func:`tiles.forward_hbm_bytes` when there is no causal/window mask.
+    :func:`tiles.forward_hbm_bytes` when there is no causal/window mask. ``cache_itemsize`` 1:
+    an FP8 cache (K/V and the edge key at 1 byte, 8 bytes of scales per instance,
+    :func:`tiles.fwd_cache_bytes`).
     """
     q_valid = T.fwd_valid_lengths(q_lens, B, Nq)
     k_valid = T.fwd_valid_lengths(kv_lens, B, Nk)
@@ -390,14 +392,15 @@ def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize
     plan = plan_forward(Nq, Nk, Hq // Hkv, spec, tiles)
     G = Hq // Hkv
     any_region = any(sp.regions for sp in plan.spans)
+    cs, scales = T.fwd_cache_bytes(itemsize, cache_itemsize)
     read = 0
     for b in T.unrolled(B):
         nq = Nq if q_valid is None else q_valid[b]
         nk = Nk if k_valid is None else k_valid[b]
-        per_instance = 4 * (int(q_valid is not None) + int(k_valid is not None))
-        per_instance += D * itemsize if k_valid is not None and nk > 0 else 0     # the edge key
+        per_instance = 4 * (int(q_valid is not None) + int(k_valid is not None)) + scales
+        per_instance += D * cs if k_valid is not None and nk > 0 else 0     # the edge key
         if plan.resident and any_region:
-            per_instance += 2 * _valid_in(0, Nk, nk, Nk, spec.rotate_k) * D * itemsize
+            per_instance += 2 * _valid_in(0, Nk, nk, Nk, spec.rotate_k) * D * cs
         for sp in plan.spans:
             if not sp.regions:
                 continue
@@ -407,7 +410,7 @@ def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize
             if not plan.resident:
                 keys = sum(_valid_in(rg.k0, rg.k1, nk, Nk, spec.rotate_k) for rg in sp.regions)
                 groups = sum(n for _, n, _ in _groups(sp, plan.q_group))
-                per_instance += groups * 2 * keys * D * itemsize
+                per_instance += groups * 2 * keys * D * cs
         read += Hkv * per_instance
     return read, B * Hq * Nq * (D * itemsize + 4)
 
@@ -442,6 +445,9 @@ class Config:
       are ``(B, Hkv, Nk, D)``). k and v are then page pools ``(num_blocks, Hkv, page_size,
       D)`` and the key frame is the logical cache, ``Nk = max_blocks * page_size``
       (:func:`paged_key_rows`).
+    - ``kv_scale``: an FP8 cache's HBM ``(Hkv, 2)`` float32 ``(k_scale, v_scale)`` per kv head
+      (None: k and v in q's dtype). The K/V loads then cast to the matmul dtype
+      (:attr:`kv_dtype`) and the scales are applied on chip (:class:`Instance` ``kvs``).
     """
     q: object
     k: object
@@ -459,6 +465,7 @@ class Config:
     guard: bool
     act_share: Optional[float]
     block_table: Optional[object] = None
+    kv_scale: Optional[object] = None
     B: int = field(init=False)
     Hq: int = field(init=False)
     Nq: int = field(init=False)
@@ -498,6 +505,13 @@ class Config:
             per_head=T.ceil_div(Nq, self.tiles.q_tile))        # query tiles per head
         for name, value in derived.items():
             object.__setattr__(self, name, value)
+
+    @property
+    def kv_dtype(self):
+        """dtype of the K/V staging tiles the loads write: k's, or with an FP8 cache the
+        matmul dtype (the DMA casts on the way in, as the decode kernels' gathers do: AWS's
+        DMA guide, nki-dma-overview.rst, casts when source and destination dtypes differ)."""
+        return self.mm if self.kv_scale is not None else self.k.dtype
 
     @property
     def vcols(self) -> int:
@@ -625,21 +639,36 @@ def load_dropout(p, seed, ones_dtype, seed_row: int = 0, mask_out=None) -> Dropo
     return Dropout(float(p), seed_sb, ones, row, mask_out)
 
 
+def kv_scale_columns(c: Config):
+    """An FP8 cache's scales of kv head g as fp32 ``[128, 2]`` columns on every partition:
+    ``q_scale k_scale`` (the factor of Q^T's PSUM -> SBUF copy, :func:`load_q`: the scores of
+    the stored keys are then those of the dequantized ones, in the units the exp expects) and
+    ``v_scale`` (:func:`finalize`'s, with ``1 / l``). One 8-byte DMA of row g of ``kv_scale``
+    per program, broadcast to the partitions."""
+    cols = SM.head_values(c.kv_scale.reshape((2 * c.Hkv,)), c.b, c.g * 2, 2)
+    if c.q_scale != 1.0:
+        port.tensor_scalar(cols[:, 0:1], cols[:, 0:1], nl.multiply, c.q_scale,
+                           engine="gpsimd")
+    return cols
+
+
 @dataclass(frozen=True, eq=False)
 class Instance(Config):
     """A :class:`Config` with its optional feature records, each complete when present:
     ``lens`` (:class:`Lengths`), ``drop`` (:class:`Dropout`), ``score`` (:class:`ScoreMods`),
     and ``xq``: ``[128, G * tiles per head, D]`` query rows preloaded at the start of the
     program (column :meth:`Config.q_col`, ``ForwardTiles.q_preload``; None: loaded per
-    group)."""
+    group); ``kvs``: an FP8 cache's fp32 ``[128, 2]`` columns (:func:`kv_scale_columns`)."""
     lens: Optional[Lengths] = None
     drop: Optional[Dropout] = None
     score: Optional[ScoreMods] = None
     xq: Optional[object] = None
+    kvs: Optional[object] = None
 
     @classmethod
     def of(cls, c: Config, **records) -> "Instance":
-        """Instance ``c`` with ``records`` (keywords ``lens``, ``drop``, ``score``, ``xq``)."""
+        """Instance ``c`` with ``records`` (keywords ``lens``, ``drop``, ``score``, ``xq``,
+        ``kvs``)."""
         return cls(**{f.name: getattr(c, f.name) for f in fields(Config) if f.init}, **records)
 
     @property
@@ -889,10 +918,11 @@ def _key_rows0(c: Config):
 
 
 def edge_key_fill(c: Config, rt: M.RuntimeLengths, k_rows):
-    """The key mask of ``kv_lens`` without a mask on the scores: ``[128, D]`` (k's dtype), the
-    valid key next to the padding (:meth:`masks.RuntimeLengths.edge_key_index`; zeros when
-    ``kv_len = 0``) on every partition. Key tiles start as copies of it, so every padding key
-    the gathers skip holds the edge key.
+    """The key mask of ``kv_lens`` without a mask on the scores: ``[128, D]`` (the staging
+    dtype :attr:`Config.kv_dtype`), the valid key next to the padding
+    (:meth:`masks.RuntimeLengths.edge_key_index`; zeros when ``kv_len = 0``) on every
+    partition. Key tiles start as copies of it, so every padding key the gathers skip holds the
+    edge key.
 
     Why that masks: padding keys get V = 0 and a 0 in V's ones column (:func:`load_kv`), so
     they add nothing to o_acc or l_i whatever their P; the only place they could still act is
@@ -919,14 +949,14 @@ def edge_key_fill(c: Config, rt: M.RuntimeLengths, k_rows):
             port.tensor_scalar(key, rt.kv_len_1, nl.subtract, 1.0, op1=nl.maximum,
                                operand1=0.0)
         idx = paged_key_rows(c, key, valid)
-    row = nl.ndarray((1, D), dtype=c.k.dtype, buffer=nl.sbuf)
+    row = nl.ndarray((1, D), dtype=c.kv_dtype, buffer=nl.sbuf)
     port.memset(row, 0.0, engine="gpsimd")
     M.gather_rows(row, k_rows, idx, 0, 1, D)
-    ones = nl.ndarray((1, P), dtype=c.k.dtype, buffer=nl.sbuf)
+    ones = nl.ndarray((1, P), dtype=c.kv_dtype, buffer=nl.sbuf)
     port.memset(ones, 1.0, engine="gpsimd")
     bcast = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.psum)
     port.nc_matmul(bcast, ones, row)
-    fill = nl.ndarray((P, D), dtype=c.k.dtype, buffer=nl.sbuf)
+    fill = nl.ndarray((P, D), dtype=c.kv_dtype, buffer=nl.sbuf)
     port.tensor_copy(fill, bcast)
     return fill
 
@@ -959,15 +989,16 @@ def load_piece(f: Instance, kT, v, cb, rb, ln: int):
     of one 128-key block per DMA through ``k_load`` (rotated when the band needs it): padding
     keys are skipped -- never read -- and keep what the tiles were filled with, the edge key in
     K (:func:`edge_key_fill`) and zeros in V. V of another dtype than the matmul's is cast on
-    GpSimd."""
+    GpSimd; an FP8 cache's gathers cast K and V to the matmul dtype themselves
+    (:attr:`Config.kv_dtype`)."""
     P, D = T.PMAX, f.D
     nb = T.ceil_div(ln, P)
     full, tail = ln // P, ln % P
     rows = [min(P, ln - t * P) for t in T.unrolled(nb)]
-    same = f.v.dtype == f.mm
+    same = f.kv_dtype == f.mm
     key0 = (cb + rb) * P
-    kx = nl.ndarray((P, nb, D), dtype=f.k.dtype, buffer=nl.sbuf)
-    vx = None if same else nl.ndarray((P, nb, D), dtype=f.v.dtype, buffer=nl.sbuf)
+    kx = nl.ndarray((P, nb, D), dtype=f.kv_dtype, buffer=nl.sbuf)
+    vx = None if same else nl.ndarray((P, nb, D), dtype=f.kv_dtype, buffer=nl.sbuf)
 
     def v_dst(p, t, n=1):
         """[p, n blocks, D] destination of V blocks t.. (v itself, or the cast buffer)."""
@@ -1008,7 +1039,7 @@ def load_piece(f: Instance, kT, v, cb, rb, ln: int):
             guard_values(f, v[0:tail, nl.ds(rb + full, 1), 0:D],
                          v[0:tail, nl.ds(rb + full, 1), D + 1:D + 2])
     transpose_keys(f, kT, rb * P, [(t * P, rows[t], kx[:, t, :]) for t in T.unrolled(nb)],
-                   f.k.dtype)
+                   f.kv_dtype)
 
 
 def guard_values(f: Instance, vals, flag, sum_on_scalar: bool = False):
@@ -1100,7 +1131,8 @@ def load_q(f: Instance, st: GroupState, s, h, t):
     """Q^T of query tile t (an index expression) of member head h into slot s: its rows (the
     preloaded ones, or loaded now), each 128-wide head-dim slice transposed on TensorE and
     copied out of PSUM at matmul dtype (ScalarE), times the softmax scale when the scale is not
-    folded into the exp."""
+    folded into the exp (and an FP8 cache's K scale: the per-partition column of
+    :func:`kv_scale_columns`, one rounding of the product)."""
     r = st.rows
     if f.xq is not None:
         x = f.xq[0:r, f.q_col(h, t), :]
@@ -1110,7 +1142,8 @@ def load_q(f: Instance, st: GroupState, s, h, t):
     for pi, (d0, rows) in enumerate(f.d_passes):
         tp = nl.ndarray((rows, r), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
         port.nc_transpose(tp, x[0:r, d0:d0 + rows])
-        port.activation(st.qT[pi][:, s, 0:r], nl.copy, tp, scale=f.q_scale)
+        port.activation(st.qT[pi][:, s, 0:r], nl.copy, tp,
+                        scale=f.q_scale if f.kvs is None else f.kvs[0:rows, 0:1])
 
 
 def band_predicates(f: Instance, d0, rows: int, width: int):
@@ -1528,10 +1561,11 @@ def write_back(f: Instance, st: GroupState, s, h, t, out: _Outputs):
 
 def finalize(f: Instance, st: GroupState, s, in_range=None, dst=None):
     """``(o, lse)`` tiles of slot s (:func:`write_back`): ``o_acc / max(l_i, L_FLOOR)`` in
-    o's dtype (times ``1 / (1 - p)`` with dropout) and ``c m_i + log l_i`` fp32, -inf where
-    ``l_i = 0``. ``in_range``: None, or an fp32 ``[rows, 1]`` column, 1.0 for real rows and 0.0
-    for padding rows (their o is multiplied by 0 and their lse is -inf). ``dst``: None, or
-    ``(o, lse)`` views the results are written into (and returned)."""
+    o's dtype (times ``1 / (1 - p)`` with dropout, times ``v_scale`` with an FP8 cache) and
+    ``c m_i + log l_i`` fp32, -inf where ``l_i = 0``. ``in_range``: None, or an fp32 ``[rows,
+    1]`` column, 1.0 for real rows and 0.0 for padding rows (their o is multiplied by 0 and their
+    lse is -inf). ``dst``: None, or ``(o, lse)`` views the results are written into (and
+    returned)."""
     r = st.rows
     o_acc = st.o_acc(s)
     l_i = o_acc[:, f.D:f.D + 1]
@@ -1543,6 +1577,8 @@ def finalize(f: Instance, st: GroupState, s, in_range=None, dst=None):
     if f.dropout_p:
         port.tensor_scalar(inv_l, inv_l, nl.multiply, 1.0 / (1.0 - f.dropout_p),
                            engine="gpsimd")
+    if f.kvs is not None:       # an FP8 cache: the output of the dequantized values
+        port.tensor_tensor(inv_l, inv_l, f.kvs[0:r, 1:2], nl.multiply, engine="gpsimd")
     # padding rows: multiplied by 0 (o) and deselected (lse)
     op1 = None if in_range is None else nl.multiply
     factor = in_range
@@ -1765,8 +1801,8 @@ def _core_range(count: int, core):
 
 @port.jit
 def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slopes=None,
-                        sinks=None, block_table=None, scale=1.0, causal=None, window=None,
-                        mm_dtype="bfloat16", tiles=None, lnc=1, dropout_p=0.0,
+                        sinks=None, block_table=None, kv_scale=None, scale=1.0, causal=None,
+                        window=None, mm_dtype="bfloat16", tiles=None, lnc=1, dropout_p=0.0,
                         dropout_mask=False, softcap=None):
     """Flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B, Hkv, Nk, D)``.
 
@@ -1806,6 +1842,13 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     :func:`paged_key_rows`); everything else -- staging, residency, the loops -- is the
     contiguous kernel's.
 
+    FP8 K/V cache (``host.api.flash_attention_with_kvcache`` over a float8 cache): with
+    ``kv_scale`` (HBM ``(Hkv, 2)`` float32, ``(k_scale, v_scale)`` per kv head, device data)
+    k and v hold ``k / k_scale`` and ``v / v_scale`` in an 8-bit float format; ``kv_lens`` is
+    then required. The key gathers cast to ``mm_dtype`` on the way into SBUF, so HBM moves 1
+    byte per element and the staging is the bf16 kernel's; K's scale joins Q^T's copy out of
+    PSUM, V's the output normalization (:func:`kv_scale_columns`).
+
     Every option traces through both namespaces. Integer limits: the flat row numbers of the
     length gathers (``B Hq Nq``, ``B Hkv Nk``) and the dropout unit numbers (``B Hq ceil(Nq /
     128) ceil(Nk / 128)``; the seed is added to them) are int32 in both namespaces.
@@ -1824,6 +1867,9 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
         raise ValueError(f"block_table: the paged forward indexes keys and table entries in "
                          f"fp32 below 2^22; got {tuple(block_table.shape)} entries of "
                          f"{k.shape[2]} positions")
+    if kv_scale is not None and kv_lens is None:
+        raise ValueError("kv_scale: an FP8 K/V cache needs kv_lens (its keys are read by the "
+                         "lengths' casting gathers)")
     lens = kv_lens is not None or q_lens is not None
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
                       mods.alibi)
@@ -1850,7 +1896,7 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
     def instance(b, g):
         forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slopes,
                          sinks, b, g, scale, mm_dtype, tiles, lnc, dropout_p, mods, spec, plan,
-                         (offsets, indices), block_table)
+                         (offsets, indices), block_table, kv_scale)
 
     port.for_programs((B, Hkv), instance, share=lnc == 1)
     if mask_out is not None:
@@ -1860,10 +1906,11 @@ def flash_attention_fwd(q, k, v, kv_lens=None, q_lens=None, seed=None, alibi_slo
 
 def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slopes, sinks, b,
                      g, scale, mm_dtype, tiles, lnc, dropout_p, mods, spec, plan, tables,
-                     block_table=None):
+                     block_table=None, kv_scale=None):
     """The work of grid instance (batch ``b``, kv head ``g``): the spans' groups of query tiles
     (:func:`attend_group`), each group storing its predecessor's outputs. ``tables``: the
-    launch's ``(offsets, indices)``; ``block_table``: a paged cache's (:class:`Config`)."""
+    launch's ``(offsets, indices)``; ``block_table``, ``kv_scale``: a paged or FP8 cache's
+    (:class:`Config`)."""
     D = q.shape[3]
     if dropout_p and seed is None:
         raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
@@ -1871,14 +1918,15 @@ def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slo
     share = balance_engines(tiles, plan, spec, mods, bool(dropout_p), True,
                             q.shape[1] // k.shape[1], frame_keys(k, block_table), D)
     c = Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g, offsets, indices,
-               guard=True, act_share=share, block_table=block_table)
+               guard=True, act_share=share, block_table=block_table, kv_scale=kv_scale)
     score = score_mods(c, mods, alibi_slopes, sinks, c.act_scale)
     drop = (load_dropout(dropout_p, seed, c.mm, mask_out=mask_out,
                          seed_row=T.ceil_div(max(tiles.softmax_block, T.PMAX), T.PMAX))
             if dropout_p else None)
     lens = (length_tables(c, kv_lens, q_lens, _key_mask(dropout_p, mods, kv_lens))
             if spec.kv_lens or spec.q_lens else None)
-    f = Instance.of(c, lens=lens, drop=drop, score=score)
+    f = Instance.of(c, lens=lens, drop=drop, score=score,
+                    kvs=None if kv_scale is None else kv_scale_columns(c))
 
     needs_kv = any(sp.regions for sp in plan.spans)
     kv = load_kv(f, 0, f.Nk) if plan.resident and needs_kv else None

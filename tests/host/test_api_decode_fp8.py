@@ -1,7 +1,8 @@
-"""host.flash_decode over an FP8 KV cache (``k_scale``/``v_scale``): the formats each target
-defines, results against the float64 reference on the dequantized cache (the bf16 tolerance
-rule of the other decode tests), the exact HBM bytes (1 byte per cached element), the torch
-entry point and every error path.
+"""host.flash_decode and host.flash_attention_with_kvcache over an FP8 KV cache
+(``k_scale``/``v_scale``): the formats each target defines, results against the float64
+reference on the dequantized cache (the bf16 tolerance rule of the other decode tests), the
+exact HBM bytes (1 byte per cached element) of the decode kernels and of the prefill forward,
+the torch entry points and every error path.
 """
 from __future__ import annotations
 
@@ -180,6 +181,32 @@ def test_torch_takes_float8_e5m2_and_on_trn3_float8_e4m3fn():
     assert_within_bf16_rule(q, k3, v3, ks3, vs3, lens, o3.view(torch.int16).numpy().view(BF16))
 
 
+@needs_measure
+def test_torch_kvcache_chunk_takes_float8_e5m2_and_on_trn3_float8_e4m3fn():
+    """The torch flash_attention_with_kvcache over FP8 caches at a T the forward runs: the
+    NumPy call's bits on trn2 (float8_e5m2), the rule of the dequantized cache on trn3."""
+    torch = pytest.importorskip("torch")
+    import simulate
+    from host import torch_ops
+
+    def tt(a, dtype):
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.uint8)).view(dtype)
+
+    for target, fmt, tdtype in (("trn2", E5M2, torch.float8_e5m2),
+                                ("trn3", E4M3FN, torch.float8_e4m3fn)):
+        q, (k8, v8), _, ks, vs, lens, _ = _prefill_case(fmt)
+        qt = torch.from_numpy(q.view(np.int16)).view(torch.bfloat16)
+        with simulate.measure(target=target):
+            o = torch_ops.flash_attention_with_kvcache(
+                qt, tt(k8, tdtype), tt(v8, tdtype), cache_lens=torch.from_numpy(lens),
+                k_scale=torch.from_numpy(ks), v_scale=vs)
+            o = o.view(torch.int16).numpy().view(BF16)
+            if target == "trn2":
+                np.testing.assert_array_equal(o, host.flash_attention_with_kvcache(
+                    q, k8, v8, cache_lens=lens, k_scale=ks, v_scale=vs, lnc=1))
+        _assert_forward_rule(q, k8, v8, ks, vs, lens, o)
+
+
 # --------------------------------------------------------------------------------------------
 # validation: every error path names the argument
 # --------------------------------------------------------------------------------------------
@@ -239,21 +266,123 @@ def test_validation_errors(index, monkeypatch):
     assert fragment in str(info.value)
 
 
+
+# --------------------------------------------------------------------------------------------
+# flash_attention_with_kvcache: any T (large T: the prefill forward's casting key gathers)
+# --------------------------------------------------------------------------------------------
+PREFILL = dict(B=2, Hq=8, Hkv=2, T=80, S_max=160, D=32)     # G = 4: the forward for T > 64
+
+
+def _prefill_case(fmt=E5M2, per_head=True, paged=False):
+    """An FP8 chunk of T = 80 over a cache, sequence 0 short (100 of 160 positions): q, the
+    contiguous caches, the caches passed (page pools when paged), scales, lengths, table."""
+    q, k8, v8, ks, vs = fp8_inputs(fmt, per_head=per_head, **PREFILL)
+    lens, table, given = np.array([100, 160]), None, (k8, v8)
+    if paged:
+        given, table = reference.contiguous_to_paged((k8, v8), lens, 32,
+                                                     np.random.default_rng(3))
+    return q, (k8, v8), given, ks, vs, lens, table
+
+
+def _assert_forward_rule(q, k8, v8, ks, vs, lens, o, causal="bottom_right"):
+    """The bf16 rule on the dequantized cache for the forward over it (and the scales matter)."""
+    kd, vd = reference.dequantize_cache(k8, ks), reference.dequantize_cache(v8, vs)
+    ref = reference.attention_forward(q, kd, vd, kv_lens=lens, causal=causal)[0]
+    base = reference.attention_baseline_lowp(q, kd, vd, dtype=BF16, out_dtype=BF16,
+                                             kv_lens=lens, causal=causal)
+    tol = reference.tolerance(ref, base, floor=reference.atol_floor(BF16))
+    assert reference.max_abs_err(o, ref) <= tol, (reference.max_abs_err(o, ref), tol)
+    raw = reference.attention_forward(q, k8.astype(np.float64), v8.astype(np.float64),
+                                      kv_lens=lens, causal=causal)[0]
+    assert reference.max_abs_err(o, raw) > 10 * tol
+
+
 @needs_measure
-def test_kvcache_takes_fp8_where_the_decode_kernels_run_and_refuses_it_elsewhere():
-    """flash_attention_with_kvcache at small T is flash_decode's call, bit for bit; a T or a
-    window the prefill forward would run is refused naming k_cache (no silent cast)."""
+@pytest.mark.parametrize("paged,per_head,causal", [
+    (False, True, False),        # contiguous, no mask: tiles.forward_hbm_bytes too
+    (True, False, True),         # paged, one scale for every head
+])
+def test_prefill_over_an_fp8_cache_reads_one_byte_per_element(paged, per_head, causal):
+    """T above the decode threshold runs the forward: within the bf16 rule of the dequantized
+    cache, HBM bytes exactly ``forward.plan_hbm_bytes(..., cache_itemsize=1)`` (K and V at 1
+    byte, 8 bytes of scales per program; paged: plus the table entries)."""
+    import simulate
+    from nki_kernels.attention import forward as F
+
+    q, kv, given, ks, vs, lens, table = _prefill_case(per_head=per_head, paged=paged)
+    kw = dict(cache_lens=lens, k_scale=ks, v_scale=vs, causal=causal, lnc=1)
+    if paged:
+        kw["block_table"] = table
+    with simulate.measure(target="trn2") as m:
+        o = host.flash_attention_with_kvcache(q, *given, **kw)
+    call = api._kvcache_call(q, *given, **kw)
+    assert call.prefill
+    _assert_forward_rule(q, *kv, ks, vs, lens, o, "bottom_right" if causal else None)
+    tiles_ = api._plan_forward(api._prefill_call(call))[2]["tiles"]
+    B, Hq, Hkv, T, S, D = PREFILL.values()
+    read, written = F.plan_hbm_bytes(B, Hq, Hkv, T, S, D, 2, tiles_, kv_lens=lens,
+                                     causal="bottom_right" if causal else None,
+                                     cache_itemsize=1)
+    table_bytes = m.per_tensor["block_table"]["read"] if paged else 0
+    assert (m.hbm_bytes_read - table_bytes, m.hbm_bytes_written) == (read, written)
+    assert m.per_tensor["v"]["read"] == Hkv * D * int(lens.sum())
+    assert m.per_tensor["kv_scale"]["read"] == 8 * B * Hkv
+    if not causal:
+        assert (read, written) == tiles.forward_hbm_bytes(B, Hq, Hkv, T, S, D, 2, tiles_,
+                                                          kv_lens=lens, cache_itemsize=1)
+    with pytest.raises(ValueError, match="cache_itemsize: None .* or 1 .* got 2"):
+        tiles.forward_hbm_bytes(B, Hq, Hkv, T, S, D, 2, tiles_, cache_itemsize=2)
+
+
+@needs_measure
+def test_prefill_over_an_fp8_cache_nki_matches_legacy_bit_for_bit(monkeypatch):
+    """The paged FP8 forward traces through both namespaces to the same bits (trn2)."""
+    import simulate
+
+    q, kv, given, ks, vs, lens, table = _prefill_case(paged=True)
+    outs = []
+    for name in ("nki", "legacy"):
+        monkeypatch.setenv("NKI_FLASH_API", name)
+        with simulate.measure(target="trn2") as m:
+            outs.append(host.flash_attention_with_kvcache(q, *given, cache_lens=lens,
+                                                          block_table=table, k_scale=ks,
+                                                          v_scale=vs, lnc=1))
+        assert m.api == name
+    np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+    _assert_forward_rule(q, *kv, ks, vs, lens, outs[0])
+
+
+@needs_measure
+def test_kvcache_small_t_is_the_decode_call_and_a_window_runs_the_forward():
+    """flash_attention_with_kvcache at small T is flash_decode's call, bit for bit; flash_decode
+    with a window (the forward) over an FP8 cache within the rule of the dequantized cache."""
     import simulate
 
     q, k8, v8, ks, vs = fp8_inputs(E5M2, B=1, Hq=4, Hkv=2, T=2, S_max=96, D=32)
-    kw = dict(cache_lens=[70], k_scale=ks, v_scale=vs)
+    kw = dict(cache_lens=np.array([70]), k_scale=ks, v_scale=vs)
     with simulate.measure(target="trn2"):
         np.testing.assert_array_equal(host.flash_attention_with_kvcache(q, k8, v8, **kw),
                                       host.flash_decode(q, k8, v8, **kw))
-        with pytest.raises(TypeError, match=r"k_cache: an FP8 cache \(float8_e5m2\) is read by "
-                                            r"the split-KV decode kernels only: T <= 128"):
-            host.flash_decode(q, k8, v8, window=(16, 0), **kw)
-        big = np.zeros((1, 8, 80, 32), BF16)        # G = 4: the decode kernels to T = 64
-        with pytest.raises(TypeError, match="k_cache: an FP8 cache .* T=80"):
-            host.flash_attention_with_kvcache(big, k8, v8, cache_lens=[90], k_scale=ks,
-                                              v_scale=vs)
+        o = host.flash_decode(q, k8, v8, window=(16, 0), **kw)
+    kd, vd = reference.dequantize_cache(k8, ks), reference.dequantize_cache(v8, vs)
+    lens = kw["cache_lens"]
+    ref = reference.attention_forward(q, kd, vd, kv_lens=lens, causal="bottom_right",
+                                      window=(16, 0))[0]
+    base = reference.attention_baseline_lowp(q, kd, vd, dtype=BF16, out_dtype=BF16,
+                                             kv_lens=lens, causal="bottom_right",
+                                             window=(16, 0))
+    assert reference.max_abs_err(o, ref) <= reference.tolerance(
+        ref, base, floor=reference.atol_floor(BF16))
+
+
+def test_forward_kernel_refuses_kv_scale_without_kv_lens():
+    """The forward reads an FP8 cache only through the lengths' casting gathers."""
+    from host._launch import launch
+    from nki_kernels.attention import forward as F
+    from nki_kernels.nki import select_api
+
+    q, k8 = np.zeros((1, 2, 8, 32), BF16), np.zeros((1, 1, 16, 32), E5M2)
+    grid, lnc = F.forward_grid(1, 1, 1, api=select_api())
+    with pytest.raises(ValueError, match="kv_scale: an FP8 K/V cache needs kv_lens"):
+        launch(F.flash_attention_fwd, grid, q, k8, k8, kv_scale=np.ones((1, 2), np.float32),
+               lnc=lnc)

@@ -182,6 +182,19 @@ def test_run_decode_fp8_cache(capsys):
     assert "cache float8_e5m2 (per-kv-head scales)" in text and "PASS" in text
 
 
+@needs_sim
+def test_run_kvcache_fp8_cache_chunk(capsys):
+    """--kvcache --kv-dtype: a chunk of 70 new tokens at G = 4 (the prefill forward) over a
+    paged FP8 cache, checked against the float64 forward over the dequantized cache."""
+    args = ["run", "--kvcache", "--kv-dtype", "fp8_e5m2", "--paged", "--page-size", "16",
+            "--batch", "2", "--heads", "4", "--kv-heads", "1", "--tokens", "70", "--seq", "100",
+            "--cache-len", "70,100", "--dim", "32", "--quiet", "--targets", "trn2"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert "kvcache causal=bottom_right" in text and "cache float8_e5m2" in text
+    assert "PASS" in text
+
+
 def test_run_fails_with_status_1_when_the_check_fails(monkeypatch, capsys):
     real = host.flash_attention
 
