@@ -370,6 +370,39 @@ def loop(n, body, carried=False, start=0):
         body(i)
 
 
+def loop_between(lo, hi, body):
+    """``body(i)`` for ``i`` in ``[lo, hi)`` as a sequential compiled loop whose bounds may be
+    runtime registers (:func:`register`): NKI 0.7's ``nl.fori_loop`` takes ``VirtualRegister``
+    bounds (the 2.33 stub; a trip count <= 0 runs no iteration). Legacy NKI has no runtime trip
+    count (``dynamic_range`` is not in neuronx-cc's ``neuronxcc.nki``), so there ``lo`` and
+    ``hi`` must be ints (a register is refused)."""
+    ns = current()
+    if ns.api == "nki":
+        def step(i):
+            body(i)
+
+        step.__name__ = getattr(body, "__name__", "body")
+        ns.nl.fori_loop(lo, hi, step)
+        return
+    if not all(isinstance(b, numbers.Integral) for b in (lo, hi)):
+        raise NotImplementedError("port.loop_between: legacy NKI has no runtime trip count "
+                                  "(a register bound is an nki.* feature)")
+    for i in ns.nl.sequential_range(int(lo), int(hi)):
+        body(i)
+
+
+def register(tile):
+    """nki.* only: a ``VirtualRegister`` holding the one int32 element of the SBUF ``tile``
+    (``nisa.register_alloc`` + ``nisa.register_load``, the 2.33 stub), for a runtime loop
+    bound (:func:`loop_between`)."""
+    ns = current()
+    if ns.api != "nki":
+        raise NotImplementedError("port.register: virtual registers are an nki.* feature")
+    reg = ns.nisa.register_alloc()
+    ns.nisa.register_load(reg, tile)
+    return reg
+
+
 def unroll(n, body):
     """``body(i)`` for ``i`` in ``[0, n)``, ``n`` a small compile-time count (a handful of
     tiles or heads, not growing with a sequence length). Legacy: ``nl.affine_range`` (the loop

@@ -65,6 +65,9 @@ BSP_PAD_FIRST = 1 << 22
 #: bank of fp32 scores, so the step's fixed work (row max, rescale, P^T copies) is shared by
 #: four blocks, as the dense forward shares it over its 2048-key blocks.
 BSP_STEP_BLOCKS = 4
+#: Keys per online-softmax step of the packed variable-length forward
+#: (``attention/varlen.py``): one PSUM bank of fp32 scores per query head, as BSP_STEP_BLOCKS.
+VARLEN_STEP_KEYS = BSP_STEP_BLOCKS * PMAX
 #: Query tiles of one class processed together by the block-sparse forward (a loop body): their
 #: softmax chains interleave step by step, as the dense forward's groups do
 #: (FWD_RESIDENT_Q_GROUP), so the engines have independent work while one tile waits.
