@@ -686,12 +686,12 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
 def _varlen_forward(q, k, v, call: AttentionCall):
     """The packed variable-length forward of a validated call (``call.packing`` given):
     outputs as :func:`flash_attention`'s."""
-    from nki_kernels.attention.varlen import varlen_attention_fwd
+    from nki_kernels.attention.varlen import varlen_attention_fwd, varlen_grid
 
     dims = call.dims
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
     api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
-    o, lse = launch(varlen_attention_fwd.on(api), _block_sparse_grid(dims, call.lnc, api),
+    o, lse = launch(varlen_attention_fwd.on(api), varlen_grid(dims.Hkv, call.lnc, api),
                     q, k, v, call.packing.cu_q, call.packing.cu_k, scale=call.scale,
                     causal=call.causal, window=call.window, mm_dtype=call.mm_dtype)
     return (o, lse) if call.return_lse else o

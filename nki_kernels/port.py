@@ -866,8 +866,20 @@ def band_select_max(dst, data, sides, runtime=None, offsets=None, neg_max=None):
         bounds.append((col, cmp_op))
     if len(bounds) == 1:
         bounds.append(bounds[0])
+    range_select_max(dst, data, bounds, neg_max)
+
+
+def range_select_max(dst, data, bounds, neg_max):
+    """0.7 only (NeuronCore-v3+): ``dst = data`` where ``cmp_op(j, bound)`` holds for both
+    ``(bound, cmp_op)`` of ``bounds`` (``bound`` fp32 ``[P, 1]`` columns, ``j`` the free
+    index), fp32.min elsewhere, and ``neg_max = -(row max of dst)``: one VectorE
+    ``range_select`` with its max reduction (and a GpSimd negation)."""
+    ns = current()
+    if ns.api != "nki":
+        raise RuntimeError("port.range_select_max: NKI 0.7 only")
+    nl_, nisa = ns.nl, ns.nisa
     (b0, c0), (b1, c1) = bounds
-    mx = nl_.ndarray((rows, 1), dtype=nl_.float32, buffer=nl_.sbuf)
+    mx = nl_.ndarray((data.shape[0], 1), dtype=nl_.float32, buffer=nl_.sbuf)
     nisa.range_select(dst=dst, on_true_tile=data, comp_op0=c0, comp_op1=c1, bound0=b0,
                       bound1=b1, reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=mx,
                       reduce_op=nl_.maximum)

@@ -57,87 +57,88 @@ W = T.VARLEN_STEP_KEYS
 
 
 class Offsets(NamedTuple):
-    """The packing's offsets on every partition (fp32 ``[128, S + 1]`` each, loaded once per
-    program), ``S`` the number of sequences, and the constant iota tiles the masks compare
-    against: ``part`` (p, ``[128, 1]``), ``cols`` (c, ``[128, W]``), ``keys`` (``128 w + p``,
-    ``[128, W / 128]``: a step's key of partition p, block w)."""
-    cu_q: object
-    cu_k: object
-    S: int
+    """The packing on every partition, loaded once per program: ``starts`` fp32 ``[128, m,
+    S]``, each sequence's first query row ``cu_q[s]`` (repeated m times), and ``seqs`` the m
+    per-sequence values the rows select (``cu_k[s]``, ``cu_k[s+1]`` and with a band the
+    references of its diagonal: ``cu_k[s+1]``, ``cu_q[s+1]`` bottom_right, ``cu_k[s]``,
+    ``cu_q[s]`` top_left), all non-decreasing in s and >= 0; and the constant iota tiles:
+    ``part`` (p, ``[128, 1]``), ``cols`` (c, ``[128, W]``; legacy only), ``keys`` (``128 w +
+    p``, ``[128, W / 128]``: a step's key of partition p, block w)."""
+    starts: object
+    seqs: object
     part: object
     cols: object
     keys: object
 
 
-def load_offsets(cu_seqlens_q, cu_seqlens_k) -> Offsets:
-    """Both int32 ``(S + 1,)`` offset vectors as fp32 on every partition (a K=1 matmul each,
-    exact below 2^24), and the iota tiles."""
+def load_offsets(cu_seqlens_q, cu_seqlens_k, spec: M.MaskSpec) -> Offsets:
+    """The :class:`Offsets` of the int32 ``(S + 1,)`` offset vectors (fp32 on every partition
+    by a K=1 matmul each, exact below 2^24)."""
     n = cu_seqlens_q.shape[0]
-    out = []
-    for cu in (cu_seqlens_q, cu_seqlens_k):
+    S = n - 1
+    cu = []
+    for src in (cu_seqlens_q, cu_seqlens_k):
         raw = nl.ndarray((1, n), dtype=nl.int32, buffer=nl.sbuf)
-        port.dma_copy(raw, cu.reshape((1, n)))
+        port.dma_copy(raw, src.reshape((1, n)))
         row = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_copy(row, raw, engine="gpsimd")
-        out.append(M.broadcast_row(row, n))
+        cu.append(M.broadcast_row(row, n))
+    cu_q, cu_k = cu
+    cols = [cu_k[:, 0:S], cu_k[:, 1:n]]
+    if spec.has_diag:
+        ref = 0 if spec.top_left else 1
+        cols += [cu_k[:, ref:ref + S], cu_q[:, ref:ref + S]]
+    m = len(cols)
+    starts = nl.ndarray((P, m, S), dtype=nl.float32, buffer=nl.sbuf)
+    seqs = nl.ndarray((P, m, S), dtype=nl.float32, buffer=nl.sbuf)
+    for c, src in enumerate(cols):
+        port.tensor_copy(starts[:, c, :], cu_q[:, 0:S], engine="gpsimd")
+        port.tensor_copy(seqs[:, c, :], src, engine="gpsimd")
     part = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.iota(part, [[0, 1]], channel_multiplier=1)
-    cols = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
-    port.iota(cols, [[1, W]])
+    iota_cols = None
+    if port.api() == "legacy":
+        iota_cols = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(iota_cols, [[1, W]])
     keys = nl.ndarray((P, W // P), dtype=nl.float32, buffer=nl.sbuf)
     port.iota(keys, [[P, W // P]], channel_multiplier=1)
-    return Offsets(out[0], out[1], n - 1, part, cols, keys)
+    return Offsets(starts, seqs, part, iota_cols, keys)
 
 
-def _row_offset(off: Offsets, started, table, col0: int):
-    """fp32 ``[128, 1]``: per row, ``table[s + col0]`` of the row's sequence s -- the largest
-    over the sequences started at or before the row (``started``: 1.0/0.0 ``[128, S]``)."""
-    sel = nl.ndarray((P, off.S), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_tensor(sel, started, table[:, col0:col0 + off.S], nl.multiply)
-    out = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_reduce(out, nl.maximum, sel, axis=1)
-    return out
-
-
-def row_bounds(off: Offsets, spec: M.MaskSpec, pos):
-    """fp32 ``[128, 2]``: ``first_i``, ``last_i`` of the rows at positions ``pos`` (fp32
-    ``[128, 1]``; module docstring)."""
-    started = nl.ndarray((P, off.S), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(started, off.cu_q[:, 0:off.S], nl.less_equal, pos)
-    k_first = _row_offset(off, started, off.cu_k, 0)
-    k_end = _row_offset(off, started, off.cu_k, 1)
-    bounds = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)
-    # last key of the sequence: cu_k[s+1] - 1
-    port.tensor_scalar(bounds[:, 1:2], k_end, nl.subtract, 1.0)
+def row_bounds(off: Offsets, spec: M.MaskSpec, pos, dst):
+    """``first_i`` and ``end_i = last_i + 1`` of the rows at positions ``pos`` (fp32 ``[128,
+    1]``; module docstring) into ``dst`` (fp32 ``[128, 2]``). The row's sequence values are
+    the largest of those of the sequences started at or before it (one compare-and-multiply,
+    one max-reduction over the sequences), then the band: two or three ``[128, 1]``
+    instructions."""
+    m, S = off.seqs.shape[1], off.seqs.shape[2]
+    sel = nl.ndarray((P, m, S), dtype=nl.float32, buffer=nl.sbuf)
+    port.scalar_tensor_tensor(sel, off.starts, nl.less_equal, pos, nl.multiply, off.seqs)
+    own = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_reduce(own, nl.maximum, sel, axis=2)
     if not spec.has_diag:
-        port.tensor_copy(bounds[:, 0:1], k_first, engine="gpsimd")
-        return bounds
-    # the row's diagonal key i + off
-    if spec.top_left:
-        q_ref = _row_offset(off, started, off.cu_q, 0)
-        k_ref = k_first
-    else:
-        q_ref = _row_offset(off, started, off.cu_q, 1)
-        k_ref = k_end
-    shift = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_tensor(shift, k_ref, q_ref, nl.subtract)
+        port.tensor_copy(dst, own, engine="gpsimd")
+        return
+    # the row's diagonal key i + off = (i - q_ref) + k_ref
     diag = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_tensor(diag, pos, shift, nl.add)
+    port.scalar_tensor_tensor(diag, pos, nl.subtract, own[:, 3:4], nl.add, own[:, 2:3])
     if spec.lo is None:
-        port.tensor_copy(bounds[:, 0:1], k_first, engine="gpsimd")
+        port.tensor_copy(dst[:, 0:1], own[:, 0:1], engine="gpsimd")
     else:
-        port.scalar_tensor_tensor(bounds[:, 0:1], diag, nl.add, float(spec.lo), nl.maximum,
-                                  k_first)
-    if spec.hi is not None:
-        port.scalar_tensor_tensor(bounds[:, 1:2], diag, nl.add, float(spec.hi), nl.minimum,
-                                  bounds[:, 1:2])
-    return bounds
+        port.scalar_tensor_tensor(dst[:, 0:1], diag, nl.add, float(spec.lo), nl.maximum,
+                                  own[:, 0:1])
+    if spec.hi is None:
+        port.tensor_copy(dst[:, 1:2], own[:, 1:2], engine="gpsimd")
+    else:
+        port.scalar_tensor_tensor(dst[:, 1:2], diag, nl.add, float(spec.hi + 1), nl.minimum,
+                                  own[:, 1:2])
 
 
 def tile_sweep(bounds, ident):
-    """``(kb0, n)``: fp32 ``[128, 1]`` the tile's first key ``min first_i`` on every partition
-    and int32 ``[1, 1]`` its step count ``max(0, ceil((max last_i + 1 - kb0) / W))``.
-    Cross-partition: a TensorE transpose of ``(first, -last)``, a min-reduction along the free
+    """``(kb0, n)``: fp32 ``[128, 1]`` the tiles' first key ``min first_i`` on every partition
+    and int32 ``[1, 1]`` their step count ``max(0, ceil((max end_i - kb0) / W))`` (``bounds``:
+    fp32 ``[128, 2]``, per partition the min first and max end of the group's rows).
+    Cross-partition: a TensorE transpose of ``(first, -end)``, a min-reduction along the free
     axis, and a ones matmul that spreads the two results to every partition (``ident``: fp32
     ``[2, 2]`` identity, which places each on its own column)."""
     neg = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)
@@ -153,18 +154,33 @@ def tile_sweep(bounds, ident):
     port.memset(ones, 1.0, engine="gpsimd")
     ps = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.psum)
     port.nc_matmul(ps, ones, diag)
-    ext = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)        # (min first, -max last)
+    ext = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)        # (min first, -max end)
     port.tensor_copy(ext, ps, engine="vector")
-    # width = max last + 1 - kb0;  n = (width + W - 1 - mod(width + W - 1, W)) / W, >= 0
+    # width = max end - kb0;  n = (width + W - 1 - mod(width + W - 1, W)) / W, >= 0
     wide = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.scalar_tensor_tensor(wide, ext[0:1, 1:2], nl.multiply, -1.0, nl.subtract,
                               ext[0:1, 0:1])
-    port.tensor_scalar(wide, wide, nl.add, float(W), op1=nl.maximum, operand1=0.0)
+    port.tensor_scalar(wide, wide, nl.add, float(W - 1), op1=nl.maximum, operand1=0.0)
     rem = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(rem, wide, nl.mod, float(W))
     n = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_scalar(n, wide, nl.subtract, rem, op1=nl.multiply, operand1=1.0 / W)
     return ext[:, 0:1], n
+
+
+def kv_heads_per_body(Hkv: int) -> int:
+    """Kv heads one loop body serves (``tiles.VARLEN_KV_HEADS`` when it divides Hkv, else 1):
+    their query tiles share the sweep's setup and give the engines independent chains."""
+    return T.VARLEN_KV_HEADS if Hkv % T.VARLEN_KV_HEADS == 0 else 1
+
+
+def varlen_grid(Hkv: int, lnc: int, api: str):
+    """The launch grid of :func:`varlen_attention_fwd`: its instances ``(1, Hkv /``
+    :func:`kv_heads_per_body` ``)`` as the dense backward's (``backward.backward_grid``; with
+    ``lnc=2`` they spread over the two cores when their count allows)."""
+    from nki_kernels.attention.backward import backward_grid
+
+    return backward_grid(1, Hkv // kv_heads_per_body(Hkv), lnc, api=api)
 
 
 @port.jit
@@ -175,8 +191,8 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=1.0, caus
     total_k, D)`` and int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``(S + 1,)`` (validated by the
     host: 0 first, non-decreasing, the totals last). ``causal`` (None, "top_left",
     "bottom_right") and ``window`` apply per sequence; ``scale``, ``mm_dtype`` as
-    :func:`forward.flash_attention_fwd`. Instances ``(1, Hkv)`` as the block-sparse kernel's
-    (:func:`port.for_programs`). Totals of 2^24 rows or more are refused (fp32 positions)."""
+    :func:`forward.flash_attention_fwd`. Instances ``(1, Hkv / kv_heads_per_body(Hkv))``
+    (:func:`port.for_programs`; the grid :func:`varlen_grid`). Totals of 2^24 rows or more are refused (fp32 positions)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if B != 1:
@@ -193,105 +209,171 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=1.0, caus
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
     indices = port.OffsetColumns(0, Hq, 1)
-    off = load_offsets(cu_seqlens_q, cu_seqlens_k)
+    off = load_offsets(cu_seqlens_q, cu_seqlens_k, spec)
     ident = nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.sbuf)
     port.iota(ident, [[1, 2]], channel_multiplier=-1)
     port.tensor_scalar(ident, ident, nl.equal, 0.0)
     # legacy: no runtime trip count, every tile runs the steps of the longest possible sweep
     static_steps = T.ceil_div(Nk, W)
 
-    def instance(b, g):
-        # guard: non-finite values reach only the rows that see them; the P^T copies split
-        # evenly between ScalarE and VectorE (as block-sparse's)
-        c = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g, None, indices,
-                     guard=True, act_share=0.5)
-        f = F.Instance.of(c)
-        kv = BS.RowFrame.of(k, (b, g), indices)
-        q_frames = [BS.RowFrame.of(q, (b, f.head(h)), indices) for h in T.unrolled(f.G)]
-        pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)     # the tile's rows
-        port.tensor_copy(pos, off.part, engine="gpsimd")
-        port.loop(T.ceil_div(Nq, P),
-                  lambda t: _tile(f, off, kv, q_frames, pos, ident, static_steps),
-                  carried=True)
+    Hc = kv_heads_per_body(Hkv)
 
-    port.for_programs((B, Hkv), instance)
+    def instance(b, g0):
+        insts = []
+        for c in T.unrolled(Hc):
+            # guard: non-finite values reach only the rows that see them; the P^T copies
+            # split evenly between ScalarE and VectorE (as block-sparse's)
+            cf = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0 * Hc + c, None,
+                          indices, guard=True, act_share=0.5)
+            f = F.Instance.of(cf)
+            insts.append(KvHead(f, BS.RowFrame.of(k, (b, f.g), indices),
+                                [BS.RowFrame.of(q, (b, f.head(h)), indices)
+                                 for h in T.unrolled(f.G)]))
+        pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)     # the group's rows
+        port.tensor_copy(pos, off.part, engine="gpsimd")
+        n_tiles = T.ceil_div(Nq, P)
+        R = min(T.VARLEN_GROUP_TILES, n_tiles)
+        sweep = lambda r: lambda t: _group(insts, off, pos, ident, r, static_steps)
+        port.loop(n_tiles // R, sweep(R), carried=True)
+        if n_tiles % R:
+            sweep(n_tiles % R)(None)
+
+    port.for_programs((B, Hkv // Hc), instance)
     return o, lse
 
 
-def _tile(f, off: Offsets, kv, q_frames, pos, ident, static_steps: int):
-    """One query tile (rows ``pos``, a carried column advanced by 128 at the end) of every
-    query head of the instance's kv group: the sweep of the module docstring."""
-    bounds = row_bounds(off, f.spec, pos)
-    kb0, n = tile_sweep(bounds, ident)
-    st = F.GroupState(f, f.G, P)
+class KvHead(NamedTuple):
+    """One kv head of a loop body: its :class:`forward.Instance`, the :class:`RowFrame` of
+    its K/V rows and those of its member query heads' rows."""
+    f: object
+    kv: object
+    q_frames: list
+
+
+def _group(insts, off: Offsets, pos, ident, R: int, static_steps: int):
+    """R consecutive query tiles (from rows ``pos``, a carried column advanced by ``128 R``)
+    of every query head of the kv heads ``insts`` (:class:`KvHead`): the sweep of the module
+    docstring over the union of their key ranges (slot ``(c R + r) G + h``: kv head c, tile
+    r, member head h)."""
+    f0 = insts[0].f
+    G = f0.G
+    bounds = nl.ndarray((P, R, 2), dtype=nl.float32, buffer=nl.sbuf)
+    span = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)      # min first, max end
+    rows = []
+    for r in T.unrolled(R):
+        pos_r = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(pos_r, pos, nl.add, float(r * P), engine="gpsimd")
+        row_bounds(off, f0.spec, pos_r, bounds[:, r, :])
+        rows.append(pos_r)
+    # the next group's rows
+    port.tensor_scalar(pos, pos, nl.add, float(R * P), engine="gpsimd")
+    port.tensor_copy(span, bounds[:, 0, :], engine="gpsimd")
+    for r in T.unrolled(1, R):
+        port.tensor_tensor(span[:, 0:1], span[:, 0:1], bounds[:, r, 0:1], nl.minimum,
+                           engine="gpsimd")
+        port.tensor_tensor(span[:, 1:2], span[:, 1:2], bounds[:, r, 1:2], nl.maximum,
+                           engine="gpsimd")
+    kb0, n = tile_sweep(span, ident)
+    st = F.GroupState(f0, len(insts) * R * G, P)
     outs = []
-    for h in T.unrolled(f.G):
-        idx = BS.rows_at(pos, f.Nq, q_frames[h])
-        x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
-        BS.gather(x, f.q, (f.b, f.head(h)), idx, 0, f.Nq % P != 0)
-        for pi, (d0, rows) in enumerate(f.d_passes):
-            tp = nl.ndarray((rows, P), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
-            port.nc_transpose(tp, x[:, d0:d0 + rows])
-            port.activation(st.qT[pi][:, h, :], nl.copy, tp, scale=f.q_scale)
-        outs.append(idx)
-    # carried through the steps: the keys of the step (partition p, block w) and the bounds
-    # relative to the step's first key
+    for c, kh in enumerate(insts):
+        for r in T.unrolled(R):
+            for h in T.unrolled(G):
+                idx = BS.rows_at(rows[r], kh.f.Nq, kh.q_frames[h])
+                x = nl.ndarray((P, kh.f.D), dtype=kh.f.q.dtype, buffer=nl.sbuf)
+                BS.gather(x, kh.f.q, (kh.f.b, kh.f.head(h)), idx, 0, kh.f.Nq % P != 0)
+                for pi, (d0, d) in enumerate(kh.f.d_passes):
+                    tp = nl.ndarray((d, P), dtype=kh.f.transpose_psum_dtype(x.dtype),
+                                    buffer=nl.psum)
+                    port.nc_transpose(tp, x[:, d0:d0 + d])
+                    port.activation(st.qT[pi][:, (c * R + r) * G + h, :], nl.copy, tp,
+                                    scale=kh.f.q_scale)
+                outs.append(idx)
+    # carried through the steps: the keys of the step (partition p, block w) and each tile's
+    # bounds relative to the step's first key
     keys = nl.ndarray((P, W // P), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(keys, off.keys, nl.add, kb0)
-    rel = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)
+    rel = nl.ndarray((P, R, 2), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(rel, bounds, nl.subtract, kb0)
-    v = nl.ndarray((P, W // P, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-    port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
+    vs = []
+    for kh in insts:
+        v = nl.ndarray((P, W // P, f0.vcols), dtype=f0.mm, buffer=nl.sbuf)
+        port.memset(v[:, :, f0.D:f0.D + 1], 1.0, engine="gpsimd")
+        vs.append(v)
 
     def step(s):
-        _step(f, off, st, kv, keys, rel, v)
+        for c, kh in enumerate(insts):
+            _step(kh, off, st, keys, rel, vs[c], R, c * R * G)
+        port.tensor_scalar(keys, keys, nl.add, float(W), engine="gpsimd")
+        port.tensor_scalar(rel, rel, nl.subtract, float(W), engine="gpsimd")
 
     if port.api() == "nki":
         port.loop_between(0, port.register(n), step)
     else:
         port.loop(static_steps, step, carried=True)
-    for h in T.unrolled(f.G):
-        o_out, lse_out = F.finalize(f, st, h)
-        BS.store_tile(f, outs[h], f.head(h), o_out, lse_out)
-    port.tensor_scalar(pos, pos, nl.add, float(P), engine="gpsimd")
+    for c, kh in enumerate(insts):
+        for j in T.unrolled(R * G):
+            sl = c * R * G + j
+            o_out, lse_out = F.finalize(kh.f, st, sl)
+            BS.store_tile(kh.f, outs[sl], kh.f.head(j % G), o_out, lse_out)
 
 
-def _step(f, off: Offsets, st, kv, keys, rel, v):
-    """One step of W keys for every head of the tile: gather K and V (rows past total_k
-    skipped and zero), K^T, then per head the scores, the selection of the keys outside each
-    row's ``[first, last]`` to MASK_NEG, and the online-softmax update; ``keys`` and ``rel``
-    advance by W for the next step."""
+def _outside(off: Offsets, rel):
+    """uint8 ``[128, W]``: 1 where key column c of the step is outside the row's ``[first,
+    last]`` (``rel``: the bounds relative to the step's first key); legacy's mask (GpSimd and
+    VectorE compares)."""
+    before = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(before, off.cols, nl.less, rel[:, 0:1], engine="gpsimd")
+    ind = nl.ndarray((P, W), dtype=nl.uint8, buffer=nl.sbuf)
+    port.scalar_tensor_tensor(ind, off.cols, nl.greater_equal, rel[:, 1:2], nl.maximum,
+                              before)
+    return ind
+
+
+def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):
+    """One step of W keys (``keys``) of kv head ``kh`` for the R tiles and its member heads
+    (slots from ``slot0``): gather K and V, K^T, then per tile and head the scores, the
+    selection of the keys outside each row's ``[first, end)`` (``rel``: ``[128, R, 2]``,
+    relative to the step's first key), and the online-softmax update."""
+    f, kv = kh.f, kh.kv
     D, n = f.D, W // P
-    rows = BS.rows_at(keys, f.Nk, kv)
+    # keys past total_k read the last key (masked: every row's last key is below total_k),
+    # so every row is read and nothing needs zeroing
+    rows = nl.ndarray((P, n), dtype=nl.int32, buffer=nl.sbuf)
+    if kv.base is None:
+        port.tensor_scalar(rows, keys, nl.minimum, float(f.Nk - 1))
+    else:
+        port.tensor_scalar(rows, keys, nl.minimum, float(f.Nk - 1), op1=nl.add,
+                           operand1=kv.base)
     kx = nl.ndarray((P, n, D), dtype=f.k.dtype, buffer=nl.sbuf)
     same = f.v.dtype == f.mm
     vx = v if same else nl.ndarray((P, n, D), dtype=f.v.dtype, buffer=nl.sbuf)
-    port.memset(kx, 0.0, engine="gpsimd")
-    port.memset(vx[:, 0:n, 0:D], 0.0, engine="gpsimd")
     for w in T.unrolled(n):
-        port.dma_copy(kx[:, w, :], port.lead_rows(f.k, (f.b, f.g), rows, w), legacy_isa=True,
-                      oob_skip=True)
+        port.dma_copy(kx[:, w, :], port.lead_rows(f.k, (f.b, f.g), rows, w), legacy_isa=True)
         port.dma_copy(vx[:, w, 0:D], port.lead_rows(f.v, (f.b, f.g), rows, w),
-                      legacy_isa=True, oob_skip=True)
+                      legacy_isa=True)
     if not same:
         port.tensor_copy(v[:, 0:n, 0:D], vx, engine="gpsimd")
     F.guard_values(f, v[:, 0:n, 0:D], v[:, 0:n, D + 1:D + 2], sum_on_scalar=True)
     kT = [nl.ndarray((rows_d, W), dtype=f.mm, buffer=nl.sbuf) for _, rows_d in f.d_passes]
     F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in T.unrolled(n)], f.k.dtype)
-    # 1 where key column c is outside the row's [first, last] (relative to the step)
-    before = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(before, off.cols, nl.less, rel[:, 0:1], engine="gpsimd")
-    ind = nl.ndarray((P, W), dtype=nl.uint8, buffer=nl.sbuf)
-    port.scalar_tensor_tensor(ind, off.cols, nl.greater, rel[:, 1:2], nl.maximum, before)
-    for h in T.unrolled(f.G):
-        sc = F.contract([(st.qT[pi][:, h, :], kT[pi]) for pi in T.unrolled(len(f.d_passes))],
+    nki = port.api() == "nki"
+    for j in T.unrolled(R * f.G):
+        r, sl = j // f.G, slot0 + j
+        sc = F.contract([(st.qT[pi][:, sl, :], kT[pi]) for pi in T.unrolled(len(f.d_passes))],
                         (P, W))
         s_tile = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_copy(s_tile, sc, engine="vector")
-        port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
-        F.fold_block(f, st, h, [s_tile], [W], F.KV(None, kT, v), 0, None)
-    port.tensor_scalar(keys, keys, nl.add, float(W), engine="gpsimd")
-    port.tensor_scalar(rel, rel, nl.subtract, float(W), engine="gpsimd")
+        if nki:
+            # one VectorE range_select out of PSUM keeps [first, last] and gives the row max
+            port.range_select_max(s_tile, sc, [(rel[:, r, 0:1], nl.greater_equal),
+                                               (rel[:, r, 1:2], nl.less)],
+                                  st.stats[:, sl, 2:3])
+        else:
+            if j % f.G == 0:
+                ind = _outside(off, rel[:, r, :])
+            port.tensor_copy(s_tile, sc, engine="vector")
+            port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
+        F.fold_block(f, st, sl, [s_tile], [W], F.KV(None, kT, v), 0, None, fused=(nki,))
 
 
-__all__ = ["varlen_attention_fwd", "Offsets", "load_offsets", "row_bounds", "tile_sweep"]
+__all__ = ["varlen_attention_fwd", "varlen_grid", "kv_heads_per_body", "Offsets", "load_offsets", "row_bounds", "tile_sweep"]

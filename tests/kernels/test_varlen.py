@@ -21,7 +21,7 @@ import simulate
 from host import reference as R
 from host._launch import program_size
 from nki_kernels import nki as binding
-from nki_kernels.attention.varlen import varlen_attention_fwd
+from nki_kernels.attention.varlen import varlen_attention_fwd, varlen_grid
 from nki_kernels.nki import BACKEND
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -134,7 +134,7 @@ def test_one_program_for_every_packing(monkeypatch):
     q, k, v = _packed_inputs(np.array([0, 300], np.int32), cu_k, 2, 1, 32, BF16)
     for api in ("legacy", "nki"):
         monkeypatch.setenv(binding.API_ENV_VAR, api)
-        grid = (1,) if api == "nki" else (1, 1)
+        grid = varlen_grid(1, 1, api)
         sizes = {program_size(varlen_attention_fwd, grid, q, k, v, cu_q, cu_k, causal="top_left")
                  for cu_q in (np.array([0, 1, 300], np.int32),
                               np.array([0, 299, 300], np.int32))}
