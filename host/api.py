@@ -318,7 +318,8 @@ def _attention_call(dims: _v.AttentionShape, dtype: str, block_sparse=None, *, s
         sbuf_budget = _v.check_int("sbuf_budget", sbuf_budget, minimum=1,
                                    maximum=max(_tiles.SBUF_USABLE_BYTES.values()))
     if packing is not None:
-        _check_packed_options(kv_lens=kv_lens, q_lens=q_lens, tiles=tiles, sbuf_budget=sbuf_budget, dropout_p=dropout_p,
+        _check_packed_options(kv_lens=kv_lens, q_lens=q_lens, tiles=tiles,
+                              sbuf_budget=sbuf_budget, dropout_p=dropout_p,
                               softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     if block_sparse is None and packing is None:
         lnc = _check_lnc(lnc)
@@ -691,7 +692,8 @@ def _varlen_forward(q, k, v, call: AttentionCall):
     dims = call.dims
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
     api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
-    o, lse = launch(varlen_attention_fwd.on(api), varlen_grid(dims.Hkv, call.lnc, api),
+    o, lse = launch(varlen_attention_fwd.on(api), varlen_grid(dims.Hkv, dims.group, dims.Nq,
+                                                                 call.lnc, api),
                     q, k, v, call.packing.cu_q, call.packing.cu_k, scale=call.scale,
                     causal=call.causal, window=call.window, mm_dtype=call.mm_dtype)
     return (o, lse) if call.return_lse else o

@@ -77,6 +77,10 @@ VARLEN_GROUP_TILES = VARLEN_STEP_KEYS // PMAX
 #: Hkv): their tiles share the group's setup (row bounds, sweep, step count) and their
 #: independent chains let the engines overlap one head's DMA waits with the other's work.
 VARLEN_KV_HEADS = 2
+#: Most (query tile, query head) slots of one such loop body: their Q^T, ``[o_acc | l]`` and
+#: statistics stay in SBUF through the sweep (~0.8 KiB per partition each at D = 128), and
+#: the body is unrolled over them, so this bounds both SBUF and the program size.
+VARLEN_MAX_SLOTS = 16
 #: Query tiles of one class processed together by the block-sparse forward (a loop body): their
 #: softmax chains interleave step by step, as the dense forward's groups do
 #: (FWD_RESIDENT_Q_GROUP), so the engines have independent work while one tile waits.

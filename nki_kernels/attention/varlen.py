@@ -9,41 +9,47 @@ Each row sees a contiguous key range. For row i of sequence s, with the alignmen
 ``off = cu_k[s+1] - cu_q[s+1]`` (bottom_right) or ``cu_k[s] - cu_q[s]`` (top_left) and the
 band bounds ``lo``/``hi`` of ``j - i - off`` (``masks.MaskSpec``: causal, window)::
 
-    first_i = max(cu_k[s], i + off + lo)       last_i = min(cu_k[s+1] - 1, i + off + hi)
+    first_i = max(cu_k[s], i + off + lo)       end_i = min(cu_k[s+1], i + off + hi + 1)
 
-(an unbounded side drops its term). A row with ``first_i > last_i`` sees nothing: o = 0,
-lse = -inf. The columns are computed on chip per query tile from the offsets broadcast on every
-partition: ``cu_q[s] <= i`` selects the sequences starting at or before the row, and since the
-offsets do not decrease, the row's ``cu_k[s]`` (and the other offsets) is the maximum of the
-selected ones (a compare-and-multiply, then a max-reduction; a sequence with no query rows
-starts where the next one does, so the last selected sequence is the row's own).
+(an unbounded side drops its term). A row with ``first_i >= end_i`` sees nothing: o = 0,
+lse = -inf. The columns are computed on chip from the offsets broadcast on every partition:
+``cu_q[s] <= i`` selects the sequences starting at or before the row and, the offsets being
+non-decreasing, the row's own values are the largest selected ones (one compare-and-multiply,
+one max-reduction; a sequence without query rows starts where the next one does, so it never
+stands in for the row's own).
 
-Per query tile (128 rows, every query head of the kv group at once; one loop body)::
+Per group of ``tiles.VARLEN_GROUP_TILES`` query tiles (128 rows each) and every query head of
+``tiles.VARLEN_KV_HEADS`` kv heads (one loop body)::
 
-    first, last columns of the tile's rows (O(S) VectorE work)
-    kb0 = min first, n = ceil((max last + 1 - kb0) / 512)   transposes + reductions, on chip
-    gather Q rows of each head; Q^T by TensorE
+    first, end columns of every tile's rows
+    kb0 = min first, n = ceil((max end - kb0) / 512)   a transpose, reductions, a ones matmul
+    gather Q rows of each (tile, head); Q^T by TensorE
     for step in loop(0, n):                    a runtime trip count (nki.*: a register bound)
-        gather K, V rows kb0 + 512 step + [0, 512) (rows past total_k skipped, zero)
-        K^T by TensorE; for each head: S = Q K^T (one PSUM bank), scores outside
-        [first_i, last_i] selected to MASK_NEG, online-softmax update (forward.fold_block)
-    O, LSE of each head scattered to the tile's rows (rows past total_q skipped)
+        per kv head: gather K, V rows kb0 + 512 step + [0, 512) (clamped to total_k - 1:
+        those keys are masked), guard V, K^T by TensorE
+        per (tile, head): S = Q K^T (one PSUM bank); scores outside [first_i, end_i) to the
+        mask value; online-softmax update (forward.fold_block)
+    O, LSE of each (tile, head) scattered to its rows (rows past total_q skipped)
 
-Keys of other sequences inside the step window are masked like causal ones; tiles never
-sweep keys outside ``[min first, max last]``, so the work of a packed batch is that of its
-sequences (plus what their tiles share at sequence boundaries).
+Keys of other sequences inside a step are masked like causal ones; a group never sweeps keys
+outside ``[min first, max end)``, so the work of a packed batch is close to that of its
+sequences run separately (``benchmarks/varlen.py``). The four tiles of a group are 512 rows,
+one step's width, so a long causal sequence issues the same score tiles as per-tile sweeps.
 
 One source, two namespaces (:mod:`nki_kernels.port`): under nki.* (NKI 0.7) the step loop's
-trip count ``n`` is a ``VirtualRegister`` loaded from SBUF (:func:`port.loop_between`). Legacy
-NKI has no runtime trip count, so its loop runs the static worst case, ``ceil(total_k / 512)``
-steps from ``kb0`` (the extra steps gather nothing and are masked): correct, dense in cost.
-The gathers address K/V and Q rows as block-sparse's do (:class:`block_sparse.RowFrame`).
+trip count ``n`` is a ``VirtualRegister`` loaded from SBUF (:func:`port.loop_between`), and the
+mask is one VectorE ``range_select`` out of PSUM that also gives the row max
+(:func:`port.range_select_max`, as AWS's ``attention_cte`` masks its diagonal tiles). Legacy
+NKI has no runtime trip count nor ``range_select``: its loop runs the static worst case,
+``ceil(total_k / 512)`` steps from ``kb0`` (the extra steps are masked), and the mask is an
+indicator and a predicated copy: correct, dense in cost. The gathers address K/V and Q rows as
+block-sparse's do (:class:`block_sparse.RowFrame`).
 
 Positions are fp32 on chip: totals below 2^24 (refused otherwise).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Tuple
 
 from nki_kernels import port
 from nki_kernels import tiles as T
@@ -106,7 +112,7 @@ def load_offsets(cu_seqlens_q, cu_seqlens_k, spec: M.MaskSpec) -> Offsets:
 
 
 def row_bounds(off: Offsets, spec: M.MaskSpec, pos, dst):
-    """``first_i`` and ``end_i = last_i + 1`` of the rows at positions ``pos`` (fp32 ``[128,
+    """``first_i`` and ``end_i`` (one past the last visible key) of the rows at positions ``pos`` (fp32 ``[128,
     1]``; module docstring) into ``dst`` (fp32 ``[128, 2]``). The row's sequence values are
     the largest of those of the sequences started at or before it (one compare-and-multiply,
     one max-reduction over the sequences), then the band: two or three ``[128, 1]``
@@ -168,19 +174,27 @@ def tile_sweep(bounds, ident):
     return ext[:, 0:1], n
 
 
-def kv_heads_per_body(Hkv: int) -> int:
-    """Kv heads one loop body serves (``tiles.VARLEN_KV_HEADS`` when it divides Hkv, else 1):
-    their query tiles share the sweep's setup and give the engines independent chains."""
-    return T.VARLEN_KV_HEADS if Hkv % T.VARLEN_KV_HEADS == 0 else 1
+def body_shape(Hkv: int, G: int, Nq: int) -> Tuple[int, int]:
+    """``(Hc, R)``: the kv heads and query tiles one loop body serves. R:
+    ``tiles.VARLEN_GROUP_TILES`` tiles (fewer for short sequences, or when G query heads per
+    kv head would exceed ``tiles.VARLEN_MAX_SLOTS`` (tile, head) slots); Hc:
+    ``tiles.VARLEN_KV_HEADS`` when it divides Hkv and the slots allow, else 1 (the heads'
+    tiles share the sweep's setup and give the engines independent chains)."""
+    R = max(1, min(T.VARLEN_GROUP_TILES, T.ceil_div(Nq, P), T.VARLEN_MAX_SLOTS // G))
+    Hc = T.VARLEN_KV_HEADS
+    if Hkv % Hc or Hc * R * G > T.VARLEN_MAX_SLOTS:
+        Hc = 1
+    return Hc, R
 
 
-def varlen_grid(Hkv: int, lnc: int, api: str):
-    """The launch grid of :func:`varlen_attention_fwd`: its instances ``(1, Hkv /``
-    :func:`kv_heads_per_body` ``)`` as the dense backward's (``backward.backward_grid``; with
-    ``lnc=2`` they spread over the two cores when their count allows)."""
+def varlen_grid(Hkv: int, G: int, Nq: int, lnc: int, api: str):
+    """The launch grid of :func:`varlen_attention_fwd` for ``Hkv`` kv heads of ``G`` query
+    heads each and ``Nq`` packed rows: its instances ``(1, Hkv / Hc)`` (:func:`body_shape`)
+    as the dense backward's (``backward.backward_grid``; with ``lnc=2`` they spread over the
+    two cores when their count allows)."""
     from nki_kernels.attention.backward import backward_grid
 
-    return backward_grid(1, Hkv // kv_heads_per_body(Hkv), lnc, api=api)
+    return backward_grid(1, Hkv // body_shape(Hkv, G, Nq)[0], lnc, api=api)
 
 
 @port.jit
@@ -191,8 +205,9 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=1.0, caus
     total_k, D)`` and int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``(S + 1,)`` (validated by the
     host: 0 first, non-decreasing, the totals last). ``causal`` (None, "top_left",
     "bottom_right") and ``window`` apply per sequence; ``scale``, ``mm_dtype`` as
-    :func:`forward.flash_attention_fwd`. Instances ``(1, Hkv / kv_heads_per_body(Hkv))``
-    (:func:`port.for_programs`; the grid :func:`varlen_grid`). Totals of 2^24 rows or more are refused (fp32 positions)."""
+    :func:`forward.flash_attention_fwd`. Instances ``(1, Hkv / Hc)`` (:func:`body_shape`)
+    (:func:`port.for_programs`; the grid :func:`varlen_grid`). Totals of 2^24 rows or more
+    are refused (fp32 positions)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if B != 1:
@@ -216,7 +231,7 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=1.0, caus
     # legacy: no runtime trip count, every tile runs the steps of the longest possible sweep
     static_steps = T.ceil_div(Nk, W)
 
-    Hc = kv_heads_per_body(Hkv)
+    Hc, R = body_shape(Hkv, Hq // Hkv, Nq)
 
     def instance(b, g0):
         insts = []
@@ -232,7 +247,6 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=1.0, caus
         pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)     # the group's rows
         port.tensor_copy(pos, off.part, engine="gpsimd")
         n_tiles = T.ceil_div(Nq, P)
-        R = min(T.VARLEN_GROUP_TILES, n_tiles)
         sweep = lambda r: lambda t: _group(insts, off, pos, ident, r, static_steps)
         port.loop(n_tiles // R, sweep(R), carried=True)
         if n_tiles % R:
@@ -320,7 +334,7 @@ def _group(insts, off: Offsets, pos, ident, R: int, static_steps: int):
 
 def _outside(off: Offsets, rel):
     """uint8 ``[128, W]``: 1 where key column c of the step is outside the row's ``[first,
-    last]`` (``rel``: the bounds relative to the step's first key); legacy's mask (GpSimd and
+    end)`` (``rel``: the bounds relative to the step's first key); legacy's mask (GpSimd and
     VectorE compares)."""
     before = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(before, off.cols, nl.less, rel[:, 0:1], engine="gpsimd")
@@ -364,7 +378,7 @@ def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):
                         (P, W))
         s_tile = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
         if nki:
-            # one VectorE range_select out of PSUM keeps [first, last] and gives the row max
+            # one VectorE range_select out of PSUM keeps [first, end) and gives the row max
             port.range_select_max(s_tile, sc, [(rel[:, r, 0:1], nl.greater_equal),
                                                (rel[:, r, 1:2], nl.less)],
                                   st.stats[:, sl, 2:3])
@@ -376,4 +390,5 @@ def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):
         F.fold_block(f, st, sl, [s_tile], [W], F.KV(None, kT, v), 0, None, fused=(nki,))
 
 
-__all__ = ["varlen_attention_fwd", "varlen_grid", "kv_heads_per_body", "Offsets", "load_offsets", "row_bounds", "tile_sweep"]
+__all__ = ["varlen_attention_fwd", "varlen_grid", "body_shape", "Offsets", "load_offsets",
+           "row_bounds", "tile_sweep"]

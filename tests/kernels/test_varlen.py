@@ -75,23 +75,26 @@ def check(q, k, v, cu_q, cu_k, o, lse, mm, **mask):
 CU_Q = np.array([0, 1, 130, 130, 150, 300], np.int32)
 CU_K = np.array([0, 5, 100, 103, 103, 350], np.int32)
 
+# (Hq, Hkv) = (4, 2): a loop body of both kv heads and all three tiles; (8, 1): bodies of
+# two tiles (VARLEN_MAX_SLOTS) and a remainder body of one
 CASES = [
-    ("legacy", dict(causal="bottom_right"), "bfloat16"),
-    ("nki", dict(causal="bottom_right"), "bfloat16"),
-    ("nki", dict(), "float32"),
-    ("nki", dict(causal="top_left", window=(20, -1)), "float32"),
-    ("legacy", dict(window=(7, 3)), "float32"),
-    ("nki", dict(window=(7, 3)), "float32"),
+    ("legacy", dict(causal="bottom_right"), "bfloat16", (4, 2)),
+    ("nki", dict(causal="bottom_right"), "bfloat16", (4, 2)),
+    ("nki", dict(), "float32", (4, 2)),
+    ("nki", dict(causal="top_left", window=(20, -1)), "float32", (8, 1)),
+    ("legacy", dict(window=(7, 3)), "float32", (8, 1)),
+    ("nki", dict(window=(7, 3)), "float32", (4, 2)),
 ]
 
 
-@pytest.mark.parametrize("api,mask,dtype", CASES,
+@pytest.mark.parametrize("api,mask,dtype,heads", CASES,
                          ids=lambda x: x if isinstance(x, str) else
+                         "x".join(map(str, x)) if isinstance(x, tuple) else
                          "-".join(f"{k}={v}" for k, v in x.items()) or "plain")
-def test_matches_reference(monkeypatch, api, mask, dtype):
+def test_matches_reference(monkeypatch, api, mask, dtype, heads):
     monkeypatch.setenv(binding.API_ENV_VAR, api)
     dt = BF16 if dtype == "bfloat16" else np.dtype(np.float32)
-    q, k, v = _packed_inputs(CU_Q, CU_K, 4, 2, 64, dt)
+    q, k, v = _packed_inputs(CU_Q, CU_K, *heads, 64, dt)
     o, lse = host.flash_attention(q, k, v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K,
                                   mixed_precision=False, return_lse=True, **mask)
     assert o.shape == q.shape and o.dtype == q.dtype and lse.dtype == np.float32
@@ -134,7 +137,7 @@ def test_one_program_for_every_packing(monkeypatch):
     q, k, v = _packed_inputs(np.array([0, 300], np.int32), cu_k, 2, 1, 32, BF16)
     for api in ("legacy", "nki"):
         monkeypatch.setenv(binding.API_ENV_VAR, api)
-        grid = varlen_grid(1, 1, api)
+        grid = varlen_grid(1, 2, 300, 1, api)
         sizes = {program_size(varlen_attention_fwd, grid, q, k, v, cu_q, cu_k, causal="top_left")
                  for cu_q in (np.array([0, 1, 300], np.int32),
                               np.array([0, 299, 300], np.int32))}
