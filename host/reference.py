@@ -454,6 +454,21 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None,
     return p @ v64, lse
 
 
+def per_sequence(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """``(o, lse)`` float64 of a dense attention ``fn(q_s, k_s, v_s, **kwargs) -> (o, lse)``
+    (:func:`attention_forward`, :func:`attention_baseline_lowp` with ``return_lse``) run on
+    each packed sequence alone and packed back (q ``(1, Hq, total_q, D)``, k, v ``(1, Hkv,
+    total_k, D)``); rows of a sequence without keys get ``(0, -inf)``."""
+    o = np.zeros(q.shape, np.float64)
+    lse = np.full(q.shape[:3], -np.inf)
+    for s in range(len(cu_seqlens_q) - 1):
+        rq = slice(int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1]))
+        rk = slice(int(cu_seqlens_k[s]), int(cu_seqlens_k[s + 1]))
+        if rq.stop > rq.start and rk.stop > rk.start:
+            o[:, :, rq], lse[:, :, rq] = fn(q[:, :, rq], k[:, :, rk], v[:, :, rk], **kwargs)
+    return o, lse
+
+
 def _backward_from_p(p, do, q64, k64, v64, delta, scale, Hkv, drop=None, dcap=None):
     """Gradients of sum(o * do) given the probabilities P and ``delta_i = rowsum(dP_i * P_i)``.
 

@@ -38,28 +38,12 @@ def _packed_inputs(cu_q, cu_k, Hq, Hkv, D, dtype, seed=0):
     return q, k, v
 
 
-def _per_sequence(fn, q, k, v, cu_q, cu_k, **mask):
-    """``(o, lse)`` float64 of ``fn`` (a dense attention with the signature of
-    ``R.attention_forward``, returning ``(o, lse)``) run on each sequence alone, packed back;
-    rows of a sequence without keys are (0, -inf)."""
-    o = np.zeros(q.shape, np.float64)
-    lse = np.full(q.shape[:3], -np.inf)
-    for s in range(len(cu_q) - 1):
-        rq, rk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
-        if rq.stop > rq.start and rk.stop > rk.start:
-            so, sl = fn(q[:, :, rq], k[:, :, rk], v[:, :, rk], **mask)
-            o[:, :, rq], lse[:, :, rq] = so, sl
-    return o, lse
-
-
 def check(q, k, v, cu_q, cu_k, o, lse, mm, **mask):
     ref_o, ref_lse = R.attention_varlen_forward(q, k, v, cu_q, cu_k, **mask)
-    seq_o, seq_lse = _per_sequence(R.attention_forward, q, k, v, cu_q, cu_k, **mask)
+    seq_o, seq_lse = R.per_sequence(R.attention_forward, q, k, v, cu_q, cu_k, **mask)
     assert R.max_abs_err(seq_o, ref_o) < 1e-12 and R.max_abs_err(seq_lse, ref_lse) < 1e-12
-    base_o, base_lse = _per_sequence(
-        lambda *a, **kw: R.attention_baseline_lowp(*a, dtype=mm, out_dtype=q.dtype,
-                                                   return_lse=True, **kw),
-        q, k, v, cu_q, cu_k, **mask)
+    base_o, base_lse = R.per_sequence(R.attention_baseline_lowp, q, k, v, cu_q, cu_k,
+                                      dtype=mm, out_dtype=q.dtype, return_lse=True, **mask)
     floor = R.atol_floor(mm)
     assert not np.isnan(np.asarray(o, np.float64)).any() and not np.isnan(lse).any()
     err_o, tol_o = R.max_abs_err(o, ref_o), R.tolerance(ref_o, base_o, floor=floor)
