@@ -353,17 +353,23 @@ def dma_transpose_blocks(dst, src, n, width, mask=None):
 
 # -- compiled loops ---------------------------------------------------------------------------
 
+def _fori_loop(ns, lo, hi, body):
+    """0.7's ``nl.fori_loop(lo, hi, ...)`` of ``body(i)`` (its return value dropped: a
+    fori_loop body returns None), named after ``body``."""
+    def step(i):
+        body(i)
+
+    step.__name__ = getattr(body, "__name__", "body")
+    ns.nl.fori_loop(lo, hi, step)
+
+
 def loop(n, body, carried=False, start=0):
     """``body(i)`` for ``i`` in ``[start, n)`` as a compiled loop (see the module docstring);
     ``carried`` says an iteration reads what the previous one wrote (legacy needs
     ``sequential_range`` for that; 0.7's ``fori_loop`` is sequential by definition)."""
     ns = current()
     if ns.api == "nki":
-        def step(i):
-            body(i)
-
-        step.__name__ = getattr(body, "__name__", "body")
-        ns.nl.fori_loop(start, n, step)
+        _fori_loop(ns, start, n, body)
         return
     rng = ns.nl.sequential_range if carried else ns.nl.affine_range
     for i in (rng(start, n) if start else rng(n)):
@@ -378,11 +384,7 @@ def loop_between(lo, hi, body):
     ``hi`` must be ints (a register is refused)."""
     ns = current()
     if ns.api == "nki":
-        def step(i):
-            body(i)
-
-        step.__name__ = getattr(body, "__name__", "body")
-        ns.nl.fori_loop(lo, hi, step)
+        _fori_loop(ns, lo, hi, body)
         return
     if not all(isinstance(b, numbers.Integral) for b in (lo, hi)):
         raise NotImplementedError("port.loop_between: legacy NKI has no runtime trip count "

@@ -126,3 +126,15 @@ def test_one_program_for_every_packing(monkeypatch):
                  for cu_q in (np.array([0, 1, 300], np.int32),
                               np.array([0, 299, 300], np.int32))}
         assert len(sizes) == 1
+
+
+def test_runtime_trip_counts_are_nki_only():
+    """Legacy NKI has no runtime trip count: port.loop_between refuses a register bound and
+    port.register refuses to make one."""
+    from nki_kernels import port
+
+    with port.tracing(binding.namespace("legacy")):
+        with pytest.raises(NotImplementedError, match="legacy NKI has no runtime trip count"):
+            port.loop_between(0, object(), lambda i: None)
+        with pytest.raises(NotImplementedError, match="virtual registers are an nki.. feature"):
+            port.register(None)
