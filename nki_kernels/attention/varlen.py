@@ -244,13 +244,24 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=1.0, caus
             insts.append(KvHead(f, BS.RowFrame.of(k, (b, f.g), indices),
                                 [BS.RowFrame.of(q, (b, f.head(h)), indices)
                                  for h in T.unrolled(f.G)]))
-        pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)     # the group's rows
-        port.tensor_copy(pos, off.part, engine="gpsimd")
         n_tiles = T.ceil_div(Nq, P)
-        sweep = lambda r: lambda t: _group(insts, off, pos, ident, r, static_steps)
-        port.loop(n_tiles // R, sweep(R), carried=True)
+        n_full = n_tiles // R
+        if n_full:
+            # software-pipelined: each body plans the next group's sweep before its own
+            # loop, so the register its loop bound loads was written long before (the
+            # engines wait for it, _sched.register_wait)
+            pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)  # next group's rows
+            port.tensor_copy(pos, off.part, engine="gpsimd")
+            nxt = Sweep.alloc(R)
+            plan_sweep(spec, off, pos, ident, nxt)
+            port.loop(n_full, lambda t: _group(insts, off, ident, static_steps, nxt, pos),
+                      carried=True)
         if n_tiles % R:
-            sweep(n_tiles % R)(None)
+            pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(pos, off.part, nl.add, float(n_full * R * P), engine="gpsimd")
+            last = Sweep.alloc(n_tiles % R)
+            plan_sweep(spec, off, pos, ident, last)
+            _group(insts, off, ident, static_steps, last)
 
     port.for_programs((B, Hkv // Hc), instance)
     return o, lse
@@ -264,51 +275,78 @@ class KvHead(NamedTuple):
     q_frames: list
 
 
-def _group(insts, off: Offsets, pos, ident, R: int, static_steps: int):
-    """R consecutive query tiles (from rows ``pos``, a carried column advanced by ``128 R``)
-    of every query head of the kv heads ``insts`` (:class:`KvHead`): the sweep of the module
-    docstring over the union of their key ranges (slot ``(c R + r) G + h``: kv head c, tile
-    r, member head h)."""
-    f0 = insts[0].f
-    G = f0.G
-    bounds = nl.ndarray((P, R, 2), dtype=nl.float32, buffer=nl.sbuf)
+class Sweep(NamedTuple):
+    """The plan of one group's sweep (:func:`plan_sweep`), in SBUF: ``rows`` fp32 ``[128, R]``
+    the positions of its R query tiles' rows, ``bounds`` fp32 ``[128, R, 2]`` their
+    ``(first, end)``, ``kb0`` fp32 ``[128, 1]`` the first key of the sweep, ``n`` int32
+    ``[1, 1]`` its step count."""
+    rows: object
+    bounds: object
+    kb0: object
+    n: object
+
+    @staticmethod
+    def alloc(R: int) -> "Sweep":
+        return Sweep(nl.ndarray((P, R), dtype=nl.float32, buffer=nl.sbuf),
+                     nl.ndarray((P, R, 2), dtype=nl.float32, buffer=nl.sbuf),
+                     nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf),
+                     nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf))
+
+
+def plan_sweep(spec: M.MaskSpec, off: Offsets, pos, ident, out: Sweep):
+    """Plan the sweep of the R query tiles from rows ``pos`` (fp32 ``[128, 1]``, advanced by
+    ``128 R``) into ``out``: every row's bounds, the union of their ranges, its first key and
+    step count (:func:`tile_sweep`)."""
+    R = out.rows.shape[1]
     span = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)      # min first, max end
-    rows = []
     for r in T.unrolled(R):
-        pos_r = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(pos_r, pos, nl.add, float(r * P), engine="gpsimd")
-        row_bounds(off, f0.spec, pos_r, bounds[:, r, :])
-        rows.append(pos_r)
-    # the next group's rows
+        port.tensor_scalar(out.rows[:, r:r + 1], pos, nl.add, float(r * P), engine="gpsimd")
+        row_bounds(off, spec, out.rows[:, r:r + 1], out.bounds[:, r, :])
     port.tensor_scalar(pos, pos, nl.add, float(R * P), engine="gpsimd")
-    port.tensor_copy(span, bounds[:, 0, :], engine="gpsimd")
+    port.tensor_copy(span, out.bounds[:, 0, :], engine="gpsimd")
     for r in T.unrolled(1, R):
-        port.tensor_tensor(span[:, 0:1], span[:, 0:1], bounds[:, r, 0:1], nl.minimum,
+        port.tensor_tensor(span[:, 0:1], span[:, 0:1], out.bounds[:, r, 0:1], nl.minimum,
                            engine="gpsimd")
-        port.tensor_tensor(span[:, 1:2], span[:, 1:2], bounds[:, r, 1:2], nl.maximum,
+        port.tensor_tensor(span[:, 1:2], span[:, 1:2], out.bounds[:, r, 1:2], nl.maximum,
                            engine="gpsimd")
     kb0, n = tile_sweep(span, ident)
+    port.tensor_copy(out.kb0, kb0, engine="gpsimd")
+    port.tensor_copy(out.n, n, engine="gpsimd")
+
+
+def _group(insts, off: Offsets, ident, static_steps: int, plan: Sweep, pos=None):
+    """The R query tiles of ``plan`` (:class:`Sweep`) of every query head of the kv heads
+    ``insts`` (:class:`KvHead`): the sweep of the module docstring over the union of their
+    key ranges (slot ``(c R + r) G + h``: kv head c, tile r, member head h). With ``pos``
+    (the next group's rows) the body plans the next group into ``plan`` once it has read its
+    own plan (software pipelining)."""
+    f0 = insts[0].f
+    G = f0.G
+    R = plan.rows.shape[1]
+    n = port.register(plan.n) if port.api() == "nki" else None
+    # what the sweep needs of the plan: the Q rows' indices, and (carried through the steps)
+    # the keys of the step (partition p, block w) and each tile's bounds relative to the
+    # step's first key
+    outs = [BS.rows_at(plan.rows[:, r:r + 1], kh.f.Nq, kh.q_frames[h])
+            for kh in insts for r in T.unrolled(R) for h in T.unrolled(G)]
+    keys = nl.ndarray((P, W // P), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(keys, off.keys, nl.add, plan.kb0)
+    rel = nl.ndarray((P, R, 2), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(rel, plan.bounds, nl.subtract, plan.kb0)
+    if pos is not None:
+        plan_sweep(f0.spec, off, pos, ident, plan)
     st = F.GroupState(f0, len(insts) * R * G, P)
-    outs = []
     for c, kh in enumerate(insts):
         for r in T.unrolled(R):
             for h in T.unrolled(G):
-                idx = BS.rows_at(rows[r], kh.f.Nq, kh.q_frames[h])
+                sl = (c * R + r) * G + h
                 x = nl.ndarray((P, kh.f.D), dtype=kh.f.q.dtype, buffer=nl.sbuf)
-                BS.gather(x, kh.f.q, (kh.f.b, kh.f.head(h)), idx, 0, kh.f.Nq % P != 0)
+                BS.gather(x, kh.f.q, (kh.f.b, kh.f.head(h)), outs[sl], 0, kh.f.Nq % P != 0)
                 for pi, (d0, d) in enumerate(kh.f.d_passes):
                     tp = nl.ndarray((d, P), dtype=kh.f.transpose_psum_dtype(x.dtype),
                                     buffer=nl.psum)
                     port.nc_transpose(tp, x[:, d0:d0 + d])
-                    port.activation(st.qT[pi][:, (c * R + r) * G + h, :], nl.copy, tp,
-                                    scale=kh.f.q_scale)
-                outs.append(idx)
-    # carried through the steps: the keys of the step (partition p, block w) and each tile's
-    # bounds relative to the step's first key
-    keys = nl.ndarray((P, W // P), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(keys, off.keys, nl.add, kb0)
-    rel = nl.ndarray((P, R, 2), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(rel, bounds, nl.subtract, kb0)
+                    port.activation(st.qT[pi][:, sl, :], nl.copy, tp, scale=kh.f.q_scale)
     vs = []
     for kh in insts:
         v = nl.ndarray((P, W // P, f0.vcols), dtype=f0.mm, buffer=nl.sbuf)
@@ -321,8 +359,8 @@ def _group(insts, off: Offsets, pos, ident, R: int, static_steps: int):
         port.tensor_scalar(keys, keys, nl.add, float(W), engine="gpsimd")
         port.tensor_scalar(rel, rel, nl.subtract, float(W), engine="gpsimd")
 
-    if port.api() == "nki":
-        port.loop_between(0, port.register(n), step)
+    if n is not None:
+        port.loop_between(0, n, step)
     else:
         port.loop(static_steps, step, carried=True)
     for c, kh in enumerate(insts):
@@ -390,5 +428,5 @@ def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):
         F.fold_block(f, st, sl, [s_tile], [W], F.KV(None, kT, v), 0, None, fused=(nki,))
 
 
-__all__ = ["varlen_attention_fwd", "varlen_grid", "body_shape", "Offsets", "load_offsets",
+__all__ = ["varlen_attention_fwd", "varlen_grid", "body_shape", "Sweep", "plan_sweep", "Offsets", "load_offsets",
            "row_bounds", "tile_sweep"]
