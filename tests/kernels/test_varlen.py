@@ -114,6 +114,20 @@ def test_tiles_skip_other_sequences(monkeypatch):
     assert pe(_estimate(cu4, cu4)) <= 4 * pe(_estimate(cu1, cu1))
 
 
+def test_program_does_not_grow_with_the_totals(monkeypatch):
+    """The same program size for 9 and 17 query tiles (full groups in a loop, one remainder
+    group) and 5x the keys, under both namespaces."""
+    for api in ("legacy", "nki"):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        sizes = set()
+        for n in (1100, 2100):
+            cu_q, cu_k = np.array([0, 7, n], np.int32), np.array([0, 7, 5 * n], np.int32)
+            q, k, v = _packed_inputs(cu_q, cu_k, 1, 1, 32, BF16)
+            sizes.add(program_size(varlen_attention_fwd, varlen_grid(1, 1, n, 1, api), q, k, v,
+                                   cu_q, cu_k, causal="bottom_right"))
+        assert len(sizes) == 1, (api, sizes)
+
+
 def test_one_program_for_every_packing(monkeypatch):
     """The offsets are device data: the same program (and size) for two packings of the same
     totals, under both namespaces."""
