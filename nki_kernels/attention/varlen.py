@@ -112,11 +112,11 @@ def load_offsets(cu_seqlens_q, cu_seqlens_k, spec: M.MaskSpec) -> Offsets:
 
 
 def row_bounds(off: Offsets, spec: M.MaskSpec, pos, dst):
-    """``first_i`` and ``end_i`` (one past the last visible key) of the rows at positions ``pos`` (fp32 ``[128,
-    1]``; module docstring) into ``dst`` (fp32 ``[128, 2]``). The row's sequence values are
-    the largest of those of the sequences started at or before it (one compare-and-multiply,
-    one max-reduction over the sequences), then the band: two or three ``[128, 1]``
-    instructions."""
+    """``first_i`` and ``end_i`` (one past the last visible key) of the rows at positions
+    ``pos`` (fp32 ``[128, 1]``; module docstring) into ``dst`` (fp32 ``[128, 2]``). The row's
+    sequence values are the largest of those of the sequences started at or before it (one
+    compare-and-multiply, one max-reduction over the sequences), then the band: two or three
+    ``[128, 1]`` instructions."""
     m, S = off.seqs.shape[1], off.seqs.shape[2]
     sel = nl.ndarray((P, m, S), dtype=nl.float32, buffer=nl.sbuf)
     port.scalar_tensor_tensor(sel, off.starts, nl.less_equal, pos, nl.multiply, off.seqs)
@@ -428,5 +428,5 @@ def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):
         F.fold_block(f, st, sl, [s_tile], [W], F.KV(None, kT, v), 0, None, fused=(nki,))
 
 
-__all__ = ["varlen_attention_fwd", "varlen_grid", "body_shape", "Sweep", "plan_sweep", "Offsets", "load_offsets",
-           "row_bounds", "tile_sweep"]
+__all__ = ["varlen_attention_fwd", "varlen_grid", "body_shape", "Sweep", "plan_sweep",
+           "Offsets", "load_offsets", "row_bounds", "tile_sweep"]
