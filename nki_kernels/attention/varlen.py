@@ -225,43 +225,16 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=1.0, caus
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
     indices = port.OffsetColumns(0, Hq, 1)
     off = load_offsets(cu_seqlens_q, cu_seqlens_k, spec)
-    ident = nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.sbuf)
-    port.iota(ident, [[1, 2]], channel_multiplier=-1)
-    port.tensor_scalar(ident, ident, nl.equal, 0.0)
+    ident = identity2()
     # legacy: no runtime trip count, every tile runs the steps of the longest possible sweep
     static_steps = T.ceil_div(Nk, W)
 
     Hc, R = body_shape(Hkv, Hq // Hkv, Nq)
 
     def instance(b, g0):
-        insts = []
-        for c in T.unrolled(Hc):
-            # guard: non-finite values reach only the rows that see them; the P^T copies
-            # split evenly between ScalarE and VectorE (as block-sparse's)
-            cf = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0 * Hc + c, None,
-                          indices, guard=True, act_share=0.5)
-            f = F.Instance.of(cf)
-            insts.append(KvHead(f, BS.RowFrame.of(k, (b, f.g), indices),
-                                [BS.RowFrame.of(q, (b, f.head(h)), indices)
-                                 for h in T.unrolled(f.G)]))
-        n_tiles = T.ceil_div(Nq, P)
-        n_full = n_tiles // R
-        if n_full:
-            # software-pipelined: each body plans the next group's sweep before its own
-            # loop, so the register its loop bound loads was written long before (the
-            # engines wait for it, _sched.register_wait)
-            pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)  # next group's rows
-            port.tensor_copy(pos, off.part, engine="gpsimd")
-            nxt = Sweep.alloc(R)
-            plan_sweep(spec, off, pos, ident, nxt)
-            port.loop(n_full, lambda t: _group(insts, off, ident, static_steps, nxt, pos),
-                      carried=True)
-        if n_tiles % R:
-            pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_scalar(pos, off.part, nl.add, float(n_full * R * P), engine="gpsimd")
-            last = Sweep.alloc(n_tiles % R)
-            plan_sweep(spec, off, pos, ident, last)
-            _group(insts, off, ident, static_steps, last)
+        insts = kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices)
+        group_loop(insts, off, ident, static_steps, R, Nq,
+                   lambda plan, pos: _group(insts, off, ident, static_steps, plan, pos))
 
     port.for_programs((B, Hkv // Hc), instance)
     return o, lse
@@ -273,6 +246,53 @@ class KvHead(NamedTuple):
     f: object
     kv: object
     q_frames: list
+
+
+def identity2():
+    """fp32 ``[2, 2]`` identity (:func:`tile_sweep`'s spreading matmul)."""
+    ident = nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.sbuf)
+    port.iota(ident, [[1, 2]], channel_multiplier=-1)
+    port.tensor_scalar(ident, ident, nl.equal, 0.0)
+    return ident
+
+
+def kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc: int, indices):
+    """The :class:`KvHead` records of instance ``(b, g0)``: kv heads ``g0 Hc .. g0 Hc + Hc -
+    1`` (``o``/``lse``: the HBM outputs, or the backward's saved ones)."""
+    insts = []
+    for c in T.unrolled(Hc):
+        # guard: non-finite values reach only the rows that see them; the P^T copies split
+        # evenly between ScalarE and VectorE (as block-sparse's)
+        cf = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0 * Hc + c, None,
+                      indices, guard=True, act_share=0.5)
+        f = F.Instance.of(cf)
+        insts.append(KvHead(f, BS.RowFrame.of(k, (b, f.g), indices),
+                            [BS.RowFrame.of(q, (b, f.head(h)), indices)
+                             for h in T.unrolled(f.G)]))
+    return insts
+
+
+def group_loop(insts, off, ident, static_steps: int, R: int, Nq: int, group):
+    """``group(plan, pos)`` for the groups of R query tiles of ``Nq`` rows: a compiled loop
+    over the full groups, then the remainder group (``pos`` None). Software-pipelined: each
+    body plans the next group's sweep (into ``plan``, from rows ``pos``) before its own
+    loop, so the register its loop bound loads was written long before (the engines wait
+    for it, ``simulate._sched.register_wait``)."""
+    spec = insts[0].f.spec
+    n_tiles = T.ceil_div(Nq, P)
+    n_full = n_tiles // R
+    if n_full:
+        pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)      # next group's rows
+        port.tensor_copy(pos, off.part, engine="gpsimd")
+        nxt = Sweep.alloc(R)
+        plan_sweep(spec, off, pos, ident, nxt)
+        port.loop(n_full, lambda t: group(nxt, pos), carried=True)
+    if n_tiles % R:
+        pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(pos, off.part, nl.add, float(n_full * R * P), engine="gpsimd")
+        last = Sweep.alloc(n_tiles % R)
+        plan_sweep(spec, off, pos, ident, last)
+        group(last, None)
 
 
 class Sweep(NamedTuple):
@@ -323,18 +343,7 @@ def _group(insts, off: Offsets, ident, static_steps: int, plan: Sweep, pos=None)
     f0 = insts[0].f
     G = f0.G
     R = plan.rows.shape[1]
-    n = port.register(plan.n) if port.api() == "nki" else None
-    # what the sweep needs of the plan: the Q rows' indices, and (carried through the steps)
-    # the keys of the step (partition p, block w) and each tile's bounds relative to the
-    # step's first key
-    outs = [BS.rows_at(plan.rows[:, r:r + 1], kh.f.Nq, kh.q_frames[h])
-            for kh in insts for r in T.unrolled(R) for h in T.unrolled(G)]
-    keys = nl.ndarray((P, W // P), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(keys, off.keys, nl.add, plan.kb0)
-    rel = nl.ndarray((P, R, 2), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(rel, plan.bounds, nl.subtract, plan.kb0)
-    if pos is not None:
-        plan_sweep(f0.spec, off, pos, ident, plan)
+    n, outs, keys, rel = open_group(insts, off, ident, plan, pos)
     st = F.GroupState(f0, len(insts) * R * G, P)
     for c, kh in enumerate(insts):
         for r in T.unrolled(R):
@@ -359,10 +368,7 @@ def _group(insts, off: Offsets, ident, static_steps: int, plan: Sweep, pos=None)
         port.tensor_scalar(keys, keys, nl.add, float(W), engine="gpsimd")
         port.tensor_scalar(rel, rel, nl.subtract, float(W), engine="gpsimd")
 
-    if n is not None:
-        port.loop_between(0, n, step)
-    else:
-        port.loop(static_steps, step, carried=True)
+    run_steps(n, static_steps, step)
     for c, kh in enumerate(insts):
         for j in T.unrolled(R * G):
             sl = c * R * G + j
@@ -370,7 +376,36 @@ def _group(insts, off: Offsets, ident, static_steps: int, plan: Sweep, pos=None)
             BS.store_tile(kh.f, outs[sl], kh.f.head(j % G), o_out, lse_out)
 
 
-def _outside(off: Offsets, rel):
+def open_group(insts, off, ident, plan: Sweep, pos):
+    """What a group's sweep needs of its ``plan``: ``(n, idx, keys, rel)`` -- the step count
+    as a register (nki.*; None in legacy), the Q rows' indices per slot, and (carried through
+    the steps) the keys of the step (partition p, block w) and each tile's bounds relative to
+    the step's first key. Then, with ``pos`` (the next group's rows), plans the next group
+    into ``plan`` (software pipelining, :func:`group_loop`)."""
+    f0 = insts[0].f
+    R = plan.rows.shape[1]
+    n = port.register(plan.n) if port.api() == "nki" else None
+    idx = [BS.rows_at(plan.rows[:, r:r + 1], kh.f.Nq, kh.q_frames[h])
+           for kh in insts for r in T.unrolled(R) for h in T.unrolled(f0.G)]
+    keys = nl.ndarray((P, W // P), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(keys, off.keys, nl.add, plan.kb0)
+    rel = nl.ndarray((P, R, 2), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(rel, plan.bounds, nl.subtract, plan.kb0)
+    if pos is not None:
+        plan_sweep(f0.spec, off, pos, ident, plan)
+    return n, idx, keys, rel
+
+
+def run_steps(n, static_steps: int, step):
+    """The sweep's steps: ``n`` (a register) of them under nki.*, else the static worst case
+    (legacy: no runtime trip count; the extra steps are masked)."""
+    if n is not None:
+        port.loop_between(0, n, step)
+    else:
+        port.loop(static_steps, step, carried=True)
+
+
+def outside(off: Offsets, rel):
     """uint8 ``[128, W]``: 1 where key column c of the step is outside the row's ``[first,
     end)`` (``rel``: the bounds relative to the step's first key); legacy's mask (GpSimd and
     VectorE compares)."""
@@ -422,7 +457,7 @@ def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):
                                   st.stats[:, sl, 2:3])
         else:
             if j % f.G == 0:
-                ind = _outside(off, rel[:, r, :])
+                ind = outside(off, rel[:, r, :])
             port.tensor_copy(s_tile, sc, engine="vector")
             port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
         F.fold_block(f, st, sl, [s_tile], [W], F.KV(None, kT, v), 0, None, fused=(nki,))
