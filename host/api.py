@@ -372,11 +372,19 @@ def _check_packed_options(**options):
                              f"{0.0 if name == 'dropout_p' else None}")
 
 
-def _backward_call(do, q, k, v, o, lse, *, block_mask=None, **options) -> AttentionCall:
+def _backward_call(do, q, k, v, o, lse, *, block_mask=None, cu_seqlens_q=None,
+                   cu_seqlens_k=None, **options) -> AttentionCall:
     """Validate a backward call (arguments as in :func:`flash_attention_backward`) into one
     record."""
     dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
-    return _attention_call(dims, _v.dtype_name(q), _block_sparsity(block_mask, dims), **options)
+    packing = _v.check_packing(cu_seqlens_q, cu_seqlens_k, dims.B, dims.Nq, dims.Nk)
+    if packing is not None:
+        _check_packed_options(block_mask=block_mask)
+        if dims.D > _tiles.PMAX:
+            raise ValueError(f"q: the packed backward (cu_seqlens_q given) takes head dims up "
+                             f"to {_tiles.PMAX}, got D={dims.D}")
+    return _attention_call(dims, _v.dtype_name(q), _block_sparsity(block_mask, dims),
+                           packing=packing, **options)
 
 
 def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
@@ -697,6 +705,21 @@ def _varlen_forward(q, k, v, call: AttentionCall):
                     q, k, v, call.packing.cu_q, call.packing.cu_k, scale=call.scale,
                     causal=call.causal, window=call.window, mm_dtype=call.mm_dtype)
     return (o, lse) if call.return_lse else o
+
+
+def _varlen_backward(do, q, k, v, o, lse, call: AttentionCall):
+    """The packed variable-length backward of a validated call: ``(dq, dk, dv)``."""
+    from nki_kernels.attention.varlen import varlen_grid
+    from nki_kernels.attention.varlen_bwd import varlen_attention_bwd
+
+    dims = call.dims
+    do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
+                                                 ("o", o)))
+    api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
+    return launch(varlen_attention_bwd.on(api),
+                  varlen_grid(dims.Hkv, dims.group, dims.Nq, call.lnc, api), q, k, v, o, do,
+                  _numpy("lse", lse), call.packing.cu_q, call.packing.cu_k, scale=call.scale,
+                  causal=call.causal, window=call.window, mm_dtype=call.mm_dtype)
 
 
 def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):
@@ -1122,7 +1145,8 @@ def _plan_backward(call: AttentionCall):
 def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, window=None,
                              kv_lens=None, q_lens=None, mixed_precision: bool = True, lnc=None,
                              dropout_p=0.0, seed=None, block_mask=None, softcap=None,
-                             alibi_slopes=None, sinks=None):
+                             alibi_slopes=None, sinks=None, cu_seqlens_q=None,
+                             cu_seqlens_k=None):
     """Gradients of flash attention on the active backend: ``(dq, dk, dv)`` (and ``dsinks``
     with ``sinks``).
 
@@ -1165,6 +1189,10 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
         block from the seed (appendix Algorithm 4) and differentiates through it.
     block_mask, softcap, alibi_slopes, sinks :
         As passed to the forward (``lse`` then includes the sinks).
+    cu_seqlens_q, cu_seqlens_k :
+        Packed variable-length sequences, as passed to the forward (its layouts; the same
+        refusals; head dims up to 128 here). Runs
+        :mod:`nki_kernels.attention.varlen_bwd`.
 
     Returns
     -------
@@ -1179,9 +1207,12 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
     call = _backward_call(
         do, q, k, v, o, lse, block_mask=block_mask, scale=scale, causal=causal, window=window,
         kv_lens=kv_lens, q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc,
-        dropout_p=dropout_p, seed=seed, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        dropout_p=dropout_p, seed=seed, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if call.block_sparse is not None:
         return _block_sparse_backward(do, q, k, v, o, lse, call)
+    if call.packing is not None:
+        return _varlen_backward(do, q, k, v, o, lse, call)
     kernel, grid, kwargs = _plan_backward(call)
     mod_tensors = call.mods.tensors
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),

@@ -454,6 +454,15 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None,
     return p @ v64, lse
 
 
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """``(query rows, keys)`` slices of the packed sequences with both."""
+    for s in range(len(cu_seqlens_q) - 1):
+        rq = slice(int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1]))
+        rk = slice(int(cu_seqlens_k[s]), int(cu_seqlens_k[s + 1]))
+        if rq.stop > rq.start and rk.stop > rk.start:
+            yield rq, rk
+
+
 def per_sequence(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
     """``(o, lse)`` float64 of a dense attention ``fn(q_s, k_s, v_s, **kwargs) -> (o, lse)``
     (:func:`attention_forward`, :func:`attention_baseline_lowp` with ``return_lse``) run on
@@ -461,12 +470,23 @@ def per_sequence(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
     total_k, D)``); rows of a sequence without keys get ``(0, -inf)``."""
     o = np.zeros(q.shape, np.float64)
     lse = np.full(q.shape[:3], -np.inf)
-    for s in range(len(cu_seqlens_q) - 1):
-        rq = slice(int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1]))
-        rk = slice(int(cu_seqlens_k[s]), int(cu_seqlens_k[s + 1]))
-        if rq.stop > rq.start and rk.stop > rk.start:
-            o[:, :, rq], lse[:, :, rq] = fn(q[:, :, rq], k[:, :, rk], v[:, :, rk], **kwargs)
+    for rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        o[:, :, rq], lse[:, :, rq] = fn(q[:, :, rq], k[:, :, rk], v[:, :, rk], **kwargs)
     return o, lse
+
+
+def per_sequence_grads(fn, do, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """``(dq, dk, dv)`` float64 of a dense attention backward ``fn(do_s, q_s, k_s, v_s,
+    **kwargs)`` (:func:`attention_backward`, :func:`attention_backward_baseline_lowp`) run on
+    each packed sequence alone and packed back (layouts of :func:`per_sequence`); rows and
+    keys of sequences without keys or query rows get zeros."""
+    dq = np.zeros(q.shape, np.float64)
+    dk = np.zeros(k.shape, np.float64)
+    dv = np.zeros(v.shape, np.float64)
+    for rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        dq[:, :, rq], dk[:, :, rk], dv[:, :, rk] = fn(
+            do[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], **kwargs)
+    return dq, dk, dv
 
 
 def _backward_from_p(p, do, q64, k64, v64, delta, scale, Hkv, drop=None, dcap=None):

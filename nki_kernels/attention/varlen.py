@@ -197,6 +197,23 @@ def varlen_grid(Hkv: int, G: int, Nq: int, lnc: int, api: str):
     return backward_grid(1, Hkv // body_shape(Hkv, G, Nq)[0], lnc, api=api)
 
 
+def check_shapes(kernel: str, q, k, cu_seqlens_q, cu_seqlens_k):
+    """The packed kernels' shape rules: batch 1, offsets of equal shapes ``(S + 1,)`` with S
+    >= 1, totals below 2^24 (fp32 positions); under nki.* also the rows the indirect DMAs
+    number in fp32 (:func:`block_sparse.refuse_large_in_nki`)."""
+    _, Hq, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if q.shape[0] != 1:
+        raise ValueError(f"q: packed sequences take batch 1, got shape {q.shape}")
+    if tuple(cu_seqlens_q.shape) != tuple(cu_seqlens_k.shape) or cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: expected equal shapes (S + 1,), S >= 1; "
+                         f"got {cu_seqlens_q.shape} and {cu_seqlens_k.shape}")
+    if max(Nq, Nk) >= T.FP32_EXACT_INT:
+        raise ValueError(f"{kernel}: totals must be below 2^24 (fp32 positions); got total_q "
+                         f"{Nq}, total_k {Nk}")
+    BS.refuse_large_in_nki(kernel, max(Hq * Nq, Hkv * Nk))
+
+
 @port.jit
 def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=1.0, causal=None,
                          window=None, mm_dtype="bfloat16"):
@@ -210,15 +227,7 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=1.0, caus
     are refused (fp32 positions)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    if B != 1:
-        raise ValueError(f"q: packed sequences take batch 1, got shape {q.shape}")
-    if tuple(cu_seqlens_q.shape) != tuple(cu_seqlens_k.shape) or cu_seqlens_q.shape[0] < 2:
-        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: expected equal shapes (S + 1,), S >= 1; "
-                         f"got {cu_seqlens_q.shape} and {cu_seqlens_k.shape}")
-    if max(Nq, Nk) >= T.FP32_EXACT_INT:
-        raise ValueError(f"varlen_attention_fwd: totals must be below 2^24 (fp32 positions); "
-                         f"got total_q {Nq}, total_k {Nk}")
-    BS.refuse_large_in_nki("varlen_attention_fwd", max(Hq * Nq, Hkv * Nk))
+    check_shapes("varlen_attention_fwd", q, k, cu_seqlens_q, cu_seqlens_k)
     spec = M.MaskSpec(Nq, Nk, causal, window)
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
@@ -463,5 +472,5 @@ def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):
         F.fold_block(f, st, sl, [s_tile], [W], F.KV(None, kT, v), 0, None, fused=(nki,))
 
 
-__all__ = ["varlen_attention_fwd", "varlen_grid", "body_shape", "Sweep", "plan_sweep",
+__all__ = ["varlen_attention_fwd", "varlen_grid", "check_shapes", "body_shape", "Sweep", "plan_sweep",
            "Offsets", "load_offsets", "row_bounds", "tile_sweep"]

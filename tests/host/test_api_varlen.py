@@ -55,3 +55,20 @@ def test_packing_needs_batch_one():
     q, k, v = _qkv(B=2)
     with pytest.raises(ValueError, match="packed sequences .* take batch 1"):
         host.flash_attention(q, k, v, cu_seqlens_q=GOOD_Q, cu_seqlens_k=GOOD_K)
+
+
+def test_packed_backward_refuses_wide_heads():
+    q = np.zeros((1, 1, 10, 130), np.float32)
+    k = np.zeros((1, 1, 12, 130), np.float32)
+    lse = np.zeros((1, 1, 10), np.float32)
+    with pytest.raises(ValueError, match="packed backward .* head dims up to 128, got D=130"):
+        host.flash_attention_backward(q, q, k, k, q, lse, cu_seqlens_q=GOOD_Q,
+                                      cu_seqlens_k=GOOD_K)
+
+
+def test_packed_backward_validates_like_the_forward():
+    q, k, v = _qkv()
+    lse = np.zeros(q.shape[:3], np.float32)
+    with pytest.raises(ValueError, match="cu_seqlens_q: must start at 0"):
+        host.flash_attention_backward(q, q, k, v, q, lse, cu_seqlens_q=np.array([1, 4, 10], I32),
+                                      cu_seqlens_k=GOOD_K)
