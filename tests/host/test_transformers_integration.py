@@ -173,3 +173,18 @@ def test_packed_batch_matches_sdpa_on_the_unpacked_sequences():
     assert (packed - alone).abs().max() < 2e-5
     for (name, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
         assert (a.grad - b.grad).abs().max() < 2e-4 * max(1.0, a.grad.abs().max()), name
+
+
+def test_packed_offsets_from_position_ids_alone():
+    """Without the cu_seq_lens keywords the offsets come from where position_ids restart (from
+    their minimum, as transformers' flash backend finds them); an unpacked row has none; a
+    mask that is neither the packed nor the row's causal one is refused."""
+    q = torch.zeros(1, 2, 7, 4)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1]])
+    cu_q, cu_k = nki_tf._packed_offsets(q, q, {"position_ids": pos})
+    assert cu_q.tolist() == cu_k.tolist() == [0, 3, 5, 7] and cu_q.dtype == torch.int32
+    assert nki_tf._packed_offsets(q, q, {"position_ids": torch.arange(7)[None]}) is None
+    padding = torch.ones(1, 1, 7, 7, dtype=torch.bool).tril()
+    padding[..., 0] = False
+    with pytest.raises(ValueError, match="attention_mask: a packed batch"):
+        nki_tf._check_packed_mask(padding, cu_q, "bottom_right", None, 7)
