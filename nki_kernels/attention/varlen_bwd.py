@@ -63,33 +63,33 @@ def varlen_attention_bwd(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, *, sca
 
     def instance(b, g0):
         insts = VL.kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices)
-        _each_key_tile(insts, off, acc, lambda kh, idx, r: _zero_rows(kh, acc, idx))
+        _each_key_tile(insts, off, lambda kh, idx: _zero_rows(kh, acc, idx))
         VL.group_loop(insts, off, ident, static_steps, R, Nq,
                       lambda plan, pos: _group(insts, off, ident, static_steps, plan, pos,
                                                (do, dq), acc))
-        _each_key_tile(insts, off, acc,
-                       lambda kh, idx, r: _cast_rows(kh, acc, (dk, dv), idx))
+        _each_key_tile(insts, off, lambda kh, idx: _cast_rows(kh, acc, (dk, dv), idx))
 
     port.for_programs((B, Hkv // Hc), instance)
     return dq, dk, dv
 
 
-def _each_key_tile(insts, off, acc, body):
-    """``body(kv head, row indices, tile)`` over the 128-key tiles of every kv head of the
-    instance (a compiled loop; the indices of keys past total_k are out of bounds)."""
+def _each_key_tile(insts, off, body):
+    """``body(kv head, row indices)`` over the 128-key tiles of every kv head of the instance
+    (a compiled loop; the indices of keys past total_k are out of bounds)."""
     Nk = insts[0].f.Nk
     pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_copy(pos, off.part, engine="gpsimd")
 
     def tile(t):
         for kh in insts:
-            body(kh, BS.rows_at(pos, Nk, kh.kv), t)
+            body(kh, BS.rows_at(pos, Nk, kh.kv))
         port.tensor_scalar(pos, pos, nl.add, float(P), engine="gpsimd")
 
     port.loop(T.ceil_div(Nk, P), tile, carried=True)
 
 
 def _zero_rows(kh, acc, idx):
+    """Zero the accumulators' rows ``idx`` of kv head ``kh``."""
     zeros = nl.ndarray((P, kh.f.D), dtype=nl.float32, buffer=nl.sbuf)
     port.memset(zeros, 0.0, engine="gpsimd")
     for a in acc:
@@ -97,6 +97,7 @@ def _zero_rows(kh, acc, idx):
 
 
 def _cast_rows(kh, acc, outs, idx):
+    """The accumulators' rows ``idx`` of kv head ``kh``, cast into ``outs`` (dk, dv)."""
     for a, out in zip(acc, outs):
         x = nl.ndarray((P, kh.f.D), dtype=nl.float32, buffer=nl.sbuf)
         BS.gather(x, a, (kh.f.b, kh.f.g), idx, 0, True)
