@@ -284,6 +284,7 @@ class AttentionCall(NamedTuple):
     sbuf_budget: Optional[int]              # forward: SBUF bytes per partition to plan into
     return_lse: bool                        # forward
     return_dropout_mask: bool               # forward
+    packing: Optional[_v.Packing] = None    # forward: packed sequences' offsets (varlen)
 
 
 def _attention_call(dims: _v.AttentionShape, dtype: str, block_sparse=None, *, scale=None,
@@ -291,12 +292,14 @@ def _attention_call(dims: _v.AttentionShape, dtype: str, block_sparse=None, *, s
                     mixed_precision: bool = True, lnc=None, dropout_p=0.0, seed=None,
                     softcap=None, alibi_slopes=None, sinks=None, tiles=None, sbuf_budget=None,
                     return_lse: bool = False,
-                    return_dropout_mask: bool = False) -> AttentionCall:
+                    return_dropout_mask: bool = False, packing=None) -> AttentionCall:
     """The :class:`AttentionCall` of a call whose tensors are validated already (sizes
     ``dims``, dtype name ``dtype``), its options validated (as in :func:`flash_attention`).
     ``block_sparse`` is the validated pattern when the block-sparse
     kernels run the call (:func:`_block_sparsity`): they take no ``tiles`` nor
-    ``sbuf_budget``, and ``lnc`` None means one NeuronCore for them."""
+    ``sbuf_budget``, and ``lnc`` None means one NeuronCore for them. ``packing``: the
+    validated offsets when the packed variable-length kernel runs the call
+    (:func:`_check_packed_options` says what it takes)."""
     scale = _v.check_scale(scale, dims.D)
     causal = _v.normalize_causal(causal)
     window = _v.normalize_window(window)
@@ -314,7 +317,11 @@ def _attention_call(dims: _v.AttentionShape, dtype: str, block_sparse=None, *, s
     if sbuf_budget is not None:
         sbuf_budget = _v.check_int("sbuf_budget", sbuf_budget, minimum=1,
                                    maximum=max(_tiles.SBUF_USABLE_BYTES.values()))
-    if block_sparse is None:
+    if packing is not None:
+        _check_packed_options(kv_lens=kv_lens, q_lens=q_lens, tiles=tiles,
+                              sbuf_budget=sbuf_budget, dropout_p=dropout_p,
+                              softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    if block_sparse is None and packing is None:
         lnc = _check_lnc(lnc)
     else:
         # None: one core, the launch the block-sparse estimates are made with
@@ -326,7 +333,8 @@ def _attention_call(dims: _v.AttentionShape, dtype: str, block_sparse=None, *, s
         raise ValueError("return_dropout_mask: needs dropout_p > 0 (there is no mask)")
     return AttentionCall(dims, dtype, scale, causal, window, kv_lens, q_lens, mixed_precision,
                          _tiles.fwd_mm_dtype_name(dtype, mixed_precision), lnc, dropout, mods,
-                         block_sparse, tiles, sbuf_budget, return_lse, return_dropout_mask)
+                         block_sparse, tiles, sbuf_budget, return_lse, return_dropout_mask,
+                         packing)
 
 
 def _block_sparsity(block_mask, dims: _v.AttentionShape):
@@ -341,17 +349,42 @@ def _block_sparsity(block_mask, dims: _v.AttentionShape):
     return sparsity
 
 
-def _forward_call(q, k, v, *, block_mask=None, **options) -> AttentionCall:
+def _forward_call(q, k, v, *, block_mask=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  **options) -> AttentionCall:
     """Validate a forward call (arguments as in :func:`flash_attention`) into one record."""
     dims = _v.check_attention_inputs(q, k, v)
-    return _attention_call(dims, _v.dtype_name(q), _block_sparsity(block_mask, dims), **options)
+    packing = _v.check_packing(cu_seqlens_q, cu_seqlens_k, dims.B, dims.Nq, dims.Nk)
+    if packing is not None:
+        _check_packed_options(block_mask=block_mask)
+    return _attention_call(dims, _v.dtype_name(q), _block_sparsity(block_mask, dims),
+                           packing=packing, **options)
 
 
-def _backward_call(do, q, k, v, o, lse, *, block_mask=None, **options) -> AttentionCall:
+def _check_packed_options(**options):
+    """Refuse the options the packed variable-length kernel does not take: padded-batch
+    lengths and block masks (the offsets say which keys each row sees), the dense kernel's
+    tiling, and (not implemented yet) dropout and score modifiers."""
+    for name, value in options.items():
+        given = value is not None and not (name in ("dropout_p", "softcap") and value == 0)
+        if given:
+            raise ValueError(f"{name}: not supported with packed sequences (cu_seqlens_q and "
+                             f"cu_seqlens_k given); got {_v.describe(value)}, allowed: "
+                             f"{0.0 if name == 'dropout_p' else None}")
+
+
+def _backward_call(do, q, k, v, o, lse, *, block_mask=None, cu_seqlens_q=None,
+                   cu_seqlens_k=None, **options) -> AttentionCall:
     """Validate a backward call (arguments as in :func:`flash_attention_backward`) into one
     record."""
     dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
-    return _attention_call(dims, _v.dtype_name(q), _block_sparsity(block_mask, dims), **options)
+    packing = _v.check_packing(cu_seqlens_q, cu_seqlens_k, dims.B, dims.Nq, dims.Nk)
+    if packing is not None:
+        _check_packed_options(block_mask=block_mask)
+        if dims.D > _tiles.PMAX:
+            raise ValueError(f"q: the packed backward (cu_seqlens_q given) takes head dims up "
+                             f"to {_tiles.PMAX}, got D={dims.D}")
+    return _attention_call(dims, _v.dtype_name(q), _block_sparsity(block_mask, dims),
+                           packing=packing, **options)
 
 
 def plan_attention_forward(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
@@ -464,7 +497,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
                     q_lens=None, mixed_precision: bool = True, return_lse: bool = False,
                     tiles=None, sbuf_budget=None, lnc=None, dropout_p=0.0, seed=None,
                     return_dropout_mask: bool = False, block_mask=None, softcap=None,
-                    alibi_slopes=None, sinks=None):
+                    alibi_slopes=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None):
     """Flash attention forward on the active backend (docs/semantics.md for the exact meaning).
 
     Parameters
@@ -542,6 +575,18 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         denominator, with no value (|sink| <= 2^32). The LSE includes it; a row without visible
         keys then has o = 0 and ``lse = sink`` (padding rows past ``q_lens`` keep -inf).
 
+    cu_seqlens_q, cu_seqlens_k : int32 arrays (num_seqs + 1,), optional
+        Packed variable-length sequences (FlashAttention's varlen): q is ``(1, Hq, total_q,
+        D)``, k and v ``(1, Hkv, total_k, D)``; sequence s owns query rows ``[cu_seqlens_q[s],
+        cu_seqlens_q[s+1])`` and keys ``[cu_seqlens_k[s], cu_seqlens_k[s+1])``. Offsets start
+        at 0, never decrease (a sequence may be empty: its query rows, if any, get o = 0 and
+        lse = -inf) and end at the totals. Each row sees only its own sequence's keys;
+        ``causal`` and ``window`` apply per sequence (bottom_right: the sequence's own
+        ``nk_s - nq_s``). Device data: one compilation per (totals, num_seqs). Not combined
+        with ``kv_lens``, ``q_lens``, ``block_mask``, ``tiles``, ``sbuf_budget``, dropout or
+        score modifiers (refused). Runs :mod:`nki_kernels.attention.varlen` (one NeuronCore
+        unless ``lnc=2``, as ``block_mask``).
+
     mask : numpy.ndarray (B, Hq, Nq, Nk) bool, only with ``return_dropout_mask``
     """
     call = _forward_call(
@@ -549,9 +594,11 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         kv_lens=kv_lens, q_lens=q_lens, mixed_precision=mixed_precision, return_lse=return_lse,
         tiles=tiles, sbuf_budget=sbuf_budget, lnc=lnc, dropout_p=dropout_p, seed=seed,
         return_dropout_mask=return_dropout_mask, softcap=softcap, alibi_slopes=alibi_slopes,
-        sinks=sinks)
+        sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if call.block_sparse is not None:
         return _block_sparse_forward(q, k, v, call)
+    if call.packing is not None:
+        return _varlen_forward(q, k, v, call)
     kernel, grid, kwargs = _plan_forward(call)
     kv32, q32, mod_tensors = call.kv_lens, call.q_lens, call.mods.tensors
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
@@ -643,6 +690,36 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     if call.return_dropout_mask:
         res += (np.asarray(outs[2])[..., :dims.Nk] > 0.5,)
     return res if len(res) > 1 else o
+
+
+def _varlen_forward(q, k, v, call: AttentionCall):
+    """The packed variable-length forward of a validated call (``call.packing`` given):
+    outputs as :func:`flash_attention`'s."""
+    from nki_kernels.attention.varlen import varlen_attention_fwd, varlen_grid
+
+    dims = call.dims
+    q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
+    api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
+    o, lse = launch(varlen_attention_fwd.on(api), varlen_grid(dims.Hkv, dims.group, dims.Nq,
+                                                                 call.lnc, api),
+                    q, k, v, call.packing.cu_q, call.packing.cu_k, scale=call.scale,
+                    causal=call.causal, window=call.window, mm_dtype=call.mm_dtype)
+    return (o, lse) if call.return_lse else o
+
+
+def _varlen_backward(do, q, k, v, o, lse, call: AttentionCall):
+    """The packed variable-length backward of a validated call: ``(dq, dk, dv)``."""
+    from nki_kernels.attention.varlen import varlen_grid
+    from nki_kernels.attention.varlen_bwd import varlen_attention_bwd
+
+    dims = call.dims
+    do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
+                                                 ("o", o)))
+    api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
+    return launch(varlen_attention_bwd.on(api),
+                  varlen_grid(dims.Hkv, dims.group, dims.Nq, call.lnc, api), q, k, v, o, do,
+                  _numpy("lse", lse), call.packing.cu_q, call.packing.cu_k, scale=call.scale,
+                  causal=call.causal, window=call.window, mm_dtype=call.mm_dtype)
 
 
 def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):
@@ -1310,7 +1387,8 @@ def _plan_backward(call: AttentionCall):
 def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, window=None,
                              kv_lens=None, q_lens=None, mixed_precision: bool = True, lnc=None,
                              dropout_p=0.0, seed=None, block_mask=None, softcap=None,
-                             alibi_slopes=None, sinks=None):
+                             alibi_slopes=None, sinks=None, cu_seqlens_q=None,
+                             cu_seqlens_k=None):
     """Gradients of flash attention on the active backend: ``(dq, dk, dv)`` (and ``dsinks``
     with ``sinks``).
 
@@ -1353,6 +1431,10 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
         block from the seed (appendix Algorithm 4) and differentiates through it.
     block_mask, softcap, alibi_slopes, sinks :
         As passed to the forward (``lse`` then includes the sinks).
+    cu_seqlens_q, cu_seqlens_k :
+        Packed variable-length sequences, as passed to the forward (its layouts; the same
+        refusals; head dims up to 128 here). Runs
+        :mod:`nki_kernels.attention.varlen_bwd`.
 
     Returns
     -------
@@ -1367,9 +1449,12 @@ def flash_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, w
     call = _backward_call(
         do, q, k, v, o, lse, block_mask=block_mask, scale=scale, causal=causal, window=window,
         kv_lens=kv_lens, q_lens=q_lens, mixed_precision=mixed_precision, lnc=lnc,
-        dropout_p=dropout_p, seed=seed, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        dropout_p=dropout_p, seed=seed, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if call.block_sparse is not None:
         return _block_sparse_backward(do, q, k, v, o, lse, call)
+    if call.packing is not None:
+        return _varlen_backward(do, q, k, v, o, lse, call)
     kernel, grid, kwargs = _plan_backward(call)
     mod_tensors = call.mods.tensors
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),

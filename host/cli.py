@@ -61,7 +61,13 @@ KV_DTYPES = {"fp8_e5m2": "float8_e5m2", "fp8_e4m3": "float8_e4m3",
              "fp8_e4m3fn": "float8_e4m3fn"}
 _PREFILL_ONLY = (("seq_q", "--seq-q"), ("seq_k", "--seq-k"), ("causal", "--causal"),
                  ("window", "--window"), ("kv_lens", "--kv-lens"), ("q_lens", "--q-lens"),
-                 ("dropout", "--dropout"), ("block_sparse", "--block-sparse"))
+                 ("dropout", "--dropout"), ("block_sparse", "--block-sparse"),
+                 ("varlen", "--varlen"))
+#: Flags --varlen (one packed batch of self-attention sequences) does not take.
+_NOT_VARLEN = (("seq_q", "--seq-q"), ("seq_k", "--seq-k"), ("kv_lens", "--kv-lens"),
+               ("q_lens", "--q-lens"), ("dropout", "--dropout"),
+               ("block_sparse", "--block-sparse"), ("softcap", "--softcap"),
+               ("alibi", "--alibi"), ("sinks", "--sinks"))
 #: ``--block-sparse`` patterns (host/block_sparse.py); ``density=S`` is the benchmark's
 #: evenly spread pattern with a fraction S of the key blocks per query tile.
 BLOCK_SPARSE_PATTERNS = ("butterfly", "local-global", "density=S")
@@ -160,6 +166,11 @@ def _build_parser() -> argparse.ArgumentParser:
                           "local-global (window of one block plus one global block) or "
                           "density=S (S in (0, 1]: that fraction of the key blocks per query "
                           "tile); inactive blocks are never loaded")
+    run.add_argument("--varlen", type=_int_list, default=None, metavar="LENS",
+                     help="packed variable-length sequences: comma-separated lengths (each "
+                          ">= 0, total >= 1) of self-attention sequences packed into one batch "
+                          "row (cu_seqlens_q = cu_seqlens_k; --seq is not used); needs "
+                          "--batch 1 and --check full or none")
     run.add_argument("--softcap", type=float, default=None, metavar="C",
                      help="logit soft-capping C tanh(s / C) (Gemma 2), C in [2^-24, 2^24]")
     run.add_argument("--alibi", action="store_true",
@@ -350,6 +361,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--softcap {args.softcap}: expected a cap in [2^-24, 2^24]")
     if args.block_sparse is not None:
         _block_pattern(args.block_sparse, 1, 1)          # the pattern's name and value
+    if args.varlen is not None:
+        _check_varlen(args)
     unported = _not_on_trn3(args)
     explicit = args.targets is not None
     if args.targets is None:
@@ -376,6 +389,23 @@ def _check_flags(args: argparse.Namespace) -> None:
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise UsageError(f"--json {args.json_out}: cannot write there (directory {parent} "
                              "does not exist or is not writable)")
+
+
+def _check_varlen(args: argparse.Namespace) -> None:
+    """``--varlen``: lengths >= 0 summing to >= 1, one batch row, flags it can take."""
+    if any(n < 0 for n in args.varlen) or sum(args.varlen) < 1:
+        raise UsageError(f"--varlen {','.join(map(str, args.varlen))}: expected lengths >= 0 "
+                         "with a total >= 1")
+    given = [flag for attr, flag in _NOT_VARLEN if getattr(args, attr) not in (None, False)]
+    if given:
+        raise UsageError(f"{', '.join(given)} does not apply to --varlen (packed sequences "
+                         "take causal and window only)")
+    if args.batch != 1:
+        raise UsageError(f"--batch {args.batch}: --varlen packs its sequences into one batch "
+                         "row; use --batch 1")
+    if args.check == "fast":
+        raise UsageError("--check fast: not with --varlen (its reference runs each sequence "
+                         "in full); use --check full or none")
 
 
 def _available_memory_bytes():
@@ -519,6 +549,10 @@ def _run(args: argparse.Namespace) -> int:
         causal = None if causal == "none" else causal
         Nq = args.seq_q or args.seq
         Nk = args.seq_k or args.seq
+        cu = None
+        if args.varlen is not None:
+            cu = np.concatenate([[0], np.cumsum(args.varlen)]).astype(np.int32)
+            Nq = Nk = int(cu[-1])
         q = rng.standard_normal((B, Hq, Nq, D)).astype(dtype)
         k = rng.standard_normal((B, Hkv, Nk, D)).astype(dtype)
         v = rng.standard_normal((B, Hkv, Nk, D)).astype(dtype)
@@ -528,8 +562,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.block_sparse is not None:
             from host import block_sparse as bs
             mask_opts["block_mask"] = _block_pattern(args.block_sparse, *bs.block_grid(Nq, Nk))
+        packed = {} if cu is None else dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
         kwargs = dict(mixed_precision=not args.no_mixed_precision, return_lse=True,
-                      **opts, **mask_opts, **mods)
+                      **opts, **mask_opts, **mods, **packed)
         drop = {}
         if args.dropout:
             kwargs.update(dropout_p=args.dropout, seed=args.seed,
@@ -539,7 +574,8 @@ def _run(args: argparse.Namespace) -> int:
                  + (f" dropout={args.dropout}" if args.dropout else "")
                  + (f" block-sparse={args.block_sparse} (density "
                     f"{mask_opts['block_mask'].mean():.3f})" if args.block_sparse else "")
-                 + _mods_label(args))
+                 + _mods_label(args)
+                 + (f" varlen={','.join(map(str, args.varlen))}" if cu is not None else ""))
         if args.check == "fast":
             rows = _fast_rows(Nq)
 
@@ -552,6 +588,13 @@ def _run(args: argparse.Namespace) -> int:
             return res
 
         def check_refs():
+            if cu is not None:
+                band = dict(scale=args.scale, causal=causal, window=mask_opts["window"])
+                ref = reference.attention_varlen_forward(q, k, v, cu, cu, **band)
+                base = reference.per_sequence(reference.attention_baseline_lowp, q, k, v, cu,
+                                              cu, dtype=mm_dtype, out_dtype=dtype,
+                                              return_lse=True, **band)
+                return ref, (base[0], None)
             ref = reference.attention_forward(q, k, v, scale=args.scale, rows=rows, **mask_opts,
                                               **drop, **mods)
             base = reference.attention_baseline_lowp(q, k, v, dtype=mm_dtype, out_dtype=dtype,
@@ -565,6 +608,9 @@ def _run(args: argparse.Namespace) -> int:
 
         def visible(r0):
             r = np.arange(r0, min(Nq, r0 + 1024))
+            if cu is not None:
+                return int(reference.varlen_mask(cu, cu, causal=causal,
+                                                 window=mask_opts["window"])[r].sum())
             m = reference.attention_mask(Nq, Nk, batch=B, causal=causal,
                                          window=mask_opts["window"], q_lens=mask_opts["q_lens"],
                                          kv_lens=mask_opts["kv_lens"], rows=r)

@@ -409,6 +409,87 @@ def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=N
     return p @ v64, lse
 
 
+def varlen_mask(cu_seqlens_q, cu_seqlens_k, *, causal=None, window=None) -> np.ndarray:
+    """Visibility mask ``(total_q, total_k)`` of packed sequences (True = key j visible to
+    query i): sequence s owns rows ``[cu_q[s], cu_q[s+1])`` and keys ``[cu_k[s], cu_k[s+1])``
+    (offsets as validated by :func:`host.validation.check_cu_seqlens`); each row sees only its
+    own sequence's keys, where :func:`attention_mask`'s causal and window rules apply with the
+    sequence's own lengths (bottom_right: ``off = nk_s - nq_s``; top_left: 0)."""
+    causal = normalize_causal(causal)
+    window = normalize_window(window)
+    cu_q = np.asarray(cu_seqlens_q, dtype=np.int64)
+    cu_k = np.asarray(cu_seqlens_k, dtype=np.int64)
+    i = np.arange(cu_q[-1])[:, None]
+    j = np.arange(cu_k[-1])[None, :]
+    # the row's sequence: the last one starting at or before it (empty sequences start where
+    # the next one does)
+    seq = np.searchsorted(cu_q, i[:, 0], side="right") - 1
+    k0, k1 = cu_k[seq][:, None], cu_k[seq + 1][:, None]
+    q0, q1 = cu_q[seq][:, None], cu_q[seq + 1][:, None]
+    # i + off in packed positions: the key aligned with row i
+    diag = i - q0 + k0 if causal == CAUSAL_TOP_LEFT else i - q1 + k1
+    visible = (j >= k0) & (j < k1)
+    if causal is not None:
+        visible &= j <= diag
+    if window is not None:
+        left, right = window
+        if left != WINDOW_UNBOUNDED:
+            visible &= j >= diag - left
+        if right != WINDOW_UNBOUNDED:
+            visible &= j <= diag + right
+    return visible
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=None,
+                             window=None) -> Tuple[np.ndarray, np.ndarray]:
+    """Exact attention forward of packed sequences in float64: q ``(1, Hq, total_q, D)``, k, v
+    ``(1, Hkv, total_k, D)``, the offsets ``(S + 1,)``; the mask of :func:`varlen_mask`.
+    Returns ``o`` float64 ``(1, Hq, total_q, D)`` (0 for rows without a visible key) and
+    ``lse`` float64 ``(1, Hq, total_q)`` (-inf there)."""
+    dims = check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES, same_dtype=False,
+                                  max_head_dim=None)
+    scale = check_scale(scale, dims.D)
+    mask = varlen_mask(cu_seqlens_q, cu_seqlens_k, causal=causal, window=window)
+    q64, k64, v64 = _f64(q), _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
+    p, lse = _masked_softmax(_scores(q64, k64, scale), mask[None, None], None)
+    return p @ v64, lse
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """``(query rows, keys)`` slices of the packed sequences with both."""
+    for s in range(len(cu_seqlens_q) - 1):
+        rq = slice(int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1]))
+        rk = slice(int(cu_seqlens_k[s]), int(cu_seqlens_k[s + 1]))
+        if rq.stop > rq.start and rk.stop > rk.start:
+            yield rq, rk
+
+
+def per_sequence(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """``(o, lse)`` float64 of a dense attention ``fn(q_s, k_s, v_s, **kwargs) -> (o, lse)``
+    (:func:`attention_forward`, :func:`attention_baseline_lowp` with ``return_lse``) run on
+    each packed sequence alone and packed back (q ``(1, Hq, total_q, D)``, k, v ``(1, Hkv,
+    total_k, D)``); rows of a sequence without keys get ``(0, -inf)``."""
+    o = np.zeros(q.shape, np.float64)
+    lse = np.full(q.shape[:3], -np.inf)
+    for rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        o[:, :, rq], lse[:, :, rq] = fn(q[:, :, rq], k[:, :, rk], v[:, :, rk], **kwargs)
+    return o, lse
+
+
+def per_sequence_grads(fn, do, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """``(dq, dk, dv)`` float64 of a dense attention backward ``fn(do_s, q_s, k_s, v_s,
+    **kwargs)`` (:func:`attention_backward`, :func:`attention_backward_baseline_lowp`) run on
+    each packed sequence alone and packed back (layouts of :func:`per_sequence`); rows and
+    keys of sequences without keys or query rows get zeros."""
+    dq = np.zeros(q.shape, np.float64)
+    dk = np.zeros(k.shape, np.float64)
+    dv = np.zeros(v.shape, np.float64)
+    for rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        dq[:, :, rq], dk[:, :, rk], dv[:, :, rk] = fn(
+            do[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], **kwargs)
+    return dq, dk, dv
+
+
 def _backward_from_p(p, do, q64, k64, v64, delta, scale, Hkv, drop=None, dcap=None):
     """Gradients of sum(o * do) given the probabilities P and ``delta_i = rowsum(dP_i * P_i)``.
 

@@ -157,6 +157,8 @@ class _Options(NamedTuple):
     softcap: Optional[float] = None
     alibi_slopes: Optional[np.ndarray] = None   # float32 (Hq,) or (B, Hq)
     sinks: Optional[np.ndarray] = None          # float32 (Hq,)
+    cu_seqlens_q: Optional[np.ndarray] = None   # int32 (S + 1,): packed sequences
+    cu_seqlens_k: Optional[np.ndarray] = None
 
     def kwargs(self) -> dict:
         """Keyword arguments of :func:`host.flash_attention` / ``flash_attention_backward``."""
@@ -167,7 +169,7 @@ class _Options(NamedTuple):
             kw.update(dropout_p=self.dropout_p, seed=self.seed)
         if self.block_mask is not None:
             kw["block_mask"] = self.block_mask
-        for name in ("softcap", "alibi_slopes", "sinks"):
+        for name in ("softcap", "alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         return kw
@@ -303,6 +305,10 @@ class _XlaKernels:
             raise NotImplementedError(
                 "block_mask: block-sparse attention on XLA tensors is not wired yet (the "
                 "kernel's tables are built on the host); call it with CPU tensors")
+        if opts.cu_seqlens_q is not None:
+            raise NotImplementedError(
+                "cu_seqlens_q: packed sequences on XLA tensors are not wired yet; call it "
+                "with CPU tensors")
 
     def forward(self, q, k, v, opts: _Options):
         from host import api
@@ -354,7 +360,7 @@ _EXECUTORS = {_DEVICE_CPU: _HostKernels(), _DEVICE_XLA: _XlaKernels()}
 def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=None,
                     q_lens=None, mixed_precision=True, return_lse=False, dropout_p=0.0,
                     seed=None, generator=None, block_mask=None, softcap=None,
-                    alibi_slopes=None, sinks=None):
+                    alibi_slopes=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None):
     """Differentiable flash attention on torch tensors (the NumPy API's semantics).
 
     Parameters
@@ -401,6 +407,11 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
     sinks : tensor or array (Hq,), optional
         Attention-sink logits (gpt-oss); differentiable: a float tensor that requires grad
         gets ``dsinks``.
+    cu_seqlens_q, cu_seqlens_k : int32 tensors or arrays (num_seqs + 1,), optional
+        Packed variable-length sequences (:func:`host.flash_attention`): q ``(1, Hq,
+        total_q, D)``, k and v ``(1, Hkv, total_k, D)``; forward and backward. Outside
+        torch.compile the offsets are validated here (their values read on the host); in a
+        traced graph they are op inputs, validated when the op runs. CPU tensors only.
 
     Returns
     -------
@@ -435,12 +446,22 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
             _bs.check_block_mask(block_mask, dims.B, dims.Hq, dims.Nq, dims.Nk)
         from host import api
         api._score_mods_call(softcap, alibi_slopes, sinks, dims.B, dims.Hq)
+        _v.check_packing(cu_seqlens_q, cu_seqlens_k, dims.B, dims.Nq, dims.Nk)
     bm, bi = _block_mask_tensors(block_mask)
+    cu_q, cu_k = _offsets_tensor(cu_seqlens_q), _offsets_tensor(cu_seqlens_k)
     cap, slopes_t, sinks_t = _mod_args(softcap, alibi_slopes, sinks)
     o, lse = torch.ops.nki_flash.attention_fwd(
         q, k, v, opts.scale, opts.causal, list(opts.window) if opts.window else None, kv_t, q_t,
-        opts.mixed_precision, p, seed_t, bm, bi, cap, slopes_t, sinks_t)
+        opts.mixed_precision, p, seed_t, bm, bi, cap, slopes_t, sinks_t, cu_q, cu_k)
     return (o, lse) if return_lse else o
+
+
+def _offsets_tensor(cu):
+    """A packed-sequence offsets argument of the op: a tensor as given, an array as a CPU
+    tensor of its own dtype (the host API refuses any but int32), or None."""
+    if cu is None or isinstance(cu, torch.Tensor):
+        return cu
+    return torch.as_tensor(np.asarray(cu))
 
 
 def _mod_args(softcap, alibi_slopes, sinks):
@@ -509,7 +530,8 @@ def _lens_tensor(lens):
 #
 # nki_flash::attention_fwd(q, k, v, scale, causal, window, kv_lens, q_lens, mixed_precision,
 #                          dropout_p, seed, block_mask=None, block_indices=None, softcap=None,
-#                          alibi_slopes=None, sinks=None) -> (o, lse)
+#                          alibi_slopes=None, sinks=None, cu_seqlens_q=None,
+#                          cu_seqlens_k=None) -> (o, lse)
 #   (block_mask: a dense bool pattern, or with block_indices the index form's num_blocks)
 # nki_flash::attention_bwd(do, q, k, v, o, lse, <the same options>) -> (dq, dk, dv, dsinks)
 #   (dsinks: (Hq,) float32 with sinks, an empty (0,) tensor without)
@@ -522,7 +544,7 @@ def _lens_tensor(lens):
 
 def _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout_p, seed,
                 block_mask=None, block_indices=None, softcap=None, alibi_slopes=None,
-                sinks=None):
+                sinks=None, cu_seqlens_q=None, cu_seqlens_k=None):
     if block_mask is not None:
         block_mask = (block_mask.cpu().numpy() if block_indices is None else
                       (block_mask.cpu().numpy(), block_indices.cpu().numpy()))
@@ -533,7 +555,9 @@ def _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout
                     mixed_precision=bool(mixed_precision), dropout_p=float(dropout_p),
                     seed=int(seed) if dropout_p else None, block_mask=block_mask,
                     softcap=None if softcap is None else float(softcap),
-                    alibi_slopes=_host_floats(alibi_slopes), sinks=_host_floats(sinks))
+                    alibi_slopes=_host_floats(alibi_slopes), sinks=_host_floats(sinks),
+                    cu_seqlens_q=None if cu_seqlens_q is None else cu_seqlens_q.cpu().numpy(),
+                    cu_seqlens_k=None if cu_seqlens_k is None else cu_seqlens_k.cpu().numpy())
 
 
 def _host_floats(x):
@@ -568,10 +592,13 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                    block_indices: Optional[torch.Tensor] = None,
                    softcap: Optional[float] = None,
                    alibi_slopes: Optional[torch.Tensor] = None,
-                   sinks: Optional[torch.Tensor] = None
+                   sinks: Optional[torch.Tensor] = None,
+                   cu_seqlens_q: Optional[torch.Tensor] = None,
+                   cu_seqlens_k: Optional[torch.Tensor] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     opts = _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout_p,
-                       seed, block_mask, block_indices, softcap, alibi_slopes, sinks)
+                       seed, block_mask, block_indices, softcap, alibi_slopes, sinks,
+                       cu_seqlens_q, cu_seqlens_k)
     ex = _EXECUTORS[_device_kind(q, k, v)]
     cdt = _compute_dtype(q, opts.mixed_precision)
     o, lse = ex.forward(*(x.detach().to(cdt) for x in (q, k, v)), opts)
@@ -582,7 +609,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 @_attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, scale, causal, window, kv_lens, q_lens, mixed_precision,
                         dropout_p, seed, block_mask=None, block_indices=None, softcap=None,
-                        alibi_slopes=None, sinks=None):
+                        alibi_slopes=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
@@ -595,10 +622,13 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    block_indices: Optional[torch.Tensor] = None,
                    softcap: Optional[float] = None,
                    alibi_slopes: Optional[torch.Tensor] = None,
-                   sinks: Optional[torch.Tensor] = None
+                   sinks: Optional[torch.Tensor] = None,
+                   cu_seqlens_q: Optional[torch.Tensor] = None,
+                   cu_seqlens_k: Optional[torch.Tensor] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = _op_options(scale, causal, window, kv_lens, q_lens, mixed_precision, dropout_p,
-                       seed, block_mask, block_indices, softcap, alibi_slopes, sinks)
+                       seed, block_mask, block_indices, softcap, alibi_slopes, sinks,
+                       cu_seqlens_q, cu_seqlens_k)
     ex = _EXECUTORS[_device_kind(q, k, v)]
     cdt = _compute_dtype(q, opts.mixed_precision)
     qc, kc, vc, oc, doc = (x.detach().to(cdt) for x in (q, k, v, o, do))
@@ -612,7 +642,8 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 @_attention_bwd.register_fake
 def _attention_bwd_fake(do, q, k, v, o, lse, scale, causal, window, kv_lens, q_lens,
                         mixed_precision, dropout_p, seed, block_mask=None, block_indices=None,
-                        softcap=None, alibi_slopes=None, sinks=None):
+                        softcap=None, alibi_slopes=None, sinks=None, cu_seqlens_q=None,
+                        cu_seqlens_k=None):
     n = 0 if sinks is None else q.shape[1]
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty((n,), dtype=torch.float32))
@@ -620,12 +651,12 @@ def _attention_bwd_fake(do, q, k, v, o, lse, scale, causal, window, kv_lens, q_l
 
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, scale, causal, window, kv_lens, q_lens, mp, dropout_p, seed, bm, bi, softcap,
-     slopes, sinks) = inputs
+     slopes, sinks, cu_q, cu_k) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, seed)
     ctx.lens = (kv_lens, q_lens)
     ctx.blocks = (bm, bi)
-    ctx.mods = (softcap, slopes, sinks)
+    ctx.mods = (softcap, slopes, sinks, cu_q, cu_k)
     ctx.opts = (scale, causal, window, mp, dropout_p)
     ctx.set_materialize_grads(False)
 
@@ -635,12 +666,13 @@ def _fwd_backward(ctx, grad_o, grad_lse):
     scale, causal, window, mp, dropout_p = ctx.opts
     kv_lens, q_lens = ctx.lens
     bm, bi = ctx.blocks
-    softcap, slopes, sinks = ctx.mods
+    softcap, slopes, sinks, cu_q, cu_k = ctx.mods
     nothing = (None,) * 12
+    packing = (None, None)          # the offsets get no gradient
     if grad_o is None and grad_lse is None:
-        return (None, None, None) + nothing + (None,)
+        return (None, None, None) + nothing + (None,) + packing
     bwd = torch.ops.nki_flash.attention_bwd
-    mods = (softcap, slopes, sinks)
+    mods = (softcap, slopes, sinks, cu_q, cu_k)
     do = torch.zeros_like(o) if grad_o is None else grad_o.to(o.dtype)
     dq, dk, dv, dsinks = bwd(do, q, k, v, o, lse, scale, causal, window, kv_lens, q_lens, mp,
                              dropout_p, seed, bm, bi, *mods)
@@ -663,7 +695,7 @@ def _fwd_backward(ctx, grad_o, grad_lse):
         if sinks is not None:
             dsinks = dsinks + dsinks_g
     d_sinks = None if sinks is None else dsinks.to(sinks.dtype)
-    return (dq, dk, dv) + nothing + (d_sinks,)
+    return (dq, dk, dv) + nothing + (d_sinks,) + packing
 
 
 _attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)

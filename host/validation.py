@@ -576,6 +576,67 @@ def check_lengths(name: str, lens, batch: int, upper: int, *,
     return np.array(arr, dtype=np.int64, copy=True)
 
 
+class Packing(NamedTuple):
+    """Validated offsets of packed variable-length sequences (:func:`check_packing`): int32
+    ``(S + 1,)`` copies, the kernels' inputs."""
+
+    cu_q: np.ndarray
+    cu_k: np.ndarray
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_q.shape[0] - 1
+
+
+def check_cu_seqlens(name: str, cu, total: int, total_name: str) -> np.ndarray:
+    """Validate the offsets ``cu`` of packed sequences: a 1-D int32 array (NumPy or torch) of
+    length ``S + 1 >= 2``, ``cu[0] == 0``, non-decreasing (a sequence may be empty),
+    ``cu[-1] == total`` (``total_name`` in messages). Returns an int32 copy."""
+    if not _is_array(cu):
+        raise TypeError(f"{name}: expected a 1-D int32 array of sequence offsets, got "
+                        f"{describe(cu)}")
+    dname = dtype_name(cu)
+    if dname != "int32":
+        raise TypeError(f"{name}: expected dtype int32 (the kernels' offsets, device data), got "
+                        f"{dname}")
+    if _is_torch_tensor(cu):
+        cu = cu.detach().cpu().numpy()
+    arr = np.asarray(cu)
+    if arr.ndim != 1 or arr.shape[0] < 2:
+        raise ValueError(f"{name}: expected shape (num_seqs + 1,) with num_seqs >= 1, got shape "
+                         f"{arr.shape}")
+    if int(arr[0]) != 0:
+        raise ValueError(f"{name}: must start at 0, got {int(arr[0])}")
+    drop = np.flatnonzero(np.diff(arr.astype(np.int64)) < 0)
+    if drop.size:
+        idx = int(drop[0]) + 1
+        raise ValueError(f"{name}: offsets must be non-decreasing, got {int(arr[idx])} at index "
+                         f"{idx} after {int(arr[idx - 1])}")
+    if int(arr[-1]) != total:
+        raise ValueError(f"{name}: must end at {total_name}={total}, got {int(arr[-1])}")
+    return np.array(arr, dtype=np.int32, copy=True)
+
+
+def check_packing(cu_seqlens_q, cu_seqlens_k, B: int, Nq: int, Nk: int) -> Optional[Packing]:
+    """Validate packed-sequence offsets (both or neither given) against q ``(1, Hq, total_q,
+    D)`` and k ``(1, Hkv, total_k, D)``; None when neither is given."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return None
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        missing = "cu_seqlens_q" if cu_seqlens_q is None else "cu_seqlens_k"
+        raise ValueError(f"{missing}: packed sequences need both cu_seqlens_q and cu_seqlens_k, "
+                         f"got only the other")
+    if B != 1:
+        raise ValueError(f"q: packed sequences (cu_seqlens_q given) take batch 1, q (1, Hq, "
+                         f"total_q, D); got batch {B}")
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, Nq, "total_q")
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, Nk, "total_k")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q {cu_q.shape} (one "
+                         f"offset per sequence boundary), got {cu_k.shape}")
+    return Packing(cu_q, cu_k)
+
+
 def check_scale(scale, D: int) -> float:
     """Softmax scale: ``1 / sqrt(D)`` when None, otherwise a finite real number (any sign).
 

@@ -353,21 +353,56 @@ def dma_transpose_blocks(dst, src, n, width, mask=None):
 
 # -- compiled loops ---------------------------------------------------------------------------
 
+def _fori_loop(ns, lo, hi, body):
+    """0.7's ``nl.fori_loop(lo, hi, ...)`` of ``body(i)`` (its return value dropped: a
+    fori_loop body returns None), named after ``body``."""
+    def step(i):
+        body(i)
+
+    step.__name__ = getattr(body, "__name__", "body")
+    ns.nl.fori_loop(lo, hi, step)
+
+
 def loop(n, body, carried=False, start=0):
     """``body(i)`` for ``i`` in ``[start, n)`` as a compiled loop (see the module docstring);
     ``carried`` says an iteration reads what the previous one wrote (legacy needs
     ``sequential_range`` for that; 0.7's ``fori_loop`` is sequential by definition)."""
     ns = current()
     if ns.api == "nki":
-        def step(i):
-            body(i)
-
-        step.__name__ = getattr(body, "__name__", "body")
-        ns.nl.fori_loop(start, n, step)
+        _fori_loop(ns, start, n, body)
         return
     rng = ns.nl.sequential_range if carried else ns.nl.affine_range
     for i in (rng(start, n) if start else rng(n)):
         body(i)
+
+
+def loop_between(lo, hi, body):
+    """``body(i)`` for ``i`` in ``[lo, hi)`` as a sequential compiled loop whose bounds may be
+    runtime registers (:func:`register`): NKI 0.7's ``nl.fori_loop`` takes ``VirtualRegister``
+    bounds (the 2.33 stub; a trip count <= 0 runs no iteration). Legacy NKI has no runtime trip
+    count (``dynamic_range`` is not in neuronx-cc's ``neuronxcc.nki``), so there ``lo`` and
+    ``hi`` must be ints (a register is refused)."""
+    ns = current()
+    if ns.api == "nki":
+        _fori_loop(ns, lo, hi, body)
+        return
+    if not all(isinstance(b, numbers.Integral) for b in (lo, hi)):
+        raise NotImplementedError("port.loop_between: legacy NKI has no runtime trip count "
+                                  "(a register bound is an nki.* feature)")
+    for i in ns.nl.sequential_range(int(lo), int(hi)):
+        body(i)
+
+
+def register(tile):
+    """nki.* only: a ``VirtualRegister`` holding the one int32 element of the SBUF ``tile``
+    (``nisa.register_alloc`` + ``nisa.register_load``, the 2.33 stub), for a runtime loop
+    bound (:func:`loop_between`)."""
+    ns = current()
+    if ns.api != "nki":
+        raise NotImplementedError("port.register: virtual registers are an nki.* feature")
+    reg = ns.nisa.register_alloc()
+    ns.nisa.register_load(reg, tile)
+    return reg
 
 
 def unroll(n, body):
@@ -833,8 +868,20 @@ def band_select_max(dst, data, sides, runtime=None, offsets=None, neg_max=None):
         bounds.append((col, cmp_op))
     if len(bounds) == 1:
         bounds.append(bounds[0])
+    range_select_max(dst, data, bounds, neg_max)
+
+
+def range_select_max(dst, data, bounds, neg_max):
+    """0.7 only (NeuronCore-v3+): ``dst = data`` where ``cmp_op(j, bound)`` holds for both
+    ``(bound, cmp_op)`` of ``bounds`` (``bound`` fp32 ``[P, 1]`` columns, ``j`` the free
+    index), fp32.min elsewhere, and ``neg_max = -(row max of dst)``: one VectorE
+    ``range_select`` with its max reduction (and a GpSimd negation)."""
+    ns = current()
+    if ns.api != "nki":
+        raise RuntimeError("port.range_select_max: NKI 0.7 only")
+    nl_, nisa = ns.nl, ns.nisa
     (b0, c0), (b1, c1) = bounds
-    mx = nl_.ndarray((rows, 1), dtype=nl_.float32, buffer=nl_.sbuf)
+    mx = nl_.ndarray((data.shape[0], 1), dtype=nl_.float32, buffer=nl_.sbuf)
     nisa.range_select(dst=dst, on_true_tile=data, comp_op0=c0, comp_op1=c1, bound0=b0,
                       bound1=b1, reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=mx,
                       reduce_op=nl_.maximum)

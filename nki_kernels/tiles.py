@@ -75,6 +75,22 @@ BSP_STEP_BLOCKS = 4
 #: 237.7 / 227.2 / 203.5 us; 32 was refused by the simulator, an access out of bounds, not
 #: pursued). A class with fewer shared slots takes a shorter step.
 BSP_SHARED_STEP_BLOCKS = 16
+#: Keys per online-softmax step of the packed variable-length forward
+#: (``attention/varlen.py``): one PSUM bank of fp32 scores per query head, as BSP_STEP_BLOCKS.
+VARLEN_STEP_KEYS = BSP_STEP_BLOCKS * PMAX
+#: Query tiles of the packed variable-length forward that share one sweep of keys (the union
+#: of their rows' ranges): each step's K/V gather, K^T transposes and V guard serve all of
+#: them. VARLEN_GROUP_TILES x 128 = VARLEN_STEP_KEYS rows, so a long causal sequence issues
+#: the same score tiles as with one tile per sweep.
+VARLEN_GROUP_TILES = VARLEN_STEP_KEYS // PMAX
+#: Kv heads one loop body of the packed variable-length forward serves (when they divide
+#: Hkv): their tiles share the group's setup (row bounds, sweep, step count) and their
+#: independent chains let the engines overlap one head's DMA waits with the other's work.
+VARLEN_KV_HEADS = 2
+#: Most (query tile, query head) slots of one such loop body: their Q^T, ``[o_acc | l]`` and
+#: statistics stay in SBUF through the sweep (~0.8 KiB per partition each at D = 128), and
+#: the body is unrolled over them, so this bounds both SBUF and the program size.
+VARLEN_MAX_SLOTS = 16
 #: Query tiles of one class processed together by the block-sparse forward (a loop body): their
 #: softmax chains interleave step by step, as the dense forward's groups do
 #: (FWD_RESIDENT_Q_GROUP), so the engines have independent work while one tile waits.

@@ -163,9 +163,15 @@ def load(tile, api="scalar_load"):
 
 
 def register_load(reg, tile):
-    """``nisa.register_load``: a (<= 32-bit) scalar from a 1-element tile into ``reg``."""
+    """``nisa.register_load``: a (<= 32-bit) scalar from a 1-element tile into ``reg``; in the
+    scheduled estimate every engine of the core waits for the value (``_sched.register_wait``:
+    the engine sequencers branch on it)."""
+    from . import _sched
+
     _one(tile, "register_load")
     reg.set(int(np.asarray(tile._read()).reshape(-1)[0]))
+    if _sched.ACTIVE is not None:
+        _sched.ACTIVE.register_wait(tile)
 
 
 def store_value(tile, x, api="scalar_store"):

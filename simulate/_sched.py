@@ -352,6 +352,35 @@ class Scheduler:
         if q is not None:
             self.dma_queues[core] = [max(x, t) for x in q]
 
+    def register_wait(self, t):
+        """``nisa.register_load`` of the tile view ``t``: a dynamic loop bound (or while
+        condition) is read by the engine sequencers that branch on it (the 2.33 stub,
+        ``register_alloc``: "physical register allocation ... across the appropriate engine
+        sequencers"; dynamic loops "compile to branching instructions executed by engine
+        sequencers"), so nothing issued after it on any engine or DMA queue of the core starts
+        before the value is written (plus the semaphore latency): the engines' free times
+        and their idle gaps are cut at that time (earlier independent work may still fill
+        the gaps after it, as at any compiled loop's iteration boundary). UNCONFIRMED (no
+        cost is documented): every engine is assumed to take part; the load itself is
+        charged no engine time."""
+        self._commit()
+        self._flush()
+        core = self.core
+        lo, hi = _range(t)
+        ready = 0.0
+        for wlo, whi, wend, _ in self._access(t._st).w:
+            if wlo < hi and lo < whi:
+                ready = max(ready, wend + _hw.SCHED_SYNC_NS * 1e-9)
+        for e in ("tensor", "vector", "scalar", "gpsimd", "dma-bandwidth"):
+            key = (core, e)
+            self.engine_free[key] = max(self.engine_free.get(key, 0.0), ready)
+            if key in self.gaps:
+                self.gaps[key] = [(max(g0, ready), g1) for g0, g1 in self.gaps[key]
+                                  if g1 > ready]
+        q = self.dma_queues.get(core)
+        if q is not None:
+            self.dma_queues[core] = [max(x, ready) for x in q]
+
     # -- scheduling -----------------------------------------------------------------------------
     def _access(self, st):
         """The current core's record of ``st``: grid instances on different NeuronCores are

@@ -75,19 +75,69 @@ def _unsupported(kwargs) -> None:
                       "returning None", stacklevel=3)
 
 
+def _band(module, is_causal, sliding_window, L: int):
+    """``(causal, window)`` of a call without a mask tensor: the module's causality and
+    transformers' sliding window (key j visible from query i iff i - W < j <= i)."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not causal or L == 1:
+        return None, None
+    window = None
+    if sliding_window is not None:
+        window = (int(sliding_window) - 1, _v.WINDOW_UNBOUNDED)
+    return _v.CAUSAL_BOTTOM_RIGHT, window
+
+
 def _form(module, query, key, attention_mask, is_causal, sliding_window) -> "_ops._MaskForm":
     B, Hq, L, _ = query.shape
     S = key.shape[2]
     if attention_mask is not None:
         return _ops._mask_to_options(attention_mask, query, (B,), Hq, L, S)
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if not causal or L == 1:
-        return _ops._MaskForm(None, None, None, None)
-    window = None
-    if sliding_window is not None:
-        # transformers' sliding window: key j visible from query i iff i - W < j <= i
-        window = (int(sliding_window) - 1, _v.WINDOW_UNBOUNDED)
-    return _ops._MaskForm(_v.CAUSAL_BOTTOM_RIGHT, window, None, None)
+    return _ops._MaskForm(*_band(module, is_causal, sliding_window, L), None, None)
+
+
+def _packed_offsets(query, key, kwargs):
+    """The int32 ``(cu_seqlens_q, cu_seqlens_k)`` of a padding-free packed batch, as
+    transformers' flash backend finds them: the ``cu_seq_lens_q``/``cu_seq_lens_k`` keywords
+    (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), else ``position_ids``
+    that restart (from their minimum) inside one batch row of self-attention; None for an
+    unpacked call."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None:
+        pos = kwargs.get("position_ids")
+        L = query.shape[2]
+        if pos is None or query.shape[0] != 1 or key.shape[2] != L or pos.numel() != L:
+            return None
+        pos = pos.reshape(-1)
+        starts = (pos == pos.min()).nonzero().view(-1)
+        if starts.numel() < 2:
+            return None
+        cu_q = cu_k = torch.cat([starts, starts.new_tensor([L])])
+    cu_k = cu_q if cu_k is None else cu_k
+    return tuple(c.detach().to(device="cpu", dtype=torch.int32) for c in (cu_q, cu_k))
+
+
+def _check_packed_mask(attention_mask, cu, causal, window, L: int):
+    """The kernel applies the offsets, not the mask (as transformers' flash backend does):
+    the mask transformers built for a packed batch must be its sequences' own (block
+    diagonal, with the band) or the band of the whole row (the sliding-window masks do not
+    see the packing), nothing else (a padding mask would be lost)."""
+    if attention_mask is None:
+        return
+    seq = torch.zeros(L, dtype=torch.int64)
+    seq[cu[1:-1].long()] = 1
+    seq = seq.cumsum(0)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    band = torch.ones(L, L, dtype=torch.bool)
+    if causal is not None:
+        band &= j <= i
+    if window is not None:
+        band &= j >= i - window[0]
+    got = attention_mask.reshape(-1, L, L) if attention_mask.dtype == torch.bool else None
+    if got is None or not any(bool((got == want).all())
+                              for want in (band & (seq[:, None] == seq[None, :]), band)):
+        raise ValueError("attention_mask: a packed batch (position_ids restarting, or "
+                         "cu_seq_lens_q) must come with its sequences' causal mask, the "
+                         "row's, or none; got another mask")
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -100,9 +150,18 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     returns ``(attn_output (B, L, Hq, D), None)``."""
     _unsupported(kwargs)
     mods = dict(softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
-    form = _form(module, query, key, attention_mask, is_causal, sliding_window)
     # fp32 models keep fp32 matmul operands (as their SDPA would), bf16/fp16 theirs
     mixed = query.dtype not in (torch.float32, torch.float64)
+    packed = _packed_offsets(query, key, kwargs)
+    if packed is not None:
+        # a padding-free packed batch: each sequence attends within itself (the packed kernels)
+        causal, window = _band(module, is_causal, sliding_window, query.shape[2])
+        _check_packed_mask(attention_mask, packed[0], causal, window, query.shape[2])
+        o = _ops.flash_attention(query, key, value, causal=causal, window=window, scale=scaling,
+                                 mixed_precision=mixed, dropout_p=float(dropout),
+                                 cu_seqlens_q=packed[0], cu_seqlens_k=packed[1], **mods)
+        return o.transpose(1, 2).contiguous(), None
+    form = _form(module, query, key, attention_mask, is_causal, sliding_window)
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (query, key, value, mods["sinks"]))
     if query.shape[2] == 1 and not needs_grad and not dropout and form.q_lens is None:

@@ -280,16 +280,23 @@ def own_rows(geo: Geometry, first, length, frame: RowFrame):
     length`` (a ``[128, 1]`` column or a number), and the positions themselves (fp32)."""
     pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(pos, first, nl.add, geo.part)
+    return rows_at(pos, length, frame), pos
+
+
+def rows_at(pos, length, frame: RowFrame):
+    """int32 gather/scatter indices (rows of ``frame``) of the positions ``pos`` (fp32, ``[128,
+    n]``), out of bounds at positions ``>= length`` (a ``[128, 1]`` column or a number)."""
     length = float(length) if isinstance(length, (int, float)) else length
-    pushed = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    shape = tuple(pos.shape)
+    pushed = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(pushed, pos, nl.greater_equal, length, op1=nl.multiply,
                        operand1=frame.oob)
-    idx = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+    idx = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf)
     if frame.base is None:
         port.tensor_tensor(idx, pushed, pos, nl.add)
     else:
         port.scalar_tensor_tensor(idx, pushed, nl.add, frame.base, nl.add, pos)
-    return idx, pos
+    return idx
 
 
 def gather(dst, src, lead, idx, col, skip: bool):
@@ -661,5 +668,5 @@ def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
     store_tile(f, out_idx, head, zeros, ninf)
 
 
-__all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "RowFrame", "own_rows", "gather",
+__all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "RowFrame", "own_rows", "rows_at", "gather",
            "scatter", "unit_seeds", "store_tile", "check_classes", "refuse_large_in_nki"]

@@ -148,3 +148,43 @@ def test_softcap_and_sink_models_match_eager(kind):
     want = ref.generate(ids, attention_mask=am, max_new_tokens=5, do_sample=False)
     got = ours.generate(ids, attention_mask=am, max_new_tokens=5, do_sample=False)
     assert torch.equal(want, got)
+
+
+def test_packed_batch_matches_sdpa_on_the_unpacked_sequences():
+    """A padding-free packed batch from ``DataCollatorWithFlattening`` (position_ids and, with
+    ``return_flash_attn_kwargs``, the cu_seq_lens keywords: the backend reads the latter when
+    given) through the nki backend: logits and parameter gradients equal sdpa's on each
+    sequence run alone (Mistral: a sliding window per sequence)."""
+    ref, ours = _model("mistral")
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 11, 1)]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": s} for s in seqs])
+    keep = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+            "max_length_k")
+    inputs = {name: batch[name] for name in keep if name in batch}
+    weights = torch.linspace(-1, 1, V)
+    ours.zero_grad()
+    packed = ours(**inputs).logits[0]
+    (packed * weights).sum().backward()
+    ref.zero_grad()
+    alone = torch.cat([ref(torch.tensor([s])).logits[0] for s in seqs])
+    (alone * weights).sum().backward()
+    assert (packed - alone).abs().max() < 2e-5
+    for (name, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
+        assert (a.grad - b.grad).abs().max() < 2e-4 * max(1.0, a.grad.abs().max()), name
+
+
+def test_packed_offsets_from_position_ids_alone():
+    """Without the cu_seq_lens keywords the offsets come from where position_ids restart (from
+    their minimum, as transformers' flash backend finds them); an unpacked row has none; a
+    mask that is neither the packed nor the row's causal one is refused."""
+    q = torch.zeros(1, 2, 7, 4)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1]])
+    cu_q, cu_k = nki_tf._packed_offsets(q, q, {"position_ids": pos})
+    assert cu_q.tolist() == cu_k.tolist() == [0, 3, 5, 7] and cu_q.dtype == torch.int32
+    assert nki_tf._packed_offsets(q, q, {"position_ids": torch.arange(7)[None]}) is None
+    padding = torch.ones(1, 1, 7, 7, dtype=torch.bool).tril()
+    padding[..., 0] = False
+    with pytest.raises(ValueError, match="attention_mask: a packed batch"):
+        nki_tf._check_packed_mask(padding, cu_q, "bottom_right", None, 7)
