@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
-
 try:
     import torch
     import torch.distributed as dist
