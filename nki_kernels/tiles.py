@@ -394,7 +394,8 @@ FWD_Q_SPANS = 16
 #: FWD_Q_SPANS = 16, 1 / 2 / 4 / 8 tiles (N = 2048: 16 / 8 / 4 / 2 spans; N = 4096: - / 16 /
 #: 8 / 4): nki.* N = 2048 D = 64 62.2 / 57.5 / 56.1 / -, D = 128 72.8 / 64.3 / 61.9 / -;
 #: N = 4096 D = 128 - / 165.2 / 161.5 / 157.6 us; legacy D = 128 N = 2048 77.0 / 69.5 / 72.3
-#: / -, N = 4096 - / 202.6 / 199.7 / 214.6 us (8 would make legacy worse at N = 4096).
+#: / -, N = 4096 - / 202.6 / 199.7 / 214.6 us (8 would make legacy worse at N = 4096). With
+#: FWD_MASKED_P_DMA_SHARE = 0 (below), nki.* trn2 N = 4096 D = 128: 4 / 8 tiles 155.3 / 164.4.
 #: Both namespaces plan alike, so their outputs stay equal bit for bit.
 FWD_MIN_SPAN_TILES = 4
 #: Query tiles per group (per kv group, all heads together) with resident K/V: their online

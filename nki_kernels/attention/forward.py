@@ -197,8 +197,8 @@ from nki_kernels.port import nl
 # A span is a run of query tiles whose key range is split into *regions*: keys every row of the
 # span sees (no mask, no predicate) and the keys around the band's edges that only some rows
 # see (masked). Splitting the query tiles into a fixed number of spans (FWD_Q_SPANS, whatever
-# N) is what lets a causal or windowed kernel skip most fully masked blocks with compile-time
-# loop bounds: a span's loops only cover the union of its rows' key ranges, and within the
+# N; fewer when they would hold fewer than ForwardTiles.span_tiles tiles) is what lets a
+# causal or windowed kernel skip most fully masked blocks with compile-time loop bounds: a span's loops only cover the union of its rows' key ranges, and within the
 # masked regions predicated-off blocks still issue (the hardware runs the loop, the predicate
 # disables the instruction; nki.* runs them). A band bounded on both sides (a window) instead gives its interior
 # query tiles one *sliding* span: each tile sweeps the same key regions relative to its own
