@@ -198,9 +198,10 @@ from nki_kernels.port import nl
 # span sees (no mask, no predicate) and the keys around the band's edges that only some rows
 # see (masked). Splitting the query tiles into a fixed number of spans (FWD_Q_SPANS, whatever
 # N; fewer when they would hold fewer than ForwardTiles.span_tiles tiles) is what lets a
-# causal or windowed kernel skip most fully masked blocks with compile-time loop bounds: a span's loops only cover the union of its rows' key ranges, and within the
-# masked regions predicated-off blocks still issue (the hardware runs the loop, the predicate
-# disables the instruction; nki.* runs them). A band bounded on both sides (a window) instead gives its interior
+# causal or windowed kernel skip most fully masked blocks with compile-time loop bounds: a
+# span's loops only cover the union of its rows' key ranges, and within the masked regions
+# predicated-off blocks still issue (the hardware runs the loop, the predicate disables the
+# instruction; nki.* runs them). A band bounded on both sides (a window) instead gives its interior
 # query tiles one *sliding* span: each tile sweeps the same key regions relative to its own
 # first row (an affine offset of the tile index), the fixed spans only cover the tiles near the
 # sequence edges, and the tail block's indicators are compile-time tiles built once.
