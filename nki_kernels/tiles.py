@@ -398,6 +398,12 @@ FWD_Q_SPANS = 16
 #: FWD_MASKED_P_DMA_SHARE = 0 (below), nki.* trn2 N = 4096 D = 128: 4 / 8 tiles 155.3 / 164.4.
 #: Both namespaces plan alike, so their outputs stay equal bit for bit.
 FWD_MIN_SPAN_TILES = 4
+#: Fewest spans FWD_MIN_SPAN_TILES may leave; below it spans of one tile, as without it: with
+#: few spans a span sweeps much more of the masked triangle (1 / (2 spans) of the square).
+#: Scheduled estimate, N = 1024 causal D = 128 (8 tiles), spans of 1 / 2 / 4 tiles: legacy
+#: trn2 26.8 / 26.9 / 29.2 us, trn1 25.2 / 25.6 / 27.1; nki.* trn2 32.1 / 25.8 / 25.1 (legacy
+#: must not get worse: 1 tile). N = 2048 (4 spans of 4) and above meet it.
+FWD_MIN_Q_SPANS = 4
 #: Query tiles per group (per kv group, all heads together) with resident K/V: their online
 #: softmax chains are interleaved in the loop nest (key blocks outer, tiles inner), so every
 #: engine has independent work while one tile waits on another engine. 8 tiles: the scheduled

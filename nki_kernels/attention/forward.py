@@ -308,11 +308,13 @@ def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
 def _fixed_spans(spec: M.MaskSpec, t_from: int, t_to: int, qt: int, cores: int,
                  min_tiles: int = 1):
     """Full query tiles ``[t_from, t_to)`` in at most ``FWD_Q_SPANS`` spans (one without a
-    band) of at least ``max(cores, min_tiles)`` tiles (fewer only when there are fewer tiles),
-    each with its key regions."""
+    band) of at least ``cores`` tiles, each with its key regions; of at least ``min_tiles``
+    tiles unless that leaves fewer than ``FWD_MIN_Q_SPANS`` spans."""
     n_full = t_to - t_from
-    n_spans = max(1, min(n_full // max(cores, min_tiles),
-                         T.FWD_Q_SPANS if spec.has_diag else 1))
+    n_spans = n_full // max(cores, min_tiles)
+    if n_spans < T.FWD_MIN_Q_SPANS:
+        n_spans = n_full // cores
+    n_spans = max(1, min(n_spans, T.FWD_Q_SPANS if spec.has_diag else 1))
     n_spans = min(n_spans, n_full)
     spans, t = [], t_from
     for i in T.unrolled(n_spans):

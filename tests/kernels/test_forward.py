@@ -418,13 +418,13 @@ def test_dma_transposed_p_trn2():
 
 
 def test_plan_skips_causal_tiles():
-    """Causal: the query tiles form at most FWD_Q_SPANS spans of at least ``span_tiles`` tiles
-    (plus the partial tile); each span sweeps keys up to its last row's diagonal, unmasked up to
-    its first row's (128-aligned), so the swept area is about (1 + 1/spans) / 2 of the square."""
+    """Causal: the query tiles form at most FWD_Q_SPANS (16) spans of at least ``span_tiles`` (4)
+    tiles when that leaves FWD_MIN_Q_SPANS (4), else of one tile (plus the partial tile); each
+    span sweeps keys up to its last row's diagonal, unmasked up to its first row's
+    (128-aligned), so the swept area is about (1 + 1/spans) / 2 of the square."""
     tiles = T.ForwardTiles()
-    for N in (1000, 4096, 16384):
+    for N, spans in ((1000, 7), (2048, 4), (4096, 8), (16384, 16)):
         plan = F.plan_forward(N, N, 1, MaskSpec(N, N, "top_left"), tiles)
-        spans = max(1, min(T.FWD_Q_SPANS, N // 128 // tiles.span_tiles))
         assert len(plan.spans) == spans + (N % 128 > 0)
         swept = 0
         for sp in plan.spans:
