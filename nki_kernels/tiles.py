@@ -412,6 +412,24 @@ FWD_KV_CHUNK = FWD_SOFTMAX_BLOCK
 #: computes about (1 + 1/FWD_Q_SPANS) / 2 of the full score matrix; the program holds one copy
 #: of the loop nest per span (constant in N).
 FWD_Q_SPANS = 16
+#: Fewest query tiles per span (with fewer tiles, fewer spans) when the band's spans cover
+#: all query tiles (not the edges of a sliding window): a span's tiles are the independent
+#: online-softmax chains a group interleaves, and a span of one or two tiles leaves the engines
+#: waiting on each other's latencies (nki.*: on the DMA transposes of P), more than the
+#: masked keys a longer span sweeps cost. Scheduled estimate, trn2, one core, bf16, causal,
+#: FWD_Q_SPANS = 16, 1 / 2 / 4 / 8 tiles (N = 2048: 16 / 8 / 4 / 2 spans; N = 4096: - / 16 /
+#: 8 / 4): nki.* N = 2048 D = 64 62.2 / 57.5 / 56.1 / -, D = 128 72.8 / 64.3 / 61.9 / -;
+#: N = 4096 D = 128 - / 165.2 / 161.5 / 157.6 us; legacy D = 128 N = 2048 77.0 / 69.5 / 72.3
+#: / -, N = 4096 - / 202.6 / 199.7 / 214.6 us (8 would make legacy worse at N = 4096). With
+#: FWD_MASKED_P_DMA_SHARE = 0 (below), nki.* trn2 N = 4096 D = 128: 4 / 8 tiles 155.3 / 164.4.
+#: Both namespaces plan alike, so their outputs stay equal bit for bit.
+FWD_MIN_SPAN_TILES = 4
+#: Fewest spans FWD_MIN_SPAN_TILES may leave; below it spans of one tile, as without it: with
+#: few spans a span sweeps much more of the masked triangle (1 / (2 spans) of the square).
+#: Scheduled estimate, N = 1024 causal D = 128 (8 tiles), spans of 1 / 2 / 4 tiles: legacy
+#: trn2 26.8 / 26.9 / 29.2 us, trn1 25.2 / 25.6 / 27.1; nki.* trn2 32.1 / 25.8 / 25.1 (legacy
+#: must not get worse: 1 tile). N = 2048 (4 spans of 4) and above meet it.
+FWD_MIN_Q_SPANS = 4
 #: Query tiles per group (per kv group, all heads together) with resident K/V: their online
 #: softmax chains are interleaved in the loop nest (key blocks outer, tiles inner), so every
 #: engine has independent work while one tile waits on another engine. 8 tiles: the scheduled
@@ -438,6 +456,15 @@ FWD_STAGE_SLOTS = 8
 #: trn3 N = 4096 239.1 / 210.1 / 187.2. Legacy keeps 0: AWS's legacy flash_fwd left its
 #: DMA-transpose path disabled as not yet stable (nki-samples 0898a77 ``transpose_p_local``).
 FWD_NKI_P_DMA_SHARE = {"trn2": 0.75, "trn3": 1.0}
+#: The DMA transposes' share of P^T in the blocks of a band's masked regions (the keys around
+#: the diagonal, where only some rows of a span see the keys): at most this, whatever the
+#: target's share. These blocks end each span's sweep, where its tiles' chains have nothing
+#: left to overlap the DMA transposes' completion latency (1.3 us, simulate._hw
+#: DMA_FIXED_LATENCY_NS) with, so TensorE transposes them. Scheduled estimate, one core,
+#: bf16, causal, span_tiles 4, 0 against the target's share: trn2 N = 2048 D = 64 52.3 / 56.1
+#: us, D = 128 59.3 / 61.9 (0.5: 61.9); N = 4096 D = 128 155.3 / 161.5; trn3 N = 4096 133.9 /
+#: 137.4.
+FWD_MASKED_P_DMA_SHARE = 0.0
 #: Staged query tiles under nki.* with those DMA transposes (trn2, share 0.75: stage 2 against
 #: 1, 4, 8: N = 4096 217.7 / 218.3 / 218.7 / 239.8 us; N = 8192 799.8 / 799.5 / 808.7 / 853.2;
 #: N = 2048 67.9 / 67.2 / 67.0 / 75.6; causal 4096 167.8 / 172.6 / 167.8 / 167.8; trn3, share
@@ -573,6 +600,9 @@ class ForwardTiles:
         Every query row of the program is loaded at its start (:func:`fwd_q_preload_bytes`
         of SBUF), instead of each group loading its own tiles when it begins (a group's loads
         of 128-row tiles of 256-byte rows take longer than its first steps need).
+    span_tiles : int
+        Fewest query tiles per span of a causal or window band (:data:`FWD_MIN_SPAN_TILES`;
+        fewer spans when there are fewer tiles).
     """
 
     q_tile: int = FWD_Q_TILE
@@ -588,6 +618,7 @@ class ForwardTiles:
     target: str = FWD_DEFAULT_TARGET
     stage: int = 1
     q_preload: bool = False
+    span_tiles: int = FWD_MIN_SPAN_TILES
 
     def __post_init__(self):
         if not 1 <= self.q_tile <= PMAX:
@@ -610,6 +641,8 @@ class ForwardTiles:
             raise ValueError(f"q_group: expected >= 1, got {self.q_group}")
         if self.stage < 1:
             raise ValueError(f"stage: expected >= 1, got {self.stage}")
+        if self.span_tiles < 1:
+            raise ValueError(f"span_tiles: expected >= 1, got {self.span_tiles}")
         if self.act_evac_share is not None and not 0.0 <= self.act_evac_share <= 1.0:
             raise ValueError(f"act_evac_share: expected None or a fraction in [0, 1], got "
                              f"{self.act_evac_share}")

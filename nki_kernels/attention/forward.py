@@ -197,10 +197,11 @@ from nki_kernels.port import nl
 # A span is a run of query tiles whose key range is split into *regions*: keys every row of the
 # span sees (no mask, no predicate) and the keys around the band's edges that only some rows
 # see (masked). Splitting the query tiles into a fixed number of spans (FWD_Q_SPANS, whatever
-# N) is what lets a causal or windowed kernel skip most fully masked blocks with compile-time
-# loop bounds: a span's loops only cover the union of its rows' key ranges, and within the
-# masked regions predicated-off blocks still issue (the hardware runs the loop, the predicate
-# disables the instruction; nki.* runs them). A band bounded on both sides (a window) instead gives its interior
+# N; fewer when they would hold fewer than ForwardTiles.span_tiles tiles) is what lets a
+# causal or windowed kernel skip most fully masked blocks with compile-time loop bounds: a
+# span's loops only cover the union of its rows' key ranges, and within the masked regions
+# predicated-off blocks still issue (the hardware runs the loop, the predicate disables the
+# instruction; nki.* runs them). A band bounded on both sides (a window) instead gives its interior
 # query tiles one *sliding* span: each tile sweeps the same key regions relative to its own
 # first row (an affine offset of the tile index), the fixed spans only cover the tiles near the
 # sequence edges, and the tail block's indicators are compile-time tiles built once.
@@ -284,7 +285,7 @@ def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
     spans = []
     slide = _sliding_tiles(spec, n_full, qt, tiles) if tiles.kv_resident else None
     if slide is None:
-        spans += _fixed_spans(spec, 0, n_full, qt, cores)
+        spans += _fixed_spans(spec, 0, n_full, qt, cores, tiles.span_tiles)
     else:
         t_lo, t_hi, off, width = slide
         spans += _fixed_spans(spec, 0, t_lo, qt, cores)
@@ -304,11 +305,16 @@ def plan_forward(Nq: int, Nk: int, group: int, spec: M.MaskSpec,
     return ForwardPlan(tuple(spans), qt, q_group, tiles.kv_resident, tiles.kv_chunk)
 
 
-def _fixed_spans(spec: M.MaskSpec, t_from: int, t_to: int, qt: int, cores: int):
+def _fixed_spans(spec: M.MaskSpec, t_from: int, t_to: int, qt: int, cores: int,
+                 min_tiles: int = 1):
     """Full query tiles ``[t_from, t_to)`` in at most ``FWD_Q_SPANS`` spans (one without a
-    band) of at least ``cores`` tiles, each with its key regions."""
+    band) of at least ``cores`` tiles, each with its key regions; of at least ``min_tiles``
+    tiles unless that leaves fewer than ``FWD_MIN_Q_SPANS`` spans."""
     n_full = t_to - t_from
-    n_spans = max(1, min(n_full // cores, T.FWD_Q_SPANS if spec.has_diag else 1))
+    n_spans = n_full // max(cores, min_tiles)
+    if n_spans < T.FWD_MIN_Q_SPANS:
+        n_spans = n_full // cores
+    n_spans = max(1, min(n_spans, T.FWD_Q_SPANS if spec.has_diag else 1))
     n_spans = min(n_spans, n_full)
     spans, t = [], t_from
     for i in T.unrolled(n_spans):
@@ -552,8 +558,9 @@ class Config:
         iteration: the split is program text)."""
         return _Splitter(self.act_share)
 
-    def dma_split(self):
-        return _Splitter(self.dma_share)
+    def dma_split(self, masked: bool = False):
+        return _Splitter(min(self.dma_share, T.FWD_MASKED_P_DMA_SHARE) if masked
+                         else self.dma_share)
 
 
 def dma_share(tiles: T.ForwardTiles, gen3: bool) -> float:
@@ -697,14 +704,16 @@ def balance_engines(tiles: T.ForwardTiles, plan: ForwardPlan, spec: M.MaskSpec, 
     if share is None:
         gen3 = port.gen3()
         Bk = tiles.softmax_block
-        cols = blocks = n_tiles = rows_cols = 0
+        share_of = {False: dma_share(tiles, gen3)}
+        share_of[True] = min(share_of[False], T.FWD_MASKED_P_DMA_SHARE)
+        cols = blocks = n_tiles = evac = 0
         for sp in plan.spans:
             n = G * sp.tiles
             n_tiles += n
             for rg in sp.regions:
                 w = rg.k1 - rg.k0
                 cols += n * w
-                rows_cols += n * w * sp.rows
+                evac += (1.0 - share_of[rg.masked]) * n * w * sp.rows
                 blocks += n * T.ceil_div(w, Bk)
         act_extra, dve_extra = SM.engine_extra(mods, not SM.one_sided(spec))
         # the non-finite V guard: three VectorE passes over every V element loaded, two small
@@ -714,7 +723,7 @@ def balance_engines(tiles: T.ForwardTiles, plan: ForwardPlan, spec: M.MaskSpec, 
         share = T.fwd_act_evac_share(
             "trn2" if gen3 else "trn1", score_cols=cols, blocks=blocks, rescales=blocks,
             q_tiles=n_tiles,
-            evac_cols=int((1.0 - dma_share(tiles, gen3)) * rows_cols // T.PMAX), D=D,
+            evac_cols=int(evac // T.PMAX), D=D,
             dropout=dropout, act_extra=act_extra, dve_extra=dve_extra,
             dve_cycles=guard_cycles)
     return share
@@ -1337,7 +1346,7 @@ def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
         front = staged_front(stage, r, width)
         if f.dropout_p:
             dropout_units(f, front[0], r, width, *du, pred)
-        fold_back(f, st, s, front, widths, kv, rb, pred)
+        fold_back(f, st, s, front, widths, kv, rb, pred, masked)
         return
     stats = st.stats[0:r, s, :]
     s_tiles, fused = zip(*[scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked,
@@ -1352,7 +1361,7 @@ def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
         fold_front(f, st, s, s_tiles, widths, pred, out=staged_front(stage, r, width),
                    fused=fused)
         return
-    fold_block(f, st, s, s_tiles, widths, kv, rb, pred, drop, fused)
+    fold_block(f, st, s, s_tiles, widths, kv, rb, pred, drop, fused, masked)
 
 
 def staged_front(stage, rows: int, width: int):
@@ -1364,7 +1373,7 @@ def staged_front(stage, rows: int, width: int):
 
 
 def fold_block(f: Instance, st: GroupState, s, s_tiles, widths, kv: KV, rb, pred, drop=None,
-               fused=()):
+               fused=(), masked: bool = False):
     """The online-softmax update of slot s by one key block whose raw score tiles (masks
     already added) are ``s_tiles`` (PSUM, ``widths`` keys each, consecutive keys from the K/V
     tile's 128-key block ``rb``): new max, ``P = exp(...)``, alpha, ``pv = P [V | 1]``,
@@ -1374,7 +1383,7 @@ def fold_block(f: Instance, st: GroupState, s, s_tiles, widths, kv: KV, rb, pred
     ``fused[n]``: tile n's negated row max is already in its statistics column
     (:func:`scores`)."""
     fold_back(f, st, s, fold_front(f, st, s, s_tiles, widths, pred, drop, fused=fused), widths,
-              kv, rb, pred)
+              kv, rb, pred, masked)
 
 
 def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None, out=None,
@@ -1450,9 +1459,11 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
     return p, alpha, row_sum
 
 
-def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred):
+def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred,
+              masked: bool = False):
     """Second half of :func:`fold_block`: ``pv = P [V | 1]`` and the accumulator update, from
-    :func:`fold_front`'s ``(p, alpha, row_sum)``."""
+    :func:`fold_front`'s ``(p, alpha, row_sum)``; ``masked``: a block of a masked region (at
+    most ``tiles.FWD_MASKED_P_DMA_SHARE`` of its P^T on the DMA engines)."""
     p, alpha, row_sum = front
     r, P = st.rows, T.PMAX
     width = sum(widths)
@@ -1462,7 +1473,7 @@ def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred):
     chunks = [(c0, min(P, width - c0)) for c0 in T.unrolled(0, width, P)]
     per_tile = T.FWD_PT_CHUNKS
     pt_dtype = f.transpose_psum_dtype(f.mm)
-    on_dma = f.dma_split()
+    on_dma = f.dma_split(masked)
     act_cols = 0
     pv = nl.ndarray((r, f.vcols), dtype=nl.float32, buffer=nl.psum)
     for g0 in T.unrolled(0, len(chunks), per_tile):

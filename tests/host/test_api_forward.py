@@ -244,6 +244,7 @@ def test_option_errors(kwargs, exc, message):
     ({"kv_chunk": 1000}, "kv_chunk: expected a multiple of softmax_block=2048, got 1000"),
     ({"kv_load_block": 100}, "kv_load_block: expected a multiple of 128, got 100"),
     ({"q_group": 0}, "q_group: expected >= 1, got 0"),
+    ({"span_tiles": 0}, "span_tiles: expected >= 1, got 0"),
     ({"act_evac_share": 1.5}, "act_evac_share: expected None or a fraction in [0, 1], got 1.5"),
     ({"p_dma_transpose_share": -0.1}, "p_dma_transpose_share: expected a fraction in [0, 1], "
                                       "got -0.1"),

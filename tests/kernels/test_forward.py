@@ -194,7 +194,7 @@ def test_seed_worked_example():
     K = np.array([[0.3, 0.7], [0.6, 0.2], [-0.1, 0.8], [0.4, -0.3], [0.9, 0.1], [0.2, 0.5]])
     V = np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
     q, k, v = (x.astype(np.float32)[None, None] for x in (Q, K, V))
-    tiles = T.ForwardTiles(q_tile=2)
+    tiles = T.ForwardTiles(q_tile=2, span_tiles=1)
     o, lse = run_kernel(q, k, v, causal=True, mixed_precision=False, tiles=tiles)
     # the seed's hand computation for query tile 0 (rows 0 and 1)
     np.testing.assert_allclose(o[0, 0, 0], [1.0, 0.0], atol=1e-6)
@@ -418,13 +418,14 @@ def test_dma_transposed_p_trn2():
 
 
 def test_plan_skips_causal_tiles():
-    """Causal: the query tiles form FWD_Q_SPANS spans (plus the partial tile); each span sweeps
-    keys up to its last row's diagonal, unmasked up to its first row's (128-aligned), so the
-    swept area is about (1 + 1/spans) / 2 of the square."""
+    """Causal: the query tiles form at most FWD_Q_SPANS (16) spans of at least ``span_tiles`` (4)
+    tiles when that leaves FWD_MIN_Q_SPANS (4), else of one tile (plus the partial tile); each
+    span sweeps keys up to its last row's diagonal, unmasked up to its first row's
+    (128-aligned), so the swept area is about (1 + 1/spans) / 2 of the square."""
     tiles = T.ForwardTiles()
-    for N in (1000, 4096, 16384):
+    for N, spans in ((1000, 7), (2048, 4), (4096, 8), (16384, 16)):
         plan = F.plan_forward(N, N, 1, MaskSpec(N, N, "top_left"), tiles)
-        assert len(plan.spans) == min(T.FWD_Q_SPANS, N // 128) + (N % 128 > 0)
+        assert len(plan.spans) == spans + (N % 128 > 0)
         swept = 0
         for sp in plan.spans:
             r0, r1 = sp.t0 * 128, sp.t0 * 128 + sp.tiles * sp.rows
@@ -432,7 +433,7 @@ def test_plan_skips_causal_tiles():
             assert all(not rg.masked for rg in sp.regions[:-1])
             assert sp.regions[0].k0 == 0 and (len(sp.regions) == 1 or sp.regions[0].k1 <= r0)
             swept += (r1 - r0) * sum(rg.k1 - rg.k0 for rg in sp.regions)
-        assert swept < (0.5 + 0.5 / min(T.FWD_Q_SPANS, N // 128) + 0.07) * N * N
+        assert swept < (0.5 + 0.5 / spans + 0.07) * N * N
 
 
 def test_choose_tiles_streams_when_kv_does_not_fit():
