@@ -406,30 +406,39 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
             port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
         tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos, dist))
 
+    def one_step(s0, n, common):
+        """Slots ``s0 .. s0 + n - 1``: a shared slot's K/V are gathered once (from the first
+        tile's table, which lists the same block there as every tile's) and serve every
+        tile."""
+        kv = _gather_kv(f, tiles[0][0], v_shared, s0, n, skip) if common else None
+        for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
+            own = kv if common else _gather_kv(f, rw, v, s0, n, skip)
+            _step(f, geo, st, t, rw, own, cols, seeds, h, q_frame, s0, n, dist)
+
     def sweep(lo: int, hi: int, common: bool, width: int):
         """Slots lo .. hi - 1 in steps of up to ``width`` blocks (a sequential loop of full
-        steps and a static tail): a shared slot's K/V are gathered once (from the first tile's
-        table, which lists the same block there as every tile's) and serve every tile."""
+        steps and a static tail)."""
         w = min(width, hi - lo)
-
-        def one_step(s0, n):
-            kv = _gather_kv(f, tiles[0][0], v_shared, s0, n, skip) if common else None
-            for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
-                own = kv if common else _gather_kv(f, rw, v, s0, n, skip)
-                _step(f, geo, st, t, rw, own, cols, seeds, h, q_frame, s0, n, dist)
-
         if w == 0:
             return
-        port.loop((hi - lo) // w, lambda s: one_step(lo + s * w, w), carried=True)
+        port.loop((hi - lo) // w, lambda s: one_step(lo + s * w, w, common), carried=True)
         if (hi - lo) % w:
-            one_step(lo + ((hi - lo) // w) * w, (hi - lo) % w)
+            one_step(lo + ((hi - lo) // w) * w, (hi - lo) % w, common)
 
     v_shared = None
     if shared:
         v_shared = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
         port.memset(v_shared[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
     sweep(0, shared, True, Ws)
-    sweep(shared, trip, False, W)
+    if exact or trip == shared or port.api() != "nki":
+        # legacy: no runtime trip count, padding slots run masked (gathers skipped)
+        sweep(shared, trip, False, W)
+    else:
+        n_full, tail = divmod(trip - shared, W)
+        steps, last = _own_steps([rw for rw, *_ in tiles], shared, W, n_full, tail)
+        port.loop_between(0, steps, lambda s: one_step(shared + s * W, W, False))
+        if tail:
+            port.loop_between(0, last, lambda _: one_step(shared + n_full * W, tail, False))
     for t, (rw, _, _, _, q_idx, q_pos, _) in enumerate(tiles):
         in_range = None
         if f.spec.q_lens:
@@ -438,6 +447,35 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         o_out, lse_out = F.finalize(f, st, t, in_range)
         out_idx = q_idx if not geo.has_lens else own_rows(geo, rw.first, f.Nq, q_frame)[0]
         store_tile(f, out_idx, head, o_out, lse_out)
+
+
+def _own_steps(rows, shared: int, W: int, n_full: int, tail: int):
+    """nki.*: the runtime trip counts of a group's own-slot sweep (slots ``shared ..``, steps
+    of ``W``, ``n_full`` full ones and a tail of ``tail`` slots), as registers
+    (:func:`port.register`): ``(steps, last)``, ``steps = min(ceil((c - shared) / W),
+    n_full)`` and ``last`` 1 if the tail step holds a slot below ``c`` (else 0; None without a
+    tail), ``c`` the largest count of the group's tiles (``rows``: their :class:`Row`). The
+    steps past ``c`` hold only padding slots, which contribute nothing (their scores are
+    masked, their gathers skipped): skipping them leaves the outputs of the masked sweep.
+    GpSimd/VectorE ``[1, 1]`` instructions; floor by the int32 conversion's round to nearest
+    even, as :func:`masks.int_mod`."""
+    c = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_copy(c, rows[0].bc[0:1, 1:2], engine="gpsimd")
+    for rw in rows[1:]:
+        port.tensor_tensor(c, c, rw.bc[0:1, 1:2], nl.maximum, engine="gpsimd")
+    # x + 0.5 with x = max(c - shared + W - 1, 0); floor(x / W) = RNE((x + 0.5) / W - 0.5)
+    x = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(x, c, nl.add, float(W - 1 - shared) + 0.5, op1=nl.maximum, operand1=0.5)
+    qf = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(qf, x, nl.multiply, 1.0 / W, op1=nl.subtract, operand1=0.5)
+    n = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_scalar(n, qf, nl.minimum, float(n_full))
+    last = None
+    if tail:
+        t = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(t, c, nl.greater, float(shared + n_full * W))
+        last = port.register(t)
+    return port.register(n), last
 
 
 def _gather_kv(f, rw: Row, v, s0, n: int, skip: bool) -> F.KV:
