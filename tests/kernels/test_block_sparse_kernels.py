@@ -348,9 +348,9 @@ def _few_blocks_index():
 
 
 def test_nki_index_form_skips_padding_steps_and_matches_legacy(monkeypatch):
-    """Under nki.* the index form's own-slot sweep runs only the steps below the group's
-    largest count (runtime trip counts, ``block_sparse._own_steps``), legacy all
-    ``max_blocks`` slots masked: the same outputs bit for bit, the empty tiles' rows zero,
+    """Under nki.* the index form's forward sweep runs only the steps below the group's
+    largest count (runtime trip counts, ``block_sparse._own_steps``) and the backward's slot
+    loops each row's count, legacy all ``max_blocks`` slots masked: the same outputs bit for bit, the empty tiles' rows zero,
     and a shorter scheduled estimate under nki.*."""
     Nq, Nk = 600, 1536
     q, k, v, do = attention_inputs(1, 1, 1, Nq, Nk, 16, seed=15)
@@ -359,8 +359,11 @@ def test_nki_index_form_skips_padding_steps_and_matches_legacy(monkeypatch):
     for api in ("nki", "legacy"):
         monkeypatch.setenv(binding.API_ENV_VAR, api)
         with simulate.measure(target="trn2") as m:
-            outs[api] = host.flash_attention(q, k, v, block_mask=index, return_lse=True,
-                                            mixed_precision=False)
+            o, lse = host.flash_attention(q, k, v, block_mask=index, return_lse=True,
+                                          mixed_precision=False)
+            grads = host.flash_attention_backward(do, q, k, v, o, lse, block_mask=index,
+                                                  mixed_precision=False)
+            outs[api] = [o, lse, *grads]
         assert {kr.api for kr in m.kernels} == {api}
         est[api] = m.estimated_seconds
     got, want = outs["nki"], outs["legacy"]
