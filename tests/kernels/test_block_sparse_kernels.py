@@ -440,3 +440,25 @@ def test_lnc2_spreads_the_instances_over_two_cores(B, Hkv, monkeypatch):
             assert runs[2][1] == runs[1][1]
         else:
             assert runs[2][1] < 0.6 * runs[1][1]
+
+
+def test_nki_index_form_program_size_does_not_grow_with_n():
+    """The index form's runtime trip counts (forward steps, backward slot loops) keep the nki.*
+    program flat in N: a bound of 12 blocks (8 active per tile) at 4K and 16K."""
+    sizes = []
+    grid = launch_grid((1, 1), "nki")
+    for N in (4096, 16384):
+        q, k, v, _ = attention_inputs(1, 1, 1, N, N, 64, dtype=BF16)
+        index = bs.dense_to_index(bs.fixed_density(N // 128, N // 128, 8 / (N // 128)),
+                                  max_blocks=12)
+        t = bs.launch_tables(bs.check_block_mask(tuple(index), 1, 1, N, N), group=1)
+        kw = dict(scale=0.125, mm_dtype="bfloat16")
+        fwd = program_size(block_sparse_attention_fwd.on("nki"), grid, q, k, v, t.q.meta,
+                           classes=t.q.classes, shared=t.q.shared, **kw)
+        o = np.zeros_like(q)
+        lse = np.zeros(q.shape[:3], np.float32)
+        bwd = program_size(block_sparse_attention_bwd.on("nki"), grid, q, k, v, o, q, lse,
+                           t.q.meta, t.k.meta, classes_q=t.q.classes, classes_k=t.k.classes,
+                           **kw)
+        sizes.append((fwd, bwd))
+    assert sizes[0] == sizes[1]
