@@ -13,14 +13,16 @@ pass (forward, backward) and the block-sparse kernels on
 
 in both forms of a pattern: ``dense`` (a bool block mask, a compile-time pattern: the host sorts
 and groups the query tiles, and a group loads its common key blocks once) and ``index``
-(FlexAttention's ``(num_blocks, indices)``: one compilation per bound, padding slots masked).
+(FlexAttention's ``(num_blocks, indices)``: one compilation per bound ``max_blocks``, the
+pattern's largest count or ``--max-blocks``; padding slots masked, and under nki.* a group's
+steps of padding skipped).
 The block-sparse kernel runs at s = 1 too (``flash_attention`` would send an all-True dense
 pattern to the dense kernel). Each row prints the bytes and the estimate over the dense
 kernel's, beside issue 25's time goal ``1.3 s + 0.1``.
 
     python benchmarks/block_sparse.py [--n 4096 16384] [--d 64 128] [--target trn2]
         [--min-density 64 | --densities S ...] [--forms dense index] [--passes fwd bwd]
-        [--no-band] [--out DIR]
+        [--max-blocks M] [--no-band] [--out DIR]
 
 Writes ``DIR/block_sparse.json`` and, with matplotlib, ``DIR/block_sparse.png``. Every number
 is the simulator's model, not a hardware timing.
@@ -60,11 +62,12 @@ def band_strided(nqt: int) -> np.ndarray:
     return ((np.abs(i - j) <= 1) | (j == STRIDE * (i // STRIDE)))[None, None]
 
 
-def run_sparse(x, mask, form, passes, target):
-    """``{pass: measure row}`` of the block-sparse kernels on ``mask`` given in ``form``."""
+def run_sparse(x, mask, form, passes, target, max_blocks=None):
+    """``{pass: measure row}`` of the block-sparse kernels on ``mask`` given in ``form``
+    (``max_blocks``: the index form's bound, None: the pattern's largest count)."""
     q, k, v, do = x
     N = q.shape[2]
-    pattern = mask if form == "dense" else tuple(bs.dense_to_index(mask))
+    pattern = mask if form == "dense" else tuple(bs.dense_to_index(mask, max_blocks))
     call = api._attention_call(_v.check_attention_inputs(q, k, v), _v.dtype_name(q),
                                bs.check_block_mask(pattern, 1, 1, N, N), return_lse=True)
     out = {}
@@ -98,6 +101,8 @@ def main(argv=None):
     ap.add_argument("--densities", type=float, nargs="+",
                     help="these densities instead of the sweep")
     ap.add_argument("--forms", nargs="+", default=["dense", "index"], choices=["dense", "index"])
+    ap.add_argument("--max-blocks", type=int,
+                    help="the index form's bound (default: the pattern's largest count)")
     ap.add_argument("--passes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     ap.add_argument("--no-band", action="store_true", help="skip the band+strided pattern")
     ap.add_argument("--out", default="bench_out")
@@ -122,7 +127,9 @@ def main(argv=None):
             for name, _, mask in patterns:
                 s = float(mask.mean())
                 for form in args.forms:
-                    for p, r in run_sparse(x, mask, form, args.passes, args.target).items():
+                    rows = run_sparse(x, mask, form, args.passes, args.target,
+                                      args.max_blocks)
+                    for p, r in rows.items():
                         d = dense[p]
                         row = dict(N=N, D=D, pattern=name, density=s, form=form, pass_=p,
                                    bytes_over_dense=r["hbm_bytes"] / d["hbm_bytes"],

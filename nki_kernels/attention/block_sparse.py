@@ -26,10 +26,12 @@ grow with N.
   past a tile's count are *padding slots*: their K/V gathers are skipped by ``oob_mode.skip``
   (the index is pushed out of bounds: no HBM read) and their scores are masked, so they cost
   on-chip work but no traffic. Legacy NKI has no data-dependent trip count (``dynamic_range``
-  is an ``nki.*`` API on trn2/trn3 only; reference/nki-api-spec.md), so this is the NKI way.
-  (0.7's ``nl.fori_loop`` takes a register bound, but the nki.* trace keeps the legacy loops
-  and their cost: the tiles of a group share one slot loop, so skipping padding there is a
-  restructuring of its own.)
+  is an ``nki.*`` API on trn2/trn3 only; reference/nki-api-spec.md), so there every slot runs.
+  Under nki.* (0.7's ``nl.fori_loop`` takes a register bound, :func:`port.loop_between`) the
+  own-slot sweep of a group with more than one step of own slots runs only the steps below
+  the largest count of its tiles (:func:`_own_steps`: two register loads per group, the full
+  steps and the tail step), so a step of padding slots in every tile costs nothing; padding
+  slots inside a run step are still masked. The outputs are the legacy trace's: a masked step changes nothing.
 
 Per group of query tiles (a loop body)::
 
@@ -272,6 +274,19 @@ class Row:
         # in range: pos exactly; out: pos + OOB (>= OOB, past every row, exact enough to stay out)
         self.rows = nl.ndarray((P, trip), dtype=nl.int32, buffer=nl.sbuf)
         port.scalar_tensor_tensor(self.rows, self.bad, nl.multiply, frame.oob, nl.add, pos)
+        self.trip = trip
+
+    def slot_loop(self, exact: bool, body):
+        """``body(sl)`` over the row's slots, a sequential compiled loop: under nki.* (unless
+        ``exact``: no padding slot) only the row's count of them (a register loaded from the
+        table, :func:`port.loop_between`), in legacy all ``trip`` (no runtime trip count; the
+        padding slots run masked and contribute nothing, so the outputs are the same)."""
+        if exact or port.api() != "nki":
+            port.loop(self.trip, body, carried=True)
+            return
+        count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_copy(count, self.bc[0:1, 1:2], engine="gpsimd")
+        port.loop_between(0, port.register(count), body)
 
 
 def own_rows(geo: Geometry, first, length, frame: RowFrame):
@@ -372,11 +387,21 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     st = F.GroupState(f, n_tiles, P)
     if f.mods.sinks:
         F.start_at_sink(f, st, h, n_tiles, slot0=0)
-    tiles = []
+    rows = []
     for t in T.unrolled(n_tiles):
         row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
         port.dma_copy(row, meta[hb, hh, nl.ds(pos0 + t, 1), 0:2 + trip], legacy_isa=True)
-        rw = Row(row, trip, geo.k_part, geo.k_len, geo.kv)
+        rows.append(Row(row, trip, geo.k_part, geo.k_len, geo.kv))
+    # nki.*: the own-slot sweep's trip counts, planned before the tiles' setup so that their
+    # register loads (below) find them written. Only where a group may skip a step and still
+    # run one (more than W own slots): each register load stops every engine until its value
+    # is written (simulate._sched.register_wait), which cost the band+strided pattern's
+    # groups of one step 141.3 -> 161.1 us (benchmarks/block_sparse.py, N = 4096, D = 128)
+    runtime = not exact and trip - shared > W and port.api() == "nki"
+    n_full, tail = divmod(trip - shared, W)
+    plan = _own_steps(rows, shared, W, n_full, tail) if runtime else None
+    tiles = []
+    for t, rw in enumerate(rows):
         # valid key columns of slot s: c < kv_len - first_s (none in a padding slot)
         thr = None
         if skip:
@@ -406,30 +431,39 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
             port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
         tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos, dist))
 
+    def one_step(s0, n, common):
+        """Slots ``s0 .. s0 + n - 1``: a shared slot's K/V are gathered once (from the first
+        tile's table, which lists the same block there as every tile's) and serve every
+        tile."""
+        kv = _gather_kv(f, tiles[0][0], v_shared, s0, n, skip) if common else None
+        for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
+            own = kv if common else _gather_kv(f, rw, v, s0, n, skip)
+            _step(f, geo, st, t, rw, own, cols, seeds, h, q_frame, s0, n, dist)
+
     def sweep(lo: int, hi: int, common: bool, width: int):
         """Slots lo .. hi - 1 in steps of up to ``width`` blocks (a sequential loop of full
-        steps and a static tail): a shared slot's K/V are gathered once (from the first tile's
-        table, which lists the same block there as every tile's) and serve every tile."""
+        steps and a static tail)."""
         w = min(width, hi - lo)
-
-        def one_step(s0, n):
-            kv = _gather_kv(f, tiles[0][0], v_shared, s0, n, skip) if common else None
-            for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
-                own = kv if common else _gather_kv(f, rw, v, s0, n, skip)
-                _step(f, geo, st, t, rw, own, cols, seeds, h, q_frame, s0, n, dist)
-
         if w == 0:
             return
-        port.loop((hi - lo) // w, lambda s: one_step(lo + s * w, w), carried=True)
+        port.loop((hi - lo) // w, lambda s: one_step(lo + s * w, w, common), carried=True)
         if (hi - lo) % w:
-            one_step(lo + ((hi - lo) // w) * w, (hi - lo) % w)
+            one_step(lo + ((hi - lo) // w) * w, (hi - lo) % w, common)
 
     v_shared = None
     if shared:
         v_shared = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
         port.memset(v_shared[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
     sweep(0, shared, True, Ws)
-    sweep(shared, trip, False, W)
+    if plan is None:
+        # legacy: no runtime trip count, padding slots run masked (gathers skipped)
+        sweep(shared, trip, False, W)
+    else:
+        port.loop_between(0, port.register(plan[0]),
+                          lambda s: one_step(shared + s * W, W, False))
+        if tail:
+            port.loop_between(0, port.register(plan[1]),
+                              lambda _: one_step(shared + n_full * W, tail, False))
     for t, (rw, _, _, _, q_idx, q_pos, _) in enumerate(tiles):
         in_range = None
         if f.spec.q_lens:
@@ -438,6 +472,35 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         o_out, lse_out = F.finalize(f, st, t, in_range)
         out_idx = q_idx if not geo.has_lens else own_rows(geo, rw.first, f.Nq, q_frame)[0]
         store_tile(f, out_idx, head, o_out, lse_out)
+
+
+def _own_steps(rows, shared: int, W: int, n_full: int, tail: int):
+    """nki.*: the runtime trip counts of a group's own-slot sweep (slots ``shared ..``, steps
+    of ``W``, ``n_full`` full ones and a tail of ``tail`` slots), as registers
+    (int32 ``[1, 1]`` tiles to load into registers, :func:`port.register`): ``(steps,
+    last)``, ``steps = min(ceil((c - shared) / W), n_full)`` and ``last`` 1 if the tail step
+    holds a slot below ``c`` (else 0; None without a tail), ``c`` the largest count of the group's tiles (``rows``: their :class:`Row`). The
+    steps past ``c`` hold only padding slots, which contribute nothing (their scores are
+    masked, their gathers skipped): skipping them leaves the outputs of the masked sweep.
+    GpSimd/VectorE ``[1, 1]`` instructions; floor by the int32 conversion's round to nearest
+    even, as :func:`masks.int_mod`."""
+    c = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_copy(c, rows[0].bc[0:1, 1:2], engine="gpsimd")
+    for rw in rows[1:]:
+        port.tensor_tensor(c, c, rw.bc[0:1, 1:2], nl.maximum, engine="gpsimd")
+    # x + 0.5 with x = max(c - shared + W - 1, 0); floor(x / W) = RNE((x + 0.5) / W - 0.5)
+    x = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(x, c, nl.add, float(W - 1 - shared) + 0.5, op1=nl.maximum, operand1=0.5)
+    qf = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(qf, x, nl.multiply, 1.0 / W, op1=nl.subtract, operand1=0.5)
+    n = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_scalar(n, qf, nl.minimum, float(n_full))
+    last = None
+    if tail:
+        t = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(t, c, nl.greater, float(shared + n_full * W))
+        last = t
+    return n, last
 
 
 def _gather_kv(f, rw: Row, v, s0, n: int, skip: bool) -> F.KV:

@@ -29,7 +29,9 @@ forward's ``Z / (1 - p)``.
 Namespaces as the forward's (module ``block_sparse``): a compiled loop over the instances in
 0.7, gathers through the flattened tensors; delta's scratch is each legacy program's own ``(1,
 G, Nq, 1)``, and under 0.7, whose one program runs every instance, ``(B, Hq, Nq, 1)`` (the same
-bytes in all), addressed like Q.
+bytes in all), addressed like Q. Each row's slot loop (a key block's query tiles, a query
+tile's key blocks) runs the row's count of slots under nki.* (a register bound,
+:meth:`block_sparse.Row.slot_loop`), all ``trip`` in legacy (padding slots masked).
 """
 from __future__ import annotations
 
@@ -300,7 +302,7 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
                 port.nc_matmul(dk_ps, ds, q_mm)
                 _accumulate(dk_acc, dk_ps)
 
-            port.loop(trip, slot, carried=True)
+            rw.slot_loop(exact, slot)
 
         port.loop(f.G, head, carried=True)
     out_idx, _ = own_rows(geo, k_first, f.Nk, geo.kv)
@@ -361,7 +363,7 @@ def _query_tile(cfg: _Cfg, geo: Geometry, meta_q, h, q_frame: RowFrame, pos, tri
             port.nc_matmul(dq_ps, dsT, k_mm)
             _accumulate(dq_acc, dq_ps)
 
-        port.loop(trip, slot, carried=True)
+        rw.slot_loop(exact, slot)
     out_idx, _ = own_rows(geo, rw.first, f.Nq, q_frame)
     dq_out = nl.ndarray((P, f.D), dtype=cfg.dq.dtype, buffer=nl.sbuf)
     port.tensor_scalar(dq_out, dq_acc, nl.multiply, cfg.scale)

@@ -337,6 +337,43 @@ def test_nki_namespace_matches_legacy(kw, make_mask, B, Hq, Hkv, monkeypatch):
     assert _err(got[0], ref.attention_forward(q, k, v, block_mask=dense, **kw_ref)[0]) < 2e-6
 
 
+def _few_blocks_index():
+    """Index form of 5 query tiles x 12 key blocks with max_blocks 11 (two 4-slot steps and a
+    3-slot tail): the first group of 4 tiles has at most 5 active blocks (one step and the
+    tail skipped under nki.*), the remainder group (tile 4) none at all (no step runs)."""
+    mask = np.zeros((1, 1, 5, 12), bool)
+    for i, blocks in enumerate(([0, 3], [1, 5, 7, 8, 11], [2], [])):
+        mask[0, 0, i, blocks] = True
+    return tuple(bs.dense_to_index(mask, max_blocks=11))
+
+
+def test_nki_index_form_skips_padding_steps_and_matches_legacy(monkeypatch):
+    """Under nki.* the index form's forward sweep runs only the steps below the group's
+    largest count (runtime trip counts, ``block_sparse._own_steps``) and the backward's slot
+    loops each row's count, legacy all ``max_blocks`` slots masked: the same outputs bit for bit, the empty tiles' rows zero,
+    and a shorter scheduled estimate under nki.*."""
+    Nq, Nk = 600, 1536
+    q, k, v, do = attention_inputs(1, 1, 1, Nq, Nk, 16, seed=15)
+    index = _few_blocks_index()
+    outs, est = {}, {}
+    for api in ("nki", "legacy"):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        with simulate.measure(target="trn2") as m:
+            o, lse = host.flash_attention(q, k, v, block_mask=index, return_lse=True,
+                                          mixed_precision=False)
+            grads = host.flash_attention_backward(do, q, k, v, o, lse, block_mask=index,
+                                                  mixed_precision=False)
+            outs[api] = [o, lse, *grads]
+        assert {kr.api for kr in m.kernels} == {api}
+        est[api] = m.estimated_seconds
+    got, want = outs["nki"], outs["legacy"]
+    _same(got, want)
+    assert not got[0][0, 0, 3 * 128:].any()
+    dense = bs.check_block_mask(index, 1, 1, Nq, Nk).dense
+    assert _err(got[0], ref.attention_forward(q, k, v, block_mask=dense)[0]) < 2e-6
+    assert est["nki"] < 0.8 * est["legacy"]
+
+
 def test_nki_namespace_dropout_and_its_mask_match_legacy(monkeypatch):
     """Dropout through nki.* (unit numbers from the loop indices read as data, the seed set by
     nisa.set_rng_seed): the same keep mask, outputs and gradients as legacy, bit for bit."""
@@ -403,3 +440,25 @@ def test_lnc2_spreads_the_instances_over_two_cores(B, Hkv, monkeypatch):
             assert runs[2][1] == runs[1][1]
         else:
             assert runs[2][1] < 0.6 * runs[1][1]
+
+
+def test_nki_index_form_program_size_does_not_grow_with_n():
+    """The index form's runtime trip counts (forward steps, backward slot loops) keep the nki.*
+    program flat in N: a bound of 12 blocks (8 active per tile) at 4K and 16K."""
+    sizes = []
+    grid = launch_grid((1, 1), "nki")
+    for N in (4096, 16384):
+        q, k, v, _ = attention_inputs(1, 1, 1, N, N, 64, dtype=BF16)
+        index = bs.dense_to_index(bs.fixed_density(N // 128, N // 128, 8 / (N // 128)),
+                                  max_blocks=12)
+        t = bs.launch_tables(bs.check_block_mask(tuple(index), 1, 1, N, N), group=1)
+        kw = dict(scale=0.125, mm_dtype="bfloat16")
+        fwd = program_size(block_sparse_attention_fwd.on("nki"), grid, q, k, v, t.q.meta,
+                           classes=t.q.classes, shared=t.q.shared, **kw)
+        o = np.zeros_like(q)
+        lse = np.zeros(q.shape[:3], np.float32)
+        bwd = program_size(block_sparse_attention_bwd.on("nki"), grid, q, k, v, o, q, lse,
+                           t.q.meta, t.k.meta, classes_q=t.q.classes, classes_k=t.k.classes,
+                           **kw)
+        sizes.append((fwd, bwd))
+    assert sizes[0] == sizes[1]
