@@ -320,7 +320,7 @@ def _attention_call(dims: _v.AttentionShape, dtype: str, block_sparse=None, *, s
     if packing is not None:
         _check_packed_options(kv_lens=kv_lens, q_lens=q_lens, tiles=tiles,
                               sbuf_budget=sbuf_budget, dropout_p=dropout_p,
-                              softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+                              alibi_slopes=alibi_slopes)
     if block_sparse is None and packing is None:
         lnc = _check_lnc(lnc)
     else:
@@ -363,7 +363,7 @@ def _forward_call(q, k, v, *, block_mask=None, cu_seqlens_q=None, cu_seqlens_k=N
 def _check_packed_options(**options):
     """Refuse the options the packed variable-length kernel does not take: padded-batch
     lengths and block masks (the offsets say which keys each row sees), the dense kernel's
-    tiling, and (not implemented yet) dropout and score modifiers."""
+    tiling, and (not implemented yet) dropout and ALiBi."""
     for name, value in options.items():
         given = value is not None and not (name in ("dropout_p", "softcap") and value == 0)
         if given:
@@ -379,7 +379,8 @@ def _backward_call(do, q, k, v, o, lse, *, block_mask=None, cu_seqlens_q=None,
     dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
     packing = _v.check_packing(cu_seqlens_q, cu_seqlens_k, dims.B, dims.Nq, dims.Nk)
     if packing is not None:
-        _check_packed_options(block_mask=block_mask)
+        _check_packed_options(block_mask=block_mask, softcap=options.get("softcap"),
+                              sinks=options.get("sinks"))
         if dims.D > _tiles.PMAX:
             raise ValueError(f"q: the packed backward (cu_seqlens_q given) takes head dims up "
                              f"to {_tiles.PMAX}, got D={dims.D}")
@@ -702,8 +703,9 @@ def _varlen_forward(q, k, v, call: AttentionCall):
     api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
     o, lse = launch(varlen_attention_fwd.on(api), varlen_grid(dims.Hkv, dims.group, dims.Nq,
                                                                  call.lnc, api),
-                    q, k, v, call.packing.cu_q, call.packing.cu_k, scale=call.scale,
-                    causal=call.causal, window=call.window, mm_dtype=call.mm_dtype)
+                    q, k, v, call.packing.cu_q, call.packing.cu_k,
+                    sinks=call.mods.tensors["sinks"], scale=call.scale, causal=call.causal,
+                    window=call.window, mm_dtype=call.mm_dtype, **call.mods.kwargs)
     return (o, lse) if call.return_lse else o
 
 

@@ -441,17 +441,22 @@ def varlen_mask(cu_seqlens_q, cu_seqlens_k, *, causal=None, window=None) -> np.n
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=None,
-                             window=None) -> Tuple[np.ndarray, np.ndarray]:
+                             window=None, softcap=None, sinks=None
+                             ) -> Tuple[np.ndarray, np.ndarray]:
     """Exact attention forward of packed sequences in float64: q ``(1, Hq, total_q, D)``, k, v
-    ``(1, Hkv, total_k, D)``, the offsets ``(S + 1,)``; the mask of :func:`varlen_mask`.
-    Returns ``o`` float64 ``(1, Hq, total_q, D)`` (0 for rows without a visible key) and
-    ``lse`` float64 ``(1, Hq, total_q)`` (-inf there)."""
+    ``(1, Hkv, total_k, D)``, the offsets ``(S + 1,)``; the mask of :func:`varlen_mask`; the
+    score modifiers ``softcap`` and ``sinks`` ``(Hq,)`` as :func:`attention_forward`'s (they
+    do not depend on positions). Returns ``o`` float64 ``(1, Hq, total_q, D)`` (0 for rows
+    without a visible key) and ``lse`` float64 ``(1, Hq, total_q)`` (-inf there; with sinks
+    the head's sink)."""
     dims = check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES, same_dtype=False,
                                   max_head_dim=None)
     scale = check_scale(scale, dims.D)
+    mods = check_score_mods(softcap, None, sinks, dims.B, dims.Hq)
     mask = varlen_mask(cu_seqlens_q, cu_seqlens_k, causal=causal, window=window)
     q64, k64, v64 = _f64(q), _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
-    p, lse = _masked_softmax(_scores(q64, k64, scale), mask[None, None], None)
+    s, _ = _modify_scores(_scores(q64, k64, scale), mods, None)
+    p, lse = _masked_softmax(s, mask[None, None], _sink(mods))
     return p @ v64, lse
 
 
@@ -468,9 +473,13 @@ def per_sequence(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
     """``(o, lse)`` float64 of a dense attention ``fn(q_s, k_s, v_s, **kwargs) -> (o, lse)``
     (:func:`attention_forward`, :func:`attention_baseline_lowp` with ``return_lse``) run on
     each packed sequence alone and packed back (q ``(1, Hq, total_q, D)``, k, v ``(1, Hkv,
-    total_k, D)``); rows of a sequence without keys get ``(0, -inf)``."""
+    total_k, D)``); rows of a sequence without keys get ``(0, -inf)`` (with ``sinks`` in
+    kwargs ``(0, sink)``: the sink is their only logit)."""
     o = np.zeros(q.shape, np.float64)
+    sinks = kwargs.get("sinks")
     lse = np.full(q.shape[:3], -np.inf)
+    if sinks is not None:
+        lse[:] = np.asarray(sinks, np.float64)[None, :, None]
     for rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
         o[:, :, rq], lse[:, :, rq] = fn(q[:, :, rq], k[:, :, rk], v[:, :, rk], **kwargs)
     return o, lse

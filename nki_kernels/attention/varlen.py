@@ -56,6 +56,7 @@ from nki_kernels import tiles as T
 from nki_kernels.attention import block_sparse as BS
 from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
+from nki_kernels.attention import score_mods as SM
 from nki_kernels.port import nl
 
 P = T.PMAX
@@ -215,20 +216,24 @@ def check_shapes(kernel: str, q, k, cu_seqlens_q, cu_seqlens_k):
 
 
 @port.jit
-def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=1.0, causal=None,
-                         window=None, mm_dtype="bfloat16"):
+def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks=None, *, scale=1.0,
+                         causal=None, window=None, mm_dtype="bfloat16", softcap=None):
     """Packed variable-length flash attention forward: ``o (1, Hq, total_q, D)`` in q's dtype
     and ``lse (1, Hq, total_q)`` float32 for q ``(1, Hq, total_q, D)``, k/v ``(1, Hkv,
     total_k, D)`` and int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``(S + 1,)`` (validated by the
     host: 0 first, non-decreasing, the totals last). ``causal`` (None, "top_left",
     "bottom_right") and ``window`` apply per sequence; ``scale``, ``mm_dtype`` as
-    :func:`forward.flash_attention_fwd`. Instances ``(1, Hkv / Hc)`` (:func:`body_shape`)
+    :func:`forward.flash_attention_fwd`, and the score modifiers without positions
+    (``score_mods.py``): ``softcap`` (compile-time) and ``sinks`` (HBM ``(Hq,)`` float32; a
+    row without visible keys then has ``lse = sink``). Instances ``(1, Hkv / Hc)``
+    (:func:`body_shape`)
     (:func:`port.for_programs`; the grid :func:`varlen_grid`). Totals of 2^24 rows or more
     are refused (fp32 positions)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     check_shapes("varlen_attention_fwd", q, k, cu_seqlens_q, cu_seqlens_k)
     spec = M.MaskSpec(Nq, Nk, causal, window)
+    mods = SM.check_mods(softcap, None, sinks)
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -241,7 +246,8 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=1.0, caus
     Hc, R = body_shape(Hkv, Hq // Hkv, Nq)
 
     def instance(b, g0):
-        insts = kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices)
+        insts = kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices,
+                         mods, sinks)
         group_loop(insts, off, ident, static_steps, R, Nq,
                    lambda plan, pos: _group(insts, off, ident, static_steps, plan, pos))
 
@@ -265,16 +271,18 @@ def identity2():
     return ident
 
 
-def kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc: int, indices):
+def kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc: int, indices,
+             mods: SM.Mods, sinks):
     """The :class:`KvHead` records of instance ``(b, g0)``: kv heads ``g0 Hc .. g0 Hc + Hc -
-    1`` (``o``/``lse``: the HBM outputs, or the backward's saved ones)."""
+    1`` (``o``/``lse``: the HBM outputs, or the backward's saved ones), with the score
+    modifiers ``mods`` (``sinks``: their HBM ``(Hq,)`` values, or None)."""
     insts = []
     for c in T.unrolled(Hc):
         # guard: non-finite values reach only the rows that see them; the P^T copies split
         # evenly between ScalarE and VectorE (as block-sparse's)
         cf = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0 * Hc + c, None,
                       indices, guard=True, act_share=0.5)
-        f = F.Instance.of(cf)
+        f = F.Instance.of(cf, score=F.score_mods(cf, mods, None, sinks, cf.act_scale))
         insts.append(KvHead(f, BS.RowFrame.of(k, (b, f.g), indices),
                             [BS.RowFrame.of(q, (b, f.head(h)), indices)
                              for h in T.unrolled(f.G)]))
@@ -358,6 +366,8 @@ def _group(insts, off: Offsets, ident, static_steps: int, plan: Sweep, pos=None)
         for r in T.unrolled(R):
             for h in T.unrolled(G):
                 sl = (c * R + r) * G + h
+                if f0.mods.sinks:
+                    F.start_at_sink(kh.f, st, h, 1, slot0=sl)
                 x = nl.ndarray((P, kh.f.D), dtype=kh.f.q.dtype, buffer=nl.sbuf)
                 BS.gather(x, kh.f.q, (kh.f.b, kh.f.head(h)), outs[sl], 0, kh.f.Nq % P != 0)
                 for pi, (d0, d) in enumerate(kh.f.d_passes):
@@ -426,6 +436,17 @@ def outside(off: Offsets, rel):
     return ind
 
 
+def modified(f, sc, h):
+    """``(y, t)``: the raw scores ``sc`` (PSUM fp32 ``[128, W]``, query head ``h`` of the kv
+    head) with the score modifiers (``score_mods.modify_scores``: a new SBUF tile in raw
+    units; the masks select after it), ``sc`` itself without one; ``t`` the tanh tile with
+    soft-capping (the backward's derivative), else None."""
+    if not f.mods.transforms:
+        return sc, None
+    return SM.modify_scores(f.mods, f.score.cols, sc, P, W, h, None, f.act_scale / f.unit,
+                            False)
+
+
 def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):
     """One step of W keys (``keys``) of kv head ``kh`` for the R tiles and its member heads
     (slots from ``slot0``): gather K and V, K^T, then per tile and head the scores, the
@@ -456,21 +477,25 @@ def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):
     nki = port.api() == "nki"
     for j in T.unrolled(R * f.G):
         r, sl = j // f.G, slot0 + j
-        sc = F.contract([(st.qT[pi][:, sl, :], kT[pi]) for pi in T.unrolled(len(f.d_passes))],
-                        (P, W))
-        s_tile = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
+        sc, _ = modified(f, F.contract([(st.qT[pi][:, sl, :], kT[pi])
+                                        for pi in T.unrolled(len(f.d_passes))], (P, W)), j % f.G)
         if nki:
-            # one VectorE range_select out of PSUM keeps [first, end) and gives the row max
+            # one VectorE range_select (out of PSUM without a modifier) keeps [first, end)
+            # and gives the row max
+            s_tile = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
             port.range_select_max(s_tile, sc, [(rel[:, r, 0:1], nl.greater_equal),
                                                (rel[:, r, 1:2], nl.less)],
                                   st.stats[:, sl, 2:3])
         else:
             if j % f.G == 0:
                 ind = outside(off, rel[:, r, :])
-            port.tensor_copy(s_tile, sc, engine="vector")
+            s_tile = sc
+            if not f.mods.transforms:
+                s_tile = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
+                port.tensor_copy(s_tile, sc, engine="vector")
             port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
         F.fold_block(f, st, sl, [s_tile], [W], F.KV(None, kT, v), 0, None, fused=(nki,))
 
 
 __all__ = ["varlen_attention_fwd", "varlen_grid", "check_shapes", "body_shape", "Sweep", "plan_sweep",
-           "Offsets", "load_offsets", "row_bounds", "tile_sweep"]
+           "Offsets", "load_offsets", "row_bounds", "tile_sweep", "modified"]

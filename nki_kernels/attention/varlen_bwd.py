@@ -27,6 +27,7 @@ from nki_kernels import tiles as T
 from nki_kernels.attention import block_sparse as BS
 from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
+from nki_kernels.attention import score_mods as SM
 from nki_kernels.attention import varlen as VL
 from nki_kernels.port import nl
 
@@ -62,7 +63,8 @@ def varlen_attention_bwd(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, *, sca
     Hc, R = VL.body_shape(Hkv, Hq // Hkv, Nq)
 
     def instance(b, g0):
-        insts = VL.kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices)
+        insts = VL.kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices,
+                            SM.Mods(), None)
         _each_key_tile(insts, off, lambda kh, idx: _zero_rows(kh, acc, idx))
         VL.group_loop(insts, off, ident, static_steps, R, Nq,
                       lambda plan, pos: _group(insts, off, ident, static_steps, plan, pos,

@@ -38,7 +38,8 @@ BAD = [
     (dict(block_mask=np.ones((1, 1, 1, 1), bool)), ValueError,
      "block_mask: not supported with packed sequences"),
     (dict(dropout_p=0.1, seed=1), ValueError, "dropout_p: not supported with packed sequences"),
-    (dict(softcap=30.0), ValueError, "softcap: not supported with packed sequences"),
+    (dict(alibi_slopes=np.ones(2, np.float32)), ValueError,
+     "alibi_slopes: not supported with packed sequences"),
 ]
 
 

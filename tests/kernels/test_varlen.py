@@ -52,6 +52,12 @@ def check(q, k, v, cu_q, cu_k, o, lse, mm, **mask):
     assert err_l <= tol_l, f"lse: max abs error {err_l:.3e} > tolerance {tol_l:.3e}"
     empty = np.isneginf(ref_lse)
     assert np.all(np.isneginf(lse[empty])) and np.all(np.asarray(o, np.float64)[empty] == 0.0)
+    if mask.get("sinks") is not None:
+        # rows without a visible key: o = 0 exactly, lse = the head's sink
+        no_key = ~R.varlen_mask(cu_q, cu_k, causal=mask.get("causal"),
+                                window=mask.get("window")).any(axis=1)
+        assert no_key.any() and np.all(np.asarray(o, np.float64)[:, :, no_key] == 0.0)
+        assert np.allclose(lse[:, :, no_key], mask["sinks"][None, :, None], atol=1e-6)
 
 
 # sequences of 1 row, 129 rows (two tiles), an empty one, one with no keys for its 20 rows,
@@ -81,6 +87,30 @@ def test_matches_reference(monkeypatch, api, mask, dtype, heads):
     o, lse = host.flash_attention(q, k, v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K,
                                   mixed_precision=False, return_lse=True, **mask)
     assert o.shape == q.shape and o.dtype == q.dtype and lse.dtype == np.float32
+    check(q, k, v, CU_Q, CU_K, o, lse, dt, **mask)
+
+
+# score modifiers without positions (soft-capping, sinks) apply per sequence as they do to
+# one sequence; sinks give the rows without keys (the sequence of 20 rows) lse = sink
+SINKS = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+MOD_CASES = [
+    ("legacy", dict(causal="bottom_right", softcap=2.0, sinks=SINKS), "bfloat16"),
+    ("nki", dict(causal="bottom_right", softcap=2.0, sinks=SINKS), "bfloat16"),
+    ("nki", dict(window=(7, 3), sinks=SINKS), "float32"),
+    ("legacy", dict(causal="top_left", softcap=3.0), "float32"),
+]
+
+
+@pytest.mark.parametrize("api,mask,dtype", MOD_CASES,
+                         ids=lambda x: x if isinstance(x, str) else
+                         "-".join(k if k == "sinks" else f"{k}={v}" for k, v in x.items()))
+def test_score_mods_match_reference(monkeypatch, api, mask, dtype):
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
+    dt = BF16 if dtype == "bfloat16" else np.dtype(np.float32)
+    q, k, v = _packed_inputs(CU_Q, CU_K, 4, 2, 32, dt)
+    q = (3 * q.astype(np.float32)).astype(dt)       # scores beyond the caps
+    o, lse = host.flash_attention(q, k, v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K,
+                                  mixed_precision=False, return_lse=True, **mask)
     check(q, k, v, CU_Q, CU_K, o, lse, dt, **mask)
 
 
