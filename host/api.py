@@ -379,8 +379,7 @@ def _backward_call(do, q, k, v, o, lse, *, block_mask=None, cu_seqlens_q=None,
     dims = _v.check_attention_backward_inputs(do, q, k, v, o, lse)
     packing = _v.check_packing(cu_seqlens_q, cu_seqlens_k, dims.B, dims.Nq, dims.Nk)
     if packing is not None:
-        _check_packed_options(block_mask=block_mask, softcap=options.get("softcap"),
-                              sinks=options.get("sinks"))
+        _check_packed_options(block_mask=block_mask)
         if dims.D > _tiles.PMAX:
             raise ValueError(f"q: the packed backward (cu_seqlens_q given) takes head dims up "
                              f"to {_tiles.PMAX}, got D={dims.D}")
@@ -710,7 +709,8 @@ def _varlen_forward(q, k, v, call: AttentionCall):
 
 
 def _varlen_backward(do, q, k, v, o, lse, call: AttentionCall):
-    """The packed variable-length backward of a validated call: ``(dq, dk, dv)``."""
+    """The packed variable-length backward of a validated call: ``(dq, dk, dv)`` (and
+    ``dsinks`` ``(Hq,)`` with sinks)."""
     from nki_kernels.attention.varlen import varlen_grid
     from nki_kernels.attention.varlen_bwd import varlen_attention_bwd
 
@@ -718,10 +718,14 @@ def _varlen_backward(do, q, k, v, o, lse, call: AttentionCall):
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
     api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
-    return launch(varlen_attention_bwd.on(api),
+    outs = launch(varlen_attention_bwd.on(api),
                   varlen_grid(dims.Hkv, dims.group, dims.Nq, call.lnc, api), q, k, v, o, do,
-                  _numpy("lse", lse), call.packing.cu_q, call.packing.cu_k, scale=call.scale,
-                  causal=call.causal, window=call.window, mm_dtype=call.mm_dtype)
+                  _numpy("lse", lse), call.packing.cu_q, call.packing.cu_k,
+                  sinks=call.mods.tensors["sinks"], scale=call.scale, causal=call.causal,
+                  window=call.window, mm_dtype=call.mm_dtype, **call.mods.kwargs)
+    if call.mods.tensors["sinks"] is None:
+        return outs
+    return tuple(outs[:3]) + (np.asarray(outs[3], dtype=np.float32)[0],)
 
 
 def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):

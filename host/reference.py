@@ -489,14 +489,20 @@ def per_sequence_grads(fn, do, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
     """``(dq, dk, dv)`` float64 of a dense attention backward ``fn(do_s, q_s, k_s, v_s,
     **kwargs)`` (:func:`attention_backward`, :func:`attention_backward_baseline_lowp`) run on
     each packed sequence alone and packed back (layouts of :func:`per_sequence`); rows and
-    keys of sequences without keys or query rows get zeros."""
+    keys of sequences without keys or query rows get zeros. With ``sinks`` in kwargs also
+    ``dsinks`` ``(Hq,)``, summed over the sequences (a row without keys has ``o = 0``: no
+    share)."""
     dq = np.zeros(q.shape, np.float64)
     dk = np.zeros(k.shape, np.float64)
     dv = np.zeros(v.shape, np.float64)
+    with_sinks = kwargs.get("sinks") is not None
+    dsinks = np.zeros(q.shape[1], np.float64)
     for rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
-        dq[:, :, rq], dk[:, :, rk], dv[:, :, rk] = fn(
-            do[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], **kwargs)
-    return dq, dk, dv
+        out = fn(do[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], **kwargs)
+        dq[:, :, rq], dk[:, :, rk], dv[:, :, rk] = out[:3]
+        if with_sinks:
+            dsinks += out[3]
+    return (dq, dk, dv, dsinks) if with_sinks else (dq, dk, dv)
 
 
 def _backward_from_p(p, do, q64, k64, v64, delta, scale, Hkv, drop=None, dcap=None):
