@@ -409,25 +409,39 @@ def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=N
     return p @ v64, lse
 
 
+def _varlen_rows(cu_seqlens_q, cu_seqlens_k):
+    """``(seq, cu_k)``: each packed row's sequence, the last one starting at or before it
+    (empty sequences start where the next one does), and the key offsets as int64."""
+    cu_q = np.asarray(cu_seqlens_q, dtype=np.int64)
+    return (np.searchsorted(cu_q, np.arange(cu_q[-1]), side="right") - 1,
+            np.asarray(cu_seqlens_k, dtype=np.int64))
+
+
+def varlen_diagonal(cu_seqlens_q, cu_seqlens_k, causal=None) -> np.ndarray:
+    """int64 ``(total_q,)``: the packed key aligned with each packed row, ``i + off`` with the
+    row's sequence's alignment (bottom_right, also without causal: ``off = cu_k[s+1] -
+    cu_q[s+1]``; top_left: ``cu_k[s] - cu_q[s]``) -- the diagonal of its band and the origin
+    of its ALiBi distances."""
+    seq, cu_k = _varlen_rows(cu_seqlens_q, cu_seqlens_k)
+    cu_q = np.asarray(cu_seqlens_q, dtype=np.int64)
+    i = np.arange(cu_q[-1])
+    if normalize_causal(causal) == CAUSAL_TOP_LEFT:
+        return i - cu_q[seq] + cu_k[seq]
+    return i - cu_q[seq + 1] + cu_k[seq + 1]
+
+
 def varlen_mask(cu_seqlens_q, cu_seqlens_k, *, causal=None, window=None) -> np.ndarray:
     """Visibility mask ``(total_q, total_k)`` of packed sequences (True = key j visible to
     query i): sequence s owns rows ``[cu_q[s], cu_q[s+1])`` and keys ``[cu_k[s], cu_k[s+1])``
     (offsets as validated by :func:`host.validation.check_cu_seqlens`); each row sees only its
     own sequence's keys, where :func:`attention_mask`'s causal and window rules apply with the
     sequence's own lengths (bottom_right: ``off = nk_s - nq_s``; top_left: 0)."""
-    causal = normalize_causal(causal)
     window = normalize_window(window)
-    cu_q = np.asarray(cu_seqlens_q, dtype=np.int64)
-    cu_k = np.asarray(cu_seqlens_k, dtype=np.int64)
-    i = np.arange(cu_q[-1])[:, None]
+    seq, cu_k = _varlen_rows(cu_seqlens_q, cu_seqlens_k)
     j = np.arange(cu_k[-1])[None, :]
-    # the row's sequence: the last one starting at or before it (empty sequences start where
-    # the next one does)
-    seq = np.searchsorted(cu_q, i[:, 0], side="right") - 1
     k0, k1 = cu_k[seq][:, None], cu_k[seq + 1][:, None]
-    q0, q1 = cu_q[seq][:, None], cu_q[seq + 1][:, None]
-    # i + off in packed positions: the key aligned with row i
-    diag = i - q0 + k0 if causal == CAUSAL_TOP_LEFT else i - q1 + k1
+    diag = varlen_diagonal(cu_seqlens_q, cu_seqlens_k, causal)[:, None]
+    causal = normalize_causal(causal)
     visible = (j >= k0) & (j < k1)
     if causal is not None:
         visible &= j <= diag
@@ -441,21 +455,23 @@ def varlen_mask(cu_seqlens_q, cu_seqlens_k, *, causal=None, window=None) -> np.n
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=None,
-                             window=None, softcap=None, sinks=None
+                             window=None, softcap=None, alibi_slopes=None, sinks=None
                              ) -> Tuple[np.ndarray, np.ndarray]:
     """Exact attention forward of packed sequences in float64: q ``(1, Hq, total_q, D)``, k, v
     ``(1, Hkv, total_k, D)``, the offsets ``(S + 1,)``; the mask of :func:`varlen_mask`; the
-    score modifiers ``softcap`` and ``sinks`` ``(Hq,)`` as :func:`attention_forward`'s (they
-    do not depend on positions). Returns ``o`` float64 ``(1, Hq, total_q, D)`` (0 for rows
+    score modifiers ``softcap``, ``alibi_slopes`` ``(Hq,)`` and ``sinks`` ``(Hq,)`` as
+    :func:`attention_forward`'s, per sequence (ALiBi's distance ``|j - diag_i|`` from the
+    row's aligned key, :func:`varlen_diagonal`). Returns ``o`` float64 ``(1, Hq, total_q, D)`` (0 for rows
     without a visible key) and ``lse`` float64 ``(1, Hq, total_q)`` (-inf there; with sinks
     the head's sink)."""
     dims = check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES, same_dtype=False,
                                   max_head_dim=None)
     scale = check_scale(scale, dims.D)
-    mods = check_score_mods(softcap, None, sinks, dims.B, dims.Hq)
+    mods = check_score_mods(softcap, alibi_slopes, sinks, dims.B, dims.Hq)
     mask = varlen_mask(cu_seqlens_q, cu_seqlens_k, causal=causal, window=window)
     q64, k64, v64 = _f64(q), _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
-    s, _ = _modify_scores(_scores(q64, k64, scale), mods, None)
+    qpos = varlen_diagonal(cu_seqlens_q, cu_seqlens_k, causal)[None, None, :, None]
+    s, _ = _modify_scores(_scores(q64, k64, scale), mods, qpos)
     p, lse = _masked_softmax(s, mask[None, None], _sink(mods))
     return p @ v64, lse
 

@@ -17,7 +17,8 @@ The accumulators' read-modify-writes follow each other in program order on one p
 rows (UNCONFIRMED: that the compiler orders these indirect HBM accesses as the simulator
 does, by their data dependencies).
 
-Score modifiers without positions (``score_mods.py``): with soft-capping S is the forward's
+Score modifiers (``score_mods.py``): ALiBi's bias is the forward's (a constant of the
+scores: nothing to differentiate); with soft-capping S is the forward's
 ``tanh`` tile (raw units of the cap, selected after it) and dS gains the factor ``1 - t^2``
 (deselected where masked: a hidden non-finite score's tanh never reaches a row); with sinks
 each slot adds its rows' shares of dsink, ``exp(sink - lse_i) delta_i``, to per-partition
@@ -25,7 +26,7 @@ sums carried through the groups, summed across partitions and negated at the end
 (``block_sparse_bwd.add_sink_share``, ``store_dsinks``): ``dsinks (1, Hq)``.
 
 Head dims up to 128 (PSUM: the step's dK and dV, one bank each, beside S, dP, dS^T and dQ);
-dropout and ALiBi are refused by the host as in the forward.
+dropout is refused by the host as in the forward.
 """
 from __future__ import annotations
 
@@ -44,20 +45,21 @@ W = T.VARLEN_STEP_KEYS
 
 
 @port.jit
-def varlen_attention_bwd(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, sinks=None, *,
-                         scale=1.0, causal=None, window=None, mm_dtype="bfloat16", softcap=None):
+def varlen_attention_bwd(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None,
+                         sinks=None, *, scale=1.0, causal=None, window=None,
+                         mm_dtype="bfloat16", softcap=None):
     """``(dq, dk, dv)`` of :func:`varlen.varlen_attention_fwd` for its inputs, output ``o``,
     ``do`` (q's layout) and ``lse`` (``(1, Hq, total_q)`` float32); dq in q's dtype, dk and
     dv in k's, summed over each kv head's query heads; with ``sinks`` (HBM ``(Hq,)``) also
-    ``dsinks`` ``(1, Hq)`` float32. ``softcap`` as the forward's. Instances and grid as the
+    ``dsinks`` ``(1, Hq)`` float32. ``softcap`` and ``alibi_slopes`` as the forward's. Instances and grid as the
     forward's (:func:`varlen.varlen_grid`). D <= 128."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if D > P:
         raise ValueError(f"q: the packed backward takes head dims up to {P}, got {D}")
     VL.check_shapes("varlen_attention_bwd", q, k, cu_seqlens_q, cu_seqlens_k)
-    spec = M.MaskSpec(Nq, Nk, causal, window)
-    mods = SM.check_mods(softcap, None, sinks)
+    mods = VL.check_mods(softcap, alibi_slopes, sinks)
+    spec = M.MaskSpec(Nq, Nk, causal, window, alibi=mods.alibi)
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
     dq = nl.ndarray(q.shape, dtype=q.dtype, buffer=nl.shared_hbm)
     dk = nl.ndarray(k.shape, dtype=k.dtype, buffer=nl.shared_hbm)
@@ -75,7 +77,7 @@ def varlen_attention_bwd(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, sinks=
 
     def instance(b, g0):
         insts = VL.kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices,
-                            mods, sinks)
+                            mods, alibi_slopes, sinks)
         _each_key_tile(insts, off, lambda kh, idx: _zero_rows(kh, acc, idx))
         # per kv head, dsink's per-partition partial sums of its query heads (with sinks)
         sink_acc = []
@@ -231,10 +233,10 @@ def _step(kh, off, slots, keys, rel, R: int, acc):
     dv_ps = nl.ndarray((P, nb, D), dtype=nl.float32, buffer=nl.psum)
     for j, sl in enumerate(slots):
         r = j // f.G
-        sc, t = VL.modified(f, F.contract([(sl.T["q"][pi], kT[pi])
-                                           for pi in T.unrolled(len(f.d_passes))], (P, W)),
-                            j % f.G)
         bounds = rel[:, r, :]
+        sc, t = VL.modified(f, off, F.contract([(sl.T["q"][pi], kT[pi])
+                                                for pi in T.unrolled(len(f.d_passes))], (P, W)),
+                            j % f.G, bounds)
         grad = None if t is None else SM.softcap_grad_factor(t, P, W)
         s_sel = _select(off, bounds, sc, T.BWD_MASK_FILL)
         p32 = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)

@@ -42,13 +42,13 @@ def test_gradients_match_the_reference(which):
         np.testing.assert_allclose(g.numpy(), w, atol=3e-5 * max(1.0, np.abs(w).max()))
 
 
-def test_packed_sequences_take_softcap_and_sinks():
-    """The torch op passes softcap and sinks through with packed sequences (cu_seqlens): o
-    and the gradients (the sinks' summed over the sequences) against the float64 reference of
-    each sequence alone."""
-    q, k, v, sinks, _ = _inputs(N=140)
+def test_packed_sequences_take_every_modifier():
+    """The torch op passes softcap, ALiBi ((Hq,) slopes) and sinks through with packed
+    sequences (cu_seqlens): o and the gradients (the sinks' summed over the sequences) against
+    the float64 reference of each sequence alone."""
+    q, k, v, sinks, slopes = _inputs(N=140)
     cu = torch.tensor([0, 1, 130, 130, 140], dtype=torch.int32)
-    kw = dict(causal=True, softcap=3.0, sinks=sinks)
+    kw = dict(causal=True, softcap=3.0, alibi_slopes=slopes, sinks=sinks)
     o = flash_attention(q, k, v, mixed_precision=False, cu_seqlens_q=cu, cu_seqlens_k=cu,
                         **kw)
     do = torch.randn_like(o)

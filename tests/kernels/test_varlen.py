@@ -90,20 +90,25 @@ def test_matches_reference(monkeypatch, api, mask, dtype, heads):
     check(q, k, v, CU_Q, CU_K, o, lse, dt, **mask)
 
 
-# score modifiers without positions (soft-capping, sinks) apply per sequence as they do to
-# one sequence; sinks give the rows without keys (the sequence of 20 rows) lse = sink
+# score modifiers apply per sequence as they do to one sequence alone: ALiBi's distances
+# inside the sequence, aligned as its band (bottom_right also without causal: two-sided),
+# and sinks give the rows without keys (the sequence of 20 rows) lse = sink
 SINKS = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+SLOPES = np.array([0.3, 0.1, 0.05, 0.5], np.float32)
 MOD_CASES = [
     ("legacy", dict(causal="bottom_right", softcap=2.0, sinks=SINKS), "bfloat16"),
     ("nki", dict(causal="bottom_right", softcap=2.0, sinks=SINKS), "bfloat16"),
     ("nki", dict(window=(7, 3), sinks=SINKS), "float32"),
     ("legacy", dict(causal="top_left", softcap=3.0), "float32"),
+    ("nki", dict(causal="top_left", alibi_slopes=SLOPES, sinks=SINKS), "float32"),
+    ("legacy", dict(alibi_slopes=SLOPES, softcap=2.0), "bfloat16"),
 ]
 
 
 @pytest.mark.parametrize("api,mask,dtype", MOD_CASES,
                          ids=lambda x: x if isinstance(x, str) else
-                         "-".join(k if k == "sinks" else f"{k}={v}" for k, v in x.items()))
+                         "-".join(k if k in ("sinks", "alibi_slopes") else f"{k}={v}"
+                                  for k, v in x.items()))
 def test_score_mods_match_reference(monkeypatch, api, mask, dtype):
     monkeypatch.setenv(binding.API_ENV_VAR, api)
     dt = BF16 if dtype == "bfloat16" else np.dtype(np.float32)
@@ -145,12 +150,13 @@ def test_backward_matches_reference(monkeypatch, api, mask, dtype, heads):
         assert err <= tol, f"{name}: max abs error {err:.3e} > tolerance {tol:.3e}"
 
 
-@pytest.mark.parametrize("mask", [dict(causal="bottom_right", softcap=2.0, sinks=SINKS),
-                                  dict(window=(7, 3), softcap=3.0)],
-                         ids=["causal-softcap-sinks", "window-softcap"])
+@pytest.mark.parametrize("mask", [dict(causal="bottom_right", softcap=2.0, sinks=SINKS,
+                                       alibi_slopes=SLOPES),
+                                  dict(window=(7, 3), softcap=3.0, alibi_slopes=SLOPES)],
+                         ids=["causal-softcap-sinks-alibi", "window-softcap-alibi"])
 def test_backward_with_score_mods(monkeypatch, mask):
-    """Soft-capping (dS times 1 - t^2) and sinks (dsinks summed over the sequences) in the
-    packed backward: the float64 gradients of each sequence alone within 3e-5 of their
+    """Soft-capping (dS times 1 - t^2), ALiBi (one- and two-sided) and sinks (dsinks summed
+    over the sequences) in the packed backward: the float64 gradients of each sequence alone within 3e-5 of their
     largest magnitude (fp32 operands, the rule of tests/kernels/test_score_mods.py), and
     nki.* bit for bit against legacy."""
     q, k, v = _packed_inputs(CU_Q, CU_K, 4, 2, 32, np.dtype(np.float32))
