@@ -461,9 +461,9 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None,
     ``(1, Hkv, total_k, D)``, the offsets ``(S + 1,)``; the mask of :func:`varlen_mask`; the
     score modifiers ``softcap``, ``alibi_slopes`` ``(Hq,)`` and ``sinks`` ``(Hq,)`` as
     :func:`attention_forward`'s, per sequence (ALiBi's distance ``|j - diag_i|`` from the
-    row's aligned key, :func:`varlen_diagonal`). Returns ``o`` float64 ``(1, Hq, total_q, D)`` (0 for rows
-    without a visible key) and ``lse`` float64 ``(1, Hq, total_q)`` (-inf there; with sinks
-    the head's sink)."""
+    row's aligned key, :func:`varlen_diagonal`). Returns ``o`` float64 ``(1, Hq, total_q,
+    D)`` (0 for rows without a visible key) and ``lse`` float64 ``(1, Hq, total_q)`` (-inf
+    there; with sinks the head's sink)."""
     dims = check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES, same_dtype=False,
                                   max_head_dim=None)
     scale = check_scale(scale, dims.D)

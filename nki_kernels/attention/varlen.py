@@ -239,8 +239,8 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None,
     :func:`forward.flash_attention_fwd`, and the score modifiers (``score_mods.py``, per
     sequence): ``softcap`` (compile-time), ``alibi_slopes`` (HBM ``(Hq,)`` float32: the
     distance ``j - i - off`` inside the row's sequence, aligned as its band) and ``sinks``
-    (HBM ``(Hq,)`` float32; a row without visible keys then has ``lse = sink``). Instances ``(1, Hkv / Hc)``
-    (:func:`body_shape`)
+    (HBM ``(Hq,)`` float32; a row without visible keys then has ``lse = sink``). Instances
+    ``(1, Hkv / Hc)`` (:func:`body_shape`)
     (:func:`port.for_programs`; the grid :func:`varlen_grid`). Totals of 2^24 rows or more
     are refused (fp32 positions)."""
     B, Hq, Nq, D = q.shape
@@ -293,9 +293,11 @@ def kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc: int, indi
     insts = []
     for c in T.unrolled(Hc):
         # guard: non-finite values reach only the rows that see them; the P^T copies split
-        # evenly between ScalarE and VectorE (as block-sparse's)
+        # between ScalarE and VectorE (tiles.VARLEN_ACT_SHARE: evenly, as block-sparse's)
         cf = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0 * Hc + c, None,
-                      indices, guard=True, act_share=0.5)
+                      indices, guard=True,
+                      act_share=(T.VARLEN_MODS_ACT_SHARE if mods.transforms
+                                 else T.VARLEN_ACT_SHARE))
         f = F.Instance.of(cf, score=F.score_mods(cf, mods, slopes, sinks, cf.act_scale))
         insts.append(KvHead(f, BS.RowFrame.of(k, (b, f.g), indices),
                             [BS.RowFrame.of(q, (b, f.head(h)), indices)
@@ -458,15 +460,18 @@ def modified(f, off: Offsets, sc, h, rel):
     units; the masks select after it), ``sc`` itself without one; ``t`` the tanh tile with
     soft-capping (the backward's derivative), else None. ALiBi's distance ``j - i - off`` of
     step column c is ``c - rel[:, 2]`` (``rel``: the tile's ``[128, 3]`` bounds relative to
-    the step's first key), one GpSimd subtract from the column iota."""
+    the step's first key): the column iota and a ``[128, 1]`` column the bias's first
+    instruction adds (one-sided: GpSimd's ``(c + col) slope``; two-sided: ScalarE's
+    ``|c + col|``)."""
     if not f.mods.transforms:
         return sc, None
-    dist = None
+    col = None
     if f.mods.alibi:
-        dist = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(dist, off.cols, nl.subtract, rel[:, 2:3], engine="gpsimd")
+        col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(col, rel[:, 2:3], nl.multiply, -1.0, engine="gpsimd")
     return SM.modify_scores(f.mods, f.score.cols, sc, P, W, h, None, f.act_scale / f.unit,
-                            not SM.one_sided(f.spec), dist=dist)
+                            not SM.one_sided(f.spec), dist=off.cols if col is not None else None,
+                            dist_col=col)
 
 
 def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):

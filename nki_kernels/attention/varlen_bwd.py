@@ -51,8 +51,8 @@ def varlen_attention_bwd(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, alibi_
     """``(dq, dk, dv)`` of :func:`varlen.varlen_attention_fwd` for its inputs, output ``o``,
     ``do`` (q's layout) and ``lse`` (``(1, Hq, total_q)`` float32); dq in q's dtype, dk and
     dv in k's, summed over each kv head's query heads; with ``sinks`` (HBM ``(Hq,)``) also
-    ``dsinks`` ``(1, Hq)`` float32. ``softcap`` and ``alibi_slopes`` as the forward's. Instances and grid as the
-    forward's (:func:`varlen.varlen_grid`). D <= 128."""
+    ``dsinks`` ``(1, Hq)`` float32. ``softcap`` and ``alibi_slopes`` as the forward's.
+    Instances and grid as the forward's (:func:`varlen.varlen_grid`). D <= 128."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if D > P:

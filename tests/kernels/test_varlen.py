@@ -156,9 +156,9 @@ def test_backward_matches_reference(monkeypatch, api, mask, dtype, heads):
                          ids=["causal-softcap-sinks-alibi", "window-softcap-alibi"])
 def test_backward_with_score_mods(monkeypatch, mask):
     """Soft-capping (dS times 1 - t^2), ALiBi (one- and two-sided) and sinks (dsinks summed
-    over the sequences) in the packed backward: the float64 gradients of each sequence alone within 3e-5 of their
-    largest magnitude (fp32 operands, the rule of tests/kernels/test_score_mods.py), and
-    nki.* bit for bit against legacy."""
+    over the sequences) in the packed backward: the float64 gradients of each sequence alone
+    within 3e-5 of their largest magnitude (fp32 operands, the rule of
+    tests/kernels/test_score_mods.py), and nki.* bit for bit against legacy."""
     q, k, v = _packed_inputs(CU_Q, CU_K, 4, 2, 32, np.dtype(np.float32))
     q = 3 * q
     do = np.random.default_rng(5).standard_normal(q.shape).astype(np.float32)
