@@ -258,3 +258,14 @@ def test_two_cores_give_the_same_outputs(monkeypatch):
         est[lnc] = m.estimated_seconds
     assert all(np.array_equal(a, b) for a, b in zip(outs[1], outs[2]))
     assert est[2] < est[1]
+
+
+def test_kernel_refuses_per_batch_slopes():
+    """The packed kernels take ALiBi slopes (Hq,) only: a (1, Hq) table is refused naming
+    alibi_slopes (the host reshapes its validated slopes before the launch)."""
+    cu = np.array([0, 40], np.int32)
+    q, k, v = _packed_inputs(cu, cu, 2, 1, 16, np.dtype(np.float32))
+    with pytest.raises(ValueError, match=r"alibi_slopes: packed sequences take one slope per "
+                                         r"query head, shape \(Hq,\); got shape \(1, 2\)"):
+        program_size(varlen_attention_fwd, varlen_grid(1, 2, 40, 1, "legacy"), q, k, v, cu, cu,
+                     alibi_slopes=np.ones((1, 2), np.float32))
