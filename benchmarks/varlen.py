@@ -9,7 +9,11 @@ call to at most 1.15x the separate calls on trn2 through ``nki.*``; trn1's legac
 runtime trip count: every query tile sweeps all keys) is reported, not held to it.
 
     python benchmarks/varlen.py [--seqs 8] [--n 512] [--heads 8] [--target trn2 trn1]
-                                [--backward]
+                                [--backward] [--mods]
+
+``--mods``: the same case with each score modifier (soft-capping 30, ALiBi with the CLI's
+slopes, sinks, all three), packed against separate calls, and the packed call's cost over
+the plain packed one (reported, no goal).
 """
 from __future__ import annotations
 
@@ -35,9 +39,21 @@ def _qkv(H, N, D, seed=0):
     return tuple(rng.standard_normal((1, H, N, D)).astype(BF16) for _ in range(3))
 
 
-def compare(seqs: int, n: int, H: int, D: int, target: str, backward: bool = False):
+#: --mods: the modifier sets measured (ALiBi's slopes those of ``nki-flash run --alibi``)
+def mod_sets(H: int) -> dict:
+    slopes = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
+    sinks = np.random.default_rng(2).standard_normal(H)
+    return {"none": {}, "softcap": dict(softcap=30.0), "alibi": dict(alibi_slopes=slopes),
+            "sinks": dict(sinks=sinks),
+            "all three": dict(softcap=30.0, alibi_slopes=slopes, sinks=sinks)}
+
+
+def compare(seqs: int, n: int, H: int, D: int, target: str, backward: bool = False,
+            mods=None):
     """``(packed us, separate us)``: scheduled estimates on ``target`` of the forward, or
-    with ``backward`` of ``flash_attention_backward`` (its inputs from the forward)."""
+    with ``backward`` of ``flash_attention_backward`` (its inputs from the forward), with the
+    score modifiers ``mods`` (keyword arguments of both, or None)."""
+    mods = mods or {}
     q, k, v = _qkv(H, seqs * n, D)
     do = _qkv(H, seqs * n, D, seed=1)[0]
     cu = np.arange(0, seqs * n + 1, n, dtype=np.int32)
@@ -45,10 +61,11 @@ def compare(seqs: int, n: int, H: int, D: int, target: str, backward: bool = Fal
     def run(rows, **packed):
         args = [x[:, :, rows] for x in (q, k, v)]
         if not backward:
-            return lambda: host.flash_attention(*args, causal=True, lnc=1, **packed)
-        o, lse = host.flash_attention(*args, causal=True, lnc=1, return_lse=True, **packed)
+            return lambda: host.flash_attention(*args, causal=True, lnc=1, **packed, **mods)
+        o, lse = host.flash_attention(*args, causal=True, lnc=1, return_lse=True, **packed,
+                                      **mods)
         return lambda: host.flash_attention_backward(do[:, :, rows], *args, o, lse,
-                                                     causal=True, lnc=1, **packed)
+                                                     causal=True, lnc=1, **packed, **mods)
 
     packed = measure(run(slice(None), cu_seqlens_q=cu, cu_seqlens_k=cu), target)
     separate = sum(measure(run(slice(s * n, (s + 1) * n)), target)["modeled_us_estimate"]
@@ -65,7 +82,11 @@ def main(argv=None):
     ap.add_argument("--target", nargs="+", default=["trn2", "trn1"])
     ap.add_argument("--backward", action="store_true",
                     help="the backward (no goal: reported) instead of the forward")
+    ap.add_argument("--mods", action="store_true",
+                    help="each score modifier's cost (reported) instead of the goal")
     args = ap.parse_args(argv)
+    if args.mods:
+        return report_mods(args)
     print(f"{'backward' if args.backward else 'forward'}: {args.seqs} causal sequences of "
           f"{args.n}, Hq = Hkv = {args.heads}, D = {args.d}, bf16, lnc=1; scheduled estimates")
     print(f"{'target':8} {'api':7} {'packed us':>10} {'separate us':>12} {'ratio':>7}  goal")
@@ -78,6 +99,24 @@ def main(argv=None):
         goal = (f"<= {GOAL} {'met' if ratio <= GOAL else 'NOT met'}"
                 if api == "nki" and not args.backward else "reported")
         print(f"{target:8} {api:7} {packed:10.1f} {separate:12.1f} {ratio:7.3f}  {goal}")
+
+
+def report_mods(args):
+    """``--mods``: per target and modifier set, the packed and separate estimates, their
+    ratio and the packed call's cost over the plain packed one."""
+    print(f"{'backward' if args.backward else 'forward'}: {args.seqs} causal sequences of "
+          f"{args.n}, Hq = Hkv = {args.heads}, D = {args.d}, bf16, lnc=1, score modifiers; "
+          f"scheduled estimates")
+    print(f"{'target':8} {'modifiers':10} {'packed us':>10} {'separate us':>12} {'ratio':>7} "
+          f"{'vs plain packed':>16}")
+    for target in args.target:
+        plain = None
+        for name, mods in mod_sets(args.heads).items():
+            packed, separate = compare(args.seqs, args.n, args.heads, args.d, target,
+                                       args.backward, mods)
+            plain = packed if plain is None else plain
+            print(f"{target:8} {name:10} {packed:10.1f} {separate:12.1f} "
+                  f"{packed / separate:7.3f} {packed / plain:16.3f}")
 
 
 if __name__ == "__main__":

@@ -319,8 +319,11 @@ def _attention_call(dims: _v.AttentionShape, dtype: str, block_sparse=None, *, s
                                    maximum=max(_tiles.SBUF_USABLE_BYTES.values()))
     if packing is not None:
         _check_packed_options(kv_lens=kv_lens, q_lens=q_lens, tiles=tiles,
-                              sbuf_budget=sbuf_budget, dropout_p=dropout_p,
-                              softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+                              sbuf_budget=sbuf_budget, dropout_p=dropout_p)
+        if alibi_slopes is not None and np.ndim(alibi_slopes) != 1:
+            raise ValueError(f"alibi_slopes: packed sequences (cu_seqlens_q and cu_seqlens_k "
+                             f"given) take one slope per query head, shape (Hq,) = "
+                             f"({dims.Hq},); got shape {np.shape(alibi_slopes)}")
     if block_sparse is None and packing is None:
         lnc = _check_lnc(lnc)
     else:
@@ -363,7 +366,7 @@ def _forward_call(q, k, v, *, block_mask=None, cu_seqlens_q=None, cu_seqlens_k=N
 def _check_packed_options(**options):
     """Refuse the options the packed variable-length kernel does not take: padded-batch
     lengths and block masks (the offsets say which keys each row sees), the dense kernel's
-    tiling, and (not implemented yet) dropout and score modifiers."""
+    tiling, and (not implemented yet) dropout."""
     for name, value in options.items():
         given = value is not None and not (name in ("dropout_p", "softcap") and value == 0)
         if given:
@@ -702,13 +705,23 @@ def _varlen_forward(q, k, v, call: AttentionCall):
     api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
     o, lse = launch(varlen_attention_fwd.on(api), varlen_grid(dims.Hkv, dims.group, dims.Nq,
                                                                  call.lnc, api),
-                    q, k, v, call.packing.cu_q, call.packing.cu_k, scale=call.scale,
-                    causal=call.causal, window=call.window, mm_dtype=call.mm_dtype)
+                    q, k, v, call.packing.cu_q, call.packing.cu_k, **_packed_mods(call),
+                    scale=call.scale, causal=call.causal, window=call.window,
+                    mm_dtype=call.mm_dtype, **call.mods.kwargs)
     return (o, lse) if call.return_lse else o
 
 
+def _packed_mods(call: AttentionCall) -> dict:
+    """The packed kernels' modifier tensors: ``alibi_slopes`` and ``sinks`` ``(Hq,)``
+    float32, or None."""
+    slopes = call.mods.tensors["alibi_slopes"]
+    return dict(alibi_slopes=None if slopes is None else slopes.reshape(-1),
+                sinks=call.mods.tensors["sinks"])
+
+
 def _varlen_backward(do, q, k, v, o, lse, call: AttentionCall):
-    """The packed variable-length backward of a validated call: ``(dq, dk, dv)``."""
+    """The packed variable-length backward of a validated call: ``(dq, dk, dv)`` (and
+    ``dsinks`` ``(Hq,)`` with sinks)."""
     from nki_kernels.attention.varlen import varlen_grid
     from nki_kernels.attention.varlen_bwd import varlen_attention_bwd
 
@@ -716,10 +729,14 @@ def _varlen_backward(do, q, k, v, o, lse, call: AttentionCall):
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
     api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
-    return launch(varlen_attention_bwd.on(api),
+    outs = launch(varlen_attention_bwd.on(api),
                   varlen_grid(dims.Hkv, dims.group, dims.Nq, call.lnc, api), q, k, v, o, do,
-                  _numpy("lse", lse), call.packing.cu_q, call.packing.cu_k, scale=call.scale,
-                  causal=call.causal, window=call.window, mm_dtype=call.mm_dtype)
+                  _numpy("lse", lse), call.packing.cu_q, call.packing.cu_k, **_packed_mods(call),
+                  scale=call.scale, causal=call.causal, window=call.window,
+                  mm_dtype=call.mm_dtype, **call.mods.kwargs)
+    if call.mods.tensors["sinks"] is None:
+        return outs
+    return tuple(outs[:3]) + (np.asarray(outs[3], dtype=np.float32)[0],)
 
 
 def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):

@@ -66,8 +66,7 @@ _PREFILL_ONLY = (("seq_q", "--seq-q"), ("seq_k", "--seq-k"), ("causal", "--causa
 #: Flags --varlen (one packed batch of self-attention sequences) does not take.
 _NOT_VARLEN = (("seq_q", "--seq-q"), ("seq_k", "--seq-k"), ("kv_lens", "--kv-lens"),
                ("q_lens", "--q-lens"), ("dropout", "--dropout"),
-               ("block_sparse", "--block-sparse"), ("softcap", "--softcap"),
-               ("alibi", "--alibi"), ("sinks", "--sinks"))
+               ("block_sparse", "--block-sparse"))
 #: ``--block-sparse`` patterns (host/block_sparse.py); ``density=S`` is the benchmark's
 #: evenly spread pattern with a fraction S of the key blocks per query tile.
 BLOCK_SPARSE_PATTERNS = ("butterfly", "local-global", "density=S")
@@ -399,7 +398,7 @@ def _check_varlen(args: argparse.Namespace) -> None:
     given = [flag for attr, flag in _NOT_VARLEN if getattr(args, attr) not in (None, False)]
     if given:
         raise UsageError(f"{', '.join(given)} does not apply to --varlen (packed sequences "
-                         "take causal and window only)")
+                         "take causal, window, --softcap, --alibi and --sinks)")
     if args.batch != 1:
         raise UsageError(f"--batch {args.batch}: --varlen packs its sequences into one batch "
                          "row; use --batch 1")
@@ -589,7 +588,7 @@ def _run(args: argparse.Namespace) -> int:
 
         def check_refs():
             if cu is not None:
-                band = dict(scale=args.scale, causal=causal, window=mask_opts["window"])
+                band = dict(scale=args.scale, causal=causal, window=mask_opts["window"], **mods)
                 ref = reference.attention_varlen_forward(q, k, v, cu, cu, **band)
                 base = reference.per_sequence(reference.attention_baseline_lowp, q, k, v, cu,
                                               cu, dtype=mm_dtype, out_dtype=dtype,

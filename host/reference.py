@@ -409,25 +409,39 @@ def attention_forward(q, k, v, *, scale=None, causal=None, window=None, q_lens=N
     return p @ v64, lse
 
 
+def _varlen_rows(cu_seqlens_q, cu_seqlens_k):
+    """``(seq, cu_k)``: each packed row's sequence, the last one starting at or before it
+    (empty sequences start where the next one does), and the key offsets as int64."""
+    cu_q = np.asarray(cu_seqlens_q, dtype=np.int64)
+    return (np.searchsorted(cu_q, np.arange(cu_q[-1]), side="right") - 1,
+            np.asarray(cu_seqlens_k, dtype=np.int64))
+
+
+def varlen_diagonal(cu_seqlens_q, cu_seqlens_k, causal=None) -> np.ndarray:
+    """int64 ``(total_q,)``: the packed key aligned with each packed row, ``i + off`` with the
+    row's sequence's alignment (bottom_right, also without causal: ``off = cu_k[s+1] -
+    cu_q[s+1]``; top_left: ``cu_k[s] - cu_q[s]``) -- the diagonal of its band and the origin
+    of its ALiBi distances."""
+    seq, cu_k = _varlen_rows(cu_seqlens_q, cu_seqlens_k)
+    cu_q = np.asarray(cu_seqlens_q, dtype=np.int64)
+    i = np.arange(cu_q[-1])
+    if normalize_causal(causal) == CAUSAL_TOP_LEFT:
+        return i - cu_q[seq] + cu_k[seq]
+    return i - cu_q[seq + 1] + cu_k[seq + 1]
+
+
 def varlen_mask(cu_seqlens_q, cu_seqlens_k, *, causal=None, window=None) -> np.ndarray:
     """Visibility mask ``(total_q, total_k)`` of packed sequences (True = key j visible to
     query i): sequence s owns rows ``[cu_q[s], cu_q[s+1])`` and keys ``[cu_k[s], cu_k[s+1])``
     (offsets as validated by :func:`host.validation.check_cu_seqlens`); each row sees only its
     own sequence's keys, where :func:`attention_mask`'s causal and window rules apply with the
     sequence's own lengths (bottom_right: ``off = nk_s - nq_s``; top_left: 0)."""
-    causal = normalize_causal(causal)
     window = normalize_window(window)
-    cu_q = np.asarray(cu_seqlens_q, dtype=np.int64)
-    cu_k = np.asarray(cu_seqlens_k, dtype=np.int64)
-    i = np.arange(cu_q[-1])[:, None]
+    seq, cu_k = _varlen_rows(cu_seqlens_q, cu_seqlens_k)
     j = np.arange(cu_k[-1])[None, :]
-    # the row's sequence: the last one starting at or before it (empty sequences start where
-    # the next one does)
-    seq = np.searchsorted(cu_q, i[:, 0], side="right") - 1
     k0, k1 = cu_k[seq][:, None], cu_k[seq + 1][:, None]
-    q0, q1 = cu_q[seq][:, None], cu_q[seq + 1][:, None]
-    # i + off in packed positions: the key aligned with row i
-    diag = i - q0 + k0 if causal == CAUSAL_TOP_LEFT else i - q1 + k1
+    diag = varlen_diagonal(cu_seqlens_q, cu_seqlens_k, causal)[:, None]
+    causal = normalize_causal(causal)
     visible = (j >= k0) & (j < k1)
     if causal is not None:
         visible &= j <= diag
@@ -441,17 +455,24 @@ def varlen_mask(cu_seqlens_q, cu_seqlens_k, *, causal=None, window=None) -> np.n
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=None,
-                             window=None) -> Tuple[np.ndarray, np.ndarray]:
+                             window=None, softcap=None, alibi_slopes=None, sinks=None
+                             ) -> Tuple[np.ndarray, np.ndarray]:
     """Exact attention forward of packed sequences in float64: q ``(1, Hq, total_q, D)``, k, v
-    ``(1, Hkv, total_k, D)``, the offsets ``(S + 1,)``; the mask of :func:`varlen_mask`.
-    Returns ``o`` float64 ``(1, Hq, total_q, D)`` (0 for rows without a visible key) and
-    ``lse`` float64 ``(1, Hq, total_q)`` (-inf there)."""
+    ``(1, Hkv, total_k, D)``, the offsets ``(S + 1,)``; the mask of :func:`varlen_mask`; the
+    score modifiers ``softcap``, ``alibi_slopes`` ``(Hq,)`` and ``sinks`` ``(Hq,)`` as
+    :func:`attention_forward`'s, per sequence (ALiBi's distance ``|j - diag_i|`` from the
+    row's aligned key, :func:`varlen_diagonal`). Returns ``o`` float64 ``(1, Hq, total_q,
+    D)`` (0 for rows without a visible key) and ``lse`` float64 ``(1, Hq, total_q)`` (-inf
+    there; with sinks the head's sink)."""
     dims = check_attention_inputs(q, k, v, dtypes=REFERENCE_DTYPES, same_dtype=False,
                                   max_head_dim=None)
     scale = check_scale(scale, dims.D)
+    mods = check_score_mods(softcap, alibi_slopes, sinks, dims.B, dims.Hq)
     mask = varlen_mask(cu_seqlens_q, cu_seqlens_k, causal=causal, window=window)
     q64, k64, v64 = _f64(q), _expand_kv(_f64(k), dims.group), _expand_kv(_f64(v), dims.group)
-    p, lse = _masked_softmax(_scores(q64, k64, scale), mask[None, None], None)
+    qpos = varlen_diagonal(cu_seqlens_q, cu_seqlens_k, causal)[None, None, :, None]
+    s, _ = _modify_scores(_scores(q64, k64, scale), mods, qpos)
+    p, lse = _masked_softmax(s, mask[None, None], _sink(mods))
     return p @ v64, lse
 
 
@@ -468,9 +489,13 @@ def per_sequence(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
     """``(o, lse)`` float64 of a dense attention ``fn(q_s, k_s, v_s, **kwargs) -> (o, lse)``
     (:func:`attention_forward`, :func:`attention_baseline_lowp` with ``return_lse``) run on
     each packed sequence alone and packed back (q ``(1, Hq, total_q, D)``, k, v ``(1, Hkv,
-    total_k, D)``); rows of a sequence without keys get ``(0, -inf)``."""
+    total_k, D)``); rows of a sequence without keys get ``(0, -inf)`` (with ``sinks`` in
+    kwargs ``(0, sink)``: the sink is their only logit)."""
     o = np.zeros(q.shape, np.float64)
+    sinks = kwargs.get("sinks")
     lse = np.full(q.shape[:3], -np.inf)
+    if sinks is not None:
+        lse[:] = np.asarray(sinks, np.float64)[None, :, None]
     for rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
         o[:, :, rq], lse[:, :, rq] = fn(q[:, :, rq], k[:, :, rk], v[:, :, rk], **kwargs)
     return o, lse
@@ -480,14 +505,20 @@ def per_sequence_grads(fn, do, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
     """``(dq, dk, dv)`` float64 of a dense attention backward ``fn(do_s, q_s, k_s, v_s,
     **kwargs)`` (:func:`attention_backward`, :func:`attention_backward_baseline_lowp`) run on
     each packed sequence alone and packed back (layouts of :func:`per_sequence`); rows and
-    keys of sequences without keys or query rows get zeros."""
+    keys of sequences without keys or query rows get zeros. With ``sinks`` in kwargs also
+    ``dsinks`` ``(Hq,)``, summed over the sequences (a row without keys has ``o = 0``: no
+    share)."""
     dq = np.zeros(q.shape, np.float64)
     dk = np.zeros(k.shape, np.float64)
     dv = np.zeros(v.shape, np.float64)
+    with_sinks = kwargs.get("sinks") is not None
+    dsinks = np.zeros(q.shape[1], np.float64)
     for rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
-        dq[:, :, rq], dk[:, :, rk], dv[:, :, rk] = fn(
-            do[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], **kwargs)
-    return dq, dk, dv
+        out = fn(do[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], **kwargs)
+        dq[:, :, rq], dk[:, :, rk], dv[:, :, rk] = out[:3]
+        if with_sinks:
+            dsinks += out[3]
+    return (dq, dk, dv, dsinks) if with_sinks else (dq, dk, dv)
 
 
 def _backward_from_p(p, do, q64, k64, v64, delta, scale, Hkv, drop=None, dcap=None):

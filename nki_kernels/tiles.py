@@ -91,6 +91,14 @@ VARLEN_KV_HEADS = 2
 #: statistics stay in SBUF through the sweep (~0.8 KiB per partition each at D = 128), and
 #: the body is unrolled over them, so this bounds both SBUF and the program size.
 VARLEN_MAX_SLOTS = 16
+#: Fraction of the packed forward's P^T PSUM -> SBUF copies on ScalarE: half without a score
+#: modifier that transforms the scores, all of them with soft-capping or ALiBi (their
+#: instructions load VectorE: ALiBi's add, the range select reading an SBUF tile). Measured,
+#: not modeled: ``benchmarks/varlen.py --mods`` on trn2 (8 causal sequences of 512, Hq = Hkv
+#: = 8, D = 128), all copies on ScalarE model ALiBi at 685.8 us against 892.4 with half,
+#: soft-capping 611.8 against 640.2, but the plain call at 642.3 against 634.1.
+VARLEN_ACT_SHARE = 0.5
+VARLEN_MODS_ACT_SHARE = 1.0
 #: Query tiles of one class processed together by the block-sparse forward (a loop body): their
 #: softmax chains interleave step by step, as the dense forward's groups do
 #: (FWD_RESIDENT_Q_GROUP), so the engines have independent work while one tile waits.

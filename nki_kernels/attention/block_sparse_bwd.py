@@ -232,18 +232,24 @@ def _delta(cfg: _Cfg, h, t0, rows: int):
     port.dma_copy(cfg.delta[(*cfg.delta_lead(h), nl.ds(t0, rows), slice(None))], d,
                   legacy_isa=True)
     if cfg.dsink_acc is not None:
-        # the rows' shares of dsink, exp(sink - lse) D (negated at the end): lse >= sink at
-        # every real row, so max(lse, sink) changes none and makes a padding row's (lse =
-        # -inf, D = 0) exp 1, not inf
         lse = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.dma_copy(lse, f.lse_col[f.b, head, nl.ds(t0, rows), :], legacy_isa=True)
-        sink = SM.HeadColumns.col(cfg.cols.sink, h, rows)
-        lse_c = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_tensor(lse_c, lse, sink, nl.maximum)
-        p_sink = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-        port.activation(p_sink, nl.exp, lse_c, bias=sink, scale=-1.0)
-        acc = cfg.dsink_acc[0:rows, nl.ds(h, 1)]
-        port.scalar_tensor_tensor(acc, p_sink, nl.multiply, d, nl.add, acc)
+        add_sink_share(cfg.cols, h, lse, d, cfg.dsink_acc)
+
+
+def add_sink_share(cols: SM.HeadColumns, h, lse, d, acc):
+    """Add the rows' shares of dsink of member head h, ``exp(sink - lse) D`` (negated by
+    :func:`store_dsinks`), to column h of ``acc`` (fp32 ``[128, G]`` partial sums; ``lse``,
+    ``d``: fp32 ``[rows, 1]``). lse >= sink at every real row, so max(lse, sink) changes none
+    and makes a padding row's (lse = -inf, D = 0) exp 1, not inf."""
+    rows = lse.shape[0]
+    sink = SM.HeadColumns.col(cols.sink, h, rows)
+    lse_c = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(lse_c, lse, sink, nl.maximum)
+    p_sink = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(p_sink, nl.exp, lse_c, bias=sink, scale=-1.0)
+    col = acc[0:rows, nl.ds(h, 1)]
+    port.scalar_tensor_tensor(col, p_sink, nl.multiply, d, nl.add, col)
 
 
 def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
@@ -440,7 +446,7 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
 
         port.loop(G, delta_head, carried=mods.sinks)
         if mods.sinks:
-            _store_dsinks(cfg, dsinks)
+            store_dsinks(f, cfg.dsink_acc, dsinks)
         # 2. dK, dV, key-major
         for first, count, trip, exact in classes_k:
             port.loop(count, lambda c, first=first, trip=trip, exact=exact:
@@ -461,17 +467,17 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
     return dq, dk, dv
 
 
-def _store_dsinks(cfg: _Cfg, dsinks):
-    """``dsinks[b, heads of g] = -(the partition sums of dsink_acc)``: a ones column against
-    the ``[128, G]`` partials (TensorE, as the dense backward), negated on the way out."""
-    f = cfg.f
+def store_dsinks(f, acc, dsinks):
+    """``dsinks[b, heads of g] = -(the partition sums of acc)`` (instance ``f``): a ones
+    column against the ``[128, G]`` partials (TensorE, as the dense backward), negated on the
+    way out."""
     ones = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.memset(ones, 1.0, engine="gpsimd")
     tot = nl.ndarray((1, f.G), dtype=nl.float32, buffer=nl.psum)
-    port.nc_matmul(tot, ones, cfg.dsink_acc)
+    port.nc_matmul(tot, ones, acc)
     out = nl.ndarray((1, f.G), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(out, tot, nl.multiply, -1.0)
     port.dma_copy(dsinks[nl.ds(f.b, 1), nl.ds(f.head(0), f.G)], out, legacy_isa=True)
 
 
-__all__ = ["block_sparse_attention_bwd", "LSE_CLAMP"]
+__all__ = ["block_sparse_attention_bwd", "LSE_CLAMP", "add_sink_share", "store_dsinks"]

@@ -139,7 +139,7 @@ def one_sided(spec: M.MaskSpec) -> bool:
 
 def modify_scores(mods: Mods, cols: HeadColumns, sc, rows: int, width: int, h, d0,
                   tanh_scale: float, two_sided: bool, pred=None, d_static=0, offsets=None,
-                  dist=None):
+                  dist=None, dist_col=None):
     """Soft-capping then ALiBi on a score tile ``sc`` (PSUM or SBUF fp32 ``[rows, width]`` of
     raw scores). Returns ``(y, t)``: ``y`` a new SBUF fp32 tile in raw units (module
     docstring) and ``t`` the tanh tile (None without soft-capping; ``y is t`` without ALiBi),
@@ -147,7 +147,9 @@ def modify_scores(mods: Mods, cols: HeadColumns, sc, rows: int, width: int, h, d
     the tile's ``j0 - i0 - off`` (:func:`distance_tile`); ``tanh_scale``: ``c / cap``. Every
     instruction predicated on ``pred`` (legacy). ``dist``: None, or the distance tile itself
     (SBUF fp32 ``[rows, width]``, overwritten when two-sided) where the key positions are data
-    (the block-sparse kernels: ``d0`` is then unused)."""
+    (the block-sparse kernels: ``d0`` is then unused); with ``dist_col`` (fp32 ``[rows, 1]``)
+    the distance is ``dist + dist_col``, folded into the next instruction as an iota's column
+    is, and ``dist`` is only read (the packed kernels' shared column iota)."""
     y = t = None
     if mods.softcap is not None:
         t = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
@@ -159,11 +161,14 @@ def modify_scores(mods: Mods, cols: HeadColumns, sc, rows: int, width: int, h, d
         # -slope_u |d|: with a one-sided band |d| = -d, so + slope_u d. Under nki.* the
         # distance's loop-index part (col) is added by the |d| activation's bias, or one-sided
         # by the GpSimd multiply's first operation (no VectorE pass)
-        d, col = ((dist, None) if dist is not None
+        d, col = ((dist, dist_col) if dist is not None
                   else distance_tile(d0, rows, width, pred, d_static, offsets))
         slope = cols.col(cols.slope_u, h, rows)
         if two_sided:
-            port.activation(d, nl.abs, d, bias=col, mask=pred)
+            a = (d if dist is None or dist_col is None
+                 else nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf))
+            port.activation(a, nl.abs, d, bias=col, mask=pred)
+            d = a
         bias = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
         if col is None or two_sided:
             port.tensor_scalar(bias, d, nl.multiply, slope, engine="gpsimd", mask=pred)

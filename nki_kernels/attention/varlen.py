@@ -56,6 +56,7 @@ from nki_kernels import tiles as T
 from nki_kernels.attention import block_sparse as BS
 from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
+from nki_kernels.attention import score_mods as SM
 from nki_kernels.port import nl
 
 P = T.PMAX
@@ -65,11 +66,11 @@ W = T.VARLEN_STEP_KEYS
 class Offsets(NamedTuple):
     """The packing on every partition, loaded once per program: ``starts`` fp32 ``[128, m,
     S]``, each sequence's first query row ``cu_q[s]`` (repeated m times), and ``seqs`` the m
-    per-sequence values the rows select (``cu_k[s]``, ``cu_k[s+1]`` and with a band the
-    references of its diagonal: ``cu_k[s+1]``, ``cu_q[s+1]`` bottom_right, ``cu_k[s]``,
+    per-sequence values the rows select (``cu_k[s]``, ``cu_k[s+1]`` and with a band or ALiBi
+    the references of its diagonal: ``cu_k[s+1]``, ``cu_q[s+1]`` bottom_right, ``cu_k[s]``,
     ``cu_q[s]`` top_left), all non-decreasing in s and >= 0; and the constant iota tiles:
-    ``part`` (p, ``[128, 1]``), ``cols`` (c, ``[128, W]``; legacy only), ``keys`` (``128 w +
-    p``, ``[128, W / 128]``: a step's key of partition p, block w)."""
+    ``part`` (p, ``[128, 1]``), ``cols`` (c, ``[128, W]``; legacy, and with ALiBi), ``keys``
+    (``128 w + p``, ``[128, W / 128]``: a step's key of partition p, block w)."""
     starts: object
     seqs: object
     part: object
@@ -91,7 +92,7 @@ def load_offsets(cu_seqlens_q, cu_seqlens_k, spec: M.MaskSpec) -> Offsets:
         cu.append(M.broadcast_row(row, n))
     cu_q, cu_k = cu
     cols = [cu_k[:, 0:S], cu_k[:, 1:n]]
-    if spec.has_diag:
+    if spec.has_diag or spec.alibi:
         ref = 0 if spec.top_left else 1
         cols += [cu_k[:, ref:ref + S], cu_q[:, ref:ref + S]]
     m = len(cols)
@@ -103,7 +104,7 @@ def load_offsets(cu_seqlens_q, cu_seqlens_k, spec: M.MaskSpec) -> Offsets:
     part = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.iota(part, [[0, 1]], channel_multiplier=1)
     iota_cols = None
-    if port.api() == "legacy":
+    if port.api() == "legacy" or spec.alibi:
         iota_cols = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
         port.iota(iota_cols, [[1, W]])
     keys = nl.ndarray((P, W // P), dtype=nl.float32, buffer=nl.sbuf)
@@ -113,20 +114,22 @@ def load_offsets(cu_seqlens_q, cu_seqlens_k, spec: M.MaskSpec) -> Offsets:
 
 def row_bounds(off: Offsets, spec: M.MaskSpec, pos, dst):
     """``first_i`` and ``end_i`` (one past the last visible key) of the rows at positions
-    ``pos`` (fp32 ``[128, 1]``; module docstring) into ``dst`` (fp32 ``[128, 2]``). The row's
-    sequence values are the largest of those of the sequences started at or before it (one
-    compare-and-multiply, one max-reduction over the sequences), then the band: two or three
-    ``[128, 1]`` instructions."""
+    ``pos`` (fp32 ``[128, 1]``; module docstring) into ``dst`` (fp32 ``[128, 2]``; with ALiBi
+    ``[128, 3]``, the third the row's diagonal key ``i + off``, from which ALiBi measures
+    ``j - i - off``). The row's sequence values are the largest of those of the sequences
+    started at or before it (one compare-and-multiply, one max-reduction over the sequences),
+    then the band: two or three ``[128, 1]`` instructions."""
     m, S = off.seqs.shape[1], off.seqs.shape[2]
     sel = nl.ndarray((P, m, S), dtype=nl.float32, buffer=nl.sbuf)
     port.scalar_tensor_tensor(sel, off.starts, nl.less_equal, pos, nl.multiply, off.seqs)
     own = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_reduce(own, nl.maximum, sel, axis=2)
-    if not spec.has_diag:
+    if not (spec.has_diag or spec.alibi):
         port.tensor_copy(dst, own, engine="gpsimd")
         return
     # the row's diagonal key i + off = (i - q_ref) + k_ref
-    diag = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    diag = (dst[:, 2:3] if spec.alibi
+            else nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf))
     port.scalar_tensor_tensor(diag, pos, nl.subtract, own[:, 3:4], nl.add, own[:, 2:3])
     if spec.lo is None:
         port.tensor_copy(dst[:, 0:1], own[:, 0:1], engine="gpsimd")
@@ -214,21 +217,37 @@ def check_shapes(kernel: str, q, k, cu_seqlens_q, cu_seqlens_k):
     BS.refuse_large_in_nki(kernel, max(Hq * Nq, Hkv * Nk))
 
 
+def check_mods(softcap, alibi_slopes, sinks) -> SM.Mods:
+    """The packed kernels' :class:`score_mods.Mods`: ALiBi's slopes one per query head,
+    ``(Hq,)`` (the packed batch is one row of sequences: a per-batch ``(B, Hq)`` has no
+    meaning)."""
+    if alibi_slopes is not None and len(alibi_slopes.shape) != 1:
+        raise ValueError(f"alibi_slopes: packed sequences take one slope per query head, "
+                         f"shape (Hq,); got shape {tuple(alibi_slopes.shape)}")
+    return SM.check_mods(softcap, alibi_slopes, sinks)
+
+
 @port.jit
-def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=1.0, causal=None,
-                         window=None, mm_dtype="bfloat16"):
+def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, sinks=None, *,
+                         scale=1.0, causal=None, window=None, mm_dtype="bfloat16",
+                         softcap=None):
     """Packed variable-length flash attention forward: ``o (1, Hq, total_q, D)`` in q's dtype
     and ``lse (1, Hq, total_q)`` float32 for q ``(1, Hq, total_q, D)``, k/v ``(1, Hkv,
     total_k, D)`` and int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``(S + 1,)`` (validated by the
     host: 0 first, non-decreasing, the totals last). ``causal`` (None, "top_left",
     "bottom_right") and ``window`` apply per sequence; ``scale``, ``mm_dtype`` as
-    :func:`forward.flash_attention_fwd`. Instances ``(1, Hkv / Hc)`` (:func:`body_shape`)
+    :func:`forward.flash_attention_fwd`, and the score modifiers (``score_mods.py``, per
+    sequence): ``softcap`` (compile-time), ``alibi_slopes`` (HBM ``(Hq,)`` float32: the
+    distance ``j - i - off`` inside the row's sequence, aligned as its band) and ``sinks``
+    (HBM ``(Hq,)`` float32; a row without visible keys then has ``lse = sink``). Instances
+    ``(1, Hkv / Hc)`` (:func:`body_shape`)
     (:func:`port.for_programs`; the grid :func:`varlen_grid`). Totals of 2^24 rows or more
     are refused (fp32 positions)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     check_shapes("varlen_attention_fwd", q, k, cu_seqlens_q, cu_seqlens_k)
-    spec = M.MaskSpec(Nq, Nk, causal, window)
+    mods = check_mods(softcap, alibi_slopes, sinks)
+    spec = M.MaskSpec(Nq, Nk, causal, window, alibi=mods.alibi)
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -241,7 +260,8 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=1.0, caus
     Hc, R = body_shape(Hkv, Hq // Hkv, Nq)
 
     def instance(b, g0):
-        insts = kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices)
+        insts = kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices,
+                         mods, alibi_slopes, sinks)
         group_loop(insts, off, ident, static_steps, R, Nq,
                    lambda plan, pos: _group(insts, off, ident, static_steps, plan, pos))
 
@@ -265,16 +285,20 @@ def identity2():
     return ident
 
 
-def kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc: int, indices):
+def kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc: int, indices,
+             mods: SM.Mods, slopes, sinks):
     """The :class:`KvHead` records of instance ``(b, g0)``: kv heads ``g0 Hc .. g0 Hc + Hc -
-    1`` (``o``/``lse``: the HBM outputs, or the backward's saved ones)."""
+    1`` (``o``/``lse``: the HBM outputs, or the backward's saved ones), with the score
+    modifiers ``mods`` (``slopes``, ``sinks``: their HBM ``(Hq,)`` values, or None)."""
     insts = []
     for c in T.unrolled(Hc):
         # guard: non-finite values reach only the rows that see them; the P^T copies split
-        # evenly between ScalarE and VectorE (as block-sparse's)
+        # between ScalarE and VectorE (tiles.VARLEN_ACT_SHARE: evenly, as block-sparse's)
         cf = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0 * Hc + c, None,
-                      indices, guard=True, act_share=0.5)
-        f = F.Instance.of(cf)
+                      indices, guard=True,
+                      act_share=(T.VARLEN_MODS_ACT_SHARE if mods.transforms
+                                 else T.VARLEN_ACT_SHARE))
+        f = F.Instance.of(cf, score=F.score_mods(cf, mods, slopes, sinks, cf.act_scale))
         insts.append(KvHead(f, BS.RowFrame.of(k, (b, f.g), indices),
                             [BS.RowFrame.of(q, (b, f.head(h)), indices)
                              for h in T.unrolled(f.G)]))
@@ -293,13 +317,13 @@ def group_loop(insts, off, ident, static_steps: int, R: int, Nq: int, group):
     if n_full:
         pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)      # next group's rows
         port.tensor_copy(pos, off.part, engine="gpsimd")
-        nxt = Sweep.alloc(R)
+        nxt = Sweep.alloc(R, spec)
         plan_sweep(spec, off, pos, ident, nxt)
         port.loop(n_full, lambda t: group(nxt, pos), carried=True)
     if n_tiles % R:
         pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(pos, off.part, nl.add, float(n_full * R * P), engine="gpsimd")
-        last = Sweep.alloc(n_tiles % R)
+        last = Sweep.alloc(n_tiles % R, spec)
         plan_sweep(spec, off, pos, ident, last)
         group(last, None)
 
@@ -307,7 +331,8 @@ def group_loop(insts, off, ident, static_steps: int, R: int, Nq: int, group):
 class Sweep(NamedTuple):
     """The plan of one group's sweep (:func:`plan_sweep`), in SBUF: ``rows`` fp32 ``[128, R]``
     the positions of its R query tiles' rows, ``bounds`` fp32 ``[128, R, 2]`` their
-    ``(first, end)``, ``kb0`` fp32 ``[128, 1]`` the first key of the sweep, ``n`` int32
+    ``(first, end)`` (with ALiBi ``[128, R, 3]``: and the diagonal key, :func:`row_bounds`),
+    ``kb0`` fp32 ``[128, 1]`` the first key of the sweep, ``n`` int32
     ``[1, 1]`` its step count."""
     rows: object
     bounds: object
@@ -315,9 +340,10 @@ class Sweep(NamedTuple):
     n: object
 
     @staticmethod
-    def alloc(R: int) -> "Sweep":
+    def alloc(R: int, spec: M.MaskSpec) -> "Sweep":
         return Sweep(nl.ndarray((P, R), dtype=nl.float32, buffer=nl.sbuf),
-                     nl.ndarray((P, R, 2), dtype=nl.float32, buffer=nl.sbuf),
+                     nl.ndarray((P, R, 3 if spec.alibi else 2), dtype=nl.float32,
+                                buffer=nl.sbuf),
                      nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf),
                      nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf))
 
@@ -332,7 +358,7 @@ def plan_sweep(spec: M.MaskSpec, off: Offsets, pos, ident, out: Sweep):
         port.tensor_scalar(out.rows[:, r:r + 1], pos, nl.add, float(r * P), engine="gpsimd")
         row_bounds(off, spec, out.rows[:, r:r + 1], out.bounds[:, r, :])
     port.tensor_scalar(pos, pos, nl.add, float(R * P), engine="gpsimd")
-    port.tensor_copy(span, out.bounds[:, 0, :], engine="gpsimd")
+    port.tensor_copy(span, out.bounds[:, 0, 0:2], engine="gpsimd")
     for r in T.unrolled(1, R):
         port.tensor_tensor(span[:, 0:1], span[:, 0:1], out.bounds[:, r, 0:1], nl.minimum,
                            engine="gpsimd")
@@ -358,6 +384,8 @@ def _group(insts, off: Offsets, ident, static_steps: int, plan: Sweep, pos=None)
         for r in T.unrolled(R):
             for h in T.unrolled(G):
                 sl = (c * R + r) * G + h
+                if f0.mods.sinks:
+                    F.start_at_sink(kh.f, st, h, 1, slot0=sl)
                 x = nl.ndarray((P, kh.f.D), dtype=kh.f.q.dtype, buffer=nl.sbuf)
                 BS.gather(x, kh.f.q, (kh.f.b, kh.f.head(h)), outs[sl], 0, kh.f.Nq % P != 0)
                 for pi, (d0, d) in enumerate(kh.f.d_passes):
@@ -398,7 +426,7 @@ def open_group(insts, off, ident, plan: Sweep, pos):
            for kh in insts for r in T.unrolled(R) for h in T.unrolled(f0.G)]
     keys = nl.ndarray((P, W // P), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(keys, off.keys, nl.add, plan.kb0)
-    rel = nl.ndarray((P, R, 2), dtype=nl.float32, buffer=nl.sbuf)
+    rel = nl.ndarray(tuple(plan.bounds.shape), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(rel, plan.bounds, nl.subtract, plan.kb0)
     if pos is not None:
         plan_sweep(f0.spec, off, pos, ident, plan)
@@ -424,6 +452,26 @@ def outside(off: Offsets, rel):
     port.scalar_tensor_tensor(ind, off.cols, nl.greater_equal, rel[:, 1:2], nl.maximum,
                               before)
     return ind
+
+
+def modified(f, off: Offsets, sc, h, rel):
+    """``(y, t)``: the raw scores ``sc`` (PSUM fp32 ``[128, W]``, query head ``h`` of the kv
+    head) with the score modifiers (``score_mods.modify_scores``: a new SBUF tile in raw
+    units; the masks select after it), ``sc`` itself without one; ``t`` the tanh tile with
+    soft-capping (the backward's derivative), else None. ALiBi's distance ``j - i - off`` of
+    step column c is ``c - rel[:, 2]`` (``rel``: the tile's ``[128, 3]`` bounds relative to
+    the step's first key): the column iota and a ``[128, 1]`` column the bias's first
+    instruction adds (one-sided: GpSimd's ``(c + col) slope``; two-sided: ScalarE's
+    ``|c + col|``)."""
+    if not f.mods.transforms:
+        return sc, None
+    col = None
+    if f.mods.alibi:
+        col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(col, rel[:, 2:3], nl.multiply, -1.0, engine="gpsimd")
+    return SM.modify_scores(f.mods, f.score.cols, sc, P, W, h, None, f.act_scale / f.unit,
+                            not SM.one_sided(f.spec), dist=off.cols if col is not None else None,
+                            dist_col=col)
 
 
 def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):
@@ -456,21 +504,26 @@ def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):
     nki = port.api() == "nki"
     for j in T.unrolled(R * f.G):
         r, sl = j // f.G, slot0 + j
-        sc = F.contract([(st.qT[pi][:, sl, :], kT[pi]) for pi in T.unrolled(len(f.d_passes))],
-                        (P, W))
-        s_tile = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
+        sc, _ = modified(f, off, F.contract([(st.qT[pi][:, sl, :], kT[pi])
+                                             for pi in T.unrolled(len(f.d_passes))], (P, W)),
+                         j % f.G, rel[:, r, :])
         if nki:
-            # one VectorE range_select out of PSUM keeps [first, end) and gives the row max
+            # one VectorE range_select (out of PSUM without a modifier) keeps [first, end)
+            # and gives the row max
+            s_tile = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
             port.range_select_max(s_tile, sc, [(rel[:, r, 0:1], nl.greater_equal),
                                                (rel[:, r, 1:2], nl.less)],
                                   st.stats[:, sl, 2:3])
         else:
             if j % f.G == 0:
                 ind = outside(off, rel[:, r, :])
-            port.tensor_copy(s_tile, sc, engine="vector")
+            s_tile = sc
+            if not f.mods.transforms:
+                s_tile = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
+                port.tensor_copy(s_tile, sc, engine="vector")
             port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
         F.fold_block(f, st, sl, [s_tile], [W], F.KV(None, kT, v), 0, None, fused=(nki,))
 
 
 __all__ = ["varlen_attention_fwd", "varlen_grid", "check_shapes", "body_shape", "Sweep", "plan_sweep",
-           "Offsets", "load_offsets", "row_bounds", "tile_sweep"]
+           "Offsets", "load_offsets", "row_bounds", "tile_sweep", "modified", "check_mods"]

@@ -17,16 +17,26 @@ The accumulators' read-modify-writes follow each other in program order on one p
 rows (UNCONFIRMED: that the compiler orders these indirect HBM accesses as the simulator
 does, by their data dependencies).
 
+Score modifiers (``score_mods.py``): ALiBi's bias is the forward's (a constant of the
+scores: nothing to differentiate); with soft-capping S is the forward's
+``tanh`` tile (raw units of the cap, selected after it) and dS gains the factor ``1 - t^2``
+(deselected where masked: a hidden non-finite score's tanh never reaches a row); with sinks
+each slot adds its rows' shares of dsink, ``exp(sink - lse_i) delta_i``, to per-partition
+sums carried through the groups, summed across partitions and negated at the end
+(``block_sparse_bwd.add_sink_share``, ``store_dsinks``): ``dsinks (1, Hq)``.
+
 Head dims up to 128 (PSUM: the step's dK and dV, one bank each, beside S, dP, dS^T and dQ);
-dropout and score modifiers are refused by the host as in the forward.
+dropout is refused by the host as in the forward.
 """
 from __future__ import annotations
 
 from nki_kernels import port
 from nki_kernels import tiles as T
 from nki_kernels.attention import block_sparse as BS
+from nki_kernels.attention import block_sparse_bwd as BSB
 from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
+from nki_kernels.attention import score_mods as SM
 from nki_kernels.attention import varlen as VL
 from nki_kernels.port import nl
 
@@ -35,18 +45,21 @@ W = T.VARLEN_STEP_KEYS
 
 
 @port.jit
-def varlen_attention_bwd(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, *, scale=1.0,
-                         causal=None, window=None, mm_dtype="bfloat16"):
+def varlen_attention_bwd(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None,
+                         sinks=None, *, scale=1.0, causal=None, window=None,
+                         mm_dtype="bfloat16", softcap=None):
     """``(dq, dk, dv)`` of :func:`varlen.varlen_attention_fwd` for its inputs, output ``o``,
     ``do`` (q's layout) and ``lse`` (``(1, Hq, total_q)`` float32); dq in q's dtype, dk and
-    dv in k's, summed over each kv head's query heads. Instances and grid as the forward's
-    (:func:`varlen.varlen_grid`). D <= 128."""
+    dv in k's, summed over each kv head's query heads; with ``sinks`` (HBM ``(Hq,)``) also
+    ``dsinks`` ``(1, Hq)`` float32. ``softcap`` and ``alibi_slopes`` as the forward's.
+    Instances and grid as the forward's (:func:`varlen.varlen_grid`). D <= 128."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if D > P:
         raise ValueError(f"q: the packed backward takes head dims up to {P}, got {D}")
     VL.check_shapes("varlen_attention_bwd", q, k, cu_seqlens_q, cu_seqlens_k)
-    spec = M.MaskSpec(Nq, Nk, causal, window)
+    mods = VL.check_mods(softcap, alibi_slopes, sinks)
+    spec = M.MaskSpec(Nq, Nk, causal, window, alibi=mods.alibi)
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
     dq = nl.ndarray(q.shape, dtype=q.dtype, buffer=nl.shared_hbm)
     dk = nl.ndarray(k.shape, dtype=k.dtype, buffer=nl.shared_hbm)
@@ -54,6 +67,7 @@ def varlen_attention_bwd(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, *, sca
     # fp32 accumulators of dK and dV (k's layout, so k's row frames address them)
     dk_acc = nl.ndarray(k.shape, dtype=nl.float32, buffer=nl.shared_hbm)
     dv_acc = nl.ndarray(k.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+    dsinks = nl.ndarray((1, Hq), dtype=nl.float32, buffer=nl.shared_hbm) if mods.sinks else None
     acc = (dk_acc, dv_acc)
     indices = port.OffsetColumns(0, Hq, 1)
     off = VL.load_offsets(cu_seqlens_q, cu_seqlens_k, spec)
@@ -62,14 +76,25 @@ def varlen_attention_bwd(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, *, sca
     Hc, R = VL.body_shape(Hkv, Hq // Hkv, Nq)
 
     def instance(b, g0):
-        insts = VL.kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices)
+        insts = VL.kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices,
+                            mods, alibi_slopes, sinks)
         _each_key_tile(insts, off, lambda kh, idx: _zero_rows(kh, acc, idx))
+        # per kv head, dsink's per-partition partial sums of its query heads (with sinks)
+        sink_acc = []
+        for kh in insts if mods.sinks else ():
+            a = nl.ndarray((P, kh.f.G), dtype=nl.float32, buffer=nl.sbuf)
+            port.memset(a, 0.0, engine="gpsimd")
+            sink_acc.append(a)
         VL.group_loop(insts, off, ident, static_steps, R, Nq,
                       lambda plan, pos: _group(insts, off, ident, static_steps, plan, pos,
-                                               (do, dq), acc))
+                                               (do, dq), acc, sink_acc))
         _each_key_tile(insts, off, lambda kh, idx: _cast_rows(kh, acc, (dk, dv), idx))
+        for kh, a in zip(insts, sink_acc):
+            BSB.store_dsinks(kh.f, a, dsinks)
 
     port.for_programs((B, Hkv // Hc), instance)
+    if dsinks is not None:
+        return dq, dk, dv, dsinks
     return dq, dk, dv
 
 
@@ -111,7 +136,8 @@ class _Slot:
     dtype), Q and dO in the matmul dtype, the exp bias ``-lse`` (finite for rows without a
     key), ``delta``, and the fp32 dQ accumulator."""
 
-    def __init__(self, f, do, head, idx, skip: bool):
+    def __init__(self, f, do, h, idx, skip: bool, sink_acc):
+        head = f.head(h)
         D = f.D
         x = {}
         for name, src in (("q", f.q), ("do", do), ("o", f.o)):
@@ -132,6 +158,9 @@ class _Slot:
         port.tensor_tensor(prod, x["do"], x["o"], nl.multiply)
         self.delta = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_reduce(self.delta, nl.add, prod, axis=(1,))
+        if sink_acc is not None:
+            # rows past total_q were zeroed by the gathers: lse = 0 and delta = 0, no share
+            BSB.add_sink_share(f.score.cols, h, lse_t, self.delta, sink_acc)
         self.nat, self.T = {}, {}
         for name in ("q", "do"):
             nat = nl.ndarray((P, D), dtype=f.mm, buffer=nl.sbuf)
@@ -150,8 +179,9 @@ class _Slot:
         self.idx = idx
 
 
-def _group(insts, off, ident, static_steps: int, plan, pos, grads, acc):
-    """The backward of one group (``varlen._group``'s sweep): slots, steps, dQ written."""
+def _group(insts, off, ident, static_steps: int, plan, pos, grads, acc, sink_acc):
+    """The backward of one group (``varlen._group``'s sweep): slots, steps, dQ written
+    (``sink_acc``: per kv head dsink's partial sums, or empty without sinks)."""
     do, dq = grads
     G = insts[0].f.G
     R = plan.rows.shape[1]
@@ -161,7 +191,8 @@ def _group(insts, off, ident, static_steps: int, plan, pos, grads, acc):
         for r in T.unrolled(R):
             for h in T.unrolled(G):
                 sl = (c * R + r) * G + h
-                slots.append(_Slot(kh.f, do, kh.f.head(h), outs[sl], kh.f.Nq % P != 0))
+                slots.append(_Slot(kh.f, do, h, outs[sl], kh.f.Nq % P != 0,
+                                   sink_acc[c] if sink_acc else None))
 
     def step(s):
         for c, kh in enumerate(insts):
@@ -200,27 +231,28 @@ def _step(kh, off, slots, keys, rel, R: int, acc):
     F.transpose_keys(f, vT, 0, [(w * P, P, vx[:, w, :]) for w in T.unrolled(nb)], f.v.dtype)
     dk_ps = nl.ndarray((P, nb, D), dtype=nl.float32, buffer=nl.psum)
     dv_ps = nl.ndarray((P, nb, D), dtype=nl.float32, buffer=nl.psum)
-    nki = port.api() == "nki"
     for j, sl in enumerate(slots):
         r = j // f.G
-        sc = F.contract([(sl.T["q"][pi], kT[pi]) for pi in T.unrolled(len(f.d_passes))],
-                        (P, W))
-        s_sel = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
-        if nki:
-            neg_max = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-            port.range_select_max(s_sel, sc, [(rel[:, r, 0:1], nl.greater_equal),
-                                              (rel[:, r, 1:2], nl.less)], neg_max)
-        else:
-            port.tensor_copy(s_sel, sc, engine="vector")
-            port.tensor_copy_predicated(s_sel, T.BWD_MASK_FILL, VL.outside(off, rel[:, r, :]))
+        bounds = rel[:, r, :]
+        sc, t = VL.modified(f, off, F.contract([(sl.T["q"][pi], kT[pi])
+                                                for pi in T.unrolled(len(f.d_passes))], (P, W)),
+                            j % f.G, bounds)
+        grad = None if t is None else SM.softcap_grad_factor(t, P, W)
+        s_sel = _select(off, bounds, sc, T.BWD_MASK_FILL)
         p32 = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
-        port.activation(p32, nl.exp, s_sel, bias=sl.bias, scale=f.act_scale)
+        port.activation(p32, nl.exp, s_sel, bias=sl.bias, scale=f.unit)
         p_mm = nl.ndarray((P, W), dtype=f.mm, buffer=nl.sbuf)
         port.tensor_copy(p_mm, p32, engine="gpsimd")
         dp = F.contract([(sl.T["do"][pi], vT[pi]) for pi in T.unrolled(len(f.d_passes))],
                         (P, W))
+        pg = p32
+        if grad is not None:
+            # P (1 - t^2), the factor selected to 0 outside [first, end) (P is 0 there)
+            pg = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_tensor(pg, p32, _select(off, bounds, grad, 0.0), nl.multiply,
+                               engine="gpsimd")
         ds = nl.ndarray((P, W), dtype=f.mm, buffer=nl.sbuf)
-        port.scalar_tensor_tensor(ds, dp, nl.subtract, sl.delta, nl.multiply, p32)
+        port.scalar_tensor_tensor(ds, dp, nl.subtract, sl.delta, nl.multiply, pg)
         first = j == 0
         for w in T.unrolled(nb):
             blk = slice(w * P, (w + 1) * P)
@@ -245,6 +277,22 @@ def _step(kh, off, slots, keys, rel, R: int, acc):
         port.scalar_tensor_tensor(new, ps, nl.multiply, c, nl.add, cur)
         for w in T.unrolled(nb):
             port.dma_copy(port.lead_rows(a, (f.b, f.g), rows, w), new[:, w, :], oob_skip=True)
+
+
+def _select(off, bounds, x, fill: float):
+    """fp32 ``[128, W]``: ``x`` (PSUM or SBUF) inside each row's ``[first, end)`` (``bounds``
+    relative to the step's first key), outside it ``fill`` (legacy: an indicator and a
+    predicated copy), or under nki.* fp32.min (one VectorE ``range_select``: a finite value
+    either fill needs)."""
+    out = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
+    if port.api() == "nki":
+        neg_max = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.range_select_max(out, x, [(bounds[:, 0:1], nl.greater_equal),
+                                       (bounds[:, 1:2], nl.less)], neg_max)
+    else:
+        port.tensor_copy(out, x, engine="vector")
+        port.tensor_copy_predicated(out, fill, VL.outside(off, bounds))
+    return out
 
 
 __all__ = ["varlen_attention_bwd"]

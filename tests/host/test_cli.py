@@ -87,13 +87,14 @@ def test_run_block_sparse(pattern, mods, capsys):
 
 @needs_sim
 def test_run_varlen(capsys):
-    """--varlen: packed sequences (one of length 1, an empty one) checked against the float64
-    reference of each sequence, both namespaces."""
+    """--varlen: packed sequences (one of length 1, an empty one) with every score modifier
+    checked against the float64 reference of each sequence, both namespaces."""
     args = ["run", "--heads", "2", "--kv-heads", "1", "--dim", "32", "--varlen", "1,129,0,200",
-            "--window", "50", "-1", "--quiet", "--targets", "trn2", "trn1"]
+            "--window", "50", "-1", "--softcap", "5", "--alibi", "--sinks", "--quiet",
+            "--targets", "trn2", "trn1"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    assert "varlen=1,129,0,200" in out and "PASS" in out
+    assert "varlen=1,129,0,200" in out and "softcap=5.0 alibi sinks" in out and "PASS" in out
     assert "varlen_attention_fwd (nki.*)" in out and "varlen_attention_fwd (neuronxcc.nki)" in out
 
 
@@ -252,7 +253,7 @@ CLI_ERRORS = [
      "--block-sparse does not apply to --decode"),
     (["run", "--varlen", "0,0"], 2, "--varlen 0,0: expected lengths >= 0 with a total >= 1"),
     (["run", "--varlen", "5,7", "--kv-lens", "3"], 2, "--kv-lens does not apply to --varlen"),
-    (["run", "--varlen", "5,7", "--alibi"], 2, "--alibi does not apply to --varlen"),
+    (["run", "--varlen", "5,7", "--dropout", "0.1"], 2, "--dropout does not apply to --varlen"),
     (["run", "--varlen", "5,7", "--batch", "2"], 2, "--batch 2: --varlen packs its sequences"),
     (["run", "--varlen", "5,7", "--check", "fast"], 2, "--check fast: not with --varlen"),
     (["run", "--decode", "--varlen", "5"], 2, "--varlen does not apply to --decode"),

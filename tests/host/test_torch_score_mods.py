@@ -42,6 +42,29 @@ def test_gradients_match_the_reference(which):
         np.testing.assert_allclose(g.numpy(), w, atol=3e-5 * max(1.0, np.abs(w).max()))
 
 
+def test_packed_sequences_take_every_modifier():
+    """The torch op passes softcap, ALiBi ((Hq,) slopes) and sinks through with packed
+    sequences (cu_seqlens): o and the gradients (the sinks' summed over the sequences) against
+    the float64 reference of each sequence alone."""
+    q, k, v, sinks, slopes = _inputs(N=140)
+    cu = torch.tensor([0, 1, 130, 130, 140], dtype=torch.int32)
+    kw = dict(causal=True, softcap=3.0, alibi_slopes=slopes, sinks=sinks)
+    o = flash_attention(q, k, v, mixed_precision=False, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                        **kw)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, [q, k, v, sinks], do)
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    cu_np = cu.numpy()
+    kw_np = dict(_np(kw), causal="bottom_right")
+    want_o, _ = ref.per_sequence(ref.attention_forward, *arrays, cu_np, cu_np, **kw_np)
+    want = ref.per_sequence_grads(ref.attention_backward, do.numpy(), *arrays, cu_np, cu_np,
+                                  **kw_np)
+    np.testing.assert_allclose(o.detach().numpy(), want_o, atol=2e-5)
+    assert len(grads) == len(want) == 4
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g.numpy(), w, atol=3e-5 * max(1.0, np.abs(w).max()))
+
+
 def _lse64(q, k, sinks, cap, slopes):
     """float64 torch reference of the causal (bottom_right) LSE with the modifiers."""
     q64, k64 = q.double(), k.double()

@@ -52,6 +52,12 @@ def check(q, k, v, cu_q, cu_k, o, lse, mm, **mask):
     assert err_l <= tol_l, f"lse: max abs error {err_l:.3e} > tolerance {tol_l:.3e}"
     empty = np.isneginf(ref_lse)
     assert np.all(np.isneginf(lse[empty])) and np.all(np.asarray(o, np.float64)[empty] == 0.0)
+    if mask.get("sinks") is not None:
+        # rows without a visible key: o = 0 exactly, lse = the head's sink
+        no_key = ~R.varlen_mask(cu_q, cu_k, causal=mask.get("causal"),
+                                window=mask.get("window")).any(axis=1)
+        assert no_key.any() and np.all(np.asarray(o, np.float64)[:, :, no_key] == 0.0)
+        assert np.allclose(lse[:, :, no_key], mask["sinks"][None, :, None], atol=1e-6)
 
 
 # sequences of 1 row, 129 rows (two tiles), an empty one, one with no keys for its 20 rows,
@@ -84,6 +90,35 @@ def test_matches_reference(monkeypatch, api, mask, dtype, heads):
     check(q, k, v, CU_Q, CU_K, o, lse, dt, **mask)
 
 
+# score modifiers apply per sequence as they do to one sequence alone: ALiBi's distances
+# inside the sequence, aligned as its band (bottom_right also without causal: two-sided),
+# and sinks give the rows without keys (the sequence of 20 rows) lse = sink
+SINKS = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+SLOPES = np.array([0.3, 0.1, 0.05, 0.5], np.float32)
+MOD_CASES = [
+    ("legacy", dict(causal="bottom_right", softcap=2.0, sinks=SINKS), "bfloat16"),
+    ("nki", dict(causal="bottom_right", softcap=2.0, sinks=SINKS), "bfloat16"),
+    ("nki", dict(window=(7, 3), sinks=SINKS), "float32"),
+    ("legacy", dict(causal="top_left", softcap=3.0), "float32"),
+    ("nki", dict(causal="top_left", alibi_slopes=SLOPES, sinks=SINKS), "float32"),
+    ("legacy", dict(alibi_slopes=SLOPES, softcap=2.0), "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("api,mask,dtype", MOD_CASES,
+                         ids=lambda x: x if isinstance(x, str) else
+                         "-".join(k if k in ("sinks", "alibi_slopes") else f"{k}={v}"
+                                  for k, v in x.items()))
+def test_score_mods_match_reference(monkeypatch, api, mask, dtype):
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
+    dt = BF16 if dtype == "bfloat16" else np.dtype(np.float32)
+    q, k, v = _packed_inputs(CU_Q, CU_K, 4, 2, 32, dt)
+    q = (3 * q.astype(np.float32)).astype(dt)       # scores beyond the caps
+    o, lse = host.flash_attention(q, k, v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K,
+                                  mixed_precision=False, return_lse=True, **mask)
+    check(q, k, v, CU_Q, CU_K, o, lse, dt, **mask)
+
+
 BWD_CASES = [
     ("legacy", dict(causal="bottom_right"), "float32", (4, 2)),
     ("nki", dict(causal="bottom_right"), "bfloat16", (4, 2)),
@@ -113,6 +148,32 @@ def test_backward_matches_reference(monkeypatch, api, mask, dtype, heads):
         assert g.shape == e.shape and g.dtype == dt, name
         err, tol = R.max_abs_err(g, e), R.tolerance(e, b, floor=R.atol_floor(dt))
         assert err <= tol, f"{name}: max abs error {err:.3e} > tolerance {tol:.3e}"
+
+
+@pytest.mark.parametrize("mask", [dict(causal="bottom_right", softcap=2.0, sinks=SINKS,
+                                       alibi_slopes=SLOPES),
+                                  dict(window=(7, 3), softcap=3.0, alibi_slopes=SLOPES)],
+                         ids=["causal-softcap-sinks-alibi", "window-softcap-alibi"])
+def test_backward_with_score_mods(monkeypatch, mask):
+    """Soft-capping (dS times 1 - t^2), ALiBi (one- and two-sided) and sinks (dsinks summed
+    over the sequences) in the packed backward: the float64 gradients of each sequence alone
+    within 3e-5 of their largest magnitude (fp32 operands, the rule of
+    tests/kernels/test_score_mods.py), and nki.* bit for bit against legacy."""
+    q, k, v = _packed_inputs(CU_Q, CU_K, 4, 2, 32, np.dtype(np.float32))
+    q = 3 * q
+    do = np.random.default_rng(5).standard_normal(q.shape).astype(np.float32)
+    packed = dict(cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, mixed_precision=False, **mask)
+    monkeypatch.setenv(binding.API_ENV_VAR, "legacy")
+    o, lse = host.flash_attention(q, k, v, return_lse=True, **packed)
+    got = {}
+    for api in ("legacy", "nki"):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        got[api] = host.flash_attention_backward(do, q, k, v, o, lse, **packed)
+    exact = R.per_sequence_grads(R.attention_backward, do, q, k, v, CU_Q, CU_K, **mask)
+    assert len(got["nki"]) == len(exact) == (4 if "sinks" in mask else 3)
+    for a, b, e in zip(got["legacy"], got["nki"], exact):
+        assert np.array_equal(a, b)
+        assert R.max_abs_err(b, e) <= 3e-5 * max(1.0, float(np.abs(e).max()))
 
 
 def test_one_sequence_is_dense_attention(monkeypatch):
@@ -197,3 +258,14 @@ def test_two_cores_give_the_same_outputs(monkeypatch):
         est[lnc] = m.estimated_seconds
     assert all(np.array_equal(a, b) for a, b in zip(outs[1], outs[2]))
     assert est[2] < est[1]
+
+
+def test_kernel_refuses_per_batch_slopes():
+    """The packed kernels take ALiBi slopes (Hq,) only: a (1, Hq) table is refused naming
+    alibi_slopes (the host reshapes its validated slopes before the launch)."""
+    cu = np.array([0, 40], np.int32)
+    q, k, v = _packed_inputs(cu, cu, 2, 1, 16, np.dtype(np.float32))
+    with pytest.raises(ValueError, match=r"alibi_slopes: packed sequences take one slope per "
+                                         r"query head, shape \(Hq,\); got shape \(1, 2\)"):
+        program_size(varlen_attention_fwd, varlen_grid(1, 2, 40, 1, "legacy"), q, k, v, cu, cu,
+                     alibi_slopes=np.ones((1, 2), np.float32))
