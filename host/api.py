@@ -584,8 +584,8 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         lse = -inf) and end at the totals. Each row sees only its own sequence's keys;
         ``causal`` and ``window`` apply per sequence (bottom_right: the sequence's own
         ``nk_s - nq_s``). Device data: one compilation per (totals, num_seqs). Not combined
-        with ``kv_lens``, ``q_lens``, ``block_mask``, ``tiles``, ``sbuf_budget``, dropout or
-        score modifiers (refused). Runs :mod:`nki_kernels.attention.varlen` (one NeuronCore
+        with ``kv_lens``, ``q_lens``, ``block_mask``, ``tiles`` or ``sbuf_budget``
+        (refused). Dropout's units are numbered in the packed frame (docs/semantics.md). Runs :mod:`nki_kernels.attention.varlen` (one NeuronCore
         unless ``lnc=2``, as ``block_mask``).
 
     mask : numpy.ndarray (B, Hq, Nq, Nk) bool, only with ``return_dropout_mask``
