@@ -45,6 +45,12 @@ NKI has no runtime trip count nor ``range_select``: its loop runs the static wor
 indicator and a predicated copy: correct, dense in cost. The gathers address K/V and Q rows as
 block-sparse's do (:class:`block_sparse.RowFrame`).
 
+Attention dropout (:func:`drop_units`): the dense kernels' 128 x 128 units, numbered in the
+packed frame ``(head nqu + i) nku + j`` (packed query tile i, key unit j), each drawn with the
+RNG reseeded by ``seed + unit``; under dropout ``kb0`` is rounded down to a multiple of 128 so
+each step's four 128-key blocks are whole units (without it the sweep starts at the least
+visible key). The backward (``varlen_bwd.py``) draws them again.
+
 Positions are fp32 on chip: totals below 2^24 (refused otherwise).
 """
 from __future__ import annotations

@@ -129,3 +129,16 @@ def test_torch_op_takes_dropout_with_packing():
     np.testing.assert_array_equal(got_o.detach().numpy(), o)
     for g, w in zip(grads, want):
         np.testing.assert_array_equal(g.numpy(), w)
+
+
+def test_unit_numbers_past_fp32_are_refused():
+    """Unit numbers are fp32 on chip: ``Hq ceil(total_q/128) ceil(total_k/128) >= 2^24`` is
+    refused naming dropout_p (and a missing seed tensor naming the seed)."""
+    from nki_kernels.attention.varlen import check_dropout
+
+    check_dropout(0.1, object(), 1, 2 ** 19, 2 ** 19 - 128, False)
+    with pytest.raises(ValueError, match=r"dropout_p: packed dropout .* got 16777216 units"):
+        check_dropout(0.1, object(), 1, 2 ** 19, 2 ** 19, False)
+    with pytest.raises(ValueError, match="needs the seed tensor"):
+        check_dropout(0.1, None, 1, 128, 128, False)
+    check_dropout(0.0, None, 1, 2 ** 20, 2 ** 20, True)
