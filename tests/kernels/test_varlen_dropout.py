@@ -142,3 +142,30 @@ def test_unit_numbers_past_fp32_are_refused():
     with pytest.raises(ValueError, match="needs the seed tensor"):
         check_dropout(0.1, None, 1, 128, 128, False)
     check_dropout(0.0, None, 1, 2 ** 20, 2 ** 20, True)
+
+
+def test_program_does_not_grow_with_the_totals_under_dropout(monkeypatch):
+    """With dropout (and the debug mask) the forward's and the backward's programs keep one
+    size for 9 and 17 query tiles and 5x the keys, under both namespaces."""
+    from host._launch import program_size
+    from nki_kernels.attention.varlen import varlen_attention_fwd, varlen_grid
+    from nki_kernels.attention.varlen_bwd import varlen_attention_bwd
+
+    seed = np.array([3], np.int32)
+    for api in ("legacy", "nki"):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        sizes = {"fwd": set(), "bwd": set()}
+        for n in (1100, 2100):
+            cu_q, cu_k = np.array([0, 7, n], np.int32), np.array([0, 7, 5 * n], np.int32)
+            rng = np.random.default_rng(0)
+            q, o, do = (rng.standard_normal((1, 1, n, 32)).astype(np.float32) for _ in "qod")
+            k, v = (rng.standard_normal((1, 1, 5 * n, 32)).astype(np.float32) for _ in "kv")
+            lse = np.zeros((1, 1, n), np.float32)
+            grid = varlen_grid(1, 1, n, 1, api)
+            sizes["fwd"].add(program_size(varlen_attention_fwd, grid, q, k, v, cu_q, cu_k, None,
+                                          None, seed, causal="bottom_right", dropout_p=0.2,
+                                          dropout_mask=True))
+            sizes["bwd"].add(program_size(varlen_attention_bwd, grid, q, k, v, o, do, lse, cu_q,
+                                          cu_k, None, None, seed, causal="bottom_right",
+                                          dropout_p=0.2))
+        assert all(len(s) == 1 for s in sizes.values()), (api, sizes)
