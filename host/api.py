@@ -319,7 +319,7 @@ def _attention_call(dims: _v.AttentionShape, dtype: str, block_sparse=None, *, s
                                    maximum=max(_tiles.SBUF_USABLE_BYTES.values()))
     if packing is not None:
         _check_packed_options(kv_lens=kv_lens, q_lens=q_lens, tiles=tiles,
-                              sbuf_budget=sbuf_budget, dropout_p=dropout_p)
+                              sbuf_budget=sbuf_budget)
         if alibi_slopes is not None and np.ndim(alibi_slopes) != 1:
             raise ValueError(f"alibi_slopes: packed sequences (cu_seqlens_q and cu_seqlens_k "
                              f"given) take one slope per query head, shape (Hq,) = "
@@ -366,13 +366,11 @@ def _forward_call(q, k, v, *, block_mask=None, cu_seqlens_q=None, cu_seqlens_k=N
 def _check_packed_options(**options):
     """Refuse the options the packed variable-length kernel does not take: padded-batch
     lengths and block masks (the offsets say which keys each row sees), the dense kernel's
-    tiling, and (not implemented yet) dropout."""
+    tiling."""
     for name, value in options.items():
-        given = value is not None and not (name in ("dropout_p", "softcap") and value == 0)
-        if given:
+        if value is not None:
             raise ValueError(f"{name}: not supported with packed sequences (cu_seqlens_q and "
-                             f"cu_seqlens_k given); got {_v.describe(value)}, allowed: "
-                             f"{0.0 if name == 'dropout_p' else None}")
+                             f"cu_seqlens_k given); got {_v.describe(value)}, allowed: None")
 
 
 def _backward_call(do, q, k, v, o, lse, *, block_mask=None, cu_seqlens_q=None,
@@ -586,8 +584,8 @@ def flash_attention(q, k, v, *, scale=None, causal=False, window=None, kv_lens=N
         lse = -inf) and end at the totals. Each row sees only its own sequence's keys;
         ``causal`` and ``window`` apply per sequence (bottom_right: the sequence's own
         ``nk_s - nq_s``). Device data: one compilation per (totals, num_seqs). Not combined
-        with ``kv_lens``, ``q_lens``, ``block_mask``, ``tiles``, ``sbuf_budget``, dropout or
-        score modifiers (refused). Runs :mod:`nki_kernels.attention.varlen` (one NeuronCore
+        with ``kv_lens``, ``q_lens``, ``block_mask``, ``tiles`` or ``sbuf_budget``
+        (refused). Dropout's units are numbered in the packed frame (docs/semantics.md). Runs :mod:`nki_kernels.attention.varlen` (one NeuronCore
         unless ``lnc=2``, as ``block_mask``).
 
     mask : numpy.ndarray (B, Hq, Nq, Nk) bool, only with ``return_dropout_mask``
@@ -703,12 +701,27 @@ def _varlen_forward(q, k, v, call: AttentionCall):
     dims = call.dims
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
     api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
-    o, lse = launch(varlen_attention_fwd.on(api), varlen_grid(dims.Hkv, dims.group, dims.Nq,
-                                                                 call.lnc, api),
-                    q, k, v, call.packing.cu_q, call.packing.cu_k, **_packed_mods(call),
-                    scale=call.scale, causal=call.causal, window=call.window,
-                    mm_dtype=call.mm_dtype, **call.mods.kwargs)
-    return (o, lse) if call.return_lse else o
+    outs = launch(varlen_attention_fwd.on(api), varlen_grid(dims.Hkv, dims.group, dims.Nq,
+                                                               call.lnc, api),
+                  q, k, v, call.packing.cu_q, call.packing.cu_k, **_packed_mods(call),
+                  **_packed_dropout(call), scale=call.scale, causal=call.causal,
+                  window=call.window, mm_dtype=call.mm_dtype, **call.mods.kwargs)
+    o, lse = outs[0], outs[1]
+    res = (o, lse) if call.return_lse else (o,)
+    if call.return_dropout_mask:
+        res += (np.asarray(outs[2])[..., :dims.Nk] > 0.5,)
+    return res if len(res) > 1 else o
+
+
+def _packed_dropout(call: AttentionCall) -> dict:
+    """The packed kernels' dropout arguments (none without dropout): ``seed``, ``dropout_p``
+    and the forward's debug ``dropout_mask``."""
+    if not call.dropout.p:
+        return {}
+    out = dict(seed=call.dropout.seed, dropout_p=call.dropout.p)
+    if call.return_dropout_mask:
+        out["dropout_mask"] = True
+    return out
 
 
 def _packed_mods(call: AttentionCall) -> dict:
@@ -732,7 +745,7 @@ def _varlen_backward(do, q, k, v, o, lse, call: AttentionCall):
     outs = launch(varlen_attention_bwd.on(api),
                   varlen_grid(dims.Hkv, dims.group, dims.Nq, call.lnc, api), q, k, v, o, do,
                   _numpy("lse", lse), call.packing.cu_q, call.packing.cu_k, **_packed_mods(call),
-                  scale=call.scale, causal=call.causal, window=call.window,
+                  **_packed_dropout(call), scale=call.scale, causal=call.causal, window=call.window,
                   mm_dtype=call.mm_dtype, **call.mods.kwargs)
     if call.mods.tensors["sinks"] is None:
         return outs

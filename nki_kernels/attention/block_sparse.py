@@ -592,14 +592,20 @@ def store_tile(f, out_idx, head, o_tile, lse_tile):
 
 
 def _store_mask(f, geo: Geometry, rw: Row, head, q_frame: RowFrame, sl, keep):
-    """Debug: the keep mask of slot sl into ``mask_out``'s ``(B, Hq, Nq nku, 128)`` view at
-    row ``i nku + key block`` (one 128-key unit per row; padding slots and rows past Nq are
-    skipped). Exact in fp32 for debug shapes (``B Hq Nq nku < 2^24`` rows)."""
-    nku = f.nku
-    mask_rows = f.drop.mask_out.reshape((f.B, f.Hq, f.Nq * nku, P))
+    """Debug: the keep mask of slot sl (:func:`store_unit_mask`; padding slots are skipped)."""
     pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(pos, rw.first, nl.add, geo.part)
-    first = rw.block_first[:, nl.ds(sl, 1)]
+    store_unit_mask(f, head, q_frame, pos, rw.block_first[:, nl.ds(sl, 1)], keep)
+
+
+def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
+    """Debug: the keep mask ``keep`` ``[128, 128]`` of the unit of query rows ``pos`` and
+    first key ``first`` (fp32 ``[128, 1]`` columns) into ``mask_out``'s ``(B, Hq, Nq nku,
+    128)`` view at row ``i nku + first / 128`` (one 128-key unit per row; rows past Nq and
+    units from Nk on are skipped). Exact in fp32 for debug shapes (``B Hq Nq nku < 2^24``
+    rows)."""
+    nku = f.nku
+    mask_rows = f.drop.mask_out.reshape((f.B, f.Hq, f.Nq * nku, P))
     unit = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(unit, first, nl.multiply, 1.0 / P)
     rel = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -732,4 +738,4 @@ def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
 
 
 __all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "RowFrame", "own_rows", "rows_at", "gather",
-           "scatter", "unit_seeds", "store_tile", "check_classes", "refuse_large_in_nki"]
+           "scatter", "unit_seeds", "store_unit_mask", "store_tile", "check_classes", "refuse_large_in_nki"]

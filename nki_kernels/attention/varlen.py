@@ -45,6 +45,12 @@ NKI has no runtime trip count nor ``range_select``: its loop runs the static wor
 indicator and a predicated copy: correct, dense in cost. The gathers address K/V and Q rows as
 block-sparse's do (:class:`block_sparse.RowFrame`).
 
+Attention dropout (:func:`drop_units`): the dense kernels' 128 x 128 units, numbered in the
+packed frame ``(head nqu + i) nku + j`` (packed query tile i, key unit j), each drawn with the
+RNG reseeded by ``seed + unit``; under dropout ``kb0`` is rounded down to a multiple of 128 so
+each step's four 128-key blocks are whole units (without it the sweep starts at the least
+visible key). The backward (``varlen_bwd.py``) draws them again.
+
 Positions are fp32 on chip: totals below 2^24 (refused otherwise).
 """
 from __future__ import annotations
@@ -143,13 +149,14 @@ def row_bounds(off: Offsets, spec: M.MaskSpec, pos, dst):
                                   own[:, 1:2])
 
 
-def tile_sweep(bounds, ident):
+def tile_sweep(bounds, ident, align: bool = False):
     """``(kb0, n)``: fp32 ``[128, 1]`` the tiles' first key ``min first_i`` on every partition
     and int32 ``[1, 1]`` their step count ``max(0, ceil((max end_i - kb0) / W))`` (``bounds``:
     fp32 ``[128, 2]``, per partition the min first and max end of the group's rows).
     Cross-partition: a TensorE transpose of ``(first, -end)``, a min-reduction along the free
     axis, and a ones matmul that spreads the two results to every partition (``ident``: fp32
-    ``[2, 2]`` identity, which places each on its own column)."""
+    ``[2, 2]`` identity, which places each on its own column). With ``align`` (dropout) kb0 is
+    rounded down to a multiple of 128, so the sweep's 128-key blocks are dropout units."""
     neg = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_copy(neg[:, 0:1], bounds[:, 0:1], engine="gpsimd")
     port.tensor_scalar(neg[:, 1:2], bounds[:, 1:2], nl.multiply, -1.0, engine="gpsimd")
@@ -165,6 +172,10 @@ def tile_sweep(bounds, ident):
     port.nc_matmul(ps, ones, diag)
     ext = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)        # (min first, -max end)
     port.tensor_copy(ext, ps, engine="vector")
+    if align:
+        below = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(below, ext[:, 0:1], nl.mod, float(P), engine="gpsimd")
+        port.tensor_tensor(ext[:, 0:1], ext[:, 0:1], below, nl.subtract, engine="gpsimd")
     # width = max end - kb0;  n = (width + W - 1 - mod(width + W - 1, W)) / W, >= 0
     wide = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.scalar_tensor_tensor(wide, ext[0:1, 1:2], nl.multiply, -1.0, nl.subtract,
@@ -228,9 +239,9 @@ def check_mods(softcap, alibi_slopes, sinks) -> SM.Mods:
 
 
 @port.jit
-def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, sinks=None, *,
-                         scale=1.0, causal=None, window=None, mm_dtype="bfloat16",
-                         softcap=None):
+def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, sinks=None,
+                         seed=None, *, scale=1.0, causal=None, window=None,
+                         mm_dtype="bfloat16", softcap=None, dropout_p=0.0, dropout_mask=False):
     """Packed variable-length flash attention forward: ``o (1, Hq, total_q, D)`` in q's dtype
     and ``lse (1, Hq, total_q)`` float32 for q ``(1, Hq, total_q, D)``, k/v ``(1, Hkv,
     total_k, D)`` and int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``(S + 1,)`` (validated by the
@@ -239,18 +250,27 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None,
     :func:`forward.flash_attention_fwd`, and the score modifiers (``score_mods.py``, per
     sequence): ``softcap`` (compile-time), ``alibi_slopes`` (HBM ``(Hq,)`` float32: the
     distance ``j - i - off`` inside the row's sequence, aligned as its band) and ``sinks``
-    (HBM ``(Hq,)`` float32; a row without visible keys then has ``lse = sink``). Instances
+    (HBM ``(Hq,)`` float32; a row without visible keys then has ``lse = sink``). Attention
+    dropout as the dense kernel's (``dropout_p`` with the HBM ``(1,)`` int32 ``seed``,
+    :func:`forward.dropout_units`) with the 128 x 128 units numbered in the packed frame
+    ``(head nqu + i) nku + j`` (i, j: packed query tile and key unit; each group's sweep then
+    starts on a multiple of 128, :func:`tile_sweep`); ``dropout_mask=True`` (debugging) also
+    returns the keep mask ``(1, Hq, total_q, 128 ceil(total_k / 128))`` float32, positions no
+    sweep reaches unspecified (their P is 0). Instances
     ``(1, Hkv / Hc)`` (:func:`body_shape`)
     (:func:`port.for_programs`; the grid :func:`varlen_grid`). Totals of 2^24 rows or more
     are refused (fp32 positions)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     check_shapes("varlen_attention_fwd", q, k, cu_seqlens_q, cu_seqlens_k)
+    check_dropout(dropout_p, seed, Hq, Nq, Nk, dropout_mask)
     mods = check_mods(softcap, alibi_slopes, sinks)
     spec = M.MaskSpec(Nq, Nk, causal, window, alibi=mods.alibi)
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
+    mask_out = (nl.ndarray((B, Hq, Nq, T.ceil_div(Nk, P) * P), dtype=nl.float32,
+                           buffer=nl.shared_hbm) if dropout_p and dropout_mask else None)
     indices = port.OffsetColumns(0, Hq, 1)
     off = load_offsets(cu_seqlens_q, cu_seqlens_k, spec)
     ident = identity2()
@@ -261,12 +281,29 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None,
 
     def instance(b, g0):
         insts = kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices,
-                         mods, alibi_slopes, sinks)
+                         mods, alibi_slopes, sinks, (dropout_p, seed, mask_out))
         group_loop(insts, off, ident, static_steps, R, Nq,
                    lambda plan, pos: _group(insts, off, ident, static_steps, plan, pos))
 
     port.for_programs((B, Hkv // Hc), instance)
+    if mask_out is not None:
+        return o, lse, mask_out
     return o, lse
+
+
+def check_dropout(dropout_p, seed, Hq: int, Nq: int, Nk: int, mask: bool):
+    """The packed forward's dropout rules: the seed tensor with ``dropout_p > 0``, and unit
+    numbers (and with the debug mask its rows) exact in fp32, below 2^24."""
+    if not dropout_p:
+        return
+    if seed is None:
+        raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
+    units = Hq * T.ceil_div(Nq, P) * T.ceil_div(Nk, P)
+    rows = Hq * Nq * T.ceil_div(Nk, P) if mask else 0
+    if max(units, rows) >= T.FP32_EXACT_INT:
+        raise ValueError(f"dropout_p: packed dropout numbers its 128 x 128 units (and the debug "
+                         f"mask's rows) in fp32, below 2^24; got {units} units, {rows} mask "
+                         f"rows (Hq {Hq}, total_q {Nq}, total_k {Nk})")
 
 
 class KvHead(NamedTuple):
@@ -286,11 +323,13 @@ def identity2():
 
 
 def kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc: int, indices,
-             mods: SM.Mods, slopes, sinks):
+             mods: SM.Mods, slopes, sinks, dropout=(0.0, None, None)):
     """The :class:`KvHead` records of instance ``(b, g0)``: kv heads ``g0 Hc .. g0 Hc + Hc -
     1`` (``o``/``lse``: the HBM outputs, or the backward's saved ones), with the score
-    modifiers ``mods`` (``slopes``, ``sinks``: their HBM ``(Hq,)`` values, or None)."""
+    modifiers ``mods`` (``slopes``, ``sinks``: their HBM ``(Hq,)`` values, or None) and the
+    dropout ``(p, seed, mask_out)`` (p 0: none; :func:`forward.load_dropout`, once)."""
     insts = []
+    drop = None
     for c in T.unrolled(Hc):
         # guard: non-finite values reach only the rows that see them; the P^T copies split
         # between ScalarE and VectorE (tiles.VARLEN_ACT_SHARE: evenly, as block-sparse's)
@@ -298,7 +337,10 @@ def kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc: int, indi
                       indices, guard=True,
                       act_share=(T.VARLEN_MODS_ACT_SHARE if mods.transforms
                                  else T.VARLEN_ACT_SHARE))
-        f = F.Instance.of(cf, score=F.score_mods(cf, mods, slopes, sinks, cf.act_scale))
+        if dropout[0] and drop is None:
+            drop = F.load_dropout(dropout[0], dropout[1], cf.mm, mask_out=dropout[2])
+        f = F.Instance.of(cf, drop=drop, score=F.score_mods(cf, mods, slopes, sinks,
+                                                            cf.act_scale))
         insts.append(KvHead(f, BS.RowFrame.of(k, (b, f.g), indices),
                             [BS.RowFrame.of(q, (b, f.head(h)), indices)
                              for h in T.unrolled(f.G)]))
@@ -311,20 +353,20 @@ def group_loop(insts, off, ident, static_steps: int, R: int, Nq: int, group):
     body plans the next group's sweep (into ``plan``, from rows ``pos``) before its own
     loop, so the register its loop bound loads was written long before (the engines wait
     for it, ``simulate._sched.register_wait``)."""
-    spec = insts[0].f.spec
+    spec, align = insts[0].f.spec, bool(insts[0].f.dropout_p)
     n_tiles = T.ceil_div(Nq, P)
     n_full = n_tiles // R
     if n_full:
         pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)      # next group's rows
         port.tensor_copy(pos, off.part, engine="gpsimd")
         nxt = Sweep.alloc(R, spec)
-        plan_sweep(spec, off, pos, ident, nxt)
+        plan_sweep(spec, off, pos, ident, nxt, align)
         port.loop(n_full, lambda t: group(nxt, pos), carried=True)
     if n_tiles % R:
         pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(pos, off.part, nl.add, float(n_full * R * P), engine="gpsimd")
         last = Sweep.alloc(n_tiles % R, spec)
-        plan_sweep(spec, off, pos, ident, last)
+        plan_sweep(spec, off, pos, ident, last, align)
         group(last, None)
 
 
@@ -348,10 +390,10 @@ class Sweep(NamedTuple):
                      nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf))
 
 
-def plan_sweep(spec: M.MaskSpec, off: Offsets, pos, ident, out: Sweep):
+def plan_sweep(spec: M.MaskSpec, off: Offsets, pos, ident, out: Sweep, align: bool = False):
     """Plan the sweep of the R query tiles from rows ``pos`` (fp32 ``[128, 1]``, advanced by
     ``128 R``) into ``out``: every row's bounds, the union of their ranges, its first key and
-    step count (:func:`tile_sweep`)."""
+    step count (:func:`tile_sweep`; ``align``: its first key a multiple of 128)."""
     R = out.rows.shape[1]
     span = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)      # min first, max end
     for r in T.unrolled(R):
@@ -364,7 +406,7 @@ def plan_sweep(spec: M.MaskSpec, off: Offsets, pos, ident, out: Sweep):
                            engine="gpsimd")
         port.tensor_tensor(span[:, 1:2], span[:, 1:2], out.bounds[:, r, 1:2], nl.maximum,
                            engine="gpsimd")
-    kb0, n = tile_sweep(span, ident)
+    kb0, n = tile_sweep(span, ident, align)
     port.tensor_copy(out.kb0, kb0, engine="gpsimd")
     port.tensor_copy(out.n, n, engine="gpsimd")
 
@@ -378,7 +420,7 @@ def _group(insts, off: Offsets, ident, static_steps: int, plan: Sweep, pos=None)
     f0 = insts[0].f
     G = f0.G
     R = plan.rows.shape[1]
-    n, outs, keys, rel = open_group(insts, off, ident, plan, pos)
+    n, outs, keys, rel, rows = open_group(insts, off, ident, plan, pos)
     st = F.GroupState(f0, len(insts) * R * G, P)
     for c, kh in enumerate(insts):
         for r in T.unrolled(R):
@@ -401,7 +443,7 @@ def _group(insts, off: Offsets, ident, static_steps: int, plan: Sweep, pos=None)
 
     def step(s):
         for c, kh in enumerate(insts):
-            _step(kh, off, st, keys, rel, vs[c], R, c * R * G)
+            _step(kh, off, st, keys, rel, rows, vs[c], R, c * R * G)
         port.tensor_scalar(keys, keys, nl.add, float(W), engine="gpsimd")
         port.tensor_scalar(rel, rel, nl.subtract, float(W), engine="gpsimd")
 
@@ -414,10 +456,10 @@ def _group(insts, off: Offsets, ident, static_steps: int, plan: Sweep, pos=None)
 
 
 def open_group(insts, off, ident, plan: Sweep, pos):
-    """What a group's sweep needs of its ``plan``: ``(n, idx, keys, rel)`` -- the step count
+    """What a group's sweep needs of its ``plan``: ``(n, idx, keys, rel, rows)`` -- the step count
     as a register (nki.*; None in legacy), the Q rows' indices per slot, and (carried through
     the steps) the keys of the step (partition p, block w) and each tile's bounds relative to
-    the step's first key. Then, with ``pos`` (the next group's rows), plans the next group
+    the step's first key, and with dropout a copy of the tiles' rows (else None). Then, with ``pos`` (the next group's rows), plans the next group
     into ``plan`` (software pipelining, :func:`group_loop`)."""
     f0 = insts[0].f
     R = plan.rows.shape[1]
@@ -428,9 +470,13 @@ def open_group(insts, off, ident, plan: Sweep, pos):
     port.tensor_scalar(keys, off.keys, nl.add, plan.kb0)
     rel = nl.ndarray(tuple(plan.bounds.shape), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(rel, plan.bounds, nl.subtract, plan.kb0)
+    rows = None
+    if f0.dropout_p:
+        rows = nl.ndarray((P, R), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_copy(rows, plan.rows, engine="gpsimd")
     if pos is not None:
-        plan_sweep(f0.spec, off, pos, ident, plan)
-    return n, idx, keys, rel
+        plan_sweep(f0.spec, off, pos, ident, plan, bool(f0.dropout_p))
+    return n, idx, keys, rel, rows
 
 
 def run_steps(n, static_steps: int, step):
@@ -474,11 +520,12 @@ def modified(f, off: Offsets, sc, h, rel):
                             dist_col=col)
 
 
-def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):
+def _step(kh: KvHead, off: Offsets, st, keys, rel, rows_q, v, R: int, slot0: int):
     """One step of W keys (``keys``) of kv head ``kh`` for the R tiles and its member heads
     (slots from ``slot0``): gather K and V, K^T, then per tile and head the scores, the
     selection of the keys outside each row's ``[first, end)`` (``rel``: ``[128, R, 2]``,
-    relative to the step's first key), and the online-softmax update."""
+    relative to the step's first key), and the online-softmax update (with dropout
+    :func:`drop_units` on P, ``rows_q``: the tiles' rows)."""
     f, kv = kh.f, kh.kv
     D, n = f.D, W // P
     # keys past total_k read the last key (masked: every row's last key is below total_k),
@@ -522,7 +569,32 @@ def _step(kh: KvHead, off: Offsets, st, keys, rel, v, R: int, slot0: int):
                 s_tile = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
                 port.tensor_copy(s_tile, sc, engine="vector")
             port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
-        F.fold_block(f, st, sl, [s_tile], [W], F.KV(None, kT, v), 0, None, fused=(nki,))
+        drop = None
+        if f.dropout_p:
+            def drop(p, r_, w_, pred, r=r, h=j % f.G):
+                drop_units(f, off, p, keys, rows_q[:, r:r + 1], f.head(h), kh.q_frames[h])
+        F.fold_block(f, st, sl, [s_tile], [W], F.KV(None, kT, v), 0, None, drop,
+                     fused=(nki,))
+
+
+def drop_units(f, off: Offsets, p, keys, rows, head, q_frame):
+    """Attention dropout on a step's P ``[128, W]`` of query head ``head`` and the tile of
+    rows ``rows`` (fp32 ``[128, 1]``): each 128-key block is one unit (the sweep starts on a
+    multiple of 128, :func:`tile_sweep`), drawn with the RNG reseeded by ``seed + (head nqu +
+    i) nku + j`` (:func:`block_sparse.unit_seeds`, batch 0: the packed frame's numbering). With
+    the debug mask the same draw on ones is stored (:func:`block_sparse.store_unit_mask`)."""
+    n = W // P
+    seeds = BS.unit_seeds(f, head, rows[0:1, 0:1], keys[0:1, 0:n])
+    for w in T.unrolled(n):
+        port.random_seed(seeds[0:1, w:w + 1])
+        port.dropout(p[:, w * P:(w + 1) * P], p[:, w * P:(w + 1) * P], f.dropout_p)
+        if f.drop.mask_out is not None:
+            port.random_seed(seeds[0:1, w:w + 1])
+            keep = nl.ndarray((P, P), dtype=f.drop.ones.dtype, buffer=nl.sbuf)
+            port.dropout(keep, f.drop.ones, f.dropout_p)
+            first = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_tensor(first, keys[:, w:w + 1], off.part, nl.subtract)
+            BS.store_unit_mask(f, head, q_frame, rows, first, keep)
 
 
 __all__ = ["varlen_attention_fwd", "varlen_grid", "check_shapes", "body_shape", "Sweep", "plan_sweep",

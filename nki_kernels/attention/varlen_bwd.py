@@ -25,8 +25,11 @@ each slot adds its rows' shares of dsink, ``exp(sink - lse_i) delta_i``, to per-
 sums carried through the groups, summed across partitions and negated at the end
 (``block_sparse_bwd.add_sink_share``, ``store_dsinks``): ``dsinks (1, Hq)``.
 
-Head dims up to 128 (PSUM: the step's dK and dV, one bank each, beside S, dP, dS^T and dQ);
-dropout is refused by the host as in the forward.
+Attention dropout (FlashAttention appendix Algorithm 4): each unit's keep mask Z is drawn
+again from the seed as the forward drew it (``varlen.drop_units`` on ones), P Z / (1 - p)
+feeds dV and dP Z / (1 - p) replaces dP (delta, from the dropped O, is unchanged).
+
+Head dims up to 128 (PSUM: the step's dK and dV, one bank each, beside S, dP, dS^T and dQ).
 """
 from __future__ import annotations
 
@@ -46,18 +49,20 @@ W = T.VARLEN_STEP_KEYS
 
 @port.jit
 def varlen_attention_bwd(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None,
-                         sinks=None, *, scale=1.0, causal=None, window=None,
-                         mm_dtype="bfloat16", softcap=None):
+                         sinks=None, seed=None, *, scale=1.0, causal=None, window=None,
+                         mm_dtype="bfloat16", softcap=None, dropout_p=0.0):
     """``(dq, dk, dv)`` of :func:`varlen.varlen_attention_fwd` for its inputs, output ``o``,
     ``do`` (q's layout) and ``lse`` (``(1, Hq, total_q)`` float32); dq in q's dtype, dk and
     dv in k's, summed over each kv head's query heads; with ``sinks`` (HBM ``(Hq,)``) also
-    ``dsinks`` ``(1, Hq)`` float32. ``softcap`` and ``alibi_slopes`` as the forward's.
+    ``dsinks`` ``(1, Hq)`` float32. ``softcap``, ``alibi_slopes``, ``dropout_p`` and ``seed``
+    as the forward's.
     Instances and grid as the forward's (:func:`varlen.varlen_grid`). D <= 128."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if D > P:
         raise ValueError(f"q: the packed backward takes head dims up to {P}, got {D}")
     VL.check_shapes("varlen_attention_bwd", q, k, cu_seqlens_q, cu_seqlens_k)
+    VL.check_dropout(dropout_p, seed, Hq, Nq, Nk, False)
     mods = VL.check_mods(softcap, alibi_slopes, sinks)
     spec = M.MaskSpec(Nq, Nk, causal, window, alibi=mods.alibi)
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
@@ -77,7 +82,7 @@ def varlen_attention_bwd(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, alibi_
 
     def instance(b, g0):
         insts = VL.kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices,
-                            mods, alibi_slopes, sinks)
+                            mods, alibi_slopes, sinks, (dropout_p, seed, None))
         _each_key_tile(insts, off, lambda kh, idx: _zero_rows(kh, acc, idx))
         # per kv head, dsink's per-partition partial sums of its query heads (with sinks)
         sink_acc = []
@@ -185,7 +190,7 @@ def _group(insts, off, ident, static_steps: int, plan, pos, grads, acc, sink_acc
     do, dq = grads
     G = insts[0].f.G
     R = plan.rows.shape[1]
-    n, outs, keys, rel = VL.open_group(insts, off, ident, plan, pos)
+    n, outs, keys, rel, rows_q = VL.open_group(insts, off, ident, plan, pos)
     slots = []
     for c, kh in enumerate(insts):
         for r in T.unrolled(R):
@@ -196,7 +201,7 @@ def _group(insts, off, ident, static_steps: int, plan, pos, grads, acc, sink_acc
 
     def step(s):
         for c, kh in enumerate(insts):
-            _step(kh, off, slots[c * R * G:(c + 1) * R * G], keys, rel, R, acc)
+            _step(kh, off, slots[c * R * G:(c + 1) * R * G], keys, rel, rows_q, R, acc)
         port.tensor_scalar(keys, keys, nl.add, float(W), engine="gpsimd")
         port.tensor_scalar(rel, rel, nl.subtract, float(W), engine="gpsimd")
 
@@ -209,10 +214,11 @@ def _group(insts, off, ident, static_steps: int, plan, pos, grads, acc, sink_acc
             BS.scatter(dq, (kh.f.b, kh.f.head(j % G)), sl.idx, out)
 
 
-def _step(kh, off, slots, keys, rel, R: int, acc):
+def _step(kh, off, slots, keys, rel, rows_q, R: int, acc):
     """One step of W keys of kv head ``kh`` for its slots: gather K, V; per slot the
-    recomputed P, dS and dQ; dK and dV summed over the slots in PSUM, then added to the HBM
-    accumulators at the step's key rows."""
+    recomputed P (with dropout its keep mask, ``rows_q``: the tiles' rows), dS and dQ; dK and
+    dV summed over the slots in PSUM, then added to the HBM accumulators at the step's key
+    rows."""
     f, kv = kh.f, kh.kv
     D, nb = f.D, W // P
     rows = BS.rows_at(keys, f.Nk, kv)
@@ -242,9 +248,21 @@ def _step(kh, off, slots, keys, rel, R: int, acc):
         p32 = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
         port.activation(p32, nl.exp, s_sel, bias=sl.bias, scale=f.unit)
         p_mm = nl.ndarray((P, W), dtype=f.mm, buffer=nl.sbuf)
-        port.tensor_copy(p_mm, p32, engine="gpsimd")
         dp = F.contract([(sl.T["do"][pi], vT[pi]) for pi in T.unrolled(len(f.d_passes))],
                         (P, W))
+        if f.dropout_p:
+            # Z / (1 - p): the forward's draw of every unit, on ones
+            z = nl.ndarray((P, W), dtype=f.mm, buffer=nl.sbuf)
+            port.memset(z, 1.0, engine="gpsimd")
+            VL.drop_units(f, off, z, keys, rows_q[:, r:r + 1], f.head(j % f.G), None)
+            port.scalar_tensor_tensor(p_mm, p32, nl.multiply, 1.0 / (1.0 - f.dropout_p),
+                                      nl.multiply, z)
+            dpz = nl.ndarray((P, W), dtype=nl.float32, buffer=nl.sbuf)
+            port.scalar_tensor_tensor(dpz, dp, nl.multiply, 1.0 / (1.0 - f.dropout_p),
+                                      nl.multiply, z)
+            dp = dpz
+        else:
+            port.tensor_copy(p_mm, p32, engine="gpsimd")
         pg = p32
         if grad is not None:
             # P (1 - t^2), the factor selected to 0 outside [first, end) (P is 0 there)

@@ -37,7 +37,7 @@ BAD = [
     (dict(q_lens=[10]), ValueError, "q_lens: not supported with packed sequences"),
     (dict(block_mask=np.ones((1, 1, 1, 1), bool)), ValueError,
      "block_mask: not supported with packed sequences"),
-    (dict(dropout_p=0.1, seed=1), ValueError, "dropout_p: not supported with packed sequences"),
+    (dict(dropout_p=0.1), ValueError, "seed: required when dropout_p > 0"),
     (dict(alibi_slopes=np.ones((1, 2), np.float32)), ValueError,
      r"alibi_slopes: packed sequences .* take one slope per query head, shape \(Hq,\) = "
      r"\(2,\); got shape \(1, 2\)"),
