@@ -981,8 +981,14 @@ DECODE_BUCKETS_PER_OCTAVE = 4
 #: Split size (in cache positions) the automatic sizing aims at, and the smallest it makes for
 #: a batch: below it the per-split setup (packed queries, index math, the merge's partial)
 #: outweighs the split's own work; above it the pipeline of a program fills and drains slower
-#: (its first gather and its last split's compute are not overlapped).
-DECODE_MIN_SPLIT_KEYS = 4096
+#: (its first gather and its last split's compute are not overlapped). 8192 (was 4096): with
+#: a program streaming many steps the pipeline fills once per program, so the per-step costs
+#: dominate. B=1 Hq=32 Hkv=8 S=32768 D=128 bf16, nki.* (``python benchmarks/decode.py --paged
+#: --page-size 256 --lnc 1 2``; with the first gathers issued before the query loads and each
+#: step's V gather before its stores, about 1 us of it): estimate on trn2 456.6 -> 442.9 us
+#: contiguous, 468.5 -> 454.4 paged, LNC=2 240.1 -> 235.4 / 247.5 -> 242.5; trn1 577.1 -> 566.7
+#: / 588.6 -> 575.1 (``--num-splits 16``, splits of 2048: 656.9 us on trn2).
+DECODE_MIN_SPLIT_KEYS = 8192
 #: Passes over a split's packed score columns (VectorE max, ScalarE exp, VectorE P^T copy): the
 #: packing factor trades them (split positions / pack columns) against zero-filling the packed
 #: queries (pack * 128 columns), so pack ~ sqrt(passes * split positions / 128).
