@@ -981,8 +981,21 @@ DECODE_BUCKETS_PER_OCTAVE = 4
 #: Split size (in cache positions) the automatic sizing aims at, and the smallest it makes for
 #: a batch: below it the per-split setup (packed queries, index math, the merge's partial)
 #: outweighs the split's own work; above it the pipeline of a program fills and drains slower
-#: (its first gather and its last split's compute are not overlapped).
+#: (its first gather and its last split's compute are not overlapped). Used for a batch: a
+#: sequence's last split is partly past its length, so larger splits waste more there (lengths
+#: 3000, 9000, 17000 on trn2 LNC=2: 286.8 us at 4096, 311.4 at 8192; ``python
+#: benchmarks/decode.py --targets trn2 --lnc 2 --lens 3000 9000 17000``).
 DECODE_MIN_SPLIT_KEYS = 4096
+#: The split size the automatic sizing aims at for a single sequence (batch 1). With a program
+#: streaming many steps the pipeline fills once per program, so the per-step costs dominate.
+#: B=1 Hq=32 Hkv=8 S=32768 D=128 bf16, nki.* (``python benchmarks/decode.py --paged
+#: --page-size 256 --lnc 1 2``; with the first gathers issued before the query loads and each
+#: step's V gather before its stores, about 1 us of it): estimate on trn2 456.6 -> 442.9 us
+#: contiguous (4096 -> 8192), 468.5 -> 454.4 paged, LNC=2 240.1 -> 235.4 / 247.5 -> 242.5; trn1
+#: 577.1 -> 566.7 / 588.6 -> 575.1 (``--num-splits 16``, splits of 2048: 656.9 us on trn2).
+#: But Hq=8 Hkv=1 S=16384 (``--hq 8 --hkv 1 --seq 16384 --lnc 1``) models 52.0 us against
+#: 50.3 at 4096: a short single sequence loses a little.
+DECODE_SINGLE_SEQUENCE_SPLIT_KEYS = 8192
 #: Passes over a split's packed score columns (VectorE max, ScalarE exp, VectorE P^T copy): the
 #: packing factor trades them (split positions / pack columns) against zero-filling the packed
 #: queries (pack * 128 columns), so pack ~ sqrt(passes * split positions / 128).
@@ -1190,7 +1203,8 @@ def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: i
         ``rows_needed``. Raises ValueError when that exceeds the per-split limit.
     batch : int
         Sequences in the batch. The automatic size aims at DECODE_MIN_SPLIT_KEYS positions
-        (small splits keep the programs' pipelines short to fill and drain). Each sequence runs
+        (small splits keep the programs' pipelines short to fill and drain;
+        DECODE_SINGLE_SEQUENCE_SPLIT_KEYS for a single sequence). Each sequence runs
         only the splits its own length needs (the host's work list), so the longest sequence
         fixes the split *count* but a short one still costs one whole split: with a batch the
         size is at least ``rows_needed / (2 batch)``, bounding that padding by half the longest
@@ -1211,7 +1225,8 @@ def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: i
         if rows_needed <= 0:
             return DecodeTiles(n, row_tile, decode_pack(rows, n, 1), 1, 0, rs_max, steps)
         cover = decode_bucket(rows_needed)
-        target = min(cover, ceil_div(DECODE_MIN_SPLIT_KEYS, n))
+        aim = DECODE_SINGLE_SEQUENCE_SPLIT_KEYS if batch == 1 else DECODE_MIN_SPLIT_KEYS
+        target = min(cover, ceil_div(aim, n))
         if batch > 1:
             target = max(target, ceil_div(cover, 2 * batch))
         # the merge holds at most decode_max_splits partials per row

@@ -957,11 +957,12 @@ def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, rm=None, cap=None, k_c
 
 
 def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, mm, offsets,
-                rm=None, item=None, v_col=None):
+                rm=None, item=None, v_col=None, after_pv=None):
     """Second half (:func:`_split_front`): ``P V``, the normalization and the scatter of the
     partial (o, lse). ``item``: ``(s_i, L)`` columns of the work item (ALiBi); ``h`` the kv
     head, a linear form of the program's indices (read from ``offsets`` under nki.*);
-    ``v_col``: an FP8 cache's V scale (:func:`_normalize_rows`).
+    ``v_col``: an FP8 cache's V scale (:func:`_normalize_rows`); ``after_pv``: called once
+    ``P V`` has read ``v_all`` (before the normalization and the stores), or None.
 
     The item's sequence is runtime data, so the partial rows are scattered (flat row
     ``o_base + (h R + rt0 + p) S`` of the ``((B + 1) Hq T S, D)`` view: row, then slot) by
@@ -971,6 +972,8 @@ def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, m
     P = g.pack * rows
     pT = _transpose_probs(p_sb, g, P, mm)
     acc = _split_pv(v_all, pT, g, rows, P)
+    if after_pv is not None:
+        after_pv()
     o_sb = _normalize_rows(acc, l_col, rows, g, v_col)
     row_slot = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
     port.iota(row_slot, [[0, 1]], offset=rt0 * S, channel_multiplier=S,
@@ -1423,6 +1426,24 @@ def _split_chunk(cfg, io, hg, c):
     else:
         _paged_split_row_indices(io.block_table, valid, cols, bs, g, ipp, hpp, h0, Hkv,
                                  num_blocks, ppr, idx, io.offsets)
+    zeros = _zero_source(g, mm, steps + 2)
+    kv_cols = g.n_kv * n * D
+    k_nat = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
+    v_all = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
+    kT = [nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
+
+    def gather_k(t, b):
+        _gather_rows(k_rows, idx, t, steps, g, zeros, k_nat[b], "vector")
+
+    def gather_v(t, b):
+        _gather_rows(v_rows, idx, t, steps, g, zeros, v_all[b], "gpsimd")
+
+    # the first two steps' K/V gathers go out as soon as their row indices exist: the masks,
+    # slopes, scales and query loads below then overlap them instead of delaying them
+    gather_k(0, 0)
+    gather_v(0, 0)
+    gather_k(1, 1)
+    gather_v(1, 1)
     mask = nl.ndarray((1, ipp * rs), dtype=_mask_dtype(), buffer=nl.sbuf)
     local = nl.ndarray((1, rs), dtype=nl.float32, buffer=nl.sbuf)
     port.iota(local, [[1, rs]])
@@ -1480,17 +1501,6 @@ def _split_chunk(cfg, io, hg, c):
     # -- 2. splits ------------------------------------------------------------------------
     o_flat = io.o_part.reshape(((B + 1) * Hq * T * S, D))
     lse_flat = io.lse_part.reshape(((B + 1) * Hq * T * S, 1))
-    zeros = _zero_source(g, mm, steps + 2)
-    kv_cols = g.n_kv * n * D
-    k_nat = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
-    v_all = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
-    kT = [nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
-
-    def gather_k(t, b):
-        _gather_rows(k_rows, idx, t, steps, g, zeros, k_nat[b], "vector")
-
-    def gather_v(t, b):
-        _gather_rows(v_rows, idx, t, steps, g, zeros, v_all[b], "gpsimd")
 
     def front(hh, j, b):
         """Step (hh, j)'s headers and the first half of each row tile (on ``kT[b]``)."""
@@ -1523,14 +1533,17 @@ def _split_chunk(cfg, io, hg, c):
                                             None if kv is None else kv[0:rows, 0:1])))
         return b_i, s_i, item, kv, states
 
-    def back(h, b, head):
+    def back(h, b, head, after_pv):
         """The second half of each row tile of the step ``front`` began (on ``v_all[b]``);
-        ``h`` the step's kv head (a linear form)."""
+        ``h`` the step's kv head (a linear form); ``after_pv`` runs once the last row tile's
+        ``P V`` has read ``v_all[b]``, before that tile's stores."""
         b_i, s_i, item, kv, states = head
         o_base = _int_tile([(b_i, Hkv * R * S), (s_i, 1)], PMAX, 1)
-        for (_, rt0, rows), (rm, state) in zip(row_tiles, states):
+        last = len(row_tiles) - 1
+        for r, ((_, rt0, rows), (rm, state)) in enumerate(zip(row_tiles, states)):
             _split_back(state, v_all[b], o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, mm,
-                        io.offsets, rm, item, None if kv is None else kv[0:rows, 1:2])
+                        io.offsets, rm, item, None if kv is None else kv[0:rows, 1:2],
+                        after_pv if r == last else None)
 
     def step(hh, h, j, b):
         """Step ``(hh, j)`` (``h``: its kv head) on buffer ``b``."""
@@ -1538,15 +1551,11 @@ def _split_chunk(cfg, io, hg, c):
         gather_k(t + 2, b)                      # k_nat[b] is free: step t's keys are in kT[b]
         head = front(hh, j, b)
         _transpose_keys(k_nat[1 - b], kT[1 - b], g)
-        back(h, b, head)
-        gather_v(t + 2, b)                      # after step t's P V
+        # step t + 2's V gather right after step t's P V, ahead of step t's partial stores
+        back(h, b, head, lambda: gather_v(t + 2, b))
 
     # Buffer b is the parity of the step: steps come in pairs (ipp even: item pairs of one
-    # head; ipp = 1: pairs of heads).
-    gather_k(0, 0)
-    gather_v(0, 0)
-    gather_k(1, 1)
-    gather_v(1, 1)
+    # head; ipp = 1: pairs of heads); the first two steps' gathers are issued above.
     _transpose_keys(k_nat[0], kT[0], g)
     if steps == 1:
         step(0, h0, 0, 0)

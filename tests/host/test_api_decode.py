@@ -102,9 +102,10 @@ def test_split_count_comes_from_the_real_lengths_not_the_capacity():
     short = host.plan_flash_decode(q, k, v, cache_lens=[100])
     full = host.plan_flash_decode(q, k, v, cache_lens=[32768])
     assert short.num_splits == 1 and short.split_keys <= 1024
-    # splits of DECODE_MIN_SPLIT_KEYS positions, streamed through the programs' two buffers
-    assert full.split_keys == tiles.DECODE_MIN_SPLIT_KEYS == 4096
-    assert full.num_splits == 8 and full.split_keys * full.num_splits >= 32767
+    # one sequence: splits of DECODE_SINGLE_SEQUENCE_SPLIT_KEYS positions, streamed through the
+    # programs' two buffers
+    assert full.split_keys == tiles.DECODE_SINGLE_SEQUENCE_SPLIT_KEYS == 8192
+    assert full.num_splits == 4 and full.split_keys * full.num_splits >= 32767
     assert host.plan_flash_decode(q, k, v, cache_lens=[1]).num_splits == 0
 
 

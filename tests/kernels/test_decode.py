@@ -547,16 +547,17 @@ def test_decode_nki_matches_legacy(B, Hq, Hkv, T, S_max, D, lens, dtype, opts, m
 @needs_measure
 @pytest.mark.parametrize("api", ["legacy", "nki"])
 def test_decode_program_flat_in_cache_length(api, monkeypatch):
-    """The same programs for an 8K and a 16K cache (more splits and work items, the same
-    compiled loops): under nki.* the walks over the chunk and tail programs are compiled loops
-    too."""
+    """The same programs for a 16K and a 32K cache (more splits and work items, the same
+    compiled loops; both at least two splits of DECODE_MIN_SPLIT_KEYS, as a single work item
+    is a program of one step): under nki.* the walks over the chunk and tail programs are
+    compiled loops too."""
     import host
     import simulate
     from nki_kernels import nki as binding
 
     monkeypatch.setenv(binding.API_ENV_VAR, api)
     sizes = []
-    for S in (8192, 16384):
+    for S in (16384, 32768):
         rng = np.random.default_rng(S)
         q = rng.standard_normal((1, 1, 1, 64)).astype(BF16)
         cache = rng.standard_normal((1, 1, S, 64)).astype(BF16)
