@@ -8,7 +8,6 @@ and the backward, :class:`DecodeCall` for decode); planning and launching read t
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -17,7 +16,7 @@ from host import block_sparse as _bs
 from host import validation as _v
 from host._launch import launch
 from nki_kernels import port, tiles
-from nki_kernels.nki import API_ENV_VAR, active_target, namespace, select_api
+from nki_kernels.nki import active_target, select_api
 
 # ============================================================================================
 # Fused kernels and the unfused attention baseline
@@ -440,22 +439,6 @@ def _plan_forward(call: AttentionCall):
     return flash_attention_fwd.on(api), grid, kwargs
 
 
-def _port_api(legacy_only: bool) -> str:
-    """The namespace a kernel launch traces through: :func:`nki_kernels.nki.select_api`'s,
-    except that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
-    (``legacy_only``: the block-sparse kernels over 2^24 rows or dropout units, decode over
-    2^24 cache rows or block-table entries) runs through the legacy
-    namespace when it runs on the same kind of backend (both simulated, or both AWS's
-    toolchains) and the target has a legacy toolchain (not trn3). Otherwise the kernel refuses
-    it under nki.* (NotImplementedError)."""
-    api = select_api()
-    auto = os.environ.get(API_ENV_VAR, "auto").strip().lower() in ("", "auto")
-    if api == "nki" and legacy_only and auto and active_target() != "trn3":
-        if namespace("legacy").backend == namespace("nki").backend:
-            return "legacy"
-    return api
-
-
 def _score_mods_call(softcap, alibi_slopes, sinks, B: int, Hq: int) -> KernelScoreMods:
     """The score modifiers of an attention call as the kernels take them: the compile-time
     ``softcap`` and the device tensors ``alibi_slopes`` ``(1 or B, Hq)`` and ``sinks`` ``(Hq,)``
@@ -656,18 +639,6 @@ def _block_sparse_grid(dims, lnc: int, api: str):
     return backward_grid(dims.B, dims.Hkv, lnc, api=api)
 
 
-def _block_sparse_api(dims, dropout_p: float, dropout_mask: bool) -> str:
-    """The namespace of a block-sparse launch (:func:`_port_api`): legacy only when 0.7 would
-    number its rows (``B Hq Nq``, ``B Hkv Nk``, with the debug dropout mask ``B Hq Nq
-    ceil(Nk/128)``) or dropout units in fp32 past 2^24 (the kernels refuse those under
-    nki.*)."""
-    nqt, nkt = _tiles.ceil_div(dims.Nq, _tiles.PMAX), _tiles.ceil_div(dims.Nk, _tiles.PMAX)
-    rows = max(dims.B * dims.Hq * dims.Nq, dims.B * dims.Hkv * dims.Nk,
-               dims.B * dims.Hq * dims.Nq * nkt if dropout_p and dropout_mask else 0)
-    units = dims.B * dims.Hq * nqt * nkt if dropout_p else 0
-    return _port_api(max(rows, units) >= _tiles.FP32_EXACT_INT)
-
-
 def _block_sparse_forward(q, k, v, call: AttentionCall):
     """The block-sparse forward of a validated call (``call.block_sparse`` given): outputs as
     :func:`flash_attention`'s."""
@@ -680,7 +651,7 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     if p:
         kwargs.update(dropout_p=p, dropout_mask=call.return_dropout_mask)
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
-    api = _block_sparse_api(dims, p, call.return_dropout_mask)
+    api = select_api()          # every block-sparse call is ported to nki.*
     outs = launch(block_sparse_attention_fwd.on(api), _block_sparse_grid(dims, call.lnc, api),
                   q, k, v, tables.q.meta, kv_lens=call.kv_lens, q_lens=call.q_lens,
                   seed=call.dropout.seed, classes=tables.q.classes, shared=tables.q.shared,
@@ -700,7 +671,7 @@ def _varlen_forward(q, k, v, call: AttentionCall):
 
     dims = call.dims
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
-    api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
+    api = select_api()
     outs = launch(varlen_attention_fwd.on(api), varlen_grid(dims.Hkv, dims.group, dims.Nq,
                                                                call.lnc, api),
                   q, k, v, call.packing.cu_q, call.packing.cu_k, **_packed_mods(call),
@@ -741,7 +712,7 @@ def _varlen_backward(do, q, k, v, o, lse, call: AttentionCall):
     dims = call.dims
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
-    api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
+    api = select_api()
     outs = launch(varlen_attention_bwd.on(api),
                   varlen_grid(dims.Hkv, dims.group, dims.Nq, call.lnc, api), q, k, v, o, do,
                   _numpy("lse", lse), call.packing.cu_q, call.packing.cu_k, **_packed_mods(call),
@@ -765,7 +736,7 @@ def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):
         kwargs["dropout_p"] = p
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
-    api = _block_sparse_api(dims, p, False)
+    api = select_api()
     outs = launch(block_sparse_attention_bwd.on(api), _block_sparse_grid(dims, call.lnc, api), q,
                   k, v, o, do,
                   _numpy("lse", lse), tables.q.meta, tables.k.meta, kv_lens=call.kv_lens,
@@ -1107,11 +1078,6 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     o : numpy.ndarray (B, Hq, T, D), q's dtype
     lse : numpy.ndarray (B, Hq, T) float32 (natural log), only with ``return_lse``
 
-    Raises NotImplementedError for a contiguous cache of ``B Hkv S_max >= 2^24`` rows (a block
-    table of ``>= 2^24`` entries) under ``NKI_FLASH_API=nki`` (and under ``auto`` where the
-    legacy namespace cannot run it, i.e. trn3): the split kernel's tails compute those flat
-    rows in fp32 under nki.* (:func:`run_decode`).
-
     Without a tree mask this equals ``flash_attention(q, k[:, :, :L], v[:, :, :L],
     causal="bottom_right")`` for each sequence with ``L = cache_lens[b]``. HBM traffic:
     :func:`flash_decode_hbm_bytes` (without a window). This is the small-T case of
@@ -1144,17 +1110,13 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
     (:func:`host._launch.launch`, or ``kernel[grid](...)`` on XLA tensors) and ``to_device``
     moves the host-built arrays (lengths, work list, tree mask, block table, slopes, sinks)
     next to q. Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``. Both kernels trace
-    through the namespace :func:`_port_api` selects (a contiguous cache of 2^24 rows or more, or
-    a block table of 2^24 entries, is ``legacy_only``: under nki.* the split kernel refuses it,
-    NotImplementedError)."""
+    through the namespace :func:`nki_kernels.nki.select_api` selects (every decode call is
+    ported to nki.*)."""
     from nki_kernels.attention import decode as k
     from nki_kernels.attention.decode_merge import flash_decode_merge_kernel
 
     inputs, pages = call.inputs, call.pages
-    # nki.* computes the tails' flat cache rows (paged: table entries) in fp32, exact below 2^24
-    flat = (inputs.B * inputs.Hkv * k_cache.shape[2] if pages is None
-            else int(np.prod(pages.block_table.shape)))
-    api = _port_api(legacy_only=flat >= _tiles.FP32_EXACT_INT)
+    api = select_api()
     plan = _decode_tiles(call)
     table = None if pages is None else to_device(pages.block_table)
     lens = np.ascontiguousarray(inputs.cache_lens, dtype=np.int32)

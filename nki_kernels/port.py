@@ -272,16 +272,18 @@ def lead_rows(t, lead, idx, col=0):
     return t[(*lead, idx[ar(idx.shape[0])[:, None], col], ar(t.shape[-1])[None, :])]
 
 
-def lead_first_row(t, lead, offsets, partitions=128):
+def lead_first_row(t, lead, offsets, partitions=128, ints=False):
     """The first row of the slice ``t[*lead]`` in the flattened view :func:`lead_rows` addresses
     under 0.7, as an fp32 ``[partitions, 1]`` column (each runtime index of ``lead`` read from
-    ``offsets``, an :class:`OffsetColumns` of 0, 1, ...; exact below 2^24 rows). None in legacy,
-    where nothing is issued: the subscript carries ``lead``."""
+    ``offsets``, an :class:`OffsetColumns` of 0, 1, ...; exact below 2^24 rows), or with
+    ``ints`` an int32 one (from an ``exact`` table: summed in int32, exact at any size). None
+    in legacy, where nothing is issued: the subscript carries ``lead``."""
     ns = current()
     if ns.api != "nki":
         return None
     strides = [math.prod(t.shape[k + 1:-1]) for k, _ in enumerate(lead)]
-    first = ns.nl.ndarray((partitions, 1), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
+    first = ns.nl.ndarray((partitions, 1), dtype=ns.nl.int32 if ints else ns.nl.float32,
+                          buffer=ns.nl.sbuf)
     iota(first, [[1, 1]], runtime=list(zip(lead, strides)), offsets=offsets)
     return first
 
@@ -756,16 +758,23 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=Non
         val = ns.nl.ndarray(tuple(dst.shape), dtype=ns.nl.int32, buffer=ns.nl.sbuf)
         ns.nisa.iota(dst=val, pattern=pattern, offset=int(offset),
                      channel_multiplier=int(channel_multiplier))
-        # the [rows, 1] column broadcast over dst's free dims (a view: no copy)
-        col = _exact_column(ns, terms, offsets, dst.shape[0])
-        for d, size in enumerate(dst.shape[1:], start=1):
-            col = (col if d == 1 else col.expand_dim(d)).broadcast(d, size)
-        ns.nisa.tensor_tensor(dst=dst, data1=val, data2=col, op=ns.nl.add,
-                              engine=ns.nisa.engine.gpsimd)
+        add_int_column(dst, val, _exact_column(ns, terms, offsets, dst.shape[0]))
         return
     val, col = _runtime_pattern(ns, dst, pattern, int(offset), int(channel_multiplier), terms,
                                 offsets, None)
     ns.nisa.tensor_scalar(dst=dst, data=val, op0=ns.nl.add, operand0=col)
+
+
+def add_int_column(dst, data, col):
+    """0.7: ``dst = data + col`` for int32 ``data`` and an int32 ``[rows, 1]`` ``col``
+    broadcast over dst's free dims (a view: no copy), one GpSimd ``tensor_tensor`` (int32 add:
+    exact, ``nki.isa.tensor_tensor``). For the integer sums of an ``exact``
+    :class:`OffsetColumns` table, which only 0.7 builds."""
+    ns = current()
+    for d, size in enumerate(dst.shape[1:], start=1):
+        col = (col if d == 1 else col.expand_dim(d)).broadcast(d, size)
+    ns.nisa.tensor_tensor(dst=dst, data1=data, data2=col, op=ns.nl.add,
+                          engine=ns.nisa.engine.gpsimd)
 
 
 def iota_column(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=None,

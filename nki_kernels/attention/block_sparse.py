@@ -60,15 +60,16 @@ the two cores take half of them each (legacy ``nl.spmd_dim(n, nl.nc(2))``; nki.*
 shared by ``nl.program_id(0)``). Where the traces
 differ: an indirect view in 0.7 takes no runtime leading index, so the gathers and scatters of
 a ``(b, head)`` slice index the flattened tensor (:func:`port.lead_rows`) and the index tables
-carry the slice's first row (:class:`RowFrame`, read from a table of the loop indices; fp32,
-so 0.7 is refused past 2^24 rows); dropout's unit numbers come from the same table. The
+carry the slice's first row (:class:`RowFrame`, read from a table of the loop indices; summed
+in fp32, or in int32 where the rows or dropout units may reach 2^24, :func:`exact_indices`);
+dropout's unit numbers come from the same table. The
 instructions on the data are the same: the outputs are the legacy trace's bit for bit, the
 0.7 program adds a few ``[128, 1]`` instructions per instance, head and row.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from nki_kernels import port
 from nki_kernels import tiles as T
@@ -107,15 +108,13 @@ def check_shared(shared, classes):
     return shared
 
 
-def refuse_large_in_nki(kernel: str, rows: int, units: Optional[int] = None):
-    """Refuse under nki.* (:func:`port.refuse_in_nki`) what 0.7 would number in fp32 past
-    2^24: ``rows`` (the largest flattened row count the indirect DMAs address,
-    :func:`port.lead_rows`) or dropout ``units`` (None without dropout)."""
-    if rows >= T.FP32_EXACT_INT:
-        port.refuse_in_nki(f"{kernel} over {rows} >= 2^24 rows (fp32 row numbers)")
-    if units is not None and units >= T.FP32_EXACT_INT:
-        port.refuse_in_nki(f"{kernel} with dropout over {units} >= 2^24 units (fp32 unit "
-                           "numbers)")
+def exact_indices(rows: int, units: int = 0) -> bool:
+    """Whether a launch numbers its rows and dropout units in int32 under nki.*: when
+    ``rows`` (the largest flattened row count the indirect DMAs address,
+    :func:`port.lead_rows`) or ``units`` (dropout's, 0 without dropout) may reach 2^24, past
+    fp32's exact integers (:class:`port.OffsetColumns` ``exact``, :class:`RowFrame`). Below
+    that the fp32 sums on VectorE are exact and cheaper."""
+    return max(rows, units) >= T.FP32_EXACT_INT
 
 
 class RowFrame(NamedTuple):
@@ -123,26 +122,44 @@ class RowFrame(NamedTuple):
     (:func:`port.lead_rows`): ``base`` is the slice's first row in the view they index (fp32
     ``[128, 1]`` under 0.7, which indexes the flattened tensor; None in legacy, which indexes
     the slice itself) and ``oob`` what pushes an index out of bounds of that view (a power of
-    two, :func:`masks.oob_offset`)."""
+    two, :func:`masks.oob_offset`). ``ints``: under 0.7 with an ``exact`` table of indices
+    (:func:`exact_indices`), the first row as int32 instead (``base`` None): positions stay
+    those of the slice, and :meth:`rows` adds it to the int32 indices on GpSimd (exact at
+    any size; fp32 would round flat rows past 2^24)."""
 
     base: object
     oob: float
+    ints: object = None
 
     @staticmethod
     def of(t, lead, indices) -> "RowFrame":
         """The frame of ``t[*lead]`` (``indices``: the launch's :class:`port.OffsetColumns` of
         0, 1, ..., read under 0.7 only)."""
+        if indices.ints is not None:            # 0.7 only: legacy builds no table
+            return RowFrame(None, float(M.oob_offset(math.prod(t.shape[:-1]))),
+                            port.lead_first_row(t, lead, indices, ints=True))
         base = port.lead_first_row(t, lead, indices)
         n = t.shape[-2] if base is None else math.prod(t.shape[:-1])
         return RowFrame(base, float(M.oob_offset(n)))
 
     def shift(self, col):
         """``col`` (fp32 ``[128, 1]``, positions of the slice) as rows of the indexed view:
-        ``col + base`` (VectorE) under 0.7, ``col`` itself in legacy."""
+        ``col + base`` (VectorE) under 0.7, ``col`` itself in legacy and in an int32 frame
+        (whose first row :meth:`rows` adds)."""
         if self.base is None:
             return col
         out = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_tensor(out, col, self.base, nl.add)
+        return out
+
+    def rows(self, idx):
+        """int32 indices ``idx`` (shifted positions, or pushed out of bounds by ``oob``) as
+        rows of the indexed view: ``idx + ints`` (one GpSimd int32 add, exact) in an int32
+        frame, else ``idx`` itself (already rows of the view)."""
+        if self.ints is None:
+            return idx
+        out = nl.ndarray(tuple(idx.shape), dtype=nl.int32, buffer=nl.sbuf)
+        port.add_int_column(out, idx, self.ints)
         return out
 
 
@@ -272,8 +289,9 @@ class Row:
         self.bad = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(self.bad, pos, nl.greater_equal, other_len)
         # in range: pos exactly; out: pos + OOB (>= OOB, past every row, exact enough to stay out)
-        self.rows = nl.ndarray((P, trip), dtype=nl.int32, buffer=nl.sbuf)
-        port.scalar_tensor_tensor(self.rows, self.bad, nl.multiply, frame.oob, nl.add, pos)
+        rows = nl.ndarray((P, trip), dtype=nl.int32, buffer=nl.sbuf)
+        port.scalar_tensor_tensor(rows, self.bad, nl.multiply, frame.oob, nl.add, pos)
+        self.rows = frame.rows(rows)
         self.trip = trip
 
     def slot_loop(self, exact: bool, body):
@@ -311,7 +329,7 @@ def rows_at(pos, length, frame: RowFrame):
         port.tensor_tensor(idx, pushed, pos, nl.add)
     else:
         port.scalar_tensor_tensor(idx, pushed, nl.add, frame.base, nl.add, pos)
-    return idx
+    return frame.rows(idx)
 
 
 def gather(dst, src, lead, idx, col, skip: bool):
@@ -602,8 +620,9 @@ def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
     """Debug: the keep mask ``keep`` ``[128, 128]`` of the unit of query rows ``pos`` and
     first key ``first`` (fp32 ``[128, 1]`` columns) into ``mask_out``'s ``(B, Hq, Nq nku,
     128)`` view at row ``i nku + first / 128`` (one 128-key unit per row; rows past Nq and
-    units from Nk on are skipped). Exact in fp32 for debug shapes (``B Hq Nq nku < 2^24``
-    rows)."""
+    units from Nk on are skipped). The row within the slice is exact in fp32 for debug
+    shapes (``Nq nku < 2^24``); in an int32 frame (:class:`RowFrame`) the slice's first row
+    of the flattened mask is added in int32."""
     nku = f.nku
     mask_rows = f.drop.mask_out.reshape((f.B, f.Hq, f.Nq * nku, P))
     unit = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -612,7 +631,8 @@ def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
     # under 0.7 the rows of the flattened mask: the query row's flat row (q_frame) times nku
     port.scalar_tensor_tensor(rel, q_frame.shift(pos), nl.multiply, float(nku), nl.add, unit)
     # out of bounds of the mask rows the indices address: the slice's, or every slice's (0.7)
-    rows = mask_rows.shape[2] if q_frame.base is None else math.prod(mask_rows.shape[:3])
+    flat = q_frame.base is not None or q_frame.ints is not None
+    rows = math.prod(mask_rows.shape[:3]) if flat else mask_rows.shape[2]
     past = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(past, pos, nl.greater_equal, float(f.Nq))
     pad = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -621,6 +641,9 @@ def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
     port.tensor_tensor(bad, past, pad, nl.maximum)
     idx = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
     port.scalar_tensor_tensor(idx, bad, nl.multiply, float(M.oob_offset(rows)), nl.add, rel)
+    if q_frame.ints is not None:
+        # the slice's first row of the flattened mask, added in int32
+        idx = RowFrame.of(mask_rows, (f.b, head), f.indices).rows(idx)
     port.dma_copy(port.lead_rows(mask_rows, (f.b, head), idx, 0), keep, oob_skip=True)
 
 
@@ -645,9 +668,9 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     as the dense kernel restricted to the active blocks; rows that see no key get o = 0 and
     lse = -inf (with sinks lse = sink, padding rows -inf).
 
-    Not through nki.* (NotImplementedError there): ``B Hq Nq``, ``B Hkv Nk`` (or with
-    ``dropout_mask`` ``B Hq Nq ceil(Nk/128)``) rows or ``B Hq ceil(Nq/128) ceil(Nk/128)``
-    dropout units of 2^24 or more (0.7 numbers them in fp32).
+    Where ``B Hq Nq``, ``B Hkv Nk`` (or with ``dropout_mask`` ``B Hq Nq ceil(Nk/128)``) rows
+    or ``B Hq ceil(Nq/128) ceil(Nk/128)`` dropout units reach 2^24, 0.7 numbers them in int32
+    (:func:`exact_indices`).
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -659,8 +682,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     shared = check_shared(shared, classes)
     nku = T.ceil_div(Nk, P)
     mask_rows = B * Hq * Nq * nku if dropout_p and dropout_mask else 0
-    refuse_large_in_nki("block_sparse_attention_fwd", max(B * Hq * Nq, B * Hkv * Nk, mask_rows),
-                        B * Hq * nqt * nku if dropout_p else None)
+    int_rows = exact_indices(max(B * Hq * Nq, B * Hkv * Nk, mask_rows),
+                             B * Hq * nqt * nku if dropout_p else 0)
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
                       mods.alibi)
@@ -673,7 +696,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
         raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
     # loop indices (batch, heads) as data for 0.7: the first rows of the (b, head) slices the
     # indirect DMAs address, dropout's unit numbers
-    indices = port.OffsetColumns(0, max(B, Hq), 1)
+    indices = port.OffsetColumns(0, max(B, Hq), 1, exact=int_rows)
 
     def instance(b, g):
         # the P^T copies split evenly between ScalarE and VectorE; guard: non-finite values
@@ -738,4 +761,4 @@ def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
 
 
 __all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "RowFrame", "own_rows", "rows_at", "gather",
-           "scatter", "unit_seeds", "store_unit_mask", "store_tile", "check_classes", "refuse_large_in_nki"]
+           "scatter", "unit_seeds", "store_unit_mask", "store_tile", "check_classes", "exact_indices"]

@@ -13,10 +13,11 @@ copies are ``nl.arange`` expressions in legacy and ``.ap`` views in 0.7 (:func:`
 loops over a few K/V tiles unroll in 0.7 (:func:`port.unroll`), every loop whose count follows
 the work (items, heads, steps, programs) is compiled in both, so the program does not grow
 with the cache length. The legacy instruction stream, estimates and outputs are those of the
-legacy kernel before the port; 0.7's outputs equal them bit for bit. Through 0.7 the tails'
-flat cache rows ``(b Hkv + h) S_max + position`` of a contiguous cache (paged: block-table
-entries ``b MB + block``) are computed in fp32: a cache of ``B Hkv S_max >= 2^24`` rows (a
-table of ``B MB >= 2^24`` entries) is refused there (legacy only)::
+legacy kernel before the port; 0.7's outputs equal them bit for bit. Through 0.7 the flat
+cache rows ``(b Hkv + h) S_max + position`` of a contiguous cache (paged: block-table entries
+``b MB + block``) take their program-index part from the table, summed in fp32 below 2^24 and,
+for a cache of ``B Hkv S_max >= 2^24`` rows (a table of ``B MB >= 2^24`` entries), in int32
+on GpSimd (the table's ``exact`` form: exact at any size)::
 
     flash_decode_split_kernel   grid (Hkv / H, W / I + B)    phase 1: one partial (o, lse) per
                                                              work item and kv head -- W work
@@ -1682,13 +1683,11 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     C = W // ipp                   # chunk programs
     if mm_dtype not in _DTYPES:
         raise ValueError(f"mm_dtype: expected one of {_DTYPES}, got {mm_dtype!r}")
-    # nki.*: the tails' flat rows of a contiguous cache, or their block-table entries, in fp32
+    # nki.*: flat rows of a contiguous cache (or block-table entries) that may reach 2^24 take
+    # the program indices' part in int32 (port.OffsetColumns(exact=True)); below that the fp32
+    # sums on VectorE are exact and cheaper
     flat = (B * Hkv * k_cache.shape[2] if block_table is None
             else block_table.shape[0] * block_table.shape[1])
-    if flat >= tiles.FP32_EXACT_INT:
-        port.refuse_in_nki(f"flash_decode_split_kernel over {flat} >= 2^24 "
-                           f"{'cache rows' if block_table is None else 'block-table entries'} "
-                           f"(the tails' flat row numbers are fp32 there)")
     # rows of "sequence B" are a trash block for padding work items
     o_part = nl.ndarray(((B + 1) * Hq * T, S, D), dtype=nl.float32, buffer=nl.shared_hbm)
     lse_part = nl.ndarray(((B + 1) * Hq * T, S), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -1699,7 +1698,8 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     # compile-time iota offsets
     io = _Tensors(q.reshape((B * Hkv * R, D)), k_cache, v_cache, cache_lens, work, tree_mask,
                   block_table, alibi_slopes, sinks, kv_scale, o_part, lse_part,
-                  port.OffsetColumns(0, max(Hkv, B), 1))
+                  port.OffsetColumns(0, max(Hkv, B), 1,
+                                     exact=flat >= tiles.FP32_EXACT_INT))
 
     def chunk(hg, c):
         _split_chunk(cfg, io, hg, c)

@@ -9,8 +9,8 @@ through nki.* (NKI 0.7) against the legacy trace, bit for bit: the compile-time 
 and runtime (index form, padding slots) patterns, a query tile without blocks, lengths with a
 band and GQA over several (batch, kv head) instances, and dropout with its mask -- the paths
 where the two traces differ (flattened indirect rows, loop indices read as data) -- forward
-and backward; plus the refusals past 2^24 fp32 row numbers. Each is a few 128-row tiles
-(~15 s in all).
+and backward; plus the int32 row numbers past 2^24 (the bound lowered). Each is a few 128-row
+tiles (~20 s in all).
 """
 from __future__ import annotations
 
@@ -392,29 +392,34 @@ def test_nki_namespace_dropout_and_its_mask_match_legacy(monkeypatch):
     assert got[2].any() and not got[2].all()
 
 
-def test_nki_namespace_refuses_past_fp32_row_numbers(monkeypatch):
-    """0.7 numbers the flattened rows (and dropout units) in fp32: past 2^24 (lowered here to
-    4) an explicit NKI_FLASH_API=nki call is refused, naming the kernel; ``auto`` on trn2 runs
-    it through the legacy namespace (both simulated here), and through nki.* below the
-    bound."""
-    q, k, v, do = attention_inputs(1, 1, 1, 256, 256, 16, seed=17)
-    mask = np.array([[[[True, False], [True, True]]]])
-    monkeypatch.setenv(binding.API_ENV_VAR, "auto")
-    with simulate.measure(target="trn2") as m:
-        o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True)
-        host.flash_attention_backward(do, q, k, v, o, lse, block_mask=mask)
-    assert [kr.api for kr in m.kernels] == ["nki", "nki"]
-    monkeypatch.setattr(T, "FP32_EXACT_INT", 4)
-    with simulate.measure(target="trn2") as m:
-        host.flash_attention_backward(do, q, k, v, o, lse, block_mask=mask)
-    assert [kr.api for kr in m.kernels] == ["legacy"]
-    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
-    for run, name in ((lambda: host.flash_attention(q, k, v, block_mask=mask), "fwd"),
-                      (lambda: host.flash_attention_backward(do, q, k, v, o, lse,
-                                                             block_mask=mask), "bwd")):
-        with pytest.raises(NotImplementedError,
-                           match=f"block_sparse_attention_{name} over 256 >= 2\\^24 rows"):
-            run()
+def test_nki_namespace_numbers_large_rows_in_int32(monkeypatch):
+    """Flattened rows (and dropout units, the debug mask's rows) that may reach 2^24 -- the
+    bound lowered here to 4 -- are numbered in int32 under nki.* (the slices' first rows from
+    ``port.OffsetColumns(exact=True)``, added on GpSimd; fp32 would round them): ``auto`` on
+    trn2 traces the forward and the backward through nki.*, with more GpSimd instructions than
+    below the bound, and their outputs are the legacy trace's bit for bit (two batches, GQA,
+    lengths, dropout with its mask)."""
+    q, k, v, do = attention_inputs(2, 2, 1, 200, 160, 16, seed=15)
+    mask = _pattern(2, 2, 200, 160, 0.7, seed=16)
+    kw = dict(causal=True, dropout_p=0.3, seed=777, mixed_precision=False,
+              kv_lens=np.array([150, 160], np.int32), q_lens=np.array([200, 70], np.int32))
+
+    def run():
+        o, lse, keep = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                            return_dropout_mask=True, **kw)
+        return [o, lse, keep, *host.flash_attention_backward(do, q, k, v, o, lse,
+                                                             block_mask=mask, **kw)]
+
+    gpsimd, outs = {}, {}
+    for api, bound in (("nki", T.FP32_EXACT_INT), ("legacy", 4), ("auto", 4)):
+        monkeypatch.setattr(T, "FP32_EXACT_INT", bound)
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        with simulate.measure(target="trn2") as m:
+            outs[api] = [np.asarray(x) for x in run()]
+        assert {kr.api for kr in m.kernels} == {"legacy" if api == "legacy" else "nki"}
+        gpsimd[api] = m.instructions["gpsimd"]
+    _same(outs["auto"], outs["legacy"])
+    assert outs["auto"][2].any() and gpsimd["auto"] > gpsimd["nki"]
 
 
 @pytest.mark.parametrize("B, Hkv", [(2, 1), (1, 2), (1, 1)], ids=["batches", "heads", "odd"])
