@@ -67,6 +67,7 @@ instructions on the data are the same: the outputs are the legacy trace's bit fo
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple, Optional
 
@@ -116,6 +117,27 @@ def refuse_large_in_nki(kernel: str, rows: int, units: Optional[int] = None):
     if units is not None and units >= T.FP32_EXACT_INT:
         port.refuse_in_nki(f"{kernel} with dropout over {units} >= 2^24 units (fp32 unit "
                            "numbers)")
+
+
+class KVSource(NamedTuple):
+    """Where the block-sparse forward's steps take their key blocks: ``res`` the (batch, kv
+    head)'s resident K^T and ``[V | 1]`` (nki.*, :func:`forward.load_kv`), or None: gathered
+    per step (:func:`_gather_kv`); ``step`` the key blocks of a step over a query tile's own
+    slots (``tiles.BSP_STEP_BLOCKS`` or ``BSP_RESIDENT_STEP_BLOCKS``); ``p_dma_share`` the
+    device's share of P^T transposes on the DMA engines when they do not gather (resident;
+    else 0), a class's share is :func:`tiles.bsp_p_dma_share` of it."""
+
+    res: Optional[object]
+    step: int
+    p_dma_share: float
+
+    def instance(self, f, trip: int):
+        """``f`` with the P^T DMA-transpose share of a class of ``trip`` slots."""
+        share = T.bsp_p_dma_share(self.p_dma_share, trip)
+        if share == f.tiles.p_dma_transpose_share:
+            return f
+        return dataclasses.replace(f, tiles=dataclasses.replace(
+            f.tiles, p_dma_transpose_share=share))
 
 
 class RowFrame(NamedTuple):
@@ -261,12 +283,18 @@ class Row:
     ``rows`` (int32 ``[128, trip]``: the indexed rows of those positions, pushed out of bounds
     where ``bad``: the gathers skip those rows). ``part``/``other_len``: the partition index
     and the other side's valid length as rows of ``frame`` (:meth:`RowFrame.shift`). Four
-    instructions after the broadcast."""
+    instructions after the broadcast; none without ``gathers`` (the block-sparse forward's
+    resident K/V: ``bad`` and ``rows`` are then None)."""
 
-    def __init__(self, meta_row, trip: int, part, other_len, frame: RowFrame):
+    def __init__(self, meta_row, trip: int, part, other_len, frame: RowFrame,
+                 gathers: bool = True):
         self.bc = M.broadcast_row(meta_row, 2 + trip)
         self.first = self.bc[:, 0:1]
         self.block_first = self.bc[:, 2:2 + trip]
+        self.trip = trip
+        self.bad = self.rows = None
+        if not gathers:
+            return
         pos = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(pos, self.block_first, nl.add, part)
         self.bad = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
@@ -274,7 +302,6 @@ class Row:
         # in range: pos exactly; out: pos + OOB (>= OOB, past every row, exact enough to stay out)
         self.rows = nl.ndarray((P, trip), dtype=nl.int32, buffer=nl.sbuf)
         port.scalar_tensor_tensor(self.rows, self.bad, nl.multiply, frame.oob, nl.add, pos)
-        self.trip = trip
 
     def slot_loop(self, exact: bool, body):
         """``body(sl)`` over the row's slots, a sequential compiled loop: under nki.* (unless
@@ -368,7 +395,7 @@ def _add_int_column(u, base):
 
 
 def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: int,
-                  trip: int, exact: bool, shared: int):
+                  trip: int, exact: bool, shared: int, src: "KVSource"):
     """``n_tiles`` query tiles of one class (order positions ``pos0 ..``, member head h, whose
     rows ``q_frame`` addresses): the body of a class loop. Their ``trip`` slots are swept in
     steps of key blocks (a sequential loop of full steps and a static tail step), each one
@@ -377,21 +404,25 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     same key blocks in every tile of the group (the host's grouping,
     ``host.block_sparse.kernel_tables``): their K/V are gathered, guarded and transposed once
     per group, not once per tile, in steps of ``tiles.BSP_SHARED_STEP_BLOCKS``; the others per
-    tile in steps of ``tiles.BSP_STEP_BLOCKS``."""
+    tile in steps of ``src.step`` blocks. With ``src.res`` (nki.*: the instance's resident K^T
+    and ``[V | 1]``) nothing is gathered: every step reads its blocks in place
+    (:class:`_ResidentKV`), with the same steps and so the same outputs."""
     head = f.head(h)
+    res = src.res
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
     skip = geo.needs_key_mask(exact)
-    W = min(T.BSP_STEP_BLOCKS, trip)           # a tile's own slots per step
+    W = min(src.step, trip)                    # a tile's own slots per step
     Ws = min(T.BSP_SHARED_STEP_BLOCKS, shared)  # the group's shared slots per step
     st = F.GroupState(f, n_tiles, P)
     if f.mods.sinks:
         F.start_at_sink(f, st, h, n_tiles, slot0=0)
-    rows = []
+    rows, raw = [], []
     for t in T.unrolled(n_tiles):
         row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
         port.dma_copy(row, meta[hb, hh, nl.ds(pos0 + t, 1), 0:2 + trip], legacy_isa=True)
-        rows.append(Row(row, trip, geo.k_part, geo.k_len, geo.kv))
+        rows.append(Row(row, trip, geo.k_part, geo.k_len, geo.kv, gathers=res is None))
+        raw.append(row)
     # nki.*: the own-slot sweep's trip counts, planned before the tiles' setup so that their
     # register loads (below) find them written. Only where a group may skip a step and still
     # run one (more than W own slots): each register load stops every engine until its value
@@ -423,21 +454,29 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
             port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
         seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
                  if f.dropout_p else None)
-        # [V | 1] of a step's own blocks (the ones column gives the row sums, forward module
-        # doc); none when the group shares every slot
-        v = None
-        if trip > shared:
-            v = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-            port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
-        tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos, dist))
+        # the source of a step's own blocks: their key-block numbers (resident K/V), or
+        # [V | 1] to gather them into (the ones column gives the row sums, forward module
+        # doc; none when the group shares every slot)
+        src = None
+        if res is not None:
+            src = _block_numbers(raw[t], trip, f.nku)
+        elif trip > shared:
+            src = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+            port.memset(src[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
+        tiles.append((rw, src, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos, dist))
+
+    def step_kv(rw, src, s0, n):
+        if res is not None:
+            return _ResidentKV(res, src, s0)
+        return _gather_kv(f, rw, src, s0, n, skip)
 
     def one_step(s0, n, common):
         """Slots ``s0 .. s0 + n - 1``: a shared slot's K/V are gathered once (from the first
         tile's table, which lists the same block there as every tile's) and serve every
         tile."""
-        kv = _gather_kv(f, tiles[0][0], v_shared, s0, n, skip) if common else None
-        for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
-            own = kv if common else _gather_kv(f, rw, v, s0, n, skip)
+        kv = step_kv(tiles[0][0], shared_src, s0, n) if common else None
+        for t, (rw, src, cols, seeds, _, _, dist) in enumerate(tiles):
+            own = kv if common else step_kv(rw, src, s0, n)
             _step(f, geo, st, t, rw, own, cols, seeds, h, q_frame, s0, n, dist)
 
     def sweep(lo: int, hi: int, common: bool, width: int):
@@ -450,10 +489,10 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         if (hi - lo) % w:
             one_step(lo + ((hi - lo) // w) * w, (hi - lo) % w, common)
 
-    v_shared = None
-    if shared:
-        v_shared = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-        port.memset(v_shared[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
+    shared_src = tiles[0][1] if res is not None else None
+    if shared and res is None:
+        shared_src = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+        port.memset(shared_src[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
     sweep(0, shared, True, Ws)
     if plan is None:
         # legacy: no runtime trip count, padding slots run masked (gathers skipped)
@@ -525,7 +564,69 @@ def _gather_kv(f, rw: Row, v, s0, n: int, skip: bool) -> F.KV:
     F.guard_values(f, v[:, 0:n, 0:D], v[:, 0:n, D + 1:D + 2], sum_on_scalar=True)
     kT = [nl.ndarray((rows, n * P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in T.unrolled(n)], f.k.dtype)
-    return F.KV(None, kT, v)
+    return _StepKV(None, kT, v)
+
+
+class _BlocksKV(F.KV):
+    """K^T and ``[V | 1]`` of a step's blocks, block by block (:meth:`key_block`)."""
+
+    def key_block(self, pi: int, w: int):
+        """K^T ``[rows, 128]`` of head-dim pass ``pi`` of the step's block ``w``."""
+        raise NotImplementedError
+
+    def scores(self, qT, slot, c0: int, n: int):
+        """``S = Q K^T`` of the step's blocks ``c0 .. c0 + n - 1`` for query tile ``slot``
+        (``qT``: the group's Q^T per head-dim pass): one fp32 PSUM tile ``[128, 128 n]``, one
+        matmul per block and pass, whether the blocks are adjacent (gathered) or not
+        (resident), so both give the same bits (TensorE's cost is per moving column,
+        ``simulate._cost``)."""
+        acc = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.psum)
+        for w in T.unrolled(n):
+            for pi in T.unrolled(len(self.kT)):
+                port.nc_matmul(acc[:, w * P:(w + 1) * P], qT[pi][:, slot, :],
+                               self.key_block(pi, c0 + w), accumulate=pi > 0)
+        return acc
+
+
+class _StepKV(_BlocksKV):
+    """The K^T and ``[V | 1]`` of a step's blocks gathered side by side (:func:`_gather_kv`)."""
+
+    def key_block(self, pi: int, w: int):
+        return self.kT[pi][:, w * P:(w + 1) * P]
+
+
+class _ResidentKV(_BlocksKV):
+    """nki.*: a step's blocks read in place from the (batch, kv head)'s resident K^T and
+    ``[V | 1]`` (:func:`block_sparse_attention_fwd`): block w of the step is resident block
+    ``blocks[0, s0 + w]`` (int32 ``[1, trip]``, one query tile's key-block numbers,
+    :func:`_block_numbers`), a runtime offset into the tiles (:func:`port.select_block`):
+    no DMA, no transpose. The values are those :func:`_gather_kv` would gather, so the
+    outputs are the legacy trace's."""
+
+    def __init__(self, res: F.KV, blocks, s0):
+        super().__init__(None, res.kT, res.v)
+        self.blocks, self.s0 = blocks, s0
+
+    def _index(self, w):
+        return self.blocks[0:1, nl.ds(self.s0 + w, 1)]
+
+    def key_block(self, pi: int, w: int):
+        return port.select_block(self.kT[pi], self._index(w), P)
+
+    def v_block(self, kw: int, b):
+        view = port.select_block(self.v, self._index(b))
+        return view if kw == P else view[0:kw, :]
+
+
+def _block_numbers(row, trip: int, nkb: int):
+    """int32 ``[1, trip]``: the key-block numbers ``first / 128`` of a query tile's slots
+    (``row``: its fp32 meta row ``[1, 2 + trip]`` on partition 0); a padding slot's (past
+    every block) is clamped to the last block, a valid offset whose scores are masked. One
+    VectorE instruction (exact: integers in fp32)."""
+    blocks = nl.ndarray((1, trip), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_scalar(blocks, row[0:1, 2:2 + trip], nl.multiply, 1.0 / P, op1=nl.minimum,
+                       operand1=float(nkb - 1), engine="vector")
+    return blocks
 
 
 def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame: RowFrame,
@@ -537,7 +638,7 @@ def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame
     then one online-softmax update over them (``forward.fold_block``)."""
     head = f.head(h)
     per_bank = f.tiles.k_tile // P
-    s_tiles = [_scores(f, geo, st, slot, kv.kT, cols, h, s0, c0, min(per_bank, n - c0), dist)
+    s_tiles = [_scores(f, geo, st, slot, kv, cols, h, s0, c0, min(per_bank, n - c0), dist)
                for c0 in T.unrolled(0, n, per_bank)]
     drop = None
     if f.dropout_p:
@@ -555,12 +656,11 @@ def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame
     F.fold_block(f, st, slot, s_tiles, [t.shape[1] for t in s_tiles], kv, 0, None, drop)
 
 
-def _scores(f, geo: Geometry, st, slot, kT, cols, h, s0, c0: int, n: int, dist):
+def _scores(f, geo: Geometry, st, slot, kv, cols, h, s0, c0: int, n: int, dist):
     """The score tile of slots ``s0 + c0 .. s0 + c0 + n - 1`` (n blocks: at most one PSUM
-    bank, ``tiles.k_tile`` keys): ``S = Q K^T``, the score modifiers, then the runtime masks
-    (:func:`_step`)."""
-    cols_k = [(pi, kT[pi][:, c0 * P:(c0 + n) * P]) for pi in T.unrolled(len(f.d_passes))]
-    sc = F.contract([(st.qT[pi][:, slot, :], k) for pi, k in cols_k], (P, n * P))
+    bank, ``tiles.k_tile`` keys): ``S = Q K^T`` (``kv``: :class:`_StepKV` or
+    :class:`_ResidentKV`), the score modifiers, then the runtime masks (:func:`_step`)."""
+    sc = kv.scores(st.qT, slot, c0, n)
     s_tile = sc
     if f.mods.transforms:
         # soft-capping, ALiBi (raw units of f.unit), the dense kernels' instructions; the masks
@@ -629,7 +729,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                                alibi_slopes=None, sinks=None, *, classes, shared=None,
                                scale=1.0,
                                causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
-                               dropout_mask=False, softcap=None):
+                               dropout_mask=False, softcap=None, p_dma_share=0.0):
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
     Hkv, Nk, D)``, over the instances ``(B, Hkv)`` (:func:`port.for_programs`: the SPMD grid
     ``(B, Hkv)`` in legacy, ``kernel[1]`` looping over them in 0.7; :func:`port.launch_grid`;
@@ -664,6 +764,11 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
                       mods.alibi)
+    # K/V resident where they fit (nki.*: runtime offsets into SBUF; legacy gathers), and then
+    # longer own-slot steps in both namespaces (the same steps, the same outputs)
+    fits = T.bsp_fwd_kv_resident(Nk, D, T.fwd_itemsize(mm_dtype), trip_max)
+    resident = fits and port.api() == "nki"
+    step = T.BSP_RESIDENT_STEP_BLOCKS if fits else T.BSP_STEP_BLOCKS
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -685,7 +790,11 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                 else None)
         f = F.Instance.of(c, drop=drop, score=score)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
-        port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, h))
+        # nki.*: K^T and [V | 1] of the instance loaded, guarded and transposed once, as the
+        # dense kernel's resident staging; every query tile reads its blocks in place
+        src = KVSource(F.load_kv(f, 0, Nk, whole_blocks=True) if resident else None, step,
+                       p_dma_share if resident else 0.0)
+        port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, h, src))
 
     port.for_programs((B, Hkv), instance)
     if mask_out is not None:
@@ -693,12 +802,14 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     return o, lse
 
 
-def _head(f, geo: Geometry, meta, classes, shared, h):
+def _head(f, geo: Geometry, meta, classes, shared, h, src: KVSource):
     """Every class of query tiles of member head h (a loop body): each class a loop over its
     tiles in groups of ``tiles.BSP_GROUP_TILES`` (and a static remainder group) whose first
-    ``shared`` slots (one count per class) are the group's common key blocks."""
+    ``shared`` slots (one count per class) are the group's common key blocks (``src``: where
+    their key blocks come from, :func:`_attend_tiles`)."""
     q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
     for (first, count, trip, exact), sh in zip(classes, shared):
+        f = src.instance(f, trip)
         if trip == 0:
             # rows without any active block: o = 0, lse = -inf (still one loop body)
             port.loop(count, lambda c, first=first: _empty_tile(f, geo, meta, h, q_frame,
@@ -706,10 +817,11 @@ def _head(f, geo: Geometry, meta, classes, shared, h):
             continue
         g = min(T.BSP_GROUP_TILES, count)
         port.loop(count // g, lambda c, first=first, g=g, trip=trip, exact=exact, sh=sh:
-                  _attend_tiles(f, geo, meta, h, q_frame, first + c * g, g, trip, exact, sh))
+                  _attend_tiles(f, geo, meta, h, q_frame, first + c * g, g, trip, exact, sh,
+                                src))
         if count % g:
             _attend_tiles(f, geo, meta, h, q_frame, first + (count // g) * g, count % g, trip,
-                          exact, sh)
+                          exact, sh, src)
 
 
 def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
