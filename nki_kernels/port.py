@@ -305,7 +305,9 @@ def select_block(t, idx, width=None):
     index; the 2.33 stub: "Dynamic on-chip: dim must not be 0", one dynamic select per view).
     With ``width`` the 2-D tile ``[p, n width]`` is read as ``[p, n, width]`` first
     (``reshape_dim``), so the view is the ``width`` columns from ``width i``. Legacy NKI has
-    no tensor-valued SBUF offset (NotImplementedError)."""
+    no tensor-valued SBUF offset (NotImplementedError). Cost: no document gives one; the
+    simulator makes the instruction that reads the view wait for the index's writer, with no
+    register load (UNCONFIRMED)."""
     ns = current()
     if ns.api != "nki":
         raise NotImplementedError("port.select_block: a runtime SBUF offset is an nki.* "

@@ -6,6 +6,20 @@ exponential -- so HBM traffic and work fall with the density s (Proposition 4: T
 N^2 d^2 M^-1 s)). Inside an active block the usual masks still apply (causal, window, valid
 lengths), and GQA and attention dropout compose as in the dense forward.
 
+**Resident K/V (nki.*).** Where K^T and ``[V | 1]`` of a (batch, kv head) fit in SBUF
+beside the rest (:func:`tiles.bsp_fwd_kv_resident`) the nki.* trace loads, guards and
+transposes them once per instance, as the dense kernel's resident staging does
+(:func:`forward.load_kv`, whole 128-key blocks, zeros past Nk), and every step reads its
+blocks in place: block w of a step is the tile's key-block number ``first_w / 128`` (an int32
+table per tile) used as a runtime offset into the resident tiles (NKI 0.7's
+``NkiTensor.select`` with a tensor index, :func:`port.select_block`). HBM traffic is then the
+dense kernel's plus the tables', whatever the density and the form; the time is the active
+blocks' matmuls and softmax work plus each tile's fixed work. Legacy NKI has no tensor-valued
+SBUF offset, so the legacy trace gathers as below, with the same steps (one matmul per block
+in both, so the outputs are the same bits). With the DMA queues free, the P^T transposes of
+a class go partly to the DMA engines (:func:`tiles.bsp_p_dma_share` of the device's share,
+growing with the class's slots).
+
 The pattern is device data: ``meta (b, h, n, 2 + trip)`` float32, one row per query tile in
 processing order, ``[first row, count, first key of block_0, ...]`` with
 ``tiles.BSP_PAD_FIRST`` in padding slots (``host.block_sparse.kernel_tables``).
@@ -33,12 +47,13 @@ grow with N.
   steps and the tail step), so a step of padding slots in every tile costs nothing; padding
   slots inside a run step are still masked. The outputs are the legacy trace's: a masked step changes nothing.
 
-Per group of query tiles (a loop body)::
+Per group of query tiles (a loop body; the gathers are the legacy trace's and, where K/V
+do not fit in SBUF, the nki.* one's)::
 
     per tile: load meta row -> fp32 on every partition (a K=1 ones matmul, exact for ints <
         2^24); gather Q rows (indirect DMA; rows past Nq or q_len skipped), Q^T by TensorE
     for step over the shared slots, then over the others, each a sequential loop of W =
-    tiles.BSP_STEP_BLOCKS blocks (+ a static tail step):
+    tiles.BSP_STEP_BLOCKS blocks (BSP_RESIDENT_STEP_BLOCKS where K/V fit; + a static tail step):
         gather K_j, V_j rows of the step's blocks (indirect DMA, padding skipped), K^T by
         TensorE: once for the group (shared slots) or per tile
         per tile: S = Q K^T, one PSUM bank of 512 keys per score tile (+ MASK_NEG x
