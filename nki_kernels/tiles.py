@@ -143,10 +143,11 @@ def bsp_p_dma_share(share: float, trip: int) -> float:
 
 def bsp_fwd_kv_resident(Nk: int, D: int, mm_itemsize: int, trip: int) -> bool:
     """Whether the block-sparse forward keeps K^T and ``[V | 1 | flag]`` of one (batch, kv
-    head) in SBUF, whole 128-key blocks (nki.*, trn2's budget :data:`FWD_SBUF_BUDGET_BYTES`):
+    head) in SBUF, whole 128-key blocks and one block of zeros (the padding slots'; nki.*,
+    trn2's budget :data:`FWD_SBUF_BUDGET_BYTES`):
     when they fit beside :data:`BSP_FWD_WORK_BYTES` and the tables of a group of
     :data:`BSP_GROUP_TILES` query tiles of ``trip`` slots."""
-    nkb = ceil_div(Nk, PMAX)
+    nkb = ceil_div(Nk, PMAX) + 1
     kv = fwd_d_passes(D) * nkb * PMAX * mm_itemsize + nkb * (D + 2) * mm_itemsize
     tables = BSP_GROUP_TILES * BSP_FWD_SLOT_TABLES * 4 * max(1, trip)
     return kv + BSP_FWD_WORK_BYTES + tables <= FWD_SBUF_BUDGET_BYTES["trn2"]

@@ -446,11 +446,17 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     runtime = not exact and trip - shared > W and port.api() == "nki"
     n_full, tail = divmod(trip - shared, W)
     plan = _own_steps(rows, shared, W, n_full, tail) if runtime else None
+    # resident K/V whose only masked keys are the padding slots' (whole 128-key blocks, no
+    # lengths): a padding slot reads the block of zeros, so its scores are finite and one
+    # multiply-add per block masks them (_scores), no per-key indicator
+    pad_only = res is not None and skip and f.Nk % P == 0 and not geo.has_lens
     tiles = []
     for t, rw in enumerate(rows):
         # valid key columns of slot s: c < kv_len - first_s (none in a padding slot)
-        thr = None
-        if skip:
+        thr = pad = None
+        if pad_only:
+            pad = _padding_columns(rw, trip, f.Nk)
+        elif skip:
             thr = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_scalar(thr, rw.block_first, nl.subtract, geo.kv_len, op1=nl.multiply,
                                operand1=-1.0)
@@ -478,7 +484,8 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         elif trip > shared:
             src = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
             port.memset(src[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
-        tiles.append((rw, src, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos, dist))
+        tiles.append((rw, src, dict(thr=thr, hi=hi_thr, lo=lo_thr, pad=pad), seeds, q_idx,
+                      q_pos, dist))
 
     def step_kv(rw, src, s0, n):
         if res is not None:
@@ -636,11 +643,11 @@ class _ResidentKV(_BlocksKV):
 def _block_numbers(row, trip: int, nkb: int):
     """int32 ``[1, trip]``: the key-block numbers ``first / 128`` of a query tile's slots
     (``row``: its fp32 meta row ``[1, 2 + trip]`` on partition 0); a padding slot's (past
-    every block) is clamped to the last block, a valid offset whose scores are masked. One
-    VectorE instruction (exact: integers in fp32)."""
+    every block) is ``nkb``, the resident block of zeros after the ``nkb`` blocks of keys: its
+    scores are 0, finite, and masked. One VectorE instruction (exact: integers in fp32)."""
     blocks = nl.ndarray((1, trip), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_scalar(blocks, row[0:1, 2:2 + trip], nl.multiply, 1.0 / P, op1=nl.minimum,
-                       operand1=float(nkb - 1), engine="vector")
+                       operand1=float(nkb), engine="vector")
     return blocks
 
 
@@ -684,7 +691,7 @@ def _scores(f, geo: Geometry, st, slot, kv, cols, h, s0, c0: int, n: int, dist):
             f.mods, f.score.cols, sc, P, n * P, h, None, f.act_scale / f.unit,
             not SM.one_sided(f.spec),
             dist=geo.distance_tile(dist, s0 + c0, n) if dist is not None else None)
-    if any(c is not None for c in cols.values()):
+    if any(cols[k] is not None for k in ("thr", "hi", "lo")):
         # masks by selection: scores a row cannot see become MASK_NEG, whatever they were (a
         # NaN or inf in a hidden key never reaches the row); VectorE copies the scores out of
         # PSUM (unless a modifier did) and overwrites the masked ones
@@ -696,7 +703,31 @@ def _scores(f, geo: Geometry, st, slot, kv, cols, h, s0, c0: int, n: int, dist):
             s_tile = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_copy(s_tile, sc, engine="vector")
         port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
+    if cols["pad"] is not None:
+        # padding slots (the block of zeros: finite scores) become MASK_NEG, the others stay
+        # as they are: s keep + neg, one VectorE instruction per block (_padding_columns)
+        keep, neg = cols["pad"]
+        out = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
+        for w in T.unrolled(n):
+            sl = nl.ds(s0 + c0 + w, 1)
+            port.tensor_scalar(out[:, w * P:(w + 1) * P], s_tile[:, w * P:(w + 1) * P],
+                               nl.multiply, keep[:, sl], op1=nl.add, operand1=neg[:, sl],
+                               engine="vector")
+        s_tile = out
     return s_tile
+
+
+def _padding_columns(rw: Row, trip: int, Nk: int):
+    """``(keep, neg)`` fp32 ``[128, trip]`` of a query tile's slots: 1 and 0 for a slot with
+    a key block, 0 and ``MASK_NEG`` for a padding slot (first key past Nk), so that ``s keep
+    + neg`` is s or exactly ``MASK_NEG`` for finite s (the bits of the selection). Two
+    VectorE instructions."""
+    keep = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(keep, rw.block_first, nl.less, float(Nk), engine="vector")
+    neg = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(neg, keep, nl.multiply, -T.FWD_MASK_NEG, op1=nl.add,
+                       operand1=T.FWD_MASK_NEG, engine="vector")
+    return keep, neg
 
 
 def store_tile(f, out_idx, head, o_tile, lse_tile):
@@ -807,7 +838,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
         # nki.*: K^T and [V | 1] of the instance loaded, guarded and transposed once, as the
         # dense kernel's resident staging; every query tile reads its blocks in place
-        src = KVSource(F.load_kv(f, 0, Nk, whole_blocks=True) if resident else None, step,
+        # (one more block of zeros: the padding slots' block, finite scores to mask)
+        src = KVSource(F.load_kv(f, 0, Nk, zero_blocks=1) if resident else None, step,
                        p_dma_share if resident else 0.0)
         port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, h, src))
 
