@@ -460,13 +460,18 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
             thr = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_scalar(thr, rw.block_first, nl.subtract, geo.kv_len, op1=nl.multiply,
                                operand1=-1.0)
-        gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(gap, rw.block_first, nl.subtract, rw.first)
-        hi_thr, lo_thr = geo.band_columns(gap)
-        # ALiBi's distances j - i - off of the slots, less the c - p of a score (Geometry)
-        dist = geo.distance_columns(gap) if f.mods.alibi else None
+        hi_thr = lo_thr = dist = None
+        if f.spec.has_diag or f.mods.alibi:
+            gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(gap, rw.block_first, nl.subtract, rw.first)
+            hi_thr, lo_thr = geo.band_columns(gap)
+            # ALiBi's distances j - i - off of the slots, less the c - p of a score (Geometry)
+            dist = geo.distance_columns(gap) if f.mods.alibi else None
         # Q rows of the tile: skipped past q_len (they output 0), scattered back below Nq
-        q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, q_frame)
+        if geo.has_lens or f.Nq % P:
+            q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, q_frame)
+        else:
+            q_idx, q_pos = _tile_rows(geo, rw.first, q_frame), None
         x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
         gather(x, f.q, (f.b, head), q_idx, 0, geo.has_lens or f.Nq % P != 0)
         for pi, (d0, rows) in enumerate(f.d_passes):
@@ -715,6 +720,18 @@ def _scores(f, geo: Geometry, st, slot, kv, cols, h, s0, c0: int, n: int, dist):
                                engine="vector")
         s_tile = out
     return s_tile
+
+
+def _tile_rows(geo: Geometry, first, frame: RowFrame):
+    """int32 ``[128, 1]``: the rows (of ``frame``) of the 128 positions from ``first`` (fp32
+    column) of a slice whose rows are all in range (no lengths, whole query tiles): one
+    instruction (:func:`own_rows` with nothing to push out of bounds)."""
+    idx = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+    if frame.base is None:
+        port.tensor_tensor(idx, geo.part, first, nl.add)
+    else:
+        port.scalar_tensor_tensor(idx, geo.part, nl.add, frame.base, nl.add, first)
+    return idx
 
 
 def _padding_columns(rw: Row, trip: int, Nk: int):
