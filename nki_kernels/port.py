@@ -301,6 +301,24 @@ def row_blocks(t, lead, r0, rows, n, cols):
     return t[(*lead, r0 + ip + rows * it, ic)]
 
 
+def select_block(t, idx, width=None):
+    """nki.* only: the view ``t[:, i, ...]`` of an SBUF tile at the runtime index ``i`` that
+    the one-element int32 tile ``idx`` holds (NKI 0.7 ``NkiTensor.select`` with a tensor
+    index; the 2.33 stub: "Dynamic on-chip: dim must not be 0", one dynamic select per view).
+    With ``width`` the 2-D tile ``[p, n width]`` is read as ``[p, n, width]`` first
+    (``reshape_dim``), so the view is the ``width`` columns from ``width i``. Legacy NKI has
+    no tensor-valued SBUF offset (NotImplementedError). Cost: no document gives one; the
+    simulator makes the instruction that reads the view wait for the index's writer, with no
+    register load (UNCONFIRMED)."""
+    ns = current()
+    if ns.api != "nki":
+        raise NotImplementedError("port.select_block: a runtime SBUF offset is an nki.* "
+                                  "feature")
+    if width is not None:
+        t = t.reshape_dim(1, (t.shape[1] // width, width))
+    return t.select(1, idx)
+
+
 def view(t, p0, rows, c0, pattern):
     """A strided view of the 2-D on-chip tile ``t`` ``(P, F)``: element ``[p, x_1, ...]`` is
     ``t[p0 + p, c0 + sum_k step_k x_k]`` for ``p < rows`` and one ``[step, num]`` pair per free

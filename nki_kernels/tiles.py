@@ -67,6 +67,13 @@ BSP_PAD_FIRST = 1 << 22
 #: they share here, the per-tile gathers being the DMA queues' load (trn2 estimate, N = 4096,
 #: D = 128, bf16, s = 1/2, index form: 4 / 8 / 16 blocks 314.4 / 328.3 / 323.9 us).
 BSP_STEP_BLOCKS = 4
+#: Key blocks per own-slot step when K/V of an instance fit in SBUF
+#: (:func:`bsp_fwd_kv_resident`): under nki.* the steps then read resident K/V in place, so
+#: nothing per tile is gathered and the longest step (four PSUM banks of scores, as
+#: BSP_SHARED_STEP_BLOCKS) shares the step's fixed softmax work best; legacy, which still
+#: gathers, takes the same steps (the same outputs). Scheduled estimate, trn2, N = 4096,
+#: D = 128, bf16, index form, every block active: 4 / 16 blocks 293.5 / 241.1 us.
+BSP_RESIDENT_STEP_BLOCKS = 16
 #: Key blocks per step over the slots a group of query tiles shares (gathered once per group,
 #: ``host.block_sparse.kernel_tables``): 16 x 128 keys, four PSUM banks of scores (one score
 #: tile per bank), so the step's fixed softmax work is shared by up to sixteen blocks, as the
@@ -101,8 +108,49 @@ VARLEN_ACT_SHARE = 0.5
 VARLEN_MODS_ACT_SHARE = 1.0
 #: Query tiles of one class processed together by the block-sparse forward (a loop body): their
 #: softmax chains interleave step by step, as the dense forward's groups do
-#: (FWD_RESIDENT_Q_GROUP), so the engines have independent work while one tile waits.
-BSP_GROUP_TILES = 4
+#: (FWD_RESIDENT_Q_GROUP), so the engines have independent work while one tile waits; each
+#: group boundary leaves the engines waiting on the next group's first loads. Scheduled
+#: estimate, trn2 through nki.* (resident K/V), N = 4096, D = 128, bf16, bool mask: 4 / 8 / 16
+#: tiles, every block active 265.4 / 241.1 / 256.6 us, s = 1/16 85.7 / 80.2 / 95.6 us.
+BSP_GROUP_TILES = 8
+#: SBUF bytes per partition the block-sparse forward needs beside resident K/V and the
+#: per-slot tables, counted generously: a group's query state, score and P tiles, the mask
+#: tiles. Measured peak (simulate.measure, trn2, bf16, every block active): N = 4096, D = 128
+#: 33.8 KiB with 16.6 KiB of K/V, i.e. 17.2 KiB beside them at 32 slots.
+BSP_FWD_WORK_BYTES = 24 * 1024
+#: fp32 ``[128, trip]`` tables one query tile of the block-sparse forward keeps through its
+#: sweep (the meta row broadcast, key thresholds, band columns, block numbers, ...), counted
+#: generously.
+BSP_FWD_SLOT_TABLES = 10
+
+
+#: Slots of a class of the block-sparse forward's query tiles from which its P^T transposes
+#: take the device's full DMA share (:data:`FWD_NKI_P_DMA_SHARE`, resident K/V only: the DMA
+#: queues gather nothing); a class of ``trip`` slots takes ``trip / BSP_P_DMA_FULL_SLOTS`` of
+#: it (:func:`bsp_p_dma_share`): a short sweep cannot hide a DMA transpose's completion
+#: latency (simulate._hw DMA_FIXED_LATENCY_NS) behind other tiles' work. Scheduled estimate,
+#: trn2, N = 4096, D = 128, bf16, fixed_density (trip = 128 s / 4), DMA share 0 / 0.25 / 0.5 /
+#: 0.75 / 1: s = 1/2 184.8 / 154.4 / 158.3 / 145.5 / 171.0 us; s = 1/4 106.3 / 105.1 / 100.3
+#: / 116.3 / -; s = 1/16 73.7 / 73.7 / 79.7 / 79.7 / 79.7; s = 1 (0.5 / 0.75) 276.4 / 235.9.
+BSP_P_DMA_FULL_SLOTS = 16
+
+
+def bsp_p_dma_share(share: float, trip: int) -> float:
+    """The P^T DMA-transpose share of a block-sparse forward class of ``trip`` slots: ``min(
+    share, trip / BSP_P_DMA_FULL_SLOTS)``."""
+    return min(float(share), trip / BSP_P_DMA_FULL_SLOTS)
+
+
+def bsp_fwd_kv_resident(Nk: int, D: int, mm_itemsize: int, trip: int) -> bool:
+    """Whether the block-sparse forward keeps K^T and ``[V | 1 | flag]`` of one (batch, kv
+    head) in SBUF, whole 128-key blocks and one block of zeros (the padding slots'; nki.*,
+    trn2's budget :data:`FWD_SBUF_BUDGET_BYTES`):
+    when they fit beside :data:`BSP_FWD_WORK_BYTES` and the tables of a group of
+    :data:`BSP_GROUP_TILES` query tiles of ``trip`` slots."""
+    nkb = ceil_div(Nk, PMAX) + 1
+    kv = fwd_d_passes(D) * nkb * PMAX * mm_itemsize + nkb * (D + 2) * mm_itemsize
+    tables = BSP_GROUP_TILES * BSP_FWD_SLOT_TABLES * 4 * max(1, trip)
+    return kv + BSP_FWD_WORK_BYTES + tables <= FWD_SBUF_BUDGET_BYTES["trn2"]
 
 
 #: Edge of the query x key unit a dropout mask is generated in: every unit draws its keep bits

@@ -759,6 +759,11 @@ class KV:
     def __init__(self, base, kT, v):
         self.base, self.kT, self.v = base, kT, v
 
+    def v_block(self, kw: int, b):
+        """``[V | 1]`` rows ``0 .. kw - 1`` of the tile's 128-key block ``b`` (an index
+        expression): the moving operand of a P V matmul (:func:`fold_back`)."""
+        return self.v[0:kw, b, :]
+
 
 class GroupState:
     """SBUF state of a group of ``n`` query tiles (slot s = the group's s-th tile).
@@ -1085,17 +1090,26 @@ def guard_values(f: Instance, vals, flag, sum_on_scalar: bool = False):
     port.tensor_scalar(flag[:, :, 0], sums, nl.not_equal, 0.0)
 
 
-def load_kv(f: Instance, cb, n: int) -> KV:
+def load_kv(f: Instance, cb, n: int, zero_blocks: Optional[int] = None) -> KV:
     """Load ``n`` keys (static) of K and V from key ``128 cb`` (``cb`` an index expression):
     K^T via TensorE transposes of 128-key blocks (PSUM -> SBUF copy casts to the matmul dtype),
     V as 128-key blocks ``[128, D + 1]`` whose last column is 1.0 (0.0 for padding keys with
     ``kv_lens``, :func:`edge_key_fill`). A compiled loop of ``kv_load_block``-key pieces plus a
-    static tail piece."""
+    static tail piece. ``zero_blocks`` (the block-sparse forward, which reads whole 128-key
+    blocks; None: K^T has n columns): K^T and V hold ``ceil(n / 128) + zero_blocks`` whole
+    blocks, and the keys past ``n`` are zeros in K^T and in V (their guard flag too; V's ones
+    column stays 1.0)."""
     P, D = T.PMAX, f.D
     nblk = T.ceil_div(n, P)
-    kT = [nl.ndarray((rows, n), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
+    blocks = nblk if zero_blocks is None else nblk + zero_blocks
+    cols = n if zero_blocks is None else blocks * P
+    kT = [nl.ndarray((rows, cols), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     # V with a ones column: PV then also yields the row sums l_i = sum_j P_ij on TensorE
-    v = nl.ndarray((P, nblk, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+    v = nl.ndarray((P, blocks, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+    if cols > n:
+        for t in kT:
+            port.memset(t[:, n:cols], 0.0, engine="gpsimd")
+        port.memset(v[:, n // P:blocks, :], 0.0, engine="gpsimd")
     if f.lens is None or f.lens.k_load is None:
         port.memset(v[:, :, D:D + 1], 1.0, engine="gpsimd")
     else:
@@ -1500,7 +1514,7 @@ def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred,
                 if c1 > c0:
                     port.tensor_copy(pts[:, c0:c1], pt[:, c0:c1], engine=e, mask=pred)
         for q, (c0, kw) in enumerate(group):
-            port.nc_matmul(pv, pts[0:kw, q * r:(q + 1) * r], kv.v[0:kw, rb + c0 // P, :],
+            port.nc_matmul(pv, pts[0:kw, q * r:(q + 1) * r], kv.v_block(kw, rb + c0 // P),
                            accumulate=not (g0 == 0 and q == 0), mask=pred)
     o_acc = st.o_acc(s)
     # o_acc = alpha o_acc + pv: the rescale on GpSimd (SBUF only; otherwise idle), the add on

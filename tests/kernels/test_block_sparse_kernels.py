@@ -427,8 +427,10 @@ def test_lnc2_spreads_the_instances_over_two_cores(B, Hkv, monkeypatch):
     """``lnc=2`` (trn2): the (batch, kv head) instances spread over the two cores as the dense
     backward's (legacy ``nl.spmd_dim(n, nl.nc(2))``, nki.* ``kernel[2]`` sharing them by
     ``nl.program_id(0)``): the outputs and gradients (dsinks included) of ``lnc=1`` bit for
-    bit under both namespaces, the modeled time about halved; an odd ``B Hkv`` stays on one
-    core (the same launch as ``lnc=1``)."""
+    bit under both namespaces, the modeled time about halved (at most 0.65x: at this size one
+    instance's forward is a chain of dependent loads and steps, ~16 us on trn2 through nki.*,
+    which ``lnc=1`` overlaps with the other instance's); an odd ``B Hkv`` stays on one core (the
+    same launch as ``lnc=1``)."""
     q, k, v, do = attention_inputs(B, 2, Hkv, 300, 260, 32, seed=31)
     mask = _pattern(B, 2, 300, 260, 0.6, seed=32)
     kw = dict(causal=True, sinks=np.array([0.5, -1.0]))
@@ -444,7 +446,7 @@ def test_lnc2_spreads_the_instances_over_two_cores(B, Hkv, monkeypatch):
         if B * Hkv % 2:
             assert runs[2][1] == runs[1][1]
         else:
-            assert runs[2][1] < 0.6 * runs[1][1]
+            assert runs[2][1] < 0.65 * runs[1][1]
 
 
 def test_nki_index_form_program_size_does_not_grow_with_n():
@@ -467,3 +469,48 @@ def test_nki_index_form_program_size_does_not_grow_with_n():
                            **kw)
         sizes.append((fwd, bwd))
     assert sizes[0] == sizes[1]
+
+
+# -- nki.* resident K/V (issue 25, item 1) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("index", [False, True], ids=["bool", "index"])
+def test_nki_forward_reads_k_and_v_once_per_instance(index, monkeypatch):
+    """Through nki.* the forward loads K and V of each (batch, kv head) once and every query
+    tile reads its blocks in SBUF (runtime offsets): K/V bytes read are exactly the dense
+    kernel's, whatever the pattern reuses, with GQA, a partial last key block and padding
+    slots (the index form's bound 3). An inactive block is then loaded but never used: its
+    non-finite K and V reach no row (the outputs are those of zeros there, bit for bit)."""
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 384, 300, 32
+    q, k, v, _ = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=41)
+    mask = np.zeros((1, 1, 3, 3), bool)
+    mask[0, 0, :, 0] = True
+    mask[0, 0, 2, 2] = True
+    mask[0, 0, 0, 2] = True
+    pattern = tuple(bs.dense_to_index(mask, max_blocks=3)) if index else mask
+    k[:, :, 128:256] = np.nan                       # key block 1: inactive everywhere
+    v[:, :, 128:256] = np.inf
+    with simulate.measure(target="trn2") as m:
+        o = host.flash_attention(q, k, v, block_mask=pattern, mixed_precision=False)
+    assert [kr.api for kr in m.kernels] == ["nki"]
+    want = B * Hkv * Nk * D * 4
+    assert m.per_tensor["k"]["read"] == want and m.per_tensor["v"]["read"] == want
+    assert np.all(np.isfinite(o))
+    k2, v2 = k.copy(), v.copy()
+    k2[:, :, 128:256] = 0.0
+    v2[:, :, 128:256] = 0.0
+    o2 = host.flash_attention(q, k2, v2, block_mask=pattern, mixed_precision=False)
+    np.testing.assert_array_equal(o, o2)
+    ro, _ = ref.attention_forward(q, k2, v2, block_mask=mask)
+    assert _err(o, ro) < 2e-6
+
+
+def test_resident_kv_rule_and_dma_share():
+    """K/V stay resident while they fit trn2's budget beside the work and the group's tables
+    (else the steps gather, with 4-block own steps), and a class's P^T DMA share grows with
+    its slots up to the device's."""
+    assert T.bsp_fwd_kv_resident(16384, 128, 2, 128)
+    assert not T.bsp_fwd_kv_resident(65536, 128, 2, 16)
+    assert not T.bsp_fwd_kv_resident(24576, 128, 4, 16)         # fp32 matmuls: 4 bytes
+    assert T.bsp_p_dma_share(0.75, 4) == 0.25 and T.bsp_p_dma_share(0.75, 32) == 0.75
