@@ -85,7 +85,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from nki_kernels import port
 from nki_kernels import tiles as T
