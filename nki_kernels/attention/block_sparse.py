@@ -428,7 +428,7 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         v = None
         if trip > shared:
             v = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-            port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
+            F.ones_column(f, v[:, :, f.D:f.D + 1])
         tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos, dist))
 
     def one_step(s0, n, common):
@@ -453,7 +453,7 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     v_shared = None
     if shared:
         v_shared = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-        port.memset(v_shared[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
+        F.ones_column(f, v_shared[:, :, f.D:f.D + 1])
     sweep(0, shared, True, Ws)
     if plan is None:
         # legacy: no runtime trip count, padding slots run masked (gathers skipped)

@@ -1085,6 +1085,14 @@ def guard_values(f: Instance, vals, flag, sum_on_scalar: bool = False):
     port.tensor_scalar(flag[:, :, 0], sums, nl.not_equal, 0.0)
 
 
+def ones_column(f: Instance, col):
+    """Fill V's ones column ``col`` (``[p, n, 1]``): 1.0, so that P V also yields the softmax
+    sums l_i, or 0.0 under dropout, whose sums are those of the undropped P and come from the
+    exp (:func:`fold_front`): PV then adds nothing to l_i and the accumulator update adds it
+    with O in one VectorE instruction (:func:`fold_update`)."""
+    port.memset(col, 0.0 if f.dropout_p else 1.0, engine="gpsimd")
+
+
 def load_kv(f: Instance, cb, n: int) -> KV:
     """Load ``n`` keys (static) of K and V from key ``128 cb`` (``cb`` an index expression):
     K^T via TensorE transposes of 128-key blocks (PSUM -> SBUF copy casts to the matmul dtype),
@@ -1096,8 +1104,8 @@ def load_kv(f: Instance, cb, n: int) -> KV:
     kT = [nl.ndarray((rows, n), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     # V with a ones column: PV then also yields the row sums l_i = sum_j P_ij on TensorE
     v = nl.ndarray((P, nblk, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-    if f.lens is None or f.lens.k_load is None:
-        port.memset(v[:, :, D:D + 1], 1.0, engine="gpsimd")
+    if f.lens is None or f.lens.k_load is None or f.dropout_p:
+        ones_column(f, v[:, :, D:D + 1])
     else:
         key = nl.ndarray((P, nblk, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.iota(key, [[P, nblk], [1, 1]], channel_multiplier=1, runtime=[(cb, P)],
@@ -1263,7 +1271,7 @@ def scores(f: Instance, st: GroupState, s, i0, kv: KV, rel, j0, width: int, mask
     return s_sb, False
 
 
-def dropout_units(f: Instance, p, r: int, width: int, h, iu, ju, pred):
+def dropout_units(f: Instance, r: int, width: int, h, iu, ju, pred):
     """Attention dropout on a P block ``[r, width]`` of query tile ``iu`` (member head h) from
     128-key unit ``ju`` (index expressions): each 128 x 128 unit is zeroed with probability
     ``dropout_p`` by its own draw, the RNG reseeded with ``seed + unit`` where ``unit`` numbers
@@ -1272,7 +1280,11 @@ def dropout_units(f: Instance, p, r: int, width: int, h, iu, ju, pred):
     1 / (1 - p) rescale is applied to O at write-back. A unit is always drawn as ``[rows,
     128]`` (rows: the tile's, a prefix of the backward's 128), whatever part of it a block
     covers, so both kernels see the same bits (C-order prefix property of the draw; the
-    simulator's generator is NumPy's, the hardware's is not reproduced)."""
+    simulator's generator is NumPy's, the hardware's is not reproduced).
+
+    Computes the block's unit seeds and returns ``drop(p, c0, c1)``, which draws the units of
+    columns ``c0 .. c1`` (128-aligned ``c0``; static) of the block's P ``p`` in place, so a
+    caller can drop the block a P^T group at a time (:func:`fold_back`)."""
     P = T.PMAX
     n_units = T.ceil_div(width, P)
     # the block's unit seeds at once: one iota and one int32 add (GpSimd) for all its units;
@@ -1285,26 +1297,31 @@ def dropout_units(f: Instance, p, r: int, width: int, h, iu, ju, pred):
     port.iota(units, [[1, n_units]], runtime=unit0, offsets=f.indices)
     seeds = nl.ndarray((1, n_units), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_tensor(seeds, units, f.drop.seed_row[0:1, 0:n_units], nl.add)
-    for c0 in T.unrolled(0, width, P):
-        kw = min(P, width - c0)
-        seed = seeds[0:1, c0 // P:c0 // P + 1]
-        port.random_seed(seed, mask=pred)
-        if kw == P:
-            port.dropout(p[:, c0:c0 + kw], p[:, c0:c0 + kw], f.dropout_p, mask=pred)
-        else:
-            # a unit is always drawn 128 keys wide (the backward may see it whole): keep the
-            # first kw columns of the draw
-            keep = nl.ndarray((r, P), dtype=f.mm, buffer=nl.sbuf)
-            port.dropout(keep, f.drop.ones[0:r, 0:P], f.dropout_p, mask=pred)
-            port.tensor_tensor(p[:, c0:c0 + kw], p[:, c0:c0 + kw], keep[:, 0:kw], nl.multiply,
-                               mask=pred)
-        if f.drop.mask_out is not None:
-            # debug: the same draw again, on ones, stored at the unit's frame position
+
+    def drop(p, c_lo, c_hi):
+        for c0 in T.unrolled(c_lo, c_hi, P):
+            kw = min(P, c_hi - c0)
+            seed = seeds[0:1, c0 // P:c0 // P + 1]
             port.random_seed(seed, mask=pred)
-            drawn = nl.ndarray((r, P), dtype=f.mm, buffer=nl.sbuf)
-            port.dropout(drawn, f.drop.ones[0:r, 0:P], f.dropout_p, mask=pred)
-            port.dma_copy(f.drop.mask_out[f.b, f.head(h), nl.ds(iu * P, r), nl.ds(ju * P + c0, kw)],
-                          drawn[:, 0:kw], mask=pred)
+            if kw == P:
+                port.dropout(p[:, c0:c0 + kw], p[:, c0:c0 + kw], f.dropout_p, mask=pred)
+            else:
+                # a unit is always drawn 128 keys wide (the backward may see it whole): keep
+                # the first kw columns of the draw
+                keep = nl.ndarray((r, P), dtype=f.mm, buffer=nl.sbuf)
+                port.dropout(keep, f.drop.ones[0:r, 0:P], f.dropout_p, mask=pred)
+                port.tensor_tensor(p[:, c0:c0 + kw], p[:, c0:c0 + kw], keep[:, 0:kw],
+                                   nl.multiply, mask=pred)
+            if f.drop.mask_out is not None:
+                # debug: the same draw again, on ones, stored at the unit's frame position
+                port.random_seed(seed, mask=pred)
+                drawn = nl.ndarray((r, P), dtype=f.mm, buffer=nl.sbuf)
+                port.dropout(drawn, f.drop.ones[0:r, 0:P], f.dropout_p, mask=pred)
+                port.dma_copy(f.drop.mask_out[f.b, f.head(h), nl.ds(iu * P, r),
+                                              nl.ds(ju * P + c0, kw)],
+                              drawn[:, 0:kw], mask=pred)
+
+    return drop
 
 
 def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
@@ -1343,25 +1360,20 @@ def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
     kt = f.tiles.k_tile
     widths = [min(kt, width - c0) for c0 in T.unrolled(0, width, kt)]
     if part == "back":
-        front = staged_front(stage, r, width)
-        if f.dropout_p:
-            dropout_units(f, front[0], r, width, *du, pred)
-        fold_back(f, st, s, front, widths, kv, rb, pred, masked)
+        fold_back(f, st, s, staged_front(stage, r, width), widths, kv, rb, pred, masked,
+                  dropout_units(f, r, width, *du, pred) if f.dropout_p else None)
         return
     stats = st.stats[0:r, s, :]
     s_tiles, fused = zip(*[scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked,
                                   pred, None if d0 is None else d0 + n * kt, h,
                                   neg_max=stats[:, 2 + n:3 + n])
                            for n, w in enumerate(widths)])
-    drop = None
-    if f.dropout_p:
-        def drop(p, r_, w_, pr):
-            dropout_units(f, p, r_, w_, *du, pr)
     if part == "front":
         fold_front(f, st, s, s_tiles, widths, pred, out=staged_front(stage, r, width),
                    fused=fused)
         return
-    fold_block(f, st, s, s_tiles, widths, kv, rb, pred, drop, fused, masked)
+    fold_back(f, st, s, fold_front(f, st, s, s_tiles, widths, pred, fused=fused), widths, kv,
+              rb, pred, masked, dropout_units(f, r, width, *du, pred) if f.dropout_p else None)
 
 
 def staged_front(stage, rows: int, width: int):
@@ -1433,21 +1445,12 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
     if f.dropout_p:
         # the row sums of the undropped P come from the exp itself (the [V | 1] column would
         # sum the dropped P): the softmax statistics are those of the undropped softmax. The
-        # score tiles' sums are added on GpSimd: VectorE, which draws the masks, is the
-        # busiest engine under dropout
-        sums = nl.ndarray((r, nb), dtype=nl.float32, buffer=nl.sbuf)
+        # score tiles' sums accumulate in ScalarE's reduce registers, read out once per block
+        # (one readout instead of one per tile, and no additions on another engine)
         for n in T.unrolled(nb):
-            port.activation_reduce(p[:, n * kt:n * kt + widths[n]], nl.exp, s_tiles[n],
-                                   reduce_op=nl.add, reduce_res=sums[:, n:n + 1], bias=bias,
-                                   scale=c, mask=pred)
-        if nb == 1:
-            port.tensor_copy(row_sum, sums, engine="gpsimd", mask=pred)
-        else:
-            port.tensor_tensor(row_sum, sums[:, 0:1], sums[:, 1:2], nl.add, engine="gpsimd",
-                               mask=pred)
-            for n in T.unrolled(2, nb):
-                port.tensor_tensor(row_sum, row_sum, sums[:, n:n + 1], nl.add, engine="gpsimd",
-                                   mask=pred)
+            port.activation_accumulate(p[:, n * kt:n * kt + widths[n]], nl.exp, s_tiles[n],
+                                       n == 0, row_sum if n == nb - 1 else None, bias=bias,
+                                       scale=c, mask=pred)
         if drop is not None:
             drop(p, r, width, pred)
     else:
@@ -1460,10 +1463,13 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
 
 
 def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred,
-              masked: bool = False):
+              masked: bool = False, drop=None):
     """Second half of :func:`fold_block`: ``pv = P [V | 1]`` and the accumulator update, from
     :func:`fold_front`'s ``(p, alpha, row_sum)``; ``masked``: a block of a masked region (at
-    most ``tiles.FWD_MASKED_P_DMA_SHARE`` of its P^T on the DMA engines)."""
+    most ``tiles.FWD_MASKED_P_DMA_SHARE`` of its P^T on the DMA engines). ``drop``: None, or
+    :func:`dropout_units`' ``drop(p, c0, c1)``, applied to each P^T group's columns just
+    before they are transposed: the group's transposes (DMA, 2 us from issue to data) then
+    overlap the next group's draw on VectorE instead of waiting for the whole block's."""
     p, alpha, row_sum = front
     r, P = st.rows, T.PMAX
     width = sum(widths)
@@ -1479,6 +1485,8 @@ def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred,
     for g0 in T.unrolled(0, len(chunks), per_tile):
         group = chunks[g0:g0 + per_tile]
         n = len(group) * r
+        if drop is not None:
+            drop(p, group[0][0], group[-1][0] + group[-1][1])
         pts = nl.ndarray((P, per_tile * r), dtype=f.mm, buffer=nl.sbuf)
         if on_dma.take(n):
             # trn2: DMA-engine transposes SBUF -> SBUF, no TensorE pass and no PSUM copy
@@ -1502,24 +1510,26 @@ def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred,
         for q, (c0, kw) in enumerate(group):
             port.nc_matmul(pv, pts[0:kw, q * r:(q + 1) * r], kv.v[0:kw, rb + c0 // P, :],
                            accumulate=not (g0 == 0 and q == 0), mask=pred)
+    fold_update(f, st, s, alpha, row_sum, pv, pred)
+
+
+def fold_update(f: Instance, st: GroupState, s, alpha, row_sum, pv, pred):
+    """``[o_acc | l_i] = alpha [o_acc | l_i] + pv`` of slot s (``pv``: the block's ``P [V | 1]``
+    in PSUM): the rescale on GpSimd (SBUF only; otherwise idle), the add on VectorE (one PSUM
+    read, 1 cycle per element). Under dropout ``l_i = alpha l_i + row_sum`` (the undropped
+    sums, :func:`fold_front`) on GpSimd, and PV's l_i column is 0 (:func:`ones_column`), so
+    the add is the same one instruction. The guard's flag column is not rescaled: its sum only
+    needs to stay positive."""
     o_acc = st.o_acc(s)
-    # o_acc = alpha o_acc + pv: the rescale on GpSimd (SBUF only; otherwise idle), the add on
-    # VectorE (one PSUM read, 1 cycle per element); under dropout l_i = alpha l_i + row_sum
-    # entirely on GpSimd (one instruction fewer on VectorE, the busiest engine there)
-    # (the guard's flag column is not rescaled: its sum only needs to stay positive)
     if f.dropout_p:
         port.tensor_scalar(o_acc[:, 0:f.D], o_acc[:, 0:f.D], nl.multiply, alpha,
                            engine="gpsimd", mask=pred)
         port.tensor_scalar(o_acc[:, f.D:f.D + 1], o_acc[:, f.D:f.D + 1], nl.multiply, alpha,
                            op1=nl.add, operand1=row_sum, engine="gpsimd", mask=pred)
-        port.tensor_tensor(o_acc[:, 0:f.D], o_acc[:, 0:f.D], pv[:, 0:f.D], nl.add, mask=pred)
-        if f.guard:
-            port.tensor_tensor(o_acc[:, f.D + 1:f.D + 2], o_acc[:, f.D + 1:f.D + 2],
-                               pv[:, f.D + 1:f.D + 2], nl.add, mask=pred)
     else:
         port.tensor_scalar(o_acc[:, 0:f.D + 1], o_acc[:, 0:f.D + 1], nl.multiply, alpha,
                            engine="gpsimd", mask=pred)
-        port.tensor_tensor(o_acc, o_acc, pv, nl.add, mask=pred)
+    port.tensor_tensor(o_acc, o_acc, pv, nl.add, mask=pred)
 
 
 class _Outputs:
