@@ -207,6 +207,12 @@ def gen3():
     return ns.nisa.get_nc_version() >= ns.nisa.nc_version.gen3
 
 
+def target():
+    """The generation traced for, by its instance name: "trn1" (NeuronCore-v2), "trn2" (v3)
+    or "trn3" (v4; nki.* only)."""
+    return {2: "trn1", 3: "trn2", 4: "trn3"}[int(current().nisa.get_nc_version())]
+
+
 def predicates():
     """True when instructions take loop-index predicates (``mask=``: legacy only)."""
     return current().api == "legacy"

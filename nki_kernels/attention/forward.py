@@ -119,7 +119,9 @@ Precision (docs/semantics.md): matmul operands in bf16/fp16 (fp32 inputs: bf16 w
 
 APIs whose legacy-NKI status is not fully confirmed (reference/nki-api-spec.md): bf16 PSUM
 output of TensorE transposes on trn2 (gen3 "transpose mode"; fp32 PSUM is used on trn1),
-``nisa.tensor_copy_predicated`` (documented from 2.22), and ``nisa.dma_transpose`` SBUF ->
+``nisa.tensor_copy_predicated`` and ``reduce_cmd`` on ``nisa.activation`` (the dropout path's
+chained row sums, :func:`port.activation_accumulate`; both documented from 2.22), and
+``nisa.dma_transpose`` SBUF ->
 SBUF (``p_dma_transpose_share``: opt-in under legacy; under nki.* the planner's default, as
 in AWS's NKI 0.7 ``attention_cte``).
 
@@ -699,8 +701,12 @@ def balance_engines(tiles: T.ForwardTiles, plan: ForwardPlan, spec: M.MaskSpec, 
     """How the P^T copies split between ScalarE and VectorE (:attr:`Config.act_share`):
     ``tiles.act_evac_share``, or balanced from the work of the loop nest,
     ``tiles.fwd_act_evac_share``; the predicated-off blocks of masked regions count as work:
-    they issue."""
+    they issue. Under dropout through nki.* on NeuronCore-v3+ the measured
+    ``tiles.FWD_NKI_DROPOUT_ACT_EVAC_SHARE`` (ScalarE takes row maxima there, which the
+    formula does not count)."""
     share = tiles.act_evac_share
+    if share is None and dropout and port.gen3() and port.api() == "nki":
+        share = T.FWD_NKI_DROPOUT_ACT_EVAC_SHARE
     if share is None:
         gen3 = port.gen3()
         Bk = tiles.softmax_block
@@ -1345,10 +1351,13 @@ def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
     ``part``: "all", or "front" (scores through the exp, :func:`fold_front`) / "back" (P^T
     through the update, :func:`fold_back`) for a staged tile, whose P, alpha and row sums live
     in the staging buffers ``stage = (p, alpha, row_sum, index)`` between the two halves. A
-    staged tile's dropout (:func:`dropout_units`) opens its back half: in the front halves each
+    tile's dropout (:func:`dropout_units`) is drawn in its back half: in the front halves each
     tile's draw (VectorE, one cycle per score) would wait for that tile's exp on ScalarE,
     ahead of the next tile's row max in VectorE's queue; in the back half its input is ready,
-    and it delays only that tile's transposes (trn2 N = 4096: 450 -> 337 us modeled).
+    and it delays only that tile's transposes (trn2 N = 4096: 450 -> 337 us modeled). It is
+    drawn a P^T group (512 keys) at a time, just before the group's transposes
+    (:func:`fold_back`), so the first groups' DMA transposes overlap the later groups' draws
+    (trn2 N = 4096, with the shares of ``tiles.py``: 287.1 -> 270.4 us).
     """
     r, P = st.rows, T.PMAX
     if not masked or d0 is not None:
@@ -1415,7 +1424,7 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
     # the row max of each score tile (negated): VectorE, or under dropout through nki.* on
     # NeuronCore-v3+ a share of the tiles on ScalarE (tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE: VectorE
     # also draws the masks), whose -s output is not used; either is exact, so the bits are equal
-    on_act = _Splitter(T.FWD_NKI_DROPOUT_MAX_ACT_SHARE
+    on_act = _Splitter(T.FWD_NKI_DROPOUT_MAX_ACT_SHARE[port.target()]
                        if f.dropout_p and f.gen3 and port.api() == "nki" else 0.0)
     for n in T.unrolled(nb):
         if fused and fused[n]:
@@ -1953,9 +1962,11 @@ def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slo
     kv = load_kv(f, 0, f.Nk) if plan.resident and needs_kv else None
     core = port.spmd_core() if lnc == 2 else None
     groups = [(sp, grp) for sp in plan.spans for grp in _groups(sp, plan.q_group)]
-    if tiles.q_preload and needs_kv and len(plan.spans) > 1:
+    if tiles.q_preload and needs_kv and (len(plan.spans) > 1 or dropout_p):
         # every query row this core will use, loaded up front (each exactly once): with
-        # several spans (a band) each span's first group would otherwise wait for its loads
+        # several spans (a band) each span's first group would otherwise wait for its loads;
+        # under dropout each group's first Q^T transposes would wait for them behind the
+        # previous group's last P V in TensorE's queue (trn2 N = 4096: 269.1 -> 264.8 us)
         f = dataclasses.replace(
             f, xq=nl.ndarray((T.PMAX, f.G * f.per_head, D), dtype=q.dtype, buffer=nl.sbuf))
         for sp, (first, count, n) in groups:
