@@ -485,15 +485,15 @@ FWD_NKI_STAGE_SLOTS = 2
 #: Counted in 512-key tiles, so the share moves in quarters of a 2048-key block. Scheduled
 #: estimate, N = 4096, D = 128, bf16, p = 0.1, shares 0.5 / 0.75 / 1.0 (with
 #: FWD_NKI_DROPOUT_ACT_EVAC_SHARE and the preloaded query rows): trn2 283.3 / 264.8 / 283.1 us
-#: (VectorE 249.7 / 215.6 / 181.5 busy, ScalarE 184.3 / 215.0 / 245.8), causal 197.0 / 202.6;
-#: trn3 219.6 / 252.6 (its VectorE runs at 1.2 GHz). Before the exp's row sums were chained in
+#: (VectorE 249.7 / 215.6 / 181.5 busy, ScalarE 184.3 / 215.0 / 245.8), causal 205.4 / 202.6 /
+#: 210.3; trn3 219.6 / 252.6 (its VectorE runs at 1.2 GHz). Before the exp's row sums were chained in
 #: ScalarE's registers (one readout per block), trn2 0 / 0.25 / 0.5 / 0.75 gave 328.6 / 300.3 /
 #: 278.2 / 302.7. Without dropout VectorE does not bind (share 0.25 there: 217.7 -> 224.6 us): 0.
 FWD_NKI_DROPOUT_MAX_ACT_SHARE = {"trn2": 0.75, "trn3": 0.5}
 #: Under dropout through nki.* on NeuronCore-v3+, the share of the P^T PSUM -> SBUF copies on
 #: ScalarE (``ForwardTiles.act_evac_share`` when that is None; the rest on VectorE, whose 16-bit
 #: copy reading PSUM takes half a cycle per column at 0.96 GHz against ScalarE's one at 1.2 GHz,
-#: trn2): ScalarE, with most row maxima (FWD_NKI_DROPOUT_MAX_ACT_SHARE), is the busier engine.
+#: trn2), and ScalarE takes three row maxima in four there (FWD_NKI_DROPOUT_MAX_ACT_SHARE).
 #: Scheduled estimate, trn2 N = 4096 D = 128 p = 0.1, shares 0 / 0.1 / 0.15 / 0.2 / 0.25: 264.8 /
 #: 267.5 / 272.5 / 268.1 / 267.1 us (the formula of :func:`fwd_act_evac_share` gives 1.0: it
 #: counts every row max on VectorE). trn3 transposes all of P on the DMA engines outside masked

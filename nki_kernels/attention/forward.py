@@ -65,9 +65,11 @@ copy and the ``alpha o_acc`` rescale; plus the 2048-column P^T copy, split at a 
 boundary between ScalarE (1 cycle per column) and VectorE (1/2 on trn2) so both finish
 together. trn2 N = 4096 models at ~195 us with TensorE at ~168 us (``nki-flash run``).
 Dropout adds VectorE's draw (one cycle per score, ``nisa.dropout`` has no other engine), so
-its other per-block work moves off VectorE: the softmax sums' additions and the unit numbers
-go to GpSimd, P^T copies to ScalarE (``benchmarks/forward.py``'s shape: 325.6 us against
-284.5 without dropout; VectorE busy 303 us, 273 of them the row max and the draw).
+other per-block work moves off VectorE: the unit numbers go to GpSimd, the softmax sums
+accumulate in ScalarE's registers during the exp, and through nki.* on NeuronCore-v3+ ScalarE
+takes a share of the row maxima (``tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE``) and VectorE the P^T
+copies; each 512-key group is drawn just before its transposes (``benchmarks/forward.py``'s
+shape, trn2: legacy 323.0 us against 284.5 without dropout, nki.* 264.8 against 217.7).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
@@ -1410,9 +1412,10 @@ def fold_block(f: Instance, st: GroupState, s, s_tiles, widths, kv: KV, rb, pred
 def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None, out=None,
                fused=()):
     """First half of :func:`fold_block`: the new max, alpha and P (under dropout its
-    undropped row sums, and P dropped by ``drop`` unless that is None: a staged tile's back
-    half drops it, :func:`attend_block`). Returns ``(p, alpha, row_sum)`` (row_sum None
-    without dropout), written into ``out`` (views of the same shapes) when given."""
+    undropped row sums, and P dropped by ``drop`` unless that is None: the dense kernel drops
+    it in :func:`fold_back`, a P^T group at a time, :func:`attend_block`). Returns ``(p,
+    alpha, row_sum)`` (row_sum None without dropout), written into ``out`` (views of the same
+    shapes) when given."""
     r = st.rows
     kt = f.tiles.k_tile
     width = sum(widths)
