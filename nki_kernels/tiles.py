@@ -464,6 +464,12 @@ FWD_STAGE_SLOTS = 8
 #: trn3 N = 4096 239.1 / 210.1 / 187.2. Legacy keeps 0: AWS's legacy flash_fwd left its
 #: DMA-transpose path disabled as not yet stable (nki-samples 0898a77 ``transpose_p_local``).
 FWD_NKI_P_DMA_SHARE = {"trn2": 0.75, "trn3": 1.0}
+#: The same share under attention dropout: all of P on the DMA engines on trn2 too, whose DMA
+#: then has room (the draw keeps VectorE and ScalarE busier than the DMA queues) and whose
+#: TensorE transposes would need PSUM copies on those two engines. Scheduled estimate, trn2,
+#: N = 4096, D = 128, bf16, p = 0.1, shares 0.5 / 0.75 / 1.0: 279.9 / 277.4 / 253.0 us (DMA
+#: busy 135.5 / 186.3 / 237.1 us; with the row-max bias on GpSimd 291.1 / 264.8 / 258.2).
+FWD_NKI_DROPOUT_P_DMA_SHARE = 1.0
 #: The DMA transposes' share of P^T in the blocks of a band's masked regions (the keys around
 #: the diagonal, where only some rows of a span see the keys): at most this, whatever the
 #: target's share. These blocks end each span's sweep, where its tiles' chains have nothing
@@ -483,22 +489,21 @@ FWD_NKI_STAGE_SLOTS = 2
 #: the reduce_op must be nl.add", so v3+ reduces with max/min too) instead of VectorE, which also
 #: draws every dropout mask (``nisa.dropout`` is VectorE only) and binds the forward; per target.
 #: Counted in 512-key tiles, so the share moves in quarters of a 2048-key block. Scheduled
-#: estimate, N = 4096, D = 128, bf16, p = 0.1, shares 0.5 / 0.75 / 1.0 (with
-#: FWD_NKI_DROPOUT_ACT_EVAC_SHARE and the preloaded query rows): trn2 283.3 / 264.8 / 283.1 us
-#: (VectorE 249.7 / 215.6 / 181.5 busy, ScalarE 184.3 / 215.0 / 245.8), causal 205.4 / 202.6 /
-#: 210.3; trn3 219.6 / 252.6 (its VectorE runs at 1.2 GHz). Before the exp's row sums were chained in
-#: ScalarE's registers (one readout per block), trn2 0 / 0.25 / 0.5 / 0.75 gave 328.6 / 300.3 /
-#: 278.2 / 302.7. Without dropout VectorE does not bind (share 0.25 there: 217.7 -> 224.6 us): 0.
+#: estimate, N = 4096, D = 128, bf16, p = 0.1, shares 0.5 / 0.75 / 1.0 (with the P^T of
+#: FWD_NKI_DROPOUT_P_DMA_SHARE, the bias on VectorE and the preloaded query rows): trn2 266.5 /
+#: 253.0 / 284.1 us (VectorE 236.9 / 202.8 / 168.7 busy, ScalarE 184.3 / 215.0 / 245.8), causal
+#: 197.0 / 195.1; trn3 217.9 / 248.2 (its VectorE runs at 1.2 GHz). Before the exp's row sums
+#: were chained in ScalarE's registers (one readout per block), trn2 0 / 0.25 / 0.5 / 0.75 gave
+#: 328.6 / 300.3 / 278.2 / 302.7. Without dropout VectorE does not bind (share 0.25 there:
+#: 217.7 -> 224.6 us): 0.
 FWD_NKI_DROPOUT_MAX_ACT_SHARE = {"trn2": 0.75, "trn3": 0.5}
 #: Under dropout through nki.* on NeuronCore-v3+, the share of the P^T PSUM -> SBUF copies on
-#: ScalarE (``ForwardTiles.act_evac_share`` when that is None; the rest on VectorE, whose 16-bit
-#: copy reading PSUM takes half a cycle per column at 0.96 GHz against ScalarE's one at 1.2 GHz,
-#: trn2), and ScalarE takes three row maxima in four there (FWD_NKI_DROPOUT_MAX_ACT_SHARE).
-#: Scheduled estimate, trn2 N = 4096 D = 128 p = 0.1, shares 0 / 0.1 / 0.15 / 0.2 / 0.25: 264.8 /
-#: 267.5 / 272.5 / 268.1 / 267.1 us (the formula of :func:`fwd_act_evac_share` gives 1.0: it
-#: counts every row max on VectorE). trn3 transposes all of P on the DMA engines outside masked
-#: regions: causal trn3 179.8 us with 0, 178.6 with the formula's share.
-FWD_NKI_DROPOUT_ACT_EVAC_SHARE = 0.0
+#: ScalarE (``ForwardTiles.act_evac_share`` when that is None; the rest on VectorE). With
+#: FWD_NKI_DROPOUT_P_DMA_SHARE = 1 only masked regions (FWD_MASKED_P_DMA_SHARE) have copies; the
+#: formula of :func:`fwd_act_evac_share` would put them all on ScalarE (it counts every row max
+#: on VectorE). Scheduled estimate, causal, N = 4096, D = 128, p = 0.1, shares 0 / 0.25 / 0.5 /
+#: 1.0: trn2 195.1 / 193.5 / 192.2 / 196.0 us, trn3 172.4 / 170.7 / 172.5 / 172.0.
+FWD_NKI_DROPOUT_ACT_EVAC_SHARE = 0.5
 #: Largest head dim: S contracts it in passes of 128 (two passes max); PV writes D <= 512 fp32.
 FWD_MAX_HEAD_DIM = 2 * PMAX
 #: Keys per instruction when building a [1, n] key-mask row (iota + compare).
@@ -750,7 +755,8 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
                          mm_itemsize: int, *, target: Optional[str] = None,
                          sbuf_bytes: Optional[int] = None, kv_lens: bool = False,
                          masks: bool = True, q_lens: bool = False,
-                         api: str = "legacy", device: Optional[str] = None) -> "ForwardTiles":
+                         api: str = "legacy", device: Optional[str] = None,
+                         dropout: bool = False) -> "ForwardTiles":
     """Pick the forward tiling from the SBUF budget.
 
     Parameters
@@ -774,6 +780,8 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
         :data:`FWD_NKI_STAGE_SLOTS` query tiles are staged.
     device : "trn2", "trn3" or None
         The generation the launch runs on (nki.* only; None or another: trn2's share).
+    dropout : bool
+        Attention dropout is on: under nki.* the share is :data:`FWD_NKI_DROPOUT_P_DMA_SHARE`.
 
     Returns
     -------
@@ -790,6 +798,8 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
         raise ValueError(f"api: expected 'legacy' or 'nki', got {api!r}")
     nki = api == "nki"
     share = FWD_NKI_P_DMA_SHARE.get(device, FWD_NKI_P_DMA_SHARE["trn2"]) if nki else 0.0
+    if nki and dropout:
+        share = FWD_NKI_DROPOUT_P_DMA_SHARE
     base = ForwardTiles(target=target, p_dma_transpose_share=share)
     slots = FWD_NKI_STAGE_SLOTS if nki else FWD_STAGE_SLOTS
     work = fwd_working_bytes(D, in_itemsize, mm_itemsize, base, masks=masks)

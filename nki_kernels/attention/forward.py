@@ -67,9 +67,11 @@ together. trn2 N = 4096 models at ~195 us with TensorE at ~168 us (``nki-flash r
 Dropout adds VectorE's draw (one cycle per score, ``nisa.dropout`` has no other engine), so
 other per-block work moves off VectorE: the unit numbers go to GpSimd, the softmax sums
 accumulate in ScalarE's registers during the exp, and through nki.* on NeuronCore-v3+ ScalarE
-takes a share of the row maxima (``tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE``) and VectorE the P^T
-copies; each 512-key group is drawn just before its transposes (``benchmarks/forward.py``'s
-shape, trn2: legacy 323.0 us against 284.5 without dropout, nki.* 264.8 against 217.7).
+takes a share of the row maxima (``tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE``), the DMA engines
+transpose all of P outside masked regions (``FWD_NKI_DROPOUT_P_DMA_SHARE``) and VectorE computes
+the exp's bias; each 512-key group is drawn just before its transposes
+(``benchmarks/forward.py``'s shape, trn2: legacy 323.0 us against 284.5 without dropout,
+nki.* 253.0 against 217.7).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
@@ -1359,7 +1361,9 @@ def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
     and it delays only that tile's transposes (trn2 N = 4096: 450 -> 337 us modeled). It is
     drawn a P^T group (512 keys) at a time, just before the group's transposes
     (:func:`fold_back`), so the first groups' DMA transposes overlap the later groups' draws
-    (trn2 N = 4096, with the shares of ``tiles.py``: 287.1 -> 270.4 us).
+    (trn2 N = 4096: 287.1 -> 270.4 us with three P^T groups in four on the DMA engines and the
+    bias on GpSimd; at the final shares of ``tiles.py`` 253.0 either way, causal 192.4 ->
+    192.2).
     """
     r, P = st.rows, T.PMAX
     if not masked or d0 is not None:
@@ -1427,8 +1431,8 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
     # the row max of each score tile (negated): VectorE, or under dropout through nki.* on
     # NeuronCore-v3+ a share of the tiles on ScalarE (tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE: VectorE
     # also draws the masks), whose -s output is not used; either is exact, so the bits are equal
-    on_act = _Splitter(T.FWD_NKI_DROPOUT_MAX_ACT_SHARE[port.target()]
-                       if f.dropout_p and f.gen3 and port.api() == "nki" else 0.0)
+    nki_dropout = f.dropout_p and f.gen3 and port.api() == "nki"
+    on_act = _Splitter(T.FWD_NKI_DROPOUT_MAX_ACT_SHARE[port.target()] if nki_dropout else 0.0)
     for n in T.unrolled(nb):
         if fused and fused[n]:
             continue
@@ -1444,8 +1448,12 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
         bias = neg_m_new
     else:
         bias = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-        # c * (-m_new) on GpSimd (idle otherwise; ScalarE is a busiest engine)
-        port.tensor_scalar(bias, neg_m_new, nl.multiply, c, engine="gpsimd", mask=pred)
+        # c * (-m_new) on GpSimd (idle otherwise; ScalarE is a busiest engine), or under
+        # dropout through nki.* on VectorE right after its min-reduction: GpSimd's queue then
+        # holds the units' seeds, and the alpha and the exp wait for the bias (trn2 N = 4096:
+        # 258.2 -> 253.0 us)
+        port.tensor_scalar(bias, neg_m_new, nl.multiply, c,
+                           engine="vector" if nki_dropout else "gpsimd", mask=pred)
     if out is None:
         p = nl.ndarray((r, width), dtype=f.mm, buffer=nl.sbuf)
         alpha = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -1969,7 +1977,7 @@ def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slo
         # every query row this core will use, loaded up front (each exactly once): with
         # several spans (a band) each span's first group would otherwise wait for its loads;
         # under dropout each group's first Q^T transposes would wait for them behind the
-        # previous group's last P V in TensorE's queue (trn2 N = 4096: 269.1 -> 264.8 us)
+        # previous group's last P V in TensorE's queue (trn2 N = 4096: 260.0 -> 253.0 us)
         f = dataclasses.replace(
             f, xq=nl.ndarray((T.PMAX, f.G * f.per_head, D), dtype=q.dtype, buffer=nl.sbuf))
         for sp, (first, count, n) in groups:
