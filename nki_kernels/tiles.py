@@ -468,7 +468,8 @@ FWD_NKI_P_DMA_SHARE = {"trn2": 0.75, "trn3": 1.0}
 #: then has room (the draw keeps VectorE and ScalarE busier than the DMA queues) and whose
 #: TensorE transposes would need PSUM copies on those two engines. Scheduled estimate, trn2,
 #: N = 4096, D = 128, bf16, p = 0.1, shares 0.5 / 0.75 / 1.0: 279.9 / 277.4 / 253.0 us (DMA
-#: busy 135.5 / 186.3 / 237.1 us; with the row-max bias on GpSimd 291.1 / 264.8 / 258.2).
+#: busy 135.5 / 186.3 / 237.1 us; with the row-max bias on GpSimd 291.1 / 264.8 / 258.2; both
+#: before ScalarE's row maxima came first in a block, 249.0 with 1.0).
 FWD_NKI_DROPOUT_P_DMA_SHARE = 1.0
 #: The DMA transposes' share of P^T in the blocks of a band's masked regions (the keys around
 #: the diagonal, where only some rows of a span see the keys): at most this, whatever the
@@ -488,21 +489,22 @@ FWD_NKI_STAGE_SLOTS = 2
 #: takes (``activation_reduce`` of -s with ``reduce_op`` minimum; NKI 0.7 stub: "On NeuronCore-v2,
 #: the reduce_op must be nl.add", so v3+ reduces with max/min too) instead of VectorE, which also
 #: draws every dropout mask (``nisa.dropout`` is VectorE only) and binds the forward; per target.
-#: Counted in 512-key tiles, so the share moves in quarters of a 2048-key block. Scheduled
-#: estimate, N = 4096, D = 128, bf16, p = 0.1, shares 0.5 / 0.75 / 1.0 (with the P^T of
-#: FWD_NKI_DROPOUT_P_DMA_SHARE, the bias on VectorE and the preloaded query rows): trn2 266.5 /
-#: 253.0 / 284.1 us (VectorE 236.9 / 202.8 / 168.7 busy, ScalarE 184.3 / 215.0 / 245.8), causal
-#: 197.0 / 195.1; trn3 217.9 / 248.2 (its VectorE runs at 1.2 GHz). Before the exp's row sums
-#: were chained in ScalarE's registers (one readout per block), trn2 0 / 0.25 / 0.5 / 0.75 gave
-#: 328.6 / 300.3 / 278.2 / 302.7. Without dropout VectorE does not bind (share 0.25 there:
-#: 217.7 -> 224.6 us): 0.
+#: Counted in 512-key tiles, so the share moves in quarters of a 2048-key block (ScalarE's tiles
+#: first). Scheduled estimate, N = 4096, D = 128, bf16, p = 0.1, shares 0.5 / 0.75 / 1.0 (with
+#: the P^T of FWD_NKI_DROPOUT_P_DMA_SHARE, the bias on VectorE and the preloaded query rows):
+#: trn2 266.5 / 249.0 / 284.1 us (VectorE 235.9 / 201.7 / 167.6 busy, ScalarE 186.0 / 216.7 /
+#: 247.5), causal 191.9 / 194.5; trn3 217.7 / 248.2 (its VectorE runs at 1.2 GHz). Before the
+#: exp's row sums were chained in ScalarE's registers (one readout per block), trn2 0 / 0.25 /
+#: 0.5 / 0.75 gave 328.6 / 300.3 / 278.2 / 302.7. Without dropout VectorE does not bind (share
+#: 0.25 there: 217.7 -> 224.6 us): 0.
 FWD_NKI_DROPOUT_MAX_ACT_SHARE = {"trn2": 0.75, "trn3": 0.5}
 #: Under dropout through nki.* on NeuronCore-v3+, the share of the P^T PSUM -> SBUF copies on
 #: ScalarE (``ForwardTiles.act_evac_share`` when that is None; the rest on VectorE). With
 #: FWD_NKI_DROPOUT_P_DMA_SHARE = 1 only masked regions (FWD_MASKED_P_DMA_SHARE) have copies; the
 #: formula of :func:`fwd_act_evac_share` would put them all on ScalarE (it counts every row max
 #: on VectorE). Scheduled estimate, causal, N = 4096, D = 128, p = 0.1, shares 0 / 0.25 / 0.5 /
-#: 1.0: trn2 195.1 / 193.5 / 192.2 / 196.0 us, trn3 172.4 / 170.7 / 172.5 / 172.0.
+#: 1.0: trn2 195.1 / 193.5 / 192.2 / 196.0 us, trn3 172.4 / 170.7 / 172.5 / 172.0 (before
+#: ScalarE's row maxima came first in a block; with that order 0.5 gives trn2 194.5).
 FWD_NKI_DROPOUT_ACT_EVAC_SHARE = 0.5
 #: Largest head dim: S contracts it in passes of 128 (two passes max); PV writes D <= 512 fp32.
 FWD_MAX_HEAD_DIM = 2 * PMAX
