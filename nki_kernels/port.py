@@ -207,6 +207,12 @@ def gen3():
     return ns.nisa.get_nc_version() >= ns.nisa.nc_version.gen3
 
 
+def target():
+    """The generation traced for, by its instance name: "trn1" (NeuronCore-v2), "trn2" (v3)
+    or "trn3" (v4; nki.* only)."""
+    return {2: "trn1", 3: "trn2", 4: "trn3"}[int(current().nisa.get_nc_version())]
+
+
 def predicates():
     """True when instructions take loop-index predicates (``mask=``: legacy only)."""
     return current().api == "legacy"
@@ -1006,6 +1012,20 @@ def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0
     ``nl.maximum``/``nl.minimum``)."""
     _issue("activation_reduce", dst, mask=mask, op=op, data=data, reduce_op=reduce_op,
            reduce_res=reduce_res, bias=bias, scale=scale)
+
+
+def activation_accumulate(dst, op, data, first: bool, reduce_res=None, bias=None, scale=1.0,
+                          mask=None):
+    """:func:`activation` whose row sums (add) accumulate in ScalarE's reduce registers across
+    instructions: ``first`` resets them (``reduce_cmd.reset_reduce``), else they add on
+    (``reduce``); ``reduce_res`` ``(P, 1)`` (the last of a chain) reads them out. The stub: the
+    reduction costs nothing "except reading out reduce_regs into reduce_res", so a chain of n
+    pays one readout instead of n (:func:`activation_reduce`). ``reduce_cmd`` on ``activation``:
+    NKI 0.7, and neuronx-cc from 2.22 (nki-api-spec §9.3)."""
+    ns = current()
+    cmd = ns.nisa.reduce_cmd.reset_reduce if first else ns.nisa.reduce_cmd.reduce
+    _issue("activation", dst, mask=mask, op=op, data=data, bias=bias, scale=scale,
+           reduce_op=ns.nl.add, reduce_res=reduce_res, reduce_cmd=cmd)
 
 
 # -- random numbers ---------------------------------------------------------------------------

@@ -512,6 +512,13 @@ FWD_STAGE_SLOTS = 8
 #: trn3 N = 4096 239.1 / 210.1 / 187.2. Legacy keeps 0: AWS's legacy flash_fwd left its
 #: DMA-transpose path disabled as not yet stable (nki-samples 0898a77 ``transpose_p_local``).
 FWD_NKI_P_DMA_SHARE = {"trn2": 0.75, "trn3": 1.0}
+#: The same share under attention dropout: all of P on the DMA engines on trn2 too, whose DMA
+#: then has room (the draw keeps VectorE and ScalarE busier than the DMA queues) and whose
+#: TensorE transposes would need PSUM copies on those two engines. Scheduled estimate, trn2,
+#: N = 4096, D = 128, bf16, p = 0.1, shares 0.5 / 0.75 / 1.0: 279.9 / 277.4 / 253.0 us (DMA
+#: busy 135.5 / 186.3 / 237.1 us; with the row-max bias on GpSimd 291.1 / 264.8 / 258.2; both
+#: before ScalarE's row maxima came first in a block, 249.0 with 1.0).
+FWD_NKI_DROPOUT_P_DMA_SHARE = 1.0
 #: The DMA transposes' share of P^T in the blocks of a band's masked regions (the keys around
 #: the diagonal, where only some rows of a span see the keys): at most this, whatever the
 #: target's share. These blocks end each span's sweep, where its tiles' chains have nothing
@@ -529,12 +536,24 @@ FWD_NKI_STAGE_SLOTS = 2
 #: Under dropout through nki.* on NeuronCore-v3+, the share of score tiles whose row max ScalarE
 #: takes (``activation_reduce`` of -s with ``reduce_op`` minimum; NKI 0.7 stub: "On NeuronCore-v2,
 #: the reduce_op must be nl.add", so v3+ reduces with max/min too) instead of VectorE, which also
-#: draws every dropout mask (``nisa.dropout`` is VectorE only) and binds the forward. Counted in
-#: 512-key tiles, so the share moves in quarters of a 2048-key block. Scheduled estimate, trn2,
-#: N = 4096, D = 128, bf16, p = 0.1, shares 0 / 0.25 / 0.5 / 0.75: 328.6 / 300.3 / 278.2 /
-#: 302.7 us (VectorE 302.9 / 268.8 / 234.7 / 200.5 us busy, ScalarE 163.8 / 194.6 / 225.3 /
-#: 256.0). Without dropout VectorE does not bind (share 0.25 there: 217.7 -> 224.6 us): 0.
-FWD_NKI_DROPOUT_MAX_ACT_SHARE = 0.5
+#: draws every dropout mask (``nisa.dropout`` is VectorE only) and binds the forward; per target.
+#: Counted in 512-key tiles, so the share moves in quarters of a 2048-key block (ScalarE's tiles
+#: first). Scheduled estimate, N = 4096, D = 128, bf16, p = 0.1, shares 0.5 / 0.75 / 1.0 (with
+#: the P^T of FWD_NKI_DROPOUT_P_DMA_SHARE, the bias on VectorE and the preloaded query rows):
+#: trn2 266.5 / 249.0 / 284.1 us (VectorE 235.9 / 201.7 / 167.6 busy, ScalarE 186.0 / 216.7 /
+#: 247.5), causal 191.9 / 194.5; trn3 217.7 / 248.2 (its VectorE runs at 1.2 GHz). Before the
+#: exp's row sums were chained in ScalarE's registers (one readout per block), trn2 0 / 0.25 /
+#: 0.5 / 0.75 gave 328.6 / 300.3 / 278.2 / 302.7. Without dropout VectorE does not bind (share
+#: 0.25 there: 217.7 -> 224.6 us): 0.
+FWD_NKI_DROPOUT_MAX_ACT_SHARE = {"trn2": 0.75, "trn3": 0.5}
+#: Under dropout through nki.* on NeuronCore-v3+, the share of the P^T PSUM -> SBUF copies on
+#: ScalarE (``ForwardTiles.act_evac_share`` when that is None; the rest on VectorE). With
+#: FWD_NKI_DROPOUT_P_DMA_SHARE = 1 only masked regions (FWD_MASKED_P_DMA_SHARE) have copies; the
+#: formula of :func:`fwd_act_evac_share` would put them all on ScalarE (it counts every row max
+#: on VectorE). Scheduled estimate, causal, N = 4096, D = 128, p = 0.1, shares 0 / 0.25 / 0.5 /
+#: 1.0: trn2 195.1 / 193.5 / 192.2 / 196.0 us, trn3 172.4 / 170.7 / 172.5 / 172.0 (before
+#: ScalarE's row maxima came first in a block; with that order 0.5 gives trn2 194.5).
+FWD_NKI_DROPOUT_ACT_EVAC_SHARE = 0.5
 #: Largest head dim: S contracts it in passes of 128 (two passes max); PV writes D <= 512 fp32.
 FWD_MAX_HEAD_DIM = 2 * PMAX
 #: Keys per instruction when building a [1, n] key-mask row (iota + compare).
@@ -786,7 +805,8 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
                          mm_itemsize: int, *, target: Optional[str] = None,
                          sbuf_bytes: Optional[int] = None, kv_lens: bool = False,
                          masks: bool = True, q_lens: bool = False,
-                         api: str = "legacy", device: Optional[str] = None) -> "ForwardTiles":
+                         api: str = "legacy", device: Optional[str] = None,
+                         dropout: bool = False) -> "ForwardTiles":
     """Pick the forward tiling from the SBUF budget.
 
     Parameters
@@ -810,6 +830,8 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
         :data:`FWD_NKI_STAGE_SLOTS` query tiles are staged.
     device : "trn2", "trn3" or None
         The generation the launch runs on (nki.* only; None or another: trn2's share).
+    dropout : bool
+        Attention dropout is on: under nki.* the share is :data:`FWD_NKI_DROPOUT_P_DMA_SHARE`.
 
     Returns
     -------
@@ -826,6 +848,8 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
         raise ValueError(f"api: expected 'legacy' or 'nki', got {api!r}")
     nki = api == "nki"
     share = FWD_NKI_P_DMA_SHARE.get(device, FWD_NKI_P_DMA_SHARE["trn2"]) if nki else 0.0
+    if nki and dropout:
+        share = FWD_NKI_DROPOUT_P_DMA_SHARE
     base = ForwardTiles(target=target, p_dma_transpose_share=share)
     slots = FWD_NKI_STAGE_SLOTS if nki else FWD_STAGE_SLOTS
     work = fwd_working_bytes(D, in_itemsize, mm_itemsize, base, masks=masks)

@@ -506,7 +506,7 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
             src = _block_numbers(raw[t], trip, f.nku)
         elif trip > shared:
             src = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-            port.memset(src[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
+            F.ones_column(f, src[:, :, f.D:f.D + 1])
         tiles.append((rw, src, dict(thr=thr, hi=hi_thr, lo=lo_thr, pad=pad), seeds, q_idx,
                       q_pos, dist))
 
@@ -537,7 +537,7 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     shared_src = tiles[0][1] if res is not None else None
     if shared and res is None:
         shared_src = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-        port.memset(shared_src[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
+        F.ones_column(f, shared_src[:, :, f.D:f.D + 1])
     sweep(0, shared, True, Ws)
     if plan is None:
         # legacy: no runtime trip count, padding slots run masked (gathers skipped)

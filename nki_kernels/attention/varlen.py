@@ -444,7 +444,7 @@ def _group(insts, off: Offsets, ident, static_steps: int, plan: Sweep, pos=None)
     vs = []
     for kh in insts:
         v = nl.ndarray((P, W // P, f0.vcols), dtype=f0.mm, buffer=nl.sbuf)
-        port.memset(v[:, :, f0.D:f0.D + 1], 1.0, engine="gpsimd")
+        F.ones_column(f0, v[:, :, f0.D:f0.D + 1])
         vs.append(v)
 
     def step(s):
