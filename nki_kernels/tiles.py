@@ -544,7 +544,9 @@ FWD_NKI_STAGE_SLOTS = 2
 #: 247.5), causal 191.9 / 194.5; trn3 217.7 / 248.2 (its VectorE runs at 1.2 GHz). Before the
 #: exp's row sums were chained in ScalarE's registers (one readout per block), trn2 0 / 0.25 /
 #: 0.5 / 0.75 gave 328.6 / 300.3 / 278.2 / 302.7. Without dropout VectorE does not bind (share
-#: 0.25 there: 217.7 -> 224.6 us): 0.
+#: 0.25 there: 217.7 -> 224.6 us): 0. With the seeds charged to VectorE (2026-11-28, the 0.7
+#: stub's PRNG), trn2 shares 0.5 / 0.75 / 1.0: 319.6 / 286.6 / 284.1 us (the bias on GpSimd:
+#: 318.1 / 285.6 / 288.0); kept at 0.75, the measurements above being from before.
 FWD_NKI_DROPOUT_MAX_ACT_SHARE = {"trn2": 0.75, "trn3": 0.5}
 #: Under dropout through nki.* on NeuronCore-v3+, the share of the P^T PSUM -> SBUF copies on
 #: ScalarE (``ForwardTiles.act_evac_share`` when that is None; the rest on VectorE). With

@@ -70,8 +70,8 @@ accumulate in ScalarE's registers during the exp, and through nki.* on NeuronCor
 takes a share of the row maxima (``tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE``), the DMA engines
 transpose all of P outside masked regions (``FWD_NKI_DROPOUT_P_DMA_SHARE``) and VectorE computes
 the exp's bias; each 512-key group is drawn just before its transposes
-(``benchmarks/forward.py``'s shape, trn2: legacy 323.0 us against 284.5 without dropout,
-nki.* 249.0 against 217.7).
+(``benchmarks/forward.py``'s shape, trn2: legacy 387.5 us against 284.5 without dropout,
+nki.* 286.6 against 217.7; each 128 x 128 unit's seed is a VectorE instruction).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
