@@ -328,31 +328,39 @@ def _terms(terms, c):
     return [(e, k * c) for e, k in terms]
 
 
-def _local_rows(valid, kr: int, ipp: int, k: int, oob):
-    """``(local, beyond)`` of K/V tile k of a chunk's items: the local key row ``128 k + p`` of
-    partition p (fp32, ``[kr, ipp]``) and ``oob`` (int32) where that row is not below
-    ``valid[:, j]``, else 0 -- the push out of bounds of a gather index."""
+def _local_rows(valid, kr: int, ipp: int, k: int, oob, live):
+    """``(local, beyond, zero)`` of K/V tile k of a chunk's items: the local key row ``128 k +
+    p`` of partition p (fp32, ``[kr, ipp]``), ``oob`` (int32) where that row is not below
+    ``valid[:, j]``, else 0 -- the push out of bounds of a gather index -- and the int32 index
+    into the one-row zero tensor of the row's zero fill (:func:`_gather_rows`): 0 (read the
+    zeros) exactly where the gather skips the row of a real item, else 1 or 2 (out of bounds:
+    skipped). ``live``: fp32 ``[kr, ipp]``, 1 for a real item, 2 for a padding one."""
     local = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
     port.iota(local, [[0, ipp]], offset=k * PMAX, channel_multiplier=1)
     beyond_f = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_tensor(beyond_f, local, valid[0:kr, 0:ipp], op=nl.greater_equal)
     beyond = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_scalar(beyond, beyond_f, op0=nl.multiply, operand0=float(oob))
-    return local, beyond
+    zero = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
+    port.scalar_tensor_tensor(zero, beyond_f, op0=nl.multiply, operand0=-1.0, op1=nl.add,
+                              operand1=live[0:kr, 0:ipp])                 # live - beyond
+    return local, beyond, zero
 
 
-def _split_row_indices(valid, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, idx, offsets):
+def _split_row_indices(valid, live, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, idx,
+                       zidx, offsets):
     """Row indices of a chunk's K/V gathers: column ``k (hpp ipp + 2) + hh ipp + j`` of the
     int32 tile ``idx`` (:func:`_idx_col`) is the absolute key row gathered into partition p of
     K/V tile k of item j for head ``hh`` of the group (``b_j b_stride + s_j rs + h_row0 + hh
     h_stride + 128 k + p``), pushed out of bounds (``+ oob``) when the local row ``128 k + p``
-    is not below ``valid[:, j]``. ``bs``: int32 ``b | s`` columns; ``h_row0``: a linear form
+    is not below ``valid[:, j]``; the same column of ``zidx`` indexes the row's zero fill
+    (:func:`_local_rows`, ``live``). ``bs``: int32 ``b | s`` columns; ``h_row0``: a linear form
     of the program's indices (nki.*: read from ``offsets``, :class:`port.OffsetColumns`)."""
     kr = g.kv_rows
     base = _int_tile([(bs[0:kr, 0:ipp], b_stride), (bs[0:kr, ipp:2 * ipp], g.rs)], kr, ipp)
 
     def key_tile(k):
-        _, beyond = _local_rows(valid, kr, ipp, k, oob)
+        _, beyond, zero = _local_rows(valid, kr, ipp, k, oob, live)
         rows = _int_tile([(beyond, 1), (base, 1)], kr, ipp)
 
         def head(hh):
@@ -361,14 +369,16 @@ def _split_row_indices(valid, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, 
                       runtime=h_row0 + [(hh, h_stride)], offsets=offsets)
             port.tensor_tensor(idx[0:kr, nl.ds(_idx_col(k, hh * ipp, hpp * ipp), ipp)], first,
                                rows, op=nl.add)
+            port.tensor_copy(zidx[0:kr, nl.ds(_idx_col(k, hh * ipp, hpp * ipp), ipp)], zero,
+                             engine="gpsimd")
 
         port.loop(hpp, head)
 
     port.unroll(g.n_kv, key_tile)
 
 
-def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_blocks, ppr,
-                             idx, offsets):
+def _paged_split_row_indices(table, valid, live, cols, bs, g, ipp, hpp, h0, Hkv, num_blocks,
+                             ppr, idx, zidx, offsets):
     """Row indices of a chunk's K/V gathers from a paged cache: column ``k (hpp ipp + 2) + hh
     ipp + j`` of ``idx`` is the row of the page pools' ``(num_blocks Hkv ppr, n D)`` view gathered
     into partition p of K/V tile k of item j for kv head ``h = h0 + hh`` (``ppr = page_size /
@@ -383,7 +393,8 @@ def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_b
     prefix; every row of a padding item, b = B) reads no entry -- its table index is pushed out
     of bounds -- and keeps the page number ``num_blocks``, one past the pool, so its K/V gather
     is skipped too. Block/row arithmetic runs in fp32 on values < 2^24 (exact: ppr is a power
-    of two); page numbers and pool rows in int32.
+    of two); page numbers and pool rows in int32. ``zidx`` and ``live``: the zero fills' indices,
+    as in :func:`_split_row_indices`.
     """
     B, MB = table.shape
     kr = g.kv_rows
@@ -395,7 +406,7 @@ def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_b
     table_flat = table.reshape((B * MB, 1))
 
     def key_tile(k):
-        local, beyond = _local_rows(valid, kr, ipp, k, oob)
+        local, beyond, zero = _local_rows(valid, kr, ipp, k, oob, live)
         r = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_tensor(r, local, first, op=nl.add)
         within = M.int_mod(r, ppr)                      # r mod ppr
@@ -423,41 +434,33 @@ def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_b
                       offsets=offsets)
             port.tensor_tensor(idx[0:kr, nl.ds(_idx_col(k, hh * ipp, hpp * ipp), ipp)], h_rows,
                                rows, op=nl.add)
+            port.tensor_copy(zidx[0:kr, nl.ds(_idx_col(k, hh * ipp, hpp * ipp), ipp)], zero,
+                             engine="gpsimd")
 
         port.loop(hpp, head)
 
     port.unroll(g.n_kv, key_tile)
 
 
-def _zero_source(g, mm, items):
-    """The zero tile the K/V fills copy from, made once per program, or None (memsets).
+def _gather_rows(rows_view, idx, zero_row, zidx, t, steps, g, dst):
+    """Gather into ``dst (kv_rows, n_kv * n * D)`` the committed key rows of one split of
+    ``rows_view`` (K or V rows), named by the columns of step ``t`` (of ``steps``) of the
+    row-index tile ``idx`` (:func:`_idx_col`), and zeros into the rows that gather skips.
 
-    Skipped rows must hold zeros, never a stale or uninitialized NaN. On trn2 VectorE copies
-    16-bit data SBUF->SBUF at 4 elements/cycle, so copying one zero tile is 4x cheaper than a
-    memset (1 element/cycle) once a program fills two or more K/V tiles; trn1 memsets, split
-    between VectorE (K) and GpSimd (V).
-    """
-    if port.gen3() and mm != nl.float32 and g.n_kv * items >= 2:
-        zeros = nl.ndarray((g.kv_rows, g.n * g.D), dtype=mm, buffer=nl.sbuf)
-        port.memset(zeros, 0, engine="gpsimd")
-        return zeros
-    return None
-
-
-def _gather_rows(rows_view, idx, t, steps, g, zeros, dst, engine):
-    """Zero ``dst (kv_rows, n_kv * n * D)``, then gather into it the committed key rows of one
-    split of ``rows_view`` (K or V rows), named by the columns of step ``t`` (of ``steps``) of
-    the row-index tile ``idx`` (:func:`_idx_col`; out-of-bounds rows are skipped and stay 0).
-    ``zeros``: :func:`_zero_source` (else a memset on ``engine``, "vector" or "gpsimd")."""
+    A skipped row must hold zeros, never a stale or uninitialized NaN (``0 * NaN`` in P V). The
+    zeros come by DMA from the one-row HBM tensor ``zero_row (1, n D)``: the same column of
+    ``zidx`` reads its row 0 into exactly the skipped rows of a real item (the others are out
+    of bounds: skipped), so the fill moves only those rows' bytes. Filling the whole tile on
+    an engine instead (a copy of a zero tile on VectorE, 1 us per 64-row tile on trn2) was the
+    largest VectorE cost of a batch of short sequences: 1126 of 3360 us at B = 64, S = 2048,
+    Hq = 32, Hkv = 8 (trn2, nki.*). Padding items fill nothing: their partials are trash."""
     n, D, kv_rows = g.n, g.D, g.kv_rows
 
     def key_tile(k):
         dst_k = dst[0:kv_rows, nl.ds(k * n * D, n * D)]
-        if zeros is not None:
-            port.tensor_copy(dst_k, zeros, engine="vector")
-        else:
-            port.memset(dst_k, 0, engine=engine)
-        port.dma_copy(dst_k, port.rows(rows_view, idx, _idx_col(k, t, steps)), oob_skip=True)
+        col = _idx_col(k, t, steps)
+        port.dma_copy(dst_k, port.rows(zero_row, zidx, col), oob_skip=True)
+        port.dma_copy(dst_k, port.rows(rows_view, idx, col), oob_skip=True)
 
     port.unroll(g.n_kv, key_tile)
 
@@ -1096,31 +1099,27 @@ def _tail_partial(cfg, io, tail):
     from new token t (ALiBi, two-sided with a tree mask), the masks are kept apart from a
     soft-cap's tanh, and the sink (once per row, here) joins this partial.
     """
-    k_cache, v_cache, tree_mask = io.k_cache, io.v_cache, io.tree_mask
+    k_cache, v_cache = io.k_cache, io.v_cache
     T, D, n, R, mm = cfg.T, cfg.D, cfg.n, cfg.R, cfg.mm
     B, Hkv, S_max = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]  # paged: pool, page
     paged = io.block_table is not None
-    lp, rem = tail.lp, tail.rem
+    seq = tail.seq
+    lp = seq.lp
     ns = n - 1                      # slots of the partial key row
     C = ns + T                      # score columns: [partial row | new tokens]
     n_dt = tiles.ceil_div(D, PMAX)
     k_pos = k_cache.reshape((B * Hkv * S_max, D))
     v_pos = v_cache.reshape((B * Hkv * S_max, D))
     bh = _terms(tail.b, cfg.Hkv) + tail.h                   # b Hkv + h, a linear form
-    if not paged:
-        oob = _oob_offset(B * Hkv * S_max)
-        lp_i = nl.ndarray(tuple(lp.shape), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_copy(lp_i, lp, engine="vector")
-    else:
-        oob = _oob_offset(io.block_table.shape[0] * io.block_table.shape[1])  # past the table
 
     # ---- new tokens at Lp + u (all valid) ----
     if not paged:
-        new_row = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.iota(new_row, [[0, 1]], channel_multiplier=1, runtime=_terms(bh, S_max),
-                  offsets=io.offsets)                                   # bh S_max + u
+        # one column bh S_max + q serves both gathers' rows (the sequence's offsets added)
+        head_row = nl.ndarray((max(T, ns), 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.iota(head_row, [[0, 1]], channel_multiplier=1, runtime=_terms(bh, S_max),
+                  offsets=io.offsets)                                   # bh S_max + q
         new_idx = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_tensor(new_idx, new_row, lp_i[0:T], op=nl.add)
+        port.tensor_tensor(new_idx, head_row[0:T], seq.lp_i, op=nl.add)
     else:
         new_idx = _paged_tail_rows(cfg, io, tail, lp, 0, T, None)
     k_new = nl.ndarray((T, D), dtype=mm, buffer=nl.sbuf)
@@ -1133,36 +1132,17 @@ def _tail_partial(cfg, io, tail):
     port.tensor_reduce(v_new[0:T, D:D + 1], nl.maximum, M.zero_non_finite(v_new[0:T, 0:D])[0],
                        axis=(1,))
     if ns > 0:
-        # slot q is committed and in the partial row iff q >= (n - 1) - (Lp mod n)
-        first = nl.ndarray(tuple(rem.shape), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(first, rem, op0=nl.subtract, operand0=float(ns),
-                           reverse0=True)                                # (n - 1) - rem
-        slot_col = nl.ndarray((ns, 1), dtype=nl.float32, buffer=nl.sbuf)
-        port.iota(slot_col, [[0, 1]], channel_multiplier=1)
-        before = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_scalar(before, slot_col, op0=nl.less, operand0=first[0:ns],
-                           op1=nl.multiply, operand1=float(oob))
         if not paged:
-            part_row = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
-            port.iota(part_row, [[0, 1]], offset=-ns, channel_multiplier=1,
-                      runtime=_terms(bh, S_max), offsets=io.offsets)   # bh S_max - ns + q
-            pos = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_tensor(pos, part_row, lp_i[0:ns], op=nl.add)
             part_idx = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_tensor(part_idx, pos, before, op=nl.add)
+            port.tensor_tensor(part_idx, head_row[0:ns], seq.part_off, op=nl.add)
         else:
-            part_idx = _paged_tail_rows(cfg, io, tail, lp, -ns, ns, before)
+            part_idx = _paged_tail_rows(cfg, io, tail, lp, -ns, ns, seq.before)
         k_part = nl.ndarray((ns, D), dtype=mm, buffer=nl.sbuf)
         port.memset(k_part, 0, engine="gpsimd")
         v_part = nl.ndarray((ns, D), dtype=mm, buffer=nl.sbuf)
         port.memset(v_part, 0, engine="gpsimd")
         port.dma_copy(k_part, port.rows(k_pos, part_idx), oob_skip=True)
         port.dma_copy(v_part, port.rows(v_pos, part_idx), oob_skip=True)
-        slot_row = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
-        port.iota(slot_row, [[1, ns]])
-        part_bias = nl.ndarray((1, ns), dtype=_mask_dtype(), buffer=nl.sbuf)
-        port.tensor_scalar(part_bias, slot_row, op0=nl.less, operand0=first[0:1],
-                           op1=nl.multiply, operand1=NEG)
 
     # ---- K^T of all C keys ----
     kT = nl.ndarray((PMAX, n_dt * C), dtype=mm, buffer=nl.sbuf)
@@ -1175,23 +1155,22 @@ def _tail_partial(cfg, io, tail):
             port.nc_transpose(t_ps[0:dsz, 0:ns], k_part[0:ns, d0:d0 + dsz])
         port.nc_transpose(t_ps[0:dsz, ns:C], k_new[0:T, d0:d0 + dsz])
         port.tensor_copy(kT[0:dsz, dt * C:(dt + 1) * C], t_ps[0:dsz, 0:C], engine="scalar")
-    new_bias = _new_token_bias(tree_mask, T)
 
-    for _, rt0, rows in _row_tiles(R, cfg.row_tile):
+    for i, rt0, rows in _row_tiles(R, cfg.row_tile):
         _tail_rows(cfg, io, tail, bh, kT, (k_new, v_new, v_part if ns > 0 else None),
-                   (part_bias if ns > 0 else None, new_bias), rt0, rows)
+                   seq.selectors[i], rt0, rows)
 
 
-def _tail_rows(cfg, io, tail, bh, kT, values, biases, rt0, rows):
+def _tail_rows(cfg, io, tail, bh, kT, values, selector, rt0, rows):
     """One row tile of :func:`_tail_partial`: query rows ``rt0 .. rt0 + rows`` of the kv head
     against the tail's ``C = n - 1 + T`` keys (``kT``, ``values``: ``(k_new, v_new | flag,
-    v_part or None)``, ``biases``: ``(part_bias or None, new_bias)``)."""
+    v_part or None)``; ``selector``: the tile's :func:`_token_selector`)."""
     T, D, n, R, mm = cfg.T, cfg.D, cfg.n, cfg.R, cfg.mm
     ns = n - 1
     C = ns + T
     n_dt = tiles.ceil_div(D, PMAX)
     _, v_new, v_part = values
-    part_bias, new_bias = biases
+    part_bias, new_bias = tail.seq.part_bias, tail.seq.new_bias
     row0 = _expr(bh) * R + rt0
     q_nat = nl.ndarray((rows, D), dtype=io.q_rows.dtype, buffer=nl.sbuf)
     port.dma_copy(q_nat, io.q_rows[nl.ds(row0, rows), 0:D])
@@ -1213,7 +1192,7 @@ def _tail_rows(cfg, io, tail, bh, kT, values, biases, rt0, rows):
     if ns > 0:
         ones = nl.ones((1, rows), dtype=_mask_dtype(), buffer=nl.sbuf)
         port.nc_matmul(mk_ps[0:rows, 0:ns], ones, part_bias)
-    port.nc_matmul(mk_ps[0:rows, ns:C], _token_selector(T, rt0, rows), new_bias)
+    port.nc_matmul(mk_ps[0:rows, ns:C], selector, new_bias)
     scores = None
     if rm is not None and rm.mods.transforms:
         d = slope = None
@@ -1319,21 +1298,40 @@ class _Tensors(NamedTuple):
     alibi_slopes: object
     sinks: object
     kv_scale: object    # an FP8 cache's (Hkv, 2) float32 (k_scale, v_scale), else None
+    zero_row: object    # (1, n D) zeros in the cache dtype (the K/V zero fills), or None
     o_part: object
     lse_part: object
     offsets: object
 
 
+class _TailSequence(NamedTuple):
+    """What the tails of one sequence share across its kv heads (:func:`_tail_sequence`, made
+    once per tail program): the committed length ``lp = L - T`` (fp32 column) and, for a
+    contiguous cache, as int32 ``(T, 1)`` ``lp_i`` (else None); with ``n > 1``, the int32
+    ``(n - 1, 1)`` push out of bounds of the partial row's slots before the row start
+    (``before``), for a contiguous cache the offsets ``part_off = lp - (n - 1) + before`` of
+    their rows from ``bh S_max + q`` (else None), and their ``(1, n - 1)`` mask row
+    (``part_bias``; all three None at n = 1); the ``(T, T)`` new-token bias and the token
+    selector of each row tile (:func:`_token_selector`)."""
+
+    lp: object
+    lp_i: object
+    before: object
+    part_off: object
+    part_bias: object
+    new_bias: object
+    selectors: list
+
+
 class _Tail(NamedTuple):
     """One tail program step: sequence ``b`` and kv head ``h`` (linear forms ``[(index,
-    coefficient), ...]`` of the program's indices), the committed length ``lp = L - T`` and
-    ``rem = lp mod n`` columns, the head's ALiBi slopes / sinks ``(G, 1)`` and an FP8 cache's
+    coefficient), ...]`` of the program's indices), the sequence's shared state ``seq``
+    (:class:`_TailSequence`), the head's ALiBi slopes / sinks ``(G, 1)`` and an FP8 cache's
     ``(k_scale, v_scale)`` on the query rows' partitions ``(rows, 2)`` (each or None)."""
 
     b: list
     h: list
-    lp: object
-    rem: object
+    seq: _TailSequence
     slope_g: object
     sink_g: object
     scales: object
@@ -1348,11 +1346,54 @@ def _expr(terms):
     return 0 if out is None else out
 
 
+def _tail_sequence(cfg, io, b):
+    """:class:`_TailSequence` of sequence ``b`` (a linear form of the program's indices): the
+    index arithmetic, masks and selectors its tails share, made once for the kv heads of a
+    tail program rather than once per head (at B = 64, S = 2048, Hq = 32, Hkv = 8 on trn2 they
+    were about 340 us of VectorE and 260 us of GpSimd, per head)."""
+    T, n = cfg.T, cfg.n
+    ns = n - 1
+    len_col = _length_column(io.cache_lens, b, PMAX)
+    lp, rem = _committed_split(len_col, T, n)
+    paged = io.block_table is not None
+    if not paged:
+        k_cache = io.k_cache
+        oob = _oob_offset(k_cache.shape[0] * k_cache.shape[1] * k_cache.shape[2])
+        lp_i = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_copy(lp_i, lp[0:T], engine="vector")
+    else:
+        oob = _oob_offset(io.block_table.shape[0] * io.block_table.shape[1])  # past the table
+        lp_i = None
+    before = part_off = part_bias = None
+    if ns > 0:
+        # slot q is committed and in the partial row iff q >= (n - 1) - (Lp mod n)
+        first = nl.ndarray(tuple(rem.shape), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(first, rem, op0=nl.subtract, operand0=float(ns),
+                           reverse0=True)                                # (n - 1) - rem
+        slot_col = nl.ndarray((ns, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(slot_col, [[0, 1]], channel_multiplier=1)
+        before = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(before, slot_col, op0=nl.less, operand0=first[0:ns],
+                           op1=nl.multiply, operand1=float(oob))
+        if not paged:
+            start = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_scalar(start, lp[0:ns], op0=nl.subtract, operand0=float(ns))
+            part_off = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_tensor(part_off, start, before, op=nl.add)
+        slot_row = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(slot_row, [[1, ns]])
+        part_bias = nl.ndarray((1, ns), dtype=_mask_dtype(), buffer=nl.sbuf)
+        port.tensor_scalar(part_bias, slot_row, op0=nl.less, operand0=first[0:1],
+                           op1=nl.multiply, operand1=NEG)
+    selectors = [_token_selector(T, rt0, rows) for _, rt0, rows in _row_tiles(cfg.R, cfg.row_tile)]
+    return _TailSequence(lp, lp_i, before, part_off, part_bias,
+                         _new_token_bias(io.tree_mask, T), selectors)
+
+
 def _tails(cfg, io, hg, b):
     """Tail program ``(hg, b)``: the tails of sequence ``b`` for the kv heads ``hg hpp ..
     hg hpp + hpp - 1`` (:func:`_tail_partial`)."""
-    len_col = _length_column(io.cache_lens, b, PMAX)
-    lp, rem = _committed_split(len_col, cfg.T, cfg.n)
+    seq = _tail_sequence(cfg, io, b)
 
     def head(hh):
         h = [(hg, cfg.hpp), (hh, 1)]
@@ -1363,7 +1404,7 @@ def _tails(cfg, io, hg, b):
             sink_g = _member_column(io.sinks, [(b, 1)], h, cfg.G, io.offsets)
         scales = (None if io.kv_scale is None else
                   _head_scales(io.kv_scale, h, min(cfg.R, cfg.row_tile), io.offsets))
-        _tail_partial(cfg, io, _Tail([(b, 1)], h, lp, rem, slope_g, sink_g, scales))
+        _tail_partial(cfg, io, _Tail([(b, 1)], h, seq, slope_g, sink_g, scales))
 
     port.loop(cfg.hpp, head)
 
@@ -1420,23 +1461,30 @@ def _split_chunk(cfg, io, hg, c):
     dead = (idx[0:kr, steps:steps + 2] if g.n_kv == 1 else
             port.view(idx, 0, kr, steps, [[steps + 2, g.n_kv], [1, 2]]))
     port.memset(dead, oob, engine="gpsimd")
+    # the zero fills' row indices (_gather_rows): the dead steps fill nothing either
+    zidx = nl.ndarray((kr, g.n_kv * (steps + 2)), dtype=nl.int32, buffer=nl.sbuf)
+    zdead = (zidx[0:kr, steps:steps + 2] if g.n_kv == 1 else
+             port.view(zidx, 0, kr, steps, [[steps + 2, g.n_kv], [1, 2]]))
+    port.memset(zdead, 1, engine="gpsimd")
+    live = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)     # 1 real, 2 padding
+    port.tensor_scalar(live, cols[0:kr, 0:ipp], op0=nl.greater_equal, operand0=float(B),
+                       op1=nl.add, operand1=1.0)
     if io.block_table is None:
-        _split_row_indices(valid, bs, g, ipp, hpp, _terms(h0, rows_bh), rows_bh, Hkv * rows_bh,
-                           oob, idx, io.offsets)
+        _split_row_indices(valid, live, bs, g, ipp, hpp, _terms(h0, rows_bh), rows_bh,
+                           Hkv * rows_bh, oob, idx, zidx, io.offsets)
     else:
-        _paged_split_row_indices(io.block_table, valid, cols, bs, g, ipp, hpp, h0, Hkv,
-                                 num_blocks, ppr, idx, io.offsets)
-    zeros = _zero_source(g, mm, steps + 2)
+        _paged_split_row_indices(io.block_table, valid, live, cols, bs, g, ipp, hpp, h0, Hkv,
+                                 num_blocks, ppr, idx, zidx, io.offsets)
     kv_cols = g.n_kv * n * D
     k_nat = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
     v_all = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
     kT = [nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
 
     def gather_k(t, b):
-        _gather_rows(k_rows, idx, t, steps, g, zeros, k_nat[b], "vector")
+        _gather_rows(k_rows, idx, io.zero_row, zidx, t, steps, g, k_nat[b])
 
     def gather_v(t, b):
-        _gather_rows(v_rows, idx, t, steps, g, zeros, v_all[b], "gpsimd")
+        _gather_rows(v_rows, idx, io.zero_row, zidx, t, steps, g, v_all[b])
 
     # the first two steps' K/V gathers go out as soon as their row indices exist: the masks,
     # slopes, scales and query loads below then overlap them instead of delaying them
@@ -1593,7 +1641,7 @@ def decode_grid(groups: int, programs: int, core_axis=None, api: str = "legacy",
 @port.jit
 def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_mask=None,
                               block_table=None, alibi_slopes=None, sinks=None, kv_scale=None,
-                              scale=1.0,
+                              zero_row=None, scale=1.0,
                               mm_dtype="bfloat16", key_row=1, split_rows=1, num_splits=1,
                               row_tile=1, pack=1, items_per_program=1, heads_per_program=1,
                               softcap=None):
@@ -1643,6 +1691,9 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         the keys' are folded into the softmax scale of the head's query rows
         (:func:`_scaled_query_t`), the values' into its partial outputs
         (:func:`_normalize_rows`), so no dequantized cache is ever formed.
+    zero_row : (1, key_row * D) zeros in the caches' dtype (HBM), required with ``work``
+        The source of the K/V zero fills: a gathered split's rows past the committed prefix
+        (of a real work item) are read from it, so they hold zeros (:func:`_gather_rows`).
     softcap, alibi_slopes, sinks :
         Score modifiers (``score_mods.py``; HBM float32 ``(1 or B, Hq)`` slopes and ``(Hq,)``
         sinks): soft-capping and ALiBi in every partial (new token t at position ``L - T +
@@ -1680,6 +1731,10 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
             f"items ({W}) and the kv heads ({Hkv}), and a program's steps come in pairs "
             f"(an even number of items, or 1 item and 1 or an even number of heads)")
     C = W // ipp                   # chunk programs
+    if work is not None and (zero_row is None or tuple(zero_row.shape) != (1, key_row * D)):
+        raise ValueError(
+            f"zero_row: a (1, key_row * D) = (1, {key_row * D}) tensor of zeros is required "
+            f"with a work list, got {None if zero_row is None else tuple(zero_row.shape)}")
     if mm_dtype not in _DTYPES:
         raise ValueError(f"mm_dtype: expected one of {_DTYPES}, got {mm_dtype!r}")
     # nki.*: the tails' flat rows of a contiguous cache, or their block-table entries, in fp32
@@ -1698,7 +1753,7 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     # the program indices (head group, chunk, sequence, heads of a group) as data for nki.*'s
     # compile-time iota offsets
     io = _Tensors(q.reshape((B * Hkv * R, D)), k_cache, v_cache, cache_lens, work, tree_mask,
-                  block_table, alibi_slopes, sinks, kv_scale, o_part, lse_part,
+                  block_table, alibi_slopes, sinks, kv_scale, zero_row, o_part, lse_part,
                   port.OffsetColumns(0, max(Hkv, B), 1))
 
     def chunk(hg, c):
