@@ -928,11 +928,13 @@ def _alibi_lse_shift(lse, rm, s_i, length, T, split_keys, rows):
     return shifted
 
 
-def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, rm=None, cap=None, k_col=None):
+def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, groups, rm=None, cap=None,
+                 k_col=None):
     """First half of one row tile's partial over a work item (query rows ``rows`` of the
     item, gathered as ``q_nat (rows, D)``): scores against ``kT``, the modifiers (``rm``:
     :class:`_RowMods`, None without), the row max and the exponentials (``k_col``: an FP8
-    cache's K scale, :func:`_scaled_query_t`). Returns the state :func:`_split_back`
+    cache's K scale, :func:`_scaled_query_t`). ``groups``: :func:`_group_matrices` of the row
+    tile (made once per program; None at pack 1). Returns the state :func:`_split_back`
     finishes: ``(p_sb, l_col, m_col)``."""
     P = g.pack * rows
     qT = _scaled_query_t(q_nat, rows, g.D, g.n_dt, scale, mm, k_col)
@@ -940,10 +942,7 @@ def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, rm=None, cap=None, k_c
     transforms = rm is not None and rm.mods.transforms
     banks, mask_banks = _split_scores(qbd, kT, mask_row, g, P,
                                       mask_apart=transforms and cap is not None)
-    if g.pack > 1:
-        e, e_t = _group_matrices(rows, P)
-    else:
-        e = e_t = None
+    e, e_t = (None, None) if groups is None else groups
     if transforms:
         banks = _split_mods(banks, mask_banks, g, rows, P, rm, e, cap)
     m_col, neg_m = _row_max(banks, g, rows, P, e)
@@ -959,17 +958,17 @@ def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, rm=None, cap=None, k_c
     return p_sb, l_col, m_col
 
 
-def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, mm, offsets,
-                rm=None, item=None, v_col=None, after_pv=None):
+def _split_back(state, v_all, o_flat, lse_flat, o_idx, t, g, rows, mm, rm=None, item=None,
+                v_col=None, after_pv=None):
     """Second half (:func:`_split_front`): ``P V``, the normalization and the scatter of the
-    partial (o, lse). ``item``: ``(s_i, L)`` columns of the work item (ALiBi); ``h`` the kv
-    head, a linear form of the program's indices (read from ``offsets`` under nki.*);
-    ``v_col``: an FP8 cache's V scale (:func:`_normalize_rows`); ``after_pv``: called once
-    ``P V`` has read ``v_all`` (before the normalization and the stores), or None.
+    partial (o, lse). ``item``: ``(s_i, L)`` columns of the work item (ALiBi); ``v_col``: an
+    FP8 cache's V scale (:func:`_normalize_rows`); ``after_pv``: called once ``P V`` has read
+    ``v_all`` (before the normalization and the stores), or None.
 
-    The item's sequence is runtime data, so the partial rows are scattered (flat row
-    ``o_base + (h R + rt0 + p) S`` of the ``((B + 1) Hq T S, D)`` view: row, then slot) by
-    indirect DMA. A padding item (``b = B``) writes into the trash block.
+    The item's sequence is runtime data, so the partial rows are scattered by indirect DMA to
+    the flat rows in column ``t`` (the step) of the int32 ``o_idx`` (rows of the ``((B + 1)
+    Hq T S, D)`` view, row then slot: made for all steps in the program's headers). A padding
+    item (``b = B``) writes into the trash block.
     """
     p_sb, l_col, m_col = state
     P = g.pack * rows
@@ -978,16 +977,11 @@ def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, m
     if after_pv is not None:
         after_pv()
     o_sb = _normalize_rows(acc, l_col, rows, g, v_col)
-    row_slot = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
-    port.iota(row_slot, [[0, 1]], offset=rt0 * S, channel_multiplier=S,
-              runtime=_terms(h, R * S), offsets=offsets)                  # (h R + rt0 + p) S
-    o_idx = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
-    port.tensor_tensor(o_idx, row_slot, o_base[0:rows], op=nl.add)
-    port.dma_copy(port.rows(o_flat, o_idx), o_sb, legacy_isa=True)
+    port.dma_copy(port.rows(o_flat, o_idx, t), o_sb, legacy_isa=True)
     lse = _lse_column(m_col, l_col)
     if rm is not None and rm.mods.alibi:
         lse = _alibi_lse_shift(lse, rm, item[0], item[1], rm.T, g.rs * g.n, rows)
-    port.dma_copy(port.rows(lse_flat, o_idx), lse, legacy_isa=True)
+    port.dma_copy(port.rows(lse_flat, o_idx, t), lse, legacy_isa=True)
 
 
 # ============================================================================================
@@ -1521,21 +1515,26 @@ def _split_chunk(cfg, io, hg, c):
             _head_scales(io.kv_scale, h0 + [(hh, 1)], rmax, io.offsets, out=scl, col=2 * hh)
 
         port.loop(hpp, head_scales)
-    # the query rows of every step (padding items gather none: their rows stay 0)
-    qs = []
+    # the query rows of every step (padding items gather none: their rows stay 0), and the
+    # flat partial rows its stores scatter to: query row x S + s
+    qs, o_rows = [], []
     for _, rt0, rows in row_tiles:
         q_keep = nl.ndarray((rows, steps * D), dtype=q_rows.dtype, buffer=nl.sbuf)
         port.memset(q_keep, 0, engine="gpsimd")
         # every head's row indices in one tile: a compiled head loop then reuses no buffer a
         # previous head's gathers still read
         q_idx = nl.ndarray((rows, steps), dtype=nl.int32, buffer=nl.sbuf)
+        o_idx = nl.ndarray((rows, steps), dtype=nl.int32, buffer=nl.sbuf)
 
-        def head_queries(hh, rt0=rt0, rows=rows, q_keep=q_keep, q_idx=q_idx):
+        def head_queries(hh, rt0=rt0, rows=rows, q_keep=q_keep, q_idx=q_idx, o_idx=o_idx):
             first = nl.ndarray((rows, ipp), dtype=nl.int32, buffer=nl.sbuf)
             port.iota(first, [[0, ipp]], offset=rt0, channel_multiplier=1,
                       runtime=_terms(h0, R) + [(hh, R)], offsets=io.offsets)
+            cols_h = nl.ds(hh * ipp, ipp)
             _int_tile([(bs[0:rows, 0:ipp], Hkv * R)], rows, ipp, first,
-                      out=q_idx[0:rows, nl.ds(hh * ipp, ipp)])
+                      out=q_idx[0:rows, cols_h])
+            _int_tile([(q_idx[0:rows, cols_h], S), (bs[0:rows, ipp:2 * ipp], 1)], rows, ipp,
+                      out=o_idx[0:rows, cols_h])
 
             def item(j):
                 port.dma_copy(q_keep[0:rows, nl.ds((hh * ipp + j) * D, D)],
@@ -1545,6 +1544,10 @@ def _split_chunk(cfg, io, hg, c):
 
         port.loop(hpp, head_queries)
         qs.append(q_keep)
+        o_rows.append(o_idx)
+    # the packed copies' group matrices of each row tile (compile-time constants)
+    groups = [None if g.pack == 1 else _group_matrices(rows, g.pack * rows)
+              for _, _, rows in row_tiles]
 
     # -- 2. splits ------------------------------------------------------------------------
     o_flat = io.o_part.reshape(((B + 1) * Hq * T * S, D))
@@ -1553,14 +1556,12 @@ def _split_chunk(cfg, io, hg, c):
     def front(hh, j, b):
         """Step (hh, j)'s headers and the first half of each row tile (on ``kT[b]``)."""
         t = hh * ipp + j
-        b_i = nl.ndarray((PMAX, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_copy(b_i, bs[0:PMAX, nl.ds(j, 1)], engine="gpsimd")
-        s_i = nl.ndarray((PMAX, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_copy(s_i, bs[0:PMAX, nl.ds(ipp + j, 1)], engine="gpsimd")
         mask_row = nl.ndarray((1, rs), dtype=_mask_dtype(), buffer=nl.sbuf)
         port.tensor_copy(mask_row, mask[0:1, nl.ds(j * rs, rs)], engine="gpsimd")
         slope_g = item = None
         if alibi:
+            s_i = nl.ndarray((PMAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_copy(s_i, bs[0:PMAX, nl.ds(ipp + j, 1)], engine="gpsimd")
             slope_g = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_copy(slope_g, slopes[0:G, nl.ds(t, 1)], engine="gpsimd")
             length = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -1571,55 +1572,54 @@ def _split_chunk(cfg, io, hg, c):
             kv = nl.ndarray((rmax, 2), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_copy(kv, scl[0:rmax, nl.ds(2 * hh, 2)], engine="gpsimd")
         states = []
-        for (_, rt0, rows), q_keep in zip(row_tiles, qs):
+        for (_, rt0, rows), q_keep, grp in zip(row_tiles, qs, groups):
             q_nat = nl.ndarray((rows, D), dtype=q_rows.dtype, buffer=nl.sbuf)
             port.tensor_copy(q_nat, q_keep[0:rows, nl.ds(t * D, D)], engine="gpsimd")
             rm = (_RowMods(cfg.mods, slope_g, None, G, T, rt0, rows) if cfg.mods.transforms
                   else None)
-            states.append((rm, _split_front(q_nat, kT[b], mask_row, g, rows, cfg.scale, mm, rm,
-                                            cfg.mods.softcap,
+            states.append((rm, _split_front(q_nat, kT[b], mask_row, g, rows, cfg.scale, mm,
+                                            grp, rm, cfg.mods.softcap,
                                             None if kv is None else kv[0:rows, 0:1])))
-        return b_i, s_i, item, kv, states
+        return item, kv, states
 
-    def back(h, b, head, after_pv):
-        """The second half of each row tile of the step ``front`` began (on ``v_all[b]``);
-        ``h`` the step's kv head (a linear form); ``after_pv`` runs once the last row tile's
-        ``P V`` has read ``v_all[b]``, before that tile's stores."""
-        b_i, s_i, item, kv, states = head
-        o_base = _int_tile([(b_i, Hkv * R * S), (s_i, 1)], PMAX, 1)
+    def back(t, b, head, after_pv):
+        """The second half of each row tile of step ``t`` (``front`` began it, on
+        ``v_all[b]``); ``after_pv`` runs once the last row tile's ``P V`` has read
+        ``v_all[b]``, before that tile's stores."""
+        item, kv, states = head
         last = len(row_tiles) - 1
-        for r, ((_, rt0, rows), (rm, state)) in enumerate(zip(row_tiles, states)):
-            _split_back(state, v_all[b], o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, mm,
-                        io.offsets, rm, item, None if kv is None else kv[0:rows, 1:2],
+        for r, ((_, _, rows), (rm, state), o_idx) in enumerate(zip(row_tiles, states, o_rows)):
+            _split_back(state, v_all[b], o_flat, lse_flat, o_idx, t, g, rows, mm, rm, item,
+                        None if kv is None else kv[0:rows, 1:2],
                         after_pv if r == last else None)
 
-    def step(hh, h, j, b):
-        """Step ``(hh, j)`` (``h``: its kv head) on buffer ``b``."""
+    def step(hh, j, b):
+        """Step ``(hh, j)`` (head hh of the group, item j) on buffer ``b``."""
         t = hh * ipp + j
         gather_k(t + 2, b)                      # k_nat[b] is free: step t's keys are in kT[b]
         head = front(hh, j, b)
         _transpose_keys(k_nat[1 - b], kT[1 - b], g)
         # step t + 2's V gather right after step t's P V, ahead of step t's partial stores
-        back(h, b, head, lambda: gather_v(t + 2, b))
+        back(t, b, head, lambda: gather_v(t + 2, b))
 
     # Buffer b is the parity of the step: steps come in pairs (ipp even: item pairs of one
     # head; ipp = 1: pairs of heads); the first two steps' gathers are issued above.
     _transpose_keys(k_nat[0], kT[0], g)
     if steps == 1:
-        step(0, h0, 0, 0)
+        step(0, 0, 0)
     elif ipp % 2 == 0:
         def head_items(hh):
             def item_pair(jj):
-                step(hh, h0 + [(hh, 1)], 2 * jj, 0)
-                step(hh, h0 + [(hh, 1)], 2 * jj + 1, 1)
+                step(hh, 2 * jj, 0)
+                step(hh, 2 * jj + 1, 1)
 
             port.loop(ipp // 2, item_pair, carried=True)
 
         port.loop(hpp, head_items, carried=True)
     else:
         def head_pair(hp):
-            step(2 * hp, h0 + [(hp, 2)], 0, 0)
-            step(2 * hp + 1, h0 + [(hp, 2), (1, 1)], 0, 1)
+            step(2 * hp, 0, 0)
+            step(2 * hp + 1, 0, 1)
 
         port.loop(hpp // 2, head_pair, carried=True)
 
