@@ -656,15 +656,43 @@ def _scaled_query_t(q_nat, rows, D, n_dt, scale, mm, k_col=None):
     return qT
 
 
-def _packed_queries(qT, rows, g, mm):
+class _TileConstants(NamedTuple):
+    """What every step of a program shares for one row tile of ``rows`` query rows
+    (:func:`_tile_constants`): the group matrices ``e``, ``e_t`` (:func:`_group_matrices`;
+    None at pack 1), the ``(1, P)`` ones of the mask matmul and two zeroed block-diagonal
+    stationaries (:func:`_packed_queries`; None at pack 1), one per pipeline buffer: a step
+    writes only their diagonal blocks."""
+
+    e: object
+    e_t: object
+    ones: object
+    qbd: list
+
+
+def _tile_constants(g, rows, mm):
+    """:class:`_TileConstants` of a row tile, made once per program (per step, at B = 64,
+    S = 2048, Hq = 32, Hkv = 8 on trn2 they were about 300 us of VectorE and 250 us of
+    GpSimd)."""
+    P = g.pack * rows
+    ones = nl.ones((1, P), dtype=_mask_dtype(), buffer=nl.sbuf)
+    if g.pack == 1:
+        return _TileConstants(None, None, ones, None)
+    qbd = [nl.ndarray((PMAX, g.n_dt * g.pack * P), dtype=mm, buffer=nl.sbuf)
+           for _ in tiles.unrolled(2)]
+    for buf in qbd:
+        port.memset(buf, 0, engine="gpsimd")
+    e, e_t = _group_matrices(rows, P)
+    return _TileConstants(e, e_t, ones, qbd)
+
+
+def _packed_queries(qT, rows, g, qbd):
     """Block-diagonal stationaries ``Qbd (128, n_dt * pack * P)``, ``P = pack * rows``: the
     ``(dt, c)`` block (columns ``(dt * pack + c) * P ...``) is zero except Q^T in its columns
-    ``c * rows .. c * rows + rows``. With pack 1 this is Q^T itself."""
+    ``c * rows .. c * rows + rows``, written into ``qbd`` (zero off those blocks,
+    :func:`_tile_constants`). With pack 1 this is Q^T itself."""
     if g.pack == 1:
         return qT
     P = g.pack * rows
-    qbd = nl.ndarray((PMAX, g.n_dt * g.pack * P), dtype=mm, buffer=nl.sbuf)
-    port.memset(qbd, 0, engine="gpsimd")
     for dt, d0, dsz in g.d_tiles():
         # the pack diagonal blocks at column (dt pack + c) P + c rows = dt pack P + c (P + rows)
         # in one copy: a stride-(P + rows) destination, the source broadcast over c
@@ -674,13 +702,13 @@ def _packed_queries(qT, rows, g, mm):
     return qbd
 
 
-def _split_scores(qbd, kT, mask_row, g, P, mask_apart=False):
+def _split_scores(qbd, kT, mask_row, ones, g, P, mask_apart=False):
     """Scores of the split in PSUM: ``(banks, mask_banks)``, ``n_banks`` tiles ``(P, 512)``
     fp32 each.
 
     Partition ``c * rows + r`` column ``w = jj * rs + row`` is ``scale q_r . k`` for position
     ``j = jj * pack + c`` of key row ``row``, plus DECODE_MASK_BIAS when that row is not
-    committed (``ones(1, P)^T @ mask_row``, accumulated into the same PSUM group; a full split
+    committed (``ones (1, P)``: ``ones^T @ mask_row``, accumulated into the same PSUM group; a full split
     has no ``mask_row``). With ``mask_apart`` (soft-capping: the tanh would flatten it) the
     mask goes to its own PSUM tiles ``mask_banks`` instead (else None).
     """
@@ -690,7 +718,6 @@ def _split_scores(qbd, kT, mask_row, g, P, mask_apart=False):
              for _ in tiles.unrolled(g.n_banks)]
     mask_banks = None
     if mask_row is not None:
-        ones = nl.ones((1, P), dtype=_mask_dtype(), buffer=nl.sbuf)
         if mask_apart:
             mask_banks = [nl.ndarray((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
                           for _ in tiles.unrolled(g.n_banks)]
@@ -928,21 +955,21 @@ def _alibi_lse_shift(lse, rm, s_i, length, T, split_keys, rows):
     return shifted
 
 
-def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, groups, rm=None, cap=None,
+def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, consts, buf, rm=None, cap=None,
                  k_col=None):
     """First half of one row tile's partial over a work item (query rows ``rows`` of the
     item, gathered as ``q_nat (rows, D)``): scores against ``kT``, the modifiers (``rm``:
     :class:`_RowMods`, None without), the row max and the exponentials (``k_col``: an FP8
-    cache's K scale, :func:`_scaled_query_t`). ``groups``: :func:`_group_matrices` of the row
-    tile (made once per program; None at pack 1). Returns the state :func:`_split_back`
+    cache's K scale, :func:`_scaled_query_t`). ``consts``: the row tile's
+    :class:`_TileConstants`, ``buf`` the step's pipeline buffer. Returns the state :func:`_split_back`
     finishes: ``(p_sb, l_col, m_col)``."""
     P = g.pack * rows
     qT = _scaled_query_t(q_nat, rows, g.D, g.n_dt, scale, mm, k_col)
-    qbd = _packed_queries(qT, rows, g, mm)
+    qbd = _packed_queries(qT, rows, g, None if consts.qbd is None else consts.qbd[buf])
     transforms = rm is not None and rm.mods.transforms
-    banks, mask_banks = _split_scores(qbd, kT, mask_row, g, P,
+    banks, mask_banks = _split_scores(qbd, kT, mask_row, consts.ones, g, P,
                                       mask_apart=transforms and cap is not None)
-    e, e_t = (None, None) if groups is None else groups
+    e, e_t = consts.e, consts.e_t
     if transforms:
         banks = _split_mods(banks, mask_banks, g, rows, P, rm, e, cap)
     m_col, neg_m = _row_max(banks, g, rows, P, e)
@@ -1545,9 +1572,7 @@ def _split_chunk(cfg, io, hg, c):
         port.loop(hpp, head_queries)
         qs.append(q_keep)
         o_rows.append(o_idx)
-    # the packed copies' group matrices of each row tile (compile-time constants)
-    groups = [None if g.pack == 1 else _group_matrices(rows, g.pack * rows)
-              for _, _, rows in row_tiles]
+    consts = [_tile_constants(g, rows, mm) for _, _, rows in row_tiles]
 
     # -- 2. splits ------------------------------------------------------------------------
     o_flat = io.o_part.reshape(((B + 1) * Hq * T * S, D))
@@ -1572,13 +1597,13 @@ def _split_chunk(cfg, io, hg, c):
             kv = nl.ndarray((rmax, 2), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_copy(kv, scl[0:rmax, nl.ds(2 * hh, 2)], engine="gpsimd")
         states = []
-        for (_, rt0, rows), q_keep, grp in zip(row_tiles, qs, groups):
+        for (_, rt0, rows), q_keep, cst in zip(row_tiles, qs, consts):
             q_nat = nl.ndarray((rows, D), dtype=q_rows.dtype, buffer=nl.sbuf)
             port.tensor_copy(q_nat, q_keep[0:rows, nl.ds(t * D, D)], engine="gpsimd")
             rm = (_RowMods(cfg.mods, slope_g, None, G, T, rt0, rows) if cfg.mods.transforms
                   else None)
             states.append((rm, _split_front(q_nat, kT[b], mask_row, g, rows, cfg.scale, mm,
-                                            grp, rm, cfg.mods.softcap,
+                                            cst, b, rm, cfg.mods.softcap,
                                             None if kv is None else kv[0:rows, 0:1])))
         return item, kv, states
 
