@@ -64,14 +64,16 @@ committed positions:
   is built on chip (``nisa.iota`` + the item and the gathered length): rows past it get an
   index beyond the tensor and ``oob_mode.skip`` leaves them unread. Only a sequence's *last*
   split can hold such rows, but which item that is is runtime data, so every item is
-  zero-filled and masked as below;
+  zero-filled where it skips and masked as below;
 * the tail program of sequence b gathers the ``Lp mod n`` committed positions of the last,
   partial key row and the T new tokens, one position per partition (same mechanism); the new
   tokens' mask (causal or ``tree_mask``) is a static (T, T) bias, the same layout every step,
 
-so every valid K/V byte is read exactly once and nothing at or past ``L_b``. Skipped rows are
-zeroed first (a zero-tile copy on trn2, memsets on trn1): a NaN left in SBUF would otherwise
-survive ``0 * NaN`` in the PV matmul (and smear through a TensorE transpose on trn1). Invalid
+so every valid K/V byte is read exactly once and nothing at or past ``L_b``. Skipped rows of a
+real item are zeroed by a second indirect DMA that reads a one-row zero tensor into exactly
+those rows (``zero_row``, :func:`_gather_rows`): a stale or uninitialized NaN left in SBUF
+would otherwise survive ``0 * NaN`` in the PV matmul (and smear through a TensorE transpose on
+trn1). Invalid
 keys are masked by adding ``DECODE_MASK_BIAS`` to their scores *in PSUM*, by one extra matmul
 (ones x bias row), since validity is runtime data and ``mask=`` only takes compile-time affine
 predicates.
@@ -93,7 +95,7 @@ PSUM before its softmax, so no online rescaling is needed; a long cache uses mor
 
 Per position (D=128, bf16): TensorE 1 cycle (K transpose) + 1 (Q K^T) + 0.5 (P V); ScalarE
 1 per 128 positions and head-dim row (K^T PSUM -> SBUF); VectorE/GpSimd a few per packed
-score column plus the zero-fill (a 16-bit copy at 4 elements/cycle on trn2) -- all below the
+score column -- all below the
 DMA time of the 512 bytes per position (hardware-and-limits.md §5, decode rows;
 benchmarks/decode.py).
 
@@ -659,13 +661,15 @@ def _scaled_query_t(q_nat, rows, D, n_dt, scale, mm, k_col=None):
 class _TileConstants(NamedTuple):
     """What every step of a program shares for one row tile of ``rows`` query rows
     (:func:`_tile_constants`): the group matrices ``e``, ``e_t`` (:func:`_group_matrices`;
-    None at pack 1), the ``(1, P)`` ones of the mask matmul and two zeroed block-diagonal
+    None at pack 1), the ``(1, P)`` ones of the mask matmul, a ``(1, 1)`` fp32 one
+    (:func:`_row_max`; None at pack 1) and two zeroed block-diagonal
     stationaries (:func:`_packed_queries`; None at pack 1), one per pipeline buffer: a step
     writes only their diagonal blocks."""
 
     e: object
     e_t: object
     ones: object
+    unit: object
     qbd: list
 
 
@@ -676,13 +680,13 @@ def _tile_constants(g, rows, mm):
     P = g.pack * rows
     ones = nl.ones((1, P), dtype=_mask_dtype(), buffer=nl.sbuf)
     if g.pack == 1:
-        return _TileConstants(None, None, ones, None)
+        return _TileConstants(None, None, ones, None, None)
     qbd = [nl.ndarray((PMAX, g.n_dt * g.pack * P), dtype=mm, buffer=nl.sbuf)
            for _ in tiles.unrolled(2)]
     for buf in qbd:
         port.memset(buf, 0, engine="gpsimd")
     e, e_t = _group_matrices(rows, P)
-    return _TileConstants(e, e_t, ones, qbd)
+    return _TileConstants(e, e_t, ones, nl.ones((1, 1), dtype=nl.float32, buffer=nl.sbuf), qbd)
 
 
 def _packed_queries(qT, rows, g, qbd):
@@ -759,12 +763,14 @@ def _group_matrices(rows, P):
     return e, e_t
 
 
-def _row_max(banks, g, rows, P, e):
-    """Max of every query row over the split (all copies): ``(M_r (rows, 1), -M (P, 1))``.
+def _row_max(banks, g, rows, P, unit):
+    """Minus the max of every query row over the split (all copies), on every copy's partition:
+    ``-M (P, 1)`` (partition ``c rows + r`` holds ``-M_r``).
 
     Per partition first (VectorE over the PSUM banks), then across the ``pack`` copies of each
-    row: transpose the column to a row, reduce ``(1, rows, pack)`` on its last axis, transpose
-    back, and ``E^T``-broadcast it to every copy with a K=rows matmul.
+    row: transpose the column to a row, reduce ``(1, rows, pack)`` on its last axis, tile the
+    negated row ``pack`` times (GpSimd) and turn it back into a column with a K=1 matmul
+    against ``unit`` (a ``(1, 1)`` fp32 one; exact), copied out by ScalarE.
     """
     m_cols = nl.ndarray((P, g.n_banks), dtype=nl.float32, buffer=nl.sbuf)
     for bank in tiles.unrolled(g.n_banks):
@@ -775,25 +781,24 @@ def _row_max(banks, g, rows, P, e):
         port.tensor_reduce(m_p, nl.maximum, m_cols, axis=(1,))
     else:
         m_p = m_cols
+    neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     if g.pack == 1:
-        neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(neg, m_p, op0=nl.multiply, operand0=-1.0)
-        return m_p, neg
+        port.activation(neg, nl.copy, m_p, scale=-1.0)
+        return neg
     mt_ps = nl.ndarray((1, P), dtype=port.transpose_dtype(nl.float32), buffer=nl.psum)
     port.nc_transpose(mt_ps[0:1, 0:P], m_p[0:P, 0:1])
     m_row = nl.ndarray((1, rows), dtype=nl.float32, buffer=nl.sbuf)
     # (1, rows, pack): element [0, r, c] is copy c of row r, column c rows + r
     port.tensor_reduce(m_row, nl.maximum, port.view(mt_ps, 0, 1, 0, [[1, rows], [rows, g.pack]]),
                        axis=(2,))
-    mc_ps = nl.ndarray((rows, 1), dtype=port.transpose_dtype(nl.float32), buffer=nl.psum)
-    port.nc_transpose(mc_ps[0:rows, 0:1], m_row[0:1, 0:rows])
-    m_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_copy(m_col, mc_ps, engine="vector")
+    neg_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(port.view(neg_row, 0, 1, 0, [[rows, g.pack], [1, rows]]),
+                       port.view(m_row, 0, 1, 0, [[0, g.pack], [1, rows]]), op0=nl.multiply,
+                       operand0=-1.0, engine="gpsimd")
     bc_ps = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
-    port.nc_matmul(bc_ps[0:P, 0:1], e, m_col)
-    neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(neg, bc_ps, op0=nl.multiply, operand0=-1.0)
-    return m_col, neg
+    port.nc_matmul(bc_ps[0:P, 0:1], neg_row, unit)
+    port.activation(neg, nl.copy, bc_ps)
+    return neg
 
 
 def _exp_scores(banks, neg_m, g, P, mm):
@@ -876,15 +881,16 @@ def _normalize_rows(acc, l_col, rows, g, v_col=None):
     return o_sb
 
 
-def _lse_column(m_col, l_col):
-    """``m + log l``, or -inf when the max says no key was valid (a dead split)."""
-    col = tuple(m_col.shape)
+def _lse_column(neg_m, l_col):
+    """``m + log l`` (``neg_m``: ``-m``, :func:`_row_max`), or -inf when the max says no key
+    was valid (a dead split)."""
+    col = tuple(l_col.shape)
     log_l = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
     port.activation(log_l, nl.log, l_col)
     lse = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_tensor(lse, m_col, log_l, op=nl.add)
+    port.tensor_tensor(lse, log_l, neg_m, op=nl.subtract)
     live = nl.ndarray(col, dtype=nl.uint8, buffer=nl.sbuf)
-    port.tensor_scalar(live, m_col, op0=nl.greater, operand0=tiles.DECODE_DEAD_MAX)
+    port.tensor_scalar(live, neg_m, op0=nl.less, operand0=-tiles.DECODE_DEAD_MAX)
     port.keep_where(lse, live, -np.inf)
     return lse
 
@@ -962,7 +968,7 @@ def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, consts, buf, rm=None, 
     :class:`_RowMods`, None without), the row max and the exponentials (``k_col``: an FP8
     cache's K scale, :func:`_scaled_query_t`). ``consts``: the row tile's
     :class:`_TileConstants`, ``buf`` the step's pipeline buffer. Returns the state :func:`_split_back`
-    finishes: ``(p_sb, l_col, m_col)``."""
+    finishes: ``(p_sb, l_col, -m)`` (``-m`` on every copy's partition, :func:`_row_max`)."""
     P = g.pack * rows
     qT = _scaled_query_t(q_nat, rows, g.D, g.n_dt, scale, mm, k_col)
     qbd = _packed_queries(qT, rows, g, None if consts.qbd is None else consts.qbd[buf])
@@ -972,7 +978,7 @@ def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, consts, buf, rm=None, 
     e, e_t = consts.e, consts.e_t
     if transforms:
         banks = _split_mods(banks, mask_banks, g, rows, P, rm, e, cap)
-    m_col, neg_m = _row_max(banks, g, rows, P, e)
+    neg_m = _row_max(banks, g, rows, P, consts.unit)
     p_sb, l_p = _exp_scores(banks, neg_m, g, P, mm)
     del banks
     if g.pack > 1:
@@ -982,7 +988,7 @@ def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, consts, buf, rm=None, 
         port.tensor_copy(l_col, l_ps, engine="vector")
     else:
         l_col = l_p
-    return p_sb, l_col, m_col
+    return p_sb, l_col, neg_m
 
 
 def _split_back(state, v_all, o_flat, lse_flat, o_idx, t, g, rows, mm, rm=None, item=None,
@@ -997,7 +1003,7 @@ def _split_back(state, v_all, o_flat, lse_flat, o_idx, t, g, rows, mm, rm=None, 
     Hq T S, D)`` view, row then slot: made for all steps in the program's headers). A padding
     item (``b = B``) writes into the trash block.
     """
-    p_sb, l_col, m_col = state
+    p_sb, l_col, neg_m = state
     P = g.pack * rows
     pT = _transpose_probs(p_sb, g, P, mm)
     acc = _split_pv(v_all, pT, g, rows, P)
@@ -1005,7 +1011,7 @@ def _split_back(state, v_all, o_flat, lse_flat, o_idx, t, g, rows, mm, rm=None, 
         after_pv()
     o_sb = _normalize_rows(acc, l_col, rows, g, v_col)
     port.dma_copy(port.rows(o_flat, o_idx, t), o_sb, legacy_isa=True)
-    lse = _lse_column(m_col, l_col)
+    lse = _lse_column(neg_m[0:rows], l_col)
     if rm is not None and rm.mods.alibi:
         lse = _alibi_lse_shift(lse, rm, item[0], item[1], rm.T, g.rs * g.n, rows)
     port.dma_copy(port.rows(lse_flat, o_idx, t), lse, legacy_isa=True)
