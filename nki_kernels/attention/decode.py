@@ -1141,10 +1141,9 @@ def _tail_partial(cfg, io, tail):
 
     # ---- new tokens at Lp + u (all valid) ----
     if not paged:
-        # one column bh S_max + q serves both gathers' rows (the sequence's offsets added)
-        head_row = nl.ndarray((max(T, ns), 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.iota(head_row, [[0, 1]], channel_multiplier=1, runtime=_terms(bh, S_max),
-                  offsets=io.offsets)                                   # bh S_max + q
+        # the head's column bh S_max + q serves both gathers' rows (the sequence's offsets
+        # added)
+        head_row = seq.head_rows[0:max(T, ns), nl.ds(tail.hh, 1)]
         new_idx = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
         port.tensor_tensor(new_idx, head_row[0:T], seq.lp_i, op=nl.add)
     else:
@@ -1185,19 +1184,20 @@ def _tail_partial(cfg, io, tail):
 
     for i, rt0, rows in _row_tiles(R, cfg.row_tile):
         _tail_rows(cfg, io, tail, bh, kT, (k_new, v_new, v_part if ns > 0 else None),
-                   seq.selectors[i], rt0, rows)
+                   (seq.selectors[i], seq.ones[i]), rt0, rows)
 
 
-def _tail_rows(cfg, io, tail, bh, kT, values, selector, rt0, rows):
+def _tail_rows(cfg, io, tail, bh, kT, values, tile, rt0, rows):
     """One row tile of :func:`_tail_partial`: query rows ``rt0 .. rt0 + rows`` of the kv head
     against the tail's ``C = n - 1 + T`` keys (``kT``, ``values``: ``(k_new, v_new | flag,
-    v_part or None)``; ``selector``: the tile's :func:`_token_selector`)."""
+    v_part or None)``; ``tile``: the tile's :func:`_token_selector` and ``(1, rows)`` ones)."""
     T, D, n, R, mm = cfg.T, cfg.D, cfg.n, cfg.R, cfg.mm
     ns = n - 1
     C = ns + T
     n_dt = tiles.ceil_div(D, PMAX)
     _, v_new, v_part = values
     part_bias, new_bias = tail.seq.part_bias, tail.seq.new_bias
+    selector, ones = tile
     row0 = _expr(bh) * R + rt0
     q_nat = nl.ndarray((rows, D), dtype=io.q_rows.dtype, buffer=nl.sbuf)
     port.dma_copy(q_nat, io.q_rows[nl.ds(row0, rows), 0:D])
@@ -1217,7 +1217,6 @@ def _tail_rows(cfg, io, tail, bh, kT, values, selector, rt0, rows):
     # cannot flatten them
     mk_ps = nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
     if ns > 0:
-        ones = nl.ones((1, rows), dtype=_mask_dtype(), buffer=nl.sbuf)
         port.nc_matmul(mk_ps[0:rows, 0:ns], ones, part_bias)
     port.nc_matmul(mk_ps[0:rows, ns:C], selector, new_bias)
     scores = None
@@ -1338,8 +1337,11 @@ class _TailSequence(NamedTuple):
     ``(n - 1, 1)`` push out of bounds of the partial row's slots before the row start
     (``before``), for a contiguous cache the offsets ``part_off = lp - (n - 1) + before`` of
     their rows from ``bh S_max + q`` (else None), and their ``(1, n - 1)`` mask row
-    (``part_bias``; all three None at n = 1); the ``(T, T)`` new-token bias and the token
-    selector of each row tile (:func:`_token_selector`)."""
+    (``part_bias``; all three None at n = 1); the ``(T, T)`` new-token bias, the token
+    selector and the ``(1, rows)`` ones of each row tile (:func:`_token_selector`); for a
+    contiguous cache the int32 ``(max(T, n - 1), hpp)`` ``head_rows``, column ``hh`` the flat
+    cache row ``(b Hkv + h) S_max + q`` of partition q for head ``h = hg hpp + hh`` (else
+    None)."""
 
     lp: object
     lp_i: object
@@ -1348,6 +1350,8 @@ class _TailSequence(NamedTuple):
     part_bias: object
     new_bias: object
     selectors: list
+    ones: list
+    head_rows: object
 
 
 class _Tail(NamedTuple):
@@ -1358,6 +1362,7 @@ class _Tail(NamedTuple):
 
     b: list
     h: list
+    hh: object          # the head's index within the program's group (a loop index)
     seq: _TailSequence
     slope_g: object
     sink_g: object
@@ -1373,8 +1378,9 @@ def _expr(terms):
     return 0 if out is None else out
 
 
-def _tail_sequence(cfg, io, b):
-    """:class:`_TailSequence` of sequence ``b`` (a linear form of the program's indices): the
+def _tail_sequence(cfg, io, hg, b):
+    """:class:`_TailSequence` of sequence ``b`` for the heads of group ``hg`` (indices of the
+    program): the
     index arithmetic, masks and selectors its tails share, made once for the kv heads of a
     tail program rather than once per head (at B = 64, S = 2048, Hq = 32, Hkv = 8 on trn2 they
     were about 340 us of VectorE and 260 us of GpSimd, per head)."""
@@ -1391,7 +1397,12 @@ def _tail_sequence(cfg, io, b):
     else:
         oob = _oob_offset(io.block_table.shape[0] * io.block_table.shape[1])  # past the table
         lp_i = None
-    before = part_off = part_bias = None
+    before = part_off = part_bias = head_rows = None
+    if not paged:
+        S_max = io.k_cache.shape[2]
+        head_rows = nl.ndarray((max(T, ns), cfg.hpp), dtype=nl.int32, buffer=nl.sbuf)
+        port.iota(head_rows, [[S_max, cfg.hpp]], channel_multiplier=1,
+                  runtime=[(b, cfg.Hkv * S_max), (hg, cfg.hpp * S_max)], offsets=io.offsets)
     if ns > 0:
         # slot q is committed and in the partial row iff q >= (n - 1) - (Lp mod n)
         first = nl.ndarray(tuple(rem.shape), dtype=nl.float32, buffer=nl.sbuf)
@@ -1412,15 +1423,17 @@ def _tail_sequence(cfg, io, b):
         part_bias = nl.ndarray((1, ns), dtype=_mask_dtype(), buffer=nl.sbuf)
         port.tensor_scalar(part_bias, slot_row, op0=nl.less, operand0=first[0:1],
                            op1=nl.multiply, operand1=NEG)
-    selectors = [_token_selector(T, rt0, rows) for _, rt0, rows in _row_tiles(cfg.R, cfg.row_tile)]
+    row_tiles = _row_tiles(cfg.R, cfg.row_tile)
+    selectors = [_token_selector(T, rt0, rows) for _, rt0, rows in row_tiles]
+    ones = [nl.ones((1, rows), dtype=_mask_dtype(), buffer=nl.sbuf) for _, _, rows in row_tiles]
     return _TailSequence(lp, lp_i, before, part_off, part_bias,
-                         _new_token_bias(io.tree_mask, T), selectors)
+                         _new_token_bias(io.tree_mask, T), selectors, ones, head_rows)
 
 
 def _tails(cfg, io, hg, b):
     """Tail program ``(hg, b)``: the tails of sequence ``b`` for the kv heads ``hg hpp ..
     hg hpp + hpp - 1`` (:func:`_tail_partial`)."""
-    seq = _tail_sequence(cfg, io, b)
+    seq = _tail_sequence(cfg, io, hg, b)
 
     def head(hh):
         h = [(hg, cfg.hpp), (hh, 1)]
@@ -1431,7 +1444,7 @@ def _tails(cfg, io, hg, b):
             sink_g = _member_column(io.sinks, [(b, 1)], h, cfg.G, io.offsets)
         scales = (None if io.kv_scale is None else
                   _head_scales(io.kv_scale, h, min(cfg.R, cfg.row_tile), io.offsets))
-        _tail_partial(cfg, io, _Tail([(b, 1)], h, seq, slope_g, sink_g, scales))
+        _tail_partial(cfg, io, _Tail([(b, 1)], h, hh, seq, slope_g, sink_g, scales))
 
     port.loop(cfg.hpp, head)
 
