@@ -980,11 +980,14 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
         written = 4 Hq T (D + 1) (W + P + B)         partials (padding items: a trash block)
                 + s N D + 4 N                        o, lse
 
-    and the K/V zero fills (``decode._gather_rows``: a real work item's key rows past the
-    committed prefix are read from a one-row zero tensor, per kv head), with ``n =
-    plan.key_row``, ``r = plan.split_rows`` and ``Lp_b = cache_lens[b] - T``::
+    and, with ``tiles.decode_zero_by_dma(plan.split_rows)``, the K/V zero fills
+    (``decode._gather_rows``: per kv head, the partitions of a real
+    work item's K/V tiles that hold a key row past the committed prefix in their last tile are
+    read from a one-row zero tensor, all ``c = ceil(r / 128)`` tiles of them), with ``n =
+    plan.key_row``, ``r = plan.split_rows``, ``k = min(r, 128)`` and ``Lp_b = cache_lens[b] -
+    T``::
 
-        read   += 2 s Hkv n D sum_(b, j) (r - clip(floor(Lp_b / n) - j r, 0, r))
+        read   += 2 s Hkv c n D sum_(b, j) (k - clip(floor(Lp_b / n) - j r - (c - 1) 128, 0, k))
                                                      over the real items (b, j)
 
     With ``paged`` (a block table; ``n = plan.key_row``, ``Lp_b = cache_lens[b] - T``), the
@@ -1030,11 +1033,12 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
         read += 4 * (groups * int(np.sum(lp // plan.key_row))
                      + Hkv * int(np.sum(lp % plan.key_row + T)))
     written = 4 * Hq * T * (D + 1) * (W + pad + B) + itemsize * N * D + 4 * N
-    if work is not None:                                     # the K/V zero fills
+    if work is not None and tiles.decode_zero_by_dma(plan.split_rows):  # K/V zero fills
         rs, full = plan.split_rows, (np.asarray(cache_lens, dtype=np.int64) - T) // plan.key_row
-        skipped = sum(rs - min(max(int(full[b]) - j * rs, 0), rs)
-                      for b in range(B) for j in range(int(splits[b])))
-        read += 2 * cs * Hkv * plan.key_row * D * skipped
+        tiles_, kr = _tiles.ceil_div(rs, _tiles.PMAX), min(rs, _tiles.PMAX)
+        zeroed = sum(kr - min(max(int(full[b]) - j * rs - (tiles_ - 1) * _tiles.PMAX, 0), kr)
+                     for b in range(B) for j in range(int(splits[b])))
+        read += 2 * cs * Hkv * tiles_ * plan.key_row * D * zeroed
     scale_rows = 8 * min(Hq // Hkv * T, plan.row_tile) if cs == 1 else 0   # FP8: the scales
     read += scale_rows * Hkv * ((W + pad) // launch_.items_per_program + B)
     if api == "nki" and lnc == 2 and (groups * B) % 2:
@@ -1177,8 +1181,9 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
     mod_tensors = _cache_tensors(call, to_device)
     # the source of the split kernel's K/V zero fills (one key row of zeros, the caches' dtype)
     cache_dtype = call.dtype if call.kv_quant is None else call.kv_quant.format
-    zero_row = None if work is None else to_device(
-        np.zeros((1, plan.key_row * inputs.D), dtype=np.dtype(cache_dtype)))
+    zero_cols = _tiles.ceil_div(plan.split_rows, _tiles.PMAX) * plan.key_row * inputs.D
+    zero_row = (to_device(np.zeros((1, zero_cols), dtype=np.dtype(cache_dtype)))
+                if work is not None and tiles.decode_zero_by_dma(plan.split_rows) else None)
     o_part, lse_part = run(
         k.flash_decode_split_kernel.on(api),
         k.decode_grid(ln.groups, ln.programs, ln.core_axis, api=api, lnc=call.lnc), q,

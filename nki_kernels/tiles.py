@@ -996,6 +996,15 @@ DECODE_MIN_SPLIT_KEYS = 4096
 #: But Hq=8 Hkv=1 S=16384 (``--hq 8 --hkv 1 --seq 16384 --lnc 1``) models 52.0 us against
 #: 50.3 at 4096: a short single sequence loses a little.
 DECODE_SINGLE_SEQUENCE_SPLIT_KEYS = 8192
+#: Largest split (in key rows) whose skipped rows are zeroed by DMA from a zero row in HBM
+#: (``decode._gather_rows``) rather than by copying a zero tile over the whole K and V tiles on
+#: VectorE each step. A short split's engine fill costs as much as a long one's per tile (the
+#: tile is all partitions x ``n D``), so it weighs most on a batch of short sequences, which is
+#: bound by its engines; a long split's kernel is bound by DMA, where each fill DMA adds its
+#: fixed cost. B=64 Hq=32 Hkv=8 S=2048 (64-row splits), trn2 nki.*: VectorE 3360 -> 2233 us by
+#: DMA. B=1 S=131072 (256-row splits): 1646.0 -> 1678.9 us estimate by DMA (with the tails'
+#: and per-step instruction savings of the same change), so those keep the engine fill.
+DECODE_DMA_ZERO_FILL_MAX_ROWS = 64
 #: Passes over a split's packed score columns (VectorE max, ScalarE exp, VectorE P^T copy): the
 #: packing factor trades them (split positions / pack columns) against zero-filling the packed
 #: queries (pack * 128 columns), so pack ~ sqrt(passes * split positions / 128).
@@ -1175,6 +1184,12 @@ def decode_heads_per_program(Hkv: int, items: int, max_steps: int, cores: int = 
             continue
         best = hpp
     return best
+
+
+def decode_zero_by_dma(split_rows: int) -> bool:
+    """Whether the split kernel zeroes a split's skipped K/V rows by DMA from a zero row
+    (``split_rows <= DECODE_DMA_ZERO_FILL_MAX_ROWS``) rather than on the engines."""
+    return split_rows <= DECODE_DMA_ZERO_FILL_MAX_ROWS
 
 
 def decode_max_splits(D: int) -> int:

@@ -330,39 +330,58 @@ def _terms(terms, c):
     return [(e, k * c) for e, k in terms]
 
 
-def _local_rows(valid, kr: int, ipp: int, k: int, oob, live):
-    """``(local, beyond, zero)`` of K/V tile k of a chunk's items: the local key row ``128 k +
-    p`` of partition p (fp32, ``[kr, ipp]``), ``oob`` (int32) where that row is not below
-    ``valid[:, j]``, else 0 -- the push out of bounds of a gather index -- and the int32 index
-    into the one-row zero tensor of the row's zero fill (:func:`_gather_rows`): 0 (read the
-    zeros) exactly where the gather skips the row of a real item, else 1 or 2 (out of bounds:
-    skipped). ``live``: fp32 ``[kr, ipp]``, 1 for a real item, 2 for a padding one."""
+def _beyond(valid, kr: int, ipp: int, k: int):
+    """``(local, beyond_f)`` of K/V tile k of a chunk's items (fp32, ``[kr, ipp]``): the local
+    key row ``128 k + p`` of partition p and 1 where that row is not below ``valid[:, j]``
+    (not gathered), else 0."""
     local = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
     port.iota(local, [[0, ipp]], offset=k * PMAX, channel_multiplier=1)
     beyond_f = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_tensor(beyond_f, local, valid[0:kr, 0:ipp], op=nl.greater_equal)
+    return local, beyond_f
+
+
+def _local_rows(valid, kr: int, ipp: int, k: int, oob):
+    """``(local, beyond)`` of K/V tile k of a chunk's items: the local key row ``128 k + p`` of
+    partition p (fp32, ``[kr, ipp]``) and ``oob`` (int32) where that row is not below
+    ``valid[:, j]``, else 0 -- the push out of bounds of a gather index."""
+    local, beyond_f = _beyond(valid, kr, ipp, k)
     beyond = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_scalar(beyond, beyond_f, op0=nl.multiply, operand0=float(oob))
+    return local, beyond
+
+
+def _zero_rows_index(valid, live, g, ipp, hpp, zidx):
+    """Columns ``0 .. hpp ipp - 1`` of the int32 ``zidx``: the index into the one-row zero
+    tensor of each step's K/V zero fill (:func:`_gather_rows`; step ``hh ipp + j``, item j):
+    0 (read the zeros) on partition p when the gather skips the row of a real item in the last
+    K/V tile there (rows past the committed prefix are a suffix of the split, so then in no
+    earlier tile either, or it skips them too), else 1 or 2 (out of bounds: skipped). ``live``:
+    fp32 ``[kr, ipp]``, 1 for a real item, 2 for a padding one."""
+    kr = g.kv_rows
+    _, beyond_f = _beyond(valid, kr, ipp, g.n_kv - 1)
     zero = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
     port.scalar_tensor_tensor(zero, beyond_f, op0=nl.multiply, operand0=-1.0, op1=nl.add,
                               operand1=live[0:kr, 0:ipp])                 # live - beyond
-    return local, beyond, zero
+
+    def head(hh):
+        port.tensor_copy(zidx[0:kr, nl.ds(hh * ipp, ipp)], zero, engine="gpsimd")
+
+    port.loop(hpp, head)
 
 
-def _split_row_indices(valid, live, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, idx,
-                       zidx, offsets):
+def _split_row_indices(valid, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, idx, offsets):
     """Row indices of a chunk's K/V gathers: column ``k (hpp ipp + 2) + hh ipp + j`` of the
     int32 tile ``idx`` (:func:`_idx_col`) is the absolute key row gathered into partition p of
     K/V tile k of item j for head ``hh`` of the group (``b_j b_stride + s_j rs + h_row0 + hh
     h_stride + 128 k + p``), pushed out of bounds (``+ oob``) when the local row ``128 k + p``
-    is not below ``valid[:, j]``; the same column of ``zidx`` indexes the row's zero fill
-    (:func:`_local_rows`, ``live``). ``bs``: int32 ``b | s`` columns; ``h_row0``: a linear form
+    is not below ``valid[:, j]``. ``bs``: int32 ``b | s`` columns; ``h_row0``: a linear form
     of the program's indices (nki.*: read from ``offsets``, :class:`port.OffsetColumns`)."""
     kr = g.kv_rows
     base = _int_tile([(bs[0:kr, 0:ipp], b_stride), (bs[0:kr, ipp:2 * ipp], g.rs)], kr, ipp)
 
     def key_tile(k):
-        _, beyond, zero = _local_rows(valid, kr, ipp, k, oob, live)
+        _, beyond = _local_rows(valid, kr, ipp, k, oob)
         rows = _int_tile([(beyond, 1), (base, 1)], kr, ipp)
 
         def head(hh):
@@ -371,16 +390,14 @@ def _split_row_indices(valid, live, bs, g, ipp, hpp, h_row0, h_stride, b_stride,
                       runtime=h_row0 + [(hh, h_stride)], offsets=offsets)
             port.tensor_tensor(idx[0:kr, nl.ds(_idx_col(k, hh * ipp, hpp * ipp), ipp)], first,
                                rows, op=nl.add)
-            port.tensor_copy(zidx[0:kr, nl.ds(_idx_col(k, hh * ipp, hpp * ipp), ipp)], zero,
-                             engine="gpsimd")
 
         port.loop(hpp, head)
 
     port.unroll(g.n_kv, key_tile)
 
 
-def _paged_split_row_indices(table, valid, live, cols, bs, g, ipp, hpp, h0, Hkv, num_blocks,
-                             ppr, idx, zidx, offsets):
+def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_blocks, ppr,
+                             idx, offsets):
     """Row indices of a chunk's K/V gathers from a paged cache: column ``k (hpp ipp + 2) + hh
     ipp + j`` of ``idx`` is the row of the page pools' ``(num_blocks Hkv ppr, n D)`` view gathered
     into partition p of K/V tile k of item j for kv head ``h = h0 + hh`` (``ppr = page_size /
@@ -395,8 +412,7 @@ def _paged_split_row_indices(table, valid, live, cols, bs, g, ipp, hpp, h0, Hkv,
     prefix; every row of a padding item, b = B) reads no entry -- its table index is pushed out
     of bounds -- and keeps the page number ``num_blocks``, one past the pool, so its K/V gather
     is skipped too. Block/row arithmetic runs in fp32 on values < 2^24 (exact: ppr is a power
-    of two); page numbers and pool rows in int32. ``zidx`` and ``live``: the zero fills' indices,
-    as in :func:`_split_row_indices`.
+    of two); page numbers and pool rows in int32.
     """
     B, MB = table.shape
     kr = g.kv_rows
@@ -408,7 +424,7 @@ def _paged_split_row_indices(table, valid, live, cols, bs, g, ipp, hpp, h0, Hkv,
     table_flat = table.reshape((B * MB, 1))
 
     def key_tile(k):
-        local, beyond, zero = _local_rows(valid, kr, ipp, k, oob, live)
+        local, beyond = _local_rows(valid, kr, ipp, k, oob)
         r = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_tensor(r, local, first, op=nl.add)
         within = M.int_mod(r, ppr)                      # r mod ppr
@@ -436,33 +452,61 @@ def _paged_split_row_indices(table, valid, live, cols, bs, g, ipp, hpp, h0, Hkv,
                       offsets=offsets)
             port.tensor_tensor(idx[0:kr, nl.ds(_idx_col(k, hh * ipp, hpp * ipp), ipp)], h_rows,
                                rows, op=nl.add)
-            port.tensor_copy(zidx[0:kr, nl.ds(_idx_col(k, hh * ipp, hpp * ipp), ipp)], zero,
-                             engine="gpsimd")
 
         port.loop(hpp, head)
 
     port.unroll(g.n_kv, key_tile)
 
 
-def _gather_rows(rows_view, idx, zero_row, zidx, t, steps, g, dst):
+def _zero_source(g, mm, items):
+    """The zero tile the engine K/V fills copy from, made once per program, or None (memsets).
+
+    On trn2 VectorE copies 16-bit data SBUF->SBUF at 4 elements/cycle, so copying one zero tile
+    is 4x cheaper than a memset (1 element/cycle) once a program fills two or more K/V tiles;
+    trn1 memsets, split between VectorE (K) and GpSimd (V).
+    """
+    if port.gen3() and mm != nl.float32 and g.n_kv * items >= 2:
+        zeros = nl.ndarray((g.kv_rows, g.n * g.D), dtype=mm, buffer=nl.sbuf)
+        port.memset(zeros, 0, engine="gpsimd")
+        return zeros
+    return None
+
+
+class _ZeroFill(NamedTuple):
+    """How a program zeroes the K/V rows its gathers skip (:func:`_gather_rows`): by DMA
+    (``zero_row``, ``zidx``: :func:`_zero_rows_index`; ``tiles.decode_zero_by_dma``) or, with
+    those None, on the engines (``zeros``: :func:`_zero_source`, else memsets)."""
+
+    zero_row: object
+    zidx: object
+    zeros: object
+
+
+def _gather_rows(rows_view, idx, fill, t, steps, g, dst, engine):
     """Gather into ``dst (kv_rows, n_kv * n * D)`` the committed key rows of one split of
     ``rows_view`` (K or V rows), named by the columns of step ``t`` (of ``steps``) of the
     row-index tile ``idx`` (:func:`_idx_col`), and zeros into the rows that gather skips.
 
-    A skipped row must hold zeros, never a stale or uninitialized NaN (``0 * NaN`` in P V). The
-    zeros come by DMA from the one-row HBM tensor ``zero_row (1, n D)``: the same column of
-    ``zidx`` reads its row 0 into exactly the skipped rows of a real item (the others are out
-    of bounds: skipped), so the fill moves only those rows' bytes. Filling the whole tile on
-    an engine instead (a copy of a zero tile on VectorE, 1 us per 64-row tile on trn2) was the
-    largest VectorE cost of a batch of short sequences: 1126 of 3360 us at B = 64, S = 2048,
-    Hq = 32, Hkv = 8 (trn2, nki.*). Padding items fill nothing: their partials are trash."""
+    A skipped row must hold zeros, never a stale or uninitialized NaN (``0 * NaN`` in P V).
+    ``fill`` (:class:`_ZeroFill`) says how. By DMA: first, from the one-row HBM tensor
+    ``zero_row (1, n_kv n D)``, column t of ``zidx`` reads its row 0 into every partition
+    holding a skipped row of a real item (all its K/V tiles; the gathers then overwrite those
+    of its rows that are valid), so the fill moves only those partitions' bytes, in one
+    instruction per step (padding items fill nothing: their partials are trash). Else the
+    whole of ``dst`` is zeroed first on the engines (a copy of ``fill.zeros`` on VectorE, or a
+    memset on ``engine``, "vector" or "gpsimd")."""
     n, D, kv_rows = g.n, g.D, g.kv_rows
+    if fill.zero_row is not None:
+        port.dma_copy(dst, port.rows(fill.zero_row, fill.zidx, t), oob_skip=True)
 
     def key_tile(k):
         dst_k = dst[0:kv_rows, nl.ds(k * n * D, n * D)]
-        col = _idx_col(k, t, steps)
-        port.dma_copy(dst_k, port.rows(zero_row, zidx, col), oob_skip=True)
-        port.dma_copy(dst_k, port.rows(rows_view, idx, col), oob_skip=True)
+        if fill.zero_row is None:
+            if fill.zeros is not None:
+                port.tensor_copy(dst_k, fill.zeros, engine="vector")
+            else:
+                port.memset(dst_k, 0, engine=engine)
+        port.dma_copy(dst_k, port.rows(rows_view, idx, _idx_col(k, t, steps)), oob_skip=True)
 
     port.unroll(g.n_kv, key_tile)
 
@@ -770,7 +814,7 @@ def _row_max(banks, g, rows, P, unit):
     Per partition first (VectorE over the PSUM banks), then across the ``pack`` copies of each
     row: transpose the column to a row, reduce ``(1, rows, pack)`` on its last axis, tile the
     negated row ``pack`` times (GpSimd) and turn it back into a column with a K=1 matmul
-    against ``unit`` (a ``(1, 1)`` fp32 one; exact), copied out by ScalarE.
+    against ``unit`` (a ``(1, 1)`` fp32 one; exact).
     """
     m_cols = nl.ndarray((P, g.n_banks), dtype=nl.float32, buffer=nl.sbuf)
     for bank in tiles.unrolled(g.n_banks):
@@ -783,7 +827,7 @@ def _row_max(banks, g, rows, P, unit):
         m_p = m_cols
     neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     if g.pack == 1:
-        port.activation(neg, nl.copy, m_p, scale=-1.0)
+        port.tensor_scalar(neg, m_p, op0=nl.multiply, operand0=-1.0)
         return neg
     mt_ps = nl.ndarray((1, P), dtype=port.transpose_dtype(nl.float32), buffer=nl.psum)
     port.nc_transpose(mt_ps[0:1, 0:P], m_p[0:P, 0:1])
@@ -797,7 +841,7 @@ def _row_max(banks, g, rows, P, unit):
                        operand0=-1.0, engine="gpsimd")
     bc_ps = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
     port.nc_matmul(bc_ps[0:P, 0:1], neg_row, unit)
-    port.activation(neg, nl.copy, bc_ps)
+    port.tensor_copy(neg, bc_ps, engine="vector")
     return neg
 
 
@@ -1324,7 +1368,7 @@ class _Tensors(NamedTuple):
     alibi_slopes: object
     sinks: object
     kv_scale: object    # an FP8 cache's (Hkv, 2) float32 (k_scale, v_scale), else None
-    zero_row: object    # (1, n D) zeros in the cache dtype (the K/V zero fills), or None
+    zero_row: object    # (1, n_kv n D) zeros in the cache dtype (the K/V zero fills), or None
     o_part: object
     lse_part: object
     offsets: object
@@ -1502,29 +1546,32 @@ def _split_chunk(cfg, io, hg, c):
             port.view(idx, 0, kr, steps, [[steps + 2, g.n_kv], [1, 2]]))
     port.memset(dead, oob, engine="gpsimd")
     # the zero fills' row indices (_gather_rows): the dead steps fill nothing either
-    zidx = nl.ndarray((kr, g.n_kv * (steps + 2)), dtype=nl.int32, buffer=nl.sbuf)
-    zdead = (zidx[0:kr, steps:steps + 2] if g.n_kv == 1 else
-             port.view(zidx, 0, kr, steps, [[steps + 2, g.n_kv], [1, 2]]))
-    port.memset(zdead, 1, engine="gpsimd")
-    live = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)     # 1 real, 2 padding
-    port.tensor_scalar(live, cols[0:kr, 0:ipp], op0=nl.greater_equal, operand0=float(B),
-                       op1=nl.add, operand1=1.0)
-    if io.block_table is None:
-        _split_row_indices(valid, live, bs, g, ipp, hpp, _terms(h0, rows_bh), rows_bh,
-                           Hkv * rows_bh, oob, idx, zidx, io.offsets)
+    if tiles.decode_zero_by_dma(rs):
+        zidx = nl.ndarray((kr, steps + 2), dtype=nl.int32, buffer=nl.sbuf)
+        port.memset(zidx[0:kr, steps:steps + 2], 1, engine="gpsimd")     # the dead steps
+        live = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)  # 1 real, 2 padding
+        port.tensor_scalar(live, cols[0:kr, 0:ipp], op0=nl.greater_equal, operand0=float(B),
+                           op1=nl.add, operand1=1.0)
+        _zero_rows_index(valid, live, g, ipp, hpp, zidx)
+        fill = _ZeroFill(io.zero_row, zidx, None)
     else:
-        _paged_split_row_indices(io.block_table, valid, live, cols, bs, g, ipp, hpp, h0, Hkv,
-                                 num_blocks, ppr, idx, zidx, io.offsets)
+        fill = _ZeroFill(None, None, _zero_source(g, mm, steps + 2))
+    if io.block_table is None:
+        _split_row_indices(valid, bs, g, ipp, hpp, _terms(h0, rows_bh), rows_bh, Hkv * rows_bh,
+                           oob, idx, io.offsets)
+    else:
+        _paged_split_row_indices(io.block_table, valid, cols, bs, g, ipp, hpp, h0, Hkv,
+                                 num_blocks, ppr, idx, io.offsets)
     kv_cols = g.n_kv * n * D
     k_nat = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
     v_all = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
     kT = [nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
 
     def gather_k(t, b):
-        _gather_rows(k_rows, idx, io.zero_row, zidx, t, steps, g, k_nat[b])
+        _gather_rows(k_rows, idx, fill, t, steps, g, k_nat[b], "vector")
 
     def gather_v(t, b):
-        _gather_rows(v_rows, idx, io.zero_row, zidx, t, steps, g, v_all[b])
+        _gather_rows(v_rows, idx, fill, t, steps, g, v_all[b], "gpsimd")
 
     # the first two steps' K/V gathers go out as soon as their row indices exist: the masks,
     # slopes, scales and query loads below then overlap them instead of delaying them
@@ -1735,9 +1782,10 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         the keys' are folded into the softmax scale of the head's query rows
         (:func:`_scaled_query_t`), the values' into its partial outputs
         (:func:`_normalize_rows`), so no dequantized cache is ever formed.
-    zero_row : (1, key_row * D) zeros in the caches' dtype (HBM), required with ``work``
-        The source of the K/V zero fills: a gathered split's rows past the committed prefix
-        (of a real work item) are read from it, so they hold zeros (:func:`_gather_rows`).
+    zero_row : (1, ceil(split_rows / 128) * key_row * D) zeros in the caches' dtype (HBM)
+        Required with ``work`` when ``tiles.decode_zero_by_dma(split_rows)`` (else None): the
+        source of the K/V zero fills, a gathered split's rows past the committed prefix (of a
+        real work item) are read from it so that they hold zeros (:func:`_gather_rows`).
     softcap, alibi_slopes, sinks :
         Score modifiers (``score_mods.py``; HBM float32 ``(1 or B, Hq)`` slopes and ``(Hq,)``
         sinks): soft-capping and ALiBi in every partial (new token t at position ``L - T +
@@ -1775,10 +1823,15 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
             f"items ({W}) and the kv heads ({Hkv}), and a program's steps come in pairs "
             f"(an even number of items, or 1 item and 1 or an even number of heads)")
     C = W // ipp                   # chunk programs
-    if work is not None and (zero_row is None or tuple(zero_row.shape) != (1, key_row * D)):
+    zero_cols = tiles.ceil_div(split_rows, PMAX) * key_row * D
+    by_dma = work is not None and tiles.decode_zero_by_dma(split_rows)
+    if (zero_row is not None) != by_dma or (by_dma and tuple(zero_row.shape) != (1, zero_cols)):
         raise ValueError(
-            f"zero_row: a (1, key_row * D) = (1, {key_row * D}) tensor of zeros is required "
-            f"with a work list, got {None if zero_row is None else tuple(zero_row.shape)}")
+            f"zero_row: a (1, ceil(split_rows / 128) * key_row * D) = (1, {zero_cols}) tensor "
+            f"of zeros is required with a work list of splits of at most "
+            f"{tiles.DECODE_DMA_ZERO_FILL_MAX_ROWS} key rows, None otherwise; got "
+            f"{None if zero_row is None else tuple(zero_row.shape)} (split_rows={split_rows}, "
+            f"work {'given' if work is not None else 'None'})")
     if mm_dtype not in _DTYPES:
         raise ValueError(f"mm_dtype: expected one of {_DTYPES}, got {mm_dtype!r}")
     # nki.*: the tails' flat rows of a contiguous cache, or their block-table entries, in fp32
