@@ -1001,9 +1001,11 @@ DECODE_SINGLE_SEQUENCE_SPLIT_KEYS = 8192
 #: VectorE each step. A short split's engine fill costs as much as a long one's per tile (the
 #: tile is all partitions x ``n D``), so it weighs most on a batch of short sequences, which is
 #: bound by its engines; a long split's kernel is bound by DMA, where each fill DMA adds its
-#: fixed cost. B=64 Hq=32 Hkv=8 S=2048 (64-row splits), trn2 nki.*: VectorE 3360 -> 2233 us by
-#: DMA. B=1 S=131072 (256-row splits): 1646.0 -> 1678.9 us estimate by DMA (with the tails'
-#: and per-step instruction savings of the same change), so those keep the engine fill.
+#: fixed cost. Hq=32 Hkv=8 D=128 bf16, trn2 nki.* (``python benchmarks/nkilib_side_by_side.py
+#: /tmp/nkilib-tkg --kernel tkg --decode BxS``): B=64 S=2048 (64-row splits) by DMA, VectorE
+#: 3360 -> 2233 us (that change alone); B=1 S=131072 (256-row splits) zeroing every K/V tile
+#: by DMA (with the other per-step savings of 2026-11-28) 1646.0 -> 1678.9 us estimate, with
+#: the engine fill 1638.8; B=8 S=16384 (128-row splits), engine fill: 1856.0 -> 1808.8.
 DECODE_DMA_ZERO_FILL_MAX_ROWS = 64
 #: Passes over a split's packed score columns (VectorE max, ScalarE exp, VectorE P^T copy): the
 #: packing factor trades them (split positions / pack columns) against zero-filling the packed
