@@ -69,11 +69,12 @@ committed positions:
   partial key row and the T new tokens, one position per partition (same mechanism); the new
   tokens' mask (causal or ``tree_mask``) is a static (T, T) bias, the same layout every step,
 
-so every valid K/V byte is read exactly once and nothing at or past ``L_b``. Skipped rows of a
-real item are zeroed by a second indirect DMA that reads a one-row zero tensor into exactly
-those rows (``zero_row``, :func:`_gather_rows`): a stale or uninitialized NaN left in SBUF
-would otherwise survive ``0 * NaN`` in the PV matmul (and smear through a TensorE transpose on
-trn1). Invalid
+so every valid K/V byte is read exactly once and nothing at or past ``L_b``. Skipped rows are
+zeroed -- for splits of at most ``tiles.DECODE_DMA_ZERO_FILL_MAX_ROWS`` key rows by a second
+indirect DMA that reads a one-row zero tensor into the partitions holding them (``zero_row``),
+else by a zero-tile copy (trn2) or memsets (trn1) over the whole K/V tiles first
+(:func:`_gather_rows`): a stale or uninitialized NaN left in SBUF would otherwise survive
+``0 * NaN`` in the PV matmul (and smear through a TensorE transpose on trn1). Invalid
 keys are masked by adding ``DECODE_MASK_BIAS`` to their scores *in PSUM*, by one extra matmul
 (ones x bias row), since validity is runtime data and ``mask=`` only takes compile-time affine
 predicates.
@@ -95,7 +96,8 @@ PSUM before its softmax, so no online rescaling is needed; a long cache uses mor
 
 Per position (D=128, bf16): TensorE 1 cycle (K transpose) + 1 (Q K^T) + 0.5 (P V); ScalarE
 1 per 128 positions and head-dim row (K^T PSUM -> SBUF); VectorE/GpSimd a few per packed
-score column -- all below the
+score column plus, for splits zeroed on the engines, the zero-fill (a 16-bit copy at 4
+elements/cycle on trn2) -- all below the
 DMA time of the 512 bytes per position (hardware-and-limits.md §5, decode rows;
 benchmarks/decode.py).
 
