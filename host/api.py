@@ -947,11 +947,21 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
                 + s Hq T D (W + B)                   q, per real work item and tail program
                 + 8 H' (W + P) + 4 H' (W + B)        work items (b, s); one int32 length per
                                                      real work item and per tail program
-                + T^2 B Hkv                          uint8 tree mask per tail program (if any)
+                + T^2 B H'                           uint8 tree mask per tail program (if any)
                 + 4 N (D + 1) S + 4 N [S > 1]        all partial slots and the per-row split
                                                      counts, by the merge
         written = 4 Hq T (D + 1) (W + P + B)         partials (padding items: a trash block)
                 + s N D + 4 N                        o, lse
+
+    and, with ``tiles.decode_zero_by_dma(plan.split_rows)``, the K/V zero fills
+    (``decode._gather_rows``: per kv head, the partitions of a real
+    work item's K/V tiles that hold a key row past the committed prefix in their last tile are
+    read from a one-row zero tensor, all ``c = ceil(r / 128)`` tiles of them), with ``n =
+    plan.key_row``, ``r = plan.split_rows``, ``k = min(r, 128)`` and ``Lp_b = cache_lens[b] -
+    T``::
+
+        read   += 2 s Hkv c n D sum_(b, j) (k - clip(floor(Lp_b / n) - j r - (c - 1) 128, 0, k))
+                                                     over the real items (b, j)
 
     With ``paged`` (a block table; ``n = plan.key_row``, ``Lp_b = cache_lens[b] - T``), the
     block table adds one int32 per gathered key row (once per head group: the page does not
@@ -966,7 +976,7 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     Through ``api="nki"`` with LNC=2 and an odd number ``H' B`` of tail programs, both cores
     run the middle one (:func:`decode_launch`), sequence ``b = ((H' B - 1) / 2) mod B`` for
     ``h = Hkv / H'`` kv heads: its reads (``s h G T D`` of q, 4 of the length, ``2 s h D
-    (Lp_b mod n + T)`` of K/V, ``h T^2`` of the tree mask, paged ``4 h (Lp_b mod n + T)``) and
+    (Lp_b mod n + T)`` of K/V, ``T^2`` of the tree mask, paged ``4 h (Lp_b mod n + T)``) and
     its ``4 h G T (D + 1)`` bytes of partials count twice.
 
     An FP8 cache (``cache_itemsize`` 1; None: the caches in q's itemsize ``s``) has ``s``
@@ -990,12 +1000,18 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     read = (kv + itemsize * Hq * T * D * (W + B) + 8 * groups * (W + pad)
             + 4 * groups * (W + B) + 4 * N * (D + 1) * S + (4 * N if S > 1 else 0))
     if tree_mask:
-        read += T * T * B * Hkv
+        read += T * T * B * groups
     if paged:
         lp = np.asarray(cache_lens, dtype=np.int64) - T
         read += 4 * (groups * int(np.sum(lp // plan.key_row))
                      + Hkv * int(np.sum(lp % plan.key_row + T)))
     written = 4 * Hq * T * (D + 1) * (W + pad + B) + itemsize * N * D + 4 * N
+    if work is not None and tiles.decode_zero_by_dma(plan.split_rows):  # K/V zero fills
+        rs, full = plan.split_rows, (np.asarray(cache_lens, dtype=np.int64) - T) // plan.key_row
+        tiles_, kr = _tiles.ceil_div(rs, _tiles.PMAX), min(rs, _tiles.PMAX)
+        zeroed = sum(kr - min(max(int(full[b]) - j * rs - (tiles_ - 1) * _tiles.PMAX, 0), kr)
+                     for b in range(B) for j in range(int(splits[b])))
+        read += 2 * cs * Hkv * tiles_ * plan.key_row * D * zeroed
     scale_rows = 8 * min(Hq // Hkv * T, plan.row_tile) if cs == 1 else 0   # FP8: the scales
     read += scale_rows * Hkv * ((W + pad) // launch_.items_per_program + B)
     if api == "nki" and lnc == 2 and (groups * B) % 2:
@@ -1004,7 +1020,7 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
         tail = int(cache_lens[b]) - T
         tail = tail % plan.key_row + T                       # positions the tail reads
         read += (itemsize * h * G * T * D + 4 + 2 * cs * h * D * tail + scale_rows * h
-                 + (h * T * T if tree_mask else 0) + (4 * h * tail if paged else 0))
+                 + (T * T if tree_mask else 0) + (4 * h * tail if paged else 0))
         written += 4 * h * G * T * (D + 1)
     return read, written
 
@@ -1127,11 +1143,17 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
     ln = decode_launch(lens, T, Hkv, plan, call.lnc, api)
     work, splits = ln.work, ln.splits
     mod_tensors = _cache_tensors(call, to_device)
+    # the source of the split kernel's K/V zero fills (one key row of zeros, the caches' dtype)
+    cache_dtype = call.dtype if call.kv_quant is None else call.kv_quant.format
+    zero_cols = _tiles.ceil_div(plan.split_rows, _tiles.PMAX) * plan.key_row * inputs.D
+    zero_row = (to_device(np.zeros((1, zero_cols), dtype=np.dtype(cache_dtype)))
+                if work is not None and tiles.decode_zero_by_dma(plan.split_rows) else None)
     o_part, lse_part = run(
         k.flash_decode_split_kernel.on(api),
         k.decode_grid(ln.groups, ln.programs, ln.core_axis, api=api, lnc=call.lnc), q,
         k_cache, v_cache, to_device(lens),
-        None if work is None else to_device(work), tree, table, scale=call.scale,
+        None if work is None else to_device(work), tree, table, zero_row=zero_row,
+        scale=call.scale,
         mm_dtype=call.mm_dtype, key_row=plan.key_row, split_rows=plan.split_rows,
         num_splits=plan.num_splits, row_tile=plan.row_tile, pack=plan.pack,
         items_per_program=ln.items_per_program, heads_per_program=ln.heads_per_program,

@@ -1070,6 +1070,17 @@ DECODE_MIN_SPLIT_KEYS = 4096
 #: But Hq=8 Hkv=1 S=16384 (``--hq 8 --hkv 1 --seq 16384 --lnc 1``) models 52.0 us against
 #: 50.3 at 4096: a short single sequence loses a little.
 DECODE_SINGLE_SEQUENCE_SPLIT_KEYS = 8192
+#: Largest split (in key rows) whose skipped rows are zeroed by DMA from a zero row in HBM
+#: (``decode._gather_rows``) rather than by copying a zero tile over the whole K and V tiles on
+#: VectorE each step. A short split's engine fill costs as much as a long one's per tile (the
+#: tile is all partitions x ``n D``), so it weighs most on a batch of short sequences, which is
+#: bound by its engines; a long split's kernel is bound by DMA, where each fill DMA adds its
+#: fixed cost. Hq=32 Hkv=8 D=128 bf16, trn2 nki.* (``python benchmarks/nkilib_side_by_side.py
+#: /tmp/nkilib-tkg --kernel tkg --decode BxS``): B=64 S=2048 (64-row splits) by DMA, VectorE
+#: 3360 -> 2233 us (that change alone); B=1 S=131072 (256-row splits) zeroing every K/V tile
+#: by DMA (with the other per-step savings of 2026-11-28) 1646.0 -> 1678.9 us estimate, with
+#: the engine fill 1638.8; B=8 S=16384 (128-row splits), engine fill: 1856.0 -> 1808.8.
+DECODE_DMA_ZERO_FILL_MAX_ROWS = 64
 #: Passes over a split's packed score columns (VectorE max, ScalarE exp, VectorE P^T copy): the
 #: packing factor trades them (split positions / pack columns) against zero-filling the packed
 #: queries (pack * 128 columns), so pack ~ sqrt(passes * split positions / 128).
@@ -1249,6 +1260,12 @@ def decode_heads_per_program(Hkv: int, items: int, max_steps: int, cores: int = 
             continue
         best = hpp
     return best
+
+
+def decode_zero_by_dma(split_rows: int) -> bool:
+    """Whether the split kernel zeroes a split's skipped K/V rows by DMA from a zero row
+    (``split_rows <= DECODE_DMA_ZERO_FILL_MAX_ROWS``) rather than on the engines."""
+    return split_rows <= DECODE_DMA_ZERO_FILL_MAX_ROWS
 
 
 def decode_max_splits(D: int) -> int:
