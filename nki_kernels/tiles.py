@@ -377,6 +377,14 @@ def bwd_rows_per_pass(D: int, op_itemsize: int, target: str, *, dq_on_chip: bool
     return PMAX * max(1, room // bwd_slot_bytes(D, op_itemsize, dq_on_chip))
 
 
+def bsp_bwd_resident(G: int, Nq: int, D: int, op_itemsize: int, target: str) -> bool:
+    """Whether the block-sparse backward (``attention/block_sparse_bwd.py``) stages the query
+    side of all ``ceil(Nq / 128)`` query tiles of the ``G`` heads of a kv group, and one zero
+    tile per head, in SBUF: ``bwd_slot_bytes`` per tile, as the dense backward's single pass
+    (:func:`bwd_rows_per_pass`). Otherwise it streams the query side per block pair."""
+    return G * (ceil_div(Nq, PMAX) + 1) * PMAX <= bwd_rows_per_pass(D, op_itemsize, target)
+
+
 def bwd_passes(G: int, Nq: int, rows_per_pass: int) -> Tuple[int, int]:
     """``(P, slots)``: passes over K/V and resident 128-row query tiles per head and pass, for
     ``G`` query heads per kv head. Pass p holds tiles ``t P + p`` (t < slots) of every head; the

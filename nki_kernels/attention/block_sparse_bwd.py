@@ -41,8 +41,8 @@ from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
 from nki_kernels.attention import score_mods as SM
 from nki_kernels.attention.block_sparse import (P, Geometry, Row, RowFrame, check_classes,
-                                                gather, own_rows, refuse_large_in_nki, scatter,
-                                                unit_seeds)
+                                                gather, own_rows, refuse_large_in_nki, rows_at,
+                                                scatter, unit_seeds)
 from nki_kernels.port import nl
 
 #: -lse is clamped to this before the exp: a row without visible keys (lse = -inf) keeps
@@ -87,14 +87,141 @@ class _Cfg:
         return (0, h)
 
 
-def _transposed(f: F.Instance, x, scale: float = 1.0):
+class _Resident:
+    """The query side of every query tile of the instance's G heads, staged in SBUF once (the
+    dense backward's resident pass, ``backward.py``) and read by the key-major sweep at each
+    pair's tile (:func:`port.dynamic_cols`: the tile is data, a table entry), with dQ
+    accumulated beside it. Tile ``n = h (nqt + 1) + i`` holds query tile i of member head h;
+    tile ``h (nqt + 1) + nqt`` is the head's zero tile, which padding slots (legacy: every
+    slot of a row runs) read and add nothing to. Per tile, per partition:
+
+    - ``T[pass]`` ``[rows, 2 x 128]`` (matmul dtype): ``(scale Q)^T`` then ``dO^T``;
+    - ``nat`` ``[128, 2 D]`` (matmul dtype): Q then dO (the moving operands of dK and dV);
+    - ``acc`` ``[128, D + 2]`` fp32: the dQ accumulator, the clamped ``-lse``, delta.
+
+    ``tiles.bwd_slot_bytes`` per tile, as the dense backward's slot (``bsp_bwd_resident``
+    decides whether they fit)."""
+
+    def __init__(self, f: F.Instance, nqt: int):
+        self.per_head = nqt + 1
+        n = f.G * self.per_head
+        self.wt, self.wn, self.wa = 2 * P, 2 * f.D, f.D + 2
+        self.T = [nl.ndarray((rows, n * self.wt), dtype=f.mm, buffer=nl.sbuf)
+                  for _, rows in f.d_passes]
+        self.nat = nl.ndarray((P, n * self.wn), dtype=f.mm, buffer=nl.sbuf)
+        self.acc = nl.ndarray((P, n * self.wa), dtype=nl.float32, buffer=nl.sbuf)
+        port.memset(self.acc, 0.0, engine="gpsimd")
+
+        def zero_tile(h):
+            z = h * self.per_head + nqt
+            for t in self.T:
+                port.memset(t[:, nl.ds(z * self.wt, self.wt)], 0.0, engine="gpsimd")
+            port.memset(self.nat[:, nl.ds(z * self.wn, self.wn)], 0.0, engine="gpsimd")
+
+        port.loop(f.G, zero_tile)
+
+    def offsets(self, f: F.Instance, geo: Geometry, rw: Row, h):
+        """int32 ``[1, trip]`` each: the first columns in ``T``, ``nat``, ``acc`` of the tiles
+        of ``rw``'s entries (query tiles ``block_first / 128``, a padding slot's the zero
+        tile) of member head h. Five ``[1, trip]`` instructions per row and head."""
+        trip = rw.trip
+        head0 = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(head0, [[0, 1]], runtime=[(h, self.per_head)], offsets=geo.indices)
+        tile = nl.ndarray((1, trip), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(tile, rw.bc[0:1, 2:2 + trip], nl.multiply, 1.0 / P, op1=nl.minimum,
+                           operand1=float(self.per_head - 1))
+        port.tensor_scalar(tile, tile, nl.add, head0)
+        out = []
+        for w in (self.wt, self.wn, self.wa):
+            o = nl.ndarray((1, trip), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_scalar(o, tile, nl.multiply, float(w))
+            out.append(o)
+        return out
+
+    def tile(self, f: F.Instance, offs, sl):
+        """Slot sl's tile (``offs``: :meth:`offsets`): ``(q_mm, do_mm, qT, doT, neg_lse,
+        delta, acc)``, views or (legacy) copies, ``acc`` for :meth:`add_dq`."""
+        cols = [o[0:1, nl.ds(sl, 1)] for o in offs]
+        ts = [port.dynamic_cols(t, cols[0], self.wt) for t in self.T]
+        nat = port.dynamic_cols(self.nat, cols[1], self.wn)
+        acc = port.dynamic_cols(self.acc, cols[2], self.wa)
+        D = f.D
+        return (nat[:, 0:D], nat[:, D:2 * D], [t[:, 0:P] for t in ts], [t[:, P:2 * P] for t in ts],
+                acc[:, D:D + 1], acc[:, D + 1:D + 2], (cols[2], acc))
+
+    def add_dq(self, acc, dq_ps):
+        """dQ of the slot's tile ``+= dq_ps`` (``acc`` from :meth:`tile`)."""
+        port.dynamic_cols_add(self.acc, acc[0], acc[1], dq_ps)
+
+    def stage(self, cfg: "_Cfg", geo: Geometry, h, t):
+        """Query tile t of member head h into its tile: gathers of Q, dO, O, lse (rows past
+        q_len or Nq skipped, zero), delta = rowsum(dO O), the clamped -lse, the transposes;
+        with sinks the rows' shares of dsink."""
+        f = cfg.f
+        head = f.head(h)
+        q_frame = RowFrame.of(f.q, (f.b, head), geo.indices)
+        pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(pos, [[0, 1]], channel_multiplier=1, runtime=[(t, P)], offsets=geo.indices)
+        idx = rows_at(pos, geo.q_len, q_frame)
+        x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
+        gather(x, f.q, (f.b, head), idx, 0, True)
+        dx = nl.ndarray((P, f.D), dtype=cfg.do.dtype, buffer=nl.sbuf)
+        gather(dx, cfg.do, (f.b, head), idx, 0, True)
+        ox = nl.ndarray((P, f.D), dtype=f.o.dtype, buffer=nl.sbuf)
+        gather(ox, f.o, (f.b, head), idx, 0, True)
+        lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        gather(lse, f.lse_col, (f.b, head), idx, 0, True)
+        n = h * self.per_head + t
+        a0, D = n * self.wa, f.D
+        port.tensor_scalar(self.acc[:, nl.ds(a0 + D, 1)], lse, nl.multiply, -1.0,
+                           op1=nl.minimum, operand1=LSE_CLAMP)
+        d = self.acc[:, nl.ds(a0 + D + 1, 1)]
+        _rowsum(dx, ox, d)
+        if cfg.dsink_acc is not None:
+            add_sink_share(cfg.cols, h, lse, d, cfg.dsink_acc)
+        t0 = n * self.wt
+        _transposed(f, x, cfg.scale, into=[t[:, nl.ds(t0, P)] for t in self.T])
+        _transposed(f, dx, into=[t[:, nl.ds(t0 + P, P)] for t in self.T])
+        n0 = n * self.wn
+        port.tensor_copy(self.nat[:, nl.ds(n0, D)], x, engine="gpsimd")
+        port.tensor_copy(self.nat[:, nl.ds(n0 + D, D)], dx, engine="gpsimd")
+
+    def write_dq(self, cfg: "_Cfg", geo: Geometry, h, t):
+        """dQ of query tile t of member head h: ``scale`` times its accumulator, cast and
+        scattered (rows past Nq skipped)."""
+        f = cfg.f
+        head = f.head(h)
+        q_frame = RowFrame.of(f.q, (f.b, head), geo.indices)
+        pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(pos, [[0, 1]], channel_multiplier=1, runtime=[(t, P)], offsets=geo.indices)
+        out_idx = rows_at(pos, f.Nq, q_frame)
+        a0 = (h * self.per_head + t) * self.wa
+        dq_out = nl.ndarray((P, f.D), dtype=cfg.dq.dtype, buffer=nl.sbuf)
+        port.tensor_scalar(dq_out, self.acc[:, nl.ds(a0, f.D)], nl.multiply, cfg.scale)
+        scatter(cfg.dq, (f.b, head), out_idx, dq_out)
+
+
+def _dq_product(f: F.Instance, ds, k_mm):
+    """``dS K`` ``[128 queries, D]`` in a fresh PSUM group: dS^T by a TensorE transpose (dQ
+    contracts over the keys), copied out of PSUM by VectorE."""
+    tp = nl.ndarray((P, P), dtype=f.transpose_psum_dtype(f.mm), buffer=nl.psum)
+    port.nc_transpose(tp, ds)
+    dsT = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
+    port.tensor_copy(dsT, tp, engine="vector")
+    dq_ps = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.psum)
+    port.nc_matmul(dq_ps, dsT, k_mm)
+    return dq_ps
+
+
+def _transposed(f: F.Instance, x, scale: float = 1.0, into=None):
     """``x^T`` ``[d, 128]`` per head-dim pass of a ``[128, D]`` tile, at matmul dtype (TensorE
-    transpose, ScalarE copy out of PSUM with ``scale``)."""
+    transpose, ScalarE copy out of PSUM with ``scale``), into new tiles or the views ``into``
+    (one per pass)."""
     out = []
-    for d0, rows in f.d_passes:
+    for pi, (d0, rows) in enumerate(f.d_passes):
         tp = nl.ndarray((rows, P), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
         port.nc_transpose(tp, x[:, d0:d0 + rows])
-        t = nl.ndarray((rows, P), dtype=f.mm, buffer=nl.sbuf)
+        t = nl.ndarray((rows, P), dtype=f.mm, buffer=nl.sbuf) if into is None else into[pi]
         port.activation(t, nl.copy, tp, scale=scale)
         out.append(t)
     return out
@@ -225,16 +352,22 @@ def _delta(cfg: _Cfg, h, t0, rows: int):
     port.dma_copy(dx, cfg.do[f.b, head, nl.ds(t0, rows), :], legacy_isa=True)
     ox = nl.ndarray((rows, f.D), dtype=f.o.dtype, buffer=nl.sbuf)
     port.dma_copy(ox, f.o[f.b, head, nl.ds(t0, rows), :], legacy_isa=True)
-    prod = nl.ndarray((rows, f.D), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_tensor(prod, dx, ox, nl.multiply)
     d = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_reduce(d, nl.add, prod, axis=(1,))
+    _rowsum(dx, ox, d)
     port.dma_copy(cfg.delta[(*cfg.delta_lead(h), nl.ds(t0, rows), slice(None))], d,
                   legacy_isa=True)
     if cfg.dsink_acc is not None:
         lse = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.dma_copy(lse, f.lse_col[f.b, head, nl.ds(t0, rows), :], legacy_isa=True)
         add_sink_share(cfg.cols, h, lse, d, cfg.dsink_acc)
+
+
+def _rowsum(dx, ox, d):
+    """``d = rowsum(dO * O)`` (fp32 ``[rows, 1]``) of the ``[rows, D]`` tiles dO and O
+    (VectorE)."""
+    prod = nl.ndarray(tuple(dx.shape), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(prod, dx, ox, nl.multiply)
+    port.tensor_reduce(d, nl.add, prod, axis=(1,))
 
 
 def add_sink_share(cols: SM.HeadColumns, h, lse, d, acc):
@@ -252,8 +385,11 @@ def add_sink_share(cols: SM.HeadColumns, h, lse, d, acc):
     port.scalar_tensor_tensor(col, p_sink, nl.multiply, d, nl.add, col)
 
 
-def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
-    """dK, dV of the key block at order position ``pos`` (phase 2 of the module docstring)."""
+def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool,
+               res: "_Resident" = None):
+    """dK, dV of the key block at order position ``pos`` (phase 2 of the module docstring),
+    accumulated in PSUM over its pairs; with ``res`` (the staged query side) also each pair's
+    ``dS K`` into its query tile's dQ accumulator."""
     f = cfg.f
     hb = f.b if meta_k.shape[0] > 1 else 0
     per_head = meta_k.shape[1] > 1
@@ -261,14 +397,14 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
     first_row = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.dma_copy(first_row, meta_k[hb, head0, nl.ds(pos, 1), 0:1], legacy_isa=True)
     k_first = M.broadcast_row(first_row, 1)
-    dk_acc = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
-    port.memset(dk_acc, 0.0, engine="gpsimd")
-    dv_acc = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
-    port.memset(dv_acc, 0.0, engine="gpsimd")
     k_idx, _ = own_rows(geo, k_first, geo.kv_len, geo.kv)
+    dk_out = nl.ndarray((P, f.D), dtype=cfg.dk.dtype, buffer=nl.sbuf)
+    dv_out = nl.ndarray((P, f.D), dtype=cfg.dv.dtype, buffer=nl.sbuf)
     if trip:
+        dk_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
+        dv_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
         skip = cfg.need_mask(geo, exact)
-        kT, vT, _ = _key_side(cfg, k_idx, True, False)
+        kT, vT, k_mm = _key_side(cfg, k_idx, True, res is not None)
         key_thr0 = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_tensor(key_thr0, geo.kv_len, k_first, nl.subtract)
         big = float(2 * P + f.Nk + f.Nq)
@@ -293,29 +429,32 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
             dist = geo.distance_columns(gap) if cfg.mods.alibi else None
             seeds = (unit_seeds(f, f.head(h), rw.bc[0:1, 2:2 + trip], rw.bc[0:1, 0:1])
                      if cfg.dropout_p else None)
+            offs = res.offsets(f, geo, rw, h) if res is not None else None
 
             def slot(sl):
-                # a padding slot's first row is past every sequence: nothing is read
-                q_mm, do_mm, qT, doT, neg_lse, delta, _ = _query_side(
-                    cfg, geo, h, rw.block_first[:, nl.ds(sl, 1)], q_frame)
+                if res is None:
+                    # a padding slot's first row is past every sequence: nothing is read
+                    q_mm, do_mm, qT, doT, neg_lse, delta, _ = _query_side(
+                        cfg, geo, h, rw.block_first[:, nl.ds(sl, 1)], q_frame)
+                else:
+                    q_mm, do_mm, qT, doT, neg_lse, delta, acc = res.tile(f, offs, sl)
                 p_dv, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, delta,
                                  *_slot(sl, seeds, thr, hi, lo), h=h,
                                  dist=None if dist is None else geo.distance_tile(dist, sl, 1))
-                dv_ps = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.psum)
-                port.nc_matmul(dv_ps, p_dv, do_mm)
-                _accumulate(dv_acc, dv_ps)
-                dk_ps = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.psum)
-                port.nc_matmul(dk_ps, ds, q_mm)
-                _accumulate(dk_acc, dk_ps)
+                port.nc_matmul(dv_ps, p_dv, do_mm, accumulate=True)
+                port.nc_matmul(dk_ps, ds, q_mm, accumulate=True)
+                if res is not None:
+                    res.add_dq(acc, _dq_product(f, ds, k_mm))
 
             rw.slot_loop(exact, slot)
 
         port.loop(f.G, head, carried=True)
+        port.tensor_scalar(dk_out, dk_ps, nl.multiply, cfg.scale)
+        port.tensor_copy(dv_out, dv_ps)
+    else:
+        port.memset(dk_out, 0.0, engine="gpsimd")
+        port.memset(dv_out, 0.0, engine="gpsimd")
     out_idx, _ = own_rows(geo, k_first, f.Nk, geo.kv)
-    dk_out = nl.ndarray((P, f.D), dtype=cfg.dk.dtype, buffer=nl.sbuf)
-    port.tensor_scalar(dk_out, dk_acc, nl.multiply, cfg.scale)
-    dv_out = nl.ndarray((P, f.D), dtype=cfg.dv.dtype, buffer=nl.sbuf)
-    port.tensor_copy(dv_out, dv_acc)
     scatter(cfg.dk, (f.b, f.g), out_idx, dk_out)
     scatter(cfg.dv, (f.b, f.g), out_idx, dv_out)
 
@@ -361,13 +500,7 @@ def _query_tile(cfg: _Cfg, geo: Geometry, meta_q, h, q_frame: RowFrame, pos, tri
             _, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, delta,
                           *_slot(sl, seeds, thr, hi, lo), h=h,
                           dist=None if dist is None else geo.distance_tile(dist, sl, 1))
-            tp = nl.ndarray((P, P), dtype=f.transpose_psum_dtype(f.mm), buffer=nl.psum)
-            port.nc_transpose(tp, ds)
-            dsT = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
-            port.tensor_copy(dsT, tp, engine="vector")
-            dq_ps = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.psum)
-            port.nc_matmul(dq_ps, dsT, k_mm)
-            _accumulate(dq_acc, dq_ps)
+            _accumulate(dq_acc, _dq_product(f, ds, k_mm))
 
         rw.slot_loop(exact, slot)
     out_idx, _ = own_rows(geo, rw.first, f.Nq, q_frame)
@@ -414,13 +547,19 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
               else None)
     dk = nl.ndarray((B, Hkv, Nk, D), dtype=q.dtype, buffer=nl.shared_hbm)
     dv = nl.ndarray((B, Hkv, Nk, D), dtype=q.dtype, buffer=nl.shared_hbm)
-    # rowsum(dO * O) scratch: each legacy program's own (its G heads); in 0.7 one program
-    # runs every instance and keeps every head's (the same bytes in all)
+    # the query side of a kv group staged in SBUF when it fits (one key-major sweep), else
+    # streamed (the two sweeps and the delta pre-pass)
+    resident = T.bsp_bwd_resident(G, Nq, D, 4 if mm_dtype == "float32" else 2,
+                                  "trn2" if port.gen3() else "trn1")
+    # rowsum(dO * O) scratch when streaming: each legacy program's own (its G heads); in 0.7
+    # one program runs every instance and keeps every head's (the same bytes in all)
     every_head = port.launch_grid((B, Hkv), port.api()) == (1,)
-    delta = nl.ndarray((B, Hq, Nq, 1) if every_head else (1, G, Nq, 1), dtype=nl.float32,
-                       buffer=nl.hbm)
+    delta = (None if resident else
+             nl.ndarray((B, Hq, Nq, 1) if every_head else (1, G, Nq, 1), dtype=nl.float32,
+                        buffer=nl.hbm))
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
-    indices = port.OffsetColumns(0, max(B, Hq), 1)
+    # loop indices as data (0.7): batch, heads, and the staged query tiles
+    indices = port.OffsetColumns(0, max(B, Hq, nqt if resident else 0), 1)
 
     def instance(b, g):
         c = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g, None, indices,
@@ -436,6 +575,21 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
         cfg = _Cfg(f, do, dq, dk, dv, delta, every_head, score, dsink_acc)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
 
+        if resident:
+            res = _Resident(f, nqt)
+            # 1. the query side of every tile, delta included
+            port.loop(G, lambda h: port.loop(nqt, lambda t: res.stage(cfg, geo, h, t),
+                                             carried=mods.sinks), carried=mods.sinks)
+            if mods.sinks:
+                store_dsinks(f, cfg.dsink_acc, dsinks)
+            # 2. dK, dV key-major, dQ on chip
+            for first, count, trip, exact in classes_k:
+                port.loop(count, lambda c, first=first, trip=trip, exact=exact:
+                          _key_block(cfg, geo, meta_k, first + c, trip, exact, res),
+                          carried=True)
+            # 3. dQ out
+            port.loop(G, lambda h: port.loop(nqt, lambda t: res.write_dq(cfg, geo, h, t)))
+            return
         # 1. delta = rowsum(dO * O)
         full, tail = Nq // P, Nq % P
 
