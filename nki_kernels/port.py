@@ -322,28 +322,29 @@ def view(t, p0, rows, c0, pattern):
     return t[p0 + ip, c0 + free]
 
 
-def dynamic_cols(t, off, width):
-    """Columns ``off .. off + width - 1`` of the 2-D on-chip tile ``t`` ``[rows, F]`` at a
-    runtime offset: ``off`` an int32 ``[1, 1]`` SBUF tile holding the first column (data, e.g.
-    read from a table). 0.7: a view, ``t.ap(..., scalar_offset=off, indirect_dim=1)`` (the
-    ``NkiTensor.ap`` stub shows such an SBUF view; its use as a compute operand is UNCONFIRMED),
-    no instruction. Legacy, which reads SBUF at data offsets only through the dynamic copies
-    (neuronx-cc 2.22+): a copy into a new tile, ``nisa.tensor_copy_dynamic_src`` (VectorE, at
-    least ``DYNAMIC_COPY_MIN_II`` cycles in the simulator)."""
+def dynamic_block(t, idx):
+    """``t[:, idx, :]`` ``[rows, W]`` of the 3-D on-chip tile ``t`` ``[rows, n, W]`` at a
+    runtime block ``idx``, an int32 ``[1, 1]`` SBUF tile (data, e.g. read from a table). 0.7: a
+    view, ``t.ap(..., scalar_offset=idx, indirect_dim=1)``, no instruction (the ``NkiTensor.ap``
+    stub shows such an SBUF view; its use as a compute operand is UNCONFIRMED). Legacy, which
+    reads SBUF at data offsets only through the dynamic copies (neuronx-cc 2.22+; the index on
+    a middle free dim is UNCONFIRMED, the documented example indexes the last): a copy into a
+    new tile, ``nisa.tensor_copy_dynamic_src`` (VectorE, ``DYNAMIC_COPY_MIN_II`` cycles at
+    least in the simulator)."""
     ns = current()
-    rows, F = t.shape
+    rows, n, w = t.shape
     if ns.api == "nki":
-        return t.ap(pattern=[[F, rows], [1, width]], scalar_offset=off, indirect_dim=1)
+        return t.ap(pattern=[[n * w, rows], [1, w]], scalar_offset=idx, indirect_dim=1)
     ar = ns.nl.arange
-    out = ns.nl.ndarray((rows, width), dtype=t.dtype, buffer=ns.nl.sbuf)
-    out[...] = ns.nisa.tensor_copy_dynamic_src(t[ar(rows)[:, None], off[0, 0] + ar(width)[None, :]])
+    out = ns.nl.ndarray((rows, w), dtype=t.dtype, buffer=ns.nl.sbuf)
+    out[...] = ns.nisa.tensor_copy_dynamic_src(t[ar(rows)[:, None], idx[0, 0], ar(w)[None, :]])
     return out
 
 
-def dynamic_cols_add(t, off, cur, data):
-    """``t[:, off : off + w] += data`` (fp32; ``w`` the width of ``data``) where ``cur`` is
-    :func:`dynamic_cols` ``(t, off, >= w)``: 0.7 adds in place through that view (VectorE);
-    legacy adds to its copy and writes the sum back with ``nisa.tensor_copy_dynamic_dst``."""
+def dynamic_block_add(t, idx, cur, data):
+    """``t[:, idx, 0:w] += data`` (``w`` the width of ``data``) where ``cur`` is
+    :func:`dynamic_block` ``(t, idx)``: 0.7 adds in place through that view (VectorE); legacy
+    adds to its copy and writes the sum back, ``nisa.tensor_copy_dynamic_dst``."""
     ns = current()
     rows, w = data.shape
     if ns.api == "nki":
@@ -352,7 +353,7 @@ def dynamic_cols_add(t, off, cur, data):
     total = ns.nl.ndarray((rows, w), dtype=t.dtype, buffer=ns.nl.sbuf)
     tensor_tensor(total, cur[:, 0:w], data, ns.nl.add)
     ar = ns.nl.arange
-    ns.nisa.tensor_copy_dynamic_dst(dst=t[ar(rows)[:, None], off[0, 0] + ar(w)[None, :]],
+    ns.nisa.tensor_copy_dynamic_dst(dst=t[ar(rows)[:, None], idx[0, 0], ar(w)[None, :]],
                                     src=total)
 
 

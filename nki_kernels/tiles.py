@@ -377,6 +377,12 @@ def bwd_rows_per_pass(D: int, op_itemsize: int, target: str, *, dq_on_chip: bool
     return PMAX * max(1, room // bwd_slot_bytes(D, op_itemsize, dq_on_chip))
 
 
+#: Query tiles staged (and their dQ written) per loop body by the block-sparse backward, each
+#: with its own buffers: four tiles' gathers in flight, so the phase is not one DMA latency
+#: per tile (N = 4096, D = 128, s = 1/8, trn2: see README "Block-sparse attention").
+BSP_BWD_STAGE_TILES = 4
+
+
 def bsp_bwd_resident(G: int, Nq: int, D: int, op_itemsize: int, target: str) -> bool:
     """Whether the block-sparse backward (``attention/block_sparse_bwd.py``) stages the query
     side of all ``ceil(Nq / 128)`` query tiles of the ``G`` heads of a kv group, and one zero

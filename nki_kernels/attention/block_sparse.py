@@ -260,21 +260,26 @@ class Row:
     of a slot's entry is not read: at or past ``other_len``, which every padding slot is) and
     ``rows`` (int32 ``[128, trip]``: the indexed rows of those positions, pushed out of bounds
     where ``bad``: the gathers skip those rows). ``part``/``other_len``: the partition index
-    and the other side's valid length as rows of ``frame`` (:meth:`RowFrame.shift`). Four
-    instructions after the broadcast."""
+    and the other side's valid length as rows of ``frame`` (:meth:`RowFrame.shift`; None: the
+    entries are not gathered, no ``rows``). Four instructions after the broadcast (``bc``:
+    one already made)."""
 
-    def __init__(self, meta_row, trip: int, part, other_len, frame: RowFrame):
-        self.bc = M.broadcast_row(meta_row, 2 + trip)
+    def __init__(self, meta_row, trip: int, part, other_len, frame: Optional[RowFrame],
+                 bc=None):
+        self.bc = M.broadcast_row(meta_row, 2 + trip) if bc is None else bc
         self.first = self.bc[:, 0:1]
         self.block_first = self.bc[:, 2:2 + trip]
         pos = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(pos, self.block_first, nl.add, part)
         self.bad = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(self.bad, pos, nl.greater_equal, other_len)
+        self.trip = trip
+        self.rows = None
+        if frame is None:
+            return
         # in range: pos exactly; out: pos + OOB (>= OOB, past every row, exact enough to stay out)
         self.rows = nl.ndarray((P, trip), dtype=nl.int32, buffer=nl.sbuf)
         port.scalar_tensor_tensor(self.rows, self.bad, nl.multiply, frame.oob, nl.add, pos)
-        self.trip = trip
 
     def slot_loop(self, exact: bool, body):
         """``body(sl)`` over the row's slots, a sequential compiled loop: under nki.* (unless

@@ -90,115 +90,141 @@ class _Cfg:
 class _Resident:
     """The query side of every query tile of the instance's G heads, staged in SBUF once (the
     dense backward's resident pass, ``backward.py``) and read by the key-major sweep at each
-    pair's tile (:func:`port.dynamic_cols`: the tile is data, a table entry), with dQ
-    accumulated beside it. Tile ``n = h (nqt + 1) + i`` holds query tile i of member head h;
-    tile ``h (nqt + 1) + nqt`` is the head's zero tile, which padding slots (legacy: every
-    slot of a row runs) read and add nothing to. Per tile, per partition:
+    pair's tile (:func:`port.dynamic_block`: the tile is data, a table entry), with dQ
+    accumulated beside it. Block ``n = h (nqt + 1) + i`` holds query tile i of member head h;
+    block ``h (nqt + 1) + nqt`` is the head's zero tile, which padding slots (legacy: every
+    slot of a row runs) read and add nothing to. Per block, per partition:
 
     - ``T[pass]`` ``[rows, 2 x 128]`` (matmul dtype): ``(scale Q)^T`` then ``dO^T``;
     - ``nat`` ``[128, 2 D]`` (matmul dtype): Q then dO (the moving operands of dK and dV);
-    - ``acc`` ``[128, D + 2]`` fp32: the dQ accumulator, the clamped ``-lse``, delta.
+    - ``acc`` ``[128, D + 2]`` fp32: the dQ accumulator, the clamped ``-lse``, ``-delta``.
 
-    ``tiles.bwd_slot_bytes`` per tile, as the dense backward's slot (``bsp_bwd_resident``
-    decides whether they fit)."""
+    ``tiles.bwd_slot_bytes`` per block, as the dense backward's slot
+    (``tiles.bsp_bwd_resident`` decides whether they fit)."""
 
     def __init__(self, f: F.Instance, nqt: int):
         self.per_head = nqt + 1
         n = f.G * self.per_head
-        self.wt, self.wn, self.wa = 2 * P, 2 * f.D, f.D + 2
-        self.T = [nl.ndarray((rows, n * self.wt), dtype=f.mm, buffer=nl.sbuf)
+        self.T = [nl.ndarray((rows, n, 2 * P), dtype=f.mm, buffer=nl.sbuf)
                   for _, rows in f.d_passes]
-        self.nat = nl.ndarray((P, n * self.wn), dtype=f.mm, buffer=nl.sbuf)
-        self.acc = nl.ndarray((P, n * self.wa), dtype=nl.float32, buffer=nl.sbuf)
+        self.nat = nl.ndarray((P, n, 2 * f.D), dtype=f.mm, buffer=nl.sbuf)
+        self.acc = nl.ndarray((P, n, f.D + 2), dtype=nl.float32, buffer=nl.sbuf)
         port.memset(self.acc, 0.0, engine="gpsimd")
 
         def zero_tile(h):
             z = h * self.per_head + nqt
             for t in self.T:
-                port.memset(t[:, nl.ds(z * self.wt, self.wt)], 0.0, engine="gpsimd")
-            port.memset(self.nat[:, nl.ds(z * self.wn, self.wn)], 0.0, engine="gpsimd")
+                port.memset(t[:, z, :], 0.0, engine="gpsimd")
+            port.memset(self.nat[:, z, :], 0.0, engine="gpsimd")
 
         port.loop(f.G, zero_tile)
 
-    def offsets(self, f: F.Instance, geo: Geometry, rw: Row, h):
-        """int32 ``[1, trip]`` each: the first columns in ``T``, ``nat``, ``acc`` of the tiles
-        of ``rw``'s entries (query tiles ``block_first / 128``, a padding slot's the zero
-        tile) of member head h. Five ``[1, trip]`` instructions per row and head."""
+    def blocks(self, f: F.Instance, geo: Geometry, rw: Row, h):
+        """int32 ``[1, trip]``: the blocks of ``rw``'s entries (query tile ``block_first /
+        128``, a padding slot's the zero tile) of member head h. GpSimd, one ``[1, trip]``
+        instruction (three with GQA)."""
         trip = rw.trip
+        out = nl.ndarray((1, trip), dtype=nl.int32, buffer=nl.sbuf)
+        if f.G == 1:
+            port.tensor_scalar(out, rw.bc[0:1, 2:2 + trip], nl.multiply, 1.0 / P,
+                               op1=nl.minimum, operand1=float(self.per_head - 1),
+                               engine="gpsimd")
+            return out
         head0 = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.iota(head0, [[0, 1]], runtime=[(h, self.per_head)], offsets=geo.indices)
         tile = nl.ndarray((1, trip), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(tile, rw.bc[0:1, 2:2 + trip], nl.multiply, 1.0 / P, op1=nl.minimum,
-                           operand1=float(self.per_head - 1))
-        port.tensor_scalar(tile, tile, nl.add, head0)
-        out = []
-        for w in (self.wt, self.wn, self.wa):
-            o = nl.ndarray((1, trip), dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_scalar(o, tile, nl.multiply, float(w))
-            out.append(o)
+                           operand1=float(self.per_head - 1), engine="gpsimd")
+        port.tensor_scalar(out, tile, nl.add, head0, engine="gpsimd")
         return out
 
-    def tile(self, f: F.Instance, offs, sl):
-        """Slot sl's tile (``offs``: :meth:`offsets`): ``(q_mm, do_mm, qT, doT, neg_lse,
-        delta, acc)``, views or (legacy) copies, ``acc`` for :meth:`add_dq`."""
-        cols = [o[0:1, nl.ds(sl, 1)] for o in offs]
-        ts = [port.dynamic_cols(t, cols[0], self.wt) for t in self.T]
-        nat = port.dynamic_cols(self.nat, cols[1], self.wn)
-        acc = port.dynamic_cols(self.acc, cols[2], self.wa)
+    def tile(self, f: F.Instance, blocks, sl):
+        """Slot sl's block (``blocks``: :meth:`blocks`): ``(q_mm, do_mm, qT, doT, neg_lse,
+        neg_delta, acc)``, views or (legacy) copies; ``acc`` for :meth:`add_dq`."""
+        n = blocks[0:1, nl.ds(sl, 1)]
+        ts = [port.dynamic_block(t, n) for t in self.T]
+        nat = port.dynamic_block(self.nat, n)
+        acc = port.dynamic_block(self.acc, n)
         D = f.D
-        return (nat[:, 0:D], nat[:, D:2 * D], [t[:, 0:P] for t in ts], [t[:, P:2 * P] for t in ts],
-                acc[:, D:D + 1], acc[:, D + 1:D + 2], (cols[2], acc))
+        return (nat[:, 0:D], nat[:, D:2 * D], [t[:, 0:P] for t in ts],
+                [t[:, P:2 * P] for t in ts], acc[:, D:D + 1], acc[:, D + 1:D + 2], (n, acc))
 
     def add_dq(self, acc, dq_ps):
-        """dQ of the slot's tile ``+= dq_ps`` (``acc`` from :meth:`tile`)."""
-        port.dynamic_cols_add(self.acc, acc[0], acc[1], dq_ps)
+        """dQ of the slot's query tile ``+= dq_ps`` (``acc`` from :meth:`tile`)."""
+        port.dynamic_block_add(self.acc, acc[0], acc[1], dq_ps)
 
-    def stage(self, cfg: "_Cfg", geo: Geometry, h, t):
-        """Query tile t of member head h into its tile: gathers of Q, dO, O, lse (rows past
-        q_len or Nq skipped, zero), delta = rowsum(dO O), the clamped -lse, the transposes;
-        with sinks the rows' shares of dsink."""
+    def stage(self, cfg: "_Cfg", geo: Geometry, h, q_frame, t, rows: int):
+        """Query tile t (``rows`` rows: 128, or the partial last tile's) of member head h into
+        its block: Q, dO, O, lse (rows past Nq zero; with q_lens gathered through ``q_frame``,
+        rows past q_len skipped, zero), ``-delta = -rowsum(dO O)``, the clamped -lse, the
+        transposes; with sinks the rows' shares of dsink."""
         f = cfg.f
         head = f.head(h)
-        q_frame = RowFrame.of(f.q, (f.b, head), geo.indices)
-        pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        port.iota(pos, [[0, 1]], channel_multiplier=1, runtime=[(t, P)], offsets=geo.indices)
-        idx = rows_at(pos, geo.q_len, q_frame)
-        x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
-        gather(x, f.q, (f.b, head), idx, 0, True)
-        dx = nl.ndarray((P, f.D), dtype=cfg.do.dtype, buffer=nl.sbuf)
-        gather(dx, cfg.do, (f.b, head), idx, 0, True)
-        ox = nl.ndarray((P, f.D), dtype=f.o.dtype, buffer=nl.sbuf)
-        gather(ox, f.o, (f.b, head), idx, 0, True)
-        lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        gather(lse, f.lse_col, (f.b, head), idx, 0, True)
-        n = h * self.per_head + t
-        a0, D = n * self.wa, f.D
-        port.tensor_scalar(self.acc[:, nl.ds(a0 + D, 1)], lse, nl.multiply, -1.0,
-                           op1=nl.minimum, operand1=LSE_CLAMP)
-        d = self.acc[:, nl.ds(a0 + D + 1, 1)]
+        srcs = (f.q, cfg.do, f.o, f.lse_col)
+        x, dx, ox, lse = (nl.ndarray((P, src.shape[-1]), dtype=src.dtype, buffer=nl.sbuf)
+                          for src in srcs)
+        if q_frame is not None:
+            pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.iota(pos, [[0, 1]], channel_multiplier=1, runtime=[(t, P)],
+                      offsets=geo.indices)
+            idx = rows_at(pos, geo.q_len, q_frame)
+            for dst, src in zip((x, dx, ox, lse), srcs):
+                gather(dst, src, (f.b, head), idx, 0, True)
+        else:
+            for dst, src in zip((x, dx, ox, lse), srcs):
+                if rows < P:
+                    port.memset(dst, 0.0, engine="gpsimd")
+                port.dma_copy(dst[0:rows], src[f.b, head, nl.ds(t * P, rows), :],
+                              legacy_isa=True)
+        n, D = h * self.per_head + t, f.D
+        port.tensor_scalar(self.acc[:, n, D:D + 1], lse, nl.multiply, -1.0, op1=nl.minimum,
+                           operand1=LSE_CLAMP, engine="gpsimd")
+        d = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         _rowsum(dx, ox, d)
+        port.tensor_scalar(self.acc[:, n, D + 1:D + 2], d, nl.multiply, -1.0, engine="gpsimd")
         if cfg.dsink_acc is not None:
             add_sink_share(cfg.cols, h, lse, d, cfg.dsink_acc)
-        t0 = n * self.wt
-        _transposed(f, x, cfg.scale, into=[t[:, nl.ds(t0, P)] for t in self.T])
-        _transposed(f, dx, into=[t[:, nl.ds(t0 + P, P)] for t in self.T])
-        n0 = n * self.wn
-        port.tensor_copy(self.nat[:, nl.ds(n0, D)], x, engine="gpsimd")
-        port.tensor_copy(self.nat[:, nl.ds(n0 + D, D)], dx, engine="gpsimd")
+        _transposed(f, x, cfg.scale, into=[t_[:, n, 0:P] for t_ in self.T])
+        _transposed(f, dx, into=[t_[:, n, P:2 * P] for t_ in self.T])
+        port.tensor_copy(self.nat[:, n, 0:D], x, engine="gpsimd")
+        port.tensor_copy(self.nat[:, n, D:2 * D], dx, engine="gpsimd")
 
-    def write_dq(self, cfg: "_Cfg", geo: Geometry, h, t):
-        """dQ of query tile t of member head h: ``scale`` times its accumulator, cast and
-        scattered (rows past Nq skipped)."""
+    def write_dq(self, cfg: "_Cfg", h, t, rows: int):
+        """dQ of query tile t (``rows`` rows) of member head h: ``scale`` times its
+        accumulator, cast and stored (rows at or past q_len hold zeros: no pair added to
+        them)."""
         f = cfg.f
-        head = f.head(h)
-        q_frame = RowFrame.of(f.q, (f.b, head), geo.indices)
-        pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        port.iota(pos, [[0, 1]], channel_multiplier=1, runtime=[(t, P)], offsets=geo.indices)
-        out_idx = rows_at(pos, f.Nq, q_frame)
-        a0 = (h * self.per_head + t) * self.wa
         dq_out = nl.ndarray((P, f.D), dtype=cfg.dq.dtype, buffer=nl.sbuf)
-        port.tensor_scalar(dq_out, self.acc[:, nl.ds(a0, f.D)], nl.multiply, cfg.scale)
-        scatter(cfg.dq, (f.b, head), out_idx, dq_out)
+        port.activation(dq_out, nl.copy, self.acc[:, h * self.per_head + t, 0:f.D],
+                        scale=cfg.scale)
+        port.dma_copy(cfg.dq[f.b, f.head(h), nl.ds(t * P, rows), :], dq_out[0:rows],
+                      legacy_isa=True)
+
+    @staticmethod
+    def run(cfg: "_Cfg", geo: Geometry, body, frames: bool, carried: bool = False):
+        """``body(h, q_frame, t, rows)`` over the instance's query tiles t (``rows`` rows) of
+        every member head h: compiled loops (``carried``: see :func:`port.loop`) over
+        ``tiles.BSP_BWD_STAGE_TILES`` full tiles at a time (unrolled in the body: each has
+        its own buffers, so their DMA latencies overlap), a static remainder and the partial
+        last tile. ``frames``: pass the head's :class:`RowFrame` (else None)."""
+        f = cfg.f
+        full, tail = divmod(f.Nq, P)
+        u = max(1, min(T.BSP_BWD_STAGE_TILES, full))
+
+        def head(h):
+            q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices) if frames else None
+
+            def group(c):
+                for j in T.unrolled(u):
+                    body(h, q_frame, c * u + j, P)
+
+            port.loop(full // u, group, carried=carried)
+            for j in T.unrolled(full % u):
+                body(h, q_frame, (full // u) * u + j, P)
+            if tail:
+                body(h, q_frame, full, tail)
+
+        port.loop(f.G, head, carried=carried)
 
 
 def _dq_product(f: F.Instance, ds, k_mm):
@@ -278,15 +304,21 @@ def _key_side(cfg: _Cfg, idx, skip: bool, natural_k: bool):
     return kT, _transposed(f, vx), k_nat
 
 
-def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi, lo, seed,
-          h=None, dist=None):
+def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, neg_delta, key_thr, hi, lo,
+          seed, h=None, dist=None):
     """One block pair: ``(p_dv, ds)`` at matmul dtype, ``[128 queries, 128 keys]``: ``P Z /
     (1 - p)`` (``P`` without dropout) and ``dS = P (dP Z / (1 - p) - delta)`` with ``P =
     exp(S - lse)`` on the masked scores (``key_thr``, ``hi``, ``lo``: the indicator's columns,
-    or None) and ``dP = dO V^T``. ``seed``: the unit's int32 [1, 1] dropout seed or None.
+    or None) and ``dP = dO V^T`` (``neg_lse``, ``neg_delta``: the rows' ``-lse``, clamped, and
+    ``-delta``). ``seed``: the unit's int32 [1, 1] dropout seed or None.
     Score modifiers (``score_mods.modify_scores``, member head ``h``; ``dist``: ALiBi's
     distance tile, :meth:`Geometry.distance_tile`): ``S`` modified first, and with
-    soft-capping ``dS`` times ``1 - tanh^2``."""
+    soft-capping ``dS`` times ``1 - tanh^2``.
+
+    P leaves the exp at matmul dtype (the dV operand as it is, without dropout). Without
+    dropout and soft-capping ``dP - delta`` is formed by ScalarE as it copies dP out of PSUM
+    (a per-row bias) and VectorE does one multiply of two matmul-dtype tiles, as the dense
+    backward (``backward.softmax_backward``); otherwise one VectorE pass over fp32 operands."""
     f = cfg.f
     s = F.contract(list(zip(qT, kT)), (P, P))
     y, g = s, None
@@ -295,7 +327,7 @@ def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi
                                 not SM.one_sided(f.spec), dist=dist)
         if t is not None:
             g = SM.softcap_grad_factor(t, P, P)
-    p = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
+    p = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
     port.activation(p, nl.exp, y, bias=neg_lse, scale=cfg.unit)
     # masked scores by selection (P = 0), so a non-finite hidden key never reaches a row
     ind = nl.ndarray((P, P), dtype=nl.uint8, buffer=nl.sbuf)
@@ -303,19 +335,23 @@ def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi
     if masked:
         port.tensor_copy_predicated(p, 0.0, ind)
     dp = F.contract(list(zip(doT, vT)), (P, P))
-    p_dv = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
+    ds = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
+    if not cfg.dropout_p and g is None:
+        dpd = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
+        port.activation(dpd, nl.copy, dp, bias=neg_delta)
+        port.tensor_tensor(ds, dpd, p, nl.multiply)
+        return p, ds
+    p_dv, dpz = p, dp
     if cfg.dropout_p:
         port.random_seed(seed)
         keep = nl.ndarray((P, P), dtype=f.drop.ones.dtype, buffer=nl.sbuf)
         port.dropout(keep, f.drop.ones, cfg.dropout_p)              # 0/1, the forward's draw
         z = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(z, keep, nl.multiply, 1.0 / (1.0 - cfg.dropout_p))
+        p_dv = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
         port.tensor_tensor(p_dv, p, z, nl.multiply)
         dpz = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_tensor(dpz, dp, z, nl.multiply)
-    else:
-        port.tensor_copy(p_dv, p, engine="gpsimd")
-        dpz = dp
     pg = p
     if g is not None:
         # P (1 - t^2), deselected where masked (a hidden non-finite score's tanh is NaN)
@@ -323,8 +359,7 @@ def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi
         port.tensor_tensor(pg, p, g, nl.multiply, engine="gpsimd")
         if masked:
             port.tensor_copy_predicated(pg, 0.0, ind)
-    ds = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
-    port.scalar_tensor_tensor(ds, dpz, nl.subtract, delta, nl.multiply, pg)
+    port.scalar_tensor_tensor(ds, dpz, nl.add, neg_delta, nl.multiply, pg)
     return p_dv, ds
 
 
@@ -354,7 +389,9 @@ def _delta(cfg: _Cfg, h, t0, rows: int):
     port.dma_copy(ox, f.o[f.b, head, nl.ds(t0, rows), :], legacy_isa=True)
     d = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
     _rowsum(dx, ox, d)
-    port.dma_copy(cfg.delta[(*cfg.delta_lead(h), nl.ds(t0, rows), slice(None))], d,
+    neg_d = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(neg_d, d, nl.multiply, -1.0)
+    port.dma_copy(cfg.delta[(*cfg.delta_lead(h), nl.ds(t0, rows), slice(None))], neg_d,
                   legacy_isa=True)
     if cfg.dsink_acc is not None:
         lse = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -393,28 +430,48 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool,
     f = cfg.f
     hb = f.b if meta_k.shape[0] > 1 else 0
     per_head = meta_k.shape[1] > 1
-    head0 = f.g * f.G if per_head else 0
-    first_row = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.dma_copy(first_row, meta_k[hb, head0, nl.ds(pos, 1), 0:1], legacy_isa=True)
-    k_first = M.broadcast_row(first_row, 1)
-    k_idx, _ = own_rows(geo, k_first, geo.kv_len, geo.kv)
+    # the first member head's row (every head of the group has the block at pos); it is
+    # every head's row when the table has one head or the group one member
+    row0 = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(row0, meta_k[hb, f.g * f.G if per_head else 0, nl.ds(pos, 1), 0:2 + trip],
+                  legacy_isa=True)
+    shared_row = not per_head or f.G == 1
+    bc0 = M.broadcast_row(row0, 2 + trip if shared_row and trip else 1)
+    k_first = bc0[:, 0:1]
+    k_pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(k_pos, k_first, nl.add, geo.part)
+    out_idx = rows_at(k_pos, f.Nk, geo.kv)
     dk_out = nl.ndarray((P, f.D), dtype=cfg.dk.dtype, buffer=nl.sbuf)
     dv_out = nl.ndarray((P, f.D), dtype=cfg.dv.dtype, buffer=nl.sbuf)
     if trip:
         dk_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
         dv_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
         skip = cfg.need_mask(geo, exact)
-        kT, vT, k_mm = _key_side(cfg, k_idx, True, res is not None)
-        key_thr0 = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_tensor(key_thr0, geo.kv_len, k_first, nl.subtract)
+        # keys at or past kv_len are not read (without lengths: the partial last block's)
+        k_idx = rows_at(k_pos, geo.kv_len, geo.kv) if geo.has_lens else out_idx
+        kT, vT, k_mm = _key_side(cfg, k_idx, geo.has_lens or f.Nk % P != 0, res is not None)
+        key_thr0 = None
+        if skip:
+            key_thr0 = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_tensor(key_thr0, geo.kv_len, k_first, nl.subtract)
         big = float(2 * P + f.Nk + f.Nq)
 
         def head(h):
-            q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
-            row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
-            port.dma_copy(row, meta_k[hb, f.head(h) if per_head else 0, nl.ds(pos, 1),
-                                      0:2 + trip], legacy_isa=True)
-            rw = Row(row, trip, q_frame.shift(geo.part), q_frame.shift(geo.q_len), q_frame)
+            q_frame = None if res is not None else RowFrame.of(f.q, (f.b, f.head(h)),
+                                                               geo.indices)
+            if shared_row:
+                row = row0
+            else:
+                row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
+                port.dma_copy(row, meta_k[hb, f.head(h), nl.ds(pos, 1), 0:2 + trip],
+                              legacy_isa=True)
+            bc = bc0 if shared_row else None
+            if res is None:
+                rw = Row(row, trip, q_frame.shift(geo.part), q_frame.shift(geo.q_len),
+                         q_frame, bc=bc)
+            else:
+                # the staged tiles are read at the entries' blocks, not gathered
+                rw = Row(row, trip, geo.part, geo.q_len, None, bc=bc)
             hi = lo = thr = gap = None
             if skip or cfg.mods.alibi:
                 gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
@@ -429,16 +486,16 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool,
             dist = geo.distance_columns(gap) if cfg.mods.alibi else None
             seeds = (unit_seeds(f, f.head(h), rw.bc[0:1, 2:2 + trip], rw.bc[0:1, 0:1])
                      if cfg.dropout_p else None)
-            offs = res.offsets(f, geo, rw, h) if res is not None else None
+            blocks = res.blocks(f, geo, rw, h) if res is not None else None
 
             def slot(sl):
                 if res is None:
                     # a padding slot's first row is past every sequence: nothing is read
-                    q_mm, do_mm, qT, doT, neg_lse, delta, _ = _query_side(
+                    q_mm, do_mm, qT, doT, neg_lse, neg_delta, _ = _query_side(
                         cfg, geo, h, rw.block_first[:, nl.ds(sl, 1)], q_frame)
                 else:
-                    q_mm, do_mm, qT, doT, neg_lse, delta, acc = res.tile(f, offs, sl)
-                p_dv, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, delta,
+                    q_mm, do_mm, qT, doT, neg_lse, neg_delta, acc = res.tile(f, blocks, sl)
+                p_dv, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, neg_delta,
                                  *_slot(sl, seeds, thr, hi, lo), h=h,
                                  dist=None if dist is None else geo.distance_tile(dist, sl, 1))
                 port.nc_matmul(dv_ps, p_dv, do_mm, accumulate=True)
@@ -449,12 +506,12 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool,
             rw.slot_loop(exact, slot)
 
         port.loop(f.G, head, carried=True)
-        port.tensor_scalar(dk_out, dk_ps, nl.multiply, cfg.scale)
-        port.tensor_copy(dv_out, dv_ps)
+        # ScalarE copies out of PSUM (VectorE has the pairs' dS and dQ work)
+        port.activation(dk_out, nl.copy, dk_ps, scale=cfg.scale)
+        port.activation(dv_out, nl.copy, dv_ps)
     else:
         port.memset(dk_out, 0.0, engine="gpsimd")
         port.memset(dv_out, 0.0, engine="gpsimd")
-    out_idx, _ = own_rows(geo, k_first, f.Nk, geo.kv)
     scatter(cfg.dk, (f.b, f.g), out_idx, dk_out)
     scatter(cfg.dv, (f.b, f.g), out_idx, dv_out)
 
@@ -578,8 +635,9 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
         if resident:
             res = _Resident(f, nqt)
             # 1. the query side of every tile, delta included
-            port.loop(G, lambda h: port.loop(nqt, lambda t: res.stage(cfg, geo, h, t),
-                                             carried=mods.sinks), carried=mods.sinks)
+            res.run(cfg, geo, lambda h, q_frame, t, rows: res.stage(cfg, geo, h, q_frame, t,
+                                                                    rows),
+                    q_lens is not None, carried=mods.sinks)
             if mods.sinks:
                 store_dsinks(f, cfg.dsink_acc, dsinks)
             # 2. dK, dV key-major, dQ on chip
@@ -588,7 +646,7 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
                           _key_block(cfg, geo, meta_k, first + c, trip, exact, res),
                           carried=True)
             # 3. dQ out
-            port.loop(G, lambda h: port.loop(nqt, lambda t: res.write_dq(cfg, geo, h, t)))
+            res.run(cfg, geo, lambda h, _, t, rows: res.write_dq(cfg, h, t, rows), False)
             return
         # 1. delta = rowsum(dO * O)
         full, tail = Nq // P, Nq % P
