@@ -281,16 +281,18 @@ class Row:
         self.rows = nl.ndarray((P, trip), dtype=nl.int32, buffer=nl.sbuf)
         port.scalar_tensor_tensor(self.rows, self.bad, nl.multiply, frame.oob, nl.add, pos)
 
-    def slot_loop(self, exact: bool, body):
+    def slot_loop(self, exact: bool, body, count=None):
         """``body(sl)`` over the row's slots, a sequential compiled loop: under nki.* (unless
         ``exact``: no padding slot) only the row's count of them (a register loaded from the
-        table, :func:`port.loop_between`), in legacy all ``trip`` (no runtime trip count; the
-        padding slots run masked and contribute nothing, so the outputs are the same)."""
+        table, or from ``count``, an int32 ``[1, 1]`` tile holding it; :func:`port.
+        loop_between`), in legacy all ``trip`` (no runtime trip count; the padding slots run
+        masked and contribute nothing, so the outputs are the same)."""
         if exact or port.api() != "nki":
             port.loop(self.trip, body, carried=True)
             return
-        count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_copy(count, self.bc[0:1, 1:2], engine="gpsimd")
+        if count is None:
+            count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_copy(count, self.bc[0:1, 1:2], engine="gpsimd")
         port.loop_between(0, port.register(count), body)
 
 

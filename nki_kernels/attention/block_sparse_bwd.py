@@ -71,11 +71,12 @@ class _Cfg:
         self.dsink_acc = dsink_acc
 
     def need_mask(self, geo: Geometry, exact: bool) -> bool:
-        """Whether pairs need the runtime indicator (padding slots, lengths, partial tiles,
-        the band)."""
+        """Whether pairs need the runtime indicator: padding slots (legacy runs them; under
+        nki.* a row's slot loop stops at its count, :meth:`block_sparse.Row.slot_loop`),
+        lengths, partial tiles, the band."""
         f = self.f
-        return (not exact) or geo.has_lens or f.Nq % P != 0 or f.Nk % P != 0 \
-            or f.spec.has_diag
+        padding = not exact and port.api() != "nki"
+        return padding or geo.has_lens or f.Nq % P != 0 or f.Nk % P != 0 or f.spec.has_diag
 
     def delta_lead(self, h):
         """Leading indices of member head h's rows in the delta scratch: ``(0, h)`` of a
@@ -233,7 +234,7 @@ def _dq_product(f: F.Instance, ds, k_mm):
     tp = nl.ndarray((P, P), dtype=f.transpose_psum_dtype(f.mm), buffer=nl.psum)
     port.nc_transpose(tp, ds)
     dsT = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
-    port.tensor_copy(dsT, tp, engine="vector")
+    port.activation(dsT, nl.copy, tp)
     dq_ps = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.psum)
     port.nc_matmul(dq_ps, dsT, k_mm)
     return dq_ps
@@ -422,11 +423,29 @@ def add_sink_share(cols: SM.HeadColumns, h, lse, d, acc):
     port.scalar_tensor_tensor(col, p_sink, nl.multiply, d, nl.add, col)
 
 
+def _row_counts(f: F.Instance, meta_k, first: int, count: int):
+    """nki.*: int32 ``[1, (G or 1) count]``, the counts of the key blocks at order positions
+    ``first .. first + count - 1`` (of each member head with a per-head table, ``count``
+    columns each), read once for a class: a block's register trip count
+    (:meth:`block_sparse.Row.slot_loop`) then waits for a value written long before, not for
+    the block's own table row (each register load holds every engine until its value is
+    written, ``simulate._sched.register_wait``). The DMA casts the fp32 table (exact)."""
+    hb = f.b if meta_k.shape[0] > 1 else 0
+    per_head = meta_k.shape[1] > 1
+    heads = f.G if per_head else 1
+    out = nl.ndarray((1, heads * count), dtype=nl.int32, buffer=nl.sbuf)
+    port.loop(heads, lambda h: port.dma_copy(
+        out[0:1, nl.ds(h * count, count)],
+        meta_k[hb, f.head(h) if per_head else 0, nl.ds(first, count), 1:2].permute((1, 0))))
+    return out
+
+
 def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool,
-               res: "_Resident" = None):
+               res: "_Resident" = None, counts=None):
     """dK, dV of the key block at order position ``pos`` (phase 2 of the module docstring),
     accumulated in PSUM over its pairs; with ``res`` (the staged query side) also each pair's
-    ``dS K`` into its query tile's dQ accumulator."""
+    ``dS K`` into its query tile's dQ accumulator. ``counts``: ``(table, column of pos)`` of
+    :func:`_row_counts` (nki.*, rows with padding slots), else None."""
     f = cfg.f
     hb = f.b if meta_k.shape[0] > 1 else 0
     per_head = meta_k.shape[1] > 1
@@ -503,7 +522,12 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool,
                 if res is not None:
                     res.add_dq(acc, _dq_product(f, ds, k_mm))
 
-            rw.slot_loop(exact, slot)
+            count = None
+            if counts is not None:
+                table, col = counts
+                n = table.shape[1] // (f.G if per_head else 1)
+                count = table[0:1, nl.ds(h * n + col if per_head else col, 1)]
+            rw.slot_loop(exact, slot, count)
 
         port.loop(f.G, head, carried=True)
         # ScalarE copies out of PSUM (VectorE has the pairs' dS and dQ work)
@@ -632,6 +656,16 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
         cfg = _Cfg(f, do, dq, dk, dv, delta, every_head, score, dsink_acc)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
 
+        def key_sweep(res):
+            """dK, dV key-major (with ``res``: dQ on chip, carried across the blocks)."""
+            for first, count, trip, exact in classes_k:
+                counts = (_row_counts(f, meta_k, first, count)
+                          if trip and not exact and port.api() == "nki" else None)
+                port.loop(count, lambda c, first=first, trip=trip, exact=exact, counts=counts:
+                          _key_block(cfg, geo, meta_k, first + c, trip, exact, res,
+                                     None if counts is None else (counts, c)),
+                          carried=res is not None)
+
         if resident:
             res = _Resident(f, nqt)
             # 1. the query side of every tile, delta included
@@ -640,11 +674,8 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
                     q_lens is not None, carried=mods.sinks)
             if mods.sinks:
                 store_dsinks(f, cfg.dsink_acc, dsinks)
-            # 2. dK, dV key-major, dQ on chip
-            for first, count, trip, exact in classes_k:
-                port.loop(count, lambda c, first=first, trip=trip, exact=exact:
-                          _key_block(cfg, geo, meta_k, first + c, trip, exact, res),
-                          carried=True)
+            # 2. dK, dV and dQ, one key-major sweep
+            key_sweep(res)
             # 3. dQ out
             res.run(cfg, geo, lambda h, _, t, rows: res.write_dq(cfg, h, t, rows), False)
             return
@@ -660,9 +691,7 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
         if mods.sinks:
             store_dsinks(f, cfg.dsink_acc, dsinks)
         # 2. dK, dV, key-major
-        for first, count, trip, exact in classes_k:
-            port.loop(count, lambda c, first=first, trip=trip, exact=exact:
-                      _key_block(cfg, geo, meta_k, first + c, trip, exact))
+        key_sweep(None)
 
         # 3. dQ, query-major
         def dq_head(h):
