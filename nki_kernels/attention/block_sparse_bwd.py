@@ -630,8 +630,10 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
     dv = nl.ndarray((B, Hkv, Nk, D), dtype=q.dtype, buffer=nl.shared_hbm)
     # the query side of a kv group staged in SBUF when it fits (one key-major sweep), else
     # streamed (the two sweeps and the delta pre-pass)
+    extras = (mods != SM.Mods() or bool(dropout_p) or kv_lens is not None
+              or q_lens is not None)
     resident = T.bsp_bwd_resident(G, Nq, D, 4 if mm_dtype == "float32" else 2,
-                                  "trn2" if port.gen3() else "trn1")
+                                  "trn2" if port.gen3() else "trn1", extras)
     # rowsum(dO * O) scratch when streaming: each legacy program's own (its G heads); in 0.7
     # one program runs every instance and keeps every head's (the same bytes in all)
     every_head = port.launch_grid((B, Hkv), port.api()) == (1,)
