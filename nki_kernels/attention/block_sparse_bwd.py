@@ -2,24 +2,36 @@
 dense backward, Algorithm 4, restricted to the active blocks).
 
 Gradients of :func:`block_sparse.block_sparse_attention_fwd` from its saved o and lse. Every
-active 128 x 128 block pair (query tile i, key block j) is visited twice, never an inactive
-one, and nothing of size N x N is stored:
+active 128 x 128 block pair (query tile i, key block j) is visited, never an inactive one, and
+nothing of size N x N is stored. Two schedules, chosen at compile time by whether the query
+side of a kv group fits SBUF (``tiles.bsp_bwd_resident``: 16K rows at D = 128 on trn2):
 
-1. **delta** ``D_i = rowsum(dO_i * O_i)`` for every query row, into an fp32 HBM scratch
-   (O(N) memory; an affine loop over query tiles).
-2. **dK, dV, key-major**: for every key block j (rows of the *transposed* pattern, sorted
-   into compile-time classes like the forward's query tiles), K_j and V_j are gathered once;
-   a sequential loop over the query heads of the kv group and the query tiles i active with
-   j recomputes ``P_ij = exp(scale Q_i K_j^T - LSE_i)`` and ``dS_ij = P_ij * (dO_i V_j^T -
-   D_i)`` and accumulates ``dV_j += P_ij^T dO_i`` and ``dK_j += dS_ij^T Q_i`` on chip
-   (fp32 SBUF; each pair's products are fresh PSUM accumulation groups).
+**Resident** (the dense backward's single pass, ``backward.py``), each pair visited once:
+
+1. **Stage** every query tile of the G heads (compiled loops, four tiles per body): Q, dO, O,
+   lse read once (direct DMAs; gathers with q_lens), ``delta_i = rowsum(dO_i * O_i)``, and
+   into SBUF (``_Resident``, the dense kernel's slot bytes per tile) ``(scale Q)^T``,
+   ``dO^T``, Q, dO, ``-lse`` (clamped), ``-delta`` and a zeroed fp32 dQ accumulator.
+2. **Key-major sweep**: for every key block j (rows of the *transposed* pattern, sorted into
+   compile-time classes like the forward's query tiles), K_j, V_j are gathered once; a
+   sequential loop over the query heads of the kv group and the query tiles i active with j
+   reads tile i's staged state at a runtime block (the table's entry:
+   :func:`port.dynamic_block`), recomputes ``P_ij = exp(scale Q_i K_j^T - LSE_i)`` and
+   ``dS_ij = P_ij * (dO_i V_j^T - D_i)``, accumulates ``dV_j += P_ij^T dO_i`` and ``dK_j +=
+   dS_ij^T Q_i`` in PSUM and adds ``dS_ij K_j`` to dQ_i's accumulator (six TensorE passes
+   per pair, the dense kernel's).
+3. **dQ out**: every tile's accumulator, scaled and cast, stored once.
+
+HBM traffic: Q, dO, O, lse once, K and V once per active key block, dQ, dK, dV once.
+
+**Streamed** (past SBUF), each pair visited twice, the query side gathered per pair:
+
+1. **delta** for every query row, ``-delta`` into an fp32 HBM scratch (an affine loop).
+2. **dK, dV, key-major** as above, Q_i, dO_i, lse_i, delta_i gathered and transposed per pair.
 3. **dQ, query-major**: for every query tile i (the forward's tables), the key blocks active
-   with it are gathered again and ``dQ_i += dS_ij K_j`` accumulates on chip.
-
-Recomputing P and dS in pass 3 (instead of a read-modify-write of dQ in HBM per pair, whose
-ordering between DMA queues the documentation does not define) costs two more matmuls and an
-exp per pair and moves fewer bytes: K_j, V_j (2 x 128 d) per pair instead of dQ_i's fp32 read
-and write (2 x 128 d x 4 bytes). HBM traffic is Theta(N d + nnz d): linear in the density.
+   with it are gathered again and ``dQ_i += dS_ij K_j`` accumulates on chip (recomputing P
+   and dS: no read-modify-write of dQ in HBM per pair, whose ordering between DMA queues the
+   documentation does not define). HBM traffic Theta(N d + nnz d): linear in the density.
 
 Masks, lengths, GQA and dropout as in the forward kernel (module ``block_sparse``): the masks
 are computed at run time from each pair's positions; dropout regenerates each unit's mask
@@ -31,7 +43,12 @@ Namespaces as the forward's (module ``block_sparse``): a compiled loop over the 
 G, Nq, 1)``, and under 0.7, whose one program runs every instance, ``(B, Hq, Nq, 1)`` (the same
 bytes in all), addressed like Q. Each row's slot loop (a key block's query tiles, a query
 tile's key blocks) runs the row's count of slots under nki.* (a register bound,
-:meth:`block_sparse.Row.slot_loop`), all ``trip`` in legacy (padding slots masked).
+:meth:`block_sparse.Row.slot_loop`; the key blocks' counts read once per class), all ``trip``
+in legacy (padding slots masked; the resident schedule points them at a zero tile). The staged
+tiles are read at runtime blocks through views under nki.* (``NkiTensor.ap(scalar_offset=)``)
+and through ``tensor_copy_dynamic_src``/``_dst`` copies in legacy (VectorE, 600 cycles each in
+the simulator): the same values, so the same gradients bit for bit; the legacy trace is the
+slower one.
 """
 from __future__ import annotations
 
@@ -57,7 +74,8 @@ class _Cfg:
     Score modifiers: Q^T carries the scale, so the exp's scale is 1 (``unit``: the cap with
     soft-capping); ``cols`` the HeadColumns of the instance's query heads (``score``:
     :class:`forward.ScoreMods`, None without modifiers); ``dsink_acc`` dsink's partial sums
-    (``[128, G]`` fp32, with sinks)."""
+    (``[128, G]`` fp32, with sinks); ``delta`` the streamed schedule's HBM scratch of
+    ``-delta`` (None when the query side is resident)."""
 
     def __init__(self, f: F.Instance, do, dq, dk, dv, delta, every_head: bool,
                  score, dsink_acc):
@@ -265,8 +283,8 @@ def _as_mm(f: F.Instance, x):
 
 def _query_side(cfg: _Cfg, geo: Geometry, h, first, q_frame: RowFrame):
     """Gather query tile rows from ``first`` of member head h (rows of ``q_frame``): Q, dO
-    (natural, matmul dtype), ``(scale Q)^T``, ``dO^T``, the clamped ``-lse`` and delta
-    columns. Rows past q_len (or Nq, or every row when ``first`` is pushed out) are not read
+    (natural, matmul dtype), ``(scale Q)^T``, ``dO^T``, the clamped ``-lse`` and ``-delta``
+    columns (the streamed schedule). Rows past q_len (or Nq, or every row when ``first`` is pushed out) are not read
     and stay 0."""
     f = cfg.f
     head = f.head(h)
@@ -277,13 +295,13 @@ def _query_side(cfg: _Cfg, geo: Geometry, h, first, q_frame: RowFrame):
     gather(dx, cfg.do, (f.b, head), idx, 0, True)
     lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     gather(lse, f.lse_col, (f.b, head), idx, 0, True)
-    delta = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    gather(delta, cfg.delta, cfg.delta_lead(h), idx, 0, True)
+    neg_delta = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    gather(neg_delta, cfg.delta, cfg.delta_lead(h), idx, 0, True)
     neg_lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(neg_lse, lse, nl.multiply, -1.0, op1=nl.minimum, operand1=LSE_CLAMP)
     qT = _transposed(f, x, cfg.scale)
     doT = _transposed(f, dx)
-    return _as_mm(f, x), _as_mm(f, dx), qT, doT, neg_lse, delta, pos
+    return _as_mm(f, x), _as_mm(f, dx), qT, doT, neg_lse, neg_delta, pos
 
 
 def _key_side(cfg: _Cfg, idx, skip: bool, natural_k: bool):
@@ -381,7 +399,8 @@ def _accumulate(acc, psum_product):
 
 
 def _delta(cfg: _Cfg, h, t0, rows: int):
-    """delta of ``rows`` query rows from ``t0`` (an index expression) of member head h."""
+    """``-delta`` of ``rows`` query rows from ``t0`` (an index expression) of member head h
+    into the scratch (with sinks their shares of dsink)."""
     f = cfg.f
     head = f.head(h)
     dx = nl.ndarray((rows, f.D), dtype=cfg.do.dtype, buffer=nl.sbuf)
@@ -554,7 +573,7 @@ def _query_tile(cfg: _Cfg, geo: Geometry, meta_q, h, q_frame: RowFrame, pos, tri
     port.memset(dq_acc, 0.0, engine="gpsimd")
     if trip:
         skip = cfg.need_mask(geo, exact)
-        _, _, qT, doT, neg_lse, delta, q_pos = _query_side(cfg, geo, h, rw.first, q_frame)
+        _, _, qT, doT, neg_lse, neg_delta, q_pos = _query_side(cfg, geo, h, rw.first, q_frame)
         hi = lo = thr = gap = None
         if skip or cfg.mods.alibi:
             gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
@@ -578,7 +597,7 @@ def _query_tile(cfg: _Cfg, geo: Geometry, meta_q, h, q_frame: RowFrame, pos, tri
 
         def slot(sl):
             kT, vT, k_mm = _key_side(cfg, rw.rows[:, nl.ds(sl, 1)], skip, True)
-            _, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, delta,
+            _, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, neg_delta,
                           *_slot(sl, seeds, thr, hi, lo), h=h,
                           dist=None if dist is None else geo.distance_tile(dist, sl, 1))
             _accumulate(dq_acc, _dq_product(f, ds, k_mm))
