@@ -160,13 +160,12 @@ class _Resident:
     def tile(self, f: F.Instance, blocks, sl):
         """Slot sl's block (``blocks``: :meth:`blocks`): ``(q_mm, do_mm, qT, doT, neg_lse,
         neg_delta, acc)``, views or (legacy) copies; ``acc`` for :meth:`add_dq`."""
-        n = blocks[0:1, nl.ds(sl, 1)]
-        ts = [port.dynamic_block(t, n) for t in self.T]
-        nat = port.dynamic_block(self.nat, n)
-        acc = port.dynamic_block(self.acc, n)
-        D = f.D
-        return (nat[:, 0:D], nat[:, D:2 * D], [t[:, 0:P] for t in ts],
-                [t[:, P:2 * P] for t in ts], acc[:, D:D + 1], acc[:, D + 1:D + 2], (n, acc))
+        n, D = blocks[0:1, nl.ds(sl, 1)], f.D
+        ts = [port.dynamic_block(t, n, ((0, P), (P, P))) for t in self.T]
+        q_mm, do_mm = port.dynamic_block(self.nat, n, ((0, D), (D, D)))
+        dq, neg_lse, neg_delta = port.dynamic_block(self.acc, n, ((0, D), (D, 1), (D + 1, 1)))
+        return (q_mm, do_mm, [t[0] for t in ts], [t[1] for t in ts], neg_lse, neg_delta,
+                (n, dq))
 
     def add_dq(self, acc, dq_ps):
         """dQ of the slot's query tile ``+= dq_ps`` (``acc`` from :meth:`tile`)."""
