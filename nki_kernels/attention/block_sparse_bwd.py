@@ -247,7 +247,8 @@ class _Resident:
 
 def _dq_product(f: F.Instance, ds, k_mm):
     """``dS K`` ``[128 queries, D]`` in a fresh PSUM group: dS^T by a TensorE transpose (dQ
-    contracts over the keys), copied out of PSUM by VectorE."""
+    contracts over the keys), copied out of PSUM by ScalarE (VectorE has the pair's dS
+    multiply and dQ add)."""
     tp = nl.ndarray((P, P), dtype=f.transpose_psum_dtype(f.mm), buffer=nl.psum)
     port.nc_transpose(tp, ds)
     dsT = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
@@ -283,8 +284,8 @@ def _as_mm(f: F.Instance, x):
 def _query_side(cfg: _Cfg, geo: Geometry, h, first, q_frame: RowFrame):
     """Gather query tile rows from ``first`` of member head h (rows of ``q_frame``): Q, dO
     (natural, matmul dtype), ``(scale Q)^T``, ``dO^T``, the clamped ``-lse`` and ``-delta``
-    columns (the streamed schedule). Rows past q_len (or Nq, or every row when ``first`` is pushed out) are not read
-    and stay 0."""
+    columns (the streamed schedule). Rows past q_len (or Nq, or every row when ``first`` is
+    pushed out) are not read and stay 0."""
     f = cfg.f
     head = f.head(h)
     idx, pos = own_rows(geo, first, geo.q_len, q_frame)
