@@ -116,7 +116,10 @@ class _Resident:
 
     - ``T[pass]`` ``[rows, 2 x 128]`` (matmul dtype): ``(scale Q)^T`` then ``dO^T``;
     - ``nat`` ``[128, 2 D]`` (matmul dtype): Q then dO (the moving operands of dK and dV);
-    - ``acc`` ``[128, D + 2]`` fp32: the dQ accumulator, the clamped ``-lse``, ``-delta``.
+    - ``stat`` ``[128, 2]`` fp32: the clamped ``-lse``, ``-delta``;
+    - ``dq`` ``[128, D]`` fp32: the dQ accumulator, the only one written by the sweep (VectorE,
+      in program order): a compiler that cannot tell runtime blocks apart orders the dQ adds
+      only, not the other engines' reads of the staged state.
 
     ``tiles.bwd_slot_bytes`` per block, as the dense backward's slot
     (``tiles.bsp_bwd_resident`` decides whether they fit)."""
@@ -127,14 +130,16 @@ class _Resident:
         self.T = [nl.ndarray((rows, n, 2 * P), dtype=f.mm, buffer=nl.sbuf)
                   for _, rows in f.d_passes]
         self.nat = nl.ndarray((P, n, 2 * f.D), dtype=f.mm, buffer=nl.sbuf)
-        self.acc = nl.ndarray((P, n, f.D + 2), dtype=nl.float32, buffer=nl.sbuf)
-        port.memset(self.acc, 0.0, engine="gpsimd")
+        self.stat = nl.ndarray((P, n, 2), dtype=nl.float32, buffer=nl.sbuf)
+        self.dq = nl.ndarray((P, n, f.D), dtype=nl.float32, buffer=nl.sbuf)
+        port.memset(self.dq, 0.0, engine="gpsimd")
 
         def zero_tile(h):
             z = h * self.per_head + nqt
             for t in self.T:
                 port.memset(t[:, z, :], 0.0, engine="gpsimd")
             port.memset(self.nat[:, z, :], 0.0, engine="gpsimd")
+            port.memset(self.stat[:, z, :], 0.0, engine="gpsimd")
 
         port.loop(f.G, zero_tile)
 
@@ -163,13 +168,14 @@ class _Resident:
         n, D = blocks[0:1, nl.ds(sl, 1)], f.D
         ts = [port.dynamic_block(t, n, ((0, P), (P, P))) for t in self.T]
         q_mm, do_mm = port.dynamic_block(self.nat, n, ((0, D), (D, D)))
-        dq, neg_lse, neg_delta = port.dynamic_block(self.acc, n, ((0, D), (D, 1), (D + 1, 1)))
+        neg_lse, neg_delta = port.dynamic_block(self.stat, n, ((0, 1), (1, 1)))
+        dq = port.dynamic_block(self.dq, n, ((0, D),))[0]
         return (q_mm, do_mm, [t[0] for t in ts], [t[1] for t in ts], neg_lse, neg_delta,
                 (n, dq))
 
     def add_dq(self, acc, dq_ps):
         """dQ of the slot's query tile ``+= dq_ps`` (``acc`` from :meth:`tile`)."""
-        port.dynamic_block_add(self.acc, acc[0], acc[1], dq_ps)
+        port.dynamic_block_add(self.dq, acc[0], acc[1], dq_ps)
 
     def stage(self, cfg: "_Cfg", geo: Geometry, h, q_frame, t, rows: int):
         """Query tile t (``rows`` rows: 128, or the partial last tile's) of member head h into
@@ -195,11 +201,11 @@ class _Resident:
                 port.dma_copy(dst[0:rows], src[f.b, head, nl.ds(t * P, rows), :],
                               legacy_isa=True)
         n, D = h * self.per_head + t, f.D
-        port.tensor_scalar(self.acc[:, n, D:D + 1], lse, nl.multiply, -1.0, op1=nl.minimum,
+        port.tensor_scalar(self.stat[:, n, 0:1], lse, nl.multiply, -1.0, op1=nl.minimum,
                            operand1=LSE_CLAMP, engine="gpsimd")
         d = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         _rowsum(dx, ox, d)
-        port.tensor_scalar(self.acc[:, n, D + 1:D + 2], d, nl.multiply, -1.0, engine="gpsimd")
+        port.tensor_scalar(self.stat[:, n, 1:2], d, nl.multiply, -1.0, engine="gpsimd")
         if cfg.dsink_acc is not None:
             add_sink_share(cfg.cols, h, lse, d, cfg.dsink_acc)
         _transposed(f, x, cfg.scale, into=[t_[:, n, 0:P] for t_ in self.T])
@@ -213,7 +219,7 @@ class _Resident:
         them)."""
         f = cfg.f
         dq_out = nl.ndarray((P, f.D), dtype=cfg.dq.dtype, buffer=nl.sbuf)
-        port.activation(dq_out, nl.copy, self.acc[:, h * self.per_head + t, 0:f.D],
+        port.activation(dq_out, nl.copy, self.dq[:, h * self.per_head + t, :],
                         scale=cfg.scale)
         port.dma_copy(cfg.dq[f.b, f.head(h), nl.ds(t * P, rows), :], dq_out[0:rows],
                       legacy_isa=True)
