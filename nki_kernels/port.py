@@ -348,6 +348,44 @@ def view(t, p0, rows, c0, pattern):
     return t[p0 + ip, c0 + free]
 
 
+def dynamic_block(t, idx, parts):
+    """Column ranges ``parts`` (``(c0, width)`` pairs) of ``t[:, idx, :]``, the 3-D on-chip
+    tile ``t`` ``[rows, n, W]`` at a runtime block ``idx``, an int32 ``[1, 1]`` SBUF tile (data,
+    e.g. read from a table): a list of ``[rows, width]``. 0.7: views, one ``t.ap(...,
+    offset=c0, scalar_offset=idx, indirect_dim=1)`` each (not sliced further: an indirect
+    view's indirection is not re-sliced), no instruction (the ``NkiTensor.ap`` stub shows such
+    an SBUF view; its use as a compute operand is UNCONFIRMED). Legacy, which reads SBUF at data
+    offsets only through the dynamic copies (neuronx-cc 2.22+; the index on a middle free dim
+    is UNCONFIRMED, the documented example indexes the last): one copy of the block into a new
+    tile, ``nisa.tensor_copy_dynamic_src`` (VectorE, ``DYNAMIC_COPY_MIN_II`` cycles at least in
+    the simulator), sliced."""
+    ns = current()
+    rows, n, w = t.shape
+    if ns.api == "nki":
+        return [t.ap(pattern=[[n * w, rows], [1, width]], offset=c0, scalar_offset=idx,
+                     indirect_dim=1) for c0, width in parts]
+    ar = ns.nl.arange
+    out = ns.nl.ndarray((rows, w), dtype=t.dtype, buffer=ns.nl.sbuf)
+    out[...] = ns.nisa.tensor_copy_dynamic_src(t[ar(rows)[:, None], idx[0, 0], ar(w)[None, :]])
+    return [out[:, c0:c0 + width] for c0, width in parts]
+
+
+def dynamic_block_add(t, idx, cur, data):
+    """``t[:, idx, 0:w] += data`` (``w`` the width of ``data``) where ``cur`` is that range as
+    :func:`dynamic_block` gave it: 0.7 adds in place through the view (VectorE); legacy adds
+    to the copy and writes the sum back, ``nisa.tensor_copy_dynamic_dst``."""
+    ns = current()
+    rows, w = data.shape
+    if ns.api == "nki":
+        tensor_tensor(cur, cur, data, ns.nl.add)
+        return
+    total = ns.nl.ndarray((rows, w), dtype=t.dtype, buffer=ns.nl.sbuf)
+    tensor_tensor(total, cur, data, ns.nl.add)
+    ar = ns.nl.arange
+    ns.nisa.tensor_copy_dynamic_dst(dst=t[ar(rows)[:, None], idx[0, 0], ar(w)[None, :]],
+                                    src=total)
+
+
 def dma_transpose(dst, src, mask=None):
     """``dst = src^T`` (2-D, SBUF -> SBUF) on the DMA engines (gen3+)."""
     ns = current()

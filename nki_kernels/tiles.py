@@ -425,6 +425,34 @@ def bwd_rows_per_pass(D: int, op_itemsize: int, target: str, *, dq_on_chip: bool
     return PMAX * max(1, room // bwd_slot_bytes(D, op_itemsize, dq_on_chip))
 
 
+#: Query tiles staged (and their dQ written) per loop body by the block-sparse backward, each
+#: with its own buffers: four tiles' gathers in flight, so the phase is not one DMA latency
+#: per tile (N = 4096, D = 128, s = 1/8, trn2: see README "Block-sparse attention").
+BSP_BWD_STAGE_TILES = 4
+
+
+#: SBUF bytes per partition of the block-sparse backward's working set beside its staged query
+#: tiles (a K/V block, a pair's tiles, the tables; rotating buffers), per byte of the matmul
+#: dtype: ``[plain, with score modifiers, dropout or lengths]``. Measured peak minus the staged
+#: bytes (``simulate.measure``, trn2, N = 1024, G = 2, D = 64 / 128 / 256, index form): bf16
+#: 3.1 / 3.5 / 5.0 KB plain, 8.0 / 8.3 / 9.6 KB with softcap, ALiBi, sinks, dropout, causal
+#: and both lengths; fp32 4.8 / 5.6 / 8.1 and 9.6 / 10.4 / 13.0 KB.
+BSP_BWD_WORKING_BYTES = (3 * 1024, 5 * 1024)
+
+
+def bsp_bwd_resident(G: int, Nq: int, D: int, op_itemsize: int, target: str,
+                     extras: bool) -> bool:
+    """Whether the block-sparse backward (``attention/block_sparse_bwd.py``) stages the query
+    side of all ``ceil(Nq / 128)`` query tiles of the ``G`` heads of a kv group, and one zero
+    tile per head, in SBUF: ``bwd_slot_bytes`` per tile (the dense backward's resident slot)
+    plus its working set (``BSP_BWD_WORKING_BYTES``; ``extras``: score modifiers, dropout or
+    lengths) within ``BWD_SBUF_BUDGET_BYTES`` (90 % of SBUF). Otherwise it streams the query
+    side per block pair."""
+    staged = G * (ceil_div(Nq, PMAX) + 1) * bwd_slot_bytes(D, op_itemsize)
+    working = BSP_BWD_WORKING_BYTES[int(extras)] * op_itemsize
+    return staged + working <= BWD_SBUF_BUDGET_BYTES[target]
+
+
 def bwd_passes(G: int, Nq: int, rows_per_pass: int) -> Tuple[int, int]:
     """``(P, slots)``: passes over K/V and resident 128-row query tiles per head and pass, for
     ``G`` query heads per kv head. Pass p holds tiles ``t P + p`` (t < slots) of every head; the

@@ -314,13 +314,14 @@ class Row:
     of a slot's entry is not read: at or past ``other_len``, which every padding slot is) and
     ``rows`` (int32 ``[128, trip]``: the indexed rows of those positions, pushed out of bounds
     where ``bad``: the gathers skip those rows). ``part``/``other_len``: the partition index
-    and the other side's valid length as rows of ``frame`` (:meth:`RowFrame.shift`). Four
-    instructions after the broadcast; none without ``gathers`` (the block-sparse forward's
-    resident K/V: ``bad`` and ``rows`` are then None)."""
+    and the other side's valid length as rows of ``frame`` (:meth:`RowFrame.shift`; None: the
+    entries are not gathered, no ``rows``). Four instructions after the broadcast (``bc``: one
+    already made); none without ``gathers`` (the block-sparse forward's resident K/V: ``bad``
+    and ``rows`` are then None)."""
 
-    def __init__(self, meta_row, trip: int, part, other_len, frame: RowFrame,
-                 gathers: bool = True):
-        self.bc = M.broadcast_row(meta_row, 2 + trip)
+    def __init__(self, meta_row, trip: int, part, other_len, frame: Optional[RowFrame],
+                 gathers: bool = True, bc=None):
+        self.bc = M.broadcast_row(meta_row, 2 + trip) if bc is None else bc
         self.first = self.bc[:, 0:1]
         self.block_first = self.bc[:, 2:2 + trip]
         self.trip = trip
@@ -331,21 +332,25 @@ class Row:
         port.tensor_scalar(pos, self.block_first, nl.add, part)
         self.bad = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(self.bad, pos, nl.greater_equal, other_len)
+        if frame is None:
+            return
         # in range: pos exactly; out: pos + OOB (>= OOB, past every row, exact enough to stay out)
         rows = nl.ndarray((P, trip), dtype=nl.int32, buffer=nl.sbuf)
         port.scalar_tensor_tensor(rows, self.bad, nl.multiply, frame.oob, nl.add, pos)
         self.rows = frame.rows(rows)
 
-    def slot_loop(self, exact: bool, body):
+    def slot_loop(self, exact: bool, body, count=None):
         """``body(sl)`` over the row's slots, a sequential compiled loop: under nki.* (unless
         ``exact``: no padding slot) only the row's count of them (a register loaded from the
-        table, :func:`port.loop_between`), in legacy all ``trip`` (no runtime trip count; the
-        padding slots run masked and contribute nothing, so the outputs are the same)."""
+        table, or from ``count``, an int32 ``[1, 1]`` tile holding it; :func:`port.
+        loop_between`), in legacy all ``trip`` (no runtime trip count; the padding slots run
+        masked and contribute nothing, so the outputs are the same)."""
         if exact or port.api() != "nki":
             port.loop(self.trip, body, carried=True)
             return
-        count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_copy(count, self.bc[0:1, 1:2], engine="gpsimd")
+        if count is None:
+            count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_copy(count, self.bc[0:1, 1:2], engine="gpsimd")
         port.loop_between(0, port.register(count), body)
 
 

@@ -2,24 +2,36 @@
 dense backward, Algorithm 4, restricted to the active blocks).
 
 Gradients of :func:`block_sparse.block_sparse_attention_fwd` from its saved o and lse. Every
-active 128 x 128 block pair (query tile i, key block j) is visited twice, never an inactive
-one, and nothing of size N x N is stored:
+active 128 x 128 block pair (query tile i, key block j) is visited, never an inactive one, and
+nothing of size N x N is stored. Two schedules, chosen at compile time by whether the query
+side of a kv group fits SBUF (``tiles.bsp_bwd_resident``: 16K rows at D = 128 on trn2):
 
-1. **delta** ``D_i = rowsum(dO_i * O_i)`` for every query row, into an fp32 HBM scratch
-   (O(N) memory; an affine loop over query tiles).
-2. **dK, dV, key-major**: for every key block j (rows of the *transposed* pattern, sorted
-   into compile-time classes like the forward's query tiles), K_j and V_j are gathered once;
-   a sequential loop over the query heads of the kv group and the query tiles i active with
-   j recomputes ``P_ij = exp(scale Q_i K_j^T - LSE_i)`` and ``dS_ij = P_ij * (dO_i V_j^T -
-   D_i)`` and accumulates ``dV_j += P_ij^T dO_i`` and ``dK_j += dS_ij^T Q_i`` on chip
-   (fp32 SBUF; each pair's products are fresh PSUM accumulation groups).
+**Resident** (the dense backward's single pass, ``backward.py``), each pair visited once:
+
+1. **Stage** every query tile of the G heads (compiled loops, four tiles per body): Q, dO, O,
+   lse read once (direct DMAs; gathers with q_lens), ``delta_i = rowsum(dO_i * O_i)``, and
+   into SBUF (``_Resident``, the dense kernel's slot bytes per tile) ``(scale Q)^T``,
+   ``dO^T``, Q, dO, ``-lse`` (clamped), ``-delta`` and a zeroed fp32 dQ accumulator.
+2. **Key-major sweep**: for every key block j (rows of the *transposed* pattern, sorted into
+   compile-time classes like the forward's query tiles), K_j, V_j are gathered once; a
+   sequential loop over the query heads of the kv group and the query tiles i active with j
+   reads tile i's staged state at a runtime block (the table's entry:
+   :func:`port.dynamic_block`), recomputes ``P_ij = exp(scale Q_i K_j^T - LSE_i)`` and
+   ``dS_ij = P_ij * (dO_i V_j^T - D_i)``, accumulates ``dV_j += P_ij^T dO_i`` and ``dK_j +=
+   dS_ij^T Q_i`` in PSUM and adds ``dS_ij K_j`` to dQ_i's accumulator (six TensorE passes
+   per pair, the dense kernel's).
+3. **dQ out**: every tile's accumulator, scaled and cast, stored once.
+
+HBM traffic: Q, dO, O, lse once, K and V once per active key block, dQ, dK, dV once.
+
+**Streamed** (past SBUF), each pair visited twice, the query side gathered per pair:
+
+1. **delta** for every query row, ``-delta`` into an fp32 HBM scratch (an affine loop).
+2. **dK, dV, key-major** as above, Q_i, dO_i, lse_i, delta_i gathered and transposed per pair.
 3. **dQ, query-major**: for every query tile i (the forward's tables), the key blocks active
-   with it are gathered again and ``dQ_i += dS_ij K_j`` accumulates on chip.
-
-Recomputing P and dS in pass 3 (instead of a read-modify-write of dQ in HBM per pair, whose
-ordering between DMA queues the documentation does not define) costs two more matmuls and an
-exp per pair and moves fewer bytes: K_j, V_j (2 x 128 d) per pair instead of dQ_i's fp32 read
-and write (2 x 128 d x 4 bytes). HBM traffic is Theta(N d + nnz d): linear in the density.
+   with it are gathered again and ``dQ_i += dS_ij K_j`` accumulates on chip (recomputing P
+   and dS: no read-modify-write of dQ in HBM per pair, whose ordering between DMA queues the
+   documentation does not define). HBM traffic Theta(N d + nnz d): linear in the density.
 
 Masks, lengths, GQA and dropout as in the forward kernel (module ``block_sparse``): the masks
 are computed at run time from each pair's positions; dropout regenerates each unit's mask
@@ -31,7 +43,12 @@ Namespaces as the forward's (module ``block_sparse``): a compiled loop over the 
 G, Nq, 1)``, and under 0.7, whose one program runs every instance, ``(B, Hq, Nq, 1)`` (the same
 bytes in all), addressed like Q. Each row's slot loop (a key block's query tiles, a query
 tile's key blocks) runs the row's count of slots under nki.* (a register bound,
-:meth:`block_sparse.Row.slot_loop`), all ``trip`` in legacy (padding slots masked).
+:meth:`block_sparse.Row.slot_loop`; the key blocks' counts read once per class), all ``trip``
+in legacy (padding slots masked; the resident schedule points them at a zero tile). The staged
+tiles are read at runtime blocks through views under nki.* (``NkiTensor.ap(scalar_offset=)``)
+and through ``tensor_copy_dynamic_src``/``_dst`` copies in legacy (VectorE, 600 cycles each in
+the simulator): the same values, so the same gradients bit for bit; the legacy trace is the
+slower one.
 """
 from __future__ import annotations
 
@@ -41,8 +58,8 @@ from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
 from nki_kernels.attention import score_mods as SM
 from nki_kernels.attention.block_sparse import (P, Geometry, Row, RowFrame, check_classes,
-                                                exact_indices, gather, own_rows, scatter,
-                                                unit_seeds)
+                                                exact_indices, gather, own_rows, rows_at,
+                                                scatter, unit_seeds)
 from nki_kernels.port import nl
 
 #: -lse is clamped to this before the exp: a row without visible keys (lse = -inf) keeps
@@ -57,7 +74,8 @@ class _Cfg:
     Score modifiers: Q^T carries the scale, so the exp's scale is 1 (``unit``: the cap with
     soft-capping); ``cols`` the HeadColumns of the instance's query heads (``score``:
     :class:`forward.ScoreMods`, None without modifiers); ``dsink_acc`` dsink's partial sums
-    (``[128, G]`` fp32, with sinks)."""
+    (``[128, G]`` fp32, with sinks); ``delta`` the streamed schedule's HBM scratch of
+    ``-delta`` (None when the query side is resident)."""
 
     def __init__(self, f: F.Instance, do, dq, dk, dv, delta, every_head: bool,
                  score, dsink_acc):
@@ -71,11 +89,12 @@ class _Cfg:
         self.dsink_acc = dsink_acc
 
     def need_mask(self, geo: Geometry, exact: bool) -> bool:
-        """Whether pairs need the runtime indicator (padding slots, lengths, partial tiles,
-        the band)."""
+        """Whether pairs need the runtime indicator: padding slots (legacy runs them; under
+        nki.* a row's slot loop stops at its count, :meth:`block_sparse.Row.slot_loop`),
+        lengths, partial tiles, the band."""
         f = self.f
-        return (not exact) or geo.has_lens or f.Nq % P != 0 or f.Nk % P != 0 \
-            or f.spec.has_diag
+        padding = not exact and port.api() != "nki"
+        return padding or geo.has_lens or f.Nq % P != 0 or f.Nk % P != 0 or f.spec.has_diag
 
     def delta_lead(self, h):
         """Leading indices of member head h's rows in the delta scratch: ``(0, h)`` of a
@@ -87,14 +106,173 @@ class _Cfg:
         return (0, h)
 
 
-def _transposed(f: F.Instance, x, scale: float = 1.0):
+class _Resident:
+    """The query side of every query tile of the instance's G heads, staged in SBUF once (the
+    dense backward's resident pass, ``backward.py``) and read by the key-major sweep at each
+    pair's tile (:func:`port.dynamic_block`: the tile is data, a table entry), with dQ
+    accumulated beside it. Block ``n = h (nqt + 1) + i`` holds query tile i of member head h;
+    block ``h (nqt + 1) + nqt`` is the head's zero tile, which padding slots (legacy: every
+    slot of a row runs) read and add nothing to. Per block, per partition:
+
+    - ``T[pass]`` ``[rows, 2 x 128]`` (matmul dtype): ``(scale Q)^T`` then ``dO^T``;
+    - ``nat`` ``[128, 2 D]`` (matmul dtype): Q then dO (the moving operands of dK and dV);
+    - ``stat`` ``[128, 2]`` fp32: the clamped ``-lse``, ``-delta``;
+    - ``dq`` ``[128, D]`` fp32: the dQ accumulator, the only one written by the sweep (VectorE,
+      in program order): a compiler that cannot tell runtime blocks apart orders the dQ adds
+      only, not the other engines' reads of the staged state.
+
+    ``tiles.bwd_slot_bytes`` per block, as the dense backward's slot
+    (``tiles.bsp_bwd_resident`` decides whether they fit)."""
+
+    def __init__(self, f: F.Instance, nqt: int):
+        self.per_head = nqt + 1
+        n = f.G * self.per_head
+        self.T = [nl.ndarray((rows, n, 2 * P), dtype=f.mm, buffer=nl.sbuf)
+                  for _, rows in f.d_passes]
+        self.nat = nl.ndarray((P, n, 2 * f.D), dtype=f.mm, buffer=nl.sbuf)
+        self.stat = nl.ndarray((P, n, 2), dtype=nl.float32, buffer=nl.sbuf)
+        self.dq = nl.ndarray((P, n, f.D), dtype=nl.float32, buffer=nl.sbuf)
+        port.memset(self.dq, 0.0, engine="gpsimd")
+
+        def zero_tile(h):
+            z = h * self.per_head + nqt
+            for t in self.T:
+                port.memset(t[:, z, :], 0.0, engine="gpsimd")
+            port.memset(self.nat[:, z, :], 0.0, engine="gpsimd")
+            port.memset(self.stat[:, z, :], 0.0, engine="gpsimd")
+
+        port.loop(f.G, zero_tile)
+
+    def blocks(self, f: F.Instance, geo: Geometry, rw: Row, h):
+        """int32 ``[1, trip]``: the blocks of ``rw``'s entries (query tile ``block_first /
+        128``, a padding slot's the zero tile) of member head h. GpSimd, one ``[1, trip]``
+        instruction (three with GQA)."""
+        trip = rw.trip
+        out = nl.ndarray((1, trip), dtype=nl.int32, buffer=nl.sbuf)
+        if f.G == 1:
+            port.tensor_scalar(out, rw.bc[0:1, 2:2 + trip], nl.multiply, 1.0 / P,
+                               op1=nl.minimum, operand1=float(self.per_head - 1),
+                               engine="gpsimd")
+            return out
+        head0 = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(head0, [[0, 1]], runtime=[(h, self.per_head)], offsets=geo.indices)
+        tile = nl.ndarray((1, trip), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(tile, rw.bc[0:1, 2:2 + trip], nl.multiply, 1.0 / P, op1=nl.minimum,
+                           operand1=float(self.per_head - 1), engine="gpsimd")
+        port.tensor_scalar(out, tile, nl.add, head0, engine="gpsimd")
+        return out
+
+    def tile(self, f: F.Instance, blocks, sl):
+        """Slot sl's block (``blocks``: :meth:`blocks`): ``(q_mm, do_mm, qT, doT, neg_lse,
+        neg_delta, acc)``, views or (legacy) copies; ``acc`` for :meth:`add_dq`."""
+        n, D = blocks[0:1, nl.ds(sl, 1)], f.D
+        ts = [port.dynamic_block(t, n, ((0, P), (P, P))) for t in self.T]
+        q_mm, do_mm = port.dynamic_block(self.nat, n, ((0, D), (D, D)))
+        neg_lse, neg_delta = port.dynamic_block(self.stat, n, ((0, 1), (1, 1)))
+        dq = port.dynamic_block(self.dq, n, ((0, D),))[0]
+        return (q_mm, do_mm, [t[0] for t in ts], [t[1] for t in ts], neg_lse, neg_delta,
+                (n, dq))
+
+    def add_dq(self, acc, dq_ps):
+        """dQ of the slot's query tile ``+= dq_ps`` (``acc`` from :meth:`tile`)."""
+        port.dynamic_block_add(self.dq, acc[0], acc[1], dq_ps)
+
+    def stage(self, cfg: "_Cfg", geo: Geometry, h, q_frame, t, rows: int):
+        """Query tile t (``rows`` rows: 128, or the partial last tile's) of member head h into
+        its block: Q, dO, O, lse (rows past Nq zero; with q_lens gathered through ``q_frame``,
+        rows past q_len skipped, zero), ``-delta = -rowsum(dO O)``, the clamped -lse, the
+        transposes; with sinks the rows' shares of dsink."""
+        f = cfg.f
+        head = f.head(h)
+        srcs = (f.q, cfg.do, f.o, f.lse_col)
+        x, dx, ox, lse = (nl.ndarray((P, src.shape[-1]), dtype=src.dtype, buffer=nl.sbuf)
+                          for src in srcs)
+        if q_frame is not None:
+            pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.iota(pos, [[0, 1]], channel_multiplier=1, runtime=[(t, P)],
+                      offsets=geo.indices)
+            idx = rows_at(pos, geo.q_len, q_frame)
+            for dst, src in zip((x, dx, ox, lse), srcs):
+                gather(dst, src, (f.b, head), idx, 0, True)
+        else:
+            for dst, src in zip((x, dx, ox, lse), srcs):
+                if rows < P:
+                    port.memset(dst, 0.0, engine="gpsimd")
+                port.dma_copy(dst[0:rows], src[f.b, head, nl.ds(t * P, rows), :],
+                              legacy_isa=True)
+        n, D = h * self.per_head + t, f.D
+        port.tensor_scalar(self.stat[:, n, 0:1], lse, nl.multiply, -1.0, op1=nl.minimum,
+                           operand1=LSE_CLAMP, engine="gpsimd")
+        d = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        _rowsum(dx, ox, d)
+        port.tensor_scalar(self.stat[:, n, 1:2], d, nl.multiply, -1.0, engine="gpsimd")
+        if cfg.dsink_acc is not None:
+            add_sink_share(cfg.cols, h, lse, d, cfg.dsink_acc)
+        _transposed(f, x, cfg.scale, into=[t_[:, n, 0:P] for t_ in self.T])
+        _transposed(f, dx, into=[t_[:, n, P:2 * P] for t_ in self.T])
+        port.tensor_copy(self.nat[:, n, 0:D], x, engine="gpsimd")
+        port.tensor_copy(self.nat[:, n, D:2 * D], dx, engine="gpsimd")
+
+    def write_dq(self, cfg: "_Cfg", h, t, rows: int):
+        """dQ of query tile t (``rows`` rows) of member head h: ``scale`` times its
+        accumulator, cast and stored (rows at or past q_len hold zeros: no pair added to
+        them)."""
+        f = cfg.f
+        dq_out = nl.ndarray((P, f.D), dtype=cfg.dq.dtype, buffer=nl.sbuf)
+        port.activation(dq_out, nl.copy, self.dq[:, h * self.per_head + t, :],
+                        scale=cfg.scale)
+        port.dma_copy(cfg.dq[f.b, f.head(h), nl.ds(t * P, rows), :], dq_out[0:rows],
+                      legacy_isa=True)
+
+    @staticmethod
+    def run(cfg: "_Cfg", geo: Geometry, body, frames: bool, carried: bool = False):
+        """``body(h, q_frame, t, rows)`` over the instance's query tiles t (``rows`` rows) of
+        every member head h: compiled loops (``carried``: see :func:`port.loop`) over
+        ``tiles.BSP_BWD_STAGE_TILES`` full tiles at a time (unrolled in the body: each has
+        its own buffers, so their DMA latencies overlap), a static remainder and the partial
+        last tile. ``frames``: pass the head's :class:`RowFrame` (else None)."""
+        f = cfg.f
+        full, tail = divmod(f.Nq, P)
+        u = max(1, min(T.BSP_BWD_STAGE_TILES, full))
+
+        def head(h):
+            q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices) if frames else None
+
+            def group(c):
+                for j in T.unrolled(u):
+                    body(h, q_frame, c * u + j, P)
+
+            port.loop(full // u, group, carried=carried)
+            for j in T.unrolled(full % u):
+                body(h, q_frame, (full // u) * u + j, P)
+            if tail:
+                body(h, q_frame, full, tail)
+
+        port.loop(f.G, head, carried=carried)
+
+
+def _dq_product(f: F.Instance, ds, k_mm):
+    """``dS K`` ``[128 queries, D]`` in a fresh PSUM group: dS^T by a TensorE transpose (dQ
+    contracts over the keys), copied out of PSUM by ScalarE (VectorE has the pair's dS
+    multiply and dQ add)."""
+    tp = nl.ndarray((P, P), dtype=f.transpose_psum_dtype(f.mm), buffer=nl.psum)
+    port.nc_transpose(tp, ds)
+    dsT = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
+    port.activation(dsT, nl.copy, tp)
+    dq_ps = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.psum)
+    port.nc_matmul(dq_ps, dsT, k_mm)
+    return dq_ps
+
+
+def _transposed(f: F.Instance, x, scale: float = 1.0, into=None):
     """``x^T`` ``[d, 128]`` per head-dim pass of a ``[128, D]`` tile, at matmul dtype (TensorE
-    transpose, ScalarE copy out of PSUM with ``scale``)."""
+    transpose, ScalarE copy out of PSUM with ``scale``), into new tiles or the views ``into``
+    (one per pass)."""
     out = []
-    for d0, rows in f.d_passes:
+    for pi, (d0, rows) in enumerate(f.d_passes):
         tp = nl.ndarray((rows, P), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
         port.nc_transpose(tp, x[:, d0:d0 + rows])
-        t = nl.ndarray((rows, P), dtype=f.mm, buffer=nl.sbuf)
+        t = nl.ndarray((rows, P), dtype=f.mm, buffer=nl.sbuf) if into is None else into[pi]
         port.activation(t, nl.copy, tp, scale=scale)
         out.append(t)
     return out
@@ -111,9 +289,9 @@ def _as_mm(f: F.Instance, x):
 
 def _query_side(cfg: _Cfg, geo: Geometry, h, first, q_frame: RowFrame):
     """Gather query tile rows from ``first`` of member head h (rows of ``q_frame``): Q, dO
-    (natural, matmul dtype), ``(scale Q)^T``, ``dO^T``, the clamped ``-lse`` and delta
-    columns. Rows past q_len (or Nq, or every row when ``first`` is pushed out) are not read
-    and stay 0."""
+    (natural, matmul dtype), ``(scale Q)^T``, ``dO^T``, the clamped ``-lse`` and ``-delta``
+    columns (the streamed schedule). Rows past q_len (or Nq, or every row when ``first`` is
+    pushed out) are not read and stay 0."""
     f = cfg.f
     head = f.head(h)
     idx, pos = own_rows(geo, first, geo.q_len, q_frame)
@@ -123,13 +301,13 @@ def _query_side(cfg: _Cfg, geo: Geometry, h, first, q_frame: RowFrame):
     gather(dx, cfg.do, (f.b, head), idx, 0, True)
     lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     gather(lse, f.lse_col, (f.b, head), idx, 0, True)
-    delta = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    gather(delta, cfg.delta, cfg.delta_lead(h), idx, 0, True)
+    neg_delta = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    gather(neg_delta, cfg.delta, cfg.delta_lead(h), idx, 0, True)
     neg_lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(neg_lse, lse, nl.multiply, -1.0, op1=nl.minimum, operand1=LSE_CLAMP)
     qT = _transposed(f, x, cfg.scale)
     doT = _transposed(f, dx)
-    return _as_mm(f, x), _as_mm(f, dx), qT, doT, neg_lse, delta, pos
+    return _as_mm(f, x), _as_mm(f, dx), qT, doT, neg_lse, neg_delta, pos
 
 
 def _key_side(cfg: _Cfg, idx, skip: bool, natural_k: bool):
@@ -151,15 +329,21 @@ def _key_side(cfg: _Cfg, idx, skip: bool, natural_k: bool):
     return kT, _transposed(f, vx), k_nat
 
 
-def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi, lo, seed,
-          h=None, dist=None):
+def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, neg_delta, key_thr, hi, lo,
+          seed, h=None, dist=None):
     """One block pair: ``(p_dv, ds)`` at matmul dtype, ``[128 queries, 128 keys]``: ``P Z /
     (1 - p)`` (``P`` without dropout) and ``dS = P (dP Z / (1 - p) - delta)`` with ``P =
     exp(S - lse)`` on the masked scores (``key_thr``, ``hi``, ``lo``: the indicator's columns,
-    or None) and ``dP = dO V^T``. ``seed``: the unit's int32 [1, 1] dropout seed or None.
+    or None) and ``dP = dO V^T`` (``neg_lse``, ``neg_delta``: the rows' ``-lse``, clamped, and
+    ``-delta``). ``seed``: the unit's int32 [1, 1] dropout seed or None.
     Score modifiers (``score_mods.modify_scores``, member head ``h``; ``dist``: ALiBi's
     distance tile, :meth:`Geometry.distance_tile`): ``S`` modified first, and with
-    soft-capping ``dS`` times ``1 - tanh^2``."""
+    soft-capping ``dS`` times ``1 - tanh^2``.
+
+    P leaves the exp at matmul dtype (the dV operand as it is, without dropout). Without
+    dropout and soft-capping ``dP - delta`` is formed by ScalarE as it copies dP out of PSUM
+    (a per-row bias) and VectorE does one multiply of two matmul-dtype tiles, as the dense
+    backward (``backward.softmax_backward``); otherwise one VectorE pass over fp32 operands."""
     f = cfg.f
     s = F.contract(list(zip(qT, kT)), (P, P))
     y, g = s, None
@@ -168,7 +352,7 @@ def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi
                                 not SM.one_sided(f.spec), dist=dist)
         if t is not None:
             g = SM.softcap_grad_factor(t, P, P)
-    p = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
+    p = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
     port.activation(p, nl.exp, y, bias=neg_lse, scale=cfg.unit)
     # masked scores by selection (P = 0), so a non-finite hidden key never reaches a row
     ind = nl.ndarray((P, P), dtype=nl.uint8, buffer=nl.sbuf)
@@ -176,19 +360,23 @@ def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi
     if masked:
         port.tensor_copy_predicated(p, 0.0, ind)
     dp = F.contract(list(zip(doT, vT)), (P, P))
-    p_dv = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
+    ds = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
+    if not cfg.dropout_p and g is None:
+        dpd = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
+        port.activation(dpd, nl.copy, dp, bias=neg_delta)
+        port.tensor_tensor(ds, dpd, p, nl.multiply)
+        return p, ds
+    p_dv, dpz = p, dp
     if cfg.dropout_p:
         port.random_seed(seed)
         keep = nl.ndarray((P, P), dtype=f.drop.ones.dtype, buffer=nl.sbuf)
         port.dropout(keep, f.drop.ones, cfg.dropout_p)              # 0/1, the forward's draw
         z = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(z, keep, nl.multiply, 1.0 / (1.0 - cfg.dropout_p))
+        p_dv = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
         port.tensor_tensor(p_dv, p, z, nl.multiply)
         dpz = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_tensor(dpz, dp, z, nl.multiply)
-    else:
-        port.tensor_copy(p_dv, p, engine="gpsimd")
-        dpz = dp
     pg = p
     if g is not None:
         # P (1 - t^2), deselected where masked (a hidden non-finite score's tanh is NaN)
@@ -196,8 +384,7 @@ def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, delta, key_thr, hi
         port.tensor_tensor(pg, p, g, nl.multiply, engine="gpsimd")
         if masked:
             port.tensor_copy_predicated(pg, 0.0, ind)
-    ds = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
-    port.scalar_tensor_tensor(ds, dpz, nl.subtract, delta, nl.multiply, pg)
+    port.scalar_tensor_tensor(ds, dpz, nl.add, neg_delta, nl.multiply, pg)
     return p_dv, ds
 
 
@@ -218,23 +405,32 @@ def _accumulate(acc, psum_product):
 
 
 def _delta(cfg: _Cfg, h, t0, rows: int):
-    """delta of ``rows`` query rows from ``t0`` (an index expression) of member head h."""
+    """``-delta`` of ``rows`` query rows from ``t0`` (an index expression) of member head h
+    into the scratch (with sinks their shares of dsink)."""
     f = cfg.f
     head = f.head(h)
     dx = nl.ndarray((rows, f.D), dtype=cfg.do.dtype, buffer=nl.sbuf)
     port.dma_copy(dx, cfg.do[f.b, head, nl.ds(t0, rows), :], legacy_isa=True)
     ox = nl.ndarray((rows, f.D), dtype=f.o.dtype, buffer=nl.sbuf)
     port.dma_copy(ox, f.o[f.b, head, nl.ds(t0, rows), :], legacy_isa=True)
-    prod = nl.ndarray((rows, f.D), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_tensor(prod, dx, ox, nl.multiply)
     d = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_reduce(d, nl.add, prod, axis=(1,))
-    port.dma_copy(cfg.delta[(*cfg.delta_lead(h), nl.ds(t0, rows), slice(None))], d,
+    _rowsum(dx, ox, d)
+    neg_d = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(neg_d, d, nl.multiply, -1.0)
+    port.dma_copy(cfg.delta[(*cfg.delta_lead(h), nl.ds(t0, rows), slice(None))], neg_d,
                   legacy_isa=True)
     if cfg.dsink_acc is not None:
         lse = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.dma_copy(lse, f.lse_col[f.b, head, nl.ds(t0, rows), :], legacy_isa=True)
         add_sink_share(cfg.cols, h, lse, d, cfg.dsink_acc)
+
+
+def _rowsum(dx, ox, d):
+    """``d = rowsum(dO * O)`` (fp32 ``[rows, 1]``) of the ``[rows, D]`` tiles dO and O
+    (VectorE)."""
+    prod = nl.ndarray(tuple(dx.shape), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_tensor(prod, dx, ox, nl.multiply)
+    port.tensor_reduce(d, nl.add, prod, axis=(1,))
 
 
 def add_sink_share(cols: SM.HeadColumns, h, lse, d, acc):
@@ -252,33 +448,74 @@ def add_sink_share(cols: SM.HeadColumns, h, lse, d, acc):
     port.scalar_tensor_tensor(col, p_sink, nl.multiply, d, nl.add, col)
 
 
-def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
-    """dK, dV of the key block at order position ``pos`` (phase 2 of the module docstring)."""
+def _row_counts(f: F.Instance, meta_k, first: int, count: int):
+    """nki.*: int32 ``[1, (G or 1) count]``, the counts of the key blocks at order positions
+    ``first .. first + count - 1`` (of each member head with a per-head table, ``count``
+    columns each), read once for a class: a block's register trip count
+    (:meth:`block_sparse.Row.slot_loop`) then waits for a value written long before, not for
+    the block's own table row (each register load holds every engine until its value is
+    written, ``simulate._sched.register_wait``). The DMA casts the fp32 table (exact)."""
+    hb = f.b if meta_k.shape[0] > 1 else 0
+    per_head = meta_k.shape[1] > 1
+    heads = f.G if per_head else 1
+    out = nl.ndarray((1, heads * count), dtype=nl.int32, buffer=nl.sbuf)
+    port.loop(heads, lambda h: port.dma_copy(
+        out[0:1, nl.ds(h * count, count)],
+        meta_k[hb, f.head(h) if per_head else 0, nl.ds(first, count), 1:2].permute((1, 0))))
+    return out
+
+
+def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool,
+               res: "_Resident" = None, counts=None):
+    """dK, dV of the key block at order position ``pos`` (phase 2 of the module docstring),
+    accumulated in PSUM over its pairs; with ``res`` (the staged query side) also each pair's
+    ``dS K`` into its query tile's dQ accumulator. ``counts``: ``(table, column of pos)`` of
+    :func:`_row_counts` (nki.*, rows with padding slots), else None."""
     f = cfg.f
     hb = f.b if meta_k.shape[0] > 1 else 0
     per_head = meta_k.shape[1] > 1
-    head0 = f.g * f.G if per_head else 0
-    first_row = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.dma_copy(first_row, meta_k[hb, head0, nl.ds(pos, 1), 0:1], legacy_isa=True)
-    k_first = M.broadcast_row(first_row, 1)
-    dk_acc = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
-    port.memset(dk_acc, 0.0, engine="gpsimd")
-    dv_acc = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
-    port.memset(dv_acc, 0.0, engine="gpsimd")
-    k_idx, _ = own_rows(geo, k_first, geo.kv_len, geo.kv)
+    # the first member head's row (every head of the group has the block at pos); it is
+    # every head's row when the table has one head or the group one member
+    row0 = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(row0, meta_k[hb, f.g * f.G if per_head else 0, nl.ds(pos, 1), 0:2 + trip],
+                  legacy_isa=True)
+    shared_row = not per_head or f.G == 1
+    bc0 = M.broadcast_row(row0, 2 + trip if shared_row and trip else 1)
+    k_first = bc0[:, 0:1]
+    k_pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(k_pos, k_first, nl.add, geo.part)
+    out_idx = rows_at(k_pos, f.Nk, geo.kv)
+    dk_out = nl.ndarray((P, f.D), dtype=cfg.dk.dtype, buffer=nl.sbuf)
+    dv_out = nl.ndarray((P, f.D), dtype=cfg.dv.dtype, buffer=nl.sbuf)
     if trip:
+        dk_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
+        dv_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
         skip = cfg.need_mask(geo, exact)
-        kT, vT, _ = _key_side(cfg, k_idx, True, False)
-        key_thr0 = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_tensor(key_thr0, geo.kv_len, k_first, nl.subtract)
+        # keys at or past kv_len are not read (without lengths: the partial last block's)
+        k_idx = rows_at(k_pos, geo.kv_len, geo.kv) if geo.has_lens else out_idx
+        kT, vT, k_mm = _key_side(cfg, k_idx, geo.has_lens or f.Nk % P != 0, res is not None)
+        key_thr0 = None
+        if skip:
+            key_thr0 = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_tensor(key_thr0, geo.kv_len, k_first, nl.subtract)
         big = float(2 * P + f.Nk + f.Nq)
 
         def head(h):
-            q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
-            row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
-            port.dma_copy(row, meta_k[hb, f.head(h) if per_head else 0, nl.ds(pos, 1),
-                                      0:2 + trip], legacy_isa=True)
-            rw = Row(row, trip, q_frame.shift(geo.part), q_frame.shift(geo.q_len), q_frame)
+            q_frame = None if res is not None else RowFrame.of(f.q, (f.b, f.head(h)),
+                                                               geo.indices)
+            if shared_row:
+                row = row0
+            else:
+                row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
+                port.dma_copy(row, meta_k[hb, f.head(h), nl.ds(pos, 1), 0:2 + trip],
+                              legacy_isa=True)
+            bc = bc0 if shared_row else None
+            if res is None:
+                rw = Row(row, trip, q_frame.shift(geo.part), q_frame.shift(geo.q_len),
+                         q_frame, bc=bc)
+            else:
+                # the staged tiles are read at the entries' blocks, not gathered
+                rw = Row(row, trip, geo.part, geo.q_len, None, bc=bc)
             hi = lo = thr = gap = None
             if skip or cfg.mods.alibi:
                 gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
@@ -293,29 +530,37 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool):
             dist = geo.distance_columns(gap) if cfg.mods.alibi else None
             seeds = (unit_seeds(f, f.head(h), rw.bc[0:1, 2:2 + trip], rw.bc[0:1, 0:1])
                      if cfg.dropout_p else None)
+            blocks = res.blocks(f, geo, rw, h) if res is not None else None
 
             def slot(sl):
-                # a padding slot's first row is past every sequence: nothing is read
-                q_mm, do_mm, qT, doT, neg_lse, delta, _ = _query_side(
-                    cfg, geo, h, rw.block_first[:, nl.ds(sl, 1)], q_frame)
-                p_dv, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, delta,
+                if res is None:
+                    # a padding slot's first row is past every sequence: nothing is read
+                    q_mm, do_mm, qT, doT, neg_lse, neg_delta, _ = _query_side(
+                        cfg, geo, h, rw.block_first[:, nl.ds(sl, 1)], q_frame)
+                else:
+                    q_mm, do_mm, qT, doT, neg_lse, neg_delta, acc = res.tile(f, blocks, sl)
+                p_dv, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, neg_delta,
                                  *_slot(sl, seeds, thr, hi, lo), h=h,
                                  dist=None if dist is None else geo.distance_tile(dist, sl, 1))
-                dv_ps = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.psum)
-                port.nc_matmul(dv_ps, p_dv, do_mm)
-                _accumulate(dv_acc, dv_ps)
-                dk_ps = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.psum)
-                port.nc_matmul(dk_ps, ds, q_mm)
-                _accumulate(dk_acc, dk_ps)
+                port.nc_matmul(dv_ps, p_dv, do_mm, accumulate=True)
+                port.nc_matmul(dk_ps, ds, q_mm, accumulate=True)
+                if res is not None:
+                    res.add_dq(acc, _dq_product(f, ds, k_mm))
 
-            rw.slot_loop(exact, slot)
+            count = None
+            if counts is not None:
+                table, col = counts
+                n = table.shape[1] // (f.G if per_head else 1)
+                count = table[0:1, nl.ds(h * n + col if per_head else col, 1)]
+            rw.slot_loop(exact, slot, count)
 
         port.loop(f.G, head, carried=True)
-    out_idx, _ = own_rows(geo, k_first, f.Nk, geo.kv)
-    dk_out = nl.ndarray((P, f.D), dtype=cfg.dk.dtype, buffer=nl.sbuf)
-    port.tensor_scalar(dk_out, dk_acc, nl.multiply, cfg.scale)
-    dv_out = nl.ndarray((P, f.D), dtype=cfg.dv.dtype, buffer=nl.sbuf)
-    port.tensor_copy(dv_out, dv_acc)
+        # ScalarE copies out of PSUM (VectorE has the pairs' dS and dQ work)
+        port.activation(dk_out, nl.copy, dk_ps, scale=cfg.scale)
+        port.activation(dv_out, nl.copy, dv_ps)
+    else:
+        port.memset(dk_out, 0.0, engine="gpsimd")
+        port.memset(dv_out, 0.0, engine="gpsimd")
     scatter(cfg.dk, (f.b, f.g), out_idx, dk_out)
     scatter(cfg.dv, (f.b, f.g), out_idx, dv_out)
 
@@ -334,7 +579,7 @@ def _query_tile(cfg: _Cfg, geo: Geometry, meta_q, h, q_frame: RowFrame, pos, tri
     port.memset(dq_acc, 0.0, engine="gpsimd")
     if trip:
         skip = cfg.need_mask(geo, exact)
-        _, _, qT, doT, neg_lse, delta, q_pos = _query_side(cfg, geo, h, rw.first, q_frame)
+        _, _, qT, doT, neg_lse, neg_delta, q_pos = _query_side(cfg, geo, h, rw.first, q_frame)
         hi = lo = thr = gap = None
         if skip or cfg.mods.alibi:
             gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
@@ -358,16 +603,10 @@ def _query_tile(cfg: _Cfg, geo: Geometry, meta_q, h, q_frame: RowFrame, pos, tri
 
         def slot(sl):
             kT, vT, k_mm = _key_side(cfg, rw.rows[:, nl.ds(sl, 1)], skip, True)
-            _, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, delta,
+            _, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, neg_delta,
                           *_slot(sl, seeds, thr, hi, lo), h=h,
                           dist=None if dist is None else geo.distance_tile(dist, sl, 1))
-            tp = nl.ndarray((P, P), dtype=f.transpose_psum_dtype(f.mm), buffer=nl.psum)
-            port.nc_transpose(tp, ds)
-            dsT = nl.ndarray((P, P), dtype=f.mm, buffer=nl.sbuf)
-            port.tensor_copy(dsT, tp, engine="vector")
-            dq_ps = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.psum)
-            port.nc_matmul(dq_ps, dsT, k_mm)
-            _accumulate(dq_acc, dq_ps)
+            _accumulate(dq_acc, _dq_product(f, ds, k_mm))
 
         rw.slot_loop(exact, slot)
     out_idx, _ = own_rows(geo, rw.first, f.Nq, q_frame)
@@ -414,13 +653,21 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
               else None)
     dk = nl.ndarray((B, Hkv, Nk, D), dtype=q.dtype, buffer=nl.shared_hbm)
     dv = nl.ndarray((B, Hkv, Nk, D), dtype=q.dtype, buffer=nl.shared_hbm)
-    # rowsum(dO * O) scratch: each legacy program's own (its G heads); in 0.7 one program
-    # runs every instance and keeps every head's (the same bytes in all)
+    # the query side of a kv group staged in SBUF when it fits (one key-major sweep), else
+    # streamed (the two sweeps and the delta pre-pass)
+    extras = (mods != SM.Mods() or bool(dropout_p) or kv_lens is not None
+              or q_lens is not None)
+    resident = T.bsp_bwd_resident(G, Nq, D, 4 if mm_dtype == "float32" else 2,
+                                  "trn2" if port.gen3() else "trn1", extras)
+    # rowsum(dO * O) scratch when streaming: each legacy program's own (its G heads); in 0.7
+    # one program runs every instance and keeps every head's (the same bytes in all)
     every_head = port.launch_grid((B, Hkv), port.api()) == (1,)
-    delta = nl.ndarray((B, Hq, Nq, 1) if every_head else (1, G, Nq, 1), dtype=nl.float32,
-                       buffer=nl.hbm)
+    delta = (None if resident else
+             nl.ndarray((B, Hq, Nq, 1) if every_head else (1, G, Nq, 1), dtype=nl.float32,
+                        buffer=nl.hbm))
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
-    indices = port.OffsetColumns(0, max(B, Hq), 1, exact=int_rows)
+    # loop indices as data (0.7): batch, heads, and the staged query tiles
+    indices = port.OffsetColumns(0, max(B, Hq, nqt if resident else 0), 1, exact=int_rows)
 
     def instance(b, g):
         c = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g, None, indices,
@@ -436,6 +683,29 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
         cfg = _Cfg(f, do, dq, dk, dv, delta, every_head, score, dsink_acc)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
 
+        def key_sweep(res):
+            """dK, dV key-major (with ``res``: dQ on chip, carried across the blocks)."""
+            for first, count, trip, exact in classes_k:
+                counts = (_row_counts(f, meta_k, first, count)
+                          if trip and not exact and port.api() == "nki" else None)
+                port.loop(count, lambda c, first=first, trip=trip, exact=exact, counts=counts:
+                          _key_block(cfg, geo, meta_k, first + c, trip, exact, res,
+                                     None if counts is None else (counts, c)),
+                          carried=res is not None)
+
+        if resident:
+            res = _Resident(f, nqt)
+            # 1. the query side of every tile, delta included
+            res.run(cfg, geo, lambda h, q_frame, t, rows: res.stage(cfg, geo, h, q_frame, t,
+                                                                    rows),
+                    q_lens is not None, carried=mods.sinks)
+            if mods.sinks:
+                store_dsinks(f, cfg.dsink_acc, dsinks)
+            # 2. dK, dV and dQ, one key-major sweep
+            key_sweep(res)
+            # 3. dQ out
+            res.run(cfg, geo, lambda h, _, t, rows: res.write_dq(cfg, h, t, rows), False)
+            return
         # 1. delta = rowsum(dO * O)
         full, tail = Nq // P, Nq % P
 
@@ -448,9 +718,7 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
         if mods.sinks:
             store_dsinks(f, cfg.dsink_acc, dsinks)
         # 2. dK, dV, key-major
-        for first, count, trip, exact in classes_k:
-            port.loop(count, lambda c, first=first, trip=trip, exact=exact:
-                      _key_block(cfg, geo, meta_k, first + c, trip, exact))
+        key_sweep(None)
 
         # 3. dQ, query-major
         def dq_head(h):

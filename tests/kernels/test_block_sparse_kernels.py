@@ -314,11 +314,15 @@ NKI_CASES = [
     # key blocks shared by a group's tiles (loaded once), with a band, lengths and GQA
     (dict(window=(250, 100), kv_lens=[390, 300], q_lens=[300, 200]),
      _shared_mask, 2, 2, 1),
+    # a runtime pattern per head of a GQA group: each member head's slot counts (the
+    # backward's per-class count table, block_sparse_bwd._row_counts)
+    (dict(), lambda: tuple(bs.dense_to_index(_pattern(1, 2, 300, 390, 0.5, 15), max_blocks=3)),
+     1, 2, 1),
 ]
 
 
 @pytest.mark.parametrize("kw, make_mask, B, Hq, Hkv", NKI_CASES,
-                         ids=["sorted", "index", "lens", "shared"])
+                         ids=["sorted", "index", "lens", "shared", "gqa-index"])
 def test_nki_namespace_matches_legacy(kw, make_mask, B, Hq, Hkv, monkeypatch):
     """Through nki.* the forward and the backward give the legacy trace's outputs bit for bit
     (the same instructions on the data; 0.7 adds the slices' first rows to the gather indices
@@ -427,10 +431,10 @@ def test_lnc2_spreads_the_instances_over_two_cores(B, Hkv, monkeypatch):
     """``lnc=2`` (trn2): the (batch, kv head) instances spread over the two cores as the dense
     backward's (legacy ``nl.spmd_dim(n, nl.nc(2))``, nki.* ``kernel[2]`` sharing them by
     ``nl.program_id(0)``): the outputs and gradients (dsinks included) of ``lnc=1`` bit for
-    bit under both namespaces, the modeled time about halved (at most 0.65x: at this size one
-    instance's forward is a chain of dependent loads and steps, ~16 us on trn2 through nki.*,
-    which ``lnc=1`` overlaps with the other instance's); an odd ``B Hkv`` stays on one core (the
-    same launch as ``lnc=1``)."""
+    bit under both namespaces, the modeled time about halved (at most 0.65x: at this size an
+    instance is latency-bound -- one forward instance is a chain of dependent loads and steps,
+    ~16 us on trn2 through nki.*, and the nki.* backward models 28.1 -> 17.6 us -- so two on one
+    core already overlap); an odd ``B Hkv`` stays on one core (the same launch as ``lnc=1``)."""
     q, k, v, do = attention_inputs(B, 2, Hkv, 300, 260, 32, seed=31)
     mask = _pattern(B, 2, 300, 260, 0.6, seed=32)
     kw = dict(causal=True, sinks=np.array([0.5, -1.0]))
@@ -514,3 +518,53 @@ def test_resident_kv_rule_and_dma_share():
     assert not T.bsp_fwd_kv_resident(65536, 128, 2, 16)
     assert not T.bsp_fwd_kv_resident(24576, 128, 4, 16)         # fp32 matmuls: 4 bytes
     assert T.bsp_p_dma_share(0.75, 4) == 0.25 and T.bsp_p_dma_share(0.75, 32) == 0.75
+
+
+# -- the backward's staged query side --------------------------------------------------------
+
+
+def test_backward_reads_the_query_side_once():
+    """The backward stages every query tile of a kv group in SBUF (``_Resident``) and sweeps
+    the key blocks once, dQ accumulated on chip: q, dO, o and lse are read exactly once, K and
+    V once per active key block (block 1 is inactive everywhere: never read), dQ, dK, dV
+    written once -- the dense backward's traffic restricted to the pattern."""
+    B, Hq, Hkv, N, D = 1, 2, 1, 384, 32
+    q, k, v, do = attention_inputs(B, Hq, Hkv, N, N, D, seed=41)
+    mask = np.zeros((1, Hq, 3, 3), bool)
+    mask[0, 0, :, 0] = True
+    mask[0, 1, [0, 2], [2, 0]] = True
+    o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                  mixed_precision=False)
+    with simulate.measure() as m:
+        grads = host.flash_attention_backward(do, q, k, v, o, lse, block_mask=mask,
+                                              mixed_precision=False)
+    per = m.per_tensor
+    for name in ("q", "do", "o"):
+        assert per[name]["read"] == B * Hq * N * D * 4
+    assert per["lse"]["read"] == B * Hq * N * 4
+    assert per["k"]["read"] == per["v"]["read"] == 2 * 128 * D * 4
+    for got, want in zip(grads, ref.attention_backward(do, q, k, v, block_mask=mask)):
+        assert _err(got, want) < 1e-5 * max(1.0, np.abs(want).max())
+
+
+def test_backward_streams_the_query_side_when_it_does_not_fit(monkeypatch):
+    """Past SBUF (``tiles.bsp_bwd_resident``, forced here) the backward streams: the query side
+    is gathered per block pair in a key-major sweep (dK, dV) and a query-major one (dQ). The
+    gradients match the reference (band, lengths, GQA) and, through nki.*, the legacy trace bit
+    for bit."""
+    monkeypatch.setattr(T, "BSP_BWD_WORKING_BYTES", (1 << 30, 1 << 30))
+    B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 300, 390, 32
+    q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=42)
+    mask = _pattern(B, Hq, Nq, Nk, 0.5, seed=43)
+    kw = dict(causal=True, kv_lens=[250], q_lens=[280])
+
+    def run():
+        o, lse, grads = _fwd_bwd(q, k, v, do, mask, **kw)
+        return list(grads)
+
+    got, want = _both(run, monkeypatch)
+    _same(got, want)
+    ref_grads = ref.attention_backward(do, q, k, v, block_mask=mask,
+                                       **{**kw, "causal": "bottom_right"})
+    for g, w in zip(want, ref_grads):
+        assert _err(g, w) < 1e-5 * max(1.0, np.abs(w).max())
