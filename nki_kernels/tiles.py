@@ -478,6 +478,14 @@ FWD_MASKED_P_DMA_SHARE = 0.0
 #: N = 2048 67.9 / 67.2 / 67.0 / 75.6; causal 4096 167.8 / 172.6 / 167.8 / 167.8; trn3, share
 #: 1.0: N = 4096 187.2 / 187.7 / 187.2 / 214.3).
 FWD_NKI_STAGE_SLOTS = 2
+#: Staged query tiles under nki.* with a causal or window band: a band's span holds few tiles
+#: (FWD_MIN_SPAN_TILES) and its group sweeps them all together, so staging the whole group
+#: gives each engine's queue every tile's independent chain (the scores wait on PSUM banks
+#: instead, which the scheduler models). Scheduled estimate, one core, bf16, D = 128, with
+#: spans loaded span by span and masked regions swept per tile (forward.sweep_slots), stage 2
+#: against 4: trn2 causal N = 4096 132.5 / 128.3 us, trn3 116.0 / 108.1; without a band stage 4
+#: would cost trn2 N = 4096 208.1 -> 209.5 (FWD_NKI_STAGE_SLOTS stays 2 there).
+FWD_NKI_BAND_STAGE_SLOTS = 4
 #: Under dropout through nki.* on NeuronCore-v3+, the share of score tiles whose row max ScalarE
 #: takes (``activation_reduce`` of -s with ``reduce_op`` minimum; NKI 0.7 stub: "On NeuronCore-v2,
 #: the reduce_op must be nl.add", so v3+ reduces with max/min too) instead of VectorE, which also
@@ -738,7 +746,8 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
                          mm_itemsize: int, *, target: Optional[str] = None,
                          sbuf_bytes: Optional[int] = None, kv_lens: bool = False,
                          masks: bool = True, q_lens: bool = False,
-                         api: str = "legacy", device: Optional[str] = None) -> "ForwardTiles":
+                         api: str = "legacy", device: Optional[str] = None,
+                         band: bool = False) -> "ForwardTiles":
     """Pick the forward tiling from the SBUF budget.
 
     Parameters
@@ -762,6 +771,9 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
         :data:`FWD_NKI_STAGE_SLOTS` query tiles are staged.
     device : "trn2", "trn3" or None
         The generation the launch runs on (nki.* only; None or another: trn2's share).
+    band : bool
+        A causal or window band is active: under nki.* up to :data:`FWD_NKI_BAND_STAGE_SLOTS`
+        query tiles are staged.
 
     Returns
     -------
@@ -779,7 +791,8 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
     nki = api == "nki"
     share = FWD_NKI_P_DMA_SHARE.get(device, FWD_NKI_P_DMA_SHARE["trn2"]) if nki else 0.0
     base = ForwardTiles(target=target, p_dma_transpose_share=share)
-    slots = FWD_NKI_STAGE_SLOTS if nki else FWD_STAGE_SLOTS
+    slots = ((FWD_NKI_BAND_STAGE_SLOTS if band else FWD_NKI_STAGE_SLOTS) if nki
+             else FWD_STAGE_SLOTS)
     work = fwd_working_bytes(D, in_itemsize, mm_itemsize, base, masks=masks)
     work += fwd_length_table_bytes(Nq, Nk, group, D, q_lens=q_lens, kv_lens=kv_lens)
     state = fwd_q_state_bytes(D, mm_itemsize, in_itemsize)

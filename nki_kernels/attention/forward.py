@@ -1025,7 +1025,7 @@ def transpose_keys(f: Instance, kT, col0, pieces, src_dtype):
                              engine=split.engine(width))
 
 
-def load_piece(f: Instance, kT, v, cb, rb, ln: int):
+def load_piece(f: Instance, kT, v, cb, rb, ln: int, guard: bool = True):
     """Keys ``[128 (cb + rb), 128 (cb + rb) + ln)`` of the frame into K^T / ``[V | 1]`` of a K/V
     tile starting at key ``128 cb``, at its 128-key block ``rb`` (``cb``, ``rb`` index
     expressions; ``ln`` static, at most ``kv_load_block``). Plain loads (the full 128-key
@@ -1079,15 +1079,25 @@ def load_piece(f: Instance, kT, v, cb, rb, ln: int):
             port.tensor_copy(v[:, nl.ds(rb, full), 0:D], vx[:, 0:full, :], engine="gpsimd")
         if tail:
             port.tensor_copy(v[0:tail, rb + full, 0:D], vx[0:tail, full, :], engine="gpsimd")
-    if f.guard:
-        if full:
-            guard_values(f, v[:, nl.ds(rb, full), 0:D], v[:, nl.ds(rb, full), D + 1:D + 2])
-        if tail:
-            guard_values(f, v[0:tail, nl.ds(rb + full, 1), 0:D],
-                         v[0:tail, nl.ds(rb + full, 1), D + 1:D + 2])
+    if guard:
+        guard_piece(f, v, rb, ln)
     if not f.direct_k:
         transpose_keys(f, kT, rb * P, [(t * P, rows[t], kx[:, t, :]) for t in T.unrolled(nb)],
                        f.kv_dtype)
+
+
+def guard_piece(f: Instance, v, rb, ln: int):
+    """:func:`guard_values` of ``ln`` keys of ``[V | 1 | flag]`` from its 128-key block ``rb``
+    (nothing without the guard)."""
+    P, D = T.PMAX, f.D
+    full, tail = ln // P, ln % P
+    if not f.guard:
+        return
+    if full:
+        guard_values(f, v[:, nl.ds(rb, full), 0:D], v[:, nl.ds(rb, full), D + 1:D + 2])
+    if tail:
+        guard_values(f, v[0:tail, nl.ds(rb + full, 1), 0:D],
+                     v[0:tail, nl.ds(rb + full, 1), D + 1:D + 2])
 
 
 def load_values(f: Instance, v_dst, key0, full: int, tail: int):
@@ -1160,19 +1170,27 @@ def load_kv(f: Instance, cb, n: int, load: bool = True) -> KV:
     return kv
 
 
-def load_keys(f: Instance, kv: KV, cb, k0: int, k1: int):
+def load_keys(f: Instance, kv: KV, cb, k0: int, k1: int, guard: bool = True):
     """Keys ``[k0, k1)`` (static; ``k0`` a multiple of 128) of the K/V tile ``kv`` starting at
     key ``128 cb``: a compiled loop of ``kv_load_block``-key pieces (:func:`load_piece`) plus
-    a static tail piece."""
+    a static tail piece. ``guard`` False: V's guard is left to :func:`guard_keys`."""
+    _pieces(f, k0, k1, lambda rb, ln: load_piece(f, kv.kT, kv.v, cb, rb, ln, guard))
+
+
+def guard_keys(f: Instance, kv: KV, k0: int, k1: int):
+    """The V guard (:func:`guard_piece`) of keys ``[k0, k1)`` loaded by :func:`load_keys`
+    without it, in the same pieces."""
+    _pieces(f, k0, k1, lambda rb, ln: guard_piece(f, kv.v, rb, ln))
+
+
+def _pieces(f: Instance, k0: int, k1: int, body):
+    """``body(first 128-key block, keys)`` of the ``kv_load_block``-key pieces of keys ``[k0,
+    k1)`` (a compiled loop) and of the static tail piece."""
     P, LB = T.PMAX, f.tiles.kv_load_block
     per, n, rb = LB // P, k1 - k0, k0 // P
-
-    def piece(lb):
-        load_piece(f, kv.kT, kv.v, cb, rb + lb * per, LB)
-
-    port.loop(n // LB, piece)
+    port.loop(n // LB, lambda lb: body(rb + lb * per, LB))
     if n % LB:
-        load_piece(f, kv.kT, kv.v, cb, rb + (n // LB) * per, n % LB)
+        body(rb + (n // LB) * per, n % LB)
 
 
 def load_q_rows(f: Instance, r: int, h, t, x):
@@ -2092,21 +2110,30 @@ def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slo
                  else (T.PMAX, f.G * f.per_head, D))
         f = dataclasses.replace(f, xq=nl.ndarray(shape, dtype=q.dtype, buffer=nl.sbuf))
     loaded = [0 if by_span else f.Nk]   # resident keys [0, loaded) are loaded or on their way
+    unguarded = []              # keys loaded ahead whose V guard is still to be issued
 
     def prefetch(sp, first, count, n):
         # the resident keys the span sweeps and the group's query rows, issued before the
         # previous group's work: the first group starts on its own keys instead of waiting for
-        # all of K/V, and later loads overlap the work before them
-        need = _span_keys(sp, plan.q_tile, f.Nk)
-        if kv is not None and need > loaded[0]:
-            load_keys(f, kv, 0, loaded[0], need)
-            loaded[0] = need
+        # all of K/V, and later loads overlap the work before them. V's guard of those keys
+        # waits in the program until that work is issued (guard_ahead): in the engines' queues
+        # it would precede the work that does not need it
         if preload and sp.regions:
             start, mine = (0, count) if core is None else _core_range(count, core)
             port.loop(f.G, lambda h, t=sp.t0 + first + start * n, c=mine * n:
                       preload_q(f, sp.rows, h, t, c))
+        need = _span_keys(sp, plan.q_tile, f.Nk)
+        if kv is not None and need > loaded[0]:
+            load_keys(f, kv, 0, loaded[0], need, guard=False)
+            unguarded.append((loaded[0], need))
+            loaded[0] = need
+
+    def guard_ahead():
+        while unguarded:
+            guard_keys(f, kv, *unguarded.pop(0))
 
     prefetch(groups[0][0], *groups[0][1])
+    guard_ahead()
     out = _Outputs(f, f.G * max(n for _, (_, _, n) in groups))
     pending = ()                # the group whose outputs are waiting in `out`
     for i, (sp, (first, count, n)) in enumerate(groups):
@@ -2124,6 +2151,7 @@ def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slo
             attend_group(f, plan, sp, t0, n, kv, out, [(t0 - n, n, sp.rows)])
 
         port.loop(mine, later, carried=True, start=1)
+        guard_ahead()
         pending = [(t_first + (mine - 1) * n, n, sp.rows)]
     for p in pending:
         flush(f, out, p)
