@@ -466,13 +466,17 @@ FWD_STAGE_SLOTS = 8
 FWD_NKI_P_DMA_SHARE = {"trn2": 0.75, "trn3": 1.0}
 #: The DMA transposes' share of P^T in the blocks of a band's masked regions (the keys around
 #: the diagonal, where only some rows of a span see the keys): at most this, whatever the
-#: target's share. These blocks end each span's sweep, where its tiles' chains have nothing
-#: left to overlap the DMA transposes' completion latency (1.3 us, simulate._hw
-#: DMA_FIXED_LATENCY_NS) with, so TensorE transposes them. Scheduled estimate, one core,
-#: bf16, causal, span_tiles 4, 0 against the target's share: trn2 N = 2048 D = 64 52.3 / 56.1
-#: us, D = 128 59.3 / 61.9 (0.5: 61.9); N = 4096 D = 128 155.3 / 161.5; trn3 N = 4096 133.9 /
-#: 137.4.
-FWD_MASKED_P_DMA_SHARE = 0.0
+#: target's share. These blocks end each span's sweep, where its tiles' chains have less left
+#: to overlap the DMA transposes' completion latency (1.3 us, simulate._hw
+#: DMA_FIXED_LATENCY_NS) with. Before masked blocks were swept per tile and joined with the
+#: unmasked region's partial last block (forward.sweep_slots, forward._joins), 0 was best (trn2
+#: N = 2048 D = 64 52.3 us against 56.1 at the target's share, D = 128 59.3 / 61.9; N = 4096
+#: D = 128 155.3 / 161.5; trn3 133.9 / 137.4). Now, scheduled estimate, one core, bf16,
+#: causal, shares 0.25 / 0.375 / 0.5 / 0.625 / 0.75 / 1.0: trn2 N = 4096 D = 128 125.7 /
+#: 123.7 / 119.4 / 118.1 / 119.6 / 119.6 us (0: 133.6); 0.5 / 0.625 / 0.75: trn2 N = 2048 D =
+#: 64 39.3 / 38.8 / 39.1, D = 128 41.1 / 40.7 / 41.5, N = 8192 417.6 / 414.7 / 415.5; trn3
+#: N = 4096 102.7 / 102.1 / 100.7.
+FWD_MASKED_P_DMA_SHARE = 0.625
 #: Staged query tiles under nki.* with those DMA transposes (trn2, share 0.75: stage 2 against
 #: 1, 4, 8: N = 4096 217.7 / 218.3 / 218.7 / 239.8 us; N = 8192 799.8 / 799.5 / 808.7 / 853.2;
 #: N = 2048 67.9 / 67.2 / 67.0 / 75.6; causal 4096 167.8 / 172.6 / 167.8 / 167.8; trn3, share
@@ -482,9 +486,11 @@ FWD_NKI_STAGE_SLOTS = 2
 #: (FWD_MIN_SPAN_TILES) and its group sweeps them all together, so staging the whole group
 #: gives each engine's queue every tile's independent chain (the scores wait on PSUM banks
 #: instead, which the scheduler models). Scheduled estimate, one core, bf16, D = 128, with
-#: spans loaded span by span and masked regions swept per tile (forward.sweep_slots), stage 2
-#: against 4: trn2 causal N = 4096 132.5 / 128.3 us, trn3 116.0 / 108.1; without a band stage 4
-#: would cost trn2 N = 4096 208.1 -> 209.5 (FWD_NKI_STAGE_SLOTS stays 2 there).
+#: keys loaded span by span and masked regions swept per tile (forward.sweep_slots), stage 2
+#: against 4: trn2 causal N = 4096 132.5 / 128.3 us, trn3 116.0 / 108.1; with the unmasked
+#: partial blocks joined to them (forward._joins) and FWD_MASKED_P_DMA_SHARE = 0.625: trn2
+#: N = 4096 124.4 / 118.1, N = 2048 45.3 / 40.7, trn3 N = 4096 110.9 / 102.1. Without a band
+#: stage 4 would cost trn2 N = 4096 208.1 -> 209.5 (FWD_NKI_STAGE_SLOTS stays 2 there).
 FWD_NKI_BAND_STAGE_SLOTS = 4
 #: Under dropout through nki.* on NeuronCore-v3+, the share of score tiles whose row max ScalarE
 #: takes (``activation_reduce`` of -s with ``reduce_op`` minimum; NKI 0.7 stub: "On NeuronCore-v2,

@@ -1780,22 +1780,32 @@ def attend_group(f: Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Opt
     for pending in flushes:
         flush(f, out, pending)
 
-    def key_blocks(kv_t, rb, j0, keys, masked, ju):
+    def key_blocks(kv_t, rb, j0, keys, masked, ju, tail_block=True):
         # ju: the first 128-key unit of the keys (dropout), j0 // 128 as an affine expression
         full, tail = keys // Bk, keys % Bk
         port.loop(full, lambda kb: sweep_block(g, kv_t, rb + kb * per, j0 + kb * Bk, Bk, masked,
                                                ju + kb * per, None), carried=True)
-        if tail:
+        if tail and tail_block:
             sweep_block(g, kv_t, rb + full * per, j0 + full * Bk, tail, masked,
                         ju + full * per, j0 + full * Bk)
 
-    for rg in span.regions:
-        slots = _slot_keys(f.spec, span, t0, n, plan.q_tile, rg, Bk) if plan.resident else None
-        if slots is not None:
-            sweep_slots(g, kv, slots)
+    regions = span.regions
+    slots = [_slot_keys(f.spec, span, t0, n, plan.q_tile, rg, Bk) if plan.resident else None
+             for rg in regions]
+    for i, rg in enumerate(regions):
+        if slots[i] is not None:
+            sweep_slots(g, kv, slots[i])
             continue
         if plan.resident:
-            key_blocks(kv, rg.k0 // P, rg.k0, rg.k1 - rg.k0, rg.masked, rg.k0 // P)
+            # an unmasked region's partial last block joins the per-tile blocks of a masked
+            # region right after it when they fit one softmax block (one update fewer per tile)
+            tail = (rg.k1 - rg.k0) % Bk
+            nxt = slots[i + 1] if i + 1 < len(regions) else None
+            joined = nxt is not None and tail and _joins(nxt, rg.k1, tail, Bk)
+            key_blocks(kv, rg.k0 // P, rg.k0, rg.k1 - rg.k0, rg.masked, rg.k0 // P,
+                       tail_block=not joined)
+            if joined:
+                slots[i + 1] = tuple((rg.k1 - tail, tail + w) for _, w in nxt)
             continue
         for first, count, C in _chunks(rg, plan):
             def chunk(c, first=first, C=C, masked=rg.masked):
@@ -1804,6 +1814,13 @@ def attend_group(f: Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Opt
 
             port.loop(count, chunk, carried=True)
     g.each_tile(lambda h, s: write_back(f, st, h * n + s, h, t0 + s, out))
+
+
+def _joins(slots, k0: int, tail: int, block: int) -> bool:
+    """Whether ``tail`` keys ending at key ``k0`` can open every slot's block of ``slots``
+    (:func:`_slot_keys`): each slot's keys start at ``k0`` (or it has none) and the joined
+    block stays within one softmax ``block``."""
+    return all((w == 0 or j == k0) and tail + w <= block for j, w in slots)
 
 
 def _slot_keys(spec: M.MaskSpec, span: Span, t0, n: int, q_tile: int, region: Region,
@@ -2112,28 +2129,28 @@ def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slo
     loaded = [0 if by_span else f.Nk]   # resident keys [0, loaded) are loaded or on their way
     unguarded = []              # keys loaded ahead whose V guard is still to be issued
 
-    def prefetch(sp, first, count, n):
+    def prefetch(sp, first, count, n, ahead=True):
         # the resident keys the span sweeps and the group's query rows, issued before the
         # previous group's work: the first group starts on its own keys instead of waiting for
-        # all of K/V, and later loads overlap the work before them. V's guard of those keys
-        # waits in the program until that work is issued (guard_ahead): in the engines' queues
-        # it would precede the work that does not need it
+        # all of K/V, and later loads overlap the work before them. V's guard of keys loaded
+        # ``ahead`` waits in the program until that work is issued (guard_ahead): in the
+        # engines' queues it would precede the work that does not need it
         if preload and sp.regions:
             start, mine = (0, count) if core is None else _core_range(count, core)
             port.loop(f.G, lambda h, t=sp.t0 + first + start * n, c=mine * n:
                       preload_q(f, sp.rows, h, t, c))
         need = _span_keys(sp, plan.q_tile, f.Nk)
         if kv is not None and need > loaded[0]:
-            load_keys(f, kv, 0, loaded[0], need, guard=False)
-            unguarded.append((loaded[0], need))
+            load_keys(f, kv, 0, loaded[0], need, guard=not ahead)
+            if ahead:
+                unguarded.append((loaded[0], need))
             loaded[0] = need
 
     def guard_ahead():
         while unguarded:
             guard_keys(f, kv, *unguarded.pop(0))
 
-    prefetch(groups[0][0], *groups[0][1])
-    guard_ahead()
+    prefetch(groups[0][0], *groups[0][1], ahead=False)
     out = _Outputs(f, f.G * max(n for _, (_, _, n) in groups))
     pending = ()                # the group whose outputs are waiting in `out`
     for i, (sp, (first, count, n)) in enumerate(groups):
