@@ -619,9 +619,10 @@ class ForwardTiles:
         key block are issued before their P V; each keeps one softmax block of P in SBUF
         (:func:`fwd_stage_bytes`). 1: every tile's block is issued whole.
     q_preload : bool
-        Every query row of the program is loaded at its start (:func:`fwd_q_preload_bytes`
-        of SBUF), instead of each group loading its own tiles when it begins (a group's loads
-        of 128-row tiles of 256-byte rows take longer than its first steps need).
+        Every query row of the program is loaded into a buffer of its own
+        (:func:`fwd_q_preload_bytes` of SBUF) a group ahead of its use, instead of each
+        group loading its own tiles when it begins (a group's loads of 128-row tiles of
+        256-byte rows take longer than its first steps need).
     span_tiles : int
         Fewest query tiles per span of a causal or window band (:data:`FWD_MIN_SPAN_TILES`;
         fewer spans when there are fewer tiles).

@@ -52,7 +52,10 @@ Tile sizes (``nki_kernels/tiles.py``, ``FWD_*``) and why:
   shape).
 - **K/V residency**: K^T ``[D, Nk]`` and [V | 1] (``Nk/128`` blocks) at matmul precision stay in
   SBUF for all query tiles of the group when they fit (bf16 D = 128: ~4 Nk bytes per partition,
-  Nk up to ~32K on trn1's budget), so every HBM byte is read once. Otherwise K/V streams in
+  Nk up to ~32K on trn1's budget), so every HBM byte is read once (and with a causal band only
+  the keys some span reaches, loaded span by span). Under nki.* K^T and Q^T come straight
+  from HBM by DMA transposes (``Instance.direct_k``/``direct_q``, as nki-library's
+  ``attention_cte`` loads them), with no TensorE pass or PSUM bank. Otherwise K/V streams in
   2048-key chunks past a group of query tiles kept on chip (``tiles.forward_hbm_bytes`` derives
   the resulting Theta(N^2 d^2 / M) traffic).
 - **Head dim up to 256**: S contracts D in passes of 128 rows accumulating in the same PSUM bank;
@@ -176,6 +179,7 @@ from nki_kernels.port import nl
 #
 #   for (b, g) in the instances (legacy: the SPMD grid; nki.*: a compiled loop):
 #   for span in plan.spans:                                    <= FWD_Q_SPANS + 1, unrolled
+#     [resident: load the next span's new keys and query rows (prefetch, a span ahead)]
 #     group 0 (peeled), then for grp in loop(1, groups of the span, carried):
 #       load Q^T of the group's tiles (every query head of the kv group); o_acc = 0, m = M_FLOOR
 #       store the previous group's O, LSE (waiting in SBUF: the stores, which wait for that
@@ -190,7 +194,8 @@ from nki_kernels.port import nl
 #                                           masked region: (legacy) every instruction predicated
 #                                           on the block intersecting the tile's band; score
 #                                           tiles crossing an edge masked by a selection
-#         [one static tail block]
+#         [one static tail block; a group of compile-time tiles: in a masked region one
+#          block per tile over its own keys, the unmasked region's tail block joined to it]
 #       finish O, LSE of the group's tiles into SBUF
 #   store the last group's O, LSE
 #
@@ -205,6 +210,12 @@ from nki_kernels.port import nl
 # query tiles one *sliding* span: each tile sweeps the same key regions relative to its own
 # first row (an affine offset of the tile index), the fixed spans only cover the tiles near the
 # sequence edges, and the tail block's indicators are compile-time tiles built once.
+# When a group's tiles are compile-time (a span of one group on one core), a masked region is
+# swept per tile instead (sweep_slots): each tile's block covers only the keys its own rows
+# may see, so the masked triangle costs each tile its own 128-key units, and the unmasked
+# region's partial last block opens that block (_joins: one online-softmax update fewer). With
+# fixed spans the resident keys are loaded span by span, a span ahead of use (the first span
+# starts on its own keys, not on all of K/V; each key is still read once).
 # Partial query tiles (Nq % q_tile rows) form their own span and
 # partial key blocks a static tail block, so every tile shape is compile-time and the program
 # has a constant number of loop bodies.
@@ -1206,8 +1217,8 @@ def load_q_rows(f: Instance, r: int, h, t, x):
 
 def preload_q(f: Instance, r: int, h, t0, n: int):
     """Rows of query tiles ``t0 .. t0 + n - 1`` of member head h into the preload buffer
-    ``f.xq`` (:attr:`tiles.ForwardTiles.q_preload`): issued at the start of the program, the
-    loads are out of the groups' way."""
+    ``f.xq`` (:attr:`tiles.ForwardTiles.q_preload`): issued a group ahead (with that group's
+    keys, :func:`forward_instance`), the loads are out of the groups' way."""
     def one(i):
         col = f.q_col(h, t0 + i)
         if f.direct_q:
