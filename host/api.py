@@ -8,7 +8,6 @@ and the backward, :class:`DecodeCall` for decode); planning and launching read t
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -17,7 +16,7 @@ from host import block_sparse as _bs
 from host import validation as _v
 from host._launch import launch
 from nki_kernels import port, tiles
-from nki_kernels.nki import API_ENV_VAR, active_target, namespace, select_api
+from nki_kernels.nki import active_target, select_api
 
 # ============================================================================================
 # Fused kernels and the unfused attention baseline
@@ -430,7 +429,7 @@ def _plan_forward(call: AttentionCall):
             kv_lens=call.kv_lens is not None, q_lens=call.q_lens is not None,
             masks=(call.causal is not None or call.window is not None
                    or call.kv_lens is not None or call.q_lens is not None),
-            api=api, device=active_target(),
+            api=api, device=active_target(), dropout=bool(call.dropout.p),
             band=call.causal is not None or call.window is not None)
     grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, call.lnc, api=api)
     kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
@@ -439,22 +438,6 @@ def _plan_forward(call: AttentionCall):
         kwargs["dropout_p"] = call.dropout.p
     kwargs.update(call.mods.kwargs)
     return flash_attention_fwd.on(api), grid, kwargs
-
-
-def _port_api(legacy_only: bool) -> str:
-    """The namespace a kernel launch traces through: :func:`nki_kernels.nki.select_api`'s,
-    except that under ``NKI_FLASH_API=auto`` a call using a feature not ported to nki.* yet
-    (``legacy_only``: the block-sparse kernels over 2^24 rows or dropout units, decode over
-    2^24 cache rows or block-table entries) runs through the legacy
-    namespace when it runs on the same kind of backend (both simulated, or both AWS's
-    toolchains) and the target has a legacy toolchain (not trn3). Otherwise the kernel refuses
-    it under nki.* (NotImplementedError)."""
-    api = select_api()
-    auto = os.environ.get(API_ENV_VAR, "auto").strip().lower() in ("", "auto")
-    if api == "nki" and legacy_only and auto and active_target() != "trn3":
-        if namespace("legacy").backend == namespace("nki").backend:
-            return "legacy"
-    return api
 
 
 def _score_mods_call(softcap, alibi_slopes, sinks, B: int, Hq: int) -> KernelScoreMods:
@@ -657,18 +640,6 @@ def _block_sparse_grid(dims, lnc: int, api: str):
     return backward_grid(dims.B, dims.Hkv, lnc, api=api)
 
 
-def _block_sparse_api(dims, dropout_p: float, dropout_mask: bool) -> str:
-    """The namespace of a block-sparse launch (:func:`_port_api`): legacy only when 0.7 would
-    number its rows (``B Hq Nq``, ``B Hkv Nk``, with the debug dropout mask ``B Hq Nq
-    ceil(Nk/128)``) or dropout units in fp32 past 2^24 (the kernels refuse those under
-    nki.*)."""
-    nqt, nkt = _tiles.ceil_div(dims.Nq, _tiles.PMAX), _tiles.ceil_div(dims.Nk, _tiles.PMAX)
-    rows = max(dims.B * dims.Hq * dims.Nq, dims.B * dims.Hkv * dims.Nk,
-               dims.B * dims.Hq * dims.Nq * nkt if dropout_p and dropout_mask else 0)
-    units = dims.B * dims.Hq * nqt * nkt if dropout_p else 0
-    return _port_api(max(rows, units) >= _tiles.FP32_EXACT_INT)
-
-
 def _block_sparse_forward(q, k, v, call: AttentionCall):
     """The block-sparse forward of a validated call (``call.block_sparse`` given): outputs as
     :func:`flash_attention`'s."""
@@ -681,10 +652,12 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     if p:
         kwargs.update(dropout_p=p, dropout_mask=call.return_dropout_mask)
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
-    api = _block_sparse_api(dims, p, call.return_dropout_mask)
+    api = select_api()          # every block-sparse call is ported to nki.*
     outs = launch(block_sparse_attention_fwd.on(api), _block_sparse_grid(dims, call.lnc, api),
                   q, k, v, tables.q.meta, kv_lens=call.kv_lens, q_lens=call.q_lens,
                   seed=call.dropout.seed, classes=tables.q.classes, shared=tables.q.shared,
+                  p_dma_share=_tiles.FWD_NKI_P_DMA_SHARE.get(
+                      active_target(), _tiles.FWD_NKI_P_DMA_SHARE["trn2"]) if api == "nki" else 0.0,
                   **call.mods.tensors,
                   **kwargs)
     o, lse = outs[0], outs[1]
@@ -701,7 +674,7 @@ def _varlen_forward(q, k, v, call: AttentionCall):
 
     dims = call.dims
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
-    api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
+    api = select_api()
     outs = launch(varlen_attention_fwd.on(api), varlen_grid(dims.Hkv, dims.group, dims.Nq,
                                                                call.lnc, api),
                   q, k, v, call.packing.cu_q, call.packing.cu_k, **_packed_mods(call),
@@ -742,7 +715,7 @@ def _varlen_backward(do, q, k, v, o, lse, call: AttentionCall):
     dims = call.dims
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
-    api = _port_api(max(dims.Hq * dims.Nq, dims.Hkv * dims.Nk) >= _tiles.FP32_EXACT_INT)
+    api = select_api()
     outs = launch(varlen_attention_bwd.on(api),
                   varlen_grid(dims.Hkv, dims.group, dims.Nq, call.lnc, api), q, k, v, o, do,
                   _numpy("lse", lse), call.packing.cu_q, call.packing.cu_k, **_packed_mods(call),
@@ -766,7 +739,7 @@ def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):
         kwargs["dropout_p"] = p
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
-    api = _block_sparse_api(dims, p, False)
+    api = select_api()
     outs = launch(block_sparse_attention_bwd.on(api), _block_sparse_grid(dims, call.lnc, api), q,
                   k, v, o, do,
                   _numpy("lse", lse), tables.q.meta, tables.k.meta, kv_lens=call.kv_lens,
@@ -975,11 +948,21 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
                 + s Hq T D (W + B)                   q, per real work item and tail program
                 + 8 H' (W + P) + 4 H' (W + B)        work items (b, s); one int32 length per
                                                      real work item and per tail program
-                + T^2 B Hkv                          uint8 tree mask per tail program (if any)
+                + T^2 B H'                           uint8 tree mask per tail program (if any)
                 + 4 N (D + 1) S + 4 N [S > 1]        all partial slots and the per-row split
                                                      counts, by the merge
         written = 4 Hq T (D + 1) (W + P + B)         partials (padding items: a trash block)
                 + s N D + 4 N                        o, lse
+
+    and, with ``tiles.decode_zero_by_dma(plan.split_rows)``, the K/V zero fills
+    (``decode._gather_rows``: per kv head, the partitions of a real
+    work item's K/V tiles that hold a key row past the committed prefix in their last tile are
+    read from a one-row zero tensor, all ``c = ceil(r / 128)`` tiles of them), with ``n =
+    plan.key_row``, ``r = plan.split_rows``, ``k = min(r, 128)`` and ``Lp_b = cache_lens[b] -
+    T``::
+
+        read   += 2 s Hkv c n D sum_(b, j) (k - clip(floor(Lp_b / n) - j r - (c - 1) 128, 0, k))
+                                                     over the real items (b, j)
 
     With ``paged`` (a block table; ``n = plan.key_row``, ``Lp_b = cache_lens[b] - T``), the
     block table adds one int32 per gathered key row (once per head group: the page does not
@@ -994,7 +977,7 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     Through ``api="nki"`` with LNC=2 and an odd number ``H' B`` of tail programs, both cores
     run the middle one (:func:`decode_launch`), sequence ``b = ((H' B - 1) / 2) mod B`` for
     ``h = Hkv / H'`` kv heads: its reads (``s h G T D`` of q, 4 of the length, ``2 s h D
-    (Lp_b mod n + T)`` of K/V, ``h T^2`` of the tree mask, paged ``4 h (Lp_b mod n + T)``) and
+    (Lp_b mod n + T)`` of K/V, ``T^2`` of the tree mask, paged ``4 h (Lp_b mod n + T)``) and
     its ``4 h G T (D + 1)`` bytes of partials count twice.
 
     An FP8 cache (``cache_itemsize`` 1; None: the caches in q's itemsize ``s``) has ``s``
@@ -1018,12 +1001,18 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     read = (kv + itemsize * Hq * T * D * (W + B) + 8 * groups * (W + pad)
             + 4 * groups * (W + B) + 4 * N * (D + 1) * S + (4 * N if S > 1 else 0))
     if tree_mask:
-        read += T * T * B * Hkv
+        read += T * T * B * groups
     if paged:
         lp = np.asarray(cache_lens, dtype=np.int64) - T
         read += 4 * (groups * int(np.sum(lp // plan.key_row))
                      + Hkv * int(np.sum(lp % plan.key_row + T)))
     written = 4 * Hq * T * (D + 1) * (W + pad + B) + itemsize * N * D + 4 * N
+    if work is not None and tiles.decode_zero_by_dma(plan.split_rows):  # K/V zero fills
+        rs, full = plan.split_rows, (np.asarray(cache_lens, dtype=np.int64) - T) // plan.key_row
+        tiles_, kr = _tiles.ceil_div(rs, _tiles.PMAX), min(rs, _tiles.PMAX)
+        zeroed = sum(kr - min(max(int(full[b]) - j * rs - (tiles_ - 1) * _tiles.PMAX, 0), kr)
+                     for b in range(B) for j in range(int(splits[b])))
+        read += 2 * cs * Hkv * tiles_ * plan.key_row * D * zeroed
     scale_rows = 8 * min(Hq // Hkv * T, plan.row_tile) if cs == 1 else 0   # FP8: the scales
     read += scale_rows * Hkv * ((W + pad) // launch_.items_per_program + B)
     if api == "nki" and lnc == 2 and (groups * B) % 2:
@@ -1032,7 +1021,7 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
         tail = int(cache_lens[b]) - T
         tail = tail % plan.key_row + T                       # positions the tail reads
         read += (itemsize * h * G * T * D + 4 + 2 * cs * h * D * tail + scale_rows * h
-                 + (h * T * T if tree_mask else 0) + (4 * h * tail if paged else 0))
+                 + (T * T if tree_mask else 0) + (4 * h * tail if paged else 0))
         written += 4 * h * G * T * (D + 1)
     return read, written
 
@@ -1108,11 +1097,6 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     o : numpy.ndarray (B, Hq, T, D), q's dtype
     lse : numpy.ndarray (B, Hq, T) float32 (natural log), only with ``return_lse``
 
-    Raises NotImplementedError for a contiguous cache of ``B Hkv S_max >= 2^24`` rows (a block
-    table of ``>= 2^24`` entries) under ``NKI_FLASH_API=nki`` (and under ``auto`` where the
-    legacy namespace cannot run it, i.e. trn3): the split kernel's tails compute those flat
-    rows in fp32 under nki.* (:func:`run_decode`).
-
     Without a tree mask this equals ``flash_attention(q, k[:, :, :L], v[:, :, :L],
     causal="bottom_right")`` for each sequence with ``L = cache_lens[b]``. HBM traffic:
     :func:`flash_decode_hbm_bytes` (without a window). This is the small-T case of
@@ -1145,17 +1129,13 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
     (:func:`host._launch.launch`, or ``kernel[grid](...)`` on XLA tensors) and ``to_device``
     moves the host-built arrays (lengths, work list, tree mask, block table, slopes, sinks)
     next to q. Returns ``(o, lse)`` flat: ``(B Hq T, D)`` and ``(B Hq T,)``. Both kernels trace
-    through the namespace :func:`_port_api` selects (a contiguous cache of 2^24 rows or more, or
-    a block table of 2^24 entries, is ``legacy_only``: under nki.* the split kernel refuses it,
-    NotImplementedError)."""
+    through the namespace :func:`nki_kernels.nki.select_api` selects (every decode call is
+    ported to nki.*)."""
     from nki_kernels.attention import decode as k
     from nki_kernels.attention.decode_merge import flash_decode_merge_kernel
 
     inputs, pages = call.inputs, call.pages
-    # nki.* computes the tails' flat cache rows (paged: table entries) in fp32, exact below 2^24
-    flat = (inputs.B * inputs.Hkv * k_cache.shape[2] if pages is None
-            else int(np.prod(pages.block_table.shape)))
-    api = _port_api(legacy_only=flat >= _tiles.FP32_EXACT_INT)
+    api = select_api()
     plan = _decode_tiles(call)
     table = None if pages is None else to_device(pages.block_table)
     lens = np.ascontiguousarray(inputs.cache_lens, dtype=np.int32)
@@ -1164,11 +1144,17 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
     ln = decode_launch(lens, T, Hkv, plan, call.lnc, api)
     work, splits = ln.work, ln.splits
     mod_tensors = _cache_tensors(call, to_device)
+    # the source of the split kernel's K/V zero fills (one key row of zeros, the caches' dtype)
+    cache_dtype = call.dtype if call.kv_quant is None else call.kv_quant.format
+    zero_cols = _tiles.ceil_div(plan.split_rows, _tiles.PMAX) * plan.key_row * inputs.D
+    zero_row = (to_device(np.zeros((1, zero_cols), dtype=np.dtype(cache_dtype)))
+                if work is not None and tiles.decode_zero_by_dma(plan.split_rows) else None)
     o_part, lse_part = run(
         k.flash_decode_split_kernel.on(api),
         k.decode_grid(ln.groups, ln.programs, ln.core_axis, api=api, lnc=call.lnc), q,
         k_cache, v_cache, to_device(lens),
-        None if work is None else to_device(work), tree, table, scale=call.scale,
+        None if work is None else to_device(work), tree, table, zero_row=zero_row,
+        scale=call.scale,
         mm_dtype=call.mm_dtype, key_row=plan.key_row, split_rows=plan.split_rows,
         num_splits=plan.num_splits, row_tile=plan.row_tile, pack=plan.pack,
         items_per_program=ln.items_per_program, heads_per_program=ln.heads_per_program,

@@ -5,8 +5,8 @@
     tokens over a KV cache, e.g. a chunked prefill) on the active backend, checks it
     against the float64 reference, and reports the error and its tolerance, HBM traffic against
     the IO lower bound and the unfused algorithm, and modeled time on trn1, trn2 and trn3 with
-    the TensorE utilization it implies (trn3 for the kernels ported to ``nki.*``, the only
-    namespace trn3 runs).
+    the TensorE utilization it implies (trn3 through ``nki.*``, the only namespace trn3
+    runs).
 ``nki-flash bench``
     the IO study (flash vs unfused attention, block sizes, fused GELU(xW+b)): tables and plots.
 
@@ -178,9 +178,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="attention sinks (gpt-oss): one random N(0, 1) logit per query head")
     run.add_argument("--seed", type=int, default=0, help="random seed for the inputs (0)")
     run.add_argument("--targets", nargs="+", choices=TARGETS, default=None,
-                     help="targets to model (default trn1 trn2 trn3; trn3 only where the kernel "
-                          "is ported to nki.*: not --decode over 2^24 or more cache rows or "
-                          "block-table entries)")
+                     help="targets to model (default trn1 trn2 trn3)")
     run.add_argument("--lnc", type=int, choices=(1, 2), default=None,
                      help="NeuronCores per logical core on trn2 (default 2 on trn2, 1 on trn1; "
                           "trn1 always runs 1)")
@@ -317,21 +315,6 @@ def _mods_label(args: argparse.Namespace) -> str:
             + (" alibi" if args.alibi else "") + (" sinks" if args.sinks else ""))
 
 
-def _not_on_trn3(args: argparse.Namespace):
-    """The flag of a kernel path that still traces only through the legacy namespace (so not on
-    trn3, which runs only nki.*), or None (README, Backends: which kernels are ported)."""
-    if args.decode or args.kvcache:
-        from nki_kernels.tiles import FP32_EXACT_INT
-
-        s_max = max(max(args.cache_len) if args.cache_len else 0, args.seq)
-        page = 256 if args.page_size is None else args.page_size
-        if args.paged and args.batch * -(-s_max // page) >= FP32_EXACT_INT:
-            return "--decode --paged with 2^24 or more block-table entries"
-        if not args.paged and args.batch * args.kv_heads * s_max >= FP32_EXACT_INT:
-            return "--decode over 2^24 or more cache rows (B x kv heads x S_max, contiguous)"
-    return None
-
-
 def _check_flags(args: argparse.Namespace) -> None:
     """Refuse flags that the chosen mode would silently ignore."""
     if args.decode and args.kvcache:
@@ -362,13 +345,9 @@ def _check_flags(args: argparse.Namespace) -> None:
         _block_pattern(args.block_sparse, 1, 1)          # the pattern's name and value
     if args.varlen is not None:
         _check_varlen(args)
-    unported = _not_on_trn3(args)
     explicit = args.targets is not None
     if args.targets is None:
-        args.targets = [t for t in TARGETS if t != "trn3" or not unported]
-    elif "trn3" in args.targets and unported:
-        raise UsageError(f"--targets trn3: {unported} is not ported to nki.* yet, and trn3 runs "
-                         "only nki.* kernels; model it on trn1/trn2")
+        args.targets = list(TARGETS)
     if args.kv_dtype is not None:
         from nki_kernels.tiles import DECODE_FP8_CACHE_DTYPES
 

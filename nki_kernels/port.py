@@ -207,6 +207,12 @@ def gen3():
     return ns.nisa.get_nc_version() >= ns.nisa.nc_version.gen3
 
 
+def target():
+    """The generation traced for, by its instance name: "trn1" (NeuronCore-v2), "trn2" (v3)
+    or "trn3" (v4; nki.* only)."""
+    return {2: "trn1", 3: "trn2", 4: "trn3"}[int(current().nisa.get_nc_version())]
+
+
 def predicates():
     """True when instructions take loop-index predicates (``mask=``: legacy only)."""
     return current().api == "legacy"
@@ -272,16 +278,18 @@ def lead_rows(t, lead, idx, col=0):
     return t[(*lead, idx[ar(idx.shape[0])[:, None], col], ar(t.shape[-1])[None, :])]
 
 
-def lead_first_row(t, lead, offsets, partitions=128):
+def lead_first_row(t, lead, offsets, partitions=128, ints=False):
     """The first row of the slice ``t[*lead]`` in the flattened view :func:`lead_rows` addresses
     under 0.7, as an fp32 ``[partitions, 1]`` column (each runtime index of ``lead`` read from
-    ``offsets``, an :class:`OffsetColumns` of 0, 1, ...; exact below 2^24 rows). None in legacy,
-    where nothing is issued: the subscript carries ``lead``."""
+    ``offsets``, an :class:`OffsetColumns` of 0, 1, ...; exact below 2^24 rows), or with
+    ``ints`` an int32 one (from an ``exact`` table: summed in int32, exact at any size). None
+    in legacy, where nothing is issued: the subscript carries ``lead``."""
     ns = current()
     if ns.api != "nki":
         return None
     strides = [math.prod(t.shape[k + 1:-1]) for k, _ in enumerate(lead)]
-    first = ns.nl.ndarray((partitions, 1), dtype=ns.nl.float32, buffer=ns.nl.sbuf)
+    first = ns.nl.ndarray((partitions, 1), dtype=ns.nl.int32 if ints else ns.nl.float32,
+                          buffer=ns.nl.sbuf)
     iota(first, [[1, 1]], runtime=list(zip(lead, strides)), offsets=offsets)
     return first
 
@@ -297,6 +305,24 @@ def row_blocks(t, lead, r0, rows, n, cols):
     ar = ns.nl.arange
     ip, it, ic = ar(rows)[:, None, None], ar(n)[None, :, None], ar(cols)[None, None, :]
     return t[(*lead, r0 + ip + rows * it, ic)]
+
+
+def select_block(t, idx, width=None):
+    """nki.* only: the view ``t[:, i, ...]`` of an SBUF tile at the runtime index ``i`` that
+    the one-element int32 tile ``idx`` holds (NKI 0.7 ``NkiTensor.select`` with a tensor
+    index; the 2.33 stub: "Dynamic on-chip: dim must not be 0", one dynamic select per view).
+    With ``width`` the 2-D tile ``[p, n width]`` is read as ``[p, n, width]`` first
+    (``reshape_dim``), so the view is the ``width`` columns from ``width i``. Legacy NKI has
+    no tensor-valued SBUF offset (NotImplementedError). Cost: no document gives one; the
+    simulator makes the instruction that reads the view wait for the index's writer, with no
+    register load (UNCONFIRMED)."""
+    ns = current()
+    if ns.api != "nki":
+        raise NotImplementedError("port.select_block: a runtime SBUF offset is an nki.* "
+                                  "feature")
+    if width is not None:
+        t = t.reshape_dim(1, (t.shape[1] // width, width))
+    return t.select(1, idx)
 
 
 def view(t, p0, rows, c0, pattern):
@@ -756,16 +782,23 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=Non
         val = ns.nl.ndarray(tuple(dst.shape), dtype=ns.nl.int32, buffer=ns.nl.sbuf)
         ns.nisa.iota(dst=val, pattern=pattern, offset=int(offset),
                      channel_multiplier=int(channel_multiplier))
-        # the [rows, 1] column broadcast over dst's free dims (a view: no copy)
-        col = _exact_column(ns, terms, offsets, dst.shape[0])
-        for d, size in enumerate(dst.shape[1:], start=1):
-            col = (col if d == 1 else col.expand_dim(d)).broadcast(d, size)
-        ns.nisa.tensor_tensor(dst=dst, data1=val, data2=col, op=ns.nl.add,
-                              engine=ns.nisa.engine.gpsimd)
+        add_int_column(dst, val, _exact_column(ns, terms, offsets, dst.shape[0]))
         return
     val, col = _runtime_pattern(ns, dst, pattern, int(offset), int(channel_multiplier), terms,
                                 offsets, None)
     ns.nisa.tensor_scalar(dst=dst, data=val, op0=ns.nl.add, operand0=col)
+
+
+def add_int_column(dst, data, col):
+    """0.7: ``dst = data + col`` for int32 ``data`` and an int32 ``[rows, 1]`` ``col``
+    broadcast over dst's free dims (a view: no copy), one GpSimd ``tensor_tensor`` (int32 add:
+    exact, ``nki.isa.tensor_tensor``). For the integer sums of an ``exact``
+    :class:`OffsetColumns` table, which only 0.7 builds."""
+    ns = current()
+    for d, size in enumerate(dst.shape[1:], start=1):
+        col = (col if d == 1 else col.expand_dim(d)).broadcast(d, size)
+    ns.nisa.tensor_tensor(dst=dst, data1=data, data2=col, op=ns.nl.add,
+                          engine=ns.nisa.engine.gpsimd)
 
 
 def iota_column(dst, pattern, offset=0, channel_multiplier=0, runtime=None, offsets=None,
@@ -979,6 +1012,20 @@ def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0
     ``nl.maximum``/``nl.minimum``)."""
     _issue("activation_reduce", dst, mask=mask, op=op, data=data, reduce_op=reduce_op,
            reduce_res=reduce_res, bias=bias, scale=scale)
+
+
+def activation_accumulate(dst, op, data, first: bool, reduce_res=None, bias=None, scale=1.0,
+                          mask=None):
+    """:func:`activation` whose row sums (add) accumulate in ScalarE's reduce registers across
+    instructions: ``first`` resets them (``reduce_cmd.reset_reduce``), else they add on
+    (``reduce``); ``reduce_res`` ``(P, 1)`` (the last of a chain) reads them out. The stub: the
+    reduction costs nothing "except reading out reduce_regs into reduce_res", so a chain of n
+    pays one readout instead of n (:func:`activation_reduce`). ``reduce_cmd`` on ``activation``:
+    NKI 0.7, and neuronx-cc from 2.22 (nki-api-spec §9.3)."""
+    ns = current()
+    cmd = ns.nisa.reduce_cmd.reset_reduce if first else ns.nisa.reduce_cmd.reduce
+    _issue("activation", dst, mask=mask, op=op, data=data, bias=bias, scale=scale,
+           reduce_op=ns.nl.add, reduce_res=reduce_res, reduce_cmd=cmd)
 
 
 # -- random numbers ---------------------------------------------------------------------------

@@ -67,6 +67,13 @@ BSP_PAD_FIRST = 1 << 22
 #: they share here, the per-tile gathers being the DMA queues' load (trn2 estimate, N = 4096,
 #: D = 128, bf16, s = 1/2, index form: 4 / 8 / 16 blocks 314.4 / 328.3 / 323.9 us).
 BSP_STEP_BLOCKS = 4
+#: Key blocks per own-slot step when K/V of an instance fit in SBUF
+#: (:func:`bsp_fwd_kv_resident`): under nki.* the steps then read resident K/V in place, so
+#: nothing per tile is gathered and the longest step (four PSUM banks of scores, as
+#: BSP_SHARED_STEP_BLOCKS) shares the step's fixed softmax work best; legacy, which still
+#: gathers, takes the same steps (the same outputs). Scheduled estimate, trn2, N = 4096,
+#: D = 128, bf16, index form, every block active: 4 / 16 blocks 293.5 / 241.1 us.
+BSP_RESIDENT_STEP_BLOCKS = 16
 #: Key blocks per step over the slots a group of query tiles shares (gathered once per group,
 #: ``host.block_sparse.kernel_tables``): 16 x 128 keys, four PSUM banks of scores (one score
 #: tile per bank), so the step's fixed softmax work is shared by up to sixteen blocks, as the
@@ -101,8 +108,49 @@ VARLEN_ACT_SHARE = 0.5
 VARLEN_MODS_ACT_SHARE = 1.0
 #: Query tiles of one class processed together by the block-sparse forward (a loop body): their
 #: softmax chains interleave step by step, as the dense forward's groups do
-#: (FWD_RESIDENT_Q_GROUP), so the engines have independent work while one tile waits.
-BSP_GROUP_TILES = 4
+#: (FWD_RESIDENT_Q_GROUP), so the engines have independent work while one tile waits; each
+#: group boundary leaves the engines waiting on the next group's first loads. Scheduled
+#: estimate, trn2 through nki.* (resident K/V), N = 4096, D = 128, bf16, bool mask: 4 / 8 / 16
+#: tiles, every block active 265.4 / 241.1 / 256.6 us, s = 1/16 85.7 / 80.2 / 95.6 us.
+BSP_GROUP_TILES = 8
+#: SBUF bytes per partition the block-sparse forward needs beside resident K/V and the
+#: per-slot tables, counted generously: a group's query state, score and P tiles, the mask
+#: tiles. Measured peak (simulate.measure, trn2, bf16, every block active): N = 4096, D = 128
+#: 33.8 KiB with 16.6 KiB of K/V, i.e. 17.2 KiB beside them at 32 slots.
+BSP_FWD_WORK_BYTES = 24 * 1024
+#: fp32 ``[128, trip]`` tables one query tile of the block-sparse forward keeps through its
+#: sweep (the meta row broadcast, key thresholds, band columns, block numbers, ...), counted
+#: generously.
+BSP_FWD_SLOT_TABLES = 10
+
+
+#: Slots of a class of the block-sparse forward's query tiles from which its P^T transposes
+#: take the device's full DMA share (:data:`FWD_NKI_P_DMA_SHARE`, resident K/V only: the DMA
+#: queues gather nothing); a class of ``trip`` slots takes ``trip / BSP_P_DMA_FULL_SLOTS`` of
+#: it (:func:`bsp_p_dma_share`): a short sweep cannot hide a DMA transpose's completion
+#: latency (simulate._hw DMA_FIXED_LATENCY_NS) behind other tiles' work. Scheduled estimate,
+#: trn2, N = 4096, D = 128, bf16, fixed_density (trip = 128 s / 4), DMA share 0 / 0.25 / 0.5 /
+#: 0.75 / 1: s = 1/2 184.8 / 154.4 / 158.3 / 145.5 / 171.0 us; s = 1/4 106.3 / 105.1 / 100.3
+#: / 116.3 / -; s = 1/16 73.7 / 73.7 / 79.7 / 79.7 / 79.7; s = 1 (0.5 / 0.75) 276.4 / 235.9.
+BSP_P_DMA_FULL_SLOTS = 16
+
+
+def bsp_p_dma_share(share: float, trip: int) -> float:
+    """The P^T DMA-transpose share of a block-sparse forward class of ``trip`` slots: ``min(
+    share, trip / BSP_P_DMA_FULL_SLOTS)``."""
+    return min(float(share), trip / BSP_P_DMA_FULL_SLOTS)
+
+
+def bsp_fwd_kv_resident(Nk: int, D: int, mm_itemsize: int, trip: int) -> bool:
+    """Whether the block-sparse forward keeps K^T and ``[V | 1 | flag]`` of one (batch, kv
+    head) in SBUF, whole 128-key blocks and one block of zeros (the padding slots'; nki.*,
+    trn2's budget :data:`FWD_SBUF_BUDGET_BYTES`):
+    when they fit beside :data:`BSP_FWD_WORK_BYTES` and the tables of a group of
+    :data:`BSP_GROUP_TILES` query tiles of ``trip`` slots."""
+    nkb = ceil_div(Nk, PMAX) + 1
+    kv = fwd_d_passes(D) * nkb * PMAX * mm_itemsize + nkb * (D + 2) * mm_itemsize
+    tables = BSP_GROUP_TILES * BSP_FWD_SLOT_TABLES * 4 * max(1, trip)
+    return kv + BSP_FWD_WORK_BYTES + tables <= FWD_SBUF_BUDGET_BYTES["trn2"]
 
 
 #: Edge of the query x key unit a dropout mask is generated in: every unit draws its keep bits
@@ -464,6 +512,13 @@ FWD_STAGE_SLOTS = 8
 #: trn3 N = 4096 239.1 / 210.1 / 187.2. Legacy keeps 0: AWS's legacy flash_fwd left its
 #: DMA-transpose path disabled as not yet stable (nki-samples 0898a77 ``transpose_p_local``).
 FWD_NKI_P_DMA_SHARE = {"trn2": 0.75, "trn3": 1.0}
+#: The same share under attention dropout: all of P on the DMA engines on trn2 too, whose DMA
+#: then has room (the draw keeps VectorE and ScalarE busier than the DMA queues) and whose
+#: TensorE transposes would need PSUM copies on those two engines. Scheduled estimate, trn2,
+#: N = 4096, D = 128, bf16, p = 0.1, shares 0.5 / 0.75 / 1.0: 279.9 / 277.4 / 253.0 us (DMA
+#: busy 135.5 / 186.3 / 237.1 us; with the row-max bias on GpSimd 291.1 / 264.8 / 258.2; both
+#: before ScalarE's row maxima came first in a block, 249.0 with 1.0).
+FWD_NKI_DROPOUT_P_DMA_SHARE = 1.0
 #: The DMA transposes' share of P^T in the blocks of a band's masked regions (the keys around
 #: the diagonal, where only some rows of a span see the keys): at most this, whatever the
 #: target's share. These blocks end each span's sweep, where its tiles' chains have less left
@@ -495,12 +550,26 @@ FWD_NKI_BAND_STAGE_SLOTS = 4
 #: Under dropout through nki.* on NeuronCore-v3+, the share of score tiles whose row max ScalarE
 #: takes (``activation_reduce`` of -s with ``reduce_op`` minimum; NKI 0.7 stub: "On NeuronCore-v2,
 #: the reduce_op must be nl.add", so v3+ reduces with max/min too) instead of VectorE, which also
-#: draws every dropout mask (``nisa.dropout`` is VectorE only) and binds the forward. Counted in
-#: 512-key tiles, so the share moves in quarters of a 2048-key block. Scheduled estimate, trn2,
-#: N = 4096, D = 128, bf16, p = 0.1, shares 0 / 0.25 / 0.5 / 0.75: 328.6 / 300.3 / 278.2 /
-#: 302.7 us (VectorE 302.9 / 268.8 / 234.7 / 200.5 us busy, ScalarE 163.8 / 194.6 / 225.3 /
-#: 256.0). Without dropout VectorE does not bind (share 0.25 there: 217.7 -> 224.6 us): 0.
-FWD_NKI_DROPOUT_MAX_ACT_SHARE = 0.5
+#: draws every dropout mask (``nisa.dropout`` is VectorE only) and binds the forward; per target.
+#: Counted in 512-key tiles, so the share moves in quarters of a 2048-key block (ScalarE's tiles
+#: first). Scheduled estimate, N = 4096, D = 128, bf16, p = 0.1, shares 0.5 / 0.75 / 1.0 (with
+#: the P^T of FWD_NKI_DROPOUT_P_DMA_SHARE, the bias on VectorE and the preloaded query rows):
+#: trn2 266.5 / 249.0 / 284.1 us (VectorE 235.9 / 201.7 / 167.6 busy, ScalarE 186.0 / 216.7 /
+#: 247.5), causal 191.9 / 194.5; trn3 217.7 / 248.2 (its VectorE runs at 1.2 GHz). Before the
+#: exp's row sums were chained in ScalarE's registers (one readout per block), trn2 0 / 0.25 /
+#: 0.5 / 0.75 gave 328.6 / 300.3 / 278.2 / 302.7. Without dropout VectorE does not bind (share
+#: 0.25 there: 217.7 -> 224.6 us): 0. With the seeds charged to VectorE (2026-11-28, the 0.7
+#: stub's PRNG), trn2 shares 0.5 / 0.75 / 1.0: 319.6 / 286.6 / 284.1 us (the bias on GpSimd:
+#: 318.1 / 285.6 / 288.0); kept at 0.75, the measurements above being from before.
+FWD_NKI_DROPOUT_MAX_ACT_SHARE = {"trn2": 0.75, "trn3": 0.5}
+#: Under dropout through nki.* on NeuronCore-v3+, the share of the P^T PSUM -> SBUF copies on
+#: ScalarE (``ForwardTiles.act_evac_share`` when that is None; the rest on VectorE). With
+#: FWD_NKI_DROPOUT_P_DMA_SHARE = 1 only masked regions (FWD_MASKED_P_DMA_SHARE) have copies; the
+#: formula of :func:`fwd_act_evac_share` would put them all on ScalarE (it counts every row max
+#: on VectorE). Scheduled estimate, causal, N = 4096, D = 128, p = 0.1, shares 0 / 0.25 / 0.5 /
+#: 1.0: trn2 195.1 / 193.5 / 192.2 / 196.0 us, trn3 172.4 / 170.7 / 172.5 / 172.0 (before
+#: ScalarE's row maxima came first in a block; with that order 0.5 gives trn2 194.5).
+FWD_NKI_DROPOUT_ACT_EVAC_SHARE = 0.5
 #: Largest head dim: S contracts it in passes of 128 (two passes max); PV writes D <= 512 fp32.
 FWD_MAX_HEAD_DIM = 2 * PMAX
 #: Keys per instruction when building a [1, n] key-mask row (iota + compare).
@@ -754,7 +823,7 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
                          sbuf_bytes: Optional[int] = None, kv_lens: bool = False,
                          masks: bool = True, q_lens: bool = False,
                          api: str = "legacy", device: Optional[str] = None,
-                         band: bool = False) -> "ForwardTiles":
+                         dropout: bool = False, band: bool = False) -> "ForwardTiles":
     """Pick the forward tiling from the SBUF budget.
 
     Parameters
@@ -778,6 +847,8 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
         :data:`FWD_NKI_STAGE_SLOTS` query tiles are staged.
     device : "trn2", "trn3" or None
         The generation the launch runs on (nki.* only; None or another: trn2's share).
+    dropout : bool
+        Attention dropout is on: under nki.* the share is :data:`FWD_NKI_DROPOUT_P_DMA_SHARE`.
     band : bool
         A causal or window band is active: under nki.* up to :data:`FWD_NKI_BAND_STAGE_SLOTS`
         query tiles are staged.
@@ -797,6 +868,8 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
         raise ValueError(f"api: expected 'legacy' or 'nki', got {api!r}")
     nki = api == "nki"
     share = FWD_NKI_P_DMA_SHARE.get(device, FWD_NKI_P_DMA_SHARE["trn2"]) if nki else 0.0
+    if nki and dropout:
+        share = FWD_NKI_DROPOUT_P_DMA_SHARE
     base = ForwardTiles(target=target, p_dma_transpose_share=share)
     slots = ((FWD_NKI_BAND_STAGE_SLOTS if band else FWD_NKI_STAGE_SLOTS) if nki
              else FWD_STAGE_SLOTS)
@@ -1016,6 +1089,17 @@ DECODE_MIN_SPLIT_KEYS = 4096
 #: But Hq=8 Hkv=1 S=16384 (``--hq 8 --hkv 1 --seq 16384 --lnc 1``) models 52.0 us against
 #: 50.3 at 4096: a short single sequence loses a little.
 DECODE_SINGLE_SEQUENCE_SPLIT_KEYS = 8192
+#: Largest split (in key rows) whose skipped rows are zeroed by DMA from a zero row in HBM
+#: (``decode._gather_rows``) rather than by copying a zero tile over the whole K and V tiles on
+#: VectorE each step. A short split's engine fill costs as much as a long one's per tile (the
+#: tile is all partitions x ``n D``), so it weighs most on a batch of short sequences, which is
+#: bound by its engines; a long split's kernel is bound by DMA, where each fill DMA adds its
+#: fixed cost. Hq=32 Hkv=8 D=128 bf16, trn2 nki.* (``python benchmarks/nkilib_side_by_side.py
+#: /tmp/nkilib-tkg --kernel tkg --decode BxS``): B=64 S=2048 (64-row splits) by DMA, VectorE
+#: 3360 -> 2233 us (that change alone); B=1 S=131072 (256-row splits) zeroing every K/V tile
+#: by DMA (with the other per-step savings of 2026-11-28) 1646.0 -> 1678.9 us estimate, with
+#: the engine fill 1638.8; B=8 S=16384 (128-row splits), engine fill: 1856.0 -> 1808.8.
+DECODE_DMA_ZERO_FILL_MAX_ROWS = 64
 #: Passes over a split's packed score columns (VectorE max, ScalarE exp, VectorE P^T copy): the
 #: packing factor trades them (split positions / pack columns) against zero-filling the packed
 #: queries (pack * 128 columns), so pack ~ sqrt(passes * split positions / 128).
@@ -1195,6 +1279,12 @@ def decode_heads_per_program(Hkv: int, items: int, max_steps: int, cores: int = 
             continue
         best = hpp
     return best
+
+
+def decode_zero_by_dma(split_rows: int) -> bool:
+    """Whether the split kernel zeroes a split's skipped K/V rows by DMA from a zero row
+    (``split_rows <= DECODE_DMA_ZERO_FILL_MAX_ROWS``) rather than on the engines."""
+    return split_rows <= DECODE_DMA_ZERO_FILL_MAX_ROWS
 
 
 def decode_max_splits(D: int) -> int:

@@ -8,7 +8,7 @@ straight into a larger, broadcast destination -- see ``charge``):
 =========================  ===========================================================
 TensorE nc_matmul          max(min(64, M_stationary), N_moving), x4 if an operand is fp32
 TensorE transpose          max(P, min(64, F))
-ScalarE activation         max(64, N); +64 with a reduction (activation_reduce)
+ScalarE activation         max(64, N); +64 when the reduction is read out (reduce_res)
 VectorE 1-input            max(64, N)
 VectorE tensor_tensor      max(64, 2N); N if an operand is in PSUM or both are bf16 in SBUF
 VectorE tensor_reduce      max(64, N); N/2 for bf16 in and out with add/max

@@ -468,7 +468,11 @@ def _activation(api, op, data, bias, scale, reduce_op, reduce_res, cmd, mask, dt
         _write_reg(ctx, reduce_res, ctx.act_acc, P, api)
     elif int(cmd) == int(reduce_cmd.reset):
         ctx.act_acc[:P] = 0
-    _cost.charge(ctx, "scalar", lambda k: _cost.act_cycles(k, reduce=do_reduce),
+    # the readout into reduce_res is what costs (nki.isa.activation: "no further performance
+    # penalty ... except reading out reduce_regs into reduce_res"); a chain of reductions into
+    # the registers pays it once. A reduce_res with idle behaves as reset_reduce (above)
+    _cost.charge(ctx, "scalar",
+                 lambda k: _cost.act_cycles(k, reduce=do_reduce and reduce_res is not None),
                  _free(data.shape))
     return make_result(ctx, res, odi, m, api=api)
 
@@ -512,8 +516,9 @@ def _activation_v07(ctx, api, res, data, reduce_op, reduce_res, cmd, m, odi):
         red = _ACT_REDUCE[rname].reduce(red_src, axis=1).astype(np.float32)
         ctx.act_acc[:P] = _ACT_REDUCE[rname](ctx.act_acc[:P], red)
     _write_reg(ctx, reduce_res, ctx.act_acc, P, api)
-    _cost.charge(ctx, "scalar",
-                 lambda k: _cost.act_cycles(k, reduce=accumulate or reduce_res is not None),
+    # only the readout into reduce_res costs (the stub: "no further performance penalty ...
+    # except reading out reduce_regs into reduce_res", an extra instruction)
+    _cost.charge(ctx, "scalar", lambda k: _cost.act_cycles(k, reduce=reduce_res is not None),
                  _free(data.shape))
     return make_result(ctx, res, odi, m, api=api)
 

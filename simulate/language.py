@@ -518,7 +518,11 @@ def random_seed(seed, *, mask=None, **kwargs):
     else:
         s = int(seed)
     ctx.rng = np.random.default_rng(s & 0xFFFFFFFF)
-    ctx.rec.add("gpsimd", _cost.ii(1))
+    # VectorE's queue: the seed writes the PRNG that nisa.dropout draws from on VectorE, and
+    # the NKI 0.7 stub of nisa.set_rng_seed says that PRNG is "inside the Vector Engine"
+    # (aws-neuron-sdk nki/api/nki/isa/__init__.py). Which queue issues the legacy
+    # nl.random_seed is not documented: the same engine, a guess.
+    ctx.rec.add("vector", _cost.ii(1))
     return None
 
 

@@ -1366,10 +1366,9 @@ def flash_attn_bwd(q, k, v, o, do, lse, kv_lens=None, q_lens=None, seed=None,
         included): soft-capping multiplies dS by ``1 - tanh^2``, ALiBi is a constant bias, and
         sinks add the output ``dsinks``.
 
-    Not yet through nki.* (NotImplementedError there): lengths or several passes with ``B Hq
-    Nq`` (or, with ``kv_lens``, ``B Hkv Nk``) ``>= 2^24`` (0.7 computes the gathers' flat rows
-    in fp32), and dropout with ``B Hq ceil(Nq / 128) ceil(Nk / 128) >= 2^24`` units (likewise
-    the unit numbers).
+    Under nki.* the gathers' flat rows with lengths or several passes, where ``B Hq Nq`` (or,
+    with ``kv_lens``, ``B Hkv Nk``) reaches 2^24, and dropout's unit numbers, where ``B Hq
+    ceil(Nq / 128) ceil(Nk / 128)`` does, are summed in int32 on GpSimd (fp32 below).
 
     Returns
     -------

@@ -6,6 +6,20 @@ exponential -- so HBM traffic and work fall with the density s (Proposition 4: T
 N^2 d^2 M^-1 s)). Inside an active block the usual masks still apply (causal, window, valid
 lengths), and GQA and attention dropout compose as in the dense forward.
 
+**Resident K/V (nki.*).** Where K^T and ``[V | 1]`` of a (batch, kv head) fit in SBUF
+beside the rest (:func:`tiles.bsp_fwd_kv_resident`) the nki.* trace loads, guards and
+transposes them once per instance, as the dense kernel's resident staging does
+(:func:`forward.load_kv`, whole 128-key blocks, zeros past Nk), and every step reads its
+blocks in place: block w of a step is the tile's key-block number ``first_w / 128`` (an int32
+table per tile) used as a runtime offset into the resident tiles (NKI 0.7's
+``NkiTensor.select`` with a tensor index, :func:`port.select_block`). HBM traffic is then the
+dense kernel's plus the tables', whatever the density and the form; the time is the active
+blocks' matmuls and softmax work plus each tile's fixed work. Legacy NKI has no tensor-valued
+SBUF offset, so the legacy trace gathers as below, with the same steps (one matmul per block
+in both, so the outputs are the same bits). With the DMA queues free, the P^T transposes of
+a class go partly to the DMA engines (:func:`tiles.bsp_p_dma_share` of the device's share,
+growing with the class's slots).
+
 The pattern is device data: ``meta (b, h, n, 2 + trip)`` float32, one row per query tile in
 processing order, ``[first row, count, first key of block_0, ...]`` with
 ``tiles.BSP_PAD_FIRST`` in padding slots (``host.block_sparse.kernel_tables``).
@@ -33,12 +47,13 @@ grow with N.
   steps and the tail step), so a step of padding slots in every tile costs nothing; padding
   slots inside a run step are still masked. The outputs are the legacy trace's: a masked step changes nothing.
 
-Per group of query tiles (a loop body)::
+Per group of query tiles (a loop body; the gathers are the legacy trace's and, where K/V
+do not fit in SBUF, the nki.* one's)::
 
     per tile: load meta row -> fp32 on every partition (a K=1 ones matmul, exact for ints <
         2^24); gather Q rows (indirect DMA; rows past Nq or q_len skipped), Q^T by TensorE
     for step over the shared slots, then over the others, each a sequential loop of W =
-    tiles.BSP_STEP_BLOCKS blocks (+ a static tail step):
+    tiles.BSP_STEP_BLOCKS blocks (BSP_RESIDENT_STEP_BLOCKS where K/V fit; + a static tail step):
         gather K_j, V_j rows of the step's blocks (indirect DMA, padding skipped), K^T by
         TensorE: once for the group (shared slots) or per tile
         per tile: S = Q K^T, one PSUM bank of 512 keys per score tile (+ MASK_NEG x
@@ -60,13 +75,15 @@ the two cores take half of them each (legacy ``nl.spmd_dim(n, nl.nc(2))``; nki.*
 shared by ``nl.program_id(0)``). Where the traces
 differ: an indirect view in 0.7 takes no runtime leading index, so the gathers and scatters of
 a ``(b, head)`` slice index the flattened tensor (:func:`port.lead_rows`) and the index tables
-carry the slice's first row (:class:`RowFrame`, read from a table of the loop indices; fp32,
-so 0.7 is refused past 2^24 rows); dropout's unit numbers come from the same table. The
+carry the slice's first row (:class:`RowFrame`, read from a table of the loop indices; summed
+in fp32, or in int32 where the rows or dropout units may reach 2^24, :func:`exact_indices`);
+dropout's unit numbers come from the same table. The
 instructions on the data are the same: the outputs are the legacy trace's bit for bit, the
 0.7 program adds a few ``[128, 1]`` instructions per instance, head and row.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple, Optional
 
@@ -107,15 +124,34 @@ def check_shared(shared, classes):
     return shared
 
 
-def refuse_large_in_nki(kernel: str, rows: int, units: Optional[int] = None):
-    """Refuse under nki.* (:func:`port.refuse_in_nki`) what 0.7 would number in fp32 past
-    2^24: ``rows`` (the largest flattened row count the indirect DMAs address,
-    :func:`port.lead_rows`) or dropout ``units`` (None without dropout)."""
-    if rows >= T.FP32_EXACT_INT:
-        port.refuse_in_nki(f"{kernel} over {rows} >= 2^24 rows (fp32 row numbers)")
-    if units is not None and units >= T.FP32_EXACT_INT:
-        port.refuse_in_nki(f"{kernel} with dropout over {units} >= 2^24 units (fp32 unit "
-                           "numbers)")
+def exact_indices(rows: int, units: int = 0) -> bool:
+    """Whether a launch numbers its rows and dropout units in int32 under nki.*: when
+    ``rows`` (the largest flattened row count the indirect DMAs address,
+    :func:`port.lead_rows`) or ``units`` (dropout's, 0 without dropout) may reach 2^24, past
+    fp32's exact integers (:class:`port.OffsetColumns` ``exact``, :class:`RowFrame`). Below
+    that the fp32 sums on VectorE are exact and cheaper."""
+    return max(rows, units) >= T.FP32_EXACT_INT
+
+
+class KVSource(NamedTuple):
+    """Where the block-sparse forward's steps take their key blocks: ``res`` the (batch, kv
+    head)'s resident K^T and ``[V | 1]`` (nki.*, :func:`forward.load_kv`), or None: gathered
+    per step (:func:`_gather_kv`); ``step`` the key blocks of a step over a query tile's own
+    slots (``tiles.BSP_STEP_BLOCKS`` or ``BSP_RESIDENT_STEP_BLOCKS``); ``p_dma_share`` the
+    device's share of P^T transposes on the DMA engines when they do not gather (resident;
+    else 0), a class's share is :func:`tiles.bsp_p_dma_share` of it."""
+
+    res: Optional[object]
+    step: int
+    p_dma_share: float
+
+    def instance(self, f, trip: int):
+        """``f`` with the P^T DMA-transpose share of a class of ``trip`` slots."""
+        share = T.bsp_p_dma_share(self.p_dma_share, trip)
+        if share == f.tiles.p_dma_transpose_share:
+            return f
+        return dataclasses.replace(f, tiles=dataclasses.replace(
+            f.tiles, p_dma_transpose_share=share))
 
 
 class RowFrame(NamedTuple):
@@ -123,26 +159,44 @@ class RowFrame(NamedTuple):
     (:func:`port.lead_rows`): ``base`` is the slice's first row in the view they index (fp32
     ``[128, 1]`` under 0.7, which indexes the flattened tensor; None in legacy, which indexes
     the slice itself) and ``oob`` what pushes an index out of bounds of that view (a power of
-    two, :func:`masks.oob_offset`)."""
+    two, :func:`masks.oob_offset`). ``ints``: under 0.7 with an ``exact`` table of indices
+    (:func:`exact_indices`), the first row as int32 instead (``base`` None): positions stay
+    those of the slice, and :meth:`rows` adds it to the int32 indices on GpSimd (exact at
+    any size; fp32 would round flat rows past 2^24)."""
 
     base: object
     oob: float
+    ints: object = None
 
     @staticmethod
     def of(t, lead, indices) -> "RowFrame":
         """The frame of ``t[*lead]`` (``indices``: the launch's :class:`port.OffsetColumns` of
         0, 1, ..., read under 0.7 only)."""
+        if indices.ints is not None:            # 0.7 only: legacy builds no table
+            return RowFrame(None, float(M.oob_offset(math.prod(t.shape[:-1]))),
+                            port.lead_first_row(t, lead, indices, ints=True))
         base = port.lead_first_row(t, lead, indices)
         n = t.shape[-2] if base is None else math.prod(t.shape[:-1])
         return RowFrame(base, float(M.oob_offset(n)))
 
     def shift(self, col):
         """``col`` (fp32 ``[128, 1]``, positions of the slice) as rows of the indexed view:
-        ``col + base`` (VectorE) under 0.7, ``col`` itself in legacy."""
+        ``col + base`` (VectorE) under 0.7, ``col`` itself in legacy and in an int32 frame
+        (whose first row :meth:`rows` adds)."""
         if self.base is None:
             return col
         out = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_tensor(out, col, self.base, nl.add)
+        return out
+
+    def rows(self, idx):
+        """int32 indices ``idx`` (shifted positions, or pushed out of bounds by ``oob``) as
+        rows of the indexed view: ``idx + ints`` (one GpSimd int32 add, exact) in an int32
+        frame, else ``idx`` itself (already rows of the view)."""
+        if self.ints is None:
+            return idx
+        out = nl.ndarray(tuple(idx.shape), dtype=nl.int32, buffer=nl.sbuf)
+        port.add_int_column(out, idx, self.ints)
         return out
 
 
@@ -261,20 +315,26 @@ class Row:
     ``rows`` (int32 ``[128, trip]``: the indexed rows of those positions, pushed out of bounds
     where ``bad``: the gathers skip those rows). ``part``/``other_len``: the partition index
     and the other side's valid length as rows of ``frame`` (:meth:`RowFrame.shift`). Four
-    instructions after the broadcast."""
+    instructions after the broadcast; none without ``gathers`` (the block-sparse forward's
+    resident K/V: ``bad`` and ``rows`` are then None)."""
 
-    def __init__(self, meta_row, trip: int, part, other_len, frame: RowFrame):
+    def __init__(self, meta_row, trip: int, part, other_len, frame: RowFrame,
+                 gathers: bool = True):
         self.bc = M.broadcast_row(meta_row, 2 + trip)
         self.first = self.bc[:, 0:1]
         self.block_first = self.bc[:, 2:2 + trip]
+        self.trip = trip
+        self.bad = self.rows = None
+        if not gathers:
+            return
         pos = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(pos, self.block_first, nl.add, part)
         self.bad = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(self.bad, pos, nl.greater_equal, other_len)
         # in range: pos exactly; out: pos + OOB (>= OOB, past every row, exact enough to stay out)
-        self.rows = nl.ndarray((P, trip), dtype=nl.int32, buffer=nl.sbuf)
-        port.scalar_tensor_tensor(self.rows, self.bad, nl.multiply, frame.oob, nl.add, pos)
-        self.trip = trip
+        rows = nl.ndarray((P, trip), dtype=nl.int32, buffer=nl.sbuf)
+        port.scalar_tensor_tensor(rows, self.bad, nl.multiply, frame.oob, nl.add, pos)
+        self.rows = frame.rows(rows)
 
     def slot_loop(self, exact: bool, body):
         """``body(sl)`` over the row's slots, a sequential compiled loop: under nki.* (unless
@@ -311,7 +371,7 @@ def rows_at(pos, length, frame: RowFrame):
         port.tensor_tensor(idx, pushed, pos, nl.add)
     else:
         port.scalar_tensor_tensor(idx, pushed, nl.add, frame.base, nl.add, pos)
-    return idx
+    return frame.rows(idx)
 
 
 def gather(dst, src, lead, idx, col, skip: bool):
@@ -368,7 +428,7 @@ def _add_int_column(u, base):
 
 
 def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: int,
-                  trip: int, exact: bool, shared: int):
+                  trip: int, exact: bool, shared: int, src: "KVSource"):
     """``n_tiles`` query tiles of one class (order positions ``pos0 ..``, member head h, whose
     rows ``q_frame`` addresses): the body of a class loop. Their ``trip`` slots are swept in
     steps of key blocks (a sequential loop of full steps and a static tail step), each one
@@ -377,21 +437,25 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     same key blocks in every tile of the group (the host's grouping,
     ``host.block_sparse.kernel_tables``): their K/V are gathered, guarded and transposed once
     per group, not once per tile, in steps of ``tiles.BSP_SHARED_STEP_BLOCKS``; the others per
-    tile in steps of ``tiles.BSP_STEP_BLOCKS``."""
+    tile in steps of ``src.step`` blocks. With ``src.res`` (nki.*: the instance's resident K^T
+    and ``[V | 1]``) nothing is gathered: every step reads its blocks in place
+    (:class:`_ResidentKV`), with the same steps and so the same outputs."""
     head = f.head(h)
+    res = src.res
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
     skip = geo.needs_key_mask(exact)
-    W = min(T.BSP_STEP_BLOCKS, trip)           # a tile's own slots per step
+    W = min(src.step, trip)                    # a tile's own slots per step
     Ws = min(T.BSP_SHARED_STEP_BLOCKS, shared)  # the group's shared slots per step
     st = F.GroupState(f, n_tiles, P)
     if f.mods.sinks:
         F.start_at_sink(f, st, h, n_tiles, slot0=0)
-    rows = []
+    rows, raw = [], []
     for t in T.unrolled(n_tiles):
         row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
         port.dma_copy(row, meta[hb, hh, nl.ds(pos0 + t, 1), 0:2 + trip], legacy_isa=True)
-        rows.append(Row(row, trip, geo.k_part, geo.k_len, geo.kv))
+        rows.append(Row(row, trip, geo.k_part, geo.k_len, geo.kv, gathers=res is None))
+        raw.append(row)
     # nki.*: the own-slot sweep's trip counts, planned before the tiles' setup so that their
     # register loads (below) find them written. Only where a group may skip a step and still
     # run one (more than W own slots): each register load stops every engine until its value
@@ -400,21 +464,32 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     runtime = not exact and trip - shared > W and port.api() == "nki"
     n_full, tail = divmod(trip - shared, W)
     plan = _own_steps(rows, shared, W, n_full, tail) if runtime else None
+    # resident K/V whose only masked keys are the padding slots' (whole 128-key blocks, no
+    # lengths): a padding slot reads the block of zeros, so its scores are finite and one
+    # multiply-add per block masks them (_scores), no per-key indicator
+    pad_only = res is not None and skip and f.Nk % P == 0 and not geo.has_lens
     tiles = []
     for t, rw in enumerate(rows):
         # valid key columns of slot s: c < kv_len - first_s (none in a padding slot)
-        thr = None
-        if skip:
+        thr = pad = None
+        if pad_only:
+            pad = _padding_columns(rw, trip, f.Nk)
+        elif skip:
             thr = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_scalar(thr, rw.block_first, nl.subtract, geo.kv_len, op1=nl.multiply,
                                operand1=-1.0)
-        gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(gap, rw.block_first, nl.subtract, rw.first)
-        hi_thr, lo_thr = geo.band_columns(gap)
-        # ALiBi's distances j - i - off of the slots, less the c - p of a score (Geometry)
-        dist = geo.distance_columns(gap) if f.mods.alibi else None
+        hi_thr = lo_thr = dist = None
+        if f.spec.has_diag or f.mods.alibi:
+            gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(gap, rw.block_first, nl.subtract, rw.first)
+            hi_thr, lo_thr = geo.band_columns(gap)
+            # ALiBi's distances j - i - off of the slots, less the c - p of a score (Geometry)
+            dist = geo.distance_columns(gap) if f.mods.alibi else None
         # Q rows of the tile: skipped past q_len (they output 0), scattered back below Nq
-        q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, q_frame)
+        if geo.has_lens or f.Nq % P:
+            q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, q_frame)
+        else:
+            q_idx, q_pos = _tile_rows(geo, rw.first, q_frame), None
         x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
         gather(x, f.q, (f.b, head), q_idx, 0, geo.has_lens or f.Nq % P != 0)
         for pi, (d0, rows) in enumerate(f.d_passes):
@@ -423,21 +498,30 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
             port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
         seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
                  if f.dropout_p else None)
-        # [V | 1] of a step's own blocks (the ones column gives the row sums, forward module
-        # doc); none when the group shares every slot
-        v = None
-        if trip > shared:
-            v = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-            port.memset(v[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
-        tiles.append((rw, v, dict(thr=thr, hi=hi_thr, lo=lo_thr), seeds, q_idx, q_pos, dist))
+        # the source of a step's own blocks: their key-block numbers (resident K/V), or
+        # [V | 1] to gather them into (the ones column gives the row sums, forward module
+        # doc; none when the group shares every slot)
+        src = None
+        if res is not None:
+            src = _block_numbers(raw[t], trip, f.nku)
+        elif trip > shared:
+            src = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+            F.ones_column(f, src[:, :, f.D:f.D + 1])
+        tiles.append((rw, src, dict(thr=thr, hi=hi_thr, lo=lo_thr, pad=pad), seeds, q_idx,
+                      q_pos, dist))
+
+    def step_kv(rw, src, s0, n):
+        if res is not None:
+            return _ResidentKV(res, src, s0)
+        return _gather_kv(f, rw, src, s0, n, skip)
 
     def one_step(s0, n, common):
         """Slots ``s0 .. s0 + n - 1``: a shared slot's K/V are gathered once (from the first
         tile's table, which lists the same block there as every tile's) and serve every
         tile."""
-        kv = _gather_kv(f, tiles[0][0], v_shared, s0, n, skip) if common else None
-        for t, (rw, v, cols, seeds, _, _, dist) in enumerate(tiles):
-            own = kv if common else _gather_kv(f, rw, v, s0, n, skip)
+        kv = step_kv(tiles[0][0], shared_src, s0, n) if common else None
+        for t, (rw, src, cols, seeds, _, _, dist) in enumerate(tiles):
+            own = kv if common else step_kv(rw, src, s0, n)
             _step(f, geo, st, t, rw, own, cols, seeds, h, q_frame, s0, n, dist)
 
     def sweep(lo: int, hi: int, common: bool, width: int):
@@ -450,10 +534,10 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         if (hi - lo) % w:
             one_step(lo + ((hi - lo) // w) * w, (hi - lo) % w, common)
 
-    v_shared = None
-    if shared:
-        v_shared = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-        port.memset(v_shared[:, :, f.D:f.D + 1], 1.0, engine="gpsimd")
+    shared_src = tiles[0][1] if res is not None else None
+    if shared and res is None:
+        shared_src = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+        F.ones_column(f, shared_src[:, :, f.D:f.D + 1])
     sweep(0, shared, True, Ws)
     if plan is None:
         # legacy: no runtime trip count, padding slots run masked (gathers skipped)
@@ -525,7 +609,69 @@ def _gather_kv(f, rw: Row, v, s0, n: int, skip: bool) -> F.KV:
     F.guard_values(f, v[:, 0:n, 0:D], v[:, 0:n, D + 1:D + 2], sum_on_scalar=True)
     kT = [nl.ndarray((rows, n * P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in T.unrolled(n)], f.k.dtype)
-    return F.KV(None, kT, v)
+    return _StepKV(None, kT, v)
+
+
+class _BlocksKV(F.KV):
+    """K^T and ``[V | 1]`` of a step's blocks, block by block (:meth:`key_block`)."""
+
+    def key_block(self, pi: int, w: int):
+        """K^T ``[rows, 128]`` of head-dim pass ``pi`` of the step's block ``w``."""
+        raise NotImplementedError
+
+    def scores(self, qT, slot, c0: int, n: int):
+        """``S = Q K^T`` of the step's blocks ``c0 .. c0 + n - 1`` for query tile ``slot``
+        (``qT``: the group's Q^T per head-dim pass): one fp32 PSUM tile ``[128, 128 n]``, one
+        matmul per block and pass, whether the blocks are adjacent (gathered) or not
+        (resident), so both give the same bits (TensorE's cost is per moving column,
+        ``simulate._cost``)."""
+        acc = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.psum)
+        for w in T.unrolled(n):
+            for pi in T.unrolled(len(self.kT)):
+                port.nc_matmul(acc[:, w * P:(w + 1) * P], qT[pi][:, slot, :],
+                               self.key_block(pi, c0 + w), accumulate=pi > 0)
+        return acc
+
+
+class _StepKV(_BlocksKV):
+    """The K^T and ``[V | 1]`` of a step's blocks gathered side by side (:func:`_gather_kv`)."""
+
+    def key_block(self, pi: int, w: int):
+        return self.kT[pi][:, w * P:(w + 1) * P]
+
+
+class _ResidentKV(_BlocksKV):
+    """nki.*: a step's blocks read in place from the (batch, kv head)'s resident K^T and
+    ``[V | 1]`` (:func:`block_sparse_attention_fwd`): block w of the step is resident block
+    ``blocks[0, s0 + w]`` (int32 ``[1, trip]``, one query tile's key-block numbers,
+    :func:`_block_numbers`), a runtime offset into the tiles (:func:`port.select_block`):
+    no DMA, no transpose. The values are those :func:`_gather_kv` would gather, so the
+    outputs are the legacy trace's."""
+
+    def __init__(self, res: F.KV, blocks, s0):
+        super().__init__(None, res.kT, res.v)
+        self.blocks, self.s0 = blocks, s0
+
+    def _index(self, w):
+        return self.blocks[0:1, nl.ds(self.s0 + w, 1)]
+
+    def key_block(self, pi: int, w: int):
+        return port.select_block(self.kT[pi], self._index(w), P)
+
+    def v_block(self, kw: int, b):
+        view = port.select_block(self.v, self._index(b))
+        return view if kw == P else view[0:kw, :]
+
+
+def _block_numbers(row, trip: int, nkb: int):
+    """int32 ``[1, trip]``: the key-block numbers ``first / 128`` of a query tile's slots
+    (``row``: its fp32 meta row ``[1, 2 + trip]`` on partition 0); a padding slot's (past
+    every block) is ``nkb``, the resident block of zeros after the ``nkb`` blocks of keys: its
+    scores are 0, finite, and masked. One VectorE instruction (exact: integers in fp32)."""
+    blocks = nl.ndarray((1, trip), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_scalar(blocks, row[0:1, 2:2 + trip], nl.multiply, 1.0 / P, op1=nl.minimum,
+                       operand1=float(nkb), engine="vector")
+    return blocks
 
 
 def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame: RowFrame,
@@ -537,7 +683,7 @@ def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame
     then one online-softmax update over them (``forward.fold_block``)."""
     head = f.head(h)
     per_bank = f.tiles.k_tile // P
-    s_tiles = [_scores(f, geo, st, slot, kv.kT, cols, h, s0, c0, min(per_bank, n - c0), dist)
+    s_tiles = [_scores(f, geo, st, slot, kv, cols, h, s0, c0, min(per_bank, n - c0), dist)
                for c0 in T.unrolled(0, n, per_bank)]
     drop = None
     if f.dropout_p:
@@ -555,12 +701,11 @@ def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame
     F.fold_block(f, st, slot, s_tiles, [t.shape[1] for t in s_tiles], kv, 0, None, drop)
 
 
-def _scores(f, geo: Geometry, st, slot, kT, cols, h, s0, c0: int, n: int, dist):
+def _scores(f, geo: Geometry, st, slot, kv, cols, h, s0, c0: int, n: int, dist):
     """The score tile of slots ``s0 + c0 .. s0 + c0 + n - 1`` (n blocks: at most one PSUM
-    bank, ``tiles.k_tile`` keys): ``S = Q K^T``, the score modifiers, then the runtime masks
-    (:func:`_step`)."""
-    cols_k = [(pi, kT[pi][:, c0 * P:(c0 + n) * P]) for pi in T.unrolled(len(f.d_passes))]
-    sc = F.contract([(st.qT[pi][:, slot, :], k) for pi, k in cols_k], (P, n * P))
+    bank, ``tiles.k_tile`` keys): ``S = Q K^T`` (``kv``: :class:`_StepKV` or
+    :class:`_ResidentKV`), the score modifiers, then the runtime masks (:func:`_step`)."""
+    sc = kv.scores(st.qT, slot, c0, n)
     s_tile = sc
     if f.mods.transforms:
         # soft-capping, ALiBi (raw units of f.unit), the dense kernels' instructions; the masks
@@ -569,7 +714,7 @@ def _scores(f, geo: Geometry, st, slot, kT, cols, h, s0, c0: int, n: int, dist):
             f.mods, f.score.cols, sc, P, n * P, h, None, f.act_scale / f.unit,
             not SM.one_sided(f.spec),
             dist=geo.distance_tile(dist, s0 + c0, n) if dist is not None else None)
-    if any(c is not None for c in cols.values()):
+    if any(cols[k] is not None for k in ("thr", "hi", "lo")):
         # masks by selection: scores a row cannot see become MASK_NEG, whatever they were (a
         # NaN or inf in a hidden key never reaches the row); VectorE copies the scores out of
         # PSUM (unless a modifier did) and overwrites the masked ones
@@ -581,7 +726,43 @@ def _scores(f, geo: Geometry, st, slot, kT, cols, h, s0, c0: int, n: int, dist):
             s_tile = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_copy(s_tile, sc, engine="vector")
         port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
+    if cols["pad"] is not None:
+        # padding slots (the block of zeros: finite scores) become MASK_NEG, the others stay
+        # as they are: s keep + neg, one VectorE instruction per block (_padding_columns)
+        keep, neg = cols["pad"]
+        out = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
+        for w in T.unrolled(n):
+            sl = nl.ds(s0 + c0 + w, 1)
+            port.tensor_scalar(out[:, w * P:(w + 1) * P], s_tile[:, w * P:(w + 1) * P],
+                               nl.multiply, keep[:, sl], op1=nl.add, operand1=neg[:, sl],
+                               engine="vector")
+        s_tile = out
     return s_tile
+
+
+def _tile_rows(geo: Geometry, first, frame: RowFrame):
+    """int32 ``[128, 1]``: the rows (of ``frame``) of the 128 positions from ``first`` (fp32
+    column) of a slice whose rows are all in range (no lengths, whole query tiles): one
+    instruction (:func:`own_rows` with nothing to push out of bounds)."""
+    idx = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+    if frame.base is None:
+        port.tensor_tensor(idx, geo.part, first, nl.add)
+    else:
+        port.scalar_tensor_tensor(idx, geo.part, nl.add, frame.base, nl.add, first)
+    return idx
+
+
+def _padding_columns(rw: Row, trip: int, Nk: int):
+    """``(keep, neg)`` fp32 ``[128, trip]`` of a query tile's slots: 1 and 0 for a slot with
+    a key block, 0 and ``MASK_NEG`` for a padding slot (first key past Nk), so that ``s keep
+    + neg`` is s or exactly ``MASK_NEG`` for finite s (the bits of the selection). Two
+    VectorE instructions."""
+    keep = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(keep, rw.block_first, nl.less, float(Nk), engine="vector")
+    neg = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(neg, keep, nl.multiply, -T.FWD_MASK_NEG, op1=nl.add,
+                       operand1=T.FWD_MASK_NEG, engine="vector")
+    return keep, neg
 
 
 def store_tile(f, out_idx, head, o_tile, lse_tile):
@@ -602,8 +783,9 @@ def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
     """Debug: the keep mask ``keep`` ``[128, 128]`` of the unit of query rows ``pos`` and
     first key ``first`` (fp32 ``[128, 1]`` columns) into ``mask_out``'s ``(B, Hq, Nq nku,
     128)`` view at row ``i nku + first / 128`` (one 128-key unit per row; rows past Nq and
-    units from Nk on are skipped). Exact in fp32 for debug shapes (``B Hq Nq nku < 2^24``
-    rows)."""
+    units from Nk on are skipped). The row within the slice is exact in fp32 for debug
+    shapes (``Nq nku < 2^24``); in an int32 frame (:class:`RowFrame`) the slice's first row
+    of the flattened mask is added in int32."""
     nku = f.nku
     mask_rows = f.drop.mask_out.reshape((f.B, f.Hq, f.Nq * nku, P))
     unit = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -612,7 +794,8 @@ def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
     # under 0.7 the rows of the flattened mask: the query row's flat row (q_frame) times nku
     port.scalar_tensor_tensor(rel, q_frame.shift(pos), nl.multiply, float(nku), nl.add, unit)
     # out of bounds of the mask rows the indices address: the slice's, or every slice's (0.7)
-    rows = mask_rows.shape[2] if q_frame.base is None else math.prod(mask_rows.shape[:3])
+    flat = q_frame.base is not None or q_frame.ints is not None
+    rows = math.prod(mask_rows.shape[:3]) if flat else mask_rows.shape[2]
     past = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(past, pos, nl.greater_equal, float(f.Nq))
     pad = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -621,6 +804,9 @@ def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
     port.tensor_tensor(bad, past, pad, nl.maximum)
     idx = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
     port.scalar_tensor_tensor(idx, bad, nl.multiply, float(M.oob_offset(rows)), nl.add, rel)
+    if q_frame.ints is not None:
+        # the slice's first row of the flattened mask, added in int32
+        idx = RowFrame.of(mask_rows, (f.b, head), f.indices).rows(idx)
     port.dma_copy(port.lead_rows(mask_rows, (f.b, head), idx, 0), keep, oob_skip=True)
 
 
@@ -629,7 +815,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                                alibi_slopes=None, sinks=None, *, classes, shared=None,
                                scale=1.0,
                                causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
-                               dropout_mask=False, softcap=None):
+                               dropout_mask=False, softcap=None, p_dma_share=0.0):
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
     Hkv, Nk, D)``, over the instances ``(B, Hkv)`` (:func:`port.for_programs`: the SPMD grid
     ``(B, Hkv)`` in legacy, ``kernel[1]`` looping over them in 0.7; :func:`port.launch_grid`;
@@ -645,9 +831,9 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     as the dense kernel restricted to the active blocks; rows that see no key get o = 0 and
     lse = -inf (with sinks lse = sink, padding rows -inf).
 
-    Not through nki.* (NotImplementedError there): ``B Hq Nq``, ``B Hkv Nk`` (or with
-    ``dropout_mask`` ``B Hq Nq ceil(Nk/128)``) rows or ``B Hq ceil(Nq/128) ceil(Nk/128)``
-    dropout units of 2^24 or more (0.7 numbers them in fp32).
+    Where ``B Hq Nq``, ``B Hkv Nk`` (or with ``dropout_mask`` ``B Hq Nq ceil(Nk/128)``) rows
+    or ``B Hq ceil(Nq/128) ceil(Nk/128)`` dropout units reach 2^24, 0.7 numbers them in int32
+    (:func:`exact_indices`).
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -659,11 +845,16 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     shared = check_shared(shared, classes)
     nku = T.ceil_div(Nk, P)
     mask_rows = B * Hq * Nq * nku if dropout_p and dropout_mask else 0
-    refuse_large_in_nki("block_sparse_attention_fwd", max(B * Hq * Nq, B * Hkv * Nk, mask_rows),
-                        B * Hq * nqt * nku if dropout_p else None)
+    int_rows = exact_indices(max(B * Hq * Nq, B * Hkv * Nk, mask_rows),
+                             B * Hq * nqt * nku if dropout_p else 0)
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
                       mods.alibi)
+    # K/V resident where they fit (nki.*: runtime offsets into SBUF; legacy gathers), and then
+    # longer own-slot steps in both namespaces (the same steps, the same outputs)
+    fits = T.bsp_fwd_kv_resident(Nk, D, T.fwd_itemsize(mm_dtype), trip_max)
+    resident = fits and port.api() == "nki"
+    step = T.BSP_RESIDENT_STEP_BLOCKS if fits else T.BSP_STEP_BLOCKS
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -673,7 +864,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
         raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
     # loop indices (batch, heads) as data for 0.7: the first rows of the (b, head) slices the
     # indirect DMAs address, dropout's unit numbers
-    indices = port.OffsetColumns(0, max(B, Hq), 1)
+    indices = port.OffsetColumns(0, max(B, Hq), 1, exact=int_rows)
 
     def instance(b, g):
         # the P^T copies split evenly between ScalarE and VectorE; guard: non-finite values
@@ -685,7 +876,12 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                 else None)
         f = F.Instance.of(c, drop=drop, score=score)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
-        port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, h))
+        # nki.*: K^T and [V | 1] of the instance loaded, guarded and transposed once, as the
+        # dense kernel's resident staging; every query tile reads its blocks in place
+        # (one more block of zeros: the padding slots' block, finite scores to mask)
+        src = KVSource(F.load_kv(f, 0, Nk, zero_blocks=1) if resident else None, step,
+                       p_dma_share if resident else 0.0)
+        port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, h, src))
 
     port.for_programs((B, Hkv), instance)
     if mask_out is not None:
@@ -693,12 +889,14 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     return o, lse
 
 
-def _head(f, geo: Geometry, meta, classes, shared, h):
+def _head(f, geo: Geometry, meta, classes, shared, h, src: KVSource):
     """Every class of query tiles of member head h (a loop body): each class a loop over its
     tiles in groups of ``tiles.BSP_GROUP_TILES`` (and a static remainder group) whose first
-    ``shared`` slots (one count per class) are the group's common key blocks."""
+    ``shared`` slots (one count per class) are the group's common key blocks (``src``: where
+    their key blocks come from, :func:`_attend_tiles`)."""
     q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
     for (first, count, trip, exact), sh in zip(classes, shared):
+        f = src.instance(f, trip)
         if trip == 0:
             # rows without any active block: o = 0, lse = -inf (still one loop body)
             port.loop(count, lambda c, first=first: _empty_tile(f, geo, meta, h, q_frame,
@@ -706,10 +904,11 @@ def _head(f, geo: Geometry, meta, classes, shared, h):
             continue
         g = min(T.BSP_GROUP_TILES, count)
         port.loop(count // g, lambda c, first=first, g=g, trip=trip, exact=exact, sh=sh:
-                  _attend_tiles(f, geo, meta, h, q_frame, first + c * g, g, trip, exact, sh))
+                  _attend_tiles(f, geo, meta, h, q_frame, first + c * g, g, trip, exact, sh,
+                                src))
         if count % g:
             _attend_tiles(f, geo, meta, h, q_frame, first + (count // g) * g, count % g, trip,
-                          exact, sh)
+                          exact, sh, src)
 
 
 def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
@@ -738,4 +937,4 @@ def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
 
 
 __all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "RowFrame", "own_rows", "rows_at", "gather",
-           "scatter", "unit_seeds", "store_unit_mask", "store_tile", "check_classes", "refuse_large_in_nki"]
+           "scatter", "unit_seeds", "store_unit_mask", "store_tile", "check_classes", "exact_indices"]

@@ -41,7 +41,7 @@ from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
 from nki_kernels.attention import score_mods as SM
 from nki_kernels.attention.block_sparse import (P, Geometry, Row, RowFrame, check_classes,
-                                                gather, own_rows, refuse_large_in_nki, scatter,
+                                                exact_indices, gather, own_rows, scatter,
                                                 unit_seeds)
 from nki_kernels.port import nl
 
@@ -390,8 +390,8 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
     ``host.block_sparse.kernel_tables(..., group=G)``). Other arguments as the forward; o and
     lse are the forward's outputs, do the gradient of o. Score modifiers as the forward's
     (``softcap``, ``alibi_slopes``, ``sinks``; ``score_mods.py``): with sinks also ``dsinks``
-    ``(B, Hq)`` float32, each sequence's ``-sum_i exp(sink - lse_i) D_i``. Refused under
-    nki.* past 2^24 rows or dropout units, as the forward.
+    ``(B, Hq)`` float32, each sequence's ``-sum_i exp(sink - lse_i) D_i``. Rows or dropout
+    units that may reach 2^24 are numbered in int32 under nki.*, as the forward.
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -402,8 +402,8 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
                          f"{meta_k.shape}")
     check_classes(classes_q, nqt, meta_q.shape[3] - 2)
     check_classes(classes_k, nkt, meta_k.shape[3] - 2)
-    refuse_large_in_nki("block_sparse_attention_bwd", max(B * Hq * Nq, B * Hkv * Nk),
-                        B * Hq * nqt * nkt if dropout_p else None)
+    int_rows = exact_indices(max(B * Hq * Nq, B * Hkv * Nk),
+                             B * Hq * nqt * nkt if dropout_p else 0)
     if dropout_p and seed is None:
         raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
@@ -420,7 +420,7 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
     delta = nl.ndarray((B, Hq, Nq, 1) if every_head else (1, G, Nq, 1), dtype=nl.float32,
                        buffer=nl.hbm)
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
-    indices = port.OffsetColumns(0, max(B, Hq), 1)
+    indices = port.OffsetColumns(0, max(B, Hq), 1, exact=int_rows)
 
     def instance(b, g):
         c = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g, None, indices,

@@ -13,10 +13,11 @@ copies are ``nl.arange`` expressions in legacy and ``.ap`` views in 0.7 (:func:`
 loops over a few K/V tiles unroll in 0.7 (:func:`port.unroll`), every loop whose count follows
 the work (items, heads, steps, programs) is compiled in both, so the program does not grow
 with the cache length. The legacy instruction stream, estimates and outputs are those of the
-legacy kernel before the port; 0.7's outputs equal them bit for bit. Through 0.7 the tails'
-flat cache rows ``(b Hkv + h) S_max + position`` of a contiguous cache (paged: block-table
-entries ``b MB + block``) are computed in fp32: a cache of ``B Hkv S_max >= 2^24`` rows (a
-table of ``B MB >= 2^24`` entries) is refused there (legacy only)::
+legacy kernel before the port; 0.7's outputs equal them bit for bit. Through 0.7 the flat
+cache rows ``(b Hkv + h) S_max + position`` of a contiguous cache (paged: block-table entries
+``b MB + block``) take their program-index part from the table, summed in fp32 below 2^24 and,
+for a cache of ``B Hkv S_max >= 2^24`` rows (a table of ``B MB >= 2^24`` entries), in int32
+on GpSimd (the table's ``exact`` form: exact at any size)::
 
     flash_decode_split_kernel   grid (Hkv / H, W / I + B)    phase 1: one partial (o, lse) per
                                                              work item and kv head -- W work
@@ -64,14 +65,17 @@ committed positions:
   is built on chip (``nisa.iota`` + the item and the gathered length): rows past it get an
   index beyond the tensor and ``oob_mode.skip`` leaves them unread. Only a sequence's *last*
   split can hold such rows, but which item that is is runtime data, so every item is
-  zero-filled and masked as below;
+  zero-filled where it skips and masked as below;
 * the tail program of sequence b gathers the ``Lp mod n`` committed positions of the last,
   partial key row and the T new tokens, one position per partition (same mechanism); the new
   tokens' mask (causal or ``tree_mask``) is a static (T, T) bias, the same layout every step,
 
 so every valid K/V byte is read exactly once and nothing at or past ``L_b``. Skipped rows are
-zeroed first (a zero-tile copy on trn2, memsets on trn1): a NaN left in SBUF would otherwise
-survive ``0 * NaN`` in the PV matmul (and smear through a TensorE transpose on trn1). Invalid
+zeroed -- for splits of at most ``tiles.DECODE_DMA_ZERO_FILL_MAX_ROWS`` key rows by a second
+indirect DMA that reads a one-row zero tensor into the partitions holding them (``zero_row``),
+else by a zero-tile copy (trn2) or memsets (trn1) over the whole K/V tiles first
+(:func:`_gather_rows`): a stale or uninitialized NaN left in SBUF would otherwise survive
+``0 * NaN`` in the PV matmul (and smear through a TensorE transpose on trn1). Invalid
 keys are masked by adding ``DECODE_MASK_BIAS`` to their scores *in PSUM*, by one extra matmul
 (ones x bias row), since validity is runtime data and ``mask=`` only takes compile-time affine
 predicates.
@@ -93,7 +97,8 @@ PSUM before its softmax, so no online rescaling is needed; a long cache uses mor
 
 Per position (D=128, bf16): TensorE 1 cycle (K transpose) + 1 (Q K^T) + 0.5 (P V); ScalarE
 1 per 128 positions and head-dim row (K^T PSUM -> SBUF); VectorE/GpSimd a few per packed
-score column plus the zero-fill (a 16-bit copy at 4 elements/cycle on trn2) -- all below the
+score column plus, for splits zeroed on the engines, the zero-fill (a 16-bit copy at 4
+elements/cycle on trn2) -- all below the
 DMA time of the 512 bytes per position (hardware-and-limits.md §5, decode rows;
 benchmarks/decode.py).
 
@@ -328,17 +333,44 @@ def _terms(terms, c):
     return [(e, k * c) for e, k in terms]
 
 
-def _local_rows(valid, kr: int, ipp: int, k: int, oob):
-    """``(local, beyond)`` of K/V tile k of a chunk's items: the local key row ``128 k + p`` of
-    partition p (fp32, ``[kr, ipp]``) and ``oob`` (int32) where that row is not below
-    ``valid[:, j]``, else 0 -- the push out of bounds of a gather index."""
+def _beyond(valid, kr: int, ipp: int, k: int):
+    """``(local, beyond_f)`` of K/V tile k of a chunk's items (fp32, ``[kr, ipp]``): the local
+    key row ``128 k + p`` of partition p and 1 where that row is not below ``valid[:, j]``
+    (not gathered), else 0."""
     local = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
     port.iota(local, [[0, ipp]], offset=k * PMAX, channel_multiplier=1)
     beyond_f = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_tensor(beyond_f, local, valid[0:kr, 0:ipp], op=nl.greater_equal)
+    return local, beyond_f
+
+
+def _local_rows(valid, kr: int, ipp: int, k: int, oob):
+    """``(local, beyond)`` of K/V tile k of a chunk's items: the local key row ``128 k + p`` of
+    partition p (fp32, ``[kr, ipp]``) and ``oob`` (int32) where that row is not below
+    ``valid[:, j]``, else 0 -- the push out of bounds of a gather index."""
+    local, beyond_f = _beyond(valid, kr, ipp, k)
     beyond = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_scalar(beyond, beyond_f, op0=nl.multiply, operand0=float(oob))
     return local, beyond
+
+
+def _zero_rows_index(valid, live, g, ipp, hpp, zidx):
+    """Columns ``0 .. hpp ipp - 1`` of the int32 ``zidx``: the index into the one-row zero
+    tensor of each step's K/V zero fill (:func:`_gather_rows`; step ``hh ipp + j``, item j):
+    0 (read the zeros) on partition p when the gather skips the row of a real item in the last
+    K/V tile there (rows past the committed prefix are a suffix of the split, so then in no
+    earlier tile either, or it skips them too), else 1 or 2 (out of bounds: skipped). ``live``:
+    fp32 ``[kr, ipp]``, 1 for a real item, 2 for a padding one."""
+    kr = g.kv_rows
+    _, beyond_f = _beyond(valid, kr, ipp, g.n_kv - 1)
+    zero = nl.ndarray((kr, ipp), dtype=nl.int32, buffer=nl.sbuf)
+    port.scalar_tensor_tensor(zero, beyond_f, op0=nl.multiply, operand0=-1.0, op1=nl.add,
+                              operand1=live[0:kr, 0:ipp])                 # live - beyond
+
+    def head(hh):
+        port.tensor_copy(zidx[0:kr, nl.ds(hh * ipp, ipp)], zero, engine="gpsimd")
+
+    port.loop(hpp, head)
 
 
 def _split_row_indices(valid, bs, g, ipp, hpp, h_row0, h_stride, b_stride, oob, idx, offsets):
@@ -430,12 +462,11 @@ def _paged_split_row_indices(table, valid, cols, bs, g, ipp, hpp, h0, Hkv, num_b
 
 
 def _zero_source(g, mm, items):
-    """The zero tile the K/V fills copy from, made once per program, or None (memsets).
+    """The zero tile the engine K/V fills copy from, made once per program, or None (memsets).
 
-    Skipped rows must hold zeros, never a stale or uninitialized NaN. On trn2 VectorE copies
-    16-bit data SBUF->SBUF at 4 elements/cycle, so copying one zero tile is 4x cheaper than a
-    memset (1 element/cycle) once a program fills two or more K/V tiles; trn1 memsets, split
-    between VectorE (K) and GpSimd (V).
+    On trn2 VectorE copies 16-bit data SBUF->SBUF at 4 elements/cycle, so copying one zero tile
+    is 4x cheaper than a memset (1 element/cycle) once a program fills two or more K/V tiles;
+    trn1 memsets, split between VectorE (K) and GpSimd (V).
     """
     if port.gen3() and mm != nl.float32 and g.n_kv * items >= 2:
         zeros = nl.ndarray((g.kv_rows, g.n * g.D), dtype=mm, buffer=nl.sbuf)
@@ -444,19 +475,40 @@ def _zero_source(g, mm, items):
     return None
 
 
-def _gather_rows(rows_view, idx, t, steps, g, zeros, dst, engine):
-    """Zero ``dst (kv_rows, n_kv * n * D)``, then gather into it the committed key rows of one
-    split of ``rows_view`` (K or V rows), named by the columns of step ``t`` (of ``steps``) of
-    the row-index tile ``idx`` (:func:`_idx_col`; out-of-bounds rows are skipped and stay 0).
-    ``zeros``: :func:`_zero_source` (else a memset on ``engine``, "vector" or "gpsimd")."""
+class _ZeroFill(NamedTuple):
+    """How a program zeroes the K/V rows its gathers skip (:func:`_gather_rows`): by DMA
+    (``zero_row``, ``zidx``: :func:`_zero_rows_index`; ``tiles.decode_zero_by_dma``) or, with
+    those None, on the engines (``zeros``: :func:`_zero_source`, else memsets)."""
+
+    zero_row: object
+    zidx: object
+    zeros: object
+
+
+def _gather_rows(rows_view, idx, fill, t, steps, g, dst, engine):
+    """Gather into ``dst (kv_rows, n_kv * n * D)`` the committed key rows of one split of
+    ``rows_view`` (K or V rows), named by the columns of step ``t`` (of ``steps``) of the
+    row-index tile ``idx`` (:func:`_idx_col`), and zeros into the rows that gather skips.
+
+    A skipped row must hold zeros, never a stale or uninitialized NaN (``0 * NaN`` in P V).
+    ``fill`` (:class:`_ZeroFill`) says how. By DMA: first, from the one-row HBM tensor
+    ``zero_row (1, n_kv n D)``, column t of ``zidx`` reads its row 0 into every partition
+    holding a skipped row of a real item (all its K/V tiles; the gathers then overwrite those
+    of its rows that are valid), so the fill moves only those partitions' bytes, in one
+    instruction per step (padding items fill nothing: their partials are trash). Else the
+    whole of ``dst`` is zeroed first on the engines (a copy of ``fill.zeros`` on VectorE, or a
+    memset on ``engine``, "vector" or "gpsimd")."""
     n, D, kv_rows = g.n, g.D, g.kv_rows
+    if fill.zero_row is not None:
+        port.dma_copy(dst, port.rows(fill.zero_row, fill.zidx, t), oob_skip=True)
 
     def key_tile(k):
         dst_k = dst[0:kv_rows, nl.ds(k * n * D, n * D)]
-        if zeros is not None:
-            port.tensor_copy(dst_k, zeros, engine="vector")
-        else:
-            port.memset(dst_k, 0, engine=engine)
+        if fill.zero_row is None:
+            if fill.zeros is not None:
+                port.tensor_copy(dst_k, fill.zeros, engine="vector")
+            else:
+                port.memset(dst_k, 0, engine=engine)
         port.dma_copy(dst_k, port.rows(rows_view, idx, _idx_col(k, t, steps)), oob_skip=True)
 
     port.unroll(g.n_kv, key_tile)
@@ -653,15 +705,45 @@ def _scaled_query_t(q_nat, rows, D, n_dt, scale, mm, k_col=None):
     return qT
 
 
-def _packed_queries(qT, rows, g, mm):
+class _TileConstants(NamedTuple):
+    """What every step of a program shares for one row tile of ``rows`` query rows
+    (:func:`_tile_constants`): the group matrices ``e``, ``e_t`` (:func:`_group_matrices`;
+    None at pack 1), the ``(1, P)`` ones of the mask matmul, a ``(1, 1)`` fp32 one
+    (:func:`_row_max`; None at pack 1) and two zeroed block-diagonal
+    stationaries (:func:`_packed_queries`; None at pack 1), one per pipeline buffer: a step
+    writes only their diagonal blocks."""
+
+    e: object
+    e_t: object
+    ones: object
+    unit: object
+    qbd: list
+
+
+def _tile_constants(g, rows, mm):
+    """:class:`_TileConstants` of a row tile, made once per program (per step, at B = 64,
+    S = 2048, Hq = 32, Hkv = 8 on trn2 they were about 300 us of VectorE and 250 us of
+    GpSimd)."""
+    P = g.pack * rows
+    ones = nl.ones((1, P), dtype=_mask_dtype(), buffer=nl.sbuf)
+    if g.pack == 1:
+        return _TileConstants(None, None, ones, None, None)
+    qbd = [nl.ndarray((PMAX, g.n_dt * g.pack * P), dtype=mm, buffer=nl.sbuf)
+           for _ in tiles.unrolled(2)]
+    for buf in qbd:
+        port.memset(buf, 0, engine="gpsimd")
+    e, e_t = _group_matrices(rows, P)
+    return _TileConstants(e, e_t, ones, nl.ones((1, 1), dtype=nl.float32, buffer=nl.sbuf), qbd)
+
+
+def _packed_queries(qT, rows, g, qbd):
     """Block-diagonal stationaries ``Qbd (128, n_dt * pack * P)``, ``P = pack * rows``: the
     ``(dt, c)`` block (columns ``(dt * pack + c) * P ...``) is zero except Q^T in its columns
-    ``c * rows .. c * rows + rows``. With pack 1 this is Q^T itself."""
+    ``c * rows .. c * rows + rows``, written into ``qbd`` (zero off those blocks,
+    :func:`_tile_constants`). With pack 1 this is Q^T itself."""
     if g.pack == 1:
         return qT
     P = g.pack * rows
-    qbd = nl.ndarray((PMAX, g.n_dt * g.pack * P), dtype=mm, buffer=nl.sbuf)
-    port.memset(qbd, 0, engine="gpsimd")
     for dt, d0, dsz in g.d_tiles():
         # the pack diagonal blocks at column (dt pack + c) P + c rows = dt pack P + c (P + rows)
         # in one copy: a stride-(P + rows) destination, the source broadcast over c
@@ -671,13 +753,13 @@ def _packed_queries(qT, rows, g, mm):
     return qbd
 
 
-def _split_scores(qbd, kT, mask_row, g, P, mask_apart=False):
+def _split_scores(qbd, kT, mask_row, ones, g, P, mask_apart=False):
     """Scores of the split in PSUM: ``(banks, mask_banks)``, ``n_banks`` tiles ``(P, 512)``
     fp32 each.
 
     Partition ``c * rows + r`` column ``w = jj * rs + row`` is ``scale q_r . k`` for position
     ``j = jj * pack + c`` of key row ``row``, plus DECODE_MASK_BIAS when that row is not
-    committed (``ones(1, P)^T @ mask_row``, accumulated into the same PSUM group; a full split
+    committed (``ones (1, P)``: ``ones^T @ mask_row``, accumulated into the same PSUM group; a full split
     has no ``mask_row``). With ``mask_apart`` (soft-capping: the tanh would flatten it) the
     mask goes to its own PSUM tiles ``mask_banks`` instead (else None).
     """
@@ -687,7 +769,6 @@ def _split_scores(qbd, kT, mask_row, g, P, mask_apart=False):
              for _ in tiles.unrolled(g.n_banks)]
     mask_banks = None
     if mask_row is not None:
-        ones = nl.ones((1, P), dtype=_mask_dtype(), buffer=nl.sbuf)
         if mask_apart:
             mask_banks = [nl.ndarray((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
                           for _ in tiles.unrolled(g.n_banks)]
@@ -729,12 +810,14 @@ def _group_matrices(rows, P):
     return e, e_t
 
 
-def _row_max(banks, g, rows, P, e):
-    """Max of every query row over the split (all copies): ``(M_r (rows, 1), -M (P, 1))``.
+def _row_max(banks, g, rows, P, unit):
+    """Minus the max of every query row over the split (all copies), on every copy's partition:
+    ``-M (P, 1)`` (partition ``c rows + r`` holds ``-M_r``).
 
     Per partition first (VectorE over the PSUM banks), then across the ``pack`` copies of each
-    row: transpose the column to a row, reduce ``(1, rows, pack)`` on its last axis, transpose
-    back, and ``E^T``-broadcast it to every copy with a K=rows matmul.
+    row: transpose the column to a row, reduce ``(1, rows, pack)`` on its last axis, tile the
+    negated row ``pack`` times (GpSimd) and turn it back into a column with a K=1 matmul
+    against ``unit`` (a ``(1, 1)`` fp32 one; exact).
     """
     m_cols = nl.ndarray((P, g.n_banks), dtype=nl.float32, buffer=nl.sbuf)
     for bank in tiles.unrolled(g.n_banks):
@@ -745,25 +828,24 @@ def _row_max(banks, g, rows, P, e):
         port.tensor_reduce(m_p, nl.maximum, m_cols, axis=(1,))
     else:
         m_p = m_cols
+    neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     if g.pack == 1:
-        neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(neg, m_p, op0=nl.multiply, operand0=-1.0)
-        return m_p, neg
+        return neg
     mt_ps = nl.ndarray((1, P), dtype=port.transpose_dtype(nl.float32), buffer=nl.psum)
     port.nc_transpose(mt_ps[0:1, 0:P], m_p[0:P, 0:1])
     m_row = nl.ndarray((1, rows), dtype=nl.float32, buffer=nl.sbuf)
     # (1, rows, pack): element [0, r, c] is copy c of row r, column c rows + r
     port.tensor_reduce(m_row, nl.maximum, port.view(mt_ps, 0, 1, 0, [[1, rows], [rows, g.pack]]),
                        axis=(2,))
-    mc_ps = nl.ndarray((rows, 1), dtype=port.transpose_dtype(nl.float32), buffer=nl.psum)
-    port.nc_transpose(mc_ps[0:rows, 0:1], m_row[0:1, 0:rows])
-    m_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_copy(m_col, mc_ps, engine="vector")
+    neg_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(port.view(neg_row, 0, 1, 0, [[rows, g.pack], [1, rows]]),
+                       port.view(m_row, 0, 1, 0, [[0, g.pack], [1, rows]]), op0=nl.multiply,
+                       operand0=-1.0, engine="gpsimd")
     bc_ps = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
-    port.nc_matmul(bc_ps[0:P, 0:1], e, m_col)
-    neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(neg, bc_ps, op0=nl.multiply, operand0=-1.0)
-    return m_col, neg
+    port.nc_matmul(bc_ps[0:P, 0:1], neg_row, unit)
+    port.tensor_copy(neg, bc_ps, engine="vector")
+    return neg
 
 
 def _exp_scores(banks, neg_m, g, P, mm):
@@ -846,15 +928,16 @@ def _normalize_rows(acc, l_col, rows, g, v_col=None):
     return o_sb
 
 
-def _lse_column(m_col, l_col):
-    """``m + log l``, or -inf when the max says no key was valid (a dead split)."""
-    col = tuple(m_col.shape)
+def _lse_column(neg_m, l_col):
+    """``m + log l`` (``neg_m``: ``-m``, :func:`_row_max`), or -inf when the max says no key
+    was valid (a dead split)."""
+    col = tuple(l_col.shape)
     log_l = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
     port.activation(log_l, nl.log, l_col)
     lse = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_tensor(lse, m_col, log_l, op=nl.add)
+    port.tensor_tensor(lse, log_l, neg_m, op=nl.subtract)
     live = nl.ndarray(col, dtype=nl.uint8, buffer=nl.sbuf)
-    port.tensor_scalar(live, m_col, op0=nl.greater, operand0=tiles.DECODE_DEAD_MAX)
+    port.tensor_scalar(live, neg_m, op0=nl.less, operand0=-tiles.DECODE_DEAD_MAX)
     port.keep_where(lse, live, -np.inf)
     return lse
 
@@ -925,25 +1008,24 @@ def _alibi_lse_shift(lse, rm, s_i, length, T, split_keys, rows):
     return shifted
 
 
-def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, rm=None, cap=None, k_col=None):
+def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, consts, buf, rm=None, cap=None,
+                 k_col=None):
     """First half of one row tile's partial over a work item (query rows ``rows`` of the
     item, gathered as ``q_nat (rows, D)``): scores against ``kT``, the modifiers (``rm``:
     :class:`_RowMods`, None without), the row max and the exponentials (``k_col``: an FP8
-    cache's K scale, :func:`_scaled_query_t`). Returns the state :func:`_split_back`
-    finishes: ``(p_sb, l_col, m_col)``."""
+    cache's K scale, :func:`_scaled_query_t`). ``consts``: the row tile's
+    :class:`_TileConstants`, ``buf`` the step's pipeline buffer. Returns the state :func:`_split_back`
+    finishes: ``(p_sb, l_col, -m)`` (``-m`` on every copy's partition, :func:`_row_max`)."""
     P = g.pack * rows
     qT = _scaled_query_t(q_nat, rows, g.D, g.n_dt, scale, mm, k_col)
-    qbd = _packed_queries(qT, rows, g, mm)
+    qbd = _packed_queries(qT, rows, g, None if consts.qbd is None else consts.qbd[buf])
     transforms = rm is not None and rm.mods.transforms
-    banks, mask_banks = _split_scores(qbd, kT, mask_row, g, P,
+    banks, mask_banks = _split_scores(qbd, kT, mask_row, consts.ones, g, P,
                                       mask_apart=transforms and cap is not None)
-    if g.pack > 1:
-        e, e_t = _group_matrices(rows, P)
-    else:
-        e = e_t = None
+    e, e_t = consts.e, consts.e_t
     if transforms:
         banks = _split_mods(banks, mask_banks, g, rows, P, rm, e, cap)
-    m_col, neg_m = _row_max(banks, g, rows, P, e)
+    neg_m = _row_max(banks, g, rows, P, consts.unit)
     p_sb, l_p = _exp_scores(banks, neg_m, g, P, mm)
     del banks
     if g.pack > 1:
@@ -953,38 +1035,33 @@ def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, rm=None, cap=None, k_c
         port.tensor_copy(l_col, l_ps, engine="vector")
     else:
         l_col = l_p
-    return p_sb, l_col, m_col
+    return p_sb, l_col, neg_m
 
 
-def _split_back(state, v_all, o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, mm, offsets,
-                rm=None, item=None, v_col=None, after_pv=None):
+def _split_back(state, v_all, o_flat, lse_flat, o_idx, t, g, rows, mm, rm=None, item=None,
+                v_col=None, after_pv=None):
     """Second half (:func:`_split_front`): ``P V``, the normalization and the scatter of the
-    partial (o, lse). ``item``: ``(s_i, L)`` columns of the work item (ALiBi); ``h`` the kv
-    head, a linear form of the program's indices (read from ``offsets`` under nki.*);
-    ``v_col``: an FP8 cache's V scale (:func:`_normalize_rows`); ``after_pv``: called once
-    ``P V`` has read ``v_all`` (before the normalization and the stores), or None.
+    partial (o, lse). ``item``: ``(s_i, L)`` columns of the work item (ALiBi); ``v_col``: an
+    FP8 cache's V scale (:func:`_normalize_rows`); ``after_pv``: called once ``P V`` has read
+    ``v_all`` (before the normalization and the stores), or None.
 
-    The item's sequence is runtime data, so the partial rows are scattered (flat row
-    ``o_base + (h R + rt0 + p) S`` of the ``((B + 1) Hq T S, D)`` view: row, then slot) by
-    indirect DMA. A padding item (``b = B``) writes into the trash block.
+    The item's sequence is runtime data, so the partial rows are scattered by indirect DMA to
+    the flat rows in column ``t`` (the step) of the int32 ``o_idx`` (rows of the ``((B + 1)
+    Hq T S, D)`` view, row then slot: made for all steps in the program's headers). A padding
+    item (``b = B``) writes into the trash block.
     """
-    p_sb, l_col, m_col = state
+    p_sb, l_col, neg_m = state
     P = g.pack * rows
     pT = _transpose_probs(p_sb, g, P, mm)
     acc = _split_pv(v_all, pT, g, rows, P)
     if after_pv is not None:
         after_pv()
     o_sb = _normalize_rows(acc, l_col, rows, g, v_col)
-    row_slot = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
-    port.iota(row_slot, [[0, 1]], offset=rt0 * S, channel_multiplier=S,
-              runtime=_terms(h, R * S), offsets=offsets)                  # (h R + rt0 + p) S
-    o_idx = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
-    port.tensor_tensor(o_idx, row_slot, o_base[0:rows], op=nl.add)
-    port.dma_copy(port.rows(o_flat, o_idx), o_sb, legacy_isa=True)
-    lse = _lse_column(m_col, l_col)
+    port.dma_copy(port.rows(o_flat, o_idx, t), o_sb, legacy_isa=True)
+    lse = _lse_column(neg_m[0:rows], l_col)
     if rm is not None and rm.mods.alibi:
         lse = _alibi_lse_shift(lse, rm, item[0], item[1], rm.T, g.rs * g.n, rows)
-    port.dma_copy(port.rows(lse_flat, o_idx), lse, legacy_isa=True)
+    port.dma_copy(port.rows(lse_flat, o_idx, t), lse, legacy_isa=True)
 
 
 # ============================================================================================
@@ -1096,31 +1173,26 @@ def _tail_partial(cfg, io, tail):
     from new token t (ALiBi, two-sided with a tree mask), the masks are kept apart from a
     soft-cap's tanh, and the sink (once per row, here) joins this partial.
     """
-    k_cache, v_cache, tree_mask = io.k_cache, io.v_cache, io.tree_mask
+    k_cache, v_cache = io.k_cache, io.v_cache
     T, D, n, R, mm = cfg.T, cfg.D, cfg.n, cfg.R, cfg.mm
     B, Hkv, S_max = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]  # paged: pool, page
     paged = io.block_table is not None
-    lp, rem = tail.lp, tail.rem
+    seq = tail.seq
+    lp = seq.lp
     ns = n - 1                      # slots of the partial key row
     C = ns + T                      # score columns: [partial row | new tokens]
     n_dt = tiles.ceil_div(D, PMAX)
     k_pos = k_cache.reshape((B * Hkv * S_max, D))
     v_pos = v_cache.reshape((B * Hkv * S_max, D))
     bh = _terms(tail.b, cfg.Hkv) + tail.h                   # b Hkv + h, a linear form
-    if not paged:
-        oob = _oob_offset(B * Hkv * S_max)
-        lp_i = nl.ndarray(tuple(lp.shape), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_copy(lp_i, lp, engine="vector")
-    else:
-        oob = _oob_offset(io.block_table.shape[0] * io.block_table.shape[1])  # past the table
 
     # ---- new tokens at Lp + u (all valid) ----
     if not paged:
-        new_row = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.iota(new_row, [[0, 1]], channel_multiplier=1, runtime=_terms(bh, S_max),
-                  offsets=io.offsets)                                   # bh S_max + u
+        # the head's column bh S_max + q serves both gathers' rows (the sequence's offsets
+        # added)
+        head_row = seq.head_rows[0:max(T, ns), nl.ds(tail.hh, 1)]
         new_idx = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_tensor(new_idx, new_row, lp_i[0:T], op=nl.add)
+        port.tensor_tensor(new_idx, head_row[0:T], seq.lp_i, op=nl.add)
     else:
         new_idx = _paged_tail_rows(cfg, io, tail, lp, 0, T, None)
     k_new = nl.ndarray((T, D), dtype=mm, buffer=nl.sbuf)
@@ -1133,36 +1205,17 @@ def _tail_partial(cfg, io, tail):
     port.tensor_reduce(v_new[0:T, D:D + 1], nl.maximum, M.zero_non_finite(v_new[0:T, 0:D])[0],
                        axis=(1,))
     if ns > 0:
-        # slot q is committed and in the partial row iff q >= (n - 1) - (Lp mod n)
-        first = nl.ndarray(tuple(rem.shape), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(first, rem, op0=nl.subtract, operand0=float(ns),
-                           reverse0=True)                                # (n - 1) - rem
-        slot_col = nl.ndarray((ns, 1), dtype=nl.float32, buffer=nl.sbuf)
-        port.iota(slot_col, [[0, 1]], channel_multiplier=1)
-        before = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_scalar(before, slot_col, op0=nl.less, operand0=first[0:ns],
-                           op1=nl.multiply, operand1=float(oob))
         if not paged:
-            part_row = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
-            port.iota(part_row, [[0, 1]], offset=-ns, channel_multiplier=1,
-                      runtime=_terms(bh, S_max), offsets=io.offsets)   # bh S_max - ns + q
-            pos = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_tensor(pos, part_row, lp_i[0:ns], op=nl.add)
             part_idx = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_tensor(part_idx, pos, before, op=nl.add)
+            port.tensor_tensor(part_idx, head_row[0:ns], seq.part_off, op=nl.add)
         else:
-            part_idx = _paged_tail_rows(cfg, io, tail, lp, -ns, ns, before)
+            part_idx = _paged_tail_rows(cfg, io, tail, lp, -ns, ns, seq.before)
         k_part = nl.ndarray((ns, D), dtype=mm, buffer=nl.sbuf)
         port.memset(k_part, 0, engine="gpsimd")
         v_part = nl.ndarray((ns, D), dtype=mm, buffer=nl.sbuf)
         port.memset(v_part, 0, engine="gpsimd")
         port.dma_copy(k_part, port.rows(k_pos, part_idx), oob_skip=True)
         port.dma_copy(v_part, port.rows(v_pos, part_idx), oob_skip=True)
-        slot_row = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
-        port.iota(slot_row, [[1, ns]])
-        part_bias = nl.ndarray((1, ns), dtype=_mask_dtype(), buffer=nl.sbuf)
-        port.tensor_scalar(part_bias, slot_row, op0=nl.less, operand0=first[0:1],
-                           op1=nl.multiply, operand1=NEG)
 
     # ---- K^T of all C keys ----
     kT = nl.ndarray((PMAX, n_dt * C), dtype=mm, buffer=nl.sbuf)
@@ -1175,23 +1228,23 @@ def _tail_partial(cfg, io, tail):
             port.nc_transpose(t_ps[0:dsz, 0:ns], k_part[0:ns, d0:d0 + dsz])
         port.nc_transpose(t_ps[0:dsz, ns:C], k_new[0:T, d0:d0 + dsz])
         port.tensor_copy(kT[0:dsz, dt * C:(dt + 1) * C], t_ps[0:dsz, 0:C], engine="scalar")
-    new_bias = _new_token_bias(tree_mask, T)
 
-    for _, rt0, rows in _row_tiles(R, cfg.row_tile):
+    for i, rt0, rows in _row_tiles(R, cfg.row_tile):
         _tail_rows(cfg, io, tail, bh, kT, (k_new, v_new, v_part if ns > 0 else None),
-                   (part_bias if ns > 0 else None, new_bias), rt0, rows)
+                   (seq.selectors[i], seq.ones[i]), rt0, rows)
 
 
-def _tail_rows(cfg, io, tail, bh, kT, values, biases, rt0, rows):
+def _tail_rows(cfg, io, tail, bh, kT, values, tile, rt0, rows):
     """One row tile of :func:`_tail_partial`: query rows ``rt0 .. rt0 + rows`` of the kv head
     against the tail's ``C = n - 1 + T`` keys (``kT``, ``values``: ``(k_new, v_new | flag,
-    v_part or None)``, ``biases``: ``(part_bias or None, new_bias)``)."""
+    v_part or None)``; ``tile``: the tile's :func:`_token_selector` and ``(1, rows)`` ones)."""
     T, D, n, R, mm = cfg.T, cfg.D, cfg.n, cfg.R, cfg.mm
     ns = n - 1
     C = ns + T
     n_dt = tiles.ceil_div(D, PMAX)
     _, v_new, v_part = values
-    part_bias, new_bias = biases
+    part_bias, new_bias = tail.seq.part_bias, tail.seq.new_bias
+    selector, ones = tile
     row0 = _expr(bh) * R + rt0
     q_nat = nl.ndarray((rows, D), dtype=io.q_rows.dtype, buffer=nl.sbuf)
     port.dma_copy(q_nat, io.q_rows[nl.ds(row0, rows), 0:D])
@@ -1211,9 +1264,8 @@ def _tail_rows(cfg, io, tail, bh, kT, values, biases, rt0, rows):
     # cannot flatten them
     mk_ps = nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
     if ns > 0:
-        ones = nl.ones((1, rows), dtype=_mask_dtype(), buffer=nl.sbuf)
         port.nc_matmul(mk_ps[0:rows, 0:ns], ones, part_bias)
-    port.nc_matmul(mk_ps[0:rows, ns:C], _token_selector(T, rt0, rows), new_bias)
+    port.nc_matmul(mk_ps[0:rows, ns:C], selector, new_bias)
     scores = None
     if rm is not None and rm.mods.transforms:
         d = slope = None
@@ -1319,21 +1371,46 @@ class _Tensors(NamedTuple):
     alibi_slopes: object
     sinks: object
     kv_scale: object    # an FP8 cache's (Hkv, 2) float32 (k_scale, v_scale), else None
+    zero_row: object    # (1, n_kv n D) zeros in the cache dtype (the K/V zero fills), or None
     o_part: object
     lse_part: object
     offsets: object
 
 
+class _TailSequence(NamedTuple):
+    """What the tails of one sequence share across its kv heads (:func:`_tail_sequence`, made
+    once per tail program): the committed length ``lp = L - T`` (fp32 column) and, for a
+    contiguous cache, as int32 ``(T, 1)`` ``lp_i`` (else None); with ``n > 1``, the int32
+    ``(n - 1, 1)`` push out of bounds of the partial row's slots before the row start
+    (``before``), for a contiguous cache the offsets ``part_off = lp - (n - 1) + before`` of
+    their rows from ``bh S_max + q`` (else None), and their ``(1, n - 1)`` mask row
+    (``part_bias``; all three None at n = 1); the ``(T, T)`` new-token bias, the token
+    selector and the ``(1, rows)`` ones of each row tile (:func:`_token_selector`); for a
+    contiguous cache the int32 ``(max(T, n - 1), hpp)`` ``head_rows``, column ``hh`` the flat
+    cache row ``(b Hkv + h) S_max + q`` of partition q for head ``h = hg hpp + hh`` (else
+    None)."""
+
+    lp: object
+    lp_i: object
+    before: object
+    part_off: object
+    part_bias: object
+    new_bias: object
+    selectors: list
+    ones: list
+    head_rows: object
+
+
 class _Tail(NamedTuple):
     """One tail program step: sequence ``b`` and kv head ``h`` (linear forms ``[(index,
-    coefficient), ...]`` of the program's indices), the committed length ``lp = L - T`` and
-    ``rem = lp mod n`` columns, the head's ALiBi slopes / sinks ``(G, 1)`` and an FP8 cache's
+    coefficient), ...]`` of the program's indices), the sequence's shared state ``seq``
+    (:class:`_TailSequence`), the head's ALiBi slopes / sinks ``(G, 1)`` and an FP8 cache's
     ``(k_scale, v_scale)`` on the query rows' partitions ``(rows, 2)`` (each or None)."""
 
     b: list
     h: list
-    lp: object
-    rem: object
+    hh: object          # the head's index within the program's group (a loop index)
+    seq: _TailSequence
     slope_g: object
     sink_g: object
     scales: object
@@ -1348,11 +1425,62 @@ def _expr(terms):
     return 0 if out is None else out
 
 
+def _tail_sequence(cfg, io, hg, b):
+    """:class:`_TailSequence` of sequence ``b`` for the heads of group ``hg`` (indices of the
+    program): the
+    index arithmetic, masks and selectors its tails share, made once for the kv heads of a
+    tail program rather than once per head (at B = 64, S = 2048, Hq = 32, Hkv = 8 on trn2 they
+    were about 340 us of VectorE and 260 us of GpSimd, per head)."""
+    T, n = cfg.T, cfg.n
+    ns = n - 1
+    len_col = _length_column(io.cache_lens, b, PMAX)
+    lp, rem = _committed_split(len_col, T, n)
+    paged = io.block_table is not None
+    if not paged:
+        k_cache = io.k_cache
+        oob = _oob_offset(k_cache.shape[0] * k_cache.shape[1] * k_cache.shape[2])
+        lp_i = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_copy(lp_i, lp[0:T], engine="vector")
+    else:
+        oob = _oob_offset(io.block_table.shape[0] * io.block_table.shape[1])  # past the table
+        lp_i = None
+    before = part_off = part_bias = head_rows = None
+    if not paged:
+        S_max = io.k_cache.shape[2]
+        head_rows = nl.ndarray((max(T, ns), cfg.hpp), dtype=nl.int32, buffer=nl.sbuf)
+        port.iota(head_rows, [[S_max, cfg.hpp]], channel_multiplier=1,
+                  runtime=[(b, cfg.Hkv * S_max), (hg, cfg.hpp * S_max)], offsets=io.offsets)
+    if ns > 0:
+        # slot q is committed and in the partial row iff q >= (n - 1) - (Lp mod n)
+        first = nl.ndarray(tuple(rem.shape), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(first, rem, op0=nl.subtract, operand0=float(ns),
+                           reverse0=True)                                # (n - 1) - rem
+        slot_col = nl.ndarray((ns, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(slot_col, [[0, 1]], channel_multiplier=1)
+        before = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(before, slot_col, op0=nl.less, operand0=first[0:ns],
+                           op1=nl.multiply, operand1=float(oob))
+        if not paged:
+            start = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_scalar(start, lp[0:ns], op0=nl.subtract, operand0=float(ns))
+            part_off = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_tensor(part_off, start, before, op=nl.add)
+        slot_row = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(slot_row, [[1, ns]])
+        part_bias = nl.ndarray((1, ns), dtype=_mask_dtype(), buffer=nl.sbuf)
+        port.tensor_scalar(part_bias, slot_row, op0=nl.less, operand0=first[0:1],
+                           op1=nl.multiply, operand1=NEG)
+    row_tiles = _row_tiles(cfg.R, cfg.row_tile)
+    selectors = [_token_selector(T, rt0, rows) for _, rt0, rows in row_tiles]
+    ones = [nl.ones((1, rows), dtype=_mask_dtype(), buffer=nl.sbuf) for _, _, rows in row_tiles]
+    return _TailSequence(lp, lp_i, before, part_off, part_bias,
+                         _new_token_bias(io.tree_mask, T), selectors, ones, head_rows)
+
+
 def _tails(cfg, io, hg, b):
     """Tail program ``(hg, b)``: the tails of sequence ``b`` for the kv heads ``hg hpp ..
     hg hpp + hpp - 1`` (:func:`_tail_partial`)."""
-    len_col = _length_column(io.cache_lens, b, PMAX)
-    lp, rem = _committed_split(len_col, cfg.T, cfg.n)
+    seq = _tail_sequence(cfg, io, hg, b)
 
     def head(hh):
         h = [(hg, cfg.hpp), (hh, 1)]
@@ -1363,7 +1491,7 @@ def _tails(cfg, io, hg, b):
             sink_g = _member_column(io.sinks, [(b, 1)], h, cfg.G, io.offsets)
         scales = (None if io.kv_scale is None else
                   _head_scales(io.kv_scale, h, min(cfg.R, cfg.row_tile), io.offsets))
-        _tail_partial(cfg, io, _Tail([(b, 1)], h, lp, rem, slope_g, sink_g, scales))
+        _tail_partial(cfg, io, _Tail([(b, 1)], h, hh, seq, slope_g, sink_g, scales))
 
     port.loop(cfg.hpp, head)
 
@@ -1420,23 +1548,33 @@ def _split_chunk(cfg, io, hg, c):
     dead = (idx[0:kr, steps:steps + 2] if g.n_kv == 1 else
             port.view(idx, 0, kr, steps, [[steps + 2, g.n_kv], [1, 2]]))
     port.memset(dead, oob, engine="gpsimd")
+    # the zero fills' row indices (_gather_rows): the dead steps fill nothing either
+    if tiles.decode_zero_by_dma(rs):
+        zidx = nl.ndarray((kr, steps + 2), dtype=nl.int32, buffer=nl.sbuf)
+        port.memset(zidx[0:kr, steps:steps + 2], 1, engine="gpsimd")     # the dead steps
+        live = nl.ndarray((kr, ipp), dtype=nl.float32, buffer=nl.sbuf)  # 1 real, 2 padding
+        port.tensor_scalar(live, cols[0:kr, 0:ipp], op0=nl.greater_equal, operand0=float(B),
+                           op1=nl.add, operand1=1.0)
+        _zero_rows_index(valid, live, g, ipp, hpp, zidx)
+        fill = _ZeroFill(io.zero_row, zidx, None)
+    else:
+        fill = _ZeroFill(None, None, _zero_source(g, mm, steps + 2))
     if io.block_table is None:
         _split_row_indices(valid, bs, g, ipp, hpp, _terms(h0, rows_bh), rows_bh, Hkv * rows_bh,
                            oob, idx, io.offsets)
     else:
         _paged_split_row_indices(io.block_table, valid, cols, bs, g, ipp, hpp, h0, Hkv,
                                  num_blocks, ppr, idx, io.offsets)
-    zeros = _zero_source(g, mm, steps + 2)
     kv_cols = g.n_kv * n * D
     k_nat = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
     v_all = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
     kT = [nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
 
     def gather_k(t, b):
-        _gather_rows(k_rows, idx, t, steps, g, zeros, k_nat[b], "vector")
+        _gather_rows(k_rows, idx, fill, t, steps, g, k_nat[b], "vector")
 
     def gather_v(t, b):
-        _gather_rows(v_rows, idx, t, steps, g, zeros, v_all[b], "gpsimd")
+        _gather_rows(v_rows, idx, fill, t, steps, g, v_all[b], "gpsimd")
 
     # the first two steps' K/V gathers go out as soon as their row indices exist: the masks,
     # slopes, scales and query loads below then overlap them instead of delaying them
@@ -1473,21 +1611,26 @@ def _split_chunk(cfg, io, hg, c):
             _head_scales(io.kv_scale, h0 + [(hh, 1)], rmax, io.offsets, out=scl, col=2 * hh)
 
         port.loop(hpp, head_scales)
-    # the query rows of every step (padding items gather none: their rows stay 0)
-    qs = []
+    # the query rows of every step (padding items gather none: their rows stay 0), and the
+    # flat partial rows its stores scatter to: query row x S + s
+    qs, o_rows = [], []
     for _, rt0, rows in row_tiles:
         q_keep = nl.ndarray((rows, steps * D), dtype=q_rows.dtype, buffer=nl.sbuf)
         port.memset(q_keep, 0, engine="gpsimd")
         # every head's row indices in one tile: a compiled head loop then reuses no buffer a
         # previous head's gathers still read
         q_idx = nl.ndarray((rows, steps), dtype=nl.int32, buffer=nl.sbuf)
+        o_idx = nl.ndarray((rows, steps), dtype=nl.int32, buffer=nl.sbuf)
 
-        def head_queries(hh, rt0=rt0, rows=rows, q_keep=q_keep, q_idx=q_idx):
+        def head_queries(hh, rt0=rt0, rows=rows, q_keep=q_keep, q_idx=q_idx, o_idx=o_idx):
             first = nl.ndarray((rows, ipp), dtype=nl.int32, buffer=nl.sbuf)
             port.iota(first, [[0, ipp]], offset=rt0, channel_multiplier=1,
                       runtime=_terms(h0, R) + [(hh, R)], offsets=io.offsets)
+            cols_h = nl.ds(hh * ipp, ipp)
             _int_tile([(bs[0:rows, 0:ipp], Hkv * R)], rows, ipp, first,
-                      out=q_idx[0:rows, nl.ds(hh * ipp, ipp)])
+                      out=q_idx[0:rows, cols_h])
+            _int_tile([(q_idx[0:rows, cols_h], S), (bs[0:rows, ipp:2 * ipp], 1)], rows, ipp,
+                      out=o_idx[0:rows, cols_h])
 
             def item(j):
                 port.dma_copy(q_keep[0:rows, nl.ds((hh * ipp + j) * D, D)],
@@ -1497,6 +1640,8 @@ def _split_chunk(cfg, io, hg, c):
 
         port.loop(hpp, head_queries)
         qs.append(q_keep)
+        o_rows.append(o_idx)
+    consts = [_tile_constants(g, rows, mm) for _, _, rows in row_tiles]
 
     # -- 2. splits ------------------------------------------------------------------------
     o_flat = io.o_part.reshape(((B + 1) * Hq * T * S, D))
@@ -1505,14 +1650,12 @@ def _split_chunk(cfg, io, hg, c):
     def front(hh, j, b):
         """Step (hh, j)'s headers and the first half of each row tile (on ``kT[b]``)."""
         t = hh * ipp + j
-        b_i = nl.ndarray((PMAX, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_copy(b_i, bs[0:PMAX, nl.ds(j, 1)], engine="gpsimd")
-        s_i = nl.ndarray((PMAX, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_copy(s_i, bs[0:PMAX, nl.ds(ipp + j, 1)], engine="gpsimd")
         mask_row = nl.ndarray((1, rs), dtype=_mask_dtype(), buffer=nl.sbuf)
         port.tensor_copy(mask_row, mask[0:1, nl.ds(j * rs, rs)], engine="gpsimd")
         slope_g = item = None
         if alibi:
+            s_i = nl.ndarray((PMAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_copy(s_i, bs[0:PMAX, nl.ds(ipp + j, 1)], engine="gpsimd")
             slope_g = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_copy(slope_g, slopes[0:G, nl.ds(t, 1)], engine="gpsimd")
             length = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -1523,55 +1666,54 @@ def _split_chunk(cfg, io, hg, c):
             kv = nl.ndarray((rmax, 2), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_copy(kv, scl[0:rmax, nl.ds(2 * hh, 2)], engine="gpsimd")
         states = []
-        for (_, rt0, rows), q_keep in zip(row_tiles, qs):
+        for (_, rt0, rows), q_keep, cst in zip(row_tiles, qs, consts):
             q_nat = nl.ndarray((rows, D), dtype=q_rows.dtype, buffer=nl.sbuf)
             port.tensor_copy(q_nat, q_keep[0:rows, nl.ds(t * D, D)], engine="gpsimd")
             rm = (_RowMods(cfg.mods, slope_g, None, G, T, rt0, rows) if cfg.mods.transforms
                   else None)
-            states.append((rm, _split_front(q_nat, kT[b], mask_row, g, rows, cfg.scale, mm, rm,
-                                            cfg.mods.softcap,
+            states.append((rm, _split_front(q_nat, kT[b], mask_row, g, rows, cfg.scale, mm,
+                                            cst, b, rm, cfg.mods.softcap,
                                             None if kv is None else kv[0:rows, 0:1])))
-        return b_i, s_i, item, kv, states
+        return item, kv, states
 
-    def back(h, b, head, after_pv):
-        """The second half of each row tile of the step ``front`` began (on ``v_all[b]``);
-        ``h`` the step's kv head (a linear form); ``after_pv`` runs once the last row tile's
-        ``P V`` has read ``v_all[b]``, before that tile's stores."""
-        b_i, s_i, item, kv, states = head
-        o_base = _int_tile([(b_i, Hkv * R * S), (s_i, 1)], PMAX, 1)
+    def back(t, b, head, after_pv):
+        """The second half of each row tile of step ``t`` (``front`` began it, on
+        ``v_all[b]``); ``after_pv`` runs once the last row tile's ``P V`` has read
+        ``v_all[b]``, before that tile's stores."""
+        item, kv, states = head
         last = len(row_tiles) - 1
-        for r, ((_, rt0, rows), (rm, state)) in enumerate(zip(row_tiles, states)):
-            _split_back(state, v_all[b], o_flat, lse_flat, o_base, g, h, R, S, rt0, rows, mm,
-                        io.offsets, rm, item, None if kv is None else kv[0:rows, 1:2],
+        for r, ((_, _, rows), (rm, state), o_idx) in enumerate(zip(row_tiles, states, o_rows)):
+            _split_back(state, v_all[b], o_flat, lse_flat, o_idx, t, g, rows, mm, rm, item,
+                        None if kv is None else kv[0:rows, 1:2],
                         after_pv if r == last else None)
 
-    def step(hh, h, j, b):
-        """Step ``(hh, j)`` (``h``: its kv head) on buffer ``b``."""
+    def step(hh, j, b):
+        """Step ``(hh, j)`` (head hh of the group, item j) on buffer ``b``."""
         t = hh * ipp + j
         gather_k(t + 2, b)                      # k_nat[b] is free: step t's keys are in kT[b]
         head = front(hh, j, b)
         _transpose_keys(k_nat[1 - b], kT[1 - b], g)
         # step t + 2's V gather right after step t's P V, ahead of step t's partial stores
-        back(h, b, head, lambda: gather_v(t + 2, b))
+        back(t, b, head, lambda: gather_v(t + 2, b))
 
     # Buffer b is the parity of the step: steps come in pairs (ipp even: item pairs of one
     # head; ipp = 1: pairs of heads); the first two steps' gathers are issued above.
     _transpose_keys(k_nat[0], kT[0], g)
     if steps == 1:
-        step(0, h0, 0, 0)
+        step(0, 0, 0)
     elif ipp % 2 == 0:
         def head_items(hh):
             def item_pair(jj):
-                step(hh, h0 + [(hh, 1)], 2 * jj, 0)
-                step(hh, h0 + [(hh, 1)], 2 * jj + 1, 1)
+                step(hh, 2 * jj, 0)
+                step(hh, 2 * jj + 1, 1)
 
             port.loop(ipp // 2, item_pair, carried=True)
 
         port.loop(hpp, head_items, carried=True)
     else:
         def head_pair(hp):
-            step(2 * hp, h0 + [(hp, 2)], 0, 0)
-            step(2 * hp + 1, h0 + [(hp, 2), (1, 1)], 0, 1)
+            step(2 * hp, 0, 0)
+            step(2 * hp + 1, 0, 1)
 
         port.loop(hpp // 2, head_pair, carried=True)
 
@@ -1593,7 +1735,7 @@ def decode_grid(groups: int, programs: int, core_axis=None, api: str = "legacy",
 @port.jit
 def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_mask=None,
                               block_table=None, alibi_slopes=None, sinks=None, kv_scale=None,
-                              scale=1.0,
+                              zero_row=None, scale=1.0,
                               mm_dtype="bfloat16", key_row=1, split_rows=1, num_splits=1,
                               row_tile=1, pack=1, items_per_program=1, heads_per_program=1,
                               softcap=None):
@@ -1643,6 +1785,10 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         the keys' are folded into the softmax scale of the head's query rows
         (:func:`_scaled_query_t`), the values' into its partial outputs
         (:func:`_normalize_rows`), so no dequantized cache is ever formed.
+    zero_row : (1, ceil(split_rows / 128) * key_row * D) zeros in the caches' dtype (HBM)
+        Required with ``work`` when ``tiles.decode_zero_by_dma(split_rows)`` (else None): the
+        source of the K/V zero fills, a gathered split's rows past the committed prefix (of a
+        real work item) are read from it so that they hold zeros (:func:`_gather_rows`).
     softcap, alibi_slopes, sinks :
         Score modifiers (``score_mods.py``; HBM float32 ``(1 or B, Hq)`` slopes and ``(Hq,)``
         sinks): soft-capping and ALiBi in every partial (new token t at position ``L - T +
@@ -1680,15 +1826,22 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
             f"items ({W}) and the kv heads ({Hkv}), and a program's steps come in pairs "
             f"(an even number of items, or 1 item and 1 or an even number of heads)")
     C = W // ipp                   # chunk programs
+    zero_cols = tiles.ceil_div(split_rows, PMAX) * key_row * D
+    by_dma = work is not None and tiles.decode_zero_by_dma(split_rows)
+    if (zero_row is not None) != by_dma or (by_dma and tuple(zero_row.shape) != (1, zero_cols)):
+        raise ValueError(
+            f"zero_row: a (1, ceil(split_rows / 128) * key_row * D) = (1, {zero_cols}) tensor "
+            f"of zeros is required with a work list of splits of at most "
+            f"{tiles.DECODE_DMA_ZERO_FILL_MAX_ROWS} key rows, None otherwise; got "
+            f"{None if zero_row is None else tuple(zero_row.shape)} (split_rows={split_rows}, "
+            f"work {'given' if work is not None else 'None'})")
     if mm_dtype not in _DTYPES:
         raise ValueError(f"mm_dtype: expected one of {_DTYPES}, got {mm_dtype!r}")
-    # nki.*: the tails' flat rows of a contiguous cache, or their block-table entries, in fp32
+    # nki.*: flat rows of a contiguous cache (or block-table entries) that may reach 2^24 take
+    # the program indices' part in int32 (port.OffsetColumns(exact=True)); below that the fp32
+    # sums on VectorE are exact and cheaper
     flat = (B * Hkv * k_cache.shape[2] if block_table is None
             else block_table.shape[0] * block_table.shape[1])
-    if flat >= tiles.FP32_EXACT_INT:
-        port.refuse_in_nki(f"flash_decode_split_kernel over {flat} >= 2^24 "
-                           f"{'cache rows' if block_table is None else 'block-table entries'} "
-                           f"(the tails' flat row numbers are fp32 there)")
     # rows of "sequence B" are a trash block for padding work items
     o_part = nl.ndarray(((B + 1) * Hq * T, S, D), dtype=nl.float32, buffer=nl.shared_hbm)
     lse_part = nl.ndarray(((B + 1) * Hq * T, S), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -1698,8 +1851,9 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     # the program indices (head group, chunk, sequence, heads of a group) as data for nki.*'s
     # compile-time iota offsets
     io = _Tensors(q.reshape((B * Hkv * R, D)), k_cache, v_cache, cache_lens, work, tree_mask,
-                  block_table, alibi_slopes, sinks, kv_scale, o_part, lse_part,
-                  port.OffsetColumns(0, max(Hkv, B), 1))
+                  block_table, alibi_slopes, sinks, kv_scale, zero_row, o_part, lse_part,
+                  port.OffsetColumns(0, max(Hkv, B), 1,
+                                     exact=flat >= tiles.FP32_EXACT_INT))
 
     def chunk(hg, c):
         _split_chunk(cfg, io, hg, c)

@@ -68,9 +68,13 @@ copy and the ``alpha o_acc`` rescale; plus the 2048-column P^T copy, split at a 
 boundary between ScalarE (1 cycle per column) and VectorE (1/2 on trn2) so both finish
 together. trn2 N = 4096 models at ~195 us with TensorE at ~168 us (``nki-flash run``).
 Dropout adds VectorE's draw (one cycle per score, ``nisa.dropout`` has no other engine), so
-its other per-block work moves off VectorE: the softmax sums' additions and the unit numbers
-go to GpSimd, P^T copies to ScalarE (``benchmarks/forward.py``'s shape: 325.6 us against
-284.5 without dropout; VectorE busy 303 us, 273 of them the row max and the draw).
+other per-block work moves off VectorE: the unit numbers go to GpSimd, the softmax sums
+accumulate in ScalarE's registers during the exp, and through nki.* on NeuronCore-v3+ ScalarE
+takes a share of the row maxima (``tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE``), the DMA engines
+transpose all of P outside masked regions (``FWD_NKI_DROPOUT_P_DMA_SHARE``) and VectorE computes
+the exp's bias; each 512-key group is drawn just before its transposes
+(``benchmarks/forward.py``'s shape, trn2: legacy 387.5 us against 284.5 without dropout,
+nki.* 286.6 against 217.7; each 128 x 128 unit's seed is a VectorE instruction).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
@@ -122,7 +126,9 @@ Precision (docs/semantics.md): matmul operands in bf16/fp16 (fp32 inputs: bf16 w
 
 APIs whose legacy-NKI status is not fully confirmed (reference/nki-api-spec.md): bf16 PSUM
 output of TensorE transposes on trn2 (gen3 "transpose mode"; fp32 PSUM is used on trn1),
-``nisa.tensor_copy_predicated`` (documented from 2.22), and ``nisa.dma_transpose`` SBUF ->
+``nisa.tensor_copy_predicated`` and ``reduce_cmd`` on ``nisa.activation`` (the dropout path's
+chained row sums, :func:`port.activation_accumulate`; both documented from 2.22), and
+``nisa.dma_transpose`` SBUF ->
 SBUF (``p_dma_transpose_share``: opt-in under legacy; under nki.* the planner's default, as
 in AWS's NKI 0.7 ``attention_cte``).
 
@@ -745,8 +751,12 @@ def balance_engines(tiles: T.ForwardTiles, plan: ForwardPlan, spec: M.MaskSpec, 
     """How the P^T copies split between ScalarE and VectorE (:attr:`Config.act_share`):
     ``tiles.act_evac_share``, or balanced from the work of the loop nest,
     ``tiles.fwd_act_evac_share``; the predicated-off blocks of masked regions count as work:
-    they issue."""
+    they issue. Under dropout through nki.* on NeuronCore-v3+ the measured
+    ``tiles.FWD_NKI_DROPOUT_ACT_EVAC_SHARE`` (ScalarE takes row maxima there, which the
+    formula does not count)."""
     share = tiles.act_evac_share
+    if share is None and dropout and port.gen3() and port.api() == "nki":
+        share = T.FWD_NKI_DROPOUT_ACT_EVAC_SHARE
     if share is None:
         gen3 = port.gen3()
         Bk = tiles.softmax_block
@@ -804,6 +814,11 @@ class KV:
 
     def __init__(self, base, kT, v):
         self.base, self.kT, self.v = base, kT, v
+
+    def v_block(self, kw: int, b):
+        """``[V | 1]`` rows ``0 .. kw - 1`` of the tile's 128-key block ``b`` (an index
+        expression): the moving operand of a P V matmul (:func:`fold_back`)."""
+        return self.v[0:kw, b, :]
 
 
 class GroupState:
@@ -1157,19 +1172,38 @@ def guard_values(f: Instance, vals, flag, sum_on_scalar: bool = False):
     port.tensor_scalar(flag[:, :, 0], sums, nl.not_equal, 0.0)
 
 
-def load_kv(f: Instance, cb, n: int, load: bool = True) -> KV:
+def ones_column(f: Instance, col):
+    """Fill V's ones column ``col`` (``[p, n, 1]``): 1.0, so that P V also yields the softmax
+    sums l_i, or 0.0 under dropout, whose sums are those of the undropped P and come from the
+    exp (:func:`fold_front`): PV then adds nothing to l_i and the accumulator update adds it
+    with O in one VectorE instruction (:func:`fold_update`)."""
+    port.memset(col, 0.0 if f.dropout_p else 1.0, engine="gpsimd")
+
+
+def load_kv(f: Instance, cb, n: int, zero_blocks: Optional[int] = None,
+            load: bool = True) -> KV:
     """Load ``n`` keys (static) of K and V from key ``128 cb`` (``cb`` an index expression):
     K^T via TensorE transposes of 128-key blocks (PSUM -> SBUF copy casts to the matmul dtype),
-    V as 128-key blocks ``[128, D + 1]`` whose last column is 1.0 (0.0 for padding keys with
-    ``kv_lens``, :func:`edge_key_fill`). ``load`` False: only the tiles and V's ones column;
-    the keys are loaded later, a range at a time (:func:`load_keys`)."""
+    V as 128-key blocks ``[128, D + 1]`` whose last column is :func:`ones_column`'s (0.0 for
+    padding keys with ``kv_lens`` and no dropout, :func:`edge_key_fill`). ``zero_blocks`` (the
+    block-sparse forward, which reads whole 128-key blocks; None: K^T has n columns): K^T and
+    V hold ``ceil(n / 128) + zero_blocks`` whole blocks, and the keys past ``n`` are zeros in
+    K^T and in V (their guard flag too; V's ones column stays :func:`ones_column`'s).
+    ``load`` False: only the tiles and V's ones column; the keys are loaded later, a range at
+    a time (:func:`load_keys`)."""
     P, D = T.PMAX, f.D
     nblk = T.ceil_div(n, P)
-    kT = [nl.ndarray((rows, n), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
+    blocks = nblk if zero_blocks is None else nblk + zero_blocks
+    cols = n if zero_blocks is None else blocks * P
+    kT = [nl.ndarray((rows, cols), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     # V with a ones column: PV then also yields the row sums l_i = sum_j P_ij on TensorE
-    v = nl.ndarray((P, nblk, f.vcols), dtype=f.mm, buffer=nl.sbuf)
-    if f.lens is None or f.lens.k_load is None:
-        port.memset(v[:, :, D:D + 1], 1.0, engine="gpsimd")
+    v = nl.ndarray((P, blocks, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+    if cols > n:
+        for t in kT:
+            port.memset(t[:, n:cols], 0.0, engine="gpsimd")
+        port.memset(v[:, n // P:blocks, :], 0.0, engine="gpsimd")
+    if f.lens is None or f.lens.k_load is None or f.dropout_p:
+        ones_column(f, v[:, :, D:D + 1])
     else:
         key = nl.ndarray((P, nblk, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.iota(key, [[P, nblk], [1, 1]], channel_multiplier=1, runtime=[(cb, P)],
@@ -1375,7 +1409,7 @@ def scores(f: Instance, st: GroupState, s, i0, kv: KV, rel, j0, width: int, mask
     return s_sb, False
 
 
-def dropout_units(f: Instance, p, r: int, width: int, h, iu, ju, pred):
+def dropout_units(f: Instance, r: int, width: int, h, iu, ju, pred):
     """Attention dropout on a P block ``[r, width]`` of query tile ``iu`` (member head h) from
     128-key unit ``ju`` (index expressions): each 128 x 128 unit is zeroed with probability
     ``dropout_p`` by its own draw, the RNG reseeded with ``seed + unit`` where ``unit`` numbers
@@ -1384,7 +1418,11 @@ def dropout_units(f: Instance, p, r: int, width: int, h, iu, ju, pred):
     1 / (1 - p) rescale is applied to O at write-back. A unit is always drawn as ``[rows,
     128]`` (rows: the tile's, a prefix of the backward's 128), whatever part of it a block
     covers, so both kernels see the same bits (C-order prefix property of the draw; the
-    simulator's generator is NumPy's, the hardware's is not reproduced)."""
+    simulator's generator is NumPy's, the hardware's is not reproduced).
+
+    Computes the block's unit seeds and returns ``drop(p, c0, c1)``, which draws the units of
+    columns ``c0 .. c1`` (128-aligned ``c0``; static) of the block's P ``p`` in place, so a
+    caller can drop the block a P^T group at a time (:func:`fold_back`)."""
     P = T.PMAX
     n_units = T.ceil_div(width, P)
     # the block's unit seeds at once: one iota and one int32 add (GpSimd) for all its units;
@@ -1397,26 +1435,31 @@ def dropout_units(f: Instance, p, r: int, width: int, h, iu, ju, pred):
     port.iota(units, [[1, n_units]], runtime=unit0, offsets=f.indices)
     seeds = nl.ndarray((1, n_units), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_tensor(seeds, units, f.drop.seed_row[0:1, 0:n_units], nl.add)
-    for c0 in T.unrolled(0, width, P):
-        kw = min(P, width - c0)
-        seed = seeds[0:1, c0 // P:c0 // P + 1]
-        port.random_seed(seed, mask=pred)
-        if kw == P:
-            port.dropout(p[:, c0:c0 + kw], p[:, c0:c0 + kw], f.dropout_p, mask=pred)
-        else:
-            # a unit is always drawn 128 keys wide (the backward may see it whole): keep the
-            # first kw columns of the draw
-            keep = nl.ndarray((r, P), dtype=f.mm, buffer=nl.sbuf)
-            port.dropout(keep, f.drop.ones[0:r, 0:P], f.dropout_p, mask=pred)
-            port.tensor_tensor(p[:, c0:c0 + kw], p[:, c0:c0 + kw], keep[:, 0:kw], nl.multiply,
-                               mask=pred)
-        if f.drop.mask_out is not None:
-            # debug: the same draw again, on ones, stored at the unit's frame position
+
+    def drop(p, c_lo, c_hi):
+        for c0 in T.unrolled(c_lo, c_hi, P):
+            kw = min(P, c_hi - c0)
+            seed = seeds[0:1, c0 // P:c0 // P + 1]
             port.random_seed(seed, mask=pred)
-            drawn = nl.ndarray((r, P), dtype=f.mm, buffer=nl.sbuf)
-            port.dropout(drawn, f.drop.ones[0:r, 0:P], f.dropout_p, mask=pred)
-            port.dma_copy(f.drop.mask_out[f.b, f.head(h), nl.ds(iu * P, r), nl.ds(ju * P + c0, kw)],
-                          drawn[:, 0:kw], mask=pred)
+            if kw == P:
+                port.dropout(p[:, c0:c0 + kw], p[:, c0:c0 + kw], f.dropout_p, mask=pred)
+            else:
+                # a unit is always drawn 128 keys wide (the backward may see it whole): keep
+                # the first kw columns of the draw
+                keep = nl.ndarray((r, P), dtype=f.mm, buffer=nl.sbuf)
+                port.dropout(keep, f.drop.ones[0:r, 0:P], f.dropout_p, mask=pred)
+                port.tensor_tensor(p[:, c0:c0 + kw], p[:, c0:c0 + kw], keep[:, 0:kw],
+                                   nl.multiply, mask=pred)
+            if f.drop.mask_out is not None:
+                # debug: the same draw again, on ones, stored at the unit's frame position
+                port.random_seed(seed, mask=pred)
+                drawn = nl.ndarray((r, P), dtype=f.mm, buffer=nl.sbuf)
+                port.dropout(drawn, f.drop.ones[0:r, 0:P], f.dropout_p, mask=pred)
+                port.dma_copy(f.drop.mask_out[f.b, f.head(h), nl.ds(iu * P, r),
+                                              nl.ds(ju * P + c0, kw)],
+                              drawn[:, 0:kw], mask=pred)
+
+    return drop
 
 
 def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
@@ -1440,10 +1483,15 @@ def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
     ``part``: "all", or "front" (scores through the exp, :func:`fold_front`) / "back" (P^T
     through the update, :func:`fold_back`) for a staged tile, whose P, alpha and row sums live
     in the staging buffers ``stage = (p, alpha, row_sum, index)`` between the two halves. A
-    staged tile's dropout (:func:`dropout_units`) opens its back half: in the front halves each
+    tile's dropout (:func:`dropout_units`) is drawn in its back half: in the front halves each
     tile's draw (VectorE, one cycle per score) would wait for that tile's exp on ScalarE,
     ahead of the next tile's row max in VectorE's queue; in the back half its input is ready,
-    and it delays only that tile's transposes (trn2 N = 4096: 450 -> 337 us modeled).
+    and it delays only that tile's transposes (trn2 N = 4096: 450 -> 337 us modeled). It is
+    drawn a P^T group (512 keys) at a time, just before the group's transposes
+    (:func:`fold_back`), so the first groups' DMA transposes overlap the later groups' draws
+    (trn2 N = 4096: 287.1 -> 270.4 us with three P^T groups in four on the DMA engines and the
+    bias on GpSimd; at the final shares of ``tiles.py`` 253.0 either way, causal 192.4 ->
+    192.2).
     """
     r, P = st.rows, T.PMAX
     if not masked or d0 is not None:
@@ -1455,25 +1503,20 @@ def attend_block(f: Instance, st: GroupState, s, i0, kv: KV, rb, j0, width: int,
     kt = f.tiles.k_tile
     widths = [min(kt, width - c0) for c0 in T.unrolled(0, width, kt)]
     if part == "back":
-        front = staged_front(stage, r, width)
-        if f.dropout_p:
-            dropout_units(f, front[0], r, width, *du, pred)
-        fold_back(f, st, s, front, widths, kv, rb, pred, masked)
+        fold_back(f, st, s, staged_front(stage, r, width), widths, kv, rb, pred, masked,
+                  dropout_units(f, r, width, *du, pred) if f.dropout_p else None)
         return
     stats = st.stats[0:r, s, :]
     s_tiles, fused = zip(*[scores(f, st, s, i0, kv, rb * P + n * kt, j0 + n * kt, w, masked,
                                   pred, None if d0 is None else d0 + n * kt, h,
                                   neg_max=stats[:, 2 + n:3 + n])
                            for n, w in enumerate(widths)])
-    drop = None
-    if f.dropout_p:
-        def drop(p, r_, w_, pr):
-            dropout_units(f, p, r_, w_, *du, pr)
     if part == "front":
         fold_front(f, st, s, s_tiles, widths, pred, out=staged_front(stage, r, width),
                    fused=fused)
         return
-    fold_block(f, st, s, s_tiles, widths, kv, rb, pred, drop, fused, masked)
+    fold_back(f, st, s, fold_front(f, st, s, s_tiles, widths, pred, fused=fused), widths, kv,
+              rb, pred, masked, dropout_units(f, r, width, *du, pred) if f.dropout_p else None)
 
 
 def staged_front(stage, rows: int, width: int):
@@ -1501,9 +1544,10 @@ def fold_block(f: Instance, st: GroupState, s, s_tiles, widths, kv: KV, rb, pred
 def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None, out=None,
                fused=()):
     """First half of :func:`fold_block`: the new max, alpha and P (under dropout its
-    undropped row sums, and P dropped by ``drop`` unless that is None: a staged tile's back
-    half drops it, :func:`attend_block`). Returns ``(p, alpha, row_sum)`` (row_sum None
-    without dropout), written into ``out`` (views of the same shapes) when given."""
+    undropped row sums, and P dropped by ``drop`` unless that is None: the dense kernel drops
+    it in :func:`fold_back`, a P^T group at a time, :func:`attend_block`). Returns ``(p,
+    alpha, row_sum)`` (row_sum None without dropout), written into ``out`` (views of the same
+    shapes) when given."""
     r = st.rows
     kt = f.tiles.k_tile
     width = sum(widths)
@@ -1515,12 +1559,14 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
     # the row max of each score tile (negated): VectorE, or under dropout through nki.* on
     # NeuronCore-v3+ a share of the tiles on ScalarE (tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE: VectorE
     # also draws the masks), whose -s output is not used; either is exact, so the bits are equal
-    on_act = _Splitter(T.FWD_NKI_DROPOUT_MAX_ACT_SHARE
-                       if f.dropout_p and f.gen3 and port.api() == "nki" else 0.0)
-    for n in T.unrolled(nb):
-        if fused and fused[n]:
-            continue
-        if on_act.take(widths[n]):
+    nki_dropout = f.dropout_p and f.gen3 and port.api() == "nki"
+    on_act = _Splitter(T.FWD_NKI_DROPOUT_MAX_ACT_SHARE[port.target()] if nki_dropout else 0.0)
+    # ScalarE's tiles first, VectorE's last: VectorE's max of the block's last score tile then
+    # leads straight into its min-reduction and the bias (trn2 N = 4096: 253.0 -> 249.0 us;
+    # causal 192.2 -> 194.5)
+    own = [n for n in T.unrolled(nb) if not (fused and fused[n])]
+    for n, on_scalar in zip(own, sorted((on_act.take(widths[n]) for n in own), reverse=True)):
+        if on_scalar:
             unused = nl.ndarray((r, widths[n]), dtype=f.mm, buffer=nl.sbuf)
             port.activation_reduce(unused, nl.copy, s_tiles[n], reduce_op=nl.minimum,
                                    reduce_res=stats[:, 2 + n:3 + n], scale=-1.0, mask=pred)
@@ -1532,8 +1578,12 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
         bias = neg_m_new
     else:
         bias = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
-        # c * (-m_new) on GpSimd (idle otherwise; ScalarE is a busiest engine)
-        port.tensor_scalar(bias, neg_m_new, nl.multiply, c, engine="gpsimd", mask=pred)
+        # c * (-m_new) on GpSimd (idle otherwise; ScalarE is a busiest engine), or under
+        # dropout through nki.* on VectorE right after its min-reduction: GpSimd's queue then
+        # holds the units' seeds, and the alpha and the exp wait for the bias (trn2 N = 4096:
+        # 258.2 -> 253.0 us)
+        port.tensor_scalar(bias, neg_m_new, nl.multiply, c,
+                           engine="vector" if nki_dropout else "gpsimd", mask=pred)
     if out is None:
         p = nl.ndarray((r, width), dtype=f.mm, buffer=nl.sbuf)
         alpha = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -1545,21 +1595,12 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
     if f.dropout_p:
         # the row sums of the undropped P come from the exp itself (the [V | 1] column would
         # sum the dropped P): the softmax statistics are those of the undropped softmax. The
-        # score tiles' sums are added on GpSimd: VectorE, which draws the masks, is the
-        # busiest engine under dropout
-        sums = nl.ndarray((r, nb), dtype=nl.float32, buffer=nl.sbuf)
+        # score tiles' sums accumulate in ScalarE's reduce registers, read out once per block
+        # (one readout instead of one per tile, and no additions on another engine)
         for n in T.unrolled(nb):
-            port.activation_reduce(p[:, n * kt:n * kt + widths[n]], nl.exp, s_tiles[n],
-                                   reduce_op=nl.add, reduce_res=sums[:, n:n + 1], bias=bias,
-                                   scale=c, mask=pred)
-        if nb == 1:
-            port.tensor_copy(row_sum, sums, engine="gpsimd", mask=pred)
-        else:
-            port.tensor_tensor(row_sum, sums[:, 0:1], sums[:, 1:2], nl.add, engine="gpsimd",
-                               mask=pred)
-            for n in T.unrolled(2, nb):
-                port.tensor_tensor(row_sum, row_sum, sums[:, n:n + 1], nl.add, engine="gpsimd",
-                                   mask=pred)
+            port.activation_accumulate(p[:, n * kt:n * kt + widths[n]], nl.exp, s_tiles[n],
+                                       n == 0, row_sum if n == nb - 1 else None, bias=bias,
+                                       scale=c, mask=pred)
         if drop is not None:
             drop(p, r, width, pred)
     else:
@@ -1572,10 +1613,13 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
 
 
 def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred,
-              masked: bool = False):
+              masked: bool = False, drop=None):
     """Second half of :func:`fold_block`: ``pv = P [V | 1]`` and the accumulator update, from
     :func:`fold_front`'s ``(p, alpha, row_sum)``; ``masked``: a block of a masked region (at
-    most ``tiles.FWD_MASKED_P_DMA_SHARE`` of its P^T on the DMA engines)."""
+    most ``tiles.FWD_MASKED_P_DMA_SHARE`` of its P^T on the DMA engines). ``drop``: None, or
+    :func:`dropout_units`' ``drop(p, c0, c1)``, applied to each P^T group's columns just
+    before they are transposed: the group's transposes (DMA, 2 us from issue to data) then
+    overlap the next group's draw on VectorE instead of waiting for the whole block's."""
     p, alpha, row_sum = front
     r, P = st.rows, T.PMAX
     width = sum(widths)
@@ -1591,6 +1635,8 @@ def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred,
     for g0 in T.unrolled(0, len(chunks), per_tile):
         group = chunks[g0:g0 + per_tile]
         n = len(group) * r
+        if drop is not None:
+            drop(p, group[0][0], group[-1][0] + group[-1][1])
         pts = nl.ndarray((P, per_tile * r), dtype=f.mm, buffer=nl.sbuf)
         if on_dma.take(n):
             # trn2: DMA-engine transposes SBUF -> SBUF, no TensorE pass and no PSUM copy
@@ -1612,26 +1658,28 @@ def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred,
                 if c1 > c0:
                     port.tensor_copy(pts[:, c0:c1], pt[:, c0:c1], engine=e, mask=pred)
         for q, (c0, kw) in enumerate(group):
-            port.nc_matmul(pv, pts[0:kw, q * r:(q + 1) * r], kv.v[0:kw, rb + c0 // P, :],
+            port.nc_matmul(pv, pts[0:kw, q * r:(q + 1) * r], kv.v_block(kw, rb + c0 // P),
                            accumulate=not (g0 == 0 and q == 0), mask=pred)
+    fold_update(f, st, s, alpha, row_sum, pv, pred)
+
+
+def fold_update(f: Instance, st: GroupState, s, alpha, row_sum, pv, pred):
+    """``[o_acc | l_i] = alpha [o_acc | l_i] + pv`` of slot s (``pv``: the block's ``P [V | 1]``
+    in PSUM): the rescale on GpSimd (SBUF only; otherwise idle), the add on VectorE (one PSUM
+    read, 1 cycle per element). Under dropout ``l_i = alpha l_i + row_sum`` (the undropped
+    sums, :func:`fold_front`) on GpSimd, and PV's l_i column is 0 (:func:`ones_column`), so
+    the add is the same one instruction. The guard's flag column is not rescaled: its sum only
+    needs to stay positive."""
     o_acc = st.o_acc(s)
-    # o_acc = alpha o_acc + pv: the rescale on GpSimd (SBUF only; otherwise idle), the add on
-    # VectorE (one PSUM read, 1 cycle per element); under dropout l_i = alpha l_i + row_sum
-    # entirely on GpSimd (one instruction fewer on VectorE, the busiest engine there)
-    # (the guard's flag column is not rescaled: its sum only needs to stay positive)
     if f.dropout_p:
         port.tensor_scalar(o_acc[:, 0:f.D], o_acc[:, 0:f.D], nl.multiply, alpha,
                            engine="gpsimd", mask=pred)
         port.tensor_scalar(o_acc[:, f.D:f.D + 1], o_acc[:, f.D:f.D + 1], nl.multiply, alpha,
                            op1=nl.add, operand1=row_sum, engine="gpsimd", mask=pred)
-        port.tensor_tensor(o_acc[:, 0:f.D], o_acc[:, 0:f.D], pv[:, 0:f.D], nl.add, mask=pred)
-        if f.guard:
-            port.tensor_tensor(o_acc[:, f.D + 1:f.D + 2], o_acc[:, f.D + 1:f.D + 2],
-                               pv[:, f.D + 1:f.D + 2], nl.add, mask=pred)
     else:
         port.tensor_scalar(o_acc[:, 0:f.D + 1], o_acc[:, 0:f.D + 1], nl.multiply, alpha,
                            engine="gpsimd", mask=pred)
-        port.tensor_tensor(o_acc, o_acc, pv, nl.add, mask=pred)
+    port.tensor_tensor(o_acc, o_acc, pv, nl.add, mask=pred)
 
 
 class _Outputs:
@@ -2129,11 +2177,13 @@ def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slo
     groups = [(sp, grp) for sp in plan.spans for grp in _groups(sp, plan.q_group)]
     # (query rows transposed by the DMA take q_tile bytes per head-dim pass and tile instead of
     # D: preloaded only when that is no more than the budget counted, D a multiple of 128)
-    preload = (tiles.q_preload and needs_kv and len(plan.spans) > 1
+    preload = (tiles.q_preload and needs_kv and (len(plan.spans) > 1 or dropout_p)
                and (not f.direct_q or D % T.PMAX == 0))
     if preload:
-        # every query row this core will use, loaded once, a group ahead of its use (with
-        # several spans -- a band -- each span's first group would otherwise wait for its loads)
+        # every query row this core will use, loaded once, a group ahead of its use: with
+        # several spans (a band) each span's first group would otherwise wait for its loads;
+        # under dropout each group's first Q^T transposes would wait for them behind the
+        # previous group's last P V in TensorE's queue (trn2 N = 4096: 260.0 -> 253.0 us)
         shape = ((T.PMAX, len(f.d_passes), f.G * f.per_head, f.tiles.q_tile) if f.direct_q
                  else (T.PMAX, f.G * f.per_head, D))
         f = dataclasses.replace(f, xq=nl.ndarray(shape, dtype=q.dtype, buffer=nl.sbuf))

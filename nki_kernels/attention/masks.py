@@ -310,7 +310,8 @@ def position_table(runs, n: int, stride: int = T.PMAX, offsets=None):
     ``first + stride t + p`` and position ``pos0 + stride t + p`` on partition p). One GpSimd
     iota pair per run. ``first`` depends on the program's indices: an index expression or a
     linear form of them (:func:`port.iota`'s ``runtime``), which 0.7 reads from ``offsets``
-    (a :class:`port.OffsetColumns` of the indices; fp32, so the rows stay below 2^24 there).
+    (a :class:`port.OffsetColumns` of the indices: fp32, exact below 2^24, and with ``exact``
+    an int32 copy that the integer rows take their runtime part from).
     ``pos0`` is an int, or a linear form read likewise (a loop-dependent first position).
     Written against :mod:`nki_kernels.port` (either namespace)."""
     pl = port.nl

@@ -213,10 +213,8 @@ def varlen_grid(Hkv: int, G: int, Nq: int, lnc: int, api: str):
 
 def check_shapes(kernel: str, q, k, cu_seqlens_q, cu_seqlens_k):
     """The packed kernels' shape rules: batch 1, offsets of equal shapes ``(S + 1,)`` with S
-    >= 1, totals below 2^24 (fp32 positions); under nki.* also the rows the indirect DMAs
-    number in fp32 (:func:`block_sparse.refuse_large_in_nki`)."""
-    _, Hq, Nq, _ = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    >= 1, totals below 2^24 (fp32 positions)."""
+    Nq, Nk = q.shape[2], k.shape[2]
     if q.shape[0] != 1:
         raise ValueError(f"q: packed sequences take batch 1, got shape {q.shape}")
     if tuple(cu_seqlens_q.shape) != tuple(cu_seqlens_k.shape) or cu_seqlens_q.shape[0] < 2:
@@ -225,7 +223,15 @@ def check_shapes(kernel: str, q, k, cu_seqlens_q, cu_seqlens_k):
     if max(Nq, Nk) >= T.FP32_EXACT_INT:
         raise ValueError(f"{kernel}: totals must be below 2^24 (fp32 positions); got total_q "
                          f"{Nq}, total_k {Nk}")
-    BS.refuse_large_in_nki(kernel, max(Hq * Nq, Hkv * Nk))
+
+
+def loop_indices(q, k):
+    """The packed kernels' loop indices (query heads) as data for 0.7
+    (:class:`port.OffsetColumns`): the first rows of the head slices the indirect DMAs
+    address, summed in int32 where ``Hq total_q`` or ``Hkv total_k`` rows may reach 2^24
+    (:func:`block_sparse.exact_indices`)."""
+    Hq, Nq, Hkv, Nk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    return port.OffsetColumns(0, Hq, 1, exact=BS.exact_indices(max(Hq * Nq, Hkv * Nk)))
 
 
 def check_mods(softcap, alibi_slopes, sinks) -> SM.Mods:
@@ -271,7 +277,7 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None,
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
     mask_out = (nl.ndarray((B, Hq, Nq, T.ceil_div(Nk, P) * P), dtype=nl.float32,
                            buffer=nl.shared_hbm) if dropout_p and dropout_mask else None)
-    indices = port.OffsetColumns(0, Hq, 1)
+    indices = loop_indices(q, k)
     off = load_offsets(cu_seqlens_q, cu_seqlens_k, spec)
     ident = identity2()
     # legacy: no runtime trip count, every tile runs the steps of the longest possible sweep
@@ -438,7 +444,7 @@ def _group(insts, off: Offsets, ident, static_steps: int, plan: Sweep, pos=None)
     vs = []
     for kh in insts:
         v = nl.ndarray((P, W // P, f0.vcols), dtype=f0.mm, buffer=nl.sbuf)
-        port.memset(v[:, :, f0.D:f0.D + 1], 1.0, engine="gpsimd")
+        F.ones_column(f0, v[:, :, f0.D:f0.D + 1])
         vs.append(v)
 
     def step(s):
@@ -536,6 +542,7 @@ def _step(kh: KvHead, off: Offsets, st, keys, rel, rows_q, v, R: int, slot0: int
     else:
         port.tensor_scalar(rows, keys, nl.minimum, float(f.Nk - 1), op1=nl.add,
                            operand1=kv.base)
+    rows = kv.rows(rows)
     kx = nl.ndarray((P, n, D), dtype=f.k.dtype, buffer=nl.sbuf)
     same = f.v.dtype == f.mm
     vx = v if same else nl.ndarray((P, n, D), dtype=f.v.dtype, buffer=nl.sbuf)
@@ -598,4 +605,5 @@ def drop_units(f, off: Offsets, p, keys, rows, head, q_frame):
 
 
 __all__ = ["varlen_attention_fwd", "varlen_grid", "check_shapes", "body_shape", "Sweep", "plan_sweep",
-           "Offsets", "load_offsets", "row_bounds", "tile_sweep", "modified", "check_mods"]
+           "Offsets", "load_offsets", "row_bounds", "tile_sweep", "modified", "check_mods",
+           "loop_indices"]

@@ -74,7 +74,7 @@ def varlen_attention_bwd(q, k, v, o, do, lse, cu_seqlens_q, cu_seqlens_k, alibi_
     dv_acc = nl.ndarray(k.shape, dtype=nl.float32, buffer=nl.shared_hbm)
     dsinks = nl.ndarray((1, Hq), dtype=nl.float32, buffer=nl.shared_hbm) if mods.sinks else None
     acc = (dk_acc, dv_acc)
-    indices = port.OffsetColumns(0, Hq, 1)
+    indices = VL.loop_indices(q, k)
     off = VL.load_offsets(cu_seqlens_q, cu_seqlens_k, spec)
     ident = VL.identity2()
     static_steps = T.ceil_div(Nk, W)

@@ -688,7 +688,7 @@ def set_rng_seed(src_seeds, name=None):
     """Seed the PRNG that :func:`dropout` draws from with the 32-bit value of ``src_seeds``, a
     ``[1, 1]`` tensor in SBUF or PSUM (the stub: "Seed the pseudo random number generator
     (PRNG) inside the Vector Engine"). The legacy ``nl.random_seed``: the same generator,
-    charged as it is."""
+    charged as it is (one instruction on VectorE)."""
     api = "set_rng_seed"
     _need_tensor(api, src_seeds, "src_seeds")
     _buffer(api, src_seeds, "src_seeds", ("sbuf", "psum"))

@@ -36,36 +36,37 @@ def test_flash_decode_matches_reference_and_returns_lse():
     assert isinstance(host.flash_decode(q, k, v, cache_lens=lens), np.ndarray)
 
 
+@pytest.mark.skipif(BACKEND != "simulate", reason="traces both namespaces on the simulator")
 @pytest.mark.parametrize("paged", [False, True])
-def test_nki_namespace_refuses_only_fp32_inexact_cache_rows(paged, monkeypatch):
-    """Through nki.* the split kernel's tails compute a contiguous cache's flat rows
-    ``(b Hkv + h) S_max + position`` (paged: block-table entries ``b MB + block``) in fp32: a
-    cache of 2^24 rows or more (the bound lowered here to 256: 512 rows, 8 table entries) is
-    refused by an explicit NKI_FLASH_API=nki call, and ``auto`` on trn2 runs it through the
-    legacy namespace when that runs on the same backend (here: both simulated); a table below
-    the bound runs through nki.*."""
+def test_nki_namespace_sums_large_cache_rows_in_int32(paged, monkeypatch):
+    """Through nki.* the split kernel's flat cache rows ``(b Hkv + h) S_max + position``
+    (paged: block-table entries ``b MB + block``) take their program-index part from a table;
+    for a cache of 2^24 rows or more (the bound lowered here to 4) summed in int32 on GpSimd
+    (``port.OffsetColumns(exact=True)``; fp32 would round them): ``auto`` on trn2 traces such a
+    call through nki.*, which gives the legacy trace's outputs bit for bit, with more GpSimd
+    instructions than the fp32 path below the bound."""
+    import simulate
     from nki_kernels import nki as binding
 
-    monkeypatch.setattr(tiles, "FP32_EXACT_INT", 256)
     q, k, v = inputs()
     lens = np.array([3, 101])
     kw = {}
     if paged:
         (k, v), kw["block_table"] = reference.contiguous_to_paged(
             (k, v), lens, 32, np.random.default_rng(1))
-    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
-    if not paged:
-        with pytest.raises(NotImplementedError, match=r"flash_decode_split_kernel over 512 >= "
-                                                      r"2\^24 cache rows.*nki\.\* namespace"):
-            host.flash_decode(q, k, v, cache_lens=lens)
-    if BACKEND == "simulate":
-        import simulate
-
-        monkeypatch.setenv(binding.API_ENV_VAR, "auto")
+    gpsimd, runs = {}, {}
+    for api_env, bound in (("nki", tiles.FP32_EXACT_INT), ("legacy", 4), ("auto", 4)):
+        monkeypatch.setattr(tiles, "FP32_EXACT_INT", bound)
+        monkeypatch.setenv(binding.API_ENV_VAR, api_env)
         with simulate.measure(target="trn2") as m:
-            o = host.flash_decode(q, k, v, cache_lens=lens, lnc=1, **kw)
-        assert m.api == ("nki" if paged else "legacy")
-        assert_within_rule(q, k, v, lens, o, table=kw.get("block_table"))
+            runs[api_env] = host.flash_decode(q, k, v, cache_lens=lens, lnc=1, return_lse=True,
+                                              **kw)
+        assert m.api == ("legacy" if api_env == "legacy" else "nki")
+        gpsimd[api_env] = m.instructions["gpsimd"]
+    for got, want in zip(runs["auto"], runs["legacy"]):
+        np.testing.assert_array_equal(got, want)
+    assert gpsimd["auto"] > gpsimd["nki"]
+    assert_within_rule(q, k, v, lens, runs["auto"][0], table=kw.get("block_table"))
 
 
 def test_flash_decode_accepts_lists_and_tree_masks():

@@ -60,9 +60,11 @@ def test_table_may_change_every_step_without_new_compile_time_arguments(monkeypa
     real = api.launch
 
     def record(kernel, grid, *args, **kwargs):
-        sig = [(a.shape, a.dtype) if isinstance(a, np.ndarray) else a for a in args]
+        def shape(a):
+            return (a.shape, a.dtype) if isinstance(a, np.ndarray) else a
+
         calls.append((kernel.__name__ if hasattr(kernel, "__name__") else str(kernel), grid,
-                      sig, {k: v for k, v in kwargs.items()}))
+                      [shape(a) for a in args], {k: shape(v) for k, v in kwargs.items()}))
         return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(api, "launch", record)

@@ -102,6 +102,22 @@ def test_plan_attention_forward(monkeypatch):
     assert kw["tiles"] is forced
 
 
+def test_plan_under_dropout_puts_p_transposes_on_dma(monkeypatch):
+    """Through nki.* the planner gives attention dropout its own share of DMA-engine P^T
+    transposes (tiles.FWD_NKI_DROPOUT_P_DMA_SHARE), other calls the target's; legacy none."""
+    q, k, v = _qkv(B=1, Hq=2, Hkv=1, Nq=256, Nk=256, D=64)
+    monkeypatch.setenv(API_ENV_VAR, "nki")
+    share = {p: api.plan_attention_forward(q, k, v, dropout_p=p, seed=1 if p else None,
+                                           lnc=1)[2]["tiles"].p_dma_transpose_share
+             for p in (0.0, 0.1)}
+    assert share[0.1] == T.FWD_NKI_DROPOUT_P_DMA_SHARE
+    assert share[0.0] == T.FWD_NKI_P_DMA_SHARE.get(api.active_target(),
+                                                    T.FWD_NKI_P_DMA_SHARE["trn2"])
+    monkeypatch.setenv(API_ENV_VAR, "legacy")
+    kw = api.plan_attention_forward(q, k, v, dropout_p=0.1, seed=1, lnc=1)[2]
+    assert kw["tiles"].p_dma_transpose_share == 0.0
+
+
 def test_auto_runs_lengths_through_nki(monkeypatch):
     """Under NKI_FLASH_API=auto (trn2 here) runtime lengths trace through nki.*, with ALiBi
     or dropout too (their key-length mask row is ported)."""

@@ -44,11 +44,9 @@ def test_run_reports_check_io_and_modeled_time(capsys, tmp_path):
 
 
 @needs_sim
-def test_run_models_trn3_where_the_kernel_is_ported(capsys, tmp_path):
-    """trn3 runs only nki.* kernels: the forward and the block-sparse forward (ported) are
-    modeled there and their rows name the namespace; a path still legacy-only (decode over a
-    contiguous cache of 2^24 rows) leaves trn3 out by default and refuses it when asked, in
-    one line."""
+def test_run_models_trn3_through_nki(capsys, tmp_path):
+    """trn3 runs only nki.* kernels: the forward and the block-sparse forward are modeled there
+    and their rows name the namespace."""
     out_json = tmp_path / "r.json"
     assert cli.main(SMALL + ["--targets", "trn3", "--json", str(out_json)]) == 0
     (row,) = json.loads(out_json.read_text())["targets"]["trn3"]["kernels"]
@@ -57,10 +55,6 @@ def test_run_models_trn3_where_the_kernel_is_ported(capsys, tmp_path):
     assert cli.main(["run", "--heads", "2", "--kv-heads", "1", "--seq", "520", "--dim", "32",
                      "--block-sparse", "butterfly", "--quiet", "--targets", "trn3"]) == 0
     assert "trn3    kernel block_sparse_attention_fwd (nki.*)" in capsys.readouterr().out
-    assert cli.main(["run", "--decode", "--batch", "64", "--kv-heads", "8", "--seq", "32768",
-                     "--targets", "trn3"]) == 2
-    assert ("--targets trn3: --decode over 2^24 or more cache rows (B x kv heads x S_max, "
-            "contiguous) is not ported to nki.* yet") in capsys.readouterr().err
 
 
 @needs_sim

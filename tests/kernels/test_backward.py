@@ -19,9 +19,9 @@ as data under nki.*): the program loop over (sequence, kv head), partial query a
 head-dim chunks, GQA, dtypes and unusual scales, causal and window bands (loop-index offsets),
 the dQ-in-HBM and DMA-transpose variants, wide key tiles, the two-kernel split, dropout and
 the score modifiers, runtime lengths (both key-mask paths), several passes, LNC=2, and the
-program size flat in N; plus what nki.* still refuses (lengths or passes over 2^24 rows,
-dropout over 2^24 units), which ``auto`` runs through legacy. The rest of this module
-covers the shared code paths once, in legacy.
+program size flat in N; plus the int32 row and unit numbers of lengths or passes over 2^24
+rows and dropout over 2^24 units (the bound lowered). The rest of this module covers the
+shared code paths once, in legacy.
 """
 from __future__ import annotations
 

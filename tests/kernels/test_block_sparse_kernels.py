@@ -9,8 +9,8 @@ through nki.* (NKI 0.7) against the legacy trace, bit for bit: the compile-time 
 and runtime (index form, padding slots) patterns, a query tile without blocks, lengths with a
 band and GQA over several (batch, kv head) instances, and dropout with its mask -- the paths
 where the two traces differ (flattened indirect rows, loop indices read as data) -- forward
-and backward; plus the refusals past 2^24 fp32 row numbers. Each is a few 128-row tiles
-(~15 s in all).
+and backward; plus the int32 row numbers past 2^24 (the bound lowered). Each is a few 128-row
+tiles (~20 s in all).
 """
 from __future__ import annotations
 
@@ -392,29 +392,34 @@ def test_nki_namespace_dropout_and_its_mask_match_legacy(monkeypatch):
     assert got[2].any() and not got[2].all()
 
 
-def test_nki_namespace_refuses_past_fp32_row_numbers(monkeypatch):
-    """0.7 numbers the flattened rows (and dropout units) in fp32: past 2^24 (lowered here to
-    4) an explicit NKI_FLASH_API=nki call is refused, naming the kernel; ``auto`` on trn2 runs
-    it through the legacy namespace (both simulated here), and through nki.* below the
-    bound."""
-    q, k, v, do = attention_inputs(1, 1, 1, 256, 256, 16, seed=17)
-    mask = np.array([[[[True, False], [True, True]]]])
-    monkeypatch.setenv(binding.API_ENV_VAR, "auto")
-    with simulate.measure(target="trn2") as m:
-        o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True)
-        host.flash_attention_backward(do, q, k, v, o, lse, block_mask=mask)
-    assert [kr.api for kr in m.kernels] == ["nki", "nki"]
-    monkeypatch.setattr(T, "FP32_EXACT_INT", 4)
-    with simulate.measure(target="trn2") as m:
-        host.flash_attention_backward(do, q, k, v, o, lse, block_mask=mask)
-    assert [kr.api for kr in m.kernels] == ["legacy"]
-    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
-    for run, name in ((lambda: host.flash_attention(q, k, v, block_mask=mask), "fwd"),
-                      (lambda: host.flash_attention_backward(do, q, k, v, o, lse,
-                                                             block_mask=mask), "bwd")):
-        with pytest.raises(NotImplementedError,
-                           match=f"block_sparse_attention_{name} over 256 >= 2\\^24 rows"):
-            run()
+def test_nki_namespace_numbers_large_rows_in_int32(monkeypatch):
+    """Flattened rows (and dropout units, the debug mask's rows) that may reach 2^24 -- the
+    bound lowered here to 4 -- are numbered in int32 under nki.* (the slices' first rows from
+    ``port.OffsetColumns(exact=True)``, added on GpSimd; fp32 would round them): ``auto`` on
+    trn2 traces the forward and the backward through nki.*, with more GpSimd instructions than
+    below the bound, and their outputs are the legacy trace's bit for bit (two batches, GQA,
+    lengths, dropout with its mask)."""
+    q, k, v, do = attention_inputs(2, 2, 1, 200, 160, 16, seed=15)
+    mask = _pattern(2, 2, 200, 160, 0.7, seed=16)
+    kw = dict(causal=True, dropout_p=0.3, seed=777, mixed_precision=False,
+              kv_lens=np.array([150, 160], np.int32), q_lens=np.array([200, 70], np.int32))
+
+    def run():
+        o, lse, keep = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                            return_dropout_mask=True, **kw)
+        return [o, lse, keep, *host.flash_attention_backward(do, q, k, v, o, lse,
+                                                             block_mask=mask, **kw)]
+
+    gpsimd, outs = {}, {}
+    for api, bound in (("nki", T.FP32_EXACT_INT), ("legacy", 4), ("auto", 4)):
+        monkeypatch.setattr(T, "FP32_EXACT_INT", bound)
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        with simulate.measure(target="trn2") as m:
+            outs[api] = [np.asarray(x) for x in run()]
+        assert {kr.api for kr in m.kernels} == {"legacy" if api == "legacy" else "nki"}
+        gpsimd[api] = m.instructions["gpsimd"]
+    _same(outs["auto"], outs["legacy"])
+    assert outs["auto"][2].any() and gpsimd["auto"] > gpsimd["nki"]
 
 
 @pytest.mark.parametrize("B, Hkv", [(2, 1), (1, 2), (1, 1)], ids=["batches", "heads", "odd"])
@@ -422,8 +427,10 @@ def test_lnc2_spreads_the_instances_over_two_cores(B, Hkv, monkeypatch):
     """``lnc=2`` (trn2): the (batch, kv head) instances spread over the two cores as the dense
     backward's (legacy ``nl.spmd_dim(n, nl.nc(2))``, nki.* ``kernel[2]`` sharing them by
     ``nl.program_id(0)``): the outputs and gradients (dsinks included) of ``lnc=1`` bit for
-    bit under both namespaces, the modeled time about halved; an odd ``B Hkv`` stays on one
-    core (the same launch as ``lnc=1``)."""
+    bit under both namespaces, the modeled time about halved (at most 0.65x: at this size one
+    instance's forward is a chain of dependent loads and steps, ~16 us on trn2 through nki.*,
+    which ``lnc=1`` overlaps with the other instance's); an odd ``B Hkv`` stays on one core (the
+    same launch as ``lnc=1``)."""
     q, k, v, do = attention_inputs(B, 2, Hkv, 300, 260, 32, seed=31)
     mask = _pattern(B, 2, 300, 260, 0.6, seed=32)
     kw = dict(causal=True, sinks=np.array([0.5, -1.0]))
@@ -439,7 +446,7 @@ def test_lnc2_spreads_the_instances_over_two_cores(B, Hkv, monkeypatch):
         if B * Hkv % 2:
             assert runs[2][1] == runs[1][1]
         else:
-            assert runs[2][1] < 0.6 * runs[1][1]
+            assert runs[2][1] < 0.65 * runs[1][1]
 
 
 def test_nki_index_form_program_size_does_not_grow_with_n():
@@ -462,3 +469,48 @@ def test_nki_index_form_program_size_does_not_grow_with_n():
                            **kw)
         sizes.append((fwd, bwd))
     assert sizes[0] == sizes[1]
+
+
+# -- nki.* resident K/V (issue 25, item 1) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("index", [False, True], ids=["bool", "index"])
+def test_nki_forward_reads_k_and_v_once_per_instance(index, monkeypatch):
+    """Through nki.* the forward loads K and V of each (batch, kv head) once and every query
+    tile reads its blocks in SBUF (runtime offsets): K/V bytes read are exactly the dense
+    kernel's, whatever the pattern reuses, with GQA, a partial last key block and padding
+    slots (the index form's bound 3). An inactive block is then loaded but never used: its
+    non-finite K and V reach no row (the outputs are those of zeros there, bit for bit)."""
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 384, 300, 32
+    q, k, v, _ = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=41)
+    mask = np.zeros((1, 1, 3, 3), bool)
+    mask[0, 0, :, 0] = True
+    mask[0, 0, 2, 2] = True
+    mask[0, 0, 0, 2] = True
+    pattern = tuple(bs.dense_to_index(mask, max_blocks=3)) if index else mask
+    k[:, :, 128:256] = np.nan                       # key block 1: inactive everywhere
+    v[:, :, 128:256] = np.inf
+    with simulate.measure(target="trn2") as m:
+        o = host.flash_attention(q, k, v, block_mask=pattern, mixed_precision=False)
+    assert [kr.api for kr in m.kernels] == ["nki"]
+    want = B * Hkv * Nk * D * 4
+    assert m.per_tensor["k"]["read"] == want and m.per_tensor["v"]["read"] == want
+    assert np.all(np.isfinite(o))
+    k2, v2 = k.copy(), v.copy()
+    k2[:, :, 128:256] = 0.0
+    v2[:, :, 128:256] = 0.0
+    o2 = host.flash_attention(q, k2, v2, block_mask=pattern, mixed_precision=False)
+    np.testing.assert_array_equal(o, o2)
+    ro, _ = ref.attention_forward(q, k2, v2, block_mask=mask)
+    assert _err(o, ro) < 2e-6
+
+
+def test_resident_kv_rule_and_dma_share():
+    """K/V stay resident while they fit trn2's budget beside the work and the group's tables
+    (else the steps gather, with 4-block own steps), and a class's P^T DMA share grows with
+    its slots up to the device's."""
+    assert T.bsp_fwd_kv_resident(16384, 128, 2, 128)
+    assert not T.bsp_fwd_kv_resident(65536, 128, 2, 16)
+    assert not T.bsp_fwd_kv_resident(24576, 128, 4, 16)         # fp32 matmuls: 4 bytes
+    assert T.bsp_p_dma_share(0.75, 4) == 0.25 and T.bsp_p_dma_share(0.75, 32) == 0.75

@@ -92,6 +92,11 @@ def split_kernel(groups, programs, *args, api="legacy", **kwargs):
     """The split kernel through ``api``: legacy on its grid ``(groups, programs)`` (head
     groups, chunk and tail programs), nki.* as ``kernel[1]`` (it walks them itself)."""
     grid = (groups, programs) if api == "legacy" else (1,)
+    q, k, work = args[0], args[1], args[4]
+    if (work is not None and "zero_row" not in kwargs
+            and tiles.decode_zero_by_dma(kwargs["split_rows"])):  # the K/V zero fills' source
+        cols = tiles.ceil_div(kwargs["split_rows"], tiles.PMAX) * kwargs["key_row"] * q.shape[3]
+        kwargs["zero_row"] = np.zeros((1, cols), dtype=k.dtype)
     return launch(dk.flash_decode_split_kernel.on(api), grid, *args, **kwargs)
 
 
@@ -247,6 +252,18 @@ def test_unpaired_program_shapes_are_refused(items, heads):
         split_kernel(12 // heads, 15 // items + 1, q, k, v, lens, work, None, key_row=32,
                      split_rows=1, num_splits=1, items_per_program=items,
                      heads_per_program=heads)
+
+
+def test_missing_zero_row_is_refused():
+    rng = np.random.default_rng(1)
+    q, k, v, lens = make_inputs(rng, 1, 4, 4, 1, 256, 16, BF16, [200])
+    work = np.zeros((2, 2), dtype=np.int32)
+    msg = r"zero_row: a \(1, ceil\(split_rows / 128\) \* key_row \* D\) = \(1, 512\)"
+    # splits of 1 and 128 key rows: zeroed by DMA (zero_row required) and on the engines (None)
+    for rows, bad in ((1, None), (1, np.zeros((1, 16), BF16)), (128, np.zeros((1, 512), BF16))):
+        with pytest.raises(ValueError, match=msg):
+            split_kernel(1, 3, q, k, v, lens, work, None, key_row=32, split_rows=rows,
+                         num_splits=1, items_per_program=2, zero_row=bad)
 
 
 def test_program_shape_choice():

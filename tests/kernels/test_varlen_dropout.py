@@ -96,6 +96,35 @@ def test_forward_and_backward_match_the_reference_under_the_kernels_mask(monkeyp
     np.testing.assert_array_equal(masks["legacy"], masks["nki"])
 
 
+def test_int32_row_frames_match_legacy(monkeypatch):
+    """Rows of ``Hq total_q`` or ``Hkv total_k`` that may reach 2^24 are numbered in int32
+    under nki.* (the head slices' first rows from ``port.OffsetColumns(exact=True)``, added on
+    GpSimd): with that path forced here (``block_sparse.exact_indices``; two kv heads, so the
+    second slices start past row 0), ``auto`` on trn2
+    traces the forward (with the dropout mask) and the backward through nki.*, with more
+    GpSimd instructions than the fp32 path, and their outputs are the legacy trace's bit for
+    bit."""
+    import simulate
+    from nki_kernels.attention import block_sparse
+
+    q, k, v, do = _inputs(Hkv=2)
+    gpsimd, outs = {}, {}
+    for api, forced in (("nki", False), ("legacy", True), ("auto", True)):
+        if forced:
+            monkeypatch.setattr(block_sparse, "exact_indices", lambda rows, units=0: True)
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        with simulate.measure(target="trn2") as m:
+            o, lse, keep = host.flash_attention(q, k, v, return_lse=True,
+                                                return_dropout_mask=True, **_kw("bottom_right"))
+            grads = host.flash_attention_backward(do, q, k, v, o, lse, **_kw("bottom_right"))
+        assert {kr.api for kr in m.kernels} == {"legacy" if api == "legacy" else "nki"}
+        gpsimd[api] = m.instructions["gpsimd"]
+        outs[api] = [np.asarray(x) for x in (o, lse, keep, *grads)]
+    for got, want in zip(outs["auto"], outs["legacy"]):
+        np.testing.assert_array_equal(got, want)
+    assert outs["auto"][2].any() and gpsimd["auto"] > gpsimd["nki"]
+
+
 def test_mask_is_a_function_of_the_packed_positions():
     """Units are numbered ``(head nqu + i) nku + j`` (packed query tile i, key unit j): a
     causal call sweeps other keys (from other aligned starts) than a full one, yet draws the

@@ -173,6 +173,34 @@ def test_activation_reduce_cmd_sequence(nk, rng):
     np.testing.assert_array_equal(out[:, 3], 0)
 
 
+def test_chained_activation_reduction_pays_one_readout(nk, rng):
+    """The stub: reducing into the registers costs nothing "except reading out reduce_regs into
+    reduce_res": three chained exps of 512 columns cost 3 x 512 ScalarE cycles plus one
+    readout (ACT_REDUCE_EXTRA_CYCLES), in either namespace, and sum all three."""
+    nki, nl, nisa = nk
+    a = rng.standard_normal((128, 1536)).astype(np.float32)
+
+    def body(nl, nisa, x):
+        e = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
+        r = nl.ndarray((128, 1), nl.float32, buffer=nl.sbuf)
+        for c, cmd in enumerate((nisa.reduce_cmd.reset_reduce, nisa.reduce_cmd.reduce,
+                                 nisa.reduce_cmd.reduce)):
+            nisa.activation(dst=e, op=nl.exp, data=x[:, c * 512:(c + 1) * 512],
+                            reduce_op=nl.add, reduce_cmd=cmd, reduce_res=r if c == 2 else None)
+        return r
+
+    def leg_body(x):
+        r = lnl.ndarray((128, 1), lnl.float32, buffer=lnl.sbuf)
+        for c, cmd in enumerate((lisa.reduce_cmd.reset_reduce, lisa.reduce_cmd.reduce,
+                                 lisa.reduce_cmd.reduce)):
+            lisa.activation(lnl.exp, x[:, c * 512:(c + 1) * 512], reduce_op=np.add,
+                            reduce_cmd=cmd, reduce_res=r if c == 2 else None)
+        return r
+    m = _same_cost(lambda: _k(nki, nl, nisa, body, (128, 1))(a),
+                   lambda: _leg(leg_body, (128, 1))(a))
+    assert m.engine_cycles["scalar"] == 3 * 512 + simulate._hw.ACT_REDUCE_EXTRA_CYCLES
+
+
 def test_activation_scalar_bias_and_add_only(nk, rng):
     nki, nl, nisa = nk
     a = rng.standard_normal((128, 64)).astype(np.float32)
