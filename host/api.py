@@ -429,7 +429,8 @@ def _plan_forward(call: AttentionCall):
             kv_lens=call.kv_lens is not None, q_lens=call.q_lens is not None,
             masks=(call.causal is not None or call.window is not None
                    or call.kv_lens is not None or call.q_lens is not None),
-            api=api, device=active_target(), dropout=bool(call.dropout.p))
+            api=api, device=active_target(), dropout=bool(call.dropout.p),
+            band=call.causal is not None or call.window is not None)
     grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, call.lnc, api=api)
     kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
                   mm_dtype=call.mm_dtype, tiles=chosen, lnc=kernel_lnc)

@@ -549,18 +549,32 @@ FWD_NKI_P_DMA_SHARE = {"trn2": 0.75, "trn3": 1.0}
 FWD_NKI_DROPOUT_P_DMA_SHARE = 1.0
 #: The DMA transposes' share of P^T in the blocks of a band's masked regions (the keys around
 #: the diagonal, where only some rows of a span see the keys): at most this, whatever the
-#: target's share. These blocks end each span's sweep, where its tiles' chains have nothing
-#: left to overlap the DMA transposes' completion latency (1.3 us, simulate._hw
-#: DMA_FIXED_LATENCY_NS) with, so TensorE transposes them. Scheduled estimate, one core,
-#: bf16, causal, span_tiles 4, 0 against the target's share: trn2 N = 2048 D = 64 52.3 / 56.1
-#: us, D = 128 59.3 / 61.9 (0.5: 61.9); N = 4096 D = 128 155.3 / 161.5; trn3 N = 4096 133.9 /
-#: 137.4.
-FWD_MASKED_P_DMA_SHARE = 0.0
+#: target's share. These blocks end each span's sweep, where its tiles' chains have less left
+#: to overlap the DMA transposes' completion latency (1.3 us, simulate._hw
+#: DMA_FIXED_LATENCY_NS) with. Before masked blocks were swept per tile and joined with the
+#: unmasked region's partial last block (forward.sweep_slots, forward._joins), 0 was best (trn2
+#: N = 2048 D = 64 52.3 us against 56.1 at the target's share, D = 128 59.3 / 61.9; N = 4096
+#: D = 128 155.3 / 161.5; trn3 133.9 / 137.4). Now, scheduled estimate, one core, bf16,
+#: causal, shares 0.25 / 0.375 / 0.5 / 0.625 / 0.75 / 1.0: trn2 N = 4096 D = 128 125.7 /
+#: 123.7 / 119.4 / 118.1 / 119.6 / 119.6 us (0: 133.6); 0.5 / 0.625 / 0.75: trn2 N = 2048 D =
+#: 64 39.3 / 38.8 / 39.1, D = 128 41.1 / 40.7 / 41.5, N = 8192 417.6 / 414.7 / 415.5; trn3
+#: N = 4096 102.7 / 102.1 / 100.7.
+FWD_MASKED_P_DMA_SHARE = 0.625
 #: Staged query tiles under nki.* with those DMA transposes (trn2, share 0.75: stage 2 against
 #: 1, 4, 8: N = 4096 217.7 / 218.3 / 218.7 / 239.8 us; N = 8192 799.8 / 799.5 / 808.7 / 853.2;
 #: N = 2048 67.9 / 67.2 / 67.0 / 75.6; causal 4096 167.8 / 172.6 / 167.8 / 167.8; trn3, share
 #: 1.0: N = 4096 187.2 / 187.7 / 187.2 / 214.3).
 FWD_NKI_STAGE_SLOTS = 2
+#: Staged query tiles under nki.* with a causal or window band: a band's span holds few tiles
+#: (FWD_MIN_SPAN_TILES) and its group sweeps them all together, so staging the whole group
+#: gives each engine's queue every tile's independent chain (the scores wait on PSUM banks
+#: instead, which the scheduler models). Scheduled estimate, one core, bf16, D = 128, with
+#: keys loaded span by span and masked regions swept per tile (forward.sweep_slots), stage 2
+#: against 4: trn2 causal N = 4096 132.5 / 128.3 us, trn3 116.0 / 108.1; with the unmasked
+#: partial blocks joined to them (forward._joins) and FWD_MASKED_P_DMA_SHARE = 0.625: trn2
+#: N = 4096 124.4 / 118.1, N = 2048 45.3 / 40.7, trn3 N = 4096 110.9 / 102.1. Without a band
+#: stage 4 would cost trn2 N = 4096 208.1 -> 209.5 (FWD_NKI_STAGE_SLOTS stays 2 there).
+FWD_NKI_BAND_STAGE_SLOTS = 4
 #: Under dropout through nki.* on NeuronCore-v3+, the share of score tiles whose row max ScalarE
 #: takes (``activation_reduce`` of -s with ``reduce_op`` minimum; NKI 0.7 stub: "On NeuronCore-v2,
 #: the reduce_op must be nl.add", so v3+ reduces with max/min too) instead of VectorE, which also
@@ -702,9 +716,10 @@ class ForwardTiles:
         key block are issued before their P V; each keeps one softmax block of P in SBUF
         (:func:`fwd_stage_bytes`). 1: every tile's block is issued whole.
     q_preload : bool
-        Every query row of the program is loaded at its start (:func:`fwd_q_preload_bytes`
-        of SBUF), instead of each group loading its own tiles when it begins (a group's loads
-        of 128-row tiles of 256-byte rows take longer than its first steps need).
+        Every query row of the program is loaded into a buffer of its own
+        (:func:`fwd_q_preload_bytes` of SBUF) a group ahead of its use, instead of each
+        group loading its own tiles when it begins (a group's loads of 128-row tiles of
+        256-byte rows take longer than its first steps need).
     span_tiles : int
         Fewest query tiles per span of a causal or window band (:data:`FWD_MIN_SPAN_TILES`;
         fewer spans when there are fewer tiles).
@@ -836,7 +851,7 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
                          sbuf_bytes: Optional[int] = None, kv_lens: bool = False,
                          masks: bool = True, q_lens: bool = False,
                          api: str = "legacy", device: Optional[str] = None,
-                         dropout: bool = False) -> "ForwardTiles":
+                         dropout: bool = False, band: bool = False) -> "ForwardTiles":
     """Pick the forward tiling from the SBUF budget.
 
     Parameters
@@ -862,6 +877,9 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
         The generation the launch runs on (nki.* only; None or another: trn2's share).
     dropout : bool
         Attention dropout is on: under nki.* the share is :data:`FWD_NKI_DROPOUT_P_DMA_SHARE`.
+    band : bool
+        A causal or window band is active: under nki.* up to :data:`FWD_NKI_BAND_STAGE_SLOTS`
+        query tiles are staged.
 
     Returns
     -------
@@ -881,7 +899,8 @@ def choose_forward_tiles(Nq: int, Nk: int, D: int, group: int, in_itemsize: int,
     if nki and dropout:
         share = FWD_NKI_DROPOUT_P_DMA_SHARE
     base = ForwardTiles(target=target, p_dma_transpose_share=share)
-    slots = FWD_NKI_STAGE_SLOTS if nki else FWD_STAGE_SLOTS
+    slots = ((FWD_NKI_BAND_STAGE_SLOTS if band else FWD_NKI_STAGE_SLOTS) if nki
+             else FWD_STAGE_SLOTS)
     work = fwd_working_bytes(D, in_itemsize, mm_itemsize, base, masks=masks)
     work += fwd_length_table_bytes(Nq, Nk, group, D, q_lens=q_lens, kv_lens=kv_lens)
     state = fwd_q_state_bytes(D, mm_itemsize, in_itemsize)

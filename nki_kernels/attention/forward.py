@@ -52,7 +52,10 @@ Tile sizes (``nki_kernels/tiles.py``, ``FWD_*``) and why:
   shape).
 - **K/V residency**: K^T ``[D, Nk]`` and [V | 1] (``Nk/128`` blocks) at matmul precision stay in
   SBUF for all query tiles of the group when they fit (bf16 D = 128: ~4 Nk bytes per partition,
-  Nk up to ~32K on trn1's budget), so every HBM byte is read once. Otherwise K/V streams in
+  Nk up to ~32K on trn1's budget), so every HBM byte is read once (and with a causal band only
+  the keys some span reaches, loaded span by span). Under nki.* K^T and Q^T come straight
+  from HBM by DMA transposes (``Instance.direct_k``/``direct_q``, as nki-library's
+  ``attention_cte`` loads them), with no TensorE pass or PSUM bank. Otherwise K/V streams in
   2048-key chunks past a group of query tiles kept on chip (``tiles.forward_hbm_bytes`` derives
   the resulting Theta(N^2 d^2 / M) traffic).
 - **Head dim up to 256**: S contracts D in passes of 128 rows accumulating in the same PSUM bank;
@@ -182,6 +185,7 @@ from nki_kernels.port import nl
 #
 #   for (b, g) in the instances (legacy: the SPMD grid; nki.*: a compiled loop):
 #   for span in plan.spans:                                    <= FWD_Q_SPANS + 1, unrolled
+#     [resident: load the next span's new keys and query rows (prefetch, a span ahead)]
 #     group 0 (peeled), then for grp in loop(1, groups of the span, carried):
 #       load Q^T of the group's tiles (every query head of the kv group); o_acc = 0, m = M_FLOOR
 #       store the previous group's O, LSE (waiting in SBUF: the stores, which wait for that
@@ -196,7 +200,8 @@ from nki_kernels.port import nl
 #                                           masked region: (legacy) every instruction predicated
 #                                           on the block intersecting the tile's band; score
 #                                           tiles crossing an edge masked by a selection
-#         [one static tail block]
+#         [one static tail block; a group of compile-time tiles: in a masked region one
+#          block per tile over its own keys, the unmasked region's tail block joined to it]
 #       finish O, LSE of the group's tiles into SBUF
 #   store the last group's O, LSE
 #
@@ -211,6 +216,12 @@ from nki_kernels.port import nl
 # query tiles one *sliding* span: each tile sweeps the same key regions relative to its own
 # first row (an affine offset of the tile index), the fixed spans only cover the tiles near the
 # sequence edges, and the tail block's indicators are compile-time tiles built once.
+# When a group's tiles are compile-time (a span of one group on one core), a masked region is
+# swept per tile instead (sweep_slots): each tile's block covers only the keys its own rows
+# may see, so the masked triangle costs each tile its own 128-key units, and the unmasked
+# region's partial last block opens that block (_joins: one online-softmax update fewer). With
+# fixed spans the resident keys are loaded span by span, a span ahead of use (the first span
+# starts on its own keys, not on all of K/V; each key is still read once).
 # Partial query tiles (Nq % q_tile rows) form their own span and
 # partial key blocks a static tail block, so every tile shape is compile-time and the program
 # has a constant number of loop bodies.
@@ -359,6 +370,17 @@ def _groups(span: Span, q_group: int):
     return out
 
 
+def _span_keys(span: Span, q_tile: int, Nk: int) -> int:
+    """One past the last key any tile of ``span`` sweeps, rounded up to 128 (at most Nk): the
+    resident keys that must be loaded before the span starts (0 without regions)."""
+    if not span.regions:
+        return 0
+    end = max(rg.k1 for rg in span.regions)
+    if span.slide is not None:
+        end += (span.t0 + span.tiles - 1) * q_tile + span.slide
+    return min(Nk, T.ceil_div(end, T.PMAX) * T.PMAX)
+
+
 def _chunks(region: Region, plan: ForwardPlan):
     """``(first key, chunks, keys per chunk)`` runs of a region's streamed K/V chunks."""
     n = region.k1 - region.k0
@@ -387,8 +409,8 @@ def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize
     every position valid, None/False for not given (``tiles.fwd_valid_lengths``).
 
     Reads: the rows of every query tile of a span with key regions, once; resident K/V once per
-    instance (if any span has regions), streamed K/V once per group (all G heads) and region
-    chunk; one int32
+    instance up to the last key a span sweeps (:func:`_span_keys`; if any span has regions),
+    streamed K/V once per group (all G heads) and region chunk; one int32
     per given length array. With lengths only the *valid* rows and keys are read (the gathers
     skip padding; with rotation the valid positions of the kernel's frame are the last
     ``q_lens[b]`` / ``kv_lens[b]``); ``kv_lens`` adds the edge key (one row of k,
@@ -404,6 +426,10 @@ def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize
     plan = plan_forward(Nq, Nk, Hq // Hkv, spec, tiles)
     G = Hq // Hkv
     any_region = any(sp.regions for sp in plan.spans)
+    # resident keys are loaded as far as the spans sweep (forward_instance's prefetch), all of
+    # them when a span slides
+    kv_end = (Nk if any(sp.slide is not None for sp in plan.spans)
+              else max(_span_keys(sp, plan.q_tile, Nk) for sp in plan.spans))
     cs, scales = T.fwd_cache_bytes(itemsize, cache_itemsize)
     read = 0
     for b in T.unrolled(B):
@@ -412,7 +438,7 @@ def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize
         per_instance = 4 * (int(q_valid is not None) + int(k_valid is not None)) + scales
         per_instance += D * cs if k_valid is not None and nk > 0 else 0     # the edge key
         if plan.resident and any_region:
-            per_instance += 2 * _valid_in(0, Nk, nk, Nk, spec.rotate_k) * D * cs
+            per_instance += 2 * _valid_in(0, kv_end, nk, Nk, spec.rotate_k) * D * cs
         for sp in plan.spans:
             if not sp.regions:
                 continue
@@ -435,7 +461,7 @@ def _and(*preds):
     """Conjunction of tile-level predicates (None = always on): ``&`` of the given ones."""
     out = None
     for p in preds:
-        if p is None:
+        if p is None or p is True:      # no predicate, or one true at compile time
             continue
         out = p if out is None else out & p
     return out
@@ -669,8 +695,9 @@ def kv_scale_columns(c: Config):
 class Instance(Config):
     """A :class:`Config` with its optional feature records, each complete when present:
     ``lens`` (:class:`Lengths`), ``drop`` (:class:`Dropout`), ``score`` (:class:`ScoreMods`),
-    and ``xq``: ``[128, G * tiles per head, D]`` query rows preloaded at the start of the
-    program (column :meth:`Config.q_col`, ``ForwardTiles.q_preload``; None: loaded per
+    and ``xq``: ``[128, G * tiles per head, D]`` query rows preloaded ahead of their groups
+    (column :meth:`Config.q_col`, ``ForwardTiles.q_preload``; with :attr:`direct_q` their
+    transposes, ``[128, head-dim passes, G * tiles per head, 128]``; None: loaded per
     group); ``kvs``: an FP8 cache's fp32 ``[128, 2]`` columns (:func:`kv_scale_columns`)."""
     lens: Optional[Lengths] = None
     drop: Optional[Dropout] = None
@@ -683,6 +710,25 @@ class Instance(Config):
         """Instance ``c`` with ``records`` (keywords ``lens``, ``drop``, ``score``, ``xq``,
         ``kvs``)."""
         return cls(**{f.name: getattr(c, f.name) for f in fields(Config) if f.init}, **records)
+
+    @property
+    def direct_k(self) -> bool:
+        """K^T comes straight from HBM by DMA transposes (:func:`load_piece`): under nki.* on
+        NeuronCore-v3+ (``nisa.dma_transpose`` HBM -> SBUF, the 2.33 stub; nki-library's
+        ``attention_cte`` loads its K that way), for plain loads (no length gathers: the
+        transpose takes no indirect indices) of a k already at matmul dtype (the transpose does
+        not cast). Otherwise 128-key blocks are transposed on TensorE."""
+        return (port.api() == "nki" and self.gen3 and self.k.dtype == self.mm
+                and (self.lens is None or self.lens.k_load is None))
+
+    @property
+    def direct_q(self) -> bool:
+        """Q^T comes straight from HBM by DMA transposes (:func:`load_q`, :func:`preload_q`),
+        as K^T does (:attr:`direct_k`), when nothing scales it on its way (the scale folded into
+        the exp, no FP8 cache) and its rows are not gathered."""
+        return (port.api() == "nki" and self.gen3 and self.q.dtype == self.mm
+                and self.q_scale == 1.0 and self.kvs is None
+                and (self.lens is None or self.lens.q_load is None))
 
     @property
     def mods(self) -> SM.Mods:
@@ -1005,11 +1051,12 @@ def transpose_keys(f: Instance, kT, col0, pieces, src_dtype):
                              engine=split.engine(width))
 
 
-def load_piece(f: Instance, kT, v, cb, rb, ln: int):
+def load_piece(f: Instance, kT, v, cb, rb, ln: int, guard: bool = True):
     """Keys ``[128 (cb + rb), 128 (cb + rb) + ln)`` of the frame into K^T / ``[V | 1]`` of a K/V
     tile starting at key ``128 cb``, at its 128-key block ``rb`` (``cb``, ``rb`` index
     expressions; ``ln`` static, at most ``kv_load_block``). Plain loads (the full 128-key
-    blocks in one DMA each for K and V, :func:`port.row_blocks`), or with ``kv_lens`` gathers
+    blocks in one DMA each for K and V, :func:`port.row_blocks`; K^T by DMA transposes with
+    :attr:`Instance.direct_k`), or with ``kv_lens`` gathers
     of one 128-key block per DMA through ``k_load`` (rotated when the band needs it): padding
     keys are skipped -- never read -- and keep what the tiles were filled with, the edge key in
     K (:func:`edge_key_fill`) and zeros in V. V of another dtype than the matmul's is cast on
@@ -1021,7 +1068,7 @@ def load_piece(f: Instance, kT, v, cb, rb, ln: int):
     rows = [min(P, ln - t * P) for t in T.unrolled(nb)]
     same = f.kv_dtype == f.mm
     key0 = (cb + rb) * P
-    kx = nl.ndarray((P, nb, D), dtype=f.kv_dtype, buffer=nl.sbuf)
+    kx = None if f.direct_k else nl.ndarray((P, nb, D), dtype=f.kv_dtype, buffer=nl.sbuf)
     vx = None if same else nl.ndarray((P, nb, D), dtype=f.kv_dtype, buffer=nl.sbuf)
 
     def v_dst(p, t, n=1):
@@ -1040,30 +1087,55 @@ def load_piece(f: Instance, kT, v, cb, rb, ln: int):
                           D)
             M.gather_rows(v_dst(rows[t], t)[:, 0, :], lens.v_rows, lens.k_load, cb + rb + t,
                           rows[t], D)
+    elif f.direct_k:
+        for pi, (d0, dr) in enumerate(f.d_passes):
+            port.dma_transpose(kT[pi][0:dr, nl.ds(rb * P, ln)],
+                               f.k[f.b, f.g, nl.ds(key0, ln), d0:d0 + dr])
+        load_values(f, v_dst, key0, full, tail)
     else:
         if full:
             port.dma_copy(kx[:, 0:full, :], port.row_blocks(f.k, (f.b, f.g), key0, P, full, D),
                           legacy_isa=True)
-            port.dma_copy(v_dst(P, 0, full), port.row_blocks(f.v, (f.b, f.g), key0, P, full, D),
-                          legacy_isa=True)
         if tail:
             port.dma_copy(kx[0:tail, full, :], f.k[f.b, f.g, nl.ds(key0 + full * P, tail), :],
                           legacy_isa=True)
-            port.dma_copy(v_dst(tail, full)[:, 0, :],
-                          f.v[f.b, f.g, nl.ds(key0 + full * P, tail), :], legacy_isa=True)
+        load_values(f, v_dst, key0, full, tail)
     if not same:
         if full:
             port.tensor_copy(v[:, nl.ds(rb, full), 0:D], vx[:, 0:full, :], engine="gpsimd")
         if tail:
             port.tensor_copy(v[0:tail, rb + full, 0:D], vx[0:tail, full, :], engine="gpsimd")
-    if f.guard:
-        if full:
-            guard_values(f, v[:, nl.ds(rb, full), 0:D], v[:, nl.ds(rb, full), D + 1:D + 2])
-        if tail:
-            guard_values(f, v[0:tail, nl.ds(rb + full, 1), 0:D],
-                         v[0:tail, nl.ds(rb + full, 1), D + 1:D + 2])
-    transpose_keys(f, kT, rb * P, [(t * P, rows[t], kx[:, t, :]) for t in T.unrolled(nb)],
-                   f.kv_dtype)
+    if guard:
+        guard_piece(f, v, rb, ln)
+    if not f.direct_k:
+        transpose_keys(f, kT, rb * P, [(t * P, rows[t], kx[:, t, :]) for t in T.unrolled(nb)],
+                       f.kv_dtype)
+
+
+def guard_piece(f: Instance, v, rb, ln: int):
+    """:func:`guard_values` of ``ln`` keys of ``[V | 1 | flag]`` from its 128-key block ``rb``
+    (nothing without the guard)."""
+    P, D = T.PMAX, f.D
+    full, tail = ln // P, ln % P
+    if not f.guard:
+        return
+    if full:
+        guard_values(f, v[:, nl.ds(rb, full), 0:D], v[:, nl.ds(rb, full), D + 1:D + 2])
+    if tail:
+        guard_values(f, v[0:tail, nl.ds(rb + full, 1), 0:D],
+                     v[0:tail, nl.ds(rb + full, 1), D + 1:D + 2])
+
+
+def load_values(f: Instance, v_dst, key0, full: int, tail: int):
+    """Plain loads of V: ``full`` 128-key blocks from key ``key0`` in one DMA, then a partial
+    block of ``tail`` keys, into ``v_dst(rows, first block, blocks)`` (:func:`load_piece`)."""
+    P, D = T.PMAX, f.D
+    if full:
+        port.dma_copy(v_dst(P, 0, full), port.row_blocks(f.v, (f.b, f.g), key0, P, full, D),
+                      legacy_isa=True)
+    if tail:
+        port.dma_copy(v_dst(tail, full)[:, 0, :],
+                      f.v[f.b, f.g, nl.ds(key0 + full * P, tail), :], legacy_isa=True)
 
 
 def guard_values(f: Instance, vals, flag, sum_on_scalar: bool = False):
@@ -1108,15 +1180,17 @@ def ones_column(f: Instance, col):
     port.memset(col, 0.0 if f.dropout_p else 1.0, engine="gpsimd")
 
 
-def load_kv(f: Instance, cb, n: int, zero_blocks: Optional[int] = None) -> KV:
+def load_kv(f: Instance, cb, n: int, zero_blocks: Optional[int] = None,
+            load: bool = True) -> KV:
     """Load ``n`` keys (static) of K and V from key ``128 cb`` (``cb`` an index expression):
     K^T via TensorE transposes of 128-key blocks (PSUM -> SBUF copy casts to the matmul dtype),
     V as 128-key blocks ``[128, D + 1]`` whose last column is :func:`ones_column`'s (0.0 for
-    padding keys with ``kv_lens`` and no dropout, :func:`edge_key_fill`). A compiled loop of ``kv_load_block``-key pieces plus a
-    static tail piece. ``zero_blocks`` (the block-sparse forward, which reads whole 128-key
-    blocks; None: K^T has n columns): K^T and V hold ``ceil(n / 128) + zero_blocks`` whole
-    blocks, and the keys past ``n`` are zeros in K^T and in V (their guard flag too; V's ones
-    column stays :func:`ones_column`'s)."""
+    padding keys with ``kv_lens`` and no dropout, :func:`edge_key_fill`). ``zero_blocks`` (the
+    block-sparse forward, which reads whole 128-key blocks; None: K^T has n columns): K^T and
+    V hold ``ceil(n / 128) + zero_blocks`` whole blocks, and the keys past ``n`` are zeros in
+    K^T and in V (their guard flag too; V's ones column stays :func:`ones_column`'s).
+    ``load`` False: only the tiles and V's ones column; the keys are loaded later, a range at
+    a time (:func:`load_keys`)."""
     P, D = T.PMAX, f.D
     nblk = T.ceil_div(n, P)
     blocks = nblk if zero_blocks is None else nblk + zero_blocks
@@ -1135,16 +1209,33 @@ def load_kv(f: Instance, cb, n: int, zero_blocks: Optional[int] = None) -> KV:
         port.iota(key, [[P, nblk], [1, 1]], channel_multiplier=1, runtime=[(cb, P)],
                   offsets=f.indices)
         f.lens.rt.valid(key, keys=True, dst=v[:, :, D:D + 1])
-    LB = f.tiles.kv_load_block
-    per = LB // P
+    kv = KV(cb * P, kT, v)
+    if load:
+        load_keys(f, kv, cb, 0, n)
+    return kv
 
-    def piece(lb):
-        load_piece(f, kT, v, cb, lb * per, LB)
 
-    port.loop(n // LB, piece)
+def load_keys(f: Instance, kv: KV, cb, k0: int, k1: int, guard: bool = True):
+    """Keys ``[k0, k1)`` (static; ``k0`` a multiple of 128) of the K/V tile ``kv`` starting at
+    key ``128 cb``: a compiled loop of ``kv_load_block``-key pieces (:func:`load_piece`) plus
+    a static tail piece. ``guard`` False: V's guard is left to :func:`guard_keys`."""
+    _pieces(f, k0, k1, lambda rb, ln: load_piece(f, kv.kT, kv.v, cb, rb, ln, guard))
+
+
+def guard_keys(f: Instance, kv: KV, k0: int, k1: int):
+    """The V guard (:func:`guard_piece`) of keys ``[k0, k1)`` loaded by :func:`load_keys`
+    without it, in the same pieces."""
+    _pieces(f, k0, k1, lambda rb, ln: guard_piece(f, kv.v, rb, ln))
+
+
+def _pieces(f: Instance, k0: int, k1: int, body):
+    """``body(first 128-key block, keys)`` of the ``kv_load_block``-key pieces of keys ``[k0,
+    k1)`` (a compiled loop) and of the static tail piece."""
+    P, LB = T.PMAX, f.tiles.kv_load_block
+    per, n, rb = LB // P, k1 - k0, k0 // P
+    port.loop(n // LB, lambda lb: body(rb + lb * per, LB))
     if n % LB:
-        load_piece(f, kT, v, cb, (n // LB) * per, n % LB)
-    return KV(cb * P, kT, v)
+        body(rb + (n // LB) * per, n % LB)
 
 
 def load_q_rows(f: Instance, r: int, h, t, x):
@@ -1160,12 +1251,25 @@ def load_q_rows(f: Instance, r: int, h, t, x):
 
 def preload_q(f: Instance, r: int, h, t0, n: int):
     """Rows of query tiles ``t0 .. t0 + n - 1`` of member head h into the preload buffer
-    ``f.xq`` (:attr:`tiles.ForwardTiles.q_preload`): issued at the start of the program, the
-    loads are out of the groups' way."""
+    ``f.xq`` (:attr:`tiles.ForwardTiles.q_preload`): issued a group ahead (with that group's
+    keys, :func:`forward_instance`), the loads are out of the groups' way."""
     def one(i):
-        load_q_rows(f, r, h, t0 + i, f.xq[0:r, f.q_col(h, t0 + i), :])
+        col = f.q_col(h, t0 + i)
+        if f.direct_q:
+            transpose_q_rows(f, r, h, t0 + i, [f.xq[0:dr, pi, col, 0:r]
+                                               for pi, (_, dr) in enumerate(f.d_passes)])
+        else:
+            load_q_rows(f, r, h, t0 + i, f.xq[0:r, col, :])
 
     port.loop(n, one)
+
+
+def transpose_q_rows(f: Instance, r: int, h, t, dsts):
+    """Q^T of the ``r`` rows of query tile t (an index expression) of member head h, straight
+    from HBM by DMA transposes (:attr:`Instance.direct_q`): ``dsts[pi]`` ``[rows of pass pi,
+    r]`` gets head-dim pass pi."""
+    for dst, (d0, dr) in zip(dsts, f.d_passes):
+        port.dma_transpose(dst, f.q[f.b, f.head(h), nl.ds(t * f.tiles.q_tile, r), d0:d0 + dr])
 
 
 def load_q(f: Instance, st: GroupState, s, h, t):
@@ -1173,8 +1277,18 @@ def load_q(f: Instance, st: GroupState, s, h, t):
     preloaded ones, or loaded now), each 128-wide head-dim slice transposed on TensorE and
     copied out of PSUM at matmul dtype (ScalarE), times the softmax scale when the scale is not
     folded into the exp (and an FP8 cache's K scale: the per-partition column of
-    :func:`kv_scale_columns`, one rounding of the product)."""
+    :func:`kv_scale_columns`, one rounding of the product). With :attr:`Instance.direct_q`
+    the DMA transposes them (the same bits: a transpose only moves them)."""
     r = st.rows
+    if f.direct_q:
+        # transposed by the DMA: into the slot now, or copied from the preload buffer on
+        # GpSimd (SBUF only, otherwise the least busy engine)
+        if f.xq is None:
+            transpose_q_rows(f, r, h, t, [qT[:, s, 0:r] for qT in st.qT])
+        for pi, (_, dr) in enumerate(f.d_passes if f.xq is not None else ()):
+            port.tensor_copy(st.qT[pi][:, s, 0:r], f.xq[0:dr, pi, f.q_col(h, t), 0:r],
+                             engine="gpsimd")
+        return
     if f.xq is not None:
         x = f.xq[0:r, f.q_col(h, t), :]
     else:
@@ -1725,18 +1839,32 @@ def attend_group(f: Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Opt
     for pending in flushes:
         flush(f, out, pending)
 
-    def key_blocks(kv_t, rb, j0, keys, masked, ju):
+    def key_blocks(kv_t, rb, j0, keys, masked, ju, tail_block=True):
         # ju: the first 128-key unit of the keys (dropout), j0 // 128 as an affine expression
         full, tail = keys // Bk, keys % Bk
         port.loop(full, lambda kb: sweep_block(g, kv_t, rb + kb * per, j0 + kb * Bk, Bk, masked,
                                                ju + kb * per, None), carried=True)
-        if tail:
+        if tail and tail_block:
             sweep_block(g, kv_t, rb + full * per, j0 + full * Bk, tail, masked,
                         ju + full * per, j0 + full * Bk)
 
-    for rg in span.regions:
+    regions = span.regions
+    slots = [_slot_keys(f.spec, span, t0, n, plan.q_tile, rg, Bk) if plan.resident else None
+             for rg in regions]
+    for i, rg in enumerate(regions):
+        if slots[i] is not None:
+            sweep_slots(g, kv, slots[i])
+            continue
         if plan.resident:
-            key_blocks(kv, rg.k0 // P, rg.k0, rg.k1 - rg.k0, rg.masked, rg.k0 // P)
+            # an unmasked region's partial last block joins the per-tile blocks of a masked
+            # region right after it when they fit one softmax block (one update fewer per tile)
+            tail = (rg.k1 - rg.k0) % Bk
+            nxt = slots[i + 1] if i + 1 < len(regions) else None
+            joined = nxt is not None and tail and _joins(nxt, rg.k1, tail, Bk)
+            key_blocks(kv, rg.k0 // P, rg.k0, rg.k1 - rg.k0, rg.masked, rg.k0 // P,
+                       tail_block=not joined)
+            if joined:
+                slots[i + 1] = tuple((rg.k1 - tail, tail + w) for _, w in nxt)
             continue
         for first, count, C in _chunks(rg, plan):
             def chunk(c, first=first, C=C, masked=rg.masked):
@@ -1745,6 +1873,31 @@ def attend_group(f: Instance, plan: ForwardPlan, span: Span, t0, n: int, kv: Opt
 
             port.loop(count, chunk, carried=True)
     g.each_tile(lambda h, s: write_back(f, st, h * n + s, h, t0 + s, out))
+
+
+def _joins(slots, k0: int, tail: int, block: int) -> bool:
+    """Whether ``tail`` keys ending at key ``k0`` can open every slot's block of ``slots``
+    (:func:`_slot_keys`): each slot's keys start at ``k0`` (or it has none) and the joined
+    block stays within one softmax ``block``."""
+    return all((w == 0 or j == k0) and tail + w <= block for j, w in slots)
+
+
+def _slot_keys(spec: M.MaskSpec, span: Span, t0, n: int, q_tile: int, region: Region,
+               block: int):
+    """Per slot of a group of ``n`` tiles from tile ``t0``: ``(first key, width)`` of the
+    masked ``region``'s keys that slot's rows may see (from a multiple of 128; width 0: none),
+    or None when the region is swept whole -- unmasked, a sliding span, a runtime ``t0``
+    (a looped group, or two cores), or a slot wider than one softmax ``block``."""
+    if not region.masked or span.slide is not None or not isinstance(t0, int):
+        return None
+    out = []
+    for s in T.unrolled(n):
+        lo, hi = spec.key_range((t0 + s) * q_tile, span.rows)
+        lo, hi = max(lo, region.k0), min(hi, region.k1)
+        if hi - lo > block:
+            return None
+        out.append((lo, hi - lo) if hi > lo else (region.k0, 0))
+    return tuple(out)
 
 
 def start_at_sink(f: Instance, st: GroupState, h, n: int, slot0=None):
@@ -1771,21 +1924,51 @@ def sweep_block(g: GroupSweep, kv: KV, rb, j0, width: int, masked: bool, ju, sta
     Unstaged: each tile's block whole. Staged: per batch of ``hs`` heads x ``ss`` tiles,
     every first half (scores, max, exp) before the second halves (P^T, P V, update), two
     nests that share only the batch's SBUF staging buffers."""
+    _sweep(g, lambda h, s, part="all", stage=None: tile_block(
+        g, h, s, kv, rb, j0, width, masked, ju, static_d, part, stage), port.loop)
+
+
+def sweep_slots(g: GroupSweep, kv: KV, slots):
+    """A masked region of a group whose tiles are compile-time (``g.t0`` an int): slot s sweeps
+    only the region's keys its own rows may see, ``slots[s] = (first key, width)``
+    (:func:`_slot_keys`; width 0: none, the slot is skipped), as one block of resident keys.
+    The other slots' band would mask the rest of the region to ``MASK_NEG`` (P = 0, the state
+    unchanged, :func:`attend_block`), so the results are those of the region's full sweep; the
+    work of a span's masked keys falls from ``tiles x region`` to its tiles' own keys (causal
+    spans of 4 tiles: 16 to 10 128 x 128 units). The slots are unrolled (each has its own
+    static width): at most ``ForwardTiles.q_group`` of them, whatever N."""
+    P = T.PMAX
+
+    def block(h, s, part="all", stage=None):
+        k0, w = slots[s]
+        if w:
+            tile_block(g, h, s, kv, k0 // P, k0, w, True, k0 // P, k0, part, stage)
+
+    _sweep(g, block, _unrolled)
+
+
+def _unrolled(n: int, body):
+    """``body(i)`` for ``i`` in ``range(n)`` at tracing (compile-time ``i``, both namespaces)."""
+    for i in T.unrolled(n):
+        body(i)
+
+
+def _sweep(g: GroupSweep, block, each_slot):
+    """``block(h, s, part, stage)`` for every member head h (a compiled loop) and slot s
+    (``each_slot(n, body)``: a compiled loop, or :func:`_unrolled`), whole or staged
+    (:func:`sweep_block`)."""
     f, ss, hs = g.f, g.ss, g.hs
     if ss * hs == 1:
-        g.each_tile(lambda h, s: tile_block(g, h, s, kv, rb, j0, width, masked, ju, static_d))
+        port.loop(f.G, lambda h: each_slot(g.n, lambda s: block(h, s)))
         return
 
     def batch(sb, hb):
         bufs = staging_buffers(f, ss * hs)
-        port.loop(hs, lambda hh: port.loop(ss, lambda k: tile_block(
-            g, hb * hs + hh, sb * ss + k, kv, rb, j0, width, masked, ju, static_d, "front",
-            bufs + (hh * ss + k,))))
-        port.loop(hs, lambda hh: port.loop(ss, lambda k: tile_block(
-            g, hb * hs + hh, sb * ss + k, kv, rb, j0, width, masked, ju, static_d, "back",
-            bufs + (hh * ss + k,))))
+        for part in ("front", "back"):
+            port.loop(hs, lambda hh, part=part: each_slot(ss, lambda k: block(
+                hb * hs + hh, sb * ss + k, part, bufs + (hh * ss + k,))))
 
-    port.loop(g.n // ss, lambda sb: port.loop(f.G // hs, lambda hb: batch(sb, hb)))
+    each_slot(g.n // ss, lambda sb: port.loop(f.G // hs, lambda hb: batch(sb, hb)))
 
 
 def staging_buffers(f: Instance, slots: int):
@@ -1986,29 +2169,59 @@ def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slo
                     kvs=None if kv_scale is None else kv_scale_columns(c))
 
     needs_kv = any(sp.regions for sp in plan.spans)
-    kv = load_kv(f, 0, f.Nk) if plan.resident and needs_kv else None
+    # resident keys are loaded span by span as the spans reach them (prefetch), unless a span
+    # slides (a window's interior tiles, a compiled loop over tiles, sweep nearly every key)
+    by_span = all(sp.slide is None for sp in plan.spans)
+    kv = load_kv(f, 0, f.Nk, load=not by_span) if plan.resident and needs_kv else None
     core = port.spmd_core() if lnc == 2 else None
     groups = [(sp, grp) for sp in plan.spans for grp in _groups(sp, plan.q_group)]
-    if tiles.q_preload and needs_kv and (len(plan.spans) > 1 or dropout_p):
-        # every query row this core will use, loaded up front (each exactly once): with
+    # (query rows transposed by the DMA take q_tile bytes per head-dim pass and tile instead of
+    # D: preloaded only when that is no more than the budget counted, D a multiple of 128)
+    preload = (tiles.q_preload and needs_kv and (len(plan.spans) > 1 or dropout_p)
+               and (not f.direct_q or D % T.PMAX == 0))
+    if preload:
+        # every query row this core will use, loaded once, a group ahead of its use: with
         # several spans (a band) each span's first group would otherwise wait for its loads;
         # under dropout each group's first Q^T transposes would wait for them behind the
         # previous group's last P V in TensorE's queue (trn2 N = 4096: 260.0 -> 253.0 us)
-        f = dataclasses.replace(
-            f, xq=nl.ndarray((T.PMAX, f.G * f.per_head, D), dtype=q.dtype, buffer=nl.sbuf))
-        for sp, (first, count, n) in groups:
-            if sp.regions:
-                start, mine = (0, count) if core is None else _core_range(count, core)
-                port.loop(f.G, lambda h, sp=sp, t=sp.t0 + first + start * n, c=mine * n:
-                          preload_q(f, sp.rows, h, t, c))
+        shape = ((T.PMAX, len(f.d_passes), f.G * f.per_head, f.tiles.q_tile) if f.direct_q
+                 else (T.PMAX, f.G * f.per_head, D))
+        f = dataclasses.replace(f, xq=nl.ndarray(shape, dtype=q.dtype, buffer=nl.sbuf))
+    loaded = [0 if by_span else f.Nk]   # resident keys [0, loaded) are loaded or on their way
+    unguarded = []              # keys loaded ahead whose V guard is still to be issued
+
+    def prefetch(sp, first, count, n, ahead=True):
+        # the resident keys the span sweeps and the group's query rows, issued before the
+        # previous group's work: the first group starts on its own keys instead of waiting for
+        # all of K/V, and later loads overlap the work before them. V's guard of keys loaded
+        # ``ahead`` waits in the program until that work is issued (guard_ahead): in the
+        # engines' queues it would precede the work that does not need it
+        if preload and sp.regions:
+            start, mine = (0, count) if core is None else _core_range(count, core)
+            port.loop(f.G, lambda h, t=sp.t0 + first + start * n, c=mine * n:
+                      preload_q(f, sp.rows, h, t, c))
+        need = _span_keys(sp, plan.q_tile, f.Nk)
+        if kv is not None and need > loaded[0]:
+            load_keys(f, kv, 0, loaded[0], need, guard=not ahead)
+            if ahead:
+                unguarded.append((loaded[0], need))
+            loaded[0] = need
+
+    def guard_ahead():
+        while unguarded:
+            guard_keys(f, kv, *unguarded.pop(0))
+
+    prefetch(groups[0][0], *groups[0][1], ahead=False)
     out = _Outputs(f, f.G * max(n for _, (_, _, n) in groups))
     pending = ()                # the group whose outputs are waiting in `out`
-    for sp, (first, count, n) in groups:
+    for i, (sp, (first, count, n)) in enumerate(groups):
         start, mine = (0, count) if core is None else _core_range(count, core)
         t_first = sp.t0 + first + start * n
         # each group stores the previous one's outputs (_Outputs): the loop's first group is
         # peeled (its predecessor is another loop's last group, or none), the others are a
         # sequential loop (they carry `out`)
+        if i + 1 < len(groups):
+            prefetch(groups[i + 1][0], *groups[i + 1][1])
         attend_group(f, plan, sp, t_first, n, kv, out, pending)
 
         def later(grp, sp=sp, n=n, t_first=t_first):
@@ -2016,6 +2229,7 @@ def forward_instance(q, k, v, o, lse, mask_out, kv_lens, q_lens, seed, alibi_slo
             attend_group(f, plan, sp, t0, n, kv, out, [(t0 - n, n, sp.rows)])
 
         port.loop(mine, later, carried=True, start=1)
+        guard_ahead()
         pending = [(t_first + (mine - 1) * n, n, sp.rows)]
     for p in pending:
         flush(f, out, p)

@@ -70,7 +70,8 @@ def run_kernel(q, k, v, *, scale=None, causal=None, window=None, kv_lens=None, q
         tiles = T.choose_forward_tiles(Nq, Nk, D, Hq // Hkv, q.dtype.itemsize,
                                        T.fwd_itemsize(mm), kv_lens=kv_lens is not None,
                                        q_lens=q_lens is not None, api=binding.select_api(),
-                                       device=binding.active_target())
+                                       device=binding.active_target(),
+                                       band=causal is not None or window is not None)
     kv32 = None if kv_lens is None else np.asarray(kv_lens, dtype=np.int32)
     q32 = None if q_lens is None else np.asarray(q_lens, dtype=np.int32)
     o, lse = launch_fwd(q, k, v, kv32, q32, scale=float(scale), causal=causal, window=window,
@@ -739,6 +740,37 @@ def test_staging_and_deferred_stores_change_nothing(Hq, Hkv, Nq, Nk, mask):
         np.testing.assert_array_equal(o.view(np.uint16), runs[0][0].view(np.uint16))
         np.testing.assert_array_equal(lse, runs[0][1])
     check(q, k, v, *runs[0], **mask)
+
+
+@pytest.mark.parametrize("api", ["legacy", "nki"])
+def test_causal_tiles_sweep_only_their_own_key_units(api, monkeypatch):
+    """A causal span's masked keys are swept per query tile (forward.sweep_slots), joined with
+    the unmasked region's partial last block (forward._joins): each tile of the top-left
+    square band sweeps exactly the 128-key units its rows see, t + 1 for tile t -- 136 for 16
+    tiles, where 4-tile spans swept 160 -- in one softmax block (N = 2048: no full 2048-key
+    block before it). The keys are loaded span by span, still once each."""
+    import simulate
+
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
+    swept = []
+    attend = F.attend_block
+
+    def spy(*args, **kw):
+        if kw.get("part", "all") != "back":
+            swept.append(args[7])
+        return attend(*args, **kw)
+
+    monkeypatch.setattr(F, "attend_block", spy)
+    N, D = 2048, 32
+    q, k, v = _inputs(np.random.default_rng(11), 1, 1, 1, N, N, D, "bfloat16")
+    plan = F.plan_forward(N, N, 1, MaskSpec(N, N, "top_left", None), T.ForwardTiles())
+    assert [sp.tiles for sp in plan.spans] == [4, 4, 4, 4]
+    with simulate.measure(target="trn2") as m:
+        o, lse = run_kernel(q, k, v, causal="top_left")
+    check(q, k, v, o, lse, causal="top_left")
+    # every span's blocks are per-tile (unrolled) blocks here: one per tile, in either namespace
+    assert sorted(swept) == sorted(128 * (t + 1) for t in range(16))
+    assert m.hbm_bytes_read == 3 * N * D * 2
 
 
 # --------------------------------------------------------------------------------------------
