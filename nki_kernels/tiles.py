@@ -106,6 +106,14 @@ VARLEN_MAX_SLOTS = 16
 #: soft-capping 611.8 against 640.2, but the plain call at 642.3 against 634.1.
 VARLEN_ACT_SHARE = 0.5
 VARLEN_MODS_ACT_SHARE = 1.0
+#: The packed forward's share under nki.* (no transforming modifier): VectorE is its busiest
+#: engine there (its range select and row max per score tile). Measured, not modeled: the
+#: same trn2 case, scheduled estimate (packed only) at shares 0.5 / 0.625 / 0.65 / 0.7 / 0.75
+#: / 0.8 / 0.875: 634.1 / 602.3 / 602.3 / 584.9 / 590.8 / 592.2 / 603.5 us (VectorE busy
+#: 442.3 -> 429.5, ScalarE 300.4 -> 320.9 at 0.7). Legacy keeps VARLEN_ACT_SHARE: trn1 at
+#: 0.75 models 6593.6 against 6410.7 us. The backward's recompute keeps VARLEN_ACT_SHARE
+#: (not measured with this one).
+VARLEN_NKI_ACT_SHARE = 0.7
 #: Query tiles of one class processed together by the block-sparse forward (a loop body): their
 #: softmax chains interleave step by step, as the dense forward's groups do
 #: (FWD_RESIDENT_Q_GROUP), so the engines have independent work while one tile waits; each

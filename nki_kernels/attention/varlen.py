@@ -287,7 +287,9 @@ def varlen_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None,
 
     def instance(b, g0):
         insts = kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc, indices,
-                         mods, alibi_slopes, sinks, (dropout_p, seed, mask_out))
+                         mods, alibi_slopes, sinks, (dropout_p, seed, mask_out),
+                         act_share=(T.VARLEN_NKI_ACT_SHARE if port.api() == "nki"
+                                    else T.VARLEN_ACT_SHARE))
         group_loop(insts, off, ident, static_steps, R, Nq,
                    lambda plan, pos: _group(insts, off, ident, static_steps, plan, pos))
 
@@ -329,20 +331,23 @@ def identity2():
 
 
 def kv_heads(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0, Hc: int, indices,
-             mods: SM.Mods, slopes, sinks, dropout=(0.0, None, None)):
+             mods: SM.Mods, slopes, sinks, dropout=(0.0, None, None),
+             act_share: float = T.VARLEN_ACT_SHARE):
     """The :class:`KvHead` records of instance ``(b, g0)``: kv heads ``g0 Hc .. g0 Hc + Hc -
     1`` (``o``/``lse``: the HBM outputs, or the backward's saved ones), with the score
     modifiers ``mods`` (``slopes``, ``sinks``: their HBM ``(Hq,)`` values, or None) and the
-    dropout ``(p, seed, mask_out)`` (p 0: none; :func:`forward.load_dropout`, once)."""
+    dropout ``(p, seed, mask_out)`` (p 0: none; :func:`forward.load_dropout`, once).
+    ``act_share``: the P^T copies' share on ScalarE without a transforming modifier (the
+    forward's under nki.* is ``tiles.VARLEN_NKI_ACT_SHARE``)."""
     insts = []
     drop = None
     for c in T.unrolled(Hc):
         # guard: non-finite values reach only the rows that see them; the P^T copies split
-        # between ScalarE and VectorE (tiles.VARLEN_ACT_SHARE: evenly, as block-sparse's)
+        # between ScalarE and VectorE (act_share)
         cf = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g0 * Hc + c, None,
                       indices, guard=True,
                       act_share=(T.VARLEN_MODS_ACT_SHARE if mods.transforms
-                                 else T.VARLEN_ACT_SHARE))
+                                 else act_share))
         if dropout[0] and drop is None:
             drop = F.load_dropout(dropout[0], dropout[1], cf.mm, mask_out=dropout[2])
         f = F.Instance.of(cf, drop=drop, score=F.score_mods(cf, mods, slopes, sinks,
