@@ -656,8 +656,6 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     outs = launch(block_sparse_attention_fwd.on(api), _block_sparse_grid(dims, call.lnc, api),
                   q, k, v, tables.q.meta, kv_lens=call.kv_lens, q_lens=call.q_lens,
                   seed=call.dropout.seed, classes=tables.q.classes, shared=tables.q.shared,
-                  p_dma_share=_tiles.FWD_NKI_P_DMA_SHARE.get(
-                      active_target(), _tiles.FWD_NKI_P_DMA_SHARE["trn2"]) if api == "nki" else 0.0,
                   **call.mods.tensors,
                   **kwargs)
     o, lse = outs[0], outs[1]

@@ -820,7 +820,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                                alibi_slopes=None, sinks=None, *, classes, shared=None,
                                scale=1.0,
                                causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
-                               dropout_mask=False, softcap=None, p_dma_share=0.0):
+                               dropout_mask=False, softcap=None):
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
     Hkv, Nk, D)``, over the instances ``(B, Hkv)`` (:func:`port.for_programs`: the SPMD grid
     ``(B, Hkv)`` in legacy, ``kernel[1]`` looping over them in 0.7; :func:`port.launch_grid`;
@@ -885,7 +885,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
         # dense kernel's resident staging; every query tile reads its blocks in place
         # (one more block of zeros: the padding slots' block, finite scores to mask)
         src = KVSource(F.load_kv(f, 0, Nk, zero_blocks=1) if resident else None, step,
-                       p_dma_share if resident else 0.0)
+                       T.FWD_NKI_P_DMA_SHARE[port.target()] if resident else 0.0)
         port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, h, src))
 
     port.for_programs((B, Hkv), instance)
