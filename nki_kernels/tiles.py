@@ -597,7 +597,22 @@ FWD_NKI_BAND_STAGE_SLOTS = 4
 #: 0.25 there: 217.7 -> 224.6 us): 0. With the seeds charged to VectorE (2026-11-28, the 0.7
 #: stub's PRNG), trn2 shares 0.5 / 0.75 / 1.0: 319.6 / 286.6 / 284.1 us (the bias on GpSimd:
 #: 318.1 / 285.6 / 288.0); kept at 0.75, the measurements above being from before.
-FWD_NKI_DROPOUT_MAX_ACT_SHARE = {"trn2": 0.75, "trn3": 0.5}
+#: Since 2026-11-28 (issue 24 item 6) the share is counted over every block a query-tile
+#: group's program text folds (forward.GroupState.max_split), so a share between quarters
+#: alternates the blocks' splits (0.875: 4 tiles on ScalarE in one block, 3 in the next).
+#: Scheduled estimate, N = 4096, D = 128, bf16, p = 0.1, shares 0.75 / 0.8125 / 0.875 / 0.9375 /
+#: 1.0: trn2 281.8 / 275.4 / 264.7 / 268.2 / 274.8 us (VectorE 268.9 / 260.4 / 251.9 / 243.3 /
+#: 234.8 busy, ScalarE 211.6 / 219.3 / 227.0 / 234.7 / 242.3); 0.625 / 0.6875 / 0.75 / 0.8125:
+#: trn3 240.0 / 235.7 / 240.8 / 250.2 (0.5: 253.2). At the chosen shares against the old (0.75,
+#: trn3 0.5): trn2 N = 2048 79.9 -> 76.2, N = 8192 1069.0 -> 1008.3; trn3 N = 2048 72.1 -> 68.4,
+#: N = 8192 967.6 -> 895.3; block-sparse (s = 1/8, N = 4096) trn2 101.4 -> 99.0, trn3 86.9 ->
+#: 86.3; packed (3 sequences, 4096 rows) unchanged.
+FWD_NKI_DROPOUT_MAX_ACT_SHARE = {"trn2": 0.875, "trn3": 0.6875}
+#: The same share with a causal or window band (``MaskSpec.has_diag``), each block split alone
+#: (a band's blocks vary in width). Scheduled estimate, causal, N = 4096, D = 128, bf16, p = 0.1,
+#: shares 0.5 / 0.75 / 1.0: trn2 181.6 / 173.2 / 180.4 us, trn3 152.1 / 161.3 / 169.1 (counted
+#: over the group instead, the best: trn2 0.6875 174.0, trn3 0.5625 153.3).
+FWD_NKI_DROPOUT_BAND_MAX_ACT_SHARE = {"trn2": 0.75, "trn3": 0.5}
 #: Under dropout through nki.* on NeuronCore-v3+, the share of the P^T PSUM -> SBUF copies on
 #: ScalarE (``ForwardTiles.act_evac_share`` when that is None; the rest on VectorE). With
 #: FWD_NKI_DROPOUT_P_DMA_SHARE = 1 only masked regions (FWD_MASKED_P_DMA_SHARE) have copies; the

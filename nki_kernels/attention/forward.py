@@ -830,16 +830,39 @@ class GroupState:
     - ``stats``: per slot ``[-m_new | -m_i | -rowmax of each score tile]`` (raw score units): one
       min-reduction over columns 1.. gives ``-m_new`` (column 0); after alpha it is copied to
       column 1.
+    - ``max_share``: the share of the score tiles whose row maxima ScalarE takes (the rest
+      VectorE's, :meth:`max_split`): under dropout through nki.* on NeuronCore-v3+
+      ``tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE`` (with a causal or window band
+      ``FWD_NKI_DROPOUT_BAND_MAX_ACT_SHARE``), since VectorE also draws every mask
+      (``nisa.dropout`` is VectorE only); else 0.
     """
 
     def __init__(self, f: Instance, n: int, rows: int):
         P, width = T.PMAX, f.tiles.softmax_block // f.tiles.k_tile
         self.n, self.rows = n, rows
+        share = 0.0
+        if f.dropout_p and f.gen3 and port.api() == "nki":
+            shares = (T.FWD_NKI_DROPOUT_BAND_MAX_ACT_SHARE if f.spec.has_diag
+                      else T.FWD_NKI_DROPOUT_MAX_ACT_SHARE)
+            share = shares[port.target()]
+        self.max_share = share
+        # without a band every block is a whole softmax block: one count over all the blocks
+        # the group's program text folds (fixed at tracing), so a share between a block's
+        # quarters alternates the blocks' splits (0.875: ScalarE takes 4 of one block's 4
+        # tiles, 3 of the next traced one's). A band's blocks vary in width (masked regions,
+        # joined partial blocks): each is split alone (trn2 causal N = 4096: 173.2 us, against
+        # 174.0 at the best share counted over the group)
+        self._split = None if f.spec.has_diag else _Splitter(share)
         self.qT = [nl.ndarray((d, n, rows), dtype=f.mm, buffer=nl.sbuf) for _, d in f.d_passes]
         self.o = nl.ndarray((P, n, f.vcols), dtype=nl.float32, buffer=nl.sbuf)
         port.memset(self.o, 0.0, engine="gpsimd")
         self.stats = nl.ndarray((P, n, 2 + width), dtype=nl.float32, buffer=nl.sbuf)
         port.memset(self.stats[:, :, 1:2], -T.FWD_M_FLOOR, engine="gpsimd")
+
+    def max_split(self) -> _Splitter:
+        """The split of the next block's row maxima between ScalarE and VectorE
+        (``max_share``)."""
+        return self._split if self._split is not None else _Splitter(self.max_share)
 
     def o_acc(self, s):
         """``[o_acc | l_i]`` of slot s, ``[rows, D + 1]`` fp32."""
@@ -1557,10 +1580,10 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
     c = f.unit
 
     # the row max of each score tile (negated): VectorE, or under dropout through nki.* on
-    # NeuronCore-v3+ a share of the tiles on ScalarE (tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE: VectorE
-    # also draws the masks), whose -s output is not used; either is exact, so the bits are equal
+    # NeuronCore-v3+ a share of the tiles on ScalarE (GroupState.max_share), whose -s output
+    # is not used; either is exact, so the bits are equal
     nki_dropout = f.dropout_p and f.gen3 and port.api() == "nki"
-    on_act = _Splitter(T.FWD_NKI_DROPOUT_MAX_ACT_SHARE[port.target()] if nki_dropout else 0.0)
+    on_act = st.max_split()
     # ScalarE's tiles first, VectorE's last: VectorE's max of the block's last score tile then
     # leads straight into its min-reduction and the bias (trn2 N = 4096: 253.0 -> 249.0 us;
     # causal 192.2 -> 194.5)
