@@ -154,6 +154,9 @@ def test_mask_needs_dropout():
     dict(B=2, Hq=4, Hkv=2, Nq=300, Nk=700, causal=True),
     dict(B=1, Hq=2, Hkv=1, Nq=129, Nk=1000, window=(300, 50)),
     dict(B=1, Hq=1, Hkv=1, Nq=200, Nk=200, softcap=10.0, sinks=True),
+    # no band: four 2048-key blocks whose row maxima ScalarE and VectorE split 4:0 and 3:1 in
+    # turn (tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE counted over the group on trn2)
+    dict(B=1, Hq=1, Hkv=1, Nq=256, Nk=4096),
     dict(B=2, Hq=2, Hkv=1, Nq=300, Nk=260, causal="top_left", q_lens=[300, 90],
          kv_lens=[170, 260]),
     dict(B=2, Hq=2, Hkv=1, Nq=300, Nk=260, causal="bottom_right", q_lens=[300, 90],
