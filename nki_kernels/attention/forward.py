@@ -70,11 +70,12 @@ together. trn2 N = 4096 models at ~195 us with TensorE at ~168 us (``nki-flash r
 Dropout adds VectorE's draw (one cycle per score, ``nisa.dropout`` has no other engine), so
 other per-block work moves off VectorE: the unit numbers go to GpSimd, the softmax sums
 accumulate in ScalarE's registers during the exp, and through nki.* on NeuronCore-v3+ ScalarE
-takes a share of the row maxima (``tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE``), the DMA engines
+takes a share of the row maxima (``tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE``, counted over the
+group's blocks; with a band ``FWD_NKI_DROPOUT_BAND_MAX_ACT_SHARE``, per block), the DMA engines
 transpose all of P outside masked regions (``FWD_NKI_DROPOUT_P_DMA_SHARE``) and VectorE computes
 the exp's bias; each 512-key group is drawn just before its transposes
-(``benchmarks/forward.py``'s shape, trn2: legacy 387.5 us against 284.5 without dropout,
-nki.* 286.6 against 217.7; each 128 x 128 unit's seed is a VectorE instruction).
+(``benchmarks/forward.py``'s shape, trn2: legacy 390.2 us against 284.5 without dropout,
+nki.* 264.7 against 208.1; each 128 x 128 unit's seed is a VectorE instruction).
 
 Softmax scale: folded into the exp (``activation(exp, S, scale=c, bias=-c m_new)``) when
 ``2^-24 <= c <= 2^24``, where the masks' margin survives the scaling and nothing overflows; any
