@@ -1136,6 +1136,10 @@ DECODE_SINGLE_SEQUENCE_SPLIT_KEYS = 8192
 #: by DMA (with the other per-step savings of 2026-11-28) 1646.0 -> 1678.9 us estimate, with
 #: the engine fill 1638.8; B=8 S=16384 (128-row splits), engine fill: 1856.0 -> 1808.8.
 DECODE_DMA_ZERO_FILL_MAX_ROWS = 64
+#: Share of the split kernel's K^T PSUM -> SBUF copies (one per staging bank of transposed
+#: keys, ``decode._transpose_keys``) on ScalarE, the rest on VectorE, per target. Measured:
+#: (filled in below)
+DECODE_KT_ACT_SHARE = {"trn1": 1.0, "trn2": 0.5, "trn3": 0.5}
 #: Passes over a split's packed score columns (VectorE max, ScalarE exp, VectorE P^T copy): the
 #: packing factor trades them (split positions / pack columns) against zero-filling the packed
 #: queries (pack * 128 columns), so pack ~ sqrt(passes * split positions / 128).
@@ -1315,6 +1319,18 @@ def decode_heads_per_program(Hkv: int, items: int, max_steps: int, cores: int = 
             continue
         best = hpp
     return best
+
+
+def decode_tails_per_program(B: int, chunks: int, items: int) -> int:
+    """Tails (sequences, for each kv head of the program) each of the ``chunks`` chunk
+    programs of a head group runs beside its first splits under nki.* (``decode._split_chunk``:
+    the tail of sequence ``c K + j`` in step j, j < K, of chunk program c): ``K = B // chunks``
+    at most ``items`` (the steps of one head), even when ``items`` is (the steps run in
+    pairs). The ``B - chunks K`` others run as tail programs of their own."""
+    if chunks == 0:
+        return 0
+    k = min(items, B // chunks)
+    return k - k % 2 if items > 1 else k
 
 
 def decode_zero_by_dma(split_rows: int) -> bool:
