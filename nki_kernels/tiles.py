@@ -1137,8 +1137,14 @@ DECODE_SINGLE_SEQUENCE_SPLIT_KEYS = 8192
 #: the engine fill 1638.8; B=8 S=16384 (128-row splits), engine fill: 1856.0 -> 1808.8.
 DECODE_DMA_ZERO_FILL_MAX_ROWS = 64
 #: Share of the split kernel's K^T PSUM -> SBUF copies (one per staging bank of transposed
-#: keys, ``decode._transpose_keys``) on ScalarE, the rest on VectorE, per target. Measured:
-#: (filled in below)
+#: keys, ``decode._transpose_keys``) on ScalarE, the rest on VectorE, per target (NeuronCore-v3+
+#: VectorE copies 16-bit data out of PSUM at 2 elements per cycle). Measured, trn2 nki.*
+#: scheduled estimates: FP8 e5m2 cache, B=1 S=32768 (engine-bound; ``python
+#: benchmarks/decode.py --kv-dtype float8_e5m2 --targets trn2 --lnc 1``) at shares 0.25 / 0.5
+#: / 0.75 / 1.0: 371.6 / 345.9 / 352.3 / 392.0 us; B=16 S=2048 Hq=32 Hkv=8 bf16 (a throwaway
+#: script calling ``host.flash_decode``) 825.3 -> 800.7 us at 0.5 before the tails ran beside
+#: the splits, 634.7 -> 634.3 after; B=8 S=16384 (DMA-bound) 1790.1 us at 1.0. trn1 (trn3:
+#: the trn2 value, not measured) keeps them on ScalarE: its VectorE has no 2x mode.
 DECODE_KT_ACT_SHARE = {"trn1": 1.0, "trn2": 0.5, "trn3": 0.5}
 #: Passes over a split's packed score columns (VectorE max, ScalarE exp, VectorE P^T copy): the
 #: packing factor trades them (split positions / pack columns) against zero-filling the packed
@@ -1325,12 +1331,9 @@ def decode_tails_per_program(B: int, chunks: int, items: int) -> int:
     """Tails (sequences, for each kv head of the program) each of the ``chunks`` chunk
     programs of a head group runs beside its first splits under nki.* (``decode._split_chunk``:
     the tail of sequence ``c K + j`` in step j, j < K, of chunk program c): ``K = B // chunks``
-    at most ``items`` (the steps of one head), even when ``items`` is (the steps run in
-    pairs). The ``B - chunks K`` others run as tail programs of their own."""
-    if chunks == 0:
-        return 0
-    k = min(items, B // chunks)
-    return k - k % 2 if items > 1 else k
+    at most ``items`` (the steps of one head). The ``B - chunks K`` others run as tail programs
+    of their own."""
+    return min(items, B // chunks) if chunks else 0
 
 
 def decode_zero_by_dma(split_rows: int) -> bool:

@@ -1177,6 +1177,17 @@ def _guards_new_values(T):
     return int(T > 1)
 
 
+def _tail_groups(ns, T):
+    """The tail's gather groups ``(first slot, end)`` over its ``C = ns + T`` slots (``ns =
+    n - 1`` of the partial key row, then the T new tokens; slot q is position ``Lp - ns +
+    q``), one K and one V gather (and transpose, and P V) each, on partitions from 0: the
+    partial row and the new tokens apart when the new tokens' values are guarded (T > 1:
+    ``C`` may also exceed the 128 partitions), else all ``n`` slots in one."""
+    if _guards_new_values(T):
+        return ([(0, ns)] if ns else []) + [(ns, ns + T)]
+    return [(0, ns + T)]
+
+
 def _tail_partial(cfg, io, tail):
     """Partial (o, lse) of ``tail`` (:class:`_Tail`: one sequence and kv head) over its last
     positions, into the last slot.
@@ -1207,40 +1218,36 @@ def _tail_partial(cfg, io, tail):
     v_pos = v_cache.reshape((B * Hkv * S_max, D))
     bh = _terms(tail.b, cfg.Hkv) + tail.h                   # b Hkv + h, a linear form
 
-    # ---- new tokens at Lp + u (all valid) ----
-    if not paged:
-        # the head's column h S_max + q serves both gathers' rows (the sequence's offsets
-        # added)
-        head_row = seq.head_rows[0:max(T, ns), nl.ds(tail.hh, 1)]
-        new_idx = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_tensor(new_idx, head_row[0:T], seq.new_off[0:T, nl.ds(j, 1)], op=nl.add)
-    else:
-        new_idx = _paged_tail_rows(cfg, io, tail, 0, T, None)
-    k_new = nl.ndarray((T, D), dtype=mm, buffer=nl.sbuf)
-    # [V | flag] when T > 1: a new token's value may be hidden from some rows (causal or tree
-    # mask), so its non-finite entries are zeroed and flagged (forward.guard_values): a row
-    # that gives it weight gets NaN, the others never compute 0 * inf. One new token is seen
-    # by every row (the tree mask's diagonal is set), like the splits' values: no guard
+    # ---- the C positions Lp - (n - 1) + q, in gather groups (_tail_groups) ----
+    # [V | flag] for the new tokens when T > 1: a new token's value may be hidden from some
+    # rows (causal or tree mask), so its non-finite entries are zeroed and flagged
+    # (forward.guard_values): a row that gives it weight gets NaN, the others never compute
+    # 0 * inf. One new token is seen by every row (the tree mask's diagonal is set), like the
+    # splits' values: no guard, and one group for the partial row and the token
     guard = _guards_new_values(T)
-    v_new = nl.ndarray((T, D + guard), dtype=mm, buffer=nl.sbuf)
-    port.dma_copy(k_new, port.rows(k_pos, new_idx), oob_skip=True)
-    port.dma_copy(v_new[0:T, 0:D], port.rows(v_pos, new_idx), oob_skip=True)
-    if guard:
-        port.tensor_reduce(v_new[0:T, D:D + 1], nl.maximum,
-                           M.zero_non_finite(v_new[0:T, 0:D])[0], axis=(1,))
-    if ns > 0:
+    groups = []
+    for gi, (g0, g1) in enumerate(_tail_groups(ns, T)):
+        size = g1 - g0
         if not paged:
-            part_idx = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_tensor(part_idx, head_row[0:ns], seq.part_off[0:ns, nl.ds(j, 1)],
-                               op=nl.add)
+            # the head's column h S_max + q plus the group's offsets (sequence, Lp, skips)
+            idx = nl.ndarray((size, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_tensor(idx, seq.head_rows[0:size, nl.ds(tail.hh, 1)],
+                               seq.offsets[gi][0:size, nl.ds(j, 1)], op=nl.add)
         else:
-            part_idx = _paged_tail_rows(cfg, io, tail, -ns, ns, seq.before[0:ns, nl.ds(j, 1)])
-        k_part = nl.ndarray((ns, D), dtype=mm, buffer=nl.sbuf)
-        port.memset(k_part, 0, engine="gpsimd")
-        v_part = nl.ndarray((ns, D), dtype=mm, buffer=nl.sbuf)
-        port.memset(v_part, 0, engine="gpsimd")
-        port.dma_copy(k_part, port.rows(k_pos, part_idx), oob_skip=True)
-        port.dma_copy(v_part, port.rows(v_pos, part_idx), oob_skip=True)
+            idx = _paged_tail_rows(cfg, io, tail, g0 - ns, size,
+                                   seq.before[0:size, nl.ds(j, 1)] if g0 < ns else None)
+        flag = guard if g0 >= ns else 0             # the new tokens' group
+        k_g = nl.ndarray((size, D), dtype=mm, buffer=nl.sbuf)
+        v_g = nl.ndarray((size, D + flag), dtype=mm, buffer=nl.sbuf)
+        if g0 < ns:                                 # slots before the row start: skipped
+            port.memset(k_g, 0, engine="gpsimd")
+            port.memset(v_g, 0, engine="gpsimd")
+        port.dma_copy(k_g, port.rows(k_pos, idx), oob_skip=True)
+        port.dma_copy(v_g[0:size, 0:D], port.rows(v_pos, idx), oob_skip=True)
+        if flag:
+            port.tensor_reduce(v_g[0:size, D:D + 1], nl.maximum,
+                               M.zero_non_finite(v_g[0:size, 0:D])[0], axis=(1,))
+        groups.append((g0, g1, k_g, v_g, flag))
 
     # ---- K^T of all C keys ----
     kT = nl.ndarray((PMAX, n_dt * C), dtype=mm, buffer=nl.sbuf)
@@ -1249,25 +1256,26 @@ def _tail_partial(cfg, io, tail):
         dsz = min(PMAX, D - d0)
         t_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=port.transpose_dtype(mm),
                           buffer=nl.psum)
-        if ns > 0:
-            port.nc_transpose(t_ps[0:dsz, 0:ns], k_part[0:ns, d0:d0 + dsz])
-        port.nc_transpose(t_ps[0:dsz, ns:C], k_new[0:T, d0:d0 + dsz])
+        for g0, g1, k_g, _, _ in groups:
+            port.nc_transpose(t_ps[0:dsz, g0:g1], k_g[0:g1 - g0, d0:d0 + dsz])
         port.tensor_copy(kT[0:dsz, dt * C:(dt + 1) * C], t_ps[0:dsz, 0:C], engine="scalar")
 
+    # the flagged group first: its P V writes the flag column the others do not accumulate
+    values = sorted([(g0, g1, v_g, flag) for g0, g1, _, v_g, flag in groups],
+                    key=lambda v: -v[3])
     for i, rt0, rows in _row_tiles(R, cfg.row_tile):
-        _tail_rows(cfg, io, tail, bh, kT, (k_new, v_new, v_part if ns > 0 else None),
-                   (seq.selectors[i], seq.ones[i]), rt0, rows)
+        _tail_rows(cfg, io, tail, bh, kT, values, (seq.selectors[i], seq.ones[i]), rt0, rows)
 
 
 def _tail_rows(cfg, io, tail, bh, kT, values, tile, rt0, rows):
     """One row tile of :func:`_tail_partial`: query rows ``rt0 .. rt0 + rows`` of the kv head
-    against the tail's ``C = n - 1 + T`` keys (``kT``, ``values``: ``(k_new, v_new | flag,
-    v_part or None)``; ``tile``: the tile's :func:`_token_selector` and ``(1, rows)`` ones)."""
+    against the tail's ``C = n - 1 + T`` keys (``kT``, ``values``: ``(first slot, end, V
+    [| flag], flag)`` of each gather group, the flagged one first; ``tile``: the tile's
+    :func:`_token_selector` and ``(1, rows)`` ones)."""
     T, D, n, R, mm = cfg.T, cfg.D, cfg.n, cfg.R, cfg.mm
     ns = n - 1
     C = ns + T
     n_dt = tiles.ceil_div(D, PMAX)
-    _, v_new, v_part = values
     new_bias = tail.seq.new_bias
     part_bias = (None if ns == 0 else
                  tail.seq.part_bias[0:1, nl.ds(tail.j * ns, ns)])   # the sequence's mask row
@@ -1336,17 +1344,13 @@ def _tail_rows(cfg, io, tail, bh, kT, values, tile, rt0, rows):
     port.activation_reduce(p_sb, nl.exp, scores, reduce_op=nl.add, reduce_res=l_col,
                            bias=neg_m)
     pt_ps = nl.ndarray((PMAX, 2 * PMAX), dtype=port.transpose_dtype(mm), buffer=nl.psum)
-    if ns > 0:
-        port.nc_transpose(pt_ps[0:ns, 0:rows], p_sb[0:rows, 0:ns])
-    port.nc_transpose(pt_ps[0:T, PMAX:PMAX + rows], p_sb[0:rows, ns:C])
+    for i, (g0, g1, _, _) in enumerate(values):
+        port.nc_transpose(pt_ps[0:g1 - g0, i * PMAX:i * PMAX + rows], p_sb[0:rows, g0:g1])
     o_ps = nl.ndarray((rows, D + 1), dtype=nl.float32, buffer=nl.psum)
-    pt_new = nl.ndarray((T, rows), dtype=mm, buffer=nl.sbuf)
-    port.activation(pt_new, nl.copy, pt_ps[0:T, PMAX:PMAX + rows])
-    port.nc_matmul(o_ps[0:rows, 0:D + guard], pt_new, v_new)
-    if ns > 0:
-        pt_part = nl.ndarray((ns, rows), dtype=mm, buffer=nl.sbuf)
-        port.activation(pt_part, nl.copy, pt_ps[0:ns, 0:rows])
-        port.nc_matmul(o_ps[0:rows, 0:D], pt_part, v_part, accumulate=True)
+    for i, (g0, g1, v_g, flag) in enumerate(values):
+        pt_g = nl.ndarray((g1 - g0, rows), dtype=mm, buffer=nl.sbuf)
+        port.activation(pt_g, nl.copy, pt_ps[0:g1 - g0, i * PMAX:i * PMAX + rows])
+        port.nc_matmul(o_ps[0:rows, 0:D + flag], pt_g, v_g, accumulate=i > 0)
 
     inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.reciprocal(inv_l, l_col)
@@ -1419,21 +1423,20 @@ class _TailSequence(NamedTuple):
     """What the tails of ``count`` consecutive sequences share across their kv heads
     (:func:`_tail_sequence`, made once per tail program, or once per chunk program for the
     tails it runs beside its splits), column j for sequence ``b0 + j``: the committed lengths
-    ``lp = L - T`` (fp32 ``(128, count)``); for a contiguous cache the int32 ``(T, count)``
-    ``new_off``, ``b Hkv S_max + Lp`` (the new tokens' flat rows from ``h S_max + q``, else
-    None); with ``n > 1`` the int32 ``(n - 1, count)`` push out of bounds of the partial row's
-    slots before the row start (``before``), for a contiguous cache the offsets ``part_off =
-    b Hkv S_max + lp - (n - 1) + before`` of their rows from ``h S_max + q`` (else None), and
-    their ``(1, count (n - 1))`` mask rows (``part_bias``, sequence j at columns ``j (n - 1)
-    ..``; all three None at n = 1); the ``(T, T)`` new-token bias, the token selector and the
-    ``(1, rows)`` ones of each row tile (:func:`_token_selector`); for a contiguous cache the
-    int32 ``(max(T, n - 1), hpp)`` ``head_rows``, column ``hh`` the row ``h S_max + q`` of
-    partition q for head ``h = hg hpp + hh`` (else None)."""
+    ``lp = L - T`` (fp32 ``(128, count)``); for a contiguous cache, per gather group
+    ``(g0, g1)`` of :func:`_tail_groups`, the int32 ``(g1 - g0, count)`` offsets ``b Hkv S_max
+    + Lp - (n - 1) + g0 (+ before)`` of partition p's flat row (slot ``g0 + p``) from ``h
+    S_max + p`` (``offsets``, else None); with ``n > 1`` the int32 ``(size, count)`` push out
+    of bounds of the slots before the partial row's start (``before``, over the first group's
+    ``size`` partitions) and their ``(1, count (n - 1))`` mask rows (``part_bias``, sequence j
+    at columns ``j (n - 1) ..``; both None at n = 1); the ``(T, T)`` new-token bias, the token
+    selector and the ``(1, rows)`` ones of each row tile (:func:`_token_selector`); for a
+    contiguous cache the int32 ``(largest group, hpp)`` ``head_rows``, column ``hh`` the row
+    ``h S_max + p`` of partition p for head ``h = hg hpp + hh`` (else None)."""
 
     lp: object
-    new_off: object
+    offsets: list
     before: object
-    part_off: object
     part_bias: object
     new_bias: object
     selectors: list
@@ -1476,22 +1479,17 @@ def _tail_sequence(cfg, io, hg, b0, count):
     ``count`` sequences at once (one column each)."""
     T, n = cfg.T, cfg.n
     ns = n - 1
+    groups = _tail_groups(ns, T)
+    lead = groups[0][1] - groups[0][0]          # the first group's slots (from slot 0)
+    widest = max(g1 - g0 for g0, g1 in groups)
     len_col = _length_columns(io.cache_lens, _expr(b0), count, PMAX)
     lp, rem = _committed_split(len_col, T, n)
     paged = io.block_table is not None
-    new_off = before = part_off = part_bias = head_rows = seq_rows = None
+    offsets = before = part_bias = head_rows = None
     if not paged:
         S_max = io.k_cache.shape[2]
         oob = _oob_offset(io.k_cache.shape[0] * io.k_cache.shape[1] * S_max)
-        # b Hkv S_max of each sequence (int32: exact at any cache size)
-        seq_rows = nl.ndarray((max(T, ns), count), dtype=nl.int32, buffer=nl.sbuf)
-        port.iota(seq_rows, [[cfg.Hkv * S_max, count]], runtime=_terms(b0, cfg.Hkv * S_max),
-                  offsets=io.offsets)
-        lp_i = nl.ndarray((T, count), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_copy(lp_i, lp[0:T], engine="vector")
-        new_off = nl.ndarray((T, count), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_tensor(new_off, lp_i, seq_rows[0:T], op=nl.add)
-        head_rows = nl.ndarray((max(T, ns), cfg.hpp), dtype=nl.int32, buffer=nl.sbuf)
+        head_rows = nl.ndarray((widest, cfg.hpp), dtype=nl.int32, buffer=nl.sbuf)
         port.iota(head_rows, [[S_max, cfg.hpp]], channel_multiplier=1,
                   runtime=[(hg, cfg.hpp * S_max)], offsets=io.offsets)
     else:
@@ -1501,18 +1499,29 @@ def _tail_sequence(cfg, io, hg, b0, count):
         first = nl.ndarray(tuple(rem.shape), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(first, rem, op0=nl.subtract, operand0=float(ns),
                            reverse0=True)                                # (n - 1) - rem
-        slot_col = nl.ndarray((ns, 1), dtype=nl.float32, buffer=nl.sbuf)
+        slot_col = nl.ndarray((lead, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.iota(slot_col, [[0, 1]], channel_multiplier=1)
-        before = nl.ndarray((ns, count), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_scalar(before, first[0:ns], op0=nl.greater, operand0=slot_col,
+        before = nl.ndarray((lead, count), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(before, first[0:lead], op0=nl.greater, operand0=slot_col,
                            op1=nl.multiply, operand1=float(oob))
-        if not paged:
-            start = nl.ndarray((ns, count), dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_scalar(start, lp[0:ns], op0=nl.subtract, operand0=float(ns))
-            in_seq = nl.ndarray((ns, count), dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_tensor(in_seq, start, before, op=nl.add)
-            part_off = nl.ndarray((ns, count), dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_tensor(part_off, in_seq, seq_rows[0:ns], op=nl.add)
+    if not paged:
+        # b Hkv S_max of each sequence (int32: exact at any cache size)
+        seq_rows = nl.ndarray((widest, count), dtype=nl.int32, buffer=nl.sbuf)
+        port.iota(seq_rows, [[cfg.Hkv * S_max, count]], runtime=_terms(b0, cfg.Hkv * S_max),
+                  offsets=io.offsets)
+        offsets = []
+        for g0, g1 in groups:
+            size = g1 - g0
+            start = nl.ndarray((size, count), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_scalar(start, lp[0:size], op0=nl.subtract, operand0=float(ns - g0))
+            if g0 < ns:
+                skipped = nl.ndarray((size, count), dtype=nl.int32, buffer=nl.sbuf)
+                port.tensor_tensor(skipped, start, before, op=nl.add)
+                start = skipped
+            off = nl.ndarray((size, count), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_tensor(off, start, seq_rows[0:size], op=nl.add)
+            offsets.append(off)
+    if ns > 0:
         slot_row = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
         port.iota(slot_row, [[1, ns]])
         part_bias = nl.ndarray((1, count * ns), dtype=_mask_dtype(), buffer=nl.sbuf)
@@ -1525,7 +1534,7 @@ def _tail_sequence(cfg, io, hg, b0, count):
     row_tiles = _row_tiles(cfg.R, cfg.row_tile)
     selectors = [_token_selector(T, rt0, rows) for _, rt0, rows in row_tiles]
     ones = [nl.ones((1, rows), dtype=_mask_dtype(), buffer=nl.sbuf) for _, _, rows in row_tiles]
-    return _TailSequence(lp, new_off, before, part_off, part_bias,
+    return _TailSequence(lp, offsets, before, part_bias,
                          _new_token_bias(io.tree_mask, T), selectors, ones, head_rows)
 
 
@@ -1557,8 +1566,8 @@ def _tails(cfg, io, hg, b):
 def _split_chunk(cfg, io, hg, c, tails=0):
     """Chunk program ``(hg, c)`` of the split kernel: work items ``c ipp .. c ipp + ipp - 1``
     for kv heads ``hg hpp .. hg hpp + hpp - 1``, i.e. ``hpp ipp`` steps ``t = hh ipp + j``
-    (head ``hh`` of the group, item j). With ``tails`` (``tiles.decode_tails_per_program``,
-    0 or even unless ``ipp`` is 1), step ``(hh, j)`` with ``j < tails`` then also runs the tail
+    (head ``hh`` of the group, item j). With ``tails`` (``tiles.decode_tails_per_program``),
+    step ``(hh, j)`` with ``j < tails`` then also runs the tail
     of sequence ``c tails + j`` for its kv head (:func:`_tail_partial`; the sequences'
     shared tail state is made once with the headers): a tail is short, latency-bound work
     on the engines, the splits are bound by their K/V gathers, so run side by side each
@@ -1772,16 +1781,19 @@ def _split_chunk(cfg, io, hg, c, tails=0):
         step(0, 0, 0, tails > 0)
     elif ipp % 2 == 0:
         def head_items(hh):
-            def pairs(tail):
+            def pairs(first, second):
                 def item_pair(jj):
-                    step(hh, 2 * jj, 0, tail)
-                    step(hh, 2 * jj + 1, 1, tail)
+                    step(hh, 2 * jj, 0, first)
+                    step(hh, 2 * jj + 1, 1, second)
                 return item_pair
 
-            # the item pairs with tails, then those without (compile-time bounds)
-            for lo, hi, tail in ((0, tails // 2, True), (tails // 2, ipp // 2, False)):
+            # the item pairs with two tails, with one (an odd count), then with none
+            # (compile-time bounds)
+            for lo, hi, with_tails in ((0, tails // 2, (True, True)),
+                                       (tails // 2, (tails + 1) // 2, (True, False)),
+                                       ((tails + 1) // 2, ipp // 2, (False, False))):
                 if hi > lo:
-                    port.loop(hi, pairs(tail), carried=True, start=lo)
+                    port.loop(hi, pairs(*with_tails), carried=True, start=lo)
 
         port.loop(hpp, head_items, carried=True)
     else:
@@ -1869,8 +1881,10 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         t``), the sink in the tail's partial only (so the merge counts it once).
 
     Legacy grid ``(Hkv / heads_per_program, C + B)`` (:func:`decode_grid`; nki.*:
-    ``kernel[lnc]``, looping over the same programs, tails first), ``C = W /
-    items_per_program``: program
+    ``kernel[lnc]``, looping over the same programs, the chunk programs running the tails
+    of the first ``C K`` sequences beside their splits, ``K =
+    tiles.decode_tails_per_program(B, C, items_per_program)`` without a tree mask, the
+    other tails first), ``C = W / items_per_program``: program
     ``(hg, c)`` with ``c < C`` runs work items ``c items_per_program ..`` for kv heads ``hg
     heads_per_program ..``; item ``(b, s)`` is key rows ``s * split_rows .. (s + 1) *
     split_rows`` of sequence b (positions ``n`` times that), reading only the rows entirely
