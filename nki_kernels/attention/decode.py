@@ -6,7 +6,7 @@ one source each through ``nki.*`` (NKI 0.7) and the legacy namespace
 grid whose programs are work-item chunks then tails; 0.7 launches ``kernel[lnc]`` and walks
 the chunks in a compiled loop (:func:`port.for_program_parts`), the cores of LNC=2 sharing
 it, each chunk program running the tails of ``K`` sequences beside its first ``K`` steps
-(``tiles.decode_tails_per_program``, contiguous or paged caches without a tree mask: a tail
+(``tiles.decode_tails_per_program``: a batch, without a tree mask; a tail
 is a short, latency-bound chain on the engines, a split is bound by its K/V gathers, so side
 by side each fills the other's idle time; at B = 64, S = 2048, Hq = 32, Hkv = 8 on trn2 the
 512 tails run first took 885 us of the 3276 us, VectorE-bound with the DMA queues 40% busy),
