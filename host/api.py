@@ -972,9 +972,11 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     sequence that uses it). Nothing at or past ``cache_lens[b]`` is read; padding items read
     only their work row.
 
-    Through ``api="nki"`` with LNC=2 and an odd number ``H' B`` of tail programs, both cores
-    run the middle one (:func:`decode_launch`), sequence ``b = ((H' B - 1) / 2) mod B`` for
-    ``h = Hkv / H'`` kv heads: its reads (``s h G T D`` of q, 4 of the length, ``2 s h D
+    Through ``api="nki"`` with LNC=2 and an odd number ``H' B'`` of tail programs, both cores
+    run the middle one (:func:`decode_launch`), sequence ``b = B - B' + ((H' B' - 1) / 2) mod
+    B'`` for ``h = Hkv / H'`` kv heads (without a tree mask ``B' = B - C K``: the chunk
+    programs, ``C = (W + P) / I`` per head group, run the tails of the first ``C K`` sequences
+    beside their splits, ``K = tiles.decode_tails_per_program(B, C, I)``; else ``B' = B``): its reads (``s h G T D`` of q, 4 of the length, ``2 s h D
     (Lp_b mod n + T)`` of K/V, ``T^2`` of the tree mask, paged ``4 h (Lp_b mod n + T)``) and
     its ``4 h G T (D + 1)`` bytes of partials count twice.
 
@@ -1013,8 +1015,12 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
         read += 2 * cs * Hkv * tiles_ * plan.key_row * D * zeroed
     scale_rows = 8 * min(Hq // Hkv * T, plan.row_tile) if cs == 1 else 0   # FP8: the scales
     read += scale_rows * Hkv * ((W + pad) // launch_.items_per_program + B)
-    if api == "nki" and lnc == 2 and (groups * B) % 2:
-        b = ((groups * B - 1) // 2) % B
+    tails = B                   # tail programs per head group
+    if api == "nki" and not tree_mask and work is not None:
+        chunks = work.shape[0] // launch_.items_per_program
+        tails -= chunks * tiles.decode_tails_per_program(B, chunks, launch_.items_per_program)
+    if api == "nki" and lnc == 2 and (groups * tails) % 2:
+        b = B - tails + ((groups * tails - 1) // 2) % tails
         h, G = Hkv // groups, Hq // Hkv
         tail = int(cache_lens[b]) - T
         tail = tail % plan.key_row + T                       # positions the tail reads

@@ -1151,6 +1151,25 @@ DECODE_SINGLE_SEQUENCE_SPLIT_KEYS = 8192
 #: by DMA (with the other per-step savings of 2026-11-28) 1646.0 -> 1678.9 us estimate, with
 #: the engine fill 1638.8; B=8 S=16384 (128-row splits), engine fill: 1856.0 -> 1808.8.
 DECODE_DMA_ZERO_FILL_MAX_ROWS = 64
+#: Share of the split kernel's K^T PSUM -> SBUF copies (one per staging bank of transposed
+#: keys, ``decode._transpose_keys``) on ScalarE, the rest on VectorE, per target (NeuronCore-v3+
+#: VectorE copies 16-bit data out of PSUM at 2 elements per cycle). Measured, trn2 nki.*
+#: scheduled estimates: FP8 e5m2 cache, B=1 S=32768 (engine-bound; ``python
+#: benchmarks/decode.py --kv-dtype float8_e5m2 --targets trn2 --lnc 1``) at shares 0.25 / 0.5
+#: / 0.75 / 1.0: 371.6 / 345.9 / 352.3 / 392.0 us; B=16 S=2048 Hq=32 Hkv=8 bf16 (a throwaway
+#: script calling ``host.flash_decode``) 825.3 -> 800.7 us at 0.5 before the tails ran beside
+#: the splits, 634.7 -> 634.3 after; B=8 S=16384 (DMA-bound) 1790.1 us at 1.0. trn1 (trn3:
+#: the trn2 value, not measured) keeps them on ScalarE: its VectorE has no 2x mode.
+DECODE_KT_ACT_SHARE = {"trn1": 1.0, "trn2": 0.5, "trn3": 0.5}
+#: Smallest batch whose tails the nki.* split kernel runs beside its splits
+#: (:func:`decode_tails_per_program`). A single sequence's tails are a few short chains that
+#: run first, under the chunk program's headers, for free: B=1 Hq=32 Hkv=8 S=32768 on trn2
+#: (``python benchmarks/decode.py --targets trn2 --lnc 1``) models 431.4 us that way and 445.4
+#: with the tail beside each kv head's first split. At B=64 S=2048 the 512 tails run first took
+#: 885 us of 3276 (VectorE-bound, the DMA queues 40% busy); beside the splits the kernel models
+#: 2509.2 (``python benchmarks/nkilib_side_by_side.py /tmp/nkilib --kernel tkg --decode
+#: 64x2048``, with the other changes of that entry in CHANGELOG.md).
+DECODE_TAILS_BESIDE_SPLITS_MIN_BATCH = 2
 #: Passes over a split's packed score columns (VectorE max, ScalarE exp, VectorE P^T copy): the
 #: packing factor trades them (split positions / pack columns) against zero-filling the packed
 #: queries (pack * 128 columns), so pack ~ sqrt(passes * split positions / 128).
@@ -1330,6 +1349,18 @@ def decode_heads_per_program(Hkv: int, items: int, max_steps: int, cores: int = 
             continue
         best = hpp
     return best
+
+
+def decode_tails_per_program(B: int, chunks: int, items: int) -> int:
+    """Tails (sequences, for each kv head of the program) each of the ``chunks`` chunk
+    programs of a head group runs beside its first splits under nki.* (``decode._split_chunk``:
+    the tail of sequence ``c K + j`` in step j, j < K, of chunk program c): ``K = B // chunks``
+    at most ``items`` (the steps of one head), for a batch of at least
+    DECODE_TAILS_BESIDE_SPLITS_MIN_BATCH sequences (else 0). The ``B - chunks K`` others run as
+    tail programs of their own, first."""
+    if chunks == 0 or B < DECODE_TAILS_BESIDE_SPLITS_MIN_BATCH:
+        return 0
+    return min(items, B // chunks)
 
 
 def decode_zero_by_dma(split_rows: int) -> bool:

@@ -4,9 +4,14 @@ Two kernels, launched in order by ``host.flash_decode`` (the merge in ``decode_m
 one source each through ``nki.*`` (NKI 0.7) and the legacy namespace
 (:mod:`nki_kernels.port`). Where the namespaces differ: the legacy split kernel runs on an SPMD
 grid whose programs are work-item chunks then tails; 0.7 launches ``kernel[lnc]`` and walks
-the tails, then the chunks, in two compiled loops (:func:`port.for_program_parts`), the cores
-of LNC=2 sharing each (tails first: their short, latency-bound chains then overlap the
-chunks' headers instead of trailing the last split). The program indices (head group, chunk, sequence) and the heads of a
+the chunks in a compiled loop (:func:`port.for_program_parts`), the cores of LNC=2 sharing
+it, each chunk program running the tails of ``K`` sequences beside its first ``K`` steps
+(``tiles.decode_tails_per_program``: a batch, without a tree mask; a tail
+is a short, latency-bound chain on the engines, a split is bound by its K/V gathers, so side
+by side each fills the other's idle time; at B = 64, S = 2048, Hq = 32, Hkv = 8 on trn2 the
+512 tails run first took 885 us of the 3276 us, VectorE-bound with the DMA queues 40% busy),
+and the other tails in a loop of their own before it (their chains then overlap the chunks'
+headers instead of trailing the last split). The program indices (head group, chunk, sequence) and the heads of a
 group enter iota offsets as index expressions in legacy and, in 0.7 (compile-time offsets),
 as columns of a small table (:class:`port.OffsetColumns`) added on VectorE; strided 3-D
 copies are ``nl.arange`` expressions in legacy and ``.ap`` views in 0.7 (:func:`port.view`);
@@ -96,7 +101,8 @@ operand (64 TensorE cycles per 128 positions). A split's scores (<= 2 PSUM banks
 PSUM before its softmax, so no online rescaling is needed; a long cache uses more splits.
 
 Per position (D=128, bf16): TensorE 1 cycle (K transpose) + 1 (Q K^T) + 0.5 (P V); ScalarE
-1 per 128 positions and head-dim row (K^T PSUM -> SBUF); VectorE/GpSimd a few per packed
+and VectorE 1 per 128 positions and head-dim row between them (K^T PSUM -> SBUF,
+``tiles.DECODE_KT_ACT_SHARE``); VectorE/GpSimd a few per packed
 score column plus, for splits zeroed on the engines, the zero-fill (a 16-bit copy at 4
 elements/cycle on trn2) -- all below the
 DMA time of the 512 bytes per position (hardware-and-limits.md §5, decode rows;
@@ -214,26 +220,28 @@ def _row_tiles(rows, row_tile):
 # ============================================================================================
 # Runtime lengths on chip
 # ============================================================================================
-def _length_column(cache_lens, b, parts):
-    """``cache_lens[b]`` as an fp32 column ``(parts, 1)`` in SBUF (the same on every partition).
+def _length_columns(cache_lens, b0, count, parts):
+    """``cache_lens[b0 + j]`` in column j of an fp32 ``(parts, count)`` SBUF tile (the same on
+    every partition; ``b0`` an index expression).
 
-    One 4-byte DMA, then a K=1 matmul ``ones(1, parts)^T @ L`` broadcasts it down the
-    partitions (exact: integers < 2^24 in fp32).
+    One ``4 count``-byte DMA, then a K=1 matmul ``ones(1, parts)^T @ L`` broadcasts the row
+    down the partitions (exact: integers < 2^24 in fp32).
     """
-    len_i = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    port.dma_copy(len_i, cache_lens.reshape((cache_lens.shape[0], 1))[nl.ds(b, 1), 0:1])
-    len_f = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    len_i = nl.ndarray((1, count), dtype=nl.int32, buffer=nl.sbuf)
+    port.dma_copy(len_i, cache_lens.reshape((1, cache_lens.shape[0]))[0:1, nl.ds(b0, count)])
+    len_f = nl.ndarray((1, count), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_copy(len_f, len_i, engine="vector")
     ones = nl.ones((1, parts), dtype=nl.float32, buffer=nl.sbuf)
-    col_ps = nl.ndarray((parts, 1), dtype=nl.float32, buffer=nl.psum)
+    col_ps = nl.ndarray((parts, count), dtype=nl.float32, buffer=nl.psum)
     port.nc_matmul(col_ps, ones, len_f)
-    col = nl.ndarray((parts, 1), dtype=nl.float32, buffer=nl.sbuf)
+    col = nl.ndarray((parts, count), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_copy(col, col_ps, engine="vector")
     return col
 
 
 def _committed_split(len_col, T, n):
-    """``(Lp, rem)`` columns: committed positions ``Lp = L - T`` and ``Lp mod n``."""
+    """``(Lp, rem)`` tiles shaped like ``len_col``: committed positions ``Lp = L - T`` and
+    ``Lp mod n``."""
     lp = nl.ndarray(tuple(len_col.shape), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(lp, len_col, op0=nl.subtract, operand0=float(T))
     return lp, M.int_mod(lp, n)
@@ -517,13 +525,19 @@ def _gather_rows(rows_view, idx, fill, t, steps, g, dst, engine):
 def _transpose_keys(k_nat, kT, g):
     """``kT (128, n_dt * n * rs)`` -- head-dim tile ``dt``, position ``j`` of key row ``row``
     at column ``(dt * n + j) * rs + row`` -- from the gathered key rows ``k_nat (kv_rows,
-    n_kv * n * D)``: TensorE transposes through PSUM staging banks, copied out by ScalarE."""
+    n_kv * n * D)``: TensorE transposes through PSUM staging banks, copied out by ScalarE and
+    VectorE (``tiles.DECODE_KT_ACT_SHARE`` of the staging banks of a K/V tile on ScalarE: on
+    NeuronCore-v3+ VectorE copies 16-bit PSUM data at 2 elements per cycle, and in a
+    batch of short sequences these copies were ScalarE's largest load)."""
     n, D, rs, kv_rows = g.n, g.D, g.rs, g.kv_rows
     per_bank = max(1, min(n, tiles.PSUM_FMAX // kv_rows))   # transposes per PSUM staging bank
+    groups = tiles.ceil_div(n, per_bank)
+    share = tiles.DECODE_KT_ACT_SHARE[port.target()]
 
     def key_tile(k):
         for dt, d0, dsz in g.d_tiles():
-            for jg in tiles.unrolled(tiles.ceil_div(n, per_bank)):
+            for jg in tiles.unrolled(groups):
+                i = dt * groups + jg        # the staging bank's rank in the K/V tile
                 j0 = jg * per_bank
                 cnt = min(per_bank, n - j0)
                 kt_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=port.transpose_dtype(kT.dtype),
@@ -535,7 +549,8 @@ def _transpose_keys(k_nat, kT, g):
                 # position j0 + jj of key row k 128 + r: column (dt n + j0 + jj) rs + k 128 + r
                 port.tensor_copy(
                     port.view(kT, 0, dsz, (dt * n + j0) * rs + k * PMAX, [[rs, cnt], [1, kv_rows]]),
-                    port.view(kt_ps, 0, dsz, 0, [[kv_rows, cnt], [1, kv_rows]]), engine="scalar")
+                    port.view(kt_ps, 0, dsz, 0, [[kv_rows, cnt], [1, kv_rows]]),
+                    engine="scalar" if int((i + 1) * share) > int(i * share) else "vector")
 
     port.unroll(g.n_kv, key_tile)
 
@@ -1096,7 +1111,7 @@ def _token_selector(T, rt0, rows):
     return sel
 
 
-def _paged_tail_rows(cfg, io, tail, lp, c, count, skip):
+def _paged_tail_rows(cfg, io, tail, c, count, skip):
     """int32 ``(count, 1)``: the row of the page pools' ``(num_blocks Hkv page_size, D)`` view
     holding logical position ``Lp + c + q`` of the tail's sequence b and kv head h, for
     partition q.
@@ -1115,7 +1130,8 @@ def _paged_tail_rows(cfg, io, tail, lp, c, count, skip):
     pos0 = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
     port.iota(pos0, [[0, 1]], offset=c, channel_multiplier=1)
     pos = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(pos, pos0, op0=nl.add, operand0=lp[0:count], op1=nl.maximum, operand1=0.0)
+    port.tensor_scalar(pos, pos0, op0=nl.add, operand0=tail.seq.lp[0:count, nl.ds(tail.j, 1)],
+                       op1=nl.maximum, operand1=0.0)
     within = M.int_mod(pos, ps)
     q_f = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
     port.iota(q_f, [[0, 1]], channel_multiplier=1)
@@ -1155,6 +1171,23 @@ def _paged_tail_rows(cfg, io, tail, lp, c, count, skip):
     return out
 
 
+def _guards_new_values(T):
+    """Whether a tail guards its new tokens' values (a ``[V | flag]`` column, NaN for rows
+    that weigh a non-finite one): only when some row may not see some new token (T > 1)."""
+    return int(T > 1)
+
+
+def _tail_groups(ns, T):
+    """The tail's gather groups ``(first slot, end)`` over its ``C = ns + T`` slots (``ns =
+    n - 1`` of the partial key row, then the T new tokens; slot q is position ``Lp - ns +
+    q``), one K and one V gather (and transpose, and P V) each, on partitions from 0: the
+    partial row and the new tokens apart when the new tokens' values are guarded (T > 1:
+    ``C`` may also exceed the 128 partitions), else all ``n`` slots in one."""
+    if _guards_new_values(T):
+        return ([(0, ns)] if ns else []) + [(ns, ns + T)]
+    return [(0, ns + T)]
+
+
 def _tail_partial(cfg, io, tail):
     """Partial (o, lse) of ``tail`` (:class:`_Tail`: one sequence and kv head) over its last
     positions, into the last slot.
@@ -1177,8 +1210,7 @@ def _tail_partial(cfg, io, tail):
     T, D, n, R, mm = cfg.T, cfg.D, cfg.n, cfg.R, cfg.mm
     B, Hkv, S_max = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]  # paged: pool, page
     paged = io.block_table is not None
-    seq = tail.seq
-    lp = seq.lp
+    seq, j = tail.seq, tail.j
     ns = n - 1                      # slots of the partial key row
     C = ns + T                      # score columns: [partial row | new tokens]
     n_dt = tiles.ceil_div(D, PMAX)
@@ -1186,36 +1218,36 @@ def _tail_partial(cfg, io, tail):
     v_pos = v_cache.reshape((B * Hkv * S_max, D))
     bh = _terms(tail.b, cfg.Hkv) + tail.h                   # b Hkv + h, a linear form
 
-    # ---- new tokens at Lp + u (all valid) ----
-    if not paged:
-        # the head's column bh S_max + q serves both gathers' rows (the sequence's offsets
-        # added)
-        head_row = seq.head_rows[0:max(T, ns), nl.ds(tail.hh, 1)]
-        new_idx = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_tensor(new_idx, head_row[0:T], seq.lp_i, op=nl.add)
-    else:
-        new_idx = _paged_tail_rows(cfg, io, tail, lp, 0, T, None)
-    k_new = nl.ndarray((T, D), dtype=mm, buffer=nl.sbuf)
-    # [V | flag]: a new token's value may be hidden from some rows (causal or tree mask), so
-    # its non-finite entries are zeroed and flagged (forward.guard_values): a row that gives
-    # it weight gets NaN, the others never compute 0 * inf
-    v_new = nl.ndarray((T, D + 1), dtype=mm, buffer=nl.sbuf)
-    port.dma_copy(k_new, port.rows(k_pos, new_idx), oob_skip=True)
-    port.dma_copy(v_new[0:T, 0:D], port.rows(v_pos, new_idx), oob_skip=True)
-    port.tensor_reduce(v_new[0:T, D:D + 1], nl.maximum, M.zero_non_finite(v_new[0:T, 0:D])[0],
-                       axis=(1,))
-    if ns > 0:
+    # ---- the C positions Lp - (n - 1) + q, in gather groups (_tail_groups) ----
+    # [V | flag] for the new tokens when T > 1: a new token's value may be hidden from some
+    # rows (causal or tree mask), so its non-finite entries are zeroed and flagged
+    # (forward.guard_values): a row that gives it weight gets NaN, the others never compute
+    # 0 * inf. One new token is seen by every row (the tree mask's diagonal is set), like the
+    # splits' values: no guard, and one group for the partial row and the token
+    guard = _guards_new_values(T)
+    groups = []
+    for gi, (g0, g1) in enumerate(_tail_groups(ns, T)):
+        size = g1 - g0
         if not paged:
-            part_idx = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_tensor(part_idx, head_row[0:ns], seq.part_off, op=nl.add)
+            # the head's column h S_max + q plus the group's offsets (sequence, Lp, skips)
+            idx = nl.ndarray((size, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_tensor(idx, seq.head_rows[0:size, nl.ds(tail.hh, 1)],
+                               seq.offsets[gi][0:size, nl.ds(j, 1)], op=nl.add)
         else:
-            part_idx = _paged_tail_rows(cfg, io, tail, lp, -ns, ns, seq.before)
-        k_part = nl.ndarray((ns, D), dtype=mm, buffer=nl.sbuf)
-        port.memset(k_part, 0, engine="gpsimd")
-        v_part = nl.ndarray((ns, D), dtype=mm, buffer=nl.sbuf)
-        port.memset(v_part, 0, engine="gpsimd")
-        port.dma_copy(k_part, port.rows(k_pos, part_idx), oob_skip=True)
-        port.dma_copy(v_part, port.rows(v_pos, part_idx), oob_skip=True)
+            idx = _paged_tail_rows(cfg, io, tail, g0 - ns, size,
+                                   seq.before[0:size, nl.ds(j, 1)] if g0 < ns else None)
+        flag = guard if g0 >= ns else 0             # the new tokens' group
+        k_g = nl.ndarray((size, D), dtype=mm, buffer=nl.sbuf)
+        v_g = nl.ndarray((size, D + flag), dtype=mm, buffer=nl.sbuf)
+        if g0 < ns:                                 # slots before the row start: skipped
+            port.memset(k_g, 0, engine="gpsimd")
+            port.memset(v_g, 0, engine="gpsimd")
+        port.dma_copy(k_g, port.rows(k_pos, idx), oob_skip=True)
+        port.dma_copy(v_g[0:size, 0:D], port.rows(v_pos, idx), oob_skip=True)
+        if flag:
+            port.tensor_reduce(v_g[0:size, D:D + 1], nl.maximum,
+                               M.zero_non_finite(v_g[0:size, 0:D])[0], axis=(1,))
+        groups.append((g0, g1, k_g, v_g, flag))
 
     # ---- K^T of all C keys ----
     kT = nl.ndarray((PMAX, n_dt * C), dtype=mm, buffer=nl.sbuf)
@@ -1224,26 +1256,29 @@ def _tail_partial(cfg, io, tail):
         dsz = min(PMAX, D - d0)
         t_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=port.transpose_dtype(mm),
                           buffer=nl.psum)
-        if ns > 0:
-            port.nc_transpose(t_ps[0:dsz, 0:ns], k_part[0:ns, d0:d0 + dsz])
-        port.nc_transpose(t_ps[0:dsz, ns:C], k_new[0:T, d0:d0 + dsz])
+        for g0, g1, k_g, _, _ in groups:
+            port.nc_transpose(t_ps[0:dsz, g0:g1], k_g[0:g1 - g0, d0:d0 + dsz])
         port.tensor_copy(kT[0:dsz, dt * C:(dt + 1) * C], t_ps[0:dsz, 0:C], engine="scalar")
 
+    # the flagged group first: its P V writes the flag column the others do not accumulate
+    values = sorted([(g0, g1, v_g, flag) for g0, g1, _, v_g, flag in groups],
+                    key=lambda v: -v[3])
     for i, rt0, rows in _row_tiles(R, cfg.row_tile):
-        _tail_rows(cfg, io, tail, bh, kT, (k_new, v_new, v_part if ns > 0 else None),
-                   (seq.selectors[i], seq.ones[i]), rt0, rows)
+        _tail_rows(cfg, io, tail, bh, kT, values, (seq.selectors[i], seq.ones[i]), rt0, rows)
 
 
 def _tail_rows(cfg, io, tail, bh, kT, values, tile, rt0, rows):
     """One row tile of :func:`_tail_partial`: query rows ``rt0 .. rt0 + rows`` of the kv head
-    against the tail's ``C = n - 1 + T`` keys (``kT``, ``values``: ``(k_new, v_new | flag,
-    v_part or None)``; ``tile``: the tile's :func:`_token_selector` and ``(1, rows)`` ones)."""
+    against the tail's ``C = n - 1 + T`` keys (``kT``, ``values``: ``(first slot, end, V
+    [| flag], flag)`` of each gather group, the flagged one first; ``tile``: the tile's
+    :func:`_token_selector` and ``(1, rows)`` ones)."""
     T, D, n, R, mm = cfg.T, cfg.D, cfg.n, cfg.R, cfg.mm
     ns = n - 1
     C = ns + T
     n_dt = tiles.ceil_div(D, PMAX)
-    _, v_new, v_part = values
-    part_bias, new_bias = tail.seq.part_bias, tail.seq.new_bias
+    new_bias = tail.seq.new_bias
+    part_bias = (None if ns == 0 else
+                 tail.seq.part_bias[0:1, nl.ds(tail.j * ns, ns)])   # the sequence's mask row
     selector, ones = tile
     row0 = _expr(bh) * R + rt0
     q_nat = nl.ndarray((rows, D), dtype=io.q_rows.dtype, buffer=nl.sbuf)
@@ -1259,15 +1294,25 @@ def _tail_rows(cfg, io, tail, bh, kT, values, tile, rt0, rows):
                        kT[0:dsz, dt * C:(dt + 1) * C], accumulate=True)
     rm = (None if cfg.mods == SM.Mods() else
           _RowMods(cfg.mods, tail.slope_g, tail.sink_g, cfg.G, T, rt0, rows))
-    # the masks in their own PSUM tile, applied by selection after the modifiers: a
-    # non-finite key a row cannot see (a later new token) never reaches it, and a tanh
-    # cannot flatten them
-    mk_ps = nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
-    if ns > 0:
-        port.nc_matmul(mk_ps[0:rows, 0:ns], ones, part_bias)
-    port.nc_matmul(mk_ps[0:rows, ns:C], selector, new_bias)
-    scores = None
-    if rm is not None and rm.mods.transforms:
+    transforms = rm is not None and rm.mods.transforms
+    guard = _guards_new_values(T)
+    scores = mk_ps = None
+    if not (guard or transforms):
+        # one new token, seen by every row, and no tanh to flatten a mask: only the partial
+        # row's slots before its start are hidden, and they hold zero keys (finite scores),
+        # so their bias accumulates onto the scores in PSUM, which max and exp read there
+        if ns > 0:
+            port.nc_matmul(s_ps[0:rows, 0:ns], ones, part_bias, accumulate=True)
+        scores = s_ps[0:rows, 0:C]
+    else:
+        # the masks in their own PSUM tile, applied by selection after the modifiers: a
+        # non-finite key a row cannot see (a later new token) never reaches it, and a tanh
+        # cannot flatten them
+        mk_ps = nl.ndarray((rows, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
+        if ns > 0:
+            port.nc_matmul(mk_ps[0:rows, 0:ns], ones, part_bias)
+        port.nc_matmul(mk_ps[0:rows, ns:C], selector, new_bias)
+    if transforms:
         d = slope = None
         if rm.mods.alibi:
             col = nl.ndarray((rows, C), dtype=nl.float32, buffer=nl.sbuf)
@@ -1285,9 +1330,10 @@ def _tail_rows(cfg, io, tail, bh, kT, values, tile, rt0, rows):
     if scores is None:
         scores = nl.ndarray((rows, C), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_copy(scores, s_ps[0:rows, 0:C], engine="vector")
-    hidden = nl.ndarray((rows, C), dtype=nl.uint8, buffer=nl.sbuf)
-    port.tensor_scalar(hidden, mk_ps[0:rows, 0:C], op0=nl.less, operand0=0.0)
-    port.tensor_copy_predicated(scores, NEG, hidden)
+    if mk_ps is not None:
+        hidden = nl.ndarray((rows, C), dtype=nl.uint8, buffer=nl.sbuf)
+        port.tensor_scalar(hidden, mk_ps[0:rows, 0:C], op0=nl.less, operand0=0.0)
+        port.tensor_copy_predicated(scores, NEG, hidden)
 
     m = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_reduce(m, nl.maximum, scores, axis=(1,))
@@ -1298,26 +1344,22 @@ def _tail_rows(cfg, io, tail, bh, kT, values, tile, rt0, rows):
     port.activation_reduce(p_sb, nl.exp, scores, reduce_op=nl.add, reduce_res=l_col,
                            bias=neg_m)
     pt_ps = nl.ndarray((PMAX, 2 * PMAX), dtype=port.transpose_dtype(mm), buffer=nl.psum)
-    if ns > 0:
-        port.nc_transpose(pt_ps[0:ns, 0:rows], p_sb[0:rows, 0:ns])
-    port.nc_transpose(pt_ps[0:T, PMAX:PMAX + rows], p_sb[0:rows, ns:C])
+    for i, (g0, g1, _, _) in enumerate(values):
+        port.nc_transpose(pt_ps[0:g1 - g0, i * PMAX:i * PMAX + rows], p_sb[0:rows, g0:g1])
     o_ps = nl.ndarray((rows, D + 1), dtype=nl.float32, buffer=nl.psum)
-    pt_new = nl.ndarray((T, rows), dtype=mm, buffer=nl.sbuf)
-    port.activation(pt_new, nl.copy, pt_ps[0:T, PMAX:PMAX + rows])
-    port.nc_matmul(o_ps[0:rows, 0:D + 1], pt_new, v_new)
-    if ns > 0:
-        pt_part = nl.ndarray((ns, rows), dtype=mm, buffer=nl.sbuf)
-        port.activation(pt_part, nl.copy, pt_ps[0:ns, 0:rows])
-        port.nc_matmul(o_ps[0:rows, 0:D], pt_part, v_part, accumulate=True)
+    for i, (g0, g1, v_g, flag) in enumerate(values):
+        pt_g = nl.ndarray((g1 - g0, rows), dtype=mm, buffer=nl.sbuf)
+        port.activation(pt_g, nl.copy, pt_ps[0:g1 - g0, i * PMAX:i * PMAX + rows])
+        port.nc_matmul(o_ps[0:rows, 0:D + flag], pt_g, v_g, accumulate=i > 0)
 
     inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.reciprocal(inv_l, l_col)
     if kv is not None:              # an FP8 cache: the output of the dequantized values
         port.tensor_tensor(inv_l, inv_l, kv[0:rows, 1:2], op=nl.multiply)
-    # rows that weighed a flagged value: times NaN
-    poison = nl.ndarray((rows, 1), dtype=nl.uint8, buffer=nl.sbuf)
-    port.tensor_scalar(poison, o_ps[0:rows, D:D + 1], op0=nl.greater, operand0=0.0)
-    port.tensor_copy_predicated(inv_l, float("nan"), poison)
+    if guard:                       # rows that weighed a flagged value: times NaN
+        poison = nl.ndarray((rows, 1), dtype=nl.uint8, buffer=nl.sbuf)
+        port.tensor_scalar(poison, o_ps[0:rows, D:D + 1], op0=nl.greater, operand0=0.0)
+        port.tensor_copy_predicated(inv_l, float("nan"), poison)
     o_sb = nl.ndarray((rows, D), dtype=nl.float32, buffer=nl.sbuf)
     port.activation(o_sb, nl.copy, o_ps[0:rows, 0:D], scale=inv_l)
     log_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -1378,22 +1420,23 @@ class _Tensors(NamedTuple):
 
 
 class _TailSequence(NamedTuple):
-    """What the tails of one sequence share across its kv heads (:func:`_tail_sequence`, made
-    once per tail program): the committed length ``lp = L - T`` (fp32 column) and, for a
-    contiguous cache, as int32 ``(T, 1)`` ``lp_i`` (else None); with ``n > 1``, the int32
-    ``(n - 1, 1)`` push out of bounds of the partial row's slots before the row start
-    (``before``), for a contiguous cache the offsets ``part_off = lp - (n - 1) + before`` of
-    their rows from ``bh S_max + q`` (else None), and their ``(1, n - 1)`` mask row
-    (``part_bias``; all three None at n = 1); the ``(T, T)`` new-token bias, the token
+    """What the tails of ``count`` consecutive sequences share across their kv heads
+    (:func:`_tail_sequence`, made once per tail program, or once per chunk program for the
+    tails it runs beside its splits), column j for sequence ``b0 + j``: the committed lengths
+    ``lp = L - T`` (fp32 ``(128, count)``); for a contiguous cache, per gather group
+    ``(g0, g1)`` of :func:`_tail_groups`, the int32 ``(g1 - g0, count)`` offsets ``b Hkv S_max
+    + Lp - (n - 1) + g0 (+ before)`` of partition p's flat row (slot ``g0 + p``) from ``h
+    S_max + p`` (``offsets``, else None); with ``n > 1`` the int32 ``(size, count)`` push out
+    of bounds of the slots before the partial row's start (``before``, over the first group's
+    ``size`` partitions) and their ``(1, count (n - 1))`` mask rows (``part_bias``, sequence j
+    at columns ``j (n - 1) ..``; both None at n = 1); the ``(T, T)`` new-token bias, the token
     selector and the ``(1, rows)`` ones of each row tile (:func:`_token_selector`); for a
-    contiguous cache the int32 ``(max(T, n - 1), hpp)`` ``head_rows``, column ``hh`` the flat
-    cache row ``(b Hkv + h) S_max + q`` of partition q for head ``h = hg hpp + hh`` (else
-    None)."""
+    contiguous cache the int32 ``(largest group, hpp)`` ``head_rows``, column ``hh`` the row
+    ``h S_max + p`` of partition p for head ``h = hg hpp + hh`` (else None)."""
 
     lp: object
-    lp_i: object
+    offsets: list
     before: object
-    part_off: object
     part_bias: object
     new_bias: object
     selectors: list
@@ -1402,15 +1445,17 @@ class _TailSequence(NamedTuple):
 
 
 class _Tail(NamedTuple):
-    """One tail program step: sequence ``b`` and kv head ``h`` (linear forms ``[(index,
-    coefficient), ...]`` of the program's indices), the sequence's shared state ``seq``
-    (:class:`_TailSequence`), the head's ALiBi slopes / sinks ``(G, 1)`` and an FP8 cache's
-    ``(k_scale, v_scale)`` on the query rows' partitions ``(rows, 2)`` (each or None)."""
+    """One tail: sequence ``b`` and kv head ``h`` (linear forms ``[(index, coefficient), ...]``
+    of the program's indices), the sequences' shared state ``seq`` (:class:`_TailSequence`)
+    and the sequence's column ``j`` in it, the head's ALiBi slopes / sinks ``(G, 1)`` and an
+    FP8 cache's ``(k_scale, v_scale)`` on the query rows' partitions ``(rows, 2)`` (each or
+    None)."""
 
     b: list
     h: list
     hh: object          # the head's index within the program's group (a loop index)
     seq: _TailSequence
+    j: object           # the sequence's column in seq (an int or a loop index expression)
     slope_g: object
     sink_g: object
     scales: object
@@ -1425,81 +1470,108 @@ def _expr(terms):
     return 0 if out is None else out
 
 
-def _tail_sequence(cfg, io, hg, b):
-    """:class:`_TailSequence` of sequence ``b`` for the heads of group ``hg`` (indices of the
-    program): the
-    index arithmetic, masks and selectors its tails share, made once for the kv heads of a
-    tail program rather than once per head (at B = 64, S = 2048, Hq = 32, Hkv = 8 on trn2 they
-    were about 340 us of VectorE and 260 us of GpSimd, per head)."""
+def _tail_sequence(cfg, io, hg, b0, count):
+    """:class:`_TailSequence` of the ``count`` sequences ``b0 ..`` (``b0`` a linear form of the
+    program's indices) for the heads of group ``hg``: the index arithmetic, masks and
+    selectors their tails share, made once for the kv heads (and sequences) of a program
+    rather than once per tail (at B = 64, S = 2048, Hq = 32, Hkv = 8 on trn2 they were about
+    340 us of VectorE and 260 us of GpSimd, per head); every instruction serves all
+    ``count`` sequences at once (one column each)."""
     T, n = cfg.T, cfg.n
     ns = n - 1
-    len_col = _length_column(io.cache_lens, b, PMAX)
+    groups = _tail_groups(ns, T)
+    lead = groups[0][1] - groups[0][0]          # the first group's slots (from slot 0)
+    widest = max(g1 - g0 for g0, g1 in groups)
+    len_col = _length_columns(io.cache_lens, _expr(b0), count, PMAX)
     lp, rem = _committed_split(len_col, T, n)
     paged = io.block_table is not None
-    if not paged:
-        k_cache = io.k_cache
-        oob = _oob_offset(k_cache.shape[0] * k_cache.shape[1] * k_cache.shape[2])
-        lp_i = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_copy(lp_i, lp[0:T], engine="vector")
-    else:
-        oob = _oob_offset(io.block_table.shape[0] * io.block_table.shape[1])  # past the table
-        lp_i = None
-    before = part_off = part_bias = head_rows = None
+    offsets = before = part_bias = head_rows = None
     if not paged:
         S_max = io.k_cache.shape[2]
-        head_rows = nl.ndarray((max(T, ns), cfg.hpp), dtype=nl.int32, buffer=nl.sbuf)
+        oob = _oob_offset(io.k_cache.shape[0] * io.k_cache.shape[1] * S_max)
+        head_rows = nl.ndarray((widest, cfg.hpp), dtype=nl.int32, buffer=nl.sbuf)
         port.iota(head_rows, [[S_max, cfg.hpp]], channel_multiplier=1,
-                  runtime=[(b, cfg.Hkv * S_max), (hg, cfg.hpp * S_max)], offsets=io.offsets)
+                  runtime=[(hg, cfg.hpp * S_max)], offsets=io.offsets)
+    else:
+        oob = _oob_offset(io.block_table.shape[0] * io.block_table.shape[1])  # past the table
     if ns > 0:
         # slot q is committed and in the partial row iff q >= (n - 1) - (Lp mod n)
         first = nl.ndarray(tuple(rem.shape), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(first, rem, op0=nl.subtract, operand0=float(ns),
                            reverse0=True)                                # (n - 1) - rem
-        slot_col = nl.ndarray((ns, 1), dtype=nl.float32, buffer=nl.sbuf)
+        slot_col = nl.ndarray((lead, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.iota(slot_col, [[0, 1]], channel_multiplier=1)
-        before = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_scalar(before, slot_col, op0=nl.less, operand0=first[0:ns],
+        before = nl.ndarray((lead, count), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(before, first[0:lead], op0=nl.greater, operand0=slot_col,
                            op1=nl.multiply, operand1=float(oob))
-        if not paged:
-            start = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_scalar(start, lp[0:ns], op0=nl.subtract, operand0=float(ns))
-            part_off = nl.ndarray((ns, 1), dtype=nl.int32, buffer=nl.sbuf)
-            port.tensor_tensor(part_off, start, before, op=nl.add)
+    if not paged:
+        # b Hkv S_max of each sequence (int32: exact at any cache size)
+        seq_rows = nl.ndarray((widest, count), dtype=nl.int32, buffer=nl.sbuf)
+        port.iota(seq_rows, [[cfg.Hkv * S_max, count]], runtime=_terms(b0, cfg.Hkv * S_max),
+                  offsets=io.offsets)
+        offsets = []
+        for g0, g1 in groups:
+            size = g1 - g0
+            start = nl.ndarray((size, count), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_scalar(start, lp[0:size], op0=nl.subtract, operand0=float(ns - g0))
+            if g0 < ns:
+                skipped = nl.ndarray((size, count), dtype=nl.int32, buffer=nl.sbuf)
+                port.tensor_tensor(skipped, start, before, op=nl.add)
+                start = skipped
+            off = nl.ndarray((size, count), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_tensor(off, start, seq_rows[0:size], op=nl.add)
+            offsets.append(off)
+    if ns > 0:
         slot_row = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
         port.iota(slot_row, [[1, ns]])
-        part_bias = nl.ndarray((1, ns), dtype=_mask_dtype(), buffer=nl.sbuf)
-        port.tensor_scalar(part_bias, slot_row, op0=nl.less, operand0=first[0:1],
-                           op1=nl.multiply, operand1=NEG)
+        part_bias = nl.ndarray((1, count * ns), dtype=_mask_dtype(), buffer=nl.sbuf)
+
+        def mask_row(j):            # slot u of sequence j is hidden when u < first_j
+            port.tensor_scalar(part_bias[0:1, nl.ds(j * ns, ns)], slot_row, op0=nl.less,
+                               operand0=first[0:1, nl.ds(j, 1)], op1=nl.multiply, operand1=NEG)
+
+        port.loop(count, mask_row)
     row_tiles = _row_tiles(cfg.R, cfg.row_tile)
     selectors = [_token_selector(T, rt0, rows) for _, rt0, rows in row_tiles]
     ones = [nl.ones((1, rows), dtype=_mask_dtype(), buffer=nl.sbuf) for _, _, rows in row_tiles]
-    return _TailSequence(lp, lp_i, before, part_off, part_bias,
+    return _TailSequence(lp, offsets, before, part_bias,
                          _new_token_bias(io.tree_mask, T), selectors, ones, head_rows)
 
 
+def _tail_heads(cfg, io, seq, hg, b, j, hh):
+    """The tail of sequence ``b`` (a linear form; column ``j`` of ``seq``) for kv head ``hg
+    hpp + hh`` (:func:`_tail_partial`)."""
+    h = [(hg, cfg.hpp), (hh, 1)]
+    slope_g = sink_g = None
+    if cfg.mods.alibi:
+        slope_g = _member_column(io.alibi_slopes, b, h, cfg.G, io.offsets)
+    if cfg.mods.sinks:
+        sink_g = _member_column(io.sinks, b, h, cfg.G, io.offsets)
+    scales = (None if io.kv_scale is None else
+              _head_scales(io.kv_scale, h, min(cfg.R, cfg.row_tile), io.offsets))
+    _tail_partial(cfg, io, _Tail(b, h, hh, seq, j, slope_g, sink_g, scales))
+
+
 def _tails(cfg, io, hg, b):
-    """Tail program ``(hg, b)``: the tails of sequence ``b`` for the kv heads ``hg hpp ..
-    hg hpp + hpp - 1`` (:func:`_tail_partial`)."""
-    seq = _tail_sequence(cfg, io, hg, b)
+    """Tail program ``(hg, b)``: the tails of sequence ``b`` (a linear form of the program's
+    indices) for the kv heads ``hg hpp .. hg hpp + hpp - 1`` (:func:`_tail_partial`)."""
+    seq = _tail_sequence(cfg, io, hg, b, 1)
 
     def head(hh):
-        h = [(hg, cfg.hpp), (hh, 1)]
-        slope_g = sink_g = None
-        if cfg.mods.alibi:
-            slope_g = _member_column(io.alibi_slopes, [(b, 1)], h, cfg.G, io.offsets)
-        if cfg.mods.sinks:
-            sink_g = _member_column(io.sinks, [(b, 1)], h, cfg.G, io.offsets)
-        scales = (None if io.kv_scale is None else
-                  _head_scales(io.kv_scale, h, min(cfg.R, cfg.row_tile), io.offsets))
-        _tail_partial(cfg, io, _Tail([(b, 1)], h, hh, seq, slope_g, sink_g, scales))
+        _tail_heads(cfg, io, seq, hg, b, 0, hh)
 
     port.loop(cfg.hpp, head)
 
 
-def _split_chunk(cfg, io, hg, c):
+def _split_chunk(cfg, io, hg, c, tails=0):
     """Chunk program ``(hg, c)`` of the split kernel: work items ``c ipp .. c ipp + ipp - 1``
     for kv heads ``hg hpp .. hg hpp + hpp - 1``, i.e. ``hpp ipp`` steps ``t = hh ipp + j``
-    (head ``hh`` of the group, item j).
+    (head ``hh`` of the group, item j). With ``tails`` (``tiles.decode_tails_per_program``),
+    step ``(hh, j)`` with ``j < tails`` then also runs the tail
+    of sequence ``c tails + j`` for its kv head (:func:`_tail_partial`; the sequences'
+    shared tail state is made once with the headers): a tail is short, latency-bound work
+    on the engines, the splits are bound by their K/V gathers, so run side by side each
+    fills the other's idle time.
 
     1. Headers, for all steps at once (one item per column): ``(b, s)``, the sequence
        lengths, the row indices of the K/V gathers, the mask rows, the query rows (and ALiBi
@@ -1687,33 +1759,47 @@ def _split_chunk(cfg, io, hg, c):
                         None if kv is None else kv[0:rows, 1:2],
                         after_pv if r == last else None)
 
-    def step(hh, j, b):
-        """Step ``(hh, j)`` (head hh of the group, item j) on buffer ``b``."""
+    seq = (None if not tails else
+           _tail_sequence(cfg, io, hg, [(c, tails)], tails))      # sequences c tails + j
+
+    def step(hh, j, b, tail=False):
+        """Step ``(hh, j)`` (head hh of the group, item j) on buffer ``b``, and with ``tail``
+        the tail of sequence ``c tails + j`` for the same kv head."""
         t = hh * ipp + j
         gather_k(t + 2, b)                      # k_nat[b] is free: step t's keys are in kT[b]
         head = front(hh, j, b)
         _transpose_keys(k_nat[1 - b], kT[1 - b], g)
         # step t + 2's V gather right after step t's P V, ahead of step t's partial stores
         back(t, b, head, lambda: gather_v(t + 2, b))
+        if tail:
+            _tail_heads(cfg, io, seq, hg, [(c, tails), (j, 1)], j, hh)
 
     # Buffer b is the parity of the step: steps come in pairs (ipp even: item pairs of one
     # head; ipp = 1: pairs of heads); the first two steps' gathers are issued above.
     _transpose_keys(k_nat[0], kT[0], g)
     if steps == 1:
-        step(0, 0, 0)
+        step(0, 0, 0, tails > 0)
     elif ipp % 2 == 0:
         def head_items(hh):
-            def item_pair(jj):
-                step(hh, 2 * jj, 0)
-                step(hh, 2 * jj + 1, 1)
+            def pairs(first, second):
+                def item_pair(jj):
+                    step(hh, 2 * jj, 0, first)
+                    step(hh, 2 * jj + 1, 1, second)
+                return item_pair
 
-            port.loop(ipp // 2, item_pair, carried=True)
+            # the item pairs with two tails, with one (an odd count), then with none
+            # (compile-time bounds)
+            for lo, hi, with_tails in ((0, tails // 2, (True, True)),
+                                       (tails // 2, (tails + 1) // 2, (True, False)),
+                                       ((tails + 1) // 2, ipp // 2, (False, False))):
+                if hi > lo:
+                    port.loop(hi, pairs(*with_tails), carried=True, start=lo)
 
         port.loop(hpp, head_items, carried=True)
     else:
         def head_pair(hp):
-            step(2 * hp, 0, 0)
-            step(2 * hp + 1, 0, 1)
+            step(2 * hp, 0, 0, tails > 0)
+            step(2 * hp + 1, 0, 1, tails > 0)
 
         port.loop(hpp // 2, head_pair, carried=True)
 
@@ -1795,8 +1881,10 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         t``), the sink in the tail's partial only (so the merge counts it once).
 
     Legacy grid ``(Hkv / heads_per_program, C + B)`` (:func:`decode_grid`; nki.*:
-    ``kernel[lnc]``, looping over the same programs, tails first), ``C = W /
-    items_per_program``: program
+    ``kernel[lnc]``, looping over the same programs, the chunk programs running the tails
+    of the first ``C K`` sequences beside their splits, ``K =
+    tiles.decode_tails_per_program(B, C, items_per_program)`` without a tree mask, the
+    other tails first), ``C = W / items_per_program``: program
     ``(hg, c)`` with ``c < C`` runs work items ``c items_per_program ..`` for kv heads ``hg
     heads_per_program ..``; item ``(b, s)`` is key rows ``s * split_rows .. (s + 1) *
     split_rows`` of sequence b (positions ``n`` times that), reading only the rows entirely
@@ -1855,12 +1943,18 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
                   port.OffsetColumns(0, max(Hkv, B), 1,
                                      exact=flat >= tiles.FP32_EXACT_INT))
 
+    # nki.*: the chunk programs run the tails of the first C K sequences beside their splits
+    # (not with a tree mask, which each tail program reads once: T^2 B H' bytes,
+    # host.api.flash_decode_hbm_bytes)
+    K = (tiles.decode_tails_per_program(B, C, ipp)
+         if port.api() == "nki" and tree_mask is None else 0)
+
     def chunk(hg, c):
-        _split_chunk(cfg, io, hg, c)
+        _split_chunk(cfg, io, hg, c, K)
 
-    def tail(hg, b):
-        _tails(cfg, io, hg, b)
+    def tail(hg, i):
+        _tails(cfg, io, hg, [(i, 1), (C * K, 1)])
 
-    # nki.*: the tails first, their short latency-bound chains under the chunks' headers
-    port.for_program_parts((Hkv // hpp,), [(C, chunk), (B, tail)], order=(1, 0))
+    # nki.*: the other tails first, their short latency-bound chains under the chunks' headers
+    port.for_program_parts((Hkv // hpp,), [(C, chunk), (B - C * K, tail)], order=(1, 0))
     return o_part, lse_part

@@ -283,6 +283,16 @@ def test_program_shape_choice():
     assert tiles.decode_heads_per_program(8, 1, 64) == 8
     assert tiles.decode_max_steps(rows=4, row_tile=4, D=128) == 64
     assert tiles.decode_max_steps(rows=1024, row_tile=128, D=128) == 8
+    # tails run beside a chunk program's steps (nki.*): B // chunks, at most the items of a
+    # head; a single sequence's run first
+    assert tiles.decode_tails_per_program(64, 4, 16) == 16
+    assert tiles.decode_tails_per_program(8, 2, 16) == 4
+    assert tiles.decode_tails_per_program(3, 1, 4) == 3
+    assert tiles.decode_tails_per_program(3, 2, 4) == 1
+    assert tiles.decode_tails_per_program(1, 1, 16) == 0
+    assert tiles.decode_tails_per_program(40, 2, 16) == 16
+    assert tiles.decode_tails_per_program(5, 2, 1) == 1
+    assert tiles.decode_tails_per_program(5, 0, 1) == 0
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
@@ -523,6 +533,7 @@ NKI_CASES = [
     (1, 2, 1, 1, 4096, 256, [4000], BF16, {}),                          # D = 256
     (1, 4, 4, 5, 1000, 128, [999], F32, {}),                            # fp32 -> bf16 operands
     (3, 16, 4, 3, 256, 64, [200, 256, 31], BF16, {}),                   # 144 rows: 2 merge tiles
+    (6, 8, 2, 1, 512, 64, [512, 300, 77, 1, 480, 33], BF16, {}),      # tails beside splits
 ]
 
 
