@@ -226,7 +226,8 @@ def test_program_size_does_not_grow_with_n(api, mods):
     """One compilation per class structure: a uniform pattern is one class at any N, under both
     namespaces (0.7 would unroll any Python loop over tiles or slots), with the score
     modifiers too. (The program depends on N only through the step widths, min(4, blocks per
-    tile) and min(16, blocks a group shares): 16 and 64 blocks here, all shared.)"""
+    tile) and min(16, blocks a group shares): 16 and 64 blocks here, all shared.) The backward
+    in one chunk and in chunks of 16 query tiles (2 and 8 chunks)."""
     sizes = []
     grid = launch_grid((1, 1), api)
     for N in (4096, 16384):
@@ -242,10 +243,11 @@ def test_program_size_does_not_grow_with_n(api, mods):
                            classes=t.q.classes, shared=t.q.shared, **kw)
         o = np.zeros_like(q)
         lse = np.zeros(q.shape[:3], np.float32)
-        bwd = program_size(block_sparse_attention_bwd.on(api), grid, q, k, v, o, do, lse,
-                           t.q.meta, t.k.meta, classes_q=t.q.classes, classes_k=t.k.classes,
-                           **kw)
-        sizes.append((fwd, bwd))
+        bwd = [program_size(block_sparse_attention_bwd.on(api), grid, q, k, v, o, do, lse,
+                            tk.k.meta, classes_k=tk.k.classes, chunk_tiles=ct, **kw)
+               for ct, tk in ((N // 128, t), (16, bs.launch_tables(sp, group=1,
+                                                                  chunk_tiles=16)))]
+        sizes.append((fwd, *bwd))
     assert sizes[0] == sizes[1]
     assert max(sizes[0]) < 20000
 
@@ -470,8 +472,7 @@ def test_nki_index_form_program_size_does_not_grow_with_n():
         o = np.zeros_like(q)
         lse = np.zeros(q.shape[:3], np.float32)
         bwd = program_size(block_sparse_attention_bwd.on("nki"), grid, q, k, v, o, q, lse,
-                           t.q.meta, t.k.meta, classes_q=t.q.classes, classes_k=t.k.classes,
-                           **kw)
+                           t.k.meta, classes_k=t.k.classes, chunk_tiles=N // 128, **kw)
         sizes.append((fwd, bwd))
     assert sizes[0] == sizes[1]
 
@@ -548,13 +549,22 @@ def test_backward_reads_the_query_side_once():
         assert _err(got, want) < 1e-5 * max(1.0, np.abs(want).max())
 
 
-def test_backward_streams_the_query_side_when_it_does_not_fit(monkeypatch):
-    """Past SBUF (``tiles.bsp_bwd_resident``, forced here) the backward streams: the query side
-    is gathered per block pair in a key-major sweep (dK, dV) and a query-major one (dQ). The
-    gradients match the reference (band, lengths, GQA) and, through nki.*, the legacy trace bit
-    for bit."""
-    monkeypatch.setattr(T, "BSP_BWD_WORKING_BYTES", (1 << 30, 1 << 30))
+def _chunk_budget(monkeypatch, G, D, extras, slots):
+    """SBUF budget (both generations) that fits exactly ``slots`` tiles per head in a chunk
+    of the backward (fp32 matmuls)."""
+    budget = T.bsp_bwd_chunk_bytes(G, slots, D, 4, extras, True)
+    monkeypatch.setattr(T, "BWD_SBUF_BUDGET_BYTES", {"trn1": budget, "trn2": budget})
+
+
+def test_backward_chunks_the_query_side_past_sbuf(monkeypatch):
+    """Past SBUF (the budget shrunk here: two 128-row tiles per head and chunk) the backward
+    stages the query tiles a chunk at a time, sweeps per chunk the key blocks the chunk meets
+    and adds their dK, dV to an fp32 scratch: the gradients match the reference (band,
+    lengths, GQA, the partial last tile alone in the last chunk) and, through nki.*, the
+    legacy trace bit for bit."""
     B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 300, 390, 32
+    _chunk_budget(monkeypatch, Hq // Hkv, D, True, 2)
+    assert T.bsp_bwd_chunks(Hq // Hkv, Nq, D, 4, "trn2", True) == (2, 2)
     q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=42)
     mask = _pattern(B, Hq, Nq, Nk, 0.5, seed=43)
     kw = dict(causal=True, kv_lens=[250], q_lens=[280])
@@ -569,3 +579,37 @@ def test_backward_streams_the_query_side_when_it_does_not_fit(monkeypatch):
                                        **{**kw, "causal": "bottom_right"})
     for g, w in zip(want, ref_grads):
         assert _err(g, w) < 1e-5 * max(1.0, np.abs(w).max())
+
+
+@pytest.mark.parametrize("index", [False, True], ids=["dense", "index"])
+def test_chunked_backward_reads_each_chunks_key_blocks(index, monkeypatch):
+    """Chunks of two query tiles: q, dO, o, lse read once; K, V once per chunk for the key
+    blocks the chunk meets (tiles 0-1: blocks 0 and 2; tiles 2-3: block 0 -- the common
+    classes list two rows for it, the second pushed past Nk and not read; block 1, 3 never);
+    dQ, dK, dV written once; the fp32 scratch zeroed, read and written per block and chunk,
+    and read once at the end."""
+    B, Hq, Hkv, N, D = 1, 2, 1, 512, 32
+    _chunk_budget(monkeypatch, Hq // Hkv, D, False, 2)
+    q, k, v, do = attention_inputs(B, Hq, Hkv, N, N, D, seed=44)
+    mask = np.zeros((1, Hq, 4, 4), bool)
+    mask[0, 0, :, 0] = True
+    mask[0, 1, 1, 2] = True
+    pattern = tuple(bs.dense_to_index(mask, 2)) if index else mask
+    o, lse = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True,
+                                  mixed_precision=False)
+    with simulate.measure() as m:
+        grads = host.flash_attention_backward(do, q, k, v, o, lse, block_mask=pattern,
+                                              mixed_precision=False)
+    per = m.per_tensor
+    for name in ("q", "do", "o"):
+        assert per[name]["read"] == B * Hq * N * D * 4
+    assert per["lse"]["read"] == B * Hq * N * 4
+    block = 128 * D * 4
+    assert per["k"]["read"] == per["v"]["read"] == 3 * block
+    outs = sum(r["written"] for n, r in per.items() if n.startswith("shared_hbm"))
+    assert outs == (Hq + 2 * Hkv) * N * D * 4
+    scratch = [r for n, r in per.items() if n.startswith("hbm")]
+    assert sum(r["read"] for r in scratch) == 2 * (3 * block + N * D * 4)
+    assert sum(r["written"] for r in scratch) == 2 * (N * D * 4 + 3 * block)
+    for got, want in zip(grads, ref.attention_backward(do, q, k, v, block_mask=mask)):
+        assert _err(got, want) < 1e-5 * max(1.0, np.abs(want).max())
