@@ -535,18 +535,26 @@ def test_backward_reads_the_query_side_once():
     mask = np.zeros((1, Hq, 3, 3), bool)
     mask[0, 0, :, 0] = True
     mask[0, 1, [0, 2], [2, 0]] = True
-    o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+    per = _backward_traffic(q, k, v, do, mask, mask)
+    assert per["k"]["read"] == per["v"]["read"] == 2 * 128 * D * 4
+
+
+def _backward_traffic(q, k, v, do, pattern, mask):
+    """The backward's HBM bytes per tensor (``simulate.measure``) on ``pattern`` (the bool
+    ``mask`` or its index form), fp32: the query side (q, dO, o, lse) asserted read exactly
+    once, the gradients asserted against the reference."""
+    o, lse = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True,
                                   mixed_precision=False)
     with simulate.measure() as m:
-        grads = host.flash_attention_backward(do, q, k, v, o, lse, block_mask=mask,
+        grads = host.flash_attention_backward(do, q, k, v, o, lse, block_mask=pattern,
                                               mixed_precision=False)
     per = m.per_tensor
     for name in ("q", "do", "o"):
-        assert per[name]["read"] == B * Hq * N * D * 4
-    assert per["lse"]["read"] == B * Hq * N * 4
-    assert per["k"]["read"] == per["v"]["read"] == 2 * 128 * D * 4
+        assert per[name]["read"] == q.size * 4
+    assert per["lse"]["read"] == q.size // q.shape[-1] * 4
     for got, want in zip(grads, ref.attention_backward(do, q, k, v, block_mask=mask)):
         assert _err(got, want) < 1e-5 * max(1.0, np.abs(want).max())
+    return per
 
 
 def _chunk_budget(monkeypatch, G, D, extras, slots):
@@ -595,15 +603,7 @@ def test_chunked_backward_reads_each_chunks_key_blocks(index, monkeypatch):
     mask[0, 0, :, 0] = True
     mask[0, 1, 1, 2] = True
     pattern = tuple(bs.dense_to_index(mask, 2)) if index else mask
-    o, lse = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True,
-                                  mixed_precision=False)
-    with simulate.measure() as m:
-        grads = host.flash_attention_backward(do, q, k, v, o, lse, block_mask=pattern,
-                                              mixed_precision=False)
-    per = m.per_tensor
-    for name in ("q", "do", "o"):
-        assert per[name]["read"] == B * Hq * N * D * 4
-    assert per["lse"]["read"] == B * Hq * N * 4
+    per = _backward_traffic(q, k, v, do, pattern, mask)
     block = 128 * D * 4
     assert per["k"]["read"] == per["v"]["read"] == 3 * block
     outs = sum(r["written"] for n, r in per.items() if n.startswith("shared_hbm"))
@@ -611,5 +611,30 @@ def test_chunked_backward_reads_each_chunks_key_blocks(index, monkeypatch):
     scratch = [r for n, r in per.items() if n.startswith("hbm")]
     assert sum(r["read"] for r in scratch) == 2 * (3 * block + N * D * 4)
     assert sum(r["written"] for r in scratch) == 2 * (N * D * 4 + 3 * block)
-    for got, want in zip(grads, ref.attention_backward(do, q, k, v, block_mask=mask)):
-        assert _err(got, want) < 1e-5 * max(1.0, np.abs(want).max())
+
+
+def test_backward_refuses_groups_and_chunks_that_do_not_fit(monkeypatch):
+    """A kv group whose query heads cannot stage one tile each is refused by the host; the
+    kernel refuses a chunk size past SBUF and tables of another chunking."""
+    q, k, v, do = attention_inputs(1, 64, 1, 256, 256, 256)
+    lse = np.zeros(q.shape[:3], np.float32)
+    with pytest.raises(ValueError, match=r"block_mask: the block-sparse backward stages one "
+                                         r"query tile of each of the 64 query heads"):
+        host.flash_attention_backward(do, q, k, v, q, lse, mixed_precision=False,
+                                      block_mask=np.eye(2, dtype=bool)[None, None])
+    q, k, v, do = attention_inputs(1, 1, 1, 512, 256, 128, dtype=BF16)
+    lse = np.zeros(q.shape[:3], np.float32)
+    t = bs.launch_tables(bs.check_block_mask(np.ones((1, 1, 4, 2), bool), 1, 1, 512, 256),
+                         group=1, forward=False, chunk_tiles=2)
+    grid = launch_grid((1, 1), "legacy")
+    for ct, match in ((4, r"meta_k: expected 1 x 2 rows"), (0, r"chunk_tiles: expected an int"),
+                      (2.0, r"chunk_tiles: expected an int in \[1, 4\]")):
+        with pytest.raises(ValueError, match=match):
+            program_size(block_sparse_attention_bwd.on("legacy"), grid, q, k, v, q, do, lse,
+                         t.k.meta, classes_k=t.k.classes, chunk_tiles=ct)
+    monkeypatch.setitem(T.BWD_SBUF_BUDGET_BYTES, "trn2", 1000)
+    with pytest.raises(ValueError, match=r"chunk_tiles: 2 query tiles of 1 heads need \d+ "
+                                         r"bytes per partition, more than trn2's budget"):
+        with simulate.measure(target="trn2"):
+            program_size(block_sparse_attention_bwd.on("legacy"), grid, q, k, v, q, do, lse,
+                         t.k.meta, classes_k=t.k.classes, chunk_tiles=2)
