@@ -465,9 +465,10 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
     heads per kv head (the key-major order is shared within a kv group). ``chunk_tiles``: the
     backward's query tiles per chunk (``tiles.bsp_bwd_chunks``; None: one chunk of all): its
     table lists, per chunk, each key block's query tiles of that chunk -- rows ``c nkt ..`` of
-    ``k.meta`` are chunk c's, in an order of their own (sorted: the key blocks the chunk
-    meets most first), under classes common to every chunk and kv group. ``forward`` /
-    ``backward`` False: that kernel's tables are None (the backward reads only its own).
+    ``k.meta`` are chunk c's -- in one order per kv group common to every chunk (the kernel
+    keeps a block's partial dK, dV at its order position), under classes common to every
+    chunk and kv group. ``forward`` / ``backward`` False: that kernel's tables are None (the
+    backward reads only its own).
     """
     heads, runtime = sparsity.dense.shape[1], sparsity.runtime
     q = (kernel_tables(sparsity.index, sort=not runtime, share=_tiles.BSP_GROUP_TILES)
@@ -479,7 +480,8 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
     b, _, nkt, nqt = dense_t.shape
     per = _chunk_columns(dense_t, nqt if chunk_tiles is None else chunk_tiles)
     chunks = per.shape[2]
-    # (b, kv groups, chunks, members, nkt, nqt) -> heads: each (group, chunk) a table group
+    # (b, kv groups, chunks, members, nkt, nqt) -> heads: each kv group's chunks and members
+    # one table group (one order)
     folded = per.reshape(b, heads // g, g, chunks, nkt, nqt).transpose(0, 1, 3, 2, 4, 5)
     folded = folded.reshape(b, heads * chunks, nkt, nqt)
     if runtime:
@@ -487,14 +489,13 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
         bound = min(nqt, _pow2_at_least(max(need, 1)))
         k = kernel_tables(dense_to_index(folded, bound), sort=False)
     else:
-        k = kernel_tables(dense_to_index(folded), sort=True, group=g)
+        k = kernel_tables(dense_to_index(folded), sort=True, group=g * chunks)
     w = k.meta.shape[-1]
     meta = k.meta.reshape(b, heads // g, chunks, g, nkt, w)
-    if chunks > 1:
-        # a key block no query head of the group meets in the chunk (a row the common
-        # classes, or the index form's natural order, still list) is pushed past every
-        # sequence: the kernel reads and writes nothing for it
-        empty = meta[..., 1].max(axis=3, keepdims=True) == 0
-        meta[..., 0] = np.where(empty, _tiles.BSP_PAD_FIRST, meta[..., 0])
+    # a key block no query head of the group meets in a chunk before the last (a row the
+    # common order still lists) is pushed past every sequence: the kernel reads nothing for
+    # it (the last chunk writes every listed block's dK, dV)
+    empty = meta[:, :, :-1, :, :, 1].max(axis=3, keepdims=True) == 0
+    meta[:, :, :-1, :, :, 0] = np.where(empty, _tiles.BSP_PAD_FIRST, meta[:, :, :-1, :, :, 0])
     meta = meta.transpose(0, 1, 3, 2, 4, 5).reshape(b, heads, chunks * nkt, w)
     return LaunchTables(q, k._replace(meta=np.ascontiguousarray(meta)), runtime)

@@ -78,13 +78,12 @@ class _Cfg:
     soft-capping); ``cols`` the HeadColumns of the instance's query heads (``score``:
     :class:`forward.ScoreMods`, None without modifiers); ``dsink_acc`` dsink's partial sums
     (``[128, G]`` fp32, with sinks); ``scratch`` the program's fp32 ``(dK, dV)`` partial
-    sums ``(Nk, D)`` in HBM with several chunks (else None), ``scratch_frame`` how its rows
-    are gathered (the row frame of a 2-D tensor: positions themselves)."""
+    sums in HBM with several chunks (else None), ``(ceil(Nk / 128) 128, D)`` each, rows
+    ``128 r ..`` those of the key block at order position r."""
 
     def __init__(self, f: F.Instance, do, dq, dk, dv, scratch, score, dsink_acc):
         self.f, self.do, self.dq, self.dk, self.dv = f, do, dq, dk, dv
         self.scratch = scratch
-        self.scratch_frame = RowFrame(None, float(M.oob_offset(f.Nk)))
         self.dropout_p = f.dropout_p
         self.scale = f.scale
         self.mods = score.mods if score is not None else SM.Mods()
@@ -421,15 +420,16 @@ def _row_counts(f: F.Instance, meta_k, first, count: int):
     return out
 
 
-def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, pos, trip: int,
-               exact: bool, counts=None):
-    """dK, dV of the key block at table row ``pos`` (order position of chunk ``chunk``; phase
-    2 of the module docstring) over its pairs with the chunk's staged query tiles (``res``),
-    accumulated in PSUM, and each pair's ``dS K`` into its query tile's dQ accumulator; the
-    block's dK, dV stored, or with several chunks added to the fp32 scratch
-    (:func:`_add_partial`). ``counts``: ``(table, column of pos)`` of :func:`_row_counts`
-    (nki.*, rows with padding slots), else None."""
+def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, last: bool, r,
+               trip: int, exact: bool, counts=None):
+    """dK, dV of the key block at order position ``r`` of chunk ``chunk`` (table row ``chunk
+    nkt + r``; phase 2 of the module docstring; ``last``: the last chunk) over its pairs with
+    the chunk's staged query tiles (``res``), accumulated in PSUM, and each pair's ``dS K``
+    into its query tile's dQ accumulator; the block's dK, dV stored, with several chunks
+    through the fp32 scratch (:func:`_add_partial`). ``counts``: ``(table, column of r)`` of
+    :func:`_row_counts` (nki.*, rows with padding slots), else None."""
     f = cfg.f
+    pos = chunk * T.ceil_div(f.Nk, P) + r
     hb = f.b if meta_k.shape[0] > 1 else 0
     per_head = meta_k.shape[1] > 1
     # the first member head's row (every head of the group has the block at pos); it is
@@ -504,55 +504,39 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, pos, t
         rw.slot_loop(exact, slot, count)
 
     port.loop(f.G, head, carried=True)
-    if cfg.scratch is not None:
-        _add_partial(cfg, k_pos, ((dk_ps, 0), (dv_ps, 1)))
-        return
     # ScalarE copies out of PSUM (VectorE has the pairs' dS and dQ work)
-    dk_out = nl.ndarray((P, f.D), dtype=cfg.dk.dtype, buffer=nl.sbuf)
-    port.activation(dk_out, nl.copy, dk_ps, scale=cfg.scale)
-    dv_out = nl.ndarray((P, f.D), dtype=cfg.dv.dtype, buffer=nl.sbuf)
-    port.activation(dv_out, nl.copy, dv_ps)
-    scatter(cfg.dk, (f.b, f.g), out_idx, dk_out)
-    scatter(cfg.dv, (f.b, f.g), out_idx, dv_out)
+    for out, ps, factor, part in ((cfg.dk, dk_ps, cfg.scale, 0), (cfg.dv, dv_ps, 1.0, 1)):
+        if cfg.scratch is None:
+            done = nl.ndarray((P, f.D), dtype=out.dtype, buffer=nl.sbuf)
+            port.activation(done, nl.copy, ps, scale=factor)
+        else:
+            done = _add_partial(cfg, part, r, ps, factor, out.dtype if last else None)
+            if done is None:
+                continue
+        scatter(out, (f.b, f.g), out_idx, done)
 
 
-def _add_partial(cfg: _Cfg, k_pos, sums):
-    """Several chunks: add a key block's sums of this chunk (``(PSUM [128, D], part)``: dK's
-    into ``scratch[0]``, dV's into ``scratch[1]``) to its rows of the fp32 scratch (``k_pos``:
-    the keys' positions; those at or past Nk neither read nor written), which
-    :func:`_finish_dk_dv` turns into dK, dV after the last chunk. The previous sums are
-    gathered, ScalarE copies the new ones out of PSUM and GpSimd adds (VectorE has the pairs'
-    dS and dQ work)."""
+def _add_partial(cfg: _Cfg, part: int, r, ps, factor: float, out_dtype):
+    """Several chunks: ``factor ps`` (a key block's dK or dV sums of this chunk, PSUM ``[128,
+    D]``) plus the sums of the earlier chunks, held in rows ``128 r ..`` of ``scratch[part]``
+    (the block's order position r, the same in every chunk: a static address, so the chunks'
+    read-add-writes of different blocks are independent DMAs). Before the last chunk
+    (``out_dtype`` None) the fp32 total is written back and None returned; in it the total at
+    ``out_dtype`` is returned (the block's output). ScalarE copies out of PSUM and GpSimd adds
+    (VectorE has the pairs' dS and dQ work)."""
     f = cfg.f
-    idx = rows_at(k_pos, f.Nk, cfg.scratch_frame)
-    for ps, part in sums:
-        rows = port.rows(cfg.scratch[part], idx)
-        prev = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
-        port.memset(prev, 0.0, engine="gpsimd")
-        port.dma_copy(prev, rows, legacy_isa=True, oob_skip=True)
-        new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
-        port.activation(new, nl.copy, ps)
-        total = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_tensor(total, prev, new, nl.add, engine="gpsimd")
-        port.dma_copy(port.rows(cfg.scratch[part], idx), total, oob_skip=True)
-
-
-def _finish_dk_dv(cfg: _Cfg):
-    """dK (times ``scale``) and dV of every key from the fp32 scratch after the last chunk,
-    cast and stored, 128 keys at a time (ScalarE)."""
-    f = cfg.f
-    full, tail = divmod(f.Nk, P)
-    for out, part, factor in ((cfg.dk, 0, cfg.scale), (cfg.dv, 1, 1.0)):
-        def block(k0, n, out=out, part=part, factor=factor):
-            acc = nl.ndarray((n, f.D), dtype=nl.float32, buffer=nl.sbuf)
-            port.dma_copy(acc, cfg.scratch[part][nl.ds(k0, n), :])
-            cast = nl.ndarray((n, f.D), dtype=out.dtype, buffer=nl.sbuf)
-            port.activation(cast, nl.copy, acc, scale=factor)
-            port.dma_copy(out[f.b, f.g, nl.ds(k0, n), :], cast)
-
-        port.loop(full, lambda j, block=block: block(j * P, P))
-        if tail:
-            block(full * P, tail)
+    rows = cfg.scratch[part][nl.ds(r * P, P), :]
+    prev = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(prev, rows)
+    new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(new, nl.copy, ps, scale=factor)
+    total = nl.ndarray((P, f.D), dtype=nl.float32 if out_dtype is None else out_dtype,
+                       buffer=nl.sbuf)
+    port.tensor_tensor(total, prev, new, nl.add, engine="gpsimd")
+    if out_dtype is not None:
+        return total
+    port.dma_copy(rows, total)
+    return None
 
 
 @port.jit
@@ -609,8 +593,9 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
     dv = nl.ndarray((B, Hkv, Nk, D), dtype=q.dtype, buffer=nl.shared_hbm)
     # several chunks: each program's fp32 dK, dV partial sums (its instances run one after
     # another, each zeroing them first)
-    scratch = ((nl.ndarray((Nk, D), dtype=nl.float32, buffer=nl.hbm),
-                nl.ndarray((Nk, D), dtype=nl.float32, buffer=nl.hbm)) if chunks > 1 else None)
+    scratch = ((nl.ndarray((nkt * P, D), dtype=nl.float32, buffer=nl.hbm),
+                nl.ndarray((nkt * P, D), dtype=nl.float32, buffer=nl.hbm)) if chunks > 1
+               else None)
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
     # loop indices as data (0.7): batch, heads, chunks and the staged query tiles
     indices = port.OffsetColumns(0, max(B, Hq, nqt), 1, exact=int_rows)
@@ -631,9 +616,9 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
         res = _Resident(f, chunk_tiles)
         if scratch is not None:
-            BW.zero_scratch(scratch, Nk, D)
+            BW.zero_scratch(scratch, nkt * P, D)
 
-        def chunk(ci, n_tiles: int, last_tail: int):
+        def chunk(ci, n_tiles: int, last_tail: int, last: bool):
             """1. stage the chunk's query tiles, delta included; 2. dK, dV (partial sums
             with several chunks) and dQ, one key-major sweep over the chunk's key blocks;
             3. dQ out."""
@@ -641,14 +626,14 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
                 cfg, geo, h, q_frame, t, local, rows), q_lens is not None, ci, n_tiles,
                 last_tail, carried=mods.sinks)
             for first, count, trip, exact in classes_k:
-                if not trip and scratch is not None:
-                    continue                    # no pair in any chunk: the zeros stay
-                row0 = ci * nkt + first
-                counts = (_row_counts(f, meta_k, row0, count)
+                if not trip and not last:
+                    continue                    # no pair in any chunk: zeros at the last
+                counts = (_row_counts(f, meta_k, ci * nkt + first, count)
                           if trip and not exact and port.api() == "nki" else None)
-                port.loop(count, lambda r, row0=row0, trip=trip, exact=exact, counts=counts:
-                          _key_block(cfg, geo, meta_k, res, ci, row0 + r, trip, exact,
-                                     None if counts is None else (counts, r)),
+                port.loop(count, lambda r, first=first, trip=trip, exact=exact,
+                          counts=counts: _key_block(
+                              cfg, geo, meta_k, res, ci, last, first + r, trip, exact,
+                              None if counts is None else (counts, r)),
                           carried=True)
             res.run(cfg, geo, lambda h, _, t, local, rows: res.write_dq(cfg, h, t, local,
                                                                        rows),
@@ -656,12 +641,10 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
 
         # every chunk but the last holds chunk_tiles full tiles; the last the rest
         if chunks > 1:
-            port.loop(chunks - 1, lambda ci: chunk(ci, chunk_tiles, 0), carried=True)
-        chunk(chunks - 1, nqt - (chunks - 1) * chunk_tiles, tail)
+            port.loop(chunks - 1, lambda ci: chunk(ci, chunk_tiles, 0, False), carried=True)
+        chunk(chunks - 1, nqt - (chunks - 1) * chunk_tiles, tail, True)
         if mods.sinks:
             store_dsinks(f, cfg.dsink_acc, dsinks)
-        if scratch is not None:
-            _finish_dk_dv(cfg)
 
     port.for_programs((B, Hkv), instance)
     if dsinks is not None:
