@@ -56,7 +56,6 @@ from __future__ import annotations
 
 from nki_kernels import port
 from nki_kernels import tiles as T
-from nki_kernels.attention import backward as BW
 from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
 from nki_kernels.attention import score_mods as SM
@@ -420,10 +419,11 @@ def _row_counts(f: F.Instance, meta_k, first, count: int):
     return out
 
 
-def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, last: bool, r,
+def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: str, r,
                trip: int, exact: bool, counts=None):
     """dK, dV of the key block at order position ``r`` of chunk ``chunk`` (table row ``chunk
-    nkt + r``; phase 2 of the module docstring; ``last``: the last chunk) over its pairs with
+    nkt + r``; phase 2 of the module docstring; ``step``: ``"first"``, ``"mid"`` or
+    ``"last"`` chunk, one chunk being the last) over its pairs with
     the chunk's staged query tiles (``res``), accumulated in PSUM, and each pair's ``dS K``
     into its query tile's dQ accumulator; the block's dK, dV stored, with several chunks
     through the fp32 scratch (:func:`_add_partial`). ``counts``: ``(table, column of r)`` of
@@ -510,26 +510,31 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, last: 
             done = nl.ndarray((P, f.D), dtype=out.dtype, buffer=nl.sbuf)
             port.activation(done, nl.copy, ps, scale=factor)
         else:
-            done = _add_partial(cfg, part, r, ps, factor, out.dtype if last else None)
+            done = _add_partial(cfg, part, r, ps, factor, step != "first",
+                                out.dtype if step == "last" else None)
             if done is None:
                 continue
         scatter(out, (f.b, f.g), out_idx, done)
 
 
-def _add_partial(cfg: _Cfg, part: int, r, ps, factor: float, out_dtype):
+def _add_partial(cfg: _Cfg, part: int, r, ps, factor: float, read: bool, out_dtype):
     """Several chunks: ``factor ps`` (a key block's dK or dV sums of this chunk, PSUM ``[128,
-    D]``) plus the sums of the earlier chunks, held in rows ``128 r ..`` of ``scratch[part]``
-    (the block's order position r, the same in every chunk: a static address, so the chunks'
-    read-add-writes of different blocks are independent DMAs). Before the last chunk
-    (``out_dtype`` None) the fp32 total is written back and None returned; in it the total at
-    ``out_dtype`` is returned (the block's output). ScalarE copies out of PSUM and GpSimd adds
-    (VectorE has the pairs' dS and dQ work)."""
+    D]``) plus, with ``read``, the sums of the earlier chunks, held in rows ``128 r ..`` of
+    ``scratch[part]`` (the block's order position r, the same in every chunk: a static
+    address, so the read-add-writes of different blocks are independent DMAs). Before the
+    last chunk (``out_dtype`` None) the fp32 total is written there and None returned (the
+    first chunk writes every row a later one reads: each lists the same rows); in it the
+    total at ``out_dtype`` is returned (the block's output). ScalarE copies out of PSUM and
+    GpSimd adds (VectorE has the pairs' dS and dQ work)."""
     f = cfg.f
     rows = cfg.scratch[part][nl.ds(r * P, P), :]
-    prev = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
-    port.dma_copy(prev, rows)
     new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
     port.activation(new, nl.copy, ps, scale=factor)
+    if not read:
+        port.dma_copy(rows, new)
+        return None
+    prev = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(prev, rows)
     total = nl.ndarray((P, f.D), dtype=nl.float32 if out_dtype is None else out_dtype,
                        buffer=nl.sbuf)
     port.tensor_tensor(total, prev, new, nl.add, engine="gpsimd")
@@ -615,10 +620,8 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
         cfg = _Cfg(f, do, dq, dk, dv, scratch, score, dsink_acc)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
         res = _Resident(f, chunk_tiles)
-        if scratch is not None:
-            BW.zero_scratch(scratch, nkt * P, D)
 
-        def chunk(ci, n_tiles: int, last_tail: int, last: bool):
+        def chunk(ci, n_tiles: int, last_tail: int, step: str):
             """1. stage the chunk's query tiles, delta included; 2. dK, dV (partial sums
             with several chunks) and dQ, one key-major sweep over the chunk's key blocks;
             3. dQ out."""
@@ -626,23 +629,27 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
                 cfg, geo, h, q_frame, t, local, rows), q_lens is not None, ci, n_tiles,
                 last_tail, carried=mods.sinks)
             for first, count, trip, exact in classes_k:
-                if not trip and not last:
+                if not trip and step != "last":
                     continue                    # no pair in any chunk: zeros at the last
                 counts = (_row_counts(f, meta_k, ci * nkt + first, count)
                           if trip and not exact and port.api() == "nki" else None)
                 port.loop(count, lambda r, first=first, trip=trip, exact=exact,
                           counts=counts: _key_block(
-                              cfg, geo, meta_k, res, ci, last, first + r, trip, exact,
+                              cfg, geo, meta_k, res, ci, step, first + r, trip, exact,
                               None if counts is None else (counts, r)),
                           carried=True)
             res.run(cfg, geo, lambda h, _, t, local, rows: res.write_dq(cfg, h, t, local,
                                                                        rows),
                     False, ci, n_tiles, last_tail)
 
-        # every chunk but the last holds chunk_tiles full tiles; the last the rest
+        # every chunk but the last holds chunk_tiles full tiles; the last the rest. The first
+        # writes the scratch, the middle ones read-add-write it, the last reads it
         if chunks > 1:
-            port.loop(chunks - 1, lambda ci: chunk(ci, chunk_tiles, 0, False), carried=True)
-        chunk(chunks - 1, nqt - (chunks - 1) * chunk_tiles, tail, True)
+            chunk(0, chunk_tiles, 0, "first")
+        if chunks > 2:
+            port.loop(chunks - 1, lambda ci: chunk(ci, chunk_tiles, 0, "mid"), carried=True,
+                      start=1)
+        chunk(chunks - 1, nqt - (chunks - 1) * chunk_tiles, tail, "last")
         if mods.sinks:
             store_dsinks(f, cfg.dsink_acc, dsinks)
 

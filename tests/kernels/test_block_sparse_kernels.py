@@ -227,7 +227,7 @@ def test_program_size_does_not_grow_with_n(api, mods):
     namespaces (0.7 would unroll any Python loop over tiles or slots), with the score
     modifiers too. (The program depends on N only through the step widths, min(4, blocks per
     tile) and min(16, blocks a group shares): 16 and 64 blocks here, all shared.) The backward
-    in one chunk and in chunks of 16 query tiles (2 and 8 chunks)."""
+    in one chunk and in chunks of 8 query tiles (4 and 16 chunks)."""
     sizes = []
     grid = launch_grid((1, 1), api)
     for N in (4096, 16384):
@@ -245,8 +245,8 @@ def test_program_size_does_not_grow_with_n(api, mods):
         lse = np.zeros(q.shape[:3], np.float32)
         bwd = [program_size(block_sparse_attention_bwd.on(api), grid, q, k, v, o, do, lse,
                             tk.k.meta, classes_k=tk.k.classes, chunk_tiles=ct, **kw)
-               for ct, tk in ((N // 128, t), (16, bs.launch_tables(sp, group=1,
-                                                                  chunk_tiles=16)))]
+               for ct, tk in ((N // 128, t), (8, bs.launch_tables(sp, group=1,
+                                                                 chunk_tiles=8)))]
         sizes.append((fwd, *bwd))
     assert sizes[0] == sizes[1]
     assert max(sizes[0]) < 20000
@@ -590,15 +590,15 @@ def test_backward_chunks_the_query_side_past_sbuf(monkeypatch):
 
 
 @pytest.mark.parametrize("index, kv_blocks, scratch_read, scratch_written",
-                         [(False, 4, 8, 12), (True, 6, 16, 16)], ids=["dense", "index"])
+                         [(False, 4, 4, 4), (True, 6, 8, 8)], ids=["dense", "index"])
 def test_chunked_backward_traffic(index, kv_blocks, scratch_read, scratch_written,
                                   monkeypatch):
     """Chunks of two query tiles (0-1 meet key blocks 0 and 2, 2-3 block 0; 1 and 3 none),
     one order of key blocks for both chunks: q, dO, o, lse read once; K, V per chunk for the
     blocks listed (the first chunk only those it meets, the last every one met by some chunk:
     blocks 0 and 2, in the index form's natural order all four); dQ, dK, dV written once; the
-    fp32 scratch (in 128-key blocks of dK and dV) zeroed, then read and written per listed row
-    before the last chunk, read in it."""
+    fp32 scratch (in 128-key blocks of dK and dV) written by the first chunk per listed row,
+    read by the last."""
     B, Hq, Hkv, N, D = 1, 2, 1, 512, 32
     _chunk_budget(monkeypatch, Hq // Hkv, D, False, 2)
     q, k, v, do = attention_inputs(B, Hq, Hkv, N, N, D, seed=44)
