@@ -14,25 +14,28 @@ chunk:
    dO, O, lse read once (direct DMAs; gathers with q_lens), ``delta_i = rowsum(dO_i * O_i)``,
    and into SBUF (``_Resident``, the dense kernel's slot bytes per tile) ``(scale Q)^T``,
    ``dO^T``, Q, dO, ``-lse`` (clamped), ``-delta`` and a zeroed fp32 dQ accumulator.
-2. **Key-major sweep** over the key blocks the chunk meets: for every key block j (rows of the
-   *transposed* pattern restricted to the chunk's query tiles, sorted into compile-time
-   classes common to every chunk, like the forward's query tiles), K_j, V_j are gathered once;
+2. **Key-major sweep**: for every key block j (rows of the *transposed* pattern restricted
+   to the chunk's query tiles, in one order per kv group common to every chunk, sorted into
+   compile-time classes like the forward's query tiles), K_j, V_j are gathered once;
    a sequential loop over the query heads of the kv group and the chunk's query tiles i
    active with j reads tile i's staged state at a runtime block (the table's entry:
    :func:`port.dynamic_block`), recomputes ``P_ij = exp(scale Q_i K_j^T - LSE_i)`` and
    ``dS_ij = P_ij * (dO_i V_j^T - D_i)``, accumulates ``dV_j += P_ij^T dO_i`` and ``dK_j +=
    dS_ij^T Q_i`` in PSUM and adds ``dS_ij K_j`` to dQ_i's accumulator (six TensorE passes
-   per pair, the dense kernel's). One chunk: dK_j, dV_j are stored. Several: they are added
-   to an fp32 scratch in HBM (zeroed first; read, added, written back per block and chunk;
-   cast into dK, dV after the last chunk, as the dense backward's passes do), and a row the
-   classes list but no head of the group meets in the chunk names no block (the host pushes
-   it past every sequence): nothing is read or written for it.
+   per pair, the dense kernel's). One chunk: dK_j, dV_j are stored. Several: the partial
+   sums go through an fp32 scratch in HBM at the block's order position (a static address:
+   the read-add-writes of different blocks are independent DMAs, where an indirect one would
+   order every access to the tensor after the previous one) -- written by the first chunk,
+   read, added and written back by the middle ones, read by the last, which stores dK_j,
+   dV_j (as the dense backward's passes, without its zeroing and final pass). Before the
+   last chunk a row no head of the group meets in the chunk names no block (the host pushes
+   it past every sequence): its K and V are not read.
 3. **dQ out**: every tile's accumulator of the chunk, scaled and cast, stored once.
 
-HBM traffic: Q, dO, O, lse once, K and V once per key block and chunk that meet, dQ, dK, dV
-once; with c > 1 chunks also ``16 Nk d`` bytes of scratch (zeroing and the final read) and
-``16 d`` per row of 128 keys per block and chunk that meet: Theta(N d + nnz d) with the
-chunks' blocks, in proportion to the density for patterns whose chunks meet few blocks.
+HBM traffic: Q, dO, O, lse once, dQ, dK, dV once, K and V once per key block a chunk meets
+(the last chunk: every block some chunk meets); with c > 1 chunks also the scratch, ``2 (2 c
+- 2)`` fp32 ``[128, d]`` tiles per listed block: Theta(N d + nnz d) for one chunk, Theta(c N d
++ nnz d) for c.
 
 Masks, lengths, GQA and dropout as in the forward kernel (module ``block_sparse``): the masks
 are computed at run time from each pair's positions; dropout regenerates each unit's mask
@@ -40,10 +43,10 @@ from ``seed + unit`` (the dense kernels' numbering), so ``dP`` and ``dV`` see ex
 forward's ``Z / (1 - p)``.
 
 Namespaces as the forward's (module ``block_sparse``): a compiled loop over the instances in
-0.7, gathers through the flattened tensors; the dK/dV scratch is each program's own ``(Nk,
-D)`` pair, zeroed per instance (0.7's one program runs the instances one after another), and
-gathered at the key positions themselves. The chunks are a compiled loop and the last chunk
-(the rest of the tiles, the partial one) a static copy, so the program does not grow with N.
+0.7, gathers through the flattened tensors; the dK/dV scratch is each program's own pair
+(0.7's one program runs the instances one after another, each writing it in its first
+chunk). The first and the last chunk (the rest of the tiles, the partial one) are static
+copies and the middle ones a compiled loop, so the program does not grow with N.
 Each key block's slot loop runs the row's count of slots under nki.* (a register bound,
 :meth:`block_sparse.Row.slot_loop`; the counts read once per class), all ``trip`` in legacy
 (padding slots masked, pointed at a zero tile). The staged
