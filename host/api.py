@@ -724,13 +724,37 @@ def _varlen_backward(do, q, k, v, o, lse, call: AttentionCall):
     return tuple(outs[:3]) + (np.asarray(outs[3], dtype=np.float32)[0],)
 
 
+def _block_sparse_chunk_tiles(call: AttentionCall) -> int:
+    """Query tiles per chunk of the block-sparse backward (``tiles.bsp_bwd_chunks`` on the
+    active target; trn1's smaller SBUF when the host does not know it). A kv group whose
+    query heads cannot stage one tile each is refused."""
+    dims = call.dims
+    target = active_target()
+    target = target if target in tiles.BWD_SBUF_BUDGET_BYTES else "trn1"
+    extras = (call.mods.tensors["alibi_slopes"] is not None
+              or call.mods.tensors["sinks"] is not None or bool(call.mods.kwargs)
+              or bool(call.dropout.p) or call.kv_lens is not None or call.q_lens is not None)
+    op_itemsize = 4 if call.mm_dtype == "float32" else 2
+    chunks, slots = tiles.bsp_bwd_chunks(dims.group, dims.Nq, dims.D, op_itemsize, target,
+                                         extras)
+    if not chunks:
+        raise ValueError(
+            f"block_mask: the block-sparse backward stages one query tile of each of the "
+            f"{dims.group} query heads of a kv group in SBUF; at D = {dims.D} with "
+            f"{call.mm_dtype} matmuls that exceeds 90 % of {target}'s SBUF; allowed: fewer "
+            f"query heads per kv head")
+    return slots
+
+
 def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):
     """The block-sparse backward of a validated call (``call.block_sparse`` given):
     ``(dq, dk, dv)``."""
     from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
 
     dims, p = call.dims, call.dropout.p
-    tables = _bs.launch_tables(call.block_sparse, group=dims.group)
+    chunk_tiles = _block_sparse_chunk_tiles(call)
+    tables = _bs.launch_tables(call.block_sparse, group=dims.group, forward=False,
+                               chunk_tiles=chunk_tiles)
     kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
                   mm_dtype=call.mm_dtype, **call.mods.kwargs)
     if p:
@@ -739,10 +763,9 @@ def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):
                                                  ("o", o)))
     api = select_api()
     outs = launch(block_sparse_attention_bwd.on(api), _block_sparse_grid(dims, call.lnc, api), q,
-                  k, v, o, do,
-                  _numpy("lse", lse), tables.q.meta, tables.k.meta, kv_lens=call.kv_lens,
-                  q_lens=call.q_lens, seed=call.dropout.seed, classes_q=tables.q.classes,
-                  classes_k=tables.k.classes, **call.mods.tensors, **kwargs)
+                  k, v, o, do, _numpy("lse", lse), tables.k.meta, kv_lens=call.kv_lens,
+                  q_lens=call.q_lens, seed=call.dropout.seed, classes_k=tables.k.classes,
+                  chunk_tiles=chunk_tiles, **call.mods.tensors, **kwargs)
     if call.mods.tensors["sinks"] is None:
         return outs
     # each sequence's share of dsinks, summed over the batch on the host (as the dense path)

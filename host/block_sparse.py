@@ -432,7 +432,7 @@ def kernel_tables(index: BlockIndex, *, sort: bool, group: int = 1,
 
 class LaunchTables(NamedTuple):
     """The tables of one block-sparse launch: the forward's (query tiles) and the backward's
-    key-major ones (key blocks, one order per kv group)."""
+    key-major ones (key blocks, one order per kv group and chunk of query tiles)."""
 
     q: KernelTables
     k: KernelTables
@@ -443,26 +443,59 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
 
-def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True) -> LaunchTables:
+def _chunk_columns(dense_t: np.ndarray, chunk_tiles: int) -> np.ndarray:
+    """``(b, h, chunks, nkt, nqt)``: the transposed pattern ``(b, h, nkt, nqt)`` restricted,
+    per chunk c, to its query tiles ``c chunk_tiles .. (c + 1) chunk_tiles - 1``."""
+    nqt = dense_t.shape[-1]
+    chunks = _tiles.ceil_div(nqt, chunk_tiles)
+    chunk_of = np.arange(nqt) // chunk_tiles
+    keep = chunk_of[None, :] == np.arange(chunks)[:, None]              # (chunks, nqt)
+    return dense_t[:, :, None] & keep[None, None, :, None, :]
+
+
+def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
+                  forward: bool = True, chunk_tiles: Optional[int] = None) -> LaunchTables:
     """Tables for the kernels of a validated pattern.
 
     A pattern given densely is a compile-time pattern: rows are sorted into tight classes.
     One given in the index form (``sparsity.runtime``) keeps one class with the pattern's own
     ``max_blocks`` bound, so the forward compiles once per bound. The backward's key-major
     sweep then bounds each key block's query tiles by the next power of two of the pattern's
-    largest column count (few recompilations, at most 2x padding). ``group``: query heads per
-    kv head (the key-major order is shared within a kv group).
+    largest column count in a chunk (few recompilations, at most 2x padding). ``group``: query
+    heads per kv head (the key-major order is shared within a kv group). ``chunk_tiles``: the
+    backward's query tiles per chunk (``tiles.bsp_bwd_chunks``; None: one chunk of all): its
+    table lists, per chunk, each key block's query tiles of that chunk -- rows ``c nkt ..`` of
+    ``k.meta`` are chunk c's -- in one order per kv group common to every chunk (the kernel
+    keeps a block's partial dK, dV at its order position), under classes common to every
+    chunk and kv group. ``forward`` / ``backward`` False: that kernel's tables are None (the
+    backward reads only its own).
     """
     heads, runtime = sparsity.dense.shape[1], sparsity.runtime
-    q = kernel_tables(sparsity.index, sort=not runtime, share=_tiles.BSP_GROUP_TILES)
+    q = (kernel_tables(sparsity.index, sort=not runtime, share=_tiles.BSP_GROUP_TILES)
+         if forward else None)
     if not backward:
         return LaunchTables(q, None, runtime)
     g = group if heads > 1 else 1
     dense_t = np.swapaxes(sparsity.dense, -1, -2)
+    b, _, nkt, nqt = dense_t.shape
+    per = _chunk_columns(dense_t, nqt if chunk_tiles is None else chunk_tiles)
+    chunks = per.shape[2]
+    # (b, kv groups, chunks, members, nkt, nqt) -> heads: each kv group's chunks and members
+    # one table group (one order)
+    folded = per.reshape(b, heads // g, g, chunks, nkt, nqt).transpose(0, 1, 3, 2, 4, 5)
+    folded = folded.reshape(b, heads * chunks, nkt, nqt)
     if runtime:
-        need = int(dense_t.sum(axis=-1).max()) if dense_t.size else 0
-        bound = min(dense_t.shape[-1], _pow2_at_least(max(need, 1)))
-        k = kernel_tables(dense_to_index(dense_t, bound), sort=False)
+        need = int(folded.sum(axis=-1).max()) if folded.size else 0
+        bound = min(nqt, _pow2_at_least(max(need, 1)))
+        k = kernel_tables(dense_to_index(folded, bound), sort=False)
     else:
-        k = kernel_tables(dense_to_index(dense_t), sort=True, group=g)
-    return LaunchTables(q, k, runtime)
+        k = kernel_tables(dense_to_index(folded), sort=True, group=g * chunks)
+    w = k.meta.shape[-1]
+    meta = k.meta.reshape(b, heads // g, chunks, g, nkt, w)
+    # a key block no query head of the group meets in a chunk before the last (a row the
+    # common order still lists) is pushed past every sequence: the kernel reads nothing for
+    # it (the last chunk writes every listed block's dK, dV)
+    empty = meta[:, :, :-1, :, :, 1].max(axis=3, keepdims=True) == 0
+    meta[:, :, :-1, :, :, 0] = np.where(empty, _tiles.BSP_PAD_FIRST, meta[:, :, :-1, :, :, 0])
+    meta = meta.transpose(0, 1, 3, 2, 4, 5).reshape(b, heads, chunks * nkt, w)
+    return LaunchTables(q, k._replace(meta=np.ascontiguousarray(meta)), runtime)

@@ -448,17 +448,36 @@ BSP_BWD_STAGE_TILES = 4
 BSP_BWD_WORKING_BYTES = (3 * 1024, 5 * 1024)
 
 
-def bsp_bwd_resident(G: int, Nq: int, D: int, op_itemsize: int, target: str,
-                     extras: bool) -> bool:
-    """Whether the block-sparse backward (``attention/block_sparse_bwd.py``) stages the query
-    side of all ``ceil(Nq / 128)`` query tiles of the ``G`` heads of a kv group, and one zero
-    tile per head, in SBUF: ``bwd_slot_bytes`` per tile (the dense backward's resident slot)
-    plus its working set (``BSP_BWD_WORKING_BYTES``; ``extras``: score modifiers, dropout or
-    lengths) within ``BWD_SBUF_BUDGET_BYTES`` (90 % of SBUF). Otherwise it streams the query
-    side per block pair."""
-    staged = G * (ceil_div(Nq, PMAX) + 1) * bwd_slot_bytes(D, op_itemsize)
+def bsp_bwd_chunk_bytes(G: int, slots: int, D: int, op_itemsize: int, extras: bool,
+                       chunked: bool) -> int:
+    """SBUF bytes per partition of a chunk of the block-sparse backward
+    (``attention/block_sparse_bwd.py``) staging ``slots`` query tiles of each of the ``G`` heads
+    of a kv group: ``G (slots + 1)`` tiles (one zero tile per head) of ``bwd_slot_bytes`` each
+    (the dense backward's resident slot), the working set (``BSP_BWD_WORKING_BYTES``;
+    ``extras``: score modifiers, dropout or lengths) and, with several chunks (``chunked``),
+    the fp32 dK/dV partial sums read back from HBM (two ``[128, D]`` tiles, double-buffered)."""
+    staged = G * (slots + 1) * bwd_slot_bytes(D, op_itemsize)
     working = BSP_BWD_WORKING_BYTES[int(extras)] * op_itemsize
-    return staged + working <= BWD_SBUF_BUDGET_BYTES[target]
+    return staged + working + (2 * 2 * 4 * D if chunked else 0)
+
+
+def bsp_bwd_chunks(G: int, Nq: int, D: int, op_itemsize: int, target: str,
+                   extras: bool) -> Tuple[int, int]:
+    """``(chunks, slots)``: the block-sparse backward splits the ``ceil(Nq / 128)`` query tiles
+    of a kv group into chunks of ``slots`` consecutive tiles per head (the last chunk holds the
+    rest, at least one) whose :func:`bsp_bwd_chunk_bytes` fit ``BWD_SBUF_BUDGET_BYTES`` (90 %
+    of SBUF), as few as may be and balanced. One chunk: 16K rows at D = 128 on trn2.
+    ``(0, 0)`` when not even one tile per head fits."""
+    budget = BWD_SBUF_BUDGET_BYTES[target]
+    n_tiles = ceil_div(Nq, PMAX)
+    if bsp_bwd_chunk_bytes(G, n_tiles, D, op_itemsize, extras, False) <= budget:
+        return 1, n_tiles
+    fixed = bsp_bwd_chunk_bytes(G, 0, D, op_itemsize, extras, True)
+    most = (budget - fixed) // (G * bwd_slot_bytes(D, op_itemsize))
+    if most < 1:
+        return 0, 0
+    slots = ceil_div(n_tiles, ceil_div(n_tiles, most))
+    return ceil_div(n_tiles, slots), slots
 
 
 def bwd_passes(G: int, Nq: int, rows_per_pass: int) -> Tuple[int, int]:

@@ -2,36 +2,40 @@
 dense backward, Algorithm 4, restricted to the active blocks).
 
 Gradients of :func:`block_sparse.block_sparse_attention_fwd` from its saved o and lse. Every
-active 128 x 128 block pair (query tile i, key block j) is visited, never an inactive one, and
-nothing of size N x N is stored. Two schedules, chosen at compile time by whether the query
-side of a kv group fits SBUF (``tiles.bsp_bwd_resident``: 16K rows at D = 128 on trn2):
+active 128 x 128 block pair (query tile i, key block j) is visited once, never an inactive
+one, and nothing of size N x N is stored. The query side is staged in SBUF a *chunk* at a
+time (the dense backward's passes, ``backward.py``): ``tiles.bsp_bwd_chunks`` splits the
+query tiles of a kv group into chunks of consecutive tiles that fit 90 % of SBUF beside the
+working set -- one chunk up to 16K rows at D = 128 on trn2 (the resident schedule), more past
+it, or sooner with score modifiers, dropout or lengths, whose working set is larger. Per
+chunk:
 
-**Resident** (the dense backward's single pass, ``backward.py``), each pair visited once:
-
-1. **Stage** every query tile of the G heads (compiled loops, four tiles per body): Q, dO, O,
-   lse read once (direct DMAs; gathers with q_lens), ``delta_i = rowsum(dO_i * O_i)``, and
-   into SBUF (``_Resident``, the dense kernel's slot bytes per tile) ``(scale Q)^T``,
+1. **Stage** the chunk's query tiles of the G heads (compiled loops, four tiles per body): Q,
+   dO, O, lse read once (direct DMAs; gathers with q_lens), ``delta_i = rowsum(dO_i * O_i)``,
+   and into SBUF (``_Resident``, the dense kernel's slot bytes per tile) ``(scale Q)^T``,
    ``dO^T``, Q, dO, ``-lse`` (clamped), ``-delta`` and a zeroed fp32 dQ accumulator.
-2. **Key-major sweep**: for every key block j (rows of the *transposed* pattern, sorted into
-   compile-time classes like the forward's query tiles), K_j, V_j are gathered once; a
-   sequential loop over the query heads of the kv group and the query tiles i active with j
-   reads tile i's staged state at a runtime block (the table's entry:
+2. **Key-major sweep**: for every key block j (rows of the *transposed* pattern restricted
+   to the chunk's query tiles, in one order per kv group common to every chunk, sorted into
+   compile-time classes like the forward's query tiles), K_j, V_j are gathered once;
+   a sequential loop over the query heads of the kv group and the chunk's query tiles i
+   active with j reads tile i's staged state at a runtime block (the table's entry:
    :func:`port.dynamic_block`), recomputes ``P_ij = exp(scale Q_i K_j^T - LSE_i)`` and
    ``dS_ij = P_ij * (dO_i V_j^T - D_i)``, accumulates ``dV_j += P_ij^T dO_i`` and ``dK_j +=
    dS_ij^T Q_i`` in PSUM and adds ``dS_ij K_j`` to dQ_i's accumulator (six TensorE passes
-   per pair, the dense kernel's).
-3. **dQ out**: every tile's accumulator, scaled and cast, stored once.
+   per pair, the dense kernel's). One chunk: dK_j, dV_j are stored. Several: the partial
+   sums go through an fp32 scratch in HBM at the block's order position (a static address:
+   the read-add-writes of different blocks are independent DMAs, where an indirect one would
+   order every access to the tensor after the previous one) -- written by the first chunk,
+   read, added and written back by the middle ones, read by the last, which stores dK_j,
+   dV_j (as the dense backward's passes, without its zeroing and final pass). Before the
+   last chunk a row no head of the group meets in the chunk names no block (the host pushes
+   it past every sequence): its K and V are not read.
+3. **dQ out**: every tile's accumulator of the chunk, scaled and cast, stored once.
 
-HBM traffic: Q, dO, O, lse once, K and V once per active key block, dQ, dK, dV once.
-
-**Streamed** (past SBUF), each pair visited twice, the query side gathered per pair:
-
-1. **delta** for every query row, ``-delta`` into an fp32 HBM scratch (an affine loop).
-2. **dK, dV, key-major** as above, Q_i, dO_i, lse_i, delta_i gathered and transposed per pair.
-3. **dQ, query-major**: for every query tile i (the forward's tables), the key blocks active
-   with it are gathered again and ``dQ_i += dS_ij K_j`` accumulates on chip (recomputing P
-   and dS: no read-modify-write of dQ in HBM per pair, whose ordering between DMA queues the
-   documentation does not define). HBM traffic Theta(N d + nnz d): linear in the density.
+HBM traffic: Q, dO, O, lse once, dQ, dK, dV once, K and V once per key block a chunk meets
+(the last chunk: every block some chunk meets); with c > 1 chunks also the scratch, ``2 (2 c
+- 2)`` fp32 ``[128, d]`` tiles per listed block: Theta(N d + nnz d) for one chunk, Theta(c N d
++ nnz d) for c.
 
 Masks, lengths, GQA and dropout as in the forward kernel (module ``block_sparse``): the masks
 are computed at run time from each pair's positions; dropout regenerates each unit's mask
@@ -39,12 +43,13 @@ from ``seed + unit`` (the dense kernels' numbering), so ``dP`` and ``dV`` see ex
 forward's ``Z / (1 - p)``.
 
 Namespaces as the forward's (module ``block_sparse``): a compiled loop over the instances in
-0.7, gathers through the flattened tensors; delta's scratch is each legacy program's own ``(1,
-G, Nq, 1)``, and under 0.7, whose one program runs every instance, ``(B, Hq, Nq, 1)`` (the same
-bytes in all), addressed like Q. Each row's slot loop (a key block's query tiles, a query
-tile's key blocks) runs the row's count of slots under nki.* (a register bound,
-:meth:`block_sparse.Row.slot_loop`; the key blocks' counts read once per class), all ``trip``
-in legacy (padding slots masked; the resident schedule points them at a zero tile). The staged
+0.7, gathers through the flattened tensors; the dK/dV scratch is each program's own pair
+(0.7's one program runs the instances one after another, each writing it in its first
+chunk). The first and the last chunk (the rest of the tiles, the partial one) are static
+copies and the middle ones a compiled loop, so the program does not grow with N.
+Each key block's slot loop runs the row's count of slots under nki.* (a register bound,
+:meth:`block_sparse.Row.slot_loop`; the counts read once per class), all ``trip`` in legacy
+(padding slots masked, pointed at a zero tile). The staged
 tiles are read at runtime blocks through views under nki.* (``NkiTensor.ap(scalar_offset=)``)
 and through ``tensor_copy_dynamic_src``/``_dst`` copies in legacy (VectorE, 600 cycles each in
 the simulator): the same values, so the same gradients bit for bit; the legacy trace is the
@@ -58,8 +63,8 @@ from nki_kernels.attention import forward as F
 from nki_kernels.attention import masks as M
 from nki_kernels.attention import score_mods as SM
 from nki_kernels.attention.block_sparse import (P, Geometry, Row, RowFrame, check_classes,
-                                                exact_indices, gather, own_rows, rows_at,
-                                                scatter, unit_seeds)
+                                                exact_indices, gather, rows_at, scatter,
+                                                unit_seeds)
 from nki_kernels.port import nl
 
 #: -lse is clamped to this before the exp: a row without visible keys (lse = -inf) keeps
@@ -74,13 +79,13 @@ class _Cfg:
     Score modifiers: Q^T carries the scale, so the exp's scale is 1 (``unit``: the cap with
     soft-capping); ``cols`` the HeadColumns of the instance's query heads (``score``:
     :class:`forward.ScoreMods`, None without modifiers); ``dsink_acc`` dsink's partial sums
-    (``[128, G]`` fp32, with sinks); ``delta`` the streamed schedule's HBM scratch of
-    ``-delta`` (None when the query side is resident)."""
+    (``[128, G]`` fp32, with sinks); ``scratch`` the program's fp32 ``(dK, dV)`` partial
+    sums in HBM with several chunks (else None), ``(ceil(Nk / 128) 128, D)`` each, rows
+    ``128 r ..`` those of the key block at order position r."""
 
-    def __init__(self, f: F.Instance, do, dq, dk, dv, delta, every_head: bool,
-                 score, dsink_acc):
-        self.f, self.do, self.dq, self.dk, self.dv, self.delta = f, do, dq, dk, dv, delta
-        self.every_head = every_head
+    def __init__(self, f: F.Instance, do, dq, dk, dv, scratch, score, dsink_acc):
+        self.f, self.do, self.dq, self.dk, self.dv = f, do, dq, dk, dv
+        self.scratch = scratch
         self.dropout_p = f.dropout_p
         self.scale = f.scale
         self.mods = score.mods if score is not None else SM.Mods()
@@ -95,15 +100,6 @@ class _Cfg:
         f = self.f
         padding = not exact and port.api() != "nki"
         return padding or geo.has_lens or f.Nq % P != 0 or f.Nk % P != 0 or f.spec.has_diag
-
-    def delta_lead(self, h):
-        """Leading indices of member head h's rows in the delta scratch: ``(0, h)`` of a
-        program's own ``(1, G, Nq, 1)`` (legacy), or with ``every_head`` (0.7, where one
-        program runs every instance) ``(b, head)`` of a ``(B, Hq, Nq, 1)`` one, addressed like
-        q (q's row frame serves its gathers too)."""
-        if self.every_head:
-            return (self.f.b, self.f.head(h))
-        return (0, h)
 
 
 class _Resident:
@@ -124,41 +120,48 @@ class _Resident:
     ``tiles.bwd_slot_bytes`` per block, as the dense backward's slot
     (``tiles.bsp_bwd_resident`` decides whether they fit)."""
 
-    def __init__(self, f: F.Instance, nqt: int):
-        self.per_head = nqt + 1
+    def __init__(self, f: F.Instance, slots: int):
+        self.slots, self.per_head = slots, slots + 1
         n = f.G * self.per_head
         self.T = [nl.ndarray((rows, n, 2 * P), dtype=f.mm, buffer=nl.sbuf)
                   for _, rows in f.d_passes]
         self.nat = nl.ndarray((P, n, 2 * f.D), dtype=f.mm, buffer=nl.sbuf)
         self.stat = nl.ndarray((P, n, 2), dtype=nl.float32, buffer=nl.sbuf)
         self.dq = nl.ndarray((P, n, f.D), dtype=nl.float32, buffer=nl.sbuf)
-        port.memset(self.dq, 0.0, engine="gpsimd")
 
         def zero_tile(h):
-            z = h * self.per_head + nqt
+            z = h * self.per_head + slots
             for t in self.T:
                 port.memset(t[:, z, :], 0.0, engine="gpsimd")
             port.memset(self.nat[:, z, :], 0.0, engine="gpsimd")
             port.memset(self.stat[:, z, :], 0.0, engine="gpsimd")
+            port.memset(self.dq[:, z, :], 0.0, engine="gpsimd")
 
         port.loop(f.G, zero_tile)
 
-    def blocks(self, f: F.Instance, geo: Geometry, rw: Row, h):
+    def blocks(self, f: F.Instance, geo: Geometry, rw: Row, h, chunk):
         """int32 ``[1, trip]``: the blocks of ``rw``'s entries (query tile ``block_first /
-        128``, a padding slot's the zero tile) of member head h. GpSimd, one ``[1, trip]``
-        instruction (three with GQA)."""
+        128`` less the chunk's first, ``chunk slots``; a padding slot's the zero tile) of
+        member head h. GpSimd, one ``[1, trip]`` instruction (one more past the first chunk,
+        two more with GQA)."""
         trip = rw.trip
+        first = rw.bc[0:1, 2:2 + trip]
+        if not isinstance(chunk, int) or chunk:
+            shift = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.iota(shift, [[0, 1]], runtime=[(chunk, -self.slots * P)],
+                      offsets=geo.indices)
+            first = nl.ndarray((1, trip), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(first, rw.bc[0:1, 2:2 + trip], nl.add, shift, engine="gpsimd")
         out = nl.ndarray((1, trip), dtype=nl.int32, buffer=nl.sbuf)
         if f.G == 1:
-            port.tensor_scalar(out, rw.bc[0:1, 2:2 + trip], nl.multiply, 1.0 / P,
-                               op1=nl.minimum, operand1=float(self.per_head - 1),
-                               engine="gpsimd")
+            port.tensor_scalar(out, first, nl.multiply, 1.0 / P, op1=nl.minimum,
+                               operand1=float(self.slots), engine="gpsimd")
             return out
         head0 = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.iota(head0, [[0, 1]], runtime=[(h, self.per_head)], offsets=geo.indices)
         tile = nl.ndarray((1, trip), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(tile, rw.bc[0:1, 2:2 + trip], nl.multiply, 1.0 / P, op1=nl.minimum,
-                           operand1=float(self.per_head - 1), engine="gpsimd")
+        port.tensor_scalar(tile, first, nl.multiply, 1.0 / P, op1=nl.minimum,
+                           operand1=float(self.slots), engine="gpsimd")
         port.tensor_scalar(out, tile, nl.add, head0, engine="gpsimd")
         return out
 
@@ -177,11 +180,12 @@ class _Resident:
         """dQ of the slot's query tile ``+= dq_ps`` (``acc`` from :meth:`tile`)."""
         port.dynamic_block_add(self.dq, acc[0], acc[1], dq_ps)
 
-    def stage(self, cfg: "_Cfg", geo: Geometry, h, q_frame, t, rows: int):
+    def stage(self, cfg: "_Cfg", geo: Geometry, h, q_frame, t, local, rows: int):
         """Query tile t (``rows`` rows: 128, or the partial last tile's) of member head h into
-        its block: Q, dO, O, lse (rows past Nq zero; with q_lens gathered through ``q_frame``,
-        rows past q_len skipped, zero), ``-delta = -rowsum(dO O)``, the clamped -lse, the
-        transposes; with sinks the rows' shares of dsink."""
+        its block (``local``: t's place in its chunk): Q, dO, O, lse (rows past Nq zero; with
+        q_lens gathered through ``q_frame``, rows past q_len skipped, zero), ``-delta =
+        -rowsum(dO O)``, the clamped -lse, the transposes, a zeroed dQ accumulator; with
+        sinks the rows' shares of dsink."""
         f = cfg.f
         head = f.head(h)
         srcs = (f.q, cfg.do, f.o, f.lse_col)
@@ -200,7 +204,8 @@ class _Resident:
                     port.memset(dst, 0.0, engine="gpsimd")
                 port.dma_copy(dst[0:rows], src[f.b, head, nl.ds(t * P, rows), :],
                               legacy_isa=True)
-        n, D = h * self.per_head + t, f.D
+        n, D = h * self.per_head + local, f.D
+        port.memset(self.dq[:, n, :], 0.0, engine="gpsimd")
         port.tensor_scalar(self.stat[:, n, 0:1], lse, nl.multiply, -1.0, op1=nl.minimum,
                            operand1=LSE_CLAMP, engine="gpsimd")
         d = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -213,40 +218,44 @@ class _Resident:
         port.tensor_copy(self.nat[:, n, 0:D], x, engine="gpsimd")
         port.tensor_copy(self.nat[:, n, D:2 * D], dx, engine="gpsimd")
 
-    def write_dq(self, cfg: "_Cfg", h, t, rows: int):
-        """dQ of query tile t (``rows`` rows) of member head h: ``scale`` times its
-        accumulator, cast and stored (rows at or past q_len hold zeros: no pair added to
-        them)."""
+    def write_dq(self, cfg: "_Cfg", h, t, local, rows: int):
+        """dQ of query tile t (``rows`` rows; ``local`` its place in the chunk) of member head
+        h: ``scale`` times its accumulator, cast and stored (rows at or past q_len hold zeros:
+        no pair added to them)."""
         f = cfg.f
         dq_out = nl.ndarray((P, f.D), dtype=cfg.dq.dtype, buffer=nl.sbuf)
-        port.activation(dq_out, nl.copy, self.dq[:, h * self.per_head + t, :],
+        port.activation(dq_out, nl.copy, self.dq[:, h * self.per_head + local, :],
                         scale=cfg.scale)
         port.dma_copy(cfg.dq[f.b, f.head(h), nl.ds(t * P, rows), :], dq_out[0:rows],
                       legacy_isa=True)
 
-    @staticmethod
-    def run(cfg: "_Cfg", geo: Geometry, body, frames: bool, carried: bool = False):
-        """``body(h, q_frame, t, rows)`` over the instance's query tiles t (``rows`` rows) of
-        every member head h: compiled loops (``carried``: see :func:`port.loop`) over
-        ``tiles.BSP_BWD_STAGE_TILES`` full tiles at a time (unrolled in the body: each has
-        its own buffers, so their DMA latencies overlap), a static remainder and the partial
-        last tile. ``frames``: pass the head's :class:`RowFrame` (else None)."""
+    def run(self, cfg: "_Cfg", geo: Geometry, body, frames: bool, chunk, n_tiles: int,
+            tail: int = 0, carried: bool = False):
+        """``body(h, q_frame, t, local, rows)`` over the ``n_tiles`` query tiles t = ``chunk
+        slots + local`` of a chunk (``rows`` rows; the last one ``tail`` rows when ``tail``:
+        the partial last tile) of every member head h: compiled loops (``carried``: see
+        :func:`port.loop`) over ``tiles.BSP_BWD_STAGE_TILES`` full tiles at a time (unrolled
+        in the body: each has its own buffers, so their DMA latencies overlap), a static
+        remainder and the partial tile. ``frames``: pass the head's :class:`RowFrame` (else
+        None)."""
         f = cfg.f
-        full, tail = divmod(f.Nq, P)
+        full = n_tiles - (1 if tail else 0)
         u = max(1, min(T.BSP_BWD_STAGE_TILES, full))
+        t0 = chunk * self.slots
 
         def head(h):
             q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices) if frames else None
 
             def group(c):
                 for j in T.unrolled(u):
-                    body(h, q_frame, c * u + j, P)
+                    body(h, q_frame, t0 + c * u + j, c * u + j, P)
 
             port.loop(full // u, group, carried=carried)
             for j in T.unrolled(full % u):
-                body(h, q_frame, (full // u) * u + j, P)
+                local = (full // u) * u + j
+                body(h, q_frame, t0 + local, local, P)
             if tail:
-                body(h, q_frame, full, tail)
+                body(h, q_frame, t0 + full, full, tail)
 
         port.loop(f.G, head, carried=carried)
 
@@ -287,33 +296,9 @@ def _as_mm(f: F.Instance, x):
     return y
 
 
-def _query_side(cfg: _Cfg, geo: Geometry, h, first, q_frame: RowFrame):
-    """Gather query tile rows from ``first`` of member head h (rows of ``q_frame``): Q, dO
-    (natural, matmul dtype), ``(scale Q)^T``, ``dO^T``, the clamped ``-lse`` and ``-delta``
-    columns (the streamed schedule). Rows past q_len (or Nq, or every row when ``first`` is
-    pushed out) are not read and stay 0."""
-    f = cfg.f
-    head = f.head(h)
-    idx, pos = own_rows(geo, first, geo.q_len, q_frame)
-    x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
-    gather(x, f.q, (f.b, head), idx, 0, True)
-    dx = nl.ndarray((P, f.D), dtype=cfg.do.dtype, buffer=nl.sbuf)
-    gather(dx, cfg.do, (f.b, head), idx, 0, True)
-    lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    gather(lse, f.lse_col, (f.b, head), idx, 0, True)
-    neg_delta = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    gather(neg_delta, cfg.delta, cfg.delta_lead(h), idx, 0, True)
-    neg_lse = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(neg_lse, lse, nl.multiply, -1.0, op1=nl.minimum, operand1=LSE_CLAMP)
-    qT = _transposed(f, x, cfg.scale)
-    doT = _transposed(f, dx)
-    return _as_mm(f, x), _as_mm(f, dx), qT, doT, neg_lse, neg_delta, pos
-
-
-def _key_side(cfg: _Cfg, idx, skip: bool, natural_k: bool):
+def _key_side(cfg: _Cfg, idx, skip: bool):
     """Gather a key block's rows (indices ``idx`` ``[128, 1]``, rows of ``k[b, g]``'s frame):
-    ``K^T``, ``V^T`` per pass (matmul dtype) and K natural at matmul dtype when
-    ``natural_k``."""
+    ``K^T``, ``V^T`` per pass and K natural (matmul dtype)."""
     f = cfg.f
     kx = nl.ndarray((P, f.D), dtype=f.k.dtype, buffer=nl.sbuf)
     gather(kx, f.k, (f.b, f.g), idx, 0, skip)
@@ -322,11 +307,8 @@ def _key_side(cfg: _Cfg, idx, skip: bool, natural_k: bool):
     # non-finite entries zeroed in the dP and dQ operands, not in K^T (backward.load_kv_tile)
     M.zero_non_finite(vx)
     kT = _transposed(f, kx)
-    k_nat = None
-    if natural_k:
-        M.zero_non_finite(kx)
-        k_nat = _as_mm(f, kx)
-    return kT, _transposed(f, vx), k_nat
+    M.zero_non_finite(kx)
+    return kT, _transposed(f, vx), _as_mm(f, kx)
 
 
 def _pair(cfg: _Cfg, geo: Geometry, qT, doT, kT, vT, neg_lse, neg_delta, key_thr, hi, lo,
@@ -399,32 +381,6 @@ def _slot(sl, seeds, thr, hi, lo):
     return cols + (seed,)
 
 
-def _accumulate(acc, psum_product):
-    """``acc += product`` (fp32 SBUF += a fresh PSUM group) on VectorE."""
-    port.tensor_tensor(acc, acc, psum_product, nl.add)
-
-
-def _delta(cfg: _Cfg, h, t0, rows: int):
-    """``-delta`` of ``rows`` query rows from ``t0`` (an index expression) of member head h
-    into the scratch (with sinks their shares of dsink)."""
-    f = cfg.f
-    head = f.head(h)
-    dx = nl.ndarray((rows, f.D), dtype=cfg.do.dtype, buffer=nl.sbuf)
-    port.dma_copy(dx, cfg.do[f.b, head, nl.ds(t0, rows), :], legacy_isa=True)
-    ox = nl.ndarray((rows, f.D), dtype=f.o.dtype, buffer=nl.sbuf)
-    port.dma_copy(ox, f.o[f.b, head, nl.ds(t0, rows), :], legacy_isa=True)
-    d = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-    _rowsum(dx, ox, d)
-    neg_d = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(neg_d, d, nl.multiply, -1.0)
-    port.dma_copy(cfg.delta[(*cfg.delta_lead(h), nl.ds(t0, rows), slice(None))], neg_d,
-                  legacy_isa=True)
-    if cfg.dsink_acc is not None:
-        lse = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-        port.dma_copy(lse, f.lse_col[f.b, head, nl.ds(t0, rows), :], legacy_isa=True)
-        add_sink_share(cfg.cols, h, lse, d, cfg.dsink_acc)
-
-
 def _rowsum(dx, ox, d):
     """``d = rowsum(dO * O)`` (fp32 ``[rows, 1]``) of the ``[rows, D]`` tiles dO and O
     (VectorE)."""
@@ -448,13 +404,14 @@ def add_sink_share(cols: SM.HeadColumns, h, lse, d, acc):
     port.scalar_tensor_tensor(col, p_sink, nl.multiply, d, nl.add, col)
 
 
-def _row_counts(f: F.Instance, meta_k, first: int, count: int):
-    """nki.*: int32 ``[1, (G or 1) count]``, the counts of the key blocks at order positions
-    ``first .. first + count - 1`` (of each member head with a per-head table, ``count``
-    columns each), read once for a class: a block's register trip count
-    (:meth:`block_sparse.Row.slot_loop`) then waits for a value written long before, not for
-    the block's own table row (each register load holds every engine until its value is
-    written, ``simulate._sched.register_wait``). The DMA casts the fp32 table (exact)."""
+def _row_counts(f: F.Instance, meta_k, first, count: int):
+    """nki.*: int32 ``[1, (G or 1) count]``, the counts of the key blocks at table rows
+    ``first .. first + count - 1`` (``first`` an index expression: a class of a chunk; of each
+    member head with a per-head table, ``count`` columns each), read once for a class: a
+    block's register trip count (:meth:`block_sparse.Row.slot_loop`) then waits for a value
+    written long before, not for the block's own table row (each register load holds every
+    engine until its value is written, ``simulate._sched.register_wait``). The DMA casts the
+    fp32 table (exact)."""
     hb = f.b if meta_k.shape[0] > 1 else 0
     per_head = meta_k.shape[1] > 1
     heads = f.G if per_head else 1
@@ -465,13 +422,17 @@ def _row_counts(f: F.Instance, meta_k, first: int, count: int):
     return out
 
 
-def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool,
-               res: "_Resident" = None, counts=None):
-    """dK, dV of the key block at order position ``pos`` (phase 2 of the module docstring),
-    accumulated in PSUM over its pairs; with ``res`` (the staged query side) also each pair's
-    ``dS K`` into its query tile's dQ accumulator. ``counts``: ``(table, column of pos)`` of
+def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: str, r,
+               trip: int, exact: bool, counts=None):
+    """dK, dV of the key block at order position ``r`` of chunk ``chunk`` (table row ``chunk
+    nkt + r``; phase 2 of the module docstring; ``step``: ``"first"``, ``"mid"`` or
+    ``"last"`` chunk, one chunk being the last) over its pairs with
+    the chunk's staged query tiles (``res``), accumulated in PSUM, and each pair's ``dS K``
+    into its query tile's dQ accumulator; the block's dK, dV stored, with several chunks
+    through the fp32 scratch (:func:`_add_partial`). ``counts``: ``(table, column of r)`` of
     :func:`_row_counts` (nki.*, rows with padding slots), else None."""
     f = cfg.f
+    pos = chunk * T.ceil_div(f.Nk, P) + r
     hb = f.b if meta_k.shape[0] > 1 else 0
     per_head = meta_k.shape[1] > 1
     # the first member head's row (every head of the group has the block at pos); it is
@@ -485,167 +446,152 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, pos, trip: int, exact: bool,
     k_pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(k_pos, k_first, nl.add, geo.part)
     out_idx = rows_at(k_pos, f.Nk, geo.kv)
-    dk_out = nl.ndarray((P, f.D), dtype=cfg.dk.dtype, buffer=nl.sbuf)
-    dv_out = nl.ndarray((P, f.D), dtype=cfg.dv.dtype, buffer=nl.sbuf)
-    if trip:
-        dk_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
-        dv_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
-        skip = cfg.need_mask(geo, exact)
-        # keys at or past kv_len are not read (without lengths: the partial last block's)
-        k_idx = rows_at(k_pos, geo.kv_len, geo.kv) if geo.has_lens else out_idx
-        kT, vT, k_mm = _key_side(cfg, k_idx, geo.has_lens or f.Nk % P != 0, res is not None)
-        key_thr0 = None
-        if skip:
-            key_thr0 = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_tensor(key_thr0, geo.kv_len, k_first, nl.subtract)
-        big = float(2 * P + f.Nk + f.Nq)
+    if not trip:
+        zeros = nl.ndarray((P, f.D), dtype=cfg.dk.dtype, buffer=nl.sbuf)
+        port.memset(zeros, 0.0, engine="gpsimd")
+        scatter(cfg.dk, (f.b, f.g), out_idx, zeros)
+        scatter(cfg.dv, (f.b, f.g), out_idx, zeros)
+        return
+    dk_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
+    dv_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
+    skip = cfg.need_mask(geo, exact)
+    # keys at or past kv_len are not read (without lengths: the partial last block's)
+    k_idx = rows_at(k_pos, geo.kv_len, geo.kv) if geo.has_lens else out_idx
+    # with several chunks a row may name no block (pushed past Nk): nothing read
+    kT, vT, k_mm = _key_side(cfg, k_idx, geo.has_lens or f.Nk % P != 0
+                             or cfg.scratch is not None)
+    key_thr0 = None
+    if skip:
+        key_thr0 = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(key_thr0, geo.kv_len, k_first, nl.subtract)
+    big = float(2 * P + f.Nk + f.Nq)
 
-        def head(h):
-            q_frame = None if res is not None else RowFrame.of(f.q, (f.b, f.head(h)),
-                                                               geo.indices)
-            if shared_row:
-                row = row0
-            else:
-                row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
-                port.dma_copy(row, meta_k[hb, f.head(h), nl.ds(pos, 1), 0:2 + trip],
-                              legacy_isa=True)
-            bc = bc0 if shared_row else None
-            if res is None:
-                rw = Row(row, trip, q_frame.shift(geo.part), q_frame.shift(geo.q_len),
-                         q_frame, bc=bc)
-            else:
-                # the staged tiles are read at the entries' blocks, not gathered
-                rw = Row(row, trip, geo.part, geo.q_len, None, bc=bc)
-            hi = lo = thr = gap = None
-            if skip or cfg.mods.alibi:
-                gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
-                port.tensor_scalar(gap, rw.block_first, nl.subtract, k_first, op1=nl.multiply,
-                                   operand1=-1.0)
-            if skip:
-                # a query row not read (padding slot, past q_len) masks every key
-                thr = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
-                port.tensor_scalar(thr, rw.bad, nl.multiply, -big, op1=nl.add,
-                                   operand1=key_thr0)
-                hi, lo = geo.band_columns(gap)
-            dist = geo.distance_columns(gap) if cfg.mods.alibi else None
-            seeds = (unit_seeds(f, f.head(h), rw.bc[0:1, 2:2 + trip], rw.bc[0:1, 0:1])
-                     if cfg.dropout_p else None)
-            blocks = res.blocks(f, geo, rw, h) if res is not None else None
-
-            def slot(sl):
-                if res is None:
-                    # a padding slot's first row is past every sequence: nothing is read
-                    q_mm, do_mm, qT, doT, neg_lse, neg_delta, _ = _query_side(
-                        cfg, geo, h, rw.block_first[:, nl.ds(sl, 1)], q_frame)
-                else:
-                    q_mm, do_mm, qT, doT, neg_lse, neg_delta, acc = res.tile(f, blocks, sl)
-                p_dv, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, neg_delta,
-                                 *_slot(sl, seeds, thr, hi, lo), h=h,
-                                 dist=None if dist is None else geo.distance_tile(dist, sl, 1))
-                port.nc_matmul(dv_ps, p_dv, do_mm, accumulate=True)
-                port.nc_matmul(dk_ps, ds, q_mm, accumulate=True)
-                if res is not None:
-                    res.add_dq(acc, _dq_product(f, ds, k_mm))
-
-            count = None
-            if counts is not None:
-                table, col = counts
-                n = table.shape[1] // (f.G if per_head else 1)
-                count = table[0:1, nl.ds(h * n + col if per_head else col, 1)]
-            rw.slot_loop(exact, slot, count)
-
-        port.loop(f.G, head, carried=True)
-        # ScalarE copies out of PSUM (VectorE has the pairs' dS and dQ work)
-        port.activation(dk_out, nl.copy, dk_ps, scale=cfg.scale)
-        port.activation(dv_out, nl.copy, dv_ps)
-    else:
-        port.memset(dk_out, 0.0, engine="gpsimd")
-        port.memset(dv_out, 0.0, engine="gpsimd")
-    scatter(cfg.dk, (f.b, f.g), out_idx, dk_out)
-    scatter(cfg.dv, (f.b, f.g), out_idx, dv_out)
-
-
-def _query_tile(cfg: _Cfg, geo: Geometry, meta_q, h, q_frame: RowFrame, pos, trip: int,
-                exact: bool):
-    """dQ of the query tile at order position ``pos`` of member head h (phase 3)."""
-    f = cfg.f
-    head = f.head(h)
-    hb = f.b if meta_q.shape[0] > 1 else 0
-    hh = head if meta_q.shape[1] > 1 else 0
-    row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
-    port.dma_copy(row, meta_q[hb, hh, nl.ds(pos, 1), 0:2 + trip], legacy_isa=True)
-    rw = Row(row, trip, geo.k_part, geo.k_len, geo.kv)
-    dq_acc = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
-    port.memset(dq_acc, 0.0, engine="gpsimd")
-    if trip:
-        skip = cfg.need_mask(geo, exact)
-        _, _, qT, doT, neg_lse, neg_delta, q_pos = _query_side(cfg, geo, h, rw.first, q_frame)
+    def head(h):
+        if shared_row:
+            row = row0
+        else:
+            row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
+            port.dma_copy(row, meta_k[hb, f.head(h), nl.ds(pos, 1), 0:2 + trip],
+                          legacy_isa=True)
+        # the staged tiles are read at the entries' blocks, not gathered
+        rw = Row(row, trip, geo.part, geo.q_len, None, bc=bc0 if shared_row else None)
         hi = lo = thr = gap = None
         if skip or cfg.mods.alibi:
             gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_scalar(gap, rw.block_first, nl.subtract, rw.first)
+            port.tensor_scalar(gap, rw.block_first, nl.subtract, k_first, op1=nl.multiply,
+                               operand1=-1.0)
         if skip:
-            big = float(2 * P + f.Nk + f.Nq)
-            row_bad = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_scalar(row_bad, q_pos, nl.greater_equal, geo.q_len, op1=nl.multiply,
-                               operand1=big)
-            # valid key columns c < kv_len - first (none in a padding slot), none for rows
-            # past q_len
-            thr0 = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_scalar(thr0, rw.block_first, nl.subtract, geo.kv_len, op1=nl.add,
-                               operand1=row_bad)
+            # a query row not read (padding slot, past q_len) masks every key
             thr = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_scalar(thr, thr0, nl.multiply, -1.0)
+            port.tensor_scalar(thr, rw.bad, nl.multiply, -big, op1=nl.add, operand1=key_thr0)
             hi, lo = geo.band_columns(gap)
         dist = geo.distance_columns(gap) if cfg.mods.alibi else None
-        seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
+        seeds = (unit_seeds(f, f.head(h), rw.bc[0:1, 2:2 + trip], rw.bc[0:1, 0:1])
                  if cfg.dropout_p else None)
+        blocks = res.blocks(f, geo, rw, h, chunk)
 
         def slot(sl):
-            kT, vT, k_mm = _key_side(cfg, rw.rows[:, nl.ds(sl, 1)], skip, True)
-            _, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, neg_delta,
-                          *_slot(sl, seeds, thr, hi, lo), h=h,
-                          dist=None if dist is None else geo.distance_tile(dist, sl, 1))
-            _accumulate(dq_acc, _dq_product(f, ds, k_mm))
+            q_mm, do_mm, qT, doT, neg_lse, neg_delta, acc = res.tile(f, blocks, sl)
+            p_dv, ds = _pair(cfg, geo, qT, doT, kT, vT, neg_lse, neg_delta,
+                             *_slot(sl, seeds, thr, hi, lo), h=h,
+                             dist=None if dist is None else geo.distance_tile(dist, sl, 1))
+            port.nc_matmul(dv_ps, p_dv, do_mm, accumulate=True)
+            port.nc_matmul(dk_ps, ds, q_mm, accumulate=True)
+            res.add_dq(acc, _dq_product(f, ds, k_mm))
 
-        rw.slot_loop(exact, slot)
-    out_idx, _ = own_rows(geo, rw.first, f.Nq, q_frame)
-    dq_out = nl.ndarray((P, f.D), dtype=cfg.dq.dtype, buffer=nl.sbuf)
-    port.tensor_scalar(dq_out, dq_acc, nl.multiply, cfg.scale)
-    scatter(cfg.dq, (f.b, head), out_idx, dq_out)
+        count = None
+        if counts is not None:
+            table, col = counts
+            n = table.shape[1] // (f.G if per_head else 1)
+            count = table[0:1, nl.ds(h * n + col if per_head else col, 1)]
+        rw.slot_loop(exact, slot, count)
+
+    port.loop(f.G, head, carried=True)
+    # ScalarE copies out of PSUM (VectorE has the pairs' dS and dQ work)
+    for out, ps, factor, part in ((cfg.dk, dk_ps, cfg.scale, 0), (cfg.dv, dv_ps, 1.0, 1)):
+        if cfg.scratch is None:
+            done = nl.ndarray((P, f.D), dtype=out.dtype, buffer=nl.sbuf)
+            port.activation(done, nl.copy, ps, scale=factor)
+        else:
+            done = _add_partial(cfg, part, r, ps, factor, step != "first",
+                                out.dtype if step == "last" else None)
+            if done is None:
+                continue
+        scatter(out, (f.b, f.g), out_idx, done)
+
+
+def _add_partial(cfg: _Cfg, part: int, r, ps, factor: float, read: bool, out_dtype):
+    """Several chunks: ``factor ps`` (a key block's dK or dV sums of this chunk, PSUM ``[128,
+    D]``) plus, with ``read``, the sums of the earlier chunks, held in rows ``128 r ..`` of
+    ``scratch[part]`` (the block's order position r, the same in every chunk: a static
+    address, so the read-add-writes of different blocks are independent DMAs). Before the
+    last chunk (``out_dtype`` None) the fp32 total is written there and None returned (the
+    first chunk writes every row a later one reads: each lists the same rows); in it the
+    total at ``out_dtype`` is returned (the block's output). ScalarE copies out of PSUM and
+    GpSimd adds (VectorE has the pairs' dS and dQ work)."""
+    f = cfg.f
+    rows = cfg.scratch[part][nl.ds(r * P, P), :]
+    new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(new, nl.copy, ps, scale=factor)
+    if not read:
+        port.dma_copy(rows, new)
+        return None
+    prev = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(prev, rows)
+    total = nl.ndarray((P, f.D), dtype=nl.float32 if out_dtype is None else out_dtype,
+                       buffer=nl.sbuf)
+    port.tensor_tensor(total, prev, new, nl.add, engine="gpsimd")
+    if out_dtype is not None:
+        return total
+    port.dma_copy(rows, total)
+    return None
 
 
 @port.jit
-def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None, q_lens=None,
-                               seed=None, alibi_slopes=None, sinks=None, *, classes_q,
-                               classes_k, scale=1.0, causal=None, window=None,
+def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens=None,
+                               seed=None, alibi_slopes=None, sinks=None, *, classes_k,
+                               chunk_tiles, scale=1.0, causal=None, window=None,
                                mm_dtype="bfloat16", dropout_p=0.0, softcap=None):
     """Gradients ``(dq, dk, dv)`` of the block-sparse forward, over the instances ``(B, Hkv)``
     (as the forward: :func:`port.for_programs`).
 
-    ``meta_q``/``classes_q``: the forward's tables (query tiles and their key blocks);
-    ``meta_k``/``classes_k``: the transposed pattern's (key blocks and their query tiles,
-    ``(B or 1, Hq or 1, ceil(Nk/128), 2 + trip)``, in one order per kv group:
-    ``host.block_sparse.kernel_tables(..., group=G)``). Other arguments as the forward; o and
-    lse are the forward's outputs, do the gradient of o. Score modifiers as the forward's
-    (``softcap``, ``alibi_slopes``, ``sinks``; ``score_mods.py``): with sinks also ``dsinks``
-    ``(B, Hq)`` float32, each sequence's ``-sum_i exp(sink - lse_i) D_i``. Rows or dropout
-    units that may reach 2^24 are numbered in int32 under nki.*, as the forward.
+    ``chunk_tiles``: query tiles per head and chunk (``tiles.bsp_bwd_chunks``; the chunks
+    are ``ceil(ceil(Nq / 128) / chunk_tiles)``). ``meta_k``/``classes_k``: the transposed
+    pattern's tables (key blocks and their query tiles), one per chunk,
+    ``(B or 1, Hq or 1, chunks ceil(Nk/128), 2 + trip)``: rows ``c nkt ..`` those of chunk c
+    (its query tiles only), in one order per (kv group, chunk), the classes common to all
+    (``host.block_sparse.launch_tables``). Other arguments as the forward; o and lse are the
+    forward's outputs, do the gradient of o. Score modifiers as the forward's (``softcap``,
+    ``alibi_slopes``, ``sinks``; ``score_mods.py``): with sinks also ``dsinks`` ``(B, Hq)``
+    float32, each sequence's ``-sum_i exp(sink - lse_i) D_i``. Rows or dropout units that
+    may reach 2^24 are numbered in int32 under nki.*, as the forward.
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     nqt, nkt = T.ceil_div(Nq, P), T.ceil_div(Nk, P)
-    if meta_q.shape[2] != nqt or meta_k.shape[2] != nkt:
-        raise ValueError(f"meta_q/meta_k: expected {nqt}/{nkt} rows, got {meta_q.shape} and "
-                         f"{meta_k.shape}")
-    check_classes(classes_q, nqt, meta_q.shape[3] - 2)
+    if not isinstance(chunk_tiles, int) or not 1 <= chunk_tiles <= nqt:
+        raise ValueError(f"chunk_tiles: expected an int in [1, {nqt}] (query tiles), got "
+                         f"{chunk_tiles!r}")
+    chunks = T.ceil_div(nqt, chunk_tiles)
+    if meta_k.shape[2] != chunks * nkt:
+        raise ValueError(f"meta_k: expected {chunks} x {nkt} rows ({chunks} chunks of "
+                         f"{chunk_tiles} query tiles), got shape {meta_k.shape}")
     check_classes(classes_k, nkt, meta_k.shape[3] - 2)
     int_rows = exact_indices(max(B * Hq * Nq, B * Hkv * Nk),
                              B * Hq * nqt * nkt if dropout_p else 0)
     if dropout_p and seed is None:
         raise ValueError("dropout_p > 0 needs the seed tensor (HBM (1,) int32)")
     mods = SM.check_mods(softcap, alibi_slopes, sinks)
+    extras = (mods != SM.Mods() or bool(dropout_p) or kv_lens is not None
+              or q_lens is not None)
+    target = "trn2" if port.gen3() else "trn1"
+    need = T.bsp_bwd_chunk_bytes(G, chunk_tiles, D, 4 if mm_dtype == "float32" else 2, extras,
+                                 chunks > 1)
+    if need > T.BWD_SBUF_BUDGET_BYTES[target]:
+        raise ValueError(f"chunk_tiles: {chunk_tiles} query tiles of {G} heads need {need} "
+                         f"bytes per partition, more than {target}'s budget "
+                         f"{T.BWD_SBUF_BUDGET_BYTES[target]} (tiles.bsp_bwd_chunks)")
     spec = M.MaskSpec(Nq, Nk, causal, window, q_lens is not None, kv_lens is not None,
                       mods.alibi)
     dq = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
@@ -653,21 +599,15 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
               else None)
     dk = nl.ndarray((B, Hkv, Nk, D), dtype=q.dtype, buffer=nl.shared_hbm)
     dv = nl.ndarray((B, Hkv, Nk, D), dtype=q.dtype, buffer=nl.shared_hbm)
-    # the query side of a kv group staged in SBUF when it fits (one key-major sweep), else
-    # streamed (the two sweeps and the delta pre-pass)
-    extras = (mods != SM.Mods() or bool(dropout_p) or kv_lens is not None
-              or q_lens is not None)
-    resident = T.bsp_bwd_resident(G, Nq, D, 4 if mm_dtype == "float32" else 2,
-                                  "trn2" if port.gen3() else "trn1", extras)
-    # rowsum(dO * O) scratch when streaming: each legacy program's own (its G heads); in 0.7
-    # one program runs every instance and keeps every head's (the same bytes in all)
-    every_head = port.launch_grid((B, Hkv), port.api()) == (1,)
-    delta = (None if resident else
-             nl.ndarray((B, Hq, Nq, 1) if every_head else (1, G, Nq, 1), dtype=nl.float32,
-                        buffer=nl.hbm))
+    # several chunks: each program's fp32 dK, dV partial sums (its instances run one after
+    # another, each zeroing them first)
+    scratch = ((nl.ndarray((nkt * P, D), dtype=nl.float32, buffer=nl.hbm),
+                nl.ndarray((nkt * P, D), dtype=nl.float32, buffer=nl.hbm)) if chunks > 1
+               else None)
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False)
-    # loop indices as data (0.7): batch, heads, and the staged query tiles
-    indices = port.OffsetColumns(0, max(B, Hq, nqt if resident else 0), 1, exact=int_rows)
+    # loop indices as data (0.7): batch, heads, chunks and the staged query tiles
+    indices = port.OffsetColumns(0, max(B, Hq, nqt), 1, exact=int_rows)
+    tail = Nq % P
 
     def instance(b, g):
         c = F.Config(q, k, v, o, lse, mm_dtype, scale, tiles, spec, b, g, None, indices,
@@ -680,54 +620,41 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_q, meta_k, kv_lens=None
             port.memset(dsink_acc, 0.0, engine="gpsimd")
         drop = F.load_dropout(dropout_p, seed, nl.float32) if dropout_p else None
         f = F.Instance.of(c, drop=drop)
-        cfg = _Cfg(f, do, dq, dk, dv, delta, every_head, score, dsink_acc)
+        cfg = _Cfg(f, do, dq, dk, dv, scratch, score, dsink_acc)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
+        res = _Resident(f, chunk_tiles)
 
-        def key_sweep(res):
-            """dK, dV key-major (with ``res``: dQ on chip, carried across the blocks)."""
+        def chunk(ci, n_tiles: int, last_tail: int, step: str):
+            """1. stage the chunk's query tiles, delta included; 2. dK, dV (partial sums
+            with several chunks) and dQ, one key-major sweep over the chunk's key blocks;
+            3. dQ out."""
+            res.run(cfg, geo, lambda h, q_frame, t, local, rows: res.stage(
+                cfg, geo, h, q_frame, t, local, rows), q_lens is not None, ci, n_tiles,
+                last_tail, carried=mods.sinks)
             for first, count, trip, exact in classes_k:
-                counts = (_row_counts(f, meta_k, first, count)
+                if not trip and step != "last":
+                    continue                    # no pair in any chunk: zeros at the last
+                counts = (_row_counts(f, meta_k, ci * nkt + first, count)
                           if trip and not exact and port.api() == "nki" else None)
-                port.loop(count, lambda c, first=first, trip=trip, exact=exact, counts=counts:
-                          _key_block(cfg, geo, meta_k, first + c, trip, exact, res,
-                                     None if counts is None else (counts, c)),
-                          carried=res is not None)
+                port.loop(count, lambda r, first=first, trip=trip, exact=exact,
+                          counts=counts: _key_block(
+                              cfg, geo, meta_k, res, ci, step, first + r, trip, exact,
+                              None if counts is None else (counts, r)),
+                          carried=True)
+            res.run(cfg, geo, lambda h, _, t, local, rows: res.write_dq(cfg, h, t, local,
+                                                                       rows),
+                    False, ci, n_tiles, last_tail)
 
-        if resident:
-            res = _Resident(f, nqt)
-            # 1. the query side of every tile, delta included
-            res.run(cfg, geo, lambda h, q_frame, t, rows: res.stage(cfg, geo, h, q_frame, t,
-                                                                    rows),
-                    q_lens is not None, carried=mods.sinks)
-            if mods.sinks:
-                store_dsinks(f, cfg.dsink_acc, dsinks)
-            # 2. dK, dV and dQ, one key-major sweep
-            key_sweep(res)
-            # 3. dQ out
-            res.run(cfg, geo, lambda h, _, t, rows: res.write_dq(cfg, h, t, rows), False)
-            return
-        # 1. delta = rowsum(dO * O)
-        full, tail = Nq // P, Nq % P
-
-        def delta_head(h):
-            port.loop(full, lambda t: _delta(cfg, h, t * P, P), carried=mods.sinks)
-            if tail:
-                _delta(cfg, h, full * P, tail)
-
-        port.loop(G, delta_head, carried=mods.sinks)
+        # every chunk but the last holds chunk_tiles full tiles; the last the rest. The first
+        # writes the scratch, the middle ones read-add-write it, the last reads it
+        if chunks > 1:
+            chunk(0, chunk_tiles, 0, "first")
+        if chunks > 2:
+            port.loop(chunks - 1, lambda ci: chunk(ci, chunk_tiles, 0, "mid"), carried=True,
+                      start=1)
+        chunk(chunks - 1, nqt - (chunks - 1) * chunk_tiles, tail, "last")
         if mods.sinks:
             store_dsinks(f, cfg.dsink_acc, dsinks)
-        # 2. dK, dV, key-major
-        key_sweep(None)
-
-        # 3. dQ, query-major
-        def dq_head(h):
-            q_frame = RowFrame.of(q, (b, f.head(h)), indices)
-            for first, count, trip, exact in classes_q:
-                port.loop(count, lambda c, first=first, trip=trip, exact=exact:
-                          _query_tile(cfg, geo, meta_q, h, q_frame, first + c, trip, exact))
-
-        port.loop(G, dq_head)
 
     port.for_programs((B, Hkv), instance)
     if dsinks is not None:

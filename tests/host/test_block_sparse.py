@@ -201,3 +201,41 @@ def test_kernel_tables_share_needs_one_head_per_order():
     with pytest.raises(ValueError, match=r"share: grouping rows by shared blocks \(4\) needs "
                                          r"group=1, got group=2"):
         bs.kernel_tables(index, sort=True, group=2, share=4)
+
+
+@pytest.mark.parametrize("index", [False, True], ids=["dense", "index"])
+def test_backward_tables_per_chunk(index):
+    """The backward's key-major tables in chunks of two query tiles (GQA group of two, per-head
+    pattern): rows ``c nkt ..`` list each key block's query tiles of chunk c only, in one
+    order per kv group common to its heads and chunks, under classes common to all; before
+    the last chunk a row no head of the group meets in the chunk is pushed past every
+    sequence."""
+    from nki_kernels import tiles as T
+
+    rng = np.random.default_rng(7)
+    dense = rng.random((1, 4, 5, 3)) < 0.4
+    dense[:, :, 4, :] = False                             # chunk 2 (tile 4) meets nothing
+    sp = bs.BlockSparsity(dense, bs.dense_to_index(dense), index)
+    t = bs.launch_tables(sp, group=2, forward=False, chunk_tiles=2)
+    assert t.q is None
+    meta, nkt = t.k.meta, 3
+    assert meta.shape[:3] == (1, 4, 3 * nkt)
+    order = meta[0, 0, 2 * nkt:, 0]                       # the last chunk's: no row pushed
+    assert sorted(order.tolist()) == [0, 128, 256]
+    for h in range(4):
+        for c in range(3):
+            rows = meta[0, h, c * nkt:(c + 1) * nkt]
+            partner = meta[0, h ^ 1, c * nkt:(c + 1) * nkt]
+            seen = set()
+            for r, (first, count, *entries) in enumerate(rows):
+                tiles = [int(e) // 128 for e in entries[:int(count)]]
+                assert all(e >= T.BSP_PAD_FIRST for e in entries[int(count):])
+                if first >= T.BSP_PAD_FIRST:
+                    assert c < 2 and count == 0 and partner[r, 1] == 0
+                    continue
+                assert first == order[r] == partner[r, 0]
+                j = int(first) // 128
+                seen.add(j)
+                assert tiles == [i for i in range(2 * c, min(5, 2 * c + 2)) if dense[0, h, i, j]]
+            # every key block a head meets in the chunk is listed
+            assert {j for j in range(nkt) if dense[0, h, 2 * c:2 * c + 2, j].any()} <= seen

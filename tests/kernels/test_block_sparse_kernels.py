@@ -226,7 +226,8 @@ def test_program_size_does_not_grow_with_n(api, mods):
     """One compilation per class structure: a uniform pattern is one class at any N, under both
     namespaces (0.7 would unroll any Python loop over tiles or slots), with the score
     modifiers too. (The program depends on N only through the step widths, min(4, blocks per
-    tile) and min(16, blocks a group shares): 16 and 64 blocks here, all shared.)"""
+    tile) and min(16, blocks a group shares): 16 and 64 blocks here, all shared.) The backward
+    in one chunk and in chunks of 8 query tiles (4 and 16 chunks)."""
     sizes = []
     grid = launch_grid((1, 1), api)
     for N in (4096, 16384):
@@ -242,10 +243,11 @@ def test_program_size_does_not_grow_with_n(api, mods):
                            classes=t.q.classes, shared=t.q.shared, **kw)
         o = np.zeros_like(q)
         lse = np.zeros(q.shape[:3], np.float32)
-        bwd = program_size(block_sparse_attention_bwd.on(api), grid, q, k, v, o, do, lse,
-                           t.q.meta, t.k.meta, classes_q=t.q.classes, classes_k=t.k.classes,
-                           **kw)
-        sizes.append((fwd, bwd))
+        bwd = [program_size(block_sparse_attention_bwd.on(api), grid, q, k, v, o, do, lse,
+                            tk.k.meta, classes_k=tk.k.classes, chunk_tiles=ct, **kw)
+               for ct, tk in ((N // 128, t), (8, bs.launch_tables(sp, group=1,
+                                                                 chunk_tiles=8)))]
+        sizes.append((fwd, *bwd))
     assert sizes[0] == sizes[1]
     assert max(sizes[0]) < 20000
 
@@ -470,8 +472,7 @@ def test_nki_index_form_program_size_does_not_grow_with_n():
         o = np.zeros_like(q)
         lse = np.zeros(q.shape[:3], np.float32)
         bwd = program_size(block_sparse_attention_bwd.on("nki"), grid, q, k, v, o, q, lse,
-                           t.q.meta, t.k.meta, classes_q=t.q.classes, classes_k=t.k.classes,
-                           **kw)
+                           t.k.meta, classes_k=t.k.classes, chunk_tiles=N // 128, **kw)
         sizes.append((fwd, bwd))
     assert sizes[0] == sizes[1]
 
@@ -534,27 +535,44 @@ def test_backward_reads_the_query_side_once():
     mask = np.zeros((1, Hq, 3, 3), bool)
     mask[0, 0, :, 0] = True
     mask[0, 1, [0, 2], [2, 0]] = True
-    o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+    per = _backward_traffic(q, k, v, do, mask, mask)
+    assert per["k"]["read"] == per["v"]["read"] == 2 * 128 * D * 4
+
+
+def _backward_traffic(q, k, v, do, pattern, mask):
+    """The backward's HBM bytes per tensor (``simulate.measure``) on ``pattern`` (the bool
+    ``mask`` or its index form), fp32: the query side (q, dO, o, lse) asserted read exactly
+    once, the gradients asserted against the reference."""
+    o, lse = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True,
                                   mixed_precision=False)
     with simulate.measure() as m:
-        grads = host.flash_attention_backward(do, q, k, v, o, lse, block_mask=mask,
+        grads = host.flash_attention_backward(do, q, k, v, o, lse, block_mask=pattern,
                                               mixed_precision=False)
     per = m.per_tensor
     for name in ("q", "do", "o"):
-        assert per[name]["read"] == B * Hq * N * D * 4
-    assert per["lse"]["read"] == B * Hq * N * 4
-    assert per["k"]["read"] == per["v"]["read"] == 2 * 128 * D * 4
+        assert per[name]["read"] == q.size * 4
+    assert per["lse"]["read"] == q.size // q.shape[-1] * 4
     for got, want in zip(grads, ref.attention_backward(do, q, k, v, block_mask=mask)):
         assert _err(got, want) < 1e-5 * max(1.0, np.abs(want).max())
+    return per
 
 
-def test_backward_streams_the_query_side_when_it_does_not_fit(monkeypatch):
-    """Past SBUF (``tiles.bsp_bwd_resident``, forced here) the backward streams: the query side
-    is gathered per block pair in a key-major sweep (dK, dV) and a query-major one (dQ). The
-    gradients match the reference (band, lengths, GQA) and, through nki.*, the legacy trace bit
-    for bit."""
-    monkeypatch.setattr(T, "BSP_BWD_WORKING_BYTES", (1 << 30, 1 << 30))
+def _chunk_budget(monkeypatch, G, D, extras, slots):
+    """SBUF budget (both generations) that fits exactly ``slots`` tiles per head in a chunk
+    of the backward (fp32 matmuls)."""
+    budget = T.bsp_bwd_chunk_bytes(G, slots, D, 4, extras, True)
+    monkeypatch.setattr(T, "BWD_SBUF_BUDGET_BYTES", {"trn1": budget, "trn2": budget})
+
+
+def test_backward_chunks_the_query_side_past_sbuf(monkeypatch):
+    """Past SBUF (the budget shrunk here: two 128-row tiles per head and chunk) the backward
+    stages the query tiles a chunk at a time, sweeps per chunk the key blocks the chunk meets
+    and adds their dK, dV to an fp32 scratch: the gradients match the reference (band,
+    lengths, GQA, the partial last tile alone in the last chunk) and, through nki.*, the
+    legacy trace bit for bit."""
     B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 300, 390, 32
+    _chunk_budget(monkeypatch, Hq // Hkv, D, True, 2)
+    assert T.bsp_bwd_chunks(Hq // Hkv, Nq, D, 4, "trn2", True) == (2, 2)
     q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=42)
     mask = _pattern(B, Hq, Nq, Nk, 0.5, seed=43)
     kw = dict(causal=True, kv_lens=[250], q_lens=[280])
@@ -569,3 +587,57 @@ def test_backward_streams_the_query_side_when_it_does_not_fit(monkeypatch):
                                        **{**kw, "causal": "bottom_right"})
     for g, w in zip(want, ref_grads):
         assert _err(g, w) < 1e-5 * max(1.0, np.abs(w).max())
+
+
+@pytest.mark.parametrize("index, kv_blocks, scratch_read, scratch_written",
+                         [(False, 4, 4, 4), (True, 6, 8, 8)], ids=["dense", "index"])
+def test_chunked_backward_traffic(index, kv_blocks, scratch_read, scratch_written,
+                                  monkeypatch):
+    """Chunks of two query tiles (0-1 meet key blocks 0 and 2, 2-3 block 0; 1 and 3 none),
+    one order of key blocks for both chunks: q, dO, o, lse read once; K, V per chunk for the
+    blocks listed (the first chunk only those it meets, the last every one met by some chunk:
+    blocks 0 and 2, in the index form's natural order all four); dQ, dK, dV written once; the
+    fp32 scratch (in 128-key blocks of dK and dV) written by the first chunk per listed row,
+    read by the last."""
+    B, Hq, Hkv, N, D = 1, 2, 1, 512, 32
+    _chunk_budget(monkeypatch, Hq // Hkv, D, False, 2)
+    q, k, v, do = attention_inputs(B, Hq, Hkv, N, N, D, seed=44)
+    mask = np.zeros((1, Hq, 4, 4), bool)
+    mask[0, 0, :, 0] = True
+    mask[0, 1, 1, 2] = True
+    pattern = tuple(bs.dense_to_index(mask, 2)) if index else mask
+    per = _backward_traffic(q, k, v, do, pattern, mask)
+    block = 128 * D * 4
+    assert per["k"]["read"] == per["v"]["read"] == kv_blocks * block
+    outs = sum(r["written"] for n, r in per.items() if n.startswith("shared_hbm"))
+    assert outs == (Hq + 2 * Hkv) * N * D * 4
+    scratch = [r for n, r in per.items() if n.startswith("hbm")]
+    assert sum(r["read"] for r in scratch) == scratch_read * block
+    assert sum(r["written"] for r in scratch) == scratch_written * block
+
+
+def test_backward_refuses_groups_and_chunks_that_do_not_fit(monkeypatch):
+    """A kv group whose query heads cannot stage one tile each is refused by the host; the
+    kernel refuses a chunk size past SBUF and tables of another chunking."""
+    q, k, v, do = attention_inputs(1, 64, 1, 256, 256, 256)
+    lse = np.zeros(q.shape[:3], np.float32)
+    with pytest.raises(ValueError, match=r"block_mask: the block-sparse backward stages one "
+                                         r"query tile of each of the 64 query heads"):
+        host.flash_attention_backward(do, q, k, v, q, lse, mixed_precision=False,
+                                      block_mask=np.eye(2, dtype=bool)[None, None])
+    q, k, v, do = attention_inputs(1, 1, 1, 512, 256, 128, dtype=BF16)
+    lse = np.zeros(q.shape[:3], np.float32)
+    t = bs.launch_tables(bs.check_block_mask(np.ones((1, 1, 4, 2), bool), 1, 1, 512, 256),
+                         group=1, forward=False, chunk_tiles=2)
+    grid = launch_grid((1, 1), "legacy")
+    for ct, match in ((4, r"meta_k: expected 1 x 2 rows"), (0, r"chunk_tiles: expected an int"),
+                      (2.0, r"chunk_tiles: expected an int in \[1, 4\]")):
+        with pytest.raises(ValueError, match=match):
+            program_size(block_sparse_attention_bwd.on("legacy"), grid, q, k, v, q, do, lse,
+                         t.k.meta, classes_k=t.k.classes, chunk_tiles=ct)
+    monkeypatch.setitem(T.BWD_SBUF_BUDGET_BYTES, "trn2", 1000)
+    with pytest.raises(ValueError, match=r"chunk_tiles: 2 query tiles of 1 heads need \d+ "
+                                         r"bytes per partition, more than trn2's budget"):
+        with simulate.measure(target="trn2"):
+            program_size(block_sparse_attention_bwd.on("legacy"), grid, q, k, v, q, do, lse,
+                         t.k.meta, classes_k=t.k.classes, chunk_tiles=2)
