@@ -201,3 +201,22 @@ def test_kernel_tables_share_needs_one_head_per_order():
     with pytest.raises(ValueError, match=r"share: grouping rows by shared blocks \(4\) needs "
                                          r"group=1, got group=2"):
         bs.kernel_tables(index, sort=True, group=2, share=4)
+
+
+def test_kernel_tables_keep_the_natural_order_unless_grouping_shares_more():
+    """A class keeps its rows in their order when grouping them by common blocks would share
+    no more slots (``natural``: the forward then stores its tiles' rows by plain DMAs); the
+    index form is always in natural order."""
+    even = bs.dense_to_index(bs.fixed_density(32, 32, 0.125))
+    t = bs.kernel_tables(even, sort=True, share=8)
+    assert t.shared == (0,) and t.natural == (True,)
+    assert np.array_equal(t.meta[0, 0, :, 0], 128 * np.arange(32))
+    assert bs.kernel_tables(even, sort=False).natural == (True,)
+    # rows 0 and 2 have blocks 0 and 1, rows 1 and 3 blocks 2 and 3: in pairs, rows in their
+    # order share nothing, regrouped every slot
+    mask = np.zeros((1, 1, 4, 4), bool)
+    mask[0, 0, [0, 2], :2] = True
+    mask[0, 0, [1, 3], 2:] = True
+    t = bs.kernel_tables(bs.dense_to_index(mask), sort=True, share=2)
+    assert t.shared == (2,) and t.natural == (False,)
+    assert list(t.meta[0, 0, :, 0] // 128) == [0, 2, 1, 3]
