@@ -651,7 +651,7 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
                        call.block_sparse.index.max_blocks,
                        call.kv_lens is not None or call.q_lens is not None)
     tables = _bs.launch_tables(call.block_sparse, group=dims.group, backward=False,
-                               regroup=not keep)
+                               keep_order=keep)
     kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
                   mm_dtype=call.mm_dtype, **call.mods.kwargs)
     if p:

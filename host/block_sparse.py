@@ -468,7 +468,7 @@ def _pow2_at_least(n: int) -> int:
 
 
 def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
-                  regroup: bool = True) -> LaunchTables:
+                  keep_order: bool = False) -> LaunchTables:
     """Tables for the kernels of a validated pattern.
 
     A pattern given densely is a compile-time pattern: rows are sorted into tight classes.
@@ -476,13 +476,18 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
     ``max_blocks`` bound, so the forward compiles once per bound. The backward's key-major
     sweep then bounds each key block's query tiles by the next power of two of the pattern's
     largest column count (few recompilations, at most 2x padding). ``group``: query heads per
-    kv head (the key-major order is shared within a kv group). ``regroup`` False: the
-    forward's query tiles keep their sorted order, not grouped by common key blocks
-    (``nki_kernels.attention.block_sparse.keeps_order``).
+    kv head (the key-major order is shared within a kv group). ``keep_order``
+    (``nki_kernels.attention.block_sparse.keeps_order``): the forward's query tiles are not
+    grouped by common key blocks, and a dense pattern's stay in natural order too, in one
+    class of the largest count, unless that pads more than
+    ``tiles.BSP_NATURAL_MAX_PADDING`` of its blocks (sorted classes then).
     """
     heads, runtime = sparsity.dense.shape[1], sparsity.runtime
-    q = kernel_tables(sparsity.index, sort=not runtime,
-                      share=_tiles.BSP_GROUP_TILES if regroup else 1)
+    num = np.asarray(sparsity.index.num_blocks, dtype=np.int64)
+    pads = num.size * sparsity.index.max_blocks - int(num.sum())
+    natural = runtime or (keep_order and pads <= _tiles.BSP_NATURAL_MAX_PADDING * num.sum())
+    q = kernel_tables(sparsity.index, sort=not natural,
+                      share=1 if keep_order else _tiles.BSP_GROUP_TILES)
     if not backward:
         return LaunchTables(q, None, runtime)
     g = group if heads > 1 else 1
