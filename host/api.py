@@ -643,19 +643,24 @@ def _block_sparse_grid(dims, lnc: int, api: str):
 def _block_sparse_forward(q, k, v, call: AttentionCall):
     """The block-sparse forward of a validated call (``call.block_sparse`` given): outputs as
     :func:`flash_attention`'s."""
-    from nki_kernels.attention.block_sparse import block_sparse_attention_fwd
+    from nki_kernels.attention.block_sparse import block_sparse_attention_fwd, keeps_order
 
     dims, p = call.dims, call.dropout.p
-    tables = _bs.launch_tables(call.block_sparse, group=dims.group, backward=False)
+    api = select_api()          # every block-sparse call is ported to nki.*
+    keep = keeps_order(api, dims.Nq, dims.Nk, dims.D, call.mm_dtype,
+                       call.block_sparse.index.max_blocks,
+                       call.kv_lens is not None or call.q_lens is not None)
+    tables = _bs.launch_tables(call.block_sparse, group=dims.group, backward=False,
+                               keep_order=keep)
     kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
                   mm_dtype=call.mm_dtype, **call.mods.kwargs)
     if p:
         kwargs.update(dropout_p=p, dropout_mask=call.return_dropout_mask)
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
-    api = select_api()          # every block-sparse call is ported to nki.*
     outs = launch(block_sparse_attention_fwd.on(api), _block_sparse_grid(dims, call.lnc, api),
                   q, k, v, tables.q.meta, kv_lens=call.kv_lens, q_lens=call.q_lens,
                   seed=call.dropout.seed, classes=tables.q.classes, shared=tables.q.shared,
+                  natural=tables.q.natural,
                   **call.mods.tensors,
                   **kwargs)
     o, lse = outs[0], outs[1]

@@ -305,11 +305,15 @@ class KernelTables(NamedTuple):
     ``shared`` (forward, compile-time patterns; zeros otherwise): per class, how many leading
     slots list the same key blocks, in the same order, in every query tile of each kernel group
     (:func:`kernel_tables`' ``share``): the kernel loads those blocks once per group.
+    ``natural``: per class, whether its order position p holds row p in every ``(b, h)``
+    (the forward then loads and stores a query tile's rows at positions affine in its loop
+    indices, not through indirect DMAs).
     """
 
     meta: np.ndarray
     classes: Tuple[Tuple[int, int, int, bool], ...]
     shared: Tuple[int, ...]
+    natural: Optional[Tuple[bool, ...]] = None
 
 
 def _cut(profile: np.ndarray, max_classes: int):
@@ -330,12 +334,37 @@ def _cut(profile: np.ndarray, max_classes: int):
     return [(a, n, t) for a, n, t in runs]
 
 
+def _grouped(sets, a: int, m: int, g: int, greedy: bool):
+    """The forward kernel's groups of the rows ``a .. a + m - 1`` of a run, ``g`` at a time
+    (and a remainder group), in every ``(b, h)`` of ``sets`` (``(b, h, rows, blocks)`` bool:
+    each row's active blocks): ``[(b, h, first position, rows, common blocks), ...]``.
+    ``greedy``: each group takes the rows whose blocks overlap most with it, else the rows in
+    their order."""
+    b, h = sets.shape[:2]
+    groups = []
+    for x in range(b):
+        for y in range(h):
+            rest = list(range(a, a + m))
+            pos = a
+            while rest:
+                grp = [rest.pop(0)]
+                inter = sets[x, y, grp[0]].copy()
+                for _ in range(min(g, len(rest) + 1) - 1):
+                    k = int(np.argmax((sets[x, y, rest] & inter).sum(axis=1))) if greedy else 0
+                    grp.append(rest.pop(k))
+                    inter &= sets[x, y, grp[-1]]
+                groups.append((x, y, pos, grp, np.flatnonzero(inter)))
+                pos += len(grp)
+    return groups
+
+
 def _share_blocks(order, num_o, idx_o, runs, size: int):
     """Group the rows of every run (class) as the forward kernel does -- consecutive groups of
     ``min(size, rows)`` and a remainder group -- choosing greedily, for each group, the rows
     whose active blocks overlap most with the group's (FlashAttention's K/V reuse across the
-    query tiles of a group, applied to the pattern's structure), and list each group's common
-    blocks first in its rows. Returns ``(order, num_o, idx_o, shared)``: the new processing
+    query tiles of a group, applied to the pattern's structure), unless the rows in their
+    order share as many (a run then keeps its order), and list each group's common blocks
+    first in its rows. Returns ``(order, num_o, idx_o, shared)``: the new processing
     order, counts and slot lists of every ``(b, h)``, and per run the count of leading slots
     every group shares (the least over the groups and heads)."""
     b, h, n = num_o.shape
@@ -350,24 +379,17 @@ def _share_blocks(order, num_o, idx_o, runs, size: int):
     shared = []
     for a, m, _t in runs:
         g = min(size, m)
-        groups = []                               # (b, h, first position, common blocks)
-        for x in range(b):
-            for y in range(h):
-                rest = list(range(a, a + m))
-                pos = a
-                while rest:
-                    grp = [rest.pop(0)]
-                    inter = sets[x, y, grp[0]].copy()
-                    for _ in range(min(g, len(rest) + 1) - 1):
-                        k = int(np.argmax((sets[x, y, rest] & inter).sum(axis=1)))
-                        grp.append(rest.pop(k))
-                        inter &= sets[x, y, grp[-1]]
-                    perm[x, y, pos:pos + len(grp)] = grp
-                    groups.append((x, y, pos, len(grp), np.flatnonzero(inter)))
-                    pos += len(grp)
-        sh = min(len(c) for *_, c in groups)
+        # the greedy grouping, unless the rows in their order share as many slots: the forward
+        # then keeps the order (natural order: plain loads and stores of a tile's rows)
+        kept, greedy = _grouped(sets, a, m, g, False), _grouped(sets, a, m, g, True)
+        sh_kept, sh = (min(len(c) for *_, c in grp) for grp in (kept, greedy))
+        groups = kept if sh_kept >= sh else greedy
+        sh = max(sh_kept, sh)
         shared.append(sh)
-        for x, y, pos, sz, blocks in groups:
+        for x, y, pos, members, _ in groups:
+            perm[x, y, pos:pos + len(members)] = members
+        for x, y, pos, members, blocks in groups:
+            sz = len(members)
             for r in range(pos, pos + sz):
                 src = perm[x, y, r]
                 own = idx_o[x, y, src, :num_o[x, y, src]]
@@ -423,11 +445,13 @@ def kernel_tables(index: BlockIndex, *, sort: bool, group: int = 1,
     block = _tiles.BLOCK_SPARSE_TILE
     firsts = np.where(live, idx_o * block, _tiles.BSP_PAD_FIRST)
     meta = np.concatenate([order[..., None] * block, num_o[..., None], firsts], -1)
-    classes = []
+    classes, natural = [], []
     for a, m, t in runs:
         counts = num_o[..., a:a + m]
         classes.append((a, m, t, bool((counts == t).all())))
-    return KernelTables(np.ascontiguousarray(meta, dtype=np.float32), tuple(classes), shared)
+        natural.append(bool((order[..., a:a + m] == np.arange(a, a + m)).all()))
+    return KernelTables(np.ascontiguousarray(meta, dtype=np.float32), tuple(classes), shared,
+                        tuple(natural))
 
 
 class LaunchTables(NamedTuple):
@@ -453,8 +477,19 @@ def _chunk_columns(dense_t: np.ndarray, chunk_tiles: int) -> np.ndarray:
     return dense_t[:, :, None] & keep[None, None, :, None, :]
 
 
+def _forward_tables(sparsity: BlockSparsity, keep_order: bool) -> KernelTables:
+    """The forward's tables (:func:`launch_tables`, ``keep_order``)."""
+    num = np.asarray(sparsity.index.num_blocks, dtype=np.int64)
+    pads = num.size * sparsity.index.max_blocks - int(num.sum())
+    natural = sparsity.runtime or (keep_order
+                                   and pads <= _tiles.BSP_NATURAL_MAX_PADDING * num.sum())
+    return kernel_tables(sparsity.index, sort=not natural,
+                         share=1 if keep_order else _tiles.BSP_GROUP_TILES)
+
+
 def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
-                  forward: bool = True, chunk_tiles: Optional[int] = None) -> LaunchTables:
+                  forward: bool = True, keep_order: bool = False,
+                  chunk_tiles: Optional[int] = None) -> LaunchTables:
     """Tables for the kernels of a validated pattern.
 
     A pattern given densely is a compile-time pattern: rows are sorted into tight classes.
@@ -468,11 +503,14 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
     ``k.meta`` are chunk c's -- in one order per kv group common to every chunk (the kernel
     keeps a block's partial dK, dV at its order position), under classes common to every
     chunk and kv group. ``forward`` / ``backward`` False: that kernel's tables are None (the
-    backward reads only its own).
+    backward reads only its own). ``keep_order``
+    (``nki_kernels.attention.block_sparse.keeps_order``): the forward's query tiles are not
+    grouped by common key blocks, and a dense pattern's stay in natural order too, in one
+    class of the largest count, unless that pads more than
+    ``tiles.BSP_NATURAL_MAX_PADDING`` of its blocks (sorted classes then).
     """
     heads, runtime = sparsity.dense.shape[1], sparsity.runtime
-    q = (kernel_tables(sparsity.index, sort=not runtime, share=_tiles.BSP_GROUP_TILES)
-         if forward else None)
+    q = _forward_tables(sparsity, keep_order) if forward else None
     if not backward:
         return LaunchTables(q, None, runtime)
     g = group if heads > 1 else 1

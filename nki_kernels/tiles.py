@@ -123,8 +123,10 @@ VARLEN_NKI_ACT_SHARE = 0.7
 BSP_GROUP_TILES = 8
 #: SBUF bytes per partition the block-sparse forward needs beside resident K/V and the
 #: per-slot tables, counted generously: a group's query state, score and P tiles, the mask
-#: tiles. Measured peak (simulate.measure, trn2, bf16, every block active): N = 4096, D = 128
-#: 33.8 KiB with 16.6 KiB of K/V, i.e. 17.2 KiB beside them at 32 slots.
+#: tiles, a group's held outputs (natural order). Measured peak (simulate.measure, trn2, bf16,
+#: every block active): N = 4096, D = 128 33.8 KiB with 16.6 KiB of K/V, i.e. 17.2 KiB beside
+#: them at 32 slots; 34.3 KiB (35080 bytes, 17.7 KiB beside) with the held outputs
+#: (benchmarks/block_sparse.py --n 4096 --d 64 128 --min-density 32 --passes fwd).
 BSP_FWD_WORK_BYTES = 24 * 1024
 #: fp32 ``[128, trip]`` tables one query tile of the block-sparse forward keeps through its
 #: sweep (the meta row broadcast, key thresholds, band columns, block numbers, ...), counted
@@ -141,6 +143,17 @@ BSP_FWD_SLOT_TABLES = 10
 #: 0.75 / 1: s = 1/2 184.8 / 154.4 / 158.3 / 145.5 / 171.0 us; s = 1/4 106.3 / 105.1 / 100.3
 #: / 116.3 / -; s = 1/16 73.7 / 73.7 / 79.7 / 79.7 / 79.7; s = 1 (0.5 / 0.75) 276.4 / 235.9.
 BSP_P_DMA_FULL_SLOTS = 16
+
+
+#: The most padding slots, as a share of its active blocks, with which a bool block mask's
+#: query tiles stay in natural order in one class of the largest count under nki.* with
+#: resident K/V (``host.block_sparse.launch_tables`` ``keep_order``): plain loads and stores
+#: of their rows (no indirect scatters, which the scheduler orders one after the other)
+#: against masked padding slots (one ScalarE instruction per slot and their matmuls and
+#: softmax work); more padding, and the tiles are sorted into tight classes. Scheduled
+#: estimate, trn2 through nki.*, N = 4096, D = 128, bf16, band+strided (8.5 % padding):
+#: sorted 77.3 us, natural 69.6 us. The threshold itself is a choice (not measured).
+BSP_NATURAL_MAX_PADDING = 0.25
 
 
 def bsp_p_dma_share(share: float, trip: int) -> float:

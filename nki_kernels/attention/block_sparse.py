@@ -20,6 +20,16 @@ in both, so the outputs are the same bits). With the DMA queues free, the P^T tr
 a class go partly to the DMA engines (:func:`tiles.bsp_p_dma_share` of the device's share,
 growing with the class's slots).
 
+**Natural order.** A class whose order position p holds query tile p (``natural``: the
+index form's one class, and a bool mask's classes whose tiles need no regrouping -- under
+nki.* with resident K/V the tables never regroup, :func:`keeps_order`) loads Q and stores O
+and LSE by plain DMAs at rows ``128 p``, affine in the loop indices, where the tiles are
+whole and there are no lengths (:func:`_direct_rows`); each group holds its outputs in SBUF
+and stores them after the next group has issued its loads (:class:`_Held`, as the dense
+forward's ``_Outputs``). Otherwise a tile's rows are data (its table's first row): indirect
+gathers and scatters, and the scheduler orders the scatters into one tensor one after the
+other (an indirect write may touch any row, ``simulate._sched``).
+
 The pattern is device data: ``meta (b, h, n, 2 + trip)`` float32, one row per query tile in
 processing order, ``[first row, count, first key of block_0, ...]`` with
 ``tiles.BSP_PAD_FIRST`` in padding slots (``host.block_sparse.kernel_tables``).
@@ -122,6 +132,18 @@ def check_shared(shared, classes):
         raise ValueError(f"shared: expected one count in [0, trip] per class of {classes!r}, "
                          f"got {shared!r}")
     return shared
+
+
+def check_natural(natural, classes):
+    """The per-class flags of natural order (None: none), as a tuple of bools: order position
+    p of a flagged class holds query tile p in every ``(b, h)`` of the table."""
+    if natural is None:
+        return (False,) * len(classes)
+    natural = tuple(natural)
+    if len(natural) != len(classes) or not all(isinstance(x, bool) for x in natural):
+        raise ValueError(f"natural: expected one bool per class of {classes!r}, got "
+                         f"{natural!r}")
+    return natural
 
 
 def exact_indices(rows: int, units: int = 0) -> bool:
@@ -317,13 +339,12 @@ class Row:
     and the other side's valid length as rows of ``frame`` (:meth:`RowFrame.shift`; None: the
     entries are not gathered, no ``rows``). Four instructions after the broadcast (``bc``: one
     already made); none without ``gathers`` (the block-sparse forward's resident K/V: ``bad``
-    and ``rows`` are then None)."""
+    and ``rows`` are then None, and the broadcast is made where first used: a tile of whole
+    query rows in natural order without masks needs none)."""
 
     def __init__(self, meta_row, trip: int, part, other_len, frame: Optional[RowFrame],
                  gathers: bool = True, bc=None):
-        self.bc = M.broadcast_row(meta_row, 2 + trip) if bc is None else bc
-        self.first = self.bc[:, 0:1]
-        self.block_first = self.bc[:, 2:2 + trip]
+        self._meta_row, self._bc = meta_row, bc
         self.trip = trip
         self.bad = self.rows = None
         if not gathers:
@@ -352,6 +373,22 @@ class Row:
             count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
             port.tensor_copy(count, self.bc[0:1, 1:2], engine="gpsimd")
         port.loop_between(0, port.register(count), body)
+
+    @property
+    def bc(self):
+        """fp32 ``[128, 2 + trip]``: the meta row on every partition (:func:`masks.
+        broadcast_row`, made on first use)."""
+        if self._bc is None:
+            self._bc = M.broadcast_row(self._meta_row, 2 + self.trip)
+        return self._bc
+
+    @property
+    def first(self):
+        return self.bc[:, 0:1]
+
+    @property
+    def block_first(self):
+        return self.bc[:, 2:2 + self.trip]
 
 
 def own_rows(geo: Geometry, first, length, frame: RowFrame):
@@ -433,7 +470,8 @@ def _add_int_column(u, base):
 
 
 def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: int,
-                  trip: int, exact: bool, shared: int, src: "KVSource"):
+                  trip: int, exact: bool, shared: int, src: "KVSource",
+                  held: Optional["_Held"] = None):
     """``n_tiles`` query tiles of one class (order positions ``pos0 ..``, member head h, whose
     rows ``q_frame`` addresses): the body of a class loop. Their ``trip`` slots are swept in
     steps of key blocks (a sequential loop of full steps and a static tail step), each one
@@ -444,9 +482,14 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     per group, not once per tile, in steps of ``tiles.BSP_SHARED_STEP_BLOCKS``; the others per
     tile in steps of ``src.step`` blocks. With ``src.res`` (nki.*: the instance's resident K^T
     and ``[V | 1]``) nothing is gathered: every step reads its blocks in place
-    (:class:`_ResidentKV`), with the same steps and so the same outputs."""
+    (:class:`_ResidentKV`), with the same steps and so the same outputs. ``held``
+    (:class:`_Held`; a class in natural order, :func:`_direct_rows`): order position ``pos0 +
+    t`` holds query tile ``pos0 + t``, whose rows are then affine in the loop indices: Q is
+    loaded by plain DMAs, not gathered, the outputs stay in ``held`` and the previous group's
+    held ones are stored, by plain DMAs, once this group's loads are issued."""
     head = f.head(h)
     res = src.res
+    direct = held is not None
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
     skip = geo.needs_key_mask(exact)
@@ -491,12 +534,16 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
             # ALiBi's distances j - i - off of the slots, less the c - p of a score (Geometry)
             dist = geo.distance_columns(gap) if f.mods.alibi else None
         # Q rows of the tile: skipped past q_len (they output 0), scattered back below Nq
-        if geo.has_lens or f.Nq % P:
+        x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
+        q_idx = q_pos = None
+        if direct:
+            port.dma_copy(x, f.q[f.b, head, nl.ds((pos0 + t) * P, P), :], legacy_isa=True)
+        elif geo.has_lens or f.Nq % P:
             q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, q_frame)
         else:
-            q_idx, q_pos = _tile_rows(geo, rw.first, q_frame), None
-        x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
-        gather(x, f.q, (f.b, head), q_idx, 0, geo.has_lens or f.Nq % P != 0)
+            q_idx = _tile_rows(geo, rw.first, q_frame)
+        if not direct:
+            gather(x, f.q, (f.b, head), q_idx, 0, geo.has_lens or f.Nq % P != 0)
         for pi, (d0, rows) in enumerate(f.d_passes):
             tp = nl.ndarray((rows, P), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
             port.nc_transpose(tp, x[:, d0:d0 + rows])
@@ -514,6 +561,9 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
             F.ones_column(f, src[:, :, f.D:f.D + 1])
         tiles.append((rw, src, dict(thr=thr, hi=hi_thr, lo=lo_thr, pad=pad), seeds, q_idx,
                       q_pos, dist))
+
+    if direct and held.prev is not None:
+        _store_held(f, head, held, held.prev, held.o.shape[1])
 
     def step_kv(rw, src, s0, n):
         if res is not None:
@@ -558,9 +608,36 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         if f.spec.q_lens:
             in_range = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_scalar(in_range, q_pos, nl.less, geo.q_len)
+        if direct:
+            F.finalize(f, st, t, in_range, (held.o[:, t, :], held.lse[:, t, :]))
+            continue
         o_out, lse_out = F.finalize(f, st, t, in_range)
         out_idx = q_idx if not geo.has_lens else own_rows(geo, rw.first, f.Nq, q_frame)[0]
         store_tile(f, out_idx, head, o_out, lse_out)
+
+
+def _direct_rows(f, geo: Geometry, natural: bool) -> bool:
+    """Whether a class's query tiles load Q and store O, LSE by plain DMAs at rows ``128
+    pos`` of their order position ``pos`` (a loop index expression): ``natural`` order, no
+    lengths, whole query tiles. Otherwise their rows are data (the table's first row, gathers
+    and scatters that skip rows past the lengths), and the scheduler orders the indirect
+    writes of one tensor one after the other (``simulate._sched``: an indirect write covers
+    its whole tensor)."""
+    return natural and not geo.has_lens and f.Nq % P == 0
+
+
+def keeps_order(api: str, Nq: int, Nk: int, D: int, mm_dtype: str, trip: int,
+                lengths: bool) -> bool:
+    """Whether the forward's tables should keep the query tiles in their (sorted) order
+    rather than group them by their common key blocks (``host.block_sparse.launch_tables``
+    ``keep_order``): under nki.* with K/V resident (``tiles.bsp_fwd_kv_resident``, ``trip``
+    the pattern's bound) a group's common blocks are read in place like the others, so
+    grouping saves nothing, while tiles in natural order load and store their rows by plain
+    DMAs (:func:`_direct_rows`: whole query tiles, no ``lengths``). Legacy gathers K/V per
+    step and keeps the grouping (its sums then run over a tile's blocks in another order:
+    the outputs agree to rounding, not bit for bit)."""
+    return (api == "nki" and not lengths and Nq % P == 0
+            and T.bsp_fwd_kv_resident(Nk, D, T.fwd_itemsize(mm_dtype), trip))
 
 
 def _own_steps(rows, shared: int, W: int, n_full: int, tail: int):
@@ -733,14 +810,17 @@ def _scores(f, geo: Geometry, st, slot, kv, cols, h, s0, c0: int, n: int, dist):
         port.tensor_copy_predicated(s_tile, T.FWD_MASK_NEG, ind)
     if cols["pad"] is not None:
         # padding slots (the block of zeros: finite scores) become MASK_NEG, the others stay
-        # as they are: s keep + neg, one VectorE instruction per block (_padding_columns)
+        # as they are: copy(s keep + neg), one ScalarE instruction per block with per-partition
+        # scale and bias columns (_padding_columns; fp32, exact as VectorE's s keep + neg).
+        # ScalarE, not VectorE, whose max reductions lead each step: trn2 N = 4096, index
+        # form band+strided, D = 128 81.2 -> 69.6 us (half on each: 73.2), D = 64 72.1 -> 58.3
+        # (benchmarks/block_sparse.py)
         keep, neg = cols["pad"]
         out = nl.ndarray((P, n * P), dtype=nl.float32, buffer=nl.sbuf)
         for w in T.unrolled(n):
             sl = nl.ds(s0 + c0 + w, 1)
-            port.tensor_scalar(out[:, w * P:(w + 1) * P], s_tile[:, w * P:(w + 1) * P],
-                               nl.multiply, keep[:, sl], op1=nl.add, operand1=neg[:, sl],
-                               engine="vector")
+            port.activation(out[:, w * P:(w + 1) * P], nl.copy, s_tile[:, w * P:(w + 1) * P],
+                            bias=neg[:, sl], scale=keep[:, sl])
         s_tile = out
     return s_tile
 
@@ -818,7 +898,7 @@ def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
 @port.jit
 def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=None,
                                alibi_slopes=None, sinks=None, *, classes, shared=None,
-                               scale=1.0,
+                               natural=None, scale=1.0,
                                causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
                                dropout_mask=False, softcap=None):
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
@@ -827,8 +907,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     LNC=2: ``backward.backward_grid``'s grids).
 
     ``meta``: float32 ``(B or 1, Hq or 1, ceil(Nq/128), 2 + trip)`` HBM table of the pattern in
-    processing order and ``classes`` its compile-time runs
-    (``host.block_sparse.kernel_tables``). Other arguments as
+    processing order and ``classes`` its compile-time runs, ``shared`` and ``natural`` one
+    entry per class (``host.block_sparse.kernel_tables``; None: 0 and False). Other arguments as
     :func:`forward.flash_attention_fwd` (``mm_dtype``, ``scale``, ``causal``, ``window``,
     lengths, ``dropout_p`` with ``seed``, ``dropout_mask``: the mask is returned as ``(B, Hq,
     Nq, 128 ceil(Nk/128))`` float32, positions of blocks never drawn unspecified; the score
@@ -848,6 +928,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
         raise ValueError(f"meta: expected {nqt} rows (one per query tile), got {meta.shape}")
     check_classes(classes, nqt, trip_max)
     shared = check_shared(shared, classes)
+    natural = check_natural(natural, classes)
     nku = T.ceil_div(Nk, P)
     mask_rows = B * Hq * Nq * nku if dropout_p and dropout_mask else 0
     int_rows = exact_indices(max(B * Hq * Nq, B * Hkv * Nk, mask_rows),
@@ -886,7 +967,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
         # (one more block of zeros: the padding slots' block, finite scores to mask)
         src = KVSource(F.load_kv(f, 0, Nk, zero_blocks=1) if resident else None, step,
                        T.FWD_NKI_P_DMA_SHARE[port.target()] if resident else 0.0)
-        port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, h, src))
+        port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, natural, h, src))
 
     port.for_programs((B, Hkv), instance)
     if mask_out is not None:
@@ -894,13 +975,14 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     return o, lse
 
 
-def _head(f, geo: Geometry, meta, classes, shared, h, src: KVSource):
+def _head(f, geo: Geometry, meta, classes, shared, natural, h, src: KVSource):
     """Every class of query tiles of member head h (a loop body): each class a loop over its
     tiles in groups of ``tiles.BSP_GROUP_TILES`` (and a static remainder group) whose first
     ``shared`` slots (one count per class) are the group's common key blocks (``src``: where
-    their key blocks come from, :func:`_attend_tiles`)."""
+    their key blocks come from; ``natural``: one flag per class, its positions are its query
+    tiles; :func:`_attend_tiles`)."""
     q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
-    for (first, count, trip, exact), sh in zip(classes, shared):
+    for (first, count, trip, exact), sh, nat in zip(classes, shared, natural):
         f = src.instance(f, trip)
         if trip == 0:
             # rows without any active block: o = 0, lse = -inf (still one loop body)
@@ -908,12 +990,61 @@ def _head(f, geo: Geometry, meta, classes, shared, h, src: KVSource):
                                                                  first + c))
             continue
         g = min(T.BSP_GROUP_TILES, count)
+        if _direct_rows(f, geo, nat):
+            _deferred_groups(f, geo, meta, h, q_frame, first, count, g, trip, exact, sh, src)
+            continue
         port.loop(count // g, lambda c, first=first, g=g, trip=trip, exact=exact, sh=sh:
                   _attend_tiles(f, geo, meta, h, q_frame, first + c * g, g, trip, exact, sh,
                                 src))
         if count % g:
             _attend_tiles(f, geo, meta, h, q_frame, first + (count // g) * g, count % g, trip,
                           exact, sh, src)
+
+
+class _Held(NamedTuple):
+    """SBUF copies of a group's finished outputs (``o`` in o's dtype, ``lse`` fp32, one slot
+    per query tile), stored by the *next* group right after it has issued its loads
+    (:func:`_attend_tiles`): ``prev`` that group's first position (an index expression; None:
+    nothing held yet). A store waits for its group's last softmax step, and the DMA queues
+    would otherwise hold the next group's loads behind it (the dense forward's
+    ``forward._Outputs``)."""
+
+    o: object
+    lse: object
+    prev: object = None
+
+
+def _deferred_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, first: int, count: int,
+                     g: int, trip: int, exact: bool, sh: int, src: KVSource):
+    """The groups of a class in natural order (:func:`_direct_rows`), each storing the
+    previous one's outputs (:class:`_Held`): the first group is peeled (nothing to store
+    before it), the other full groups are a sequential loop (they carry the held outputs),
+    then the remainder group and the last stores."""
+    held = _Held(nl.ndarray((P, g, f.D), dtype=f.o.dtype, buffer=nl.sbuf),
+                 nl.ndarray((P, g, 1), dtype=nl.float32, buffer=nl.sbuf))
+    full = count // g
+
+    def group(pos0, n: int, prev):
+        _attend_tiles(f, geo, meta, h, q_frame, pos0, n, trip, exact, sh, src,
+                      held._replace(prev=prev))
+
+    group(first, g, None)
+    port.loop(full, lambda c: group(first + c * g, g, first + (c - 1) * g), carried=True,
+              start=1)
+    last, n = first + (full - 1) * g, g
+    if count % g:
+        group(first + full * g, count % g, last)
+        last, n = first + full * g, count % g
+    _store_held(f, f.head(h), held, last, n)
+
+
+def _store_held(f, head, held: _Held, pos0, n: int):
+    """Store the ``n`` query tiles held in ``held`` (positions ``pos0 ..``, natural order: rows
+    ``128 pos``) to o and lse by plain DMAs."""
+    for t in T.unrolled(n):
+        q_rows = nl.ds((pos0 + t) * P, P)
+        port.dma_copy(f.o[f.b, head, q_rows, :], held.o[:, t, :])
+        port.dma_copy(f.lse_col[f.b, head, q_rows, :], held.lse[:, t, :])
 
 
 def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
@@ -942,4 +1073,5 @@ def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
 
 
 __all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "RowFrame", "own_rows", "rows_at", "gather",
-           "scatter", "unit_seeds", "store_unit_mask", "store_tile", "check_classes", "exact_indices"]
+           "scatter", "unit_seeds", "store_unit_mask", "store_tile", "check_classes", "exact_indices",
+           "check_natural", "keeps_order"]

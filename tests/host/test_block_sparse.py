@@ -239,3 +239,39 @@ def test_backward_tables_per_chunk(index):
                 assert tiles == [i for i in range(2 * c, min(5, 2 * c + 2)) if dense[0, h, i, j]]
             # every key block a head meets in the chunk is listed
             assert {j for j in range(nkt) if dense[0, h, 2 * c:2 * c + 2, j].any()} <= seen
+
+
+def test_kernel_tables_keep_the_natural_order_unless_grouping_shares_more():
+    """A class keeps its rows in their order when grouping them by common blocks would share
+    no more slots (``natural``: the forward then stores its tiles' rows by plain DMAs); the
+    index form is always in natural order."""
+    even = bs.dense_to_index(bs.fixed_density(32, 32, 0.125))
+    t = bs.kernel_tables(even, sort=True, share=8)
+    assert t.shared == (0,) and t.natural == (True,)
+    assert np.array_equal(t.meta[0, 0, :, 0], 128 * np.arange(32))
+    assert bs.kernel_tables(even, sort=False).natural == (True,)
+    # rows 0 and 2 have blocks 0 and 1, rows 1 and 3 blocks 2 and 3: in pairs, rows in their
+    # order share nothing, regrouped every slot
+    mask = np.zeros((1, 1, 4, 4), bool)
+    mask[0, 0, [0, 2], :2] = True
+    mask[0, 0, [1, 3], 2:] = True
+    t = bs.kernel_tables(bs.dense_to_index(mask), sort=True, share=2)
+    assert t.shared == (2,) and t.natural == (False,)
+    assert list(t.meta[0, 0, :, 0] // 128) == [0, 2, 1, 3]
+
+
+def test_launch_tables_keep_order_keeps_natural_order_while_it_pads_little():
+    """``keep_order`` (nki.*, resident K/V): no grouping by common blocks, and a bool mask's
+    query tiles stay in natural order in one class of the largest count while the padding
+    slots that adds are at most ``tiles.BSP_NATURAL_MAX_PADDING`` of its blocks."""
+    i = np.arange(16)
+    band = (np.abs(i[:, None] - i[None, :]) <= 1)[None, None]       # 2 of 46 slots padding
+    sp = bs.check_block_mask(band, 1, 1, 2048, 2048)
+    kept = bs.launch_tables(sp, group=1, backward=False, keep_order=True).q
+    assert kept.classes == ((0, 16, 3, False),) and kept.natural == (True,)
+    assert np.array_equal(kept.meta[0, 0, :, 0], 128 * i)
+    assert bs.launch_tables(sp, group=1, backward=False).q.natural != (True,)
+    causal = (i[None, :] <= i[:, None])[None, None]                  # 120 of 136 padding
+    sp = bs.check_block_mask(causal, 1, 1, 2048, 2048)
+    kept = bs.launch_tables(sp, group=1, backward=False, keep_order=True).q
+    assert len(kept.classes) > 1 and kept.shared == (0,) * len(kept.classes)

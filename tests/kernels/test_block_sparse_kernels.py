@@ -26,7 +26,8 @@ from host import reference as ref
 from host._launch import program_size
 from nki_kernels import nki as binding
 from nki_kernels import tiles as T
-from nki_kernels.attention.block_sparse import block_sparse_attention_fwd, check_shared
+from nki_kernels.attention.block_sparse import (block_sparse_attention_fwd, check_natural,
+                                                check_shared, keeps_order)
 from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
 from nki_kernels.nki import BACKEND
 from nki_kernels.port import launch_grid
@@ -182,6 +183,23 @@ def test_shared_counts_are_checked_against_the_classes():
     with pytest.raises(ValueError, match=r"shared: expected one count in \[0, trip\] per class "
                                          r"of \(\(0, 2, 3, True\),\), got \(4,\)"):
         check_shared((4,), ((0, 2, 3, True),))
+
+
+def test_natural_flags_are_checked_against_the_classes():
+    assert check_natural(None, ((0, 2, 3, True),)) == (False,)
+    with pytest.raises(ValueError, match=r"natural: expected one bool per class of "
+                                         r"\(\(0, 2, 3, True\),\), got \(1,\)"):
+        check_natural((1,), ((0, 2, 3, True),))
+
+
+def test_tables_keep_their_order_only_for_nki_whole_tiles_and_resident_kv():
+    """The forward's tables skip the grouping by common key blocks only where it saves
+    nothing and natural order pays (nki.*, K/V resident, whole query tiles, no lengths)."""
+    assert keeps_order("nki", 4096, 4096, 128, "bfloat16", 16, False)
+    assert not keeps_order("legacy", 4096, 4096, 128, "bfloat16", 16, False)
+    assert not keeps_order("nki", 4000, 4096, 128, "bfloat16", 16, False)
+    assert not keeps_order("nki", 4096, 4096, 128, "bfloat16", 16, True)
+    assert not keeps_order("nki", 65536, 65536, 128, "bfloat16", 32, False)   # K/V past SBUF
 
 
 def test_bf16_and_float32_inputs_with_bf16_matmuls():
@@ -458,7 +476,8 @@ def test_lnc2_spreads_the_instances_over_two_cores(B, Hkv, monkeypatch):
 
 def test_nki_index_form_program_size_does_not_grow_with_n():
     """The index form's runtime trip counts (forward steps, backward slot loops) keep the nki.*
-    program flat in N: a bound of 12 blocks (8 active per tile) at 4K and 16K."""
+    program flat in N: a bound of 12 blocks (8 active per tile) at 4K and 16K, its query tiles
+    in natural order."""
     sizes = []
     grid = launch_grid((1, 1), "nki")
     for N in (4096, 16384):
@@ -467,8 +486,9 @@ def test_nki_index_form_program_size_does_not_grow_with_n():
                                   max_blocks=12)
         t = bs.launch_tables(bs.check_block_mask(tuple(index), 1, 1, N, N), group=1)
         kw = dict(scale=0.125, mm_dtype="bfloat16")
+        assert t.q.natural == (True,)           # plain loads and stores, held outputs
         fwd = program_size(block_sparse_attention_fwd.on("nki"), grid, q, k, v, t.q.meta,
-                           classes=t.q.classes, shared=t.q.shared, **kw)
+                           classes=t.q.classes, shared=t.q.shared, natural=t.q.natural, **kw)
         o = np.zeros_like(q)
         lse = np.zeros(q.shape[:3], np.float32)
         bwd = program_size(block_sparse_attention_bwd.on("nki"), grid, q, k, v, o, q, lse,
@@ -641,3 +661,37 @@ def test_backward_refuses_groups_and_chunks_that_do_not_fit(monkeypatch):
         with simulate.measure(target="trn2"):
             program_size(block_sparse_attention_bwd.on("legacy"), grid, q, k, v, q, do, lse,
                          t.k.meta, classes_k=t.k.classes, chunk_tiles=2)
+
+
+def test_natural_order_tiles_store_their_rows_by_plain_dmas(monkeypatch):
+    """Query tiles processed in their natural order (``KernelTables.natural``; whole 128-row
+    tiles, no lengths) load Q and store O and LSE by plain DMAs at rows affine in the loop
+    indices, each group storing the previous group's outputs (``block_sparse._Held``): the
+    outputs are bit for bit those of the indirect gathers and scatters (the tables without
+    the flags) under nki.* and in legacy, with the same HBM bytes, and the scheduled estimate
+    is shorter (an indirect write covers its whole tensor, so a tensor's scatters wait for
+    each other). 19 query tiles: a peeled group of 8, one loop iteration, a remainder of 3;
+    two query heads of a kv head. (The index form is always in natural order, the host's
+    tables test.)"""
+    N, D = 19 * 128, 16
+    q, k, v, _ = attention_inputs(1, 2, 1, N, N, D, seed=31)
+    mask = bs.fixed_density(19, 19, 3 / 19)
+    tables = bs.launch_tables(bs.check_block_mask(mask, 1, 2, N, N), group=2, backward=False)
+    assert tables.q.natural == (True,)
+    flagged = bs.launch_tables
+    outs, runs = [], {}
+    for api, flags in (("nki", True), ("nki", False), ("legacy", True)):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        monkeypatch.setattr(bs, "launch_tables", flagged if flags else (
+            lambda *a, **kw: (lambda t: t._replace(q=t.q._replace(natural=None)))(
+                flagged(*a, **kw))))
+        with simulate.measure(target="trn2") as m:
+            o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                          mixed_precision=False)
+        outs.append([o, lse])
+        runs[api, flags] = (m.hbm_bytes_read + m.hbm_bytes_written, m.estimated_seconds)
+    _same(outs[0], outs[1])
+    _same(outs[0], outs[2])
+    assert runs["nki", True][0] == runs["nki", False][0]
+    assert runs["nki", True][1] < 0.9 * runs["nki", False][1]
+    assert _err(outs[0][0], ref.attention_forward(q, k, v, block_mask=mask)[0]) < 2e-6
