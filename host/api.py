@@ -730,12 +730,12 @@ def _varlen_backward(do, q, k, v, o, lse, call: AttentionCall):
 
 
 def _block_sparse_chunk_tiles(call: AttentionCall) -> int:
-    """Query tiles per chunk of the block-sparse backward (``tiles.bsp_bwd_chunks`` on the
-    active target; trn1's smaller SBUF when the host does not know it). A kv group whose
-    query heads cannot stage one tile each is refused."""
+    """Query tiles per chunk of the block-sparse backward (``tiles.bsp_bwd_chunks`` with the
+    budget the kernel checks: trn2's on NeuronCore-v3 and newer (trn2, trn3), else trn1's,
+    the smaller, also when the host does not know the target). A kv group whose query heads
+    cannot stage one tile each is refused."""
     dims = call.dims
-    target = active_target()
-    target = target if target in tiles.BWD_SBUF_BUDGET_BYTES else "trn1"
+    target = "trn2" if active_target() in ("trn2", "trn3") else "trn1"
     extras = (call.mods.tensors["alibi_slopes"] is not None
               or call.mods.tensors["sinks"] is not None or bool(call.mods.kwargs)
               or bool(call.dropout.p) or call.kv_lens is not None or call.q_lens is not None)

@@ -509,6 +509,19 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
     class of the largest count, unless that pads more than
     ``tiles.BSP_NATURAL_MAX_PADDING`` of its blocks (sorted classes then).
     """
+    nqt = sparsity.dense.shape[-2]
+    if not (forward or backward):
+        raise ValueError("forward, backward: both False asks for no tables; allowed: at least "
+                         "one True")
+    if keep_order and not forward:
+        raise ValueError("keep_order: orders the forward's tables, but forward=False")
+    if chunk_tiles is not None:
+        if not backward:
+            raise ValueError("chunk_tiles: chunks the backward's tables, but backward=False")
+        if (isinstance(chunk_tiles, bool) or not isinstance(chunk_tiles, (int, np.integer))
+                or not 1 <= chunk_tiles <= nqt):
+            raise ValueError(f"chunk_tiles: expected an int in [1, {nqt}] (query tiles per "
+                             f"chunk), got {chunk_tiles!r}")
     heads, runtime = sparsity.dense.shape[1], sparsity.runtime
     q = _forward_tables(sparsity, keep_order) if forward else None
     if not backward:

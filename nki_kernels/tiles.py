@@ -31,8 +31,6 @@ PSUM_FMAX = 512
 GEMM_STATIONARY_FMAX = 128
 #: Largest free size of a matmul's moving operand (``gemm_moving_fmax``).
 GEMM_MOVING_FMAX = 512
-#: PSUM banks per partition.
-PSUM_BANKS = 8
 #: The most negative finite fp32 (``nl.fp32.min``): a fill whose exp is exactly 0 for any finite
 #: shift and that stays finite through fp32 arithmetic.
 FP32_MIN = -3.4028234663852886e38
@@ -382,12 +380,6 @@ BWD_SBUF_BUDGET_BYTES = {"trn1": 192 * 1024 * 9 // 10, "trn2": 224 * 1024 * 9 //
 #: 30 KB of transfer time on trn2), so Q, dO, O, LSE and dQ move several tiles per DMA, and K, V,
 #: dK, dV a whole key tile. The run's dO/O temporaries fit in ``BWD_SBUF_SLACK``.
 BWD_GROUP_BYTES = 2048
-#: Per-partition bytes of dS (operand dtype) of the visits that share one dS DMA transpose
-#: (``ds_transpose="dma"``; 4 visits of 512 keys in bf16), each saving a DMA's fixed cost. The
-#: group's dS and dS^T (2 x 4 KiB) fit the backward's SBUF headroom: at the largest pass
-#: (``bwd_rows_per_pass``) over 20 KB per partition stay free on trn1 and trn2 (measured
-#: peak with ``simulate.measure``, bf16 D = 64 and 128, fp32 D = 128).
-BWD_DS_GROUP_BYTES = 4096
 #: Per-partition bytes kept free for everything that is not resident query-side state (K/V
 #: tiles, P, dS and temporaries, double-buffered) on top of the computed working set.
 BWD_SBUF_SLACK = 4 * 1024
@@ -447,7 +439,7 @@ def bwd_rows_per_pass(D: int, op_itemsize: int, target: str, *, dq_on_chip: bool
 
 
 #: Query tiles staged (and their dQ written) per loop body by the block-sparse backward, each
-#: with its own buffers: four tiles' gathers in flight, so the phase is not one DMA latency
+#: with its own buffers: four tiles' loads in flight, so the phase is not one DMA latency
 #: per tile (N = 4096, D = 128, s = 1/8, trn2: see README "Block-sparse attention").
 BSP_BWD_STAGE_TILES = 4
 

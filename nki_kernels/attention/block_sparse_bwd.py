@@ -33,7 +33,8 @@ chunk:
 3. **dQ out**: every tile's accumulator of the chunk, scaled and cast, stored once.
 
 HBM traffic: Q, dO, O, lse once, dQ, dK, dV once, K and V once per key block a chunk meets
-(the last chunk: every block some chunk meets); with c > 1 chunks also the scratch, ``2 (2 c
+(the last chunk: every listed block -- under a bool mask every block some chunk meets, in the
+index form every key block); with c > 1 chunks also the scratch, ``2 (2 c
 - 2)`` fp32 ``[128, d]`` tiles per listed block: Theta(N d + nnz d) for one chunk, Theta(c N d
 + nnz d) for c.
 
@@ -103,12 +104,13 @@ class _Cfg:
 
 
 class _Resident:
-    """The query side of every query tile of the instance's G heads, staged in SBUF once (the
-    dense backward's resident pass, ``backward.py``) and read by the key-major sweep at each
-    pair's tile (:func:`port.dynamic_block`: the tile is data, a table entry), with dQ
-    accumulated beside it. Block ``n = h (nqt + 1) + i`` holds query tile i of member head h;
-    block ``h (nqt + 1) + nqt`` is the head's zero tile, which padding slots (legacy: every
-    slot of a row runs) read and add nothing to. Per block, per partition:
+    """The query side of one chunk's query tiles (``slots`` per head) of the instance's G
+    heads, staged in SBUF once per chunk (the dense backward's resident pass, ``backward.py``)
+    and read by the key-major sweep at each pair's tile (:func:`port.dynamic_block`: the tile
+    is data, a table entry), with dQ accumulated beside it. Block ``n = h (slots + 1) + i``
+    holds the chunk's i-th query tile of member head h; block ``h (slots + 1) + slots`` is the
+    head's zero tile, which padding slots (legacy: every slot of a row runs) read and add
+    nothing to. Per block, per partition:
 
     - ``T[pass]`` ``[rows, 2 x 128]`` (matmul dtype): ``(scale Q)^T`` then ``dO^T``;
     - ``nat`` ``[128, 2 D]`` (matmul dtype): Q then dO (the moving operands of dK and dV);
@@ -118,7 +120,7 @@ class _Resident:
       only, not the other engines' reads of the staged state.
 
     ``tiles.bwd_slot_bytes`` per block, as the dense backward's slot
-    (``tiles.bsp_bwd_resident`` decides whether they fit)."""
+    (``tiles.bsp_bwd_chunks`` sizes the chunk to fit)."""
 
     def __init__(self, f: F.Instance, slots: int):
         self.slots, self.per_head = slots, slots + 1
@@ -600,7 +602,7 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
     dk = nl.ndarray((B, Hkv, Nk, D), dtype=q.dtype, buffer=nl.shared_hbm)
     dv = nl.ndarray((B, Hkv, Nk, D), dtype=q.dtype, buffer=nl.shared_hbm)
     # several chunks: each program's fp32 dK, dV partial sums (its instances run one after
-    # another, each zeroing them first)
+    # another; each one's first chunk writes them, no zeroing)
     scratch = ((nl.ndarray((nkt * P, D), dtype=nl.float32, buffer=nl.hbm),
                 nl.ndarray((nkt * P, D), dtype=nl.float32, buffer=nl.hbm)) if chunks > 1
                else None)

@@ -215,14 +215,17 @@ def test_backward_tables_per_chunk(index):
     rng = np.random.default_rng(7)
     dense = rng.random((1, 4, 5, 3)) < 0.4
     dense[:, :, 4, :] = False                             # chunk 2 (tile 4) meets nothing
+    dense[:, :2, :2, 2] = False                           # kv group 0 meets key block 2 in
+    dense[:, 0, 2, 2] = True                              # chunk 1 only: pushed in chunk 0
     sp = bs.BlockSparsity(dense, bs.dense_to_index(dense), index)
     t = bs.launch_tables(sp, group=2, forward=False, chunk_tiles=2)
     assert t.q is None
     meta, nkt = t.k.meta, 3
     assert meta.shape[:3] == (1, 4, 3 * nkt)
-    order = meta[0, 0, 2 * nkt:, 0]                       # the last chunk's: no row pushed
-    assert sorted(order.tolist()) == [0, 128, 256]
+    pushed = 0
     for h in range(4):
+        order = meta[0, h - h % 2, 2 * nkt:, 0]           # the group's last chunk: none pushed
+        assert sorted(order.tolist()) == [0, 128, 256]
         for c in range(3):
             rows = meta[0, h, c * nkt:(c + 1) * nkt]
             partner = meta[0, h ^ 1, c * nkt:(c + 1) * nkt]
@@ -232,6 +235,7 @@ def test_backward_tables_per_chunk(index):
                 assert all(e >= T.BSP_PAD_FIRST for e in entries[int(count):])
                 if first >= T.BSP_PAD_FIRST:
                     assert c < 2 and count == 0 and partner[r, 1] == 0
+                    pushed += 1
                     continue
                 assert first == order[r] == partner[r, 0]
                 j = int(first) // 128
@@ -239,6 +243,7 @@ def test_backward_tables_per_chunk(index):
                 assert tiles == [i for i in range(2 * c, min(5, 2 * c + 2)) if dense[0, h, i, j]]
             # every key block a head meets in the chunk is listed
             assert {j for j in range(nkt) if dense[0, h, 2 * c:2 * c + 2, j].any()} <= seen
+    assert pushed >= 2                                    # block 2 of heads 0 and 1, chunk 0
 
 
 def test_kernel_tables_keep_the_natural_order_unless_grouping_shares_more():
@@ -270,8 +275,24 @@ def test_launch_tables_keep_order_keeps_natural_order_while_it_pads_little():
     kept = bs.launch_tables(sp, group=1, backward=False, keep_order=True).q
     assert kept.classes == ((0, 16, 3, False),) and kept.natural == (True,)
     assert np.array_equal(kept.meta[0, 0, :, 0], 128 * i)
-    assert bs.launch_tables(sp, group=1, backward=False).q.natural != (True,)
+    # without keep_order the tiles are sorted into tight classes (tiles 0 and 15: 2 blocks)
+    assert len(bs.launch_tables(sp, group=1, backward=False).q.classes) == 2
     causal = (i[None, :] <= i[:, None])[None, None]                  # 120 of 136 padding
     sp = bs.check_block_mask(causal, 1, 1, 2048, 2048)
     kept = bs.launch_tables(sp, group=1, backward=False, keep_order=True).q
     assert len(kept.classes) > 1 and kept.shared == (0,) * len(kept.classes)
+
+
+def test_launch_tables_refuse_arguments_they_would_ignore():
+    """``launch_tables`` names an argument that the tables asked for would not use, and a
+    chunk size outside ``[1, query tiles]``."""
+    sp = bs.check_block_mask(np.ones((1, 1, 4, 4), bool), 1, 1, 512, 512)
+    for kw, match in (({"forward": False, "backward": False}, r"forward, backward: both False"),
+                      ({"forward": False, "keep_order": True}, r"keep_order: orders the forward"),
+                      ({"backward": False, "chunk_tiles": 2}, r"chunk_tiles: chunks the backward"),
+                      ({"chunk_tiles": 0}, r"chunk_tiles: expected an int in \[1, 4\].*got 0"),
+                      ({"chunk_tiles": 2.5}, r"chunk_tiles: expected an int.*got 2.5"),
+                      ({"chunk_tiles": 5}, r"chunk_tiles: expected an int in \[1, 4\].*got 5")):
+        with pytest.raises(ValueError, match=match):
+            bs.launch_tables(sp, group=1, **kw)
+    assert bs.launch_tables(sp, group=1, chunk_tiles=4).k.meta.shape[2] == 4
