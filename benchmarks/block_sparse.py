@@ -91,9 +91,10 @@ def run_dense(x, passes, target, cache=None):
     if cache is not None:
         path, rows = cache
         missing = [p for p in passes if f"{key} {p}" not in rows]
-        rows.update({f"{key} {p}": r for p, r in run_dense(x, missing, target).items()})
-        with open(path, "w") as fh:
-            json.dump(rows, fh, indent=1)
+        if missing:
+            rows.update({f"{key} {p}": r for p, r in run_dense(x, missing, target).items()})
+            with open(path, "w") as fh:
+                json.dump(rows, fh, indent=1)
         return {p: rows[f"{key} {p}"] for p in passes}
     out = {}
     if "fwd" in passes:

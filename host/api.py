@@ -423,14 +423,14 @@ def _plan_forward(call: AttentionCall):
     api = select_api()          # the forward is ported to nki.* whole
     chosen = call.tiles
     if chosen is None:
+        band = call.causal is not None or call.window is not None
+        lens = call.kv_lens is not None or call.q_lens is not None
         chosen = _tiles.choose_forward_tiles(
             dims.Nq, dims.Nk, dims.D, dims.group, _tiles.fwd_itemsize(call.dtype),
             _tiles.fwd_itemsize(call.mm_dtype), sbuf_bytes=call.sbuf_budget,
             kv_lens=call.kv_lens is not None, q_lens=call.q_lens is not None,
-            masks=(call.causal is not None or call.window is not None
-                   or call.kv_lens is not None or call.q_lens is not None),
-            api=api, device=active_target(), dropout=bool(call.dropout.p),
-            band=call.causal is not None or call.window is not None)
+            masks=band or lens, api=api, device=active_target(),
+            dropout=bool(call.dropout.p), band=band)
     grid, kernel_lnc = forward_grid(dims.B, dims.Hkv, call.lnc, api=api)
     kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
                   mm_dtype=call.mm_dtype, tiles=chosen, lnc=kernel_lnc)
@@ -739,7 +739,7 @@ def _block_sparse_chunk_tiles(call: AttentionCall) -> int:
     extras = (call.mods.tensors["alibi_slopes"] is not None
               or call.mods.tensors["sinks"] is not None or bool(call.mods.kwargs)
               or bool(call.dropout.p) or call.kv_lens is not None or call.q_lens is not None)
-    op_itemsize = 4 if call.mm_dtype == "float32" else 2
+    op_itemsize = tiles.fwd_itemsize(call.mm_dtype)
     chunks, slots = tiles.bsp_bwd_chunks(dims.group, dims.Nq, dims.D, op_itemsize, target,
                                          extras)
     if not chunks:
@@ -1030,13 +1030,13 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
             + 4 * groups * (W + B) + 4 * N * (D + 1) * S + (4 * N if S > 1 else 0))
     if tree_mask:
         read += T * T * B * groups
+    prefix = np.asarray(cache_lens, dtype=np.int64) - T     # committed positions
     if paged:
-        lp = np.asarray(cache_lens, dtype=np.int64) - T
-        read += 4 * (groups * int(np.sum(lp // plan.key_row))
-                     + Hkv * int(np.sum(lp % plan.key_row + T)))
+        read += 4 * (groups * int(np.sum(prefix // plan.key_row))
+                     + Hkv * int(np.sum(prefix % plan.key_row + T)))
     written = 4 * Hq * T * (D + 1) * (W + pad + B) + itemsize * N * D + 4 * N
     if work is not None and tiles.decode_zero_by_dma(plan.split_rows):  # K/V zero fills
-        rs, full = plan.split_rows, (np.asarray(cache_lens, dtype=np.int64) - T) // plan.key_row
+        rs, full = plan.split_rows, prefix // plan.key_row
         tiles_, kr = _tiles.ceil_div(rs, _tiles.PMAX), min(rs, _tiles.PMAX)
         zeroed = sum(kr - min(max(int(full[b]) - j * rs - (tiles_ - 1) * _tiles.PMAX, 0), kr)
                      for b in range(B) for j in range(int(splits[b])))
@@ -1044,9 +1044,10 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     scale_rows = 8 * min(Hq // Hkv * T, plan.row_tile) if cs == 1 else 0   # FP8: the scales
     read += scale_rows * Hkv * ((W + pad) // launch_.items_per_program + B)
     tails = B                   # tail programs per head group
-    if api == "nki" and not tree_mask and work is not None:
+    if work is not None:
         chunks = work.shape[0] // launch_.items_per_program
-        tails -= chunks * tiles.decode_tails_per_program(B, chunks, launch_.items_per_program)
+        tails -= chunks * tiles.decode_tails_per_program(
+            B, chunks, launch_.items_per_program, api=api, tree_mask=bool(tree_mask))
     if api == "nki" and lnc == 2 and (groups * tails) % 2:
         b = B - tails + ((groups * tails - 1) // 2) % tails
         h, G = Hkv // groups, Hq // Hkv
@@ -1178,7 +1179,7 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
     mod_tensors = _cache_tensors(call, to_device)
     # the source of the split kernel's K/V zero fills (one key row of zeros, the caches' dtype)
     cache_dtype = call.dtype if call.kv_quant is None else call.kv_quant.format
-    zero_cols = _tiles.ceil_div(plan.split_rows, _tiles.PMAX) * plan.key_row * inputs.D
+    zero_cols = _tiles.decode_zero_row_cols(plan.split_rows, plan.key_row, inputs.D)
     zero_row = (to_device(np.zeros((1, zero_cols), dtype=np.dtype(cache_dtype)))
                 if work is not None and tiles.decode_zero_by_dma(plan.split_rows) else None)
     o_part, lse_part = run(

@@ -518,17 +518,14 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
     if chunk_tiles is not None:
         if not backward:
             raise ValueError("chunk_tiles: chunks the backward's tables, but backward=False")
-        if (isinstance(chunk_tiles, bool) or not isinstance(chunk_tiles, (int, np.integer))
-                or not 1 <= chunk_tiles <= nqt):
-            raise ValueError(f"chunk_tiles: expected an int in [1, {nqt}] (query tiles per "
-                             f"chunk), got {chunk_tiles!r}")
+        _tiles.check_chunk_tiles(chunk_tiles, nqt)
     heads, runtime = sparsity.dense.shape[1], sparsity.runtime
     q = _forward_tables(sparsity, keep_order) if forward else None
     if not backward:
         return LaunchTables(q, None, runtime)
     g = group if heads > 1 else 1
     dense_t = np.swapaxes(sparsity.dense, -1, -2)
-    b, _, nkt, nqt = dense_t.shape
+    b, _, nkt, _ = dense_t.shape
     per = _chunk_columns(dense_t, nqt if chunk_tiles is None else chunk_tiles)
     chunks = per.shape[2]
     # (b, kv groups, chunks, members, nkt, nqt) -> heads: each kv group's chunks and members

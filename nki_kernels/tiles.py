@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Tuple
 
@@ -483,6 +484,15 @@ def bsp_bwd_chunks(G: int, Nq: int, D: int, op_itemsize: int, target: str,
         return 0, 0
     slots = ceil_div(n_tiles, ceil_div(n_tiles, most))
     return ceil_div(n_tiles, slots), slots
+
+
+def check_chunk_tiles(chunk_tiles, n_tiles: int) -> None:
+    """Refuse a block-sparse backward chunk size (query tiles per chunk) that is not an int in
+    ``[1, n_tiles]``, naming the argument."""
+    if (isinstance(chunk_tiles, bool) or not isinstance(chunk_tiles, numbers.Integral)
+            or not 1 <= chunk_tiles <= n_tiles):
+        raise ValueError(f"chunk_tiles: expected an int in [1, {n_tiles}] (query tiles per "
+                         f"chunk), got {chunk_tiles!r}")
 
 
 def bwd_passes(G: int, Nq: int, rows_per_pass: int) -> Tuple[int, int]:
@@ -1375,14 +1385,16 @@ def decode_heads_per_program(Hkv: int, items: int, max_steps: int, cores: int = 
     return best
 
 
-def decode_tails_per_program(B: int, chunks: int, items: int) -> int:
+def decode_tails_per_program(B: int, chunks: int, items: int, *, api: str = "nki",
+                             tree_mask: bool = False) -> int:
     """Tails (sequences, for each kv head of the program) each of the ``chunks`` chunk
     programs of a head group runs beside its first splits under nki.* (``decode._split_chunk``:
     the tail of sequence ``c K + j`` in step j, j < K, of chunk program c): ``K = B // chunks``
     at most ``items`` (the steps of one head), for a batch of at least
     DECODE_TAILS_BESIDE_SPLITS_MIN_BATCH sequences (else 0). The ``B - chunks K`` others run as
-    tail programs of their own, first."""
-    if chunks == 0 or B < DECODE_TAILS_BESIDE_SPLITS_MIN_BATCH:
+    tail programs of their own, first. 0 in legacy (``api``) and with a tree mask, which each
+    tail program reads once (``host.api.flash_decode_hbm_bytes`` counts it)."""
+    if api != "nki" or tree_mask or chunks == 0 or B < DECODE_TAILS_BESIDE_SPLITS_MIN_BATCH:
         return 0
     return min(items, B // chunks)
 
@@ -1391,6 +1403,12 @@ def decode_zero_by_dma(split_rows: int) -> bool:
     """Whether the split kernel zeroes a split's skipped K/V rows by DMA from a zero row
     (``split_rows <= DECODE_DMA_ZERO_FILL_MAX_ROWS``) rather than on the engines."""
     return split_rows <= DECODE_DMA_ZERO_FILL_MAX_ROWS
+
+
+def decode_zero_row_cols(split_rows: int, key_row: int, D: int) -> int:
+    """Columns of the split kernel's zero row, the source of its DMA zero fills
+    (:func:`decode_zero_by_dma`): one key row of ``D`` per 128-row tile of a split."""
+    return ceil_div(split_rows, PMAX) * key_row * D
 
 
 def decode_max_splits(D: int) -> int:

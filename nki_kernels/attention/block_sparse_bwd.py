@@ -572,9 +572,7 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     nqt, nkt = T.ceil_div(Nq, P), T.ceil_div(Nk, P)
-    if not isinstance(chunk_tiles, int) or not 1 <= chunk_tiles <= nqt:
-        raise ValueError(f"chunk_tiles: expected an int in [1, {nqt}] (query tiles), got "
-                         f"{chunk_tiles!r}")
+    T.check_chunk_tiles(chunk_tiles, nqt)
     chunks = T.ceil_div(nqt, chunk_tiles)
     if meta_k.shape[2] != chunks * nkt:
         raise ValueError(f"meta_k: expected {chunks} x {nkt} rows ({chunks} chunks of "

@@ -1914,7 +1914,7 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
             f"items ({W}) and the kv heads ({Hkv}), and a program's steps come in pairs "
             f"(an even number of items, or 1 item and 1 or an even number of heads)")
     C = W // ipp                   # chunk programs
-    zero_cols = tiles.ceil_div(split_rows, PMAX) * key_row * D
+    zero_cols = tiles.decode_zero_row_cols(split_rows, key_row, D)
     by_dma = work is not None and tiles.decode_zero_by_dma(split_rows)
     if (zero_row is not None) != by_dma or (by_dma and tuple(zero_row.shape) != (1, zero_cols)):
         raise ValueError(
@@ -1944,10 +1944,8 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
                                      exact=flat >= tiles.FP32_EXACT_INT))
 
     # nki.*: the chunk programs run the tails of the first C K sequences beside their splits
-    # (not with a tree mask, which each tail program reads once: T^2 B H' bytes,
-    # host.api.flash_decode_hbm_bytes)
-    K = (tiles.decode_tails_per_program(B, C, ipp)
-         if port.api() == "nki" and tree_mask is None else 0)
+    K = tiles.decode_tails_per_program(B, C, ipp, api=port.api(),
+                                       tree_mask=tree_mask is not None)
 
     def chunk(hg, c):
         _split_chunk(cfg, io, hg, c, K)

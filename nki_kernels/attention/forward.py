@@ -723,6 +723,12 @@ class Instance(Config):
                 and (self.lens is None or self.lens.k_load is None))
 
     @property
+    def nki_dropout(self) -> bool:
+        """Dropout under nki.* on NeuronCore-v3+: ScalarE then takes a share of the row maxima
+        (:class:`GroupState`, ``tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE``)."""
+        return bool(self.dropout_p) and self.gen3 and port.api() == "nki"
+
+    @property
     def direct_q(self) -> bool:
         """Q^T comes straight from HBM by DMA transposes (:func:`load_q`, :func:`preload_q`),
         as K^T does (:attr:`direct_k`), when nothing scales it on its way (the scale folded into
@@ -842,7 +848,7 @@ class GroupState:
         P, width = T.PMAX, f.tiles.softmax_block // f.tiles.k_tile
         self.n, self.rows = n, rows
         share = 0.0
-        if f.dropout_p and f.gen3 and port.api() == "nki":
+        if f.nki_dropout:
             shares = (T.FWD_NKI_DROPOUT_BAND_MAX_ACT_SHARE if f.spec.has_diag
                       else T.FWD_NKI_DROPOUT_MAX_ACT_SHARE)
             share = shares[port.target()]
@@ -1309,9 +1315,10 @@ def load_q(f: Instance, st: GroupState, s, h, t):
         # GpSimd (SBUF only, otherwise the least busy engine)
         if f.xq is None:
             transpose_q_rows(f, r, h, t, [qT[:, s, 0:r] for qT in st.qT])
-        for pi, (_, dr) in enumerate(f.d_passes if f.xq is not None else ()):
-            port.tensor_copy(st.qT[pi][:, s, 0:r], f.xq[0:dr, pi, f.q_col(h, t), 0:r],
-                             engine="gpsimd")
+        else:
+            for pi, (_, dr) in enumerate(f.d_passes):
+                port.tensor_copy(st.qT[pi][:, s, 0:r], f.xq[0:dr, pi, f.q_col(h, t), 0:r],
+                                 engine="gpsimd")
         return
     if f.xq is not None:
         x = f.xq[0:r, f.q_col(h, t), :]
@@ -1583,7 +1590,6 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
     # the row max of each score tile (negated): VectorE, or under dropout through nki.* on
     # NeuronCore-v3+ a share of the tiles on ScalarE (GroupState.max_share), whose -s output
     # is not used; either is exact, so the bits are equal
-    nki_dropout = f.dropout_p and f.gen3 and port.api() == "nki"
     on_act = st.max_split()
     # ScalarE's tiles first, VectorE's last: VectorE's max of the block's last score tile then
     # leads straight into its min-reduction and the bias (trn2 N = 4096: 253.0 -> 249.0 us;
@@ -1607,7 +1613,7 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
         # holds the units' seeds, and the alpha and the exp wait for the bias (trn2 N = 4096:
         # 258.2 -> 253.0 us)
         port.tensor_scalar(bias, neg_m_new, nl.multiply, c,
-                           engine="vector" if nki_dropout else "gpsimd", mask=pred)
+                           engine="vector" if f.nki_dropout else "gpsimd", mask=pred)
     if out is None:
         p = nl.ndarray((r, width), dtype=f.mm, buffer=nl.sbuf)
         alpha = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)

@@ -95,7 +95,7 @@ def split_kernel(groups, programs, *args, api="legacy", **kwargs):
     q, k, work = args[0], args[1], args[4]
     if (work is not None and "zero_row" not in kwargs
             and tiles.decode_zero_by_dma(kwargs["split_rows"])):  # the K/V zero fills' source
-        cols = tiles.ceil_div(kwargs["split_rows"], tiles.PMAX) * kwargs["key_row"] * q.shape[3]
+        cols = tiles.decode_zero_row_cols(kwargs["split_rows"], kwargs["key_row"], q.shape[3])
         kwargs["zero_row"] = np.zeros((1, cols), dtype=k.dtype)
     return launch(dk.flash_decode_split_kernel.on(api), grid, *args, **kwargs)
 
