@@ -66,6 +66,14 @@ BSP_PAD_FIRST = 1 << 22
 #: they share here, the per-tile gathers being the DMA queues' load (trn2 estimate, N = 4096,
 #: D = 128, bf16, s = 1/2, index form: 4 / 8 / 16 blocks 314.4 / 328.3 / 323.9 us).
 BSP_STEP_BLOCKS = 4
+#: Keys per K/V load piece of the block-sparse forward's resident K/V (nki.*,
+#: :func:`bsp_fwd_kv_resident`; the dense forward's FWD_KV_LOAD_BLOCK is 2048): every query
+#: tile waits for the whole of K^T and V (its blocks are runtime offsets), so the load opens
+#: the kernel with the engines idle, and smaller pieces let the V guard of one piece run
+#: while the next is loading. Scheduled estimate, trn2 through nki.*, N = 4096, D = 128,
+#: bf16, index form, s = 1/32 / 1/8: 2048 keys 47.4 / 60.5 us, 1024 42.2 / 56.0 (with the
+#: group's software pipelining and batched finalize, attention/block_sparse.py).
+BSP_FWD_KV_LOAD_BLOCK = 1024
 #: Key blocks per own-slot step when K/V of an instance fit in SBUF
 #: (:func:`bsp_fwd_kv_resident`): under nki.* the steps then read resident K/V in place, so
 #: nothing per tile is gathered and the longest step (four PSUM banks of scores, as
