@@ -498,12 +498,18 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     st = F.GroupState(f, n_tiles, P)
     if f.mods.sinks:
         F.start_at_sink(f, st, h, n_tiles, slot0=0)
-    rows, raw = [], []
-    for t in T.unrolled(n_tiles):
-        row = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
-        port.dma_copy(row, meta[hb, hh, nl.ds(pos0 + t, 1), 0:2 + trip], legacy_isa=True)
-        rows.append(Row(row, trip, geo.k_part, geo.k_len, geo.kv, gathers=res is None))
-        raw.append(row)
+    # the group's table rows (consecutive rows of the table) in one DMA: at the start the
+    # DMA queues also hold the resident K/V load, and a group's loads wait for queues (trn2
+    # N = 4096, D = 128, index form, s = 1/8: one DMA per row 55.4 us, per group 55.0; the
+    # Q rows of a natural-order group in one DMA too: 56.4, the first tile then waits for
+    # the whole group's rows)
+    grp = nl.ndarray((1, n_tiles, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
+    cols = meta.shape[3]
+    port.dma_copy(grp, meta.reshape((meta.shape[0], meta.shape[1], 1, meta.shape[2], cols))[
+        hb, hh, 0:1, nl.ds(pos0, n_tiles), 0:2 + trip], legacy_isa=True)
+    rows = [Row(grp[:, t, :], trip, geo.k_part, geo.k_len, geo.kv, gathers=res is None)
+            for t in T.unrolled(n_tiles)]
+    blocks = _block_numbers(grp, trip, f.nku) if res is not None else None
     # nki.*: the own-slot sweep's trip counts, planned before the tiles' setup so that their
     # register loads (below) find them written. Only where a group may skip a step and still
     # run one (more than W own slots): each register load stops every engine until its value
@@ -534,19 +540,19 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
             # ALiBi's distances j - i - off of the slots, less the c - p of a score (Geometry)
             dist = geo.distance_columns(gap) if f.mods.alibi else None
         # Q rows of the tile: skipped past q_len (they output 0), scattered back below Nq
-        x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
         q_idx = q_pos = None
+        x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
         if direct:
             port.dma_copy(x, f.q[f.b, head, nl.ds((pos0 + t) * P, P), :], legacy_isa=True)
-        elif geo.has_lens or f.Nq % P:
-            q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, q_frame)
         else:
-            q_idx = _tile_rows(geo, rw.first, q_frame)
-        if not direct:
+            if geo.has_lens or f.Nq % P:
+                q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, q_frame)
+            else:
+                q_idx = _tile_rows(geo, rw.first, q_frame)
             gather(x, f.q, (f.b, head), q_idx, 0, geo.has_lens or f.Nq % P != 0)
-        for pi, (d0, rows) in enumerate(f.d_passes):
-            tp = nl.ndarray((rows, P), dtype=f.transpose_psum_dtype(x.dtype), buffer=nl.psum)
-            port.nc_transpose(tp, x[:, d0:d0 + rows])
+        for pi, (d0, dr) in enumerate(f.d_passes):
+            tp = nl.ndarray((dr, P), dtype=f.transpose_psum_dtype(f.q.dtype), buffer=nl.psum)
+            port.nc_transpose(tp, x[:, d0:d0 + dr])
             port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
         seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
                  if f.dropout_p else None)
@@ -555,7 +561,7 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         # doc; none when the group shares every slot)
         src = None
         if res is not None:
-            src = _block_numbers(raw[t], trip, f.nku)
+            src = (blocks, t)
         elif trip > shared:
             src = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
             F.ones_column(f, src[:, :, f.D:f.D + 1])
@@ -744,17 +750,17 @@ class _StepKV(_BlocksKV):
 class _ResidentKV(_BlocksKV):
     """nki.*: a step's blocks read in place from the (batch, kv head)'s resident K^T and
     ``[V | 1]`` (:func:`block_sparse_attention_fwd`): block w of the step is resident block
-    ``blocks[0, s0 + w]`` (int32 ``[1, trip]``, one query tile's key-block numbers,
-    :func:`_block_numbers`), a runtime offset into the tiles (:func:`port.select_block`):
+    ``blocks[0, t, s0 + w]`` (``blocks``: ``(tile, t)``, the int32 ``[1, n, trip]`` key-block
+    numbers of a group's tiles, :func:`_block_numbers`, and the query tile's), a runtime offset into the tiles (:func:`port.select_block`):
     no DMA, no transpose. The values are those :func:`_gather_kv` would gather, so the
     outputs are the legacy trace's."""
 
     def __init__(self, res: F.KV, blocks, s0):
         super().__init__(None, res.kT, res.v)
-        self.blocks, self.s0 = blocks, s0
+        (self.blocks, self.tile), self.s0 = blocks, s0
 
     def _index(self, w):
-        return self.blocks[0:1, nl.ds(self.s0 + w, 1)]
+        return self.blocks[0:1, self.tile, nl.ds(self.s0 + w, 1)]
 
     def key_block(self, pi: int, w: int):
         return port.select_block(self.kT[pi], self._index(w), P)
@@ -764,13 +770,14 @@ class _ResidentKV(_BlocksKV):
         return view if kw == P else view[0:kw, :]
 
 
-def _block_numbers(row, trip: int, nkb: int):
-    """int32 ``[1, trip]``: the key-block numbers ``first / 128`` of a query tile's slots
-    (``row``: its fp32 meta row ``[1, 2 + trip]`` on partition 0); a padding slot's (past
-    every block) is ``nkb``, the resident block of zeros after the ``nkb`` blocks of keys: its
-    scores are 0, finite, and masked. One VectorE instruction (exact: integers in fp32)."""
-    blocks = nl.ndarray((1, trip), dtype=nl.int32, buffer=nl.sbuf)
-    port.tensor_scalar(blocks, row[0:1, 2:2 + trip], nl.multiply, 1.0 / P, op1=nl.minimum,
+def _block_numbers(grp, trip: int, nkb: int):
+    """int32 ``[1, n, trip]``: the key-block numbers ``first / 128`` of the slots of a group's
+    n query tiles (``grp``: their fp32 meta rows ``[1, n, 2 + trip]`` on partition 0); a
+    padding slot's (past every block) is ``nkb``, the resident block of zeros after the
+    ``nkb`` blocks of keys: its scores are 0, finite, and masked. One VectorE instruction
+    for the group (exact: integers in fp32)."""
+    blocks = nl.ndarray((1, grp.shape[1], trip), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_scalar(blocks, grp[0:1, :, 2:2 + trip], nl.multiply, 1.0 / P, op1=nl.minimum,
                        operand1=float(nkb), engine="vector")
     return blocks
 
@@ -987,8 +994,12 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
         # nki.*: K^T and [V | 1] of the instance loaded, guarded and transposed once, as the
         # dense kernel's resident staging; every query tile reads its blocks in place
-        # (one more block of zeros: the padding slots' block, finite scores to mask)
-        src = KVSource(F.load_kv(f, 0, Nk, zero_blocks=1) if resident else None, step,
+        # (one more block of zeros: the padding slots' block, finite scores to mask). The V
+        # guard's flags as ScalarE sums (forward.guard_values): every engine waits on the
+        # guard here, and ScalarE is idle (trn2 N = 4096, D = 128, index form, s = 1/8 56.0
+        # -> 55.4 us, s = 1/32 42.2 -> 40.3)
+        src = KVSource(F.load_kv(f, 0, Nk, zero_blocks=1, sum_on_scalar=True) if resident
+                       else None, step,
                        T.FWD_NKI_P_DMA_SHARE[port.target()] if resident else 0.0)
         port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, natural, h, src))
 

@@ -1081,7 +1081,8 @@ def transpose_keys(f: Instance, kT, col0, pieces, src_dtype):
                              engine=split.engine(width))
 
 
-def load_piece(f: Instance, kT, v, cb, rb, ln: int, guard: bool = True):
+def load_piece(f: Instance, kT, v, cb, rb, ln: int, guard: bool = True,
+               sum_on_scalar: bool = False):
     """Keys ``[128 (cb + rb), 128 (cb + rb) + ln)`` of the frame into K^T / ``[V | 1]`` of a K/V
     tile starting at key ``128 cb``, at its 128-key block ``rb`` (``cb``, ``rb`` index
     expressions; ``ln`` static, at most ``kv_load_block``). Plain loads (the full 128-key
@@ -1091,7 +1092,7 @@ def load_piece(f: Instance, kT, v, cb, rb, ln: int, guard: bool = True):
     keys are skipped -- never read -- and keep what the tiles were filled with, the edge key in
     K (:func:`edge_key_fill`) and zeros in V. V of another dtype than the matmul's is cast on
     GpSimd; an FP8 cache's gathers cast K and V to the matmul dtype themselves
-    (:attr:`Config.kv_dtype`)."""
+    (:attr:`Config.kv_dtype`). ``sum_on_scalar``: :func:`guard_values`'."""
     P, D = T.PMAX, f.D
     nb = T.ceil_div(ln, P)
     full, tail = ln // P, ln % P
@@ -1136,13 +1137,13 @@ def load_piece(f: Instance, kT, v, cb, rb, ln: int, guard: bool = True):
         if tail:
             port.tensor_copy(v[0:tail, rb + full, 0:D], vx[0:tail, full, :], engine="gpsimd")
     if guard:
-        guard_piece(f, v, rb, ln)
+        guard_piece(f, v, rb, ln, sum_on_scalar)
     if not f.direct_k:
         transpose_keys(f, kT, rb * P, [(t * P, rows[t], kx[:, t, :]) for t in T.unrolled(nb)],
                        f.kv_dtype)
 
 
-def guard_piece(f: Instance, v, rb, ln: int):
+def guard_piece(f: Instance, v, rb, ln: int, sum_on_scalar: bool = False):
     """:func:`guard_values` of ``ln`` keys of ``[V | 1 | flag]`` from its 128-key block ``rb``
     (nothing without the guard)."""
     P, D = T.PMAX, f.D
@@ -1150,10 +1151,11 @@ def guard_piece(f: Instance, v, rb, ln: int):
     if not f.guard:
         return
     if full:
-        guard_values(f, v[:, nl.ds(rb, full), 0:D], v[:, nl.ds(rb, full), D + 1:D + 2])
+        guard_values(f, v[:, nl.ds(rb, full), 0:D], v[:, nl.ds(rb, full), D + 1:D + 2],
+                     sum_on_scalar)
     if tail:
         guard_values(f, v[0:tail, nl.ds(rb + full, 1), 0:D],
-                     v[0:tail, nl.ds(rb + full, 1), D + 1:D + 2])
+                     v[0:tail, nl.ds(rb + full, 1), D + 1:D + 2], sum_on_scalar)
 
 
 def load_values(f: Instance, v_dst, key0, full: int, tail: int):
@@ -1176,11 +1178,12 @@ def guard_values(f: Instance, vals, flag, sum_on_scalar: bool = False):
     tile), while PV's extra column sums ``P_ij flag_j``: a row with a positive sum saw a
     non-finite value and gets NaN at write-back (:func:`finalize`), as ``P V`` would give it
     (unless its weight underflowed to 0 within its block). O(N D) per K/V load
-    (:func:`masks.zero_non_finite` and one reduction, on VectorE, or with ``sum_on_scalar`` as
+    (:func:`masks.zero_non_finite` and one reduction, on GpSimd, or with ``sum_on_scalar`` as
     ScalarE sums: the block-sparse kernel guards every gathered block and its VectorE is the
-    busier engine)."""
-    bad, z = M.zero_non_finite(vals)
+    busier engine; its resident K/V load opens the kernel, every engine waiting on the guard,
+    and ScalarE is idle there)."""
     if not sum_on_scalar:
+        bad, _ = M.zero_non_finite(vals)
         # the flag: a max over the head dim by halving on GpSimd (VectorE, which selects the
         # zeros, is the busier engine when the K/V load opens the kernel)
         w = vals.shape[2]
@@ -1191,13 +1194,15 @@ def guard_values(f: Instance, vals, flag, sum_on_scalar: bool = False):
             w = h
         port.tensor_copy(flag, bad[:, :, 0:1], engine="gpsimd")
         return
-    # the flag from ScalarE sums of z (NaN where a block row had a non-finite entry), one
-    # [p, D] activation per block, and one small VectorE compare
+    # the flag from ScalarE sums of bad (the count of a block row's non-finite entries), one
+    # [p, D] activation per block, beside VectorE's select, and one small VectorE compare;
+    # bad in one GpSimd instruction (no z)
+    bad, _ = M.zero_non_finite(vals, want_z=False)
     p, n = vals.shape[0], vals.shape[1]
     sums = nl.ndarray((p, n), dtype=nl.float32, buffer=nl.sbuf)
     for w in T.unrolled(n):
         copied = nl.ndarray((p, vals.shape[2]), dtype=nl.float32, buffer=nl.sbuf)
-        port.activation_reduce(copied, nl.copy, z[:, w, :], reduce_op=nl.add,
+        port.activation_reduce(copied, nl.copy, bad[:, w, :], reduce_op=nl.add,
                                reduce_res=sums[:, w:w + 1])
     port.tensor_scalar(flag[:, :, 0], sums, nl.not_equal, 0.0)
 
@@ -1211,7 +1216,7 @@ def ones_column(f: Instance, col):
 
 
 def load_kv(f: Instance, cb, n: int, zero_blocks: Optional[int] = None,
-            load: bool = True) -> KV:
+            load: bool = True, sum_on_scalar: bool = False) -> KV:
     """Load ``n`` keys (static) of K and V from key ``128 cb`` (``cb`` an index expression):
     K^T via TensorE transposes of 128-key blocks (PSUM -> SBUF copy casts to the matmul dtype),
     V as 128-key blocks ``[128, D + 1]`` whose last column is :func:`ones_column`'s (0.0 for
@@ -1220,7 +1225,7 @@ def load_kv(f: Instance, cb, n: int, zero_blocks: Optional[int] = None,
     V hold ``ceil(n / 128) + zero_blocks`` whole blocks, and the keys past ``n`` are zeros in
     K^T and in V (their guard flag too; V's ones column stays :func:`ones_column`'s).
     ``load`` False: only the tiles and V's ones column; the keys are loaded later, a range at
-    a time (:func:`load_keys`)."""
+    a time (:func:`load_keys`). ``sum_on_scalar``: :func:`guard_values`'."""
     P, D = T.PMAX, f.D
     nblk = T.ceil_div(n, P)
     blocks = nblk if zero_blocks is None else nblk + zero_blocks
@@ -1241,15 +1246,17 @@ def load_kv(f: Instance, cb, n: int, zero_blocks: Optional[int] = None,
         f.lens.rt.valid(key, keys=True, dst=v[:, :, D:D + 1])
     kv = KV(cb * P, kT, v)
     if load:
-        load_keys(f, kv, cb, 0, n)
+        load_keys(f, kv, cb, 0, n, sum_on_scalar=sum_on_scalar)
     return kv
 
 
-def load_keys(f: Instance, kv: KV, cb, k0: int, k1: int, guard: bool = True):
+def load_keys(f: Instance, kv: KV, cb, k0: int, k1: int, guard: bool = True,
+              sum_on_scalar: bool = False):
     """Keys ``[k0, k1)`` (static; ``k0`` a multiple of 128) of the K/V tile ``kv`` starting at
     key ``128 cb``: a compiled loop of ``kv_load_block``-key pieces (:func:`load_piece`) plus
     a static tail piece. ``guard`` False: V's guard is left to :func:`guard_keys`."""
-    _pieces(f, k0, k1, lambda rb, ln: load_piece(f, kv.kT, kv.v, cb, rb, ln, guard))
+    _pieces(f, k0, k1, lambda rb, ln: load_piece(f, kv.kT, kv.v, cb, rb, ln, guard,
+                                                 sum_on_scalar))
 
 
 def guard_keys(f: Instance, kv: KV, k0: int, k1: int):

@@ -220,18 +220,24 @@ def broadcast_row(row, width: int):
     return out
 
 
-def zero_non_finite(vals):
+def zero_non_finite(vals, want_z: bool = True):
     """Zero the inf/NaN entries of an SBUF tile ``vals`` in place; returns ``(bad, z)``: the
     uint8 tile that marks them and ``vals * 0`` in fp32 (NaN exactly there, 0 elsewhere). GpSimd
     (otherwise mostly idle) multiplies by 0 and compares; VectorE selects. Used where a value
     multiplies a zero weight in a matmul (``0 * inf`` would reach rows that cannot see the
-    value). Written against :mod:`nki_kernels.port` (either namespace)."""
+    value). ``want_z`` False: ``bad`` in one GpSimd instruction (``(vals * 0) != 0``, the same
+    bits) and ``z`` None. Written against :mod:`nki_kernels.port` (either namespace)."""
     pl = port.nl
     shape = tuple(vals.shape)
-    z = pl.ndarray(shape, dtype=pl.float32, buffer=pl.sbuf)
-    port.tensor_scalar(z, vals, pl.multiply, 0.0, engine="gpsimd")
     bad = pl.ndarray(shape, dtype=pl.uint8, buffer=pl.sbuf)
-    port.tensor_scalar(bad, z, pl.not_equal, 0.0, engine="gpsimd")
+    z = None
+    if want_z:
+        z = pl.ndarray(shape, dtype=pl.float32, buffer=pl.sbuf)
+        port.tensor_scalar(z, vals, pl.multiply, 0.0, engine="gpsimd")
+        port.tensor_scalar(bad, z, pl.not_equal, 0.0, engine="gpsimd")
+    else:
+        port.tensor_scalar(bad, vals, pl.multiply, 0.0, op1=pl.not_equal, operand1=0.0,
+                           engine="gpsimd")
     port.tensor_copy_predicated(vals, 0.0, bad)
     return bad, z
 
