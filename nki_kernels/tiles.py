@@ -128,6 +128,34 @@ VARLEN_NKI_ACT_SHARE = 0.7
 #: estimate, trn2 through nki.* (resident K/V), N = 4096, D = 128, bf16, bool mask: 4 / 8 / 16
 #: tiles, every block active 265.4 / 241.1 / 256.6 us, s = 1/16 85.7 / 80.2 / 95.6 us.
 BSP_GROUP_TILES = 8
+#: How many query tiles' softmax back halves (P^T, PV, the accumulator update) the
+#: block-sparse forward's step keeps pending while it issues the next tiles' scores and
+#: fronts (:func:`bsp_pipeline_depth`; ``attention/block_sparse.py``): each tile's chain
+#: crosses every engine, and the engines run in program order. Scheduled estimate, trn2
+#: through nki.*, N = 4096, bf16, index form, fixed_density (step width W = 32 s blocks, at
+#: most 16), depth 1 / 2 / 3 / 4 / 5 / 6 / 7 (us): D = 128 s = 1/32 (W = 1) 40.3 / 38.7 /
+#: 37.8 / 37.1 / 36.4 / 34.9 / 35.3; s = 1/16 (W = 2) 44.9 / - / - / 38.7 / 38.6 / - / 39.5;
+#: s = 1/8 (W = 4) 55.0 / 52.7 / 51.7 / 51.5 / 52.7 / - / 55.4; s = 1/4 (W = 8) 79.8 / 74.3
+#: / 73.2 / 71.8; s = 1/2 (W = 16) 114.5 / 115.0; s = 1 (W = 16) 197.2 / 198.4; D = 64 s =
+#: 1/32 29.4 / - / - / 27.0 / - / 26.5, s = 1/8 49.9 / - / - / 44.9 / - / 47.4.
+BSP_PIPELINE_DEPTH = 4
+#: ... with steps of one key block (the shortest chains' engine time)
+BSP_PIPELINE_DEPTH_ONE_BLOCK = 6
+#: Most key blocks of P (bf16, [128, 128] each) the pending back halves hold in SBUF: 8 KiB
+#: per partition, within BSP_FWD_WORK_BYTES beside the measured working set.
+BSP_PIPELINE_BLOCKS = 32
+
+
+def bsp_pipeline_depth(width: int) -> int:
+    """Back halves the block-sparse forward keeps pending in a step of ``width`` key blocks
+    (:data:`BSP_PIPELINE_DEPTH`): 1 from BSP_RESIDENT_STEP_BLOCKS blocks on, at most
+    :data:`BSP_PIPELINE_BLOCKS` blocks of P."""
+    if width >= BSP_RESIDENT_STEP_BLOCKS:
+        return 1
+    depth = BSP_PIPELINE_DEPTH_ONE_BLOCK if width == 1 else BSP_PIPELINE_DEPTH
+    return max(1, min(depth, BSP_PIPELINE_BLOCKS // width))
+
+
 #: SBUF bytes per partition the block-sparse forward needs beside resident K/V and the
 #: per-slot tables, counted generously: a group's query state, score and P tiles, the mask
 #: tiles, a group's held outputs (natural order). Measured peak (simulate.measure, trn2, bf16,

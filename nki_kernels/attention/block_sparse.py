@@ -581,18 +581,19 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         tile's table, which lists the same block there as every tile's) and serve every
         tile."""
         kv = step_kv(tiles[0][0], shared_src, s0, n) if common else None
-        # software pipelined: tile t's scores and softmax front are issued before tile t - 1's
-        # back half (P^T, PV, the accumulator update), so that an in-order engine never
-        # holds one tile's front behind the previous tile's whole chain (trn2 N = 4096, D =
-        # 128, s = 1/8: see tiles.BSP_GROUP_TILES)
-        back = None
+        # software pipelined: tile t's scores and softmax front are issued before the back
+        # halves (P^T, PV, the accumulator update) of the `depth` tiles before it, so that an
+        # in-order engine does not hold one tile's front behind another tile's whole chain
+        # (tiles.bsp_pipeline_depth)
+        backs = []
+        depth = T.bsp_pipeline_depth(n)
         for t, (rw, src, cols, seeds, _, _, dist) in enumerate(tiles):
             own = kv if common else step_kv(rw, src, s0, n)
-            nxt = _step(f, geo, st, t, rw, own, cols, seeds, h, q_frame, s0, n, dist)
-            if back is not None:
-                back()
-            back = nxt
-        back()
+            backs.append(_step(f, geo, st, t, rw, own, cols, seeds, h, q_frame, s0, n, dist))
+            if len(backs) > depth:
+                backs.pop(0)()
+        for back in backs:
+            back()
 
     def sweep(lo: int, hi: int, common: bool, width: int):
         """Slots lo .. hi - 1 in steps of up to ``width`` blocks (a sequential loop of full
