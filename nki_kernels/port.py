@@ -307,6 +307,17 @@ def row_blocks(t, lead, r0, rows, n, cols):
     return t[(*lead, r0 + ip + rows * it, ic)]
 
 
+def transposed_rows(t, lead, r0, n, c0, cols):
+    """``[cols, n]`` access of the HBM tensor ``t``: element ``[c, j]`` is ``t[*lead, r0 + j, c0
+    + c]`` (``r0`` an int or index expression): ``n`` rows from ``r0``, their columns ``c0 ..
+    c0 + cols - 1`` on the partitions."""
+    ns = current()
+    if ns.api == "nki":
+        return t[(*lead, ns.nl.ds(r0, n), slice(c0, c0 + cols))].permute((1, 0))
+    ar = ns.nl.arange
+    return t[(*lead, r0 + ar(n)[None, :], c0 + ar(cols)[:, None])]
+
+
 def select_block(t, idx, width=None):
     """nki.* only: the view ``t[:, i, ...]`` of an SBUF tile at the runtime index ``i`` that
     the one-element int32 tile ``idx`` holds (NKI 0.7 ``NkiTensor.select`` with a tensor

@@ -121,29 +121,29 @@ def check_classes(classes, n: int, trip_max: int):
                          f"got {classes!r}")
 
 
+def _per_class(name: str, values, classes, default, what: str, ok):
+    """``values`` (one per class; None: ``default`` for each) as a tuple, checked by ``ok(value,
+    class)``; else a ValueError naming ``name`` and ``what`` was expected."""
+    if values is None:
+        return (default,) * len(classes)
+    values = tuple(values)
+    if len(values) != len(classes) or not all(ok(x, c) for x, c in zip(values, classes)):
+        raise ValueError(f"{name}: expected {what} per class of {classes!r}, got {values!r}")
+    return values
+
+
 def check_shared(shared, classes):
     """The per-class counts of leading slots a group's query tiles share (None: none), as a
     tuple: one int in ``[0, trip]`` per class."""
-    if shared is None:
-        return (0,) * len(classes)
-    shared = tuple(shared)
-    if len(shared) != len(classes) or not all(
-            isinstance(s, int) and 0 <= s <= c[2] for s, c in zip(shared, classes)):
-        raise ValueError(f"shared: expected one count in [0, trip] per class of {classes!r}, "
-                         f"got {shared!r}")
-    return shared
+    return _per_class("shared", shared, classes, 0, "one count in [0, trip]",
+                      lambda s, c: isinstance(s, int) and 0 <= s <= c[2])
 
 
 def check_natural(natural, classes):
     """The per-class flags of natural order (None: none), as a tuple of bools: order position
     p of a flagged class holds query tile p in every ``(b, h)`` of the table."""
-    if natural is None:
-        return (False,) * len(classes)
-    natural = tuple(natural)
-    if len(natural) != len(classes) or not all(isinstance(x, bool) for x in natural):
-        raise ValueError(f"natural: expected one bool per class of {classes!r}, got "
-                         f"{natural!r}")
-    return natural
+    return _per_class("natural", natural, classes, False, "one bool",
+                      lambda x, _c: isinstance(x, bool))
 
 
 def exact_indices(rows: int, units: int = 0) -> bool:
@@ -161,11 +161,30 @@ class KVSource(NamedTuple):
     per step (:func:`_gather_kv`); ``step`` the key blocks of a step over a query tile's own
     slots (``tiles.BSP_STEP_BLOCKS`` or ``BSP_RESIDENT_STEP_BLOCKS``); ``p_dma_share`` the
     device's share of P^T transposes on the DMA engines when they do not gather (resident;
-    else 0), a class's share is :func:`tiles.bsp_p_dma_share` of it."""
+    else 0), a class's share is :func:`tiles.bsp_p_dma_share` of it; ``sel`` a class's slot
+    selector (:meth:`for_class`; None: none)."""
 
     res: Optional[object]
     step: int
     p_dma_share: float
+    sel: Optional[object] = None
+
+    def for_class(self, f, geo: "Geometry", trip: int, exact: bool) -> "KVSource":
+        """The source of a class of ``trip`` slots: with :func:`_pads_by_matmul`, ``sel``
+        the ``[trip, 128 trip]`` selector (matmul dtype) of the slots' score columns (1 at
+        row k, columns ``128 k .. 128 k + 127``, else 0; four GpSimd instructions per
+        class)."""
+        if not _pads_by_matmul(f, geo, self.res, exact):
+            return self._replace(sel=None)
+        d = nl.ndarray((trip, trip * P), dtype=nl.float32, buffer=nl.sbuf)     # c - 128 k
+        port.iota(d, [[1, trip * P]], channel_multiplier=-P)
+        lo = nl.ndarray((trip, trip * P), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(lo, d, nl.greater_equal, 0.0, engine="gpsimd")
+        hi = nl.ndarray((trip, trip * P), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(hi, d, nl.less, float(P), engine="gpsimd")
+        sel = nl.ndarray((trip, trip * P), dtype=f.mm, buffer=nl.sbuf)
+        port.tensor_tensor(sel, lo, hi, nl.multiply, engine="gpsimd")
+        return self._replace(sel=sel)
 
     def instance(self, f, trip: int):
         """``f`` with the P^T DMA-transpose share of a class of ``trip`` slots."""
@@ -488,7 +507,7 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     loaded by plain DMAs, not gathered, the outputs stay in ``held`` and the previous group's
     held ones are stored, by plain DMAs, once this group's loads are issued."""
     head = f.head(h)
-    res = src.res
+    res, sel = src.res, src.sel
     direct = held is not None
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
@@ -518,15 +537,19 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     runtime = not exact and trip - shared > W and port.api() == "nki"
     n_full, tail = divmod(trip - shared, W)
     plan = _own_steps(rows, shared, W, n_full, tail) if runtime else None
-    # resident K/V whose only masked keys are the padding slots' (whole 128-key blocks, no
-    # lengths): a padding slot reads the block of zeros, so its scores are finite and one
-    # multiply-add per block masks them (_scores), no per-key indicator
-    pad_only = res is not None and skip and f.Nk % P == 0 and not geo.has_lens
+    # resident K/V whose only masked keys are the padding slots' (_pads_only): TensorE
+    # masks them (the class's selector, _pads_by_matmul), or one ScalarE multiply-add per
+    # block (_scores)
+    pad_only = _pads_only(f, geo, res, exact)
+    pad_rows = (_padding_rows(f, meta, hb, hh, pos0, n_tiles, trip) if sel is not None
+                else None)
     tiles = []
     for t, rw in enumerate(rows):
         # valid key columns of slot s: c < kv_len - first_s (none in a padding slot)
-        thr = pad = None
-        if pad_only:
+        thr = pad = pad_mm = None
+        if pad_rows is not None:
+            pad_mm = (pad_rows[:, t, :], sel)
+        elif pad_only:
             pad = _padding_columns(rw, trip, f.Nk)
         elif skip:
             thr = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
@@ -565,7 +588,8 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         elif trip > shared:
             src = nl.ndarray((P, W, f.vcols), dtype=f.mm, buffer=nl.sbuf)
             F.ones_column(f, src[:, :, f.D:f.D + 1])
-        tiles.append((rw, src, dict(thr=thr, hi=hi_thr, lo=lo_thr, pad=pad), seeds, q_idx,
+        tiles.append((rw, src, dict(thr=thr, hi=hi_thr, lo=lo_thr, pad=pad, pad_mm=pad_mm),
+                      seeds, q_idx,
                       q_pos, dist))
 
     if direct and held.prev is not None:
@@ -796,21 +820,21 @@ def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame
     per_bank = f.tiles.k_tile // P
     s_tiles = [_scores(f, geo, st, slot, kv, cols, h, s0, c0, min(per_bank, n - c0), dist)
                for c0 in T.unrolled(0, n, per_bank)]
-    drop = None
-    if f.dropout_p:
-        def drop(p, r, width, pred):
-            for w in T.unrolled(n):
-                us = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-                port.tensor_copy(us, seeds[0:1, nl.ds(s0 + w, 1)], engine="gpsimd")
+    def drop(p, r, width, pred):
+        """Attention dropout of the step's blocks of P in place (one seed per unit)."""
+        for w in T.unrolled(n):
+            us = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_copy(us, seeds[0:1, nl.ds(s0 + w, 1)], engine="gpsimd")
+            port.random_seed(us)
+            port.dropout(p[:, w * P:(w + 1) * P], p[:, w * P:(w + 1) * P], f.dropout_p)
+            if f.drop.mask_out is not None:
                 port.random_seed(us)
-                port.dropout(p[:, w * P:(w + 1) * P], p[:, w * P:(w + 1) * P], f.dropout_p)
-                if f.drop.mask_out is not None:
-                    port.random_seed(us)
-                    keep = nl.ndarray((P, P), dtype=f.drop.ones.dtype, buffer=nl.sbuf)
-                    port.dropout(keep, f.drop.ones, f.dropout_p)
-                    _store_mask(f, geo, rw, head, q_frame, s0 + w, keep)
+                keep = nl.ndarray((P, P), dtype=f.drop.ones.dtype, buffer=nl.sbuf)
+                port.dropout(keep, f.drop.ones, f.dropout_p)
+                _store_mask(f, geo, rw, head, q_frame, s0 + w, keep)
+
     widths = [t.shape[1] for t in s_tiles]
-    front = F.fold_front(f, st, slot, s_tiles, widths, None, drop)
+    front = F.fold_front(f, st, slot, s_tiles, widths, None, drop if f.dropout_p else None)
     return lambda: F.fold_back(f, st, slot, front, widths, kv, 0, None)
 
 
@@ -819,6 +843,16 @@ def _scores(f, geo: Geometry, st, slot, kv, cols, h, s0, c0: int, n: int, dist):
     bank, ``tiles.k_tile`` keys): ``S = Q K^T`` (``kv``: :class:`_StepKV` or
     :class:`_ResidentKV`), the score modifiers, then the runtime masks (:func:`_step`)."""
     sc = kv.scores(st.qT, slot, c0, n)
+    if cols["pad_mm"] is not None:
+        # padding slots (the block of zeros: scores exactly 0) become MASK_NEG: TensorE adds
+        # the tile's rows of MASK_NEG or 0 (_padding_rows) times the slots' selector into the
+        # scores' PSUM, one matmul of K = trip rows per score tile. Exact: one product
+        # (MASK_NEG = -2^100 or 0, by 1) per column, added in fp32 to s: the bits of the
+        # ScalarE multiply-add below (s keep + neg), which it replaces where no modifier
+        # transforms the scores: ScalarE (exponentials, P^T copies) was the busiest engine,
+        # TensorE the idlest (trn2 N = 4096, D = 128, index form, band+strided 60.7 -> 51.5 us)
+        rows_t, sel = cols["pad_mm"]
+        port.nc_matmul(sc, rows_t, sel[:, nl.ds((s0 + c0) * P, n * P)], accumulate=True)
     s_tile = sc
     if f.mods.transforms:
         # soft-capping, ALiBi (raw units of f.unit), the dense kernels' instructions; the masks
@@ -866,6 +900,36 @@ def _tile_rows(geo: Geometry, first, frame: RowFrame):
     else:
         port.scalar_tensor_tensor(idx, geo.part, nl.add, frame.base, nl.add, first)
     return idx
+
+
+def _pads_only(f, geo: Geometry, res, exact: bool) -> bool:
+    """Whether a class's only masked keys are its padding slots' and resident K/V serve them
+    (nki.*): whole 128-key blocks, no lengths, so a padding slot reads the block of zeros
+    (finite scores) and one operation per block masks it (_scores), no per-key indicator."""
+    return res is not None and geo.needs_key_mask(exact) and f.Nk % P == 0 and not geo.has_lens
+
+
+def _pads_by_matmul(f, geo: Geometry, res, exact: bool) -> bool:
+    """:func:`_pads_only` without a score modifier that transforms the scores (the masks
+    select after it, a tanh would map MASK_NEG to -1): TensorE then masks the padding slots
+    in PSUM (:func:`_padding_rows`, :meth:`KVSource.for_class`)."""
+    return _pads_only(f, geo, res, exact) and not f.mods.transforms
+
+
+def _padding_rows(f, meta, hb, hh, pos0, n: int, trip: int):
+    """``[trip, n, 128]`` (matmul dtype): row k of query tile t (order position ``pos0 + t``)
+    is ``MASK_NEG`` if its slot k is a padding slot (first key past Nk) else 0, on every
+    column: the stationary operand of :func:`_scores`' padding matmul. The slots' first keys
+    come from the table transposed (one DMA of ``n trip`` elements), then two GpSimd
+    instructions for the group. MASK_NEG = -2^100 is exact in bf16."""
+    first = nl.ndarray((trip, n), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(first, port.transposed_rows(meta, (hb, hh), pos0, n, 2, trip))
+    neg = nl.ndarray((trip, n), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(neg, first, nl.greater_equal, float(f.Nk), op1=nl.multiply,
+                       operand1=T.FWD_MASK_NEG, engine="gpsimd")
+    rows = nl.ndarray((trip, n, P), dtype=f.mm, buffer=nl.sbuf)
+    port.tensor_copy(rows, port.repeat_last(neg, P), engine="gpsimd")
+    return rows
 
 
 def _padding_columns(rw: Row, trip: int, Nk: int):
@@ -1019,6 +1083,7 @@ def _head(f, geo: Geometry, meta, classes, shared, natural, h, src: KVSource):
     q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
     for (first, count, trip, exact), sh, nat in zip(classes, shared, natural):
         f = src.instance(f, trip)
+        csrc = src.for_class(f, geo, trip, exact)
         if trip == 0:
             # rows without any active block: o = 0, lse = -inf (still one loop body)
             port.loop(count, lambda c, first=first: _empty_tile(f, geo, meta, h, q_frame,
@@ -1026,14 +1091,14 @@ def _head(f, geo: Geometry, meta, classes, shared, natural, h, src: KVSource):
             continue
         g = min(T.BSP_GROUP_TILES, count)
         if _direct_rows(f, geo, nat):
-            _deferred_groups(f, geo, meta, h, q_frame, first, count, g, trip, exact, sh, src)
+            _deferred_groups(f, geo, meta, h, q_frame, first, count, g, trip, exact, sh, csrc)
             continue
-        port.loop(count // g, lambda c, first=first, g=g, trip=trip, exact=exact, sh=sh:
-                  _attend_tiles(f, geo, meta, h, q_frame, first + c * g, g, trip, exact, sh,
-                                src))
+        port.loop(count // g, lambda c, first=first, g=g, trip=trip, exact=exact, sh=sh,
+                  csrc=csrc: _attend_tiles(f, geo, meta, h, q_frame, first + c * g, g, trip,
+                                           exact, sh, csrc))
         if count % g:
             _attend_tiles(f, geo, meta, h, q_frame, first + (count // g) * g, count % g, trip,
-                          exact, sh, src)
+                          exact, sh, csrc)
 
 
 class _Held(NamedTuple):
