@@ -141,6 +141,9 @@ BSP_GROUP_TILES = 8
 BSP_PIPELINE_DEPTH = 4
 #: ... with steps of one key block (the shortest chains' engine time)
 BSP_PIPELINE_DEPTH_ONE_BLOCK = 6
+#: ... with steps of two key blocks: re-measured with the values-first K/V load, the direct
+#: Q^T and the finalize's ScalarE share, s = 1/16 depth 3 / 4 / 5: 37.3 / 37.8 / 36.1 us
+BSP_PIPELINE_DEPTH_TWO_BLOCKS = 5
 #: Most key blocks of P (bf16, [128, 128] each) the pending back halves hold in SBUF: 8 KiB
 #: per partition, within BSP_FWD_WORK_BYTES beside the measured working set.
 BSP_PIPELINE_BLOCKS = 32
@@ -152,10 +155,19 @@ def bsp_pipeline_depth(width: int) -> int:
     :data:`BSP_PIPELINE_BLOCKS` blocks of P."""
     if width >= BSP_RESIDENT_STEP_BLOCKS:
         return 1
-    depth = BSP_PIPELINE_DEPTH_ONE_BLOCK if width == 1 else BSP_PIPELINE_DEPTH
+    depth = {1: BSP_PIPELINE_DEPTH_ONE_BLOCK, 2: BSP_PIPELINE_DEPTH_TWO_BLOCKS}.get(
+        width, BSP_PIPELINE_DEPTH)
     return max(1, min(depth, BSP_PIPELINE_BLOCKS // width))
 
 
+#: Share of a group's query tiles whose output scaling (``o_acc / l``, forward.finalize)
+#: runs on ScalarE, the rest on GpSimd: the group's finalize otherwise queues eight [128, D]
+#: GpSimd instructions ahead of the next group's first softmax steps. trn2 through nki.*,
+#: N = 4096, D = 128, index form, values-first K/V load, tiles of a group of 8 on ScalarE
+#: 0 / 2 / 4 / 6: s = 1/16 37.9 / 38.0 / 37.9 / 38.5 us, s = 1/32 34.1 / 33.5 / 33.2 / 34.1;
+#: before the values-first load, 0 / 4 / 8: s = 1/32 34.9 / 34.1 / 35.8, band+strided 51.5 /
+#: 50.8 / 51.1.
+BSP_FINALIZE_ACT_SHARE = 0.5
 #: SBUF bytes per partition the block-sparse forward needs beside resident K/V and the
 #: per-slot tables, counted generously: a group's query state, score and P tiles, the mask
 #: tiles, a group's held outputs (natural order). Measured peak (simulate.measure, trn2, bf16,

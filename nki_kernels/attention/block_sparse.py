@@ -564,19 +564,28 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
             dist = geo.distance_columns(gap) if f.mods.alibi else None
         # Q rows of the tile: skipped past q_len (they output 0), scattered back below Nq
         q_idx = q_pos = None
-        x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
-        if direct:
-            port.dma_copy(x, f.q[f.b, head, nl.ds((pos0 + t) * P, P), :], legacy_isa=True)
+        if direct and f.direct_q:
+            # Q^T straight from HBM by DMA transposes (the dense forward's direct_q: the same
+            # bits, no TensorE transpose, no ScalarE copy, no 256-byte rows' descriptors;
+            # trn2 N = 4096, D = 128, index form, with the values-first K/V load and the
+            # finalize's ScalarE share: s = 1/8 49.4 -> 48.9 us, s = 1/32 33.2 -> 32.8; alone,
+            # before those, s = 1/16 38.7 -> 40.1)
+            F.transpose_q_rows(f, P, h, pos0 + t, [qT[:, t, :] for qT in st.qT])
         else:
-            if geo.has_lens or f.Nq % P:
-                q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, q_frame)
+            x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
+            if direct:
+                port.dma_copy(x, f.q[f.b, head, nl.ds((pos0 + t) * P, P), :], legacy_isa=True)
             else:
-                q_idx = _tile_rows(geo, rw.first, q_frame)
-            gather(x, f.q, (f.b, head), q_idx, 0, geo.has_lens or f.Nq % P != 0)
-        for pi, (d0, dr) in enumerate(f.d_passes):
-            tp = nl.ndarray((dr, P), dtype=f.transpose_psum_dtype(f.q.dtype), buffer=nl.psum)
-            port.nc_transpose(tp, x[:, d0:d0 + dr])
-            port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
+                if geo.has_lens or f.Nq % P:
+                    q_idx, q_pos = own_rows(geo, rw.first, geo.q_len, q_frame)
+                else:
+                    q_idx = _tile_rows(geo, rw.first, q_frame)
+                gather(x, f.q, (f.b, head), q_idx, 0, geo.has_lens or f.Nq % P != 0)
+            for pi, (d0, dr) in enumerate(f.d_passes):
+                tp = nl.ndarray((dr, P), dtype=f.transpose_psum_dtype(f.q.dtype),
+                                buffer=nl.psum)
+                port.nc_transpose(tp, x[:, d0:d0 + dr])
+                port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
         seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
                  if f.dropout_p else None)
         # the source of a step's own blocks: their key-block numbers (resident K/V), or
@@ -656,7 +665,8 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     else:
         dst = None if not direct else (held.o[:, 0:n, :] if n > 1 else held.o[:, 0, :],
                                        held.lse[:, 0:n, 0])
-        o_all, lse_all = F.finalize(f, st, 0, None, dst, n=n)
+        o_all, lse_all = F.finalize(f, st, 0, None, dst, n=n,
+                                    act_slots=int(n * T.BSP_FINALIZE_ACT_SHARE))
         outs = [(o_all[:, t, :] if n > 1 else o_all, lse_all[:, t:t + 1])
                 for t in T.unrolled(n)]
     if direct:
@@ -1062,9 +1072,11 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
         # (one more block of zeros: the padding slots' block, finite scores to mask). The V
         # guard's flags as ScalarE sums (forward.guard_values): every engine waits on the
         # guard here, and ScalarE is idle (trn2 N = 4096, D = 128, index form, s = 1/8 56.0
-        # -> 55.4 us, s = 1/32 42.2 -> 40.3)
-        src = KVSource(F.load_kv(f, 0, Nk, zero_blocks=1, sum_on_scalar=True) if resident
-                       else None, step,
+        # -> 55.4 us, s = 1/32 42.2 -> 40.3). V first, then K: the guard of the last V piece
+        # then runs while K loads (s = 1/16 38.7 -> 37.9 us with the finalize's ScalarE share,
+        # tiles.BSP_FINALIZE_ACT_SHARE)
+        src = KVSource(F.load_kv(f, 0, Nk, zero_blocks=1, sum_on_scalar=True,
+                                 values_first=True) if resident else None, step,
                        T.FWD_NKI_P_DMA_SHARE[port.target()] if resident else 0.0)
         port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, natural, h, src))
 

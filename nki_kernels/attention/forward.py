@@ -1082,7 +1082,7 @@ def transpose_keys(f: Instance, kT, col0, pieces, src_dtype):
 
 
 def load_piece(f: Instance, kT, v, cb, rb, ln: int, guard: bool = True,
-               sum_on_scalar: bool = False):
+               sum_on_scalar: bool = False, parts: str = "kv"):
     """Keys ``[128 (cb + rb), 128 (cb + rb) + ln)`` of the frame into K^T / ``[V | 1]`` of a K/V
     tile starting at key ``128 cb``, at its 128-key block ``rb`` (``cb``, ``rb`` index
     expressions; ``ln`` static, at most ``kv_load_block``). Plain loads (the full 128-key
@@ -1092,8 +1092,10 @@ def load_piece(f: Instance, kT, v, cb, rb, ln: int, guard: bool = True,
     keys are skipped -- never read -- and keep what the tiles were filled with, the edge key in
     K (:func:`edge_key_fill`) and zeros in V. V of another dtype than the matmul's is cast on
     GpSimd; an FP8 cache's gathers cast K and V to the matmul dtype themselves
-    (:attr:`Config.kv_dtype`). ``sum_on_scalar``: :func:`guard_values`'."""
+    (:attr:`Config.kv_dtype`). ``sum_on_scalar``: :func:`guard_values`'. ``parts``: "kv"
+    both, "k" K^T only, "v" V (and its guard) only (plain loads only)."""
     P, D = T.PMAX, f.D
+    do_k, do_v = "k" in parts, "v" in parts
     nb = T.ceil_div(ln, P)
     full, tail = ln // P, ln % P
     rows = [min(P, ln - t * P) for t in T.unrolled(nb)]
@@ -1110,6 +1112,8 @@ def load_piece(f: Instance, kT, v, cb, rb, ln: int, guard: bool = True,
 
     lens = f.lens
     if lens is not None and lens.k_load is not None:
+        if parts != "kv":
+            raise ValueError(f"parts: the length gathers load K and V together, got {parts!r}")
         for t in T.unrolled(nb):
             port.tensor_copy(kx[:, t, :], lens.k_fill, engine="gpsimd")
         port.memset(v_dst(P, 0, nb), 0.0, engine="gpsimd")
@@ -1118,27 +1122,29 @@ def load_piece(f: Instance, kT, v, cb, rb, ln: int, guard: bool = True,
                           D)
             M.gather_rows(v_dst(rows[t], t)[:, 0, :], lens.v_rows, lens.k_load, cb + rb + t,
                           rows[t], D)
-    elif f.direct_k:
-        for pi, (d0, dr) in enumerate(f.d_passes):
-            port.dma_transpose(kT[pi][0:dr, nl.ds(rb * P, ln)],
-                               f.k[f.b, f.g, nl.ds(key0, ln), d0:d0 + dr])
-        load_values(f, v_dst, key0, full, tail)
     else:
-        if full:
-            port.dma_copy(kx[:, 0:full, :], port.row_blocks(f.k, (f.b, f.g), key0, P, full, D),
-                          legacy_isa=True)
-        if tail:
-            port.dma_copy(kx[0:tail, full, :], f.k[f.b, f.g, nl.ds(key0 + full * P, tail), :],
-                          legacy_isa=True)
-        load_values(f, v_dst, key0, full, tail)
-    if not same:
+        if do_k and f.direct_k:
+            for pi, (d0, dr) in enumerate(f.d_passes):
+                port.dma_transpose(kT[pi][0:dr, nl.ds(rb * P, ln)],
+                                   f.k[f.b, f.g, nl.ds(key0, ln), d0:d0 + dr])
+        elif do_k:
+            if full:
+                port.dma_copy(kx[:, 0:full, :],
+                              port.row_blocks(f.k, (f.b, f.g), key0, P, full, D),
+                              legacy_isa=True)
+            if tail:
+                port.dma_copy(kx[0:tail, full, :],
+                              f.k[f.b, f.g, nl.ds(key0 + full * P, tail), :], legacy_isa=True)
+        if do_v:
+            load_values(f, v_dst, key0, full, tail)
+    if not same and do_v:
         if full:
             port.tensor_copy(v[:, nl.ds(rb, full), 0:D], vx[:, 0:full, :], engine="gpsimd")
         if tail:
             port.tensor_copy(v[0:tail, rb + full, 0:D], vx[0:tail, full, :], engine="gpsimd")
-    if guard:
+    if guard and do_v:
         guard_piece(f, v, rb, ln, sum_on_scalar)
-    if not f.direct_k:
+    if not f.direct_k and do_k:
         transpose_keys(f, kT, rb * P, [(t * P, rows[t], kx[:, t, :]) for t in T.unrolled(nb)],
                        f.kv_dtype)
 
@@ -1216,7 +1222,7 @@ def ones_column(f: Instance, col):
 
 
 def load_kv(f: Instance, cb, n: int, zero_blocks: Optional[int] = None,
-            load: bool = True, sum_on_scalar: bool = False) -> KV:
+            load: bool = True, sum_on_scalar: bool = False, values_first: bool = False) -> KV:
     """Load ``n`` keys (static) of K and V from key ``128 cb`` (``cb`` an index expression):
     K^T via TensorE transposes of 128-key blocks (PSUM -> SBUF copy casts to the matmul dtype),
     V as 128-key blocks ``[128, D + 1]`` whose last column is :func:`ones_column`'s (0.0 for
@@ -1225,7 +1231,8 @@ def load_kv(f: Instance, cb, n: int, zero_blocks: Optional[int] = None,
     V hold ``ceil(n / 128) + zero_blocks`` whole blocks, and the keys past ``n`` are zeros in
     K^T and in V (their guard flag too; V's ones column stays :func:`ones_column`'s).
     ``load`` False: only the tiles and V's ones column; the keys are loaded later, a range at
-    a time (:func:`load_keys`). ``sum_on_scalar``: :func:`guard_values`'."""
+    a time (:func:`load_keys`). ``sum_on_scalar``: :func:`guard_values`'. ``values_first``:
+    every piece of V (and its guard) before the first of K (else piece by piece, K first)."""
     P, D = T.PMAX, f.D
     nblk = T.ceil_div(n, P)
     blocks = nblk if zero_blocks is None else nblk + zero_blocks
@@ -1246,17 +1253,18 @@ def load_kv(f: Instance, cb, n: int, zero_blocks: Optional[int] = None,
         f.lens.rt.valid(key, keys=True, dst=v[:, :, D:D + 1])
     kv = KV(cb * P, kT, v)
     if load:
-        load_keys(f, kv, cb, 0, n, sum_on_scalar=sum_on_scalar)
+        for parts in (("v", "k") if values_first else ("kv",)):
+            load_keys(f, kv, cb, 0, n, sum_on_scalar=sum_on_scalar, parts=parts)
     return kv
 
 
 def load_keys(f: Instance, kv: KV, cb, k0: int, k1: int, guard: bool = True,
-              sum_on_scalar: bool = False):
+              sum_on_scalar: bool = False, parts: str = "kv"):
     """Keys ``[k0, k1)`` (static; ``k0`` a multiple of 128) of the K/V tile ``kv`` starting at
     key ``128 cb``: a compiled loop of ``kv_load_block``-key pieces (:func:`load_piece`) plus
     a static tail piece. ``guard`` False: V's guard is left to :func:`guard_keys`."""
     _pieces(f, k0, k1, lambda rb, ln: load_piece(f, kv.kT, kv.v, cb, rb, ln, guard,
-                                                 sum_on_scalar))
+                                                 sum_on_scalar, parts))
 
 
 def guard_keys(f: Instance, kv: KV, k0: int, k1: int):
@@ -1767,7 +1775,8 @@ def write_back(f: Instance, st: GroupState, s, h, t, out: _Outputs):
     finalize(f, st, s, in_range, (out.o[0:r, s, :], out.lse[0:r, s, :]))
 
 
-def finalize(f: Instance, st: GroupState, s, in_range=None, dst=None, n: int = 1):
+def finalize(f: Instance, st: GroupState, s, in_range=None, dst=None, n: int = 1,
+             act_slots: int = 0):
     """``(o, lse)`` tiles of the ``n`` slots ``s ..`` (:func:`write_back`): ``o_acc / max(l_i,
     L_FLOOR)`` in o's dtype (times ``1 / (1 - p)`` with dropout, times ``v_scale`` with an FP8
     cache) and ``c m_i + log l_i`` fp32, -inf where ``l_i = 0``. ``in_range``: None, or (one
@@ -1778,7 +1787,9 @@ def finalize(f: Instance, st: GroupState, s, in_range=None, dst=None, n: int = 1
     of their steps is one instruction for all of them (the block-sparse forward finalizes a
     group of query tiles so: two dozen small instructions per tile were a third of its time
     at low density); only o's scaling is one instruction per slot (its factors are
-    per-partition columns)."""
+    per-partition columns): on GpSimd, or for the first ``act_slots`` slots on ScalarE (one
+    activation scaled by the product of the two columns: the same bits, the factor being 1,
+    0 or NaN)."""
     r, D = st.rows, f.D
     acc = st.o[0:r, nl.ds(s, n), :]
     if in_range is not None and n != 1:
@@ -1818,12 +1829,19 @@ def finalize(f: Instance, st: GroupState, s, in_range=None, dst=None, n: int = 1
         lse_out = cols()
     else:
         o_out, lse_out = dst
+    scl = inv_l
+    if act_slots and factor is not None:
+        scl = cols()
+        port.tensor_tensor(scl, inv_l, factor, nl.multiply, engine="gpsimd")
     for t in T.unrolled(n):
-        port.tensor_scalar(o_out[:, t, :] if len(o_out.shape) == 3 else o_out, acc[:, t, 0:D],
-                           nl.multiply,
-                           inv_l[:, t:t + 1], op1=None if factor is None else nl.multiply,
-                           operand1=None if factor is None else factor[:, t:t + 1],
-                           engine="gpsimd")
+        o_t = o_out[:, t, :] if len(o_out.shape) == 3 else o_out
+        if t < act_slots:
+            port.activation(o_t, nl.copy, acc[:, t, 0:D], scale=scl[:, t:t + 1])
+        else:
+            port.tensor_scalar(o_t, acc[:, t, 0:D], nl.multiply, inv_l[:, t:t + 1],
+                               op1=None if factor is None else nl.multiply,
+                               operand1=None if factor is None else factor[:, t:t + 1],
+                               engine="gpsimd")
     keep = cols(nl.uint8)
     port.tensor_scalar(keep, l_i, nl.greater, 0.0, op1=op1, operand1=in_range, engine="gpsimd")
     log_l = cols()

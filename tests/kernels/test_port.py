@@ -201,6 +201,27 @@ def test_rows_gather_and_scatter_through_both_namespaces(monkeypatch):
     assert m0.instructions == m1.instructions and m0.estimated_seconds == m1.estimated_seconds
 
 
+@port.jit
+def _transposed_rows_kernel(table):
+    """Rows 3 .. 7 of ``table[1, 0]``, columns 2 .. 5, transposed into SBUF by one DMA."""
+    from nki_kernels.port import nl
+
+    got = nl.ndarray((4, 5), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(got, port.transposed_rows(table, (1, 0), 3, 5, 2, 4))
+    out = nl.ndarray((4, 5), dtype=nl.float32, buffer=nl.shared_hbm)
+    port.dma_copy(out, got)
+    return out
+
+
+def test_transposed_rows_through_both_namespaces():
+    """port.transposed_rows: an arange subscript in legacy, a permuted view in 0.7; the
+    same [columns, rows] tile."""
+    table = np.arange(2 * 1 * 9 * 7, dtype=np.float32).reshape(2, 1, 9, 7)
+    for api in ("legacy", "nki"):
+        out = launch(_transposed_rows_kernel.on(api), (1,), table)
+        np.testing.assert_array_equal(np.asarray(out), table[1, 0, 3:8, 2:6].T)
+
+
 def test_port_loop_outside_a_trace_is_legacy():
     """Kernels not ported yet call port (through _onchip) inside their legacy nki.jit: outside
     port.tracing the namespace is the legacy binding, as before."""
