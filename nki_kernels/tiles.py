@@ -170,10 +170,13 @@ def bsp_pipeline_depth(width: int) -> int:
 BSP_FINALIZE_ACT_SHARE = 0.5
 #: SBUF bytes per partition the block-sparse forward needs beside resident K/V and the
 #: per-slot tables, counted generously: a group's query state, score and P tiles, the mask
-#: tiles, a group's held outputs (natural order). Measured peak (simulate.measure, trn2, bf16,
-#: every block active): N = 4096, D = 128 33.8 KiB with 16.6 KiB of K/V, i.e. 17.2 KiB beside
-#: them at 32 slots; 34.3 KiB (35080 bytes, 17.7 KiB beside) with the held outputs
-#: (benchmarks/block_sparse.py --n 4096 --d 64 128 --min-density 32 --passes fwd).
+#: tiles, a group's held outputs (natural order), the P tiles of the back halves a step keeps
+#: pending (BSP_PIPELINE_BLOCKS). Measured peak (simulate.measure, trn2, bf16): N = 4096,
+#: D = 128 every block active 33.8 KiB with 16.6 KiB of K/V, i.e. 17.2 KiB beside them at
+#: 32 slots; 34.3 KiB (35080 bytes, 17.7 KiB beside) with the held outputs; with the pending
+#: back halves 39448 bytes at s = 1/4 (21.9 KiB beside; 38924 at s = 1)
+#: (NKI_FLASH_API=nki benchmarks/block_sparse.py --n 4096 --d 64 128 --min-density 32
+#: --passes fwd).
 BSP_FWD_WORK_BYTES = 24 * 1024
 #: fp32 ``[128, trip]`` tables one query tile of the block-sparse forward keeps through its
 #: sweep (the meta row broadcast, key thresholds, band columns, block numbers, ...), counted
