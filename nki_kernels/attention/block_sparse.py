@@ -60,8 +60,9 @@ grow with N.
 Per group of query tiles (a loop body; the gathers are the legacy trace's and, where K/V
 do not fit in SBUF, the nki.* one's)::
 
-    per tile: load meta row -> fp32 on every partition (a K=1 ones matmul, exact for ints <
-        2^24); gather Q rows (indirect DMA; rows past Nq or q_len skipped), Q^T by TensorE
+    the group's table rows (one DMA) -> fp32 on every partition where used (a K=1 ones
+        matmul, exact for ints < 2^24); per tile gather Q rows (indirect DMA; rows past Nq or
+        q_len skipped), Q^T by TensorE (natural order: plain loads, or DMA transposes)
     for step over the shared slots, then over the others, each a sequential loop of W =
     tiles.BSP_STEP_BLOCKS blocks (BSP_RESIDENT_STEP_BLOCKS where K/V fit; + a static tail step):
         gather K_j, V_j rows of the step's blocks (indirect DMA, padding skipped), K^T by
@@ -69,8 +70,10 @@ do not fit in SBUF, the nki.* one's)::
         per tile: S = Q K^T, one PSUM bank of 512 keys per score tile (+ MASK_NEG x
         indicator: padding slot, keys past the length, causal/window band -- comparisons of
         iota tiles with per-slot columns); online-softmax update over the step's score tiles
-        (forward.fold_block, shared with the dense kernel)
-    O, LSE scattered to the tiles' rows (rows past Nq skipped)
+        (forward.fold_front and fold_back, shared with the dense kernel; a tile's front is
+        issued before the back halves of up to tiles.bsp_pipeline_depth earlier tiles)
+    O, LSE of the group's tiles finalized together (forward.finalize), scattered to the
+    tiles' rows (rows past Nq skipped; natural order: one plain store each for the group)
 
 Masks here are computed at run time from the block's position (the dense kernel's band
 predicates are affine in loop indices; here the key block is data). The alignment offset of
