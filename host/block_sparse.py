@@ -456,11 +456,14 @@ def kernel_tables(index: BlockIndex, *, sort: bool, group: int = 1,
 
 class LaunchTables(NamedTuple):
     """The tables of one block-sparse launch: the forward's (query tiles) and the backward's
-    key-major ones (key blocks, one order per kv group and chunk of query tiles)."""
+    key-major ones (key blocks, one order per kv group and chunk of query tiles), and with
+    several chunks ``acc_k``, where the nki.* backward adds each chunk's dK, dV partial sums
+    (:func:`_accumulator_rows`)."""
 
     q: KernelTables
     k: KernelTables
     runtime: bool
+    acc_k: Optional[np.ndarray] = None
 
 
 def _pow2_at_least(n: int) -> int:
@@ -543,7 +546,29 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
     # a key block no query head of the group meets in a chunk before the last (a row the
     # common order still lists) is pushed past every sequence: the kernel reads nothing for
     # it (the last chunk writes every listed block's dK, dV)
+    met = meta[..., 1].max(axis=3) > 0                      # (b, kv groups, chunks, nkt)
+    acc_k = _accumulator_rows(meta[:, :, 0, 0, :, 0], met) if chunks > 1 else None
     empty = meta[:, :, :-1, :, :, 1].max(axis=3, keepdims=True) == 0
     meta[:, :, :-1, :, :, 0] = np.where(empty, _tiles.BSP_PAD_FIRST, meta[:, :, :-1, :, :, 0])
     meta = meta.transpose(0, 1, 3, 2, 4, 5).reshape(b, heads, chunks * nkt, w)
-    return LaunchTables(q, k._replace(meta=np.ascontiguousarray(meta)), runtime)
+    return LaunchTables(q, k._replace(meta=np.ascontiguousarray(meta)), runtime, acc_k)
+
+
+def _accumulator_rows(first: np.ndarray, met: np.ndarray) -> np.ndarray:
+    """fp32 ``(b, kv groups, chunks nkt, 2)``: per chunk and order position (``first``: the
+    key block's first key, ``(b, kv groups, nkt)``; ``met``: whether some query head of the
+    group meets it in the chunk, ``(b, kv groups, chunks, nkt)``) the first keys of the fp32
+    accumulator rows the nki.* backward (``block_sparse_bwd``) touches, or
+    ``tiles.BSP_PAD_FIRST`` (past every sequence: no row). Before the last chunk column 0 is
+    the rows a block's first meeting chunk writes, column 1 those a later one adds to; in
+    the last, column 0 the block's keys if the chunk meets it (its K, V are read), column 1
+    if an earlier one did (its sums are read back)."""
+    pad = _tiles.BSP_PAD_FIRST
+    seen = np.cumsum(met, axis=2) - met > 0                 # met by an earlier chunk
+    f = np.broadcast_to(first[:, :, None, :], met.shape)
+    write = np.where(met & ~seen, f, pad)
+    write[:, :, -1] = np.where(met[:, :, -1], f[:, :, -1], pad)
+    add = np.where(seen & (met | (np.arange(met.shape[2]) == met.shape[2] - 1)[:, None]),
+                   f, pad)
+    out = np.stack([write, add], -1).reshape(met.shape[0], met.shape[1], -1, 2)
+    return np.ascontiguousarray(out, dtype=np.float32)

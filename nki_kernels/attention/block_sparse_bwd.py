@@ -81,12 +81,17 @@ class _Cfg:
     soft-capping); ``cols`` the HeadColumns of the instance's query heads (``score``:
     :class:`forward.ScoreMods`, None without modifiers); ``dsink_acc`` dsink's partial sums
     (``[128, G]`` fp32, with sinks); ``scratch`` the program's fp32 ``(dK, dV)`` partial
-    sums in HBM with several chunks (else None), ``(ceil(Nk / 128) 128, D)`` each, rows
-    ``128 r ..`` those of the key block at order position r."""
+    sums in HBM with several chunks (else None), ``(ceil(Nk / 128) 128, D)`` each: in legacy
+    rows ``128 r ..`` those of the key block at order position r; under nki.* (``acc_k``
+    the host's accumulator rows, :func:`host.block_sparse._accumulator_rows`, else None) the
+    block's own key rows (``acc_frame``), added to by ``nisa.dma_compute``."""
 
-    def __init__(self, f: F.Instance, do, dq, dk, dv, scratch, score, dsink_acc):
+    def __init__(self, f: F.Instance, do, dq, dk, dv, scratch, score, dsink_acc, acc_k=None):
         self.f, self.do, self.dq, self.dk, self.dv = f, do, dq, dk, dv
         self.scratch = scratch
+        self.acc_k = acc_k
+        self.acc_frame = (None if acc_k is None else
+                          RowFrame(None, float(M.oob_offset(scratch[0].shape[0]))))
         self.dropout_p = f.dropout_p
         self.scale = f.scale
         self.mods = score.mods if score is not None else SM.Mods()
@@ -459,6 +464,12 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
     skip = cfg.need_mask(geo, exact)
     # keys at or past kv_len are not read (without lengths: the partial last block's)
     k_idx = rows_at(k_pos, geo.kv_len, geo.kv) if geo.has_lens else out_idx
+    acc_idx = None
+    if cfg.acc_k is not None:
+        acc_idx, met_pos = _accumulator_rows(cfg, geo, pos)
+        if step == "last":
+            # nki.*: the last chunk reads K, V only for the blocks it meets
+            k_idx = rows_at(met_pos, geo.kv_len if geo.has_lens else f.Nk, geo.kv)
     # with several chunks a row may name no block (pushed past Nk): nothing read
     kT, vT, k_mm = _key_side(cfg, k_idx, geo.has_lens or f.Nk % P != 0
                              or cfg.scratch is not None)
@@ -514,6 +525,11 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         if cfg.scratch is None:
             done = nl.ndarray((P, f.D), dtype=out.dtype, buffer=nl.sbuf)
             port.activation(done, nl.copy, ps, scale=factor)
+        elif acc_idx is not None:
+            done = _accumulate(cfg, part, acc_idx, ps, factor,
+                               out.dtype if step == "last" else None)
+            if done is None:
+                continue
         else:
             done = _add_partial(cfg, part, r, ps, factor, step != "first",
                                 out.dtype if step == "last" else None)
@@ -522,8 +538,51 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         scatter(out, (f.b, f.g), out_idx, done)
 
 
+def _accumulator_rows(cfg: _Cfg, geo: Geometry, pos):
+    """nki.* with several chunks: ``(idx, met_pos)`` of table row ``pos`` of ``cfg.acc_k``:
+    int32 ``[128, 2]`` rows of the fp32 accumulator (``cfg.acc_frame``; out of bounds where
+    the host names no rows) -- before the last chunk column 0 the rows the block's first
+    meeting chunk writes, column 1 those a later one adds to; in the last column 1 those
+    read back -- and fp32 ``[128, 1]`` the last chunk's positions of the keys it reads
+    (column 0 plus the partition: past every sequence for a block it does not meet)."""
+    f = cfg.f
+    acc_k = cfg.acc_k
+    row = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(row, acc_k[f.b if acc_k.shape[0] > 1 else 0,
+                             f.g if acc_k.shape[1] > 1 else 0, nl.ds(pos, 1), 0:2],
+                  legacy_isa=True)
+    acc_pos = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(acc_pos, M.broadcast_row(row, 2), nl.add, geo.part)
+    return rows_at(acc_pos, f.Nk, cfg.acc_frame), acc_pos[:, 0:1]
+
+
+def _accumulate(cfg: _Cfg, part: int, idx, ps, factor: float, out_dtype):
+    """nki.* with several chunks: ``factor ps`` (a key block's dK or dV sums of this chunk,
+    PSUM ``[128, D]``) into ``scratch[part]``, the fp32 accumulator, at the block's own key
+    rows (``idx``: :func:`_accumulator_rows`; rows out of bounds are skipped, so a chunk
+    moves only the blocks it meets). Before the last chunk (``out_dtype`` None): written by
+    the block's first meeting chunk, added to by the later ones (``nisa.dma_compute``'s
+    scatter read-modify-write: fp32 adds in the DMA engines), None returned. In the last: the
+    sums of the earlier chunks added (its gather read-modify-write: read once) and the total
+    returned at ``out_dtype`` (the block's output, GpSimd cast). ScalarE copies out of PSUM
+    (VectorE has the pairs' dS and dQ work)."""
+    f = cfg.f
+    acc = cfg.scratch[part]
+    new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(new, nl.copy, ps, scale=factor)
+    if out_dtype is None:
+        port.dma_copy(port.rows(acc, idx, 0), new, oob_skip=True)
+        added = port.rows(acc, idx, 1)
+        port.dma_add(added, [added, new], oob_skip=True)
+        return None
+    port.dma_add(new, [port.rows(acc, idx, 1), new], oob_skip=True)
+    total = nl.ndarray((P, f.D), dtype=out_dtype, buffer=nl.sbuf)
+    port.tensor_copy(total, new, engine="gpsimd")
+    return total
+
+
 def _add_partial(cfg: _Cfg, part: int, r, ps, factor: float, read: bool, out_dtype):
-    """Several chunks: ``factor ps`` (a key block's dK or dV sums of this chunk, PSUM ``[128,
+    """Legacy with several chunks: ``factor ps`` (a key block's dK or dV sums of this chunk, PSUM ``[128,
     D]``) plus, with ``read``, the sums of the earlier chunks, held in rows ``128 r ..`` of
     ``scratch[part]`` (the block's order position r, the same in every chunk: a static
     address, so the read-add-writes of different blocks are independent DMAs). Before the
@@ -551,7 +610,8 @@ def _add_partial(cfg: _Cfg, part: int, r, ps, factor: float, read: bool, out_dty
 
 @port.jit
 def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens=None,
-                               seed=None, alibi_slopes=None, sinks=None, *, classes_k,
+                               seed=None, alibi_slopes=None, sinks=None, acc_k=None, *,
+                               classes_k,
                                chunk_tiles, scale=1.0, causal=None, window=None,
                                mm_dtype="bfloat16", dropout_p=0.0, softcap=None):
     """Gradients ``(dq, dk, dv)`` of the block-sparse forward, over the instances ``(B, Hkv)``
@@ -562,7 +622,9 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
     pattern's tables (key blocks and their query tiles), one per chunk,
     ``(B or 1, Hq or 1, chunks ceil(Nk/128), 2 + trip)``: rows ``c nkt ..`` those of chunk c
     (its query tiles only), in one order per (kv group, chunk), the classes common to all
-    (``host.block_sparse.launch_tables``). Other arguments as the forward; o and lse are the
+    (``host.block_sparse.launch_tables``). ``acc_k``: under nki.* with several chunks (and
+    only then) the accumulator rows, ``(B or 1, Hkv or 1, chunks ceil(Nk/128), 2)`` fp32
+    (``LaunchTables.acc_k``). Other arguments as the forward; o and lse are the
     forward's outputs, do the gradient of o. Score modifiers as the forward's (``softcap``,
     ``alibi_slopes``, ``sinks``; ``score_mods.py``): with sinks also ``dsinks`` ``(B, Hq)``
     float32, each sequence's ``-sum_i exp(sink - lse_i) D_i``. Rows or dropout units that
@@ -578,6 +640,15 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
         raise ValueError(f"meta_k: expected {chunks} x {nkt} rows ({chunks} chunks of "
                          f"{chunk_tiles} query tiles), got shape {meta_k.shape}")
     check_classes(classes_k, nkt, meta_k.shape[3] - 2)
+    nki_acc = chunks > 1 and port.api() == "nki"
+    if nki_acc and (acc_k is None or tuple(acc_k.shape[2:]) != (chunks * nkt, 2)
+                    or acc_k.shape[0] not in (1, B) or acc_k.shape[1] not in (1, Hkv)):
+        raise ValueError(f"acc_k: nki.* with {chunks} chunks needs the accumulator rows "
+                         f"(B or 1, Hkv or 1, {chunks * nkt}, 2) (LaunchTables.acc_k), got "
+                         f"{None if acc_k is None else tuple(acc_k.shape)}")
+    if not nki_acc and acc_k is not None:
+        raise ValueError(f"acc_k: read only by the nki.* backward with several chunks; this "
+                         f"is {chunks} chunk(s) through {port.api()}: pass None")
     int_rows = exact_indices(max(B * Hq * Nq, B * Hkv * Nk),
                              B * Hq * nqt * nkt if dropout_p else 0)
     if dropout_p and seed is None:
@@ -620,7 +691,7 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
             port.memset(dsink_acc, 0.0, engine="gpsimd")
         drop = F.load_dropout(dropout_p, seed, nl.float32) if dropout_p else None
         f = F.Instance.of(c, drop=drop)
-        cfg = _Cfg(f, do, dq, dk, dv, scratch, score, dsink_acc)
+        cfg = _Cfg(f, do, dq, dk, dv, scratch, score, dsink_acc, acc_k)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
         res = _Resident(f, chunk_tiles)
 

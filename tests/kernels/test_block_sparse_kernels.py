@@ -262,7 +262,8 @@ def test_program_size_does_not_grow_with_n(api, mods):
         o = np.zeros_like(q)
         lse = np.zeros(q.shape[:3], np.float32)
         bwd = [program_size(block_sparse_attention_bwd.on(api), grid, q, k, v, o, do, lse,
-                            tk.k.meta, classes_k=tk.k.classes, chunk_tiles=ct, **kw)
+                            tk.k.meta, acc_k=tk.acc_k if api == "nki" else None,
+                            classes_k=tk.k.classes, chunk_tiles=ct, **kw)
                for ct, tk in ((N // 128, t), (8, bs.launch_tables(sp, group=1,
                                                                  chunk_tiles=8)))]
         sizes.append((fwd, *bwd))
@@ -585,14 +586,15 @@ def _chunk_budget(monkeypatch, G, D, extras, slots):
 
 
 def test_backward_chunks_the_query_side_past_sbuf(monkeypatch):
-    """Past SBUF (the budget shrunk here: two 128-row tiles per head and chunk) the backward
-    stages the query tiles a chunk at a time, sweeps per chunk the key blocks the chunk meets
-    and adds their dK, dV to an fp32 scratch: the gradients match the reference (band,
-    lengths, GQA, the partial last tile alone in the last chunk) and, through nki.*, the
-    legacy trace bit for bit."""
+    """Past SBUF (the budget shrunk here: one 128-row tile per head and chunk, three chunks)
+    the backward stages the query tiles a chunk at a time, sweeps per chunk the key blocks
+    the chunk meets and adds their dK, dV to an fp32 scratch (legacy: at static addresses;
+    nki.*: scatter-added by ``nisa.dma_compute`` at the blocks' rows, the middle chunk adding
+    to the first's): the gradients match the reference (band, lengths, GQA, the partial last
+    tile alone in the last chunk) and, through nki.*, the legacy trace bit for bit."""
     B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 300, 390, 32
-    _chunk_budget(monkeypatch, Hq // Hkv, D, True, 2)
-    assert T.bsp_bwd_chunks(Hq // Hkv, Nq, D, 4, "trn2", True) == (2, 2)
+    _chunk_budget(monkeypatch, Hq // Hkv, D, True, 1)
+    assert T.bsp_bwd_chunks(Hq // Hkv, Nq, D, 4, "trn2", True) == (3, 1)
     q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=42)
     mask = _pattern(B, Hq, Nq, Nk, 0.5, seed=43)
     kw = dict(causal=True, kv_lens=[250], q_lens=[280])
@@ -609,16 +611,23 @@ def test_backward_chunks_the_query_side_past_sbuf(monkeypatch):
         assert _err(g, w) < 1e-5 * max(1.0, np.abs(w).max())
 
 
-@pytest.mark.parametrize("index, kv_blocks, scratch_read, scratch_written",
-                         [(False, 4, 4, 4), (True, 6, 8, 8)], ids=["dense", "index"])
-def test_chunked_backward_traffic(index, kv_blocks, scratch_read, scratch_written,
+@pytest.mark.parametrize("api, index, kv_blocks, scratch_read, scratch_written", [
+    ("legacy", False, 4, 4, 4), ("legacy", True, 6, 8, 8),
+    ("nki", False, 3, 4, 4), ("nki", True, 3, 4, 4)],
+    ids=["legacy-dense", "legacy-index", "nki-dense", "nki-index"])
+def test_chunked_backward_traffic(api, index, kv_blocks, scratch_read, scratch_written,
                                   monkeypatch):
     """Chunks of two query tiles (0-1 meet key blocks 0 and 2, 2-3 block 0; 1 and 3 none),
-    one order of key blocks for both chunks: q, dO, o, lse read once; K, V per chunk for the
-    blocks listed (the first chunk only those it meets, the last every one met by some chunk:
-    blocks 0 and 2, in the index form's natural order all four); dQ, dK, dV written once; the
-    fp32 scratch (in 128-key blocks of dK and dV) written by the first chunk per listed row,
-    read by the last."""
+    one order of key blocks for both chunks: q, dO, o, lse read once; dQ, dK, dV written
+    once. Legacy: K, V per chunk for the blocks listed (the first chunk only those it meets,
+    the last every one met by some chunk: blocks 0 and 2, in the index form's natural order
+    all four); the fp32 scratch (in 128-key blocks of dK and dV) written by the first chunk
+    per listed row, read by the last. nki.*: K, V and the accumulator only for the blocks a
+    chunk meets, in either form -- K, V of blocks 0 and 2 in the first chunk and 0 in the
+    last; blocks 0 and 2 written by the first, block 0 read back by the last (block 2, not
+    met there, too: its sums are its output) -- plus 8 bytes of ``acc_k`` per listed row
+    and chunk."""
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
     B, Hq, Hkv, N, D = 1, 2, 1, 512, 32
     _chunk_budget(monkeypatch, Hq // Hkv, D, False, 2)
     q, k, v, do = attention_inputs(B, Hq, Hkv, N, N, D, seed=44)
@@ -634,6 +643,8 @@ def test_chunked_backward_traffic(index, kv_blocks, scratch_read, scratch_writte
     scratch = [r for n, r in per.items() if n.startswith("hbm")]
     assert sum(r["read"] for r in scratch) == scratch_read * block
     assert sum(r["written"] for r in scratch) == scratch_written * block
+    listed = 4 if index else 2
+    assert per.get("acc_k", {"read": 0})["read"] == (2 * listed * 8 if api == "nki" else 0)
 
 
 def test_backward_refuses_groups_and_chunks_that_do_not_fit(monkeypatch):
