@@ -559,15 +559,15 @@ def _accumulator_rows(first: np.ndarray, met: np.ndarray) -> np.ndarray:
     key block's first key, ``(b, kv groups, nkt)``; ``met``: whether some query head of the
     group meets it in the chunk, ``(b, kv groups, chunks, nkt)``) the first keys of the fp32
     accumulator rows the nki.* backward (``block_sparse_bwd``) touches, or
-    ``tiles.BSP_PAD_FIRST`` (past every sequence: no row). Before the last chunk column 0 is
-    the rows a block's first meeting chunk writes, column 1 those a later one adds to; in
-    the last, column 0 the block's keys if the chunk meets it (its K, V are read), column 1
-    if an earlier one did (its sums are read back)."""
+    ``tiles.BSP_PAD_FIRST`` (past every sequence: no row). Column 0: the rows a block's first
+    meeting chunk writes (before the last chunk; the last writes none); column 1: the rows a
+    later meeting chunk adds to, and in the last chunk those read back (if an earlier chunk
+    met the block)."""
     pad = _tiles.BSP_PAD_FIRST
     seen = np.cumsum(met, axis=2) - met > 0                 # met by an earlier chunk
     f = np.broadcast_to(first[:, :, None, :], met.shape)
     write = np.where(met & ~seen, f, pad)
-    write[:, :, -1] = np.where(met[:, :, -1], f[:, :, -1], pad)
+    write[:, :, -1] = pad
     add = np.where(seen & (met | (np.arange(met.shape[2]) == met.shape[2] - 1)[:, None]),
                    f, pad)
     out = np.stack([write, add], -1).reshape(met.shape[0], met.shape[1], -1, 2)

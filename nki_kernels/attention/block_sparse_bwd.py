@@ -81,17 +81,15 @@ class _Cfg:
     soft-capping); ``cols`` the HeadColumns of the instance's query heads (``score``:
     :class:`forward.ScoreMods`, None without modifiers); ``dsink_acc`` dsink's partial sums
     (``[128, G]`` fp32, with sinks); ``scratch`` the program's fp32 ``(dK, dV)`` partial
-    sums in HBM with several chunks (else None), ``(ceil(Nk / 128) 128, D)`` each: in legacy
-    rows ``128 r ..`` those of the key block at order position r; under nki.* (``acc_k``
-    the host's accumulator rows, :func:`host.block_sparse._accumulator_rows`, else None) the
-    block's own key rows (``acc_frame``), added to by ``nisa.dma_compute``."""
+    sums in HBM with several chunks (else None), ``(ceil(Nk / 128) 128, D)`` each, rows
+    ``128 r ..`` those of the key block at order position r; ``acc_k`` under nki.* with
+    several chunks the host's accumulator rows (``LaunchTables.acc_k``: which chunks write,
+    add to and read back a block's sums), else None."""
 
     def __init__(self, f: F.Instance, do, dq, dk, dv, scratch, score, dsink_acc, acc_k=None):
         self.f, self.do, self.dq, self.dk, self.dv = f, do, dq, dk, dv
         self.scratch = scratch
         self.acc_k = acc_k
-        self.acc_frame = (None if acc_k is None else
-                          RowFrame(None, float(M.oob_offset(scratch[0].shape[0]))))
         self.dropout_p = f.dropout_p
         self.scale = f.scale
         self.mods = score.mods if score is not None else SM.Mods()
@@ -430,14 +428,16 @@ def _row_counts(f: F.Instance, meta_k, first, count: int):
 
 
 def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: str, r,
-               trip: int, exact: bool, counts=None):
+               trip: int, exact: bool, counts=None, flags=None):
     """dK, dV of the key block at order position ``r`` of chunk ``chunk`` (table row ``chunk
     nkt + r``; phase 2 of the module docstring; ``step``: ``"first"``, ``"mid"`` or
     ``"last"`` chunk, one chunk being the last) over its pairs with
     the chunk's staged query tiles (``res``), accumulated in PSUM, and each pair's ``dS K``
     into its query tile's dQ accumulator; the block's dK, dV stored, with several chunks
-    through the fp32 scratch (:func:`_add_partial`). ``counts``: ``(table, column of r)`` of
-    :func:`_row_counts` (nki.*, rows with padding slots), else None."""
+    through the fp32 scratch (legacy :func:`_add_partial`, nki.* :func:`_accumulate`).
+    ``counts``: ``(table, column of r)`` of :func:`_row_counts` (nki.*, rows with padding
+    slots), else None; ``flags``: ``(table, column of r)`` of :func:`_acc_flags` (nki.*,
+    several chunks), else None."""
     f = cfg.f
     pos = chunk * T.ceil_div(f.Nk, P) + r
     hb = f.b if meta_k.shape[0] > 1 else 0
@@ -464,12 +464,15 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
     skip = cfg.need_mask(geo, exact)
     # keys at or past kv_len are not read (without lengths: the partial last block's)
     k_idx = rows_at(k_pos, geo.kv_len, geo.kv) if geo.has_lens else out_idx
-    acc_idx = None
-    if cfg.acc_k is not None:
-        acc_idx, met_pos = _accumulator_rows(cfg, geo, pos)
-        if step == "last":
-            # nki.*: the last chunk reads K, V only for the blocks it meets
-            k_idx = rows_at(met_pos, geo.kv_len if geo.has_lens else f.Nk, geo.kv)
+    if cfg.acc_k is not None and step == "last" and shared_row:
+        # nki.*: the last chunk reads K, V only for the blocks it meets (count > 0; the
+        # other blocks' outputs are their earlier sums)
+        unmet = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(unmet, bc0[:, 1:2], nl.less_equal, 0.0, op1=nl.multiply,
+                           operand1=float(T.BSP_PAD_FIRST))
+        met_pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(met_pos, unmet, k_pos, nl.add)
+        k_idx = rows_at(met_pos, geo.kv_len if geo.has_lens else f.Nk, geo.kv)
     # with several chunks a row may name no block (pushed past Nk): nothing read
     kT, vT, k_mm = _key_side(cfg, k_idx, geo.has_lens or f.Nk % P != 0
                              or cfg.scratch is not None)
@@ -520,13 +523,20 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         rw.slot_loop(exact, slot, count)
 
     port.loop(f.G, head, carried=True)
+    regs = None
+    if flags is not None:
+        # the block's trip counts (0 or 1) of the accumulator's write, add / read back
+        table, col = flags
+        n = table.shape[1] // 2
+        regs = {k: port.register(table[0:1, nl.ds(k * n + col, 1)])
+                for k in ((1,) if step == "last" else (0, 1))}
     # ScalarE copies out of PSUM (VectorE has the pairs' dS and dQ work)
     for out, ps, factor, part in ((cfg.dk, dk_ps, cfg.scale, 0), (cfg.dv, dv_ps, 1.0, 1)):
         if cfg.scratch is None:
             done = nl.ndarray((P, f.D), dtype=out.dtype, buffer=nl.sbuf)
             port.activation(done, nl.copy, ps, scale=factor)
-        elif acc_idx is not None:
-            done = _accumulate(cfg, part, acc_idx, ps, factor,
+        elif flags is not None:
+            done = _accumulate(cfg, part, r, ps, factor, regs,
                                out.dtype if step == "last" else None)
             if done is None:
                 continue
@@ -538,44 +548,46 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         scatter(out, (f.b, f.g), out_idx, done)
 
 
-def _accumulator_rows(cfg: _Cfg, geo: Geometry, pos):
-    """nki.* with several chunks: ``(idx, met_pos)`` of table row ``pos`` of ``cfg.acc_k``:
-    int32 ``[128, 2]`` rows of the fp32 accumulator (``cfg.acc_frame``; out of bounds where
-    the host names no rows) -- before the last chunk column 0 the rows the block's first
-    meeting chunk writes, column 1 those a later one adds to; in the last column 1 those
-    read back -- and fp32 ``[128, 1]`` the last chunk's positions of the keys it reads
-    (column 0 plus the partition: past every sequence for a block it does not meet)."""
-    f = cfg.f
-    acc_k = cfg.acc_k
-    row = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
-    port.dma_copy(row, acc_k[f.b if acc_k.shape[0] > 1 else 0,
-                             f.g if acc_k.shape[1] > 1 else 0, nl.ds(pos, 1), 0:2],
-                  legacy_isa=True)
-    acc_pos = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(acc_pos, M.broadcast_row(row, 2), nl.add, geo.part)
-    return rows_at(acc_pos, f.Nk, cfg.acc_frame), acc_pos[:, 0:1]
+def _acc_flags(f: F.Instance, acc_k, first, count: int):
+    """nki.*, several chunks: int32 ``[1, 2 count]``, per key block at table rows ``first ..
+    first + count - 1`` (a class of a chunk) whether the chunk touches its fp32 sums (the
+    host's ``acc_k`` names rows there, :func:`host.block_sparse._accumulator_rows`): columns
+    ``0 .. count - 1`` the write of a block's first meeting chunk, ``count ..`` the add of a
+    later one (in the last chunk: the read back). Read
+    once per class, as :func:`_row_counts`: the blocks' register trip counts wait for values
+    written long before."""
+    hb = f.b if acc_k.shape[0] > 1 else 0
+    g = f.g if acc_k.shape[1] > 1 else 0
+    firsts = nl.ndarray((1, 2 * count), dtype=nl.float32, buffer=nl.sbuf)
+    for k in range(2):
+        port.dma_copy(firsts[0:1, k * count:(k + 1) * count],
+                      acc_k[hb, g, nl.ds(first, count), k:k + 1].permute((1, 0)))
+    out = nl.ndarray((1, 2 * count), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_scalar(out, firsts, nl.less, float(T.BSP_PAD_FIRST), engine="gpsimd")
+    return out
 
 
-def _accumulate(cfg: _Cfg, part: int, idx, ps, factor: float, out_dtype):
+def _accumulate(cfg: _Cfg, part: int, r, ps, factor: float, regs, out_dtype):
     """nki.* with several chunks: ``factor ps`` (a key block's dK or dV sums of this chunk,
-    PSUM ``[128, D]``) into ``scratch[part]``, the fp32 accumulator, at the block's own key
-    rows (``idx``: :func:`_accumulator_rows`; rows out of bounds are skipped, so a chunk
-    moves only the blocks it meets). Before the last chunk (``out_dtype`` None): written by
-    the block's first meeting chunk, added to by the later ones (``nisa.dma_compute``'s
-    scatter read-modify-write: fp32 adds in the DMA engines), None returned. In the last: the
-    sums of the earlier chunks added (its gather read-modify-write: read once) and the total
-    returned at ``out_dtype`` (the block's output, GpSimd cast). ScalarE copies out of PSUM
-    (VectorE has the pairs' dS and dQ work)."""
+    PSUM ``[128, D]``) and ``scratch[part]``, the fp32 sums at the block's order position r
+    (static addresses: the blocks' transfers are independent DMAs), touched only where the
+    host says (``regs``: registers of :func:`_acc_flags` by column, 0 before the last chunk
+    only; trip counts 0 or 1 of runtime loops), so a chunk moves the sums of the blocks it meets only. Before the last chunk
+    (``out_dtype`` None): written by the block's first meeting chunk, added to by the later
+    ones (``nisa.dma_compute``: the fp32 add in the DMA engines, ``dst(HBM) = dst(HBM) +
+    src(SBUF)``), None returned. In the last: the earlier chunks' sums added if there are any
+    (``dst(SBUF) = dst(SBUF) + src(HBM)``: read once) and the total returned at
+    ``out_dtype`` (the block's output, GpSimd cast). ScalarE copies out of PSUM (VectorE has
+    the pairs' dS and dQ work)."""
     f = cfg.f
-    acc = cfg.scratch[part]
+    rows = cfg.scratch[part][nl.ds(r * P, P), :]
     new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
     port.activation(new, nl.copy, ps, scale=factor)
     if out_dtype is None:
-        port.dma_copy(port.rows(acc, idx, 0), new, oob_skip=True)
-        added = port.rows(acc, idx, 1)
-        port.dma_add(added, [added, new], oob_skip=True)
+        port.loop_between(0, regs[0], lambda _: port.dma_copy(rows, new))
+        port.loop_between(0, regs[1], lambda _: port.dma_add(rows, [rows, new]))
         return None
-    port.dma_add(new, [port.rows(acc, idx, 1), new], oob_skip=True)
+    port.loop_between(0, regs[1], lambda _: port.dma_add(new, [rows, new]))
     total = nl.ndarray((P, f.D), dtype=out_dtype, buffer=nl.sbuf)
     port.tensor_copy(total, new, engine="gpsimd")
     return total
@@ -707,10 +719,13 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
                     continue                    # no pair in any chunk: zeros at the last
                 counts = (_row_counts(f, meta_k, ci * nkt + first, count)
                           if trip and not exact and port.api() == "nki" else None)
+                flags = (_acc_flags(f, acc_k, ci * nkt + first, count)
+                         if trip and acc_k is not None else None)
                 port.loop(count, lambda r, first=first, trip=trip, exact=exact,
-                          counts=counts: _key_block(
+                          counts=counts, flags=flags: _key_block(
                               cfg, geo, meta_k, res, ci, step, first + r, trip, exact,
-                              None if counts is None else (counts, r)),
+                              None if counts is None else (counts, r),
+                              None if flags is None else (flags, r)),
                           carried=True)
             res.run(cfg, geo, lambda h, _, t, local, rows: res.write_dq(cfg, h, t, local,
                                                                        rows),

@@ -246,7 +246,7 @@ def test_backward_tables_per_chunk(index):
     assert pushed >= 2                                    # block 2 of heads 0 and 1, chunk 0
     # the nki.* accumulator rows, per kv group: before the last chunk the block's first
     # meeting chunk writes (column 0), a later meeting one adds (column 1); the last chunk
-    # reads K, V if it meets the block (column 0) and the sums if an earlier one did (1)
+    # reads the sums back if an earlier one met the block (column 1)
     acc, pad = t.acc_k, T.BSP_PAD_FIRST
     assert acc.shape == (1, 2, 3 * nkt, 2) and acc.dtype == np.float32
     for grp in range(2):
@@ -257,7 +257,7 @@ def test_backward_tables_per_chunk(index):
             for c in range(3):
                 earlier = any(met[:c])
                 want = ((met[c] and not earlier, met[c] and earlier) if c < 2
-                        else (met[c], earlier))
+                        else (False, earlier))
                 assert acc[0, grp, c * nkt + r].tolist() == [first if w else pad
                                                              for w in want]
     assert bs.launch_tables(sp, group=2, forward=False).acc_k is None

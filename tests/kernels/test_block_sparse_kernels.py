@@ -611,40 +611,41 @@ def test_backward_chunks_the_query_side_past_sbuf(monkeypatch):
         assert _err(g, w) < 1e-5 * max(1.0, np.abs(w).max())
 
 
-@pytest.mark.parametrize("api, index, kv_blocks, scratch_read, scratch_written", [
-    ("legacy", False, 4, 4, 4), ("legacy", True, 6, 8, 8),
-    ("nki", False, 3, 4, 4), ("nki", True, 3, 4, 4)],
-    ids=["legacy-dense", "legacy-index", "nki-dense", "nki-index"])
-def test_chunked_backward_traffic(api, index, kv_blocks, scratch_read, scratch_written,
-                                  monkeypatch):
-    """Chunks of two query tiles (0-1 meet key blocks 0 and 2, 2-3 block 0; 1 and 3 none),
+@pytest.mark.parametrize("api, heads, index, kv_blocks, scratch", [
+    ("legacy", 2, False, 4, 4), ("legacy", 2, True, 6, 8), ("legacy", 1, False, 4, 4),
+    ("nki", 2, False, 4, 4), ("nki", 2, True, 6, 4), ("nki", 1, False, 3, 4)],
+    ids=["legacy-dense", "legacy-index", "legacy-shared", "nki-dense", "nki-index",
+         "nki-shared"])
+def test_chunked_backward_traffic(api, heads, index, kv_blocks, scratch, monkeypatch):
+    """Chunks of two query tiles (GQA 2:1; with ``heads`` 2 per-head patterns: head 0 meets
+    key block 0 from every tile, head 1 block 2 from tile 1; with 1 one pattern of both),
     one order of key blocks for both chunks: q, dO, o, lse read once; dQ, dK, dV written
-    once. Legacy: K, V per chunk for the blocks listed (the first chunk only those it meets,
-    the last every one met by some chunk: blocks 0 and 2, in the index form's natural order
-    all four); the fp32 scratch (in 128-key blocks of dK and dV) written by the first chunk
-    per listed row, read by the last. nki.*: K, V and the accumulator only for the blocks a
-    chunk meets, in either form -- K, V of blocks 0 and 2 in the first chunk and 0 in the
-    last; blocks 0 and 2 written by the first, block 0 read back by the last (block 2, not
-    met there, too: its sums are its output) -- plus 8 bytes of ``acc_k`` per listed row
-    and chunk."""
+    once. K, V per chunk for the blocks it meets (the first chunk: 0 and 2; the last: 0),
+    except in the last chunk: legacy reads every block some chunk meets (0 and 2; in the
+    index form's natural order all four), nki.* too with per-head patterns, but with one
+    shared pattern only those it meets. The fp32 scratch (``scratch`` 128-key blocks of dK
+    and dV, each written and read once): legacy writes every listed row in the first chunk
+    and reads it in the last; nki.* only the blocks a chunk meets (0 and 2 written by the
+    first chunk, read back by the last, in either form), plus ``acc_k``: two columns per
+    listed row and chunk."""
     monkeypatch.setenv(binding.API_ENV_VAR, api)
     B, Hq, Hkv, N, D = 1, 2, 1, 512, 32
     _chunk_budget(monkeypatch, Hq // Hkv, D, False, 2)
     q, k, v, do = attention_inputs(B, Hq, Hkv, N, N, D, seed=44)
-    mask = np.zeros((1, Hq, 4, 4), bool)
+    mask = np.zeros((1, heads, 4, 4), bool)
     mask[0, 0, :, 0] = True
-    mask[0, 1, 1, 2] = True
+    mask[0, heads - 1, 1, 2] = True
     pattern = tuple(bs.dense_to_index(mask, 2)) if index else mask
     per = _backward_traffic(q, k, v, do, pattern, mask)
     block = 128 * D * 4
     assert per["k"]["read"] == per["v"]["read"] == kv_blocks * block
     outs = sum(r["written"] for n, r in per.items() if n.startswith("shared_hbm"))
     assert outs == (Hq + 2 * Hkv) * N * D * 4
-    scratch = [r for n, r in per.items() if n.startswith("hbm")]
-    assert sum(r["read"] for r in scratch) == scratch_read * block
-    assert sum(r["written"] for r in scratch) == scratch_written * block
+    parts = [r for n, r in per.items() if n.startswith("hbm")]
+    assert sum(r["read"] for r in parts) == sum(r["written"] for r in parts) == scratch * block
     listed = 4 if index else 2
-    assert per.get("acc_k", {"read": 0})["read"] == (2 * listed * 8 if api == "nki" else 0)
+    assert per.get("acc_k", {"read": 0})["read"] == (2 * 2 * listed * 4 if api == "nki"
+                                                     else 0)
 
 
 def test_backward_refuses_groups_and_chunks_that_do_not_fit(monkeypatch):
