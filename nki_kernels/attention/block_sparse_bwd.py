@@ -25,18 +25,27 @@ chunk:
    per pair, the dense kernel's). One chunk: dK_j, dV_j are stored. Several: the partial
    sums go through an fp32 scratch in HBM at the block's order position (a static address:
    the read-add-writes of different blocks are independent DMAs, where an indirect one would
-   order every access to the tensor after the previous one) -- written by the first chunk,
-   read, added and written back by the middle ones, read by the last, which stores dK_j,
-   dV_j (as the dense backward's passes, without its zeroing and final pass). Before the
-   last chunk a row no head of the group meets in the chunk names no block (the host pushes
-   it past every sequence): its K and V are not read.
+   order every access to the tensor after the previous one). Legacy: written by the first
+   chunk, read, added and written back by the middle ones, read by the last, which stores
+   dK_j, dV_j (as the dense backward's passes, without its zeroing and final pass). nki.*:
+   only the chunks that meet block j touch its sums (the host's ``acc_k``: runtime loops of
+   trip 0 or 1) -- the first of them writes them, the later ones add to them in HBM
+   (``nisa.dma_compute``, the DMA engines' fp32 add), the last chunk adds them to its own
+   (the same instruction, HBM into SBUF) and stores dK_j, dV_j. Before the last chunk a
+   row no head of the group meets in the chunk names no block (the host pushes it past
+   every sequence): its K and V are not read; under nki.* with a table shared by the
+   group's heads the last chunk skips them too.
 3. **dQ out**: every tile's accumulator of the chunk, scaled and cast, stored once.
 
 HBM traffic: Q, dO, O, lse once, dQ, dK, dV once, K and V once per key block a chunk meets
-(the last chunk: every listed block -- under a bool mask every block some chunk meets, in the
-index form every key block); with c > 1 chunks also the scratch, ``2 (2 c
-- 2)`` fp32 ``[128, d]`` tiles per listed block: Theta(N d + nnz d) for one chunk, Theta(c N d
-+ nnz d) for c.
+(legacy, and nki.* with per-head tables of a GQA group, in the last chunk every listed
+block -- under a bool mask every block some chunk meets, in the index form every key block);
+with c > 1 chunks also the scratch, in legacy ``2 (2 c - 2)`` fp32 ``[128, d]`` tiles per
+listed block, under nki.* ``2 (2 m)`` per block that m chunks before the last meet (dK,
+dV: written once, read and written m - 1 times, read once) plus ``acc_k``, 8 bytes per
+listed block and chunk: Theta(N d + nnz d) for one chunk; for
+c, Theta(c N d + nnz d) in legacy, under nki.* Theta(N d + sum over chunks of the blocks
+each meets, d) -- in proportion to the density where the dense backward re-reads K/V.
 
 Masks, lengths, GQA and dropout as in the forward kernel (module ``block_sparse``): the masks
 are computed at run time from each pair's positions; dropout regenerates each unit's mask
@@ -572,8 +581,8 @@ def _accumulate(cfg: _Cfg, part: int, r, ps, factor: float, regs, out_dtype):
     PSUM ``[128, D]``) and ``scratch[part]``, the fp32 sums at the block's order position r
     (static addresses: the blocks' transfers are independent DMAs), touched only where the
     host says (``regs``: registers of :func:`_acc_flags` by column, 0 before the last chunk
-    only; trip counts 0 or 1 of runtime loops), so a chunk moves the sums of the blocks it meets only. Before the last chunk
-    (``out_dtype`` None): written by the block's first meeting chunk, added to by the later
+    only; trip counts 0 or 1 of runtime loops), so a chunk moves the sums of the blocks it
+    meets only. Before the last chunk (``out_dtype`` None): written by the block's first meeting chunk, added to by the later
     ones (``nisa.dma_compute``: the fp32 add in the DMA engines, ``dst(HBM) = dst(HBM) +
     src(SBUF)``), None returned. In the last: the earlier chunks' sums added if there are any
     (``dst(SBUF) = dst(SBUF) + src(HBM)``: read once) and the total returned at
@@ -594,8 +603,8 @@ def _accumulate(cfg: _Cfg, part: int, r, ps, factor: float, regs, out_dtype):
 
 
 def _add_partial(cfg: _Cfg, part: int, r, ps, factor: float, read: bool, out_dtype):
-    """Legacy with several chunks: ``factor ps`` (a key block's dK or dV sums of this chunk, PSUM ``[128,
-    D]``) plus, with ``read``, the sums of the earlier chunks, held in rows ``128 r ..`` of
+    """Legacy with several chunks: ``factor ps`` (a key block's dK or dV sums of this chunk,
+    PSUM ``[128, D]``) plus, with ``read``, the sums of the earlier chunks, held in rows ``128 r ..`` of
     ``scratch[part]`` (the block's order position r, the same in every chunk: a static
     address, so the read-add-writes of different blocks are independent DMAs). Before the
     last chunk (``out_dtype`` None) the fp32 total is written there and None returned (the

@@ -588,9 +588,8 @@ def _chunk_budget(monkeypatch, G, D, extras, slots):
 def test_backward_chunks_the_query_side_past_sbuf(monkeypatch):
     """Past SBUF (the budget shrunk here: one 128-row tile per head and chunk, three chunks)
     the backward stages the query tiles a chunk at a time, sweeps per chunk the key blocks
-    the chunk meets and adds their dK, dV to an fp32 scratch (legacy: at static addresses;
-    nki.*: scatter-added by ``nisa.dma_compute`` at the blocks' rows, the middle chunk adding
-    to the first's): the gradients match the reference (band, lengths, GQA, the partial last
+    the chunk meets and adds their dK, dV to an fp32 scratch (legacy: every chunk; nki.*:
+    by ``nisa.dma_compute``, only the chunks that meet a block): the gradients match the reference (band, lengths, GQA, the partial last
     tile alone in the last chunk) and, through nki.*, the legacy trace bit for bit."""
     B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 300, 390, 32
     _chunk_budget(monkeypatch, Hq // Hkv, D, True, 1)

@@ -26,6 +26,13 @@ def _rows_view(a, it):
     return a.ap(pattern=[[6, 4], [1, 6]], vector_offset=it, indirect_dim=0)
 
 
+def _copy_and_rows(nl, nisa, a, i):
+    """A copy of ``a`` in a new HBM tensor, and its rows ``i`` (an indirect view)."""
+    out = nl.ndarray((10, 6), nl.float32, buffer=nl.hbm)
+    nisa.dma_copy(dst=out, src=a)
+    return out, _rows_view(out, _index(nl, nisa, i))
+
+
 def test_static_sum_in_fp32_cast_to_dst(nk):
     """Three sources (HBM and SBUF, bf16 and fp32) summed in fp32 into a bf16 HBM dst: the
     HBM bytes are the HBM sources' and dst's, the transfer one DMA of every source's bytes."""
@@ -54,10 +61,7 @@ def test_scatter_rmw_adds_into_the_indexed_rows_and_skips_out_of_bounds(nk):
     nki, nl, nisa = nk
 
     def k(a, i):
-        out = nl.ndarray((10, 6), nl.float32, buffer=nl.hbm)
-        nisa.dma_copy(dst=out, src=a)
-        it = _index(nl, nisa, i)
-        rows = _rows_view(out, it)
+        out, rows = _copy_and_rows(nl, nisa, a, i)
         nisa.dma_compute(dst=rows, srcs=[rows, _filled(nl, nisa, (4, 6), 0.5)],
                          reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
         return out
@@ -75,9 +79,7 @@ def test_scatter_rmw_adds_into_the_indexed_rows_and_skips_out_of_bounds(nk):
 
 
 def _scatter_error(nl, nisa, a, i):
-    out = nl.ndarray((10, 6), nl.float32, buffer=nl.hbm)
-    nisa.dma_copy(dst=out, src=a)
-    rows = _rows_view(out, _index(nl, nisa, i))
+    out, rows = _copy_and_rows(nl, nisa, a, i)
     nisa.dma_compute(dst=rows, srcs=[_filled(nl, nisa, (4, 6), 0.5), rows], reduce_op=nl.add)
     return out
 
@@ -148,10 +150,7 @@ def test_restrictions_of_the_stub_are_errors(nk, case, match):
     nki, nl, nisa = nk
 
     def k(a, i):
-        out = nl.ndarray((10, 6), nl.float32, buffer=nl.hbm)
-        nisa.dma_copy(dst=out, src=a)
-        it = _index(nl, nisa, i)
-        rows = _rows_view(out, it)
+        out, rows = _copy_and_rows(nl, nisa, a, i)
         x = _filled(nl, nisa, (4, 6), 1.0)
         kw = dict(dst=x, srcs=[x, x], reduce_op=nl.add)
         if case == "srcs17":
