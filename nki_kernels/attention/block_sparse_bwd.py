@@ -468,6 +468,13 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         scatter(cfg.dk, (f.b, f.g), out_idx, zeros)
         scatter(cfg.dv, (f.b, f.g), out_idx, zeros)
         return
+    regs = None
+    if flags is not None:
+        # the block's trip counts (0 or 1) of the accumulator's write, add / read back
+        table, col = flags
+        n = table.shape[1] // 2
+        regs = {k: port.register(table[0:1, nl.ds(k * n + col, 1)])
+                for k in ((1,) if step == "last" else (0, 1))}
     dk_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
     dv_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
     skip = cfg.need_mask(geo, exact)
@@ -532,13 +539,6 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         rw.slot_loop(exact, slot, count)
 
     port.loop(f.G, head, carried=True)
-    regs = None
-    if flags is not None:
-        # the block's trip counts (0 or 1) of the accumulator's write, add / read back
-        table, col = flags
-        n = table.shape[1] // 2
-        regs = {k: port.register(table[0:1, nl.ds(k * n + col, 1)])
-                for k in ((1,) if step == "last" else (0, 1))}
     # ScalarE copies out of PSUM (VectorE has the pairs' dS and dQ work)
     for out, ps, factor, part in ((cfg.dk, dk_ps, cfg.scale, 0), (cfg.dv, dv_ps, 1.0, 1)):
         if cfg.scratch is None:
@@ -582,34 +582,40 @@ def _accumulate(cfg: _Cfg, part: int, r, ps, factor: float, regs, out_dtype):
     (static addresses: the blocks' transfers are independent DMAs), touched only where the
     host says (``regs``: registers of :func:`_acc_flags` by column, 0 before the last chunk
     only; trip counts 0 or 1 of runtime loops), so a chunk moves the sums of the blocks it
-    meets only. Before the last chunk (``out_dtype`` None): written by the block's first meeting chunk, added to by the later
-    ones (``nisa.dma_compute``: the fp32 add in the DMA engines, ``dst(HBM) = dst(HBM) +
-    src(SBUF)``), None returned. In the last: the earlier chunks' sums added if there are any
-    (``dst(SBUF) = dst(SBUF) + src(HBM)``: read once) and the total returned at
-    ``out_dtype`` (the block's output, GpSimd cast). ScalarE copies out of PSUM (VectorE has
-    the pairs' dS and dQ work)."""
+    meets only. Before the last chunk (``out_dtype`` None): written by the block's first
+    meeting chunk, added to by the later ones (``nisa.dma_compute``: the fp32 add in the DMA
+    engines, ``dst(HBM) = dst(HBM) + src(SBUF)``, one DMA where legacy reads, adds on GpSimd
+    and writes back), None returned. In the last: the earlier chunks' sums, if any, read
+    once (a plain DMA that need not wait for this chunk's sums; zeros otherwise) and added
+    (GpSimd) into the total at ``out_dtype``, returned (the block's output). ScalarE copies
+    out of PSUM (VectorE has the pairs' dS and dQ work)."""
     f = cfg.f
     rows = cfg.scratch[part][nl.ds(r * P, P), :]
-    new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
-    port.activation(new, nl.copy, ps, scale=factor)
     if out_dtype is None:
+        new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+        port.activation(new, nl.copy, ps, scale=factor)
         port.loop_between(0, regs[0], lambda _: port.dma_copy(rows, new))
         port.loop_between(0, regs[1], lambda _: port.dma_add(rows, [rows, new]))
         return None
-    port.loop_between(0, regs[1], lambda _: port.dma_add(new, [rows, new]))
+    # the read back does not wait for this chunk's sums (as legacy's): zeros if none
+    prev = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+    port.memset(prev, 0.0, engine="gpsimd")
+    port.loop_between(0, regs[1], lambda _: port.dma_copy(prev, rows))
+    new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(new, nl.copy, ps, scale=factor)
     total = nl.ndarray((P, f.D), dtype=out_dtype, buffer=nl.sbuf)
-    port.tensor_copy(total, new, engine="gpsimd")
+    port.tensor_tensor(total, prev, new, nl.add, engine="gpsimd")
     return total
 
 
 def _add_partial(cfg: _Cfg, part: int, r, ps, factor: float, read: bool, out_dtype):
     """Legacy with several chunks: ``factor ps`` (a key block's dK or dV sums of this chunk,
-    PSUM ``[128, D]``) plus, with ``read``, the sums of the earlier chunks, held in rows ``128 r ..`` of
-    ``scratch[part]`` (the block's order position r, the same in every chunk: a static
-    address, so the read-add-writes of different blocks are independent DMAs). Before the
-    last chunk (``out_dtype`` None) the fp32 total is written there and None returned (the
-    first chunk writes every row a later one reads: each lists the same rows); in it the
-    total at ``out_dtype`` is returned (the block's output). ScalarE copies out of PSUM and
+    PSUM ``[128, D]``) plus, with ``read``, the sums of the earlier chunks, held in rows
+    ``128 r ..`` of ``scratch[part]`` (the block's order position r, the same in every
+    chunk: a static address, so the read-add-writes of different blocks are independent
+    DMAs). Before the last chunk (``out_dtype`` None) the fp32 total is written there and
+    None returned (the first chunk writes every row a later one reads: each lists the same
+    rows); in it the total at ``out_dtype`` is returned (the block's output). ScalarE copies out of PSUM and
     GpSimd adds (VectorE has the pairs' dS and dQ work)."""
     f = cfg.f
     rows = cfg.scratch[part][nl.ds(r * P, P), :]
