@@ -615,8 +615,8 @@ def _add_partial(cfg: _Cfg, part: int, r, ps, factor: float, read: bool, out_dty
     chunk: a static address, so the read-add-writes of different blocks are independent
     DMAs). Before the last chunk (``out_dtype`` None) the fp32 total is written there and
     None returned (the first chunk writes every row a later one reads: each lists the same
-    rows); in it the total at ``out_dtype`` is returned (the block's output). ScalarE copies out of PSUM and
-    GpSimd adds (VectorE has the pairs' dS and dQ work)."""
+    rows); in it the total at ``out_dtype`` is returned (the block's output). ScalarE
+    copies out of PSUM and GpSimd adds (VectorE has the pairs' dS and dQ work)."""
     f = cfg.f
     rows = cfg.scratch[part][nl.ds(r * P, P), :]
     new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
