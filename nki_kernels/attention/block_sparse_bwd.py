@@ -470,11 +470,10 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         return
     regs = None
     if flags is not None:
-        # the block's trip counts (0 or 1) of the accumulator's write, add / read back
+        # the block's trip counts (0 or 1) of its sums' steps (:func:`_accumulate`)
         table, col = flags
-        n = table.shape[1] // 2
-        regs = {k: port.register(table[0:1, nl.ds(k * n + col, 1)])
-                for k in ((1,) if step == "last" else (0, 1))}
+        n = table.shape[1] // 4
+        regs = [port.register(table[0:1, nl.ds(k * n + col, 1)]) for k in T.unrolled(4)]
     dk_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
     dv_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
     skip = cfg.need_mask(geo, exact)
@@ -545,10 +544,8 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
             done = nl.ndarray((P, f.D), dtype=out.dtype, buffer=nl.sbuf)
             port.activation(done, nl.copy, ps, scale=factor)
         elif flags is not None:
-            done = _accumulate(cfg, part, r, ps, factor, regs,
-                               out.dtype if step == "last" else None)
-            if done is None:
-                continue
+            _accumulate(cfg, part, r, ps, factor, regs, out, out_idx)
+            continue
         else:
             done = _add_partial(cfg, part, r, ps, factor, step != "first",
                                 out.dtype if step == "last" else None)
@@ -558,54 +555,53 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
 
 
 def _acc_flags(f: F.Instance, acc_k, first, count: int):
-    """nki.*, several chunks: int32 ``[1, 2 count]``, per key block at table rows ``first ..
-    first + count - 1`` (a class of a chunk) whether the chunk touches its fp32 sums (the
-    host's ``acc_k`` names rows there, :func:`host.block_sparse._accumulator_rows`): columns
-    ``0 .. count - 1`` the write of a block's first meeting chunk, ``count ..`` the add of a
-    later one (in the last chunk: the read back). Read
-    once per class, as :func:`_row_counts`: the blocks' register trip counts wait for values
-    written long before."""
+    """nki.*, several chunks: int32 ``[1, 4 count]``, column block k (``k count ..``) the
+    host's step k (``acc_k``, :func:`host.block_sparse._accumulator_steps`: write, add,
+    finish with or without the earlier sums) of the key blocks at table rows ``first ..
+    first + count - 1`` (a class of a chunk), 0 or 1. Read once per class, as
+    :func:`_row_counts`: the blocks' register trip counts wait for values written long
+    before. The DMA casts the fp32 table (exact)."""
     hb = f.b if acc_k.shape[0] > 1 else 0
     g = f.g if acc_k.shape[1] > 1 else 0
-    firsts = nl.ndarray((1, 2 * count), dtype=nl.float32, buffer=nl.sbuf)
-    for k in range(2):
-        port.dma_copy(firsts[0:1, k * count:(k + 1) * count],
+    out = nl.ndarray((1, 4 * count), dtype=nl.int32, buffer=nl.sbuf)
+    for k in T.unrolled(4):
+        port.dma_copy(out[0:1, k * count:(k + 1) * count],
                       acc_k[hb, g, nl.ds(first, count), k:k + 1].permute((1, 0)))
-    out = nl.ndarray((1, 2 * count), dtype=nl.int32, buffer=nl.sbuf)
-    port.tensor_scalar(out, firsts, nl.less, float(T.BSP_PAD_FIRST), engine="gpsimd")
     return out
 
 
-def _accumulate(cfg: _Cfg, part: int, r, ps, factor: float, regs, out_dtype):
-    """nki.* with several chunks: ``factor ps`` (a key block's dK or dV sums of this chunk,
-    PSUM ``[128, D]``) and ``scratch[part]``, the fp32 sums at the block's order position r
-    (static addresses: the blocks' transfers are independent DMAs), touched only where the
-    host says (``regs``: registers of :func:`_acc_flags` by column, 0 before the last chunk
-    only; trip counts 0 or 1 of runtime loops), so a chunk moves the sums of the blocks it
-    meets only. Before the last chunk (``out_dtype`` None): written by the block's first
-    meeting chunk, added to by the later ones (``nisa.dma_compute``: the fp32 add in the DMA
-    engines, ``dst(HBM) = dst(HBM) + src(SBUF)``, one DMA where legacy reads, adds on GpSimd
-    and writes back), None returned. In the last: the earlier chunks' sums, if any, read
-    once (a plain DMA that need not wait for this chunk's sums; zeros otherwise) and added
-    (GpSimd) into the total at ``out_dtype``, returned (the block's output). ScalarE copies
-    out of PSUM (VectorE has the pairs' dS and dQ work)."""
+def _accumulate(cfg: _Cfg, part: int, r, ps, factor: float, regs, out, out_idx):
+    """nki.* with several chunks: this chunk's step with ``factor ps`` (a key block's dK or
+    dV sums of this chunk, PSUM ``[128, D]``) and ``scratch[part]``, the fp32 sums at the
+    block's order position r (static addresses: the blocks' transfers are independent DMAs),
+    each a runtime loop of trip 0 or 1 (``regs``: registers of :func:`_acc_flags`), so only
+    the chunks that meet a block move its sums, and a block one chunk meets never leaves
+    it: 0. written by the first meeting chunk (unless it is the last); 1. added to by a
+    middle one (``nisa.dma_compute``: the fp32 add in the DMA engines, ``dst(HBM) = dst(HBM)
+    + src(SBUF)``, one DMA where legacy reads, adds on GpSimd and writes back); 2. or 3. the
+    block's last meeting chunk (for a block no chunk meets, the last chunk) adds the earlier
+    sums read back (2; a plain DMA that need not wait for this chunk's sums) or none (3), at
+    ``out``'s dtype (GpSimd), and stores the block's rows of ``out`` (``out_idx``). ScalarE
+    copies out of PSUM (VectorE has the pairs' dS and dQ work)."""
     f = cfg.f
     rows = cfg.scratch[part][nl.ds(r * P, P), :]
-    if out_dtype is None:
-        new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
-        port.activation(new, nl.copy, ps, scale=factor)
-        port.loop_between(0, regs[0], lambda _: port.dma_copy(rows, new))
-        port.loop_between(0, regs[1], lambda _: port.dma_add(rows, [rows, new]))
-        return None
-    # the read back does not wait for this chunk's sums (as legacy's): zeros if none
-    prev = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
-    port.memset(prev, 0.0, engine="gpsimd")
-    port.loop_between(0, regs[1], lambda _: port.dma_copy(prev, rows))
     new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
     port.activation(new, nl.copy, ps, scale=factor)
-    total = nl.ndarray((P, f.D), dtype=out_dtype, buffer=nl.sbuf)
-    port.tensor_tensor(total, prev, new, nl.add, engine="gpsimd")
-    return total
+    port.loop_between(0, regs[0], lambda _: port.dma_copy(rows, new))
+    port.loop_between(0, regs[1], lambda _: port.dma_add(rows, [rows, new]))
+
+    def finish(read: bool):
+        total = nl.ndarray((P, f.D), dtype=out.dtype, buffer=nl.sbuf)
+        if read:
+            prev = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+            port.dma_copy(prev, rows)
+            port.tensor_tensor(total, prev, new, nl.add, engine="gpsimd")
+        else:
+            port.tensor_copy(total, new, engine="gpsimd")
+        scatter(out, (f.b, f.g), out_idx, total)
+
+    port.loop_between(0, regs[2], lambda _: finish(True))
+    port.loop_between(0, regs[3], lambda _: finish(False))
 
 
 def _add_partial(cfg: _Cfg, part: int, r, ps, factor: float, read: bool, out_dtype):
@@ -650,7 +646,8 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
     ``(B or 1, Hq or 1, chunks ceil(Nk/128), 2 + trip)``: rows ``c nkt ..`` those of chunk c
     (its query tiles only), in one order per (kv group, chunk), the classes common to all
     (``host.block_sparse.launch_tables``). ``acc_k``: under nki.* with several chunks (and
-    only then) the accumulator rows, ``(B or 1, Hkv or 1, chunks ceil(Nk/128), 2)`` fp32
+    only then) the steps of the dK/dV sums, ``(B or 1, Hkv or 1, chunks ceil(Nk/128), 4)``
+    fp32
     (``LaunchTables.acc_k``). Other arguments as the forward; o and lse are the
     forward's outputs, do the gradient of o. Score modifiers as the forward's (``softcap``,
     ``alibi_slopes``, ``sinks``; ``score_mods.py``): with sinks also ``dsinks`` ``(B, Hq)``
@@ -668,10 +665,10 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
                          f"{chunk_tiles} query tiles), got shape {meta_k.shape}")
     check_classes(classes_k, nkt, meta_k.shape[3] - 2)
     nki_acc = chunks > 1 and port.api() == "nki"
-    if nki_acc and (acc_k is None or tuple(acc_k.shape[2:]) != (chunks * nkt, 2)
+    if nki_acc and (acc_k is None or tuple(acc_k.shape[2:]) != (chunks * nkt, 4)
                     or acc_k.shape[0] not in (1, B) or acc_k.shape[1] not in (1, Hkv)):
         raise ValueError(f"acc_k: nki.* with {chunks} chunks needs the accumulator rows "
-                         f"(B or 1, Hkv or 1, {chunks * nkt}, 2) (LaunchTables.acc_k), got "
+                         f"(B or 1, Hkv or 1, {chunks * nkt}, 4) (LaunchTables.acc_k), got "
                          f"{None if acc_k is None else tuple(acc_k.shape)}")
     if not nki_acc and acc_k is not None:
         raise ValueError(f"acc_k: read only by the nki.* backward with several chunks; this "

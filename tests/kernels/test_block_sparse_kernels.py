@@ -612,7 +612,7 @@ def test_backward_chunks_the_query_side_past_sbuf(monkeypatch):
 
 @pytest.mark.parametrize("api, heads, index, kv_blocks, scratch", [
     ("legacy", 2, False, 4, 4), ("legacy", 2, True, 6, 8), ("legacy", 1, False, 4, 4),
-    ("nki", 2, False, 4, 4), ("nki", 2, True, 6, 4), ("nki", 1, False, 3, 4)],
+    ("nki", 2, False, 4, 2), ("nki", 2, True, 6, 2), ("nki", 1, False, 3, 2)],
     ids=["legacy-dense", "legacy-index", "legacy-shared", "nki-dense", "nki-index",
          "nki-shared"])
 def test_chunked_backward_traffic(api, heads, index, kv_blocks, scratch, monkeypatch):
@@ -624,9 +624,9 @@ def test_chunked_backward_traffic(api, heads, index, kv_blocks, scratch, monkeyp
     index form's natural order all four), nki.* too with per-head patterns, but with one
     shared pattern only those it meets. The fp32 scratch (``scratch`` 128-key blocks of dK
     and dV, each written and read once): legacy writes every listed row in the first chunk
-    and reads it in the last; nki.* only the blocks a chunk meets (0 and 2 written by the
-    first chunk, read back by the last, in either form), plus ``acc_k``: two columns per
-    listed row and chunk."""
+    and reads it in the last; nki.* only blocks that several chunks meet (0, written by the
+    first chunk and read back by the last, which stores it; block 2 is stored by the first),
+    in either form, plus ``acc_k``: four columns per listed row and chunk."""
     monkeypatch.setenv(binding.API_ENV_VAR, api)
     B, Hq, Hkv, N, D = 1, 2, 1, 512, 32
     _chunk_budget(monkeypatch, Hq // Hkv, D, False, 2)
@@ -643,7 +643,7 @@ def test_chunked_backward_traffic(api, heads, index, kv_blocks, scratch, monkeyp
     parts = [r for n, r in per.items() if n.startswith("hbm")]
     assert sum(r["read"] for r in parts) == sum(r["written"] for r in parts) == scratch * block
     listed = 4 if index else 2
-    assert per.get("acc_k", {"read": 0})["read"] == (2 * 2 * listed * 4 if api == "nki"
+    assert per.get("acc_k", {"read": 0})["read"] == (2 * 4 * listed * 4 if api == "nki"
                                                      else 0)
 
 
