@@ -29,21 +29,22 @@ chunk:
    chunk, read, added and written back by the middle ones, read by the last, which stores
    dK_j, dV_j (as the dense backward's passes, without its zeroing and final pass). nki.*:
    only the chunks that meet block j touch its sums (the host's ``acc_k``: runtime loops of
-   trip 0 or 1) -- the first of them writes them, the later ones add to them in HBM
-   (``nisa.dma_compute``, the DMA engines' fp32 add), the last chunk adds them to its own
-   (the same instruction, HBM into SBUF) and stores dK_j, dV_j. Before the last chunk a
-   row no head of the group meets in the chunk names no block (the host pushes it past
-   every sequence): its K and V are not read; under nki.* with a table shared by the
-   group's heads the last chunk skips them too.
+   trip 0 or 1, :func:`_accumulate`) -- the last of them adds the earlier ones' sums, if
+   any, and stores dK_j, dV_j (the last chunk those of a block no chunk meets), the first
+   writes its sums for a later one, the middle ones add to them in HBM
+   (``nisa.dma_compute``, the DMA engines' fp32 add): a block one chunk meets never goes
+   through HBM. Before the last chunk a row no head of the group meets in the chunk names
+   no block (the host pushes it past every sequence): its K and V are not read; under
+   nki.* with a table shared by the group's heads the last chunk skips them too.
 3. **dQ out**: every tile's accumulator of the chunk, scaled and cast, stored once.
 
 HBM traffic: Q, dO, O, lse once, dQ, dK, dV once, K and V once per key block a chunk meets
 (legacy, and nki.* with per-head tables of a GQA group, in the last chunk every listed
 block -- under a bool mask every block some chunk meets, in the index form every key block);
 with c > 1 chunks also the scratch, in legacy ``2 (2 c - 2)`` fp32 ``[128, d]`` tiles per
-listed block, under nki.* ``2 (2 m)`` per block that m chunks before the last meet (dK,
-dV: written once, read and written m - 1 times, read once) plus ``acc_k``, 8 bytes per
-listed block and chunk: Theta(N d + nnz d) for one chunk; for
+listed block, under nki.* ``2 (2 m - 2)`` per block that m >= 1 chunks meet (dK, dV:
+written once, read and written m - 2 times, read once; none for m = 1) plus ``acc_k``, 16
+bytes per listed block and chunk: Theta(N d + nnz d) for one chunk; for
 c, Theta(c N d + nnz d) in legacy, under nki.* Theta(N d + sum over chunks of the blocks
 each meets, d) -- in proportion to the density where the dense backward re-reads K/V.
 
@@ -92,8 +93,8 @@ class _Cfg:
     (``[128, G]`` fp32, with sinks); ``scratch`` the program's fp32 ``(dK, dV)`` partial
     sums in HBM with several chunks (else None), ``(ceil(Nk / 128) 128, D)`` each, rows
     ``128 r ..`` those of the key block at order position r; ``acc_k`` under nki.* with
-    several chunks the host's accumulator rows (``LaunchTables.acc_k``: which chunks write,
-    add to and read back a block's sums), else None."""
+    several chunks the host's steps of each block's sums per chunk (``LaunchTables.acc_k``:
+    write, add, finish with or without the earlier sums), else None."""
 
     def __init__(self, f: F.Instance, do, dq, dk, dv, scratch, score, dsink_acc, acc_k=None):
         self.f, self.do, self.dq, self.dk, self.dv = f, do, dq, dk, dv
