@@ -668,7 +668,7 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
     nki_acc = chunks > 1 and port.api() == "nki"
     if nki_acc and (acc_k is None or tuple(acc_k.shape[2:]) != (chunks * nkt, 4)
                     or acc_k.shape[0] not in (1, B) or acc_k.shape[1] not in (1, Hkv)):
-        raise ValueError(f"acc_k: nki.* with {chunks} chunks needs the accumulator rows "
+        raise ValueError(f"acc_k: nki.* with {chunks} chunks needs the accumulator steps "
                          f"(B or 1, Hkv or 1, {chunks * nkt}, 4) (LaunchTables.acc_k), got "
                          f"{None if acc_k is None else tuple(acc_k.shape)}")
     if not nki_acc and acc_k is not None:

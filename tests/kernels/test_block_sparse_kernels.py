@@ -649,7 +649,8 @@ def test_chunked_backward_traffic(api, heads, index, kv_blocks, scratch, monkeyp
 
 def test_backward_refuses_groups_and_chunks_that_do_not_fit(monkeypatch):
     """A kv group whose query heads cannot stage one tile each is refused by the host; the
-    kernel refuses a chunk size past SBUF and tables of another chunking."""
+    kernel refuses a chunk size past SBUF, tables of another chunking and accumulator steps
+    missing (nki.*, several chunks), of another shape or where none are read."""
     q, k, v, do = attention_inputs(1, 64, 1, 256, 256, 256)
     lse = np.zeros(q.shape[:3], np.float32)
     with pytest.raises(ValueError, match=r"block_mask: the block-sparse backward stages one "
@@ -666,6 +667,17 @@ def test_backward_refuses_groups_and_chunks_that_do_not_fit(monkeypatch):
         with pytest.raises(ValueError, match=match):
             program_size(block_sparse_attention_bwd.on("legacy"), grid, q, k, v, q, do, lse,
                          t.k.meta, classes_k=t.k.classes, chunk_tiles=ct)
+    # the accumulator steps: needed by nki.* with several chunks, refused elsewhere
+    for api, acc_k, match in (
+            ("nki", None, r"acc_k: nki.\* with 2 chunks needs the accumulator steps "
+                          r"\(B or 1, Hkv or 1, 4, 4\) \(LaunchTables.acc_k\), got None"),
+            ("nki", t.acc_k[..., :2], r"acc_k: .* got \(1, 1, 4, 2\)"),
+            ("legacy", t.acc_k, r"acc_k: read only by the nki.\* backward with several "
+                                r"chunks; this is 2 chunk\(s\) through legacy: pass None")):
+        with pytest.raises(ValueError, match=match):
+            program_size(block_sparse_attention_bwd.on(api), launch_grid((1, 1), api), q, k,
+                         v, q, do, lse, t.k.meta, acc_k=acc_k, classes_k=t.k.classes,
+                         chunk_tiles=2)
     monkeypatch.setitem(T.BWD_SBUF_BUDGET_BYTES, "trn2", 1000)
     with pytest.raises(ValueError, match=r"chunk_tiles: 2 query tiles of 1 heads need \d+ "
                                          r"bytes per partition, more than trn2's budget"):

@@ -201,6 +201,14 @@ def test_rows_gather_and_scatter_through_both_namespaces(monkeypatch):
     assert m0.instructions == m1.instructions and m0.estimated_seconds == m1.estimated_seconds
 
 
+def test_dma_add_is_nki_only():
+    """port.dma_add is nisa.dma_compute, an NKI 0.7 instruction: legacy refuses it."""
+    with port.tracing(binding.namespace("legacy")):
+        with pytest.raises(NotImplementedError, match=r"port.dma_add: nisa.dma_compute is an "
+                                                      r"nki.\* \(NKI 0.7\) instruction"):
+            port.dma_add(None, [None, None])
+
+
 def test_port_loop_outside_a_trace_is_legacy():
     """Kernels not ported yet call port (through _onchip) inside their legacy nki.jit: outside
     port.tracing the namespace is the legacy binding, as before."""
