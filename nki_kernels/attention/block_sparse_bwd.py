@@ -55,8 +55,8 @@ forward's ``Z / (1 - p)``.
 
 Namespaces as the forward's (module ``block_sparse``): a compiled loop over the instances in
 0.7, gathers through the flattened tensors; the dK/dV scratch is each program's own pair
-(0.7's one program runs the instances one after another, each writing it in its first
-chunk). The first and the last chunk (the rest of the tiles, the partial one) are static
+(0.7's one program runs the instances one after another, each writing a block's rows
+before it reads them: in its first chunk, or the first that meets the block). The first and the last chunk (the rest of the tiles, the partial one) are static
 copies and the middle ones a compiled loop, so the program does not grow with N.
 Each key block's slot loop runs the row's count of slots under nki.* (a register bound,
 :meth:`block_sparse.Row.slot_loop`; the counts read once per class), all ``trip`` in legacy
