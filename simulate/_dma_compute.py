@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _deps, _dma, _hw, _ops, _tensor
-from ._errors import nki_error, fmt_shape
+from ._errors import fmt_shape
 from ._fit import fit_value
 from ._runtime import enter
 from .language import _contig, _store_check_param
@@ -55,9 +55,10 @@ def _same_access(a, b) -> bool:
     return same and (va is None) == (vb is None) and (va is None or np.array_equal(va, vb))
 
 
-def _rmw_mode(api, dst, srcs, err):
-    """``(mode, indirect source, other source)`` of a call with an indirect operand:
-    ``"scatter"`` or ``"gather"`` (module docstring), else an error."""
+def _rmw_indirect(dst, srcs, err):
+    """The indirect access of a call with an indirect operand, which must be one of the two
+    read-modify-write forms (module docstring): ``dst`` in the scatter form, the HBM source
+    in the gather form."""
     if len(srcs) != 2:
         raise err("err_param_shape_mismatch", "value",
                   f"read-modify-write (an indirect operand) takes exactly 2 sources, got "
@@ -68,11 +69,11 @@ def _rmw_mode(api, dst, srcs, err):
         for same, other in ((a, b), (b, a)):
             if _same_access(same, dst) and other._st.buffer == _tensor.SBUF \
                     and not _indirect(other):
-                return "scatter", same, other
+                return dst
     if dst._st.buffer == _tensor.SBUF and not _indirect(dst):
         for ind, same in ((a, b), (b, a)):
             if _indirect(ind) and ind._st.buffer in _HBMS and _same_access(same, dst):
-                return "gather", ind, same
+                return ind
     raise err("err_unsupported_memory", "type",
               "an indirect operand needs one of the two read-modify-write forms: scatter "
               "dst(HBM)[indices] = dst(HBM)[indices] + src(SBUF) (one source the same "
@@ -115,7 +116,7 @@ def dma_compute(dst, srcs, *, skip_oob: bool, err):
     valid = None
     ind = None
     if _indirect(dst) or any(_indirect(s) for s in srcs):
-        _, ind, _ = _rmw_mode("dma_compute", dst, srcs, err)
+        ind = _rmw_indirect(dst, srcs, err)
         _, valid = _tensor._resolve(ind, None, skip_oob)
         _check_unique(ind, valid, err)
     if dst._st.buffer in _HBMS:

@@ -1,5 +1,6 @@
 """nisa.dma_compute (NKI 0.7): the static sum, the scatter and gather read-modify-writes (rows
 out of bounds skipped), the HBM bytes and DMA cost, and the stub's restrictions as errors."""
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -47,7 +48,6 @@ def test_static_sum_in_fp32_cast_to_dst(nk):
 
     with simulate.measure(target="trn2") as m:
         out = nki.jit(k)(DATA)
-    import ml_dtypes
     want = (DATA + 1.25).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(np.asarray(out), want)
     assert m.hbm_bytes_read == DATA.nbytes
