@@ -769,7 +769,8 @@ def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):
     api = select_api()
     outs = launch(block_sparse_attention_bwd.on(api), _block_sparse_grid(dims, call.lnc, api), q,
                   k, v, o, do, _numpy("lse", lse), tables.k.meta, kv_lens=call.kv_lens,
-                  q_lens=call.q_lens, seed=call.dropout.seed, classes_k=tables.k.classes,
+                  q_lens=call.q_lens, seed=call.dropout.seed,
+                  acc_k=tables.acc_k if api == "nki" else None, classes_k=tables.k.classes,
                   chunk_tiles=chunk_tiles, **call.mods.tensors, **kwargs)
     if call.mods.tensors["sinks"] is None:
         return outs

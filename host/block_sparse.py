@@ -456,11 +456,14 @@ def kernel_tables(index: BlockIndex, *, sort: bool, group: int = 1,
 
 class LaunchTables(NamedTuple):
     """The tables of one block-sparse launch: the forward's (query tiles) and the backward's
-    key-major ones (key blocks, one order per kv group and chunk of query tiles)."""
+    key-major ones (key blocks, one order per kv group and chunk of query tiles), and with
+    several chunks ``acc_k``, what the nki.* backward does with each key block's dK, dV
+    partial sums per chunk (:func:`_accumulator_steps`)."""
 
     q: KernelTables
     k: KernelTables
     runtime: bool
+    acc_k: Optional[np.ndarray] = None
 
 
 def _pow2_at_least(n: int) -> int:
@@ -543,7 +546,26 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
     # a key block no query head of the group meets in a chunk before the last (a row the
     # common order still lists) is pushed past every sequence: the kernel reads nothing for
     # it (the last chunk writes every listed block's dK, dV)
+    met = meta[..., 1].max(axis=3) > 0                      # (b, kv groups, chunks, nkt)
+    acc_k = _accumulator_steps(met) if chunks > 1 else None
     empty = meta[:, :, :-1, :, :, 1].max(axis=3, keepdims=True) == 0
     meta[:, :, :-1, :, :, 0] = np.where(empty, _tiles.BSP_PAD_FIRST, meta[:, :, :-1, :, :, 0])
     meta = meta.transpose(0, 1, 3, 2, 4, 5).reshape(b, heads, chunks * nkt, w)
-    return LaunchTables(q, k._replace(meta=np.ascontiguousarray(meta)), runtime)
+    return LaunchTables(q, k._replace(meta=np.ascontiguousarray(meta)), runtime, acc_k)
+
+
+def _accumulator_steps(met: np.ndarray) -> np.ndarray:
+    """fp32 0/1 ``(b, kv groups, chunks nkt, 4)``: per chunk and order position (``met``:
+    whether some query head of the group meets the key block in the chunk, ``(b, kv groups,
+    chunks, nkt)``) what the nki.* backward (``block_sparse_bwd``) does with the block's fp32
+    dK, dV sums. The block's last meeting chunk finishes it (stores dK, dV), the last chunk
+    any block no chunk meets (zeros); an earlier meeting chunk writes its sums (column 0) or,
+    after another, adds to them (1); the finishing chunk reads them back (column 2: another
+    met the block before) or not (3). A block met by one chunk never leaves it."""
+    later = np.flip(np.cumsum(np.flip(met, 2), axis=2), 2) - met > 0     # met after
+    seen = np.cumsum(met, axis=2) - met > 0                               # met before
+    finish = met & ~later
+    finish[:, :, -1] |= ~met.any(axis=2)
+    steps = [met & ~seen & ~finish, met & seen & ~finish, finish & seen, finish & ~seen]
+    out = np.stack(steps, -1).reshape(met.shape[0], met.shape[1], -1, 4)
+    return np.ascontiguousarray(out, dtype=np.float32)

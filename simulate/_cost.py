@@ -172,18 +172,22 @@ class LaunchRecord:
         self.count_program()
 
     def dma(self, nbytes, contiguous_bytes, chunks=None, rate=1.0, read=None, written=None,
-            read_bytes=None, written_bytes=None):
+            read_bytes=None, written_bytes=None, more_reads=()):
         """One DMA instruction moving ``nbytes`` in ``chunks`` contiguous chunks (descriptors):
         ``(nbytes + chunks * DMA_CHUNK_OVERHEAD_BYTES) / bandwidth`` + the fixed cost.
         ``chunks=None``: no per-chunk term (DMA transposes, modeled by ``rate`` instead).
         ``contiguous_bytes`` is the HBM-side contiguous bytes per partition (the
         ``dma_bytes_per_partition`` entry). ``read``/``written`` name the HBM tensors whose
-        bytes are counted (``read_bytes``/``written_bytes``, default ``nbytes``)."""
+        bytes are counted (``read_bytes``/``written_bytes``, default ``nbytes``);
+        ``more_reads``: ``(name, bytes)`` of further HBM tensors read (``dma_compute``)."""
         self.sched.dma(self._dma_account(nbytes, contiguous_bytes, chunks, rate))
         if read is not None:
             rb = nbytes if read_bytes is None else read_bytes
             self.hbm_bytes_read += rb
             self.per_tensor.setdefault(read, {"read": 0, "written": 0})["read"] += rb
+        for name, rb in more_reads:
+            self.hbm_bytes_read += rb
+            self.per_tensor.setdefault(name, {"read": 0, "written": 0})["read"] += rb
         if written is not None:
             wb = nbytes if written_bytes is None else written_bytes
             self.hbm_bytes_written += wb

@@ -49,6 +49,8 @@ DMA_FIXED_LATENCY_NS = 1300.0   # descriptor + semaphore latency per transfer [H
 # (choice) the fixed latency is paid per DMA *instruction* but 16 queues work in parallel, so a
 # stream of independent DMAs pays ~1300/16 = 81.25 ns each on the DMA "engine" time line.
 DMA_FIXED_NS_PER_INSTRUCTION = DMA_FIXED_LATENCY_NS / DMA_QUEUES_PER_NC
+#: nki.isa.dma_compute: "The max number of source tensors in srcs is 16" (NKI 0.7 stub)
+DMA_COMPUTE_MAX_SRCS = 16
 
 # -- the scheduled estimate (simulate._sched) ------------------------------------------------
 #: Semaphore wait when an instruction's input was written by another engine or a DMA: "~100

@@ -25,18 +25,28 @@ chunk:
    per pair, the dense kernel's). One chunk: dK_j, dV_j are stored. Several: the partial
    sums go through an fp32 scratch in HBM at the block's order position (a static address:
    the read-add-writes of different blocks are independent DMAs, where an indirect one would
-   order every access to the tensor after the previous one) -- written by the first chunk,
-   read, added and written back by the middle ones, read by the last, which stores dK_j,
-   dV_j (as the dense backward's passes, without its zeroing and final pass). Before the
-   last chunk a row no head of the group meets in the chunk names no block (the host pushes
-   it past every sequence): its K and V are not read.
+   order every access to the tensor after the previous one). Legacy: written by the first
+   chunk, read, added and written back by the middle ones, read by the last, which stores
+   dK_j, dV_j (as the dense backward's passes, without its zeroing and final pass). nki.*:
+   only the chunks that meet block j touch its sums (the host's ``acc_k``: runtime loops of
+   trip 0 or 1, :func:`_accumulate`) -- the last of them adds the earlier ones' sums, if
+   any, and stores dK_j, dV_j (the last chunk those of a block no chunk meets), the first
+   writes its sums for a later one, the middle ones add to them in HBM
+   (``nisa.dma_compute``, the DMA engines' fp32 add): a block one chunk meets never goes
+   through HBM. Before the last chunk a row no head of the group meets in the chunk names
+   no block (the host pushes it past every sequence): its K and V are not read; under
+   nki.* with a table shared by the group's heads the last chunk skips them too.
 3. **dQ out**: every tile's accumulator of the chunk, scaled and cast, stored once.
 
 HBM traffic: Q, dO, O, lse once, dQ, dK, dV once, K and V once per key block a chunk meets
-(the last chunk: every listed block -- under a bool mask every block some chunk meets, in the
-index form every key block); with c > 1 chunks also the scratch, ``2 (2 c
-- 2)`` fp32 ``[128, d]`` tiles per listed block: Theta(N d + nnz d) for one chunk, Theta(c N d
-+ nnz d) for c.
+(legacy, and nki.* with per-head tables of a GQA group, in the last chunk every listed
+block -- under a bool mask every block some chunk meets, in the index form every key block);
+with c > 1 chunks also the scratch, in legacy ``2 (2 c - 2)`` fp32 ``[128, d]`` tiles per
+listed block, under nki.* ``2 (2 m - 2)`` per block that m >= 1 chunks meet (dK, dV:
+written once, read and written m - 2 times, read once; none for m = 1) plus ``acc_k``, 16
+bytes per listed block and chunk: Theta(N d + nnz d) for one chunk; for
+c, Theta(c N d + nnz d) in legacy, under nki.* Theta(N d + sum over chunks of the blocks
+each meets, d) -- in proportion to the density where the dense backward re-reads K/V.
 
 Masks, lengths, GQA and dropout as in the forward kernel (module ``block_sparse``): the masks
 are computed at run time from each pair's positions; dropout regenerates each unit's mask
@@ -45,8 +55,8 @@ forward's ``Z / (1 - p)``.
 
 Namespaces as the forward's (module ``block_sparse``): a compiled loop over the instances in
 0.7, gathers through the flattened tensors; the dK/dV scratch is each program's own pair
-(0.7's one program runs the instances one after another, each writing it in its first
-chunk). The first and the last chunk (the rest of the tiles, the partial one) are static
+(0.7's one program runs the instances one after another, each writing a block's rows
+before it reads them: in its first chunk, or the first that meets the block). The first and the last chunk (the rest of the tiles, the partial one) are static
 copies and the middle ones a compiled loop, so the program does not grow with N.
 Each key block's slot loop runs the row's count of slots under nki.* (a register bound,
 :meth:`block_sparse.Row.slot_loop`; the counts read once per class), all ``trip`` in legacy
@@ -82,11 +92,14 @@ class _Cfg:
     :class:`forward.ScoreMods`, None without modifiers); ``dsink_acc`` dsink's partial sums
     (``[128, G]`` fp32, with sinks); ``scratch`` the program's fp32 ``(dK, dV)`` partial
     sums in HBM with several chunks (else None), ``(ceil(Nk / 128) 128, D)`` each, rows
-    ``128 r ..`` those of the key block at order position r."""
+    ``128 r ..`` those of the key block at order position r; ``acc_k`` under nki.* with
+    several chunks the host's steps of each block's sums per chunk (``LaunchTables.acc_k``:
+    write, add, finish with or without the earlier sums), else None."""
 
-    def __init__(self, f: F.Instance, do, dq, dk, dv, scratch, score, dsink_acc):
+    def __init__(self, f: F.Instance, do, dq, dk, dv, scratch, score, dsink_acc, acc_k=None):
         self.f, self.do, self.dq, self.dk, self.dv = f, do, dq, dk, dv
         self.scratch = scratch
+        self.acc_k = acc_k
         self.dropout_p = f.dropout_p
         self.scale = f.scale
         self.mods = score.mods if score is not None else SM.Mods()
@@ -425,14 +438,16 @@ def _row_counts(f: F.Instance, meta_k, first, count: int):
 
 
 def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: str, r,
-               trip: int, exact: bool, counts=None):
+               trip: int, exact: bool, counts=None, flags=None):
     """dK, dV of the key block at order position ``r`` of chunk ``chunk`` (table row ``chunk
     nkt + r``; phase 2 of the module docstring; ``step``: ``"first"``, ``"mid"`` or
     ``"last"`` chunk, one chunk being the last) over its pairs with
     the chunk's staged query tiles (``res``), accumulated in PSUM, and each pair's ``dS K``
     into its query tile's dQ accumulator; the block's dK, dV stored, with several chunks
-    through the fp32 scratch (:func:`_add_partial`). ``counts``: ``(table, column of r)`` of
-    :func:`_row_counts` (nki.*, rows with padding slots), else None."""
+    through the fp32 scratch (legacy :func:`_add_partial`, nki.* :func:`_accumulate`).
+    ``counts``: ``(table, column of r)`` of :func:`_row_counts` (nki.*, rows with padding
+    slots), else None; ``flags``: ``(table, column of r)`` of :func:`_acc_flags` (nki.*,
+    several chunks), else None."""
     f = cfg.f
     pos = chunk * T.ceil_div(f.Nk, P) + r
     hb = f.b if meta_k.shape[0] > 1 else 0
@@ -454,11 +469,26 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         scatter(cfg.dk, (f.b, f.g), out_idx, zeros)
         scatter(cfg.dv, (f.b, f.g), out_idx, zeros)
         return
+    regs = None
+    if flags is not None:
+        # the block's trip counts (0 or 1) of its sums' steps (:func:`_accumulate`)
+        table, col = flags
+        n = table.shape[1] // 4
+        regs = [port.register(table[0:1, nl.ds(k * n + col, 1)]) for k in T.unrolled(4)]
     dk_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
     dv_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
     skip = cfg.need_mask(geo, exact)
     # keys at or past kv_len are not read (without lengths: the partial last block's)
     k_idx = rows_at(k_pos, geo.kv_len, geo.kv) if geo.has_lens else out_idx
+    if cfg.acc_k is not None and step == "last" and shared_row:
+        # nki.*: the last chunk reads K, V only for the blocks it meets (count > 0; the
+        # other blocks' outputs are their earlier sums)
+        unmet = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(unmet, bc0[:, 1:2], nl.less_equal, 0.0, op1=nl.multiply,
+                           operand1=float(T.BSP_PAD_FIRST))
+        met_pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(met_pos, unmet, k_pos, nl.add)
+        k_idx = rows_at(met_pos, geo.kv_len if geo.has_lens else f.Nk, geo.kv)
     # with several chunks a row may name no block (pushed past Nk): nothing read
     kT, vT, k_mm = _key_side(cfg, k_idx, geo.has_lens or f.Nk % P != 0
                              or cfg.scratch is not None)
@@ -514,6 +544,9 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         if cfg.scratch is None:
             done = nl.ndarray((P, f.D), dtype=out.dtype, buffer=nl.sbuf)
             port.activation(done, nl.copy, ps, scale=factor)
+        elif flags is not None:
+            _accumulate(cfg, part, r, ps, factor, regs, out, out_idx)
+            continue
         else:
             done = _add_partial(cfg, part, r, ps, factor, step != "first",
                                 out.dtype if step == "last" else None)
@@ -522,15 +555,65 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         scatter(out, (f.b, f.g), out_idx, done)
 
 
+def _acc_flags(f: F.Instance, acc_k, first, count: int):
+    """nki.*, several chunks: int32 ``[1, 4 count]``, column block k (``k count ..``) the
+    host's step k (``acc_k``, :func:`host.block_sparse._accumulator_steps`: write, add,
+    finish with or without the earlier sums) of the key blocks at table rows ``first ..
+    first + count - 1`` (a class of a chunk), 0 or 1. Read once per class, as
+    :func:`_row_counts`: the blocks' register trip counts wait for values written long
+    before. The DMA casts the fp32 table (exact)."""
+    hb = f.b if acc_k.shape[0] > 1 else 0
+    g = f.g if acc_k.shape[1] > 1 else 0
+    out = nl.ndarray((1, 4 * count), dtype=nl.int32, buffer=nl.sbuf)
+    for k in T.unrolled(4):
+        port.dma_copy(out[0:1, k * count:(k + 1) * count],
+                      acc_k[hb, g, nl.ds(first, count), k:k + 1].permute((1, 0)))
+    return out
+
+
+def _accumulate(cfg: _Cfg, part: int, r, ps, factor: float, regs, out, out_idx):
+    """nki.* with several chunks: this chunk's step with ``factor ps`` (a key block's dK or
+    dV sums of this chunk, PSUM ``[128, D]``) and ``scratch[part]``, the fp32 sums at the
+    block's order position r (static addresses: the blocks' transfers are independent DMAs),
+    each a runtime loop of trip 0 or 1 (``regs``: registers of :func:`_acc_flags`), so only
+    the chunks that meet a block move its sums, and a block one chunk meets never leaves
+    it: 0. written by the first meeting chunk (unless it is the last); 1. added to by a
+    middle one (``nisa.dma_compute``: the fp32 add in the DMA engines, ``dst(HBM) = dst(HBM)
+    + src(SBUF)``, one DMA where legacy reads, adds on GpSimd and writes back); 2. or 3. the
+    block's last meeting chunk (for a block no chunk meets, the last chunk) adds the earlier
+    sums read back (2; a plain DMA that need not wait for this chunk's sums) or none (3), at
+    ``out``'s dtype (GpSimd), and stores the block's rows of ``out`` (``out_idx``). ScalarE
+    copies out of PSUM (VectorE has the pairs' dS and dQ work)."""
+    f = cfg.f
+    rows = cfg.scratch[part][nl.ds(r * P, P), :]
+    new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+    port.activation(new, nl.copy, ps, scale=factor)
+    port.loop_between(0, regs[0], lambda _: port.dma_copy(rows, new))
+    port.loop_between(0, regs[1], lambda _: port.dma_add(rows, [rows, new]))
+
+    def finish(read: bool):
+        total = nl.ndarray((P, f.D), dtype=out.dtype, buffer=nl.sbuf)
+        if read:
+            prev = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+            port.dma_copy(prev, rows)
+            port.tensor_tensor(total, prev, new, nl.add, engine="gpsimd")
+        else:
+            port.tensor_copy(total, new, engine="gpsimd")
+        scatter(out, (f.b, f.g), out_idx, total)
+
+    port.loop_between(0, regs[2], lambda _: finish(True))
+    port.loop_between(0, regs[3], lambda _: finish(False))
+
+
 def _add_partial(cfg: _Cfg, part: int, r, ps, factor: float, read: bool, out_dtype):
-    """Several chunks: ``factor ps`` (a key block's dK or dV sums of this chunk, PSUM ``[128,
-    D]``) plus, with ``read``, the sums of the earlier chunks, held in rows ``128 r ..`` of
-    ``scratch[part]`` (the block's order position r, the same in every chunk: a static
-    address, so the read-add-writes of different blocks are independent DMAs). Before the
-    last chunk (``out_dtype`` None) the fp32 total is written there and None returned (the
-    first chunk writes every row a later one reads: each lists the same rows); in it the
-    total at ``out_dtype`` is returned (the block's output). ScalarE copies out of PSUM and
-    GpSimd adds (VectorE has the pairs' dS and dQ work)."""
+    """Legacy with several chunks: ``factor ps`` (a key block's dK or dV sums of this chunk,
+    PSUM ``[128, D]``) plus, with ``read``, the sums of the earlier chunks, held in rows
+    ``128 r ..`` of ``scratch[part]`` (the block's order position r, the same in every
+    chunk: a static address, so the read-add-writes of different blocks are independent
+    DMAs). Before the last chunk (``out_dtype`` None) the fp32 total is written there and
+    None returned (the first chunk writes every row a later one reads: each lists the same
+    rows); in it the total at ``out_dtype`` is returned (the block's output). ScalarE
+    copies out of PSUM and GpSimd adds (VectorE has the pairs' dS and dQ work)."""
     f = cfg.f
     rows = cfg.scratch[part][nl.ds(r * P, P), :]
     new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
@@ -551,7 +634,8 @@ def _add_partial(cfg: _Cfg, part: int, r, ps, factor: float, read: bool, out_dty
 
 @port.jit
 def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens=None,
-                               seed=None, alibi_slopes=None, sinks=None, *, classes_k,
+                               seed=None, alibi_slopes=None, sinks=None, acc_k=None, *,
+                               classes_k,
                                chunk_tiles, scale=1.0, causal=None, window=None,
                                mm_dtype="bfloat16", dropout_p=0.0, softcap=None):
     """Gradients ``(dq, dk, dv)`` of the block-sparse forward, over the instances ``(B, Hkv)``
@@ -562,7 +646,10 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
     pattern's tables (key blocks and their query tiles), one per chunk,
     ``(B or 1, Hq or 1, chunks ceil(Nk/128), 2 + trip)``: rows ``c nkt ..`` those of chunk c
     (its query tiles only), in one order per (kv group, chunk), the classes common to all
-    (``host.block_sparse.launch_tables``). Other arguments as the forward; o and lse are the
+    (``host.block_sparse.launch_tables``). ``acc_k``: under nki.* with several chunks (and
+    only then) the steps of the dK/dV sums, ``(B or 1, Hkv or 1, chunks ceil(Nk/128), 4)``
+    fp32
+    (``LaunchTables.acc_k``). Other arguments as the forward; o and lse are the
     forward's outputs, do the gradient of o. Score modifiers as the forward's (``softcap``,
     ``alibi_slopes``, ``sinks``; ``score_mods.py``): with sinks also ``dsinks`` ``(B, Hq)``
     float32, each sequence's ``-sum_i exp(sink - lse_i) D_i``. Rows or dropout units that
@@ -578,6 +665,15 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
         raise ValueError(f"meta_k: expected {chunks} x {nkt} rows ({chunks} chunks of "
                          f"{chunk_tiles} query tiles), got shape {meta_k.shape}")
     check_classes(classes_k, nkt, meta_k.shape[3] - 2)
+    nki_acc = chunks > 1 and port.api() == "nki"
+    if nki_acc and (acc_k is None or tuple(acc_k.shape[2:]) != (chunks * nkt, 4)
+                    or acc_k.shape[0] not in (1, B) or acc_k.shape[1] not in (1, Hkv)):
+        raise ValueError(f"acc_k: nki.* with {chunks} chunks needs the accumulator steps "
+                         f"(B or 1, Hkv or 1, {chunks * nkt}, 4) (LaunchTables.acc_k), got "
+                         f"{None if acc_k is None else tuple(acc_k.shape)}")
+    if not nki_acc and acc_k is not None:
+        raise ValueError(f"acc_k: read only by the nki.* backward with several chunks; this "
+                         f"is {chunks} chunk(s) through {port.api()}: pass None")
     int_rows = exact_indices(max(B * Hq * Nq, B * Hkv * Nk),
                              B * Hq * nqt * nkt if dropout_p else 0)
     if dropout_p and seed is None:
@@ -620,7 +716,7 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
             port.memset(dsink_acc, 0.0, engine="gpsimd")
         drop = F.load_dropout(dropout_p, seed, nl.float32) if dropout_p else None
         f = F.Instance.of(c, drop=drop)
-        cfg = _Cfg(f, do, dq, dk, dv, scratch, score, dsink_acc)
+        cfg = _Cfg(f, do, dq, dk, dv, scratch, score, dsink_acc, acc_k)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
         res = _Resident(f, chunk_tiles)
 
@@ -636,10 +732,13 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
                     continue                    # no pair in any chunk: zeros at the last
                 counts = (_row_counts(f, meta_k, ci * nkt + first, count)
                           if trip and not exact and port.api() == "nki" else None)
+                flags = (_acc_flags(f, acc_k, ci * nkt + first, count)
+                         if trip and acc_k is not None else None)
                 port.loop(count, lambda r, first=first, trip=trip, exact=exact,
-                          counts=counts: _key_block(
+                          counts=counts, flags=flags: _key_block(
                               cfg, geo, meta_k, res, ci, step, first + r, trip, exact,
-                              None if counts is None else (counts, r)),
+                              None if counts is None else (counts, r),
+                              None if flags is None else (flags, r)),
                           carried=True)
             res.run(cfg, geo, lambda h, _, t, local, rows: res.write_dq(cfg, h, t, local,
                                                                        rows),

@@ -17,7 +17,7 @@ import enum
 
 import numpy as np
 
-from .. import _deps, _index, _ops, _runtime, _scalar, _tensor
+from .. import _deps, _dma_compute, _index, _ops, _runtime, _scalar, _tensor
 from .. import _dtypes as _dt
 from .. import isa as _I
 from .. import language as _L
@@ -498,6 +498,39 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     _into(api, dst, _I.iota(expr, dst.dtype))
 
 
+
+def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True,
+                oob_mode=oob_mode.error, name=None):
+    """``dst = reduce_op(srcs[0] * scales[0], ...)`` computed in fp32 by the DMA engines
+    (new in 0.7): a static transfer, or a read-modify-write with one indirect
+    (``.ap(vector_offset=...)``) side -- scatter ``dst(HBM)[indices] += src(SBUF)`` or gather
+    ``dst(SBUF) += src(HBM)[indices]``. The stub's restrictions are enforced: ``nl.add`` only,
+    every scale 1.0, at most 16 sources of ``dst``'s element count, HBM or SBUF operands, the
+    RMW forms with exactly 2 sources and ``unique_indices=True`` (rows repeated in the indirect
+    access refused). Semantics and cost: :mod:`simulate._dma_compute`."""
+    api = "dma_compute"
+    _need_tensor(api, dst, "dst")
+    if not isinstance(srcs, (list, tuple)) or not srcs:
+        raise TypeError(f"nisa.dma_compute: 'srcs' must be a non-empty list of NKI tensors, "
+                        f"got {srcs!r} ({_doc(api)})")
+    for i, s in enumerate(srcs):
+        _need_tensor(api, s, f"srcs[{i}]")
+    _op_is(api, reduce_op, "reduce_op", ("add",))
+    if scales is not None:
+        if len(scales) != len(srcs) or any(float(x) != 1.0 for x in scales):
+            raise ValueError(f"nisa.dma_compute: 'scales' must be None or {len(srcs)} values "
+                             f"all 1.0 (one per source), got {list(scales)!r} ({_doc(api)})")
+    if not unique_indices:
+        raise ValueError(f"nisa.dma_compute: unique_indices=False is not supported "
+                         f"(non-unique scatter/gather indices); allowed: True ({_doc(api)})")
+
+    def err(code, kind, message):
+        return nki_error(code, kind, f"nisa.dma_compute: {message} ({_doc(api)})")
+
+    _dma_compute.dma_compute(dst, list(srcs), skip_oob=int(oob_mode) == int(_OOB.skip),
+                             err=err)
+
+
 # -- DMA transpose ------------------------------------------------------------------------------
 _TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
 
@@ -556,6 +589,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
 
 
 _DGE = dge_mode
+_OOB = oob_mode
 
 
 # -- VectorE with accumulation registers --------------------------------------------------------

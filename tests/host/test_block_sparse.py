@@ -244,6 +244,24 @@ def test_backward_tables_per_chunk(index):
             # every key block a head meets in the chunk is listed
             assert {j for j in range(nkt) if dense[0, h, 2 * c:2 * c + 2, j].any()} <= seen
     assert pushed >= 2                                    # block 2 of heads 0 and 1, chunk 0
+    # the nki.* steps of each block's dK/dV sums, per kv group and chunk: the block's last
+    # meeting chunk finishes it (with the sums of earlier ones read back, column 2, or not,
+    # 3), the last chunk a block none meets; an earlier meeting chunk writes them (0) or,
+    # after another, adds to them (1)
+    acc = t.acc_k
+    assert acc.shape == (1, 2, 3 * nkt, 4) and acc.dtype == np.float32
+    for grp in range(2):
+        order = meta[0, 2 * grp, 2 * nkt:, 0]
+        for r, first in enumerate(order):
+            j = int(first) // 128
+            met = [dense[0, 2 * grp:2 * grp + 2, 2 * c:2 * c + 2, j].any() for c in range(3)]
+            done = max([c for c in range(3) if met[c]], default=2)
+            for c in range(3):
+                earlier = any(met[:c])
+                want = [met[c] and c < done and not earlier, met[c] and c < done and earlier,
+                        c == done and earlier, c == done and not earlier]
+                assert acc[0, grp, c * nkt + r].tolist() == [float(w) for w in want]
+    assert bs.launch_tables(sp, group=2, forward=False).acc_k is None
 
 
 def test_kernel_tables_keep_the_natural_order_unless_grouping_shares_more():

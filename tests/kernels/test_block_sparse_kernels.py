@@ -262,7 +262,8 @@ def test_program_size_does_not_grow_with_n(api, mods):
         o = np.zeros_like(q)
         lse = np.zeros(q.shape[:3], np.float32)
         bwd = [program_size(block_sparse_attention_bwd.on(api), grid, q, k, v, o, do, lse,
-                            tk.k.meta, classes_k=tk.k.classes, chunk_tiles=ct, **kw)
+                            tk.k.meta, acc_k=tk.acc_k if api == "nki" else None,
+                            classes_k=tk.k.classes, chunk_tiles=ct, **kw)
                for ct, tk in ((N // 128, t), (8, bs.launch_tables(sp, group=1,
                                                                  chunk_tiles=8)))]
         sizes.append((fwd, *bwd))
@@ -585,14 +586,14 @@ def _chunk_budget(monkeypatch, G, D, extras, slots):
 
 
 def test_backward_chunks_the_query_side_past_sbuf(monkeypatch):
-    """Past SBUF (the budget shrunk here: two 128-row tiles per head and chunk) the backward
-    stages the query tiles a chunk at a time, sweeps per chunk the key blocks the chunk meets
-    and adds their dK, dV to an fp32 scratch: the gradients match the reference (band,
-    lengths, GQA, the partial last tile alone in the last chunk) and, through nki.*, the
-    legacy trace bit for bit."""
+    """Past SBUF (the budget shrunk here: one 128-row tile per head and chunk, three chunks)
+    the backward stages the query tiles a chunk at a time, sweeps per chunk the key blocks
+    the chunk meets and adds their dK, dV to an fp32 scratch (legacy: every chunk; nki.*:
+    by ``nisa.dma_compute``, only the chunks that meet a block): the gradients match the reference (band, lengths, GQA, the partial last
+    tile alone in the last chunk) and, through nki.*, the legacy trace bit for bit."""
     B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 300, 390, 32
-    _chunk_budget(monkeypatch, Hq // Hkv, D, True, 2)
-    assert T.bsp_bwd_chunks(Hq // Hkv, Nq, D, 4, "trn2", True) == (2, 2)
+    _chunk_budget(monkeypatch, Hq // Hkv, D, True, 1)
+    assert T.bsp_bwd_chunks(Hq // Hkv, Nq, D, 4, "trn2", True) == (3, 1)
     q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=42)
     mask = _pattern(B, Hq, Nq, Nk, 0.5, seed=43)
     kw = dict(causal=True, kv_lens=[250], q_lens=[280])
@@ -609,36 +610,47 @@ def test_backward_chunks_the_query_side_past_sbuf(monkeypatch):
         assert _err(g, w) < 1e-5 * max(1.0, np.abs(w).max())
 
 
-@pytest.mark.parametrize("index, kv_blocks, scratch_read, scratch_written",
-                         [(False, 4, 4, 4), (True, 6, 8, 8)], ids=["dense", "index"])
-def test_chunked_backward_traffic(index, kv_blocks, scratch_read, scratch_written,
-                                  monkeypatch):
-    """Chunks of two query tiles (0-1 meet key blocks 0 and 2, 2-3 block 0; 1 and 3 none),
-    one order of key blocks for both chunks: q, dO, o, lse read once; K, V per chunk for the
-    blocks listed (the first chunk only those it meets, the last every one met by some chunk:
-    blocks 0 and 2, in the index form's natural order all four); dQ, dK, dV written once; the
-    fp32 scratch (in 128-key blocks of dK and dV) written by the first chunk per listed row,
-    read by the last."""
+@pytest.mark.parametrize("api, heads, index, kv_blocks, scratch", [
+    ("legacy", 2, False, 4, 4), ("legacy", 2, True, 6, 8), ("legacy", 1, False, 4, 4),
+    ("nki", 2, False, 4, 2), ("nki", 2, True, 6, 2), ("nki", 1, False, 3, 2)],
+    ids=["legacy-dense", "legacy-index", "legacy-shared", "nki-dense", "nki-index",
+         "nki-shared"])
+def test_chunked_backward_traffic(api, heads, index, kv_blocks, scratch, monkeypatch):
+    """Chunks of two query tiles (GQA 2:1; with ``heads`` 2 per-head patterns: head 0 meets
+    key block 0 from every tile, head 1 block 2 from tile 1; with 1 one pattern of both),
+    one order of key blocks for both chunks: q, dO, o, lse read once; dQ, dK, dV written
+    once. K, V per chunk for the blocks it meets (the first chunk: 0 and 2; the last: 0),
+    except in the last chunk: legacy reads every block some chunk meets (0 and 2; in the
+    index form's natural order all four), nki.* too with per-head patterns, but with one
+    shared pattern only those it meets. The fp32 scratch (``scratch`` 128-key blocks of dK
+    and dV, each written and read once): legacy writes every listed row in the first chunk
+    and reads it in the last; nki.* only blocks that several chunks meet (0, written by the
+    first chunk and read back by the last, which stores it; block 2 is stored by the first),
+    in either form, plus ``acc_k``: four columns per listed row and chunk."""
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
     B, Hq, Hkv, N, D = 1, 2, 1, 512, 32
     _chunk_budget(monkeypatch, Hq // Hkv, D, False, 2)
     q, k, v, do = attention_inputs(B, Hq, Hkv, N, N, D, seed=44)
-    mask = np.zeros((1, Hq, 4, 4), bool)
+    mask = np.zeros((1, heads, 4, 4), bool)
     mask[0, 0, :, 0] = True
-    mask[0, 1, 1, 2] = True
+    mask[0, heads - 1, 1, 2] = True
     pattern = tuple(bs.dense_to_index(mask, 2)) if index else mask
     per = _backward_traffic(q, k, v, do, pattern, mask)
     block = 128 * D * 4
     assert per["k"]["read"] == per["v"]["read"] == kv_blocks * block
     outs = sum(r["written"] for n, r in per.items() if n.startswith("shared_hbm"))
     assert outs == (Hq + 2 * Hkv) * N * D * 4
-    scratch = [r for n, r in per.items() if n.startswith("hbm")]
-    assert sum(r["read"] for r in scratch) == scratch_read * block
-    assert sum(r["written"] for r in scratch) == scratch_written * block
+    parts = [r for n, r in per.items() if n.startswith("hbm")]
+    assert sum(r["read"] for r in parts) == sum(r["written"] for r in parts) == scratch * block
+    listed = 4 if index else 2
+    assert per.get("acc_k", {"read": 0})["read"] == (2 * 4 * listed * 4 if api == "nki"
+                                                     else 0)
 
 
 def test_backward_refuses_groups_and_chunks_that_do_not_fit(monkeypatch):
     """A kv group whose query heads cannot stage one tile each is refused by the host; the
-    kernel refuses a chunk size past SBUF and tables of another chunking."""
+    kernel refuses a chunk size past SBUF, tables of another chunking and accumulator steps
+    missing (nki.*, several chunks), of another shape or where none are read."""
     q, k, v, do = attention_inputs(1, 64, 1, 256, 256, 256)
     lse = np.zeros(q.shape[:3], np.float32)
     with pytest.raises(ValueError, match=r"block_mask: the block-sparse backward stages one "
@@ -655,6 +667,17 @@ def test_backward_refuses_groups_and_chunks_that_do_not_fit(monkeypatch):
         with pytest.raises(ValueError, match=match):
             program_size(block_sparse_attention_bwd.on("legacy"), grid, q, k, v, q, do, lse,
                          t.k.meta, classes_k=t.k.classes, chunk_tiles=ct)
+    # the accumulator steps: needed by nki.* with several chunks, refused elsewhere
+    for api, acc_k, match in (
+            ("nki", None, r"acc_k: nki.\* with 2 chunks needs the accumulator steps "
+                          r"\(B or 1, Hkv or 1, 4, 4\) \(LaunchTables.acc_k\), got None"),
+            ("nki", t.acc_k[..., :2], r"acc_k: .* got \(1, 1, 4, 2\)"),
+            ("legacy", t.acc_k, r"acc_k: read only by the nki.\* backward with several "
+                                r"chunks; this is 2 chunk\(s\) through legacy: pass None")):
+        with pytest.raises(ValueError, match=match):
+            program_size(block_sparse_attention_bwd.on(api), launch_grid((1, 1), api), q, k,
+                         v, q, do, lse, t.k.meta, acc_k=acc_k, classes_k=t.k.classes,
+                         chunk_tiles=2)
     monkeypatch.setitem(T.BWD_SBUF_BUDGET_BYTES, "trn2", 1000)
     with pytest.raises(ValueError, match=r"chunk_tiles: 2 query tiles of 1 heads need \d+ "
                                          r"bytes per partition, more than trn2's budget"):
