@@ -168,6 +168,22 @@ def bsp_pipeline_depth(width: int) -> int:
 #: before the values-first load, 0 / 4 / 8: s = 1/32 34.9 / 34.1 / 35.8, band+strided 51.5 /
 #: 50.8 / 51.1.
 BSP_FINALIZE_ACT_SHARE = 0.5
+#: Most key blocks of a step whose first accumulator update (a copy of PV out of PSUM, the
+#: tile's first step: ``forward.fold_update`` ``first``) the block-sparse forward puts on
+#: ScalarE; longer steps put it on VectorE. Scheduled estimate, trn2 through nki.*, N = 4096,
+#: bf16, index form, fixed_density, share of a group's tiles copying on ScalarE 0 / 0.25 /
+#: 0.5 / 0.75 / 1 (us): D = 128 s = 1/32 (one-block steps) 30.8 / 30.0 / 29.5 / 29.2 / 28.8;
+#: s = 1/8 (four) 47.5 / 48.9 / 50.4 / 52.6 / 52.1; s = 1/16 (0 / 0.5 / 1) 34.9 / 35.1 / 35.6;
+#: s = 1/4 (0 / 1) 68.9 / 69.2; s = 1/2 109.5 / 110.3; D = 64 s = 1/32 24.4 / 23.7.
+BSP_FIRST_COPY_ACT_MAX_BLOCKS = 1
+#: Most slots of a block-sparse forward class (natural order, NeuronCore-v3+) whose groups
+#: store LSE as ``[tiles, 128]`` rows (a TensorE transpose and a ScalarE copy out of PSUM,
+#: then 512-byte rows) instead of ``[128, tiles]`` columns (one 4-byte DMA descriptor per row):
+#: the DMA queues are the busiest at low density. Scheduled estimate, trn2 through nki.*,
+#: N = 4096, D = 128, bf16, index form, fixed_density, rows / columns (us): s = 1/16 34.9 /
+#: 35.3, 1/8 47.5 / 48.0, 1/4 68.9 / 67.9, 1/2 109.5 / 110.1, s = 1 191.7 / 190.9; s = 1/32
+#: before the first-step copy 31.1 / 32.8.
+BSP_LSE_ROWS_MAX_SLOTS = 4
 #: SBUF bytes per partition the block-sparse forward needs beside resident K/V and the
 #: per-slot tables, counted generously: a group's query state, score and P tiles, the mask
 #: tiles, a group's held outputs (natural order), the P tiles of the back halves a step keeps

@@ -71,9 +71,11 @@ do not fit in SBUF, the nki.* one's)::
         indicator: padding slot, keys past the length, causal/window band -- comparisons of
         iota tiles with per-slot columns); online-softmax update over the step's score tiles
         (forward.fold_front and fold_back, shared with the dense kernel; a tile's front is
-        issued before the back halves of up to tiles.bsp_pipeline_depth earlier tiles)
+        issued before the back halves of up to tiles.bsp_pipeline_depth earlier tiles; a
+        first sweep of one step is peeled: its update is a copy of PV, no rescale)
     O, LSE of the group's tiles finalized together (forward.finalize), scattered to the
-    tiles' rows (rows past Nq skipped; natural order: one plain store each for the group)
+    tiles' rows (rows past Nq skipped; natural order: one plain store each for the group,
+    LSE as [tiles, 128] rows after a TensorE transpose in short classes on gen3+)
 
 Masks here are computed at run time from the block's position (the dense kernel's band
 predicates are affine in loop indices; here the key block is data). The alignment offset of
@@ -517,7 +519,13 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     skip = geo.needs_key_mask(exact)
     W = min(src.step, trip)                    # a tile's own slots per step
     Ws = min(T.BSP_SHARED_STEP_BLOCKS, shared)  # the group's shared slots per step
-    st = F.GroupState(f, n_tiles, P)
+    # a class whose first sweep is one step (the shared slots', else the own slots'; every
+    # density up to 1/2 at N = 4096 with resident K/V): that step's accumulator update is a
+    # copy (forward.fold_update first), so the accumulators need no zeroing. Not with sinks
+    # (the sink is the first "key") or dropout (its row sums are added)
+    once = shared <= Ws if shared else 0 < trip <= W
+    peel = once and not f.dropout_p and not f.mods.sinks
+    st = F.GroupState(f, n_tiles, P, zero_o=not peel)
     if f.mods.sinks:
         F.start_at_sink(f, st, h, n_tiles, slot0=0)
     # the group's table rows (consecutive rows of the table) in one DMA: at the start the
@@ -605,17 +613,17 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
                       q_pos, dist))
 
     if direct and held.prev is not None:
-        _store_held(f, head, held, held.prev, held.o.shape[1])
+        _store_held(f, head, held, held.prev, held.o.shape[1], trip)
 
     def step_kv(rw, src, s0, n):
         if res is not None:
             return _ResidentKV(res, src, s0)
         return _gather_kv(f, rw, src, s0, n, skip)
 
-    def one_step(s0, n, common):
+    def one_step(s0, n, common, first=False):
         """Slots ``s0 .. s0 + n - 1``: a shared slot's K/V are gathered once (from the first
         tile's table, which lists the same block there as every tile's) and serve every
-        tile."""
+        tile. ``first``: the tiles' first step (``peel``)."""
         kv = step_kv(tiles[0][0], shared_src, s0, n) if common else None
         # software pipelined: tile t's scores and softmax front are issued before the back
         # halves (P^T, PV, the accumulator update) of the `depth` tiles before it, so that an
@@ -625,17 +633,21 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         depth = T.bsp_pipeline_depth(n)
         for t, (rw, src, cols, seeds, _, _, dist) in enumerate(tiles):
             own = kv if common else step_kv(rw, src, s0, n)
-            backs.append(_step(f, geo, st, t, rw, own, cols, seeds, h, q_frame, s0, n, dist))
+            backs.append(_step(f, geo, st, t, rw, own, cols, seeds, h, q_frame, s0, n, dist,
+                               first))
             if len(backs) > depth:
                 backs.pop(0)()
         for back in backs:
             back()
 
-    def sweep(lo: int, hi: int, common: bool, width: int):
+    def sweep(lo: int, hi: int, common: bool, width: int, first: bool = False):
         """Slots lo .. hi - 1 in steps of up to ``width`` blocks (a sequential loop of full
-        steps and a static tail)."""
+        steps and a static tail); ``first``: they are one step, the tiles' first (``peel``)."""
         w = min(width, hi - lo)
         if w == 0:
+            return
+        if first:
+            one_step(lo, w, common, True)
             return
         port.loop((hi - lo) // w, lambda s: one_step(lo + s * w, w, common), carried=True)
         if (hi - lo) % w:
@@ -645,10 +657,10 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     if shared and res is None:
         shared_src = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
         F.ones_column(f, shared_src[:, :, f.D:f.D + 1])
-    sweep(0, shared, True, Ws)
+    sweep(0, shared, True, Ws, peel)
     if plan is None:
         # legacy: no runtime trip count, padding slots run masked (gathers skipped)
-        sweep(shared, trip, False, W)
+        sweep(shared, trip, False, W, peel and not shared)
     else:
         port.loop_between(0, port.register(plan[0]),
                           lambda s: one_step(shared + s * W, W, False))
@@ -821,14 +833,15 @@ def _block_numbers(grp, trip: int, nkb: int):
 
 
 def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame: RowFrame,
-          s0, n: int, dist=None):
+          s0, n: int, dist=None, first: bool = False):
     """Slots ``s0 .. s0 + n - 1`` (``s0`` an index expression, n static) of a query tile of
     member head h, whose K and V blocks ``kv`` holds (:func:`_gather_kv`): the score tiles of
     ``128 n`` keys, one PSUM bank each (:func:`_scores`: ``S = Q K^T``, the score modifiers,
     ``dist``: the tile's ALiBi columns, :meth:`Geometry.distance_columns`, the runtime masks),
     then the front half of one online-softmax update over them (``forward.fold_front``).
     Returns its back half (``forward.fold_back``), to be called once the next tile's front is
-    issued (:func:`_attend_tiles`): the two halves are ``forward.fold_block``'s."""
+    issued (:func:`_attend_tiles`): the two halves are ``forward.fold_block``'s. ``first``:
+    the tile's first step (``forward.fold_update`` first)."""
     head = f.head(h)
     per_bank = f.tiles.k_tile // P
     s_tiles = [_scores(f, geo, st, slot, kv, cols, h, s0, c0, min(per_bank, n - c0), dist)
@@ -847,8 +860,14 @@ def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame
                 _store_mask(f, geo, rw, head, q_frame, s0 + w, keep)
 
     widths = [t.shape[1] for t in s_tiles]
-    front = F.fold_front(f, st, slot, s_tiles, widths, None, drop if f.dropout_p else None)
-    return lambda: F.fold_back(f, st, slot, front, widths, kv, 0, None)
+    front = F.fold_front(f, st, slot, s_tiles, widths, None, drop if f.dropout_p else None,
+                         first=first)
+    # the first step's accumulator copy (PSUM -> SBUF): ScalarE for one-block steps, where
+    # VectorE's row maxima and updates make it the busier engine, else VectorE
+    # (tiles.BSP_FIRST_COPY_ACT_MAX_BLOCKS)
+    copy = "scalar" if n <= T.BSP_FIRST_COPY_ACT_MAX_BLOCKS else "vector"
+    return lambda: F.fold_back(f, st, slot, front, widths, kv, 0, None,
+                               first=copy if first else None)
 
 
 def _scores(f, geo: Geometry, st, slot, kv, cols, h, s0, c0: int, n: int, dist):
@@ -1150,19 +1169,33 @@ def _deferred_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, first: int, c
     if count % g:
         group(first + full * g, count % g, last)
         last, n = first + full * g, count % g
-    _store_held(f, f.head(h), held, last, n)
+    _store_held(f, f.head(h), held, last, n, trip)
 
 
-def _store_held(f, head, held: _Held, pos0, n: int):
+def _store_held(f, head, held: _Held, pos0, n: int, trip: int):
     """Store the ``n`` query tiles held in ``held`` (positions ``pos0 ..``, natural order: rows
     ``128 pos``) to o and lse by plain DMAs, one for each ``[128, n, cols]`` (their rows are
     consecutive): two DMAs per group instead of two per tile, each waiting on one DMA queue
     for the group's finalize (:func:`forward.finalize` of the group's tiles at once; trn2
     N = 4096, D = 128, index form, s = 1/8: 58.7 us with two stores per tile, 56.0 with
-    two per group)."""
+    two per group). LSE: with at most ``tiles.BSP_LSE_ROWS_MAX_SLOTS`` slots (``trip``) on
+    NeuronCore-v3+, transposed to ``[n, 128]`` first (below)."""
     port.dma_copy(port.row_blocks(f.o, (f.b, head), pos0 * P, P, n, f.D), held.o[:, 0:n, :])
-    port.dma_copy(port.row_blocks(f.lse_col, (f.b, head), pos0 * P, P, n, 1),
-                  held.lse[:, 0:n, :])
+    if not port.gen3() or trip > T.BSP_LSE_ROWS_MAX_SLOTS:
+        port.dma_copy(port.row_blocks(f.lse_col, (f.b, head), pos0 * P, P, n, 1),
+                      held.lse[:, 0:n, :])
+        return
+    # LSE rows of the group's tiles: a [128, n] column store is one 4-byte descriptor per row
+    # (simulate._hw DMA_CHUNK_OVERHEAD_BYTES each), so transpose it to [n, 128] on TensorE
+    # (idle at low density; a move, exact for fp32 and -inf on gen3+) and store n rows of 512
+    # contiguous bytes: at low density the DMA queues are the busiest (the resident K/V load,
+    # Q^T, O), at high density TensorE and ScalarE
+    tp = nl.ndarray((n, P), dtype=port.transpose_dtype(nl.float32), buffer=nl.psum)
+    port.nc_transpose(tp, held.lse[:, 0:n, 0])
+    rows = nl.ndarray((n, P), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_copy(rows, tp, engine="scalar")
+    lse_rows = f.lse.reshape((f.B, f.Hq, f.Nq // P, P))
+    port.dma_copy(lse_rows[f.b, head, nl.ds(pos0, n), :], rows)
 
 
 def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):

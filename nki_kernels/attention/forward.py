@@ -842,9 +842,12 @@ class GroupState:
       ``tiles.FWD_NKI_DROPOUT_MAX_ACT_SHARE`` (with a causal or window band
       ``FWD_NKI_DROPOUT_BAND_MAX_ACT_SHARE``), since VectorE also draws every mask
       (``nisa.dropout`` is VectorE only); else 0.
+
+    ``zero_o`` False: ``o`` is left unwritten, for a caller whose first update of every slot
+    writes it whole (:func:`fold_update` ``first``).
     """
 
-    def __init__(self, f: Instance, n: int, rows: int):
+    def __init__(self, f: Instance, n: int, rows: int, zero_o: bool = True):
         P, width = T.PMAX, f.tiles.softmax_block // f.tiles.k_tile
         self.n, self.rows = n, rows
         share = 0.0
@@ -862,7 +865,8 @@ class GroupState:
         self._split = None if f.spec.has_diag else _Splitter(share)
         self.qT = [nl.ndarray((d, n, rows), dtype=f.mm, buffer=nl.sbuf) for _, d in f.d_passes]
         self.o = nl.ndarray((P, n, f.vcols), dtype=nl.float32, buffer=nl.sbuf)
-        port.memset(self.o, 0.0, engine="gpsimd")
+        if zero_o:
+            port.memset(self.o, 0.0, engine="gpsimd")
         self.stats = nl.ndarray((P, n, 2 + width), dtype=nl.float32, buffer=nl.sbuf)
         port.memset(self.stats[:, :, 1:2], -T.FWD_M_FLOOR, engine="gpsimd")
 
@@ -1588,12 +1592,13 @@ def fold_block(f: Instance, st: GroupState, s, s_tiles, widths, kv: KV, rb, pred
 
 
 def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None, out=None,
-               fused=()):
+               fused=(), first: bool = False):
     """First half of :func:`fold_block`: the new max, alpha and P (under dropout its
     undropped row sums, and P dropped by ``drop`` unless that is None: the dense kernel drops
     it in :func:`fold_back`, a P^T group at a time, :func:`attend_block`). Returns ``(p,
     alpha, row_sum)`` (row_sum None without dropout), written into ``out`` (views of the same
-    shapes) when given."""
+    shapes) when given. ``first`` (no dropout): the slot's first update, whose accumulator
+    is not read (:func:`fold_update`), so alpha is not computed (left unwritten)."""
     r = st.rows
     kt = f.tiles.k_tile
     width = sum(widths)
@@ -1636,7 +1641,11 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
                    else None)
     else:
         p, alpha, row_sum = out
-    port.activation(alpha, nl.exp, neg_m_old, bias=bias, scale=-c, mask=pred)
+    if first and f.dropout_p:
+        raise ValueError("first: a slot's first update without its alpha has no dropout "
+                         "form (the row sums are added to the accumulator)")
+    if not first:
+        port.activation(alpha, nl.exp, neg_m_old, bias=bias, scale=-c, mask=pred)
     if f.dropout_p:
         # the row sums of the undropped P come from the exp itself (the [V | 1] column would
         # sum the dropped P): the softmax statistics are those of the undropped softmax. The
@@ -1658,13 +1667,14 @@ def fold_front(f: Instance, st: GroupState, s, s_tiles, widths, pred, drop=None,
 
 
 def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred,
-              masked: bool = False, drop=None):
+              masked: bool = False, drop=None, first: Optional[str] = None):
     """Second half of :func:`fold_block`: ``pv = P [V | 1]`` and the accumulator update, from
     :func:`fold_front`'s ``(p, alpha, row_sum)``; ``masked``: a block of a masked region (at
     most ``tiles.FWD_MASKED_P_DMA_SHARE`` of its P^T on the DMA engines). ``drop``: None, or
     :func:`dropout_units`' ``drop(p, c0, c1)``, applied to each P^T group's columns just
     before they are transposed: the group's transposes (DMA, 2 us from issue to data) then
-    overlap the next group's draw on VectorE instead of waiting for the whole block's."""
+    overlap the next group's draw on VectorE instead of waiting for the whole block's.
+    ``first``: :func:`fold_update`'s."""
     p, alpha, row_sum = front
     r, P = st.rows, T.PMAX
     width = sum(widths)
@@ -1705,17 +1715,25 @@ def fold_back(f: Instance, st: GroupState, s, front, widths, kv: KV, rb, pred,
         for q, (c0, kw) in enumerate(group):
             port.nc_matmul(pv, pts[0:kw, q * r:(q + 1) * r], kv.v_block(kw, rb + c0 // P),
                            accumulate=not (g0 == 0 and q == 0), mask=pred)
-    fold_update(f, st, s, alpha, row_sum, pv, pred)
+    fold_update(f, st, s, alpha, row_sum, pv, pred, first)
 
 
-def fold_update(f: Instance, st: GroupState, s, alpha, row_sum, pv, pred):
+def fold_update(f: Instance, st: GroupState, s, alpha, row_sum, pv, pred,
+                first: Optional[str] = None):
     """``[o_acc | l_i] = alpha [o_acc | l_i] + pv`` of slot s (``pv``: the block's ``P [V | 1]``
     in PSUM): the rescale on GpSimd (SBUF only; otherwise idle), the add on VectorE (one PSUM
     read, 1 cycle per element). Under dropout ``l_i = alpha l_i + row_sum`` (the undropped
     sums, :func:`fold_front`) on GpSimd, and PV's l_i column is 0 (:func:`ones_column`), so
     the add is the same one instruction. The guard's flag column is not rescaled: its sum only
-    needs to stay positive."""
+    needs to stay positive. ``first`` (no dropout; None: not the first update): the slot's
+    first update (:func:`fold_front` ``first``), ``[o_acc | l_i] = pv`` -- what ``alpha 0 +
+    pv`` gives, as values -- one copy out of PSUM on the engine ``first`` names ("scalar" or
+    "vector"): the accumulator needs no zeroing (:class:`GroupState` ``zero_o``), no GpSimd
+    rescale, no VectorE add."""
     o_acc = st.o_acc(s)
+    if first is not None:
+        port.tensor_copy(o_acc, pv, engine=first, mask=pred)
+        return
     if f.dropout_p:
         port.tensor_scalar(o_acc[:, 0:f.D], o_acc[:, 0:f.D], nl.multiply, alpha,
                            engine="gpsimd", mask=pred)
