@@ -14,7 +14,7 @@ import enum
 
 import numpy as np
 
-from . import _cost, _deps, _dma, _dtypes, _hw, _ops, _strict, _tensor
+from . import _cost, _deps, _dma, _dtypes, _hw, _ops, _sched, _strict, _tensor
 from ._dtypes import F32
 from ._errors import nki_error, hw_error, fmt_shape
 from ._strict import INT_TYPES
@@ -1520,6 +1520,8 @@ def dma_copy(*, dst, src, mask=None, dst_rmw_op=None, oob_mode=oob_mode.error,
         vals = src._read(m if (src._oob is not None and sshape == dst.shape) else None)
     valid_src = None
     if vals is None:
+        if _sched.ACTIVE is not None:
+            _sched.ACTIVE.read(src)
         key, valid_src = _tensor._resolve(src, m if sshape == dst.shape else None, skip)
         if valid_src is None:
             vals = src._base[key]

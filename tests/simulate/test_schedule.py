@@ -321,3 +321,30 @@ def test_no_reorder_keeps_program_order():
         free = _run(_gap_kernel(False, loop), a).estimated_seconds
         kept = _run(_gap_kernel(True, loop), a).estimated_seconds
         assert kept - free > copy
+
+
+def _gather_after_store(from_scratch):
+    @nki.jit
+    def k(a, ix):
+        ip, jf = nl.arange(128)[:, None], nl.arange(512)[None, :]
+        scratch = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.shared_hbm)
+        out = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.shared_hbm)
+        nl.store(scratch, value=nisa.activation(nl.exp, nl.load(a)))
+        it = nl.load(ix)
+        g = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.sbuf)
+        src = scratch if from_scratch else a
+        nisa.dma_copy(dst=g, src=src[it[ip, 0], jf])                # indirect rows
+        nl.store(out, value=g)
+        return scratch, out
+    return k
+
+
+def test_an_indirect_dma_source_waits_for_its_writer():
+    """A ``dma_copy`` gathering rows of an HBM tensor by runtime indices reads the whole
+    tensor as far as the schedule knows: it waits for the store that wrote it, where the
+    same gather from an input runs beside the exponential."""
+    a = np.ones((128, 512), np.float32)
+    ix = np.arange(128, dtype=np.int32)[::-1].reshape(128, 1).copy()
+    after = _run(_gather_after_store(True), a, ix)
+    beside = _run(_gather_after_store(False), a, ix)
+    assert after.estimated_seconds > beside.estimated_seconds + 0.5 * _hw.DMA_FIXED_LATENCY_NS * NS
