@@ -58,6 +58,7 @@ compiler's own reordering beyond the in-order queues, DMA queue affinity.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import sys
 import weakref
@@ -112,6 +113,10 @@ def _squash(lst, n):
     end = max(e[2] for e in half)
     merged = (lo, hi, end) if n == 3 else (lo, hi, end, half[-1][3])
     lst[:_CAP // 2] = [merged]
+
+
+def _gap_end(gap):
+    return gap[1]
 
 
 def _ptr(a):
@@ -514,7 +519,12 @@ class Scheduler:
         free = self.engine_free.get(key, 0.0)
         gaps = self.gaps.get(key)
         if gaps and not ordered:
-            for i, (g0, g1) in enumerate(gaps):
+            # the gaps are disjoint and in time order (each opens at the engine's free time,
+            # later than every earlier one ends), so those ending before ``ready`` -- most of
+            # them in a long stream -- cannot hold the instruction: start at the first that
+            # ends at or after it (a speed-up only: the same gap is taken)
+            for i in range(bisect.bisect_left(gaps, ready, key=_gap_end), len(gaps)):
+                g0, g1 = gaps[i]
                 st = g0 if g0 > ready else ready
                 if st + dur <= g1:
                     repl = []

@@ -348,3 +348,34 @@ def test_an_indirect_dma_source_waits_for_its_writer():
     after = _run(_gather_after_store(True), a, ix)
     beside = _run(_gather_after_store(False), a, ix)
     assert after.estimated_seconds > beside.estimated_seconds + 0.5 * _hw.DMA_FIXED_LATENCY_NS * NS
+
+
+def test_an_instruction_takes_the_first_idle_gap_that_fits():
+    """The idle-gap search (``_sched.Scheduler._place``) starts at the first gap ending at or
+    after the instruction's ready time (a bisection, for speed): the gap it takes must still
+    be the first gap in time order where it fits, whatever the ready time -- also one long
+    before the latest gaps -- and the gaps stay disjoint and in time order."""
+    from simulate import _sched
+
+    s = _sched.Scheduler(TRN2)
+    key = (0, "vector")
+    rng = np.random.default_rng(0)
+    t = 0.0
+    longest = 0
+    for _ in range(3000):
+        gaps = list(s.gaps.get(key, ()))
+        # mostly work that waits past the engine's free time (opening a gap), some that is
+        # ready early (filling an old gap, or split one)
+        t += rng.exponential(1.0)
+        ready = t if rng.random() < 0.6 else rng.uniform(0.0, t)
+        dur = rng.choice([0.05, 0.3, 1.5])
+        fits = [max(g0, ready) for g0, g1 in gaps if max(g0, ready) + dur <= g1]
+        free = s.engine_free.get(key, 0.0)
+        end = s._place(key, ready, dur)
+        assert end == (fits[0] if fits else max(ready, free)) + dur
+        now = s.gaps.get(key, [])
+        assert all(a1 < b0 for (_, a1), (b0, _) in zip(now, now[1:]))
+        assert all(g0 < g1 for g0, g1 in now)
+        longest = max(longest, len(now))
+    # split gaps accumulate beyond the window: the search is not over a handful of gaps
+    assert longest > 4 * _hw.SCHED_REORDER_WINDOW
