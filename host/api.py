@@ -899,7 +899,8 @@ def _decode_tiles(call: DecodeCall) -> "tiles.DecodeTiles":
     rows_needed = int(np.max((inputs.cache_lens - inputs.T) // n))
     rows = inputs.group * inputs.T
     plan = tiles.decode_tiles(rows, inputs.D, inputs.S_max, _tiles.fwd_itemsize(call.mm_dtype),
-                              rows_needed, call.num_splits, batch=inputs.B, key_row=n)
+                              rows_needed, call.num_splits, batch=inputs.B, key_row=n,
+                              k_transposed=call.k_layout == "bhds")
     if call.k_layout == "bhds":
         plan = tiles.decode_transposed_split(plan, inputs.S_max, inputs.D, rows, rows_needed,
                                              call.num_splits)

@@ -1183,6 +1183,12 @@ DECODE_MIN_SPLIT_KEYS = 4096
 #: But Hq=8 Hkv=1 S=16384 (``--hq 8 --hkv 1 --seq 16384 --lnc 1``) models 52.0 us against
 #: 50.3 at 4096: a short single sequence loses a little.
 DECODE_SINGLE_SEQUENCE_SPLIT_KEYS = 8192
+#: The split size the automatic sizing aims at with a K^T cache (``k_layout="bhds"``), any
+#: batch: its splits have no K transposes, so a batch's kernel is bound by its K/V DMAs
+#: (fewer, larger ones pay less fixed cost and fewer descriptors) rather than its engines.
+#: B=8 S=16384 Hq=32 Hkv=8 on trn2 (a throwaway script calling ``host.flash_decode``):
+#: 1800.5 us at 4096, 1662.3 at 8192.
+DECODE_KT_SPLIT_KEYS = 8192
 #: Largest split (in key rows) whose skipped rows are zeroed by DMA from a zero row in HBM
 #: (``decode._gather_rows``) rather than by copying a zero tile over the whole K and V tiles on
 #: VectorE each step. A short split's engine fill costs as much as a long one's per tile (the
@@ -1472,7 +1478,8 @@ def decode_transposed_split(plan: "DecodeTiles", S_max: int, D: int, rows: int,
 
 
 def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: int,
-                 num_splits=None, batch: int = 1, key_row=None) -> DecodeTiles:
+                 num_splits=None, batch: int = 1, key_row=None,
+                 k_transposed: bool = False) -> DecodeTiles:
     """Tiling of a decode call.
 
     Parameters
@@ -1502,6 +1509,9 @@ def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: i
     key_row : int, optional
         Force the key row n (a paged cache: :func:`decode_paged_key_row`); default
         :func:`decode_key_row` of S_max.
+    k_transposed : bool
+        A K^T cache (``k_layout="bhds"``): the automatic size aims at DECODE_KT_SPLIT_KEYS
+        (and the caller then makes it divide S_max, :func:`decode_transposed_split`).
 
     ``pack`` (:func:`decode_pack`) follows the split size.
     """
@@ -1513,7 +1523,8 @@ def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: i
         if rows_needed <= 0:
             return DecodeTiles(n, row_tile, decode_pack(rows, n, 1), 1, 0, rs_max, steps)
         cover = decode_bucket(rows_needed)
-        aim = DECODE_SINGLE_SEQUENCE_SPLIT_KEYS if batch == 1 else DECODE_MIN_SPLIT_KEYS
+        aim = (DECODE_KT_SPLIT_KEYS if k_transposed else
+               DECODE_SINGLE_SEQUENCE_SPLIT_KEYS if batch == 1 else DECODE_MIN_SPLIT_KEYS)
         target = min(cover, ceil_div(aim, n))
         if batch > 1:
             target = max(target, ceil_div(cover, 2 * batch))

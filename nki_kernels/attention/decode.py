@@ -142,6 +142,22 @@ HBM traffic (exact, ``host.api.flash_decode_hbm_bytes``): K and V ``2 s Hkv D su
 tree mask, the partials (written by phase 1, read back by the merge) and o, lse; paged, also
 one int32 table entry per gathered key row and tail position.
 
+K^T cache (``k_layout="bhds"``, contiguous only). k_cache ``(B, Hkv, D, S_max)``, the layout
+nki-library's ``attention_tkg`` takes its K in (``[B, 1, d, S]``): a split's keys are one
+window of ``W = n rs`` positions per head-dim row, a row of the ``(B Hkv D S_max / W, W)``
+view (W divides S_max, ``tiles.decode_transposed_split``), gathered by one indirect DMA per
+head-dim tile and step straight into ``kT`` in position order (:class:`_KeyWindows`), which
+the score matmuls read with a stride of ``n`` per packed copy: no TensorE transposes and no
+PSUM copies of K (at B = 1, S = 131072, Hq = 32, Hkv = 8 on trn2 TensorE 1176 -> 710 us,
+VectorE 1022 -> 550, ScalarE 520 -> 79). The window runs to the end of the split, past the
+sequence's length in its last one, so the scores of uncommitted rows are *replaced* by
+DECODE_MASK_BIAS (a selection on VectorE in PSUM, the key rows' predicate built on GpSimd)
+rather than biased: whatever lies there, NaN included, never reaches a result. The tail's
+keys come from key-row windows too, shifted into its slots by a 0/1 matmul
+(:func:`_tail_keys_from_window`). V is gathered as in the default layout; with the K
+transposes gone, a key row may hold 64 positions (``tiles.DECODE_KT_KEY_ROW_MAX``: 16 KiB V
+rows) and splits aim at ``tiles.DECODE_KT_SPLIT_KEYS``.
+
 FP8 cache (``kv_scale``). The caches may hold an 8-bit float format (``s = 1`` in the K/V
 term): the gathers cast to the matmul dtype on the way into SBUF (a DMA casts when its source
 and destination dtypes differ, through fp32: AWS's DMA guide, nki-dma-overview.rst), so every
@@ -1748,14 +1764,16 @@ def _split_chunk(cfg, io, hg, c, tails=0):
     fills the other's idle time.
 
     1. Headers, for all steps at once (one item per column): ``(b, s)``, the sequence
-       lengths, the row indices of the K/V gathers, the mask rows, the query rows (and ALiBi
-       slopes). Every runtime-indexed read of the program is issued here, before any split is
-       computed, so none of them waits behind the engines, and the chain of small DMAs and
-       index arithmetic is paid once per program, not once per step.
+       lengths, the row indices of the K/V gathers and of the query rows, the mask rows (and
+       ALiBi slopes). Every runtime-indexed read of the program but the query rows of steps
+       2 .. is issued here, before any split is computed, so none of them waits behind the
+       engines, and the chain of small DMAs and index arithmetic is paid once per program,
+       not once per step.
     2. Splits (compiled sequential loops over the heads and item pairs, software-pipelined:
        the loops carry two buffers of gathered keys, transposed keys and values): step t + 1's
-       keys are transposed while step t's softmax runs, step t + 2's gathers are issued while
-       steps t and t + 1 are computed, and each step scatters its partial (o, lse) when done.
+       keys are transposed while step t's softmax runs, step t + 2's gathers (and query rows)
+       are issued while steps t and t + 1 are computed, and each step scatters its partial
+       (o, lse) when done.
        The last two gathers are of dead steps (all rows out of bounds: nothing is read), which
        keeps the loop body uniform.
 
@@ -1868,15 +1886,27 @@ def _split_chunk(cfg, io, hg, c, tails=0):
             _head_scales(io.kv_scale, h0 + [(hh, 1)], rmax, io.offsets, out=scl, col=2 * hh)
 
         port.loop(hpp, head_scales)
-    # the query rows of every step (padding items gather none: their rows stay 0), and the
-    # flat partial rows its stores scatter to: query row x S + s
+    # the query rows of every step and the flat partial rows its stores scatter to: query
+    # row x S + s. Padding items (and the two dead steps) gather no query rows: their partials
+    # go to the trash block. For a batch the rows are gathered two steps ahead, like K and V,
+    # into slots never zeroed: gathered all here (the slots zeroed first), a hundred small DMAs
+    # held the first steps' bandwidth while the pipeline waited on step 0's query (trn2,
+    # Hq=32 Hkv=8: B=64 S=2048 2509.4 -> 2436.5 us, B=8 S=16384 1754.5 -> 1744.3, with a K^T
+    # cache 1662.3 -> 1653.3). A single sequence's tails run first and its query loads go
+    # under them: there gathering them all here models less (B=1 S=32768, ``python
+    # benchmarks/decode.py --lnc 1``: 431.4 against 432.8 us; S=131072 with a K^T cache
+    # 1579.8 against 1580.3)
+    ahead = B > 1
     qs, o_rows = [], []
     for _, rt0, rows in row_tiles:
-        q_keep = nl.ndarray((rows, steps * D), dtype=q_rows.dtype, buffer=nl.sbuf)
-        port.memset(q_keep, 0, engine="gpsimd")
+        q_keep = nl.ndarray((rows, (steps + 2) * D), dtype=q_rows.dtype, buffer=nl.sbuf)
+        if not ahead:
+            port.memset(q_keep, 0, engine="gpsimd")
         # every head's row indices in one tile: a compiled head loop then reuses no buffer a
         # previous head's gathers still read
-        q_idx = nl.ndarray((rows, steps), dtype=nl.int32, buffer=nl.sbuf)
+        q_idx = nl.ndarray((rows, steps + 2), dtype=nl.int32, buffer=nl.sbuf)
+        port.memset(q_idx[0:rows, steps:steps + 2], _oob_offset(B * Hkv * R),
+                    engine="gpsimd")
         o_idx = nl.ndarray((rows, steps), dtype=nl.int32, buffer=nl.sbuf)
 
         def head_queries(hh, rt0=rt0, rows=rows, q_keep=q_keep, q_idx=q_idx, o_idx=o_idx):
@@ -1888,16 +1918,26 @@ def _split_chunk(cfg, io, hg, c, tails=0):
                       out=q_idx[0:rows, cols_h])
             _int_tile([(q_idx[0:rows, cols_h], S), (bs[0:rows, ipp:2 * ipp], 1)], rows, ipp,
                       out=o_idx[0:rows, cols_h])
+            if not ahead:
+                def item(j):
+                    port.dma_copy(q_keep[0:rows, nl.ds((hh * ipp + j) * D, D)],
+                                  port.rows(q_rows, q_idx, hh * ipp + j), oob_skip=True)
 
-            def item(j):
-                port.dma_copy(q_keep[0:rows, nl.ds((hh * ipp + j) * D, D)],
-                              port.rows(q_rows, q_idx, hh * ipp + j), oob_skip=True)
-
-            port.loop(ipp, item)
+                port.loop(ipp, item)
 
         port.loop(hpp, head_queries)
-        qs.append(q_keep)
+        qs.append((q_keep, q_idx))
         o_rows.append(o_idx)
+
+    def load_queries(t):
+        """Step t's query rows into its slot of each row tile's ``q_keep``."""
+        for (_, _, rows), (q_keep, q_idx) in zip(row_tiles, qs):
+            port.dma_copy(q_keep[0:rows, nl.ds(t * D, D)], port.rows(q_rows, q_idx, t),
+                          oob_skip=True)
+
+    if ahead:
+        for t in tiles.unrolled(min(2, steps)):
+            load_queries(t)
     consts = [_tile_constants(g, rows, mm) for _, _, rows in row_tiles]
 
     # -- 2. splits ------------------------------------------------------------------------
@@ -1924,7 +1964,7 @@ def _split_chunk(cfg, io, hg, c, tails=0):
             kv = nl.ndarray((rmax, 2), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_copy(kv, scl[0:rmax, nl.ds(2 * hh, 2)], engine="gpsimd")
         states = []
-        for (_, rt0, rows), q_keep, cst in zip(row_tiles, qs, consts):
+        for (_, rt0, rows), (q_keep, _), cst in zip(row_tiles, qs, consts):
             q_nat = nl.ndarray((rows, D), dtype=q_rows.dtype, buffer=nl.sbuf)
             port.tensor_copy(q_nat, q_keep[0:rows, nl.ds(t * D, D)], engine="gpsimd")
             rm = (_RowMods(cfg.mods, slope_g, None, G, T, rt0, rows) if cfg.mods.transforms
@@ -1952,6 +1992,8 @@ def _split_chunk(cfg, io, hg, c, tails=0):
         """Step ``(hh, j)`` (head hh of the group, item j) on buffer ``b``, and with ``tail``
         the tail of sequence ``c tails + j`` for the same kv head."""
         t = hh * ipp + j
+        if ahead:
+            load_queries(t + 2)
         if cfg.k_t:
             head = front(hh, j, b)
             gather_k(t + 2, b)                  # once step t's scores have read kT[b]
