@@ -856,7 +856,7 @@ def _decode_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
             f"{DECODE_MAX_CACHE_POSITIONS} the decode kernels index with int32 (shape "
             f"{tuple(k_cache.shape)}); split the batch")
     if k_layout == "bhds":
-        n = tiles.decode_key_row(inputs.S_max, k_transposed=True)
+        n = tiles.decode_key_row(inputs.S_max)        # the smallest key row it may use
         rows = positions * inputs.D // n
         if rows + _tiles.PMAX > tiles.DECODE_MAX_KT_ROWS:
             raise ValueError(
@@ -894,8 +894,13 @@ def _k_cache_as_bhsd(k_layout, k_cache, v_cache, block_table):
 def _decode_tiles(call: DecodeCall) -> "tiles.DecodeTiles":
     """The split kernel's tiling of a validated decode call (:func:`plan_flash_decode`)."""
     inputs, pages = call.inputs, call.pages
-    n = (tiles.decode_key_row(inputs.S_max, k_transposed=call.k_layout == "bhds")
-         if pages is None else tiles.decode_paged_key_row(pages.page_size))
+    if pages is not None:
+        n = tiles.decode_paged_key_row(pages.page_size)
+    elif call.k_layout == "bhds":
+        n = tiles.decode_transposed_key_row(
+            inputs.S_max, int(np.max(inputs.cache_lens)) - inputs.T)
+    else:
+        n = tiles.decode_key_row(inputs.S_max)
     rows_needed = int(np.max((inputs.cache_lens - inputs.T) // n))
     rows = inputs.group * inputs.T
     plan = tiles.decode_tiles(rows, inputs.D, inputs.S_max, _tiles.fwd_itemsize(call.mm_dtype),

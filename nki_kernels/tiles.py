@@ -1130,10 +1130,13 @@ DECODE_FP8_CACHE_DTYPES = {"trn1": ("float8_e4m3", "float8_e5m2"),
 #: gives 8 KiB, above the 4 KiB at which DMA reaches full rate (hardware-and-limits.md §3). n is
 #: the largest power of two <= this that divides the cache capacity S_max.
 DECODE_KEY_ROW_MAX = 32
-#: The key row's limit with a K^T cache (``k_layout="bhds"``): K is then read in whole split
-#: windows, so n only sets the V rows (16 KiB at n=64, D=128, bf16: half the descriptors and
-#: gathers of 32) and the tails' window rows. B=1 S=131072 Hq=32 Hkv=8 on trn2 (a throwaway
-#: script calling ``host.flash_decode(k_layout="bhds")``): 1602.3 us at 32, 1585.9 at 64.
+#: The key row's limit with a K^T cache (``k_layout="bhds"``) whose longest committed prefix
+#: fills a split of DECODE_KT_SPLIT_KEYS (:func:`decode_transposed_key_row`): K is then read
+#: in whole split windows, so n only sets the V rows (16 KiB at n=64, D=128, bf16: half the
+#: descriptors and gathers of 32) and the tails' slots and window rows. Hq=32 Hkv=8 on trn2 (a
+#: throwaway script calling ``host.flash_decode(k_layout="bhds")``): B=1 S=131072 1602.3 us
+#: at 32, 1585.9 at 64; but B=64 S=2048, whose 512 tails weigh more than its splits, 2477.3
+#: at 32 and 2564.1 at 64.
 DECODE_KT_KEY_ROW_MAX = 64
 #: A K^T cache's (``k_layout="bhds"``) key-row pieces the split kernel addresses with int32:
 #: ``B Hkv D S_max / n`` rows of ``n`` positions (the tails' view), plus a push past them that
@@ -1293,6 +1296,13 @@ def decode_key_row(S_max: int, k_transposed: bool = False) -> int:
     while n * 2 <= most and S_max % (n * 2) == 0:
         n *= 2
     return n
+
+
+def decode_transposed_key_row(S_max: int, longest_prefix: int) -> int:
+    """Key row n of a K^T cache: :func:`decode_key_row` up to DECODE_KT_KEY_ROW_MAX when the
+    longest committed prefix (``max(cache_lens) - T``) fills a split of DECODE_KT_SPLIT_KEYS
+    positions, else up to DECODE_KEY_ROW_MAX (short sequences: the tails dominate)."""
+    return decode_key_row(S_max, k_transposed=longest_prefix >= DECODE_KT_SPLIT_KEYS)
 
 
 def decode_paged_key_row(page_size: int) -> int:

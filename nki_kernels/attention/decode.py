@@ -155,8 +155,9 @@ DECODE_MASK_BIAS (a selection on VectorE in PSUM, the key rows' predicate built 
 rather than biased: whatever lies there, NaN included, never reaches a result. The tail's
 keys come from key-row windows too, shifted into its slots by a 0/1 matmul
 (:func:`_tail_keys_from_window`). V is gathered as in the default layout; with the K
-transposes gone, a key row may hold 64 positions (``tiles.DECODE_KT_KEY_ROW_MAX``: 16 KiB V
-rows) and splits aim at ``tiles.DECODE_KT_SPLIT_KEYS``.
+transposes gone, a key row may hold 64 positions when the longest prefix fills a split
+(``tiles.decode_transposed_key_row``: 16 KiB V rows) and splits aim at
+``tiles.DECODE_KT_SPLIT_KEYS``.
 
 FP8 cache (``kv_scale``). The caches may hold an 8-bit float format (``s = 1`` in the K/V
 term): the gathers cast to the matmul dtype on the way into SBUF (a DMA casts when its source

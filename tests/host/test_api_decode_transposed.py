@@ -37,6 +37,7 @@ def _poisoned(k, v, lens):
     ("nki", 2, 4, 2, 3, 1024, 128, [1000, 3],                  # T = 3, tree, L = T
      [[1, 0, 0], [1, 1, 0], [1, 0, 1]]),
     ("nki", 1, 2, 1, 1, 2048, 256, [2048], None),              # two head-dim tiles
+    ("legacy", 2, 2, 1, 1, 12288, 64, [12288, 700], None),     # key rows of 64, 3 splits
 ])
 def test_transposed_k_within_the_rule(monkeypatch, api_name, B, Hq, Hkv, T, S_max, D, lens,
                                       tree):
@@ -55,7 +56,7 @@ def test_transposed_k_within_the_rule(monkeypatch, api_name, B, Hq, Hkv, T, S_ma
     assert_within_rule(q, k, v, lens, got, tree=tree)
     plan = host.plan_flash_decode(q, _kt(k), v, cache_lens=lens, tree_mask=tree,
                                   k_layout="bhds")
-    assert plan.key_row == tiles.decode_key_row(S_max, k_transposed=True)
+    assert plan.key_row == tiles.decode_transposed_key_row(S_max, max(lens) - T)
     read, written = host.flash_decode_hbm_bytes(B, Hq, T, D, Hkv, lens, 2, plan,
                                                 tree_mask=tree is not None, api=m.api,
                                                 k_layout="bhds")
