@@ -17,6 +17,7 @@ kernel's programs spread over both cores.
     python benchmarks/decode.py --tokens 9 --hq 32 --hkv 8 --seq 8192 --json out.json
     python benchmarks/decode.py --paged --page-size 256 --targets trn2   # paged vs contiguous
     python benchmarks/decode.py --kv-dtype float8_e5m2 --targets trn2   # an FP8 KV cache
+    python benchmarks/decode.py --k-layout bhds --targets trn2   # K cache (B, Hkv, D, S_max)
 
 ``--kv-dtype`` stores the caches in an 8-bit float format (``host.reference.quantize_cache``:
 per-kv-head scales), runs the FP8 call and prints its HBM bytes against the same call's with the caches in
@@ -26,6 +27,9 @@ q's dtype (the formula's, exact).
 shuffled page pool ``(num_blocks, Hkv, page_size, D)`` with a block table, runs both the
 contiguous and the paged call, and prints the paged time against the contiguous one and the
 bounds.
+
+``--k-layout bhds`` gives the contiguous call a transposed K cache ``(B, Hkv, D, S_max)``
+(``flash_decode(k_layout="bhds")``; not with ``--paged``, which that layout does not serve).
 
 Runs on the bundled simulator only (``NKI_FLASH_BACKEND=simulate`` is set if unset).
 """
@@ -69,6 +73,9 @@ def run_case(args, target, paged=False, lnc=1):
         k, kw["k_scale"] = reference.quantize_cache(k, FP8[args.kv_dtype])
         v, kw["v_scale"] = reference.quantize_cache(v, FP8[args.kv_dtype])
     k_in, v_in = k, v
+    if args.k_layout == "bhds":
+        k_in = np.ascontiguousarray(k.swapaxes(2, 3))
+        kw["k_layout"] = "bhds"
     if paged:
         (k_in, v_in), table = reference.contiguous_to_paged((k, v), lens, args.page_size,
                                                              np.random.default_rng(1))
@@ -82,11 +89,12 @@ def run_case(args, target, paged=False, lnc=1):
     read, written = host.flash_decode_hbm_bytes(B, args.hq, args.tokens, args.dim, args.hkv,
                                                 lens, dtype.itemsize, plan, paged=paged,
                                                 lnc=lnc, api=m.api,
-                                                cache_itemsize=k.dtype.itemsize)
+                                                cache_itemsize=k.dtype.itemsize,
+                                                k_layout=args.k_layout)
     # the same call with the caches in q's dtype (the plan does not depend on the cache dtype)
     same = sum(host.flash_decode_hbm_bytes(B, args.hq, args.tokens, args.dim, args.hkv, lens,
                                            dtype.itemsize, plan, paged=paged, lnc=lnc,
-                                           api=m.api))
+                                           api=m.api, k_layout=args.k_layout))
     # the bounds at the DMA rate of the cost model and at an even share of the chip's HBM,
     # per NeuronCore (LNC=2: two cores, each with its DMA engines and HBM share)
     hw = hardware(target)
@@ -98,6 +106,7 @@ def run_case(args, target, paged=False, lnc=1):
         "D": args.dim, "S_max": s_max, "cache_lens": lens.tolist(), "dtype": args.dtype,
         "kv_dtype": k.dtype.name, "bytes_vs_q_dtype_cache": (read + written) / same,
         "paged": paged, "page_size": args.page_size if paged else None,
+        "k_layout": args.k_layout,
         "plan": plan._asdict(),
         "hbm_bytes_read": m.hbm_bytes_read, "hbm_bytes_written": m.hbm_bytes_written,
         "formula_read": read, "formula_written": written, "kv_bytes": kv_bytes,
@@ -123,6 +132,8 @@ def run_case(args, target, paged=False, lnc=1):
 def report(r, contiguous=None):
     lo, hi = r["modeled_us"]
     cache = f"paged (page_size {r['page_size']})" if r.get("paged") else "contiguous"
+    if r.get("k_layout") == "bhds":
+        cache += ", K cache (B, Hkv, D, S_max)"
     print(f"\n{r['target']} LNC={r['lnc']} {cache}: B={r['B']} Hq={r['Hq']} Hkv={r['Hkv']} T={r['T']} "
           f"D={r['D']} S_max={r['S_max']} {r['dtype']} (cache {r['kv_dtype']})  "
           f"plan {r['plan']}")
@@ -171,8 +182,12 @@ def main(argv=None):
                    help="cache dtype: q's (same, the default) or an FP8 format with scales")
     p.add_argument("--lnc", type=int, nargs="+", choices=(1, 2), default=[1, 2],
                    help="NeuronCores per logical core to run (2: trn2 only; default both)")
+    p.add_argument("--k-layout", choices=("bhsd", "bhds"), default="bhsd",
+                   help="k_cache layout: (B, Hkv, S_max, D) or transposed (B, Hkv, D, S_max)")
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args(argv)
+    if args.paged and args.k_layout == "bhds":
+        p.error("--k-layout bhds: contiguous caches only (not with --paged)")
     results = []
     for t in args.targets:
         for lnc in args.lnc:

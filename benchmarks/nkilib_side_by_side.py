@@ -7,6 +7,7 @@ scheduled estimate, plus the accuracy of each against a float64 reference.
         [--extras | --extras-only] [--extras-n 8192]                       (cte)
         [--n 2048 8192] [--d 128] [--causal both|yes|no]                   (bwd)
         [--decode 1x131072 8x16384 64x2048] [--hq 32] [--hkv 8]            (tkg)
+        [--k-layout bhds|bhsd]
 
 ``/tmp/nkilib`` is a checkout of aws-neuron/nki-library (d2ad3a5 was used; nothing is
 downloaded). After ``simulate.register_as_nki()`` the kernels are imported from that checkout
@@ -52,8 +53,11 @@ gradient (its o is the unrounded one). The error columns give dQ / dK / dV.
 
 ``--kernel tkg``: attention_tkg vs ``host.flash_decode``: one new token per sequence, Hq = 32,
 Hkv = 8, D = 128, (B, S) in {(1, 128K), (8, 16K), (64, 2K)} with S the sequence length
-including the new token (``--decode BxS ...``). Ours: caches (B, 8, S, D) holding the new
-token at S - 1, ``cache_lens = S``. attention_tkg serves one kv head per call (k_prior is
+including the new token (``--decode BxS ...``). Ours: v_cache (B, 8, S, D) and, by default
+(``--k-layout bhds``), k_cache (B, 8, D, S) -- ``flash_decode(k_layout="bhds")``, K already
+transposed, the layout attention_tkg's k_prior has, so both kernels read K as [d, S] --
+holding the new token at S - 1, ``cache_lens = S``; ``--k-layout bhsd`` gives ours its
+default (B, 8, S, D) k_cache instead (it then transposes K on chip). attention_tkg serves one kv head per call (k_prior is
 [B, 1, d, S]), so the 8 kv heads are folded into its batch: B' = 8 B sequences of H = 4 query
 heads, q [d, B' * 4] and k_active [d, B'] in SBUF (``qk_in_sb``; the top-level kernel is
 nkilib_acceptance.tkg_program), k_prior [B', 1, d, S] (its default untransposed layout),
@@ -241,7 +245,7 @@ def run_backward(mods, N, D, causal, target):
 
 
 # -- attention_tkg vs our decode ----------------------------------------------------------------
-def run_decode(mods, B, S, Hq, Hkv, D, target):
+def run_decode(mods, B, S, Hq, Hkv, D, target, k_layout="bhds"):
     rng = np.random.default_rng(2)
     G = Hq // Hkv
     q = _rand(rng, (B, Hq, 1, D), 1.0 / math.sqrt(D))
@@ -251,8 +255,10 @@ def run_decode(mods, B, S, Hq, Hkv, D, target):
         for h in range(Hq):
             want[b, h] = reference(q[b, h], kc[b, h // G], vc[b, h // G], False, 1.0)[0][0]
 
+    k_ours = np.ascontiguousarray(kc.transpose(0, 1, 3, 2)) if k_layout == "bhds" else kc
     ours, m_ours = _timed(target, lambda: host.flash_decode(
-        q, kc, vc, cache_lens=np.full(B, S, np.int32), scale=1.0, lnc=1))
+        q, k_ours, vc, cache_lens=np.full(B, S, np.int32), scale=1.0, lnc=1,
+        k_layout=k_layout))
 
     Bp = B * Hkv                                            # kv heads folded into the batch
     cfg = mods["tkg_cfg"](Bp, G, 1, S, S, D, 0, qk_in_sb=True)
@@ -322,6 +328,8 @@ def main(argv=None):
                     help="tkg: (batch, sequence length) shapes")
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--k-layout", choices=("bhds", "bhsd"), default="bhds",
+                    help="tkg: our k_cache layout (bhds: K as [d, S], attention_tkg's)")
     ap.add_argument("--target", default="trn2")
     a = ap.parse_args(argv)
     if not a.allow_32k and any(n > 8192 for n in a.n + [a.extras_n]):
@@ -360,9 +368,10 @@ def main(argv=None):
                          *run_backward(mods, N, D, causal, a.target))
     if "tkg" in a.kernel:
         _table(f"attention_tkg vs host.flash_decode (one new token, Hq {a.hq}, Hkv {a.hkv}, "
-               f"D 128)", "B | S")
+               f"D 128; our k_cache {a.k_layout})", "B | S")
         for B, S in a.decode:
-            _row(f"{B} | {S}", *run_decode(mods, B, S, a.hq, a.hkv, 128, a.target))
+            _row(f"{B} | {S}", *run_decode(mods, B, S, a.hq, a.hkv, 128, a.target,
+                                           a.k_layout))
     return 0
 
 

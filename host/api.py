@@ -817,16 +817,18 @@ class DecodeCall(NamedTuple):
     lnc: int                        # NeuronCores per logical core
     return_lse: bool
     kv_quant: Optional[KVQuant] = None  # an FP8 cache's format and scales; None: q's dtype
+    k_layout: str = "bhsd"          # "bhds": k_cache transposed, (B, Hkv, D, S_max)
 
 
 def _decode_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision: bool = True,
                  return_lse: bool = False, softcap=None, alibi_slopes=None, sinks=None,
                  lnc=None, max_new_tokens=_v.MAX_DECODE_TOKENS, k_scale=None,
-                 v_scale=None) -> DecodeCall:
+                 v_scale=None, k_layout="bhsd") -> DecodeCall:
     """Validate a decode call (arguments as in :func:`flash_decode`) into one record. In a
     paged call ``inputs.S_max`` is the logical capacity ``max_blocks * page_size``.
     ``max_new_tokens``: the largest T (None: any, :func:`flash_attention_with_kvcache`)."""
+    k_cache = _k_cache_as_bhsd(k_layout, k_cache, v_cache, block_table)
     target, formats = _fp8_cache_formats()
     fp8 = _v.check_fp8_cache(k_cache, v_cache, formats, target)
     cache_dtypes = None if fp8 is None else (fp8,)
@@ -854,23 +856,61 @@ def _decode_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
             f"k_cache: {what} = {positions} cache positions exceed the "
             f"{DECODE_MAX_CACHE_POSITIONS} the decode kernels index with int32 (shape "
             f"{tuple(k_cache.shape)}); split the batch")
+    if k_layout == "bhds":
+        n = tiles.decode_key_row(inputs.S_max)        # the smallest key row it may use
+        rows = positions * inputs.D // n
+        if rows + _tiles.PMAX > tiles.DECODE_MAX_KT_ROWS:
+            raise ValueError(
+                f"k_cache: with k_layout='bhds' the decode kernels index B * Hkv * D * S_max / "
+                f"{n} = {rows} key-row pieces with int32, at most "
+                f"{tiles.DECODE_MAX_KT_ROWS - _tiles.PMAX}; split the batch")
     return_lse = _check_bool("return_lse", return_lse)
     mods = _score_mods_call(softcap, alibi_slopes, sinks, inputs.B, inputs.Hq)
     dtype = _v.dtype_name(q)
     return DecodeCall(inputs, pages, dtype, scale, num_splits,
                       _tiles.fwd_mm_dtype_name(dtype, mixed_precision), mods, _check_lnc(lnc),
-                      return_lse, None if fp8 is None else KVQuant(fp8, scales))
+                      return_lse, None if fp8 is None else KVQuant(fp8, scales), k_layout)
+
+
+def _k_cache_as_bhsd(k_layout, k_cache, v_cache, block_table):
+    """``k_cache`` as the ``(B, Hkv, S_max, D)`` the shared validation reads: itself, or with
+    ``k_layout="bhds"`` (after checking that layout) its transposed view (no copy)."""
+    if k_layout not in ("bhsd", "bhds"):
+        raise ValueError(f"k_layout: expected 'bhsd' (k_cache (B, Hkv, S_max, D)) or 'bhds' "
+                         f"(k_cache (B, Hkv, D, S_max)), got {k_layout!r}")
+    if k_layout == "bhsd":
+        return k_cache
+    if block_table is not None:
+        raise ValueError("k_layout: 'bhds' (a transposed K cache) is supported for contiguous "
+                         "caches only, not with a block_table (page pools); allowed with a "
+                         "block_table: 'bhsd'")
+    ks, vs = tuple(getattr(k_cache, "shape", ())), tuple(getattr(v_cache, "shape", ()))
+    if len(ks) != 4 or len(vs) != 4 or ks != (vs[0], vs[1], vs[3], vs[2]):
+        raise ValueError(
+            f"k_cache: with k_layout='bhds' expected (B, Hkv, D, S_max), v_cache's "
+            f"(B, Hkv, S_max, D) = {vs} with its last two axes swapped, got {ks}")
+    return k_cache.swapaxes(2, 3)
 
 
 def _decode_tiles(call: DecodeCall) -> "tiles.DecodeTiles":
     """The split kernel's tiling of a validated decode call (:func:`plan_flash_decode`)."""
     inputs, pages = call.inputs, call.pages
-    n = (tiles.decode_key_row(inputs.S_max) if pages is None
-         else tiles.decode_paged_key_row(pages.page_size))
+    if pages is not None:
+        n = tiles.decode_paged_key_row(pages.page_size)
+    elif call.k_layout == "bhds":
+        n = tiles.decode_transposed_key_row(
+            inputs.S_max, int(np.max(inputs.cache_lens)) - inputs.T)
+    else:
+        n = tiles.decode_key_row(inputs.S_max)
     rows_needed = int(np.max((inputs.cache_lens - inputs.T) // n))
-    return tiles.decode_tiles(inputs.group * inputs.T, inputs.D, inputs.S_max,
-                              _tiles.fwd_itemsize(call.mm_dtype), rows_needed, call.num_splits,
-                              batch=inputs.B, key_row=n)
+    rows = inputs.group * inputs.T
+    plan = tiles.decode_tiles(rows, inputs.D, inputs.S_max, _tiles.fwd_itemsize(call.mm_dtype),
+                              rows_needed, call.num_splits, batch=inputs.B, key_row=n,
+                              k_transposed=call.k_layout == "bhds")
+    if call.k_layout == "bhds":
+        plan = tiles.decode_transposed_split(plan, inputs.S_max, inputs.D, rows, rows_needed,
+                                             call.num_splits)
+    return plan
 
 
 def decode_work_list(cache_lens, T: int, plan: "tiles.DecodeTiles"):
@@ -942,7 +982,7 @@ def decode_launch(cache_lens, T: int, Hkv: int, plan: "tiles.DecodeTiles",
 
 def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, tree_mask=None,
                       num_splits=None, mixed_precision: bool = True, k_scale=None,
-                      v_scale=None) -> "tiles.DecodeTiles":
+                      v_scale=None, k_layout="bhsd") -> "tiles.DecodeTiles":
     """Validate a decode call and return its tiling (``nki_kernels.tiles.DecodeTiles``).
 
     ``num_splits`` of the result is the number of splits of the committed prefix -- the split
@@ -955,13 +995,14 @@ def plan_flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, tree
     return _decode_tiles(_decode_call(q, k_cache, v_cache, cache_lens=cache_lens,
                                       block_table=block_table, tree_mask=tree_mask,
                                       num_splits=num_splits, mixed_precision=mixed_precision,
-                                      k_scale=k_scale, v_scale=v_scale))
+                                      k_scale=k_scale, v_scale=v_scale,
+                                      k_layout=k_layout))
 
 
 def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens,
                            itemsize: int, plan: "tiles.DecodeTiles", tree_mask: bool = False,
                            paged: bool = False, lnc: int = 1, api: str = "legacy",
-                           cache_itemsize: Optional[int] = None):
+                           cache_itemsize: Optional[int] = None, k_layout: str = "bhsd"):
     """Exact HBM bytes ``(read, written)`` of :func:`flash_decode` (both kernels).
 
     With ``N = B Hq T`` query rows, ``s`` the input itemsize (q, caches and o share it),
@@ -1018,6 +1059,16 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
         read   += 8 r Hkv ((W + P) / I + B)
 
     (with the doubled middle tail above, ``8 r h`` more).
+
+    With ``k_layout="bhds"`` (a K^T cache) K is read in windows: each real work item reads
+    its whole split, ``n r`` positions, and each tail the key rows ``i = 0 .. ceil((2 n - 2 +
+    T) / n) - 1`` from ``r0 = floor((Lp_b + 1) / n) - 1`` that start in ``[0, L_b)``
+    (``decode._tail_keys_from_window``), so the K half of the K/V term becomes::
+
+        s Hkv D (n r W + n sum_b #{i : 0 <= (r0_b + i) n < L_b})
+
+    (V's stays ``s Hkv D sum_b L_b``), the zero fills read V's rows only (half the term
+    above), and a doubled middle tail's K reads are its ``n`` times its rows.
     """
     N = B * Hq * T
     launch_ = decode_launch(cache_lens, T, Hkv, plan, lnc, api)
@@ -1026,7 +1077,14 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     pad = 0 if work is None else work.shape[0] - W               # padding items
     S = plan.num_splits + 1
     cs = itemsize if cache_itemsize is None else cache_itemsize
-    kv = 2 * cs * Hkv * D * int(np.sum(np.asarray(cache_lens, dtype=np.int64)))
+    lens = np.asarray(cache_lens, dtype=np.int64)
+    kv = 2 * cs * Hkv * D * int(np.sum(lens))
+    n = plan.key_row
+    transposed = k_layout == "bhds"
+    if transposed:                  # K in split windows and the tails' key rows
+        tail_rows = _tail_window_rows(lens, T, n)
+        kv += cs * Hkv * D * (n * plan.split_rows * W + n * int(np.sum(tail_rows))
+                              - int(np.sum(lens)))
     read = (kv + itemsize * Hq * T * D * (W + B) + 8 * groups * (W + pad)
             + 4 * groups * (W + B) + 4 * N * (D + 1) * S + (4 * N if S > 1 else 0))
     if tree_mask:
@@ -1041,7 +1099,7 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
         tiles_, kr = _tiles.ceil_div(rs, _tiles.PMAX), min(rs, _tiles.PMAX)
         zeroed = sum(kr - min(max(int(full[b]) - j * rs - (tiles_ - 1) * _tiles.PMAX, 0), kr)
                      for b in range(B) for j in range(int(splits[b])))
-        read += 2 * cs * Hkv * tiles_ * plan.key_row * D * zeroed
+        read += (1 if transposed else 2) * cs * Hkv * tiles_ * plan.key_row * D * zeroed
     scale_rows = 8 * min(Hq // Hkv * T, plan.row_tile) if cs == 1 else 0   # FP8: the scales
     read += scale_rows * Hkv * ((W + pad) // launch_.items_per_program + B)
     tails = B                   # tail programs per head group
@@ -1054,16 +1112,26 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
         h, G = Hkv // groups, Hq // Hkv
         tail = int(cache_lens[b]) - T
         tail = tail % plan.key_row + T                       # positions the tail reads
-        read += (itemsize * h * G * T * D + 4 + 2 * cs * h * D * tail + scale_rows * h
+        k_tail = n * int(tail_rows[b]) if transposed else tail
+        read += (itemsize * h * G * T * D + 4 + cs * h * D * (tail + k_tail) + scale_rows * h
                  + (T * T if tree_mask else 0) + (4 * h * tail if paged else 0))
         written += 4 * h * G * T * (D + 1)
     return read, written
 
 
+def _tail_window_rows(lens, T: int, n: int):
+    """Key rows each sequence's tail reads from a K^T cache (:func:`flash_decode_hbm_bytes`):
+    of the ``ceil((2 n - 2 + T) / n)`` from ``floor((L - T + 1) / n) - 1``, those starting in
+    ``[0, L)``."""
+    r0 = (lens - T + 1) // n - 1
+    first = (r0[:, None] + np.arange(_tiles.ceil_div(2 * n - 2 + T, n))[None, :]) * n
+    return np.sum((first >= 0) & (first < lens[:, None]), axis=1)
+
+
 def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision: bool = True,
                  return_lse: bool = False, softcap=None, alibi_slopes=None, sinks=None,
-                 lnc=None, window=None, k_scale=None, v_scale=None):
+                 lnc=None, window=None, k_scale=None, v_scale=None, k_layout="bhsd"):
     """Attention of T new tokens per sequence over a KV cache (split-KV flash decoding).
 
     Parameters
@@ -1125,6 +1193,16 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
         ``k / k_scale`` and ``v / v_scale``. Finite and > 0 in float32, the precision they are
         applied in: K's scale is folded into the softmax scale of the head's queries, V's into
         its output (no dequantized cache is formed).
+    k_layout : "bhsd" (default) or "bhds"
+        ``"bhds"``: k_cache is ``(B, Hkv, D, S_max)``, K transposed (v_cache unchanged), the
+        layout nki-library's ``attention_tkg`` reads and a serving stack that writes its own
+        cache can keep. The split kernel then loads each split's keys as one long run per
+        head-dim row and skips the on-chip K transposes. Contiguous caches only (a
+        ``block_table`` is a ValueError), no ``window``; the split size is chosen to divide
+        S_max (``nki_kernels.tiles.decode_transposed_split``). K is read in whole split
+        windows and key rows, up to the end of the one holding position ``cache_lens[b] - 1``
+        (never past S_max): what lies past the length there is read but replaced before it
+        reaches a score (``flash_decode_hbm_bytes(k_layout="bhds")`` counts it).
 
     Returns
     -------
@@ -1142,7 +1220,7 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
                          num_splits=num_splits, mixed_precision=mixed_precision,
                          return_lse=return_lse, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, lnc=lnc, k_scale=k_scale, v_scale=v_scale,
-                         decode_only=True)
+                         decode_only=True, k_layout=k_layout)
     return _kvcache_outputs(call, q, k_cache, v_cache)
 
 
@@ -1192,7 +1270,7 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
         mm_dtype=call.mm_dtype, key_row=plan.key_row, split_rows=plan.split_rows,
         num_splits=plan.num_splits, row_tile=plan.row_tile, pack=plan.pack,
         items_per_program=ln.items_per_program, heads_per_program=ln.heads_per_program,
-        **mod_tensors, **call.mods.kwargs)
+        k_layout=call.k_layout, **mod_tensors, **call.mods.kwargs)
     N = B * Hq * T
     # legacy: one program per row tile; nki.* (kernel[1]): one program walks the row tiles
     return run(flash_decode_merge_kernel.on(api),
@@ -1222,7 +1300,7 @@ def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=No
                   causal=True, window=None, tree_mask=None, num_splits=None,
                   mixed_precision: bool = True, return_lse: bool = False, softcap=None,
                   alibi_slopes=None, sinks=None, lnc=None, k_scale=None, v_scale=None,
-                  decode_only: bool = False) -> KVCacheCall:
+                  decode_only: bool = False, k_layout="bhsd") -> KVCacheCall:
     """Validate a call over a KV cache (arguments as in
     :func:`flash_attention_with_kvcache`) into one record and choose its kernel: the split-KV
     decode kernels for ``T <= tiles.kvcache_decode_max_tokens(G)`` (and whenever ``tree_mask``
@@ -1243,7 +1321,8 @@ def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=No
                         scale=scale, tree_mask=tree_mask, num_splits=num_splits,
                         mixed_precision=mixed_precision, return_lse=return_lse,
                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, lnc=lnc,
-                        max_new_tokens=max_new_tokens, k_scale=k_scale, v_scale=v_scale)
+                        max_new_tokens=max_new_tokens, k_scale=k_scale, v_scale=v_scale,
+                        k_layout=k_layout)
     T = call.inputs.T
     decode_up_to = (_v.MAX_DECODE_TOKENS if decode_only
                     else tiles.kvcache_decode_max_tokens(call.inputs.group))
@@ -1259,6 +1338,10 @@ def _kvcache_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=No
                          "causal=True, got causal=False")
     prefill = window is not None or (tree_mask is None and num_splits is None
                                      and T > decode_up_to)
+    if prefill and k_layout != "bhsd":
+        raise ValueError(f"k_layout: {k_layout!r} is read by the split-KV decode kernels only; "
+                         f"this call (T={T}, window={window!r}) runs the prefill kernel, "
+                         f"which takes k_cache as 'bhsd' (B, Hkv, S_max, D)")
     pages = call.pages
     if prefill and pages is not None and max(
             2 * call.inputs.S_max, M.oob_offset(call.inputs.B * pages.max_blocks)

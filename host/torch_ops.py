@@ -1074,9 +1074,10 @@ def _host_ints(name: str, x):
 def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=None,
                  tree_mask=None, num_splits=None, mixed_precision=True, return_lse=False,
                  softcap=None, alibi_slopes=None, sinks=None, window=None, k_scale=None,
-                 v_scale=None):
+                 v_scale=None, k_layout="bhsd"):
     """:func:`host.flash_decode` on torch tensors: T new tokens per sequence over a contiguous
-    ``(B, Hkv, S_max, D)`` or paged KV cache.
+    ``(B, Hkv, S_max, D)`` or paged KV cache (or, with ``k_layout="bhds"``, a contiguous K
+    cache ``(B, Hkv, D, S_max)``, as in :func:`host.flash_decode`).
 
     An FP8 cache is a ``torch.float8_e5m2`` one, or on trn3 ``torch.float8_e4m3fn`` (torch has
     no IEEE-style E4M3, trn2's other format), with ``k_scale`` and ``v_scale`` (numbers or
@@ -1097,7 +1098,7 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
                        block_table=block_table, tree_mask=tree_mask, alibi_slopes=alibi_slopes,
                        sinks=sinks, return_lse=return_lse, scale=scale, num_splits=num_splits,
                        mixed_precision=mixed_precision, softcap=softcap, window=window,
-                       k_scale=k_scale, v_scale=v_scale)
+                       k_scale=k_scale, v_scale=v_scale, k_layout=k_layout)
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_lens, block_table=None,

@@ -1197,6 +1197,18 @@ DECODE_FP8_CACHE_DTYPES = {"trn1": ("float8_e4m3", "float8_e5m2"),
 #: gives 8 KiB, above the 4 KiB at which DMA reaches full rate (hardware-and-limits.md §3). n is
 #: the largest power of two <= this that divides the cache capacity S_max.
 DECODE_KEY_ROW_MAX = 32
+#: The key row's limit with a K^T cache (``k_layout="bhds"``) whose longest committed prefix
+#: fills a split of DECODE_KT_SPLIT_KEYS (:func:`decode_transposed_key_row`): K is then read
+#: in whole split windows, so n only sets the V rows (16 KiB at n=64, D=128, bf16: half the
+#: descriptors and gathers of 32) and the tails' slots and window rows. Hq=32 Hkv=8 on trn2 (a
+#: throwaway script calling ``host.flash_decode(k_layout="bhds")``): B=1 S=131072 1602.3 us
+#: at 32, 1585.9 at 64; but B=64 S=2048, whose 512 tails weigh more than its splits, 2477.3
+#: at 32 and 2564.1 at 64.
+DECODE_KT_KEY_ROW_MAX = 64
+#: A K^T cache's (``k_layout="bhds"``) key-row pieces the split kernel addresses with int32:
+#: ``B Hkv D S_max / n`` rows of ``n`` positions (the tails' view), plus a push past them that
+#: must stay below 2^31.
+DECODE_MAX_KT_ROWS = 1 << 30
 #: Score columns per partition of one split: four PSUM banks of fp32 (with the transients of
 #: the row max at most 7 of the 8 banks are live). All scores of a split stay in PSUM until its
 #: max is known, so a split's softmax needs no online rescaling.
@@ -1206,11 +1218,11 @@ DECODE_SCORE_COLS = 4 * PSUM_FMAX
 DECODE_KV_BUDGET = 64 * 1024
 #: Most work items (splits) one program of the split kernel streams through its two buffers
 #: (per kv head it runs).
-DECODE_ITEMS_PER_PROGRAM = 16
+DECODE_ITEMS_PER_PROGRAM = 32
 #: SBUF bytes per partition a split-kernel program may hold for the query rows of its steps
 #: (``row tiles x steps x D`` values, budgeted at 4 bytes): it bounds the steps (work items x
 #: kv heads) one program streams.
-DECODE_QUERY_BUDGET = 32 * 1024
+DECODE_QUERY_BUDGET = 64 * 1024
 #: Additive bias of an invalid key's score (and of a new token a tree/causal mask hides), in
 #: already-scaled score units: exp(s - max) of such a key is exactly 0 in fp32. Finite, so a
 #: split with no valid key computes finite numbers (it is marked dead by DECODE_DEAD_MAX), and
@@ -1241,6 +1253,12 @@ DECODE_MIN_SPLIT_KEYS = 4096
 #: But Hq=8 Hkv=1 S=16384 (``--hq 8 --hkv 1 --seq 16384 --lnc 1``) models 52.0 us against
 #: 50.3 at 4096: a short single sequence loses a little.
 DECODE_SINGLE_SEQUENCE_SPLIT_KEYS = 8192
+#: The split size the automatic sizing aims at with a K^T cache (``k_layout="bhds"``), any
+#: batch: its splits have no K transposes, so a batch's kernel is bound by its K/V DMAs
+#: (fewer, larger ones pay less fixed cost and fewer descriptors) rather than its engines.
+#: B=8 S=16384 Hq=32 Hkv=8 on trn2 (a throwaway script calling ``host.flash_decode``):
+#: 1800.5 us at 4096, 1662.3 at 8192.
+DECODE_KT_SPLIT_KEYS = 8192
 #: Largest split (in key rows) whose skipped rows are zeroed by DMA from a zero row in HBM
 #: (``decode._gather_rows``) rather than by copying a zero tile over the whole K and V tiles on
 #: VectorE each step. A short split's engine fill costs as much as a long one's per tile (the
@@ -1337,12 +1355,21 @@ def _pow2_floor(x: int) -> int:
     return 1 << (int(x).bit_length() - 1)
 
 
-def decode_key_row(S_max: int) -> int:
-    """Key row n: the largest power of two <= DECODE_KEY_ROW_MAX dividing S_max."""
+def decode_key_row(S_max: int, k_transposed: bool = False) -> int:
+    """Key row n: the largest power of two <= DECODE_KEY_ROW_MAX (a K^T cache:
+    DECODE_KT_KEY_ROW_MAX) dividing S_max."""
+    most = DECODE_KT_KEY_ROW_MAX if k_transposed else DECODE_KEY_ROW_MAX
     n = 1
-    while n * 2 <= DECODE_KEY_ROW_MAX and S_max % (n * 2) == 0:
+    while n * 2 <= most and S_max % (n * 2) == 0:
         n *= 2
     return n
+
+
+def decode_transposed_key_row(S_max: int, longest_prefix: int) -> int:
+    """Key row n of a K^T cache: :func:`decode_key_row` up to DECODE_KT_KEY_ROW_MAX when the
+    longest committed prefix (``max(cache_lens) - T``) fills a split of DECODE_KT_SPLIT_KEYS
+    positions, else up to DECODE_KEY_ROW_MAX (short sequences: the tails dominate)."""
+    return decode_key_row(S_max, k_transposed=longest_prefix >= DECODE_KT_SPLIT_KEYS)
 
 
 def decode_paged_key_row(page_size: int) -> int:
@@ -1484,8 +1511,52 @@ def decode_max_splits(D: int) -> int:
     return max(1, DECODE_MERGE_SBUF_BUDGET // (8 * (D + 1)) - 1)
 
 
+def _split_rows_dividing(line_rows: int, rs_max: int):
+    """The legal split sizes (:func:`_round_split_rows_down`'s: powers of two below 128,
+    multiples of 128) up to ``rs_max`` that divide ``line_rows``, ascending."""
+    legal = [r for r in (1 << e for e in unrolled(8)) if r < PMAX]
+    legal += list(range(PMAX, rs_max + 1, PMAX))
+    return [r for r in legal if r <= rs_max and line_rows % r == 0]
+
+
+def decode_transposed_split(plan: "DecodeTiles", S_max: int, D: int, rows: int,
+                            rows_needed: int, num_splits=None) -> "DecodeTiles":
+    """``plan`` for a K^T cache ``(B, Hkv, D, S_max)`` (``k_layout="bhds"``): the split
+    kernel reads a split's keys as one window of ``split_keys`` positions per head-dim row,
+    a row of the view ``(B Hkv D S_max / split_keys, split_keys)``, so ``split_rows`` must
+    divide the ``S_max / n`` key rows of a line. The automatic size becomes the largest legal
+    divisor at most the planned one (more splits); a forced ``num_splits`` the smallest at
+    least the planned one. ValueError when no divisor keeps the splits within
+    :func:`decode_max_splits` or the size within ``max_split_rows``."""
+    if plan.num_splits == 0:
+        return plan
+    line_rows = S_max // plan.key_row
+    fits = _split_rows_dividing(line_rows, plan.max_split_rows)
+    if num_splits is None:
+        rs = max(r for r in fits if r <= plan.split_rows)
+        ns = ceil_div(decode_bucket(rows_needed), rs)
+        if ns > decode_max_splits(D):
+            raise ValueError(
+                f"k_cache: with k_layout='bhds' a split must divide the {line_rows} key rows "
+                f"of {plan.key_row} positions of S_max={S_max}; the largest that fits, {rs} "
+                f"rows, needs {ns} splits, above the merge's {decode_max_splits(D)} at D={D}; "
+                f"use an S_max with a larger power-of-two factor")
+    else:
+        bigger = [r for r in fits if r >= plan.split_rows]
+        if not bigger:
+            raise ValueError(
+                f"num_splits: {num_splits} splits need {plan.split_rows} key rows each, and "
+                f"with k_layout='bhds' a split must also divide the {line_rows} key rows of "
+                f"S_max={S_max} within {plan.max_split_rows} rows: none does; use another "
+                f"num_splits or None")
+        rs, ns = bigger[0], plan.num_splits
+    return plan._replace(split_rows=rs, num_splits=ns,
+                         pack=decode_pack(rows, plan.key_row, rs))
+
+
 def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: int,
-                 num_splits=None, batch: int = 1, key_row=None) -> DecodeTiles:
+                 num_splits=None, batch: int = 1, key_row=None,
+                 k_transposed: bool = False) -> DecodeTiles:
     """Tiling of a decode call.
 
     Parameters
@@ -1515,6 +1586,9 @@ def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: i
     key_row : int, optional
         Force the key row n (a paged cache: :func:`decode_paged_key_row`); default
         :func:`decode_key_row` of S_max.
+    k_transposed : bool
+        A K^T cache (``k_layout="bhds"``): the automatic size aims at DECODE_KT_SPLIT_KEYS
+        (and the caller then makes it divide S_max, :func:`decode_transposed_split`).
 
     ``pack`` (:func:`decode_pack`) follows the split size.
     """
@@ -1526,7 +1600,8 @@ def decode_tiles(rows: int, D: int, S_max: int, mm_itemsize: int, rows_needed: i
         if rows_needed <= 0:
             return DecodeTiles(n, row_tile, decode_pack(rows, n, 1), 1, 0, rs_max, steps)
         cover = decode_bucket(rows_needed)
-        aim = DECODE_SINGLE_SEQUENCE_SPLIT_KEYS if batch == 1 else DECODE_MIN_SPLIT_KEYS
+        aim = (DECODE_KT_SPLIT_KEYS if k_transposed else
+               DECODE_SINGLE_SEQUENCE_SPLIT_KEYS if batch == 1 else DECODE_MIN_SPLIT_KEYS)
         target = min(cover, ceil_div(aim, n))
         if batch > 1:
             target = max(target, ceil_div(cover, 2 * batch))

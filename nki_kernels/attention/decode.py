@@ -142,6 +142,23 @@ HBM traffic (exact, ``host.api.flash_decode_hbm_bytes``): K and V ``2 s Hkv D su
 tree mask, the partials (written by phase 1, read back by the merge) and o, lse; paged, also
 one int32 table entry per gathered key row and tail position.
 
+K^T cache (``k_layout="bhds"``, contiguous only). k_cache ``(B, Hkv, D, S_max)``, the layout
+nki-library's ``attention_tkg`` takes its K in (``[B, 1, d, S]``): a split's keys are one
+window of ``W = n rs`` positions per head-dim row, a row of the ``(B Hkv D S_max / W, W)``
+view (W divides S_max, ``tiles.decode_transposed_split``), gathered by one indirect DMA per
+head-dim tile and step straight into ``kT`` in position order (:class:`_KeyWindows`), which
+the score matmuls read with a stride of ``n`` per packed copy: no TensorE transposes and no
+PSUM copies of K (at B = 1, S = 131072, Hq = 32, Hkv = 8 on trn2 TensorE 1176 -> 710 us,
+VectorE 1022 -> 550, ScalarE 520 -> 79). The window runs to the end of the split, past the
+sequence's length in its last one, so the scores of uncommitted rows are *replaced* by
+DECODE_MASK_BIAS (a selection on VectorE in PSUM, the key rows' predicate built on GpSimd)
+rather than biased: whatever lies there, NaN included, never reaches a result. The tail's
+keys come from key-row windows too, shifted into its slots by a 0/1 matmul
+(:func:`_tail_keys_from_window`). V is gathered as in the default layout; with the K
+transposes gone, a key row may hold 64 positions when the longest prefix fills a split
+(``tiles.decode_transposed_key_row``: 16 KiB V rows) and splits aim at
+``tiles.DECODE_KT_SPLIT_KEYS``.
+
 FP8 cache (``kv_scale``). The caches may hold an 8-bit float format (``s = 1`` in the K/V
 term): the gathers cast to the matmul dtype on the way into SBUF (a DMA casts when its source
 and destination dtypes differ, through fp32: AWS's DMA guide, nki-dma-overview.rst), so every
@@ -768,9 +785,11 @@ def _packed_queries(qT, rows, g, qbd):
     return qbd
 
 
-def _split_scores(qbd, kT, mask_row, ones, g, P, mask_apart=False):
+def _split_scores(qbd, kT, mask_row, ones, g, P, mask_apart=False, window=False):
     """Scores of the split in PSUM: ``(banks, mask_banks)``, ``n_banks`` tiles ``(P, 512)``
-    fp32 each.
+    fp32 each. ``window``: ``kT`` holds the split's keys in position order, head-dim tile
+    ``dt``, position ``p`` at column ``dt * n * rs + p`` (a K^T cache's window,
+    :func:`_gather_key_window`), read with a stride of ``n`` per copy instead.
 
     Partition ``c * rows + r`` column ``w = jj * rs + row`` is ``scale q_r . k`` for position
     ``j = jj * pack + c`` of key row ``row``, plus DECODE_MASK_BIAS when that row is not
@@ -788,11 +807,15 @@ def _split_scores(qbd, kT, mask_row, ones, g, P, mask_apart=False):
             mask_banks = [nl.ndarray((P, tiles.PSUM_FMAX), dtype=nl.float32, buffer=nl.psum)
                           for _ in tiles.unrolled(g.n_banks)]
 
+    def keys(dt, dsz, jj, c, r0, ln):
+        if window:      # position (r0 + i) n + jj pack + c of the window, i < ln
+            return port.view(kT, 0, dsz, dt * n * rs + r0 * n + jj * g.pack + c, [[n, ln]])
+        return kT[0:dsz, nl.ds((dt * n + jj * g.pack + c) * rs + r0, ln)]
+
     def copy_c(acc, col, jj, r0, ln, c, first):
         for dt, d0, dsz in g.d_tiles():
             port.nc_matmul(acc[0:P, col:col + ln], qbd[0:dsz, nl.ds((dt * g.pack + c) * P, P)],
-                           kT[0:dsz, nl.ds((dt * n + jj * g.pack + c) * rs + r0, ln)],
-                           accumulate=not (first and dt == 0))
+                           keys(dt, dsz, jj, c, r0, ln), accumulate=not (first and dt == 0))
 
     for bank, col, jj, r0, ln in g.pieces:
         acc = banks[bank]
@@ -801,7 +824,10 @@ def _split_scores(qbd, kT, mask_row, ones, g, P, mask_apart=False):
         def other_copy(c):
             copy_c(acc, col, jj, r0, ln, c, False)
 
-        port.loop(g.pack, other_copy, start=1)
+        if window:      # a strided view's start is static under nki.*: the copies unrolled
+            port.unroll(g.pack - 1, lambda i: other_copy(i + 1))
+        else:
+            port.loop(g.pack, other_copy, start=1)
         if mask_row is not None and mask_banks is not None:
             port.nc_matmul(mask_banks[bank][0:P, col:col + ln], ones, mask_row[0:1, r0:r0 + ln])
         elif mask_row is not None:
@@ -1024,19 +1050,33 @@ def _alibi_lse_shift(lse, rm, s_i, length, T, split_keys, rows):
 
 
 def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, consts, buf, rm=None, cap=None,
-                 k_col=None):
+                 k_col=None, keep=None):
     """First half of one row tile's partial over a work item (query rows ``rows`` of the
     item, gathered as ``q_nat (rows, D)``): scores against ``kT``, the modifiers (``rm``:
     :class:`_RowMods`, None without), the row max and the exponentials (``k_col``: an FP8
     cache's K scale, :func:`_scaled_query_t`). ``consts``: the row tile's
     :class:`_TileConstants`, ``buf`` the step's pipeline buffer. Returns the state :func:`_split_back`
-    finishes: ``(p_sb, l_col, -m)`` (``-m`` on every copy's partition, :func:`_row_max`)."""
+    finishes: ``(p_sb, l_col, -m)`` (``-m`` on every copy's partition, :func:`_row_max`).
+
+    ``keep`` (a K^T cache's window, :func:`_gather_key_window`): uint8 ``(P, n_banks 512)``,
+    1 on the score columns of committed key rows. The window may hold anything past the
+    sequence's length (even NaN), so the other columns are *replaced* (selection on VectorE,
+    in PSUM) rather than biased: by DECODE_MASK_BIAS, or by 0 with a soft-cap, whose mask
+    stays apart and is added after the tanh."""
     P = g.pack * rows
     qT = _scaled_query_t(q_nat, rows, g.D, g.n_dt, scale, mm, k_col)
     qbd = _packed_queries(qT, rows, g, None if consts.qbd is None else consts.qbd[buf])
     transforms = rm is not None and rm.mods.transforms
-    banks, mask_banks = _split_scores(qbd, kT, mask_row, consts.ones, g, P,
-                                      mask_apart=transforms and cap is not None)
+    apart = transforms and cap is not None
+    banks, mask_banks = _split_scores(qbd, kT, None if keep is not None and not apart
+                                      else mask_row, consts.ones, g, P, mask_apart=apart,
+                                      window=keep is not None)
+    if keep is not None:
+        for bank in tiles.unrolled(g.n_banks):
+            w = g.bank_cols[bank]
+            c0 = bank * tiles.PSUM_FMAX
+            port.keep_where(banks[bank][0:P, 0:w], keep[0:P, c0:c0 + w],
+                            0.0 if apart else NEG)
     e, e_t = consts.e, consts.e_t
     if transforms:
         banks = _split_mods(banks, mask_banks, g, rows, P, rm, e, cap)
@@ -1208,13 +1248,13 @@ def _tail_partial(cfg, io, tail):
     """
     k_cache, v_cache = io.k_cache, io.v_cache
     T, D, n, R, mm = cfg.T, cfg.D, cfg.n, cfg.R, cfg.mm
-    B, Hkv, S_max = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]  # paged: pool, page
+    B, Hkv, S_max = v_cache.shape[0], v_cache.shape[1], v_cache.shape[2]  # paged: pool, page
     paged = io.block_table is not None
     seq, j = tail.seq, tail.j
     ns = n - 1                      # slots of the partial key row
     C = ns + T                      # score columns: [partial row | new tokens]
     n_dt = tiles.ceil_div(D, PMAX)
-    k_pos = k_cache.reshape((B * Hkv * S_max, D))
+    k_pos = None if cfg.k_t else k_cache.reshape((B * Hkv * S_max, D))
     v_pos = v_cache.reshape((B * Hkv * S_max, D))
     bh = _terms(tail.b, cfg.Hkv) + tail.h                   # b Hkv + h, a linear form
 
@@ -1237,12 +1277,14 @@ def _tail_partial(cfg, io, tail):
             idx = _paged_tail_rows(cfg, io, tail, g0 - ns, size,
                                    seq.before[0:size, nl.ds(j, 1)] if g0 < ns else None)
         flag = guard if g0 >= ns else 0             # the new tokens' group
-        k_g = nl.ndarray((size, D), dtype=mm, buffer=nl.sbuf)
+        k_g = None if cfg.k_t else nl.ndarray((size, D), dtype=mm, buffer=nl.sbuf)
         v_g = nl.ndarray((size, D + flag), dtype=mm, buffer=nl.sbuf)
         if g0 < ns:                                 # slots before the row start: skipped
-            port.memset(k_g, 0, engine="gpsimd")
+            if k_g is not None:
+                port.memset(k_g, 0, engine="gpsimd")
             port.memset(v_g, 0, engine="gpsimd")
-        port.dma_copy(k_g, port.rows(k_pos, idx), oob_skip=True)
+        if k_g is not None:
+            port.dma_copy(k_g, port.rows(k_pos, idx), oob_skip=True)
         port.dma_copy(v_g[0:size, 0:D], port.rows(v_pos, idx), oob_skip=True)
         if flag:
             port.tensor_reduce(v_g[0:size, D:D + 1], nl.maximum,
@@ -1250,8 +1292,9 @@ def _tail_partial(cfg, io, tail):
         groups.append((g0, g1, k_g, v_g, flag))
 
     # ---- K^T of all C keys ----
-    kT = nl.ndarray((PMAX, n_dt * C), dtype=mm, buffer=nl.sbuf)
-    for dt in tiles.unrolled(n_dt):
+    kT = (_tail_keys_from_window(cfg, io, tail, C) if cfg.k_t else
+          nl.ndarray((PMAX, n_dt * C), dtype=mm, buffer=nl.sbuf))
+    for dt in tiles.unrolled(0 if cfg.k_t else n_dt):
         d0 = dt * PMAX
         dsz = min(PMAX, D - d0)
         t_ps = nl.ndarray((PMAX, tiles.PSUM_FMAX), dtype=port.transpose_dtype(mm),
@@ -1265,6 +1308,92 @@ def _tail_partial(cfg, io, tail):
                     key=lambda v: -v[3])
     for i, rt0, rows in _row_tiles(R, cfg.row_tile):
         _tail_rows(cfg, io, tail, bh, kT, values, (seq.selectors[i], seq.ones[i]), rt0, rows)
+
+
+def _tail_keys_from_window(cfg, io, tail, C):
+    """K^T ``(128, n_dt C)`` of the tail's ``C = n - 1 + T`` slots (slot q: position ``Lp - (n
+    - 1) + q``, :func:`_tail_partial`) from a K^T cache ``(B, Hkv, D, S_max)``
+    (``k_layout="bhds"``).
+
+    The slots span at most ``nr = ceil((2 n - 2 + T) / n)`` key rows from row ``r0 =
+    floor((Lp + 1) / n) - 1``; each is one indirect DMA of ``n`` positions per head-dim row
+    (row ``((b Hkv + h) D + d) S_max / n + r0 + i`` of the view ``(B Hkv D S_max / n, n)``),
+    skipped when it starts before position 0 or at or after ``L = Lp + T``. The window's
+    positions outside ``[0, L)`` are replaced by zeros (selection: they may hold anything),
+    so every key the scores see is finite (the slots before 0 are masked by the tail's bias).
+    Slot q is window column ``q + (Lp + 1) mod n``, a runtime shift: each window tile of
+    <= 128 columns is transposed on TensorE (positions on partitions) and multiplied by the
+    0/1 shift matrix ``Sh[c, q] = [c = q + shift]``, which selects exactly (one non-zero term
+    per output, so the keys come out bit for bit)."""
+    n, D, T, mm = cfg.n, cfg.D, cfg.T, cfg.mm
+    B, Hkv, _, S_max = io.k_cache.shape
+    line = S_max // n                                   # key rows per (b, h, d) line
+    total = B * Hkv * D * line
+    rows_view = io.k_cache.reshape((total, n))
+    oob = float(_oob_offset(total))
+    nr = tiles.ceil_div(2 * n - 2 + T, n)
+    span = nr * n
+    n_dt = tiles.ceil_div(D, PMAX)
+    col = (PMAX, 1)
+    lp = tail.seq.lp[0:PMAX, nl.ds(tail.j, 1)]
+    lp1 = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(lp1, lp, op0=nl.add, operand0=1.0)
+    shift = M.int_mod(lp1, n)                           # slot 0's window column
+    start = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.scalar_tensor_tensor(start, lp1, op0=nl.subtract, operand0=float(n), op1=nl.subtract,
+                              operand1=shift)           # r0 n
+    end = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(end, lp, op0=nl.add, operand0=float(T))          # L
+    # keep[c] = 0 <= start + c < L
+    pos = nl.ndarray((PMAX, span), dtype=nl.float32, buffer=nl.sbuf)
+    port.iota(pos, [[1, span]])
+    port.tensor_scalar(pos, pos, op0=nl.add, operand0=start)
+    above = nl.ndarray((PMAX, span), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(above, pos, op0=nl.greater_equal, operand0=0.0)
+    keep_f = nl.ndarray((PMAX, span), dtype=nl.float32, buffer=nl.sbuf)
+    port.scalar_tensor_tensor(keep_f, pos, op0=nl.less, operand0=end, op1=nl.multiply,
+                              operand1=above)
+    keep = nl.ndarray((PMAX, span), dtype=nl.uint8, buffer=nl.sbuf)
+    port.tensor_copy(keep, keep_f, engine="gpsimd")
+    win = nl.ndarray((PMAX, n_dt * span), dtype=mm, buffer=nl.sbuf)
+    bh = _terms(tail.b, cfg.Hkv) + tail.h
+    for dt, d0, dsz in [(dt, dt * PMAX, min(PMAX, D - dt * PMAX)) for dt in tiles.unrolled(n_dt)]:
+        first = nl.ndarray((dsz, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.iota(first, [[0, 1]], offset=d0 * line, channel_multiplier=line,
+                  runtime=_terms(bh, D * line), offsets=io.offsets)
+        for i in tiles.unrolled(nr):
+            # r0 + i, pushed past the view when row i is not kept (its first column)
+            r_i = nl.ndarray((dsz, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_scalar(r_i, start[0:dsz], op0=nl.multiply, operand0=1.0 / n,
+                               op1=nl.add, operand1=float(i))
+            skip = nl.ndarray((dsz, 1), dtype=nl.int32, buffer=nl.sbuf)
+            port.tensor_scalar(skip, keep_f[0:dsz, i * n:i * n + 1], op0=nl.subtract,
+                               operand0=1.0, reverse0=True, op1=nl.multiply, operand1=oob)
+            idx = _int_tile([(first, 1), (r_i, 1), (skip, 1)], dsz, 1)
+            port.dma_copy(win[0:dsz, nl.ds(dt * span + i * n, n)], port.rows(rows_view, idx),
+                          oob_skip=True)
+        port.keep_where(win[0:dsz, nl.ds(dt * span, span)], keep[0:dsz, 0:span], 0.0)
+    kT = nl.ndarray((PMAX, n_dt * C), dtype=mm, buffer=nl.sbuf)
+    groups = [(c0, min(PMAX, span - c0)) for c0 in tiles.unrolled(0, span, PMAX)]
+    shifts = []
+    for c0, cs in groups:
+        diff = nl.ndarray((cs, C), dtype=nl.float32, buffer=nl.sbuf)
+        port.iota(diff, [[-1, C]], offset=c0, channel_multiplier=1)        # c0 + c - q
+        sh = nl.ndarray((cs, C), dtype=mm, buffer=nl.sbuf)
+        port.tensor_scalar(sh, diff, op0=nl.equal, operand0=shift[0:cs])
+        shifts.append(sh)
+    for dt in tiles.unrolled(n_dt):
+        d0 = dt * PMAX
+        dsz = min(PMAX, D - d0)
+        kt_ps = nl.ndarray((PMAX, C), dtype=nl.float32, buffer=nl.psum)
+        for gi, (c0, cs) in enumerate(groups):
+            t_ps = nl.ndarray((PMAX, PMAX), dtype=port.transpose_dtype(mm), buffer=nl.psum)
+            port.nc_transpose(t_ps[0:cs, 0:dsz], win[0:dsz, nl.ds(dt * span + c0, cs)])
+            k_nat = nl.ndarray((cs, dsz), dtype=mm, buffer=nl.sbuf)
+            port.tensor_copy(k_nat, t_ps[0:cs, 0:dsz], engine="vector")
+            port.nc_matmul(kt_ps[0:dsz, 0:C], k_nat, shifts[gi], accumulate=gi > 0)
+        port.tensor_copy(kT[0:dsz, dt * C:(dt + 1) * C], kt_ps[0:dsz, 0:C], engine="scalar")
+    return kT
 
 
 def _tail_rows(cfg, io, tail, bh, kT, values, tile, rt0, rows):
@@ -1396,6 +1525,7 @@ class _Config(NamedTuple):
     scale: float
     mm: object          # matmul operand dtype (of the namespace being traced)
     mods: object        # score_mods.Mods
+    k_t: bool = False   # K cache transposed, (B, Hkv, D, S_max) (k_layout "bhds")
 
 
 class _Tensors(NamedTuple):
@@ -1487,8 +1617,8 @@ def _tail_sequence(cfg, io, hg, b0, count):
     paged = io.block_table is not None
     offsets = before = part_bias = head_rows = None
     if not paged:
-        S_max = io.k_cache.shape[2]
-        oob = _oob_offset(io.k_cache.shape[0] * io.k_cache.shape[1] * S_max)
+        S_max = io.v_cache.shape[2]
+        oob = _oob_offset(io.v_cache.shape[0] * io.v_cache.shape[1] * S_max)
         head_rows = nl.ndarray((widest, cfg.hpp), dtype=nl.int32, buffer=nl.sbuf)
         port.iota(head_rows, [[S_max, cfg.hpp]], channel_multiplier=1,
                   runtime=[(hg, cfg.hpp * S_max)], offsets=io.offsets)
@@ -1563,6 +1693,67 @@ def _tails(cfg, io, hg, b):
     port.loop(cfg.hpp, head)
 
 
+class _KeyWindows:
+    """The keys of a chunk program's steps from a K^T cache ``(B, Hkv, D, S_max)``
+    (``k_layout="bhds"``, contiguous): split s of sequence b for kv head h is, on head-dim row
+    d, the ``W = rs n`` positions ``s W ..`` -- row ``((b Hkv + h) D + d) S_max / W + s`` of
+    the view ``(B Hkv D S_max / W, W)`` (W divides S_max: ``tiles.decode_transposed_split``)
+    -- one indirect DMA per head-dim tile and step, each partition one contiguous run of
+    ``2 W`` bytes (bf16), landing in position order in ``kT`` (:func:`_split_scores`'s
+    ``window``): no TensorE transposes and no PSUM copies. The whole window is read, also
+    past the sequence's length in its last split; :meth:`keep` marks the committed key rows
+    and :func:`_split_front` replaces the other scores. Padding items (b = B) and the
+    pipeline's dead steps index past the view: nothing is read."""
+
+    def __init__(self, cfg, io, g, bs, h0, steps):
+        B, Hkv, D = cfg.B, cfg.Hkv, cfg.D
+        S_max = io.k_cache.shape[3]
+        self.W = g.n * g.rs
+        per_line = S_max // self.W
+        total = B * Hkv * D * per_line
+        self.rows = io.k_cache.reshape((total, self.W))
+        self.g, self.steps = g, steps
+        kd = min(D, PMAX)
+        ipp, hpp = cfg.ipp, cfg.hpp
+        self.idx = nl.ndarray((kd, g.n_dt * (steps + 2)), dtype=nl.int32, buffer=nl.sbuf)
+        dead = port.view(self.idx, 0, kd, steps, [[steps + 2, g.n_dt], [1, 2]])
+        port.memset(dead, _oob_offset(total), engine="gpsimd")
+        # b Hkv D per_line + s of each item (a padding item's b = B: past the view)
+        base = _int_tile([(bs[0:kd, 0:ipp], Hkv * D * per_line), (bs[0:kd, ipp:2 * ipp], 1)],
+                         kd, ipp)
+        for dt, d0, dsz in g.d_tiles():
+            def head(hh, dt=dt, d0=d0, dsz=dsz):
+                first = nl.ndarray((dsz, ipp), dtype=nl.int32, buffer=nl.sbuf)
+                port.iota(first, [[0, ipp]], offset=d0 * per_line, channel_multiplier=per_line,
+                          runtime=_terms(h0, D * per_line) + [(hh, D * per_line)],
+                          offsets=io.offsets)
+                port.tensor_tensor(
+                    self.idx[0:dsz, nl.ds(dt * (steps + 2) + hh * ipp, ipp)], first,
+                    base[0:dsz, 0:ipp], op=nl.add)
+
+            port.loop(hpp, head)
+        # the key row of every score column (column jj rs + row, :class:`_SplitGeometry`)
+        self.row_of = nl.ndarray((PMAX, g.width), dtype=nl.float32, buffer=nl.sbuf)
+        for bank, col, jj, r0, ln in g.pieces:
+            c0 = bank * tiles.PSUM_FMAX + col
+            port.iota(self.row_of[0:PMAX, c0:c0 + ln], [[1, ln]], offset=r0)
+
+    def gather(self, t, dst):
+        """Step t's window into ``dst`` ``(128, n_dt W)`` (head-dim tile dt at ``dt W``)."""
+        for dt, d0, dsz in self.g.d_tiles():
+            port.dma_copy(dst[0:dsz, dt * self.W:(dt + 1) * self.W],
+                          port.rows(self.rows, self.idx, dt * (self.steps + 2) + t, n=dsz),
+                          oob_skip=True)
+
+    def keep(self, valid, j):
+        """uint8 ``(128, width)``: 1 on the score columns of item j's committed key rows
+        (``valid``: :func:`_valid_rows`), on GpSimd (idle in a DMA-bound split)."""
+        keep = nl.ndarray((PMAX, self.g.width), dtype=nl.uint8, buffer=nl.sbuf)
+        port.tensor_scalar(keep, self.row_of, op0=nl.less, operand0=valid[0:PMAX, nl.ds(j, 1)],
+                           engine="gpsimd")
+        return keep
+
+
 def _split_chunk(cfg, io, hg, c, tails=0):
     """Chunk program ``(hg, c)`` of the split kernel: work items ``c ipp .. c ipp + ipp - 1``
     for kv heads ``hg hpp .. hg hpp + hpp - 1``, i.e. ``hpp ipp`` steps ``t = hh ipp + j``
@@ -1574,14 +1765,16 @@ def _split_chunk(cfg, io, hg, c, tails=0):
     fills the other's idle time.
 
     1. Headers, for all steps at once (one item per column): ``(b, s)``, the sequence
-       lengths, the row indices of the K/V gathers, the mask rows, the query rows (and ALiBi
-       slopes). Every runtime-indexed read of the program is issued here, before any split is
-       computed, so none of them waits behind the engines, and the chain of small DMAs and
-       index arithmetic is paid once per program, not once per step.
+       lengths, the row indices of the K/V gathers and of the query rows, the mask rows (and
+       ALiBi slopes). Every runtime-indexed read of the program but the query rows of steps
+       2 .. is issued here, before any split is computed, so none of them waits behind the
+       engines, and the chain of small DMAs and index arithmetic is paid once per program,
+       not once per step.
     2. Splits (compiled sequential loops over the heads and item pairs, software-pipelined:
        the loops carry two buffers of gathered keys, transposed keys and values): step t + 1's
-       keys are transposed while step t's softmax runs, step t + 2's gathers are issued while
-       steps t and t + 1 are computed, and each step scatters its partial (o, lse) when done.
+       keys are transposed while step t's softmax runs, step t + 2's gathers (and query rows)
+       are issued while steps t and t + 1 are computed, and each step scatters its partial
+       (o, lse) when done.
        The last two gathers are of dead steps (all rows out of bounds: nothing is read), which
        keeps the loop body uniform.
 
@@ -1592,7 +1785,7 @@ def _split_chunk(cfg, io, hg, c, tails=0):
     B, Hkv, R, S, T, G, n = cfg.B, cfg.Hkv, cfg.R, cfg.S, cfg.T, cfg.G, cfg.n
     ipp, hpp, mm = cfg.ipp, cfg.hpp, cfg.mm
     Hq = G * Hkv
-    S_max = k_cache.shape[2]
+    S_max = v_cache.shape[2]
     g = _SplitGeometry(cfg.D, n, cfg.split_rows, cfg.pack)
     D, rs, kr = g.D, g.rs, g.kv_rows
     steps = hpp * ipp
@@ -1600,7 +1793,7 @@ def _split_chunk(cfg, io, hg, c, tails=0):
     h0 = [(hg, hpp)]                                     # first kv head of the group
     if io.block_table is None:
         rows_bh = S_max // n
-        k_rows = k_cache.reshape((B * Hkv * rows_bh, n * D))
+        k_rows = None if cfg.k_t else k_cache.reshape((B * Hkv * rows_bh, n * D))
         v_rows = v_cache.reshape((B * Hkv * rows_bh, n * D))
         oob = _oob_offset(B * Hkv * rows_bh)
     else:
@@ -1615,6 +1808,13 @@ def _split_chunk(cfg, io, hg, c, tails=0):
     valid = _valid_rows(cols, ipp, T, n, rs)                 # (128, ipp)
     bs = nl.ndarray((PMAX, 2 * ipp), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_copy(bs, cols[0:PMAX, 0:2 * ipp], engine="vector")
+    kT = [nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
+    if cfg.k_t:
+        # a K^T cache's first two windows need only (b, s): they go out before the V row
+        # indices and the zero fills are made
+        window = _KeyWindows(cfg, io, g, bs, h0, steps)
+        window.gather(0, kT[0])
+        window.gather(1, kT[1])
     idx = nl.ndarray((kr, g.n_kv * (steps + 2)), dtype=nl.int32, buffer=nl.sbuf)
     # the two dead steps the pipeline gathers last: every row out of bounds
     dead = (idx[0:kr, steps:steps + 2] if g.n_kv == 1 else
@@ -1638,22 +1838,26 @@ def _split_chunk(cfg, io, hg, c, tails=0):
         _paged_split_row_indices(io.block_table, valid, cols, bs, g, ipp, hpp, h0, Hkv,
                                  num_blocks, ppr, idx, io.offsets)
     kv_cols = g.n_kv * n * D
-    k_nat = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
     v_all = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
-    kT = [nl.ndarray((PMAX, g.n_dt * n * rs), dtype=mm, buffer=nl.sbuf) for _ in tiles.unrolled(2)]
+    if cfg.k_t:
+        def gather_k(t, b):
+            window.gather(t, kT[b])
+    else:
+        k_nat = [nl.ndarray((kr, kv_cols), dtype=mm, buffer=nl.sbuf)
+                 for _ in tiles.unrolled(2)]
 
-    def gather_k(t, b):
-        _gather_rows(k_rows, idx, fill, t, steps, g, k_nat[b], "vector")
+        def gather_k(t, b):
+            _gather_rows(k_rows, idx, fill, t, steps, g, k_nat[b], "vector")
 
     def gather_v(t, b):
         _gather_rows(v_rows, idx, fill, t, steps, g, v_all[b], "gpsimd")
 
     # the first two steps' K/V gathers go out as soon as their row indices exist: the masks,
     # slopes, scales and query loads below then overlap them instead of delaying them
-    gather_k(0, 0)
-    gather_v(0, 0)
-    gather_k(1, 1)
-    gather_v(1, 1)
+    for t in tiles.unrolled(2):
+        if not cfg.k_t:
+            gather_k(t, t)
+        gather_v(t, t)
     mask = nl.ndarray((1, ipp * rs), dtype=_mask_dtype(), buffer=nl.sbuf)
     local = nl.ndarray((1, rs), dtype=nl.float32, buffer=nl.sbuf)
     port.iota(local, [[1, rs]])
@@ -1683,15 +1887,27 @@ def _split_chunk(cfg, io, hg, c, tails=0):
             _head_scales(io.kv_scale, h0 + [(hh, 1)], rmax, io.offsets, out=scl, col=2 * hh)
 
         port.loop(hpp, head_scales)
-    # the query rows of every step (padding items gather none: their rows stay 0), and the
-    # flat partial rows its stores scatter to: query row x S + s
+    # the query rows of every step and the flat partial rows its stores scatter to: query
+    # row x S + s. Padding items (and the two dead steps) gather no query rows: their partials
+    # go to the trash block. For a batch the rows are gathered two steps ahead, like K and V,
+    # into slots never zeroed: gathered all here (the slots zeroed first), a hundred small DMAs
+    # held the first steps' bandwidth while the pipeline waited on step 0's query (trn2,
+    # Hq=32 Hkv=8: B=64 S=2048 2509.4 -> 2436.5 us, B=8 S=16384 1754.5 -> 1744.3, with a K^T
+    # cache 1662.3 -> 1653.3). A single sequence's tails run first and its query loads go
+    # under them: there gathering them all here models less (B=1 S=32768, ``python
+    # benchmarks/decode.py --lnc 1``: 431.4 against 432.8 us; S=131072 with a K^T cache
+    # 1579.8 against 1580.3)
+    ahead = B > 1
     qs, o_rows = [], []
     for _, rt0, rows in row_tiles:
-        q_keep = nl.ndarray((rows, steps * D), dtype=q_rows.dtype, buffer=nl.sbuf)
-        port.memset(q_keep, 0, engine="gpsimd")
+        q_keep = nl.ndarray((rows, (steps + 2) * D), dtype=q_rows.dtype, buffer=nl.sbuf)
+        if not ahead:
+            port.memset(q_keep, 0, engine="gpsimd")
         # every head's row indices in one tile: a compiled head loop then reuses no buffer a
         # previous head's gathers still read
-        q_idx = nl.ndarray((rows, steps), dtype=nl.int32, buffer=nl.sbuf)
+        q_idx = nl.ndarray((rows, steps + 2), dtype=nl.int32, buffer=nl.sbuf)
+        port.memset(q_idx[0:rows, steps:steps + 2], _oob_offset(B * Hkv * R),
+                    engine="gpsimd")
         o_idx = nl.ndarray((rows, steps), dtype=nl.int32, buffer=nl.sbuf)
 
         def head_queries(hh, rt0=rt0, rows=rows, q_keep=q_keep, q_idx=q_idx, o_idx=o_idx):
@@ -1703,16 +1919,26 @@ def _split_chunk(cfg, io, hg, c, tails=0):
                       out=q_idx[0:rows, cols_h])
             _int_tile([(q_idx[0:rows, cols_h], S), (bs[0:rows, ipp:2 * ipp], 1)], rows, ipp,
                       out=o_idx[0:rows, cols_h])
+            if not ahead:
+                def item(j):
+                    port.dma_copy(q_keep[0:rows, nl.ds((hh * ipp + j) * D, D)],
+                                  port.rows(q_rows, q_idx, hh * ipp + j), oob_skip=True)
 
-            def item(j):
-                port.dma_copy(q_keep[0:rows, nl.ds((hh * ipp + j) * D, D)],
-                              port.rows(q_rows, q_idx, hh * ipp + j), oob_skip=True)
-
-            port.loop(ipp, item)
+                port.loop(ipp, item)
 
         port.loop(hpp, head_queries)
-        qs.append(q_keep)
+        qs.append((q_keep, q_idx))
         o_rows.append(o_idx)
+
+    def load_queries(t):
+        """Step t's query rows into its slot of each row tile's ``q_keep``."""
+        for (_, _, rows), (q_keep, q_idx) in zip(row_tiles, qs):
+            port.dma_copy(q_keep[0:rows, nl.ds(t * D, D)], port.rows(q_rows, q_idx, t),
+                          oob_skip=True)
+
+    if ahead:
+        for t in tiles.unrolled(min(2, steps)):
+            load_queries(t)
     consts = [_tile_constants(g, rows, mm) for _, _, rows in row_tiles]
 
     # -- 2. splits ------------------------------------------------------------------------
@@ -1722,6 +1948,7 @@ def _split_chunk(cfg, io, hg, c, tails=0):
     def front(hh, j, b):
         """Step (hh, j)'s headers and the first half of each row tile (on ``kT[b]``)."""
         t = hh * ipp + j
+        keep = None if not cfg.k_t else window.keep(valid, j)
         mask_row = nl.ndarray((1, rs), dtype=_mask_dtype(), buffer=nl.sbuf)
         port.tensor_copy(mask_row, mask[0:1, nl.ds(j * rs, rs)], engine="gpsimd")
         slope_g = item = None
@@ -1738,14 +1965,14 @@ def _split_chunk(cfg, io, hg, c, tails=0):
             kv = nl.ndarray((rmax, 2), dtype=nl.float32, buffer=nl.sbuf)
             port.tensor_copy(kv, scl[0:rmax, nl.ds(2 * hh, 2)], engine="gpsimd")
         states = []
-        for (_, rt0, rows), q_keep, cst in zip(row_tiles, qs, consts):
+        for (_, rt0, rows), (q_keep, _), cst in zip(row_tiles, qs, consts):
             q_nat = nl.ndarray((rows, D), dtype=q_rows.dtype, buffer=nl.sbuf)
             port.tensor_copy(q_nat, q_keep[0:rows, nl.ds(t * D, D)], engine="gpsimd")
             rm = (_RowMods(cfg.mods, slope_g, None, G, T, rt0, rows) if cfg.mods.transforms
                   else None)
             states.append((rm, _split_front(q_nat, kT[b], mask_row, g, rows, cfg.scale, mm,
                                             cst, b, rm, cfg.mods.softcap,
-                                            None if kv is None else kv[0:rows, 0:1])))
+                                            None if kv is None else kv[0:rows, 0:1], keep)))
         return item, kv, states
 
     def back(t, b, head, after_pv):
@@ -1766,9 +1993,15 @@ def _split_chunk(cfg, io, hg, c, tails=0):
         """Step ``(hh, j)`` (head hh of the group, item j) on buffer ``b``, and with ``tail``
         the tail of sequence ``c tails + j`` for the same kv head."""
         t = hh * ipp + j
-        gather_k(t + 2, b)                      # k_nat[b] is free: step t's keys are in kT[b]
-        head = front(hh, j, b)
-        _transpose_keys(k_nat[1 - b], kT[1 - b], g)
+        if ahead:
+            load_queries(t + 2)
+        if cfg.k_t:
+            head = front(hh, j, b)
+            gather_k(t + 2, b)                  # once step t's scores have read kT[b]
+        else:
+            gather_k(t + 2, b)                  # k_nat[b] is free: step t's keys are in kT[b]
+            head = front(hh, j, b)
+            _transpose_keys(k_nat[1 - b], kT[1 - b], g)
         # step t + 2's V gather right after step t's P V, ahead of step t's partial stores
         back(t, b, head, lambda: gather_v(t + 2, b))
         if tail:
@@ -1776,7 +2009,8 @@ def _split_chunk(cfg, io, hg, c, tails=0):
 
     # Buffer b is the parity of the step: steps come in pairs (ipp even: item pairs of one
     # head; ipp = 1: pairs of heads); the first two steps' gathers are issued above.
-    _transpose_keys(k_nat[0], kT[0], g)
+    if not cfg.k_t:
+        _transpose_keys(k_nat[0], kT[0], g)
     if steps == 1:
         step(0, 0, 0, tails > 0)
     elif ipp % 2 == 0:
@@ -1824,7 +2058,7 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
                               zero_row=None, scale=1.0,
                               mm_dtype="bfloat16", key_row=1, split_rows=1, num_splits=1,
                               row_tile=1, pack=1, items_per_program=1, heads_per_program=1,
-                              softcap=None):
+                              softcap=None, k_layout="bhsd"):
     """Phase 1: one partial (o, lse) per work item -- a split of the committed prefix of one
     sequence -- or tail of one sequence, for one kv head.
 
@@ -1838,6 +2072,14 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
         into SBUF (the DMA casts to the destination's dtype, as AWS's ``attention_tkg`` loads
         its FP8 K into a bf16 tile), so HBM moves 1 byte per element and everything after
         the gathers is unchanged.
+    k_layout : "bhsd" | "bhds"
+        ``"bhds"``: k_cache is contiguous and transposed, ``(B, Hkv, D, S_max)`` (v_cache
+        unchanged), as nki-library's ``attention_tkg`` takes its K prior, ``[B, 1, d, S]``:
+        a split's keys are read as one window per head-dim row (:class:`_KeyWindows`, S_max a
+        multiple of ``key_row * split_rows``) and used untransposed, the tail's through
+        :func:`_tail_keys_from_window`. The windows run to the end of the split (and key row)
+        holding position ``cache_lens[b] - 1``: whatever lies past the length there is read
+        but never reaches a result (selection, not an additive mask).
     cache_lens : (B,) int32, ``T <= cache_lens[b] <= S_max`` (device data; paged:
         ``<= max_blocks * page_size``)
     work : (W, 2) int32 or None
@@ -1904,6 +2146,18 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
     R = (Hq // Hkv) * T
+    if k_layout not in ("bhsd", "bhds"):
+        raise ValueError(f"k_layout: expected 'bhsd' or 'bhds', got {k_layout!r}")
+    k_t = k_layout == "bhds"
+    S_max = v_cache.shape[2]
+    if k_t and (block_table is not None or tuple(k_cache.shape) != (B, Hkv, D, S_max)
+                or (work is not None and S_max % (key_row * split_rows))):
+        raise ValueError(
+            f"k_layout='bhds': k_cache must be a contiguous (B, Hkv, D, S_max) = "
+            f"{(B, Hkv, D, S_max)} cache (no block_table) whose S_max is a multiple of the "
+            f"split's key_row * split_rows = {key_row * split_rows}; got k_cache "
+            f"{tuple(k_cache.shape)}, block_table "
+            f"{'given' if block_table is not None else 'None'}")
     S = num_splits + 1
     W = 0 if work is None else work.shape[0]
     ipp, hpp = items_per_program, heads_per_program
@@ -1928,14 +2182,16 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     # nki.*: flat rows of a contiguous cache (or block-table entries) that may reach 2^24 take
     # the program indices' part in int32 (port.OffsetColumns(exact=True)); below that the fp32
     # sums on VectorE are exact and cheaper
-    flat = (B * Hkv * k_cache.shape[2] if block_table is None
+    flat = (B * Hkv * S_max if block_table is None
             else block_table.shape[0] * block_table.shape[1])
+    if k_t:                         # the tail's key rows of a K^T cache
+        flat = B * Hkv * D * (S_max // key_row)
     # rows of "sequence B" are a trash block for padding work items
     o_part = nl.ndarray(((B + 1) * Hq * T, S, D), dtype=nl.float32, buffer=nl.shared_hbm)
     lse_part = nl.ndarray(((B + 1) * Hq * T, S), dtype=nl.float32, buffer=nl.shared_hbm)
     cfg = _Config(B, Hq, Hkv, Hq // Hkv, T, D, R, S, key_row, split_rows, pack, row_tile, ipp,
                   hpp, float(scale), getattr(nl, mm_dtype),
-                  SM.check_mods(softcap, alibi_slopes, sinks))
+                  SM.check_mods(softcap, alibi_slopes, sinks), k_t)
     # the program indices (head group, chunk, sequence, heads of a group) as data for nki.*'s
     # compile-time iota offsets
     io = _Tensors(q.reshape((B * Hkv * R, D)), k_cache, v_cache, cache_lens, work, tree_mask,

@@ -273,16 +273,17 @@ def test_program_shape_choice():
     assert tiles.decode_work_items(1) == (1, 1)
     assert tiles.decode_work_items(8) == (8, 8)
     assert tiles.decode_work_items(7) == (8, 8)                 # steps come in pairs
-    total, per = tiles.decode_work_items(40)                   # 40 items: 3 programs of 14
-    assert (total, per) == (42, 14)
+    total, per = tiles.decode_work_items(40)                   # 40 items: 2 programs of 20
+    assert (total, per) == (40, 20)
+    assert tiles.decode_work_items(70) == (84, 28)             # bucket 80: 3 programs of 28
     assert tiles.decode_work_items(40, max_steps=5) == (40, 4)
     assert tiles.decode_heads_per_program(8, 8, 64) == 8
     assert tiles.decode_heads_per_program(8, 16, 64) == 4
     assert tiles.decode_heads_per_program(3, 1, 64) == 1        # odd items need even heads
     assert tiles.decode_heads_per_program(6, 1, 64) == 6
     assert tiles.decode_heads_per_program(8, 1, 64) == 8
-    assert tiles.decode_max_steps(rows=4, row_tile=4, D=128) == 64
-    assert tiles.decode_max_steps(rows=1024, row_tile=128, D=128) == 8
+    assert tiles.decode_max_steps(rows=4, row_tile=4, D=128) == 128
+    assert tiles.decode_max_steps(rows=1024, row_tile=128, D=128) == 16
     # tails run beside a chunk program's steps (nki.*): B // chunks, at most the items of a
     # head; a single sequence's run first
     assert tiles.decode_tails_per_program(64, 4, 16) == 16
