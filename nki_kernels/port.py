@@ -278,21 +278,6 @@ def lead_rows(t, lead, idx, col=0):
     return t[(*lead, idx[ar(idx.shape[0])[:, None], col], ar(t.shape[-1])[None, :])]
 
 
-def dma_add(dst, srcs, oob_skip=False):
-    """nki.* only: ``dst = sum(srcs)`` in fp32 on the DMA engines (``nisa.dma_compute``,
-    ``reduce_op=nl.add``, NKI 0.7; the legacy namespace has no such instruction), cast to
-    ``dst.dtype``: a static transfer, or the read-modify-writes with one :func:`rows` side --
-    scatter ``dst = rows(t, idx)`` with ``srcs = [dst, sbuf_tile]``, gather ``dst`` an SBUF
-    tile with ``srcs = [rows(t, idx), dst]``. ``oob_skip``: rows whose index is out of bounds
-    are neither read nor written (``oob_mode.skip``)."""
-    ns = current()
-    if ns.api != "nki":
-        raise NotImplementedError("port.dma_add: nisa.dma_compute is an nki.* (NKI 0.7) "
-                                  "instruction; the legacy namespace has none")
-    oob = dict(oob_mode=ns.nisa.oob_mode.skip) if oob_skip else {}
-    ns.nisa.dma_compute(dst=dst, srcs=list(srcs), reduce_op=ns.nl.add, **oob)
-
-
 def lead_first_row(t, lead, offsets, partitions=128, ints=False):
     """The first row of the slice ``t[*lead]`` in the flattened view :func:`lead_rows` addresses
     under 0.7, as an fp32 ``[partitions, 1]`` column (each runtime index of ``lead`` read from

@@ -23,7 +23,7 @@ chunk:
    ``dS_ij = P_ij * (dO_i V_j^T - D_i)``, accumulates ``dV_j += P_ij^T dO_i`` and ``dK_j +=
    dS_ij^T Q_i`` in PSUM and adds ``dS_ij K_j`` to dQ_i's accumulator (six TensorE passes
    per pair, the dense kernel's). One chunk: dK_j, dV_j are stored. Several: the partial
-   sums go through an fp32 scratch in HBM at the block's order position (a static address:
+   sums go through an fp32 scratch in HBM at the block's order position (an address in the loop index, not an indirect access:
    the read-add-writes of different blocks are independent DMAs, where an indirect one would
    order every access to the tensor after the previous one). Legacy: written by the first
    chunk, read, added and written back by the middle ones, read by the last, which stores
@@ -31,8 +31,8 @@ chunk:
    only the chunks that meet block j touch its sums (the host's ``acc_k``: runtime loops of
    trip 0 or 1, :func:`_accumulate`) -- the last of them adds the earlier ones' sums, if
    any, and stores dK_j, dV_j (the last chunk those of a block no chunk meets), the first
-   writes its sums for a later one, the middle ones add to them in HBM
-   (``nisa.dma_compute``, the DMA engines' fp32 add): a block one chunk meets never goes
+   writes its sums for a later one, the middle ones read, add on GpSimd and write them
+   back: a block one chunk meets never goes
    through HBM. Before the last chunk a row no head of the group meets in the chunk names
    no block (the host pushes it past every sequence): its K and V are not read; under
    nki.* with a table shared by the group's heads the last chunk skips them too.
@@ -578,8 +578,10 @@ def _accumulate(cfg: _Cfg, part: int, r, ps, factor: float, regs, out, out_idx):
     each a runtime loop of trip 0 or 1 (``regs``: registers of :func:`_acc_flags`), so only
     the chunks that meet a block move its sums, and a block one chunk meets never leaves
     it: 0. written by the first meeting chunk (unless it is the last); 1. added to by a
-    middle one (``nisa.dma_compute``: the fp32 add in the DMA engines, ``dst(HBM) = dst(HBM)
-    + src(SBUF)``, one DMA where legacy reads, adds on GpSimd and writes back); 2. or 3. the
+    middle one (read back, added on GpSimd, written: ``nisa.dma_compute`` would add in the DMA
+    engines, but without an indirect operand it takes compile-time addresses only, and r is
+    a runtime loop index; its scatter form orders every block's RMW behind the others in
+    the simulator); 2. or 3. the
     block's last meeting chunk (for a block no chunk meets, the last chunk) adds the earlier
     sums read back (2; a plain DMA that need not wait for this chunk's sums) or none (3), at
     ``out``'s dtype (GpSimd), and stores the block's rows of ``out`` (``out_idx``). ScalarE
@@ -589,7 +591,15 @@ def _accumulate(cfg: _Cfg, part: int, r, ps, factor: float, regs, out, out_idx):
     new = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
     port.activation(new, nl.copy, ps, scale=factor)
     port.loop_between(0, regs[0], lambda _: port.dma_copy(rows, new))
-    port.loop_between(0, regs[1], lambda _: port.dma_add(rows, [rows, new]))
+
+    def add():
+        prev = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+        port.dma_copy(prev, rows)
+        total = nl.ndarray((P, f.D), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_tensor(total, prev, new, nl.add, engine="gpsimd")
+        port.dma_copy(rows, total)
+
+    port.loop_between(0, regs[1], lambda _: add())
 
     def finish(read: bool):
         total = nl.ndarray((P, f.D), dtype=out.dtype, buffer=nl.sbuf)

@@ -558,11 +558,3 @@ def test_block_sparse_nki_trace_uses_nothing_of_the_legacy_namespace(monkeypatch
     o, lse = host.flash_attention(q, k, v, return_lse=True, **kw)
     grads = host.flash_attention_backward(do, q, k, v, o, lse, **kw)
     assert all(np.isfinite(x).all() for x in (o, *grads))
-
-
-def test_dma_add_is_nki_only():
-    """port.dma_add is nisa.dma_compute, an NKI 0.7 instruction: legacy refuses it."""
-    with port.tracing(binding.namespace("legacy")):
-        with pytest.raises(NotImplementedError, match=r"port.dma_add: nisa.dma_compute is an "
-                                                      r"nki.\* \(NKI 0.7\) instruction"):
-            port.dma_add(None, [None, None])
