@@ -382,7 +382,7 @@ def _few_blocks_index():
 
 def test_nki_index_form_skips_padding_steps_and_matches_legacy(monkeypatch):
     """Under nki.* the index form's forward sweep runs only the steps below the group's
-    largest count (runtime trip counts, ``block_sparse._own_steps``) and the backward's slot
+    largest count (runtime trip counts, ``block_sparse._trip_counts``) and the backward's slot
     loops each row's count, legacy all ``max_blocks`` slots masked: the same outputs bit for bit, the empty tiles' rows zero,
     and a shorter scheduled estimate under nki.*."""
     Nq, Nk = 600, 1536
