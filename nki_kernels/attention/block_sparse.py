@@ -56,6 +56,17 @@ grow with N.
   the largest count of its tiles (:func:`_trip_counts`: two register loads per group, the full
   steps and the tail step), so a step of padding slots in every tile costs nothing; padding
   slots inside a run step are still masked. The outputs are the legacy trace's: a masked step changes nothing.
+- **Runtime pattern past SBUF** (nki.*, K/V not resident, :func:`shares_at_runtime`): the
+  host groups the query tiles by their common blocks as for a compile-time pattern, but
+  keeps every group's own count of them (``host.block_sparse.shared_bound_tables``): ``trip =
+  2 max_blocks`` slots, the first ``max_blocks`` the group's common blocks then padding, the
+  others each tile's own blocks then padding; ``shared = max_blocks`` and the class depend on
+  the bound only (``shared_runtime``). The common sweep runs only its steps below the group's
+  count of common blocks (:func:`_shared_count`, read from the table at run time) and the
+  own sweep only those below its tiles' largest own count; the padding slots' gathers are
+  skipped into zeroed tiles, so their scores are 0 and one ScalarE multiply-add per block
+  masks them (:func:`_pads_only`). A group's common blocks are gathered once, as a bool
+  mask's: the same K/V bytes on a pattern whose groups share as many blocks.
 
 Per group of query tiles (a loop body; the gathers are the legacy trace's and, where K/V
 do not fit in SBUF, the nki.* one's)::
