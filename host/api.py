@@ -643,15 +643,18 @@ def _block_sparse_grid(dims, lnc: int, api: str):
 def _block_sparse_forward(q, k, v, call: AttentionCall):
     """The block-sparse forward of a validated call (``call.block_sparse`` given): outputs as
     :func:`flash_attention`'s."""
-    from nki_kernels.attention.block_sparse import block_sparse_attention_fwd, keeps_order
+    from nki_kernels.attention.block_sparse import (block_sparse_attention_fwd, keeps_order,
+                                                    shares_at_runtime)
 
     dims, p = call.dims, call.dropout.p
     api = select_api()          # every block-sparse call is ported to nki.*
     keep = keeps_order(api, dims.Nq, dims.Nk, dims.D, call.mm_dtype,
                        call.block_sparse.index.max_blocks,
                        call.kv_lens is not None or call.q_lens is not None)
+    share = shares_at_runtime(api, dims.Nk, dims.D, call.mm_dtype,
+                              call.block_sparse.index.max_blocks, call.block_sparse.runtime)
     tables = _bs.launch_tables(call.block_sparse, group=dims.group, backward=False,
-                               keep_order=keep)
+                               keep_order=keep, share_runtime=share)
     kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
                   mm_dtype=call.mm_dtype, **call.mods.kwargs)
     if p:
@@ -660,7 +663,7 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     outs = launch(block_sparse_attention_fwd.on(api), _block_sparse_grid(dims, call.lnc, api),
                   q, k, v, tables.q.meta, kv_lens=call.kv_lens, q_lens=call.q_lens,
                   seed=call.dropout.seed, classes=tables.q.classes, shared=tables.q.shared,
-                  natural=tables.q.natural,
+                  natural=tables.q.natural, shared_runtime=tables.q.shared_runtime,
                   **call.mods.tensors,
                   **kwargs)
     o, lse = outs[0], outs[1]

@@ -307,13 +307,15 @@ class KernelTables(NamedTuple):
     (:func:`kernel_tables`' ``share``): the kernel loads those blocks once per group.
     ``natural``: per class, whether its order position p holds row p in every ``(b, h)``
     (the forward then loads and stores a query tile's rows at positions affine in its loop
-    indices, not through indirect DMAs).
+    indices, not through indirect DMAs). ``shared_runtime``: ``shared`` is a bound, each group's
+    first ``shared`` slots its common blocks then padding (:func:`shared_bound_tables`).
     """
 
     meta: np.ndarray
     classes: Tuple[Tuple[int, int, int, bool], ...]
     shared: Tuple[int, ...]
     natural: Optional[Tuple[bool, ...]] = None
+    shared_runtime: bool = False
 
 
 def _cut(profile: np.ndarray, max_classes: int):
@@ -454,6 +456,51 @@ def kernel_tables(index: BlockIndex, *, sort: bool, group: int = 1,
                         tuple(natural))
 
 
+def shared_bound_tables(index: BlockIndex, size: int) -> KernelTables:
+    """Tables of a runtime pattern (the index form, one compilation per ``max_blocks`` bound
+    M) whose query tiles are grouped ``size`` at a time by the key blocks they have in
+    common, as :func:`kernel_tables`' ``share`` does for a compile-time pattern, but with
+    every group's common blocks kept (not the least count over the groups): each row has
+    ``2 M`` slots, the first M its group's common blocks (then padding), the last M its own
+    other blocks (then padding), and its count column is ``M +`` its own count (every slot
+    past it is padding). One class ``(0, rows, 2 M, False)`` whose ``shared`` is M: the
+    program depends on the bound only, the contents on the pattern (the forward's
+    ``shared_runtime``: under nki.* the group's common and own sweeps run only their steps
+    below the table's counts). Groups as the forward's: consecutive ``min(size, rows)`` and a
+    remainder; rows taken greedily by overlap unless the natural order shares as many
+    blocks in all (either way the class is not ``natural``: its rows are gathered)."""
+    num = np.asarray(index.num_blocks, dtype=np.int64)
+    idx = np.asarray(index.indices, dtype=np.int64)
+    b, h, n = num.shape
+    m = idx.shape[-1]
+    live = np.arange(m) < num[..., None]
+    sets = np.zeros((b, h, n, int(idx[live].max()) + 1 if live.any() else 1), dtype=bool)
+    bi, hi, ri, si = np.nonzero(live)
+    sets[bi, hi, ri, idx[bi, hi, ri, si]] = True
+    g = min(size, n)
+    kept, greedy = _grouped(sets, 0, n, g, False), _grouped(sets, 0, n, g, True)
+    total = [sum(len(c) for *_, c in grp) for grp in (kept, greedy)]
+    groups = kept if total[0] >= total[1] else greedy
+    order = np.empty((b, h, n), dtype=np.int64)
+    slots = np.full((b, h, n, 2 * m), -1, dtype=np.int64)
+    count = np.empty((b, h, n), dtype=np.int64)
+    for x, y, pos, members, common in groups:
+        for r, src in enumerate(members, pos):
+            own = idx[x, y, src, :num[x, y, src]]
+            own = own[~np.isin(own, common)]
+            order[x, y, r] = src
+            slots[x, y, r, :len(common)] = common
+            slots[x, y, r, m:m + len(own)] = own
+            count[x, y, r] = m + len(own)
+    block = _tiles.BLOCK_SPARSE_TILE
+    firsts = np.where(slots >= 0, slots * block, _tiles.BSP_PAD_FIRST)
+    meta = np.concatenate([order[..., None] * block, count[..., None], firsts], -1)
+    # never natural, even where the rows keep their order: that would make the program
+    # depend on the pattern (plain loads and stores instead of gathers and scatters)
+    return KernelTables(np.ascontiguousarray(meta, dtype=np.float32), ((0, n, 2 * m, False),),
+                        (m,), (False,), True)
+
+
 class LaunchTables(NamedTuple):
     """The tables of one block-sparse launch: the forward's (query tiles) and the backward's
     key-major ones (key blocks, one order per kv group and chunk of query tiles), and with
@@ -480,8 +527,11 @@ def _chunk_columns(dense_t: np.ndarray, chunk_tiles: int) -> np.ndarray:
     return dense_t[:, :, None] & keep[None, None, :, None, :]
 
 
-def _forward_tables(sparsity: BlockSparsity, keep_order: bool) -> KernelTables:
-    """The forward's tables (:func:`launch_tables`, ``keep_order``)."""
+def _forward_tables(sparsity: BlockSparsity, keep_order: bool,
+                    share_runtime: bool) -> KernelTables:
+    """The forward's tables (:func:`launch_tables`, ``keep_order``, ``share_runtime``)."""
+    if share_runtime and sparsity.runtime and sparsity.index.max_blocks:
+        return shared_bound_tables(sparsity.index, _tiles.BSP_GROUP_TILES)
     num = np.asarray(sparsity.index.num_blocks, dtype=np.int64)
     pads = num.size * sparsity.index.max_blocks - int(num.sum())
     natural = sparsity.runtime or (keep_order
@@ -492,6 +542,7 @@ def _forward_tables(sparsity: BlockSparsity, keep_order: bool) -> KernelTables:
 
 def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
                   forward: bool = True, keep_order: bool = False,
+                  share_runtime: bool = False,
                   chunk_tiles: Optional[int] = None) -> LaunchTables:
     """Tables for the kernels of a validated pattern.
 
@@ -510,7 +561,10 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
     (``nki_kernels.attention.block_sparse.keeps_order``): the forward's query tiles are not
     grouped by common key blocks, and a dense pattern's stay in natural order too, in one
     class of the largest count, unless that pads more than
-    ``tiles.BSP_NATURAL_MAX_PADDING`` of its blocks (sorted classes then).
+    ``tiles.BSP_NATURAL_MAX_PADDING`` of its blocks (sorted classes then). ``share_runtime``
+    (``nki_kernels.attention.block_sparse.shares_at_runtime``): a pattern in the index form
+    takes grouped tables of bounded shape (:func:`shared_bound_tables`), so the forward
+    gathers a group's common blocks once and still compiles once per bound.
     """
     nqt = sparsity.dense.shape[-2]
     if not (forward or backward):
@@ -518,12 +572,16 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
                          "one True")
     if keep_order and not forward:
         raise ValueError("keep_order: orders the forward's tables, but forward=False")
+    if share_runtime and (keep_order or not forward):
+        raise ValueError(f"share_runtime: groups the forward's tables, but keep_order="
+                         f"{keep_order}, forward={forward}; allowed: keep_order=False, "
+                         f"forward=True")
     if chunk_tiles is not None:
         if not backward:
             raise ValueError("chunk_tiles: chunks the backward's tables, but backward=False")
         _tiles.check_chunk_tiles(chunk_tiles, nqt)
     heads, runtime = sparsity.dense.shape[1], sparsity.runtime
-    q = _forward_tables(sparsity, keep_order) if forward else None
+    q = _forward_tables(sparsity, keep_order, share_runtime) if forward else None
     if not backward:
         return LaunchTables(q, None, runtime)
     g = group if heads > 1 else 1

@@ -53,9 +53,20 @@ grow with N.
   is an ``nki.*`` API on trn2/trn3 only; reference/nki-api-spec.md), so there every slot runs.
   Under nki.* (0.7's ``nl.fori_loop`` takes a register bound, :func:`port.loop_between`) the
   own-slot sweep of a group with more than one step of own slots runs only the steps below
-  the largest count of its tiles (:func:`_own_steps`: two register loads per group, the full
+  the largest count of its tiles (:func:`_trip_counts`: two register loads per group, the full
   steps and the tail step), so a step of padding slots in every tile costs nothing; padding
   slots inside a run step are still masked. The outputs are the legacy trace's: a masked step changes nothing.
+- **Runtime pattern past SBUF** (nki.*, K/V not resident, :func:`shares_at_runtime`): the
+  host groups the query tiles by their common blocks as for a compile-time pattern, but
+  keeps every group's own count of them (``host.block_sparse.shared_bound_tables``): ``trip =
+  2 max_blocks`` slots, the first ``max_blocks`` the group's common blocks then padding, the
+  others each tile's own blocks then padding; ``shared = max_blocks`` and the class depend on
+  the bound only (``shared_runtime``). The common sweep runs only its steps below the group's
+  count of common blocks (:func:`_shared_count`, read from the table at run time) and the
+  own sweep only those below its tiles' largest own count; the padding slots' gathers are
+  skipped into zeroed tiles, so their scores are 0 and one ScalarE multiply-add per block
+  masks them (:func:`_pads_only`). A group's common blocks are gathered once, as a bool
+  mask's: the same K/V bytes on a pattern whose groups share as many blocks.
 
 Per group of query tiles (a loop body; the gathers are the legacy trace's and, where K/V
 do not fit in SBUF, the nki.* one's)::
@@ -495,7 +506,7 @@ def _add_int_column(u, base):
 
 def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: int,
                   trip: int, exact: bool, shared: int, src: "KVSource",
-                  held: Optional["_Held"] = None):
+                  held: Optional["_Held"] = None, shared_runtime: bool = False):
     """``n_tiles`` query tiles of one class (order positions ``pos0 ..``, member head h, whose
     rows ``q_frame`` addresses): the body of a class loop. Their ``trip`` slots are swept in
     steps of key blocks (a sequential loop of full steps and a static tail step), each one
@@ -510,7 +521,12 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     (:class:`_Held`; a class in natural order, :func:`_direct_rows`): order position ``pos0 +
     t`` holds query tile ``pos0 + t``, whose rows are then affine in the loop indices: Q is
     loaded by plain DMAs, not gathered, the outputs stay in ``held`` and the previous group's
-    held ones are stored, by plain DMAs, once this group's loads are issued."""
+    held ones are stored, by plain DMAs, once this group's loads are issued.
+    ``shared_runtime`` (a runtime pattern's grouped tables, ``host.block_sparse.
+    shared_bound_tables``): ``shared`` is a bound, the group's common blocks come first and
+    padding slots after them; under nki.* the common sweep runs only its steps below their
+    count (:func:`_shared_count`), in legacy all of them (padding gathers skipped, scores
+    masked: the same outputs)."""
     head = f.head(h)
     res, sel = src.res, src.sel
     direct = held is not None
@@ -524,7 +540,8 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     # copy (forward.fold_update first), so the accumulators need no zeroing. Not with sinks
     # (the sink is the first "key") or dropout (its row sums are added)
     once = shared <= Ws if shared else 0 < trip <= W
-    peel = once and not f.dropout_p and not f.mods.sinks
+    # (a runtime count of common blocks may be 0: no step to peel)
+    peel = once and not f.dropout_p and not f.mods.sinks and not shared_runtime
     st = F.GroupState(f, n_tiles, P, zero_o=not peel)
     if f.mods.sinks:
         F.start_at_sink(f, st, h, n_tiles, slot0=0)
@@ -545,13 +562,18 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     # run one (more than W own slots): each register load stops every engine until its value
     # is written (simulate._sched.register_wait), which cost the band+strided pattern's
     # groups of one step 141.3 -> 161.1 us (benchmarks/block_sparse.py, N = 4096, D = 128)
-    runtime = not exact and trip - shared > W and port.api() == "nki"
+    # (shared_runtime: a group may have no own block, and its own sweep then no step)
+    runtime = (not exact and (trip - shared > W or shared_runtime)
+               and port.api() == "nki")
     n_full, tail = divmod(trip - shared, W)
-    plan = _own_steps(rows, shared, W, n_full, tail) if runtime else None
+    plan = _trip_counts(_group_count(rows), shared, W, n_full, tail) if runtime else None
+    shared_plan = None
+    if shared_runtime and shared and port.api() == "nki":
+        shared_plan = _trip_counts(_shared_count(grp, shared), 0, Ws, *divmod(shared, Ws))
     # resident K/V whose only masked keys are the padding slots' (_pads_only): TensorE
     # masks them (the class's selector, _pads_by_matmul), or one ScalarE multiply-add per
     # block (_scores)
-    pad_only = _pads_only(f, geo, res, exact)
+    pad_only = _pads_only(f, geo, res, exact, zeros=shared_runtime)
     pad_rows = (_padding_rows(f, meta, hb, hh, pos0, n_tiles, trip) if sel is not None
                 else None)
     tiles = []
@@ -657,16 +679,15 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     if shared and res is None:
         shared_src = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
         F.ones_column(f, shared_src[:, :, f.D:f.D + 1])
-    sweep(0, shared, True, Ws, peel)
+    if shared_plan is None:
+        sweep(0, shared, True, Ws, peel)
+    else:
+        _runtime_sweep(one_step, shared_plan, 0, Ws, shared // Ws, shared % Ws, True)
     if plan is None:
         # legacy: no runtime trip count, padding slots run masked (gathers skipped)
         sweep(shared, trip, False, W, peel and not shared)
     else:
-        port.loop_between(0, port.register(plan[0]),
-                          lambda s: one_step(shared + s * W, W, False))
-        if tail:
-            port.loop_between(0, port.register(plan[1]),
-                              lambda _: one_step(shared + n_full * W, tail, False))
+        _runtime_sweep(one_step, plan, shared, W, n_full, tail, False)
     # the outputs: without q_lens one finalize of the group's tiles (each step over the rows'
     # statistics one instruction for all of them), else tile by tile, each with its rows in
     # range (never in natural order: _direct_rows)
@@ -715,20 +736,59 @@ def keeps_order(api: str, Nq: int, Nk: int, D: int, mm_dtype: str, trip: int,
             and T.bsp_fwd_kv_resident(Nk, D, T.fwd_itemsize(mm_dtype), trip))
 
 
-def _own_steps(rows, shared: int, W: int, n_full: int, tail: int):
-    """nki.*: the runtime trip counts of a group's own-slot sweep (slots ``shared ..``, steps
-    of ``W``, ``n_full`` full ones and a tail of ``tail`` slots), as registers
-    (int32 ``[1, 1]`` tiles to load into registers, :func:`port.register`): ``(steps,
-    last)``, ``steps = min(ceil((c - shared) / W), n_full)`` and ``last`` 1 if the tail step
-    holds a slot below ``c`` (else 0; None without a tail), ``c`` the largest count of the group's tiles (``rows``: their :class:`Row`). The
-    steps past ``c`` hold only padding slots, which contribute nothing (their scores are
-    masked, their gathers skipped): skipping them leaves the outputs of the masked sweep.
-    GpSimd/VectorE ``[1, 1]`` instructions; floor by the int32 conversion's round to nearest
-    even, as :func:`masks.int_mod`."""
+def shares_at_runtime(api: str, Nk: int, D: int, mm_dtype: str, trip: int,
+                      runtime: bool) -> bool:
+    """Whether a ``runtime`` pattern (the index form, bound ``trip``) takes grouped tables of
+    bounded shape (``host.block_sparse.launch_tables`` ``share_runtime``): under nki.* where
+    K/V are not resident (``tiles.bsp_fwd_kv_resident``) the tiles of a group then gather
+    their common blocks once, as a bool mask's do, and the padding slots of the bound cost
+    no step (runtime trip counts). Legacy has no runtime trip count: the common region's
+    padding slots would all run, so it keeps one natural-order class."""
+    return (runtime and api == "nki"
+            and not T.bsp_fwd_kv_resident(Nk, D, T.fwd_itemsize(mm_dtype), trip))
+
+
+def _group_count(rows):
+    """fp32 ``[1, 1]``: the largest count of a group's tiles (``rows``: their :class:`Row`)."""
     c = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_copy(c, rows[0].bc[0:1, 1:2], engine="gpsimd")
     for rw in rows[1:]:
         port.tensor_tensor(c, c, rw.bc[0:1, 1:2], nl.maximum, engine="gpsimd")
+    return c
+
+
+def _shared_count(grp, shared: int):
+    """fp32 ``[1, 1]``: how many of the first ``shared`` slots of a group's first tile
+    (``grp``: the group's meta rows ``[1, n, 2 + trip]``) hold a key block, not padding
+    (``shared_runtime`` tables list the group's common blocks first). Two VectorE
+    instructions per group."""
+    live = nl.ndarray((1, shared), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(live, grp[0:1, 0, 2:2 + shared], nl.less, float(T.BSP_PAD_FIRST))
+    c = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_reduce(c, nl.add, live, axis=1)
+    return c
+
+
+def _runtime_sweep(one_step, plan, lo: int, W: int, n_full: int, tail: int, common: bool):
+    """nki.*: slots ``lo ..`` in ``n_full`` steps of ``W`` and a tail step of ``tail`` slots,
+    each loop running only the steps of ``plan`` (:func:`_trip_counts`)."""
+    port.loop_between(0, port.register(plan[0]), lambda s: one_step(lo + s * W, W, common))
+    if tail:
+        port.loop_between(0, port.register(plan[1]),
+                          lambda _: one_step(lo + n_full * W, tail, common))
+
+
+def _trip_counts(c, shared: int, W: int, n_full: int, tail: int):
+    """nki.*: the runtime trip counts of a sweep of slots ``shared ..`` (steps of ``W``,
+    ``n_full`` full ones and a tail of ``tail`` slots) whose slots from ``c`` (fp32 ``[1,
+    1]``, :func:`_group_count` or :func:`_shared_count`) on are padding in every tile, as
+    registers (int32 ``[1, 1]`` tiles to load into registers, :func:`port.register`):
+    ``(steps, last)``, ``steps = min(ceil((c - shared) / W), n_full)`` and ``last`` 1 if the
+    tail step holds a slot below ``c`` (else 0; None without a tail). The steps past ``c``
+    hold only padding slots, which contribute nothing (their scores are masked, their
+    gathers skipped): skipping them leaves the outputs of the masked sweep.
+    GpSimd/VectorE ``[1, 1]`` instructions; floor by the int32 conversion's round to nearest
+    even, as :func:`masks.int_mod`."""
     # x + 0.5 with x = max(c - shared + W - 1, 0); floor(x / W) = RNE((x + 0.5) / W - 0.5)
     x = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(x, c, nl.add, float(W - 1 - shared) + 0.5, op1=nl.maximum, operand1=0.5)
@@ -934,11 +994,14 @@ def _tile_rows(geo: Geometry, first, frame: RowFrame):
     return idx
 
 
-def _pads_only(f, geo: Geometry, res, exact: bool) -> bool:
+def _pads_only(f, geo: Geometry, res, exact: bool, zeros: bool = False) -> bool:
     """Whether a class's only masked keys are its padding slots' and resident K/V serve them
-    (nki.*): whole 128-key blocks, no lengths, so a padding slot reads the block of zeros
-    (finite scores) and one operation per block masks it (_scores), no per-key indicator."""
-    return res is not None and geo.needs_key_mask(exact) and f.Nk % P == 0 and not geo.has_lens
+    (nki.*), or ``zeros``, their gathers leave them zero (``shared_runtime``: the skipped
+    gathers of zeroed tiles, :func:`_gather_kv`): whole 128-key blocks, no lengths, so a
+    padding slot reads a block of zeros (finite scores) and one operation per block masks it
+    (_scores), no per-key indicator."""
+    return ((res is not None or zeros) and geo.needs_key_mask(exact) and f.Nk % P == 0
+            and not geo.has_lens)
 
 
 def _pads_by_matmul(f, geo: Geometry, res, exact: bool) -> bool:
@@ -1025,7 +1088,7 @@ def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
 @port.jit
 def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=None,
                                alibi_slopes=None, sinks=None, *, classes, shared=None,
-                               natural=None, scale=1.0,
+                               natural=None, shared_runtime=False, scale=1.0,
                                causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
                                dropout_mask=False, softcap=None):
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
@@ -1035,7 +1098,9 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
 
     ``meta``: float32 ``(B or 1, Hq or 1, ceil(Nq/128), 2 + trip)`` HBM table of the pattern in
     processing order and ``classes`` its compile-time runs, ``shared`` and ``natural`` one
-    entry per class (``host.block_sparse.kernel_tables``; None: 0 and False). Other arguments as
+    entry per class (``host.block_sparse.kernel_tables``; None: 0 and False);
+    ``shared_runtime``: ``shared`` is a bound and each group's common blocks are counted at
+    run time (``host.block_sparse.shared_bound_tables``, :func:`_attend_tiles`). Other arguments as
     :func:`forward.flash_attention_fwd` (``mm_dtype``, ``scale``, ``causal``, ``window``,
     lengths, ``dropout_p`` with ``seed``, ``dropout_mask``: the mask is returned as ``(B, Hq,
     Nq, 128 ceil(Nk/128))`` float32, positions of blocks never drawn unspecified; the score
@@ -1100,7 +1165,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
         src = KVSource(F.load_kv(f, 0, Nk, zero_blocks=1, sum_on_scalar=True,
                                  values_first=True) if resident else None, step,
                        T.FWD_NKI_P_DMA_SHARE[port.target()] if resident else 0.0)
-        port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, natural, h, src))
+        port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, natural, h, src,
+                                       shared_runtime))
 
     port.for_programs((B, Hkv), instance)
     if mask_out is not None:
@@ -1108,7 +1174,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     return o, lse
 
 
-def _head(f, geo: Geometry, meta, classes, shared, natural, h, src: KVSource):
+def _head(f, geo: Geometry, meta, classes, shared, natural, h, src: KVSource,
+          shared_runtime: bool):
     """Every class of query tiles of member head h (a loop body): each class a loop over its
     tiles in groups of ``tiles.BSP_GROUP_TILES`` (and a static remainder group) whose first
     ``shared`` slots (one count per class) are the group's common key blocks (``src``: where
@@ -1125,14 +1192,15 @@ def _head(f, geo: Geometry, meta, classes, shared, natural, h, src: KVSource):
             continue
         g = min(T.BSP_GROUP_TILES, count)
         if _direct_rows(f, geo, nat):
-            _deferred_groups(f, geo, meta, h, q_frame, first, count, g, trip, exact, sh, csrc)
+            _deferred_groups(f, geo, meta, h, q_frame, first, count, g, trip, exact, sh, csrc,
+                             shared_runtime)
             continue
         port.loop(count // g, lambda c, first=first, g=g, trip=trip, exact=exact, sh=sh,
                   csrc=csrc: _attend_tiles(f, geo, meta, h, q_frame, first + c * g, g, trip,
-                                           exact, sh, csrc))
+                                           exact, sh, csrc, shared_runtime=shared_runtime))
         if count % g:
             _attend_tiles(f, geo, meta, h, q_frame, first + (count // g) * g, count % g, trip,
-                          exact, sh, csrc)
+                          exact, sh, csrc, shared_runtime=shared_runtime)
 
 
 class _Held(NamedTuple):
@@ -1149,7 +1217,8 @@ class _Held(NamedTuple):
 
 
 def _deferred_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, first: int, count: int,
-                     g: int, trip: int, exact: bool, sh: int, src: KVSource):
+                     g: int, trip: int, exact: bool, sh: int, src: KVSource,
+                     shared_runtime: bool):
     """The groups of a class in natural order (:func:`_direct_rows`), each storing the
     previous one's outputs (:class:`_Held`): the first group is peeled (nothing to store
     before it), the other full groups are a sequential loop (they carry the held outputs),
@@ -1160,7 +1229,7 @@ def _deferred_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, first: int, c
 
     def group(pos0, n: int, prev):
         _attend_tiles(f, geo, meta, h, q_frame, pos0, n, trip, exact, sh, src,
-                      held._replace(prev=prev))
+                      held._replace(prev=prev), shared_runtime)
 
     group(first, g, None)
     port.loop(full, lambda c: group(first + c * g, g, first + (c - 1) * g), carried=True,
@@ -1225,4 +1294,4 @@ def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
 
 __all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "RowFrame", "own_rows", "rows_at", "gather",
            "scatter", "unit_seeds", "store_unit_mask", "store_tile", "check_classes", "exact_indices",
-           "check_natural", "keeps_order"]
+           "check_natural", "keeps_order", "shares_at_runtime"]

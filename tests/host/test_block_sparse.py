@@ -6,6 +6,7 @@ import pytest
 from host import block_sparse as bs
 from host import reference as ref
 from host.validation import check_dropout
+from nki_kernels import tiles as T
 
 
 def _rand(shape, seed=0):
@@ -308,9 +309,40 @@ def test_launch_tables_refuse_arguments_they_would_ignore():
     for kw, match in (({"forward": False, "backward": False}, r"forward, backward: both False"),
                       ({"forward": False, "keep_order": True}, r"keep_order: orders the forward"),
                       ({"backward": False, "chunk_tiles": 2}, r"chunk_tiles: chunks the backward"),
+                      ({"keep_order": True, "share_runtime": True},
+                       r"share_runtime: groups the forward's tables, but keep_order=True"),
                       ({"chunk_tiles": 0}, r"chunk_tiles: expected an int in \[1, 4\].*got 0"),
                       ({"chunk_tiles": 2.5}, r"chunk_tiles: expected an int.*got 2.5"),
                       ({"chunk_tiles": 5}, r"chunk_tiles: expected an int in \[1, 4\].*got 5")):
         with pytest.raises(ValueError, match=match):
             bs.launch_tables(sp, group=1, **kw)
     assert bs.launch_tables(sp, group=1, chunk_tiles=4).k.meta.shape[2] == 4
+
+
+def test_shared_bound_tables_list_each_groups_common_blocks_first_in_a_bounded_shape():
+    """The index form's grouped tables (``share_runtime``): every row has ``2 max_blocks``
+    slots, its group's common blocks first (then padding), its own blocks from slot
+    ``max_blocks`` (then padding), its count column ``max_blocks +`` its own count; the
+    class, ``shared`` and ``natural`` depend on the bound and the rows only. Rows 0 and 2
+    share blocks 0 and 1 (a group of two, regrouped), rows 1 and 3 block 2; row 3 also has
+    block 3."""
+    mask = np.zeros((1, 1, 4, 4), bool)
+    mask[0, 0, [0, 2], :2] = True
+    mask[0, 0, [1, 3], 2] = True
+    mask[0, 0, 3, 3] = True
+    index = bs.dense_to_index(mask, max_blocks=3)
+    t = bs.shared_bound_tables(index, 2)
+    assert t.classes == ((0, 4, 6, False),) and t.shared == (3,) and t.natural == (False,)
+    assert t.shared_runtime
+    pad = T.BSP_PAD_FIRST
+    want = [[0, 3, 0, 128, pad, pad, pad, pad],
+            [256, 3, 0, 128, pad, pad, pad, pad],
+            [128, 3, 256, pad, pad, pad, pad, pad],
+            [384, 4, 256, pad, pad, 384, pad, pad]]
+    assert t.meta.tolist() == [[want]]
+    sp = bs.check_block_mask(tuple(index), 1, 1, 512, 512)
+    got = bs.launch_tables(sp, group=1, backward=False, share_runtime=True).q
+    assert np.array_equal(got.meta, bs.shared_bound_tables(index, T.BSP_GROUP_TILES).meta)
+    # a bool mask (a compile-time pattern) keeps its sorted, tight classes
+    sp = bs.check_block_mask(mask, 1, 1, 512, 512)
+    assert not bs.launch_tables(sp, group=1, backward=False, share_runtime=True).q.shared_runtime

@@ -23,7 +23,7 @@ from _attention_inputs import attention_inputs
 import simulate
 from host import block_sparse as bs
 from host import reference as ref
-from host._launch import program_size
+from host._launch import launch, program_size
 from nki_kernels import nki as binding
 from nki_kernels import tiles as T
 from nki_kernels.attention.block_sparse import (block_sparse_attention_fwd, check_natural,
@@ -382,7 +382,7 @@ def _few_blocks_index():
 
 def test_nki_index_form_skips_padding_steps_and_matches_legacy(monkeypatch):
     """Under nki.* the index form's forward sweep runs only the steps below the group's
-    largest count (runtime trip counts, ``block_sparse._own_steps``) and the backward's slot
+    largest count (runtime trip counts, ``block_sparse._trip_counts``) and the backward's slot
     loops each row's count, legacy all ``max_blocks`` slots masked: the same outputs bit for bit, the empty tiles' rows zero,
     and a shorter scheduled estimate under nki.*."""
     Nq, Nk = 600, 1536
@@ -726,3 +726,83 @@ def test_natural_order_tiles_store_their_rows_by_plain_dmas(monkeypatch):
     assert runs["nki", True][0] == runs["nki", False][0]
     assert runs["nki", True][1] < 0.9 * runs["nki", False][1]
     assert _err(outs[0][0], ref.attention_forward(q, k, v, block_mask=mask)[0]) < 2e-6
+
+
+# -- nki.* index form past SBUF (issue 25, items 1-2) -------------------------------------
+
+
+def _past_sbuf(monkeypatch):
+    """The block-sparse forward's K/V never resident in SBUF (as at N = 64K, D = 128)."""
+    monkeypatch.setattr(T, "bsp_fwd_kv_resident", lambda *args: False)
+
+
+def test_nki_index_form_past_sbuf_reads_a_groups_common_blocks_once(monkeypatch):
+    """Past SBUF (forced here at N = 2048) the nki.* index form takes grouped tables of
+    bounded shape (``host.block_sparse.shared_bound_tables``) as the bool form's: the evenly
+    spread pattern at s = 1/2 gives the 8 even query tiles the 8 even key blocks and the odd
+    ones the odd blocks, so each group reads its 8 common blocks once (under a bound of 10: 2
+    padding slots in the common region, 10 in the own one). K/V bytes are the bool form's,
+    K and V read once, and all bytes at most the streaming dense kernel's (8 query tiles per
+    K/V pass: twice) plus the tables'; the outputs the reference's."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    N, D = 2048, 32
+    q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=51)
+    mask = bs.fixed_density(16, 16, 0.5)
+    read = {}
+    for form, pattern in (("bool", mask), ("index", tuple(bs.dense_to_index(mask, 10)))):
+        with simulate.measure(target="trn2") as m:
+            o = host.flash_attention(q, k, v, block_mask=pattern, mixed_precision=False)
+        assert [kr.api for kr in m.kernels] == ["nki"]
+        per = m.per_tensor
+        read[form] = (per["k"]["read"], per["v"]["read"], m.hbm_bytes_read, per["meta"]["read"])
+        assert _err(o, ref.attention_forward(q, k, v, block_mask=mask)[0]) < 2e-6
+    assert read["index"][:2] == read["bool"][:2] == (N * D * 4, N * D * 4)
+    assert read["index"][2] - read["index"][3] == read["bool"][2] - read["bool"][3]
+    dense = T.ForwardTiles(kv_resident=False, q_group=8, target="trn2")
+    with simulate.measure(target="trn2") as m:
+        host.flash_attention(q, k, v, tiles=dense, mixed_precision=False)
+    assert m.per_tensor["k"]["read"] == 2 * N * D * 4
+    assert read["index"][2] <= m.hbm_bytes_read + read["index"][3]
+
+
+def test_nki_index_form_past_sbuf_matches_legacy_and_compiles_once_per_bound(monkeypatch):
+    """The grouped tables of a pattern of bound 10 (10 query tiles: a group of 8 and a
+    remainder of 2; GQA 2:1, a window): head 0's first group shares blocks 0-2 and has no own
+    block, its remainder shares block 1, head 1's random first group shares none. Through nki.* (runtime trip counts of the common
+    and own sweeps) the outputs are the legacy trace's bit for bit (every slot, padding
+    masked) and the reference's. Two other random patterns of the bound have the same
+    program (the simulator's program size traces a runtime loop's body only where it runs:
+    in both, the first head's groups run one common step and some own steps, no tail)."""
+    _past_sbuf(monkeypatch)
+    B, Hq, Hkv, N, D = 1, 2, 1, 1280, 16
+    q, k, v, _ = attention_inputs(B, Hq, Hkv, N, N, D, seed=52)
+    kw = dict(scale=D ** -0.5, mm_dtype="float32", window=(300, 100))
+    grid = {api: launch_grid((B, Hkv), api) for api in ("nki", "legacy")}
+
+    def tables(seed, common, alone):
+        mask = _pattern(B, Hq, N, N, 0.4, seed)
+        if alone:
+            mask[0, 0, :8] = False
+        mask[0, 0, :8, :common] = True
+        mask[0, 0, 8:, 0] = False
+        mask[0, 0, 8:, 1] = True
+        t = bs.shared_bound_tables(bs.dense_to_index(mask, 10), T.BSP_GROUP_TILES)
+        return mask, t.meta, dict(classes=t.classes, shared=t.shared, natural=t.natural,
+                                  shared_runtime=True, **kw)
+
+    sizes = []
+    for seed in (54, 55):
+        _, meta, kw_t = tables(seed, 3, False)
+        monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+        sizes.append(program_size(block_sparse_attention_fwd.on("nki"), grid["nki"], q, k, v,
+                                  meta, **kw_t))
+    assert sizes[0] == sizes[1]
+    mask, meta, kw_t = tables(53, 3, True)
+    outs = {}
+    for api in grid:
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        outs[api] = launch(block_sparse_attention_fwd.on(api), grid[api], q, k, v, meta, **kw_t)
+    _same(outs["nki"], outs["legacy"])
+    want = ref.attention_forward(q, k, v, block_mask=mask, window=(300, 100))[0]
+    assert _err(outs["nki"][0], want) < 2e-6
