@@ -2002,9 +2002,22 @@ def _split_chunk(cfg, io, hg, c, tails=0):
             gather_k(t + 2, b)                  # k_nat[b] is free: step t's keys are in kT[b]
             head = front(hh, j, b)
             _transpose_keys(k_nat[1 - b], kT[1 - b], g)
+        # K^T cache: the tail between step t + 2's K and V gathers. Its small DMAs become
+        # ready one after another as its short chain runs, and a transfer issued after them
+        # cannot start in the idle bandwidth between them: after the K gather none of them
+        # holds it back, before the V gather they do not wait behind it (trn2, Hq=32 Hkv=8,
+        # ``python benchmarks/nkilib_side_by_side.py /tmp/nkilib-c2 --kernel tkg --decode
+        # 8x16384 64x2048``: B=8 S=16384 1653.3 -> 1648.9 us, B=64 S=2048 2477.3 -> 2406.3
+        # against the tail after step t's stores). A (B, Hkv, S_max, D) cache keeps it after
+        # the stores: there the move models B=8 S=16384 1744.3 -> 1722.3 but B=64 S=2048
+        # 2436.5 -> 2437.0 and a small LNC=2 launch no faster than LNC=1 (Hkv=1, lengths
+        # [2, 300, 512]: 19.76 against 19.62 us)
+        tail_first = tail and cfg.k_t
+        if tail_first:
+            _tail_heads(cfg, io, seq, hg, [(c, tails), (j, 1)], j, hh)
         # step t + 2's V gather right after step t's P V, ahead of step t's partial stores
         back(t, b, head, lambda: gather_v(t + 2, b))
-        if tail:
+        if tail and not tail_first:
             _tail_heads(cfg, io, seq, hg, [(c, tails), (j, 1)], j, hh)
 
     # Buffer b is the parity of the step: steps come in pairs (ipp even: item pairs of one
