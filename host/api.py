@@ -862,11 +862,11 @@ def _decode_call(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
     if k_layout == "bhds":
         n = tiles.decode_key_row(inputs.S_max)        # the smallest key row it may use
         rows = positions * inputs.D // n
-        if rows + _tiles.PMAX > tiles.DECODE_MAX_KT_ROWS:
+        if rows + _tiles.PMAX >= tiles.DECODE_MAX_KT_ROWS:
             raise ValueError(
                 f"k_cache: with k_layout='bhds' the decode kernels index B * Hkv * D * S_max / "
                 f"{n} = {rows} key-row pieces with int32, at most "
-                f"{tiles.DECODE_MAX_KT_ROWS - _tiles.PMAX}; split the batch")
+                f"{tiles.DECODE_MAX_KT_ROWS - _tiles.PMAX - 1}; split the batch")
     return_lse = _check_bool("return_lse", return_lse)
     mods = _score_mods_call(softcap, alibi_slopes, sinks, inputs.B, inputs.Hq)
     dtype = _v.dtype_name(q)
@@ -896,16 +896,29 @@ def _k_cache_as_bhsd(k_layout, k_cache, v_cache, block_table):
 
 
 def _decode_tiles(call: DecodeCall) -> "tiles.DecodeTiles":
-    """The split kernel's tiling of a validated decode call (:func:`plan_flash_decode`)."""
+    """The split kernel's tiling of a validated decode call (:func:`plan_flash_decode`).
+
+    A K^T cache (``k_layout="bhds"``) without a forced ``num_splits`` is also planned as if
+    its longest sequence filled the cache: the splits must divide S_max, and an S_max none
+    fits is refused whatever the lengths now, never first at the step where a sequence
+    grows into it."""
+    inputs = call.inputs
+    longest = int(np.max(inputs.cache_lens)) - inputs.T
+    if call.k_layout == "bhds" and call.num_splits is None:
+        _plan_decode_tiles(call, inputs.S_max - inputs.T)
+    return _plan_decode_tiles(call, longest)
+
+
+def _plan_decode_tiles(call: DecodeCall, longest: int) -> "tiles.DecodeTiles":
+    """:func:`_decode_tiles` for a longest committed prefix of ``longest`` positions."""
     inputs, pages = call.inputs, call.pages
     if pages is not None:
         n = tiles.decode_paged_key_row(pages.page_size)
     elif call.k_layout == "bhds":
-        n = tiles.decode_transposed_key_row(
-            inputs.S_max, int(np.max(inputs.cache_lens)) - inputs.T)
+        n = tiles.decode_transposed_key_row(inputs.S_max, longest)
     else:
         n = tiles.decode_key_row(inputs.S_max)
-    rows_needed = int(np.max((inputs.cache_lens - inputs.T) // n))
+    rows_needed = longest // n
     rows = inputs.group * inputs.T
     plan = tiles.decode_tiles(rows, inputs.D, inputs.S_max, _tiles.fwd_itemsize(call.mm_dtype),
                               rows_needed, call.num_splits, batch=inputs.B, key_row=n,
@@ -1083,6 +1096,9 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     lens = np.asarray(cache_lens, dtype=np.int64)
     kv = 2 * cs * Hkv * D * int(np.sum(lens))
     n = plan.key_row
+    if k_layout not in ("bhsd", "bhds") or (paged and k_layout == "bhds"):
+        raise ValueError(f"k_layout: expected 'bhsd', or 'bhds' with a contiguous cache "
+                         f"(paged=False), got {k_layout!r} with paged={paged}")
     transposed = k_layout == "bhds"
     if transposed:                  # K in split windows and the tails' key rows
         tail_rows = _tail_window_rows(lens, T, n)
@@ -1202,7 +1218,10 @@ def flash_decode(q, k_cache, v_cache, *, cache_lens, block_table=None, scale=Non
         cache can keep. The split kernel then loads each split's keys as one long run per
         head-dim row and skips the on-chip K transposes. Contiguous caches only (a
         ``block_table`` is a ValueError), no ``window``; the split size is chosen to divide
-        S_max (``nki_kernels.tiles.decode_transposed_split``). K is read in whole split
+        S_max (``nki_kernels.tiles.decode_transposed_split``), so S_max should have a large
+        power-of-two factor (a multiple of 8192 keeps the default splits): S_max = 1000
+        would give splits of 8 positions, and an S_max whose full cache needs more splits
+        than the merge holds is a ValueError at any length. K is read in whole split
         windows and key rows, up to the end of the one holding position ``cache_lens[b] - 1``
         (never past S_max): what lies past the length there is read but replaced before it
         reaches a score (``flash_decode_hbm_bytes(k_layout="bhds")`` counts it).

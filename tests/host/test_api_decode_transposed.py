@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 import host
-from host import api
 from nki_kernels import tiles
-from tests.host._decode_helpers import BF16, assert_within_rule, inputs
+from tests.host._decode_helpers import assert_within_rule, inputs
 
 from nki_kernels.nki import BACKEND
 
@@ -133,6 +132,30 @@ def test_transposed_k_errors_name_the_argument():
         kw.update(over)
         with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
             host.flash_decode(q, kw.pop("k_cache"), kw.pop("v_cache"), cache_lens=lens, **kw)
+
+
+def test_an_s_max_no_split_divides_is_refused_at_any_length():
+    """S_max = 1000 (key rows of 8 positions, splits of at most 8 rows dividing its 125
+    lines) cannot hold a full cache within the merge's splits: refused already while the
+    sequences are short, so a serving loop does not meet it mid-generation; a capacity with a
+    large power-of-two factor plans at every length."""
+    msg = r"k_cache: with k_layout='bhds' a split must divide the .* of S_max=1000"
+    for lens in ([500], [999]):
+        q, k, v = inputs(B=1, Hq=8, Hkv=2, T=1, S_max=1000, D=128)
+        with pytest.raises(ValueError, match=msg):
+            host.plan_flash_decode(q, _kt(k), v, cache_lens=lens, k_layout="bhds")
+    q, k, v = inputs(B=1, Hq=8, Hkv=2, T=1, S_max=1024, D=128)
+    for lens in ([5], [1024]):
+        host.plan_flash_decode(q, _kt(k), v, cache_lens=lens, k_layout="bhds")
+
+
+def test_the_byte_count_refuses_a_layout_it_cannot_count():
+    q, k, v = inputs(B=1, Hq=2, Hkv=1, T=1, S_max=512, D=64)
+    plan = host.plan_flash_decode(q, _kt(k), v, cache_lens=[300], k_layout="bhds")
+    for kw in (dict(k_layout="BHDS"), dict(k_layout="bhds", paged=True)):
+        with pytest.raises(ValueError, match="k_layout: expected 'bhsd', or 'bhds' with a "
+                                             "contiguous cache"):
+            host.flash_decode_hbm_bytes(1, 2, 1, 64, 1, [300], 2, plan, **kw)
 
 
 def test_torch_op_forwards_the_layout():
