@@ -1089,14 +1089,15 @@ def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, consts, buf, rm=None, 
 def _split_back(state, v_all, part_flat, o_idx, t, g, rows, mm, rm=None, item=None,
                 v_col=None, after_pv=None):
     """Second half (:func:`_split_front`): ``P V``, the normalization and the scatter of the
-    partial ``o | lse`` (one ``(rows, D + 1)`` tile, one DMA). ``item``: ``(s_i, L)`` columns of the work item (ALiBi); ``v_col``: an
-    FP8 cache's V scale (:func:`_normalize_rows`); ``after_pv``: called once ``P V`` has read
-    ``v_all`` (before the normalization and the stores), or None.
+    partial ``o | lse`` (one ``(rows, D + 1)`` tile, one DMA). ``item``: ``(s_i, L)`` columns
+    of the work item (ALiBi); ``v_col``: an FP8 cache's V scale (:func:`_normalize_rows`);
+    ``after_pv``: called once ``P V`` has read ``v_all`` (before the normalization and the
+    store), or None.
 
     The item's sequence is runtime data, so the partial rows are scattered by indirect DMA to
     the flat rows in column ``t`` (the step) of the int32 ``o_idx`` (rows of the ``((B + 1)
-    Hq T S, D + 1)`` view, row then slot: made for all steps in the program's headers). A padding
-    item (``b = B``) writes into the trash block.
+    Hq T S, D + 1)`` view, row then slot: made for all steps in the program's headers). A
+    padding item (``b = B``) writes into the trash block.
     """
     p_sb, l_col, neg_m = state
     P = g.pack * rows
@@ -1974,7 +1975,7 @@ def _split_chunk(cfg, io, hg, c, tails=0):
     def back(t, b, head, after_pv):
         """The second half of each row tile of step ``t`` (``front`` began it, on
         ``v_all[b]``); ``after_pv`` runs once the last row tile's ``P V`` has read
-        ``v_all[b]``, before that tile's stores."""
+        ``v_all[b]``, before that tile's store."""
         item, kv, states = head
         last = len(row_tiles) - 1
         for r, ((_, _, rows), (rm, state), o_idx) in enumerate(zip(row_tiles, states, o_rows)):
