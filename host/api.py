@@ -1033,9 +1033,10 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
                 + 8 H' (W + P) + 4 H' (W + B)        work items (b, s); one int32 length per
                                                      real work item and per tail program
                 + T^2 B H'                           uint8 tree mask per tail program (if any)
-                + 4 N (D + 1) S + 4 N [S > 1]        all partial slots and the per-row split
-                                                     counts, by the merge
-        written = 4 Hq T (D + 1) (W + P + B)         partials (padding items: a trash block)
+                + 4 N (D + 1) S + 4 N [S > 1]        all partial slots (o | lse, one tensor)
+                                                     and the per-row split counts, by the merge
+        written = 4 Hq T (D + 1) (W + P + B)         partials o | lse, one store per row
+                                                     block (padding items: a trash block)
                 + s N D + 4 N                        o, lse
 
     and, with ``tiles.decode_zero_by_dma(plan.split_rows)``, the K/V zero fills
@@ -1283,7 +1284,7 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
     zero_cols = _tiles.decode_zero_row_cols(plan.split_rows, plan.key_row, inputs.D)
     zero_row = (to_device(np.zeros((1, zero_cols), dtype=np.dtype(cache_dtype)))
                 if work is not None and tiles.decode_zero_by_dma(plan.split_rows) else None)
-    o_part, lse_part = run(
+    part = run(
         k.flash_decode_split_kernel.on(api),
         k.decode_grid(ln.groups, ln.programs, ln.core_axis, api=api, lnc=call.lnc), q,
         k_cache, v_cache, to_device(lens),
@@ -1297,7 +1298,7 @@ def run_decode(call: DecodeCall, q, k_cache, v_cache, run, to_device):
     # legacy: one program per row tile; nki.* (kernel[1]): one program walks the row tiles
     return run(flash_decode_merge_kernel.on(api),
                port.launch_grid((tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),), api),
-               o_part, lse_part, to_device(np.repeat(splits, Hq * T)),
+               part, to_device(np.repeat(splits, Hq * T)),
                out_dtype=call.dtype, rows_per_program=tiles.DECODE_MERGE_ROWS)
 
 

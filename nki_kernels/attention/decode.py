@@ -681,9 +681,10 @@ def _modified(mods, src, mask_ps, pos, slope, cap):
     return y
 
 
-def _with_sink(o_sb, lse, sink, rows):
+def _with_sink(o_sb, lse, sink, rows, out):
     """Fold a sink logit (an extra key with value 0) into a partial: ``lse' = log(e^lse +
-    e^sink)``, ``o' = o e^(lse - lse')``."""
+    e^sink)``, ``o' = o e^(lse - lse')``, written to ``out`` ``(rows, D + 1)`` as ``o' |
+    lse'``."""
     col = (rows, 1)
     mx = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_tensor(mx, lse, sink, op=nl.maximum)
@@ -697,15 +698,13 @@ def _with_sink(o_sb, lse, sink, rows):
     port.tensor_tensor(den, a, c, op=nl.add)
     log_den = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
     port.activation(log_den, nl.log, den)
-    lse2 = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_tensor(lse2, mx, log_den, op=nl.add)
+    D = o_sb.shape[1]
+    port.tensor_tensor(out[0:rows, D:D + 1], mx, log_den, op=nl.add)
     inv = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
     port.reciprocal(inv, den)
     w = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_tensor(w, a, inv, op=nl.multiply)
-    o2 = nl.ndarray(tuple(o_sb.shape), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(o2, o_sb, op0=nl.multiply, operand0=w)
-    return o2, lse2
+    port.tensor_scalar(out[0:rows, 0:D], o_sb, op0=nl.multiply, operand0=w)
 
 
 # ============================================================================================
@@ -951,14 +950,13 @@ def _split_pv(v_all, pT, g, rows, P):
     return acc
 
 
-def _normalize_rows(acc, l_col, rows, g, v_col=None):
-    """``O (rows, D)`` fp32 = transpose of ``O^T`` divided by the row sums (and times the V
-    scale ``v_col`` ``(rows, 1)`` of an FP8 cache, in the same instruction: the output of the
-    dequantized values)."""
+def _normalize_rows(acc, l_col, rows, g, v_col, o_sb):
+    """``o_sb`` ``(rows, D)`` fp32 = transpose of ``O^T`` divided by the row sums (and times
+    the V scale ``v_col`` ``(rows, 1)`` of an FP8 cache, or None, in the same instruction: the
+    output of the dequantized values)."""
     inv_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.reciprocal(inv_l, l_col)
     by_v = {} if v_col is None else dict(op1=nl.multiply, operand1=v_col)
-    o_sb = nl.ndarray((rows, g.D), dtype=nl.float32, buffer=nl.sbuf)
     for dt, d0, dsz in g.d_tiles():
         oT = nl.ndarray((dsz, rows), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_copy(oT, acc[dt][0:dsz, 0:rows], engine="vector")
@@ -966,21 +964,18 @@ def _normalize_rows(acc, l_col, rows, g, v_col=None):
         port.nc_transpose(t_ps[0:rows, 0:dsz], oT[0:dsz, 0:rows])
         port.tensor_scalar(o_sb[0:rows, d0:d0 + dsz], t_ps[0:rows, 0:dsz], op0=nl.multiply,
                            operand0=inv_l, **by_v)
-    return o_sb
 
 
-def _lse_column(neg_m, l_col):
-    """``m + log l`` (``neg_m``: ``-m``, :func:`_row_max`), or -inf when the max says no key
-    was valid (a dead split)."""
+def _lse_column(neg_m, l_col, lse):
+    """``lse`` = ``m + log l`` (``neg_m``: ``-m``, :func:`_row_max`), or -inf when the max
+    says no key was valid (a dead split)."""
     col = tuple(l_col.shape)
     log_l = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
     port.activation(log_l, nl.log, l_col)
-    lse = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_tensor(lse, log_l, neg_m, op=nl.subtract)
     live = nl.ndarray(col, dtype=nl.uint8, buffer=nl.sbuf)
     port.tensor_scalar(live, neg_m, op0=nl.less, operand0=-tiles.DECODE_DEAD_MAX)
     port.keep_where(lse, live, -np.inf)
-    return lse
 
 
 def _split_mods(banks, mask_banks, g, rows, P, rm, e, cap):
@@ -1030,10 +1025,10 @@ def _split_mods(banks, mask_banks, g, rows, P, rm, e, cap):
     return out
 
 
-def _alibi_lse_shift(lse, rm, s_i, length, T, split_keys, rows):
-    """ALiBi's per-row part of a split's scores, added to its LSE: ``slope (s split_keys -
-    (L - T + t))`` (split start minus the query position; all keys of a split are at or
-    before it)."""
+def _alibi_lse_shift(lse, rm, s_i, length, T, split_keys, rows, shifted):
+    """ALiBi's per-row part of a split's scores, added to its LSE into ``shifted``: ``slope
+    (s split_keys - (L - T + t))`` (split start minus the query position; all keys of a split
+    are at or before it)."""
     col = (rows, 1)
     s_f = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_copy(s_f, s_i[0:rows], engine="vector")
@@ -1043,10 +1038,8 @@ def _alibi_lse_shift(lse, rm, s_i, length, T, split_keys, rows):
     dist = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
     port.scalar_tensor_tensor(dist, start, op0=nl.add, operand0=float(T), op1=nl.subtract,
                               operand1=rm.t)
-    shifted = nl.ndarray(col, dtype=nl.float32, buffer=nl.sbuf)
     port.scalar_tensor_tensor(shifted, dist, op0=nl.multiply, operand0=rm.slope, op1=nl.add,
                               operand1=lse)
-    return shifted
 
 
 def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, consts, buf, rm=None, cap=None,
@@ -1093,17 +1086,18 @@ def _split_front(q_nat, kT, mask_row, g, rows, scale, mm, consts, buf, rm=None, 
     return p_sb, l_col, neg_m
 
 
-def _split_back(state, v_all, o_flat, lse_flat, o_idx, t, g, rows, mm, rm=None, item=None,
+def _split_back(state, v_all, part_flat, o_idx, t, g, rows, mm, rm=None, item=None,
                 v_col=None, after_pv=None):
     """Second half (:func:`_split_front`): ``P V``, the normalization and the scatter of the
-    partial (o, lse). ``item``: ``(s_i, L)`` columns of the work item (ALiBi); ``v_col``: an
-    FP8 cache's V scale (:func:`_normalize_rows`); ``after_pv``: called once ``P V`` has read
-    ``v_all`` (before the normalization and the stores), or None.
+    partial ``o | lse`` (one ``(rows, D + 1)`` tile, one DMA). ``item``: ``(s_i, L)`` columns
+    of the work item (ALiBi); ``v_col``: an FP8 cache's V scale (:func:`_normalize_rows`);
+    ``after_pv``: called once ``P V`` has read ``v_all`` (before the normalization and the
+    store), or None.
 
     The item's sequence is runtime data, so the partial rows are scattered by indirect DMA to
     the flat rows in column ``t`` (the step) of the int32 ``o_idx`` (rows of the ``((B + 1)
-    Hq T S, D)`` view, row then slot: made for all steps in the program's headers). A padding
-    item (``b = B``) writes into the trash block.
+    Hq T S, D + 1)`` view, row then slot: made for all steps in the program's headers). A
+    padding item (``b = B``) writes into the trash block.
     """
     p_sb, l_col, neg_m = state
     P = g.pack * rows
@@ -1111,12 +1105,16 @@ def _split_back(state, v_all, o_flat, lse_flat, o_idx, t, g, rows, mm, rm=None, 
     acc = _split_pv(v_all, pT, g, rows, P)
     if after_pv is not None:
         after_pv()
-    o_sb = _normalize_rows(acc, l_col, rows, g, v_col)
-    port.dma_copy(port.rows(o_flat, o_idx, t), o_sb, legacy_isa=True)
-    lse = _lse_column(neg_m[0:rows], l_col)
+    part = nl.ndarray((rows, g.D + 1), dtype=nl.float32, buffer=nl.sbuf)
+    _normalize_rows(acc, l_col, rows, g, v_col, part[0:rows, 0:g.D])
+    lse_out = part[0:rows, g.D:g.D + 1]
     if rm is not None and rm.mods.alibi:
-        lse = _alibi_lse_shift(lse, rm, item[0], item[1], rm.T, g.rs * g.n, rows)
-    port.dma_copy(port.rows(lse_flat, o_idx, t), lse, legacy_isa=True)
+        lse = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+        _lse_column(neg_m[0:rows], l_col, lse)
+        _alibi_lse_shift(lse, rm, item[0], item[1], rm.T, g.rs * g.n, rows, lse_out)
+    else:
+        _lse_column(neg_m[0:rows], l_col, lse_out)
+    port.dma_copy(port.rows(part_flat, o_idx, t), part, legacy_isa=True)
 
 
 # ============================================================================================
@@ -1489,17 +1487,18 @@ def _tail_rows(cfg, io, tail, bh, kT, values, tile, rt0, rows):
         poison = nl.ndarray((rows, 1), dtype=nl.uint8, buffer=nl.sbuf)
         port.tensor_scalar(poison, o_ps[0:rows, D:D + 1], op0=nl.greater, operand0=0.0)
         port.tensor_copy_predicated(inv_l, float("nan"), poison)
-    o_sb = nl.ndarray((rows, D), dtype=nl.float32, buffer=nl.sbuf)
+    part = nl.ndarray((rows, D + 1), dtype=nl.float32, buffer=nl.sbuf)
+    sink = rm is not None and rm.sink is not None
+    o_sb = nl.ndarray((rows, D), dtype=nl.float32, buffer=nl.sbuf) if sink else part[0:rows, 0:D]
     port.activation(o_sb, nl.copy, o_ps[0:rows, 0:D], scale=inv_l)
     log_l = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
     port.activation(log_l, nl.log, l_col)
-    lse = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    lse = (nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf) if sink
+           else part[0:rows, D:D + 1])
     port.tensor_tensor(lse, m, log_l, op=nl.add)
-    if rm is not None and rm.sink is not None:
-        o_sb, lse = _with_sink(o_sb, lse, rm.sink, rows)
-    slot = cfg.S - 1
-    port.dma_copy(io.o_part[nl.ds(row0, rows), slot, 0:D], o_sb)
-    port.dma_copy(io.lse_part[nl.ds(row0, rows), nl.ds(slot, 1)], lse)
+    if sink:
+        _with_sink(o_sb, lse, rm.sink, rows, part)
+    port.dma_copy(io.part[nl.ds(row0, rows), cfg.S - 1, 0:D + 1], part)
 
 
 # ============================================================================================
@@ -1544,8 +1543,7 @@ class _Tensors(NamedTuple):
     sinks: object
     kv_scale: object    # an FP8 cache's (Hkv, 2) float32 (k_scale, v_scale), else None
     zero_row: object    # (1, n_kv n D) zeros in the cache dtype (the K/V zero fills), or None
-    o_part: object
-    lse_part: object
+    part: object        # ((B + 1) Hq T, S, D + 1) float32: the partials, o | lse
     offsets: object
 
 
@@ -1942,8 +1940,7 @@ def _split_chunk(cfg, io, hg, c, tails=0):
     consts = [_tile_constants(g, rows, mm) for _, _, rows in row_tiles]
 
     # -- 2. splits ------------------------------------------------------------------------
-    o_flat = io.o_part.reshape(((B + 1) * Hq * T * S, D))
-    lse_flat = io.lse_part.reshape(((B + 1) * Hq * T * S, 1))
+    part_flat = io.part.reshape(((B + 1) * Hq * T * S, D + 1))
 
     def front(hh, j, b):
         """Step (hh, j)'s headers and the first half of each row tile (on ``kT[b]``)."""
@@ -1978,11 +1975,11 @@ def _split_chunk(cfg, io, hg, c, tails=0):
     def back(t, b, head, after_pv):
         """The second half of each row tile of step ``t`` (``front`` began it, on
         ``v_all[b]``); ``after_pv`` runs once the last row tile's ``P V`` has read
-        ``v_all[b]``, before that tile's stores."""
+        ``v_all[b]``, before that tile's store."""
         item, kv, states = head
         last = len(row_tiles) - 1
         for r, ((_, _, rows), (rm, state), o_idx) in enumerate(zip(row_tiles, states, o_rows)):
-            _split_back(state, v_all[b], o_flat, lse_flat, o_idx, t, g, rows, mm, rm, item,
+            _split_back(state, v_all[b], part_flat, o_idx, t, g, rows, mm, rm, item,
                         None if kv is None else kv[0:rows, 1:2],
                         after_pv if r == last else None)
 
@@ -2149,12 +2146,12 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
 
     Returns
     -------
-    o_part : ((B + 1) * Hq * T, num_splits + 1, D) float32
-        Normalized partial outputs; row ``(b * Hq + h) * T + t``. Slots of splits a sequence
-        does not have are never written (the merge masks them); the last ``Hq * T`` rows are
-        the padding items' trash.
-    lse_part : ((B + 1) * Hq * T, num_splits + 1) float32
-        Partial LSE (natural log of scaled scores); -inf for a split with no valid position.
+    part : ((B + 1) * Hq * T, num_splits + 1, D + 1) float32
+        Per row ``(b * Hq + h) * T + t`` and slot, ``o | lse``: the normalized partial output
+        ``[..., 0:D]`` and its LSE ``[..., D]`` (natural log of scaled scores; -inf for a
+        split with no valid position), stored together (one DMA per partial row block).
+        Slots of splits a sequence does not have are never written (the merge masks them);
+        the last ``Hq * T`` rows are the padding items' trash.
     """
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
@@ -2200,15 +2197,14 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
     if k_t:                         # the tail's key rows of a K^T cache
         flat = B * Hkv * D * (S_max // key_row)
     # rows of "sequence B" are a trash block for padding work items
-    o_part = nl.ndarray(((B + 1) * Hq * T, S, D), dtype=nl.float32, buffer=nl.shared_hbm)
-    lse_part = nl.ndarray(((B + 1) * Hq * T, S), dtype=nl.float32, buffer=nl.shared_hbm)
+    part = nl.ndarray(((B + 1) * Hq * T, S, D + 1), dtype=nl.float32, buffer=nl.shared_hbm)
     cfg = _Config(B, Hq, Hkv, Hq // Hkv, T, D, R, S, key_row, split_rows, pack, row_tile, ipp,
                   hpp, float(scale), getattr(nl, mm_dtype),
                   SM.check_mods(softcap, alibi_slopes, sinks), k_t)
     # the program indices (head group, chunk, sequence, heads of a group) as data for nki.*'s
     # compile-time iota offsets
     io = _Tensors(q.reshape((B * Hkv * R, D)), k_cache, v_cache, cache_lens, work, tree_mask,
-                  block_table, alibi_slopes, sinks, kv_scale, zero_row, o_part, lse_part,
+                  block_table, alibi_slopes, sinks, kv_scale, zero_row, part,
                   port.OffsetColumns(0, max(Hkv, B), 1,
                                      exact=flat >= tiles.FP32_EXACT_INT))
 
@@ -2224,4 +2220,4 @@ def flash_decode_split_kernel(q, k_cache, v_cache, cache_lens, work=None, tree_m
 
     # nki.*: the other tails first, their short latency-bound chains under the chunks' headers
     port.for_program_parts((Hkv // hpp,), [(C, chunk), (B - C * K, tail)], order=(1, 0))
-    return o_part, lse_part
+    return part

@@ -16,12 +16,13 @@ from nki_kernels.port import nl
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _merge_rows(o_part, lse_part, row_splits, o, lse, r0, rows, S, D):
-    """Merge rows ``r0 .. r0 + rows`` (``r0`` an int or a runtime index, ``rows`` an int)."""
+def _merge_rows(part, row_splits, o, lse, r0, rows, S, D):
+    """Merge rows ``r0 .. r0 + rows`` (``r0`` an int or a runtime index, ``rows`` an int):
+    one load of their ``(S, D + 1)`` partials, the LSE column copied out contiguous."""
+    o_all = nl.ndarray((rows, S, D + 1), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(o_all, part[nl.ds(r0, rows), 0:S, 0:D + 1])
     lse_all = nl.ndarray((rows, S), dtype=nl.float32, buffer=nl.sbuf)
-    port.dma_copy(lse_all, lse_part[nl.ds(r0, rows), 0:S])
-    o_all = nl.ndarray((rows, S, D), dtype=nl.float32, buffer=nl.sbuf)
-    port.dma_copy(o_all, o_part[nl.ds(r0, rows), 0:S, 0:D])
+    port.tensor_copy(lse_all, o_all[0:rows, 0:S, D], engine="vector")
     if row_splits is not None and S > 1:
         # slot x < S - 1 holds a split partial iff x < row_splits[row] (compared as p + x <
         # row_splits + p: iota needs the partition index p to span the partitions)
@@ -73,14 +74,14 @@ def _merge_rows(o_part, lse_part, row_splits, o, lse, r0, rows, S, D):
 
 
 @port.jit
-def flash_decode_merge_kernel(o_part, lse_part, row_splits=None, out_dtype="bfloat16",
+def flash_decode_merge_kernel(part, row_splits=None, out_dtype="bfloat16",
                               rows_per_program=tiles.DECODE_MERGE_ROWS):
     """Phase 2: merge the partials of every query row by LSE, in fp32 (seed 003).
 
     Parameters
     ----------
-    o_part : (>= N, S, D) float32;  lse_part : (>= N, S) float32
-        S partials per row (``decode.flash_decode_split_kernel``'s outputs).
+    part : (>= N, S, D + 1) float32
+        S partials per row, each ``o | lse`` (``decode.flash_decode_split_kernel``'s output).
     row_splits : (N,) int32 or None
         Split slots in use per row: slots ``row_splits[r] .. S - 2`` were never written and
         are ignored (their contents are garbage); the last slot (the tail) is always used.
@@ -97,7 +98,7 @@ def flash_decode_merge_kernel(o_part, lse_part, row_splits=None, out_dtype="bflo
     -------
     o : (N, D) out_dtype;  lse : (N, 1) float32
     """
-    N, S, D = o_part.shape
+    N, S, D = part.shape[0], part.shape[1], part.shape[2] - 1
     if row_splits is not None:
         N = row_splits.shape[0]          # rows past it (the split kernel's trash) are ignored
     if out_dtype not in _DTYPES:
@@ -106,7 +107,7 @@ def flash_decode_merge_kernel(o_part, lse_part, row_splits=None, out_dtype="bflo
     lse = nl.ndarray((N, 1), dtype=nl.float32, buffer=nl.shared_hbm)
 
     def merge_tile(i, rows):
-        _merge_rows(o_part, lse_part, row_splits, o, lse, i * rows_per_program, rows, S, D)
+        _merge_rows(part, row_splits, o, lse, i * rows_per_program, rows, S, D)
 
     port.for_tile_programs(N, rows_per_program, merge_tile)
     return o, lse

@@ -97,7 +97,8 @@ def split_kernel(groups, programs, *args, api="legacy", **kwargs):
             and tiles.decode_zero_by_dma(kwargs["split_rows"])):  # the K/V zero fills' source
         cols = tiles.decode_zero_row_cols(kwargs["split_rows"], kwargs["key_row"], q.shape[3])
         kwargs["zero_row"] = np.zeros((1, cols), dtype=k.dtype)
-    return launch(dk.flash_decode_split_kernel.on(api), grid, *args, **kwargs)
+    part = launch(dk.flash_decode_split_kernel.on(api), grid, *args, **kwargs)
+    return part[..., :-1], part[..., -1]          # (o, lse): stored together as o | lse
 
 
 def run_phase1(q, k, v, lens, t, scale, mm, tree=None, work=None, per_program=1,
@@ -119,13 +120,19 @@ def run_phase1(q, k, v, lens, t, scale, mm, tree=None, work=None, per_program=1,
         heads_per_program=per_head)
 
 
+def packed(o_part, lse_part):
+    """The merge kernel's partials ``o | lse`` (the split kernel's layout)."""
+    return np.concatenate([o_part, lse_part[..., None]], axis=-1)
+
+
 def run_merge(o_part, lse_part, row_splits, out_dtype, api="legacy"):
     """The merge kernel through ``api``: legacy on its grid of row tiles, nki.* as
     ``kernel[1]``."""
     N = o_part.shape[0] if row_splits is None else row_splits.shape[0]
     grid = (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),) if api == "legacy" else (1,)
-    return launch(merge.flash_decode_merge_kernel.on(api), grid, o_part, lse_part, row_splits,
-                  out_dtype=np.dtype(out_dtype).name, rows_per_program=tiles.DECODE_MERGE_ROWS)
+    return launch(merge.flash_decode_merge_kernel.on(api), grid, packed(o_part, lse_part),
+                  row_splits, out_dtype=np.dtype(out_dtype).name,
+                  rows_per_program=tiles.DECODE_MERGE_ROWS)
 
 
 def decode(q, k, v, lens, *, scale=None, tree=None, num_splits=None, mixed_precision=True,
@@ -519,8 +526,8 @@ def test_merge_kernel_program_flat_in_splits(api):
     for N, S in ((200, 3), (1100, 40)):
         o_parts, lse_parts, splits = _merge_inputs(np.random.default_rng(S), N, S, 64, True)
         grid = (tiles.ceil_div(N, tiles.DECODE_MERGE_ROWS),) if api == "legacy" else (1,)
-        sizes.add(program_size(merge.flash_decode_merge_kernel.on(api), grid, o_parts,
-                               lse_parts, splits, out_dtype="bfloat16",
+        sizes.add(program_size(merge.flash_decode_merge_kernel.on(api), grid,
+                               packed(o_parts, lse_parts), splits, out_dtype="bfloat16",
                                rows_per_program=tiles.DECODE_MERGE_ROWS))
     assert len(sizes) == 1, sizes
 
