@@ -1514,9 +1514,8 @@ def decode_max_splits(D: int) -> int:
 def _split_rows_dividing(line_rows: int, rs_max: int):
     """The legal split sizes (:func:`_round_split_rows_down`'s: powers of two below 128,
     multiples of 128) up to ``rs_max`` that divide ``line_rows``, ascending."""
-    legal = [r for r in (1 << e for e in unrolled(8)) if r < PMAX]
-    legal += list(unrolled(PMAX, rs_max + 1, PMAX))
-    return [r for r in legal if r <= rs_max and line_rows % r == 0]
+    return [r for r in unrolled(1, rs_max + 1)
+            if _round_split_rows_down(r) == r and line_rows % r == 0]
 
 
 def decode_transposed_split(plan: "DecodeTiles", S_max: int, D: int, rows: int,
