@@ -761,8 +761,6 @@ def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):
 
     dims, p = call.dims, call.dropout.p
     chunk_tiles = _block_sparse_chunk_tiles(call)
-    tables = _bs.launch_tables(call.block_sparse, group=dims.group, forward=False,
-                               chunk_tiles=chunk_tiles)
     kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
                   mm_dtype=call.mm_dtype, **call.mods.kwargs)
     if p:
@@ -770,10 +768,15 @@ def _block_sparse_backward(do, q, k, v, o, lse, call: AttentionCall):
     do, q, k, v, o = (_numpy(n, x) for n, x in (("do", do), ("q", q), ("k", k), ("v", v),
                                                  ("o", o)))
     api = select_api()
+    # nki.*: the query tiles in chunks that meet few key blocks (legacy keeps their order)
+    tables = _bs.launch_tables(call.block_sparse, group=dims.group, forward=False,
+                               chunk_tiles=chunk_tiles, reorder=api == "nki", head_dim=dims.D,
+                               kv_itemsize=k.dtype.itemsize)
     outs = launch(block_sparse_attention_bwd.on(api), _block_sparse_grid(dims, call.lnc, api), q,
                   k, v, o, do, _numpy("lse", lse), tables.k.meta, kv_lens=call.kv_lens,
                   q_lens=call.q_lens, seed=call.dropout.seed,
-                  acc_k=tables.acc_k if api == "nki" else None, classes_k=tables.k.classes,
+                  acc_k=tables.acc_k if api == "nki" else None, order_q=tables.order_q,
+                  slots_k=tables.slots_k, classes_k=tables.k.classes,
                   chunk_tiles=chunk_tiles, **call.mods.tensors, **kwargs)
     if call.mods.tensors["sinks"] is None:
         return outs

@@ -511,20 +511,27 @@ class LaunchTables(NamedTuple):
     k: KernelTables
     runtime: bool
     acc_k: Optional[np.ndarray] = None
+    order_q: Optional[np.ndarray] = None
+    slots_k: Optional[np.ndarray] = None
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
 
-def _chunk_columns(dense_t: np.ndarray, chunk_tiles: int) -> np.ndarray:
+def _chunk_columns(dense_t: np.ndarray, chunk_tiles: int,
+                   position: Optional[np.ndarray] = None) -> np.ndarray:
     """``(b, h, chunks, nkt, nqt)``: the transposed pattern ``(b, h, nkt, nqt)`` restricted,
-    per chunk c, to its query tiles ``c chunk_tiles .. (c + 1) chunk_tiles - 1``."""
+    per chunk c, to its query tiles: those at processing positions ``c chunk_tiles .. (c + 1)
+    chunk_tiles - 1``, ``position`` ``(b or 1, h or 1, nqt)`` giving each tile's (None: its
+    index, the natural order)."""
     nqt = dense_t.shape[-1]
     chunks = _tiles.ceil_div(nqt, chunk_tiles)
-    chunk_of = np.arange(nqt) // chunk_tiles
-    keep = chunk_of[None, :] == np.arange(chunks)[:, None]              # (chunks, nqt)
-    return dense_t[:, :, None] & keep[None, None, :, None, :]
+    if position is None:
+        position = np.arange(nqt)[None, None]
+    chunk_of = position // chunk_tiles                                  # (b, h, nqt)
+    keep = chunk_of[:, :, None, :] == np.arange(chunks)[None, None, :, None]
+    return dense_t[:, :, None] & keep[:, :, :, None, :]
 
 
 def _forward_tables(sparsity: BlockSparsity, keep_order: bool,
@@ -543,7 +550,8 @@ def _forward_tables(sparsity: BlockSparsity, keep_order: bool,
 def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
                   forward: bool = True, keep_order: bool = False,
                   share_runtime: bool = False,
-                  chunk_tiles: Optional[int] = None) -> LaunchTables:
+                  chunk_tiles: Optional[int] = None, reorder: bool = False,
+                  head_dim: int = 128, kv_itemsize: int = 2) -> LaunchTables:
     """Tables for the kernels of a validated pattern.
 
     A pattern given densely is a compile-time pattern: rows are sorted into tight classes.
@@ -585,9 +593,24 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
     if not backward:
         return LaunchTables(q, None, runtime)
     g = group if heads > 1 else 1
+    ct = nqt if chunk_tiles is None else chunk_tiles
+    k, acc_k = _key_tables(sparsity, g, ct)
+    tables = LaunchTables(q, k, runtime, acc_k)
+    if reorder and ct < nqt:
+        return _reordered(tables, sparsity, g, ct, head_dim, kv_itemsize)
+    return tables
+
+
+def _key_tables(sparsity: BlockSparsity, g: int, chunk_tiles: int,
+                position: Optional[np.ndarray] = None):
+    """``(k, acc_k)`` of :class:`LaunchTables` for the backward (:func:`launch_tables`; ``g``
+    query heads per table group) in chunks of ``chunk_tiles`` query tiles at processing
+    positions ``position`` (``(b, heads, nqt)``; None: natural order)."""
+    heads, runtime = sparsity.dense.shape[1], sparsity.runtime
+    nqt = sparsity.dense.shape[-2]
     dense_t = np.swapaxes(sparsity.dense, -1, -2)
     b, _, nkt, _ = dense_t.shape
-    per = _chunk_columns(dense_t, nqt if chunk_tiles is None else chunk_tiles)
+    per = _chunk_columns(dense_t, chunk_tiles, position)
     chunks = per.shape[2]
     # (b, kv groups, chunks, members, nkt, nqt) -> heads: each kv group's chunks and members
     # one table group (one order)
@@ -609,7 +632,7 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
     empty = meta[:, :, :-1, :, :, 1].max(axis=3, keepdims=True) == 0
     meta[:, :, :-1, :, :, 0] = np.where(empty, _tiles.BSP_PAD_FIRST, meta[:, :, :-1, :, :, 0])
     meta = meta.transpose(0, 1, 3, 2, 4, 5).reshape(b, heads, chunks * nkt, w)
-    return LaunchTables(q, k._replace(meta=np.ascontiguousarray(meta)), runtime, acc_k)
+    return k._replace(meta=np.ascontiguousarray(meta)), acc_k
 
 
 def _accumulator_steps(met: np.ndarray) -> np.ndarray:
@@ -627,3 +650,107 @@ def _accumulator_steps(met: np.ndarray) -> np.ndarray:
     steps = [met & ~seen & ~finish, met & seen & ~finish, finish & seen, finish & ~seen]
     out = np.stack(steps, -1).reshape(met.shape[0], met.shape[1], -1, 4)
     return np.ascontiguousarray(out, dtype=np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# The backward's chunk order (nki.*, several chunks)
+# --------------------------------------------------------------------------------------------
+
+
+def backward_plan_bytes(k: KernelTables, *, group: int, chunks: int, head_dim: int,
+                        kv_itemsize: int) -> int:
+    """HBM bytes of the nki.* block-sparse backward (``block_sparse_bwd``) in ``chunks`` > 1
+    chunks that depend on how its query tiles fall into chunks, summed over the slices
+    ``(b, kv group)`` of its key-major tables ``k`` (:func:`launch_tables`; ``group``: query
+    heads per kv head), whole 128-key blocks (no lengths): K and V gathered once per key
+    block a chunk meets -- in the last chunk, with per-head tables of a GQA group, every
+    block of a class with slots -- and the fp32 dK, dV partial sums, ``2 (2 m - 2)`` ``[128,
+    head_dim]`` transfers per block that ``m >= 2`` chunks meet (each written once, read and
+    written ``m - 2`` times, read once)."""
+    b, heads, rows, _ = k.meta.shape
+    group = group if heads > 1 else 1
+    nkt = rows // chunks
+    counts = k.meta[..., 1].reshape(b, heads // group, group, chunks, nkt)
+    met = (counts > 0).any(axis=2)                              # (b, kv groups, chunks, nkt)
+    if heads > 1 and group > 1:
+        last = met.shape[0] * met.shape[1] * sum(m for _, m, t, _ in k.classes if t)
+    else:
+        last = int(met[:, :, -1].sum())
+    m = met.sum(axis=2)
+    scratch = int((2 * (2 * m - 2) * (m >= 2)).sum())
+    kv = int(met[:, :, :-1].sum()) + last
+    return (2 * kv * kv_itemsize + 4 * scratch) * BLOCK * head_dim
+
+
+def chunk_order(sets: np.ndarray, chunk_tiles: int) -> np.ndarray:
+    """A processing order of the query tiles (``sets``: ``(nqt, nkt)`` bool, each tile's key
+    blocks, the union over a kv group's heads) whose consecutive chunks of ``chunk_tiles``
+    meet few key blocks, and few of them several chunks: each chunk is filled greedily with
+    the tile that shares most blocks with the chunk's so far (then: that adds fewest, then
+    the lowest index). ``(nqt,)`` int, a permutation."""
+    nqt, nkt = sets.shape
+    s = sets.astype(np.float32)
+    size = s.sum(axis=1)
+    left = np.ones(nqt, dtype=bool)
+    order = []
+    for c0 in range(0, nqt, chunk_tiles):
+        union = np.zeros(nkt, dtype=np.float32)
+        for _ in range(min(chunk_tiles, nqt - c0)):
+            rest = np.flatnonzero(left)
+            shared = s[rest] @ union
+            pick = int(rest[np.argmax(shared * (nkt + 1) - (size[rest] - shared))])
+            order.append(pick)
+            left[pick] = False
+            union = np.maximum(union, s[pick])
+    return np.asarray(order, dtype=np.int64)
+
+
+def _reordered(tables: LaunchTables, sparsity: BlockSparsity, g: int, chunk_tiles: int,
+               head_dim: int, kv_itemsize: int) -> LaunchTables:
+    """``tables`` (natural order, several chunks) or, where it moves fewer HBM bytes
+    (:func:`backward_plan_bytes` plus the tables'), the backward's tables with the query tiles
+    of each ``(b, kv group)`` in :func:`chunk_order`: ``order_q`` and ``slots_k`` set
+    (:func:`launch_tables`' ``reorder``). A pattern in the index form always takes the
+    reordered form (the program must not depend on the pattern), in natural order where
+    that is no worse."""
+    dense = sparsity.dense
+    b, heads, nqt, nkt = dense.shape
+    sets = dense.reshape(b, heads // g, g, nqt, nkt).any(axis=2)       # (b, kv groups, ...)
+    greedy = np.stack([np.stack([chunk_order(sets[x, y], chunk_tiles)
+                                 for y in range(sets.shape[1])]) for x in range(b)])
+    chunks = _tiles.ceil_div(nqt, chunk_tiles)
+
+    def cost(t: LaunchTables) -> int:
+        data = backward_plan_bytes(t.k, group=g, chunks=chunks, head_dim=head_dim,
+                                   kv_itemsize=kv_itemsize)
+        return data + sum(x.nbytes for x in (t.k.meta, t.order_q, t.slots_k) if x is not None)
+
+    options = [_ordered(tables, sparsity, g, chunk_tiles, greedy)]
+    natural = np.broadcast_to(np.arange(nqt), greedy.shape)
+    options.append(_ordered(tables, sparsity, g, chunk_tiles, natural) if sparsity.runtime
+                   else tables)
+    # the natural option last: kept on a tie
+    return min(reversed(options), key=cost)
+
+
+def _ordered(tables: LaunchTables, sparsity: BlockSparsity, g: int, chunk_tiles: int,
+             order: np.ndarray) -> LaunchTables:
+    """``tables`` with the backward's query tiles of each ``(b, kv group)`` processed in
+    ``order`` (``(b, kv groups, nqt)``, a permutation each): ``order_q`` float32 ``(b, kv
+    groups, nqt)``, the tiles' first rows in that order (chunk c: positions ``c chunk_tiles
+    ..``), and ``slots_k`` float32 ``(b, heads, chunks nkt, trip)`` beside ``k.meta``: each
+    entry's place in its chunk (padding slots: ``chunk_tiles``, the kernel's zero tile)."""
+    heads = sparsity.dense.shape[1]
+    position = np.argsort(order, axis=-1)
+    per_head = np.repeat(position, g, axis=1)                       # (b, heads, nqt)
+    k, acc_k = _key_tables(sparsity, g, chunk_tiles, per_head)
+    firsts = k.meta[..., 2:]
+    live = firsts < _tiles.BSP_PAD_FIRST
+    tile = np.where(live, firsts // BLOCK, 0).astype(np.int64)
+    b, _, rows, trip = tile.shape
+    local = np.take_along_axis(np.broadcast_to(per_head, (b, heads, per_head.shape[-1])),
+                               tile.reshape(b, heads, rows * trip), axis=-1)
+    slots = np.where(live, local.reshape(tile.shape) % chunk_tiles, chunk_tiles)
+    return tables._replace(k=k, acc_k=acc_k,
+                           order_q=np.ascontiguousarray(order * BLOCK, dtype=np.float32),
+                           slots_k=np.ascontiguousarray(slots, dtype=np.float32))

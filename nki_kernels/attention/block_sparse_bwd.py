@@ -94,12 +94,16 @@ class _Cfg:
     sums in HBM with several chunks (else None), ``(ceil(Nk / 128) 128, D)`` each, rows
     ``128 r ..`` those of the key block at order position r; ``acc_k`` under nki.* with
     several chunks the host's steps of each block's sums per chunk (``LaunchTables.acc_k``:
-    write, add, finish with or without the earlier sums), else None."""
+    write, add, finish with or without the earlier sums), else None; ``slots_k`` with the
+    query tiles reordered the host's places of the entries in their chunks
+    (``LaunchTables.slots_k``), else None."""
 
-    def __init__(self, f: F.Instance, do, dq, dk, dv, scratch, score, dsink_acc, acc_k=None):
+    def __init__(self, f: F.Instance, do, dq, dk, dv, scratch, score, dsink_acc, acc_k=None,
+                 slots_k=None):
         self.f, self.do, self.dq, self.dk, self.dv = f, do, dq, dk, dv
         self.scratch = scratch
         self.acc_k = acc_k
+        self.slots_k = slots_k
         self.dropout_p = f.dropout_p
         self.scale = f.scale
         self.mods = score.mods if score is not None else SM.Mods()
@@ -135,8 +139,9 @@ class _Resident:
     ``tiles.bwd_slot_bytes`` per block, as the dense backward's slot
     (``tiles.bsp_bwd_chunks`` sizes the chunk to fit)."""
 
-    def __init__(self, f: F.Instance, slots: int):
+    def __init__(self, f: F.Instance, slots: int, reordered: bool = False):
         self.slots, self.per_head = slots, slots + 1
+        self.reordered = reordered
         n = f.G * self.per_head
         self.T = [nl.ndarray((rows, n, 2 * P), dtype=f.mm, buffer=nl.sbuf)
                   for _, rows in f.d_passes]
@@ -154,29 +159,43 @@ class _Resident:
 
         port.loop(f.G, zero_tile)
 
-    def blocks(self, f: F.Instance, geo: Geometry, rw: Row, h, chunk):
+    def blocks(self, f: F.Instance, geo: Geometry, rw: Row, h, chunk, places=None):
         """int32 ``[1, trip]``: the blocks of ``rw``'s entries (query tile ``block_first /
         128`` less the chunk's first, ``chunk slots``; a padding slot's the zero tile) of
-        member head h. GpSimd, one ``[1, trip]`` instruction (one more past the first chunk,
-        two more with GQA)."""
+        member head h; with the tiles reordered, ``places`` (fp32 ``[1, trip]``, the host's
+        ``slots_k`` row: each entry's place in the chunk, ``slots`` for padding) instead of
+        the tiles. GpSimd, one ``[1, trip]`` instruction (one more past the first chunk in
+        natural order, two more with GQA)."""
         trip = rw.trip
-        first = rw.bc[0:1, 2:2 + trip]
-        if not isinstance(chunk, int) or chunk:
-            shift = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-            port.iota(shift, [[0, 1]], runtime=[(chunk, -self.slots * P)],
-                      offsets=geo.indices)
-            first = nl.ndarray((1, trip), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_scalar(first, rw.bc[0:1, 2:2 + trip], nl.add, shift, engine="gpsimd")
+        first = None
+        if places is None:
+            first = rw.bc[0:1, 2:2 + trip]
+            if not isinstance(chunk, int) or chunk:
+                shift = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+                port.iota(shift, [[0, 1]], runtime=[(chunk, -self.slots * P)],
+                          offsets=geo.indices)
+                first = nl.ndarray((1, trip), dtype=nl.float32, buffer=nl.sbuf)
+                port.tensor_scalar(first, rw.bc[0:1, 2:2 + trip], nl.add, shift,
+                                   engine="gpsimd")
+
+        def tiles_of(dst):
+            # the query tile less the chunk's first; a padding slot's the zero tile
+            if first is None:
+                port.tensor_copy(dst, places, engine="gpsimd")
+            else:
+                port.tensor_scalar(dst, first, nl.multiply, 1.0 / P, op1=nl.minimum,
+                                   operand1=float(self.slots), engine="gpsimd")
+
         out = nl.ndarray((1, trip), dtype=nl.int32, buffer=nl.sbuf)
         if f.G == 1:
-            port.tensor_scalar(out, first, nl.multiply, 1.0 / P, op1=nl.minimum,
-                               operand1=float(self.slots), engine="gpsimd")
+            tiles_of(out)
             return out
         head0 = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.iota(head0, [[0, 1]], runtime=[(h, self.per_head)], offsets=geo.indices)
-        tile = nl.ndarray((1, trip), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(tile, first, nl.multiply, 1.0 / P, op1=nl.minimum,
-                           operand1=float(self.slots), engine="gpsimd")
+        tile = places
+        if first is not None:
+            tile = nl.ndarray((1, trip), dtype=nl.float32, buffer=nl.sbuf)
+            tiles_of(tile)
         port.tensor_scalar(out, tile, nl.add, head0, engine="gpsimd")
         return out
 
@@ -195,6 +214,18 @@ class _Resident:
         """dQ of the slot's query tile ``+= dq_ps`` (``acc`` from :meth:`tile`)."""
         port.dynamic_block_add(self.dq, acc[0], acc[1], dq_ps)
 
+    def positions(self, geo: Geometry, t):
+        """fp32 ``[128, 1]``: the positions of query tile t's rows, ``128 t + p`` (an iota
+        of the loop indices), or with the tiles reordered ``t + p`` (``t``: the tile's first
+        row, an fp32 ``[128, 1]`` column of the host's order, data; GpSimd)."""
+        pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if self.reordered:
+            port.tensor_tensor(pos, t, geo.part, nl.add, engine="gpsimd")
+        else:
+            port.iota(pos, [[0, 1]], channel_multiplier=1, runtime=[(t, P)],
+                      offsets=geo.indices)
+        return pos
+
     def stage(self, cfg: "_Cfg", geo: Geometry, h, q_frame, t, local, rows: int):
         """Query tile t (``rows`` rows: 128, or the partial last tile's) of member head h into
         its block (``local``: t's place in its chunk): Q, dO, O, lse (rows past Nq zero; with
@@ -207,10 +238,7 @@ class _Resident:
         x, dx, ox, lse = (nl.ndarray((P, src.shape[-1]), dtype=src.dtype, buffer=nl.sbuf)
                           for src in srcs)
         if q_frame is not None:
-            pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-            port.iota(pos, [[0, 1]], channel_multiplier=1, runtime=[(t, P)],
-                      offsets=geo.indices)
-            idx = rows_at(pos, geo.q_len, q_frame)
+            idx = rows_at(self.positions(geo, t), geo.q_len, q_frame)
             for dst, src in zip((x, dx, ox, lse), srcs):
                 gather(dst, src, (f.b, head), idx, 0, True)
         else:
@@ -233,42 +261,52 @@ class _Resident:
         port.tensor_copy(self.nat[:, n, 0:D], x, engine="gpsimd")
         port.tensor_copy(self.nat[:, n, D:2 * D], dx, engine="gpsimd")
 
-    def write_dq(self, cfg: "_Cfg", h, t, local, rows: int):
+    def write_dq(self, cfg: "_Cfg", geo: Geometry, h, q_frame, t, local, rows: int):
         """dQ of query tile t (``rows`` rows; ``local`` its place in the chunk) of member head
         h: ``scale`` times its accumulator, cast and stored (rows at or past q_len hold zeros:
-        no pair added to them)."""
+        no pair added to them); with the tiles reordered scattered through ``q_frame``, rows
+        past Nq skipped."""
         f = cfg.f
         dq_out = nl.ndarray((P, f.D), dtype=cfg.dq.dtype, buffer=nl.sbuf)
         port.activation(dq_out, nl.copy, self.dq[:, h * self.per_head + local, :],
                         scale=cfg.scale)
+        if self.reordered:
+            scatter(cfg.dq, (f.b, f.head(h)), rows_at(self.positions(geo, t), f.Nq, q_frame),
+                    dq_out)
+            return
         port.dma_copy(cfg.dq[f.b, f.head(h), nl.ds(t * P, rows), :], dq_out[0:rows],
                       legacy_isa=True)
 
     def run(self, cfg: "_Cfg", geo: Geometry, body, frames: bool, chunk, n_tiles: int,
-            tail: int = 0, carried: bool = False):
+            tail: int = 0, carried: bool = False, order=None):
         """``body(h, q_frame, t, local, rows)`` over the ``n_tiles`` query tiles t = ``chunk
         slots + local`` of a chunk (``rows`` rows; the last one ``tail`` rows when ``tail``:
         the partial last tile) of every member head h: compiled loops (``carried``: see
         :func:`port.loop`) over ``tiles.BSP_BWD_STAGE_TILES`` full tiles at a time (unrolled
         in the body: each has its own buffers, so their DMA latencies overlap), a static
         remainder and the partial tile. ``frames``: pass the head's :class:`RowFrame` (else
-        None)."""
+        None). With the tiles reordered, t is column ``local`` of ``order`` (fp32 ``[128,
+        n_tiles]``: the chunk's row of the host's order on every partition), the tile's first
+        row (data; no partial tile: its rows past Nq are skipped by the gathers)."""
         f = cfg.f
         full = n_tiles - (1 if tail else 0)
         u = max(1, min(T.BSP_BWD_STAGE_TILES, full))
         t0 = chunk * self.slots
+
+        def tile(local):
+            return order[:, nl.ds(local, 1)] if self.reordered else t0 + local
 
         def head(h):
             q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices) if frames else None
 
             def group(c):
                 for j in T.unrolled(u):
-                    body(h, q_frame, t0 + c * u + j, c * u + j, P)
+                    body(h, q_frame, tile(c * u + j), c * u + j, P)
 
             port.loop(full // u, group, carried=carried)
             for j in T.unrolled(full % u):
                 local = (full // u) * u + j
-                body(h, q_frame, t0 + local, local, P)
+                body(h, q_frame, tile(local), local, P)
             if tail:
                 body(h, q_frame, t0 + full, full, tail)
 
@@ -437,6 +475,16 @@ def _row_counts(f: F.Instance, meta_k, first, count: int):
     return out
 
 
+def _places(cfg: _Cfg, hb, head, pos, trip: int):
+    """With the query tiles reordered, fp32 ``[1, trip]``: row ``pos`` of head ``head``'s
+    ``slots_k`` (the entries' places in their chunk, :meth:`_Resident.blocks`); else None."""
+    if cfg.slots_k is None:
+        return None
+    out = nl.ndarray((1, trip), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(out, cfg.slots_k[hb, head, nl.ds(pos, 1), 0:trip], legacy_isa=True)
+    return out
+
+
 def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: str, r,
                trip: int, exact: bool, counts=None, flags=None):
     """dK, dV of the key block at order position ``r`` of chunk ``chunk`` (table row ``chunk
@@ -454,9 +502,9 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
     per_head = meta_k.shape[1] > 1
     # the first member head's row (every head of the group has the block at pos); it is
     # every head's row when the table has one head or the group one member
+    head0 = f.g * f.G if per_head else 0
     row0 = nl.ndarray((1, 2 + trip), dtype=nl.float32, buffer=nl.sbuf)
-    port.dma_copy(row0, meta_k[hb, f.g * f.G if per_head else 0, nl.ds(pos, 1), 0:2 + trip],
-                  legacy_isa=True)
+    port.dma_copy(row0, meta_k[hb, head0, nl.ds(pos, 1), 0:2 + trip], legacy_isa=True)
     shared_row = not per_head or f.G == 1
     bc0 = M.broadcast_row(row0, 2 + trip if shared_row and trip else 1)
     k_first = bc0[:, 0:1]
@@ -497,6 +545,7 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         key_thr0 = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_tensor(key_thr0, geo.kv_len, k_first, nl.subtract)
     big = float(2 * P + f.Nk + f.Nq)
+    places0 = _places(cfg, hb, head0, pos, trip) if shared_row else None
 
     def head(h):
         if shared_row:
@@ -520,7 +569,8 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         dist = geo.distance_columns(gap) if cfg.mods.alibi else None
         seeds = (unit_seeds(f, f.head(h), rw.bc[0:1, 2:2 + trip], rw.bc[0:1, 0:1])
                  if cfg.dropout_p else None)
-        blocks = res.blocks(f, geo, rw, h, chunk)
+        places = places0 if shared_row else _places(cfg, hb, f.head(h), pos, trip)
+        blocks = res.blocks(f, geo, rw, h, chunk, places)
 
         def slot(sl):
             q_mm, do_mm, qT, doT, neg_lse, neg_delta, acc = res.tile(f, blocks, sl)
@@ -644,7 +694,8 @@ def _add_partial(cfg: _Cfg, part: int, r, ps, factor: float, read: bool, out_dty
 
 @port.jit
 def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens=None,
-                               seed=None, alibi_slopes=None, sinks=None, acc_k=None, *,
+                               seed=None, alibi_slopes=None, sinks=None, acc_k=None,
+                               order_q=None, slots_k=None, *,
                                classes_k,
                                chunk_tiles, scale=1.0, causal=None, window=None,
                                mm_dtype="bfloat16", dropout_p=0.0, softcap=None):
@@ -659,7 +710,12 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
     (``host.block_sparse.launch_tables``). ``acc_k``: under nki.* with several chunks (and
     only then) the steps of the dK/dV sums, ``(B or 1, Hkv or 1, chunks ceil(Nk/128), 4)``
     fp32
-    (``LaunchTables.acc_k``). Other arguments as the forward; o and lse are the
+    (``LaunchTables.acc_k``). ``order_q``, ``slots_k`` (both or neither; ``LaunchTables``):
+    the query tiles reordered, ``order_q`` ``(B or 1, Hkv or 1, ceil(Nq / 128))`` fp32 the
+    first rows of the kv group's tiles in processing order (chunk c: positions ``c
+    chunk_tiles ..``), ``slots_k`` ``meta_k.shape[:3] + (trip,)`` fp32 each entry's place in
+    its chunk (``chunk_tiles`` for padding); the table entries keep the tiles' own
+    positions (the masks'). Other arguments as the forward; o and lse are the
     forward's outputs, do the gradient of o. Score modifiers as the forward's (``softcap``,
     ``alibi_slopes``, ``sinks``; ``score_mods.py``): with sinks also ``dsinks`` ``(B, Hq)``
     float32, each sequence's ``-sum_i exp(sink - lse_i) D_i``. Rows or dropout units that
@@ -684,6 +740,16 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
     if not nki_acc and acc_k is not None:
         raise ValueError(f"acc_k: read only by the nki.* backward with several chunks; this "
                          f"is {chunks} chunk(s) through {port.api()}: pass None")
+    reordered = order_q is not None
+    trip_max = meta_k.shape[3] - 2
+    if reordered != (slots_k is not None) or reordered and (
+            tuple(slots_k.shape) != tuple(meta_k.shape[:3]) + (trip_max,)
+            or order_q.shape[0] not in (1, B) or order_q.shape[1] not in (1, Hkv)
+            or order_q.shape[2] != nqt):
+        raise ValueError(f"order_q, slots_k: both or neither, (B or 1, Hkv or 1, {nqt}) and "
+                         f"{tuple(meta_k.shape[:3]) + (trip_max,)} (LaunchTables); got "
+                         f"{None if order_q is None else tuple(order_q.shape)} and "
+                         f"{None if slots_k is None else tuple(slots_k.shape)}")
     int_rows = exact_indices(max(B * Hq * Nq, B * Hkv * Nk),
                              B * Hq * nqt * nkt if dropout_p else 0)
     if dropout_p and seed is None:
@@ -726,17 +792,26 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
             port.memset(dsink_acc, 0.0, engine="gpsimd")
         drop = F.load_dropout(dropout_p, seed, nl.float32) if dropout_p else None
         f = F.Instance.of(c, drop=drop)
-        cfg = _Cfg(f, do, dq, dk, dv, scratch, score, dsink_acc, acc_k)
+        cfg = _Cfg(f, do, dq, dk, dv, scratch, score, dsink_acc, acc_k, slots_k)
         geo = Geometry(spec, kv_lens, q_lens, k, b, g, Nq, Nk, indices)
-        res = _Resident(f, chunk_tiles)
+        res = _Resident(f, chunk_tiles, reordered)
 
         def chunk(ci, n_tiles: int, last_tail: int, step: str):
             """1. stage the chunk's query tiles, delta included; 2. dK, dV (partial sums
             with several chunks) and dQ, one key-major sweep over the chunk's key blocks;
-            3. dQ out."""
+            3. dQ out. Reordered: the chunk's tiles are the host's order's (its first rows on
+            every partition, ``order``), gathered and scattered."""
+            order = None
+            if reordered:
+                row = nl.ndarray((1, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+                port.dma_copy(row, order_q[f.b if order_q.shape[0] > 1 else 0,
+                                           nl.ds(f.g if order_q.shape[1] > 1 else 0, 1),
+                                           nl.ds(ci * chunk_tiles, n_tiles)], legacy_isa=True)
+                order = M.broadcast_row(row, n_tiles)
+                last_tail = 0
             res.run(cfg, geo, lambda h, q_frame, t, local, rows: res.stage(
-                cfg, geo, h, q_frame, t, local, rows), q_lens is not None, ci, n_tiles,
-                last_tail, carried=mods.sinks)
+                cfg, geo, h, q_frame, t, local, rows), q_lens is not None or reordered, ci,
+                n_tiles, last_tail, carried=mods.sinks, order=order)
             for first, count, trip, exact in classes_k:
                 if not trip and step != "last":
                     continue                    # no pair in any chunk: zeros at the last
@@ -750,9 +825,9 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
                               None if counts is None else (counts, r),
                               None if flags is None else (flags, r)),
                           carried=True)
-            res.run(cfg, geo, lambda h, _, t, local, rows: res.write_dq(cfg, h, t, local,
-                                                                       rows),
-                    False, ci, n_tiles, last_tail)
+            res.run(cfg, geo, lambda h, q_frame, t, local, rows: res.write_dq(
+                cfg, geo, h, q_frame, t, local, rows), reordered, ci, n_tiles, last_tail,
+                order=order)
 
         # every chunk but the last holds chunk_tiles full tiles; the last the rest. The first
         # writes the scratch, the middle ones read-add-write it, the last reads it

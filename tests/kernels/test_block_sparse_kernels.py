@@ -251,7 +251,8 @@ def test_program_size_does_not_grow_with_n(api, mods):
     modifiers too. (The program depends on N only through the step widths, min(4, blocks per
     tile) and min(16, blocks a group shares), and through whether a group's first sweep is
     one step, then peeled, a smaller program: 16, 32 and 64 blocks here, all shared.) The
-    backward in one chunk and in chunks of 8 query tiles (4 and 16 chunks; not at 8K)."""
+    backward in one chunk and in chunks of 8 query tiles (4 and 16 chunks; not at 8K), under
+    nki.* with the query tiles reordered (even and odd tiles meet different blocks here)."""
     sizes = []
     grid = launch_grid((1, 1), api)
     for N in (4096, 8192, 16384):
@@ -267,12 +268,14 @@ def test_program_size_does_not_grow_with_n(api, mods):
                            classes=t.q.classes, shared=t.q.shared, **kw)
         o = np.zeros_like(q)
         lse = np.zeros(q.shape[:3], np.float32)
+        chunked = bs.launch_tables(sp, group=1, chunk_tiles=8, reorder=api == "nki",
+                                   head_dim=64)
+        assert (chunked.order_q is not None) == (api == "nki")
         bwd = [program_size(block_sparse_attention_bwd.on(api), grid, q, k, v, o, do, lse,
                             tk.k.meta, acc_k=tk.acc_k if api == "nki" else None,
-                            classes_k=tk.k.classes, chunk_tiles=ct, **kw)
-               for ct, tk in ((N // 128, t), (8, bs.launch_tables(sp, group=1,
-                                                                 chunk_tiles=8)))
-               if N != 8192]
+                            order_q=tk.order_q, slots_k=tk.slots_k, classes_k=tk.k.classes,
+                            chunk_tiles=ct, **kw)
+               for ct, tk in ((N // 128, t), (8, chunked)) if N != 8192]
         sizes.append((fwd, *bwd))
     assert sizes[1][0] == sizes[2][0] and sizes[0][0] <= sizes[2][0]
     assert sizes[0][1:] == sizes[2][1:]
@@ -593,48 +596,66 @@ def _chunk_budget(monkeypatch, G, D, extras, slots):
     monkeypatch.setattr(T, "BWD_SBUF_BUDGET_BYTES", {"trn1": budget, "trn2": budget})
 
 
+def _reordering(monkeypatch, on: bool, real=bs.launch_tables):
+    """The backward's tables with the query tiles reordered where cheaper (``launch_tables``
+    ``reorder``; ``on``) or not, in both namespaces (the host reorders under nki.* only):
+    both traces run the same tables."""
+    monkeypatch.setattr(bs, "launch_tables", lambda *a, **kw: real(
+        *a, **{**kw, "reorder": on and kw.get("chunk_tiles") is not None}))
+
+
 def test_backward_chunks_the_query_side_past_sbuf(monkeypatch):
     """Past SBUF (the budget shrunk here: one 128-row tile per head and chunk, three chunks)
     the backward stages the query tiles a chunk at a time, sweeps per chunk the key blocks
     the chunk meets and adds their dK, dV to an fp32 scratch (legacy: every chunk; nki.*:
-    by ``nisa.dma_compute``, only the chunks that meet a block): the gradients match the reference (band, lengths, GQA, the partial last
-    tile alone in the last chunk) and, through nki.*, the legacy trace bit for bit."""
+    only the chunks that meet a block): the gradients match the reference (band, lengths,
+    GQA, the partial last tile) and, through nki.*, the legacy trace bit for bit, also with
+    the query tiles reordered (this pattern's chunk plan is cheaper so: the partial tile is
+    staged first, gathered)."""
     B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 300, 390, 32
     _chunk_budget(monkeypatch, Hq // Hkv, D, True, 1)
     assert T.bsp_bwd_chunks(Hq // Hkv, Nq, D, 4, "trn2", True) == (3, 1)
     q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=42)
     mask = _pattern(B, Hq, Nq, Nk, 0.5, seed=43)
     kw = dict(causal=True, kv_lens=[250], q_lens=[280])
+    order = bs.launch_tables(bs.check_block_mask(mask, B, Hq, Nq, Nk), group=2, forward=False,
+                             chunk_tiles=1, reorder=True, head_dim=D, kv_itemsize=4).order_q
+    assert order is not None and order[0, 0, 0] == 256
 
     def run():
         o, lse, grads = _fwd_bwd(q, k, v, do, mask, **kw)
         return list(grads)
 
-    got, want = _both(run, monkeypatch)
-    _same(got, want)
     ref_grads = ref.attention_backward(do, q, k, v, block_mask=mask,
                                        **{**kw, "causal": "bottom_right"})
-    for g, w in zip(want, ref_grads):
-        assert _err(g, w) < 1e-5 * max(1.0, np.abs(w).max())
+    for reordered in (False, True):
+        _reordering(monkeypatch, reordered)
+        got, want = _both(run, monkeypatch)
+        _same(got, want)
+        for g, w in zip(got, ref_grads):
+            assert _err(g, w) < 1e-5 * max(1.0, np.abs(w).max())
 
 
 @pytest.mark.parametrize("api, heads, index, kv_blocks, scratch", [
     ("legacy", 2, False, 4, 4), ("legacy", 2, True, 6, 8), ("legacy", 1, False, 4, 4),
-    ("nki", 2, False, 4, 2), ("nki", 2, True, 6, 2), ("nki", 1, False, 3, 2)],
+    ("nki", 2, False, 3, 2), ("nki", 2, True, 5, 2), ("nki", 1, False, 3, 2)],
     ids=["legacy-dense", "legacy-index", "legacy-shared", "nki-dense", "nki-index",
          "nki-shared"])
 def test_chunked_backward_traffic(api, heads, index, kv_blocks, scratch, monkeypatch):
     """Chunks of two query tiles (GQA 2:1; with ``heads`` 2 per-head patterns: head 0 meets
     key block 0 from every tile, head 1 block 2 from tile 1; with 1 one pattern of both),
     one order of key blocks for both chunks: q, dO, o, lse read once; dQ, dK, dV written
-    once. K, V per chunk for the blocks it meets (the first chunk: 0 and 2; the last: 0),
-    except in the last chunk: legacy reads every block some chunk meets (0 and 2; in the
-    index form's natural order all four), nki.* too with per-head patterns, but with one
-    shared pattern only those it meets. The fp32 scratch (``scratch`` 128-key blocks of dK
-    and dV, each written and read once): legacy writes every listed row in the first chunk
-    and reads it in the last; nki.* only blocks that several chunks meet (0, written by the
-    first chunk and read back by the last, which stores it; block 2 is stored by the first),
-    in either form, plus ``acc_k``: four columns per listed row and chunk."""
+    once. K, V per chunk for the blocks it meets, except in the last chunk: legacy (natural
+    order: the first chunk meets 0 and 2, the last 0) reads every block some chunk meets (0
+    and 2; in the index form all four), nki.* too with per-head patterns, but with one
+    shared pattern only those it meets. nki.* reorders the query tiles where that moves
+    fewer bytes (per-head patterns: tiles 0 and 2 first, meeting block 0 only; the shared
+    pattern's plan costs the same, kept natural; the index form always takes the reordered
+    tables). The fp32 scratch (``scratch`` 128-key blocks of dK and dV, each written and
+    read once): legacy writes every listed row in the first chunk and reads it in the last;
+    nki.* only blocks that several chunks meet (0), in either form, plus ``acc_k``: four
+    columns per listed row and chunk. Under nki.* K, V and the scratch are the host's plan
+    (``backward_plan_bytes``)."""
     monkeypatch.setenv(binding.API_ENV_VAR, api)
     B, Hq, Hkv, N, D = 1, 2, 1, 512, 32
     _chunk_budget(monkeypatch, Hq // Hkv, D, False, 2)
@@ -653,6 +674,73 @@ def test_chunked_backward_traffic(api, heads, index, kv_blocks, scratch, monkeyp
     listed = 4 if index else 2
     assert per.get("acc_k", {"read": 0})["read"] == (2 * 4 * listed * 4 if api == "nki"
                                                      else 0)
+    if api == "nki":
+        t = bs.launch_tables(bs.check_block_mask(pattern, B, Hq, N, N), group=2,
+                             forward=False, chunk_tiles=2, reorder=True, head_dim=D,
+                             kv_itemsize=4)
+        assert ("order_q" in per) == (t.order_q is not None) == (heads == 2 or index)
+        assert bs.backward_plan_bytes(t.k, group=2, chunks=2, head_dim=D, kv_itemsize=4) == (
+            2 * kv_blocks + 2 * scratch) * block
+
+
+@pytest.mark.parametrize("index", [False, True], ids=["bool", "index"])
+def test_reordered_chunks_move_the_planned_bytes(index, monkeypatch):
+    """The evenly spread pattern at s = 1/4 over 8 x 8 blocks gives tiles i and i + 4 the same
+    key blocks (i, i + 4): in chunks of two consecutive tiles every block is met by two
+    chunks, so natural order moves each block's dK, dV partial sums through HBM (written and
+    read back once each) and reads K, V twice.
+    nki.* reorders the tiles (0, 4, 1, 5, ...): each block is met by one chunk, so there is no
+    scratch and K, V are read once (the dense kernel's floor), in both forms; the HBM bytes
+    of K, V and the scratch are the host's plan (``backward_plan_bytes``), the gradients the
+    reference's (each tile's Q, dO, O, lse gathered and dQ scattered at its rows)."""
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    N, D = 1024, 16
+    _chunk_budget(monkeypatch, 1, D, False, 2)
+    q, k, v, do = attention_inputs(1, 1, 1, N, N, D, seed=61)
+    mask = bs.fixed_density(8, 8, 0.25)
+    pattern = tuple(bs.dense_to_index(mask)) if index else mask
+    sp = bs.check_block_mask(pattern, 1, 1, N, N)
+    plan = {}
+    for reorder in (False, True):
+        t = bs.launch_tables(sp, group=1, forward=False, chunk_tiles=2, reorder=reorder,
+                             head_dim=D, kv_itemsize=4)
+        plan[reorder] = bs.backward_plan_bytes(t.k, group=1, chunks=4, head_dim=D,
+                                               kv_itemsize=4)
+    assert t.order_q[0, 0].tolist() == [128 * i for i in (0, 4, 1, 5, 2, 6, 3, 7)]
+    per = _backward_traffic(q, k, v, do, pattern, mask)
+    moved = per["k"]["read"] + per["v"]["read"] + sum(
+        r["read"] + r["written"] for n, r in per.items() if n.startswith("hbm"))
+    assert moved == plan[True] == 2 * N * D * 4
+    assert plan[False] == plan[True] + 8 * 4 * 128 * D * 4 + 2 * N * D * 4
+
+
+@pytest.mark.parametrize("make_mask, B, kw", [
+    (lambda: tuple(bs.dense_to_index(bs.local_global(6, 4, global_blocks=0))), 1,
+     dict(kv_lens=[300], q_lens=[600], causal="bottom_right")),
+    (lambda: _pattern(2, 2, 700, 500, 0.3, seed=63), 2, dict(window=(200, 50)))],
+    ids=["band-index-lens", "random-gqa"])
+def test_reordered_backward_matches_the_reference(make_mask, B, kw, monkeypatch):
+    """nki.* with the query tiles reordered (chunks of two tiles, GQA 2:1, the partial last
+    tile): a band in the index form (always the reordered tables: here in natural order,
+    no worse a plan than the greedy one) with lengths (rows past q_len zero, gathered and
+    scattered through the order), and random per-head patterns of two sequences given
+    densely with a window (each sequence's kv group in its own greedy order) -- the
+    gradients are the reference's."""
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    Hq, Hkv, Nq, Nk, D = 2, 1, 700, 500, 16
+    _chunk_budget(monkeypatch, Hq // Hkv, D, True, 2)
+    q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=62)
+    pattern = make_mask()
+    sp = bs.check_block_mask(pattern, B, Hq, Nq, Nk)
+    t = bs.launch_tables(sp, group=2, forward=False, chunk_tiles=2, reorder=True, head_dim=D,
+                         kv_itemsize=4)
+    natural = np.arange(6) * 128.0
+    assert [np.array_equal(x, natural) for x in t.order_q[:, 0]] == (
+        [True] if sp.runtime else [False, False])
+    o, lse, grads = _fwd_bwd(q, k, v, do, pattern, **kw)
+    want = ref.attention_backward(do, q, k, v, block_mask=sp.dense, **kw)
+    for g, w in zip(grads, want):
+        assert _err(g, w) < 1e-5 * max(1.0, np.abs(w).max())
 
 
 def test_backward_refuses_groups_and_chunks_that_do_not_fit(monkeypatch):
