@@ -687,22 +687,27 @@ def chunk_order(sets: np.ndarray, chunk_tiles: int) -> np.ndarray:
     blocks, the union over a kv group's heads) whose consecutive chunks of ``chunk_tiles``
     meet few key blocks, and few of them several chunks: each chunk is filled greedily with
     the tile that shares most blocks with the chunk's so far (then: that adds fewest, then
-    the lowest index). ``(nqt,)`` int, a permutation."""
+    the lowest index). The last tile (the partial one, if any) stays last: the kernel
+    stages and stores it at static rows. ``(nqt,)`` int, a permutation."""
     nqt, nkt = sets.shape
     s = sets.astype(np.float32)
     size = s.sum(axis=1)
+    last = nqt - 1
     left = np.ones(nqt, dtype=bool)
+    left[last] = False
     order = []
     for c0 in range(0, nqt, chunk_tiles):
-        union = np.zeros(nkt, dtype=np.float32)
-        for _ in range(min(chunk_tiles, nqt - c0)):
+        n = min(chunk_tiles, nqt - c0)
+        final = c0 + n == nqt
+        union = s[last].copy() if final else np.zeros(nkt, dtype=np.float32)
+        for _ in range(n - final):
             rest = np.flatnonzero(left)
             shared = s[rest] @ union
             pick = int(rest[np.argmax(shared * (nkt + 1) - (size[rest] - shared))])
             order.append(pick)
             left[pick] = False
             union = np.maximum(union, s[pick])
-    return np.asarray(order, dtype=np.int64)
+    return np.asarray(order + [last], dtype=np.int64)
 
 
 def _reordered(tables: LaunchTables, sparsity: BlockSparsity, g: int, chunk_tiles: int,

@@ -294,6 +294,24 @@ def lead_first_row(t, lead, offsets, partitions=128, ints=False):
     return first
 
 
+def flat_rows(t, first, n):
+    """nki.* only: rows ``first .. first + n - 1`` of the HBM tensor ``t`` flattened to ``(all
+    rows, F)`` (as :func:`lead_rows` indexes it), ``first`` a runtime row: an int32 ``[1, 1]``
+    SBUF tile (data). A plain access for :func:`dma_copy` (0.7 ``NkiTensor.ap(scalar_offset=,
+    indirect_dim=0)``; the 2.33 stub's ``fori_loop`` example addresses an HBM tensor at a
+    register this way; a tile as the offset is the ``ap`` signature's "dynamic scalar index
+    tensor", its DMA cost UNCONFIRMED: the simulator charges a plain DMA of the rows and
+    makes it wait for the tile's writer). Unlike an indirect access its bytes are known, so
+    DMAs at different rows are independent. Legacy NKI has no runtime scalar offset of an
+    HBM access (NotImplementedError)."""
+    ns = current()
+    if ns.api != "nki":
+        raise NotImplementedError("port.flat_rows: a runtime HBM row offset is an nki.* feature")
+    F = t.shape[-1]
+    flat = t.reshape((math.prod(t.shape[:-1]), F))
+    return flat.ap(pattern=[[F, n], [1, F]], offset=0, scalar_offset=first, indirect_dim=0)
+
+
 def row_blocks(t, lead, r0, rows, n, cols):
     """``[rows, n, cols]`` access of the HBM tensor ``t``: element ``[p, j, c]`` is
     ``t[*lead, r0 + j * rows + p, c]`` (``lead`` indices of the leading dims, ``r0`` an int or

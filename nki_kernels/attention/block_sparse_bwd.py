@@ -214,12 +214,17 @@ class _Resident:
         """dQ of the slot's query tile ``+= dq_ps`` (``acc`` from :meth:`tile`)."""
         port.dynamic_block_add(self.dq, acc[0], acc[1], dq_ps)
 
+    def ordered(self, t) -> bool:
+        """Whether t is a tile of the host's order (:meth:`run`: its first row, data), not a
+        tile index (natural order, and the last tile, which the order keeps last)."""
+        return self.reordered and not isinstance(t, int)
+
     def positions(self, geo: Geometry, t):
         """fp32 ``[128, 1]``: the positions of query tile t's rows, ``128 t + p`` (an iota
-        of the loop indices), or with the tiles reordered ``t + p`` (``t``: the tile's first
-        row, an fp32 ``[128, 1]`` column of the host's order, data; GpSimd)."""
+        of the loop indices), or for a tile of the host's order ``t + p`` (``t``: the tile's
+        first row, an fp32 ``[128, 1]`` column of the order, data; GpSimd)."""
         pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        if self.reordered:
+        if self.ordered(t):
             port.tensor_tensor(pos, t, geo.part, nl.add, engine="gpsimd")
         else:
             port.iota(pos, [[0, 1]], channel_multiplier=1, runtime=[(t, P)],
@@ -264,15 +269,20 @@ class _Resident:
     def write_dq(self, cfg: "_Cfg", geo: Geometry, h, q_frame, t, local, rows: int):
         """dQ of query tile t (``rows`` rows; ``local`` its place in the chunk) of member head
         h: ``scale`` times its accumulator, cast and stored (rows at or past q_len hold zeros:
-        no pair added to them); with the tiles reordered scattered through ``q_frame``, rows
-        past Nq skipped."""
+        no pair added to them). A tile of the host's order (a whole one) is stored at its rows
+        of ``q_frame``: under nki.* by a plain DMA at that runtime row (:func:`port.
+        flat_rows`: independent of the other tiles' stores), in legacy scattered (an indirect
+        write, which the scheduler orders after every earlier one to dq)."""
         f = cfg.f
         dq_out = nl.ndarray((P, f.D), dtype=cfg.dq.dtype, buffer=nl.sbuf)
         port.activation(dq_out, nl.copy, self.dq[:, h * self.per_head + local, :],
                         scale=cfg.scale)
-        if self.reordered:
-            scatter(cfg.dq, (f.b, f.head(h)), rows_at(self.positions(geo, t), f.Nq, q_frame),
-                    dq_out)
+        if self.ordered(t):
+            idx = rows_at(self.positions(geo, t), f.Nq, q_frame)
+            if port.api() == "nki":
+                port.dma_copy(port.flat_rows(cfg.dq, idx[0:1, 0:1], P), dq_out)
+            else:
+                scatter(cfg.dq, (f.b, f.head(h)), idx, dq_out)
             return
         port.dma_copy(cfg.dq[f.b, f.head(h), nl.ds(t * P, rows), :], dq_out[0:rows],
                       legacy_isa=True)
@@ -287,7 +297,7 @@ class _Resident:
         remainder and the partial tile. ``frames``: pass the head's :class:`RowFrame` (else
         None). With the tiles reordered, t is column ``local`` of ``order`` (fp32 ``[128,
         n_tiles]``: the chunk's row of the host's order on every partition), the tile's first
-        row (data; no partial tile: its rows past Nq are skipped by the gathers)."""
+        row (data), but for the partial last tile, which the order keeps last."""
         f = cfg.f
         full = n_tiles - (1 if tail else 0)
         u = max(1, min(T.BSP_BWD_STAGE_TILES, full))
@@ -800,7 +810,7 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
             """1. stage the chunk's query tiles, delta included; 2. dK, dV (partial sums
             with several chunks) and dQ, one key-major sweep over the chunk's key blocks;
             3. dQ out. Reordered: the chunk's tiles are the host's order's (its first rows on
-            every partition, ``order``), gathered and scattered."""
+            every partition, ``order``), gathered, and stored at their rows."""
             order = None
             if reordered:
                 row = nl.ndarray((1, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
@@ -808,7 +818,6 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
                                            nl.ds(f.g if order_q.shape[1] > 1 else 0, 1),
                                            nl.ds(ci * chunk_tiles, n_tiles)], legacy_isa=True)
                 order = M.broadcast_row(row, n_tiles)
-                last_tail = 0
             res.run(cfg, geo, lambda h, q_frame, t, local, rows: res.stage(
                 cfg, geo, h, q_frame, t, local, rows), q_lens is not None or reordered, ci,
                 n_tiles, last_tail, carried=mods.sinks, order=order)

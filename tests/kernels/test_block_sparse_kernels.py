@@ -605,22 +605,22 @@ def _reordering(monkeypatch, on: bool, real=bs.launch_tables):
 
 
 def test_backward_chunks_the_query_side_past_sbuf(monkeypatch):
-    """Past SBUF (the budget shrunk here: one 128-row tile per head and chunk, three chunks)
+    """Past SBUF (the budget shrunk here: two 128-row tiles per head and chunk, two chunks)
     the backward stages the query tiles a chunk at a time, sweeps per chunk the key blocks
     the chunk meets and adds their dK, dV to an fp32 scratch (legacy: every chunk; nki.*:
     only the chunks that meet a block): the gradients match the reference (band, lengths,
     GQA, the partial last tile) and, through nki.*, the legacy trace bit for bit, also with
-    the query tiles reordered (this pattern's chunk plan is cheaper so: the partial tile is
-    staged first, gathered)."""
-    B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 300, 390, 32
-    _chunk_budget(monkeypatch, Hq // Hkv, D, True, 1)
-    assert T.bsp_bwd_chunks(Hq // Hkv, Nq, D, 4, "trn2", True) == (3, 1)
+    the query tiles reordered (this pattern's chunk plan is cheaper so: tiles 0 and 2 first,
+    gathered and stored at their rows; the partial last tile stays last)."""
+    B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 500, 390, 32
+    _chunk_budget(monkeypatch, Hq // Hkv, D, True, 2)
+    assert T.bsp_bwd_chunks(Hq // Hkv, Nq, D, 4, "trn2", True) == (2, 2)
     q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, D, seed=42)
     mask = _pattern(B, Hq, Nq, Nk, 0.5, seed=43)
     kw = dict(causal=True, kv_lens=[250], q_lens=[280])
     order = bs.launch_tables(bs.check_block_mask(mask, B, Hq, Nq, Nk), group=2, forward=False,
-                             chunk_tiles=1, reorder=True, head_dim=D, kv_itemsize=4).order_q
-    assert order is not None and order[0, 0, 0] == 256
+                             chunk_tiles=2, reorder=True, head_dim=D, kv_itemsize=4).order_q
+    assert order[0, 0].tolist() == [0, 256, 128, 384]
 
     def run():
         o, lse, grads = _fwd_bwd(q, k, v, do, mask, **kw)
