@@ -631,6 +631,33 @@ def _acc_flags(f: F.Instance, acc_k, first, count: int):
     return out
 
 
+def _met(flags, count: int):
+    """nki.*, a chunk before the last: int32 ``[1, count]``, 1 for the key blocks of a class
+    (``flags``: :func:`_acc_flags`) that the chunk meets -- one of a met block's four steps
+    is set, none of an unmet one's -- else 0: the trip count of a block's whole sweep
+    (:func:`_when_met`). GpSimd, three ``[1, count]`` int32 adds."""
+    out = nl.ndarray((1, count), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_tensor(out, flags[0:1, 0:count], flags[0:1, count:2 * count], nl.add,
+                       engine="gpsimd")
+    for k in T.unrolled(2):
+        total = nl.ndarray((1, count), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_tensor(total, out, flags[0:1, (k + 2) * count:(k + 3) * count], nl.add,
+                           engine="gpsimd")
+        out = total
+    return out
+
+
+def _when_met(runs, r, body):
+    """``body()``, with ``runs`` (:func:`_met`) under a runtime trip count of 0 or 1, its
+    column r: before the last chunk a key block the chunk does not meet (its table row
+    pushed past every sequence, its sums untouched) then costs nothing, where its sweep
+    would still transpose and copy a zero K/V block."""
+    if runs is None:
+        body()
+        return
+    port.loop_between(0, port.register(runs[0:1, nl.ds(r, 1)]), lambda _: body())
+
+
 def _accumulate(cfg: _Cfg, part: int, r, ps, factor: float, regs, out, out_idx):
     """nki.* with several chunks: this chunk's step with ``factor ps`` (a key block's dK or
     dV sums of this chunk, PSUM ``[128, D]``) and ``scratch[part]``, the fp32 sums at the
@@ -828,11 +855,13 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
                           if trip and not exact and port.api() == "nki" else None)
                 flags = (_acc_flags(f, acc_k, ci * nkt + first, count)
                          if trip and acc_k is not None else None)
+                runs = _met(flags, count) if flags is not None and step != "last" else None
                 port.loop(count, lambda r, first=first, trip=trip, exact=exact,
-                          counts=counts, flags=flags: _key_block(
-                              cfg, geo, meta_k, res, ci, step, first + r, trip, exact,
-                              None if counts is None else (counts, r),
-                              None if flags is None else (flags, r)),
+                          counts=counts, flags=flags, runs=runs: _when_met(
+                              runs, r, lambda: _key_block(
+                                  cfg, geo, meta_k, res, ci, step, first + r, trip, exact,
+                                  None if counts is None else (counts, r),
+                                  None if flags is None else (flags, r))),
                           carried=True)
             res.run(cfg, geo, lambda h, q_frame, t, local, rows: res.write_dq(
                 cfg, geo, h, q_frame, t, local, rows), reordered, ci, n_tiles, last_tail,
