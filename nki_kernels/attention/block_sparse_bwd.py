@@ -7,19 +7,26 @@ one, and nothing of size N x N is stored. The query side is staged in SBUF a *ch
 time (the dense backward's passes, ``backward.py``): ``tiles.bsp_bwd_chunks`` splits the
 query tiles of a kv group into chunks of consecutive tiles that fit 90 % of SBUF beside the
 working set -- one chunk up to 16K rows at D = 128 on trn2 (the resident schedule), more past
-it, or sooner with score modifiers, dropout or lengths, whose working set is larger. Per
-chunk:
+it, or sooner with score modifiers, dropout or lengths, whose working set is larger. With
+several chunks under nki.* the host may *reorder* the query tiles of each kv group
+(``host.block_sparse.chunk_order``, where its plan moves fewer bytes): a chunk is then
+``chunk_tiles`` consecutive tiles of that order (``order_q``), chosen so that the chunks
+meet few key blocks and few blocks are met by several chunks -- the evenly spread pattern
+at s = 1/8 gives every eighth tile the same blocks, so a chunk of them meets an eighth of
+the blocks, not all. Per chunk:
 
 1. **Stage** the chunk's query tiles of the G heads (compiled loops, four tiles per body): Q,
-   dO, O, lse read once (direct DMAs; gathers with q_lens), ``delta_i = rowsum(dO_i * O_i)``,
+   dO, O, lse read once (direct DMAs; gathers with q_lens, and at the rows of the order's
+   tiles, read from ``order_q`` once per chunk), ``delta_i = rowsum(dO_i * O_i)``,
    and into SBUF (``_Resident``, the dense kernel's slot bytes per tile) ``(scale Q)^T``,
    ``dO^T``, Q, dO, ``-lse`` (clamped), ``-delta`` and a zeroed fp32 dQ accumulator.
 2. **Key-major sweep**: for every key block j (rows of the *transposed* pattern restricted
    to the chunk's query tiles, in one order per kv group common to every chunk, sorted into
    compile-time classes like the forward's query tiles), K_j, V_j are gathered once;
    a sequential loop over the query heads of the kv group and the chunk's query tiles i
-   active with j reads tile i's staged state at a runtime block (the table's entry:
-   :func:`port.dynamic_block`), recomputes ``P_ij = exp(scale Q_i K_j^T - LSE_i)`` and
+   active with j reads tile i's staged state at a runtime block (the table's entry, or with
+   the tiles reordered its place in the chunk, ``slots_k``: :func:`port.dynamic_block`),
+   recomputes ``P_ij = exp(scale Q_i K_j^T - LSE_i)`` and
    ``dS_ij = P_ij * (dO_i V_j^T - D_i)``, accumulates ``dV_j += P_ij^T dO_i`` and ``dK_j +=
    dS_ij^T Q_i`` in PSUM and adds ``dS_ij K_j`` to dQ_i's accumulator (six TensorE passes
    per pair, the dense kernel's). One chunk: dK_j, dV_j are stored. Several: the partial
@@ -34,9 +41,12 @@ chunk:
    writes its sums for a later one, the middle ones read, add on GpSimd and write them
    back: a block one chunk meets never goes
    through HBM. Before the last chunk a row no head of the group meets in the chunk names
-   no block (the host pushes it past every sequence): its K and V are not read; under
-   nki.* with a table shared by the group's heads the last chunk skips them too.
-3. **dQ out**: every tile's accumulator of the chunk, scaled and cast, stored once.
+   no block (the host pushes it past every sequence): its K and V are not read, and under
+   nki.* its whole sweep is skipped (:func:`_when_met`); under nki.* with a table shared by
+   the group's heads the last chunk skips their K and V too.
+3. **dQ out**: every tile's accumulator of the chunk, scaled and cast, stored once (a tile of
+   the host's order at its runtime row: a plain DMA under nki.*, :func:`port.flat_rows`, a
+   scatter in legacy; the order keeps the last, partial, tile last, at static rows).
 
 HBM traffic: Q, dO, O, lse once, dQ, dK, dV once, K and V once per key block a chunk meets
 (legacy, and nki.* with per-head tables of a GQA group, in the last chunk every listed
@@ -46,7 +56,9 @@ listed block, under nki.* ``2 (2 m - 2)`` per block that m >= 1 chunks meet (dK,
 written once, read and written m - 2 times, read once; none for m = 1) plus ``acc_k``, 16
 bytes per listed block and chunk: Theta(N d + nnz d) for one chunk; for
 c, Theta(c N d + nnz d) in legacy, under nki.* Theta(N d + sum over chunks of the blocks
-each meets, d) -- in proportion to the density where the dense backward re-reads K/V.
+each meets, d) -- in proportion to the density where the dense backward re-reads K/V; with
+the tiles reordered plus ``order_q`` and ``slots_k`` (4 bytes per tile, and per entry
+slot), the plan the host chose by these bytes (``host.block_sparse.backward_plan_bytes``).
 
 Masks, lengths, GQA and dropout as in the forward kernel (module ``block_sparse``): the masks
 are computed at run time from each pair's positions; dropout regenerates each unit's mask

@@ -265,6 +265,46 @@ def test_backward_tables_per_chunk(index):
     assert bs.launch_tables(sp, group=2, forward=False).acc_k is None
 
 
+def test_backward_reorders_query_tiles_where_the_chunk_plan_is_cheaper():
+    """``launch_tables(reorder=True)`` (the nki.* backward past SBUF): the evenly spread
+    pattern at s = 1/4 gives tiles i and i + 4 the same key blocks, so ``chunk_order`` pairs
+    them (the last tile stays last) and the plan (``backward_plan_bytes``: K, V per chunk
+    and block met, fp32 sums of blocks several chunks meet) drops to K and V once; the tables
+    list each entry's place in its chunk (``slots_k``; padding: the zero tile, 2). A band
+    given densely keeps its natural order (no cheaper plan: no ``order_q``); in the index
+    form the reordered tables are always taken (the program must not depend on the
+    pattern), here in natural order; one chunk is never reordered. A random pattern gains
+    a few per cent (every chunk meets almost every block)."""
+    spread = bs.check_block_mask(bs.fixed_density(8, 8, 0.25), 1, 1, 1024, 1024)
+    kw = dict(group=1, forward=False, chunk_tiles=2, head_dim=16, kv_itemsize=4)
+    t = bs.launch_tables(spread, reorder=True, **kw)
+    assert t.order_q[0, 0].tolist() == [128 * i for i in (0, 4, 1, 5, 2, 6, 3, 7)]
+    plan = [bs.backward_plan_bytes(x.k, group=1, chunks=4, head_dim=16, kv_itemsize=4)
+            for x in (bs.launch_tables(spread, **kw), t)]
+    block = 128 * 16 * 4
+    assert plan == [(2 * 16 + 8 * 4) * block, 2 * 8 * block]
+    meta, slots = t.k.meta[0, 0], t.slots_k[0, 0]
+    for r in range(4 * 8):
+        count = int(meta[r, 1])
+        chunk = r // 8
+        tiles = [int(e) // 128 for e in meta[r, 2:2 + count]]
+        assert [t.order_q[0, 0, 2 * chunk + int(p)] // 128 for p in slots[r, :count]] == tiles
+        assert (slots[r, count:] == 2).all()
+    band = bs.local_global(8, 8, global_blocks=0)
+    assert bs.launch_tables(bs.check_block_mask(band, 1, 1, 1024, 1024), reorder=True,
+                            **kw).order_q is None
+    index = bs.check_block_mask(tuple(bs.dense_to_index(band)), 1, 1, 1024, 1024)
+    assert bs.launch_tables(index, reorder=True, **kw).order_q[0, 0].tolist() == [
+        128 * i for i in range(8)]
+    assert bs.launch_tables(spread, reorder=True, **{**kw, "chunk_tiles": 8}).order_q is None
+    rand = bs.check_block_mask(np.random.default_rng(3).random((1, 1, 64, 64)) < 0.125, 1, 1,
+                               8192, 8192)
+    kw.update(chunk_tiles=22)
+    cost = [bs.backward_plan_bytes(bs.launch_tables(rand, reorder=r, **kw).k, group=1,
+                                   chunks=3, head_dim=16, kv_itemsize=4) for r in (0, 1)]
+    assert 0.95 * cost[0] <= cost[1] <= cost[0]
+
+
 def test_kernel_tables_keep_the_natural_order_unless_grouping_shares_more():
     """A class keeps its rows in their order when grouping them by common blocks would share
     no more slots (``natural``: the forward then stores its tiles' rows by plain DMAs); the
