@@ -745,8 +745,9 @@ def test_reordered_backward_matches_the_reference(make_mask, B, kw, monkeypatch)
 
 def test_backward_refuses_groups_and_chunks_that_do_not_fit(monkeypatch):
     """A kv group whose query heads cannot stage one tile each is refused by the host; the
-    kernel refuses a chunk size past SBUF, tables of another chunking and accumulator steps
-    missing (nki.*, several chunks), of another shape or where none are read."""
+    kernel refuses a chunk size past SBUF, tables of another chunking, accumulator steps
+    missing (nki.*, several chunks), of another shape or where none are read, and the
+    reordered tiles' tables alone or of another shape."""
     q, k, v, do = attention_inputs(1, 64, 1, 256, 256, 256)
     lse = np.zeros(q.shape[:3], np.float32)
     with pytest.raises(ValueError, match=r"block_mask: the block-sparse backward stages one "
@@ -773,6 +774,16 @@ def test_backward_refuses_groups_and_chunks_that_do_not_fit(monkeypatch):
         with pytest.raises(ValueError, match=match):
             program_size(block_sparse_attention_bwd.on(api), launch_grid((1, 1), api), q, k,
                          v, q, do, lse, t.k.meta, acc_k=acc_k, classes_k=t.k.classes,
+                         chunk_tiles=2)
+    # the reordered tiles' tables: both or neither, of the launch's shapes
+    r = bs.launch_tables(bs.check_block_mask(np.ones((1, 1, 4, 2), bool), 1, 1, 512, 256),
+                         group=1, forward=False, chunk_tiles=2, reorder=True)
+    for order_q, slots_k in ((np.zeros((1, 1, 4), np.float32), None),
+                             (np.zeros((1, 1, 3), np.float32), r.k.meta[..., 2:])):
+        with pytest.raises(ValueError, match=r"order_q, slots_k: both or neither, \(B or 1, "
+                                             r"Hkv or 1, 4\) and \(1, 1, 4, 2\)"):
+            program_size(block_sparse_attention_bwd.on("legacy"), grid, q, k, v, q, do, lse,
+                         r.k.meta, order_q=order_q, slots_k=slots_k, classes_k=r.k.classes,
                          chunk_tiles=2)
     monkeypatch.setitem(T.BWD_SBUF_BUDGET_BYTES, "trn2", 1000)
     with pytest.raises(ValueError, match=r"chunk_tiles: 2 query tiles of 1 heads need \d+ "
