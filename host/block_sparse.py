@@ -505,7 +505,9 @@ class LaunchTables(NamedTuple):
     """The tables of one block-sparse launch: the forward's (query tiles) and the backward's
     key-major ones (key blocks, one order per kv group and chunk of query tiles), and with
     several chunks ``acc_k``, what the nki.* backward does with each key block's dK, dV
-    partial sums per chunk (:func:`_accumulator_steps`)."""
+    partial sums per chunk (:func:`_accumulator_steps`), and with the backward's query tiles
+    reordered (``launch_tables`` ``reorder``) ``order_q`` and ``slots_k`` (:func:`_ordered`),
+    else None."""
 
     q: KernelTables
     k: KernelTables
@@ -572,7 +574,11 @@ def launch_tables(sparsity: BlockSparsity, *, group: int, backward: bool = True,
     ``tiles.BSP_NATURAL_MAX_PADDING`` of its blocks (sorted classes then). ``share_runtime``
     (``nki_kernels.attention.block_sparse.shares_at_runtime``): a pattern in the index form
     takes grouped tables of bounded shape (:func:`shared_bound_tables`), so the forward
-    gathers a group's common blocks once and still compiles once per bound.
+    gathers a group's common blocks once and still compiles once per bound. ``reorder`` (the
+    nki.* backward with several chunks): process each kv group's query tiles in
+    :func:`chunk_order` where that plan moves fewer HBM bytes (:func:`backward_plan_bytes`
+    at ``head_dim`` and K/V elements of ``kv_itemsize`` bytes, plus the tables'), in the
+    index form always in the reordered tables (:func:`_reordered`).
     """
     nqt = sparsity.dense.shape[-2]
     if not (forward or backward):
