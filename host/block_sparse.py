@@ -627,3 +627,167 @@ def _accumulator_steps(met: np.ndarray) -> np.ndarray:
     steps = [met & ~seen & ~finish, met & seen & ~finish, finish & seen, finish & ~seen]
     out = np.stack(steps, -1).reshape(met.shape[0], met.shape[1], -1, 4)
     return np.ascontiguousarray(out, dtype=np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Key-block windows: the forward past SBUF (nki.*)
+# --------------------------------------------------------------------------------------------
+
+
+class WindowTables(NamedTuple):
+    """The forward's tables for a key-block window (nki.*, K/V not resident): its query
+    tiles in one class of ``trip`` slots (``tables``, as :func:`kernel_tables`' with the
+    tiles ordered so that consecutive ones share blocks; never natural), and what the window
+    holds: ``slots`` float32 ``(b, h, rows, trip)``, each slot's position in the window
+    (``blocks``, the window's block of zeros, for a padding slot); ``loads`` float32 ``(b, h,
+    groups, 1 + 3 L)``, per kernel group (``group`` rows at a time, then a remainder group)
+    the count of blocks it gathers into the window before its tiles run, then for each
+    ``(position, 0, first key)`` (a block's row of a :class:`KernelTables` ``meta``, its
+    position in the count column's place). ``block_loads``: the key blocks gathered, over
+    every ``(b, h)``."""
+
+    tables: KernelTables
+    slots: np.ndarray
+    loads: np.ndarray
+    blocks: int
+    block_loads: int
+
+
+def _window_order(sets: np.ndarray) -> np.ndarray:
+    """A processing order of the rows of one ``(b, h)`` (``sets``: ``(rows, blocks)`` bool)
+    in which consecutive rows share blocks: from row 0, each next row the unplaced one with
+    the most blocks in common with the last placed (ties and no overlap: the lowest)."""
+    n = sets.shape[0]
+    s = sets.astype(np.int32)
+    placed = np.zeros(n, dtype=bool)
+    order = [0]
+    placed[0] = True
+    for _ in range(n - 1):
+        common = s @ s[order[-1]]
+        common[placed] = -1
+        nxt = int(np.argmax(common))
+        order.append(nxt)
+        placed[nxt] = True
+    return np.asarray(order, dtype=np.int64)
+
+
+def _window_loads(needs, blocks: int):
+    """The window's contents group by group of one ``(b, h)`` (``needs``: each group's
+    blocks, sorted arrays): ``[(loads, positions), ...]``, the ``(position, block)`` pairs a
+    group gathers (blocks it needs and the window does not hold) and the position of each of
+    its blocks; a needed block evicts the held one next needed furthest ahead (Belady's
+    choice: the fewest gathers for this order). None when a group needs more than
+    ``blocks``."""
+    uses = {}
+    for gi, need in enumerate(needs):
+        for j in need.tolist():
+            uses.setdefault(j, []).append(gi)
+    held, free, out = {}, list(range(blocks - 1, -1, -1)), []
+    for gi, need in enumerate(needs):
+        if len(need) > blocks:
+            return None
+        wanted = set(need.tolist())
+        loads = []
+        for j in need.tolist():
+            if j in held:
+                continue
+            if not free:
+                def next_use(x):
+                    later = [u for u in uses[x] if u > gi]
+                    return later[0] if later else len(needs)
+                victim = max((x for x in held if x not in wanted), key=next_use)
+                free.append(held.pop(victim))
+            held[j] = free.pop()
+            loads.append((held[j], j))
+        out.append((loads, {j: held[j] for j in need.tolist()}))
+    return out
+
+
+def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[WindowTables]:
+    """Tables of a validated index layout for the forward's key-block window of ``blocks``
+    blocks (:func:`nki_kernels.tiles.bsp_fwd_window_blocks`): the query tiles of every ``(b,
+    h)`` ordered so that consecutive ones share key blocks (:func:`_window_order`), cut into
+    the kernel's groups of ``min(group, rows)`` and a remainder group; each group gathers
+    into the window the blocks of its tiles it does not hold (:func:`_window_loads`) and its
+    tiles read every block in place. One class whose trip is ``max_blocks`` (the index
+    form's bound), so the kernel's program depends on the bound and the window size only
+    (the loads table's width ``1 + 3 L``, ``L = min(group max_blocks, blocks)``). None when a
+    group's tiles need more than ``blocks`` blocks."""
+    num = np.asarray(index.num_blocks, dtype=np.int64)
+    idx = np.asarray(index.indices, dtype=np.int64)
+    b, h, n = num.shape
+    m = idx.shape[-1]
+    g = min(group, n)
+    starts = list(range(0, n - n % g, g)) + ([n - n % g] if n % g else [])
+    width = min(g * m, blocks)
+    order = np.empty((b, h, n), dtype=np.int64)
+    slots = np.full((b, h, n, m), blocks, dtype=np.int64)
+    loads = np.zeros((b, h, len(starts), 1 + 3 * width), dtype=np.float64)
+    total = 0
+    live = np.arange(m) < num[..., None]
+    nkt = int(idx[live].max()) + 1 if live.any() else 1
+    block = _tiles.BLOCK_SPARSE_TILE
+    for x in range(b):
+        for y in range(h):
+            sets = np.zeros((n, nkt), dtype=bool)
+            ri, si = np.nonzero(live[x, y])
+            sets[ri, idx[x, y, ri, si]] = True
+            order[x, y] = _window_order(sets)
+            needs = [np.flatnonzero(sets[order[x, y, a:a + g]].any(axis=0)) for a in starts]
+            plan = _window_loads(needs, blocks)
+            if plan is None:
+                return None
+            for gi, (a, (got, pos)) in enumerate(zip(starts, plan)):
+                loads[x, y, gi, 0] = len(got)
+                for e, (p, j) in enumerate(got):
+                    loads[x, y, gi, 1 + 3 * e:4 + 3 * e] = (p, 0, j * block)
+                total += len(got)
+                for r in range(a, min(a + g, n)):
+                    src = order[x, y, r]
+                    slots[x, y, r, :num[x, y, src]] = [pos[j] for j in
+                                                       idx[x, y, src, :num[x, y, src]]]
+    num_o = np.take_along_axis(num, order, axis=-1)
+    idx_o = np.take_along_axis(idx, order[..., None], axis=2)
+    firsts = np.where(np.arange(m) < num_o[..., None], idx_o * block, _tiles.BSP_PAD_FIRST)
+    meta = np.concatenate([order[..., None] * block, num_o[..., None], firsts], -1)
+    tables = KernelTables(np.ascontiguousarray(meta, dtype=np.float32),
+                          ((0, n, m, bool((num_o == m).all())),), (0,), (False,))
+    return WindowTables(tables, np.ascontiguousarray(slots, dtype=np.float32),
+                        np.ascontiguousarray(loads, dtype=np.float32), blocks, total)
+
+
+def grouped_block_loads(tables: KernelTables, group: int) -> int:
+    """The key blocks the forward gathers with ``tables`` (:func:`kernel_tables` with
+    ``share``, or :func:`shared_bound_tables`) where K/V are not resident, over every ``(b,
+    h)``: per kernel group (``min(group, rows)`` of a class at a time, then a remainder) its
+    common blocks once (the class's ``shared`` count, or with ``shared_runtime`` the group's
+    own count of them) and each tile's other blocks (padding slots gather nothing)."""
+    meta = tables.meta
+    total = 0
+    for (a, m, _t, _e), sh in zip(tables.classes, tables.shared):
+        g = min(group, m)
+        for p in range(a, a + m, g):
+            rows = meta[:, :, p:min(p + g, a + m)]
+            count = rows[..., 1].astype(np.int64)
+            if tables.shared_runtime:
+                common = (rows[:, :, 0, 2:2 + sh] < _tiles.BSP_PAD_FIRST).sum(axis=-1)
+                total += int((common + (count - sh).sum(axis=-1)).sum())
+            else:
+                total += int((sh + (count - sh).sum(axis=-1)).sum())
+    return total
+
+
+def window_plan(sparsity: BlockSparsity, grouped: KernelTables,
+                blocks: int) -> Optional[WindowTables]:
+    """The forward's key-block window tables (:func:`window_tables`, a window of ``blocks``
+    blocks, the kernel's groups of :data:`nki_kernels.tiles.BSP_GROUP_TILES`) when they gather
+    fewer key blocks than ``grouped``, the tables the forward would take otherwise
+    (:func:`grouped_block_loads`); else None (also when ``blocks`` is 0 or a group needs more
+    than ``blocks``). Both counts are exact, so this keeps the smaller HBM traffic."""
+    if blocks < 1:
+        return None
+    group = _tiles.BSP_GROUP_TILES
+    win = window_tables(sparsity.index, blocks, group)
+    if win is None or win.block_loads >= grouped_block_loads(grouped, group):
+        return None
+    return win
