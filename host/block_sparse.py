@@ -640,11 +640,11 @@ class WindowTables(NamedTuple):
     tiles ordered so that consecutive ones share blocks; never natural), and what the window
     holds: ``slots`` float32 ``(b, h, rows, trip)``, each slot's position in the window
     (``blocks``, the window's block of zeros, for a padding slot); ``loads`` float32 ``(b, h,
-    groups, 1 + 3 L)``, per kernel group (``group`` rows at a time, then a remainder group)
-    the count of blocks it gathers into the window before its tiles run, then for each
-    ``(position, 0, first key)`` (a block's row of a :class:`KernelTables` ``meta``, its
-    position in the count column's place). ``block_loads``: the key blocks gathered, over
-    every ``(b, h)``."""
+    groups, 2 + 2 L)``, per kernel group (``group`` rows at a time, then a remainder group)
+    ``[count, 0, first key_0, ..., first key_{L-1}, position_0, ..., position_{L-1}]``: the
+    blocks it gathers into the window before its tiles run (the first ``2 + L`` columns a
+    :class:`KernelTables` ``meta`` row: ``BSP_PAD_FIRST`` past the count, position 0).
+    ``block_loads``: the key blocks gathered, over every ``(b, h)``."""
 
     tables: KernelTables
     slots: np.ndarray
@@ -711,7 +711,7 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
     into the window the blocks of its tiles it does not hold (:func:`_window_loads`) and its
     tiles read every block in place. One class whose trip is ``max_blocks`` (the index
     form's bound), so the kernel's program depends on the bound and the window size only
-    (the loads table's width ``1 + 3 L``, ``L = min(group max_blocks, blocks)``). None when a
+    (the loads table's width ``2 + 2 L``, ``L = min(group max_blocks, blocks)``). None when a
     group's tiles need more than ``blocks`` blocks."""
     num = np.asarray(index.num_blocks, dtype=np.int64)
     idx = np.asarray(index.indices, dtype=np.int64)
@@ -722,7 +722,8 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
     width = min(g * m, blocks)
     order = np.empty((b, h, n), dtype=np.int64)
     slots = np.full((b, h, n, m), blocks, dtype=np.int64)
-    loads = np.zeros((b, h, len(starts), 1 + 3 * width), dtype=np.float64)
+    loads = np.zeros((b, h, len(starts), 2 + 2 * width), dtype=np.float64)
+    loads[..., 2:2 + width] = _tiles.BSP_PAD_FIRST
     total = 0
     live = np.arange(m) < num[..., None]
     nkt = int(idx[live].max()) + 1 if live.any() else 1
@@ -740,7 +741,8 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
             for gi, (a, (got, pos)) in enumerate(zip(starts, plan)):
                 loads[x, y, gi, 0] = len(got)
                 for e, (p, j) in enumerate(got):
-                    loads[x, y, gi, 1 + 3 * e:4 + 3 * e] = (p, 0, j * block)
+                    loads[x, y, gi, 2 + e] = j * block
+                    loads[x, y, gi, 2 + width + e] = p
                 total += len(got)
                 for r in range(a, min(a + g, n)):
                     src = order[x, y, r]
@@ -791,3 +793,27 @@ def window_plan(sparsity: BlockSparsity, grouped: KernelTables,
     if win is None or win.block_loads >= grouped_block_loads(grouped, group):
         return None
     return win
+
+
+def window_hbm_bytes(win: WindowTables, B: int, Hq: int, Nq: int, Nk: int, D: int,
+                     itemsize: int) -> int:
+    """The HBM bytes (read and written) of the forward with the window tables ``win`` over
+    ``(B, Hq)`` query heads (the tables broadcast to them), without lengths, dropout or score
+    modifiers, q/k/v/o of ``itemsize`` bytes: Q read and O, LSE written once; each gathered
+    key block's K and V rows below Nk; per kernel group its ``loads`` row, its tiles' table
+    and ``slots`` rows, and, where padding slots are masked by TensorE (not every tile has
+    ``trip`` blocks, whole key blocks: ``block_sparse._padding_rows``), the rows again."""
+    tables = win.tables
+    (_, n, trip, exact), = tables.classes
+    loads = np.broadcast_to(win.loads, (B, Hq) + win.loads.shape[2:])
+    width = (loads.shape[-1] - 2) // 2
+    block = _tiles.BLOCK_SPARSE_TILE
+    per_tile = (2 + trip) * 4 + trip * 4
+    if not exact and Nk % block == 0:
+        per_tile += trip * 4
+    live = np.arange(width) < loads[..., 0:1]
+    firsts = loads[..., 2:2 + width][live].astype(np.int64)
+    kv_rows = int(np.minimum(block, Nk - firsts).sum())
+    return (B * Hq * (2 * Nq * D * itemsize + Nq * 4 + n * per_tile
+                      + loads.shape[2] * loads.shape[3] * 4)
+            + 2 * kv_rows * D * itemsize)

@@ -1110,7 +1110,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     run time (``host.block_sparse.shared_bound_tables``, :func:`_attend_tiles`).
     ``window_blocks`` > 0 (nki.*, K/V not resident): the groups read their blocks from a
     window of that many blocks in SBUF, which each group first fills from ``window_loads``
-    (float32 ``(B or 1, Hq or 1, groups, 1 + 3 L)``) and whose positions ``window_slots``
+    (float32 ``(B or 1, Hq or 1, groups, 2 + 2 L)``) and whose positions ``window_slots``
     (float32 ``(B or 1, Hq or 1, ceil(Nq/128), trip)``) gives per slot
     (``host.block_sparse.window_tables``, :func:`_load_window`). Other arguments as
     :func:`forward.flash_attention_fwd` (``mm_dtype``, ``scale``, ``causal``, ``window``,
@@ -1265,8 +1265,8 @@ def _deferred_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, first: int, c
 
 class _Window(NamedTuple):
     """nki.*, K/V not resident: the key-block window's tables (``host.block_sparse.
-    window_tables``, HBM float32): ``loads`` ``(b, h, groups, 1 + 3 L)``, per group the count
-    of blocks it gathers into the window, then ``(position, 0, first key)`` for each;
+    window_tables``, HBM float32): ``loads`` ``(b, h, groups, 2 + 2 L)``, per group the count
+    of blocks it gathers into the window, 0, their first keys and their positions;
     ``slots`` ``(b, h, rows, trip)``, each slot's window position (the block of zeros for a
     padding slot)."""
 
@@ -1332,33 +1332,36 @@ def _window_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, count: int, g: 
 
 
 def _load_window(f, geo: Geometry, src: KVSource, h, c):
-    """Gather group ``c``'s new key blocks into the window (``src.res``): a loop of the
-    group's count of them (a register bound read from ``window_loads``), each gathered as a
-    step of one block (:func:`_gather_kv`: K, V rows by indirect DMA, V guarded, K^T by
-    TensorE) and copied into the window at its position (a runtime SBUF offset,
-    :func:`port.select_block`; GpSimd and VectorE, idle next to ScalarE's exponentials)."""
+    """Gather group ``c``'s new key blocks into the window (``src.res``): its row of
+    ``window_loads`` in one DMA, made a :class:`Row` of the blocks' first keys (their gather
+    indices for every block at once), then a loop of the group's count of blocks (a register
+    bound), each gathered as a step of one block (:func:`_gather_kv`: K, V rows by indirect
+    DMA, V guarded, K^T by TensorE) and copied into the window at its position (a runtime SBUF
+    offset, :func:`port.select_block`; VectorE and GpSimd)."""
     loads = src.win.loads
     head = f.head(h)
     hb = f.b if loads.shape[0] > 1 else 0
     hh = head if loads.shape[1] > 1 else 0
-    cnt = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    port.dma_copy(cnt, loads[hb, hh, nl.ds(c, 1), 0:1], legacy_isa=True)
+    width = loads.shape[3]
+    L = (width - 2) // 2
+    row = nl.ndarray((1, width), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(row, loads[hb, hh, nl.ds(c, 1), :], legacy_isa=True)
     n = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    port.tensor_copy(n, cnt, engine="gpsimd")
+    port.tensor_copy(n, row[0:1, 0:1], engine="gpsimd")
+    pos = nl.ndarray((1, L), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_copy(pos, row[0:1, 2 + L:width], engine="gpsimd")
+    rw = Row(row[0:1, 0:2 + L], L, geo.k_part, geo.k_len, geo.kv)
     skip = geo.needs_key_mask(True)
 
     def block(j):
-        ent = nl.ndarray((1, 3), dtype=nl.float32, buffer=nl.sbuf)
-        port.dma_copy(ent, loads[hb, hh, nl.ds(c, 1), nl.ds(1 + 3 * j, 3)], legacy_isa=True)
-        pos = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-        port.tensor_copy(pos, ent[0:1, 0:1], engine="gpsimd")
         v = nl.ndarray((P, 1, f.vcols), dtype=f.mm, buffer=nl.sbuf)
         F.ones_column(f, v[:, :, f.D:f.D + 1])
-        kv = _gather_kv(f, Row(ent, 1, geo.k_part, geo.k_len, geo.kv), v, 0, 1, skip)
+        kv = _gather_kv(f, rw, v, j, 1, skip)
+        at = pos[0:1, nl.ds(j, 1)]
         for pi in T.unrolled(len(kv.kT)):
-            port.tensor_copy(port.select_block(src.res.kT[pi], pos, P), kv.kT[pi],
+            port.tensor_copy(port.select_block(src.res.kT[pi], at, P), kv.kT[pi],
                              engine="vector")
-        port.tensor_copy(port.select_block(src.res.v, pos), v[:, 0, :], engine="gpsimd")
+        port.tensor_copy(port.select_block(src.res.v, at), v[:, 0, :], engine="gpsimd")
 
     port.loop_between(0, port.register(n), block)
 

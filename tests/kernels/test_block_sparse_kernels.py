@@ -806,3 +806,77 @@ def test_nki_index_form_past_sbuf_matches_legacy_and_compiles_once_per_bound(mon
     _same(outs["nki"], outs["legacy"])
     want = ref.attention_forward(q, k, v, block_mask=mask, window=(300, 100))[0]
     assert _err(outs["nki"][0], want) < 2e-6
+
+
+# -- nki.* key-block window past SBUF (issue 25, item 1) --------------------------------------
+
+
+def _band_strided(nqt):
+    i, j = np.arange(nqt)[:, None], np.arange(nqt)[None, :]
+    return ((np.abs(i - j) <= 1) | (j == 8 * (i // 8)))[None, None]
+
+
+@pytest.mark.parametrize("form", ["bool", "index"])
+def test_nki_window_past_sbuf_gathers_each_block_once_with_the_planned_bytes(monkeypatch, form):
+    """Past SBUF (forced at N = 2560: 20 query tiles, two groups of 8 and a remainder of 4;
+    GQA 2:1) the nki.* forward fills a key-block window group by group
+    (``host.block_sparse.window_tables``): on the band+strided pattern, whose groups share
+    no common block, each query head reads K and V once (the grouping: 3.6 times in the bool
+    form, 2.75 in the index form), the HBM
+    bytes are exactly ``window_hbm_bytes``' and the grouping's K bytes
+    ``grouped_block_loads``' blocks; the outputs the reference's, and the grouping's to
+    rounding."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    B, Hq, N, D = 1, 2, 20 * 128, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, N, N, D, seed=61)
+    mask = _band_strided(20)
+    pattern = mask if form == "bool" else tuple(bs.dense_to_index(mask))
+    sparsity = bs.check_block_mask(pattern, B, Hq, N, N)
+    grouped = bs.launch_tables(sparsity, group=Hq, backward=False,
+                               share_runtime=form == "index").q
+    win = bs.window_plan(sparsity, grouped,
+                         T.bsp_fwd_window_blocks(D, 4, sparsity.index.max_blocks))
+    want = ref.attention_forward(q, k, v, block_mask=mask)[0]
+    runs = {}
+    for windowed in (True, False):
+        if not windowed:
+            monkeypatch.setattr(bs, "window_plan", lambda *args: None)
+        with simulate.measure(target="trn2") as m:
+            o = host.flash_attention(q, k, v, block_mask=pattern, mixed_precision=False)
+        assert ("window_loads" in m.per_tensor) == windowed
+        assert _err(o, want) < 2e-6
+        runs[windowed] = (o, m.per_tensor["k"]["read"],
+                          m.hbm_bytes_read + m.hbm_bytes_written)
+    # the tables are the pattern's (1, 1), every query head runs them
+    assert runs[True][1] == Hq * N * D * 4 == Hq * win.block_loads * 128 * D * 4
+    assert runs[True][2] == bs.window_hbm_bytes(win, B, Hq, N, N, D, 4)
+    grouped_k = bs.grouped_block_loads(grouped, T.BSP_GROUP_TILES) * Hq * 128 * D * 4
+    assert runs[False][1] == grouped_k
+    assert runs[False][1] >= 2 * runs[True][1]
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("form", ["bool", "index"])
+def test_nki_window_past_sbuf_matches_the_reference_with_lengths_and_padding(monkeypatch, form):
+    """The window path on a random pattern per (batch, head) (B = 2, GQA 2:1), partial last
+    query and key tiles, valid lengths and a causal band: the outputs and LSE are the
+    reference's (padding rows zeros and -inf), through the window (its tables read)."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    B, Hq, Nq, Nk, D = 2, 2, 10 * 128 + 37, 11 * 128 - 50, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=62)
+    mask = _pattern(B, Hq, Nq, Nk, 0.2, seed=63)
+    mask[0, 1, 3] = False                        # a query tile without blocks
+    pattern = mask if form == "bool" else tuple(bs.dense_to_index(mask))
+    kw = dict(causal="bottom_right", kv_lens=np.array([Nk - 300, Nk], np.int32),
+              q_lens=np.array([Nq, Nq - 200], np.int32))
+    with simulate.measure(target="trn2") as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True,
+                                      mixed_precision=False, **kw)
+    assert "window_loads" in m.per_tensor
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask, **kw)[:2]
+    assert _err(o, o_ref) < 2e-6
+    fin = np.isfinite(lse_ref)
+    assert (np.isfinite(lse) == fin).all()
+    assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
