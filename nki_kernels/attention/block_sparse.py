@@ -67,6 +67,18 @@ grow with N.
   skipped into zeroed tiles, so their scores are 0 and one ScalarE multiply-add per block
   masks them (:func:`_pads_only`). A group's common blocks are gathered once, as a bool
   mask's: the same K/V bytes on a pattern whose groups share as many blocks.
+- **Key-block window** (nki.*, K/V not resident, either form, where the host finds it
+  gathers fewer blocks than the grouping: ``host.block_sparse.window_plan``): a window of
+  ``window_blocks`` key blocks in SBUF, laid out as resident K/V with its block of zeros
+  (:func:`forward.load_kv` without the load). The host orders the query tiles so that
+  consecutive ones share blocks and plans, per group, the blocks it gathers into the window
+  and their positions (``window_tables``); a group first gathers its new blocks
+  (:func:`_load_window`: a loop of a runtime trip count, each block as one step of
+  :func:`_gather_kv`, copied to its position at a runtime SBUF offset), then its tiles read
+  every slot's block in place at the position ``window_slots`` gives (:class:`_Window`), as
+  with resident K/V. One class, not natural (gathers and scatters of the tiles' rows). A
+  group's gathers wait for the previous group's reads of the window (a runtime offset may
+  touch any block: ``simulate._sched``).
 
 Per group of query tiles (a loop body; the gathers are the legacy trace's and, where K/V
 do not fit in SBUF, the nki.* one's)::

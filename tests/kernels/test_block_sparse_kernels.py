@@ -880,3 +880,58 @@ def test_nki_window_past_sbuf_matches_the_reference_with_lengths_and_padding(mon
     fin = np.isfinite(lse_ref)
     assert (np.isfinite(lse) == fin).all()
     assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
+
+
+def test_nki_window_program_does_not_grow_with_n(monkeypatch):
+    """The window path's program (groups, window loads, slots: compiled loops over table
+    data) has the same size at 12 and 28 query tiles of the band+strided pattern in the index
+    form (the tables' shapes grow, not the program)."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    sizes = []
+    for nqt in (12, 28):
+        N, D = nqt * 128, 16
+        q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=64)
+        index = bs.dense_to_index(_band_strided(nqt), 4)
+        win = bs.window_tables(index, T.bsp_fwd_window_blocks(D, 4, 4), T.BSP_GROUP_TILES)
+        t = win.tables
+        sizes.append(program_size(
+            block_sparse_attention_fwd.on("nki"), launch_grid((1, 1), "nki"), q, k, v, t.meta,
+            window_loads=win.loads, window_slots=win.slots, window_blocks=win.blocks,
+            classes=t.classes, shared=t.shared, natural=t.natural, mm_dtype="float32"))
+    assert sizes[0] == sizes[1]
+
+
+def test_nki_window_arguments_are_checked(monkeypatch):
+    """The window's arguments: refused without nki.* or with resident K/V, wider than SBUF
+    holds, without its tables, with tables it would ignore, or over other classes."""
+    N, D = 12 * 128, 16
+    q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=65)
+    index = bs.dense_to_index(_band_strided(12), 4)
+    most = T.bsp_fwd_window_blocks(D, 4, 4)
+    win = bs.window_tables(index, most, T.BSP_GROUP_TILES)
+    t = win.tables
+    base = dict(window_loads=win.loads, window_slots=win.slots, window_blocks=win.blocks,
+                classes=t.classes, mm_dtype="float32")
+
+    def run(api, **kw):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        program_size(block_sparse_attention_fwd.on(api), launch_grid((1, 1), api), q, k, v,
+                     t.meta, **{**base, **kw})
+
+    with pytest.raises(ValueError, match=r"window_blocks: a window of \d+ blocks needs nki\.\*, "
+                                         r"K/V not resident .* got api='nki', resident=True"):
+        run("nki")
+    _past_sbuf(monkeypatch)
+    with pytest.raises(ValueError, match="got api='legacy', resident=False"):
+        run("legacy")
+    with pytest.raises(ValueError, match=f"at most {most} blocks"):
+        run("nki", window_blocks=most + 1)
+    with pytest.raises(ValueError, match=r"window_blocks: expected an int >= 0, got -1"):
+        run("nki", window_blocks=-1)
+    with pytest.raises(ValueError, match="both needed with window_blocks > 0, got Tensor, NoneType"):
+        run("nki", window_slots=None)
+    with pytest.raises(ValueError, match="given with window_blocks=0"):
+        run("nki", window_blocks=0)
+    with pytest.raises(ValueError, match=r"window_slots: expected one class of 4 slots"):
+        run("nki", classes=((0, 8, 4, False), (8, 4, 4, False)))
