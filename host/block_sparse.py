@@ -637,7 +637,8 @@ def _accumulator_steps(met: np.ndarray) -> np.ndarray:
 class WindowTables(NamedTuple):
     """The forward's tables for a key-block window (nki.*, K/V not resident): its query
     tiles in one class of ``trip`` slots (``tables``, as :func:`kernel_tables`' with the
-    tiles ordered so that consecutive ones share blocks; never natural), and what the window
+    tiles ordered so that consecutive ones share blocks; natural where that order is the
+    tiles' own in every ``(b, h)``), and what the window
     holds: ``slots`` float32 ``(b, h, rows, trip)``, each slot's position in the window
     (``blocks``, the window's block of zeros, for a padding slot); ``loads`` float32 ``(b, h,
     groups, 2 + 2 L)``, per kernel group (``group`` rows at a time, then a remainder group)
@@ -752,8 +753,9 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
     idx_o = np.take_along_axis(idx, order[..., None], axis=2)
     firsts = np.where(np.arange(m) < num_o[..., None], idx_o * block, _tiles.BSP_PAD_FIRST)
     meta = np.concatenate([order[..., None] * block, num_o[..., None], firsts], -1)
+    natural = bool((order == np.arange(n)).all())
     tables = KernelTables(np.ascontiguousarray(meta, dtype=np.float32),
-                          ((0, n, m, bool((num_o == m).all())),), (0,), (False,))
+                          ((0, n, m, bool((num_o == m).all())),), (0,), (natural,))
     return WindowTables(tables, np.ascontiguousarray(slots, dtype=np.float32),
                         np.ascontiguousarray(loads, dtype=np.float32), blocks, total)
 

@@ -76,7 +76,7 @@ grow with N.
   (:func:`_load_window`: a loop of a runtime trip count, each block as one step of
   :func:`_gather_kv`, copied to its position at a runtime SBUF offset), then its tiles read
   every slot's block in place at the position ``window_slots`` gives (:class:`_Window`), as
-  with resident K/V. One class, not natural (gathers and scatters of the tiles' rows). A
+  with resident K/V. One class, natural where the host's order is (:func:`_direct_rows`). A
   group's gathers wait for the previous group's reads of the window (a runtime offset may
   touch any block: ``simulate._sched``).
 
@@ -1222,7 +1222,7 @@ def _head(f, geo: Geometry, meta, classes, shared, natural, h, src: KVSource,
                                                                  first + c))
             continue
         g = min(T.BSP_GROUP_TILES, count)
-        if csrc.win is not None:
+        if csrc.win is not None and not _direct_rows(f, geo, nat):
             _window_groups(f, geo, meta, h, q_frame, count, g, trip, exact, csrc)
             continue
         if _direct_rows(f, geo, nat):
@@ -1256,21 +1256,23 @@ def _deferred_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, first: int, c
     """The groups of a class in natural order (:func:`_direct_rows`), each storing the
     previous one's outputs (:class:`_Held`): the first group is peeled (nothing to store
     before it), the other full groups are a sequential loop (they carry the held outputs),
-    then the remainder group and the last stores."""
+    then the remainder group and the last stores. With a window (``src.win``, its one
+    class) each group first gathers its new blocks (:func:`_load_window`)."""
     held = _Held(nl.ndarray((P, g, f.D), dtype=f.o.dtype, buffer=nl.sbuf),
                  nl.ndarray((P, g, 1), dtype=nl.float32, buffer=nl.sbuf))
     full = count // g
 
-    def group(pos0, n: int, prev):
-        _attend_tiles(f, geo, meta, h, q_frame, pos0, n, trip, exact, sh, src,
+    def group(c, n: int, prev):
+        if src.win is not None:
+            _load_window(f, geo, src, h, c)
+        _attend_tiles(f, geo, meta, h, q_frame, first + c * g, n, trip, exact, sh, src,
                       held._replace(prev=prev), shared_runtime)
 
-    group(first, g, None)
-    port.loop(full, lambda c: group(first + c * g, g, first + (c - 1) * g), carried=True,
-              start=1)
+    group(0, g, None)
+    port.loop(full, lambda c: group(c, g, first + (c - 1) * g), carried=True, start=1)
     last, n = first + (full - 1) * g, g
     if count % g:
-        group(first + full * g, count % g, last)
+        group(full, count % g, last)
         last, n = first + full * g, count % g
     _store_held(f, f.head(h), held, last, n, trip)
 
@@ -1303,7 +1305,7 @@ def _check_window(loads, slots, blocks, classes, shared, natural, shared_runtime
     """The window of a launch (``window_blocks`` > 0; None: none), checked: nki.* only (a
     runtime trip count fills it), K/V not resident, at most the blocks that fit in SBUF
     (:func:`tiles.bsp_fwd_window_blocks`), both tables given, one class of the tables'
-    ``trip`` slots, neither shared nor natural (``host.block_sparse.window_tables``)."""
+    ``trip`` slots, not shared (``host.block_sparse.window_tables``)."""
     if not isinstance(blocks, int) or blocks < 0:
         raise ValueError(f"window_blocks: expected an int >= 0, got {blocks!r}")
     if not blocks:
@@ -1319,12 +1321,11 @@ def _check_window(loads, slots, blocks, classes, shared, natural, shared_runtime
     if loads is None or slots is None:
         raise ValueError("window_loads, window_slots: both needed with window_blocks > 0, got "
                          f"{type(loads).__name__}, {type(slots).__name__}")
-    if (len(classes) != 1 or classes[0][2] != trip or any(shared) or any(natural)
-            or shared_runtime or tuple(slots.shape[2:]) != (classes[0][1], trip)):
-        raise ValueError(f"window_slots: expected one class of {trip} slots, not shared or "
-                         f"natural, and slots (.., {classes[0][1]}, {trip}); got classes="
-                         f"{classes!r}, shared={shared!r}, natural={natural!r}, slots "
-                         f"{tuple(slots.shape)}")
+    if (len(classes) != 1 or classes[0][2] != trip or any(shared) or shared_runtime
+            or tuple(slots.shape[2:]) != (classes[0][1], trip)):
+        raise ValueError(f"window_slots: expected one class of {trip} slots, not shared, "
+                         f"and slots (.., {classes[0][1]}, {trip}); got classes={classes!r}, "
+                         f"shared={shared!r}, slots {tuple(slots.shape)}")
     return _Window(loads, slots)
 
 

@@ -884,12 +884,12 @@ def test_nki_window_past_sbuf_matches_the_reference_with_lengths_and_padding(mon
 
 def test_nki_window_program_does_not_grow_with_n(monkeypatch):
     """The window path's program (groups, window loads, slots: compiled loops over table
-    data) has the same size at 12 and 28 query tiles of the band+strided pattern in the index
+    data) has the same size at 20 and 36 query tiles of the band+strided pattern in the index
     form (the tables' shapes grow, not the program)."""
     _past_sbuf(monkeypatch)
     monkeypatch.setenv(binding.API_ENV_VAR, "nki")
     sizes = []
-    for nqt in (12, 28):
+    for nqt in (20, 36):
         N, D = nqt * 128, 16
         q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=64)
         index = bs.dense_to_index(_band_strided(nqt), 4)
