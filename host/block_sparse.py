@@ -642,9 +642,11 @@ class WindowTables(NamedTuple):
     holds: ``slots`` float32 ``(b, h, rows, trip)``, each slot's position in the window
     (``blocks``, the window's block of zeros, for a padding slot); ``loads`` float32 ``(b, h,
     groups, 2 + 2 L)``, per kernel group (``group`` rows at a time, then a remainder group)
-    ``[count, 0, first key_0, ..., first key_{L-1}, position_0, ..., position_{L-1}]``: the
-    blocks it gathers into the window before its tiles run (the first ``2 + L`` columns a
-    :class:`KernelTables` ``meta`` row: ``BSP_PAD_FIRST`` past the count, position 0).
+    ``[steps, 0, first key_0, ..., first key_{L-1}, position_0, ..., position_{L-1}]``: the
+    blocks it gathers into the window before its tiles run, in ``steps`` of
+    :data:`nki_kernels.tiles.BSP_WINDOW_LOAD_BLOCKS` (the first ``2 + L`` columns a
+    :class:`KernelTables` ``meta`` row; past the blocks padding entries, ``BSP_PAD_FIRST`` at
+    ``blocks``, the block of zeros: nothing read, zeros written there).
     ``block_loads``: the key blocks gathered, over every ``(b, h)``."""
 
     tables: KernelTables
@@ -712,7 +714,8 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
     into the window the blocks of its tiles it does not hold (:func:`_window_loads`) and its
     tiles read every block in place. One class whose trip is ``max_blocks`` (the index
     form's bound), so the kernel's program depends on the bound and the window size only
-    (the loads table's width ``2 + 2 L``, ``L = min(group max_blocks, blocks)``). None when a
+    (the loads table's width ``2 + 2 L``, ``L`` = ``min(group max_blocks, blocks)`` rounded up
+    to a multiple of ``tiles.BSP_WINDOW_LOAD_BLOCKS``). None when a
     group's tiles need more than ``blocks`` blocks."""
     num = np.asarray(index.num_blocks, dtype=np.int64)
     idx = np.asarray(index.indices, dtype=np.int64)
@@ -720,11 +723,13 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
     m = idx.shape[-1]
     g = min(group, n)
     starts = list(range(0, n - n % g, g)) + ([n - n % g] if n % g else [])
-    width = min(g * m, blocks)
+    step = _tiles.BSP_WINDOW_LOAD_BLOCKS
+    width = _tiles.ceil_div(min(g * m, blocks), step) * step
     order = np.empty((b, h, n), dtype=np.int64)
     slots = np.full((b, h, n, m), blocks, dtype=np.int64)
     loads = np.zeros((b, h, len(starts), 2 + 2 * width), dtype=np.float64)
     loads[..., 2:2 + width] = _tiles.BSP_PAD_FIRST
+    loads[..., 2 + width:] = blocks
     total = 0
     live = np.arange(m) < num[..., None]
     nkt = int(idx[live].max()) + 1 if live.any() else 1
@@ -740,7 +745,7 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
             if plan is None:
                 return None
             for gi, (a, (got, pos)) in enumerate(zip(starts, plan)):
-                loads[x, y, gi, 0] = len(got)
+                loads[x, y, gi, 0] = _tiles.ceil_div(len(got), step)
                 for e, (p, j) in enumerate(got):
                     loads[x, y, gi, 2 + e] = j * block
                     loads[x, y, gi, 2 + width + e] = p
@@ -813,8 +818,8 @@ def window_hbm_bytes(win: WindowTables, B: int, Hq: int, Nq: int, Nk: int, D: in
     per_tile = (2 + trip) * 4 + trip * 4
     if not exact and Nk % block == 0:
         per_tile += trip * 4
-    live = np.arange(width) < loads[..., 0:1]
-    firsts = loads[..., 2:2 + width][live].astype(np.int64)
+    firsts = loads[..., 2:2 + width]
+    firsts = firsts[firsts < _tiles.BSP_PAD_FIRST].astype(np.int64)
     kv_rows = int(np.minimum(block, Nk - firsts).sum())
     return (B * Hq * (2 * Nq * D * itemsize + Nq * 4 + n * per_tile
                       + loads.shape[2] * loads.shape[3] * 4)

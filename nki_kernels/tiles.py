@@ -248,6 +248,16 @@ def bsp_fwd_kv_resident(Nk: int, D: int, mm_itemsize: int, trip: int) -> bool:
 BSP_FWD_WINDOW_STAGE_BYTES = 2 * 1024
 
 
+#: Key blocks the block-sparse forward's window gathers per step of its load loop
+#: (``attention/block_sparse._load_window``): their K and V rows issued together, one guard
+#: and one PSUM tile of K^T transposes for them, so that a group's gathers overlap each other
+#: instead of each block's chain waiting for the one before. Scheduled estimate, trn2 through
+#: nki.*, D = 128, bf16, bool mask, K/V forced past SBUF, 1 / 2 / 4 / 8 blocks: N = 8192
+#: band+strided 130.0 / 125.8 / 128.1 / 138.9 us, fixed_density s = 1/16 195.2 / 196.0 /
+#: 198.5 / 206.5; N = 16384 (1 / 2) band+strided 269.6 / 242.0, s = 1/16 531.5 / 531.5.
+BSP_WINDOW_LOAD_BLOCKS = 2
+
+
 def bsp_fwd_window_blocks(D: int, mm_itemsize: int, trip: int) -> int:
     """Key blocks the block-sparse forward's window holds in SBUF (nki.*, where K/V of a
     (batch, kv head) are not resident, :func:`bsp_fwd_kv_resident`): as many whole blocks of

@@ -1347,9 +1347,10 @@ def _window_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, count: int, g: 
 def _load_window(f, geo: Geometry, src: KVSource, h, c):
     """Gather group ``c``'s new key blocks into the window (``src.res``): its row of
     ``window_loads`` in one DMA, made a :class:`Row` of the blocks' first keys (their gather
-    indices for every block at once), then a loop of the group's count of blocks (a register
-    bound), each gathered as a step of one block (:func:`_gather_kv`: K, V rows by indirect
-    DMA, V guarded, K^T by TensorE) and copied into the window at its position (a runtime SBUF
+    indices for every block at once), then a loop of the group's steps (a register bound) of
+    ``tiles.BSP_WINDOW_LOAD_BLOCKS`` blocks, each gathered as a step of :func:`_gather_kv`
+    (K, V rows by indirect DMA, padding entries skipped into zeros, V guarded, K^T by
+    TensorE) and copied block by block into the window at its position (a runtime SBUF
     offset, :func:`port.select_block`; VectorE and GpSimd)."""
     loads = src.win.loads
     head = f.head(h)
@@ -1357,6 +1358,7 @@ def _load_window(f, geo: Geometry, src: KVSource, h, c):
     hh = head if loads.shape[1] > 1 else 0
     width = loads.shape[3]
     L = (width - 2) // 2
+    Wl = T.BSP_WINDOW_LOAD_BLOCKS
     row = nl.ndarray((1, width), dtype=nl.float32, buffer=nl.sbuf)
     port.dma_copy(row, loads[hb, hh, nl.ds(c, 1), :], legacy_isa=True)
     n = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -1364,19 +1366,19 @@ def _load_window(f, geo: Geometry, src: KVSource, h, c):
     pos = nl.ndarray((1, L), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_copy(pos, row[0:1, 2 + L:width], engine="gpsimd")
     rw = Row(row[0:1, 0:2 + L], L, geo.k_part, geo.k_len, geo.kv)
-    skip = geo.needs_key_mask(True)
 
-    def block(j):
-        v = nl.ndarray((P, 1, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+    def step(j):
+        v = nl.ndarray((P, Wl, f.vcols), dtype=f.mm, buffer=nl.sbuf)
         F.ones_column(f, v[:, :, f.D:f.D + 1])
-        kv = _gather_kv(f, rw, v, j, 1, skip)
-        at = pos[0:1, nl.ds(j, 1)]
-        for pi in T.unrolled(len(kv.kT)):
-            port.tensor_copy(port.select_block(src.res.kT[pi], at, P), kv.kT[pi],
-                             engine="vector")
-        port.tensor_copy(port.select_block(src.res.v, at), v[:, 0, :], engine="gpsimd")
+        kv = _gather_kv(f, rw, v, j * Wl, Wl, True)
+        for w in T.unrolled(Wl):
+            at = pos[0:1, nl.ds(j * Wl + w, 1)]
+            for pi in T.unrolled(len(kv.kT)):
+                port.tensor_copy(port.select_block(src.res.kT[pi], at, P),
+                                 kv.kT[pi][:, w * P:(w + 1) * P], engine="vector")
+            port.tensor_copy(port.select_block(src.res.v, at), v[:, w, :], engine="gpsimd")
 
-    port.loop_between(0, port.register(n), block)
+    port.loop_between(0, port.register(n), step)
 
 
 def _store_held(f, head, held: _Held, pos0, n: int, trip: int):

@@ -369,8 +369,12 @@ def _replay(win, index):
         for y in range(h):
             held = np.full(win.blocks + 1, -1)
             for gi, a in enumerate(range(0, n, g)):
-                count = int(loads[x, y, gi, 0])
-                assert count <= width
+                live = loads[x, y, gi, 2:2 + width] < T.BSP_PAD_FIRST
+                count = int(live.sum())
+                # whole steps of loads, the blocks first, then padding entries (zero block)
+                assert int(loads[x, y, gi, 0]) == -(-count // T.BSP_WINDOW_LOAD_BLOCKS)
+                assert live[:count].all() and width % T.BSP_WINDOW_LOAD_BLOCKS == 0
+                assert (loads[x, y, gi, 2 + width + count:] == win.blocks).all()
                 firsts = loads[x, y, gi, 2:2 + count].astype(np.int64)
                 held[loads[x, y, gi, 2 + width:2 + width + count].astype(np.int64)] = (
                     firsts // bs.BLOCK)
