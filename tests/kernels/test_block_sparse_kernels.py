@@ -935,3 +935,28 @@ def test_nki_window_arguments_are_checked(monkeypatch):
         run("nki", window_blocks=0)
     with pytest.raises(ValueError, match=r"window_slots: expected one class of 4 slots"):
         run("nki", classes=((0, 8, 4, False), (8, 4, 4, False)))
+
+
+@pytest.mark.parametrize("kw", [dict(dropout_p=0.2, seed=5),
+                                dict(softcap=5.0, sinks=np.array([0.5, -1.0], np.float32))],
+                         ids=["dropout", "softcap-sinks"])
+def test_nki_window_past_sbuf_agrees_with_the_grouping_under_dropout_and_modifiers(
+        monkeypatch, kw):
+    """Through the window the forward draws the dropout units' bits and applies the score
+    modifiers as the grouping does (GQA 2:1, a random pattern per head): the outputs and LSE
+    agree to rounding."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    N, D = 12 * 128, 16
+    q, k, v, _ = attention_inputs(1, 2, 1, N, N, D, seed=66)
+    mask = _pattern(1, 2, N, N, 0.3, seed=67)
+    outs = []
+    for windowed in (True, False):
+        if not windowed:
+            monkeypatch.setattr(bs, "window_plan", lambda *args: None)
+        with simulate.measure(target="trn2") as m:
+            outs.append(host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                             mixed_precision=False, **kw))
+        assert ("window_loads" in m.per_tensor) == windowed
+    np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=0, atol=4e-6)
