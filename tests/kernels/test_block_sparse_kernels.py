@@ -929,7 +929,8 @@ def test_nki_window_arguments_are_checked(monkeypatch):
         run("nki", window_blocks=most + 1)
     with pytest.raises(ValueError, match=r"window_blocks: expected an int >= 0, got -1"):
         run("nki", window_blocks=-1)
-    with pytest.raises(ValueError, match="both needed with window_blocks > 0, got Tensor, NoneType"):
+    with pytest.raises(ValueError, match="both needed with window_blocks > 0, got Tensor, "
+                                         "NoneType"):
         run("nki", window_slots=None)
     with pytest.raises(ValueError, match="given with window_blocks=0"):
         run("nki", window_blocks=0)
