@@ -19,6 +19,7 @@ Everything here is host-side bookkeeping on small integer arrays; no attention i
 """
 from __future__ import annotations
 
+import heapq
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -678,17 +679,20 @@ def _window_loads(needs, blocks: int):
     """The window's contents group by group of one ``(b, h)`` (``needs``: each group's
     blocks, sorted arrays): ``[(loads, positions), ...]``, the ``(position, block)`` pairs a
     group gathers (blocks it needs and the window does not hold) and the position of each of
-    its blocks; a needed block evicts the held one next needed furthest ahead (Belady's
-    choice: the fewest gathers for this order). None when a group needs more than
-    ``blocks``."""
+    its blocks. A held block no later group needs frees its position; a gathered block takes
+    the lowest free position, else evicts the held one next needed furthest ahead (Belady's
+    choice: the fewest gathers for this order), so the positions in use stay few where the
+    pattern's working set is small. None when a group needs more than ``blocks``."""
     uses = {}
     for gi, need in enumerate(needs):
         for j in need.tolist():
             uses.setdefault(j, []).append(gi)
-    held, free, out = {}, list(range(blocks - 1, -1, -1)), []
+    held, free, out = {}, list(range(blocks)), []
     for gi, need in enumerate(needs):
         if len(need) > blocks:
             return None
+        for x in [x for x in held if uses[x][-1] < gi]:
+            heapq.heappush(free, held.pop(x))
         wanted = set(need.tolist())
         loads = []
         for j in need.tolist():
@@ -696,24 +700,25 @@ def _window_loads(needs, blocks: int):
                 continue
             if not free:
                 def next_use(x):
-                    later = [u for u in uses[x] if u > gi]
-                    return later[0] if later else len(needs)
+                    return next(u for u in uses[x] if u > gi)
                 victim = max((x for x in held if x not in wanted), key=next_use)
-                free.append(held.pop(victim))
-            held[j] = free.pop()
+                heapq.heappush(free, held.pop(victim))
+            held[j] = heapq.heappop(free)
             loads.append((held[j], j))
         out.append((loads, {j: held[j] for j in need.tolist()}))
     return out
 
 
 def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[WindowTables]:
-    """Tables of a validated index layout for the forward's key-block window of ``blocks``
-    blocks (:func:`nki_kernels.tiles.bsp_fwd_window_blocks`): the query tiles of every ``(b,
+    """Tables of a validated index layout for the forward's key-block window of at most
+    ``blocks`` blocks (:func:`nki_kernels.tiles.bsp_fwd_window_blocks`; the window the tables
+    give, ``WindowTables.blocks``, holds the positions the plan uses, rounded up to a power of
+    two, so its SBUF follows the pattern's working set): the query tiles of every ``(b,
     h)`` ordered so that consecutive ones share key blocks (:func:`_window_order`), cut into
     the kernel's groups of ``min(group, rows)`` and a remainder group; each group gathers
     into the window the blocks of its tiles it does not hold (:func:`_window_loads`) and its
     tiles read every block in place. One class whose trip is ``max_blocks`` (the index
-    form's bound), so the kernel's program depends on the bound and the window size only
+    form's bound), so the kernel's program depends on the bound and the window's size only
     (the loads table's width ``2 + 2 L``, ``L`` = ``min(group max_blocks, blocks)`` rounded up
     to a multiple of ``tiles.BSP_WINDOW_LOAD_BLOCKS``). None when a
     group's tiles need more than ``blocks`` blocks."""
@@ -730,7 +735,7 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
     loads = np.zeros((b, h, len(starts), 2 + 2 * width), dtype=np.float64)
     loads[..., 2:2 + width] = _tiles.BSP_PAD_FIRST
     loads[..., 2 + width:] = blocks
-    total = 0
+    total = top = 0
     live = np.arange(m) < num[..., None]
     nkt = int(idx[live].max()) + 1 if live.any() else 1
     block = _tiles.BLOCK_SPARSE_TILE
@@ -749,6 +754,7 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
                 for e, (p, j) in enumerate(got):
                     loads[x, y, gi, 2 + e] = j * block
                     loads[x, y, gi, 2 + width + e] = p
+                    top = max(top, p + 1)
                 total += len(got)
                 for r in range(a, min(a + g, n)):
                     src = order[x, y, r]
@@ -761,8 +767,12 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
     natural = bool((order == np.arange(n)).all())
     tables = KernelTables(np.ascontiguousarray(meta, dtype=np.float32),
                           ((0, n, m, bool((num_o == m).all())),), (0,), (natural,))
+    # the block of zeros follows the positions in use
+    size = min(blocks, _pow2_at_least(max(top, 1)))
+    slots[slots == blocks] = size
+    loads[..., 2 + width:][loads[..., 2 + width:] == blocks] = size
     return WindowTables(tables, np.ascontiguousarray(slots, dtype=np.float32),
-                        np.ascontiguousarray(loads, dtype=np.float32), blocks, total)
+                        np.ascontiguousarray(loads, dtype=np.float32), size, total)
 
 
 def grouped_block_loads(tables: KernelTables, group: int) -> int:
