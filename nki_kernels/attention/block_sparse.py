@@ -73,8 +73,9 @@ grow with N.
   (:func:`forward.load_kv` without the load). The host orders the query tiles so that
   consecutive ones share blocks and plans, per group, the blocks it gathers into the window
   and their positions (``window_tables``); a group first gathers its new blocks
-  (:func:`_load_window`: a loop of a runtime trip count, each block as one step of
-  :func:`_gather_kv`, copied to its position at a runtime SBUF offset), then its tiles read
+  (:func:`_load_window`: a loop of a runtime trip count, ``tiles.BSP_WINDOW_LOAD_BLOCKS``
+  blocks a step of :func:`_gather_kv`, each copied to its position at a runtime SBUF
+  offset), then its tiles read
   every slot's block in place at the position ``window_slots`` gives (:class:`_Window`), as
   with resident K/V. One class, natural where the host's order is (:func:`_direct_rows`). A
   group's gathers wait for the previous group's reads of the window (a runtime offset may
@@ -1156,7 +1157,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     # longer own-slot steps in both namespaces (the same steps, the same outputs)
     fits = T.bsp_fwd_kv_resident(Nk, D, T.fwd_itemsize(mm_dtype), trip_max)
     resident = fits and port.api() == "nki"
-    win = _check_window(window_loads, window_slots, window_blocks, classes, shared, natural,
+    win = _check_window(window_loads, window_slots, window_blocks, classes, shared,
                         shared_runtime, fits, D, mm_dtype, trip_max)
     step = T.BSP_RESIDENT_STEP_BLOCKS if fits or win else T.BSP_STEP_BLOCKS
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False, kv_load_block=T.BSP_FWD_KV_LOAD_BLOCK)
@@ -1280,7 +1281,8 @@ def _deferred_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, first: int, c
 class _Window(NamedTuple):
     """nki.*, K/V not resident: the key-block window's tables (``host.block_sparse.
     window_tables``, HBM float32): ``loads`` ``(b, h, groups, 2 + 2 L)``, per group the count
-    of blocks it gathers into the window, 0, their first keys and their positions;
+    of steps of ``tiles.BSP_WINDOW_LOAD_BLOCKS`` blocks it gathers into the window, 0, their
+    first keys and their positions (padding entries: past every key, to the block of zeros);
     ``slots`` ``(b, h, rows, trip)``, each slot's window position (the block of zeros for a
     padding slot)."""
 
@@ -1300,8 +1302,8 @@ class _Window(NamedTuple):
         return out
 
 
-def _check_window(loads, slots, blocks, classes, shared, natural, shared_runtime: bool,
-                  fits: bool, D: int, mm_dtype: str, trip: int) -> Optional[_Window]:
+def _check_window(loads, slots, blocks, classes, shared, shared_runtime: bool, fits: bool,
+                  D: int, mm_dtype: str, trip: int) -> Optional[_Window]:
     """The window of a launch (``window_blocks`` > 0; None: none), checked: nki.* only (a
     runtime trip count fills it), K/V not resident, at most the blocks that fit in SBUF
     (:func:`tiles.bsp_fwd_window_blocks`), both tables given, one class of the tables'
