@@ -397,7 +397,7 @@ def test_window_tables_hold_every_slots_block_and_gather_fewer(name):
     every tile names the window position holding its key block. The band+strided pattern
     and the rotated fixed-density one gather each key block once (the grouping: several
     times, ``grouped_block_loads``); a random pattern in a small window gathers no more
-    than the grouping whenever ``window_plan`` takes it (here it does: 162 against 674)."""
+    than the grouping whenever ``window_plan`` takes it (here it does: 166 against 674)."""
     nqt = 40
     mask = {"band": _band_strided(nqt), "fixed": bs.fixed_density(nqt, nqt, 0.1),
             "random": np.random.default_rng(5).random((2, 2, nqt, nqt)) < 0.1}[name]

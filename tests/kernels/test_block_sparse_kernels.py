@@ -961,3 +961,23 @@ def test_nki_window_past_sbuf_agrees_with_the_grouping_under_dropout_and_modifie
         assert ("window_loads" in m.per_tensor) == windowed
     np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=0, atol=1e-6)
     np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=0, atol=4e-6)
+
+
+def test_nki_window_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
+    """A window as wide as ``tiles.bsp_fwd_window_blocks`` allows (Nk = 64K, D = 128, bf16:
+    one group of 8 query tiles of about 46 random key blocks each, 314 blocks in all) keeps
+    the peak SBUF within trn2's budget (90 % of a partition) beside the rest of the kernel:
+    the per-slot tables, the load row's tables and the padding selector."""
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    Nq, Nk, D = 1024, 65536, 128
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 1, Nq, D)).astype(BF16)
+    k, v = (rng.standard_normal((1, 1, Nk, D)).astype(BF16) for _ in range(2))
+    mask = np.random.default_rng(1).random((1, 1, Nq // 128, Nk // 128)) < 0.09
+    index = bs.dense_to_index(mask)
+    most = T.bsp_fwd_window_blocks(D, 2, index.max_blocks)
+    assert bs.window_tables(index, most, T.BSP_GROUP_TILES).blocks == most
+    with simulate.measure(target="trn2") as m:
+        host.flash_attention(q, k, v, block_mask=mask)
+    assert "window_loads" in m.per_tensor
+    assert m.peak_sbuf_bytes_per_partition <= T.FWD_SBUF_BUDGET_BYTES["trn2"]
