@@ -638,7 +638,7 @@ def _accumulator_steps(met: np.ndarray) -> np.ndarray:
 class WindowTables(NamedTuple):
     """The forward's tables for a key-block window (nki.*, K/V not resident): its query
     tiles in one class of ``trip`` slots (``tables``, as :func:`kernel_tables`' with the
-    tiles ordered so that consecutive ones share blocks; natural where that order is the
+    tiles ordered so that nearby ones share blocks; natural where that order is the
     tiles' own in every ``(b, h)``), and what the window
     holds: ``slots`` float32 ``(b, h, rows, trip)``, each slot's position in the window
     (``blocks``, the window's block of zeros, for a padding slot); ``loads`` float32 ``(b, h,

@@ -71,7 +71,7 @@ grow with N.
   gathers fewer blocks than the grouping: ``host.block_sparse.window_plan``): a window of
   ``window_blocks`` key blocks in SBUF, laid out as resident K/V with its block of zeros
   (:func:`forward.load_kv` without the load). The host orders the query tiles so that
-  consecutive ones share blocks and plans, per group, the blocks it gathers into the window
+  nearby ones share blocks and plans, per group, the blocks it gathers into the window
   and their positions (``window_tables``); a group first gathers its new blocks
   (:func:`_load_window`: a loop of a runtime trip count, ``tiles.BSP_WINDOW_LOAD_BLOCKS``
   blocks a step of :func:`_gather_kv`, each copied to its position at a runtime SBUF
