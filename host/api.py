@@ -657,13 +657,24 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
                                keep_order=keep, share_runtime=share)
     kwargs = dict(scale=call.scale, causal=call.causal, window=call.window,
                   mm_dtype=call.mm_dtype, **call.mods.kwargs)
+    q_tables = tables.q
+    trip = call.block_sparse.index.max_blocks
+    itemsize = _tiles.fwd_itemsize(call.mm_dtype)
+    if api == "nki" and not _tiles.bsp_fwd_kv_resident(dims.Nk, dims.D, itemsize, trip):
+        # past SBUF: a key-block window where it gathers fewer blocks than the grouping
+        win = _bs.window_plan(call.block_sparse, q_tables,
+                              _tiles.bsp_fwd_window_blocks(dims.D, itemsize, trip))
+        if win is not None:
+            q_tables = win.tables
+            kwargs.update(window_loads=win.loads, window_slots=win.slots,
+                          window_blocks=win.blocks)
     if p:
         kwargs.update(dropout_p=p, dropout_mask=call.return_dropout_mask)
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
     outs = launch(block_sparse_attention_fwd.on(api), _block_sparse_grid(dims, call.lnc, api),
-                  q, k, v, tables.q.meta, kv_lens=call.kv_lens, q_lens=call.q_lens,
-                  seed=call.dropout.seed, classes=tables.q.classes, shared=tables.q.shared,
-                  natural=tables.q.natural, shared_runtime=tables.q.shared_runtime,
+                  q, k, v, q_tables.meta, kv_lens=call.kv_lens, q_lens=call.q_lens,
+                  seed=call.dropout.seed, classes=q_tables.classes, shared=q_tables.shared,
+                  natural=q_tables.natural, shared_runtime=q_tables.shared_runtime,
                   **call.mods.tensors,
                   **kwargs)
     o, lse = outs[0], outs[1]

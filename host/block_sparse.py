@@ -19,6 +19,7 @@ Everything here is host-side bookkeeping on small integer arrays; no attention i
 """
 from __future__ import annotations
 
+import heapq
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -765,3 +766,216 @@ def _ordered(tables: LaunchTables, sparsity: BlockSparsity, g: int, chunk_tiles:
     return tables._replace(k=k, acc_k=acc_k,
                            order_q=np.ascontiguousarray(order * BLOCK, dtype=np.float32),
                            slots_k=np.ascontiguousarray(slots, dtype=np.float32))
+
+
+# --------------------------------------------------------------------------------------------
+# Key-block windows: the forward past SBUF (nki.*)
+# --------------------------------------------------------------------------------------------
+
+
+class WindowTables(NamedTuple):
+    """The forward's tables for a key-block window (nki.*, K/V not resident): its query
+    tiles in one class of ``trip`` slots (``tables``, as :func:`kernel_tables`' with the
+    tiles ordered so that nearby ones share blocks; natural where that order is the
+    tiles' own in every ``(b, h)``), and what the window
+    holds: ``slots`` float32 ``(b, h, rows, trip)``, each slot's position in the window
+    (``blocks``, the window's block of zeros, for a padding slot); ``loads`` float32 ``(b, h,
+    groups, 2 + 2 L)``, per kernel group (``group`` rows at a time, then a remainder group)
+    ``[steps, 0, first key_0, ..., first key_{L-1}, position_0, ..., position_{L-1}]``: the
+    blocks it gathers into the window before its tiles run, in ``steps`` of
+    :data:`nki_kernels.tiles.BSP_WINDOW_LOAD_BLOCKS` (the first ``2 + L`` columns a
+    :class:`KernelTables` ``meta`` row; past the blocks padding entries, ``BSP_PAD_FIRST`` at
+    ``blocks``, the block of zeros: nothing read, zeros written there).
+    ``block_loads``: the key blocks gathered, over every ``(b, h)``."""
+
+    tables: KernelTables
+    slots: np.ndarray
+    loads: np.ndarray
+    blocks: int
+    block_loads: int
+
+
+def _window_order(sets: np.ndarray, recent: int) -> np.ndarray:
+    """A processing order of the rows of one ``(b, h)`` (``sets``: ``(rows, blocks)`` bool)
+    in which nearby rows share blocks: from row 0, each next row the unplaced one with the
+    most blocks in common with the union of the last ``recent`` rows placed (what the window
+    likely still holds; ties and no overlap: the lowest)."""
+    n = sets.shape[0]
+    s = sets.astype(np.int32)
+    placed = np.zeros(n, dtype=bool)
+    order = [0]
+    placed[0] = True
+    for _ in range(n - 1):
+        common = s @ sets[order[-recent:]].any(axis=0).astype(np.int32)
+        common[placed] = -1
+        nxt = int(np.argmax(common))
+        order.append(nxt)
+        placed[nxt] = True
+    return np.asarray(order, dtype=np.int64)
+
+
+def _window_loads(needs, blocks: int):
+    """The window's contents group by group of one ``(b, h)`` (``needs``: each group's
+    blocks, sorted arrays): ``[(loads, positions), ...]``, the ``(position, block)`` pairs a
+    group gathers (blocks it needs and the window does not hold) and the position of each of
+    its blocks. A held block no later group needs frees its position; a gathered block takes
+    the lowest free position, else evicts the held one next needed furthest ahead (Belady's
+    choice: the fewest gathers for this order), so the positions in use stay few where the
+    pattern's working set is small. None when a group needs more than ``blocks``."""
+    uses = {}
+    for gi, need in enumerate(needs):
+        for j in need.tolist():
+            uses.setdefault(j, []).append(gi)
+    held, free, out = {}, list(range(blocks)), []
+    for gi, need in enumerate(needs):
+        if len(need) > blocks:
+            return None
+        for x in [x for x in held if uses[x][-1] < gi]:
+            heapq.heappush(free, held.pop(x))
+        wanted = set(need.tolist())
+        loads = []
+        for j in need.tolist():
+            if j in held:
+                continue
+            if not free:
+                def next_use(x):
+                    return next(u for u in uses[x] if u > gi)
+                victim = max((x for x in held if x not in wanted), key=next_use)
+                heapq.heappush(free, held.pop(victim))
+            held[j] = heapq.heappop(free)
+            loads.append((held[j], j))
+        out.append((loads, {j: held[j] for j in need.tolist()}))
+    return out
+
+
+def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[WindowTables]:
+    """Tables of a validated index layout for the forward's key-block window of at most
+    ``blocks`` blocks (:func:`nki_kernels.tiles.bsp_fwd_window_blocks`; the window the tables
+    give, ``WindowTables.blocks``, holds the positions the plan uses, rounded up to a power of
+    two, so its SBUF follows the pattern's working set): the query tiles of every ``(b,
+    h)`` ordered so that nearby ones share key blocks (:func:`_window_order`: over the last
+    rows whose blocks would fill the window twice, by the mean count), cut into
+    the kernel's groups of ``min(group, rows)`` and a remainder group; each group gathers
+    into the window the blocks of its tiles it does not hold (:func:`_window_loads`) and its
+    tiles read every block in place. One class whose trip is ``max_blocks`` (the index
+    form's bound), so the kernel's program depends on the bound and the window's size only
+    (the loads table's width ``2 + 2 L``, ``L`` = ``min(group max_blocks, blocks)`` rounded up
+    to a multiple of ``tiles.BSP_WINDOW_LOAD_BLOCKS``). None when a
+    group's tiles need more than ``blocks`` blocks."""
+    num = np.asarray(index.num_blocks, dtype=np.int64)
+    idx = np.asarray(index.indices, dtype=np.int64)
+    b, h, n = num.shape
+    m = idx.shape[-1]
+    g = min(group, n)
+    starts = list(range(0, n - n % g, g)) + ([n - n % g] if n % g else [])
+    step = _tiles.BSP_WINDOW_LOAD_BLOCKS
+    width = _tiles.ceil_div(min(g * m, blocks), step) * step
+    order = np.empty((b, h, n), dtype=np.int64)
+    slots = np.full((b, h, n, m), blocks, dtype=np.int64)
+    loads = np.zeros((b, h, len(starts), 2 + 2 * width), dtype=np.float64)
+    loads[..., 2:2 + width] = _tiles.BSP_PAD_FIRST
+    loads[..., 2 + width:] = blocks
+    total = top = 0
+    live = np.arange(m) < num[..., None]
+    nkt = int(idx[live].max()) + 1 if live.any() else 1
+    block = _tiles.BLOCK_SPARSE_TILE
+    # the rows placed last whose blocks would fill the window twice: their union stands for
+    # what the window holds (64K, D = 128, s = 1/16 random: the last row alone 2626 gathered
+    # blocks, the last 19 by this rule 2300; butterfly 740 and 512; fixed_density and
+    # band+strided 512 either way)
+    recent = max(1, 2 * blocks * b * h * n // max(1, int(num.sum())))
+    for x in range(b):
+        for y in range(h):
+            sets = np.zeros((n, nkt), dtype=bool)
+            ri, si = np.nonzero(live[x, y])
+            sets[ri, idx[x, y, ri, si]] = True
+            order[x, y] = _window_order(sets, recent)
+            needs = [np.flatnonzero(sets[order[x, y, a:a + g]].any(axis=0)) for a in starts]
+            plan = _window_loads(needs, blocks)
+            if plan is None:
+                return None
+            for gi, (a, (got, pos)) in enumerate(zip(starts, plan)):
+                loads[x, y, gi, 0] = _tiles.ceil_div(len(got), step)
+                for e, (p, j) in enumerate(got):
+                    loads[x, y, gi, 2 + e] = j * block
+                    loads[x, y, gi, 2 + width + e] = p
+                    top = max(top, p + 1)
+                total += len(got)
+                for r in range(a, min(a + g, n)):
+                    src = order[x, y, r]
+                    slots[x, y, r, :num[x, y, src]] = [pos[j] for j in
+                                                       idx[x, y, src, :num[x, y, src]]]
+    num_o = np.take_along_axis(num, order, axis=-1)
+    idx_o = np.take_along_axis(idx, order[..., None], axis=2)
+    firsts = np.where(np.arange(m) < num_o[..., None], idx_o * block, _tiles.BSP_PAD_FIRST)
+    meta = np.concatenate([order[..., None] * block, num_o[..., None], firsts], -1)
+    natural = bool((order == np.arange(n)).all())
+    tables = KernelTables(np.ascontiguousarray(meta, dtype=np.float32),
+                          ((0, n, m, bool((num_o == m).all())),), (0,), (natural,))
+    # the block of zeros follows the positions in use
+    size = min(blocks, _pow2_at_least(max(top, 1)))
+    slots[slots == blocks] = size
+    loads[..., 2 + width:][loads[..., 2 + width:] == blocks] = size
+    return WindowTables(tables, np.ascontiguousarray(slots, dtype=np.float32),
+                        np.ascontiguousarray(loads, dtype=np.float32), size, total)
+
+
+def grouped_block_loads(tables: KernelTables, group: int) -> int:
+    """The key blocks the forward gathers with ``tables`` (:func:`kernel_tables` with
+    ``share``, or :func:`shared_bound_tables`) where K/V are not resident, over every ``(b,
+    h)``: per kernel group (``min(group, rows)`` of a class at a time, then a remainder) its
+    common blocks once (the class's ``shared`` count, or with ``shared_runtime`` the group's
+    own count of them) and each tile's other blocks (padding slots gather nothing)."""
+    meta = tables.meta
+    total = 0
+    for (a, m, _t, _e), sh in zip(tables.classes, tables.shared):
+        g = min(group, m)
+        for p in range(a, a + m, g):
+            rows = meta[:, :, p:min(p + g, a + m)]
+            count = rows[..., 1].astype(np.int64)
+            if tables.shared_runtime:
+                common = (rows[:, :, 0, 2:2 + sh] < _tiles.BSP_PAD_FIRST).sum(axis=-1)
+                total += int((common + (count - sh).sum(axis=-1)).sum())
+            else:
+                total += int((sh + (count - sh).sum(axis=-1)).sum())
+    return total
+
+
+def window_plan(sparsity: BlockSparsity, grouped: KernelTables,
+                blocks: int) -> Optional[WindowTables]:
+    """The forward's key-block window tables (:func:`window_tables`, a window of ``blocks``
+    blocks, the kernel's groups of :data:`nki_kernels.tiles.BSP_GROUP_TILES`) when they gather
+    fewer key blocks than ``grouped``, the tables the forward would take otherwise
+    (:func:`grouped_block_loads`); else None (also when ``blocks`` is 0 or a group needs more
+    than ``blocks``). Both counts are exact, so this keeps the smaller HBM traffic."""
+    if blocks < 1:
+        return None
+    group = _tiles.BSP_GROUP_TILES
+    win = window_tables(sparsity.index, blocks, group)
+    if win is None or win.block_loads >= grouped_block_loads(grouped, group):
+        return None
+    return win
+
+
+def window_hbm_bytes(win: WindowTables, B: int, Hq: int, Nq: int, Nk: int, D: int,
+                     itemsize: int) -> int:
+    """The HBM bytes (read and written) of the forward with the window tables ``win`` over
+    ``(B, Hq)`` query heads (the tables broadcast to them), without lengths, dropout or score
+    modifiers, q/k/v/o of ``itemsize`` bytes: Q read and O, LSE written once; each gathered
+    key block's K and V rows below Nk; per kernel group its ``loads`` row, its tiles' table
+    and ``slots`` rows, and, where padding slots are masked by TensorE (not every tile has
+    ``trip`` blocks, whole key blocks: ``block_sparse._padding_rows``), the rows again."""
+    tables = win.tables
+    (_, n, trip, exact), = tables.classes
+    loads = np.broadcast_to(win.loads, (B, Hq) + win.loads.shape[2:])
+    width = (loads.shape[-1] - 2) // 2
+    block = _tiles.BLOCK_SPARSE_TILE
+    per_tile = (2 + trip) * 4 + trip * 4
+    if not exact and Nk % block == 0:
+        per_tile += trip * 4
+    firsts = loads[..., 2:2 + width]
+    firsts = firsts[firsts < _tiles.BSP_PAD_FIRST].astype(np.int64)
+    kv_rows = int(np.minimum(block, Nk - firsts).sum())
+    return (B * Hq * (2 * Nq * D * itemsize + Nq * 4 + n * per_tile
+                      + loads.shape[2] * loads.shape[3] * 4)
+            + 2 * kv_rows * D * itemsize)

@@ -240,6 +240,40 @@ def bsp_fwd_kv_resident(Nk: int, D: int, mm_itemsize: int, trip: int) -> bool:
     return kv + BSP_FWD_WORK_BYTES + tables <= FWD_SBUF_BUDGET_BYTES["trn2"]
 
 
+
+#: SBUF bytes per partition of the block-sparse forward's key-block window (nki.*, K/V not
+#: resident, ``host.block_sparse.window_tables``) beside its blocks: one block's staging
+#: while it is gathered into the window (K rows, K^T, ``[V | 1 | flag]``, its table entry
+#: and row indices), counted generously (a guess; the simulator's peak check covers it).
+BSP_FWD_WINDOW_STAGE_BYTES = 2 * 1024
+
+
+#: Key blocks the block-sparse forward's window gathers per step of its load loop
+#: (``attention/block_sparse._load_window``): their K and V rows issued together, one guard
+#: and one PSUM tile of K^T transposes for them, so that a group's gathers overlap each other
+#: instead of each block's chain waiting for the one before. Scheduled estimate, trn2 through
+#: nki.*, D = 128, bf16, bool mask, K/V forced past SBUF, 1 / 2 / 4 / 8 blocks: N = 8192
+#: band+strided 130.0 / 125.8 / 128.1 / 138.9 us, fixed_density s = 1/16 195.2 / 196.0 /
+#: 198.5 / 206.5; N = 16384 (1 / 2) band+strided 269.6 / 242.0, s = 1/16 531.5 / 531.5.
+BSP_WINDOW_LOAD_BLOCKS = 2
+
+
+def bsp_fwd_window_blocks(D: int, mm_itemsize: int, trip: int) -> int:
+    """Key blocks the block-sparse forward's window holds in SBUF (nki.*, where K/V of a
+    (batch, kv head) are not resident, :func:`bsp_fwd_kv_resident`): as many whole blocks of
+    K^T and ``[V | 1 | flag]`` as fit, with one block of zeros (the padding slots'), beside
+    :data:`BSP_FWD_WORK_BYTES`, the tables of a group of ``trip`` slots and one block's staging
+    (:data:`BSP_FWD_WINDOW_STAGE_BYTES`), in trn2's budget :data:`FWD_SBUF_BUDGET_BYTES`
+    (the resident budget's formula). 0 when not even one fits. Measured (simulate.measure,
+    trn2, D = 128, bf16, a group of 8 query tiles of up to 53 random key blocks at Nk = 64K):
+    a full window of 314 blocks peaks at 201372 bytes per partition, within the 206438 of
+    the budget."""
+    per_block = fwd_d_passes(D) * PMAX * mm_itemsize + (D + 2) * mm_itemsize
+    tables = BSP_GROUP_TILES * BSP_FWD_SLOT_TABLES * 4 * max(1, trip)
+    free = (FWD_SBUF_BUDGET_BYTES["trn2"] - BSP_FWD_WORK_BYTES - tables
+            - BSP_FWD_WINDOW_STAGE_BYTES)
+    return max(0, free // per_block - 1)
+
 #: Edge of the query x key unit a dropout mask is generated in: every unit draws its keep bits
 #: from a generator seeded by (seed, batch, head, query unit, key unit), so the mask does not
 #: depend on the kernel's own tiling, its loop order or the core that runs the unit.

@@ -67,6 +67,19 @@ grow with N.
   skipped into zeroed tiles, so their scores are 0 and one ScalarE multiply-add per block
   masks them (:func:`_pads_only`). A group's common blocks are gathered once, as a bool
   mask's: the same K/V bytes on a pattern whose groups share as many blocks.
+- **Key-block window** (nki.*, K/V not resident, either form, where the host finds it
+  gathers fewer blocks than the grouping: ``host.block_sparse.window_plan``): a window of
+  ``window_blocks`` key blocks in SBUF, laid out as resident K/V with its block of zeros
+  (:func:`forward.load_kv` without the load). The host orders the query tiles so that
+  nearby ones share blocks and plans, per group, the blocks it gathers into the window
+  and their positions (``window_tables``); a group first gathers its new blocks
+  (:func:`_load_window`: a loop of a runtime trip count, ``tiles.BSP_WINDOW_LOAD_BLOCKS``
+  blocks a step of :func:`_gather_kv`, each copied to its position at a runtime SBUF
+  offset), then its tiles read
+  every slot's block in place at the position ``window_slots`` gives (:class:`_Window`), as
+  with resident K/V. One class, natural where the host's order is (:func:`_direct_rows`). A
+  group's gathers wait for the previous group's reads of the window (a runtime offset may
+  touch any block: ``simulate._sched``).
 
 Per group of query tiles (a loop body; the gathers are the legacy trace's and, where K/V
 do not fit in SBUF, the nki.* one's)::
@@ -178,28 +191,34 @@ class KVSource(NamedTuple):
     slots (``tiles.BSP_STEP_BLOCKS`` or ``BSP_RESIDENT_STEP_BLOCKS``); ``p_dma_share`` the
     device's share of P^T transposes on the DMA engines when they do not gather (resident;
     else 0), a class's share is :func:`tiles.bsp_p_dma_share` of it; ``sel`` a class's slot
-    selector (:meth:`for_class`; None: none)."""
+    selector (:meth:`for_class`; None: none); ``win`` (:class:`_Window`; None: none): ``res``
+    is a key-block window the groups fill (:func:`_load_window`), not the whole K/V."""
 
     res: Optional[object]
     step: int
     p_dma_share: float
     sel: Optional[object] = None
+    win: Optional["_Window"] = None
 
     def for_class(self, f, geo: "Geometry", trip: int, exact: bool) -> "KVSource":
         """The source of a class of ``trip`` slots: with :func:`_pads_by_matmul`, ``sel``
         the ``[trip, 128 trip]`` selector (matmul dtype) of the slots' score columns (1 at
-        row k, columns ``128 k .. 128 k + 127``, else 0; four GpSimd instructions per
-        class)."""
+        row k, columns ``128 k .. 128 k + 127``, else 0): the ``[trip, trip]`` identity,
+        each column repeated 128 times (three GpSimd instructions per class; fp32
+        temporaries of ``trip`` columns, not ``128 trip``: at 49 slots 75 KB fewer SBUF
+        bytes per partition at the class's start, where a key-block window is already
+        allocated)."""
         if not _pads_by_matmul(f, geo, self.res, exact):
             return self._replace(sel=None)
-        d = nl.ndarray((trip, trip * P), dtype=nl.float32, buffer=nl.sbuf)     # c - 128 k
-        port.iota(d, [[1, trip * P]], channel_multiplier=-P)
-        lo = nl.ndarray((trip, trip * P), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(lo, d, nl.greater_equal, 0.0, engine="gpsimd")
-        hi = nl.ndarray((trip, trip * P), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(hi, d, nl.less, float(P), engine="gpsimd")
+        d = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)     # c - k
+        port.iota(d, [[1, trip]], channel_multiplier=-1)
+        eye = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(eye, d, nl.equal, 0.0, engine="gpsimd")
         sel = nl.ndarray((trip, trip * P), dtype=f.mm, buffer=nl.sbuf)
-        port.tensor_tensor(sel, lo, hi, nl.multiply, engine="gpsimd")
+        # nki.* only (resident K/V or a window, _pads_by_matmul): sel seen as [trip, trip,
+        # 128] by a 0.7 access pattern
+        port.tensor_copy(sel.reshape_dim(1, (trip, P)), port.repeat_last(eye, P),
+                         engine="gpsimd")
         return self._replace(sel=sel)
 
     def instance(self, f, trip: int):
@@ -556,7 +575,11 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         hb, hh, 0:1, nl.ds(pos0, n_tiles), 0:2 + trip], legacy_isa=True)
     rows = [Row(grp[:, t, :], trip, geo.k_part, geo.k_len, geo.kv, gathers=res is None)
             for t in T.unrolled(n_tiles)]
-    blocks = _block_numbers(grp, trip, f.nku) if res is not None else None
+    blocks = None
+    if src.win is not None:
+        blocks = src.win.positions(hb, hh, pos0, n_tiles, trip)
+    elif res is not None:
+        blocks = _block_numbers(grp, trip, f.nku)
     # nki.*: the own-slot sweep's trip counts, planned before the tiles' setup so that their
     # register loads (below) find them written. Only where a group may skip a step and still
     # run one (more than W own slots): each register load stops every engine until its value
@@ -1087,8 +1110,9 @@ def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
 
 @port.jit
 def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=None,
-                               alibi_slopes=None, sinks=None, *, classes, shared=None,
-                               natural=None, shared_runtime=False, scale=1.0,
+                               alibi_slopes=None, sinks=None, window_loads=None,
+                               window_slots=None, *, classes, shared=None,
+                               natural=None, shared_runtime=False, window_blocks=0, scale=1.0,
                                causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
                                dropout_mask=False, softcap=None):
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
@@ -1100,7 +1124,12 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     processing order and ``classes`` its compile-time runs, ``shared`` and ``natural`` one
     entry per class (``host.block_sparse.kernel_tables``; None: 0 and False);
     ``shared_runtime``: ``shared`` is a bound and each group's common blocks are counted at
-    run time (``host.block_sparse.shared_bound_tables``, :func:`_attend_tiles`). Other arguments as
+    run time (``host.block_sparse.shared_bound_tables``, :func:`_attend_tiles`).
+    ``window_blocks`` > 0 (nki.*, K/V not resident): the groups read their blocks from a
+    window of that many blocks in SBUF, which each group first fills from ``window_loads``
+    (float32 ``(B or 1, Hq or 1, groups, 2 + 2 L)``) and whose positions ``window_slots``
+    (float32 ``(B or 1, Hq or 1, ceil(Nq/128), trip)``) gives per slot
+    (``host.block_sparse.window_tables``, :func:`_load_window`). Other arguments as
     :func:`forward.flash_attention_fwd` (``mm_dtype``, ``scale``, ``causal``, ``window``,
     lengths, ``dropout_p`` with ``seed``, ``dropout_mask``: the mask is returned as ``(B, Hq,
     Nq, 128 ceil(Nk/128))`` float32, positions of blocks never drawn unspecified; the score
@@ -1132,7 +1161,9 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     # longer own-slot steps in both namespaces (the same steps, the same outputs)
     fits = T.bsp_fwd_kv_resident(Nk, D, T.fwd_itemsize(mm_dtype), trip_max)
     resident = fits and port.api() == "nki"
-    step = T.BSP_RESIDENT_STEP_BLOCKS if fits else T.BSP_STEP_BLOCKS
+    win = _check_window(window_loads, window_slots, window_blocks, classes, shared,
+                        shared_runtime, fits, D, mm_dtype, trip_max)
+    step = T.BSP_RESIDENT_STEP_BLOCKS if fits or win else T.BSP_STEP_BLOCKS
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False, kv_load_block=T.BSP_FWD_KV_LOAD_BLOCK)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Nq), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -1164,7 +1195,12 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
         # tiles.BSP_FINALIZE_ACT_SHARE)
         src = KVSource(F.load_kv(f, 0, Nk, zero_blocks=1, sum_on_scalar=True,
                                  values_first=True) if resident else None, step,
-                       T.FWD_NKI_P_DMA_SHARE[port.target()] if resident else 0.0)
+                       T.FWD_NKI_P_DMA_SHARE[port.target()] if resident or win else 0.0)
+        if win is not None:
+            # the window: its tiles and a block of zeros (the padding slots'), filled by the
+            # groups (_load_window)
+            src = src._replace(res=F.load_kv(f, 0, window_blocks * P, zero_blocks=1,
+                                             load=False), win=win)
         port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, natural, h, src,
                                        shared_runtime))
 
@@ -1191,6 +1227,9 @@ def _head(f, geo: Geometry, meta, classes, shared, natural, h, src: KVSource,
                                                                  first + c))
             continue
         g = min(T.BSP_GROUP_TILES, count)
+        if csrc.win is not None and not _direct_rows(f, geo, nat):
+            _window_groups(f, geo, meta, h, q_frame, count, g, trip, exact, csrc)
+            continue
         if _direct_rows(f, geo, nat):
             _deferred_groups(f, geo, meta, h, q_frame, first, count, g, trip, exact, sh, csrc,
                              shared_runtime)
@@ -1222,23 +1261,130 @@ def _deferred_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, first: int, c
     """The groups of a class in natural order (:func:`_direct_rows`), each storing the
     previous one's outputs (:class:`_Held`): the first group is peeled (nothing to store
     before it), the other full groups are a sequential loop (they carry the held outputs),
-    then the remainder group and the last stores."""
+    then the remainder group and the last stores. With a window (``src.win``, its one
+    class) each group first gathers its new blocks (:func:`_load_window`)."""
     held = _Held(nl.ndarray((P, g, f.D), dtype=f.o.dtype, buffer=nl.sbuf),
                  nl.ndarray((P, g, 1), dtype=nl.float32, buffer=nl.sbuf))
     full = count // g
 
-    def group(pos0, n: int, prev):
-        _attend_tiles(f, geo, meta, h, q_frame, pos0, n, trip, exact, sh, src,
+    def group(c, n: int, prev):
+        if src.win is not None:
+            _load_window(f, geo, src, h, c)
+        _attend_tiles(f, geo, meta, h, q_frame, first + c * g, n, trip, exact, sh, src,
                       held._replace(prev=prev), shared_runtime)
 
-    group(first, g, None)
-    port.loop(full, lambda c: group(first + c * g, g, first + (c - 1) * g), carried=True,
-              start=1)
+    group(0, g, None)
+    port.loop(full, lambda c: group(c, g, first + (c - 1) * g), carried=True, start=1)
     last, n = first + (full - 1) * g, g
     if count % g:
-        group(first + full * g, count % g, last)
+        group(full, count % g, last)
         last, n = first + full * g, count % g
     _store_held(f, f.head(h), held, last, n, trip)
+
+
+class _Window(NamedTuple):
+    """nki.*, K/V not resident: the key-block window's tables (``host.block_sparse.
+    window_tables``, HBM float32): ``loads`` ``(b, h, groups, 2 + 2 L)``, per group the count
+    of steps of ``tiles.BSP_WINDOW_LOAD_BLOCKS`` blocks it gathers into the window, 0, their
+    first keys and their positions (padding entries: past every key, to the block of zeros);
+    ``slots`` ``(b, h, rows, trip)``, each slot's window position (the block of zeros for a
+    padding slot)."""
+
+    loads: object
+    slots: object
+
+    def positions(self, hb, hh, pos0, n: int, trip: int):
+        """int32 ``[1, n, trip]``: the window positions of the slots of a group's ``n`` tiles
+        (order positions ``pos0 ..``): one DMA and one VectorE conversion (exact: small
+        integers in fp32), as :func:`_block_numbers` for resident K/V."""
+        s = self.slots
+        x = nl.ndarray((1, n, trip), dtype=nl.float32, buffer=nl.sbuf)
+        port.dma_copy(x, s.reshape((s.shape[0], s.shape[1], 1, s.shape[2], s.shape[3]))[
+            hb, hh, 0:1, nl.ds(pos0, n), 0:trip], legacy_isa=True)
+        out = nl.ndarray((1, n, trip), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_copy(out, x, engine="vector")
+        return out
+
+
+def _check_window(loads, slots, blocks, classes, shared, shared_runtime: bool, fits: bool,
+                  D: int, mm_dtype: str, trip: int) -> Optional[_Window]:
+    """The window of a launch (``window_blocks`` > 0; None: none), checked: nki.* only (a
+    runtime trip count fills it), K/V not resident, at most the blocks that fit in SBUF
+    (:func:`tiles.bsp_fwd_window_blocks`), both tables given, one class of the tables'
+    ``trip`` slots, not shared (``host.block_sparse.window_tables``)."""
+    if not isinstance(blocks, int) or blocks < 0:
+        raise ValueError(f"window_blocks: expected an int >= 0, got {blocks!r}")
+    if not blocks:
+        if loads is not None or slots is not None:
+            raise ValueError("window_loads, window_slots: given with window_blocks=0; allowed: "
+                             "None (no window)")
+        return None
+    most = T.bsp_fwd_window_blocks(D, T.fwd_itemsize(mm_dtype), trip)
+    if port.api() != "nki" or fits or blocks > most:
+        raise ValueError(f"window_blocks: a window of {blocks} blocks needs nki.*, K/V not "
+                         f"resident and at most {most} blocks; got api={port.api()!r}, "
+                         f"resident={fits}")
+    if loads is None or slots is None:
+        raise ValueError("window_loads, window_slots: both needed with window_blocks > 0, got "
+                         f"{type(loads).__name__}, {type(slots).__name__}")
+    if (len(classes) != 1 or classes[0][2] != trip or any(shared) or shared_runtime
+            or tuple(slots.shape[2:]) != (classes[0][1], trip)):
+        raise ValueError(f"window_slots: expected one class of {trip} slots, not shared, "
+                         f"and slots (.., {classes[0][1]}, {trip}); got classes={classes!r}, "
+                         f"shared={shared!r}, slots {tuple(slots.shape)}")
+    return _Window(loads, slots)
+
+
+def _window_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, count: int, g: int,
+                   trip: int, exact: bool, src: KVSource):
+    """The groups of the one class of a window's tables (``src.win``): each gathers its new
+    blocks into the window (:func:`_load_window`), then its tiles read every block in place
+    (:func:`_attend_tiles` with the window as resident K/V). A sequential loop: a group
+    reads blocks earlier groups gathered."""
+    def group(c, n: int):
+        _load_window(f, geo, src, h, c)
+        _attend_tiles(f, geo, meta, h, q_frame, c * g, n, trip, exact, 0, src)
+
+    port.loop(count // g, lambda c: group(c, g), carried=True)
+    if count % g:
+        group(count // g, count % g)
+
+
+def _load_window(f, geo: Geometry, src: KVSource, h, c):
+    """Gather group ``c``'s new key blocks into the window (``src.res``): its row of
+    ``window_loads`` in one DMA, made a :class:`Row` of the blocks' first keys (their gather
+    indices for every block at once), then a loop of the group's steps (a register bound) of
+    ``tiles.BSP_WINDOW_LOAD_BLOCKS`` blocks, each gathered as a step of :func:`_gather_kv`
+    (K, V rows by indirect DMA, padding entries skipped into zeros, V guarded, K^T by
+    TensorE) and copied block by block into the window at its position (a runtime SBUF
+    offset, :func:`port.select_block`; VectorE and GpSimd)."""
+    loads = src.win.loads
+    head = f.head(h)
+    hb = f.b if loads.shape[0] > 1 else 0
+    hh = head if loads.shape[1] > 1 else 0
+    width = loads.shape[3]
+    L = (width - 2) // 2
+    Wl = T.BSP_WINDOW_LOAD_BLOCKS
+    row = nl.ndarray((1, width), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(row, loads[hb, hh, nl.ds(c, 1), :], legacy_isa=True)
+    n = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_copy(n, row[0:1, 0:1], engine="gpsimd")
+    pos = nl.ndarray((1, L), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_copy(pos, row[0:1, 2 + L:width], engine="gpsimd")
+    rw = Row(row[0:1, 0:2 + L], L, geo.k_part, geo.k_len, geo.kv)
+
+    def step(j):
+        v = nl.ndarray((P, Wl, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+        F.ones_column(f, v[:, :, f.D:f.D + 1])
+        kv = _gather_kv(f, rw, v, j * Wl, Wl, True)
+        for w in T.unrolled(Wl):
+            at = pos[0:1, nl.ds(j * Wl + w, 1)]
+            for pi in T.unrolled(len(kv.kT)):
+                port.tensor_copy(port.select_block(src.res.kT[pi], at, P),
+                                 kv.kT[pi][:, w * P:(w + 1) * P], engine="vector")
+            port.tensor_copy(port.select_block(src.res.v, at), v[:, w, :], engine="gpsimd")
+
+    port.loop_between(0, port.register(n), step)
 
 
 def _store_held(f, head, held: _Held, pos0, n: int, trip: int):

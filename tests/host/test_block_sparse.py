@@ -386,3 +386,89 @@ def test_shared_bound_tables_list_each_groups_common_blocks_first_in_a_bounded_s
     # a bool mask (a compile-time pattern) keeps its sorted, tight classes
     sp = bs.check_block_mask(mask, 1, 1, 512, 512)
     assert not bs.launch_tables(sp, group=1, backward=False, share_runtime=True).q.shared_runtime
+
+
+# -- the forward's key-block window past SBUF (issue 25, item 1) ---------------------------
+
+
+def _band_strided(nqt):
+    i, j = np.arange(nqt)[:, None], np.arange(nqt)[None, :]
+    return ((np.abs(i - j) <= 1) | (j == 8 * (i // 8)))[None, None]
+
+
+def _replay(win, index):
+    """Replay ``win``'s loads group by group (a window of ``win.blocks`` blocks, -1 empty)
+    and check that every slot of every tile names the position holding its block (padding:
+    the block of zeros); returns the blocks gathered per (b, h)."""
+    meta, slots, loads = win.tables.meta, win.slots, win.loads
+    b, h, n, _ = meta.shape
+    width = (loads.shape[-1] - 2) // 2
+    g = min(T.BSP_GROUP_TILES, n)
+    gathered = np.zeros((b, h), dtype=np.int64)
+    for x in range(b):
+        for y in range(h):
+            held = np.full(win.blocks + 1, -1)
+            for gi, a in enumerate(range(0, n, g)):
+                live = loads[x, y, gi, 2:2 + width] < T.BSP_PAD_FIRST
+                count = int(live.sum())
+                # whole steps of loads, the blocks first, then padding entries (zero block)
+                assert int(loads[x, y, gi, 0]) == -(-count // T.BSP_WINDOW_LOAD_BLOCKS)
+                assert live[:count].all() and width % T.BSP_WINDOW_LOAD_BLOCKS == 0
+                assert (loads[x, y, gi, 2 + width + count:] == win.blocks).all()
+                firsts = loads[x, y, gi, 2:2 + count].astype(np.int64)
+                held[loads[x, y, gi, 2 + width:2 + width + count].astype(np.int64)] = (
+                    firsts // bs.BLOCK)
+                gathered[x, y] += count
+                for r in range(a, min(a + g, n)):
+                    tile = int(meta[x, y, r, 0]) // bs.BLOCK
+                    num = int(index.num_blocks[x, y, tile])
+                    assert int(meta[x, y, r, 1]) == num
+                    pos = slots[x, y, r].astype(np.int64)
+                    assert (held[pos[:num]] == index.indices[x, y, tile, :num]).all()
+                    assert (pos[num:] == win.blocks).all()
+                    assert (meta[x, y, r, 2 + num:] == T.BSP_PAD_FIRST).all()
+            assert sorted(meta[x, y, :, 0] // bs.BLOCK) == list(range(n))
+    return gathered
+
+
+@pytest.mark.parametrize("name", ["band", "fixed", "random"])
+def test_window_tables_hold_every_slots_block_and_gather_fewer(name):
+    """The window's tables (``window_tables``): replaying each group's loads, every slot of
+    every tile names the window position holding its key block. The band+strided pattern
+    and the rotated fixed-density one gather each key block once (the grouping: several
+    times, ``grouped_block_loads``); a random pattern in a small window gathers no more
+    than the grouping whenever ``window_plan`` takes it (here it does: 166 against 674)."""
+    nqt = 40
+    mask = {"band": _band_strided(nqt), "fixed": bs.fixed_density(nqt, nqt, 0.1),
+            "random": np.random.default_rng(5).random((2, 2, nqt, nqt)) < 0.1}[name]
+    index = bs.dense_to_index(mask)
+    # the random pattern's window holds fewer blocks than the pattern uses: it evicts
+    blocks = 32 if name == "random" else 64
+    win = bs.window_tables(index, blocks, T.BSP_GROUP_TILES)
+    gathered = _replay(win, index)
+    assert win.block_loads == gathered.sum()
+    grouped = bs.kernel_tables(index, sort=True, share=T.BSP_GROUP_TILES)
+    runtime = bs.shared_bound_tables(index, T.BSP_GROUP_TILES)
+    if name != "random":
+        assert (gathered == nqt).all()
+        for t in (grouped, runtime):
+            assert bs.grouped_block_loads(t, T.BSP_GROUP_TILES) >= 2 * nqt
+    sparsity = bs.check_block_mask(mask, mask.shape[0], mask.shape[1], nqt * 128, nqt * 128)
+    plan = bs.window_plan(sparsity, grouped, blocks)
+    assert plan.block_loads < bs.grouped_block_loads(grouped, T.BSP_GROUP_TILES)
+
+
+def test_window_tables_refuse_a_group_wider_than_the_window():
+    """A group whose tiles need more key blocks than the window holds: no window tables
+    (the forward keeps the grouping)."""
+    mask = np.zeros((1, 1, 8, 16), dtype=bool)
+    mask[0, 0, :, :] = np.arange(16)[None, :] % 8 == np.arange(8)[:, None]   # 2 each, 16 in all
+    index = bs.dense_to_index(mask)
+    assert bs.window_tables(index, 15, T.BSP_GROUP_TILES) is None
+    assert bs.window_tables(index, 16, T.BSP_GROUP_TILES).block_loads == 16
+    sparsity = bs.check_block_mask(mask, 1, 1, 8 * 128, 16 * 128)
+    grouped = bs.kernel_tables(index, sort=True, share=T.BSP_GROUP_TILES)
+    assert bs.window_plan(sparsity, grouped, 0) is None
+    assert bs.window_plan(sparsity, grouped, 15) is None
+    # the grouping gathers each tile's 2 blocks too: 16, as many
+    assert bs.window_plan(sparsity, grouped, 16) is None

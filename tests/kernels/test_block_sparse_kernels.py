@@ -905,3 +905,178 @@ def test_nki_index_form_past_sbuf_matches_legacy_and_compiles_once_per_bound(mon
     _same(outs["nki"], outs["legacy"])
     want = ref.attention_forward(q, k, v, block_mask=mask, window=(300, 100))[0]
     assert _err(outs["nki"][0], want) < 2e-6
+
+
+# -- nki.* key-block window past SBUF (issue 25, item 1) --------------------------------------
+
+
+def _band_strided(nqt):
+    i, j = np.arange(nqt)[:, None], np.arange(nqt)[None, :]
+    return ((np.abs(i - j) <= 1) | (j == 8 * (i // 8)))[None, None]
+
+
+@pytest.mark.parametrize("form", ["bool", "index"])
+def test_nki_window_past_sbuf_gathers_each_block_once_with_the_planned_bytes(monkeypatch, form):
+    """Past SBUF (forced at N = 2560: 20 query tiles, two groups of 8 and a remainder of 4;
+    GQA 2:1) the nki.* forward fills a key-block window group by group
+    (``host.block_sparse.window_tables``): on the band+strided pattern, whose groups share
+    no common block, each query head reads K and V once (the grouping: 3.6 times in the bool
+    form, 2.75 in the index form), the HBM
+    bytes are exactly ``window_hbm_bytes``' and the grouping's K bytes
+    ``grouped_block_loads``' blocks; the outputs the reference's, and the grouping's to
+    rounding."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    B, Hq, N, D = 1, 2, 20 * 128, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, N, N, D, seed=61)
+    mask = _band_strided(20)
+    pattern = mask if form == "bool" else tuple(bs.dense_to_index(mask))
+    sparsity = bs.check_block_mask(pattern, B, Hq, N, N)
+    grouped = bs.launch_tables(sparsity, group=Hq, backward=False,
+                               share_runtime=form == "index").q
+    win = bs.window_plan(sparsity, grouped,
+                         T.bsp_fwd_window_blocks(D, 4, sparsity.index.max_blocks))
+    want = ref.attention_forward(q, k, v, block_mask=mask)[0]
+    runs = {}
+    for windowed in (True, False):
+        if not windowed:
+            monkeypatch.setattr(bs, "window_plan", lambda *args: None)
+        with simulate.measure(target="trn2") as m:
+            o = host.flash_attention(q, k, v, block_mask=pattern, mixed_precision=False)
+        assert ("window_loads" in m.per_tensor) == windowed
+        assert _err(o, want) < 2e-6
+        runs[windowed] = (o, m.per_tensor["k"]["read"],
+                          m.hbm_bytes_read + m.hbm_bytes_written)
+    # the tables are the pattern's (1, 1), every query head runs them
+    assert runs[True][1] == Hq * N * D * 4 == Hq * win.block_loads * 128 * D * 4
+    assert runs[True][2] == bs.window_hbm_bytes(win, B, Hq, N, N, D, 4)
+    grouped_k = bs.grouped_block_loads(grouped, T.BSP_GROUP_TILES) * Hq * 128 * D * 4
+    assert runs[False][1] == grouped_k
+    assert runs[False][1] >= 2 * runs[True][1]
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("form", ["bool", "index"])
+def test_nki_window_past_sbuf_matches_the_reference_with_lengths_and_padding(monkeypatch, form):
+    """The window path on a random pattern per (batch, head) (B = 2, GQA 2:1), partial last
+    query and key tiles, valid lengths and a causal band: the outputs and LSE are the
+    reference's (padding rows zeros and -inf), through the window (its tables read)."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    B, Hq, Nq, Nk, D = 2, 2, 10 * 128 + 37, 11 * 128 - 50, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=62)
+    mask = _pattern(B, Hq, Nq, Nk, 0.2, seed=63)
+    mask[0, 1, 3] = False                        # a query tile without blocks
+    pattern = mask if form == "bool" else tuple(bs.dense_to_index(mask))
+    kw = dict(causal="bottom_right", kv_lens=np.array([Nk - 300, Nk], np.int32),
+              q_lens=np.array([Nq, Nq - 200], np.int32))
+    with simulate.measure(target="trn2") as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True,
+                                      mixed_precision=False, **kw)
+    assert "window_loads" in m.per_tensor
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask, **kw)[:2]
+    assert _err(o, o_ref) < 2e-6
+    fin = np.isfinite(lse_ref)
+    assert (np.isfinite(lse) == fin).all()
+    assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
+
+
+def test_nki_window_program_does_not_grow_with_n(monkeypatch):
+    """The window path's program (groups, window loads, slots: compiled loops over table
+    data) has the same size at 20 and 36 query tiles of the band+strided pattern in the index
+    form (the tables' shapes grow, not the program)."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    sizes = []
+    for nqt in (20, 36):
+        N, D = nqt * 128, 16
+        q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=64)
+        index = bs.dense_to_index(_band_strided(nqt), 4)
+        win = bs.window_tables(index, T.bsp_fwd_window_blocks(D, 4, 4), T.BSP_GROUP_TILES)
+        t = win.tables
+        sizes.append(program_size(
+            block_sparse_attention_fwd.on("nki"), launch_grid((1, 1), "nki"), q, k, v, t.meta,
+            window_loads=win.loads, window_slots=win.slots, window_blocks=win.blocks,
+            classes=t.classes, shared=t.shared, natural=t.natural, mm_dtype="float32"))
+    assert sizes[0] == sizes[1]
+
+
+def test_nki_window_arguments_are_checked(monkeypatch):
+    """The window's arguments: refused without nki.* or with resident K/V, wider than SBUF
+    holds, without its tables, with tables it would ignore, or over other classes."""
+    N, D = 12 * 128, 16
+    q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=65)
+    index = bs.dense_to_index(_band_strided(12), 4)
+    most = T.bsp_fwd_window_blocks(D, 4, 4)
+    win = bs.window_tables(index, most, T.BSP_GROUP_TILES)
+    t = win.tables
+    base = dict(window_loads=win.loads, window_slots=win.slots, window_blocks=win.blocks,
+                classes=t.classes, mm_dtype="float32")
+
+    def run(api, **kw):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        program_size(block_sparse_attention_fwd.on(api), launch_grid((1, 1), api), q, k, v,
+                     t.meta, **{**base, **kw})
+
+    with pytest.raises(ValueError, match=r"window_blocks: a window of \d+ blocks needs nki\.\*, "
+                                         r"K/V not resident .* got api='nki', resident=True"):
+        run("nki")
+    _past_sbuf(monkeypatch)
+    with pytest.raises(ValueError, match="got api='legacy', resident=False"):
+        run("legacy")
+    with pytest.raises(ValueError, match=f"at most {most} blocks"):
+        run("nki", window_blocks=most + 1)
+    with pytest.raises(ValueError, match=r"window_blocks: expected an int >= 0, got -1"):
+        run("nki", window_blocks=-1)
+    with pytest.raises(ValueError, match="both needed with window_blocks > 0, got Tensor, "
+                                         "NoneType"):
+        run("nki", window_slots=None)
+    with pytest.raises(ValueError, match="given with window_blocks=0"):
+        run("nki", window_blocks=0)
+    with pytest.raises(ValueError, match=r"window_slots: expected one class of 4 slots"):
+        run("nki", classes=((0, 8, 4, False), (8, 4, 4, False)))
+
+
+@pytest.mark.parametrize("kw", [dict(dropout_p=0.2, seed=5),
+                                dict(softcap=5.0, sinks=np.array([0.5, -1.0], np.float32))],
+                         ids=["dropout", "softcap-sinks"])
+def test_nki_window_past_sbuf_agrees_with_the_grouping_under_dropout_and_modifiers(
+        monkeypatch, kw):
+    """Through the window the forward draws the dropout units' bits and applies the score
+    modifiers as the grouping does (GQA 2:1, a random pattern per head): the outputs and LSE
+    agree to rounding."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    N, D = 12 * 128, 16
+    q, k, v, _ = attention_inputs(1, 2, 1, N, N, D, seed=66)
+    mask = _pattern(1, 2, N, N, 0.3, seed=67)
+    outs = []
+    for windowed in (True, False):
+        if not windowed:
+            monkeypatch.setattr(bs, "window_plan", lambda *args: None)
+        with simulate.measure(target="trn2") as m:
+            outs.append(host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                             mixed_precision=False, **kw))
+        assert ("window_loads" in m.per_tensor) == windowed
+    np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=0, atol=4e-6)
+
+
+def test_nki_window_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
+    """A window as wide as ``tiles.bsp_fwd_window_blocks`` allows (Nk = 64K, D = 128, bf16:
+    one group of 8 query tiles of about 46 random key blocks each, 314 blocks in all) keeps
+    the peak SBUF within trn2's budget (90 % of a partition) beside the rest of the kernel:
+    the per-slot tables, the load row's tables and the padding selector."""
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    Nq, Nk, D = 1024, 65536, 128
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 1, Nq, D)).astype(BF16)
+    k, v = (rng.standard_normal((1, 1, Nk, D)).astype(BF16) for _ in range(2))
+    mask = np.random.default_rng(1).random((1, 1, Nq // 128, Nk // 128)) < 0.09
+    index = bs.dense_to_index(mask)
+    most = T.bsp_fwd_window_blocks(D, 2, index.max_blocks)
+    assert bs.window_tables(index, most, T.BSP_GROUP_TILES).blocks == most
+    with simulate.measure(target="trn2") as m:
+        host.flash_attention(q, k, v, block_mask=mask)
+    assert "window_loads" in m.per_tensor
+    assert m.peak_sbuf_bytes_per_partition <= T.FWD_SBUF_BUDGET_BYTES["trn2"]
