@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _strict
+from . import _runtime, _strict
 from ._errors import fmt_shape
 
 DOC_SCALAR = ("https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/"
@@ -131,9 +131,11 @@ class VirtualRegister(NkiScalar):
     def set(self, value):
         if self.frozen:
             raise ValueError("VirtualRegister: this register is read-only (frozen)")
+        self.initialized = True
+        if _runtime.is_text_only():         # program text only: the value is not kept
+            return
         self.v = _wrap(int(value.v if isinstance(value, _strict.SymbolicIndex) else value),
                        32)
-        self.initialized = True
 
     def __repr__(self):
         return f"VirtualRegister={self.v}"

@@ -42,7 +42,7 @@ def space(buf):
 class Storage:
     __slots__ = ("arr", "di", "buffer", "_name", "pdim", "ctx", "param", "mutable", "written",
                  "bpp", "banks", "acct", "aloops", "deps", "foreign", "pinned",
-                 "copy_out", "reduce_loops", "fresh", "expired", "lazy", "uid", "__weakref__")
+                 "copy_out", "reduce_loops", "groups", "expired", "lazy", "uid", "__weakref__")
 
     def __init__(self, arr, di, buffer, ctx, pdim=0, name=None):
         self.arr = arr
@@ -60,15 +60,15 @@ class Storage:
         self.pinned = False
         self.copy_out = 0         # cycles of a compiler-inserted PSUM -> SBUF copy, if any
         self.reduce_loops = ()    # uids of the loops an nl.loop_reduce accumulator reduces over
-        self.fresh = None         # PSUM ndarray: bool array of elements never written yet
+        self.groups = None        # PSUM: per-element accumulation-group state (PSUM_* codes)
         self.expired = None       # (file, line) of the loop whose iteration it died with
         self.lazy = False         # allocated block by block beyond capacity (_spill)
         self.uid = None           # allocation number in its grid instance (_spill)
         # loops active at allocation (uids) and per-loop written-element records (_deps)
         self.aloops = _deps.alloc_loops(ctx) if ctx is not None else ()
         self.deps = None
-        # PSUM: the non-TensorE instruction that last wrote (part of) this tile since TensorE
-        # last overwrote it, or None (the accumulation-group rule of strict mode)
+        # PSUM: the last instruction that left a foreign value (PSUM_FOREIGN) in this tile, for
+        # the messages of the accumulation-group rules
         self.foreign = None
 
     @staticmethod
@@ -531,7 +531,10 @@ class Tensor:
         return out
 
     def _write(self, vals, mask=None, skip_oob=False):
-        """Write backing-dtype ``vals`` (broadcastable to self.shape) where ``mask``."""
+        """Write backing-dtype ``vals`` (broadcastable to self.shape) where ``mask``; nothing
+        while kernel code runs for its program text only (``_runtime.text_only``)."""
+        if _runtime.is_text_only():
+            return
         if _sched.ACTIVE is not None:
             _sched.ACTIVE.write(self)
             if self._ind is not None:
@@ -1152,8 +1155,9 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
         _recharge_direct(ctx, value, vshape, dst, dshape, n, m)
         if _sched.ACTIVE is not None:
             _sched.ACTIVE.direct(value._st)
-    if st.buffer == PSUM:
-        _track_psum_writer(st, direct, tag, accumulate, value)
+    group = None
+    if st.buffer == PSUM and not _runtime.is_text_only():
+        group = _psum_group_write(dst, direct, tag, accumulate, value)
     if accumulate is None:
         if ddi is not vdi and not (ddi is F32 and vdi.is_float):
             vals = ddi.round(vals)
@@ -1168,17 +1172,18 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
         fn = _ACC_FN[accumulate]
         cur = dst._read()
         fresh = None
-        if st.fresh is not None and direct and tag in _TENSOR_ENGINE_TAGS:
+        if st.groups is not None and direct and tag in _TENSOR_ENGINE_TAGS:
             # the first matmul of an accumulation group overwrites its bank (spec §9.1): an
             # element never written since the PSUM tile was allocated holds no addend
-            fresh = _companion(dst, st.fresh)
+            fresh = _companion(dst, st.groups) == PSUM_UNWRITTEN
             if not fresh.any():
                 fresh = None
         if fresh is not None:
             a = np.where(fresh, np.zeros((), cur.dtype), cur)
             a = a.astype(np.float32, copy=False) if ddi.is_float else a.astype(np.float64)
             dst._write(ddi.round(fn(a, vals)), m)
-        elif ddi is F32 and m is None and dst._v is not None and vals.dtype == np.float32:
+        elif (ddi is F32 and m is None and dst._v is not None and vals.dtype == np.float32
+              and not _runtime.is_text_only()):
             fn(cur, vals, out=cur)
         else:
             a = cur.astype(np.float32, copy=False) if ddi.is_float else cur.astype(np.float64)
@@ -1190,8 +1195,8 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
             b_psum = type(value) is Tensor and value._st.buffer == PSUM and not direct
             rec.add("vector", _cost.tensor_tensor_cycles(
                 n, a_psum, b_psum, ddi is _dtypes.BF16 and vdi is _dtypes.BF16))
-    if st.fresh is not None:
-        _mark_written(dst, st.fresh, m)
+    if group is not None:
+        _mark_written(dst, st.groups, m, *group)
     st.written = True
 
 
@@ -1211,40 +1216,70 @@ def _companion(t, comp):
     return np.broadcast_to(comp[key], t.shape)
 
 
-def _mark_written(t, comp, mask):
+def _mark_written(t, comp, mask, code, only=None):
+    """Set ``comp`` (a per-element companion of ``t``'s storage) to ``code`` where ``t``
+    addresses it (and ``mask`` holds); with ``only``, just the elements now equal to it."""
     if t._v is not None:
         fv = _companion(t, comp)
-        if mask is None:
-            fv[...] = False
+        sel = None if mask is None else np.broadcast_to(mask, fv.shape)
+        if only is not None:
+            sel = fv == only if sel is None else sel & (fv == only)
+        if sel is None:
+            fv[...] = code
         else:
-            np.copyto(fv, False, where=np.broadcast_to(mask, fv.shape))
+            np.copyto(fv, code, where=sel)
         return
     key, valid = _resolve(t, None, True)
     bk = np.broadcast_arrays(*key)
     sel = np.ones(t.shape, bool) if mask is None else np.broadcast_to(mask, t.shape)
     if valid is not None:
         sel = sel & valid
-    comp[tuple(k[sel] for k in bk)] = False
+    if only is not None:
+        sel = sel & (np.broadcast_to(comp[key], t.shape) == only)
+    comp[tuple(k[sel] for k in bk)] = code
 
 
-def _track_psum_writer(st, direct, tag, accumulate, value):
-    """Accumulation groups of a PSUM tile: a TensorE overwrite starts a clean group; another
-    engine's write (other than a zero fill) leaves a foreign value that a later TensorE
-    accumulation must not add onto (refused in strict mode, see _strict)."""
+# Accumulation-group state of a PSUM element (``Storage.groups``). TensorE's first matmul of a
+# group overwrites and the later ones accumulate (spec §9.1); NKI 0.7's nc_matmul stub
+# ("Accumulation mode") makes ``accumulate=True`` valid only where an ``accumulate=False``
+# matmul opened the group, and calls accumulating onto a value a non-matmul instruction
+# (memset, tensor_copy) left undefined on NeuronCore-v2/v3.
+PSUM_UNWRITTEN = 0   # not written since allocation
+PSUM_MATMUL = 1      # a TensorE overwrite opened the group (later TensorE adds keep it open)
+PSUM_ZERO = 2        # a zero fill (nl.zeros, memset 0, ``t[...] = 0``) by another engine
+PSUM_FOREIGN = 3     # any other value another engine wrote
+
+
+def psum_groups(t):
+    """The accumulation-group codes of the PSUM elements ``t`` addresses (an array shaped
+    like ``t``), or None when ``t``'s storage does not track them (an instruction's result)."""
+    st = t._st
+    return None if st.groups is None else _companion(t, st.groups)
+
+
+def _psum_group_write(dst, direct, tag, accumulate, value):
+    """The accumulation-group code a write into PSUM ``dst`` leaves, as ``(code, only)`` for
+    :func:`_mark_written`. A TensorE overwrite opens a group; a TensorE accumulation overwrites
+    (and so opens) the never-written elements and keeps the others' state; another engine's
+    write leaves a zero fill or a foreign value. In strict mode a TensorE accumulation onto a
+    foreign value is refused (_strict item 4); the check is per element."""
+    st = dst._st
+    if st.groups is None:       # an instruction's result tile: it holds that result
+        st.groups = np.full(st.arr.shape, PSUM_MATMUL, np.uint8)
     by_pe = direct and tag in _TENSOR_ENGINE_TAGS
     if by_pe and accumulate == "add":
-        if st.foreign is not None and _strict.is_strict():
+        if _strict.is_strict() and (psum_groups(dst) == PSUM_FOREIGN).any():
             _strict.refuse_foreign_accumulation(st.name, st.foreign)
-        return
+        return PSUM_MATMUL, PSUM_UNWRITTEN
     if by_pe and accumulate is None:
-        st.foreign = None
-        return
+        return PSUM_MATMUL, None
     if accumulate is None and (
             (isinstance(value, (int, float, np.number)) and value == 0)
             or (direct and tag == "memset" and not np.any(value._st.arr))):
-        return                                   # a zero fill: same result either way
+        return PSUM_ZERO, None                   # a zero fill: same result either way
     st.foreign = (f"'{tag}'" if direct and tag else
                   "a VectorE accumulation" if accumulate is not None else "a copy")
+    return PSUM_FOREIGN, None
 
 
 def _free(shape):
