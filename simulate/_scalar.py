@@ -141,6 +141,12 @@ class VirtualRegister(NkiScalar):
         return f"VirtualRegister={self.v}"
 
 
+def runtime_name(x):
+    """``x``'s name when it is a runtime scalar (a register, a fori_loop index, a value computed
+    from them), else None."""
+    return x.what if isinstance(x, NkiScalar) else None
+
+
 def value(x):
     """Python int of an int or a runtime scalar (for the simulator's own use)."""
     return x.v if isinstance(x, _strict.SymbolicIndex) else int(x)

@@ -26,6 +26,7 @@ from ._errors import nki_error, hw_error, fmt_shape
 from ._index import IndexExpr, MGridResult, Predicate, _is_int
 from ._fit import fit_value, fit_mask  # noqa: F401 (re-exported to isa/language)
 from ._runtime import enter
+from ._scalar import runtime_name
 
 SBUF, PSUM, HBM, SHARED_HBM = "sbuf", "psum", "hbm", "shared_hbm"
 _HBM_KINDS = (HBM, SHARED_HBM)
@@ -42,7 +43,8 @@ def space(buf):
 class Storage:
     __slots__ = ("arr", "di", "buffer", "_name", "pdim", "ctx", "param", "mutable", "written",
                  "bpp", "banks", "acct", "aloops", "deps", "foreign", "pinned",
-                 "copy_out", "reduce_loops", "groups", "expired", "lazy", "uid", "__weakref__")
+                 "copy_out", "reduce_loops", "groups", "gkinds", "expired", "lazy", "uid",
+                 "__weakref__")
 
     def __init__(self, arr, di, buffer, ctx, pdim=0, name=None):
         self.arr = arr
@@ -61,6 +63,7 @@ class Storage:
         self.copy_out = 0         # cycles of a compiler-inserted PSUM -> SBUF copy, if any
         self.reduce_loops = ()    # uids of the loops an nl.loop_reduce accumulator reduces over
         self.groups = None        # PSUM: per-element accumulation-group state (PSUM_* codes)
+        self.gkinds = 0           # bit c set: some element of ``groups`` may hold code c
         self.expired = None       # (file, line) of the loop whose iteration it died with
         self.lazy = False         # allocated block by block beyond capacity (_spill)
         self.uid = None           # allocation number in its grid instance (_spill)
@@ -156,7 +159,7 @@ class Tensor:
     _dyn_index = True           # a tile used as an index is an indirect (dynamic) index
 
     __slots__ = ("_st", "shape", "_v", "_base", "_key", "_dyn", "_oob", "_pax", "_p0", "_pst",
-                 "_mask", "_tag", "_inpl", "_chg", "_ind", "__weakref__")
+                 "_mask", "_tag", "_inpl", "_chg", "_ind", "_rto", "__weakref__")
     _is_nki_tensor = True
     __array_ufunc__ = None      # make numpy defer to our reflected operators
 
@@ -177,6 +180,7 @@ class Tensor:
         self._tag = None
         self._inpl = -1
         self._ind = None          # index tensors a runtime-offset view reads (_views)
+        self._rto = None          # the runtime scalar (nki.*) an offset of this view came from
 
     # -- properties ----------------------------------------------------------------------------
     @property
@@ -242,11 +246,16 @@ class Tensor:
         t._tag = None
         t._inpl = -1
         t._ind = self._ind
+        t._rto = self._rto
         return t
 
     # -- indexing --------------------------------------------------------------------------------
     def __getitem__(self, key):
-        return self._index(key)
+        r = self._index(key)
+        rto = _runtime_scalar_in(key)
+        if rto is not None:
+            r._rto = rto
+        return r
 
     def _index(self, key):
         if type(key) is not tuple:
@@ -469,6 +478,7 @@ class Tensor:
                              f"{fmt_shape(self.shape)} into {fmt_shape(shape)}: {e}") from None
         t = Tensor(self._st, v)
         t._pax = 0
+        t._rto = self._rto
         return t
 
     def view(self, dtype):
@@ -715,7 +725,20 @@ def _fancy(t, base, key, shape, dyn, oob, pax, p0, pst):
     r._tag = None
     r._inpl = -1
     r._ind = t._ind
+    r._rto = t._rto
     return r
+
+
+def _runtime_scalar_in(key):
+    """The name of a runtime scalar in an index key (an entry, or a slice bound), or None."""
+    for k in key if type(key) is tuple else (key,):
+        if type(k) is slice:
+            rto = runtime_name(k.start) or runtime_name(k.stop)
+        else:
+            rto = runtime_name(k)
+        if rto is not None:
+            return rto
+    return None
 
 
 def _index_advanced(t, key):
@@ -1172,7 +1195,8 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
         fn = _ACC_FN[accumulate]
         cur = dst._read()
         fresh = None
-        if st.groups is not None and direct and tag in _TENSOR_ENGINE_TAGS:
+        if (st.groups is not None and st.gkinds & _UNWRITTEN_BIT and direct
+                and tag in _TENSOR_ENGINE_TAGS):
             # the first matmul of an accumulation group overwrites its bank (spec §9.1): an
             # element never written since the PSUM tile was allocated holds no addend
             fresh = _companion(dst, st.groups) == PSUM_UNWRITTEN
@@ -1196,7 +1220,7 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
             rec.add("vector", _cost.tensor_tensor_cycles(
                 n, a_psum, b_psum, ddi is _dtypes.BF16 and vdi is _dtypes.BF16))
     if group is not None:
-        _mark_written(dst, st.groups, m, *group)
+        _set_groups(dst, m, *group)
     st.written = True
 
 
@@ -1248,27 +1272,46 @@ PSUM_UNWRITTEN = 0   # not written since allocation
 PSUM_MATMUL = 1      # a TensorE overwrite opened the group (later TensorE adds keep it open)
 PSUM_ZERO = 2        # a zero fill (nl.zeros, memset 0, ``t[...] = 0``) by another engine
 PSUM_FOREIGN = 3     # any other value another engine wrote
+_UNWRITTEN_BIT = 1 << PSUM_UNWRITTEN
 
 
-def psum_groups(t):
-    """The accumulation-group codes of the PSUM elements ``t`` addresses (an array shaped
-    like ``t``), or None when ``t``'s storage does not track them (an instruction's result)."""
+def new_groups(st, code):
+    """Give PSUM storage ``st`` its accumulation-group codes, every element ``code``."""
+    st.groups = np.full(st.arr.shape, code, np.uint8)
+    st.gkinds = 1 << code
+
+
+def has_group(t, code) -> bool:
+    """Whether an element the PSUM view ``t`` addresses holds accumulation-group ``code``
+    (``t``'s storage tracks them)."""
     st = t._st
-    return None if st.groups is None else _companion(t, st.groups)
+    return bool(st.gkinds >> code & 1) and bool((_companion(t, st.groups) == code).any())
+
+
+def _set_groups(dst, mask, code, only):
+    """``_mark_written`` of a group code, skipped when the storage-wide ``gkinds`` shows there
+    is nothing to change (most accumulating matmuls), and ``gkinds`` kept exact after it."""
+    st = dst._st
+    bit = 1 << code
+    if (st.gkinds == bit) if only is None else not st.gkinds >> only & 1:
+        return
+    _mark_written(dst, st.groups, mask, code, only)
+    kinds = np.bincount(st.groups.reshape(-1), minlength=PSUM_FOREIGN + 1)
+    st.gkinds = sum(1 << c for c, n in enumerate(kinds) if n)
 
 
 def _psum_group_write(dst, direct, tag, accumulate, value):
     """The accumulation-group code a write into PSUM ``dst`` leaves, as ``(code, only)`` for
-    :func:`_mark_written`. A TensorE overwrite opens a group; a TensorE accumulation overwrites
+    :func:`_set_groups`. A TensorE overwrite opens a group; a TensorE accumulation overwrites
     (and so opens) the never-written elements and keeps the others' state; another engine's
     write leaves a zero fill or a foreign value. In strict mode a TensorE accumulation onto a
     foreign value is refused (_strict item 4); the check is per element."""
     st = dst._st
     if st.groups is None:       # an instruction's result tile: it holds that result
-        st.groups = np.full(st.arr.shape, PSUM_MATMUL, np.uint8)
+        new_groups(st, PSUM_MATMUL)
     by_pe = direct and tag in _TENSOR_ENGINE_TAGS
     if by_pe and accumulate == "add":
-        if _strict.is_strict() and (psum_groups(dst) == PSUM_FOREIGN).any():
+        if _strict.is_strict() and has_group(dst, PSUM_FOREIGN):
             _strict.refuse_foreign_accumulation(st.name, st.foreign)
         return PSUM_MATMUL, PSUM_UNWRITTEN
     if by_pe and accumulate is None:

@@ -431,8 +431,8 @@ def _create(ctx, shape, dtype, buffer, name, fill, api, depth):
         arr = di.round(arr)
     st = new_onchip(ctx, arr, di, kind, pdim, name or None, api)
     if kind == _PSUM:
-        st.groups = np.full(shape, _tensor.PSUM_UNWRITTEN if fill is None else
-                            _tensor.PSUM_ZERO if fill == 0 else _tensor.PSUM_FOREIGN, np.uint8)
+        _tensor.new_groups(st, _tensor.PSUM_UNWRITTEN if fill is None else
+                           _tensor.PSUM_ZERO if fill == 0 else _tensor.PSUM_FOREIGN)
         if fill not in (None, 0):
             st.foreign = f"'{api}'"
     if isinstance(buffer, Placed):

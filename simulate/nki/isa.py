@@ -288,10 +288,9 @@ def _acc_mode(api, dst, accumulate):
     if not (accumulate is True or (accumulate is not False and bool(accumulate))):
         return None
     st = dst._st
-    codes = _tensor.psum_groups(dst)
-    if codes is None or _runtime.is_text_only():       # (text only: the groups are not kept)
+    if st.groups is None or _runtime.is_text_only():   # (text only: the groups are not kept)
         return "add"
-    if (codes == _tensor.PSUM_UNWRITTEN).any():
+    if _tensor.has_group(dst, _tensor.PSUM_UNWRITTEN):
         raise nki_error(
             "err_matmul_accumulate_uninitialized", "value",
             f"nisa.{api}(accumulate=True) onto PSUM tensor '{st.name}' where no "
@@ -299,9 +298,9 @@ def _acc_mode(api, dst, accumulate):
             f"PSUM location is undefined behavior on all targets'; start the group with "
             f"accumulate=False or leave accumulate=None ({_doc(api)})")
     if _strict.is_strict():
-        if (codes == _tensor.PSUM_FOREIGN).any():
+        if _tensor.has_group(dst, _tensor.PSUM_FOREIGN):
             _strict.refuse_explicit_accumulation(api, st.name, st.foreign, _doc(api))
-        if (codes == _tensor.PSUM_ZERO).any():
+        if _tensor.has_group(dst, _tensor.PSUM_ZERO):
             _strict.refuse_explicit_accumulation(
                 api, st.name, "a zero fill (nl.zeros, memset)", _doc(api))
     return "add"

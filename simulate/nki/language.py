@@ -458,7 +458,13 @@ def _buffer_of(x):
 
 
 def ds(start, size):
-    return _L.ds(start, size)
+    """``nl.ds(start, size)``: the slice ``start:start + size``; a runtime ``start`` (a
+    register, a fori_loop index) stays in the slice, as in ``t[i:i + size]``, so the view
+    knows its offset is a runtime value (``Tensor._rto``)."""
+    s = _L.ds(start, size)
+    if isinstance(start, _scalar.NkiScalar):
+        return slice(start, start + (s.stop - s.start))
+    return s
 
 
 # -- load / store (experimental wrappers again since 0.3.0) -------------------------------------
