@@ -44,10 +44,13 @@ this module:
   ``kernel[grid](...)`` serves frameworks that call the jitted kernel themselves). Nothing here
   reaches the other namespace: a kernel traced through ``nki.*`` uses no ``neuronxcc`` object.
 
-- **TensorE into PSUM**: ``nc_matmul(dst, stationary, moving, accumulate=False|True)`` is
-  ``nisa.nc_matmul(dst, ..., accumulate=)`` in 0.7 and ``dst[...] = / += nisa.nc_matmul(...)``
-  in legacy (``True`` only onto PSUM a matmul or a zero fill has written: 0.7 leaves it
-  undefined otherwise). ``nc_transpose(dst, data)`` likewise; its PSUM ``dst`` has the dtype
+- **TensorE into PSUM**: ``nc_matmul(dst, stationary, moving, accumulate=False|True|None)``
+  is ``nisa.nc_matmul(dst, ..., accumulate=)`` in 0.7 and ``dst[...] = / += nisa.nc_matmul(...)``
+  in legacy. 0.7's stub makes ``True`` valid only where an ``accumulate=False`` matmul opened
+  the accumulation group; onto a PSUM tile zero-filled by ``nl.zeros`` (legacy's idiom before
+  ``+=``) pass ``None`` (the compiler infers the flag; AWS's nki-library ``attention_bwd``
+  does this after a memset), or open the group with :func:`open_group` where the accumulating
+  matmuls must say ``True``. ``nc_transpose(dst, data)`` likewise; its PSUM ``dst`` has the dtype
   :func:`transpose_dtype` gives (0.7 requires the input's dtype; the legacy kernels transposed
   into fp32 PSUM, kept so their estimates do not move).
 - **Engines** are named by strings (``"vector"``, ``"scalar"``, ``"gpsimd"``):
@@ -993,19 +996,37 @@ def range_select_max(dst, data, bounds, neg_max):
 
 def nc_matmul(dst, stationary, moving, accumulate=False, mask=None):
     """``dst = stationary^T @ moving`` (``accumulate=False``) or ``dst += ...`` (``True``) on
-    TensorE, ``dst`` a PSUM tile (fp32). Start every accumulation group with ``False``, or on a
-    PSUM tile zero-filled by ``nl.zeros``: 0.7 leaves ``True`` on an unwritten location
-    undefined."""
+    TensorE, ``dst`` a PSUM tile (fp32). 0.7's ``nc_matmul`` stub ("Accumulation mode"): ``True``
+    is valid only where an ``accumulate=False`` matmul opened the group (:func:`open_group`);
+    ``None`` lets the compiler infer the flag (first write overwrites, later ones accumulate),
+    the form for a PSUM tile zero-filled by ``nl.zeros``. Legacy has no flag: ``True`` and
+    ``None`` are ``+=`` (onto ``nl.zeros``, legacy's idiom)."""
     ns = current()
     if ns.api == "nki":
         ns.nisa.nc_matmul(dst=dst, stationary=stationary, moving=moving,
-                          accumulate=bool(accumulate))
+                          accumulate=None if accumulate is None else bool(accumulate))
         return
     extra = {} if mask is None else dict(mask=mask)
-    if accumulate:
+    if accumulate is None or accumulate:
         dst[...] += ns.nisa.nc_matmul(stationary, moving, **extra)
     else:
         dst[...] = ns.nisa.nc_matmul(stationary, moving, **extra)
+
+
+def open_group(psum):
+    """Make the zeros of ``psum`` (a 2-D fp32 PSUM tile zero-filled by ``nl.zeros``) an
+    accumulation group a matmul opened, so that ``nc_matmul(..., accumulate=True)`` may add onto
+    any of it. 0.7: an ``accumulate=False`` matmul of a one-partition bf16 zero row over the
+    whole tile (the ``nc_matmul`` stub: ``True`` is "Only valid after the PSUM location has been
+    initialized by a matmul with accumulate=False"; accumulating onto a memset value is
+    undefined on NeuronCore-v2/v3). Legacy: nothing (``nl.zeros`` then ``+=`` is its idiom)."""
+    ns = current()
+    if ns.api != "nki":
+        return
+    rows, cols = psum.shape
+    zero = nl.zeros((1, max(rows, cols)), dtype=nl.bfloat16, buffer=nl.sbuf)
+    ns.nisa.nc_matmul(dst=psum, stationary=zero[0:1, 0:rows], moving=zero[0:1, 0:cols],
+                      accumulate=False)
 
 
 def transpose_dtype(dtype, legacy=None):

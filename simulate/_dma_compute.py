@@ -7,7 +7,13 @@ Rules and modes are those of the docstring of ``dma_compute`` in AWS's 0.7 stub
 
 * ``reduce_op`` add only, every scale 1.0, at most ``DMA_COMPUTE_MAX_SRCS`` sources, the
   element counts of every source and ``dst`` equal, operands in HBM or SBUF;
-* static mode: no indirect operand (every address known at compile time);
+* static mode: no indirect operand, and every address known at compile time ("Both ``srcs``
+  and ``dst`` tensors must have compile-time known addresses (unless using vector_offset for
+  indirect access)"; "For ``dma_compute`` without ``vector_offset``, the only supported DGE mode
+  is None (static DMA)"): an operand whose view took an offset from a runtime scalar (a
+  register, a ``fori_loop`` index: ``Tensor._rto``) or from an index tensor
+  (``.ap(scalar_offset=tensor)``: ``Tensor._ind``) is refused, unless it is the
+  ``vector_offset`` access itself;
 * scatter RMW ``dst(HBM)[indices] = dst(HBM)[indices] + src(SB)``: ``dst`` indirect in HBM,
   one source the same indirect access, the other in SBUF;
 * gather RMW ``dst(SB) = dst(SB) + src(HBM)[indices]``: ``dst`` in SBUF, one source indirect
@@ -113,6 +119,15 @@ def dma_compute(dst, srcs, *, skip_oob: bool, err):
             raise err("err_param_shape_mismatch", "value",
                       f"'{name}' {fmt_shape(t.shape)} holds {int(np.prod(t.shape))} elements, "
                       f"dst {fmt_shape(dst.shape)} {n}: the element counts must match")
+    for i, t in enumerate([dst, *srcs]):
+        rto = t._rto or (t._ind[0]._st.name if t._ind else None)
+        if rto is not None and not _indirect(t):
+            raise err("err_unsupported_memory", "value",
+                      f"'{'dst' if i == 0 else f'srcs[{i - 1}]'}' is addressed at a runtime "
+                      f"offset ({rto}): 'Both srcs and dst tensors must have compile-time known "
+                      "addresses (unless using vector_offset for indirect access)' -- dma_compute "
+                      "without vector_offset is a static DMA. Unroll the address (a Python loop) "
+                      "or take the rows through .ap(vector_offset=...)")
     valid = None
     ind = None
     if _indirect(dst) or any(_indirect(s) for s in srcs):

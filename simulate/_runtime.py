@@ -16,6 +16,7 @@ total, a PSUM tensor its banks (blocks x ceil(bytes per block / 2 KiB)); ``Stora
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -25,7 +26,7 @@ import weakref
 import numpy as np
 
 from . import _hw, _sched, _spill
-from ._cost import ceil_div
+from ._cost import LaunchRecord, ceil_div
 from ._errors import nki_error, hw_error, fmt_shape
 
 _tls = threading.local()
@@ -360,6 +361,9 @@ _measures = []        # active simulate.measure() objects, innermost last
 # program_size() tracing: run the first grid instance and every NKI loop body once (as the
 # compiler traces the kernel), outputs discarded
 _trace = {"on": False}
+# text-only runs (:func:`text_only`) in progress: instructions count in the program size, their
+# effects are discarded
+_text_only = {"depth": 0}
 _progress_hooks = []  # active simulate.progress() callbacks: f(instances_done, instances_total)
 _cpu_note_shown = [False]
 
@@ -407,3 +411,43 @@ def psum_banks_for(shape, pdim, itemsize):
     """(blocks, bytes per partition of a block, banks) of a PSUM tensor allocated whole."""
     nblocks, fb = _spill.geometry(shape, pdim, itemsize)
     return nblocks, fb, nblocks * max(1, ceil_div(fb, _hw.PSUM_BANK_BYTES))
+
+
+def is_text_only() -> bool:
+    """Whether kernel code runs for its program text only (:func:`text_only`): writes into
+    tensors and registers are dropped and state-dependent checks (accumulation groups) skipped."""
+    return _text_only["depth"] > 0
+
+
+@contextlib.contextmanager
+def text_only(ctx):
+    """Run a block of kernel code for its program text only: the body of a compiled loop
+    (``nl.fori_loop``/``nl.while_loop``) whose runtime trip count is 0. The compiler emits that
+    body whatever the count ("a single copy of the body is generated and the hardware iterates
+    over it at runtime", NKI dynamic-loops page), so its instructions count in the program size
+    (``LaunchRecord.count_program``: under the same first-iteration rule as any other); nothing
+    else is kept -- engine time, DMA bytes and the scheduled estimate go to a throwaway record,
+    tensor and register writes are dropped (:func:`is_text_only`), and the context's
+    accumulation registers, random state, ``loop_reduce`` accumulators and pending result are
+    restored. Tiles it allocates are allocated (the program holds them) and released with the
+    iteration."""
+    real = ctx.rec
+    shadow = LaunchRecord(real.name, ctx.tgt, real.grid)
+    shadow.api, shadow.core, shadow.ctx = real.api, real.core, ctx
+    shadow.count_program = real.count_program
+    saved = (ctx.act_acc.copy(), ctx.vec_acc.copy(), ctx.rng.bit_generator.state,
+             dict(ctx.loop_reduce), ctx.pending, ctx.last_charge)
+    sched = _sched.ACTIVE
+    ctx.rec = shadow
+    _sched.ACTIVE = shadow.sched if sched is not None else None
+    _text_only["depth"] += 1
+    try:
+        yield
+    finally:
+        _text_only["depth"] -= 1
+        _sched.ACTIVE = sched
+        ctx.rec = real
+        ctx.act_acc, ctx.vec_acc = saved[0], saved[1]
+        ctx.rng.bit_generator.state = saved[2]
+        ctx.loop_reduce = saved[3]
+        ctx.pending, ctx.last_charge = saved[4], saved[5]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _strict
+from . import _runtime, _strict
 from ._errors import fmt_shape
 
 DOC_SCALAR = ("https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/"
@@ -131,12 +131,20 @@ class VirtualRegister(NkiScalar):
     def set(self, value):
         if self.frozen:
             raise ValueError("VirtualRegister: this register is read-only (frozen)")
+        self.initialized = True
+        if _runtime.is_text_only():         # program text only: the value is not kept
+            return
         self.v = _wrap(int(value.v if isinstance(value, _strict.SymbolicIndex) else value),
                        32)
-        self.initialized = True
 
     def __repr__(self):
         return f"VirtualRegister={self.v}"
+
+
+def runtime_name(x):
+    """``x``'s name when it is a runtime scalar (a register, a fori_loop index, a value computed
+    from them), else None."""
+    return x.what if isinstance(x, NkiScalar) else None
 
 
 def value(x):

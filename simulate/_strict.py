@@ -33,8 +33,20 @@ What strict mode enforces
    overwrote it is refused. On hardware the first matmul of an accumulation group overwrites
    the bank and later ones accumulate (spec §9.1, nc_matmul); adding onto a value another engine
    left there is not a documented sum. ``nl.zeros(..., buffer=nl.psum)`` then ``+=`` stays legal
-   (a zero-filled tile accumulates the same either way). The check is per tile (conservative: a
-   write to any part of the tile by another engine counts).
+   (a zero-filled tile accumulates the same either way). The check is per PSUM element
+   (``_tensor.PSUM_*`` codes): a foreign write to one column does not taint the others.
+5. **Explicit ``accumulate=True`` (nki.* ``nc_matmul``/``nc_matmul_mx``) needs a group a matmul
+   opened.** NKI 0.7's stub of ``nisa.nc_matmul`` ("Accumulation mode"): ``accumulate=True``
+   is "Only valid after the PSUM location has been initialized by a matmul with
+   accumulate=False", and "On NeuronCore-v2 and NeuronCore-v3, matmul accumulating into a PSUM
+   location that was value-initialized by a non-matmul instruction (e.g., memset, tensor_copy)
+   is not supported". So ``accumulate=True`` onto an element last written by a zero fill
+   (``nl.zeros``, ``memset``), a copy or another engine is refused (onto a never-written one
+   it is refused in every mode: the stub calls it undefined on all targets).
+   ``accumulate=None`` after a zero fill stays legal: the compiler infers the flag, and the sum
+   is the same whether the zeros start the group or not (AWS's nki-library ``attention_bwd``
+   memsets ``dq_psum`` and accumulates with the flag left to the compiler). Legacy ``+=`` has
+   no explicit flag and keeps rule 4 only.
 
 Which code is "kernel code": a conversion requested from a Python frame outside this package,
 NumPy, ml_dtypes and the standard library. The simulator itself (and the libraries it calls)
@@ -364,3 +376,13 @@ def refuse_foreign_accumulation(name: str, writer: str) -> None:
         "defined sum. Keep the running value in SBUF (add the fresh matmul result there), or "
         f"start the group with nl.zeros / an overwriting matmul. (strict simulation; "
         f"{DOC_MATMUL})")
+
+
+def refuse_explicit_accumulation(api: str, name: str, writer: str, doc: str) -> None:
+    raise AccumulationGroupError(
+        f"nisa.{api}(accumulate=True) onto PSUM tensor '{name}', whose accumulation group "
+        f"{writer} opened, not a matmul: the NKI 0.7 nc_matmul stub makes accumulate=True "
+        "'Only valid after the PSUM location has been initialized by a matmul with "
+        "accumulate=False' (accumulating onto a value memset/tensor_copy left is undefined on "
+        "NeuronCore-v2/v3). Start the group with an accumulate=False matmul, or leave "
+        f"accumulate=None (the compiler infers the flag). (strict simulation; {doc})")

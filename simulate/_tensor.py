@@ -26,6 +26,7 @@ from ._errors import nki_error, hw_error, fmt_shape
 from ._index import IndexExpr, MGridResult, Predicate, _is_int
 from ._fit import fit_value, fit_mask  # noqa: F401 (re-exported to isa/language)
 from ._runtime import enter
+from ._scalar import runtime_name
 
 SBUF, PSUM, HBM, SHARED_HBM = "sbuf", "psum", "hbm", "shared_hbm"
 _HBM_KINDS = (HBM, SHARED_HBM)
@@ -42,7 +43,8 @@ def space(buf):
 class Storage:
     __slots__ = ("arr", "di", "buffer", "_name", "pdim", "ctx", "param", "mutable", "written",
                  "bpp", "banks", "acct", "aloops", "deps", "foreign", "pinned",
-                 "copy_out", "reduce_loops", "fresh", "expired", "lazy", "uid", "__weakref__")
+                 "copy_out", "reduce_loops", "groups", "gkinds", "expired", "lazy", "uid",
+                 "__weakref__")
 
     def __init__(self, arr, di, buffer, ctx, pdim=0, name=None):
         self.arr = arr
@@ -60,15 +62,16 @@ class Storage:
         self.pinned = False
         self.copy_out = 0         # cycles of a compiler-inserted PSUM -> SBUF copy, if any
         self.reduce_loops = ()    # uids of the loops an nl.loop_reduce accumulator reduces over
-        self.fresh = None         # PSUM ndarray: bool array of elements never written yet
+        self.groups = None        # PSUM: per-element accumulation-group state (PSUM_* codes)
+        self.gkinds = 0           # bit c set: some element of ``groups`` may hold code c
         self.expired = None       # (file, line) of the loop whose iteration it died with
         self.lazy = False         # allocated block by block beyond capacity (_spill)
         self.uid = None           # allocation number in its grid instance (_spill)
         # loops active at allocation (uids) and per-loop written-element records (_deps)
         self.aloops = _deps.alloc_loops(ctx) if ctx is not None else ()
         self.deps = None
-        # PSUM: the non-TensorE instruction that last wrote (part of) this tile since TensorE
-        # last overwrote it, or None (the accumulation-group rule of strict mode)
+        # PSUM: the last instruction that left a foreign value (PSUM_FOREIGN) in this tile, for
+        # the messages of the accumulation-group rules
         self.foreign = None
 
     @staticmethod
@@ -156,7 +159,7 @@ class Tensor:
     _dyn_index = True           # a tile used as an index is an indirect (dynamic) index
 
     __slots__ = ("_st", "shape", "_v", "_base", "_key", "_dyn", "_oob", "_pax", "_p0", "_pst",
-                 "_mask", "_tag", "_inpl", "_chg", "_ind", "__weakref__")
+                 "_mask", "_tag", "_inpl", "_chg", "_ind", "_rto", "__weakref__")
     _is_nki_tensor = True
     __array_ufunc__ = None      # make numpy defer to our reflected operators
 
@@ -177,6 +180,7 @@ class Tensor:
         self._tag = None
         self._inpl = -1
         self._ind = None          # index tensors a runtime-offset view reads (_views)
+        self._rto = None          # the runtime scalar (nki.*) an offset of this view came from
 
     # -- properties ----------------------------------------------------------------------------
     @property
@@ -242,11 +246,16 @@ class Tensor:
         t._tag = None
         t._inpl = -1
         t._ind = self._ind
+        t._rto = self._rto
         return t
 
     # -- indexing --------------------------------------------------------------------------------
     def __getitem__(self, key):
-        return self._index(key)
+        r = self._index(key)
+        rto = _runtime_scalar_in(key)
+        if rto is not None:
+            r._rto = rto
+        return r
 
     def _index(self, key):
         if type(key) is not tuple:
@@ -469,6 +478,7 @@ class Tensor:
                              f"{fmt_shape(self.shape)} into {fmt_shape(shape)}: {e}") from None
         t = Tensor(self._st, v)
         t._pax = 0
+        t._rto = self._rto
         return t
 
     def view(self, dtype):
@@ -531,7 +541,10 @@ class Tensor:
         return out
 
     def _write(self, vals, mask=None, skip_oob=False):
-        """Write backing-dtype ``vals`` (broadcastable to self.shape) where ``mask``."""
+        """Write backing-dtype ``vals`` (broadcastable to self.shape) where ``mask``; nothing
+        while kernel code runs for its program text only (``_runtime.text_only``)."""
+        if _runtime.is_text_only():
+            return
         if _sched.ACTIVE is not None:
             _sched.ACTIVE.write(self)
             if self._ind is not None:
@@ -712,7 +725,20 @@ def _fancy(t, base, key, shape, dyn, oob, pax, p0, pst):
     r._tag = None
     r._inpl = -1
     r._ind = t._ind
+    r._rto = t._rto
     return r
+
+
+def _runtime_scalar_in(key):
+    """The name of a runtime scalar in an index key (an entry, or a slice bound), or None."""
+    for k in key if type(key) is tuple else (key,):
+        if type(k) is slice:
+            rto = runtime_name(k.start) or runtime_name(k.stop)
+        else:
+            rto = runtime_name(k)
+        if rto is not None:
+            return rto
+    return None
 
 
 def _index_advanced(t, key):
@@ -1152,8 +1178,9 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
         _recharge_direct(ctx, value, vshape, dst, dshape, n, m)
         if _sched.ACTIVE is not None:
             _sched.ACTIVE.direct(value._st)
-    if st.buffer == PSUM:
-        _track_psum_writer(st, direct, tag, accumulate, value)
+    group = None
+    if st.buffer == PSUM and not _runtime.is_text_only():
+        group = _psum_group_write(dst, direct, tag, accumulate, value)
     if accumulate is None:
         if ddi is not vdi and not (ddi is F32 and vdi.is_float):
             vals = ddi.round(vals)
@@ -1168,17 +1195,19 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
         fn = _ACC_FN[accumulate]
         cur = dst._read()
         fresh = None
-        if st.fresh is not None and direct and tag in _TENSOR_ENGINE_TAGS:
+        if (st.groups is not None and st.gkinds & _UNWRITTEN_BIT and direct
+                and tag in _TENSOR_ENGINE_TAGS):
             # the first matmul of an accumulation group overwrites its bank (spec §9.1): an
             # element never written since the PSUM tile was allocated holds no addend
-            fresh = _companion(dst, st.fresh)
+            fresh = _companion(dst, st.groups) == PSUM_UNWRITTEN
             if not fresh.any():
                 fresh = None
         if fresh is not None:
             a = np.where(fresh, np.zeros((), cur.dtype), cur)
             a = a.astype(np.float32, copy=False) if ddi.is_float else a.astype(np.float64)
             dst._write(ddi.round(fn(a, vals)), m)
-        elif ddi is F32 and m is None and dst._v is not None and vals.dtype == np.float32:
+        elif (ddi is F32 and m is None and dst._v is not None and vals.dtype == np.float32
+              and not _runtime.is_text_only()):
             fn(cur, vals, out=cur)
         else:
             a = cur.astype(np.float32, copy=False) if ddi.is_float else cur.astype(np.float64)
@@ -1190,8 +1219,8 @@ def assign(ctx, dst, value, accumulate=None, mask=None, api="tensor_copy"):
             b_psum = type(value) is Tensor and value._st.buffer == PSUM and not direct
             rec.add("vector", _cost.tensor_tensor_cycles(
                 n, a_psum, b_psum, ddi is _dtypes.BF16 and vdi is _dtypes.BF16))
-    if st.fresh is not None:
-        _mark_written(dst, st.fresh, m)
+    if group is not None:
+        _set_groups(dst, m, *group)
     st.written = True
 
 
@@ -1211,40 +1240,89 @@ def _companion(t, comp):
     return np.broadcast_to(comp[key], t.shape)
 
 
-def _mark_written(t, comp, mask):
+def _mark_written(t, comp, mask, code, only=None):
+    """Set ``comp`` (a per-element companion of ``t``'s storage) to ``code`` where ``t``
+    addresses it (and ``mask`` holds); with ``only``, just the elements now equal to it."""
     if t._v is not None:
         fv = _companion(t, comp)
-        if mask is None:
-            fv[...] = False
+        sel = None if mask is None else np.broadcast_to(mask, fv.shape)
+        if only is not None:
+            sel = fv == only if sel is None else sel & (fv == only)
+        if sel is None:
+            fv[...] = code
         else:
-            np.copyto(fv, False, where=np.broadcast_to(mask, fv.shape))
+            np.copyto(fv, code, where=sel)
         return
     key, valid = _resolve(t, None, True)
     bk = np.broadcast_arrays(*key)
     sel = np.ones(t.shape, bool) if mask is None else np.broadcast_to(mask, t.shape)
     if valid is not None:
         sel = sel & valid
-    comp[tuple(k[sel] for k in bk)] = False
+    if only is not None:
+        sel = sel & (np.broadcast_to(comp[key], t.shape) == only)
+    comp[tuple(k[sel] for k in bk)] = code
 
 
-def _track_psum_writer(st, direct, tag, accumulate, value):
-    """Accumulation groups of a PSUM tile: a TensorE overwrite starts a clean group; another
-    engine's write (other than a zero fill) leaves a foreign value that a later TensorE
-    accumulation must not add onto (refused in strict mode, see _strict)."""
+# Accumulation-group state of a PSUM element (``Storage.groups``). TensorE's first matmul of a
+# group overwrites and the later ones accumulate (spec §9.1); NKI 0.7's nc_matmul stub
+# ("Accumulation mode") makes ``accumulate=True`` valid only where an ``accumulate=False``
+# matmul opened the group, and calls accumulating onto a value a non-matmul instruction
+# (memset, tensor_copy) left undefined on NeuronCore-v2/v3.
+PSUM_UNWRITTEN = 0   # not written since allocation
+PSUM_MATMUL = 1      # a TensorE overwrite opened the group (later TensorE adds keep it open)
+PSUM_ZERO = 2        # a zero fill (nl.zeros, memset 0, ``t[...] = 0``) by another engine
+PSUM_FOREIGN = 3     # any other value another engine wrote
+_UNWRITTEN_BIT = 1 << PSUM_UNWRITTEN
+
+
+def new_groups(st, code):
+    """Give PSUM storage ``st`` its accumulation-group codes, every element ``code``."""
+    st.groups = np.full(st.arr.shape, code, np.uint8)
+    st.gkinds = 1 << code
+
+
+def has_group(t, code) -> bool:
+    """Whether an element the PSUM view ``t`` addresses holds accumulation-group ``code``
+    (``t``'s storage tracks them)."""
+    st = t._st
+    return bool(st.gkinds >> code & 1) and bool((_companion(t, st.groups) == code).any())
+
+
+def _set_groups(dst, mask, code, only):
+    """``_mark_written`` of a group code, skipped when the storage-wide ``gkinds`` shows there
+    is nothing to change (most accumulating matmuls), and ``gkinds`` kept exact after it."""
+    st = dst._st
+    bit = 1 << code
+    if (st.gkinds == bit) if only is None else not st.gkinds >> only & 1:
+        return
+    _mark_written(dst, st.groups, mask, code, only)
+    kinds = np.bincount(st.groups.reshape(-1), minlength=PSUM_FOREIGN + 1)
+    st.gkinds = sum(1 << c for c, n in enumerate(kinds) if n)
+
+
+def _psum_group_write(dst, direct, tag, accumulate, value):
+    """The accumulation-group code a write into PSUM ``dst`` leaves, as ``(code, only)`` for
+    :func:`_set_groups`. A TensorE overwrite opens a group; a TensorE accumulation overwrites
+    (and so opens) the never-written elements and keeps the others' state; another engine's
+    write leaves a zero fill or a foreign value. In strict mode a TensorE accumulation onto a
+    foreign value is refused (_strict item 4); the check is per element."""
+    st = dst._st
+    if st.groups is None:       # an instruction's result tile: it holds that result
+        new_groups(st, PSUM_MATMUL)
     by_pe = direct and tag in _TENSOR_ENGINE_TAGS
     if by_pe and accumulate == "add":
-        if st.foreign is not None and _strict.is_strict():
+        if _strict.is_strict() and has_group(dst, PSUM_FOREIGN):
             _strict.refuse_foreign_accumulation(st.name, st.foreign)
-        return
+        return PSUM_MATMUL, PSUM_UNWRITTEN
     if by_pe and accumulate is None:
-        st.foreign = None
-        return
+        return PSUM_MATMUL, None
     if accumulate is None and (
             (isinstance(value, (int, float, np.number)) and value == 0)
             or (direct and tag == "memset" and not np.any(value._st.arr))):
-        return                                   # a zero fill: same result either way
+        return PSUM_ZERO, None                   # a zero fill: same result either way
     st.foreign = (f"'{tag}'" if direct and tag else
                   "a VectorE accumulation" if accumulate is not None else "a copy")
+    return PSUM_FOREIGN, None
 
 
 def _free(shape):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _strict
+from . import _scalar, _strict
 from ._errors import nki_error, fmt_shape
 
 _HBM = ("hbm", "shared_hbm")
@@ -526,8 +526,12 @@ def ap(t, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect
         off += val * st[d]
         if ind_t is not None:
             ind = (ind_t,)
-    return make(t, [n for _, n in pat], [s for s, _ in pat], off,
-                ind=_merge_ind(t._ind, ind), api=api)
+    r = make(t, [n for _, n in pat], [s for s, _ in pat], off, ind=_merge_ind(t._ind, ind),
+             api=api)
+    rto = _scalar.runtime_name(offset) or _scalar.runtime_name(scalar_offset)
+    if rto is not None:
+        r._rto = rto
+    return r
 
 
 def install(Tensor, basic, resolve):

@@ -430,8 +430,11 @@ def _create(ctx, shape, dtype, buffer, name, fill, api, depth):
     if fill is not None:
         arr = di.round(arr)
     st = new_onchip(ctx, arr, di, kind, pdim, name or None, api)
-    if kind == _PSUM and fill is None:
-        st.fresh = np.ones(shape, bool)
+    if kind == _PSUM:
+        _tensor.new_groups(st, _tensor.PSUM_UNWRITTEN if fill is None else
+                           _tensor.PSUM_ZERO if fill == 0 else _tensor.PSUM_FOREIGN)
+        if fill not in (None, 0):
+            st.foreign = f"'{api}'"
     if isinstance(buffer, Placed):
         buffer.place(ctx, st, shape, pdim, di.itemsize)
     if fill is not None:

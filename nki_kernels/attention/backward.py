@@ -883,9 +883,9 @@ def accumulate_dv_dk(cfg, vis: _Visit, p, ds, st: _State, dv_psum, dk_psum):
     for bi, (off, n) in enumerate(_blocks(vis.cols)):
         acc = nl.ds(bi * D, D)
         port.nc_matmul(dv_psum[0:n, acc], p[:, nl.ds(off, n)], st.do_nat[:, vis.s, :],
-                       accumulate=True)
+                       accumulate=None)
         port.nc_matmul(dk_psum[0:n, acc], ds[:, nl.ds(off, n)], st.q_nat[:, vis.s, :],
-                       accumulate=True)
+                       accumulate=None)
 
 
 def accumulate_dq(cfg, vis: _Visit, ds, kv: _KV, st: _State, dq_scratch):

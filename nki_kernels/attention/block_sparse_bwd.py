@@ -545,8 +545,11 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         table, col = flags
         n = table.shape[1] // 4
         regs = [port.register(table[0:1, nl.ds(k * n + col, 1)]) for k in T.unrolled(4)]
+    # zeros the slot loop's accumulate=True matmuls add onto: a group a matmul opened in nki.*
     dk_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
     dv_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
+    port.open_group(dk_ps)
+    port.open_group(dv_ps)
     skip = cfg.need_mask(geo, exact)
     # keys at or past kv_len are not read (without lengths: the partial last block's)
     k_idx = rows_at(k_pos, geo.kv_len, geo.kv) if geo.has_lens else out_idx

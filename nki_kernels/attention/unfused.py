@@ -220,7 +220,7 @@ def attention_pv_kernel(p, v, mm_dtype="bfloat16", o_dtype="bfloat16", v_residen
                         v_tile = nl.ndarray((PMAX, D), dtype=mm, buffer=nl.sbuf)
                         port.dma_copy(v_tile[0:jsz, 0:D], v[b, hk, nl.ds(kt * PMAX, jsz), 0:D])
                         v_t = v_tile[0:jsz, 0:D]
-                    port.nc_matmul(acc[0:qsz, 0:D], p_t[0:jsz, 0:qsz], v_t, accumulate=True)
+                    port.nc_matmul(acc[0:qsz, 0:D], p_t[0:jsz, 0:qsz], v_t, accumulate=None)
 
                 def pair(pi, pw):
                     # the PSUM -> SBUF copies of P^T alternate between VectorE and ScalarE (idle

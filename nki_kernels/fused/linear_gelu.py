@@ -162,7 +162,7 @@ def _matmul_streaming(y, x, w, b, act, mm_dtype):
                     w_t = nl.ndarray((ksz, nsz), dtype=mm_dtype, buffer=nl.sbuf)
                     port.dma_copy(w_t, w[nl.ds(ci * kc + kt * PMAX, ksz), nl.ds(n0, nsz)])
                     port.nc_matmul(acc[0:msz, 0:nsz], x_t[0:ksz, nl.ds(kt * PMAX, msz)],
-                                   w_t[0:ksz, 0:nsz], accumulate=True)
+                                   w_t[0:ksz, 0:nsz], accumulate=None)
 
                 for_tiles(cw, PMAX, k_tile)
 
@@ -171,7 +171,7 @@ def _matmul_streaming(y, x, w, b, act, mm_dtype):
                 b_row = nl.ndarray((1, nsz), dtype=mm_dtype, buffer=nl.sbuf)
                 port.dma_copy(b_row, b_row_view[0:1, nl.ds(n0, nsz)])
                 port.nc_matmul(acc[0:msz, 0:nsz], ones[0:1, 0:msz], b_row[0:1, 0:nsz],
-                               accumulate=True)
+                               accumulate=None)
             _evacuate_and_store(y, acc[0:msz, 0:nsz], act, m0, msz, n0, nsz)
 
         for_tiles(N, n_tile, n_col)
@@ -254,7 +254,7 @@ def bias_add_kernel(z, b):
         port.dma_copy(b_row, b_row_view[0:1, nl.ds(c0, cw)])
         b_bcast = nl.zeros((PMAX, cols), dtype=nl.float32, buffer=nl.psum)
         port.nc_matmul(b_bcast[0:PMAX, 0:cw], ones[0:1, 0:PMAX], b_row[0:1, 0:cw],
-                       accumulate=True)
+                       accumulate=None)
 
         def row_tile(ri, rsz):
             r0 = ri * PMAX

@@ -17,7 +17,7 @@ import enum
 
 import numpy as np
 
-from .. import _deps, _dma_compute, _index, _ops, _runtime, _scalar, _tensor
+from .. import _deps, _dma_compute, _index, _ops, _runtime, _scalar, _strict, _tensor
 from .. import _dtypes as _dt
 from .. import isa as _I
 from .. import language as _L
@@ -276,23 +276,34 @@ def memset(dst, value, engine=engine.unknown, name=None):
 # -- TensorE ------------------------------------------------------------------------------------
 def _acc_mode(api, dst, accumulate):
     """The ``_tensor.assign`` accumulate mode of a TensorE ``accumulate=`` argument (stub,
-    "Accumulation mode"): ``True`` adds and is refused where no instruction has written yet
-    (undefined behaviour), ``None`` overwrites fresh locations and adds onto the others,
-    ``False`` overwrites."""
-    if accumulate is True or (accumulate is not None and accumulate is not False
-                              and bool(accumulate)):
-        st = dst._st
-        if st.fresh is not None and _tensor._companion(dst, st.fresh).any():
-            raise nki_error(
-                "err_matmul_accumulate_uninitialized", "value",
-                f"nisa.{api}(accumulate=True) onto PSUM tensor '{st.name}' where no "
-                f"instruction has written yet: 'Using accumulate=True on an uninitialized "
-                f"PSUM location is undefined behavior on all targets'; start the group with "
-                f"accumulate=False or leave accumulate=None ({_doc(api)})")
-        return "add"
+    "Accumulation mode"): ``False`` overwrites (and opens an accumulation group); ``None``
+    overwrites the locations not written since allocation and adds onto the others ("first
+    write overwrites, subsequent writes accumulate"); ``True`` adds, and is "only valid after
+    the PSUM location has been initialized by a matmul with accumulate=False": refused on a
+    location nothing wrote (undefined on all targets) and, in strict mode, on one whose last
+    group was opened by another instruction -- a memset or ``nl.zeros`` zero fill, a copy,
+    another engine's value (the stub's note: undefined on NeuronCore-v2/v3)."""
     if accumulate is None:
         return "add"               # fresh locations are overwritten by _tensor.assign
-    return None
+    if not (accumulate is True or (accumulate is not False and bool(accumulate))):
+        return None
+    st = dst._st
+    if st.groups is None or _runtime.is_text_only():   # (text only: the groups are not kept)
+        return "add"
+    if _tensor.has_group(dst, _tensor.PSUM_UNWRITTEN):
+        raise nki_error(
+            "err_matmul_accumulate_uninitialized", "value",
+            f"nisa.{api}(accumulate=True) onto PSUM tensor '{st.name}' where no "
+            f"instruction has written yet: 'Using accumulate=True on an uninitialized "
+            f"PSUM location is undefined behavior on all targets'; start the group with "
+            f"accumulate=False or leave accumulate=None ({_doc(api)})")
+    if _strict.is_strict():
+        if _tensor.has_group(dst, _tensor.PSUM_FOREIGN):
+            _strict.refuse_explicit_accumulation(api, st.name, st.foreign, _doc(api))
+        if _tensor.has_group(dst, _tensor.PSUM_ZERO):
+            _strict.refuse_explicit_accumulation(
+                api, st.name, "a zero fill (nl.zeros, memset)", _doc(api))
+    return "add"
 
 
 def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False,

@@ -214,7 +214,10 @@ def fori_loop(lower, upper, body_fun, step=1):
     """``nl.fori_loop(lower, upper, body_fun, step=1)``: a compiled (hardware) loop. The body
     is called with the index as a :class:`LoopIndex` and is one copy of program text ("a single
     copy of the body is generated and the hardware iterates over it at runtime", nki dynamic
-    loops page): the program size counts it once, the run executes every iteration. Returns
+    loops page): the program size counts it once, the run executes every iteration. A loop
+    whose runtime bound (a register or loop index) gives no iteration still holds its body in
+    the program: it runs once, at ``lower``, for its program text only
+    (``_runtime.text_only``, effects discarded). Returns
     None; state is carried through SBUF/HBM (stub docstring)."""
     ctx = _runtime.enter()
     if not callable(body_fun):
@@ -233,12 +236,30 @@ def fori_loop(lower, upper, body_fun, step=1):
     with _CompiledLoop(ctx, r.start if len(r) else lo, _sys._getframe(1)) as loop:
         for n, i in enumerate(r):
             loop.begin(i, n)
-            ret = body_fun(LoopIndex(i, f"index of nl.fori_loop({name})", loop.state.uid))
-            if ret is not None:
-                raise TypeError("nl.fori_loop: body_fun returns None; carry loop state "
-                                "through SBUF/HBM tensors (stub docstring)")
+            _fori_body(body_fun, i, name, loop)
             loop.end()
+        if not len(r) and (isinstance(lower, _strict.SymbolicIndex)
+                           or isinstance(upper, _strict.SymbolicIndex)):
+            # a runtime count of 0: no iteration runs, but the body is program text all the
+            # same (a count of 0 known while tracing leaves nothing to iterate over)
+            with _runtime.text_only(ctx):
+                loop.begin(lo, 0)
+                _fori_body(body_fun, lo, name, loop)
+                _runtime.end_iteration(loop.state)
     return None
+
+
+def _fori_body(body_fun, i, name, loop):
+    if body_fun(LoopIndex(i, f"index of nl.fori_loop({name})", loop.state.uid)) is not None:
+        raise TypeError("nl.fori_loop: body_fun returns None; carry loop state through "
+                        "SBUF/HBM tensors (stub docstring)")
+
+
+def _check_next(ret):
+    if not isinstance(ret, _scalar.VirtualRegister):
+        raise TypeError(f"nl.while_loop: body_fun must return the VirtualRegister holding the "
+                        f"next condition, got {type(ret).__name__} (stub docstring)")
+    return ret
 
 
 def while_loop(init, body_fun):
@@ -246,7 +267,8 @@ def while_loop(init, body_fun):
     register is nonzero, tested before each iteration (stub: "a true while, not do-while").
     ``body_fun(r)`` gets the condition's value as a register and returns the register holding
     the next condition. Like ``fori_loop``, the body is one copy of program text: the run
-    executes every iteration, the program size counts it once. Returns None."""
+    executes every iteration, the program size counts it once (a loop whose condition starts
+    at 0 runs its body for its program text only). Returns None."""
     ctx = _runtime.enter()
     if not isinstance(init, _scalar.VirtualRegister):
         raise TypeError(f"nl.while_loop: init must be a VirtualRegister (nisa.register_alloc), "
@@ -256,17 +278,19 @@ def while_loop(init, body_fun):
     cond = init
     tracing = _runtime._trace["on"]
     with _CompiledLoop(ctx, 0, _sys._getframe(1)) as loop:
+        if cond.v == 0:
+            # no iteration runs, but the body is program text all the same
+            with _runtime.text_only(ctx):
+                loop.begin(0, 0)
+                _check_next(body_fun(_scalar.VirtualRegister(0)))
+                _runtime.end_iteration(loop.state)
+            return None
         n = 0
-        while cond.v != 0 or (tracing and n == 0):
+        while cond.v != 0:
             loop.begin(n, n)
             n += 1
             arg = _scalar.VirtualRegister(cond.v)      # passed by value
-            ret = body_fun(arg)
-            if not isinstance(ret, _scalar.VirtualRegister):
-                raise TypeError(f"nl.while_loop: body_fun must return the VirtualRegister "
-                                f"holding the next condition, got {type(ret).__name__} (stub "
-                                "docstring)")
-            cond = ret
+            cond = _check_next(body_fun(arg))
             loop.end()
             if tracing:
                 break                              # program_size(): the body once
@@ -434,7 +458,13 @@ def _buffer_of(x):
 
 
 def ds(start, size):
-    return _L.ds(start, size)
+    """``nl.ds(start, size)``: the slice ``start:start + size``; a runtime ``start`` (a
+    register, a fori_loop index) stays in the slice, as in ``t[i:i + size]``, so the view
+    knows its offset is a runtime value (``Tensor._rto``)."""
+    s = _L.ds(start, size)
+    if isinstance(start, _scalar.NkiScalar):
+        return slice(start, start + (s.stop - s.start))
+    return s
 
 
 # -- load / store (experimental wrappers again since 0.3.0) -------------------------------------

@@ -174,3 +174,46 @@ def test_restrictions_of_the_stub_are_errors(nk, case, match):
     rows = np.array([[1], [4], [1], [2]], np.int32) if case == "repeated" else ROWS
     with pytest.raises(Exception, match=match):
         nki.jit(k)(DATA, rows)
+
+
+@pytest.mark.parametrize("offset", ["fori_ds", "fori_slice", "register_ap", "tensor_ap",
+                                    "unrolled"])
+def test_static_mode_needs_compile_time_addresses(nk, offset):
+    """The stub: "Both srcs and dst tensors must have compile-time known addresses (unless using
+    vector_offset for indirect access)": a row chosen by a fori_loop index, a register or an
+    index tensor is refused in static mode; a Python (unrolled) loop's int is a compile-time
+    address."""
+    nki, nl, nisa = nk
+
+    def k(a):
+        out = nl.ndarray((10, 6), nl.float32, buffer=nl.hbm)
+        nisa.dma_copy(dst=out, src=a)
+        one = _filled(nl, nisa, (1, 6), 1.0)
+
+        def add_row(dst):
+            nisa.dma_compute(dst=dst, srcs=[dst, one], reduce_op=nl.add)
+
+        if offset == "fori_ds":
+            nl.fori_loop(0, 2, lambda i: add_row(out[nl.ds(i, 1), :]))
+        elif offset == "fori_slice":
+            nl.fori_loop(0, 2, lambda i: add_row(out[i:i + 1, :]))
+        elif offset in ("register_ap", "tensor_ap"):
+            t = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+            nisa.iota(dst=t, pattern=[[0, 1]], offset=1)
+            if offset == "register_ap":
+                reg = nisa.register_alloc()
+                nisa.register_load(reg, t)
+                t = reg
+            add_row(out.ap(pattern=[[6, 1], [1, 6]], scalar_offset=t, indirect_dim=0))
+        else:
+            for i in range(2):
+                add_row(out[i:i + 1, :])
+        return out
+
+    if offset != "unrolled":
+        with pytest.raises(ValueError, match="compile-time known addresses"):
+            nki.jit(k)(DATA)
+        return
+    want = DATA.copy()
+    want[:2] += 1
+    np.testing.assert_array_equal(nki.jit(k)(DATA), want)

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import simulate
+from simulate._strict import AccumulationGroupError
 from nki07_fixtures import nk, tile_kernel  # noqa: F401 (nk: fixture)
 
 
@@ -48,13 +49,16 @@ def test_dst_layout_checked(nk, rng):
     np.testing.assert_array_equal(out.reshape(128, 64), a)
 
 
-def _matmul_kernel(nki, nl, nisa, accs, zero_first=False):
+def _matmul_kernel(nki, nl, nisa, accs, init=None):
+    """``init``: None (nl.ndarray), "zeros" (nl.zeros) or "memset" (nisa.memset of 0)."""
     @nki.jit
     def k(lhsT, rhs):
         K, M = lhsT.shape
         N = rhs.shape[1]
         out = nl.ndarray((M, N), dtype=nl.float32, buffer=nl.shared_hbm)
-        ps = (nl.zeros if zero_first else nl.ndarray)((M, N), nl.float32, buffer=nl.psum)
+        ps = (nl.zeros if init == "zeros" else nl.ndarray)((M, N), nl.float32, buffer=nl.psum)
+        if init == "memset":
+            nisa.memset(ps, 0.0)
         for i, acc in enumerate(accs):
             a = nl.ndarray((128, M), lhsT.dtype, buffer=nl.sbuf)
             b = nl.ndarray((128, N), rhs.dtype, buffer=nl.sbuf)
@@ -90,6 +94,47 @@ def test_nc_matmul_accumulate_modes(nk, rng):
     # True on a location nothing initialized: undefined on hardware, refused
     with pytest.raises(ValueError, match="uninitialized"):
         _matmul_kernel(nki, nl, nisa, [True, True, True])(lhsT, rhs)
+
+
+@pytest.mark.parametrize("init", ["zeros", "memset"])
+def test_nc_matmul_accumulate_true_needs_a_group_a_matmul_opened(nk, rng, init):
+    """The stub: accumulate=True is "Only valid after the PSUM location has been initialized
+    by a matmul with accumulate=False"; a zero fill does not open a group for it (strict),
+    while accumulate=None after the zero fill is what AWS's attention_bwd does (legal)."""
+    nki, nl, nisa = nk
+    lhsT = rng.standard_normal((256, 64)).astype(np.float32)
+    rhs = rng.standard_normal((256, 128)).astype(np.float32)
+    with pytest.raises(AccumulationGroupError,
+                       match=r"accumulate=True.*zero fill.*accumulate=False"):
+        _matmul_kernel(nki, nl, nisa, [True, True], init)(lhsT, rhs)
+    np.testing.assert_allclose(_matmul_kernel(nki, nl, nisa, [None, None], init)(lhsT, rhs),
+                               lhsT.T @ rhs, rtol=1e-4, atol=1e-3)
+    with simulate.strict(False):                         # the permissive mode adds
+        np.testing.assert_allclose(
+            _matmul_kernel(nki, nl, nisa, [True, True], init)(lhsT, rhs), lhsT.T @ rhs,
+            rtol=1e-4, atol=1e-3)
+
+
+def test_nc_matmul_accumulation_groups_are_per_element(nk, rng):
+    """A zero fill of some columns leaves the group a matmul opened in the others."""
+    nki, nl, nisa = nk
+    a = rng.standard_normal((128, 128)).astype(np.float32)
+
+    def body(nl, nisa, x, cols):
+        ps = nl.ndarray((64, 128), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=ps[:, 0:64], stationary=x[:, 0:64], moving=x[:, 0:64],
+                       accumulate=False)
+        nisa.memset(ps[:, 64:128], 0.0)
+        nisa.nc_matmul(dst=ps[:, 0:cols], stationary=x[:, 0:64], moving=x[:, 0:cols],
+                       accumulate=True)
+        s = nl.ndarray((64, 128), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=s, src=ps)
+        return s
+    out = _k(nki, nl, nisa, lambda nl, nisa, x: body(nl, nisa, x, 64), (64, 128))(a)
+    np.testing.assert_allclose(out[:, :64], 2 * a[:, :64].T @ a[:, :64], rtol=1e-4, atol=1e-3)
+    np.testing.assert_array_equal(out[:, 64:], 0)
+    with pytest.raises(AccumulationGroupError, match="zero fill"):
+        _k(nki, nl, nisa, lambda nl, nisa, x: body(nl, nisa, x, 128), (64, 128))(a)
 
 
 def test_nc_matmul_rules_from_core(nk, rng):

@@ -149,6 +149,49 @@ def test_fori_loop_runs_every_iteration_counts_once(nk, rng):
     assert simulate.program_size(nki.jit(k), a) == 2
 
 
+def test_a_zero_trip_fori_loop_body_is_program_text_without_effects(nk, rng):
+    """The compiler emits a runtime loop's body whatever its trip count: the program size does
+    not depend on the count table, and a count of 0 changes nothing (outputs, registers,
+    engine time, DMA bytes)."""
+    nki, nl, nisa = nk
+
+    def k(a, count):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray((128, a.shape[1]), a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a[0:128, :])
+        nisa.dma_copy(dst=out[0:128, :], src=t)
+        c = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=c, src=count)
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, c)
+
+        def body(i):
+            u = nl.ndarray((128, a.shape[1]), a.dtype, buffer=nl.sbuf)
+            nisa.activation(dst=u, op=nl.copy, data=t, scale=2.0)
+            nisa.dma_copy(dst=out[0:128, :], src=u)
+            nisa.register_move(reg, 5)
+        nl.fori_loop(0, reg, body)
+        nisa.register_store(c, reg)
+        nisa.dma_copy(dst=out[0:1, 0:1], src=c)
+        return out
+
+    a = rng.standard_normal((128, 16)).astype(np.float32)
+    sizes, runs = [], []
+    for n in (0, 1):
+        count = np.array([[n]], np.int32)
+        sizes.append(simulate.program_size(nki.jit(k), a, count))
+        with simulate.measure() as m:
+            o = _run(nki, k, a, count)
+        runs.append((m.program_instructions, m.instructions.get("scalar", 0),
+                     m.hbm_bytes_written))
+        want = a.copy() if n == 0 else 2 * a
+        want[0, 0] = 5 if n else 0              # the register the body moves 5 into
+        np.testing.assert_array_equal(o, want)
+    assert sizes[0] == sizes[1] == runs[0][0] == runs[1][0]
+    assert runs[0][1:] == (0, a.nbytes + 4)      # no ScalarE time, no body DMA
+    assert runs[1][1] == 1
+
+
 @pytest.mark.parametrize("use", ["int", "range", "if", "shape", "list", "cmp_if"])
 def test_fori_index_is_a_runtime_scalar(nk, use):
     nki, nl, nisa = nk
