@@ -909,7 +909,9 @@ def _resolve(t, mask, skip_oob):
                 hit = None
             elif mask is not None:
                 hit = bad & mask
-            if hit is not None and hit.any() and not skip_oob:
+            # (text only: a runtime loop of no iteration, whose indices the hardware never
+            # computes, see _views.make: clipped like skipped rows)
+            if hit is not None and hit.any() and not skip_oob and not _runtime.is_text_only():
                 bk = np.broadcast_arrays(*[np.asarray(k) for k in key])
                 pos = tuple(int(x[0]) for x in np.nonzero(hit))
                 flat = 0

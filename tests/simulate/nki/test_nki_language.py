@@ -192,6 +192,52 @@ def test_a_zero_trip_fori_loop_body_is_program_text_without_effects(nk, rng):
     assert runs[1][1] == 1
 
 
+@pytest.mark.parametrize("form", ["indirect", "scalar_offset"])
+def test_a_zero_trip_body_addresses_are_not_checked(nk, rng, form):
+    """A body traced for its text only runs on values the hardware never computes there (its
+    writes are dropped: an index tile it fills keeps whatever was there): an indirect gather or
+    a runtime offset built from them is not bounds-checked, so a valid program is not refused;
+    with one iteration the same body reads the rows it names."""
+    nki, nl, nisa = nk
+
+    def k(a, count):
+        out = nl.ndarray((128, a.shape[1]), dtype=a.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray((128, a.shape[1]), a.dtype, buffer=nl.sbuf)
+        nisa.memset(t, 0.0)
+        nisa.dma_copy(dst=out[0:128, :], src=t)
+        c = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=c, src=count)
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, c)
+
+        def body(i):
+            idx = nl.ndarray((128, 1), nl.int32, buffer=nl.sbuf)
+            nisa.memset(idx, 1)                  # dropped when the loop has no iteration
+            u = nl.ndarray((128, a.shape[1]), a.dtype, buffer=nl.sbuf)
+            if form == "indirect":
+                src = a.ap(pattern=[[a.shape[1], 128], [1, a.shape[1]]], offset=0,
+                           vector_offset=idx[0:128, 0:1], indirect_dim=0)
+            else:
+                src = a.ap(pattern=[[a.shape[1], 128], [1, a.shape[1]]], offset=0,
+                           scalar_offset=idx[0:1, 0:1], indirect_dim=0)
+            nisa.dma_copy(dst=u, src=src)
+            nisa.dma_copy(dst=out[0:128, :], src=u)
+        nl.fori_loop(0, reg, body)
+        return out
+
+    a = rng.standard_normal((256, 16)).astype(np.float32)
+    sizes = []
+    for n in (0, 1):
+        count = np.array([[n]], np.int32)
+        sizes.append(simulate.program_size(nki.jit(k), a, count))
+        o = _run(nki, k, a, count)
+        want = np.zeros((128, 16), np.float32)
+        if n:
+            want = np.repeat(a[1:2], 128, axis=0) if form == "indirect" else a[1:129]
+        np.testing.assert_array_equal(o, want)
+    assert sizes[0] == sizes[1]
+
+
 @pytest.mark.parametrize("use", ["int", "range", "if", "shape", "list", "cmp_if"])
 def test_fori_index_is_a_runtime_scalar(nk, use):
     nki, nl, nisa = nk
