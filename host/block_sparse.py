@@ -820,31 +820,52 @@ def _window_loads(needs, blocks: int):
     group gathers (blocks it needs and the window does not hold) and the position of each of
     its blocks. A held block no later group needs frees its position; a gathered block takes
     the lowest free position, else evicts the held one next needed furthest ahead (Belady's
-    choice: the fewest gathers for this order), so the positions in use stay few where the
-    pattern's working set is small. None when a group needs more than ``blocks``."""
+    choice: the fewest gathers for this order; on a tie the one gathered first), so the
+    positions in use stay few where the pattern's working set is small. None when a group
+    needs more than ``blocks``.
+
+    O(log n) per access: each block's sorted list of uses with a pointer to its next one,
+    and a lazy max-heap of ``(next use, when gathered)`` over the held blocks, whose entries
+    go stale when their block is used again or leaves the window."""
     uses = {}
     for gi, need in enumerate(needs):
         for j in need.tolist():
             uses.setdefault(j, []).append(gi)
-    held, free, out = {}, list(range(blocks)), []
+    nxt = dict.fromkeys(uses, 0)                 # index in uses[j] of j's next use
+    held, since = {}, {}                         # block -> position, -> when it was gathered
+    heap, free, out, done, count = [], list(range(blocks)), [], [], 0
     for gi, need in enumerate(needs):
         if len(need) > blocks:
             return None
-        for x in [x for x in held if uses[x][-1] < gi]:
+        for x in done:                           # held blocks no later group needs
             heapq.heappush(free, held.pop(x))
-        wanted = set(need.tolist())
+        need = need.tolist()
         loads = []
-        for j in need.tolist():
+        for j in need:
             if j in held:
                 continue
             if not free:
-                def next_use(x):
-                    return next(u for u in uses[x] if u > gi)
-                victim = max((x for x in held if x not in wanted), key=next_use)
-                heapq.heappush(free, held.pop(victim))
+                # the victim: a held block this group does not need (its next use is past
+                # gi; the entries of this group's blocks say gi, or are stale)
+                while True:
+                    key, when, x = heapq.heappop(heap)
+                    if since.get(x) == when and uses[x][nxt[x]] == -key > gi:
+                        break
+                heapq.heappush(free, held.pop(x))
+                del since[x]
             held[j] = heapq.heappop(free)
+            since[j] = count
+            count += 1
             loads.append((held[j], j))
-        out.append((loads, {j: held[j] for j in need.tolist()}))
+        out.append((loads, {j: held[j] for j in need}))
+        done = []
+        for j in need:
+            nxt[j] += 1
+            if nxt[j] == len(uses[j]):
+                done.append(j)
+                del since[j]
+            else:
+                heapq.heappush(heap, (-uses[j][nxt[j]], since[j], j))
     return out
 
 

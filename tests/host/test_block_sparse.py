@@ -1,5 +1,7 @@
 """Block-sparse pattern layouts, validation and standard patterns (host/block_sparse.py), and the
 block-sparse / dropout forms of the float64 references."""
+import heapq
+
 import numpy as np
 import pytest
 
@@ -456,6 +458,82 @@ def test_window_tables_hold_every_slots_block_and_gather_fewer(name):
     sparsity = bs.check_block_mask(mask, mask.shape[0], mask.shape[1], nqt * 128, nqt * 128)
     plan = bs.window_plan(sparsity, grouped, blocks)
     assert plan.block_loads < bs.grouped_block_loads(grouped, T.BSP_GROUP_TILES)
+
+
+def _belady_by_scan(needs, blocks):
+    """The window plan of ``bs._window_loads`` by its first algorithm, kept here as the
+    oracle: the victim by a scan of every held block's list of uses (first the held one
+    gathered first among those next needed furthest ahead)."""
+    uses = {}
+    for gi, need in enumerate(needs):
+        for j in need.tolist():
+            uses.setdefault(j, []).append(gi)
+    held, free, out = {}, list(range(blocks)), []
+    for gi, need in enumerate(needs):
+        if len(need) > blocks:
+            return None
+        for x in [x for x in held if uses[x][-1] < gi]:
+            heapq.heappush(free, held.pop(x))
+        wanted = set(need.tolist())
+        loads = []
+        for j in need.tolist():
+            if j in held:
+                continue
+            if not free:
+                def next_use(x):
+                    return next(u for u in uses[x] if u > gi)
+                victim = max((x for x in held if x not in wanted), key=next_use)
+                heapq.heappush(free, held.pop(victim))
+            held[j] = heapq.heappop(free)
+            loads.append((held[j], j))
+        out.append((loads, {j: held[j] for j in need.tolist()}))
+    return out
+
+
+@pytest.mark.parametrize("name", ["band", "fixed", "random"])
+def test_window_plan_equals_the_scanning_belady(monkeypatch, name):
+    """``_window_loads`` (a lazy heap of next uses) plans exactly what the scan over every
+    held block planned, ties included: on the pattern's groups in shuffled orders, in
+    windows from the widest group's count up (they evict), and end to end (every table of
+    ``window_tables``; the random pattern's window of 32 evicts)."""
+    nqt = 40
+    mask = {"band": _band_strided(nqt), "fixed": bs.fixed_density(nqt, nqt, 0.1),
+            "random": np.random.default_rng(5).random((2, 2, nqt, nqt)) < 0.1}[name]
+    rng = np.random.default_rng(7)
+    gathers = 0
+    for _ in range(4):
+        order = rng.permutation(nqt)
+        needs = [np.flatnonzero(mask[0, 0, order[a:a + 8]].any(axis=0))
+                 for a in range(0, nqt, 8)]
+        widest = max(len(n) for n in needs)
+        for blocks in (widest, widest + 4):
+            plan = bs._window_loads(needs, blocks)
+            assert plan == _belady_by_scan(needs, blocks)
+            gathers += sum(len(loads) for loads, _ in plan)
+    assert gathers > 8 * int(mask[0, 0].any(axis=0).sum())      # they evict
+    index = bs.dense_to_index(mask)
+    fast = bs.window_tables(index, 32, T.BSP_GROUP_TILES)
+    monkeypatch.setattr(bs, "_window_loads", _belady_by_scan)
+    slow = bs.window_tables(index, 32, T.BSP_GROUP_TILES)
+    assert (fast.blocks, fast.block_loads) == (slow.blocks, slow.block_loads)
+    for x, y in ((fast.slots, slow.slots), (fast.loads, slow.loads),
+                 (fast.tables.meta, slow.tables.meta)):
+        np.testing.assert_array_equal(x, y)
+    assert fast.tables._replace(meta=None) == slow.tables._replace(meta=None)
+
+
+def test_window_loads_equal_the_scanning_belady_on_many_ties():
+    """Groups drawing from few blocks (next uses tie often), windows from the widest group's
+    count up: the same plan as the scan; a group wider than the window: None."""
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        nb = int(rng.integers(2, 12))
+        needs = [np.flatnonzero(rng.random(nb) < rng.uniform(0.1, 0.7))
+                 for _ in range(int(rng.integers(1, 30)))]
+        widest = max(len(n) for n in needs)
+        for blocks in (max(widest, 1), widest + 1, widest + 3):
+            assert bs._window_loads(needs, blocks) == _belady_by_scan(needs, blocks), trial
+    assert bs._window_loads([np.arange(4)], 3) is None
 
 
 def test_window_tables_refuse_a_group_wider_than_the_window():
