@@ -1161,7 +1161,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     # longer own-slot steps in both namespaces (the same steps, the same outputs)
     fits = T.bsp_fwd_kv_resident(Nk, D, T.fwd_itemsize(mm_dtype), trip_max)
     resident = fits and port.api() == "nki"
-    win = _check_window(window_loads, window_slots, window_blocks, classes, shared,
+    win = _check_window(window_loads, window_slots, window_blocks, meta, classes, shared,
                         shared_runtime, fits, D, mm_dtype, trip_max)
     step = T.BSP_RESIDENT_STEP_BLOCKS if fits or win else T.BSP_STEP_BLOCKS
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False, kv_load_block=T.BSP_FWD_KV_LOAD_BLOCK)
@@ -1306,12 +1306,17 @@ class _Window(NamedTuple):
         return out
 
 
-def _check_window(loads, slots, blocks, classes, shared, shared_runtime: bool, fits: bool,
-                  D: int, mm_dtype: str, trip: int) -> Optional[_Window]:
+def _check_window(loads, slots, blocks, meta, classes, shared, shared_runtime: bool,
+                  fits: bool, D: int, mm_dtype: str, trip: int) -> Optional[_Window]:
     """The window of a launch (``window_blocks`` > 0; None: none), checked: nki.* only (a
     runtime trip count fills it), K/V not resident, at most the blocks that fit in SBUF
     (:func:`tiles.bsp_fwd_window_blocks`), both tables given, one class of the tables'
-    ``trip`` slots, not shared (``host.block_sparse.window_tables``)."""
+    ``trip`` slots, not shared (``host.block_sparse.window_tables``), and the tables' shapes
+    (the kernel's DMAs read them at positions its loops compute: a short table would be read
+    out of bounds): ``window_slots`` ``meta``'s leading dims, one row of ``trip`` slots per
+    position; ``window_loads`` ``meta``'s leading dims, one row per kernel group (the class's
+    rows in groups of ``tiles.BSP_GROUP_TILES``, then a remainder), ``2 + 2 L`` columns with
+    ``L`` a positive multiple of ``tiles.BSP_WINDOW_LOAD_BLOCKS`` (the steps' blocks)."""
     if not isinstance(blocks, int) or blocks < 0:
         raise ValueError(f"window_blocks: expected an int >= 0, got {blocks!r}")
     if not blocks:
@@ -1327,11 +1332,30 @@ def _check_window(loads, slots, blocks, classes, shared, shared_runtime: bool, f
     if loads is None or slots is None:
         raise ValueError("window_loads, window_slots: both needed with window_blocks > 0, got "
                          f"{type(loads).__name__}, {type(slots).__name__}")
-    if (len(classes) != 1 or classes[0][2] != trip or any(shared) or shared_runtime
-            or tuple(slots.shape[2:]) != (classes[0][1], trip)):
-        raise ValueError(f"window_slots: expected one class of {trip} slots, not shared, "
-                         f"and slots (.., {classes[0][1]}, {trip}); got classes={classes!r}, "
-                         f"shared={shared!r}, slots {tuple(slots.shape)}")
+    if len(classes) != 1 or classes[0][2] != trip:
+        raise ValueError(f"classes: a window needs one class of the table's {trip} slots, got "
+                         f"{classes!r}")
+    if any(shared):
+        raise ValueError(f"shared: a window's class shares no slots (allowed: None or (0,)), "
+                         f"got {shared!r}")
+    if shared_runtime:
+        raise ValueError("shared_runtime: a window's class shares no slots (allowed: False), "
+                         "got True")
+    lead, count = tuple(meta.shape[:2]), classes[0][1]
+    want = lead + (count, trip)
+    if tuple(slots.shape) != want:
+        raise ValueError(f"window_slots: expected shape {want} (meta's leading dims, one row "
+                         f"of {trip} slots per position), got {tuple(slots.shape)}")
+    g = min(T.BSP_GROUP_TILES, count)
+    groups = T.ceil_div(count, g)
+    Wl = T.BSP_WINDOW_LOAD_BLOCKS
+    shape = tuple(loads.shape)
+    L = (shape[3] - 2) // 2 if len(shape) == 4 else 0
+    if len(shape) != 4 or shape[:3] != lead + (groups,) or L < 1 or shape[3] != 2 + 2 * L \
+            or L % Wl:
+        raise ValueError(f"window_loads: expected shape {lead + (groups,)} + (2 + 2 L,) "
+                         f"(meta's leading dims, one row per group of {g} of the {count} rows, "
+                         f"L a positive multiple of {Wl}), got {shape}")
     return _Window(loads, slots)
 
 

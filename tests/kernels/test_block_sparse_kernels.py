@@ -14,6 +14,8 @@ tiles (~20 s in all).
 """
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -1033,8 +1035,33 @@ def test_nki_window_arguments_are_checked(monkeypatch):
         run("nki", window_slots=None)
     with pytest.raises(ValueError, match="given with window_blocks=0"):
         run("nki", window_blocks=0)
-    with pytest.raises(ValueError, match=r"window_slots: expected one class of 4 slots"):
+    with pytest.raises(ValueError, match=r"classes: a window needs one class of the table's 4 "
+                                         r"slots, got \(\(0, 8, 4, False\), \(8, 4, 4"):
         run("nki", classes=((0, 8, 4, False), (8, 4, 4, False)))
+    with pytest.raises(ValueError, match=r"classes: a window needs one class of the table's 4 "
+                                         r"slots, got \(\(0, 12, 3, False\),\)"):
+        run("nki", classes=((0, 12, 3, False),))
+    # a class from another position than 0: refused with the classes (check_classes)
+    with pytest.raises(ValueError, match=r"classes: expected contiguous runs .* got "
+                                         r"\(\(1, 11, 4, False\),\)"):
+        run("nki", classes=((1, 11, 4, False),))
+    with pytest.raises(ValueError, match=r"shared: a window's class shares no slots \(allowed: "
+                                         r"None or \(0,\)\), got \(1,\)"):
+        run("nki", shared=(1,))
+    with pytest.raises(ValueError, match=r"shared_runtime: .* \(allowed: False\), got True"):
+        run("nki", shared_runtime=True)
+    with pytest.raises(ValueError, match=r"window_slots: expected shape \(1, 1, 12, 4\) .* "
+                                         r"got \(1, 1, 11, 4\)"):
+        run("nki", window_slots=win.slots[:, :, :11])
+    # 12 rows: a group of 8 and a remainder of 4; L = 32 blocks (bound 4 x 8 tiles)
+    assert win.loads.shape == (1, 1, 2, 2 + 2 * 32)
+    for bad in (win.loads[:, :, :1], win.loads[..., :-1], win.loads[..., :-2],
+                win.loads[..., :2], np.concatenate([win.loads] * 2), win.loads[0]):
+        with pytest.raises(ValueError, match=re.escape(
+                f"window_loads: expected shape (1, 1, 2) + (2 + 2 L,) (meta's leading dims, "
+                f"one row per group of 8 of the 12 rows, L a positive multiple of "
+                f"{T.BSP_WINDOW_LOAD_BLOCKS}), got {bad.shape}")):
+            run("nki", window_loads=bad)
 
 
 @pytest.mark.parametrize("kw", [dict(dropout_p=0.2, seed=5),
