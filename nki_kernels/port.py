@@ -1013,18 +1013,38 @@ def nc_matmul(dst, stationary, moving, accumulate=False, mask=None):
         dst[...] = ns.nisa.nc_matmul(stationary, moving, **extra)
 
 
-def open_group(psum):
-    """Make the zeros of ``psum`` (a 2-D fp32 PSUM tile zero-filled by ``nl.zeros``) an
-    accumulation group a matmul opened, so that ``nc_matmul(..., accumulate=True)`` may add onto
-    any of it. 0.7: an ``accumulate=False`` matmul of a one-partition bf16 zero row over the
-    whole tile (the ``nc_matmul`` stub: ``True`` is "Only valid after the PSUM location has been
-    initialized by a matmul with accumulate=False"; accumulating onto a memset value is
-    undefined on NeuronCore-v2/v3). Legacy: nothing (``nl.zeros`` then ``+=`` is its idiom)."""
+def group_alloc():
+    """The allocator of a PSUM tile :func:`open_group` opens: ``nl.ndarray`` in 0.7 (the
+    opening matmul writes every element, so a zero fill would only be overwritten: one
+    instruction less), ``nl.zeros`` in legacy (its ``+=`` starts from the fill). Call it at
+    the tile's own statement, ``port.group_alloc()((rows, cols), dtype=nl.float32,
+    buffer=nl.psum)`` (each allocation statement is one tile, see the module docstring)."""
+    ns = current()
+    return ns.nl.ndarray if ns.api == "nki" else ns.nl.zeros
+
+
+def group_zero_row(cols: int):
+    """The zero row :func:`open_group` opens groups with: 0.7 a bf16 ``[1, cols]`` SBUF row
+    of zeros, filled once (allocate it once per kernel instance, outside the loops that open
+    groups); legacy None (nothing to issue)."""
+    ns = current()
+    if ns.api != "nki":
+        return None
+    return ns.nl.zeros((1, cols), dtype=ns.nl.bfloat16, buffer=ns.nl.sbuf)
+
+
+def open_group(psum, zero):
+    """Open ``psum`` (a 2-D fp32 PSUM tile of :func:`group_alloc`) as an accumulation group
+    of zeros that ``nc_matmul(..., accumulate=True)`` may add onto. 0.7: an
+    ``accumulate=False`` matmul of the one-partition zero row ``zero`` (:func:`group_zero_row`,
+    at least as many columns as ``psum`` has rows and columns) over the whole tile (the
+    ``nc_matmul`` stub: ``True`` is "Only valid after the PSUM location has been initialized
+    by a matmul with accumulate=False"; accumulating onto a memset value is undefined on
+    NeuronCore-v2/v3). Legacy: nothing (``nl.zeros`` then ``+=`` is its idiom)."""
     ns = current()
     if ns.api != "nki":
         return
     rows, cols = psum.shape
-    zero = nl.zeros((1, max(rows, cols)), dtype=nl.bfloat16, buffer=nl.sbuf)
     ns.nisa.nc_matmul(dst=psum, stationary=zero[0:1, 0:rows], moving=zero[0:1, 0:cols],
                       accumulate=False)
 

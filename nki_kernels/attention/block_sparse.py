@@ -272,7 +272,7 @@ class RowFrame(NamedTuple):
         if self.ints is None:
             return idx
         out = nl.ndarray(tuple(idx.shape), dtype=nl.int32, buffer=nl.sbuf)
-        port.add_int_column(out, idx, self.ints)
+        port.add_int_column(out, idx, self.ints[0:idx.shape[0], 0:1])
         return out
 
 
@@ -455,8 +455,9 @@ def own_rows(geo: Geometry, first, length, frame: RowFrame):
 
 
 def rows_at(pos, length, frame: RowFrame):
-    """int32 gather/scatter indices (rows of ``frame``) of the positions ``pos`` (fp32, ``[128,
-    n]``), out of bounds at positions ``>= length`` (a ``[128, 1]`` column or a number)."""
+    """int32 gather/scatter indices (rows of ``frame``) of the positions ``pos`` (fp32, ``[rows,
+    n]``, rows <= 128: the first partitions), out of bounds at positions ``>= length`` (a
+    ``[rows, 1]`` column or a number)."""
     length = float(length) if isinstance(length, (int, float)) else length
     shape = tuple(pos.shape)
     pushed = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
@@ -466,7 +467,8 @@ def rows_at(pos, length, frame: RowFrame):
     if frame.base is None:
         port.tensor_tensor(idx, pushed, pos, nl.add)
     else:
-        port.scalar_tensor_tensor(idx, pushed, nl.add, frame.base, nl.add, pos)
+        port.scalar_tensor_tensor(idx, pushed, nl.add, frame.base[0:shape[0], 0:1], nl.add,
+                                  pos)
     return frame.rows(idx)
 
 

@@ -122,6 +122,8 @@ class _Cfg:
         self.unit = score.unit if score is not None else 1.0
         self.cols = score.cols if score is not None else None
         self.dsink_acc = dsink_acc
+        # the zero row that opens each key block's dK/dV groups (nki.*; legacy None)
+        self.zero_row = port.group_zero_row(max(P, f.D))
 
     def need_mask(self, geo: Geometry, exact: bool) -> bool:
         """Whether pairs need the runtime indicator: padding slots (legacy runs them; under
@@ -226,26 +228,24 @@ class _Resident:
         """dQ of the slot's query tile ``+= dq_ps`` (``acc`` from :meth:`tile`)."""
         port.dynamic_block_add(self.dq, acc[0], acc[1], dq_ps)
 
-    def ordered(self, t) -> bool:
-        """Whether t is a tile of the host's order (:meth:`run`: its first row, data), not a
-        tile index (natural order, and the last tile, which the order keeps last)."""
-        return self.reordered and not isinstance(t, int)
-
-    def positions(self, geo: Geometry, t):
+    def positions(self, geo: Geometry, t, ordered: bool):
         """fp32 ``[128, 1]``: the positions of query tile t's rows, ``128 t + p`` (an iota
-        of the loop indices), or for a tile of the host's order ``t + p`` (``t``: the tile's
-        first row, an fp32 ``[128, 1]`` column of the order, data; GpSimd)."""
+        of the loop indices), or where t is ``ordered`` (a tile of the host's order,
+        :meth:`run`) ``t + p`` (``t``: the tile's first row, an fp32 ``[128, 1]`` column of
+        the order, data; GpSimd)."""
         pos = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        if self.ordered(t):
+        if ordered:
             port.tensor_tensor(pos, t, geo.part, nl.add, engine="gpsimd")
         else:
             port.iota(pos, [[0, 1]], channel_multiplier=1, runtime=[(t, P)],
                       offsets=geo.indices)
         return pos
 
-    def stage(self, cfg: "_Cfg", geo: Geometry, h, q_frame, t, local, rows: int):
-        """Query tile t (``rows`` rows: 128, or the partial last tile's) of member head h into
-        its block (``local``: t's place in its chunk): Q, dO, O, lse (rows past Nq zero; with
+    def stage(self, cfg: "_Cfg", geo: Geometry, h, q_frame, t, local, rows: int,
+              ordered: bool):
+        """Query tile t (``rows`` rows: 128, or the partial last tile's; ``ordered``: of the
+        host's order, :meth:`run`) of member head h into its block (``local``: t's place in
+        its chunk): Q, dO, O, lse (rows past Nq zero; with
         q_lens gathered through ``q_frame``, rows past q_len skipped, zero), ``-delta =
         -rowsum(dO O)``, the clamped -lse, the transposes, a zeroed dQ accumulator; with
         sinks the rows' shares of dsink."""
@@ -255,7 +255,7 @@ class _Resident:
         x, dx, ox, lse = (nl.ndarray((P, src.shape[-1]), dtype=src.dtype, buffer=nl.sbuf)
                           for src in srcs)
         if q_frame is not None:
-            idx = rows_at(self.positions(geo, t), geo.q_len, q_frame)
+            idx = rows_at(self.positions(geo, t, ordered), geo.q_len, q_frame)
             for dst, src in zip((x, dx, ox, lse), srcs):
                 gather(dst, src, (f.b, head), idx, 0, True)
         else:
@@ -278,38 +278,43 @@ class _Resident:
         port.tensor_copy(self.nat[:, n, 0:D], x, engine="gpsimd")
         port.tensor_copy(self.nat[:, n, D:2 * D], dx, engine="gpsimd")
 
-    def write_dq(self, cfg: "_Cfg", geo: Geometry, h, q_frame, t, local, rows: int):
+    def write_dq(self, cfg: "_Cfg", geo: Geometry, h, q_frame, t, local, rows: int,
+                 ordered: bool):
         """dQ of query tile t (``rows`` rows; ``local`` its place in the chunk) of member head
         h: ``scale`` times its accumulator, cast and stored (rows at or past q_len hold zeros:
-        no pair added to them). A tile of the host's order (a whole one) is stored at its rows
-        of ``q_frame``: under nki.* by a plain DMA at that runtime row (:func:`port.
-        flat_rows`: independent of the other tiles' stores), in legacy scattered (an indirect
-        write, which the scheduler orders after every earlier one to dq)."""
+        no pair added to them). A tile of the host's order (``ordered``, a whole one) is
+        stored at its rows of ``q_frame``: under nki.* by a plain DMA at its first row
+        (:func:`port.flat_rows`: independent of the other tiles' stores; the row number of
+        partition 0 only), in legacy scattered (an indirect write, which the scheduler orders
+        after every earlier one to dq)."""
         f = cfg.f
         dq_out = nl.ndarray((P, f.D), dtype=cfg.dq.dtype, buffer=nl.sbuf)
         port.activation(dq_out, nl.copy, self.dq[:, h * self.per_head + local, :],
                         scale=cfg.scale)
-        if self.ordered(t):
-            idx = rows_at(self.positions(geo, t), f.Nq, q_frame)
-            if port.api() == "nki":
-                port.dma_copy(port.flat_rows(cfg.dq, idx[0:1, 0:1], P), dq_out)
-            else:
-                scatter(cfg.dq, (f.b, f.head(h)), idx, dq_out)
+        if ordered and port.api() == "nki":
+            # the tile's first row: partition 0 of t (its positions t + p, p = 0)
+            port.dma_copy(port.flat_rows(cfg.dq, rows_at(t[0:1, 0:1], f.Nq, q_frame), P),
+                          dq_out)
+            return
+        if ordered:
+            scatter(cfg.dq, (f.b, f.head(h)), rows_at(self.positions(geo, t, True), f.Nq,
+                                                      q_frame), dq_out)
             return
         port.dma_copy(cfg.dq[f.b, f.head(h), nl.ds(t * P, rows), :], dq_out[0:rows],
                       legacy_isa=True)
 
     def run(self, cfg: "_Cfg", geo: Geometry, body, frames: bool, chunk, n_tiles: int,
             tail: int = 0, carried: bool = False, order=None):
-        """``body(h, q_frame, t, local, rows)`` over the ``n_tiles`` query tiles t = ``chunk
-        slots + local`` of a chunk (``rows`` rows; the last one ``tail`` rows when ``tail``:
+        """``body(h, q_frame, t, local, rows, ordered)`` over the ``n_tiles`` query tiles t =
+        ``chunk slots + local`` of a chunk (``rows`` rows; the last one ``tail`` rows when ``tail``:
         the partial last tile) of every member head h: compiled loops (``carried``: see
         :func:`port.loop`) over ``tiles.BSP_BWD_STAGE_TILES`` full tiles at a time (unrolled
         in the body: each has its own buffers, so their DMA latencies overlap), a static
         remainder and the partial tile. ``frames``: pass the head's :class:`RowFrame` (else
         None). With the tiles reordered, t is column ``local`` of ``order`` (fp32 ``[128,
         n_tiles]``: the chunk's row of the host's order on every partition), the tile's first
-        row (data), but for the partial last tile, which the order keeps last."""
+        row (data), and ``ordered`` True, but for the partial last tile, which the order
+        keeps last (t its index, as in natural order)."""
         f = cfg.f
         full = n_tiles - (1 if tail else 0)
         u = max(1, min(T.BSP_BWD_STAGE_TILES, full))
@@ -323,14 +328,14 @@ class _Resident:
 
             def group(c):
                 for j in T.unrolled(u):
-                    body(h, q_frame, tile(c * u + j), c * u + j, P)
+                    body(h, q_frame, tile(c * u + j), c * u + j, P, self.reordered)
 
             port.loop(full // u, group, carried=carried)
             for j in T.unrolled(full % u):
                 local = (full // u) * u + j
-                body(h, q_frame, tile(local), local, P)
+                body(h, q_frame, tile(local), local, P, self.reordered)
             if tail:
-                body(h, q_frame, t0 + full, full, tail)
+                body(h, q_frame, t0 + full, full, tail, False)
 
         port.loop(f.G, head, carried=carried)
 
@@ -545,11 +550,12 @@ def _key_block(cfg: _Cfg, geo: Geometry, meta_k, res: "_Resident", chunk, step: 
         table, col = flags
         n = table.shape[1] // 4
         regs = [port.register(table[0:1, nl.ds(k * n + col, 1)]) for k in T.unrolled(4)]
-    # zeros the slot loop's accumulate=True matmuls add onto: a group a matmul opened in nki.*
-    dk_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
-    dv_ps = nl.zeros((P, f.D), dtype=nl.float32, buffer=nl.psum)
-    port.open_group(dk_ps)
-    port.open_group(dv_ps)
+    # zeros the slot loop's accumulate=True matmuls add onto: in nki.* a group a matmul of
+    # the instance's zero row opened (no fill first), in legacy a zero fill
+    dk_ps = port.group_alloc()((P, f.D), dtype=nl.float32, buffer=nl.psum)
+    dv_ps = port.group_alloc()((P, f.D), dtype=nl.float32, buffer=nl.psum)
+    port.open_group(dk_ps, cfg.zero_row)
+    port.open_group(dv_ps, cfg.zero_row)
     skip = cfg.need_mask(geo, exact)
     # keys at or past kv_len are not read (without lengths: the partial last block's)
     k_idx = rows_at(k_pos, geo.kv_len, geo.kv) if geo.has_lens else out_idx
@@ -860,9 +866,9 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
                                            nl.ds(f.g if order_q.shape[1] > 1 else 0, 1),
                                            nl.ds(ci * chunk_tiles, n_tiles)], legacy_isa=True)
                 order = M.broadcast_row(row, n_tiles)
-            res.run(cfg, geo, lambda h, q_frame, t, local, rows: res.stage(
-                cfg, geo, h, q_frame, t, local, rows), q_lens is not None or reordered, ci,
-                n_tiles, last_tail, carried=mods.sinks, order=order)
+            res.run(cfg, geo, lambda *args: res.stage(cfg, geo, *args),
+                    q_lens is not None or reordered, ci, n_tiles, last_tail,
+                    carried=mods.sinks, order=order)
             for first, count, trip, exact in classes_k:
                 if not trip and step != "last":
                     continue                    # no pair in any chunk: zeros at the last
@@ -878,9 +884,8 @@ def block_sparse_attention_bwd(q, k, v, o, do, lse, meta_k, kv_lens=None, q_lens
                                   None if counts is None else (counts, r),
                                   None if flags is None else (flags, r))),
                           carried=True)
-            res.run(cfg, geo, lambda h, q_frame, t, local, rows: res.write_dq(
-                cfg, geo, h, q_frame, t, local, rows), reordered, ci, n_tiles, last_tail,
-                order=order)
+            res.run(cfg, geo, lambda *args: res.write_dq(cfg, geo, *args), reordered, ci,
+                    n_tiles, last_tail, order=order)
 
         # every chunk but the last holds chunk_tiles full tiles; the last the rest. The first
         # writes the scratch, the middle ones read-add-write it, the last reads it

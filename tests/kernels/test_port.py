@@ -377,6 +377,51 @@ def test_iota_and_affine_select_patterns(api, monkeypatch):
 
 
 @port.jit
+def _groups_kernel(a, b):
+    """Three accumulation groups (a compiled loop), each opened by :func:`port.open_group`
+    from one zero row of the kernel (:func:`port.group_zero_row`), then ``+= a^T b`` twice
+    with ``accumulate=True``."""
+    out = nl.ndarray((3, 128, 64), dtype=nl.float32, buffer=nl.shared_hbm)
+    zero = port.group_zero_row(128)
+    x = nl.ndarray((32, 128), dtype=a.dtype, buffer=nl.sbuf)
+    port.dma_copy(x, a)
+    y = nl.ndarray((32, 64), dtype=b.dtype, buffer=nl.sbuf)
+    port.dma_copy(y, b)
+
+    def group(i):
+        ps = port.group_alloc()((128, 64), dtype=nl.float32, buffer=nl.psum)
+        port.open_group(ps, zero)
+        port.nc_matmul(ps, x, y, accumulate=True)
+        port.nc_matmul(ps, x, y, accumulate=True)
+        res = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_copy(res, ps, engine="vector")
+        port.dma_copy(out[i], res)
+
+    port.loop(3, group)
+    return out
+
+
+@pytest.mark.parametrize("api", ["legacy", "nki"])
+def test_open_group_starts_from_zero_with_one_fill_per_kernel(api, monkeypatch):
+    """An opened group sums from zero in both namespaces. nki.*: its PSUM tile is not filled
+    (the opening matmul writes every element) and the zero row is filled once for every
+    group, so VectorE runs the three copies and one fill, TensorE three openings and six
+    products; legacy: a zero fill per group (``nl.zeros``, its idiom), no opening matmul."""
+    import simulate
+
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((32, 128)).astype(np.float32)
+    b = rng.standard_normal((32, 64)).astype(np.float32)
+    with simulate.measure(target="trn2") as m:
+        out = launch(_groups_kernel, (1,), a, b)
+    np.testing.assert_allclose(out, np.broadcast_to(2 * a.T @ b, (3, 128, 64)), rtol=1e-5,
+                               atol=1e-4)
+    want = {"vector": 4, "tensor": 9} if api == "nki" else {"vector": 6, "tensor": 6}
+    assert {e: m.instructions[e] for e in want} == want
+
+
+@port.jit
 def _runtime_iota_kernel(exact):
     """``5 + p + j + i (2^27 + 3)`` (int32 ``[2, 8]``) for the loop index i in [0, 4): a runtime
     offset beyond 2^24, read under 0.7 from an :class:`port.OffsetColumns` (``exact`` or not)."""
