@@ -49,20 +49,11 @@ from host import validation as _v  # noqa: E402
 from host.bench import measure  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-#: Query tiles per strided global key block of the band+strided pattern.
-STRIDE = 8
 
 
 def inputs(N, D, seed=0):
     rng = np.random.default_rng(seed)
     return tuple(rng.standard_normal((1, 1, N, D)).astype(BF16) for _ in range(4))
-
-
-def band_strided(nqt: int) -> np.ndarray:
-    """Key blocks i - 1 .. i + 1 and ``STRIDE floor(i / STRIDE)`` of query tile i (square)."""
-    i = np.arange(nqt)[:, None]
-    j = np.arange(nqt)[None, :]
-    return ((np.abs(i - j) <= 1) | (j == STRIDE * (i // STRIDE)))[None, None]
 
 
 def run_sparse(x, mask, form, passes, target, max_blocks=None):
@@ -145,7 +136,7 @@ def main(argv=None):
             patterns = [("fixed", s, bs.fixed_density(nqt, nqt, s)) for s in dens
                         if round(s * nqt) >= 1]
             if not args.no_band:
-                patterns.append(("band+strided", None, band_strided(nqt)))
+                patterns.append(("band+strided", None, bs.band_strided(nqt, nqt)))
             for name, _, mask in patterns:
                 s = float(mask.mean())
                 for form in args.forms:

@@ -102,6 +102,16 @@ def test_local_global_pattern():
     assert pat[3].tolist() == [True, False, True, True, True, False]
 
 
+def test_band_strided_pattern():
+    pat = bs.band_strided(10, 12, stride=4)[0, 0]
+    assert [np.flatnonzero(r).tolist() for r in pat[[0, 3, 5, 9]]] == [
+        [0, 1], [0, 2, 3, 4], [4, 5, 6], [8, 9, 10]]
+    assert bs.band_strided(32, 32).mean() == 118 / 1024
+    for kw, match in ((dict(nqt=0), r"nqt"), (dict(nkt=2.5), r"nkt"), (dict(stride=0), r"stride")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            bs.band_strided(**{**dict(nqt=4, nkt=4), **kw})
+
+
 @pytest.mark.parametrize("density,per_row", [(1.0, 64), (1 / 16, 4), (1 / 64, 1), (1e-6, 1)])
 def test_fixed_density(density, per_row):
     pat = bs.fixed_density(16, 64, density)[0, 0]
@@ -393,11 +403,6 @@ def test_shared_bound_tables_list_each_groups_common_blocks_first_in_a_bounded_s
 # -- the forward's key-block window past SBUF (issue 25, item 1) ---------------------------
 
 
-def _band_strided(nqt):
-    i, j = np.arange(nqt)[:, None], np.arange(nqt)[None, :]
-    return ((np.abs(i - j) <= 1) | (j == 8 * (i // 8)))[None, None]
-
-
 def _replay(win, index):
     """Replay ``win``'s loads group by group (a window of ``win.blocks`` blocks, -1 empty)
     and check that every slot of every tile names the position holding its block (padding:
@@ -441,7 +446,7 @@ def test_window_tables_hold_every_slots_block_and_gather_fewer(name):
     times, ``grouped_block_loads``); a random pattern in a small window gathers no more
     than the grouping whenever ``window_plan`` takes it (here it does: 166 against 674)."""
     nqt = 40
-    mask = {"band": _band_strided(nqt), "fixed": bs.fixed_density(nqt, nqt, 0.1),
+    mask = {"band": bs.band_strided(nqt, nqt), "fixed": bs.fixed_density(nqt, nqt, 0.1),
             "random": np.random.default_rng(5).random((2, 2, nqt, nqt)) < 0.1}[name]
     index = bs.dense_to_index(mask)
     # the random pattern's window holds fewer blocks than the pattern uses: it evicts
@@ -497,7 +502,7 @@ def test_window_plan_equals_the_scanning_belady(monkeypatch, name):
     windows from the widest group's count up (they evict), and end to end (every table of
     ``window_tables``; the random pattern's window of 32 evicts)."""
     nqt = 40
-    mask = {"band": _band_strided(nqt), "fixed": bs.fixed_density(nqt, nqt, 0.1),
+    mask = {"band": bs.band_strided(nqt, nqt), "fixed": bs.fixed_density(nqt, nqt, 0.1),
             "random": np.random.default_rng(5).random((2, 2, nqt, nqt)) < 0.1}[name]
     rng = np.random.default_rng(7)
     gathers = 0

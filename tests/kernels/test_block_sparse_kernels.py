@@ -912,11 +912,6 @@ def test_nki_index_form_past_sbuf_matches_legacy_and_compiles_once_per_bound(mon
 # -- nki.* key-block window past SBUF (issue 25, item 1) --------------------------------------
 
 
-def _band_strided(nqt):
-    i, j = np.arange(nqt)[:, None], np.arange(nqt)[None, :]
-    return ((np.abs(i - j) <= 1) | (j == 8 * (i // 8)))[None, None]
-
-
 @pytest.mark.parametrize("form", ["bool", "index"])
 def test_nki_window_past_sbuf_gathers_each_block_once_with_the_planned_bytes(monkeypatch, form):
     """Past SBUF (forced at N = 2560: 20 query tiles, two groups of 8 and a remainder of 4;
@@ -931,7 +926,7 @@ def test_nki_window_past_sbuf_gathers_each_block_once_with_the_planned_bytes(mon
     monkeypatch.setenv(binding.API_ENV_VAR, "nki")
     B, Hq, N, D = 1, 2, 20 * 128, 16
     q, k, v, _ = attention_inputs(B, Hq, 1, N, N, D, seed=61)
-    mask = _band_strided(20)
+    mask = bs.band_strided(20, 20)
     pattern = mask if form == "bool" else tuple(bs.dense_to_index(mask))
     sparsity = bs.check_block_mask(pattern, B, Hq, N, N)
     grouped = bs.launch_tables(sparsity, group=Hq, backward=False,
@@ -993,7 +988,7 @@ def test_nki_window_program_does_not_grow_with_n(monkeypatch):
     for nqt in (20, 36):
         N, D = nqt * 128, 16
         q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=64)
-        index = bs.dense_to_index(_band_strided(nqt), 4)
+        index = bs.dense_to_index(bs.band_strided(nqt, nqt), 4)
         win = bs.window_tables(index, T.bsp_fwd_window_blocks(D, 4, 4), T.BSP_GROUP_TILES)
         t = win.tables
         sizes.append(program_size(
@@ -1008,7 +1003,7 @@ def test_nki_window_arguments_are_checked(monkeypatch):
     holds, without its tables, with tables it would ignore, or over other classes."""
     N, D = 12 * 128, 16
     q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=65)
-    index = bs.dense_to_index(_band_strided(12), 4)
+    index = bs.dense_to_index(bs.band_strided(12, 12), 4)
     most = T.bsp_fwd_window_blocks(D, 4, 4)
     win = bs.window_tables(index, most, T.BSP_GROUP_TILES)
     t = win.tables
