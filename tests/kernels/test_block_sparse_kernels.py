@@ -1007,7 +1007,7 @@ def test_nki_window_arguments_are_checked(monkeypatch):
     N, D = 12 * 128, 16
     q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=65)
     index = bs.dense_to_index(_band_strided(12), 4)
-    most = T.bsp_fwd_window_blocks(D, 4, 4)
+    most = T.bsp_fwd_window_blocks(D, 4, 4, plain=True)
     win = bs.window_tables(index, most, T.BSP_GROUP_TILES)
     t = win.tables
     base = dict(window_loads=win.loads, window_slots=win.slots, window_blocks=win.blocks,
@@ -1026,6 +1026,11 @@ def test_nki_window_arguments_are_checked(monkeypatch):
         run("legacy")
     with pytest.raises(ValueError, match=f"at most {most} blocks"):
         run("nki", window_blocks=most + 1)
+    # a causal band keeps more tables per slot: a narrower window than a plain launch's
+    banded = T.bsp_fwd_window_blocks(D, 4, 4)
+    assert banded < most
+    with pytest.raises(ValueError, match=f"at most {banded} blocks"):
+        run("nki", window_blocks=banded + 1, causal="top_left")
     with pytest.raises(ValueError, match=r"window_blocks: expected an int >= 0, got -1"):
         run("nki", window_blocks=-1)
     with pytest.raises(ValueError, match="both needed with window_blocks > 0, got Tensor, "
@@ -1063,8 +1068,9 @@ def test_nki_window_past_sbuf_agrees_with_the_grouping_under_dropout_and_modifie
 
 
 def test_nki_window_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
-    """A window as wide as ``tiles.bsp_fwd_window_blocks`` allows (Nk = 64K, D = 128, bf16:
-    one group of 8 query tiles of about 46 random key blocks each, 314 blocks in all) keeps
+    """A window as wide as ``tiles.bsp_fwd_window_blocks`` allows a plain launch (Nk = 64K,
+    D = 128, bf16, no mask but the pattern: one group of 8 query tiles of about 46 random key
+    blocks each, 317 blocks in all) keeps
     the peak SBUF within trn2's budget (90 % of a partition) beside the rest of the kernel:
     the per-slot tables, the load row's tables and the padding selector."""
     monkeypatch.setenv(binding.API_ENV_VAR, "nki")
@@ -1074,7 +1080,7 @@ def test_nki_window_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
     k, v = (rng.standard_normal((1, 1, Nk, D)).astype(BF16) for _ in range(2))
     mask = np.random.default_rng(1).random((1, 1, Nq // 128, Nk // 128)) < 0.09
     index = bs.dense_to_index(mask)
-    most = T.bsp_fwd_window_blocks(D, 2, index.max_blocks)
+    most = T.bsp_fwd_window_blocks(D, 2, index.max_blocks, plain=True)
     assert bs.window_tables(index, most, T.BSP_GROUP_TILES).blocks == most
     with simulate.measure(target="trn2") as m:
         host.flash_attention(q, k, v, block_mask=mask)
