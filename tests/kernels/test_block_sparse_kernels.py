@@ -27,7 +27,7 @@ from host._launch import launch, program_size
 from nki_kernels import nki as binding
 from nki_kernels import tiles as T
 from nki_kernels.attention.block_sparse import (block_sparse_attention_fwd, check_natural,
-                                                check_shared, keeps_order)
+                                                check_shared, keeps_order, window_capacity)
 from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
 from nki_kernels.nki import BACKEND
 from nki_kernels.port import launch_grid
@@ -1040,6 +1040,23 @@ def test_nki_window_arguments_are_checked(monkeypatch):
         run("nki", window_blocks=0)
     with pytest.raises(ValueError, match=r"window_slots: expected one class of 4 slots"):
         run("nki", classes=((0, 8, 4, False), (8, 4, 4, False)))
+
+
+def test_window_capacity_is_wider_only_where_nothing_but_padding_is_masked():
+    """A plain launch (no band, lengths, score modifier or dropout; whole key blocks) keeps
+    fewer tables per slot, so its window holds more blocks: at 64K, D = 128, bf16 the 256
+    slots of fixed_density s = 1/2 fit (a group's 256 blocks); any mask gives the narrower
+    window, which they do not."""
+    D, trip, Nk = 128, 256, 65536
+
+    def cap(Nk=Nk, causal=None, window=None, lengths=False, mods=False, dropout=False):
+        return window_capacity(D, "bfloat16", trip, Nk, causal, window, lengths, mods, dropout)
+
+    masked = T.bsp_fwd_window_blocks(D, 2, trip)
+    assert cap() == T.bsp_fwd_window_blocks(D, 2, trip, plain=True) >= trip > masked
+    for kw in (dict(causal="top_left"), dict(window=(256, 0)), dict(lengths=True),
+               dict(mods=True), dict(dropout=True), dict(Nk=Nk - 5)):
+        assert cap(**kw) == masked, kw
 
 
 @pytest.mark.parametrize("kw", [dict(dropout_p=0.2, seed=5),
