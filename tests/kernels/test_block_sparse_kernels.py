@@ -935,7 +935,7 @@ def test_nki_window_past_sbuf_gathers_each_block_once_with_the_planned_bytes(mon
     grouped = bs.launch_tables(sparsity, group=Hq, backward=False,
                                share_runtime=form == "index").q
     win = bs.window_plan(sparsity, grouped,
-                         T.bsp_fwd_window_blocks(D, 4, sparsity.index.max_blocks))
+                         T.bsp_fwd_window_blocks(D, 4, sparsity.index.max_blocks, True))
     want = ref.attention_forward(q, k, v, block_mask=mask)[0]
     runs = {}
     for windowed in (True, False):
@@ -992,7 +992,7 @@ def test_nki_window_program_does_not_grow_with_n(monkeypatch):
         N, D = nqt * 128, 16
         q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=64)
         index = bs.dense_to_index(_band_strided(nqt), 4)
-        win = bs.window_tables(index, T.bsp_fwd_window_blocks(D, 4, 4), T.BSP_GROUP_TILES)
+        win = bs.window_tables(index, T.bsp_fwd_window_blocks(D, 4, 4, True), T.BSP_GROUP_TILES)
         t = win.tables
         sizes.append(program_size(
             block_sparse_attention_fwd.on("nki"), launch_grid((1, 1), "nki"), q, k, v, t.meta,
