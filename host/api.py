@@ -644,7 +644,7 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     """The block-sparse forward of a validated call (``call.block_sparse`` given): outputs as
     :func:`flash_attention`'s."""
     from nki_kernels.attention.block_sparse import (block_sparse_attention_fwd, keeps_order,
-                                                    shares_at_runtime)
+                                                    shares_at_runtime, window_capacity)
 
     dims, p = call.dims, call.dropout.p
     api = select_api()          # every block-sparse call is ported to nki.*
@@ -662,8 +662,10 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     itemsize = _tiles.fwd_itemsize(call.mm_dtype)
     if api == "nki" and not _tiles.bsp_fwd_kv_resident(dims.Nk, dims.D, itemsize, trip):
         # past SBUF: a key-block window where it gathers fewer blocks than the grouping
-        win = _bs.window_plan(call.block_sparse, q_tables,
-                              _tiles.bsp_fwd_window_blocks(dims.D, itemsize, trip))
+        mods = bool(call.mods.kwargs) or any(x is not None for x in call.mods.tensors.values())
+        win = _bs.window_plan(call.block_sparse, q_tables, window_capacity(
+            dims.D, call.mm_dtype, trip, dims.Nk, call.causal, call.window,
+            call.kv_lens is not None or call.q_lens is not None, mods, bool(p)))
         if win is not None:
             q_tables = win.tables
             kwargs.update(window_loads=win.loads, window_slots=win.slots,

@@ -242,10 +242,16 @@ def bsp_fwd_kv_resident(Nk: int, D: int, mm_itemsize: int, trip: int) -> bool:
 
 
 #: SBUF bytes per partition of the block-sparse forward's key-block window (nki.*, K/V not
-#: resident, ``host.block_sparse.window_tables``) beside its blocks: one block's staging
-#: while it is gathered into the window (K rows, K^T, ``[V | 1 | flag]``, its table entry
-#: and row indices), counted generously (a guess; the simulator's peak check covers it).
-BSP_FWD_WINDOW_STAGE_BYTES = 2 * 1024
+#: resident, ``host.block_sparse.window_tables``) beside its blocks, the per-slot tables and
+#: :data:`BSP_FWD_WORK_BYTES`: one block's staging while it is gathered into the window (K
+#: rows, K^T, ``[V | 1 | flag]``, its table entry and row indices) and what the window path
+#: holds beyond the work bytes (fitted to the peaks measured at
+#: :data:`BSP_FWD_WINDOW_PLAIN_SLOT_TABLES`, with a margin).
+BSP_FWD_WINDOW_STAGE_BYTES = 6 * 1024
+#: SBUF bytes per partition per window block of a group's load row (``window_loads``: the
+#: row on every partition, its positions, the blocks' gather rows and bounds: about five
+#: 4-byte tables of the window's width; read from ``attention/block_sparse._load_window``).
+BSP_FWD_WINDOW_LOAD_TABLE_BYTES = 20
 
 
 #: Key blocks the block-sparse forward's window gathers per step of its load loop
@@ -258,18 +264,36 @@ BSP_FWD_WINDOW_STAGE_BYTES = 2 * 1024
 BSP_WINDOW_LOAD_BLOCKS = 2
 
 
-def bsp_fwd_window_blocks(D: int, mm_itemsize: int, trip: int) -> int:
+#: fp32 ``[trip]`` tables per query tile the block-sparse forward's window path keeps where
+#: nothing but its padding slots is masked (no causal or local band, lengths, score modifier
+#: or dropout, whole key blocks: the group's meta rows and window positions; the padding
+#: rows are ``[trip, tiles, 128]``), counted with a margin. Measured (simulate.measure, trn2,
+#: D = 128, bf16, 16 query tiles of 259 slots (256 common) at Nk = 64K, a window of 283
+#: blocks): peak 189532 bytes per partition, 42988 beside the window, where a group of 53
+#: slots and 314 blocks had 38832 (this module's :func:`bsp_fwd_window_blocks` covers both
+#: with :data:`BSP_FWD_WINDOW_STAGE_BYTES` and :data:`BSP_FWD_WINDOW_LOAD_TABLE_BYTES`);
+#: with a causal band, both lengths, ALiBi and dropout 38.6 KB more at 259 slots (peak
+#: 228120, over the budget: those launches keep :data:`BSP_FWD_SLOT_TABLES`).
+BSP_FWD_WINDOW_PLAIN_SLOT_TABLES = 3
+
+
+def bsp_fwd_window_blocks(D: int, mm_itemsize: int, trip: int, plain: bool = False) -> int:
     """Key blocks the block-sparse forward's window holds in SBUF (nki.*, where K/V of a
     (batch, kv head) are not resident, :func:`bsp_fwd_kv_resident`): as many whole blocks of
     K^T and ``[V | 1 | flag]`` as fit, with one block of zeros (the padding slots'), beside
-    :data:`BSP_FWD_WORK_BYTES`, the tables of a group of ``trip`` slots and one block's staging
+    :data:`BSP_FWD_WORK_BYTES`, the tables of a group of ``trip`` slots
+    (:data:`BSP_FWD_WINDOW_PLAIN_SLOT_TABLES` per tile where the launch is ``plain``: only
+    padding slots masked; else :data:`BSP_FWD_SLOT_TABLES`), a group's load row
+    (:data:`BSP_FWD_WINDOW_LOAD_TABLE_BYTES` per block) and one block's staging
     (:data:`BSP_FWD_WINDOW_STAGE_BYTES`), in trn2's budget :data:`FWD_SBUF_BUDGET_BYTES`
     (the resident budget's formula). 0 when not even one fits. Measured (simulate.measure,
-    trn2, D = 128, bf16, a group of 8 query tiles of up to 53 random key blocks at Nk = 64K):
-    a full window of 314 blocks peaks at 201372 bytes per partition, within the 206438 of
-    the budget."""
-    per_block = fwd_d_passes(D) * PMAX * mm_itemsize + (D + 2) * mm_itemsize
-    tables = BSP_GROUP_TILES * BSP_FWD_SLOT_TABLES * 4 * max(1, trip)
+    trn2, D = 128, bf16, Nk = 64K): a full window of a group of 8 query tiles of up to 53
+    random key blocks (317 blocks, plain) peaks at 202920 bytes per partition, of 16 tiles of
+    259 slots (280 blocks, plain) at 187984, within the 206438 of the budget."""
+    per_block = (fwd_d_passes(D) * PMAX * mm_itemsize + (D + 2) * mm_itemsize
+                 + BSP_FWD_WINDOW_LOAD_TABLE_BYTES)
+    per_tile = BSP_FWD_WINDOW_PLAIN_SLOT_TABLES if plain else BSP_FWD_SLOT_TABLES
+    tables = BSP_GROUP_TILES * per_tile * 4 * max(1, trip)
     free = (FWD_SBUF_BUDGET_BYTES["trn2"] - BSP_FWD_WORK_BYTES - tables
             - BSP_FWD_WINDOW_STAGE_BYTES)
     return max(0, free // per_block - 1)

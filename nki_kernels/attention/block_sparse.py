@@ -761,6 +761,17 @@ def keeps_order(api: str, Nq: int, Nk: int, D: int, mm_dtype: str, trip: int,
             and T.bsp_fwd_kv_resident(Nk, D, T.fwd_itemsize(mm_dtype), trip))
 
 
+def window_capacity(D: int, mm_dtype: str, trip: int, Nk: int, causal, window,
+                    lengths: bool, mods: bool, dropout: bool) -> int:
+    """Key blocks the forward's key-block window may hold in a launch of ``trip`` slots
+    (:func:`tiles.bsp_fwd_window_blocks`): ``plain`` (fewer per-slot tables) where only its
+    padding slots are masked -- no ``causal`` or local ``window`` band, no ``lengths``, no
+    score modifier (``mods``), no ``dropout`` and whole key blocks (Nk a multiple of 128).
+    The host plans with it and the kernel checks against it."""
+    plain = not (causal or window or lengths or mods or dropout) and Nk % P == 0
+    return T.bsp_fwd_window_blocks(D, T.fwd_itemsize(mm_dtype), trip, plain)
+
+
 def shares_at_runtime(api: str, Nk: int, D: int, mm_dtype: str, trip: int,
                       runtime: bool) -> bool:
     """Whether a ``runtime`` pattern (the index form, bound ``trip``) takes grouped tables of
@@ -1163,8 +1174,11 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     # longer own-slot steps in both namespaces (the same steps, the same outputs)
     fits = T.bsp_fwd_kv_resident(Nk, D, T.fwd_itemsize(mm_dtype), trip_max)
     resident = fits and port.api() == "nki"
+    most = window_capacity(D, mm_dtype, trip_max, Nk, causal, window,
+                           q_lens is not None or kv_lens is not None, mods != SM.Mods(),
+                           bool(dropout_p))
     win = _check_window(window_loads, window_slots, window_blocks, meta, classes, shared,
-                        shared_runtime, fits, D, mm_dtype, trip_max)
+                        shared_runtime, fits, most, trip_max)
     step = T.BSP_RESIDENT_STEP_BLOCKS if fits or win else T.BSP_STEP_BLOCKS
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False, kv_load_block=T.BSP_FWD_KV_LOAD_BLOCK)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
@@ -1309,11 +1323,11 @@ class _Window(NamedTuple):
 
 
 def _check_window(loads, slots, blocks, meta, classes, shared, shared_runtime: bool,
-                  fits: bool, D: int, mm_dtype: str, trip: int) -> Optional[_Window]:
+                  fits: bool, most: int, trip: int) -> Optional[_Window]:
     """The window of a launch (``window_blocks`` > 0; None: none), checked: nki.* only (a
-    runtime trip count fills it), K/V not resident, at most the blocks that fit in SBUF
-    (:func:`tiles.bsp_fwd_window_blocks`), both tables given, one class of the tables'
-    ``trip`` slots, not shared (``host.block_sparse.window_tables``), and the tables' shapes
+    runtime trip count fills it), K/V not resident, at most ``most`` blocks (what fits in
+    SBUF, :func:`window_capacity`), both tables given, one class of the tables' ``trip``
+    slots, not shared (``host.block_sparse.window_tables``), and the tables' shapes
     (the kernel's DMAs read them at positions its loops compute: a short table would be read
     out of bounds): ``window_slots`` ``meta``'s leading dims, one row of ``trip`` slots per
     position; ``window_loads`` ``meta``'s leading dims, one row per kernel group (the class's
@@ -1326,7 +1340,6 @@ def _check_window(loads, slots, blocks, meta, classes, shared, shared_runtime: b
             raise ValueError("window_loads, window_slots: given with window_blocks=0; allowed: "
                              "None (no window)")
         return None
-    most = T.bsp_fwd_window_blocks(D, T.fwd_itemsize(mm_dtype), trip)
     if port.api() != "nki" or fits or blocks > most:
         raise ValueError(f"window_blocks: a window of {blocks} blocks needs nki.*, K/V not "
                          f"resident and at most {most} blocks; got api={port.api()!r}, "
@@ -1466,4 +1479,4 @@ def _empty_tile(f, geo: Geometry, meta, h, q_frame: RowFrame, pos):
 
 __all__ = ["block_sparse_attention_fwd", "Geometry", "Row", "RowFrame", "own_rows", "rows_at", "gather",
            "scatter", "unit_seeds", "store_unit_mask", "store_tile", "check_classes", "exact_indices",
-           "check_natural", "keeps_order", "shares_at_runtime"]
+           "check_natural", "keeps_order", "shares_at_runtime", "window_capacity"]

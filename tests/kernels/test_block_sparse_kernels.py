@@ -29,7 +29,7 @@ from host._launch import launch, program_size
 from nki_kernels import nki as binding
 from nki_kernels import tiles as T
 from nki_kernels.attention.block_sparse import (block_sparse_attention_fwd, check_natural,
-                                                check_shared, keeps_order)
+                                                check_shared, keeps_order, window_capacity)
 from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
 from nki_kernels.nki import BACKEND
 from nki_kernels.port import launch_grid
@@ -932,7 +932,7 @@ def test_nki_window_past_sbuf_gathers_each_block_once_with_the_planned_bytes(mon
     grouped = bs.launch_tables(sparsity, group=Hq, backward=False,
                                share_runtime=form == "index").q
     win = bs.window_plan(sparsity, grouped,
-                         T.bsp_fwd_window_blocks(D, 4, sparsity.index.max_blocks))
+                         T.bsp_fwd_window_blocks(D, 4, sparsity.index.max_blocks, True))
     want = ref.attention_forward(q, k, v, block_mask=mask)[0]
     runs = {}
     for windowed in (True, False):
@@ -989,7 +989,7 @@ def test_nki_window_program_does_not_grow_with_n(monkeypatch):
         N, D = nqt * 128, 16
         q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=64)
         index = bs.dense_to_index(bs.band_strided(nqt, nqt), 4)
-        win = bs.window_tables(index, T.bsp_fwd_window_blocks(D, 4, 4), T.BSP_GROUP_TILES)
+        win = bs.window_tables(index, T.bsp_fwd_window_blocks(D, 4, 4, True), T.BSP_GROUP_TILES)
         t = win.tables
         sizes.append(program_size(
             block_sparse_attention_fwd.on("nki"), launch_grid((1, 1), "nki"), q, k, v, t.meta,
@@ -1004,7 +1004,7 @@ def test_nki_window_arguments_are_checked(monkeypatch):
     N, D = 12 * 128, 16
     q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=65)
     index = bs.dense_to_index(bs.band_strided(12, 12), 4)
-    most = T.bsp_fwd_window_blocks(D, 4, 4)
+    most = T.bsp_fwd_window_blocks(D, 4, 4, plain=True)
     win = bs.window_tables(index, most, T.BSP_GROUP_TILES)
     t = win.tables
     base = dict(window_loads=win.loads, window_slots=win.slots, window_blocks=win.blocks,
@@ -1023,6 +1023,11 @@ def test_nki_window_arguments_are_checked(monkeypatch):
         run("legacy")
     with pytest.raises(ValueError, match=f"at most {most} blocks"):
         run("nki", window_blocks=most + 1)
+    # a causal band keeps more tables per slot: a narrower window than a plain launch's
+    banded = T.bsp_fwd_window_blocks(D, 4, 4)
+    assert banded < most
+    with pytest.raises(ValueError, match=f"at most {banded} blocks"):
+        run("nki", window_blocks=banded + 1, causal="top_left")
     with pytest.raises(ValueError, match=r"window_blocks: expected an int >= 0, got -1"):
         run("nki", window_blocks=-1)
     with pytest.raises(ValueError, match="both needed with window_blocks > 0, got Tensor, "
@@ -1059,6 +1064,23 @@ def test_nki_window_arguments_are_checked(monkeypatch):
             run("nki", window_loads=bad)
 
 
+def test_window_capacity_is_wider_only_where_nothing_but_padding_is_masked():
+    """A plain launch (no band, lengths, score modifier or dropout; whole key blocks) keeps
+    fewer tables per slot, so its window holds more blocks: at 64K, D = 128, bf16 the 256
+    slots of fixed_density s = 1/2 fit (a group's 256 blocks); any mask gives the narrower
+    window, which they do not."""
+    D, trip, Nk = 128, 256, 65536
+
+    def cap(Nk=Nk, causal=None, window=None, lengths=False, mods=False, dropout=False):
+        return window_capacity(D, "bfloat16", trip, Nk, causal, window, lengths, mods, dropout)
+
+    masked = T.bsp_fwd_window_blocks(D, 2, trip)
+    assert cap() == T.bsp_fwd_window_blocks(D, 2, trip, plain=True) >= trip > masked
+    for kw in (dict(causal="top_left"), dict(window=(256, 0)), dict(lengths=True),
+               dict(mods=True), dict(dropout=True), dict(Nk=Nk - 5)):
+        assert cap(**kw) == masked, kw
+
+
 @pytest.mark.parametrize("kw", [dict(dropout_p=0.2, seed=5),
                                 dict(softcap=5.0, sinks=np.array([0.5, -1.0], np.float32))],
                          ids=["dropout", "softcap-sinks"])
@@ -1085,8 +1107,9 @@ def test_nki_window_past_sbuf_agrees_with_the_grouping_under_dropout_and_modifie
 
 
 def test_nki_window_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
-    """A window as wide as ``tiles.bsp_fwd_window_blocks`` allows (Nk = 64K, D = 128, bf16:
-    one group of 8 query tiles of about 46 random key blocks each, 314 blocks in all) keeps
+    """A window as wide as ``tiles.bsp_fwd_window_blocks`` allows a plain launch (Nk = 64K,
+    D = 128, bf16, no mask but the pattern: one group of 8 query tiles of about 46 random key
+    blocks each, 317 blocks in all) keeps
     the peak SBUF within trn2's budget (90 % of a partition) beside the rest of the kernel:
     the per-slot tables, the load row's tables and the padding selector."""
     monkeypatch.setenv(binding.API_ENV_VAR, "nki")
@@ -1096,7 +1119,7 @@ def test_nki_window_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
     k, v = (rng.standard_normal((1, 1, Nk, D)).astype(BF16) for _ in range(2))
     mask = np.random.default_rng(1).random((1, 1, Nq // 128, Nk // 128)) < 0.09
     index = bs.dense_to_index(mask)
-    most = T.bsp_fwd_window_blocks(D, 2, index.max_blocks)
+    most = T.bsp_fwd_window_blocks(D, 2, index.max_blocks, plain=True)
     assert bs.window_tables(index, most, T.BSP_GROUP_TILES).blocks == most
     with simulate.measure(target="trn2") as m:
         host.flash_attention(q, k, v, block_mask=mask)
