@@ -18,6 +18,16 @@ def _echo(nl, nisa, a, out):
     return out
 
 
+def _count_register(nl, nisa, count):
+    """A register loaded with the ``(1, 1)`` int32 ``count`` (a runtime trip count) and its
+    SBUF tile."""
+    c = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=c, src=count)
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, c)
+    return reg, c
+
+
 def test_ndarray_nan_zeros_and_buffers(nk):
     nki, nl, nisa = nk
 
@@ -160,10 +170,7 @@ def test_a_zero_trip_fori_loop_body_is_program_text_without_effects(nk, rng):
         t = nl.ndarray((128, a.shape[1]), a.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=a[0:128, :])
         nisa.dma_copy(dst=out[0:128, :], src=t)
-        c = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=c, src=count)
-        reg = nisa.register_alloc()
-        nisa.register_load(reg, c)
+        reg, c = _count_register(nl, nisa, count)
 
         def body(i):
             u = nl.ndarray((128, a.shape[1]), a.dtype, buffer=nl.sbuf)
@@ -205,10 +212,7 @@ def test_a_zero_trip_body_addresses_are_not_checked(nk, rng, form):
         t = nl.ndarray((128, a.shape[1]), a.dtype, buffer=nl.sbuf)
         nisa.memset(t, 0.0)
         nisa.dma_copy(dst=out[0:128, :], src=t)
-        c = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=c, src=count)
-        reg = nisa.register_alloc()
-        nisa.register_load(reg, c)
+        reg, _ = _count_register(nl, nisa, count)
 
         def body(i):
             idx = nl.ndarray((128, 1), nl.int32, buffer=nl.sbuf)
