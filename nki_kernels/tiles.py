@@ -270,7 +270,7 @@ BSP_WINDOW_LOAD_BLOCKS = 2
 #: rows are ``[trip, tiles, 128]``), counted with a margin. Measured (simulate.measure, trn2,
 #: D = 128, bf16, 16 query tiles of 259 slots (256 common) at Nk = 64K, a window of 283
 #: blocks): peak 189532 bytes per partition, 42988 beside the window, where a group of 53
-#: slots and 314 blocks had 38832 (this module's :func:`bsp_fwd_window_blocks` covers both
+#: slots and 317 blocks had 38832 (this module's :func:`bsp_fwd_window_blocks` covers both
 #: with :data:`BSP_FWD_WINDOW_STAGE_BYTES` and :data:`BSP_FWD_WINDOW_LOAD_TABLE_BYTES`);
 #: with a causal band, both lengths, ALiBi and dropout 38.6 KB more at 259 slots (peak
 #: 228120, over the budget: those launches keep :data:`BSP_FWD_SLOT_TABLES`).
@@ -294,8 +294,11 @@ def bsp_fwd_window_blocks(D: int, mm_itemsize: int, trip: int, plain: bool = Fal
                  + BSP_FWD_WINDOW_LOAD_TABLE_BYTES)
     per_tile = BSP_FWD_WINDOW_PLAIN_SLOT_TABLES if plain else BSP_FWD_SLOT_TABLES
     tables = BSP_GROUP_TILES * per_tile * 4 * max(1, trip)
-    free = (FWD_SBUF_BUDGET_BYTES["trn2"] - BSP_FWD_WORK_BYTES - tables
-            - BSP_FWD_WINDOW_STAGE_BYTES)
+    # the working set and staging were fitted at bf16; fp32 operands (mixed_precision=False)
+    # double them (measured: D = 128, trip 40, a full window of 162 blocks peaked at 229364
+    # bytes per partition with them unscaled, 22926 over the budget)
+    fixed = (BSP_FWD_WORK_BYTES + BSP_FWD_WINDOW_STAGE_BYTES) * mm_itemsize // 2
+    free = FWD_SBUF_BUDGET_BYTES["trn2"] - fixed - tables
     return max(0, free // per_block - 1)
 
 #: Edge of the query x key unit a dropout mask is generated in: every unit draws its keep bits

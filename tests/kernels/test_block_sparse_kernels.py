@@ -1125,3 +1125,27 @@ def test_nki_window_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
         host.flash_attention(q, k, v, block_mask=mask)
     assert "window_loads" in m.per_tensor
     assert m.peak_sbuf_bytes_per_partition <= T.FWD_SBUF_BUDGET_BYTES["trn2"]
+
+
+def test_nki_fp32_window_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
+    """fp32 operands (``mixed_precision=False``) double the window's fixed working set: a
+    window at its fp32 capacity (Nk = 32K, D = 128; 8 query tiles of 35 consecutive key
+    blocks, each 14 past the previous: 133 blocks in all, what the window holds, none common
+    to the group, so the window gathers fewer than the grouping) keeps the peak SBUF within
+    trn2's budget (with the bf16-fitted working set it peaked at 229364 bytes per partition,
+    22926 over)."""
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    Nq, Nk, D = 1024, 32768, 128
+    most = T.bsp_fwd_window_blocks(D, 4, 35, plain=True)
+    assert most == 7 * 14 + 35
+    mask = np.zeros((1, 1, Nq // 128, Nk // 128), dtype=bool)
+    for t in range(8):
+        mask[0, 0, t, 14 * t:14 * t + 35] = True
+    assert bs.window_tables(bs.dense_to_index(mask), most, T.BSP_GROUP_TILES).blocks == most
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 1, Nq, D)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 1, Nk, D)).astype(np.float32) for _ in range(2))
+    with simulate.measure(target="trn2") as m:
+        host.flash_attention(q, k, v, block_mask=mask, mixed_precision=False)
+    assert "window_loads" in m.per_tensor
+    assert m.peak_sbuf_bytes_per_partition <= T.FWD_SBUF_BUDGET_BYTES["trn2"]
