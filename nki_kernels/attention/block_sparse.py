@@ -201,15 +201,16 @@ class KVSource(NamedTuple):
     win: Optional["_Window"] = None
 
     def for_class(self, f, geo: "Geometry", trip: int, exact: bool) -> "KVSource":
-        """The source of a class of ``trip`` slots: with :func:`_pads_by_matmul`, ``sel``
+        """The source of a class of ``trip`` slots: with :func:`_pads_by_matmul` and at most
+        128 slots (one partition per slot), ``sel``
         the ``[trip, 128 trip]`` selector (matmul dtype) of the slots' score columns (1 at
         row k, columns ``128 k .. 128 k + 127``, else 0): the ``[trip, trip]`` identity,
         each column repeated 128 times (three GpSimd instructions per class; fp32
         temporaries of ``trip`` columns, not ``128 trip``: at 49 slots 75 KB fewer SBUF
         bytes per partition at the class's start, where a key-block window is already
         allocated)."""
-        if not _pads_by_matmul(f, geo, self.res, exact):
-            return self._replace(sel=None)
+        if trip > P or not _pads_by_matmul(f, geo, self.res, exact):
+            return self._replace(sel=None)   # (the padding matmul contracts over the slots)
         d = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)     # c - k
         port.iota(d, [[1, trip]], channel_multiplier=-1)
         eye = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)

@@ -185,6 +185,23 @@ def test_a_group_reads_its_common_key_blocks_once():
     assert _err(o, ro) < 2e-6 and _err(lse, rl) < 2e-6
 
 
+def test_nki_more_than_128_slots_with_padding(monkeypatch):
+    """A class of more than 128 slots with a padding slot, K/V resident: the padding matmul
+    contracts over the slots (one partition each), so past 128 the slots are masked the
+    other way (it failed with a partition-count error); the result is the reference's."""
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    Nq, Nk, D = 256, 150 * 128, 64
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, n, D)).astype(np.float32) for n in (Nq, Nk, Nk))
+    mask = np.zeros((1, 1, 2, Nk // 128), dtype=bool)
+    mask[0, 0, 0, :150] = True
+    mask[0, 0, 1, 1:150] = True                       # one padding slot
+    assert bs.dense_to_index(mask).max_blocks == 150
+    o = host.flash_attention(q, k, v, block_mask=mask, mixed_precision=False)
+    ro, _ = ref.attention_forward(q, k, v, block_mask=mask)
+    assert _err(o, ro) < 2e-6
+
+
 def test_shared_counts_are_checked_against_the_classes():
     assert check_shared(None, ((0, 2, 3, True),)) == (0,)
     with pytest.raises(ValueError, match=r"shared: expected one count in \[0, trip\] per class "
