@@ -292,8 +292,10 @@ def while_loop(init, body_fun):
             arg = _scalar.VirtualRegister(cond.v)      # passed by value
             cond = _check_next(body_fun(arg))
             loop.end()
-            if tracing:
-                break                              # program_size(): the body once
+            if tracing or _runtime.is_text_only():
+                # program_size(): the body once; inside a body traced for its text only the
+                # register writes that would end the loop are dropped: once is all it needs
+                break
     return None
 
 

@@ -199,6 +199,37 @@ def test_a_zero_trip_fori_loop_body_is_program_text_without_effects(nk, rng):
     assert runs[1][1] == 1
 
 
+def test_a_while_loop_in_a_zero_trip_body_runs_once(nk, rng):
+    """A while loop nested in a body traced for its text only: the register write that ends
+    it is dropped there, so it is traced once (it hung), and counts as with one iteration."""
+    nki, nl, nisa = nk
+
+    def k(a, count):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a)
+        nisa.dma_copy(dst=out, src=t)
+        reg, _ = _count_register(nl, nisa, count)
+
+        def body(i):
+            go = nisa.register_alloc(1)
+
+            def step(r):
+                nisa.register_move(go, 0)
+                return go
+            nl.while_loop(go, step)
+        nl.fori_loop(0, reg, body)
+        return out
+
+    a = rng.standard_normal((128, 4)).astype(np.float32)
+    sizes = []
+    for n in (0, 1):
+        count = np.array([[n]], np.int32)
+        np.testing.assert_array_equal(_run(nki, k, a, count), a)
+        sizes.append(simulate.program_size(nki.jit(k), a, count))
+    assert sizes[0] == sizes[1]
+
+
 @pytest.mark.parametrize("form", ["indirect", "scalar_offset"])
 def test_a_zero_trip_body_addresses_are_not_checked(nk, rng, form):
     """A body traced for its text only runs on values the hardware never computes there (its
