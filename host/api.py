@@ -1111,7 +1111,8 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     S = plan.num_splits + 1
     cs = itemsize if cache_itemsize is None else cache_itemsize
     lens = np.asarray(cache_lens, dtype=np.int64)
-    kv = 2 * cs * Hkv * D * int(np.sum(lens))
+    total = int(lens.sum())
+    kv = 2 * cs * Hkv * D * total
     n = plan.key_row
     if k_layout not in ("bhsd", "bhds") or (paged and k_layout == "bhds"):
         raise ValueError(f"k_layout: expected 'bhsd', or 'bhds' with a contiguous cache "
@@ -1119,23 +1120,21 @@ def flash_decode_hbm_bytes(B: int, Hq: int, T: int, D: int, Hkv: int, cache_lens
     transposed = k_layout == "bhds"
     if transposed:                  # K in split windows and the tails' key rows
         tail_rows = _tail_window_rows(lens, T, n)
-        kv += cs * Hkv * D * (n * plan.split_rows * W + n * int(np.sum(tail_rows))
-                              - int(np.sum(lens)))
+        kv += cs * Hkv * D * (n * plan.split_rows * W + n * int(np.sum(tail_rows)) - total)
     read = (kv + itemsize * Hq * T * D * (W + B) + 8 * groups * (W + pad)
             + 4 * groups * (W + B) + 4 * N * (D + 1) * S + (4 * N if S > 1 else 0))
     if tree_mask:
         read += T * T * B * groups
-    prefix = np.asarray(cache_lens, dtype=np.int64) - T     # committed positions
+    prefix = lens - T                                       # committed positions
     if paged:
-        read += 4 * (groups * int(np.sum(prefix // plan.key_row))
-                     + Hkv * int(np.sum(prefix % plan.key_row + T)))
+        read += 4 * (groups * int(np.sum(prefix // n)) + Hkv * int(np.sum(prefix % n + T)))
     written = 4 * Hq * T * (D + 1) * (W + pad + B) + itemsize * N * D + 4 * N
     if work is not None and tiles.decode_zero_by_dma(plan.split_rows):  # K/V zero fills
-        rs, full = plan.split_rows, prefix // plan.key_row
+        rs, full = plan.split_rows, prefix // n
         tiles_, kr = _tiles.ceil_div(rs, _tiles.PMAX), min(rs, _tiles.PMAX)
         zeroed = sum(kr - min(max(int(full[b]) - j * rs - (tiles_ - 1) * _tiles.PMAX, 0), kr)
                      for b in range(B) for j in range(int(splits[b])))
-        read += (1 if transposed else 2) * cs * Hkv * tiles_ * plan.key_row * D * zeroed
+        read += (1 if transposed else 2) * cs * Hkv * tiles_ * n * D * zeroed
     scale_rows = 8 * min(Hq // Hkv * T, plan.row_tile) if cs == 1 else 0   # FP8: the scales
     read += scale_rows * Hkv * ((W + pad) // launch_.items_per_program + B)
     tails = B                   # tail programs per head group

@@ -28,6 +28,15 @@ def _count_register(nl, nisa, count):
     return reg, c
 
 
+def _over_counts(nki, k, a):
+    """``k(a, count)`` run and sized at runtime counts 0 and 1: ``[(output, program size)]``."""
+    runs = []
+    for n in (0, 1):
+        count = np.array([[n]], np.int32)
+        runs.append((_run(nki, k, a, count), simulate.program_size(nki.jit(k), a, count)))
+    return runs
+
+
 def test_ndarray_nan_zeros_and_buffers(nk):
     nki, nl, nisa = nk
 
@@ -222,12 +231,10 @@ def test_a_while_loop_in_a_zero_trip_body_runs_once(nk, rng):
         return out
 
     a = rng.standard_normal((128, 4)).astype(np.float32)
-    sizes = []
-    for n in (0, 1):
-        count = np.array([[n]], np.int32)
-        np.testing.assert_array_equal(_run(nki, k, a, count), a)
-        sizes.append(simulate.program_size(nki.jit(k), a, count))
-    assert sizes[0] == sizes[1]
+    (o0, size0), (o1, size1) = _over_counts(nki, k, a)
+    np.testing.assert_array_equal(o0, a)
+    np.testing.assert_array_equal(o1, a)
+    assert size0 == size1
 
 
 @pytest.mark.parametrize("form", ["indirect", "scalar_offset"])
@@ -261,16 +268,11 @@ def test_a_zero_trip_body_addresses_are_not_checked(nk, rng, form):
         return out
 
     a = rng.standard_normal((256, 16)).astype(np.float32)
-    sizes = []
-    for n in (0, 1):
-        count = np.array([[n]], np.int32)
-        sizes.append(simulate.program_size(nki.jit(k), a, count))
-        o = _run(nki, k, a, count)
-        want = np.zeros((128, 16), np.float32)
-        if n:
-            want = np.repeat(a[1:2], 128, axis=0) if form == "indirect" else a[1:129]
-        np.testing.assert_array_equal(o, want)
-    assert sizes[0] == sizes[1]
+    (o0, size0), (o1, size1) = _over_counts(nki, k, a)
+    np.testing.assert_array_equal(o0, np.zeros((128, 16), np.float32))
+    np.testing.assert_array_equal(
+        o1, np.repeat(a[1:2], 128, axis=0) if form == "indirect" else a[1:129])
+    assert size0 == size1
 
 
 @pytest.mark.parametrize("use", ["int", "range", "if", "shape", "list", "cmp_if"])
