@@ -261,6 +261,10 @@ class KernelScoreMods(NamedTuple):
     kwargs: dict    # compile-time options: {"softcap": cap} or {}
     tensors: dict   # "alibi_slopes" (1 or B, Hq) and "sinks" (Hq,): float32 arrays or None
 
+    @property
+    def any(self) -> bool:
+        return bool(self.kwargs) or any(x is not None for x in self.tensors.values())
+
 
 class AttentionCall(NamedTuple):
     """One validated flash-attention call, forward or backward (:func:`_attention_call`):
@@ -662,10 +666,9 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     itemsize = _tiles.fwd_itemsize(call.mm_dtype)
     if api == "nki" and not _tiles.bsp_fwd_kv_resident(dims.Nk, dims.D, itemsize, trip):
         # past SBUF: a key-block window where it gathers fewer blocks than the grouping
-        mods = bool(call.mods.kwargs) or any(x is not None for x in call.mods.tensors.values())
         win = _bs.window_plan(call.block_sparse, q_tables, window_capacity(
             dims.D, call.mm_dtype, trip, dims.Nk, call.causal, call.window,
-            call.kv_lens is not None or call.q_lens is not None, mods, bool(p)))
+            call.kv_lens is not None or call.q_lens is not None, call.mods.any, bool(p)))
         if win is not None:
             q_tables = win.tables
             kwargs.update(window_loads=win.loads, window_slots=win.slots,
