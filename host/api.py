@@ -673,6 +673,12 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
             q_tables = win.tables
             kwargs.update(window_loads=win.loads, window_slots=win.slots,
                           window_blocks=win.blocks)
+        sg = _supergroups(call, q_tables if win is None else None, win)
+        if sg is not None:
+            q_tables = _bs.KernelTables(sg.meta, sg.classes, (0,))
+            for key in ("window_loads", "window_slots", "window_blocks"):
+                kwargs.pop(key, None)
+            kwargs.update(sg_rows=sg.rows)
     if p:
         kwargs.update(dropout_p=p, dropout_mask=call.return_dropout_mask)
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
@@ -687,6 +693,27 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     if call.return_dropout_mask:
         res += (np.asarray(outs[2])[..., :dims.Nk] > 0.5,)
     return res if len(res) > 1 else o
+
+
+def _supergroups(call: AttentionCall, grouped, win):
+    """The forward's super-group tables (``host.block_sparse.supergroup_tables``; nki.*, K/V
+    not resident) for a plain call (no band, lengths, score modifier or dropout) where they
+    gather fewer key blocks than the plan taken otherwise: the window ``win`` (its
+    ``block_loads``), else the grouped tables ``grouped`` (``grouped_block_loads``); else
+    None. Key-block gathers are the plans' HBM bytes beside Q, O and small tables."""
+    if (call.causal or call.window or call.kv_lens is not None or call.q_lens is not None
+            or call.mods.any or call.dropout.p):
+        return None
+    dims = call.dims
+    index = call.block_sparse.index
+    most = _tiles.bsp_fwd_supergroup_tiles(dims.D, _tiles.fwd_itemsize(call.mm_dtype),
+                                           _tiles.fwd_itemsize(call.dtype), index.max_blocks)
+    sg = _bs.supergroup_tables(index, most)
+    if sg is None:
+        return None
+    other = (win.block_loads if win is not None
+             else _bs.grouped_block_loads(grouped, _tiles.BSP_GROUP_TILES))
+    return sg if sg.block_loads < other else None
 
 
 def _varlen_forward(q, k, v, call: AttentionCall):

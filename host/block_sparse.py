@@ -957,6 +957,88 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
                         np.ascontiguousarray(loads, dtype=np.float32), size, total)
 
 
+class SuperGroupTables(NamedTuple):
+    """The forward's super-group tables (nki.*, K/V not resident, a plain launch; the kernel's
+    ``sg_rows``): query tiles of identical block sets cut into super-groups of ``tiles``
+    query tiles each, whose union of key blocks (the set) the kernel streams once.
+
+    ``meta`` float32 ``(b, h, groups, 2 + U)``: per super-group ``[0, count, first key of
+    block 0, ...]``, slots past ``count`` :data:`nki_kernels.tiles.BSP_PAD_FIRST`; ``U = (M //
+    W + 1) W`` for the pattern's bound M and the kernel's step ``W = min(tiles.
+    BSP_SHARED_STEP_BLOCKS, M)`` (``U // 2 >= W``, so the kernel finds W again). ``rows`` float32 ``(b, h,
+    groups, tiles)``: the first query row of each tile, ``BSP_PAD_FIRST`` in an idle slot.
+    ``classes``: ``((0, groups, U, False),)``. ``block_loads``: key blocks gathered over
+    every ``(b, h)``; ``idle``: idle tile slots over every ``(b, h)``."""
+
+    meta: np.ndarray
+    rows: np.ndarray
+    classes: Tuple[Tuple[int, int, int, bool], ...]
+    block_loads: int
+    idle: int
+
+
+def supergroup_tables(index: BlockIndex, most: int) -> Optional[SuperGroupTables]:
+    """Super-group tables of a pattern (:class:`SuperGroupTables`) with up to ``most`` query
+    tiles per super-group (``tiles.bsp_fwd_supergroup_tiles``): the query tiles of each
+    ``(b, h)`` sorted by block set, each run of identical sets cut into super-groups of
+    ``tiles = ceil(rows / ceil(rows / most))`` (a shape's, not the pattern's: every
+    super-group full where one set covers all rows, as the index form at s = 1), every
+    ``(b, h)`` padded to the most super-groups any needs. None where that leaves more idle
+    slots than :data:`nki_kernels.tiles.BSP_SG_MAX_IDLE` of the query tiles (an idle slot
+    costs a tile's sweep) or the pattern has no active block."""
+    num = np.asarray(index.num_blocks, dtype=np.int64)
+    idx = np.asarray(index.indices, dtype=np.int64)
+    b, h, n = num.shape
+    m = idx.shape[-1]
+    if m == 0 or not num.any():
+        return None
+    size = _tiles.ceil_div(n, _tiles.ceil_div(n, max(1, most)))
+    # (m // step + 1) steps: the padded step's loop starts at count // step, in the table
+    # even where no padded step runs (its body is still program text)
+    step = min(_tiles.BSP_SHARED_STEP_BLOCKS, m)
+    width = (m // step + 1) * step
+    plans = {}
+    for x in range(b):
+        for y in range(h):
+            runs = {}
+            for r in range(n):
+                runs.setdefault(tuple(sorted(idx[x, y, r, :num[x, y, r]])), []).append(r)
+            plans[x, y] = [(key, members[i:i + size]) for key, members in sorted(runs.items())
+                           for i in range(0, len(members), size)]
+    groups = max(len(p) for p in plans.values())
+    idle = b * h * groups * size - b * h * n
+    if idle > _tiles.BSP_SG_MAX_IDLE * b * h * n:
+        return None
+    block = _tiles.BLOCK_SPARSE_TILE
+    pad = _tiles.BSP_PAD_FIRST
+    meta = np.full((b, h, groups, 2 + width), pad, dtype=np.float32)
+    meta[..., :2] = 0
+    rows = np.full((b, h, groups, size), pad, dtype=np.float32)
+    loads = 0
+    for (x, y), plan in plans.items():
+        for c, (key, members) in enumerate(plan):
+            meta[x, y, c, 1] = len(key)
+            meta[x, y, c, 2:2 + len(key)] = np.asarray(key) * block
+            rows[x, y, c, :len(members)] = np.asarray(members) * block
+            loads += len(key)
+    return SuperGroupTables(meta, rows, ((0, groups, width, False),), loads, idle)
+
+
+def supergroup_hbm_bytes(sg: SuperGroupTables, B: int, Hq: int, Nq: int, Nk: int, D: int,
+                         itemsize: int) -> int:
+    """The HBM bytes (read and written) of the forward with the super-group tables ``sg``
+    over ``(B, Hq)`` query heads (the tables broadcast to them), q/k/v/o of ``itemsize``
+    bytes: Q read and O, LSE written once; each super-group's union blocks' K and V rows
+    below Nk; per super-group its union row and its tiles' first rows."""
+    meta = np.broadcast_to(sg.meta, (B, Hq) + sg.meta.shape[2:])
+    firsts = meta[..., 2:]
+    firsts = firsts[firsts < _tiles.BSP_PAD_FIRST].astype(np.int64)
+    kv_rows = int(np.minimum(_tiles.BLOCK_SPARSE_TILE, Nk - firsts).sum())
+    per_group = (meta.shape[-1] + sg.rows.shape[-1]) * 4
+    return (B * Hq * (2 * Nq * D * itemsize + Nq * 4 + meta.shape[2] * per_group)
+            + 2 * kv_rows * D * itemsize)
+
+
 def grouped_block_loads(tables: KernelTables, group: int) -> int:
     """The key blocks the forward gathers with ``tables`` (:func:`kernel_tables` with
     ``share``, or :func:`shared_bound_tables`) where K/V are not resident, over every ``(b,

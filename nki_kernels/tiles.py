@@ -241,6 +241,39 @@ def bsp_fwd_kv_resident(Nk: int, D: int, mm_itemsize: int, trip: int) -> bool:
 
 
 
+#: SBUF bytes per partition per query tile of a block-sparse forward super-group beside the
+#: dense forward's query state (:func:`fwd_q_state_bytes`): the score statistics' columns,
+#: its Q gather indices and first row (``attention/block_sparse._supergroup``), counted
+#: generously.
+BSP_SG_TILE_EXTRA_BYTES = 64
+#: fp32 ``[128, U]`` tables of a super-group's union of key blocks (its row on every
+#: partition, positions, bounds, gather rows, the padding columns or key thresholds).
+BSP_SG_UNION_TABLES = 7
+#: The most idle tile slots (past a run of identical block sets, or super-groups a (b, h)
+#: does not need) the host accepts in a super-group plan, as a share of the real query tiles:
+#: an idle slot costs a tile's whole sweep (``host.block_sparse.supergroup_tables``). A
+#: choice, not measured.
+BSP_SG_MAX_IDLE = 0.125
+
+
+def bsp_fwd_supergroup_tiles(D: int, mm_itemsize: int, in_itemsize: int, trip: int) -> int:
+    """Query tiles of one super-group of the block-sparse forward (nki.*, K/V not resident,
+    ``attention/block_sparse._supergroup``): as many as the dense forward's streaming regime
+    keeps on chip (:func:`choose_forward_tiles`: each tile's Q^T and ``[o_acc | l]``, its
+    statistics and finished output, :func:`fwd_q_state_bytes` + :data:`BSP_SG_TILE_EXTRA_BYTES`),
+    beside :data:`BSP_FWD_WORK_BYTES`, two steps of :data:`BSP_SHARED_STEP_BLOCKS` gathered
+    blocks (K rows in the input dtype, K^T and ``[V | 1 | flag]`` at matmul precision) and the
+    union's tables (:data:`BSP_SG_UNION_TABLES` of ``trip`` slots), in trn2's budget
+    :data:`FWD_SBUF_BUDGET_BYTES`; at least 1."""
+    step = BSP_SHARED_STEP_BLOCKS * (D * max(in_itemsize, mm_itemsize)
+                                     + (D + 2) * mm_itemsize
+                                     + fwd_d_passes(D) * PMAX * mm_itemsize)
+    tables = BSP_SG_UNION_TABLES * 4 * (2 + max(1, trip))
+    per_tile = fwd_q_state_bytes(D, mm_itemsize, in_itemsize) + BSP_SG_TILE_EXTRA_BYTES
+    free = FWD_SBUF_BUDGET_BYTES["trn2"] - BSP_FWD_WORK_BYTES - 2 * step - tables
+    return max(1, free // per_tile)
+
+
 #: SBUF bytes per partition of the block-sparse forward's key-block window (nki.*, K/V not
 #: resident, ``host.block_sparse.window_tables``) beside its blocks, the per-slot tables and
 #: :data:`BSP_FWD_WORK_BYTES`: one block's staging while it is gathered into the window (K

@@ -1125,7 +1125,7 @@ def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
 @port.jit
 def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=None,
                                alibi_slopes=None, sinks=None, window_loads=None,
-                               window_slots=None, *, classes, shared=None,
+                               window_slots=None, sg_rows=None, *, classes, shared=None,
                                natural=None, shared_runtime=False, window_blocks=0, scale=1.0,
                                causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
                                dropout_mask=False, softcap=None):
@@ -1159,9 +1159,10 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     Hkv, Nk = k.shape[1], k.shape[2]
     nqt = T.ceil_div(Nq, P)
     trip_max = meta.shape[3] - 2
-    if tuple(meta.shape[2:3]) != (nqt,):
+    rows = nqt if sg_rows is None else meta.shape[2]
+    if sg_rows is None and tuple(meta.shape[2:3]) != (nqt,):
         raise ValueError(f"meta: expected {nqt} rows (one per query tile), got {meta.shape}")
-    check_classes(classes, nqt, trip_max)
+    check_classes(classes, rows, trip_max)
     shared = check_shared(shared, classes)
     natural = check_natural(natural, classes)
     nku = T.ceil_div(Nk, P)
@@ -1180,6 +1181,10 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                            bool(dropout_p))
     win = _check_window(window_loads, window_slots, window_blocks, meta, classes, shared,
                         shared_runtime, fits, most, trip_max)
+    plain = not (causal or window or q_lens is not None or kv_lens is not None
+                 or mods != SM.Mods() or dropout_p)
+    sg = _check_supergroups(meta, sg_rows, classes, shared, shared_runtime, window_blocks,
+                            plain, fits, trip_max)
     step = T.BSP_RESIDENT_STEP_BLOCKS if fits or win else T.BSP_STEP_BLOCKS
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False, kv_load_block=T.BSP_FWD_KV_LOAD_BLOCK)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
@@ -1218,6 +1223,11 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
             # groups (_load_window)
             src = src._replace(res=F.load_kv(f, 0, window_blocks * P, zero_blocks=1,
                                              load=False), win=win)
+        if sg is not None:
+            port.loop(f.G, lambda h: port.loop(
+                sg.meta.shape[2], lambda c: _supergroup(
+                    f, geo, sg, h, RowFrame.of(f.q, (f.b, f.head(h)), geo.indices), c)))
+            return
         port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, natural, h, src,
                                        shared_runtime))
 
@@ -1388,6 +1398,134 @@ def _window_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, count: int, g: 
     port.loop(count // g, lambda c: group(c, g), carried=True)
     if count % g:
         group(count // g, count % g)
+
+
+class _SuperGroups(NamedTuple):
+    """nki.*, K/V not resident, a plain launch: the super-group tables (``host.block_sparse.
+    supergroup_tables``, HBM float32): ``meta`` ``(b, h, groups, 2 + U)`` per super-group
+    ``[0, count, first key of union block 0, ...]`` (padding past ``count``), ``rows`` ``(b,
+    h, groups, tiles)`` the first query row of each of its tiles (``tiles.BSP_PAD_FIRST`` for
+    an idle slot: its Q gather and output scatter are skipped)."""
+
+    meta: object
+    rows: object
+
+    @property
+    def tiles(self) -> int:
+        return self.rows.shape[3]
+
+    @property
+    def width(self) -> int:
+        return self.meta.shape[3] - 2
+
+    @property
+    def step(self) -> int:
+        """Key blocks per step: ``tiles.BSP_SHARED_STEP_BLOCKS``, or the pattern's bound M if
+        smaller (the host's ``U = (M // W + 1) W`` is at least two steps)."""
+        return min(T.BSP_SHARED_STEP_BLOCKS, self.width // 2)
+
+
+def _check_supergroups(meta, rows, classes, shared, shared_runtime: bool, window_blocks: int,
+                       plain: bool, fits: bool, trip: int) -> Optional[_SuperGroups]:
+    """The super-group tables of a launch (``sg_rows`` given; None: none), checked: nki.*
+    (runtime trip counts), K/V not resident, a ``plain`` launch (only padding masked), one
+    class of the union table's rows and ``trip`` slots, nothing shared, no window, ``U`` a
+    multiple of the step and ``sg_rows`` ``meta``'s leading dims and one row per
+    super-group."""
+    if rows is None:
+        return None
+    if port.api() != "nki" or fits or not plain:
+        raise ValueError(f"sg_rows: super-groups need nki.*, K/V not resident and a plain "
+                         f"launch (no band, lengths, modifier or dropout); got "
+                         f"api={port.api()!r}, resident={fits}, plain={plain}")
+    if window_blocks or any(shared) or shared_runtime:
+        raise ValueError("sg_rows: super-groups take no window and share no slots (allowed: "
+                         "window_blocks=0, shared=None, shared_runtime=False)")
+    sg = _SuperGroups(meta, rows)
+    n = meta.shape[2]
+    if classes != ((0, n, trip, False),) or trip % sg.step:
+        raise ValueError(f"classes: super-groups need ((0, {n}, U, False),) with U a "
+                         f"multiple of {sg.step}, got {classes!r}")
+    want = tuple(meta.shape[:3])
+    if len(rows.shape) != 4 or tuple(rows.shape[:3]) != want or rows.shape[3] < 1:
+        raise ValueError(f"sg_rows: expected shape {want} + (tiles,) (meta's leading dims, one "
+                         f"row per super-group), got {tuple(rows.shape)}")
+    return sg
+
+
+def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
+    """Super-group ``c`` of member head h (a loop body): its ``sg.tiles`` query tiles keep
+    Q^T and the online-softmax state in SBUF while the union of their key blocks streams
+    past once, in steps of ``sg.step`` blocks, each step's K/V gathered, guarded and
+    transposed once for all of them (:func:`_gather_kv`); every tile does one online-softmax
+    update per step; one finalize for all. The host cut the super-groups so that every tile
+    uses every block of the union (``host.block_sparse.supergroup_tables``): no per-tile
+    mask. Steps whose blocks are all real (``count // step``, a register) run unmasked; the
+    one step holding the padding slots after them (if any) skips their gathers into zeroed
+    tiles and masks their scores (:func:`_padding_columns`: one ScalarE instruction per
+    block and tile). Keys past a partial last key block are masked in every step (the
+    key-side indicator, :func:`_scores`)."""
+    head = f.head(h)
+    meta, n, U, Ws = sg.meta, sg.tiles, sg.width, sg.step
+    hb = f.b if meta.shape[0] > 1 else 0
+    hh = head if meta.shape[1] > 1 else 0
+    st = F.GroupState(f, n, P)
+    union = nl.ndarray((1, 2 + U), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(union, meta[hb, hh, nl.ds(c, 1), :], legacy_isa=True)
+    rw = Row(union, U, geo.k_part, geo.k_len, geo.kv)
+    firsts = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(firsts, sg.rows[hb, hh, nl.ds(c, 1), :], legacy_isa=True)
+    firsts = M.broadcast_row(firsts, n)
+    q_idx = []
+    for t in T.unrolled(n):
+        # rows past Nq (the partial last tile, an idle slot) are skipped: zeros in, nothing out
+        idx = own_rows(geo, firsts[:, t:t + 1], f.Nq, q_frame)[0]
+        x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
+        gather(x, f.q, (f.b, head), idx, 0, True)
+        for pi, (d0, dr) in enumerate(f.d_passes):
+            tp = nl.ndarray((dr, P), dtype=f.transpose_psum_dtype(f.q.dtype), buffer=nl.psum)
+            port.nc_transpose(tp, x[:, d0:d0 + dr])
+            port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
+        q_idx.append(idx)
+    whole = f.Nk % P == 0
+    none = dict(thr=None, hi=None, lo=None, pad=None, pad_mm=None)
+    if whole:
+        cols_full = none
+        cols_pad = dict(none, pad=_padding_columns(rw, U, f.Nk))
+    else:
+        thr = nl.ndarray((P, U), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(thr, rw.block_first, nl.subtract, geo.kv_len, op1=nl.multiply,
+                           operand1=-1.0)
+        cols_full = cols_pad = dict(none, thr=thr)
+    depth = T.bsp_pipeline_depth(Ws)
+
+    def step(s, padded: bool):
+        v = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+        F.ones_column(f, v[:, :, f.D:f.D + 1])
+        kv = _gather_kv(f, rw, v, s * Ws, Ws, padded or not whole)
+        cols = cols_pad if padded else cols_full
+        backs = []
+        for t in T.unrolled(n):
+            backs.append(_step(f, geo, st, t, rw, kv, cols, None, h, q_frame, s * Ws, Ws))
+            if len(backs) > depth:
+                backs.pop(0)()
+        for back in backs:
+            back()
+
+    # count // Ws steps of real blocks, then ceil(count / Ws) - count // Ws (0 or 1) padded
+    count = union[0:1, 1:2]
+    # floor(count / Ws) = RNE((count + 0.5 - Ws / 2) / Ws) by the int32 conversion's round
+    # to nearest even (as _trip_counts); ceil(count / Ws) = floor((count + Ws - 1) / Ws)
+    lo = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_scalar(lo, count, nl.add, 0.5 - Ws / 2.0, op1=nl.multiply, operand1=1.0 / Ws)
+    hi = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_scalar(hi, count, nl.add, Ws / 2.0 - 0.5, op1=nl.multiply, operand1=1.0 / Ws)
+    port.loop_between(0, port.register(lo), lambda s: step(s, False))
+    port.loop_between(port.register(lo), port.register(hi), lambda s: step(s, True))
+    o_all, lse_all = F.finalize(f, st, 0, None, None, n=n,
+                                act_slots=int(n * T.BSP_FINALIZE_ACT_SHARE))
+    for t in T.unrolled(n):
+        store_tile(f, q_idx[t], head, o_all[:, t, :] if n > 1 else o_all, lse_all[:, t:t + 1])
 
 
 def _load_window(f, geo: Geometry, src: KVSource, h, c):
