@@ -699,8 +699,9 @@ def _supergroups(call: AttentionCall, grouped, win):
     """The forward's super-group tables (``host.block_sparse.supergroup_tables``; nki.*, K/V
     not resident) for a plain call (no band, lengths, score modifier or dropout) where they
     gather fewer key blocks than the plan taken otherwise: the window ``win`` (its
-    ``block_loads``), else the grouped tables ``grouped`` (``grouped_block_loads``); else
-    None. Key-block gathers are the plans' HBM bytes beside Q, O and small tables."""
+    ``block_loads``), else the grouped tables ``grouped`` (``grouped_block_loads``), and
+    leave at most ``tiles.BSP_SG_MAX_IDLE`` of the query tiles' count idle; else None.
+    Key-block gathers are the plans' HBM bytes beside Q, O and small tables."""
     if (call.causal or call.window or call.kv_lens is not None or call.q_lens is not None
             or call.mods.any or call.dropout.p):
         return None
@@ -709,7 +710,8 @@ def _supergroups(call: AttentionCall, grouped, win):
     most = _tiles.bsp_fwd_supergroup_tiles(dims.D, _tiles.fwd_itemsize(call.mm_dtype),
                                            _tiles.fwd_itemsize(call.dtype), index.max_blocks)
     sg = _bs.supergroup_tables(index, most)
-    if sg is None:
+    # an idle slot costs a tile's sweep: a plan with many is slower whatever its bytes
+    if sg is None or sg.idle > _tiles.BSP_SG_MAX_IDLE * np.asarray(index.num_blocks).size:
         return None
     other = (win.block_loads if win is not None
              else _bs.grouped_block_loads(grouped, _tiles.BSP_GROUP_TILES))

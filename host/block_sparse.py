@@ -983,9 +983,8 @@ def supergroup_tables(index: BlockIndex, most: int) -> Optional[SuperGroupTables
     ``(b, h)`` sorted by block set, each run of identical sets cut into super-groups of
     ``tiles = ceil(rows / ceil(rows / most))`` (a shape's, not the pattern's: every
     super-group full where one set covers all rows, as the index form at s = 1), every
-    ``(b, h)`` padded to the most super-groups any needs. None where that leaves more idle
-    slots than :data:`nki_kernels.tiles.BSP_SG_MAX_IDLE` of the query tiles (an idle slot
-    costs a tile's sweep) or the pattern has no active block."""
+    ``(b, h)`` padded to the most super-groups any needs (``idle`` counts the idle slots: each
+    costs a tile's sweep). None where the pattern has no active block."""
     num = np.asarray(index.num_blocks, dtype=np.int64)
     idx = np.asarray(index.indices, dtype=np.int64)
     b, h, n = num.shape
@@ -1007,8 +1006,6 @@ def supergroup_tables(index: BlockIndex, most: int) -> Optional[SuperGroupTables
                            for i in range(0, len(members), size)]
     groups = max(len(p) for p in plans.values())
     idle = b * h * groups * size - b * h * n
-    if idle > _tiles.BSP_SG_MAX_IDLE * b * h * n:
-        return None
     block = _tiles.BLOCK_SPARSE_TILE
     pad = _tiles.BSP_PAD_FIRST
     meta = np.full((b, h, groups, 2 + width), pad, dtype=np.float32)

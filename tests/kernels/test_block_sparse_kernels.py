@@ -1166,3 +1166,121 @@ def test_nki_fp32_window_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
         host.flash_attention(q, k, v, block_mask=mask, mixed_precision=False)
     assert "window_loads" in m.per_tensor
     assert m.peak_sbuf_bytes_per_partition <= T.FWD_SBUF_BUDGET_BYTES["trn2"]
+
+
+# -- nki.* super-groups past SBUF (issue 25, items 1-2) ---------------------------------------
+
+
+def _no_window(monkeypatch):
+    """K/V past SBUF and no key-block window: the host chooses between the grouping and
+    super-groups (``host.api._supergroups``)."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setattr(bs, "window_plan", lambda *args: None)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+
+
+@pytest.mark.parametrize("form", ["bool", "index"])
+def test_nki_supergroups_read_each_union_once_with_the_planned_bytes(monkeypatch, form):
+    """Past SBUF (forced at 10 query tiles, the last partial; a partial last key block; GQA
+    2:1) every query tile of a pattern of one block set (5 of the 6 key blocks; the bool form
+    of all 6 goes to the dense kernel) is in one super-group: each query head reads K and V
+    once (the grouping's group of 8 and remainder of 2: twice), the HBM bytes are exactly
+    ``supergroup_hbm_bytes``', the outputs and LSE the reference's."""
+    _no_window(monkeypatch)
+    B, Hq, Nq, Nk, D = 1, 2, 9 * 128 + 37, 6 * 128 - 50, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=71)
+    mask = np.ones((1, 1, 10, 6), dtype=bool)
+    mask[..., 2] = False
+    pattern = mask if form == "bool" else tuple(bs.dense_to_index(mask))
+    sg = bs.supergroup_tables(bs.check_block_mask(pattern, B, Hq, Nq, Nk).index,
+                              T.bsp_fwd_supergroup_tiles(D, 4, 4, 5))
+    assert sg.meta.shape[2] == 1 and sg.rows.shape[3] == 10 and sg.idle == 0
+    with simulate.measure(target="trn2") as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True,
+                                      mixed_precision=False)
+    assert "sg_rows" in m.per_tensor
+    keys = Nk - 128                                           # block 2 not read
+    assert m.per_tensor["k"]["read"] == m.per_tensor["v"]["read"] == Hq * keys * D * 4
+    assert m.hbm_bytes_read + m.hbm_bytes_written == bs.supergroup_hbm_bytes(
+        sg, B, Hq, Nq, Nk, D, 4)
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask)[:2]
+    assert _err(o, o_ref) < 2e-6
+    assert _err(lse, lse_ref) < 2e-5
+
+
+def test_nki_supergroups_with_idle_slots_and_several_sets_match_the_reference(monkeypatch):
+    """The kernel on super-group tables of 4 tiles (B = 2, one pattern per batch: tiles i
+    and i + 3 have the same blocks, and a tile without any; partial last query tile): runs
+    of identical sets cut into super-groups with idle slots, a batch needing fewer
+    super-groups than the other (an empty one), unions of different counts, a padded
+    step: outputs and LSE the reference's (the tile without blocks: zeros and -inf)."""
+    _no_window(monkeypatch)
+    B, Hq, Nq, Nk, D = 2, 1, 6 * 128 + 5, 20 * 128, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=72)
+    mask = np.zeros((B, 1, 7, 20), dtype=bool)
+    for t in range(7):
+        mask[0, 0, t, (t % 3)::3] = True                      # 7, 7 and 6 blocks
+        mask[1, 0, t, :17 + (t % 2)] = True                   # 17 and 18: past one step
+    mask[0, 0, 6] = False
+    index = bs.dense_to_index(mask)
+    sg = bs.supergroup_tables(index, 4)
+    # batch 0: 4 sets (one empty), batch 1: 2 sets and one empty super-group
+    assert sg.rows.shape[3] == 4 and sg.meta.shape[2] == 4 and sg.idle == 2 * 4 * 4 - 14
+    kw = dict(classes=sg.classes, sg_rows=sg.rows, mm_dtype="float32", scale=D ** -0.5)
+    o, lse = launch(block_sparse_attention_fwd.on("nki"), launch_grid((B, 1), "nki"), q, k, v,
+                    sg.meta, **kw)
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask, scale=D ** -0.5)[:2]
+    assert _err(o, o_ref) < 2e-6
+    fin = np.isfinite(lse_ref)
+    assert (np.isfinite(lse) == fin).all() and not fin[0, 0, 6 * 128:].any()
+    assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
+
+
+def test_nki_supergroup_program_does_not_grow_with_n(monkeypatch):
+    """The super-group path's program (super-groups, steps: compiled loops over table data)
+    has the same size at 10 and 20 query tiles of a bound of 6 blocks."""
+    _no_window(monkeypatch)
+    sizes = []
+    for nqt in (10, 20):
+        N, D = nqt * 128, 16
+        q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=73)
+        mask = np.zeros((1, 1, nqt, nqt), dtype=bool)
+        mask[..., :6] = True
+        sg = bs.supergroup_tables(bs.dense_to_index(mask), 5)
+        sizes.append(program_size(
+            block_sparse_attention_fwd.on("nki"), launch_grid((1, 1), "nki"), q, k, v, sg.meta,
+            classes=sg.classes, sg_rows=sg.rows, mm_dtype="float32"))
+    assert sizes[0] == sizes[1]
+
+
+def test_nki_supergroup_arguments_are_checked(monkeypatch):
+    """Super-groups are refused without nki.*, with resident K/V, in a launch with a band,
+    with a window or shared slots, over other classes or with rows of another shape."""
+    N, D = 4 * 128, 16
+    q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=74)
+    sg = bs.supergroup_tables(bs.dense_to_index(np.ones((1, 1, 4, 4), dtype=bool)), 4)
+    base = dict(classes=sg.classes, sg_rows=sg.rows, mm_dtype="float32")
+
+    def run(api, **kw):
+        monkeypatch.setenv(binding.API_ENV_VAR, api)
+        program_size(block_sparse_attention_fwd.on(api), launch_grid((1, 1), api), q, k, v,
+                     sg.meta, **{**base, **kw})
+
+    with pytest.raises(ValueError, match=r"sg_rows: super-groups need nki\.\*, K/V not "
+                                         r".* got api='nki', resident=True, plain=True"):
+        run("nki")
+    _past_sbuf(monkeypatch)
+    with pytest.raises(ValueError, match="got api='legacy', resident=False, plain=True"):
+        run("legacy")
+    with pytest.raises(ValueError, match="resident=False, plain=False"):
+        run("nki", causal="top_left")
+    with pytest.raises(ValueError, match=r"sg_rows: super-groups take no window"):
+        run("nki", shared=(1,))
+    with pytest.raises(ValueError, match=re.escape(
+            "classes: super-groups need ((0, 1, U, False),) with U a multiple of 4, got "
+            "((0, 1, 8, True),)")):
+        run("nki", classes=((0, 1, 8, True),))
+    with pytest.raises(ValueError, match=re.escape(
+            "sg_rows: expected shape (1, 1, 1) + (tiles,) (meta's leading dims, one row per "
+            "super-group), got (1, 1, 2, 4)")):
+        run("nki", sg_rows=np.concatenate([sg.rows] * 2, axis=2))
