@@ -80,6 +80,23 @@ grow with N.
   with resident K/V. One class, natural where the host's order is (:func:`_direct_rows`). A
   group's gathers wait for the previous group's reads of the window (a runtime offset may
   touch any block: ``simulate._sched``).
+- **Super-groups** (nki.*, K/V not resident, a plain launch -- no band, lengths, score
+  modifier or dropout -- where the host finds they gather fewer blocks than the window or
+  the grouping: ``host.block_sparse.supergroup_tables``): the dense forward's own schedule
+  past SBUF with the pattern. The host sorts the query tiles of each (batch, head) by block
+  set and cuts each run of identical sets into super-groups of up to
+  :func:`tiles.bsp_fwd_supergroup_tiles` tiles (about as many as the dense forward's
+  streaming group), each with one union row (its count and the blocks' first keys) and its
+  tiles' first rows (idle slots past the run: rows past every query, skipped). Per
+  super-group (:func:`_supergroup`, a compiled loop over the table's rows) the tiles' Q^T
+  and ``[o_acc | l]`` stay in SBUF while the union streams past once in steps of
+  ``tiles.BSP_SHARED_STEP_BLOCKS`` blocks, each gathered and transposed once for all of them;
+  the steps of real blocks run unmasked (a runtime trip count), the one holding padding
+  slots after them masks them. Every tile uses every block of the union, so there is no
+  per-tile table: SBUF holds the union's few ``[128, U]`` tables and the tiles' state. HBM:
+  Q, O once and each super-group's union once (``host.block_sparse.supergroup_hbm_bytes``),
+  at s = 1 the dense forward's passes. Legacy has no runtime trip count and keeps the
+  grouping.
 
 Per group of query tiles (a loop body; the gathers are the legacy trace's and, where K/V
 do not fit in SBUF, the nki.* one's)::
