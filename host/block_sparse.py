@@ -959,43 +959,97 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
 
 class SuperGroupTables(NamedTuple):
     """The forward's super-group tables (nki.*, K/V not resident, a plain launch; the kernel's
-    ``sg_rows``): query tiles of identical block sets cut into super-groups of ``tiles``
-    query tiles each, whose union of key blocks (the set) the kernel streams once.
+    ``sg_rows``): query tiles cut into super-groups of ``tiles`` query tiles each, whose
+    union of key blocks the kernel streams once.
 
     ``meta`` float32 ``(b, h, groups, 2 + U)``: per super-group ``[0, count, first key of
     block 0, ...]``, slots past ``count`` :data:`nki_kernels.tiles.BSP_PAD_FIRST`; ``U = (M //
-    W + 1) W`` for the pattern's bound M and the kernel's step ``W = min(tiles.
-    BSP_SHARED_STEP_BLOCKS, M)`` (``U // 2 >= W``, so the kernel finds W again). ``rows`` float32 ``(b, h,
-    groups, tiles)``: the first query row of each tile, ``BSP_PAD_FIRST`` in an idle slot.
-    ``classes``: ``((0, groups, U, False),)``. ``block_loads``: key blocks gathered over
-    every ``(b, h)``; ``idle``: idle tile slots over every ``(b, h)``."""
+    W + 1) W`` for the bound M of a union and the kernel's step ``W = min(tiles.
+    BSP_SHARED_STEP_BLOCKS, M)`` (``U // 2 >= W``, so the kernel finds W again). ``rows``
+    float32 ``(b, h, groups, tiles)``: the first query row of each tile, ``BSP_PAD_FIRST`` in
+    an idle slot. ``keys`` (masked super-groups; None: every tile uses every block of its
+    union) float32 ``(b, h, groups, U tiles)``: per step j, tile t and slot w of the step, at
+    column ``(j tiles + t) W + w``, how many keys of the slot's block tile t reads (0 where
+    the block is not one of its own or the slot is padding). ``classes``: ``((0, groups, U,
+    False),)``. ``block_loads``: key blocks gathered over every ``(b, h)``; ``idle``: idle
+    tile slots over every ``(b, h)``; ``pairs``: (tile, block) pairs computed, idle slots
+    included (the active ones where exact)."""
 
     meta: np.ndarray
     rows: np.ndarray
     classes: Tuple[Tuple[int, int, int, bool], ...]
     block_loads: int
     idle: int
+    pairs: int
+    keys: Optional[np.ndarray] = None
+
+
+def union_width(bound: int) -> Tuple[int, int]:
+    """``(W, U)`` of :class:`SuperGroupTables` for unions of at most ``bound`` blocks: ``U =
+    (bound // W + 1) W`` -- the padded step's loop starts at ``count // W``, in the table even
+    where no padded step runs (its body is still program text)."""
+    step = min(_tiles.BSP_SHARED_STEP_BLOCKS, bound)
+    return step, (bound // step + 1) * step
+
+
+def supergroup_size(rows: int, most: int) -> int:
+    """Query tiles per super-group of ``rows`` query tiles with up to ``most`` each: ``ceil(rows
+    / ceil(rows / most))`` (a shape's, not the pattern's: every super-group full where one
+    set covers all rows, as the index form at s = 1)."""
+    return _tiles.ceil_div(rows, _tiles.ceil_div(rows, max(1, most)))
+
+
+def _supergroup_arrays(index: BlockIndex, plans, size: int, bound: int,
+                       Nk: Optional[int]) -> SuperGroupTables:
+    """The tables of ``plans`` (per ``(x, y)``: a list of super-groups ``(union, members)``);
+    with ``Nk`` the masked ``keys`` table too."""
+    num = np.asarray(index.num_blocks, dtype=np.int64)
+    idx = np.asarray(index.indices, dtype=np.int64)
+    b, h, n = num.shape
+    step, width = union_width(bound)
+    groups = max(len(p) for p in plans.values())
+    block = _tiles.BLOCK_SPARSE_TILE
+    pad = _tiles.BSP_PAD_FIRST
+    meta = np.full((b, h, groups, 2 + width), pad, dtype=np.float32)
+    meta[..., :2] = 0
+    rows = np.full((b, h, groups, size), pad, dtype=np.float32)
+    keys = None if Nk is None else np.zeros((b, h, groups, width // step, size, step),
+                                            dtype=np.float32)
+    loads = pairs = 0
+    for (x, y), plan in plans.items():
+        for c, (union, members) in enumerate(plan):
+            meta[x, y, c, 1] = len(union)
+            meta[x, y, c, 2:2 + len(union)] = np.asarray(union, dtype=np.int64) * block
+            rows[x, y, c, :len(members)] = np.asarray(members) * block
+            loads += len(union)
+            pairs += size * len(union)
+            if keys is None:
+                continue
+            where = {blk: i for i, blk in enumerate(union)}
+            for t, r in enumerate(members):
+                for blk in idx[x, y, r, :num[x, y, r]]:
+                    i = where[int(blk)]
+                    keys[x, y, c, i // step, t, i % step] = min(block, Nk - int(blk) * block)
+    if keys is not None:
+        keys = keys.reshape(b, h, groups, width * size)
+    return SuperGroupTables(meta, rows, ((0, groups, width, False),), loads,
+                            b * h * groups * size - b * h * n, pairs, keys)
 
 
 def supergroup_tables(index: BlockIndex, most: int) -> Optional[SuperGroupTables]:
-    """Super-group tables of a pattern (:class:`SuperGroupTables`) with up to ``most`` query
-    tiles per super-group (``tiles.bsp_fwd_supergroup_tiles``): the query tiles of each
-    ``(b, h)`` sorted by block set, each run of identical sets cut into super-groups of
-    ``tiles = ceil(rows / ceil(rows / most))`` (a shape's, not the pattern's: every
-    super-group full where one set covers all rows, as the index form at s = 1), every
-    ``(b, h)`` padded to the most super-groups any needs (``idle`` counts the idle slots: each
-    costs a tile's sweep). None where the pattern has no active block."""
+    """Exact super-group tables of a pattern (:class:`SuperGroupTables`, no ``keys``) with up
+    to ``most`` query tiles per super-group (``tiles.bsp_fwd_supergroup_tiles``): the query
+    tiles of each ``(b, h)`` sorted by block set, each run of identical sets cut into
+    super-groups of :func:`supergroup_size`, every ``(b, h)`` padded to the most
+    super-groups any needs (``idle`` counts the idle slots: each costs a tile's sweep). None
+    where the pattern has no active block."""
     num = np.asarray(index.num_blocks, dtype=np.int64)
     idx = np.asarray(index.indices, dtype=np.int64)
     b, h, n = num.shape
     m = idx.shape[-1]
     if m == 0 or not num.any():
         return None
-    size = _tiles.ceil_div(n, _tiles.ceil_div(n, max(1, most)))
-    # (m // step + 1) steps: the padded step's loop starts at count // step, in the table
-    # even where no padded step runs (its body is still program text)
-    step = min(_tiles.BSP_SHARED_STEP_BLOCKS, m)
-    width = (m // step + 1) * step
+    size = supergroup_size(n, most)
     plans = {}
     for x in range(b):
         for y in range(h):
@@ -1004,21 +1058,33 @@ def supergroup_tables(index: BlockIndex, most: int) -> Optional[SuperGroupTables
                 runs.setdefault(tuple(sorted(idx[x, y, r, :num[x, y, r]])), []).append(r)
             plans[x, y] = [(key, members[i:i + size]) for key, members in sorted(runs.items())
                            for i in range(0, len(members), size)]
-    groups = max(len(p) for p in plans.values())
-    idle = b * h * groups * size - b * h * n
-    block = _tiles.BLOCK_SPARSE_TILE
-    pad = _tiles.BSP_PAD_FIRST
-    meta = np.full((b, h, groups, 2 + width), pad, dtype=np.float32)
-    meta[..., :2] = 0
-    rows = np.full((b, h, groups, size), pad, dtype=np.float32)
-    loads = 0
-    for (x, y), plan in plans.items():
-        for c, (key, members) in enumerate(plan):
-            meta[x, y, c, 1] = len(key)
-            meta[x, y, c, 2:2 + len(key)] = np.asarray(key) * block
-            rows[x, y, c, :len(members)] = np.asarray(members) * block
-            loads += len(key)
-    return SuperGroupTables(meta, rows, ((0, groups, width, False),), loads, idle)
+    return _supergroup_arrays(index, plans, size, m, None)
+
+
+def masked_supergroup_tables(index: BlockIndex, most: int, Nk: int) -> Optional[
+        SuperGroupTables]:
+    """Masked super-group tables of a pattern over ``Nk`` keys (:class:`SuperGroupTables`
+    with ``keys``): the query tiles of each ``(b, h)`` in their order, cut into super-groups
+    of :func:`supergroup_size` with up to ``most`` each, each streaming the union of its
+    tiles' blocks (in ascending order) and masking per tile the blocks not its own. Unions
+    are bounded by the ``ceil(Nk / 128)`` key blocks (the table's width depends on the
+    shape only). None where the pattern has no active block."""
+    num = np.asarray(index.num_blocks, dtype=np.int64)
+    idx = np.asarray(index.indices, dtype=np.int64)
+    b, h, n = num.shape
+    if idx.shape[-1] == 0 or not num.any():
+        return None
+    size = supergroup_size(n, most)
+    plans = {}
+    for x in range(b):
+        for y in range(h):
+            plans[x, y] = []
+            for r0 in range(0, n, size):
+                members = list(range(r0, min(r0 + size, n)))
+                union = sorted({int(blk) for r in members for blk in idx[x, y, r, :num[x, y, r]]})
+                plans[x, y].append((tuple(union), members))
+    return _supergroup_arrays(index, plans, size, _tiles.ceil_div(Nk, _tiles.BLOCK_SPARSE_TILE),
+                              Nk)
 
 
 def supergroup_hbm_bytes(sg: SuperGroupTables, B: int, Hq: int, Nq: int, Nk: int, D: int,
@@ -1026,12 +1092,21 @@ def supergroup_hbm_bytes(sg: SuperGroupTables, B: int, Hq: int, Nq: int, Nk: int
     """The HBM bytes (read and written) of the forward with the super-group tables ``sg``
     over ``(B, Hq)`` query heads (the tables broadcast to them), q/k/v/o of ``itemsize``
     bytes: Q read and O, LSE written once; each super-group's union blocks' K and V rows
-    below Nk; per super-group its union row and its tiles' first rows."""
+    below Nk; per super-group its union row and its tiles' first rows, and where masked
+    (``keys``) one row of key counts per step run (``ceil(count / W)``)."""
     meta = np.broadcast_to(sg.meta, (B, Hq) + sg.meta.shape[2:])
     firsts = meta[..., 2:]
     firsts = firsts[firsts < _tiles.BSP_PAD_FIRST].astype(np.int64)
     kv_rows = int(np.minimum(_tiles.BLOCK_SPARSE_TILE, Nk - firsts).sum())
     per_group = (meta.shape[-1] + sg.rows.shape[-1]) * 4
+    if sg.keys is not None:
+        # each step that runs reads its row of key counts
+        step = min(_tiles.BSP_SHARED_STEP_BLOCKS, (meta.shape[-1] - 2) // 2)
+        counts = meta[..., 1].astype(np.int64)
+        per_step = sg.rows.shape[-1] * step * 4
+        extra = int((-(-counts // step)).sum()) * per_step
+        return (B * Hq * (2 * Nq * D * itemsize + Nq * 4 + meta.shape[2] * per_group)
+                + extra + 2 * kv_rows * D * itemsize)
     return (B * Hq * (2 * Nq * D * itemsize + Nq * 4 + meta.shape[2] * per_group)
             + 2 * kv_rows * D * itemsize)
 

@@ -249,32 +249,41 @@ BSP_SG_TILE_EXTRA_BYTES = 64
 #: fp32 ``[128, U]`` tables of a super-group's union of key blocks (its row on every
 #: partition, positions, bounds, gather rows, the padding columns or key thresholds).
 BSP_SG_UNION_TABLES = 7
+#: SBUF bytes per partition per query tile of a masked super-group: its step's key counts,
+#: one row on partition 0 and its broadcast, fp32, BSP_SHARED_STEP_BLOCKS each.
+BSP_SG_MASK_TILE_BYTES = 2 * 4 * BSP_SHARED_STEP_BLOCKS
 #: The most idle tile slots (past a run of identical block sets, or super-groups a (b, h)
 #: does not need) the host accepts in a super-group plan, as a share of the real query tiles:
 #: an idle slot costs a tile's whole sweep (``host.block_sparse.supergroup_tables``). A
 #: choice, not measured.
 BSP_SG_MAX_IDLE = 0.125
 
+#: The most (tile, block) pairs a masked super-group plan may compute, as a multiple of the
+#: pattern's active pairs (every tile of a masked super-group computes every block of its
+#: union, masking the ones not its own): at s = 1/2 random about 2, at s = 1/16 about 16 (the
+#: key-block window then keeps its time). A choice, not measured.
+BSP_SG_MAX_WORK = 2.5
 
-def bsp_fwd_supergroup_tiles(D: int, mm_itemsize: int, in_itemsize: int, trip: int) -> int:
+
+def bsp_fwd_supergroup_tiles(D: int, mm_itemsize: int, in_itemsize: int, trip: int,
+                             masked: bool = False) -> int:
     """Query tiles of one super-group of the block-sparse forward (nki.*, K/V not resident,
     ``attention/block_sparse._supergroup``): as many as the dense forward's streaming regime
     keeps on chip (:func:`choose_forward_tiles`: each tile's Q^T and ``[o_acc | l]``, its
-    statistics and finished output, :func:`fwd_q_state_bytes` + :data:`BSP_SG_TILE_EXTRA_BYTES`),
-    beside :data:`BSP_FWD_WORK_BYTES`, two steps of :data:`BSP_SHARED_STEP_BLOCKS` gathered
-    blocks (K rows in the input dtype, K^T and ``[V | 1 | flag]`` at matmul precision) and the
-    union's tables (:data:`BSP_SG_UNION_TABLES` of ``trip`` slots), in trn2's budget
-    :data:`FWD_SBUF_BUDGET_BYTES`; at least 1. D = 128, bf16, 512 slots: 129 tiles (N = 64K
-    then runs 4 super-groups of 128, the dense forward's 4 passes); D = 64: 210. Measured
-    (simulate.measure, trn2, D = 128, bf16, bound 512, one step of 16 blocks): peak 155134
-    bytes per partition at 129 tiles, 90372 at 64 (about 996 per tile beside 26.6 KB): the
-    formula keeps about 50 KB of margin."""
-    step = BSP_SHARED_STEP_BLOCKS * (D * max(in_itemsize, mm_itemsize)
-                                     + (D + 2) * mm_itemsize
-                                     + fwd_d_passes(D) * PMAX * mm_itemsize)
+    statistics and finished output, :func:`fwd_q_state_bytes` + :data:`BSP_SG_TILE_EXTRA_BYTES`,
+    ``masked``: + :data:`BSP_SG_MASK_TILE_BYTES`), beside :data:`BSP_FWD_WORK_BYTES` (the step's
+    gathered blocks, scores and P tiles; doubled for fp32 operands, as the window's) and the
+    union's tables (:data:`BSP_SG_UNION_TABLES` of ``trip`` slots, the table's ``U``), in
+    trn2's budget :data:`FWD_SBUF_BUDGET_BYTES`; at least 1. D = 128, bf16, U = 528 (N = 64K):
+    151 tiles (N = 64K then runs 4 super-groups of 128, the dense forward's 4 passes), masked
+    136; D = 64: 233. Measured (simulate.measure, trn2, D = 128, bf16, bound 512, one step of
+    16 blocks, exact): peak 155134 bytes per partition at 129 tiles, 90372 at 64 (about 996
+    per tile beside 26.6 KB)."""
     tables = BSP_SG_UNION_TABLES * 4 * (2 + max(1, trip))
     per_tile = fwd_q_state_bytes(D, mm_itemsize, in_itemsize) + BSP_SG_TILE_EXTRA_BYTES
-    free = FWD_SBUF_BUDGET_BYTES["trn2"] - BSP_FWD_WORK_BYTES - 2 * step - tables
+    if masked:
+        per_tile += BSP_SG_MASK_TILE_BYTES
+    free = FWD_SBUF_BUDGET_BYTES["trn2"] - BSP_FWD_WORK_BYTES * mm_itemsize // 2 - tables
     return max(1, free // per_tile)
 
 

@@ -1142,7 +1142,8 @@ def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
 @port.jit
 def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=None,
                                alibi_slopes=None, sinks=None, window_loads=None,
-                               window_slots=None, sg_rows=None, *, classes, shared=None,
+                               window_slots=None, sg_rows=None, sg_keys=None, *, classes,
+                               shared=None,
                                natural=None, shared_runtime=False, window_blocks=0, scale=1.0,
                                causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
                                dropout_mask=False, softcap=None):
@@ -1200,8 +1201,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                         shared_runtime, fits, most, trip_max)
     plain = not (causal or window or q_lens is not None or kv_lens is not None
                  or mods != SM.Mods() or dropout_p)
-    sg = _check_supergroups(meta, sg_rows, classes, shared, shared_runtime, window_blocks,
-                            plain, fits, trip_max)
+    sg = _check_supergroups(meta, sg_rows, sg_keys, classes, shared, shared_runtime,
+                            window_blocks, plain, fits, trip_max)
     step = T.BSP_RESIDENT_STEP_BLOCKS if fits or win else T.BSP_STEP_BLOCKS
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False, kv_load_block=T.BSP_FWD_KV_LOAD_BLOCK)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
@@ -1241,9 +1242,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
             src = src._replace(res=F.load_kv(f, 0, window_blocks * P, zero_blocks=1,
                                              load=False), win=win)
         if sg is not None:
-            port.loop(f.G, lambda h: port.loop(
-                sg.meta.shape[2], lambda c: _supergroup(
-                    f, geo, sg, h, RowFrame.of(f.q, (f.b, f.head(h)), geo.indices), c)))
+            port.loop(f.G, lambda h: _supergroups(f, geo, sg, h))
             return
         port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, natural, h, src,
                                        shared_runtime))
@@ -1422,10 +1421,15 @@ class _SuperGroups(NamedTuple):
     supergroup_tables``, HBM float32): ``meta`` ``(b, h, groups, 2 + U)`` per super-group
     ``[0, count, first key of union block 0, ...]`` (padding past ``count``), ``rows`` ``(b,
     h, groups, tiles)`` the first query row of each of its tiles (``tiles.BSP_PAD_FIRST`` for
-    an idle slot: its Q gather and output scatter are skipped)."""
+    an idle slot: its Q gather and output scatter are skipped). ``keys`` (masked super-groups,
+    whose tiles use different blocks of the union; None: every tile uses every block) ``(b,
+    h, groups, U tiles)``: per step j of ``step`` slots, tile t and slot w of the step, at
+    column ``(j tiles + t) step + w``, the count of the block's keys tile t reads (0 where
+    the block is not one of its own, or a padding slot)."""
 
     meta: object
     rows: object
+    keys: Optional[object] = None
 
     @property
     def tiles(self) -> int:
@@ -1442,14 +1446,18 @@ class _SuperGroups(NamedTuple):
         return min(T.BSP_SHARED_STEP_BLOCKS, self.width // 2)
 
 
-def _check_supergroups(meta, rows, classes, shared, shared_runtime: bool, window_blocks: int,
-                       plain: bool, fits: bool, trip: int) -> Optional[_SuperGroups]:
+def _check_supergroups(meta, rows, keys, classes, shared, shared_runtime: bool,
+                       window_blocks: int, plain: bool, fits: bool,
+                       trip: int) -> Optional[_SuperGroups]:
     """The super-group tables of a launch (``sg_rows`` given; None: none), checked: nki.*
     (runtime trip counts), K/V not resident, a ``plain`` launch (only padding masked), one
     class of the union table's rows and ``trip`` slots, nothing shared, no window, ``U`` a
     multiple of the step and ``sg_rows`` ``meta``'s leading dims and one row per
-    super-group."""
+    super-group; ``sg_keys`` (masked super-groups; None: none) their leading dims and ``U
+    tiles`` columns."""
     if rows is None:
+        if keys is not None:
+            raise ValueError("sg_keys: given without sg_rows; allowed: None")
         return None
     if port.api() != "nki" or fits or not plain:
         raise ValueError(f"sg_rows: super-groups need nki.*, K/V not resident and a plain "
@@ -1458,7 +1466,7 @@ def _check_supergroups(meta, rows, classes, shared, shared_runtime: bool, window
     if window_blocks or any(shared) or shared_runtime:
         raise ValueError("sg_rows: super-groups take no window and share no slots (allowed: "
                          "window_blocks=0, shared=None, shared_runtime=False)")
-    sg = _SuperGroups(meta, rows)
+    sg = _SuperGroups(meta, rows, keys)
     n = meta.shape[2]
     if classes != ((0, n, trip, False),) or trip % sg.step:
         raise ValueError(f"classes: super-groups need ((0, {n}, U, False),) with U a "
@@ -1467,7 +1475,16 @@ def _check_supergroups(meta, rows, classes, shared, shared_runtime: bool, window
     if len(rows.shape) != 4 or tuple(rows.shape[:3]) != want or rows.shape[3] < 1:
         raise ValueError(f"sg_rows: expected shape {want} + (tiles,) (meta's leading dims, one "
                          f"row per super-group), got {tuple(rows.shape)}")
+    if keys is not None and tuple(keys.shape) != want + (trip * rows.shape[3],):
+        raise ValueError(f"sg_keys: expected shape {want + (trip * rows.shape[3],)} (sg_rows' "
+                         f"leading dims, U tiles columns), got {tuple(keys.shape)}")
     return sg
+
+
+def _supergroups(f, geo: Geometry, sg: _SuperGroups, h):
+    """Every super-group of member head h: a compiled loop over the table's rows."""
+    q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
+    port.loop(sg.meta.shape[2], lambda c: _supergroup(f, geo, sg, h, q_frame, c))
 
 
 def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
@@ -1481,7 +1498,9 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
     one step holding the padding slots after them (if any) skips their gathers into zeroed
     tiles and masks their scores (:func:`_padding_columns`: one ScalarE instruction per
     block and tile). Keys past a partial last key block are masked in every step (the
-    key-side indicator, :func:`_scores`)."""
+    key-side indicator, :func:`_scores`). Masked super-groups (``sg.keys``: tiles that use
+    different blocks of the union) mask every step per tile from the step's row of key
+    counts instead (the key-side indicator, one per block and tile)."""
     head = f.head(h)
     meta, n, U, Ws = sg.meta, sg.tiles, sg.width, sg.step
     hb = f.b if meta.shape[0] > 1 else 0
@@ -1506,7 +1525,9 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
         q_idx.append(idx)
     whole = f.Nk % P == 0
     none = dict(thr=None, hi=None, lo=None, pad=None, pad_mm=None)
-    if whole:
+    if sg.keys is not None:
+        cols_full = cols_pad = None
+    elif whole:
         cols_full = none
         cols_pad = dict(none, pad=_padding_columns(rw, U, f.Nk))
     else:
@@ -1521,9 +1542,23 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
         F.ones_column(f, v[:, :, f.D:f.D + 1])
         kv = _gather_kv(f, rw, v, s * Ws, Ws, padded or not whole)
         cols = cols_pad if padded else cols_full
+        lims = None
+        if sg.keys is not None:
+            # the step's (tile, block) key counts on every partition: one DMA, a K=1 ones
+            # matmul per PSUM bank (masks.broadcast_row); a tile's scores at key columns from
+            # its count on are masked by selection (Geometry.indicator), whatever they are
+            row = nl.ndarray((1, n * Ws), dtype=nl.float32, buffer=nl.sbuf)
+            port.dma_copy(row, sg.keys[hb, hh, nl.ds(c, 1), nl.ds(s * (n * Ws), n * Ws)],
+                          legacy_isa=True)
+            lims = M.broadcast_row(row, n * Ws)
         backs = []
         for t in T.unrolled(n):
-            backs.append(_step(f, geo, st, t, rw, kv, cols, None, h, q_frame, s * Ws, Ws))
+            if lims is None:
+                backs.append(_step(f, geo, st, t, rw, kv, cols, None, h, q_frame, s * Ws, Ws))
+            else:
+                backs.append(_step(f, geo, st, t, rw, kv,
+                                   dict(none, thr=lims[:, t * Ws:(t + 1) * Ws]), None, h,
+                                   q_frame, 0, Ws))
             if len(backs) > depth:
                 backs.pop(0)()
         for back in backs:
@@ -1537,8 +1572,12 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
     port.tensor_scalar(lo, count, nl.add, 0.5 - Ws / 2.0, op1=nl.multiply, operand1=1.0 / Ws)
     hi = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_scalar(hi, count, nl.add, Ws / 2.0 - 0.5, op1=nl.multiply, operand1=1.0 / Ws)
-    port.loop_between(0, port.register(lo), lambda s: step(s, False))
-    port.loop_between(port.register(lo), port.register(hi), lambda s: step(s, True))
+    if sg.keys is not None:
+        # masked: every step's blocks are masked per tile, the padding slots with them
+        port.loop_between(0, port.register(hi), lambda s: step(s, True))
+    else:
+        port.loop_between(0, port.register(lo), lambda s: step(s, False))
+        port.loop_between(port.register(lo), port.register(hi), lambda s: step(s, True))
     o_all, lse_all = F.finalize(f, st, 0, None, None, n=n,
                                 act_slots=int(n * T.BSP_FINALIZE_ACT_SHARE))
     for t in T.unrolled(n):

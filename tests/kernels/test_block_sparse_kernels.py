@@ -1193,7 +1193,7 @@ def test_nki_supergroups_read_each_union_once_with_the_planned_bytes(monkeypatch
     mask[..., 2] = False
     pattern = mask if form == "bool" else tuple(bs.dense_to_index(mask))
     sg = bs.supergroup_tables(bs.check_block_mask(pattern, B, Hq, Nq, Nk).index,
-                              T.bsp_fwd_supergroup_tiles(D, 4, 4, 5))
+                              T.bsp_fwd_supergroup_tiles(D, 4, 4, bs.union_width(5)[1]))
     assert sg.meta.shape[2] == 1 and sg.rows.shape[3] == 10 and sg.idle == 0
     with simulate.measure(target="trn2") as m:
         o, lse = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True,
@@ -1288,13 +1288,13 @@ def test_nki_supergroup_arguments_are_checked(monkeypatch):
 
 def test_nki_supergroup_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
     """A super-group as large as ``tiles.bsp_fwd_supergroup_tiles`` allows at D = 128, bf16,
-    a bound of 512 slots (N = 64K's index form at s = 1; here 129 query tiles of the same 16
+    a bound of 512 slots (N = 64K's index form at s = 1; here 151 query tiles of the same 16
     key blocks, the window off) keeps the peak SBUF within trn2's budget (90 % of a
-    partition): measured 155134 bytes per partition at 129 tiles, 90372 at 64."""
+    partition)."""
     _no_window(monkeypatch)
     D, Nk = 128, 65536
-    most = T.bsp_fwd_supergroup_tiles(D, 2, 2, 512)
-    assert most == 129
+    most = T.bsp_fwd_supergroup_tiles(D, 2, 2, bs.union_width(512)[1])
+    assert most == 151
     Nq = most * 128
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 1, Nq, D)).astype(BF16)
@@ -1305,3 +1305,59 @@ def test_nki_supergroup_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
         host.flash_attention(q, k, v, block_mask=tuple(bs.dense_to_index(mask, 512)))
     assert m.per_tensor["sg_rows"]["read"] == most * 4
     assert m.peak_sbuf_bytes_per_partition <= T.FWD_SBUF_BUDGET_BYTES["trn2"]
+
+
+def test_nki_masked_supergroups_read_each_union_once_and_match_the_reference(monkeypatch):
+    """A random pattern at s = 0.6 past SBUF (10 query tiles, the last partial; a partial last
+    key block; GQA 2:1; a tile without blocks): no two tiles share a block set, the grouping
+    would gather more blocks than the dense kernel's one pass, so the host takes a masked
+    super-group of all 10 tiles: each query head reads the union's K and V rows once, the
+    HBM bytes are exactly ``supergroup_hbm_bytes``' (with a row of key counts per step),
+    the outputs and LSE the reference's (the tile without blocks: zeros and -inf)."""
+    _no_window(monkeypatch)
+    B, Hq, Nq, Nk, D = 1, 2, 9 * 128 + 37, 20 * 128 - 50, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=75)
+    mask = _pattern(1, 1, Nq, Nk, 0.6, seed=76)
+    mask[..., 3, :] = False
+    index = bs.dense_to_index(mask)
+    sg = bs.masked_supergroup_tables(index, T.bsp_fwd_supergroup_tiles(
+        D, 4, 4, bs.union_width(20)[1], masked=True), Nk)
+    assert sg.meta.shape[2] == 1 and sg.keys is not None and int(sg.meta[0, 0, 0, 1]) == 20
+    with simulate.measure(target="trn2") as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=tuple(index), return_lse=True,
+                                      mixed_precision=False)
+    assert "sg_keys" in m.per_tensor
+    assert m.per_tensor["k"]["read"] == Hq * Nk * D * 4
+    assert m.hbm_bytes_read + m.hbm_bytes_written == bs.supergroup_hbm_bytes(
+        sg, B, Hq, Nq, Nk, D, 4)
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask)[:2]
+    assert _err(o, o_ref) < 2e-6
+    fin = np.isfinite(lse_ref)
+    assert (np.isfinite(lse) == fin).all() and not fin[0, :, 3 * 128:4 * 128].any()
+    assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
+
+
+def test_nki_masked_supergroups_hide_other_tiles_blocks_whatever_they_hold(monkeypatch):
+    """Masked super-groups of 3 tiles (B = 2, idle slots, unions past one step): a block one
+    tile of a super-group uses and the others do not holds a NaN and an inf in K; the
+    others' outputs are the reference's (the mask selects, it does not multiply), the
+    tile that sees them gets the reference's NaN rows."""
+    _no_window(monkeypatch)
+    B, Hq, Nq, Nk, D = 2, 1, 7 * 128, 20 * 128, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=77)
+    mask = _pattern(B, 1, Nq, Nk, 0.5, seed=78)
+    mask[:, 0, :, 19] = False
+    mask[:, 0, 1, 19] = True                                  # only tile 1 sees block 19
+    k[:, 0, 19 * 128 + 5, 3] = np.nan
+    k[:, 0, 19 * 128 + 9, 0] = np.inf
+    sg = bs.masked_supergroup_tables(bs.dense_to_index(mask), 3, Nk)
+    assert sg.rows.shape[3] == 3 and sg.meta.shape[2] == 3 and sg.idle == 2 * 2
+    o, lse = launch(block_sparse_attention_fwd.on("nki"), launch_grid((B, 1), "nki"), q, k, v,
+                    sg.meta, classes=sg.classes, sg_rows=sg.rows, sg_keys=sg.keys,
+                    mm_dtype="float32", scale=D ** -0.5)
+    o_ref = ref.attention_forward(q, k, v, block_mask=mask, scale=D ** -0.5)[0]
+    seen = np.isnan(o_ref).any(axis=-1)
+    assert seen[:, 0, 128:256].any() and not seen[:, 0, :128].any() and \
+        not seen[:, 0, 256:].any()
+    assert (np.isnan(o).any(axis=-1) == seen).all()
+    assert _err(np.where(seen[..., None], 0, o), np.where(seen[..., None], 0, o_ref)) < 2e-6
