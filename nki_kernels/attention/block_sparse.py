@@ -1177,6 +1177,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     Hkv, Nk = k.shape[1], k.shape[2]
     nqt = T.ceil_div(Nq, P)
     trip_max = meta.shape[3] - 2
+    if sg_rows is None and sg_keys is not None:
+        raise ValueError("sg_keys: given without sg_rows; allowed: None")
     rows = nqt if sg_rows is None else meta.shape[2]
     if sg_rows is None and tuple(meta.shape[2:3]) != (nqt,):
         raise ValueError(f"meta: expected {nqt} rows (one per query tile), got {meta.shape}")
@@ -1454,10 +1456,8 @@ def _check_supergroups(meta, rows, keys, classes, shared, shared_runtime: bool,
     class of the union table's rows and ``trip`` slots, nothing shared, no window, ``U`` a
     multiple of the step and ``sg_rows`` ``meta``'s leading dims and one row per
     super-group; ``sg_keys`` (masked super-groups; None: none) their leading dims and ``U
-    tiles`` columns."""
+    tiles`` columns (given without ``sg_rows``: refused by the caller)."""
     if rows is None:
-        if keys is not None:
-            raise ValueError("sg_keys: given without sg_rows; allowed: None")
         return None
     if port.api() != "nki" or fits or not plain:
         raise ValueError(f"sg_rows: super-groups need nki.*, K/V not resident and a plain "

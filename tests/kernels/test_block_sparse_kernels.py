@@ -1015,6 +1015,14 @@ def test_nki_window_program_does_not_grow_with_n(monkeypatch):
     assert sizes[0] == sizes[1]
 
 
+def _trace(monkeypatch, api, q, k, v, meta, **kw):
+    """Trace the forward on one (batch, kv head) through ``api`` (its program size): where
+    its arguments are checked."""
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
+    program_size(block_sparse_attention_fwd.on(api), launch_grid((1, 1), api), q, k, v, meta,
+                 **kw)
+
+
 def test_nki_window_arguments_are_checked(monkeypatch):
     """The window's arguments: refused without nki.* or with resident K/V, wider than SBUF
     holds, without its tables, with tables it would ignore, or over other classes."""
@@ -1028,9 +1036,7 @@ def test_nki_window_arguments_are_checked(monkeypatch):
                 classes=t.classes, mm_dtype="float32")
 
     def run(api, **kw):
-        monkeypatch.setenv(binding.API_ENV_VAR, api)
-        program_size(block_sparse_attention_fwd.on(api), launch_grid((1, 1), api), q, k, v,
-                     t.meta, **{**base, **kw})
+        _trace(monkeypatch, api, q, k, v, t.meta, **{**base, **kw})
 
     with pytest.raises(ValueError, match=r"window_blocks: a window of \d+ blocks needs nki\.\*, "
                                          r"K/V not resident .* got api='nki', resident=True"):
@@ -1255,16 +1261,15 @@ def test_nki_supergroup_program_does_not_grow_with_n(monkeypatch):
 
 def test_nki_supergroup_arguments_are_checked(monkeypatch):
     """Super-groups are refused without nki.*, with resident K/V, in a launch with a band,
-    with a window or shared slots, over other classes or with rows of another shape."""
+    with a window or shared slots, over other classes or with rows of another shape; their
+    key counts without rows or of another shape."""
     N, D = 4 * 128, 16
     q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=74)
     sg = bs.supergroup_tables(bs.dense_to_index(np.ones((1, 1, 4, 4), dtype=bool)), 4)
     base = dict(classes=sg.classes, sg_rows=sg.rows, mm_dtype="float32")
 
     def run(api, **kw):
-        monkeypatch.setenv(binding.API_ENV_VAR, api)
-        program_size(block_sparse_attention_fwd.on(api), launch_grid((1, 1), api), q, k, v,
-                     sg.meta, **{**base, **kw})
+        _trace(monkeypatch, api, q, k, v, sg.meta, **{**base, **kw})
 
     with pytest.raises(ValueError, match=r"sg_rows: super-groups need nki\.\*, K/V not "
                                          r".* got api='nki', resident=True, plain=True"):
@@ -1284,6 +1289,12 @@ def test_nki_supergroup_arguments_are_checked(monkeypatch):
             "sg_rows: expected shape (1, 1, 1) + (tiles,) (meta's leading dims, one row per "
             "super-group), got (1, 1, 2, 4)")):
         run("nki", sg_rows=np.concatenate([sg.rows] * 2, axis=2))
+    with pytest.raises(ValueError, match=re.escape("sg_keys: given without sg_rows")):
+        run("nki", sg_rows=None, sg_keys=np.zeros((1, 1, 1, 32), np.float32))
+    with pytest.raises(ValueError, match=re.escape(
+            "sg_keys: expected shape (1, 1, 1, 32) (sg_rows' leading dims, U tiles columns), "
+            "got (1, 1, 1, 31)")):
+        run("nki", sg_keys=np.zeros((1, 1, 1, 31), np.float32))
 
 
 def test_nki_supergroup_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
