@@ -1372,3 +1372,42 @@ def test_nki_masked_supergroups_hide_other_tiles_blocks_whatever_they_hold(monke
         not seen[:, 0, 256:].any()
     assert (np.isnan(o).any(axis=-1) == seen).all()
     assert _err(np.where(seen[..., None], 0, o), np.where(seen[..., None], 0, o_ref)) < 2e-6
+
+
+@pytest.mark.parametrize("name, form, plan", [
+    ("s=1", "index", "exact"), ("random 1/2", "bool", "masked"),
+    ("random 1/16", "bool", "window"), ("fixed 1/2", "index", "window")])
+def test_the_host_takes_supergroups_where_they_gather_less_at_a_bounded_cost(monkeypatch, name,
+                                                                           form, plan):
+    """The forward's plan at N = 64K, D = 128 (host only: the launch is intercepted):
+    every block in the index form takes exact super-groups (4 of 128 tiles: each block
+    gathered 4 times, the dense forward's passes, not the grouping's 64); a random pattern
+    at s = 1/2 masked ones (the grouping would gather about 125k blocks); at s = 1/16 the
+    window stays (it gathers 2277 blocks, masked super-groups 2048 but 16 times the work);
+    fixed_density s = 1/2 keeps its window (each set once: 512)."""
+    import host.api as api
+
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    N, D, nqt = 65536, 128, 512
+    x = np.zeros((1, 1, N, D), BF16)
+    rng = np.random.default_rng(1)
+    mask = {"s=1": np.ones((1, 1, nqt, nqt), bool),
+            "random 1/2": (rng.random((nqt, nqt)) < 0.5)[None, None],
+            "random 1/16": (np.random.default_rng(1).random((nqt, nqt)) < 1 / 16)[None, None],
+            "fixed 1/2": bs.fixed_density(nqt, nqt, 0.5)}[name]
+    seen = {}
+
+    def intercept(kernel, grid, *args, **kw):
+        seen.update(kw)
+        raise StopIteration
+
+    monkeypatch.setattr(api, "launch", intercept)
+    with pytest.raises(StopIteration):
+        host.flash_attention(x, x, x, block_mask=mask if form == "bool" else tuple(
+            bs.dense_to_index(mask)))
+    got = ("masked" if seen.get("sg_keys") is not None else
+           "exact" if seen.get("sg_rows") is not None else
+           "window" if seen.get("window_blocks") else "grouping")
+    assert got == plan
+    if plan != "window":
+        assert seen["sg_rows"].shape == (1, 1, 4, 128)
