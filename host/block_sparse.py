@@ -968,9 +968,8 @@ class SuperGroupTables(NamedTuple):
     BSP_SHARED_STEP_BLOCKS, M)`` (``U // 2 >= W``, so the kernel finds W again). ``rows``
     float32 ``(b, h, groups, tiles)``: the first query row of each tile, ``BSP_PAD_FIRST`` in
     an idle slot. ``keys`` (masked super-groups; None: every tile uses every block of its
-    union) float32 ``(b, h, groups, U tiles)``: per step j, tile t and slot w of the step, at
-    column ``(j tiles + t) W + w``, how many keys of the slot's block tile t reads (0 where
-    the block is not one of its own or the slot is padding). ``classes``: ``((0, groups, U,
+    union) float32 ``(b, h, groups U, tiles)``: at row ``c U + k``, column t, 1.0 where slot k
+    of super-group c's union is one of tile t's blocks, else 0 (a padding slot: 0). ``classes``: ``((0, groups, U,
     False),)``. ``block_loads``: key blocks gathered over every ``(b, h)``; ``idle``: idle
     tile slots over every ``(b, h)``; ``pairs``: (tile, block) pairs computed, idle slots
     included (the active ones where exact)."""
@@ -1000,9 +999,9 @@ def supergroup_size(rows: int, most: int) -> int:
 
 
 def _supergroup_arrays(index: BlockIndex, plans, size: int, bound: int,
-                       Nk: Optional[int]) -> SuperGroupTables:
+                       masked: bool) -> SuperGroupTables:
     """The tables of ``plans`` (per ``(x, y)``: a list of super-groups ``(union, members)``);
-    with ``Nk`` the masked ``keys`` table too."""
+    ``masked``: the ``keys`` table too."""
     num = np.asarray(index.num_blocks, dtype=np.int64)
     idx = np.asarray(index.indices, dtype=np.int64)
     b, h, n = num.shape
@@ -1013,8 +1012,7 @@ def _supergroup_arrays(index: BlockIndex, plans, size: int, bound: int,
     meta = np.full((b, h, groups, 2 + width), pad, dtype=np.float32)
     meta[..., :2] = 0
     rows = np.full((b, h, groups, size), pad, dtype=np.float32)
-    keys = None if Nk is None else np.zeros((b, h, groups, width // step, size, step),
-                                            dtype=np.float32)
+    keys = np.zeros((b, h, groups, width, size), dtype=np.float32) if masked else None
     loads = pairs = 0
     for (x, y), plan in plans.items():
         for c, (union, members) in enumerate(plan):
@@ -1028,10 +1026,9 @@ def _supergroup_arrays(index: BlockIndex, plans, size: int, bound: int,
             where = {blk: i for i, blk in enumerate(union)}
             for t, r in enumerate(members):
                 for blk in idx[x, y, r, :num[x, y, r]]:
-                    i = where[int(blk)]
-                    keys[x, y, c, i // step, t, i % step] = min(block, Nk - int(blk) * block)
+                    keys[x, y, c, where[int(blk)], t] = 1.0
     if keys is not None:
-        keys = keys.reshape(b, h, groups, width * size)
+        keys = keys.reshape(b, h, groups * width, size)
     return SuperGroupTables(meta, rows, ((0, groups, width, False),), loads,
                             b * h * groups * size - b * h * n, pairs, keys)
 
@@ -1058,7 +1055,7 @@ def supergroup_tables(index: BlockIndex, most: int) -> Optional[SuperGroupTables
                 runs.setdefault(tuple(sorted(idx[x, y, r, :num[x, y, r]])), []).append(r)
             plans[x, y] = [(key, members[i:i + size]) for key, members in sorted(runs.items())
                            for i in range(0, len(members), size)]
-    return _supergroup_arrays(index, plans, size, m, None)
+    return _supergroup_arrays(index, plans, size, m, False)
 
 
 def masked_supergroup_tables(index: BlockIndex, most: int, Nk: int) -> Optional[
@@ -1067,12 +1064,13 @@ def masked_supergroup_tables(index: BlockIndex, most: int, Nk: int) -> Optional[
     with ``keys``): the query tiles of each ``(b, h)`` in their order, cut into super-groups
     of :func:`supergroup_size` with up to ``most`` each, each streaming the union of its
     tiles' blocks (in ascending order) and masking per tile the blocks not its own. Unions
-    are bounded by the ``ceil(Nk / 128)`` key blocks (the table's width depends on the
-    shape only). None where the pattern has no active block."""
+    are bounded by the ``Nk / 128`` key blocks (the table's width depends on the shape only).
+    None where the pattern has no active block or the last key block is partial (the kernel
+    masks whole blocks)."""
     num = np.asarray(index.num_blocks, dtype=np.int64)
     idx = np.asarray(index.indices, dtype=np.int64)
     b, h, n = num.shape
-    if idx.shape[-1] == 0 or not num.any():
+    if idx.shape[-1] == 0 or not num.any() or Nk % _tiles.BLOCK_SPARSE_TILE:
         return None
     size = supergroup_size(n, most)
     plans = {}
@@ -1083,8 +1081,7 @@ def masked_supergroup_tables(index: BlockIndex, most: int, Nk: int) -> Optional[
                 members = list(range(r0, min(r0 + size, n)))
                 union = sorted({int(blk) for r in members for blk in idx[x, y, r, :num[x, y, r]]})
                 plans[x, y].append((tuple(union), members))
-    return _supergroup_arrays(index, plans, size, _tiles.ceil_div(Nk, _tiles.BLOCK_SPARSE_TILE),
-                              Nk)
+    return _supergroup_arrays(index, plans, size, Nk // _tiles.BLOCK_SPARSE_TILE, True)
 
 
 def supergroup_hbm_bytes(sg: SuperGroupTables, B: int, Hq: int, Nq: int, Nk: int, D: int,
@@ -1093,14 +1090,14 @@ def supergroup_hbm_bytes(sg: SuperGroupTables, B: int, Hq: int, Nq: int, Nk: int
     over ``(B, Hq)`` query heads (the tables broadcast to them), q/k/v/o of ``itemsize``
     bytes: Q read and O, LSE written once; each super-group's union blocks' K and V rows
     below Nk; per super-group its union row and its tiles' first rows, and where masked
-    (``keys``) one row of key counts per step run (``ceil(count / W)``)."""
+    (``keys``) the keep flags of each step run (``ceil(count / W)`` steps)."""
     meta = np.broadcast_to(sg.meta, (B, Hq) + sg.meta.shape[2:])
     firsts = meta[..., 2:]
     firsts = firsts[firsts < _tiles.BSP_PAD_FIRST].astype(np.int64)
     kv_rows = int(np.minimum(_tiles.BLOCK_SPARSE_TILE, Nk - firsts).sum())
     per_group = (meta.shape[-1] + sg.rows.shape[-1]) * 4
     if sg.keys is not None:
-        # each step that runs reads its row of key counts
+        # each step that runs reads its keep flags
         step = min(_tiles.BSP_SHARED_STEP_BLOCKS, (meta.shape[-1] - 2) // 2)
         counts = meta[..., 1].astype(np.int64)
         per_step = sg.rows.shape[-1] * step * 4

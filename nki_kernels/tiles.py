@@ -249,9 +249,9 @@ BSP_SG_TILE_EXTRA_BYTES = 64
 #: fp32 ``[128, U]`` tables of a super-group's union of key blocks (its row on every
 #: partition, positions, bounds, gather rows, the padding columns or key thresholds).
 BSP_SG_UNION_TABLES = 7
-#: SBUF bytes per partition per query tile of a masked super-group: its step's key counts,
-#: one row on partition 0 and its broadcast, fp32, BSP_SHARED_STEP_BLOCKS each.
-BSP_SG_MASK_TILE_BYTES = 2 * 4 * BSP_SHARED_STEP_BLOCKS
+#: SBUF bytes per partition per query tile of a masked super-group: its step's keep flags and
+#: mask values (fp32 columns of ``[step, tiles]`` tiles), counted with a margin.
+BSP_SG_MASK_TILE_BYTES = 16
 #: The most idle tile slots (past a run of identical block sets, or super-groups a (b, h)
 #: does not need) the host accepts in a super-group plan, as a share of the real query tiles:
 #: an idle slot costs a tile's whole sweep (``host.block_sparse.supergroup_tables``). A

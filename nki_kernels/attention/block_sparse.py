@@ -228,16 +228,7 @@ class KVSource(NamedTuple):
         allocated)."""
         if trip > P or not _pads_by_matmul(f, geo, self.res, exact):
             return self._replace(sel=None)   # (the padding matmul contracts over the slots)
-        d = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)     # c - k
-        port.iota(d, [[1, trip]], channel_multiplier=-1)
-        eye = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(eye, d, nl.equal, 0.0, engine="gpsimd")
-        sel = nl.ndarray((trip, trip * P), dtype=f.mm, buffer=nl.sbuf)
-        # nki.* only (resident K/V or a window, _pads_by_matmul): sel seen as [trip, trip,
-        # 128] by a 0.7 access pattern
-        port.tensor_copy(sel.reshape_dim(1, (trip, P)), port.repeat_last(eye, P),
-                         engine="gpsimd")
-        return self._replace(sel=sel)
+        return self._replace(sel=_slot_selector(f, trip))
 
     def instance(self, f, trip: int):
         """``f`` with the P^T DMA-transpose share of a class of ``trip`` slots."""
@@ -246,6 +237,19 @@ class KVSource(NamedTuple):
             return f
         return dataclasses.replace(f, tiles=dataclasses.replace(
             f.tiles, p_dma_transpose_share=share))
+
+
+def _slot_selector(f, trip: int):
+    """``[trip, 128 trip]`` (matmul dtype): 1 at row k, columns ``128 k .. 128 k + 127``, else
+    0 (:meth:`KVSource.for_class`, :func:`_supergroup`). nki.* only: seen as ``[trip, trip,
+    128]`` by a 0.7 access pattern."""
+    d = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)     # c - k
+    port.iota(d, [[1, trip]], channel_multiplier=-1)
+    eye = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(eye, d, nl.equal, 0.0, engine="gpsimd")
+    sel = nl.ndarray((trip, trip * P), dtype=f.mm, buffer=nl.sbuf)
+    port.tensor_copy(sel.reshape_dim(1, (trip, P)), port.repeat_last(eye, P), engine="gpsimd")
+    return sel
 
 
 class RowFrame(NamedTuple):
@@ -858,11 +862,14 @@ def _trip_counts(c, shared: int, W: int, n_full: int, tail: int):
     return n, last
 
 
-def _gather_kv(f, rw: Row, v, s0, n: int, skip: bool) -> F.KV:
+def _gather_kv(f, rw: Row, v, s0, n: int, skip: bool, guard_keys: bool = False) -> F.KV:
     """The K and V blocks of slots ``s0 .. s0 + n - 1`` (``s0`` an index expression, n static)
     of ``rw``'s table: K^T (TensorE) and ``v`` (``[128, >= n, vcols]``, its ones column
     already set) guarded (:func:`forward.guard_values`). Once per tile and step, or once per
-    group and step for the slots its tiles share (``_attend_tiles``)."""
+    group and step for the slots its tiles share (``_attend_tiles``). ``guard_keys`` (masked
+    super-groups, whose masks add, not select): K's non-finite entries are zeroed too and
+    flag their keys as V's do (:func:`forward.guard_values`: a row that sees the key gets
+    NaN, the others never meet the value)."""
     D = f.D
     kx = nl.ndarray((P, n, D), dtype=f.k.dtype, buffer=nl.sbuf)
     same = f.v.dtype == f.mm
@@ -878,6 +885,10 @@ def _gather_kv(f, rw: Row, v, s0, n: int, skip: bool) -> F.KV:
     if not same:
         port.tensor_copy(v[:, 0:n, 0:D], vx, engine="gpsimd")
     F.guard_values(f, v[:, 0:n, 0:D], v[:, 0:n, D + 1:D + 2], sum_on_scalar=True)
+    if guard_keys:
+        kflag = nl.ndarray((P, n, 1), dtype=f.mm, buffer=nl.sbuf)
+        F.guard_values(f, kx, kflag, sum_on_scalar=True)
+        port.tensor_tensor(v[:, 0:n, D + 1:D + 2], v[:, 0:n, D + 1:D + 2], kflag, nl.maximum)
     kT = [nl.ndarray((rows, n * P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in T.unrolled(n)], f.k.dtype)
     return _StepKV(None, kT, v)
@@ -1204,7 +1215,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     plain = not (causal or window or q_lens is not None or kv_lens is not None
                  or mods != SM.Mods() or dropout_p)
     sg = _check_supergroups(meta, sg_rows, sg_keys, classes, shared, shared_runtime,
-                            window_blocks, plain, fits, trip_max)
+                            window_blocks, plain, fits, trip_max, Nk % P == 0)
     step = T.BSP_RESIDENT_STEP_BLOCKS if fits or win else T.BSP_STEP_BLOCKS
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False, kv_load_block=T.BSP_FWD_KV_LOAD_BLOCK)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
@@ -1425,9 +1436,8 @@ class _SuperGroups(NamedTuple):
     h, groups, tiles)`` the first query row of each of its tiles (``tiles.BSP_PAD_FIRST`` for
     an idle slot: its Q gather and output scatter are skipped). ``keys`` (masked super-groups,
     whose tiles use different blocks of the union; None: every tile uses every block) ``(b,
-    h, groups, U tiles)``: per step j of ``step`` slots, tile t and slot w of the step, at
-    column ``(j tiles + t) step + w``, the count of the block's keys tile t reads (0 where
-    the block is not one of its own, or a padding slot)."""
+    h, groups U, tiles)``: at row ``c U + k``, column t, 1.0 where slot k of super-group c's
+    union is one of tile t's blocks, else 0 (also for a padding slot)."""
 
     meta: object
     rows: object
@@ -1449,14 +1459,15 @@ class _SuperGroups(NamedTuple):
 
 
 def _check_supergroups(meta, rows, keys, classes, shared, shared_runtime: bool,
-                       window_blocks: int, plain: bool, fits: bool,
-                       trip: int) -> Optional[_SuperGroups]:
+                       window_blocks: int, plain: bool, fits: bool, trip: int,
+                       whole: bool) -> Optional[_SuperGroups]:
     """The super-group tables of a launch (``sg_rows`` given; None: none), checked: nki.*
     (runtime trip counts), K/V not resident, a ``plain`` launch (only padding masked), one
     class of the union table's rows and ``trip`` slots, nothing shared, no window, ``U`` a
     multiple of the step and ``sg_rows`` ``meta``'s leading dims and one row per
-    super-group; ``sg_keys`` (masked super-groups; None: none) their leading dims and ``U
-    tiles`` columns (given without ``sg_rows``: refused by the caller)."""
+    super-group; ``sg_keys`` (masked super-groups; None: none) their leading dims, ``U`` rows
+    per super-group and a column per tile (given without ``sg_rows``: refused by the
+    caller), with whole key blocks."""
     if rows is None:
         return None
     if port.api() != "nki" or fits or not plain:
@@ -1475,9 +1486,13 @@ def _check_supergroups(meta, rows, keys, classes, shared, shared_runtime: bool,
     if len(rows.shape) != 4 or tuple(rows.shape[:3]) != want or rows.shape[3] < 1:
         raise ValueError(f"sg_rows: expected shape {want} + (tiles,) (meta's leading dims, one "
                          f"row per super-group), got {tuple(rows.shape)}")
-    if keys is not None and tuple(keys.shape) != want + (trip * rows.shape[3],):
-        raise ValueError(f"sg_keys: expected shape {want + (trip * rows.shape[3],)} (sg_rows' "
-                         f"leading dims, U tiles columns), got {tuple(keys.shape)}")
+    keyed = want[:2] + (n * trip, rows.shape[3])
+    if keys is not None and not whole:
+        raise ValueError("sg_keys: masked super-groups need whole key blocks (Nk a multiple of "
+                         f"{P}); allowed: None")
+    if keys is not None and tuple(keys.shape) != keyed:
+        raise ValueError(f"sg_keys: expected shape {keyed} (sg_rows' leading dims, U rows per "
+                         f"super-group, one column per tile), got {tuple(keys.shape)}")
     return sg
 
 
@@ -1505,8 +1520,11 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
     tiles and masks their scores (:func:`_padding_columns`: one ScalarE instruction per
     block and tile). Keys past a partial last key block are masked in every step (the
     key-side indicator, :func:`_scores`). Masked super-groups (``sg.keys``: tiles that use
-    different blocks of the union) mask every step per tile from the step's row of key
-    counts instead (the key-side indicator, one per block and tile)."""
+    different blocks of the union; whole key blocks) mask every step per tile from the
+    step's keep flags instead: TensorE adds MASK_NEG to the scores of a tile's blocks not
+    its own (one matmul per score tile), K's non-finite values guarded as V's (trn2, N =
+    16K, D = 128, random s = 1/2, K/V forced past SBUF, one super-group of 128 tiles: 9256.9
+    us with the key-side indicator per block and tile instead)."""
     head = f.head(h)
     meta, n, U, Ws = sg.meta, sg.tiles, sg.width, sg.step
     hb = f.b if meta.shape[0] > 1 else 0
@@ -1531,8 +1549,10 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
         q_idx.append(idx)
     whole = f.Nk % P == 0
     none = dict(thr=None, hi=None, lo=None, pad=None, pad_mm=None)
+    sel = None
     if sg.keys is not None:
         cols_full = cols_pad = None
+        sel = _slot_selector(f, Ws)
     elif whole:
         cols_full = none
         cols_pad = dict(none, pad=_padding_columns(rw, U, f.Nk))
@@ -1546,25 +1566,31 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
     def step(s, padded: bool):
         v = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
         F.ones_column(f, v[:, :, f.D:f.D + 1])
-        kv = _gather_kv(f, rw, v, s * Ws, Ws, padded or not whole)
+        kv = _gather_kv(f, rw, v, s * Ws, Ws, padded or not whole,
+                        guard_keys=sg.keys is not None)
         cols = cols_pad if padded else cols_full
-        lims = None
+        neg = None
         if sg.keys is not None:
-            # the step's (tile, block) key counts on every partition: one DMA, a K=1 ones
-            # matmul per PSUM bank (masks.broadcast_row); a tile's scores at key columns from
-            # its count on are masked by selection (Geometry.indicator), whatever they are
-            row = nl.ndarray((1, n * Ws), dtype=nl.float32, buffer=nl.sbuf)
-            port.dma_copy(row, sg.keys[hb, hh, nl.ds(c, 1), nl.ds(s * (n * Ws), n * Ws)],
-                          legacy_isa=True)
-            lims = M.broadcast_row(row, n * Ws)
+            # the step's keep flags, slot-major [Ws, tiles] (one DMA), as 0 or MASK_NEG
+            keep = nl.ndarray((Ws, n), dtype=nl.float32, buffer=nl.sbuf)
+            port.dma_copy(keep, sg.keys[hb, hh, nl.ds(c * U + s * Ws, Ws), :])
+            neg = nl.ndarray((Ws, n), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(neg, keep, nl.multiply, -T.FWD_MASK_NEG, op1=nl.add,
+                               operand1=T.FWD_MASK_NEG, engine="gpsimd")
         backs = []
         for t in T.unrolled(n):
-            if lims is None:
+            if neg is None:
                 backs.append(_step(f, geo, st, t, rw, kv, cols, None, h, q_frame, s * Ws, Ws))
             else:
-                backs.append(_step(f, geo, st, t, rw, kv,
-                                   dict(none, thr=lims[:, t * Ws:(t + 1) * Ws]), None, h,
-                                   q_frame, 0, Ws))
+                # tile t's blocks not its own: TensorE adds MASK_NEG to their scores in PSUM
+                # (its [Ws, 128] rows of 0 or MASK_NEG times the slots' selector, one matmul
+                # per score tile, as _padding_rows; exact: K's non-finite values are guarded,
+                # so the scores are finite). One GpSimd copy per tile and step makes its rows
+                rows_t = nl.ndarray((Ws, P), dtype=f.mm, buffer=nl.sbuf)
+                port.tensor_copy(rows_t.reshape_dim(1, (1, P)),
+                                 port.repeat_last(neg[:, t:t + 1], P), engine="gpsimd")
+                backs.append(_step(f, geo, st, t, rw, kv, dict(none, pad_mm=(rows_t, sel)),
+                                   None, h, q_frame, 0, Ws))
             if len(backs) > depth:
                 backs.pop(0)()
         for back in backs:

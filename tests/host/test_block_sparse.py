@@ -564,8 +564,8 @@ def test_supergroup_tables_cut_runs_of_identical_sets_and_mask_unions():
     """Exact super-groups: tiles sorted by block set, each run cut into super-groups of the
     shape's size (3 of 7 rows: ``ceil(7 / ceil(7 / 3))``), idle slots past a run; the union
     row lists the set. Masked ones: consecutive tiles, the union in ascending order, each
-    tile's key counts (a partial last block: its valid keys) at ``(step tiles + tile) W +
-    slot``."""
+    tile's keep flag of each slot at row ``c U + slot``, column tile; none with a partial
+    last key block."""
     dense = np.zeros((1, 1, 7, 5), bool)
     dense[0, 0, [0, 2, 4, 6], 1] = True
     dense[0, 0, [1, 3, 5], 4] = True
@@ -581,13 +581,13 @@ def test_supergroup_tables_cut_runs_of_identical_sets_and_mask_unions():
     assert sorted(zip(firsts, tiles)) == [((0, 4), (5,)), ((1,), (0, 2, 4)), ((1,), (6,)),
                                           ((4,), (1, 3))]
     assert sg.block_loads == 5 and sg.keys is None
-    masked = bs.masked_supergroup_tables(index, 4, 5 * 128 - 28)
+    assert bs.masked_supergroup_tables(index, 4, 5 * 128 - 28) is None
+    masked = bs.masked_supergroup_tables(index, 4, 5 * 128)
     assert masked.rows.shape == (1, 1, 2, 4) and masked.idle == 1
     W, U = bs.union_width(5)
-    assert (W, U) == (5, 10) and masked.keys.shape == (1, 1, 2, U * 4)
+    assert (W, U) == (5, 10) and masked.keys.shape == (1, 1, 2 * U, 4)
     assert masked.meta[0, 0, 0, 1] == 2 and masked.meta[0, 0, 1, 1] == 3
-    keys = masked.keys.reshape(1, 1, 2, U // W, 4, W)
     # super-group 1: tiles 4, 5, 6 over the union (0, 1, 4); tile 5 (t = 1) has 0 and 4
-    assert keys[0, 0, 1, 0, :3, :3].tolist() == [[0, 128, 0], [128, 0, 100], [0, 128, 0]]
-    assert not keys[0, 0, 1, 0, 3].any() and not keys[0, 0, 1, 1].any()
+    assert masked.keys[0, 0, U:U + 3, :3].tolist() == [[0, 1, 0], [1, 0, 1], [0, 1, 0]]
+    assert not masked.keys[0, 0, U:, 3].any() and not masked.keys[0, 0, U + 3:].any()
     assert masked.pairs == 4 * 2 + 4 * 3 and masked.block_loads == 5

@@ -1290,11 +1290,11 @@ def test_nki_supergroup_arguments_are_checked(monkeypatch):
             "super-group), got (1, 1, 2, 4)")):
         run("nki", sg_rows=np.concatenate([sg.rows] * 2, axis=2))
     with pytest.raises(ValueError, match=re.escape("sg_keys: given without sg_rows")):
-        run("nki", sg_rows=None, sg_keys=np.zeros((1, 1, 1, 32), np.float32))
+        run("nki", sg_rows=None, sg_keys=np.zeros((1, 1, 8, 4), np.float32))
     with pytest.raises(ValueError, match=re.escape(
-            "sg_keys: expected shape (1, 1, 1, 32) (sg_rows' leading dims, U tiles columns), "
-            "got (1, 1, 1, 31)")):
-        run("nki", sg_keys=np.zeros((1, 1, 1, 31), np.float32))
+            "sg_keys: expected shape (1, 1, 8, 4) (sg_rows' leading dims, U rows per "
+            "super-group, one column per tile), got (1, 1, 8, 3)")):
+        run("nki", sg_keys=np.zeros((1, 1, 8, 3), np.float32))
 
 
 def test_nki_supergroup_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
@@ -1319,14 +1319,14 @@ def test_nki_supergroup_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
 
 
 def test_nki_masked_supergroups_read_each_union_once_and_match_the_reference(monkeypatch):
-    """A random pattern at s = 0.6 past SBUF (10 query tiles, the last partial; a partial last
-    key block; GQA 2:1; a tile without blocks): no two tiles share a block set, the grouping
+    """A random pattern at s = 0.6 past SBUF (10 query tiles, the last partial; GQA 2:1; a
+    tile without blocks): no two tiles share a block set, the grouping
     would gather more blocks than the dense kernel's one pass, so the host takes a masked
     super-group of all 10 tiles: each query head reads the union's K and V rows once, the
-    HBM bytes are exactly ``supergroup_hbm_bytes``' (with a row of key counts per step),
+    HBM bytes are exactly ``supergroup_hbm_bytes``' (with the keep flags of each step),
     the outputs and LSE the reference's (the tile without blocks: zeros and -inf)."""
     _no_window(monkeypatch)
-    B, Hq, Nq, Nk, D = 1, 2, 9 * 128 + 37, 20 * 128 - 50, 16
+    B, Hq, Nq, Nk, D = 1, 2, 9 * 128 + 37, 20 * 128, 16
     q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=75)
     mask = _pattern(1, 1, Nq, Nk, 0.6, seed=76)
     mask[..., 3, :] = False
@@ -1351,8 +1351,8 @@ def test_nki_masked_supergroups_read_each_union_once_and_match_the_reference(mon
 def test_nki_masked_supergroups_hide_other_tiles_blocks_whatever_they_hold(monkeypatch):
     """Masked super-groups of 3 tiles (B = 2, idle slots, unions past one step): a block one
     tile of a super-group uses and the others do not holds a NaN and an inf in K; the
-    others' outputs are the reference's (the mask selects, it does not multiply), the
-    tile that sees them gets the reference's NaN rows."""
+    others' outputs are the reference's (K's non-finite values are guarded, so the added
+    mask never meets them), the tile that sees them gets the reference's NaN rows."""
     _no_window(monkeypatch)
     B, Hq, Nq, Nk, D = 2, 1, 7 * 128, 20 * 128, 16
     q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=77)
