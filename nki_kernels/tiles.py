@@ -276,9 +276,9 @@ def bsp_fwd_supergroup_tiles(D: int, mm_itemsize: int, in_itemsize: int, trip: i
     union's tables (:data:`BSP_SG_UNION_TABLES` of ``trip`` slots, the table's ``U``), in
     trn2's budget :data:`FWD_SBUF_BUDGET_BYTES`; at least 1. D = 128, bf16, U = 528 (N = 64K):
     151 tiles (N = 64K then runs 4 super-groups of 128, the dense forward's 4 passes), masked
-    136; D = 64: 233. Measured (simulate.measure, trn2, D = 128, bf16, bound 512, one step of
-    16 blocks, exact): peak 155134 bytes per partition at 129 tiles, 90372 at 64 (about 996
-    per tile beside 26.6 KB)."""
+    149; D = 64: 233. Measured (simulate.measure, trn2, D = 128, bf16, U = 528, one step of
+    16 blocks): peak 179202 bytes per partition at 151 tiles (exact), 176886 at 149
+    (masked), within the budget's 206438."""
     tables = BSP_SG_UNION_TABLES * 4 * (2 + max(1, trip))
     per_tile = fwd_q_state_bytes(D, mm_itemsize, in_itemsize) + BSP_SG_TILE_EXTRA_BYTES
     if masked:
