@@ -1502,6 +1502,7 @@ def _supergroups(f, geo: Geometry, sg: _SuperGroups, h):
     forward's): the DMA queues gather one step for the whole super-group (trn2, N = 16K,
     D = 128, index form s = 1, K/V forced past SBUF, one super-group of 128 tiles: 3963.9 ->
     2865.9 us; one matmul per 512 keys instead of per block then: 3123.8, not taken)."""
+    # (a class of BSP_P_DMA_FULL_SLOTS slots takes the full share)
     f = KVSource(None, 0, T.FWD_NKI_P_DMA_SHARE[port.target()]).instance(
         f, T.BSP_P_DMA_FULL_SLOTS)
     q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
@@ -1596,18 +1597,19 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
         for back in backs:
             back()
 
-    # count // Ws steps of real blocks, then ceil(count / Ws) - count // Ws (0 or 1) padded
-    count = union[0:1, 1:2]
+    # count // Ws steps of real blocks, then ceil(count / Ws) - count // Ws (0 or 1) padded;
     # floor(count / Ws) = RNE((count + 0.5 - Ws / 2) / Ws) by the int32 conversion's round
     # to nearest even (as _trip_counts); ceil(count / Ws) = floor((count + Ws - 1) / Ws)
-    lo = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    port.tensor_scalar(lo, count, nl.add, 0.5 - Ws / 2.0, op1=nl.multiply, operand1=1.0 / Ws)
+    count = union[0:1, 1:2]
     hi = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_scalar(hi, count, nl.add, Ws / 2.0 - 0.5, op1=nl.multiply, operand1=1.0 / Ws)
     if sg.keys is not None:
         # masked: every step's blocks are masked per tile, the padding slots with them
         port.loop_between(0, port.register(hi), lambda s: step(s, True))
     else:
+        lo = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(lo, count, nl.add, 0.5 - Ws / 2.0, op1=nl.multiply,
+                           operand1=1.0 / Ws)
         port.loop_between(0, port.register(lo), lambda s: step(s, False))
         port.loop_between(port.register(lo), port.register(hi), lambda s: step(s, True))
     o_all, lse_all = F.finalize(f, st, 0, None, None, n=n,
