@@ -969,10 +969,10 @@ class SuperGroupTables(NamedTuple):
     float32 ``(b, h, groups, tiles)``: the first query row of each tile, ``BSP_PAD_FIRST`` in
     an idle slot. ``keys`` (masked super-groups; None: every tile uses every block of its
     union) float32 ``(b, h, groups U, tiles)``: at row ``c U + k``, column t, 1.0 where slot k
-    of super-group c's union is one of tile t's blocks, else 0 (a padding slot: 0). ``classes``: ``((0, groups, U,
-    False),)``. ``block_loads``: key blocks gathered over every ``(b, h)``; ``idle``: idle
-    tile slots over every ``(b, h)``; ``pairs``: (tile, block) pairs computed, idle slots
-    included (the active ones where exact)."""
+    of super-group c's union is one of tile t's blocks, else 0 (a padding slot: 0).
+    ``classes``: ``((0, groups, U, False),)``. ``block_loads``: key blocks gathered over every
+    ``(b, h)``; ``idle``: idle tile slots over every ``(b, h)``; ``pairs``: (tile, block)
+    pairs computed, each super-group's tiles times its union, idle slots included."""
 
     meta: np.ndarray
     rows: np.ndarray
@@ -1005,7 +1005,7 @@ def _supergroup_arrays(index: BlockIndex, plans, size: int, bound: int,
     num = np.asarray(index.num_blocks, dtype=np.int64)
     idx = np.asarray(index.indices, dtype=np.int64)
     b, h, n = num.shape
-    step, width = union_width(bound)
+    width = union_width(bound)[1]
     groups = max(len(p) for p in plans.values())
     block = _tiles.BLOCK_SPARSE_TILE
     pad = _tiles.BSP_PAD_FIRST
@@ -1096,16 +1096,14 @@ def supergroup_hbm_bytes(sg: SuperGroupTables, B: int, Hq: int, Nq: int, Nk: int
     firsts = firsts[firsts < _tiles.BSP_PAD_FIRST].astype(np.int64)
     kv_rows = int(np.minimum(_tiles.BLOCK_SPARSE_TILE, Nk - firsts).sum())
     per_group = (meta.shape[-1] + sg.rows.shape[-1]) * 4
+    flags = 0
     if sg.keys is not None:
         # each step that runs reads its keep flags
         step = min(_tiles.BSP_SHARED_STEP_BLOCKS, (meta.shape[-1] - 2) // 2)
-        counts = meta[..., 1].astype(np.int64)
-        per_step = sg.rows.shape[-1] * step * 4
-        extra = int((-(-counts // step)).sum()) * per_step
-        return (B * Hq * (2 * Nq * D * itemsize + Nq * 4 + meta.shape[2] * per_group)
-                + extra + 2 * kv_rows * D * itemsize)
+        steps = int((-(-meta[..., 1].astype(np.int64) // step)).sum())
+        flags = steps * step * sg.rows.shape[-1] * 4
     return (B * Hq * (2 * Nq * D * itemsize + Nq * 4 + meta.shape[2] * per_group)
-            + 2 * kv_rows * D * itemsize)
+            + flags + 2 * kv_rows * D * itemsize)
 
 
 def grouped_block_loads(tables: KernelTables, group: int) -> int:
