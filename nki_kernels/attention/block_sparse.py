@@ -95,8 +95,12 @@ grow with N.
   slots after them masks them. Every tile uses every block of the union, so there is no
   per-tile table: SBUF holds the union's few ``[128, U]`` tables and the tiles' state. HBM:
   Q, O once and each super-group's union once (``host.block_sparse.supergroup_hbm_bytes``),
-  at s = 1 the dense forward's passes. Legacy has no runtime trip count and keeps the
-  grouping.
+  at s = 1 the dense forward's passes. *Masked* super-groups (consecutive tiles of different
+  sets, whole key blocks: ``host.block_sparse.masked_supergroup_tables``) load per step a
+  ``[step, tiles]`` table of keep flags (one DMA) and TensorE adds MASK_NEG to the scores of
+  each tile's blocks not its own (one matmul per score tile); K's non-finite values are then
+  guarded as V's (a row that sees such a key gets NaN, the others never meet it). Legacy
+  has no runtime trip count and keeps the grouping.
 
 Per group of query tiles (a loop body; the gathers are the legacy trace's and, where K/V
 do not fit in SBUF, the nki.* one's)::
