@@ -673,6 +673,12 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
             q_tables = win.tables
             kwargs.update(window_loads=win.loads, window_slots=win.slots,
                           window_blocks=win.blocks)
+        sg = _supergroups(call, q_tables if win is None else None, win)
+        if sg is not None:
+            q_tables = _bs.KernelTables(sg.meta, sg.classes, (0,))
+            for key in ("window_loads", "window_slots", "window_blocks"):
+                kwargs.pop(key, None)
+            kwargs.update(sg_rows=sg.rows, sg_keys=sg.keys)
     if p:
         kwargs.update(dropout_p=p, dropout_mask=call.return_dropout_mask)
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
@@ -687,6 +693,49 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     if call.return_dropout_mask:
         res += (np.asarray(outs[2])[..., :dims.Nk] > 0.5,)
     return res if len(res) > 1 else o
+
+
+def _supergroups(call: AttentionCall, grouped, win):
+    """The forward's super-group tables (``host.block_sparse``; nki.*, K/V not resident) for
+    a plain call (no band, lengths, score modifier or dropout), or None. The plan taken
+    otherwise gathers ``other`` key blocks: the window ``win``'s ``block_loads``, else the
+    grouped tables ``grouped``' (``grouped_block_loads``); key-block gathers are the plans'
+    HBM bytes beside Q, O and small tables. Exact super-groups (``supergroup_tables``) where
+    they gather fewer and leave at most ``tiles.BSP_SG_MAX_IDLE`` of the query tiles' count
+    idle; else masked ones (``masked_supergroup_tables``) where the other plan gathers more
+    than the dense forward's passes over K/V (``tiles.forward_kv_passes`` blocks per query
+    head), they gather fewer, and they compute at most ``tiles.BSP_SG_MAX_WORK`` times the
+    pattern's active (tile, block) pairs (a masked pair costs an active one's work)."""
+    if (call.causal or call.window or call.kv_lens is not None or call.q_lens is not None
+            or call.mods.any or call.dropout.p):
+        return None
+    dims = call.dims
+    index = call.block_sparse.index
+    other = (win.block_loads if win is not None
+             else _bs.grouped_block_loads(grouped, _tiles.BSP_GROUP_TILES))
+    mm, itemsize = _tiles.fwd_itemsize(call.mm_dtype), _tiles.fwd_itemsize(call.dtype)
+    num = np.asarray(index.num_blocks)
+    nqt, nkt = num.shape[-1], _tiles.ceil_div(dims.Nk, _tiles.BLOCK_SPARSE_TILE)
+    if index.max_blocks:
+        most = _tiles.bsp_fwd_supergroup_tiles(dims.D, mm, itemsize,
+                                               _bs.union_width(index.max_blocks)[1])
+        sg = _bs.supergroup_tables(index, most)
+        # an idle slot costs a tile's sweep: a plan with many is slower whatever its bytes
+        if (sg is not None and sg.idle <= _tiles.BSP_SG_MAX_IDLE * num.size
+                and sg.block_loads < other):
+            return sg
+    dense_tiles = _tiles.choose_forward_tiles(dims.Nq, dims.Nk, dims.D, 1, itemsize, mm,
+                                              target="trn2", api="nki")
+    dense = _tiles.forward_kv_passes(dims.Nq, 1, dense_tiles) * nkt * (num.size // nqt)
+    if other <= dense:
+        return None
+    most = _tiles.bsp_fwd_supergroup_tiles(dims.D, mm, itemsize, _bs.union_width(nkt)[1],
+                                           masked=True)
+    sg = _bs.masked_supergroup_tables(index, most, dims.Nk)
+    if (sg is None or sg.block_loads >= other
+            or sg.pairs > _tiles.BSP_SG_MAX_WORK * int(num.sum())):
+        return None
+    return sg
 
 
 def _varlen_forward(q, k, v, call: AttentionCall):

@@ -957,6 +957,155 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
                         np.ascontiguousarray(loads, dtype=np.float32), size, total)
 
 
+class SuperGroupTables(NamedTuple):
+    """The forward's super-group tables (nki.*, K/V not resident, a plain launch; the kernel's
+    ``sg_rows``): query tiles cut into super-groups of ``tiles`` query tiles each, whose
+    union of key blocks the kernel streams once.
+
+    ``meta`` float32 ``(b, h, groups, 2 + U)``: per super-group ``[0, count, first key of
+    block 0, ...]``, slots past ``count`` :data:`nki_kernels.tiles.BSP_PAD_FIRST`; ``U = (M //
+    W + 1) W`` for the bound M of a union and the kernel's step ``W = min(tiles.
+    BSP_SHARED_STEP_BLOCKS, M)`` (``U // 2 >= W``, so the kernel finds W again). ``rows``
+    float32 ``(b, h, groups, tiles)``: the first query row of each tile, ``BSP_PAD_FIRST`` in
+    an idle slot. ``keys`` (masked super-groups; None: every tile uses every block of its
+    union) float32 ``(b, h, groups U, tiles)``: at row ``c U + k``, column t, 1.0 where slot k
+    of super-group c's union is one of tile t's blocks, else 0 (a padding slot: 0).
+    ``classes``: ``((0, groups, U, False),)``. ``block_loads``: key blocks gathered over every
+    ``(b, h)``; ``idle``: idle tile slots over every ``(b, h)``; ``pairs``: (tile, block)
+    pairs computed, each super-group's tiles times its union, idle slots included."""
+
+    meta: np.ndarray
+    rows: np.ndarray
+    classes: Tuple[Tuple[int, int, int, bool], ...]
+    block_loads: int
+    idle: int
+    pairs: int
+    keys: Optional[np.ndarray] = None
+
+
+def union_width(bound: int) -> Tuple[int, int]:
+    """``(W, U)`` of :class:`SuperGroupTables` for unions of at most ``bound`` blocks: ``U =
+    (bound // W + 1) W`` -- the padded step's loop starts at ``count // W``, in the table even
+    where no padded step runs (its body is still program text)."""
+    step = min(_tiles.BSP_SHARED_STEP_BLOCKS, bound)
+    return step, (bound // step + 1) * step
+
+
+def supergroup_size(rows: int, most: int) -> int:
+    """Query tiles per super-group of ``rows`` query tiles with up to ``most`` each: ``ceil(rows
+    / ceil(rows / most))`` (a shape's, not the pattern's: every super-group full where one
+    set covers all rows, as the index form at s = 1)."""
+    return _tiles.ceil_div(rows, _tiles.ceil_div(rows, max(1, most)))
+
+
+def _supergroup_arrays(index: BlockIndex, plans, size: int, bound: int,
+                       masked: bool) -> SuperGroupTables:
+    """The tables of ``plans`` (per ``(x, y)``: a list of super-groups ``(union, members)``);
+    ``masked``: the ``keys`` table too."""
+    num = np.asarray(index.num_blocks, dtype=np.int64)
+    idx = np.asarray(index.indices, dtype=np.int64)
+    b, h, n = num.shape
+    width = union_width(bound)[1]
+    groups = max(len(p) for p in plans.values())
+    block = _tiles.BLOCK_SPARSE_TILE
+    pad = _tiles.BSP_PAD_FIRST
+    meta = np.full((b, h, groups, 2 + width), pad, dtype=np.float32)
+    meta[..., :2] = 0
+    rows = np.full((b, h, groups, size), pad, dtype=np.float32)
+    keys = np.zeros((b, h, groups, width, size), dtype=np.float32) if masked else None
+    loads = pairs = 0
+    for (x, y), plan in plans.items():
+        for c, (union, members) in enumerate(plan):
+            meta[x, y, c, 1] = len(union)
+            meta[x, y, c, 2:2 + len(union)] = np.asarray(union, dtype=np.int64) * block
+            rows[x, y, c, :len(members)] = np.asarray(members) * block
+            loads += len(union)
+            pairs += size * len(union)
+            if keys is None:
+                continue
+            where = {blk: i for i, blk in enumerate(union)}
+            for t, r in enumerate(members):
+                for blk in idx[x, y, r, :num[x, y, r]]:
+                    keys[x, y, c, where[int(blk)], t] = 1.0
+    if keys is not None:
+        keys = keys.reshape(b, h, groups * width, size)
+    return SuperGroupTables(meta, rows, ((0, groups, width, False),), loads,
+                            b * h * groups * size - b * h * n, pairs, keys)
+
+
+def supergroup_tables(index: BlockIndex, most: int) -> Optional[SuperGroupTables]:
+    """Exact super-group tables of a pattern (:class:`SuperGroupTables`, no ``keys``) with up
+    to ``most`` query tiles per super-group (``tiles.bsp_fwd_supergroup_tiles``): the query
+    tiles of each ``(b, h)`` sorted by block set, each run of identical sets cut into
+    super-groups of :func:`supergroup_size`, every ``(b, h)`` padded to the most
+    super-groups any needs (``idle`` counts the idle slots: each costs a tile's sweep). None
+    where the pattern has no active block."""
+    num = np.asarray(index.num_blocks, dtype=np.int64)
+    idx = np.asarray(index.indices, dtype=np.int64)
+    b, h, n = num.shape
+    m = idx.shape[-1]
+    if m == 0 or not num.any():
+        return None
+    size = supergroup_size(n, most)
+    plans = {}
+    for x in range(b):
+        for y in range(h):
+            runs = {}
+            for r in range(n):
+                runs.setdefault(tuple(sorted(idx[x, y, r, :num[x, y, r]])), []).append(r)
+            plans[x, y] = [(key, members[i:i + size]) for key, members in sorted(runs.items())
+                           for i in range(0, len(members), size)]
+    return _supergroup_arrays(index, plans, size, m, False)
+
+
+def masked_supergroup_tables(index: BlockIndex, most: int, Nk: int) -> Optional[
+        SuperGroupTables]:
+    """Masked super-group tables of a pattern over ``Nk`` keys (:class:`SuperGroupTables`
+    with ``keys``): the query tiles of each ``(b, h)`` in their order, cut into super-groups
+    of :func:`supergroup_size` with up to ``most`` each, each streaming the union of its
+    tiles' blocks (in ascending order) and masking per tile the blocks not its own. Unions
+    are bounded by the ``Nk / 128`` key blocks (the table's width depends on the shape only).
+    None where the pattern has no active block or the last key block is partial (the kernel
+    masks whole blocks)."""
+    num = np.asarray(index.num_blocks, dtype=np.int64)
+    idx = np.asarray(index.indices, dtype=np.int64)
+    b, h, n = num.shape
+    if idx.shape[-1] == 0 or not num.any() or Nk % _tiles.BLOCK_SPARSE_TILE:
+        return None
+    size = supergroup_size(n, most)
+    plans = {}
+    for x in range(b):
+        for y in range(h):
+            plans[x, y] = []
+            for r0 in range(0, n, size):
+                members = list(range(r0, min(r0 + size, n)))
+                union = sorted({int(blk) for r in members for blk in idx[x, y, r, :num[x, y, r]]})
+                plans[x, y].append((tuple(union), members))
+    return _supergroup_arrays(index, plans, size, Nk // _tiles.BLOCK_SPARSE_TILE, True)
+
+
+def supergroup_hbm_bytes(sg: SuperGroupTables, B: int, Hq: int, Nq: int, Nk: int, D: int,
+                         itemsize: int) -> int:
+    """The HBM bytes (read and written) of the forward with the super-group tables ``sg``
+    over ``(B, Hq)`` query heads (the tables broadcast to them), q/k/v/o of ``itemsize``
+    bytes: Q read and O, LSE written once; each super-group's union blocks' K and V rows
+    below Nk; per super-group its union row and its tiles' first rows, and where masked
+    (``keys``) the keep flags of each step run (``ceil(count / W)`` steps)."""
+    meta = np.broadcast_to(sg.meta, (B, Hq) + sg.meta.shape[2:])
+    firsts = meta[..., 2:]
+    firsts = firsts[firsts < _tiles.BSP_PAD_FIRST].astype(np.int64)
+    kv_rows = int(np.minimum(_tiles.BLOCK_SPARSE_TILE, Nk - firsts).sum())
+    per_group = (meta.shape[-1] + sg.rows.shape[-1]) * 4
+    flags = 0
+    if sg.keys is not None:
+        # each step that runs reads its keep flags
+        step = min(_tiles.BSP_SHARED_STEP_BLOCKS, (meta.shape[-1] - 2) // 2)
+        steps = int((-(-meta[..., 1].astype(np.int64) // step)).sum())
+        flags = steps * step * sg.rows.shape[-1] * 4
+    return (B * Hq * (2 * Nq * D * itemsize + Nq * 4 + meta.shape[2] * per_group)
+            + flags + 2 * kv_rows * D * itemsize)
+
+
 def grouped_block_loads(tables: KernelTables, group: int) -> int:
     """The key blocks the forward gathers with ``tables`` (:func:`kernel_tables` with
     ``share``, or :func:`shared_bound_tables`) where K/V are not resident, over every ``(b,

@@ -241,6 +241,52 @@ def bsp_fwd_kv_resident(Nk: int, D: int, mm_itemsize: int, trip: int) -> bool:
 
 
 
+#: SBUF bytes per partition per query tile of a block-sparse forward super-group beside the
+#: dense forward's query state (:func:`fwd_q_state_bytes`): the score statistics' columns,
+#: its Q gather indices and first row (``attention/block_sparse._supergroup``), counted
+#: generously.
+BSP_SG_TILE_EXTRA_BYTES = 64
+#: fp32 ``[128, U]`` tables of a super-group's union of key blocks (its row on every
+#: partition, positions, bounds, gather rows, the padding columns or key thresholds).
+BSP_SG_UNION_TABLES = 7
+#: SBUF bytes per partition per query tile of a masked super-group: its step's keep flags and
+#: mask values (fp32 columns of ``[step, tiles]`` tiles), counted with a margin.
+BSP_SG_MASK_TILE_BYTES = 16
+#: The most idle tile slots (past a run of identical block sets, or super-groups a (b, h)
+#: does not need) the host accepts in a super-group plan, as a share of the real query tiles:
+#: an idle slot costs a tile's whole sweep (``host.block_sparse.supergroup_tables``). A
+#: choice, not measured.
+BSP_SG_MAX_IDLE = 0.125
+
+#: The most (tile, block) pairs a masked super-group plan may compute, as a multiple of the
+#: pattern's active pairs (every tile of a masked super-group computes every block of its
+#: union, masking the ones not its own): at s = 1/2 random about 2, at s = 1/16 about 16 (the
+#: key-block window then keeps its time). A choice, not measured.
+BSP_SG_MAX_WORK = 2.5
+
+
+def bsp_fwd_supergroup_tiles(D: int, mm_itemsize: int, in_itemsize: int, trip: int,
+                             masked: bool = False) -> int:
+    """Query tiles of one super-group of the block-sparse forward (nki.*, K/V not resident,
+    ``attention/block_sparse._supergroup``): as many as the dense forward's streaming regime
+    keeps on chip (:func:`choose_forward_tiles`: each tile's Q^T and ``[o_acc | l]``, its
+    statistics and finished output, :func:`fwd_q_state_bytes` + :data:`BSP_SG_TILE_EXTRA_BYTES`,
+    ``masked``: + :data:`BSP_SG_MASK_TILE_BYTES`), beside :data:`BSP_FWD_WORK_BYTES` (the step's
+    gathered blocks, scores and P tiles; doubled for fp32 operands, as the window's) and the
+    union's tables (:data:`BSP_SG_UNION_TABLES` of ``trip`` slots, the table's ``U``), in
+    trn2's budget :data:`FWD_SBUF_BUDGET_BYTES`; at least 1. D = 128, bf16, U = 528 (N = 64K):
+    151 tiles (N = 64K then runs 4 super-groups of 128, the dense forward's 4 passes), masked
+    149; D = 64: 233. Measured (simulate.measure, trn2, D = 128, bf16, U = 528, one step of
+    16 blocks): peak 179202 bytes per partition at 151 tiles (exact), 176886 at 149
+    (masked), within the budget's 206438."""
+    tables = BSP_SG_UNION_TABLES * 4 * (2 + max(1, trip))
+    per_tile = fwd_q_state_bytes(D, mm_itemsize, in_itemsize) + BSP_SG_TILE_EXTRA_BYTES
+    if masked:
+        per_tile += BSP_SG_MASK_TILE_BYTES
+    free = FWD_SBUF_BUDGET_BYTES["trn2"] - BSP_FWD_WORK_BYTES * mm_itemsize // 2 - tables
+    return max(1, free // per_tile)
+
+
 #: SBUF bytes per partition of the block-sparse forward's key-block window (nki.*, K/V not
 #: resident, ``host.block_sparse.window_tables``) beside its blocks, the per-slot tables and
 #: :data:`BSP_FWD_WORK_BYTES`: one block's staging while it is gathered into the window (K

@@ -80,6 +80,27 @@ grow with N.
   with resident K/V. One class, natural where the host's order is (:func:`_direct_rows`). A
   group's gathers wait for the previous group's reads of the window (a runtime offset may
   touch any block: ``simulate._sched``).
+- **Super-groups** (nki.*, K/V not resident, a plain launch -- no band, lengths, score
+  modifier or dropout -- where the host finds they gather fewer blocks than the window or
+  the grouping: ``host.block_sparse.supergroup_tables``): the dense forward's own schedule
+  past SBUF with the pattern. The host sorts the query tiles of each (batch, head) by block
+  set and cuts each run of identical sets into super-groups of up to
+  :func:`tiles.bsp_fwd_supergroup_tiles` tiles (about as many as the dense forward's
+  streaming group), each with one union row (its count and the blocks' first keys) and its
+  tiles' first rows (idle slots past the run: rows past every query, skipped). Per
+  super-group (:func:`_supergroup`, a compiled loop over the table's rows) the tiles' Q^T
+  and ``[o_acc | l]`` stay in SBUF while the union streams past once in steps of
+  ``tiles.BSP_SHARED_STEP_BLOCKS`` blocks, each gathered and transposed once for all of them;
+  the steps of real blocks run unmasked (a runtime trip count), the one holding padding
+  slots after them masks them. Every tile uses every block of the union, so there is no
+  per-tile table: SBUF holds the union's few ``[128, U]`` tables and the tiles' state. HBM:
+  Q, O once and each super-group's union once (``host.block_sparse.supergroup_hbm_bytes``),
+  at s = 1 the dense forward's passes. *Masked* super-groups (consecutive tiles of different
+  sets, whole key blocks: ``host.block_sparse.masked_supergroup_tables``) load per step a
+  ``[step, tiles]`` table of keep flags (one DMA) and TensorE adds MASK_NEG to the scores of
+  each tile's blocks not its own (one matmul per score tile); K's non-finite values are then
+  guarded as V's (a row that sees such a key gets NaN, the others never meet it). Legacy
+  has no runtime trip count and keeps the grouping.
 
 Per group of query tiles (a loop body; the gathers are the legacy trace's and, where K/V
 do not fit in SBUF, the nki.* one's)::
@@ -211,16 +232,7 @@ class KVSource(NamedTuple):
         allocated)."""
         if trip > P or not _pads_by_matmul(f, geo, self.res, exact):
             return self._replace(sel=None)   # (the padding matmul contracts over the slots)
-        d = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)     # c - k
-        port.iota(d, [[1, trip]], channel_multiplier=-1)
-        eye = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(eye, d, nl.equal, 0.0, engine="gpsimd")
-        sel = nl.ndarray((trip, trip * P), dtype=f.mm, buffer=nl.sbuf)
-        # nki.* only (resident K/V or a window, _pads_by_matmul): sel seen as [trip, trip,
-        # 128] by a 0.7 access pattern
-        port.tensor_copy(sel.reshape_dim(1, (trip, P)), port.repeat_last(eye, P),
-                         engine="gpsimd")
-        return self._replace(sel=sel)
+        return self._replace(sel=_slot_selector(f, trip))
 
     def instance(self, f, trip: int):
         """``f`` with the P^T DMA-transpose share of a class of ``trip`` slots."""
@@ -229,6 +241,19 @@ class KVSource(NamedTuple):
             return f
         return dataclasses.replace(f, tiles=dataclasses.replace(
             f.tiles, p_dma_transpose_share=share))
+
+
+def _slot_selector(f, trip: int):
+    """``[trip, 128 trip]`` (matmul dtype): 1 at row k, columns ``128 k .. 128 k + 127``, else
+    0 (:meth:`KVSource.for_class`, :func:`_supergroup`). nki.* only: seen as ``[trip, trip,
+    128]`` by a 0.7 access pattern."""
+    d = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)     # c - k
+    port.iota(d, [[1, trip]], channel_multiplier=-1)
+    eye = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(eye, d, nl.equal, 0.0, engine="gpsimd")
+    sel = nl.ndarray((trip, trip * P), dtype=f.mm, buffer=nl.sbuf)
+    port.tensor_copy(sel.reshape_dim(1, (trip, P)), port.repeat_last(eye, P), engine="gpsimd")
+    return sel
 
 
 class RowFrame(NamedTuple):
@@ -841,11 +866,14 @@ def _trip_counts(c, shared: int, W: int, n_full: int, tail: int):
     return n, last
 
 
-def _gather_kv(f, rw: Row, v, s0, n: int, skip: bool) -> F.KV:
+def _gather_kv(f, rw: Row, v, s0, n: int, skip: bool, guard_keys: bool = False) -> F.KV:
     """The K and V blocks of slots ``s0 .. s0 + n - 1`` (``s0`` an index expression, n static)
     of ``rw``'s table: K^T (TensorE) and ``v`` (``[128, >= n, vcols]``, its ones column
     already set) guarded (:func:`forward.guard_values`). Once per tile and step, or once per
-    group and step for the slots its tiles share (``_attend_tiles``)."""
+    group and step for the slots its tiles share (``_attend_tiles``). ``guard_keys`` (masked
+    super-groups, whose masks add, not select): K's non-finite entries are zeroed too and
+    flag their keys as V's do (:func:`forward.guard_values`: a row that sees the key gets
+    NaN, the others never meet the value)."""
     D = f.D
     kx = nl.ndarray((P, n, D), dtype=f.k.dtype, buffer=nl.sbuf)
     same = f.v.dtype == f.mm
@@ -861,6 +889,10 @@ def _gather_kv(f, rw: Row, v, s0, n: int, skip: bool) -> F.KV:
     if not same:
         port.tensor_copy(v[:, 0:n, 0:D], vx, engine="gpsimd")
     F.guard_values(f, v[:, 0:n, 0:D], v[:, 0:n, D + 1:D + 2], sum_on_scalar=True)
+    if guard_keys:
+        kflag = nl.ndarray((P, n, 1), dtype=f.mm, buffer=nl.sbuf)
+        F.guard_values(f, kx, kflag, sum_on_scalar=True)
+        port.tensor_tensor(v[:, 0:n, D + 1:D + 2], v[:, 0:n, D + 1:D + 2], kflag, nl.maximum)
     kT = [nl.ndarray((rows, n * P), dtype=f.mm, buffer=nl.sbuf) for _, rows in f.d_passes]
     F.transpose_keys(f, kT, 0, [(w * P, P, kx[:, w, :]) for w in T.unrolled(n)], f.k.dtype)
     return _StepKV(None, kT, v)
@@ -1125,7 +1157,8 @@ def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
 @port.jit
 def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=None,
                                alibi_slopes=None, sinks=None, window_loads=None,
-                               window_slots=None, *, classes, shared=None,
+                               window_slots=None, sg_rows=None, sg_keys=None, *, classes,
+                               shared=None,
                                natural=None, shared_runtime=False, window_blocks=0, scale=1.0,
                                causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
                                dropout_mask=False, softcap=None):
@@ -1159,9 +1192,12 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     Hkv, Nk = k.shape[1], k.shape[2]
     nqt = T.ceil_div(Nq, P)
     trip_max = meta.shape[3] - 2
-    if tuple(meta.shape[2:3]) != (nqt,):
+    if sg_rows is None and sg_keys is not None:
+        raise ValueError("sg_keys: given without sg_rows; allowed: None")
+    rows = nqt if sg_rows is None else meta.shape[2]
+    if sg_rows is None and tuple(meta.shape[2:3]) != (nqt,):
         raise ValueError(f"meta: expected {nqt} rows (one per query tile), got {meta.shape}")
-    check_classes(classes, nqt, trip_max)
+    check_classes(classes, rows, trip_max)
     shared = check_shared(shared, classes)
     natural = check_natural(natural, classes)
     nku = T.ceil_div(Nk, P)
@@ -1180,6 +1216,10 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                            bool(dropout_p))
     win = _check_window(window_loads, window_slots, window_blocks, meta, classes, shared,
                         shared_runtime, fits, most, trip_max)
+    plain = not (causal or window or q_lens is not None or kv_lens is not None
+                 or mods != SM.Mods() or dropout_p)
+    sg = _check_supergroups(meta, sg_rows, sg_keys, classes, shared, shared_runtime,
+                            window_blocks, plain, fits, trip_max, Nk % P == 0)
     step = T.BSP_RESIDENT_STEP_BLOCKS if fits or win else T.BSP_STEP_BLOCKS
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False, kv_load_block=T.BSP_FWD_KV_LOAD_BLOCK)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
@@ -1218,6 +1258,9 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
             # groups (_load_window)
             src = src._replace(res=F.load_kv(f, 0, window_blocks * P, zero_blocks=1,
                                              load=False), win=win)
+        if sg is not None:
+            port.loop(f.G, lambda h: _supergroups(f, geo, sg, h))
+            return
         port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, natural, h, src,
                                        shared_runtime))
 
@@ -1388,6 +1431,195 @@ def _window_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, count: int, g: 
     port.loop(count // g, lambda c: group(c, g), carried=True)
     if count % g:
         group(count // g, count % g)
+
+
+class _SuperGroups(NamedTuple):
+    """nki.*, K/V not resident, a plain launch: the super-group tables (``host.block_sparse.
+    supergroup_tables``, HBM float32): ``meta`` ``(b, h, groups, 2 + U)`` per super-group
+    ``[0, count, first key of union block 0, ...]`` (padding past ``count``), ``rows`` ``(b,
+    h, groups, tiles)`` the first query row of each of its tiles (``tiles.BSP_PAD_FIRST`` for
+    an idle slot: its Q gather and output scatter are skipped). ``keys`` (masked super-groups,
+    whose tiles use different blocks of the union; None: every tile uses every block) ``(b,
+    h, groups U, tiles)``: at row ``c U + k``, column t, 1.0 where slot k of super-group c's
+    union is one of tile t's blocks, else 0 (also for a padding slot)."""
+
+    meta: object
+    rows: object
+    keys: Optional[object] = None
+
+    @property
+    def tiles(self) -> int:
+        return self.rows.shape[3]
+
+    @property
+    def width(self) -> int:
+        return self.meta.shape[3] - 2
+
+    @property
+    def step(self) -> int:
+        """Key blocks per step: ``tiles.BSP_SHARED_STEP_BLOCKS``, or the pattern's bound M if
+        smaller (the host's ``U = (M // W + 1) W`` is at least two steps)."""
+        return min(T.BSP_SHARED_STEP_BLOCKS, self.width // 2)
+
+
+def _check_supergroups(meta, rows, keys, classes, shared, shared_runtime: bool,
+                       window_blocks: int, plain: bool, fits: bool, trip: int,
+                       whole: bool) -> Optional[_SuperGroups]:
+    """The super-group tables of a launch (``sg_rows`` given; None: none), checked: nki.*
+    (runtime trip counts), K/V not resident, a ``plain`` launch (only padding masked), one
+    class of the union table's rows and ``trip`` slots, nothing shared, no window, ``U`` a
+    multiple of the step and ``sg_rows`` ``meta``'s leading dims and one row per
+    super-group; ``sg_keys`` (masked super-groups; None: none) their leading dims, ``U`` rows
+    per super-group and a column per tile (given without ``sg_rows``: refused by the
+    caller), with whole key blocks."""
+    if rows is None:
+        return None
+    if port.api() != "nki" or fits or not plain:
+        raise ValueError(f"sg_rows: super-groups need nki.*, K/V not resident and a plain "
+                         f"launch (no band, lengths, modifier or dropout); got "
+                         f"api={port.api()!r}, resident={fits}, plain={plain}")
+    if window_blocks or any(shared) or shared_runtime:
+        raise ValueError("sg_rows: super-groups take no window and share no slots (allowed: "
+                         "window_blocks=0, shared=None, shared_runtime=False)")
+    sg = _SuperGroups(meta, rows, keys)
+    n = meta.shape[2]
+    if classes != ((0, n, trip, False),) or trip % sg.step:
+        raise ValueError(f"classes: super-groups need ((0, {n}, U, False),) with U a "
+                         f"multiple of {sg.step}, got {classes!r}")
+    want = tuple(meta.shape[:3])
+    if len(rows.shape) != 4 or tuple(rows.shape[:3]) != want or rows.shape[3] < 1:
+        raise ValueError(f"sg_rows: expected shape {want} + (tiles,) (meta's leading dims, one "
+                         f"row per super-group), got {tuple(rows.shape)}")
+    keyed = want[:2] + (n * trip, rows.shape[3])
+    if keys is not None and not whole:
+        raise ValueError("sg_keys: masked super-groups need whole key blocks (Nk a multiple of "
+                         f"{P}); allowed: None")
+    if keys is not None and tuple(keys.shape) != keyed:
+        raise ValueError(f"sg_keys: expected shape {keyed} (sg_rows' leading dims, U rows per "
+                         f"super-group, one column per tile), got {tuple(keys.shape)}")
+    return sg
+
+
+def _supergroups(f, geo: Geometry, sg: _SuperGroups, h):
+    """Every super-group of member head h: a compiled loop over the table's rows. The P^T
+    transposes take the device's DMA share (``tiles.FWD_NKI_P_DMA_SHARE``, as the dense
+    forward's): the DMA queues gather one step for the whole super-group (trn2, N = 16K,
+    D = 128, index form s = 1, K/V forced past SBUF, one super-group of 128 tiles: 3963.9 ->
+    2865.9 us; one matmul per 512 keys instead of per block then: 3123.8, not taken)."""
+    # (a class of BSP_P_DMA_FULL_SLOTS slots takes the full share)
+    f = KVSource(None, 0, T.FWD_NKI_P_DMA_SHARE[port.target()]).instance(
+        f, T.BSP_P_DMA_FULL_SLOTS)
+    q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
+    port.loop(sg.meta.shape[2], lambda c: _supergroup(f, geo, sg, h, q_frame, c))
+
+
+def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
+    """Super-group ``c`` of member head h (a loop body): its ``sg.tiles`` query tiles keep
+    Q^T and the online-softmax state in SBUF while the union of their key blocks streams
+    past once, in steps of ``sg.step`` blocks, each step's K/V gathered, guarded and
+    transposed once for all of them (:func:`_gather_kv`); every tile does one online-softmax
+    update per step; one finalize for all. The host cut the super-groups so that every tile
+    uses every block of the union (``host.block_sparse.supergroup_tables``): no per-tile
+    mask. Steps whose blocks are all real (``count // step``, a register) run unmasked; the
+    one step holding the padding slots after them (if any) skips their gathers into zeroed
+    tiles and masks their scores (:func:`_padding_columns`: one ScalarE instruction per
+    block and tile). Keys past a partial last key block are masked in every step (the
+    key-side indicator, :func:`_scores`). Masked super-groups (``sg.keys``: tiles that use
+    different blocks of the union; whole key blocks) mask every step per tile from the
+    step's keep flags instead: TensorE adds MASK_NEG to the scores of a tile's blocks not
+    its own (one matmul per score tile), K's non-finite values guarded as V's (trn2, N =
+    16K, D = 128, random s = 1/2, K/V forced past SBUF, one super-group of 128 tiles: 9256.9
+    us with the key-side indicator per block and tile instead)."""
+    head = f.head(h)
+    meta, n, U, Ws = sg.meta, sg.tiles, sg.width, sg.step
+    hb = f.b if meta.shape[0] > 1 else 0
+    hh = head if meta.shape[1] > 1 else 0
+    st = F.GroupState(f, n, P)
+    union = nl.ndarray((1, 2 + U), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(union, meta[hb, hh, nl.ds(c, 1), :], legacy_isa=True)
+    rw = Row(union, U, geo.k_part, geo.k_len, geo.kv)
+    firsts = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
+    port.dma_copy(firsts, sg.rows[hb, hh, nl.ds(c, 1), :], legacy_isa=True)
+    firsts = M.broadcast_row(firsts, n)
+    q_idx = []
+    for t in T.unrolled(n):
+        # rows past Nq (the partial last tile, an idle slot) are skipped: zeros in, nothing out
+        idx = own_rows(geo, firsts[:, t:t + 1], f.Nq, q_frame)[0]
+        x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
+        gather(x, f.q, (f.b, head), idx, 0, True)
+        for pi, (d0, dr) in enumerate(f.d_passes):
+            tp = nl.ndarray((dr, P), dtype=f.transpose_psum_dtype(f.q.dtype), buffer=nl.psum)
+            port.nc_transpose(tp, x[:, d0:d0 + dr])
+            port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
+        q_idx.append(idx)
+    whole = f.Nk % P == 0
+    none = dict(thr=None, hi=None, lo=None, pad=None, pad_mm=None)
+    sel = None
+    if sg.keys is not None:
+        cols_full = cols_pad = None
+        sel = _slot_selector(f, Ws)
+    elif whole:
+        cols_full = none
+        cols_pad = dict(none, pad=_padding_columns(rw, U, f.Nk))
+    else:
+        thr = nl.ndarray((P, U), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(thr, rw.block_first, nl.subtract, geo.kv_len, op1=nl.multiply,
+                           operand1=-1.0)
+        cols_full = cols_pad = dict(none, thr=thr)
+    depth = T.bsp_pipeline_depth(Ws)
+
+    def step(s, padded: bool):
+        v = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
+        F.ones_column(f, v[:, :, f.D:f.D + 1])
+        kv = _gather_kv(f, rw, v, s * Ws, Ws, padded or not whole,
+                        guard_keys=sg.keys is not None)
+        cols = cols_pad if padded else cols_full
+        neg = None
+        if sg.keys is not None:
+            # the step's keep flags, slot-major [Ws, tiles] (one DMA), as 0 or MASK_NEG
+            keep = nl.ndarray((Ws, n), dtype=nl.float32, buffer=nl.sbuf)
+            port.dma_copy(keep, sg.keys[hb, hh, nl.ds(c * U + s * Ws, Ws), :])
+            neg = nl.ndarray((Ws, n), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(neg, keep, nl.multiply, -T.FWD_MASK_NEG, op1=nl.add,
+                               operand1=T.FWD_MASK_NEG, engine="gpsimd")
+        backs = []
+        for t in T.unrolled(n):
+            if neg is None:
+                backs.append(_step(f, geo, st, t, rw, kv, cols, None, h, q_frame, s * Ws, Ws))
+            else:
+                # tile t's blocks not its own: TensorE adds MASK_NEG to their scores in PSUM
+                # (its [Ws, 128] rows of 0 or MASK_NEG times the slots' selector, one matmul
+                # per score tile, as _padding_rows; exact: K's non-finite values are guarded,
+                # so the scores are finite). One GpSimd copy per tile and step makes its rows
+                rows_t = nl.ndarray((Ws, P), dtype=f.mm, buffer=nl.sbuf)
+                port.tensor_copy(rows_t.reshape_dim(1, (1, P)),
+                                 port.repeat_last(neg[:, t:t + 1], P), engine="gpsimd")
+                backs.append(_step(f, geo, st, t, rw, kv, dict(none, pad_mm=(rows_t, sel)),
+                                   None, h, q_frame, 0, Ws))
+            if len(backs) > depth:
+                backs.pop(0)()
+        for back in backs:
+            back()
+
+    # count // Ws steps of real blocks, then ceil(count / Ws) - count // Ws (0 or 1) padded;
+    # floor(count / Ws) = RNE((count + 0.5 - Ws / 2) / Ws) by the int32 conversion's round
+    # to nearest even (as _trip_counts); ceil(count / Ws) = floor((count + Ws - 1) / Ws)
+    count = union[0:1, 1:2]
+    hi = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    port.tensor_scalar(hi, count, nl.add, Ws / 2.0 - 0.5, op1=nl.multiply, operand1=1.0 / Ws)
+    if sg.keys is not None:
+        # masked: every step's blocks are masked per tile, the padding slots with them
+        port.loop_between(0, port.register(hi), lambda s: step(s, True))
+    else:
+        lo = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_scalar(lo, count, nl.add, 0.5 - Ws / 2.0, op1=nl.multiply,
+                           operand1=1.0 / Ws)
+        port.loop_between(0, port.register(lo), lambda s: step(s, False))
+        port.loop_between(port.register(lo), port.register(hi), lambda s: step(s, True))
+    o_all, lse_all = F.finalize(f, st, 0, None, None, n=n,
+                                act_slots=int(n * T.BSP_FINALIZE_ACT_SHARE))
+    for t in T.unrolled(n):
+        store_tile(f, q_idx[t], head, o_all[:, t, :] if n > 1 else o_all, lse_all[:, t:t + 1])
 
 
 def _load_window(f, geo: Geometry, src: KVSource, h, c):

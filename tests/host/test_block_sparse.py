@@ -555,3 +555,39 @@ def test_window_tables_refuse_a_group_wider_than_the_window():
     assert bs.window_plan(sparsity, grouped, 15) is None
     # the grouping gathers each tile's 2 blocks too: 16, as many
     assert bs.window_plan(sparsity, grouped, 16) is None
+
+
+# -- super-groups (the forward past SBUF, nki.*) ----------------------------------------------
+
+
+def test_supergroup_tables_cut_runs_of_identical_sets_and_mask_unions():
+    """Exact super-groups: tiles sorted by block set, each run cut into super-groups of the
+    shape's size (3 of 7 rows: ``ceil(7 / ceil(7 / 3))``), idle slots past a run; the union
+    row lists the set. Masked ones: consecutive tiles, the union in ascending order, each
+    tile's keep flag of each slot at row ``c U + slot``, column tile; none with a partial
+    last key block."""
+    dense = np.zeros((1, 1, 7, 5), bool)
+    dense[0, 0, [0, 2, 4, 6], 1] = True
+    dense[0, 0, [1, 3, 5], 4] = True
+    dense[0, 0, 5, 0] = True
+    index = bs.dense_to_index(dense)
+    sg = bs.supergroup_tables(index, 3)
+    assert bs.union_width(2) == (2, 4) and sg.classes == ((0, 4, 4, False),)
+    assert sg.rows.shape == (1, 1, 4, 3) and sg.idle == 4 * 3 - 7
+    counts = sg.meta[0, 0, :, 1].tolist()
+    firsts = [tuple(sg.meta[0, 0, c, 2:2 + int(n)] // 128) for c, n in enumerate(counts)]
+    tiles = [tuple(r // 128 for r in sg.rows[0, 0, c] if r < T.BSP_PAD_FIRST)
+             for c in range(4)]
+    assert sorted(zip(firsts, tiles)) == [((0, 4), (5,)), ((1,), (0, 2, 4)), ((1,), (6,)),
+                                          ((4,), (1, 3))]
+    assert sg.block_loads == 5 and sg.keys is None
+    assert bs.masked_supergroup_tables(index, 4, 5 * 128 - 28) is None
+    masked = bs.masked_supergroup_tables(index, 4, 5 * 128)
+    assert masked.rows.shape == (1, 1, 2, 4) and masked.idle == 1
+    W, U = bs.union_width(5)
+    assert (W, U) == (5, 10) and masked.keys.shape == (1, 1, 2 * U, 4)
+    assert masked.meta[0, 0, 0, 1] == 2 and masked.meta[0, 0, 1, 1] == 3
+    # super-group 1: tiles 4, 5, 6 over the union (0, 1, 4); tile 5 (t = 1) has 0 and 4
+    assert masked.keys[0, 0, U:U + 3, :3].tolist() == [[0, 1, 0], [1, 0, 1], [0, 1, 0]]
+    assert not masked.keys[0, 0, U:, 3].any() and not masked.keys[0, 0, U + 3:].any()
+    assert masked.pairs == 4 * 2 + 4 * 3 and masked.block_loads == 5

@@ -1015,6 +1015,14 @@ def test_nki_window_program_does_not_grow_with_n(monkeypatch):
     assert sizes[0] == sizes[1]
 
 
+def _trace(monkeypatch, api, q, k, v, meta, **kw):
+    """Trace the forward on one (batch, kv head) through ``api`` (its program size): where
+    its arguments are checked."""
+    monkeypatch.setenv(binding.API_ENV_VAR, api)
+    program_size(block_sparse_attention_fwd.on(api), launch_grid((1, 1), api), q, k, v, meta,
+                 **kw)
+
+
 def test_nki_window_arguments_are_checked(monkeypatch):
     """The window's arguments: refused without nki.* or with resident K/V, wider than SBUF
     holds, without its tables, with tables it would ignore, or over other classes."""
@@ -1028,9 +1036,7 @@ def test_nki_window_arguments_are_checked(monkeypatch):
                 classes=t.classes, mm_dtype="float32")
 
     def run(api, **kw):
-        monkeypatch.setenv(binding.API_ENV_VAR, api)
-        program_size(block_sparse_attention_fwd.on(api), launch_grid((1, 1), api), q, k, v,
-                     t.meta, **{**base, **kw})
+        _trace(monkeypatch, api, q, k, v, t.meta, **{**base, **kw})
 
     with pytest.raises(ValueError, match=r"window_blocks: a window of \d+ blocks needs nki\.\*, "
                                          r"K/V not resident .* got api='nki', resident=True"):
@@ -1166,3 +1172,243 @@ def test_nki_fp32_window_at_capacity_stays_within_the_sbuf_budget(monkeypatch):
         host.flash_attention(q, k, v, block_mask=mask, mixed_precision=False)
     assert "window_loads" in m.per_tensor
     assert m.peak_sbuf_bytes_per_partition <= T.FWD_SBUF_BUDGET_BYTES["trn2"]
+
+
+# -- nki.* super-groups past SBUF (issue 25, items 1-2) ---------------------------------------
+
+
+def _no_window(monkeypatch):
+    """K/V past SBUF and no key-block window: the host chooses between the grouping and
+    super-groups (``host.api._supergroups``)."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setattr(bs, "window_plan", lambda *args: None)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+
+
+@pytest.mark.parametrize("form", ["bool", "index"])
+def test_nki_supergroups_read_each_union_once_with_the_planned_bytes(monkeypatch, form):
+    """Past SBUF (forced at 10 query tiles, the last partial; a partial last key block; GQA
+    2:1) every query tile of a pattern of one block set (5 of the 6 key blocks; the bool form
+    of all 6 goes to the dense kernel) is in one super-group: each query head reads K and V
+    once (the grouping's group of 8 and remainder of 2: twice), the HBM bytes are exactly
+    ``supergroup_hbm_bytes``', the outputs and LSE the reference's."""
+    _no_window(monkeypatch)
+    B, Hq, Nq, Nk, D = 1, 2, 9 * 128 + 37, 6 * 128 - 50, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=71)
+    mask = np.ones((1, 1, 10, 6), dtype=bool)
+    mask[..., 2] = False
+    pattern = mask if form == "bool" else tuple(bs.dense_to_index(mask))
+    sg = bs.supergroup_tables(bs.check_block_mask(pattern, B, Hq, Nq, Nk).index,
+                              T.bsp_fwd_supergroup_tiles(D, 4, 4, bs.union_width(5)[1]))
+    assert sg.meta.shape[2] == 1 and sg.rows.shape[3] == 10 and sg.idle == 0
+    with simulate.measure(target="trn2") as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True,
+                                      mixed_precision=False)
+    assert "sg_rows" in m.per_tensor
+    keys = Nk - 128                                           # block 2 not read
+    assert m.per_tensor["k"]["read"] == m.per_tensor["v"]["read"] == Hq * keys * D * 4
+    assert m.hbm_bytes_read + m.hbm_bytes_written == bs.supergroup_hbm_bytes(
+        sg, B, Hq, Nq, Nk, D, 4)
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask)[:2]
+    assert _err(o, o_ref) < 2e-6
+    assert _err(lse, lse_ref) < 2e-5
+
+
+def test_nki_supergroups_with_idle_slots_and_several_sets_match_the_reference(monkeypatch):
+    """The kernel on super-group tables of 4 tiles (B = 2, one pattern per batch: tiles i
+    and i + 3 have the same blocks, and a tile without any; partial last query tile): runs
+    of identical sets cut into super-groups with idle slots, a batch needing fewer
+    super-groups than the other (an empty one), unions of different counts, a padded
+    step: outputs and LSE the reference's (the tile without blocks: zeros and -inf)."""
+    _no_window(monkeypatch)
+    B, Hq, Nq, Nk, D = 2, 1, 6 * 128 + 5, 20 * 128, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=72)
+    mask = np.zeros((B, 1, 7, 20), dtype=bool)
+    for t in range(7):
+        mask[0, 0, t, (t % 3)::3] = True                      # 7, 7 and 6 blocks
+        mask[1, 0, t, :17 + (t % 2)] = True                   # 17 and 18: past one step
+    mask[0, 0, 6] = False
+    index = bs.dense_to_index(mask)
+    sg = bs.supergroup_tables(index, 4)
+    # batch 0: 4 sets (one empty), batch 1: 2 sets and one empty super-group
+    assert sg.rows.shape[3] == 4 and sg.meta.shape[2] == 4 and sg.idle == 2 * 4 * 4 - 14
+    kw = dict(classes=sg.classes, sg_rows=sg.rows, mm_dtype="float32", scale=D ** -0.5)
+    o, lse = launch(block_sparse_attention_fwd.on("nki"), launch_grid((B, 1), "nki"), q, k, v,
+                    sg.meta, **kw)
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask, scale=D ** -0.5)[:2]
+    assert _err(o, o_ref) < 2e-6
+    fin = np.isfinite(lse_ref)
+    assert (np.isfinite(lse) == fin).all() and not fin[0, 0, 6 * 128:].any()
+    assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
+
+
+def test_nki_supergroup_program_does_not_grow_with_n(monkeypatch):
+    """The super-group path's program (super-groups, steps: compiled loops over table data)
+    has the same size at 10 and 20 query tiles of a bound of 6 blocks."""
+    _no_window(monkeypatch)
+    sizes = []
+    for nqt in (10, 20):
+        N, D = nqt * 128, 16
+        q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=73)
+        mask = np.zeros((1, 1, nqt, nqt), dtype=bool)
+        mask[..., :6] = True
+        sg = bs.supergroup_tables(bs.dense_to_index(mask), 5)
+        sizes.append(program_size(
+            block_sparse_attention_fwd.on("nki"), launch_grid((1, 1), "nki"), q, k, v, sg.meta,
+            classes=sg.classes, sg_rows=sg.rows, mm_dtype="float32"))
+    assert sizes[0] == sizes[1]
+
+
+def test_nki_supergroup_arguments_are_checked(monkeypatch):
+    """Super-groups are refused without nki.*, with resident K/V, in a launch with a band,
+    with a window or shared slots, over other classes or with rows of another shape; their
+    key counts without rows or of another shape."""
+    N, D = 4 * 128, 16
+    q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=74)
+    sg = bs.supergroup_tables(bs.dense_to_index(np.ones((1, 1, 4, 4), dtype=bool)), 4)
+    base = dict(classes=sg.classes, sg_rows=sg.rows, mm_dtype="float32")
+
+    def run(api, **kw):
+        _trace(monkeypatch, api, q, k, v, sg.meta, **{**base, **kw})
+
+    with pytest.raises(ValueError, match=r"sg_rows: super-groups need nki\.\*, K/V not "
+                                         r".* got api='nki', resident=True, plain=True"):
+        run("nki")
+    _past_sbuf(monkeypatch)
+    with pytest.raises(ValueError, match="got api='legacy', resident=False, plain=True"):
+        run("legacy")
+    with pytest.raises(ValueError, match="resident=False, plain=False"):
+        run("nki", causal="top_left")
+    with pytest.raises(ValueError, match=r"sg_rows: super-groups take no window"):
+        run("nki", shared=(1,))
+    with pytest.raises(ValueError, match=re.escape(
+            "classes: super-groups need ((0, 1, U, False),) with U a multiple of 4, got "
+            "((0, 1, 8, True),)")):
+        run("nki", classes=((0, 1, 8, True),))
+    with pytest.raises(ValueError, match=re.escape(
+            "sg_rows: expected shape (1, 1, 1) + (tiles,) (meta's leading dims, one row per "
+            "super-group), got (1, 1, 2, 4)")):
+        run("nki", sg_rows=np.concatenate([sg.rows] * 2, axis=2))
+    with pytest.raises(ValueError, match=re.escape("sg_keys: given without sg_rows")):
+        run("nki", sg_rows=None, sg_keys=np.zeros((1, 1, 8, 4), np.float32))
+    with pytest.raises(ValueError, match=re.escape(
+            "sg_keys: expected shape (1, 1, 8, 4) (sg_rows' leading dims, U rows per "
+            "super-group, one column per tile), got (1, 1, 8, 3)")):
+        run("nki", sg_keys=np.zeros((1, 1, 8, 3), np.float32))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["exact", "masked"])
+def test_nki_supergroup_at_capacity_stays_within_the_sbuf_budget(monkeypatch, masked):
+    """A super-group as large as ``tiles.bsp_fwd_supergroup_tiles`` allows at D = 128, bf16,
+    U = 528 slots (N = 64K: the index form's bound 512 at s = 1, or a masked union of all
+    512 key blocks; here 151 query tiles of the same 16 key blocks, or 149 of random subsets
+    of them, the window off) keeps the peak SBUF within trn2's budget (90 % of a partition):
+    measured 179202 and 176886 bytes per partition."""
+    _no_window(monkeypatch)
+    D, Nk = 128, 65536
+    most = T.bsp_fwd_supergroup_tiles(D, 2, 2, bs.union_width(512)[1], masked=masked)
+    assert most == (149 if masked else 151)
+    q, kv = np.ones((1, 1, most * 128, D), BF16), np.zeros((1, 1, Nk, D), BF16)
+    mask = np.zeros((1, 1, most, Nk // 128), dtype=bool)
+    mask[..., :16] = np.random.default_rng(0).random((most, 16)) < 0.5 if masked else True
+    with simulate.measure(target="trn2") as m:
+        host.flash_attention(q, kv, kv, block_mask=mask if masked else tuple(
+            bs.dense_to_index(mask, 512)))
+    assert m.per_tensor["sg_rows"]["read"] == most * 4
+    assert ("sg_keys" in m.per_tensor) == masked
+    assert m.peak_sbuf_bytes_per_partition <= T.FWD_SBUF_BUDGET_BYTES["trn2"]
+
+
+def test_nki_masked_supergroups_read_each_union_once_and_match_the_reference(monkeypatch):
+    """A random pattern at s = 0.6 past SBUF (10 query tiles, the last partial; GQA 2:1; a
+    tile without blocks): no two tiles share a block set, the grouping
+    would gather more blocks than the dense kernel's one pass, so the host takes a masked
+    super-group of all 10 tiles: each query head reads the union's K and V rows once, the
+    HBM bytes are exactly ``supergroup_hbm_bytes``' (with the keep flags of each step),
+    the outputs and LSE the reference's (the tile without blocks: zeros and -inf)."""
+    _no_window(monkeypatch)
+    B, Hq, Nq, Nk, D = 1, 2, 9 * 128 + 37, 20 * 128, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=75)
+    mask = _pattern(1, 1, Nq, Nk, 0.6, seed=76)
+    mask[..., 3, :] = False
+    index = bs.dense_to_index(mask)
+    sg = bs.masked_supergroup_tables(index, T.bsp_fwd_supergroup_tiles(
+        D, 4, 4, bs.union_width(20)[1], masked=True), Nk)
+    assert sg.meta.shape[2] == 1 and sg.keys is not None and int(sg.meta[0, 0, 0, 1]) == 20
+    with simulate.measure(target="trn2") as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=tuple(index), return_lse=True,
+                                      mixed_precision=False)
+    assert "sg_keys" in m.per_tensor
+    assert m.per_tensor["k"]["read"] == Hq * Nk * D * 4
+    assert m.hbm_bytes_read + m.hbm_bytes_written == bs.supergroup_hbm_bytes(
+        sg, B, Hq, Nq, Nk, D, 4)
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask)[:2]
+    assert _err(o, o_ref) < 2e-6
+    fin = np.isfinite(lse_ref)
+    assert (np.isfinite(lse) == fin).all() and not fin[0, :, 3 * 128:4 * 128].any()
+    assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
+
+
+def test_nki_masked_supergroups_hide_other_tiles_blocks_whatever_they_hold(monkeypatch):
+    """Masked super-groups of 3 tiles (B = 2, idle slots, unions past one step): a block one
+    tile of a super-group uses and the others do not holds a NaN and an inf in K; the
+    others' outputs are the reference's (K's non-finite values are guarded, so the added
+    mask never meets them), the tile that sees them gets the reference's NaN rows."""
+    _no_window(monkeypatch)
+    B, Hq, Nq, Nk, D = 2, 1, 7 * 128, 20 * 128, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=77)
+    mask = _pattern(B, 1, Nq, Nk, 0.5, seed=78)
+    mask[:, 0, :, 19] = False
+    mask[:, 0, 1, 19] = True                                  # only tile 1 sees block 19
+    k[:, 0, 19 * 128 + 5, 3] = np.nan
+    k[:, 0, 19 * 128 + 9, 0] = np.inf
+    sg = bs.masked_supergroup_tables(bs.dense_to_index(mask), 3, Nk)
+    assert sg.rows.shape[3] == 3 and sg.meta.shape[2] == 3 and sg.idle == 2 * 2
+    o, lse = launch(block_sparse_attention_fwd.on("nki"), launch_grid((B, 1), "nki"), q, k, v,
+                    sg.meta, classes=sg.classes, sg_rows=sg.rows, sg_keys=sg.keys,
+                    mm_dtype="float32", scale=D ** -0.5)
+    o_ref = ref.attention_forward(q, k, v, block_mask=mask, scale=D ** -0.5)[0]
+    seen = np.isnan(o_ref).any(axis=-1)
+    assert seen[:, 0, 128:256].any() and not seen[:, 0, :128].any() and \
+        not seen[:, 0, 256:].any()
+    assert (np.isnan(o).any(axis=-1) == seen).all()
+    assert _err(np.where(seen[..., None], 0, o), np.where(seen[..., None], 0, o_ref)) < 2e-6
+
+
+@pytest.mark.parametrize("name, form, plan", [
+    ("s=1", "index", "exact"), ("random 1/2", "bool", "masked"),
+    ("random 1/16", "bool", "window"), ("fixed 1/2", "index", "window")])
+def test_the_host_takes_supergroups_where_they_gather_less_at_a_bounded_cost(monkeypatch, name,
+                                                                           form, plan):
+    """The forward's plan at N = 64K, D = 128 (host only: the launch is intercepted):
+    every block in the index form takes exact super-groups (4 of 128 tiles: each block
+    gathered 4 times, the dense forward's passes, not the grouping's 64); a random pattern
+    at s = 1/2 masked ones (the grouping would gather about 125k blocks); at s = 1/16 the
+    window stays (it gathers 2277 blocks, masked super-groups 2048 but 16 times the work);
+    fixed_density s = 1/2 keeps its window (each set once: 512)."""
+    import host.api as api
+
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    N, D, nqt = 65536, 128, 512
+    x = np.zeros((1, 1, N, D), BF16)
+    rng = np.random.default_rng(1)
+    mask = {"s=1": np.ones((1, 1, nqt, nqt), bool),
+            "random 1/2": (rng.random((nqt, nqt)) < 0.5)[None, None],
+            "random 1/16": (np.random.default_rng(1).random((nqt, nqt)) < 1 / 16)[None, None],
+            "fixed 1/2": bs.fixed_density(nqt, nqt, 0.5)}[name]
+    seen = {}
+
+    def intercept(kernel, grid, *args, **kw):
+        seen.update(kw)
+        raise StopIteration
+
+    monkeypatch.setattr(api, "launch", intercept)
+    with pytest.raises(StopIteration):
+        host.flash_attention(x, x, x, block_mask=mask if form == "bool" else tuple(
+            bs.dense_to_index(mask)))
+    got = ("masked" if seen.get("sg_keys") is not None else
+           "exact" if seen.get("sg_rows") is not None else
+           "window" if seen.get("window_blocks") else "grouping")
+    assert got == plan
+    if plan != "window":
+        assert seen["sg_rows"].shape == (1, 1, 4, 128)
