@@ -10,6 +10,9 @@ pass (forward, backward) and the block-sparse kernels on
 - ``band+strided``: a local band of three key blocks around the diagonal plus one strided
   global key block per query tile (block ``8 floor(i / 8)``: every eighth key block is global
   for the eight query tiles from it), s = 0.115 at 4K, 0.029 at 16K;
+- with ``--random S ...``: a random pattern at each density S (every block active with
+  probability S, drawn by ``np.random.default_rng(--seed)``; no structure for the host to
+  group, the hard case past SBUF);
 
 in both forms of a pattern: ``dense`` (a bool block mask, a compile-time pattern: the host sorts
 and groups the query tiles, and a group loads its common key blocks once) and ``index``
@@ -22,7 +25,8 @@ kernel's, beside issue 25's time goal ``1.3 s + 0.1``.
 
     python benchmarks/block_sparse.py [--n 4096 16384] [--d 64 128] [--target trn2]
         [--min-density 64 | --densities S ...] [--forms dense index] [--passes fwd bwd]
-        [--max-blocks M] [--no-band] [--dense-cache FILE] [--out DIR]
+        [--max-blocks M] [--no-band] [--no-fixed] [--random S ...] [--seed K]
+        [--dense-cache FILE] [--out DIR]
 
 ``--dense-cache FILE`` keeps the dense kernel's rows in a JSON file, keyed by target, N, D,
 pass and API, and reuses them (the dense 32K backward simulates for ~10 minutes).
@@ -54,6 +58,18 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 def inputs(N, D, seed=0):
     rng = np.random.default_rng(seed)
     return tuple(rng.standard_normal((1, 1, N, D)).astype(BF16) for _ in range(4))
+
+
+def random_pattern(nqt: int, density: float, seed: int) -> np.ndarray:
+    """A ``(1, 1, nqt, nqt)`` bool block mask whose blocks are active with probability
+    ``density`` each, drawn by ``np.random.default_rng(seed)``, with at least one block per
+    query tile (a tile with none would output zeros, not attention)."""
+    if not 0.0 < density <= 1.0:
+        raise SystemExit(f"--random: expected densities in (0, 1], got {density}")
+    active = np.random.default_rng(seed).random((nqt, nqt)) < density
+    empty = ~active.any(axis=1)
+    active[empty, np.flatnonzero(empty) % nqt] = True
+    return active[None, None]
 
 
 def run_sparse(x, mask, form, passes, target, max_blocks=None):
@@ -110,6 +126,10 @@ def main(argv=None):
                     help="the index form's bound (default: the pattern's largest count)")
     ap.add_argument("--passes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     ap.add_argument("--no-band", action="store_true", help="skip the band+strided pattern")
+    ap.add_argument("--no-fixed", action="store_true", help="skip the fixed_density patterns")
+    ap.add_argument("--random", type=float, nargs="+", default=[],
+                    help="random patterns at these densities")
+    ap.add_argument("--seed", type=int, default=1, help="the random patterns' generator seed")
     ap.add_argument("--dense-cache", help="JSON file of the dense kernel's rows to reuse")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
@@ -133,8 +153,9 @@ def main(argv=None):
             dense = run_dense(x, args.passes, args.target, cache)
             for p, r in dense.items():
                 results["dense"].append(dict(N=N, D=D, pass_=p, **r))
-            patterns = [("fixed", s, bs.fixed_density(nqt, nqt, s)) for s in dens
-                        if round(s * nqt) >= 1]
+            patterns = [] if args.no_fixed else [
+                ("fixed", s, bs.fixed_density(nqt, nqt, s)) for s in dens if round(s * nqt) >= 1]
+            patterns += [("random", s, random_pattern(nqt, s, args.seed)) for s in args.random]
             if not args.no_band:
                 patterns.append(("band+strided", None, bs.band_strided(nqt, nqt)))
             for name, _, mask in patterns:

@@ -94,3 +94,17 @@ def test_kvcache_benchmark_small(capsys, monkeypatch):
                        "1", "--dim", "32"])
     assert rows[0]["T"] == 8 and rows[0]["decode"]["estimated_us"] > 0
     assert "decode kernels vs prefill forward" in capsys.readouterr().out
+
+
+def test_block_sparse_random_patterns(capsys, tmp_path):
+    bench = _load("block_sparse")
+    mask = bench.random_pattern(4, 0.01, seed=3)
+    assert mask.shape == (1, 1, 4, 4) and mask.any(axis=-1).all()   # a block per query tile
+    bench.main(["--n", "256", "--d", "64", "--passes", "fwd", "--forms", "index", "--no-fixed",
+                "--no-band", "--random", "0.5", "--out", str(tmp_path)])
+    import json
+    rows = json.loads((tmp_path / "block_sparse.json").read_text())["rows"]
+    assert [(r["pattern"], r["form"], r["pass_"]) for r in rows] == [("random", "index", "fwd")]
+    assert rows[0]["density"] == float(bench.random_pattern(2, 0.5, seed=1).mean())
+    with pytest.raises(SystemExit, match="--random"):
+        bench.random_pattern(2, 1.5, seed=1)
