@@ -243,15 +243,24 @@ class KVSource(NamedTuple):
             f.tiles, p_dma_transpose_share=share))
 
 
+def _mask_mm(f):
+    """The operand dtype of the matmuls that add MASK_NEG to scores (:func:`_slot_selector`,
+    :func:`_padding_rows`, the masked super-groups' keep rows): the matmul dtype, but bf16
+    for fp16, whose range ends at 65504 (MASK_NEG = -2^100 would round to -inf, and -inf x 0
+    is NaN in every score the matmul touches). bf16 holds MASK_NEG exactly at the same
+    TensorE rate."""
+    return nl.bfloat16 if f.mm == nl.float16 else f.mm
+
+
 def _slot_selector(f, trip: int):
-    """``[trip, 128 trip]`` (matmul dtype): 1 at row k, columns ``128 k .. 128 k + 127``, else
-    0 (:meth:`KVSource.for_class`, :func:`_supergroup`). nki.* only: seen as ``[trip, trip,
-    128]`` by a 0.7 access pattern."""
+    """``[trip, 128 trip]`` (:func:`_mask_mm`): 1 at row k, columns ``128 k .. 128 k + 127``,
+    else 0 (:meth:`KVSource.for_class`, :func:`_supergroup`). nki.* only: seen as ``[trip,
+    trip, 128]`` by a 0.7 access pattern."""
     d = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)     # c - k
     port.iota(d, [[1, trip]], channel_multiplier=-1)
     eye = nl.ndarray((trip, trip), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(eye, d, nl.equal, 0.0, engine="gpsimd")
-    sel = nl.ndarray((trip, trip * P), dtype=f.mm, buffer=nl.sbuf)
+    sel = nl.ndarray((trip, trip * P), dtype=_mask_mm(f), buffer=nl.sbuf)
     port.tensor_copy(sel.reshape_dim(1, (trip, P)), port.repeat_last(eye, P), engine="gpsimd")
     return sel
 
@@ -1081,7 +1090,7 @@ def _pads_by_matmul(f, geo: Geometry, res, exact: bool) -> bool:
 
 
 def _padding_rows(f, meta, hb, hh, pos0, n: int, trip: int):
-    """``[trip, n, 128]`` (matmul dtype): row k of query tile t (order position ``pos0 + t``)
+    """``[trip, n, 128]`` (:func:`_mask_mm`): row k of query tile t (order position ``pos0 + t``)
     is ``MASK_NEG`` if its slot k is a padding slot (first key past Nk) else 0, on every
     column: the stationary operand of :func:`_scores`' padding matmul. The slots' first keys
     come from the table transposed (one DMA of ``n trip`` elements), then two GpSimd
@@ -1091,7 +1100,7 @@ def _padding_rows(f, meta, hb, hh, pos0, n: int, trip: int):
     neg = nl.ndarray((trip, n), dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(neg, first, nl.greater_equal, float(f.Nk), op1=nl.multiply,
                        operand1=T.FWD_MASK_NEG, engine="gpsimd")
-    rows = nl.ndarray((trip, n, P), dtype=f.mm, buffer=nl.sbuf)
+    rows = nl.ndarray((trip, n, P), dtype=_mask_mm(f), buffer=nl.sbuf)
     port.tensor_copy(rows, port.repeat_last(neg, P), engine="gpsimd")
     return rows
 
@@ -1591,7 +1600,7 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
                 # (its [Ws, 128] rows of 0 or MASK_NEG times the slots' selector, one matmul
                 # per score tile, as _padding_rows; exact: K's non-finite values are guarded,
                 # so the scores are finite). One GpSimd copy per tile and step makes its rows
-                rows_t = nl.ndarray((Ws, P), dtype=f.mm, buffer=nl.sbuf)
+                rows_t = nl.ndarray((Ws, P), dtype=_mask_mm(f), buffer=nl.sbuf)
                 port.tensor_copy(rows_t.reshape_dim(1, (1, P)),
                                  port.repeat_last(neg[:, t:t + 1], P), engine="gpsimd")
                 backs.append(_step(f, geo, st, t, rw, kv, dict(none, pad_mm=(rows_t, sel)),

@@ -1349,6 +1349,27 @@ def test_nki_masked_supergroups_read_each_union_once_and_match_the_reference(mon
     assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
 
 
+@pytest.mark.parametrize("plan", ["resident", "masked"])
+def test_nki_fp16_masks_by_matmul_without_nan(monkeypatch, plan):
+    """fp16 inputs where TensorE adds MASK_NEG to scores (the resident index form's padding
+    slots; masked super-groups past SBUF): the mask's operands are bf16, not fp16, whose
+    range would round -2^100 to -inf and make every score the matmul touches NaN (-inf x 0;
+    it did, in every row). Outputs are the reference's."""
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    if plan == "masked":
+        _no_window(monkeypatch)
+    Nq, Nk, D = 3 * 128, 4 * 128, 16
+    q, k, v, _ = attention_inputs(1, 1, 1, Nq, Nk, D, seed=3)
+    q, k, v = (x.astype(np.float16) for x in (q, k, v))
+    mask = np.zeros((1, 1, 3, 4), bool)
+    mask[0, 0, 0, [0, 1]] = mask[0, 0, 1, [1, 2, 3]] = mask[0, 0, 2, 0] = True
+    with simulate.measure(target="trn2") as m:
+        o = host.flash_attention(q, k, v, block_mask=tuple(bs.dense_to_index(mask)))
+    assert ("sg_keys" in m.per_tensor) == (plan == "masked")
+    o_ref = ref.attention_forward(q, k, v, block_mask=mask)[0]
+    assert not np.isnan(np.asarray(o, np.float64)).any() and _err(o, o_ref) < 2e-3
+
+
 def test_nki_masked_supergroups_hide_other_tiles_blocks_whatever_they_hold(monkeypatch):
     """Masked super-groups of 3 tiles (B = 2, idle slots, unions past one step): a block one
     tile of a super-group uses and the others do not holds a NaN and an inf in K; the
