@@ -645,9 +645,7 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         elif pad_only:
             pad = _padding_columns(rw, trip, f.Nk)
         elif skip:
-            thr = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_scalar(thr, rw.block_first, nl.subtract, geo.kv_len, op1=nl.multiply,
-                               operand1=-1.0)
+            thr = _key_thresholds(geo, rw, trip)
         hi_thr = lo_thr = dist = None
         if f.spec.has_diag or f.mods.alibi:
             gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
@@ -674,11 +672,7 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
                 else:
                     q_idx = _tile_rows(geo, rw.first, q_frame)
                 gather(x, f.q, (f.b, head), q_idx, 0, geo.has_lens or f.Nq % P != 0)
-            for pi, (d0, dr) in enumerate(f.d_passes):
-                tp = nl.ndarray((dr, P), dtype=f.transpose_psum_dtype(f.q.dtype),
-                                buffer=nl.psum)
-                port.nc_transpose(tp, x[:, d0:d0 + dr])
-                port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
+            _transpose_q(f, st, t, x)
         seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
                  if f.dropout_p else None)
         # the source of a step's own blocks: their key-block numbers (resident K/V), or
@@ -770,6 +764,24 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
     for (rw, _, _, _, q_idx, _, _), (o_out, lse_out) in zip(tiles, outs):
         out_idx = q_idx if not geo.has_lens else own_rows(geo, rw.first, f.Nq, q_frame)[0]
         store_tile(f, out_idx, head, o_out, lse_out)
+
+
+def _transpose_q(f, st, t, x):
+    """Q^T of query tile t from its rows ``x`` (``[128, D]`` in SBUF): TensorE transposes,
+    one per head-dim pass, copied with the softmax scale into ``st.qT`` by ScalarE."""
+    for pi, (d0, dr) in enumerate(f.d_passes):
+        tp = nl.ndarray((dr, P), dtype=f.transpose_psum_dtype(f.q.dtype), buffer=nl.psum)
+        port.nc_transpose(tp, x[:, d0:d0 + dr])
+        port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
+
+
+def _key_thresholds(geo: Geometry, rw: Row, trip: int):
+    """``[128, trip]`` fp32: ``kv_len - first_s`` of each of ``rw``'s slots, the valid key
+    columns of slot s (``c < kv_len - first_s``; none in a padding slot)."""
+    thr = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(thr, rw.block_first, nl.subtract, geo.kv_len, op1=nl.multiply,
+                       operand1=-1.0)
+    return thr
 
 
 def _direct_rows(f, geo: Geometry, natural: bool) -> bool:
@@ -1556,10 +1568,7 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
         idx = own_rows(geo, firsts[:, t:t + 1], f.Nq, q_frame)[0]
         x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
         gather(x, f.q, (f.b, head), idx, 0, True)
-        for pi, (d0, dr) in enumerate(f.d_passes):
-            tp = nl.ndarray((dr, P), dtype=f.transpose_psum_dtype(f.q.dtype), buffer=nl.psum)
-            port.nc_transpose(tp, x[:, d0:d0 + dr])
-            port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
+        _transpose_q(f, st, t, x)
         q_idx.append(idx)
     whole = f.Nk % P == 0
     none = dict(thr=None, hi=None, lo=None, pad=None, pad_mm=None)
@@ -1571,10 +1580,7 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
         cols_full = none
         cols_pad = dict(none, pad=_padding_columns(rw, U, f.Nk))
     else:
-        thr = nl.ndarray((P, U), dtype=nl.float32, buffer=nl.sbuf)
-        port.tensor_scalar(thr, rw.block_first, nl.subtract, geo.kv_len, op1=nl.multiply,
-                           operand1=-1.0)
-        cols_full = cols_pad = dict(none, thr=thr)
+        cols_full = cols_pad = dict(none, thr=_key_thresholds(geo, rw, U))
     depth = T.bsp_pipeline_depth(Ws)
 
     def step(s, padded: bool):

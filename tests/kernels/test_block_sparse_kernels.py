@@ -1262,7 +1262,7 @@ def test_nki_supergroup_program_does_not_grow_with_n(monkeypatch):
 def test_nki_supergroup_arguments_are_checked(monkeypatch):
     """Super-groups are refused without nki.*, with resident K/V, in a launch with a band,
     with a window or shared slots, over other classes or with rows of another shape; their
-    key counts without rows or of another shape."""
+    key counts without rows, of another shape or over a partial last key block."""
     N, D = 4 * 128, 16
     q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=74)
     sg = bs.supergroup_tables(bs.dense_to_index(np.ones((1, 1, 4, 4), dtype=bool)), 4)
@@ -1295,6 +1295,10 @@ def test_nki_supergroup_arguments_are_checked(monkeypatch):
             "sg_keys: expected shape (1, 1, 8, 4) (sg_rows' leading dims, U rows per "
             "super-group, one column per tile), got (1, 1, 8, 3)")):
         run("nki", sg_keys=np.zeros((1, 1, 8, 3), np.float32))
+    with pytest.raises(ValueError, match=re.escape(
+            "sg_keys: masked super-groups need whole key blocks (Nk a multiple of 128)")):
+        _trace(monkeypatch, "nki", q, k[:, :, :N - 5], v[:, :, :N - 5], sg.meta,
+               **{**base, "sg_keys": np.zeros((1, 1, 8, 4), np.float32)})
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["exact", "masked"])
