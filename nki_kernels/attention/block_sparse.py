@@ -71,7 +71,9 @@ grow with N.
   gathers fewer blocks than the grouping: ``host.block_sparse.window_plan``): a window of
   ``window_blocks`` key blocks in SBUF, laid out as resident K/V with its block of zeros
   (:func:`forward.load_kv` without the load). The host orders the query tiles so that
-  nearby ones share blocks and plans, per group, the blocks it gathers into the window
+  nearby ones share blocks and plans, per group (``window_group`` tiles: the largest of
+  ``tiles.BSP_WINDOW_GROUPS`` whose plan gathers no more blocks than the dense forward, else
+  the one gathering the fewest), the blocks it gathers into the window
   and their positions (``window_tables``); a group first gathers its new blocks
   (:func:`_load_window`: a loop of a runtime trip count, ``tiles.BSP_WINDOW_LOAD_BLOCKS``
   blocks a step of :func:`_gather_kv`, each copied to its position at a runtime SBUF
@@ -1276,7 +1278,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
 def _head(f, geo: Geometry, meta, classes, shared, natural, h, src: KVSource,
           shared_runtime: bool):
     """Every class of query tiles of member head h (a loop body): each class a loop over its
-    tiles in groups of ``tiles.BSP_GROUP_TILES`` (and a static remainder group) whose first
+    tiles in groups of ``tiles.BSP_GROUP_TILES`` (a window's: ``window_group``; and a static
+    remainder group) whose first
     ``shared`` slots (one count per class) are the group's common key blocks (``src``: where
     their key blocks come from; ``natural``: one flag per class, its positions are its query
     tiles; :func:`_attend_tiles`)."""
