@@ -698,18 +698,21 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
 
 
 def _dense_kv_blocks(call: AttentionCall) -> int:
-    """The key blocks the dense forward reads from K (and as many from V) over the pattern's
-    ``(b, h)`` (its tables broadcast to the query heads): its passes over K/V per query head
-    (``tiles.forward_kv_passes`` of trn2's nki.* tiling, one head per instance) times the
-    ``ceil(Nk / 128)`` key blocks, without a band."""
+    """The key blocks the dense forward reads from K (and as many from V), without a band,
+    in the block-sparse tables' units: per ``(b, h)`` of the pattern (the tables broadcast
+    to the ``B Hq`` query heads, each gathering its own blocks), the dense forward's K/V
+    blocks over ``B Hkv`` kv heads (``tiles.forward_kv_passes`` of trn2's nki.* tiling times
+    the ``ceil(Nk / 128)`` key blocks each) shared by the ``Hq / Hkv`` query heads of each,
+    rounded down."""
     dims = call.dims
     num = np.asarray(call.block_sparse.index.num_blocks)
     itemsize = _tiles.fwd_itemsize(call.dtype)
-    tiles = _tiles.choose_forward_tiles(dims.Nq, dims.Nk, dims.D, 1, itemsize,
+    tiles = _tiles.choose_forward_tiles(dims.Nq, dims.Nk, dims.D, dims.group, itemsize,
                                         _tiles.fwd_itemsize(call.mm_dtype), target="trn2",
                                         api="nki")
     nkt = _tiles.ceil_div(dims.Nk, _tiles.BLOCK_SPARSE_TILE)
-    return _tiles.forward_kv_passes(dims.Nq, 1, tiles) * nkt * (num.size // num.shape[-1])
+    passes = _tiles.forward_kv_passes(dims.Nq, dims.group, tiles)
+    return passes * nkt * (num.size // num.shape[-1]) // dims.group
 
 
 def _supergroups(call: AttentionCall, grouped, win):

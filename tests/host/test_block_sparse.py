@@ -560,6 +560,30 @@ def test_window_tables_refuse_a_group_wider_than_the_window():
     assert bs.window_plan(sparsity, grouped, 16, 16) is None
 
 
+@pytest.mark.parametrize("Hq,Hkv", [(1, 1), (4, 1)])
+def test_dense_kv_blocks_are_the_dense_forwards_kv_bytes(Hq, Hkv):
+    """``api._dense_kv_blocks`` (what ``window_plan`` compares the window's gathers to): at
+    64K, D = 128, bf16 the dense forward's K/V bytes of ``tiles.forward_hbm_bytes``, in
+    blocks per ``(b, h)`` of a pattern broadcast to the query heads: 2048 with one query
+    head per kv head (4 passes over K and V), 1920 where 4 share one (15 passes for the
+    4)."""
+    from host import api, validation
+    import ml_dtypes
+
+    N, D = 65536, 128
+    q = np.broadcast_to(np.zeros((), ml_dtypes.bfloat16), (1, Hq, N, D))
+    k = np.broadcast_to(np.zeros((), ml_dtypes.bfloat16), (1, Hkv, N, D))
+    mask = np.eye(N // 128, dtype=bool)[None, None]
+    call = api._attention_call(validation.check_attention_inputs(q, k, k), "bfloat16",
+                               bs.check_block_mask(mask, 1, Hq, N, N))
+    tiles = T.choose_forward_tiles(N, N, D, Hq // Hkv, 2, 2, target="trn2", api="nki")
+    read = T.forward_hbm_bytes(1, Hq, Hkv, N, N, D, 2, tiles)[0]
+    kv = read - Hq * N * D * 2                   # Q read once
+    blocks = api._dense_kv_blocks(call)
+    assert blocks == {1: 2048, 4: 1920}[Hq]
+    assert blocks * Hq * 2 * 128 * D * 2 == kv
+
+
 def test_window_plan_takes_the_largest_group_within_the_dense_traffic():
     """``window_plan``'s group size: the largest of ``tiles.BSP_WINDOW_GROUPS`` whose plan
     gathers at most the dense forward's key blocks, else the one gathering the fewest. The
