@@ -665,18 +665,20 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     trip = call.block_sparse.index.max_blocks
     itemsize = _tiles.fwd_itemsize(call.mm_dtype)
     if api == "nki" and not _tiles.bsp_fwd_kv_resident(dims.Nk, dims.D, itemsize, trip):
-        # past SBUF: a key-block window where it gathers fewer blocks than the grouping
+        # past SBUF: a key-block window where it gathers fewer blocks than the grouping, in
+        # groups small enough to gather no more than the dense forward where they can
         win = _bs.window_plan(call.block_sparse, q_tables, window_capacity(
             dims.D, call.mm_dtype, trip, dims.Nk, call.causal, call.window,
-            call.kv_lens is not None or call.q_lens is not None, call.mods.any, bool(p)))
+            call.kv_lens is not None or call.q_lens is not None, call.mods.any, bool(p)),
+            _dense_kv_blocks(call))
         if win is not None:
             q_tables = win.tables
             kwargs.update(window_loads=win.loads, window_slots=win.slots,
-                          window_blocks=win.blocks)
+                          window_blocks=win.blocks, window_group=win.group)
         sg = _supergroups(call, q_tables if win is None else None, win)
         if sg is not None:
             q_tables = _bs.KernelTables(sg.meta, sg.classes, (0,))
-            for key in ("window_loads", "window_slots", "window_blocks"):
+            for key in ("window_loads", "window_slots", "window_blocks", "window_group"):
                 kwargs.pop(key, None)
             kwargs.update(sg_rows=sg.rows, sg_keys=sg.keys)
     if p:
@@ -693,6 +695,24 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     if call.return_dropout_mask:
         res += (np.asarray(outs[2])[..., :dims.Nk] > 0.5,)
     return res if len(res) > 1 else o
+
+
+def _dense_kv_blocks(call: AttentionCall) -> int:
+    """The key blocks the dense forward reads from K (and as many from V), without a band,
+    in the block-sparse tables' units: per ``(b, h)`` of the pattern (the tables broadcast
+    to the ``B Hq`` query heads, each gathering its own blocks), the dense forward's K/V
+    blocks over ``B Hkv`` kv heads (``tiles.forward_kv_passes`` of trn2's nki.* tiling times
+    the ``ceil(Nk / 128)`` key blocks each) shared by the ``Hq / Hkv`` query heads of each,
+    rounded down."""
+    dims = call.dims
+    num = np.asarray(call.block_sparse.index.num_blocks)
+    itemsize = _tiles.fwd_itemsize(call.dtype)
+    tiles = _tiles.choose_forward_tiles(dims.Nq, dims.Nk, dims.D, dims.group, itemsize,
+                                        _tiles.fwd_itemsize(call.mm_dtype), target="trn2",
+                                        api="nki")
+    nkt = _tiles.ceil_div(dims.Nk, _tiles.BLOCK_SPARSE_TILE)
+    passes = _tiles.forward_kv_passes(dims.Nq, dims.group, tiles)
+    return passes * nkt * (num.size // num.shape[-1]) // dims.group
 
 
 def _supergroups(call: AttentionCall, grouped, win):

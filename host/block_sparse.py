@@ -802,13 +802,15 @@ class WindowTables(NamedTuple):
     :data:`nki_kernels.tiles.BSP_WINDOW_LOAD_BLOCKS` (the first ``2 + L`` columns a
     :class:`KernelTables` ``meta`` row; past the blocks padding entries, ``BSP_PAD_FIRST`` at
     ``blocks``, the block of zeros: nothing read, zeros written there).
-    ``block_loads``: the key blocks gathered, over every ``(b, h)``."""
+    ``block_loads``: the key blocks gathered, over every ``(b, h)``; ``group``: the kernel
+    group's query tiles (the forward's ``window_group``)."""
 
     tables: KernelTables
     slots: np.ndarray
     loads: np.ndarray
     blocks: int
     block_loads: int
+    group: int
 
 
 def _window_order(sets: np.ndarray, recent: int) -> np.ndarray:
@@ -954,7 +956,7 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
     slots[slots == blocks] = size
     loads[..., 2 + width:][loads[..., 2 + width:] == blocks] = size
     return WindowTables(tables, np.ascontiguousarray(slots, dtype=np.float32),
-                        np.ascontiguousarray(loads, dtype=np.float32), size, total)
+                        np.ascontiguousarray(loads, dtype=np.float32), size, total, group)
 
 
 class SuperGroupTables(NamedTuple):
@@ -1127,20 +1129,30 @@ def grouped_block_loads(tables: KernelTables, group: int) -> int:
     return total
 
 
-def window_plan(sparsity: BlockSparsity, grouped: KernelTables,
-                blocks: int) -> Optional[WindowTables]:
+def window_plan(sparsity: BlockSparsity, grouped: KernelTables, blocks: int,
+                dense: int) -> Optional[WindowTables]:
     """The forward's key-block window tables (:func:`window_tables`, a window of ``blocks``
-    blocks, the kernel's groups of :data:`nki_kernels.tiles.BSP_GROUP_TILES`) when they gather
-    fewer key blocks than ``grouped``, the tables the forward would take otherwise
-    (:func:`grouped_block_loads`); else None (also when ``blocks`` is 0 or a group needs more
-    than ``blocks``). Both counts are exact, so this keeps the smaller HBM traffic."""
+    blocks) when they gather fewer key blocks than ``grouped``, the tables the forward would
+    take otherwise (:func:`grouped_block_loads`); else None (also when ``blocks`` is 0 or
+    every group size's groups need more than ``blocks``). The kernel's group size is the
+    first of :data:`nki_kernels.tiles.BSP_WINDOW_GROUPS` (the largest first: more tiles per
+    group share the gathers' waits) whose plan gathers at most ``dense`` key blocks (the
+    dense forward's K/V traffic in blocks, over the same ``(b, h)``), else the one gathering
+    the fewest (on a tie the larger). The counts are exact, so this keeps the smaller HBM
+    traffic; it plans from the largest group down and stops at the first that qualifies
+    (each plan is a few seconds at N = 64K)."""
     if blocks < 1:
         return None
-    group = _tiles.BSP_GROUP_TILES
-    win = window_tables(sparsity.index, blocks, group)
-    if win is None or win.block_loads >= grouped_block_loads(grouped, group):
+    best = None
+    for group in _tiles.BSP_WINDOW_GROUPS:
+        win = window_tables(sparsity.index, blocks, group)
+        if win is not None and (best is None or win.block_loads < best.block_loads):
+            best = win
+        if best is not None and best.block_loads <= dense:
+            break
+    if best is None or best.block_loads >= grouped_block_loads(grouped, _tiles.BSP_GROUP_TILES):
         return None
-    return win
+    return best
 
 
 def window_hbm_bytes(win: WindowTables, B: int, Hq: int, Nq: int, Nk: int, D: int,

@@ -128,6 +128,12 @@ VARLEN_NKI_ACT_SHARE = 0.7
 #: estimate, trn2 through nki.* (resident K/V), N = 4096, D = 128, bf16, bool mask: 4 / 8 / 16
 #: tiles, every block active 265.4 / 241.1 / 256.6 us, s = 1/16 85.7 / 80.2 / 95.6 us.
 BSP_GROUP_TILES = 8
+#: The block-sparse forward's key-block window's group sizes the host tries, largest first
+#: (``host.block_sparse.window_plan``): smaller groups need fewer blocks at once and so evict
+#: less, at the cost of fewer tiles sharing each group's waits. 64K, D = 128, bf16, random
+#: s = 1/16, a window of 318 blocks: 2277 / 2065 / 1994 / 1968 key-block gathers at 8 / 4 /
+#: 2 / 1 (the dense forward: 2048).
+BSP_WINDOW_GROUPS = (BSP_GROUP_TILES, 4, 2, 1)
 #: How many query tiles' softmax back halves (P^T, PV, the accumulator update) the
 #: block-sparse forward's step keeps pending while it issues the next tiles' scores and
 #: fronts (:func:`bsp_pipeline_depth`; ``attention/block_sparse.py``): each tile's chain

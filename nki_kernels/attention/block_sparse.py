@@ -71,7 +71,9 @@ grow with N.
   gathers fewer blocks than the grouping: ``host.block_sparse.window_plan``): a window of
   ``window_blocks`` key blocks in SBUF, laid out as resident K/V with its block of zeros
   (:func:`forward.load_kv` without the load). The host orders the query tiles so that
-  nearby ones share blocks and plans, per group, the blocks it gathers into the window
+  nearby ones share blocks and plans, per group (``window_group`` tiles: the largest of
+  ``tiles.BSP_WINDOW_GROUPS`` whose plan gathers no more blocks than the dense forward, else
+  the one gathering the fewest), the blocks it gathers into the window
   and their positions (``window_tables``); a group first gathers its new blocks
   (:func:`_load_window`: a loop of a runtime trip count, ``tiles.BSP_WINDOW_LOAD_BLOCKS``
   blocks a step of :func:`_gather_kv`, each copied to its position at a runtime SBUF
@@ -1180,7 +1182,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                                alibi_slopes=None, sinks=None, window_loads=None,
                                window_slots=None, sg_rows=None, sg_keys=None, *, classes,
                                shared=None,
-                               natural=None, shared_runtime=False, window_blocks=0, scale=1.0,
+                               natural=None, shared_runtime=False, window_blocks=0,
+                               window_group=T.BSP_GROUP_TILES, scale=1.0,
                                causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
                                dropout_mask=False, softcap=None):
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
@@ -1197,7 +1200,9 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     window of that many blocks in SBUF, which each group first fills from ``window_loads``
     (float32 ``(B or 1, Hq or 1, groups, 2 + 2 L)``) and whose positions ``window_slots``
     (float32 ``(B or 1, Hq or 1, ceil(Nq/128), trip)``) gives per slot
-    (``host.block_sparse.window_tables``, :func:`_load_window`). Other arguments as
+    (``host.block_sparse.window_tables``, :func:`_load_window`), in groups of ``window_group``
+    query tiles (1 .. ``tiles.BSP_GROUP_TILES``, the host's choice: ``window_plan``). Other
+    arguments as
     :func:`forward.flash_attention_fwd` (``mm_dtype``, ``scale``, ``causal``, ``window``,
     lengths, ``dropout_p`` with ``seed``, ``dropout_mask``: the mask is returned as ``(B, Hq,
     Nq, 128 ceil(Nk/128))`` float32, positions of blocks never drawn unspecified; the score
@@ -1235,8 +1240,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     most = window_capacity(D, mm_dtype, trip_max, Nk, causal, window,
                            q_lens is not None or kv_lens is not None, mods != SM.Mods(),
                            bool(dropout_p))
-    win = _check_window(window_loads, window_slots, window_blocks, meta, classes, shared,
-                        shared_runtime, fits, most, trip_max)
+    win = _check_window(window_loads, window_slots, window_blocks, window_group, meta, classes,
+                        shared, shared_runtime, fits, most, trip_max)
     plain = not (causal or window or q_lens is not None or kv_lens is not None
                  or mods != SM.Mods() or dropout_p)
     sg = _check_supergroups(meta, sg_rows, sg_keys, classes, shared, shared_runtime,
@@ -1294,7 +1299,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
 def _head(f, geo: Geometry, meta, classes, shared, natural, h, src: KVSource,
           shared_runtime: bool):
     """Every class of query tiles of member head h (a loop body): each class a loop over its
-    tiles in groups of ``tiles.BSP_GROUP_TILES`` (and a static remainder group) whose first
+    tiles in groups of ``tiles.BSP_GROUP_TILES`` (a window's: ``window_group``; and a static
+    remainder group) whose first
     ``shared`` slots (one count per class) are the group's common key blocks (``src``: where
     their key blocks come from; ``natural``: one flag per class, its positions are its query
     tiles; :func:`_attend_tiles`)."""
@@ -1307,7 +1313,7 @@ def _head(f, geo: Geometry, meta, classes, shared, natural, h, src: KVSource,
             port.loop(count, lambda c, first=first: _empty_tile(f, geo, meta, h, q_frame,
                                                                  first + c))
             continue
-        g = min(T.BSP_GROUP_TILES, count)
+        g = min(T.BSP_GROUP_TILES if csrc.win is None else csrc.win.group, count)
         if csrc.win is not None and not _direct_rows(f, geo, nat):
             _window_groups(f, geo, meta, h, q_frame, count, g, trip, exact, csrc)
             continue
@@ -1369,10 +1375,11 @@ class _Window(NamedTuple):
     of steps of ``tiles.BSP_WINDOW_LOAD_BLOCKS`` blocks it gathers into the window, 0, their
     first keys and their positions (padding entries: past every key, to the block of zeros);
     ``slots`` ``(b, h, rows, trip)``, each slot's window position (the block of zeros for a
-    padding slot)."""
+    padding slot); ``group``: query tiles per kernel group (``window_group``)."""
 
     loads: object
     slots: object
+    group: int
 
     def positions(self, hb, hh, pos0, n: int, trip: int):
         """int32 ``[1, n, trip]``: the window positions of the slots of a group's ``n`` tiles
@@ -1387,7 +1394,7 @@ class _Window(NamedTuple):
         return out
 
 
-def _check_window(loads, slots, blocks, meta, classes, shared, shared_runtime: bool,
+def _check_window(loads, slots, blocks, group, meta, classes, shared, shared_runtime: bool,
                   fits: bool, most: int, trip: int) -> Optional[_Window]:
     """The window of a launch (``window_blocks`` > 0; None: none), checked: nki.* only (a
     runtime trip count fills it), K/V not resident, at most ``most`` blocks (what fits in
@@ -1395,15 +1402,24 @@ def _check_window(loads, slots, blocks, meta, classes, shared, shared_runtime: b
     slots, not shared (``host.block_sparse.window_tables``), and the tables' shapes
     (the kernel's DMAs read them at positions its loops compute: a short table would be read
     out of bounds): ``window_slots`` ``meta``'s leading dims, one row of ``trip`` slots per
-    position; ``window_loads`` ``meta``'s leading dims, one row per kernel group (the class's
-    rows in groups of ``tiles.BSP_GROUP_TILES``, then a remainder), ``2 + 2 L`` columns with
-    ``L`` a positive multiple of ``tiles.BSP_WINDOW_LOAD_BLOCKS`` (the steps' blocks)."""
+    position; ``window_group`` an int from 1 to ``tiles.BSP_GROUP_TILES`` (the SBUF of
+    :func:`window_capacity` holds that many tiles' tables; the default where there is no
+    window); ``window_loads`` ``meta``'s leading dims, one row per kernel group (the class's
+    rows in groups of ``window_group``, then a remainder), ``2 + 2 L`` columns with ``L`` a
+    positive multiple of ``tiles.BSP_WINDOW_LOAD_BLOCKS`` (the steps' blocks)."""
     if not isinstance(blocks, int) or blocks < 0:
         raise ValueError(f"window_blocks: expected an int >= 0, got {blocks!r}")
+    if isinstance(group, bool) or not isinstance(group, int) \
+            or not 1 <= group <= T.BSP_GROUP_TILES:
+        raise ValueError(f"window_group: expected an int from 1 to {T.BSP_GROUP_TILES}, got "
+                         f"{group!r}")
     if not blocks:
         if loads is not None or slots is not None:
             raise ValueError("window_loads, window_slots: given with window_blocks=0; allowed: "
                              "None (no window)")
+        if group != T.BSP_GROUP_TILES:
+            raise ValueError(f"window_group: given ({group}) with window_blocks=0; allowed: "
+                             f"{T.BSP_GROUP_TILES} (the default: no window)")
         return None
     if port.api() != "nki" or fits or blocks > most:
         raise ValueError(f"window_blocks: a window of {blocks} blocks needs nki.*, K/V not "
@@ -1426,7 +1442,7 @@ def _check_window(loads, slots, blocks, meta, classes, shared, shared_runtime: b
     if tuple(slots.shape) != want:
         raise ValueError(f"window_slots: expected shape {want} (meta's leading dims, one row "
                          f"of {trip} slots per position), got {tuple(slots.shape)}")
-    g = min(T.BSP_GROUP_TILES, count)
+    g = min(group, count)
     groups = T.ceil_div(count, g)
     Wl = T.BSP_WINDOW_LOAD_BLOCKS
     shape = tuple(loads.shape)
@@ -1436,7 +1452,7 @@ def _check_window(loads, slots, blocks, meta, classes, shared, shared_runtime: b
         raise ValueError(f"window_loads: expected shape {lead + (groups,)} + (2 + 2 L,) "
                          f"(meta's leading dims, one row per group of {g} of the {count} rows, "
                          f"L a positive multiple of {Wl}), got {shape}")
-    return _Window(loads, slots)
+    return _Window(loads, slots, group)
 
 
 def _window_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, count: int, g: int,

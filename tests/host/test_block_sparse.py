@@ -410,7 +410,7 @@ def _replay(win, index):
     meta, slots, loads = win.tables.meta, win.slots, win.loads
     b, h, n, _ = meta.shape
     width = (loads.shape[-1] - 2) // 2
-    g = min(T.BSP_GROUP_TILES, n)
+    g = min(win.group, n)
     gathered = np.zeros((b, h), dtype=np.int64)
     for x in range(b):
         for y in range(h):
@@ -461,7 +461,9 @@ def test_window_tables_hold_every_slots_block_and_gather_fewer(name):
         for t in (grouped, runtime):
             assert bs.grouped_block_loads(t, T.BSP_GROUP_TILES) >= 2 * nqt
     sparsity = bs.check_block_mask(mask, mask.shape[0], mask.shape[1], nqt * 128, nqt * 128)
-    plan = bs.window_plan(sparsity, grouped, blocks)
+    # no more than the dense forward's blocks (here as many as the group of 8 gathers): 8
+    plan = bs.window_plan(sparsity, grouped, blocks, win.block_loads)
+    assert plan.group == T.BSP_GROUP_TILES and plan.block_loads == win.block_loads
     assert plan.block_loads < bs.grouped_block_loads(grouped, T.BSP_GROUP_TILES)
 
 
@@ -551,10 +553,61 @@ def test_window_tables_refuse_a_group_wider_than_the_window():
     assert bs.window_tables(index, 16, T.BSP_GROUP_TILES).block_loads == 16
     sparsity = bs.check_block_mask(mask, 1, 1, 8 * 128, 16 * 128)
     grouped = bs.kernel_tables(index, sort=True, share=T.BSP_GROUP_TILES)
-    assert bs.window_plan(sparsity, grouped, 0) is None
-    assert bs.window_plan(sparsity, grouped, 15) is None
-    # the grouping gathers each tile's 2 blocks too: 16, as many
-    assert bs.window_plan(sparsity, grouped, 16) is None
+    assert bs.window_plan(sparsity, grouped, 0, 16) is None
+    # groups of 4 fit in 15 blocks and gather 16, as many as the grouping (each tile's 2)
+    assert bs.window_tables(index, 15, 4).block_loads == 16
+    assert bs.window_plan(sparsity, grouped, 15, 16) is None
+    assert bs.window_plan(sparsity, grouped, 16, 16) is None
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(1, 1), (4, 1)])
+def test_dense_kv_blocks_are_the_dense_forwards_kv_bytes(Hq, Hkv):
+    """``api._dense_kv_blocks`` (what ``window_plan`` compares the window's gathers to): at
+    64K, D = 128, bf16 the dense forward's K/V bytes of ``tiles.forward_hbm_bytes``, in
+    blocks per ``(b, h)`` of a pattern broadcast to the query heads: 2048 with one query
+    head per kv head (4 passes over K and V), 1920 where 4 share one (15 passes for the
+    4)."""
+    from host import api, validation
+    import ml_dtypes
+
+    N, D = 65536, 128
+    q = np.broadcast_to(np.zeros((), ml_dtypes.bfloat16), (1, Hq, N, D))
+    k = np.broadcast_to(np.zeros((), ml_dtypes.bfloat16), (1, Hkv, N, D))
+    mask = np.eye(N // 128, dtype=bool)[None, None]
+    call = api._attention_call(validation.check_attention_inputs(q, k, k), "bfloat16",
+                               bs.check_block_mask(mask, 1, Hq, N, N))
+    tiles = T.choose_forward_tiles(N, N, D, Hq // Hkv, 2, 2, target="trn2", api="nki")
+    read = T.forward_hbm_bytes(1, Hq, Hkv, N, N, D, 2, tiles)[0]
+    kv = read - Hq * N * D * 2                   # Q read once
+    blocks = api._dense_kv_blocks(call)
+    assert blocks == {1: 2048, 4: 1920}[Hq]
+    assert blocks * Hq * 2 * 128 * D * 2 == kv
+
+
+def test_window_plan_takes_the_largest_group_within_the_dense_traffic():
+    """``window_plan``'s group size: the largest of ``tiles.BSP_WINDOW_GROUPS`` whose plan
+    gathers at most the dense forward's key blocks, else the one gathering the fewest. The
+    random pattern in a window of 32 blocks (it evicts) gathers 166 / 163 / 161 / 160 blocks
+    in groups of 8 / 4 / 2 / 1 (the grouping: 674); in a window of 16 groups of 8 and 4 do
+    not fit, 2 gathers 240. Every plan's tables hold every slot's block
+    (:func:`_replay`)."""
+    nqt = 40
+    mask = np.random.default_rng(5).random((2, 2, nqt, nqt)) < 0.1
+    index = bs.dense_to_index(mask)
+    sparsity = bs.check_block_mask(mask, 2, 2, nqt * 128, nqt * 128)
+    grouped = bs.kernel_tables(index, sort=True, share=T.BSP_GROUP_TILES)
+    loads = {g: bs.window_tables(index, 32, g).block_loads for g in T.BSP_WINDOW_GROUPS}
+    assert T.BSP_WINDOW_GROUPS == (8, 4, 2, 1)
+    assert [loads[g] for g in T.BSP_WINDOW_GROUPS] == [166, 163, 161, 160]
+    for dense, group in ((10 ** 6, 8), (166, 8), (165, 4), (163, 4), (162, 2), (161, 2),
+                         (160, 1), (159, 1), (0, 1)):
+        plan = bs.window_plan(sparsity, grouped, 32, dense)
+        assert (plan.group, plan.block_loads) == (group, loads[group]), dense
+        assert _replay(plan, index).sum() == plan.block_loads
+    assert bs.window_tables(index, 16, 4) is None
+    plan = bs.window_plan(sparsity, grouped, 16, 10 ** 6)
+    assert (plan.group, plan.block_loads) == (2, 240)
+    assert _replay(plan, index).sum() == 240
 
 
 # -- super-groups (the forward past SBUF, nki.*) ----------------------------------------------

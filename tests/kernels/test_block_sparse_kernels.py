@@ -28,6 +28,7 @@ from host import reference as ref
 from host._launch import launch, program_size
 from nki_kernels import nki as binding
 from nki_kernels import tiles as T
+from nki_kernels.attention import block_sparse as BSK
 from nki_kernels.attention.block_sparse import (block_sparse_attention_fwd, check_natural,
                                                 check_shared, keeps_order, window_capacity)
 from nki_kernels.attention.block_sparse_bwd import block_sparse_attention_bwd
@@ -948,8 +949,11 @@ def test_nki_window_past_sbuf_gathers_each_block_once_with_the_planned_bytes(mon
     sparsity = bs.check_block_mask(pattern, B, Hq, N, N)
     grouped = bs.launch_tables(sparsity, group=Hq, backward=False,
                                share_runtime=form == "index").q
+    # every plan gathers each of the 20 key blocks at least once: groups of 8 (the host's
+    # choice: at most the dense forward's blocks)
     win = bs.window_plan(sparsity, grouped,
-                         T.bsp_fwd_window_blocks(D, 4, sparsity.index.max_blocks, True))
+                         T.bsp_fwd_window_blocks(D, 4, sparsity.index.max_blocks, True), 20)
+    assert win.group == T.BSP_GROUP_TILES
     want = ref.attention_forward(q, k, v, block_mask=mask)[0]
     runs = {}
     for windowed in (True, False):
@@ -993,6 +997,71 @@ def test_nki_window_past_sbuf_matches_the_reference_with_lengths_and_padding(mon
     fin = np.isfinite(lse_ref)
     assert (np.isfinite(lse) == fin).all()
     assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
+
+
+def _spy_window_plan(monkeypatch):
+    """``host.block_sparse.window_plan`` recording each plan the host takes (a list)."""
+    plans, plan = [], bs.window_plan
+    monkeypatch.setattr(bs, "window_plan", lambda *args: plans.append(plan(*args)) or plans[-1])
+    return plans
+
+
+@pytest.mark.parametrize("form,group", [("bool", 2), ("index", 1)])
+def test_nki_window_in_smaller_groups_matches_the_reference_with_the_planned_bytes(
+        monkeypatch, form, group):
+    """The window in groups of 2 and of 1 query tiles (the host's only size here:
+    ``tiles.BSP_WINDOW_GROUPS`` patched) on a random pattern per (batch, head) (B = 2, GQA
+    2:1), partial last query and key tiles, a causal band, a window of 8 blocks (it evicts):
+    the outputs and LSE are the reference's and the HBM bytes exactly ``window_hbm_bytes``'
+    of the host's plan."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    monkeypatch.setattr(T, "BSP_WINDOW_GROUPS", (group,))
+    monkeypatch.setattr(BSK, "window_capacity", lambda *args: 8)
+    plans = _spy_window_plan(monkeypatch)
+    B, Hq, Nq, Nk, D = 2, 2, 10 * 128 + 37, 11 * 128 - 50, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=66)
+    mask = _pattern(B, Hq, Nq, Nk, 0.3, seed=67)
+    mask[1, 0, 4] = False                        # a query tile without blocks
+    pattern = mask if form == "bool" else tuple(bs.dense_to_index(mask))
+    kw = dict(causal="bottom_right")
+    with simulate.measure(target="trn2") as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True,
+                                      mixed_precision=False, **kw)
+    win, = plans
+    assert win.group == group and "window_loads" in m.per_tensor
+    # it evicts: more gathers than the pattern's key blocks of each (b, h)
+    assert win.block_loads > int(mask.any(axis=2).sum())
+    assert m.hbm_bytes_read + m.hbm_bytes_written == bs.window_hbm_bytes(win, B, Hq, Nq, Nk,
+                                                                         D, 4)
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask, **kw)[:2]
+    assert _err(o, o_ref) < 2e-6
+    fin = np.isfinite(lse_ref)
+    assert (np.isfinite(lse) == fin).all()
+    assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
+
+
+def test_nki_window_group_is_the_largest_within_the_dense_forwards_traffic(monkeypatch):
+    """The host's window group (``window_plan`` with the dense forward's K/V blocks,
+    ``host.api._dense_kv_blocks``): a random pattern of 24 x 24 blocks in a window of 16
+    gathers 26 / 25 / 23 key blocks in groups of 8 / 4 / 2, and the dense forward's tiling
+    holds K/V resident (one pass: 24 blocks): the host takes groups of 2, which read K
+    less than once, and the outputs are the reference's."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    monkeypatch.setattr(BSK, "window_capacity", lambda *args: 16)
+    plans = _spy_window_plan(monkeypatch)
+    N, D = 24 * 128, 16
+    q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=68)
+    mask = np.random.default_rng(0).random((1, 1, 24, 24)) < 0.15
+    index = bs.dense_to_index(mask)
+    assert [bs.window_tables(index, 16, g).block_loads for g in (8, 4, 2)] == [26, 25, 23]
+    with simulate.measure(target="trn2") as m:
+        o = host.flash_attention(q, k, v, block_mask=mask, mixed_precision=False)
+    win, = plans
+    assert (win.group, win.block_loads) == (2, 23)
+    assert m.per_tensor["k"]["read"] == 23 * 128 * D * 4
+    assert _err(o, ref.attention_forward(q, k, v, block_mask=mask)[0]) < 2e-6
 
 
 def test_nki_window_program_does_not_grow_with_n(monkeypatch):
@@ -1058,6 +1127,13 @@ def test_nki_window_arguments_are_checked(monkeypatch):
         run("nki", window_slots=None)
     with pytest.raises(ValueError, match="given with window_blocks=0"):
         run("nki", window_blocks=0)
+    for bad in (0, T.BSP_GROUP_TILES + 1, True, 2.0):
+        with pytest.raises(ValueError, match=re.escape(
+                f"window_group: expected an int from 1 to {T.BSP_GROUP_TILES}, got {bad!r}")):
+            run("nki", window_group=bad)
+    with pytest.raises(ValueError, match=r"window_group: given \(2\) with window_blocks=0; "
+                                         r"allowed: 8 \(the default: no window\)"):
+        run("nki", window_blocks=0, window_loads=None, window_slots=None, window_group=2)
     with pytest.raises(ValueError, match=r"classes: a window needs one class of the table's 4 "
                                          r"slots, got \(\(0, 8, 4, False\), \(8, 4, 4"):
         run("nki", classes=((0, 8, 4, False), (8, 4, 4, False)))
@@ -1085,6 +1161,11 @@ def test_nki_window_arguments_are_checked(monkeypatch):
                 f"one row per group of 8 of the 12 rows, L a positive multiple of "
                 f"{T.BSP_WINDOW_LOAD_BLOCKS}), got {bad.shape}")):
             run("nki", window_loads=bad)
+    # groups of 4: 3 rows of loads (a table planned for groups of 8 has 2)
+    with pytest.raises(ValueError, match=re.escape(
+            "window_loads: expected shape (1, 1, 3) + (2 + 2 L,) (meta's leading dims, one row "
+            "per group of 4 of the 12 rows")):
+        run("nki", window_group=4)
 
 
 def test_window_capacity_is_wider_only_where_nothing_but_padding_is_masked():
