@@ -667,15 +667,16 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     if api == "nki" and not _tiles.bsp_fwd_kv_resident(dims.Nk, dims.D, itemsize, trip):
         # past SBUF: a key-block window where it gathers fewer blocks than the grouping, in
         # groups small enough to gather no more than the dense forward where they can
+        dense = _dense_kv_blocks(call)
         win = _bs.window_plan(call.block_sparse, q_tables, window_capacity(
             dims.D, call.mm_dtype, trip, dims.Nk, call.causal, call.window,
             call.kv_lens is not None or call.q_lens is not None, call.mods.any, bool(p)),
-            _dense_kv_blocks(call))
+            dense)
         if win is not None:
             q_tables = win.tables
             kwargs.update(window_loads=win.loads, window_slots=win.slots,
                           window_blocks=win.blocks, window_group=win.group)
-        sg = _supergroups(call, q_tables if win is None else None, win)
+        sg = _supergroups(call, q_tables if win is None else None, win, dense)
         if sg is not None:
             q_tables = _bs.KernelTables(sg.meta, sg.classes, (0,))
             for key in ("window_loads", "window_slots", "window_blocks", "window_group"):
@@ -715,7 +716,7 @@ def _dense_kv_blocks(call: AttentionCall) -> int:
     return passes * nkt * (num.size // num.shape[-1]) // dims.group
 
 
-def _supergroups(call: AttentionCall, grouped, win):
+def _supergroups(call: AttentionCall, grouped, win, dense: int):
     """The forward's super-group tables (``host.block_sparse``; nki.*, K/V not resident) for
     a plain call (no band, lengths, score modifier or dropout), or None. The plan taken
     otherwise gathers ``other`` key blocks: the window ``win``'s ``block_loads``, else the
@@ -723,9 +724,9 @@ def _supergroups(call: AttentionCall, grouped, win):
     HBM bytes beside Q, O and small tables. Exact super-groups (``supergroup_tables``) where
     they gather fewer and leave at most ``tiles.BSP_SG_MAX_IDLE`` of the query tiles' count
     idle; else masked ones (``masked_supergroup_tables``) where the other plan gathers more
-    than the dense forward's passes over K/V (``tiles.forward_kv_passes`` blocks per query
-    head), they gather fewer, and they compute at most ``tiles.BSP_SG_MAX_WORK`` times the
-    pattern's active (tile, block) pairs (a masked pair costs an active one's work)."""
+    than the ``dense`` forward's blocks (:func:`_dense_kv_blocks`), they gather fewer, and
+    they compute at most ``tiles.BSP_SG_MAX_WORK`` times the pattern's active (tile, block)
+    pairs (a masked pair costs an active one's work)."""
     if (call.causal or call.window or call.kv_lens is not None or call.q_lens is not None
             or call.mods.any or call.dropout.p):
         return None
@@ -735,7 +736,7 @@ def _supergroups(call: AttentionCall, grouped, win):
              else _bs.grouped_block_loads(grouped, _tiles.BSP_GROUP_TILES))
     mm, itemsize = _tiles.fwd_itemsize(call.mm_dtype), _tiles.fwd_itemsize(call.dtype)
     num = np.asarray(index.num_blocks)
-    nqt, nkt = num.shape[-1], _tiles.ceil_div(dims.Nk, _tiles.BLOCK_SPARSE_TILE)
+    nkt = _tiles.ceil_div(dims.Nk, _tiles.BLOCK_SPARSE_TILE)
     if index.max_blocks:
         most = _tiles.bsp_fwd_supergroup_tiles(dims.D, mm, itemsize,
                                                _bs.union_width(index.max_blocks)[1])
@@ -744,9 +745,6 @@ def _supergroups(call: AttentionCall, grouped, win):
         if (sg is not None and sg.idle <= _tiles.BSP_SG_MAX_IDLE * num.size
                 and sg.block_loads < other):
             return sg
-    dense_tiles = _tiles.choose_forward_tiles(dims.Nq, dims.Nk, dims.D, 1, itemsize, mm,
-                                              target="trn2", api="nki")
-    dense = _tiles.forward_kv_passes(dims.Nq, 1, dense_tiles) * nkt * (num.size // nqt)
     if other <= dense:
         return None
     most = _tiles.bsp_fwd_supergroup_tiles(dims.D, mm, itemsize, _bs.union_width(nkt)[1],
