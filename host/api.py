@@ -699,12 +699,13 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
 
 
 def _dense_kv_blocks(call: AttentionCall) -> int:
-    """The key blocks the dense forward reads from K (and as many from V), without a band,
-    in the block-sparse tables' units: per ``(b, h)`` of the pattern (the tables broadcast
-    to the ``B Hq`` query heads, each gathering its own blocks), the dense forward's K/V
-    blocks over ``B Hkv`` kv heads (``tiles.forward_kv_passes`` of trn2's nki.* tiling times
-    the ``ceil(Nk / 128)`` key blocks each) shared by the ``Hq / Hkv`` query heads of each,
-    rounded down."""
+    """The key blocks the plain dense forward (no band, full lengths) reads from K (and as
+    many from V), in the block-sparse tables' units: summed over the pattern's ``(b, h)``
+    entries (the tables broadcast to the ``B Hq`` query heads, each gathering its own
+    blocks), each entry's share of the dense forward's K/V blocks over ``B Hkv`` kv heads
+    (``tiles.forward_kv_passes`` of trn2's nki.* tiling times the ``ceil(Nk / 128)`` key
+    blocks each) shared by the ``Hq / Hkv`` query heads of each, rounded down. A causal or
+    length-limited dense forward reads fewer; the window plans compare with this one."""
     dims = call.dims
     num = np.asarray(call.block_sparse.index.num_blocks)
     itemsize = _tiles.fwd_itemsize(call.dtype)

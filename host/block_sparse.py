@@ -887,7 +887,38 @@ def _window_loads(needs, blocks: int):
     return out
 
 
-def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[WindowTables]:
+def _block_sets(idx: np.ndarray, live: np.ndarray, x: int, y: int, nkt: int) -> np.ndarray:
+    """``(n, nkt)`` bool: the key blocks of each query tile of ``(b, h) = (x, y)``."""
+    sets = np.zeros((live.shape[2], nkt), dtype=bool)
+    ri, si = np.nonzero(live[x, y])
+    sets[ri, idx[x, y, ri, si]] = True
+    return sets
+
+
+def window_orders(index: BlockIndex, blocks: int) -> np.ndarray:
+    """``(b, h, n)`` int64: the order of the query tiles of every ``(b, h)`` for a window of
+    ``blocks`` blocks (:func:`_window_order` over the last rows whose blocks would fill the
+    window twice), whatever the group size: :func:`window_tables` of several group sizes
+    share it (:func:`window_plan`)."""
+    num = np.asarray(index.num_blocks, dtype=np.int64)
+    idx = np.asarray(index.indices, dtype=np.int64)
+    b, h, n = num.shape
+    live = np.arange(idx.shape[-1]) < num[..., None]
+    nkt = int(idx[live].max()) + 1 if live.any() else 1
+    # the rows placed last whose blocks would fill the window twice: their union stands for
+    # what the window holds (64K, D = 128, s = 1/16 random: the last row alone 2626 gathered
+    # blocks, the last 19 by this rule 2300; butterfly 740 and 512; fixed_density and
+    # band+strided 512 either way)
+    recent = max(1, 2 * blocks * b * h * n // max(1, int(num.sum())))
+    order = np.empty((b, h, n), dtype=np.int64)
+    for x in range(b):
+        for y in range(h):
+            order[x, y] = _window_order(_block_sets(idx, live, x, y, nkt), recent)
+    return order
+
+
+def window_tables(index: BlockIndex, blocks: int, group: int,
+                  order: Optional[np.ndarray] = None) -> Optional[WindowTables]:
     """Tables of a validated index layout for the forward's key-block window of at most
     ``blocks`` blocks (:func:`nki_kernels.tiles.bsp_fwd_window_blocks`; the window the tables
     give, ``WindowTables.blocks``, holds the positions the plan uses, rounded up to a power of
@@ -899,8 +930,9 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
     tiles read every block in place. One class whose trip is ``max_blocks`` (the index
     form's bound), so the kernel's program depends on the bound and the window's size only
     (the loads table's width ``2 + 2 L``, ``L`` = ``min(group max_blocks, blocks)`` rounded up
-    to a multiple of ``tiles.BSP_WINDOW_LOAD_BLOCKS``). None when a
-    group's tiles need more than ``blocks`` blocks."""
+    to a multiple of ``tiles.BSP_WINDOW_LOAD_BLOCKS``). ``order``: :func:`window_orders` of
+    the same ``index`` and ``blocks`` (None: computed here). None when a group's tiles need
+    more than ``blocks`` blocks."""
     num = np.asarray(index.num_blocks, dtype=np.int64)
     idx = np.asarray(index.indices, dtype=np.int64)
     b, h, n = num.shape
@@ -909,7 +941,8 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
     starts = list(range(0, n - n % g, g)) + ([n - n % g] if n % g else [])
     step = _tiles.BSP_WINDOW_LOAD_BLOCKS
     width = _tiles.ceil_div(min(g * m, blocks), step) * step
-    order = np.empty((b, h, n), dtype=np.int64)
+    if order is None:
+        order = window_orders(index, blocks)
     slots = np.full((b, h, n, m), blocks, dtype=np.int64)
     loads = np.zeros((b, h, len(starts), 2 + 2 * width), dtype=np.float64)
     loads[..., 2:2 + width] = _tiles.BSP_PAD_FIRST
@@ -918,17 +951,9 @@ def window_tables(index: BlockIndex, blocks: int, group: int) -> Optional[Window
     live = np.arange(m) < num[..., None]
     nkt = int(idx[live].max()) + 1 if live.any() else 1
     block = _tiles.BLOCK_SPARSE_TILE
-    # the rows placed last whose blocks would fill the window twice: their union stands for
-    # what the window holds (64K, D = 128, s = 1/16 random: the last row alone 2626 gathered
-    # blocks, the last 19 by this rule 2300; butterfly 740 and 512; fixed_density and
-    # band+strided 512 either way)
-    recent = max(1, 2 * blocks * b * h * n // max(1, int(num.sum())))
     for x in range(b):
         for y in range(h):
-            sets = np.zeros((n, nkt), dtype=bool)
-            ri, si = np.nonzero(live[x, y])
-            sets[ri, idx[x, y, ri, si]] = True
-            order[x, y] = _window_order(sets, recent)
+            sets = _block_sets(idx, live, x, y, nkt)
             needs = [np.flatnonzero(sets[order[x, y, a:a + g]].any(axis=0)) for a in starts]
             plan = _window_loads(needs, blocks)
             if plan is None:
@@ -1139,13 +1164,14 @@ def window_plan(sparsity: BlockSparsity, grouped: KernelTables, blocks: int,
     group share the gathers' waits) whose plan gathers at most ``dense`` key blocks (the
     dense forward's K/V traffic in blocks, over the same ``(b, h)``), else the one gathering
     the fewest (on a tie the larger). The counts are exact, so this keeps the smaller HBM
-    traffic; it plans from the largest group down and stops at the first that qualifies
-    (each plan is a few seconds at N = 64K)."""
+    traffic; it plans from the largest group down, in one order of the query tiles
+    (:func:`window_orders`), and stops at the first that qualifies."""
     if blocks < 1:
         return None
     best = None
+    order = window_orders(sparsity.index, blocks)
     for group in _tiles.BSP_WINDOW_GROUPS:
-        win = window_tables(sparsity.index, blocks, group)
+        win = window_tables(sparsity.index, blocks, group, order)
         if win is not None and (best is None or win.block_loads < best.block_loads):
             best = win
         if best is not None and best.block_loads <= dense:
