@@ -1041,6 +1041,31 @@ def test_nki_window_in_smaller_groups_matches_the_reference_with_the_planned_byt
     assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
 
 
+@pytest.mark.parametrize("group", [2, 1])
+def test_nki_window_in_smaller_groups_in_natural_order(monkeypatch, group):
+    """The window in groups of 2 and 1 on band+strided over 9 whole query tiles (B = 2, GQA
+    2:1), which the host keeps in natural order: the groups store their held outputs by
+    plain DMAs (the last group of 2 a remainder of 1); outputs and LSE are the reference's
+    and the HBM bytes exactly ``window_hbm_bytes``'."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    monkeypatch.setattr(T, "BSP_WINDOW_GROUPS", (group,))
+    monkeypatch.setattr(BSK, "window_capacity", lambda *args: 8)
+    plans = _spy_window_plan(monkeypatch)
+    B, Hq, N, D = 2, 2, 9 * 128, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, N, N, D, seed=69)
+    mask = bs.band_strided(9, 9, stride=4)
+    with simulate.measure(target="trn2") as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                      mixed_precision=False)
+    win, = plans
+    assert win.group == group and win.tables.natural == (True,)
+    assert "window_loads" in m.per_tensor
+    assert m.hbm_bytes_read + m.hbm_bytes_written == bs.window_hbm_bytes(win, B, Hq, N, N, D, 4)
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask)[:2]
+    assert _err(o, o_ref) < 2e-6 and _err(lse, lse_ref) < 2e-5
+
+
 def test_nki_window_group_is_the_largest_within_the_dense_forwards_traffic(monkeypatch):
     """The host's window group (``window_plan`` with the dense forward's K/V blocks,
     ``host.api._dense_kv_blocks``): a random pattern of 24 x 24 blocks in a window of 16
