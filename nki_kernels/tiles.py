@@ -1234,7 +1234,9 @@ def forward_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, items
     ``(k_scale, v_scale)`` per instance.
     Causal/window masks only lower the counts (skipped query tiles and chunks):
     ``nki_kernels.attention.forward.plan_hbm_bytes`` counts those from the kernel's own
-    schedule.
+    schedule. One core per instance (``lnc=1``, or LNC=2 sharing whole instances): when the
+    two cores of LNC=2 split an instance's query tiles (the kernel's ``lnc`` 2, an odd number
+    of instances) each reads K/V into its own SBUF, ``plan_hbm_bytes(..., lnc=2)``.
 
     Returns
     -------

@@ -403,7 +403,8 @@ def _valid_in(lo: int, hi: int, n_valid: int, N: int, rotated: bool) -> int:
 
 def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize: int,
                    tiles: T.ForwardTiles, *, causal=None, window=None, q_lens=None,
-                   kv_lens=None, cache_itemsize: Optional[int] = None) -> Tuple[int, int]:
+                   kv_lens=None, cache_itemsize: Optional[int] = None,
+                   lnc: int = 1) -> Tuple[int, int]:
     """HBM bytes (read, written) the kernel moves, counted from its own loop structure.
 
     ``q_lens``/``kv_lens``: the per-sequence valid lengths (B ints), ``True`` for given with
@@ -420,11 +421,25 @@ def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize
     :func:`tiles.forward_hbm_bytes` when there is no causal/window mask. ``cache_itemsize`` 1:
     an FP8 cache (K/V and the edge key at 1 byte, 8 bytes of scales per instance,
     :func:`tiles.fwd_cache_bytes`).
+
+    ``lnc``: the kernel's ``lnc`` argument (:func:`forward_grid`'s second value), 2 when the
+    two cores of an LNC=2 logical core split every instance's query-tile groups (an odd number
+    of (batch, kv head) instances; an even number is shared whole instance by instance and
+    moves what ``lnc`` 1 does). Each core then runs every span (:func:`_core_range`: the first
+    or last ``ceil(count / 2)`` groups of each group run, both the middle one of an odd count),
+    so each core reads the resident K/V (or streams it once per group it runs), the rows of
+    its own groups, the length arrays, edge key and FP8 scales, and writes its groups'
+    outputs: K/V twice per instance, the rows of a middle group twice. The two physical cores of a logical core share HBM but not SBUF (AWS
+    ``nki/get-started/about/lnc.rst``: "two physical cores ... that have shared HBM memory";
+    ``about-neuron/arch/neuron-hardware/trainium2.rst``: SBUF capacity per NeuronCore-v3), so
+    a key one core loaded is not on the other's chip.
     """
+    if lnc not in (1, 2):
+        raise ValueError(f"lnc: expected 1 or 2, got {lnc!r}")
     q_valid = T.fwd_valid_lengths(q_lens, B, Nq)
     k_valid = T.fwd_valid_lengths(kv_lens, B, Nk)
     spec = M.MaskSpec(Nq, Nk, causal, window, q_valid is not None, k_valid is not None)
-    plan = plan_forward(Nq, Nk, Hq // Hkv, spec, tiles)
+    plan = plan_forward(Nq, Nk, Hq // Hkv, spec, tiles, cores=lnc)
     G = Hq // Hkv
     any_region = any(sp.regions for sp in plan.spans)
     # resident keys are loaded as far as the spans sweep (forward_instance's prefetch), all of
@@ -438,20 +453,34 @@ def plan_hbm_bytes(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, itemsize
         nk = Nk if k_valid is None else k_valid[b]
         per_instance = 4 * (int(q_valid is not None) + int(k_valid is not None)) + scales
         per_instance += D * cs if k_valid is not None and nk > 0 else 0     # the edge key
+        per_instance *= lnc                 # each core reads its instance's lengths and scales
         if plan.resident and any_region:
-            per_instance += 2 * _valid_in(0, kv_end, nk, Nk, spec.rotate_k) * D * cs
-        for sp in plan.spans:
+            per_instance += lnc * 2 * _valid_in(0, kv_end, nk, Nk, spec.rotate_k) * D * cs
+        for sp, t0, tiles_run, groups in _core_runs(plan, lnc):
             if not sp.regions:
                 continue
-            r0 = sp.t0 * plan.q_tile
-            rows = _valid_in(r0, r0 + sp.tiles * sp.rows, nq, Nq, spec.rotate_q)
+            r0 = t0 * plan.q_tile
+            rows = _valid_in(r0, r0 + tiles_run * sp.rows, nq, Nq, spec.rotate_q)
             per_instance += G * rows * D * itemsize
             if not plan.resident:
                 keys = sum(_valid_in(rg.k0, rg.k1, nk, Nk, spec.rotate_k) for rg in sp.regions)
-                groups = sum(n for _, n, _ in _groups(sp, plan.q_group))
                 per_instance += groups * 2 * keys * D * cs
         read += Hkv * per_instance
-    return read, B * Hq * Nq * (D * itemsize + 4)
+    rows_out = sum(n * sp.rows for sp, _, n, _ in _core_runs(plan, lnc))
+    return read, B * Hq * rows_out * (D * itemsize + 4)
+
+
+def _core_runs(plan: ForwardPlan, lnc: int):
+    """``(span, first tile, tiles, groups)`` of the consecutive query tiles each core runs per
+    group run of each span (:func:`forward_instance`): all of them with ``lnc`` 1, else each
+    core's :func:`_core_range`."""
+    out = []
+    for sp in plan.spans:
+        for first, count, n in _groups(sp, plan.q_group):
+            for core in T.unrolled(lnc):
+                start, mine = (0, count) if lnc == 1 else _core_range(count, core)
+                out.append((sp, sp.t0 + first + start * n, mine * n, mine))
+    return out
 
 
 # ============================================================================================

@@ -313,3 +313,37 @@ def test_lnc_grids_and_results():
     assert grid == (2, 2) and kw["lnc"] == 1
     with pytest.raises(ValueError, match="lnc: expected None, 1 or 2"):
         api.plan_attention_forward(q, k, v, lnc=4)
+
+
+@pytest.mark.parametrize("namespace", ["legacy", "nki"])
+def test_lnc_split_hbm_bytes_match_plan(monkeypatch, namespace):
+    """fp32 without mixed precision (fp32 matmuls; K^T by DMA transposes under nki.*), one
+    (batch, kv head) on trn2: the default LNC=2 splits the query-tile groups over the two
+    cores, each with its own SBUF, so each reads all of K and V (twice per instance), the
+    rows of its own groups (the middle one of an odd count, and the partial tile, on both)
+    and writes their outputs: exactly ``forward.plan_hbm_bytes(..., lnc=2)``. LNC=1 reads
+    Q, K, V once, ``tiles.forward_hbm_bytes``."""
+    import simulate
+
+    from nki_kernels.attention.forward import plan_hbm_bytes
+
+    monkeypatch.setenv(API_ENV_VAR, namespace)
+    Nq, Nk, D = 700, 300, 64
+    q, k, v = _qkv(Hq=1, Nq=Nq, Nk=Nk, D=D, dtype=np.float32, seed=5)
+    for lnc in (None, 1):
+        with simulate.measure(target="trn2") as m:
+            kw = api.plan_attention_forward(q, k, v, mixed_precision=False, lnc=lnc)[2]
+            api.flash_attention(q, k, v, mixed_precision=False, lnc=lnc)
+        split = 2 if lnc is None else 1
+        assert kw["lnc"] == split and kw["tiles"].kv_resident
+        measured = (m.hbm_bytes_read, m.hbm_bytes_written)
+        assert measured == plan_hbm_bytes(1, 1, 1, Nq, Nk, D, 4, kw["tiles"], lnc=split)
+        assert m.per_tensor["k"]["read"] == m.per_tensor["v"]["read"] == split * Nk * D * 4
+        if split == 1:
+            assert measured == T.forward_hbm_bytes(1, 1, 1, Nq, Nk, D, 4, kw["tiles"])
+        else:
+            # 5 full tiles: two groups of 2 (one per core) and a group of 1 that both cores
+            # run, and the partial tile (60 rows) on both: 128 + 60 rows read twice
+            assert m.per_tensor["q"]["read"] == (Nq + 128 + 60) * D * 4
+    with pytest.raises(ValueError, match="lnc: expected 1 or 2, got 3"):
+        plan_hbm_bytes(1, 1, 1, Nq, Nk, D, 4, kw["tiles"], lnc=3)
