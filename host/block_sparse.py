@@ -1050,10 +1050,11 @@ def _supergroup_arrays(index: BlockIndex, plans, size: int, bound: int,
             pairs += size * len(union)
             if keys is None:
                 continue
-            where = {blk: i for i, blk in enumerate(union)}
-            for t, r in enumerate(members):
-                for blk in idx[x, y, r, :num[x, y, r]]:
-                    keys[x, y, c, where[int(blk)], t] = 1.0
+            # each member's blocks at their positions in the (ascending) union
+            mem = np.asarray(members, dtype=np.int64)
+            t_i, s_i = np.nonzero(np.arange(idx.shape[-1]) < num[x, y, mem][:, None])
+            pos = np.searchsorted(np.asarray(union, dtype=np.int64), idx[x, y, mem[t_i], s_i])
+            keys[x, y, c, pos, t_i] = 1.0
     if keys is not None:
         keys = keys.reshape(b, h, groups * width, size)
     return SuperGroupTables(meta, rows, ((0, groups, width, False),), loads,
@@ -1104,10 +1105,11 @@ def masked_supergroup_tables(index: BlockIndex, most: int, Nk: int) -> Optional[
     for x in range(b):
         for y in range(h):
             plans[x, y] = []
+            live = np.arange(idx.shape[-1]) < num[x, y][:, None]
             for r0 in range(0, n, size):
-                members = list(range(r0, min(r0 + size, n)))
-                union = sorted({int(blk) for r in members for blk in idx[x, y, r, :num[x, y, r]]})
-                plans[x, y].append((tuple(union), members))
+                r1 = min(r0 + size, n)
+                union = np.unique(idx[x, y, r0:r1][live[r0:r1]])
+                plans[x, y].append((tuple(int(j) for j in union), list(range(r0, r1))))
     return _supergroup_arrays(index, plans, size, Nk // _tiles.BLOCK_SPARSE_TILE, True)
 
 
