@@ -672,16 +672,14 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
             dims.D, call.mm_dtype, trip, dims.Nk, call.causal, call.window,
             call.kv_lens is not None or call.q_lens is not None, call.mods.any, bool(p)),
             dense)
-        if win is not None:
+        sg = _supergroups(call, q_tables, win, dense)
+        if sg is not None:
+            q_tables = _bs.KernelTables(sg.meta, sg.classes, (0,))
+            kwargs.update(sg_rows=sg.rows, sg_keys=sg.keys)
+        elif win is not None:
             q_tables = win.tables
             kwargs.update(window_loads=win.loads, window_slots=win.slots,
                           window_blocks=win.blocks, window_group=win.group)
-        sg = _supergroups(call, q_tables if win is None else None, win, dense)
-        if sg is not None:
-            q_tables = _bs.KernelTables(sg.meta, sg.classes, (0,))
-            for key in ("window_loads", "window_slots", "window_blocks", "window_group"):
-                kwargs.pop(key, None)
-            kwargs.update(sg_rows=sg.rows, sg_keys=sg.keys)
     if p:
         kwargs.update(dropout_p=p, dropout_mask=call.return_dropout_mask)
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
