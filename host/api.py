@@ -675,7 +675,7 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
         sg = _supergroups(call, q_tables, win, dense)
         if sg is not None:
             q_tables = _bs.KernelTables(sg.meta, sg.classes, (0,))
-            kwargs.update(sg_rows=sg.rows, sg_keys=sg.keys)
+            kwargs.update(sg_rows=sg.rows, sg_keys=sg.keys, sg_own=sg.own)
         elif win is not None:
             q_tables = win.tables
             kwargs.update(window_loads=win.loads, window_slots=win.slots,
@@ -722,10 +722,13 @@ def _supergroups(call: AttentionCall, grouped, win, dense: int):
     grouped tables ``grouped``' (``grouped_block_loads``); key-block gathers are the plans'
     HBM bytes beside Q, O and small tables. Exact super-groups (``supergroup_tables``) where
     they gather fewer and leave at most ``tiles.BSP_SG_MAX_IDLE`` of the query tiles' count
-    idle; else masked ones (``masked_supergroup_tables``) where the other plan gathers more
-    than the ``dense`` forward's blocks (:func:`_dense_kv_blocks`), they gather fewer, and
-    they compute at most ``tiles.BSP_SG_MAX_WORK`` times the pattern's active (tile, block)
-    pairs (a masked pair costs an active one's work)."""
+    idle; else, where the other plan gathers more than the ``dense`` forward's blocks
+    (:func:`_dense_kv_blocks`), super-groups of consecutive tiles that gather fewer: masked
+    ones (``masked_supergroup_tables``) where they compute at most
+    ``tiles.BSP_SG_SPARSE_PAIR_COST`` times the pattern's active (tile, block) pairs (a
+    masked pair costs an active one's work), else sparse ones (``sparse_supergroup_tables``:
+    each tile computes only its own blocks, at about that many times a masked pair's
+    cost)."""
     if (call.causal or call.window or call.kv_lens is not None or call.q_lens is not None
             or call.mods.any or call.dropout.p):
         return None
@@ -749,10 +752,13 @@ def _supergroups(call: AttentionCall, grouped, win, dense: int):
     most = _tiles.bsp_fwd_supergroup_tiles(dims.D, mm, itemsize, _bs.union_width(nkt)[1],
                                            masked=True)
     sg = _bs.masked_supergroup_tables(index, most, dims.Nk)
-    if (sg is None or sg.block_loads >= other
-            or sg.pairs > _tiles.BSP_SG_MAX_WORK * int(num.sum())):
-        return None
-    return sg
+    if (sg is not None and sg.block_loads < other
+            and sg.pairs <= _tiles.BSP_SG_SPARSE_PAIR_COST * int(num.sum())):
+        return sg
+    most = _tiles.bsp_fwd_supergroup_tiles(dims.D, mm, itemsize,
+                                           _bs.union_width(nkt, sparse=True)[1], own=True)
+    sg = _bs.sparse_supergroup_tables(index, most, dims.Nk)
+    return sg if sg is not None and sg.block_loads < other else None
 
 
 def _varlen_forward(q, k, v, call: AttentionCall):

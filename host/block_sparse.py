@@ -999,7 +999,13 @@ class SuperGroupTables(NamedTuple):
     of super-group c's union is one of tile t's blocks, else 0 (a padding slot: 0).
     ``classes``: ``((0, groups, U, False),)``. ``block_loads``: key blocks gathered over every
     ``(b, h)``; ``idle``: idle tile slots over every ``(b, h)``; ``pairs``: (tile, block)
-    pairs computed, each super-group's tiles times its union, idle slots included."""
+    pairs computed, each super-group's tiles times its union, idle slots included (sparse
+    super-groups: the active pairs). ``own`` (sparse super-groups, :func:`
+    sparse_supergroup_tables`; None: none) float32 ``(b, h, groups S tiles, C)`` with ``S =
+    U / W`` steps of ``W = min(tiles.BSP_SG_OWN_STEP_BLOCKS, M)`` blocks: at row ``(c S + s)
+    tiles + t`` tile t's blocks of step s of super-group c as the trip count of each sub-step
+    width of ``tiles.BSP_SG_OWN_WIDTHS``, then each width's section of the blocks' positions
+    in the step (0 .. W - 1; ``tiles.bsp_sg_own_layout``, unused entries 0)."""
 
     meta: np.ndarray
     rows: np.ndarray
@@ -1008,13 +1014,17 @@ class SuperGroupTables(NamedTuple):
     idle: int
     pairs: int
     keys: Optional[np.ndarray] = None
+    own: Optional[np.ndarray] = None
 
 
-def union_width(bound: int) -> Tuple[int, int]:
+def union_width(bound: int, sparse: bool = False) -> Tuple[int, int]:
     """``(W, U)`` of :class:`SuperGroupTables` for unions of at most ``bound`` blocks: ``U =
     (bound // W + 1) W`` -- the padded step's loop starts at ``count // W``, in the table even
-    where no padded step runs (its body is still program text)."""
-    step = min(_tiles.BSP_SHARED_STEP_BLOCKS, bound)
+    where no padded step runs (its body is still program text). ``W`` is
+    ``tiles.BSP_SHARED_STEP_BLOCKS`` (``sparse``: ``tiles.BSP_SG_OWN_STEP_BLOCKS``) or
+    ``bound`` if smaller."""
+    most = _tiles.BSP_SG_OWN_STEP_BLOCKS if sparse else _tiles.BSP_SHARED_STEP_BLOCKS
+    step = min(most, bound)
     return step, (bound // step + 1) * step
 
 
@@ -1026,20 +1036,21 @@ def supergroup_size(rows: int, most: int) -> int:
 
 
 def _supergroup_arrays(index: BlockIndex, plans, size: int, bound: int,
-                       masked: bool) -> SuperGroupTables:
+                       masked: bool, sparse: bool = False) -> SuperGroupTables:
     """The tables of ``plans`` (per ``(x, y)``: a list of super-groups ``(union, members)``);
-    ``masked``: the ``keys`` table too."""
+    ``masked``: the ``keys`` table too; ``sparse``: the ``own`` table instead."""
     num = np.asarray(index.num_blocks, dtype=np.int64)
     idx = np.asarray(index.indices, dtype=np.int64)
     b, h, n = num.shape
-    width = union_width(bound)[1]
+    step, width = union_width(bound, sparse)
     groups = max(len(p) for p in plans.values())
     block = _tiles.BLOCK_SPARSE_TILE
     pad = _tiles.BSP_PAD_FIRST
     meta = np.full((b, h, groups, 2 + width), pad, dtype=np.float32)
     meta[..., :2] = 0
     rows = np.full((b, h, groups, size), pad, dtype=np.float32)
-    keys = np.zeros((b, h, groups, width, size), dtype=np.float32) if masked else None
+    keys = (np.zeros((b, h, groups, width, size), dtype=np.float32) if masked or sparse
+            else None)
     loads = pairs = 0
     for (x, y), plan in plans.items():
         for c, (union, members) in enumerate(plan):
@@ -1047,7 +1058,7 @@ def _supergroup_arrays(index: BlockIndex, plans, size: int, bound: int,
             meta[x, y, c, 2:2 + len(union)] = np.asarray(union, dtype=np.int64) * block
             rows[x, y, c, :len(members)] = np.asarray(members) * block
             loads += len(union)
-            pairs += size * len(union)
+            pairs += size * len(union) if not sparse else int(num[x, y, members].sum())
             if keys is None:
                 continue
             # each member's blocks at their positions in the (ascending) union
@@ -1055,10 +1066,35 @@ def _supergroup_arrays(index: BlockIndex, plans, size: int, bound: int,
             t_i, s_i = np.nonzero(np.arange(idx.shape[-1]) < num[x, y, mem][:, None])
             pos = np.searchsorted(np.asarray(union, dtype=np.int64), idx[x, y, mem[t_i], s_i])
             keys[x, y, c, pos, t_i] = 1.0
+    own = None
+    if sparse:
+        own, keys = _own_rows(keys, step), None
     if keys is not None:
         keys = keys.reshape(b, h, groups * width, size)
     return SuperGroupTables(meta, rows, ((0, groups, width, False),), loads,
-                            b * h * groups * size - b * h * n, pairs, keys)
+                            b * h * groups * size - b * h * n, pairs, keys, own)
+
+
+def _own_rows(keys: np.ndarray, step: int) -> np.ndarray:
+    """The ``own`` table of :class:`SuperGroupTables` from the keep flags ``keys`` ``(b, h,
+    groups, U, tiles)`` (1.0 where union slot k is one of tile t's blocks) in steps of
+    ``step`` blocks: per (super-group, step, tile) the positions of the tile's blocks in the
+    step, ascending, split greedily over the sub-step widths (``tiles.bsp_sg_own_layout``)."""
+    b, h, groups, width, size = keys.shape
+    steps = width // step
+    sections, cols = _tiles.bsp_sg_own_layout(step)
+    own = np.zeros((b, h, groups, steps, size, cols), dtype=np.float32)
+    flags = keys.reshape(b, h, groups, steps, step, size) > 0
+    for lead in zip(*np.nonzero(flags.any(axis=4))):
+        pos = np.flatnonzero(flags[lead[:4] + (slice(None), lead[4])])
+        row = own[lead]
+        at = 0
+        for i, (w, col) in enumerate(sections):
+            trips = (len(pos) - at) // w
+            row[i] = trips
+            row[col:col + trips * w] = pos[at:at + trips * w]
+            at += trips * w
+    return own.reshape(b, h, groups * steps * size, cols)
 
 
 def supergroup_tables(index: BlockIndex, most: int) -> Optional[SuperGroupTables]:
@@ -1095,10 +1131,20 @@ def masked_supergroup_tables(index: BlockIndex, most: int, Nk: int) -> Optional[
     are bounded by the ``Nk / 128`` key blocks (the table's width depends on the shape only).
     None where the pattern has no active block or the last key block is partial (the kernel
     masks whole blocks)."""
+    if Nk % _tiles.BLOCK_SPARSE_TILE:
+        return None
+    return _consecutive(index, most, Nk, "masked")
+
+
+def _consecutive(index: BlockIndex, most: int, Nk: int, kind: str) -> Optional[
+        SuperGroupTables]:
+    """The tables (``kind`` "masked" or "sparse") of super-groups of consecutive query tiles,
+    :func:`supergroup_size` with up to ``most`` each, each with the union of its tiles'
+    blocks in ascending order; None where the pattern has no active block."""
     num = np.asarray(index.num_blocks, dtype=np.int64)
     idx = np.asarray(index.indices, dtype=np.int64)
     b, h, n = num.shape
-    if idx.shape[-1] == 0 or not num.any() or Nk % _tiles.BLOCK_SPARSE_TILE:
+    if idx.shape[-1] == 0 or not num.any():
         return None
     size = supergroup_size(n, most)
     plans = {}
@@ -1110,7 +1156,21 @@ def masked_supergroup_tables(index: BlockIndex, most: int, Nk: int) -> Optional[
                 r1 = min(r0 + size, n)
                 union = np.unique(idx[x, y, r0:r1][live[r0:r1]])
                 plans[x, y].append((tuple(int(j) for j in union), list(range(r0, r1))))
-    return _supergroup_arrays(index, plans, size, Nk // _tiles.BLOCK_SPARSE_TILE, True)
+    return _supergroup_arrays(index, plans, size, Nk // _tiles.BLOCK_SPARSE_TILE,
+                              kind == "masked", sparse=kind == "sparse")
+
+
+def sparse_supergroup_tables(index: BlockIndex, most: int, Nk: int) -> Optional[
+        SuperGroupTables]:
+    """Sparse super-group tables of a pattern over ``Nk`` keys (:class:`SuperGroupTables`
+    with ``own``): the super-groups of :func:`masked_supergroup_tables` (consecutive query
+    tiles, each streaming its union once, here in steps of ``tiles.BSP_SG_OWN_STEP_BLOCKS``),
+    but each tile computes only its own blocks of a step (``pairs``: the active pairs), read
+    at the positions ``own`` lists. None where the pattern has no active block or the last
+    key block is partial (nothing masks its keys past Nk)."""
+    if Nk % _tiles.BLOCK_SPARSE_TILE:
+        return None
+    return _consecutive(index, most, Nk, "sparse")
 
 
 def supergroup_hbm_bytes(sg: SuperGroupTables, B: int, Hq: int, Nq: int, Nk: int, D: int,
@@ -1119,7 +1179,8 @@ def supergroup_hbm_bytes(sg: SuperGroupTables, B: int, Hq: int, Nq: int, Nk: int
     over ``(B, Hq)`` query heads (the tables broadcast to them), q/k/v/o of ``itemsize``
     bytes: Q read and O, LSE written once; each super-group's union blocks' K and V rows
     below Nk; per super-group its union row and its tiles' first rows, and where masked
-    (``keys``) the keep flags of each step run (``ceil(count / W)`` steps)."""
+    (``keys``) the keep flags of each step run (``ceil(count / W)`` steps), where sparse
+    (``own``) each step run's rows of ``own``, one per tile."""
     meta = np.broadcast_to(sg.meta, (B, Hq) + sg.meta.shape[2:])
     firsts = meta[..., 2:]
     firsts = firsts[firsts < _tiles.BSP_PAD_FIRST].astype(np.int64)
@@ -1131,6 +1192,10 @@ def supergroup_hbm_bytes(sg: SuperGroupTables, B: int, Hq: int, Nq: int, Nk: int
         step = min(_tiles.BSP_SHARED_STEP_BLOCKS, (meta.shape[-1] - 2) // 2)
         steps = int((-(-meta[..., 1].astype(np.int64) // step)).sum())
         flags = steps * step * sg.rows.shape[-1] * 4
+    if sg.own is not None:
+        step = min(_tiles.BSP_SG_OWN_STEP_BLOCKS, (meta.shape[-1] - 2) // 2)
+        steps = int((-(-meta[..., 1].astype(np.int64) // step)).sum())
+        flags = steps * sg.rows.shape[-1] * sg.own.shape[-1] * 4
     return (B * Hq * (2 * Nq * D * itemsize + Nq * 4 + meta.shape[2] * per_group)
             + flags + 2 * kv_rows * D * itemsize)
 

@@ -266,13 +266,18 @@ BSP_SG_MAX_IDLE = 0.125
 
 #: The most (tile, block) pairs a masked super-group plan may compute, as a multiple of the
 #: pattern's active pairs (every tile of a masked super-group computes every block of its
-#: union, masking the ones not its own): at s = 1/2 random about 2, at s = 1/16 about 16 (the
-#: key-block window then keeps its time). A choice, not measured.
-BSP_SG_MAX_WORK = 2.5
+#: union, masking the ones not its own), before the host takes sparse super-groups instead
+#: (each tile computes only its own blocks, in sub-steps of up to 4 read at runtime offsets:
+#: about this many times a masked pair's time). Scheduled estimate, trn2 through nki.*,
+#: N = 8192, D = 128, bf16, random patterns (benchmarks/block_sparse.py's, seed 1), one
+#: super-group of 64 tiles, K/V forced past SBUF, masked / sparse (steps of 32 blocks):
+#: s = 1/8 936.3 / 423.7 us, 1/4 936.3 / 595.7, 1/2 936.3 / 933.3 (masked computes 1.99x the
+#: active pairs there).
+BSP_SG_SPARSE_PAIR_COST = 2.0
 
 
 def bsp_fwd_supergroup_tiles(D: int, mm_itemsize: int, in_itemsize: int, trip: int,
-                             masked: bool = False) -> int:
+                             masked: bool = False, own: bool = False) -> int:
     """Query tiles of one super-group of the block-sparse forward (nki.*, K/V not resident,
     ``attention/block_sparse._supergroup``): as many as the dense forward's streaming regime
     keeps on chip (:func:`choose_forward_tiles`: each tile's Q^T and ``[o_acc | l]``, its
@@ -289,8 +294,51 @@ def bsp_fwd_supergroup_tiles(D: int, mm_itemsize: int, in_itemsize: int, trip: i
     per_tile = fwd_q_state_bytes(D, mm_itemsize, in_itemsize) + BSP_SG_TILE_EXTRA_BYTES
     if masked:
         per_tile += BSP_SG_MASK_TILE_BYTES
-    free = FWD_SBUF_BUDGET_BYTES["trn2"] - BSP_FWD_WORK_BYTES * mm_itemsize // 2 - tables
+    work = BSP_FWD_WORK_BYTES * mm_itemsize // 2
+    if own:
+        # a tile keeps only Q^T, [o_acc | l | flag] and its statistics (no finished output
+        # staged); the step's gathered blocks come on top of the work bytes
+        per_tile = (PMAX * mm_itemsize + (D + 2) * 4 + BSP_SG_TILE_EXTRA_BYTES)
+        work += BSP_SG_OWN_STEP_BLOCKS * bsp_sg_step_block_bytes(D, mm_itemsize, in_itemsize)
+    free = FWD_SBUF_BUDGET_BYTES["trn2"] - work - tables
     return max(1, free // per_tile)
+
+
+#: Key blocks per step of a sparse super-group (``host.block_sparse.
+#: sparse_supergroup_tables``, ``attention/block_sparse._own_blocks``): wider than
+#: :data:`BSP_SHARED_STEP_BLOCKS`, so that a query tile finds more of its own blocks in a
+#: step and its sub-steps are fuller (one online-softmax update per sub-step of
+#: :data:`BSP_SG_OWN_WIDTHS` blocks).
+BSP_SG_OWN_STEP_BLOCKS = 64
+#: The widths of a sparse super-group's sub-steps, in key blocks: a tile's own blocks of a
+#: step run in ``n // 4`` sub-steps of 4 (one PSUM bank of scores), then at most one of 2 and
+#: one of 1 for the rest (runtime trip counts of 0 or 1), so no slot is padding and nothing
+#: is masked. Each width a halving of the one before.
+BSP_SG_OWN_WIDTHS = (4, 2, 1)
+
+
+def bsp_sg_step_block_bytes(D: int, mm_itemsize: int, in_itemsize: int) -> int:
+    """SBUF bytes per partition of one key block of a super-group step: K rows as loaded
+    (``in_itemsize``), K^T per head-dim pass and ``[V | 1 | flag]`` (matmul dtype)."""
+    return (D * in_itemsize + fwd_d_passes(D) * PMAX * mm_itemsize
+            + (D + 2) * mm_itemsize)
+
+
+def bsp_sg_own_layout(step: int):
+    """``(sections, columns)`` of a sparse super-group's per (step, tile) row (``host.
+    block_sparse.sparse_supergroup_tables``): the trip count of each width of
+    :data:`BSP_SG_OWN_WIDTHS` (one column each), then per width a section of the blocks'
+    positions in the step; ``sections`` lists ``(width, first column)``: the first width's
+    section holds ``step // width`` sub-steps, each later one as many as the remainder left
+    by the width before can need."""
+    widths = BSP_SG_OWN_WIDTHS
+    col = len(widths)
+    sections = []
+    for i, w in enumerate(widths):
+        most = step // w if i == 0 else (widths[i - 1] - 1) // w
+        sections.append((w, col))
+        col += most * w
+    return tuple(sections), col
 
 
 #: SBUF bytes per partition of the block-sparse forward's key-block window (nki.*, K/V not

@@ -972,6 +972,17 @@ class _ResidentKV(_BlocksKV):
         return view if kw == P else view[0:kw, :]
 
 
+class _OwnKV(_ResidentKV):
+    """Sparse super-groups: a sub-step's blocks read in place from the step's gathered K^T
+    and ``[V | 1]`` (``kv``, :func:`_gather_kv`) at their positions in the step: block w of
+    the sub-step is position ``own[row, s0 + w]`` (``blocks``: ``(own, row)``, the step's
+    int32 table of the tiles and the tile's partition, :func:`_own_blocks`), a runtime
+    offset (:func:`port.select_block`)."""
+
+    def _index(self, w):
+        return self.blocks[self.tile:self.tile + 1, nl.ds(self.s0 + w, 1)]
+
+
 def _block_numbers(grp, trip: int, nkb: int):
     """int32 ``[1, n, trip]``: the key-block numbers ``first / 128`` of the slots of a group's
     n query tiles (``grp``: their fp32 meta rows ``[1, n, 2 + trip]`` on partition 0); a
@@ -1180,7 +1191,8 @@ def store_unit_mask(f, head, q_frame: RowFrame, pos, first, keep):
 @port.jit
 def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=None,
                                alibi_slopes=None, sinks=None, window_loads=None,
-                               window_slots=None, sg_rows=None, sg_keys=None, *, classes,
+                               window_slots=None, sg_rows=None, sg_keys=None, sg_own=None, *,
+                               classes,
                                shared=None,
                                natural=None, shared_runtime=False, window_blocks=0,
                                window_group=T.BSP_GROUP_TILES, scale=1.0,
@@ -1244,7 +1256,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                         shared, shared_runtime, fits, most, trip_max)
     plain = not (causal or window or q_lens is not None or kv_lens is not None
                  or mods != SM.Mods() or dropout_p)
-    sg = _check_supergroups(meta, sg_rows, sg_keys, classes, shared, shared_runtime,
+    sg = _check_supergroups(meta, sg_rows, sg_keys, sg_own, classes, shared, shared_runtime,
                             window_blocks, plain, fits, trip_max, Nk % P == 0)
     step = T.BSP_RESIDENT_STEP_BLOCKS if fits or win else T.BSP_STEP_BLOCKS
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False, kv_load_block=T.BSP_FWD_KV_LOAD_BLOCK)
@@ -1483,10 +1495,16 @@ class _SuperGroups(NamedTuple):
     meta: object
     rows: object
     keys: Optional[object] = None
+    own: Optional[object] = None
 
     @property
     def tiles(self) -> int:
         return self.rows.shape[3]
+
+    @property
+    def steps(self) -> int:
+        """Steps of a union's table row (``U // step``)."""
+        return self.width // self.step
 
     @property
     def width(self) -> int:
@@ -1494,12 +1512,14 @@ class _SuperGroups(NamedTuple):
 
     @property
     def step(self) -> int:
-        """Key blocks per step: ``tiles.BSP_SHARED_STEP_BLOCKS``, or the pattern's bound M if
-        smaller (the host's ``U = (M // W + 1) W`` is at least two steps)."""
-        return min(T.BSP_SHARED_STEP_BLOCKS, self.width // 2)
+        """Key blocks per step: ``tiles.BSP_SHARED_STEP_BLOCKS`` (sparse super-groups, ``own``:
+        ``tiles.BSP_SG_OWN_STEP_BLOCKS``), or the pattern's bound M if smaller (the host's
+        ``U = (M // W + 1) W`` is at least two steps)."""
+        most = T.BSP_SHARED_STEP_BLOCKS if self.own is None else T.BSP_SG_OWN_STEP_BLOCKS
+        return min(most, self.width // 2)
 
 
-def _check_supergroups(meta, rows, keys, classes, shared, shared_runtime: bool,
+def _check_supergroups(meta, rows, keys, own, classes, shared, shared_runtime: bool,
                        window_blocks: int, plain: bool, fits: bool, trip: int,
                        whole: bool) -> Optional[_SuperGroups]:
     """The super-group tables of a launch (``sg_rows`` given; None: none), checked: nki.*
@@ -1508,8 +1528,12 @@ def _check_supergroups(meta, rows, keys, classes, shared, shared_runtime: bool,
     multiple of the step and ``sg_rows`` ``meta``'s leading dims and one row per
     super-group; ``sg_keys`` (masked super-groups; None: none) their leading dims, ``U`` rows
     per super-group and a column per tile (given without ``sg_rows``: refused by the
-    caller), with whole key blocks."""
+    caller), with whole key blocks; ``sg_own`` (sparse super-groups; None: none) not with
+    ``sg_keys``, its leading dims, one row per step and tile of each super-group
+    (``U / step`` steps) and the columns of :func:`tiles.bsp_sg_own_layout`."""
     if rows is None:
+        if own is not None:
+            raise ValueError("sg_own: given without sg_rows; allowed: None")
         return None
     if port.api() != "nki" or fits or not plain:
         raise ValueError(f"sg_rows: super-groups need nki.*, K/V not resident and a plain "
@@ -1518,7 +1542,10 @@ def _check_supergroups(meta, rows, keys, classes, shared, shared_runtime: bool,
     if window_blocks or any(shared) or shared_runtime:
         raise ValueError("sg_rows: super-groups take no window and share no slots (allowed: "
                          "window_blocks=0, shared=None, shared_runtime=False)")
-    sg = _SuperGroups(meta, rows, keys)
+    if keys is not None and own is not None:
+        raise ValueError("sg_own: given with sg_keys (a super-group is masked or sparse, not "
+                         "both); allowed: None")
+    sg = _SuperGroups(meta, rows, keys, own)
     n = meta.shape[2]
     if classes != ((0, n, trip, False),) or trip % sg.step:
         raise ValueError(f"classes: super-groups need ((0, {n}, U, False),) with U a "
@@ -1531,9 +1558,18 @@ def _check_supergroups(meta, rows, keys, classes, shared, shared_runtime: bool,
     if keys is not None and not whole:
         raise ValueError("sg_keys: masked super-groups need whole key blocks (Nk a multiple of "
                          f"{P}); allowed: None")
+    if own is not None and not whole:
+        raise ValueError("sg_own: sparse super-groups need whole key blocks (Nk a multiple of "
+                         f"{P}); allowed: None")
     if keys is not None and tuple(keys.shape) != keyed:
         raise ValueError(f"sg_keys: expected shape {keyed} (sg_rows' leading dims, U rows per "
                          f"super-group, one column per tile), got {tuple(keys.shape)}")
+    if own is not None:
+        mine = want[:2] + (n * sg.steps * sg.tiles, T.bsp_sg_own_layout(sg.step)[1])
+        if tuple(own.shape) != mine:
+            raise ValueError(f"sg_own: expected shape {mine} (sg_rows' leading dims, one row "
+                             f"per step of {sg.step} blocks and tile of each super-group, the "
+                             f"columns of tiles.bsp_sg_own_layout), got {tuple(own.shape)}")
     return sg
 
 
@@ -1589,9 +1625,9 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
     whole = f.Nk % P == 0
     none = dict(thr=None, hi=None, lo=None, pad=None, pad_mm=None)
     sel = None
-    if sg.keys is not None:
+    if sg.keys is not None or sg.own is not None:
         cols_full = cols_pad = None
-        sel = _slot_selector(f, Ws)
+        sel = _slot_selector(f, Ws) if sg.own is None else None
     elif whole:
         cols_full = none
         cols_pad = dict(none, pad=_padding_columns(rw, U, f.Nk))
@@ -1604,6 +1640,9 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
         F.ones_column(f, v[:, :, f.D:f.D + 1])
         kv = _gather_kv(f, rw, v, s * Ws, Ws, padded or not whole,
                         guard_keys=sg.keys is not None)
+        if sg.own is not None:
+            _own_blocks(f, st, sg, kv, hb, hh, c, s)
+            return
         cols = cols_pad if padded else cols_full
         neg = None
         if sg.keys is not None:
@@ -1638,8 +1677,9 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
     count = union[0:1, 1:2]
     hi = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     port.tensor_scalar(hi, count, nl.add, Ws / 2.0 - 0.5, op1=nl.multiply, operand1=1.0 / Ws)
-    if sg.keys is not None:
-        # masked: every step's blocks are masked per tile, the padding slots with them
+    if sg.keys is not None or sg.own is not None:
+        # masked: every step's blocks are masked per tile, the padding slots with them;
+        # sparse: no tile reads a padding slot (its gathers skipped into zeroed tiles)
         port.loop_between(0, port.register(hi), lambda s: step(s, True))
     else:
         lo = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -1651,6 +1691,43 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
                                 act_slots=int(n * T.BSP_FINALIZE_ACT_SHARE))
     for t in T.unrolled(n):
         store_tile(f, q_idx[t], head, o_all[:, t, :] if n > 1 else o_all, lse_all[:, t:t + 1])
+
+
+def _own_blocks(f, st, sg: _SuperGroups, kv, hb, hh, c, s):
+    """Sparse super-groups (``sg.own``): step ``s`` of super-group ``c`` (``kv``: its
+    ``sg.step`` gathered blocks) for each of its tiles, only the tile's own blocks of the
+    step. The step's rows of ``sg_own`` (one per tile, tiles on partitions: one DMA per
+    128 tiles and one int32 conversion) give per tile the trip count of each sub-step width
+    of ``tiles.BSP_SG_OWN_WIDTHS`` and the blocks' positions in the step; each width is a
+    compiled loop of that runtime trip count (:func:`port.loop_between`) whose body reads
+    its blocks in place at those positions (:class:`_OwnKV`) and makes one online-softmax
+    update. Every slot a tile reads is one of its blocks: no padding, no mask, and the
+    values of a block it does not use never reach it."""
+    n = sg.tiles
+    sections, cols = T.bsp_sg_own_layout(sg.step)
+    row0 = (c * sg.steps + s) * n
+    for p0 in T.unrolled(0, n, P):
+        m = min(P, n - p0)
+        raw = nl.ndarray((m, cols), dtype=nl.float32, buffer=nl.sbuf)
+        port.dma_copy(raw, sg.own[hb, hh, nl.ds(row0 + p0, m), :])
+        own = nl.ndarray((m, cols), dtype=nl.int32, buffer=nl.sbuf)
+        port.tensor_copy(own, raw, engine="vector")
+        for t in T.unrolled(p0, p0 + m):
+            for i, (w, col0) in enumerate(sections):
+                port.loop_between(
+                    0, port.register(own[t - p0:t - p0 + 1, i:i + 1]),
+                    lambda j, t=t, w=w, col0=col0, own=own, p0=p0: _own_substep(
+                        f, st, t, _OwnKV(kv, (own, t - p0), col0 + j * w), w))
+
+
+def _own_substep(f, st, t, kv: "_OwnKV", w: int):
+    """One online-softmax update of tile ``t`` over ``w`` of its blocks (``kv``): one score
+    tile of ``128 w`` keys (one PSUM bank at most), then :func:`forward.fold_front` and
+    :func:`forward.fold_back`."""
+    widths = [w * P]
+    sc = kv.scores(st.qT, t, 0, w)
+    front = F.fold_front(f, st, t, [sc], widths, None)
+    F.fold_back(f, st, t, front, widths, kv, 0, None)
 
 
 def _load_window(f, geo: Geometry, src: KVSource, h, c):
