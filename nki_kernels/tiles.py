@@ -315,6 +315,13 @@ BSP_SG_OWN_STEP_BLOCKS = 64
 #: one of 1 for the rest (runtime trip counts of 0 or 1), so no slot is padding and nothing
 #: is masked. Each width a halving of the one before.
 BSP_SG_OWN_WIDTHS = (4, 2, 1)
+#: The share of a sparse super-group's P^T transposes on the DMA engines (the dense
+#: forward's is ``FWD_NKI_P_DMA_SHARE``): none. Its updates are short (at most 4 blocks) and
+#: follow each other tile by tile, so a DMA transpose's latency lies on each update's chain,
+#: and the queues also gather the step. Scheduled estimate, trn2 through nki.*, N = 16384,
+#: D = 128, bf16, random s = 1/8 (seed 1), K/V forced past SBUF, one super-group of 128
+#: tiles: 0.75 1189.3 us, 0.35 or 0 1141.3.
+BSP_SG_OWN_P_DMA_SHARE = 0.0
 
 
 def bsp_sg_step_block_bytes(D: int, mm_itemsize: int, in_itemsize: int) -> int:

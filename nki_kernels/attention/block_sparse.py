@@ -1230,8 +1230,9 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     Hkv, Nk = k.shape[1], k.shape[2]
     nqt = T.ceil_div(Nq, P)
     trip_max = meta.shape[3] - 2
-    if sg_rows is None and sg_keys is not None:
-        raise ValueError("sg_keys: given without sg_rows; allowed: None")
+    for name, given in (("sg_keys", sg_keys), ("sg_own", sg_own)):
+        if sg_rows is None and given is not None:
+            raise ValueError(f"{name}: given without sg_rows; allowed: None")
     rows = nqt if sg_rows is None else meta.shape[2]
     if sg_rows is None and tuple(meta.shape[2:3]) != (nqt,):
         raise ValueError(f"meta: expected {nqt} rows (one per query tile), got {meta.shape}")
@@ -1532,8 +1533,6 @@ def _check_supergroups(meta, rows, keys, own, classes, shared, shared_runtime: b
     ``sg_keys``, its leading dims, one row per step and tile of each super-group
     (``U / step`` steps) and the columns of :func:`tiles.bsp_sg_own_layout`."""
     if rows is None:
-        if own is not None:
-            raise ValueError("sg_own: given without sg_rows; allowed: None")
         return None
     if port.api() != "nki" or fits or not plain:
         raise ValueError(f"sg_rows: super-groups need nki.*, K/V not resident and a plain "
@@ -1578,10 +1577,11 @@ def _supergroups(f, geo: Geometry, sg: _SuperGroups, h):
     transposes take the device's DMA share (``tiles.FWD_NKI_P_DMA_SHARE``, as the dense
     forward's): the DMA queues gather one step for the whole super-group (trn2, N = 16K,
     D = 128, index form s = 1, K/V forced past SBUF, one super-group of 128 tiles: 3963.9 ->
-    2865.9 us; one matmul per 512 keys instead of per block then: 3123.8, not taken)."""
+    2865.9 us; one matmul per 512 keys instead of per block then: 3123.8, not taken).
+    Sparse super-groups take ``tiles.BSP_SG_OWN_P_DMA_SHARE`` instead."""
     # (a class of BSP_P_DMA_FULL_SLOTS slots takes the full share)
-    f = KVSource(None, 0, T.FWD_NKI_P_DMA_SHARE[port.target()]).instance(
-        f, T.BSP_P_DMA_FULL_SLOTS)
+    share = T.FWD_NKI_P_DMA_SHARE[port.target()] if sg.own is None else T.BSP_SG_OWN_P_DMA_SHARE
+    f = KVSource(None, 0, share).instance(f, T.BSP_P_DMA_FULL_SLOTS)
     q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
     port.loop(sg.meta.shape[2], lambda c: _supergroup(f, geo, sg, h, q_frame, c))
 

@@ -1407,25 +1407,33 @@ def test_nki_supergroup_arguments_are_checked(monkeypatch):
                **{**base, "sg_keys": np.zeros((1, 1, 8, 4), np.float32)})
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["exact", "masked"])
-def test_nki_supergroup_at_capacity_stays_within_the_sbuf_budget(monkeypatch, masked):
+@pytest.mark.parametrize("kind", ["exact", "masked", "sparse"])
+def test_nki_supergroup_at_capacity_stays_within_the_sbuf_budget(monkeypatch, kind):
     """A super-group as large as ``tiles.bsp_fwd_supergroup_tiles`` allows at D = 128, bf16,
     U = 528 slots (N = 64K: the index form's bound 512 at s = 1, or a masked union of all
     512 key blocks; here 151 query tiles of the same 16 key blocks, or 149 of random subsets
     of them, the window off) keeps the peak SBUF within trn2's budget (90 % of a partition):
-    measured 179202 and 176886 bytes per partition."""
+    measured 179202 and 176886 bytes per partition. Sparse super-groups (U = 576, steps of
+    64 blocks): 138 query tiles of random subsets (s = 0.3) of 64 key blocks, one full step:
+    171460."""
     _no_window(monkeypatch)
     D, Nk = 128, 65536
-    most = T.bsp_fwd_supergroup_tiles(D, 2, 2, bs.union_width(512)[1], masked=masked)
-    assert most == (149 if masked else 151)
+    masked, sparse = kind == "masked", kind == "sparse"
+    most = T.bsp_fwd_supergroup_tiles(D, 2, 2, bs.union_width(512, sparse)[1], masked=masked,
+                                      own=sparse)
+    assert most == {"exact": 151, "masked": 149, "sparse": 138}[kind]
     q, kv = np.ones((1, 1, most * 128, D), BF16), np.zeros((1, 1, Nk, D), BF16)
     mask = np.zeros((1, 1, most, Nk // 128), dtype=bool)
-    mask[..., :16] = np.random.default_rng(0).random((most, 16)) < 0.5 if masked else True
+    rng = np.random.default_rng(0)
+    if sparse:
+        mask[..., :64] = rng.random((most, 64)) < 0.3
+    else:
+        mask[..., :16] = rng.random((most, 16)) < 0.5 if masked else True
     with simulate.measure(target="trn2") as m:
-        host.flash_attention(q, kv, kv, block_mask=mask if masked else tuple(
+        host.flash_attention(q, kv, kv, block_mask=mask if kind != "exact" else tuple(
             bs.dense_to_index(mask, 512)))
     assert m.per_tensor["sg_rows"]["read"] == most * 4
-    assert ("sg_keys" in m.per_tensor) == masked
+    assert ("sg_keys" in m.per_tensor) == masked and ("sg_own" in m.per_tensor) == sparse
     assert m.peak_sbuf_bytes_per_partition <= T.FWD_SBUF_BUDGET_BYTES["trn2"]
 
 
@@ -1508,15 +1516,18 @@ def test_nki_masked_supergroups_hide_other_tiles_blocks_whatever_they_hold(monke
 
 @pytest.mark.parametrize("name, form, plan", [
     ("s=1", "index", "exact"), ("random 1/2", "bool", "masked"),
+    ("random 1/4", "bool", "sparse"), ("random 1/8", "index", "sparse"),
     ("random 1/16", "bool", "window"), ("fixed 1/2", "index", "window")])
 def test_the_host_takes_supergroups_where_they_gather_less_at_a_bounded_cost(monkeypatch, name,
                                                                            form, plan):
     """The forward's plan at N = 64K, D = 128 (host only: the launch is intercepted):
     every block in the index form takes exact super-groups (4 of 128 tiles: each block
     gathered 4 times, the dense forward's passes, not the grouping's 64); a random pattern
-    at s = 1/2 masked ones (the grouping would gather about 125k blocks); at s = 1/16 the
-    window stays (it gathers 2277 blocks, masked super-groups 2048 but 16 times the work);
-    fixed_density s = 1/2 keeps its window (each set once: 512)."""
+    at s = 1/2 masked ones (the grouping would gather about 125k blocks; they compute 2.0x
+    the active pairs); at s = 1/4 and 1/8 sparse ones (the window gathers 11123 and 4259
+    blocks, more than the dense forward's 2048; masked super-groups would compute 4x and
+    8x the active pairs); at s = 1/16 the window stays (it gathers 1994 blocks, under the
+    dense forward's); fixed_density s = 1/2 keeps its window (each set once: 512)."""
     import host.api as api
 
     monkeypatch.setenv(binding.API_ENV_VAR, "nki")
@@ -1525,6 +1536,8 @@ def test_the_host_takes_supergroups_where_they_gather_less_at_a_bounded_cost(mon
     rng = np.random.default_rng(1)
     mask = {"s=1": np.ones((1, 1, nqt, nqt), bool),
             "random 1/2": (rng.random((nqt, nqt)) < 0.5)[None, None],
+            "random 1/4": (np.random.default_rng(1).random((nqt, nqt)) < 1 / 4)[None, None],
+            "random 1/8": (np.random.default_rng(1).random((nqt, nqt)) < 1 / 8)[None, None],
             "random 1/16": (np.random.default_rng(1).random((nqt, nqt)) < 1 / 16)[None, None],
             "fixed 1/2": bs.fixed_density(nqt, nqt, 0.5)}[name]
     seen = {}
@@ -1538,8 +1551,129 @@ def test_the_host_takes_supergroups_where_they_gather_less_at_a_bounded_cost(mon
         host.flash_attention(x, x, x, block_mask=mask if form == "bool" else tuple(
             bs.dense_to_index(mask)))
     got = ("masked" if seen.get("sg_keys") is not None else
+           "sparse" if seen.get("sg_own") is not None else
            "exact" if seen.get("sg_rows") is not None else
            "window" if seen.get("window_blocks") else "grouping")
     assert got == plan
     if plan != "window":
         assert seen["sg_rows"].shape == (1, 1, 4, 128)
+
+
+# -- nki.* sparse super-groups past SBUF (issue 25, item 1 at medium density) -----------------
+
+
+@pytest.mark.parametrize("form, dtype", [("index", BF16), ("bool", BF16),
+                                         ("index", np.float16)], ids=["index-bf16",
+                                                                      "bool-bf16",
+                                                                      "index-fp16"])
+def test_nki_sparse_supergroups_read_each_union_once_and_match_the_reference(monkeypatch,
+                                                                              form, dtype):
+    """A random pattern at s = 1/4 past SBUF (10 query tiles, the last partial; GQA 2:1; a
+    tile without blocks): masked super-groups would compute 4x the active pairs, so the host
+    takes sparse ones (``sg_own``): one super-group of the 10 tiles whose union (23 of the
+    24 key blocks) each query head reads once, each tile computing only its own blocks in sub-steps
+    of 4, 2 and 1. HBM bytes exactly ``supergroup_hbm_bytes``'; outputs the reference's
+    (float64 on the rounded inputs; max error below 3e-2 in bf16, 2e-3 in fp16, as this
+    file's other bf16 and fp16 tests), the tile without blocks zeros and -inf."""
+    _no_window(monkeypatch)
+    B, Hq, Nq, Nk, D = 1, 2, 9 * 128 + 37, 24 * 128, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, dtype=dtype, seed=81)
+    mask = _pattern(1, 1, Nq, Nk, 0.25, seed=82)
+    mask[..., 3, :] = False
+    index = bs.dense_to_index(mask)
+    sg = bs.sparse_supergroup_tables(index, T.bsp_fwd_supergroup_tiles(
+        D, 2, 2, bs.union_width(24, sparse=True)[1], own=True), Nk)
+    union = int(mask[0, 0].any(axis=0).sum())
+    assert sg.meta.shape[2] == 1 and int(sg.meta[0, 0, 0, 1]) == union
+    assert sg.pairs == mask.sum() and sg.own.shape[2] == 2 * 10     # two steps of 24 slots
+    pattern = mask if form == "bool" else tuple(index)
+    with simulate.measure(target="trn2") as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True)
+    assert "sg_own" in m.per_tensor and "sg_keys" not in m.per_tensor
+    assert m.per_tensor["k"]["read"] == Hq * union * 128 * D * 2
+    assert m.hbm_bytes_read + m.hbm_bytes_written == bs.supergroup_hbm_bytes(
+        sg, B, Hq, Nq, Nk, D, 2)
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask)[:2]
+    assert o.dtype == dtype and _err(o, o_ref) < (3e-2 if dtype == BF16 else 2e-3)
+    fin = np.isfinite(lse_ref)
+    assert (np.isfinite(lse) == fin).all() and not fin[0, :, 3 * 128:4 * 128].any()
+    assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-2
+    assert not np.asarray(o, np.float64)[0, :, 3 * 128:4 * 128].any()
+
+
+def test_nki_sparse_supergroups_never_read_other_tiles_blocks(monkeypatch):
+    """Sparse super-groups of 3 tiles (B = 2, idle slots, unions past one step of 64): a block
+    only tile 1 uses holds a NaN and an inf in K and an inf in V; every other tile's
+    outputs are the reference's on K/V without those values (they never read the block),
+    tile 1's rows are NaN where the reference's are. Steps of more than one sub-step width
+    and tiles with no block in a step."""
+    _no_window(monkeypatch)
+    B, Hq, Nq, Nk, D = 2, 1, 7 * 128, 80 * 128, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=83)
+    mask = _pattern(B, 1, Nq, Nk, 0.55, seed=84)
+    mask[:, 0, :, 70] = False
+    mask[:, 0, 1, 70] = True                                  # only tile 1 sees block 70
+    clean_k, clean_v = k.copy(), v.copy()
+    k[:, 0, 70 * 128 + 5, 3] = np.nan
+    k[:, 0, 70 * 128 + 9, 0] = np.inf
+    v[:, 0, 70 * 128 + 7, 2] = np.inf
+    sg = bs.sparse_supergroup_tables(bs.dense_to_index(mask), 3, Nk)
+    assert sg.rows.shape[3] == 3 and sg.meta.shape[2] == 3 and sg.idle == 2 * 2
+    assert (sg.meta[..., 1] > 64).any()
+    trips = sg.own[..., :3]
+    assert (trips[..., 0] > 0).any() and (trips[..., 1] > 0).any() and (trips[..., 2] > 0).any()
+    o, lse = launch(block_sparse_attention_fwd.on("nki"), launch_grid((B, 1), "nki"), q, k, v,
+                    sg.meta, classes=sg.classes, sg_rows=sg.rows, sg_own=sg.own,
+                    mm_dtype="float32", scale=D ** -0.5)
+    o_ref, lse_ref = ref.attention_forward(q, clean_k, clean_v, block_mask=mask,
+                                           scale=D ** -0.5)[:2]
+    seen = np.zeros(o_ref.shape[:-1], bool)
+    seen[:, 0, 128:256] = True
+    assert (np.isnan(o).any(axis=-1) == seen).all()
+    assert _err(np.where(seen[..., None], 0, o), np.where(seen[..., None], 0, o_ref)) < 2e-6
+    assert _err(np.where(seen, 0, lse), np.where(seen, 0, lse_ref)) < 2e-5
+
+
+def test_nki_sparse_supergroup_program_does_not_grow_with_n(monkeypatch):
+    """The sparse super-group path's program (super-groups, steps, each tile's sub-steps:
+    compiled loops over table data) has the same size at 10 and 20 query tiles of random
+    patterns over 70 key blocks (two steps)."""
+    _no_window(monkeypatch)
+    sizes = []
+    for nqt in (10, 20):
+        Nq, Nk, D = nqt * 128, 70 * 128, 16
+        q, k, v, _ = attention_inputs(1, 1, 1, Nq, Nk, D, seed=85)
+        sg = bs.sparse_supergroup_tables(bs.dense_to_index(_pattern(1, 1, Nq, Nk, 0.2)), 5,
+                                         Nk)
+        sizes.append(program_size(
+            block_sparse_attention_fwd.on("nki"), launch_grid((1, 1), "nki"), q, k, v, sg.meta,
+            classes=sg.classes, sg_rows=sg.rows, sg_own=sg.own, mm_dtype="float32"))
+    assert sizes[0] == sizes[1]
+
+
+def test_nki_sparse_supergroup_arguments_are_checked(monkeypatch):
+    """``sg_own`` is refused without ``sg_rows``, beside ``sg_keys``, in another shape, or
+    over a partial last key block."""
+    N, D = 4 * 128, 16
+    q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=86)
+    sg = bs.sparse_supergroup_tables(bs.dense_to_index(np.ones((1, 1, 4, 4), dtype=bool)), 4, N)
+    assert sg.own.shape == (1, 1, 2 * 4, T.bsp_sg_own_layout(4)[1])
+    base = dict(classes=sg.classes, sg_rows=sg.rows, sg_own=sg.own, mm_dtype="float32")
+    _past_sbuf(monkeypatch)
+
+    def run(**kw):
+        _trace(monkeypatch, "nki", q, k, v, sg.meta, **{**base, **kw})
+
+    run()
+    with pytest.raises(ValueError, match=re.escape("sg_own: given without sg_rows")):
+        run(sg_rows=None)
+    with pytest.raises(ValueError, match=re.escape("sg_own: given with sg_keys")):
+        run(sg_keys=np.zeros((1, 1, 8, 4), np.float32))
+    with pytest.raises(ValueError, match=re.escape(
+            "sg_own: expected shape (1, 1, 8, 10) (sg_rows' leading dims, one row per step of 4 "
+            "blocks and tile of each super-group, the columns of tiles.bsp_sg_own_layout), "
+            "got (1, 1, 8, 8)")):
+        run(sg_own=sg.own[..., :8])
+    with pytest.raises(ValueError, match=re.escape(
+            "sg_own: sparse super-groups need whole key blocks (Nk a multiple of 128)")):
+        _trace(monkeypatch, "nki", q, k[:, :, :N - 5], v[:, :, :N - 5], sg.meta, **base)
