@@ -311,17 +311,14 @@ def bsp_fwd_supergroup_tiles(D: int, mm_itemsize: int, in_itemsize: int, trip: i
 #: :data:`BSP_SG_OWN_WIDTHS` blocks).
 BSP_SG_OWN_STEP_BLOCKS = 64
 #: The widths of a sparse super-group's sub-steps, in key blocks: a tile's own blocks of a
-#: step run in ``n // 4`` sub-steps of 4 (one PSUM bank of scores), then at most one of 2 and
-#: one of 1 for the rest (runtime trip counts of 0 or 1), so no slot is padding and nothing
-#: is masked. Each width a halving of the one before.
-BSP_SG_OWN_WIDTHS = (4, 2, 1)
-#: The share of a sparse super-group's P^T transposes on the DMA engines (the dense
-#: forward's is ``FWD_NKI_P_DMA_SHARE``): none. Its updates are short (at most 4 blocks) and
-#: follow each other tile by tile, so a DMA transpose's latency lies on each update's chain,
-#: and the queues also gather the step. Scheduled estimate, trn2 through nki.*, N = 16384,
-#: D = 128, bf16, random s = 1/8 (seed 1), K/V forced past SBUF, one super-group of 128
-#: tiles: 0.75 1189.3 us, 0.35 or 0 1141.3.
-BSP_SG_OWN_P_DMA_SHARE = 0.0
+#: step run in ``n // 8`` sub-steps of 8 (two PSUM banks of scores), then at most one each of
+#: 4, 2 and 1 for the rest (runtime trip counts of 0 or 1), so no slot is padding and nothing
+#: is masked. Each width a halving of the one before. Scheduled estimate, trn2 through nki.*,
+#: N = 16384, D = 128, bf16, random s = 1/8 / 1/4 (seed 1), K/V forced past SBUF, one
+#: super-group of 128 tiles, steps of 64 blocks: (4, 2, 1) 1189.3 / 1855.7 us, (8, 4, 2, 1)
+#: 1096.1 / 1550.8; with no P^T transposes on the DMA engines (4, 2, 1) 1141.3 / 1895.0,
+#: (8, 4, 2, 1) 1099.2 / 1709.0, (16, 8, 4, 2, 1) 1100.4 / 1746.0.
+BSP_SG_OWN_WIDTHS = (8, 4, 2, 1)
 
 
 def bsp_sg_step_block_bytes(D: int, mm_itemsize: int, in_itemsize: int) -> int:
@@ -334,11 +331,11 @@ def bsp_sg_step_block_bytes(D: int, mm_itemsize: int, in_itemsize: int) -> int:
 def bsp_sg_own_layout(step: int):
     """``(sections, columns)`` of a sparse super-group's per (step, tile) row (``host.
     block_sparse.sparse_supergroup_tables``): the trip count of each width of
-    :data:`BSP_SG_OWN_WIDTHS` (one column each), then per width a section of the blocks'
-    positions in the step; ``sections`` lists ``(width, first column)``: the first width's
-    section holds ``step // width`` sub-steps, each later one as many as the remainder left
-    by the width before can need."""
-    widths = BSP_SG_OWN_WIDTHS
+    :data:`BSP_SG_OWN_WIDTHS` up to ``step`` (one column each), then per width a section of
+    the blocks' positions in the step; ``sections`` lists ``(width, first column)``: the
+    first width's section holds ``step // width`` sub-steps, each later one as many as the
+    remainder left by the width before can need."""
+    widths = [w for w in BSP_SG_OWN_WIDTHS if w <= step]
     col = len(widths)
     sections = []
     for i, w in enumerate(widths):

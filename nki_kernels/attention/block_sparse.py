@@ -101,8 +101,15 @@ grow with N.
   sets, whole key blocks: ``host.block_sparse.masked_supergroup_tables``) load per step a
   ``[step, tiles]`` table of keep flags (one DMA) and TensorE adds MASK_NEG to the scores of
   each tile's blocks not its own (one matmul per score tile); K's non-finite values are then
-  guarded as V's (a row that sees such a key gets NaN, the others never meet it). Legacy
-  has no runtime trip count and keeps the grouping.
+  guarded as V's (a row that sees such a key gets NaN, the others never meet it). *Sparse*
+  super-groups (the masked ones' super-groups and unions, in steps of
+  ``tiles.BSP_SG_OWN_STEP_BLOCKS`` blocks: ``host.block_sparse.sparse_supergroup_tables``)
+  compute only each tile's own blocks of a step: per (step, tile) a row of ``sg_own`` gives
+  runtime trip counts of sub-steps of 8, 4, 2 and 1 blocks and the blocks' positions in the
+  step, which the sub-steps read in place (:func:`_own_blocks`; no padding slot, no mask).
+  The bytes are the masked ones' (each union streamed once), the work the active pairs'
+  (trn2, N = 64K, D = 128, index form, random s = 1/8: RESULT_8; s = 1/4: RESULT_4).
+  Legacy has no runtime trip count and keeps the grouping.
 
 Per group of query tiles (a loop body; the gathers are the legacy trace's and, where K/V
 do not fit in SBUF, the nki.* one's)::
@@ -1578,10 +1585,10 @@ def _supergroups(f, geo: Geometry, sg: _SuperGroups, h):
     forward's): the DMA queues gather one step for the whole super-group (trn2, N = 16K,
     D = 128, index form s = 1, K/V forced past SBUF, one super-group of 128 tiles: 3963.9 ->
     2865.9 us; one matmul per 512 keys instead of per block then: 3123.8, not taken).
-    Sparse super-groups take ``tiles.BSP_SG_OWN_P_DMA_SHARE`` instead."""
+    Sparse super-groups too (``tiles.BSP_SG_OWN_WIDTHS`` gives the measurements)."""
     # (a class of BSP_P_DMA_FULL_SLOTS slots takes the full share)
-    share = T.FWD_NKI_P_DMA_SHARE[port.target()] if sg.own is None else T.BSP_SG_OWN_P_DMA_SHARE
-    f = KVSource(None, 0, share).instance(f, T.BSP_P_DMA_FULL_SLOTS)
+    f = KVSource(None, 0, T.FWD_NKI_P_DMA_SHARE[port.target()]).instance(
+        f, T.BSP_P_DMA_FULL_SLOTS)
     q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
     port.loop(sg.meta.shape[2], lambda c: _supergroup(f, geo, sg, h, q_frame, c))
 
@@ -1721,12 +1728,14 @@ def _own_blocks(f, st, sg: _SuperGroups, kv, hb, hh, c, s):
 
 
 def _own_substep(f, st, t, kv: "_OwnKV", w: int):
-    """One online-softmax update of tile ``t`` over ``w`` of its blocks (``kv``): one score
-    tile of ``128 w`` keys (one PSUM bank at most), then :func:`forward.fold_front` and
+    """One online-softmax update of tile ``t`` over ``w`` of its blocks (``kv``): score tiles
+    of up to one PSUM bank of keys each, then :func:`forward.fold_front` and
     :func:`forward.fold_back`."""
-    widths = [w * P]
-    sc = kv.scores(st.qT, t, 0, w)
-    front = F.fold_front(f, st, t, [sc], widths, None)
+    per_bank = f.tiles.k_tile // P
+    s_tiles = [kv.scores(st.qT, t, c0, min(per_bank, w - c0))
+               for c0 in T.unrolled(0, w, per_bank)]
+    widths = [sc.shape[1] for sc in s_tiles]
+    front = F.fold_front(f, st, t, s_tiles, widths, None)
     F.fold_back(f, st, t, front, widths, kv, 0, None)
 
 

@@ -649,9 +649,9 @@ def test_supergroup_tables_cut_runs_of_identical_sets_and_mask_unions():
 def test_sparse_supergroup_tables_list_each_tiles_blocks_per_step_and_width():
     """Sparse super-groups: the masked ones' super-groups and unions (consecutive tiles), in
     steps of ``min(BSP_SG_OWN_STEP_BLOCKS, nkt)`` blocks; per (super-group, step, tile) the
-    trip count of each sub-step width (4, 2, 1) and the positions of the tile's blocks in the
-    step, greedily: 7 blocks are one sub-step of 4, one of 2 and one of 1. ``pairs`` is the
-    active pairs; none with a partial last key block."""
+    trip count of each sub-step width (8, 4, 2, 1) and the positions of the tile's blocks in
+    the step, greedily: 7 blocks are one sub-step of 4, one of 2 and one of 1. ``pairs`` is
+    the active pairs; none with a partial last key block."""
     nkt = 12
     dense = np.zeros((1, 1, 3, nkt), bool)
     dense[0, 0, 0, [0, 2, 3, 5, 7, 9, 11]] = True            # 7 blocks
@@ -660,22 +660,23 @@ def test_sparse_supergroup_tables_list_each_tiles_blocks_per_step_and_width():
     index = bs.dense_to_index(dense)
     assert bs.sparse_supergroup_tables(index, 4, nkt * 128 - 1) is None
     sg = bs.sparse_supergroup_tables(index, 2, nkt * 128)
-    assert T.BSP_SG_OWN_WIDTHS == (4, 2, 1)
+    assert T.BSP_SG_OWN_WIDTHS == (8, 4, 2, 1)
     W, U = bs.union_width(nkt, sparse=True)
     assert (W, U) == (min(T.BSP_SG_OWN_STEP_BLOCKS, nkt), 2 * nkt)
     sections, cols = T.bsp_sg_own_layout(W)
-    assert sections == ((4, 3), (2, 15), (1, 17)) and cols == 18
+    assert sections == ((8, 4), (4, 12), (2, 16), (1, 18)) and cols == 19
     assert sg.rows.shape == (1, 1, 2, 2) and sg.keys is None and sg.idle == 1
     assert sg.own.shape == (1, 1, 2 * 2 * 2, cols)
     assert sg.pairs == 10 and sg.block_loads == 7 + 1
     # super-group 0: tiles 0 and 1 over the union (0, 2, 3, 5, 7, 9, 11), one step
     assert sg.meta[0, 0, 0, 1] == 7
     row = sg.own[0, 0, 0]
-    assert row[:3].tolist() == [1, 1, 1]
-    assert row[3:7].tolist() == [0, 1, 2, 3] and row[15:17].tolist() == [4, 5] and row[17] == 6
+    assert row[:4].tolist() == [0, 1, 1, 1]
+    assert row[12:16].tolist() == [0, 1, 2, 3] and row[16:18].tolist() == [4, 5]
+    assert row[18] == 6 and not row[4:12].any()
     row = sg.own[0, 0, 1]                                     # tile 1: union slots 1 and 2
-    assert row[:3].tolist() == [0, 1, 0] and row[15:17].tolist() == [1, 2]
+    assert row[:4].tolist() == [0, 0, 1, 0] and row[16:18].tolist() == [1, 2]
     assert not sg.own[0, 0, 2:4].any()                        # step 1: no block
     # super-group 1: tile 2 alone (the other slot idle), union (6,)
-    assert sg.own[0, 0, 4, :3].tolist() == [0, 0, 1] and sg.own[0, 0, 4, 17] == 0
+    assert sg.own[0, 0, 4, :4].tolist() == [0, 0, 0, 1] and sg.own[0, 0, 4, 18] == 0
     assert not sg.own[0, 0, 5:].any()
