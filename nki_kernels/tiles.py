@@ -267,13 +267,13 @@ BSP_SG_MAX_IDLE = 0.125
 #: The most (tile, block) pairs a masked super-group plan may compute, as a multiple of the
 #: pattern's active pairs (every tile of a masked super-group computes every block of its
 #: union, masking the ones not its own), before the host takes sparse super-groups instead
-#: (each tile computes only its own blocks, in sub-steps of up to 4 read at runtime offsets:
-#: about this many times a masked pair's time). Scheduled estimate, trn2 through nki.*,
-#: N = 8192, D = 128, bf16, random patterns (benchmarks/block_sparse.py's, seed 1), one
-#: super-group of 64 tiles, K/V forced past SBUF, masked / sparse (steps of 32 blocks):
-#: s = 1/8 936.3 / 423.7 us, 1/4 936.3 / 595.7, 1/2 936.3 / 933.3 (masked computes 1.99x the
-#: active pairs there).
-BSP_SG_SPARSE_PAIR_COST = 2.0
+#: (each tile computes only its own blocks, in sub-steps of up to 8 read at runtime offsets,
+#: at a higher cost per pair). Scheduled estimate, trn2 through nki.*, N = 8192, D = 128,
+#: bf16, random patterns (benchmarks/block_sparse.py's, seed 1), one super-group of 64 tiles
+#: over 64 key blocks, K/V forced past SBUF: masked 936.3 us at every density (4096 pairs),
+#: sparse 356.7 / 473.8 / 697.0 us at s = 1/8 / 1/4 / 1/2 (517 / 1029 / 2061 pairs, about
+#: 0.22 us a pair from s = 1/4 on): they would cross at about 3170 pairs, 4096 / 3170 = 1.29.
+BSP_SG_SPARSE_PAIR_COST = 1.3
 
 
 def bsp_fwd_supergroup_tiles(D: int, mm_itemsize: int, in_itemsize: int, trip: int,

@@ -1609,7 +1609,9 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
     step's keep flags instead: TensorE adds MASK_NEG to the scores of a tile's blocks not
     its own (one matmul per score tile), K's non-finite values guarded as V's (trn2, N =
     16K, D = 128, random s = 1/2, K/V forced past SBUF, one super-group of 128 tiles: 9256.9
-    us with the key-side indicator per block and tile instead)."""
+    us with the key-side indicator per block and tile instead). Sparse super-groups
+    (``sg.own``) stream the union as the masked ones do, in wider steps, and each tile
+    computes only its own blocks of a step (:func:`_own_blocks`): no mask, no K guard."""
     head = f.head(h)
     meta, n, U, Ws = sg.meta, sg.tiles, sg.width, sg.step
     hb = f.b if meta.shape[0] > 1 else 0
