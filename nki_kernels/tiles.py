@@ -289,7 +289,10 @@ def bsp_fwd_supergroup_tiles(D: int, mm_itemsize: int, in_itemsize: int, trip: i
     151 tiles (N = 64K then runs 4 super-groups of 128, the dense forward's 4 passes), masked
     149; D = 64: 233. Measured (simulate.measure, trn2, D = 128, bf16, U = 528, one step of
     16 blocks): peak 179202 bytes per partition at 151 tiles (exact), 176886 at 149
-    (masked), within the budget's 206438."""
+    (masked), within the budget's 206438. ``own`` (sparse super-groups: no finished output
+    staged per tile, a step of :data:`BSP_SG_OWN_STEP_BLOCKS` blocks): 138 tiles at D = 128,
+    bf16, U = 576 (N = 64K: 4 super-groups of 128), peak 171460 (one step of 64 blocks);
+    the 64K benchmark's random s = 1/8: 163380."""
     tables = BSP_SG_UNION_TABLES * 4 * (2 + max(1, trip))
     per_tile = fwd_q_state_bytes(D, mm_itemsize, in_itemsize) + BSP_SG_TILE_EXTRA_BYTES
     if masked:

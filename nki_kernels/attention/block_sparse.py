@@ -107,8 +107,15 @@ grow with N.
   compute only each tile's own blocks of a step: per (step, tile) a row of ``sg_own`` gives
   runtime trip counts of sub-steps of 8, 4, 2 and 1 blocks and the blocks' positions in the
   step, which the sub-steps read in place (:func:`_own_blocks`; no padding slot, no mask).
-  The bytes are the masked ones' (each union streamed once), the work the active pairs'
-  (trn2, N = 64K, D = 128, index form, random s = 1/8: RESULT_8; s = 1/4: RESULT_4).
+  The bytes are the masked ones' (each union streamed once), the work the active pairs'.
+  trn2, N = 64K, D = 128, bf16, index form, random patterns (``run_sparse(inputs(65536,
+  128), random_pattern(512, s, 1), "index", ["fwd"], "trn2")`` of
+  ``benchmarks/block_sparse.py``, ``NKI_FLASH_API=nki``), against the dense forward's
+  168.0 MB, 48773.4 us: s = 1/8 169.27 MB, 14512.5 us (the window before: 313.80 MB,
+  12186.8 us); s = 1/4 169.27 MB, 21874.7 us (the window: 11123 block loads, about 5.4x
+  the dense K/V bytes); s = 1/2 169.27 MB, 35701.0 us (masked super-groups: 169.09 MB,
+  50529.2 us). The host takes them where masked ones would compute more than
+  ``tiles.BSP_SG_SPARSE_PAIR_COST`` times the active pairs (``host.api._supergroups``).
   Legacy has no runtime trip count and keeps the grouping.
 
 Per group of query tiles (a loop body; the gathers are the legacy trace's and, where K/V
