@@ -1450,7 +1450,7 @@ class _Window(NamedTuple):
         return out
 
 
-def _check_window(loads, slots, blocks, group, heads, meta, classes, shared,
+def _check_window(loads, slots, blocks, group, heads_share, meta, classes, shared,
                   shared_runtime: bool, fits: bool, most: int, trip: int) -> Optional[_Window]:
     """The window of a launch (``window_blocks`` > 0; None: none), checked: nki.* only (a
     runtime trip count fills it), K/V not resident, at most ``most`` blocks (what fits in
@@ -1463,17 +1463,17 @@ def _check_window(loads, slots, blocks, group, heads, meta, classes, shared,
     window); ``window_loads`` ``meta``'s leading dims, one row per kernel group (the class's
     rows in groups of ``window_group``, then a remainder), ``2 + 2 L`` columns with ``L`` a
     positive multiple of ``tiles.BSP_WINDOW_LOAD_BLOCKS`` (the steps' blocks);
-    ``window_shared`` (``heads``) a bool, True only with a window."""
+    ``window_shared`` (``heads_share``) a bool, True only with a window."""
     if not isinstance(blocks, int) or blocks < 0:
         raise ValueError(f"window_blocks: expected an int >= 0, got {blocks!r}")
     if isinstance(group, bool) or not isinstance(group, int) \
             or not 1 <= group <= T.BSP_GROUP_TILES:
         raise ValueError(f"window_group: expected an int from 1 to {T.BSP_GROUP_TILES}, got "
                          f"{group!r}")
-    if not isinstance(heads, bool):
-        raise ValueError(f"window_shared: expected a bool, got {heads!r}")
+    if not isinstance(heads_share, bool):
+        raise ValueError(f"window_shared: expected a bool, got {heads_share!r}")
     if not blocks:
-        if heads:
+        if heads_share:
             raise ValueError("window_shared: given (True) with window_blocks=0; allowed: "
                              "False (no window)")
         if loads is not None or slots is not None:
@@ -1514,7 +1514,7 @@ def _check_window(loads, slots, blocks, group, heads, meta, classes, shared,
         raise ValueError(f"window_loads: expected shape {lead + (groups,)} + (2 + 2 L,) "
                          f"(meta's leading dims, one row per group of {g} of the {count} rows, "
                          f"L a positive multiple of {Wl}), got {shape}")
-    return _Window(loads, slots, group, heads)
+    return _Window(loads, slots, group, heads_share)
 
 
 def _window_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, count: int, g: int,
