@@ -30,7 +30,8 @@ kernel's, beside issue 25's time goal ``1.3 s + 0.1``.
         [--dense-cache FILE] [--out DIR]
 
 ``--dense-cache FILE`` keeps the dense kernel's rows in a JSON file, keyed by target, N, D,
-pass, API and (with ``--hq`` > 1) the query heads, and reuses them (the dense 32K backward simulates for ~10 minutes).
+pass, API and (with ``--hq`` > 1) the query heads, and reuses them (the dense 32K backward
+simulates for ~10 minutes).
 
 Writes ``DIR/block_sparse.json`` and, with matplotlib, ``DIR/block_sparse.png``. Every number
 is the simulator's model, not a hardware timing.
