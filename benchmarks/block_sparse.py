@@ -2,8 +2,9 @@
 density s.
 
 For each N and D this measures, with ``simulate.measure`` (exact HBM bytes; the scheduled
-estimate of the named target, one core, B = Hq = Hkv = 1, bf16), the dense kernel once per
-pass (forward, backward) and the block-sparse kernels on
+estimate of the named target, one core, B = Hkv = 1, Hq = ``--hq`` query heads sharing the
+kv head (GQA; default 1), bf16), the dense kernel once per pass (forward, backward) and the
+block-sparse kernels on
 
 - the evenly spread ``host.block_sparse.fixed_density`` pattern (exactly ``round(s nkt)`` key
   blocks per query tile, rotated by the tile index), s = 1 .. 1/``--min-density``;
@@ -25,11 +26,12 @@ kernel's, beside issue 25's time goal ``1.3 s + 0.1``.
 
     python benchmarks/block_sparse.py [--n 4096 16384] [--d 64 128] [--target trn2]
         [--min-density 64 | --densities S ...] [--forms dense index] [--passes fwd bwd]
-        [--max-blocks M] [--no-band] [--no-fixed] [--random S ...] [--seed K]
+        [--max-blocks M] [--no-band] [--no-fixed] [--random S ...] [--seed K] [--hq G]
         [--dense-cache FILE] [--out DIR]
 
 ``--dense-cache FILE`` keeps the dense kernel's rows in a JSON file, keyed by target, N, D,
-pass and API, and reuses them (the dense 32K backward simulates for ~10 minutes).
+pass, API and (with ``--hq`` > 1) the query heads, and reuses them (the dense 32K backward
+simulates for ~10 minutes).
 
 Writes ``DIR/block_sparse.json`` and, with matplotlib, ``DIR/block_sparse.png``. Every number
 is the simulator's model, not a hardware timing.
@@ -55,9 +57,11 @@ from host.bench import measure  # noqa: E402
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def inputs(N, D, seed=0):
+def inputs(N, D, seed=0, hq=1):
+    """``q, k, v, do``: standard normal bf16, q and do ``(1, hq, N, D)``, k and v ``(1, 1,
+    N, D)``."""
     rng = np.random.default_rng(seed)
-    return tuple(rng.standard_normal((1, 1, N, D)).astype(BF16) for _ in range(4))
+    return tuple(rng.standard_normal((1, h, N, D)).astype(BF16) for h in (hq, 1, 1, hq))
 
 
 def random_pattern(nqt: int, density: float, seed: int) -> np.ndarray:
@@ -79,7 +83,8 @@ def run_sparse(x, mask, form, passes, target, max_blocks=None):
     N = q.shape[2]
     pattern = mask if form == "dense" else tuple(bs.dense_to_index(mask, max_blocks))
     call = api._attention_call(_v.check_attention_inputs(q, k, v), _v.dtype_name(q),
-                               bs.check_block_mask(pattern, 1, 1, N, N), return_lse=True)
+                               bs.check_block_mask(pattern, 1, q.shape[1], N, N),
+                               return_lse=True)
     out = {}
     if "fwd" in passes:
         out["fwd"] = measure(lambda: api._block_sparse_forward(q, k, v, call), target)
@@ -95,6 +100,8 @@ def run_dense(x, passes, target, cache=None):
     by :func:`main`'s ``--dense-cache`` (read and updated)."""
     q, k, v, do = x
     key = f"{target} {q.shape[2]} {q.shape[3]} {os.environ.get('NKI_FLASH_API', 'auto')}"
+    if q.shape[1] > 1:
+        key += f" hq{q.shape[1]}"
     if cache is not None:
         path, rows = cache
         missing = [p for p in passes if f"{key} {p}" not in rows]
@@ -130,6 +137,9 @@ def main(argv=None):
     ap.add_argument("--random", type=float, nargs="+", default=[],
                     help="random patterns at these densities")
     ap.add_argument("--seed", type=int, default=1, help="the random patterns' generator seed")
+    ap.add_argument("--hq", type=int, default=1,
+                    help="query heads sharing the one kv head (GQA G:1; the pattern is "
+                         "broadcast over them)")
     ap.add_argument("--dense-cache", help="JSON file of the dense kernel's rows to reuse")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
@@ -149,10 +159,10 @@ def main(argv=None):
     for D in args.d:
         for N in args.n:
             nqt = -(-N // 128)
-            x = inputs(N, D)
+            x = inputs(N, D, hq=args.hq)
             dense = run_dense(x, args.passes, args.target, cache)
             for p, r in dense.items():
-                results["dense"].append(dict(N=N, D=D, pass_=p, **r))
+                results["dense"].append(dict(N=N, D=D, Hq=args.hq, pass_=p, **r))
             patterns = [] if args.no_fixed else [
                 ("fixed", s, bs.fixed_density(nqt, nqt, s)) for s in dens if round(s * nqt) >= 1]
             patterns += [("random", s, random_pattern(nqt, s, args.seed)) for s in args.random]
@@ -165,7 +175,8 @@ def main(argv=None):
                                       args.max_blocks)
                     for p, r in rows.items():
                         d = dense[p]
-                        row = dict(N=N, D=D, pattern=name, density=s, form=form, pass_=p,
+                        row = dict(N=N, D=D, Hq=args.hq, pattern=name, density=s, form=form,
+                                   pass_=p,
                                    bytes_over_dense=r["hbm_bytes"] / d["hbm_bytes"],
                                    est_over_dense=(r["modeled_us_estimate"]
                                                    / d["modeled_us_estimate"]),

@@ -8,6 +8,7 @@ and the backward, :class:`DecodeCall` for decode); planning and launching read t
 """
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -671,7 +672,7 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
         win = _bs.window_plan(call.block_sparse, q_tables, window_capacity(
             dims.D, call.mm_dtype, trip, dims.Nk, call.causal, call.window,
             call.kv_lens is not None or call.q_lens is not None, call.mods.any, bool(p)),
-            dense)
+            dense, dims.group)
         sg = _supergroups(call, q_tables, win, dense)
         if sg is not None:
             q_tables = _bs.KernelTables(sg.meta, sg.classes, (0,))
@@ -679,7 +680,8 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
         elif win is not None:
             q_tables = win.tables
             kwargs.update(window_loads=win.loads, window_slots=win.slots,
-                          window_blocks=win.blocks, window_group=win.group)
+                          window_blocks=win.blocks, window_group=win.group,
+                          window_shared=win.heads > 1)
     if p:
         kwargs.update(dropout_p=p, dropout_mask=call.return_dropout_mask)
     q, k, v = _numpy("q", q), _numpy("k", k), _numpy("v", v)
@@ -696,14 +698,16 @@ def _block_sparse_forward(q, k, v, call: AttentionCall):
     return res if len(res) > 1 else o
 
 
-def _dense_kv_blocks(call: AttentionCall) -> int:
+def _dense_kv_blocks(call: AttentionCall) -> Fraction:
     """The key blocks the plain dense forward (no band, full lengths) reads from K (and as
-    many from V), in the block-sparse tables' units: summed over the pattern's ``(b, h)``
-    entries (the tables broadcast to the ``B Hq`` query heads, each gathering its own
-    blocks), each entry's share of the dense forward's K/V blocks over ``B Hkv`` kv heads
+    many from V), in the block-sparse plans' units, key blocks per query head: summed over
+    the pattern's ``(b, h)`` entries (the tables broadcast to the ``B Hq`` query heads), each
+    entry's share of the dense forward's K/V blocks over ``B Hkv`` kv heads
     (``tiles.forward_kv_passes`` of trn2's nki.* tiling times the ``ceil(Nk / 128)`` key
-    blocks each) shared by the ``Hq / Hkv`` query heads of each, rounded down. A causal or
-    length-limited dense forward reads fewer; the window plans compare with this one."""
+    blocks each) shared by the ``Hq / Hkv`` query heads of each; exact (a Fraction). A
+    window whose member heads share it gathers once per kv head: ``1 / (Hq / Hkv)`` of its
+    blocks per query head (``WindowTables.head_loads``). A causal or length-limited dense
+    forward reads fewer; the window plans compare with this one."""
     dims = call.dims
     num = np.asarray(call.block_sparse.index.num_blocks)
     itemsize = _tiles.fwd_itemsize(call.dtype)
@@ -712,13 +716,13 @@ def _dense_kv_blocks(call: AttentionCall) -> int:
                                         api="nki")
     nkt = _tiles.ceil_div(dims.Nk, _tiles.BLOCK_SPARSE_TILE)
     passes = _tiles.forward_kv_passes(dims.Nq, dims.group, tiles)
-    return passes * nkt * (num.size // num.shape[-1]) // dims.group
+    return Fraction(passes * nkt * (num.size // num.shape[-1]), dims.group)
 
 
 def _supergroups(call: AttentionCall, grouped, win, dense: int):
     """The forward's super-group tables (``host.block_sparse``; nki.*, K/V not resident) for
     a plain call (no band, lengths, score modifier or dropout), or None. The plan taken
-    otherwise gathers ``other`` key blocks: the window ``win``'s ``block_loads``, else the
+    otherwise gathers ``other`` key blocks: the window ``win``'s ``head_loads``, else the
     grouped tables ``grouped``' (``grouped_block_loads``); key-block gathers are the plans'
     HBM bytes beside Q, O and small tables. Exact super-groups (``supergroup_tables``) where
     they gather fewer and leave at most ``tiles.BSP_SG_MAX_IDLE`` of the query tiles' count
@@ -734,7 +738,7 @@ def _supergroups(call: AttentionCall, grouped, win, dense: int):
         return None
     dims = call.dims
     index = call.block_sparse.index
-    other = (win.block_loads if win is not None
+    other = (win.head_loads if win is not None
              else _bs.grouped_block_loads(grouped, _tiles.BSP_GROUP_TILES))
     mm, itemsize = _tiles.fwd_itemsize(call.mm_dtype), _tiles.fwd_itemsize(call.dtype)
     num = np.asarray(index.num_blocks)

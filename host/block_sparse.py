@@ -20,6 +20,7 @@ Everything here is host-side bookkeeping on small integer arrays; no attention i
 from __future__ import annotations
 
 import heapq
+from fractions import Fraction
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -802,8 +803,11 @@ class WindowTables(NamedTuple):
     :data:`nki_kernels.tiles.BSP_WINDOW_LOAD_BLOCKS` (the first ``2 + L`` columns a
     :class:`KernelTables` ``meta`` row; past the blocks padding entries, ``BSP_PAD_FIRST`` at
     ``blocks``, the block of zeros: nothing read, zeros written there).
-    ``block_loads``: the key blocks gathered, over every ``(b, h)``; ``group``: the kernel
-    group's query tiles (the forward's ``window_group``)."""
+    ``block_loads``: the key blocks the tables gather, over every ``(b, h)`` (each entry
+    counted as if its query heads gathered their own); ``group``: the kernel group's query
+    tiles (the forward's ``window_group``); ``heads``: the query heads that share each
+    gather -- the ``Hq / Hkv`` member heads of a kv head where their tables are the same
+    (the forward's ``window_shared``, :func:`window_plan`), else 1."""
 
     tables: KernelTables
     slots: np.ndarray
@@ -811,6 +815,15 @@ class WindowTables(NamedTuple):
     blocks: int
     block_loads: int
     group: int
+    heads: int = 1
+
+    @property
+    def head_loads(self) -> Fraction:
+        """The key blocks gathered per query head, over every ``(b, h)``: ``block_loads /
+        heads``, exact. The units :func:`window_plan` and the host compare plans in
+        (:func:`grouped_block_loads`, ``SuperGroupTables.block_loads``,
+        ``host.api._dense_kv_blocks``)."""
+        return Fraction(self.block_loads, self.heads)
 
 
 def _window_order(sets: np.ndarray, recent: int) -> np.ndarray:
@@ -1221,31 +1234,65 @@ def grouped_block_loads(tables: KernelTables, group: int) -> int:
     return total
 
 
+def _kv_head_index(sparsity: BlockSparsity, heads: int) -> Optional[Tuple[BlockIndex, int]]:
+    """``(index, rep)``: the pattern of one query head per kv head where each kv head's
+    ``heads`` member heads (consecutive query heads, GQA) have the same block sets -- the
+    index itself where it is broadcast over heads (head dim 1; ``rep`` 1), else its first
+    member heads (``rep`` = ``heads``: the tables planned on it repeat ``heads`` times along
+    the head dim); None where the member heads' sets differ."""
+    dense = sparsity.dense
+    if dense.shape[1] == 1:
+        return sparsity.index, 1
+    d = dense.reshape((dense.shape[0], dense.shape[1] // heads, heads) + dense.shape[2:])
+    if not (d == d[:, :, :1]).all():
+        return None
+    num, idx = sparsity.index
+    return BlockIndex(num[:, ::heads], idx[:, ::heads]), heads
+
+
 def window_plan(sparsity: BlockSparsity, grouped: KernelTables, blocks: int,
-                dense: int) -> Optional[WindowTables]:
+                dense, heads: int = 1) -> Optional[WindowTables]:
     """The forward's key-block window tables (:func:`window_tables`, a window of ``blocks``
     blocks) when they gather fewer key blocks than ``grouped``, the tables the forward would
     take otherwise (:func:`grouped_block_loads`); else None (also when ``blocks`` is 0 or
     every group size's groups need more than ``blocks``). The kernel's group size is the
     first of :data:`nki_kernels.tiles.BSP_WINDOW_GROUPS` (the largest first: more tiles per
     group share the gathers' waits) whose plan gathers at most ``dense`` key blocks (the
-    dense forward's K/V traffic in blocks, over the same ``(b, h)``), else the one gathering
-    the fewest (on a tie the larger). The counts are exact, so this keeps the smaller HBM
-    traffic; it plans from the largest group down, in one order of the query tiles
+    dense forward's K/V traffic in key blocks per query head, over the same ``(b, h)``:
+    ``host.api._dense_kv_blocks``, an int or a Fraction), else the one gathering the fewest
+    (on a tie the larger). ``heads``: the query heads per kv head (GQA's ``Hq / Hkv``);
+    where they have the same block sets (:func:`_kv_head_index`) the plan is made once per
+    kv head and its tables serve every member head (``WindowTables.heads``: the kernel
+    gathers once for them), so its key blocks per query head (``head_loads``) are
+    ``1 / heads`` of a plan per query head. The counts are exact, so this keeps the smaller
+    HBM traffic; it plans from the largest group down, in one order of the query tiles
     (:func:`window_orders`), and stops at the first that qualifies."""
     if blocks < 1:
         return None
+    index, rep, share = sparsity.index, 1, 1
+    kv = _kv_head_index(sparsity, heads) if heads > 1 else None
+    if kv is not None:
+        (index, rep), share = kv, heads
+
+    def per_head(win: WindowTables) -> Fraction:
+        return Fraction(win.block_loads * rep, share)
+
     best = None
-    order = window_orders(sparsity.index, blocks)
+    order = window_orders(index, blocks)
     for group in _tiles.BSP_WINDOW_GROUPS:
-        win = window_tables(sparsity.index, blocks, group, order)
+        win = window_tables(index, blocks, group, order)
         if win is not None and (best is None or win.block_loads < best.block_loads):
             best = win
-        if best is not None and best.block_loads <= dense:
+        if best is not None and per_head(best) <= dense:
             break
-    if best is None or best.block_loads >= grouped_block_loads(grouped, _tiles.BSP_GROUP_TILES):
+    if best is None or per_head(best) >= grouped_block_loads(grouped, _tiles.BSP_GROUP_TILES):
         return None
-    return best
+    if rep > 1:
+        best = best._replace(
+            tables=best.tables._replace(meta=np.repeat(best.tables.meta, rep, axis=1)),
+            slots=np.repeat(best.slots, rep, axis=1), loads=np.repeat(best.loads, rep, axis=1),
+            block_loads=best.block_loads * rep)
+    return best._replace(heads=share)
 
 
 def window_hbm_bytes(win: WindowTables, B: int, Hq: int, Nq: int, Nk: int, D: int,
@@ -1253,12 +1300,14 @@ def window_hbm_bytes(win: WindowTables, B: int, Hq: int, Nq: int, Nk: int, D: in
     """The HBM bytes (read and written) of the forward with the window tables ``win`` over
     ``(B, Hq)`` query heads (the tables broadcast to them), without lengths, dropout or score
     modifiers, q/k/v/o of ``itemsize`` bytes: Q read and O, LSE written once; each gathered
-    key block's K and V rows below Nk; per kernel group its ``loads`` row, its tiles' table
-    and ``slots`` rows, and, where padding slots are masked by TensorE (not every tile has
-    ``trip`` blocks, whole key blocks: ``block_sparse._padding_rows``), the rows again."""
+    key block's K and V rows below Nk and per kernel group its ``loads`` row, once per query
+    head or, where ``win.heads`` member heads share the window, once per kv head (the first
+    member head's tables); per query head and group its tiles' table and ``slots`` rows,
+    and, where padding slots are masked by TensorE (not every tile has ``trip`` blocks,
+    whole key blocks: ``block_sparse._padding_rows``), the rows again."""
     tables = win.tables
     (_, n, trip, exact), = tables.classes
-    loads = np.broadcast_to(win.loads, (B, Hq) + win.loads.shape[2:])
+    loads = np.broadcast_to(win.loads, (B, Hq) + win.loads.shape[2:])[:, ::win.heads]
     width = (loads.shape[-1] - 2) // 2
     block = _tiles.BLOCK_SPARSE_TILE
     per_tile = (2 + trip) * 4 + trip * 4
@@ -1267,6 +1316,5 @@ def window_hbm_bytes(win: WindowTables, B: int, Hq: int, Nq: int, Nk: int, D: in
     firsts = loads[..., 2:2 + width]
     firsts = firsts[firsts < _tiles.BSP_PAD_FIRST].astype(np.int64)
     kv_rows = int(np.minimum(block, Nk - firsts).sum())
-    return (B * Hq * (2 * Nq * D * itemsize + Nq * 4 + n * per_tile
-                      + loads.shape[2] * loads.shape[3] * 4)
+    return (B * Hq * (2 * Nq * D * itemsize + Nq * 4 + n * per_tile) + loads.size * 4
             + 2 * kv_rows * D * itemsize)

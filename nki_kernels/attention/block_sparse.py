@@ -81,7 +81,15 @@ grow with N.
   every slot's block in place at the position ``window_slots`` gives (:class:`_Window`), as
   with resident K/V. One class, natural where the host's order is (:func:`_direct_rows`). A
   group's gathers wait for the previous group's reads of the window (a runtime offset may
-  touch any block: ``simulate._sched``).
+  touch any block: ``simulate._sched``). Under GQA, where the ``G = Hq / Hkv`` member heads
+  of a kv head have the same tables (``window_shared``: a pattern broadcast over heads, or
+  heads the host finds alike), a group gathers its new blocks once and runs its tiles for
+  every member head before the next group (the member-head loop inside the group loop), so
+  K/V are gathered once per kv head as the dense forward reads them; otherwise each member
+  head runs every group with its own gathers (trn2, N = 32K, D = 128, Hq = 4, Hkv = 1, bf16,
+  index form, fixed_density s = 3/4, K/V past SBUF: 136.62 -> 86.07 MB, the dense forward's
+  84.41 plus the tables; 33338.5 -> 32316.4 us, dense 47466.0: the window's work, not its
+  gathers, sets the time).
 - **Super-groups** (nki.*, K/V not resident, a plain launch -- no band, lengths, score
   modifier or dropout -- where the host finds they gather fewer blocks than the window or
   the grouping: ``host.block_sparse.supergroup_tables``): the dense forward's own schedule
@@ -705,7 +713,8 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
                       q_pos, dist))
 
     if direct and held.prev is not None:
-        _store_held(f, head, held, held.prev, held.o.shape[1], trip)
+        _store_held(f, head if held.head is None else held.head, held, held.prev,
+                    held.o.shape[1] if held.n is None else held.n, trip)
 
     def step_kv(rw, src, s0, n):
         if res is not None:
@@ -1209,7 +1218,7 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                                classes,
                                shared=None,
                                natural=None, shared_runtime=False, window_blocks=0,
-                               window_group=T.BSP_GROUP_TILES, scale=1.0,
+                               window_group=T.BSP_GROUP_TILES, window_shared=False, scale=1.0,
                                causal=None, window=None, mm_dtype="bfloat16", dropout_p=0.0,
                                dropout_mask=False, softcap=None):
     """Block-sparse flash attention forward: ``o, lse`` for q ``(B, Hq, Nq, D)``, k/v ``(B,
@@ -1227,8 +1236,12 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     (float32 ``(B or 1, Hq or 1, groups, 2 + 2 L)``) and whose positions ``window_slots``
     (float32 ``(B or 1, Hq or 1, ceil(Nq/128), trip)``) gives per slot
     (``host.block_sparse.window_tables``, :func:`_load_window`), in groups of ``window_group``
-    query tiles (1 .. ``tiles.BSP_GROUP_TILES``, the host's choice: ``window_plan``). Other
-    arguments as
+    query tiles (1 .. ``tiles.BSP_GROUP_TILES``, the host's choice: ``window_plan``);
+    ``window_shared``: the tables are the same for the ``Hq / Hkv`` query heads of each kv
+    head (the host's promise: a pattern broadcast over heads, or heads found alike), so each
+    group gathers its new blocks once and runs its tiles for every member head before the
+    next group (:func:`_head` with ``h`` None): K/V gathered once per kv head, not per query
+    head. Other arguments as
     :func:`forward.flash_attention_fwd` (``mm_dtype``, ``scale``, ``causal``, ``window``,
     lengths, ``dropout_p`` with ``seed``, ``dropout_mask``: the mask is returned as ``(B, Hq,
     Nq, 128 ceil(Nk/128))`` float32, positions of blocks never drawn unspecified; the score
@@ -1267,8 +1280,9 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     most = window_capacity(D, mm_dtype, trip_max, Nk, causal, window,
                            q_lens is not None or kv_lens is not None, mods != SM.Mods(),
                            bool(dropout_p))
-    win = _check_window(window_loads, window_slots, window_blocks, window_group, meta, classes,
-                        shared, shared_runtime, fits, most, trip_max)
+    win = _check_window(window_loads, window_slots, window_blocks, window_group,
+                        window_shared, meta, classes, shared, shared_runtime, fits, most,
+                        trip_max)
     plain = not (causal or window or q_lens is not None or kv_lens is not None
                  or mods != SM.Mods() or dropout_p)
     sg = _check_supergroups(meta, sg_rows, sg_keys, sg_own, classes, shared, shared_runtime,
@@ -1314,6 +1328,10 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
         if sg is not None:
             port.loop(f.G, lambda h: _supergroups(f, geo, sg, h))
             return
+        if win is not None and win.shared:
+            # one window for the member heads: the member-head loop inside its groups
+            _head(f, geo, meta, classes, shared, natural, None, src, shared_runtime)
+            return
         port.loop(f.G, lambda h: _head(f, geo, meta, classes, shared, natural, h, src,
                                        shared_runtime))
 
@@ -1330,8 +1348,10 @@ def _head(f, geo: Geometry, meta, classes, shared, natural, h, src: KVSource,
     remainder group) whose first
     ``shared`` slots (one count per class) are the group's common key blocks (``src``: where
     their key blocks come from; ``natural``: one flag per class, its positions are its query
-    tiles; :func:`_attend_tiles`)."""
-    q_frame = RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
+    tiles; :func:`_attend_tiles`). ``h`` None: a window the member heads share
+    (``src.win.shared``, its one class): each group's tiles run for every member head
+    (:func:`_member_heads`)."""
+    q_frame = None if h is None else _q_frame(f, geo, h)
     for (first, count, trip, exact), sh, nat in zip(classes, shared, natural):
         f = src.instance(f, trip)
         csrc = src.for_class(f, geo, trip, exact)
@@ -1360,13 +1380,16 @@ class _Held(NamedTuple):
     """SBUF copies of a group's finished outputs (``o`` in o's dtype, ``lse`` fp32, one slot
     per query tile), stored by the *next* group right after it has issued its loads
     (:func:`_attend_tiles`): ``prev`` that group's first position (an index expression; None:
-    nothing held yet). A store waits for its group's last softmax step, and the DMA queues
-    would otherwise hold the next group's loads behind it (the dense forward's
+    nothing held yet), ``head`` its query head (None: the storing group's) and ``n`` its
+    tiles (None: every slot). A store waits for its group's last softmax step, and the DMA
+    queues would otherwise hold the next group's loads behind it (the dense forward's
     ``forward._Outputs``)."""
 
     o: object
     lse: object
     prev: object = None
+    head: object = None
+    n: Optional[int] = None
 
 
 def _deferred_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, first: int, count: int,
@@ -1376,16 +1399,31 @@ def _deferred_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, first: int, c
     previous one's outputs (:class:`_Held`): the first group is peeled (nothing to store
     before it), the other full groups are a sequential loop (they carry the held outputs),
     then the remainder group and the last stores. With a window (``src.win``, its one
-    class) each group first gathers its new blocks (:func:`_load_window`)."""
+    class) each group first gathers its new blocks (:func:`_load_window`). ``h`` None (a
+    window the member heads share): each group runs its tiles for every member head in
+    turn, each storing the outputs held before it -- member head 0 the previous group's
+    last head's, member head m > 0 the same group's head m - 1's (one buffer: a group's
+    outputs are stored before the next head's finalize overwrites them)."""
     held = _Held(nl.ndarray((P, g, f.D), dtype=f.o.dtype, buffer=nl.sbuf),
                  nl.ndarray((P, g, 1), dtype=nl.float32, buffer=nl.sbuf))
     full = count // g
 
     def group(c, n: int, prev):
         if src.win is not None:
-            _load_window(f, geo, src, h, c)
-        _attend_tiles(f, geo, meta, h, q_frame, first + c * g, n, trip, exact, sh, src,
-                      held._replace(prev=prev), shared_runtime)
+            _load_window(f, geo, src, 0 if h is None else h, c)
+        pos0 = first + c * g
+
+        def attend(m, frame, before):
+            _attend_tiles(f, geo, meta, m, frame, pos0, n, trip, exact, sh, src, before,
+                          shared_runtime)
+
+        if h is not None:
+            attend(h, q_frame, held._replace(prev=prev))
+            return
+        # (a group before this one is whole: g tiles held)
+        attend(0, _q_frame(f, geo, 0), held._replace(prev=prev, head=f.head(f.G - 1)))
+        _member_heads(f, geo, None, None, lambda m, frame: attend(
+            m, frame, held._replace(prev=pos0, head=f.head(m - 1), n=n)), start=1)
 
     group(0, g, None)
     port.loop(full, lambda c: group(c, g, first + (c - 1) * g), carried=True, start=1)
@@ -1393,7 +1431,25 @@ def _deferred_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, first: int, c
     if count % g:
         group(full, count % g, last)
         last, n = first + full * g, count % g
-    _store_held(f, f.head(h), held, last, n, trip)
+    _store_held(f, f.head(f.G - 1 if h is None else h), held, last, n, trip)
+
+
+def _q_frame(f, geo: Geometry, h) -> RowFrame:
+    """The :class:`RowFrame` of member head h's query rows ``q[b, head(h)]``."""
+    return RowFrame.of(f.q, (f.b, f.head(h)), geo.indices)
+
+
+def _member_heads(f, geo: Geometry, h, q_frame: Optional[RowFrame], body, start: int = 0):
+    """``body(h, q_frame)`` for member head h (``q_frame``: its query rows), or with ``h``
+    None (a window the member heads share) for each member head from ``start`` in a
+    sequential compiled loop (it may carry held outputs, :func:`_deferred_groups`): the
+    window's blocks read in place by every member head's tiles, each with its own rows,
+    masks, score modifiers (ALiBi slopes, sinks) and dropout units (:func:`_attend_tiles`
+    takes the head)."""
+    if h is not None:
+        body(h, q_frame)
+        return
+    port.loop(f.G, lambda m: body(m, _q_frame(f, geo, m)), carried=True, start=start)
 
 
 class _Window(NamedTuple):
@@ -1402,11 +1458,14 @@ class _Window(NamedTuple):
     of steps of ``tiles.BSP_WINDOW_LOAD_BLOCKS`` blocks it gathers into the window, 0, their
     first keys and their positions (padding entries: past every key, to the block of zeros);
     ``slots`` ``(b, h, rows, trip)``, each slot's window position (the block of zeros for a
-    padding slot); ``group``: query tiles per kernel group (``window_group``)."""
+    padding slot); ``group``: query tiles per kernel group (``window_group``); ``shared``:
+    the tables are the same for the member heads of a kv head (``window_shared``), so each
+    group gathers once for all of them."""
 
     loads: object
     slots: object
     group: int
+    shared: bool = False
 
     def positions(self, hb, hh, pos0, n: int, trip: int):
         """int32 ``[1, n, trip]``: the window positions of the slots of a group's ``n`` tiles
@@ -1421,8 +1480,8 @@ class _Window(NamedTuple):
         return out
 
 
-def _check_window(loads, slots, blocks, group, meta, classes, shared, shared_runtime: bool,
-                  fits: bool, most: int, trip: int) -> Optional[_Window]:
+def _check_window(loads, slots, blocks, group, heads_share, meta, classes, shared,
+                  shared_runtime: bool, fits: bool, most: int, trip: int) -> Optional[_Window]:
     """The window of a launch (``window_blocks`` > 0; None: none), checked: nki.* only (a
     runtime trip count fills it), K/V not resident, at most ``most`` blocks (what fits in
     SBUF, :func:`window_capacity`), both tables given, one class of the tables' ``trip``
@@ -1433,14 +1492,20 @@ def _check_window(loads, slots, blocks, group, meta, classes, shared, shared_run
     :func:`window_capacity` holds that many tiles' tables; the default where there is no
     window); ``window_loads`` ``meta``'s leading dims, one row per kernel group (the class's
     rows in groups of ``window_group``, then a remainder), ``2 + 2 L`` columns with ``L`` a
-    positive multiple of ``tiles.BSP_WINDOW_LOAD_BLOCKS`` (the steps' blocks)."""
+    positive multiple of ``tiles.BSP_WINDOW_LOAD_BLOCKS`` (the steps' blocks);
+    ``window_shared`` (``heads_share``) a bool, True only with a window."""
     if not isinstance(blocks, int) or blocks < 0:
         raise ValueError(f"window_blocks: expected an int >= 0, got {blocks!r}")
     if isinstance(group, bool) or not isinstance(group, int) \
             or not 1 <= group <= T.BSP_GROUP_TILES:
         raise ValueError(f"window_group: expected an int from 1 to {T.BSP_GROUP_TILES}, got "
                          f"{group!r}")
+    if not isinstance(heads_share, bool):
+        raise ValueError(f"window_shared: expected a bool, got {heads_share!r}")
     if not blocks:
+        if heads_share:
+            raise ValueError("window_shared: given (True) with window_blocks=0; allowed: "
+                             "False (no window)")
         if loads is not None or slots is not None:
             raise ValueError("window_loads, window_slots: given with window_blocks=0; allowed: "
                              "None (no window)")
@@ -1479,7 +1544,7 @@ def _check_window(loads, slots, blocks, group, meta, classes, shared, shared_run
         raise ValueError(f"window_loads: expected shape {lead + (groups,)} + (2 + 2 L,) "
                          f"(meta's leading dims, one row per group of {g} of the {count} rows, "
                          f"L a positive multiple of {Wl}), got {shape}")
-    return _Window(loads, slots, group)
+    return _Window(loads, slots, group, heads_share)
 
 
 def _window_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, count: int, g: int,
@@ -1487,10 +1552,13 @@ def _window_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, count: int, g: 
     """The groups of the one class of a window's tables (``src.win``): each gathers its new
     blocks into the window (:func:`_load_window`), then its tiles read every block in place
     (:func:`_attend_tiles` with the window as resident K/V). A sequential loop: a group
-    reads blocks earlier groups gathered."""
+    reads blocks earlier groups gathered. ``h`` None (``src.win.shared``): each group
+    gathers once, from the first member head's tables (the same as the others'), and its
+    tiles run for every member head (:func:`_member_heads`)."""
     def group(c, n: int):
-        _load_window(f, geo, src, h, c)
-        _attend_tiles(f, geo, meta, h, q_frame, c * g, n, trip, exact, 0, src)
+        _load_window(f, geo, src, 0 if h is None else h, c)
+        _member_heads(f, geo, h, q_frame, lambda m, frame: _attend_tiles(
+            f, geo, meta, m, frame, c * g, n, trip, exact, 0, src))
 
     port.loop(count // g, lambda c: group(c, g), carried=True)
     if count % g:

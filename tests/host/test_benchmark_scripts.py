@@ -108,3 +108,16 @@ def test_block_sparse_random_patterns(capsys, tmp_path):
     assert rows[0]["density"] == float(bench.random_pattern(2, 0.5, seed=1).mean())
     with pytest.raises(SystemExit, match="--random"):
         bench.random_pattern(2, 1.5, seed=1)
+
+
+def test_block_sparse_gqa_inputs(tmp_path):
+    """``--hq``: query heads sharing the one kv head, the pattern broadcast over them."""
+    bench = _load("block_sparse")
+    q, k, v, do = bench.inputs(256, 64, hq=2)
+    assert q.shape == do.shape == (1, 2, 256, 64) and k.shape == v.shape == (1, 1, 256, 64)
+    bench.main(["--n", "256", "--d", "64", "--passes", "fwd", "--forms", "index", "--no-fixed",
+                "--hq", "2", "--out", str(tmp_path)])
+    import json
+    out = json.loads((tmp_path / "block_sparse.json").read_text())
+    assert [(r["pattern"], r["Hq"]) for r in out["rows"]] == [("band+strided", 2)]
+    assert out["dense"][0]["Hq"] == 2

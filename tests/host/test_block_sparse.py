@@ -1,6 +1,7 @@
 """Block-sparse pattern layouts, validation and standard patterns (host/block_sparse.py), and the
 block-sparse / dropout forms of the float64 references."""
 import heapq
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -608,6 +609,47 @@ def test_window_plan_takes_the_largest_group_within_the_dense_traffic():
     plan = bs.window_plan(sparsity, grouped, 16, 10 ** 6)
     assert (plan.group, plan.block_loads) == (2, 240)
     assert _replay(plan, index).sum() == 240
+
+
+def test_window_plan_shares_the_window_between_alike_member_heads():
+    """``window_plan`` with the query heads per kv head (``heads``, GQA): the random pattern
+    of 2 x 2 (b, kv head) entries given per query head, each kv head's 2 member heads alike,
+    is planned once per kv head and its tables repeated for the member heads
+    (``WindowTables.heads`` 2: they share each gather), so its key blocks per query head
+    (``head_loads``) are those of the pattern of kv heads: groups of 8 gather 166 and fit a
+    dense forward of 166, where the plan per query head (twice as many) takes groups of 1.
+    Every member head's tables hold its slots' blocks (:func:`_replay`); the byte model
+    counts the window's gathers and loads rows once per kv head. A pattern broadcast over
+    heads shares its tables as they are; member heads that differ do not share."""
+    nqt = 40
+    kv = np.random.default_rng(5).random((2, 2, nqt, nqt)) < 0.1
+    mask = np.repeat(kv, 2, axis=1)
+    index = bs.dense_to_index(mask)
+    sparsity = bs.check_block_mask(mask, 2, 4, nqt * 128, nqt * 128)
+    grouped = bs.kernel_tables(index, sort=True, share=T.BSP_GROUP_TILES)
+    shared = bs.window_plan(sparsity, grouped, 32, 166, 2)
+    assert (shared.group, shared.heads, shared.head_loads, shared.block_loads) == (8, 2, 166, 332)
+    assert shared.slots.shape[1] == shared.loads.shape[1] == shared.tables.meta.shape[1] == 4
+    assert _replay(shared, index).sum() == shared.block_loads
+    alone = bs.window_plan(sparsity, grouped, 32, 166)
+    assert (alone.group, alone.heads, alone.head_loads) == (1, 1, 320)
+    # bytes: K/V of 166 gathered blocks and the loads rows once per kv head, not per query
+    # head; the same Q, O, LSE and per-tile tables
+    B, Hq, N, D = 2, 4, nqt * 128, 64
+    per_head = shared._replace(heads=1)
+    kv_bytes = 2 * 166 * 128 * D * 2 + shared.loads[:, ::2].size * 4
+    assert (bs.window_hbm_bytes(per_head, B, Hq, N, N, D, 2)
+            - bs.window_hbm_bytes(shared, B, Hq, N, N, D, 2)) == kv_bytes
+    # broadcast over the heads: the same tables, shared by the 4 query heads of a kv head
+    one = bs.check_block_mask(kv[:1, :1], 1, 4, nqt * 128, nqt * 128)
+    plan = bs.window_plan(one, bs.kernel_tables(one.index, sort=True, share=8), 32, 10 ** 6,
+                          4)
+    assert plan.heads == 4 and plan.tables.meta.shape[1] == 1
+    assert plan.head_loads == Fraction(plan.block_loads, 4)
+    mask[1, 3, 0, 0] = ~mask[1, 3, 0, 0]
+    differ = bs.check_block_mask(mask, 2, 4, nqt * 128, nqt * 128)
+    assert bs._kv_head_index(differ, 2) is None
+    assert bs.window_plan(differ, grouped, 32, 166, 2).heads == 1
 
 
 # -- super-groups (the forward past SBUF, nki.*) ----------------------------------------------

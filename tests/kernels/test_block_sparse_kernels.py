@@ -931,49 +931,96 @@ def test_nki_index_form_past_sbuf_matches_legacy_and_compiles_once_per_bound(mon
 
 
 @pytest.mark.parametrize("form", ["bool", "index"])
-def test_nki_window_past_sbuf_gathers_each_block_once_with_the_planned_bytes(monkeypatch, form):
-    """Past SBUF (forced at N = 2560: 20 query tiles, two groups of 8 and a remainder of 4;
-    GQA 2:1) the nki.* forward fills a key-block window group by group
-    (``host.block_sparse.window_tables``): on the band+strided pattern, whose groups share
-    no common block, each query head reads K and V once (the grouping: 3.6 times in the bool
-    form, 2.75 in the index form), the HBM
-    bytes are exactly ``window_hbm_bytes``' and the grouping's K bytes
-    ``grouped_block_loads``' blocks; the outputs the reference's, and the grouping's to
-    rounding."""
+@pytest.mark.parametrize("G", [2, 4])
+def test_nki_window_past_sbuf_gathers_each_block_once_per_kv_head(monkeypatch, form, G):
+    """Past SBUF (forced at N = 1536: 12 query tiles, a group of 8 and a remainder of 4;
+    GQA G:1) the nki.* forward fills a key-block window group by group
+    (``host.block_sparse.window_tables``). The band+strided pattern is broadcast over the
+    heads, so the G member heads share the window (``window_shared``): each group gathers
+    its new blocks once for all of them, and K and V are read once per kv head -- 1/G of
+    the window run per query head (forced here, as where the heads' tables differ), which
+    reads them once per query head, and of the grouping (several times per query head:
+    ``grouped_block_loads``). The HBM bytes are exactly ``window_hbm_bytes``' in both window
+    runs; the outputs and LSE are the reference's, and the same bits with or without the
+    sharing."""
     _past_sbuf(monkeypatch)
     monkeypatch.setenv(binding.API_ENV_VAR, "nki")
-    B, Hq, N, D = 1, 2, 20 * 128, 16
+    plans = _spy_window_plan(monkeypatch)
+    B, Hq, N, D = 1, G, 12 * 128, 16
     q, k, v, _ = attention_inputs(B, Hq, 1, N, N, D, seed=61)
-    mask = bs.band_strided(20, 20)
+    mask = bs.band_strided(12, 12)
     pattern = mask if form == "bool" else tuple(bs.dense_to_index(mask))
     sparsity = bs.check_block_mask(pattern, B, Hq, N, N)
     grouped = bs.launch_tables(sparsity, group=Hq, backward=False,
                                share_runtime=form == "index").q
-    # every plan gathers each of the 20 key blocks at least once: groups of 8 (the host's
-    # choice: at most the dense forward's blocks)
-    win = bs.window_plan(sparsity, grouped,
-                         T.bsp_fwd_window_blocks(D, 4, sparsity.index.max_blocks, True), 20)
-    assert win.group == T.BSP_GROUP_TILES
-    want = ref.attention_forward(q, k, v, block_mask=mask)[0]
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask)[:2]
+    block = 128 * D * 4
     runs = {}
-    for windowed in (True, False):
-        if not windowed:
-            # the grouping (without the window, sparse super-groups would gather less)
+    for plan in ("shared", "per head", "grouping"):
+        if plan == "per head":
+            monkeypatch.setattr(bs, "_kv_head_index", lambda *args: None)
+        if plan == "grouping":
+            # (without the window, sparse super-groups would gather less than the grouping)
             monkeypatch.setattr(bs, "window_plan", lambda *args: None)
             monkeypatch.setattr(host.api, "_supergroups", lambda *args: None)
         with simulate.measure(target="trn2") as m:
-            o = host.flash_attention(q, k, v, block_mask=pattern, mixed_precision=False)
-        assert ("window_loads" in m.per_tensor) == windowed
-        assert _err(o, want) < 2e-6
-        runs[windowed] = (o, m.per_tensor["k"]["read"],
-                          m.hbm_bytes_read + m.hbm_bytes_written)
-    # the tables are the pattern's (1, 1), every query head runs them
-    assert runs[True][1] == Hq * N * D * 4 == Hq * win.block_loads * 128 * D * 4
-    assert runs[True][2] == bs.window_hbm_bytes(win, B, Hq, N, N, D, 4)
-    grouped_k = bs.grouped_block_loads(grouped, T.BSP_GROUP_TILES) * Hq * 128 * D * 4
-    assert runs[False][1] == grouped_k
-    assert runs[False][1] >= 2 * runs[True][1]
-    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=0, atol=2e-6)
+            o, lse = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True,
+                                          mixed_precision=False)
+        assert ("window_loads" in m.per_tensor) == (plan != "grouping")
+        assert _err(o, o_ref) < 2e-6 and _err(lse, lse_ref) < 2e-5
+        per = m.per_tensor
+        assert per["k"]["read"] == per["v"]["read"]
+        runs[plan] = (o, lse, per["k"]["read"])
+        if plan != "grouping":
+            win = plans[-1]
+            # every group size gathers each of the 12 key blocks once: groups of 8
+            assert win.group == T.BSP_GROUP_TILES and win.block_loads == 12
+            assert win.heads == (G if plan == "shared" else 1)
+            assert per["k"]["read"] == Hq * win.head_loads * block
+            assert m.hbm_bytes_read + m.hbm_bytes_written == bs.window_hbm_bytes(win, B, Hq,
+                                                                                 N, N, D, 4)
+    assert runs["shared"][2] == N * D * 4 and runs["per head"][2] == G * N * D * 4
+    assert runs["grouping"][2] == bs.grouped_block_loads(grouped, T.BSP_GROUP_TILES) * Hq * block
+    assert runs["grouping"][2] >= 2 * runs["per head"][2]
+    for a, b in zip(runs["shared"][:2], runs["per head"][:2]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_nki_window_shared_by_heads_found_alike(monkeypatch):
+    """A pattern given per query head (Hq = 4, Hkv = 2) whose two member heads of each kv
+    head have the same block sets (random, different across the kv heads):
+    the host plans the window once per kv head and repeats its tables for the member heads
+    (``window_plan``'s ``heads``), which share it; K and V are read once per kv head, the
+    bytes exactly ``window_hbm_bytes``', the outputs and LSE the reference's. Once one
+    member head's sets differ (one block flipped), the window runs per query head (17
+    key blocks gathered, then 35)."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    plans = _spy_window_plan(monkeypatch)
+    B, Hq, Hkv, N, D = 1, 4, 2, 9 * 128, 16
+    q, k, v, _ = attention_inputs(B, Hq, Hkv, N, N, D, seed=71)
+    mask = np.repeat(_pattern(B, Hkv, N, N, 0.3, seed=72), 2, axis=1)
+    read = {}
+    for alike in (True, False):
+        if not alike:
+            mask[0, 3, 5] = ~mask[0, 3, 5]
+        with simulate.measure(target="trn2") as m:
+            o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                          mixed_precision=False)
+        win = plans[-1]
+        assert win.heads == (2 if alike else 1) and win.slots.shape[1] == Hq
+        # the tables' entries are the query heads': head_loads is the launch's blocks
+        read[alike] = m.per_tensor["k"]["read"]
+        assert read[alike] == win.head_loads * 128 * D * 4
+        assert win.block_loads == win.heads * win.head_loads
+        assert m.hbm_bytes_read + m.hbm_bytes_written == bs.window_hbm_bytes(win, B, Hq, N, N,
+                                                                             D, 4)
+        o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask)[:2]
+        fin = np.isfinite(lse_ref)                # (a query tile may have no block)
+        assert _err(o, o_ref) < 2e-6 and (np.isfinite(lse) == fin).all()
+        assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
+    # 17 blocks once per kv head; per query head twice as many and the flipped block
+    assert (read[True], read[False]) == (17 * 128 * D * 4, 35 * 128 * D * 4)
 
 
 @pytest.mark.parametrize("form", ["bool", "index"])
@@ -998,6 +1045,48 @@ def test_nki_window_past_sbuf_matches_the_reference_with_lengths_and_padding(mon
     assert _err(o, o_ref) < 2e-6
     fin = np.isfinite(lse_ref)
     assert (np.isfinite(lse) == fin).all()
+    assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
+
+
+@pytest.mark.parametrize("kw", [
+    dict(causal="bottom_right", kv_lens=np.array([600, 846], np.int32),
+         q_lens=np.array([805, 700], np.int32)),
+    dict(softcap=5.0, alibi_slopes=np.array([0.25, 0.0625], np.float32),
+         sinks=np.array([0.5, -1.0], np.float32)),
+    dict(dropout_p=0.2, seed=5, return_dropout_mask=True)],
+    ids=["lengths", "score-mods", "dropout"])
+def test_nki_window_shared_by_heads_keeps_each_heads_masks_modifiers_and_dropout(
+        monkeypatch, kw):
+    """GQA 2:1 (B = 2) with a random pattern broadcast over the heads: the member heads
+    share the window, and each keeps what is its own -- valid lengths with a causal band
+    (partial last query and key tiles), its ALiBi slope and sink beside the softcap, its
+    dropout units (the kernel's keep mask): the outputs and LSE are the reference's (with
+    the kernel's mask), and the same bits (mask included) as the window run per query
+    head (forced)."""
+    _past_sbuf(monkeypatch)
+    monkeypatch.setenv(binding.API_ENV_VAR, "nki")
+    plans = _spy_window_plan(monkeypatch)
+    B, Hq, Nq, Nk, D = 2, 2, 6 * 128 + 37, 7 * 128 - 50, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=73)
+    mask = _pattern(1, 1, Nq, Nk, 0.3, seed=74)
+    runs = []
+    for heads in (2, 1):
+        if heads == 1:
+            monkeypatch.setattr(bs, "_kv_head_index", lambda *args: None)
+        with simulate.measure(target="trn2") as m:
+            outs = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                        mixed_precision=False, **kw)
+        assert plans[-1].heads == heads and "window_loads" in m.per_tensor
+        runs.append(outs)
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    o, lse = runs[0][:2]
+    rkw = {x: y for x, y in kw.items() if x not in ("seed", "return_dropout_mask")}
+    if "dropout_p" in kw:
+        rkw["dropout_mask"] = runs[0][2]
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask, **rkw)[:2]
+    fin = np.isfinite(lse_ref)
+    assert _err(o, o_ref) < 2e-6 and (np.isfinite(lse) == fin).all()
     assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
 
 
@@ -1061,7 +1150,9 @@ def test_nki_window_in_smaller_groups_in_natural_order(monkeypatch, group):
         o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
                                       mixed_precision=False)
     win, = plans
-    assert win.group == group and win.tables.natural == (True,)
+    # the pattern is broadcast over the heads: both member heads run each group in turn,
+    # each storing the outputs held before it
+    assert win.group == group and win.tables.natural == (True,) and win.heads == 2
     assert "window_loads" in m.per_tensor
     assert m.hbm_bytes_read + m.hbm_bytes_written == bs.window_hbm_bytes(win, B, Hq, N, N, D, 4)
     o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask)[:2]
@@ -1091,23 +1182,26 @@ def test_nki_window_group_is_the_largest_within_the_dense_forwards_traffic(monke
     assert _err(o, ref.attention_forward(q, k, v, block_mask=mask)[0]) < 2e-6
 
 
-def test_nki_window_program_does_not_grow_with_n(monkeypatch):
+@pytest.mark.parametrize("G", [1, 2], ids=["mha", "shared-gqa"])
+def test_nki_window_program_does_not_grow_with_n(monkeypatch, G):
     """The window path's program (groups, window loads, slots: compiled loops over table
     data) has the same size at 20 and 36 query tiles of the band+strided pattern in the index
-    form (the tables' shapes grow, not the program)."""
+    form (the tables' shapes grow, not the program); so has a window two member heads
+    share (``window_shared``: the member-head loop a compiled loop inside the groups')."""
     _past_sbuf(monkeypatch)
     monkeypatch.setenv(binding.API_ENV_VAR, "nki")
     sizes = []
     for nqt in (20, 36):
         N, D = nqt * 128, 16
-        q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=64)
+        q, k, v, _ = attention_inputs(1, G, 1, N, N, D, seed=64)
         index = bs.dense_to_index(bs.band_strided(nqt, nqt), 4)
         win = bs.window_tables(index, T.bsp_fwd_window_blocks(D, 4, 4, True), T.BSP_GROUP_TILES)
         t = win.tables
         sizes.append(program_size(
             block_sparse_attention_fwd.on("nki"), launch_grid((1, 1), "nki"), q, k, v, t.meta,
             window_loads=win.loads, window_slots=win.slots, window_blocks=win.blocks,
-            classes=t.classes, shared=t.shared, natural=t.natural, mm_dtype="float32"))
+            window_shared=G > 1, classes=t.classes, shared=t.shared, natural=t.natural,
+            mm_dtype="float32"))
     assert sizes[0] == sizes[1]
 
 
@@ -1161,6 +1255,11 @@ def test_nki_window_arguments_are_checked(monkeypatch):
     with pytest.raises(ValueError, match=r"window_group: given \(2\) with window_blocks=0; "
                                          r"allowed: 8 \(the default: no window\)"):
         run("nki", window_blocks=0, window_loads=None, window_slots=None, window_group=2)
+    with pytest.raises(ValueError, match=r"window_shared: expected a bool, got 1$"):
+        run("nki", window_shared=1)
+    with pytest.raises(ValueError, match=r"window_shared: given \(True\) with window_blocks=0; "
+                                         r"allowed: False \(no window\)"):
+        run("nki", window_blocks=0, window_loads=None, window_slots=None, window_shared=True)
     with pytest.raises(ValueError, match=r"classes: a window needs one class of the table's 4 "
                                          r"slots, got \(\(0, 8, 4, False\), \(8, 4, 4"):
         run("nki", classes=((0, 8, 4, False), (8, 4, 4, False)))
