@@ -719,7 +719,7 @@ def _dense_kv_blocks(call: AttentionCall) -> Fraction:
     return Fraction(passes * nkt * (num.size // num.shape[-1]), dims.group)
 
 
-def _supergroups(call: AttentionCall, grouped, win, dense: int):
+def _supergroups(call: AttentionCall, grouped, win, dense: Fraction):
     """The forward's super-group tables (``host.block_sparse``; nki.*, K/V not resident) for
     a plain call (no band, lengths, score modifier or dropout), or None. The plan taken
     otherwise gathers ``other`` key blocks: the window ``win``'s ``head_loads``, else the
