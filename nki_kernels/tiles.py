@@ -289,8 +289,8 @@ def bsp_fwd_supergroup_tiles(D: int, mm_itemsize: int, in_itemsize: int, trip: i
     151 tiles (N = 64K then runs 4 super-groups of 128, the dense forward's 4 passes), masked
     149; D = 64: 233. Measured (simulate.measure, trn2, D = 128, bf16, U = 528, one step of
     16 blocks): peak 179202 bytes per partition at 151 tiles (exact), 176886 at 149
-    (masked), within the budget's 206438. ``own`` (sparse super-groups: no finished output
-    staged per tile, a step of :data:`BSP_SG_OWN_STEP_BLOCKS` blocks): 138 tiles at D = 128,
+    (masked), within the budget's 206438. ``own`` (sparse super-groups: a smaller state per
+    tile, a step of :data:`BSP_SG_OWN_STEP_BLOCKS` blocks): 138 tiles at D = 128,
     bf16, U = 576 (N = 64K: 4 super-groups of 128), peak 171460 (one step of 64 blocks);
     the 64K benchmark's random s = 1/8: 163380."""
     tables = BSP_SG_UNION_TABLES * 4 * (2 + max(1, trip))
@@ -299,9 +299,15 @@ def bsp_fwd_supergroup_tiles(D: int, mm_itemsize: int, in_itemsize: int, trip: i
         per_tile += BSP_SG_MASK_TILE_BYTES
     work = BSP_FWD_WORK_BYTES * mm_itemsize // 2
     if own:
-        # a tile keeps only Q^T, [o_acc | l | flag] and its statistics (no finished output
-        # staged); the step's gathered blocks come on top of the work bytes
-        per_tile = (PMAX * mm_itemsize + (D + 2) * 4 + BSP_SG_TILE_EXTRA_BYTES)
+        # a tile keeps Q^T (one [128, 128] per D pass), [o_acc | l | flag], its statistics
+        # and its finished output (finalize stages the super-group's at once). The peak
+        # measured at D <= 128 with bf16 inputs (D = 128: 171460 of 206438 at 138 tiles)
+        # shows the other terms' margin holding the output; past D = 128 or with fp32
+        # inputs the output is counted in full (fp32 inputs, bf16 matmuls, D = 160 / 192:
+        # 227692 / 228940 bytes at 73 / 53 tiles without it, past the budget)
+        wide = D > PMAX or in_itemsize > 2
+        per_tile = (fwd_d_passes(D) * PMAX * mm_itemsize + (D + 2) * 4
+                    + (D * in_itemsize if wide else 0) + BSP_SG_TILE_EXTRA_BYTES)
         work += BSP_SG_OWN_STEP_BLOCKS * bsp_sg_step_block_bytes(D, mm_itemsize, in_itemsize)
     free = FWD_SBUF_BUDGET_BYTES["trn2"] - work - tables
     return max(1, free // per_tile)

@@ -235,6 +235,10 @@ def select(t, dim, index):
     if ind is not None and t._ind is not None:
         raise _err(t, "select: only one dynamic select per tensor (the view is already "
                       "indirect)")
+    if not 0 <= i < shape[d] and ind is not None and _runtime.is_text_only():
+        # a runtime index in a body traced for its program text only (a runtime loop of no
+        # iteration): its table rows were never written, the hardware never runs it
+        i = 0
     if not 0 <= i < shape[d]:
         raise IndexError(f"select: index {i} out of range [0, {shape[d]}) on dim {d} of "
                          f"tensor '{t._st.name}'")

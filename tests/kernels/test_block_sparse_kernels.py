@@ -1738,6 +1738,26 @@ def test_nki_sparse_supergroups_never_read_other_tiles_blocks(monkeypatch):
     assert _err(np.where(seen, 0, lse), np.where(seen, 0, lse_ref)) < 2e-5
 
 
+def test_nki_sparse_supergroups_with_an_empty_union_give_zeros(monkeypatch):
+    """A query head without any active block under sparse super-groups (past SBUF, the
+    window off; the other head at s = 1/4 takes them): its super-group's union is empty, so
+    its step loop runs no iteration and its program text is traced on table rows never
+    written; the head's outputs are zeros and LSE -inf, the other head's the reference's.
+    (The simulator raised IndexError on the never-run body's runtime select before.)"""
+    _no_window(monkeypatch)
+    B, Hq, Nq, Nk, D = 1, 2, 6 * 128, 70 * 128, 32
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=5)
+    mask = np.random.default_rng(6).random((1, Hq, 6, 70)) < 0.25
+    mask[0, 0] = False
+    with simulate.measure(target="trn2") as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                      mixed_precision=False)
+    assert "sg_own" in m.per_tensor
+    assert not np.asarray(o)[0, 0].any() and np.isneginf(lse[0, 0]).all()
+    o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask)[:2]
+    assert _err(o[0, 1], o_ref[0, 1]) < 2e-6 and _err(lse[0, 1], lse_ref[0, 1]) < 2e-5
+
+
 def test_nki_sparse_supergroup_program_does_not_grow_with_n(monkeypatch):
     """The sparse super-group path's program (super-groups, steps, each tile's sub-steps:
     compiled loops over table data) has the same size at 10 and 20 query tiles of random
