@@ -1144,8 +1144,6 @@ def masked_supergroup_tables(index: BlockIndex, most: int, Nk: int) -> Optional[
     are bounded by the ``Nk / 128`` key blocks (the table's width depends on the shape only).
     None where the pattern has no active block or the last key block is partial (the kernel
     masks whole blocks)."""
-    if Nk % _tiles.BLOCK_SPARSE_TILE:
-        return None
     return _consecutive(index, most, Nk, "masked")
 
 
@@ -1153,11 +1151,12 @@ def _consecutive(index: BlockIndex, most: int, Nk: int, kind: str) -> Optional[
         SuperGroupTables]:
     """The tables (``kind`` "masked" or "sparse") of super-groups of consecutive query tiles,
     :func:`supergroup_size` with up to ``most`` each, each with the union of its tiles'
-    blocks in ascending order; None where the pattern has no active block."""
+    blocks in ascending order; None where the pattern has no active block or the last key
+    block is partial (nothing would mask its keys past Nk)."""
     num = np.asarray(index.num_blocks, dtype=np.int64)
     idx = np.asarray(index.indices, dtype=np.int64)
     b, h, n = num.shape
-    if idx.shape[-1] == 0 or not num.any():
+    if idx.shape[-1] == 0 or not num.any() or Nk % _tiles.BLOCK_SPARSE_TILE:
         return None
     size = supergroup_size(n, most)
     plans = {}
@@ -1181,8 +1180,6 @@ def sparse_supergroup_tables(index: BlockIndex, most: int, Nk: int) -> Optional[
     but each tile computes only its own blocks of a step (``pairs``: the active pairs), read
     at the positions ``own`` lists. None where the pattern has no active block or the last
     key block is partial (nothing masks its keys past Nk)."""
-    if Nk % _tiles.BLOCK_SPARSE_TILE:
-        return None
     return _consecutive(index, most, Nk, "sparse")
 
 
@@ -1200,15 +1197,12 @@ def supergroup_hbm_bytes(sg: SuperGroupTables, B: int, Hq: int, Nq: int, Nk: int
     kv_rows = int(np.minimum(_tiles.BLOCK_SPARSE_TILE, Nk - firsts).sum())
     per_group = (meta.shape[-1] + sg.rows.shape[-1]) * 4
     flags = 0
-    if sg.keys is not None:
-        # each step that runs reads its keep flags
-        step = min(_tiles.BSP_SHARED_STEP_BLOCKS, (meta.shape[-1] - 2) // 2)
+    if sg.keys is not None or sg.own is not None:
+        # each step that runs reads its keep flags (masked) or its tiles' own rows (sparse)
+        step = _tiles.bsp_sg_step(meta.shape[-1] - 2, sg.own is not None)
         steps = int((-(-meta[..., 1].astype(np.int64) // step)).sum())
-        flags = steps * step * sg.rows.shape[-1] * 4
-    if sg.own is not None:
-        step = min(_tiles.BSP_SG_OWN_STEP_BLOCKS, (meta.shape[-1] - 2) // 2)
-        steps = int((-(-meta[..., 1].astype(np.int64) // step)).sum())
-        flags = steps * sg.rows.shape[-1] * sg.own.shape[-1] * 4
+        per_step = step if sg.own is None else sg.own.shape[-1]
+        flags = steps * per_step * sg.rows.shape[-1] * 4
     return (B * Hq * (2 * Nq * D * itemsize + Nq * 4 + meta.shape[2] * per_group)
             + flags + 2 * kv_rows * D * itemsize)
 

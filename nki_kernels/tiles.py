@@ -319,6 +319,15 @@ def bsp_fwd_supergroup_tiles(D: int, mm_itemsize: int, in_itemsize: int, trip: i
 #: step and its sub-steps are fuller (one online-softmax update per sub-step of
 #: :data:`BSP_SG_OWN_WIDTHS` blocks).
 BSP_SG_OWN_STEP_BLOCKS = 64
+
+
+def bsp_sg_step(width: int, own: bool) -> int:
+    """Key blocks per step of a super-group whose union table row has ``width`` (``U``)
+    slots: :data:`BSP_SHARED_STEP_BLOCKS` (sparse super-groups, ``own``:
+    :data:`BSP_SG_OWN_STEP_BLOCKS`), or the pattern's bound M if smaller (the host's
+    ``U = (M // W + 1) W``, ``host.block_sparse.union_width``, is at least two steps, so
+    ``U // 2`` finds M again)."""
+    return min(BSP_SG_OWN_STEP_BLOCKS if own else BSP_SHARED_STEP_BLOCKS, width // 2)
 #: The widths of a sparse super-group's sub-steps, in key blocks: a tile's own blocks of a
 #: step run in ``n // 8`` sub-steps of 8 (two PSUM banks of scores), then at most one each of
 #: 4, 2 and 1 for the rest (runtime trip counts of 0 or 1), so no slot is padding and nothing

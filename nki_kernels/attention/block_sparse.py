@@ -1595,11 +1595,8 @@ class _SuperGroups(NamedTuple):
 
     @property
     def step(self) -> int:
-        """Key blocks per step: ``tiles.BSP_SHARED_STEP_BLOCKS`` (sparse super-groups, ``own``:
-        ``tiles.BSP_SG_OWN_STEP_BLOCKS``), or the pattern's bound M if smaller (the host's
-        ``U = (M // W + 1) W`` is at least two steps)."""
-        most = T.BSP_SHARED_STEP_BLOCKS if self.own is None else T.BSP_SG_OWN_STEP_BLOCKS
-        return min(most, self.width // 2)
+        """Key blocks per step (:func:`tiles.bsp_sg_step`)."""
+        return T.bsp_sg_step(self.width, self.own is not None)
 
 
 def _check_supergroups(meta, rows, keys, own, classes, shared, shared_runtime: bool,
