@@ -721,7 +721,7 @@ def _dense_kv_blocks(call: AttentionCall) -> Fraction:
 
 def _supergroups(call: AttentionCall, grouped, win, dense: Fraction):
     """The forward's super-group tables (``host.block_sparse``; nki.*, K/V not resident) for
-    a plain call (no band, lengths, score modifier or dropout), or None. The plan taken
+    a call that returns no dropout mask, or None. The plan taken
     otherwise gathers ``other`` key blocks: the window ``win``'s ``head_loads``, else the
     grouped tables ``grouped``' (``grouped_block_loads``); key-block gathers are the plans'
     HBM bytes beside Q, O and small tables. Exact super-groups (``supergroup_tables``) where
@@ -733,8 +733,7 @@ def _supergroups(call: AttentionCall, grouped, win, dense: Fraction):
     masked pair costs an active one's work), else sparse ones (``sparse_supergroup_tables``:
     each tile computes only its own blocks, at about that many times a masked pair's
     cost)."""
-    if (call.causal or call.window or call.kv_lens is not None or call.q_lens is not None
-            or call.mods.any or call.dropout.p):
+    if call.return_dropout_mask:
         return None
     dims = call.dims
     index = call.block_sparse.index
@@ -755,7 +754,9 @@ def _supergroups(call: AttentionCall, grouped, win, dense: Fraction):
         return None
     most = _tiles.bsp_fwd_supergroup_tiles(dims.D, mm, itemsize, _bs.union_width(nkt)[1],
                                            masked=True)
-    sg = _bs.masked_supergroup_tables(index, most, dims.Nk)
+    # (a masked one adds its mask before a soft-cap's tanh: sparse ones then)
+    sg = (_bs.masked_supergroup_tables(index, most, dims.Nk)
+          if call.mods.kwargs.get("softcap") is None else None)
     if (sg is not None and sg.block_loads < other
             and sg.pairs <= _tiles.BSP_SG_SPARSE_PAIR_COST * int(num.sum())):
         return sg

@@ -90,9 +90,10 @@ grow with N.
   index form, fixed_density s = 3/4, K/V past SBUF: 136.62 -> 86.07 MB, the dense forward's
   84.41 plus the tables; 33338.5 -> 32316.4 us, dense 47466.0: the window's work, not its
   gathers, sets the time).
-- **Super-groups** (nki.*, K/V not resident, a plain launch -- no band, lengths, score
-  modifier or dropout -- where the host finds they gather fewer blocks than the window or
-  the grouping: ``host.block_sparse.supergroup_tables``): the dense forward's own schedule
+- **Super-groups** (nki.*, K/V not resident, where the host finds they gather fewer blocks
+  than the window or the grouping: ``host.block_sparse.supergroup_tables``; any launch but
+  one that returns its dropout mask, the band, lengths, ALiBi and dropout through slot
+  columns made per step, :func:`_supergroup`): the dense forward's own schedule
   past SBUF with the pattern. The host sorts the query tiles of each (batch, head) by block
   set and cuts each run of identical sets into super-groups of up to
   :func:`tiles.bsp_fwd_supergroup_tiles` tiles (about as many as the dense forward's
@@ -667,16 +668,10 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         if pad_rows is not None:
             pad_mm = (pad_rows[:, t, :], sel)
         elif pad_only:
-            pad = _padding_columns(rw, trip, f.Nk)
+            pad = _padding_columns(rw.block_first, f.Nk)
         elif skip:
-            thr = _key_thresholds(geo, rw, trip)
-        hi_thr = lo_thr = dist = None
-        if f.spec.has_diag or f.mods.alibi:
-            gap = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_scalar(gap, rw.block_first, nl.subtract, rw.first)
-            hi_thr, lo_thr = geo.band_columns(gap)
-            # ALiBi's distances j - i - off of the slots, less the c - p of a score (Geometry)
-            dist = geo.distance_columns(gap) if f.mods.alibi else None
+            thr = _key_thresholds(geo, rw.block_first)
+        hi_thr, lo_thr, dist, seeds = _slot_columns(f, geo, head, rw.block_first, rw.first)
         # Q rows of the tile: skipped past q_len (they output 0), scattered back below Nq
         q_idx = q_pos = None
         if direct and f.direct_q:
@@ -697,8 +692,6 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
                     q_idx = _tile_rows(geo, rw.first, q_frame)
                 gather(x, f.q, (f.b, head), q_idx, 0, geo.has_lens or f.Nq % P != 0)
             _transpose_q(f, st, t, x)
-        seeds = (unit_seeds(f, head, rw.bc[0:1, 0:1], rw.bc[0:1, 2:2 + trip])
-                 if f.dropout_p else None)
         # the source of a step's own blocks: their key-block numbers (resident K/V), or
         # [V | 1] to gather them into (the ones column gives the row sums, forward module
         # doc; none when the group shares every slot)
@@ -800,13 +793,32 @@ def _transpose_q(f, st, t, x):
         port.activation(st.qT[pi][:, t, :], nl.copy, tp, scale=f.q_scale)
 
 
-def _key_thresholds(geo: Geometry, rw: Row, trip: int):
-    """``[128, trip]`` fp32: ``kv_len - first_s`` of each of ``rw``'s slots, the valid key
-    columns of slot s (``c < kv_len - first_s``; none in a padding slot)."""
-    thr = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(thr, rw.block_first, nl.subtract, geo.kv_len, op1=nl.multiply,
+def _key_thresholds(geo: Geometry, block_first):
+    """fp32, the shape of ``block_first`` (``[128, n]``: slots' first keys, a :class:`Row`'s
+    or a step's): ``kv_len - first_s`` of each slot, the valid key columns of slot s (``c <
+    kv_len - first_s``; none in a padding slot)."""
+    thr = nl.ndarray(tuple(block_first.shape), dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(thr, block_first, nl.subtract, geo.kv_len, op1=nl.multiply,
                        operand1=-1.0)
     return thr
+
+
+def _slot_columns(f, geo: Geometry, head, block_first, first):
+    """``(hi_thr, lo_thr, dist, seeds)`` of a query tile's slots (``block_first``: fp32
+    ``[128, n]``, their first keys; ``first``: fp32 ``[128, 1]``, the tile's first query
+    row): the band's columns (:meth:`Geometry.band_columns`), ALiBi's distance columns
+    (:meth:`Geometry.distance_columns`) and the dropout units' seeds (:func:`unit_seeds`),
+    each None where the launch has no band, no ALiBi, no dropout."""
+    hi_thr = lo_thr = dist = seeds = None
+    if f.spec.has_diag or f.mods.alibi:
+        gap = nl.ndarray(tuple(block_first.shape), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(gap, block_first, nl.subtract, first)
+        hi_thr, lo_thr = geo.band_columns(gap)
+        # ALiBi's distances j - i - off of the slots, less the c - p of a score (Geometry)
+        dist = geo.distance_columns(gap) if f.mods.alibi else None
+    if f.dropout_p:
+        seeds = unit_seeds(f, head, first[0:1, 0:1], block_first[0:1, :])
+    return hi_thr, lo_thr, dist, seeds
 
 
 def _direct_rows(f, geo: Geometry, natural: bool) -> bool:
@@ -1153,14 +1165,15 @@ def _padding_rows(f, meta, hb, hh, pos0, n: int, trip: int):
     return rows
 
 
-def _padding_columns(rw: Row, trip: int, Nk: int):
-    """``(keep, neg)`` fp32 ``[128, trip]`` of a query tile's slots: 1 and 0 for a slot with
-    a key block, 0 and ``MASK_NEG`` for a padding slot (first key past Nk), so that ``s keep
-    + neg`` is s or exactly ``MASK_NEG`` for finite s (the bits of the selection). Two
-    VectorE instructions."""
-    keep = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
-    port.tensor_scalar(keep, rw.block_first, nl.less, float(Nk), engine="vector")
-    neg = nl.ndarray((P, trip), dtype=nl.float32, buffer=nl.sbuf)
+def _padding_columns(block_first, Nk: int):
+    """``(keep, neg)`` fp32, the shape of ``block_first`` (``[128, n]``: slots' first keys):
+    1 and 0 for a slot with a key block, 0 and ``MASK_NEG`` for a padding slot (first key
+    past Nk), so that ``s keep + neg`` is s or exactly ``MASK_NEG`` for finite s (the bits of
+    the selection). Two VectorE instructions."""
+    shape = tuple(block_first.shape)
+    keep = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    port.tensor_scalar(keep, block_first, nl.less, float(Nk), engine="vector")
+    neg = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
     port.tensor_scalar(neg, keep, nl.multiply, -T.FWD_MASK_NEG, op1=nl.add,
                        operand1=T.FWD_MASK_NEG, engine="vector")
     return keep, neg
@@ -1283,10 +1296,9 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
     win = _check_window(window_loads, window_slots, window_blocks, window_group,
                         window_shared, meta, classes, shared, shared_runtime, fits, most,
                         trip_max)
-    plain = not (causal or window or q_lens is not None or kv_lens is not None
-                 or mods != SM.Mods() or dropout_p)
     sg = _check_supergroups(meta, sg_rows, sg_keys, sg_own, classes, shared, shared_runtime,
-                            window_blocks, plain, fits, trip_max, Nk % P == 0)
+                            window_blocks, fits, trip_max, Nk % P == 0, softcap,
+                            bool(dropout_p and dropout_mask))
     step = T.BSP_RESIDENT_STEP_BLOCKS if fits or win else T.BSP_STEP_BLOCKS
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False, kv_load_block=T.BSP_FWD_KV_LOAD_BLOCK)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
@@ -1566,7 +1578,7 @@ def _window_groups(f, geo: Geometry, meta, h, q_frame: RowFrame, count: int, g: 
 
 
 class _SuperGroups(NamedTuple):
-    """nki.*, K/V not resident, a plain launch: the super-group tables (``host.block_sparse.
+    """nki.*, K/V not resident: the super-group tables (``host.block_sparse.
     supergroup_tables``, HBM float32): ``meta`` ``(b, h, groups, 2 + U)`` per super-group
     ``[0, count, first key of union block 0, ...]`` (padding past ``count``), ``rows`` ``(b,
     h, groups, tiles)`` the first query row of each of its tiles (``tiles.BSP_PAD_FIRST`` for
@@ -1600,12 +1612,13 @@ class _SuperGroups(NamedTuple):
 
 
 def _check_supergroups(meta, rows, keys, own, classes, shared, shared_runtime: bool,
-                       window_blocks: int, plain: bool, fits: bool, trip: int,
-                       whole: bool) -> Optional[_SuperGroups]:
+                       window_blocks: int, fits: bool, trip: int, whole: bool,
+                       softcap, dropout_mask: bool) -> Optional[_SuperGroups]:
     """The super-group tables of a launch (``sg_rows`` given; None: none), checked: nki.*
-    (runtime trip counts), K/V not resident, a ``plain`` launch (only padding masked), one
-    class of the union table's rows and ``trip`` slots, nothing shared, no window, ``U`` a
-    multiple of the step and ``sg_rows`` ``meta``'s leading dims and one row per
+    (runtime trip counts), K/V not resident, no dropout mask returned (its store reads a
+    table row per tile), masked ones not with a ``softcap`` (their mask adds MASK_NEG
+    before the scores' tanh, which would map it to -cap), one class of the union table's
+    rows and ``trip`` slots, nothing shared, no window, ``U`` a multiple of the step and ``sg_rows`` ``meta``'s leading dims and one row per
     super-group; ``sg_keys`` (masked super-groups; None: none) their leading dims, ``U`` rows
     per super-group and a column per tile (given without ``sg_rows``: refused by the
     caller), with whole key blocks; ``sg_own`` (sparse super-groups; None: none) not with
@@ -1613,10 +1626,14 @@ def _check_supergroups(meta, rows, keys, own, classes, shared, shared_runtime: b
     (``U / step`` steps) and the columns of :func:`tiles.bsp_sg_own_layout`."""
     if rows is None:
         return None
-    if port.api() != "nki" or fits or not plain:
-        raise ValueError(f"sg_rows: super-groups need nki.*, K/V not resident and a plain "
-                         f"launch (no band, lengths, modifier or dropout); got "
-                         f"api={port.api()!r}, resident={fits}, plain={plain}")
+    if port.api() != "nki" or fits or dropout_mask:
+        raise ValueError(f"sg_rows: super-groups need nki.*, K/V not resident and no "
+                         f"returned dropout mask; got api={port.api()!r}, resident={fits}, "
+                         f"dropout_mask={dropout_mask}")
+    if keys is not None and softcap is not None:
+        raise ValueError(f"sg_keys: masked super-groups take no soft-cap (the mask adds "
+                         f"before the tanh); got softcap={softcap!r}, allowed: None (or "
+                         f"sparse super-groups, sg_own)")
     if window_blocks or any(shared) or shared_runtime:
         raise ValueError("sg_rows: super-groups take no window and share no slots (allowed: "
                          "window_blocks=0, shared=None, shared_runtime=False)")
@@ -1683,46 +1700,75 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
     16K, D = 128, random s = 1/2, K/V forced past SBUF, one super-group of 128 tiles: 9256.9
     us with the key-side indicator per block and tile instead). Sparse super-groups
     (``sg.own``) stream the union as the masked ones do, in wider steps, and each tile
-    computes only its own blocks of a step (:func:`_own_blocks`): no mask, no K guard."""
+    computes only its own blocks of a step (:func:`_own_blocks`): no mask, no K guard.
+
+    A launch with a band, lengths, ALiBi or dropout (*stepwise*) makes its slot columns per
+    step from the step's first keys: the key thresholds (lengths, a partial last block) and
+    padding columns once per step, each tile's band, distance and seed columns
+    (:func:`_slot_columns`) per tile and step, as the grouping makes them per tile for its
+    table row. Q rows past q_len are skipped (zeros in) and finalized to o = 0, lse = -inf,
+    tile by tile; sinks start every tile's softmax (:func:`forward.start_at_sink`). The
+    soft-cap needs no column (a transform of the scores before the masks select)."""
     head = f.head(h)
     meta, n, U, Ws = sg.meta, sg.tiles, sg.width, sg.step
     hb = f.b if meta.shape[0] > 1 else 0
     hh = head if meta.shape[1] > 1 else 0
     st = F.GroupState(f, n, P)
+    if f.mods.sinks:
+        F.start_at_sink(f, st, h, n, slot0=0)
     union = nl.ndarray((1, 2 + U), dtype=nl.float32, buffer=nl.sbuf)
     port.dma_copy(union, meta[hb, hh, nl.ds(c, 1), :], legacy_isa=True)
     rw = Row(union, U, geo.k_part, geo.k_len, geo.kv)
     firsts = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
     port.dma_copy(firsts, sg.rows[hb, hh, nl.ds(c, 1), :], legacy_isa=True)
     firsts = M.broadcast_row(firsts, n)
-    q_idx = []
+    q_len = geo.q_len if geo.has_lens else f.Nq
+    q_idx, q_pos = [], []
     for t in T.unrolled(n):
-        # rows past Nq (the partial last tile, an idle slot) are skipped: zeros in, nothing out
-        idx = own_rows(geo, firsts[:, t:t + 1], f.Nq, q_frame)[0]
+        # rows past Nq or q_len (the partial last tile, an idle slot) are skipped: zeros in,
+        # nothing out past Nq
+        idx, pos = own_rows(geo, firsts[:, t:t + 1], q_len, q_frame)
         x = nl.ndarray((P, f.D), dtype=f.q.dtype, buffer=nl.sbuf)
         gather(x, f.q, (f.b, head), idx, 0, True)
         _transpose_q(f, st, t, x)
-        q_idx.append(idx)
+        q_idx.append(idx if not geo.has_lens
+                     else own_rows(geo, firsts[:, t:t + 1], f.Nq, q_frame)[0])
+        if f.spec.q_lens:
+            q_pos.append(pos)
     whole = f.Nk % P == 0
+    stepwise = f.spec.has_diag or f.mods.alibi or bool(f.dropout_p) or geo.has_lens
     none = dict(thr=None, hi=None, lo=None, pad=None, pad_mm=None)
     sel = None
     if sg.keys is not None or sg.own is not None:
         cols_full = cols_pad = None
         sel = _slot_selector(f, Ws) if sg.own is None else None
+    elif stepwise:
+        cols_full = cols_pad = None
     elif whole:
         cols_full = none
-        cols_pad = dict(none, pad=_padding_columns(rw, U, f.Nk))
+        cols_pad = dict(none, pad=_padding_columns(rw.block_first, f.Nk))
     else:
-        cols_full = cols_pad = dict(none, thr=_key_thresholds(geo, rw, U))
+        cols_full = cols_pad = dict(none, thr=_key_thresholds(geo, rw.block_first))
     depth = T.bsp_pipeline_depth(Ws)
 
     def step(s, padded: bool):
         v = nl.ndarray((P, Ws, f.vcols), dtype=f.mm, buffer=nl.sbuf)
         F.ones_column(f, v[:, :, f.D:f.D + 1])
-        kv = _gather_kv(f, rw, v, s * Ws, Ws, padded or not whole,
+        kv = _gather_kv(f, rw, v, s * Ws, Ws, padded or not whole or geo.has_lens,
                         guard_keys=sg.keys is not None)
+        bf = thr = pad = None
+        if stepwise:
+            # the step's first keys (a copy: sparse super-groups select from it at runtime
+            # offsets), the key thresholds and the padding columns, for every tile
+            bf = nl.ndarray((P, Ws), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_copy(bf, rw.bc[:, nl.ds(2 + s * Ws, Ws)], engine="gpsimd")
+            if geo.has_lens or not whole:
+                thr = _key_thresholds(geo, bf)
+            elif padded and sg.keys is None and sg.own is None:
+                pad = _padding_columns(bf, f.Nk)
         if sg.own is not None:
-            _own_blocks(f, st, sg, kv, hb, hh, c, s)
+            _own_blocks(f, geo, st, sg, kv, hb, hh, c, s, h, q_frame,
+                        None if bf is None else (bf, firsts))
             return
         cols = cols_pad if padded else cols_full
         neg = None
@@ -1735,9 +1781,14 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
                                operand1=T.FWD_MASK_NEG, engine="gpsimd")
         backs = []
         for t in T.unrolled(n):
-            if neg is None:
-                backs.append(_step(f, geo, st, t, rw, kv, cols, None, h, q_frame, s * Ws, Ws))
-            else:
+            seeds = dist = None
+            tile_cols, s0 = cols, 0
+            if stepwise:
+                hi, lo, dist, seeds = _slot_columns(f, geo, head, bf, firsts[:, t:t + 1])
+                tile_cols = dict(none, thr=thr, hi=hi, lo=lo, pad=pad)
+            elif neg is None:
+                s0 = s * Ws
+            if neg is not None:
                 # tile t's blocks not its own: TensorE adds MASK_NEG to their scores in PSUM
                 # (its [Ws, 128] rows of 0 or MASK_NEG times the slots' selector, one matmul
                 # per score tile, as _padding_rows; exact: K's non-finite values are guarded,
@@ -1745,8 +1796,10 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
                 rows_t = nl.ndarray((Ws, P), dtype=_mask_mm(f), buffer=nl.sbuf)
                 port.tensor_copy(rows_t.reshape_dim(1, (1, P)),
                                  port.repeat_last(neg[:, t:t + 1], P), engine="gpsimd")
-                backs.append(_step(f, geo, st, t, rw, kv, dict(none, pad_mm=(rows_t, sel)),
-                                   None, h, q_frame, 0, Ws))
+                tile_cols = dict(none if tile_cols is None else tile_cols,
+                                 pad_mm=(rows_t, sel))
+            backs.append(_step(f, geo, st, t, rw, kv, tile_cols, seeds, h, q_frame, s0, Ws,
+                               dist))
             if len(backs) > depth:
                 backs.pop(0)()
         for back in backs:
@@ -1768,13 +1821,24 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
                            operand1=1.0 / Ws)
         port.loop_between(0, port.register(lo), lambda s: step(s, False))
         port.loop_between(port.register(lo), port.register(hi), lambda s: step(s, True))
-    o_all, lse_all = F.finalize(f, st, 0, None, None, n=n,
-                                act_slots=int(n * T.BSP_FINALIZE_ACT_SHARE))
-    for t in T.unrolled(n):
-        store_tile(f, q_idx[t], head, o_all[:, t, :] if n > 1 else o_all, lse_all[:, t:t + 1])
+    if f.spec.q_lens:
+        # tile by tile, each with its rows in range (as _attend_tiles)
+        outs = []
+        for t in T.unrolled(n):
+            in_range = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+            port.tensor_scalar(in_range, q_pos[t], nl.less, geo.q_len)
+            outs.append(F.finalize(f, st, t, in_range))
+    else:
+        o_all, lse_all = F.finalize(f, st, 0, None, None, n=n,
+                                    act_slots=int(n * T.BSP_FINALIZE_ACT_SHARE))
+        outs = [(o_all[:, t, :] if n > 1 else o_all, lse_all[:, t:t + 1])
+                for t in T.unrolled(n)]
+    for t, (o_out, lse_out) in enumerate(outs):
+        store_tile(f, q_idx[t], head, o_out, lse_out)
 
 
-def _own_blocks(f, st, sg: _SuperGroups, kv, hb, hh, c, s):
+def _own_blocks(f, geo: Geometry, st, sg: _SuperGroups, kv, hb, hh, c, s, h,
+                q_frame: RowFrame, stepwise):
     """Sparse super-groups (``sg.own``): step ``s`` of super-group ``c`` (``kv``: its
     ``sg.step`` gathered blocks) for each of its tiles, only the tile's own blocks of the
     step. The step's rows of ``sg_own`` (one per tile, tiles on partitions: one DMA per
@@ -1782,11 +1846,32 @@ def _own_blocks(f, st, sg: _SuperGroups, kv, hb, hh, c, s):
     of ``tiles.BSP_SG_OWN_WIDTHS`` and the blocks' positions in the step; each width is a
     compiled loop of that runtime trip count (:func:`port.loop_between`) whose body reads
     its blocks in place at those positions (:class:`_OwnKV`) and makes one online-softmax
-    update. Every slot a tile reads is one of its blocks: no padding, no mask, and the
-    values of a block it does not use never reach it."""
+    update (:func:`_step`). Every slot a tile reads is one of its blocks: no padding mask,
+    and the values of a block it does not use never reach it. ``stepwise`` (a launch with a
+    band, lengths, ALiBi or dropout; else None): ``(bf, firsts)``, the step's first keys
+    ``[128, step]`` and the tiles' first rows ``[128, tiles]``; a sub-step then copies its
+    blocks' first keys out of ``bf`` at their positions (one GpSimd copy per block) and makes
+    its slot columns from them (:func:`_key_thresholds`, :func:`_slot_columns`)."""
     n = sg.tiles
+    head = f.head(h)
+    none = dict(thr=None, hi=None, lo=None, pad=None, pad_mm=None)
     sections, cols = T.bsp_sg_own_layout(sg.step)
     row0 = (c * sg.steps + s) * n
+
+    def substep(t, own_kv: "_OwnKV", w: int):
+        seeds = dist = None
+        slot_cols = none
+        if stepwise is not None:
+            bf, firsts = stepwise
+            sub = nl.ndarray((P, w), dtype=nl.float32, buffer=nl.sbuf)
+            for i in T.unrolled(w):
+                port.tensor_copy(sub[:, i:i + 1], port.select_block(bf, own_kv._index(i), 1),
+                                 engine="gpsimd")
+            hi, lo, dist, seeds = _slot_columns(f, geo, head, sub, firsts[:, t:t + 1])
+            slot_cols = dict(none, thr=_key_thresholds(geo, sub) if geo.has_lens else None,
+                             hi=hi, lo=lo)
+        _step(f, geo, st, t, None, own_kv, slot_cols, seeds, h, q_frame, 0, w, dist)()
+
     for p0 in T.unrolled(0, n, P):
         m = min(P, n - p0)
         raw = nl.ndarray((m, cols), dtype=nl.float32, buffer=nl.sbuf)
@@ -1797,20 +1882,8 @@ def _own_blocks(f, st, sg: _SuperGroups, kv, hb, hh, c, s):
             for i, (w, col0) in enumerate(sections):
                 port.loop_between(
                     0, port.register(own[t - p0:t - p0 + 1, i:i + 1]),
-                    lambda j, t=t, w=w, col0=col0, own=own, p0=p0: _own_substep(
-                        f, st, t, _OwnKV(kv, (own, t - p0), col0 + j * w), w))
-
-
-def _own_substep(f, st, t, kv: "_OwnKV", w: int):
-    """One online-softmax update of tile ``t`` over ``w`` of its blocks (``kv``): score tiles
-    of up to one PSUM bank of keys each, then :func:`forward.fold_front` and
-    :func:`forward.fold_back`."""
-    per_bank = f.tiles.k_tile // P
-    s_tiles = [kv.scores(st.qT, t, c0, min(per_bank, w - c0))
-               for c0 in T.unrolled(0, w, per_bank)]
-    widths = [sc.shape[1] for sc in s_tiles]
-    front = F.fold_front(f, st, t, s_tiles, widths, None)
-    F.fold_back(f, st, t, front, widths, kv, 0, None)
+                    lambda j, t=t, w=w, col0=col0, own=own, p0=p0: substep(
+                        t, _OwnKV(kv, (own, t - p0), col0 + j * w), w))
 
 
 def _load_window(f, geo: Geometry, src: KVSource, h, c):

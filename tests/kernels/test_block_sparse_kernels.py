@@ -1467,8 +1467,8 @@ def test_nki_supergroup_program_does_not_grow_with_n(monkeypatch):
 
 
 def test_nki_supergroup_arguments_are_checked(monkeypatch):
-    """Super-groups are refused without nki.*, with resident K/V, in a launch with a band,
-    with a window or shared slots, over other classes or with rows of another shape; their
+    """Super-groups are refused without nki.*, with resident K/V, in a launch that returns
+    its dropout mask (masked ones with a soft-cap), with a window or shared slots, over other classes or with rows of another shape; their
     key counts without rows, of another shape or over a partial last key block."""
     N, D = 4 * 128, 16
     q, k, v, _ = attention_inputs(1, 1, 1, N, N, D, seed=74)
@@ -1479,13 +1479,18 @@ def test_nki_supergroup_arguments_are_checked(monkeypatch):
         _trace(monkeypatch, api, q, k, v, sg.meta, **{**base, **kw})
 
     with pytest.raises(ValueError, match=r"sg_rows: super-groups need nki\.\*, K/V not "
-                                         r".* got api='nki', resident=True, plain=True"):
+                                         r".* got api='nki', resident=True, "
+                                         r"dropout_mask=False"):
         run("nki")
     _past_sbuf(monkeypatch)
-    with pytest.raises(ValueError, match="got api='legacy', resident=False, plain=True"):
+    with pytest.raises(ValueError, match="got api='legacy', resident=False, dropout_mask=False"):
         run("legacy")
-    with pytest.raises(ValueError, match="resident=False, plain=False"):
-        run("nki", causal="top_left")
+    with pytest.raises(ValueError, match="resident=False, dropout_mask=True"):
+        run("nki", dropout_p=0.1, dropout_mask=True, seed=np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match=re.escape(
+            "sg_keys: masked super-groups take no soft-cap (the mask adds before the tanh); "
+            "got softcap=5.0")):
+        run("nki", softcap=5.0, sg_keys=np.zeros((1, 1, 8, 4), np.float32))
     with pytest.raises(ValueError, match=r"sg_rows: super-groups take no window"):
         run("nki", shared=(1,))
     with pytest.raises(ValueError, match=re.escape(
@@ -1508,7 +1513,7 @@ def test_nki_supergroup_arguments_are_checked(monkeypatch):
                **{**base, "sg_keys": np.zeros((1, 1, 8, 4), np.float32)})
 
 
-@pytest.mark.parametrize("kind", ["exact", "masked", "sparse"])
+@pytest.mark.parametrize("kind", ["exact", "masked", "sparse", "sparse-options"])
 def test_nki_supergroup_at_capacity_stays_within_the_sbuf_budget(monkeypatch, kind):
     """A super-group as large as ``tiles.bsp_fwd_supergroup_tiles`` allows at D = 128, bf16,
     U = 528 slots (N = 64K: the index form's bound 512 at s = 1, or a masked union of all
@@ -1516,9 +1521,14 @@ def test_nki_supergroup_at_capacity_stays_within_the_sbuf_budget(monkeypatch, ki
     of them at s = 0.85, the window off) keeps the peak SBUF within trn2's budget (90 % of a partition):
     measured 179202 and 176882 bytes per partition. Sparse super-groups (U = 576, steps of
     64 blocks): 138 query tiles of random subsets (s = 0.3) of 64 key blocks, one full step:
-    171460."""
+    171460; with a causal band, both lengths, the three score modifiers and dropout (each
+    sub-step's slot columns) 172296. (With those options the exact and masked ones peaked
+    lower, 171970 and 173918 without the soft-cap: their slot columns are per step, not
+    the plain launch's whole-union padding columns.)"""
     _no_window(monkeypatch)
     D, Nk = 128, 65536
+    options = kind == "sparse-options"
+    kind = kind.split("-")[0]
     masked, sparse = kind == "masked", kind == "sparse"
     most = T.bsp_fwd_supergroup_tiles(D, 2, 2, bs.union_width(512, sparse)[1], masked=masked,
                                       own=sparse)
@@ -1530,9 +1540,15 @@ def test_nki_supergroup_at_capacity_stays_within_the_sbuf_budget(monkeypatch, ki
         mask[..., :64] = rng.random((most, 64)) < 0.3
     else:
         mask[..., :16] = rng.random((most, 16)) < 0.85 if masked else True
+    kw = {}
+    if options:
+        kw = dict(causal="bottom_right", kv_lens=np.array([Nk - 100], np.int32),
+                  q_lens=np.array([most * 128 - 50], np.int32), softcap=5.0,
+                  alibi_slopes=np.array([0.25], np.float32), sinks=np.array([0.5], np.float32),
+                  dropout_p=0.1, seed=3)
     with simulate.measure(target="trn2") as m:
         host.flash_attention(q, kv, kv, block_mask=mask if kind != "exact" else tuple(
-            bs.dense_to_index(mask, 512)))
+            bs.dense_to_index(mask, 512)), **kw)
     assert m.per_tensor["sg_rows"]["read"] == most * 4
     assert ("sg_keys" in m.per_tensor) == masked and ("sg_own" in m.per_tensor) == sparse
     assert m.peak_sbuf_bytes_per_partition <= T.FWD_SBUF_BUDGET_BYTES["trn2"]
@@ -1632,36 +1648,47 @@ def test_the_host_takes_supergroups_where_they_gather_less_at_a_bounded_cost(mon
     grouping gathers about 125k blocks, the window 11123 and 4259; masked super-groups
     would compute 2x, 4x and 8x the active pairs); at s = 1/16 the window stays (it gathers 1994 blocks, under the
     dense forward's); fixed_density s = 1/2 keeps its window (each set once: 512)."""
+    mask = _plan_mask(name)
+    got, seen = _host_plan(monkeypatch, mask if form == "bool" else tuple(
+        bs.dense_to_index(mask)))
+    assert got == plan
+    if plan != "window":
+        assert seen["sg_rows"].shape == (1, 1, 4, 128)
+
+
+def _plan_mask(name: str, nqt: int = 512) -> np.ndarray:
+    """The 64K plan tests' patterns: every block ("s=1"), "random a/b" (each block active
+    with probability a/b, ``np.random.default_rng(1)``), fixed_density s = 1/2."""
+    if name == "s=1":
+        return np.ones((1, 1, nqt, nqt), bool)
+    if name == "fixed 1/2":
+        return bs.fixed_density(nqt, nqt, 0.5)
+    num, den = name.split()[1].split("/")
+    return (np.random.default_rng(1).random((nqt, nqt)) < int(num) / int(den))[None, None]
+
+
+def _host_plan(monkeypatch, pattern, N: int = 65536, D: int = 128, **kw):
+    """``(plan, kwargs)``: the forward plan the host takes for ``pattern`` on bf16 zeros of
+    ``(1, 1, N, D)`` through nki.* ("exact", "masked" or "sparse" super-groups, "window",
+    "grouping") and the kernel arguments, the launch intercepted."""
     import host.api as api
 
     monkeypatch.setenv(binding.API_ENV_VAR, "nki")
-    N, D, nqt = 65536, 128, 512
     x = np.zeros((1, 1, N, D), BF16)
-    rng = np.random.default_rng(1)
-    mask = {"s=1": np.ones((1, 1, nqt, nqt), bool),
-            "random 9/10": (np.random.default_rng(1).random((nqt, nqt)) < 0.9)[None, None],
-            "random 1/2": (rng.random((nqt, nqt)) < 0.5)[None, None],
-            "random 1/4": (np.random.default_rng(1).random((nqt, nqt)) < 1 / 4)[None, None],
-            "random 1/8": (np.random.default_rng(1).random((nqt, nqt)) < 1 / 8)[None, None],
-            "random 1/16": (np.random.default_rng(1).random((nqt, nqt)) < 1 / 16)[None, None],
-            "fixed 1/2": bs.fixed_density(nqt, nqt, 0.5)}[name]
     seen = {}
 
-    def intercept(kernel, grid, *args, **kw):
-        seen.update(kw)
+    def intercept(kernel, grid, *args, **kwargs):
+        seen.update(kwargs)
         raise StopIteration
 
     monkeypatch.setattr(api, "launch", intercept)
     with pytest.raises(StopIteration):
-        host.flash_attention(x, x, x, block_mask=mask if form == "bool" else tuple(
-            bs.dense_to_index(mask)))
+        host.flash_attention(x, x, x, block_mask=pattern, **kw)
     got = ("masked" if seen.get("sg_keys") is not None else
            "sparse" if seen.get("sg_own") is not None else
            "exact" if seen.get("sg_rows") is not None else
            "window" if seen.get("window_blocks") else "grouping")
-    assert got == plan
-    if plan != "window":
-        assert seen["sg_rows"].shape == (1, 1, 4, 128)
+    return got, seen
 
 
 # -- nki.* sparse super-groups past SBUF (issue 25, item 1 at medium density) -----------------
@@ -1802,3 +1829,85 @@ def test_nki_sparse_supergroup_arguments_are_checked(monkeypatch):
     with pytest.raises(ValueError, match=re.escape(
             "sg_own: sparse super-groups need whole key blocks (Nk a multiple of 128)")):
         _trace(monkeypatch, "nki", q, k[:, :, :N - 5], v[:, :, :N - 5], sg.meta, **base)
+
+
+# -- nki.* super-groups of every launch: band, lengths, modifiers, dropout (issue 25, item 1) --
+
+
+_SG_OPTIONS = {
+    "causal-lengths": dict(causal="bottom_right", kv_lens=np.array([1100, 1230], np.int32),
+                           q_lens=np.array([1000, 1180], np.int32)),
+    "lengths": dict(kv_lens=np.array([1100, 1230], np.int32),
+                    q_lens=np.array([1000, 1180], np.int32)),
+    "window": dict(window=(300, 200)),
+    "score-mods": dict(softcap=5.0, alibi_slopes=np.array([0.25, 0.0625], np.float32),
+                       sinks=np.array([0.5, -1.0], np.float32)),
+    "alibi-sinks": dict(alibi_slopes=np.array([0.25, 0.0625], np.float32),
+                        sinks=np.array([0.5, -1.0], np.float32)),
+    "dropout": dict(causal=True, dropout_p=0.2, seed=5),
+}
+
+
+def _sg_pattern(plan, Hq, nqt, nkt):
+    """A pattern the host cuts into ``plan`` super-groups (with the pair-cost bound patched
+    by the caller): one block set (exact), a dense random one (masked), a sparse one."""
+    if plan == "exact":
+        mask = np.ones((1, 1, nqt, nkt), dtype=bool)
+        mask[..., 3] = False
+        return mask
+    rng = np.random.default_rng(91)
+    return rng.random((1, Hq, nqt, nkt)) < (0.8 if plan == "masked" else 0.3)
+
+
+@pytest.mark.parametrize("plan", ["exact", "masked", "sparse"])
+@pytest.mark.parametrize("opts", list(_SG_OPTIONS))
+def test_nki_supergroups_serve_bands_lengths_modifiers_and_dropout(monkeypatch, plan, opts):
+    """Past SBUF with the window off (B = 2, GQA 2:1, 10 query tiles, the last partial; 10
+    key blocks), the host takes ``plan`` super-groups for a launch with valid lengths (with
+    and without a causal band), a sliding window, the score modifiers (soft-cap, ALiBi, sinks; masked
+    super-groups take no soft-cap: ALiBi and sinks there) or dropout: the outputs and LSE
+    are the reference's (dropout: the grouping's, which draws the same units' bits: the
+    super-groups return no mask to give the reference), rows that see no key zeros."""
+    _no_window(monkeypatch)
+    kw = _SG_OPTIONS[opts]
+    if plan == "masked" and "softcap" in kw:
+        pytest.skip("masked super-groups take no soft-cap (the alibi-sinks case runs them)")
+    monkeypatch.setattr(T, "BSP_SG_SPARSE_PAIR_COST", 100.0 if plan == "masked" else 0.0)
+    B, Hq, Nq, Nk, D = 2, 2, 9 * 128 + 37, 10 * 128, 16
+    q, k, v, _ = attention_inputs(B, Hq, 1, Nq, Nk, D, seed=92)
+    mask = _sg_pattern(plan, Hq, 10, 10)
+    pattern = tuple(bs.dense_to_index(mask)) if plan == "exact" else mask
+    with simulate.measure(target="trn2") as m:
+        o, lse = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True,
+                                      mixed_precision=False, **kw)
+    got = ("masked" if "sg_keys" in m.per_tensor else "sparse" if "sg_own" in m.per_tensor
+           else "exact" if "sg_rows" in m.per_tensor else "none")
+    assert got == plan
+    if "dropout_p" in kw:
+        monkeypatch.setattr(host.api, "_supergroups", lambda *args: None)
+        o_ref, lse_ref = host.flash_attention(q, k, v, block_mask=pattern, return_lse=True,
+                                              mixed_precision=False, **kw)
+    else:
+        o_ref, lse_ref = ref.attention_forward(q, k, v, block_mask=mask, **kw)[:2]
+    fin = np.isfinite(lse_ref)
+    assert _err(o, o_ref) < 2e-6 and (np.isfinite(lse) == fin).all()
+    assert _err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0)) < 2e-5
+
+
+@pytest.mark.parametrize("name, kw, plan", [
+    ("fixed 1/2", dict(softcap=30.0), "exact"),
+    ("s=1", dict(causal=True), "exact"),
+    ("random 1/4", dict(kv_lens=np.array([65000], np.int32)), "sparse"),
+    ("random 9/10", dict(alibi_slopes=np.array([0.5], np.float32)), "masked"),
+    ("random 9/10", dict(softcap=30.0), "sparse"),
+    ("random 1/4", dict(dropout_p=0.1, seed=1), "sparse"),
+    ("random 1/4", dict(dropout_p=0.1, seed=1, return_dropout_mask=True), "window")])
+def test_the_host_takes_supergroups_for_launches_with_options(monkeypatch, name, kw, plan):
+    """The forward's plan at N = 64K, D = 128 with a band, lengths, a modifier or dropout
+    (host only: the launch is intercepted): fixed_density s = 1/2 under a soft-cap takes
+    exact super-groups (its window no longer fits beside the per-slot tables; the grouping
+    gathered 8x the dense forward's blocks); random patterns take masked or sparse ones as
+    plain launches do, sparse where a soft-cap would meet a masked one's added mask; a
+    launch returning its dropout mask keeps the window."""
+    got, _ = _host_plan(monkeypatch, tuple(bs.dense_to_index(_plan_mask(name))), **kw)
+    assert got == plan
