@@ -733,7 +733,7 @@ def _supergroups(call: AttentionCall, grouped, win, dense: Fraction):
     masked pair costs an active one's work), else sparse ones (``sparse_supergroup_tables``:
     each tile computes only its own blocks, at about that many times a masked pair's
     cost)."""
-    if call.return_dropout_mask:
+    if call.return_dropout_mask and call.dropout.p:
         return None
     dims = call.dims
     index = call.block_sparse.index
@@ -754,9 +754,11 @@ def _supergroups(call: AttentionCall, grouped, win, dense: Fraction):
         return None
     most = _tiles.bsp_fwd_supergroup_tiles(dims.D, mm, itemsize, _bs.union_width(nkt)[1],
                                            masked=True)
-    # (a masked one adds its mask before a soft-cap's tanh: sparse ones then)
-    sg = (_bs.masked_supergroup_tables(index, most, dims.Nk)
-          if call.mods.kwargs.get("softcap") is None else None)
+    # (a masked one adds its mask before a soft-cap's tanh, and ALiBi's bias or a dropped
+    # unit can hide a guarded key's NaN from a row that sees it: sparse ones then)
+    unmaskable = (call.mods.kwargs.get("softcap") is not None or call.dropout.p
+                  or call.mods.tensors.get("alibi_slopes") is not None)
+    sg = None if unmaskable else _bs.masked_supergroup_tables(index, most, dims.Nk)
     if (sg is not None and sg.block_loads < other
             and sg.pairs <= _tiles.BSP_SG_SPARSE_PAIR_COST * int(num.sum())):
         return sg

@@ -374,12 +374,17 @@ class Geometry:
         """``(hi_thr, lo_thr)`` fp32 (None when unbounded), the shape of ``gap``: a score at
         row p, key column c of a block pair is outside the band when ``c - p > hi_thr`` or ``c
         - p < lo_thr``. ``gap``: fp32, first key minus first query row of each pair."""
+        if not self.spec.has_diag:
+            return None, None
+        return self.band_limits(self.distance_columns(gap))
+
+    def band_limits(self, e):
+        """:meth:`band_columns` from the distance columns ``e`` (:meth:`distance_columns`),
+        the band's ``c - p + e in [lo, hi]``."""
         spec = self.spec
         if not spec.has_diag:
             return None, None
-        shape = tuple(gap.shape)
-        # e = gap - off;  c - p + e in [lo, hi]
-        e = self.distance_columns(gap)
+        shape = tuple(e.shape)
         hi = lo = None
         if spec.hi is not None:
             hi = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
@@ -813,9 +818,11 @@ def _slot_columns(f, geo: Geometry, head, block_first, first):
     if f.spec.has_diag or f.mods.alibi:
         gap = nl.ndarray(tuple(block_first.shape), dtype=nl.float32, buffer=nl.sbuf)
         port.tensor_scalar(gap, block_first, nl.subtract, first)
-        hi_thr, lo_thr = geo.band_columns(gap)
-        # ALiBi's distances j - i - off of the slots, less the c - p of a score (Geometry)
-        dist = geo.distance_columns(gap) if f.mods.alibi else None
+        # the distances j - i - off of the slots, less the c - p of a score (Geometry): the
+        # band's limits and ALiBi's columns
+        e = geo.distance_columns(gap)
+        hi_thr, lo_thr = geo.band_limits(e)
+        dist = e if f.mods.alibi else None
     if f.dropout_p:
         seeds = unit_seeds(f, head, first[0:1, 0:1], block_first[0:1, :])
     return hi_thr, lo_thr, dist, seeds
@@ -1297,8 +1304,8 @@ def block_sparse_attention_fwd(q, k, v, meta, kv_lens=None, q_lens=None, seed=No
                         window_shared, meta, classes, shared, shared_runtime, fits, most,
                         trip_max)
     sg = _check_supergroups(meta, sg_rows, sg_keys, sg_own, classes, shared, shared_runtime,
-                            window_blocks, fits, trip_max, Nk % P == 0, softcap,
-                            bool(dropout_p and dropout_mask))
+                            window_blocks, fits, trip_max, Nk % P == 0, mods,
+                            bool(dropout_p), bool(dropout_p and dropout_mask))
     step = T.BSP_RESIDENT_STEP_BLOCKS if fits or win else T.BSP_STEP_BLOCKS
     tiles = T.ForwardTiles(q_tile=P, kv_resident=False, kv_load_block=T.BSP_FWD_KV_LOAD_BLOCK)
     o = nl.ndarray((B, Hq, Nq, D), dtype=q.dtype, buffer=nl.shared_hbm)
@@ -1613,13 +1620,17 @@ class _SuperGroups(NamedTuple):
 
 def _check_supergroups(meta, rows, keys, own, classes, shared, shared_runtime: bool,
                        window_blocks: int, fits: bool, trip: int, whole: bool,
-                       softcap, dropout_mask: bool) -> Optional[_SuperGroups]:
+                       mods: SM.Mods, dropout: bool,
+                       dropout_mask: bool) -> Optional[_SuperGroups]:
     """The super-group tables of a launch (``sg_rows`` given; None: none), checked: nki.*
     (runtime trip counts), K/V not resident, no dropout mask returned (its store reads a
-    table row per tile), masked ones not with a ``softcap`` (their mask adds MASK_NEG
-    before the scores' tanh, which would map it to -cap), one class of the union table's
-    rows and ``trip`` slots, nothing shared, no window, ``U`` a multiple of the step and ``sg_rows`` ``meta``'s leading dims and one row per
-    super-group; ``sg_keys`` (masked super-groups; None: none) their leading dims, ``U`` rows
+    table row per tile), masked ones with no score transform and no dropout (``softcap``:
+    the mask adds MASK_NEG before the tanh, which would map it to -cap; ``alibi`` and
+    ``dropout``: its bias, or a dropped unit, can make a row's P 0 at a key whose non-finite
+    K the mask's guard turned into a flag, and the row would lose the NaN the reference gives
+    it), one class of the union table's
+    rows and ``trip`` slots, nothing shared, no window, ``U`` a multiple of the step and
+    ``sg_rows`` ``meta``'s leading dims and one row per super-group; ``sg_keys`` (masked super-groups; None: none) their leading dims, ``U`` rows
     per super-group and a column per tile (given without ``sg_rows``: refused by the
     caller), with whole key blocks; ``sg_own`` (sparse super-groups; None: none) not with
     ``sg_keys``, its leading dims, one row per step and tile of each super-group
@@ -1630,9 +1641,11 @@ def _check_supergroups(meta, rows, keys, own, classes, shared, shared_runtime: b
         raise ValueError(f"sg_rows: super-groups need nki.*, K/V not resident and no "
                          f"returned dropout mask; got api={port.api()!r}, resident={fits}, "
                          f"dropout_mask={dropout_mask}")
-    if keys is not None and softcap is not None:
-        raise ValueError(f"sg_keys: masked super-groups take no soft-cap (the mask adds "
-                         f"before the tanh); got softcap={softcap!r}, allowed: None (or "
+    if keys is not None and (mods.transforms or dropout):
+        raise ValueError(f"sg_keys: masked super-groups take no soft-cap, ALiBi or dropout "
+                         f"(the mask adds before the tanh; ALiBi's bias or a dropped unit can "
+                         f"hide a guarded key's NaN); got softcap={mods.softcap!r}, "
+                         f"alibi={mods.alibi}, dropout={dropout}, allowed: none of them (or "
                          f"sparse super-groups, sg_own)")
     if window_blocks or any(shared) or shared_runtime:
         raise ValueError("sg_rows: super-groups take no window and share no slots (allowed: "

@@ -1846,6 +1846,14 @@ def finalize(f: Instance, st: GroupState, s, in_range=None, dst=None, n: int = 1
     def cols(dtype=nl.float32):
         return nl.ndarray((r, n), dtype=dtype, buffer=nl.sbuf)
 
+    if in_range is not None:
+        # padding rows' accumulators zeroed by selection first (VectorE): a padding row's
+        # scores meet every key of its tiles, so a non-finite key it cannot see would leave
+        # a NaN there that the multiplies by 0 below keep
+        live = cols(nl.uint8)
+        port.tensor_scalar(live, in_range, nl.greater, 0.5, engine="gpsimd")
+        port.keep_where(acc, port.repeat_last(live, acc.shape[2]), 0.0)
+
     # the SBUF-only element-wise steps on GpSimd (VectorE and ScalarE are the busy engines)
     l_safe = cols()
     port.tensor_scalar(l_safe, l_i, nl.maximum, T.FWD_L_FLOOR, engine="gpsimd")

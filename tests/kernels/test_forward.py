@@ -378,8 +378,9 @@ def test_one_program_for_every_set_of_lengths(causal, window, Hq, Hkv):
 def test_rotation_keeps_causal_tile_skipping():
     """causal=True with lengths costs what causal without lengths costs (the same tiles are
     skipped): TensorE differs by the lengths' two setup matmuls, the modeled time by the
-    lengths' fixed per-program setup (< 1 us), and both are well under the non-causal work
-    (before the rotation: all of it, and more)."""
+    lengths' fixed per-program setup (< 1 us) and the finalize's select of each query tile's
+    rows past q_len (VectorE, ``forward.finalize``; 5.1 us for the 16 tiles here), and both
+    are well under the non-causal work (before the rotation: all of it, and more)."""
     N, D = 2048, 128
     q, k, v = _inputs(np.random.default_rng(43), 1, 1, 1, N, N, D, "bfloat16")
     plain = _measured(q, k, v, causal=True)
@@ -388,7 +389,9 @@ def test_rotation_keeps_causal_tile_skipping():
     extra = lens.engine_cycles["tensor"] - plain.engine_cycles["tensor"]
     assert 0 < extra <= 4 * 128
     assert lens.engine_cycles["tensor"] < 0.65 * full.engine_cycles["tensor"]
-    assert plain.modeled_seconds[0] <= lens.modeled_seconds[0] <= plain.modeled_seconds[0] + 1e-6
+    tiles = N // 128
+    assert (plain.modeled_seconds[0] <= lens.modeled_seconds[0]
+            <= plain.modeled_seconds[0] + 1e-6 + tiles * 0.35e-6)
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,6 +47,26 @@ def test_a_non_finite_hidden_key_does_not_reach_the_rows_that_cannot_see_it(kw, 
     assert np.isfinite(got[:, :, hidden]).all()
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("block_mask", [None, np.ones((1, 1, 3, 3), bool)],
+                         ids=["dense", "block-sparse"])
+@pytest.mark.parametrize("api", ["legacy", "nki"])
+def test_rows_past_q_len_give_zeros_whatever_the_keys_hold(block_mask, bad, api, monkeypatch):
+    """Rows past q_len see no key: zeros and lse -inf even when a key within kv_len is
+    non-finite (their scores meet it; the finalize selects them away rather than multiplying
+    by 0, which kept the NaN); the other rows as with a finite key, but the row that sees it."""
+    monkeypatch.setenv(API_ENV_VAR, api)
+    q, k, v = _qkv(300, 300)
+    kw = dict(q_lens=np.array([200], np.int32), kv_lens=np.array([280], np.int32),
+              mixed_precision=False, return_lse=True, block_mask=block_mask)
+    clean, _ = host.flash_attention(q, k, v, **kw)
+    k[0, 0, 250] = bad
+    got, lse = host.flash_attention(q, k, v, **kw)
+    assert not np.isfinite(got[:, :, :200]).all(axis=-1).any()     # every real row sees key 250
+    assert (got[:, :, 200:] == 0).all() and np.isneginf(lse[:, :, 200:]).all()
+    np.testing.assert_array_equal(got[:, :, 200:], clean[:, :, 200:])
+
+
 BANDS = [
     (dict(causal="top_left"), slice(0, 250), slice(250, 300)),
     (dict(window=(20, 20)), slice(0, 229), slice(230, 271)),
