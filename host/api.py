@@ -266,6 +266,11 @@ class KernelScoreMods(NamedTuple):
     def any(self) -> bool:
         return bool(self.kwargs) or any(x is not None for x in self.tensors.values())
 
+    @property
+    def transforms(self) -> bool:
+        """The score tiles change: soft-capping or ALiBi (the kernels' ``Mods.transforms``)."""
+        return "softcap" in self.kwargs or self.tensors.get("alibi_slopes") is not None
+
 
 class AttentionCall(NamedTuple):
     """One validated flash-attention call, forward or backward (:func:`_attention_call`):
@@ -756,9 +761,8 @@ def _supergroups(call: AttentionCall, grouped, win, dense: Fraction):
                                            masked=True)
     # (a masked one adds its mask before a soft-cap's tanh, and ALiBi's bias or a dropped
     # unit can hide a guarded key's NaN from a row that sees it: sparse ones then)
-    unmaskable = (call.mods.kwargs.get("softcap") is not None or call.dropout.p
-                  or call.mods.tensors.get("alibi_slopes") is not None)
-    sg = None if unmaskable else _bs.masked_supergroup_tables(index, most, dims.Nk)
+    sg = (None if call.mods.transforms or call.dropout.p
+          else _bs.masked_supergroup_tables(index, most, dims.Nk))
     if (sg is not None and sg.block_loads < other
             and sg.pairs <= _tiles.BSP_SG_SPARSE_PAIR_COST * int(num.sum())):
         return sg

@@ -765,28 +765,34 @@ def _attend_tiles(f, geo: Geometry, meta, h, q_frame: RowFrame, pos0, n_tiles: i
         sweep(shared, trip, False, W, peel and not shared)
     else:
         _runtime_sweep(one_step, plan, shared, W, n_full, tail, False)
-    # the outputs: without q_lens one finalize of the group's tiles (each step over the rows'
-    # statistics one instruction for all of them), else tile by tile, each with its rows in
-    # range (never in natural order: _direct_rows)
+    # the outputs (q_lens: never in natural order, _direct_rows)
     n = n_tiles
-    if f.spec.q_lens:
-        outs = []
-        for t, (_, _, _, _, _, q_pos, _) in enumerate(tiles):
-            in_range = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_scalar(in_range, q_pos, nl.less, geo.q_len)
-            outs.append(F.finalize(f, st, t, in_range))
-    else:
-        dst = None if not direct else (held.o[:, 0:n, :] if n > 1 else held.o[:, 0, :],
-                                       held.lse[:, 0:n, 0])
-        o_all, lse_all = F.finalize(f, st, 0, None, dst, n=n,
-                                    act_slots=int(n * T.BSP_FINALIZE_ACT_SHARE))
-        outs = [(o_all[:, t, :] if n > 1 else o_all, lse_all[:, t:t + 1])
-                for t in T.unrolled(n)]
+    dst = None if not direct else (held.o[:, 0:n, :] if n > 1 else held.o[:, 0, :],
+                                   held.lse[:, 0:n, 0])
+    outs = _finalize_tiles(f, geo, st, n, [tile[5] for tile in tiles], dst)
     if direct:
         return
     for (rw, _, _, _, q_idx, _, _), (o_out, lse_out) in zip(tiles, outs):
         out_idx = q_idx if not geo.has_lens else own_rows(geo, rw.first, f.Nq, q_frame)[0]
         store_tile(f, out_idx, head, o_out, lse_out)
+
+
+def _finalize_tiles(f, geo: Geometry, st, n: int, q_pos, dst=None):
+    """``[(o, lse)]`` of a group's ``n`` query tiles (``st``'s slots 0 .. n - 1): without
+    q_lens one :func:`forward.finalize` of them all (each step over the rows' statistics one
+    instruction for all of them; ``dst`` its), else tile by tile, each with its rows in range
+    (``q_pos``: each tile's fp32 row positions, ``[128, 1]``)."""
+    if not f.spec.q_lens:
+        o_all, lse_all = F.finalize(f, st, 0, None, dst, n=n,
+                                    act_slots=int(n * T.BSP_FINALIZE_ACT_SHARE))
+        return [(o_all[:, t, :] if n > 1 else o_all, lse_all[:, t:t + 1])
+                for t in T.unrolled(n)]
+    outs = []
+    for t in T.unrolled(n):
+        in_range = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        port.tensor_scalar(in_range, q_pos[t], nl.less, geo.q_len)
+        outs.append(F.finalize(f, st, t, in_range))
+    return outs
 
 
 def _transpose_q(f, st, t, x):
@@ -1073,6 +1079,10 @@ def _step(f, geo: Geometry, st, slot, rw: Row, kv: F.KV, cols, seeds, h, q_frame
     copy = "scalar" if n <= T.BSP_FIRST_COPY_ACT_MAX_BLOCKS else "vector"
     return lambda: F.fold_back(f, st, slot, front, widths, kv, 0, None,
                                first=copy if first else None)
+
+
+#: The slot columns of a step whose scores nothing masks (:func:`_scores`' ``cols``).
+_NO_MASKS = dict(thr=None, hi=None, lo=None, pad=None, pad_mm=None)
 
 
 def _scores(f, geo: Geometry, st, slot, kv, cols, h, s0, c0: int, n: int, dist):
@@ -1628,9 +1638,9 @@ def _check_supergroups(meta, rows, keys, own, classes, shared, shared_runtime: b
     the mask adds MASK_NEG before the tanh, which would map it to -cap; ``alibi`` and
     ``dropout``: its bias, or a dropped unit, can make a row's P 0 at a key whose non-finite
     K the mask's guard turned into a flag, and the row would lose the NaN the reference gives
-    it), one class of the union table's
-    rows and ``trip`` slots, nothing shared, no window, ``U`` a multiple of the step and
-    ``sg_rows`` ``meta``'s leading dims and one row per super-group; ``sg_keys`` (masked super-groups; None: none) their leading dims, ``U`` rows
+    it), one class of the union table's rows and ``trip`` slots, nothing shared, no window,
+    ``U`` a multiple of the step and ``sg_rows`` ``meta``'s leading dims and one row per
+    super-group; ``sg_keys`` (masked super-groups; None: none) their leading dims, ``U`` rows
     per super-group and a column per tile (given without ``sg_rows``: refused by the
     caller), with whole key blocks; ``sg_own`` (sparse super-groups; None: none) not with
     ``sg_keys``, its leading dims, one row per step and tile of each super-group
@@ -1750,7 +1760,6 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
             q_pos.append(pos)
     whole = f.Nk % P == 0
     stepwise = f.spec.has_diag or f.mods.alibi or bool(f.dropout_p) or geo.has_lens
-    none = dict(thr=None, hi=None, lo=None, pad=None, pad_mm=None)
     sel = None
     if sg.keys is not None or sg.own is not None:
         cols_full = cols_pad = None
@@ -1758,10 +1767,10 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
     elif stepwise:
         cols_full = cols_pad = None
     elif whole:
-        cols_full = none
-        cols_pad = dict(none, pad=_padding_columns(rw.block_first, f.Nk))
+        cols_full = _NO_MASKS
+        cols_pad = dict(_NO_MASKS, pad=_padding_columns(rw.block_first, f.Nk))
     else:
-        cols_full = cols_pad = dict(none, thr=_key_thresholds(geo, rw.block_first))
+        cols_full = cols_pad = dict(_NO_MASKS, thr=_key_thresholds(geo, rw.block_first))
     depth = T.bsp_pipeline_depth(Ws)
 
     def step(s, padded: bool):
@@ -1798,7 +1807,7 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
             tile_cols, s0 = cols, 0
             if stepwise:
                 hi, lo, dist, seeds = _slot_columns(f, geo, head, bf, firsts[:, t:t + 1])
-                tile_cols = dict(none, thr=thr, hi=hi, lo=lo, pad=pad)
+                tile_cols = dict(_NO_MASKS, thr=thr, hi=hi, lo=lo, pad=pad)
             elif neg is None:
                 s0 = s * Ws
             if neg is not None:
@@ -1809,7 +1818,7 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
                 rows_t = nl.ndarray((Ws, P), dtype=_mask_mm(f), buffer=nl.sbuf)
                 port.tensor_copy(rows_t.reshape_dim(1, (1, P)),
                                  port.repeat_last(neg[:, t:t + 1], P), engine="gpsimd")
-                tile_cols = dict(none if tile_cols is None else tile_cols,
+                tile_cols = dict(_NO_MASKS if tile_cols is None else tile_cols,
                                  pad_mm=(rows_t, sel))
             backs.append(_step(f, geo, st, t, rw, kv, tile_cols, seeds, h, q_frame, s0, Ws,
                                dist))
@@ -1834,19 +1843,7 @@ def _supergroup(f, geo: Geometry, sg: _SuperGroups, h, q_frame: RowFrame, c):
                            operand1=1.0 / Ws)
         port.loop_between(0, port.register(lo), lambda s: step(s, False))
         port.loop_between(port.register(lo), port.register(hi), lambda s: step(s, True))
-    if f.spec.q_lens:
-        # tile by tile, each with its rows in range (as _attend_tiles)
-        outs = []
-        for t in T.unrolled(n):
-            in_range = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-            port.tensor_scalar(in_range, q_pos[t], nl.less, geo.q_len)
-            outs.append(F.finalize(f, st, t, in_range))
-    else:
-        o_all, lse_all = F.finalize(f, st, 0, None, None, n=n,
-                                    act_slots=int(n * T.BSP_FINALIZE_ACT_SHARE))
-        outs = [(o_all[:, t, :] if n > 1 else o_all, lse_all[:, t:t + 1])
-                for t in T.unrolled(n)]
-    for t, (o_out, lse_out) in enumerate(outs):
+    for t, (o_out, lse_out) in enumerate(_finalize_tiles(f, geo, st, n, q_pos)):
         store_tile(f, q_idx[t], head, o_out, lse_out)
 
 
@@ -1867,13 +1864,12 @@ def _own_blocks(f, geo: Geometry, st, sg: _SuperGroups, kv, hb, hh, c, s, h,
     its slot columns from them (:func:`_key_thresholds`, :func:`_slot_columns`)."""
     n = sg.tiles
     head = f.head(h)
-    none = dict(thr=None, hi=None, lo=None, pad=None, pad_mm=None)
     sections, cols = T.bsp_sg_own_layout(sg.step)
     row0 = (c * sg.steps + s) * n
 
     def substep(t, own_kv: "_OwnKV", w: int):
         seeds = dist = None
-        slot_cols = none
+        slot_cols = _NO_MASKS
         if stepwise is not None:
             bf, firsts = stepwise
             sub = nl.ndarray((P, w), dtype=nl.float32, buffer=nl.sbuf)
@@ -1881,8 +1877,8 @@ def _own_blocks(f, geo: Geometry, st, sg: _SuperGroups, kv, hb, hh, c, s, h,
                 port.tensor_copy(sub[:, i:i + 1], port.select_block(bf, own_kv._index(i), 1),
                                  engine="gpsimd")
             hi, lo, dist, seeds = _slot_columns(f, geo, head, sub, firsts[:, t:t + 1])
-            slot_cols = dict(none, thr=_key_thresholds(geo, sub) if geo.has_lens else None,
-                             hi=hi, lo=lo)
+            thr = _key_thresholds(geo, sub) if geo.has_lens else None
+            slot_cols = dict(_NO_MASKS, thr=thr, hi=hi, lo=lo)
         _step(f, geo, st, t, None, own_kv, slot_cols, seeds, h, q_frame, 0, w, dist)()
 
     for p0 in T.unrolled(0, n, P):
